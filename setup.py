@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="toolkit",
+    version="0.1.0",
+    description="A fairseq-style language-model training toolkit on PyTorch FSDP2",
+    packages=find_packages(include=["toolkit", "toolkit.*", "toolkit_cli", "toolkit_cli.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "sentencepiece",
+        "tokenizers",
+        "tensorboard",
+        "tqdm",
+    ],
+    extras_require={
+        # DeepSpeed's sdist imports torch in setup.py: install it with --no-build-isolation
+        # after torch, as scripts/setup_env.sh does.
+        "deepspeed": ["deepspeed"],
+        "test": ["pytest"],
+    },
+    entry_points={
+        "console_scripts": [
+            "toolkit-preprocess = toolkit_cli.preprocess:cli_main",
+            "toolkit-train = toolkit_cli.train:cli_main",
+            "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
+            "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
+        ],
+    },
+)

@@ -1,0 +1,103 @@
+"""The trainer's own options, grouped as fairseq groups them, with fairseq's flag names.
+
+Components (tasks, models, optimizers, ...) declare theirs beside their code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def opt(default, help: str, **metadata):
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class CommonConfig:
+    seed: int = opt(1, "random seed")
+    cpu: bool = opt(False, "use CPU instead of CUDA")
+    log_interval: int = opt(100, "log progress every N updates")
+    log_format: Optional[str] = opt(None, "log format (default: tqdm on a terminal, else simple)",
+                                    choices=["json", "simple", "tqdm", "none"])
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+    no_progress_bar: bool = opt(False, "disable the progress bar")
+    tensorboard_logdir: Optional[str] = opt(None, "write TensorBoard scalars under this folder")
+    fp16: bool = opt(False, "use fp16 compute with fp32 master weights and dynamic loss scaling")
+    bf16: bool = opt(False, "use bf16 compute (no loss scaling)")
+    memory_efficient_fp16: bool = opt(False, "fp16 without an fp32 copy of the weights on the device")
+    fp16_no_flatten_grads: bool = opt(False, "accepted for fairseq compatibility")
+    fp16_init_scale: int = opt(128, "initial fp16 loss scale")
+    fp16_scale_window: Optional[int] = opt(None, "updates without overflow before the loss scale doubles "
+                                                 "(default: 2**14 / (world size * update freq))")
+    fp16_scale_tolerance: float = opt(0.0, "share of overflowing updates tolerated before lowering the scale")
+    threshold_loss_scale: Optional[float] = opt(None, "never raise the loss scale above this")
+    min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
+
+
+@dataclass
+class DatasetConfig:
+    num_workers: int = opt(1, "data loader worker processes")
+    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch")
+    batch_size: Optional[int] = opt(None, "number of samples in a batch", aliases=("--max-sentences",))
+    required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this")
+    train_subset: str = opt("train", "data subset to train on")
+    valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
+    validate_interval: int = opt(1, "validate every N epochs")
+    validate_interval_updates: int = opt(0, "validate every N updates")
+    disable_validation: bool = opt(False, "do not validate")
+    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
+    batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
+
+
+@dataclass
+class OptimizationConfig:
+    max_epoch: int = opt(0, "stop after this many epochs (0: no limit)")
+    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+    stop_time_hours: float = opt(0.0, "stop after this many hours of training (0: no limit)")
+    clip_norm: float = opt(0.0, "clip gradients to this global norm (0: no clipping)")
+    update_freq: int = opt(1, "accumulate gradients over N batches before each update")
+    lr: float = opt(0.25, "learning rate")
+    stop_min_lr: float = opt(-1.0, "stop when the learning rate falls to or below this")
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = opt("checkpoints", "where to save checkpoints")
+    restore_file: str = opt("checkpoint_last.pt", "checkpoint to resume from (relative to --save-dir)")
+    reset_dataloader: bool = opt(False, "do not restore the data position from the checkpoint")
+    reset_lr_scheduler: bool = opt(False, "do not restore the LR scheduler from the checkpoint")
+    reset_meters: bool = opt(False, "do not restore the meters from the checkpoint")
+    reset_optimizer: bool = opt(False, "do not restore the optimizer from the checkpoint")
+    save_interval: int = opt(1, "save a checkpoint every N epochs")
+    save_interval_updates: int = opt(0, "save a checkpoint every N updates")
+    keep_interval_updates: int = opt(-1, "keep the last N update checkpoints")
+    keep_last_epochs: int = opt(-1, "keep the last N epoch checkpoints")
+    no_save: bool = opt(False, "do not save checkpoints")
+    no_epoch_checkpoints: bool = opt(False, "only keep the last and best checkpoints")
+    no_last_checkpoints: bool = opt(False, "do not write checkpoint_last.pt")
+    no_save_optimizer_state: bool = opt(False, "do not save the optimizer state")
+    best_checkpoint_metric: str = opt("loss", "metric that decides checkpoint_best.pt")
+    maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
+    patience: int = opt(-1, "stop after N validations without improvement (-1: never)")
+    use_sharded_state: bool = opt(False, "each rank saves its own shard (torch.distributed.checkpoint)")
+
+
+@dataclass
+class DistributedConfig:
+    distributed_world_size: int = opt(1, "number of processes; on one machine toolkit-train spawns them")
+    distributed_backend: Optional[str] = opt(None, "process group backend (default: nccl on GPU, gloo on CPU)",
+                                             choices=["nccl", "gloo"])
+    distributed_port: int = opt(-1, "port for the spawned processes' rendezvous (-1: pick a free one)")
+    ddp_backend: str = opt("c10d", "data parallel backend", choices=["c10d", "fully_sharded", "no_c10d"])
+    sharding_strategy: str = opt("full_shard", "how fully_sharded shards state",
+                                 choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
+                                          "hybrid_shard_zero2"])
+    no_reshard_after_forward: bool = opt(False, "keep parameters gathered after forward (ZeRO-2 like)")
+    shard_group_size: int = opt(0, "ranks that shard within a group for hybrid sharding (0: all local ranks)")
+    cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory")
+    checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
+    offload_activations: bool = opt(False, "move saved activations to host memory until backward")
+    heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
+
+
+TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig)

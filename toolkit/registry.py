@@ -1,0 +1,155 @@
+"""Registries of named components (tasks, models, architectures, criterions, ...).
+
+Each component registers its class together with the dataclass that declares its
+options; the command line is generated from those dataclasses (see
+``toolkit.options``), so an option is declared exactly once.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Type
+
+
+class UnknownComponentError(ValueError):
+    """A name given on the command line is not registered."""
+
+
+@dataclass
+class RegistryEntry:
+    name: str
+    cls: Any
+    config: Optional[type]  # the options dataclass, or None when it takes none
+
+
+class Registry:
+    """A name -> (class, options dataclass) table for one kind of component."""
+
+    def __init__(self, kind: str, flag: str, default: Optional[str] = None):
+        self.kind = kind
+        self.flag = flag
+        self.default = default
+        self.entries: Dict[str, RegistryEntry] = {}
+
+    def register(self, name: str, dataclass: Optional[type] = None) -> Callable:
+        def decorator(cls):
+            if name in self.entries:
+                raise ValueError(f"cannot register duplicate {self.kind} ({name})")
+            self.entries[name] = RegistryEntry(name, cls, dataclass)
+            return cls
+
+        return decorator
+
+    def names(self) -> List[str]:
+        return sorted(self.entries)
+
+    def get(self, name: str) -> RegistryEntry:
+        if name not in self.entries:
+            raise UnknownComponentError(unknown_name_message(self.flag, name, self.names()))
+        return self.entries[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+
+def unknown_name_message(flag: str, name: str, choices: List[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"{flag}: unknown name '{name}'.{hint} Registered: {', '.join(choices)}"
+
+
+TASK_REGISTRY = Registry("task", "--task", default="language_modeling")
+MODEL_REGISTRY = Registry("model", "--arch")
+CRITERION_REGISTRY = Registry("criterion", "--criterion", default="cross_entropy")
+OPTIMIZER_REGISTRY = Registry("optimizer", "--optimizer", default="adam")
+LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", "--lr-scheduler", default="fixed")
+TOKENIZER_REGISTRY = Registry("bpe", "--bpe", default=None)
+
+register_task = TASK_REGISTRY.register
+register_model = MODEL_REGISTRY.register
+register_criterion = CRITERION_REGISTRY.register
+register_optimizer = OPTIMIZER_REGISTRY.register
+register_lr_scheduler = LR_SCHEDULER_REGISTRY.register
+register_bpe = TOKENIZER_REGISTRY.register
+
+# Named architectures: arch name -> model name, and arch name -> function that
+# sets the architecture's values on a model config (user flags override them).
+ARCH_MODEL_NAME: Dict[str, str] = {}
+ARCH_CONFIG_FN: Dict[str, Callable[[Any], None]] = {}
+
+
+def register_model_architecture(model_name: str, arch_name: str) -> Callable:
+    def decorator(fn: Callable[[Any], None]):
+        if arch_name in ARCH_MODEL_NAME:
+            raise ValueError(f"cannot register duplicate architecture ({arch_name})")
+        ARCH_MODEL_NAME[arch_name] = model_name
+        ARCH_CONFIG_FN[arch_name] = fn
+        return fn
+
+    return decorator
+
+
+def architecture_names() -> List[str]:
+    return sorted(ARCH_MODEL_NAME)
+
+
+def resolve_arch(arch: str) -> RegistryEntry:
+    """The model entry that serves a named architecture (or a bare model name)."""
+    if arch in ARCH_MODEL_NAME:
+        return MODEL_REGISTRY.get(ARCH_MODEL_NAME[arch])
+    if arch in MODEL_REGISTRY:
+        return MODEL_REGISTRY.get(arch)
+    raise UnknownComponentError(unknown_name_message("--arch", arch, architecture_names()))
+
+
+def import_submodules(package_name: str) -> None:
+    """Import every module of a package so that its decorators run."""
+    package = importlib.import_module(package_name)
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package_name}.{info.name}")
+
+
+_COMPONENT_PACKAGES = (
+    "toolkit.tasks",
+    "toolkit.models",
+    "toolkit.criterions",
+    "toolkit.optim",
+    "toolkit.optim.lr_scheduler",
+    "toolkit.tokenizers",
+)
+_imported = False
+
+
+def import_all_components() -> None:
+    """Populate every registry (idempotent)."""
+    global _imported
+    if _imported:
+        return
+    for package in _COMPONENT_PACKAGES:
+        import_submodules(package)
+    _imported = True
+
+
+def import_user_module(user_dir: str) -> None:
+    """``--user-dir``: import a folder of plugins as a package so they can register."""
+    import os
+    import sys
+
+    path = os.path.abspath(user_dir)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--user-dir: no such folder: {user_dir}")
+    parent, name = os.path.split(path)
+    if name in sys.modules:
+        return
+    sys.path.insert(0, parent)
+    try:
+        module = importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+    if hasattr(module, "__path__"):
+        for info in pkgutil.iter_modules(module.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{name}.{info.name}")
