@@ -1,0 +1,155 @@
+"""fairseq's memory-mapped indexed dataset (``--dataset-impl mmap``): ``.bin`` + ``.idx``.
+
+``.idx`` layout, little-endian, and nothing after it:
+  magic ``b"MMIDIDX\\x00\\x00"`` | version uint64 = 1 | dtype code uint8 |
+  item count uint64 | item sizes int32[count] | byte pointers int64[count]
+``.bin`` is the items' tokens back to back in that dtype. Reading maps both
+files, so a corpus of any size costs no RAM beyond the pages touched.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from typing import Union
+
+import numpy as np
+import torch
+
+from toolkit.errors import UserError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+    6: np.float64, 7: np.double, 8: np.uint16, 9: np.uint32, 10: np.uint64,
+}
+
+
+def dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    for code, candidate in DTYPE_CODES.items():
+        if np.dtype(candidate) == dtype:
+            return code
+    raise ValueError(f"no indexed-dataset code for dtype {dtype}")
+
+
+def best_fitting_dtype(vocab_size: int) -> type:
+    """The smallest integer type that holds every token id."""
+    if vocab_size <= 256:
+        return np.uint8
+    if vocab_size <= 65536:
+        return np.uint16
+    return np.int32
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def write_index(path: str, dtype, sizes: np.ndarray) -> None:
+    dtype = np.dtype(dtype)
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<Q", len(sizes)))
+        f.write(sizes.tobytes(order="C"))
+        f.write(pointers.tobytes(order="C"))
+
+
+class MMapIndexedDataset(torch.utils.data.Dataset):
+    """Random access to items (sentences/lines) of a binarized split."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        idx_path = index_file_path(prefix)
+        with open(idx_path, "rb") as f:
+            magic = f.read(len(MAGIC))
+            if magic != MAGIC:
+                raise UserError(f"{idx_path}: not a memory-mapped indexed dataset (bad magic); "
+                                f"re-run toolkit-preprocess with --dataset-impl mmap")
+            (version,) = struct.unpack("<Q", f.read(8))
+            if version != VERSION:
+                raise UserError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
+            (code,) = struct.unpack("<B", f.read(1))
+            if code not in DTYPE_CODES:
+                raise UserError(f"{idx_path}: unknown dtype code {code}")
+            self.dtype = np.dtype(DTYPE_CODES[code])
+            (count,) = struct.unpack("<Q", f.read(8))
+            offset = f.tell()
+        self._index = np.memmap(idx_path, mode="r", order="C")
+        self.sizes = np.frombuffer(self._index, dtype=np.int32, count=count, offset=offset)
+        self.pointers = np.frombuffer(self._index, dtype=np.int64, count=count,
+                                      offset=offset + self.sizes.nbytes)
+        bin_path = data_file_path(prefix)
+        if not os.path.isfile(bin_path):
+            raise UserError(f"{bin_path}: missing data file beside {idx_path}")
+        if os.path.getsize(bin_path) == 0:
+            self._data = np.zeros(0, dtype=self.dtype)
+        else:
+            self._data = np.memmap(bin_path, mode="r", dtype=self.dtype, order="C")
+        expected = int(self.sizes.astype(np.int64).sum())
+        if expected != len(self._data):
+            raise UserError(f"{bin_path}: holds {len(self._data)} tokens but its index lists {expected}; "
+                            f"the data-bin is incomplete, re-run toolkit-preprocess")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = self.pointers[i] // self.dtype.itemsize
+        item = self._data[start: start + self.sizes[i]]
+        return torch.from_numpy(item.astype(np.int64))
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the split as one flat read-only array (items are stored back to back)."""
+        return self._data
+
+    def num_tokens(self, i: int) -> int:
+        return int(self.sizes[i])
+
+    @staticmethod
+    def exists(prefix: str) -> bool:
+        return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
+
+
+class MMapIndexedDatasetBuilder:
+    """Streams items to ``.bin``; ``finalize`` writes the ``.idx``. Memory holds only the sizes."""
+
+    def __init__(self, bin_path: str, dtype=np.int64):
+        self.dtype = np.dtype(dtype)
+        self._file = open(bin_path, "wb")
+        self._sizes: list = []
+
+    def add_item(self, tensor: Union[torch.Tensor, np.ndarray, list]) -> None:
+        array = tensor.numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+        self._file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes.append(array.size)
+
+    def add_items(self, flat_tokens: np.ndarray, sizes: np.ndarray) -> None:
+        """Append many items at once: their tokens back to back and each item's length."""
+        self._file.write(np.asarray(flat_tokens).astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes.extend(np.asarray(sizes).tolist())
+
+    def merge_file_(self, other_prefix: str) -> None:
+        """Append another builder's finished output (same dtype), copying the bytes in chunks."""
+        other = MMapIndexedDataset(other_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"cannot merge {other_prefix}: dtype {other.dtype} != {self.dtype}")
+        self._sizes.extend(other.sizes.tolist())
+        with open(data_file_path(other_prefix), "rb") as f:
+            shutil.copyfileobj(f, self._file, length=16 << 20)
+
+    def finalize(self, index_path: str) -> None:
+        self._file.close()
+        write_index(index_path, self.dtype, np.asarray(self._sizes, dtype=np.int32))
