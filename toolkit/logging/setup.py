@@ -1,0 +1,65 @@
+"""Root logger setup with fairseq's line format.
+
+    2021-03-08 12:31:36 | INFO | toolkit_cli.train | message
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+_MARK = "_toolkit_handler"  # set on the handlers installed here, so a second setup replaces them
+
+
+def make_formatter() -> logging.Formatter:
+    return logging.Formatter(LOG_FORMAT, datefmt=DATE_FORMAT)
+
+
+def setup_logging(log_file: Optional[str] = None, rank: int = 0) -> None:
+    """Log to stdout (and ``log_file``) in fairseq's format.
+
+    Rank 0 logs at INFO (or ``$LOGLEVEL``); other ranks only warnings and errors, and
+    only rank 0 writes ``log_file``. Calling again replaces the handlers installed before.
+    """
+    root = logging.getLogger()
+    remove_handlers()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(make_formatter())
+    setattr(handler, _MARK, True)
+    root.addHandler(handler)
+    if rank == 0:
+        root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+        if log_file:
+            add_file_handler(log_file)
+    else:
+        root.setLevel(logging.WARNING)
+
+
+def add_file_handler(log_file: str) -> logging.Handler:
+    """Append the log (fairseq's format) to ``log_file`` too; once per file."""
+    root = logging.getLogger()
+    path = os.path.abspath(log_file)
+    for h in root.handlers:
+        if getattr(h, _MARK, False) and isinstance(h, logging.FileHandler) and h.baseFilename == path:
+            return h
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(make_formatter())
+    setattr(handler, _MARK, True)
+    root.addHandler(handler)
+    return handler
+
+
+def remove_handlers() -> None:
+    """Remove (and close) the handlers that :func:`setup_logging` installed."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, _MARK, False):
+            root.removeHandler(h)
+            h.close()

@@ -1,0 +1,258 @@
+"""Throughput and model FLOPs utilisation (MFU).
+
+* :func:`peak_flops` - the device's dense peak FLOP/s for a dtype: the datasheet
+  number for known GPUs (:data:`GPU_PEAK_TFLOPS`), a short matmul measurement on
+  CPU (:func:`measure_cpu_peak_flops`, cached per process) or on an unknown GPU.
+* :func:`transformer_lm_flops_per_token` - FLOPs per trained token of a decoder LM.
+* :func:`mfu` - achieved / peak.
+* :class:`ThroughputTracker` - tokens/s per device and MFU over a log interval; its
+  :meth:`~ThroughputTracker.log` logs the ``tps`` and ``mfu`` metrics.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense (no sparsity) datasheet peaks in TFLOP/s: (regex on torch.cuda.get_device_name(), {dtype: TFLOP/s}).
+# "fp32" is plain FP32 (no TF32); "tf32" is the tensor-core TF32 rate. First match wins.
+GPU_PEAK_TFLOPS = [
+    (r"GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"H100.*NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
+    (r"H100.*PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100|H800", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM
+    (r"B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}),
+    (r"A100|A800", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"V100.*PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    (r"V100", {"fp16": 125.0, "fp32": 15.7}),  # SXM2
+    (r"L40S", {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+    (r"MI300X", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+    (r"MI250X?", {"bf16": 383.0, "fp16": 383.0, "fp32": 47.9}),
+]
+
+_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+DtypeLike = Union[torch.dtype, str]
+
+
+def _dtype_key(dtype: DtypeLike) -> str:
+    if isinstance(dtype, str):
+        return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
+            dtype, dtype)
+    if dtype not in _DTYPE_KEY:
+        raise ValueError(f"no peak FLOP/s for dtype {dtype}")
+    return _DTYPE_KEY[dtype]
+
+
+def gpu_datasheet_peak_flops(device_name: str, dtype: DtypeLike = torch.bfloat16,
+                             allow_tf32: bool = False) -> Optional[float]:
+    """Datasheet dense peak FLOP/s of the GPU called ``device_name`` for ``dtype``; None if unknown.
+
+    For float32 the TF32 rate is used when ``allow_tf32`` (matmuls run on tensor cores).
+    """
+    key = _dtype_key(dtype)
+    if key == "fp32" and allow_tf32:
+        key = "tf32"
+    for pattern, table in GPU_PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            tflops = table.get(key)
+            if tflops is None and key == "tf32":
+                tflops = table.get("fp32")
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
+                         duration: float = 0.3, n: Optional[int] = None, max_n: Optional[int] = None) -> float:
+    """Best sustained FLOP/s of square matmuls on ``device`` over about ``duration`` seconds.
+
+    The matrix size starts at ``n`` (1024 on CPU, 4096 on GPU: small matmuls do not
+    reach the peak) and doubles, up to ``max_n``, while one matmul takes under 10 ms;
+    then matmuls run in chunks of about 50 ms until ``duration`` is spent and the best
+    chunk's rate is returned.
+    """
+    device = torch.device(device)
+    if n is None:
+        n = 1024 if device.type == "cpu" else 4096
+    if max_n is None:
+        max_n = max(n, 2048 if device.type == "cpu" else 16384)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    while True:
+        a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        torch.mm(a, b)  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        one = time.perf_counter() - t0
+        if one >= 0.01 or n * 2 > max_n:
+            break
+        n *= 2
+    flops_per_mm = 2.0 * n ** 3
+    per_chunk = max(1, int(0.05 / max(one, 1e-6)))
+    best = flops_per_mm / one if one > 0 else 0.0
+    deadline = time.perf_counter() + duration
+    while time.perf_counter() < deadline:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(per_chunk):
+            torch.mm(a, b)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt > 0:
+            best = max(best, per_chunk * flops_per_mm / dt)
+    return best
+
+
+_cpu_peak_cache: Dict[Tuple[torch.dtype, int], float] = {}
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional[int] = None,
+                           duration: float = 0.3) -> float:
+    """Peak FLOP/s of this CPU for ``dtype`` with ``threads`` threads (default: torch's), measured.
+
+    Runs square matmuls for about ``duration`` seconds the first time and caches the
+    result per (dtype, threads) for the rest of the process; logs it in GFLOP/s.
+    """
+    if threads is None:
+        threads = torch.get_num_threads()
+    key = (dtype, int(threads))
+    if key not in _cpu_peak_cache:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(int(threads))
+        try:
+            flops = measure_matmul_flops("cpu", dtype, duration=duration)
+        finally:
+            torch.set_num_threads(previous)
+        _cpu_peak_cache[key] = flops
+        logger.info("measured CPU peak: {:.1f} GFLOP/s ({}, {} threads)".format(
+            flops / 1e9, str(dtype).replace("torch.", ""), threads))
+    return _cpu_peak_cache[key]
+
+
+def peak_flops(device: Union[str, torch.device, None] = None, dtype: torch.dtype = torch.bfloat16,
+               allow_tf32: Optional[bool] = None) -> float:
+    """Dense peak FLOP/s of one ``device`` for ``dtype``, for MFU.
+
+    CUDA: the datasheet number by ``torch.cuda.get_device_name``; an unknown GPU is
+    measured (and a warning logged). CPU: :func:`measure_cpu_peak_flops`.
+    """
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type == "cuda":
+        if allow_tf32 is None:
+            allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_datasheet_peak_flops(name, dtype, allow_tf32=allow_tf32)
+        if peak is None:
+            peak = measure_matmul_flops(device, dtype)
+            logger.warning(f"no datasheet peak for {name!r}; measured {peak / 1e12:.1f} TFLOP/s ({dtype}) for MFU")
+        return peak
+    return measure_cpu_peak_flops(dtype)
+
+
+def cuda_gb_free(device: Union[str, torch.device, None] = None) -> float:
+    """GiB of the GPU not used at the peak since the last call (fairseq's ``gb_free``); resets the peak."""
+    total = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
+    used = torch.cuda.max_memory_allocated(device) / 1024 ** 3
+    torch.cuda.reset_peak_memory_stats(device)
+    return total - used
+
+
+def transformer_lm_flops_per_token(num_params: int, num_layers: int, embed_dim: int, seq_len: int,
+                                   training: bool = True) -> float:
+    """FLOPs per token of a decoder-only transformer (PaLM, appendix B): 6N + 12·L·d·T to train.
+
+    ``num_params`` counts the weights used in matmuls (the output projection included,
+    embedding lookups such as positional embeddings not); ``seq_len`` is the attention
+    context. Forward only (``training=False``): 2N + 4·L·d·T.
+    """
+    forward = 2.0 * num_params + 4.0 * num_layers * embed_dim * seq_len
+    return 3.0 * forward if training else forward
+
+
+def mfu(achieved_flops_per_sec: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation as a fraction (0..1) of ``peak``; None when the peak is unknown."""
+    if not peak or peak <= 0:
+        return None
+    return float(achieved_flops_per_sec) / float(peak)
+
+
+class ThroughputTracker:
+    """Tokens/s per device and MFU over an interval.
+
+    ``flops_per_token``: model FLOPs per trained token (e.g. from
+    :func:`transformer_lm_flops_per_token`); ``peak_flops``: per device (e.g.
+    :func:`peak_flops`); ``world_size``: devices sharing the tokens passed to
+    :meth:`update` / :meth:`log` (the global token count of an update); ``clock``: seconds.
+    """
+
+    def __init__(self, flops_per_token: float, peak_flops: Optional[float] = None, world_size: int = 1,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.flops_per_token = float(flops_per_token)
+        self.peak_flops = peak_flops
+        self.world_size = max(1, int(world_size))
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = self.clock()
+        self.tokens = 0.0
+        self.updates = 0
+
+    def update(self, ntokens: float) -> None:
+        """Count one update of ``ntokens`` tokens (summed over all devices)."""
+        self.tokens += float(ntokens)
+        self.updates += 1
+
+    @property
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def tokens_per_sec_per_device(self) -> float:
+        elapsed = self.elapsed
+        return self.tokens / self.world_size / elapsed if elapsed > 0 else 0.0
+
+    def mfu(self) -> Optional[float]:
+        """MFU (fraction) over the interval since :meth:`reset`."""
+        return mfu(self.tokens_per_sec_per_device() * self.flops_per_token, self.peak_flops)
+
+    def stats(self, reset: bool = False) -> Dict[str, Optional[float]]:
+        """``{"tps": tokens/s per device, "mfu": percent or None}``; optionally start a new interval."""
+        frac = self.mfu()
+        out = {"tps": round(self.tokens_per_sec_per_device(), 1),
+               "mfu": None if frac is None else round(100.0 * frac, 2)}
+        if reset:
+            self.reset()
+        return out
+
+    def log(self, ntokens: float) -> None:
+        """:meth:`update`, and log ``tps`` (speed meter, round 1) and derived ``mfu`` (percent, round 2).
+
+        Both are computed per aggregator, so a ``train_inner`` line reports the log
+        interval and a ``train`` line the epoch. They come after fairseq's keys.
+        """
+        from . import metrics
+
+        self.update(ntokens)
+        metrics.log_speed("tps", float(ntokens) / self.world_size, priority=metrics.PRIORITY["tps"], round=1)
+        if self.peak_flops:
+            fpt, peak = self.flops_per_token, float(self.peak_flops)
+            metrics.log_derived(
+                "mfu", lambda meters: round(100.0 * meters["tps"].avg * fpt / peak, 2) if "tps" in meters else 0.0,
+                priority=metrics.PRIORITY["mfu"])

@@ -1,0 +1,85 @@
+"""Deterministic, layout-independent parameter initialization.
+
+``init_weights(model, seed)`` fills every parameter with a value that depends only on
+(seed, parameter name): the model's ``initial_value(name, shape, generator)`` builds the
+full tensor on CPU from a generator seeded with a hash of both, and it is copied in.
+For a DTensor parameter (FSDP2 / tensor parallel) only this rank's shard is kept,
+cut locally with ``distribute_tensor(..., src_data_rank=None)`` (no communication).
+
+So a model built on the meta device, sharded, ``to_empty``-ed and then ``init_weights``-ed
+holds exactly the values of a plain build with the same seed, whatever the world size,
+the wrapping order, or the order in which parameters were created.
+
+Cost: one full-size CPU tensor per parameter at a time (peak memory = the largest
+parameter, e.g. the embedding), drawn at CPU RNG speed.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+# Module names that wrappers insert into parameter names (DDP, torch.compile,
+# activation checkpointing, FSDP1); dropped so that names match the plain model's.
+_WRAPPER_COMPONENTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for one parameter (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{int(seed)}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _initializing_module(model: nn.Module) -> nn.Module:
+    """The (possibly wrapped) module that provides ``initial_value``."""
+    for module in model.modules():
+        if hasattr(module, "initial_value"):
+            return module
+    raise TypeError(f"{type(model).__name__} has no initial_value(name, shape, generator) method")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Set every parameter (tied ones once) from ``initial_value`` and recompute buffers."""
+    owner = _initializing_module(model)
+    for name, param in owner.named_parameters():  # tied parameters are listed once
+        if param.is_meta:
+            raise RuntimeError(f"init_weights: parameter {name} is on the meta device; "
+                               "materialize the model first (model.to_empty(device=...))")
+        name = canonical_name(name)
+        generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+        full = owner.initial_value(name, param.shape, generator)
+        if tuple(full.shape) != tuple(param.shape):
+            raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
+                               f"expected {tuple(param.shape)}")
+        _copy_full_value(param, full)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+
+
+def _copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    dtensor_cls = _dtensor_class()
+    if dtensor_cls is not None and isinstance(param, dtensor_cls):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = full.to(device=param.device, dtype=param.dtype)
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def _dtensor_class() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor

@@ -1,0 +1,380 @@
+"""A decoder-only Transformer language model, fairseq's ``transformer_lm``.
+
+Read top to bottom: options, the attention and block modules, the model, its
+initialization rule, then the named architectures (GPT-1/2/3 sizes from fairseq).
+
+Shape notation: B batch, T time (tokens), C = decoder_embed_dim, H heads,
+D = C // H head size, V vocabulary.
+
+Choices worth knowing
+- Pre-norm (``decoder_normalize_before``) is the default: fairseq's
+  ``base_lm_architecture`` forces it on for every ``transformer_lm`` arch
+  ("training is not stable without this"); ``--no-decoder-normalize-before``
+  gives the post-norm block.
+- Inputs are right-padded (fairseq's LM batches). Attention is causal, so the
+  padding at the end of a row cannot change any earlier position and no padding
+  mask is needed; the outputs at padded positions are ignored by the loss.
+- Positions. fairseq numbers non-pad tokens ``padding_idx + 1, padding_idx + 2, ...``
+  and gives pad tokens the (zero) row ``padding_idx``. We number every position
+  ``padding_idx + 1 + t``, which is the same for every real token of a
+  right-padded row, and lets us slice the table instead of gathering from it.
+  The learned table keeps fairseq's size (``max_target_positions + padding_idx + 1``
+  rows) so parameter counts and checkpoints line up with fairseq's.
+- Parameters are not randomized by module constructors in any order-dependent
+  way: every value comes from ``initial_value(name, ...)`` with a generator
+  seeded by (seed, name) (see ``toolkit.models.init``), so a model built on the
+  meta device, sharded, and materialized gets exactly the values of a plain build.
+- No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
+  FSDP2 / activation checkpointing can be applied per block from outside.
+"""
+from __future__ import annotations
+
+import math
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.models.init import init_weights
+from toolkit.registry import register_model, register_model_architecture
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
+    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's name for the tanh approximation
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's deprecated alias of gelu_accurate
+    "tanh": torch.tanh,
+    "swish": F.silu,
+    "linear": lambda x: x,
+}
+
+
+@dataclass
+class TransformerLMConfig:
+    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
+    decoder_normalize_before: bool = field(
+        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm)"})
+    no_decoder_final_norm: bool = field(
+        default=False, metadata={"help": "don't add an extra layernorm after the last decoder block"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "share decoder input and output embeddings"})
+    no_token_positional_embeddings: bool = field(
+        default=False, metadata={"help": "if set, disables positional embeddings (outside self attention)"})
+    decoder_learned_pos: bool = field(
+        default=False, metadata={"help": "use learned positional embeddings in the decoder"})
+    no_scale_embedding: bool = field(default=False, metadata={"help": "if True, dont scale embeddings"})
+    activation_fn: str = field(default="relu", metadata={"help": "activation function to use",
+                                                         "choices": list(ACTIVATIONS)})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability for attention weights"})
+    activation_dropout: float = field(
+        default=0.0, metadata={"help": "dropout probability after activation in FFN."})
+    max_target_positions: Optional[int] = field(
+        default=None, metadata={"help": "max number of tokens in the target sequence "
+                                        "(default: --tokens-per-sample)"})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: TransformerLMConfig):
+        super().__init__()
+        C, H = cfg.decoder_embed_dim, cfg.decoder_attention_heads
+        if C % H != 0:
+            raise ValueError(f"--decoder-embed-dim ({C}) must be divisible by --decoder-attention-heads ({H})")
+        self.num_heads = H
+        self.dropout = cfg.attention_dropout
+        self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
+        self.out_proj = nn.Linear(C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.num_heads
+        # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
+        q, k, v = self.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+        # Causal mask; right padding needs no mask of its own (see the module docstring).
+        # Scale is 1/sqrt(D), as fairseq's.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, C)  # [B, H, T, D] -> [B, T, C]
+        return self.out_proj(y)
+
+
+class TransformerBlock(nn.Module):
+    """One decoder layer: self-attention then feed-forward, each with a residual connection."""
+
+    def __init__(self, cfg: TransformerLMConfig):
+        super().__init__()
+        C = cfg.decoder_embed_dim
+        self.normalize_before = cfg.decoder_normalize_before
+        self.dropout = cfg.dropout
+        self.activation_dropout = cfg.activation_dropout
+        self.activation = ACTIVATIONS[cfg.activation_fn]
+        self.self_attn_layer_norm = nn.LayerNorm(C)
+        self.self_attn = CausalSelfAttention(cfg)
+        self.final_layer_norm = nn.LayerNorm(C)  # fairseq's name for the FFN's LayerNorm
+        self.fc1 = nn.Linear(C, cfg.decoder_ffn_embed_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_embed_dim, C)
+
+    def _dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        return F.dropout(x, p, training=True) if p > 0 and self.training else x
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self._dropout(self.activation(self.fc1(x)), self.activation_dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalize_before:  # pre-norm: x + f(LN(x))
+            x = x + self._dropout(self.self_attn(self.self_attn_layer_norm(x)), self.dropout)
+            x = x + self._dropout(self.ffn(self.final_layer_norm(x)), self.dropout)
+        else:  # post-norm: LN(x + f(x))
+            x = self.self_attn_layer_norm(x + self._dropout(self.self_attn(x), self.dropout))
+            x = self.final_layer_norm(x + self._dropout(self.ffn(x), self.dropout))
+        return x
+
+
+def sinusoidal_table(num_positions: int, dim: int, first_position: int, device=None) -> torch.Tensor:
+    """fairseq's sinusoidal embeddings ([sin | cos] halves) for positions first_position, first_position+1, ..."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float32, device=device)
+                     * -(math.log(10000.0) / max(half - 1, 1)))
+    pos = torch.arange(first_position, first_position + num_positions, dtype=torch.float32, device=device)
+    angles = pos[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2 == 1:
+        table = F.pad(table, (0, 1))
+    return table
+
+
+@register_model("transformer_lm", dataclass=TransformerLMConfig)
+class TransformerLanguageModel(nn.Module):
+    def __init__(self, cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
+        """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``).
+
+        Otherwise the parameters are set by ``init_weights(self, seed)``; ``seed`` defaults to
+        ``torch.initial_seed()``, so ``torch.manual_seed(s)`` then building gives the same model as
+        ``init_weights(model, s)``.
+        """
+        super().__init__()
+        if cfg.max_target_positions is None:
+            raise ValueError("max_target_positions must be set (build_model takes it from --tokens-per-sample)")
+        self.cfg = cfg
+        self.padding_idx = padding_idx
+        self.max_target_positions = cfg.max_target_positions
+        C = cfg.decoder_embed_dim
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(C)
+        self.dropout = cfg.dropout
+
+        # Modules are created on the meta device (no memory, and none of torch's default init,
+        # which init_weights would overwrite anyway), then materialized where the caller builds.
+        device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(vocab_size, C, padding_idx=padding_idx)
+            self.embed_positions: Optional[nn.Embedding] = None
+            sinusoidal = None  # computed, not trained, not saved: rebuilt by reset_buffers()
+            if not cfg.no_token_positional_embeddings:
+                if cfg.decoder_learned_pos:
+                    self.embed_positions = nn.Embedding(cfg.max_target_positions + padding_idx + 1, C)
+                else:
+                    sinusoidal = torch.empty(cfg.max_target_positions, C)
+            self.register_buffer("sinusoidal_positions", sinusoidal, persistent=False)
+            self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.decoder_layers)])
+            use_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
+            self.layer_norm = nn.LayerNorm(C) if use_final_norm else None
+            # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
+            self.output_projection = (None if cfg.share_decoder_input_output_embed
+                                      else nn.Linear(C, vocab_size, bias=False))
+        if device.type != "meta":
+            self.to_empty(device=device)
+            init_weights(self, torch.initial_seed() if seed is None else seed)
+
+    @classmethod
+    def build_model(cls, cfg: TransformerLMConfig, task) -> "TransformerLanguageModel":
+        if cfg.max_target_positions is None:
+            cfg = dataclasses.replace(cfg, max_target_positions=task.cfg.tokens_per_sample)
+        return cls(cfg, len(task.dictionary), task.dictionary.pad())
+
+    def max_positions(self) -> int:
+        return self.max_target_positions
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V]."""
+        T = tokens.size(1)
+        if T > self.max_target_positions:
+            raise ValueError(f"input of {T} tokens is longer than max_target_positions "
+                             f"({self.max_target_positions})")
+        x = self.embed_tokens(tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        if self.embed_positions is not None:
+            first = self.padding_idx + 1
+            x = x + self.embed_positions.weight[first:first + T]
+        elif self.sinusoidal_positions is not None:
+            x = x + self.sinusoidal_positions[:T]
+        if self.dropout > 0 and self.training:
+            x = F.dropout(x, self.dropout, training=True)
+        for layer in self.layers:
+            x = layer(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        if self.output_projection is None:
+            return F.linear(x, self.embed_tokens.weight)
+        return self.output_projection(x)
+
+    # ---- initialization (driven by toolkit.models.init.init_weights) ----
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after ``to_empty``; init_weights calls this)."""
+        if self.sinusoidal_positions is not None:
+            buf = self.sinusoidal_positions
+            buf.copy_(sinusoidal_table(buf.size(0), buf.size(1), self.padding_idx + 1, device=buf.device))
+
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+        """The full initial fp32 value of parameter ``name`` (fairseq's init rules), drawn from ``generator``.
+
+        Embeddings ~ N(0, C^-0.5) with the padding row zeroed; linear weights Xavier-uniform
+        (q/k/v with gain 1/sqrt(2), per fairseq's MultiheadAttention); biases 0; LayerNorm 1/0.
+        """
+        C = self.cfg.decoder_embed_dim
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if "layer_norm" in name:
+            return torch.ones(shape)
+        if name in ("embed_tokens.weight", "embed_positions.weight", "output_projection.weight"):
+            w = torch.empty(shape).normal_(0.0, C ** -0.5, generator=generator)
+            if name != "output_projection.weight":
+                w[self.padding_idx] = 0.0
+            return w
+        if name.endswith("qkv_proj.weight"):  # three stacked [C, C] blocks
+            bound = math.sqrt(6.0 / (C + C)) / math.sqrt(2.0)
+        elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight")):
+            bound = math.sqrt(6.0 / (shape[0] + shape[1]))
+        else:
+            raise KeyError(f"no initialization rule for parameter {name}")
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+    # ---- accounting ----
+
+    def num_matmul_parameters(self) -> int:
+        """Weights used in matmuls per token: everything except embedding lookups, plus the output
+        projection (which is ``embed_tokens.weight`` when tied). The N in 6N FLOPs per token."""
+        lookups = {"embed_tokens.weight", "embed_positions.weight", "output_projection.weight"}
+        n = sum(p.numel() for name, p in self.named_parameters() if name not in lookups)
+        return n + self.embed_tokens.weight.numel()  # output projection: [V, C], tied or not
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return flops_per_token(self.cfg, seq_len, self.num_matmul_parameters())
+
+
+def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: int) -> int:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12·L·C·T.
+
+    N counts weights in matmuls (output projection included, embedding lookups not; see
+    ``TransformerLanguageModel.num_matmul_parameters``). 12·L·C·T is attention's QK^T and AV
+    (forward 4·L·C·T, times 3 with backward), counted without halving for the causal mask.
+    """
+    return 6 * num_matmul_params + 12 * cfg.decoder_layers * cfg.decoder_embed_dim * seq_len
+
+
+# ---- named architectures: each sets values on a fresh config; the user's flags override them ----
+
+@register_model_architecture("transformer_lm", "transformer_lm")
+def base_lm_architecture(cfg: TransformerLMConfig) -> None:
+    # fairseq's base_lm_architecture forces pre-norm on every transformer_lm arch.
+    cfg.decoder_normalize_before = True
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_big")
+def transformer_lm_big(cfg: TransformerLMConfig) -> None:
+    base_lm_architecture(cfg)
+    cfg.decoder_layers, cfg.decoder_embed_dim = 12, 1024
+    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = 4096, 16
+
+
+def _gpt(cfg: TransformerLMConfig, layers: int, dim: int, ffn: int, heads: int) -> None:
+    """fairseq's GPT-1/GPT-2 archs: sinusoidal positions, untied output, dropout 0.1, GELU."""
+    base_lm_architecture(cfg)
+    cfg.decoder_layers, cfg.decoder_embed_dim = layers, dim
+    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = ffn, heads
+    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
+    cfg.activation_fn = "gelu"
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt")
+def transformer_lm_gpt(cfg: TransformerLMConfig) -> None:
+    _gpt(cfg, layers=12, dim=768, ffn=3072, heads=12)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_tiny")
+def transformer_lm_gpt2_tiny(cfg: TransformerLMConfig) -> None:
+    _gpt(cfg, layers=2, dim=64, ffn=64, heads=1)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_small")
+def transformer_lm_gpt2_small(cfg: TransformerLMConfig) -> None:
+    _gpt(cfg, layers=24, dim=1024, ffn=4096, heads=16)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_medium")
+def transformer_lm_gpt2_medium(cfg: TransformerLMConfig) -> None:
+    _gpt(cfg, layers=36, dim=1280, ffn=5120, heads=20)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_big")
+def transformer_lm_gpt2_big(cfg: TransformerLMConfig) -> None:
+    _gpt(cfg, layers=48, dim=1600, ffn=6400, heads=25)
+
+
+def _gpt3(cfg: TransformerLMConfig, layers: int, dim: int, heads: int) -> None:
+    """fairseq's base_gpt3_architecture: FFN 4C, learned positions, tied embeddings, no dropout, GELU."""
+    base_lm_architecture(cfg)
+    cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads = layers, dim, heads
+    cfg.decoder_ffn_embed_dim = 4 * dim
+    cfg.decoder_learned_pos = True
+    cfg.dropout, cfg.attention_dropout = 0.0, 0.0
+    cfg.activation_fn = "gelu"
+    cfg.share_decoder_input_output_embed = True
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_small")
+def transformer_lm_gpt3_small(cfg: TransformerLMConfig) -> None:  # 125M
+    _gpt3(cfg, layers=12, dim=768, heads=12)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_medium")
+def transformer_lm_gpt3_medium(cfg: TransformerLMConfig) -> None:  # 350M
+    _gpt3(cfg, layers=24, dim=1024, heads=16)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_large")
+def transformer_lm_gpt3_large(cfg: TransformerLMConfig) -> None:  # 760M
+    _gpt3(cfg, layers=24, dim=1536, heads=16)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_xl")
+def transformer_lm_gpt3_xl(cfg: TransformerLMConfig) -> None:  # 1.3B
+    _gpt3(cfg, layers=24, dim=2048, heads=32)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_2_7")
+def transformer_lm_gpt3_2_7(cfg: TransformerLMConfig) -> None:  # 2.7B
+    _gpt3(cfg, layers=32, dim=2560, heads=32)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_6_7")
+def transformer_lm_gpt3_6_7(cfg: TransformerLMConfig) -> None:  # 6.7B
+    _gpt3(cfg, layers=32, dim=4096, heads=32)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_13")
+def transformer_lm_gpt3_13(cfg: TransformerLMConfig) -> None:  # 13B
+    _gpt3(cfg, layers=40, dim=5120, heads=40)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt3_175")
+def transformer_lm_gpt3_175(cfg: TransformerLMConfig) -> None:  # 175B
+    _gpt3(cfg, layers=96, dim=12288, heads=96)
