@@ -30,7 +30,7 @@ class CommonConfig:
     fp16_scale_window: Optional[int] = opt(None, "updates without overflow before the loss scale doubles "
                                                  "(default: 2**14 / (world size * update freq))")
     fp16_scale_tolerance: float = opt(0.0, "share of overflowing updates tolerated before lowering the scale")
-    threshold_loss_scale: Optional[float] = opt(None, "never raise the loss scale above this")
+    threshold_loss_scale: Optional[float] = opt(None, "never lower the loss scale below this")
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
 
 

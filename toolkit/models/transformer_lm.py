@@ -194,7 +194,8 @@ class TransformerLanguageModel(nn.Module):
     @classmethod
     def build_model(cls, cfg: TransformerLMConfig, task) -> "TransformerLanguageModel":
         if cfg.max_target_positions is None:
-            cfg = dataclasses.replace(cfg, max_target_positions=task.cfg.tokens_per_sample)
+            task_max = task.max_positions() if hasattr(task, "max_positions") else None
+            cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 
     def max_positions(self) -> int:

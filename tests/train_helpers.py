@@ -1,0 +1,54 @@
+"""Run the command-line tools in subprocesses and read their fairseq-format log lines."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| (\w+) \| ([\w.]+) \| (.*)$")
+
+TINY_MODEL = [
+    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.1",
+    "--tokens-per-sample", "32", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.003",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5", "--num-workers", "0", "--cpu",
+    "--log-format", "json", "--log-interval", "1", "--seed", "3",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def records(self, tag: str) -> List[Dict[str, str]]:
+        """The JSON dicts of the log lines with this logger name (train_inner, valid, train)."""
+        out = []
+        for line in self.stdout.splitlines():
+            m = LOG_LINE.match(line)
+            if m and m.group(3) == tag and m.group(4).startswith("{"):
+                out.append(json.loads(m.group(4)))
+        return out
+
+    def losses(self) -> Dict[int, float]:
+        return {int(r["num_updates"]): float(r["loss"]) for r in self.records("train_inner")}
+
+
+def run_cli(module: str, args: List[str], timeout: int = 300, env: Optional[Dict[str, str]] = None) -> Run:
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO_ROOT)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def train(data: str, save_dir: str, *extra: str, check: bool = True, **kw) -> Run:
+    run = run_cli("toolkit_cli.train", [data, "--save-dir", save_dir, *TINY_MODEL, *extra], **kw)
+    if check and run.returncode != 0:
+        raise AssertionError(f"toolkit-train failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return run

@@ -1,0 +1,121 @@
+"""``--criterion cross_entropy``: summed next-token NLL, fairseq's reporting.
+
+``forward(model, sample)`` runs ``model(sample["net_input"]["src_tokens"])`` (logits
+[B, T, V], or a tuple whose first element they are) and returns
+``(loss, sample_size, logging_output)``:
+
+* ``loss``: the *sum* over non-pad target tokens of -log p(target) in nats, computed
+  in fp32 whatever the logits' dtype. The trainer divides gradients by the summed
+  ``sample_size`` of the update (fairseq's normalization).
+* ``sample_size``: ``sample["ntokens"]`` (``nsentences`` with ``--sentence-avg``), an int.
+* ``logging_output``: ``{"loss": loss.detach() (a 0-dim fp32 tensor on the model's
+  device), "ntokens": int, "nsentences": int, "sample_size": int}``. The loss stays a
+  tensor so that micro-batches can be summed on the device and read with one
+  ``.item()`` (or ``float()``) per update instead of one sync per micro-batch.
+
+A batch with ``sample["is_dummy"]`` (padding of a short data shard, see
+:mod:`toolkit.data.iterators`) still runs forward and backward, but its loss is
+multiplied by 0 and its ``sample_size``/``ntokens``/``nsentences`` are 0.
+
+``reduce_metrics(logging_outputs)`` sums the outputs and reports fairseq's numbers:
+``loss`` = loss_sum / sample_size / ln 2 (base 2), ``nll_loss`` per token when
+``sample_size != ntokens``, ``ppl`` = 2 ** (nll_)loss. It logs them to
+:mod:`toolkit.logging.metrics` and also returns them as a dict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.registry import register_criterion
+
+
+@dataclass
+class CrossEntropyCriterionConfig:
+    sentence_avg: bool = field(default=False, metadata={
+        "help": "normalize gradients by the number of sentences in a batch (default: by the number of tokens)"})
+
+
+def _to_float(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+@register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
+class CrossEntropyCriterion(torch.nn.Module):
+    def __init__(self, task, cfg: CrossEntropyCriterionConfig = None):
+        super().__init__()
+        self.task = task
+        self.cfg = cfg if cfg is not None else CrossEntropyCriterionConfig()
+        self.sentence_avg = bool(self.cfg.sentence_avg)
+        self.padding_idx = task.target_dictionary.pad()
+
+    @staticmethod
+    def logits_of(net_output: Any) -> torch.Tensor:
+        """The [B, T, V] logits of a model's output (a tensor, or fairseq's ``(logits, extra)``)."""
+        return net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+
+    def compute_loss(self, logits: torch.Tensor, target: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """NLL in nats of ``target`` under ``logits``, fp32, padding ignored (summed if ``reduce``)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
+                               ignore_index=self.padding_idx, reduction="sum" if reduce else "none")
+
+    def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
+        # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
+        net_output = model(sample["net_input"]["src_tokens"])
+        loss = self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce)
+        if sample.get("is_dummy", False):
+            loss = loss * 0.0
+            ntokens = nsentences = sample_size = 0
+        else:
+            ntokens = int(sample["ntokens"])
+            nsentences = int(sample["target"].size(0))
+            sample_size = nsentences if self.sentence_avg else ntokens
+        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
+                          "sample_size": sample_size}
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def _sums(logging_outputs: Sequence[Dict[str, Any]]) -> Tuple[float, float, float, float]:
+        def total(key: str) -> float:
+            return _to_float(sum(log.get(key, 0) for log in logging_outputs))  # one sync at most
+
+        return total("loss"), total("ntokens"), total("nsentences"), total("sample_size")
+
+    @staticmethod
+    def _derive(loss_sum: float, ntokens: float, nsentences: float, sample_size: float) -> Dict[str, float]:
+        out = {"loss": loss_sum / sample_size / math.log(2) if sample_size > 0 else 0.0,
+               "ntokens": ntokens, "nsentences": nsentences, "sample_size": sample_size}
+        per_token = out["loss"]
+        if sample_size != ntokens:
+            per_token = out["nll_loss"] = loss_sum / ntokens / math.log(2) if ntokens > 0 else 0.0
+        try:
+            out["ppl"] = 2.0 ** per_token
+        except OverflowError:
+            out["ppl"] = float("inf")
+        return out
+
+    @staticmethod
+    def aggregate_logging_outputs(logging_outputs: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+        """Sums the outputs and derives fairseq's ``loss`` (base 2), ``nll_loss`` and ``ppl``."""
+        return CrossEntropyCriterion._derive(*CrossEntropyCriterion._sums(logging_outputs))
+
+    @staticmethod
+    def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]:
+        """Logs ``loss``/``nll_loss``/``ppl`` as fairseq does (weighted by sample_size) and returns them."""
+        loss_sum, ntokens, nsentences, sample_size = CrossEntropyCriterion._sums(logging_outputs)
+        try:
+            from toolkit.logging import metrics
+        except ImportError:  # metrics not available: just return the numbers
+            metrics = None
+        if metrics is not None:
+            metrics.log_loss_metrics(loss_sum, sample_size, ntokens)
+        return CrossEntropyCriterion._derive(loss_sum, ntokens, nsentences, sample_size)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

@@ -1,0 +1,107 @@
+"""Language-model samples and their collation (fairseq's ``MonolingualDataset``, future target).
+
+Each sample is ``{"id", "source", "target"}`` where ``target`` is a block of the
+token stream and ``source`` is the same block shifted right by one token (see
+:mod:`toolkit.data.token_block_dataset`), so position t of the model's output is
+scored against ``target[t]``. With ``--add-bos-token``, ``<s>`` is prepended to
+*both* source and target, exactly as fairseq does (the first position then learns
+to predict ``<s>`` from ``<s>``; it keeps losses identical to fairseq's).
+
+The collater right-pads with the dictionary's pad index and returns::
+
+    {"id": LongTensor[B], "nsentences": B, "ntokens": non-pad target tokens (int),
+     "net_input": {"src_tokens": LongTensor[B, T], "src_lengths": LongTensor[B]},
+     "target": LongTensor[B, T]}
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from toolkit.data.token_block_dataset import TokenBlockDataset
+
+
+def collate_tokens(values: Sequence[Any], pad_idx: int, pad_to_length: Optional[int] = None) -> torch.Tensor:
+    """Right-pad 1-D token sequences (tensors or arrays) into one LongTensor [B, T]."""
+    lengths = [len(v) for v in values]
+    width = max(lengths, default=0)
+    if pad_to_length is not None:
+        width = max(width, pad_to_length)
+    out = np.full((len(values), width), pad_idx, dtype=np.int64)
+    for row, (v, n) in enumerate(zip(values, lengths)):
+        if n:
+            out[row, :n] = v.numpy() if isinstance(v, torch.Tensor) else v
+    return torch.from_numpy(out)
+
+
+def collate(samples: List[Dict[str, Any]], pad_idx: int) -> Dict[str, Any]:
+    """Merge ``{"id", "source", "target"}`` samples into a batch (empty dict for no samples)."""
+    if len(samples) == 0:
+        return {}
+    sources = [s["source"] for s in samples]
+    targets = [s["target"] for s in samples]
+    return {
+        "id": torch.tensor([int(s["id"]) for s in samples], dtype=torch.long),
+        "nsentences": len(samples),
+        "ntokens": int(sum(len(t) for t in targets)),
+        "net_input": {
+            "src_tokens": collate_tokens(sources, pad_idx),
+            "src_lengths": torch.tensor([len(s) for s in sources], dtype=torch.long),
+        },
+        "target": collate_tokens(targets, pad_idx),
+    }
+
+
+class MonolingualDataset(torch.utils.data.Dataset):
+    """LM samples over a :class:`TokenBlockDataset` built with ``include_targets=True``.
+
+    ``sizes`` are the blocks' sizes *without* the optional ``<s>``: that is what
+    fairseq batches by (``--max-tokens``) and filters by, so batches are the same as
+    fairseq's; with ``--add-bos-token`` each row is one token longer than counted.
+    """
+
+    def __init__(self, blocks: TokenBlockDataset, dictionary, add_bos_token: bool = False, shuffle: bool = True):
+        self.blocks = blocks
+        self.dictionary = dictionary
+        self.add_bos_token = add_bos_token
+        self.shuffle = shuffle
+        self.sizes = blocks.sizes
+        self._pad, self._bos = dictionary.pad(), dictionary.bos()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        source, target = self.blocks.block(index)
+        if self.add_bos_token:
+            source = np.concatenate([[self._bos], source])
+            target = np.concatenate([[self._bos], target])
+        return {"id": index, "source": torch.from_numpy(source), "target": torch.from_numpy(target)}
+
+    def num_tokens(self, index: int) -> int:
+        return int(self.sizes[index])
+
+    def size(self, index: int) -> int:
+        return int(self.sizes[index])
+
+    def seq_lengths(self) -> np.ndarray:
+        """Length of every sample's rows as the model sees them (``<s>`` included)."""
+        return self.sizes + (1 if self.add_bos_token else 0)
+
+    def ordered_indices(self, seed: int = 1) -> np.ndarray:
+        """Indices sorted by size, ties in a random order fixed by ``seed`` (fairseq's order).
+
+        Equals fairseq's ``ordered_indices`` under ``numpy_seed(seed)``:
+        ``np.lexsort([permutation, sizes])``.
+        """
+        n = len(self)
+        tiebreak = np.random.RandomState(seed).permutation(n) if self.shuffle else np.arange(n)
+        return np.lexsort([tiebreak, self.sizes]).astype(np.int64)
+
+    def collater(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return collate(samples, self._pad)
+
+    def set_epoch(self, epoch: int) -> None:  # nothing changes between epochs
+        pass

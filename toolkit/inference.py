@@ -1,0 +1,99 @@
+"""Load trained models for evaluation and the hub, and score token streams.
+
+Scoring follows fairseq's language-model convention: the stream's tokens are
+all targets, and each is predicted from the tokens before it, with ``</s>``
+standing before the first. A sliding ``context_window`` gives every block of
+``tokens_per_sample`` targets up to that many earlier tokens as (unscored)
+context, which lowers perplexity because fewer predictions start cold.
+"""
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from toolkit import options, registry
+from toolkit.checkpoint.checkpoint_utils import check_compatible, load_checkpoint_file
+from toolkit.errors import UserError
+from toolkit.models.init import init_weights
+
+
+def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
+               overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, Namespace]:
+    """A checkpoint's model in eval mode, with the task (dictionary) it was trained on."""
+    state = load_checkpoint_file(path)
+    if "cfg" not in state or "model" not in state:
+        raise UserError(f"{path}: not a toolkit checkpoint (no 'cfg'/'model' entries)")
+    cfg = dict(state["cfg"])
+    if data_dir is not None:
+        cfg["data"] = data_dir
+    cfg.update(overrides or {})
+    args = Namespace(**cfg)
+    registry.import_all_components()
+    task_entry = registry.TASK_REGISTRY.get(args.task)
+    task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
+    check_compatible(path, state, args, len(task.dictionary))
+    entry = registry.resolve_arch(args.arch)
+    with torch.device("meta"):
+        model = entry.cls.build_model(options.config_from_args(entry.config, args), task)
+    model.to_empty(device=device)
+    init_weights(model, 0)  # buffers; every parameter is overwritten next
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "
+                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.eval(), task, args
+
+
+def load_ensemble(paths: str, data_dir: Optional[str], device: torch.device,
+                  overrides: Optional[Dict] = None) -> Tuple[List[torch.nn.Module], object, Namespace]:
+    models, task, args = [], None, None
+    for path in paths.split(":"):
+        model, task_i, args_i = load_model(path, data_dir, device, overrides)
+        if task is not None and task_i.dictionary != task.dictionary:
+            raise UserError(f"{path}: ensemble members must share one dictionary")
+        models.append(model)
+        task, args = task or task_i, args or args_i
+    return models, task, args
+
+
+def stream_blocks(num_tokens: int, tokens_per_sample: int, context_window: int) -> Iterator[Tuple[int, int, int]]:
+    """(input_start, target_start, end) per block: inputs [input_start, end), scored [target_start, end)."""
+    for start in range(0, num_tokens, tokens_per_sample):
+        end = min(start + tokens_per_sample, num_tokens)
+        yield max(0, start - context_window), start, end
+
+
+@torch.no_grad()
+def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor) -> torch.Tensor:
+    """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32."""
+    logps = [torch.log_softmax(m(inputs).float(), dim=-1) for m in models]
+    if len(logps) == 1:
+        return logps[0]
+    return torch.logsumexp(torch.stack(logps), dim=0) - torch.log(torch.tensor(float(len(logps))))
+
+
+@torch.no_grad()
+def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, tokens_per_sample: int,
+                 context_window: int = 0, max_tokens: Optional[int] = None, batch_size: Optional[int] = None,
+                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """Per-token log-probabilities (natural log) of every token of ``stream``."""
+    stream = stream.long()
+    inputs_all = torch.cat([stream.new_tensor([eos]), stream[:-1]])
+    out = torch.empty(len(stream), dtype=torch.float32)
+    blocks = list(stream_blocks(len(stream), tokens_per_sample, context_window))
+    width = tokens_per_sample + context_window
+    per_batch = max(1, min(batch_size or 1 << 30, (max_tokens or width * 8) // width))
+    for i in range(0, len(blocks), per_batch):
+        group = blocks[i:i + per_batch]
+        lengths = [end - s for s, _, end in group]
+        batch = torch.full((len(group), max(lengths)), eos, dtype=torch.long)
+        for row, (s, _, end) in enumerate(group):
+            batch[row, : end - s] = inputs_all[s:end]
+        logp = ensemble_log_probs(models, batch.to(device)).cpu()
+        for row, (s, t, end) in enumerate(group):
+            positions = torch.arange(t - s, end - s)
+            out[t:end] = logp[row, positions, stream[t:end]]
+    return out

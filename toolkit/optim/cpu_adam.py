@@ -1,0 +1,368 @@
+"""``--optimizer cpu_adam``: DeepSpeed's vectorized CPU AdamW behind a torch-compatible optimizer.
+
+``CPUAdam`` is a ``torch.optim.Optimizer`` over the *original* parameters (plain
+tensors, or the DTensors of FSDP2) whose ``state`` has torch AdamW's layout
+(``step`` a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq`` shaped and placed like
+the parameter), so its ``state_dict`` loads into ``torch.optim.AdamW`` and the other
+way round, and ``torch.distributed.checkpoint.state_dict`` treats it like any other
+optimizer.
+
+DeepSpeed's op never sees a DTensor (handing it one crashes the process): it gets each
+rank's local shards -- ``p.to_local()`` views that share storage with the DTensors,
+cached once -- and before each step ``local.grad = p.grad.to_local()``.
+
+``--fp16-adam-stats`` (fairseq's flag): DeepSpeed only keeps fp16 moments for fp16
+parameters, so for fp32 (master) parameters the moments are stored as fp16 with one
+fp32 scale per tensor (``exp_avg_scale``/``exp_avg_sq_scale``, fairseq's scheme):
+before the update they are expanded to fp32 one tensor at a time, updated by
+DeepSpeed's op, and stored back as ``fp16(x / scale)`` with
+``scale = 1e-8 + max|x| / 65504`` (``max`` over the whole tensor, all-reduced across
+the shards of a DTensor). Such a state_dict is not loadable by torch AdamW as is; a
+plain fp32 AdamW/cpu_adam state_dict loads into an fp16-stats optimizer (and back).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.optim.adam import check_adam_options
+from toolkit.registry import register_optimizer
+
+logger = logging.getLogger(__name__)
+
+FLOAT16_MAX = 65504.0
+_HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+NO_COMPILER_MESSAGE = (
+    "--optimizer cpu_adam: DeepSpeed needs a C++ compiler (g++) to build its CPU Adam op; "
+    "install one (apt-get install g++) or use --optimizer adam"
+)
+
+
+@dataclass
+class CPUAdamConfig:
+    adam_betas: str = opt("(0.9, 0.999)", "betas for Adam optimizer, e.g. '(0.9, 0.98)'")
+    adam_eps: float = opt(1e-8, "epsilon for Adam optimizer")
+    weight_decay: float = opt(0.0, "weight decay (decoupled, as AdamW)")
+    fp16_adam_stats: bool = opt(False, "keep the Adam moments in fp16, with one scale per tensor")
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed's C++ op: where it is cached, whether it can be built
+# ---------------------------------------------------------------------------
+
+def cpu_adam_build_dir() -> str:
+    """Where torch's JIT extension loader builds and caches DeepSpeed's ``cpu_adam`` op."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        if torch.version.hip is not None:
+            accel = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accel = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accel = "cpu"
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{py}_{accel}")
+    return os.path.join(root, "cpu_adam")
+
+
+def _op_precompiled() -> bool:
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except Exception:  # pragma: no cover - very old/odd installs
+        return False
+    return bool(installed_ops.get("cpu_adam", False))
+
+
+def _op_loaded_in_process() -> bool:
+    try:
+        from deepspeed.ops.op_builder.builder import OpBuilder
+    except Exception:  # pragma: no cover
+        return False
+    return "cpu_adam" in getattr(OpBuilder, "_loaded_ops", {})
+
+
+def cpu_adam_op_cached() -> bool:
+    """The op needs no build: loaded already, installed with DeepSpeed, or JIT-built before on this machine."""
+    return (_op_loaded_in_process() or _op_precompiled()
+            or os.path.exists(os.path.join(cpu_adam_build_dir(), "cpu_adam.so")))
+
+
+def cxx_compiler() -> Optional[str]:
+    """The compiler torch's extension builder would run (``$CXX``, else ``c++``), if present."""
+    for name in filter(None, (os.environ.get("CXX"), "c++", "g++")):
+        found = shutil.which(name.split()[0])
+        if found:
+            return found
+        if os.environ.get("CXX"):
+            return None  # an explicit $CXX that does not exist: torch would fail with it
+    return None
+
+
+def load_deepspeed_cpu_adam():
+    """Import ``DeepSpeedCPUAdam`` and make sure its C++ op is built (logging when it builds now)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except ImportError as e:
+        raise UserError(f"--optimizer cpu_adam: DeepSpeed is not importable ({e}); "
+                        "pip install deepspeed or use --optimizer adam") from e
+    if not cpu_adam_op_cached():
+        if cxx_compiler() is None:
+            raise UserError(NO_COMPILER_MESSAGE)
+        from torch.utils.cpp_extension import is_ninja_available
+
+        if not is_ninja_available():
+            raise UserError("--optimizer cpu_adam: DeepSpeed needs ninja to build its CPU Adam op; "
+                            "pip install ninja or use --optimizer adam")
+        logger.info("Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; "
+                    "cached afterwards in %s)", cpu_adam_build_dir())
+    builder = CPUAdamBuilder()
+    try:
+        builder.load(verbose=False)
+    except Exception as e:
+        raise RuntimeError(f"--optimizer cpu_adam: building/loading DeepSpeed's CPU Adam op failed "
+                           f"(build folder {cpu_adam_build_dir()}): {e}") from e
+    return DeepSpeedCPUAdam
+
+
+# ---------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor sharing storage with ``t`` (its local shard for a DTensor)."""
+    if _is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """AdamW on CPU through ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``adamw_mode=True``).
+
+    Parameters may be plain CPU tensors or DTensors whose local shards are on the CPU
+    (FSDP2 with ``--cpu-offload``). See the module docstring for the state layout.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True, fp16_adam_stats: bool = False):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, amsgrad=False)
+        super().__init__(params, defaults)
+        self.fp16_adam_stats = bool(fp16_adam_stats)
+        self._locals: Dict[torch.Tensor, torch.Tensor] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._locals[p] = self._check_and_view(p)
+        DeepSpeedCPUAdam = load_deepspeed_cpu_adam()
+        self._ds = DeepSpeedCPUAdam(
+            [self._ds_group(g) for g in self.param_groups],
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            bias_correction=bias_correction, adamw_mode=True, fp32_optimizer_states=True,
+        )
+
+    # -- construction helpers ------------------------------------------------
+    @staticmethod
+    def _check_and_view(p: torch.Tensor) -> torch.Tensor:
+        local = _local(p)
+        if local.device.type != "cpu":
+            raise UserError(f"--optimizer cpu_adam: parameters must live in host memory, found one on "
+                            f"{local.device}; use --cpu-offload (with --ddp-backend fully_sharded) or --cpu, "
+                            "or use --optimizer adam")
+        if local.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise UserError(f"--optimizer cpu_adam: unsupported parameter dtype {local.dtype} "
+                            "(float32, float16 or bfloat16)")
+        if not local.is_contiguous():
+            # DeepSpeed's op updates a contiguous copy of a non-contiguous tensor: the update would be lost.
+            raise ValueError("cpu_adam: parameter (local shard) is not contiguous")
+        return local
+
+    def _ds_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        out = {k: group[k] for k in _HYPER}
+        out["params"] = [self._locals[p] for p in group["params"]]
+        return out
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_ds"):  # after __init__: mirror it on DeepSpeed's side
+            group = self.param_groups[-1]
+            for p in group["params"]:
+                self._locals[p] = self._check_and_view(p)
+            self._ds.add_param_group(self._ds_group(group))
+
+    # -- state ---------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        # torch AdamW's layout: a float32 scalar step, moments shaped/placed like the param.
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        dtype = torch.float16 if self.fp16_adam_stats else torch.float32
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if self.fp16_adam_stats:
+            state["exp_avg_scale"] = torch.tensor(1.0)
+            state["exp_avg_sq_scale"] = torch.tensor(1.0)
+
+    def _local_grad(self, p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        if _is_dtensor(g):
+            if tuple(g.placements) != tuple(p.placements):
+                g = g.redistribute(p.device_mesh, p.placements)
+            g = g.to_local()
+        if g.dtype != self._locals[p].dtype:
+            g = g.to(self._locals[p].dtype)
+        return g.contiguous()
+
+    # -- step ----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        stepped: List[torch.Tensor] = []
+        fp16_work = []
+        for group, ds_group in zip(self.param_groups, self._ds.param_groups):
+            for k in _HYPER:
+                v = group.get(k, self.defaults[k])
+                ds_group[k] = float(v) if k in ("lr", "eps", "weight_decay") else v
+            ds_group["betas"] = tuple(float(b) for b in ds_group["betas"])
+            for p in group["params"]:
+                local = self._locals[p]
+                if p.grad is None:
+                    if local is not p:
+                        local.grad = None
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state)
+                if local is not p:
+                    local.grad = self._local_grad(p)
+                elif p.grad.dtype != p.dtype:
+                    raise ValueError("cpu_adam: gradient dtype differs from the parameter's")
+                if self.fp16_adam_stats:
+                    fp16_work.append((p, local, state, ds_group))
+                    continue
+                ds_state = self._ds.state[local]
+                ds_state["step"] = int(state["step"].item())  # DeepSpeed adds 1 before its update
+                ds_state["exp_avg"] = _local(state["exp_avg"])
+                ds_state["exp_avg_sq"] = _local(state["exp_avg_sq"])
+                stepped.append(p)
+
+        if stepped:
+            self._ds.step()
+        for p, local, state, ds_group in fp16_work:
+            self._fp16_stats_update(p, local, state, ds_group)
+            stepped.append(p)
+        for p in stepped:
+            self.state[p]["step"] += 1
+            local = self._locals[p]
+            if local is not p:
+                local.grad = None  # do not keep the gradient alive past zero_grad
+        return loss
+
+    def _fp16_stats_update(self, p, local, state, group) -> None:
+        """One tensor: expand fp16 moments, run DeepSpeed's op, store them back scaled (fairseq's scheme)."""
+        if state["exp_avg"].dtype != torch.float16:
+            self._quantize_state(p, state)
+        ea16, eas16 = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        exp_avg = ea16.float().mul_(state["exp_avg_scale"])
+        exp_avg_sq = eas16.float().mul_(state["exp_avg_sq_scale"])
+        step = int(state["step"].item()) + 1
+        beta1, beta2 = group["betas"]
+        self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"],
+                                         local.data, local.grad.data, exp_avg, exp_avg_sq)
+        self._store_fp16(p, state, exp_avg, exp_avg_sq)
+
+    def _store_fp16(self, p, state, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        amax = torch.stack([exp_avg.abs().max() if exp_avg.numel() else exp_avg.new_zeros(()),
+                            exp_avg_sq.abs().max() if exp_avg_sq.numel() else exp_avg_sq.new_zeros(())])
+        if _is_dtensor(p):
+            amax = _all_reduce_max(amax, p.device_mesh)
+        scales = amax / FLOAT16_MAX + 1e-8
+        state["exp_avg_scale"] = scales[0].clone()
+        state["exp_avg_sq_scale"] = scales[1].clone()
+        _local(state["exp_avg"]).copy_(exp_avg.div_(scales[0]))
+        _local(state["exp_avg_sq"]).copy_(exp_avg_sq.div_(scales[1]))
+
+    def _quantize_state(self, p, state) -> None:
+        """fp32 moments (e.g. from a torch AdamW state_dict) -> fp16 + scales."""
+        ea, eas = state["exp_avg"], state["exp_avg_sq"]
+        state["exp_avg"] = torch.zeros_like(ea, dtype=torch.float16)
+        state["exp_avg_sq"] = torch.zeros_like(eas, dtype=torch.float16)
+        self._store_fp16(p, state, _local(ea).float(), _local(eas).float())
+
+    # -- state_dict interop ----------------------------------------------------
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k in _HYPER:
+                group.setdefault(k, self.defaults[k])
+            group.setdefault("amsgrad", False)
+            if group.get("amsgrad"):
+                raise ValueError("cpu_adam: the loaded state uses AMSGrad, which DeepSpeed's CPU Adam lacks")
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                step = state.get("step")
+                state["step"] = (step.detach().to(device="cpu", dtype=torch.float32) if torch.is_tensor(step)
+                                 else torch.tensor(float(step or 0), dtype=torch.float32))
+                state.pop("max_exp_avg_sq", None)
+                has_scales = "exp_avg_scale" in state
+                if self.fp16_adam_stats:
+                    if has_scales:
+                        # torch cast the fp16 moments to the param dtype on load: exact, so cast back.
+                        state["exp_avg"] = state["exp_avg"].to(torch.float16)
+                        state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.float16)
+                        state["exp_avg_scale"] = state["exp_avg_scale"].detach().to("cpu", torch.float32)
+                        state["exp_avg_sq_scale"] = state["exp_avg_sq_scale"].detach().to("cpu", torch.float32)
+                    else:
+                        self._quantize_state(p, state)
+                else:
+                    ea, eas = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                    if has_scales:
+                        ea = ea * state.pop("exp_avg_scale").float()
+                        eas = eas * state.pop("exp_avg_sq_scale").float()
+                    state["exp_avg"], state["exp_avg_sq"] = ea.contiguous(), eas.contiguous()
+
+
+def _all_reduce_max(t: torch.Tensor, mesh) -> torch.Tensor:
+    """Max over every rank of the mesh (the shards of one DTensor), on a device the backend accepts."""
+    import torch.distributed as dist
+
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) == 1:
+            continue
+        if dist.get_backend(group) == "nccl":
+            dev = torch.device("cuda", torch.cuda.current_device())
+            buf = t.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+            t = buf.cpu()
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+@register_optimizer("cpu_adam", dataclass=CPUAdamConfig)
+def build(cfg: CPUAdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    betas = check_adam_options(cfg, lr)
+    return CPUAdam(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                   fp16_adam_stats=cfg.fp16_adam_stats)

@@ -1,0 +1,33 @@
+"""``--optimizer sgd``: torch's SGD with momentum and (L2) weight decay, as fairseq's sgd."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.optim.adam import _all_params, _keep_implementation, fused_supported
+from toolkit.registry import register_optimizer
+
+
+@dataclass
+class SGDConfig:
+    momentum: float = opt(0.0, "momentum factor")
+    weight_decay: float = opt(0.0, "weight decay")
+
+
+@register_optimizer("sgd", dataclass=SGDConfig)
+def build(cfg: SGDConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    if cfg.momentum < 0:
+        raise UserError(f"--momentum: must be >= 0, got {cfg.momentum}")
+    if cfg.weight_decay < 0:
+        raise UserError(f"--weight-decay: must be >= 0, got {cfg.weight_decay}")
+    if lr < 0:
+        raise UserError(f"--lr: must be >= 0, got {lr}")
+    params = list(params)
+    # fused is the fastest on CPU too (2 threads, 16.8M params: fused 7.0 ms, for-loop 16 ms, foreach 20 ms)
+    kwargs = {"fused": True} if fused_supported(_all_params(params)) else {"foreach": None}
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kwargs)
+    _keep_implementation(optimizer, kwargs)
+    return optimizer

@@ -1,0 +1,172 @@
+"""The ``language_modeling`` task: a data-bin's splits as next-token prediction batches.
+
+Same options and data semantics as fairseq's task of that name: ``DATA`` is a
+folder made by ``toolkit-preprocess`` (``dict.txt`` + ``{split}.bin/.idx``); several
+folders separated by ``:`` are used round-robin, one per epoch (the dictionary is
+read from the first).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from toolkit import options, registry
+from toolkit.data.batching import batch_by_size, filter_by_size
+from toolkit.data.dictionary import Dictionary
+from toolkit.data.indexed_dataset import MMapIndexedDataset
+from toolkit.data.iterators import EpochBatchIterator
+from toolkit.data.lm_dataset import MonolingualDataset
+from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
+from toolkit.errors import UserError
+from toolkit.registry import CRITERION_REGISTRY, register_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LanguageModelingConfig:
+    data: Optional[str] = field(default=None, metadata={
+        "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
+                "used round-robin, one per epoch", "positional": True})
+    sample_break_mode: str = field(default="none", metadata={
+        "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
+                "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
+                "documents (empty lines); 'eos': one line per sample", "choices": list(BREAK_MODES)})
+    tokens_per_sample: int = field(default=1024, metadata={"help": "max number of tokens per sample"})
+    add_bos_token: bool = field(default=False, metadata={
+        "help": "prepend the beginning-of-sentence token <s> to every sample"})
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def _as_dict(cfg: Any) -> Dict[str, Any]:
+    return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
+
+
+@register_task("language_modeling", dataclass=LanguageModelingConfig)
+class LanguageModelingTask:
+    def __init__(self, cfg: LanguageModelingConfig, dictionary: Dictionary):
+        if not isinstance(cfg, LanguageModelingConfig):
+            cfg = options.config_from_args(LanguageModelingConfig, cfg)
+        if cfg.sample_break_mode not in BREAK_MODES:
+            raise UserError(f"--sample-break-mode: unknown mode {cfg.sample_break_mode!r}; "
+                            f"choose from {', '.join(BREAK_MODES)}")
+        if cfg.sample_break_mode != "eos" and cfg.tokens_per_sample < 1:
+            raise UserError(f"--tokens-per-sample must be >= 1, got {cfg.tokens_per_sample}")
+        self.cfg = cfg
+        self.dictionary = dictionary
+        self.datasets: Dict[str, MonolingualDataset] = {}
+
+    @property
+    def source_dictionary(self) -> Dictionary:
+        return self.dictionary
+
+    @property
+    def target_dictionary(self) -> Dictionary:
+        return self.dictionary
+
+    def data_paths(self):
+        if not self.cfg.data:
+            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")
+        return [p for p in self.cfg.data.split(":") if p]
+
+    @classmethod
+    def setup_task(cls, cfg: Any) -> "LanguageModelingTask":
+        if not isinstance(cfg, LanguageModelingConfig):
+            cfg = options.config_from_args(LanguageModelingConfig, cfg)
+        if not cfg.data:
+            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")
+        data = cfg.data.split(":")[0]
+        dict_path = os.path.join(data, "dict.txt")
+        if not os.path.isfile(dict_path):
+            raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
+        dictionary = Dictionary.load(dict_path)
+        logger.info(f"dictionary: {len(dictionary)} types")
+        return cls(cfg, dictionary)
+
+    # --- data -----------------------------------------------------------------------
+    def load_dataset(self, split: str, epoch: int = 1, **kwargs: Any) -> MonolingualDataset:
+        """Load ``split`` from the data-bin of this epoch (round-robin over ``DATA``'s folders)."""
+        paths = self.data_paths()
+        data_path = paths[(max(epoch, 1) - 1) % len(paths)]
+        prefix = os.path.join(data_path, split)
+        if not MMapIndexedDataset.exists(prefix):
+            found = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
+                           if MMapIndexedDataset.exists(p[:-4]))
+            raise UserError(f"{prefix}.bin/.idx: not found; splits in {data_path}: {', '.join(found) or 'none'} "
+                            f"(choose with --train-subset/--valid-subset, or binarize it with toolkit-preprocess)")
+        split_data = MMapIndexedDataset(prefix)
+        blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
+                                   eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
+                                   include_targets=True)
+        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
+        logger.info(f"{data_path} {split} {len(split_data)} examples, {len(dataset)} samples")
+        self.datasets[split] = dataset
+        return dataset
+
+    def dataset(self, split: str) -> MonolingualDataset:
+        if split not in self.datasets:
+            raise KeyError(f"dataset not loaded: {split} (call task.load_dataset({split!r}) first)")
+        return self.datasets[split]
+
+    def max_positions(self) -> Optional[int]:
+        """The longest sample (``<s>`` included) that fixed-size break modes produce."""
+        if self.cfg.sample_break_mode == "eos":
+            return None
+        return self.cfg.tokens_per_sample + (1 if self.cfg.add_bos_token else 0)
+
+    def get_batch_iterator(self, dataset: MonolingualDataset, max_tokens: Optional[int] = None,
+                           batch_size: Optional[int] = None, required_batch_size_multiple: int = 1,
+                           seed: int = 1, num_shards: int = 1, shard_id: int = 0, num_workers: int = 0,
+                           epoch: int = 1, max_positions: Optional[int] = None,
+                           ignore_invalid_inputs: bool = False) -> EpochBatchIterator:
+        """Batches of ``dataset`` for this rank, as a resumable :class:`EpochBatchIterator`.
+
+        Samples are sorted by size with ties in a ``seed``-fixed random order, cut into
+        batches by ``max_tokens``/``batch_size``, and the batches shuffled per epoch
+        (``seed + epoch``). With ``max_positions``, samples longer than that (``<s>``
+        included) are an error, or are dropped with a warning if ``ignore_invalid_inputs``.
+        """
+        indices = dataset.ordered_indices(seed)
+        if max_positions is not None:
+            indices, dropped = filter_by_size(indices, dataset.seq_lengths(), max_positions)
+            if len(dropped):
+                first = int(dropped[0])
+                msg = (f"{len(dropped)} samples are longer than the model's {max_positions} positions "
+                       f"(e.g. sample {first}: {int(dataset.seq_lengths()[first])} tokens)")
+                if not ignore_invalid_inputs:
+                    raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample "
+                                    f"or use a break mode that bounds the sample size")
+                logger.warning(f"{msg}; skipping them")
+        batches = batch_by_size(indices, dataset.sizes, max_tokens=max_tokens, max_sentences=batch_size,
+                                required_batch_size_multiple=required_batch_size_multiple)
+        return EpochBatchIterator(dataset, dataset.collater, batches, seed=seed, num_shards=num_shards,
+                                  shard_id=shard_id, num_workers=num_workers, epoch=epoch)
+
+    # --- components -----------------------------------------------------------------
+    def build_model(self, cfg: Any):
+        """The model of ``cfg.arch``: its options from ``cfg`` over the architecture's defaults."""
+        arch = _get(cfg, "arch")
+        if arch is None:
+            raise UserError("--arch: no model architecture given")
+        if arch not in registry.ARCH_MODEL_NAME and arch not in registry.MODEL_REGISTRY:
+            registry.import_all_components()  # not parsed by the CLI (e.g. a library caller)
+        entry = registry.resolve_arch(arch)
+        if entry.config is None:
+            return entry.cls.build_model(cfg, self)
+        values = dict(options.architecture_defaults(arch))
+        values.update(_as_dict(cfg))
+        return entry.cls.build_model(options.config_from_args(entry.config, values), self)
+
+    def build_criterion(self, cfg: Any):
+        name = _get(cfg, "criterion") or CRITERION_REGISTRY.default
+        if name not in CRITERION_REGISTRY:
+            registry.import_all_components()  # not parsed by the CLI (e.g. a library caller)
+        entry = CRITERION_REGISTRY.get(name)
+        criterion_cfg = options.config_from_args(entry.config, _as_dict(cfg)) if entry.config else None
+        return entry.cls(self, criterion_cfg)

@@ -1,0 +1,187 @@
+"""One update at a time: forward/backward over micro-batches, all-reduce, clip, step.
+
+The trainer composes parts that live elsewhere (model, criterion, optimizer,
+schedule, loss scaler, parallelism); it holds no model- or sharding-specific code.
+
+Gradients are normalized the fairseq way: the criterion returns a *summed*
+loss, and after all micro-batches the gradients are multiplied by
+``world_size / total_sample_size`` (data-parallel reductions average over
+ranks). So N ranks with ``--update-freq 1`` take the same step as one rank with
+``--update-freq N`` over the same batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
+from toolkit.logging import metrics
+from toolkit.optim import build_optimizer
+from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window
+from toolkit.optim.lr_scheduler import build_lr_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def move_to_device(sample: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=True)
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return move(sample)
+
+
+class Trainer:
+    def __init__(self, args, task, model: torch.nn.Module, criterion, env: DistributedEnv,
+                 parallel: Optional[Any] = None):
+        """``parallel`` describes how the model was wrapped (see toolkit.distributed.parallelize)."""
+        self.args = args
+        self.task, self.model, self.criterion = task, model, criterion
+        self.env = env
+        self.device = env.device
+        self.parallel = parallel
+        self.compute_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+        self.optimizer = build_optimizer(args, [p for p in model.parameters() if p.requires_grad])
+        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+        self.scaler = self._build_scaler(args) if args.fp16 else None
+        self.num_updates = 0
+        self.lr_scheduler.step_update(0)
+
+    def _build_scaler(self, args) -> DynamicLossScaler:
+        window = args.fp16_scale_window or default_scale_window(self.env.world_size, args.update_freq)
+        return DynamicLossScaler(init_scale=args.fp16_init_scale, scale_window=window,
+                                 tolerance=args.fp16_scale_tolerance, threshold=args.threshold_loss_scale,
+                                 min_loss_scale=args.min_loss_scale)
+
+    # --- contexts -------------------------------------------------------------------
+    def _autocast(self):
+        """Autocast unless the parallel wrapper already casts (FSDP2's mixed-precision policy)."""
+        if self.compute_dtype == torch.float32 or (self.parallel and self.parallel.handles_mixed_precision):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _grad_sync(self, last_micro_batch: bool):
+        if self.parallel is None:
+            return contextlib.nullcontext()
+        return self.parallel.grad_sync(self.model, enabled=last_micro_batch)
+
+    def _set_seed(self) -> None:
+        # Seeding by update number makes dropout identical when a run resumes from a checkpoint.
+        torch.manual_seed(self.args.seed + self.num_updates)
+
+    # --- steps ----------------------------------------------------------------------
+    def train_step(self, samples: List[Dict[str, Any]]) -> Optional[Dict[str, float]]:
+        """One optimizer update over ``samples`` (this rank's micro-batches); None if skipped."""
+        self._set_seed()
+        self.model.train()
+        metrics.log_start_time("train_wall", priority=800, round=0)
+        totals: Dict[str, float] = {}
+        for i, sample in enumerate(samples):
+            sample = move_to_device(sample, self.device)
+            with self._grad_sync(last_micro_batch=i == len(samples) - 1), self._autocast():
+                loss, sample_size, logging_output = self.criterion(self.model, sample)
+                if sample.get("is_dummy"):
+                    loss = loss * 0.0
+                    logging_output = {k: 0 for k in logging_output}
+                    sample_size = 0
+            scale = self.scaler.loss_scale if self.scaler else 1.0
+            (loss * scale).backward()
+            for k, v in logging_output.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            totals["_sample_size"] = totals.get("_sample_size", 0.0) + float(sample_size)
+        totals = all_reduce_sums(totals, self.device, self.env.world_size)
+        sample_size = totals.pop("_sample_size")
+
+        overflow = False
+        scale = self.scaler.loss_scale if self.scaler else 1.0
+        self._multiply_grads(self.env.world_size / (max(sample_size, 1.0) * scale))
+        grad_norm = self._clip_grad_norm(self.args.clip_norm)
+        if self.scaler is not None:
+            try:
+                self.scaler.check_overflow(grad_norm)
+            except OverflowError as e:
+                overflow = True
+                logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {e}")
+        elif not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite gradient norm ({grad_norm}) at update {self.num_updates + 1}; "
+                f"lower --lr, add --clip-norm, or check the data")
+        if overflow:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics.log_stop_time("train_wall")
+            return None
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_updates += 1
+        self.lr_scheduler.step_update(self.num_updates)
+        if not math.isfinite(totals.get("loss", 0.0)):
+            raise FloatingPointError(f"non-finite loss at update {self.num_updates}; lower --lr or add --clip-norm")
+        metrics.log_stop_time("train_wall")
+        self._log_update(totals, sample_size, grad_norm)
+        return totals
+
+    @torch.no_grad()
+    def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
+        self.model.eval()
+        sample = move_to_device(sample, self.device)
+        with self._autocast():
+            _, sample_size, logging_output = self.criterion(self.model, sample)
+        if sample.get("is_dummy"):
+            return {}
+        out = {k: float(v) for k, v in logging_output.items()}
+        out["_sample_size"] = float(sample_size)
+        return out
+
+    def _multiply_grads(self, factor: float) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm over all shards
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _log_update(self, totals: Dict[str, float], sample_size: float, grad_norm: float) -> None:
+        self.criterion.reduce_metrics([dict(totals, sample_size=sample_size)])
+        metrics.log_standard_update_metrics(
+            ntokens=totals.get("ntokens", 0), nsentences=totals.get("nsentences", 0),
+            num_updates=self.num_updates, lr=self.get_lr(), grad_norm=grad_norm,
+            clip_norm=self.args.clip_norm, loss_scale=self.scaler.loss_scale if self.scaler else None,
+            device=self.device)
+
+    # --- state ----------------------------------------------------------------------
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def lr_step(self, epoch: int, val_loss: Optional[float] = None) -> float:
+        self.lr_scheduler.step(epoch, val_loss)
+        return self.lr_scheduler.step_update(self.num_updates)
+
+    def extra_state(self) -> Dict[str, Any]:
+        return {
+            "num_updates": self.num_updates,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_extra_state(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
+        self.num_updates = int(state["num_updates"])
+        if not reset_lr_scheduler and state.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.scaler is not None and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
+        self.lr_scheduler.step_update(self.num_updates)
