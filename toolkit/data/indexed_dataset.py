@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from typing import Union
+import tempfile
+from array import array
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -97,7 +99,7 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
             self._data = np.zeros(0, dtype=self.dtype)
         else:
             self._data = np.memmap(bin_path, mode="r", dtype=self.dtype, order="C")
-        expected = int(self.sizes.astype(np.int64).sum())
+        expected = int(self.sizes.sum(dtype=np.int64))
         if expected != len(self._data):
             raise UserError(f"{bin_path}: holds {len(self._data)} tokens but its index lists {expected}; "
                             f"the data-bin is incomplete, re-run toolkit-preprocess")
@@ -124,32 +126,97 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
 
 
 class MMapIndexedDatasetBuilder:
-    """Streams items to ``.bin``; ``finalize`` writes the ``.idx``. Memory holds only the sizes."""
+    """Streams items to ``.bin``; ``finalize`` writes the ``.idx``.
+
+    Item sizes go to an anonymous temporary file beside the ``.bin`` as they
+    arrive, so memory stays bounded whatever the number of items.
+    """
+
+    _SIZES_BUFFER = 1 << 16  # item sizes kept in memory before they are spilled
+    _INDEX_CHUNK = 1 << 20  # item sizes per pass when the index is written
 
     def __init__(self, bin_path: str, dtype=np.int64):
         self.dtype = np.dtype(dtype)
         self._file = open(bin_path, "wb")
-        self._sizes: list = []
+        self._sizes_file = tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(bin_path)))
+        self._sizes_buffer = array("i")
+        self._num_items = 0
+
+    def _spill_sizes(self) -> None:
+        if self._sizes_buffer:
+            self._sizes_file.write(np.asarray(self._sizes_buffer, dtype=np.int32).tobytes())
+            self._sizes_buffer = array("i")
+
+    def _add_sizes(self, sizes: np.ndarray) -> None:
+        sizes = np.asarray(sizes, dtype=np.int32).reshape(-1)
+        self._num_items += len(sizes)
+        if len(sizes) >= self._SIZES_BUFFER:
+            self._spill_sizes()
+            self._sizes_file.write(sizes.tobytes())
+        else:
+            self._sizes_buffer.frombytes(sizes.tobytes())
+            if len(self._sizes_buffer) >= self._SIZES_BUFFER:
+                self._spill_sizes()
 
     def add_item(self, tensor: Union[torch.Tensor, np.ndarray, list]) -> None:
-        array = tensor.numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
-        self._file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._sizes.append(array.size)
+        array_ = tensor.numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+        self._file.write(array_.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes_buffer.append(array_.size)
+        self._num_items += 1
+        if len(self._sizes_buffer) >= self._SIZES_BUFFER:
+            self._spill_sizes()
 
     def add_items(self, flat_tokens: np.ndarray, sizes: np.ndarray) -> None:
         """Append many items at once: their tokens back to back and each item's length."""
         self._file.write(np.asarray(flat_tokens).astype(self.dtype, copy=False).tobytes(order="C"))
-        self._sizes.extend(np.asarray(sizes).tolist())
+        self._add_sizes(sizes)
 
-    def merge_file_(self, other_prefix: str) -> None:
-        """Append another builder's finished output (same dtype), copying the bytes in chunks."""
+    def merge_file_(self, other_prefix: str, remap: Optional[np.ndarray] = None) -> None:
+        """Append another builder's finished output, in chunks.
+
+        Without ``remap`` the dtypes must match and the bytes are copied; with it,
+        each token ``t`` of the other dataset is written as ``remap[t]`` (any dtype).
+        """
         other = MMapIndexedDataset(other_prefix)
-        if other.dtype != self.dtype:
+        if remap is None and other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other_prefix}: dtype {other.dtype} != {self.dtype}")
-        self._sizes.extend(other.sizes.tolist())
+        for start in range(0, len(other.sizes), self._INDEX_CHUNK):
+            self._add_sizes(other.sizes[start: start + self._INDEX_CHUNK])
+        other_dtype = other.dtype
+        del other
         with open(data_file_path(other_prefix), "rb") as f:
-            shutil.copyfileobj(f, self._file, length=16 << 20)
+            if remap is None:
+                shutil.copyfileobj(f, self._file, length=16 << 20)
+            else:  # plain reads, not the memory map: the pages read do not stay resident
+                remap = np.asarray(remap).astype(self.dtype, copy=False)
+                while True:
+                    tokens = np.fromfile(f, dtype=other_dtype, count=4 * self._INDEX_CHUNK)
+                    if not len(tokens):
+                        break
+                    self._file.write(remap[tokens].tobytes(order="C"))
 
     def finalize(self, index_path: str) -> None:
         self._file.close()
-        write_index(index_path, self.dtype, np.asarray(self._sizes, dtype=np.int32))
+        self._spill_sizes()
+        self._sizes_file.flush()
+        self._sizes_file.seek(0)
+        count = self._num_items
+        with open(index_path, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", dtype_code(self.dtype)))
+            f.write(struct.pack("<Q", count))
+            shutil.copyfileobj(self._sizes_file, f, length=4 * self._INDEX_CHUNK)
+            # byte pointers: exclusive running sum of size * itemsize, a chunk at a time
+            self._sizes_file.seek(0)
+            offset = 0
+            while True:
+                chunk = self._sizes_file.read(4 * self._INDEX_CHUNK)
+                if not chunk:
+                    break
+                nbytes = np.frombuffer(chunk, dtype=np.int32).astype(np.int64) * self.dtype.itemsize
+                ends = np.cumsum(nbytes)
+                pointers = ends - nbytes + offset
+                offset += int(ends[-1])
+                f.write(pointers.tobytes(order="C"))
+        self._sizes_file.close()

@@ -1,0 +1,153 @@
+"""Subword tokenizers, chosen with ``--bpe`` (``sentencepiece``, ``hf_byte_bpe``, ``gpt2``).
+
+Each is registered with ``@register_bpe(name, dataclass=...)`` and turns a raw
+line into space-separated pieces (``encode``) and back (``decode``); the pieces
+are then looked up in ``dict.txt`` like whitespace tokens. ``gpt2`` follows
+fairseq's convention: its pieces are GPT-2 BPE ids written as strings.
+
+A data-bin records its tokenizer in ``bpe.json`` beside ``dict.txt`` with copies
+of the model files, so ``load_tokenizer_for_data_bin`` can rebuild it later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Union
+
+from toolkit import registry
+from toolkit.errors import UserError
+from toolkit.fileio import atomic_write
+
+BPE_JSON = "bpe.json"
+
+
+class Tokenizer:
+    """Base class: ``encode(line) -> "piece piece ..."`` and ``decode(pieces) -> line``."""
+
+    #: options-dataclass field holding a model file -> that file's name inside a data-bin
+    model_files: ClassVar[Dict[str, str]] = {}
+    #: whether ``train`` can build a model from the train split (``--bpe-vocab-size``)
+    trainable: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def encode(self, line: str) -> str:
+        raise NotImplementedError
+
+    def decode(self, text: str) -> str:
+        raise NotImplementedError
+
+    def encode_lines(self, lines: List[str]) -> List[str]:
+        """Encode many lines at once (subclasses batch this into their library)."""
+        return [self.encode(line) for line in lines]
+
+    # --- building a data-bin ---------------------------------------------------------
+    @classmethod
+    def needs_training(cls, cfg: Any) -> bool:
+        """True when no model file was given and one must be trained on the train split."""
+        return False
+
+    @classmethod
+    def check_config(cls, cfg: Any, flag: str) -> None:
+        """Raise UserError (naming the flag) when the options cannot work."""
+        for field in cls.model_files:
+            path = getattr(cfg, field)
+            if path is not None and not os.path.isfile(path):
+                flag_name = "--" + field.replace("_", "-")
+                raise UserError(f"{flag_name} {path}: no such file; give the path of an existing model file")
+
+    @classmethod
+    def train(cls, cfg: Any, lines: Iterable[str], out_dir: str) -> Any:
+        """Train on ``lines``; save the model under ``out_dir``; return ``cfg`` pointing at it."""
+        raise NotImplementedError(f"{cls.__name__} cannot be trained here")
+
+
+def _import_tokenizers() -> None:
+    registry.import_submodules("toolkit.tokenizers")
+
+
+def tokenizer_names() -> List[str]:
+    _import_tokenizers()
+    return registry.TOKENIZER_REGISTRY.names()
+
+
+def tokenizer_class(name: str) -> type:
+    _import_tokenizers()
+    try:
+        return registry.TOKENIZER_REGISTRY.get(name).cls
+    except registry.UnknownComponentError as e:
+        raise UserError(str(e)) from None
+
+
+def make_config(name: str, values: Union[None, Mapping[str, Any], Any] = None) -> Any:
+    """The options dataclass of tokenizer ``name``, from a dict (unknown keys ignored) or as is."""
+    _import_tokenizers()
+    entry = registry.TOKENIZER_REGISTRY.get(name)
+    if values is not None and dataclasses.is_dataclass(values) and not isinstance(values, type):
+        return values
+    values = dict(values or {})
+    names = {f.name for f in dataclasses.fields(entry.config)}
+    return entry.config(**{k: v for k, v in values.items() if k in names})
+
+
+def build_tokenizer(name: str, cfg: Union[None, Mapping[str, Any], Any] = None) -> Tokenizer:
+    """An instance of the tokenizer registered as ``name``."""
+    cls = tokenizer_class(name)
+    return cls(make_config(name, cfg))
+
+
+def save_tokenizer_to_data_bin(name: str, cfg: Any, data_dir: str, origin: Optional[str] = None) -> Any:
+    """Copy the model files into ``data_dir`` (if not there yet) and write ``bpe.json``.
+
+    Returns the config with its file fields pointing at the copies.
+    """
+    cls = tokenizer_class(name)
+    cfg = make_config(name, cfg)
+    values = dataclasses.asdict(cfg)
+    files: Dict[str, str] = {}
+    sources: Dict[str, Optional[str]] = {}
+    for field, file_name in cls.model_files.items():
+        src = values[field]
+        if src is None:
+            raise UserError(f"--{field.replace('_', '-')}: required by --bpe {name}")
+        dst = os.path.join(data_dir, file_name)
+        if os.path.abspath(src) != os.path.abspath(dst):
+            shutil.copyfile(src, dst)
+            sources[field] = os.path.abspath(src)
+        else:
+            sources[field] = origin
+        files[field] = file_name
+        values[field] = dst
+    record = {
+        "bpe": name,
+        "files": files,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in files},
+        "source": sources,
+    }
+    with atomic_write(os.path.join(data_dir, BPE_JSON), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return make_config(name, values)
+
+
+def load_tokenizer_for_data_bin(data_dir: str) -> Optional[Tokenizer]:
+    """The tokenizer a data-bin was made with, or None when it was whitespace-tokenized."""
+    path = os.path.join(data_dir, BPE_JSON)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        name = record["bpe"]
+        values = dict(record.get("config", {}))
+        for field, file_name in record.get("files", {}).items():
+            values[field] = os.path.join(data_dir, file_name)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a tokenizer record written by toolkit-preprocess ({e}); "
+                        f"re-run toolkit-preprocess") from None
+    if name is None:
+        return None
+    return build_tokenizer(name, values)

@@ -1,0 +1,525 @@
+"""Text -> token ids, streamed in byte blocks and spread over worker processes.
+
+A file is cut into line-aligned byte ranges (one per worker, as fairseq's
+``find_offsets``); each range is read in blocks of complete lines
+(``BLOCK_BYTES``), so memory stays bounded whatever the file size. Per block the
+hot loop is one ``str.split`` and one C-level dict lookup per token: every
+``\n`` becomes `` </s> `` so one ``split`` gives the tokens of all lines with
+their end-of-sentence markers (fairseq's ``append_eos=True``), the ids go to the
+dataset builder as one array, and the item sizes come from the positions of
+``</s>``. Blocks holding a literal ``</s>`` take a per-line path instead.
+
+* train split (dictionary built here): ONE pass counts and binarizes. Ids are
+  handed out in order of first appearance (``ProvisionalEncoder``), the counts
+  are ``np.bincount`` of them, and each worker writes its range as an int32
+  part. Once ``dict.txt`` is finalized the parts are renumbered with one array
+  lookup per chunk while they are merged in order (``finish_provisional``).
+* other splits, or a given ``--srcdict``: the dictionary is known, so the ids
+  are final at once (``binarize_file``); workers write ``{prefix}.pt{i}`` parts
+  merged in order with ``MMapIndexedDatasetBuilder.merge_file_``.
+
+Either way the output does not depend on the number of workers. Lines are
+split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
+tokenized with ``str.split()`` (fairseq's ``tokenize_line``), and an empty line
+is an item holding only ``</s>``, as in fairseq.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
+from toolkit.errors import UserError
+
+BLOCK_BYTES = 2 << 20  # bytes of text handled per step: ~400k tokens, a few tens of MB of Python objects
+
+Progress = Optional[Callable[[int], Any]]
+TokenizerSpec = Optional[Tuple[str, Dict[str, Any]]]  # (registered --bpe name, its options as a dict)
+
+
+@dataclass
+class BinarizeSummary:
+    """Items, tokens (``</s>`` included) and tokens replaced by ``<unk>`` of one split."""
+
+    num_seq: int = 0
+    num_tok: int = 0
+    num_replaced: int = 0
+
+    @property
+    def replaced_percent(self) -> float:
+        return 100 * self.num_replaced / self.num_tok if self.num_tok else 0.0
+
+    def merge(self, other: "BinarizeSummary") -> "BinarizeSummary":
+        self.num_seq += other.num_seq
+        self.num_tok += other.num_tok
+        self.num_replaced += other.num_replaced
+        return self
+
+    def __str__(self) -> str:  # fairseq's wording and precision
+        return f"{self.num_seq} sents, {self.num_tok} tokens, {self.replaced_percent:.3}% replaced"
+
+
+# --- reading ------------------------------------------------------------------------------
+def _next_line_start(f, pos: int, size: int) -> int:
+    """The first line start at or after byte ``pos``."""
+    if pos <= 0:
+        return 0
+    f.seek(pos - 1)
+    scanned = pos - 1
+    while True:
+        block = f.read(1 << 16)
+        if not block:
+            return size
+        i = block.find(b"\n")
+        if i >= 0:
+            return scanned + i + 1
+        scanned += len(block)
+
+
+def find_offsets(path: str, num_chunks: int) -> List[int]:
+    """``num_chunks + 1`` byte offsets cutting ``path`` into line-aligned ranges of about equal size."""
+    size = os.path.getsize(path)
+    offsets = [0] * (num_chunks + 1)
+    offsets[-1] = size
+    with open(path, "rb") as f:
+        for i in range(1, num_chunks):
+            offsets[i] = max(offsets[i - 1], _next_line_start(f, size * i // num_chunks, size))
+    return offsets
+
+
+def line_number_at(path: str, offset: int) -> int:
+    """1-based number of the line holding byte ``offset``."""
+    lines = 0
+    with open(path, "rb") as f:
+        remaining = offset
+        while remaining > 0:
+            block = f.read(min(16 << 20, remaining))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            remaining -= len(block)
+    return lines + 1
+
+
+def _decode(path: str, data: bytes, offset: int, errors: str) -> str:
+    try:
+        text = data.decode("utf-8", errors)
+    except UnicodeDecodeError as e:
+        at = offset + e.start
+        bad = data[e.start:e.start + 4]
+        raise UserError(f"{path}, line {line_number_at(path, at)}: not valid UTF-8 (byte {at}: {bad!r}, {e.reason}); "
+                        f"fix or re-encode the file, or pass --encoding-errors replace to go on") from None
+    if "\r" in text:  # universal newlines, as Python's text files (and so fairseq) read lines
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not text.endswith("\n"):  # a last line without its newline is still a line
+        text += "\n"
+    return text
+
+
+def read_blocks(path: str, start: int = 0, end: Optional[int] = None, block_bytes: Optional[int] = None,
+                encoding_errors: str = "strict") -> Iterator[Tuple[str, int]]:
+    """Yield ``(text, nbytes)``: bytes ``[start, end)`` of ``path`` as text of whole lines, each ending in ``\\n``.
+
+    ``start`` must be a line start (``find_offsets``); a line longer than a block is read whole.
+    """
+    if end is None:
+        end = os.path.getsize(path)
+    block_bytes = block_bytes or BLOCK_BYTES
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos, carry = start, b""
+        while pos < end:
+            want = end - pos - len(carry)
+            data = f.read(min(block_bytes, want)) if want > 0 else b""
+            buf = carry + data if carry else data
+            if not buf:
+                break
+            if pos + len(buf) >= end or not data:
+                cut = len(buf)
+            else:
+                cut = buf.rfind(b"\n") + 1
+                if cut == 0:  # no line end yet: keep reading
+                    carry = buf
+                    continue
+            carry = buf[cut:]
+            yield _decode(path, buf[:cut] if cut < len(buf) else buf, pos, encoding_errors), cut
+            pos += cut
+
+
+def iter_lines(path: str, encoding_errors: str = "strict") -> Iterator[str]:
+    """Every line of ``path`` without its newline, streamed."""
+    for text, _ in read_blocks(path, encoding_errors=encoding_errors):
+        lines = text.split("\n")
+        lines.pop()
+        yield from lines
+
+
+# --- tokenizers --------------------------------------------------------------------------
+_TOKENIZERS: Dict[str, Any] = {}
+
+
+def get_tokenizer(spec: TokenizerSpec):
+    """The tokenizer for a spec, built once per process (None: whitespace)."""
+    if spec is None:
+        return None
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _TOKENIZERS:
+        from toolkit.tokenizers import build_tokenizer
+
+        _TOKENIZERS[key] = build_tokenizer(spec[0], spec[1])
+    return _TOKENIZERS[key]
+
+
+def apply_tokenizer(text: str, tokenizer) -> str:
+    """Encode each line of a block (lines end in ``\\n``) into space-separated pieces, keeping the lines."""
+    if tokenizer is None:
+        return text
+    lines = text.split("\n")
+    lines.pop()
+    encoded = tokenizer.encode_lines(lines)
+    out = "\n".join(encoded) + "\n"
+    if out.count("\n") != len(lines):  # a piece held a newline: keep one item per input line
+        out = "\n".join(e.replace("\n", " ") for e in encoded) + "\n"
+    return out
+
+
+# --- counting and binarizing a byte range --------------------------------------------------
+def count_range(path: str, start: int = 0, end: Optional[int] = None, tokenizer=None,
+                encoding_errors: str = "strict", progress: Progress = None) -> Counter:
+    """Token counts of the lines in bytes ``[start, end)`` (for building ``dict.txt``)."""
+    counts: Counter = Counter()
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
+        counts.update(apply_tokenizer(text, tokenizer).split())
+        if progress is not None:
+            progress(nbytes)
+    return counts
+
+
+class _UnkLookup(dict):
+    """word -> id; a missing word gives ``<unk>``'s id and is counted (fairseq's "replaced")."""
+
+    __slots__ = ("unk", "misses")
+
+    def __missing__(self, word: str) -> int:
+        self.misses += 1
+        return self.unk
+
+
+class BlockEncoder:
+    """Maps a block of lines to (ids, item sizes, tokens replaced by ``<unk>``) with a known dictionary."""
+
+    def __init__(self, dictionary, dtype=np.int32):
+        self.dtype = np.dtype(dtype)
+        if len(dictionary) > np.iinfo(self.dtype).max + 1:
+            raise ValueError(f"dtype {self.dtype} cannot hold {len(dictionary)} token ids")
+        self.lookup = _UnkLookup(dictionary.indices)
+        self.lookup.unk, self.lookup.misses = dictionary.unk_index, 0
+        self.eos, self.eos_word = dictionary.eos_index, dictionary.eos_word
+        # the fast path needs the literal eos word to map to the eos index
+        self.fast = dictionary.indices.get(self.eos_word) == self.eos
+        self.eos_sep = f" {self.eos_word} "
+
+    def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
+        getitem = self.lookup.__getitem__
+        misses_before = self.lookup.misses
+        if self.fast and self.eos_word not in text:
+            words = text.replace("\n", self.eos_sep).split()
+            ids = np.fromiter(map(getitem, words), dtype=self.dtype, count=len(words))
+            sizes = np.diff(np.flatnonzero(ids == self.eos), prepend=-1).astype(np.int32)
+        else:  # a literal </s> in the text: one line at a time
+            flat: List[int] = []
+            size_list: List[int] = []
+            lines = text.split("\n")
+            lines.pop()
+            for line in lines:
+                words = line.split()
+                flat += map(getitem, words)
+                flat.append(self.eos)
+                size_list.append(len(words) + 1)
+            ids = np.array(flat, dtype=self.dtype)
+            sizes = np.array(size_list, dtype=np.int32)
+        return ids, sizes, self.lookup.misses - misses_before
+
+
+def binarize_range(path: str, start: int, end: Optional[int], dictionary, builder: MMapIndexedDatasetBuilder,
+                   tokenizer=None, encoding_errors: str = "strict", progress: Progress = None) -> BinarizeSummary:
+    """Append the lines in bytes ``[start, end)`` to ``builder`` as items (``</s>`` appended)."""
+    encoder = BlockEncoder(dictionary, builder.dtype)
+    summary = BinarizeSummary()
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
+        ids, sizes, replaced = encoder.encode(apply_tokenizer(text, tokenizer))
+        builder.add_items(ids, sizes)
+        summary.num_seq += len(sizes)
+        summary.num_tok += len(ids)
+        summary.num_replaced += replaced
+        if progress is not None:
+            progress(nbytes)
+    return summary
+
+
+# --- train split: one pass for counts and ids ----------------------------------------------
+class ProvisionalEncoder:
+    """Ids in order of first appearance, so counting and binarizing take one pass over the text.
+
+    ``ids = map(vocab.__getitem__, words)`` on a ``defaultdict`` whose factory
+    hands out the next id runs in C; the counts are ``np.bincount`` of the ids.
+    Once ``dict.txt`` is known the ids are renumbered with one array lookup.
+    """
+
+    def __init__(self, eos_word: str = "</s>"):
+        self.vocab: Dict[str, int] = defaultdict(itertools.count().__next__)
+        self.eos_word = eos_word
+        self.eos_sep = f" {eos_word} "
+        self.eos = self.vocab[eos_word]  # every line ends with it, as the final ids end with </s>
+        self.counts = np.zeros(1024, dtype=np.int64)
+
+    def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
+        getitem = self.vocab.__getitem__
+        if self.eos_word not in text:
+            words = text.replace("\n", self.eos_sep).split()
+            ids = np.fromiter(map(getitem, words), dtype=np.int32, count=len(words))
+            sizes = np.diff(np.flatnonzero(ids == self.eos), prepend=-1).astype(np.int32)
+        else:  # a literal </s> in the text: one line at a time
+            flat: List[int] = []
+            size_list: List[int] = []
+            lines = text.split("\n")
+            lines.pop()
+            for line in lines:
+                words = line.split()
+                flat += map(getitem, words)
+                flat.append(self.eos)
+                size_list.append(len(words) + 1)
+            ids = np.array(flat, dtype=np.int32)
+            sizes = np.array(size_list, dtype=np.int32)
+        if len(self.vocab) > len(self.counts):
+            self.counts = np.concatenate([self.counts, np.zeros(max(len(self.vocab), 2 * len(self.counts))
+                                                                 - len(self.counts), dtype=np.int64)])
+        if len(ids):
+            found = np.bincount(ids)
+            self.counts[: len(found)] += found
+        return ids, sizes
+
+    def words(self) -> List[str]:
+        return list(self.vocab)  # insertion order is id order
+
+    def word_counts(self) -> np.ndarray:
+        return self.counts[: len(self.vocab)].copy()
+
+
+@dataclass
+class ProvisionalPart:
+    """One byte range of the train file, binarized with provisional ids (``prefix.bin/.idx``, int32)."""
+
+    prefix: str
+    words: List[str]
+    counts: np.ndarray  # occurrences of each word (the line ends included, as "</s>")
+    summary: BinarizeSummary = field(default_factory=BinarizeSummary)
+
+
+def provisional_range(path: str, start: int, end: Optional[int], out_prefix: str, tokenizer=None,
+                      encoding_errors: str = "strict", progress: Progress = None) -> ProvisionalPart:
+    encoder = ProvisionalEncoder()
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.int32)
+    summary = BinarizeSummary()
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
+        ids, sizes = encoder.encode(apply_tokenizer(text, tokenizer))
+        builder.add_items(ids, sizes)
+        summary.num_seq += len(sizes)
+        summary.num_tok += len(ids)
+        if progress is not None:
+            progress(nbytes)
+    builder.finalize(index_file_path(out_prefix))
+    return ProvisionalPart(out_prefix, encoder.words(), encoder.word_counts(), summary)
+
+
+def part_counts(parts: Sequence[ProvisionalPart]) -> Counter:
+    """The token counts of all parts (for ``Dictionary.add_counts``)."""
+    total: Counter = Counter()
+    for part in parts:
+        counts = dict(zip(part.words, part.counts.tolist()))
+        if not total:
+            total = Counter(counts)
+        else:
+            total.update(counts)
+    return total
+
+
+def finish_provisional(parts: Sequence[ProvisionalPart], out_prefix: str, dictionary, dtype) -> BinarizeSummary:
+    """Renumber the parts' ids with the final dictionary into ``{out_prefix}.bin/.idx``; delete the parts."""
+    dtype = np.dtype(dtype)
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype)
+    summary = BinarizeSummary()
+    get, unk = dictionary.indices.get, dictionary.unk_index
+    for part in parts:
+        remap = np.fromiter(map(get, part.words, itertools.repeat(unk)), dtype=np.int64, count=len(part.words))
+        replaced = remap == unk
+        if dictionary.unk_word in part.words:  # a literal <unk> is not a replacement (fairseq)
+            replaced[part.words.index(dictionary.unk_word)] = False
+        summary.merge(part.summary)
+        summary.num_replaced += int(part.counts[replaced].sum())
+        builder.merge_file_(part.prefix, remap=remap)
+        os.remove(data_file_path(part.prefix))
+        os.remove(index_file_path(part.prefix))
+    builder.finalize(index_file_path(out_prefix))
+    return summary
+
+
+# --- worker processes --------------------------------------------------------------------
+_worker_progress = None  # a shared byte counter, in worker processes
+
+
+def _init_worker(progress_value) -> None:
+    global _worker_progress
+    _worker_progress = progress_value
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+
+
+def _report(nbytes: int) -> None:
+    with _worker_progress.get_lock():
+        _worker_progress.value += nbytes
+
+
+def _count_task(path: str, start: int, end: int, spec: TokenizerSpec, encoding_errors: str) -> Counter:
+    return count_range(path, start, end, get_tokenizer(spec), encoding_errors, _report)
+
+
+def _binarize_task(path: str, start: int, end: int, dictionary, out_prefix: str, dtype: str,
+                   spec: TokenizerSpec, encoding_errors: str) -> BinarizeSummary:
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.dtype(dtype))
+    summary = binarize_range(path, start, end, dictionary, builder, get_tokenizer(spec), encoding_errors, _report)
+    builder.finalize(index_file_path(out_prefix))
+    return summary
+
+
+def _provisional_task(path: str, start: int, end: int, out_prefix: str, spec: TokenizerSpec,
+                      encoding_errors: str) -> ProvisionalPart:
+    return provisional_range(path, start, end, out_prefix, get_tokenizer(spec), encoding_errors, _report)
+
+
+class Workers:
+    """``--workers N``: N processes (none when N is 1), forked once and reused for every file.
+
+    Fork them before any tokenizer library starts threads (e.g. before training a BPE).
+    """
+
+    def __init__(self, num_workers: int):
+        self.num_workers = max(1, int(num_workers))
+        self.pool = None
+        if self.num_workers > 1:
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            self.progress = ctx.Value("q", 0)
+            # the children inherit this at fork time: no thread pools inside them, and no warning from
+            # HF tokenizers if this process already used its threads
+            previous = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                self.pool = ctx.Pool(self.num_workers, initializer=_init_worker, initargs=(self.progress,))
+            finally:
+                if previous is None:
+                    del os.environ["TOKENIZERS_PARALLELISM"]
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+    def run(self, func: Callable, tasks: Sequence[tuple], progress: Progress = None) -> list:
+        """``func(*task)`` for every task in the pool; results in task order; progress in bytes."""
+        with self.progress.get_lock():
+            self.progress.value = 0
+        result = self.pool.starmap_async(func, tasks, chunksize=1)
+        reported = 0
+        while not result.ready():
+            result.wait(0.2)
+            done = self.progress.value
+            if progress is not None and done > reported:
+                progress(done - reported)
+                reported = done
+        values = result.get()  # re-raises a worker's exception (e.g. UserError) here
+        if progress is not None and self.progress.value > reported:
+            progress(self.progress.value - reported)
+        return values
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+            self.pool = None
+
+    def terminate(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.terminate()
+
+
+# --- whole files ---------------------------------------------------------------------------
+def count_file(path: str, workers: Workers, tokenizer_spec: TokenizerSpec = None, encoding_errors: str = "strict",
+               progress: Progress = None) -> Counter:
+    """Token counts of a whole file, each worker counting one line-aligned range."""
+    if workers.num_workers == 1:
+        return count_range(path, 0, None, get_tokenizer(tokenizer_spec), encoding_errors, progress)
+    offsets = find_offsets(path, workers.num_workers)
+    tasks = [(path, s, e, tokenizer_spec, encoding_errors) for s, e in zip(offsets, offsets[1:])]
+    results = workers.run(_count_task, tasks, progress)
+    total = results[0]
+    for counts in results[1:]:
+        total.update(counts)
+    return total
+
+
+def worker_prefix(out_prefix: str, worker_id: int) -> str:
+    return f"{out_prefix}.pt{worker_id}"
+
+
+def binarize_file(path: str, out_prefix: str, dictionary, dtype, workers: Workers,
+                  tokenizer_spec: TokenizerSpec = None, encoding_errors: str = "strict",
+                  progress: Progress = None) -> BinarizeSummary:
+    """Write ``{out_prefix}.bin/.idx`` holding one item per line of ``path``."""
+    dtype = np.dtype(dtype)
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype)
+    if workers.num_workers == 1:
+        summary = binarize_range(path, 0, None, dictionary, builder, get_tokenizer(tokenizer_spec),
+                                 encoding_errors, progress)
+    else:
+        offsets = find_offsets(path, workers.num_workers)
+        parts = [worker_prefix(out_prefix, i) for i in range(workers.num_workers)]
+        tasks = [(path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors)
+                 for (s, e), part in zip(zip(offsets, offsets[1:]), parts)]
+        summary = BinarizeSummary()
+        for part_summary in workers.run(_binarize_task, tasks, progress):
+            summary.merge(part_summary)
+        for part in parts:
+            builder.merge_file_(part)
+            os.remove(data_file_path(part))
+            os.remove(index_file_path(part))
+    builder.finalize(index_file_path(out_prefix))
+    return summary
+
+
+def provisional_file(path: str, out_prefix: str, workers: Workers, tokenizer_spec: TokenizerSpec = None,
+                     encoding_errors: str = "strict", progress: Progress = None) -> List[ProvisionalPart]:
+    """First pass over the train file: counts and provisional ids, one part per worker (see ``finish_provisional``)."""
+    if workers.num_workers == 1:
+        return [provisional_range(path, 0, None, worker_prefix(out_prefix, 0), get_tokenizer(tokenizer_spec),
+                                  encoding_errors, progress)]
+    offsets = find_offsets(path, workers.num_workers)
+    tasks = [(path, s, e, worker_prefix(out_prefix, i), tokenizer_spec, encoding_errors)
+             for i, (s, e) in enumerate(zip(offsets, offsets[1:]))]
+    return workers.run(_provisional_task, tasks, progress)

@@ -1,0 +1,277 @@
+"""Language-model data -> a fairseq data-bin (``toolkit-preprocess``; fairseq-preprocess ``--only-source``).
+
+The data-bin holds ``dict.txt``, ``{train,valid,valid1,...,test,...}.{bin,idx}``
+(``--dataset-impl mmap``), ``preprocess.log`` and, with ``--bpe``, ``bpe.json``
+plus the tokenizer's model files. It is built in a temporary folder beside
+``--destdir`` and renamed into place only when everything succeeded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from toolkit.data.binarizer import (
+    BinarizeSummary,
+    Workers,
+    binarize_file,
+    count_file,
+    finish_provisional,
+    iter_lines,
+    part_counts,
+    provisional_file,
+)
+from toolkit.data.dictionary import Dictionary
+from toolkit.data.indexed_dataset import best_fitting_dtype
+from toolkit.errors import UserError
+from toolkit.fileio import atomic_directory
+
+logger = logging.getLogger("toolkit_cli.preprocess")
+
+LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+ENCODING_ERRORS = ("strict", "replace", "ignore")
+
+
+@dataclass
+class PreprocessConfig:
+    only_source: bool = field(default=False, metadata={
+        "help": "only process the source language: language-model data (the only mode here; accepted for "
+                "fairseq compatibility)"})
+    trainpref: Optional[str] = field(default=None, metadata={
+        "help": "train file (fairseq's train prefix; with --only-source it is the file itself)", "metavar": "FP"})
+    validpref: Optional[str] = field(default=None, metadata={
+        "help": "valid file(s), comma separated: they become valid, valid1, valid2, ...", "metavar": "FP"})
+    testpref: Optional[str] = field(default=None, metadata={
+        "help": "test file(s), comma separated: they become test, test1, test2, ...", "metavar": "FP"})
+    destdir: str = field(default="data-bin", metadata={"help": "destination folder", "metavar": "DIR"})
+    srcdict: Optional[str] = field(default=None, metadata={
+        "help": "reuse this dict.txt instead of building one from the train file", "metavar": "FP"})
+    thresholdsrc: int = field(default=0, metadata={
+        "help": "map words appearing fewer than this many times to <unk>", "metavar": "N"})
+    nwordssrc: int = field(default=-1, metadata={
+        "help": "number of dictionary entries to keep, the 4 special symbols included (-1: all)", "metavar": "N"})
+    padding_factor: int = field(default=8, metadata={
+        "help": "pad the dictionary size to a multiple of this (madeupwordNNNN fillers)", "metavar": "N"})
+    workers: int = field(default=1, metadata={"help": "number of parallel worker processes", "metavar": "N"})
+    dataset_impl: str = field(default="mmap", metadata={
+        "help": "output dataset implementation", "choices": ["mmap"], "metavar": "FORMAT"})
+    dict_only: bool = field(default=False, metadata={"help": "only build the dictionary, binarize nothing"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing, non-empty --destdir"})
+    encoding_errors: str = field(default="strict", metadata={
+        "help": "what to do with bytes that are not UTF-8: stop with an error (strict), put U+FFFD in their "
+                "place (replace) or drop them (ignore)", "choices": list(ENCODING_ERRORS), "metavar": "MODE"})
+    no_progress_bar: bool = field(default=False, metadata={"help": "disable the progress bars"})
+
+
+@dataclass
+class PreprocessResult:
+    destdir: str
+    num_types: int
+    summaries: Dict[str, BinarizeSummary]  # output split name (train, valid, valid1, ...) -> summary
+    timings: Dict[str, float]  # seconds: "bpe", "dictionary", then one entry per split
+
+
+def plan_splits(cfg: PreprocessConfig) -> List[Tuple[str, str, str]]:
+    """``(output name, flag, input file)`` for every split, in fairseq's naming (valid, valid1, ...)."""
+    splits = []
+    if cfg.trainpref:
+        splits.append(("train", "--trainpref", cfg.trainpref))
+    for kind, value in (("valid", cfg.validpref), ("test", cfg.testpref)):
+        if value:
+            for k, path in enumerate(p.strip() for p in value.split(",")):
+                if not path:
+                    raise UserError(f"--{kind}pref {value}: an empty name in the comma-separated list; "
+                                    f"give file paths separated by single commas")
+                splits.append((f"{kind}{k}" if k > 0 else kind, f"--{kind}pref", path))
+    return splits
+
+
+def _check_readable(flag: str, path: str, what: str = "file") -> None:
+    if not os.path.exists(path):
+        raise UserError(f"{flag} {path}: no such {what}; check the path")
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder; give the {what} itself")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot be read ({e.strerror}); check its permissions") from None
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str] = None,
+                 bpe_cfg: Any = None) -> None:
+    """Every problem that can be seen before any work starts, as one UserError."""
+    if cfg.dataset_impl != "mmap":
+        raise UserError(f"--dataset-impl {cfg.dataset_impl}: only mmap is supported")
+    if cfg.encoding_errors not in ENCODING_ERRORS:
+        raise UserError(f"--encoding-errors {cfg.encoding_errors}: choose one of {', '.join(ENCODING_ERRORS)}")
+    if cfg.workers < 1:
+        raise UserError(f"--workers {cfg.workers}: must be at least 1")
+    if not splits and not cfg.srcdict:
+        raise UserError("--trainpref: nothing to do; give --trainpref (and --validpref/--testpref) files")
+    if not cfg.srcdict and not cfg.trainpref:
+        raise UserError("--trainpref: needed to build the dictionary; give it, or give --srcdict DICT")
+    inputs = []
+    for _, flag, path in splits:
+        _check_readable(flag, path)
+        if os.path.getsize(path) == 0:
+            raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line "
+                            f"or leave out {flag}")
+        inputs.append(path)
+    if cfg.srcdict:
+        _check_readable("--srcdict", cfg.srcdict, "dictionary file")
+        inputs.append(cfg.srcdict)
+    if bpe is not None:
+        from toolkit.tokenizers import tokenizer_class
+
+        cls = tokenizer_class(bpe)
+        cls.check_config(bpe_cfg, f"--bpe {bpe}")
+        if cls.needs_training(bpe_cfg):
+            if not cfg.trainpref:
+                raise UserError(f"--bpe {bpe}: training a tokenizer needs --trainpref (or give a model file)")
+        else:
+            cls(bpe_cfg)  # load the given model files now, so a bad one is reported under its own path
+        inputs += [getattr(bpe_cfg, f) for f in cls.model_files if getattr(bpe_cfg, f)]
+    dest = cfg.destdir
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
+    if os.path.isdir(dest) and os.listdir(dest):
+        if not cfg.overwrite:
+            raise UserError(f"--destdir {dest}: folder exists and is not empty; pass --overwrite to replace "
+                            f"it, or choose another --destdir (e.g. {os.path.join(dest, 'NAME')})")
+        for path in inputs:
+            if _inside(path, dest):
+                raise UserError(f"--destdir {dest}: holds the input {path}, which --overwrite would delete; "
+                                f"move the input out or choose another --destdir")
+
+
+def _set_default_permissions(folder: str) -> None:
+    """Temporary files and folders are private (0600/0700); the data-bin gets the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~umask)
+
+
+def _progress_bar(cfg: PreprocessConfig, total: int, desc: str):
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                dynamic_ncols=True, disable=True if cfg.no_progress_bar else None)
+
+
+def _rate(n: int, seconds: float) -> str:
+    return f"{n / seconds / 1e6:.2f}M tokens/s" if seconds > 0 else "-"
+
+
+def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = None,
+               args: Any = None) -> PreprocessResult:
+    """Build the data-bin ``cfg.destdir``; raises UserError on bad input (and leaves no data-bin)."""
+    if bpe is not None:
+        from toolkit.tokenizers import make_config, tokenizer_class
+
+        try:
+            bpe_cfg = make_config(bpe, bpe_cfg if bpe_cfg is not None else {})
+        except Exception as e:  # unknown --bpe name
+            raise UserError(str(e)) from None
+        tokenizer_cls = tokenizer_class(bpe)
+    splits = plan_splits(cfg)
+    check_inputs(cfg, splits, bpe, bpe_cfg)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+    timings: Dict[str, float] = {}
+    summaries: Dict[str, BinarizeSummary] = {}
+    with atomic_directory(cfg.destdir) as tmp:
+        handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+        logger.addHandler(handler)
+        try:
+            # fork the workers first, before a tokenizer library starts threads in this process
+            with Workers(cfg.workers) as workers:
+                logger.info(args if args is not None else cfg)
+                spec = None
+                if bpe is not None:
+                    from toolkit.tokenizers import save_tokenizer_to_data_bin
+
+                    t0 = time.perf_counter()
+                    origin = None
+                    if tokenizer_cls.needs_training(bpe_cfg):
+                        logger.info(f"training the {bpe} tokenizer on {cfg.trainpref}")
+                        bpe_cfg = tokenizer_cls.train(bpe_cfg, iter_lines(cfg.trainpref, cfg.encoding_errors), tmp)
+                        origin = f"trained on {os.path.abspath(cfg.trainpref)}"
+                    bpe_cfg = save_tokenizer_to_data_bin(bpe, bpe_cfg, tmp, origin)
+                    spec = (bpe, dataclasses.asdict(bpe_cfg))
+                    timings["bpe"] = time.perf_counter() - t0
+                    logger.info(f"tokenizer: --bpe {bpe} ({os.path.join(cfg.destdir, 'bpe.json')})")
+
+                t0 = time.perf_counter()
+                first_pass = None  # the train split's provisional parts (counted and binarized in one pass)
+                if cfg.srcdict:
+                    vocab = Dictionary.load(cfg.srcdict)
+                    logger.info(f"[None] Dictionary: loaded {cfg.srcdict}")
+                else:
+                    path = cfg.trainpref
+                    desc = "dictionary" if cfg.dict_only else "train+dictionary"
+                    with _progress_bar(cfg, os.path.getsize(path), desc) as bar:
+                        if cfg.dict_only:
+                            counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update)
+                        else:
+                            first_pass = provisional_file(path, os.path.join(tmp, "train"), workers, spec,
+                                                          cfg.encoding_errors, bar.update)
+                            counts = part_counts(first_pass)
+                    vocab = Dictionary()
+                    vocab.add_counts(counts)
+                    n_counted = sum(counts.values())
+                    if first_pass:  # the line ends were counted as "</s>"
+                        n_counted -= sum(part.summary.num_seq for part in first_pass)
+                    del counts
+                    vocab.finalize(threshold=cfg.thresholdsrc, nwords=cfg.nwordssrc,
+                                   padding_factor=cfg.padding_factor)
+                    seconds = time.perf_counter() - t0
+                    how = "counted and binarized with provisional ids" if first_pass else "counted"
+                    logger.info(f"[None] Dictionary: {path}: {n_counted} tokens {how} in {seconds:.2f}s "
+                                f"({_rate(n_counted, seconds)}, {cfg.workers} workers)")
+                vocab.save(os.path.join(tmp, "dict.txt"))
+                timings["dictionary"] = time.perf_counter() - t0
+
+                if not cfg.dict_only:
+                    dtype = best_fitting_dtype(len(vocab))
+                    for name, _, path in splits:
+                        logger.info(f"[None] Dictionary: {len(vocab)} types")
+                        t0 = time.perf_counter()
+                        if name == "train" and first_pass is not None:
+                            # ids written in the counting pass: renumber them with dict.txt
+                            summary = finish_provisional(first_pass, os.path.join(tmp, name), vocab, dtype)
+                        else:
+                            with _progress_bar(cfg, os.path.getsize(path), name) as bar:
+                                summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
+                                                        cfg.encoding_errors, bar.update)
+                        timings[name] = seconds = time.perf_counter() - t0
+                        summaries[name] = summary
+                        logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
+                        if name == "train" and first_pass is not None:
+                            total = seconds + timings["dictionary"]
+                            logger.info(f"[None] {name}: ids renumbered in {seconds:.2f}s; dictionary + binarize "
+                                        f"took {total:.2f}s ({_rate(summary.num_tok, total)}, {cfg.workers} workers)")
+                        else:
+                            logger.info(f"[None] {name}: binarized in {seconds:.2f}s "
+                                        f"({_rate(summary.num_tok, seconds)}, {cfg.workers} workers)")
+                logger.info(f"Wrote preprocessed data to {cfg.destdir}")
+            _set_default_permissions(tmp)
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+    return PreprocessResult(cfg.destdir, len(vocab), summaries, timings)

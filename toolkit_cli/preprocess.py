@@ -1,0 +1,51 @@
+"""``toolkit-preprocess``: build a fairseq data-bin for language modeling.
+
+    toolkit-preprocess --only-source --trainpref wiki.train.tokens --validpref wiki.valid.tokens \\
+        --testpref wiki.test.tokens --destdir data-bin/wikitext-2 --workers 4
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from toolkit.data.preprocess import LOG_DATEFMT, LOG_FORMAT, PreprocessConfig, PreprocessResult, preprocess
+from toolkit.errors import UserError
+from toolkit.options import config_from_args, parse_with_components
+from toolkit.registry import TOKENIZER_REGISTRY
+
+PROG = "toolkit-preprocess"
+
+
+def _fail(message: str) -> None:
+    one_line = " ".join(str(message).split("\n"))
+    print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def main(argv: Optional[List[str]] = None) -> PreprocessResult:
+    args = parse_with_components(PROG, [PreprocessConfig], argv, selectors=(TOKENIZER_REGISTRY,), arch=False,
+                                 description="Build a fairseq data-bin (dict.txt + mmap .bin/.idx) for "
+                                             "language modeling.")
+    cfg = config_from_args(PreprocessConfig, args)
+    bpe_cfg = None
+    if args.bpe is not None:
+        bpe_cfg = config_from_args(TOKENIZER_REGISTRY.get(args.bpe).config, args)
+    return preprocess(cfg, args.bpe, bpe_cfg, args=args)
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT,
+                        level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout)
+    try:
+        main(argv)
+    except UserError as e:
+        _fail(str(e))
+    except OSError as e:  # e.g. disk full, permission denied on --destdir's parent
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        _fail(f"{where}{e.strerror or e}; check the path, its permissions and free space")
+
+
+if __name__ == "__main__":
+    cli_main()
