@@ -30,11 +30,11 @@ toolkit-preprocess --only-source --trainpref "$CORPUS/wiki.train.tokens" \
 
 toolkit-train "$DATA" --task language_modeling --arch transformer_lm \
   --decoder-layers 2 --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --decoder-attention-heads 4 \
-  --share-decoder-input-output-embed --dropout 0.1 \
+  --share-decoder-input-output-embed --dropout 0.2 \
   --tokens-per-sample 128 --batch-size 16 --optimizer adam --adam-betas "(0.9, 0.98)" \
   --lr 0.002 --lr-scheduler inverse_sqrt --warmup-updates 100 --warmup-init-lr 1e-07 --clip-norm 1.0 \
-  --max-update ${MAX_UPDATE:-1200} --log-format simple --log-interval 100 \
-  --save-dir "$SAVE" --no-epoch-checkpoints --validate-interval-updates 400 --save-interval-updates 400 \
+  --max-update ${MAX_UPDATE:-600} --log-format simple --log-interval 100 \
+  --save-dir "$SAVE" --no-epoch-checkpoints --validate-interval-updates 200 --save-interval-updates 200 \
   --tensorboard-logdir "runs/$NAME" --cpu
 
 toolkit-eval-lm "$DATA" --path "$SAVE/checkpoint_best.pt" --gen-subset test \
