@@ -36,10 +36,18 @@ def validate_args(args) -> None:
         raise UserError("give --max-tokens or --batch-size to size the batches")
     if args.fp16 and args.bf16:
         raise UserError("--fp16 and --bf16 conflict; choose one")
+    if args.memory_efficient_fp16 and args.bf16:
+        raise UserError("--memory-efficient-fp16 and --bf16 conflict; choose one")
     if args.memory_efficient_fp16:
         args.fp16 = True
     if args.cpu_offload and args.ddp_backend != "fully_sharded":
         raise UserError("--cpu-offload requires --ddp-backend fully_sharded")
+    if args.cpu_offload and args.optimizer != "cpu_adam":
+        raise UserError(f"--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host "
+                        f"memory by DeepSpeed's CPU Adam), got --optimizer {args.optimizer}; add --optimizer cpu_adam")
+    if args.cpu_offload and not (args.fp16 or args.bf16):
+        raise UserError("--cpu-offload requires mixed precision (fp32 master shards in host memory, fp16/bf16 "
+                        "compute on the device); add --fp16 (or --bf16)")
     if args.update_freq < 1:
         raise UserError(f"--update-freq must be >= 1, got {args.update_freq}")
     if args.max_update <= 0 and args.max_epoch <= 0 and args.stop_time_hours <= 0:

@@ -156,12 +156,48 @@ def check_compatible(path: str, state: Dict[str, Any], args, dictionary_size: in
                         f"but the data-bin's dict.txt has {dictionary_size}; use the same data-bin")
 
 
+ADAM_FAMILY = ("adam", "cpu_adam")  # same state layout (torch AdamW's): their states load into each other
+
+
+def adapt_optimizer_state(path: str, state: Dict[str, Any], optimizer: torch.optim.Optimizer, args) -> Dict[str, Any]:
+    """The saved optimizer state, ready for this run's optimizer.
+
+    Same ``--optimizer``: as saved. adam <-> cpu_adam: the per-parameter state (step and moments;
+    cpu_adam's fp16 moments with scales are expanded to fp32) with this run's hyperparameters,
+    since the two keep different param_group keys. Any other change: a UserError.
+    """
+    saved = state["last_optimizer_state"]
+    saved_name, name = state.get("optimizer_name"), getattr(args, "optimizer", None)
+    if saved_name is None or saved_name == name:
+        return saved
+    if saved_name not in ADAM_FAMILY or name not in ADAM_FAMILY:
+        raise UserError(f"{path}: optimizer state was saved by --optimizer {saved_name} but this run uses "
+                        f"--optimizer {name}; add --reset-optimizer to start a fresh optimizer state")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"{path}: optimizer state has {len(saved['param_groups'])} parameter groups, this run "
+                        f"{len(optimizer.param_groups)}; add --reset-optimizer")
+    groups = []
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": saved_group["params"]})
+    per_param = {}
+    for key, st in saved["state"].items():
+        st = dict(st)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            scale = st.pop(f"{moment}_scale", None)
+            if scale is not None:  # cpu_adam --fp16-adam-stats: fp16 values times one fp32 scale
+                st[moment] = st[moment].float() * scale.float()
+        per_param[key] = st
+    logger.info(f"optimizer state of --optimizer {saved_name} loaded into --optimizer {name} "
+                f"(steps and moments kept; hyperparameters from this run's flags)")
+    return {"state": per_param, "param_groups": groups}
+
+
 def load_into_trainer(path: str, state: Dict[str, Any], trainer, args) -> Dict[str, Any]:
     """Restore model (and optimizer unless --reset-optimizer); return the extra state."""
     set_model_state_dict(trainer.model, state["model"], options=FULL_STATE)
     if not args.reset_optimizer and "last_optimizer_state" in state:
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["last_optimizer_state"],
-                                 options=FULL_STATE)
+        optim_state = adapt_optimizer_state(path, state, trainer.optimizer, args)
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state, options=FULL_STATE)
     extra = state["extra_state"]
     trainer.load_extra_state(extra["trainer"], reset_lr_scheduler=args.reset_lr_scheduler)
     if not args.reset_meters and extra.get("metrics"):
@@ -191,6 +227,11 @@ def save_checkpoint(args, trainer, epoch_itr, val_loss: Optional[float], best: B
     if not names:
         return
     new_best = best.best if val_loss is None or not best.is_better(val_loss) else val_loss
+    if args.use_sharded_state:  # every rank writes its shard (DCP), see toolkit.checkpoint.sharded
+        from toolkit.checkpoint import sharded
+
+        sharded.save_checkpoint(args, trainer, epoch_itr, names, val_loss, new_best, env)
+        return
     state = build_checkpoint(args, trainer, epoch_itr.state_dict(), val_loss, new_best)
     if env.is_master:
         write_checkpoint(state, args.save_dir, names)
@@ -209,6 +250,12 @@ def load_latest(args, trainer, best: BestTracker) -> Optional[Dict[str, Any]]:
     Returns the data iterator's saved position, or None for a fresh start.
     """
     path = restore_path(args)
+    from toolkit.checkpoint import sharded  # sharded (DCP) folders and fairseq -shard{N}.pt sets
+
+    extra = sharded.load_latest(path, args, trainer)
+    if extra is not None:
+        best.best = extra.get("best")
+        return extra.get("train_iterator")
     if not os.path.exists(path):
         if args.restore_file != "checkpoint_last.pt":
             raise UserError(f"--restore-file {args.restore_file}: not found (looked for {path})")
@@ -217,4 +264,5 @@ def load_latest(args, trainer, best: BestTracker) -> Optional[Dict[str, Any]]:
     check_compatible(path, state, args, len(trainer.task.dictionary))
     extra = load_into_trainer(path, state, trainer, args)
     best.best = extra.get("best")
-    return extra.get("train_iterator")
+    return sharded.rescale_iterator_state(extra.get("train_iterator"), state.get("cfg", {}).get(
+        "distributed_world_size"), args.distributed_world_size)  # saved on another world size

@@ -1,0 +1,200 @@
+"""Per-rank training state and throughput: 1 process vs 2 ranks (DDP, FSDP2) on CPU.
+
+    python benchmarks/distributed.py                 # 4 layers x 256, 60 timed updates
+    python benchmarks/distributed.py --layers 8 --dim 512 --updates 20 --json out.json
+
+For each setting, every rank reports the bytes of the tensors it holds for training
+(its parameters' local shards, their gradients, the optimizer's state tensors), counted
+right after ``optimizer.step()`` and before ``zero_grad`` (when all three exist: their
+peak), its peak RSS, and the tokens/s of the whole run over the timed updates.
+
+Checks that FSDP2 (full_shard) on 2 ranks holds at most 55% of the one-process state per rank.
+On a machine with few cores, ranks share them: tokens/s then measures overhead, not scaling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SETTINGS = [  # (name, world size, flags)
+    ("1 process", 1, ["--ddp-backend", "c10d"]),
+    ("c10d (DDP) x2", 2, ["--ddp-backend", "c10d"]),
+    ("fully_sharded x2", 2, ["--ddp-backend", "fully_sharded"]),
+    ("fully_sharded x2 +ac", 2, ["--ddp-backend", "fully_sharded", "--checkpoint-activations"]),
+]
+
+
+def make_data_bin(dest: str, vocab: int = 500, tokens: int = 400_000, seed: int = 0) -> str:
+    """A synthetic data-bin (Zipf-distributed tokens) written with the toolkit's own Dictionary and builder."""
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+
+    os.makedirs(dest, exist_ok=True)
+    d = Dictionary()
+    for i in range(vocab):
+        d.add_symbol(f"w{i}")
+    d.save(os.path.join(dest, "dict.txt"))
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", tokens), ("valid", tokens // 20)):
+        ids = (rng.zipf(1.2, size=n) % vocab + d.nspecial).astype(np.int64)
+        lengths = rng.integers(8, 64, size=n // 30)
+        lengths = lengths[np.cumsum(lengths) <= n]
+        items, start = [], 0
+        for length in lengths:
+            items.append(np.append(ids[start:start + length - 1], d.eos()))
+            start += length
+        builder = MMapIndexedDatasetBuilder(os.path.join(dest, split + ".bin"), dtype=best_fitting_dtype(len(d)))
+        builder.add_items(np.concatenate(items), np.array([len(x) for x in items]))
+        builder.finalize(os.path.join(dest, split + ".idx"))
+    return dest
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    params = list({id(p): p for p in model.parameters()}.values())
+    out = {"params": sum(local_bytes(p) for p in params),
+           "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+           "optimizer": sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor))}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def worker(args) -> None:
+    """``main`` of every rank (spawned by toolkit's launcher, or run directly for one process)."""
+    import torch.distributed as dist
+
+    from toolkit import options
+    from toolkit.distributed.parallelize import build_model
+    from toolkit.distributed.utils import init_distributed
+    from toolkit.logging.setup import setup_logging
+    from toolkit.registry import TASK_REGISTRY
+    from toolkit.trainer import Trainer
+    from toolkit_cli.train import train_iterator
+
+    env = init_distributed(args)
+    setup_logging(None, rank=env.rank)
+    import logging
+
+    logging.getLogger().setLevel(logging.WARNING)
+    torch.manual_seed(args.seed)
+    entry = TASK_REGISTRY.get(args.task)
+    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
+    task.load_dataset(args.train_subset)
+    model, parallel = build_model(args, task, env)
+    trainer = Trainer(args, task, model, task.build_criterion(args), env, parallel)
+    peak: Dict[str, int] = {"total": 0}
+
+    def after_step(opt, *_):
+        counted = state_bytes(model, opt)
+        if counted["total"] > peak["total"]:
+            peak.update(counted)
+
+    trainer.optimizer.register_step_post_hook(after_step)
+    itr = train_iterator(args, task, env, epoch=1)
+    batches = itr.next_epoch_itr(shuffle=True)
+    warmup, timed = 3, args._timed_updates
+    tokens, t0 = 0.0, None
+    for i in range(warmup + timed):
+        if not batches.has_next():
+            batches = train_iterator(args, task, env, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
+        if i == warmup:
+            t0 = time.perf_counter()
+        totals = trainer.train_step([next(batches)])
+        if i >= warmup:
+            tokens += totals["ntokens"]  # summed over ranks
+    elapsed = time.perf_counter() - t0
+    result = {"rank": env.rank, "state": dict(peak), "tokens_per_s": tokens / elapsed,
+              "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    results: List[dict] = [result]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+    if env.rank == 0:
+        with open(args._out, "w") as f:
+            json.dump(results, f)
+
+
+def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Namespace, out: str) -> List[dict]:
+    from toolkit import options
+    from toolkit.config import TRAIN_CONFIGS
+    from toolkit.distributed import launch
+
+    argv = [data, "--task", "language_modeling", "--arch", "transformer_lm",
+            "--decoder-layers", str(cli.layers), "--decoder-embed-dim", str(cli.dim),
+            "--decoder-ffn-embed-dim", str(4 * cli.dim), "--decoder-attention-heads", str(max(cli.dim // 64, 1)),
+            "--dropout", "0", "--optimizer", "adam", "--lr", "0.0005", "--tokens-per-sample", str(cli.seq),
+            "--batch-size", str(cli.batch), "--num-workers", "0", "--cpu", "--no-save", "--disable-validation",
+            "--log-format", "none", "--distributed-world-size", str(world_size), *flags]
+    args = options.parse_with_components("toolkit-train", TRAIN_CONFIGS, argv)
+    args._out, args._timed_updates = out, cli.updates
+    launch.run(worker, args)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per update")
+    p.add_argument("--updates", type=int, default=60, help="timed updates (after 3 warm-up updates)")
+    p.add_argument("--data", default=None, help="a data-bin (default: a synthetic one in a temp folder)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    cli = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from toolkit import registry
+
+    registry.import_all_components()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = cli.data or make_data_bin(os.path.join(tmp, "bin"))
+        rows = []
+        for name, ws, flags in SETTINGS:
+            results = run_setting(data, ws, flags, cli, os.path.join(tmp, "result.json"))
+            rows.append((name, ws, results))
+    base = rows[0][2][0]["state"]["total"]
+    mib = 1 << 20
+    print(f"\nmodel: {cli.layers} layers x {cli.dim}, seq {cli.seq}, batch {cli.batch}/rank; "
+          f"CPU, {os.cpu_count()} cores shared by all ranks, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    print(f"{'setting':24} {'params':>9} {'grads':>9} {'optim':>9} {'state/rank':>11} {'vs 1 proc':>9} "
+          f"{'max RSS':>9} {'tokens/s':>10}")
+    summary = []
+    for name, ws, results in rows:
+        r = max(results, key=lambda x: x["state"]["total"])  # the rank holding the most
+        st = r["state"]
+        ratio = st["total"] / base
+        print(f"{name:24} {st['params'] / mib:8.1f}M {st['grads'] / mib:8.1f}M {st['optimizer'] / mib:8.1f}M "
+              f"{st['total'] / mib:10.1f}M {ratio:8.0%} {r['max_rss'] / mib:8.0f}M {results[0]['tokens_per_s']:10.0f}")
+        summary.append({"setting": name, "world_size": ws, "state_bytes_per_rank": st, "ratio_to_1proc": ratio,
+                        "max_rss": r["max_rss"], "tokens_per_s": results[0]["tokens_per_s"]})
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    fsdp = next(s for s in summary if s["setting"] == "fully_sharded x2")
+    ok = fsdp["ratio_to_1proc"] <= 0.55
+    print(f"\nfully_sharded x2 per-rank state = {fsdp['ratio_to_1proc']:.1%} of one process "
+          f"({'OK' if ok else 'FAIL'}: must be <= 55%)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Multi-process training on CPU (gloo, 2 processes): equivalence, sharding, checkpoints, faults.
+
+Every run is a real ``toolkit-train`` (``python -m toolkit_cli.train``) subprocess on a tiny
+model (2 layers, dim 32, vocab 128) except the worker programs in tests/dist_helpers.py.
+
+Losses are compared on the logged values (``--log-format json``, rounded to 3 decimals by
+fairseq's meters, so within one unit of the last place) and, at full precision, on the final
+parameters (relative difference under 1e-4) and in the strategies test.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests import dist_helpers as H
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+
+UPDATES = 20
+REL_TOL = 1e-4
+LOGGED_TOL = 1.01e-3  # one unit in the last logged place
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("dist") / "bin"))
+
+
+def train(data_bin, save_dir, *flags, env=None, timeout=240):
+    proc = H.run_cli([data_bin] + H.model_args(str(save_dir)) + list(flags), env=env, timeout=timeout)
+    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def baseline(data_bin, tmp_path_factory):
+    """One process, --update-freq 2: the global batch of two ranks with --update-freq 1."""
+    save = tmp_path_factory.mktemp("baseline")
+    proc = train(data_bin, save, "--max-update", str(UPDATES), "--update-freq", "2", "--disable-validation")
+    return {"losses": H.losses(proc.stdout), "ckpt": str(save / "checkpoint_last.pt")}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_bin, tmp_path_factory):
+    """Two ranks, FSDP2 full_shard, sharded checkpoints at update 10 and at the end."""
+    save = tmp_path_factory.mktemp("fsdp")
+    proc = train(data_bin, save, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                 "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "10",
+                 "--disable-validation")
+    return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout}
+
+
+def assert_logged_losses_match(got, want, updates):
+    assert sorted(got) == list(updates), f"updates logged: {sorted(got)}"
+    for u in updates:
+        assert abs(got[u] - want[u]) <= REL_TOL * abs(want[u]) + LOGGED_TOL, (u, got[u], want[u])
+
+
+def model_state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_params(a, b, tol=REL_TOL):
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k].double() - b[k].double()).norm() / max(b[k].double().norm().item(), 1e-12)
+        assert diff < tol, (k, float(diff))
+
+
+# --- equivalence -----------------------------------------------------------------------------
+
+def test_c10d_two_ranks_match_one_process(data_bin, baseline, tmp_path):
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                 "--ddp-backend", "c10d", "--disable-validation")
+    assert "training on 2 devices" in proc.stdout
+    assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"], range(1, UPDATES + 1))
+    assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+def test_fully_sharded_two_ranks_match_one_process(fsdp_run, baseline, tmp_path):
+    assert "fully_sharded: full_shard on mesh (2,)" in fsdp_run["stdout"]
+    assert_logged_losses_match(fsdp_run["losses"], baseline["losses"], range(1, UPDATES + 1))
+    # The sharded checkpoint, consolidated into one file, holds the same parameters as the 1-process run.
+    from toolkit_cli import consolidate
+
+    out = tmp_path / "consolidated.pt"
+    consolidate.cli_main([str(fsdp_run["dir"] / "checkpoint_last"), "-o", str(out)])
+    assert_same_params(model_state(out), model_state(baseline["ckpt"]))
+    state = torch.load(out, map_location="cpu", weights_only=True)
+    assert state["extra_state"]["trainer"]["num_updates"] == UPDATES
+    assert set(state["last_optimizer_state"]["state"]) == set(state["model"])
+    with pytest.raises(SystemExit):  # refuses to overwrite without --force
+        consolidate.cli_main([str(fsdp_run["dir"] / "checkpoint_last"), "-o", str(out)])
+
+
+def test_consolidated_checkpoint_loads_for_evaluation(fsdp_run, data_bin, tmp_path):
+    from toolkit import inference
+    from toolkit_cli import consolidate
+
+    out = tmp_path / "best.pt"
+    consolidate.cli_main([str(fsdp_run["dir"] / "checkpoint_1_10"), "-o", str(out), "--no-optimizer"])
+    assert not torch.distributed.is_initialized()
+    models, task, _ = inference.load_ensemble(str(out), data_bin, torch.device("cpu"))
+    tokens = torch.tensor([[2, 5, 6, 7]])
+    assert torch.isfinite(models[0](tokens)).all()
+
+
+def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, baseline, data_bin, tmp_path):
+    """Saved by 2 FSDP ranks at update 10, resumed by 1 plain process: the rest of the run is unchanged."""
+    shutil.copytree(fsdp_run["dir"] / "checkpoint_1_10", tmp_path / "checkpoint_last")
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--update-freq", "2", "--disable-validation")
+    assert "loaded sharded checkpoint" in proc.stdout and "saved on 2 ranks" in proc.stdout
+    assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"], range(11, UPDATES + 1))
+    assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+# --- every strategy ---------------------------------------------------------------------------
+
+def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
+    out = tmp_path / "strategies.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.dist_helpers", "strategies", data_bin, str(out)],
+                          cwd=H.REPO_ROOT, env=H.subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    results = json.loads(out.read_text())
+    # --update-freq: no gradient communication on the micro-batches before the last one
+    assert results.pop("_sync_skipped") == {"c10d": True, "no_c10d": True, "fully_sharded": True}
+    assert set(results) == set(H.STRATEGY_CONFIGS)
+    for name, r in results.items():
+        tol = 2e-2 if "bf16" in name else REL_TOL
+        for got, want in zip(r["losses"], r["reference"]["losses"]):
+            assert math.isfinite(got) and abs(got - want) <= tol * abs(want), (name, r["losses"], r["reference"])
+    total = results["full_shard+ac"]["param_numel"]
+    for name in ("full_shard+ac", "shard_grad_op", "hybrid_shard_zero2", "full_shard+cpu_offload+offload_act+no_reshard"):
+        assert results[name]["kind"] == "fsdp"
+        assert results[name]["local_param_numel"] <= 0.55 * total, name  # each rank holds half
+    assert results["full_shard+ac"]["mesh"] == [2]
+    assert results["no_shard"]["mesh"] == [2, 1] and results["no_shard"]["local_param_numel"] == total
+    assert results["hybrid_shard"]["mesh"] == [2, 1]  # --shard-group-size 1: replicate across the 2 "nodes"
+    assert results["hybrid_shard_zero2"]["mesh"] == [1, 2]  # default group: the ranks of this machine
+    assert "Replicate(), Shard(dim=0)" in results["hybrid_shard"]["placements"]
+    assert results["c10d+ac+offload_act"]["kind"] == "ddp" and results["no_c10d"]["kind"] == "no_c10d"
+
+
+# --- deferred initialization under a memory cap -----------------------------------------------
+
+MEM_MODEL = ["--decoder-layers", "12", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
+             "--decoder-attention-heads", "8"]  # 38M parameters: 152 MB fp32, ~600 MB with grads + Adam
+MEM_HEADROOM_MB = 480  # sharded on 2 ranks peaks at ~380 MB above the pre-model size; one process needs 600+
+
+
+def test_deferred_init_trains_a_model_one_process_cannot_hold(data_bin, tmp_path):
+    argv = [data_bin, "--task", "language_modeling", "--arch", "transformer_lm", *MEM_MODEL, "--dropout", "0",
+            "--optimizer", "adam", "--lr", "0.0001", "--batch-size", "2", "--tokens-per-sample", "16",
+            "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--max-update", "1",
+            "--disable-validation", "--no-save", "--save-dir", str(tmp_path)]
+    # Keep the address space close to live memory: few malloc arenas, large blocks mmapped and unmapped on free.
+    env = H.subprocess_env({"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+                            "TOOLKIT_KEEP_CPU_MEMORY": "0"})
+
+    def run(nprocs, *extra):
+        return subprocess.run([sys.executable, "-m", "tests.dist_helpers", "memcap", str(nprocs),
+                               str(MEM_HEADROOM_MB), "--", *argv, *extra], cwd=H.REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+
+    single = run(1)
+    assert single.returncode != 0, "one process should not fit the model + Adam state under the cap"
+    assert "can't allocate memory" in single.stdout + single.stderr
+    sharded = run(2, "--ddp-backend", "fully_sharded")
+    out = sharded.stdout + sharded.stderr
+    assert sharded.returncode == 0, out[-4000:]
+    assert out.count("finished under the cap") == 2 and "address space capped" in out
+    assert H.losses(sharded.stdout).get(1) is not None
+
+
+# --- two "nodes" through torchrun's c10d rendezvous -------------------------------------------
+
+def test_two_nodes_with_torchrun_rendezvous(data_bin, baseline, tmp_path):
+    port = H.free_port()
+    flags = [data_bin] + H.model_args(str(tmp_path)) + [
+        "--max-update", "10", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
+        "--disable-validation"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}",
+         "-m", "toolkit_cli.train", *flags], cwd=H.REPO_ROOT, env=H.subprocess_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    out = next(o for o in outs if "train_inner" in o)  # the node that got rank 0
+    assert "hybrid_shard on mesh (2, 1)" in out  # one rank per node: shard within the node, replicate across
+    assert_logged_losses_match(H.losses(out), baseline["losses"], range(1, 11))
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+def _start(data_bin, save_dir, *flags, env=None):
+    return subprocess.Popen([sys.executable, "-m", "toolkit_cli.train", data_bin] + H.model_args(str(save_dir))
+                            + list(flags), cwd=H.REPO_ROOT, env=H.subprocess_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+
+def _read_until(proc, predicate, timeout):
+    """Lines of ``proc`` until one satisfies ``predicate`` (returned with the time it was read) or EOF."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if predicate(line):
+            return lines, time.monotonic()
+    raise AssertionError("expected output did not come:\n" + "".join(lines[-50:]))
+
+
+def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin, baseline, tmp_path):
+    timeout = 10
+    proc = _start(data_bin, tmp_path, "--max-update", "1000", "--distributed-world-size", "2",
+                  "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "5",
+                  "--heartbeat-timeout", str(timeout), "--disable-validation",
+                  env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"})  # rank 1 dies inside its 2nd save (update 10)
+    try:
+        lines, t_kill = _read_until(proc, lambda l: "killing rank 1" in l, 180)
+        rest = proc.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode != 0
+    assert elapsed < timeout, f"the run took {elapsed:.1f} s to stop"
+    assert "rank 1 (pid" in out and "SIGKILL" in out, out[-2000:]
+    # checkpoint_last is still the complete save of update 5; the interrupted one is a temporary folder.
+    last = tmp_path / "checkpoint_last"
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert meta["extra_state"]["trainer"]["num_updates"] == 5
+    assert (last / ".metadata").exists()
+    assert not (tmp_path / "checkpoint_1_10").exists()
+    assert not (tmp_path / ".checkpoint_1_10.tmp" / ".metadata").exists()
+    # Resume (one process now) continues exactly where the last good checkpoint left off.
+    resumed = train(data_bin, tmp_path, "--max-update", "8", "--update-freq", "2", "--disable-validation")
+    assert "@ 5 updates" in resumed.stdout
+    assert_logged_losses_match(H.losses(resumed.stdout), baseline["losses"], range(6, 9))
+
+
+def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
+    timeout = 8
+    proc = _start(data_bin, tmp_path, "--max-update", "100000", "--distributed-world-size", "2",
+                  "--heartbeat-timeout", str(timeout), "--no-save", "--disable-validation")
+    pid = None
+    try:
+        lines, _ = _read_until(proc, lambda l: '"num_updates": "3"' in l, 180)
+        pid = int(next(l for l in lines if "rank 1: pid" in l).rsplit(" ", 1)[1])
+        os.kill(pid, signal.SIGSTOP)  # frozen: alive, holds its sockets, does nothing
+        t_stop = time.monotonic()
+        rest = proc.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - t_stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0
+    assert "rank 1" in rest and "no heartbeat" in rest, rest[-2000:]
+    assert elapsed < timeout + 3, f"the run took {elapsed:.1f} s to stop"
+
+
+# --- fairseq shard sets and data positions (in this process) ------------------------------------
+
+@pytest.fixture()
+def small_trainer(data_bin, tmp_path):
+    from toolkit.distributed.parallelize import build_model
+    from toolkit.distributed.utils import DistributedEnv
+    from toolkit.registry import TASK_REGISTRY
+    from toolkit.trainer import Trainer
+    from toolkit import options
+
+    args = H._parse_train_args([data_bin] + H.model_args(str(tmp_path)))
+    entry = TASK_REGISTRY.get(args.task)
+    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
+    model, parallel = build_model(args, task, DistributedEnv())
+    return args, Trainer(args, task, model, task.build_criterion(args), DistributedEnv(), parallel)
+
+
+def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tmp_path):
+    import argparse
+
+    from toolkit.checkpoint import checkpoint_utils as ckpt
+    from toolkit.errors import UserError
+
+    args, trainer = small_trainer
+    full = {k: torch.randn_like(v) for k, v in trainer.model.state_dict().items()}
+    for i in range(2):  # fairseq names (decoder.*), every shard holding the whole model
+        torch.save({"model": {"decoder." + k: v for k, v in full.items()},
+                    "optimizer_history": [{"num_updates": 7}],
+                    "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True}}},
+                   tmp_path / f"checkpoint_last-shard{i}.pt")
+    itr = ckpt.load_latest(args, trainer, ckpt.BestTracker(False))
+    assert trainer.num_updates == 7 and itr["iterations_in_epoch"] == 3
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, full[k])
+
+    def refused(files, match):
+        d = tmp_path / match.replace(" ", "_")
+        d.mkdir()
+        for i, state in files.items():
+            torch.save(state, d / f"ckpt-shard{i}.pt")
+        args.restore_file = str(d / "ckpt.pt")
+        with pytest.raises(UserError, match=match) as e:
+            ckpt.load_latest(args, trainer, ckpt.BestTracker(False))
+        assert "\n" not in str(e.value)
+
+    flat = {"model": {"decoder.layers.0._fsdp_wrapped_module.flat_param_0": torch.zeros(10)},
+            "shard_metadata": {"param_metadata": []}}
+    refused({0: flat, 1: flat}, "FSDP flat-parameter shards")
+    refused({0: {"args": argparse.Namespace(arch="x"), "model": full}}, "unsafe to load")
+    refused({0: {"model": {"decoder.embed_tokens.weight": full["embed_tokens.weight"]}}}, "names do not match")
+    refused({0: {"model": full}, 2: {"model": full}}, "shard 1 of 3 is missing")
+
+
+def test_data_position_moves_to_another_world_size():
+    from toolkit.distributed.utils import rescale_iterator_state
+
+    state = {"epoch": 2, "iterations_in_epoch": 10, "shuffle": True}
+    assert rescale_iterator_state(state, 2, 1)["iterations_in_epoch"] == 20
+    assert rescale_iterator_state(state, 2, 4)["iterations_in_epoch"] == 5
+    assert rescale_iterator_state(state, 2, 2) is state
+    assert rescale_iterator_state(None, 2, 1) is None

@@ -1,0 +1,276 @@
+"""Start the training processes: under torchrun, join; on one machine, spawn the workers ourselves.
+
+``toolkit-train --distributed-world-size N ...`` (not under torchrun) makes this
+process a small launcher, like torchrun's agent:
+
+- it hosts the rendezvous TCPStore (on a free port, or ``--distributed-port``) so the
+  store outlives any worker, and spawns N workers (``torch.multiprocessing``, start
+  method ``spawn``) with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/
+  ``MASTER_ADDR``/``MASTER_PORT`` set;
+- it watches them: when one exits with an error or is killed, it writes the reason to
+  the store's ``abort`` key (the other ranks' heartbeat threads stop them at once),
+  gives them a few seconds, kills what is left, names the rank that failed, and
+  exits non-zero. A rank that freezes is caught by the heartbeat (see
+  :mod:`toolkit.distributed.heartbeat`) within ``--heartbeat-timeout``.
+
+Under torchrun every process simply runs as one rank; torchrun's agent watches them.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from toolkit.distributed import heartbeat
+from toolkit.distributed.utils import shutdown, under_launcher
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+PROG = "toolkit-train"
+HOSTED_STORE_ENV = "TOOLKIT_LAUNCHER_STORE"  # "1": the launcher hosts the store; workers connect as clients
+
+
+def run(main: Callable, args) -> None:
+    """Run ``main(args)`` as this process's rank, or spawn ``--distributed-world-size`` workers."""
+    if under_launcher():
+        code = run_worker(main, args)
+        if code:
+            sys.exit(code)
+        return
+    nprocs = int(getattr(args, "distributed_world_size", 1) or 1)
+    if nprocs > 1:
+        code = spawn(main, args, nprocs)
+        if code:
+            sys.exit(code)
+        return
+    try:  # one process: errors go to the caller (toolkit-train prints UserError as one line)
+        main(args)
+    finally:
+        shutdown(ok=True)
+
+
+# --- one rank ----------------------------------------------------------------------------
+
+def _is_comm_error(e: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+        "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _wait_abort_message(seconds: float) -> str:
+    """The reason another rank (or the launcher) gave for stopping the run, if any arrives in time."""
+    hb = heartbeat._HEARTBEAT
+    if hb is None:
+        return ""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with hb._lock:
+                if hb.store.check([hb._abort_key]):
+                    return hb.store.get(hb._abort_key).decode()
+        except Exception:
+            return ""
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.1)
+
+
+def run_worker(main: Callable, args) -> int:
+    """One rank: run ``main``, turn failures into one clear message, leave the group cleanly. Returns the exit code."""
+    rank = _rank()
+    try:
+        main(args)
+    except (UserError, FloatingPointError) as e:
+        # Usually every rank hits the same error: rank 0 says it. Another rank's own error still
+        # reaches the user through the abort message the others print.
+        shutdown(ok=False, error=e)
+        if rank == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        shutdown(ok=False, error=KeyboardInterrupt("interrupted"))
+        return 130
+    except BaseException as e:  # noqa: B902 - report any failure, then exit non-zero
+        if isinstance(e, SystemExit) and not e.code:
+            shutdown(ok=True)
+            return 0
+        if _is_comm_error(e):
+            # Usually the consequence of another rank's failure: say which, if anyone knows.
+            interval = heartbeat._HEARTBEAT.interval if heartbeat._HEARTBEAT else 1.0
+            reason = _wait_abort_message(3 * interval + 1)
+            where = heartbeat.describe_ranks()
+            shutdown(ok=False, error=e)
+            if reason:
+                print(f"{PROG}: error: stopping rank {rank}: {reason}", file=sys.stderr, flush=True)
+            else:
+                print(f"{PROG}: error: rank {rank}: communication with the other ranks failed "
+                      f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                      + (f"; last heartbeats: {where}" if where else ""), file=sys.stderr, flush=True)
+            return 1
+        traceback.print_exc()
+        shutdown(ok=False, error=e)
+        return e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+    shutdown(ok=True)
+    return 0
+
+
+# --- the single-machine launcher -----------------------------------------------------------
+
+def _spawned_worker(index: int, main: Callable, args, nprocs: int, host: str, port: int,
+                    threads: Optional[int]) -> None:
+    """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
+    os.environ.update({
+        "RANK": str(index), "LOCAL_RANK": str(index), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": str(port), HOSTED_STORE_ENV: "1",
+    })
+    if threads:
+        torch.set_num_threads(threads)
+    from toolkit import registry  # a spawned process starts with empty registries
+
+    if getattr(args, "user_dir", None):
+        registry.import_user_module(args.user_dir)
+    registry.import_all_components()
+    code = run_worker(main, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        sys.exit(code)
+
+
+def _describe_exit(rank: int, proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} (pid {proc.pid}) was killed by {name}"
+    return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+
+
+def _threads_per_worker(nprocs: int) -> Optional[int]:
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None  # the user's choice, applied by torch at import
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def spawn(main: Callable, args, nprocs: int, host: str = "127.0.0.1") -> int:
+    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run."""
+    from toolkit.logging.setup import setup_logging
+
+    setup_logging(None, rank=0)
+    if torch.cuda.is_available() and not getattr(args, "cpu", False) and nprocs > torch.cuda.device_count():
+        raise UserError(f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
+                        f"(one process per GPU); lower it, or use --cpu")
+    port = int(getattr(args, "distributed_port", -1) or -1)
+    timeout = float(getattr(args, "heartbeat_timeout", 300) or 300)
+    store = dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    port = store.port
+    logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
+    ctx = torch.multiprocessing.start_processes(
+        _spawned_worker, args=(main, args, nprocs, host, port, _threads_per_worker(nprocs)),
+        nprocs=nprocs, join=False, start_method="spawn")
+    procs = ctx.processes
+    for rank, proc in enumerate(procs):
+        logger.info(f"rank {rank}: pid {proc.pid}")
+
+    stop_signal: List[int] = []
+
+    def forward(signum, _frame):
+        stop_signal.append(signum)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed = _watch(procs)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if stop_signal:  # interrupted (Ctrl-C, scancel): the workers got the signal too
+        _stop_all(procs, 5.0)
+        return 128 + stop_signal[0]
+    if failed is None:
+        return 0
+    rank = failed
+    reason = _describe_exit(rank, procs[rank])
+    killed = procs[rank].exitcode is not None and procs[rank].exitcode < 0
+    abort_key = heartbeat.abort_key()
+    if killed:  # nobody else knows yet: tell the other ranks' heartbeats
+        try:
+            store.compare_set(abort_key, "", reason)
+        except Exception:
+            pass
+    grace = max(2 * heartbeat.interval_for(timeout), 1.0)  # the others see the abort within one interval
+    _stop_all(procs, grace)
+    message = reason
+    if not killed:
+        try:  # a heartbeat's verdict (e.g. 'rank 1 sent no heartbeat') names the culprit better than an exit code
+            if store.check([abort_key]):
+                message = f"{store.get(abort_key).decode()} ({reason})"
+        except Exception:
+            pass
+    if " failed: UserError: " not in message:  # a bad flag or file: the workers said it already, once
+        print(f"{PROG}: error: {message}; stopped the other ranks", file=sys.stderr, flush=True)
+    for f in ctx.error_files:
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+    return 1
+
+
+def _watch(procs) -> Optional[int]:
+    """Wait until all workers exit (None) or one fails (its index; a killed one before one that errored)."""
+    sentinels = {p.sentinel: i for i, p in enumerate(procs)}
+    while sentinels:
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
+        exited = [sentinels.pop(s) for s in ready]
+        for i in exited:
+            procs[i].join()
+        bad = [i for i in exited if procs[i].exitcode != 0]
+        if bad:
+            bad.sort(key=lambda i: (procs[i].exitcode >= 0, i))
+            return bad[0]
+    return None
+
+
+def _stop_all(procs, grace: float) -> None:
+    """Give the others ``grace`` seconds to stop on their own (the abort reaches them), then kill them."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            try:
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
+            except OSError:
+                pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

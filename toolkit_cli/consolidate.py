@@ -1,0 +1,60 @@
+"""toolkit-consolidate: turn a sharded checkpoint (``--use-sharded-state``) into one ``.pt`` file.
+
+    toolkit-consolidate checkpoints/checkpoint_best            # -> checkpoints/checkpoint_best.pt
+    toolkit-consolidate checkpoints/checkpoint_last -o last.pt --no-optimizer
+
+The result is the checkpoint ``toolkit-train`` writes without ``--use-sharded-state``:
+``toolkit-eval-lm --path``, ``from_pretrained`` and ``--restore-file`` (any world
+size) load it. Runs in one process; no GPU and no process group needed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from toolkit.errors import UserError
+
+PROG = "toolkit-consolidate"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Consolidate a sharded (DCP) checkpoint into one file.")
+    p.add_argument("checkpoint", help="sharded checkpoint folder (e.g. checkpoints/checkpoint_last), "
+                                      "or its .pt name (checkpoints/checkpoint_last.pt)")
+    p.add_argument("-o", "--output", default=None,
+                   help="file to write (default: the folder's name + .pt, beside it)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="leave the optimizer state out (a smaller file for evaluation)")
+    p.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
+    return p
+
+
+def main(args: argparse.Namespace) -> str:
+    from toolkit.checkpoint import sharded
+
+    folder = sharded.find_sharded(args.checkpoint)
+    if folder is None:
+        raise UserError(f"{args.checkpoint}: no complete sharded checkpoint there (a folder with "
+                        f"{sharded.DCP_INDEX} and {sharded.META_FILE}, as toolkit-train --use-sharded-state writes)")
+    output = args.output or sharded.folder_name(os.path.normpath(args.checkpoint)) + ".pt"
+    if os.path.exists(output) and not args.force:
+        raise UserError(f"{output}: already exists; pass --force to overwrite it or -o to write elsewhere")
+    summary = sharded.consolidate(folder, output, include_optimizer=not args.no_optimizer)
+    print(f"{PROG}: wrote {output}: {summary['tensors']} tensors, {summary['params']} parameters"
+          f"{', optimizer state' if summary['optimizer'] else ''} (from {summary['world_size']} shards in {folder})")
+    return output
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        main(args)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli_main()
