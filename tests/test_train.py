@@ -112,10 +112,11 @@ def test_eval_lm_and_hub_agree(data_bin, reference_run):
                                                "--context-window", "16", "--batch-size", "4"])
     assert float(windowed.stdout.split("Loss (base 2): ")[1].split(",")[0]) < eval_loss
 
-    from toolkit.hub_utils import from_pretrained
     from toolkit.inference import score_stream
 
-    lm = from_pretrained(save, "checkpoint_best.pt", data_bin)
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    lm = TransformerLanguageModel.from_pretrained(save, "checkpoint_best.pt", data_bin)
     sentence = "the game was released in japan"
     scored = lm.score(sentence)
     direct = score_stream(list(lm.models), lm.encode(sentence), lm.dictionary.eos(), tokens_per_sample=32)
@@ -167,3 +168,28 @@ def test_bad_input(data_bin, tmp_path, reference_run):
     exploding = train(data_bin, str(tmp_path / "c"), "--max-update", "5", "--lr", "1e30",
                       "--lr-scheduler", "fixed", check=False)
     assert "non-finite" in _error_line(exploding)
+
+
+def test_hub_applies_the_data_bins_bpe(shakespeare_file, tmp_path):
+    """Raw text in, raw text out: the hub encodes with the sentencepiece model saved in the data-bin."""
+    with open(shakespeare_file, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    (tmp_path / "train.txt").write_text("\n".join(lines[:3000]) + "\n", encoding="utf-8")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[3000:3300]) + "\n", encoding="utf-8")
+    data = str(tmp_path / "bin")
+    prep = run_cli("toolkit_cli.preprocess", ["--only-source", "--trainpref", str(tmp_path / "train.txt"),
+                                              "--validpref", str(tmp_path / "valid.txt"), "--destdir", data,
+                                              "--bpe", "sentencepiece", "--bpe-vocab-size", "300",
+                                              "--no-progress-bar"])
+    assert prep.returncode == 0, prep.stderr
+    train(data, str(tmp_path / "ck"), "--max-update", "3")
+
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    lm = TransformerLanguageModel.from_pretrained(str(tmp_path / "ck"), "checkpoint_best.pt", data)
+    sentence = "First Citizen: we are accounted poor citizens"
+    ids = lm.encode(sentence)
+    assert len(ids) > len(sentence.split()) + 1  # sub-word pieces, then </s>
+    assert lm.dictionary.unk() not in ids.tolist()
+    assert lm.decode(ids) == sentence
+    assert math.isfinite(lm.score(sentence)["perplexity"])

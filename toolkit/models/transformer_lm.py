@@ -198,6 +198,14 @@ class TransformerLanguageModel(nn.Module):
             cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
+                        data_name_or_path: str = ".", **kwargs):
+        """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
+        from toolkit.hub_utils import from_pretrained
+
+        return from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+
     def max_positions(self) -> int:
         return self.max_target_positions
 
