@@ -1,0 +1,331 @@
+"""Training throughput and MFU of ``Trainer.train_step`` on synthetic tokens.
+
+    python benchmarks/train.py                                   # small: 4x256, FFN 1024, 4 heads, T 256, B 8, V 8192
+    python benchmarks/train.py --preset gpt3_small               # transformer_lm_gpt3_small, shorter run
+    python benchmarks/train.py --preset gpt3_xl --device cuda --bf16   # on a GPU
+    python benchmarks/train.py --arch transformer_lm --decoder-layers 2 ... # any toolkit-train model flags
+
+What runs is the real training path: the options are parsed by toolkit-train's parser,
+the model is built by ``toolkit.distributed.parallelize.build_model`` (meta device,
+materialize, ``init_weights``), the criterion by the task, and every step is one
+``Trainer.train_step([sample])`` (criterion forward, backward, gradient normalization
+and norm, AdamW step, zero_grad, LR schedule, metrics), inside the same
+``metrics.aggregate`` blocks and with the same throughput tracker as toolkit-train.
+Only the data is synthetic: uniformly random tokens, every row full (no padding),
+``B x T`` per step.
+
+``--warmup`` steps are run and discarded, then ``--steps`` steps are timed one by one.
+The time split comes from hooks on the same timed steps (no extra synchronization on
+CPU; CUDA events on GPU): forward = step start until the criterion returns the loss;
+backward = until the last parameter gradient is accumulated; grad norm = gradient
+normalization and clipping norm; optimizer = ``optimizer.step()``; other = the rest
+(zero_grad, LR schedule, logging).
+
+FLOPs per token are the model's own ``flops_per_token(T)`` = 6N + 12·L·d·T (N = weights in
+matmuls, output projection included). The peak is ``toolkit.logging.throughput.peak_flops``:
+what toolkit-train's MFU uses (the datasheet on known GPUs; on CPU the best rate of large
+square matmuls, ``measure_matmul_flops``). On CPU the same measurement is repeated after the
+timed steps and the higher of the two is used, so a neighbour process during the first one
+cannot inflate the MFU. MFU = tokens/s x FLOPs/token / peak, reported for the median step
+(the typical figure) and the fastest step (the least disturbed one on a shared machine).
+
+Prints a table and one JSON line (``"benchmark": "train_step"``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+PRESETS = {
+    # name: (toolkit-train model/batch flags, vocabulary size, warmup steps, timed steps)
+    "small": (["--arch", "transformer_lm", "--decoder-layers", "4", "--decoder-embed-dim", "256",
+               "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4",
+               "--tokens-per-sample", "256", "--batch-size", "8"], 8192, 3, 10),
+    "gpt3_small": (["--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "256", "--batch-size", "8"],
+                   8192, 1, 3),
+    # GPT-2 BPE dictionary as fairseq pads it (50264); sized for one 80 GB GPU without checkpointing.
+    "gpt3_xl": (["--arch", "transformer_lm_gpt3_xl", "--tokens-per-sample", "2048", "--batch-size", "4"],
+                50264, 3, 10),
+}
+PHASES = ("forward", "backward", "grad_norm", "optimizer", "other")
+
+
+def busy_cpu_seconds():
+    """CPU-seconds all processes have run since boot (/proc/stat), or None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
+        jiffies = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))
+        return jiffies / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--preset", choices=list(PRESETS), default="small",
+                    help="model and batch shape (default: small); later flags override it")
+    ap.add_argument("--vocab", type=int, default=None, help="dictionary size (specials included)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per preset)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: per preset)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 2 on CPU, torch's default on GPU)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast, as toolkit-train --bf16")
+    ap.add_argument("--fp16", action="store_true", help="fp16 autocast with loss scaling, as toolkit-train --fp16")
+    ap.add_argument("--profile", metavar="FILE", default=None,
+                    help="also write a torch.profiler table of one extra step to FILE")
+    ours, rest = ap.parse_known_args(argv)
+    preset_flags, vocab, warmup, steps = PRESETS[ours.preset]
+    ours.vocab = ours.vocab or vocab
+    ours.warmup = warmup if ours.warmup is None else ours.warmup
+    ours.steps = steps if ours.steps is None else ours.steps
+    train_argv = preset_flags + rest  # argparse keeps a flag's last value: the user's flags win
+    return ours, train_argv
+
+
+def build(ours, train_argv):
+    """Options through toolkit-train's parser; task, model, criterion, Trainer as toolkit-train builds them."""
+    from toolkit import options
+    from toolkit.config import TRAIN_CONFIGS
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.distributed.parallelize import build_model
+    from toolkit.distributed.utils import DistributedEnv
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+    from toolkit.trainer import Trainer
+
+    device = torch.device(ours.device)
+    argv = ["synthetic", "--task", "language_modeling", "--optimizer", "adam", "--lr", "1e-4",
+            "--num-workers", "0", "--seed", "1", *train_argv]
+    if device.type == "cpu":
+        argv.append("--cpu")
+    if ours.bf16:
+        argv.append("--bf16")
+    if ours.fp16:
+        argv.append("--fp16")
+    args = options.parse_with_components("toolkit-train", TRAIN_CONFIGS, argv)
+    if args.update_freq != 1:
+        raise SystemExit("benchmarks/train.py: --update-freq is not supported (one micro-batch per step)")
+    dictionary = Dictionary()
+    while len(dictionary) < ours.vocab:
+        dictionary.add_symbol(f"w{len(dictionary)}")
+    task = LanguageModelingTask(options.config_from_args(LanguageModelingConfig, args), dictionary)
+    torch.manual_seed(args.seed)
+    env = DistributedEnv(device=device)
+    model, parallel = build_model(args, task, env)
+    criterion = task.build_criterion(args)
+    trainer = Trainer(args, task, model, criterion, env, parallel)
+    return args, task, model, criterion, trainer
+
+
+def synthetic_sample(args, dictionary, device, seed: int = 0):
+    B, T = args.batch_size, args.tokens_per_sample
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (B, T + 1), generator=g)
+    return {
+        "id": torch.arange(B), "nsentences": B, "ntokens": B * T,
+        "net_input": {"src_tokens": tokens[:, :-1].contiguous().to(device),
+                      "src_lengths": torch.full((B,), T, dtype=torch.long)},
+        "target": tokens[:, 1:].contiguous().to(device),
+    }
+
+
+class PhaseTimer:
+    """Time marks inside ``train_step`` from hooks: criterion output, last gradient, optimizer step."""
+
+    def __init__(self, trainer, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = {}
+        self.handles = [
+            trainer.criterion.register_forward_hook(lambda *a: self.mark("forward")),
+            trainer.optimizer.register_step_pre_hook(lambda *a: self.mark("grad_norm")),
+            trainer.optimizer.register_step_post_hook(lambda *a: self.mark("optimizer")),
+        ]
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(lambda *a: self.mark("backward")))
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = self.marks.get(name)
+            if ev is None:
+                ev = self.marks[name] = torch.cuda.Event(enable_timing=True)
+            ev.record()  # re-recording keeps the latest (the last gradient for "backward")
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def split(self, start, end):
+        """Seconds per phase between ``start`` and ``end`` (marks, as recorded)."""
+        order = ["start", "forward", "backward", "grad_norm", "optimizer", "end"]
+        marks = dict(self.marks, start=start, end=end)
+        if self.cuda:
+            torch.cuda.synchronize()
+            t = [0.0]
+            for a, b in zip(order, order[1:]):
+                t.append(t[-1] + marks[a].elapsed_time(marks[b]) / 1e3)
+        else:
+            t = [marks[k] - marks["start"] for k in order]
+        return {ph: t[i + 1] - t[i] for i, ph in enumerate(PHASES)}
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def run_steps(trainer, sample, n: int, device: torch.device, phases: bool):
+    from toolkit.logging import metrics
+
+    timer = PhaseTimer(trainer, device) if phases else None
+    times, splits = [], []
+    with metrics.aggregate("train"):
+        for _ in range(n):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            if timer and not timer.cuda:
+                start = t0
+            with metrics.aggregate("train_inner"):
+                out = trainer.train_step([sample])
+            if device.type == "cuda":
+                end.record()
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            if timer and not timer.cuda:
+                end = t1
+            if out is None and phases:
+                raise RuntimeError("train_step skipped a timed update (fp16 overflow); add --warmup steps "
+                                   "or lower --fp16-init-scale")
+            metrics.reset_meters("train_inner")
+            times.append(t1 - t0)
+            if timer:
+                splits.append(timer.split(start, end))
+    if timer:
+        timer.remove()
+    return times, splits, out
+
+
+def main(argv=None):
+    ours, train_argv = parse(argv)
+    device = torch.device(ours.device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        ours.device = str(device)
+    threads = ours.threads or (2 if device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+
+    from toolkit.logging import metrics, throughput
+
+    args, task, model, criterion, trainer = build(ours, train_argv)
+    dtype = trainer.compute_dtype
+    fpt = model.flops_per_token(args.tokens_per_sample)
+    n_matmul = model.num_matmul_parameters()
+    n_params = sum(p.numel() for p in model.parameters())
+    peak = throughput.peak_flops(device, dtype)  # what toolkit-train's MFU is measured against
+    metrics.set_throughput_tracker(throughput.ThroughputTracker(fpt, peak, 1))
+    sample = synthetic_sample(args, task.dictionary, device)
+    tokens = sample["ntokens"]
+
+    run_steps(trainer, sample, ours.warmup, device, phases=False)
+    busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    times, splits, out = run_steps(trainer, sample, ours.steps, device, phases=True)
+    busy1, own1, wall1 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    # CPUs' worth of other processes' work during the timed steps (this process's own CPU time excluded)
+    others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
+    if ours.profile:
+        from torch.profiler import profile, ProfilerActivity
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts, record_shapes=True) as prof:
+            run_steps(trainer, sample, 1, device, phases=False)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(ours.profile, "w") as f:
+            f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60))
+    if device.type == "cpu":
+        # The same measurement again after the run, the higher of the two counts: a neighbour
+        # process during either one lowers the peak, which would inflate the MFU.
+        peak_after = throughput.measure_matmul_flops(device, dtype)
+        peak_used = max(peak, peak_after)
+    else:
+        peak_after = peak_used = peak
+    load_after = os.getloadavg()
+
+    med, best = statistics.median(times), min(times)
+
+    def figures(step_s):
+        tps = tokens / step_s
+        return {"step_ms": 1e3 * step_s, "tokens_per_s": tps, "achieved_tflops": tps * fpt / 1e12,
+                "mfu": throughput.mfu(tps * fpt, peak_used)}
+
+    res = {"median": figures(med), "best": figures(best)}
+    split = {ph: statistics.median(s[ph] for s in splits) for ph in PHASES}
+    split_total = sum(split.values())
+    cfg = model.cfg
+    desc = (f"{args.arch}: L={cfg.decoder_layers} d={cfg.decoder_embed_dim} H={cfg.decoder_attention_heads} "
+            f"ffn={cfg.decoder_ffn_embed_dim} T={args.tokens_per_sample} B={args.batch_size} V={len(task.dictionary)} "
+            f"{str(dtype).replace('torch.', '')} on {device}"
+            + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else f" ({torch.cuda.get_device_name(device)})"))
+    print(desc)
+    print(f"params {n_params / 1e6:.2f}M, matmul params N {n_matmul / 1e6:.2f}M, "
+          f"FLOPs/token {fpt / 1e6:.1f}M (6N + 12LdT), {tokens} tokens/step, "
+          f"warmup {ours.warmup}, timed steps {ours.steps}, final loss {out['loss'] / tokens / 0.6931:.3f} bits")
+    if device.type == "cpu":
+        how = f"best matmul rate, measured {peak / 1e9:.1f} before and {peak_after / 1e9:.1f} GFLOP/s after the run"
+    else:
+        how = "toolkit.logging.throughput.peak_flops"
+    print(f"peak {peak_used / 1e12:.3f} TFLOP/s ({how}); "
+          f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} on {os.cpu_count()} CPUs"
+          + ("" if others is None else f"; other processes used {others:.2f} CPUs during the timed steps"))
+    print(f"{'':<8}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}")
+    for k, r in res.items():
+        m = "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}"
+        print(f"{k:<8}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{r['achieved_tflops']:>10.4f}{m:>8}")
+    # Other processes' CPU use during the timed steps (the load average also counts this benchmark
+    # and lags by a minute, so it is only the fallback).
+    cpus = os.cpu_count() or 1
+    if others is not None:
+        busy = device.type == "cpu" and others > 0.25
+    else:
+        busy = device.type == "cpu" and load_before[0] > cpus - threads + 1.0
+    if busy or any(r["mfu"] is not None and r["mfu"] > 1 for r in res.values()):
+        print("WARNING: other processes were using the CPUs; the step times and the measured peak are both "
+              "disturbed, so these figures (MFU especially) are unreliable: rerun when the machine is idle")
+    print("time split (median over timed steps): " + ", ".join(
+        f"{ph} {1e3 * split[ph]:.1f} ms ({100 * split[ph] / split_total:.0f}%)" for ph in PHASES))
+    print(json.dumps({
+        "benchmark": "train_step", "preset": ours.preset, "arch": args.arch, "layers": cfg.decoder_layers,
+        "embed_dim": cfg.decoder_embed_dim, "heads": cfg.decoder_attention_heads,
+        "ffn_dim": cfg.decoder_ffn_embed_dim, "tokens_per_sample": args.tokens_per_sample,
+        "batch_size": args.batch_size, "vocab": len(task.dictionary), "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "params": n_params, "matmul_params": n_matmul, "flops_per_token": fpt, "tokens_per_step": tokens,
+        "warmup": ours.warmup, "steps": ours.steps, "peak_flops": peak_used, "peak_flops_before": peak,
+        "peak_flops_after": peak_after,
+        "tokens_per_s": res["median"]["tokens_per_s"], "achieved_flops": res["median"]["achieved_tflops"] * 1e12,
+        "mfu": res["median"]["mfu"], "best_tokens_per_s": res["best"]["tokens_per_s"], "best_mfu": res["best"]["mfu"],
+        "step_ms_all": [round(1e3 * t, 2) for t in times],
+        "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
+        "loadavg_before": load_before[0], "loadavg_after": load_after[0], "other_cpus_busy": others, "machine_busy": busy,
+    }))
+
+
+if __name__ == "__main__":
+    main()
