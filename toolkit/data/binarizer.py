@@ -213,6 +213,29 @@ class _UnkLookup(dict):
         return self.unk
 
 
+def encode_block(text: str, lookup, eos: int, eos_word: str, dtype, fast: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """Ids and item sizes of a block of whole lines (each ending in "\\n"), ``</s>`` after each line.
+
+    The fast path turns newlines into ``</s>`` and maps all words in one C-level pass;
+    a literal ``</s>`` in the text would then split a line, so such blocks go line by line.
+    """
+    if fast and eos_word not in text:
+        words = text.replace("\n", f" {eos_word} ").split()
+        ids = np.fromiter(map(lookup, words), dtype=dtype, count=len(words))
+        sizes = np.diff(np.flatnonzero(ids == eos), prepend=-1).astype(np.int32)
+        return ids, sizes
+    flat: List[int] = []
+    size_list: List[int] = []
+    lines = text.split("\n")
+    lines.pop()
+    for line in lines:
+        words = line.split()
+        flat += map(lookup, words)
+        flat.append(eos)
+        size_list.append(len(words) + 1)
+    return np.array(flat, dtype=dtype), np.array(size_list, dtype=np.int32)
+
+
 class BlockEncoder:
     """Maps a block of lines to (ids, item sizes, tokens replaced by ``<unk>``) with a known dictionary."""
 
@@ -225,27 +248,11 @@ class BlockEncoder:
         self.eos, self.eos_word = dictionary.eos_index, dictionary.eos_word
         # the fast path needs the literal eos word to map to the eos index
         self.fast = dictionary.indices.get(self.eos_word) == self.eos
-        self.eos_sep = f" {self.eos_word} "
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
-        getitem = self.lookup.__getitem__
         misses_before = self.lookup.misses
-        if self.fast and self.eos_word not in text:
-            words = text.replace("\n", self.eos_sep).split()
-            ids = np.fromiter(map(getitem, words), dtype=self.dtype, count=len(words))
-            sizes = np.diff(np.flatnonzero(ids == self.eos), prepend=-1).astype(np.int32)
-        else:  # a literal </s> in the text: one line at a time
-            flat: List[int] = []
-            size_list: List[int] = []
-            lines = text.split("\n")
-            lines.pop()
-            for line in lines:
-                words = line.split()
-                flat += map(getitem, words)
-                flat.append(self.eos)
-                size_list.append(len(words) + 1)
-            ids = np.array(flat, dtype=self.dtype)
-            sizes = np.array(size_list, dtype=np.int32)
+        ids, sizes = encode_block(text, self.lookup.__getitem__, self.eos, self.eos_word, self.dtype,
+                                  fast=self.fast)
         return ids, sizes, self.lookup.misses - misses_before
 
 
@@ -277,28 +284,11 @@ class ProvisionalEncoder:
     def __init__(self, eos_word: str = "</s>"):
         self.vocab: Dict[str, int] = defaultdict(itertools.count().__next__)
         self.eos_word = eos_word
-        self.eos_sep = f" {eos_word} "
         self.eos = self.vocab[eos_word]  # every line ends with it, as the final ids end with </s>
         self.counts = np.zeros(1024, dtype=np.int64)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
-        getitem = self.vocab.__getitem__
-        if self.eos_word not in text:
-            words = text.replace("\n", self.eos_sep).split()
-            ids = np.fromiter(map(getitem, words), dtype=np.int32, count=len(words))
-            sizes = np.diff(np.flatnonzero(ids == self.eos), prepend=-1).astype(np.int32)
-        else:  # a literal </s> in the text: one line at a time
-            flat: List[int] = []
-            size_list: List[int] = []
-            lines = text.split("\n")
-            lines.pop()
-            for line in lines:
-                words = line.split()
-                flat += map(getitem, words)
-                flat.append(self.eos)
-                size_list.append(len(words) + 1)
-            ids = np.array(flat, dtype=np.int32)
-            sizes = np.array(size_list, dtype=np.int32)
+        ids, sizes = encode_block(text, self.vocab.__getitem__, self.eos, self.eos_word, np.int32)
         if len(self.vocab) > len(self.counts):
             self.counts = np.concatenate([self.counts, np.zeros(max(len(self.vocab), 2 * len(self.counts))
                                                                  - len(self.counts), dtype=np.int64)])
