@@ -17,7 +17,6 @@ import torch
 from toolkit import options, registry
 from toolkit.checkpoint.checkpoint_utils import check_compatible, load_checkpoint_file
 from toolkit.errors import UserError
-from toolkit.models.init import init_weights
 
 
 def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
@@ -39,7 +38,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     with torch.device("meta"):
         model = entry.cls.build_model(options.config_from_args(entry.config, args), task)
     model.to_empty(device=device)
-    init_weights(model, 0)  # buffers; every parameter is overwritten next
+    model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "

@@ -172,8 +172,8 @@ def _safe_len(iterable: Iterable) -> Optional[int]:
         return None
 
 
-class JsonProgressBar(BaseProgressBar):
-    """One JSON object per line: ``{"epoch": 1, "update": 0.25, "loss": "3.2", ...}``."""
+class IntervalProgressBar(BaseProgressBar):
+    """A bar that writes a line every ``log_interval`` updates and tracks its position for them."""
 
     def __init__(self, iterable, epoch=None, prefix=None, log_interval=1000):
         super().__init__(iterable, epoch, prefix)
@@ -186,6 +186,10 @@ class JsonProgressBar(BaseProgressBar):
         for i, obj in enumerate(self.iterable, start=self.n):
             self.i = i
             yield obj
+
+
+class JsonProgressBar(IntervalProgressBar):
+    """One JSON object per line: ``{"epoch": 1, "update": 0.25, "loss": "3.2", ...}``."""
 
     def log(self, stats, tag=None, step=None):
         step = step or self.i or 0
@@ -228,20 +232,8 @@ class NoopProgressBar(BaseProgressBar):
         pass
 
 
-class SimpleProgressBar(BaseProgressBar):
+class SimpleProgressBar(IntervalProgressBar):
     """Plain lines for non-terminals: ``epoch 001:    100 / 1000 loss=3.2, ppl=9.19, ...``."""
-
-    def __init__(self, iterable, epoch=None, prefix=None, log_interval=1000):
-        super().__init__(iterable, epoch, prefix)
-        self.log_interval = log_interval
-        self.i: Optional[int] = None
-        self.size: Optional[int] = None
-
-    def __iter__(self):
-        self.size = _safe_len(self.iterable)
-        for i, obj in enumerate(self.iterable, start=self.n):
-            self.i = i
-            yield obj
 
     def log(self, stats, tag=None, step=None):
         step = step or self.i or 0
