@@ -101,7 +101,7 @@ def build(ours, train_argv):
     from toolkit.config import TRAIN_CONFIGS
     from toolkit.data.dictionary import Dictionary
     from toolkit.distributed.parallelize import build_model
-    from toolkit.distributed.utils import DistributedEnv
+    from toolkit.distributed.utils import DistributedEnv, init_distributed
     from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
     from toolkit.trainer import Trainer
 
@@ -122,7 +122,12 @@ def build(ours, train_argv):
         dictionary.add_symbol(f"w{len(dictionary)}")
     task = LanguageModelingTask(options.config_from_args(LanguageModelingConfig, args), dictionary)
     torch.manual_seed(args.seed)
-    env = DistributedEnv(device=device)
+    if args.ddp_backend == "fully_sharded":
+        # FSDP2 needs a process group even for one rank: the one toolkit-train makes.
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+        env = init_distributed(args)
+    else:
+        env = DistributedEnv(device=device)
     model, parallel = build_model(args, task, env)
     criterion = task.build_criterion(args)
     trainer = Trainer(args, task, model, criterion, env, parallel)
@@ -167,7 +172,10 @@ class PhaseTimer:
 
     def split(self, start, end):
         """Seconds per phase between ``start`` and ``end`` (marks, as recorded)."""
-        order = ["start", "forward", "backward", "grad_norm", "optimizer", "end"]
+        # A mark that never fired (FSDP2 assigns sharded gradients after reduce-scatter, so the
+        # per-parameter hooks do not run) counts as zero time: its phase goes to the next one.
+        order = [k for k in ("start", "forward", "backward", "grad_norm", "optimizer", "end")
+                 if k in ("start", "end") or k in self.marks]
         marks = dict(self.marks, start=start, end=end)
         if self.cuda:
             torch.cuda.synchronize()
@@ -176,7 +184,15 @@ class PhaseTimer:
                 t.append(t[-1] + marks[a].elapsed_time(marks[b]) / 1e3)
         else:
             t = [marks[k] - marks["start"] for k in order]
-        return {ph: t[i + 1] - t[i] for i, ph in enumerate(PHASES)}
+        at = dict(zip(order, t))
+        out, prev = {}, 0.0
+        for ph in PHASES:
+            key = "end" if ph == "other" else ph
+            if key in at:
+                out[ph], prev = at[key] - prev, at[key]
+            else:
+                out[ph] = 0.0
+        return out
 
     def remove(self):
         for h in self.handles:
@@ -187,7 +203,7 @@ def run_steps(trainer, sample, n: int, device: torch.device, phases: bool):
     from toolkit.logging import metrics
 
     timer = PhaseTimer(trainer, device) if phases else None
-    times, splits = [], []
+    times, splits, peaks = [], [], []
     with metrics.aggregate("train"):
         for _ in range(n):
             if device.type == "cuda":
@@ -209,13 +225,16 @@ def run_steps(trainer, sample, n: int, device: torch.device, phases: bool):
             if out is None and phases:
                 raise RuntimeError("train_step skipped a timed update (fp16 overflow); add --warmup steps "
                                    "or lower --fp16-init-scale")
+            gb_free = metrics.get_smoothed_values("train_inner").get("gb_free")  # the step's peak (CUDA only)
+            if gb_free is not None:
+                peaks.append(torch.cuda.get_device_properties(device).total_memory / 2 ** 30 - gb_free)
             metrics.reset_meters("train_inner")
             times.append(t1 - t0)
             if timer:
                 splits.append(timer.split(start, end))
     if timer:
         timer.remove()
-    return times, splits, out
+    return times, splits, out, peaks
 
 
 def main(argv=None):
@@ -245,7 +264,7 @@ def main(argv=None):
 
     run_steps(trainer, sample, ours.warmup, device, phases=False)
     busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    times, splits, out = run_steps(trainer, sample, ours.steps, device, phases=True)
+    times, splits, out, peaks = run_steps(trainer, sample, ours.steps, device, phases=True)
     busy1, own1, wall1 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     # CPUs' worth of other processes' work during the timed steps (this process's own CPU time excluded)
     others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
@@ -255,9 +274,11 @@ def main(argv=None):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts, record_shapes=True) as prof:
             run_steps(trainer, sample, 1, device, phases=False)
-        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        sorts = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
         with open(ours.profile, "w") as f:
-            f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60))
+            for sort in sorts:  # on GPU also by CPU time: host-side work (offloaded optimizer, syncs) shows there
+                f.write(f"sorted by {sort}\n")
+                f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=45) + "\n")
     if device.type == "cpu":
         # The same measurement again after the run, the higher of the two counts: a neighbour
         # process during either one lowers the peak, which would inflate the MFU.
@@ -307,6 +328,11 @@ def main(argv=None):
     if busy or any(r["mfu"] is not None and r["mfu"] > 1 for r in res.values()):
         print("WARNING: other processes were using the CPUs; the step times and the measured peak are both "
               "disturbed, so these figures (MFU especially) are unreliable: rerun when the machine is idle")
+    peak_gib = max(peaks) if peaks else None
+    if peak_gib is not None:
+        print(f"peak GPU memory allocated during a step: {peak_gib:.2f} GiB "
+              f"(of {torch.cuda.get_device_properties(device).total_memory / 2 ** 30:.1f}; reserved by the caching "
+              f"allocator: {torch.cuda.max_memory_reserved(device) / 2 ** 30:.2f} GiB)")
     print("time split (median over timed steps): " + ", ".join(
         f"{ph} {1e3 * split[ph]:.1f} ms ({100 * split[ph] / split_total:.0f}%)" for ph in PHASES))
     print(json.dumps({
@@ -323,6 +349,9 @@ def main(argv=None):
         "mfu": res["median"]["mfu"], "best_tokens_per_s": res["best"]["tokens_per_s"], "best_mfu": res["best"]["mfu"],
         "step_ms_all": [round(1e3 * t, 2) for t in times],
         "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
+        "ddp_backend": args.ddp_backend, "checkpoint_activations": bool(args.checkpoint_activations),
+        "peak_gpu_gib": peak_gib,
+        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else None,
         "loadavg_before": load_before[0], "loadavg_after": load_after[0], "other_cpus_busy": others, "machine_busy": busy,
     }))
 

@@ -123,11 +123,15 @@ def _train_updates(args, env, updates: int, update_freq: int) -> Dict:
     model, parallel = build_model(args, task, env)
     trainer = Trainer(args, task, model, task.build_criterion(args), env, parallel)
     itr = train_iterator(args, task, env, epoch=1).next_epoch_itr(shuffle=True)
-    out = {"losses": []}
+    from toolkit.logging import metrics
+
+    out = {"losses": [], "grad_norms": []}
     for _ in range(updates):
         samples = [next(itr) for _ in range(update_freq)]
-        totals = trainer.train_step(samples)
+        with metrics.aggregate(new_root=True) as agg:
+            totals = trainer.train_step(samples)
         out["losses"].append(float(totals["loss"]) / float(totals["sample_size"]) / math.log(2))
+        out["grad_norms"].append(float(agg.get_smoothed_values()["gnorm"]))
     params = list({id(p): p for p in model.parameters()}.values())
     out["local_param_numel"] = sum(local_tensor(p).numel() for p in params)
     out["param_numel"] = sum(p.numel() for p in params)

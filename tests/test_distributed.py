@@ -141,6 +141,9 @@ def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
         tol = 2e-2 if "bf16" in name else REL_TOL
         for got, want in zip(r["losses"], r["reference"]["losses"]):
             assert math.isfinite(got) and abs(got - want) <= tol * abs(want), (name, r["losses"], r["reference"])
+        # the gradient norm is over all shards once: replicas (no_shard, hybrid) are not counted twice
+        for got, want in zip(r["grad_norms"], r["reference"]["grad_norms"]):
+            assert abs(got - want) <= max(10 * tol * abs(want), 2e-3), (name, r["grad_norms"], r["reference"]["grad_norms"])
     total = results["full_shard+ac"]["param_numel"]
     for name in ("full_shard+ac", "shard_grad_op", "hybrid_shard_zero2", "full_shard+cpu_offload+offload_act+no_reshard"):
         assert results[name]["kind"] == "fsdp"
@@ -345,3 +348,12 @@ def test_data_position_moves_to_another_world_size():
     assert rescale_iterator_state(state, 2, 4)["iterations_in_epoch"] == 5
     assert rescale_iterator_state(state, 2, 2) is state
     assert rescale_iterator_state(None, 2, 1) is None
+
+
+def test_backend_is_nccl_on_gpus_gloo_on_cpus_and_both_for_cpu_offload():
+    from toolkit.distributed.utils import default_backend
+
+    assert default_backend(torch.device("cpu")) == "gloo"
+    assert default_backend(torch.device("cpu"), cpu_offload=True) == "gloo"
+    assert default_backend(torch.device("cuda", 0)) == "nccl"
+    assert default_backend(torch.device("cuda", 0), cpu_offload=True) == "cuda:nccl,cpu:gloo"

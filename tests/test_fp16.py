@@ -315,21 +315,40 @@ def test_memory_efficient_fp16_trains_resumes_and_keeps_fp32_state(data_bin, tmp
         assert losses[update] == pytest.approx(fp16.losses()[update], rel=2e-3), update
 
 
-def test_adam_and_cpu_adam_checkpoints_resume_each_other(data_bin, tmp_path):
+def test_memory_efficient_fp16_accumulates_micro_batches_like_fp16(data_bin, tmp_path):
+    # --update-freq 2: the fp16 gradients of two micro-batches add up (scaled) before the fp32 step
+    args = ("--update-freq", "2", "--max-update", "6", "--no-save")
+    mefp16 = train(data_bin, str(tmp_path / "me"), "--memory-efficient-fp16", *args)
+    fp16 = train(data_bin, str(tmp_path / "fp16"), "--fp16", *args)
+    assert sorted(mefp16.losses()) == list(range(1, 7))
+    for update in range(1, 7):
+        assert mefp16.losses()[update] == pytest.approx(fp16.losses()[update], rel=2e-3), update
+    assert [r["bsz"] for r in mefp16.records("train_inner")] == [r["bsz"] for r in fp16.records("train_inner")]
+
+
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+def test_adam_and_cpu_adam_checkpoints_resume_each_other(data_bin, tmp_path, layout):
     save = str(tmp_path / "switch")
-    train(data_bin, save, "--max-update", "3")
-    to_cpu_adam = train(data_bin, save, "--optimizer", "cpu_adam", "--max-update", "6")
+    flags = ["--ddp-backend", "fully_sharded", "--use-sharded-state"] if layout == "sharded" else []
+    train(data_bin, save, "--max-update", "3", *flags)
+    if layout == "sharded":
+        assert os.path.isdir(os.path.join(save, "checkpoint_last"))
+    to_cpu_adam = train(data_bin, save, "--optimizer", "cpu_adam", "--max-update", "6", *flags)
     assert "optimizer state of --optimizer adam loaded into --optimizer cpu_adam" in to_cpu_adam.stdout
-    back = train(data_bin, save, "--optimizer", "adam", "--max-update", "8")
+    back = train(data_bin, save, "--optimizer", "adam", "--max-update", "8", *flags)
     assert "optimizer state of --optimizer cpu_adam loaded into --optimizer adam" in back.stdout
     assert sorted(back.losses()) == [7, 8]
     # the moments really carried over: the same as never switching (DeepSpeed's AdamW == torch's up to rounding)
-    straight = train(data_bin, str(tmp_path / "straight"), "--max-update", "8", "--no-save")
+    straight = train(data_bin, str(tmp_path / "straight"), "--max-update", "8", "--no-save", *flags)
     for update in (4, 5, 6):
         assert to_cpu_adam.losses()[update] == pytest.approx(straight.losses()[update], rel=1e-4), update
     for update in (7, 8):
         assert back.losses()[update] == pytest.approx(straight.losses()[update], rel=1e-4), update
-    sgd = train(data_bin, save, "--optimizer", "sgd", "--max-update", "9", check=False)
+    if layout == "sharded":
+        fp16_stats = train(data_bin, save, "--optimizer", "cpu_adam", "--fp16-adam-stats", "--max-update", "9",
+                           *flags, check=False)
+        assert fp16_stats.returncode == 1 and "run toolkit-consolidate" in fp16_stats.stderr
+    sgd = train(data_bin, save, "--optimizer", "sgd", "--max-update", "9", *flags, check=False)
     assert sgd.returncode == 1
     assert sgd.stderr.strip().endswith("optimizer state was saved by --optimizer adam but this run uses "
                                        "--optimizer sgd; add --reset-optimizer to start a fresh optimizer state")
@@ -433,7 +452,7 @@ def _worker(mode: str, update: int, argv) -> None:
 
     Trainer.__init__ = trainer_init
     if mode == "shard":
-        Trainer._clip_grad_norm = poison_shard(Trainer._clip_grad_norm)
+        Trainer._normalize_and_clip = poison_shard(Trainer._normalize_and_clip)
         Trainer._scaled_grad_norm = poison_shard(Trainer._scaled_grad_norm)
     else:
         CrossEntropyCriterion.forward = poisoned_forward

@@ -85,7 +85,8 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     distributed_world_size: int = opt(1, "number of processes; on one machine toolkit-train spawns them")
-    distributed_backend: Optional[str] = opt(None, "process group backend (default: nccl on GPU, gloo on CPU)",
+    distributed_backend: Optional[str] = opt(None, "process group backend (default: nccl on GPU, gloo on CPU, "
+                                             "NCCL plus gloo for host-memory shards under --cpu-offload)",
                                              choices=["nccl", "gloo"])
     distributed_port: int = opt(-1, "port for the spawned processes' rendezvous (-1: pick a free one)")
     ddp_backend: str = opt("c10d", "data parallel backend", choices=["c10d", "fully_sharded", "no_c10d"])

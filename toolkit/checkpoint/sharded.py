@@ -254,15 +254,40 @@ def check_compatible(folder: str, meta: Dict[str, Any], args, trainer) -> None:
                         f"but the data-bin's dict.txt has {size}; use the same data-bin")
 
 
+def optimizer_switch(folder: str, meta: Dict[str, Any], args, trainer) -> bool:
+    """Whether the saved optimizer state is another optimizer's that loads into this one (adam <-> cpu_adam).
+
+    Both keep torch AdamW's per-parameter layout (step, exp_avg, exp_avg_sq), so the state
+    loads as is; their param_group keys differ, so those come from this run. fp16 moments
+    (``--fp16-adam-stats``) are stored with scales that a plain load would not apply.
+    """
+    from toolkit.checkpoint.checkpoint_utils import ADAM_FAMILY
+
+    saved, name = meta.get("optimizer_name"), args.optimizer
+    if saved in (None, name):
+        return False
+    if saved not in ADAM_FAMILY or name not in ADAM_FAMILY:
+        raise UserError(f"{folder}: optimizer state was saved by --optimizer {saved} but this run uses "
+                        f"--optimizer {name}; add --reset-optimizer to start a fresh optimizer state")
+    saved_fp16 = any(k.endswith("_scale") and k.startswith("optim.state.") for k in tensor_shapes(folder))
+    if saved_fp16 or getattr(trainer.optimizer, "fp16_adam_stats", False):
+        raise UserError(f"{folder}: switching between --optimizer {saved} and {name} with --fp16-adam-stats "
+                        f"goes through a consolidated checkpoint: run toolkit-consolidate {folder} and pass "
+                        f"the .pt to --restore-file, or add --reset-optimizer")
+    return True
+
+
 def load_sharded(folder: str, args, trainer) -> Dict[str, Any]:
     """Restore model, optimizer (unless --reset-optimizer) and trainer state from a DCP folder; any world size."""
     meta = read_meta(folder)
     check_compatible(folder, meta, args, trainer)
     load_optimizer = not args.reset_optimizer and meta.get("has_optimizer_state", False)
-    if load_optimizer and meta.get("optimizer_name") not in (None, args.optimizer):
-        raise UserError(f"{folder}: checkpoint has {meta['optimizer_name']} optimizer state but this run uses "
-                        f"--optimizer {args.optimizer}; add --reset-optimizer")
+    switching = load_optimizer and optimizer_switch(folder, meta, args, trainer)
     state = _sharded_state(trainer, load_optimizer)
+    groups = None
+    if switching:  # per-parameter state from the checkpoint, hyperparameters from this run's flags
+        groups = state["optim"]["param_groups"]
+        state["optim"] = {"state": state["optim"]["state"]}
     try:
         dcp.load(state, checkpoint_id=folder)
     except Exception as e:
@@ -270,7 +295,11 @@ def load_sharded(folder: str, args, trainer) -> Dict[str, Any]:
         raise UserError(f"{folder}: cannot load the sharded checkpoint ({type(e).__name__}: {first})") from None
     set_model_state_dict(trainer.model, state["model"])
     if load_optimizer:
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+        optim = state["optim"] if groups is None else {"state": state["optim"]["state"], "param_groups": groups}
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim)
+        if switching:
+            logger.info(f"optimizer state of --optimizer {meta['optimizer_name']} loaded into --optimizer "
+                        f"{args.optimizer} (steps and moments kept; hyperparameters from this run's flags)")
     extra = meta["extra_state"]
     trainer.load_extra_state(extra["trainer"], reset_lr_scheduler=args.reset_lr_scheduler)
     if not args.reset_meters and extra.get("metrics"):

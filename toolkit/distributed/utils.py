@@ -62,8 +62,16 @@ def pick_device(cpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def default_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
+    """NCCL on GPUs, gloo on CPUs; both under ``--cpu-offload`` on GPUs.
+
+    With CPU offload the sharded parameters and gradients (DTensors) live in host memory,
+    so the gradient-norm reduction, the optimizer's overflow checks and the gathering of a
+    consolidated checkpoint run collectives on CPU tensors: those go to gloo, the rest to NCCL.
+    """
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 def pg_timeout(args) -> datetime.timedelta:
@@ -104,8 +112,11 @@ def init_distributed(args) -> DistributedEnv:
         raise UserError(f"--distributed-world-size {requested} but the launcher started {world_size} processes "
                         f"(WORLD_SIZE); drop --distributed-world-size under torchrun")
     device = pick_device(getattr(args, "cpu", False), local_rank)
-    backend = getattr(args, "distributed_backend", None) or default_backend(device)
-    if backend == "nccl" and device.type != "cuda":
+    backend = getattr(args, "distributed_backend", None) or default_backend(
+        device, cpu_offload=bool(getattr(args, "cpu_offload", False)))
+    if backend == "nccl" and device.type == "cuda" and getattr(args, "cpu_offload", False):
+        backend = default_backend(device, cpu_offload=True)  # host-memory shards need gloo beside NCCL
+    if "nccl" in backend and device.type != "cuda":
         raise UserError("--distributed-backend nccl needs GPUs; use gloo (the default without GPUs)")
     args.distributed_world_size = world_size
     env = DistributedEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,

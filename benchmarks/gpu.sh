@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU checks and figures the issues ask for, on a machine with one NVIDIA GPU.
+#
+#   bash benchmarks/gpu.sh [STEP ...]        # default: smoke xl offload
+#
+# Steps (each runs on its own, under a time limit, and the script goes on if one fails):
+#   smoke    tiny models through every GPU path of toolkit-train: fp16 (dynamic loss scaling),
+#            bf16, memory-efficient fp16, fully_sharded with activation checkpointing and
+#            offload, --cpu-offload with cpu_adam (consolidated and sharded checkpoints,
+#            save, resume, toolkit-consolidate, toolkit-eval-lm)
+#   xl       benchmarks/train.py on transformer_lm_gpt3_xl (tokens/s, MFU, peak GPU memory):
+#            xl_bf16 and xl_fp16 without a wrapper, xl_fsdp bf16 under fully_sharded
+#   offload  transformer_lm_gpt3_2_7 with --ddp-backend fully_sharded --cpu-offload
+#            --optimizer cpu_adam --fp16 --checkpoint-activations, 20 updates (fairseq's
+#            13B-on-one-GPU recipe: batch 8 x 2048 tokens), under benchmarks/peak_memory.py
+#   offload_6_7 / offload_13   the same for transformer_lm_gpt3_6_7 / _13 (host memory is the
+#            limit: parameters, gradients and Adam state take 16 bytes per parameter)
+#   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
+#   profile  torch.profiler tables of one gpt3_xl step and one offloaded 2.7B step
+#
+# Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job),
+# GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt),
+# TOOLKIT_PY (python, default python3).
+set -u
+cd "$(dirname "$0")/.."
+DATA=${DATA:-data-bin/wikitext-2-mini}
+LOG=${GPU_LOG_DIR:-runs/gpu}
+PY=${TOOLKIT_PY:-python3}
+CK=$(mktemp -d /tmp/toolkit-gpu.XXXXXX)
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TRAIN="$PY -m toolkit_cli.train"
+EVAL="$PY -m toolkit_cli.eval_lm"
+CONSOLIDATE="$PY -m toolkit_cli.consolidate"
+
+if [ ! -f "$DATA/dict.txt" ]; then
+  echo "benchmarks/gpu.sh: no data-bin at $DATA (run the main job first, or set DATA)" >&2
+  exit 1
+fi
+
+# run NAME LIMIT_S CMD...: the command's output to $LOG/NAME.log (and the screen), status to summary.txt
+run() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG/$name.log"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG/summary.txt"
+  return "$rc"
+}
+
+TINY=(--task language_modeling --arch transformer_lm --decoder-layers 2 --decoder-embed-dim 128
+      --decoder-ffn-embed-dim 512 --decoder-attention-heads 4 --tokens-per-sample 128 --batch-size 16
+      --optimizer adam --lr 0.001 --log-format json --log-interval 10 --num-workers 0 --no-epoch-checkpoints)
+OFFLOAD=(--ddp-backend fully_sharded --cpu-offload --optimizer cpu_adam --fp16 --checkpoint-activations)
+
+smoke() {
+  run smoke_fp16 150 $TRAIN "$DATA" "${TINY[@]}" --fp16 --max-update 30 --save-dir "$CK/fp16" &&
+    run smoke_fp16_eval 120 $EVAL "$DATA" --path "$CK/fp16/checkpoint_last.pt" --tokens-per-sample 128 --batch-size 16
+  run smoke_bf16_fsdp_ac 150 $TRAIN "$DATA" "${TINY[@]}" --bf16 --ddp-backend fully_sharded \
+    --checkpoint-activations --offload-activations --max-update 30 --save-dir "$CK/bf16"
+  run smoke_mefp16 150 $TRAIN "$DATA" "${TINY[@]}" --memory-efficient-fp16 --max-update 30 --save-dir "$CK/mefp16"
+  for kind in consolidated sharded; do
+    local extra=() dir="$CK/offload_$kind"
+    [ $kind = sharded ] && extra=(--use-sharded-state)
+    run "smoke_offload_$kind" 180 $TRAIN "$DATA" "${TINY[@]}" "${OFFLOAD[@]}" "${extra[@]}" \
+      --max-update 10 --save-interval-updates 10 --save-dir "$dir" &&
+      run "smoke_offload_${kind}_resume" 150 $TRAIN "$DATA" "${TINY[@]}" "${OFFLOAD[@]}" "${extra[@]}" \
+        --max-update 20 --save-dir "$dir"
+  done
+  run smoke_consolidate 120 $CONSOLIDATE "$CK/offload_sharded/checkpoint_last" -o "$CK/offload_sharded/last.pt" &&
+    run smoke_offload_eval 120 $EVAL "$DATA" --path "$CK/offload_sharded/last.pt" --tokens-per-sample 128 --batch-size 16
+}
+
+xl_bf16() { run xl_bf16 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16; }
+xl_fp16() { run xl_fp16 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --fp16 --fp16-init-scale 4; }
+xl_fsdp() { run xl_bf16_fsdp 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --ddp-backend fully_sharded; }
+xl() { xl_bf16; xl_fp16; xl_fsdp; }
+
+offload_arch() {  # NAME ARCH LIMIT_S [extra flags]
+  local name=$1 arch=$2 limit=$3; shift 3
+  run "$name" "$limit" $PY benchmarks/peak_memory.py --json "$LOG/${name}_memory.json" -- \
+    $TRAIN "$DATA" --task language_modeling --arch "transformer_lm_$arch" "${OFFLOAD[@]}" \
+    --fp16-init-scale 4 --tokens-per-sample 2048 --batch-size 8 --adam-betas "(0.9, 0.98)" --lr 0.0001 \
+    --lr-scheduler polynomial_decay --warmup-updates 5 --total-num-update 20 --max-update 20 \
+    --no-save --disable-validation --log-format json --log-interval 1 --num-workers 0 "$@"
+}
+
+offload() { offload_arch offload_gpt3_2_7 gpt3_2_7 540; }
+# 6.7B needs about 16 bytes per parameter of host memory (fp32 shard, gradient, two Adam moments):
+# about 110 GiB with the rest of the process. If that does not fit, fp16 Adam moments (12 bytes) may.
+offload_6_7() {
+  offload_arch offload_gpt3_6_7 gpt3_6_7 330 ||
+    offload_arch offload_gpt3_6_7_fp16_adam_stats gpt3_6_7 420 --fp16-adam-stats
+}
+# Where an offloaded update's time goes (forward, backward, gradient norm, CPU Adam step), by benchmarks/train.py.
+offload_split() {
+  run offload_split_gpt3_2_7 300 $PY benchmarks/train.py --preset gpt3_xl --device cuda --arch transformer_lm_gpt3_2_7 \
+    --batch-size 8 "${OFFLOAD[@]}" --fp16-init-scale 1 --warmup 2 --steps 3
+}
+# torch.profiler tables of one step each (files in the log folder).
+profile() {
+  run profile_xl 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --warmup 3 --steps 3 \
+    --profile "$LOG/profile_xl.txt"
+  run profile_offload_gpt3_2_7 300 $PY benchmarks/train.py --preset gpt3_xl --device cuda \
+    --arch transformer_lm_gpt3_2_7 --batch-size 8 "${OFFLOAD[@]}" --fp16-init-scale 1 --warmup 2 --steps 2 \
+    --profile "$LOG/profile_offload_gpt3_2_7.txt"
+}
+offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --fp16-adam-stats; }
+
+echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"
+$PY - <<'EOF' 2>&1 | tee -a "$LOG/summary.txt"
+import os, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}, {os.cpu_count()} CPUs, "
+      f"host memory {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
+EOF
+for step in "${@:-smoke xl offload}"; do
+  for s in $step; do "$s"; done
+done
+rm -rf "$CK"
