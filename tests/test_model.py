@@ -362,3 +362,20 @@ def test_sharded_init_equals_plain_build(tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result == {"sharded": True, "same": True}, rank
+
+
+def test_architecture_values_derived_from_a_given_option_follow_it():
+    # fairseq's base_gpt3_architecture: FFN = 4 x the (user's) embedding dimension unless given
+    from toolkit.config import TRAIN_CONFIGS
+
+    def parse(*extra):
+        return options.parse_with_components("toolkit-train", TRAIN_CONFIGS,
+                                             ["data", "--arch", "transformer_lm_gpt3_xl", *extra])
+
+    assert (parse().decoder_embed_dim, parse().decoder_ffn_embed_dim) == (2048, 8192)
+    args = parse("--decoder-embed-dim", "1024")
+    assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim, args.decoder_layers) == (1024, 4096, 24)
+    args = parse("--decoder-embed-dim=1024", "--decoder-ffn-embed-dim", "100")
+    assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim) == (1024, 100)
+    assert options.architecture_defaults("transformer_lm_gpt3_xl", {"decoder_embed_dim": 512})[
+        "decoder_ffn_embed_dim"] == 2048

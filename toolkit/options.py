@@ -105,15 +105,50 @@ def config_from_args(config_cls: Type[T], args: Any, **overrides: Any) -> T:
     return config_cls(**kwargs)
 
 
-def architecture_defaults(arch: str) -> Dict[str, Any]:
-    """The model option values a named architecture sets."""
+class _ArchView:
+    """What an architecture function sees: the options the user gave keep their values.
+
+    fairseq's architectures read ``getattr(args, name, default)``, so a value derived from
+    another option follows the user's choice (``transformer_lm_gpt3_xl --decoder-embed-dim 1024``
+    gets an FFN of 4096). Here assignments to given options are ignored and reads see them.
+    """
+
+    def __init__(self, cfg: Any, given: Dict[str, Any]):
+        for name, value in given.items():
+            setattr(cfg, name, value)
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "_given", set(given))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._given:
+            setattr(self._cfg, name, value)
+
+
+def architecture_defaults(arch: str, given: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The model option values a named architecture sets, around the options the user ``given``."""
     entry = registry.resolve_arch(arch)
     if entry.config is None:
         return {}
     cfg = entry.config()
+    view = _ArchView(cfg, dict(given or {}))
     if arch in ARCH_CONFIG_FN:
-        ARCH_CONFIG_FN[arch](cfg)
+        ARCH_CONFIG_FN[arch](view)
     return dataclasses.asdict(cfg)
+
+
+def given_options(config: type, argv: Sequence[str]) -> Dict[str, Any]:
+    """The options of dataclass ``config`` that appear in ``argv``, with their parsed values."""
+    parser = OneLineErrorParser(add_help=False, allow_abbrev=False)
+    add_dataclass_options(parser, config)
+    values, _ = parser.parse_known_args(list(argv))
+    given = {}
+    for action in parser._actions:
+        if any(a == opt or a.startswith(opt + "=") for opt in action.option_strings for a in argv):
+            given[action.dest] = getattr(values, action.dest)
+    return given
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -177,7 +212,7 @@ def parse_with_components(
             entry = registry.resolve_arch(first.arch)
             if entry.config is not None:
                 add_dataclass_options(parser, entry.config, title=f"model options ({first.arch})")
-                parser.set_defaults(**architecture_defaults(first.arch))
+                parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
     except UnknownComponentError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
     return parser.parse_args(argv)

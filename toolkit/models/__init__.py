@@ -6,6 +6,7 @@ Helpers for any registered architecture:
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,11 +21,10 @@ def model_config(arch: str, **overrides: Any):
     entry = registry.resolve_arch(arch)
     if entry.config is None:
         raise ValueError(f"--arch {arch}: model takes no options")
-    values = options.architecture_defaults(arch)
-    unknown = set(overrides) - set(values)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(entry.config)}
     if unknown:
         raise TypeError(f"{arch}: unknown model options {sorted(unknown)}")
-    return entry.config(**{**values, **overrides})
+    return entry.config(**options.architecture_defaults(arch, overrides))
 
 
 class _CountingDictionary:

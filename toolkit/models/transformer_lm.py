@@ -342,7 +342,7 @@ def _gpt3(cfg: TransformerLMConfig, layers: int, dim: int, heads: int) -> None:
     """fairseq's base_gpt3_architecture: FFN 4C, learned positions, tied embeddings, no dropout, GELU."""
     base_lm_architecture(cfg)
     cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads = layers, dim, heads
-    cfg.decoder_ffn_embed_dim = 4 * dim
+    cfg.decoder_ffn_embed_dim = 4 * cfg.decoder_embed_dim  # 4C of the user's --decoder-embed-dim if given
     cfg.decoder_learned_pos = True
     cfg.dropout, cfg.attention_dropout = 0.0, 0.0
     cfg.activation_fn = "gelu"

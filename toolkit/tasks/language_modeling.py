@@ -7,6 +7,8 @@ read from the first).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import glob
 import logging
 import os
@@ -159,8 +161,8 @@ class LanguageModelingTask:
         entry = registry.resolve_arch(arch)
         if entry.config is None:
             return entry.cls.build_model(cfg, self)
-        values = dict(options.architecture_defaults(arch))
-        values.update(_as_dict(cfg))
+        given = {k: v for k, v in _as_dict(cfg).items() if k in {f.name for f in dataclasses.fields(entry.config)}}
+        values = dict(options.architecture_defaults(arch, given))  # a partial cfg gets fairseq's derived values
         return entry.cls.build_model(options.config_from_args(entry.config, values), self)
 
     def build_criterion(self, cfg: Any):
