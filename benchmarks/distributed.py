@@ -81,13 +81,9 @@ def worker(args) -> None:
     """``main`` of every rank (spawned by toolkit's launcher, or run directly for one process)."""
     import torch.distributed as dist
 
-    from toolkit import options
-    from toolkit.distributed.parallelize import build_model
     from toolkit.distributed.utils import init_distributed
     from toolkit.logging.setup import setup_logging
-    from toolkit.registry import TASK_REGISTRY
-    from toolkit.trainer import Trainer
-    from toolkit_cli.train import train_iterator
+    from toolkit_cli.train import build_trainer, train_iterator
 
     env = init_distributed(args)
     setup_logging(None, rank=env.rank)
@@ -95,11 +91,8 @@ def worker(args) -> None:
 
     logging.getLogger().setLevel(logging.WARNING)
     torch.manual_seed(args.seed)
-    entry = TASK_REGISTRY.get(args.task)
-    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
-    task.load_dataset(args.train_subset)
-    model, parallel = build_model(args, task, env)
-    trainer = Trainer(args, task, model, task.build_criterion(args), env, parallel)
+    trainer = build_trainer(args, env, [args.train_subset])
+    task, model = trainer.task, trainer.model
     peak: Dict[str, int] = {"total": 0}
 
     def after_step(opt, *_):

@@ -110,20 +110,14 @@ def _train_updates(args, env, updates: int, update_freq: int) -> Dict:
     """Build task/model/trainer as toolkit-train does and run ``updates`` updates; full-precision losses."""
     import torch
 
-    from toolkit import options
-    from toolkit.distributed.parallelize import build_model, local_tensor
-    from toolkit.registry import TASK_REGISTRY
-    from toolkit.trainer import Trainer
-    from toolkit_cli.train import train_iterator
+    from toolkit.distributed.parallelize import local_tensor
+    from toolkit.logging import metrics
+    from toolkit_cli.train import build_trainer, train_iterator
 
     torch.manual_seed(args.seed)
-    entry = TASK_REGISTRY.get(args.task)
-    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
-    task.load_dataset(args.train_subset)
-    model, parallel = build_model(args, task, env)
-    trainer = Trainer(args, task, model, task.build_criterion(args), env, parallel)
+    trainer = build_trainer(args, env, [args.train_subset])
+    task, model, parallel = trainer.task, trainer.model, trainer.parallel
     itr = train_iterator(args, task, env, epoch=1).next_epoch_itr(shuffle=True)
-    from toolkit.logging import metrics
 
     out = {"losses": [], "grad_norms": []}
     for _ in range(updates):

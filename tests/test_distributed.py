@@ -291,17 +291,11 @@ def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
 
 @pytest.fixture()
 def small_trainer(data_bin, tmp_path):
-    from toolkit.distributed.parallelize import build_model
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit.registry import TASK_REGISTRY
-    from toolkit.trainer import Trainer
-    from toolkit import options
+    from toolkit_cli.train import build_trainer
 
     args = H._parse_train_args([data_bin] + H.model_args(str(tmp_path)))
-    entry = TASK_REGISTRY.get(args.task)
-    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
-    model, parallel = build_model(args, task, DistributedEnv())
-    return args, Trainer(args, task, model, task.build_criterion(args), DistributedEnv(), parallel)
+    return args, build_trainer(args, DistributedEnv())
 
 
 def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tmp_path):

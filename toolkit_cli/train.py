@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,14 +61,8 @@ def main(args) -> None:
     logger.info(args)
     torch.manual_seed(args.seed)
 
-    task_entry = TASK_REGISTRY.get(args.task)
-    task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
-    task.load_dataset(args.train_subset)
-    for split in args.valid_subset.split(","):
-        task.load_dataset(split)
-    model, parallel = build_model(args, task, env)
-    criterion = task.build_criterion(args)
-    trainer = Trainer(args, task, model, criterion, env, parallel)
+    trainer = build_trainer(args, env, [args.train_subset, *args.valid_subset.split(",")])
+    task, model = trainer.task, trainer.model
     metrics.log_wall_start()
     metrics.set_throughput_tracker(throughput_tracker(args, model, env, trainer.compute_dtype))
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
@@ -91,6 +85,16 @@ def main(args) -> None:
         epoch_itr = train_iterator(args, task, env, epoch=epoch_itr.next_epoch_idx)
     train_meter.stop()
     logger.info(f"done training in {train_meter.sum:.1f} seconds")
+
+
+def build_trainer(args, env: DistributedEnv, splits: Sequence[str] = ()) -> Trainer:
+    """The task (with ``splits`` loaded), the model wrapped as the flags ask, its criterion and the Trainer."""
+    task_entry = TASK_REGISTRY.get(args.task)
+    task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
+    for split in splits:
+        task.load_dataset(split)
+    model, parallel = build_model(args, task, env)
+    return Trainer(args, task, model, task.build_criterion(args), env, parallel)
 
 
 def throughput_tracker(args, model, env: DistributedEnv, dtype: torch.dtype) -> throughput.ThroughputTracker:
