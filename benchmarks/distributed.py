@@ -63,7 +63,9 @@ def make_data_bin(dest: str, vocab: int = 500, tokens: int = 400_000, seed: int 
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t
+    from toolkit.distributed.dtensor import local_tensor
+
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -77,21 +79,21 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dic
     return out
 
 
-def worker(args) -> None:
+def worker(cfg) -> None:
     """``main`` of every rank (spawned by toolkit's launcher, or run directly for one process)."""
     import torch.distributed as dist
 
     from toolkit.distributed.utils import init_distributed
     from toolkit.logging.setup import setup_logging
-    from toolkit_cli.train import build_trainer, train_iterator
+    from toolkit.train_loop import build_trainer, train_iterator
 
-    env = init_distributed(args)
+    env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(None, rank=env.rank)
     import logging
 
     logging.getLogger().setLevel(logging.WARNING)
-    torch.manual_seed(args.seed)
-    trainer = build_trainer(args, env, [args.train_subset])
+    torch.manual_seed(cfg.common.seed)
+    trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     task, model = trainer.task, trainer.model
     peak: Dict[str, int] = {"total": 0}
 
@@ -101,13 +103,13 @@ def worker(args) -> None:
             peak.update(counted)
 
     trainer.optimizer.register_step_post_hook(after_step)
-    itr = train_iterator(args, task, env, epoch=1)
+    itr = train_iterator(cfg, task, env, epoch=1)
     batches = itr.next_epoch_itr(shuffle=True)
-    warmup, timed = 3, args._timed_updates
+    warmup, timed = 3, int(os.environ["TOOLKIT_BENCH_UPDATES"])
     tokens, t0 = 0.0, None
     for i in range(warmup + timed):
         if not batches.has_next():
-            batches = train_iterator(args, task, env, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
+            batches = train_iterator(cfg, task, env, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
         if i == warmup:
             t0 = time.perf_counter()
         totals = trainer.train_step([next(batches)])
@@ -121,14 +123,13 @@ def worker(args) -> None:
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
     if env.rank == 0:
-        with open(args._out, "w") as f:
+        with open(os.environ["TOOLKIT_BENCH_OUT"], "w") as f:
             json.dump(results, f)
 
 
 def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Namespace, out: str) -> List[dict]:
-    from toolkit import options
-    from toolkit.config import TRAIN_CONFIGS
     from toolkit.distributed import launch
+    from toolkit.resolve import parse_train_config
 
     argv = [data, "--task", "language_modeling", "--arch", "transformer_lm",
             "--decoder-layers", str(cli.layers), "--decoder-embed-dim", str(cli.dim),
@@ -136,9 +137,8 @@ def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Name
             "--dropout", "0", "--optimizer", "adam", "--lr", "0.0005", "--tokens-per-sample", str(cli.seq),
             "--batch-size", str(cli.batch), "--num-workers", "0", "--cpu", "--no-save", "--disable-validation",
             "--log-format", "none", "--distributed-world-size", str(world_size), *flags]
-    args = options.parse_with_components("toolkit-train", TRAIN_CONFIGS, argv)
-    args._out, args._timed_updates = out, cli.updates
-    launch.run(worker, args)
+    os.environ["TOOLKIT_BENCH_OUT"], os.environ["TOOLKIT_BENCH_UPDATES"] = out, str(cli.updates)
+    launch.run(worker, parse_train_config(argv))
     with open(out) as f:
         return json.load(f)
 

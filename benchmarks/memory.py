@@ -63,10 +63,11 @@ def measure(layers: int, embed_dim: int, ffn_dim: int, heads: int, tokens: int, 
                               decoder_attention_heads=heads, dropout=0.1, max_target_positions=tokens)
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, vocab, padding_idx=1)
-    args = SimpleNamespace(ddp_backend="c10d", checkpoint_activations=checkpoint, offload_activations=False,
-                           cpu_offload=False, no_reshard_after_forward=False, seed=seed, fp16=False,
-                           bf16=dtype == "bf16", memory_efficient_fp16=False)
-    model, parallel = parallelize(model, args, DistributedEnv())
+    from toolkit.config import CommonConfig, DistributedConfig
+
+    distributed = DistributedConfig(ddp_backend="c10d", checkpoint_activations=checkpoint)
+    common = CommonConfig(seed=seed, bf16=dtype == "bf16")
+    model, parallel = parallelize(model, distributed, common, DistributedEnv())
     model.train()
     params = list(model.parameters())
     for p in params:

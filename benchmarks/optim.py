@@ -46,7 +46,7 @@ def build(name: str, params):
 
         return CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
     if name == "deepspeed_raw":  # DeepSpeedCPUAdam itself, to show the wrapper's overhead
-        from toolkit.optim.cpu_adam import load_deepspeed_cpu_adam
+        from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 
         return load_deepspeed_cpu_adam()(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01,
                                          adamw_mode=True)

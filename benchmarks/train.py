@@ -10,7 +10,7 @@ the model is built by ``toolkit.distributed.parallelize.build_model`` (meta devi
 materialize, ``init_weights``), the criterion by the task, and every step is one
 ``Trainer.train_step([sample])`` (criterion forward, backward, gradient normalization
 and norm, AdamW step, zero_grad, LR schedule, metrics), inside the same
-``metrics.aggregate`` blocks and with the same throughput tracker as toolkit-train.
+``metrics.aggregate`` blocks as toolkit-train.
 Only the data is synthetic: uniformly random tokens, every row full (no padding),
 ``B x T`` per step.
 
@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,12 +98,12 @@ def parse(argv):
 
 def build(ours, train_argv):
     """Options through toolkit-train's parser; task, model, criterion, Trainer as toolkit-train builds them."""
-    from toolkit import options
-    from toolkit.config import TRAIN_CONFIGS
     from toolkit.data.dictionary import Dictionary
     from toolkit.distributed.parallelize import build_model
     from toolkit.distributed.utils import DistributedEnv, init_distributed
-    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+    from toolkit.registry import CRITERION_REGISTRY
+    from toolkit.resolve import parse_train_config
+    from toolkit.tasks.language_modeling import LanguageModelingTask
     from toolkit.trainer import Trainer
 
     device = torch.device(ours.device)
@@ -114,23 +115,24 @@ def build(ours, train_argv):
         argv.append("--bf16")
     if ours.fp16:
         argv.append("--fp16")
-    args = options.parse_with_components("toolkit-train", TRAIN_CONFIGS, argv)
+    cfg = parse_train_config(argv)
+    args = SimpleNamespace(**cfg.to_dict())  # flat view, for the report
     if args.update_freq != 1:
         raise SystemExit("benchmarks/train.py: --update-freq is not supported (one micro-batch per step)")
     dictionary = Dictionary()
     while len(dictionary) < ours.vocab:
         dictionary.add_symbol(f"w{len(dictionary)}")
-    task = LanguageModelingTask(options.config_from_args(LanguageModelingConfig, args), dictionary)
+    task = LanguageModelingTask(cfg.task, dictionary)
     torch.manual_seed(args.seed)
     if args.ddp_backend == "fully_sharded":
         # FSDP2 needs a process group even for one rank: the one toolkit-train makes.
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
-        env = init_distributed(args)
+        env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     else:
         env = DistributedEnv(device=device)
-    model, parallel = build_model(args, task, env)
-    criterion = task.build_criterion(args)
-    trainer = Trainer(args, task, model, criterion, env, parallel)
+    model, strategy = build_model(cfg, task, env)
+    criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
+    trainer = Trainer(cfg, task, model, criterion, env, strategy)
     return args, task, model, criterion, trainer
 
 
@@ -258,7 +260,6 @@ def main(argv=None):
     n_matmul = model.num_matmul_parameters()
     n_params = sum(p.numel() for p in model.parameters())
     peak = throughput.peak_flops(device, dtype)  # what toolkit-train's MFU is measured against
-    metrics.set_throughput_tracker(throughput.ThroughputTracker(fpt, peak, 1))
     sample = synthetic_sample(args, task.dictionary, device)
     tokens = sample["ntokens"]
 

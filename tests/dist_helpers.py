@@ -93,31 +93,32 @@ STRATEGY_CONFIGS = {
                      "--shard-group-size", "1"],
     "hybrid_shard_zero2": ["--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard_zero2"],
     "full_shard+cpu_offload+offload_act+no_reshard": [
-        "--ddp-backend", "fully_sharded", "--cpu-offload", "--offload-activations", "--no-reshard-after-forward"],
+        "--ddp-backend", "fully_sharded", "--cpu-offload", "--offload-activations", "--no-reshard-after-forward",
+        "--optimizer", "cpu_adam"],  # --cpu-offload's optimizer; its updates match torch's Adam
     "full_shard+bf16": ["--ddp-backend", "fully_sharded", "--bf16"],
 }
 STRATEGY_UPDATES = 3
 
 
 def _parse_train_args(argv: List[str]):
-    from toolkit import options
-    from toolkit.config import TRAIN_CONFIGS
+    """toolkit-train's resolved config (toolkit.resolve), as the command builds it."""
+    from toolkit.resolve import parse_train_config
 
-    return options.parse_with_components("toolkit-train", TRAIN_CONFIGS, argv)
+    return parse_train_config(argv)
 
 
-def _train_updates(args, env, updates: int, update_freq: int) -> Dict:
+def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
     """Build task/model/trainer as toolkit-train does and run ``updates`` updates; full-precision losses."""
     import torch
 
-    from toolkit.distributed.parallelize import local_tensor
+    from toolkit.distributed.dtensor import local_tensor
     from toolkit.logging import metrics
-    from toolkit_cli.train import build_trainer, train_iterator
+    from toolkit.train_loop import build_trainer, train_iterator
 
-    torch.manual_seed(args.seed)
-    trainer = build_trainer(args, env, [args.train_subset])
-    task, model, parallel = trainer.task, trainer.model, trainer.parallel
-    itr = train_iterator(args, task, env, epoch=1).next_epoch_itr(shuffle=True)
+    torch.manual_seed(cfg.common.seed)
+    trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
+    task, model, strategy = trainer.task, trainer.model, trainer.strategy
+    itr = train_iterator(cfg, task, env, epoch=1).next_epoch_itr(shuffle=True)
 
     out = {"losses": [], "grad_norms": []}
     for _ in range(updates):
@@ -131,33 +132,27 @@ def _train_updates(args, env, updates: int, update_freq: int) -> Dict:
     out["param_numel"] = sum(p.numel() for p in params)
     first = params[1] if len(params) > 1 else params[0]
     out["placements"] = str(getattr(first, "placements", None))
-    out["mesh"] = list(parallel.mesh.shape) if parallel.mesh is not None else None
-    out["kind"] = parallel.kind
+    out["mesh"] = list(strategy.mesh.shape) if strategy.mesh is not None else None
+    out["kind"] = strategy.name
     return out
 
 
-def _sync_skipped(args, env) -> bool:
+def _sync_skipped(cfg, env) -> bool:
     """After one micro-batch under ``grad_sync(enabled=False)``, no gradient was communicated:
     DDP/no_c10d gradients still differ between ranks, FSDP2's sharded gradients are not produced yet."""
     import torch
     import torch.distributed as dist
 
-    from toolkit import options
-    from toolkit.distributed.parallelize import build_model
-    from toolkit.registry import TASK_REGISTRY
-    from toolkit_cli.train import train_iterator
+    from toolkit.train_loop import build_trainer, train_iterator
 
-    entry = TASK_REGISTRY.get(args.task)
-    task = entry.cls.setup_task(options.config_from_args(entry.config, args))
-    task.load_dataset(args.train_subset)
-    model, parallel = build_model(args, task, env)
-    criterion = task.build_criterion(args)
-    sample = next(train_iterator(args, task, env, epoch=1).next_epoch_itr(shuffle=True))
-    with parallel.grad_sync(model, enabled=False):
-        loss, _, _ = criterion(model, sample)
+    trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
+    model, strategy = trainer.model, trainer.strategy
+    sample = next(train_iterator(cfg, trainer.task, env, epoch=1).next_epoch_itr(shuffle=True))
+    with strategy.grad_sync(model, enabled=False):
+        loss, _, _ = trainer.criterion(model, sample)
     loss.backward()
     grads = [p.grad for p in model.parameters()]
-    if parallel.kind == "fsdp":
+    if strategy.name == "fsdp":
         return all(g is None for g in grads)
     flat = torch.cat([g.flatten() for g in grads])
     gathered = [torch.empty_like(flat) for _ in range(env.world_size)]
@@ -165,25 +160,23 @@ def _sync_skipped(args, env) -> bool:
     return not torch.allclose(gathered[0], gathered[1])
 
 
-def strategies_worker(args) -> None:
+def strategies_worker(cfg) -> None:
     """``main`` of each spawned rank: every config in turn on the same process group."""
     import torch.distributed as dist
 
     from toolkit.distributed.utils import init_distributed
     from toolkit.logging.setup import setup_logging
 
-    env = init_distributed(args)
+    env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(None, rank=env.rank)
     results = {}
-    base_argv = args._base_argv
+    base_argv = json.loads(os.environ["TOOLKIT_TEST_BASE_ARGV"])
     for name, flags in STRATEGY_CONFIGS.items():
         a = _parse_train_args(base_argv + flags)
-        a.distributed_world_size = env.world_size
-        results[name] = _train_updates(a, env, STRATEGY_UPDATES, a.update_freq)
+        results[name] = _train_updates(a, env, STRATEGY_UPDATES, a.optimization.update_freq)
         dist.barrier()
     for backend in ("c10d", "no_c10d", "fully_sharded"):
         a = _parse_train_args(base_argv + ["--ddp-backend", backend])
-        a.distributed_world_size = env.world_size
         results.setdefault("_sync_skipped", {})[backend] = _sync_skipped(a, env)
         dist.barrier()
     if env.rank == 0:
@@ -192,13 +185,13 @@ def strategies_worker(args) -> None:
 
         single = DistributedEnv(rank=0, world_size=1, device=env.device)
         refs = {}
-        for uf in sorted({_parse_train_args(base_argv + f).update_freq for f in STRATEGY_CONFIGS.values()}):
+        for uf in sorted({_parse_train_args(base_argv + f).optimization.update_freq
+                          for f in STRATEGY_CONFIGS.values()}):
             a = _parse_train_args(base_argv + ["--ddp-backend", "c10d", "--update-freq", str(uf * env.world_size)])
-            a.distributed_world_size = 1
             refs[uf] = _train_updates(a, single, STRATEGY_UPDATES, uf * env.world_size)
         for name, flags in STRATEGY_CONFIGS.items():
-            results[name]["reference"] = refs[_parse_train_args(base_argv + flags).update_freq]
-        with open(args._out, "w") as f:
+            results[name]["reference"] = refs[_parse_train_args(base_argv + flags).optimization.update_freq]
+        with open(os.environ["TOOLKIT_TEST_OUT"], "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
 
@@ -206,10 +199,10 @@ def strategies_worker(args) -> None:
 def strategies_main(data: str, out: str) -> None:
     from toolkit.distributed import launch
 
-    args = _parse_train_args([data] + model_args(os.path.dirname(out)) + ["--distributed-world-size", "2"])
-    args._base_argv = [data] + model_args(os.path.dirname(out))
-    args._out = out
-    launch.run(strategies_worker, args)
+    cfg = _parse_train_args([data] + model_args(os.path.dirname(out)) + ["--distributed-world-size", "2"])
+    os.environ["TOOLKIT_TEST_BASE_ARGV"] = json.dumps([data] + model_args(os.path.dirname(out)))
+    os.environ["TOOLKIT_TEST_OUT"] = out
+    launch.run(strategies_worker, cfg)
 
 
 # --- worker: a capped address space ------------------------------------------------------------
@@ -222,11 +215,11 @@ def vm_bytes() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def capped_main(args) -> None:
-    """toolkit-train's main, with RLIMIT_AS set to (size now + headroom) just before the model is built."""
+def capped_main(cfg) -> None:
+    """toolkit-train's loop, with RLIMIT_AS set to (size now + headroom) just before the model is built."""
     import resource
 
-    import toolkit_cli.train as train
+    import toolkit.train_loop as train
 
     headroom = int(os.environ["TOOLKIT_TEST_HEADROOM_MB"]) << 20
     build = train.build_model
@@ -240,7 +233,7 @@ def capped_main(args) -> None:
         return build(a, task, env)
 
     train.build_model = build_capped
-    train.main(args)
+    train.train(cfg)
     print(f"rank {int(os.environ.get('RANK', 0))}: finished under the cap, peak VM {_peak_vm() >> 20} MiB",
           flush=True)
 
@@ -258,9 +251,9 @@ def memcap_main(nprocs: int, headroom_mb: int, train_argv: List[str]) -> None:
     from toolkit.errors import UserError
 
     os.environ["TOOLKIT_TEST_HEADROOM_MB"] = str(headroom_mb)
-    args = _parse_train_args(train_argv + ["--distributed-world-size", str(nprocs)])
     try:
-        launch.run(capped_main, args)
+        cfg = _parse_train_args(train_argv + ["--distributed-world-size", str(nprocs)])
+        launch.run(capped_main, cfg)
     except UserError as e:
         print(f"toolkit-train: error: {e}", file=sys.stderr)
         sys.exit(1)

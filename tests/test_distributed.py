@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,13 @@ def test_c10d_two_ranks_match_one_process(data_bin, baseline, tmp_path):
     assert "training on 2 devices" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"], range(1, UPDATES + 1))
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+def test_two_ranks_on_one_cpu_log_mfu_at_most_100(fsdp_run):
+    """The CPU peak is measured once per machine (with both ranks' threads) and split between the ranks;
+    measuring it in each rank while the other computes once gave an MFU of 149%."""
+    mfus = [float(m.group(1)) for m in re.finditer(r'"mfu": "([\d.]+)"', fsdp_run["stdout"])]
+    assert mfus and max(mfus) <= 100.0, mfus
 
 
 def test_fully_sharded_two_ranks_match_one_process(fsdp_run, baseline, tmp_path):
@@ -213,8 +221,8 @@ def test_two_nodes_with_torchrun_rendezvous(data_bin, baseline, tmp_path):
 
 # --- faults -----------------------------------------------------------------------------------
 
-def _start(data_bin, save_dir, *flags, env=None):
-    return subprocess.Popen([sys.executable, "-m", "toolkit_cli.train", data_bin] + H.model_args(str(save_dir))
+def _start(data_bin, save_dir, *flags, env=None, module="toolkit_cli.train"):
+    return subprocess.Popen([sys.executable, "-m", module, data_bin] + H.model_args(str(save_dir))
                             + list(flags), cwd=H.REPO_ROOT, env=H.subprocess_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
 
@@ -237,7 +245,8 @@ def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin
     proc = _start(data_bin, tmp_path, "--max-update", "1000", "--distributed-world-size", "2",
                   "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "5",
                   "--heartbeat-timeout", str(timeout), "--disable-validation",
-                  env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"})  # rank 1 dies inside its 2nd save (update 10)
+                  env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"},  # rank 1 dies inside its 2nd save (update 10)
+                  module="tests.faulty_train")
     try:
         lines, t_kill = _read_until(proc, lambda l: "killing rank 1" in l, 180)
         rest = proc.communicate(timeout=60)[0]
@@ -292,26 +301,34 @@ def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
 @pytest.fixture()
 def small_trainer(data_bin, tmp_path):
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit_cli.train import build_trainer
+    from toolkit.train_loop import build_trainer
 
-    args = H._parse_train_args([data_bin] + H.model_args(str(tmp_path)))
-    return args, build_trainer(args, DistributedEnv())
+    cfg = H._parse_train_args([data_bin] + H.model_args(str(tmp_path)))
+    return cfg, build_trainer(cfg, DistributedEnv())
 
 
 def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tmp_path):
     import argparse
 
-    from toolkit.checkpoint import checkpoint_utils as ckpt
+    import dataclasses
+
+    from toolkit.checkpoint import manager
+    from toolkit.checkpoint.common import BestTracker, TrainingState
+    from toolkit.distributed.utils import DistributedEnv
     from toolkit.errors import UserError
 
-    args, trainer = small_trainer
+    cfg, trainer = small_trainer
+
+    def load_latest(cfg):
+        return manager.load_latest(cfg, trainer, TrainingState(trainer, BestTracker(False)), DistributedEnv())
+
     full = {k: torch.randn_like(v) for k, v in trainer.model.state_dict().items()}
     for i in range(2):  # fairseq names (decoder.*), every shard holding the whole model
         torch.save({"model": {"decoder." + k: v for k, v in full.items()},
                     "optimizer_history": [{"num_updates": 7}],
                     "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True}}},
                    tmp_path / f"checkpoint_last-shard{i}.pt")
-    itr = ckpt.load_latest(args, trainer, ckpt.BestTracker(False))
+    itr = load_latest(cfg)
     assert trainer.num_updates == 7 and itr["iterations_in_epoch"] == 3
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, full[k])
@@ -321,9 +338,10 @@ def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tm
         d.mkdir()
         for i, state in files.items():
             torch.save(state, d / f"ckpt-shard{i}.pt")
-        args.restore_file = str(d / "ckpt.pt")
+        restored = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                            restore_file=str(d / "ckpt.pt")))
         with pytest.raises(UserError, match=match) as e:
-            ckpt.load_latest(args, trainer, ckpt.BestTracker(False))
+            load_latest(restored)
         assert "\n" not in str(e.value)
 
     flat = {"model": {"decoder.layers.0._fsdp_wrapped_module.flat_param_0": torch.zeros(10)},

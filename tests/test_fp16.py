@@ -133,7 +133,7 @@ def test_memory_efficient_small_gradients_do_not_underflow():
 
 def test_memory_efficient_state_stays_fp32_through_checkpoint_state_dicts():
     """torch casts loaded state to the parameter dtype; the fp32 moments must survive save/load (DCP helpers)."""
-    from toolkit.checkpoint.checkpoint_utils import FULL_STATE, optimizer_state
+    from toolkit.checkpoint.consolidated import FULL_STATE, optimizer_state
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     def model_and_opt(hooks: bool):
@@ -170,45 +170,38 @@ def test_grad_norm_fp32_does_not_overflow_and_flags_inf():
 
 
 def parse_train_args(*argv):
-    from toolkit import options
-    from toolkit.config import TRAIN_CONFIGS
+    """toolkit-train's resolved config for these flags (toolkit.resolve)."""
+    from toolkit.resolve import parse_train_config
 
-    return options.parse_with_components("toolkit-train", TRAIN_CONFIGS, [
-        "data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
+    return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--fp16"],
+    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "adam", "--fp16"],
      "--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host memory by "
-     "DeepSpeed's CPU Adam), got --optimizer adam; add --optimizer cpu_adam"),
-    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam"],
-     "--cpu-offload requires mixed precision (fp32 master shards in host memory, fp16/bf16 compute on the "
-     "device); add --fp16 (or --bf16)"),
+     "DeepSpeed's CPU Adam), got --optimizer adam; drop --optimizer or use --optimizer cpu_adam"),
     (["--cpu-offload", "--optimizer", "cpu_adam", "--fp16"], "--cpu-offload requires --ddp-backend fully_sharded"),
+    (["--cpu-offload"], "--cpu-offload requires --ddp-backend fully_sharded"),
     (["--memory-efficient-fp16", "--bf16"], "--memory-efficient-fp16 and --bf16 conflict; choose one"),
     (["--fp16", "--bf16"], "--fp16 and --bf16 conflict; choose one"),
 ])
 def test_flag_combinations(argv, message):
     from toolkit.errors import UserError
-    from toolkit_cli.train import validate_args
 
     with pytest.raises(UserError) as e:
-        validate_args(parse_train_args(*argv))
+        parse_train_args(*argv)
     assert str(e.value) == message
 
 
 def test_valid_flag_combinations():
-    from toolkit_cli.train import validate_args
-
     for argv in (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16"],
                  ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--bf16"],
                  ["--fp16", "--fp16-no-flatten-grads", "--fp16-scale-tolerance", "0.25",
                   "--threshold-loss-scale", "1", "--min-loss-scale", "0.001", "--fp16-scale-window", "16"]):
-        validate_args(parse_train_args(*argv))
-    args = parse_train_args("--memory-efficient-fp16")
-    validate_args(args)
-    assert args.fp16  # --memory-efficient-fp16 is fp16 training
-    assert parse_train_args().fp16_init_scale == 128 and parse_train_args().min_loss_scale == 1e-4
+        parse_train_args(*argv)
+    cfg = parse_train_args("--memory-efficient-fp16")
+    assert cfg.common.fp16  # --memory-efficient-fp16 is fp16 training
+    assert cfg.common.fp16_init_scale == 128 and cfg.common.min_loss_scale == 1e-4
 
 
 # --------------------------------------------------------------------------- CLI, one process

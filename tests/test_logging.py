@@ -77,12 +77,10 @@ def fake_update(clock, num_updates, ntokens, bits_per_token, nsentences=8, lr=2e
                                         gb_free=gb_free)
 
 
-def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, tracker=None):
+def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, spec=None):
     log_file = str(tmp_path / "train.log")
     setup_logging(log_file=log_file)
     metrics.log_wall_start()
-    if tracker is not None:
-        metrics.set_throughput_tracker(tracker)
     ntokens = [1000, 3000, 2000, 2000]
     bits = [4.0, 2.0, 3.0, 5.0]
     with metrics.aggregate("train"):
@@ -91,6 +89,8 @@ def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, 
         for i, _ in enumerate(progress):
             with metrics.aggregate("train_inner"):
                 fake_update(clock, i + 1, ntokens[i], bits[i])
+                if spec is not None:
+                    metrics.log_throughput(ntokens[i], spec)
             num_updates = i + 1
             if num_updates % 2 == 0:
                 stats = metrics.get_training_stats("train_inner")
@@ -183,8 +183,8 @@ def test_format_stat_like_fairseq():
 
 
 def test_our_keys_come_after_fairseq_keys(tmp_path, clock):
-    tracker = throughput.ThroughputTracker(flops_per_token=6e6, peak_flops=1e12, world_size=2)
-    log_file = run_fake_epoch(tmp_path, clock, tracker=tracker)
+    spec = throughput.ThroughputSpec(flops_per_token=6e6, peak_flops=1e12, world_size=2)
+    log_file = run_fake_epoch(tmp_path, clock, spec=spec)
     (_, first), (_, second), (_, valid), (_, train) = parse_json_lines(log_file)
     assert list(first) == ["epoch", "update"] + FAIRSEQ_TRAIN_KEYS + ["tps", "mfu"]
     assert list(train)[-3:] == ["train_wall", "train_tps", "train_mfu"]
@@ -419,21 +419,12 @@ def test_gpu_datasheet_peaks():
     assert peak("Some Future GPU", torch.bfloat16) is None
 
 
-def test_mfu_and_tracker():
+def test_mfu_and_cpu_peak_share():
     assert throughput.mfu(50e12, 100e12) == 0.5
     assert throughput.mfu(1.0, None) is None
-    fpt = throughput.transformer_lm_flops_per_token(num_params=1000, num_layers=2, embed_dim=8, seq_len=16)
-    assert fpt == 6 * 1000 + 12 * 2 * 8 * 16
-    clock = FakeClock()
-    tr = throughput.ThroughputTracker(flops_per_token=1e6, peak_flops=1e10, world_size=4, clock=clock.perf_counter)
-    tr.update(4000)
-    tr.update(4000)
-    clock.t += 2.0
-    # 8000 tokens / 4 devices / 2 s = 1000 tokens/s per device; 1e9 FLOP/s of 1e10 = 10 %
-    assert tr.tokens_per_sec_per_device() == 1000.0
-    assert tr.mfu() == pytest.approx(0.1)
-    assert tr.stats(reset=True) == {"tps": 1000.0, "mfu": 10.0}
-    assert tr.tokens == 0 and tr.elapsed == 0.0
+    # two processes on one machine each get half of the peak measured with both their threads
+    assert throughput.per_process_cpu_peak(200e9, 2) == 100e9
+    assert throughput.per_process_cpu_peak(200e9, 0) == 200e9
 
 
 # --- the CLI's ways of calling ------------------------------------------------------------------
@@ -471,14 +462,14 @@ def test_wall_clock_always_present(clock):
 
 
 def test_grouped_iterator_and_module_paths():
-    from toolkit.data.iterators import CountingIterator
+    from toolkit.data.iterators import CountingIterator, GroupedIterator
     from toolkit.logging.setup import setup_logging as setup_from_module
 
     assert setup_from_module is setup_logging
     itr = CountingIterator(range(5), start=3, total=8)  # resumed after one update of 3 batches
-    grouped = progress_bar.GroupedIterator(itr, 3)
+    grouped = GroupedIterator(itr, 3)
     assert len(grouped) == 3 and grouped.n == 1
     bar = progress_bar.progress_bar(grouped, log_format="json", epoch=1)
     assert list(bar) == [[0, 1, 2], [3, 4]]
     assert bar.i == 2 and grouped.n == 3 and not grouped.has_next()
-    assert progress_bar(list(range(2)), log_format="none").__class__.__name__ == "NoopProgressBar"
+    assert progress_bar.progress_bar(list(range(2)), log_format="none").__class__.__name__ == "NoopProgressBar"

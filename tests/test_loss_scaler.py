@@ -1,5 +1,4 @@
 """fp16 dynamic loss scaler: fairseq's semantics."""
-import argparse
 import math
 
 import pytest
@@ -117,11 +116,10 @@ def test_default_scale_window():
     assert default_scale_window(3, 1) == 5461
 
 
-def test_from_args():
-    args = argparse.Namespace(fp16_init_scale=128, fp16_scale_window=None, fp16_scale_tolerance=0.0,
-                              threshold_loss_scale=None, min_loss_scale=1e-4, distributed_world_size=4,
-                              update_freq=2)
-    s = DynamicLossScaler.from_args(args)
+def test_from_config():
+    from toolkit.config import CommonConfig
+
+    s = DynamicLossScaler.from_config(CommonConfig(fp16_init_scale=128), world_size=4, update_freq=2)
     assert (s.loss_scale, s.scale_window) == (128.0, 2048)
-    s = DynamicLossScaler.from_args(dict(vars(args), fp16_scale_window=100))
+    s = DynamicLossScaler.from_config(CommonConfig(fp16_scale_window=100), world_size=4, update_freq=2)
     assert s.scale_window == 100

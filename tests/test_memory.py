@@ -29,7 +29,10 @@ def parallel_args(**kw):
                 no_reshard_after_forward=False, sharding_strategy="full_shard", shard_group_size=0, seed=7,
                 fp16=False, bf16=False, memory_efficient_fp16=False)
     args.update(kw)
-    return SimpleNamespace(**args)
+    from toolkit import options
+    from toolkit.config import CommonConfig, DistributedConfig
+
+    return options.config_from_args(DistributedConfig, args), options.config_from_args(CommonConfig, args)
 
 
 def grads_after_one_step(dtype=None, **flags):
@@ -39,7 +42,7 @@ def grads_after_one_step(dtype=None, **flags):
                               activation_dropout=0.1, max_target_positions=T)
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, VOCAB, padding_idx=1)
-    model, parallel = parallelize(model, parallel_args(**flags), DistributedEnv())
+    model, parallel = parallelize(model, *parallel_args(**flags), DistributedEnv())
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, VOCAB, (B, T), generator=g)
     target = torch.randint(4, VOCAB, (B, T), generator=g)
@@ -155,13 +158,14 @@ def test_cpu_offload_cpu_adam_fp16_checkpointing_two_processes_trains_and_resume
         assert resumed.losses()[update] == pytest.approx(losses[update], rel=1e-6), update
 
 
-def test_cpu_offload_needs_cpu_adam_and_mixed_precision(data_bin, tmp_path):
+def test_cpu_offload_refuses_an_explicit_other_optimizer(data_bin, tmp_path):
     run = train(data_bin, str(tmp_path), "--ddp-backend", "fully_sharded", "--cpu-offload", "--fp16",
-                "--max-update", "1", check=False)
+                "--max-update", "1", check=False)  # TINY_MODEL says --optimizer adam
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == (
         "toolkit-train: error: --cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated "
-        "in host memory by DeepSpeed's CPU Adam), got --optimizer adam; add --optimizer cpu_adam")
+        "in host memory by DeepSpeed's CPU Adam), got --optimizer adam; drop --optimizer or use --optimizer cpu_adam")
+    assert not os.listdir(tmp_path)  # refused before anything was written
 
 
 # --------------------------------------------------------------------------- benchmark

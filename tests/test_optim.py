@@ -234,7 +234,7 @@ def test_cpu_adam_fp16_stats():
 
 
 def test_cpu_adam_build_log_and_missing_compiler(monkeypatch, caplog, tmp_path):
-    from toolkit.optim import cpu_adam as mod
+    from toolkit.optim import deepspeed_op as mod
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert mod.cpu_adam_build_dir() == str(tmp_path / "cpu_adam")

@@ -4,8 +4,9 @@ Components (tasks, models, optimizers, ...) declare theirs beside their code.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 
 def opt(default, help: str, **metadata):
@@ -102,3 +103,60 @@ class DistributedConfig:
 
 
 TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig)
+
+
+@dataclass(frozen=True)
+class Components:
+    """Which registered components a run uses (the selector flags)."""
+
+    task: str
+    arch: str
+    criterion: str
+    optimizer: str
+    lr_scheduler: str
+    bpe: Optional[str] = None
+    user_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``toolkit-train`` was asked to do, typed and resolved once (toolkit.resolve).
+
+    Each component receives its own section: the distributed section goes to the parallel
+    strategy, the optimizer section to the optimizer, and so on. Nothing changes it after
+    resolution; values implied by others (``--optimizer`` under ``--cpu-offload``, the batch
+    size, mixed precision) are already filled in.
+    """
+
+    components: Components
+    common: CommonConfig
+    distributed: DistributedConfig
+    dataset: DatasetConfig
+    optimization: OptimizationConfig
+    checkpoint: CheckpointConfig
+    task: Any = None
+    model: Any = None
+    criterion: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    bpe: Any = None
+
+    def sections(self) -> Tuple[Any, ...]:
+        return (self.common, self.distributed, self.dataset, self.optimization, self.checkpoint, self.task,
+                self.model, self.criterion, self.optimizer, self.lr_scheduler, self.bpe)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The flat ``{option: value}`` dict that checkpoints store (fairseq's ``cfg``), plain values only."""
+        flat: Dict[str, Any] = {}
+        for section in self.sections():
+            if section is not None:
+                flat.update(plain_values(dataclasses.asdict(section)))
+        flat.update(plain_values(dataclasses.asdict(self.components)))
+        return flat
+
+
+def plain_values(values: Dict[str, Any]) -> Dict[str, Any]:
+    """Only plain values survive, so a checkpoint holding them loads with ``weights_only=True``."""
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in values.items() if isinstance(v, plain) or
+            (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}

@@ -15,7 +15,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from toolkit import options, registry
-from toolkit.checkpoint.checkpoint_utils import check_compatible, load_checkpoint_file
+from toolkit import models
+from toolkit.checkpoint.common import check_compatible
+from toolkit.checkpoint.consolidated import embed_rows, load_checkpoint_file
 from toolkit.errors import UserError
 
 
@@ -33,10 +35,9 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     registry.import_all_components()
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
-    check_compatible(path, state, args, len(task.dictionary))
-    entry = registry.resolve_arch(args.arch)
+    check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
     with torch.device("meta"):
-        model = entry.cls.build_model(options.config_from_args(entry.config, args), task)
+        model = models.build_model(args.arch, args, task)
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 import typing
 from dataclasses import fields, is_dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from toolkit import registry
 from toolkit.registry import (
@@ -108,7 +108,7 @@ def config_from_args(config_cls: Type[T], args: Any, **overrides: Any) -> T:
 class _ArchView:
     """What an architecture function sees: the options the user gave keep their values.
 
-    fairseq's architectures read ``getattr(args, name, default)``, so a value derived from
+    fairseq's architectures read each option with a default (``getattr``), so a value derived from
     another option follows the user's choice (``transformer_lm_gpt3_xl --decoder-embed-dim 1024``
     gets an FFN of 4096). Here assignments to given options are ignored and reads see them.
     """
@@ -175,20 +175,24 @@ def _selected(reg: Registry, name: Optional[str]) -> Optional[type]:
     return reg.get(name).config
 
 
-def parse_with_components(
+def build_parser(
     prog: str,
     base_configs: Sequence[type],
-    argv: Optional[List[str]] = None,
+    argv: Sequence[str],
     selectors: Sequence[Registry] = (TASK_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY,
                                      LR_SCHEDULER_REGISTRY, TOKENIZER_REGISTRY),
     arch: bool = True,
     description: Optional[str] = None,
-) -> argparse.Namespace:
-    """Two-pass parse: the chosen components decide which options exist.
+    imply: Optional[Callable[[argparse.Namespace, Set[str]], List[str]]] = None,
+) -> Tuple[argparse.ArgumentParser, List[str]]:
+    """The parser for the components ``argv`` chooses, and the argv to parse with it.
 
-    Unknown component names exit with one line listing the registered names.
+    A first pass reads the selector flags (and imports ``--user-dir``); ``imply`` may then
+    add selector flags the user did not give (e.g. ``--optimizer cpu_adam`` under
+    ``--cpu-offload``), returned in front of ``argv``. Unknown component names exit with one
+    line listing the registered names.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
 
     def fresh_parser(add_help: bool) -> argparse.ArgumentParser:
         p = OneLineErrorParser(prog=prog, description=description, add_help=add_help, allow_abbrev=False)
@@ -197,10 +201,14 @@ def parse_with_components(
             add_dataclass_options(p, cfg)
         return p
 
-    first, _ = fresh_parser(add_help=False).parse_known_args(argv)
+    first_parser = fresh_parser(add_help=False)
+    first, _ = first_parser.parse_known_args(argv)
     if first.user_dir:
         registry.import_user_module(first.user_dir)
     registry.import_all_components()
+    if imply is not None:
+        argv = imply(first, explicit_options(first_parser, argv)) + argv
+        first, _ = first_parser.parse_known_args(argv)
 
     parser = fresh_parser(add_help=True)
     try:
@@ -215,7 +223,24 @@ def parse_with_components(
                 parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
     except UnknownComponentError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
+    return parser, argv
+
+
+def parse_with_components(prog: str, base_configs: Sequence[type], argv: Optional[List[str]] = None,
+                          **kwargs: Any) -> argparse.Namespace:
+    """Two-pass parse: the chosen components decide which options exist (see :func:`build_parser`)."""
+    parser, argv = build_parser(prog, base_configs, list(sys.argv[1:] if argv is None else argv), **kwargs)
     return parser.parse_args(argv)
+
+
+def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Set[str]:
+    """The destinations of the options that appear in ``argv`` (given by the user, not defaulted)."""
+    given = set()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if any(a == option or a.startswith(option + "=") for a in argv):
+                given.add(action.dest)
+    return given
 
 
 def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:

@@ -11,7 +11,6 @@ ranks). So N ranks with ``--update-freq 1`` take the same step as one rank with
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import math
@@ -21,13 +20,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from toolkit.config import TrainConfig
+from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.logging import metrics
-from toolkit.optim import build_optimizer
+from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
 from toolkit.optim.grad_norm import total_norm as total_grad_norm
-from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window
-from toolkit.optim.lr_scheduler import build_lr_scheduler
+from toolkit.optim.loss_scaler import DynamicLossScaler
+from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
 logger = logging.getLogger(__name__)
 
@@ -66,58 +67,47 @@ def keep_freed_cpu_memory() -> bool:
 
 
 class Trainer:
-    def __init__(self, args, task, model: torch.nn.Module, criterion, env: DistributedEnv,
-                 parallel: Optional[Any] = None):
-        """``parallel`` describes how the model was wrapped (see toolkit.distributed.parallelize)."""
-        self.args = args
+    """One update at a time; ``state_dict``/``load_state_dict`` hold its counters, schedule and loss scale.
+
+    The model and optimizer tensors are saved by the checkpoint formats (full or sharded);
+    the rest of a run's state is :class:`toolkit.checkpoint.common.TrainingState`.
+    """
+
+    def __init__(self, cfg: TrainConfig, task, model: torch.nn.Module, criterion, env: DistributedEnv,
+                 strategy: ParallelStrategy):
+        self.cfg = cfg
         self.task, self.model, self.criterion = task, model, criterion
         self.env = env
         self.device = env.device
-        self.parallel = parallel
-        self.compute_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+        self.strategy = strategy
+        common = cfg.common
+        self.compute_dtype = torch.float16 if common.fp16 else torch.bfloat16 if common.bf16 else torch.float32
         if env.is_master:
-            flag = ("memory-efficient-fp16" if getattr(args, "memory_efficient_fp16", False)
-                    else "fp16" if args.fp16 else "bf16")
+            flag = "memory-efficient-fp16" if common.memory_efficient_fp16 else "fp16" if common.fp16 else "bf16"
             fp16_utils.warn_if_slow_on_cpu(self.device, self.compute_dtype, flag)
-        # --memory-efficient-fp16 without sharding: fp16 weights, fp32 optimizer state (see toolkit.optim.fp16);
-        # under FSDP2 the mixed-precision policy keeps only the sharded fp32 weights instead.
-        memory_efficient = bool(getattr(args, "memory_efficient_fp16", False)) and not (
-            parallel is not None and parallel.handles_mixed_precision)
-        if memory_efficient and any(p.dtype != torch.float16 for p in model.parameters()):
-            if parallel is not None and parallel.kind != "none":
-                raise RuntimeError("--memory-efficient-fp16: the model must be cast to fp16 "
-                                   "(toolkit.optim.fp16.half_model_) before it is wrapped for data parallelism")
-            fp16_utils.half_model_(model)
-        self.optimizer = build_optimizer(args, [p for p in model.parameters() if p.requires_grad])
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer_from_section(cfg.components.optimizer, cfg.optimizer, params,
+                                                      cfg.optimization.lr)
+        # --memory-efficient-fp16 without sharding: fp16 weights (cast by parallelize), fp32 optimizer state
+        # (see toolkit.optim.fp16); under FSDP2 the mixed-precision policy keeps only the sharded fp32 weights.
+        memory_efficient = common.memory_efficient_fp16 and not strategy.handles_mixed_precision
         self.memory_efficient = fp16_utils.MemoryEfficientFP16(self.optimizer) if memory_efficient else None
-        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
-        self.scaler = self._build_scaler(args) if args.fp16 else None
+        self.lr_scheduler = build_lr_scheduler_from_section(cfg.components.lr_scheduler, cfg.lr_scheduler,
+                                                            self.optimizer)
+        self.scaler = (DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq)
+                       if common.fp16 else None)
         self.num_updates = 0
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
 
-    def _build_scaler(self, args) -> DynamicLossScaler:
-        window = args.fp16_scale_window or default_scale_window(self.env.world_size, args.update_freq)
-        return DynamicLossScaler(init_scale=args.fp16_init_scale, scale_window=window,
-                                 tolerance=args.fp16_scale_tolerance, threshold=args.threshold_loss_scale,
-                                 min_loss_scale=args.min_loss_scale)
-
     # --- contexts -------------------------------------------------------------------
     def _autocast(self):
-        """Autocast unless the parallel wrapper already casts (FSDP2's mixed-precision policy)."""
-        if self.compute_dtype == torch.float32 or (self.parallel and self.parallel.handles_mixed_precision):
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
-
-    def _grad_sync(self, last_micro_batch: bool):
-        if self.parallel is None:
-            return contextlib.nullcontext()
-        return self.parallel.grad_sync(self.model, enabled=last_micro_batch)
+        return self.strategy.autocast(self.device, self.compute_dtype)
 
     def _set_seed(self) -> None:
         # Seeding by update number makes dropout identical when a run resumes from a checkpoint.
-        torch.manual_seed(self.args.seed + self.num_updates)
+        torch.manual_seed(self.cfg.common.seed + self.num_updates)
 
     # --- steps ----------------------------------------------------------------------
     def train_step(self, samples: List[Dict[str, Any]]) -> Optional[Dict[str, float]]:
@@ -128,8 +118,8 @@ class Trainer:
         totals: Dict[str, float] = {}
         for i, sample in enumerate(samples):
             sample = move_to_device(sample, self.device)
-            with self._grad_sync(last_micro_batch=i == len(samples) - 1), self._autocast(), \
-                    getattr(self.parallel, "forward_context", contextlib.nullcontext)():
+            with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
+                    self.strategy.forward_context():
                 loss, sample_size, logging_output = self.criterion(self.model, sample)
                 if sample.get("is_dummy"):
                     loss = loss * 0.0
@@ -150,9 +140,9 @@ class Trainer:
         grad_factor = self.env.world_size / (max(sample_size, 1.0) * scale)
         if self.memory_efficient is not None:
             # fp16 gradients stay scaled; the factor (and clipping) is applied in fp32 inside the step.
-            grad_norm, grad_factor = self._scaled_grad_norm(grad_factor, self.args.clip_norm)
+            grad_norm, grad_factor = self._scaled_grad_norm(grad_factor, self.cfg.optimization.clip_norm)
         else:
-            grad_norm = self._normalize_and_clip(grad_factor, self.args.clip_norm)
+            grad_norm = self._normalize_and_clip(grad_factor, self.cfg.optimization.clip_norm)
         if self.scaler is not None:
             try:
                 self.scaler.check_overflow(grad_norm)
@@ -234,7 +224,7 @@ class Trainer:
         metrics.log_standard_update_metrics(
             ntokens=totals.get("ntokens", 0), nsentences=totals.get("nsentences", 0),
             num_updates=self.num_updates, lr=self.get_lr(), grad_norm=grad_norm,
-            clip_norm=self.args.clip_norm, loss_scale=self.scaler.loss_scale if self.scaler else None,
+            clip_norm=self.cfg.optimization.clip_norm, loss_scale=self.scaler.loss_scale if self.scaler else None,
             device=self.device)
 
     # --- state ----------------------------------------------------------------------
@@ -245,14 +235,14 @@ class Trainer:
         self.lr_scheduler.step(epoch, val_loss)
         return self.lr_scheduler.step_update(self.num_updates)
 
-    def extra_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         return {
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
-    def load_extra_state(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
+    def load_state_dict(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
         self.num_updates = int(state["num_updates"])
         if not reset_lr_scheduler and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -219,3 +219,44 @@ class EpochBatchIterator:
         else:
             itr = (loader[k] for k in positions)
         return CountingIterator(itr, start=offset, total=len(mine))
+
+
+class GroupedIterator:
+    """Groups an iterator's items into lists of ``chunk_size`` (one list per update with --update-freq).
+
+    As fairseq's: ``len`` and ``n`` (groups consumed, which a progress bar uses as its
+    resume offset) count groups; the last group may be shorter.
+    """
+
+    def __init__(self, iterable: Iterable, chunk_size: int):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.iterable = iterable
+        self.chunk_size = chunk_size
+        self._itr = iter(iterable)
+        self.n = int(math.ceil(getattr(iterable, "n", 0) / float(chunk_size)))
+        try:
+            size: Optional[int] = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            size = None
+        self.total = None if size is None else int(math.ceil(size / float(chunk_size)))
+
+    def __len__(self) -> int:
+        if self.total is None:
+            raise TypeError("the grouped iterable has no length")
+        return self.total
+
+    def __iter__(self) -> "GroupedIterator":
+        return self
+
+    def __next__(self) -> list:
+        chunk = list(itertools.islice(self._itr, self.chunk_size))
+        if not chunk:
+            raise StopIteration
+        self.n += 1
+        return chunk
+
+    def has_next(self) -> bool:
+        if hasattr(self.iterable, "has_next"):
+            return self.iterable.has_next()
+        return self.total is None or self.n < self.total

@@ -179,7 +179,13 @@ def _rate(n: int, seconds: float) -> str:
 
 def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = None,
                args: Any = None) -> PreprocessResult:
-    """Build the data-bin ``cfg.destdir``; raises UserError on bad input (and leaves no data-bin)."""
+    """Build the data-bin ``cfg.destdir``; raises UserError on bad input (and leaves no data-bin).
+
+    Three steps, in a temporary folder renamed into place at the end: the tokenizer (trained
+    or copied), the dictionary (counted, with the train split binarized in the same pass),
+    then every split binarized against it.
+    """
+    tokenizer_cls = None
     if bpe is not None:
         from toolkit.tokenizers import make_config, tokenizer_class
 
@@ -193,7 +199,6 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
     if logger.level == logging.NOTSET:
         logger.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
     timings: Dict[str, float] = {}
-    summaries: Dict[str, BinarizeSummary] = {}
     with atomic_directory(cfg.destdir) as tmp:
         handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")
         handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
@@ -202,76 +207,92 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
             # fork the workers first, before a tokenizer library starts threads in this process
             with Workers(cfg.workers) as workers:
                 logger.info(args if args is not None else cfg)
-                spec = None
-                if bpe is not None:
-                    from toolkit.tokenizers import save_tokenizer_to_data_bin
-
-                    t0 = time.perf_counter()
-                    origin = None
-                    if tokenizer_cls.needs_training(bpe_cfg):
-                        logger.info(f"training the {bpe} tokenizer on {cfg.trainpref}")
-                        bpe_cfg = tokenizer_cls.train(bpe_cfg, iter_lines(cfg.trainpref, cfg.encoding_errors), tmp)
-                        origin = f"trained on {os.path.abspath(cfg.trainpref)}"
-                    bpe_cfg = save_tokenizer_to_data_bin(bpe, bpe_cfg, tmp, origin)
-                    spec = (bpe, dataclasses.asdict(bpe_cfg))
-                    timings["bpe"] = time.perf_counter() - t0
-                    logger.info(f"tokenizer: --bpe {bpe} ({os.path.join(cfg.destdir, 'bpe.json')})")
-
-                t0 = time.perf_counter()
-                first_pass = None  # the train split's provisional parts (counted and binarized in one pass)
-                if cfg.srcdict:
-                    vocab = Dictionary.load(cfg.srcdict)
-                    logger.info(f"[None] Dictionary: loaded {cfg.srcdict}")
-                else:
-                    path = cfg.trainpref
-                    desc = "dictionary" if cfg.dict_only else "train+dictionary"
-                    with _progress_bar(cfg, os.path.getsize(path), desc) as bar:
-                        if cfg.dict_only:
-                            counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update)
-                        else:
-                            first_pass = provisional_file(path, os.path.join(tmp, "train"), workers, spec,
-                                                          cfg.encoding_errors, bar.update)
-                            counts = part_counts(first_pass)
-                    vocab = Dictionary()
-                    vocab.add_counts(counts)
-                    n_counted = sum(counts.values())
-                    if first_pass:  # the line ends were counted as "</s>"
-                        n_counted -= sum(part.summary.num_seq for part in first_pass)
-                    del counts
-                    vocab.finalize(threshold=cfg.thresholdsrc, nwords=cfg.nwordssrc,
-                                   padding_factor=cfg.padding_factor)
-                    seconds = time.perf_counter() - t0
-                    how = "counted and binarized with provisional ids" if first_pass else "counted"
-                    logger.info(f"[None] Dictionary: {path}: {n_counted} tokens {how} in {seconds:.2f}s "
-                                f"({_rate(n_counted, seconds)}, {cfg.workers} workers)")
-                vocab.save(os.path.join(tmp, "dict.txt"))
-                timings["dictionary"] = time.perf_counter() - t0
-
-                if not cfg.dict_only:
-                    dtype = best_fitting_dtype(len(vocab))
-                    for name, _, path in splits:
-                        logger.info(f"[None] Dictionary: {len(vocab)} types")
-                        t0 = time.perf_counter()
-                        if name == "train" and first_pass is not None:
-                            # ids written in the counting pass: renumber them with dict.txt
-                            summary = finish_provisional(first_pass, os.path.join(tmp, name), vocab, dtype)
-                        else:
-                            with _progress_bar(cfg, os.path.getsize(path), name) as bar:
-                                summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
-                                                        cfg.encoding_errors, bar.update)
-                        timings[name] = seconds = time.perf_counter() - t0
-                        summaries[name] = summary
-                        logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
-                        if name == "train" and first_pass is not None:
-                            total = seconds + timings["dictionary"]
-                            logger.info(f"[None] {name}: ids renumbered in {seconds:.2f}s; dictionary + binarize "
-                                        f"took {total:.2f}s ({_rate(summary.num_tok, total)}, {cfg.workers} workers)")
-                        else:
-                            logger.info(f"[None] {name}: binarized in {seconds:.2f}s "
-                                        f"({_rate(summary.num_tok, seconds)}, {cfg.workers} workers)")
+                spec = _tokenizer_step(cfg, bpe, bpe_cfg, tokenizer_cls, tmp, timings)
+                vocab, first_pass = _dictionary_step(cfg, workers, spec, tmp, timings)
+                summaries = {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec,
+                                                                     tmp, timings)
                 logger.info(f"Wrote preprocessed data to {cfg.destdir}")
             _set_default_permissions(tmp)
         finally:
             logger.removeHandler(handler)
             handler.close()
     return PreprocessResult(cfg.destdir, len(vocab), summaries, timings)
+
+
+def _tokenizer_step(cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, tokenizer_cls: Any, tmp: str,
+                    timings: Dict[str, float]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """Train (or copy) the tokenizer into the data-bin; the spec the workers tokenize with (None: whitespace)."""
+    if bpe is None:
+        return None
+    from toolkit.tokenizers import save_tokenizer_to_data_bin
+
+    t0 = time.perf_counter()
+    origin = None
+    if tokenizer_cls.needs_training(bpe_cfg):
+        logger.info(f"training the {bpe} tokenizer on {cfg.trainpref}")
+        bpe_cfg = tokenizer_cls.train(bpe_cfg, iter_lines(cfg.trainpref, cfg.encoding_errors), tmp)
+        origin = f"trained on {os.path.abspath(cfg.trainpref)}"
+    bpe_cfg = save_tokenizer_to_data_bin(bpe, bpe_cfg, tmp, origin)
+    timings["bpe"] = time.perf_counter() - t0
+    logger.info(f"tokenizer: --bpe {bpe} ({os.path.join(cfg.destdir, 'bpe.json')})")
+    return (bpe, dataclasses.asdict(bpe_cfg))
+
+
+def _dictionary_step(cfg: PreprocessConfig, workers: Workers, spec: Any, tmp: str,
+                     timings: Dict[str, float]) -> Tuple[Dictionary, Any]:
+    """dict.txt: loaded (--srcdict) or counted; counting also binarizes train with provisional ids."""
+    t0 = time.perf_counter()
+    first_pass = None  # the train split's provisional parts (counted and binarized in one pass)
+    if cfg.srcdict:
+        vocab = Dictionary.load(cfg.srcdict)
+        logger.info(f"[None] Dictionary: loaded {cfg.srcdict}")
+    else:
+        path = cfg.trainpref
+        desc = "dictionary" if cfg.dict_only else "train+dictionary"
+        with _progress_bar(cfg, os.path.getsize(path), desc) as bar:
+            if cfg.dict_only:
+                counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update)
+            else:
+                first_pass = provisional_file(path, os.path.join(tmp, "train"), workers, spec,
+                                              cfg.encoding_errors, bar.update)
+                counts = part_counts(first_pass)
+        vocab = Dictionary()
+        vocab.add_counts(counts)
+        n_counted = sum(counts.values())
+        if first_pass:  # the line ends were counted as "</s>"
+            n_counted -= sum(part.summary.num_seq for part in first_pass)
+        vocab.finalize(threshold=cfg.thresholdsrc, nwords=cfg.nwordssrc, padding_factor=cfg.padding_factor)
+        seconds = time.perf_counter() - t0
+        how = "counted and binarized with provisional ids" if first_pass else "counted"
+        logger.info(f"[None] Dictionary: {path}: {n_counted} tokens {how} in {seconds:.2f}s "
+                    f"({_rate(n_counted, seconds)}, {cfg.workers} workers)")
+    vocab.save(os.path.join(tmp, "dict.txt"))
+    timings["dictionary"] = time.perf_counter() - t0
+    return vocab, first_pass
+
+
+def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vocab: Dictionary, first_pass: Any,
+                   workers: Workers, spec: Any, tmp: str, timings: Dict[str, float]) -> Dict[str, BinarizeSummary]:
+    """Every split's ``.bin/.idx`` (train: its provisional ids renumbered with dict.txt)."""
+    summaries: Dict[str, BinarizeSummary] = {}
+    dtype = best_fitting_dtype(len(vocab))
+    for name, _, path in splits:
+        logger.info(f"[None] Dictionary: {len(vocab)} types")
+        t0 = time.perf_counter()
+        if name == "train" and first_pass is not None:
+            summary = finish_provisional(first_pass, os.path.join(tmp, name), vocab, dtype)
+        else:
+            with _progress_bar(cfg, os.path.getsize(path), name) as bar:
+                summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
+                                        cfg.encoding_errors, bar.update)
+        timings[name] = seconds = time.perf_counter() - t0
+        summaries[name] = summary
+        logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
+        if name == "train" and first_pass is not None:
+            total = seconds + timings["dictionary"]
+            logger.info(f"[None] {name}: ids renumbered in {seconds:.2f}s; dictionary + binarize "
+                        f"took {total:.2f}s ({_rate(summary.num_tok, total)}, {cfg.workers} workers)")
+        else:
+            logger.info(f"[None] {name}: binarized in {seconds:.2f}s "
+                        f"({_rate(summary.num_tok, seconds)}, {cfg.workers} workers)")
+    return summaries

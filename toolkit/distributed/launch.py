@@ -21,6 +21,7 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from toolkit.config import TrainConfig
 from toolkit.distributed import heartbeat
 from toolkit.distributed.utils import shutdown, under_launcher
 from toolkit.errors import UserError
@@ -40,21 +42,21 @@ PROG = "toolkit-train"
 HOSTED_STORE_ENV = "TOOLKIT_LAUNCHER_STORE"  # "1": the launcher hosts the store; workers connect as clients
 
 
-def run(main: Callable, args) -> None:
-    """Run ``main(args)`` as this process's rank, or spawn ``--distributed-world-size`` workers."""
+def run(main: Callable, cfg: TrainConfig) -> None:
+    """Run ``main(cfg)`` as this process's rank, or spawn ``--distributed-world-size`` workers."""
     if under_launcher():
-        code = run_worker(main, args)
+        code = run_worker(main, cfg)
         if code:
             sys.exit(code)
         return
-    nprocs = int(getattr(args, "distributed_world_size", 1) or 1)
+    nprocs = cfg.distributed.distributed_world_size
     if nprocs > 1:
-        code = spawn(main, args, nprocs)
+        code = spawn(main, cfg, nprocs)
         if code:
             sys.exit(code)
         return
     try:  # one process: errors go to the caller (toolkit-train prints UserError as one line)
-        main(args)
+        main(cfg)
     finally:
         shutdown(ok=True)
 
@@ -93,11 +95,11 @@ def _wait_abort_message(seconds: float) -> str:
         time.sleep(0.1)
 
 
-def run_worker(main: Callable, args) -> int:
+def run_worker(main: Callable, cfg: TrainConfig) -> int:
     """One rank: run ``main``, turn failures into one clear message, leave the group cleanly. Returns the exit code."""
     rank = _rank()
     try:
-        main(args)
+        main(cfg)
     except (UserError, FloatingPointError) as e:
         # Usually every rank hits the same error: rank 0 says it. Another rank's own error still
         # reaches the user through the abort message the others print.
@@ -134,8 +136,8 @@ def run_worker(main: Callable, args) -> int:
 
 # --- the single-machine launcher -----------------------------------------------------------
 
-def _spawned_worker(index: int, main: Callable, args, nprocs: int, host: str, port: int,
-                    threads: Optional[int]) -> None:
+def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str], nprocs: int,
+                    host: str, port: int, threads: Optional[int]) -> None:
     """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
     os.environ.update({
         "RANK": str(index), "LOCAL_RANK": str(index), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
@@ -145,10 +147,11 @@ def _spawned_worker(index: int, main: Callable, args, nprocs: int, host: str, po
         torch.set_num_threads(threads)
     from toolkit import registry  # a spawned process starts with empty registries
 
-    if getattr(args, "user_dir", None):
-        registry.import_user_module(args.user_dir)
+    if user_dir:  # before the config is unpickled: it may hold a plugin's options dataclass
+        registry.import_user_module(user_dir)
     registry.import_all_components()
-    code = run_worker(main, args)
+    cfg = pickle.loads(cfg_bytes)
+    code = run_worker(main, cfg)
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
@@ -172,22 +175,22 @@ def _threads_per_worker(nprocs: int) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def spawn(main: Callable, args, nprocs: int, host: str = "127.0.0.1") -> int:
+def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1") -> int:
     """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run."""
     from toolkit.logging.setup import setup_logging
 
     setup_logging(None, rank=0)
-    if torch.cuda.is_available() and not getattr(args, "cpu", False) and nprocs > torch.cuda.device_count():
+    if torch.cuda.is_available() and not cfg.common.cpu and nprocs > torch.cuda.device_count():
         raise UserError(f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
                         f"(one process per GPU); lower it, or use --cpu")
-    port = int(getattr(args, "distributed_port", -1) or -1)
-    timeout = float(getattr(args, "heartbeat_timeout", 300) or 300)
+    port = cfg.distributed.distributed_port
+    timeout = float(cfg.distributed.heartbeat_timeout)
     store = dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
     port = store.port
     logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
     ctx = torch.multiprocessing.start_processes(
-        _spawned_worker, args=(main, args, nprocs, host, port, _threads_per_worker(nprocs)),
+        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, nprocs, host, port, _threads_per_worker(nprocs)),
         nprocs=nprocs, join=False, start_method="spawn")
     procs = ctx.processes
     for rank, proc in enumerate(procs):

@@ -29,16 +29,15 @@ block, then FSDP2 ``fully_shard`` each (wrapped) block and the root, then
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
 
-from toolkit import options, registry
-from toolkit.distributed import heartbeat
+from toolkit import models
+from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
+from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.errors import UserError
 from toolkit.models.init import init_weights
@@ -46,49 +45,6 @@ from toolkit.models.init import init_weights
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-
-
-@dataclass
-class Parallel:
-    """What the trainer needs to know about how the model was wrapped."""
-
-    kind: str = "none"  # none | ddp | no_c10d | fsdp
-    handles_mixed_precision: bool = False
-    offload_activations: bool = False
-    pin_memory: bool = False
-    mesh: Any = None
-    reducer: Any = field(default=None, repr=False)
-
-    def grad_sync(self, model: torch.nn.Module, enabled: bool):
-        """Skip gradient communication on all but the last micro-batch of an update.
-
-        For FSDP2 the flag is read in backward, which the trainer runs after this
-        context exits, so it is set here and left set (the last micro-batch sets it back).
-        """
-        heartbeat.progress()
-        if self.kind == "ddp" and not enabled:
-            return model.no_sync()
-        if self.kind == "fsdp":
-            model.set_requires_gradient_sync(enabled)
-        elif self.kind == "no_c10d":
-            self.reducer.enabled = enabled
-        return contextlib.nullcontext()
-
-    def forward_context(self):
-        """Around forward: ``--offload-activations`` keeps the tensors saved for backward in host memory."""
-        if self.offload_activations:
-            return torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
-        return contextlib.nullcontext()
-
-
-def count_params(model: torch.nn.Module) -> Tuple[int, int]:
-    params = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DataParallelModel(torch.nn.parallel.DistributedDataParallel):
@@ -99,52 +55,6 @@ class DataParallelModel(torch.nn.parallel.DistributedDataParallel):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.module, name)
-
-
-class GradAllReduce:
-    """``--ddp-backend no_c10d``: after backward, all-reduce all gradients (averaged), in buckets.
-
-    Hooks on every parameter queue one callback at the end of the backward pass of a
-    micro-batch whose gradient sync is enabled; gradients accumulate locally otherwise.
-    """
-
-    def __init__(self, model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20):
-        self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
-        self.world_size = world_size
-        self.bucket_bytes = bucket_bytes
-        self.enabled = True
-        self._queued = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._hook)
-
-    def _hook(self, _param: torch.Tensor) -> None:
-        if self.enabled and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
-
-    @torch.no_grad()
-    def _reduce(self) -> None:
-        self._queued = False
-        for p in self.params:  # a parameter unused on this rank still takes part
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: List[torch.Tensor] = []
-        size = 0
-        for p in self.params:
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= self.bucket_bytes:
-                self._all_reduce(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._all_reduce(bucket)
-
-    def _all_reduce(self, grads: List[torch.Tensor]) -> None:
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat.div_(self.world_size)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
 
 
 # --- pieces ---------------------------------------------------------------------------
@@ -162,12 +72,12 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
                                              preserve_rng_state=True)
 
 
-def build_mesh(args, env: DistributedEnv):
+def build_mesh(cfg: DistributedConfig, env: DistributedEnv):
     """The data-parallel DeviceMesh of ``--sharding-strategy`` (see the module docstring)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     W = env.world_size
-    strategy = args.sharding_strategy
+    strategy = cfg.sharding_strategy
     if strategy not in STRATEGIES:
         raise UserError(f"--sharding-strategy {strategy}: choose from {', '.join(STRATEGIES)}")
     device_type = env.device.type
@@ -175,57 +85,49 @@ def build_mesh(args, env: DistributedEnv):
         return init_device_mesh(device_type, (W,), mesh_dim_names=("dp_shard",))
     if strategy == "no_shard":
         return init_device_mesh(device_type, (W, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    group = args.shard_group_size or env.local_world_size or W
+    group = cfg.shard_group_size or env.local_world_size or W
     if group < 1 or group > W or W % group:
-        raise UserError(f"--shard-group-size {args.shard_group_size}: must divide the world size {W} "
+        raise UserError(f"--shard-group-size {cfg.shard_group_size}: must divide the world size {W} "
                         f"(ranks shard within groups of this size; groups replicate)")
     return init_device_mesh(device_type, (W // group, group), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def reshard_after_forward(args) -> bool:
-    return (args.sharding_strategy in ("full_shard", "hybrid_shard")) and not args.no_reshard_after_forward
+def reshard_after_forward(cfg: DistributedConfig) -> bool:
+    return (cfg.sharding_strategy in ("full_shard", "hybrid_shard")) and not cfg.no_reshard_after_forward
 
 
-def mixed_precision_policy(args):
+def mixed_precision_policy(common: CommonConfig):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if args.fp16 or getattr(args, "memory_efficient_fp16", False):
+    if common.fp16 or common.memory_efficient_fp16:
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    if args.bf16:
+    if common.bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-_logged_cpu_offload = False
-
-
-def offload_policy(args, env: DistributedEnv):
-    """``--cpu-offload``: FSDP2's CPUOffloadPolicy on GPU; on a CPU-only machine the state is already in host memory."""
-    global _logged_cpu_offload
+def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
+    """``--cpu-offload``: FSDP2's CPUOffloadPolicy on GPU; on a CPU-only machine the state is already in host memory
+    (toolkit.resolve says so once)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    if not args.cpu_offload:
-        return OffloadPolicy()
-    if env.device.type != "cuda":
-        if not _logged_cpu_offload:
-            logger.info("--cpu-offload: no GPU in use, so parameters, gradients and optimizer state are "
-                        "already in host memory; nothing to offload")
-            _logged_cpu_offload = True
+    if not cfg.cpu_offload or env.device.type != "cuda":
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, args, env: DistributedEnv) -> None:
+def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: CommonConfig,
+               env: DistributedEnv) -> None:
     """FSDP2 ``fully_shard`` on every block (bottom-up), then on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(args), offload_policy=offload_policy(args, env))
-    reshard = reshard_after_forward(args)
+    shared = dict(mesh=mesh, mp_policy=mixed_precision_policy(common), offload_policy=offload_policy(cfg, env))
+    reshard = reshard_after_forward(cfg)
     last = len(model.layers) - 1
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again as soon as backward starts.
-        fully_shard(block, reshard_after_forward=reshard and i < last, **common)
-    fully_shard(model, reshard_after_forward=False, **common)
+        fully_shard(block, reshard_after_forward=reshard and i < last, **shared)
+    fully_shard(model, reshard_after_forward=False, **shared)
 
 
 def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -237,58 +139,55 @@ def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 # --- entry point -----------------------------------------------------------------------
 
-def parallelize(model: torch.nn.Module, args, env: DistributedEnv) -> Tuple[torch.nn.Module, Parallel]:
+def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
+                ) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
-    ddp_backend = args.ddp_backend
     pin = torch.cuda.is_available() and env.device.type == "cuda"
-    parallel = Parallel(offload_activations=bool(args.offload_activations), pin_memory=pin)
-    if args.checkpoint_activations:
+    placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin)
+    if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
-    if ddp_backend == "fully_sharded":
-        if not dist.is_initialized():
-            raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
-        mesh = build_mesh(args, env)
-        apply_fsdp(model, mesh, args, env)
-        offloaded = args.cpu_offload and env.device.type == "cuda"
-        model.to_empty(device="cpu" if offloaded else env.device)
-        if offloaded:
-            _move_buffers(model, env.device)  # only parameters/gradients/optimizer state live on the host
-        init_weights(model, args.seed)
-        parallel.kind = "fsdp"
-        parallel.mesh = mesh
-        parallel.handles_mixed_precision = bool(args.fp16 or args.bf16)
-        logger.info(f"fully_sharded: {args.sharding_strategy} on mesh {tuple(mesh.shape)} "
-                    f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(args)}, "
-                    f"mixed precision: {mixed_precision_policy(args)}")
-        return model, parallel
+    if cfg.ddp_backend == "fully_sharded":
+        return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)
-    init_weights(model, args.seed)
-    if getattr(args, "memory_efficient_fp16", False) and env.world_size > 1:
+    init_weights(model, common.seed)
+    if common.memory_efficient_fp16:
         from toolkit.optim import fp16 as fp16_utils
 
-        fp16_utils.half_model_(model)  # before DDP builds its buckets (the trainer does it for one process)
-    if env.world_size > 1 and ddp_backend == "c10d":
+        fp16_utils.half_model_(model)  # fp16 weights, fp32 optimizer state; before DDP builds its buckets
+    if env.world_size > 1 and cfg.ddp_backend == "c10d":
         model = DataParallelModel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                                   broadcast_buffers=False, gradient_as_bucket_view=True)
-        parallel.kind = "ddp"
-    elif env.world_size > 1 and ddp_backend == "no_c10d":
-        parallel.reducer = GradAllReduce(model, env.world_size)
-        parallel.kind = "no_c10d"
-    return model, parallel
+        return model, DDPStrategy(**placement)
+    if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
+        return model, AllReduceStrategy(model, env.world_size, **placement)
+    return model, ParallelStrategy(**placement)
 
 
-def build_model(args, task, env: DistributedEnv) -> Tuple[torch.nn.Module, Parallel]:
-    entry = registry.resolve_arch(args.arch)
-    model_cfg = options.config_from_args(entry.config, args)
+def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv,
+                 placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    if not dist.is_initialized():
+        raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
+    mesh = build_mesh(cfg, env)
+    apply_fsdp(model, mesh, cfg, common, env)
+    offloaded = cfg.cpu_offload and env.device.type == "cuda"
+    model.to_empty(device="cpu" if offloaded else env.device)
+    if offloaded:
+        _move_buffers(model, env.device)  # only parameters/gradients/optimizer state live on the host
+    init_weights(model, common.seed)
+    logger.info(f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
+                f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
+                f"mixed precision: {mixed_precision_policy(common)}")
+    strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), mesh=mesh, **placement)
+    return model, strategy
+
+
+def build_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """The run's model, built on the meta device, then wrapped, materialized and initialized."""
     with torch.device("meta"):
-        model = entry.cls.build_model(model_cfg, task)
+        model = models.build_model(cfg.components.arch, cfg.model, task)
     logger.info(model)
-    total, trained = count_params(model)
+    total, trained = models.count_params(model)
     logger.info(f"task: {type(task).__name__}")
     logger.info(f"model: {type(model).__name__}")
     logger.info(f"num. model params: {total} (num. trained: {trained})")
-    if args.ddp_backend != "fully_sharded":
-        for flag in ("cpu_offload", "no_reshard_after_forward"):
-            if getattr(args, flag, False):
-                raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
-    return parallelize(model, args, env)
+    return parallelize(model, cfg.distributed, cfg.common, env)

@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from toolkit.config import DistributedConfig
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,14 @@ def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def pg_timeout(args) -> datetime.timedelta:
+def pg_timeout(heartbeat_timeout: float) -> datetime.timedelta:
     """How long a collective waits for a missing rank before failing.
 
     Never less than 30 s: some ranks legitimately wait for others (rank 0 writing a
     consolidated checkpoint, a slow data load). Ranks that die or freeze are caught
     sooner, within ``--heartbeat-timeout``, by the heartbeat.
     """
-    return datetime.timedelta(seconds=max(int(getattr(args, "heartbeat_timeout", 300) or 300), 30))
+    return datetime.timedelta(seconds=max(int(heartbeat_timeout), 30))
 
 
 def env_int(name: str, default: int) -> int:
@@ -99,7 +100,7 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_distributed(args) -> DistributedEnv:
+def init_distributed(cfg: DistributedConfig, cpu: bool = False) -> DistributedEnv:
     """Join the process group torchrun (or our own spawner) describes in the environment."""
     world_size = env_int("WORLD_SIZE", 1)
     rank = env_int("RANK", 0)
@@ -107,44 +108,52 @@ def init_distributed(args) -> DistributedEnv:
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size if "WORLD_SIZE" in os.environ else 1)
     if not 0 <= rank < world_size:
         raise UserError(f"RANK {rank} is not in [0, WORLD_SIZE={world_size})")
-    requested = getattr(args, "distributed_world_size", 1)
-    if under_launcher() and requested not in (1, world_size):
-        raise UserError(f"--distributed-world-size {requested} but the launcher started {world_size} processes "
-                        f"(WORLD_SIZE); drop --distributed-world-size under torchrun")
-    device = pick_device(getattr(args, "cpu", False), local_rank)
-    backend = getattr(args, "distributed_backend", None) or default_backend(
-        device, cpu_offload=bool(getattr(args, "cpu_offload", False)))
-    if backend == "nccl" and device.type == "cuda" and getattr(args, "cpu_offload", False):
-        backend = default_backend(device, cpu_offload=True)  # host-memory shards need gloo beside NCCL
-    if "nccl" in backend and device.type != "cuda":
-        raise UserError("--distributed-backend nccl needs GPUs; use gloo (the default without GPUs)")
-    args.distributed_world_size = world_size
+    if under_launcher() and cfg.distributed_world_size not in (1, world_size):
+        raise UserError(f"--distributed-world-size {cfg.distributed_world_size} but the launcher started "
+                        f"{world_size} processes (WORLD_SIZE); drop --distributed-world-size under torchrun")
+    device = pick_device(cpu, local_rank)
+    backend = process_group_backend(cfg, device)
     env = DistributedEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                          local_world_size=local_world_size, backend=None)
     if dist.is_initialized():
         env.backend = dist.get_backend()
         return env
-    fully_sharded = getattr(args, "ddp_backend", "c10d") == "fully_sharded"
+    timeout = pg_timeout(cfg.heartbeat_timeout)
+    device_id = device if device.type == "cuda" else None
     if world_size > 1:
-        store = None
-        if os.environ.get("TOOLKIT_LAUNCHER_STORE") == "1":  # our spawner hosts the store (toolkit.distributed.launch)
-            store = dist.PrefixStore("toolkit/pg/", dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                wait_for_workers=False, timeout=pg_timeout(args)))
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                                timeout=pg_timeout(args), device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend=backend, store=_launcher_store(timeout), rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device_id)
         env.backend = backend
         logger.info(f"distributed init (rank {rank}): {backend}, world size {world_size}, "
                     f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
         from toolkit.distributed import heartbeat
 
-        heartbeat.start(rank, world_size, timeout=float(getattr(args, "heartbeat_timeout", 300) or 300))
-    elif fully_sharded:
+        heartbeat.start(rank, world_size, timeout=float(cfg.heartbeat_timeout))
+    elif cfg.ddp_backend == "fully_sharded":
         # FSDP2 works on DTensors, which need a process group even for one rank.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=pg_timeout(args), device_id=device if device.type == "cuda" else None)
+                                timeout=timeout, device_id=device_id)
         env.backend = backend
     return env
+
+
+def process_group_backend(cfg: DistributedConfig, device: torch.device) -> str:
+    """``--distributed-backend``, or the default for the device (NCCL and gloo side by side under offload)."""
+    backend = cfg.distributed_backend or default_backend(device, cpu_offload=cfg.cpu_offload)
+    if backend == "nccl" and device.type == "cuda" and cfg.cpu_offload:
+        backend = default_backend(device, cpu_offload=True)  # host-memory shards need gloo beside NCCL
+    if "nccl" in backend and device.type != "cuda":
+        raise UserError("--distributed-backend nccl needs GPUs; use gloo (the default without GPUs)")
+    return backend
+
+
+def _launcher_store(timeout: datetime.timedelta):
+    """The store our own spawner hosts (toolkit.distributed.launch); None under torchrun (env:// rendezvous)."""
+    if os.environ.get("TOOLKIT_LAUNCHER_STORE") != "1":
+        return None
+    return dist.PrefixStore("toolkit/pg/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        wait_for_workers=False, timeout=timeout))
 
 
 def shutdown(ok: bool = True, error: Optional[BaseException] = None) -> None:

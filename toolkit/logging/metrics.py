@@ -40,15 +40,16 @@ The loop that produces fairseq's ``train_inner`` / ``valid`` / ``train`` lines::
 
     setup_logging(cfg.log_file, rank)                       # once, at start
     metrics.log_wall_start()                                # once, trainer built (outside aggregate)
-    metrics.set_throughput_tracker(ThroughputTracker(flops_per_token, peak_flops(device, dtype), world_size))
+    spec = ThroughputSpec(model.flops_per_token(T), peak_flops(device, dtype), world_size)
     # after loading a checkpoint (unless --reset-meters): metrics.load_state_dict(state["metrics"])
 
     with metrics.aggregate("train"):                        # one epoch
-        progress = progress_bar.build_progress_bar(cfg, itr, epoch=epoch, rank=rank)
+        progress = progress_bar.build_progress_bar(cfg.common, itr, epoch=epoch, is_master=rank == 0)
         for samples in progress:
             with metrics.aggregate("train_inner"):
-                trainer.train_step(samples)                 # logs: train_wall start/stop, criterion
+                out = trainer.train_step(samples)           # logs: train_wall start/stop, criterion
                                                             #   log_loss_metrics, log_standard_update_metrics
+                metrics.log_throughput(out["ntokens"], spec)  # tps, mfu
             n = trainer.num_updates
             if n % cfg.log_interval == 0:
                 progress.log(metrics.get_training_stats("train_inner"), tag="train_inner", step=n)
@@ -72,13 +73,16 @@ import contextlib
 import math
 import uuid
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from . import meters as _meters
+import toolkit.logging.meters as _meters
 from .meters import (AverageMeter, Meter, MetersDict, StopwatchMeter, SumMeter, TimeMeter,  # noqa: F401
                      safe_round, to_python)
+
+if TYPE_CHECKING:
+    from .throughput import ThroughputSpec
 
 # fairseq's priorities, plus ours (>= AFTER_WALL_PRIORITY, printed after "wall").
 PRIORITY = {
@@ -93,7 +97,6 @@ _aggregators: "OrderedDict[str, MetersDict]" = OrderedDict()
 _active_aggregators: "OrderedDict[str, MetersDict]" = OrderedDict()
 _active_aggregators_cnt: Dict[str, int] = defaultdict(lambda: 0)
 _entry_times: List[float] = []  # when each enclosing aggregate() block was entered, innermost last
-_throughput_tracker = None
 
 
 def _now() -> float:
@@ -102,7 +105,6 @@ def _now() -> float:
 
 def reset() -> None:
     """Forget all aggregators: "default" is recreated, active, with only a fresh ``wall`` clock."""
-    global _throughput_tracker
     _aggregators.clear()
     _active_aggregators.clear()
     _active_aggregators_cnt.clear()
@@ -110,7 +112,6 @@ def reset() -> None:
     _aggregators["default"] = MetersDict()
     _active_aggregators["default"] = _aggregators["default"]
     _active_aggregators_cnt["default"] = 1
-    _throughput_tracker = None
     log_wall_start()
 
 
@@ -388,9 +389,7 @@ def log_standard_update_metrics(ntokens: Any, nsentences: Any, num_updates: int,
     """Everything a trainer logs per update besides the criterion's loss/ppl.
 
     :func:`log_batch_metrics` (wpb/wps/bsz) + :func:`log_update_metrics`; on a CUDA
-    ``device`` ``gb_free`` is measured (and the peak-memory counter reset) unless given;
-    and, when a :class:`~toolkit.logging.throughput.ThroughputTracker` was registered with
-    :func:`set_throughput_tracker`, our ``tps``/``mfu`` (``ntokens`` summed over ranks).
+    ``device`` ``gb_free`` is measured (and the peak-memory counter reset) unless given.
     """
     log_batch_metrics(ntokens, nsentences)
     if gb_free is None and device is not None and torch.device(device).type == "cuda":
@@ -398,14 +397,22 @@ def log_standard_update_metrics(ntokens: Any, nsentences: Any, num_updates: int,
         gb_free = cuda_gb_free(device)
     log_update_metrics(num_updates, lr=lr, grad_norm=grad_norm, clip_norm=clip_norm,
                        loss_scale=loss_scale, gb_free=gb_free)
-    if _throughput_tracker is not None and ntokens is not None:
-        _throughput_tracker.log(ntokens)
 
 
-def set_throughput_tracker(tracker) -> None:
-    """Have :func:`log_standard_update_metrics` log ``tps``/``mfu`` with ``tracker`` (None: stop)."""
-    global _throughput_tracker
-    _throughput_tracker = tracker
+def log_throughput(ntokens: Any, spec: "ThroughputSpec") -> None:
+    """Our ``tps`` (tokens/s per device, a speed meter) and derived ``mfu`` (percent) for one update.
+
+    ``ntokens`` is the update's token count summed over ranks. Both are computed per
+    aggregator, so a ``train_inner`` line reports its log interval and a ``train`` line the
+    epoch; they come after fairseq's keys.
+    """
+    if ntokens is None:
+        return
+    log_speed("tps", float(to_python(ntokens)) / spec.world_size, priority=PRIORITY["tps"], round=1)
+    if spec.peak_flops:
+        fpt, peak = spec.flops_per_token, float(spec.peak_flops)
+        log_derived("mfu", lambda meters: round(100.0 * meters["tps"].avg * fpt / peak, 2) if "tps" in meters else 0.0,
+                    priority=PRIORITY["mfu"])
 
 
 def get_training_stats(name_or_stats: Any = "train_inner") -> Dict[str, Any]:

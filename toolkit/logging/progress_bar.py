@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import json
 import logging
-import math
 import os
 import sys
-import types
 from collections import OrderedDict
 from numbers import Number
-from typing import Any, Dict, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, Optional
 
 import torch
 
 from .setup import add_file_handler
 from .meters import AverageMeter, StopwatchMeter, TimeMeter
+
+if TYPE_CHECKING:
+    from toolkit.config import CommonConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +72,17 @@ def progress_bar(
     return bar
 
 
-def build_progress_bar(common_cfg: Any, iterator: Iterable, epoch: Optional[int] = None,
-                       prefix: Optional[str] = None, rank: int = 0) -> "BaseProgressBar":
-    """:func:`progress_bar` from the CommonConfig options (--log-format, --log-interval, ...).
+def build_progress_bar(common: "CommonConfig", iterator: Iterable, epoch: Optional[int] = None,
+                       prefix: Optional[str] = None, is_master: bool = True) -> "BaseProgressBar":
+    """:func:`progress_bar` from the common options (--log-format, --log-interval, ...).
 
     As fairseq: the default format is tqdm (simple off a terminal) or simple with
-    --no-progress-bar; TensorBoard is written by rank 0 only.
+    --no-progress-bar; TensorBoard is written by the master rank only.
     """
     return progress_bar(
-        iterator,
-        log_format=getattr(common_cfg, "log_format", None),
-        log_interval=getattr(common_cfg, "log_interval", 100),
-        epoch=epoch,
-        prefix=prefix,
-        tensorboard_logdir=getattr(common_cfg, "tensorboard_logdir", None) if rank == 0 else None,
-        default_log_format="simple" if getattr(common_cfg, "no_progress_bar", False) else "tqdm",
-        log_file=getattr(common_cfg, "log_file", None) if rank == 0 else None,
-    )
+        iterator, log_format=common.log_format, log_interval=common.log_interval, epoch=epoch, prefix=prefix,
+        tensorboard_logdir=common.tensorboard_logdir if is_master else None,
+        default_log_format="simple" if common.no_progress_bar else "tqdm")
 
 
 def format_stat(stat: Any) -> Any:
@@ -360,52 +354,3 @@ class TensorboardProgressBarWrapper(BaseProgressBar):
             if isinstance(value, Number) and not isinstance(value, bool):
                 writer.add_scalar(key, value, step)
         writer.flush()
-
-
-class GroupedIterator:
-    """Groups an iterator's items into lists of ``chunk_size`` (one list per update with --update-freq).
-
-    As fairseq's: ``len`` and ``n`` (groups consumed, which a progress bar uses as its
-    resume offset) count groups; the last group may be shorter.
-    """
-
-    def __init__(self, iterable: Iterable, chunk_size: int):
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.iterable = iterable
-        self.chunk_size = chunk_size
-        self._itr = iter(iterable)
-        self.n = int(math.ceil(getattr(iterable, "n", 0) / float(chunk_size)))
-        size = _safe_len(iterable)
-        self.total = None if size is None else int(math.ceil(size / float(chunk_size)))
-
-    def __len__(self) -> int:
-        if self.total is None:
-            raise TypeError("the grouped iterable has no length")
-        return self.total
-
-    def __iter__(self) -> "GroupedIterator":
-        return self
-
-    def __next__(self) -> list:
-        chunk = list(itertools.islice(self._itr, self.chunk_size))
-        if not chunk:
-            raise StopIteration
-        self.n += 1
-        return chunk
-
-    def has_next(self) -> bool:
-        if hasattr(self.iterable, "has_next"):
-            return self.iterable.has_next()
-        return self.total is None or self.n < self.total
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``from toolkit.logging import progress_bar`` be used both fairseq's way
-    (``progress_bar.progress_bar(itr, ...)``) and directly (``progress_bar(itr, ...)``)."""
-
-    def __call__(self, *args, **kwargs) -> BaseProgressBar:
-        return progress_bar(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -3,17 +3,18 @@
 * :func:`peak_flops` - the device's dense peak FLOP/s for a dtype: the datasheet
   number for known GPUs (:data:`GPU_PEAK_TFLOPS`), a large-matmul measurement on
   CPU (:func:`measure_cpu_peak_flops`, cached per process) or on an unknown GPU.
-* :func:`transformer_lm_flops_per_token` - FLOPs per trained token of a decoder LM.
 * :func:`mfu` - achieved / peak.
-* :class:`ThroughputTracker` - tokens/s per device and MFU over a log interval; its
-  :meth:`~ThroughputTracker.log` logs the ``tps`` and ``mfu`` metrics.
+* :class:`ThroughputSpec` - what ``metrics.log_throughput`` turns into ``tps``/``mfu``.
+
+Pure computation: the training loop logs the metrics; FLOPs per token come from the model.
 """
 from __future__ import annotations
 
 import logging
 import re
 import time
-from typing import Callable, Dict, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -198,18 +199,6 @@ def cuda_gb_free(device: Union[str, torch.device, None] = None) -> float:
     return total - used
 
 
-def transformer_lm_flops_per_token(num_params: int, num_layers: int, embed_dim: int, seq_len: int,
-                                   training: bool = True) -> float:
-    """FLOPs per token of a decoder-only transformer (PaLM, appendix B): 6N + 12·L·d·T to train.
-
-    ``num_params`` counts the weights used in matmuls (the output projection included,
-    embedding lookups such as positional embeddings not); ``seq_len`` is the attention
-    context. Forward only (``training=False``): 2N + 4·L·d·T.
-    """
-    forward = 2.0 * num_params + 4.0 * num_layers * embed_dim * seq_len
-    return 3.0 * forward if training else forward
-
-
 def mfu(achieved_flops_per_sec: float, peak: Optional[float]) -> Optional[float]:
     """Model FLOPs utilisation as a fraction (0..1) of ``peak``; None when the peak is unknown."""
     if not peak or peak <= 0:
@@ -217,66 +206,21 @@ def mfu(achieved_flops_per_sec: float, peak: Optional[float]) -> Optional[float]
     return float(achieved_flops_per_sec) / float(peak)
 
 
-class ThroughputTracker:
-    """Tokens/s per device and MFU over an interval.
+@dataclass(frozen=True)
+class ThroughputSpec:
+    """What ``tps``/``mfu`` are computed from: the model's FLOPs per trained token (the model says,
+    ``flops_per_token``), one device's peak FLOP/s, and the devices sharing an update's tokens."""
 
-    ``flops_per_token``: model FLOPs per trained token (e.g. from
-    :func:`transformer_lm_flops_per_token`); ``peak_flops``: per device (e.g.
-    :func:`peak_flops`); ``world_size``: devices sharing the tokens passed to
-    :meth:`update` / :meth:`log` (the global token count of an update); ``clock``: seconds.
+    flops_per_token: float
+    peak_flops: Optional[float]
+    world_size: int = 1
+
+
+def per_process_cpu_peak(machine_peak: float, local_world_size: int) -> float:
+    """One process's share of the CPU peak when ``local_world_size`` processes share the machine.
+
+    Measuring in every process while the others compute under-reads the peak (a 2-process
+    run on 2 cores once logged an MFU of 149%): the peak is measured once per machine, with
+    the threads of all local processes, and split between them.
     """
-
-    def __init__(self, flops_per_token: float, peak_flops: Optional[float] = None, world_size: int = 1,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        self.flops_per_token = float(flops_per_token)
-        self.peak_flops = peak_flops
-        self.world_size = max(1, int(world_size))
-        self.reset()
-
-    def reset(self) -> None:
-        self.start = self.clock()
-        self.tokens = 0.0
-        self.updates = 0
-
-    def update(self, ntokens: float) -> None:
-        """Count one update of ``ntokens`` tokens (summed over all devices)."""
-        self.tokens += float(ntokens)
-        self.updates += 1
-
-    @property
-    def elapsed(self) -> float:
-        return self.clock() - self.start
-
-    def tokens_per_sec_per_device(self) -> float:
-        elapsed = self.elapsed
-        return self.tokens / self.world_size / elapsed if elapsed > 0 else 0.0
-
-    def mfu(self) -> Optional[float]:
-        """MFU (fraction) over the interval since :meth:`reset`."""
-        return mfu(self.tokens_per_sec_per_device() * self.flops_per_token, self.peak_flops)
-
-    def stats(self, reset: bool = False) -> Dict[str, Optional[float]]:
-        """``{"tps": tokens/s per device, "mfu": percent or None}``; optionally start a new interval."""
-        frac = self.mfu()
-        out = {"tps": round(self.tokens_per_sec_per_device(), 1),
-               "mfu": None if frac is None else round(100.0 * frac, 2)}
-        if reset:
-            self.reset()
-        return out
-
-    def log(self, ntokens: float) -> None:
-        """:meth:`update`, and log ``tps`` (speed meter, round 1) and derived ``mfu`` (percent, round 2).
-
-        Both are computed per aggregator, so a ``train_inner`` line reports the log
-        interval and a ``train`` line the epoch. They come after fairseq's keys.
-        """
-        from . import metrics
-
-        self.update(ntokens)
-        metrics.log_speed("tps", float(ntokens) / self.world_size, priority=metrics.PRIORITY["tps"], round=1)
-        if self.peak_flops:
-            fpt, peak = self.flops_per_token, float(self.peak_flops)
-            metrics.log_derived(
-                "mfu", lambda meters: round(100.0 * meters["tps"].avg * fpt / peak, 2) if "tps" in meters else 0.0,
-                priority=metrics.PRIORITY["mfu"])
+    return machine_peak / max(1, local_world_size)

@@ -1,22 +1,35 @@
 """Models and their named architectures (``--arch``); no sharding code in here.
 
-Helpers for any registered architecture:
-``model_config(arch, **overrides)`` the options dataclass with the arch's values, then yours;
-``count_parameters(arch, ...)`` its parameter count, built on the meta device (no memory).
+The one way to turn an architecture name into a model, whoever asks (training, the
+task, evaluation, the hub, parameter counts):
+
+``build_model(arch, options, task)``     options (a dataclass, dict or namespace) over the arch's values
+``model_config(arch, **overrides)``      the options dataclass with the arch's values, then yours
+``count_parameters(arch, ...)``          its parameter count, built on the meta device (no memory)
 """
 from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Dict, Tuple
 
 import torch
+
+from toolkit import options, registry
+
+
+def _values(section: Any) -> Dict[str, Any]:
+    if section is None:
+        return {}
+    if isinstance(section, dict):
+        return section
+    if dataclasses.is_dataclass(section):
+        return dataclasses.asdict(section)
+    return vars(section)
 
 
 def model_config(arch: str, **overrides: Any):
     """The model options of a named architecture, with ``overrides`` applied on top (as user flags are)."""
-    from toolkit import options, registry
-
     registry.import_submodules("toolkit.models")
     entry = registry.resolve_arch(arch)
     if entry.config is None:
@@ -25,6 +38,28 @@ def model_config(arch: str, **overrides: Any):
     if unknown:
         raise TypeError(f"{arch}: unknown model options {sorted(unknown)}")
     return entry.config(**options.architecture_defaults(arch, overrides))
+
+
+def build_model(arch: str, section: Any, task) -> torch.nn.Module:
+    """The model of ``arch`` for ``task``; options in ``section`` win over the architecture's values.
+
+    Built in the caller's default device (``with torch.device("meta")`` for a model that is
+    sharded and initialized afterwards).
+    """
+    if arch not in registry.ARCH_MODEL_NAME and arch not in registry.MODEL_REGISTRY:
+        registry.import_all_components()
+    entry = registry.resolve_arch(arch)
+    if entry.config is None:
+        return entry.cls.build_model(section, task)
+    names = {f.name for f in dataclasses.fields(entry.config)}
+    given = {k: v for k, v in _values(section).items() if k in names}
+    return entry.cls.build_model(entry.config(**options.architecture_defaults(arch, given)), task)
+
+
+def count_params(model: torch.nn.Module) -> Tuple[int, int]:
+    """(all, trained) parameters of a built model, tied ones once."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 class _CountingDictionary:
@@ -41,16 +76,12 @@ class _CountingDictionary:
 def build_on_meta(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, padding_idx: int = 1,
                   **overrides: Any) -> torch.nn.Module:
     """Any registered architecture, built on the meta device (shapes only, no memory, no init)."""
-    from toolkit import registry
-
-    cfg = model_config(arch, **overrides)
     task = SimpleNamespace(dictionary=_CountingDictionary(vocab_size, padding_idx),
                            cfg=SimpleNamespace(tokens_per_sample=tokens_per_sample))
     with torch.device("meta"):
-        return registry.resolve_arch(arch).cls.build_model(cfg, task)
+        return build_model(arch, model_config(arch, **overrides), task)
 
 
 def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, **overrides: Any) -> int:
     """Number of parameters (tied ones once) of a named architecture, e.g. ~175e9 for transformer_lm_gpt3_175."""
-    model = build_on_meta(arch, vocab_size, tokens_per_sample, **overrides)
-    return sum(p.numel() for p in model.parameters())
+    return count_params(build_on_meta(arch, vocab_size, tokens_per_sample, **overrides))[0]

@@ -12,20 +12,28 @@ import torch
 from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window, overflow_message
 from toolkit.registry import OPTIMIZER_REGISTRY
 
-__all__ = ["build_optimizer", "DynamicLossScaler", "default_scale_window", "overflow_message"]
+__all__ = ["build_optimizer", "build_optimizer_from_section", "DynamicLossScaler", "default_scale_window",
+           "overflow_message"]
 
 
-def build_optimizer(args: Any, params: Iterable) -> torch.optim.Optimizer:
-    """Build ``args.optimizer`` (namespace or dict) over ``params`` (tensors or param-group dicts), lr ``args.lr``."""
+def build_optimizer_from_section(name: str, section: Any, params: Iterable, lr: Any) -> torch.optim.Optimizer:
+    """The registered optimizer ``name`` with its own options ``section`` over ``params`` at ``lr``."""
+    from toolkit.registry import import_submodules
+
+    import_submodules(__name__)
+    if isinstance(lr, (list, tuple)):  # fairseq's "--lr 0.1,0.05" form: the first value starts training
+        lr = lr[0]
+    return OPTIMIZER_REGISTRY.get(name).cls(section, list(params), float(lr))
+
+
+def build_optimizer(values: Any, params: Iterable) -> torch.optim.Optimizer:
+    """Build ``values["optimizer"]`` from a flat dict (or namespace) of options, e.g. in tests and scripts."""
     from toolkit.options import config_from_args
     from toolkit.registry import import_submodules
 
     import_submodules(__name__)
-    values = args if isinstance(args, dict) else vars(args)
+    values = values if isinstance(values, dict) else vars(values)
     name = values.get("optimizer") or OPTIMIZER_REGISTRY.default
     entry = OPTIMIZER_REGISTRY.get(name)
-    cfg = config_from_args(entry.config, values) if entry.config is not None else None
-    lr = values.get("lr", 0.25)
-    if isinstance(lr, (list, tuple)):  # fairseq's "--lr 0.1,0.05" form: the first value starts training
-        lr = lr[0]
-    return entry.cls(cfg, list(params), float(lr))
+    section = config_from_args(entry.config, values) if entry.config is not None else None
+    return build_optimizer_from_section(name, section, params, values.get("lr", 0.25))

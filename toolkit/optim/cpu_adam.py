@@ -23,27 +23,21 @@ plain fp32 AdamW/cpu_adam state_dict loads into an fp16-stats optimizer (and bac
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from toolkit.config import opt
-from toolkit.errors import UserError
+from toolkit.distributed.dtensor import is_dtensor, local_tensor
 from toolkit.optim.adam import check_adam_options
+from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 from toolkit.registry import register_optimizer
 
 logger = logging.getLogger(__name__)
 
 FLOAT16_MAX = 65504.0
 _HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
-NO_COMPILER_MESSAGE = (
-    "--optimizer cpu_adam: DeepSpeed needs a C++ compiler (g++) to build its CPU Adam op; "
-    "install one (apt-get install g++) or use --optimizer adam"
-)
 
 
 @dataclass
@@ -55,102 +49,13 @@ class CPUAdamConfig:
 
 
 # ---------------------------------------------------------------------------
-# DeepSpeed's C++ op: where it is cached, whether it can be built
-# ---------------------------------------------------------------------------
-
-def cpu_adam_build_dir() -> str:
-    """Where torch's JIT extension loader builds and caches DeepSpeed's ``cpu_adam`` op."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        if torch.version.hip is not None:
-            accel = "rocm" + torch.version.hip.replace(".", "")
-        elif torch.version.cuda is not None:
-            accel = "cu" + torch.version.cuda.replace(".", "")
-        else:
-            accel = "cpu"
-        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(get_default_build_root(), f"{py}_{accel}")
-    return os.path.join(root, "cpu_adam")
-
-
-def _op_precompiled() -> bool:
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except Exception:  # pragma: no cover - very old/odd installs
-        return False
-    return bool(installed_ops.get("cpu_adam", False))
-
-
-def _op_loaded_in_process() -> bool:
-    try:
-        from deepspeed.ops.op_builder.builder import OpBuilder
-    except Exception:  # pragma: no cover
-        return False
-    return "cpu_adam" in getattr(OpBuilder, "_loaded_ops", {})
-
-
-def cpu_adam_op_cached() -> bool:
-    """The op needs no build: loaded already, installed with DeepSpeed, or JIT-built before on this machine."""
-    return (_op_loaded_in_process() or _op_precompiled()
-            or os.path.exists(os.path.join(cpu_adam_build_dir(), "cpu_adam.so")))
-
-
-def cxx_compiler() -> Optional[str]:
-    """The compiler torch's extension builder would run (``$CXX``, else ``c++``), if present."""
-    for name in filter(None, (os.environ.get("CXX"), "c++", "g++")):
-        found = shutil.which(name.split()[0])
-        if found:
-            return found
-        if os.environ.get("CXX"):
-            return None  # an explicit $CXX that does not exist: torch would fail with it
-    return None
-
-
-def load_deepspeed_cpu_adam():
-    """Import ``DeepSpeedCPUAdam`` and make sure its C++ op is built (logging when it builds now)."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-    except ImportError as e:
-        raise UserError(f"--optimizer cpu_adam: DeepSpeed is not importable ({e}); "
-                        "pip install deepspeed or use --optimizer adam") from e
-    if not cpu_adam_op_cached():
-        if cxx_compiler() is None:
-            raise UserError(NO_COMPILER_MESSAGE)
-        from torch.utils.cpp_extension import is_ninja_available
-
-        if not is_ninja_available():
-            raise UserError("--optimizer cpu_adam: DeepSpeed needs ninja to build its CPU Adam op; "
-                            "pip install ninja or use --optimizer adam")
-        logger.info("Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; "
-                    "cached afterwards in %s)", cpu_adam_build_dir())
-    builder = CPUAdamBuilder()
-    try:
-        builder.load(verbose=False)
-    except Exception as e:
-        raise RuntimeError(f"--optimizer cpu_adam: building/loading DeepSpeed's CPU Adam op failed "
-                           f"(build folder {cpu_adam_build_dir()}): {e}") from e
-    return DeepSpeedCPUAdam
-
-
-# ---------------------------------------------------------------------------
 # The optimizer
 # ---------------------------------------------------------------------------
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor sharing storage with ``t`` (its local shard for a DTensor)."""
-    if _is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
+    with torch.no_grad():
+        return local_tensor(t)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -219,7 +124,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _local_grad(self, p: torch.Tensor) -> torch.Tensor:
         g = p.grad
-        if _is_dtensor(g):
+        if is_dtensor(g):
             if tuple(g.placements) != tuple(p.placements):
                 g = g.redistribute(p.device_mesh, p.placements)
             g = g.to_local()
@@ -293,7 +198,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _store_fp16(self, p, state, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         amax = torch.stack([exp_avg.abs().max() if exp_avg.numel() else exp_avg.new_zeros(()),
                             exp_avg_sq.abs().max() if exp_avg_sq.numel() else exp_avg_sq.new_zeros(())])
-        if _is_dtensor(p):
+        if is_dtensor(p):
             amax = _all_reduce_max(amax, p.device_mesh)
         scales = amax / FLOAT16_MAX + 1e-8
         state["exp_avg_scale"] = scales[0].clone()

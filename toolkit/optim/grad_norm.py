@@ -18,15 +18,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from toolkit.distributed.dtensor import is_dtensor, local_tensor
+
 _CHUNK = 1 << 22
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -49,13 +43,13 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all ``grads`` together (DTensors: over every shard), a 0-dim float32 tensor."""
     if not grads:
         return torch.zeros(())
-    if all(_local(g).device.type != "cpu" for g in grads):
+    if all(local_tensor(g).device.type != "cpu" for g in grads):
         norm = torch.nn.utils.get_total_norm(list(grads), foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     groups: Dict[Tuple, List[torch.Tensor]] = {}
     for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if _is_dtensor(g) else (None, ())
-        groups.setdefault(key, []).append(_local(g))
+        key = (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else (None, ())
+        groups.setdefault(key, []).append(local_tensor(g))
     total = torch.zeros((), dtype=torch.float64)
     for (mesh, placements), local in groups.items():
         squares = sum_of_squares(local)

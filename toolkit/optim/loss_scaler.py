@@ -17,13 +17,16 @@ trainer all-reduces it) so that all ranks take the same decision.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 OVERFLOW_LOG_FORMAT = "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}"
 MIN_SCALE_MESSAGE = (
     "Minimum loss scale reached ({}). Your loss is probably exploding. "
     "Try lowering the learning rate, using gradient clipping or increasing the batch size."
 )
+
+if TYPE_CHECKING:
+    from toolkit.config import CommonConfig
 
 
 def overflow_message(loss_scale: float) -> str:
@@ -72,20 +75,11 @@ class DynamicLossScaler:
         self._overflows_since_rescale = 0
 
     @classmethod
-    def from_args(cls, args: Any, world_size: Optional[int] = None) -> "DynamicLossScaler":
-        """Build from the ``--fp16-*`` flags (``CommonConfig``); a namespace or a dict."""
-        get = (lambda k, d=None: args.get(k, d)) if isinstance(args, dict) else (lambda k, d=None: getattr(args, k, d))
-        window = get("fp16_scale_window")
-        if window is None:
-            ws = world_size if world_size is not None else get("distributed_world_size", 1) or 1
-            window = default_scale_window(ws, get("update_freq", 1) or 1)
-        return cls(
-            init_scale=get("fp16_init_scale", 2 ** 7),
-            scale_window=window,
-            tolerance=get("fp16_scale_tolerance", 0.0),
-            threshold=get("threshold_loss_scale"),
-            min_loss_scale=get("min_loss_scale", 1e-4),
-        )
+    def from_config(cls, common: "CommonConfig", world_size: int, update_freq: int) -> "DynamicLossScaler":
+        """Build from the ``--fp16-*`` flags; the scale window defaults to fairseq's 2**14 / (W * update_freq)."""
+        window = common.fp16_scale_window or default_scale_window(world_size, update_freq)
+        return cls(init_scale=common.fp16_init_scale, scale_window=window, tolerance=common.fp16_scale_tolerance,
+                   threshold=common.threshold_loss_scale, min_loss_scale=common.min_loss_scale)
 
     def scale(self, outputs):
         return self.loss_scale * outputs

@@ -7,8 +7,6 @@ read from the first).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import glob
 import logging
 import os
@@ -153,17 +151,12 @@ class LanguageModelingTask:
     # --- components -----------------------------------------------------------------
     def build_model(self, cfg: Any):
         """The model of ``cfg.arch``: its options from ``cfg`` over the architecture's defaults."""
+        from toolkit import models
+
         arch = _get(cfg, "arch")
         if arch is None:
             raise UserError("--arch: no model architecture given")
-        if arch not in registry.ARCH_MODEL_NAME and arch not in registry.MODEL_REGISTRY:
-            registry.import_all_components()  # not parsed by the CLI (e.g. a library caller)
-        entry = registry.resolve_arch(arch)
-        if entry.config is None:
-            return entry.cls.build_model(cfg, self)
-        given = {k: v for k, v in _as_dict(cfg).items() if k in {f.name for f in dataclasses.fields(entry.config)}}
-        values = dict(options.architecture_defaults(arch, given))  # a partial cfg gets fairseq's derived values
-        return entry.cls.build_model(options.config_from_args(entry.config, values), self)
+        return models.build_model(arch, cfg, self)
 
     def build_criterion(self, cfg: Any):
         name = _get(cfg, "criterion") or CRITERION_REGISTRY.default

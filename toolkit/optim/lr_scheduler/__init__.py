@@ -58,14 +58,22 @@ class LRScheduler:
         self.best = state_dict.get("best", self.best)
 
 
-def build_lr_scheduler(args: Any, optimizer: torch.optim.Optimizer) -> LRScheduler:
-    """Resolve ``args.lr_scheduler`` (a namespace or dict) and build it on ``optimizer``."""
+def build_lr_scheduler_from_section(name: str, section: Any, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """The registered scheduler ``name`` with its own options ``section``, driving ``optimizer``."""
+    from toolkit.registry import import_submodules
+
+    import_submodules(__name__)
+    return LR_SCHEDULER_REGISTRY.get(name).cls(section, optimizer)
+
+
+def build_lr_scheduler(values: Any, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """Build ``values["lr_scheduler"]`` from a flat dict (or namespace) of options, e.g. in tests."""
     from toolkit.options import config_from_args
     from toolkit.registry import import_submodules
 
     import_submodules(__name__)
-    values = args if isinstance(args, dict) else vars(args)
+    values = values if isinstance(values, dict) else vars(values)
     name = values.get("lr_scheduler") or LR_SCHEDULER_REGISTRY.default
     entry = LR_SCHEDULER_REGISTRY.get(name)
-    cfg = config_from_args(entry.config, values) if entry.config is not None else None
-    return entry.cls(cfg, optimizer)
+    section = config_from_args(entry.config, values) if entry.config is not None else None
+    return build_lr_scheduler_from_section(name, section, optimizer)

@@ -1,0 +1,198 @@
+"""What every checkpoint format shares: names, the training state, compatibility, optimizer switching, pruning.
+
+The formats (``consolidated``: one ``.pt`` file; ``sharded``: a DCP folder; ``fairseq_shards``:
+fairseq's ``-shard{N}.pt`` sets, read-only) differ only in how they store the model and
+optimizer tensors. Everything else a run needs to resume -- the trainer's counters, LR
+schedule and loss scale, the meters, the data position and the best metric -- is one
+:class:`TrainingState` (torchtitan's ``Stateful``: ``state_dict`` / ``load_state_dict``),
+stored as the checkpoint's ``extra_state`` in every format.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from toolkit.config import CheckpointConfig
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+ADAM_FAMILY = ("adam", "cpu_adam")  # same state layout (torch AdamW's): their states load into each other
+SHAPE_OPTIONS = ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads", "decoder_ffn_embed_dim")
+
+
+class BestTracker:
+    """The best validation metric so far (restored from checkpoints), and fairseq's --patience count."""
+
+    def __init__(self, maximize: bool):
+        self.maximize = maximize
+        self.best: Optional[float] = None
+        self.runs_without_improvement = 0
+
+    def is_better(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        return value > self.best if self.maximize else value < self.best
+
+    def update(self, value: Optional[float]) -> None:
+        if value is not None and self.is_better(value):
+            self.best = value
+
+    def out_of_patience(self, patience: int, val_loss: Optional[float]) -> bool:
+        """fairseq's --patience: validations in a row without a new best."""
+        if patience <= 0 or val_loss is None:
+            return False
+        if self.is_better(val_loss):
+            self.runs_without_improvement = 0
+            return False
+        self.runs_without_improvement += 1
+        return self.runs_without_improvement >= patience
+
+
+@dataclass
+class TrainingState:
+    """Everything but the model and optimizer tensors that a resumed run needs (one ``Stateful``).
+
+    ``epoch_itr`` may be None while loading (the iterator is built after the data position is known).
+    """
+
+    trainer: Any
+    best: BestTracker
+    epoch_itr: Any = None
+    val_loss: Optional[float] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        from toolkit.logging import metrics
+
+        return {
+            "train_iterator": self.epoch_itr.state_dict() if self.epoch_itr is not None else None,
+            "val_loss": self.val_loss,
+            "best": self.best.best,
+            "trainer": self.trainer.state_dict(),
+            "metrics": metrics.state_dict(),
+        }
+
+    def load_state_dict(self, extra: Dict[str, Any], cfg: CheckpointConfig) -> Optional[Dict[str, Any]]:
+        """Restore counters, schedule, scaler, meters and best; returns the saved data position (the loop
+        uses its epoch even under --reset-dataloader)."""
+        from toolkit.logging import metrics
+
+        self.trainer.load_state_dict(extra["trainer"], reset_lr_scheduler=cfg.reset_lr_scheduler)
+        if not cfg.reset_meters and extra.get("metrics"):
+            metrics.load_state_dict(extra["metrics"])
+        self.best.best = extra.get("best")
+        return extra.get("train_iterator")
+
+
+def checkpoint_names(cfg: CheckpointConfig, epoch: int, end_of_epoch: bool, num_updates: int,
+                     val_loss: Optional[float], best: BestTracker) -> List[str]:
+    """Which files this save writes, by fairseq's rules."""
+    names = collections.OrderedDict()
+    names[f"checkpoint{epoch}.pt"] = (end_of_epoch and not cfg.no_epoch_checkpoints
+                                      and epoch % cfg.save_interval == 0)
+    names[f"checkpoint_{epoch}_{num_updates}.pt"] = (
+        not end_of_epoch and cfg.save_interval_updates > 0 and num_updates % cfg.save_interval_updates == 0)
+    names["checkpoint_best.pt"] = val_loss is not None and best.is_better(val_loss)
+    names["checkpoint_last.pt"] = not cfg.no_last_checkpoints
+    return [name for name, write in names.items() if write]
+
+
+def restore_path(cfg: CheckpointConfig) -> str:
+    if os.path.isabs(cfg.restore_file) or os.path.exists(cfg.restore_file):
+        return cfg.restore_file
+    return os.path.join(cfg.save_dir, cfg.restore_file)
+
+
+def check_compatible(path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed_rows: Optional[int],
+                     dictionary_size: int) -> None:
+    """A checkpoint of another architecture or dictionary is refused before anything is loaded."""
+    for key in SHAPE_OPTIONS:
+        ours = getattr(model_cfg, key, saved_cfg.get(key))
+        if key in saved_cfg and ours != saved_cfg[key]:
+            raise UserError(f"{path}: checkpoint has --{key.replace('_', '-')} {saved_cfg[key]} but this run has "
+                            f"{ours}; use the same --arch or another --save-dir")
+    if embed_rows is not None and embed_rows != dictionary_size:
+        raise UserError(f"{path}: checkpoint was trained with a dictionary of {embed_rows} symbols "
+                        f"but the data-bin's dict.txt has {dictionary_size}; use the same data-bin")
+
+
+def check_optimizer_switch(path: str, saved_name: Optional[str], name: str) -> bool:
+    """Whether the saved optimizer state is another optimizer's that loads into this one (adam <-> cpu_adam).
+
+    Both keep torch AdamW's per-parameter layout (step, exp_avg, exp_avg_sq), so the state
+    loads as is; their param_group keys differ, so those come from this run's flags.
+    """
+    if saved_name in (None, name):
+        return False
+    if saved_name not in ADAM_FAMILY or name not in ADAM_FAMILY:
+        raise UserError(f"{path}: optimizer state was saved by --optimizer {saved_name} but this run uses "
+                        f"--optimizer {name}; add --reset-optimizer to start a fresh optimizer state")
+    return True
+
+
+def switch_optimizer_state(path: str, saved: Dict[str, Any], saved_name: str, name: str,
+                           optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """A full optimizer state of ``saved_name`` made loadable into ``optimizer`` (``name``).
+
+    Per-parameter state (cpu_adam's fp16 moments with scales expanded to fp32) with this
+    run's hyperparameters.
+    """
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"{path}: optimizer state has {len(saved['param_groups'])} parameter groups, this run "
+                        f"{len(optimizer.param_groups)}; add --reset-optimizer")
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": saved_group["params"]}
+              for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
+    per_param = {}
+    for key, st in saved["state"].items():
+        st = dict(st)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            scale = st.pop(f"{moment}_scale", None)
+            if scale is not None:  # cpu_adam --fp16-adam-stats: fp16 values times one fp32 scale
+                st[moment] = st[moment].float() * scale.float()
+        per_param[key] = st
+    log_optimizer_switch(saved_name, name)
+    return {"state": per_param, "param_groups": groups}
+
+
+def log_optimizer_switch(saved_name: str, name: str) -> None:
+    logger.info(f"optimizer state of --optimizer {saved_name} loaded into --optimizer {name} "
+                f"(steps and moments kept; hyperparameters from this run's flags)")
+
+
+def prune(cfg: CheckpointConfig, folders: bool = False) -> None:
+    """--keep-interval-updates and --keep-last-epochs, as fairseq (newest kept); files or DCP folders."""
+    suffix = "" if folders else r"\.pt"
+    for keep, pattern in ((cfg.keep_interval_updates, r"checkpoint_\d+_(\d+)" + suffix),
+                          (cfg.keep_last_epochs, r"checkpoint(\d+)" + suffix)):
+        if keep <= 0:
+            continue
+        for path in _sorted_checkpoints(cfg.save_dir, pattern, folders)[keep:]:
+            if folders:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+
+def _sorted_checkpoints(folder: str, pattern: str, folders: bool) -> List[str]:
+    """Newest first."""
+    regex = re.compile(pattern)
+    found = []
+    for name in os.listdir(folder):
+        m = regex.fullmatch(name)
+        path = os.path.join(folder, name)
+        if m and os.path.isdir(path) == folders:
+            found.append((int(m.group(1)), path))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+

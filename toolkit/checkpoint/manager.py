@@ -1,0 +1,79 @@
+"""Save and resume: picks the format (consolidated file, DCP folder, fairseq shard set) and the names.
+
+The loop calls :func:`save_checkpoint` and :func:`load_latest`; the formats live in
+``consolidated``, ``sharded`` and ``fairseq_shards``, what they share in ``common``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+from toolkit.checkpoint import consolidated, fairseq_shards, sharded
+from toolkit.checkpoint.common import TrainingState, checkpoint_names, restore_path
+from toolkit.config import TrainConfig
+from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
+
+
+def run_config_dict(cfg: TrainConfig, env: DistributedEnv) -> Dict[str, Any]:
+    """The ``cfg`` a checkpoint stores: every option, with the world size the run really had."""
+    return dict(cfg.to_dict(), distributed_world_size=env.world_size)
+
+
+def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoch: bool,
+                    env: DistributedEnv) -> None:
+    """Every rank calls this (gathering or writing a sharded state is collective)."""
+    ckpt_cfg = cfg.checkpoint
+    names = checkpoint_names(ckpt_cfg, state.epoch_itr.epoch, end_of_epoch, trainer.num_updates, state.val_loss,
+                             state.best)
+    if not names:
+        return
+    optimizer_name = None if ckpt_cfg.no_save_optimizer_state else cfg.components.optimizer
+    saved_best = state.best.best
+    if state.val_loss is not None and state.best.is_better(state.val_loss):
+        state.best.best = state.val_loss  # the file records the best including this validation
+    try:
+        if ckpt_cfg.use_sharded_state:
+            sharded.save(ckpt_cfg, run_config_dict(cfg, env), trainer, state, names, optimizer_name, env)
+        else:
+            consolidated.save(ckpt_cfg, run_config_dict(cfg, env), trainer, state, names, optimizer_name,
+                              env.is_master)
+    finally:
+        state.best.best = saved_best  # the loop updates the tracker itself after saving
+
+
+def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: DistributedEnv) -> Optional[Dict[str, Any]]:
+    """Resume from --restore-file (default checkpoint_last.pt in --save-dir) when it exists.
+
+    Returns the data iterator's saved position (for this world size), or None for a fresh start.
+    With both ``checkpoint_last.pt`` and ``checkpoint_last/`` present, the newer one is loaded.
+    """
+    ckpt_cfg = cfg.checkpoint
+    path = restore_path(ckpt_cfg)
+    load_args = (ckpt_cfg, cfg.model, cfg.components.optimizer, trainer, state)
+    folder = sharded.find_sharded(path)
+    if folder is not None and not _file_is_newer(path, folder):
+        return rescale_iterator_state(*sharded.load(folder, *load_args), env.world_size)
+    if os.path.isdir(path):
+        raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
+                        f"{sharded.META_FILE}); it may be from a save that was interrupted")
+    if not os.path.exists(path):
+        shards = fairseq_shards.fairseq_shard_files(path)
+        if shards:
+            return fairseq_shards.load(shards, ckpt_cfg, trainer, state)
+        if ckpt_cfg.restore_file != DEFAULT_RESTORE_FILE:
+            raise UserError(f"--restore-file {ckpt_cfg.restore_file}: not found (looked for {path})")
+        return None
+    return rescale_iterator_state(*consolidated.load(path, *load_args), env.world_size)
+
+
+def _file_is_newer(path: str, folder: str) -> bool:
+    newer = os.path.isfile(path) and os.path.getmtime(path) > os.path.getmtime(os.path.join(folder, sharded.META_FILE))
+    if newer:
+        logger.info(f"{path} is newer than {folder}; loading it")
+    return newer

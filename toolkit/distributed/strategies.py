@@ -1,0 +1,133 @@
+"""How gradients are synchronized and compute is cast: one object per ``--ddp-backend``, never None.
+
+The trainer asks its strategy, and nothing else, around each micro-batch:
+
+``grad_sync(model, enabled)``  skip gradient communication on all but the last micro-batch
+``autocast(device, dtype)``     autocast, unless the wrapper already casts (FSDP2's policy)
+``forward_context()``           ``--offload-activations``: saved tensors wait in host memory
+
+``handles_mixed_precision`` tells whether parameters are cast by the wrapper (then
+``--memory-efficient-fp16`` needs no fp16 copy of the model on the trainer's side).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, List
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelStrategy:
+    """One process, or a model that needs no gradient communication."""
+
+    name = "none"
+    handles_mixed_precision = False
+
+    def __init__(self, offload_activations: bool = False, pin_memory: bool = False, mesh: Any = None):
+        self.offload_activations = offload_activations
+        self.pin_memory = pin_memory
+        self.mesh = mesh
+
+    def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def autocast(self, device: torch.device, dtype: torch.dtype) -> ContextManager:
+        if dtype == torch.float32 or self.handles_mixed_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+    def forward_context(self) -> ContextManager:
+        if self.offload_activations:
+            return torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class DDPStrategy(ParallelStrategy):
+    """``--ddp-backend c10d``: DistributedDataParallel's bucketed all-reduce, overlapping backward."""
+
+    name = "ddp"
+
+    def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
+        return contextlib.nullcontext() if enabled else model.no_sync()
+
+
+class AllReduceStrategy(ParallelStrategy):
+    """``--ddp-backend no_c10d``: one bucketed all-reduce of all gradients after backward (fairseq's legacy DDP)."""
+
+    name = "no_c10d"
+
+    def __init__(self, model: torch.nn.Module, world_size: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.reducer = GradAllReduce(model, world_size)
+
+    def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
+        self.reducer.enabled = enabled
+        return contextlib.nullcontext()
+
+
+class FSDPStrategy(ParallelStrategy):
+    """``--ddp-backend fully_sharded``: FSDP2, which reduce-scatters in backward and casts by its policy.
+
+    The sync flag is read in backward, which runs after the context exits, so it is set
+    here and left set (the last micro-batch sets it back).
+    """
+
+    name = "fsdp"
+
+    def __init__(self, handles_mixed_precision: bool, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.handles_mixed_precision = handles_mixed_precision
+
+    def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+
+class GradAllReduce:
+    """After backward, all-reduce all gradients (averaged), in buckets.
+
+    Hooks on every parameter queue one callback at the end of the backward pass of a
+    micro-batch whose gradient sync is enabled; gradients accumulate locally otherwise.
+    """
+
+    def __init__(self, model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20):
+        self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+        self.world_size = world_size
+        self.bucket_bytes = bucket_bytes
+        self.enabled = True
+        self._queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, _param: torch.Tensor) -> None:
+        if self.enabled and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        self._queued = False
+        for p in self.params:  # a parameter unused on this rank still takes part
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: List[torch.Tensor] = []
+        size = 0
+        for p in self.params:
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= self.bucket_bytes:
+                self._all_reduce(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._all_reduce(bucket)
+
+    def _all_reduce(self, grads: List[torch.Tensor]) -> None:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat.div_(self.world_size)
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)

@@ -1,0 +1,167 @@
+"""From the command line to one resolved :class:`~toolkit.config.TrainConfig`, before any worker starts.
+
+Some settings follow from others. Each such choice is made here, once, and logged as
+one INFO line, so that ``toolkit-train data-bin/NAME --ddp-backend fully_sharded
+--cpu-offload`` runs as typed:
+
+=====================================  =================================================
+not given                              chosen
+=====================================  =================================================
+``--arch``                             ``transformer_lm``
+``--optimizer`` under ``--cpu-offload``  ``cpu_adam`` (DeepSpeed's host-memory Adam)
+``--fp16``/``--bf16`` under            bf16 on a GPU that supports it, else fp16; fp32 on
+``--cpu-offload``                      CPU, where offloading is a placement no-op
+``--max-tokens`` and ``--batch-size``  ``--max-tokens`` max(4096, 2 x the model's positions)
+=====================================  =================================================
+
+A conflict the user wrote explicitly (``--cpu-offload --optimizer adam``) is still an error.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from toolkit import options
+from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
+from toolkit.errors import UserError
+from toolkit.registry import (
+    CRITERION_REGISTRY,
+    LR_SCHEDULER_REGISTRY,
+    OPTIMIZER_REGISTRY,
+    TASK_REGISTRY,
+    TOKENIZER_REGISTRY,
+    Registry,
+    resolve_arch,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ARCH = "transformer_lm"
+DEFAULT_MAX_TOKENS = 4096
+OFFLOAD_OPTIMIZER = "cpu_adam"
+
+
+def parse_train_config(argv: Optional[Sequence[str]] = None, prog: str = "toolkit-train",
+                       description: Optional[str] = None) -> TrainConfig:
+    """Parse ``argv`` once, resolve implied settings (logging each choice) and validate."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, full_argv = options.build_parser(prog, TRAIN_CONFIGS, argv, description=description,
+                                             imply=implied_selectors)
+    args = parser.parse_args(full_argv)
+    cfg, choices = resolve(args, options.explicit_options(parser, argv))
+    for line in choices:
+        logger.info(line)
+    return cfg
+
+
+def implied_selectors(first: argparse.Namespace, explicit: Set[str]) -> List[str]:
+    """Component flags the user left out that other flags decide (they change which options exist)."""
+    extra: List[str] = []
+    if first.arch is None:
+        extra += ["--arch", DEFAULT_ARCH]
+    if first.cpu_offload and "optimizer" not in explicit:
+        extra += ["--optimizer", OFFLOAD_OPTIMIZER]
+    return extra
+
+
+def gpu_in_use(common: CommonConfig) -> bool:
+    return torch.cuda.is_available() and not common.cpu
+
+
+def resolve(args: argparse.Namespace, explicit: Set[str]) -> Tuple[TrainConfig, List[str]]:
+    """The validated config and the choices made for the user (one line each)."""
+    choices: List[str] = []
+    if "arch" not in explicit:
+        choices.append(f"--arch not given: using --arch {args.arch}")
+    if args.cpu_offload and "optimizer" not in explicit:
+        choices.append(f"--cpu-offload: using --optimizer {args.optimizer}")
+    cfg = train_config_from_args(args)
+    _check_conflicts(cfg, explicit)
+    cfg, more = _implied_values(cfg)
+    _check_values(cfg)
+    return cfg, choices + more
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Split the flat namespace into the typed sections of each chosen component."""
+    def section(registry: Registry, name: Optional[str]):
+        if name is None:
+            return None
+        entry = registry.get(name)
+        return options.config_from_args(entry.config, args) if entry.config is not None else None
+
+    common, distributed, dataset, optimization, checkpoint = (
+        options.config_from_args(cls, args) for cls in TRAIN_CONFIGS)
+    arch_entry = resolve_arch(args.arch)
+    return TrainConfig(
+        components=Components(task=args.task, arch=args.arch, criterion=args.criterion, optimizer=args.optimizer,
+                              lr_scheduler=args.lr_scheduler, bpe=args.bpe, user_dir=args.user_dir),
+        common=common, distributed=distributed, dataset=dataset, optimization=optimization, checkpoint=checkpoint,
+        task=section(TASK_REGISTRY, args.task),
+        model=options.config_from_args(arch_entry.config, args) if arch_entry.config else None,
+        criterion=section(CRITERION_REGISTRY, args.criterion), optimizer=section(OPTIMIZER_REGISTRY, args.optimizer),
+        lr_scheduler=section(LR_SCHEDULER_REGISTRY, args.lr_scheduler), bpe=section(TOKENIZER_REGISTRY, args.bpe))
+
+
+def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
+    common, dist = cfg.common, cfg.distributed
+    if common.fp16 and common.bf16:
+        raise UserError("--fp16 and --bf16 conflict; choose one")
+    if common.memory_efficient_fp16 and common.bf16:
+        raise UserError("--memory-efficient-fp16 and --bf16 conflict; choose one")
+    if dist.ddp_backend != "fully_sharded":
+        for flag in ("cpu_offload", "no_reshard_after_forward"):
+            if getattr(dist, flag):
+                raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
+    if dist.cpu_offload and cfg.components.optimizer != OFFLOAD_OPTIMIZER:
+        raise UserError(f"--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host "
+                        f"memory by DeepSpeed's CPU Adam), got --optimizer {cfg.components.optimizer}; "
+                        f"drop --optimizer or use --optimizer cpu_adam")
+
+
+def _implied_values(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
+    """Mixed precision under --cpu-offload, fp16 under --memory-efficient-fp16, and the batch size."""
+    import dataclasses
+
+    choices: List[str] = []
+    common, dataset = cfg.common, cfg.dataset
+    if common.memory_efficient_fp16 and not common.fp16:
+        common = dataclasses.replace(common, fp16=True)
+    if cfg.distributed.cpu_offload and not (common.fp16 or common.bf16):
+        if gpu_in_use(common):
+            bf16 = torch.cuda.is_bf16_supported()
+            common = dataclasses.replace(common, bf16=bf16, fp16=not bf16)
+            choices.append(f"--cpu-offload: using --{'bf16' if bf16 else 'fp16'} (mixed precision on the GPU; "
+                           f"fp32 master shards in host memory)")
+        else:
+            choices.append("--cpu-offload: no GPU in use, so training runs in fp32 (parameters and optimizer "
+                           "state are already in host memory)")
+    if dataset.max_tokens is None and dataset.batch_size is None:
+        max_tokens = max(DEFAULT_MAX_TOKENS, 2 * model_positions(cfg))
+        dataset = dataclasses.replace(dataset, max_tokens=max_tokens)
+        choices.append(f"--max-tokens and --batch-size not given: using --max-tokens {max_tokens}")
+    return dataclasses.replace(cfg, common=common, dataset=dataset), choices
+
+
+def model_positions(cfg: TrainConfig) -> int:
+    """The model's input length: --max-target-positions if set, else --tokens-per-sample."""
+    positions = getattr(cfg.model, "max_target_positions", None)
+    return int(positions or getattr(cfg.task, "tokens_per_sample", 0) or 0)
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    opt = cfg.optimization
+    if opt.update_freq < 1:
+        raise UserError(f"--update-freq must be >= 1, got {opt.update_freq}")
+    positions = getattr(cfg.model, "max_target_positions", None)
+    tokens = getattr(cfg.task, "tokens_per_sample", None)
+    if positions is not None and tokens is not None and tokens > positions:
+        raise UserError(f"--tokens-per-sample {tokens} exceeds --max-target-positions {positions}; "
+                        f"lower --tokens-per-sample or raise --max-target-positions")
+    if opt.max_update <= 0 and opt.max_epoch <= 0 and opt.stop_time_hours <= 0:
+        logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")

@@ -1,0 +1,230 @@
+"""The training loop: epochs of updates, validation, checkpoints, stopping (fairseq's ``train.py``).
+
+``train(cfg)`` is what every rank of ``toolkit-train`` runs once the command line is
+resolved (:mod:`toolkit.resolve`) and the processes are launched
+(:mod:`toolkit.distributed.launch`)::
+
+    env = init_distributed(...)                      # torchrun's / our launcher's process group
+    trainer = build_trainer(cfg, env, splits)        # task, model (wrapped), criterion, optimizer
+    position = load_latest(...)                      # resume where checkpoint_last.pt stopped
+    while epochs remain:
+        for each group of --update-freq batches:     # train_epoch
+            trainer.train_step(batches); log; maybe validate and save; maybe stop
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from toolkit.checkpoint import manager
+from toolkit.checkpoint.common import BestTracker, TrainingState
+from toolkit.config import TrainConfig
+from toolkit.data.iterators import GroupedIterator
+from toolkit.distributed import heartbeat
+from toolkit.distributed.parallelize import build_model
+from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
+from toolkit.logging import metrics, throughput
+from toolkit.logging.progress_bar import build_progress_bar
+from toolkit.logging.setup import setup_logging
+from toolkit.registry import CRITERION_REGISTRY, TASK_REGISTRY
+from toolkit.trainer import Trainer
+
+logger = logging.getLogger("toolkit_cli.train")  # fairseq's log lines name the command (fairseq_cli.train)
+
+
+def train(cfg: TrainConfig) -> None:
+    """One rank's whole run."""
+    env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
+    setup_logging(cfg.common.log_file, rank=env.rank)
+    logger.info(cfg)
+    torch.manual_seed(cfg.common.seed)
+    trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
+    metrics.log_wall_start()
+    spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
+    logger.info(f"training on {env.world_size} devices ({env.device.type})")
+    logger.info(f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
+                f"{cfg.dataset.batch_size}")
+    state = TrainingState(trainer, BestTracker(cfg.checkpoint.maximize_best_checkpoint_metric))
+    position = manager.load_latest(cfg, trainer, state, env)
+    state.epoch_itr = train_iterator(cfg, trainer.task, env, epoch=position.get("epoch", 1) if position else 1)
+    if position and not cfg.checkpoint.reset_dataloader:
+        state.epoch_itr.load_state_dict(position)
+    start = time.time()
+    while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
+        valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
+        if should_stop:
+            break
+        trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
+        state.epoch_itr = train_iterator(cfg, trainer.task, env, epoch=state.epoch_itr.next_epoch_idx)
+    logger.info(f"done training in {time.time() - start:.1f} seconds")
+
+
+def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] = ()) -> Trainer:
+    """The task (with ``splits`` loaded), the model wrapped as the flags ask, its criterion and the Trainer."""
+    task = TASK_REGISTRY.get(cfg.components.task).cls.setup_task(cfg.task)
+    for split in splits:
+        task.load_dataset(split)
+    model, strategy = build_model(cfg, task, env)
+    criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
+    return Trainer(cfg, task, model, criterion, env, strategy)
+
+
+def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv,
+                    dtype: torch.dtype) -> throughput.ThroughputSpec:
+    """tokens/s per device and MFU against one device's peak (on CPU: measured once per machine)."""
+    flops = model.flops_per_token(cfg.task.tokens_per_sample) if hasattr(model, "flops_per_token") else 0.0
+    if env.device.type == "cpu":
+        peak = shared_cpu_peak(env, dtype)
+    else:
+        peak = throughput.peak_flops(env.device, dtype)
+    logger.info(f"peak {dtype} throughput of this device: {peak / 1e9:.1f} GFLOP/s (for MFU)")
+    return throughput.ThroughputSpec(flops, peak, env.world_size)
+
+
+def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> float:
+    """This process's share of the machine's CPU peak, measured by local rank 0 while the others wait.
+
+    Measured with the threads of all local processes together, then split between them
+    (nodes are assumed alike: the largest node measurement is used everywhere).
+    """
+    machine = 0.0
+    if dist.is_initialized() and env.world_size > 1:
+        dist.barrier()  # nobody computes while the peak is measured
+    if env.local_rank == 0:
+        threads = min(torch.get_num_threads() * max(1, env.local_world_size), max(1, _cpu_count()))
+        machine = throughput.measure_cpu_peak_flops(dtype, threads=threads)
+    if dist.is_initialized() and env.world_size > 1:
+        t = torch.tensor([machine], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        machine = float(t.item())
+    return throughput.per_process_cpu_peak(machine, env.local_world_size)
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def train_iterator(cfg: TrainConfig, task, env: DistributedEnv, epoch: int):
+    data = cfg.dataset
+    return task.get_batch_iterator(
+        task.dataset(data.train_subset), max_tokens=data.max_tokens, batch_size=data.batch_size,
+        required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
+        num_shards=env.world_size, shard_id=env.rank, num_workers=data.num_workers, epoch=epoch)
+
+
+def valid_iterator(cfg: TrainConfig, task, subset: str, env: DistributedEnv):
+    data = cfg.dataset
+    return task.get_batch_iterator(
+        task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
+        batch_size=data.batch_size_valid or data.batch_size,
+        required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
+        num_shards=env.world_size, shard_id=env.rank, num_workers=data.num_workers, epoch=1)
+
+
+def train_epoch(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv,
+                spec: throughput.ThroughputSpec, start_time: float) -> Tuple[List[Optional[float]], bool]:
+    """One ``train_step`` per group of ``--update-freq`` batches; log, validate, save."""
+    epoch_itr = state.epoch_itr
+    itr = epoch_itr.next_epoch_itr(shuffle=True)
+    trainer.lr_scheduler.step_begin_epoch(epoch_itr.epoch)
+    progress = build_progress_bar(cfg.common, GroupedIterator(itr, cfg.optimization.update_freq),
+                                  epoch_itr.epoch, is_master=env.is_master)
+    logger.info(f"begin training epoch {epoch_itr.epoch}")
+    valid_losses: List[Optional[float]] = [None]
+    should_stop = False
+    with metrics.aggregate("train"):
+        for samples in progress:
+            heartbeat.progress()  # tells the other ranks' watchdogs this one is alive
+            with metrics.aggregate("train_inner"):
+                log_output = trainer.train_step(samples)
+                if log_output is not None:
+                    metrics.log_throughput(log_output.get("ntokens"), spec)
+            if log_output is not None and trainer.num_updates % cfg.common.log_interval == 0:
+                progress.log(metrics.get_training_stats("train_inner"), tag="train_inner", step=trainer.num_updates)
+                metrics.reset_meters("train_inner")
+            valid_losses, should_stop = validate_and_save(cfg, trainer, state, env, not itr.has_next(), start_time)
+            if should_stop:
+                break
+    logger.info(f"end of epoch {epoch_itr.epoch} (average epoch stats below)")
+    progress.print(metrics.get_training_stats("train"), tag="train", step=trainer.num_updates)
+    metrics.reset_meters("train")
+    return valid_losses, should_stop
+
+
+def stop_reason(cfg: TrainConfig, trainer: Trainer, start_time: float) -> Optional[str]:
+    opt = cfg.optimization
+    if opt.max_update > 0 and trainer.num_updates >= opt.max_update:
+        return f"num_updates: {trainer.num_updates} >= max_update: {opt.max_update}"
+    hours = (time.time() - start_time) / 3600
+    if opt.stop_time_hours > 0 and hours > opt.stop_time_hours:
+        return f"cumulative_training_time: {hours:.4f} > stop_time_hours: {opt.stop_time_hours} hour(s)"
+    if opt.stop_min_lr >= 0 and trainer.get_lr() <= opt.stop_min_lr:
+        return f"lr: {trainer.get_lr()} <= stop_min_lr: {opt.stop_min_lr}"
+    return None
+
+
+def _every(interval: int, updates: int) -> bool:
+    return interval > 0 and updates > 0 and updates % interval == 0
+
+
+def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv,
+                      end_of_epoch: bool, start_time: float) -> Tuple[List[Optional[float]], bool]:
+    updates, epoch, ckpt = trainer.num_updates, state.epoch_itr.epoch, cfg.checkpoint
+    reason = stop_reason(cfg, trainer, start_time)
+    should_stop = not all_ranks_agree(reason is None, env.device)  # any rank's clock can stop all
+    if reason:
+        logger.info(f"Stopping training due to {reason}")
+    do_save = (end_of_epoch and epoch % ckpt.save_interval == 0) or should_stop or _every(
+        ckpt.save_interval_updates, updates)
+    do_validate = not cfg.dataset.disable_validation and (
+        (end_of_epoch and epoch % cfg.dataset.validate_interval == 0) or should_stop or do_save
+        or _every(cfg.dataset.validate_interval_updates, updates))
+    valid_losses: List[Optional[float]] = validate(cfg, trainer, epoch, env, state.best) if do_validate else [None]
+    if state.best.out_of_patience(ckpt.patience, valid_losses[0]):
+        logger.info(f"early stop since valid performance hasn't improved for last {ckpt.patience} runs")
+        should_stop = True
+    state.val_loss = valid_losses[0]
+    if do_save and not ckpt.no_save:
+        manager.save_checkpoint(cfg, trainer, state, end_of_epoch, env)
+    state.best.update(valid_losses[0])
+    return valid_losses, should_stop
+
+
+def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv,
+             best: BestTracker) -> List[Optional[float]]:
+    losses: List[Optional[float]] = []
+    metric = cfg.checkpoint.best_checkpoint_metric
+    for subset in cfg.dataset.valid_subset.split(","):
+        logger.info(f'begin validation on "{subset}" subset')
+        progress = build_progress_bar(cfg.common, valid_iterator(cfg, trainer.task, subset, env).next_epoch_itr(
+            shuffle=False), epoch, prefix=f"valid on '{subset}' subset", is_master=env.is_master)
+        with metrics.aggregate(new_root=True) as agg:
+            valid_totals(trainer, progress, env)
+        stats = metrics.get_valid_stats(agg.get_smoothed_values(), trainer.num_updates, best=best.best,
+                                        best_checkpoint_metric=metric, maximize=best.maximize)
+        if best.best is None and metric in stats:
+            stats[f"best_{metric}"] = stats[metric]
+        progress.print(stats, tag=subset, step=trainer.num_updates)
+        losses.append(stats.get(metric))
+    return losses
+
+
+def valid_totals(trainer: Trainer, progress, env: DistributedEnv) -> None:
+    """Sum every rank's validation outputs and log them once (fairseq's numbers)."""
+    totals: dict = {"_batches": 0.0}
+    for sample in progress:
+        for k, v in trainer.valid_step(sample).items():
+            totals[k] = totals.get(k, 0.0) + v
+        totals["_batches"] += 1
+    totals = all_reduce_sums(totals, env.device, env.world_size)
+    totals["sample_size"] = totals.pop("_sample_size", 0.0)
+    batches = totals.pop("_batches") / env.world_size
+    trainer.criterion.reduce_metrics([totals])
+    metrics.log_valid_metrics(totals.get("ntokens", 0), totals.get("nsentences", 0), num_batches=batches)
