@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -90,3 +91,176 @@ def test_shared_tensors_are_written_once():
     w = torch.randn(5, 3)
     kept, aliases = dedupe_shared({"embed.weight": w, "head.weight": w, "other": w.clone()})
     assert list(kept) == ["embed.weight", "other"] and aliases == {"head.weight": "embed.weight"}
+
+
+# ---- onnx --------------------------------------------------------------------------------------
+
+def torch_greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # transformer_lm: sinusoidal, pre-norm, final LayerNorm, untied
+    {"decoder_learned_pos": True, "decoder_normalize_before": False, "share_decoder_input_output_embed": True,
+     "activation_fn": "gelu"},
+])
+def test_onnx_logits_and_cached_greedy_match_pytorch(tmp_path, overrides):
+    pytest.importorskip("onnxruntime")
+    import onnx
+    from toolkit.export import onnx_format
+    from toolkit.inference import load_model
+
+    path, _ = make_checkpoint(tmp_path, **overrides)
+    out = export(path, "onnx", tmp_path / "onnx", kv_cache=True)
+    model, _, _ = load_model(path)
+    for name in ("decoder.onnx", "decoder_with_past.onnx"):
+        graph = onnx.load(os.path.join(out, name))
+        onnx.checker.check_model(graph)
+        assert max(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    sess = onnx_format.session(os.path.join(out, "decoder.onnx"))
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1, 1), (3, 7), (2, TOKENS_PER_SAMPLE)]:
+        tokens = torch.randint(0, model.embed_tokens.num_embeddings, shape, generator=g)
+        with torch.no_grad():
+            expected = model(tokens)
+        torch.testing.assert_close(onnx_format.run_logits(sess, tokens), expected, atol=1e-4, rtol=0)
+    prompt = torch.randint(4, model.embed_tokens.num_embeddings, (2, 3), generator=g)
+    steps = TOKENS_PER_SAMPLE - 3
+    cached = onnx_format.session(os.path.join(out, "decoder_with_past.onnx"))
+    heads = model.cfg.decoder_attention_heads
+    got = onnx_format.greedy_decode(cached, len(model.layers), (heads, 32 // heads), prompt, steps)
+    assert torch.equal(got, torch_greedy(model, prompt, steps))
+
+
+def test_onnx_opset_17_and_missing_packages(tmp_path, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    path, _ = make_checkpoint(tmp_path)
+    out = export(path, "onnx", tmp_path / "onnx17", opset=17)
+    graph = onnx.load(os.path.join(out, "decoder.onnx"))
+    assert [o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    with pytest.raises(UserError, match="--opset 16"):
+        export(path, "onnx", tmp_path / "onnx16", opset=16)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install toolkit\[export\]"):
+        export(path, "onnx", tmp_path / "missing")
+    assert not os.path.exists(tmp_path / "missing")
+
+
+# ---- Hugging Face transformers ----------------------------------------------------------------
+
+HF_CASES = [  # (class written, model options): each class, tied and untied, every norm placement it takes
+    ("xglm", {}),  # transformer_lm's default: sinusoidal, scale √d, pre-norm + final norm, relu
+    ("xglm", {"share_decoder_input_output_embed": True, "no_scale_embedding": True, "activation_fn": "gelu"}),
+    ("opt", {"decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True}),
+    ("opt", {"decoder_learned_pos": True, "decoder_normalize_before": False, "activation_fn": "gelu"}),
+    ("opt", {"decoder_learned_pos": True, "no_decoder_final_norm": True, "activation_fn": "gelu_accurate"}),
+    ("gpt2", {"decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True,
+              "activation_fn": "gelu"}),
+    ("gpt2", {"decoder_learned_pos": True}),  # untied: the scale √d folds into the input table exactly
+]
+
+
+def hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("hf_class,overrides", HF_CASES)
+def test_hf_export_logits_match(tmp_path, hf_class, overrides):
+    pytest.importorskip("transformers")
+    from toolkit.export.hf_format import CLASS_NAMES
+    from toolkit.inference import load_model
+
+    path, _ = make_checkpoint(tmp_path, **overrides)
+    out = export(path, "hf", tmp_path / "hf", hf_class=hf_class)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == [CLASS_NAMES[hf_class]]
+    assert (config["pad_token_id"], config["eos_token_id"], config["bos_token_id"]) == (1, 2, 2)
+    model, _, _ = load_model(path)
+    tokens = torch.randint(4, model.embed_tokens.num_embeddings, (3, TOKENS_PER_SAMPLE),
+                           generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(tokens)
+    torch.testing.assert_close(hf_logits(out, tokens), expected, atol=1e-4, rtol=0)
+
+
+def test_hf_auto_class_picks_xglm_for_sinusoidal_and_opt_for_learned(tmp_path):
+    pytest.importorskip("transformers")
+    for name, overrides, expected in [("a", {}, "XGLMForCausalLM"),
+                                      ("b", {"decoder_learned_pos": True, "no_scale_embedding": True},
+                                       "OPTForCausalLM")]:
+        path, _ = make_checkpoint(tmp_path / name, **overrides)
+        out = export(path, "hf", tmp_path / name / "hf")
+        assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [expected]
+
+
+@pytest.mark.parametrize("arch,overrides,hf_class,option", [
+    ("transformer_lm", {"decoder_normalize_before": False}, "auto", "--no-decoder-normalize-before"),
+    ("transformer_lm", {"no_decoder_final_norm": True}, "auto", "--no-decoder-final-norm"),
+    ("transformer_lm_gpt3_small", {}, "auto", "--share-decoder-input-output-embed"),  # learned + scale + tied
+    ("transformer_lm", {"no_token_positional_embeddings": True}, "auto", "--no-token-positional-embeddings"),
+    ("transformer_lm", {"activation_fn": "swish"}, "gpt2", "sinusoidal positions"),
+])
+def test_hf_export_refuses_what_no_class_computes(tmp_path, arch, overrides, hf_class, option):
+    pytest.importorskip("transformers")
+    path, _ = make_checkpoint(tmp_path, arch, **overrides)
+    with pytest.raises(UserError, match=re.escape(option)):
+        export(path, "hf", tmp_path / "hf", hf_class=hf_class)
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def make_bpe_data_bin(tmp_path, bpe: str, full_dictionary: bool = True) -> str:
+    """A data-bin tokenized with a tiny byte-level BPE trained here; ``full_dictionary``: every BPE
+    token in dict.txt (as fairseq's GPT-2 dict has), else only the tokens the corpus uses."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from toolkit.tokenizers import build_tokenizer, save_tokenizer_to_data_bin
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(LINES, vocab_size=300, min_frequency=1, show_progress=False, special_tokens=[])
+    files = tmp_path / "bpe"
+    os.makedirs(files, exist_ok=True)
+    if bpe == "gpt2":
+        tok.save_model(str(files))
+        bpe_cfg = {"gpt2_encoder_json": str(files / "vocab.json"), "gpt2_vocab_bpe": str(files / "merges.txt")}
+        vocab = [str(i) for i in range(tok.get_vocab_size())]
+    else:
+        tok.save(str(files / "tok.json"))
+        bpe_cfg = {"bpe_model": str(files / "tok.json")}
+        vocab = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    encoder = build_tokenizer(bpe, bpe_cfg)
+    encoded = encoder.encode_lines(LINES)
+    used = list(dict.fromkeys(p for line in encoded for p in line.split()))
+    data_dir = str(tmp_path / f"bin-{bpe}")
+    make_data_bin(data_dir, {"train": encoded}, symbols=vocab if full_dictionary else used)
+    save_tokenizer_to_data_bin(bpe, bpe_cfg, data_dir)
+    return data_dir
+
+
+@pytest.mark.parametrize("bpe", [None, "hf_byte_bpe", "gpt2"])
+def test_hf_tokenizer_gives_the_hub_ids(tmp_path, bpe):
+    transformers = pytest.importorskip("transformers")
+    data_dir = make_bpe_data_bin(tmp_path, bpe) if bpe else None
+    path, data_dir = make_checkpoint(tmp_path, data_dir=data_dir)
+    out = export(path, "hf", tmp_path / "hf")
+    hub = from_pretrained(os.path.dirname(path), data_name_or_path=data_dir, device="cpu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["the cat sat on the mat", "a red dog, unseen words: zebra!"]:
+        ours = hub.encode(text).tolist()  # pieces + </s>; the LM sees </s> first, then the pieces
+        assert tokenizer(text)["input_ids"] == [hub.dictionary.eos()] + ours[:-1]
+    assert tokenizer.pad_token_id == 1 and tokenizer.eos_token_id == 2
+
+
+def test_hf_tokenizer_skipped_when_bpe_tokens_are_missing_from_the_dictionary(tmp_path):
+    pytest.importorskip("transformers")
+    path, _ = make_checkpoint(tmp_path, data_dir=make_bpe_data_bin(tmp_path, "hf_byte_bpe", full_dictionary=False))
+    out = export(path, "hf", tmp_path / "hf")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]

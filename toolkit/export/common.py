@@ -79,6 +79,12 @@ class LoadedModel:
         return self.task.dictionary
 
     @property
+    def first_symbol(self) -> int:
+        """What our LMs see before a sentence's first token: </s> (fairseq), or <s> with --add-bos-token."""
+        d = self.dictionary
+        return d.bos() if self.task.cfg.add_bos_token else d.eos()
+
+    @property
     def data_dir(self) -> str:
         return self.task.cfg.data.split(":")[0]
 
