@@ -103,18 +103,40 @@ def torch_greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("overrides", [
+CACHE_CASES = [
     {},  # transformer_lm: sinusoidal, pre-norm, final LayerNorm, untied
     {"decoder_learned_pos": True, "decoder_normalize_before": False, "share_decoder_input_output_embed": True,
      "activation_fn": "gelu"},
-])
-def test_onnx_logits_and_cached_greedy_match_pytorch(tmp_path, overrides):
+]
+
+
+@pytest.mark.parametrize("overrides", CACHE_CASES)
+def test_cached_forward_equals_the_full_forward(tmp_path, overrides):
+    """The forward the cache graph is exported from, in PyTorch: a prompt pass, then a token at a time."""
+    from toolkit.export.onnx_format import CachedDecoder, empty_cache
+    from toolkit.inference import load_model
+
+    model, _, _ = load_model(make_checkpoint(tmp_path, **overrides)[0])
+    tokens = torch.randint(0, model.embed_tokens.num_embeddings, (2, TOKENS_PER_SAMPLE))
+    cached = CachedDecoder(model)
+    with torch.no_grad():
+        expected = model(tokens)
+        out = cached(tokens[:, :5], *empty_cache(model, 2))
+        steps = [out[0]]
+        for t in range(5, TOKENS_PER_SAMPLE):
+            out = cached(tokens[:, t:t + 1], *out[1:])
+            steps.append(out[0])
+    assert out[1].shape == (2, 4, TOKENS_PER_SAMPLE, 8)  # [B, H, P, D]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+
+
+def test_onnx_logits_and_cached_greedy_match_pytorch(tmp_path):
     pytest.importorskip("onnxruntime")
     import onnx
     from toolkit.export import onnx_format
     from toolkit.inference import load_model
 
-    path, _ = make_checkpoint(tmp_path, **overrides)
+    path, _ = make_checkpoint(tmp_path)
     out = export(path, "onnx", tmp_path / "onnx", kv_cache=True)
     model, _, _ = load_model(path)
     for name in ("decoder.onnx", "decoder_with_past.onnx"):
