@@ -286,3 +286,60 @@ def test_hf_tokenizer_skipped_when_bpe_tokens_are_missing_from_the_dictionary(tm
     path, _ = make_checkpoint(tmp_path, data_dir=make_bpe_data_bin(tmp_path, "hf_byte_bpe", full_dictionary=False))
     out = export(path, "hf", tmp_path / "hf")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+# ---- import from Hugging Face -----------------------------------------------------------------
+
+def save_tiny_gpt2(folder, tied: bool = True, **config_overrides) -> "transformers.GPT2LMHeadModel":
+    """A randomly initialized GPT2LMHeadModel (LayerNorms randomized too) with a tiny trained BPE."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(LINES, vocab_size=300, min_frequency=1, show_progress=False,
+                            special_tokens=["<|endoftext|>"])
+    vocab_size = tok.get_vocab_size()
+    eot = tok.token_to_id("<|endoftext|>")
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=TOKENS_PER_SAMPLE, n_embd=32, n_layer=2,
+                                     n_head=4, bos_token_id=eot, eos_token_id=eot, tie_word_embeddings=tied,
+                                     **config_overrides)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(str(folder))
+    tok.save_model(str(folder))  # vocab.json + merges.txt, GPT-2's tokenizer files
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_import_gpt2_logits_match(tmp_path, tied):
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.inference import load_model
+
+    hf = save_tiny_gpt2(tmp_path / "gpt2", tied=tied)
+    out = run_export(ExportConfig(path=str(tmp_path / "gpt2"), import_from="hf", out=str(tmp_path / "imported")))
+    assert sorted(os.listdir(out)) == ["bpe.json", "dict.txt", "encoder.json", "model.pt", "vocab.bpe"]
+    model, task, args = load_model(os.path.join(out, "model.pt"))
+    d = Dictionary.load(os.path.join(out, "dict.txt"))
+    eot = hf.config.eos_token_id
+    ours_of = torch.tensor([d.eos() if i == eot else d.index(str(i)) for i in range(hf.config.vocab_size)])
+    assert len(set(ours_of.tolist())) == hf.config.vocab_size and d.unk() not in ours_of
+    assert args.share_decoder_input_output_embed == tied and args.activation_fn == "gelu_accurate"
+    tokens = torch.randint(0, hf.config.vocab_size, (3, TOKENS_PER_SAMPLE), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = model(ours_of[tokens])[:, :, ours_of]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    hub = from_pretrained(out, "model.pt", device="cpu")  # GPT-2's BPE, our dictionary: ids map one to one
+    text = "the cat sat on the red mat"
+    gpt2_ids = [int(p) for p in hub.tokenizer.encode(text).split()]
+    assert hub.encode(text).tolist() == ours_of[gpt2_ids].tolist() + [d.eos()]
+
+
+def test_import_refuses_what_the_model_cannot_compute(tmp_path):
+    save_tiny_gpt2(tmp_path / "gpt2", layer_norm_epsilon=1e-6)
+    with pytest.raises(UserError, match="layer_norm_epsilon"):
+        run_export(ExportConfig(path=str(tmp_path / "gpt2"), import_from="hf", out=str(tmp_path / "imported")))
+    assert not os.path.exists(tmp_path / "imported")
