@@ -343,3 +343,34 @@ def test_import_refuses_what_the_model_cannot_compute(tmp_path):
     with pytest.raises(UserError, match="layer_norm_epsilon"):
         run_export(ExportConfig(path=str(tmp_path / "gpt2"), import_from="hf", out=str(tmp_path / "imported")))
     assert not os.path.exists(tmp_path / "imported")
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def test_export_logs_each_step_when_not_on_a_terminal(tmp_path, caplog):
+    path, _ = make_checkpoint(tmp_path)
+    with caplog.at_level("INFO", logger="toolkit.export"):
+        export(path, "safetensors", tmp_path / "st")
+    lines = [r.getMessage() for r in caplog.records if r.name == "toolkit.export"]
+    for step in ("load [1/1]", "safetensors [1/3]", "safetensors [2/3]", "safetensors [3/3]"):
+        assert any(line.startswith(step) for line in lines), lines
+
+
+def test_cli_reports_user_errors_in_one_line(tmp_path):
+    from tests.train_helpers import run_cli
+
+    run = run_cli("toolkit_cli.export", ["--path", str(tmp_path / "missing.pt"), "--format", "hf",
+                                         "--out", str(tmp_path / "hf")])
+    assert run.returncode == 1 and run.stderr.strip().count("\n") == 0
+    assert run.stderr.startswith("toolkit-export: error: ") and "checkpoint not found" in run.stderr
+
+
+def test_hf_export_in_bf16_stores_bf16(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    path, _ = make_checkpoint(tmp_path)
+    out = export(path, "hf", tmp_path / "hf", dtype="bf16")
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"

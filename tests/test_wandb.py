@@ -30,6 +30,8 @@ def read_wandb_records(path: str):
             pos += BLOCK - pos % BLOCK
             continue
         length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        if pos + RECORD_HEADER + length > len(data):  # still being written
+            break
         chunk = data[pos + RECORD_HEADER:pos + RECORD_HEADER + length]
         pos += RECORD_HEADER + length
         if kind == 0 and length == 0:

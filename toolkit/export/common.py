@@ -89,14 +89,6 @@ class LoadedModel:
         return self.task.cfg.data.split(":")[0]
 
 
-def load_for_export(path: str, data_dir: Optional[str] = None) -> LoadedModel:
-    """Load through :func:`toolkit.inference.load_model` (``weights_only``), on the CPU in fp32."""
-    from toolkit import inference
-
-    model, task, args = inference.load_model(path, data_dir, torch.device("cpu"))
-    return LoadedModel(model.float().eval(), task, args, path)
-
-
 def data_bin_files(data_dir: str) -> List[str]:
     """``dict.txt`` and the tokenizer record with its model files (see ``toolkit.tokenizers``)."""
     import json
