@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -156,10 +156,18 @@ def check_graph(path: str) -> None:
     onnx.checker.check_model(path)
 
 
-def session(path: str):
-    """An onnxruntime CPU session for one of the exported graphs."""
+def session(path: str, threads: Optional[int] = None):
+    """An onnxruntime CPU session for one of the exported graphs.
+
+    Its threads do not spin between runs: spinning workers take the cores from whatever runs
+    beside the session (PyTorch, the data loader) on a shared CPU.
+    """
     ort = require("onnxruntime")
-    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def run_logits(sess, tokens: torch.Tensor) -> torch.Tensor:
