@@ -169,6 +169,8 @@ def test_onnx_opset_17_and_missing_packages(tmp_path, monkeypatch):
     assert [o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")] == [17]
     with pytest.raises(UserError, match="--opset 16"):
         export(path, "onnx", tmp_path / "onnx16", opset=16)
+    with pytest.raises(UserError, match="--dtype bf16"):
+        export(path, "onnx", tmp_path / "onnx-bf16", dtype="bf16")
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install toolkit\[export\]"):
         export(path, "onnx", tmp_path / "missing")
@@ -375,3 +377,14 @@ def test_hf_export_in_bf16_stores_bf16(tmp_path):
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_safetensors_folder_carries_the_bpe(tmp_path):
+    path, data_dir = make_checkpoint(tmp_path, data_dir=make_bpe_data_bin(tmp_path, "hf_byte_bpe"))
+    out = export(path, "safetensors", tmp_path / "st")
+    assert {"bpe.json", "hf_byte_bpe.json", "dict.txt"} <= set(os.listdir(out))
+    original = from_pretrained(os.path.dirname(path), data_name_or_path=data_dir, device="cpu")
+    exported = from_pretrained(out, device="cpu")
+    text = "the red cat sat in the park"
+    assert exported.tokenizer is not None
+    assert torch.equal(original.score(text)["positional_scores"], exported.score(text)["positional_scores"])

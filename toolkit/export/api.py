@@ -45,6 +45,10 @@ def _check(cfg: ExportConfig) -> None:
         raise UserError("--out is required: the folder to write")
     if cfg.import_from is None and cfg.format is None:
         raise UserError(f"--format is required: one of {', '.join(FORMATS)}")
+    if cfg.format == "onnx" and cfg.dtype != "fp32":
+        raise UserError(f"--dtype {cfg.dtype}: applies to --format safetensors|hf; the ONNX graphs are fp32")
+    if cfg.kv_cache and cfg.format != "onnx":
+        raise UserError(f"--kv-cache: applies to --format onnx only (not {cfg.import_from or cfg.format})")
     if os.path.abspath(cfg.out) == os.path.abspath(cfg.path):
         raise UserError(f"--out {cfg.out}: is the input itself; choose another folder")
 
