@@ -19,6 +19,9 @@ setup(
         # after torch, as scripts/setup_env.sh does.
         "deepspeed": ["deepspeed"],
         "test": ["pytest"],
+        # toolkit-export: ONNX graphs checked with onnxruntime, transformers folders both ways
+        "export": ["safetensors", "onnx", "onnxruntime", "onnxscript", "transformers"],
+        "wandb": ["wandb"],
     },
     entry_points={
         "console_scripts": [
@@ -26,6 +29,7 @@ setup(
             "toolkit-train = toolkit_cli.train:cli_main",
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
             "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
+            "toolkit-export = toolkit_cli.export:cli_main",
         ],
     },
 )

@@ -10,7 +10,8 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
 # torch first and pinned: anything that merely asks for "torch" must not pull a CUDA build.
 "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13') else 1)" >/dev/null 2>&1 \
   || "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest
+"$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest \
+  safetensors onnx onnxruntime onnxscript transformers wandb
 # DeepSpeed's setup.py imports torch, so it builds against the torch installed above.
 have deepspeed || "$PY" -m pip install -q --no-build-isolation deepspeed
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .

@@ -17,8 +17,15 @@ from toolkit.tokenizers import load_tokenizer_for_data_bin
 
 def from_pretrained(model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
                     data_name_or_path: str = ".", device: Optional[str] = None) -> "LMHubInterface":
-    """``model_name_or_path`` is a folder holding the checkpoint; the data-bin path is relative to it."""
+    """``model_name_or_path`` is a folder holding the checkpoint; the data-bin path is relative to it.
+
+    A folder written by ``toolkit-export --format safetensors`` (``model.safetensors`` beside
+    ``config.json`` and ``dict.txt``) loads as it is, with no pickle.
+    """
     path = os.path.join(model_name_or_path, checkpoint_file)
+    exported = os.path.join(model_name_or_path, "model.safetensors")
+    if not os.path.isfile(path) and os.path.isfile(exported):
+        path = exported
     data = data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path,
                                                                                     data_name_or_path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

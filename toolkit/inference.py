@@ -23,8 +23,17 @@ from toolkit.errors import UserError
 
 def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
                overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, Namespace]:
-    """A checkpoint's model in eval mode, with the task (dictionary) it was trained on."""
-    state = load_checkpoint_file(path)
+    """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
+
+    ``path`` may also be the ``model.safetensors`` of a ``toolkit-export --format safetensors``
+    folder: read without pickle, with the options from its ``config.json``.
+    """
+    if path.endswith(".safetensors"):
+        from toolkit.export.safetensors_format import read_exported
+
+        state = read_exported(path)
+    else:
+        state = load_checkpoint_file(path)
     if "cfg" not in state or "model" not in state:
         raise UserError(f"{path}: not a toolkit checkpoint (no 'cfg'/'model' entries)")
     cfg = dict(state["cfg"])

@@ -1,0 +1,114 @@
+"""What every export shares: the loaded model, step progress, optional packages, the data-bin files.
+
+Progress is per step (load, convert, write, check): a tqdm bar on a terminal, one log line per
+step otherwise, so a long export into a log file still says where it is.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.tokenizers import BPE_JSON
+
+logger = logging.getLogger("toolkit.export")
+
+DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StepProgress:
+    """``advance(message)`` after each of ``total`` steps: a tqdm bar on a terminal, else a log line."""
+
+    def __init__(self, total: int, desc: str, use_tqdm: Optional[bool] = None):
+        self.total, self.done, self.desc = total, 0, desc
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty()
+        self.bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+    def advance(self, message: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(message, refresh=False)
+            self.bar.update(1)
+        logger.log(logging.DEBUG if self.bar is not None else logging.INFO,
+                   f"{self.desc} [{self.done}/{self.total}] {message}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self) -> "StepProgress":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+def require(module: str, packages: str = "onnx onnxruntime onnxscript"):
+    """Import an optional dependency, or one UserError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{module} is not installed; pip install toolkit[export] "
+                        f"(or: pip install {packages})") from None
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's model (eval mode, fp32, CPU) with what rebuilds it elsewhere."""
+
+    model: torch.nn.Module
+    task: object
+    args: object
+    path: str
+
+    @property
+    def dictionary(self):
+        return self.task.dictionary
+
+    @property
+    def first_symbol(self) -> int:
+        """What our LMs see before a sentence's first token: </s> (fairseq), or <s> with --add-bos-token."""
+        d = self.dictionary
+        return d.bos() if self.task.cfg.add_bos_token else d.eos()
+
+    @property
+    def data_dir(self) -> str:
+        return self.task.cfg.data.split(":")[0]
+
+
+def data_bin_files(data_dir: str) -> List[str]:
+    """``dict.txt`` and the tokenizer record with its model files (see ``toolkit.tokenizers``)."""
+    import json
+
+    files = ["dict.txt"]
+    record_path = os.path.join(data_dir, BPE_JSON)
+    if os.path.isfile(record_path):
+        files.append(BPE_JSON)
+        with open(record_path, encoding="utf-8") as f:
+            files += list(json.load(f).get("files", {}).values())
+    return files
+
+
+def copy_data_bin_files(data_dir: str, out_dir: str) -> List[str]:
+    """Copy the dictionary and BPE model beside the weights, so the folder is self-contained."""
+    copied = []
+    for name in data_bin_files(data_dir):
+        src = os.path.join(data_dir, name)
+        if not os.path.isfile(src):
+            raise UserError(f"{src}: listed in the data-bin but missing; re-run toolkit-preprocess")
+        shutil.copyfile(src, os.path.join(out_dir, name))
+        copied.append(name)
+    return copied

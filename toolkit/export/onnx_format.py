@@ -1,0 +1,224 @@
+"""``--format onnx``: the decoder as ONNX graphs, checked with ``onnx.checker`` and onnxruntime.
+
+Graphs (exported with ``torch.onnx.export(..., dynamo=True)``, the torch.export-based exporter;
+it handles scaled_dot_product_attention and symbolic slicing, so no TorchScript fallback is needed):
+
+- ``decoder.onnx``: ``tokens`` int64 [B, T] -> ``logits`` float [B, T, V]; B and T dynamic.
+- ``decoder_with_past.onnx`` (``--kv-cache``): ``tokens`` [B, T] plus ``past_key_{i}`` /
+  ``past_value_{i}`` [B, H, P, D] per layer -> ``logits`` [B, T, V] plus ``present_key_{i}`` /
+  ``present_value_{i}`` [B, H, P + T, D]. The new tokens sit at positions P, P+1, ...; P = 0
+  (empty past) is the prompt pass. The cached forward is written here, from the model's own
+  modules, so the graph does not depend on an incremental path inside the model.
+
+Inputs are right-padded as in training: no padding mask (causal attention keeps a row's
+padding from reaching its earlier positions).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.errors import UserError
+from toolkit.export.common import StepProgress, copy_data_bin_files, require
+from toolkit.fileio import atomic_directory
+
+logger = logging.getLogger(__name__)
+
+DECODER = "decoder.onnx"
+DECODER_WITH_PAST = "decoder_with_past.onnx"
+DEFAULT_OPSET = 18  # the dynamo exporter's lowest; 17 is converted down by onnx's version converter
+MIN_OPSET = 17
+
+
+class LogitsDecoder(torch.nn.Module):
+    """tokens -> logits, the model's own forward under fixed input/output names."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+class CachedDecoder(torch.nn.Module):
+    """The model's forward for new tokens after P cached positions; returns logits and the grown cache.
+
+    Same arithmetic as ``TransformerLanguageModel.forward`` restricted to the new rows: keys and
+    values of earlier positions come from the cache, the causal mask is offset by P.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def _embed(self, tokens: torch.Tensor, past_len: int) -> torch.Tensor:
+        m = self.model
+        x = m.embed_tokens(tokens)
+        if m.embed_scale != 1.0:
+            x = x * m.embed_scale
+        positions = torch.arange(tokens.size(1), device=tokens.device) + past_len
+        if m.embed_positions is not None:
+            x = x + m.embed_positions.weight.index_select(0, positions + (m.padding_idx + 1))
+        elif m.sinusoidal_positions is not None:
+            x = x + m.sinusoidal_positions.index_select(0, positions)
+        return x
+
+    @staticmethod
+    def _attention(attn, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor):
+        B, T, C = x.shape
+        H = attn.num_heads
+        q, k, v = attn.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        past_len = past_k.size(2)
+        query_pos = torch.arange(T, device=x.device) + past_len
+        mask = torch.arange(past_len + T, device=x.device)[None, :] <= query_pos[:, None]  # [T, P + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attn.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
+
+    def _block(self, layer, x, past_k, past_v):
+        if layer.normalize_before:
+            h, k, v = self._attention(layer.self_attn, layer.self_attn_layer_norm(x), past_k, past_v)
+            x = x + h
+            x = x + layer.ffn(layer.final_layer_norm(x))
+        else:
+            h, k, v = self._attention(layer.self_attn, x, past_k, past_v)
+            x = layer.self_attn_layer_norm(x + h)
+            x = layer.final_layer_norm(x + layer.ffn(x))
+        return x, k, v
+
+    def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        m = self.model
+        x = self._embed(tokens, past[0].size(2))
+        present: List[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            x, k, v = self._block(layer, x, past[2 * i], past[2 * i + 1])
+            present += [k, v]
+        if m.layer_norm is not None:
+            x = m.layer_norm(x)
+        logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)
+        return (logits, *present)
+
+
+def cache_names(num_layers: int, prefix: str) -> List[str]:
+    return [f"{prefix}_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def empty_cache(model: torch.nn.Module, batch: int, past_len: int = 0) -> List[torch.Tensor]:
+    """Per layer k and v of shape [B, H, P, D] (zeros), the layout the cache graph takes."""
+    C, H = model.cfg.decoder_embed_dim, model.cfg.decoder_attention_heads
+    return [torch.zeros(batch, H, past_len, C // H) for _ in range(2 * len(model.layers))]
+
+
+def _export(module: torch.nn.Module, args: tuple, path: str, input_names: Sequence[str],
+            output_names: Sequence[str], dynamic_shapes, opset: int) -> None:
+    """The exporter's own warnings (deprecations, axis renames, torchvision ops) are not the user's."""
+    onnx_logger = logging.getLogger("torch.onnx")
+    level = onnx_logger.level
+    onnx_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, path, dynamo=True, opset_version=opset,
+                              input_names=list(input_names), output_names=list(output_names),
+                              dynamic_shapes=dynamic_shapes, verbose=False, external_data=False)
+    finally:
+        onnx_logger.setLevel(level)
+
+
+def export_decoder(model: torch.nn.Module, path: str, opset: int) -> None:
+    max_len = model.max_positions()
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", max=max_len)
+    sample = torch.full((2, min(3, max_len)), model.padding_idx + 1, dtype=torch.long)
+    _export(LogitsDecoder(model).eval(), (sample,), path, ["tokens"], ["logits"],
+            {"tokens": {0: batch, 1: seq}}, opset)
+
+
+def export_decoder_with_past(model: torch.nn.Module, path: str, opset: int) -> None:
+    n = len(model.layers)
+    max_len = model.max_positions()
+    batch = torch.export.Dim("batch")
+    seq, past = torch.export.Dim("sequence", max=max_len), torch.export.Dim("past", max=max_len)
+    sample = torch.full((2, 2), model.padding_idx + 1, dtype=torch.long)
+    past_sample = empty_cache(model, 2, past_len=min(3, max_len - 2))
+    shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past} for _ in past_sample))
+    _export(CachedDecoder(model).eval(), (sample, *past_sample), path,
+            ["tokens"] + cache_names(n, "past"), ["logits"] + cache_names(n, "present"), shapes, opset)
+
+
+def check_graph(path: str) -> None:
+    onnx = require("onnx")
+    onnx.checker.check_model(path)
+
+
+def session(path: str, threads: Optional[int] = None):
+    """An onnxruntime CPU session for one of the exported graphs.
+
+    Its threads do not spin between runs: spinning workers take the cores from whatever runs
+    beside the session (PyTorch, the data loader) on a shared CPU.
+    """
+    ort = require("onnxruntime")
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def run_logits(sess, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(sess.run(["logits"], {"tokens": tokens.long().numpy()})[0])
+
+
+def greedy_decode(sess, num_layers: int, cache_shape: Tuple[int, int], prompt: torch.Tensor,
+                  steps: int) -> torch.Tensor:
+    """Greedy continuation of ``prompt`` [B, T] through the cache graph: one prompt pass, then a
+    token at a time. ``cache_shape`` is (heads, head size). Returns [B, T + steps]."""
+    B = prompt.size(0)
+    H, D = cache_shape
+    cache = {name: torch.zeros(B, H, 0, D).numpy() for name in cache_names(num_layers, "past")}
+    tokens, new = prompt.long(), prompt.long()
+    for _ in range(steps):
+        out = sess.run(None, {"tokens": new.numpy(), **cache})
+        new = torch.from_numpy(out[0][:, -1]).argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, new], dim=1)
+        cache = dict(zip(cache_names(num_layers, "past"), out[1:]))
+    return tokens
+
+
+def check_parity(model: torch.nn.Module, path: str, tolerance: float = 1e-4) -> float:
+    """Max |logits(onnxruntime) - logits(PyTorch)| on one random batch; an error above ``tolerance``."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.embed_tokens.num_embeddings, (2, min(8, model.max_positions())), generator=g)
+    with torch.no_grad():
+        diff = (run_logits(session(path), tokens) - model(tokens)).abs().max().item()
+    if not diff <= tolerance:
+        raise RuntimeError(f"{path}: onnxruntime logits differ from PyTorch's by {diff:.3g} (> {tolerance})")
+    return diff
+
+
+def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAULT_OPSET) -> str:
+    """Export (and check) the graphs into ``out_dir``, with the dictionary and BPE model beside them."""
+    if opset < MIN_OPSET:
+        raise UserError(f"--opset {opset}: needs {MIN_OPSET} or later (scaled dot-product attention, LayerNorm)")
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        require(module)
+    model = loaded.model
+    steps = 4 if kv_cache else 3
+    with StepProgress(steps, "onnx") as progress, atomic_directory(out_dir) as tmp, torch.no_grad():
+        export_decoder(model, os.path.join(tmp, DECODER), opset)
+        progress.advance(f"exported {DECODER} (opset {opset})")
+        if kv_cache:
+            export_decoder_with_past(model, os.path.join(tmp, DECODER_WITH_PAST), opset)
+            progress.advance(f"exported {DECODER_WITH_PAST}")
+        for name in (DECODER, DECODER_WITH_PAST) if kv_cache else (DECODER,):
+            check_graph(os.path.join(tmp, name))
+        diff = check_parity(model, os.path.join(tmp, DECODER))
+        progress.advance(f"onnx.checker passed; onnxruntime vs PyTorch max |logits diff| {diff:.2g}")
+        copied = copy_data_bin_files(loaded.data_dir, tmp)
+        progress.advance(f"copied {', '.join(copied)}")
+    return out_dir
