@@ -78,7 +78,7 @@ def tensorboard_scalars(logdir: str):
 
 def test_wandb_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from toolkit import logging_wandb
+    from toolkit.logging import wandb_writer as logging_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -105,7 +105,24 @@ def test_wandb_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
 
 
 def test_without_a_project_the_bar_is_unchanged():
-    from toolkit import logging_wandb
+    from toolkit.logging import wandb_writer as logging_wandb
 
     bar = SimpleProgressBar(range(1))
     assert logging_wandb.wrap_with_wandb(bar, None) is bar
+
+
+def test_toolkit_train_wandb_project_logs_the_run(tmp_path):
+    pytest.importorskip("wandb")
+    from tests.lm_fixtures import make_data_bin
+    from tests.train_helpers import train
+
+    lines = [" ".join(f"w{(i * 3 + j) % 20}" for j in range(10)) for i in range(100)]
+    data = str(tmp_path / "bin")
+    make_data_bin(data, {"train": lines, "valid": lines[:10]})
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    train(data, str(tmp_path / "ck"), "--max-update", "3", "--wandb-project", "toolkit-test", env=env)
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1
+    got = wandb_history(wait_for_exit_record(runs[0]))
+    assert {step for key, step in got if key == "train_inner/loss"} == {1, 2, 3}
+    assert any(key == "valid/loss" for key, _ in got)

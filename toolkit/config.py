@@ -23,6 +23,8 @@ class CommonConfig:
     log_file: Optional[str] = opt(None, "also write the log to this file")
     no_progress_bar: bool = opt(False, "disable the progress bar")
     tensorboard_logdir: Optional[str] = opt(None, "write TensorBoard scalars under this folder")
+    wandb_project: Optional[str] = opt(None, "also log the scalars to this Weights & Biases project "
+                                             "(pip install wandb; WANDB_MODE=offline works without a network)")
     fp16: bool = opt(False, "use fp16 compute with fp32 master weights and dynamic loss scaling")
     bf16: bool = opt(False, "use bf16 compute (no loss scaling)")
     memory_efficient_fp16: bool = opt(False, "fp16 without an fp32 copy of the weights on the device")

@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from toolkit import options, registry
-from toolkit import models
+from toolkit.models import build_model
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows, load_checkpoint_file
 from toolkit.errors import UserError
@@ -46,7 +46,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
     with torch.device("meta"):
-        model = models.build_model(args.arch, args, task)
+        model = build_model(args.arch, args, task)
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

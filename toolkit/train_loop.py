@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -31,6 +32,8 @@ from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduc
 from toolkit.logging import metrics, throughput
 from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
+from toolkit.logging.wandb_writer import finish as finish_wandb
+from toolkit.logging.wandb_writer import wrap_with_wandb
 from toolkit.registry import CRITERION_REGISTRY, TASK_REGISTRY
 from toolkit.trainer import Trainer
 
@@ -62,6 +65,8 @@ def train(cfg: TrainConfig) -> None:
         trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
         state.epoch_itr = train_iterator(cfg, trainer.task, env, epoch=state.epoch_itr.next_epoch_idx)
     logger.info(f"done training in {time.time() - start:.1f} seconds")
+    if cfg.common.wandb_project and env.is_master:
+        finish_wandb()
 
 
 def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] = ()) -> Trainer:
@@ -106,8 +111,6 @@ def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> float:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -128,14 +131,20 @@ def valid_iterator(cfg: TrainConfig, task, subset: str, env: DistributedEnv):
         num_shards=env.world_size, shard_id=env.rank, num_workers=data.num_workers, epoch=1)
 
 
+def make_progress(cfg: TrainConfig, iterator, env: DistributedEnv, epoch: int, prefix: Optional[str] = None):
+    """fairseq's progress bar and log lines, TensorBoard and (``--wandb-project``) W&B on the master rank."""
+    bar = build_progress_bar(cfg.common, iterator, epoch, prefix=prefix, is_master=env.is_master)
+    project = cfg.common.wandb_project if env.is_master else None
+    return wrap_with_wandb(bar, project, os.path.basename(os.path.normpath(cfg.checkpoint.save_dir)))
+
+
 def train_epoch(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv,
                 spec: throughput.ThroughputSpec, start_time: float) -> Tuple[List[Optional[float]], bool]:
     """One ``train_step`` per group of ``--update-freq`` batches; log, validate, save."""
     epoch_itr = state.epoch_itr
     itr = epoch_itr.next_epoch_itr(shuffle=True)
     trainer.lr_scheduler.step_begin_epoch(epoch_itr.epoch)
-    progress = build_progress_bar(cfg.common, GroupedIterator(itr, cfg.optimization.update_freq),
-                                  epoch_itr.epoch, is_master=env.is_master)
+    progress = make_progress(cfg, GroupedIterator(itr, cfg.optimization.update_freq), env, epoch_itr.epoch)
     logger.info(f"begin training epoch {epoch_itr.epoch}")
     valid_losses: List[Optional[float]] = [None]
     should_stop = False
@@ -203,8 +212,8 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     metric = cfg.checkpoint.best_checkpoint_metric
     for subset in cfg.dataset.valid_subset.split(","):
         logger.info(f'begin validation on "{subset}" subset')
-        progress = build_progress_bar(cfg.common, valid_iterator(cfg, trainer.task, subset, env).next_epoch_itr(
-            shuffle=False), epoch, prefix=f"valid on '{subset}' subset", is_master=env.is_master)
+        progress = make_progress(cfg, valid_iterator(cfg, trainer.task, subset, env).next_epoch_itr(shuffle=False),
+                                 env, epoch, prefix=f"valid on '{subset}' subset")
         with metrics.aggregate(new_root=True) as agg:
             valid_totals(trainer, progress, env)
         stats = metrics.get_valid_stats(agg.get_smoothed_values(), trainer.num_updates, best=best.best,

@@ -5,15 +5,8 @@ bar, and every ``log``/``print`` also sends the numeric stats, as ``<tag>/<name>
 number, to one run (rank 0 only). The run is named after ``$WANDB_NAME`` or the save dir, as in
 fairseq. ``WANDB_MODE=offline`` writes the run under ``wandb/`` without a network.
 
-Call site (lead-owned files)::
-
-    # toolkit/config.py CommonConfig:
-    wandb_project: Optional[str] = opt(None, "Weights & Biases project to log to (needs pip install wandb)")
-    # toolkit/logging/progress_bar.py progress_bar(), after the TensorBoard wrapper (new args
-    # wandb_project=None, wandb_run_name=None; build_progress_bar passes them from common_cfg on rank 0):
-    bar = wrap_with_wandb(bar, wandb_project, wandb_run_name)
-    # toolkit_cli/train.py make_progress: wandb_project=args.wandb_project if env.is_master else None,
-    #                                     wandb_run_name=os.path.basename(args.save_dir)
+``toolkit.train_loop`` wraps every training and validation progress bar with :func:`wrap_with_wandb`
+when ``--wandb-project`` is given (on the master rank), and calls :func:`finish` at the end.
 """
 from __future__ import annotations
 
