@@ -1,0 +1,186 @@
+"""Helpers for tests/test_tensor_parallel.py: a tiny model, fixed batches, one training loop for
+every layout, and the spawned workers (gloo on CPU).
+
+The loop does what the trainer does for one update: summed loss, backward under
+``loss_context``, gradients multiplied by ``dp_size / total_ntokens`` (FSDP2 averages over the
+data-parallel ranks), the global norm from ``toolkit.optim.grad_norm.total_norm``, clipping, step.
+"""
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+PAD = 1
+VOCAB = 64
+SEQ = 16
+GLOBAL_BATCH = 4
+STEPS = 12
+CLIP_NORM = 1.0
+LR = 3e-3
+
+
+def model_cfg(**overrides):
+    from toolkit.models.transformer_lm import TransformerLMConfig
+
+    values = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
+                  dropout=0.0, max_target_positions=SEQ, decoder_learned_pos=True)
+    values.update(overrides)
+    return TransformerLMConfig(**values)
+
+
+def build(cfg, seed: int = 7, meta: bool = False):
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    if meta:
+        with torch.device("meta"):
+            return TransformerLanguageModel(cfg, VOCAB, PAD)
+    return TransformerLanguageModel(cfg, VOCAB, PAD, seed=seed)
+
+
+def batches(steps: int = STEPS) -> List[Dict[str, torch.Tensor]]:
+    """Fixed global batches, right-padded rows of different lengths (the loss ignores padding)."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(2, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (GLOBAL_BATCH,), generator=g)
+        pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
+        tokens = tokens.masked_fill(pad, PAD)
+        target = torch.cat([tokens[:, 1:], torch.full((GLOBAL_BATCH, 1), PAD)], dim=1)
+        out.append({"tokens": tokens, "target": target})
+    return out
+
+
+def criterion():
+    from toolkit.criterions.cross_entropy import CrossEntropyCriterion
+
+    return CrossEntropyCriterion(SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD)))
+
+
+def train(model, dp_rank: int = 0, dp_size: int = 1, loss_parallel: bool = False, steps: int = STEPS,
+          autocast: Optional[torch.dtype] = None) -> Dict[str, List[float]]:
+    """Per-update loss (summed NLL / target tokens) and gradient norm, over the same global batches."""
+    from toolkit.distributed.tensor_parallel import loss_context
+    from toolkit.optim.grad_norm import total_norm
+
+    crit = criterion()
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    out: Dict[str, List[float]] = {"loss": [], "gnorm": []}
+    for batch in batches(steps):
+        rows = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
+        tokens, target = batch["tokens"][rows], batch["target"][rows]
+        ntokens = int((batch["target"] != PAD).sum())
+        amp = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+        with loss_context(loss_parallel):
+            with amp:
+                loss = crit.compute_loss(model(tokens), target)
+            loss.backward()
+        loss = loss.detach().double()
+        if dp_size > 1:
+            dist.all_reduce(loss, group=_dp_group(model))
+        grads = [p.grad for p in params if p.grad is not None]
+        factor = dp_size / ntokens
+        norm = float(total_norm(grads)) * factor
+        if norm > CLIP_NORM:
+            factor *= CLIP_NORM / (norm + 1e-6)
+        torch._foreach_mul_(grads, factor)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["loss"].append(float(loss) / ntokens / math.log(2))
+        out["gnorm"].append(norm)
+    return out
+
+
+_DP_GROUP = {}
+
+
+def _dp_group(model):
+    return _DP_GROUP[id(model)]
+
+
+def full_state(model) -> Dict[str, torch.Tensor]:
+    """The consolidated (plain, full) state dict: what the default checkpoint file holds."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+
+
+# --- building a (dp, mp) model the way parallelize will ----------------------------------------
+
+def parallel_model(cfg, mesh, fsdp: bool, checkpoint_activations: bool = False, seed: int = 7,
+                   sequence_parallel: bool = True, loss_parallel: bool = True, mp_dtype=None):
+    """Meta build -> tensor parallel -> activation checkpointing -> FSDP2 on dp -> to_empty -> init_weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from toolkit.distributed.parallelize import apply_activation_checkpointing
+    from toolkit.distributed.tensor_parallel import apply_tensor_parallel, data_parallel_mesh
+    from toolkit.models.init import init_weights
+
+    model = build(cfg, meta=True)
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if checkpoint_activations:
+        apply_activation_checkpointing(model)
+    if fsdp:
+        dp = data_parallel_mesh(mesh)
+        policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype \
+            else MixedPrecisionPolicy()
+        for block in model.layers:
+            fully_shard(block, mesh=dp, mp_policy=policy)
+        fully_shard(model, mesh=dp, mp_policy=policy)
+    model.to_empty(device="cpu")
+    init_weights(model, seed)
+    _DP_GROUP[id(model)] = data_parallel_mesh(mesh).get_group() if fsdp else None
+    return model
+
+
+# --- spawned workers ---------------------------------------------------------------------------
+
+def spawn(fn, world_size: int, out_dir: str) -> None:
+    import torch.multiprocessing as mp
+
+    from toolkit.distributed.utils import find_free_port
+
+    port = find_free_port()
+    mp.start_processes(_entry, args=(fn, world_size, port, out_dir), nprocs=world_size, start_method="spawn")
+    errors = [f for f in os.listdir(out_dir) if f.startswith("error")]
+    if errors:
+        raise AssertionError(open(os.path.join(out_dir, errors[0])).read())
+
+
+def _entry(rank: int, fn, world_size: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, out_dir)
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, "result.pt"))
+    except Exception:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
+    """2 ranks, M=2: untied + sequence parallel; tied + no sequence parallel + sinusoidal; dropout streams."""
+    from toolkit.distributed.tensor_parallel import build_2d_mesh
+
+    mesh = build_2d_mesh(world_size, 2, "cpu")
+    result = {}
+    model = parallel_model(model_cfg(), mesh, fsdp=False)
+    result["init_state"] = full_state(model)
+    result["sp_untied"] = train(model, loss_parallel=True)
+    tied = model_cfg(share_decoder_input_output_embed=True, decoder_learned_pos=False)
+    model = parallel_model(tied, mesh, fsdp=False, sequence_parallel=False)
+    result["tied_no_sp"] = train(model, loss_parallel=True)
+    return result
