@@ -20,7 +20,7 @@ PAD = 1
 VOCAB = 64
 SEQ = 16
 GLOBAL_BATCH = 4
-STEPS = 12
+STEPS = 10
 CLIP_NORM = 1.0
 LR = 3e-3
 
@@ -172,7 +172,8 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str) -> None:
 
 
 def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
-    """2 ranks, M=2: untied + sequence parallel; tied + no sequence parallel + sinusoidal; dropout streams."""
+    """2 ranks, M=2: untied + sequence parallel; tied + no sequence parallel + sinusoidal positions +
+    activation checkpointing; dropout streams."""
     from toolkit.distributed.tensor_parallel import build_2d_mesh
 
     mesh = build_2d_mesh(world_size, 2, "cpu")
@@ -181,6 +182,89 @@ def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
     result["init_state"] = full_state(model)
     result["sp_untied"] = train(model, loss_parallel=True)
     tied = model_cfg(share_decoder_input_output_embed=True, decoder_learned_pos=False)
-    model = parallel_model(tied, mesh, fsdp=False, sequence_parallel=False)
-    result["tied_no_sp"] = train(model, loss_parallel=True)
+    model = parallel_model(tied, mesh, fsdp=False, sequence_parallel=False, checkpoint_activations=True)
+    result["tied_no_sp_ac"] = train(model, loss_parallel=True)
+    result["dropout"] = dropout_probes(mesh)
+    return result
+
+
+def _gather(t: torch.Tensor, group) -> List[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def dropout_probes(mesh) -> Dict[str, bool]:
+    """What the TP ranks draw: the replicated embedding output (after its dropout) and a draw inside a
+    block (a sharded region); and whether activation checkpointing recomputes the same masks."""
+    cfg = model_cfg(dropout=0.3, attention_dropout=0.2, activation_dropout=0.2)
+    model = parallel_model(cfg, mesh, fsdp=False)
+    model.train()
+    tokens = batches(1)[0]["tokens"]
+    probes: Dict[str, torch.Tensor] = {}
+    model.layers[0].register_forward_pre_hook(
+        lambda _m, args: probes.__setitem__("embedded", args[0].detach().clone()), prepend=True)
+    model.layers[0].self_attn.register_forward_hook(
+        lambda *_: probes.__setitem__("block_draw", torch.rand(8)))
+
+    def run(seed: int) -> Dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model(tokens)
+        return dict(probes)
+
+    first, again, other = run(5), run(5), run(6)
+    group = mesh["tp"].get_group()
+    embedded = _gather(first["embedded"], group)
+    draws = _gather(first["block_draw"], group)
+    out = {"embedded_same_on_tp_ranks": torch.equal(embedded[0], embedded[1]),
+           "embedding_dropout_active": bool((first["embedded"] == 0).any()),
+           "block_draws_differ_on_tp_ranks": not torch.equal(draws[0], draws[1]),
+           "same_seed_same_draws": all(torch.equal(first[k], again[k]) for k in first),
+           "other_seed_other_draws": not torch.equal(first["block_draw"], other["block_draw"])}
+    out["checkpointing_recomputes_same_masks"] = _checkpointing_same_gradients(cfg, mesh, tokens)
+    return out
+
+
+def _checkpointing_same_gradients(cfg, mesh, tokens) -> bool:
+    from toolkit.distributed.tensor_parallel import loss_context
+
+    grads = []
+    for ac in (False, True):
+        model = parallel_model(cfg, mesh, fsdp=False, checkpoint_activations=ac)
+        model.train()
+        torch.manual_seed(5)
+        with loss_context(True):
+            loss = criterion().compute_loss(model(tokens), batches(1)[0]["target"])
+            loss.backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
+    """4 ranks as (dp 2 x mp 2) under FSDP2: fp32, then with activation checkpointing and fp16
+    compute (FSDP2's mixed-precision policy); a DCP checkpoint saved at (2 x 2) is loaded at (1 x 4)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from toolkit.distributed.tensor_parallel import build_2d_mesh, data_parallel_rank_and_size
+
+    mesh = build_2d_mesh(world_size, 2, "cpu")
+    dp_rank, dp_size = data_parallel_rank_and_size(mesh)
+    result = {"dp": (dp_rank, dp_size)}
+    model = parallel_model(model_cfg(), mesh, fsdp=True)
+    result["init_state"] = full_state(model)
+    result["fsdp"] = train(model, dp_rank, dp_size, loss_parallel=True)
+    result["trained_state"] = full_state(model)
+    dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(out_dir, "dcp"))
+
+    model = parallel_model(model_cfg(), mesh, fsdp=True, checkpoint_activations=True, mp_dtype=torch.float16)
+    result["fsdp_ac_fp16"] = train(model, dp_rank, dp_size, loss_parallel=True)
+
+    mesh4 = build_2d_mesh(world_size, 4, "cpu")
+    model = parallel_model(model_cfg(), mesh4, fsdp=False, seed=99)  # other values, overwritten by the load
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
+    set_model_state_dict(model, state)
+    result["loaded_1x4"] = full_state(model)
     return result
