@@ -104,26 +104,48 @@ def data_parallel_rank_and_size(mesh) -> Tuple[int, int]:
 
 # --- custom styles: the fused q/k/v projection and the vocabulary-parallel embedding -------------
 
-def _placements(x):
-    return getattr(x, "placements", None)
+class _ColumnParallelLinear(nn.Linear):
+    """Column-parallel ``fc1``: weight and bias Shard(0); this rank computes its output features.
 
+    The input arrives split over the sequence (``input_layout`` Shard(1), sequence parallel) or
+    replicated. The all-gathered input is not kept for backward: the gather and the matmul are
+    recomputed there (Megatron's sequence parallelism re-gathers the same way), so a rank keeps
+    T/M positions of it, not T.
+    """
 
-class _HeadParallelQKV(nn.Linear):
-    """``qkv_proj`` under tensor parallelism: stored Shard(0) of ``[q | k | v]``, computed on this rank's heads."""
+    input_layout = None  # set by the style: the placement of a plain-tensor input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._project(x)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._project, x, use_reentrant=False, preserve_rng_state=False)
+
+    def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.weight.device_mesh, [self.input_layout], run_check=False)
+        # Every rank uses all of x for its own features: x's gradient is a sum over the ranks.
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        weight, bias = self._local_weights()
+        return F.linear(x, weight, bias)
+
+
+class _HeadParallelQKV(_ColumnParallelLinear):
+    """``qkv_proj``: stored Shard(0) of ``[q | k | v]``, computed on this rank's heads ``[q_r | k_r | v_r]``."""
+
+    def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        mesh = self.weight.device_mesh
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        # Every rank uses all of x for its own heads: x's gradient is a sum over the ranks.
-        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        heads = [_StridedShard(0, split_factor=3)]  # this rank's rows of q, of k and of v: [q_r | k_r | v_r]
+        heads = [_StridedShard(0, split_factor=3)]  # this rank's rows of q, of k and of v
         weight = self.weight.redistribute(placements=heads).to_local()
         bias = self.bias.redistribute(placements=heads).to_local() if self.bias is not None else None
-        return F.linear(x, weight, bias)
+        return weight, bias
 
 
 class _VocabParallelEmbedding(nn.Embedding):
@@ -150,7 +172,7 @@ class _VocabParallelEmbedding(nn.Embedding):
         return partial.redistribute(placements=[Replicate()]).to_local()
 
 
-def _swap_class_style(cls: type, shard_dim: int):
+def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
     """A ParallelStyle: parameters Shard(shard_dim) on the TP mesh, and the module computes with ``cls.forward``."""
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -162,6 +184,8 @@ def _swap_class_style(cls: type, shard_dim: int):
                 module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
             # Same parameters and state-dict keys, another forward (FSDP2 swaps classes the same way).
             module.__class__ = cls
+            if input_layout is not None:
+                module.input_layout = input_layout
             return module
 
     return _Style()
@@ -241,22 +265,23 @@ def _check_divisible(model: nn.Module, M: int) -> None:
 def block_plan(sequence_parallel: bool) -> Dict[str, object]:
     """Megatron's split of one block: column-parallel q/k/v and fc1, row-parallel out_proj and fc2."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    qkv = _swap_class_style(_HeadParallelQKV, 0)
+    layout = Shard(1) if sequence_parallel else Replicate()  # the residual stream's
+    qkv = _swap_class_style(_HeadParallelQKV, 0, input_layout=layout)
+    fc1 = _swap_class_style(_ColumnParallelLinear, 0, input_layout=layout)
     if not sequence_parallel:
         return {"self_attn_layer_norm": _ReplicatedParallel.style(), "final_layer_norm": _ReplicatedParallel.style(),
                 "self_attn.qkv_proj": qkv, "self_attn.out_proj": RowwiseParallel(),
-                "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+                "fc1": fc1, "fc2": RowwiseParallel()}
     return {
         "self_attn_layer_norm": SequenceParallel(use_local_output=True),
-        # attention needs all positions: all-gather [B, T/M, C] -> [B, T, C] (reduce-scatter in backward)
-        "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        # attention sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T); qkv_proj gathers it
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)),
         "self_attn.qkv_proj": qkv,
         "self_attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
         "final_layer_norm": SequenceParallel(use_local_output=True),
-        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc1": fc1,
         "fc2": RowwiseParallel(output_layouts=Shard(1)),
     }
 

@@ -392,3 +392,23 @@ def transformer_lm_gpt3_13(cfg: TransformerLMConfig) -> None:  # 13B
 @register_model_architecture("transformer_lm", "transformer_lm_gpt3_175")
 def transformer_lm_gpt3_175(cfg: TransformerLMConfig) -> None:  # 175B
     _gpt3(cfg, layers=96, dim=12288, heads=96)
+
+
+def _megatron(cfg: TransformerLMConfig, ffn: int) -> None:
+    """fairseq's model_parallel archs (fairseq/model_parallel/models/transformer_lm.py), meant for
+    ``--model-parallel-size``: 72 x 3072, 32 heads, GELU, dropout and attention dropout 0.1."""
+    base_lm_architecture(cfg)
+    cfg.decoder_layers, cfg.decoder_embed_dim = 72, 3072
+    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = ffn, 32
+    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
+    cfg.activation_fn = "gelu"
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_megatron")
+def transformer_lm_megatron(cfg: TransformerLMConfig) -> None:
+    _megatron(cfg, ffn=3072 * 4)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
+def transformer_lm_megatron_11b(cfg: TransformerLMConfig) -> None:
+    _megatron(cfg, ffn=3072 * 6)
