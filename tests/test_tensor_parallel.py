@@ -46,8 +46,8 @@ def single():
             "plain": H.train(plain), "plain_state": plain.state_dict(), "tied": H.train(tied)}
 
 
-def assert_close(got, want, rel):
-    assert len(got) == len(want) == H.STEPS
+def assert_close(got, want, rel, steps=H.STEPS):
+    assert len(got) == len(want) == steps
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= rel * abs(w), (step, g, w)
 
@@ -86,6 +86,12 @@ def test_data_and_model_parallel_under_fsdp2_match_one_process(tp4, single):
             v, got = torch.cat([v[:C], v[2 * C:]]), torch.cat([got[:C], got[2 * C:]])
         diff = (got.double() - v.double()).norm() / v.double().norm().clamp_min(1e-12)
         assert diff < REL_TOL, (k, float(diff))
+
+
+def test_replicated_data_parallel_mesh_with_model_parallel(tp4, single):
+    """no_shard / c10d-like: FSDP2 on a (dp_replicate 2, dp_shard 1) mesh beside mp 2 (HSDP + TP)."""
+    assert_close(tp4["replicate"]["loss"], single["plain"]["loss"][:4], REL_TOL, steps=4)
+    assert_close(tp4["replicate"]["gnorm"], single["plain"]["gnorm"][:4], REL_TOL, steps=4)
 
 
 def test_fsdp2_with_checkpointing_and_fp16_compute(tp4, single):

@@ -121,7 +121,7 @@ def parallel_model(cfg, mesh, fsdp: bool, checkpoint_activations: bool = False, 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from toolkit.distributed.parallelize import apply_activation_checkpointing
-    from toolkit.distributed.tensor_parallel import apply_tensor_parallel, data_parallel_mesh
+    from toolkit.distributed.tensor_parallel import apply_tensor_parallel, data_parallel_group, data_parallel_mesh
     from toolkit.models.init import init_weights
 
     model = build(cfg, meta=True)
@@ -137,7 +137,7 @@ def parallel_model(cfg, mesh, fsdp: bool, checkpoint_activations: bool = False, 
         fully_shard(model, mesh=dp, mp_policy=policy)
     model.to_empty(device="cpu")
     init_weights(model, seed)
-    _DP_GROUP[id(model)] = data_parallel_mesh(mesh).get_group() if fsdp else None
+    _DP_GROUP[id(model)] = data_parallel_group(mesh) if fsdp else None
     return model
 
 
@@ -260,6 +260,11 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
 
     model = parallel_model(model_cfg(), mesh, fsdp=True, checkpoint_activations=True, mp_dtype=torch.float16)
     result["fsdp_ac_fp16"] = train(model, dp_rank, dp_size, loss_parallel=True)
+
+    # no_shard's (replicate, shard) data-parallel mesh (W/M, 1) x mp: DDP-like replication with TP
+    mesh3 = build_2d_mesh(world_size, 2, "cpu", dp_shape=(2, 1))
+    model = parallel_model(model_cfg(), mesh3, fsdp=True)
+    result["replicate"] = train(model, *data_parallel_rank_and_size(mesh3), loss_parallel=True, steps=4)
 
     mesh4 = build_2d_mesh(world_size, 4, "cpu")
     model = parallel_model(model_cfg(), mesh4, fsdp=False, seed=99)  # other values, overwritten by the load

@@ -92,6 +92,13 @@ def data_parallel_mesh(mesh):
     return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
+def data_parallel_group(mesh):
+    """The process group of this rank's data-parallel peers (same TP rank): the trainer sums losses,
+    token counts and non-FSDP gradients over it, not over the world."""
+    dp = data_parallel_mesh(mesh)
+    return dp.get_group() if dp.ndim == 1 else dp._flatten().get_group()
+
+
 def data_parallel_rank_and_size(mesh) -> Tuple[int, int]:
     """This rank's position among the data-parallel groups: the batch iterator shards by this, not the global rank."""
     dp = data_parallel_mesh(mesh)
