@@ -21,6 +21,16 @@ take 1/M of the memory as well. The embedding output (with positions and its dro
 replicated and cut into sequence chunks at the first block, so the model file needs no change
 for learned/sinusoidal positions.
 
+Column-parallel layers (``qkv_proj``, ``fc1``) gather their sequence-split input inside a
+recomputed region (``torch.utils.checkpoint``): a rank keeps T/M positions of it for backward and
+gathers again there, as Megatron's sequence parallelism does. The vocabulary-parallel embedding
+has its own forward so that its gradient stays Shard(0) (torch's ``RowwiseParallel`` on an
+embedding produced a replicated V x C gradient). Every parameter ends up a DTensor on the TP mesh
+(LayerNorms, row-parallel biases and learned positions as ``Replicate``): foreach kernels
+(optimizer, gradient scaling) refuse lists that mix DTensors and plain tensors. Gradients of
+replicated parameters fed by sequence-split activations are ``Partial`` sums until reduced:
+FSDP2 reduces them; without it the optimizer's DTensor ops and ``grad_norm.total_norm`` do.
+
 The fused ``qkv_proj`` keeps its parameter as the plain ``Shard(0)`` of the canonical
 ``[3C, C]`` weight (rows ``[q | k | v]``), so sharded (DCP) checkpoints, FSDP2 on top,
 ``init_weights`` and the consolidated checkpoint see the same tensor as without tensor
@@ -49,7 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -66,10 +76,11 @@ def build_2d_mesh(world_size: int, model_parallel_size: int, device_type: str,
                   dp_shape: Optional[Tuple[int, ...]] = None):
     """The world as (data parallel..., tensor parallel) with the TP ranks innermost (consecutive ranks, one node).
 
-    ``dp_shape`` None: ``(W/M, M)`` named ``("dp_shard", "tp")`` (full_shard / shard_grad_op / c10d);
+    ``dp_shape`` None: ``(W/M, M)`` named ``("dp_shard", "tp")`` (full_shard / shard_grad_op);
     ``(R, S)`` with ``R * S = W/M``: ``(R, S, M)`` named ``("dp_replicate", "dp_shard", "tp")``
     (no_shard: ``(W/M, 1)``; hybrid_shard: S ranks shard, R groups replicate), as
-    ``toolkit.distributed.parallelize.build_mesh`` names them.
+    ``toolkit.distributed.parallelize.build_mesh`` names them. ``c10d`` under tensor parallelism:
+    DDP does not take DTensor parameters; FSDP2 on the no_shard shape replicates the same way.
     """
     from torch.distributed.device_mesh import init_device_mesh
 

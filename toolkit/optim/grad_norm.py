@@ -65,14 +65,17 @@ def _without_partial(g: torch.Tensor) -> torch.Tensor:
     return g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
 
 
-def _device_sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares as a float64 scalar on the tensors' device (CPU: BLAS dots; else one foreach norm)."""
-    if tensors[0].device.type == "cpu":
-        return sum_of_squares(tensors)
-    norms = torch._foreach_norm([t for t in tensors if t.numel()], 2.0)
-    if not norms:
+def foreach_sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares as a float64 scalar on the tensors' device, without a host sync (one foreach norm)."""
+    nonempty = [t for t in tensors if t.numel()]
+    if not nonempty:
         return torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    norms = torch._foreach_norm(nonempty, 2.0)
     return torch.stack([n.double() for n in norms]).pow(2).sum()
+
+
+def _device_sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return sum_of_squares(tensors) if tensors[0].device.type == "cpu" else foreach_sum_of_squares(tensors)
 
 
 def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
