@@ -42,7 +42,8 @@ def single():
     torch.manual_seed(0)
     plain = H.build(H.model_cfg())
     tied = H.build(H.model_cfg(share_decoder_input_output_embed=True, decoder_learned_pos=False))
-    return {"init_state": {k: v.clone() for k, v in plain.state_dict().items()},
+    short = H.short_batch_loss(plain)
+    return {"short_batch_loss": short, "init_state": {k: v.clone() for k, v in plain.state_dict().items()},
             "plain": H.train(plain), "plain_state": plain.state_dict(), "tied": H.train(tied)}
 
 
@@ -65,6 +66,10 @@ def test_two_ranks_model_parallel_match_one_process(tp2, single):
     assert_close(tp2["sp_untied"]["loss"], single["plain"]["loss"], REL_TOL)
     assert_close(tp2["sp_untied"]["gnorm"], single["plain"]["gnorm"], REL_TOL)
     assert single["plain"]["gnorm"][0] > H.CLIP_NORM  # clipping took part
+
+
+def test_sequence_parallel_pads_a_short_batch_to_a_multiple_of_m(tp2, single):
+    assert abs(tp2["short_batch_loss"] - single["short_batch_loss"]) <= REL_TOL * single["short_batch_loss"]
 
 
 def test_tied_embeddings_without_sequence_parallel_with_checkpointing(tp2, single):

@@ -185,7 +185,17 @@ def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
     model = parallel_model(tied, mesh, fsdp=False, sequence_parallel=False, checkpoint_activations=True)
     result["tied_no_sp_ac"] = train(model, loss_parallel=True)
     result["dropout"] = dropout_probes(mesh)
+    result["short_batch_loss"] = short_batch_loss(parallel_model(model_cfg(), mesh, fsdp=False), True)
     return result
+
+
+def short_batch_loss(model, loss_parallel: bool = False, length: int = SEQ - 3) -> float:
+    """The summed loss of a batch shorter than the model's positions and not a multiple of M."""
+    from toolkit.distributed.tensor_parallel import loss_context
+
+    batch = batches(1)[0]
+    with torch.no_grad(), loss_context(loss_parallel):
+        return float(criterion().compute_loss(model(batch["tokens"][:, :length]), batch["target"][:, :length]))
 
 
 def _gather(t: torch.Tensor, group) -> List[torch.Tensor]:

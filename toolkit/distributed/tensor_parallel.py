@@ -272,10 +272,13 @@ def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
 
 # --- the plan ------------------------------------------------------------------------------------
 
-def _check_divisible(model: nn.Module, M: int) -> None:
+def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -> None:
     cfg = model.cfg
-    for flag, value in (("--decoder-attention-heads", cfg.decoder_attention_heads),
-                        ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)):
+    sizes = [("--decoder-attention-heads", cfg.decoder_attention_heads),
+             ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)]
+    if sequence_parallel:  # the vocabulary may split unevenly; positions may not
+        sizes.append(("--tokens-per-sample (max target positions)", cfg.max_target_positions))
+    for flag, value in sizes:
         if value % M:
             raise UserError(f"{flag} {value}: must be divisible by --model-parallel-size {M}")
 
@@ -317,6 +320,28 @@ def _replicate_hidden_hook(tp_mesh, sequence_parallel: bool):
     return hook
 
 
+def _pad_sequence_hooks(model: nn.Module, M: int, padding_idx: int) -> None:
+    """Sequence parallelism cuts T into M equal parts: a batch of T % M != 0 positions (an epoch's
+    short last block) is right-padded to a multiple of M and its logits cut back to T. Padding on
+    the right changes no earlier position (causal attention)."""
+    lengths = []
+
+    def pad(_module, args):
+        tokens = args[0]
+        T = tokens.size(1)
+        lengths.append(T)
+        if T % M == 0:
+            return None
+        return (F.pad(tokens, (0, M - T % M), value=padding_idx), *args[1:])
+
+    def cut(_module, _inputs, logits):
+        T = lengths.pop()
+        return logits if logits.size(1) == T else logits[:, :T]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(cut, always_call=True)
+
+
 def _gather_logits_hook(_module, _inputs, logits):
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -339,7 +364,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
                                                    parallelize_module)
 
     M = tp_mesh.size()
-    _check_divisible(model, M)
+    _check_divisible(model, M, sequence_parallel)
     tp_rank = tp_mesh.get_local_rank()
     device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
         if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
@@ -357,6 +382,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         top["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True)
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
+    if sequence_parallel:
+        _pad_sequence_hooks(model, M, model.padding_idx)
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
         if sequence_parallel:  # every dropout of the block acts on local positions, heads or units
