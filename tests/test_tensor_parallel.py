@@ -43,8 +43,13 @@ def single():
     plain = H.build(H.model_cfg())
     tied = H.build(H.model_cfg(share_decoder_input_output_embed=True, decoder_learned_pos=False))
     short = H.short_batch_loss(plain)
-    return {"short_batch_loss": short, "init_state": {k: v.clone() for k, v in plain.state_dict().items()},
-            "plain": H.train(plain), "plain_state": plain.state_dict(), "tied": H.train(tied)}
+    init = {k: v.clone() for k, v in plain.state_dict().items()}
+    opt = H.optimizer(plain)
+    trained = H.train(plain, opt=opt)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    continued = H.train(plain, opt=opt, first=H.STEPS, steps=H.RESUMED_STEPS)  # the uninterrupted run
+    return {"short_batch_loss": short, "init_state": init, "plain": trained, "plain_state": state,
+            "continued": continued, "tied": H.train(tied)}
 
 
 def assert_close(got, want, rel, steps=H.STEPS):
@@ -104,18 +109,20 @@ def test_fsdp2_with_checkpointing_and_fp16_compute(tp4, single):
     assert_close(tp4["fsdp_ac_fp16"]["gnorm"], single["plain"]["gnorm"], 5 * FP16_REL_TOL)
 
 
-def test_dcp_checkpoint_saved_at_2x2_loads_at_1x4_and_1x1(tp4):
-    import torch.distributed.checkpoint as dcp
-
+def test_dcp_checkpoint_saved_at_2x2_resumes_at_1x4_and_1x1(tp4, single):
+    """Model and optimizer state saved by (dp 2 x mp 2), loaded by (1 x 4) and by one plain process:
+    the same parameters, and the next updates continue as the uninterrupted single-process run."""
     saved = tp4["trained_state"]
     for k in saved:
         assert torch.equal(tp4["loaded_1x4"][k], saved[k]), k
     plain = H.build(H.model_cfg(), seed=99)
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=tp4["dcp_dir"])  # no process group: one plain process
-    plain.load_state_dict(state)
+    opt = H.load_checkpoint(plain, tp4["dcp_dir"])  # no process group: one plain process
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved[k]), k
+    resumed_1x1 = H.train(plain, opt=opt, first=H.STEPS, steps=H.RESUMED_STEPS)
+    for resumed in (tp4["resumed_1x4"], resumed_1x1):
+        assert_close(resumed["loss"], single["continued"]["loss"], REL_TOL, steps=H.RESUMED_STEPS)
+        assert_close(resumed["gnorm"], single["continued"]["gnorm"], REL_TOL, steps=H.RESUMED_STEPS)
 
 
 def test_dropout_replicated_regions_agree_sharded_regions_differ(tp2):

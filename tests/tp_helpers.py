@@ -63,17 +63,23 @@ def criterion():
     return CrossEntropyCriterion(SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD)))
 
 
+def optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list({id(p): p for p in model.parameters()}.values()), lr=LR, weight_decay=0.01)
+
+
 def train(model, dp_rank: int = 0, dp_size: int = 1, loss_parallel: bool = False, steps: int = STEPS,
-          autocast: Optional[torch.dtype] = None) -> Dict[str, List[float]]:
-    """Per-update loss (summed NLL / target tokens) and gradient norm, over the same global batches."""
+          autocast: Optional[torch.dtype] = None, opt: Optional[torch.optim.Optimizer] = None,
+          first: int = 0) -> Dict[str, List[float]]:
+    """Per-update loss (summed NLL / target tokens) and gradient norm, over the same global batches
+    (updates ``first`` to ``first + steps - 1``)."""
     from toolkit.distributed.tensor_parallel import loss_context
     from toolkit.optim.grad_norm import total_norm
 
     crit = criterion()
-    params = list({id(p): p for p in model.parameters()}.values())
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    opt = opt or optimizer(model)
+    params = [p for group in opt.param_groups for p in group["params"]]
     out: Dict[str, List[float]] = {"loss": [], "gnorm": []}
-    for batch in batches(steps):
+    for batch in batches(first + steps)[first:]:
         rows = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
         tokens, target = batch["tokens"][rows], batch["target"][rows]
         ntokens = int((batch["target"] != PAD).sum())
@@ -253,10 +259,8 @@ def _checkpointing_same_gradients(cfg, mesh, tokens) -> bool:
 
 def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
     """4 ranks as (dp 2 x mp 2) under FSDP2: fp32, then with activation checkpointing and fp16
-    compute (FSDP2's mixed-precision policy); a DCP checkpoint saved at (2 x 2) is loaded at (1 x 4)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
+    compute (FSDP2's mixed-precision policy); a DCP checkpoint (model and optimizer) saved at (2 x 2) is
+    loaded at (1 x 4), which trains on."""
     from toolkit.distributed.tensor_parallel import build_2d_mesh, data_parallel_rank_and_size
 
     mesh = build_2d_mesh(world_size, 2, "cpu")
@@ -264,9 +268,10 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
     result = {"dp": (dp_rank, dp_size)}
     model = parallel_model(model_cfg(), mesh, fsdp=True)
     result["init_state"] = full_state(model)
-    result["fsdp"] = train(model, dp_rank, dp_size, loss_parallel=True)
+    opt = optimizer(model)
+    result["fsdp"] = train(model, dp_rank, dp_size, loss_parallel=True, opt=opt)
     result["trained_state"] = full_state(model)
-    dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(out_dir, "dcp"))
+    save_checkpoint(model, opt, os.path.join(out_dir, "dcp"))
 
     model = parallel_model(model_cfg(), mesh, fsdp=True, checkpoint_activations=True, mp_dtype=torch.float16)
     result["fsdp_ac_fp16"] = train(model, dp_rank, dp_size, loss_parallel=True)
@@ -278,8 +283,33 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
 
     mesh4 = build_2d_mesh(world_size, 4, "cpu")
     model = parallel_model(model_cfg(), mesh4, fsdp=False, seed=99)  # other values, overwritten by the load
-    state = get_model_state_dict(model)
-    dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
-    set_model_state_dict(model, state)
+    opt = load_checkpoint(model, os.path.join(out_dir, "dcp"))
     result["loaded_1x4"] = full_state(model)
+    result["resumed_1x4"] = train(model, loss_parallel=True, opt=opt, first=STEPS, steps=RESUMED_STEPS)
     return result
+
+
+RESUMED_STEPS = 2
+
+
+def save_checkpoint(model, opt, path: str) -> None:
+    """Model and optimizer state as DCP shards (each rank writes what it holds)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+
+
+def load_checkpoint(model, path: str) -> torch.optim.Optimizer:
+    """Into any layout (or one plain process): model state, and an optimizer with the saved state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    opt = optimizer(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return opt
