@@ -125,6 +125,10 @@ def test_dcp_checkpoint_saved_at_2x2_resumes_at_1x4_and_1x1(tp4, single):
         assert_close(resumed["gnorm"], single["continued"]["gnorm"], REL_TOL, steps=H.RESUMED_STEPS)
 
 
+def test_consolidated_state_dict_loads_into_the_2x2_model(tp4):
+    assert tp4["consolidated_loads"]
+
+
 def test_dropout_replicated_regions_agree_sharded_regions_differ(tp2):
     probes = tp2["dropout"]
     assert probes["embedding_dropout_active"]

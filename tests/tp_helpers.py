@@ -281,6 +281,8 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
     model = parallel_model(model_cfg(), mesh3, fsdp=True)
     result["replicate"] = train(model, *data_parallel_rank_and_size(mesh3), loss_parallel=True, steps=4)
 
+    result["consolidated_loads"] = consolidated_loads_into(parallel_model(model_cfg(), mesh, fsdp=True, seed=99))
+
     mesh4 = build_2d_mesh(world_size, 4, "cpu")
     model = parallel_model(model_cfg(), mesh4, fsdp=False, seed=99)  # other values, overwritten by the load
     opt = load_checkpoint(model, os.path.join(out_dir, "dcp"))
@@ -290,6 +292,17 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
 
 
 RESUMED_STEPS = 2
+
+
+def consolidated_loads_into(model) -> bool:
+    """A plain (consolidated) state dict loads into a sharded model: each rank keeps its part."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    plain = build(model_cfg(), seed=7).state_dict()
+    # set_model_state_dict replaces the values of the dict it is given: hand it a copy
+    set_model_state_dict(model, dict(plain), options=StateDictOptions(full_state_dict=True))
+    loaded = full_state(model)
+    return list(loaded) == list(plain) and all(torch.equal(loaded[k], plain[k]) for k in plain)
 
 
 def save_checkpoint(model, opt, path: str) -> None:
