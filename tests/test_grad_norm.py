@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from toolkit.optim.grad_norm import sum_of_squares, total_norm
+from toolkit.optim.grad_norm import foreach_sum_of_squares, sum_of_squares, total_norm
 
 
 def reference(tensors):
@@ -54,3 +54,11 @@ def test_large_fp32_tensor_is_accurate():
     g = torch.randn(20_000_000, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
     want = float(g.double().pow(2).sum().sqrt())
     assert abs(float(total_norm([g])) - want) <= 3e-5 * want  # torch.linalg.vector_norm: 1.4e-3 on CPU
+
+
+def test_foreach_sum_of_squares_for_device_gradients():
+    """The path for DTensor gradients on a GPU (no host sync per tensor), checked on CPU tensors."""
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(50, 7, generator=g), torch.randn(9, generator=g).half(), torch.zeros(0)]
+    assert math.isclose(float(foreach_sum_of_squares(tensors)) ** 0.5, reference(tensors), rel_tol=1e-5)
+    assert float(foreach_sum_of_squares([torch.zeros(0)])) == 0.0

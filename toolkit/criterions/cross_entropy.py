@@ -44,6 +44,10 @@ def _to_float(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
+# fairseq's name under --model-parallel-size: the same loss here. With vocabulary-sharded logits
+# (a DTensor from toolkit.distributed.tensor_parallel) F.cross_entropy runs under torch's
+# loss_parallel(), which the trainer enters around forward and backward, without gathering the logits.
+@register_criterion("vocab_parallel_cross_entropy", dataclass=CrossEntropyCriterionConfig)
 @register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
 class CrossEntropyCriterion(torch.nn.Module):
     def __init__(self, task, cfg: CrossEntropyCriterionConfig = None):
@@ -60,8 +64,10 @@ class CrossEntropyCriterion(torch.nn.Module):
 
     def compute_loss(self, logits: torch.Tensor, target: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """NLL in nats of ``target`` under ``logits``, fp32, padding ignored (summed if ``reduce``)."""
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
                                ignore_index=self.padding_idx, reduction="sum" if reduce else "none")
+        # vocabulary-parallel logits give a loss replicated over the model-parallel ranks: its local value
+        return loss.to_local() if hasattr(loss, "to_local") else loss
 
     def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes

@@ -17,7 +17,7 @@ Choices worth knowing
 - Positions. fairseq numbers non-pad tokens ``padding_idx + 1, padding_idx + 2, ...``
   and gives pad tokens the (zero) row ``padding_idx``. We number every position
   ``padding_idx + 1 + t``, which is the same for every real token of a
-  right-padded row, and lets us slice the table instead of gathering from it.
+  right-padded row, and lets us look up one [T, C] block for the whole batch.
   The learned table keeps fairseq's size (``max_target_positions + padding_idx + 1``
   rows) so parameter counts and checkpoints line up with fairseq's.
 - Parameters are not randomized by module constructors in any order-dependent
@@ -25,7 +25,9 @@ Choices worth knowing
   seeded by (seed, name) (see ``toolkit.models.init``), so a model built on the
   meta device, sharded, and materialized gets exactly the values of a plain build.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
-  FSDP2 / activation checkpointing can be applied per block from outside.
+  FSDP2 / activation checkpointing can be applied per block from outside, and
+  tensor parallelism (``toolkit.distributed.tensor_parallel``) shards the linear
+  layers from outside too: attention takes its head count from qkv_proj's output width.
 """
 from __future__ import annotations
 
@@ -87,20 +89,22 @@ class CausalSelfAttention(nn.Module):
         if C % H != 0:
             raise ValueError(f"--decoder-embed-dim ({C}) must be divisible by --decoder-attention-heads ({H})")
         self.num_heads = H
+        self.head_dim = C // H
         self.dropout = cfg.attention_dropout
         self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
         self.out_proj = nn.Linear(C, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        H = self.num_heads
+        B, T, _ = x.shape
         # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
-        q, k, v = self.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+        # The head count follows from the width: under tensor parallelism qkv_proj gives this
+        # rank's H/M heads ([B, T, 3C/M]) and the output is this rank's C/M columns.
+        q, k, v = self.qkv_proj(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, C)  # [B, H, T, D] -> [B, T, C]
+        y = y.transpose(1, 2).flatten(2)  # [B, H, T, D] -> [B, T, H*D]
         return self.out_proj(y)
 
 
@@ -220,7 +224,8 @@ class TransformerLanguageModel(nn.Module):
             x = x * self.embed_scale
         if self.embed_positions is not None:
             first = self.padding_idx + 1
-            x = x + self.embed_positions.weight[first:first + T]
+            positions = torch.arange(first, first + T, device=tokens.device)
+            x = x + self.embed_positions(positions)  # [T, C], broadcast over the batch
         elif self.sinusoidal_positions is not None:
             x = x + self.sinusoidal_positions[:T]
         if self.dropout > 0 and self.training:
@@ -387,3 +392,23 @@ def transformer_lm_gpt3_13(cfg: TransformerLMConfig) -> None:  # 13B
 @register_model_architecture("transformer_lm", "transformer_lm_gpt3_175")
 def transformer_lm_gpt3_175(cfg: TransformerLMConfig) -> None:  # 175B
     _gpt3(cfg, layers=96, dim=12288, heads=96)
+
+
+def _megatron(cfg: TransformerLMConfig, ffn: int) -> None:
+    """fairseq's model_parallel archs (fairseq/model_parallel/models/transformer_lm.py), meant for
+    ``--model-parallel-size``: 72 x 3072, 32 heads, GELU, dropout and attention dropout 0.1."""
+    base_lm_architecture(cfg)
+    cfg.decoder_layers, cfg.decoder_embed_dim = 72, 3072
+    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = ffn, 32
+    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
+    cfg.activation_fn = "gelu"
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_megatron")
+def transformer_lm_megatron(cfg: TransformerLMConfig) -> None:
+    _megatron(cfg, ffn=3072 * 4)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
+def transformer_lm_megatron_11b(cfg: TransformerLMConfig) -> None:
+    _megatron(cfg, ffn=3072 * 6)

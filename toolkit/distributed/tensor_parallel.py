@@ -1,0 +1,407 @@
+"""Tensor (model) parallelism for ``TransformerLanguageModel``, applied from outside the model.
+
+Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
+``parallelize_module`` as torchtitan's ``apply_tp`` does. On a tensor-parallel mesh of M ranks:
+
+==========================  ===========================  =====================================
+module                      parameter placement          what a rank computes
+==========================  ===========================  =====================================
+``embed_tokens``            rows (vocabulary) Shard(0)    lookups of its V/M tokens, all-reduce
+``qkv_proj``                Shard(0) of ``[q | k | v]``   q, k and v of its H/M heads
+``out_proj``, ``fc2``       Shard(1) (row-parallel)      partial sums, reduce-scatter over T
+``fc1``                     Shard(0) (column-parallel)   its F/M hidden units
+LayerNorms                  Replicate                    its T/M positions (sequence parallel)
+``output_projection``       Shard(0) (or the tied        its V/M logits; the loss is taken
+                            embedding)                   with ``loss_parallel`` (no gather)
+==========================  ===========================  =====================================
+
+The residual stream between blocks is split over the sequence (``Shard(1)``, "sequence
+parallelism"): LayerNorms and the residual dropouts see T/M positions, so their activations
+take 1/M of the memory as well. The embedding output (with positions and its dropout) is
+replicated and cut into sequence chunks at the first block, so the model file needs no change
+for learned/sinusoidal positions.
+
+Column-parallel layers (``qkv_proj``, ``fc1``) gather their sequence-split input inside a
+recomputed region (``torch.utils.checkpoint``): a rank keeps T/M positions of it for backward and
+gathers again there, as Megatron's sequence parallelism does. The vocabulary-parallel embedding
+has its own forward so that its gradient stays Shard(0) (torch's ``RowwiseParallel`` on an
+embedding produced a replicated V x C gradient). Every parameter ends up a DTensor on the TP mesh
+(LayerNorms, row-parallel biases and learned positions as ``Replicate``): foreach kernels
+(optimizer, gradient scaling) refuse lists that mix DTensors and plain tensors. Gradients of
+replicated parameters fed by sequence-split activations are ``Partial`` sums until reduced:
+FSDP2 reduces them; without it the optimizer's DTensor ops and ``grad_norm.total_norm`` do.
+
+The fused ``qkv_proj`` keeps its parameter as the plain ``Shard(0)`` of the canonical
+``[3C, C]`` weight (rows ``[q | k | v]``), so sharded (DCP) checkpoints, FSDP2 on top,
+``init_weights`` and the consolidated checkpoint see the same tensor as without tensor
+parallelism. Shard(0) of that layout would give rank 0 all of q and part of k, so at forward
+the weight is redistributed to ``_StridedShard(0, split_factor=3)``: each rank gets the rows
+``[q_r | k_r | v_r]`` of its heads (an all-to-all of 3C^2/M elements per layer on the TP
+group, whose backward is the reverse); attention then derives its head count from the local
+width. The alternative, a per-head interleaved layout in the model, would change the state
+dict.
+
+Dropout (random numbers): DTensor's ``OffsetBasedRNGTracker`` only exists on CUDA-like
+devices (on CPU ``is_rng_supported_mesh`` is False and DTensor random ops draw from each
+rank's own generator), and our dropouts run on local tensors anyway. So, as Megatron's
+``get_cuda_rng_tracker().fork()``: regions whose activations are *replicated* over the TP
+ranks (the embedding dropout; the residual dropouts without sequence parallelism) draw from
+the default generator, which the trainer seeds identically on every rank with
+``seed + num_updates``: same masks. Regions whose activations are *sharded* (attention
+dropout on local heads, activation dropout on local hidden units, residual dropouts on local
+positions under sequence parallelism) run under a generator forked per TP rank, seeded from
+one draw of the default generator and the TP rank: different masks per rank, and the same
+masks again for the same (seed, update), so resuming stays exact. Activation checkpointing
+(``preserve_rng_state``) restores the default generator before recomputation, so the fork
+draws the same seed again and the recomputed masks equal the original ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.errors import UserError
+
+TP = "tp"
+
+
+# --- meshes ---------------------------------------------------------------------------------
+
+def build_2d_mesh(world_size: int, model_parallel_size: int, device_type: str,
+                  dp_shape: Optional[Tuple[int, ...]] = None):
+    """The world as (data parallel..., tensor parallel) with the TP ranks innermost (consecutive ranks, one node).
+
+    ``dp_shape`` None: ``(W/M, M)`` named ``("dp_shard", "tp")`` (full_shard / shard_grad_op);
+    ``(R, S)`` with ``R * S = W/M``: ``(R, S, M)`` named ``("dp_replicate", "dp_shard", "tp")``
+    (no_shard: ``(W/M, 1)``; hybrid_shard: S ranks shard, R groups replicate), as
+    ``toolkit.distributed.parallelize.build_mesh`` names them. ``c10d`` under tensor parallelism:
+    DDP does not take DTensor parameters; FSDP2 on the no_shard shape replicates the same way.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    M = model_parallel_size
+    if M < 1 or world_size % M:
+        raise UserError(f"--model-parallel-size {M}: must divide the world size {world_size} "
+                        f"(the world is split into {world_size}/M data-parallel groups of M ranks)")
+    dp = world_size // M
+    if dp_shape is None:
+        return init_device_mesh(device_type, (dp, M), mesh_dim_names=("dp_shard", TP))
+    if len(dp_shape) != 2 or dp_shape[0] * dp_shape[1] != dp:
+        raise UserError(f"data-parallel shape {tuple(dp_shape)} does not multiply to world size / "
+                        f"--model-parallel-size = {dp}")
+    return init_device_mesh(device_type, (*dp_shape, M), mesh_dim_names=("dp_replicate", "dp_shard", TP))
+
+
+def data_parallel_mesh(mesh):
+    """The data-parallel part of a mesh from ``build_2d_mesh``: what ``fully_shard(mesh=...)`` takes."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != TP)
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+
+def data_parallel_group(mesh):
+    """The process group of this rank's data-parallel peers (same TP rank): the trainer sums losses,
+    token counts and non-FSDP gradients over it, not over the world."""
+    dp = data_parallel_mesh(mesh)
+    return dp.get_group() if dp.ndim == 1 else dp._flatten().get_group()
+
+
+def data_parallel_rank_and_size(mesh) -> Tuple[int, int]:
+    """This rank's position among the data-parallel groups: the batch iterator shards by this, not the global rank."""
+    dp = data_parallel_mesh(mesh)
+    coordinate = dp.get_coordinate()
+    rank = 0
+    for size, index in zip(dp.shape, coordinate):
+        rank = rank * size + index
+    return rank, dp.size()
+
+
+# --- custom styles: the fused q/k/v projection and the vocabulary-parallel embedding -------------
+
+class _ColumnParallelLinear(nn.Linear):
+    """Column-parallel ``fc1``: weight and bias Shard(0); this rank computes its output features.
+
+    The input arrives split over the sequence (``input_layout`` Shard(1), sequence parallel) or
+    replicated. The all-gathered input is not kept for backward: the gather and the matmul are
+    recomputed there (Megatron's sequence parallelism re-gathers the same way), so a rank keeps
+    T/M positions of it, not T.
+    """
+
+    input_layout = None  # set by the style: the placement of a plain-tensor input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._project(x)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._project, x, use_reentrant=False, preserve_rng_state=False)
+
+    def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.weight.device_mesh, [self.input_layout], run_check=False)
+        # Every rank uses all of x for its own features: x's gradient is a sum over the ranks.
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        weight, bias = self._local_weights()
+        return F.linear(x, weight, bias)
+
+
+class _HeadParallelQKV(_ColumnParallelLinear):
+    """``qkv_proj``: stored Shard(0) of ``[q | k | v]``, computed on this rank's heads ``[q_r | k_r | v_r]``."""
+
+    def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        heads = [_StridedShard(0, split_factor=3)]  # this rank's rows of q, of k and of v
+        weight = self.weight.redistribute(placements=heads).to_local()
+        bias = self.bias.redistribute(placements=heads).to_local() if self.bias is not None else None
+        return weight, bias
+
+
+class _VocabParallelEmbedding(nn.Embedding):
+    """``embed_tokens`` with rows Shard(0): each rank looks up its own tokens (zeros elsewhere), summed over TP.
+
+    torch's ``RowwiseParallel`` does the same forward, but its backward produced a
+    replicated V x C gradient on every rank; this one keeps the gradient Shard(0).
+    """
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        weight = self.weight
+        (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
+                                                                       weight.placements)
+        ids = tokens - start
+        outside = (ids < 0) | (ids >= rows)
+        pad = self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < rows \
+            else None
+        out = F.embedding(ids.masked_fill(outside, 0), weight.to_local(), padding_idx=pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = DTensor.from_local(out, weight.device_mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Replicate()]).to_local()
+
+
+def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
+    """A ParallelStyle: parameters Shard(shard_dim) on the TP mesh, and the module computes with ``cls.forward``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for name, param in list(module.named_parameters(recurse=False)):
+                dist = distribute_tensor(param, device_mesh, [Shard(shard_dim)], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            # Same parameters and state-dict keys, another forward (FSDP2 swaps classes the same way).
+            module.__class__ = cls
+            if input_layout is not None:
+                module.input_layout = input_layout
+            return module
+
+    return _Style()
+
+
+class _ReplicatedParallel:
+    """Parameters replicated over the TP ranks (DTensor ``Replicate``), computed on plain tensors.
+
+    For the modules outside the split (learned positions; LayerNorms without sequence
+    parallelism): every parameter of the model is then a DTensor on the TP mesh, which
+    foreach kernels (optimizer, gradient scaling) need, as they refuse mixed lists.
+    """
+
+    @staticmethod
+    def style():
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        def partition(_name, module, mesh):
+            for name, param in list(module.named_parameters(recurse=False)):
+                dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+        def inputs(_module, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(_module, output, _mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        class _Style(ParallelStyle):
+            def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+                return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+        return _Style()
+
+
+# --- random numbers: one generator per TP rank in sharded regions --------------------------------
+
+def _derived_seed(draw: int, tp_rank: int) -> int:
+    digest = hashlib.sha256(f"tp/{draw}/{tp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
+                         end: Optional[nn.Module] = None) -> None:
+    """From ``start``'s forward to the end of ``end``'s (default: ``start``), draw from a generator
+    seeded from (one draw of the default generator, TP rank); the default generator is restored after."""
+    stacks = []
+
+    def enter(_module, _inputs):
+        draw = int(torch.randint(0, 2 ** 62, (1,)).item())  # advances the default stream alike on every rank
+        stack = contextlib.ExitStack()
+        devices = [device.index or 0] if device.type != "cpu" else []
+        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type))
+        torch.manual_seed(_derived_seed(draw, tp_rank))
+        stacks.append(stack)
+
+    def leave(_module, _inputs, _output):
+        if stacks:
+            stacks.pop().close()
+
+    start.register_forward_pre_hook(enter)
+    (end or start).register_forward_hook(leave, always_call=True)
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -> None:
+    cfg = model.cfg
+    sizes = [("--decoder-attention-heads", cfg.decoder_attention_heads),
+             ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)]
+    if sequence_parallel:  # the vocabulary may split unevenly; positions may not
+        sizes.append(("--tokens-per-sample (max target positions)", cfg.max_target_positions))
+    for flag, value in sizes:
+        if value % M:
+            raise UserError(f"{flag} {value}: must be divisible by --model-parallel-size {M}")
+
+
+def block_plan(sequence_parallel: bool) -> Dict[str, object]:
+    """Megatron's split of one block: column-parallel q/k/v and fc1, row-parallel out_proj and fc2."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    layout = Shard(1) if sequence_parallel else Replicate()  # the residual stream's
+    qkv = _swap_class_style(_HeadParallelQKV, 0, input_layout=layout)
+    fc1 = _swap_class_style(_ColumnParallelLinear, 0, input_layout=layout)
+    if not sequence_parallel:
+        return {"self_attn_layer_norm": _ReplicatedParallel.style(), "final_layer_norm": _ReplicatedParallel.style(),
+                "self_attn.qkv_proj": qkv, "self_attn.out_proj": RowwiseParallel(),
+                "fc1": fc1, "fc2": RowwiseParallel()}
+    return {
+        "self_attn_layer_norm": SequenceParallel(use_local_output=True),
+        # attention sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T); qkv_proj gathers it
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)),
+        "self_attn.qkv_proj": qkv,
+        "self_attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "final_layer_norm": SequenceParallel(use_local_output=True),
+        "fc1": fc1,
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _replicate_hidden_hook(tp_mesh, sequence_parallel: bool):
+    """Forward hook on the module before the output projection: its output as a replicated DTensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(_module, _inputs, output):
+        if not isinstance(output, DTensor):
+            layout = [Shard(1)] if sequence_parallel else [Replicate()]
+            output = DTensor.from_local(output, tp_mesh, layout, run_check=False)
+        return output.redistribute(placements=[Replicate()])
+
+    return hook
+
+
+def _pad_sequence_hooks(model: nn.Module, M: int, padding_idx: int) -> None:
+    """Sequence parallelism cuts T into M equal parts: a batch of T % M != 0 positions (an epoch's
+    short last block) is right-padded to a multiple of M and its logits cut back to T. Padding on
+    the right changes no earlier position (causal attention)."""
+    lengths = []
+
+    def pad(_module, args):
+        tokens = args[0]
+        T = tokens.size(1)
+        lengths.append(T)
+        if T % M == 0:
+            return None
+        return (F.pad(tokens, (0, M - T % M), value=padding_idx), *args[1:])
+
+    def cut(_module, _inputs, logits):
+        T = lengths.pop()
+        return logits if logits.size(1) == T else logits[:, :T]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(cut, always_call=True)
+
+
+def _gather_logits_hook(_module, _inputs, logits):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(logits, DTensor):
+        return logits.redistribute(placements=[Replicate()]).to_local()
+    return logits
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> nn.Module:
+    """Shard ``model`` (a TransformerLanguageModel, on the meta device or materialized) over ``tp_mesh``.
+
+    Call before activation checkpointing and FSDP2 (torchtitan's order). With
+    ``loss_parallel`` the model returns vocabulary-sharded logits (a DTensor, ``Shard(2)``)
+    and forward/backward of the loss must run under :func:`loss_context`; otherwise
+    the logits are gathered into a plain [B, T, V] tensor.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, SequenceParallel,
+                                                   parallelize_module)
+
+    M = tp_mesh.size()
+    _check_divisible(model, M, sequence_parallel)
+    tp_rank = tp_mesh.get_local_rank()
+    device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
+        if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
+    top: Dict[str, object] = {"embed_tokens": _swap_class_style(_VocabParallelEmbedding, 0)}
+    if model.output_projection is not None:
+        top["output_projection"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                   use_local_output=False)
+    if model.embed_positions is not None:
+        top["embed_positions"] = _ReplicatedParallel.style()
+    if model.layer_norm is not None:
+        top["layer_norm"] = SequenceParallel(use_local_output=True) if sequence_parallel \
+            else _ReplicatedParallel.style()
+    if sequence_parallel:
+        # the replicated embedding output is cut into sequence chunks (a local slice; all-gather in backward)
+        top["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True)
+    parallelize_module(model, tp_mesh, top, src_data_rank=None)
+    if sequence_parallel:
+        _pad_sequence_hooks(model, M, model.padding_idx)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
+        if sequence_parallel:  # every dropout of the block acts on local positions, heads or units
+            fork_rng_per_tp_rank(block, tp_rank, device)
+        else:  # attention dropout on local heads; activation dropout (between fc1 and fc2) on local units
+            fork_rng_per_tp_rank(block.self_attn, tp_rank, device)
+            fork_rng_per_tp_rank(block.fc1, tp_rank, device, end=block.fc2)
+    last = model.layer_norm if model.layer_norm is not None else model.layers[-1]
+    last.register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
+    if not loss_parallel:
+        model.register_forward_hook(_gather_logits_hook)
+    return model
+
+
+def loss_context(enabled: bool):
+    """Around forward *and* backward of the loss when the logits are vocabulary-sharded (torch's ``loss_parallel``)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
