@@ -103,13 +103,13 @@ def worker(cfg) -> None:
             peak.update(counted)
 
     trainer.optimizer.register_step_post_hook(after_step)
-    itr = train_iterator(cfg, task, env, epoch=1)
+    itr = train_iterator(cfg, trainer, epoch=1)
     batches = itr.next_epoch_itr(shuffle=True)
     warmup, timed = 3, int(os.environ["TOOLKIT_BENCH_UPDATES"])
     tokens, t0 = 0.0, None
     for i in range(warmup + timed):
         if not batches.has_next():
-            batches = train_iterator(cfg, task, env, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
+            batches = train_iterator(cfg, trainer, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
         if i == warmup:
             t0 = time.perf_counter()
         totals = trainer.train_step([next(batches)])

@@ -118,7 +118,7 @@ def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     task, model, strategy = trainer.task, trainer.model, trainer.strategy
-    itr = train_iterator(cfg, task, env, epoch=1).next_epoch_itr(shuffle=True)
+    itr = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=True)
 
     out = {"losses": [], "grad_norms": []}
     for _ in range(updates):
@@ -147,7 +147,7 @@ def _sync_skipped(cfg, env) -> bool:
 
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     model, strategy = trainer.model, trainer.strategy
-    sample = next(train_iterator(cfg, trainer.task, env, epoch=1).next_epoch_itr(shuffle=True))
+    sample = next(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=True))
     with strategy.grad_sync(model, enabled=False):
         loss, _, _ = trainer.criterion(model, sample)
     loss.backward()

@@ -102,6 +102,11 @@ class DistributedConfig:
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
+    model_parallel_size: int = opt(1, "tensor-parallel ranks per model replica (Megatron's split of every block); "
+                                      "the world is W/M data-parallel groups of M ranks",
+                                   aliases=("--tensor-parallel-size",))
+    no_sequence_parallel: bool = opt(False, "under --model-parallel-size: keep the LayerNorm/dropout activations "
+                                            "whole on every rank instead of split over the sequence")
 
 
 TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig)

@@ -118,6 +118,15 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
         for flag in ("cpu_offload", "no_reshard_after_forward"):
             if getattr(dist, flag):
                 raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
+    if dist.model_parallel_size > 1:
+        for flag, value in (("--ddp-backend no_c10d", dist.ddp_backend == "no_c10d"),
+                            ("--memory-efficient-fp16", common.memory_efficient_fp16),
+                            ("--cpu-offload", dist.cpu_offload)):
+            if value:
+                raise UserError(f"--model-parallel-size {dist.model_parallel_size} does not combine with {flag}; "
+                                f"use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
+    if dist.model_parallel_size < 1:
+        raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
     if dist.cpu_offload and cfg.components.optimizer != OFFLOAD_OPTIMIZER:
         raise UserError(f"--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host "
                         f"memory by DeepSpeed's CPU Adam), got --optimizer {cfg.components.optimizer}; "

@@ -54,7 +54,7 @@ def train(cfg: TrainConfig) -> None:
                 f"{cfg.dataset.batch_size}")
     state = TrainingState(trainer, BestTracker(cfg.checkpoint.maximize_best_checkpoint_metric))
     position = manager.load_latest(cfg, trainer, state, env)
-    state.epoch_itr = train_iterator(cfg, trainer.task, env, epoch=position.get("epoch", 1) if position else 1)
+    state.epoch_itr = train_iterator(cfg, trainer, epoch=position.get("epoch", 1) if position else 1)
     if position and not cfg.checkpoint.reset_dataloader:
         state.epoch_itr.load_state_dict(position)
     start = time.time()
@@ -63,7 +63,7 @@ def train(cfg: TrainConfig) -> None:
         if should_stop:
             break
         trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
-        state.epoch_itr = train_iterator(cfg, trainer.task, env, epoch=state.epoch_itr.next_epoch_idx)
+        state.epoch_itr = train_iterator(cfg, trainer, epoch=state.epoch_itr.next_epoch_idx)
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
@@ -114,21 +114,23 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def train_iterator(cfg: TrainConfig, task, env: DistributedEnv, epoch: int):
-    data = cfg.dataset
-    return task.get_batch_iterator(
-        task.dataset(data.train_subset), max_tokens=data.max_tokens, batch_size=data.batch_size,
+def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
+    """This replica's batches of the epoch: sharded over the data-parallel replicas (the M ranks of a
+    tensor-parallel replica read the same ones)."""
+    data, strategy = cfg.dataset, trainer.strategy
+    return trainer.task.get_batch_iterator(
+        trainer.task.dataset(data.train_subset), max_tokens=data.max_tokens, batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=env.world_size, shard_id=env.rank, num_workers=data.num_workers, epoch=epoch)
+        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch)
 
 
-def valid_iterator(cfg: TrainConfig, task, subset: str, env: DistributedEnv):
-    data = cfg.dataset
-    return task.get_batch_iterator(
-        task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
+def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
+    data, strategy = cfg.dataset, trainer.strategy
+    return trainer.task.get_batch_iterator(
+        trainer.task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
         batch_size=data.batch_size_valid or data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=env.world_size, shard_id=env.rank, num_workers=data.num_workers, epoch=1)
+        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=1)
 
 
 def make_progress(cfg: TrainConfig, iterator, env: DistributedEnv, epoch: int, prefix: Optional[str] = None):
@@ -212,10 +214,10 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     metric = cfg.checkpoint.best_checkpoint_metric
     for subset in cfg.dataset.valid_subset.split(","):
         logger.info(f'begin validation on "{subset}" subset')
-        progress = make_progress(cfg, valid_iterator(cfg, trainer.task, subset, env).next_epoch_itr(shuffle=False),
+        progress = make_progress(cfg, valid_iterator(cfg, trainer, subset).next_epoch_itr(shuffle=False),
                                  env, epoch, prefix=f"valid on '{subset}' subset")
         with metrics.aggregate(new_root=True) as agg:
-            valid_totals(trainer, progress, env)
+            valid_totals(trainer, progress)
         stats = metrics.get_valid_stats(agg.get_smoothed_values(), trainer.num_updates, best=best.best,
                                         best_checkpoint_metric=metric, maximize=best.maximize)
         if best.best is None and metric in stats:
@@ -225,15 +227,16 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     return losses
 
 
-def valid_totals(trainer: Trainer, progress, env: DistributedEnv) -> None:
-    """Sum every rank's validation outputs and log them once (fairseq's numbers)."""
+def valid_totals(trainer: Trainer, progress) -> None:
+    """Sum every replica's validation outputs and log them once (fairseq's numbers)."""
     totals: dict = {"_batches": 0.0}
     for sample in progress:
         for k, v in trainer.valid_step(sample).items():
             totals[k] = totals.get(k, 0.0) + v
         totals["_batches"] += 1
-    totals = all_reduce_sums(totals, env.device, env.world_size)
+    dp = trainer.strategy
+    totals = all_reduce_sums(totals, trainer.device, dp.dp_size, group=dp.dp_group)
     totals["sample_size"] = totals.pop("_sample_size", 0.0)
-    batches = totals.pop("_batches") / env.world_size
+    batches = totals.pop("_batches") / dp.dp_size
     trainer.criterion.reduce_metrics([totals])
     metrics.log_valid_metrics(totals.get("ntokens", 0), totals.get("nsentences", 0), num_batches=batches)

@@ -115,29 +115,12 @@ class Trainer:
         self._set_seed()
         self.model.train()
         metrics.log_start_time("train_wall", priority=800, round=0)
-        totals: Dict[str, float] = {}
-        for i, sample in enumerate(samples):
-            sample = move_to_device(sample, self.device)
-            with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
-                    self.strategy.forward_context():
-                loss, sample_size, logging_output = self.criterion(self.model, sample)
-                if sample.get("is_dummy"):
-                    loss = loss * 0.0
-                    logging_output = {k: 0 for k in logging_output}
-                    sample_size = 0
-            scale = self.scaler.loss_scale if self.scaler else 1.0
-            (loss * scale).backward()
-            for k, v in logging_output.items():  # tensors (the loss) stay on the device: no sync here
-                v = v.detach().double() if isinstance(v, torch.Tensor) else v
-                totals[k] = totals[k] + v if k in totals else v
-            totals["_sample_size"] = totals.get("_sample_size", 0.0) + float(sample_size)
-        totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
-        totals = all_reduce_sums(totals, self.device, self.env.world_size)
+        totals = self._forward_backward(samples)
         sample_size = totals.pop("_sample_size")
 
         overflow = False
         scale = self.scaler.loss_scale if self.scaler else 1.0
-        grad_factor = self.env.world_size / (max(sample_size, 1.0) * scale)
+        grad_factor = self.strategy.dp_size / (max(sample_size, 1.0) * scale)
         if self.memory_efficient is not None:
             # fp16 gradients stay scaled; the factor (and clipping) is applied in fp32 inside the step.
             grad_norm, grad_factor = self._scaled_grad_norm(grad_factor, self.cfg.optimization.clip_norm)
@@ -172,11 +155,33 @@ class Trainer:
         self._log_update(totals, sample_size, grad_norm)
         return totals
 
+    def _forward_backward(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
+        """Every micro-batch's forward and backward; the logged sums over them and the data-parallel replicas."""
+        totals: Dict[str, Any] = {}
+        for i, sample in enumerate(samples):
+            sample = move_to_device(sample, self.device)
+            with self.strategy.loss_context():  # forward and backward of a vocabulary-sharded loss
+                with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
+                        self.strategy.forward_context():
+                    loss, sample_size, logging_output = self.criterion(self.model, sample)
+                    if sample.get("is_dummy"):
+                        loss = loss * 0.0
+                        logging_output = {k: 0 for k in logging_output}
+                        sample_size = 0
+                scale = self.scaler.loss_scale if self.scaler else 1.0
+                (loss * scale).backward()
+            for k, v in logging_output.items():  # tensors (the loss) stay on the device: no sync here
+                v = v.detach().double() if isinstance(v, torch.Tensor) else v
+                totals[k] = totals[k] + v if k in totals else v
+            totals["_sample_size"] = totals.get("_sample_size", 0.0) + float(sample_size)
+        totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
+        return all_reduce_sums(totals, self.device, self.strategy.dp_size, group=self.strategy.dp_group)
+
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
         self.model.eval()
         sample = move_to_device(sample, self.device)
-        with self._autocast():
+        with self._autocast(), self.strategy.loss_context():
             _, sample_size, logging_output = self.criterion(self.model, sample)
         if sample.get("is_dummy"):
             return {}

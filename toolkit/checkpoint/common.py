@@ -192,6 +192,11 @@ def _sorted_checkpoints(folder: str, pattern: str, folders: bool) -> List[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def saved_data_parallel_size(saved_cfg: Dict[str, Any]) -> Optional[int]:
+    """Replicas the saved data position was counted on (older checkpoints: every rank was one)."""
+    return saved_cfg.get("data_parallel_size") or saved_cfg.get("distributed_world_size")
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from toolkit.checkpoint.common import (
     TrainingState,
+    saved_data_parallel_size,
     check_compatible,
     check_optimizer_switch,
     first_line,
@@ -103,7 +104,7 @@ def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, 
          state: TrainingState) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
     """Restore model, optimizer (unless --reset-optimizer) and training state.
 
-    Returns the saved data position and the world size it was saved on.
+    Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
     checkpoint = load_checkpoint_file(path)
     check_compatible(path, checkpoint.get("cfg", {}), model_cfg, embed_rows(checkpoint["model"]),
@@ -118,4 +119,4 @@ def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, 
     position = state.load_state_dict(extra, cfg)
     logger.info(f"loaded checkpoint {path} (epoch {extra['train_iterator'].get('epoch')} "
                 f"@ {trainer.num_updates} updates)")
-    return position, checkpoint.get("cfg", {}).get("distributed_world_size")
+    return position, saved_data_parallel_size(checkpoint.get("cfg", {}))

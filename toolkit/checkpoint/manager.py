@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
 
 
-def run_config_dict(cfg: TrainConfig, env: DistributedEnv) -> Dict[str, Any]:
-    """The ``cfg`` a checkpoint stores: every option, with the world size the run really had."""
-    return dict(cfg.to_dict(), distributed_world_size=env.world_size)
+def run_config_dict(cfg: TrainConfig, trainer, env: DistributedEnv) -> Dict[str, Any]:
+    """The ``cfg`` a checkpoint stores: every option, with the world size the run really had and its
+    number of data-parallel replicas (what the data position is counted in)."""
+    return dict(cfg.to_dict(), distributed_world_size=env.world_size, data_parallel_size=trainer.strategy.dp_size)
 
 
 def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoch: bool,
@@ -39,9 +40,9 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
         state.best.best = state.val_loss  # the file records the best including this validation
     try:
         if ckpt_cfg.use_sharded_state:
-            sharded.save(ckpt_cfg, run_config_dict(cfg, env), trainer, state, names, optimizer_name, env)
+            sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name, env)
         else:
-            consolidated.save(ckpt_cfg, run_config_dict(cfg, env), trainer, state, names, optimizer_name,
+            consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name,
                               env.is_master)
     finally:
         state.best.best = saved_best  # the loop updates the tracker itself after saving
@@ -50,7 +51,8 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
 def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: DistributedEnv) -> Optional[Dict[str, Any]]:
     """Resume from --restore-file (default checkpoint_last.pt in --save-dir) when it exists.
 
-    Returns the data iterator's saved position (for this world size), or None for a fresh start.
+    Returns the data iterator's saved position (for this number of data-parallel replicas), or None for a
+    fresh start.
     With both ``checkpoint_last.pt`` and ``checkpoint_last/`` present, the newer one is loaded.
     """
     ckpt_cfg = cfg.checkpoint
@@ -58,7 +60,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     load_args = (ckpt_cfg, cfg.model, cfg.components.optimizer, trainer, state)
     folder = sharded.find_sharded(path)
     if folder is not None and not _file_is_newer(path, folder):
-        return rescale_iterator_state(*sharded.load(folder, *load_args), env.world_size)
+        return rescale_iterator_state(*sharded.load(folder, *load_args), trainer.strategy.dp_size)
     if os.path.isdir(path):
         raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
                         f"{sharded.META_FILE}); it may be from a save that was interrupted")
@@ -69,7 +71,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         if ckpt_cfg.restore_file != DEFAULT_RESTORE_FILE:
             raise UserError(f"--restore-file {ckpt_cfg.restore_file}: not found (looked for {path})")
         return None
-    return rescale_iterator_state(*consolidated.load(path, *load_args), env.world_size)
+    return rescale_iterator_state(*consolidated.load(path, *load_args), trainer.strategy.dp_size)
 
 
 def _file_is_newer(path: str, folder: str) -> bool:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from toolkit.checkpoint.common import (
     TrainingState,
+    saved_data_parallel_size,
     check_compatible,
     check_optimizer_switch,
     first_line,
@@ -219,7 +220,7 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
          state: TrainingState) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
     """Restore model, optimizer (unless --reset-optimizer) and training state from a DCP folder; any world size.
 
-    Returns the saved data position and the world size it was saved on.
+    Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
     meta = read_meta(folder)
     embed = tensor_shapes(folder).get("model.embed_tokens.weight")
@@ -246,7 +247,7 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
     position = state.load_state_dict(extra, cfg)
     logger.info(f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; epoch "
                 f"{(extra.get('train_iterator') or {}).get('epoch')} @ {trainer.num_updates} updates)")
-    return position, meta.get("world_size")
+    return position, saved_data_parallel_size(meta.get("cfg", {})) or meta.get("world_size")
 
 
 # --- consolidation --------------------------------------------------------------------------

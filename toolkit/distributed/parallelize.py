@@ -144,6 +144,9 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
     pin = torch.cuda.is_available() and env.device.type == "cuda"
     placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin)
+    if cfg.model_parallel_size > 1:
+        return _tensor_parallel(model, cfg, common, env, placement)
+    placement.update(dp_rank=env.rank, dp_size=env.world_size)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.ddp_backend == "fully_sharded":
@@ -179,6 +182,48 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
                 f"mixed precision: {mixed_precision_policy(common)}")
     strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), mesh=mesh, **placement)
     return model, strategy
+
+
+def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv,
+                     placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """``--model-parallel-size M``: Megatron's split over M ranks, then FSDP2 over the W/M data-parallel groups.
+
+    The order is torchtitan's: tensor parallelism, activation checkpointing, FSDP2, then
+    materialize and initialize (the values equal a plain build's). ``c10d`` and ``no_shard``
+    replicate through FSDP2 on a (W/M, 1) mesh: DDP does not take DTensor parameters.
+    """
+    from toolkit.distributed import tensor_parallel as tp
+
+    if not dist.is_initialized():
+        raise RuntimeError("--model-parallel-size needs a process group (init_distributed makes one)")
+    M, W = cfg.model_parallel_size, env.world_size
+    mesh = tp.build_2d_mesh(W, M, env.device.type, _data_parallel_shape(cfg, env))
+    tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
+    if cfg.checkpoint_activations:
+        apply_activation_checkpointing(model)
+    dp_mesh = tp.data_parallel_mesh(mesh)
+    apply_fsdp(model, dp_mesh, cfg, common, env)
+    model.to_empty(device=env.device)
+    init_weights(model, common.seed)
+    dp_rank, dp_size = tp.data_parallel_rank_and_size(mesh)
+    logger.info(f"tensor parallel: {M} ranks per replica, {dp_size} data-parallel replicas, mesh {tuple(mesh.shape)} "
+                f"{mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
+    return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), mesh=mesh,
+                               dp_rank=dp_rank, dp_size=dp_size, dp_group=tp.data_parallel_group(mesh),
+                               loss_parallel=True, **placement)
+
+
+def _data_parallel_shape(cfg: DistributedConfig, env: DistributedEnv):
+    """The data-parallel part of the 2-D mesh for ``--sharding-strategy`` (None: shard over all W/M)."""
+    dp = env.world_size // max(1, cfg.model_parallel_size)
+    if cfg.ddp_backend != "fully_sharded" or cfg.sharding_strategy == "no_shard":
+        return (dp, 1)
+    if cfg.sharding_strategy.startswith("hybrid"):
+        group = cfg.shard_group_size or max(1, (env.local_world_size or env.world_size) // cfg.model_parallel_size)
+        if dp % group:
+            raise UserError(f"--shard-group-size {group}: must divide the {dp} data-parallel replicas")
+        return (dp // group, group)
+    return None
 
 
 def build_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

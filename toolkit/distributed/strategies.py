@@ -6,8 +6,13 @@ The trainer asks its strategy, and nothing else, around each micro-batch:
 ``autocast(device, dtype)``     autocast, unless the wrapper already casts (FSDP2's policy)
 ``forward_context()``           ``--offload-activations``: saved tensors wait in host memory
 
+``loss_context()``              ``--model-parallel-size``: the loss of vocabulary-sharded logits
+
 ``handles_mixed_precision`` tells whether parameters are cast by the wrapper (then
 ``--memory-efficient-fp16`` needs no fp16 copy of the model on the trainer's side).
+``dp_rank``/``dp_size``/``dp_group`` place this rank among the data-parallel replicas: the
+batches are sharded and the losses summed over them (under tensor parallelism the M ranks
+of one replica see the same batch).
 """
 from __future__ import annotations
 
@@ -24,10 +29,13 @@ class ParallelStrategy:
     name = "none"
     handles_mixed_precision = False
 
-    def __init__(self, offload_activations: bool = False, pin_memory: bool = False, mesh: Any = None):
+    def __init__(self, offload_activations: bool = False, pin_memory: bool = False, mesh: Any = None,
+                 dp_rank: int = 0, dp_size: int = 1, dp_group: Any = None, loss_parallel: bool = False):
         self.offload_activations = offload_activations
         self.pin_memory = pin_memory
         self.mesh = mesh
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.loss_parallel = loss_parallel
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
         return contextlib.nullcontext()
@@ -41,6 +49,14 @@ class ParallelStrategy:
         if self.offload_activations:
             return torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
         return contextlib.nullcontext()
+
+    def loss_context(self) -> ContextManager:
+        """Around the loss's forward *and* backward: torch's ``loss_parallel`` for vocabulary-sharded logits."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -175,13 +175,14 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def all_reduce_sums(values: Dict[str, float], device: torch.device, world_size: int) -> Dict[str, float]:
-    """Sum a dict of numbers across ranks in one collective."""
+def all_reduce_sums(values: Dict[str, float], device: torch.device, world_size: int,
+                    group: Any = None) -> Dict[str, float]:
+    """Sum a dict of numbers across the ``world_size`` ranks of ``group`` (default: all) in one collective."""
     keys = sorted(values)
     if world_size == 1 or not keys or not dist.is_initialized():
         return {k: float(values[k]) for k in keys}
     buf = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(buf)
+    dist.all_reduce(buf, group=group)
     return dict(zip(keys, buf.tolist()))
 
 
