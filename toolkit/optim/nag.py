@@ -49,14 +49,15 @@ class NAG(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, lr: float, momentum: float, weight_decay: float) -> None:
         state = self.state[p]
-        g = p.grad.float()
+        half = (torch.float16, torch.bfloat16)
+        g = p.grad.float() if p.grad.dtype in half else p.grad
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g)
             state["lr_old"] = torch.tensor(lr, dtype=torch.float64)  # on the CPU: read without a device sync
         buf = state["momentum_buffer"]
         lr_old = float(state["lr_old"])
         correct = lr / lr_old if lr_old > 0 else lr
-        p32 = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+        p32 = p.float() if p.dtype in half else p
         if weight_decay != 0:
             p32.mul_(1 - lr * weight_decay)
         p32.add_(buf, alpha=momentum * momentum * correct)
