@@ -87,3 +87,4 @@ def prune_state_dict(state: Dict[str, torch.Tensor], keep: List[int], num_layers
         elif int(m.group(2)) in new_index:
             out[f"{m.group(1)}{new_index[int(m.group(2))]}{m.group(3)}"] = value
     return out
+
