@@ -24,6 +24,13 @@ Choices worth knowing
   way: every value comes from ``initial_value(name, ...)`` with a generator
   seeded by (seed, name) (see ``toolkit.models.init``), so a model built on the
   meta device, sharded, and materialized gets exactly the values of a plain build.
+- Embedding and output layer. Tokens are embedded by a [V, C_in] table, or by an adaptive
+  input (``--adaptive-input``: per-band tables and projections, ``toolkit.models.adaptive``);
+  ``project_in_dim`` / ``project_out_dim`` map C_in -> C and C -> C_out when they differ. The
+  output layer is a [V, C_out] projection (the embedding itself with
+  ``--share-decoder-input-output-embed``), or an adaptive softmax (``--adaptive-softmax-cutoff``):
+  then ``forward`` returns the features and ``get_normalized_probs`` / ``--criterion
+  adaptive_loss`` score them, as fairseq's decoder does.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
   FSDP2 / activation checkpointing can be applied per block from outside.
 """
