@@ -8,7 +8,6 @@ counts from the module shapes of fairseq's transformer_lm_baevski_wiki103.
 from __future__ import annotations
 
 import math
-import os
 import re
 import shlex
 from types import SimpleNamespace
@@ -237,6 +236,8 @@ def test_tying_errors_are_one_line():
         model(adaptive_softmax_factor=4.0)
     with pytest.raises(UserError, match="must equal --adaptive-softmax-cutoff"):
         model(adaptive_softmax_cutoff="10,30")
+    with pytest.raises(UserError, match="--decoder-output-dim"):
+        model(decoder_output_dim=16)
     with pytest.raises(UserError, match="increasing"):
         model(adaptive_input_cutoff="20,10", adaptive_softmax_cutoff="20,10")
 
@@ -421,4 +422,5 @@ def test_readme_adaptive_inputs_command_without_the_missing_loop_flags(wikitext_
     hub = from_pretrained(str(tmp_path), "checkpoint_last.pt", wikitext_bin)
     scored = hub.score("w1 w2")
     assert scored["positional_scores"].shape == (3,) and bool(torch.isfinite(scored["positional_scores"]).all())
-    assert os.path.isfile(tmp_path / "checkpoint_last.pt")
+    assert isinstance(hub.sample("w1", max_len=4, seed=0), str) and isinstance(hub.sample("w1", sampling=False,
+                                                                                         beam=2, max_len=3), str)

@@ -315,6 +315,11 @@ def check_tying(cfg, vocab_size: int) -> None:
     if cfg.adaptive_input_factor != cfg.adaptive_softmax_factor:
         raise UserError(f"--tie-adaptive-weights: --adaptive-input-factor ({cfg.adaptive_input_factor}) must "
                         f"equal --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})")
+    C = cfg.decoder_embed_dim
+    dims = (cfg.decoder_input_dim or C, cfg.decoder_output_dim or C)
+    if dims[0] != dims[1] or dims[1] != C:  # fairseq asserts the first; without project_out_dim it needs the second
+        raise UserError(f"--tie-adaptive-weights: --decoder-input-dim ({dims[0]}) and --decoder-output-dim "
+                        f"({dims[1]}) must equal --decoder-embed-dim ({C}) (tied, there is no output projection)")
     a = parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
     b = parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size, "--adaptive-softmax-cutoff")
     if a != b:
