@@ -424,3 +424,23 @@ def test_readme_adaptive_inputs_command_without_the_missing_loop_flags(wikitext_
     assert scored["positional_scores"].shape == (3,) and bool(torch.isfinite(scored["positional_scores"]).all())
     assert isinstance(hub.sample("w1", max_len=4, seed=0), str) and isinstance(hub.sample("w1", sampling=False,
                                                                                          beam=2, max_len=3), str)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_losses_and_probabilities_stay_fp32(dtype):
+    """Under autocast (--bf16/--fp16) and with half weights (FSDP2's policy, --memory-efficient-fp16)."""
+    m = model(seed=3)
+    x = tokens()
+    task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD))
+    sample = {"net_input": {"src_tokens": x}, "target": x, "ntokens": x.numel()}
+    want, _, _ = AdaptiveLoss(task)(m, sample)
+    with torch.autocast("cpu", dtype=dtype):
+        got, _, _ = AdaptiveLoss(task)(m, sample)
+        logp = m.get_normalized_probs(m(x))
+    assert got.dtype == torch.float32 and logp.dtype == torch.float32
+    assert got.item() == pytest.approx(want.item(), rel=2e-2)
+    half = model(seed=3).to(dtype)
+    got, _, _ = AdaptiveLoss(task)(half, sample)
+    got.backward()
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=2e-2)
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in half.parameters())
