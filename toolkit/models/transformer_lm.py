@@ -213,9 +213,8 @@ class TransformerLanguageModel(nn.Module):
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
             self.embed_tokens = self._token_embedding(cfg, vocab_size, padding_idx, C_in)
-            if cfg.adaptive_input:
-                C_in = C  # adaptive input projects every band to C
-            self.project_in_dim = nn.Linear(C_in, C, bias=False) if C_in != C else None
+            embedded = self.embed_tokens.embedding_dim  # C_in, or C from an adaptive input
+            self.project_in_dim = nn.Linear(embedded, C, bias=False) if embedded != C else None
             self.embed_positions: Optional[nn.Embedding] = None
             sinusoidal = None  # computed, not trained, not saved: rebuilt by reset_buffers()
             if not cfg.no_token_positional_embeddings:
@@ -233,22 +232,25 @@ class TransformerLanguageModel(nn.Module):
                                     if C_out != C and not cfg.tie_adaptive_weights else None)
             self.adaptive_softmax: Optional[AdaptiveSoftmax] = None
             self.output_projection: Optional[nn.Linear] = None
-            if cfg.adaptive_softmax_cutoff is not None:
-                self.adaptive_softmax = AdaptiveSoftmax(
-                    vocab_size, C_out, adaptive.parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size,
-                                                             "--adaptive-softmax-cutoff"),
-                    cfg.adaptive_softmax_dropout, cfg.adaptive_softmax_factor,
-                    self.embed_tokens if cfg.tie_adaptive_weights else None, cfg.tie_adaptive_proj)
-            elif cfg.share_decoder_input_output_embed:
-                # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
-                if cfg.adaptive_input or C_out != (cfg.decoder_input_dim or C):
-                    raise UserError("--share-decoder-input-output-embed: needs a plain embedding of "
-                                    "--decoder-output-dim's size (use --tie-adaptive-weights with adaptive input)")
-            else:
-                self.output_projection = nn.Linear(C_out, vocab_size, bias=False)
+            self._build_output_layer(cfg, vocab_size, C_out)
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
+
+    def _build_output_layer(self, cfg: TransformerLMConfig, vocab_size: int, dim: int) -> None:
+        """fairseq's build_output_projection: an adaptive softmax, the tied embedding, or a [V, dim] projection."""
+        if cfg.adaptive_softmax_cutoff is not None:
+            cutoff = adaptive.parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size, "--adaptive-softmax-cutoff")
+            tied = self.embed_tokens if cfg.tie_adaptive_weights else None
+            self.adaptive_softmax = AdaptiveSoftmax(vocab_size, dim, cutoff, cfg.adaptive_softmax_dropout,
+                                                    cfg.adaptive_softmax_factor, tied, cfg.tie_adaptive_proj)
+        elif cfg.share_decoder_input_output_embed:
+            # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
+            if cfg.adaptive_input or dim != self.embed_tokens.embedding_dim:
+                raise UserError("--share-decoder-input-output-embed: needs a plain embedding of "
+                                "--decoder-output-dim's size (use --tie-adaptive-weights with adaptive input)")
+        else:
+            self.output_projection = nn.Linear(dim, vocab_size, bias=False)
 
     @staticmethod
     def _token_embedding(cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, dim: int) -> nn.Module:
