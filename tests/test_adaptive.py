@@ -19,6 +19,7 @@ from tests.dist_helpers import make_lm_data_bin
 from tests.train_helpers import run_cli
 from toolkit.criterions.adaptive_loss import AdaptiveLoss
 from toolkit.errors import UserError
+import toolkit.models as toolkit_models
 from toolkit.models import build_on_meta, model_config
 from toolkit.models.accounting import count_parameters
 from toolkit.models.adaptive import band_token_shares, from_fairseq_state_dict, to_fairseq_state_dict
@@ -344,6 +345,7 @@ def test_wiki103_and_gbw_archs_have_fairseqs_values_and_counts(capsys):
     assert model_config("transformer_lm_baevski_wiki103") == c
     n = count_parameters("transformer_lm_wiki103", vocab_size=267744, tokens_per_sample=3072, verbose=True)
     assert n == fairseq_wiki103_count(267744) and round(n / 1e6) == 247
+    assert toolkit_models.count_parameters("transformer_lm_wiki103", vocab_size=267744) == n
     assert "transformer_lm_wiki103 at V=267,744" in capsys.readouterr().out
     g = model_config("transformer_lm_gbw")
     assert (g.decoder_layers, g.decoder_embed_dim, g.decoder_ffn_embed_dim, g.decoder_attention_heads) == \
