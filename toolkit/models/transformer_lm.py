@@ -101,7 +101,8 @@ class TransformerLMConfig:
         default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"})
     # Adaptive input and softmax (see toolkit.models.adaptive).
     adaptive_input: bool = field(default=False, metadata={"help": "if set, uses adaptive input"})
-    adaptive_input_factor: float = field(default=4.0, metadata={"help": "adaptive input factor"})
+    adaptive_input_factor: float = field(
+        default=4.0, metadata={"help": "adaptive input factor: band i has dimension C_in // factor**i"})
     adaptive_input_cutoff: Optional[str] = field(
         default=None, metadata={"help": "comma separated list of adaptive input cutoff points."})
     adaptive_softmax_cutoff: Optional[str] = field(
@@ -109,7 +110,8 @@ class TransformerLMConfig:
                                         "Must be used with adaptive_loss criterion"})
     adaptive_softmax_dropout: float = field(
         default=0.0, metadata={"help": "sets adaptive softmax dropout for the tail projections"})
-    adaptive_softmax_factor: float = field(default=4.0, metadata={"help": "adaptive input factor"})
+    adaptive_softmax_factor: float = field(
+        default=4.0, metadata={"help": "adaptive softmax factor: tail band i has dimension C_out // factor**(i+1)"})
     tie_adaptive_weights: bool = field(
         default=False, metadata={"help": "if set, ties the weights of adaptive softmax and adaptive input"})
     tie_adaptive_proj: bool = field(
