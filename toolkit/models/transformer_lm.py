@@ -24,6 +24,13 @@ Choices worth knowing
   way: every value comes from ``initial_value(name, ...)`` with a generator
   seeded by (seed, name) (see ``toolkit.models.init``), so a model built on the
   meta device, sharded, and materialized gets exactly the values of a plain build.
+- Embedding and output layer. Tokens are embedded by a [V, C_in] table, or by an adaptive
+  input (``--adaptive-input``: per-band tables and projections, ``toolkit.models.adaptive``);
+  ``project_in_dim`` / ``project_out_dim`` map C_in -> C and C -> C_out when they differ. The
+  output layer is a [V, C_out] projection (the embedding itself with
+  ``--share-decoder-input-output-embed``), or an adaptive softmax (``--adaptive-softmax-cutoff``):
+  then ``forward`` returns the features and ``get_normalized_probs`` / ``--criterion
+  adaptive_loss`` score them, as fairseq's decoder does.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
   FSDP2 / activation checkpointing can be applied per block from outside, and
   tensor parallelism (``toolkit.distributed.tensor_parallel``) shards the linear
@@ -40,7 +47,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.errors import UserError
+from toolkit.models import adaptive
+from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.init import init_weights
+from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.registry import register_model, register_model_architecture
 
 ACTIVATIONS = {
@@ -80,6 +91,33 @@ class TransformerLMConfig:
     max_target_positions: Optional[int] = field(
         default=None, metadata={"help": "max number of tokens in the target sequence "
                                         "(default: --tokens-per-sample)"})
+    # Embedding and output sizes (fairseq's project_in_dim / project_out_dim when they differ from C).
+    decoder_input_dim: Optional[int] = field(
+        default=None, metadata={"help": "decoder input dimension (default: --decoder-embed-dim)"})
+    decoder_output_dim: Optional[int] = field(
+        default=None, metadata={"help": "decoder output dimension (default: --decoder-embed-dim)"})
+    layernorm_embedding: bool = field(default=False, metadata={"help": "add layernorm to embedding"})
+    # LayerDrop (see toolkit.models.layerdrop).
+    decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
+    decoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"})
+    # Adaptive input and softmax (see toolkit.models.adaptive).
+    adaptive_input: bool = field(default=False, metadata={"help": "if set, uses adaptive input"})
+    adaptive_input_factor: float = field(
+        default=4.0, metadata={"help": "adaptive input factor: band i has dimension C_in // factor**i"})
+    adaptive_input_cutoff: Optional[str] = field(
+        default=None, metadata={"help": "comma separated list of adaptive input cutoff points."})
+    adaptive_softmax_cutoff: Optional[str] = field(
+        default=None, metadata={"help": "comma separated list of adaptive softmax cutoff points. "
+                                        "Must be used with adaptive_loss criterion"})
+    adaptive_softmax_dropout: float = field(
+        default=0.0, metadata={"help": "sets adaptive softmax dropout for the tail projections"})
+    adaptive_softmax_factor: float = field(
+        default=4.0, metadata={"help": "adaptive softmax factor: tail band i has dimension C_out // factor**(i+1)"})
+    tie_adaptive_weights: bool = field(
+        default=False, metadata={"help": "if set, ties the weights of adaptive softmax and adaptive input"})
+    tie_adaptive_proj: bool = field(
+        default=False, metadata={"help": "if set, ties the projection weights of adaptive softmax and adaptive input"})
 
 
 class CausalSelfAttention(nn.Module):
@@ -169,14 +207,20 @@ class TransformerLanguageModel(nn.Module):
         self.padding_idx = padding_idx
         self.max_target_positions = cfg.max_target_positions
         C = cfg.decoder_embed_dim
+        C_in, C_out = cfg.decoder_input_dim or C, cfg.decoder_output_dim or C
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(C)
         self.dropout = cfg.dropout
+        keep = parse_layers_to_keep(cfg.decoder_layers_to_keep)  # fairseq: build only the kept layers
+        num_layers = len(keep) if keep is not None else cfg.decoder_layers
+        adaptive.check_tying(cfg, vocab_size)
 
         # Modules are created on the meta device (no memory, and none of torch's default init,
         # which init_weights would overwrite anyway), then materialized where the caller builds.
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(vocab_size, C, padding_idx=padding_idx)
+            self.embed_tokens = self._token_embedding(cfg, vocab_size, padding_idx, C_in)
+            embedded = self.embed_tokens.embedding_dim  # C_in, or C from an adaptive input
+            self.project_in_dim = nn.Linear(embedded, C, bias=False) if embedded != C else None
             self.embed_positions: Optional[nn.Embedding] = None
             sinusoidal = None  # computed, not trained, not saved: rebuilt by reset_buffers()
             if not cfg.no_token_positional_embeddings:
@@ -185,15 +229,41 @@ class TransformerLanguageModel(nn.Module):
                 else:
                     sinusoidal = torch.empty(cfg.max_target_positions, C)
             self.register_buffer("sinusoidal_positions", sinusoidal, persistent=False)
-            self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.decoder_layers)])
+            self.layernorm_embedding = nn.LayerNorm(C) if cfg.layernorm_embedding else None
+            self.layer_drop = LayerDrop(cfg.decoder_layerdrop)
+            self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(num_layers)])
             use_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
             self.layer_norm = nn.LayerNorm(C) if use_final_norm else None
-            # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
-            self.output_projection = (None if cfg.share_decoder_input_output_embed
-                                      else nn.Linear(C, vocab_size, bias=False))
+            self.project_out_dim = (nn.Linear(C, C_out, bias=False)
+                                    if C_out != C and not cfg.tie_adaptive_weights else None)
+            self.adaptive_softmax: Optional[AdaptiveSoftmax] = None
+            self.output_projection: Optional[nn.Linear] = None
+            self._build_output_layer(cfg, vocab_size, C_out)
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
+
+    def _build_output_layer(self, cfg: TransformerLMConfig, vocab_size: int, dim: int) -> None:
+        """fairseq's build_output_projection: an adaptive softmax, the tied embedding, or a [V, dim] projection."""
+        if cfg.adaptive_softmax_cutoff is not None:
+            cutoff = adaptive.parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size, "--adaptive-softmax-cutoff")
+            tied = self.embed_tokens if cfg.tie_adaptive_weights else None
+            self.adaptive_softmax = AdaptiveSoftmax(vocab_size, dim, cutoff, cfg.adaptive_softmax_dropout,
+                                                    cfg.adaptive_softmax_factor, tied, cfg.tie_adaptive_proj)
+        elif cfg.share_decoder_input_output_embed:
+            # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
+            if cfg.adaptive_input or dim != self.embed_tokens.embedding_dim:
+                raise UserError("--share-decoder-input-output-embed: needs a plain embedding of "
+                                "--decoder-output-dim's size (use --tie-adaptive-weights with adaptive input)")
+        else:
+            self.output_projection = nn.Linear(dim, vocab_size, bias=False)
+
+    @staticmethod
+    def _token_embedding(cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, dim: int) -> nn.Module:
+        if not cfg.adaptive_input:
+            return nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
+        cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
+        return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
     @classmethod
     def build_model(cls, cfg: TransformerLMConfig, task) -> "TransformerLanguageModel":
@@ -214,7 +284,11 @@ class TransformerLanguageModel(nn.Module):
         return self.max_target_positions
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V]."""
+        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        With an adaptive softmax: the features [B, T, C_out] it scores (as fairseq's decoder);
+        ``get_normalized_probs`` or the ``adaptive_loss`` criterion turns them into probabilities.
+        """
         T = tokens.size(1)
         if T > self.max_target_positions:
             raise ValueError(f"input of {T} tokens is longer than max_target_positions "
@@ -222,21 +296,45 @@ class TransformerLanguageModel(nn.Module):
         x = self.embed_tokens(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
         if self.embed_positions is not None:
             first = self.padding_idx + 1
             positions = torch.arange(first, first + T, device=tokens.device)
             x = x + self.embed_positions(positions)  # [T, C], broadcast over the batch
         elif self.sinusoidal_positions is not None:
             x = x + self.sinusoidal_positions[:T]
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
-        for layer in self.layers:
-            x = layer(x)
+        for layer, keep in zip(self.layers, self.layer_drop.keep(len(self.layers))):
+            if keep:  # LayerDrop: in training a whole layer may be skipped
+                x = layer(x)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        if self.adaptive_softmax is not None:
+            return x
         if self.output_projection is None:
             return F.linear(x, self.embed_tokens.weight)
         return self.output_projection(x)
+
+    def get_normalized_probs(self, net_output, log_probs: bool = True) -> torch.Tensor:
+        """fp32 [B, T, V] (log-)probabilities of the next token, from ``forward``'s output."""
+        x = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+        if self.adaptive_softmax is not None:
+            logp = self.adaptive_softmax.get_log_prob(x)
+            return logp if log_probs else logp.exp()
+        return F.log_softmax(x.float(), dim=-1) if log_probs else F.softmax(x.float(), dim=-1)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``--decoder-layers-to-keep``: a full checkpoint's kept layers load as this model's layers."""
+        keep = parse_layers_to_keep(self.cfg.decoder_layers_to_keep)
+        if keep is not None:
+            state_dict = prune_state_dict(state_dict, keep, len(self.layers))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ---- initialization (driven by toolkit.models.init.init_weights) ----
 
@@ -256,16 +354,19 @@ class TransformerLanguageModel(nn.Module):
         C = self.cfg.decoder_embed_dim
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if "layer_norm" in name:
+        if "layer_norm" in name or name == "layernorm_embedding.weight":
             return torch.ones(shape)
+        if name.startswith(("embed_tokens.embeddings.", "adaptive_softmax.")):
+            return adaptive.initial_value(name, shape, generator, self.padding_idx)
         if name in ("embed_tokens.weight", "embed_positions.weight", "output_projection.weight"):
-            w = torch.empty(shape).normal_(0.0, C ** -0.5, generator=generator)
+            w = torch.empty(shape).normal_(0.0, shape[1] ** -0.5, generator=generator)
             if name != "output_projection.weight":
                 w[self.padding_idx] = 0.0
             return w
         if name.endswith("qkv_proj.weight"):  # three stacked [C, C] blocks
             bound = math.sqrt(6.0 / (C + C)) / math.sqrt(2.0)
-        elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight")):
+        elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight", "project_in_dim.weight",
+                            "project_out_dim.weight")):
             bound = math.sqrt(6.0 / (shape[0] + shape[1]))
         else:
             raise KeyError(f"no initialization rule for parameter {name}")
@@ -275,23 +376,26 @@ class TransformerLanguageModel(nn.Module):
 
     def num_matmul_parameters(self) -> int:
         """Weights used in matmuls per token: everything except embedding lookups, plus the output
-        projection (which is ``embed_tokens.weight`` when tied). The N in 6N FLOPs per token."""
-        lookups = {"embed_tokens.weight", "embed_positions.weight", "output_projection.weight"}
-        n = sum(p.numel() for name, p in self.named_parameters() if name not in lookups)
-        return n + self.embed_tokens.weight.numel()  # output projection: [V, C], tied or not
+        layer (``embed_tokens.weight`` when tied; the adaptive softmax's head and, by each tail
+        band's expected share of tokens, its tails). The N in 6N FLOPs per token."""
+        from toolkit.models.accounting import matmul_parameters_per_token
+
+        return matmul_parameters_per_token(self)
 
     def flops_per_token(self, seq_len: int) -> int:
-        return flops_per_token(self.cfg, seq_len, self.num_matmul_parameters())
+        return flops_per_token(self.cfg, seq_len, self.num_matmul_parameters(), len(self.layers))
 
 
-def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: int) -> int:
+def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: int,
+                    num_layers: Optional[int] = None) -> int:
     """Training FLOPs per token, PaLM appendix B: 6N + 12·L·C·T.
 
     N counts weights in matmuls (output projection included, embedding lookups not; see
     ``TransformerLanguageModel.num_matmul_parameters``). 12·L·C·T is attention's QK^T and AV
     (forward 4·L·C·T, times 3 with backward), counted without halving for the causal mask.
     """
-    return 6 * num_matmul_params + 12 * cfg.decoder_layers * cfg.decoder_embed_dim * seq_len
+    layers = cfg.decoder_layers if num_layers is None else num_layers
+    return int(6 * num_matmul_params + 12 * layers * cfg.decoder_embed_dim * seq_len)
 
 
 # ---- named architectures: each sets values on a fresh config; the user's flags override them ----
@@ -307,6 +411,30 @@ def transformer_lm_big(cfg: TransformerLMConfig) -> None:
     base_lm_architecture(cfg)
     cfg.decoder_layers, cfg.decoder_embed_dim = 12, 1024
     cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = 4096, 16
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_wiki103")
+@register_model_architecture("transformer_lm", "transformer_lm_baevski_wiki103")
+def transformer_lm_baevski_wiki103(cfg: TransformerLMConfig) -> None:
+    """Baevski & Auli's WikiText-103 model: 16 layers of transformer_lm_big with 8 heads, adaptive input
+    and softmax (bands 20000 / 60000 / rest, tied embeddings and projections); 247M parameters."""
+    transformer_lm_big(cfg)
+    cfg.decoder_layers, cfg.decoder_attention_heads = 16, 8
+    cfg.dropout, cfg.attention_dropout, cfg.activation_dropout = 0.3, 0.1, 0.1
+    cfg.adaptive_input, cfg.tie_adaptive_weights, cfg.tie_adaptive_proj = True, True, True
+    cfg.adaptive_input_cutoff = cfg.adaptive_softmax_cutoff = "20000,60000"
+    cfg.adaptive_softmax_dropout = 0.2
+    cfg.no_decoder_final_norm = True
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gbw")
+@register_model_architecture("transformer_lm", "transformer_lm_baevski_gbw")
+def transformer_lm_baevski_gbw(cfg: TransformerLMConfig) -> None:
+    """Baevski & Auli's Billion Word base: transformer_lm_big at C=512 (adaptive flags come from the user)."""
+    transformer_lm_big(cfg)
+    cfg.decoder_embed_dim = 512
+    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
+    cfg.no_decoder_final_norm = True
 
 
 def _gpt(cfg: TransformerLMConfig, layers: int, dim: int, ffn: int, heads: int) -> None:

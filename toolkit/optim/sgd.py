@@ -27,7 +27,9 @@ def build(cfg: SGDConfig, params: list, lr: float) -> torch.optim.Optimizer:
         raise UserError(f"--lr: must be >= 0, got {lr}")
     params = list(params)
     # fused is the fastest on CPU too (2 threads, 16.8M params: fused 7.0 ms, for-loop 16 ms, foreach 20 ms)
-    kwargs = {"fused": True} if fused_supported(_all_params(params)) else {"foreach": None}
+    # (torch has no DTensor rule for the fused SGD kernel: FSDP2's sharded parameters take foreach)
+    plain = not any(hasattr(p, "to_local") for p in _all_params(params))
+    kwargs = {"fused": True} if plain and fused_supported(_all_params(params)) else {"foreach": None}
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kwargs)
     _keep_implementation(optimizer, kwargs)
     return optimizer

@@ -1,0 +1,42 @@
+"""``--criterion adaptive_loss``: summed NLL under the model's adaptive softmax, fairseq's reporting.
+
+The model returns features (``--adaptive-softmax-cutoff``); the loss is the head's cross
+entropy (tail words count as their band's cluster) plus each tail band's cross entropy over
+the positions whose target is in it, in nats, fp32 -- the exact log-likelihood of the target
+under the factorized softmax. ``sample_size``, the logged fields (``loss``, ``ntokens``,
+``nsentences``, ``sample_size``) and the reported ``loss`` / ``nll_loss`` / ``ppl`` are
+``cross_entropy``'s, which are fairseq's adaptive_loss's.
+
+Unlike fairseq, ``--ddp-backend c10d`` works: every tail band runs, on zero rows when it has no
+target, so every parameter gets a gradient (see toolkit.models.adaptive).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+
+from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+from toolkit.errors import UserError
+from toolkit.registry import register_criterion
+
+
+@register_criterion("adaptive_loss", dataclass=CrossEntropyCriterionConfig)
+class AdaptiveLoss(CrossEntropyCriterion):
+    def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        adaptive_softmax = model.adaptive_softmax
+        if adaptive_softmax is None:
+            raise UserError("--criterion adaptive_loss: the model has no adaptive softmax; add "
+                            "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy")
+        features = self.logits_of(model(sample["net_input"]["src_tokens"]))
+        loss = adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce)
+        if sample.get("is_dummy", False):
+            loss = loss * 0.0
+            ntokens = nsentences = sample_size = 0
+        else:
+            ntokens = int(sample["ntokens"])
+            nsentences = int(sample["target"].size(0))
+            sample_size = nsentences if self.sentence_avg else ntokens
+        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
+                          "sample_size": sample_size}
+        return loss, sample_size, logging_output

@@ -1,0 +1,79 @@
+"""``--optimizer nag``: fairseq's Nesterov accelerated gradient, with its weight decay and lr correction.
+
+Per parameter ``p`` with gradient ``g``, momentum ``m`` and buffer ``buf`` (zero at first)::
+
+    correct = lr / lr_old              # lr_old: the lr of this parameter's previous step
+    p   *= 1 - lr * weight_decay
+    p   += m * m * correct * buf - (1 + m) * lr * g
+    buf  = m * correct * buf - lr * g
+
+The buffer holds ``-lr * g`` terms; ``correct`` rescales them when the schedule changes the lr.
+fairseq keeps ``lr_old`` per param group; here it is per parameter (the same value whenever
+every parameter steps every update), so that stepping the parameters a chunk at a time
+(``--memory-efficient-fp16``) or skipping a parameter without a gradient (LayerDrop) does not
+lose the correction. Math in fp32 for fp16/bf16 parameters, as fairseq's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.registry import register_optimizer
+
+
+@dataclass
+class NAGConfig:
+    momentum: float = opt(0.99, "momentum factor")
+    weight_decay: float = opt(0.0, "weight decay")
+
+
+class NAG(torch.optim.Optimizer):
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, lr, momentum, weight_decay)
+        return loss
+
+    def _update(self, p: torch.Tensor, lr: float, momentum: float, weight_decay: float) -> None:
+        state = self.state[p]
+        half = (torch.float16, torch.bfloat16)
+        g = p.grad.float() if p.grad.dtype in half else p.grad
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(g)
+            state["lr_old"] = torch.tensor(lr, dtype=torch.float64)  # on the CPU: read without a device sync
+        buf = state["momentum_buffer"]
+        lr_old = float(state["lr_old"])
+        correct = lr / lr_old if lr_old > 0 else lr
+        p32 = p.float() if p.dtype in half else p
+        if weight_decay != 0:
+            p32.mul_(1 - lr * weight_decay)
+        p32.add_(buf, alpha=momentum * momentum * correct)
+        p32.add_(g, alpha=-(1 + momentum) * lr)
+        buf.mul_(momentum * correct).add_(g, alpha=-lr)
+        if p32 is not p:
+            p.copy_(p32)
+        state["lr_old"].fill_(lr)
+
+
+@register_optimizer("nag", dataclass=NAGConfig)
+def build(cfg: NAGConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    if cfg.momentum < 0:
+        raise UserError(f"--momentum: must be >= 0, got {cfg.momentum}")
+    if cfg.weight_decay < 0:
+        raise UserError(f"--weight-decay: must be >= 0, got {cfg.weight_decay}")
+    if lr < 0:
+        raise UserError(f"--lr: must be >= 0, got {lr}")
+    return NAG(list(params), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
