@@ -36,26 +36,24 @@ def base_argv(data: str, save_dir: str) -> list:
     return [data] + H.model_args(save_dir) + ADAPTIVE + ["--criterion", "adaptive_loss"]
 
 
-def worker(args) -> None:
+def worker(cfg) -> None:
     import torch.distributed as dist
 
     from toolkit.distributed.utils import DistributedEnv, init_distributed
     from toolkit.logging.setup import setup_logging
 
-    env = init_distributed(args)
+    env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(None, rank=env.rank)
+    base = json.loads(os.environ["TOOLKIT_TEST_BASE_ARGV"])
     results = {}
     for name, flags in CONFIGS.items():
-        a = H._parse_train_args(args._base_argv + flags)
-        a.distributed_world_size = env.world_size
-        results[name] = H._train_updates(a, env, UPDATES, 1)
+        results[name] = H._train_updates(H._parse_train_args(base + flags), env, UPDATES, 1)
         dist.barrier()
     if env.rank == 0:
         single = DistributedEnv(rank=0, world_size=1, device=env.device)
-        a = H._parse_train_args(args._base_argv + ["--update-freq", str(env.world_size)])
-        a.distributed_world_size = 1
+        a = H._parse_train_args(base + ["--update-freq", str(env.world_size)])
         results["reference"] = H._train_updates(a, single, UPDATES, env.world_size)
-        with open(args._out, "w") as f:
+        with open(os.environ["TOOLKIT_TEST_OUT"], "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
 
@@ -64,10 +62,8 @@ def main(data: str, out: str) -> None:
     from toolkit.distributed import launch
 
     argv = base_argv(data, os.path.dirname(out))
-    args = H._parse_train_args(argv + ["--distributed-world-size", "2"])
-    args._base_argv = argv
-    args._out = out
-    launch.run(worker, args)
+    os.environ["TOOLKIT_TEST_BASE_ARGV"], os.environ["TOOLKIT_TEST_OUT"] = json.dumps(argv), out
+    launch.run(worker, H._parse_train_args(argv + ["--distributed-world-size", "2"]))
 
 
 if __name__ == "__main__":
