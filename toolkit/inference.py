@@ -15,22 +15,31 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from toolkit import options, registry
-from toolkit.checkpoint.checkpoint_utils import check_compatible, load_checkpoint_file
+from toolkit.checkpoint.checkpoint_utils import check_compatible
+from toolkit.checkpoint.fairseq_checkpoint import (check_weights, import_checkpoint, is_fairseq_checkpoint,
+                                                   read_checkpoint)
 from toolkit.errors import UserError
 
 
 def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
                overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, Namespace]:
-    """A checkpoint's model in eval mode, with the task (dictionary) it was trained on."""
-    state = load_checkpoint_file(path)
+    """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
+
+    Reads toolkit checkpoints and fairseq ``transformer_lm`` ones (see
+    :mod:`toolkit.checkpoint.fairseq_checkpoint`); ``overrides`` replace saved options
+    (fairseq's ``--model-overrides``).
+    """
+    registry.import_all_components()
+    state = read_checkpoint(path)
+    if is_fairseq_checkpoint(state):
+        state = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
     if "cfg" not in state or "model" not in state:
-        raise UserError(f"{path}: not a toolkit checkpoint (no 'cfg'/'model' entries)")
+        raise UserError(f"{path}: not a toolkit or fairseq checkpoint (no 'cfg'/'model' entries)")
     cfg = dict(state["cfg"])
     if data_dir is not None:
         cfg["data"] = data_dir
     cfg.update(overrides or {})
     args = Namespace(**cfg)
-    registry.import_all_components()
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, state, args, len(task.dictionary))
@@ -39,6 +48,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
         model = entry.cls.build_model(options.config_from_args(entry.config, args), task)
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
+    if "fairseq_source" in state:
+        check_weights(path, model, state["model"], state["fairseq_source"])
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "

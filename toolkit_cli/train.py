@@ -107,7 +107,7 @@ def throughput_tracker(args, model, env: DistributedEnv, dtype: torch.dtype) -> 
 
 def train_iterator(args, task, env: DistributedEnv, epoch: int):
     return task.get_batch_iterator(
-        task.dataset(args.train_subset), max_tokens=args.max_tokens, batch_size=args.batch_size,
+        task.dataset_for_epoch(args.train_subset, epoch), max_tokens=args.max_tokens, batch_size=args.batch_size,
         required_batch_size_multiple=args.required_batch_size_multiple, seed=args.seed,
         num_shards=env.world_size, shard_id=env.rank, num_workers=args.num_workers, epoch=epoch)
 
