@@ -206,10 +206,8 @@ def test_optimizer_moments_map_to_our_names(data, flat, tied):
     state = fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS, tied=tied), {}, optimizer_state=optim)
     mapped = fc.map_optimizer_state(state, shared=tied)
     qkv = torch.cat([moments[f"decoder.layers.1.self_attn.{p}_proj.weight"][0] for p in "qkv"])
-    torch.testing.assert_close(mapped["layers.1.self_attn.qkv_proj.exp_avg".replace(".exp_avg", ".weight")]
-                               ["exp_avg"], qkv)
-    torch.testing.assert_close(mapped["fc2.weight" if False else "layers.0.fc2.weight"]["exp_avg_sq"],
-                               moments["decoder.layers.0.fc2.weight"][1])
+    torch.testing.assert_close(mapped["layers.1.self_attn.qkv_proj.weight"]["exp_avg"], qkv)
+    torch.testing.assert_close(mapped["layers.0.fc2.weight"]["exp_avg_sq"], moments["decoder.layers.0.fc2.weight"][1])
     assert ("output_projection.weight" in mapped) == (not tied)
     assert float(mapped["embed_tokens.weight"]["step"]) == 7.0
 
@@ -253,3 +251,32 @@ def test_export_layout_and_round_trip(tmp_path, data, learned, tied):
         if not key.endswith("_float_tensor"):
             torch.testing.assert_close(written["model"][key], sd[key])
     check_logits(out, data_dir, sd, learned, tied)  # and back in: same logits
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_load_fairseq_into_trainer(tmp_path, data, flat):
+    """--restore-file/--finetune-from-model with a fairseq file: weights and Adam moments, by our names."""
+    import types as _types
+
+    from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
+
+    data_dir, vocab = data
+    sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
+    optim, moments = _adam_state(sd, flat, tied=False)
+    path = str(tmp_path / "checkpoint_last.pt")
+    torch.save(fairseq_010_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS),
+                                      optimizer_state=optim), path)
+    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=24,
+                              decoder_attention_heads=2, decoder_learned_pos=True, max_target_positions=MAX_POS)
+    model = TransformerLanguageModel(cfg, vocab, 1, seed=0)
+    trainer = _types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    info = fc.load_fairseq_into_trainer(path, trainer)
+    assert info == {"num_updates": 7, "epoch": 1}
+    torch.testing.assert_close(model.layers[0].self_attn.qkv_proj.bias.detach(),
+                               torch.cat([sd[f"decoder.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    state = trainer.optimizer.state[model.layers[1].self_attn.qkv_proj.weight]
+    torch.testing.assert_close(state["exp_avg_sq"], torch.cat(
+        [moments[f"decoder.layers.1.self_attn.{p}_proj.weight"][1] for p in "qkv"]))
+    assert float(state["step"]) == 7.0
+    torch.testing.assert_close(trainer.optimizer.state[model.embed_tokens.weight]["exp_avg"],
+                               moments["decoder.embed_tokens.weight"][0])

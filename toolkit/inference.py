@@ -8,7 +8,6 @@ context, which lowers perplexity because fewer predictions start cold.
 """
 from __future__ import annotations
 
-import os
 from argparse import Namespace
 from typing import Dict, Iterator, List, Optional, Tuple
 

@@ -137,7 +137,7 @@ class LanguageModelingTask:
         """The split as epoch ``epoch`` sees it: reloaded from that epoch's shard when DATA has several."""
         paths = self.data_paths()
         wanted = paths[(max(epoch, 1) - 1) % len(paths)]
-        if split not in self.datasets or self._loaded_from.get(split) != wanted:
+        if split not in self.datasets or (len(paths) > 1 and self._loaded_from.get(split) != wanted):
             return self.load_dataset(split, epoch=epoch)
         return self.datasets[split]
 
