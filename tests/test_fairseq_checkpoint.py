@@ -19,6 +19,7 @@ from tests.fairseq_layout import (fairseq_010_checkpoint, fairseq_main_checkpoin
 from tests.lm_fixtures import make_data_bin
 from toolkit import inference
 from toolkit.checkpoint import fairseq_checkpoint as fc
+from toolkit.checkpoint import fairseq_export
 from toolkit.errors import UserError
 
 LINES = ["the cat sat on the mat", "a dog ran far", "the dog sat on a mat"] * 4
@@ -234,7 +235,7 @@ def test_export_layout_and_round_trip(tmp_path, data, learned, tied):
     torch.save({"cfg": vars(args), "model": model.state_dict(),
                 "extra_state": {"trainer": {"num_updates": 3}, "train_iterator": {"epoch": 2}}}, toolkit_ckpt)
     out = str(tmp_path / "fairseq.pt")
-    fc.export(toolkit_ckpt, out)
+    fairseq_export.export(toolkit_ckpt, out)
 
     written = torch.load(out, weights_only=True)  # plain values only: fairseq's torch.load reads it
     assert written["args"] is None and {"model", "task", "common"} <= set(written["cfg"])

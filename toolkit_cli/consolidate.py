@@ -12,7 +12,7 @@ size) load it. Runs in one process; no GPU and no process group needed.
 ``--to-fairseq OUT.pt`` writes the model (a consolidated ``.pt`` or a sharded folder)
 in fairseq's ``transformer_lm`` checkpoint layout, which fairseq's
 ``checkpoint_utils.load_model_ensemble`` (``fairseq-eval-lm --path``) reads; the key
-layout is documented in :mod:`toolkit.checkpoint.fairseq_checkpoint`.
+layout is documented in :mod:`toolkit.checkpoint.fairseq_export`.
 """
 from __future__ import annotations
 
@@ -43,19 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
 def to_fairseq(args: argparse.Namespace) -> str:
     import tempfile
 
-    from toolkit.checkpoint import fairseq_checkpoint, sharded
+    from toolkit.checkpoint import fairseq_export, sharded
 
     output = args.to_fairseq
     if os.path.exists(output) and not args.force:
         raise UserError(f"{output}: already exists; pass --force to overwrite it")
     folder = None if os.path.isfile(args.checkpoint) else sharded.find_sharded(args.checkpoint)
     if folder is None:
-        summary = fairseq_checkpoint.export(args.checkpoint, output)
+        summary = fairseq_export.export(args.checkpoint, output)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             consolidated = os.path.join(tmp, "consolidated.pt")
             sharded.consolidate(folder, consolidated, include_optimizer=False)
-            summary = fairseq_checkpoint.export(consolidated, output)
+            summary = fairseq_export.export(consolidated, output)
     print(f"{PROG}: wrote {output} in fairseq's layout: {summary['tensors']} tensors, "
           f"{summary['params']} parameters (from {args.checkpoint})")
     return output
