@@ -213,6 +213,20 @@ def test_optimizer_moments_map_to_our_names(data, flat, tied):
     assert float(mapped["embed_tokens.weight"]["step"]) == 7.0
 
 
+def test_fp16_adam_stats_are_rescaled(data):
+    """fairseq's cpu_adam --fp16-adam-stats keeps (moment / scale) in fp16 and the scale beside it."""
+    _, vocab = data
+    sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
+    optim, moments = _adam_state(sd, flat=False, tied=False)
+    for entry in optim["state"].values():
+        entry["exp_avg_scale"] = 4.0
+        entry["exp_avg"] = (entry["exp_avg"] / 4.0).half()
+    state = fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS), {}, optimizer_state=optim)
+    mapped = fc.map_optimizer_state(state, shared=False)
+    torch.testing.assert_close(mapped["layers.0.fc1.weight"]["exp_avg"], moments["decoder.layers.0.fc1.weight"][0],
+                               rtol=1e-3, atol=1e-3)
+
+
 def test_optimizer_state_that_does_not_map_is_none(data):
     _, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)

@@ -233,7 +233,9 @@ def _fairseq_moments(state: Dict[str, Any], keys: List[str]) -> Optional[Dict[st
         entry = saved[index]
         if entry["exp_avg"].shape != p.shape:
             return None
-        out[key] = {"step": entry.get("step", 0), "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
+        out[key] = {"step": entry.get("step", 0)}
+        for moment in ("exp_avg", "exp_avg_sq"):  # --fp16-adam-stats: fp16 values times a scale
+            out[key][moment] = entry[moment].float() * float(entry.get(f"{moment}_scale", 1.0))
     return out
 
 
