@@ -26,7 +26,7 @@ logger = logging.getLogger("toolkit_cli.eval_lm")
 
 @dataclass
 class EvalLMConfig:
-    data: str = opt(None, "the data-bin folder (several joined by ':': the first is evaluated)", positional=True)
+    data: str = opt("", "the data-bin folder (several joined by ':': the first is evaluated)", positional=True)
     path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit or fairseq); several joined by ':' form "
                                     "an ensemble")
     task: str = opt("language_modeling", "task (only language_modeling)")
@@ -120,6 +120,8 @@ def eval_task(cfg: EvalLMConfig, dictionary, data: str, tokens_per_sample: int) 
 def main(cfg: EvalLMConfig) -> Dict[str, float]:
     """Returns ``{"loss", "perplexity", "count"}`` (also logged, in fairseq's words)."""
     setup_logging(cfg.log_file)
+    if not cfg.data:
+        raise UserError("DATA: the data-bin folder to evaluate is required (toolkit-eval-lm DATA --path ...)")
     if cfg.path is None:
         raise UserError("--path is required: the checkpoint to evaluate")
     announce_ignored(cfg)
