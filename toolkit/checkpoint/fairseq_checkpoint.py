@@ -262,7 +262,8 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False) -> Dict[str, Any]:
+def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
+                              state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``--restore-file`` / ``--finetune-from-model`` with a fairseq checkpoint: weights, and Adam
     moments where they map (otherwise a fresh optimizer, said in one INFO line).
 
@@ -274,7 +275,7 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False)
     from toolkit import registry
     from toolkit.checkpoint.checkpoint_utils import FULL_STATE
 
-    state = read_checkpoint(path)
+    state = read_checkpoint(path) if state is None else state
     if not is_fairseq_checkpoint(state):
         raise UserError(f"{path}: not a fairseq checkpoint")
     registry.import_all_components()
