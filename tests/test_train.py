@@ -108,7 +108,7 @@ def test_eval_lm_and_hub_agree(data_bin, reference_run):
     valid_loss = float(run.records("valid")[-1]["valid_loss"])
     assert eval_loss == pytest.approx(valid_loss, abs=2e-3)  # same tokens, same blocks as validation
 
-    windowed = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", ckpt, "--tokens-per-sample", "16",
+    windowed = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", ckpt, "--tokens-per-sample", "32",
                                                "--context-window", "16", "--batch-size", "4"])
     assert float(windowed.stdout.split("Loss (base 2): ")[1].split(",")[0]) < eval_loss
 

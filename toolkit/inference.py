@@ -8,16 +8,17 @@ context, which lowers perplexity because fewer predictions start cold.
 """
 from __future__ import annotations
 
-import os
 from argparse import Namespace
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from toolkit import options, registry
-from toolkit.models import build_model
 from toolkit.checkpoint.common import check_compatible
-from toolkit.checkpoint.consolidated import embed_rows, load_checkpoint_file
+from toolkit.checkpoint.consolidated import embed_rows
+from toolkit.checkpoint.fairseq_checkpoint import (check_weights, import_checkpoint, is_fairseq_checkpoint,
+                                                   read_checkpoint)
+from toolkit.models import build_model
 from toolkit.errors import UserError
 
 
@@ -25,23 +26,27 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
                overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, Namespace]:
     """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
 
-    ``path`` may also be the ``model.safetensors`` of a ``toolkit-export --format safetensors``
-    folder: read without pickle, with the options from its ``config.json``.
+    Reads toolkit checkpoints, fairseq ``transformer_lm`` ones (see
+    :mod:`toolkit.checkpoint.fairseq_checkpoint`) and the ``model.safetensors`` of a
+    ``toolkit-export --format safetensors`` folder (no pickle; options from its ``config.json``);
+    ``overrides`` replace saved options (fairseq's ``--model-overrides``).
     """
+    registry.import_all_components()
     if path.endswith(".safetensors"):
         from toolkit.export.safetensors_format import read_exported
 
         state = read_exported(path)
     else:
-        state = load_checkpoint_file(path)
+        state = read_checkpoint(path)
+    if is_fairseq_checkpoint(state):
+        state = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
     if "cfg" not in state or "model" not in state:
-        raise UserError(f"{path}: not a toolkit checkpoint (no 'cfg'/'model' entries)")
+        raise UserError(f"{path}: not a toolkit or fairseq checkpoint (no 'cfg'/'model' entries)")
     cfg = dict(state["cfg"])
     if data_dir is not None:
         cfg["data"] = data_dir
     cfg.update(overrides or {})
     args = Namespace(**cfg)
-    registry.import_all_components()
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
@@ -49,6 +54,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
         model = build_model(args.arch, args, task)
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
+    if "fairseq_source" in state:
+        check_weights(path, model, state["model"], state["fairseq_source"])
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -172,5 +173,10 @@ def _check_values(cfg: TrainConfig) -> None:
     if positions is not None and tokens is not None and tokens > positions:
         raise UserError(f"--tokens-per-sample {tokens} exceeds --max-target-positions {positions}; "
                         f"lower --tokens-per-sample or raise --max-target-positions")
+    world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if getattr(cfg.model, "decoder_layerdrop", 0) > 0 and cfg.distributed.ddp_backend == "c10d" and world > 1:
+        raise UserError("--decoder-layerdrop with --ddp-backend c10d on several ranks: DDP waits for every "
+                        "parameter's gradient and a dropped layer gives none; use --ddp-backend no_c10d "
+                        "(fairseq's legacy_ddp) or fully_sharded")
     if opt.max_update <= 0 and opt.max_epoch <= 0 and opt.stop_time_hours <= 0:
         logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")

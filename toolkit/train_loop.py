@@ -119,7 +119,8 @@ def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     tensor-parallel replica read the same ones)."""
     data, strategy = cfg.dataset, trainer.strategy
     return trainer.task.get_batch_iterator(
-        trainer.task.dataset(data.train_subset), max_tokens=data.max_tokens, batch_size=data.batch_size,
+        trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
+        batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
         num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch)
 

@@ -6,6 +6,13 @@
 The result is the checkpoint ``toolkit-train`` writes without ``--use-sharded-state``:
 ``toolkit-eval-lm --path``, ``from_pretrained`` and ``--restore-file`` (any world
 size) load it. Runs in one process; no GPU and no process group needed.
+
+    toolkit-consolidate checkpoints/checkpoint_best.pt --to-fairseq fairseq_best.pt
+
+``--to-fairseq OUT.pt`` writes the model (a consolidated ``.pt`` or a sharded folder)
+in fairseq's ``transformer_lm`` checkpoint layout, which fairseq's
+``checkpoint_utils.load_model_ensemble`` (``fairseq-eval-lm --path``) reads; the key
+layout is documented in :mod:`toolkit.checkpoint.fairseq_export`.
 """
 from __future__ import annotations
 
@@ -28,12 +35,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-optimizer", action="store_true",
                    help="leave the optimizer state out (a smaller file for evaluation)")
     p.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
+    p.add_argument("--to-fairseq", metavar="OUT.pt", default=None,
+                   help="write the model in fairseq's transformer_lm checkpoint layout to OUT.pt")
     return p
+
+
+def to_fairseq(args: argparse.Namespace) -> str:
+    import tempfile
+
+    from toolkit.checkpoint import fairseq_export, sharded
+
+    output = args.to_fairseq
+    if os.path.exists(output) and not args.force:
+        raise UserError(f"{output}: already exists; pass --force to overwrite it")
+    folder = None if os.path.isfile(args.checkpoint) else sharded.find_sharded(args.checkpoint)
+    if folder is None:
+        summary = fairseq_export.export(args.checkpoint, output)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            consolidated = os.path.join(tmp, "consolidated.pt")
+            sharded.consolidate(folder, consolidated, include_optimizer=False)
+            summary = fairseq_export.export(consolidated, output)
+    print(f"{PROG}: wrote {output} in fairseq's layout: {summary['tensors']} tensors, "
+          f"{summary['params']} parameters (from {args.checkpoint})")
+    return output
 
 
 def main(args: argparse.Namespace) -> str:
     from toolkit.checkpoint import sharded
 
+    if args.to_fairseq:
+        return to_fairseq(args)
     folder = sharded.find_sharded(args.checkpoint)
     if folder is None:
         raise UserError(f"{args.checkpoint}: no complete sharded checkpoint there (a folder with "

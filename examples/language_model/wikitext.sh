@@ -38,5 +38,5 @@ toolkit-train "$DATA" --task language_modeling --arch transformer_lm \
   --tensorboard-logdir "runs/$NAME" --cpu
 
 toolkit-eval-lm "$DATA" --path "$SAVE/checkpoint_best.pt" --gen-subset test \
-  --tokens-per-sample 64 --context-window 64 --batch-size 16 --cpu
+  --tokens-per-sample 128 --context-window 64 --batch-size 16 --cpu  # 64 scored after 64 of context
 python3 examples/language_model/unigram_ppl.py "$DATA" test

@@ -192,6 +192,16 @@ def _sorted_checkpoints(folder: str, pattern: str, folders: bool) -> List[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def vocabulary_rows(shapes: Dict[str, Any]) -> Optional[int]:
+    """Dictionary size from tensor shapes by name: ``embed_tokens.weight``'s rows, or the sum of an
+    adaptive input's bands (``embed_tokens.embeddings.{i}.0.weight``)."""
+    plain = [s for k, s in shapes.items() if k.endswith("embed_tokens.weight")]
+    if plain:
+        return int(plain[0][0])
+    bands = [s for k, s in shapes.items() if re.search(r"embed_tokens\.embeddings\.\d+\.0\.weight$", k)]
+    return sum(int(s[0]) for s in bands) if bands else None
+
+
 def saved_data_parallel_size(saved_cfg: Dict[str, Any]) -> Optional[int]:
     """Replicas the saved data position was counted on (older checkpoints: every rank was one)."""
     return saved_cfg.get("data_parallel_size") or saved_cfg.get("distributed_world_size")

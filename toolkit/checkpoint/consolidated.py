@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from toolkit.checkpoint.common import (
     TrainingState,
     saved_data_parallel_size,
+    vocabulary_rows,
     check_compatible,
     check_optimizer_switch,
     first_line,
@@ -95,18 +96,19 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
                         f"is it a toolkit checkpoint?") from None
 
 
-def embed_rows(model_state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
-    embed = next((v for k, v in model_state_dict.items() if k.endswith("embed_tokens.weight")), None)
-    return None if embed is None else int(embed.shape[0])
+def embed_rows(model_state_dict: Dict[str, Any]) -> Optional[int]:
+    """The dictionary size a model state was trained with (adaptive input: the rows of all its bands)."""
+    return vocabulary_rows({k: tuple(v.shape) for k, v in model_state_dict.items()})
 
 
 def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, trainer,
-         state: TrainingState) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
+         state: TrainingState, checkpoint: Optional[Dict[str, Any]] = None
+         ) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
     """Restore model, optimizer (unless --reset-optimizer) and training state.
 
     Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
-    checkpoint = load_checkpoint_file(path)
+    checkpoint = load_checkpoint_file(path) if checkpoint is None else checkpoint
     check_compatible(path, checkpoint.get("cfg", {}), model_cfg, embed_rows(checkpoint["model"]),
                      len(trainer.task.dictionary))
     set_model_state_dict(trainer.model, checkpoint["model"], options=FULL_STATE)

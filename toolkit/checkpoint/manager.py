@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
-from toolkit.checkpoint import consolidated, fairseq_shards, sharded
+from toolkit.checkpoint import consolidated, fairseq_checkpoint, fairseq_shards, sharded
 from toolkit.checkpoint.common import TrainingState, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
@@ -71,7 +71,20 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         if ckpt_cfg.restore_file != DEFAULT_RESTORE_FILE:
             raise UserError(f"--restore-file {ckpt_cfg.restore_file}: not found (looked for {path})")
         return None
-    return rescale_iterator_state(*consolidated.load(path, *load_args), trainer.strategy.dp_size)
+    checkpoint = fairseq_checkpoint.read_checkpoint(path)  # weights_only; fairseq's configs through an allowlist
+    if fairseq_checkpoint.is_fairseq_checkpoint(checkpoint):
+        return _load_fairseq(path, checkpoint, ckpt_cfg.reset_optimizer, trainer)
+    return rescale_iterator_state(*consolidated.load(path, *load_args, checkpoint=checkpoint),
+                                  trainer.strategy.dp_size)
+
+
+def _load_fairseq(path: str, checkpoint: Dict[str, Any], reset_optimizer: bool, trainer) -> Dict[str, Any]:
+    """A checkpoint written by fairseq: its weights, Adam moments where they map, its update count and epoch
+    (fairseq's data position does not map onto ours: the epoch starts over)."""
+    info = fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=checkpoint)
+    trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
+    logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
+    return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
 
 
 def _file_is_newer(path: str, folder: str) -> bool:

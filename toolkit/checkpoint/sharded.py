@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from toolkit.checkpoint.common import (
     TrainingState,
     saved_data_parallel_size,
+    vocabulary_rows,
     check_compatible,
     check_optimizer_switch,
     first_line,
@@ -223,9 +224,8 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
     Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
     meta = read_meta(folder)
-    embed = tensor_shapes(folder).get("model.embed_tokens.weight")
-    check_compatible(folder, meta.get("cfg", {}), model_cfg, embed[0] if embed else None,
-                     len(trainer.task.dictionary))
+    rows = vocabulary_rows({k: v for k, v in tensor_shapes(folder).items() if k.startswith("model.")})
+    check_compatible(folder, meta.get("cfg", {}), model_cfg, rows, len(trainer.task.dictionary))
     load_optimizer = not cfg.reset_optimizer and meta.get("has_optimizer_state", False)
     switching = load_optimizer and optimizer_switch(folder, meta, optimizer_name, trainer)
     tensors = _sharded_state(trainer, load_optimizer)

@@ -61,6 +61,8 @@ class LanguageModelingTask:
         self.cfg = cfg
         self.dictionary = dictionary
         self.datasets: Dict[str, MonolingualDataset] = {}
+        self._loaded_from: Dict[str, str] = {}
+        self._checked_splits: set = set()
 
     @property
     def source_dictionary(self) -> Dictionary:
@@ -81,7 +83,12 @@ class LanguageModelingTask:
             cfg = options.config_from_args(LanguageModelingConfig, cfg)
         if not cfg.data:
             raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")
-        data = cfg.data.split(":")[0]
+        shards = [p for p in cfg.data.split(":") if p]
+        missing = [p for p in shards if not os.path.isdir(p)]
+        if missing:
+            raise UserError(f"{missing[0]}: data shard not found (DATA is {cfg.data}); every ':'-separated "
+                            f"folder must be a data-bin made by toolkit-preprocess")
+        data = shards[0]
         dict_path = os.path.join(data, "dict.txt")
         if not os.path.isfile(dict_path):
             raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
@@ -95,6 +102,8 @@ class LanguageModelingTask:
         paths = self.data_paths()
         data_path = paths[(max(epoch, 1) - 1) % len(paths)]
         prefix = os.path.join(data_path, split)
+        if len(paths) > 1 and split not in self._checked_splits:
+            self._check_shards(split, paths)
         if not MMapIndexedDataset.exists(prefix):
             found = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
                            if MMapIndexedDataset.exists(p[:-4]))
@@ -107,7 +116,28 @@ class LanguageModelingTask:
         dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
         logger.info(f"{data_path} {split} {len(split_data)} examples, {len(dataset)} samples")
         self.datasets[split] = dataset
+        self._loaded_from[split] = data_path
         return dataset
+
+    def _check_shards(self, split: str, paths) -> None:
+        """A split found in several shards (the train split) must be in every one."""
+        present = [MMapIndexedDataset.exists(os.path.join(p, split)) for p in paths]
+        if sum(present) > 1 and not all(present):
+            lacking = paths[present.index(False)]
+            raise UserError(f"{os.path.join(lacking, split)}.bin/.idx: not found, but {split} is in other shards "
+                            f"of {self.cfg.data}; binarize it there or drop that shard")
+        self._checked_splits.add(split)
+
+    def has_sharded_data(self) -> bool:
+        return len(self.data_paths()) > 1
+
+    def dataset_for_epoch(self, split: str, epoch: int) -> MonolingualDataset:
+        """The split as epoch ``epoch`` sees it: reloaded from that epoch's shard when DATA has several."""
+        paths = self.data_paths()
+        wanted = paths[(max(epoch, 1) - 1) % len(paths)]
+        if split not in self.datasets or (len(paths) > 1 and self._loaded_from.get(split) != wanted):
+            return self.load_dataset(split, epoch=epoch)
+        return self.datasets[split]
 
     def dataset(self, split: str) -> MonolingualDataset:
         if split not in self.datasets:

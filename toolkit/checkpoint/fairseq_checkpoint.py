@@ -1,0 +1,298 @@
+"""fairseq ``transformer_lm`` checkpoints in and out.
+
+Reading (``toolkit-eval-lm --path``, the hub, ``load_fairseq_into_trainer``): a
+file written by fairseq 0.10 (options in ``args``, an ``argparse.Namespace``) or
+by fairseq 0.10.1-0.12/main (options in ``cfg``: a DictConfig or plain dict with
+``model``/``task`` sections) is read by :mod:`toolkit.checkpoint.fairseq_pickle`
+(a restricted unpickler), its options become our ``TransformerLMConfig`` values
+(:func:`toolkit_cfg`) and its weights our names (:func:`to_toolkit_weights`).
+fairseq features we do not implement are refused with one line naming the flag.
+
+Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.checkpoint.fairseq_export`,
+which documents the key layout it writes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pickle
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from toolkit.checkpoint import fairseq_pickle
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TARGET_POSITIONS = 1024  # fairseq's, for checkpoints that never set it
+_QKV = re.compile(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)")
+_IN_PROJ = re.compile(r"(layers\.\d+\.self_attn)\.in_proj_(weight|bias)")
+_OLD_LAYER_NORMS = re.compile(r"(layers\.\d+)\.layer_norms\.([02])\.(weight|bias)")
+_IGNORED = {"version", "embed_positions._float_tensor", "embed_positions.weights"}
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """A toolkit or fairseq checkpoint: ``weights_only`` first, the fairseq allowlist when that refuses."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: checkpoint not found")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # config objects (fairseq's Namespace / omegaconf): the allowlist decides
+        return fairseq_pickle.read(path)
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: cannot load checkpoint ({text})") from None
+
+
+def is_fairseq_checkpoint(state: Dict[str, Any]) -> bool:
+    cfg = state.get("cfg")
+    return ("optimizer_history" in state or state.get("args") is not None
+            or (isinstance(cfg, dict) and isinstance(cfg.get("model"), dict)))
+
+
+def fairseq_options(state: Dict[str, Any], path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(model options, task options) by fairseq's names, from ``args`` (0.10) or ``cfg`` (later)."""
+    if isinstance(state.get("args"), dict):
+        args = dict(state["args"])
+        return args, args
+    cfg = state.get("cfg")
+    if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
+        model = {k: _resolve(v, cfg) for k, v in cfg["model"].items()}
+        task = {k: _resolve(v, cfg) for k, v in (cfg.get("task") or {}).items()}
+        return model, task
+    raise UserError(f"{path}: fairseq checkpoint without 'args' or 'cfg.model'; cannot tell its architecture")
+
+
+def _resolve(value: Any, cfg: Dict[str, Any]) -> Any:
+    """An unresolved omegaconf interpolation ``${task.tokens_per_sample}`` -> its value in ``cfg``."""
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        node: Any = cfg
+        for part in value[2:-1].split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+    return value
+
+
+# fairseq option -> (is the feature on?, what it is). Refused unless our config has a field of that name.
+_FEATURES = {
+    "adaptive_softmax_cutoff": (lambda v, o: v not in (None, "", "None"), "adaptive softmax"),
+    "adaptive_input": (lambda v, o: bool(v), "adaptive input embeddings"),
+    "character_embeddings": (lambda v, o: bool(v), "character embeddings"),
+    "tie_adaptive_weights": (lambda v, o: bool(v), "tied adaptive weights"),
+    "cross_self_attention": (lambda v, o: bool(v), "cross+self attention"),
+    "base_layers": (lambda v, o: (v or 0) > 0, "BASE layers"),
+    "layernorm_embedding": (lambda v, o: bool(v), "LayerNorm on the embeddings"),
+    "scale_fc": (lambda v, o: bool(v), "NormFormer FFN LayerNorm"),
+    "scale_attn": (lambda v, o: bool(v), "NormFormer attention LayerNorm"),
+    "scale_heads": (lambda v, o: bool(v), "NormFormer head scales"),
+    "scale_resids": (lambda v, o: bool(v), "NormFormer residual scales"),
+    "decoder_layers_to_keep": (lambda v, o: bool(v), "pruned LayerDrop layers"),
+    "decoder_input_dim": (lambda v, o: v is not None and v != o.get("decoder_embed_dim"), "project_in_dim"),
+    "decoder_output_dim": (lambda v, o: v is not None and v != o.get("decoder_embed_dim"), "project_out_dim"),
+}
+
+
+def toolkit_cfg(state: Dict[str, Any], path: str, model_config: type) -> Dict[str, Any]:
+    """The flat option dict a toolkit checkpoint stores (``cfg``), for this fairseq checkpoint."""
+    model, task = fairseq_options(state, path)
+    ours = {f.name for f in dataclasses.fields(model_config)}
+    for name, (active, what) in _FEATURES.items():
+        if name not in ours and active(model.get(name), model):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{path}: cannot load: the fairseq model uses {flag} ({what}), "
+                            f"which toolkit's transformer_lm does not implement")
+    values = {name: model[name] for name in ours if model.get(name) is not None}
+    values["decoder_normalize_before"] = bool(model.get("decoder_normalize_before", True))
+    if not values.get("activation_dropout") and model.get("relu_dropout"):
+        values["activation_dropout"] = model["relu_dropout"]  # fairseq's older name
+    if "decoder_final_norm" in model:
+        values["no_decoder_final_norm"] = not model["decoder_final_norm"]
+    if "no_tie_adaptive_proj" in model or _decoder_version(state) <= 2:
+        values["no_decoder_final_norm"] = True  # fairseq: such models have no final LayerNorm
+    tokens_per_sample = task.get("tokens_per_sample") or model.get("tokens_per_sample")
+    values["max_target_positions"] = (model.get("max_target_positions") or tokens_per_sample
+                                      or DEFAULT_MAX_TARGET_POSITIONS)
+    return {**values, "task": "language_modeling", "arch": "transformer_lm", "data": task.get("data"),
+            "tokens_per_sample": tokens_per_sample or DEFAULT_MAX_TARGET_POSITIONS,
+            "sample_break_mode": task.get("sample_break_mode") or "none",
+            "add_bos_token": bool(task.get("add_bos_token", False)),
+            "seed": model.get("seed", task.get("seed", 1)) or 1}
+
+
+def _decoder_version(state: Dict[str, Any]) -> float:
+    version = state.get("model", {}).get("decoder.version")
+    return float(version.flatten()[0]) if isinstance(version, torch.Tensor) and version.numel() else 1.0
+
+
+def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
+                       drop_final_norm: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(our state dict, our name -> the fairseq key it came from) for a fairseq ``model`` dict."""
+    out: Dict[str, torch.Tensor] = {}
+    source: Dict[str, str] = {}
+    qkv: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    for key, value in model_sd.items():
+        if not key.startswith("decoder."):
+            raise UserError(f"{path}: cannot load: weight {key} is not part of a transformer_lm decoder")
+        name = key[len("decoder."):]
+        if name in _IGNORED or (shared and name == "output_projection.weight") or (
+                drop_final_norm and name.startswith("layer_norm.")):
+            continue
+        m = _QKV.fullmatch(name)
+        if m:
+            qkv[(m[1], m[3])][m[2]] = value
+            continue
+        if _IN_PROJ.fullmatch(name):
+            name = _IN_PROJ.sub(r"\1.qkv_proj.\2", name)  # fairseq < 0.9: already fused, rows [q|k|v]
+        m = _OLD_LAYER_NORMS.fullmatch(name)
+        if m:
+            name = f"{m[1]}.{'self_attn_layer_norm' if m[2] == '0' else 'final_layer_norm'}.{m[3]}"
+        if name == "embed_out":
+            name = "output_projection.weight"
+        out[name], source[name] = value, key
+    for (prefix, kind), parts in qkv.items():
+        name = f"{prefix}.qkv_proj.{kind}"
+        missing = [p for p in "qkv" if p not in parts]
+        if missing:
+            raise UserError(f"{path}: cannot load: decoder.{prefix}.{missing[0]}_proj.{kind} is missing")
+        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]])
+        source[name] = f"decoder.{prefix}.q_proj.{kind}"
+    return out, source
+
+
+def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor],
+                  source: Dict[str, str]) -> None:
+    """One line naming the first fairseq weight without a counterpart (or of another shape)."""
+    expected = model.state_dict()
+    for name, value in weights.items():
+        if name not in expected:
+            raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has no counterpart in "
+                            f"toolkit's transformer_lm (a fairseq feature not implemented here)")
+        if tuple(expected[name].shape) != tuple(value.shape):
+            raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has shape "
+                            f"{tuple(value.shape)}, the model built from its options expects "
+                            f"{tuple(expected[name].shape)}")
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise UserError(f"{path}: cannot load: the checkpoint has no weight for {missing[0]} "
+                        f"(fairseq name decoder.{missing[0]})")
+
+
+def import_checkpoint(path: str, state: Dict[str, Any], model_config: type) -> Dict[str, Any]:
+    """A fairseq checkpoint as a toolkit one: ``{"cfg": flat options, "model": our weights, ...}``."""
+    if "fsdp_metadata" in state:
+        raise UserError(f"{path}: one shard of a fairseq FSDP checkpoint (flattened parameters); load it with "
+                        f"fairseq's load_model_ensemble(num_shards=...) and save the consolidated model first")
+    cfg = toolkit_cfg(state, path, model_config)
+    weights, source = to_toolkit_weights(state["model"], path, bool(cfg.get("share_decoder_input_output_embed")),
+                                         drop_final_norm=_decoder_version(state) <= 2)
+    history = state.get("optimizer_history") or [{}]
+    logger.info(f"{path}: fairseq checkpoint ({'args' if state.get('args') else 'cfg'} layout, "
+                f"{history[-1].get('num_updates', 0)} updates)")
+    return {"cfg": cfg, "model": weights, "fairseq_source": source, "fairseq_state": state}
+
+
+# ---- optimizer state (fairseq -> ours) ---------------------------------------------------------
+
+def _fairseq_parameter_keys(state: Dict[str, Any], shared: bool) -> List[str]:
+    """fairseq's ``model.parameters()`` order: its state dict's order without buffers and the tied copy."""
+    keys = []
+    for key in state["model"]:
+        name = key[len("decoder."):]
+        if name in _IGNORED or (shared and name == "output_projection.weight"):
+            continue
+        keys.append(key)
+    return keys
+
+
+def _fairseq_moments(state: Dict[str, Any], keys: List[str]) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Per fairseq key: {"step", "exp_avg", "exp_avg_sq"}, from a per-parameter or a flat (FP16Optimizer) state."""
+    saved = (state.get("last_optimizer_state") or {}).get("state")
+    if not isinstance(saved, dict) or not saved:
+        return None
+    params = [state["model"][k] for k in keys]
+    entries = list(saved.values())
+    if not all(isinstance(e, dict) and {"exp_avg", "exp_avg_sq"} <= set(e) for e in entries):
+        return None
+    total = sum(p.numel() for p in params)
+    if len(entries) == 1 and len(keys) > 1 and entries[0]["exp_avg"].numel() == total:  # one flat fp32 vector
+        flat, out, offset = entries[0], {}, 0
+        for key, p in zip(keys, params):
+            out[key] = {m: flat[m].reshape(-1)[offset:offset + p.numel()].view_as(p).clone()
+                        for m in ("exp_avg", "exp_avg_sq")}
+            out[key]["step"] = flat.get("step", 0)
+            offset += p.numel()
+        return out
+    if sorted(saved) != list(range(len(keys))):
+        return None
+    out = {}
+    for index, (key, p) in enumerate(zip(keys, params)):
+        entry = saved[index]
+        if entry["exp_avg"].shape != p.shape:
+            return None
+        out[key] = {"step": entry.get("step", 0)}
+        for moment in ("exp_avg", "exp_avg_sq"):  # --fp16-adam-stats: fp16 values times a scale
+            out[key][moment] = entry[moment].float() * float(entry.get(f"{moment}_scale", 1.0))
+    return out
+
+
+def map_optimizer_state(state: Dict[str, Any], shared: bool) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
+    """fairseq Adam moments by our parameter names (q/k/v fused), or None when they do not map."""
+    keys = _fairseq_parameter_keys(state, shared)
+    moments = _fairseq_moments(state, keys)
+    if moments is None:
+        return None
+    named: Dict[str, Dict[str, torch.Tensor]] = {}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        mapped, _ = to_toolkit_weights({k: moments[k][moment] for k in keys}, "", shared,
+                                       drop_final_norm=_decoder_version(state) <= 2)
+        for name, value in mapped.items():
+            named.setdefault(name, {})[moment] = value.float()
+    steps = {float(torch.as_tensor(m["step"]).item()) for m in moments.values()}
+    step = torch.tensor(max(steps) if steps else 0.0)
+    return {name: {"step": step.clone(), **value} for name, value in named.items()}
+
+
+def _clean_name(name: str) -> str:
+    for wrapper in ("module.", "_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
+                              state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``--restore-file`` / ``--finetune-from-model`` with a fairseq checkpoint: weights, and Adam
+    moments where they map (otherwise a fresh optimizer, said in one INFO line).
+
+    Returns ``{"num_updates", "epoch"}`` as fairseq saved them (the caller decides whether a
+    fine-tuning run keeps them).
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from toolkit import registry
+    from toolkit.checkpoint.consolidated import FULL_STATE
+
+    state = read_checkpoint(path) if state is None else state
+    if not is_fairseq_checkpoint(state):
+        raise UserError(f"{path}: not a fairseq checkpoint")
+    registry.import_all_components()
+    imported = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
+    shared = bool(imported["cfg"].get("share_decoder_input_output_embed"))
+    set_model_state_dict(trainer.model, imported["model"], options=FULL_STATE)
+    moments = None if reset_optimizer else map_optimizer_state(state, shared)
+    names = {id(p): _clean_name(n) for n, p in trainer.model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in trainer.optimizer.param_groups]
+    wanted = {n for g in groups for n in g["params"]}
+    if moments is not None and set(moments) == wanted:
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": moments, "param_groups": groups},
+                                 options=FULL_STATE)
+        logger.info(f"{path}: fairseq Adam moments loaded ({len(moments)} parameters)")
+    elif not reset_optimizer:
+        logger.info(f"{path}: fairseq optimizer state does not map onto this optimizer; starting a fresh one")
+    history = state.get("optimizer_history") or [{}]
+    iterator = (state.get("extra_state") or {}).get("train_iterator") or {}
+    return {"num_updates": int(history[-1].get("num_updates", 0)), "epoch": int(iterator.get("epoch", 1))}
