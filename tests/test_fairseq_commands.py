@@ -119,7 +119,6 @@ def test_fsdp_13b_command(wikitext):
         env={"CUDA_VISIBLE_DEVICES": "0"}))  # OMP_NUM_THREADS=20 -> 1 (run_cli sets it)
 
 
-@pytest.mark.xfail(strict=True, reason="needs flag --combine-val (issue 11, pending)")
 def test_normformer_train_lm(wikitext, tmp_path):
     """examples/normformer/train_lm.sh: train_common + train_125M's flags (--tokens-per-sample 2048 -> 64,
     --batch-size 16 -> 4, --distributed-world-size 8 -> 1, tiny arch instead of 125M's sizes)."""

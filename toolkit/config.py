@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from toolkit.flag_types import float_list, int_list
+
 
 def opt(default, help: str, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
@@ -35,6 +37,8 @@ class CommonConfig:
     fp16_scale_tolerance: float = opt(0.0, "share of overflowing updates tolerated before lowering the scale")
     threshold_loss_scale: Optional[float] = opt(None, "never lower the loss scale below this")
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
+    amp: bool = opt(False, "automatic mixed precision: fp16 autocast over fp32 weights with dynamic loss scaling "
+                           "(on CPU: see toolkit.resolve)")
 
 
 @dataclass
@@ -49,7 +53,14 @@ class DatasetConfig:
     validate_interval_updates: int = opt(0, "validate every N updates")
     disable_validation: bool = opt(False, "do not validate")
     max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
-    batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
+    batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)",
+                                          aliases=("--max-sentences-valid",))
+    skip_invalid_size_inputs_valid_test: bool = opt(False, "skip validation samples longer than the model's "
+                                                           "positions instead of stopping with an error")
+    combine_valid_subsets: bool = opt(False, "validate on valid, valid1, valid2, ... combined (fairseq's "
+                                             "--combine-val)", aliases=("--combine-val",))
+    fixed_validation_seed: Optional[int] = opt(None, "seed the random generators with this before every validation")
+    validate_after_updates: int = opt(0, "do not validate (nor save mid-epoch) before this many updates")
 
 
 @dataclass
@@ -58,15 +69,23 @@ class OptimizationConfig:
     max_update: int = opt(0, "stop after this many updates (0: no limit)")
     stop_time_hours: float = opt(0.0, "stop after this many hours of training (0: no limit)")
     clip_norm: float = opt(0.0, "clip gradients to this global norm (0: no clipping)")
-    update_freq: int = opt(1, "accumulate gradients over N batches before each update")
-    lr: float = opt(0.25, "learning rate")
+    update_freq: int = opt(1, "accumulate gradients over N batches before each update; a comma-separated list "
+                              "gives epoch e the e-th value (the last repeats)", type=int_list, metavar="N[,N...]")
+    lr: float = opt(0.25, "learning rate; a comma-separated list gives epoch e the e-th value under "
+                          "--lr-scheduler fixed", type=float_list, metavar="LR[,LR...]")
+    # The list forms (fairseq's): filled by toolkit.resolve from --update-freq / --lr; the fields above hold
+    # the first value, which is what everything but the per-epoch choice uses.
+    update_freq_per_epoch: Tuple[int, ...] = opt((), "--update-freq's values, one per epoch", cli=False)
+    lr_per_epoch: Tuple[float, ...] = opt((), "--lr's values, one per epoch", cli=False)
     stop_min_lr: float = opt(-1.0, "stop when the learning rate falls to or below this")
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: str = opt("checkpoints", "where to save checkpoints")
-    restore_file: str = opt("checkpoint_last.pt", "checkpoint to resume from (relative to --save-dir)")
+    restore_file: str = opt("checkpoint_last.pt", "checkpoint to resume from: the default is read in --save-dir, "
+                                                  "another path relative to the working directory; a missing "
+                                                  "file starts a fresh run")
     reset_dataloader: bool = opt(False, "do not restore the data position from the checkpoint")
     reset_lr_scheduler: bool = opt(False, "do not restore the LR scheduler from the checkpoint")
     reset_meters: bool = opt(False, "do not restore the meters from the checkpoint")
@@ -82,6 +101,11 @@ class CheckpointConfig:
     best_checkpoint_metric: str = opt("loss", "metric that decides checkpoint_best.pt")
     maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
     patience: int = opt(-1, "stop after N validations without improvement (-1: never)")
+    keep_best_checkpoints: int = opt(-1, "keep the N best checkpoints by --best-checkpoint-metric, named "
+                                         "checkpoint.best_{metric}_{value}.pt as fairseq names them")
+    finetune_from_model: Optional[str] = opt(None, "start from this model's weights (toolkit or fairseq checkpoint) "
+                                                   "with a fresh optimizer, LR schedule, meters and data position; "
+                                                   "only when --save-dir has no checkpoint_last.pt")
     use_sharded_state: bool = opt(False, "each rank saves its own shard (torch.distributed.checkpoint)")
 
 
@@ -92,7 +116,12 @@ class DistributedConfig:
                                              "NCCL plus gloo for host-memory shards under --cpu-offload)",
                                              choices=["nccl", "gloo"])
     distributed_port: int = opt(-1, "port for the spawned processes' rendezvous (-1: pick a free one)")
-    ddp_backend: str = opt("c10d", "data parallel backend", choices=["c10d", "fully_sharded", "no_c10d"])
+    ddp_backend: str = opt("c10d", "data parallel backend (fairseq's pytorch_ddp is c10d, legacy_ddp is no_c10d)",
+                           choices=["c10d", "fully_sharded", "no_c10d", "pytorch_ddp", "legacy_ddp"])
+    find_unused_parameters: bool = opt(False, "let DDP (--ddp-backend c10d) find parameters without gradients")
+    bucket_cap_mb: int = opt(25, "DDP's gradient bucket size in MiB (--ddp-backend c10d)")
+    device_id: Optional[int] = opt(None, "local rank given by torch.distributed.launch (the LOCAL_RANK "
+                                         "environment variable wins)", aliases=("--local-rank", "--local_rank"))
     sharding_strategy: str = opt("full_shard", "how fully_sharded shards state",
                                  choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
                                           "hybrid_shard_zero2"])
@@ -109,7 +138,19 @@ class DistributedConfig:
                                             "whole on every rank instead of split over the sequence")
 
 
-TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig)
+@dataclass
+class EMAConfig:
+    """fairseq's trainer-level EMA (fairseq/models/ema): a shadow copy of the weights after each update."""
+
+    store_ema: bool = opt(False, "keep an exponential moving average of the weights, saved in the checkpoint's "
+                                 "extra state under \"ema\"")
+    ema_decay: float = opt(0.9999, "decay of the moving average")
+    ema_start_update: int = opt(0, "copy the weights (decay 0) until this many updates, then average")
+    ema_update_freq: int = opt(1, "update the average every N updates")
+    ema_fp32: bool = opt(False, "keep the average in fp32 even when the weights are fp16/bf16")
+
+
+TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig, EMAConfig)
 
 
 @dataclass(frozen=True)
@@ -141,6 +182,7 @@ class TrainConfig:
     dataset: DatasetConfig
     optimization: OptimizationConfig
     checkpoint: CheckpointConfig
+    ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
     task: Any = None
     model: Any = None
     criterion: Any = None
@@ -149,7 +191,7 @@ class TrainConfig:
     bpe: Any = None
 
     def sections(self) -> Tuple[Any, ...]:
-        return (self.common, self.distributed, self.dataset, self.optimization, self.checkpoint, self.task,
+        return (self.common, self.distributed, self.dataset, self.optimization, self.checkpoint, self.ema, self.task,
                 self.model, self.criterion, self.optimizer, self.lr_scheduler, self.bpe)
 
     def to_dict(self) -> Dict[str, Any]:

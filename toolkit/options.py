@@ -74,7 +74,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, tit
             kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
             kwargs["default"] = default
         else:
-            kwargs["type"] = tp if tp in (int, float, str) else str
+            kwargs["type"] = f.metadata.get("type") or (tp if tp in (int, float, str) else str)
             kwargs["default"] = default
             if choices is not None:
                 kwargs["choices"] = choices

@@ -28,6 +28,7 @@ import torch
 from toolkit import options
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.errors import UserError
+from toolkit.fairseq_flags import check_list_flags, resolve_fairseq_flags, split_list_flags
 from toolkit.registry import (
     CRITERION_REGISTRY,
     LR_SCHEDULER_REGISTRY,
@@ -82,10 +83,11 @@ def resolve(args: argparse.Namespace, explicit: Set[str]) -> Tuple[TrainConfig, 
     if args.cpu_offload and "optimizer" not in explicit:
         choices.append(f"--cpu-offload: using --optimizer {args.optimizer}")
     cfg = train_config_from_args(args)
+    cfg, aliases = resolve_fairseq_flags(cfg, explicit)  # fairseq's names of our settings, before any check
     _check_conflicts(cfg, explicit)
     cfg, more = _implied_values(cfg)
     _check_values(cfg)
-    return cfg, choices + more
+    return cfg, choices + aliases + more
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -96,14 +98,15 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         entry = registry.get(name)
         return options.config_from_args(entry.config, args) if entry.config is not None else None
 
-    common, distributed, dataset, optimization, checkpoint = (
+    args = split_list_flags(args)
+    common, distributed, dataset, optimization, checkpoint, ema = (
         options.config_from_args(cls, args) for cls in TRAIN_CONFIGS)
     arch_entry = resolve_arch(args.arch)
     return TrainConfig(
         components=Components(task=args.task, arch=args.arch, criterion=args.criterion, optimizer=args.optimizer,
                               lr_scheduler=args.lr_scheduler, bpe=args.bpe, user_dir=args.user_dir),
         common=common, distributed=distributed, dataset=dataset, optimization=optimization, checkpoint=checkpoint,
-        task=section(TASK_REGISTRY, args.task),
+        ema=ema, task=section(TASK_REGISTRY, args.task),
         model=options.config_from_args(arch_entry.config, args) if arch_entry.config else None,
         criterion=section(CRITERION_REGISTRY, args.criterion), optimizer=section(OPTIMIZER_REGISTRY, args.optimizer),
         lr_scheduler=section(LR_SCHEDULER_REGISTRY, args.lr_scheduler), bpe=section(TOKENIZER_REGISTRY, args.bpe))
@@ -168,6 +171,7 @@ def _check_values(cfg: TrainConfig) -> None:
     opt = cfg.optimization
     if opt.update_freq < 1:
         raise UserError(f"--update-freq must be >= 1, got {opt.update_freq}")
+    check_list_flags(cfg)
     positions = getattr(cfg.model, "max_target_positions", None)
     tokens = getattr(cfg.task, "tokens_per_sample", None)
     if positions is not None and tokens is not None and tokens > positions:

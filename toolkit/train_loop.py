@@ -28,7 +28,9 @@ from toolkit.config import TrainConfig
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_model
+from toolkit.errors import UserError
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
+from toolkit.flag_types import for_epoch
 from toolkit.logging import metrics, throughput
 from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
@@ -47,6 +49,7 @@ def train(cfg: TrainConfig) -> None:
     logger.info(cfg)
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
+    check_combine_val(cfg, trainer.task)
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
@@ -77,6 +80,21 @@ def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] =
     model, strategy = build_model(cfg, task, env)
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     return Trainer(cfg, task, model, criterion, env, strategy)
+
+
+def check_combine_val(cfg: TrainConfig, task) -> None:
+    """fairseq's --combine-val validates on valid, valid1, valid2, ... concatenated. Without valid1 that is
+    valid alone (what runs here); combining several is not implemented, so it is refused."""
+    if not cfg.dataset.combine_valid_subsets or cfg.dataset.disable_validation:
+        return
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    data = task.data_paths()[0] if hasattr(task, "data_paths") else None
+    if data is not None and MMapIndexedDataset.exists(os.path.join(data, "valid1")):
+        raise UserError(f"--combine-val: {data} has valid1; combining validation splits is not supported here; "
+                        f"validate on each with --valid-subset valid,valid1,...")
+    logger.info(f"--combine-val: no valid1 in {data}, so validation uses --valid-subset "
+                f"{cfg.dataset.valid_subset} as given (accepted, no effect)")
 
 
 def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv,
@@ -126,12 +144,23 @@ def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
 
 
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
+    """As fairseq: samples longer than the model takes are an error, or skipped under
+    --skip-invalid-size-inputs-valid-test."""
     data, strategy = cfg.dataset, trainer.strategy
     return trainer.task.get_batch_iterator(
         trainer.task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
         batch_size=data.batch_size_valid or data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=1)
+        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=1,
+        max_positions=valid_max_positions(trainer), ignore_invalid_inputs=data.skip_invalid_size_inputs_valid_test)
+
+
+def valid_max_positions(trainer: Trainer) -> Optional[int]:
+    """The smaller of what the task produces and what the model takes (fairseq's resolve_max_positions)."""
+    limits = [trainer.task.max_positions() if hasattr(trainer.task, "max_positions") else None,
+              trainer.model.max_positions() if hasattr(trainer.model, "max_positions") else None]
+    known = [int(x) for x in limits if isinstance(x, (int, float))]
+    return min(known) if known else None
 
 
 def make_progress(cfg: TrainConfig, iterator, env: DistributedEnv, epoch: int, prefix: Optional[str] = None):
@@ -147,7 +176,8 @@ def train_epoch(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: D
     epoch_itr = state.epoch_itr
     itr = epoch_itr.next_epoch_itr(shuffle=True)
     trainer.lr_scheduler.step_begin_epoch(epoch_itr.epoch)
-    progress = make_progress(cfg, GroupedIterator(itr, cfg.optimization.update_freq), env, epoch_itr.epoch)
+    update_freq = for_epoch(cfg.optimization.update_freq_per_epoch or (cfg.optimization.update_freq,), epoch_itr.epoch)
+    progress = make_progress(cfg, GroupedIterator(itr, update_freq), env, epoch_itr.epoch)
     logger.info(f"begin training epoch {epoch_itr.epoch}")
     valid_losses: List[Optional[float]] = [None]
     should_stop = False
@@ -193,9 +223,10 @@ def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, 
     should_stop = not all_ranks_agree(reason is None, env.device)  # any rank's clock can stop all
     if reason:
         logger.info(f"Stopping training due to {reason}")
-    do_save = (end_of_epoch and epoch % ckpt.save_interval == 0) or should_stop or _every(
-        ckpt.save_interval_updates, updates)
-    do_validate = not cfg.dataset.disable_validation and (
+    after = updates >= cfg.dataset.validate_after_updates  # fairseq: no validation (nor mid-epoch save) before
+    do_save = (end_of_epoch and epoch % ckpt.save_interval == 0) or should_stop or (_every(
+        ckpt.save_interval_updates, updates) and after)
+    do_validate = not cfg.dataset.disable_validation and after and (
         (end_of_epoch and epoch % cfg.dataset.validate_interval == 0) or should_stop or do_save
         or _every(cfg.dataset.validate_interval_updates, updates))
     valid_losses: List[Optional[float]] = validate(cfg, trainer, epoch, env, state.best) if do_validate else [None]
@@ -213,6 +244,8 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
              best: BestTracker) -> List[Optional[float]]:
     losses: List[Optional[float]] = []
     metric = cfg.checkpoint.best_checkpoint_metric
+    if cfg.dataset.fixed_validation_seed is not None:
+        seed_everything(cfg.dataset.fixed_validation_seed)  # fairseq: the same draws at every validation
     for subset in cfg.dataset.valid_subset.split(","):
         logger.info(f'begin validation on "{subset}" subset')
         progress = make_progress(cfg, valid_iterator(cfg, trainer, subset).next_epoch_itr(shuffle=False),
@@ -226,6 +259,11 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
         progress.print(stats, tag=subset, step=trainer.num_updates)
         losses.append(stats.get(metric))
     return losses
+
+
+def seed_everything(seed: int) -> None:
+    """torch's generators (CPU and every GPU); training reseeds per update (Trainer._set_seed)."""
+    torch.manual_seed(seed)
 
 
 def valid_totals(trainer: Trainer, progress) -> None:

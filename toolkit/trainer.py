@@ -23,6 +23,7 @@ import torch
 from toolkit.config import TrainConfig
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
+from toolkit.ema import EMA
 from toolkit.logging import metrics
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
@@ -97,6 +98,7 @@ class Trainer:
         self.scaler = (DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq)
                        if common.fp16 else None)
         self.num_updates = 0
+        self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
@@ -148,6 +150,9 @@ class Trainer:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
+        if self.ema is not None:
+            self.ema.step(self.model, self.num_updates)
+            metrics.log_scalar("ema_decay", self.ema.decay, weight=0, priority=10000, round=5)
         self.lr_scheduler.step_update(self.num_updates)
         if not math.isfinite(totals.get("loss", 0.0)):
             raise FloatingPointError(f"non-finite loss at update {self.num_updates}; lower --lr or add --clip-norm")

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from toolkit.checkpoint import best_checkpoints, finetune
 from toolkit.config import CheckpointConfig
 from toolkit.errors import UserError
 
@@ -71,13 +72,17 @@ class TrainingState:
     def state_dict(self) -> Dict[str, Any]:
         from toolkit.logging import metrics
 
-        return {
+        state = {
             "train_iterator": self.epoch_itr.state_dict() if self.epoch_itr is not None else None,
             "val_loss": self.val_loss,
             "best": self.best.best,
             "trainer": self.trainer.state_dict(),
             "metrics": metrics.state_dict(),
         }
+        ema = getattr(self.trainer, "ema", None)
+        if ema is not None:
+            state["ema"] = ema.state_dict()  # fairseq's key (--store-ema)
+        return state
 
     def load_state_dict(self, extra: Dict[str, Any], cfg: CheckpointConfig) -> Optional[Dict[str, Any]]:
         """Restore counters, schedule, scaler, meters and best; returns the saved data position (the loop
@@ -88,6 +93,9 @@ class TrainingState:
         if not cfg.reset_meters and extra.get("metrics"):
             metrics.load_state_dict(extra["metrics"])
         self.best.best = extra.get("best")
+        ema = getattr(self.trainer, "ema", None)
+        if ema is not None and not ema.load_state_dict(extra.get("ema"), self.trainer.model):
+            logger.info("EMA not found in checkpoint; --store-ema starts it from the loaded weights")
         return extra.get("train_iterator")
 
 
@@ -100,14 +108,16 @@ def checkpoint_names(cfg: CheckpointConfig, epoch: int, end_of_epoch: bool, num_
     names[f"checkpoint_{epoch}_{num_updates}.pt"] = (
         not end_of_epoch and cfg.save_interval_updates > 0 and num_updates % cfg.save_interval_updates == 0)
     names["checkpoint_best.pt"] = val_loss is not None and best.is_better(val_loss)
+    if val_loss is not None and cfg.keep_best_checkpoints > 0:
+        names[best_checkpoints.best_name(cfg, epoch, num_updates, val_loss)] = best_checkpoints.should_write(
+            cfg, val_loss, best.best)
     names["checkpoint_last.pt"] = not cfg.no_last_checkpoints
     return [name for name, write in names.items() if write]
 
 
 def restore_path(cfg: CheckpointConfig) -> str:
-    if os.path.isabs(cfg.restore_file) or os.path.exists(cfg.restore_file):
-        return cfg.restore_file
-    return os.path.join(cfg.save_dir, cfg.restore_file)
+    """fairseq's: the default name in --save-dir, any other path relative to the working directory."""
+    return finetune.restore_path(cfg)
 
 
 def check_compatible(path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed_rows: Optional[int],
@@ -167,7 +177,9 @@ def log_optimizer_switch(saved_name: str, name: str) -> None:
 
 
 def prune(cfg: CheckpointConfig, folders: bool = False) -> None:
-    """--keep-interval-updates and --keep-last-epochs, as fairseq (newest kept); files or DCP folders."""
+    """--keep-interval-updates and --keep-last-epochs, as fairseq (newest kept), and --keep-best-checkpoints;
+    files or DCP folders."""
+    best_checkpoints.prune_best(cfg, folders)
     suffix = "" if folders else r"\.pt"
     for keep, pattern in ((cfg.keep_interval_updates, r"checkpoint_\d+_(\d+)" + suffix),
                           (cfg.keep_last_epochs, r"checkpoint(\d+)" + suffix)):

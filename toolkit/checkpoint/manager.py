@@ -9,15 +9,17 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
-from toolkit.checkpoint import consolidated, fairseq_checkpoint, fairseq_shards, sharded
-from toolkit.checkpoint.common import TrainingState, checkpoint_names, restore_path
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+from toolkit.checkpoint import consolidated, fairseq_checkpoint, fairseq_shards, finetune, sharded
+from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
+DEFAULT_RESTORE_FILE = finetune.DEFAULT_RESTORE_FILE
 
 
 def run_config_dict(cfg: TrainConfig, trainer, env: DistributedEnv) -> Dict[str, Any]:
@@ -49,14 +51,19 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
 
 
 def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: DistributedEnv) -> Optional[Dict[str, Any]]:
-    """Resume from --restore-file (default checkpoint_last.pt in --save-dir) when it exists.
+    """Resume from --restore-file (default checkpoint_last.pt in --save-dir) when it exists, or start from
+    --finetune-from-model's weights (see :mod:`toolkit.checkpoint.finetune`).
 
     Returns the data iterator's saved position (for this number of data-parallel replicas), or None for a
     fresh start.
     With both ``checkpoint_last.pt`` and ``checkpoint_last/`` present, the newer one is loaded.
     """
     ckpt_cfg = cfg.checkpoint
-    path = restore_path(ckpt_cfg)
+    last = finetune.restore_path(ckpt_cfg)
+    path, finetuning = finetune.choose(ckpt_cfg, os.path.exists(last) or sharded.find_sharded(last) is not None)
+    if finetuning:
+        _load_finetune_weights(path, fairseq_checkpoint.read_checkpoint(path), cfg.model, trainer)
+        return None
     load_args = (ckpt_cfg, cfg.model, cfg.components.optimizer, trainer, state)
     folder = sharded.find_sharded(path)
     if folder is not None and not _file_is_newer(path, folder):
@@ -68,8 +75,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         shards = fairseq_shards.fairseq_shard_files(path)
         if shards:
             return fairseq_shards.load(shards, ckpt_cfg, trainer, state)
-        if ckpt_cfg.restore_file != DEFAULT_RESTORE_FILE:
-            raise UserError(f"--restore-file {ckpt_cfg.restore_file}: not found (looked for {path})")
+        finetune.log_fresh_start(ckpt_cfg, path)  # fairseq: a missing --restore-file starts a fresh run
         return None
     checkpoint = fairseq_checkpoint.read_checkpoint(path)  # weights_only; fairseq's configs through an allowlist
     if fairseq_checkpoint.is_fairseq_checkpoint(checkpoint):
@@ -85,6 +91,22 @@ def _load_fairseq(path: str, checkpoint: Dict[str, Any], reset_optimizer: bool, 
     trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
     logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
     return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
+
+
+def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer) -> None:
+    """A fine-tuning start: only the model weights of a toolkit or fairseq checkpoint."""
+    if fairseq_checkpoint.is_fairseq_checkpoint(checkpoint):
+        fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer=True, state=checkpoint)
+    else:
+        if "model" not in checkpoint:
+            raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
+        check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),
+                         len(trainer.task.dictionary))
+        set_model_state_dict(trainer.model, checkpoint["model"], options=consolidated.FULL_STATE)
+    ema = getattr(trainer, "ema", None)
+    if ema is not None:
+        ema.reset_from(trainer.model)
+    logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
 
 
 def _file_is_newer(path: str, folder: str) -> bool:

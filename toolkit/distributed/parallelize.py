@@ -159,7 +159,9 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         fp16_utils.half_model_(model)  # fp16 weights, fp32 optimizer state; before DDP builds its buckets
     if env.world_size > 1 and cfg.ddp_backend == "c10d":
         model = DataParallelModel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                                  broadcast_buffers=False, gradient_as_bucket_view=True)
+                                  broadcast_buffers=False, gradient_as_bucket_view=True,
+                                  find_unused_parameters=cfg.find_unused_parameters,
+                                  bucket_cap_mb=cfg.bucket_cap_mb)
         return model, DDPStrategy(**placement)
     if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
         return model, AllReduceStrategy(model, env.world_size, **placement)

@@ -104,7 +104,7 @@ def init_distributed(cfg: DistributedConfig, cpu: bool = False) -> DistributedEn
     """Join the process group torchrun (or our own spawner) describes in the environment."""
     world_size = env_int("WORLD_SIZE", 1)
     rank = env_int("RANK", 0)
-    local_rank = env_int("LOCAL_RANK", 0)
+    local_rank = env_int("LOCAL_RANK", cfg.device_id or 0)  # torch.distributed.launch's --local-rank if no env
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size if "WORLD_SIZE" in os.environ else 1)
     if not 0 <= rank < world_size:
         raise UserError(f"RANK {rank} is not in [0, WORLD_SIZE={world_size})")

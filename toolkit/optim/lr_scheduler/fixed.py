@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -18,12 +18,17 @@ class FixedLRScheduleConfig:
     lr_shrink: float = opt(0.1, "shrink factor for annealing, lr_new = (lr * lr_shrink)")
     warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
     lr: float = opt(0.25, "learning rate")
+    lr_per_epoch: Tuple[float, ...] = opt((), "--lr's comma-separated values: epoch e uses the e-th (the last "
+                                          "repeats)", cli=False)
 
 
 @register_lr_scheduler("fixed", dataclass=FixedLRScheduleConfig)
 class FixedLRSchedule(LRScheduler):
     """lr = ``--lr`` (times ``(num_updates + 1) / warmup_updates`` during warmup); from epoch
-    ``--force-anneal`` on, lr = ``--lr * lr_shrink ** (epoch + 1 - force_anneal)``."""
+    ``--force-anneal`` on, lr = ``--lr * lr_shrink ** (epoch + 1 - force_anneal)``.
+
+    ``--lr 0.1,0.05`` (fairseq's list form): epoch e uses the e-th value, the last one repeats, and
+    annealing starts from the last one."""
 
     def __init__(self, cfg: FixedLRScheduleConfig, optimizer: torch.optim.Optimizer):
         super().__init__(cfg, optimizer)
@@ -43,10 +48,10 @@ class FixedLRSchedule(LRScheduler):
             self.lr = state_dict["lr"]
 
     def get_next_lr(self, epoch: int) -> float:
-        force_anneal = self.cfg.force_anneal
+        force_anneal, lrs = self.cfg.force_anneal, tuple(self.cfg.lr_per_epoch) or (self.cfg.lr,)
         if force_anneal is None or epoch < force_anneal:
-            return self.cfg.lr
-        return self.cfg.lr * self.cfg.lr_shrink ** (epoch + 1 - force_anneal)
+            return lrs[min(max(epoch, 1), len(lrs)) - 1]
+        return lrs[-1] * self.cfg.lr_shrink ** (epoch + 1 - force_anneal)
 
     def step_begin_epoch(self, epoch: int) -> float:
         self.lr = self.get_next_lr(epoch)

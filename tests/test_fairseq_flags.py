@@ -1,0 +1,233 @@
+"""fairseq's training flags of issue 11 item 4: parsed under fairseq's names, with fairseq's effect.
+
+Parse-level checks use ``parse_train_config`` in process; the effects on a run use tiny
+``toolkit-train`` runs (a few updates) on a slice of WikiText.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.lm_fixtures import make_wikitext_data_bin
+from tests.train_helpers import REPO_ROOT, train
+from toolkit.checkpoint import best_checkpoints, finetune
+from toolkit.checkpoint.common import BestTracker, checkpoint_names
+from toolkit.config import CheckpointConfig, EMAConfig
+from toolkit.ema import EMA
+from toolkit.errors import UserError
+from toolkit.flag_types import for_epoch
+from toolkit.resolve import parse_train_config
+
+
+def parse(*flags: str):
+    return parse_train_config(["data-bin", "--max-update", "1", *flags])
+
+
+def infos(caplog, *flags: str):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
+        caplog.clear()
+        cfg = parse(*flags)
+    return cfg, [r.getMessage() for r in caplog.records if r.name == "toolkit.resolve"]
+
+
+# --- parse level -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given, ours", [("pytorch_ddp", "c10d"), ("legacy_ddp", "no_c10d"), ("no_c10d", "no_c10d")])
+def test_ddp_backend_aliases(caplog, given, ours):
+    cfg, lines = infos(caplog, "--ddp-backend", given)
+    assert cfg.distributed.ddp_backend == ours
+    assert sum(f"--ddp-backend {given}" in line for line in lines) == (given != ours)
+
+
+def test_ddp_only_flags_say_when_they_do_nothing(caplog):
+    cfg, lines = infos(caplog, "--find-unused-parameters", "--bucket-cap-mb", "50")
+    assert (cfg.distributed.find_unused_parameters, cfg.distributed.bucket_cap_mb) == (True, 50)
+    assert not any("no effect" in line for line in lines)  # c10d: DDP takes them
+    for backend in ("fully_sharded", "legacy_ddp"):
+        _, lines = infos(caplog, "--ddp-backend", backend, "--find-unused-parameters")
+        assert sum("--find-unused-parameters: accepted, no effect" in line for line in lines) == 1
+    with pytest.raises(UserError, match="--bucket-cap-mb"):
+        parse("--bucket-cap-mb", "0")
+
+
+@pytest.mark.parametrize("flag", ["--local-rank", "--local_rank", "--device-id"])
+def test_local_rank_from_torch_distributed_launch(caplog, monkeypatch, flag):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg, lines = infos(caplog, f"{flag}=1")
+    assert cfg.distributed.device_id == 1 and not any("LOCAL_RANK" in line for line in lines)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _, lines = infos(caplog, flag, "1")
+    assert sum("using LOCAL_RANK" in line for line in lines) == 1
+
+
+def test_validation_flags_parse():
+    cfg = parse("--max-sentences-valid", "3", "--skip-invalid-size-inputs-valid-test", "--combine-val",
+                "--fixed-validation-seed", "7", "--validate-after-updates", "5")
+    data = cfg.dataset
+    assert (data.batch_size_valid, data.skip_invalid_size_inputs_valid_test, data.combine_valid_subsets,
+            data.fixed_validation_seed, data.validate_after_updates) == (3, True, True, 7, 5)
+
+
+def test_lr_list_is_one_value_per_epoch_under_fixed(caplog):
+    from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
+
+    cfg = parse("--lr", "0.1,0.05,0.01", "--lr-scheduler", "fixed")
+    assert cfg.optimization.lr == 0.1 and cfg.optimization.lr_per_epoch == (0.1, 0.05, 0.01)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimization.lr)
+    sched = build_lr_scheduler_from_section("fixed", cfg.lr_scheduler, opt)
+    lrs = cfg.optimization.lr_per_epoch
+    for epoch in range(1, 6):  # fairseq's FixedLRSchedule: lrs[min(epoch - 1, len(lrs) - 1)]
+        assert sched.step_begin_epoch(epoch) == pytest.approx(lrs[min(epoch - 1, len(lrs) - 1)])
+    annealed = parse("--lr", "0.1,0.05", "--lr-scheduler", "fixed", "--force-anneal", "2", "--lr-shrink", "0.5")
+    sched = build_lr_scheduler_from_section("fixed", annealed.lr_scheduler, opt)
+    assert sched.step_begin_epoch(3) == pytest.approx(0.05 * 0.5 ** (3 + 1 - 2))
+    assert parse("--lr", "0.1").optimization.lr_per_epoch == (0.1,)
+    with pytest.raises(UserError, match="--lr-scheduler fixed"):
+        parse("--lr", "0.1,0.05", "--lr-scheduler", "inverse_sqrt")
+    cfg, lines = infos(caplog, "--lr", "0.1,0.05", "--lr-scheduler", "polynomial_decay", "--total-num-update", "9")
+    assert cfg.lr_scheduler.lr == 0.1 and sum("uses the first value" in line for line in lines) == 1
+
+
+def test_update_freq_list():
+    cfg = parse("--update-freq", "2,4")
+    assert cfg.optimization.update_freq == 2 and cfg.optimization.update_freq_per_epoch == (2, 4)
+    assert [for_epoch((2, 4), e) for e in (1, 2, 3, 7)] == [2, 4, 4, 4]  # fairseq: the last value repeats
+    with pytest.raises(UserError, match="--update-freq"):
+        parse("--update-freq", "2,0")
+
+
+def test_amp_on_cpu_trains_in_fp32(caplog):
+    cfg, lines = infos(caplog, "--amp", "--cpu")
+    assert cfg.common.amp and not cfg.common.fp16 and not cfg.common.bf16
+    assert sum(line.startswith("--amp: no GPU in use") for line in lines) == 1
+
+
+def test_store_ema_flags_and_refusals():
+    cfg = parse("--store-ema", "--ema-decay", "0.99", "--ema-start-update", "3", "--ema-update-freq", "2",
+                "--ema-fp32")
+    assert cfg.ema == EMAConfig(store_ema=True, ema_decay=0.99, ema_start_update=3, ema_update_freq=2, ema_fp32=True)
+    with pytest.raises(UserError, match="--store-ema"):
+        parse("--store-ema", "--ddp-backend", "fully_sharded")
+
+
+def test_finetune_and_restore_file_rules(tmp_path):
+    with pytest.raises(UserError, match="--restore-file"):
+        parse("--finetune-from-model", "a.pt", "--restore-file", "b.pt")
+    with pytest.raises(UserError, match="--reset-optimizer"):
+        parse("--finetune-from-model", "a.pt", "--reset-optimizer")
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "save"), restore_file="x/ckpt.pt")
+    assert finetune.restore_path(cfg) == "x/ckpt.pt"  # relative to the working directory, as in fairseq
+    assert finetune.restore_path(CheckpointConfig(save_dir="s")) == os.path.join("s", "checkpoint_last.pt")
+    pretrained = tmp_path / "pre.pt"
+    pretrained.write_bytes(b"")
+    cfg = CheckpointConfig(save_dir="s", finetune_from_model=str(pretrained))
+    assert finetune.choose(cfg, last_exists=False) == (str(pretrained), True)
+    assert finetune.choose(cfg, last_exists=True) == (os.path.join("s", "checkpoint_last.pt"), False)
+
+
+# --- units against fairseq's formulas ----------------------------------------------------
+
+def test_ema_follows_fairseq_formula():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema = EMA(model, EMAConfig(store_ema=True, ema_decay=0.9, ema_start_update=2, ema_update_freq=2))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for update in range(1, 7):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.step(model, update)
+        if update % 2 == 0:  # every --ema-update-freq updates; decay 0 before --ema-start-update
+            decay = 0.0 if update < 2 else 0.9
+            expected = {k: decay * expected[k] + (1 - decay) * v for k, v in model.state_dict().items()}
+        for k, v in ema.state_dict().items():
+            torch.testing.assert_close(v, expected[k])
+    target = torch.nn.Linear(3, 2)
+    ema.copy_to(target)
+    torch.testing.assert_close(target.weight, expected["weight"])
+
+
+def test_keep_best_checkpoint_names_and_pruning(tmp_path):
+    cfg = CheckpointConfig(save_dir=str(tmp_path), keep_best_checkpoints=2)
+    # fairseq: "checkpoint.best_{metric}_{val:.3f}{digit}.pt", digit from numpy_seed(epoch, updates, val)
+    digit = np.random.RandomState(int(hash((1, 10, 3.25) ) % 1e6)).randint(0, 2)
+    assert best_checkpoints.best_name(cfg, 1, 10, 3.25) == f"checkpoint.best_loss_3.250{digit}.pt"
+    best = BestTracker(maximize=False)
+    for updates, loss in enumerate([5.0, 4.0, 4.5, 3.0, 6.0], start=1):
+        for name in checkpoint_names(cfg, 1, False, updates, loss, best):
+            if name.startswith("checkpoint.best"):
+                (tmp_path / name).write_bytes(b"")
+        best_checkpoints.prune_best(cfg)
+        best.update(loss)
+    kept = sorted(os.listdir(tmp_path))
+    assert [name[len("checkpoint.best_loss_"):][:5] for name in kept] == ["3.000", "4.000"]
+
+
+# --- runs --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory, wikitext_dir):
+    dest = str(tmp_path_factory.mktemp("flags-bin"))
+    make_wikitext_data_bin(dest, wikitext_dir, 60, 20)
+    return dest
+
+
+def test_validation_flags_in_a_run(data_bin, tmp_path):
+    run = train(data_bin, str(tmp_path / "s"), "--max-update", "4", "--validate-interval-updates", "1",
+                "--validate-after-updates", "3", "--keep-best-checkpoints", "1", "--fixed-validation-seed", "7",
+                "--skip-invalid-size-inputs-valid-test", "--max-sentences-valid", "2", "--combine-val")
+    valid = run.records("valid")
+    assert [int(r["valid_num_updates"]) for r in valid] == [3, 4]  # nothing before --validate-after-updates
+    assert {r["valid_bsz"] for r in valid} == {"2"}  # --max-sentences-valid
+    assert "--combine-val: no valid1" in run.stdout
+    best = min(float(r["valid_loss"]) for r in valid if int(r["valid_num_updates"]) == 4)
+    assert [n for n in os.listdir(tmp_path / "s") if n.startswith("checkpoint.best_")] == [
+        f"checkpoint.best_loss_{best:.3f}0.pt"]  # one kept: the digit is randint(0, 1) = 0
+
+
+def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):
+    run = train(data_bin, str(tmp_path / "s"), "--max-epoch", "3", "--update-freq", "1,2", "--no-save",
+                "--disable-validation")
+    ends = [int(r["train_num_updates"]) for r in run.records("train")]
+    first = ends[0]
+    assert ends[1] - ends[0] == (first + 1) // 2 and ends[2] - ends[1] == (first + 1) // 2
+
+
+def test_ema_saved_under_fairseqs_key(data_bin, tmp_path):
+    save = str(tmp_path / "s")
+    train(data_bin, save, "--max-update", "3", "--store-ema", "--ema-decay", "0.5", "--ema-start-update", "3")
+    ckpt = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)
+    # decay 0 until update 3 (a copy of update 2's weights), then 0.5 * that + 0.5 * update 3's weights
+    assert set(ckpt["extra_state"]["ema"]) == set(ckpt["model"])
+    key = "layers.0.fc1.weight" if "layers.0.fc1.weight" in ckpt["model"] else next(iter(ckpt["model"]))
+    assert not torch.equal(ckpt["extra_state"]["ema"][key], ckpt["model"][key])
+    run = train(data_bin, save, "--max-update", "4", "--store-ema", "--ema-decay", "0.5")
+    assert "EMA not found" not in run.stdout
+
+
+def test_finetune_from_model_and_restore_file(data_bin, tmp_path):
+    pre = str(tmp_path / "pre")
+    train(data_bin, pre, "--max-update", "3")
+    pretrained = os.path.join(pre, "checkpoint_last.pt")
+    tuned = str(tmp_path / "tuned")
+    run = train(data_bin, tuned, "--max-update", "2", "--finetune-from-model", pretrained, "--lr", "1e-12",
+                "--lr-scheduler", "fixed", "--disable-validation")
+    assert "loading pretrained model from" in run.stdout
+    a = torch.load(pretrained, weights_only=True)
+    b = torch.load(os.path.join(tuned, "checkpoint_last.pt"), weights_only=True)
+    assert b["extra_state"]["trainer"]["num_updates"] == 2  # counters reset; weights carried over
+    for k, v in a["model"].items():
+        torch.testing.assert_close(b["model"][k], v, atol=1e-6, rtol=0)
+    again = train(data_bin, tuned, "--max-update", "3", "--finetune-from-model", pretrained, "--disable-validation")
+    assert "loading pretrained model from" not in again.stdout and "@ 2 updates" in again.stdout
+
+    relative = os.path.relpath(pretrained, REPO_ROOT)  # run_cli runs in the repository root
+    resumed = train(data_bin, str(tmp_path / "other"), "--max-update", "4", "--restore-file", relative,
+                    "--disable-validation")
+    assert "@ 3 updates" in resumed.stdout
+    fresh = train(data_bin, str(tmp_path / "fresh"), "--max-update", "1", "--restore-file", "no/such.pt")
+    assert "No existing checkpoint found no/such.pt" in fresh.stdout

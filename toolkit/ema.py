@@ -1,0 +1,81 @@
+"""fairseq's trainer-level EMA (``--store-ema``): a shadow copy of the weights, averaged after each update.
+
+After update ``n`` (every ``--ema-update-freq`` updates) each tensor of the model's state
+becomes ``ema = decay * ema + (1 - decay) * weight``, with ``decay`` 0 (a plain copy) while
+``n < --ema-start-update`` and ``--ema-decay`` after, as ``fairseq.models.ema.EMA.step``.
+The shadow lives beside the model (same device; fp32 with ``--ema-fp32``, else the
+weights' dtype) and is saved in the checkpoint's ``extra_state["ema"]`` (fairseq's key),
+keyed by the model's own state-dict names. It is not used for training or validation;
+evaluate it by loading that state into a model (``EMA.copy_to``).
+
+Only whole (unsharded) weights are averaged: toolkit.resolve refuses ``--store-ema`` with
+FSDP2 or tensor parallelism.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from toolkit.config import EMAConfig
+
+CHECKPOINT_KEY = "ema"  # fairseq's trainer.state_dict()["extra_state"]["ema"]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a DDP wrapper (its state-dict names without ``module.``)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class EMA:
+    def __init__(self, model: torch.nn.Module, cfg: EMAConfig):
+        self.cfg = cfg
+        self.decay = cfg.ema_decay
+        self.updates_since_step = 0
+        self.shadow: Dict[str, torch.Tensor] = {}
+        self.reset_from(model)
+
+    def reset_from(self, model: torch.nn.Module) -> None:
+        """Start the average at the model's current weights (fairseq: on a checkpoint without an EMA)."""
+        self.shadow = {k: self._stored(v) for k, v in unwrap(model).state_dict().items()
+                       if isinstance(v, torch.Tensor)}
+
+    def _stored(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        return t.float() if self.cfg.ema_fp32 and t.is_floating_point() else t
+
+    @torch.no_grad()
+    def step(self, model: torch.nn.Module, num_updates: int) -> None:
+        self.decay = 0.0 if num_updates < self.cfg.ema_start_update else self.cfg.ema_decay
+        self.updates_since_step += 1
+        if self.updates_since_step < max(1, self.cfg.ema_update_freq):
+            return
+        self.updates_since_step = 0
+        for key, weight in unwrap(model).state_dict().items():
+            avg = self.shadow.get(key)
+            if avg is None or "version" in key:
+                continue
+            if not avg.is_floating_point():
+                avg.copy_(weight)
+                continue
+            avg.mul_(self.decay).add_(weight.detach().to(avg.dtype), alpha=1 - self.decay)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """CPU copies, so a checkpoint holding them loads anywhere (``weights_only=True``)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.shadow.items()}
+
+    def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]], model: torch.nn.Module) -> bool:
+        """Restore a saved average; without one, restart it from the (just loaded) model. Returns whether
+        a saved average was found."""
+        if not state:
+            self.reset_from(model)
+            return False
+        for key, avg in self.shadow.items():
+            if key in state:
+                avg.copy_(state[key].to(avg.device, avg.dtype))
+        return True
+
+    @torch.no_grad()
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Load the averaged weights into ``model`` (fairseq's ``EMA.reverse``), for evaluation."""
+        unwrap(model).load_state_dict({k: v for k, v in self.shadow.items()}, strict=False)
