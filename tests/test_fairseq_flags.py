@@ -189,6 +189,14 @@ def test_validation_flags_in_a_run(data_bin, tmp_path):
         f"checkpoint.best_loss_{best:.3f}0.pt"]  # one kept: the digit is randint(0, 1) = 0
 
 
+def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
+    """2 ranks on CPU (gloo): fairseq's backend name and DDP's own flags reach DistributedDataParallel."""
+    run = train(data_bin, str(tmp_path / "s"), "--max-update", "2", "--ddp-backend", "pytorch_ddp",
+                "--find-unused-parameters", "--bucket-cap-mb", "1", "--distributed-world-size", "2", "--no-save",
+                "--disable-validation")
+    assert "using fairseq's equivalent here, --ddp-backend c10d" in run.stdout and sorted(run.losses()) == [1, 2]
+
+
 def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):
     run = train(data_bin, str(tmp_path / "s"), "--max-epoch", "3", "--update-freq", "1,2", "--no-save",
                 "--disable-validation")
@@ -211,7 +219,8 @@ def test_ema_saved_under_fairseqs_key(data_bin, tmp_path):
 
 def test_finetune_from_model_and_restore_file(data_bin, tmp_path):
     pre = str(tmp_path / "pre")
-    train(data_bin, pre, "--max-update", "3")
+    fresh = train(data_bin, pre, "--max-update", "3", "--restore-file", "no/such.pt")
+    assert "No existing checkpoint found no/such.pt" in fresh.stdout  # fairseq: a missing file starts fresh
     pretrained = os.path.join(pre, "checkpoint_last.pt")
     tuned = str(tmp_path / "tuned")
     run = train(data_bin, tuned, "--max-update", "2", "--finetune-from-model", pretrained, "--lr", "1e-12",
@@ -229,5 +238,27 @@ def test_finetune_from_model_and_restore_file(data_bin, tmp_path):
     resumed = train(data_bin, str(tmp_path / "other"), "--max-update", "4", "--restore-file", relative,
                     "--disable-validation")
     assert "@ 3 updates" in resumed.stdout
-    fresh = train(data_bin, str(tmp_path / "fresh"), "--max-update", "1", "--restore-file", "no/such.pt")
-    assert "No existing checkpoint found no/such.pt" in fresh.stdout
+
+
+def test_finetune_from_a_fairseq_checkpoint(tmp_path):
+    """fairseq's own transformer_lm file: its weights, by our names, with a fresh optimizer and counters."""
+    from tests.fairseq_layout import fairseq_main_checkpoint, model_options, random_fairseq_model, task_options
+    from tests.lm_fixtures import make_data_bin
+    from toolkit.checkpoint import fairseq_checkpoint
+    from toolkit.models.transformer_lm import TransformerLMConfig
+
+    data = str(tmp_path / "data")
+    vocab = len(make_data_bin(data, {"train": ["the cat sat on the mat", "a dog ran far"] * 8, "valid": ["a cat"]}))
+    state = fairseq_main_checkpoint(random_fairseq_model(V=vocab, max_pos=24), model_options(max_pos=24),
+                                    task_options(data, 24))
+    path = str(tmp_path / "fairseq.pt")
+    torch.save(state, path)
+    save = str(tmp_path / "tuned")
+    train(data, save, "--max-update", "1", "--finetune-from-model", path, "--decoder-embed-dim", "16",
+          "--decoder-ffn-embed-dim", "24", "--decoder-learned-pos", "--tokens-per-sample", "24",
+          "--max-target-positions", "24", "--lr", "1e-12", "--lr-scheduler", "fixed", "--disable-validation")
+    tuned = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)
+    expected = fairseq_checkpoint.import_checkpoint(path, state, TransformerLMConfig)["model"]
+    assert tuned["extra_state"]["trainer"]["num_updates"] == 1  # fairseq's 7 updates are not carried over
+    for k, v in expected.items():
+        torch.testing.assert_close(tuned["model"][k], v, atol=1e-6, rtol=0)
