@@ -183,7 +183,7 @@ def test_validation_flags_in_a_run(data_bin, tmp_path):
     valid = run.records("valid")
     assert [int(r["valid_num_updates"]) for r in valid] == [3, 4]  # nothing before --validate-after-updates
     assert {r["valid_bsz"] for r in valid} == {"2"}  # --max-sentences-valid
-    assert "--combine-val: no valid1" in run.stdout
+    assert f"{data_bin} valid 20 examples" in run.stdout  # --combine-val without valid1: valid alone
     best = min(float(r["valid_loss"]) for r in valid if int(r["valid_num_updates"]) == 4)
     assert [n for n in os.listdir(tmp_path / "s") if n.startswith("checkpoint.best_")] == [
         f"checkpoint.best_loss_{best:.3f}0.pt"]  # one kept: the digit is randint(0, 1) = 0
@@ -262,3 +262,26 @@ def test_finetune_from_a_fairseq_checkpoint(tmp_path):
     assert tuned["extra_state"]["trainer"]["num_updates"] == 1  # fairseq's 7 updates are not carried over
     for k, v in expected.items():
         torch.testing.assert_close(tuned["model"][k], v, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("break_mode", ["none", "eos"])
+def test_combine_val_concatenates_numbered_valid_splits(tmp_path, break_mode):
+    """fairseq's --combine-val: valid, valid1, valid2 read as one split, blocks crossing their boundaries."""
+    from tests.lm_fixtures import make_data_bin
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    train_lines = ["the cat sat on the mat", "a dog ran far away"] * 4
+    parts = [["the cat sat", "a dog"], ["ran far away now", "the mat"], ["a cat ran"]]
+    combined, one = str(tmp_path / "combined"), str(tmp_path / "one")
+    make_data_bin(combined, {"train": train_lines, "valid": parts[0], "valid1": parts[1], "valid2": parts[2],
+                             "valid4": parts[0]})  # valid3 missing: valid4 is not read, as in fairseq
+    make_data_bin(one, {"train": train_lines, "valid": [line for p in parts for line in p]})
+
+    def samples(data: str, combine: bool):
+        task = LanguageModelingTask.setup_task(LanguageModelingConfig(data=data, tokens_per_sample=5,
+                                                                      sample_break_mode=break_mode))
+        ds = task.load_dataset("valid", combine=combine)
+        return [(ds[i]["source"].tolist(), ds[i]["target"].tolist()) for i in range(len(ds))]
+
+    assert samples(combined, True) == samples(one, False)
+    assert len(samples(combined, False)) < len(samples(one, False))

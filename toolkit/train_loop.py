@@ -28,7 +28,6 @@ from toolkit.config import TrainConfig
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_model
-from toolkit.errors import UserError
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
 from toolkit.flag_types import for_epoch
 from toolkit.logging import metrics, throughput
@@ -49,7 +48,7 @@ def train(cfg: TrainConfig) -> None:
     logger.info(cfg)
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
-    check_combine_val(cfg, trainer.task)
+    load_combined_valid(cfg, trainer.task)
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
@@ -82,19 +81,10 @@ def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] =
     return Trainer(cfg, task, model, criterion, env, strategy)
 
 
-def check_combine_val(cfg: TrainConfig, task) -> None:
-    """fairseq's --combine-val validates on valid, valid1, valid2, ... concatenated. Without valid1 that is
-    valid alone (what runs here); combining several is not implemented, so it is refused."""
-    if not cfg.dataset.combine_valid_subsets or cfg.dataset.disable_validation:
-        return
-    from toolkit.data.indexed_dataset import MMapIndexedDataset
-
-    data = task.data_paths()[0] if hasattr(task, "data_paths") else None
-    if data is not None and MMapIndexedDataset.exists(os.path.join(data, "valid1")):
-        raise UserError(f"--combine-val: {data} has valid1; combining validation splits is not supported here; "
-                        f"validate on each with --valid-subset valid,valid1,...")
-    logger.info(f"--combine-val: no valid1 in {data}, so validation uses --valid-subset "
-                f"{cfg.dataset.valid_subset} as given (accepted, no effect)")
+def load_combined_valid(cfg: TrainConfig, task) -> None:
+    """fairseq's --combine-val: the "valid" split is valid, valid1, valid2, ... concatenated."""
+    if cfg.dataset.combine_valid_subsets and not cfg.dataset.disable_validation:
+        task.load_dataset("valid", combine=True)
 
 
 def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv,

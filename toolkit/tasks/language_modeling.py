@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 from toolkit import options, registry
 from toolkit.data.batching import batch_by_size, filter_by_size
+from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import EpochBatchIterator
@@ -97,8 +98,9 @@ class LanguageModelingTask:
         return cls(cfg, dictionary)
 
     # --- data -----------------------------------------------------------------------
-    def load_dataset(self, split: str, epoch: int = 1, **kwargs: Any) -> MonolingualDataset:
-        """Load ``split`` from the data-bin of this epoch (round-robin over ``DATA``'s folders)."""
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> MonolingualDataset:
+        """Load ``split`` from the data-bin of this epoch (round-robin over ``DATA``'s folders); with
+        ``combine`` (fairseq's ``--combine-val``), ``split``, ``split1``, ``split2``, ... as one."""
         paths = self.data_paths()
         data_path = paths[(max(epoch, 1) - 1) % len(paths)]
         prefix = os.path.join(data_path, split)
@@ -109,12 +111,14 @@ class LanguageModelingTask:
                            if MMapIndexedDataset.exists(p[:-4]))
             raise UserError(f"{prefix}.bin/.idx: not found; splits in {data_path}: {', '.join(found) or 'none'} "
                             f"(choose with --train-subset/--valid-subset, or binarize it with toolkit-preprocess)")
-        split_data = MMapIndexedDataset(prefix)
+        names = numbered_splits(data_path, split) if combine else [split]
+        split_data = (MMapIndexedDataset(prefix) if len(names) == 1 else
+                      ConcatIndexedDataset([MMapIndexedDataset(os.path.join(data_path, n)) for n in names]))
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
                                    eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
                                    include_targets=True)
         dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
-        logger.info(f"{data_path} {split} {len(split_data)} examples, {len(dataset)} samples")
+        logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
         self.datasets[split] = dataset
         self._loaded_from[split] = data_path
         return dataset
