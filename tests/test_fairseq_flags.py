@@ -151,6 +151,17 @@ def test_ema_follows_fairseq_formula():
     torch.testing.assert_close(target.weight, expected["weight"])
 
 
+def test_ema_fp32_keeps_an_fp32_average_of_half_weights():
+    model = torch.nn.Linear(4, 4).half()
+    ema = EMA(model, EMAConfig(store_ema=True, ema_decay=0.5, ema_fp32=True))
+    start = ema.state_dict()["weight"].clone()
+    with torch.no_grad():
+        model.weight.add_(0.001)
+    ema.step(model, 1)
+    assert ema.state_dict()["weight"].dtype == torch.float32
+    torch.testing.assert_close(ema.state_dict()["weight"], 0.5 * start + 0.5 * model.weight.float())
+
+
 def test_keep_best_checkpoint_names_and_pruning(tmp_path):
     cfg = CheckpointConfig(save_dir=str(tmp_path), keep_best_checkpoints=2)
     # fairseq: "checkpoint.best_{metric}_{val:.3f}{digit}.pt", digit from numpy_seed(epoch, updates, val)
@@ -199,10 +210,11 @@ def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
 
 def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):
     run = train(data_bin, str(tmp_path / "s"), "--max-epoch", "3", "--update-freq", "1,2", "--no-save",
-                "--disable-validation")
+                "--disable-validation", "--lr", "0.002,0.001", "--lr-scheduler", "fixed", "--warmup-updates", "0")
     ends = [int(r["train_num_updates"]) for r in run.records("train")]
     first = ends[0]
     assert ends[1] - ends[0] == (first + 1) // 2 and ends[2] - ends[1] == (first + 1) // 2
+    assert [float(r["train_lr"]) for r in run.records("train")] == [0.002, 0.001, 0.001]  # --lr per epoch
 
 
 def test_ema_saved_under_fairseqs_key(data_bin, tmp_path):
