@@ -26,6 +26,8 @@ setup(
             "toolkit-train = toolkit_cli.train:cli_main",
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
             "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
+            "toolkit-generate = toolkit_cli.generate:cli_main",
+            "toolkit-interactive = toolkit_cli.interactive:cli_main",
         ],
     },
 )

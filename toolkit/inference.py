@@ -68,7 +68,7 @@ def stream_blocks(num_tokens: int, tokens_per_sample: int, context_window: int) 
 @torch.no_grad()
 def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor) -> torch.Tensor:
     """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32."""
-    logps = [torch.log_softmax(m(inputs).float(), dim=-1) for m in models]
+    logps = [m.get_normalized_probs(m(inputs), log_probs=True) for m in models]
     if len(logps) == 1:
         return logps[0]
     return torch.logsumexp(torch.stack(logps), dim=0) - torch.log(torch.tensor(float(len(logps))))

@@ -26,13 +26,16 @@ Choices worth knowing
   meta device, sharded, and materialized gets exactly the values of a plain build.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
   FSDP2 / activation checkpointing can be applied per block from outside.
+- Incremental decoding (generation): ``forward(tokens, incremental_state)`` takes only
+  the new tokens; each layer keeps the keys and values of the positions already seen
+  in a ``KVCache``, so a new token costs one position, not the whole prefix.
 """
 from __future__ import annotations
 
 import math
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -80,6 +83,38 @@ class TransformerLMConfig:
                                         "(default: --tokens-per-sample)"})
 
 
+class KVCache:
+    """One layer's keys and values of the positions decoded so far.
+
+    Buffers [B, H, capacity, D] grow by doubling, so appending one position per step
+    copies nothing in the common case (torch.cat would copy the whole prefix every step).
+    """
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
+        P, T = self.length, k.size(2)
+        if self.k is None or P + T > self.k.size(2):
+            capacity = max(P + T, 2 * (0 if self.k is None else self.k.size(2)))
+            new_k = k.new_empty(k.size(0), k.size(1), capacity, k.size(3))
+            new_v = torch.empty_like(new_k)
+            if P > 0:
+                new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, P:P + T], self.v[:, :, P:P + T] = k, v
+        self.length = P + T
+        return self.k[:, :, :P + T], self.v[:, :, :P + T]
+
+    def reorder(self, new_order: torch.Tensor) -> None:
+        """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, new_order), self.v.index_select(0, new_order)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TransformerLMConfig):
         super().__init__()
@@ -91,15 +126,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
         self.out_proj = nn.Linear(C, C)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, C = x.shape
         H = self.num_heads
         # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
         q, k, v = self.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            k, v = kv_cache.append(k, v)
+            P = k.size(2) - T
+            # New token t sits at position P + t and sees keys 0..P+t. (is_causal would align
+            # the mask top-left, wrong when P > 0; one new token sees every key, no mask.)
+            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, H, T, D] -> [B, T, C]
         return self.out_proj(y)
 
@@ -126,12 +169,12 @@ class TransformerBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self._dropout(self.activation(self.fc1(x)), self.activation_dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         if self.normalize_before:  # pre-norm: x + f(LN(x))
-            x = x + self._dropout(self.self_attn(self.self_attn_layer_norm(x)), self.dropout)
+            x = x + self._dropout(self.self_attn(self.self_attn_layer_norm(x), kv_cache), self.dropout)
             x = x + self._dropout(self.ffn(self.final_layer_norm(x)), self.dropout)
         else:  # post-norm: LN(x + f(x))
-            x = self.self_attn_layer_norm(x + self._dropout(self.self_attn(x), self.dropout))
+            x = self.self_attn_layer_norm(x + self._dropout(self.self_attn(x, kv_cache), self.dropout))
             x = self.final_layer_norm(x + self._dropout(self.ffn(x), self.dropout))
         return x
 
@@ -209,29 +252,57 @@ class TransformerLanguageModel(nn.Module):
     def max_positions(self) -> int:
         return self.max_target_positions
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V]."""
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
+        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
+        ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
+        ``tokens`` are only the new tokens; their positions continue after the cached ones.
+        """
+        start = 0 if incremental_state is None else incremental_state.get("positions", 0)
         T = tokens.size(1)
-        if T > self.max_target_positions:
-            raise ValueError(f"input of {T} tokens is longer than max_target_positions "
+        if start + T > self.max_target_positions:
+            raise ValueError(f"input of {start + T} tokens is longer than max_target_positions "
                              f"({self.max_target_positions})")
         x = self.embed_tokens(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         if self.embed_positions is not None:
-            first = self.padding_idx + 1
+            first = self.padding_idx + 1 + start
             x = x + self.embed_positions.weight[first:first + T]
         elif self.sinusoidal_positions is not None:
-            x = x + self.sinusoidal_positions[:T]
+            x = x + self.sinusoidal_positions[start:start + T]
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
-        for layer in self.layers:
-            x = layer(x)
+        caches = self._layer_caches(incremental_state)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache) if cache is not None else layer(x)
+        if incremental_state is not None:
+            incremental_state["positions"] = start + T
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.output_projection is None:
             return F.linear(x, self.embed_tokens.weight)
         return self.output_projection(x)
+
+    def get_normalized_probs(self, net_output: torch.Tensor, log_probs: bool = True) -> torch.Tensor:
+        """fp32 (log-)probabilities [B, T, V] of the next token from ``forward``'s output (fairseq's name).
+
+        Everything that needs probabilities goes through here, so an output layer that does
+        not return logits (adaptive softmax) only has to change this method.
+        """
+        logits = net_output.float()
+        return F.log_softmax(logits, dim=-1) if log_probs else F.softmax(logits, dim=-1)
+
+    def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[KVCache]]:
+        if incremental_state is None:
+            return [None] * len(self.layers)
+        return incremental_state.setdefault("layers", [KVCache() for _ in self.layers])
+
+    def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
+        """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""
+        for cache in incremental_state.get("layers", []):
+            cache.reorder(new_order)
 
     # ---- initialization (driven by toolkit.models.init.init_weights) ----
 
