@@ -245,5 +245,6 @@ class SequenceGenerator:
         s.token_scores = s.token_scores[src_rows]
         s.token_scores[:, step] = token_lp.gather(1, active).view(-1)
         s.cum = scores.gather(1, active).view(-1)
-        for model, state in zip(self.models, s.states):
-            model.reorder_incremental_state(state, src_rows)
+        if done or not torch.equal(src_rows, torch.arange(len(src_rows), device=dev)):
+            for model, state in zip(self.models, s.states):  # greedy / sampling: usually nothing to move
+                model.reorder_incremental_state(state, src_rows)

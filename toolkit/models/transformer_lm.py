@@ -111,8 +111,12 @@ class KVCache:
 
     def reorder(self, new_order: torch.Tensor) -> None:
         """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
-        if self.k is not None:
-            self.k, self.v = self.k.index_select(0, new_order), self.v.index_select(0, new_order)
+        if self.k is not None:  # copy the filled positions only, keep the capacity
+            L = self.length
+            k = self.k.new_empty((len(new_order),) + self.k.shape[1:])
+            v = torch.empty_like(k)
+            k[:, :, :L], v[:, :, :L] = self.k[new_order, :, :L], self.v[new_order, :, :L]
+            self.k, self.v = k, v
 
 
 class CausalSelfAttention(nn.Module):
