@@ -371,3 +371,23 @@ def test_generate_end_to_end(trained):
         generate_main(GenerateConfig(data=data, path=ckpt), GenerationConfig(sampling_topk=5))
     with pytest.raises(UserError, match="--sampling requires --nbest"):
         generate_main(GenerateConfig(data=data, path=ckpt), GenerationConfig(sampling=True))
+
+
+def test_hub_takes_fairseqs_names_and_uses_the_generator(trained):
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    data, ckpt = trained
+    lm = TransformerLanguageModel.from_pretrained(os.path.dirname(ckpt), "checkpoint_best.pt", data, device="cpu")
+    prompt = lm.encode("the cat")
+    (direct,) = SequenceGenerator(list(lm.models), lm.dictionary, GenerationConfig(beam=3, nbest=3, max_len_b=8)) \
+        .generate([prompt[:-1]])
+    hypos = lm.generate(prompt, beam=3, max_len_b=8)
+    assert [h["tokens"].tolist() for h in hypos] == [h["tokens"].tolist() for h in direct]
+    assert lm.sample("the cat", max_len_b=8) == lm.decode(lm.generate(prompt, beam=1, max_len_b=8)[0]["tokens"])
+
+    fairseq_style = lm.sample("the cat", beam=1, sampling=True, sampling_topk=5, temperature=0.8, seed=3)
+    assert fairseq_style.startswith("the cat")
+    assert lm.sample("the cat", topk=5, temperature=0.8, seed=3) == fairseq_style  # short names, implied sampling
+    assert lm.sample(["the cat", "a dog"], sampling=True, sampling_topp=0.9, seed=1, max_len=4)[1].startswith("a dog")
+    with pytest.raises(UserError, match="unknown argument 'sampling_top_k'"):
+        lm.sample("the cat", sampling_top_k=5)

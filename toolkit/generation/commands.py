@@ -40,13 +40,13 @@ class GenerationCommandConfig:
     fp16: bool = opt(False, "run the model in fp16")
     post_process: Optional[str] = opt(None, "post-process the H- text by removing BPE markers: sentencepiece, "
                                             "subword_nmt (--remove-bpe alone), ...", aliases=("--remove-bpe",))
-    quiet: bool = opt(False, "only print the summary")
     log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
 @dataclass
 class GenerateConfig(GenerationCommandConfig):
     gen_subset: str = opt("test", "data split to take prompts from")
+    quiet: bool = opt(False, "only print the summary")
 
 
 @dataclass

@@ -226,7 +226,8 @@ class SequenceGenerator:
         """Drop finished prompts; continue each prompt's first K candidates that did not end."""
         scores, tokens, beams, token_lp, _ = cand
         K, dev = self.beam, scores.device
-        keep = [n for n in range(len(s.ids)) if n not in set(done)]
+        finished = set(done)
+        keep = [n for n in range(len(s.ids)) if n not in finished]
         keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
         if done:
             scores, tokens, beams, token_lp, eos_mask = (x[keep_t] for x in (scores, tokens, beams, token_lp, eos_mask))
