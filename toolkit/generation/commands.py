@@ -10,7 +10,7 @@ Prompts are encoded with the data-bin's BPE (``bpe.json``); ``D-`` lines are dec
 from __future__ import annotations
 
 import logging
-import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -124,7 +124,13 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
     batch_size = cfg.batch_size or 16
     for first in range(0, len(dataset), batch_size):
         ids = list(range(first, min(first + batch_size, len(dataset))))
-        hypos = session.generate(split_prompts(session, dataset, ids, gen_cfg.prefix_size))
+        try:
+            hypos = session.generate(split_prompts(session, dataset, ids, gen_cfg.prefix_size))
+        except UserError as e:
+            if gen_cfg.prefix_size > 0:
+                raise
+            raise UserError(f"{e} (without --prefix-size each whole sample of --gen-subset is a prompt: "
+                            f"give --prefix-size N, or --sample-break-mode eos for one line per sample)") from None
         if cfg.quiet:
             continue
         for sample_id, sample_hypos in zip(ids, hypos):
@@ -165,7 +171,19 @@ def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_ove
         logger.info(f"Sentence buffer size: {buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info("Type the input sentence and press return:")
-    stream = stdin if stdin is not None else (sys.stdin if cfg.input == "-" else open(cfg.input, encoding="utf-8"))
+    if stdin is not None or cfg.input == "-":
+        run_interactive(session, stdin or sys.stdin, buffer_size, batch_size, out)
+    else:
+        if not os.path.isfile(cfg.input):
+            raise UserError(f"--input {cfg.input}: no such file; give a text file, one prompt per line, or - for stdin")
+        with open(cfg.input, encoding="utf-8") as stream:
+            run_interactive(session, stream, buffer_size, batch_size, out)
+    session.log_summary()
+    return session
+
+
+def run_interactive(session: Session, stream: TextIO, buffer_size: int, batch_size: int, out: TextIO) -> None:
+    """Buffer by buffer, so a user typing prompts sees each buffer's results before typing more."""
     start_id = 0
     for lines in buffered_read(stream, buffer_size):
         prompts = [encode_prompt(session, line) for line in lines]
@@ -182,5 +200,3 @@ def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_ove
                     print(line, file=out)
         out.flush()
         start_id += len(lines)
-    session.log_summary()
-    return session
