@@ -281,6 +281,27 @@ def test_batched_prompts_equal_one_at_a_time():
         assert [h["score"] for h in hypos] == pytest.approx([h["score"] for h in alone], abs=1e-5)
 
 
+def test_ensemble_greedy_follows_the_averaged_probabilities():
+    d = make_dictionary(20)
+    models = [make_model(d, seed=1, scale=2.0), make_model(d, learned=True, seed=2, scale=2.0)]
+    prompt, max_len = [5, 6], 8
+    (best,), = SequenceGenerator(models, d, GenerationConfig(beam=1, max_len_b=max_len)).generate(
+        [torch.tensor(prompt)])
+    tokens, scores = [d.eos()], []
+    for step in range(max_len + 1):
+        lps = torch.stack([adjusted_log_probs(m, d, tokens) for m in models])
+        lp = torch.logsumexp(lps, dim=0) - math.log(2)  # the mean of the two models' probabilities
+        if step >= max_len:
+            lp[torch.arange(len(lp)) != d.eos()] = -math.inf
+        tok = prompt[step] if step < len(prompt) else int(lp.argmax())
+        tokens.append(tok)
+        scores.append(float(lp[tok]))
+        if tok == d.eos():
+            break
+    assert best["tokens"].tolist() == tokens[1:]
+    assert torch.allclose(best["positional_scores"], torch.tensor(scores), atol=1e-5)
+
+
 # ---- the commands, end to end on a tiny trained checkpoint ----
 
 WORDS = "the a cat dog sat ran on under mat log and then".split()
