@@ -215,12 +215,17 @@ class TransformerBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self._dropout(self.activation(self.fc1(x)), self.activation_dropout))
 
+    def attention(self, x: torch.Tensor, kv_cache: Optional[KVCache]) -> torch.Tensor:
+        # The cache is passed only when there is one: parallel styles hooked on self_attn
+        # (tensor parallelism) describe its one input.
+        return self.self_attn(x) if kv_cache is None else self.self_attn(x, kv_cache)
+
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         if self.normalize_before:  # pre-norm: x + f(LN(x))
-            x = x + self._dropout(self.self_attn(self.self_attn_layer_norm(x), kv_cache), self.dropout)
+            x = x + self._dropout(self.attention(self.self_attn_layer_norm(x), kv_cache), self.dropout)
             x = x + self._dropout(self.ffn(self.final_layer_norm(x)), self.dropout)
         else:  # post-norm: LN(x + f(x))
-            x = self.self_attn_layer_norm(x + self._dropout(self.self_attn(x, kv_cache), self.dropout))
+            x = self.self_attn_layer_norm(x + self._dropout(self.attention(x, kv_cache), self.dropout))
             x = self.final_layer_norm(x + self._dropout(self.ffn(x), self.dropout))
         return x
 
