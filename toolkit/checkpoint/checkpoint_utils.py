@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
 from toolkit.options import args_to_dict
@@ -138,9 +139,7 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, or a pickle with arbitrary objects
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: cannot load checkpoint safely ({first_line}); "
-                        f"is it a toolkit checkpoint?") from None
+        raise load_refusal(path, e) from None
 
 
 def check_compatible(path: str, state: Dict[str, Any], args, dictionary_size: int) -> None:

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.distributed.utils import barrier, rescale_iterator_state
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
@@ -229,7 +230,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
     try:
         meta = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"{path}: cannot read the sharded checkpoint's metadata ({type(e).__name__}: {e})") from None
+        raise load_refusal(path, e, "the sharded checkpoint's metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path}: not a toolkit sharded checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'})")
     return meta
@@ -237,7 +238,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
 
 def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor in a DCP folder, by flattened key (``model.embed_tokens.weight``)."""
-    md = dcp.FileSystemReader(folder).read_metadata()
+    md = SafeFileSystemReader(folder).read_metadata()
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
@@ -288,11 +289,7 @@ def load_sharded(folder: str, args, trainer) -> Dict[str, Any]:
     if switching:  # per-parameter state from the checkpoint, hyperparameters from this run's flags
         groups = state["optim"]["param_groups"]
         state["optim"] = {"state": state["optim"]["state"]}
-    try:
-        dcp.load(state, checkpoint_id=folder)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{folder}: cannot load the sharded checkpoint ({type(e).__name__}: {first})") from None
+    load_dcp(state, folder)
     set_model_state_dict(trainer.model, state["model"])
     if load_optimizer:
         optim = state["optim"] if groups is None else {"state": state["optim"]["state"], "param_groups": groups}
@@ -403,25 +400,15 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
 
     Runs in one process without a process group. Returns a summary.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     if not is_complete(folder):
         raise UserError(f"{folder}: not a complete sharded checkpoint (needs {DCP_INDEX} and {META_FILE})")
     meta = read_meta(folder)
-    out_dir = os.path.dirname(os.path.abspath(output))
-    os.makedirs(out_dir, exist_ok=True)
-    raw = os.path.join(out_dir, "." + os.path.basename(output) + ".dcp.tmp")
-    try:
-        dcp_to_torch_save(folder, raw)
-        full = torch.load(raw, map_location="cpu", weights_only=True, mmap=True)
-        state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
-        if include_optimizer and "optim" in full:
-            state["last_optimizer_state"] = full["optim"]
-            state["optimizer_name"] = meta.get("optimizer_name")
-        with atomic_write(output, "wb") as f:
-            torch.save(state, f)
-    finally:
-        if os.path.exists(raw):
-            os.unlink(raw)
+    full = dcp_to_state_dict(folder)
+    state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
+    if include_optimizer and "optim" in full:
+        state["last_optimizer_state"] = full["optim"]
+        state["optimizer_name"] = meta.get("optimizer_name")
+    with atomic_write(output, "wb") as f:
+        torch.save(state, f)
     return {"tensors": len(state["model"]), "params": sum(v.numel() for v in state["model"].values()),
             "optimizer": "last_optimizer_state" in state, "world_size": meta.get("world_size")}
