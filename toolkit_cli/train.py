@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import List, Optional, Sequence, Tuple
@@ -14,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from toolkit import options
-from toolkit.checkpoint import checkpoint_utils as ckpt
+from toolkit.checkpoint import checkpoint_utils as ckpt, resume
 from toolkit.config import TRAIN_CONFIGS
 from toolkit.distributed import launch
 from toolkit.distributed.parallelize import build_model
@@ -73,6 +74,13 @@ def main(args) -> None:
     epoch_itr = train_iterator(args, task, env, epoch=itr_state.get("epoch", 1) if itr_state else 1)
     if itr_state and not args.reset_dataloader:
         epoch_itr.load_state_dict(itr_state)
+    done = itr_state is not None and resume.finished_reason(
+        os.path.basename(ckpt.restore_path(args)), resume.StopCriteria.from_args(args), trainer.num_updates,
+        epoch_itr.next_epoch_idx, trainer.get_lr())
+    if done:  # a restart of a finished run: no step, no file written
+        if env.is_master:
+            print(done, flush=True)
+        return
 
     train_meter = metrics.StopwatchMeter()
     train_meter.start()
