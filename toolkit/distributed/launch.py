@@ -30,7 +30,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from toolkit.distributed import heartbeat
+from toolkit.distributed import heartbeat, parent_watch
 from toolkit.distributed.utils import shutdown, under_launcher
 from toolkit.errors import UserError
 
@@ -96,6 +96,8 @@ def _wait_abort_message(seconds: float) -> str:
 def run_worker(main: Callable, args) -> int:
     """One rank: run ``main``, turn failures into one clear message, leave the group cleanly. Returns the exit code."""
     rank = _rank()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get(HOSTED_STORE_ENV) != "1":
+        parent_watch.watch_parent(os.getppid(), "the torchrun agent", f"rank {rank}")
     try:
         main(args)
     except (UserError, FloatingPointError) as e:
@@ -112,6 +114,7 @@ def run_worker(main: Callable, args) -> int:
         if isinstance(e, SystemExit) and not e.code:
             shutdown(ok=True)
             return 0
+        parent_watch.exit_if_orphaned()  # the launcher's death explains whatever failed
         if _is_comm_error(e):
             # Usually the consequence of another rank's failure: say which, if anyone knows.
             interval = heartbeat._HEARTBEAT.interval if heartbeat._HEARTBEAT else 1.0
@@ -135,8 +138,9 @@ def run_worker(main: Callable, args) -> int:
 # --- the single-machine launcher -----------------------------------------------------------
 
 def _spawned_worker(index: int, main: Callable, args, nprocs: int, host: str, port: int,
-                    threads: Optional[int]) -> None:
+                    threads: Optional[int], launcher_pid: int) -> None:
     """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
+    parent_watch.watch_parent(launcher_pid, "the toolkit-train launcher", f"rank {index}")
     os.environ.update({
         "RANK": str(index), "LOCAL_RANK": str(index), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": str(port), HOSTED_STORE_ENV: "1",
@@ -187,7 +191,7 @@ def spawn(main: Callable, args, nprocs: int, host: str = "127.0.0.1") -> int:
     port = store.port
     logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
     ctx = torch.multiprocessing.start_processes(
-        _spawned_worker, args=(main, args, nprocs, host, port, _threads_per_worker(nprocs)),
+        _spawned_worker, args=(main, args, nprocs, host, port, _threads_per_worker(nprocs), os.getpid()),
         nprocs=nprocs, join=False, start_method="spawn")
     procs = ctx.processes
     for rank, proc in enumerate(procs):
