@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
@@ -229,11 +230,14 @@ def save_checkpoint(args, trainer, epoch_itr, val_loss: Optional[float], best: B
     if args.use_sharded_state:  # every rank writes its shard (DCP), see toolkit.checkpoint.sharded
         from toolkit.checkpoint import sharded
 
-        sharded.save_checkpoint(args, trainer, epoch_itr, names, val_loss, new_best, env)
+        folder = os.path.join(args.save_dir, sharded.folder_name(names[0]))
+        with write_errors.reported(folder, args.save_dir, remove=sharded._tmp_path(folder)):
+            sharded.save_checkpoint(args, trainer, epoch_itr, names, val_loss, new_best, env)
         return
     state = build_checkpoint(args, trainer, epoch_itr.state_dict(), val_loss, new_best)
     if env.is_master:
-        write_checkpoint(state, args.save_dir, names)
+        with write_errors.reported(os.path.join(args.save_dir, names[0]), args.save_dir):
+            write_checkpoint(state, args.save_dir, names)
         prune_checkpoints(args)
 
 
