@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from toolkit import options
-from toolkit.checkpoint import checkpoint_utils as ckpt, resume
+from toolkit.checkpoint import checkpoint_utils as ckpt, resume, stale_files
 from toolkit.config import TRAIN_CONFIGS
 from toolkit.distributed import launch
 from toolkit.distributed.parallelize import build_model
@@ -69,6 +69,8 @@ def main(args) -> None:
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
     logger.info(f"max tokens per device = {args.max_tokens} and max sentences per device = {args.batch_size}")
 
+    if env.is_master:  # before anything is saved: leftovers of saves that crashed
+        stale_files.remove_stale_temp_files(args.save_dir)
     best = ckpt.BestTracker(args.maximize_best_checkpoint_metric)
     itr_state = ckpt.load_latest(args, trainer, best)
     epoch_itr = train_iterator(args, task, env, epoch=itr_state.get("epoch", 1) if itr_state else 1)
