@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from toolkit import options, registry
+from toolkit.checkpoint import identity
 from toolkit.checkpoint.checkpoint_utils import check_compatible, load_checkpoint_file
 from toolkit.errors import UserError
 
@@ -34,6 +35,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, state, args, len(task.dictionary))
+    identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), task.dictionary,
+                              identity.dict_path_of(task))
     entry = registry.resolve_arch(args.arch)
     with torch.device("meta"):
         model = entry.cls.build_model(options.config_from_args(entry.config, args), task)

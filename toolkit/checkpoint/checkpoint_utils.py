@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from toolkit.checkpoint import write_errors
+from toolkit.checkpoint import identity, write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
@@ -85,6 +85,7 @@ def build_checkpoint(args, trainer, epoch_itr_state: Dict[str, Any], val_loss: O
             "best": best,
             "trainer": trainer.extra_state(),
             "metrics": _metrics_state(),
+            identity.HASH_KEY: trainer.task.dictionary.symbols_hash(),
         },
     }
     if not args.no_save_optimizer_state:
@@ -265,6 +266,8 @@ def load_latest(args, trainer, best: BestTracker) -> Optional[Dict[str, Any]]:
         return None
     state = load_checkpoint_file(path)
     check_compatible(path, state, args, len(trainer.task.dictionary))
+    identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), trainer.task.dictionary,
+                              identity.dict_path_of(trainer.task))
     extra = load_into_trainer(path, state, trainer, args)
     best.best = extra.get("best")
     return sharded.rescale_iterator_state(extra.get("train_iterator"), state.get("cfg", {}).get(

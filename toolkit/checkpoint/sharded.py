@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit.checkpoint import identity
 from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.distributed.utils import barrier, rescale_iterator_state
 from toolkit.errors import UserError
@@ -140,6 +141,7 @@ def _meta(args, trainer, epoch_itr_state, val_loss, best, with_optimizer: bool, 
             "best": best,
             "trainer": trainer.extra_state(),
             "metrics": metrics.state_dict(),
+            identity.HASH_KEY: trainer.task.dictionary.symbols_hash(),
         },
     }
 
@@ -248,6 +250,8 @@ def check_compatible(folder: str, meta: Dict[str, Any], args, trainer) -> None:
         if key in cfg and getattr(args, key, cfg[key]) != cfg[key]:
             raise UserError(f"{folder}: checkpoint has --{key.replace('_', '-')} {cfg[key]} but this run has "
                             f"{getattr(args, key)}; use the same --arch or another --save-dir")
+    identity.check_dictionary(folder, identity.saved_hash(meta.get("extra_state")), trainer.task.dictionary,
+                              identity.dict_path_of(trainer.task))
     embed = tensor_shapes(folder).get("model.embed_tokens.weight")
     size = len(trainer.task.dictionary)
     if embed is not None and embed[0] != size:
