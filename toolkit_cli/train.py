@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from toolkit import options
-from toolkit.checkpoint import checkpoint_utils as ckpt, resume, stale_files
+from toolkit.checkpoint import checkpoint_utils as ckpt, compat, resume, stale_files
 from toolkit.config import TRAIN_CONFIGS
 from toolkit.distributed import launch
 from toolkit.distributed.parallelize import build_model
@@ -51,6 +51,8 @@ def validate_args(args) -> None:
                         "compute on the device); add --fp16 (or --bf16)")
     if args.update_freq < 1:
         raise UserError(f"--update-freq must be >= 1, got {args.update_freq}")
+    compat.check_positions(vars(args).get("max_target_positions"), args.tokens_per_sample, args.add_bos_token,
+                           args.sample_break_mode)
     if args.max_update <= 0 and args.max_epoch <= 0 and args.stop_time_hours <= 0:
         logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")
 

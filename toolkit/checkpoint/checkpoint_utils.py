@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from toolkit.checkpoint import identity, write_errors
+from toolkit.checkpoint import compat, identity, write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
@@ -139,9 +139,11 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise UserError(f"{path}: checkpoint not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, or a pickle with arbitrary objects
         raise load_refusal(path, e) from None
+    compat.refuse_fairseq(path, state)
+    return state
 
 
 def check_compatible(path: str, state: Dict[str, Any], args, dictionary_size: int) -> None:
@@ -268,6 +270,8 @@ def load_latest(args, trainer, best: BestTracker) -> Optional[Dict[str, Any]]:
     check_compatible(path, state, args, len(trainer.task.dictionary))
     identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), trainer.task.dictionary,
                               identity.dict_path_of(trainer.task))
+    compat.check_resume(path, {k: tuple(v.shape) for k, v in state["model"].items()}, state.get("cfg", {}), args,
+                        trainer.model)
     extra = load_into_trainer(path, state, trainer, args)
     best.best = extra.get("best")
     return sharded.rescale_iterator_state(extra.get("train_iterator"), state.get("cfg", {}).get(

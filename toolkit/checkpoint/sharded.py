@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from toolkit.checkpoint import identity
+from toolkit.checkpoint import compat, identity
 from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.distributed.utils import barrier, rescale_iterator_state
 from toolkit.errors import UserError
@@ -252,6 +252,8 @@ def check_compatible(folder: str, meta: Dict[str, Any], args, trainer) -> None:
                             f"{getattr(args, key)}; use the same --arch or another --save-dir")
     identity.check_dictionary(folder, identity.saved_hash(meta.get("extra_state")), trainer.task.dictionary,
                               identity.dict_path_of(trainer.task))
+    compat.check_resume(folder, {k[len("model."):]: v for k, v in tensor_shapes(folder).items()
+                                 if k.startswith("model.")}, cfg, args, trainer.model)
     embed = tensor_shapes(folder).get("model.embed_tokens.weight")
     size = len(trainer.task.dictionary)
     if embed is not None and embed[0] != size:

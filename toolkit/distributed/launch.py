@@ -186,8 +186,7 @@ def spawn(main: Callable, args, nprocs: int, host: str = "127.0.0.1") -> int:
                         f"(one process per GPU); lower it, or use --cpu")
     port = int(getattr(args, "distributed_port", -1) or -1)
     timeout = float(getattr(args, "heartbeat_timeout", 300) or 300)
-    store = dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    store = _host_store(host, port, timeout)
     port = store.port
     logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
     ctx = torch.multiprocessing.start_processes(
@@ -242,6 +241,19 @@ def spawn(main: Callable, args, nprocs: int, host: str = "127.0.0.1") -> int:
         except OSError:
             pass
     return 1
+
+
+def _host_store(host: str, port: int, timeout: float):
+    """The rendezvous store on ``--distributed-port`` (or a free port); a port in use is one line."""
+    try:
+        return dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise UserError(f"--distributed-port {port}: address already in use on {host}; choose another port, "
+                            f"or leave the flag out to use a free one") from None
+        raise
 
 
 def _watch(procs) -> Optional[int]:
