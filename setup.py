@@ -30,6 +30,8 @@ setup(
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
             "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
             "toolkit-export = toolkit_cli.export:cli_main",
+            "toolkit-generate = toolkit_cli.generate:cli_main",
+            "toolkit-interactive = toolkit_cli.interactive:cli_main",
         ],
     },
 )

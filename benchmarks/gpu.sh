@@ -17,6 +17,8 @@
 #            limit: parameters, gradients and Adam state take 16 bytes per parameter)
 #   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
 #   profile  torch.profiler tables of one gpt3_xl step and one offloaded 2.7B step
+#   generate benchmarks/generate.py on transformer_lm_gpt3_xl, bf16, batch 1 and 16: generation
+#            tokens/s with the KV cache and with the whole prefix recomputed (256 + 256 tokens)
 #
 # Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job),
 # GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt),
@@ -107,6 +109,7 @@ profile() {
     --profile "$LOG/profile_offload_gpt3_2_7.txt"
 }
 offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --fp16-adam-stats; }
+generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
 echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"
 $PY - <<'EOF' 2>&1 | tee -a "$LOG/summary.txt"

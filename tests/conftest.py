@@ -10,6 +10,10 @@ SHARED_DATA = os.path.abspath(os.path.join(REPO_ROOT, "..", "shared", "data"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "faults: kill -9 fault suite (starts ~10 training processes)")
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> str:
     """The real corpora beside the repo (../shared/data); tests that need them skip without them."""

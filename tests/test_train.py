@@ -147,7 +147,8 @@ def _error_line(run):
 
 def test_bad_input(data_bin, tmp_path, reference_run):
     missing = run_cli("toolkit_cli.train", [str(tmp_path / "nope"), "--arch", "transformer_lm", "--batch-size", "2"])
-    assert "dict.txt" in _error_line(missing)
+    line = _error_line(missing)
+    assert "nope" in line and "data-bin made by toolkit-preprocess" in line
 
     no_split = train(data_bin, str(tmp_path / "a"), "--valid-subset", "valid9", check=False)
     assert "valid9" in _error_line(no_split)

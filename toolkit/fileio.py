@@ -8,6 +8,25 @@ import tempfile
 from typing import Iterator
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only set it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _as_if_created(path: str, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create 0600/0700 whatever the umask: give the usual open()/mkdir() mode instead."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~process_umask())
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w", **open_kwargs) -> Iterator:
     """Write to a temporary file beside ``path``; rename over it only when the block succeeds."""
@@ -15,6 +34,7 @@ def atomic_write(path: str, mode: str = "w", **open_kwargs) -> Iterator:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     os.close(fd)
+    _as_if_created(tmp)
     try:
         with open(tmp, mode, **open_kwargs) as f:
             yield f
@@ -33,6 +53,7 @@ def atomic_directory(path: str) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(path)) + ".", suffix=".tmp", dir=parent)
+    _as_if_created(tmp, directory=True)
     try:
         yield tmp
         if os.path.isdir(path):

@@ -5,14 +5,20 @@ so users pass raw sentences.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
 from toolkit import inference
+from toolkit.errors import UserError
+from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.tokenizers import load_tokenizer_for_data_bin
+
+logger = logging.getLogger(__name__)
 
 
 def from_pretrained(model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
@@ -67,61 +73,72 @@ class LMHubInterface(torch.nn.Module):
         }
 
     @torch.no_grad()
-    def sample(self, prefix: str = "", beam: int = 1, sampling: bool = True, topk: int = -1,
-               topp: float = -1.0, temperature: float = 1.0, max_len: int = 50,
-               seed: Optional[int] = None) -> str:
-        """Continue ``prefix``: sampling (top-k / top-p / temperature) or beam search."""
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        prefix_ids = self.encode(prefix)[:-1] if prefix else torch.zeros(0, dtype=torch.long)
-        start = torch.cat([prefix_ids.new_tensor([self.dictionary.eos()]), prefix_ids])
-        limit = min(max_len + len(start), self.models[0].max_positions())
-        if sampling:
-            out = self._sample(start, limit, topk, topp, temperature, generator)
-        else:
-            out = self._beam_search(start, limit, beam)
-        return self.decode(out[1:])
+    def sample(self, sentences: Union[str, List[str]] = "", beam: int = 1, verbose: bool = False,
+               **kwargs) -> Union[str, List[str]]:
+        """Continue each prompt (fairseq's ``sample``): the best hypothesis, prompt included, as text.
 
-    def _next_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
-        return inference.ensemble_log_probs(list(self.models), tokens.to(self.device))[:, -1].cpu()
+        Keyword arguments are fairseq's generation names (``sampling``, ``sampling_topk``,
+        ``sampling_topp``, ``temperature``, ``max_len_a``, ``max_len_b``, ``min_len``, ``lenpen``,
+        ``unkpen``, ``no_repeat_ngram_size``) plus ``seed`` and the short forms ``topk``, ``topp``
+        and ``max_len`` (at most this many new tokens). Top-k / top-p imply ``sampling=True``.
+        """
+        if isinstance(sentences, str):
+            return self.sample([sentences], beam=beam, verbose=verbose, **kwargs)[0]
+        hypos = self.generate([self.encode(s) for s in sentences], beam=beam, verbose=verbose, **kwargs)
+        return [self.decode(h[0]["tokens"]) for h in hypos]
 
-    def _sample(self, tokens, limit, topk, topp, temperature, generator) -> torch.Tensor:
-        eos = self.dictionary.eos()
-        while len(tokens) < limit:
-            logp = self._next_log_probs(tokens[None])[0] / max(temperature, 1e-5)
-            logp[self.dictionary.pad()] = -math.inf
-            if topk > 0:
-                kth = torch.topk(logp, min(topk, len(logp))).values[-1]
-                logp[logp < kth] = -math.inf
-            probs = torch.softmax(logp, dim=-1)
-            if 0 < topp < 1:
-                sorted_p, order = probs.sort(descending=True)
-                drop = sorted_p.cumsum(0) - sorted_p > topp
-                probs[order[drop]] = 0.0
-                probs /= probs.sum()
-            nxt = torch.multinomial(probs, 1, generator=generator)
-            tokens = torch.cat([tokens, nxt])
-            if nxt.item() == eos:
-                break
-        return tokens
+    @torch.no_grad()
+    def generate(self, tokenized_sentences: Union[torch.Tensor, List[torch.Tensor]], beam: int = 5,
+                 verbose: bool = False, batch_size: int = 16, **kwargs) -> List[List[Dict[str, object]]]:
+        """Hypotheses (``tokens``, ``score``, ``positional_scores``; natural log) per encoded prompt."""
+        if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
+            return self.generate([tokenized_sentences], beam, verbose, batch_size, **kwargs)[0]
+        seed = kwargs.pop("seed", None)
+        cfg = hub_generation_config(beam, kwargs)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator,
+                                bos=self.dictionary.bos() if self.args_add_bos else None)
+        prompts = [strip_eos(t, self.dictionary.eos()) for t in tokenized_sentences]
+        out: List[List[Dict[str, object]]] = []
+        for i in range(0, len(prompts), batch_size):
+            out.extend(gen.generate(prompts[i:i + batch_size]))
+        if verbose:
+            for prompt, hypos in zip(prompts, out):
+                logger.info(f"S\t{self.dictionary.string(prompt)}")
+                for h in hypos:
+                    logger.info(f"H\t{h['score']}\t{self.decode(h['tokens'])}")
+                    logger.info("P\t" + " ".join(f"{x:.4f}" for x in h["positional_scores"].tolist()))
+        return out
 
-    def _beam_search(self, tokens, limit, beam: int) -> torch.Tensor:
-        eos, pad = self.dictionary.eos(), self.dictionary.pad()
-        beams = [(0.0, tokens)]
-        finished: List = []
-        while beams and len(beams[0][1]) < limit:
-            batch = torch.stack([t for _, t in beams])
-            logp = self._next_log_probs(batch)
-            logp[:, pad] = -math.inf
-            candidates = []
-            for (score, seq), row in zip(beams, logp):
-                top = torch.topk(row, beam)
-                candidates += [(score + v.item(), torch.cat([seq, seq.new_tensor([i.item()])]))
-                               for v, i in zip(top.values, top.indices)]
-            candidates.sort(key=lambda c: c[0], reverse=True)
-            beams = []
-            for score, seq in candidates[:beam]:
-                (finished if seq[-1].item() == eos else beams).append((score, seq))
-            if len(finished) >= beam:
-                break
-        pool = finished + beams
-        return max(pool, key=lambda c: c[0] / (len(c[1]) - len(tokens) + 1e-9))[1]
+    @property
+    def args_add_bos(self) -> bool:
+        return bool(vars(self.args).get("add_bos_token", False))
+
+
+#: the hub's short names for fairseq's generation options
+HUB_ALIASES = {"topk": "sampling_topk", "topp": "sampling_topp", "max_len": "max_new_tokens"}
+
+
+def hub_generation_config(beam: int, kwargs: Dict[str, object]) -> GenerationConfig:
+    """fairseq's generation kwargs (and the hub's short forms) as a GenerationConfig."""
+    names = {f.name for f in dataclasses.fields(GenerationConfig)}
+    values: Dict[str, object] = {"beam": beam}
+    for key, value in kwargs.items():
+        name = HUB_ALIASES.get(key, key)
+        if name not in names:
+            raise UserError(f"generate(): unknown argument {key!r}; use fairseq's generation names "
+                            f"({', '.join(sorted(names - {'max_new_tokens'}))}) or {', '.join(HUB_ALIASES)}")
+        values[name] = value
+    truncated = values.get("sampling_topk", -1) > 0 or values.get("sampling_topp", -1.0) > 0
+    if values.get("sampling") is None:
+        values["sampling"] = truncated
+    values.setdefault("nbest", beam)
+    return GenerationConfig(**values)
+
+
+def strip_eos(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """A prompt is the sentence without its final </s> (fairseq's build_dataset_for_inference)."""
+    tokens = tokens.long()
+    return tokens[:-1] if len(tokens) and int(tokens[-1]) == eos else tokens

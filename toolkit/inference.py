@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from toolkit import options, registry
+from toolkit.checkpoint import identity
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.checkpoint.fairseq_checkpoint import (check_weights, import_checkpoint, is_fairseq_checkpoint,
@@ -50,6 +51,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
+    identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), task.dictionary,
+                              identity.dict_path_of(task))
     with torch.device("meta"):
         model = build_model(args.arch, args, task)
     model.to_empty(device=device)

@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 import torch
 
 from toolkit import options
+from toolkit.checkpoint.compat import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.errors import UserError
 from toolkit.fairseq_flags import check_list_flags, resolve_fairseq_flags, split_list_flags
@@ -172,11 +173,9 @@ def _check_values(cfg: TrainConfig) -> None:
     if opt.update_freq < 1:
         raise UserError(f"--update-freq must be >= 1, got {opt.update_freq}")
     check_list_flags(cfg)
-    positions = getattr(cfg.model, "max_target_positions", None)
-    tokens = getattr(cfg.task, "tokens_per_sample", None)
-    if positions is not None and tokens is not None and tokens > positions:
-        raise UserError(f"--tokens-per-sample {tokens} exceeds --max-target-positions {positions}; "
-                        f"lower --tokens-per-sample or raise --max-target-positions")
+    if hasattr(cfg.task, "tokens_per_sample"):
+        check_positions(getattr(cfg.model, "max_target_positions", None), cfg.task.tokens_per_sample,
+                        getattr(cfg.task, "add_bos_token", False), getattr(cfg.task, "sample_break_mode", "none"))
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     if getattr(cfg.model, "decoder_layerdrop", 0) > 0 and cfg.distributed.ddp_backend == "c10d" and world > 1:
         raise UserError("--decoder-layerdrop with --ddp-backend c10d on several ranks: DDP waits for every "

@@ -55,10 +55,16 @@ def train(cfg: TrainConfig) -> None:
     logger.info(f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
                 f"{cfg.dataset.batch_size}")
     state = TrainingState(trainer, BestTracker(cfg.checkpoint.maximize_best_checkpoint_metric))
+    manager.prepare_save_dir(cfg, env)
     position = manager.load_latest(cfg, trainer, state, env)
     state.epoch_itr = train_iterator(cfg, trainer, epoch=position.get("epoch", 1) if position else 1)
     if position and not cfg.checkpoint.reset_dataloader:
         state.epoch_itr.load_state_dict(position)
+    done = manager.finished_reason(cfg, trainer, state.epoch_itr) if position is not None else None
+    if done:  # a finished run restarted: nothing is trained or written
+        if env.is_master:
+            print(done, flush=True)
+        return
     start = time.time()
     while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
         valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)

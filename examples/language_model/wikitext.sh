@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: prepare a real corpus, binarize it, train a small transformer_lm on CPU
-# for a few minutes, and print its test perplexity beside the unigram baseline.
+# for a few minutes, print its test perplexity beside the unigram baseline, then 3 samples from it.
 #
 #   bash examples/language_model/wikitext.sh [CORPUS_DIR]
 #
@@ -40,3 +40,7 @@ toolkit-train "$DATA" --task language_modeling --arch transformer_lm \
 toolkit-eval-lm "$DATA" --path "$SAVE/checkpoint_best.pt" --gen-subset test \
   --tokens-per-sample 128 --context-window 64 --batch-size 16 --cpu  # 64 scored after 64 of context
 python3 examples/language_model/unigram_ppl.py "$DATA" test
+
+echo "| 3 samples from the trained model (toolkit-interactive: prompt, then top-10 sampling):"
+printf 'The\nIn the\nHe was\n' | toolkit-interactive "$DATA" --path "$SAVE/checkpoint_best.pt" \
+  --sampling --sampling-topk 10 --beam 1 --max-len-b 40 --seed 1 --cpu | grep '^D-' | cut -f1,3

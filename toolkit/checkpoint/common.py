@@ -70,6 +70,7 @@ class TrainingState:
     val_loss: Optional[float] = None
 
     def state_dict(self) -> Dict[str, Any]:
+        from toolkit.checkpoint.identity import HASH_KEY
         from toolkit.logging import metrics
 
         state = {
@@ -78,6 +79,7 @@ class TrainingState:
             "best": self.best.best,
             "trainer": self.trainer.state_dict(),
             "metrics": metrics.state_dict(),
+            HASH_KEY: self.trainer.task.dictionary.symbols_hash(),  # the dictionary's symbols, in order
         }
         ema = getattr(self.trainer, "ema", None)
         if ema is not None:
@@ -131,6 +133,17 @@ def check_compatible(path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed
     if embed_rows is not None and embed_rows != dictionary_size:
         raise UserError(f"{path}: checkpoint was trained with a dictionary of {embed_rows} symbols "
                         f"but the data-bin's dict.txt has {dictionary_size}; use the same data-bin")
+
+
+def check_resumable(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]],
+                    saved_shapes: Dict[str, Any], model_cfg: Any, trainer) -> None:
+    """Same dictionary (symbols in order) and the same parameter names and shapes, else one line naming the
+    flags that differ (before anything is loaded)."""
+    from toolkit.checkpoint import compat, identity
+
+    identity.check_dictionary(path, identity.saved_hash(extra_state), trainer.task.dictionary,
+                              identity.dict_path_of(trainer.task))
+    compat.check_resume(path, saved_shapes, saved_cfg, model_cfg, trainer.model)
 
 
 def check_optimizer_switch(path: str, saved_name: Optional[str], name: str) -> bool:

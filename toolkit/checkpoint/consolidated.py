@@ -26,14 +26,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from toolkit.checkpoint.common import (
     TrainingState,
+    check_resumable,
     saved_data_parallel_size,
     vocabulary_rows,
     check_compatible,
     check_optimizer_switch,
-    first_line,
     prune,
     switch_optimizer_state,
 )
+from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
@@ -91,9 +92,8 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
         raise UserError(f"{path}: checkpoint not found")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, or a pickle with arbitrary objects
-        raise UserError(f"{path}: cannot load checkpoint safely ({first_line(e)}); "
-                        f"is it a toolkit checkpoint?") from None
+    except Exception as e:  # corrupt file, or a pickle with arbitrary objects: one line naming what was refused
+        raise load_refusal(path, e) from None
 
 
 def embed_rows(model_state_dict: Dict[str, Any]) -> Optional[int]:
@@ -111,6 +111,8 @@ def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, 
     checkpoint = load_checkpoint_file(path) if checkpoint is None else checkpoint
     check_compatible(path, checkpoint.get("cfg", {}), model_cfg, embed_rows(checkpoint["model"]),
                      len(trainer.task.dictionary))
+    check_resumable(path, checkpoint.get("cfg", {}), checkpoint.get("extra_state"),
+                    {k: tuple(v.shape) for k, v in checkpoint["model"].items()}, model_cfg, trainer)
     set_model_state_dict(trainer.model, checkpoint["model"], options=FULL_STATE)
     if not cfg.reset_optimizer and "last_optimizer_state" in checkpoint:
         saved, saved_name = checkpoint["last_optimizer_state"], checkpoint.get("optimizer_name")

@@ -11,8 +11,9 @@ from typing import Any, Dict, Optional
 
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from toolkit.checkpoint import consolidated, fairseq_checkpoint, fairseq_shards, finetune, sharded
-from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names
+from toolkit.checkpoint import (consolidated, fairseq_checkpoint, fairseq_shards, finetune, resume, sharded,
+                                stale_files, write_errors)
+from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
 from toolkit.errors import UserError
@@ -42,10 +43,14 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
         state.best.best = state.val_loss  # the file records the best including this validation
     try:
         if ckpt_cfg.use_sharded_state:
-            sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name, env)
+            folder = os.path.join(ckpt_cfg.save_dir, sharded.folder_name(names[0]))
+            with write_errors.reported(folder, ckpt_cfg.save_dir, remove=sharded._tmp_path(folder)):
+                sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name,
+                             env)
         else:
-            consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name,
-                              env.is_master)
+            with write_errors.reported(os.path.join(ckpt_cfg.save_dir, names[0]), ckpt_cfg.save_dir):
+                consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names,
+                                  optimizer_name, env.is_master)
     finally:
         state.best.best = saved_best  # the loop updates the tracker itself after saving
 
@@ -107,6 +112,19 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
     if ema is not None:
         ema.reset_from(trainer.model)
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
+
+
+def prepare_save_dir(cfg: TrainConfig, env: DistributedEnv) -> None:
+    """Remove our own temporary files that crashed saves left in --save-dir (one INFO line)."""
+    if env.is_master and os.path.isdir(cfg.checkpoint.save_dir):
+        stale_files.remove_stale_temp_files(cfg.checkpoint.save_dir)
+
+
+def finished_reason(cfg: TrainConfig, trainer, epoch_itr) -> Optional[str]:
+    """``| done: ...`` when the loaded checkpoint already meets a stop criterion: restarts are idempotent."""
+    name = os.path.basename(restore_path(cfg.checkpoint))
+    return resume.finished_reason(name, resume.StopCriteria.from_config(cfg.optimization), trainer.num_updates,
+                                  epoch_itr.next_epoch_idx, trainer.get_lr())
 
 
 def _file_is_newer(path: str, folder: str) -> bool:

@@ -38,14 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from toolkit.checkpoint.common import (
     TrainingState,
-    saved_data_parallel_size,
-    vocabulary_rows,
     check_compatible,
     check_optimizer_switch,
-    first_line,
+    check_resumable,
     log_optimizer_switch,
     prune,
+    saved_data_parallel_size,
+    vocabulary_rows,
 )
+from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier
 from toolkit.errors import UserError
@@ -188,7 +189,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
     try:
         meta = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"{path}: cannot read the sharded checkpoint's metadata ({type(e).__name__}: {e})") from None
+        raise load_refusal(path, e, "the sharded checkpoint's metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path}: not a toolkit sharded checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'})")
     return meta
@@ -196,7 +197,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
 
 def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor in a DCP folder, by flattened key (``model.embed_tokens.weight``)."""
-    md = dcp.FileSystemReader(folder).read_metadata()
+    md = SafeFileSystemReader(folder).read_metadata()
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
@@ -224,8 +225,9 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
     Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
     meta = read_meta(folder)
-    rows = vocabulary_rows({k: v for k, v in tensor_shapes(folder).items() if k.startswith("model.")})
-    check_compatible(folder, meta.get("cfg", {}), model_cfg, rows, len(trainer.task.dictionary))
+    shapes = {k[len("model."):]: v for k, v in tensor_shapes(folder).items() if k.startswith("model.")}
+    check_compatible(folder, meta.get("cfg", {}), model_cfg, vocabulary_rows(shapes), len(trainer.task.dictionary))
+    check_resumable(folder, meta.get("cfg", {}), meta.get("extra_state"), shapes, model_cfg, trainer)
     load_optimizer = not cfg.reset_optimizer and meta.get("has_optimizer_state", False)
     switching = load_optimizer and optimizer_switch(folder, meta, optimizer_name, trainer)
     tensors = _sharded_state(trainer, load_optimizer)
@@ -233,10 +235,7 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
     if switching:  # per-parameter state from the checkpoint, hyperparameters from this run's flags
         groups = tensors["optim"]["param_groups"]
         tensors["optim"] = {"state": tensors["optim"]["state"]}
-    try:
-        dcp.load(tensors, checkpoint_id=folder)
-    except Exception as e:
-        raise UserError(f"{folder}: cannot load the sharded checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    load_dcp(tensors, folder)
     set_model_state_dict(trainer.model, tensors["model"])
     if load_optimizer:
         optim = tensors["optim"] if groups is None else {"state": tensors["optim"]["state"], "param_groups": groups}
@@ -257,25 +256,15 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
 
     Runs in one process without a process group. Returns a summary.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     if not is_complete(folder):
         raise UserError(f"{folder}: not a complete sharded checkpoint (needs {DCP_INDEX} and {META_FILE})")
     meta = read_meta(folder)
-    out_dir = os.path.dirname(os.path.abspath(output))
-    os.makedirs(out_dir, exist_ok=True)
-    raw = os.path.join(out_dir, "." + os.path.basename(output) + ".dcp.tmp")
-    try:
-        dcp_to_torch_save(folder, raw)
-        full = torch.load(raw, map_location="cpu", weights_only=True, mmap=True)
-        state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
-        if include_optimizer and "optim" in full:
-            state["last_optimizer_state"] = full["optim"]
-            state["optimizer_name"] = meta.get("optimizer_name")
-        with atomic_write(output, "wb") as f:
-            torch.save(state, f)
-    finally:
-        if os.path.exists(raw):
-            os.unlink(raw)
+    full = dcp_to_state_dict(folder)
+    state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
+    if include_optimizer and "optim" in full:
+        state["last_optimizer_state"] = full["optim"]
+        state["optimizer_name"] = meta.get("optimizer_name")
+    with atomic_write(output, "wb") as f:
+        torch.save(state, f)
     return {"tensors": len(state["model"]), "params": sum(v.numel() for v in state["model"].values()),
             "optimizer": "last_optimizer_state" in state, "world_size": meta.get("world_size")}

@@ -5,6 +5,7 @@ Indices 0-3 are always ``<s>``, ``<pad>``, ``</s>``, ``<unk>`` (not written to
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from typing import Callable, Dict, Iterable, List, Sequence
@@ -38,6 +39,15 @@ class Dictionary:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Dictionary) and self.symbols == other.symbols
+
+    def symbols_hash(self) -> str:
+        """Identity of the vocabulary: sha256 of the symbols in order (first 16 hex digits).
+
+        Same-size dictionaries in another order give the same shapes but other ids, so a
+        checkpoint evaluated on them reports nonsense without error; this tells them apart.
+        """
+        digest = hashlib.sha256("\n".join(self.symbols).encode("utf-8")).hexdigest()
+        return digest[:16]
 
     def bos(self) -> int:
         return self.bos_index

@@ -68,26 +68,39 @@ def write_index(path: str, dtype, sizes: np.ndarray) -> None:
         f.write(pointers.tobytes(order="C"))
 
 
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8
+
+
+def read_index_header(idx_path: str):
+    """(dtype, item count, offset of the sizes) of an ``.idx``, checking that the file holds all it announces."""
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER_BYTES)
+    size = os.path.getsize(idx_path)
+    if header[: len(MAGIC)] != MAGIC:
+        raise UserError(f"{idx_path}: not a memory-mapped indexed dataset (bad magic); "
+                        f"re-run toolkit-preprocess with --dataset-impl mmap")
+    if len(header) < HEADER_BYTES:
+        raise UserError(f"{idx_path}: truncated ({size} bytes, shorter than the {HEADER_BYTES}-byte header); "
+                        f"re-run toolkit-preprocess")
+    version, code, count = struct.unpack("<QBQ", header[len(MAGIC):])
+    if version != VERSION:
+        raise UserError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
+    if code not in DTYPE_CODES:
+        raise UserError(f"{idx_path}: unknown dtype code {code}")
+    expected = HEADER_BYTES + 12 * count  # int32 size + int64 pointer per item
+    if size < expected:
+        raise UserError(f"{idx_path}: truncated: {size} bytes but its {count} items need {expected}; "
+                        f"the data-bin is incomplete, re-run toolkit-preprocess")
+    return np.dtype(DTYPE_CODES[code]), count, HEADER_BYTES
+
+
 class MMapIndexedDataset(torch.utils.data.Dataset):
     """Random access to items (sentences/lines) of a binarized split."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
         idx_path = index_file_path(prefix)
-        with open(idx_path, "rb") as f:
-            magic = f.read(len(MAGIC))
-            if magic != MAGIC:
-                raise UserError(f"{idx_path}: not a memory-mapped indexed dataset (bad magic); "
-                                f"re-run toolkit-preprocess with --dataset-impl mmap")
-            (version,) = struct.unpack("<Q", f.read(8))
-            if version != VERSION:
-                raise UserError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
-            (code,) = struct.unpack("<B", f.read(1))
-            if code not in DTYPE_CODES:
-                raise UserError(f"{idx_path}: unknown dtype code {code}")
-            self.dtype = np.dtype(DTYPE_CODES[code])
-            (count,) = struct.unpack("<Q", f.read(8))
-            offset = f.tell()
+        self.dtype, count, offset = read_index_header(idx_path)
         self._index = np.memmap(idx_path, mode="r", order="C")
         self.sizes = np.frombuffer(self._index, dtype=np.int32, count=count, offset=offset)
         self.pointers = np.frombuffer(self._index, dtype=np.int64, count=count,

@@ -35,6 +35,8 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from toolkit.distributed import parent_watch
+
 logger = logging.getLogger(__name__)
 
 EXIT_CODE = 1
@@ -145,6 +147,7 @@ class Heartbeat:
             except Exception as e:  # the store's host (rank 0 or the torchrun agent) is gone or unreachable
                 if self._stop.is_set():
                     return
+                parent_watch.exit_if_orphaned()  # the store went down with our launcher: say that
                 now = time.monotonic()
                 self._store_down_since = self._store_down_since or now
                 if now - self._store_down_since > self.stale_after:

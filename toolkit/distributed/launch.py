@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.config import TrainConfig
-from toolkit.distributed import heartbeat
+from toolkit.distributed import heartbeat, parent_watch
 from toolkit.distributed.utils import shutdown, under_launcher
 from toolkit.errors import UserError
 
@@ -98,6 +98,8 @@ def _wait_abort_message(seconds: float) -> str:
 def run_worker(main: Callable, cfg: TrainConfig) -> int:
     """One rank: run ``main``, turn failures into one clear message, leave the group cleanly. Returns the exit code."""
     rank = _rank()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get(HOSTED_STORE_ENV) != "1":
+        parent_watch.watch_parent(os.getppid(), "the torchrun agent", f"rank {rank}")
     try:
         main(cfg)
     except (UserError, FloatingPointError) as e:
@@ -114,6 +116,7 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
         if isinstance(e, SystemExit) and not e.code:
             shutdown(ok=True)
             return 0
+        parent_watch.exit_if_orphaned()  # the launcher's death explains whatever failed
         if _is_comm_error(e):
             # Usually the consequence of another rank's failure: say which, if anyone knows.
             interval = heartbeat._HEARTBEAT.interval if heartbeat._HEARTBEAT else 1.0
@@ -137,8 +140,9 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
 # --- the single-machine launcher -----------------------------------------------------------
 
 def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str], nprocs: int,
-                    host: str, port: int, threads: Optional[int]) -> None:
+                    host: str, port: int, threads: Optional[int], launcher_pid: int) -> None:
     """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
+    parent_watch.watch_parent(launcher_pid, "the toolkit-train launcher", f"rank {index}")
     os.environ.update({
         "RANK": str(index), "LOCAL_RANK": str(index), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": str(port), HOSTED_STORE_ENV: "1",
@@ -185,12 +189,12 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
                         f"(one process per GPU); lower it, or use --cpu")
     port = cfg.distributed.distributed_port
     timeout = float(cfg.distributed.heartbeat_timeout)
-    store = dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    store = _host_store(host, port, timeout)
     port = store.port
     logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
     ctx = torch.multiprocessing.start_processes(
-        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, nprocs, host, port, _threads_per_worker(nprocs)),
+        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, nprocs, host, port,
+                               _threads_per_worker(nprocs), os.getpid()),
         nprocs=nprocs, join=False, start_method="spawn")
     procs = ctx.processes
     for rank, proc in enumerate(procs):
@@ -241,6 +245,19 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
         except OSError:
             pass
     return 1
+
+
+def _host_store(host: str, port: int, timeout: float):
+    """The rendezvous store on ``--distributed-port`` (or a free port); a port in use is one line."""
+    try:
+        return dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise UserError(f"--distributed-port {port}: address already in use on {host}; choose another port, "
+                            f"or leave the flag out to use a free one") from None
+        raise
 
 
 def _watch(procs) -> Optional[int]:

@@ -35,13 +35,16 @@ Choices worth knowing
   FSDP2 / activation checkpointing can be applied per block from outside, and
   tensor parallelism (``toolkit.distributed.tensor_parallel``) shards the linear
   layers from outside too: attention takes its head count from qkv_proj's output width.
+- Incremental decoding (generation): ``forward(tokens, incremental_state)`` takes only
+  the new tokens; each layer keeps the keys and values of the positions already seen
+  in a ``KVCache``, so a new token costs one position, not the whole prefix.
 """
 from __future__ import annotations
 
 import math
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -120,6 +123,42 @@ class TransformerLMConfig:
         default=False, metadata={"help": "if set, ties the projection weights of adaptive softmax and adaptive input"})
 
 
+class KVCache:
+    """One layer's keys and values of the positions decoded so far.
+
+    Buffers [B, H, capacity, D] grow by doubling, so appending one position per step
+    copies nothing in the common case (torch.cat would copy the whole prefix every step).
+    """
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
+        P, T = self.length, k.size(2)
+        if self.k is None or P + T > self.k.size(2):
+            capacity = max(P + T, 2 * (0 if self.k is None else self.k.size(2)))
+            new_k = k.new_empty(k.size(0), k.size(1), capacity, k.size(3))
+            new_v = torch.empty_like(new_k)
+            if P > 0:
+                new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, P:P + T], self.v[:, :, P:P + T] = k, v
+        self.length = P + T
+        return self.k[:, :, :P + T], self.v[:, :, :P + T]
+
+    def reorder(self, new_order: torch.Tensor) -> None:
+        """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
+        if self.k is not None:  # copy the filled positions only, keep the capacity
+            L = self.length
+            k = self.k.new_empty((len(new_order),) + self.k.shape[1:])
+            v = torch.empty_like(k)
+            k[:, :, :L], v[:, :, :L] = self.k[new_order, :, :L], self.v[new_order, :, :L]
+            self.k, self.v = k, v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TransformerLMConfig):
         super().__init__()
@@ -132,7 +171,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
         self.out_proj = nn.Linear(C, C)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
         # The head count follows from the width: under tensor parallelism qkv_proj gives this
@@ -140,8 +179,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv_proj(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            k, v = kv_cache.append(k, v)
+            P = k.size(2) - T
+            # New token t sits at position P + t and sees keys 0..P+t. (is_causal would align
+            # the mask top-left, wrong when P > 0; one new token sees every key, no mask.)
+            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).flatten(2)  # [B, H, T, D] -> [B, T, H*D]
         return self.out_proj(y)
 
@@ -168,12 +215,17 @@ class TransformerBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self._dropout(self.activation(self.fc1(x)), self.activation_dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, kv_cache: Optional[KVCache]) -> torch.Tensor:
+        # The cache is passed only when there is one: parallel styles hooked on self_attn
+        # (tensor parallelism) describe its one input.
+        return self.self_attn(x) if kv_cache is None else self.self_attn(x, kv_cache)
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         if self.normalize_before:  # pre-norm: x + f(LN(x))
-            x = x + self._dropout(self.self_attn(self.self_attn_layer_norm(x)), self.dropout)
+            x = x + self._dropout(self.attention(self.self_attn_layer_norm(x), kv_cache), self.dropout)
             x = x + self._dropout(self.ffn(self.final_layer_norm(x)), self.dropout)
         else:  # post-norm: LN(x + f(x))
-            x = self.self_attn_layer_norm(x + self._dropout(self.self_attn(x), self.dropout))
+            x = self.self_attn_layer_norm(x + self._dropout(self.attention(x, kv_cache), self.dropout))
             x = self.final_layer_norm(x + self._dropout(self.ffn(x), self.dropout))
         return x
 
@@ -283,15 +335,19 @@ class TransformerLanguageModel(nn.Module):
     def max_positions(self) -> int:
         return self.max_target_positions
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
         With an adaptive softmax: the features [B, T, C_out] it scores (as fairseq's decoder);
         ``get_normalized_probs`` or the ``adaptive_loss`` criterion turns them into probabilities.
+        With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
+        ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
+        ``tokens`` are only the new tokens; their positions continue after the cached ones.
         """
+        start = 0 if incremental_state is None else incremental_state.get("positions", 0)
         T = tokens.size(1)
-        if T > self.max_target_positions:
-            raise ValueError(f"input of {T} tokens is longer than max_target_positions "
+        if start + T > self.max_target_positions:
+            raise ValueError(f"input of {start + T} tokens is longer than max_target_positions "
                              f"({self.max_target_positions})")
         x = self.embed_tokens(tokens)
         if self.embed_scale != 1.0:
@@ -299,18 +355,21 @@ class TransformerLanguageModel(nn.Module):
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
-            first = self.padding_idx + 1
+            first = self.padding_idx + 1 + start
             positions = torch.arange(first, first + T, device=tokens.device)
             x = x + self.embed_positions(positions)  # [T, C], broadcast over the batch
         elif self.sinusoidal_positions is not None:
-            x = x + self.sinusoidal_positions[:T]
+            x = x + self.sinusoidal_positions[start:start + T]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
-        for layer, keep in zip(self.layers, self.layer_drop.keep(len(self.layers))):
+        caches = self._layer_caches(incremental_state)
+        for layer, keep, cache in zip(self.layers, self.layer_drop.keep(len(self.layers)), caches):
             if keep:  # LayerDrop: in training a whole layer may be skipped
-                x = layer(x)
+                x = layer(x, cache) if cache is not None else layer(x)
+        if incremental_state is not None:
+            incremental_state["positions"] = start + T
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
@@ -335,6 +394,16 @@ class TransformerLanguageModel(nn.Module):
         if keep is not None:
             state_dict = prune_state_dict(state_dict, keep, len(self.layers))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[KVCache]]:
+        if incremental_state is None:
+            return [None] * len(self.layers)
+        return incremental_state.setdefault("layers", [KVCache() for _ in self.layers])
+
+    def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
+        """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""
+        for cache in incremental_state.get("layers", []):
+            cache.reorder(new_order)
 
     # ---- initialization (driven by toolkit.models.init.init_weights) ----
 

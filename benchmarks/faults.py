@@ -1,0 +1,232 @@
+"""Crash consistency: training runs killed with SIGKILL at random moments resume bit-identical.
+
+    python benchmarks/faults.py --runs 20            # the figure reported for issue 10
+    python benchmarks/faults.py --runs 3 --updates 6 # the short version tests/test_faults.py runs
+
+One uninterrupted reference run first. Then ``--runs`` runs of the same command, each
+``kill -9``ed once: at least half of them right after a checkpoint's temporary file
+appears in ``--save-dir`` (``--save-interval-updates 1``, so every update saves; a busy
+poll of the folder catches the write in progress), the others a random few milliseconds
+after a random update. Each killed run is resumed once with the same command (it runs to
+the end), then restarted once more (a finished run: the restart must change nothing; the
+last ``--finished-restarts`` runs, default all).
+
+A run *matches* when every update's logged loss (the killed run's, overridden by the
+resumed run's for the updates it redid) equals the reference's, the final
+``checkpoint_last.pt`` holds the reference's exact weights, and the restart of the
+finished run left every file byte-identical. Prints one line per run and ``matched/total``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+TMP_NAME = re.compile(r"\..*\.tmp")  # atomic_write's and sharded saves' temporary names
+LOSS_LINE = re.compile(r"\| train_inner \| (\{.*\})\s*$")
+MODEL = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
+         "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "4",
+         "--dropout", "0", "--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt",
+         "--warmup-updates", "4", "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "7",
+         "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--disable-validation",
+         "--save-interval-updates", "1", "--keep-interval-updates", "2"]
+
+
+def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
+    """A deterministic data-bin of random sentences over a 200-word vocabulary."""
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(200)]
+    text = {split: [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+            for split, n in (("train", lines), ("valid", 20))}
+    d = Dictionary()
+    d.add_counts(Dictionary.count_words(text["train"]))
+    d.finalize()
+    os.makedirs(dest, exist_ok=True)
+    d.save(os.path.join(dest, "dict.txt"))
+    for split, split_lines in text.items():
+        builder = MMapIndexedDatasetBuilder(os.path.join(dest, f"{split}.bin"), dtype=best_fitting_dtype(len(d)))
+        for line in split_lines:
+            builder.add_item(d.encode_line(line))
+        builder.finalize(os.path.join(dest, f"{split}.idx"))
+    return dest
+
+
+def command(data_bin: str, save_dir: str, updates: int) -> List[str]:
+    return [sys.executable, "-m", "toolkit_cli.train", data_bin, "--save-dir", save_dir, *MODEL,
+            "--max-update", str(updates)]
+
+
+def environment() -> Dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def start(cmd: List[str], log: str) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=environment(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def losses(log: str) -> Dict[int, str]:
+    """{update: logged loss} (as printed: exact comparison); a line cut by the kill is skipped."""
+    out = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = LOSS_LINE.search(line)
+            if m:
+                try:
+                    stats = json.loads(m.group(1))
+                except json.JSONDecodeError:
+                    continue
+                out[int(stats["num_updates"])] = stats["loss"]
+    return out
+
+
+def last_update(log: str) -> int:
+    return max(losses(log), default=0)
+
+
+def snapshot(folder: str) -> Dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def temp_files(save_dir: str) -> List[str]:
+    try:
+        return [n for n in os.listdir(save_dir) if TMP_NAME.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_update(proc: subprocess.Popen, log: str, update: int, timeout: float = 600) -> bool:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if last_update(log) >= update:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def kill_during_save(proc: subprocess.Popen, save_dir: str) -> bool:
+    """SIGKILL the moment a checkpoint temp file shows up (busy poll); False if the run ended first."""
+    while proc.poll() is None:
+        if temp_files(save_dir):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+    return False
+
+
+def kill_once(cmd: List[str], save_dir: str, log: str, rng: random.Random, during_save: bool,
+              updates: int) -> Tuple[str, int]:
+    """Start the run and kill it once; returns (where it was killed, last logged update)."""
+    proc = start(cmd, log)
+    wait_for_update(proc, log, rng.randint(1, max(1, updates - 2)))
+    if during_save:
+        killed = kill_during_save(proc, save_dir)
+    else:
+        time.sleep(rng.uniform(0.0, 0.05))
+        killed = proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    where = "after the end" if not killed else ("during a save" if temp_files(save_dir) else "between saves")
+    return where, last_update(log)
+
+
+def final_weights(save_dir: str) -> Dict[str, torch.Tensor]:
+    return torch.load(os.path.join(save_dir, "checkpoint_last.pt"), map_location="cpu", weights_only=True)["model"]
+
+
+def same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def restart_is_no_op(cmd: List[str], save_dir: str, log: str) -> bool:
+    """Run the finished run's command again: it must exit 0, say it is done, and change no file."""
+    before = snapshot(save_dir)
+    ok = start(cmd, log).wait() == 0 and snapshot(save_dir) == before
+    with open(log, errors="replace") as f:
+        return ok and "| done: " in f.read()
+
+
+def one_run(index: int, args, data_bin: str, reference: dict, rng: random.Random) -> Tuple[bool, str]:
+    save_dir = os.path.join(args.workdir, f"run{index}")
+    cmd = command(data_bin, save_dir, args.updates)
+    during_save = index % 2 == 0 or rng.random() < 0.25  # at least half
+    where, killed_at = kill_once(cmd, save_dir, os.path.join(args.workdir, f"run{index}.kill.log"), rng,
+                                 during_save, args.updates)
+    merged = losses(os.path.join(args.workdir, f"run{index}.kill.log"))
+    resume_log = os.path.join(args.workdir, f"run{index}.resume.log")
+    resumed = start(cmd, resume_log)
+    if resumed.wait() != 0:
+        return False, f"{where} at update {killed_at}; resume failed (see {resume_log})"
+    merged.update(losses(resume_log))
+    tried = index >= args.runs - args.finished_restarts
+    restarted_ok = not tried or restart_is_no_op(cmd, save_dir, os.path.join(args.workdir, f"run{index}.restart.log"))
+    losses_ok = merged == reference["losses"]
+    weights_ok = same_weights(final_weights(save_dir), reference["weights"])
+    detail = (f"killed {where} (update {killed_at}); losses {'=' if losses_ok else '!='} reference, weights "
+              f"{'=' if weights_ok else '!='} reference, finished restart "
+              f"{'not tried' if not tried else 'no-op' if restarted_ok else 'CHANGED FILES'}")
+    if losses_ok and weights_ok and restarted_ok:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return losses_ok and weights_ok and restarted_ok, detail
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=20, help="killed runs")
+    p.add_argument("--updates", type=int, default=12, help="--max-update of every run")
+    p.add_argument("--finished-restarts", type=int, default=None,
+                   help="how many runs (the last ones) are restarted once more after they finished (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="folder for data, checkpoints and logs (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="faults.")
+    args.finished_restarts = args.runs if args.finished_restarts is None else args.finished_restarts
+    rng = random.Random(args.seed)
+    data_bin = make_data_bin(os.path.join(args.workdir, "bin"))
+    ref_dir, ref_log = os.path.join(args.workdir, "reference"), os.path.join(args.workdir, "reference.log")
+    if start(command(data_bin, ref_dir, args.updates), ref_log).wait() != 0:
+        print(f"reference run failed; see {ref_log}")
+        return 2
+    reference = {"losses": losses(ref_log), "weights": final_weights(ref_dir)}
+    print(f"reference: {args.updates} updates, final loss {reference['losses'][args.updates]}", flush=True)
+    matched, during_save = 0, 0
+    for i in range(args.runs):
+        ok, detail = one_run(i, args, data_bin, reference, rng)
+        matched += ok
+        during_save += "during a save" in detail
+        print(f"run {i + 1}/{args.runs}: {'match' if ok else 'MISMATCH'}: {detail}", flush=True)
+    print(f"kills during a save (a temporary file was left behind): {during_save}/{args.runs}")
+    print(f"matched: {matched}/{args.runs}")
+    return 0 if matched == args.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

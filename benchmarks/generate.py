@@ -1,0 +1,164 @@
+"""Generation tokens/s with the KV cache and without it (the whole prefix recomputed every step).
+
+    python benchmarks/generate.py                          # transformer_lm_gpt2_small, CPU, batch 1, 256 + 256
+    python benchmarks/generate.py --preset tiny --full     # small model: the estimate checked against a full run
+    python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16   # batch 1 and 16 on a GPU
+
+What runs is ``toolkit.generation.SequenceGenerator`` (the code path of toolkit-generate,
+toolkit-interactive and the hub): greedy decoding (``--beam 1``) of ``--new`` tokens after a
+``--prompt``-token prompt of random tokens, on a randomly initialized model (``init_weights``)
+with a ``--vocab``-word vocabulary. ``</s>`` is banned until the last step, so every row
+generates exactly ``--new`` tokens. Tokens/s = batch x new tokens / wall time, prompt
+reading (prefill) included.
+
+With the cache, the generator runs end to end. Without it, every step runs the model on the
+whole prefix; on a CPU that takes tens of minutes for gpt2_small, so by default the no-cache
+time is *estimated*: the prefill plus ``--sample-steps`` no-cache steps timed (best of two) at evenly
+spaced prefix lengths, integrated over all steps (trapezoid rule; a step's cost grows
+smoothly with its prefix). ``--full`` runs the no-cache generator end to end instead (and
+prints the estimate beside it, to check the estimate). GPU presets run it in full.
+
+Prints a table and one JSON line (``"benchmark": "generate"``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from toolkit import options, registry  # noqa: E402
+from toolkit.data.dictionary import Dictionary  # noqa: E402
+from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
+from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402
+
+PRESETS = {
+    # name: (arch, vocabulary, batch sizes, device, run the no-cache path in full)
+    "gpt2_small": ("transformer_lm_gpt2_small", 50264, [1], "cpu", False),
+    "tiny": ("transformer_lm_gpt2_tiny", 8192, [1], "cpu", True),
+    "gpt3_xl": ("transformer_lm_gpt3_xl", 50264, [1, 16], "cuda", True),
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(arch: str, vocab: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+    """A randomly initialized model of ``arch`` and a dictionary of ``vocab`` symbols."""
+    registry.import_all_components()
+    values = options.architecture_defaults(arch, {"max_target_positions": max_positions})
+    cfg = options.config_from_args(TransformerLMConfig, values)
+    d = Dictionary()
+    for i in range(vocab - len(d)):
+        d.add_symbol(f"w{i}")
+    with torch.device(device):
+        model = TransformerLanguageModel(cfg, len(d), d.pad(), seed=0)
+    return model.to(dtype).eval(), d
+
+
+def generator(model, d, prompt: int, new: int, incremental: bool) -> SequenceGenerator:
+    cfg = GenerationConfig(beam=1, max_len_b=prompt + new, min_len=prompt + new)
+    return SequenceGenerator([model], d, cfg, incremental=incremental)
+
+
+def run_generator(gen: SequenceGenerator, prompts: torch.Tensor, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    hypos = gen.generate(list(prompts))
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    assert all(len(h[0]["tokens"]) == gen.cfg.max_len_b + 1 for h in hypos)
+    return elapsed
+
+
+@torch.no_grad()
+def estimate_no_cache(model, prompts: torch.Tensor, new: int, samples: int, device: torch.device) -> float:
+    """Prefill + every no-cache step, integrated from ``samples`` timed steps (trapezoid rule)."""
+    B, P = prompts.shape
+    tokens = torch.randint(4, model.embed_tokens.num_embeddings, (B, P + new + 1), device=device)
+
+    def step_seconds(length: int) -> float:
+        """The faster of two runs: the first of a new shape also pays one-off allocation costs."""
+        runs = []
+        for _ in range(2):
+            synchronize(device)
+            start = time.perf_counter()
+            out = model(tokens[:, :length])
+            model.get_normalized_probs(out[:, -1:], log_probs=True).argmax(-1)
+            synchronize(device)
+            runs.append(time.perf_counter() - start)
+        return min(runs)
+
+    prefill = step_seconds(P + 1)
+    lengths = sorted({P + 2 + round(i * (new - 1) / max(samples - 1, 1)) for i in range(samples)})
+    timed = [(n, step_seconds(n)) for n in lengths]
+    total = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(timed, timed[1:]))
+    total += (timed[0][1] + timed[-1][1]) / 2  # the trapezoid sum counts the end points half
+    return prefill + total
+
+
+def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.device) -> Dict:
+    prompts = torch.randint(4, len(d), (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    cached = run_generator(generator(model, d, args.prompt, args.new, True), prompts, device)
+    estimated = estimate_no_cache(model, prompts.to(device), args.new, args.sample_steps, device)
+    full = run_generator(generator(model, d, args.prompt, args.new, False), prompts, device) \
+        if full_no_cache else None
+    no_cache = full if full is not None else estimated
+    tokens = batch * args.new
+    return {"batch": batch, "cache_s": cached, "cache_tokens_per_s": tokens / cached,
+            "no_cache_s": no_cache, "no_cache_tokens_per_s": tokens / no_cache,
+            "no_cache_estimated_s": estimated, "no_cache_measured": full is not None,
+            "speedup": no_cache / cached}
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="gpt2_small")
+    p.add_argument("--arch", help="override the preset's architecture")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
+    p.add_argument("--batch-size", type=int, action="append", help="batch size; repeat for several")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    p.add_argument("--new", type=int, default=256, help="tokens to generate")
+    p.add_argument("--device", help="cpu or cuda[:i] (default: the preset's)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--sample-steps", type=int, default=6, help="no-cache steps timed for the estimate")
+    p.add_argument("--full", action="store_true", help="run the no-cache generator end to end")
+    return p.parse_args(argv)
+
+
+def main(argv: List[str]) -> None:
+    args = parse_args(argv)
+    arch, vocab, batches, device_name, full = PRESETS[args.preset]
+    arch, vocab = args.arch or arch, args.vocab or vocab
+    device = torch.device(args.device or device_name)
+    torch.set_num_threads(args.threads)
+    model, d = build(arch, vocab, max(1024, args.prompt + args.new + 1), device, DTYPES[args.dtype])
+    rows = [measure(model, d, b, args, full or args.full, device) for b in args.batch_size or batches]
+    print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
+          f"{args.prompt}-token prompt + {args.new} new tokens, greedy; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'batch':>5} {'cache tok/s':>12} {'no-cache tok/s':>15} {'speedup':>8}  no-cache time")
+    for r in rows:
+        how = "measured" if r["no_cache_measured"] else "estimated"
+        extra = f" (estimate {r['no_cache_estimated_s']:.1f}s)" if r["no_cache_measured"] else ""
+        print(f"{r['batch']:>5} {r['cache_tokens_per_s']:>12.2f} {r['no_cache_tokens_per_s']:>15.2f} "
+              f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}")
+    print(json.dumps({"benchmark": "generate", "arch": arch, "vocab": len(d), "device": str(device),
+                      "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
+                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
+                      "torch": torch.__version__, "machine": platform.machine()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

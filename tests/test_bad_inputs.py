@@ -1,0 +1,287 @@
+"""The bad-input catalogue: every CLI answers a user mistake with one line, and damages nothing.
+
+One table: each case is a command (module + arguments, with ``{placeholders}`` for the
+prepared files), the fragment its one-line error must contain, and the promise checked
+for all of them: exit status 1 (2 for argparse's own parse errors), no ``Traceback`` anywhere, the last stderr line is
+``prog: error: ...``, and every prepared file (data-bins, checkpoints, the forged and
+damaged inputs) is byte-identical afterwards.
+
+Speed: the prepared files are made once per module (two 2-update trainings), and each
+case runs in a forked child of this process (torch already imported, real exit status
+and real stderr, nothing shared back), so the whole table takes seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+from tests import dist_helpers as H
+
+TRAIN, EVAL, CONSOLIDATE, PREPROCESS = "toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.consolidate", \
+    "toolkit_cli.preprocess"
+PROGS = {TRAIN: "toolkit-train", EVAL: "toolkit-eval-lm", CONSOLIDATE: "toolkit-consolidate",
+         PREPROCESS: "toolkit-preprocess"}
+MODEL = "{model}"  # the tiny model's flags with --save-dir {save}, expanded below
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+CASES = [
+    # --- toolkit-train: flags, caught before any work -----------------------------------------
+    ("train-no-data", TRAIN, ["{root}/nope", MODEL], "dict.txt"),
+    ("train-no-arch", TRAIN, ["{bin}", "--batch-size", "2", "--cpu", "--save-dir", "{save}"], "--arch is required"),
+    ("train-arch-typo", TRAIN, ["{bin}", "--arch", "transformer_lm_gpt3_smal", "--batch-size", "2"],
+     "transformer_lm_gpt3_small"),
+    ("train-fp16-bf16", TRAIN, ["{bin}", MODEL, "--fp16", "--bf16"], "--fp16 and --bf16 conflict"),
+    ("train-no-batch-size", TRAIN, ["{bin}", "--arch", "transformer_lm", "--cpu", "--save-dir", "{save}"],
+     "give --max-tokens or --batch-size"),
+    ("train-update-freq-0", TRAIN, ["{bin}", MODEL, "--update-freq", "0"], "--update-freq must be >= 1"),
+    ("train-offload-not-sharded", TRAIN, ["{bin}", MODEL, "--cpu-offload"], "--cpu-offload requires --ddp-backend"),
+    ("train-positions", TRAIN, ["{bin}", MODEL, "--tokens-per-sample", "256", "--max-target-positions", "128"],
+     "--max-target-positions is 128"),
+    ("train-port-in-use", TRAIN, ["{bin}", MODEL, "--distributed-world-size", "2", "--distributed-port", "{port}"],
+     "address already in use"),
+    ("train-unknown-optimizer", TRAIN, ["{bin}", MODEL, "--optimizer", "adamm"], "adam"),
+    ("train-unknown-valid-subset", TRAIN, ["{bin}", MODEL, "--valid-subset", "valid9"], "valid9"),
+    # --- toolkit-train: data-bins --------------------------------------------------------------
+    ("train-truncated-idx", TRAIN, ["{bad}/truncated_idx", MODEL], "truncated: "),
+    ("train-truncated-idx-header", TRAIN, ["{bad}/short_idx", MODEL], "shorter than the 26-byte header"),
+    ("train-bad-idx-magic", TRAIN, ["{bad}/magic_idx", MODEL], "bad magic"),
+    ("train-missing-bin", TRAIN, ["{bad}/missing_bin", MODEL], "train.bin/.idx: not found"),
+    ("train-dict-duplicate", TRAIN, ["{bad}/dict_dup", MODEL], "duplicate token"),
+    ("train-dict-bad-line", TRAIN, ["{bad}/dict_line", MODEL], "expected '<token> <count>'"),
+    # --- toolkit-train: resuming ---------------------------------------------------------------
+    ("resume-more-layers", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--decoder-layers", "3"], "--decoder-layers"),
+    ("resume-shared-embed", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--share-decoder-input-output-embed"],
+     "--share-decoder-input-output-embed False in the checkpoint, True now"),
+    ("resume-learned-pos", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--decoder-learned-pos"],
+     "--decoder-learned-pos False in the checkpoint, True now"),
+    ("resume-other-dictionary", TRAIN, ["{bad}/shuffled", MODEL, "--max-update", "9"], "trained with dictionary"),
+    ("resume-other-optimizer", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--optimizer", "sgd"],
+     "optimizer state was saved by --optimizer adam"),
+    # (a missing --restore-file starts a fresh run, as in fairseq: tests/test_fairseq_flags.py)
+    ("finetune-missing-model", TRAIN, ["{bin}", MODEL, "--save-dir", "fresh", "--finetune-from-model",
+                                       "{root}/none.pt"], "none.pt: file not found"),
+    ("finetune-with-restore-file", TRAIN, ["{bin}", MODEL, "--finetune-from-model", "{root}/none.pt",
+                                           "--restore-file", "{root}/none.pt"], "cannot be given together"),
+    ("finetune-with-reset", TRAIN, ["{bin}", MODEL, "--finetune-from-model", "{root}/none.pt", "--reset-meters"],
+     "--reset-meters"),
+    ("lr-list-inverse-sqrt", TRAIN, ["{bin}", MODEL, "--lr", "0.1,0.05", "--lr-scheduler", "inverse_sqrt"],
+     "needs --lr-scheduler fixed"),
+    ("store-ema-fsdp", TRAIN, ["{bin}", MODEL, "--store-ema", "--ddp-backend", "fully_sharded"], "--store-ema"),
+    ("resume-forged-pt", TRAIN, ["{bin}", MODEL, "--restore-file", "{bad}/forged.pt"],
+     "refusing to load: unexpected object posix.system"),
+    ("resume-fairseq-pt", TRAIN, ["{bin}", MODEL, "--restore-file", "{bad}/fairseq.pt"], "fairseq checkpoint: "),
+    ("resume-corrupt-pt", TRAIN, ["{bin}", MODEL, "--restore-file", "{bad}/corrupt.pt"], "cannot load checkpoint"),
+    ("resume-forged-dcp-metadata", TRAIN, ["{bin}", MODEL, "--use-sharded-state", "--restore-file",
+                                           "{bad}/forged_sharded"], "refusing to load: unexpected object"),
+    ("resume-incomplete-sharded", TRAIN, ["{bin}", MODEL, "--use-sharded-state", "--restore-file",
+                                          "{bad}/incomplete_sharded"], "not a complete sharded checkpoint"),
+    # --- toolkit-eval-lm ---------------------------------------------------------------------------
+    ("eval-no-path", EVAL, ["{bin}"], "--path is required"),
+    ("eval-missing-checkpoint", EVAL, ["{bin}", "--path", "{root}/none.pt"], "checkpoint not found"),
+    ("eval-forged-pt", EVAL, ["{bin}", "--path", "{bad}/forged.pt"], "refusing to load: unexpected object"),
+    ("eval-fairseq-pt", EVAL, ["{bin}", "--path", "{bad}/fairseq.pt"], "fairseq checkpoint: "),
+    ("eval-fairseq-namespace-pt", EVAL, ["{bin}", "--path", "{bad}/fairseq_args.pt"],
+     "fairseq checkpoint: "),
+    ("eval-empty-pt", EVAL, ["{bin}", "--path", "{bad}/empty.pt"], "cannot load checkpoint"),
+    ("eval-other-dictionary", EVAL, ["{bad}/shuffled", "--path", "{save}/checkpoint_last.pt", "--gen-subset",
+                                     "valid"], "trained with dictionary"),
+    ("eval-too-long-blocks", EVAL, ["{bin}", "--path", "{save}/checkpoint_last.pt", "--gen-subset", "valid",
+                                    "--tokens-per-sample", "1000"], "exceeds the model's"),
+    ("eval-truncated-idx", EVAL, ["{bad}/truncated_idx", "--path", "{save}/checkpoint_last.pt", "--gen-subset",
+                                  "valid"], "truncated: "),
+    # --- toolkit-consolidate -------------------------------------------------------------------
+    ("consolidate-not-sharded", CONSOLIDATE, ["{root}"], "no complete sharded checkpoint"),
+    ("consolidate-output-exists", CONSOLIDATE, ["{sharded}/checkpoint_last", "-o", "{save}/checkpoint_last.pt"],
+     "already exists"),
+    ("consolidate-forged-metadata", CONSOLIDATE, ["{bad}/forged_sharded", "-o", "{root}/out.pt"],
+     "refusing to load: unexpected object"),
+    ("consolidate-forged-meta-pt", CONSOLIDATE, ["{bad}/forged_meta", "-o", "{root}/out.pt"],
+     "refusing to load: unexpected object"),
+    # --- toolkit-preprocess --------------------------------------------------------------------
+    ("preprocess-nothing-to-do", PREPROCESS, ["--only-source", "--destdir", "{root}/new"], "nothing to do"),
+    ("preprocess-missing-train", PREPROCESS, ["--only-source", "--trainpref", "{root}/none.txt", "--destdir",
+                                              "{root}/new"], "no such"),
+    ("preprocess-empty-train", PREPROCESS, ["--only-source", "--trainpref", "{bad}/empty.txt", "--destdir",
+                                            "{root}/new"], "the file is empty"),
+    ("preprocess-destdir-not-empty", PREPROCESS, ["--only-source", "--trainpref", "{bad}/train.txt", "--destdir",
+                                                  "{bin}"], "folder exists and is not empty"),
+    ("preprocess-workers-0", PREPROCESS, ["--only-source", "--trainpref", "{bad}/train.txt", "--destdir",
+                                          "{root}/new", "--workers", "0"], "must be at least 1"),
+]
+
+
+# --- the prepared files ---------------------------------------------------------------------------
+
+def _copy_bin(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _damaged_bins(data_bin, bad):
+    p = _copy_bin(data_bin, f"{bad}/truncated_idx")
+    os.truncate(f"{p}/valid.idx", os.path.getsize(f"{p}/valid.idx") - 5)
+    os.truncate(f"{p}/train.idx", os.path.getsize(f"{p}/train.idx") - 5)
+    p = _copy_bin(data_bin, f"{bad}/short_idx")
+    os.truncate(f"{p}/train.idx", 12)
+    p = _copy_bin(data_bin, f"{bad}/magic_idx")
+    with open(f"{p}/train.idx", "r+b") as f:
+        f.write(b"NOTMAGIC!")
+    p = _copy_bin(data_bin, f"{bad}/missing_bin")
+    os.unlink(f"{p}/train.bin")
+    with open(f"{data_bin}/dict.txt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for name, extra in (("dict_dup", lines[0] + "\n"), ("dict_line", "lonelyword\n")):
+        p = _copy_bin(data_bin, f"{bad}/{name}")
+        with open(f"{p}/dict.txt", "a", encoding="utf-8") as f:
+            f.write(extra)
+    p = _copy_bin(data_bin, f"{bad}/shuffled")  # same size, another order
+    with open(f"{p}/dict.txt", "w", encoding="utf-8") as f:
+        f.write("\n".join(reversed(lines)) + "\n")
+
+
+def _bad_checkpoints(bad, sharded, marker):
+    with open(f"{bad}/forged.pt", "wb") as f:
+        torch.save({"cfg": {"arch": "transformer_lm"}, "model": Payload(marker)}, f)
+    torch.save({"cfg": {"common": {"seed": 1}, "model": {"_name": "transformer_lm"}, "task": {"data": "x"}},
+                "model": {}, "optimizer_history": [{"num_updates": 3}], "extra_state": {}}, f"{bad}/fairseq.pt")
+    torch.save({"args": argparse.Namespace(arch="transformer_lm"), "model": {}}, f"{bad}/fairseq_args.pt")
+    with open(f"{bad}/corrupt.pt", "wb") as f:
+        f.write(os.urandom(4096))
+    open(f"{bad}/empty.pt", "wb").close()
+    shutil.copytree(f"{sharded}/checkpoint_last", f"{bad}/forged_sharded")
+    with open(f"{bad}/forged_sharded/.metadata", "wb") as f:
+        pickle.dump(Payload(marker), f)
+    shutil.copytree(f"{sharded}/checkpoint_last", f"{bad}/forged_meta")
+    with open(f"{bad}/forged_meta/meta.pt", "wb") as f:
+        torch.save({"format": Payload(marker)}, f)
+    shutil.copytree(f"{sharded}/checkpoint_last", f"{bad}/incomplete_sharded")
+    os.unlink(f"{bad}/incomplete_sharded/.metadata")
+    open(f"{bad}/empty.txt", "w").close()
+    with open(f"{bad}/train.txt", "w") as f:
+        f.write("a b c\nd e\n")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("catalogue"))
+    data_bin = H.make_lm_data_bin(f"{root}/bin")
+    runs = [subprocess.Popen([sys.executable, "-m", TRAIN, data_bin, *H.model_args(f"{root}/{name}"), "--max-update",
+                              "2", "--disable-validation", *extra], cwd=H.REPO_ROOT, env=H.subprocess_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for name, extra in (("save", []), ("sharded", ["--use-sharded-state"]))]  # both at once
+    _warm_up()
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()[-3000:]
+    bad = f"{root}/bad"
+    os.makedirs(bad)
+    _damaged_bins(data_bin, bad)
+    _bad_checkpoints(bad, f"{root}/sharded", f"{root}/MARKER")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    paths = {"root": root, "bin": data_bin, "save": f"{root}/save", "sharded": f"{root}/sharded", "bad": bad,
+             "port": str(listener.getsockname()[1])}
+    yield paths
+    listener.close()
+
+
+def _warm_up() -> None:
+    """What every child would redo: imports, the registries, the CPU's measured peak (cached per process)."""
+    from toolkit import registry
+    from toolkit.logging import throughput
+
+    for module in PROGS:
+        importlib.import_module(module)
+    registry.import_all_components()
+    with torch.device("meta"):
+        torch.nn.Embedding(8, 8)
+    throughput.measure_cpu_peak_flops(torch.float32, threads=1)
+
+
+def tree_hashes(root: str) -> dict:
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def expand(argv, paths):
+    out = []
+    for a in argv:
+        if a == MODEL:
+            out += H.model_args(paths["save"])
+        else:
+            out.append(a.format(**paths))
+    return out
+
+
+def run_forked(module: str, argv, out_dir: str):
+    """Run ``module.cli_main(argv)`` in a forked child with stdout/stderr to files; (status, stdout, stderr)."""
+    out_path, err_path = f"{out_dir}/stdout", f"{out_dir}/stderr"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": H.REPO_ROOT})
+            torch.set_num_threads(1)
+            sys.argv = [PROGS[module], *argv]
+            importlib.import_module(module).cli_main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # what an uncaught exception would print
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    with open(out_path, errors="replace") as f, open(err_path, errors="replace") as g:
+        return os.waitstatus_to_exitcode(status), f.read(), g.read()
+
+
+def test_catalogue_is_large_and_covers_every_cli():
+    assert len(CASES) >= 30
+    assert {module for _, module, _, _ in CASES} == set(PROGS)
+    assert len({name for name, *_ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name,module,argv,fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(name, module, argv, fragment, prepared, tmp_path):
+    before = tree_hashes(prepared["root"])
+    code, out, err = run_forked(module, expand(argv, prepared), str(tmp_path))
+    assert code in (1, 2), f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"{PROGS[module]}: error: "), err[-3000:]
+    assert fragment in lines[-1], lines[-1]
+    assert sum("error" in line for line in lines) == 1, err[-3000:]
+    assert tree_hashes(prepared["root"]) == before  # nothing written, nothing damaged
+    assert not os.path.exists(f"{prepared['root']}/MARKER")

@@ -1,0 +1,73 @@
+"""Restarting a finished run changes nothing; raising --max-update continues it exactly."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from tests import dist_helpers as H
+from toolkit.checkpoint.resume import StopCriteria, finished_reason
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("restart") / "bin"))
+
+
+def train(data_bin, save_dir, *flags):
+    proc = H.run_cli([data_bin] + H.model_args(str(save_dir)) + list(flags))
+    assert proc.returncode == 0, f"toolkit-train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return proc
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder``: its bytes' hash and its modification time."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def test_finished_reason_checks_each_criterion():
+    name = "checkpoint_last.pt"
+    assert finished_reason(name, StopCriteria(max_update=5), 5, 1, 1e-3) == (
+        "| done: checkpoint_last.pt is at update 5 >= --max-update 5; nothing to do")
+    assert finished_reason(name, StopCriteria(max_update=6), 5, 1, 1e-3) is None
+    assert "finished epoch 2 >= --max-epoch 2" in finished_reason(name, StopCriteria(max_epoch=2), 9, 3, 1e-3)
+    assert finished_reason(name, StopCriteria(max_epoch=2), 9, 2, 1e-3) is None
+    assert "--stop-min-lr 0.001" in finished_reason(name, StopCriteria(stop_min_lr=1e-3), 9, 1, 1e-3)
+    assert finished_reason(name, StopCriteria(stop_min_lr=1e-4), 9, 1, 1e-3) is None
+    assert "--stop-time-hours" in finished_reason(name, StopCriteria(stop_time_hours=1.0), 9, 1, 1e-3, 1.5)
+    assert finished_reason(name, StopCriteria(), 10 ** 6, 99, 0.0) is None
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["consolidated", "sharded"])
+def test_restart_of_finished_run_is_a_no_op_and_more_updates_continue_exactly(data_bin, tmp_path, sharded):
+    extra = ["--save-interval-updates", "3"] + (["--use-sharded-state"] if sharded else [])
+    full = train(data_bin, tmp_path / "full", "--max-update", "10", *extra)
+    train(data_bin, tmp_path / "run", "--max-update", "6", *extra)
+    before = snapshot(tmp_path / "run")
+    again = train(data_bin, tmp_path / "run", "--max-update", "6", *extra)
+    assert "| done: checkpoint_last.pt is at update 6 >= --max-update 6; nothing to do" in again.stdout
+    assert not H.losses(again.stdout)
+    assert snapshot(tmp_path / "run") == before
+
+    more = train(data_bin, tmp_path / "run", "--max-update", "10", *extra)
+    assert sorted(H.losses(more.stdout)) == [7, 8, 9, 10]
+    want = H.losses(full.stdout)
+    assert all(H.losses(more.stdout)[u] == want[u] for u in range(7, 11))
+    if sharded:
+        from toolkit.checkpoint.safe_pickle import dcp_to_state_dict
+
+        got_state = dcp_to_state_dict(str(tmp_path / "run" / "checkpoint_last"))["model"]
+        want_state = dcp_to_state_dict(str(tmp_path / "full" / "checkpoint_last"))["model"]
+    else:
+        got_state = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["model"]
+        want_state = torch.load(tmp_path / "full" / "checkpoint_last.pt", weights_only=True)["model"]
+    assert got_state.keys() == want_state.keys()
+    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)

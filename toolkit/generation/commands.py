@@ -1,0 +1,202 @@
+"""What ``toolkit-generate`` and ``toolkit-interactive`` do, as library functions (the CLI only parses).
+
+    toolkit-generate data-bin/wt --path ck/checkpoint_best.pt --task language_modeling \\
+        --sample-break-mode eos --prefix-size 4 --beam 5 --nbest 2
+    echo "The tower is" | toolkit-interactive data-bin/wt --path ck/checkpoint_best.pt \\
+        --sampling --sampling-topk 10 --beam 1
+
+Prompts are encoded with the data-bin's BPE (``bpe.json``); ``D-`` lines are decoded with it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, TextIO, Tuple
+
+import torch
+
+from toolkit import inference, options
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.generation.config import GenerationConfig
+from toolkit.generation.output import hypothesis_lines, post_process
+from toolkit.generation.sequence_generator import SequenceGenerator
+from toolkit.logging.setup import setup_logging
+from toolkit.tokenizers import load_tokenizer_for_data_bin
+
+logger = logging.getLogger("toolkit.generation")
+
+
+@dataclass
+class GenerationCommandConfig:
+    data: str = opt(None, "the data-bin folder (its dictionary and BPE)", positional=True)
+    path: Optional[str] = opt(None, "checkpoint to generate with; several joined by ':' form an ensemble")
+    batch_size: Optional[int] = opt(None, "prompts per batch", aliases=("--max-sentences",))
+    seed: int = opt(1, "random seed (sampling)")
+    cpu: bool = opt(False, "generate on CPU even when a GPU is present")
+    fp16: bool = opt(False, "run the model in fp16")
+    post_process: Optional[str] = opt(None, "post-process the H- text by removing BPE markers: sentencepiece, "
+                                            "subword_nmt (--remove-bpe alone), ...", aliases=("--remove-bpe",))
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+
+
+@dataclass
+class GenerateConfig(GenerationCommandConfig):
+    gen_subset: str = opt("test", "data split to take prompts from")
+    quiet: bool = opt(False, "only print the summary")
+
+
+@dataclass
+class InteractiveConfig(GenerationCommandConfig):
+    buffer_size: int = opt(0, "read this many sentences into a buffer before processing them")
+    input: str = opt("-", "file to read from; use - for stdin")
+
+
+class Session:
+    """Models, dictionary, tokenizer and generator, loaded once per command."""
+
+    def __init__(self, cfg: GenerationCommandConfig, gen_cfg: GenerationConfig, task_overrides: Dict):
+        setup_logging(cfg.log_file)
+        if cfg.path is None:
+            raise UserError("--path is required: the checkpoint to generate with")
+        if gen_cfg.sampling and gen_cfg.nbest != gen_cfg.beam:
+            raise UserError(f"--sampling requires --nbest ({gen_cfg.nbest}) to be equal to --beam ({gen_cfg.beam})")
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+        self.models, self.task, self.train_args = inference.load_ensemble(cfg.path, cfg.data, self.device)
+        if task_overrides:  # the task only: the models keep the shapes they were trained with
+            values = {**vars(self.train_args), "data": self.task.cfg.data, **task_overrides}
+            self.task = type(self.task).setup_task(options.config_from_args(type(self.task.cfg), values))
+        if cfg.fp16:
+            self.models = [m.half() for m in self.models]
+        self.dictionary = self.task.dictionary
+        self.tokenizer = load_tokenizer_for_data_bin(self.task.cfg.data.split(":")[0])
+        bos = self.dictionary.bos() if self.task.cfg.add_bos_token else None
+        self.bos = self.dictionary.eos() if bos is None else bos
+        self.generator = SequenceGenerator(self.models, self.dictionary, gen_cfg, bos=bos)
+        self.cfg, self.gen_cfg = cfg, gen_cfg
+        self.num_sentences, self.num_tokens, self.seconds = 0, 0, 0.0
+
+    def generate(self, prompts: List[torch.Tensor]) -> List[List[Dict]]:
+        start = time.time()
+        hypos = self.generator.generate(prompts)
+        self.seconds += time.time() - start
+        self.num_sentences += len(prompts)
+        self.num_tokens += sum(len(h[0]["tokens"]) for h in hypos if h)
+        return hypos
+
+    def string(self, tokens: torch.Tensor) -> str:
+        return post_process(self.dictionary.string(tokens), self.cfg.post_process)
+
+    def hypothesis_lines(self, sample_id: int, hypos: List[Dict]) -> List[str]:
+        return hypothesis_lines(sample_id, hypos, self.gen_cfg.nbest, self.dictionary, self.tokenizer,
+                                self.cfg.post_process)
+
+    def log_summary(self) -> None:
+        logger.info("NOTE: hypothesis and token scores are output in base 2")
+        secs = max(self.seconds, 1e-9)
+        logger.info(f"Translated {self.num_sentences:,} sentences ({self.num_tokens:,} tokens) in {self.seconds:.1f}s "
+                    f"({self.num_sentences / secs:.2f} sentences/s, {self.num_tokens / secs:.2f} tokens/s)")
+
+
+def split_prompts(session: Session, dataset, ids: List[int], prefix_size: int) -> List[torch.Tensor]:
+    """fairseq's prompts from a split: the target's first ``prefix_size`` tokens, else the source
+    without its leading </s> (or <s>)."""
+    prompts = []
+    for i in ids:
+        sample = dataset[i]
+        if prefix_size > 0:
+            prompts.append(sample["target"][:prefix_size].long())
+        else:
+            source = sample["source"].long()
+            prompts.append(source[1:] if len(source) and int(source[0]) == session.bos else source)
+    return prompts
+
+
+def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None,
+                  out: TextIO = sys.stdout) -> Session:
+    """Generate from every sample of ``--gen-subset``, printing S-/T-/H-/D-/P- lines."""
+    session = Session(cfg, gen_cfg, task_overrides or {})
+    dataset = session.task.load_dataset(cfg.gen_subset)
+    batch_size = cfg.batch_size or 16
+    for first in range(0, len(dataset), batch_size):
+        ids = list(range(first, min(first + batch_size, len(dataset))))
+        try:
+            hypos = session.generate(split_prompts(session, dataset, ids, gen_cfg.prefix_size))
+        except UserError as e:
+            if gen_cfg.prefix_size > 0:
+                raise
+            raise UserError(f"{e} (without --prefix-size each whole sample of --gen-subset is a prompt: "
+                            f"give --prefix-size N, or --sample-break-mode eos for one line per sample)") from None
+        if cfg.quiet:
+            continue
+        for sample_id, sample_hypos in zip(ids, hypos):
+            sample = dataset[sample_id]
+            print(f"S-{sample_id}\t{session.string(sample['source'])}", file=out)
+            print(f"T-{sample_id}\t{session.string(sample['target'])}", file=out)
+            for line in session.hypothesis_lines(sample_id, sample_hypos):
+                print(line, file=out)
+    session.log_summary()
+    return session
+
+
+def buffered_read(stream: TextIO, buffer_size: int) -> Iterator[List[str]]:
+    buffer: List[str] = []
+    for line in stream:
+        buffer.append(line.strip())
+        if len(buffer) >= buffer_size:
+            yield buffer
+            buffer = []
+    if buffer:
+        yield buffer
+
+
+def encode_prompt(session: Session, line: str) -> torch.Tensor:
+    pieces = session.tokenizer.encode(line) if session.tokenizer is not None else line
+    return session.dictionary.encode_line(pieces, append_eos=False).long()
+
+
+def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None,
+                     stdin: Optional[TextIO] = None, out: TextIO = sys.stdout) -> Session:
+    """One prompt per input line; S-/W-/H-/D-/P- lines per prompt, in input order."""
+    buffer_size = max(cfg.buffer_size, 1)
+    batch_size = cfg.batch_size or 1
+    if batch_size > buffer_size:
+        raise UserError(f"--batch-size {batch_size} cannot be larger than --buffer-size {buffer_size}")
+    session = Session(cfg, gen_cfg, task_overrides or {})
+    if buffer_size > 1:
+        logger.info(f"Sentence buffer size: {buffer_size}")
+    logger.info("NOTE: hypothesis and token scores are output in base 2")
+    logger.info("Type the input sentence and press return:")
+    if stdin is not None or cfg.input == "-":
+        run_interactive(session, stdin or sys.stdin, buffer_size, batch_size, out)
+    else:
+        if not os.path.isfile(cfg.input):
+            raise UserError(f"--input {cfg.input}: no such file; give a text file, one prompt per line, or - for stdin")
+        with open(cfg.input, encoding="utf-8") as stream:
+            run_interactive(session, stream, buffer_size, batch_size, out)
+    session.log_summary()
+    return session
+
+
+def run_interactive(session: Session, stream: TextIO, buffer_size: int, batch_size: int, out: TextIO) -> None:
+    """Buffer by buffer, so a user typing prompts sees each buffer's results before typing more."""
+    start_id = 0
+    for lines in buffered_read(stream, buffer_size):
+        prompts = [encode_prompt(session, line) for line in lines]
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first:first + batch_size]
+            started = time.time()
+            hypos = session.generate(batch)
+            per_prompt = (time.time() - started) / len(batch)
+            for offset, (prompt, sample_hypos) in enumerate(zip(batch, hypos)):
+                sample_id = start_id + first + offset
+                print(f"S-{sample_id}\t{session.string(prompt)}", file=out)
+                print(f"W-{sample_id}\t{per_prompt:.3f}\tseconds", file=out)
+                for line in session.hypothesis_lines(sample_id, sample_hypos):
+                    print(line, file=out)
+        out.flush()
+        start_id += len(lines)

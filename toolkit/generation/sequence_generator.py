@@ -1,0 +1,251 @@
+"""Generate continuations of prompts with a language model (or an ensemble), fairseq's way.
+
+Semantics are those of fairseq's ``SequenceGenerator`` driven by the
+``language_modeling`` task: the prompt is a prefix the search is forced through,
+``</s>`` stands before it, and every hypothesis is ``prompt + continuation + </s>``.
+
+- Scores are natural-log probabilities. A hypothesis's ``positional_scores`` hold one
+  per token, prompt tokens included; its ``score`` is their sum divided by
+  ``len ** lenpen`` (``len`` counts the final ``</s>``), unless ``unnormalized``.
+- ``max_len = min(int(max_len_a * (prompt_len + 1) + max_len_b), max_positions - 1)``
+  tokens before ``</s>``; ``min_len`` counts prompt tokens too (fairseq's step index).
+- Beam search keeps K hypotheses, scores 2K candidates, finalizes those ending in
+  ``</s>`` among the first K, and finishes a prompt once K are final (or at max_len).
+  Sampling draws K independent samples. ``--temperature`` divides the model output.
+
+Batching: prompts of different lengths are right-padded and handled per row, as
+fairseq's ``prefix_tokens``: at each step a row still inside its prompt is forced to
+the prompt's next token, the others search. The tokens all rows share
+(the shortest prompt) are read in one forward pass (prefill). Limits (max_len,
+min_len) are per row, so a prompt's result does not depend on its batch; that is
+where this differs from fairseq, which takes ``x`` and the min_len start from the
+padded batch width. Prompt tokens are never n-gram blocked and a ``</s>`` inside a
+prompt does not end it.
+
+With ``incremental=True`` (the default) each step feeds only the new token and the
+model keeps keys/values per layer; ``incremental=False`` recomputes the whole prefix
+every step (the reference the cache is tested and benchmarked against).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.generation.config import GenerationConfig, check_generation_config
+from toolkit.generation.search import beam_search_step, block_repeated_ngrams, sample_step
+
+Hypothesis = Dict[str, object]  # {"tokens": LongTensor, "score": float, "positional_scores": FloatTensor}
+
+
+@dataclass
+class _Search:
+    """The rows being searched: K hypotheses for each of N unfinished prompts."""
+    tokens: torch.Tensor      # [N*K, L+2]: </s>, then the tokens chosen at steps 0, 1, ...
+    token_scores: torch.Tensor  # [N*K, L+1]: log-probability of the token chosen at each step
+    cum: torch.Tensor         # [N*K]: summed log-probability of each hypothesis (-inf: not alive)
+    ignore: torch.Tensor      # [N, K]: sampling slots whose sample is already final
+    prompts: torch.Tensor     # [N, P]: right-padded prompts
+    prompt_len: torch.Tensor  # [N]
+    max_len: torch.Tensor     # [N]
+    ids: List[int]            # each row group's index in the caller's list
+    states: List[Dict]        # one incremental state per model
+
+
+class SequenceGenerator:
+    def __init__(self, models: Sequence[torch.nn.Module], dictionary, cfg: GenerationConfig,
+                 incremental: bool = True, generator: Optional[torch.Generator] = None,
+                 bos: Optional[int] = None):
+        check_generation_config(cfg)
+        self.models, self.cfg, self.incremental, self.generator = list(models), cfg, incremental, generator
+        self.pad, self.unk, self.eos = dictionary.pad(), dictionary.unk(), dictionary.eos()
+        self.bos = self.eos if bos is None else bos
+        self.vocab_size = len(dictionary)
+        self.beam = min(cfg.beam, self.vocab_size - 1)  # never pad, as fairseq
+        self.max_positions = min(m.max_positions() for m in self.models)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.models[0].parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[torch.Tensor]) -> List[List[Hypothesis]]:
+        """For each prompt (1-D token ids, no ``</s>``), its hypotheses, best first."""
+        if not prompts:
+            return []
+        finalized: List[List[Hypothesis]] = [[] for _ in prompts]
+        s, lprobs, step = self._start(prompts)
+        while True:
+            cand = self._candidates(s, step, lprobs)
+            eos_mask, done = self._finalize(s, step, cand, finalized)
+            if len(done) == len(s.ids):
+                break
+            self._select(s, step, cand, eos_mask, done)
+            lprobs = self._next_lprobs(s, step + 1)
+            step += 1
+        return [sorted(h, key=lambda x: -x["score"]) for h in finalized]
+
+    # ---- model calls ----
+
+    def _lprobs(self, tokens: torch.Tensor, states: Optional[List[Dict]], last_only: bool) -> torch.Tensor:
+        """Adjusted log-probabilities [B, T, V] (T = 1 when last_only), averaged over the ensemble."""
+        per_model = []
+        for i, model in enumerate(self.models):
+            out = model(tokens, incremental_state=states[i]) if states is not None else model(tokens)
+            out = out[:, -1:] if last_only else out
+            if self.cfg.temperature != 1.0:
+                out = out / self.cfg.temperature
+            per_model.append(model.get_normalized_probs(out, log_probs=True))
+        lp = per_model[0] if len(per_model) == 1 else \
+            torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
+        lp = lp.masked_fill(torch.isnan(lp), -math.inf)
+        lp[..., self.pad] = -math.inf
+        lp[..., self.unk] -= self.cfg.unkpen
+        return lp
+
+    def _next_lprobs(self, s: _Search, step: int) -> torch.Tensor:
+        """[N*K, V] for the token at ``step``, given tokens[:, :step + 1]."""
+        if self.incremental:
+            return self._lprobs(s.tokens[:, step:step + 1], s.states, last_only=True)[:, 0]
+        return self._lprobs(s.tokens[:, :step + 1], None, last_only=True)[:, 0]
+
+    # ---- setup: limits, prefill ----
+
+    def _limits(self, prompt_len: torch.Tensor) -> torch.Tensor:
+        longest = int(prompt_len.max())
+        if longest + 1 > self.max_positions:
+            raise UserError(f"prompt of {longest} tokens does not fit the model's {self.max_positions} "
+                            f"positions (with </s> before it); shorten it")
+        cfg = self.cfg
+        max_len = (cfg.max_len_a * (prompt_len + 1).double() + cfg.max_len_b).long()
+        if cfg.max_new_tokens is not None:
+            max_len = torch.minimum(max_len, prompt_len + cfg.max_new_tokens)
+        max_len = max_len.clamp(max=self.max_positions - 1)
+        if cfg.min_len > int(max_len.min()):
+            raise UserError(f"--min-len {cfg.min_len} is larger than the maximum length {int(max_len.min())}; "
+                            f"lower it or raise --max-len-b")
+        return max_len
+
+    def _start(self, prompts: Sequence[torch.Tensor]) -> Tuple[_Search, torch.Tensor, int]:
+        """Read the tokens every row is forced through in one pass; return the state at the first open step."""
+        dev, N, K = self.device, len(prompts), self.beam
+        prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        max_len = self._limits(prompt_len)
+        padded = torch.full((N, max(1, int(prompt_len.max()))), self.pad, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = p.long()
+        shared = int(torch.minimum(prompt_len, max_len).min())
+        states = [{} for _ in self.models] if self.incremental else None
+        inputs = torch.cat([torch.full((N, 1), self.bos, dtype=torch.long), padded[:, :shared]], dim=1).to(dev)
+        lp = self._lprobs(inputs, states, last_only=False)  # [N, shared + 1, V]
+        forced = lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1)  # prompt tokens' scores
+
+        expand = torch.arange(N, device=dev).repeat_interleave(K)
+        for model, state in zip(self.models, states or []):
+            model.reorder_incremental_state(state, expand)
+        L = int(max_len.max())
+        tokens = torch.full((N * K, L + 2), self.pad, dtype=torch.long, device=dev)
+        tokens[:, :shared + 1] = inputs[expand]
+        token_scores = torch.zeros(N * K, L + 1, device=dev)
+        token_scores[:, :shared] = forced[expand]
+        cum = forced.sum(dim=1)[expand].view(N, K).clone()
+        if not self.cfg.sampling:
+            cum[:, 1:] = -math.inf  # beam search grows from one hypothesis
+        s = _Search(tokens, token_scores, cum.view(-1), torch.zeros(N, K, dtype=torch.bool, device=dev),
+                    padded.to(dev), prompt_len.to(dev), max_len.to(dev), list(range(N)),
+                    states if states is not None else [])
+        return s, lp[:, -1][expand], shared
+
+    # ---- one step ----
+
+    def _constrain(self, s: _Search, step: int, lprobs: torch.Tensor, forced: torch.Tensor) -> None:
+        """max_len, min_len and n-gram blocking, in place on [N*K, V]."""
+        K = self.beam
+        at_max = (step >= s.max_len).repeat_interleave(K)
+        if at_max.any():
+            keep_eos = lprobs[at_max, self.eos]
+            lprobs[at_max] = -math.inf
+            lprobs[at_max, self.eos] = keep_eos
+        if step < self.cfg.min_len:
+            lprobs[~forced.repeat_interleave(K), self.eos] = -math.inf
+        if self.cfg.no_repeat_ngram_size > 0:
+            free_rows = (~forced).repeat_interleave(K).nonzero().flatten().tolist()
+            block_repeated_ngrams(s.tokens[:, :step + 1], lprobs, self.cfg.no_repeat_ngram_size, free_rows)
+
+    def _candidates(self, s: _Search, step: int, lprobs: torch.Tensor):
+        """(scores, tokens, beams, token log-probs, forced) of this step's candidates, [N, C] each."""
+        N, K, V = len(s.ids), self.beam, lprobs.size(-1)
+        forced = step < torch.minimum(s.prompt_len, s.max_len)
+        self._constrain(s, step, lprobs, forced)
+        lp, cum = lprobs.view(N, K, V), s.cum.view(N, K)
+        if self.cfg.sampling:
+            scores, tokens, beams = sample_step(lp, cum, self.cfg.sampling_topk, self.cfg.sampling_topp,
+                                                self.generator)
+        else:
+            scores, tokens, beams = beam_search_step(lp, cum)
+        if forced.any():  # rows inside their prompt: every hypothesis takes the prompt's token
+            C = scores.size(1)
+            slot = torch.arange(C, device=lp.device)
+            prompt_tok = s.prompts[:, min(step, s.prompts.size(1) - 1)]
+            tok_lp = lp.gather(-1, prompt_tok.view(N, 1, 1).expand(N, K, 1)).squeeze(-1)
+            f_scores = torch.full((N, C), -math.inf, device=lp.device)
+            f_scores[:, :K] = cum + tok_lp
+            rows = forced.unsqueeze(1)
+            scores = torch.where(rows, f_scores, scores)
+            tokens = torch.where(rows, prompt_tok.unsqueeze(1).expand(N, C), tokens)
+            beams = torch.where(rows, (slot % K).expand(N, C), beams)
+        token_lp = lp.view(N, K * V).gather(1, beams * V + tokens)
+        return scores, tokens, beams, token_lp, forced
+
+    def _finalize(self, s: _Search, step: int, cand, finalized: List[List[Hypothesis]]):
+        """Record hypotheses ending in </s> among the first K candidates; return (eos mask, finished rows)."""
+        scores, tokens, beams, token_lp, forced = cand
+        K = self.beam
+        eos_mask = tokens.eq(self.eos) & scores.ne(-math.inf) & ~forced.unsqueeze(1)
+        eos_mask[:, :K] &= ~s.ignore
+        hits = eos_mask[:, :K].nonzero().tolist()
+        for n, c in hits:
+            out = finalized[s.ids[n]]
+            if len(out) >= K:
+                continue
+            row = n * K + int(beams[n, c])
+            positional = torch.cat([s.token_scores[row, :step], token_lp[n, c:c + 1]]).float().cpu()
+            score = scores[n, c]  # float32 arithmetic, as fairseq's
+            if not self.cfg.unnormalized:
+                score = score / (step + 1) ** self.cfg.lenpen
+            hyp_tokens = torch.cat([s.tokens[row, 1:step + 1], tokens.new_tensor([self.eos])]).cpu()
+            out.append({"tokens": hyp_tokens, "score": float(score), "positional_scores": positional})
+        max_len = s.max_len.tolist()
+        done = [n for n in range(len(s.ids)) if len(finalized[s.ids[n]]) >= K or step >= max_len[n]]
+        return eos_mask, done
+
+    def _select(self, s: _Search, step: int, cand, eos_mask: torch.Tensor, done: List[int]) -> None:
+        """Drop finished prompts; continue each prompt's first K candidates that did not end."""
+        scores, tokens, beams, token_lp, _ = cand
+        K, dev = self.beam, scores.device
+        finished = set(done)
+        keep = [n for n in range(len(s.ids)) if n not in finished]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        if done:
+            scores, tokens, beams, token_lp, eos_mask = (x[keep_t] for x in (scores, tokens, beams, token_lp, eos_mask))
+            s.ignore, s.prompts, s.prompt_len, s.max_len = (x[keep_t] for x in (s.ignore, s.prompts, s.prompt_len,
+                                                                                 s.max_len))
+            s.ids = [s.ids[n] for n in keep]
+        C = scores.size(1)
+        blocked = eos_mask.clone()
+        blocked[:, :K] |= s.ignore
+        key = blocked.long() * C + torch.arange(C, device=dev)
+        new_key, active = key.topk(K, dim=1, largest=False)
+        s.ignore = new_key >= C
+        src_rows = (keep_t.unsqueeze(1) * K + beams.gather(1, active)).view(-1)
+        s.tokens = s.tokens[src_rows]
+        s.tokens[:, step + 1] = tokens.gather(1, active).view(-1)
+        s.token_scores = s.token_scores[src_rows]
+        s.token_scores[:, step] = token_lp.gather(1, active).view(-1)
+        s.cum = scores.gather(1, active).view(-1)
+        if done or not torch.equal(src_rows, torch.arange(len(src_rows), device=dev)):
+            for model, state in zip(self.models, s.states):  # greedy / sampling: usually nothing to move
+                model.reorder_incremental_state(state, src_rows)
