@@ -166,7 +166,9 @@ def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
 def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor],
                   source: Dict[str, str]) -> None:
     """One line naming the first fairseq weight without a counterpart (or of another shape)."""
-    expected = model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    expected = get_model_state_dict(model)  # canonical names under any wrapper (DDP, FSDP2, checkpointing)
     for name, value in weights.items():
         if name not in expected:
             raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has no counterpart in "
@@ -281,6 +283,7 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
     registry.import_all_components()
     imported = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
     shared = bool(imported["cfg"].get("share_decoder_input_output_embed"))
+    check_weights(path, trainer.model, imported["model"], imported.get("fairseq_source", {}))
     set_model_state_dict(trainer.model, imported["model"], options=FULL_STATE)
     moments = None if reset_optimizer else map_optimizer_state(state, shared)
     names = {id(p): _clean_name(n) for n, p in trainer.model.named_parameters()}
