@@ -7,6 +7,7 @@ counts from the module shapes of fairseq's transformer_lm_baevski_wiki103.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shlex
@@ -446,3 +447,35 @@ def test_mixed_precision_losses_and_probabilities_stay_fp32(dtype):
     got.backward()
     assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=2e-2)
     assert all(p.grad is not None and p.grad.dtype == dtype for p in half.parameters())
+
+
+# ---- a whole fairseq checkpoint of an adaptive model, through the fairseq-import path ----
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fairseq_adaptive_checkpoint_loads_through_eval_and_hub_path(variant, tmp_path):
+    """fairseq's file layout (cfg sections, ``decoder.`` keys, separate q/k/v, tied aliases, buffers) read by
+    ``toolkit.inference.load_model`` (eval-lm and the hub): its loss equals the direct computation."""
+    from tests.lm_fixtures import make_data_bin
+    from toolkit import inference
+
+    body = model(**VARIANTS[variant])
+    state = fairseq_state(variant, body)
+    for key in [k for k in state if ".qkv_proj." in k]:  # fairseq keeps q, k and v apart
+        for part, value in zip("qkv", state.pop(key).chunk(3)):
+            state[key.replace("qkv_proj", f"{part}_proj")] = value
+    options = {k: v for k, v in dataclasses.asdict(cfg(**VARIANTS[variant])).items() if v is not None}
+    options.update(_name="transformer_lm", adaptive_softmax_cutoff="10,20", tokens_per_sample=16)
+    checkpoint = {"args": None, "model": state, "optimizer_history": [{"num_updates": 7}],
+                  "cfg": {"model": options, "task": {"_name": "language_modeling", "tokens_per_sample": 16}}}
+    torch.save(checkpoint, tmp_path / "fairseq_adaptive.pt")
+    data = tmp_path / "bin"
+    make_data_bin(data, {"valid": ["w4 w5"]}, symbols=[f"w{i}" for i in range(4, V)])
+    loaded, task, _ = inference.load_model(str(tmp_path / "fairseq_adaptive.pt"), str(data))
+    assert len(task.dictionary) == V
+    x = tokens()
+    target = x.roll(-1, dims=1)
+    with torch.no_grad():
+        h = loaded(x)
+        logp = loaded.get_normalized_probs(h, log_probs=True)
+    nll = -logp.gather(-1, target.unsqueeze(-1)).double().sum().item()
+    assert nll == pytest.approx(direct_nll(state, variant, h, target), rel=1e-5)

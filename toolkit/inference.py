@@ -17,8 +17,8 @@ from toolkit import options, registry
 from toolkit.checkpoint import identity
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
-from toolkit.checkpoint.fairseq_checkpoint import (check_weights, import_checkpoint, is_fairseq_checkpoint,
-                                                   read_checkpoint)
+from toolkit.checkpoint.fairseq_checkpoint import (check_weights, fold_adaptive_aliases, import_checkpoint,
+                                                   is_fairseq_checkpoint, read_checkpoint)
 from toolkit.models import build_model
 from toolkit.errors import UserError
 
@@ -58,6 +58,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
     if "fairseq_source" in state:
+        state["model"] = fold_adaptive_aliases(path, model, state["model"])
         check_weights(path, model, state["model"], state["fairseq_source"])
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:

@@ -163,10 +163,27 @@ def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
     return out, source
 
 
+def fold_adaptive_aliases(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor]
+                          ) -> Dict[str, torch.Tensor]:
+    """fairseq stores a tied adaptive weight under both modules' names (and buffers we do not keep);
+    here it is one parameter, the adaptive input's: the aliases must equal their source and are dropped."""
+    if getattr(model, "adaptive_softmax", None) is None and not any(
+            k.startswith("embed_tokens.embeddings.") for k in weights):
+        return weights
+    from toolkit.models.adaptive import from_fairseq_state_dict
+
+    try:
+        return from_fairseq_state_dict(weights, model, prefix="")
+    except UserError as e:
+        raise UserError(f"{path}: cannot load: {e}") from None
+
+
 def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor],
                   source: Dict[str, str]) -> None:
     """One line naming the first fairseq weight without a counterpart (or of another shape)."""
-    expected = model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    expected = get_model_state_dict(model)  # canonical names under any wrapper (DDP, FSDP2, checkpointing)
     for name, value in weights.items():
         if name not in expected:
             raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has no counterpart in "
@@ -281,7 +298,9 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
     registry.import_all_components()
     imported = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
     shared = bool(imported["cfg"].get("share_decoder_input_output_embed"))
-    set_model_state_dict(trainer.model, imported["model"], options=FULL_STATE)
+    weights = fold_adaptive_aliases(path, trainer.model, imported["model"])
+    check_weights(path, trainer.model, weights, imported.get("fairseq_source", {}))
+    set_model_state_dict(trainer.model, weights, options=FULL_STATE)
     moments = None if reset_optimizer else map_optimizer_state(state, shared)
     names = {id(p): _clean_name(n) for n, p in trainer.model.named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}

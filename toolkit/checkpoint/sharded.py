@@ -51,6 +51,7 @@ from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
+from toolkit.logging.step_progress import StepProgress
 
 logger = logging.getLogger(__name__)
 
@@ -258,13 +259,16 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
     """
     if not is_complete(folder):
         raise UserError(f"{folder}: not a complete sharded checkpoint (needs {DCP_INDEX} and {META_FILE})")
-    meta = read_meta(folder)
-    full = dcp_to_state_dict(folder)
-    state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
-    if include_optimizer and "optim" in full:
-        state["last_optimizer_state"] = full["optim"]
-        state["optimizer_name"] = meta.get("optimizer_name")
-    with atomic_write(output, "wb") as f:
-        torch.save(state, f)
+    with StepProgress(2, "consolidate", logger_name=__name__) as progress:
+        meta = read_meta(folder)
+        full = dcp_to_state_dict(folder)
+        progress.advance(f"read {meta.get('world_size')} shards of {folder}")
+        state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
+        if include_optimizer and "optim" in full:
+            state["last_optimizer_state"] = full["optim"]
+            state["optimizer_name"] = meta.get("optimizer_name")
+        with atomic_write(output, "wb") as f:
+            torch.save(state, f)
+        progress.advance(f"wrote {output}")
     return {"tensors": len(state["model"]), "params": sum(v.numel() for v in state["model"].values()),
             "optimizer": "last_optimizer_state" in state, "world_size": meta.get("world_size")}

@@ -16,44 +16,12 @@ from typing import Dict, List, Optional
 import torch
 
 from toolkit.errors import UserError
+from toolkit.logging.step_progress import StepProgress  # noqa: F401  (the exporters' progress)
 from toolkit.tokenizers import BPE_JSON
 
 logger = logging.getLogger("toolkit.export")
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class StepProgress:
-    """``advance(message)`` after each of ``total`` steps: a tqdm bar on a terminal, else a log line."""
-
-    def __init__(self, total: int, desc: str, use_tqdm: Optional[bool] = None):
-        self.total, self.done, self.desc = total, 0, desc
-        if use_tqdm is None:
-            use_tqdm = sys.stderr.isatty()
-        self.bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-
-    def advance(self, message: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(message, refresh=False)
-            self.bar.update(1)
-        logger.log(logging.DEBUG if self.bar is not None else logging.INFO,
-                   f"{self.desc} [{self.done}/{self.total}] {message}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def __enter__(self) -> "StepProgress":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.close()
-        return False
 
 
 def require(module: str, packages: str = "onnx onnxruntime onnxscript"):

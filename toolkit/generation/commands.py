@@ -25,6 +25,7 @@ from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
 from toolkit.generation.sequence_generator import SequenceGenerator
 from toolkit.logging.setup import setup_logging
+from toolkit.logging.step_progress import StepProgress
 from toolkit.tokenizers import load_tokenizer_for_data_bin
 
 logger = logging.getLogger("toolkit.generation")
@@ -122,8 +123,11 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
     session = Session(cfg, gen_cfg, task_overrides or {})
     dataset = session.task.load_dataset(cfg.gen_subset)
     batch_size = cfg.batch_size or 16
+    progress = StepProgress((len(dataset) + batch_size - 1) // batch_size, f"generate {cfg.gen_subset}",
+                            logger_name=logger.name)
     for first in range(0, len(dataset), batch_size):
         ids = list(range(first, min(first + batch_size, len(dataset))))
+        progress.advance(f"samples {first}-{ids[-1]} of {len(dataset)}")
         try:
             hypos = session.generate(split_prompts(session, dataset, ids, gen_cfg.prefix_size))
         except UserError as e:
@@ -139,6 +143,7 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
             print(f"T-{sample_id}\t{session.string(sample['target'])}", file=out)
             for line in session.hypothesis_lines(sample_id, sample_hypos):
                 print(line, file=out)
+    progress.close()
     session.log_summary()
     return session
 
