@@ -404,13 +404,6 @@ def readme_argv(data: str, save_dir: str, *drop: str) -> list:
     return argv + TINY
 
 
-@pytest.mark.xfail(strict=True, reason="training-loop flags of issue 11 (lead-owned): --ddp-backend legacy_ddp "
-                                       "and --skip-invalid-size-inputs-valid-test are not accepted yet")
-def test_readme_adaptive_inputs_command_runs_unchanged(wikitext_bin, tmp_path):
-    run = run_cli("toolkit_cli.train", readme_argv(wikitext_bin, str(tmp_path)))
-    assert run.returncode == 0, run.stderr[-2000:]
-
-
 def test_readme_adaptive_inputs_command_without_the_missing_loop_flags(wikitext_bin, tmp_path):
     """The same command with the two training-loop flags the toolkit lacks replaced by its own names."""
     argv = readme_argv(wikitext_bin, str(tmp_path), "--skip-invalid-size-inputs-valid-test", "--ddp-backend=legacy_ddp")

@@ -178,3 +178,16 @@ def test_getting_started_multi_shard(wikitext, tmp_path):
                                            "--no-save"]))
     loaded = re.findall(r"(data-bin\d) train \d+ examples", out)
     assert loaded[:3] == ["data-bin1", "data-bin2", "data-bin3"]  # then epoch 4's, loaded before stopping
+
+
+def test_adaptive_inputs_readme(tmp_path):
+    """examples/language_model/README.adaptive_inputs.md, flag for flag (transformer_lm_wiki103, adaptive_loss,
+    nag, cosine, legacy_ddp, --skip-invalid-size-inputs-valid-test); only sizes shrunk (see tests/test_adaptive.py)."""
+    from tests.dist_helpers import make_lm_data_bin
+    from tests.test_adaptive import README_COMMAND, readme_argv
+
+    assert "--ddp-backend=legacy_ddp" in README_COMMAND and "--optimizer nag" in README_COMMAND
+    data = make_lm_data_bin(str(tmp_path / "bin"))
+    run = run_cli("toolkit_cli.train", readme_argv(data, str(tmp_path / "ck")))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "num_updates: 2 >= max_update: 2" in run.stdout
