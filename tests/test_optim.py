@@ -390,6 +390,7 @@ def _two_rank_worker(rank, store_path, out_path):
             ref_opt.step()
         results["ref"] = [p.detach() for p in ref]
         torch.save(results, f"{out_path}.{rank}")
+        dist_.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist_.destroy_process_group()
 
