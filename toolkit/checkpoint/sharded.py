@@ -52,6 +52,7 @@ from toolkit.distributed.utils import barrier
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
 from toolkit.logging.step_progress import StepProgress
+from toolkit.optim.quantized_states import check_sharded_load
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,8 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
     check_resumable(folder, meta.get("cfg", {}), meta.get("extra_state"), shapes, model_cfg, trainer)
     load_optimizer = not cfg.reset_optimizer and meta.get("has_optimizer_state", False)
     switching = load_optimizer and optimizer_switch(folder, meta, optimizer_name, trainer)
+    if load_optimizer:
+        check_sharded_load(folder, tensor_shapes(folder), trainer.optimizer)
     tensors = _sharded_state(trainer, load_optimizer)
     groups = None
     if switching:  # per-parameter state from the checkpoint, hyperparameters from this run's flags

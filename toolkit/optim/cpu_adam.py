@@ -19,6 +19,10 @@ DeepSpeed's op, and stored back as ``fp16(x / scale)`` with
 ``scale = 1e-8 + max|x| / 65504`` (``max`` over the whole tensor, all-reduced across
 the shards of a DTensor). Such a state_dict is not loadable by torch AdamW as is; a
 plain fp32 AdamW/cpu_adam state_dict loads into an fp16-stats optimizer (and back).
+
+``--adam-state-precision bf16|8bit``: moments in bf16 or blockwise 8 bits, updated a bounded
+slice at a time (toolkit/optim/quantized_states.py, which documents the layouts); any saved
+layout loads into any other, with one INFO line when it converts.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ import torch
 
 from toolkit.config import opt
 from toolkit.distributed.dtensor import is_dtensor, local_tensor
+from toolkit.errors import UserError
+from toolkit.optim import quantized_states
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 from toolkit.registry import register_optimizer
@@ -46,6 +52,9 @@ class CPUAdamConfig:
     adam_eps: float = opt(1e-8, "epsilon for Adam optimizer")
     weight_decay: float = opt(0.0, "weight decay (decoupled, as AdamW)")
     fp16_adam_stats: bool = opt(False, "keep the Adam moments in fp16, with one scale per tensor")
+    adam_state_precision: str = opt("fp32", "precision of the Adam moments in host memory: fp32 (8 bytes per "
+                                            "parameter), bf16 (4) or 8bit (about 2: blockwise-quantized)",
+                                    choices=list(quantized_states.PRECISIONS))
 
 
 # ---------------------------------------------------------------------------
@@ -66,11 +75,14 @@ class CPUAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bias_correction: bool = True, fp16_adam_stats: bool = False):
+                 weight_decay: float = 0.0, bias_correction: bool = True, fp16_adam_stats: bool = False,
+                 adam_state_precision: str = "fp32"):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, amsgrad=False)
         super().__init__(params, defaults)
         self.fp16_adam_stats = bool(fp16_adam_stats)
+        self.moments = (None if adam_state_precision == "fp32"
+                        else quantized_states.ReducedMoments(adam_state_precision))
         self._locals: Dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -115,6 +127,9 @@ class CPUAdam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         # torch AdamW's layout: a float32 scalar step, moments shaped/placed like the param.
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if self.moments is not None:
+            state.update(self.moments.zeros(p))
+            return
         dtype = torch.float16 if self.fp16_adam_stats else torch.float32
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -141,7 +156,7 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
 
         stepped: List[torch.Tensor] = []
-        fp16_work = []
+        fp16_work, reduced_work = [], []
         for group, ds_group in zip(self.param_groups, self._ds.param_groups):
             for k in _HYPER:
                 v = group.get(k, self.defaults[k])
@@ -156,6 +171,9 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     self._init_state(p, state)
+                if self.moments is not None:  # --adam-state-precision bf16/8bit: sliced, after DeepSpeed's step
+                    reduced_work.append((p, local, state, ds_group))
+                    continue
                 if local is not p:
                     local.grad = self._local_grad(p)
                 elif p.grad.dtype != p.dtype:
@@ -173,6 +191,9 @@ class CPUAdam(torch.optim.Optimizer):
             self._ds.step()
         for p, local, state, ds_group in fp16_work:
             self._fp16_stats_update(p, local, state, ds_group)
+            stepped.append(p)
+        for p, local, state, ds_group in reduced_work:
+            self.moments.update(self._ds, p, local, state, ds_group)
             stepped.append(p)
         for p in stepped:
             self.state[p]["step"] += 1
@@ -215,6 +236,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     # -- state_dict interop ----------------------------------------------------
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved, state_dict = quantized_states.withhold_moments(self.param_groups, state_dict)  # from torch's casts
+        conversions = set()
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for k in _HYPER:
@@ -230,6 +253,12 @@ class CPUAdam(torch.optim.Optimizer):
                 state["step"] = (step.detach().to(device="cpu", dtype=torch.float32) if torch.is_tensor(step)
                                  else torch.tensor(float(step or 0), dtype=torch.float32))
                 state.pop("max_exp_avg_sq", None)
+                if self.moments is not None:
+                    conversions.add(self.moments.adopt(p, state, saved.get(p)))
+                    continue
+                found = quantized_states.to_fp32_state(p, state, saved.get(p))
+                if found in ("8bit", "bf16"):
+                    conversions.add((found, "fp16" if self.fp16_adam_stats else "fp32"))
                 has_scales = "exp_avg_scale" in state
                 if self.fp16_adam_stats:
                     if has_scales:
@@ -246,6 +275,7 @@ class CPUAdam(torch.optim.Optimizer):
                         ea = ea * state.pop("exp_avg_scale").float()
                         eas = eas * state.pop("exp_avg_sq_scale").float()
                     state["exp_avg"], state["exp_avg_sq"] = ea.contiguous(), eas.contiguous()
+        quantized_states.log_conversions(conversions - {None})
 
 
 def _all_reduce_max(t: torch.Tensor, mesh) -> torch.Tensor:
@@ -269,5 +299,8 @@ def _all_reduce_max(t: torch.Tensor, mesh) -> torch.Tensor:
 @register_optimizer("cpu_adam", dataclass=CPUAdamConfig)
 def build(cfg: CPUAdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
     betas = check_adam_options(cfg, lr)
+    if cfg.fp16_adam_stats and cfg.adam_state_precision != "fp32":
+        raise UserError(f"--fp16-adam-stats and --adam-state-precision {cfg.adam_state_precision} both set the "
+                        "moments' precision; pass one of them")
     return CPUAdam(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                   fp16_adam_stats=cfg.fp16_adam_stats)
+                   fp16_adam_stats=cfg.fp16_adam_stats, adam_state_precision=cfg.adam_state_precision)
