@@ -243,6 +243,28 @@ def test_dtensor_states_and_full_state_dict_conversions(mesh):
         torch.testing.assert_close(p.detach().full_tensor(), r.detach(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("saved,loaded", [("fp32", "bf16"), ("bf16", "fp32")])
+def test_dcp_load_converts_between_fp32_and_bf16(saved, loaded, tmp_path):
+    """A sharded checkpoint fills this run's state tensors in place: DCP casts fp32 <-> bf16 moments as it copies."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    init, grads = make_data(4)
+    ps = new_params(init)
+    model, opt = torch.nn.ParameterList(ps), cpu_adam(ps, saved)
+    run_steps(opt, ps, grads)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path), no_dist=True)
+    ps2 = new_params(init)
+    model2, opt2 = torch.nn.ParameterList(ps2), cpu_adam(ps2, loaded)
+    tensors = {"optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(tensors, checkpoint_id=str(tmp_path), no_dist=True)
+    set_optimizer_state_dict(model2, opt2, tensors["optim"])
+    want = torch.bfloat16 if loaded == "bf16" else torch.float32
+    for p, p2 in zip(ps, ps2):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt2.state[p2][k].dtype == want and torch.equal(opt2.state[p2][k], opt.state[p][k].to(want))
+
+
 def test_refusals(mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -1,0 +1,170 @@
+"""cpu_adam's Adam moments in fp32, bf16 and 8 bits: training parity and host bytes per parameter.
+
+    python benchmarks/adam_states.py                    # both parts
+    python benchmarks/adam_states.py parity [--updates 500] [--workdir /tmp/adam_states]
+    python benchmarks/adam_states.py memory
+
+``parity``: toolkit-train (a subprocess, the real CLI path) on the shared WikiText-2 mini
+corpus (preprocessed once into ``--workdir``), a small transformer_lm on CPU, ``--optimizer
+cpu_adam`` with ``--adam-state-precision fp32 | bf16 | 8bit``: the same seed, data order and
+dropout, ``--updates`` updates each. Reports the training loss of the last log interval
+(updates 451-500 by default) and the final validation loss of each run, and their relative
+difference to the fp32 run (issue 15's bar: within 1%).
+
+``memory``: host bytes per parameter held for training under ``--cpu-offload``: the fp32
+parameters, their fp32 gradients and the optimizer's state tensors. Measured as the sizes
+of the tensors a CPUAdam actually holds after one step on a mid-size transformer_lm (built
+in host memory, random gradients), and projected from the shapes of
+``transformer_lm_gpt3_13`` (built on the meta device) with the same per-shape accounting
+(``quantized_states.state_nbytes``), which the measured figures check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
+PRECISIONS = ("fp32", "bf16", "8bit")
+LOG_LINE = re.compile(r"^\S+ \S+ \| \w+ \| ([\w.]+) \| (\{.*\})$")
+MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+         "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--dropout", "0.1",
+         "--share-decoder-input-output-embed",
+         "--tokens-per-sample", "64", "--batch-size", "8", "--optimizer", "cpu_adam",
+         "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr", "0.002",
+         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--clip-norm", "1.0",
+         "--cpu", "--num-workers", "0", "--seed", "1", "--log-format", "json", "--log-interval", "50",
+         "--no-save", "--validate-interval-updates", "0"]
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def preprocess(workdir: str) -> str:
+    """WikiText-2 mini as a data-bin (the 4,000 most frequent words), once."""
+    dest = os.path.join(workdir, "wikitext-2-mini-4k")
+    if not os.path.exists(os.path.join(dest, "dict.txt")):
+        subprocess.run([sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--nwordssrc", "4000",
+                        "--trainpref", os.path.join(CORPUS, "wiki.train.tokens"),
+                        "--validpref", os.path.join(CORPUS, "wiki.valid.tokens"), "--destdir", dest],
+                       check=True, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL)
+    return dest
+
+
+def train_run(data: str, precision: str, updates: int) -> Dict[str, float]:
+    """One toolkit-train run; its last train_inner loss and its last valid loss."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates),
+                           "--adam-state-precision", precision], capture_output=True, text=True, env=_env(), cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"toolkit-train ({precision}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    records: Dict[str, List[dict]] = {}
+    for line in proc.stdout.splitlines():
+        m = LOG_LINE.match(line)
+        if m:
+            records.setdefault(m.group(1), []).append(json.loads(m.group(2)))
+    last = records["train_inner"][-1]
+    return {"train_loss": float(last["loss"]), "at_update": int(last["num_updates"]),
+            "valid_loss": float(records["valid"][-1]["valid_loss"]), "seconds": round(time.time() - start, 1)}
+
+
+def parity(args) -> Dict[str, Dict[str, float]]:
+    data = preprocess(args.workdir)
+    results = {}
+    for precision in PRECISIONS:
+        results[precision] = train_run(data, precision, args.updates)
+        print(f"  {precision}: {results[precision]}", flush=True)
+    ref = results["fp32"]
+    print(f"\n{args.updates} updates, {' '.join(MODEL)}\n")
+    print("| moments | train loss (last 50 updates) | vs fp32 | valid loss | vs fp32 | wall s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for precision, r in results.items():
+        dt = (r["train_loss"] - ref["train_loss"]) / ref["train_loss"]
+        dv = (r["valid_loss"] - ref["valid_loss"]) / ref["valid_loss"]
+        print(f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} | {r['seconds']} |")
+    return results
+
+
+# --------------------------------------------------------------------------- memory
+
+def _nbytes(t: torch.Tensor) -> int:
+    from toolkit.distributed.dtensor import local_tensor
+
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
+
+
+def measured(precision: str, arch_overrides: Dict[str, int], vocab: int) -> Dict[str, float]:
+    """Bytes per parameter of the tensors a CPUAdam holds after one step on a host-memory model."""
+    from toolkit.models import build_on_meta
+    from toolkit.optim import quantized_states
+    from toolkit.optim.cpu_adam import CPUAdam
+
+    model = build_on_meta("transformer_lm", vocab, 512, **arch_overrides).to_empty(device="cpu")
+    params = list({id(p): p for p in model.parameters()}.values())
+    g = torch.Generator().manual_seed(0)
+    for p in params:
+        with torch.no_grad():
+            p.normal_(0, 0.02, generator=g)
+        p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=g)
+    opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), adam_state_precision=precision)
+    opt.step()
+    n = sum(p.numel() for p in params)
+    state = sum(_nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    projected = sum(quantized_states.state_nbytes(precision, p.shape) + 4 for p in params)  # + the step scalar
+    return {"params": n, "weights": sum(_nbytes(p) for p in params) / n, "grads": sum(_nbytes(p.grad) for p in params) / n,
+            "state": state / n, "state_by_shapes": projected / n}
+
+
+def projected(precision: str, arch: str) -> Dict[str, float]:
+    from toolkit.models import build_on_meta
+    from toolkit.optim import quantized_states
+
+    model = build_on_meta(arch)
+    params = list({id(p): p for p in model.parameters()}.values())
+    n = sum(p.numel() for p in params)
+    state = sum(quantized_states.state_nbytes(precision, p.shape) for p in params)
+    return {"params": n, "weights": 4.0, "grads": 4.0, "state": state / n}
+
+
+def memory(args) -> None:
+    mid = dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048, decoder_attention_heads=8)
+    print("| model | params | moments | weights B/param | grads B/param | optimizer state B/param | total B/param "
+          "| total host memory |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, fn in ((f"transformer_lm 6x512 V 32000 (measured)", lambda p: measured(p, mid, 32000)),
+                      ("transformer_lm_gpt3_13 V 50257 (projected)", lambda p: projected(p, "transformer_lm_gpt3_13"))):
+        for precision in PRECISIONS:
+            r = fn(precision)
+            total = r["weights"] + r["grads"] + r["state"]
+            check = f" (by shapes {r['state_by_shapes']:.3f})" if "state_by_shapes" in r else ""
+            print(f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {r['weights']:.2f} | {r['grads']:.2f} | "
+                  f"{r['state']:.3f}{check} | {total:.2f} | {total * r['params'] / 2 ** 30:.1f} GiB |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", nargs="?", choices=["parity", "memory", "all"], default="all")
+    parser.add_argument("--updates", type=int, default=500)
+    parser.add_argument("--workdir", default=os.path.join("/tmp", "adam_states"))
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    if args.part in ("memory", "all"):
+        memory(args)
+    if args.part in ("parity", "all"):
+        parity(args)
+
+
+if __name__ == "__main__":
+    main()
