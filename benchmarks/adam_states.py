@@ -6,13 +6,15 @@
 
 ``parity``: toolkit-train (a subprocess, the real CLI path) on the shared WikiText-2 mini
 corpus (preprocessed once into ``--workdir``), a small transformer_lm on CPU, ``--optimizer
-cpu_adam`` with ``--adam-state-precision fp32 | bf16 | 8bit``: the same seed, data order and
-dropout, ``--updates`` updates each. Reports the training loss of the last log interval
+cpu_adam`` with ``--adam-state-precision fp32 | bf16 | 8bit``, and 8bit with ``--bf16-host-grads``
+(under ``--ddp-backend fully_sharded --cpu-offload`` in one process): the same seed, data order
+and dropout, ``--updates`` updates each. Reports the training loss of the last log interval
 (updates 451-500 by default) and the final validation loss of each run, and their relative
 difference to the fp32 run (issue 15's bar: within 1%).
 
 ``memory``: host bytes per parameter held for training under ``--cpu-offload``: the fp32
-parameters, their fp32 gradients and the optimizer's state tensors. Measured as the sizes
+parameters, their gradients (fp32, or bf16 with ``--bf16-host-grads``) and the optimizer's
+state tensors (and, for the measured model, the time of one optimizer step). Measured as the sizes
 of the tensors a CPUAdam actually holds after one step on a mid-size transformer_lm (built
 in host memory, random gradients), and projected from the shapes of
 ``transformer_lm_gpt3_13`` (built on the meta device) with the same per-shape accounting
@@ -36,6 +38,9 @@ import torch  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
 PRECISIONS = ("fp32", "bf16", "8bit")
+# (moments, host gradients): --adam-state-precision, and --bf16-host-grads or not
+CONFIGS = (("fp32", torch.float32), ("bf16", torch.float32), ("8bit", torch.float32),
+           ("bf16", torch.bfloat16), ("8bit", torch.bfloat16))
 LOG_LINE = re.compile(r"^\S+ \S+ \| \w+ \| ([\w.]+) \| (\{.*\})$")
 MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "64",
          "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--dropout", "0.1",
@@ -62,13 +67,20 @@ def preprocess(workdir: str) -> str:
     return dest
 
 
-def train_run(data: str, precision: str, updates: int) -> Dict[str, float]:
+# name -> flags: the moments' precision, and the 13B recipe's pair (one process under FSDP2: the same numbers)
+RUNS = {"fp32": ["--adam-state-precision", "fp32"], "bf16": ["--adam-state-precision", "bf16"],
+        "8bit": ["--adam-state-precision", "8bit"],
+        "8bit+bf16-grads": ["--adam-state-precision", "8bit", "--ddp-backend", "fully_sharded", "--cpu-offload",
+                            "--bf16-host-grads"]}
+
+
+def train_run(data: str, name: str, updates: int) -> Dict[str, float]:
     """One toolkit-train run; its last train_inner loss and its last valid loss."""
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates),
-                           "--adam-state-precision", precision], capture_output=True, text=True, env=_env(), cwd=REPO)
+                           *RUNS[name]], capture_output=True, text=True, env=_env(), cwd=REPO)
     if proc.returncode != 0:
-        raise SystemExit(f"toolkit-train ({precision}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"toolkit-train ({name}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     records: Dict[str, List[dict]] = {}
     for line in proc.stdout.splitlines():
         m = LOG_LINE.match(line)
@@ -82,9 +94,11 @@ def train_run(data: str, precision: str, updates: int) -> Dict[str, float]:
 def parity(args) -> Dict[str, Dict[str, float]]:
     data = preprocess(args.workdir)
     results = {}
-    for precision in PRECISIONS:
-        results[precision] = train_run(data, precision, args.updates)
-        print(f"  {precision}: {results[precision]}", flush=True)
+    for name in args.runs:
+        results[name] = train_run(data, name, args.updates)
+        print(f"  {name}: {results[name]}", flush=True)
+    if "fp32" not in results:
+        return results
     ref = results["fp32"]
     print(f"\n{args.updates} updates, {' '.join(MODEL)}\n")
     print("| moments | train loss (last 50 updates) | vs fp32 | valid loss | vs fp32 | wall s |")
@@ -105,7 +119,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measured(precision: str, arch_overrides: Dict[str, int], vocab: int) -> Dict[str, float]:
+def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, int], vocab: int) -> Dict[str, float]:
     """Bytes per parameter of the tensors a CPUAdam holds after one step on a host-memory model."""
     from toolkit.models import build_on_meta
     from toolkit.optim import quantized_states
@@ -117,17 +131,21 @@ def measured(precision: str, arch_overrides: Dict[str, int], vocab: int) -> Dict
     for p in params:
         with torch.no_grad():
             p.normal_(0, 0.02, generator=g)
-        p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=g)
+        p.grad_dtype = None  # what --bf16-host-grads sets, so that a bf16 gradient may be assigned
+        p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=g).to(grad_dtype)
     opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), adam_state_precision=precision)
+    opt.step()  # creates the state
+    start = time.perf_counter()
     opt.step()
+    seconds = time.perf_counter() - start
     n = sum(p.numel() for p in params)
     state = sum(_nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     projected = sum(quantized_states.state_nbytes(precision, p.shape) + 4 for p in params)  # + the step scalar
     return {"params": n, "weights": sum(_nbytes(p) for p in params) / n, "grads": sum(_nbytes(p.grad) for p in params) / n,
-            "state": state / n, "state_by_shapes": projected / n}
+            "state": state / n, "state_by_shapes": projected / n, "step_s": seconds}
 
 
-def projected(precision: str, arch: str) -> Dict[str, float]:
+def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, float]:
     from toolkit.models import build_on_meta
     from toolkit.optim import quantized_states
 
@@ -135,22 +153,26 @@ def projected(precision: str, arch: str) -> Dict[str, float]:
     params = list({id(p): p for p in model.parameters()}.values())
     n = sum(p.numel() for p in params)
     state = sum(quantized_states.state_nbytes(precision, p.shape) for p in params)
-    return {"params": n, "weights": 4.0, "grads": 4.0, "state": state / n}
+    grad_bytes = torch.empty((), dtype=grad_dtype).element_size()
+    return {"params": n, "weights": 4.0, "grads": float(grad_bytes), "state": state / n}
 
 
 def memory(args) -> None:
     mid = dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048, decoder_attention_heads=8)
-    print("| model | params | moments | weights B/param | grads B/param | optimizer state B/param | total B/param "
-          "| total host memory |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, fn in ((f"transformer_lm 6x512 V 32000 (measured)", lambda p: measured(p, mid, 32000)),
-                      ("transformer_lm_gpt3_13 V 50257 (projected)", lambda p: projected(p, "transformer_lm_gpt3_13"))):
-        for precision in PRECISIONS:
-            r = fn(precision)
+    print("| model | params | moments | host grads | weights B/param | grads B/param | optimizer state B/param "
+          "| total B/param | total host memory | step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, fn in (("transformer_lm 6x512 V 32000 (measured)", lambda p, d: measured(p, d, mid, 32000)),
+                      ("transformer_lm_gpt3_13 V 50257 (projected)",
+                       lambda p, d: projected(p, d, "transformer_lm_gpt3_13"))):
+        for precision, grad_dtype in CONFIGS:
+            r = fn(precision, grad_dtype)
             total = r["weights"] + r["grads"] + r["state"]
             check = f" (by shapes {r['state_by_shapes']:.3f})" if "state_by_shapes" in r else ""
-            print(f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {r['weights']:.2f} | {r['grads']:.2f} | "
-                  f"{r['state']:.3f}{check} | {total:.2f} | {total * r['params'] / 2 ** 30:.1f} GiB |", flush=True)
+            grads = "bf16" if grad_dtype == torch.bfloat16 else "fp32"
+            print(f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {grads} | {r['weights']:.2f} | "
+                  f"{r['grads']:.2f} | {r['state']:.3f}{check} | {total:.2f} | "
+                  f"{total * r['params'] / 2 ** 30:.1f} GiB | {r.get('step_s', float('nan')):.2f} |", flush=True)
 
 
 def main() -> None:
@@ -158,6 +180,7 @@ def main() -> None:
     parser.add_argument("part", nargs="?", choices=["parity", "memory", "all"], default="all")
     parser.add_argument("--updates", type=int, default=500)
     parser.add_argument("--workdir", default=os.path.join("/tmp", "adam_states"))
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="parity runs (default: all)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     if args.part in ("memory", "all"):

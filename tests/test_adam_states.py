@@ -189,6 +189,17 @@ def test_fp32_moments_convert_to_reduced_and_back(precision, caplog):
         assert torch.equal(adamw.state[adamw.param_groups[0]["params"][i]]["exp_avg"], m)
 
 
+def test_flags_parse_and_bf16_host_grads_needs_cpu_offload():
+    from toolkit.resolve import parse_train_config
+
+    cfg = parse_train_config(["d", "--ddp-backend", "fully_sharded", "--cpu-offload", "--cpu", "--bf16-host-grads",
+                              "--adam-state-precision", "8bit"])
+    assert cfg.distributed.bf16_host_grads and cfg.optimizer.adam_state_precision == "8bit"
+    with pytest.raises(UserError, match=r"^--bf16-host-grads requires --cpu-offload \(it keeps the offloaded "
+                                        r"gradients in bf16\)$"):
+        parse_train_config(["d", "--ddp-backend", "fully_sharded", "--bf16-host-grads"])
+
+
 def test_8bit_and_fp16_stats_are_exclusive():
     with pytest.raises(UserError, match="--fp16-adam-stats and --adam-state-precision 8bit both set"):
         build_optimizer(dict(ADAM, adam_state_precision="8bit", fp16_adam_stats=True), new_params(make_data(0)[0]))
@@ -265,6 +276,38 @@ def test_dcp_load_converts_between_fp32_and_bf16(saved, loaded, tmp_path):
             assert opt2.state[p2][k].dtype == want and torch.equal(opt2.state[p2][k], opt.state[p][k].to(want))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "8bit"])
+def test_bf16_host_grads_under_fsdp2(mesh, precision):
+    """--bf16-host-grads: FSDP2's gradients are re-stored in bf16 (the fp32 ones rounded) and cpu_adam steps on them."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from toolkit.distributed.host_grads import keep_grads_in_bf16
+
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.ReLU(), torch.nn.Linear(64, 80))  # noqa
+    models = [make(), make()]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    assert keep_grads_in_bf16(models[1]) == 4
+    opts = [cpu_adam(list(m.parameters()), precision) for m in models]
+    for step in range(3):
+        x = torch.randn(5, 96)
+        for m in models:
+            m(x).pow(2).sum().backward()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert isinstance(b.grad, DTensor) and b.grad.dtype == torch.bfloat16 and a.grad.dtype == torch.float32
+            assert torch.equal(b.grad.to_local(), a.grad.to_local().bfloat16())
+            a.grad = b.grad.to(torch.float32)  # the reference steps on the same (rounded) values in fp32
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a.detach().full_tensor(), b.detach().full_tensor(), rtol=0, atol=1e-6)
+
+
 def test_refusals(mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -283,16 +326,16 @@ def test_refusals(mesh):
 # --------------------------------------------------------------------------- 2 ranks, the CLI
 
 def test_two_rank_cpu_offload_8bit_trains_and_resumes_from_a_sharded_checkpoint(tmp_path):
-    """FSDP2 --cpu-offload on 2 gloo ranks with 8-bit moments; a resume from update 3 ends bit-identical."""
+    """FSDP2 --cpu-offload --bf16-host-grads on 2 gloo ranks with 8-bit moments; a resume from update 3 matches."""
     from tests.dist_helpers import make_lm_data_bin
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
     args = ["--dropout", "0", "--distributed-world-size", "2",
             "--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam",
-            "--adam-state-precision", "8bit", "--use-sharded-state", "--max-update", "6",
+            "--adam-state-precision", "8bit", "--bf16-host-grads", "--use-sharded-state", "--max-update", "6",
             "--save-interval-updates", "3", "--no-epoch-checkpoints"]
     full = train(data, str(tmp_path / "full"), *args)
-    assert len(full.losses()) == 6
+    assert len(full.losses()) == 6 and "bf16_host_grads=True" in full.stdout
     os.makedirs(tmp_path / "resumed")
     os.rename(tmp_path / "full" / "checkpoint_1_3", tmp_path / "resumed" / "checkpoint_last")
     resumed = train(data, str(tmp_path / "resumed"), *args)
@@ -305,3 +348,9 @@ def test_two_rank_cpu_offload_8bit_trains_and_resumes_from_a_sharded_checkpoint(
         torch.testing.assert_close(t, b["model"][key], rtol=0, atol=1e-5)
     codes = [k for k, v in a["optim"]["state"].items() if v["exp_avg"].dtype == torch.int8]
     assert codes and all(a["optim"]["state"][k]["exp_avg_sq"].dtype == torch.uint8 for k in codes)
+    for k in codes:  # the scales were saved sharded by rows like the codes: gathered, each row meets its own
+        st = a["optim"]["state"][k]
+        rows = st["exp_avg"].shape[0]
+        assert st["exp_avg_absmax"].shape == (rows, 1)  # rows of <= 2048 values: one block each
+        assert torch.equal(st["exp_avg"].reshape(rows, -1).abs().amax(1) == 127, st["exp_avg_absmax"][:, 0] > 0)
+        assert torch.equal(st["exp_avg_sq"].reshape(rows, -1).amax(1) == 255, st["exp_avg_sq_absmax"][:, 0] > 0)

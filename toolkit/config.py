@@ -128,6 +128,8 @@ class DistributedConfig:
     no_reshard_after_forward: bool = opt(False, "keep parameters gathered after forward (ZeRO-2 like)")
     shard_group_size: int = opt(0, "ranks that shard within a group for hybrid sharding (0: all local ranks)")
     cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory")
+    bf16_host_grads: bool = opt(False, "with --cpu-offload: keep the gradients in host memory in bf16 (2 bytes per "
+                                       "parameter instead of 4)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")

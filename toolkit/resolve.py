@@ -132,6 +132,8 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
                                 f"use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
     if dist.model_parallel_size < 1:
         raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
+    if dist.bf16_host_grads and not dist.cpu_offload:
+        raise UserError("--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)")
     if dist.cpu_offload and cfg.components.optimizer != OFFLOAD_OPTIMIZER:
         raise UserError(f"--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host "
                         f"memory by DeepSpeed's CPU Adam), got --optimizer {cfg.components.optimizer}; "

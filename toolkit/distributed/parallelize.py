@@ -179,6 +179,10 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
     if offloaded:
         _move_buffers(model, env.device)  # only parameters/gradients/optimizer state live on the host
     init_weights(model, common.seed)
+    if cfg.bf16_host_grads:
+        from toolkit.distributed.host_grads import keep_grads_in_bf16
+
+        logger.info(f"--bf16-host-grads: {keep_grads_in_bf16(model)} parameters keep their gradients in bf16")
     logger.info(f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
                 f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
                 f"mixed precision: {mixed_precision_policy(common)}")
