@@ -106,7 +106,8 @@ def parity(args) -> Dict[str, Dict[str, float]]:
     for precision, r in results.items():
         dt = (r["train_loss"] - ref["train_loss"]) / ref["train_loss"]
         dv = (r["valid_loss"] - ref["valid_loss"]) / ref["valid_loss"]
-        print(f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} | {r['seconds']} |")
+        print(f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} "
+              f"| {r['seconds']} |")
     return results
 
 
@@ -141,7 +142,8 @@ def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, 
     n = sum(p.numel() for p in params)
     state = sum(_nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     projected = sum(quantized_states.state_nbytes(precision, p.shape) + 4 for p in params)  # + the step scalar
-    return {"params": n, "weights": sum(_nbytes(p) for p in params) / n, "grads": sum(_nbytes(p.grad) for p in params) / n,
+    return {"params": n, "weights": sum(_nbytes(p) for p in params) / n,
+            "grads": sum(_nbytes(p.grad) for p in params) / n,
             "state": state / n, "state_by_shapes": projected / n, "step_s": seconds}
 
 

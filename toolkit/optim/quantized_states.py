@@ -419,7 +419,8 @@ def check_sharded_load(folder: str, saved_keys, optimizer: torch.optim.Optimizer
     """
     saved_8bit = any(k.startswith("optim.state.") and k.endswith(".exp_avg_absmax") for k in saved_keys)
     moments = getattr(optimizer, "moments", None)
-    run_8bit = moments is not None and moments.precision == "8bit"
+    run_8bit = moments is not None and any(param_layout(moments.precision, p) == "8bit"
+                                           for group in optimizer.param_groups for p in group["params"])
     if saved_8bit != run_8bit:
         saved, run = ("8bit", "float") if saved_8bit else ("float", "8bit")
         raise UserError(f"{folder}: its Adam moments are saved as {saved} and this run keeps them as {run} "
