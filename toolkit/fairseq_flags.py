@@ -8,6 +8,8 @@ given                                  resolved to
 ``--find-unused-parameters``,          passed to DDP under ``c10d``; elsewhere accepted
 ``--bucket-cap-mb``                    with one INFO line saying they have no effect
 ``--local-rank``/``--device-id``       LOCAL_RANK from the environment wins (INFO if they differ)
+no ``--distributed-world-size``        every visible GPU (one process each, spawned here), as fairseq;
+                                       one process on CPU, under torchrun or under Slurm
 ``--amp``                              ``--fp16`` on a GPU (autocast over fp32 weights, dynamic
                                        loss scaling); fp32 on CPU
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
@@ -25,6 +27,7 @@ import torch
 
 from toolkit.checkpoint import finetune
 from toolkit.config import TrainConfig
+from toolkit.distributed import launch
 from toolkit.errors import UserError
 from toolkit.flag_types import as_tuple
 
@@ -54,6 +57,8 @@ def resolve_fairseq_flags(cfg: TrainConfig, explicit: set) -> Tuple[TrainConfig,
         dist = dataclasses.replace(dist, ddp_backend=ours)
     choices += _ddp_only_flags(dist, explicit)
     choices += _local_rank(dist)
+    dist, more = _world_size(dist, cfg.common.cpu, explicit)
+    choices += more
     common, more = _amp(cfg)
     choices += more
     choices += _lr_list(cfg)
@@ -80,6 +85,16 @@ def _local_rank(dist) -> List[str]:
         return []
     return [f"--local-rank/--device-id {dist.device_id} differs from LOCAL_RANK={env_rank} in the environment; "
             f"using LOCAL_RANK"]
+
+
+def _world_size(dist, cpu: bool, explicit: set):
+    """fairseq's default world size, max(1, visible GPUs): spawn one process per GPU."""
+    gpus = launch.default_world_size("distributed_world_size" in explicit, cpu, dist.distributed_port)
+    if gpus is None:
+        return dist, []
+    return dataclasses.replace(dist, distributed_world_size=gpus), [
+        f"--distributed-world-size not given: using all {gpus} visible GPUs (one process each, as fairseq; "
+        f"--distributed-world-size 1 or --cpu for one process)"]
 
 
 def _amp(cfg: TrainConfig):
