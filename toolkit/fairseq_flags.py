@@ -12,6 +12,8 @@ no ``--distributed-world-size``        every visible GPU (one process each, spaw
                                        one process on CPU, under torchrun or under Slurm
 ``--amp``                              ``--fp16`` on a GPU (autocast over fp32 weights, dynamic
                                        loss scaling); fp32 on CPU
+``--amp-batch-retries N``              an overflowing batch retried N times before it is skipped
+                                       (toolkit.amp_retries); INFO "no effect" without loss scaling
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
 ``--update-freq 2,4``                  ``update_freq`` 2, ``update_freq_per_epoch`` (2, 4)
 =====================================  =================================================
@@ -60,7 +62,7 @@ def resolve_fairseq_flags(cfg: TrainConfig, explicit: set) -> Tuple[TrainConfig,
     dist, more = _world_size(dist, cfg.common.cpu, explicit)
     choices += more
     common, more = _amp(cfg)
-    choices += more
+    choices += more + _amp_batch_retries(common, explicit)
     choices += _lr_list(cfg)
     _check_ema(cfg, dist)
     finetune.check_flags(cfg.checkpoint)
@@ -95,6 +97,17 @@ def _world_size(dist, cpu: bool, explicit: set):
     return dataclasses.replace(dist, distributed_world_size=gpus), [
         f"--distributed-world-size not given: using all {gpus} visible GPUs (one process each, as fairseq; "
         f"--distributed-world-size 1 or --cpu for one process)"]
+
+
+def _amp_batch_retries(common, explicit: set) -> List[str]:
+    """--amp-batch-retries: retries need --amp's loss scaling (fp16 on a GPU); say when there is none."""
+    if common.amp_batch_retries < 0:
+        raise UserError(f"--amp-batch-retries must be >= 0, got {common.amp_batch_retries}")
+    if "amp_batch_retries" not in explicit or (common.amp and common.fp16):
+        return []
+    why = "without --amp" if not common.amp else "--amp runs without loss scaling here (no fp16 on a GPU)"
+    return [f"--amp-batch-retries {common.amp_batch_retries}: accepted, no effect {why}: nothing overflows "
+            f"to retry"]
 
 
 def _amp(cfg: TrainConfig):
