@@ -148,6 +148,8 @@ class EMAConfig:
                                  "extra state under \"ema\"")
     ema_decay: float = opt(0.9999, "decay of the moving average")
     ema_start_update: int = opt(0, "copy the weights (decay 0) until this many updates, then average")
+    ema_seed_model: Optional[str] = opt(None, "start the average at the moving average saved in this checkpoint "
+                                              "(toolkit or fairseq, trained with --store-ema)")
     ema_update_freq: int = opt(1, "update the average every N updates")
     ema_fp32: bool = opt(False, "keep the average in fp32 even when the weights are fp16/bf16")
 

@@ -16,6 +16,8 @@ no ``--distributed-world-size``        every visible GPU (one process each, spaw
                                        (toolkit.amp_retries); INFO "no effect" without loss scaling
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
 ``--update-freq 2,4``                  ``update_freq`` 2, ``update_freq_per_epoch`` (2, 4)
+``--ema-seed-model PATH``              the EMA starts at PATH's saved average (toolkit.ema); INFO "no
+                                       effect" without --store-ema
 =====================================  =================================================
 """
 from __future__ import annotations
@@ -64,7 +66,7 @@ def resolve_fairseq_flags(cfg: TrainConfig, explicit: set) -> Tuple[TrainConfig,
     common, more = _amp(cfg)
     choices += more + _amp_batch_retries(common, explicit)
     choices += _lr_list(cfg)
-    _check_ema(cfg, dist)
+    choices += _check_ema(cfg, dist)
     finetune.check_flags(cfg.checkpoint)
     return dataclasses.replace(cfg, distributed=dist, common=common), choices
 
@@ -134,16 +136,21 @@ def _lr_list(cfg: TrainConfig) -> List[str]:
     return [f"--lr {','.join(map(str, lrs))}: --lr-scheduler {scheduler} uses the first value, {lrs[0]}"]
 
 
-def _check_ema(cfg: TrainConfig, dist) -> None:
+def _check_ema(cfg: TrainConfig, dist) -> List[str]:
     ema = cfg.ema
     if not ema.store_ema:
-        return
+        return [f"--ema-seed-model {ema.ema_seed_model}: accepted, no effect without --store-ema (there is no "
+                f"moving average to seed)"] if ema.ema_seed_model else []
+    if ema.ema_seed_model and not os.path.isfile(ema.ema_seed_model):
+        raise UserError(f"--ema-seed-model {ema.ema_seed_model}: no such file; give a checkpoint trained with "
+                        f"--store-ema")
     if dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1:
         raise UserError("--store-ema: the moving average is kept of whole weights; it does not combine with "
                         "--ddp-backend fully_sharded or --model-parallel-size > 1 (use c10d or no_c10d)")
     if not 0.0 <= ema.ema_decay <= 1.0 or ema.ema_update_freq < 1:
         raise UserError(f"--ema-decay must be in [0, 1] and --ema-update-freq >= 1, got {ema.ema_decay} and "
                         f"{ema.ema_update_freq}")
+    return []
 
 
 def check_list_flags(cfg: TrainConfig) -> None:
