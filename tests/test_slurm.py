@@ -127,6 +127,15 @@ def test_inconsistent_layout_is_one_line(env, world, match):
         slurm.plan_from_env(2000, world, 0, env, slurm.parse_nodelist)
 
 
+def test_tasks_that_each_see_one_gpu_are_refused():
+    """srun --gpus-per-task 1: SLURM_LOCALID would name a GPU the task cannot see."""
+    env = {"SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+           "SLURM_LOCALID": "3"}
+    with pytest.raises(UserError, match="each sees 1 GPU"):
+        slurm.plan_from_env(2000, 1, 1, env, slurm.parse_nodelist)
+    assert slurm.plan_from_env(2000, 1, 4, env, slurm.parse_nodelist).rank_env(0)["LOCAL_RANK"] == "3"
+
+
 # --- every visible GPU by default ---------------------------------------------------------------------
 
 def fake_gpus(monkeypatch, n):
@@ -223,3 +232,12 @@ def test_srun_one_task_per_node_spawns_its_workers(data_bin, spawned, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Slurm: world size 2, ranks 0..1 here (node 0)" in proc.stdout + proc.stderr
     assert_same_run(H.losses(proc.stdout), tmp_path / "checkpoint_last.pt", spawned)
+
+
+def test_launchers_on_other_nodes_join_the_first_nodes_store():
+    """One task per node: node 0's launcher hosts the store, the others connect to it (abort messages)."""
+    port = H.free_port()
+    host = launch._host_store("127.0.0.1", port, 30.0)
+    other = launch._host_store("127.0.0.1", port, 30.0, client=True)
+    other.set("from-node-1", "hello")
+    assert host.get("from-node-1") == b"hello"

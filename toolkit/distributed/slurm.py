@@ -167,6 +167,10 @@ def plan_from_env(port: int, world_size_given: int, gpus: int, environ: Mapping[
     if per_node == 1:
         return _one_task_per_node(hosts[0], port, nnodes, world_size_given, gpus, environ)
     world = nnodes * per_node
+    if 0 < gpus < per_node:  # fairseq would call cuda.set_device(SLURM_LOCALID) on a GPU the task cannot see
+        raise UserError(f"srun started {per_node} tasks per node, but each sees {gpus} GPU(s) (LOCAL_RANK = "
+                        f"$SLURM_LOCALID picks the GPU); let every task see the node's GPUs (no --gpus-per-task), "
+                        f"or start one task per node (it spawns one process per GPU)")
     if world_size_given not in (1, world):
         raise UserError(f"--distributed-world-size {world_size_given}, but srun started {world} tasks "
                         f"({nnodes} nodes x {per_node}); drop the flag or make it {world}")
