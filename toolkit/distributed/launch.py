@@ -244,7 +244,7 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
         plan = slurm.TaskLayout(master_addr=host, port=store.port, world_size=nprocs, start_rank=0,
                                 local_procs=nprocs, local_rank_offset=0, local_world_size=nprocs, node_id=0)
     else:
-        store = _host_store(plan.master_addr, plan.port, timeout, client=plan.start_rank > 0)
+        store = _host_store(plan.master_addr, plan.port, timeout, client=plan.node_id > 0)
     logger.info(f"spawning {nprocs} workers (store at {plan.master_addr}:{plan.port})")
     ctx = torch.multiprocessing.start_processes(
         _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, plan,
