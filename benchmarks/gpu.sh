@@ -53,6 +53,7 @@ run() {
 
 TINY=(--task language_modeling --arch transformer_lm --decoder-layers 2 --decoder-embed-dim 128
       --decoder-ffn-embed-dim 512 --decoder-attention-heads 4 --tokens-per-sample 128 --batch-size 16
+      --decoder-input-dim 128 --decoder-output-dim 128 --decoder-normalize-before
       --optimizer adam --lr 0.001 --log-format json --log-interval 10 --num-workers 0 --no-epoch-checkpoints)
 OFFLOAD=(--ddp-backend fully_sharded --cpu-offload --optimizer cpu_adam --fp16 --checkpoint-activations)
 

@@ -7,10 +7,11 @@ Shape notation: B batch, T time (tokens), C = decoder_embed_dim, H heads,
 D = C // H head size, V vocabulary.
 
 Choices worth knowing
-- Pre-norm (``decoder_normalize_before``) is the default: fairseq's
-  ``base_lm_architecture`` forces it on for every ``transformer_lm`` arch
-  ("training is not stable without this"); ``--no-decoder-normalize-before``
-  gives the post-norm block.
+- Pre-norm (``decoder_normalize_before``): fairseq's ``base_lm_architecture`` forces it on
+  for every *named* ``transformer_lm`` arch ("training is not stable without this"). Plain
+  ``--arch transformer_lm`` is fairseq's config defaults (fairseq >= 0.11): the post-norm
+  block, and 512-wide input/output embeddings; ``--decoder-normalize-before`` and
+  ``--decoder-input-dim``/``--decoder-output-dim`` change that, as in fairseq.
 - Inputs are right-padded (fairseq's LM batches). Attention is causal, so the
   padding at the end of a row cannot change any earlier position and no padding
   mask is needed; the outputs at padded positions are ignored by the loss.
@@ -75,7 +76,8 @@ class TransformerLMConfig:
     decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
     decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
     decoder_normalize_before: bool = field(
-        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm)"})
+        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm; the named archs "
+                                        "set it, --arch transformer_lm is post-norm as in fairseq)"})
     no_decoder_final_norm: bool = field(
         default=False, metadata={"help": "don't add an extra layernorm after the last decoder block"})
     share_decoder_input_output_embed: bool = field(
@@ -96,9 +98,11 @@ class TransformerLMConfig:
                                         "(default: --tokens-per-sample)"})
     # Embedding and output sizes (fairseq's project_in_dim / project_out_dim when they differ from C).
     decoder_input_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder input dimension (default: --decoder-embed-dim)"})
+        default=None, metadata={"help": "decoder input dimension (default: 512 under --arch transformer_lm, as in "
+                                        "fairseq; --decoder-embed-dim under the named archs)"})
     decoder_output_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder output dimension (default: --decoder-embed-dim)"})
+        default=None, metadata={"help": "decoder output dimension (default: 512 under --arch transformer_lm, as in "
+                                        "fairseq; --decoder-embed-dim under the named archs)"})
     layernorm_embedding: bool = field(default=False, metadata={"help": "add layernorm to embedding"})
     # LayerDrop (see toolkit.models.layerdrop).
     decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
@@ -470,8 +474,17 @@ def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: i
 # ---- named architectures: each sets values on a fresh config; the user's flags override them ----
 
 @register_model_architecture("transformer_lm", "transformer_lm")
+def transformer_lm(cfg: TransformerLMConfig) -> None:
+    """fairseq's config defaults as they are: since fairseq 0.11 the model's own name is a no-op architecture
+    (base_lm_architecture runs only for the named ones). So ``--arch transformer_lm`` is post-norm without a
+    final LayerNorm, with 512-wide input and output embeddings whatever --decoder-embed-dim is
+    (project_in_dim / project_out_dim map them when it differs). fairseq 0.10 ran base_lm_architecture here."""
+    cfg.decoder_normalize_before = False
+    cfg.decoder_input_dim = cfg.decoder_output_dim = 512
+
+
 def base_lm_architecture(cfg: TransformerLMConfig) -> None:
-    # fairseq's base_lm_architecture forces pre-norm on every transformer_lm arch.
+    # fairseq's base_lm_architecture, called by every named transformer_lm arch, forces pre-norm.
     cfg.decoder_normalize_before = True
 
 
