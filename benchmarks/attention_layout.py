@@ -6,14 +6,15 @@
 ``old``: ``qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` (the model's layout before issue 15).
 Its backward stacks the three q/k/v gradients into [3, B, H, T, D] and copies that, strided,
 into the [B, T, 3C] gradient of the projection.
-``new``: ``qkv.split(C, -1)`` then ``view(B, T, H, D).transpose(1, 2)`` per tensor (the model's
+``new``: ``qkv.split([C, C, C], -1)`` then ``view(B, T, H, D).transpose(1, 2)`` per tensor (the model's
 ``CausalSelfAttention``). SDPA's gradients come back in [B, T, H, D] memory order, so the views
 undo for free and split's backward is a single concatenation.
 
 Both run on the same weights; the script checks their outputs and gradients agree, times
 ``--steps`` forward+backward passes of each (interleaved, median), and counts the copy kernels
-(``aten::copy_``, ``cat``, ``stack``, ``clone``, ``contiguous``) that one backward launches, by
-torch.profiler. Prints a table and one JSON line (``"benchmark": "attention_layout"``).
+(``aten::copy_``, ``cat``, ``stack``, ``clone``, ``contiguous``) that one backward launches and
+their summed self time, by torch.profiler (the median of 3 profiled backwards). Prints a table and
+one JSON line (``"benchmark": "attention_layout"``).
 """
 from __future__ import annotations
 
@@ -85,15 +86,24 @@ def one_pass(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, device: st
     return time.perf_counter() - t0
 
 
-def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor) -> Dict[str, int]:
-    """How many times one backward calls each copy kernel (torch.profiler, CPU-side op records)."""
+def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, runs: int = 3
+                          ) -> Dict[str, float]:
+    """How many times one backward calls each copy kernel, and their summed self time in ms, the median
+    of ``runs`` (torch.profiler; self times, so ``stack`` calling ``cat`` is not counted twice; kernel
+    time on a GPU, host time on CPU)."""
     from torch.profiler import profile
 
-    y = fn(attn, x)
-    with profile() as prof:
-        y.backward(grad)
-    counts = {e.key: e.count for e in prof.key_averages()}
-    return {k: counts.get(k, 0) for k in COPY_KERNELS}
+    times = []
+    for _ in range(runs):
+        y = fn(attn, x)
+        with profile() as prof:
+            y.backward(grad)
+        events = {e.key: e for e in prof.key_averages()}
+        attr = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"
+        times.append(sum(getattr(events[k], attr) for k in COPY_KERNELS if k in events) / 1e3)
+    out: Dict[str, float] = {k: events[k].count if k in events else 0 for k in COPY_KERNELS}
+    out["self_ms"] = statistics.median(times)
+    return out
 
 
 def check_agreement(attn, x: torch.Tensor, grad: torch.Tensor) -> float:
@@ -131,7 +141,8 @@ def main(argv=None) -> None:
           f"max relative difference old/new {rel:.1e}")
     print(f"{'layout':<8}{'fwd+bwd ms (median)':>21}{'best ms':>10}  backward copy kernels")
     for name in layouts:
-        kernels = ", ".join(f"{k.split('::')[1]} {n}" for k, n in copies[name].items())
+        kernels = ", ".join(f"{k.split('::')[1]} {n}" for k, n in copies[name].items() if k in COPY_KERNELS)
+        kernels += f"; {copies[name]['self_ms']:.2f} ms"
         print(f"{name:<8}{median[name]:>21.2f}{min(times[name]) * 1e3:>10.2f}  {kernels}")
     print(json.dumps({"benchmark": "attention_layout", "dim": args.dim, "heads": args.heads, "batch": args.batch,
                       "tokens": args.tokens, "dtype": args.dtype, "device": args.device,

@@ -131,3 +131,26 @@ def test_checkpoints_move_between_compiled_and_eager_runs(data_bin, tmp_path):
     assert sorted(compiled) == [3, 4] and sorted(eager) == [5, 6] and sorted(expected) == [3, 4, 5, 6]
     for u, loss in {**compiled, **eager}.items():
         assert abs(loss - expected[u]) <= LOGGED_TOL, (u, loss, expected[u])
+
+
+def tiny_meta_model() -> torch.nn.Module:
+    from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
+
+    with torch.device("meta"):
+        return TransformerLanguageModel(TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16,
+                                                            decoder_attention_heads=2, max_target_positions=8), 20, 1)
+
+
+def test_unknown_backend_and_tensor_parallel_are_user_errors(monkeypatch):
+    from toolkit.config import CommonConfig, DistributedConfig
+    from toolkit.distributed.parallelize import parallelize
+    from toolkit.distributed.utils import DistributedEnv
+    from toolkit.errors import UserError
+
+    monkeypatch.setenv(BACKEND_ENV, "no_such_backend")
+    with pytest.raises(UserError, match=f"{BACKEND_ENV}=no_such_backend: not a torch.compile backend"):
+        parallelize(tiny_meta_model(), DistributedConfig(compile=True), CommonConfig(), DistributedEnv())
+    monkeypatch.setenv(BACKEND_ENV, AOT)
+    with pytest.raises(UserError, match="--compile with --model-parallel-size"):
+        parallelize(tiny_meta_model(), DistributedConfig(compile=True, model_parallel_size=2), CommonConfig(),
+                    DistributedEnv(world_size=2))

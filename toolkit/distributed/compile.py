@@ -7,9 +7,9 @@ the output layer and the loss stay eager. ``block.compile()`` compiles in place,
 module tree, parameter names and state-dict keys are the eager model's (no ``_orig_mod.``):
 checkpoints move freely between compiled and eager runs.
 
-Order in ``parallelize`` (torchtitan's): tensor parallelism, activation checkpointing (the
-compiled module is then the checkpoint wrapper, so dynamo sees the recomputation region),
-compile, then FSDP2 ``fully_shard`` or DDP. Each block is compiled with ``fullgraph=True``:
+Order in ``parallelize`` (torchtitan's): activation checkpointing (the compiled module is
+then the checkpoint wrapper, so dynamo sees the recomputation region), compile, then FSDP2
+``fully_shard`` or DDP. Not with tensor parallelism yet (``COMPILE_WITH_TENSOR_PARALLEL``). Each block is compiled with ``fullgraph=True``:
 a graph break inside a block is an error rather than a silent slowdown.
 
 The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
@@ -33,6 +33,10 @@ from toolkit.errors import UserError
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
+# The tensor-parallel plan forks the RNG in forward hooks inside each block (dropout per TP rank),
+# which dynamo cannot trace.
+COMPILE_WITH_TENSOR_PARALLEL = ("--compile with --model-parallel-size > 1: not supported yet (the tensor-parallel "
+                                "random-number hooks inside each block do not compile); drop one of the two")
 DEFAULT_BACKEND = "inductor"
 
 
