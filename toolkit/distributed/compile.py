@@ -9,8 +9,9 @@ checkpoints move freely between compiled and eager runs.
 
 Order in ``parallelize`` (torchtitan's): activation checkpointing (the compiled module is
 then the checkpoint wrapper, so dynamo sees the recomputation region), compile, then FSDP2
-``fully_shard`` or DDP. Not with tensor parallelism yet (``COMPILE_WITH_TENSOR_PARALLEL``). Each block is compiled with ``fullgraph=True``:
-a graph break inside a block is an error rather than a silent slowdown.
+``fully_shard`` or DDP. Not with tensor parallelism yet (``COMPILE_WITH_TENSOR_PARALLEL``).
+Each block is compiled with ``fullgraph=True``: a graph break inside a block is an error
+rather than a silent slowdown.
 
 The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
 ``torch.compile`` backend (e.g. ``aot_eager``: the same graph capture and autograd
