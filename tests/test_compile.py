@@ -3,7 +3,7 @@
 Each comparison trains the same tiny model (2 layers, dim 32, dropout 0: inductor draws its own
 random numbers) on the same batches, eager and compiled, and compares the full-precision losses
 of ``UPDATES`` updates (worker: tests/compile_helpers.py). Tolerances: fp32 1e-5 relative,
-bf16 2e-2 and fp16 2e-3 (a few units of their rounding over three updates).
+bf16 1e-2 and fp16 1e-3 (about one unit of their rounding).
 
 The default backend (inductor, C++ code generation) runs once, on fp32; the other comparisons
 use ``TOOLKIT_COMPILE_BACKEND=aot_eager`` (the same dynamo capture and AOTAutograd joint graph,
@@ -30,7 +30,7 @@ from toolkit.distributed.compile import BACKEND_ENV
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
-TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
+TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}  # inductor measured 1e-7 / 7e-5 / 1.3e-5
 LOGGED_TOL = 1.01e-3  # the CLI logs losses rounded to 3 decimals
 AOT = "aot_eager"
 
