@@ -131,6 +131,8 @@ class DistributedConfig:
     shard_group_size: int = opt(0, "ranks that shard within a group for hybrid sharding (0: all local ranks)")
     cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
+    compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
+                               "pass is slower while it compiles)")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
     model_parallel_size: int = opt(1, "tensor-parallel ranks per model replica (Megatron's split of every block); "

@@ -177,10 +177,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
+        # [B, T, 3C] -> q, k, v [B, H, T, D], views only (SDPA takes strided inputs). In backward
+        # SDPA's gradients come back in [B, T, H, D] memory order, so the views undo for free and
+        # split's backward is one concatenation into qkv's gradient (view/permute/unbind needed a
+        # stack plus a strided copy: benchmarks/attention_layout.py). Sizes as a list: ONNX
+        # opset 17 has no Split by number of outputs.
         # The head count follows from the width: under tensor parallelism qkv_proj gives this
         # rank's H/M heads ([B, T, 3C/M]) and the output is this rank's C/M columns.
-        q, k, v = self.qkv_proj(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv_proj(x)
+        width = qkv.size(-1) // 3
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.split([width] * 3, dim=-1))
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
         dropout = self.dropout if self.training else 0.0
