@@ -6,8 +6,8 @@ Runs, in a work folder (default /tmp/fairseq-parity):
 1. ``fairseq-preprocess`` and ``toolkit-preprocess`` on the same corpus: the data-bins must be byte-identical;
 2. ``fairseq-train``: a small ``transformer_lm`` (2 layers; decoder_input/output_dim left at fairseq's
    512 default, so the checkpoint has ``project_in_dim``/``project_out_dim``);
-3. that fairseq checkpoint scored by ``fairseq-eval-lm`` and by ``toolkit-eval-lm``, with and without
-   ``--context-window``;
+3. that fairseq checkpoint scored by ``fairseq-eval-lm`` and by ``toolkit-eval-lm``: plain, with
+   ``--context-window``, with ``--sample-break-mode eos``, with ``--add-bos-token``;
 4. the other way: ``toolkit-train`` a small model, ``toolkit-consolidate --to-fairseq``, scored by
    ``fairseq-eval-lm`` (fairseq's ``load_model_ensemble``) and by ``toolkit-eval-lm`` on our checkpoint;
 5. ``toolkit-train --finetune-from-model`` the fairseq checkpoint for 2 updates.
@@ -113,7 +113,11 @@ def main() -> None:
     fs_ckpt = str(fs_save / "checkpoint_last.pt")
     rows = {"fairseq checkpoint": score_both(r, data, fs_ckpt, fs_ckpt, []),
             "fairseq checkpoint, --context-window 32": score_both(r, data, fs_ckpt, fs_ckpt,
-                                                                  ["--context-window", "32"])}
+                                                                  ["--context-window", "32"]),
+            "fairseq checkpoint, --sample-break-mode eos": score_both(r, data, fs_ckpt, fs_ckpt,
+                                                                      ["--sample-break-mode", "eos"]),
+            "fairseq checkpoint, --add-bos-token --context-window 16": score_both(
+                r, data, fs_ckpt, fs_ckpt, ["--add-bos-token", "--context-window", "16"])}
 
     tk_save = work / "toolkit-ckpt"
     r.toolkit("train", data, *MODEL, *TRAIN, "--max-update", str(args.updates), "--save-dir", str(tk_save))
