@@ -39,6 +39,8 @@ class CommonConfig:
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
     amp: bool = opt(False, "automatic mixed precision: fp16 autocast over fp32 weights with dynamic loss scaling "
                            "(on CPU: see toolkit.resolve)")
+    amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
+                                    "lowered loss scale before skipping it")
 
 
 @dataclass
@@ -131,6 +133,8 @@ class DistributedConfig:
     bf16_host_grads: bool = opt(False, "with --cpu-offload: keep the gradients in host memory in bf16 (2 bytes per "
                                        "parameter instead of 4)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
+    compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
+                               "pass is slower while it compiles)")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
     model_parallel_size: int = opt(1, "tensor-parallel ranks per model replica (Megatron's split of every block); "
@@ -148,6 +152,8 @@ class EMAConfig:
                                  "extra state under \"ema\"")
     ema_decay: float = opt(0.9999, "decay of the moving average")
     ema_start_update: int = opt(0, "copy the weights (decay 0) until this many updates, then average")
+    ema_seed_model: Optional[str] = opt(None, "start the average at the moving average saved in this checkpoint "
+                                              "(toolkit or fairseq, trained with --store-ema)")
     ema_update_freq: int = opt(1, "update the average every N updates")
     ema_fp32: bool = opt(False, "keep the average in fp32 even when the weights are fp16/bf16")
 
