@@ -128,6 +128,10 @@ class DistributedConfig:
     no_reshard_after_forward: bool = opt(False, "keep parameters gathered after forward (ZeRO-2 like)")
     shard_group_size: int = opt(0, "ranks that shard within a group for hybrid sharding (0: all local ranks)")
     cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory")
+    overlap_offload_step: bool = opt(False, "with --ddp-backend fully_sharded --optimizer cpu_adam (--cpu-offload): "
+                                            "take the gradient norm block by block during backward and run CPU Adam "
+                                            "block by block on a background thread while the next forward runs "
+                                            "(the same results as the serial step)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
