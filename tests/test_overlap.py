@@ -6,7 +6,8 @@ same tiny model twice in one process (serial, then overlapped, with the worker s
 down so that a missing wait would let the forward read stale weights) and compares
 losses, gradient norms, a checkpoint taken while an update is in flight, a validation
 step taken while one is in flight, and the final parameters and optimizer states with
-``torch.equal``. Two gloo ranks and one process; ``--clip-norm`` and ``--update-freq 2``.
+``torch.equal``. Two gloo ranks (``--clip-norm``, ``--update-freq 2``, ``--checkpoint-activations``)
+and one process (fp32; fp16 with overflowing loss scales).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.dist_helpers import make_lm_data_bin, model_args
 
 OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--lr", "0.01",
            "--weight-decay", "0.01"]
-UPDATES = 4
+UPDATES = 3
 SLOW_WORKER_S = 0.03  # per block: the forward overtakes the worker unless it waits
 
 
@@ -62,14 +63,15 @@ def _train(argv: List[str], env, overlap: bool) -> Dict[str, Any]:
     out: Dict[str, Any] = {"losses": []}
     for update in range(1, UPDATES + 1):
         totals = trainer.train_step([next(batches) for _ in range(cfg.optimization.update_freq)])
-        out["losses"].append(totals["loss"])
+        out["losses"].append(None if totals is None else totals["loss"])  # None: an fp16 overflow skipped it
+        if update in (2, 3):
+            out[f"pending_{update}"] = overlap and trainer.overlap.pending
         if update == 2:  # what a checkpoint saves, taken while the update may still run
             out["checkpoint"] = {"model": consolidated.model_state(trainer.model),
                                  "optimizer": consolidated.optimizer_state(trainer.model, trainer.optimizer),
                                  "trainer": trainer.state_dict()}
         if update == 3:
             out["valid"] = trainer.valid_step(valid_sample)
-    out["pending_after_last_update"] = trainer.overlap.pending if overlap else False
     trainer.finish_pending_steps()
     out["norms"] = norms
     out["params"] = [local_tensor(p.detach()).clone() for p in trainer.model.parameters()]
@@ -106,16 +108,17 @@ def compare(argv: List[str], env) -> Dict[str, Any]:
     with metrics.aggregate(new_root=True):
         serial = _train(argv, env, overlap=False)
         overlapped = _train(argv, env, overlap=True)
-    checks = {k: overlapped.pop(k) for k in ("hooks_first", "pending_after_last_update")}
-    serial.pop("pending_after_last_update")
+    checks = {k: overlapped.pop(k) for k in ("hooks_first", "pending_2", "pending_3")}
+    serial.pop("pending_2"), serial.pop("pending_3")
     return {"diff": differences(serial, overlapped), "losses": serial["losses"], "norms": serial["norms"], **checks}
 
 
 def check(result: Dict[str, Any], clip_norm: float) -> None:
     assert result["diff"] == [], result["diff"]
     assert result["hooks_first"]  # our wait runs before FSDP2's all-gather of each block
-    assert result["pending_after_last_update"]  # the slowed worker was still running: the waits mattered
-    assert all(math.isfinite(x) for x in result["losses"]), result["losses"]
+    # the slowed worker was still updating when the checkpoint state and the validation step were taken
+    assert result["pending_2"] and result["pending_3"]
+    assert all(x is None or math.isfinite(x) for x in result["losses"]), result["losses"]
     assert max(result["norms"]) > clip_norm  # --clip-norm clipped at least one update
 
 
@@ -156,7 +159,8 @@ def one_rank_group(tmp_path_factory):
 def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data):
     import torch.multiprocessing as mp
 
-    argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2"]
+    argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
+            "--checkpoint-activations"]  # the offload recipe's: blocks are checkpoint wrappers
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), argv, str(tmp_path / "out")), nprocs=2, join=True)
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
@@ -166,6 +170,58 @@ def test_one_process_bit_identical(tmp_path, data, one_rank_group):
     from toolkit.distributed.utils import DistributedEnv
 
     check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5"], DistributedEnv()), 0.5)
+
+
+def test_one_process_fp16_overflow_skips_bit_identical(tmp_path, data, one_rank_group):
+    """A loss scale that overflows first: the skipped updates and the ones after are the serial ones."""
+    from toolkit.distributed.utils import DistributedEnv
+
+    result = compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--fp16", "--fp16-init-scale", str(2 ** 13),
+                      "--clip-norm", "0.5"], DistributedEnv())
+    assert result["losses"][0] is None and result["losses"][-1] is not None, result["losses"]
+    check(result, 0.5)
+
+
+# --------------------------------------------------------------------------- the fold into CPUAdam
+
+def test_cpu_adam_grad_scale_is_the_separate_multiply_bit_for_bit_in_any_order():
+    """``step(grad_scale=f)`` (chunked, multiply folded in) equals ``grads *= f`` then one DeepSpeed call per
+    tensor, and stepping the parameters one at a time in reverse order changes nothing."""
+    from toolkit.optim.cpu_adam import CPUAdam
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1_100_003,), (300, 70), (7,)]  # the first spans 2 chunks, the last a partial SIMD span
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    factor = 0.37125
+
+    def run(how: str) -> List[torch.Tensor]:
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = CPUAdam(ps, lr=1e-2, weight_decay=0.1)
+        for step_grads in grads:
+            for p, gr in zip(ps, step_grads):
+                p.grad = gr.clone()
+            if how == "folded":
+                opt.step(grad_scale=factor)
+            elif how == "reversed":
+                for entry in reversed(opt.plan_step()):
+                    opt.run_step([entry], factor)
+            else:  # the separate pass, then DeepSpeed's op on whole tensors
+                torch._foreach_mul_([p.grad for p in ps], factor)
+                for p, hyper in opt.plan_step():
+                    state = opt.state[p]
+                    step = int(state["step"]) + 1
+                    opt._prime_bias_correction(step, hyper)
+                    opt._ds.ds_opt_adam.adam_update(opt._ds.opt_id, step, hyper["lr"], *hyper["betas"], hyper["eps"],
+                                                    hyper["weight_decay"], hyper["bias_correction"], p.data, p.grad,
+                                                    state["exp_avg"], state["exp_avg_sq"])
+                    state["step"] += 1
+            opt.zero_grad()
+        return [t for p in ps for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+
+    reference = run("separate")
+    for how in ("folded", "reversed"):
+        assert all(torch.equal(a, b) for a, b in zip(run(how), reference)), how
 
 
 # --------------------------------------------------------------------------- errors
