@@ -114,6 +114,18 @@ def test_store_ema_flags_and_refusals():
         parse("--store-ema", "--ddp-backend", "fully_sharded")
 
 
+def test_launch_retry_and_ema_seed_flags_parse_under_fairseqs_names(caplog, tmp_path):
+    """The flags of issue 11's last items (their effects: test_slurm, test_amp_retries, test_ema_seed)."""
+    seed = tmp_path / "seed.pt"
+    seed.write_bytes(b"")
+    cfg, lines = infos(caplog, "--amp-batch-retries", "4", "--store-ema", "--ema-seed-model", str(seed),
+                       "--distributed-port", "12345")
+    assert (cfg.common.amp_batch_retries, cfg.ema.ema_seed_model, cfg.distributed.distributed_port) == (
+        4, str(seed), 12345)
+    assert sum("--amp-batch-retries 4: accepted, no effect without --amp" in line for line in lines) == 1
+    assert parse().common.amp_batch_retries == 2  # fairseq's default
+
+
 def test_finetune_and_restore_file_rules(tmp_path):
     with pytest.raises(UserError, match="--restore-file"):
         parse("--finetune-from-model", "a.pt", "--restore-file", "b.pt")

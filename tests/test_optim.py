@@ -159,6 +159,15 @@ def test_cpu_adam_matches_torch_adamw():
         torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], **TOL)
 
 
+@pytest.mark.parametrize("param, words", [
+    (torch.zeros(4, device="meta"), "must live in host memory"),
+    (torch.zeros(4, dtype=torch.float64), "unsupported parameter dtype"),
+])
+def test_cpu_adam_rejects_params_it_cannot_update(param, words):
+    with pytest.raises(UserError, match=words):
+        cpu_adam([torch.nn.Parameter(param)])
+
+
 def test_cpu_adam_param_groups_and_lr_changes():
     init, grads = make_data(6)
     ps, ref = new_params(init), new_params(init)

@@ -39,6 +39,8 @@ class CommonConfig:
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
     amp: bool = opt(False, "automatic mixed precision: fp16 autocast over fp32 weights with dynamic loss scaling "
                            "(on CPU: see toolkit.resolve)")
+    amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
+                                    "lowered loss scale before skipping it")
 
 
 @dataclass
@@ -150,6 +152,8 @@ class EMAConfig:
                                  "extra state under \"ema\"")
     ema_decay: float = opt(0.9999, "decay of the moving average")
     ema_start_update: int = opt(0, "copy the weights (decay 0) until this many updates, then average")
+    ema_seed_model: Optional[str] = opt(None, "start the average at the moving average saved in this checkpoint "
+                                              "(toolkit or fairseq, trained with --store-ema)")
     ema_update_freq: int = opt(1, "update the average every N updates")
     ema_fp32: bool = opt(False, "keep the average in fp32 even when the weights are fp16/bf16")
 

@@ -10,14 +10,25 @@ evaluate it by loading that state into a model (``EMA.copy_to``).
 
 Only whole (unsharded) weights are averaged: toolkit.resolve refuses ``--store-ema`` with
 FSDP2 or tensor parallelism.
+
+``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
+checkpoint (its ``extra_state["ema"]``, as fairseq's ``load_ema_from_checkpoint`` reads it),
+not at the model's weights. PATH is a toolkit or a fairseq ``transformer_lm`` checkpoint,
+read by the safe loaders (``weights_only``; fairseq's config objects through the allowlist)
+and held to the model's names and shapes (fairseq's ``strict=True``). A checkpoint the run
+resumes from replaces the seed with its own average, as in fairseq.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, Optional
 
 import torch
 
 from toolkit.config import EMAConfig
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "ema"  # fairseq's trainer.state_dict()["extra_state"]["ema"]
 
@@ -34,6 +45,9 @@ class EMA:
         self.updates_since_step = 0
         self.shadow: Dict[str, torch.Tensor] = {}
         self.reset_from(model)
+        if cfg.ema_seed_model:
+            self.load_state_dict(seed_weights(cfg.ema_seed_model, model, self.shadow), model)
+            logger.info(f"EMA seeded from the moving average in --ema-seed-model {cfg.ema_seed_model}")
 
     def reset_from(self, model: torch.nn.Module) -> None:
         """Start the average at the model's current weights (fairseq: on a checkpoint without an EMA)."""
@@ -79,3 +93,42 @@ class EMA:
     def copy_to(self, model: torch.nn.Module) -> None:
         """Load the averaged weights into ``model`` (fairseq's ``EMA.reverse``), for evaluation."""
         unwrap(model).load_state_dict({k: v for k, v in self.shadow.items()}, strict=False)
+
+
+def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The moving average saved in checkpoint ``path`` under our names, checked against ``shadow``'s names
+    and shapes (a toolkit or fairseq checkpoint; loaded without unpickling arbitrary objects)."""
+    from toolkit.checkpoint import fairseq_checkpoint
+
+    flag = f"--ema-seed-model {path}"
+    state = fairseq_checkpoint.read_checkpoint(path)
+    saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
+    if not isinstance(saved, dict) or not saved:
+        raise UserError(f"{flag}: the checkpoint holds no moving average (extra_state[\"ema\"]); was it "
+                        f"trained with --store-ema? To start from its model weights, use --finetune-from-model")
+    if fairseq_checkpoint.is_fairseq_checkpoint(state):
+        saved = _from_fairseq(path, state, saved, model)
+    for key, avg in shadow.items():
+        if key not in saved:
+            raise UserError(f"{flag}: the saved moving average has no {key}; it was trained with another "
+                            f"architecture or other model options")
+        if tuple(saved[key].shape) != tuple(avg.shape):
+            raise UserError(f"{flag}: {key} has shape {tuple(saved[key].shape)} in the saved moving average, "
+                            f"{tuple(avg.shape)} in this model; use the same model options")
+    extra = sorted(set(saved) - set(shadow))
+    if extra:
+        raise UserError(f"{flag}: the saved moving average has {extra[0]}, which this model does not; use the "
+                        f"same model options")
+    return saved
+
+
+def _from_fairseq(path: str, state: Dict, saved: Dict[str, torch.Tensor], model: torch.nn.Module
+                  ) -> Dict[str, torch.Tensor]:
+    """A fairseq EMA (its model's ``state_dict()``) under our names, mapped as its model weights are."""
+    from toolkit import registry
+    from toolkit.checkpoint import fairseq_checkpoint
+
+    registry.import_all_components()
+    imported = fairseq_checkpoint.import_checkpoint(f"--ema-seed-model {path}", dict(state, model=saved),
+                                                    registry.resolve_arch("transformer_lm").config)
+    return fairseq_checkpoint.fold_adaptive_aliases(path, unwrap(model), imported["model"])

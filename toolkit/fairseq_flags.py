@@ -8,10 +8,16 @@ given                                  resolved to
 ``--find-unused-parameters``,          passed to DDP under ``c10d``; elsewhere accepted
 ``--bucket-cap-mb``                    with one INFO line saying they have no effect
 ``--local-rank``/``--device-id``       LOCAL_RANK from the environment wins (INFO if they differ)
+no ``--distributed-world-size``        every visible GPU (one process each, spawned here), as fairseq;
+                                       one process on CPU, under torchrun or under Slurm
 ``--amp``                              ``--fp16`` on a GPU (autocast over fp32 weights, dynamic
                                        loss scaling); fp32 on CPU
+``--amp-batch-retries N``              an overflowing batch retried N times before it is skipped
+                                       (toolkit.amp_retries); INFO "no effect" without loss scaling
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
 ``--update-freq 2,4``                  ``update_freq`` 2, ``update_freq_per_epoch`` (2, 4)
+``--ema-seed-model PATH``              the EMA starts at PATH's saved average (toolkit.ema); INFO "no
+                                       effect" without --store-ema
 =====================================  =================================================
 """
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from toolkit.checkpoint import finetune
 from toolkit.config import TrainConfig
+from toolkit.distributed import launch
 from toolkit.errors import UserError
 from toolkit.flag_types import as_tuple
 
@@ -54,10 +61,12 @@ def resolve_fairseq_flags(cfg: TrainConfig, explicit: set) -> Tuple[TrainConfig,
         dist = dataclasses.replace(dist, ddp_backend=ours)
     choices += _ddp_only_flags(dist, explicit)
     choices += _local_rank(dist)
-    common, more = _amp(cfg)
+    dist, more = _world_size(dist, cfg.common.cpu, explicit)
     choices += more
+    common, more = _amp(cfg)
+    choices += more + _amp_batch_retries(common, explicit)
     choices += _lr_list(cfg)
-    _check_ema(cfg, dist)
+    choices += _check_ema(cfg, dist)
     finetune.check_flags(cfg.checkpoint)
     return dataclasses.replace(cfg, distributed=dist, common=common), choices
 
@@ -80,6 +89,27 @@ def _local_rank(dist) -> List[str]:
         return []
     return [f"--local-rank/--device-id {dist.device_id} differs from LOCAL_RANK={env_rank} in the environment; "
             f"using LOCAL_RANK"]
+
+
+def _world_size(dist, cpu: bool, explicit: set):
+    """fairseq's default world size, max(1, visible GPUs): spawn one process per GPU."""
+    gpus = launch.default_world_size("distributed_world_size" in explicit, cpu, dist.distributed_port)
+    if gpus is None:
+        return dist, []
+    return dataclasses.replace(dist, distributed_world_size=gpus), [
+        f"--distributed-world-size not given: using all {gpus} visible GPUs (one process each, as fairseq; "
+        f"--distributed-world-size 1 or --cpu for one process)"]
+
+
+def _amp_batch_retries(common, explicit: set) -> List[str]:
+    """--amp-batch-retries: retries need --amp's loss scaling (fp16 on a GPU); say when there is none."""
+    if common.amp_batch_retries < 0:
+        raise UserError(f"--amp-batch-retries must be >= 0, got {common.amp_batch_retries}")
+    if "amp_batch_retries" not in explicit or (common.amp and common.fp16):
+        return []
+    why = "without --amp" if not common.amp else "--amp runs without loss scaling here (no fp16 on a GPU)"
+    return [f"--amp-batch-retries {common.amp_batch_retries}: accepted, no effect {why}: nothing overflows "
+            f"to retry"]
 
 
 def _amp(cfg: TrainConfig):
@@ -106,16 +136,21 @@ def _lr_list(cfg: TrainConfig) -> List[str]:
     return [f"--lr {','.join(map(str, lrs))}: --lr-scheduler {scheduler} uses the first value, {lrs[0]}"]
 
 
-def _check_ema(cfg: TrainConfig, dist) -> None:
+def _check_ema(cfg: TrainConfig, dist) -> List[str]:
     ema = cfg.ema
     if not ema.store_ema:
-        return
+        return [f"--ema-seed-model {ema.ema_seed_model}: accepted, no effect without --store-ema (there is no "
+                f"moving average to seed)"] if ema.ema_seed_model else []
+    if ema.ema_seed_model and not os.path.isfile(ema.ema_seed_model):
+        raise UserError(f"--ema-seed-model {ema.ema_seed_model}: no such file; give a checkpoint trained with "
+                        f"--store-ema")
     if dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1:
         raise UserError("--store-ema: the moving average is kept of whole weights; it does not combine with "
                         "--ddp-backend fully_sharded or --model-parallel-size > 1 (use c10d or no_c10d)")
     if not 0.0 <= ema.ema_decay <= 1.0 or ema.ema_update_freq < 1:
         raise UserError(f"--ema-decay must be in [0, 1] and --ema-update-freq >= 1, got {ema.ema_decay} and "
                         f"{ema.ema_update_freq}")
+    return []
 
 
 def check_list_flags(cfg: TrainConfig) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from toolkit.amp_retries import AmpBatchRetries
 from toolkit.config import TrainConfig
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
@@ -98,6 +99,7 @@ class Trainer:
                                                             self.optimizer)
         self.scaler = (DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq)
                        if common.fp16 else None)
+        self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
         self.overlap = build_offload_overlap(cfg, model, self.optimizer)  # --overlap-offload-step, else None
@@ -139,7 +141,7 @@ class Trainer:
         if overflow:
             self.optimizer.zero_grad(set_to_none=True)
             metrics.log_stop_time("train_wall")
-            return None
+            return self.amp_retries.after_overflow(lambda: self.train_step(samples))  # --amp-batch-retries
         self._step_optimizer(grad_factor)
         if self.scaler is not None:
             self.scaler.update()

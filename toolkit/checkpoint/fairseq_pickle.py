@@ -1,19 +1,16 @@
 """Read fairseq's checkpoint files without running the code a pickle names.
 
-fairseq checkpoints cannot be read with ``torch.load(weights_only=True)``: fairseq
-0.10 pickles its options as an ``argparse.Namespace``, fairseq 0.10.1-0.12 keep
-omegaconf ``DictConfig`` objects (with their nodes and metadata) and fairseq's
-``StrEnum`` choice values, and the optimizer/metrics state may hold numpy scalars.
-A pickle can name *any* callable, so this module unpickles with an explicit
-allowlist (:class:`Unpickler`): tensors and storages, plain containers, and the
-known config classes, which become inert stand-ins turned into plain
-dicts/lists/strings afterwards (:func:`to_plain`). Any other name stops the load
-before anything is called: ``<path>: refusing to load: unexpected object <module.name>``.
-
-This module is passed to ``torch.load`` as its ``pickle_module``: torch subclasses
-our ``Unpickler`` (keeping its ``find_class``), handles storages itself and sets
-``persistent_load`` for the zip format's ``data.pkl``; the legacy (pre-1.6) format
-also reads its header through :func:`load`.
+fairseq >= 0.12 saves its options as plain dicts, which ``torch.load(weights_only=True)``
+reads as is. Older files cannot be read that way: fairseq 0.10 pickles its options as an
+``argparse.Namespace``, fairseq 0.10.1-0.11 keep omegaconf ``DictConfig`` objects (with
+their nodes and metadata) and fairseq's ``StrEnum`` choice values, and the optimizer or
+metrics state may hold numpy scalars. A pickle can name *any* callable, so :func:`read`
+lists the globals a file names (``torch.serialization.get_unsafe_globals_in_checkpoint``,
+which reads the opcodes without running them), maps each through :func:`resolve` --
+tensors and plain containers, and the known config classes as inert stand-ins turned into
+plain dicts/lists/strings afterwards (:func:`to_plain`) -- and then lets torch's own
+weights-only unpickler load the file with exactly that allowlist. Any other name stops the
+load before anything is called: ``<path>: refusing to load: unexpected object <module.name>``.
 """
 from __future__ import annotations
 
@@ -22,14 +19,12 @@ import codecs
 import collections
 import os
 import pickle
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
 from toolkit.errors import UserError
-
-HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL  # torch.load reads nothing else from its pickle_module
 
 
 class RefusedObject(pickle.UnpicklingError):
@@ -132,27 +127,6 @@ def resolve(module: str, name: str) -> Any:
     raise RefusedObject(module, name)
 
 
-class Unpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` only knows the allowlisted names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        # Protocol 2 (torch.save's) writes Python 2 names such as __builtin__.set.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        return resolve(module, name)
-
-
-def load(file, **kwargs: Any) -> Any:
-    return Unpickler(file, **kwargs).load()
-
-
-def loads(data: bytes, **kwargs: Any) -> Any:
-    import io
-
-    return load(io.BytesIO(data), **kwargs)
-
-
 def to_plain(obj: Any) -> Any:
     """Config stand-ins -> dicts, lists and values (recursively); tensors and plain values unchanged."""
     if isinstance(obj, NamespaceStub):
@@ -176,19 +150,36 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def read(path: str) -> Dict[str, Any]:
-    """A fairseq checkpoint as plain dicts and tensors (CPU), or a one-line refusal."""
-    import sys
-
-    module = sys.modules[__name__]
+def _allowlist(path: str) -> List[Tuple[Any, str]]:
+    """(stand-in, qualified name) for every global the file names; a one-line refusal for any other."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=module)
-    except RefusedObject as e:
-        raise UserError(f"{path}: refusing to load: unexpected object {e.qualified_name}") from None
-    except Exception as e:  # corrupt or truncated file
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # not a zip-format torch file, or a damaged one
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: cannot read checkpoint ({text})") from None
+    allowed = []
+    for qualified in names:
+        module, _, name = qualified.rpartition(".")
+        if (module, name) in _compat_pickle.NAME_MAPPING:  # Python 2 spellings, e.g. __builtin__.set
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        try:
+            allowed.append((resolve(_compat_pickle.IMPORT_MAPPING.get(module, module), name), qualified))
+        except RefusedObject as e:
+            raise UserError(f"{path}: refusing to load: unexpected object {e.qualified_name}") from None
+    # numpy dtypes are built by np.dtype(...) and then given their state: torch checks the built type.
+    allowed += [(cls, f"numpy.dtypes.{cls.__name__}") for cls in vars(np.dtypes).values()
+                if isinstance(cls, type) and issubclass(cls, np.dtype)]
+    return allowed
+
+
+def read(path: str) -> Dict[str, Any]:
+    """A fairseq checkpoint as plain dicts and tensors (CPU), or a one-line refusal."""
+    with torch.serialization.safe_globals(_allowlist(path)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt or truncated file, or an object built in a way the stand-ins refuse
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{path}: cannot read checkpoint ({text[:300]})") from None
     if not isinstance(state, dict):
         raise UserError(f"{path}: not a checkpoint (holds a {type(state).__name__}, not a dict)")
     return to_plain(state)
-

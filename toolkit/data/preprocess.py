@@ -4,12 +4,22 @@ The data-bin holds ``dict.txt``, ``{train,valid,valid1,...,test,...}.{bin,idx}``
 (``--dataset-impl mmap``), ``preprocess.log`` and, with ``--bpe``, ``bpe.json``
 plus the tokenizer's model files. It is built in a temporary folder beside
 ``--destdir`` and renamed into place only when everything succeeded.
+
+As fairseq, ``--srcdict`` into a ``--destdir`` that already holds a data-bin adds the
+given splits to it (e.g. a test set binarized later with the data-bin's own ``dict.txt``):
+the dictionary must give the same ids as the data-bin's, the data-bin's tokenizer
+(``bpe.json``) is used, a split that exists is replaced only under ``--overwrite`` (and
+only its ``.bin/.idx``), and every other file stays. Each split is written under a
+temporary name and renamed into place.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -34,6 +44,8 @@ logger = logging.getLogger("toolkit_cli.preprocess")
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 ENCODING_ERRORS = ("strict", "replace", "ignore")
+DICT_FILE = "dict.txt"
+SPLIT_EXTENSIONS = ("bin", "idx")
 
 
 @dataclass
@@ -60,7 +72,9 @@ class PreprocessConfig:
     dataset_impl: str = field(default="mmap", metadata={
         "help": "output dataset implementation", "choices": ["mmap"], "metavar": "FORMAT"})
     dict_only: bool = field(default=False, metadata={"help": "only build the dictionary, binarize nothing"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing, non-empty --destdir"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace an existing, non-empty --destdir; when adding splits to a data-bin (--srcdict), "
+                "replace only the files of the splits written"})
     encoding_errors: str = field(default="strict", metadata={
         "help": "what to do with bytes that are not UTF-8: stop with an error (strict), put U+FFFD in their "
                 "place (replace) or drop them (ignore)", "choices": list(ENCODING_ERRORS), "metavar": "MODE"})
@@ -130,6 +144,9 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
     if cfg.srcdict:
         _check_readable("--srcdict", cfg.srcdict, "dictionary file")
         inputs.append(cfg.srcdict)
+    if bpe is not None and adds_to_data_bin(cfg):
+        raise UserError(f"--bpe {bpe}: --destdir {cfg.destdir} already holds a data-bin, and splits added to it "
+                        f"are tokenized as it was (its bpe.json, if any); leave out --bpe")
     if bpe is not None:
         from toolkit.tokenizers import tokenizer_class
 
@@ -144,14 +161,85 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
     dest = cfg.destdir
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
+    if adds_to_data_bin(cfg):
+        _check_additions(cfg, splits)
+        return
     if os.path.isdir(dest) and os.listdir(dest):
         if not cfg.overwrite:
+            hint = (f"; to add splits to this data-bin, give --srcdict {os.path.join(dest, DICT_FILE)}"
+                    if os.path.isfile(os.path.join(dest, DICT_FILE)) else "")
             raise UserError(f"--destdir {dest}: folder exists and is not empty; pass --overwrite to replace "
-                            f"it, or choose another --destdir (e.g. {os.path.join(dest, 'NAME')})")
+                            f"it, or choose another --destdir (e.g. {os.path.join(dest, 'NAME')}){hint}")
         for path in inputs:
             if _inside(path, dest):
                 raise UserError(f"--destdir {dest}: holds the input {path}, which --overwrite would delete; "
                                 f"move the input out or choose another --destdir")
+
+
+def adds_to_data_bin(cfg: PreprocessConfig) -> bool:
+    """--srcdict into a folder that already holds a data-bin (its dict.txt): add splits to it, as fairseq."""
+    return bool(cfg.srcdict) and os.path.isfile(os.path.join(cfg.destdir, DICT_FILE))
+
+
+def _check_additions(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]) -> None:
+    """The same ids as the data-bin's dict.txt, and no split replaced unasked."""
+    existing = os.path.join(cfg.destdir, DICT_FILE)
+    if Dictionary.load(cfg.srcdict) != Dictionary.load(existing):
+        raise UserError(f"--srcdict {cfg.srcdict}: differs from {existing}, the dictionary of the data-bin the "
+                        f"splits are added to; give --srcdict {existing}, or choose another --destdir")
+    for name, flag, path in splits:
+        present = [f"{name}.{ext}" for ext in SPLIT_EXTENSIONS
+                   if os.path.exists(os.path.join(cfg.destdir, f"{name}.{ext}"))]
+        if present and not cfg.overwrite:
+            raise UserError(f"{flag} {path}: the data-bin {cfg.destdir} already has the {name} split "
+                            f"({', '.join(present)}); pass --overwrite to replace that split (only its files), "
+                            f"or leave out {flag}")
+
+
+def _data_bin_tokenizer_spec(data_dir: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The workers' spec of the tokenizer a data-bin was made with (None: whitespace)."""
+    from toolkit.tokenizers import BPE_JSON, load_tokenizer_for_data_bin
+
+    tokenizer = load_tokenizer_for_data_bin(data_dir)  # checks the record and its model files
+    if tokenizer is None:
+        return None
+    with open(os.path.join(data_dir, BPE_JSON), encoding="utf-8") as f:
+        name = json.load(f)["bpe"]
+    return (name, dataclasses.asdict(tokenizer.cfg))
+
+
+def add_splits(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], args: Any = None) -> PreprocessResult:
+    """Binarize ``splits`` into the existing data-bin ``cfg.destdir`` with its dict.txt and tokenizer.
+
+    The files are written in a temporary folder beside it, then each renamed into place:
+    the other splits, dict.txt and the tokenizer files are never touched (fairseq appends to
+    preprocess.log, so does this).
+    """
+    dest = cfg.destdir
+    vocab = Dictionary.load(os.path.join(dest, DICT_FILE))
+    spec = _data_bin_tokenizer_spec(dest)
+    timings: Dict[str, float] = {}
+    parent = os.path.dirname(os.path.abspath(dest))
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dest)) + ".", suffix=".add.tmp", dir=parent)
+    handler = logging.FileHandler(os.path.join(dest, "preprocess.log"), mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    logger.addHandler(handler)
+    try:
+        with Workers(cfg.workers) as workers:
+            logger.info(args if args is not None else cfg)
+            logger.info(f"[None] Dictionary: {os.path.join(dest, DICT_FILE)} (the data-bin's; same ids as "
+                        f"--srcdict {cfg.srcdict}); adding {', '.join(name for name, _, _ in splits) or 'nothing'}")
+            summaries = _binarize_step(cfg, splits, vocab, None, workers, spec, tmp, timings)
+        _set_default_permissions(tmp)
+        for name in summaries:
+            for ext in SPLIT_EXTENSIONS:
+                os.replace(os.path.join(tmp, f"{name}.{ext}"), os.path.join(dest, f"{name}.{ext}"))
+        logger.info(f"Wrote preprocessed data to {dest}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        logger.removeHandler(handler)
+        handler.close()
+    return PreprocessResult(dest, len(vocab), summaries, timings)
 
 
 def _set_default_permissions(folder: str) -> None:
@@ -198,6 +286,8 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
     check_inputs(cfg, splits, bpe, bpe_cfg)
     if logger.level == logging.NOTSET:
         logger.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+    if adds_to_data_bin(cfg):
+        return add_splits(cfg, [] if cfg.dict_only else splits, args)
     timings: Dict[str, float] = {}
     with atomic_directory(cfg.destdir) as tmp:
         handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")

@@ -14,6 +14,11 @@ process a small launcher, like torchrun's agent:
   :mod:`toolkit.distributed.heartbeat`) within ``--heartbeat-timeout``.
 
 Under torchrun every process simply runs as one rank; torchrun's agent watches them.
+
+As in fairseq, a run started without ``--distributed-world-size`` on a machine with several
+visible GPUs (and without ``--cpu``) uses all of them (:func:`default_world_size`, applied
+by the resolver), and ``srun ... --distributed-port P`` reads the job's layout from Slurm
+(:mod:`toolkit.distributed.slurm`): each task is one rank, or spawns its node's workers.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.config import TrainConfig
-from toolkit.distributed import heartbeat, parent_watch
+from toolkit.distributed import heartbeat, parent_watch, slurm
 from toolkit.distributed.utils import shutdown, under_launcher
 from toolkit.errors import UserError
 
@@ -49,6 +54,12 @@ def run(main: Callable, cfg: TrainConfig) -> None:
         if code:
             sys.exit(code)
         return
+    plan = slurm_plan(cfg)
+    if plan is not None:
+        code = run_slurm_task(main, cfg, plan)
+        if code:
+            sys.exit(code)
+        return
     nprocs = cfg.distributed.distributed_world_size
     if nprocs > 1:
         code = spawn(main, cfg, nprocs)
@@ -59,6 +70,44 @@ def run(main: Callable, cfg: TrainConfig) -> None:
         main(cfg)
     finally:
         shutdown(ok=True)
+
+
+def gpus_in_use(cpu: bool) -> int:
+    """The GPUs a run may place one process on each (0 under --cpu or without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() and not cpu else 0
+
+
+def default_world_size(world_size_given: bool, cpu: bool, port: int) -> Optional[int]:
+    """fairseq's default --distributed-world-size, max(1, visible GPUs), when it changes anything.
+
+    None (keep the configured value) when the flag was given, under torchrun, under Slurm
+    (which sets the layout itself), with --cpu, or with fewer than two GPUs.
+    """
+    if world_size_given or under_launcher() or slurm.applies(port):
+        return None
+    gpus = gpus_in_use(cpu)
+    return gpus if gpus > 1 else None
+
+
+def slurm_plan(cfg: TrainConfig) -> Optional[slurm.TaskLayout]:
+    """This srun task's place in the job (None when not started by srun with --distributed-port)."""
+    dist_cfg = cfg.distributed
+    plan = slurm.plan_from_env(dist_cfg.distributed_port, dist_cfg.distributed_world_size,
+                               gpus_in_use(cfg.common.cpu))
+    if plan is None or plan.world_size == 1:
+        return None
+    return plan
+
+
+def run_slurm_task(main: Callable, cfg: TrainConfig, plan: slurm.TaskLayout) -> int:
+    """Run this task's rank (one task per GPU), or spawn its node's workers (one task per node)."""
+    logger.info(f"Slurm: world size {plan.world_size}, ranks {plan.start_rank}.."
+                f"{plan.start_rank + plan.local_procs - 1} here (node {plan.node_id}), rendezvous at "
+                f"{plan.master_addr}:{plan.port}")
+    if plan.local_procs == 1:
+        os.environ.update(plan.rank_env(0))
+        return run_worker(main, cfg)
+    return spawn(main, cfg, plan.local_procs, plan=plan)
 
 
 # --- one rank ----------------------------------------------------------------------------
@@ -139,14 +188,11 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
 
 # --- the single-machine launcher -----------------------------------------------------------
 
-def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str], nprocs: int,
-                    host: str, port: int, threads: Optional[int], launcher_pid: int) -> None:
+def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str],
+                    layout: slurm.TaskLayout, threads: Optional[int], launcher_pid: int) -> None:
     """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
-    parent_watch.watch_parent(launcher_pid, "the toolkit-train launcher", f"rank {index}")
-    os.environ.update({
-        "RANK": str(index), "LOCAL_RANK": str(index), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": str(port), HOSTED_STORE_ENV: "1",
-    })
+    parent_watch.watch_parent(launcher_pid, "the toolkit-train launcher", f"rank {layout.start_rank + index}")
+    os.environ.update({**layout.rank_env(index), HOSTED_STORE_ENV: "1"})
     if threads:
         torch.set_num_threads(threads)
     from toolkit import registry  # a spawned process starts with empty registries
@@ -179,26 +225,34 @@ def _threads_per_worker(nprocs: int) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1") -> int:
-    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run."""
+def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1",
+          plan: Optional[slurm.TaskLayout] = None) -> int:
+    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run.
+
+    With a Slurm ``plan`` (one task per node) the workers take the plan's ranks; the first
+    node's task hosts the store at the plan's address, the others connect to it.
+    """
     from toolkit.logging.setup import setup_logging
 
-    setup_logging(None, rank=0)
+    setup_logging(None, rank=plan.start_rank if plan else 0)
     if torch.cuda.is_available() and not cfg.common.cpu and nprocs > torch.cuda.device_count():
         raise UserError(f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
                         f"(one process per GPU); lower it, or use --cpu")
-    port = cfg.distributed.distributed_port
     timeout = float(cfg.distributed.heartbeat_timeout)
-    store = _host_store(host, port, timeout)
-    port = store.port
-    logger.info(f"spawning {nprocs} workers (store at {host}:{port})")
+    if plan is None:
+        store = _host_store(host, cfg.distributed.distributed_port, timeout)
+        plan = slurm.TaskLayout(master_addr=host, port=store.port, world_size=nprocs, start_rank=0,
+                                local_procs=nprocs, local_rank_offset=0, local_world_size=nprocs, node_id=0)
+    else:
+        store = _host_store(plan.master_addr, plan.port, timeout, client=plan.node_id > 0)
+    logger.info(f"spawning {nprocs} workers (store at {plan.master_addr}:{plan.port})")
     ctx = torch.multiprocessing.start_processes(
-        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, nprocs, host, port,
+        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, plan,
                                _threads_per_worker(nprocs), os.getpid()),
         nprocs=nprocs, join=False, start_method="spawn")
     procs = ctx.processes
-    for rank, proc in enumerate(procs):
-        logger.info(f"rank {rank}: pid {proc.pid}")
+    for index, proc in enumerate(procs):
+        logger.info(f"rank {plan.start_rank + index}: pid {proc.pid}")
 
     stop_signal: List[int] = []
 
@@ -219,9 +273,8 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
         return 128 + stop_signal[0]
     if failed is None:
         return 0
-    rank = failed
-    reason = _describe_exit(rank, procs[rank])
-    killed = procs[rank].exitcode is not None and procs[rank].exitcode < 0
+    reason = _describe_exit(plan.start_rank + failed, procs[failed])
+    killed = procs[failed].exitcode is not None and procs[failed].exitcode < 0
     abort_key = heartbeat.abort_key()
     if killed:  # nobody else knows yet: tell the other ranks' heartbeats
         try:
@@ -247,10 +300,13 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
     return 1
 
 
-def _host_store(host: str, port: int, timeout: float):
-    """The rendezvous store on ``--distributed-port`` (or a free port); a port in use is one line."""
+def _host_store(host: str, port: int, timeout: float, client: bool = False):
+    """The rendezvous store on ``--distributed-port`` (or a free port); a port in use is one line.
+
+    ``client``: another node's launcher hosts it (Slurm, one task per node); connect to it.
+    """
     try:
-        return dist.TCPStore(host, max(port, 0), world_size=None, is_master=True, wait_for_workers=False,
+        return dist.TCPStore(host, max(port, 0), world_size=None, is_master=not client, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
     except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
         text = str(e)

@@ -30,6 +30,7 @@ import torch
 
 from toolkit.config import opt
 from toolkit.distributed.dtensor import is_dtensor, local_tensor
+from toolkit.errors import UserError
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 from toolkit.registry import register_optimizer
