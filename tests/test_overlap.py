@@ -1,7 +1,8 @@
 """``--overlap-offload-step``: the overlapped offloaded update equals the serial one bit for bit.
 
 Offload is a placement no-op on CPU, but the threaded order is not: the worker thread
-steps CPU Adam block by block while the next forward runs. Each run below trains the
+steps CPU Adam block by block while the next forward runs (through the GIL-releasing build
+of DeepSpeed's op, while the serial run uses DeepSpeed's own: the same bits too). Each run below trains the
 same tiny model twice in one process (serial, then overlapped, with the worker slowed
 down so that a missing wait would let the forward read stale weights) and compares
 losses, gradient norms, a checkpoint taken while an update is in flight, a validation
@@ -78,6 +79,7 @@ def _train(argv: List[str], env, overlap: bool) -> Dict[str, Any]:
     out["states"] = [{k: local_tensor(v).clone() for k, v in trainer.optimizer.state[p].items()}
                      for p in trainer.model.parameters()]
     if overlap:
+        out["gil_free"] = trainer.optimizer._ds.ds_opt_adam.__name__ == "toolkit_cpu_adam_nogil"
         out["hooks_first"] = all(
             isinstance(first := next(iter(g.module._forward_pre_hooks.values())), functools.partial)
             and first.func == trainer.overlap._before_forward for g in trainer.overlap.groups)
@@ -108,7 +110,7 @@ def compare(argv: List[str], env) -> Dict[str, Any]:
     with metrics.aggregate(new_root=True):
         serial = _train(argv, env, overlap=False)
         overlapped = _train(argv, env, overlap=True)
-    checks = {k: overlapped.pop(k) for k in ("hooks_first", "pending_2", "pending_3")}
+    checks = {k: overlapped.pop(k) for k in ("hooks_first", "gil_free", "pending_2", "pending_3")}
     serial.pop("pending_2"), serial.pop("pending_3")
     return {"diff": differences(serial, overlapped), "losses": serial["losses"], "norms": serial["norms"], **checks}
 
@@ -116,6 +118,7 @@ def compare(argv: List[str], env) -> Dict[str, Any]:
 def check(result: Dict[str, Any], clip_norm: float) -> None:
     assert result["diff"] == [], result["diff"]
     assert result["hooks_first"]  # our wait runs before FSDP2's all-gather of each block
+    assert result["gil_free"]  # the overlapped update ran DeepSpeed's op under the GIL-releasing binding
     # the slowed worker was still updating when the checkpoint state and the validation step were taken
     assert result["pending_2"] and result["pending_3"]
     assert all(x is None or math.isfinite(x) for x in result["losses"]), result["losses"]

@@ -27,8 +27,9 @@ on which parameters were updated before it (``CPUAdam._prime_bias_correction``),
 hyperparameters are taken when the update is launched (``CPUAdam.plan_step``, so the LR
 schedule can move on), and the norm's pieces are summed exactly.
 
-DeepSpeed's op keeps the GIL while it runs; CPUAdam calls it on 1M-element chunks, so the
-main thread gets the GIL back between chunks and during the (GIL-free) gradient multiply.
+DeepSpeed binds its op without releasing the GIL, which would stall the main thread for the
+whole of each update call: :mod:`toolkit.optim.gil_free_adam` builds the same update under a
+binding that releases it (falling back to DeepSpeed's, with a WARNING, if it cannot be built).
 
 FSDP2 internals used (torch 2.13; checked when the overlap is set up): each module's
 ``FSDPParamGroup.post_backward`` is wrapped to learn when its gradients land (torch's public
@@ -49,6 +50,7 @@ import torch
 
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
+from toolkit.optim.gil_free_adam import use_gil_free_op
 from toolkit.optim.grad_norm import SquareSums
 
 logger = logging.getLogger(__name__)
@@ -125,6 +127,7 @@ class OffloadOverlap:
         if wanted != set(self._group_of):
             raise RuntimeError("--overlap-offload-step: the optimizer's parameters are not exactly the FSDP2 "
                                "modules' parameters")
+        use_gil_free_op(optimizer)  # else the main thread waits for the GIL while a chunk updates
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
                                         initializer=_match_threads, initargs=(torch.get_num_threads(),))
         self._done: List[threading.Event] = []  # per group, of the update in flight

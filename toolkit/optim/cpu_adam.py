@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 FLOAT16_MAX = 65504.0
 _HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
-# Elements per DeepSpeed call: 4 MiB of fp32 gradient stays in cache between its multiply and the update,
-# and the op (which holds the GIL) returns often enough for other Python threads to run.
+# Elements per DeepSpeed call: 4 MiB of fp32 gradient stays in cache between its multiply and the update
+# (and, with DeepSpeed's own binding, which keeps the GIL, other Python threads get it between calls).
 _STEP_CHUNK = 1 << 20
 
 
