@@ -73,8 +73,12 @@ def load_gil_free_op() -> Any:
             def sources(self):
                 return [source] + [s for s in super().sources() if s.endswith("cpu_adam_impl.cpp")]
 
-        logger.info("--overlap-offload-step: loading DeepSpeed's CPU Adam update with the GIL released "
-                    "(built once per machine, about as long as DeepSpeed's own op)")
+        from toolkit.optim.deepspeed_op import cpu_adam_build_dir
+
+        folder = os.path.join(os.path.dirname(cpu_adam_build_dir()), NAME)
+        if not os.path.exists(os.path.join(folder, f"{NAME}.so")):
+            logger.info(f"--overlap-offload-step: building DeepSpeed's CPU Adam update with the GIL released "
+                        f"(once per machine, about as long as DeepSpeed's own op; cached in {folder})")
         _loaded = Builder().load(verbose=False)
     return _loaded
 
