@@ -134,6 +134,7 @@ def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Name
     argv = [data, "--task", "language_modeling", "--arch", "transformer_lm",
             "--decoder-layers", str(cli.layers), "--decoder-embed-dim", str(cli.dim),
             "--decoder-ffn-embed-dim", str(4 * cli.dim), "--decoder-attention-heads", str(max(cli.dim // 64, 1)),
+            "--decoder-input-dim", str(cli.dim), "--decoder-output-dim", str(cli.dim), "--decoder-normalize-before",
             "--dropout", "0", "--optimizer", "adam", "--lr", "0.0005", "--tokens-per-sample", str(cli.seq),
             "--batch-size", str(cli.batch), "--num-workers", "0", "--cpu", "--no-save", "--disable-validation",
             "--log-format", "none", "--distributed-world-size", str(world_size), *flags]

@@ -42,6 +42,7 @@ TMP_NAME = re.compile(r"\..*\.tmp")  # atomic_write's and sharded saves' tempora
 LOSS_LINE = re.compile(r"\| train_inner \| (\{.*\})\s*$")
 MODEL = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
          "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "4",
+         "--decoder-input-dim", "128", "--decoder-output-dim", "128", "--decoder-normalize-before",
          "--dropout", "0", "--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt",
          "--warmup-updates", "4", "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "7",
          "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--disable-validation",

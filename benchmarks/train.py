@@ -50,6 +50,7 @@ PRESETS = {
     # name: (toolkit-train model/batch flags, vocabulary size, warmup steps, timed steps)
     "small": (["--arch", "transformer_lm", "--decoder-layers", "4", "--decoder-embed-dim", "256",
                "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4",
+               "--decoder-input-dim", "256", "--decoder-output-dim", "256", "--decoder-normalize-before",
                "--tokens-per-sample", "256", "--batch-size", "8"], 8192, 3, 10),
     "gpt3_small": (["--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "256", "--batch-size", "8"],
                    8192, 1, 3),

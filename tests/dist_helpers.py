@@ -41,6 +41,7 @@ def make_lm_data_bin(dest: str) -> str:
 def model_args(save_dir: str) -> List[str]:
     return ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
             "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+            "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-normalize-before",
             "--dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--batch-size", "4",
             "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
             "--log-format", "json", "--log-interval", "1", "--save-dir", save_dir]

@@ -22,7 +22,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINES = ["the cat sat on the mat", "a dog ran in the park", "", "the mat was red and the dog was blue",
          "cats and dogs sat in the red park"]
 TINY = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=48, decoder_attention_heads=4,
-            dropout=0.0, attention_dropout=0.0)
+            dropout=0.0, attention_dropout=0.0,
+            decoder_input_dim=32, decoder_output_dim=32, decoder_normalize_before=True)  # not transformer_lm's 512/post
 TOKENS_PER_SAMPLE = 16
 
 

@@ -278,8 +278,8 @@ def test_finetune_from_a_fairseq_checkpoint(tmp_path):
     path = str(tmp_path / "fairseq.pt")
     torch.save(state, path)
     save = str(tmp_path / "tuned")
-    train(data, save, "--max-update", "1", "--finetune-from-model", path, "--decoder-embed-dim", "16",
-          "--decoder-ffn-embed-dim", "24", "--decoder-learned-pos", "--tokens-per-sample", "24",
+    train(data, save, "--max-update", "1", "--finetune-from-model", path, "--decoder-embed-dim", "16", "--decoder-input-dim", "16", "--decoder-output-dim", "16",
+          "--decoder-ffn-embed-dim", "24", "--decoder-learned-pos", "--decoder-normalize-before", "--tokens-per-sample", "24",
           "--max-target-positions", "24", "--lr", "1e-12", "--lr-scheduler", "fixed", "--disable-validation")
     tuned = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)
     expected = fairseq_checkpoint.import_checkpoint(path, state, TransformerLMConfig)["model"]
@@ -309,3 +309,20 @@ def test_combine_val_concatenates_numbered_valid_splits(tmp_path, break_mode):
 
     assert samples(combined, True) == samples(one, False)
     assert len(samples(combined, False)) < len(samples(one, False))
+
+
+@pytest.mark.parametrize("arch, given, expected", [
+    # What real fairseq 0.12.2 builds (options.parse_args_and_arch + convert_namespace_to_omegaconf, cfg.model):
+    # --arch transformer_lm is the config's defaults (a no-op arch): post-norm, 512-wide input/output.
+    ("transformer_lm", {"decoder_embed_dim": 64}, (64, 512, 512, False)),
+    ("transformer_lm_gpt", {}, (768, None, None, True)),  # None: follows --decoder-embed-dim (768 in fairseq)
+    ("transformer_lm_gpt", {"decoder_embed_dim": 64}, (64, None, None, True)),
+    ("transformer_lm", {"decoder_normalize_before": True, "decoder_input_dim": 64}, (512, 64, 512, True)),
+])
+def test_transformer_lm_arch_defaults_are_fairseqs(arch, given, expected):
+    import toolkit.models.transformer_lm  # noqa: F401  (registers the archs)
+    from toolkit.options import architecture_defaults
+
+    d = architecture_defaults(arch, given)
+    got = (d["decoder_embed_dim"], d["decoder_input_dim"], d["decoder_output_dim"], d["decoder_normalize_before"])
+    assert got == expected

@@ -187,7 +187,9 @@ def test_architecture_values_follow_fairseq():
     c = model_config("transformer_lm")
     assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == \
         (6, 512, 2048, 8)
-    assert (c.activation_fn, c.dropout, c.decoder_normalize_before) == ("relu", 0.1, True)
+    # fairseq >= 0.11: --arch transformer_lm is the config's defaults, post-norm with 512-wide in/out embeddings
+    assert (c.activation_fn, c.dropout, c.decoder_normalize_before) == ("relu", 0.1, False)
+    assert (c.decoder_input_dim, c.decoder_output_dim) == (512, 512)
 
 
 def test_user_flags_override_architecture_values():

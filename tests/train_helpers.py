@@ -14,6 +14,7 @@ LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| (\w+) \| ([\w.]+) \
 
 TINY_MODEL = [
     "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+    "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-normalize-before",  # else 512 wide, post-norm
     "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.1",
     "--tokens-per-sample", "32", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.003",
     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5", "--num-workers", "0", "--cpu",

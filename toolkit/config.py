@@ -135,6 +135,8 @@ class DistributedConfig:
                                             "block by block on a background thread while the next forward runs "
                                             "(the same results as the serial step)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
+    compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
+                               "pass is slower while it compiles)")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
     model_parallel_size: int = opt(1, "tensor-parallel ranks per model replica (Megatron's split of every block); "

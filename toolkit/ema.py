@@ -100,8 +100,20 @@ def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tens
     and shapes (a toolkit or fairseq checkpoint; loaded without unpickling arbitrary objects)."""
     from toolkit.checkpoint import fairseq_checkpoint
 
-    flag = f"--ema-seed-model {path}"
     state = fairseq_checkpoint.read_checkpoint(path)
+    return saved_average(path, state, model, shadow, flag=f"--ema-seed-model {path}")
+
+
+def has_saved_average(state: Dict) -> bool:
+    saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
+    return isinstance(saved, dict) and bool(saved)
+
+
+def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[str, torch.Tensor],
+                  flag: str) -> Dict[str, torch.Tensor]:
+    """``state``'s (read from ``path``) moving average under our names, checked against ``shadow``."""
+    from toolkit.checkpoint import fairseq_checkpoint
+
     saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
     if not isinstance(saved, dict) or not saved:
         raise UserError(f"{flag}: the checkpoint holds no moving average (extra_state[\"ema\"]); was it "

@@ -21,8 +21,8 @@ PROG = "toolkit-train"
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    # The resolver's choices are logged once (by rank 0 under torchrun), before any worker starts.
-    setup_logging(None, rank=int(os.environ.get("RANK", "0") or 0))
+    # The resolver's choices are logged once (by rank 0 under torchrun, task 0 under srun), before any worker starts.
+    setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
     try:
         cfg = parse_train_config(argv, prog=PROG, description="Train a language model.")
         launch.run(train, cfg)

@@ -30,6 +30,7 @@ toolkit-preprocess --only-source --trainpref "$CORPUS/wiki.train.tokens" \
 
 toolkit-train "$DATA" --task language_modeling --arch transformer_lm \
   --decoder-layers 2 --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --decoder-attention-heads 4 \
+  --decoder-input-dim 128 --decoder-output-dim 128 --decoder-normalize-before \
   --share-decoder-input-output-embed --dropout 0.2 \
   --tokens-per-sample 128 --batch-size 16 --optimizer adam --adam-betas "(0.9, 0.98)" \
   --lr 0.002 --lr-scheduler inverse_sqrt --warmup-updates 100 --warmup-init-lr 1e-07 --clip-norm 1.0 \

@@ -30,7 +30,10 @@
      "task_state": {}, "criterion": None}
 
 ``decoder.version`` is 3: fairseq reads a missing or older version as "no final
-LayerNorm" (and so do we when importing).
+LayerNorm" (and so do we when importing). A post-norm model (plain ``--arch transformer_lm``,
+fairseq's default since 0.11) is written with ``decoder_normalize_before: False``; fairseq 0.10
+would rebuild it pre-norm (its ``base_lm_architecture`` forced pre-norm), so read it with 0.11 or later.
+Checked against real fairseq 0.12.2 by ``benchmarks/fairseq_parity/parity.py``.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ FAIRSEQ_MODEL_DEFAULTS: Dict[str, Any] = {
     "activation_fn": "relu", "dropout": 0.1, "attention_dropout": 0.0, "activation_dropout": 0.0,
     "relu_dropout": 0.0, "decoder_embed_dim": 512, "decoder_output_dim": 512, "decoder_input_dim": 512,
     "decoder_ffn_embed_dim": 2048, "decoder_layers": 6, "decoder_attention_heads": 8,
-    "decoder_normalize_before": True, "no_decoder_final_norm": False, "adaptive_softmax_cutoff": None,
+    "decoder_normalize_before": False, "no_decoder_final_norm": False, "adaptive_softmax_cutoff": None,
     "adaptive_softmax_dropout": 0.0, "adaptive_softmax_factor": 4.0, "no_token_positional_embeddings": False,
     "share_decoder_input_output_embed": False, "character_embeddings": False,
     "character_filters": "[(1, 64), (2, 128), (3, 192), (4, 256), (5, 256), (6, 256), (7, 256)]",
@@ -89,9 +92,6 @@ def fairseq_cfg(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 def to_fairseq_weights(weights: Dict[str, torch.Tensor], cfg: Dict[str, Any]) -> "collections.OrderedDict[str, torch.Tensor]":
     """Our state dict in fairseq's names and module order (q/k/v split, ``decoder.`` prefix, version 3)."""
-    if not cfg.get("decoder_normalize_before", True):
-        raise UserError("--to-fairseq: fairseq's transformer_lm is always pre-norm; this model was trained "
-                        "with --no-decoder-normalize-before and has no fairseq counterpart")
     w, out = dict(weights), collections.OrderedDict()
 
     def take(name: str, as_name: Optional[str] = None) -> None:

@@ -16,6 +16,7 @@ from toolkit.checkpoint import (consolidated, fairseq_checkpoint, fairseq_shards
 from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
+from toolkit import ema as ema_module
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def _load_fairseq(path: str, checkpoint: Dict[str, Any], reset_optimizer: bool, 
     (fairseq's data position does not map onto ours: the epoch starts over)."""
     info = fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=checkpoint)
     trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
+    _restore_ema(path, checkpoint, trainer, flag="--restore-file")
     logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
     return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
 
@@ -108,10 +110,23 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
         check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),
                          len(trainer.task.dictionary))
         set_model_state_dict(trainer.model, checkpoint["model"], options=consolidated.FULL_STATE)
-    ema = getattr(trainer, "ema", None)
-    if ema is not None:
-        ema.reset_from(trainer.model)
+    _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
+
+
+def _restore_ema(path: str, checkpoint: dict, trainer, flag: str) -> None:
+    """--store-ema: the checkpoint's saved average where it has one, else the loaded weights (fairseq's
+    Trainer.load_checkpoint does the same on every load, fine-tuning included)."""
+    ema = getattr(trainer, "ema", None)
+    if ema is None:
+        return
+    if not ema_module.has_saved_average(checkpoint):
+        logger.warning("EMA not found in checkpoint. But store_ema is True. EMA is re-initialized from checkpoint.")
+        ema.reset_from(trainer.model)
+        return
+    ema.load_state_dict(ema_module.saved_average(path, checkpoint, trainer.model, ema.shadow,
+                                                 flag=f"{flag} {path}"), trainer.model)
+    logger.info("Loading EMA from checkpoint")
 
 
 def prepare_save_dir(cfg: TrainConfig, env: DistributedEnv) -> None:

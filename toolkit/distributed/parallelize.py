@@ -5,8 +5,9 @@ rank materializes only what it holds and fills it with the same values a plain
 build would get for the same seed (``init_weights`` seeds per parameter name).
 
 Order (as torchtitan's ``parallelize_llama``): activation checkpointing wraps each
-block, then FSDP2 ``fully_shard`` each (wrapped) block and the root, then
-``to_empty`` + ``init_weights``. DDP wraps a materialized model.
+block, ``--compile`` compiles each (wrapped) block in place (``compile.py``), then FSDP2
+``fully_shard`` each block and the root, then ``to_empty`` + ``init_weights``. DDP wraps a
+materialized model.
 
 ``--ddp-backend``
     ``c10d``           DistributedDataParallel (bucketed all-reduce overlapping backward).
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
+from toolkit.distributed.compile import COMPILE_WITH_TENSOR_PARALLEL, apply_compile
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.errors import UserError
@@ -149,6 +151,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     placement.update(dp_rank=env.rank, dp_size=env.world_size)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
+    if cfg.compile:
+        apply_compile(model, env.device)
     if cfg.ddp_backend == "fully_sharded":
         return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)
@@ -196,6 +200,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     """
     from toolkit.distributed import tensor_parallel as tp
 
+    if cfg.compile:
+        raise UserError(COMPILE_WITH_TENSOR_PARALLEL)
     if not dist.is_initialized():
         raise RuntimeError("--model-parallel-size needs a process group (init_distributed makes one)")
     M, W = cfg.model_parallel_size, env.world_size

@@ -94,6 +94,7 @@ def convert_state(hf_state: Dict[str, torch.Tensor], config, index: torch.Tensor
 
 def model_options(config) -> Dict[str, object]:
     return dict(decoder_layers=config.n_layer, decoder_embed_dim=config.n_embd,
+                decoder_input_dim=config.n_embd, decoder_output_dim=config.n_embd,  # no project_in/out_dim
                 decoder_ffn_embed_dim=config.n_inner or 4 * config.n_embd,
                 decoder_attention_heads=config.n_head, decoder_learned_pos=True, no_scale_embedding=True,
                 decoder_normalize_before=True, no_decoder_final_norm=False,
@@ -155,7 +156,9 @@ def training_flags(arch: str, given: Dict[str, object]) -> str:
     defaults = options.architecture_defaults(arch)
     flags = [f"--arch {arch}"]
     for key, value in given.items():
-        if defaults.get(key) == value:
+        follows_width = key in ("decoder_input_dim", "decoder_output_dim") and defaults.get(key) is None \
+            and value == given.get("decoder_embed_dim")  # None: the named archs' "same as the width"
+        if defaults.get(key) == value or follows_width:
             continue
         flag = "--" + key.replace("_", "-")
         flags.append(flag if value is True else f"{flag} {value}")

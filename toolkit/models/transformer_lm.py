@@ -7,10 +7,11 @@ Shape notation: B batch, T time (tokens), C = decoder_embed_dim, H heads,
 D = C // H head size, V vocabulary.
 
 Choices worth knowing
-- Pre-norm (``decoder_normalize_before``) is the default: fairseq's
-  ``base_lm_architecture`` forces it on for every ``transformer_lm`` arch
-  ("training is not stable without this"); ``--no-decoder-normalize-before``
-  gives the post-norm block.
+- Pre-norm (``decoder_normalize_before``): fairseq's ``base_lm_architecture`` forces it on
+  for every *named* ``transformer_lm`` arch ("training is not stable without this"). Plain
+  ``--arch transformer_lm`` is fairseq's config defaults (fairseq >= 0.11): the post-norm
+  block, and 512-wide input/output embeddings; ``--decoder-normalize-before`` and
+  ``--decoder-input-dim``/``--decoder-output-dim`` change that, as in fairseq.
 - Inputs are right-padded (fairseq's LM batches). Attention is causal, so the
   padding at the end of a row cannot change any earlier position and no padding
   mask is needed; the outputs at padded positions are ignored by the loss.
@@ -75,7 +76,8 @@ class TransformerLMConfig:
     decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
     decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
     decoder_normalize_before: bool = field(
-        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm)"})
+        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm; the named archs "
+                                        "set it, --arch transformer_lm is post-norm as in fairseq)"})
     no_decoder_final_norm: bool = field(
         default=False, metadata={"help": "don't add an extra layernorm after the last decoder block"})
     share_decoder_input_output_embed: bool = field(
@@ -96,9 +98,11 @@ class TransformerLMConfig:
                                         "(default: --tokens-per-sample)"})
     # Embedding and output sizes (fairseq's project_in_dim / project_out_dim when they differ from C).
     decoder_input_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder input dimension (default: --decoder-embed-dim)"})
+        default=None, metadata={"help": "decoder input dimension (default: 512 under --arch transformer_lm, as in "
+                                        "fairseq; --decoder-embed-dim under the named archs)"})
     decoder_output_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder output dimension (default: --decoder-embed-dim)"})
+        default=None, metadata={"help": "decoder output dimension (default: 512 under --arch transformer_lm, as in "
+                                        "fairseq; --decoder-embed-dim under the named archs)"})
     layernorm_embedding: bool = field(default=False, metadata={"help": "add layernorm to embedding"})
     # LayerDrop (see toolkit.models.layerdrop).
     decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
@@ -173,10 +177,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # [B, T, 3C] -> [3, B, H, T, D]: views only, no copy; SDPA takes strided inputs.
+        # [B, T, 3C] -> q, k, v [B, H, T, D], views only (SDPA takes strided inputs). In backward
+        # SDPA's gradients come back in [B, T, H, D] memory order, so the views undo for free and
+        # split's backward is one concatenation into qkv's gradient (view/permute/unbind needed a
+        # stack plus a strided copy: benchmarks/attention_layout.py). Sizes as a list: ONNX
+        # opset 17 has no Split by number of outputs.
         # The head count follows from the width: under tensor parallelism qkv_proj gives this
         # rank's H/M heads ([B, T, 3C/M]) and the output is this rank's C/M columns.
-        q, k, v = self.qkv_proj(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv_proj(x)
+        width = qkv.size(-1) // 3
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.split([width] * 3, dim=-1))
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
         dropout = self.dropout if self.training else 0.0
@@ -470,8 +480,17 @@ def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: i
 # ---- named architectures: each sets values on a fresh config; the user's flags override them ----
 
 @register_model_architecture("transformer_lm", "transformer_lm")
+def transformer_lm(cfg: TransformerLMConfig) -> None:
+    """fairseq's config defaults as they are: since fairseq 0.11 the model's own name is a no-op architecture
+    (base_lm_architecture runs only for the named ones). So ``--arch transformer_lm`` is post-norm without a
+    final LayerNorm, with 512-wide input and output embeddings whatever --decoder-embed-dim is
+    (project_in_dim / project_out_dim map them when it differs). fairseq 0.10 ran base_lm_architecture here."""
+    cfg.decoder_normalize_before = False
+    cfg.decoder_input_dim = cfg.decoder_output_dim = 512
+
+
 def base_lm_architecture(cfg: TransformerLMConfig) -> None:
-    # fairseq's base_lm_architecture forces pre-norm on every transformer_lm arch.
+    # fairseq's base_lm_architecture, called by every named transformer_lm arch, forces pre-norm.
     cfg.decoder_normalize_before = True
 
 

@@ -1,0 +1,94 @@
+"""``--compile``: ``torch.compile`` each transformer block, applied from outside the model (torchtitan's
+``apply_compile``).
+
+Why per block: the blocks are identical, so dynamo traces one graph and every layer reuses it
+(parameters are graph inputs), which keeps compile time independent of depth; the embedding,
+the output layer and the loss stay eager. ``block.compile()`` compiles in place, so the
+module tree, parameter names and state-dict keys are the eager model's (no ``_orig_mod.``):
+checkpoints move freely between compiled and eager runs.
+
+Order in ``parallelize`` (torchtitan's): activation checkpointing (the compiled module is
+then the checkpoint wrapper, so dynamo sees the recomputation region), compile, then FSDP2
+``fully_shard`` or DDP. Not with tensor parallelism yet (``COMPILE_WITH_TENSOR_PARALLEL``).
+Each block is compiled with ``fullgraph=True``: a graph break inside a block is an error
+rather than a silent slowdown.
+
+The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
+``torch.compile`` backend (e.g. ``aot_eager``: the same graph capture and autograd
+transformation without code generation; the tests use it where inductor's compile time
+would dominate). Inductor caches compiled kernels on disk (``TORCHINDUCTOR_CACHE_DIR``,
+default under the temp folder), so a second run with the same shapes compiles much faster.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import List
+
+import torch
+
+from toolkit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
+# The tensor-parallel plan forks the RNG in forward hooks inside each block (dropout per TP rank),
+# which dynamo cannot trace.
+COMPILE_WITH_TENSOR_PARALLEL = ("--compile with --model-parallel-size > 1: not supported yet (the tensor-parallel "
+                                "random-number hooks inside each block do not compile); drop one of the two")
+DEFAULT_BACKEND = "inductor"
+
+
+def compile_backend(device: torch.device) -> str:
+    """The ``torch.compile`` backend of this run, checked before any block is compiled."""
+    backend = os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise UserError(f"{BACKEND_ENV}={backend}: not a torch.compile backend; choose from {', '.join(known)}")
+    if backend == "inductor" and device.type == "cpu" and not _cxx_compiler_present():
+        raise UserError("--compile: inductor builds CPU kernels with a C++ compiler and none was found "
+                        f"(g++ or $CXX); install one, or set {BACKEND_ENV}=aot_eager")
+    return backend
+
+
+def _cxx_compiler_present() -> bool:
+    return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name)
+
+
+def apply_compile(model: torch.nn.Module, device: torch.device) -> None:
+    """Compile every block of ``model.layers`` in place and log the cost of the first training passes."""
+    backend = compile_backend(device)
+    for block in model.layers:
+        block.compile(backend=backend, fullgraph=True)
+    CompileTimeLog(model, backend)
+    logger.info(f"--compile: torch.compile ({backend}, fullgraph) on each of the {len(model.layers)} blocks; "
+                f"the first training pass compiles them (forward and backward)")
+
+
+class CompileTimeLog:
+    """One INFO line with the time the compilation costs, measured where it is paid.
+
+    Compilation happens lazily inside the first training pass (forward, and backward once
+    gradients flow), so its cost shows as the gap between the first and the second pass:
+    the time from one training forward to the next, taken by a pre-hook on the (eager) root
+    module. Evaluation passes (``eval()`` or no grad) are not counted. Runs of fewer than
+    three training passes log nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str):
+        self.backend = backend
+        self.starts: List[float] = []
+        self.handle = model.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: torch.nn.Module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self.starts.append(time.perf_counter())
+        if len(self.starts) < 3:
+            return
+        first, second = self.starts[1] - self.starts[0], self.starts[2] - self.starts[1]
+        logger.info(f"--compile: the first training pass took {first:.1f} s, the second {second:.2f} s: "
+                    f"about {max(first - second, 0.0):.1f} s compiling ({self.backend})")
+        self.handle.remove()
