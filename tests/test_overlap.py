@@ -185,6 +185,15 @@ def test_one_process_fp16_overflow_skips_bit_identical(tmp_path, data, one_rank_
     check(result, 0.5)
 
 
+def test_one_process_compiled_blocks_bit_identical(tmp_path, data, one_rank_group, monkeypatch):
+    """--compile compiles each block's call, hooks included: ours (a thread wait) must stay eager."""
+    from toolkit.distributed.utils import DistributedEnv
+
+    monkeypatch.setenv("TOOLKIT_COMPILE_BACKEND", "aot_eager")  # the graph capture without inductor's codegen
+    check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--compile"], DistributedEnv()),
+          0.5)
+
+
 # --------------------------------------------------------------------------- the fold into CPUAdam
 
 def test_cpu_adam_grad_scale_is_the_separate_multiply_bit_for_bit_in_any_order():

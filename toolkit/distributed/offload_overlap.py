@@ -144,16 +144,20 @@ class OffloadOverlap:
                                                    prepend=True)
             original = group.param_group.post_backward
             group.param_group.post_backward = functools.partial(self._post_backward, i, original)
-        self.model.register_forward_hook(lambda *_: self.finish())
-        wait = lambda *_: self.finish()  # noqa: E731
+        wait = torch._dynamo.disable(lambda *_: self.finish())
+        self.model.register_forward_hook(wait)
         for owner in (self.model, self.optimizer):
             owner.register_state_dict_pre_hook(wait)
             owner.register_load_state_dict_pre_hook(wait)
 
+    # Hooks run eagerly, as FSDP2's own: under --compile a block's compiled call includes its hooks,
+    # and dynamo cannot trace a thread wait.
+    @torch._dynamo.disable
     def _before_forward(self, index: int, state_index: Dict[int, int], module: torch.nn.Module, *_: Any) -> None:
         prefetched = module._get_fsdp_state()._states_to_forward_prefetch or []
         self.wait(max([index] + [state_index[id(s)] for s in prefetched if id(s) in state_index]))
 
+    @torch._dynamo.disable
     def _post_backward(self, index: int, original, *args: Any) -> Any:
         """FSDP2's post-backward of one group; if it reduce-scattered new gradients, queue their squares."""
         fsdp_params = self.groups[index].param_group.fsdp_params
