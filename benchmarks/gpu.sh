@@ -16,6 +16,10 @@
 #   offload_6_7 / offload_13   the same for transformer_lm_gpt3_6_7 / _13 (host memory is the
 #            limit: parameters, gradients and Adam state take 16 bytes per parameter)
 #   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
+#   offload_overlap the offload runs of 2.7B and 6.7B without and with --overlap-offload-step (norm
+#            during backward, CPU Adam block by block beside the next forward; issue 15's aims:
+#            >= 12,000 / >= 5,000 words/s), and benchmarks/offload_overlap.py on 2.7B (steady-state
+#            step time of both in one process, host time in the norm and the step, same bits)
 #   profile  torch.profiler tables of one gpt3_xl step and one offloaded 2.7B step
 #   generate benchmarks/generate.py on transformer_lm_gpt3_xl, bf16, batch 1 and 16: generation
 #            tokens/s with the KV cache and with the whole prefix recomputed (256 + 256 tokens)
@@ -154,6 +158,17 @@ compile() {
     --device cuda --dtype bf16
 }
 offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --fp16-adam-stats; }
+# --overlap-offload-step against the serial update, the same commands back to back (words/s: the logs' wps).
+offload_overlap() {
+  offload_arch offload_gpt3_2_7_serial gpt3_2_7 540
+  offload_arch offload_gpt3_2_7_overlap gpt3_2_7 540 --overlap-offload-step
+  offload_arch offload_gpt3_6_7_serial gpt3_6_7 330
+  offload_arch offload_gpt3_6_7_overlap gpt3_6_7 330 --overlap-offload-step
+  # both trainers in one process: about 2 x 47 GiB of host memory for 2.7B
+  run offload_overlap_bench_gpt3_2_7 540 $PY benchmarks/offload_overlap.py --device cuda --vocab 50264 \
+    --arch transformer_lm_gpt3_2_7 --tokens-per-sample 2048 --batch-size 8 --fp16 --fp16-init-scale 4 \
+    --checkpoint-activations --warmup 2 --steps 3 --rounds 2
+}
 generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
 echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"

@@ -132,6 +132,10 @@ class DistributedConfig:
     cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory")
     bf16_host_grads: bool = opt(False, "with --cpu-offload: keep the gradients in host memory in bf16 (2 bytes per "
                                        "parameter instead of 4)")
+    overlap_offload_step: bool = opt(False, "with --ddp-backend fully_sharded --optimizer cpu_adam (--cpu-offload): "
+                                            "take the gradient norm block by block during backward and run CPU Adam "
+                                            "block by block on a background thread while the next forward runs "
+                                            "(the same results as the serial step)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
     compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
                                "pass is slower while it compiles)")

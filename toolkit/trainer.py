@@ -16,12 +16,13 @@ import logging
 import math
 import os
 import platform
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from toolkit.amp_retries import AmpBatchRetries
 from toolkit.config import TrainConfig
+from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.ema import EMA
@@ -101,6 +102,7 @@ class Trainer:
         self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
+        self.overlap = build_offload_overlap(cfg, model, self.optimizer)  # --overlap-offload-step, else None
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
@@ -125,11 +127,7 @@ class Trainer:
         overflow = False
         scale = self.scaler.loss_scale if self.scaler else 1.0
         grad_factor = self.strategy.dp_size / (max(sample_size, 1.0) * scale)
-        if self.memory_efficient is not None:
-            # fp16 gradients stay scaled; the factor (and clipping) is applied in fp32 inside the step.
-            grad_norm, grad_factor = self._scaled_grad_norm(grad_factor, self.cfg.optimization.clip_norm)
-        else:
-            grad_norm = self._normalize_and_clip(grad_factor, self.cfg.optimization.clip_norm)
+        grad_norm, grad_factor = self._grad_norm_for_step(grad_factor)  # factor: what the step still applies
         if self.scaler is not None:
             try:
                 self.scaler.check_overflow(grad_norm)
@@ -144,15 +142,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             metrics.log_stop_time("train_wall")
             return self.amp_retries.after_overflow(lambda: self.train_step(samples))  # --amp-batch-retries
-        if self.memory_efficient is not None:
-            self.memory_efficient.step(grad_factor)
-        else:
-            self.optimizer.step()
+        self._step_optimizer(grad_factor)
         if self.scaler is not None:
             self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
         if self.ema is not None:
+            self.finish_pending_steps()
             self.ema.step(self.model, self.num_updates)
             metrics.log_scalar("ema_decay", self.ema.decay, weight=0, priority=10000, round=5)
         self.lr_scheduler.step_update(self.num_updates)
@@ -184,8 +179,31 @@ class Trainer:
         totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
         return all_reduce_sums(totals, self.device, self.strategy.dp_size, group=self.strategy.dp_group)
 
+    def _step_optimizer(self, grad_factor: float) -> None:
+        """The update with the gradients times ``grad_factor`` (folded into the step where that is exact); grads dropped."""
+        if self.memory_efficient is not None:
+            self.memory_efficient.step(grad_factor)
+        elif self.overlap is not None:
+            self.overlap.launch_step(grad_factor)  # the worker drops each gradient after its update
+            return
+        elif grad_factor != 1.0:
+            self.optimizer.step(grad_scale=grad_factor)  # only optimizers with supports_grad_scale get a factor
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_pending_steps(self) -> None:
+        """Wait for an update still running beside the forward (--overlap-offload-step); no-op otherwise.
+
+        Whatever reads weights or optimizer state outside ``train_step`` calls this first
+        (validation, EMA, the trainer's state); model/optimizer ``state_dict`` wait by themselves.
+        """
+        if self.overlap is not None:
+            self.overlap.finish()
+
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
+        self.finish_pending_steps()
         self.model.eval()
         sample = move_to_device(sample, self.device)
         with self._autocast(), self.strategy.loss_context():
@@ -223,6 +241,35 @@ class Trainer:
             torch._foreach_mul_(grads, factor)
         return norm
 
+    def _grad_norm_for_step(self, grad_factor: float) -> Tuple[float, float]:
+        """(norm of the normalized, clipped gradients, the factor the step still applies: 1.0 once applied)."""
+        clip = self.cfg.optimization.clip_norm
+        if self.memory_efficient is not None:
+            # fp16 gradients stay scaled; the factor (and clipping) is applied in fp32 inside the step.
+            return self._scaled_grad_norm(grad_factor, clip)
+        if self.overlap is not None or getattr(self.optimizer, "supports_grad_scale", False):
+            return self._grad_norm_and_factor(grad_factor, clip)
+        return self._normalize_and_clip(grad_factor, clip), 1.0
+
+    def _grad_norm_and_factor(self, grad_factor: float, max_norm: float) -> Tuple[float, float]:
+        """(norm of ``grad_factor * grads``, the factor with the clip coefficient) for an optimizer that applies it.
+
+        Folding the multiply into the update saves a read and a write of every gradient; it is
+        exact for cpu_adam (the same fp32 multiply, chunk by chunk). torch's fused AdamW takes
+        only a divisor (``grad_scale``: ``g / s``, not ``g * f``, which rounds differently), so
+        it keeps the separate pass. Non-finite raw norms take the two-pass route.
+        """
+        if self.overlap is not None:
+            raw_norm = self.overlap.raw_grad_norm()
+        else:
+            raw_norm = float(total_grad_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+        if not math.isfinite(raw_norm):
+            return self._normalize_and_clip(grad_factor, max_norm), 1.0
+        norm = raw_norm * grad_factor
+        if max_norm > 0 and norm > max_norm:
+            grad_factor *= max_norm / (norm + 1e-6)
+        return norm, grad_factor
+
     def _scaled_grad_norm(self, grad_factor: float, max_norm: float):
         """(norm of ``grad_factor * grads``, factor including the clip coefficient) for fp16 gradients."""
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -248,6 +295,7 @@ class Trainer:
         return self.lr_scheduler.step_update(self.num_updates)
 
     def state_dict(self) -> Dict[str, Any]:
+        self.finish_pending_steps()
         return {
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 FLOAT16_MAX = 65504.0
 _HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+# Elements per DeepSpeed call: 4 MiB of fp32 gradient stays in cache between its multiply and the update
+# (and, with DeepSpeed's own binding, which keeps the GIL, other Python threads get it between calls).
+_STEP_CHUNK = 1 << 20
 
 
 @dataclass
@@ -148,59 +151,90 @@ class CPUAdam(torch.optim.Optimizer):
         return g.contiguous()
 
     # -- step ----------------------------------------------------------------
+    # The gradient normalization (and clip coefficient) is folded into the step: each chunk of a
+    # gradient is multiplied by ``grad_scale`` right before DeepSpeed's op reads it (cache-hot),
+    # the same fp32 multiply as a separate ``_foreach_mul_`` pass, so the result is bit-identical.
+    supports_grad_scale = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float = 1.0):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.run_step(self.plan_step(), grad_scale)
+        return loss
 
-        stepped: List[torch.Tensor] = []
-        fp16_work, reduced_work = [], []
-        for group, ds_group in zip(self.param_groups, self._ds.param_groups):
-            for k in _HYPER:
-                v = group.get(k, self.defaults[k])
-                ds_group[k] = float(v) if k in ("lr", "eps", "weight_decay") else v
-            ds_group["betas"] = tuple(float(b) for b in ds_group["betas"])
+    def plan_step(self) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+        """(parameter, its group's hyperparameters as they are now) for each parameter with a gradient.
+
+        Taking the hyperparameters here lets ``run_step`` run later on another thread
+        (``--overlap-offload-step``) while the LR schedule moves on. States are created here.
+        """
+        plan = []
+        for group in self.param_groups:
+            hyper = {k: group.get(k, self.defaults[k]) for k in _HYPER}
+            hyper.update(lr=float(hyper["lr"]), eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]),
+                         betas=tuple(float(b) for b in hyper["betas"]))
             for p in group["params"]:
-                local = self._locals[p]
                 if p.grad is None:
-                    if local is not p:
-                        local.grad = None
                     continue
-                state = self.state[p]
-                if len(state) == 0:
-                    self._init_state(p, state)
-                if self.moments is not None:  # --adam-state-precision bf16/8bit: sliced, after DeepSpeed's step
-                    reduced_work.append((p, local, state, ds_group))
-                    continue
-                if local is not p:
-                    local.grad = self._local_grad(p)
-                elif p.grad.dtype != p.dtype:
-                    raise ValueError("cpu_adam: gradient dtype differs from the parameter's")
-                if self.fp16_adam_stats:
-                    fp16_work.append((p, local, state, ds_group))
-                    continue
-                ds_state = self._ds.state[local]
-                ds_state["step"] = int(state["step"].item())  # DeepSpeed adds 1 before its update
-                ds_state["exp_avg"] = _local(state["exp_avg"])
-                ds_state["exp_avg_sq"] = _local(state["exp_avg_sq"])
-                stepped.append(p)
+                if len(self.state[p]) == 0:
+                    self._init_state(p, self.state[p])
+                plan.append((p, hyper))
+        return plan
 
-        if stepped:
-            self._ds.step()
-        for p, local, state, ds_group in fp16_work:
-            self._fp16_stats_update(p, local, state, ds_group)
-            stepped.append(p)
-        for p, local, state, ds_group in reduced_work:
-            self.moments.update(self._ds, p, local, state, ds_group)
-            stepped.append(p)
-        for p in stepped:
-            self.state[p]["step"] += 1
-            local = self._locals[p]
+    @torch.no_grad()
+    def run_step(self, plan: List[Tuple[torch.Tensor, Dict[str, Any]]], grad_scale: float = 1.0) -> None:
+        """Update the parameters of ``plan`` (all of ``plan_step``'s, or one block's), gradients times ``grad_scale``."""
+        for p, hyper in plan:
+            local, state = self._locals[p], self.state[p]
+            self._prime_bias_correction(int(state["step"].item()) + 1, hyper)
+            if self.moments is not None:  # --adam-state-precision bf16/8bit: a bounded slice at a time
+                self.moments.update(self._ds, p, local, state, hyper, grad_scale)
+                state["step"] += 1
+                continue
+            if local is not p:
+                local.grad = self._local_grad(p)
+            elif p.grad.dtype != p.dtype:
+                raise ValueError("cpu_adam: gradient dtype differs from the parameter's")
+            if self.fp16_adam_stats:
+                if grad_scale != 1.0:
+                    local.grad.mul_(grad_scale)
+                self._fp16_stats_update(p, local, state, hyper)
+            else:
+                self._fp32_update(local, state, hyper, grad_scale)
+            state["step"] += 1
             if local is not p:
                 local.grad = None  # do not keep the gradient alive past zero_grad
-        return loss
+
+    def _prime_bias_correction(self, step: int, hyper: Dict[str, Any]) -> None:
+        """Make DeepSpeed compute ``beta ** step`` afresh for the next update, whatever was stepped before.
+
+        Its op keeps ``beta ** step`` between calls and multiplies it by beta when the step
+        grows by one, so the bias correction depended on the order of earlier calls (last-bit
+        differences). A call on empty tensors at ``step + 2`` makes the next call at ``step``
+        recompute the power: the update is the same in any order (block by block too).
+        """
+        empty = torch.empty(0)
+        beta1, beta2 = hyper["betas"]
+        self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step + 2, hyper["lr"], beta1, beta2, hyper["eps"],
+                                         hyper["weight_decay"], hyper["bias_correction"], empty, empty, empty, empty)
+
+    def _fp32_update(self, local: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any],
+                     grad_scale: float) -> None:
+        """DeepSpeed's update, a chunk at a time (a multiple of its SIMD span: the same arithmetic per element)."""
+        step = int(state["step"].item()) + 1
+        beta1, beta2 = hyper["betas"]
+        flat = [local.view(-1), local.grad.reshape(-1), _local(state["exp_avg"]).view(-1),
+                _local(state["exp_avg_sq"]).view(-1)]
+        for start in range(0, flat[0].numel(), _STEP_CHUNK):
+            param, grad, exp_avg, exp_avg_sq = (t[start:start + _STEP_CHUNK] for t in flat)
+            if grad_scale != 1.0:
+                grad.mul_(grad_scale)
+            self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"],
+                                             hyper["weight_decay"], hyper["bias_correction"], param, grad, exp_avg,
+                                             exp_avg_sq)
 
     def _fp16_stats_update(self, p, local, state, group) -> None:
         """One tensor: expand fp16 moments, run DeepSpeed's op, store them back scaled (fairseq's scheme)."""

@@ -11,9 +11,15 @@ dimensions that shard the gradients (not those that replicate them), on any devi
 ``torch.dot`` accumulates the squares in fp32 without rescaling, so values beyond about
 1e19 overflow where ``vector_norm`` would not: the caller treats a non-finite norm as
 "look again" (see ``Trainer._normalize_and_clip``), never as proof of an overflow.
+
+Host-memory pieces (one fp32 dot per 4M-element chunk) are added up with ``math.fsum``,
+the exactly rounded sum: the total does not depend on the order in which the pieces
+arrive, so :class:`SquareSums` fed one block at a time while backward runs
+(``--overlap-offload-step``) gives the very same norm as one call over all gradients.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -24,20 +30,28 @@ from toolkit.distributed.dtensor import is_dtensor, local_tensor
 _CHUNK = 1 << 22
 
 
-def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of plain tensors, as a float64 CPU scalar; fp32 on the CPU through BLAS."""
-    total = torch.zeros((), dtype=torch.float64)
+def _host_pieces(tensors: Sequence[torch.Tensor]) -> List[float]:
+    """Squares of host tensors as float64 pieces: one fp32 BLAS dot per chunk of an fp32 tensor."""
+    pieces: List[torch.Tensor] = []
     for t in tensors:
         if t.numel() == 0:
             continue
-        if t.device.type == "cpu" and t.dtype == torch.float32:
-            # fp32 dots of 4M elements summed in fp64: about 1e-5 relative (a single 26M-element dot
+        if t.dtype == torch.float32:
+            # fp32 dots of 4M elements, added exactly: about 1e-5 relative (a single 26M-element dot
             # was off by 2e-4, torch's vector_norm by 1.4e-3).
-            for v in t.reshape(-1).split(_CHUNK):  # views when contiguous
-                total += torch.dot(v, v).double()
+            pieces.extend(torch.dot(v, v).double() for v in t.reshape(-1).split(_CHUNK))  # views when contiguous
         else:
-            total += torch.linalg.vector_norm(t, 2, dtype=torch.float32).double().cpu() ** 2
-    return total
+            pieces.append(torch.linalg.vector_norm(t, 2, dtype=torch.float32).double() ** 2)
+    return torch.stack(pieces).tolist() if pieces else []
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of plain tensors, as a float64 CPU scalar; fp32 on the CPU through BLAS."""
+    on_host = [t for t in tensors if t.device.type == "cpu"]
+    total = math.fsum(_host_pieces(on_host))
+    others = [torch.linalg.vector_norm(t, 2, dtype=torch.float32).double().cpu() ** 2
+              for t in tensors if t.device.type != "cpu" and t.numel()]
+    return torch.tensor(total, dtype=torch.float64) + (torch.stack(others).sum() if others else 0.0)
 
 
 def _sums_over(placement) -> bool:
@@ -68,31 +82,64 @@ def foreach_sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.double() for n in norms]).pow(2).sum()
 
 
-def _device_sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return sum_of_squares(tensors) if tensors[0].device.type == "cpu" else foreach_sum_of_squares(tensors)
-
-
-def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``grads`` together (DTensors: over every shard), a 0-dim float32 tensor.
+class SquareSums:
+    """The squared L2 norm of gradients handed in piece by piece, then one all-reduce per (mesh, placements).
 
     DTensors are grouped by (mesh, placements); each group's sum of squares is all-reduced
     over exactly the mesh dimensions that split its tensors (FSDP's data-parallel shards,
-    tensor-parallel shards), never over those that replicate them.
+    tensor-parallel shards), never over those that replicate them. Host pieces are kept as
+    float64 numbers and summed exactly (order does not matter); device pieces stay on the
+    device (no host sync per tensor).
     """
+
+    def __init__(self) -> None:
+        self._host: Dict[Tuple, List[float]] = {}
+        self._device: Dict[Tuple, List[torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(g: torch.Tensor) -> Tuple:
+        return (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else (None, ())
+
+    def add(self, grads: Sequence[torch.Tensor]) -> None:
+        """Count these gradients (plain tensors or DTensors) in."""
+        by_key: Dict[Tuple, List[torch.Tensor]] = {}
+        for g in grads:
+            g = _without_partial(g) if is_dtensor(g) else g
+            by_key.setdefault(self._key(g), []).append(local_tensor(g))
+        for key, local in by_key.items():
+            host = [t for t in local if t.device.type == "cpu"]
+            device = [t for t in local if t.device.type != "cpu"]
+            if host:
+                self._host.setdefault(key, []).extend(_host_pieces(host))
+            if device:
+                self._device.setdefault(key + (device[0].device,), []).append(foreach_sum_of_squares(device))
+
+    def merge(self, other: "SquareSums") -> None:
+        """Count in what ``other`` holds (e.g. one block's gradients, summed on another thread)."""
+        for key, values in other._host.items():
+            self._host.setdefault(key, []).extend(values)
+        for key, tensors in other._device.items():
+            self._device.setdefault(key, []).extend(tensors)
+
+    def norm(self) -> torch.Tensor:
+        """The global L2 norm (all-reducing over the shards), a 0-dim float32 CPU tensor."""
+        totals: List[float] = []
+        groups = [(k, torch.tensor(math.fsum(v), dtype=torch.float64)) for k, v in self._host.items()]
+        groups += [(k[:2], torch.stack(v).sum()) for k, v in self._device.items()]
+        for (mesh, placements), squares in groups:
+            for dim, placement in enumerate(placements):
+                if _sums_over(placement) and mesh.size(dim) > 1:
+                    dist.all_reduce(squares, group=mesh.get_group(dim))
+            totals.append(float(squares))
+        return torch.tensor(math.sqrt(math.fsum(totals)) if totals else 0.0).float()
+
+
+def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``grads`` together (DTensors: over every shard), a 0-dim float32 tensor (see :class:`SquareSums`)."""
     if not grads:
         return torch.zeros(())
     if not any(is_dtensor(g) for g in grads) and all(g.device.type != "cpu" for g in grads):
         return torch.nn.utils.get_total_norm(list(grads), foreach=True)
-    groups: Dict[Tuple, List[torch.Tensor]] = {}
-    for g in grads:
-        g = _without_partial(g) if is_dtensor(g) else g
-        key = (g.device_mesh, tuple(g.placements), local_tensor(g).device) if is_dtensor(g) else (None, (), g.device)
-        groups.setdefault(key, []).append(local_tensor(g))
-    total = torch.zeros((), dtype=torch.float64)
-    for (mesh, placements, _device), local in groups.items():
-        squares = _device_sum_of_squares(local)
-        for dim, placement in enumerate(placements):
-            if _sums_over(placement) and mesh.size(dim) > 1:
-                dist.all_reduce(squares, group=mesh.get_group(dim))
-        total += squares.cpu()
-    return total.sqrt().float()
+    sums = SquareSums()
+    sums.add(grads)
+    return sums.norm()

@@ -349,8 +349,10 @@ class ReducedMoments:
 
     # -- the update ------------------------------------------------------------
     @torch.no_grad()
-    def update(self, ds, p: torch.Tensor, local: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
-        """One Adam step of ``p`` (local shard ``local``) through DeepSpeed's op, a bounded slice at a time."""
+    def update(self, ds, p: torch.Tensor, local: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
+               grad_scale: float = 1.0) -> None:
+        """One Adam step of ``p`` (local shard ``local``) through DeepSpeed's op, a bounded slice at a time,
+        with the gradient times ``grad_scale`` (the trainer's normalization and clip factor, folded in)."""
         layout = param_layout(self.precision, p)
         grad = local_grad(p)
         step = int(state["step"].item()) + 1
@@ -365,6 +367,8 @@ class ReducedMoments:
             g = flat_g[lo:hi]
             if g.dtype != flat_p.dtype:
                 g = g.to(flat_p.dtype)
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
             ds.ds_opt_adam.adam_update(*hyper, flat_p[lo:hi], g, m, v)
             self._store(p, state, layout, lo, hi, m, v)
 
