@@ -175,6 +175,15 @@ def test_one_process_bit_identical(tmp_path, data, one_rank_group):
     check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5"], DistributedEnv()), 0.5)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_one_process_reduced_precision_moments_bit_identical(tmp_path, data, one_rank_group, precision):
+    """--adam-state-precision: the sliced update of reduced moments, block by block on the worker, is the serial one."""
+    from toolkit.distributed.utils import DistributedEnv
+
+    check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--adam-state-precision",
+                   precision], DistributedEnv()), 0.5)
+
+
 def test_one_process_fp16_overflow_skips_bit_identical(tmp_path, data, one_rank_group):
     """A loss scale that overflows first: the skipped updates and the ones after are the serial ones."""
     from toolkit.distributed.utils import DistributedEnv
