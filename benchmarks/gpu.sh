@@ -14,7 +14,8 @@
 #            --optimizer cpu_adam --fp16 --checkpoint-activations, 20 updates (fairseq's
 #            13B-on-one-GPU recipe: batch 8 x 2048 tokens), under benchmarks/peak_memory.py
 #   offload_6_7 / offload_13   the same for transformer_lm_gpt3_6_7 / _13 (host memory is the
-#            limit: parameters, gradients and Adam state take 16 bytes per parameter)
+#            limit: parameters, gradients and Adam state take 16 bytes per parameter; offload_13 runs
+#            with --adam-state-precision 8bit --bf16-host-grads, about 8)
 #   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
 #   offload_overlap the offload runs of 2.7B and 6.7B without and with --overlap-offload-step (norm
 #            during backward, CPU Adam block by block beside the next forward; issue 15's aims:
@@ -157,7 +158,8 @@ compile() {
   run attention_layout_xl 120 $PY benchmarks/attention_layout.py --dim 2048 --heads 32 --batch 4 --tokens 2048 \
     --device cuda --dtype bf16
 }
-offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --fp16-adam-stats; }
+# 13B in 126 GiB of host memory: 8-bit moments + bf16 host gradients, about 8 bytes per parameter (96 GiB).
+offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --adam-state-precision 8bit --bf16-host-grads; }
 # --overlap-offload-step against the serial update, the same commands back to back (words/s: the logs' wps).
 offload_overlap() {
   offload_arch offload_gpt3_2_7_serial gpt3_2_7 540
