@@ -107,6 +107,8 @@ def toolkit_cfg(state: Dict[str, Any], path: str, model_config: type) -> Dict[st
                             f"which toolkit's transformer_lm does not implement")
     values = {name: model[name] for name in ours if model.get(name) is not None}
     values["decoder_normalize_before"] = bool(model.get("decoder_normalize_before", True))
+    for name in ("decoder_input_dim", "decoder_output_dim"):  # absent: the width (fairseq 0.10's base_lm_architecture)
+        values[name] = model.get(name)
     if not values.get("activation_dropout") and model.get("relu_dropout"):
         values["activation_dropout"] = model["relu_dropout"]  # fairseq's older name
     if "decoder_final_norm" in model:
