@@ -2,7 +2,7 @@
 
 ``torch.load(weights_only=True)`` covers our ``.pt`` files, but DCP itself reads a
 folder's ``.metadata`` with plain ``pickle.load`` and its non-tensor items with
-``torch.load(weights_only=False)``: a forged sharded checkpoint would run code on
+``torch.load`` with ``weights_only`` off: a forged sharded checkpoint would run code on
 load. :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` close both holes;
 every DCP load in the toolkit goes through them.
 
@@ -116,7 +116,7 @@ def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
 
 
 class _SafeBytesMixin:
-    """DCP's planners read non-tensor items with ``torch.load(weights_only=False)``; this one does not."""
+    """DCP's planners read non-tensor items with ``torch.load`` with ``weights_only`` off; this one does not."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
