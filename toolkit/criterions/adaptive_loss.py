@@ -29,14 +29,5 @@ class AdaptiveLoss(CrossEntropyCriterion):
             raise UserError("--criterion adaptive_loss: the model has no adaptive softmax; add "
                             "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy")
         features = self.logits_of(model(sample["net_input"]["src_tokens"]))
-        loss = adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce)
-        if sample.get("is_dummy", False):
-            loss = loss * 0.0
-            ntokens = nsentences = sample_size = 0
-        else:
-            ntokens = int(sample["ntokens"])
-            nsentences = int(sample["target"].size(0))
-            sample_size = nsentences if self.sentence_avg else ntokens
-        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
-                          "sample_size": sample_size}
-        return loss, sample_size, logging_output
+        return self.with_counts(adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce),
+                                sample)

@@ -73,7 +73,11 @@ class CrossEntropyCriterion(torch.nn.Module):
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
         # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
         net_output = model(sample["net_input"]["src_tokens"])
-        loss = self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce)
+        return self.with_counts(self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce),
+                                sample)
+
+    def with_counts(self, loss: torch.Tensor, sample: Dict[str, Any]) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        """(loss, sample_size, logging_output) as fairseq's criterions return them; a dummy batch counts nothing."""
         if sample.get("is_dummy", False):
             loss = loss * 0.0
             ntokens = nsentences = sample_size = 0

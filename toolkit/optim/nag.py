@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import opt
-from toolkit.errors import UserError
+from toolkit.optim.sgd import check_momentum_options
 from toolkit.registry import register_optimizer
 
 
@@ -70,10 +70,5 @@ class NAG(torch.optim.Optimizer):
 
 @register_optimizer("nag", dataclass=NAGConfig)
 def build(cfg: NAGConfig, params: list, lr: float) -> torch.optim.Optimizer:
-    if cfg.momentum < 0:
-        raise UserError(f"--momentum: must be >= 0, got {cfg.momentum}")
-    if cfg.weight_decay < 0:
-        raise UserError(f"--weight-decay: must be >= 0, got {cfg.weight_decay}")
-    if lr < 0:
-        raise UserError(f"--lr: must be >= 0, got {lr}")
+    check_momentum_options(cfg.momentum, cfg.weight_decay, lr)
     return NAG(list(params), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
