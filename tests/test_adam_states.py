@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.test_optim import new_params, run_steps
 from tests.train_helpers import train
 from toolkit.errors import UserError
 from toolkit.optim import build_optimizer
@@ -29,18 +30,6 @@ def make_data(steps, seed=0):
     grads = [[torch.randn(s, generator=g) * torch.rand(s, generator=g).pow(4) for s in SHAPES]
              for _ in range(steps)]
     return init, grads
-
-
-def run_steps(opt, params, grads):
-    for step in grads:
-        for p, g in zip(params, step):
-            p.grad = g.clone()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def new_params(init):
-    return [torch.nn.Parameter(t.clone()) for t in init]
 
 
 def cpu_adam(params, precision):
