@@ -22,6 +22,8 @@ setup(
         # toolkit-export: ONNX graphs checked with onnxruntime, transformers folders both ways
         "export": ["safetensors", "onnx", "onnxruntime", "onnxscript", "transformers"],
         "wandb": ["wandb"],
+        # --fp8: float8 training of the blocks' Linear layers (torchao's Float8Linear)
+        "fp8": ["torchao"],
     },
     entry_points={
         "console_scripts": [

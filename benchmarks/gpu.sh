@@ -24,6 +24,9 @@
 #   profile  torch.profiler tables of one gpt3_xl step and one offloaded 2.7B step
 #   generate benchmarks/generate.py on transformer_lm_gpt3_xl, bf16, batch 1 and 16: generation
 #            tokens/s with the KV cache and with the whole prefix recomputed (256 + 256 tokens)
+#   fp8      --fp8 (torchao float8): 500 updates of a small model, bf16 vs fp8, both compiled (losses within
+#            1%, benchmarks/compare_losses.py), then gpt3_xl tokens/s with rowwise, tensorwise and tensorwise
+#            + float8 all-gather under fully_sharded
 #   compile  --compile (torch.compile per block, inductor): eager vs compiled losses of a tiny bf16
 #            model (compile_parity), tiny models through its GPU compositions
 #            (fp16 loss scaling, bf16 fully_sharded + activation checkpointing, --cpu-offload cpu_adam),
@@ -128,21 +131,11 @@ compile_parity() {
     run "compile_parity_$mode" 240 $TRAIN "$DATA" "${TINY[@]}" --bf16 --dropout 0 --max-update 30 --no-save \
       --disable-validation "${extra[@]}"
   done
-  $PY - "$LOG/compile_parity_eager.log" "$LOG/compile_parity_compile.log" <<'EOF' 2>&1 | tee -a "$LOG/summary.txt"
-import json, re, sys
-def losses(path):
-    text = open(path).read()
-    return {r["num_updates"]: float(r["loss"]) for r in map(json.loads, re.findall(r"\| train_inner \| (\{.*\})", text))}
-eager, compiled = map(losses, sys.argv[1:3])
-common = sorted(set(eager) & set(compiled))
-worst = max((abs(eager[u] - compiled[u]) / eager[u] for u in common), default=float("nan"))
-print(f"compile_parity: {len(common)} logged updates, max relative loss difference {worst:.1e} "
-      f"({'ok' if worst <= 1e-2 else 'NOT within bf16 tolerance'})")
-EOF
+  $PY benchmarks/compare_losses.py "$LOG/compile_parity_eager.log" "$LOG/compile_parity_compile.log" \
+    --tolerance 0.01 2>&1 | tee -a "$LOG/summary.txt"
 }
 # --compile: the first steps compile (a minute or more for gpt3_xl), so more warm-up steps and a longer limit.
-compile() {
-  compile_parity
+compile_smoke() {
   run smoke_compile_fp16 240 $TRAIN "$DATA" "${TINY[@]}" --fp16 --compile --max-update 30 --save-dir "$CK/compile_fp16" &&
     run smoke_compile_eval 120 $EVAL "$DATA" --path "$CK/compile_fp16/checkpoint_last.pt" --tokens-per-sample 128 \
       --batch-size 16
@@ -150,14 +143,21 @@ compile() {
     --checkpoint-activations --compile --max-update 30 --save-dir "$CK/compile_bf16"
   run smoke_compile_offload 300 $TRAIN "$DATA" "${TINY[@]}" "${OFFLOAD[@]}" --compile --max-update 20 \
     --save-dir "$CK/compile_offload"
+}
+xl_compile() {
   run xl_bf16_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --warmup 5
   run xl_bf16_fsdp_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 \
     --ddp-backend fully_sharded --compile --warmup 5
+}
+profile_compile() {
   run profile_xl_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --warmup 5 \
     --steps 3 --profile "$LOG/profile_xl_compile.txt"
+}
+attention_layout_xl() {
   run attention_layout_xl 120 $PY benchmarks/attention_layout.py --dim 2048 --heads 32 --batch 4 --tokens 2048 \
     --device cuda --dtype bf16
 }
+compile() { compile_parity; compile_smoke; xl_compile; profile_compile; attention_layout_xl; }
 # 13B in 126 GiB of host memory: 8-bit moments + bf16 host gradients, about 8 bytes per parameter (96 GiB).
 offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --adam-state-precision 8bit --bf16-host-grads; }
 # --overlap-offload-step against the serial update, the same commands back to back (words/s: the logs' wps).
@@ -171,6 +171,29 @@ offload_overlap() {
     --arch transformer_lm_gpt3_2_7 --tokens-per-sample 2048 --batch-size 8 --fp16 --fp16-init-scale 4 \
     --checkpoint-activations --warmup 2 --steps 3 --rounds 2
 }
+# --fp8 (torchao float8, rowwise, the blocks' Linear layers): 500 updates of a small model against bf16 (both
+# compiled; the mean loss of the last 50 updates must agree within 1%), then gpt3_xl tokens/s with both recipes
+# (compare with xl_bf16_compile from the compile step).
+SMALL=(--task language_modeling --arch transformer_lm --decoder-layers 6 --decoder-embed-dim 512
+       --decoder-ffn-embed-dim 2048 --decoder-attention-heads 8 --decoder-input-dim 512 --decoder-output-dim 512
+       --decoder-normalize-before --tokens-per-sample 512 --batch-size 16 --optimizer adam --lr 0.0005
+       --lr-scheduler inverse_sqrt --warmup-updates 50 --clip-norm 1.0 --dropout 0 --bf16 --compile
+       --log-format json --log-interval 10 --num-workers 0 --no-save --disable-validation --max-update 500)
+fp8_parity() {
+  run fp8_parity_bf16 300 $TRAIN "$DATA" "${SMALL[@]}"
+  run fp8_parity_fp8 300 $TRAIN "$DATA" "${SMALL[@]}" --fp8
+  $PY benchmarks/compare_losses.py "$LOG/fp8_parity_bf16.log" "$LOG/fp8_parity_fp8.log" --last 50 --tolerance 0.01 \
+    2>&1 | tee -a "$LOG/summary.txt"
+}
+fp8_xl() {
+  run xl_fp8_rowwise_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
+    --warmup 5
+  run xl_fp8_tensorwise_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
+    --fp8-recipe tensorwise --warmup 5
+  run xl_fp8_fsdp_allgather_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile \
+    --fp8 --fp8-recipe tensorwise --fp8-all-gather --ddp-backend fully_sharded --warmup 5
+}
+fp8() { fp8_parity; fp8_xl; }
 generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
 echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"

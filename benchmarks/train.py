@@ -352,6 +352,7 @@ def main(argv=None):
         "step_ms_all": [round(1e3 * t, 2) for t in times],
         "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
         "ddp_backend": args.ddp_backend, "checkpoint_activations": bool(args.checkpoint_activations),
+        "compile": bool(args.compile), "fp8": args.fp8_recipe if args.fp8 else None,
         "peak_gpu_gib": peak_gib,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else None,
         "loadavg_before": load_before[0], "loadavg_after": load_after[0], "other_cpus_busy": others, "machine_busy": busy,

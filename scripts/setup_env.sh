@@ -12,6 +12,8 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
   || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest \
   safetensors onnx onnxruntime onnxscript transformers wandb
+# torchao (--fp8) after torch, without its dependencies: it must not replace the pinned torch.
+have torchao || "$PY" -m pip install -q --no-deps torchao
 # DeepSpeed's setup.py imports torch, so it builds against the torch installed above.
 have deepspeed || "$PY" -m pip install -q --no-build-isolation deepspeed
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .

@@ -12,6 +12,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "faults: kill -9 fault suite (starts ~10 training processes)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `pytest -m gpu` on a GPU machine)")
 
 
 @pytest.fixture(scope="session")

@@ -139,6 +139,12 @@ class DistributedConfig:
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
     compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
                                "pass is slower while it compiles)")
+    fp8: bool = opt(False, "train the blocks' Linear layers in float8 (torchao; needs a GPU of compute capability "
+                           "8.9+ such as H100; embeddings and the output projection stay in the run's precision)")
+    fp8_recipe: str = opt("rowwise", "--fp8 scaling: rowwise (a scale per row, more accurate) or tensorwise "
+                                     "(one per tensor, faster)", choices=["rowwise", "tensorwise"])
+    fp8_all_gather: bool = opt(False, "with --fp8 --fp8-recipe tensorwise under --ddp-backend fully_sharded: "
+                                      "all-gather the weights in float8 (half of bf16's bytes)")
     offload_activations: bool = opt(False, "move saved activations to host memory until backward")
     heartbeat_timeout: int = opt(300, "seconds without progress from a rank before the run stops")
     model_parallel_size: int = opt(1, "tensor-parallel ranks per model replica (Megatron's split of every block); "

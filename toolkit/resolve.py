@@ -88,7 +88,35 @@ def resolve(args: argparse.Namespace, explicit: Set[str]) -> Tuple[TrainConfig, 
     _check_conflicts(cfg, explicit)
     cfg, more = _implied_values(cfg)
     _check_values(cfg)
-    return cfg, choices + aliases + more
+    return cfg, choices + aliases + more + _check_fp8(cfg, explicit)
+
+
+def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
+    """``--fp8`` and its options: what they combine with, torchao present, a GPU with float8 matmuls."""
+    dist, common = cfg.distributed, cfg.common
+    if not dist.fp8:
+        for flag in ("fp8_recipe", "fp8_all_gather"):
+            if flag in explicit:
+                raise UserError(f"--{flag.replace('_', '-')} only applies with --fp8; add --fp8 or drop it")
+        return []
+    from toolkit.distributed import float8
+
+    if common.fp16:
+        raise UserError("--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
+                        "without loss scaling; use --bf16")
+    if dist.model_parallel_size > 1:
+        raise UserError("--fp8 with --model-parallel-size > 1: not supported yet; drop one of the two")
+    if dist.fp8_all_gather and (dist.ddp_backend != "fully_sharded" or dist.cpu_offload):
+        raise UserError("--fp8-all-gather casts FSDP2's all-gather to float8: it needs --ddp-backend fully_sharded "
+                        "with the weights on the GPU (not --cpu-offload)")
+    float8.float8_config(dist.fp8_recipe, dist.fp8_all_gather)  # torchao present, recipe and all-gather agree
+    if gpu_in_use(common):
+        float8.check_fp8_device(torch.device("cuda", torch.cuda.current_device()))
+        if not dist.compile:
+            return ["--fp8 without --compile: the float8 casts run as separate kernels and are usually slower "
+                    "than bf16; add --compile"]
+        return []
+    return ["--fp8 on CPU: torch emulates the float8 matmuls (correct, slow; for checking, not for speed)"]
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:

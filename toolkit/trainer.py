@@ -22,6 +22,7 @@ import torch
 
 from toolkit.amp_retries import AmpBatchRetries
 from toolkit.config import TrainConfig
+from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
@@ -103,6 +104,7 @@ class Trainer:
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
         self.overlap = build_offload_overlap(cfg, model, self.optimizer)  # --overlap-offload-step, else None
+        self.after_optimizer_step = float8.after_optimizer_step(model, cfg.distributed.fp8_all_gather)
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
@@ -191,6 +193,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.after_optimizer_step is not None:  # --fp8-all-gather: the next all-gather's float8 scales
+            self.after_optimizer_step()
 
     def finish_pending_steps(self) -> None:
         """Wait for an update still running beside the forward (--overlap-offload-step); no-op otherwise.

@@ -4,7 +4,8 @@ The model is first built on the meta device (no memory), wrapped, then each
 rank materializes only what it holds and fills it with the same values a plain
 build would get for the same seed (``init_weights`` seeds per parameter name).
 
-Order (as torchtitan's ``parallelize_llama``): activation checkpointing wraps each
+Order (as torchtitan's ``parallelize_llama``): ``--fp8`` swaps the blocks' Linear layers for float8
+ones (``float8.py``), activation checkpointing wraps each
 block, ``--compile`` compiles each (wrapped) block in place (``compile.py``), then FSDP2
 ``fully_shard`` each block and the root, then ``to_empty`` + ``init_weights``. DDP wraps a
 materialized model.
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
 from toolkit.distributed.compile import COMPILE_WITH_TENSOR_PARALLEL, apply_compile
+from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.errors import UserError
@@ -146,6 +148,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
     pin = torch.cuda.is_available() and env.device.type == "cuda"
     placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin)
+    if cfg.fp8:
+        apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)  # first: the swap is seen by AC, compile and FSDP2
     if cfg.model_parallel_size > 1:
         return _tensor_parallel(model, cfg, common, env, placement)
     placement.update(dp_rank=env.rank, dp_size=env.world_size)
