@@ -11,6 +11,12 @@ after a random update. Each killed run is resumed once with the same command (it
 the end), then restarted once more (a finished run: the restart must change nothing; the
 last ``--finished-restarts`` runs, default all).
 
+Then the new kinds (issue 19): ``--signal-runs`` runs stopped by SIGINT or SIGTERM the moment
+a save's temporary file appears (consolidated and ``--use-sharded-state`` in turn), each
+resumed to the end; and ``--writer-runs`` runs during which a second ``toolkit-train`` (another
+seed) is started on the same ``--save-dir``: it must stop at once with one line naming the
+first run's pid, and the first run must finish as the reference did.
+
 A run *matches* when every update's logged loss (the killed run's, overridden by the
 resumed run's for the updates it redid) equals the reference's, the final
 ``checkpoint_last.pt`` holds the reference's exact weights, and the restart of the
@@ -199,12 +205,91 @@ def one_run(index: int, args, data_bin: str, reference: dict, rng: random.Random
     return losses_ok and weights_ok and restarted_ok, detail
 
 
+def final_weights_any(save_dir: str) -> Dict[str, torch.Tensor]:
+    """checkpoint_last's model, consolidated (.pt) or sharded (DCP folder)."""
+    folder = os.path.join(save_dir, "checkpoint_last")
+    if os.path.isdir(folder):
+        from toolkit.checkpoint.safe_pickle import dcp_to_state_dict
+
+        return dcp_to_state_dict(folder)["model"]
+    return final_weights(save_dir)
+
+
+def signal_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, str]:
+    """SIGINT/SIGTERM the moment a save's temporary file appears; the resume must finish as the reference."""
+    sig = (signal.SIGINT, signal.SIGTERM)[index % 2]
+    sharded = ["--use-sharded-state"] if (index // 2 + index) % 2 else []  # both formats within 2 runs
+    save_dir = os.path.join(args.workdir, f"signal{index}")
+    cmd = command(data_bin, save_dir, args.updates) + sharded
+    log = os.path.join(args.workdir, f"signal{index}.log")
+    proc = start(cmd, log)
+    wait_for_update(proc, log, 1 + index % max(1, args.updates - 2))
+    while proc.poll() is None and not temp_files(save_dir):
+        pass
+    caught = proc.poll() is None
+    if caught:
+        proc.send_signal(sig)
+    code = proc.wait()
+    merged = losses(log)
+    resume_log = os.path.join(args.workdir, f"signal{index}.resume.log")
+    if start(cmd, resume_log).wait() != 0:
+        return False, f"{sig.name} (exit {code}); resume failed (see {resume_log})"
+    merged.update(losses(resume_log))
+    ok = merged == reference["losses"] and same_weights(final_weights_any(save_dir), reference["weights"])
+    if ok:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return ok, (f"{sig.name} {'during a save' if caught else 'after the end'} ({'sharded' if sharded else 'consolidated'}"
+                f", exit {code}); losses and weights {'=' if ok else '!='} reference")
+
+
+def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, str]:
+    """A second run on the same --save-dir while the first trains: refused, the first unharmed."""
+    sharded = ["--use-sharded-state"] if index % 2 else []
+    save_dir = os.path.join(args.workdir, f"writers{index}")
+    cmd = command(data_bin, save_dir, args.updates) + sharded
+    log, second_log = (os.path.join(args.workdir, f"writers{index}.{n}.log") for n in ("first", "second"))
+    first = start(cmd, log)
+    lock = os.path.join(save_dir, ".toolkit.lock")
+    while first.poll() is None and not os.path.exists(lock):
+        time.sleep(0.005)
+    first.send_signal(signal.SIGSTOP)  # holds the lock (and is mid-run) for as long as the second one takes
+    other = [a if a != "7" else "99" for a in cmd]  # --seed 99
+    try:
+        code = start(other, second_log).wait()
+    finally:
+        first.send_signal(signal.SIGCONT)
+    first_code = first.wait()
+    with open(second_log, errors="replace") as f:
+        said = f.read()
+    named = f"in use by toolkit-train (pid {first.pid} on host " in said and "Traceback" not in said
+    ok = (code == 1 and named and first_code == 0 and losses(log) == reference["losses"]
+          and same_weights(final_weights_any(save_dir), reference["weights"]))
+    if ok:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return ok, (f"second writer exit {code} ({'named the holder' if named else 'DID NOT NAME THE HOLDER'}), first "
+                f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run "
+                f"{'=' if ok else '!='} reference")
+
+
+def run_kind(name: str, runs: int, fn, *fn_args) -> int:
+    matched = 0
+    for i in range(runs):
+        ok, detail = fn(i, *fn_args)
+        matched += ok
+        print(f"{name} {i + 1}/{runs}: {'match' if ok else 'MISMATCH'}: {detail}", flush=True)
+    print(f"{name} matched: {matched}/{runs}")
+    return runs - matched
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20, help="killed runs")
     p.add_argument("--updates", type=int, default=12, help="--max-update of every run")
     p.add_argument("--finished-restarts", type=int, default=None,
                    help="how many runs (the last ones) are restarted once more after they finished (default: all)")
+    p.add_argument("--signal-runs", type=int, default=4,
+                   help="runs stopped by SIGINT/SIGTERM in mid-save (consolidated and sharded in turn)")
+    p.add_argument("--writer-runs", type=int, default=2, help="runs with a second writer on their --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="folder for data, checkpoints and logs (default: a temp dir)")
     args = p.parse_args(argv)
@@ -226,7 +311,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"run {i + 1}/{args.runs}: {'match' if ok else 'MISMATCH'}: {detail}", flush=True)
     print(f"kills during a save (a temporary file was left behind): {during_save}/{args.runs}")
     print(f"matched: {matched}/{args.runs}")
-    return 0 if matched == args.runs else 1
+    failed = run_kind("signal in mid-save", args.signal_runs, signal_run, args, data_bin, reference)
+    failed += run_kind("two writers", args.writer_runs, writers_run, args, data_bin, reference)
+    return 0 if matched == args.runs and not failed else 1
 
 
 if __name__ == "__main__":

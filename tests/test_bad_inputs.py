@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests import dist_helpers as H
+from toolkit.checkpoint import integrity
 
 TRAIN, EVAL, CONSOLIDATE, PREPROCESS = "toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.consolidate", \
     "toolkit_cli.preprocess"
@@ -175,6 +176,8 @@ def _bad_checkpoints(bad, sharded, marker):
     shutil.copytree(f"{sharded}/checkpoint_last", f"{bad}/forged_meta")
     with open(f"{bad}/forged_meta/meta.pt", "wb") as f:
         torch.save({"format": Payload(marker)}, f)
+    for forged in ("forged_sharded", "forged_meta"):  # checksums rewritten too: the allowlist must refuse them
+        integrity.write_folder_checksums(f"{bad}/{forged}")
     shutil.copytree(f"{sharded}/checkpoint_last", f"{bad}/incomplete_sharded")
     os.unlink(f"{bad}/incomplete_sharded/.metadata")
     open(f"{bad}/empty.txt", "w").close()

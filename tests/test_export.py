@@ -64,7 +64,7 @@ def export(path, fmt, out, **kwargs) -> str:
 def test_safetensors_folder_loads_in_hub_with_identical_scores(tmp_path, monkeypatch, overrides):
     path, data_dir = make_checkpoint(tmp_path, **overrides)
     out = export(path, "safetensors", tmp_path / "st")
-    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "model.safetensors", "toolkit_export.json"]
     original = from_pretrained(os.path.dirname(path), data_name_or_path=data_dir, device="cpu")
     with monkeypatch.context() as m:
         m.setattr(torch, "load", lambda *a, **k: pytest.fail("the safetensors folder must load without torch.load"))
@@ -289,7 +289,7 @@ def test_hf_tokenizer_skipped_when_bpe_tokens_are_missing_from_the_dictionary(tm
     pytest.importorskip("transformers")
     path, _ = make_checkpoint(tmp_path, data_dir=make_bpe_data_bin(tmp_path, "hf_byte_bpe", full_dictionary=False))
     out = export(path, "hf", tmp_path / "hf")
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "toolkit_export.json"]
 
 
 # ---- import from Hugging Face -----------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_import_gpt2_logits_match(tmp_path, tied):
 
     hf = save_tiny_gpt2(tmp_path / "gpt2", tied=tied)
     out = run_export(ExportConfig(path=str(tmp_path / "gpt2"), import_from="hf", out=str(tmp_path / "imported")))
-    assert sorted(os.listdir(out)) == ["bpe.json", "dict.txt", "encoder.json", "model.pt", "vocab.bpe"]
+    assert sorted(os.listdir(out)) == ["bpe.json", "dict.txt", "encoder.json", "model.pt", "toolkit_export.json", "vocab.bpe"]
     model, task, args = load_model(os.path.join(out, "model.pt"))
     d = Dictionary.load(os.path.join(out, "dict.txt"))
     eot = hf.config.eos_token_id

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.dist_helpers import make_lm_data_bin
 from tests.train_helpers import run_cli, train
-from toolkit.checkpoint import safe_pickle
+from toolkit.checkpoint import integrity, safe_pickle
 from toolkit.errors import UserError
 
 
@@ -118,6 +118,7 @@ def test_forged_sharded_checkpoint(forgery, data_bin, sharded_run, tmp_path):
         forge_dcp_item(folder, marker)
     else:
         forge_torch_file(os.path.join(folder, "meta.pt"), marker)
+    integrity.write_folder_checksums(folder)  # a forger who rewrites the checksums: the allowlist must still hold
     resumed = train(data_bin, save, "--max-update", "4", "--use-sharded-state", "--disable-validation", check=False)
     line = one_error_line(resumed, "toolkit-train")
     consolidated = run_cli("toolkit_cli.consolidate", [folder, "-o", str(tmp_path / "out.pt")])

@@ -60,6 +60,7 @@ def train(cfg: TrainConfig) -> None:
     state.epoch_itr = train_iterator(cfg, trainer, epoch=position.get("epoch", 1) if position else 1)
     if position and not cfg.checkpoint.reset_dataloader:
         state.epoch_itr.load_state_dict(position)
+        log_update_freq_change(position, cfg.optimization.update_freq)
     done = manager.finished_reason(cfg, trainer, state.epoch_itr) if position is not None else None
     if done:  # a finished run restarted: nothing is trained or written
         if env.is_master:
@@ -75,6 +76,14 @@ def train(cfg: TrainConfig) -> None:
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
+
+
+def log_update_freq_change(position: dict, update_freq: int) -> None:
+    """--update-freq only groups the batches: the run resumes at the same sample, with other updates."""
+    saved = position.get("update_freq")
+    if saved is not None and saved != update_freq and position.get("samples_in_epoch"):
+        logger.info(f"--update-freq {saved} -> {update_freq}: resuming at sample {position['samples_in_epoch']} "
+                    f"of epoch {position.get('epoch')}, {update_freq} batches per update from here")
 
 
 def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] = ()) -> Trainer:

@@ -40,14 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output(flag: str, output: str, force: bool) -> None:
+    """The output is one file: a folder (even with --force) or an existing file without --force is refused."""
+    if os.path.isdir(output):
+        raise UserError(f"{flag} {output}: is a folder; give the file to write, e.g. "
+                        f"{os.path.join(output, 'checkpoint.pt')}")
+    if os.path.exists(output) and not force:
+        raise UserError(f"{output}: already exists; pass --force to overwrite it or {flag} to write elsewhere")
+
+
 def to_fairseq(args: argparse.Namespace) -> str:
     import tempfile
 
     from toolkit.checkpoint import fairseq_export, sharded
 
     output = args.to_fairseq
-    if os.path.exists(output) and not args.force:
-        raise UserError(f"{output}: already exists; pass --force to overwrite it")
+    check_output("--to-fairseq", output, args.force)
     folder = None if os.path.isfile(args.checkpoint) else sharded.find_sharded(args.checkpoint)
     if folder is None:
         summary = fairseq_export.export(args.checkpoint, output)
@@ -71,8 +79,7 @@ def main(args: argparse.Namespace) -> str:
         raise UserError(f"{args.checkpoint}: no complete sharded checkpoint there (a folder with "
                         f"{sharded.DCP_INDEX} and {sharded.META_FILE}, as toolkit-train --use-sharded-state writes)")
     output = args.output or sharded.folder_name(os.path.normpath(args.checkpoint)) + ".pt"
-    if os.path.exists(output) and not args.force:
-        raise UserError(f"{output}: already exists; pass --force to overwrite it or -o to write elsewhere")
+    check_output("-o", output, args.force)
     summary = sharded.consolidate(folder, output, include_optimizer=not args.no_optimizer)
     print(f"{PROG}: wrote {output}: {summary['tensors']} tensors, {summary['params']} parameters"
           f"{', optimizer state' if summary['optimizer'] else ''} (from {summary['world_size']} shards in {folder})")

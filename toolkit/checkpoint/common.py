@@ -73,8 +73,11 @@ class TrainingState:
         from toolkit.checkpoint.identity import HASH_KEY
         from toolkit.logging import metrics
 
+        position = self.epoch_itr.state_dict() if self.epoch_itr is not None else None
+        if position is not None:
+            position["update_freq"] = self.trainer.cfg.optimization.update_freq  # for the resume's log line
         state = {
-            "train_iterator": self.epoch_itr.state_dict() if self.epoch_itr is not None else None,
+            "train_iterator": position,
             "val_loss": self.val_loss,
             "best": self.best.best,
             "trainer": self.trainer.state_dict(),

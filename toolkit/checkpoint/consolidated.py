@@ -34,6 +34,7 @@ from toolkit.checkpoint.common import (
     prune,
     switch_optimizer_state,
 )
+from toolkit.checkpoint import integrity
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.errors import UserError
@@ -90,6 +91,7 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
     """Read a consolidated checkpoint; refuses anything that needs unpickling arbitrary objects."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: checkpoint not found")
+    integrity.check_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, or a pickle with arbitrary objects: one line naming what was refused

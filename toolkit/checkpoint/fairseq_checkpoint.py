@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.checkpoint import fairseq_pickle
+from toolkit.checkpoint import fairseq_pickle, integrity
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     """A toolkit or fairseq checkpoint: ``weights_only`` first, the fairseq allowlist when that refuses."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: checkpoint not found")
+    integrity.check_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # config objects (fairseq's Namespace / omegaconf): the allowlist decides

@@ -45,7 +45,7 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
     try:
         if ckpt_cfg.use_sharded_state:
             folder = os.path.join(ckpt_cfg.save_dir, sharded.folder_name(names[0]))
-            with write_errors.reported(folder, ckpt_cfg.save_dir, remove=sharded._tmp_path(folder)):
+            with write_errors.reported(folder, ckpt_cfg.save_dir, remove=sharded.tmp_path(folder)):
                 sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name,
                              env)
         else:

@@ -6,12 +6,14 @@ Layout: one folder per checkpoint name, ``checkpoint_last.pt`` -> ``SAVE_DIR/che
         .metadata          DCP's index of every tensor's shards (written last, by rank 0)
         __0_0.distcp ...   each rank's shard of the model and optimizer state
         meta.pt            cfg, extra state (data position, LR schedule, meters), optimizer name
+        checksums.json     CRC-32 and size of every file above (checked before loading)
 
 Model and optimizer states are keyed by parameter name (``get_state_dict``), so a
 checkpoint saved on W ranks loads on any other world size, sharded or not (DCP
 reshards on load), and into DDP or plain models as well as FSDP2.
 
-Atomicity: every rank writes into ``SAVE_DIR/.checkpoint_last.tmp/``; only after DCP's
+Atomicity: every rank writes into ``SAVE_DIR/.checkpoint_last.PID-RANDOM.tmp/`` (named by rank 0's PID and
+a random part, so no two runs share one); only after DCP's
 ``.metadata`` (which rank 0 writes once all ranks' shards are on disk) and ``meta.pt``
 exist, and a barrier, does rank 0 rename the folder into place (the previous one is
 moved aside first and removed after). A rank killed mid-save leaves an incomplete
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit.checkpoint import integrity
 from toolkit.checkpoint.common import (
     TrainingState,
     check_compatible,
@@ -48,7 +53,7 @@ from toolkit.checkpoint.common import (
 )
 from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.config import CheckpointConfig
-from toolkit.distributed.utils import barrier
+from toolkit.distributed.utils import barrier, broadcast_object
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_write
 from toolkit.logging.step_progress import StepProgress
@@ -68,12 +73,43 @@ def folder_name(name: str) -> str:
     return name[:-3] if name.endswith(".pt") else name
 
 
-def _tmp_path(folder: str) -> str:
-    return os.path.join(os.path.dirname(folder), "." + os.path.basename(folder) + ".tmp")
+_RUN_TOKEN: List[str] = []
+
+
+def run_token() -> str:
+    """``PID-RANDOM`` of rank 0, the same on every rank (collective on first use): temporary names unique
+    to this run, so two runs (or a run and a leftover) never write into one temporary folder."""
+    if not _RUN_TOKEN:
+        _RUN_TOKEN.append(broadcast_object(f"{os.getpid()}-{secrets.token_hex(4)}"))
+    return _RUN_TOKEN[0]
+
+
+def tmp_path(folder: str) -> str:
+    """``.checkpoint_last.PID-RANDOM.tmp``: where a save writes before publishing (every rank calls it)."""
+    return os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.{run_token()}.tmp")
 
 
 def _old_path(folder: str) -> str:
-    return os.path.join(os.path.dirname(folder), "." + os.path.basename(folder) + ".old")
+    return os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.{run_token()}.old")
+
+
+def _aside_candidates(folder: str) -> List[str]:
+    """Temporary (newer first) then moved-aside folders of ``folder``, of any run (older names included)."""
+    parent, base = os.path.dirname(folder) or ".", os.path.basename(folder)
+    found: Dict[str, List[str]] = {"tmp": [], "old": []}
+    pattern = re.compile(re.escape(f".{base}") + r"(?:\.\d+-[0-9a-f]{8})?\.(tmp|old)")
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        m = pattern.fullmatch(name)
+        if m:
+            found[m.group(1)].append(os.path.join(parent, name))
+    return [path for kind in ("tmp", "old") for path in sorted(found[kind], key=_mtime, reverse=True)]
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(os.path.join(path, META_FILE))
+    except OSError:
+        return 0.0
 
 
 def is_complete(folder: str) -> bool:
@@ -87,7 +123,7 @@ def find_sharded(path: str) -> Optional[str]:
     if os.path.isdir(folder):
         return folder if is_complete(folder) else None
     # Crash between "move the old one aside" and "move the new one in": take the newest complete one.
-    for candidate in (_tmp_path(folder), _old_path(folder)):
+    for candidate in _aside_candidates(folder):
         if is_complete(candidate):
             logger.warning(f"{folder}: missing after an interrupted save; using {candidate}")
             return candidate
@@ -125,10 +161,10 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
          optimizer_name: Optional[str], env) -> None:
     """Collective: every rank writes its shard of ``names[0]``; rank 0 publishes it (and copies to the others)."""
     folders = [os.path.join(cfg.save_dir, folder_name(n)) for n in names]
-    tmp = _tmp_path(folders[0])
+    tmp = tmp_path(folders[0])
     if env.is_master:
         os.makedirs(cfg.save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this run that failed
         os.makedirs(tmp)
     barrier()
     dcp.save(_sharded_state(trainer, optimizer_name is not None), storage_writer=_writer(tmp))
@@ -137,9 +173,10 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
             torch.save(_meta(run_cfg, state, optimizer_name, env.world_size), f)
     barrier()  # every shard, DCP's index and meta.pt are on disk
     if env.is_master:
+        integrity.write_folder_checksums(tmp)
         _publish(tmp, folders[0])
         for other in folders[1:]:
-            other_tmp = _tmp_path(other)
+            other_tmp = tmp_path(other)
             shutil.rmtree(other_tmp, ignore_errors=True)
             _link_tree(folders[0], other_tmp)
             _publish(other_tmp, other)
@@ -226,6 +263,7 @@ def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str
 
     Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
+    integrity.check_folder(folder)
     meta = read_meta(folder)
     shapes = {k[len("model."):]: v for k, v in tensor_shapes(folder).items() if k.startswith("model.")}
     check_compatible(folder, meta.get("cfg", {}), model_cfg, vocabulary_rows(shapes), len(trainer.task.dictionary))
@@ -262,6 +300,7 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
     """
     if not is_complete(folder):
         raise UserError(f"{folder}: not a complete sharded checkpoint (needs {DCP_INDEX} and {META_FILE})")
+    integrity.check_folder(folder)
     with StepProgress(2, "consolidate", logger_name=__name__) as progress:
         meta = read_meta(folder)
         full = dcp_to_state_dict(folder)

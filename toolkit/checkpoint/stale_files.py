@@ -3,7 +3,8 @@
 Only names our own writers produce are touched:
 
 - ``atomic_write``: ``.NAME.XXXXXXXX.tmp`` files (``tempfile.mkstemp``'s 8 random characters);
-- sharded saves: ``.checkpoint_X.tmp`` / ``.checkpoint_X.old`` folders, and only when the
+- sharded saves: ``.checkpoint_X.PID-RANDOM.tmp`` / ``.checkpoint_X.PID-RANDOM.old`` folders (and the
+  older ``.checkpoint_X.tmp`` / ``.checkpoint_X.old``), and only when the
   complete ``checkpoint_X`` folder exists (otherwise one of them *is* the checkpoint, after
   a crash between two renames, and :func:`toolkit.checkpoint.sharded.find_sharded` loads it);
 - consolidation's former scratch file ``.NAME.pt.dcp.tmp``.
@@ -19,7 +20,7 @@ from typing import List
 logger = logging.getLogger(__name__)
 
 ATOMIC_WRITE_TMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
-SHARDED_TMP = re.compile(r"\.(checkpoint[^/]*)\.(tmp|old)")
+SHARDED_TMP = re.compile(r"\.(checkpoint[^/]*?)(?:\.\d+-[0-9a-f]{8})?\.(tmp|old)")
 DCP_SCRATCH = re.compile(r"\..+\.pt\.dcp\.tmp")
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from toolkit.data.sample_position import Batching, EpochPlan, resume_plan, sampler_state, samples_consumed
 from toolkit.errors import UserError
 
 
@@ -110,7 +111,8 @@ class EpochBatchIterator:
     """
 
     def __init__(self, dataset, collate_fn: Callable, batch_sampler: Iterable[Sequence[int]], seed: int = 1,
-                 num_shards: int = 1, shard_id: int = 0, num_workers: int = 0, epoch: int = 1):
+                 num_shards: int = 1, shard_id: int = 0, num_workers: int = 0, epoch: int = 1,
+                 batching: Optional[Batching] = None):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in [0, {num_shards})")
         self.dataset = dataset
@@ -124,6 +126,9 @@ class EpochBatchIterator:
         self.shuffle = True
         self._cur_epoch_itr: Optional[CountingIterator] = None
         self._next_epoch_itr: Optional[CountingIterator] = None
+        self.batching = batching  # how the batches were made (remakes them for a saved sample position)
+        self._sampler: Optional[Dict[str, Any]] = None
+        self._plan: Optional[EpochPlan] = None  # the epoch's global batch list (None: the shuffled frozen one)
 
     def __len__(self) -> int:
         """Batches per rank per epoch (dummies included)."""
@@ -153,6 +158,7 @@ class EpochBatchIterator:
         if self._next_epoch_itr is not None:
             self._cur_epoch_itr, self._next_epoch_itr = self._next_epoch_itr, None
         else:
+            self._plan = None  # a new epoch: this run's batching from its start
             self._cur_epoch_itr = self._iterator_for_epoch(self.epoch, shuffle)
             self.shuffle = shuffle
         return self._cur_epoch_itr
@@ -170,17 +176,40 @@ class EpochBatchIterator:
             return self._next_epoch_itr.n
         return 0
 
+    @property
+    def sampler(self) -> Dict[str, Any]:
+        """This iterator's batching, as a checkpoint records it (see :mod:`toolkit.data.sample_position`)."""
+        if self._sampler is None:
+            self._sampler = sampler_state(self.frozen_batches, self.seed, self.batching)
+        return self._sampler
+
+    def _epoch_plan(self) -> EpochPlan:
+        if self._plan is not None:
+            return self._plan
+        return EpochPlan(self.epoch_batches(self.epoch, self.shuffle), 0, self.sampler)
+
     def state_dict(self) -> Dict[str, Any]:
+        """The position: batches this rank consumed and (what a resume uses) samples consumed in the epoch."""
         if self.end_of_epoch():
-            return {"epoch": self.epoch + 1, "iterations_in_epoch": 0, "shuffle": bool(self.shuffle)}
-        return {"epoch": int(self.epoch), "iterations_in_epoch": int(self.iterations_in_epoch),
-                "shuffle": bool(self.shuffle)}
+            return {"epoch": self.epoch + 1, "iterations_in_epoch": 0, "shuffle": bool(self.shuffle),
+                    "samples_in_epoch": 0, "sampler": self.sampler}
+        n = int(self.iterations_in_epoch)
+        plan = self._epoch_plan()
+        return {"epoch": int(self.epoch), "iterations_in_epoch": n, "shuffle": bool(self.shuffle),
+                "samples_in_epoch": samples_consumed(plan, n, self.num_shards), "sampler": plan.origin}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         offset = int(state.get("iterations_in_epoch", 0))
         self.shuffle = bool(state.get("shuffle", True))
         self._cur_epoch_itr = None
+        self._plan = None
+        if state.get("samples_in_epoch"):  # a sample position (older checkpoints: a batch count)
+            offset, self._plan = resume_plan(state, self.epoch, self.shuffle, self.frozen_batches, self.sampler,
+                                             self.batching, self.num_shards)
+            if self._plan is not None:
+                self._next_epoch_itr = self._iterator_for_epoch(self.epoch, self.shuffle)
+                return
         if offset > 0:
             if offset >= len(self):
                 raise UserError(
@@ -201,15 +230,16 @@ class EpochBatchIterator:
 
     def shard_batches(self, epoch: int, shuffle: bool = True) -> List[np.ndarray]:
         """This rank's batches of ``epoch``, the dummy (if any) last."""
-        batches = self.epoch_batches(epoch, shuffle)
+        batches = self._plan.batches if self._plan is not None else self.epoch_batches(epoch, shuffle)
         mine = batches[self.shard_id::self.num_shards]
-        if len(mine) < len(self):
+        if batches and len(mine) < math.ceil(len(batches) / self.num_shards):
             mine.append(batches[0])
         return mine
 
     def _iterator_for_epoch(self, epoch: int, shuffle: bool, offset: int = 0) -> CountingIterator:
         mine = self.shard_batches(epoch, shuffle)
-        num_real = len(range(self.shard_id, len(self.frozen_batches), self.num_shards))
+        total = len(self._plan.batches) if self._plan is not None else len(self.frozen_batches)
+        num_real = len(range(self.shard_id, total, self.num_shards))
         loader = _BatchLoader(self.dataset, self.collate_fn, mine, num_real)
         positions = range(offset, len(mine))
         if self.num_workers > 0:

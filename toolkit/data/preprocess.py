@@ -36,6 +36,7 @@ from toolkit.data.binarizer import (
 )
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
+from toolkit import folder_lock
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_directory
 
@@ -122,8 +123,8 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str] = None,
-                 bpe_cfg: Any = None) -> None:
-    """Every problem that can be seen before any work starts, as one UserError."""
+                 bpe_cfg: Any = None) -> List[str]:
+    """Every problem that can be seen before any work starts, as one UserError; returns the input files."""
     if cfg.dataset_impl != "mmap":
         raise UserError(f"--dataset-impl {cfg.dataset_impl}: only mmap is supported")
     if cfg.encoding_errors not in ENCODING_ERRORS:
@@ -158,6 +159,12 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         else:
             cls(bpe_cfg)  # load the given model files now, so a bad one is reported under its own path
         inputs += [getattr(bpe_cfg, f) for f in cls.model_files if getattr(bpe_cfg, f)]
+    check_destdir(cfg, splits, inputs)
+    return inputs
+
+
+def check_destdir(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], inputs: List[str]) -> None:
+    """--destdir new or empty (or --overwrite, or splits added to a data-bin); checked again under its lock."""
     dest = cfg.destdir
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
@@ -283,11 +290,20 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
             raise UserError(str(e)) from None
         tokenizer_cls = tokenizer_class(bpe)
     splits = plan_splits(cfg)
-    check_inputs(cfg, splits, bpe, bpe_cfg)
+    inputs = check_inputs(cfg, splits, bpe, bpe_cfg)
     if logger.level == logging.NOTSET:
         logger.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
-    if adds_to_data_bin(cfg):
-        return add_splits(cfg, [] if cfg.dict_only else splits, args)
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
+    with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
+        check_destdir(cfg, splits, inputs)  # again: another run may have written it meanwhile
+        if adds_to_data_bin(cfg):
+            return add_splits(cfg, [] if cfg.dict_only else splits, args)
+        return _build_data_bin(cfg, splits, bpe, bpe_cfg, tokenizer_cls, args)
+
+
+def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str], bpe_cfg: Any,
+                    tokenizer_cls: Any, args: Any) -> PreprocessResult:
+    """A new data-bin in a temporary folder beside --destdir, renamed into place at the end."""
     timings: Dict[str, float] = {}
     with atomic_directory(cfg.destdir) as tmp:
         handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")

@@ -22,6 +22,7 @@ by the resolver), and ``srun ... --distributed-port P`` reads the job's layout f
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing.connection
@@ -36,6 +37,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from toolkit import folder_lock
 from toolkit.config import TrainConfig
 from toolkit.distributed import heartbeat, parent_watch, slurm
 from toolkit.distributed.utils import shutdown, under_launcher
@@ -48,13 +50,34 @@ HOSTED_STORE_ENV = "TOOLKIT_LAUNCHER_STORE"  # "1": the launcher hosts the store
 
 
 def run(main: Callable, cfg: TrainConfig) -> None:
-    """Run ``main(cfg)`` as this process's rank, or spawn ``--distributed-world-size`` workers."""
+    """Run ``main(cfg)`` as this process's rank, or spawn ``--distributed-world-size`` workers.
+
+    The process that stands for the whole run (the launcher, or rank 0 under torchrun/srun)
+    holds the ``--save-dir`` lock meanwhile: a second run on the same folder stops at once.
+    """
+    plan = None if under_launcher() else slurm_plan(cfg)
+    with save_dir_lock(cfg, plan):
+        _run(main, cfg, plan)
+
+
+def save_dir_lock(cfg: TrainConfig, plan: Optional[slurm.TaskLayout]):
+    """The ``--save-dir`` lock when this process is the run's writer (nothing to hold otherwise)."""
+    if under_launcher():
+        writer = _rank() == 0 and os.environ.get(HOSTED_STORE_ENV) != "1"  # our spawner's workers: it holds it
+    else:
+        writer = plan is None or plan.start_rank == 0
+    if not writer or cfg.checkpoint.no_save:
+        return contextlib.nullcontext()
+    save_dir = cfg.checkpoint.save_dir
+    return folder_lock.hold_folder(save_dir, f"--save-dir {save_dir}", PROG)
+
+
+def _run(main: Callable, cfg: TrainConfig, plan: Optional[slurm.TaskLayout]) -> None:
     if under_launcher():
         code = run_worker(main, cfg)
         if code:
             sys.exit(code)
         return
-    plan = slurm_plan(cfg)
     if plan is not None:
         code = run_slurm_task(main, cfg, plan)
         if code:

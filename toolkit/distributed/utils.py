@@ -228,6 +228,8 @@ def rescale_iterator_state(state: Optional[Dict[str, Any]], saved_world_size: Op
     """
     if not state or not saved_world_size or saved_world_size == world_size:
         return state
+    if "samples_in_epoch" in state:  # a sample count: the iterator maps it onto any number of replicas
+        return state
     n = int(state.get("iterations_in_epoch", 0))
     consumed = n * int(saved_world_size)
     if consumed % world_size:

@@ -9,6 +9,7 @@ from typing import Optional
 from toolkit.config import opt
 from toolkit.errors import UserError
 from toolkit.export.common import DTYPES, LoadedModel, StepProgress
+from toolkit.export.target import check_target
 
 logger = logging.getLogger("toolkit.export")
 
@@ -21,7 +22,9 @@ class ExportConfig:
     path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
     format: Optional[str] = opt(None, "what to write: safetensors (weights + config, no pickle), onnx "
                                       "(decoder graphs) or hf (a transformers folder)", choices=list(FORMATS))
-    out: Optional[str] = opt(None, "output folder (written atomically: complete or absent)")
+    out: Optional[str] = opt(None, "output folder, new or empty (written atomically: complete or absent)")
+    force: bool = opt(False, "replace --out when it holds an earlier export (its toolkit_export.json lists "
+                             "every file there); never any other folder")
     data: Optional[str] = opt(None, "data-bin with dict.txt and the BPE model (default: the one the "
                                     "checkpoint was trained on)")
     dtype: str = opt("fp32", "weight dtype of --format safetensors|hf", choices=list(DTYPES))
@@ -51,6 +54,7 @@ def _check(cfg: ExportConfig) -> None:
         raise UserError(f"--kv-cache: applies to --format onnx only (not {cfg.import_from or cfg.format})")
     if os.path.abspath(cfg.out) == os.path.abspath(cfg.path):
         raise UserError(f"--out {cfg.out}: is the input itself; choose another folder")
+    check_target(cfg.out, cfg.path, cfg.force)
 
 
 def load(cfg: ExportConfig) -> LoadedModel:

@@ -32,7 +32,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.export.common import DTYPES, StepProgress, require
-from toolkit.fileio import atomic_directory
+from toolkit.export.target import export_directory
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32")
     require("transformers", "transformers")
     model = loaded.model
     name = choose_class(model, hf_class)
-    with StepProgress(4, "hf") as progress, atomic_directory(out_dir) as tmp:
+    with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
         architecture, config, state = CONVERTERS[name](model, model.state_dict())
         progress.advance(f"{architecture}: {len(state)} tensors")
         _write_weights(state, os.path.join(tmp, "model.safetensors"), dtype)

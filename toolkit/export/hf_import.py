@@ -28,7 +28,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.export.common import StepProgress, require
-from toolkit.fileio import atomic_directory
+from toolkit.export.target import export_directory
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = No
     transformers = require("transformers", "transformers")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
-    with StepProgress(4, "import") as progress, atomic_directory(out_dir) as tmp:
+    with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
         config = transformers.AutoConfig.from_pretrained(folder)
         check_config(folder, config)
         hf = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from toolkit.errors import UserError
 from toolkit.export.common import StepProgress, copy_data_bin_files, require
-from toolkit.fileio import atomic_directory
+from toolkit.export.target import export_directory
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAU
         require(module)
     model = loaded.model
     steps = 4 if kv_cache else 3
-    with StepProgress(steps, "onnx") as progress, atomic_directory(out_dir) as tmp, torch.no_grad():
+    with StepProgress(steps, "onnx") as progress, export_directory(out_dir) as tmp, torch.no_grad():
         export_decoder(model, os.path.join(tmp, DECODER), opset)
         progress.advance(f"exported {DECODER} (opset {opset})")
         if kv_cache:

@@ -17,7 +17,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.export.common import DTYPES, StepProgress, copy_data_bin_files, require
-from toolkit.fileio import atomic_directory
+from toolkit.export.target import export_directory
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -64,7 +64,7 @@ def export_config(loaded, dtype: str, aliases: Dict[str, str]) -> Dict[str, Any]
 def export_safetensors(loaded, out_dir: str, dtype: str = "fp32") -> str:
     """Write the folder (atomically: it appears complete or not at all); returns its path."""
     save_file = require("safetensors.torch", "safetensors").save_file
-    with StepProgress(3, "safetensors") as progress, atomic_directory(out_dir) as tmp:
+    with StepProgress(3, "safetensors") as progress, export_directory(out_dir) as tmp:
         state = {k: v.detach().to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v.detach()
                  for k, v in loaded.model.state_dict().items()}
         tensors, aliases = dedupe_shared(state)

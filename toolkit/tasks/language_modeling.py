@@ -20,6 +20,7 @@ from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset
+from toolkit.data.sample_position import Batching
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.errors import UserError
 from toolkit.registry import CRITERION_REGISTRY, register_task
@@ -177,10 +178,27 @@ class LanguageModelingTask:
                     raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample "
                                     f"or use a break mode that bounds the sample size")
                 logger.warning(f"{msg}; skipping them")
-        batches = batch_by_size(indices, dataset.sizes, max_tokens=max_tokens, max_sentences=batch_size,
-                                required_batch_size_multiple=required_batch_size_multiple)
-        return EpochBatchIterator(dataset, dataset.collater, batches, seed=seed, num_shards=num_shards,
-                                  shard_id=shard_id, num_workers=num_workers, epoch=epoch)
+        flags = {"max_tokens": max_tokens, "batch_size": batch_size,
+                 "required_batch_size_multiple": required_batch_size_multiple}
+        batching = self._batching(dataset, flags, max_positions)
+        return EpochBatchIterator(dataset, dataset.collater, batching.make(indices, flags), seed=seed,
+                                  num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
+                                  batching=batching)
+
+    def _batching(self, dataset: MonolingualDataset, flags: Dict[str, Any], max_positions: Optional[int]) -> Batching:
+        """How the batches are made, so a checkpoint's sample position maps onto other --batch-size etc."""
+        def ordered(seed: int):
+            indices = dataset.ordered_indices(seed)
+            return indices if max_positions is None else filter_by_size(indices, dataset.seq_lengths(),
+                                                                        max_positions)[0]
+
+        def make(indices, batch_flags: Dict[str, Any]):
+            return batch_by_size(indices, dataset.sizes, max_tokens=batch_flags["max_tokens"],
+                                 max_sentences=batch_flags["batch_size"],
+                                 required_batch_size_multiple=batch_flags["required_batch_size_multiple"])
+
+        samples = {"tokens_per_sample": self.cfg.tokens_per_sample, "sample_break_mode": self.cfg.sample_break_mode}
+        return Batching(ordered, make, flags, samples)
 
     # --- components -----------------------------------------------------------------
     def build_model(self, cfg: Any):

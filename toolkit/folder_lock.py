@@ -1,0 +1,119 @@
+"""One writer per folder: an advisory ``fcntl.flock`` lock held for a whole run.
+
+``toolkit-train`` locks ``--save-dir`` (the file ``SAVE_DIR/.toolkit.lock``, taken by the
+process that launches the ranks, or rank 0 under torchrun, so a multi-rank run is one
+writer) and ``toolkit-preprocess`` locks ``--destdir`` (the file ``.NAME.lock`` beside it,
+since the data-bin folder itself is renamed into place). A second run on the same folder
+stops before touching anything, with one line naming the holder's PID and host, which the
+holder writes into the lock file.
+
+The kernel releases a ``flock`` when its holder exits, even on ``kill -9``, so a lock never
+outlives its run; the file itself is removed on a clean release (a killed run leaves it,
+unlocked, and the next run simply takes it). Removing a lock file another process may be
+waiting on is safe because a taker checks, after locking, that the file it locked is still
+the one at the path.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from typing import Iterator, Optional
+
+from toolkit.errors import UserError
+
+SAVE_DIR_LOCK = ".toolkit.lock"
+
+
+def beside(folder: str) -> str:
+    """The lock file of a folder that is replaced as a whole: ``PARENT/.NAME.lock``."""
+    folder = os.path.abspath(folder)
+    return os.path.join(os.path.dirname(folder), "." + os.path.basename(folder) + ".lock")
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from what the holder wrote into the file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+    except (OSError, ValueError, UnicodeDecodeError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "another process (it has not written its PID yet)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+    return f"{info.get('prog', 'another run')} (pid {info['pid']} on host {info.get('host', '?')}, since {since})"
+
+
+def _take(path: str, flag: str) -> Optional[int]:
+    """The locked file's descriptor, or None when the file was replaced meanwhile (try again)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise
+        holder = _holder(fd)
+        os.close(fd)
+        raise UserError(f"{flag}: in use by {holder}; one run writes a folder at a time: wait for it to "
+                        f"finish, or choose another {flag.split()[0]}") from None
+    try:
+        same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:  # the previous holder removed it between our open and our lock
+        os.close(fd)
+        return None
+    return fd
+
+
+def _acquire(path: str, flag: str, prog: str) -> int:
+    while True:
+        fd = _take(path, flag)
+        if fd is not None:
+            break
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "prog": prog, "since": time.time(),
+            "argv": sys.argv[1:]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def hold(path: str, flag: str, prog: str) -> Iterator[None]:
+    """Hold the lock file ``path`` for the block; ``flag`` (e.g. ``--save-dir ckpt``) names the folder."""
+    try:
+        fd = _acquire(path, flag, prog)
+    except OSError as e:
+        raise UserError(f"{flag}: cannot create the lock file {path} ({e.strerror or e}); check that the "
+                        f"folder is writable, or choose another {flag.split()[0]}") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold_folder(folder: str, flag: str, prog: str) -> Iterator[None]:
+    """Lock ``folder`` (created if missing, and removed again if the run leaves it empty) for the block."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"{flag}: exists and is not a folder; choose another {flag.split()[0]}")
+    created = not os.path.isdir(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag}: cannot create the folder ({e.strerror or e}); check the path and its "
+                        f"permissions, or choose another {flag.split()[0]}") from None
+    try:
+        with hold(os.path.join(folder, SAVE_DIR_LOCK), flag, prog):
+            yield
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only if empty: nothing was written
