@@ -41,7 +41,8 @@ def check_config(folder: str, config) -> None:
     """Refuse (one line, naming the setting) what our model cannot compute exactly."""
     where = os.path.join(folder, "config.json")
     if config.model_type != "gpt2":
-        raise UserError(f"{where}: model_type {config.model_type!r}; --from hf imports GPT2LMHeadModel folders")
+        raise UserError(f"{where}: model_type {config.model_type!r}; --from hf imports GPT2LMHeadModel, "
+                        "LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM folders")
     if config.activation_function not in ACTIVATIONS:
         raise UserError(f"{where}: activation_function {config.activation_function!r} has no toolkit equivalent")
     if abs(config.layer_norm_epsilon - 1e-5) > 1e-12:
@@ -168,8 +169,6 @@ def training_flags(arch: str, given: Dict[str, object]) -> str:
 def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None) -> str:
     """Write ``out_dir`` (atomically) from the GPT2LMHeadModel in ``folder``."""
     transformers = require("transformers", "transformers")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
     with StepProgress(4, "import") as progress, atomic_directory(out_dir) as tmp:
         config = transformers.AutoConfig.from_pretrained(folder)
         check_config(folder, config)
