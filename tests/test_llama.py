@@ -5,10 +5,10 @@ positions continuing) equals the full forward; generation with and without the c
 per token; shape errors are one line.
 
 Through toolkit-train (a tiny Llama, GQA 4:2, untied, on the deterministic data-bin of
-tests/dist_helpers.py): one process with --update-freq 2 is the reference; its loss falls; 2-rank
-FSDP2 and 2-rank DDP match it, as does one process with --checkpoint-activations --compile
-(aot_eager); a run stopped at update 4 resumes exactly; eval-lm and generation drive the trained
-checkpoint.
+tests/dist_helpers.py): one process with --update-freq 2 is the reference (the loss falls on real
+text); 2-rank FSDP2, 2-rank DDP and tensor parallelism over 2 ranks (KV heads split; with and without sequence
+parallelism) match it, as does one process with --checkpoint-activations --compile (aot_eager);
+a run stopped at update 4 resumes exactly; eval-lm and generation drive the trained checkpoint.
 """
 from __future__ import annotations
 
@@ -177,6 +177,27 @@ def test_two_ranks_match_one_process(data_bin, baseline, tmp_path, backend):
     assert "training on 2 devices" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"])
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+@pytest.mark.parametrize("flags", [["--ddp-backend", "fully_sharded"],
+                                   ["--no-sequence-parallel", "--checkpoint-activations"]],
+                         ids=["sequence_parallel", "replicated_activations"])
+def test_tensor_parallel_two_ranks_match_one_process(data_bin, baseline, tmp_path, flags):
+    """M=2 splits the 4 query heads and the 2 key/value heads: one of each group per rank."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--update-freq", "2", "--distributed-world-size",
+                 "2", "--model-parallel-size", "2", *flags)
+    assert "tensor parallel: 2 ranks per replica, 1 data-parallel replicas" in proc.stdout
+    assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"])
+    assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+def test_tensor_parallel_refuses_kv_heads_it_cannot_split(data_bin, tmp_path):
+    proc = H.run_cli([data_bin] + llama_args(tmp_path) + ["--decoder-kv-heads", "1", "--distributed-world-size", "2",
+                                                          "--model-parallel-size", "2"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert lines == ["toolkit-train: error: --decoder-kv-heads 1: must be divisible by --model-parallel-size 2 (each "
+                     "rank holds whole heads and an equal share); choose a model parallel size that divides it"]
 
 
 def test_checkpoint_activations_and_compile_match_eager(data_bin, baseline, tmp_path):
