@@ -33,6 +33,11 @@
 #            then xl_bf16 / xl_fsdp again with --compile (issue 15's aims: MFU >= 0.50 without
 #            sharding, >= 0.48 fully_sharded; the log's "--compile: the first training pass took"
 #            line gives the compile time) and a profile of one compiled xl step
+#   llama    the Llama family (issue 21): a tiny Llama through bf16 fully_sharded + activation
+#            checkpointing + --compile (save, resume, eval-lm), then benchmarks/train.py --preset
+#            llama3_1b (Llama 3.2 1B, B 4 x T 2048, vocabulary 128256): bf16 without a wrapper,
+#            fully_sharded, fully_sharded --compile, and fully_sharded --compile --checkpoint-activations
+#            (tokens/s, MFU from the family's own FLOPs per token, peak GPU memory)
 #
 # Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job),
 # GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt),
@@ -194,6 +199,20 @@ fp8_xl() {
     --fp8 --fp8-recipe tensorwise --fp8-all-gather --ddp-backend fully_sharded --warmup 5
 }
 fp8() { fp8_parity; fp8_xl; }
+TINY_LLAMA=(--task language_modeling --arch llama_tiny --tokens-per-sample 128 --batch-size 16 --optimizer adam
+            --lr 0.001 --log-format json --log-interval 10 --num-workers 0 --no-epoch-checkpoints --bf16
+            --ddp-backend fully_sharded --checkpoint-activations --compile)
+llama() {
+  run smoke_llama 300 $TRAIN "$DATA" "${TINY_LLAMA[@]}" --max-update 20 --save-dir "$CK/llama" &&
+    run smoke_llama_resume 300 $TRAIN "$DATA" "${TINY_LLAMA[@]}" --max-update 30 --save-dir "$CK/llama" &&
+    run smoke_llama_eval 120 $EVAL "$DATA" --path "$CK/llama/checkpoint_last.pt" --tokens-per-sample 128 --batch-size 16
+  run llama3_1b_bf16 300 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16
+  run llama3_1b_fsdp 300 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 --ddp-backend fully_sharded
+  run llama3_1b_fsdp_compile 500 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+    --ddp-backend fully_sharded --compile --warmup 5
+  run llama3_1b_fsdp_compile_ac 500 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+    --ddp-backend fully_sharded --compile --checkpoint-activations --warmup 5
+}
 generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
 echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"

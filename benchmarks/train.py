@@ -3,6 +3,7 @@
     python benchmarks/train.py                                   # small: 4x256, FFN 1024, 4 heads, T 256, B 8, V 8192
     python benchmarks/train.py --preset gpt3_small               # transformer_lm_gpt3_small, shorter run
     python benchmarks/train.py --preset gpt3_xl --device cuda --bf16   # on a GPU
+    python benchmarks/train.py --preset llama3_1b --device cuda --bf16 --compile --ddp-backend fully_sharded
     python benchmarks/train.py --arch transformer_lm --decoder-layers 2 ... # any toolkit-train model flags
 
 What runs is the real training path: the options are parsed by toolkit-train's parser,
@@ -57,6 +58,8 @@ PRESETS = {
     # GPT-2 BPE dictionary as fairseq pads it (50264); sized for one 80 GB GPU without checkpointing.
     "gpt3_xl": (["--arch", "transformer_lm_gpt3_xl", "--tokens-per-sample", "2048", "--batch-size", "4"],
                 50264, 3, 10),
+    # Llama 3.2 1B (1.236B parameters, tied) at its own vocabulary (128256) and batch 4 x 2048.
+    "llama3_1b": (["--arch", "llama3_1b", "--tokens-per-sample", "2048", "--batch-size", "4"], 128256, 3, 10),
 }
 PHASES = ("forward", "backward", "grad_norm", "optimizer", "other")
 

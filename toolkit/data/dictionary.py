@@ -2,6 +2,11 @@
 
 Indices 0-3 are always ``<s>``, ``<pad>``, ``</s>``, ``<unk>`` (not written to
 ``dict.txt``), so a data-bin made here loads in fairseq and the other way round.
+
+A tokenizer's own vocabulary (a model imported from Hugging Face, whose ids must not move) is
+the other form: the first line is ``#toolkit:vocabulary bos=I pad=J eos=K unk=L`` and every
+symbol follows in id order, the specials where that tokenizer puts them
+(:meth:`Dictionary.from_vocabulary`). fairseq cannot read it; the toolkit reads both.
 """
 from __future__ import annotations
 
@@ -126,12 +131,40 @@ class Dictionary:
         ignore = {self.pad_index, self.eos_index, *extra_symbols_to_ignore}
         return " ".join(self[i] for i in tensor if i not in ignore)
 
+    @classmethod
+    def from_vocabulary(cls, symbols: Sequence[str], bos: int, pad: int, eos: int, unk: int) -> "Dictionary":
+        """A tokenizer's vocabulary as it is: symbol ``i`` has id ``i``, the specials at the given ids."""
+        d = cls()
+        d.symbols, d.count, d.indices, d.nspecial = [], [], {}, 0
+        for sym in symbols:
+            if sym in d.indices or not sym or any(c.isspace() for c in sym):
+                raise ValueError(f"vocabulary symbol {sym!r} (id {len(d.symbols)}) is empty, repeated or holds "
+                                 "whitespace; dict.txt cannot keep it")
+            d.add_symbol(sym)
+        d.bos_index, d.pad_index, d.eos_index, d.unk_index = bos, pad, eos, unk
+        d.bos_word, d.pad_word, d.eos_word, d.unk_word = d[bos], d[pad], d[eos], d[unk]
+        d.fixed_ids = True
+        return d
+
+    fixed_ids = False  # True for a tokenizer's vocabulary (from_vocabulary): no implicit specials
+
     # --- files --------------------------------------------------------------------
     @classmethod
     def load(cls, path: str) -> "Dictionary":
+        header = _vocabulary_header(path)
+        if header is not None:
+            return cls._load_vocabulary(path, header)
         d = cls()
         d.add_from_file(path)
         return d
+
+    @classmethod
+    def _load_vocabulary(cls, path: str, specials: Dict[str, int]) -> "Dictionary":
+        with open(path, encoding="utf-8") as f:
+            symbols = [line.rstrip("\n").rsplit(" ", 1)[0] for line in f.readlines()[1:]]
+        if any(not 0 <= i < len(symbols) for i in specials.values()):
+            raise UserError(f"{path}: special ids {specials} outside its {len(symbols)} symbols; re-import the model")
+        return cls.from_vocabulary(symbols, **specials)
 
     def add_from_file(self, path: str) -> None:
         if not os.path.isfile(path):
@@ -161,6 +194,9 @@ class Dictionary:
 
     def save(self, path: str) -> None:
         with atomic_write(path, "w", encoding="utf-8") as f:
+            if self.fixed_ids:
+                f.write(f"{VOCABULARY_HEADER} bos={self.bos_index} pad={self.pad_index} eos={self.eos_index} "
+                        f"unk={self.unk_index}\n")
             for sym, c in zip(self.symbols[self.nspecial:], self.count[self.nspecial:]):
                 f.write(f"{sym} {c}\n")
 
@@ -170,3 +206,24 @@ class Dictionary:
         for line in lines:
             counts.update(tokenize(line))
         return counts
+
+
+VOCABULARY_HEADER = "#toolkit:vocabulary"
+
+
+def _vocabulary_header(path: str):
+    """The special ids of a tokenizer-vocabulary dict.txt (first line ``#toolkit:vocabulary bos=..``), else None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline().split()
+    except (OSError, UnicodeDecodeError):
+        return None  # add_from_file reports it
+    if not first or first[0] != VOCABULARY_HEADER:
+        return None
+    try:
+        specials = {key: int(value) for key, value in (field.split("=", 1) for field in first[1:])}
+    except ValueError:
+        specials = {}
+    if set(specials) != {"bos", "pad", "eos", "unk"}:
+        raise UserError(f"{path}: first line {' '.join(first)!r} must be '{VOCABULARY_HEADER} bos=I pad=J eos=K unk=L'")
+    return specials

@@ -34,10 +34,12 @@ class ExportConfig:
     hf_class: str = opt("auto", "--format hf: transformers class to write (auto: XGLM for sinusoidal "
                                 "positions, OPT for learned ones)", choices=list(HF_CLASSES))
     import_from: Optional[str] = opt(None, "import instead of export: build a toolkit checkpoint folder "
-                                           "from a transformers GPT2LMHeadModel folder (--path)",
+                                           "from a transformers folder (--path): GPT2LMHeadModel, "
+                                           "LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM",
                                      choices=["hf"], aliases=("--from",))
     tokens_per_sample: Optional[int] = opt(None, "--from hf: tokens per sample recorded in the checkpoint "
-                                                 "(default: the model's n_positions)")
+                                                 "(default: GPT-2's n_positions; the Llama family's "
+                                                 "max_position_embeddings, at most 2048)")
     log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
@@ -75,9 +77,7 @@ def run_export(cfg: ExportConfig) -> str:
     """Export (or import, with ``--from hf``); returns the folder written."""
     _check(cfg)
     if cfg.import_from == "hf":
-        from toolkit.export.hf_import import import_gpt2
-
-        return import_gpt2(cfg.path, cfg.out, cfg.tokens_per_sample)
+        return import_hf(cfg.path, cfg.out, cfg.tokens_per_sample)
     loaded = load(cfg)
     if cfg.format == "safetensors":
         from toolkit.export.safetensors_format import export_safetensors
@@ -88,8 +88,39 @@ def run_export(cfg: ExportConfig) -> str:
 
         out = export_onnx(loaded, cfg.out, kv_cache=cfg.kv_cache, opset=cfg.opset)
     else:
-        from toolkit.export.hf_format import export_hf
-
-        out = export_hf(loaded, cfg.out, hf_class=cfg.hf_class, dtype=cfg.dtype)
+        out = export_hf(loaded, cfg.out, cfg.hf_class, cfg.dtype)
     logger.info(f"wrote {out}: {', '.join(sorted(os.listdir(out)))}")
     return out
+
+
+def import_hf(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None) -> str:
+    """``--from hf``: the Llama family (``hf_llama``) by its config.json's model_type, else GPT-2 (``hf_import``)."""
+    import json
+
+    from toolkit.models.llama.hf import CLASSES
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("model_type") in CLASSES:
+        from toolkit.export.hf_llama import import_llama
+
+        return import_llama(folder, out_dir, config, tokens_per_sample)
+    from toolkit.export.hf_import import import_gpt2
+
+    return import_gpt2(folder, out_dir, tokens_per_sample)
+
+
+def export_hf(loaded: LoadedModel, out: str, hf_class: str, dtype: str) -> str:
+    """``--format hf``: the Llama family as its own class (``hf_llama``), transformer_lm as XGLM/OPT/GPT-2."""
+    from toolkit.models.llama.config import LlamaConfig
+
+    if isinstance(loaded.model.cfg, LlamaConfig):
+        from toolkit.export.hf_llama import export_llama
+
+        return export_llama(loaded, out, hf_class, dtype)
+    from toolkit.export.hf_format import export_hf as export_transformer_lm
+
+    return export_transformer_lm(loaded, out, hf_class=hf_class, dtype=dtype)

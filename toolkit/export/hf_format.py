@@ -202,6 +202,22 @@ def verify(folder: str, model: torch.nn.Module) -> float:
     return diff
 
 
+def write_folder(tmp: str, model, architecture: str, config: dict, state: Dict[str, torch.Tensor], dtype: str,
+                 tokenizer: Callable[[str], str], progress) -> None:
+    """Weights, config.json and the tokenizer into ``tmp`` (one progress step each), then the transformers check."""
+    progress.advance(f"{architecture}: {len(state)} tensors")
+    _write_weights(state, os.path.join(tmp, "model.safetensors"), dtype)
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    progress.advance(f"wrote config.json and model.safetensors ({dtype})")
+    progress.advance(tokenizer(tmp))
+    if dtype == "fp32":
+        progress.advance(f"transformers {architecture} loads it; max |logits diff| {verify(tmp, model):.2g}")
+    else:
+        progress.advance(f"not compared with transformers ({dtype} weights; compare an fp32 export)")
+
+
 def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
     """Write config.json, model.safetensors and (where the BPE maps to one) the tokenizer files."""
     from toolkit.export.hf_tokenizer import write_tokenizer
@@ -211,15 +227,6 @@ def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32")
     name = choose_class(model, hf_class)
     with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
         architecture, config, state = CONVERTERS[name](model, model.state_dict())
-        progress.advance(f"{architecture}: {len(state)} tensors")
-        _write_weights(state, os.path.join(tmp, "model.safetensors"), dtype)
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(full_config(loaded, architecture, config, dtype), f, indent=2, sort_keys=True)
-            f.write("\n")
-        progress.advance(f"wrote config.json and model.safetensors ({dtype})")
-        progress.advance(write_tokenizer(loaded, tmp))
-        if dtype == "fp32":
-            progress.advance(f"transformers {architecture} loads it; max |logits diff| {verify(tmp, model):.2g}")
-        else:
-            progress.advance(f"not compared with transformers ({dtype} weights; compare an fp32 export)")
+        write_folder(tmp, model, architecture, full_config(loaded, architecture, config, dtype), state, dtype,
+                     lambda folder: write_tokenizer(loaded, folder), progress)
     return out_dir

@@ -208,6 +208,11 @@ def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAU
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
     model = loaded.model
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    if kv_cache and not isinstance(model, TransformerLanguageModel):  # CachedDecoder spells out its blocks
+        raise UserError(f"--kv-cache: decoder_with_past.onnx is written for transformer_lm only, not "
+                        f"{type(model).__name__}; export without --kv-cache (decoder.onnx)")
     steps = 4 if kv_cache else 3
     with StepProgress(steps, "onnx") as progress, export_directory(out_dir) as tmp, torch.no_grad():
         export_decoder(model, os.path.join(tmp, DECODER), opset)

@@ -1,8 +1,11 @@
-"""Parameter and FLOP accounting of ``transformer_lm`` models, adaptive input/softmax included.
+"""Parameter and FLOP accounting of the models, ``transformer_lm``'s adaptive input/softmax included.
 
     python -m toolkit.models.accounting transformer_lm_wiki103 --vocab-size 267744
+    python -m toolkit.models.accounting llama3_1b qwen2_0_5b     # at their published vocabularies
 
 prints the parameter count of a named architecture by part (built on the meta device, no memory).
+Without ``--vocab-size`` a Llama-family size counts at its own published vocabulary
+(``toolkit.models.llama.archs.PUBLISHED_VOCAB_SIZE``), anything else at GPT-2's 50257.
 
 FLOPs: an adaptive model does not use all of its output layer for every token. The head runs for
 every position; tail band ``i`` runs only where the target is in that band, and only one band's
@@ -62,9 +65,8 @@ def matmul_parameters_per_token(model: nn.Module) -> int:
 
 def parameter_breakdown(model: nn.Module) -> Dict[str, int]:
     """Parameters (tied ones once) by part: embeddings, layers, output layer, other, total."""
-    parts = {"embed_tokens": _numel(model.embed_tokens), "embed_positions": _numel(model.embed_positions),
-             "layers": _numel(model.layers), "adaptive_softmax": _numel(model.adaptive_softmax),
-             "output_projection": _numel(model.output_projection)}
+    part_names = ("embed_tokens", "embed_positions", "layers", "adaptive_softmax", "output_projection")
+    parts = {name: _numel(getattr(model, name, None)) for name in part_names}  # a family may lack some
     total = sum(p.numel() for p in model.parameters())
     parts["other"] = total - sum(parts.values())
     parts["total"] = total
@@ -87,11 +89,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m toolkit.models.accounting",
                                      description="Parameter counts of named architectures.")
     parser.add_argument("arch", nargs="+")
-    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="dictionary size (default: the arch's published one, else 50257)")
     parser.add_argument("--tokens-per-sample", type=int, default=2048)
     args = parser.parse_args(argv)
     for arch in args.arch:
-        count_parameters(arch, args.vocab_size, args.tokens_per_sample, verbose=True)
+        count_parameters(arch, args.vocab_size or default_vocab_size(arch), args.tokens_per_sample, verbose=True)
+
+
+def default_vocab_size(arch: str) -> int:
+    """The vocabulary a named size was published with (the Llama family), else GPT-2's."""
+    from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
+
+    return PUBLISHED_VOCAB_SIZE.get(arch, 50257)
 
 
 if __name__ == "__main__":

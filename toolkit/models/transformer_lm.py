@@ -43,9 +43,8 @@ Choices worth knowing
 from __future__ import annotations
 
 import math
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -54,6 +53,7 @@ import torch.nn.functional as F
 from toolkit.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
+from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.init import init_weights
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.registry import register_model, register_model_architecture
@@ -125,42 +125,6 @@ class TransformerLMConfig:
         default=False, metadata={"help": "if set, ties the weights of adaptive softmax and adaptive input"})
     tie_adaptive_proj: bool = field(
         default=False, metadata={"help": "if set, ties the projection weights of adaptive softmax and adaptive input"})
-
-
-class KVCache:
-    """One layer's keys and values of the positions decoded so far.
-
-    Buffers [B, H, capacity, D] grow by doubling, so appending one position per step
-    copies nothing in the common case (torch.cat would copy the whole prefix every step).
-    """
-
-    def __init__(self):
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
-        P, T = self.length, k.size(2)
-        if self.k is None or P + T > self.k.size(2):
-            capacity = max(P + T, 2 * (0 if self.k is None else self.k.size(2)))
-            new_k = k.new_empty(k.size(0), k.size(1), capacity, k.size(3))
-            new_v = torch.empty_like(new_k)
-            if P > 0:
-                new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
-            self.k, self.v = new_k, new_v
-        self.k[:, :, P:P + T], self.v[:, :, P:P + T] = k, v
-        self.length = P + T
-        return self.k[:, :, :P + T], self.v[:, :, :P + T]
-
-    def reorder(self, new_order: torch.Tensor) -> None:
-        """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
-        if self.k is not None:  # copy the filled positions only, keep the capacity
-            L = self.length
-            k = self.k.new_empty((len(new_order),) + self.k.shape[1:])
-            v = torch.empty_like(k)
-            k[:, :, :L], v[:, :, :L] = self.k[new_order, :, :L], self.v[new_order, :, :L]
-            self.k, self.v = k, v
 
 
 class CausalSelfAttention(nn.Module):
@@ -254,7 +218,7 @@ def sinusoidal_table(num_positions: int, dim: int, first_position: int, device=N
 
 
 @register_model("transformer_lm", dataclass=TransformerLMConfig)
-class TransformerLanguageModel(nn.Module):
+class TransformerLanguageModel(DecoderInterface, nn.Module):
     def __init__(self, cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``).
 
@@ -327,24 +291,6 @@ class TransformerLanguageModel(nn.Module):
         cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
-    @classmethod
-    def build_model(cls, cfg: TransformerLMConfig, task) -> "TransformerLanguageModel":
-        if cfg.max_target_positions is None:
-            task_max = task.max_positions() if hasattr(task, "max_positions") else None
-            cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
-        return cls(cfg, len(task.dictionary), task.dictionary.pad())
-
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
-                        data_name_or_path: str = ".", **kwargs):
-        """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
-        from toolkit.hub_utils import from_pretrained
-
-        return from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-
-    def max_positions(self) -> int:
-        return self.max_target_positions
-
     def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
@@ -354,11 +300,7 @@ class TransformerLanguageModel(nn.Module):
         ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
         ``tokens`` are only the new tokens; their positions continue after the cached ones.
         """
-        start = 0 if incremental_state is None else incremental_state.get("positions", 0)
-        T = tokens.size(1)
-        if start + T > self.max_target_positions:
-            raise ValueError(f"input of {start + T} tokens is longer than max_target_positions "
-                             f"({self.max_target_positions})")
+        start, T = self._first_position(tokens, incremental_state), tokens.size(1)
         x = self.embed_tokens(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
@@ -404,16 +346,6 @@ class TransformerLanguageModel(nn.Module):
         if keep is not None:
             state_dict = prune_state_dict(state_dict, keep, len(self.layers))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[KVCache]]:
-        if incremental_state is None:
-            return [None] * len(self.layers)
-        return incremental_state.setdefault("layers", [KVCache() for _ in self.layers])
-
-    def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
-        """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""
-        for cache in incremental_state.get("layers", []):
-            cache.reorder(new_order)
 
     # ---- initialization (driven by toolkit.models.init.init_weights) ----
 

@@ -1,0 +1,184 @@
+"""Hugging Face checkpoints of the Llama family in and out (toolkit/export/hf_llama.py, models/llama/hf.py).
+
+For random tiny LlamaForCausalLM (GQA, untied, Llama 3 RoPE scaling), Qwen2ForCausalLM (q/k/v
+biases, tied, more embedding rows than tokens) and MistralForCausalLM (no sliding window) folders
+saved by transformers with a tokenizer that adds BOS (not Qwen2's): ``--from hf`` keeps the
+tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
+transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
+``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
+``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from toolkit.errors import UserError  # noqa: E402
+from toolkit.export.api import ExportConfig, run_export  # noqa: E402
+from toolkit.inference import load_model  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(60)]
+SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, initializer_range=0.3)
+KINDS = {
+    "llama": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+                                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 16})),
+    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                             rope_theta=1e6)),
+    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def save_tokenizer(folder: str, kind: str) -> dict:
+    """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added;
+    Qwen2's end-of-text last, no BOS."""
+    specials = ["<unk>", "<s>", "</s>"] if kind != "qwen2" else []
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + (["<|endoftext|>"] if kind == "qwen2" else []))}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>" if specials else None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    if kind == "qwen2":
+        names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    else:
+        tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+    fast.save_pretrained(folder)
+    ids = {"bos_token_id": None if kind == "qwen2" else 1, "eos_token_id": vocab.get("<|endoftext|>", 2)}
+    return dict(ids, vocab_size=len(vocab) + (7 if kind == "qwen2" else 0))
+
+
+def make_hf(folder: str, kind: str):
+    config_cls, extra = KINDS[kind]
+    torch.manual_seed(0)
+    ids = save_tokenizer(folder, kind)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPES, **extra, **ids)).eval()
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def imported(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(str(root / "hf"), request.param)
+    run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    model, task, args = load_model(str(root / "ours" / "model.pt"), str(root / "ours"))
+    return dict(kind=request.param, root=root, hf=hf, model=model, task=task, args=args)
+
+
+def log_probs(model_output) -> torch.Tensor:
+    return torch.log_softmax(model_output.float(), dim=-1)
+
+
+def batch(n: int = 14) -> torch.Tensor:
+    return torch.randint(0, 60, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def tokenizer(folder):
+    """The folder's tokenizer.json as saved (AutoTokenizer would rebuild a Qwen2 folder's as Qwen2's BPE,
+    which this word-level test tokenizer is not)."""
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+def test_token_ids_are_the_tokenizers_own(imported):
+    tok = tokenizer(imported["root"] / "ours")
+    d = imported["task"].dictionary
+    text = "w3 w17 w59 w0"
+    ids = tok(text)["input_ids"]
+    assert ids == tokenizer(imported["root"] / "hf")(text)["input_ids"]
+    assert [d[i] for i in ids] == tok.convert_ids_to_tokens(ids)
+    assert len(d) == imported["hf"].config.vocab_size
+    assert d.eos() == imported["hf"].config.eos_token_id
+    adds_bos = imported["kind"] != "qwen2"
+    assert (ids[0] == d.bos()) == adds_bos and imported["args"].add_bos_token == adds_bos
+    assert d.pad() not in (d.eos(), d.bos()) and d.pad() not in ids
+
+
+def test_log_probs_equal_transformers(imported):
+    x = batch()
+    with torch.no_grad():
+        ours = imported["model"].get_normalized_probs(imported["model"](x))
+        theirs = log_probs(imported["hf"](x).logits)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_greedy_generation_with_the_cache_equals_transformers(imported):
+    model, hf = imported["model"], imported["hf"]
+    prompt = torch.tensor([[1, 5, 9, 13]]) if imported["kind"] != "qwen2" else torch.tensor([[5, 9, 13]])
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                           min_new_tokens=12, pad_token_id=0)[0, prompt.size(1):].tolist()
+        state, got = {}, []
+        logits = model(prompt, incremental_state=state)
+        for _ in range(12):
+            got.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[got[-1]]]), incremental_state=state)
+    assert got == want
+
+
+def test_export_back_gives_the_same_class_and_log_probs(imported):
+    back = imported["root"] / "back"
+    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(back), format="hf"))
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(back), dtype=torch.float32).eval()
+    assert type(hf2).__name__ == type(imported["hf"]).__name__
+    x = batch()
+    with torch.no_grad():
+        assert (log_probs(hf2(x).logits) - log_probs(imported["hf"](x).logits)).abs().max().item() < 1e-4
+    text = "w1 w2 w40"
+    assert tokenizer(back)(text)["input_ids"] == tokenizer(imported["root"] / "hf")(text)["input_ids"]
+
+
+def test_a_sliding_window_is_refused_in_one_line(tmp_path):
+    make_hf(str(tmp_path / "hf"), "mistral")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(config, sliding_window=4096)))
+    with pytest.raises(UserError, match="config.json: sliding_window 4096; the toolkit attends over the whole context"):
+        run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "out"), import_from="hf"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_safetensors_export_reloads_with_the_same_log_probs(imported):
+    out = imported["root"] / "st"
+    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(out), format="safetensors"))
+    model, task, _ = load_model(str(out / "model.safetensors"))
+    assert task.dictionary == imported["task"].dictionary and task.dictionary.bos() == imported["task"].dictionary.bos()
+    x = batch()
+    with torch.no_grad():
+        assert torch.equal(model(x), imported["model"](x))
+
+
+def test_vocabulary_dictionary_keeps_ids_through_dict_txt(tmp_path):
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary.from_vocabulary(["<unk>", "<s>", "</s>", "a", "b"], bos=1, pad=0, eos=2, unk=0)
+    d.save(str(tmp_path / "dict.txt"))
+    e = Dictionary.load(str(tmp_path / "dict.txt"))
+    assert e == d and (e.bos(), e.pad(), e.eos(), e.unk()) == (1, 0, 2, 0)
+    assert e.encode_line("a b zz").tolist() == [3, 4, 0, 2]
+    with pytest.raises(ValueError, match="'a b' \\(id 1\\) is empty, repeated or holds whitespace"):
+        Dictionary.from_vocabulary(["x", "a b"], bos=0, pad=0, eos=0, unk=0)
+    (tmp_path / "bad.txt").write_text("#toolkit:vocabulary bos=1 eos=2\na 1\n")
+    with pytest.raises(UserError, match="must be '#toolkit:vocabulary bos=I pad=J eos=K unk=L'"):
+        Dictionary.load(str(tmp_path / "bad.txt"))
+
+
+def test_the_command_imports_and_refuses_in_one_line(tmp_path):
+    from tests.train_helpers import run_cli
+
+    make_hf(str(tmp_path / "hf"), "llama")
+    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    assert run.returncode == 0, run.stderr
+    assert "converted to --arch llama" in run.stdout + run.stderr
+    os.remove(tmp_path / "hf" / "tokenizer.json")
+    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "x")])
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("toolkit-export: error: --path ")
+    assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")

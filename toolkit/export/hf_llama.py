@@ -1,0 +1,231 @@
+"""``toolkit-export --from hf`` for the Llama family (Llama, Mistral, Qwen2 folders saved by transformers).
+
+The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
+model's own tokenizer files and its ``config.json`` as ``hf_config.json`` (``--format hf`` writes
+the same class back from it).
+
+Token ids stay the model's own: ``dict.txt`` is the tokenizer's vocabulary in id order
+(``Dictionary.from_vocabulary``), followed by unused rows up to the embedding's ``vocab_size``
+(Qwen2 has more rows than tokens). BOS and EOS are the config's; the dictionary's pad (targets
+the loss ignores) must be an id text never encodes to: an unused row, else a pad token distinct
+from EOS, else a special token named like a pad or reserved one, else the unknown token.
+
+Weights are read tensor by tensor from the safetensors files (sharded or not) and converted to
+fp32 as they come, so the import holds one copy of the model, never the original beside it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.export.common import StepProgress, require
+from toolkit.export.target import export_directory
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+HF_CONFIG = "hf_config.json"
+UNUSED = "<toolkit_unused_{}>"
+
+
+def _token_name(value) -> Optional[str]:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _first_id(value) -> Optional[int]:
+    return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+
+
+def _pad_id(symbols: List[str], n_tokens: int, ids: Dict[str, Optional[int]], specials: List[int]) -> int:
+    if len(symbols) > n_tokens:
+        return n_tokens  # an unused row: no text encodes to it
+    if ids["pad"] is not None and ids["pad"] not in (ids["eos"], ids["bos"]):
+        return ids["pad"]
+    for hint in ("pad", "reserved"):
+        named = [i for i in specials if hint in symbols[i].lower() and i not in (ids["eos"], ids["bos"])]
+        if named:
+            return named[-1]
+    if ids["unk"] is not None:
+        return ids["unk"]
+    raise UserError("--from hf: the tokenizer has no pad, unknown or reserved token and the embedding no unused row; "
+                    "the loss needs an id no text encodes to (add a pad token to the tokenizer)")
+
+
+def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
+    """The tokenizer's vocabulary as a ``Dictionary`` with its own ids (see the module docstring)."""
+    from toolkit.data.dictionary import Dictionary
+
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
+                        "(tokenizer.save_pretrained) so the token ids stay the model's own")
+    tokenizers = require("tokenizers", "tokenizers")
+    tok = tokenizers.Tokenizer.from_file(path)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    n_tokens = len(vocab)
+    if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
+        raise UserError(f"{path}: token ids are not 0..{n_tokens - 1} within the model's vocab_size "
+                        f"{config['vocab_size']}; cannot keep them as they are")
+    symbols = sorted(vocab, key=vocab.get) + [UNUSED.format(i) for i in range(config["vocab_size"] - n_tokens)]
+    tok_config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
+    unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tok.to_str())["model"].get("unk_token")
+    ids = {"bos": _first_id(config.get("bos_token_id")), "eos": _first_id(config.get("eos_token_id")),
+           "pad": _first_id(config.get("pad_token_id")), "unk": vocab.get(unk_name) if unk_name else None}
+    if ids["eos"] is None:
+        raise UserError(f"{folder}/config.json: no eos_token_id; the toolkit's LM data ends documents with it")
+    specials = [i for i, added in tok.get_added_tokens_decoder().items() if added.special]
+    pad = _pad_id(symbols, n_tokens, ids, specials)
+    bos = ids["bos"] if ids["bos"] is not None else ids["eos"]
+    try:
+        return Dictionary.from_vocabulary(symbols, bos=bos, pad=pad, eos=ids["eos"],
+                                          unk=ids["unk"] if ids["unk"] is not None else pad)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _safetensors_files(folder: str) -> List[str]:
+    index = _read_json(os.path.join(folder, "model.safetensors.index.json"))
+    if index is not None:
+        return [os.path.join(folder, name) for name in sorted(set(index["weight_map"].values()))]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise UserError(f"--path {folder}: no model.safetensors or model.safetensors.index.json; save with "
+                    "safe_serialization (the default of save_pretrained)")
+
+
+def read_state(folder: str, tied: bool) -> Dict[str, torch.Tensor]:
+    """Our fp32 state dict, read one tensor at a time from each safetensors shard."""
+    from toolkit.models.llama.hf import state_from_hf
+
+    safe_open = require("safetensors", "safetensors").safe_open
+    state: Dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                converted = state_from_hf(name, f.get_tensor(name), tied)
+                if converted is not None:
+                    state[converted[0]] = converted[1]
+    return state
+
+
+def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: str) -> None:
+    """Every tensor of our model present with its shape, nothing left over (one line otherwise)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    wrong = [k for k in want if k in state and tuple(state[k].shape) != want[k]]
+    if missing or extra or wrong:
+        raise UserError(f"--path {folder}: weights do not match config.json (missing {missing[:3]}, unexpected "
+                        f"{extra[:3]}, other shapes {wrong[:3]})")
+
+
+def matching_arch(given: Dict[str, Any]) -> str:
+    """The named size with these shapes and settings (e.g. llama3_1b), else ``llama``."""
+    from toolkit import options, registry
+
+    registry.import_submodules("toolkit.models")
+    for arch in sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == "llama" and a != "llama"):
+        values = options.architecture_defaults(arch)
+        if all(values[k] == v for k, v in given.items() if k != "max_target_positions"):
+            return arch
+    return "llama"
+
+
+def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_sample: Optional[int]) -> str:
+    """Write ``out_dir`` (atomically) from the Llama-family model in ``folder``."""
+    from toolkit.checkpoint import identity
+    from toolkit.export.hf_import import CHECKPOINT, checkpoint, training_flags
+    from toolkit.models.llama.hf import options_from_hf
+    from toolkit.models.llama.model import LlamaLanguageModel
+    from toolkit import models
+
+    given = options_from_hf(config, os.path.join(folder, "config.json"))
+    with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
+        dictionary = tokenizer_dictionary(folder, config)
+        progress.advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
+                         f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
+        arch = matching_arch(given)
+        with torch.device("meta"):
+            model = LlamaLanguageModel(models.model_config(arch, **given), len(dictionary), dictionary.pad())
+        state = read_state(folder, given["share_decoder_input_output_embed"])
+        check_state(state, model, folder)
+        progress.advance(f"converted to --arch {arch} ({len(state)} tensors)")
+        ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample or min(given["max_target_positions"], 2048))
+        ckpt["cfg"]["add_bos_token"] = _adds_bos(folder, dictionary)
+        ckpt["extra_state"][identity.HASH_KEY] = dictionary.symbols_hash()
+        with open(os.path.join(tmp, CHECKPOINT), "wb") as f:
+            torch.save(ckpt, f)
+        dictionary.save(os.path.join(tmp, "dict.txt"))
+        progress.advance(f"wrote {CHECKPOINT} and dict.txt")
+        copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
+        for name in copied:
+            shutil.copyfile(os.path.join(folder, name), os.path.join(tmp, name))
+        shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(tmp, HF_CONFIG))
+        progress.advance(f"copied {', '.join(copied)} and config.json as {HF_CONFIG}")
+    logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --restore-file "
+                f"{os.path.join(out_dir, CHECKPOINT)} --reset-optimizer (DATA binarized with this tokenizer and "
+                f"--srcdict {os.path.join(out_dir, 'dict.txt')})")
+    return out_dir
+
+
+def _adds_bos(folder: str, dictionary) -> bool:
+    """Whether the tokenizer puts BOS before a text (what its post-processor makes of the empty text)."""
+    tokenizers = require("tokenizers", "tokenizers")
+    ids = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).encode("").ids
+    return bool(ids) and ids[0] == dictionary.bos() != dictionary.eos()
+
+
+# ---- --format hf: the same class back -----------------------------------------------------------
+
+def _token_ids(loaded, base: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The imported model's own token ids, else the dictionary's (BOS = what our LMs see first)."""
+    if base is not None:
+        return {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in base}
+    d = loaded.dictionary
+    return {"bos_token_id": loaded.first_symbol, "eos_token_id": d.eos(), "pad_token_id": d.pad()}
+
+
+def _write_tokenizer_files(loaded, out_dir: str) -> str:
+    from toolkit.export.hf_tokenizer import write_tokenizer
+
+    src = loaded.data_dir
+    if not os.path.isfile(os.path.join(src, "tokenizer.json")):
+        return write_tokenizer(loaded, out_dir)
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    return f"tokenizer: the model's own ({', '.join(copied)})"
+
+
+def export_llama(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
+    """config.json (the imported class, else Llama or Qwen2), model.safetensors, the tokenizer; checked by
+    loading it with transformers (fp32)."""
+    from toolkit.export.hf_format import write_folder
+    from toolkit.models.llama.hf import hf_config, state_to_hf
+
+    if hf_class != "auto":
+        raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
+                        "its own class (Llama, Mistral or Qwen2); nothing written")
+    require("transformers", "transformers")
+    model = loaded.model
+    base = _read_json(os.path.join(loaded.data_dir, HF_CONFIG))
+    with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
+        architecture, config = hf_config(model.cfg, len(loaded.dictionary), base)
+        config.update(_token_ids(loaded, base), architectures=[architecture],
+                      dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
+        write_folder(tmp, model, architecture, config, state_to_hf(model.state_dict()), dtype,
+                     lambda folder: _write_tokenizer_files(loaded, folder), progress)
+    return out_dir

@@ -1,0 +1,97 @@
+"""What every decoder-only language model gives the trainer, eval-lm, generation and the hub.
+
+A family's model class (``transformer_lm``, ``llama``) inherits :class:`DecoderInterface` and
+provides ``__init__(cfg, vocab_size, padding_idx)``, ``forward(tokens, incremental_state=None)``,
+``layers`` (its blocks, wrapped from outside by FSDP2, activation checkpointing and ``--compile``),
+``max_target_positions``, ``initial_value`` / ``reset_buffers`` (``toolkit.models.init``) and
+``flops_per_token``. The shared parts live here once:
+
+- ``build_model(cfg, task)``: the context length defaults to the task's (``--tokens-per-sample``);
+- ``from_pretrained``: the hub interface (encode/decode/score/sample), as fairseq's;
+- the incremental state of generation: ``{"positions": n, "layers": [KVCache per block]}``, and
+  beam search's ``reorder_incremental_state``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+
+
+class KVCache:
+    """One layer's keys and values of the positions decoded so far.
+
+    Buffers [B, H, capacity, D] grow by doubling, so appending one position per step
+    copies nothing in the common case (torch.cat would copy the whole prefix every step).
+    """
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
+        P, T = self.length, k.size(2)
+        if self.k is None or P + T > self.k.size(2):
+            capacity = max(P + T, 2 * (0 if self.k is None else self.k.size(2)))
+            new_k = k.new_empty(k.size(0), k.size(1), capacity, k.size(3))
+            new_v = torch.empty_like(new_k)
+            if P > 0:
+                new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, P:P + T], self.v[:, :, P:P + T] = k, v
+        self.length = P + T
+        return self.k[:, :, :P + T], self.v[:, :, :P + T]
+
+    def reorder(self, new_order: torch.Tensor) -> None:
+        """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
+        if self.k is not None:  # copy the filled positions only, keep the capacity
+            L = self.length
+            k = self.k.new_empty((len(new_order),) + self.k.shape[1:])
+            v = torch.empty_like(k)
+            k[:, :, :L], v[:, :, :L] = self.k[new_order, :, :L], self.v[new_order, :, :L]
+            self.k, self.v = k, v
+
+
+class DecoderInterface:
+    layers: torch.nn.ModuleList
+    max_target_positions: int
+
+    @classmethod
+    def build_model(cls, cfg, task):
+        if cfg.max_target_positions is None:
+            task_max = task.max_positions() if hasattr(task, "max_positions") else None
+            cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
+        return cls(cfg, len(task.dictionary), task.dictionary.pad())
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
+                        data_name_or_path: str = ".", **kwargs):
+        """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
+        from toolkit.hub_utils import from_pretrained
+
+        return from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+
+    def max_positions(self) -> int:
+        return self.max_target_positions
+
+    def _first_position(self, tokens: torch.Tensor, incremental_state: Optional[Dict]) -> int:
+        """Position of ``tokens``' first column: 0, or the number already cached; checks the context length."""
+        start = 0 if incremental_state is None else incremental_state.get("positions", 0)
+        if start + tokens.size(1) > self.max_target_positions:
+            raise ValueError(f"input of {start + tokens.size(1)} tokens is longer than max_target_positions "
+                             f"({self.max_target_positions})")
+        return start
+
+    def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[KVCache]]:
+        if incremental_state is None:
+            return [None] * len(self.layers)
+        return incremental_state.setdefault("layers", [KVCache() for _ in self.layers])
+
+    def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
+        """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""
+        for cache in incremental_state.get("layers", []):
+            cache.reorder(new_order)

@@ -1,0 +1,3 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, TinyLlama): ``config.py`` its options, ``model.py`` the
+decoder, ``archs.py`` the named sizes. Importing the package registers ``--arch llama`` and the sizes."""
+from toolkit.models.llama import archs, model  # noqa: F401  (registration)

@@ -1,0 +1,119 @@
+"""Named sizes of the Llama family: the published configurations (Hugging Face ``config.json`` values).
+
+Parameter counts at each model's own vocabulary (``PUBLISHED_VOCAB_SIZE``, what
+``python -m toolkit.models.accounting ARCH`` uses when ``--vocab-size`` is not given) equal the
+published ones; ``tests/test_llama.py`` checks them. Under ``toolkit-train`` the vocabulary is the
+data-bin's dictionary, so the count follows it.
+
+===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================
+arch                 layers  C      F      H    G    rope theta  scaling  tied    parameters
+===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================
+llama3_1b            16      2048   8192   32   8    500000      32       yes     1,235,814,400
+llama3_3b            28      3072   8192   24   8    500000      32       yes     3,212,749,824
+llama3_8b            32      4096   14336  32   8    500000      8        no      8,030,261,248
+llama2_7b            32      4096   11008  32   32   10000       -        no      6,738,415,616
+tinyllama_1_1b       22      2048   5632   32   4    10000       -        no      1,100,048,384
+qwen2_0_5b           24      896    4864   14   2    1000000     -        yes     494,032,768
+mistral_7b           32      4096   14336  32   8    10000       -        no      7,241,732,096
+===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================
+
+``llama3_1b`` / ``llama3_3b`` are Llama 3.2 1B / 3B, ``llama3_8b`` is Llama 3.1 8B (Llama 3 8B has
+the same shapes without the RoPE scaling), ``mistral_7b`` is Mistral 7B v0.1 without its sliding
+window (full causal attention, as v0.2 and later). ``llama_tiny`` / ``llama_tiny_gqa`` are for tests.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from toolkit.models.llama.config import LlamaConfig
+from toolkit.registry import register_model_architecture
+
+PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
+    "llama3_1b": 128256, "llama3_3b": 128256, "llama3_8b": 128256, "llama2_7b": 32000,
+    "tinyllama_1_1b": 32000, "qwen2_0_5b": 151936, "mistral_7b": 32000,
+}
+
+
+def _shape(cfg: LlamaConfig, layers: int, dim: int, ffn: int, heads: int, kv: int) -> None:
+    cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim = layers, dim, ffn
+    cfg.decoder_attention_heads, cfg.decoder_kv_heads = heads, kv
+
+
+def _llama3_rope(cfg: LlamaConfig, factor: float) -> None:
+    """Llama 3.1 / 3.2: theta 500000 with the ``llama3`` frequency scaling (original context 8192)."""
+    cfg.rope_theta = 500000.0
+    cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor = factor, 1.0, 4.0
+    cfg.rope_original_max_positions = 8192
+
+
+@register_model_architecture("llama", "llama")
+def llama(cfg: LlamaConfig) -> None:
+    """The options' own defaults (a tiny model); every size is a flag."""
+
+
+@register_model_architecture("llama", "llama_tiny")
+def llama_tiny(cfg: LlamaConfig) -> None:
+    """For tests: 2 x 64, 4 query heads on 2 key/value heads, untied."""
+    _shape(cfg, layers=2, dim=64, ffn=128, heads=4, kv=2)
+
+
+@register_model_architecture("llama", "llama_tiny_gqa")
+def llama_tiny_gqa(cfg: LlamaConfig) -> None:
+    """For tests: 2 x 64, 8 query heads on 2 key/value heads (head size 8), tied, Llama 3's RoPE scaling."""
+    _shape(cfg, layers=2, dim=64, ffn=160, heads=8, kv=2)
+    _llama3_rope(cfg, factor=8.0)
+    cfg.rope_original_max_positions = 64
+    cfg.share_decoder_input_output_embed = True
+
+
+def _llama3_2(cfg: LlamaConfig, layers: int, dim: int, heads: int) -> None:
+    """Llama 3.2's small models: FFN 8192, 8 key/value heads, RoPE scaling 32, tied embeddings."""
+    _shape(cfg, layers=layers, dim=dim, ffn=8192, heads=heads, kv=8)
+    _llama3_rope(cfg, factor=32.0)
+    cfg.share_decoder_input_output_embed = True
+
+
+@register_model_architecture("llama", "llama3_1b")
+def llama3_1b(cfg: LlamaConfig) -> None:
+    """Llama 3.2 1B."""
+    _llama3_2(cfg, layers=16, dim=2048, heads=32)
+
+
+@register_model_architecture("llama", "llama3_3b")
+def llama3_3b(cfg: LlamaConfig) -> None:
+    """Llama 3.2 3B."""
+    _llama3_2(cfg, layers=28, dim=3072, heads=24)
+
+
+@register_model_architecture("llama", "llama3_8b")
+def llama3_8b(cfg: LlamaConfig) -> None:
+    """Llama 3.1 8B."""
+    _shape(cfg, layers=32, dim=4096, ffn=14336, heads=32, kv=8)
+    _llama3_rope(cfg, factor=8.0)
+
+
+@register_model_architecture("llama", "llama2_7b")
+def llama2_7b(cfg: LlamaConfig) -> None:
+    """Llama 2 7B: multi-head attention (32 key/value heads)."""
+    _shape(cfg, layers=32, dim=4096, ffn=11008, heads=32, kv=32)
+
+
+@register_model_architecture("llama", "tinyllama_1_1b")
+def tinyllama_1_1b(cfg: LlamaConfig) -> None:
+    """TinyLlama 1.1B."""
+    _shape(cfg, layers=22, dim=2048, ffn=5632, heads=32, kv=4)
+
+
+@register_model_architecture("llama", "qwen2_0_5b")
+def qwen2_0_5b(cfg: LlamaConfig) -> None:
+    """Qwen2 0.5B: q/k/v biases, tied embeddings."""
+    _shape(cfg, layers=24, dim=896, ffn=4864, heads=14, kv=2)
+    cfg.rope_theta, cfg.rms_norm_eps = 1000000.0, 1e-6
+    cfg.attention_qkv_bias = True
+    cfg.share_decoder_input_output_embed = True
+
+
+@register_model_architecture("llama", "mistral_7b")
+def mistral_7b(cfg: LlamaConfig) -> None:
+    """Mistral 7B (v0.1 shapes; full causal attention, no sliding window)."""
+    _shape(cfg, layers=32, dim=4096, ffn=14336, heads=32, kv=8)

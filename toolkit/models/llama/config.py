@@ -1,0 +1,76 @@
+"""Options of the Llama family (``--arch llama`` and its named sizes).
+
+Fields that fairseq's ``transformer_lm`` also declares keep its names (``--decoder-layers``,
+``--decoder-embed-dim``, ``--decoder-ffn-embed-dim``, ``--decoder-attention-heads``,
+``--share-decoder-input-output-embed``, ``--max-target-positions``), so one flag serves both
+families; the rest are the family's own (Hugging Face's config key in brackets):
+
+``--decoder-kv-heads``          key/value heads (``num_key_value_heads``): grouped-query attention
+                                when fewer than the query heads, multi-query at 1
+``--rope-theta``                base of the rotary frequencies (``rope_theta``)
+``--rope-scaling-factor`` ...   Llama 3.1's frequency scaling (``rope_scaling`` of type ``llama3``)
+``--rms-norm-eps``              RMSNorm's epsilon (``rms_norm_eps``)
+``--attention-qkv-bias``        biases on q, k, v (Qwen2); no other linear layer has one
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from toolkit.errors import UserError
+
+
+@dataclass
+class LlamaConfig:
+    decoder_layers: int = field(default=2, metadata={"help": "num decoder layers"})
+    decoder_embed_dim: int = field(default=64, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=128, metadata={"help": "decoder embedding dimension for FFN"})
+    decoder_attention_heads: int = field(default=4, metadata={"help": "num decoder attention heads"})
+    decoder_kv_heads: Optional[int] = field(
+        default=None, metadata={"help": "key/value heads of grouped-query attention (default: "
+                                        "--decoder-attention-heads; 1 is multi-query attention)"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
+    rope_scaling_factor: Optional[float] = field(
+        default=None, metadata={"help": "Llama 3.1 RoPE frequency scaling: divide the low frequencies by this "
+                                        "factor (default: no scaling)"})
+    rope_low_freq_factor: float = field(
+        default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"})
+    rope_high_freq_factor: float = field(
+        default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"})
+    rope_original_max_positions: int = field(
+        default=8192, metadata={"help": "Llama 3.1 RoPE scaling: the context length the model was trained at"})
+    rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
+    attention_qkv_bias: bool = field(
+        default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "share decoder input and output embeddings"})
+    max_target_positions: Optional[int] = field(
+        default=None, metadata={"help": "max number of tokens in the target sequence "
+                                        "(default: --tokens-per-sample)"})
+    init_std: float = field(
+        default=0.02, metadata={"help": "standard deviation of the initial weights (output layers of each block "
+                                        "are scaled by 1/sqrt(2 x layers))"})
+
+
+def kv_heads(cfg: LlamaConfig) -> int:
+    return cfg.decoder_kv_heads or cfg.decoder_attention_heads
+
+
+def head_dim(cfg: LlamaConfig) -> int:
+    return cfg.decoder_embed_dim // cfg.decoder_attention_heads
+
+
+def check_shapes(cfg: LlamaConfig) -> None:
+    """One line per impossible shape, before anything is built."""
+    C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
+    if H < 1 or C % H:
+        raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H}")
+    if (C // H) % 2:
+        raise UserError(f"--decoder-embed-dim {C} / --decoder-attention-heads {H}: the head size {C // H} must be "
+                        "even for rotary embeddings; change one of the two")
+    if G < 1 or H % G:
+        raise UserError(f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
+                        "(each key/value head serves a whole group of query heads)")
+    if cfg.rope_scaling_factor is not None and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+        raise UserError(f"--rope-high-freq-factor {cfg.rope_high_freq_factor}: must be above "
+                        f"--rope-low-freq-factor {cfg.rope_low_freq_factor}")

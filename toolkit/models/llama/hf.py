@@ -1,0 +1,109 @@
+"""Hugging Face adapters of the Llama family: ``config.json`` <-> options, state dicts both ways.
+
+Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (full attention only: a ``sliding_window``
+is refused) and ``Qwen2ForCausalLM`` (q/k/v biases). Their parameters are ours under a prefix:
+``model.`` before everything but the output layer, ``lm_head.weight`` for our
+``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
+half-rotation layout, so no weight is permuted. Everything here works on plain dicts read from
+the files, so importing needs no transformers; anything our model would compute differently is
+refused in one line naming the setting.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.llama.config import LlamaConfig, head_dim, kv_heads
+
+CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False}  # transformers' config defaults
+
+
+def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """rope_theta and the llama3 scaling, from the legacy keys or transformers 5's ``rope_parameters``."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = dict(config.get("rope_scaling") or params)
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out: Dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": None}
+    if kind == "llama3":
+        out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                   rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise UserError(f"{where}: rope_type {kind!r}; the toolkit computes the default and llama3 rotary "
+                        "frequencies only")
+    return out
+
+
+def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{where}: hidden_act {config['hidden_act']!r}; the Llama family's feed-forward is SwiGLU (silu)")
+    if config.get("mlp_bias") or (kind == "llama" and config.get("attention_bias")):
+        raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
+    if kind == "mistral" and config.get("sliding_window") is not None:
+        raise UserError(f"{where}: sliding_window {config['sliding_window']}; the toolkit attends over the whole "
+                        "context (a model trained with full attention has sliding_window null)")
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        raise UserError(f"{where}: use_sliding_window is set; the toolkit attends over the whole context")
+    C, H = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, C // H):
+        raise UserError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads "
+                        f"({C // H}); the toolkit derives the head size")
+
+
+def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """Our ``LlamaConfig`` values for a ``config.json`` (a dict), or a one-line refusal."""
+    kind = config.get("model_type")
+    if kind not in CLASSES:
+        raise UserError(f"{where}: model_type {kind!r}; --from hf imports {', '.join(CLASSES.values())} "
+                        "and GPT2LMHeadModel folders")
+    _refuse_unsupported(config, kind, where)
+    return dict(decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
+                decoder_ffn_embed_dim=config["intermediate_size"],
+                decoder_attention_heads=config["num_attention_heads"],
+                decoder_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), attention_qkv_bias=kind == "qwen2",
+                share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", TIED_BY_DEFAULT[kind])),
+                max_target_positions=int(config["max_position_embeddings"]), **_rope(config, where))
+
+
+def state_from_hf(name: str, tensor: torch.Tensor, tied: bool) -> Optional[Tuple[str, torch.Tensor]]:
+    """(our name, fp32 tensor) of one Hugging Face tensor; None for what we do not keep."""
+    if name == "lm_head.weight":
+        return None if tied else ("output_projection.weight", tensor.float())
+    if name.endswith("rotary_emb.inv_freq") or not name.startswith("model."):
+        return None  # computed buffers of older transformers
+    return name[len("model."):], tensor.float()
+
+
+def state_to_hf(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {("lm_head.weight" if name == "output_projection.weight" else f"model.{name}"): tensor
+            for name, tensor in state.items()}
+
+
+def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+    """(class name, config.json values) computing exactly ``cfg``. ``base`` (the imported model's own
+    config.json) keeps its class and every setting we do not model (token ids, dtype, ...)."""
+    kind = (base or {}).get("model_type") or ("qwen2" if cfg.attention_qkv_bias else "llama")
+    if cfg.attention_qkv_bias != (kind == "qwen2"):
+        kind = "qwen2" if cfg.attention_qkv_bias else "llama"  # the base's class cannot express the biases
+    config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "architectures")}
+    config.update(model_type=kind, hidden_size=cfg.decoder_embed_dim, intermediate_size=cfg.decoder_ffn_embed_dim,
+                  num_hidden_layers=cfg.decoder_layers, num_attention_heads=cfg.decoder_attention_heads,
+                  num_key_value_heads=kv_heads(cfg), head_dim=head_dim(cfg), hidden_act="silu",
+                  rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, vocab_size=vocab_size,
+                  max_position_embeddings=cfg.max_target_positions,
+                  tie_word_embeddings=cfg.share_decoder_input_output_embed, attention_dropout=0.0)
+    if kind == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(sliding_window=None, use_sliding_window=False)
+    if cfg.rope_scaling_factor is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                                  "low_freq_factor": cfg.rope_low_freq_factor,
+                                  "high_freq_factor": cfg.rope_high_freq_factor,
+                                  "original_max_position_embeddings": cfg.rope_original_max_positions}
+    return CLASSES[kind], config

@@ -1,0 +1,249 @@
+"""The Llama decoder, read top to bottom: RMSNorm, rotary embeddings, grouped-query attention,
+the SwiGLU feed-forward, the block, the model.
+
+Shape notation: B batch, T time, C = decoder_embed_dim, H query heads, G key/value heads
+(H % G == 0), D = C // H head size, F = decoder_ffn_embed_dim, V vocabulary.
+
+Choices worth knowing
+- Parameter names are Hugging Face's inside a block (``self_attn.q_proj``, ``mlp.gate_proj``,
+  ``input_layernorm`` ...) and the toolkit's outside (``embed_tokens``, ``layers``, ``norm``,
+  ``output_projection``, absent when tied), so checkpoints, the vocabulary-size check and the
+  tensor-parallel plan read them the way they read ``transformer_lm``'s, and the Hugging Face
+  adapters (``hf.py``) are a rename.
+- Rotary embeddings use Hugging Face's convention (rotate the two halves of each head, not
+  interleaved pairs), the layout its checkpoints are stored in. The cos/sin tables are
+  computed buffers (not saved), recomputed by ``reset_buffers`` after ``to_empty``; the
+  rotation runs in fp32 (bf16 angles lose positions beyond a few hundred).
+- Each block takes the tables' rows of its positions as arguments, so a block is a plain
+  ``(x, cos, sin[, cache])`` function that FSDP2, activation checkpointing and
+  ``torch.compile`` wrap from outside, and incremental decoding continues the positions by
+  slicing the tables further on.
+- Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
+  of the key/value heads); the KV cache holds G heads, not H.
+- Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
+  of a row changes no earlier position. No dropout anywhere (none of the family uses it).
+- Initial values come from ``initial_value(name, ...)`` seeded by (seed, name), as for
+  ``transformer_lm`` (``toolkit.models.init``): N(0, init_std) everywhere, the two matrices
+  that write into the residual stream (``o_proj``, ``down_proj``) at init_std / sqrt(2L),
+  norms 1, biases 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.models.decoder import DecoderInterface, KVCache
+from toolkit.models.init import init_weights
+from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.registry import register_model
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, reduced in fp32 whatever the input dtype (as Hugging Face's)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
+    """The D/2 angular frequencies theta^(-2i/D), with Llama 3.1's scaling when ``--rope-scaling-factor`` is set:
+    wavelengths longer than original/low_freq_factor are divided by the factor, shorter than
+    original/high_freq_factor kept, and those between interpolated smoothly."""
+    D = head_dim(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    factor = cfg.rope_scaling_factor
+    if factor is None:
+        return inv_freq
+    low, high, original = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, positions: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles."""
+    inv_freq = rope_frequencies(cfg, device)
+    angles = torch.arange(positions, dtype=torch.int64, device=device).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, D] by the angles of its positions (cos/sin [T, D]), in fp32."""
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal self-attention with H query heads sharing G key/value heads (H/G queries per group).
+
+    The head counts follow from the projections' output widths, so a tensor-parallel split of
+    q/k/v by heads (``toolkit.models.llama.parallel``) runs this code unchanged on its share.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        C, H, G, D = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg)
+        self.head_dim = D
+        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_qkv_bias)
+        self.k_proj = nn.Linear(C, G * D, bias=cfg.attention_qkv_bias)
+        self.v_proj = nn.Linear(C, G * D, bias=cfg.attention_qkv_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, width = x.shape
+        return x.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        q = apply_rope(self._heads(self.q_proj(x)), cos, sin)
+        k = apply_rope(self._heads(self.k_proj(x)), cos, sin)
+        v = self._heads(self.v_proj(x))
+        gqa = q.size(1) != k.size(1)
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # new positions P..P+T-1 see every cached one and the new ones up to themselves
+            P, T = kv_cache.length, x.size(1)
+            k, v = kv_cache.append(k, v)
+            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).flatten(2))  # [B, H, T, D] -> [B, T, H*D]
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the gated feed-forward of Llama (F hidden units)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        C, F_ = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
+        self.gate_proj = nn.Linear(C, F_, bias=False)
+        self.up_proj = nn.Linear(C, F_, bias=False)
+        self.down_proj = nn.Linear(F_, C, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
+        self.self_attn = GroupedQueryAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        # The cache is passed only when there is one: styles hooked on self_attn describe its inputs.
+        x = x + (self.self_attn(h, cos, sin) if kv_cache is None else self.self_attn(h, cos, sin, kv_cache))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@register_model("llama", dataclass=LlamaConfig)
+class LlamaLanguageModel(DecoderInterface, nn.Module):
+    """The decoder-only Llama / Mistral / Qwen2 language model behind the toolkit's model interface."""
+
+    def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
+        """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``);
+        otherwise they are set by ``init_weights(self, seed)`` (default ``torch.initial_seed()``)."""
+        super().__init__()
+        if cfg.max_target_positions is None:
+            raise ValueError("max_target_positions must be set (build_model takes it from --tokens-per-sample)")
+        check_shapes(cfg)
+        self.cfg = cfg
+        self.padding_idx = padding_idx
+        self.max_target_positions = cfg.max_target_positions
+        device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_embed_dim)
+            self.layers = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.decoder_layers)])
+            self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
+            self.output_projection = (None if cfg.share_decoder_input_output_embed
+                                      else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False))
+            self.register_buffer("rope_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            init_weights(self, torch.initial_seed() if seed is None else seed)
+
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
+        """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
+        ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
+        ``tokens`` are only the new tokens and their rotary positions continue after the cached ones.
+        """
+        start, T = self._first_position(tokens, incremental_state), tokens.size(1)
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
+            x = layer(x, cos, sin) if cache is None else layer(x, cos, sin, cache)
+        if incremental_state is not None:
+            incremental_state["positions"] = start + T
+        x = self.norm(x)
+        if self.output_projection is None:
+            return F.linear(x, self.embed_tokens.weight)
+        return self.output_projection(x)
+
+    def get_normalized_probs(self, net_output, log_probs: bool = True) -> torch.Tensor:
+        """fp32 [B, T, V] (log-)probabilities of the next token, from ``forward``'s output."""
+        x = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+        return F.log_softmax(x.float(), dim=-1) if log_probs else F.softmax(x.float(), dim=-1)
+
+    # ---- initialization (driven by toolkit.models.init.init_weights) ----
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (after ``to_empty``; init_weights calls this)."""
+        cos, sin = rope_tables(self.cfg, self.rope_cos.size(0), device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+        """The full initial fp32 value of parameter ``name`` (see the module docstring), drawn from ``generator``."""
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        std = self.cfg.init_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = std / math.sqrt(2 * self.cfg.decoder_layers)
+        elif not name.endswith(("embed_tokens.weight", "output_projection.weight", "q_proj.weight",
+                                "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+            raise KeyError(f"no initialization rule for parameter {name}")
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    # ---- accounting ----
+
+    def num_matmul_parameters(self) -> int:
+        """Weights used in matmuls per token (the N of 6N): all but the embedding lookup, plus the
+        output layer (the embedding itself when tied). Norm weights count, as in transformer_lm."""
+        params = {id(p): p for p in self.parameters()}.values()
+        total = sum(p.numel() for p in params)
+        embed = self.embed_tokens.weight.numel()
+        return total if self.output_projection is None else total - embed
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·D·T (attention's QK^T and AV over the
+        query heads, forward and backward, not halved for the causal mask)."""
+        attention = 12 * self.cfg.decoder_layers * self.cfg.decoder_attention_heads * head_dim(self.cfg) * seq_len
+        return int(6 * self.num_matmul_parameters() + attention)
