@@ -57,8 +57,17 @@ def check_writable_file(flag: str, path: str) -> None:
         with open(path, "ab"):
             pass
     except OSError as e:
-        target = path if os.path.lexists(path) else folder
-        raise UserError(f"{flag} {path}: {_why(target, e)}; give a writable file") from None
+        if os.path.lexists(path):
+            raise UserError(f"{flag} {path}: {_why(path, e)}; give a writable file") from None
+        raise UserError(f"{flag} {path}: its folder {_nearest_existing(folder)} {_why(_nearest_existing(folder), e)}; "
+                        f"give a writable file") from None
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or the closest of its parents that exists (what a failed makedirs tripped on)."""
+    while path and not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def check_token_ids(prefix: str, tokens: np.ndarray, dictionary_size: int, dict_path: Optional[str]) -> None:

@@ -41,11 +41,11 @@ from toolkit.generation.search import beam_search_step, block_repeated_ngrams, s
 Hypothesis = Dict[str, object]  # {"tokens": LongTensor, "score": float, "positional_scores": FloatTensor}
 
 
-@dataclass
-
 class BrokenModelOutput(UserError):
     """Every next token has a NaN probability: no hypothesis can be made (fairseq printed none and exited 0)."""
 
+
+@dataclass
 class _Search:
     """The rows being searched: K hypotheses for each of N unfinished prompts."""
     tokens: torch.Tensor      # [N*K, L+2]: </s>, then the tokens chosen at steps 0, 1, ...

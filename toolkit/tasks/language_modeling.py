@@ -22,6 +22,7 @@ from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.errors import UserError
+from toolkit.preflight import check_token_ids
 from toolkit.registry import CRITERION_REGISTRY, register_task
 
 logger = logging.getLogger(__name__)
