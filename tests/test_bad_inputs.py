@@ -17,7 +17,9 @@ import hashlib
 import importlib
 import os
 import pickle
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -412,3 +414,122 @@ def test_bad_input(name, module, argv, fragment, prepared, tmp_path):
     assert sum("error" in line for line in lines) == 1, err[-3000:]
     assert tree_hashes(prepared["root"]) == before  # nothing written, nothing damaged
     assert not os.path.exists(f"{prepared['root']}/MARKER")
+
+
+# --- what is not a refusal: interruptions, warnings, leftovers (issue 19, item 7) -------------------
+
+def _train_until(args, update: int):
+    """A toolkit-train process, returned once it logged ``update`` (its stdout lines so far)."""
+    proc = subprocess.Popen([sys.executable, "-m", TRAIN, *args], cwd=H.REPO_ROOT, env=H.subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f'"num_updates": "{update}"' in line:
+            return proc, lines
+    raise AssertionError(proc.stderr.read()[-3000:])
+
+
+def _one_line_end(proc, prog: str = "toolkit-train"):
+    out, err = proc.communicate(timeout=600)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"{prog}: error: "), err[-3000:]
+    return lines[-1]
+
+
+def test_ctrl_c_in_training_is_one_line_with_the_update_and_the_saved_checkpoint(prepared, tmp_path):
+    save = tmp_path / "s"
+    proc, _ = _train_until([prepared["bin"], *H.model_args(str(save)), "--save-interval-updates", "2",
+                            "--disable-validation", "--max-update", "100000"], 3)
+    proc.send_signal(signal.SIGINT)
+    last = _one_line_end(proc)
+    assert proc.returncode == 130
+    found = re.fullmatch(r"toolkit-train: error: interrupted at update (\d+); checkpoint_last.pt is update (\d+)",
+                         last)
+    assert found, last
+    stopped, saved = int(found.group(1)), int(found.group(2))
+    assert 2 <= saved <= stopped and saved % 2 == 0
+    state = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    assert state["extra_state"]["trainer"]["num_updates"] == saved  # what the line says is what is on disk
+
+
+def test_a_killed_data_loader_worker_is_one_line(prepared, tmp_path):
+    args = [prepared["bin"], *H.model_args(str(tmp_path / "s")), "--num-workers", "2", "--disable-validation",
+            "--max-update", "100000", "--no-save"]
+    proc, _ = _train_until(args, 2)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        workers = [int(p) for p in f.read().split()]
+    assert workers, "no DataLoader worker found"
+    os.kill(workers[0], signal.SIGKILL)
+    last = _one_line_end(proc)
+    assert proc.returncode == 1
+    assert "a data loader worker died at update" in last and "no checkpoint_last.pt saved yet" in last, last
+
+
+def test_interactive_warns_about_invalid_utf8_and_nul_on_its_input(prepared, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"w1 \xff\xfe w2\nw3\x00w4\nw5\n")
+    code, out, err = run_forked(INTERACTIVE, [prepared["bin"], "--path", f"{prepared['save']}/checkpoint_last.pt",
+                                              "--input", str(prompts), "--beam", "1", "--max-len-b", "2", "--cpu"],
+                                str(tmp_path))
+    assert code == 0, err[-2000:]
+    warnings = [line for line in (out + err).splitlines() if "invalid UTF-8 byte(s) or NUL" in line]
+    assert len(warnings) == 2 and "input line 1: 2 invalid" in warnings[0] and "input line 2: 1" in warnings[1]
+    assert "Traceback" not in out + err and "S-2\tw5" in out
+
+
+def test_a_killed_preprocess_leaves_a_temp_folder_that_the_next_run_removes(prepared, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = {}
+    for name, owner in (("dead", f"{socket.gethostname()} {dead.pid}"), ("alive", f"{socket.gethostname()} "
+                                                                                     f"{os.getpid()}"),
+                        ("elsewhere", f"another-host {dead.pid}")):
+        folder = tmp_path / f".bin.{name}1234.tmp"
+        folder.mkdir()
+        (folder / ".preprocess.owner").write_text(owner + "\n")
+        (folder / "train.bin").write_bytes(b"\0" * 1000)
+        leftovers[name] = folder
+    code, out, err = run_forked(PREPROCESS, ["--only-source", "--trainpref", f"{prepared['bad']}/train.txt",
+                                             "--destdir", str(tmp_path / "bin")], str(tmp_path))
+    assert code == 0, err[-2000:]
+    assert not leftovers["dead"].exists()
+    assert leftovers["alive"].exists() and leftovers["elsewhere"].exists()  # a running or unknown writer's
+    log = (tmp_path / "bin" / "preprocess.log").read_text()
+    assert log.rstrip().endswith(f"Wrote preprocessed data to {tmp_path / 'bin'}")
+    assert not (tmp_path / "bin" / ".preprocess.owner").exists()
+
+
+def test_disk_full_while_copying_to_checkpoint_last_names_that_file(tmp_path, monkeypatch):
+    import contextlib
+    import errno
+
+    from toolkit.checkpoint import consolidated
+    from toolkit.errors import UserError
+
+    real = consolidated.atomic_write
+
+    @contextlib.contextmanager
+    def full_at_last(path, mode="w", **kwargs):
+        if path.endswith("checkpoint_last.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with real(path, mode, **kwargs) as f:
+            yield f
+
+    monkeypatch.setattr(consolidated, "atomic_write", full_at_last)
+    with pytest.raises(UserError) as error:
+        consolidated.write_checkpoint({"x": torch.zeros(2)}, str(tmp_path), ["checkpoint1.pt", "checkpoint_last.pt"])
+    assert str(error.value).startswith(f"could not write {tmp_path / 'checkpoint_last.pt'}: No space left")
+    assert (tmp_path / "checkpoint1.pt").exists()
+
+
+def test_fairseqs_zero_meanings_still_parse():
+    """--max-update 0 / --max-epoch 0 (no limit), --save-interval-updates 0 (off), --keep-* -1 (keep all)."""
+    from toolkit.resolve import parse_train_config
+
+    cfg = parse_train_config(["data", "--max-update", "0", "--max-epoch", "0", "--save-interval-updates", "0",
+                              "--keep-last-epochs", "-1", "--keep-interval-updates", "-1", "--patience", "-1",
+                              "--num-workers", "0", "--batch-size", "1"])
+    assert (cfg.optimization.max_update, cfg.optimization.max_epoch, cfg.checkpoint.save_interval_updates) == (0, 0, 0)
+    assert (cfg.checkpoint.keep_last_epochs, cfg.checkpoint.patience, cfg.dataset.num_workers) == (-1, -1, 0)
