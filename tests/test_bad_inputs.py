@@ -84,7 +84,7 @@ CASES = [
     ("resume-other-optimizer", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--optimizer", "sgd"],
      "optimizer state was saved by --optimizer adam"),
     # (a missing --restore-file starts a fresh run, as in fairseq: tests/test_fairseq_flags.py)
-    ("finetune-missing-model", TRAIN, ["{bin}", MODEL, "--save-dir", "fresh", "--finetune-from-model",
+    ("finetune-missing-model", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/fresh", "--finetune-from-model",
                                        "{root}/none.pt"], "none.pt: file not found"),
     ("finetune-with-restore-file", TRAIN, ["{bin}", MODEL, "--finetune-from-model", "{root}/none.pt",
                                            "--restore-file", "{root}/none.pt"], "cannot be given together"),
@@ -533,3 +533,18 @@ def test_fairseqs_zero_meanings_still_parse():
                               "--num-workers", "0", "--batch-size", "1"])
     assert (cfg.optimization.max_update, cfg.optimization.max_epoch, cfg.checkpoint.save_interval_updates) == (0, 0, 0)
     assert (cfg.checkpoint.keep_last_epochs, cfg.checkpoint.patience, cfg.dataset.num_workers) == (-1, -1, 0)
+
+
+def test_ctrl_c_in_preprocess_is_one_line_and_leaves_nothing(prepared, tmp_path, monkeypatch):
+    """Ctrl-C while binarizing (raised where the workers' results are collected): exit 130, no temp folder."""
+    from toolkit.data import preprocess
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preprocess, "_binarize_step", interrupted)
+    code, out, err = run_forked(PREPROCESS, ["--only-source", "--trainpref", f"{prepared['bad']}/train.txt",
+                                             "--destdir", str(tmp_path / "bin")], str(tmp_path))
+    assert code == 130 and "Traceback" not in out + err
+    assert err.strip().splitlines()[-1].startswith("toolkit-preprocess: error: interrupted; nothing was written")
+    assert sorted(os.listdir(tmp_path)) == ["stderr", "stdout"]  # no data-bin, no temporary folder

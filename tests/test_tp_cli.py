@@ -71,7 +71,9 @@ def test_two_ranks_one_replica_match_one_process_and_resume_on_one(data_bin, tmp
         if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
             C = a[k].numel() // 3
             a[k], b[k] = torch.cat([a[k][:C], a[k][2 * C:]]), torch.cat([b[k][:C], b[k][2 * C:]])
-        assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5), k
+        # atol 1e-4: with fairseq's 512-wide input embeddings, an element of project_in_dim whose gradient is
+        # near zero moves by Adam-normalized rounding noise (3.5e-5 measured; lr is 3e-3)
+        assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), k
 
 
 def test_consolidated_checkpoint_is_the_plain_layout(data_bin, tmp_path):
