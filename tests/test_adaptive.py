@@ -444,15 +444,9 @@ def test_mixed_precision_losses_and_probabilities_stay_fp32(dtype):
 
 # ---- a whole fairseq checkpoint of an adaptive model, through the fairseq-import path ----
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fairseq_adaptive_checkpoint_loads_through_eval_and_hub_path(variant, tmp_path):
-    """fairseq's file layout (cfg sections, ``decoder.`` keys, separate q/k/v, tied aliases, buffers) read by
-    ``toolkit.inference.load_model`` (eval-lm and the hub): its loss equals the direct computation."""
-    from tests.lm_fixtures import make_data_bin
-    from toolkit import inference
-
-    body = model(**VARIANTS[variant])
-    state = fairseq_state(variant, body)
+def write_fairseq_adaptive_checkpoint(variant: str, path) -> dict:
+    """fairseq's file of an adaptive ``transformer_lm_wiki103``-style model; returns its (fairseq-keyed) state."""
+    state = fairseq_state(variant, model(**VARIANTS[variant]))
     for key in [k for k in state if ".qkv_proj." in k]:  # fairseq keeps q, k and v apart
         for part, value in zip("qkv", state.pop(key).chunk(3)):
             state[key.replace("qkv_proj", f"{part}_proj")] = value
@@ -460,9 +454,49 @@ def test_fairseq_adaptive_checkpoint_loads_through_eval_and_hub_path(variant, tm
     options.update(_name="transformer_lm", adaptive_softmax_cutoff="10,20", tokens_per_sample=16)
     checkpoint = {"args": None, "model": state, "optimizer_history": [{"num_updates": 7}],
                   "cfg": {"model": options, "task": {"_name": "language_modeling", "tokens_per_sample": 16}}}
-    torch.save(checkpoint, tmp_path / "fairseq_adaptive.pt")
-    data = tmp_path / "bin"
-    make_data_bin(data, {"valid": ["w4 w5"]}, symbols=[f"w{i}" for i in range(4, V)])
+    torch.save(checkpoint, path)
+    return state
+
+
+def write_adaptive_data_bin(folder, lines, split: str = "valid"):
+    """A data-bin whose dictionary is the model's V ids (w4 ... w36 after the 4 specials)."""
+    from tests.lm_fixtures import make_data_bin
+
+    make_data_bin(folder, {split: lines}, symbols=[f"w{i}" for i in range(4, V)], padding_factor=1)
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["tied+proj", "softmax_only"])
+def test_eval_lm_on_a_fairseq_adaptive_checkpoint_is_the_hub_score_and_the_direct_computation(variant, tmp_path):
+    """eval-lm scored the adaptive softmax's features as if they were logits (index 87 is out of bounds): now
+    it goes through get_normalized_probs, the hub's scorer, and sums what a float64 computation gives."""
+    from toolkit import inference
+    from toolkit.eval_lm_main import EvalLMConfig, main
+
+    state = write_fairseq_adaptive_checkpoint(variant, tmp_path / "fairseq_adaptive.pt")
+    words = "w4 w12 w30 w36 w5 w21 w11 w9 w33 w19 w6"  # every band, one block with its </s> (12 < 16 tokens)
+    data = write_adaptive_data_bin(tmp_path / "bin", [words], split="test")
+    result = main(EvalLMConfig(data=str(data), path=str(tmp_path / "fairseq_adaptive.pt"), cpu=True,
+                               no_progress_bar=True))
+    loaded, task, _ = inference.load_model(str(tmp_path / "fairseq_adaptive.pt"), str(data))
+    stream = task.dictionary.encode_line(words).long()  # the words and </s>
+    hub = inference.score_stream([loaded], stream, task.dictionary.eos(), tokens_per_sample=16)
+    inputs = torch.cat([stream.new_tensor([task.dictionary.eos()]), stream[:-1]])[None]
+    with torch.no_grad():
+        direct = direct_nll(state, variant, loaded(inputs), stream[None])
+    assert result["count"] == len(stream) == 12
+    assert result["loss"] * math.log(2) * result["count"] == pytest.approx(direct, rel=1e-5)
+    assert -float(hub.double().sum()) == pytest.approx(direct, rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fairseq_adaptive_checkpoint_loads_through_eval_and_hub_path(variant, tmp_path):
+    """fairseq's file layout (cfg sections, ``decoder.`` keys, separate q/k/v, tied aliases, buffers) read by
+    ``toolkit.inference.load_model`` (eval-lm and the hub): its loss equals the direct computation."""
+    from toolkit import inference
+
+    state = write_fairseq_adaptive_checkpoint(variant, tmp_path / "fairseq_adaptive.pt")
+    data = write_adaptive_data_bin(tmp_path / "bin", ["w4 w5"])
     loaded, task, _ = inference.load_model(str(tmp_path / "fairseq_adaptive.pt"), str(data))
     assert len(task.dictionary) == V
     x = tokens()

@@ -17,12 +17,15 @@ import hashlib
 import importlib
 import os
 import pickle
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import traceback
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,8 +34,11 @@ from toolkit.checkpoint import integrity
 
 TRAIN, EVAL, CONSOLIDATE, PREPROCESS = "toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.consolidate", \
     "toolkit_cli.preprocess"
+GENERATE, INTERACTIVE, EXPORT = "toolkit_cli.generate", "toolkit_cli.interactive", "toolkit_cli.export"
 PROGS = {TRAIN: "toolkit-train", EVAL: "toolkit-eval-lm", CONSOLIDATE: "toolkit-consolidate",
-         PREPROCESS: "toolkit-preprocess"}
+         PREPROCESS: "toolkit-preprocess", GENERATE: "toolkit-generate", INTERACTIVE: "toolkit-interactive",
+         EXPORT: "toolkit-export"}
+NAN_GEN = ["--path", "{bad}/nan.pt", "--beam", "1", "--max-len-b", "3", "--cpu"]
 MODEL = "{model}"  # the tiny model's flags with --save-dir {save}, expanded below
 
 
@@ -79,7 +85,7 @@ CASES = [
     ("resume-other-optimizer", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--optimizer", "sgd"],
      "optimizer state was saved by --optimizer adam"),
     # (a missing --restore-file starts a fresh run, as in fairseq: tests/test_fairseq_flags.py)
-    ("finetune-missing-model", TRAIN, ["{bin}", MODEL, "--save-dir", "fresh", "--finetune-from-model",
+    ("finetune-missing-model", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/fresh", "--finetune-from-model",
                                        "{root}/none.pt"], "none.pt: file not found"),
     ("finetune-with-restore-file", TRAIN, ["{bin}", MODEL, "--finetune-from-model", "{root}/none.pt",
                                            "--restore-file", "{root}/none.pt"], "cannot be given together"),
@@ -129,6 +135,68 @@ CASES = [
                                                   "{bin}"], "folder exists and is not empty"),
     ("preprocess-workers-0", PREPROCESS, ["--only-source", "--trainpref", "{bad}/train.txt", "--destdir",
                                           "{root}/new", "--workers", "0"], "must be at least 1"),
+    # --- no wrong number with exit 0 (issue 19, item 5) --------------------------------------------
+    ("eval-nan-weight", EVAL, ["{bin}", "--path", "{bad}/nan.pt", "--gen-subset", "valid"],
+     "the checkpoint looks broken"),
+    ("eval-empty-split", EVAL, ["{bad}/empty_split", "--path", "{save}/checkpoint_last.pt", "--gen-subset", "test"],
+     "test: no tokens to evaluate"),
+    ("eval-batch-size-0", EVAL, ["{bin}", "--path", "{save}/checkpoint_last.pt", "--batch-size", "0"],
+     "--batch-size/--max-sentences: 0: must be at least 1"),
+    ("eval-max-tokens-0", EVAL, ["{bin}", "--path", "{save}/checkpoint_last.pt", "--max-tokens", "0"],
+     "--max-tokens: 0: must be at least 1"),
+    ("generate-nan-weight", GENERATE, ["{bin}", *NAN_GEN, "--gen-subset", "valid", "--prefix-size", "2"],
+     "next-token probabilities are all NaN"),
+    ("generate-batch-size-0", GENERATE, ["{bin}", *NAN_GEN, "--batch-size", "0"], "0: must be at least 1"),
+    ("interactive-nan-weight", INTERACTIVE, ["{bin}", *NAN_GEN, "--input", "{bad}/prompts.txt"],
+     "next-token probabilities are all NaN"),
+    ("train-batch-size-0", TRAIN, ["{bin}", MODEL, "--batch-size", "0"], "0: must be at least 1"),
+    ("train-max-tokens-0", TRAIN, ["{bin}", MODEL, "--max-tokens", "0"], "--max-tokens: 0: must be at least 1"),
+    ("train-max-update-negative", TRAIN, ["{bin}", MODEL, "--max-update", "-1"],
+     "--max-update: -1: must be at least 0"),
+    ("train-max-epoch-negative", TRAIN, ["{bin}", MODEL, "--max-epoch", "-2"], "--max-epoch: -2: must be at least 0"),
+    ("train-save-interval-updates-negative", TRAIN, ["{bin}", MODEL, "--save-interval-updates", "-3"],
+     "--save-interval-updates: -3: must be at least 0"),
+    ("train-save-interval-0", TRAIN, ["{bin}", MODEL, "--save-interval", "0"],
+     "--save-interval: 0: must be at least 1"),
+    ("train-validate-interval-updates-negative", TRAIN, ["{bin}", MODEL, "--validate-interval-updates", "-1"],
+     "must be at least 0"),
+    ("train-keep-last-epochs-below-minus-one", TRAIN, ["{bin}", MODEL, "--keep-last-epochs", "-2"],
+     "--keep-last-epochs: -2: must be at least -1"),
+    ("train-log-interval-0", TRAIN, ["{bin}", MODEL, "--log-interval", "0"], "--log-interval: 0: must be at least 1"),
+    ("train-empty-train-split", TRAIN, ["{bad}/empty_split", MODEL, "--save-dir", "{root}/fresh_empty"],
+     "split gives no batch in epoch 1"),
+    ("preprocess-blank-lines", PREPROCESS, ["--only-source", "--trainpref", "{bad}/blank.txt", "--destdir",
+                                            "{root}/new"], "no token (blank lines only)"),
+    ("preprocess-blank-valid", PREPROCESS, ["--only-source", "--trainpref", "{bad}/train.txt", "--validpref",
+                                            "{bad}/blank.txt", "--destdir", "{root}/new"], "no token"),
+    ("preprocess-nul-bytes", PREPROCESS, ["--only-source", "--trainpref", "{bad}/nul.txt", "--destdir",
+                                          "{root}/new"], "NUL byte(s), the first at byte 7 (line 2)"),
+    # --- checked before training (item 6) ------------------------------------------------------
+    ("train-save-dir-is-a-file", TRAIN, ["{bin}", MODEL, "--save-dir", "{bad}/a_file"],
+     "--save-dir {bad}/a_file: is a file, not a folder"),
+    ("train-save-dir-symlink-loop", TRAIN, ["{bin}", MODEL, "--save-dir", "{bad}/loop"], "symlink"),
+    ("train-tensorboard-dir-is-a-file", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/fresh_tb",
+                                                "--tensorboard-logdir", "{bad}/a_file"],
+     "--tensorboard-logdir {bad}/a_file: is a file, not a folder"),
+    ("train-log-file-under-a-file", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/fresh_log", "--log-file",
+                                            "{bad}/a_file/train.log"], "its folder {bad}/a_file is a file"),
+    ("train-log-file-is-a-folder", TRAIN, ["{bin}", MODEL, "--log-file", "{bad}"], "is a folder, not a file"),
+    ("eval-log-file-under-a-file", EVAL, ["{bin}", "--path", "{save}/checkpoint_last.pt", "--log-file",
+                                          "{bad}/a_file/eval.log"], "its folder {bad}/a_file is a file"),
+    ("train-token-id-past-dictionary", TRAIN, ["{bad}/cut_dict", MODEL, "--save-dir", "{root}/fresh_cut"],
+     "is outside the dictionary's"),
+    ("eval-token-id-past-dictionary", EVAL, ["{bad}/corrupt_word", "--path", "{save}/checkpoint_last.pt",
+                                             "--gen-subset", "valid"], "token id 250 (at token 3)"),
+    # --- one line for the rest (item 7) --------------------------------------------------------
+    ("eval-tensor-pt", EVAL, ["{bin}", "--path", "{bad}/tensor.pt"], "not a checkpoint (it holds a Tensor"),
+    ("eval-list-pt", EVAL, ["{bin}", "--path", "{bad}/list.pt"], "not a checkpoint (it holds a list"),
+    ("resume-tensor-pt", TRAIN, ["{bin}", MODEL, "--restore-file", "{bad}/tensor.pt"], "not a checkpoint"),
+    ("finetune-tensor-pt", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/fresh_ft", "--finetune-from-model",
+                                   "{bad}/tensor.pt"], "not a checkpoint"),
+    ("export-tensor-pt", EXPORT, ["--path", "{bad}/tensor.pt", "--format", "safetensors", "--out",
+                                  "{root}/export_out"], "not a checkpoint"),
+    ("export-forged-hf-bin", EXPORT, ["--from", "hf", "--path", "{bad}/hf_forged", "--out", "{root}/hf_out"],
+     "cannot load the model's weights (UnpicklingError"),
 ]
 
 
@@ -161,7 +229,7 @@ def _damaged_bins(data_bin, bad):
         f.write("\n".join(reversed(lines)) + "\n")
 
 
-def _bad_checkpoints(bad, sharded, marker):
+def _bad_checkpoints(bad, sharded, marker, save):
     with open(f"{bad}/forged.pt", "wb") as f:
         torch.save({"cfg": {"arch": "transformer_lm"}, "model": Payload(marker)}, f)
     torch.save({"cfg": {"common": {"seed": 1}, "model": {"_name": "transformer_lm"}, "task": {"data": "x"}},
@@ -183,6 +251,60 @@ def _bad_checkpoints(bad, sharded, marker):
     open(f"{bad}/empty.txt", "w").close()
     with open(f"{bad}/train.txt", "w") as f:
         f.write("a b c\nd e\n")
+    torch.save(torch.zeros(3), f"{bad}/tensor.pt")
+    torch.save([1, 2], f"{bad}/list.pt")
+    _nan_checkpoint(f"{save}/checkpoint_last.pt", f"{bad}/nan.pt")
+    _forged_hf_folder(f"{bad}/hf_forged", marker)
+
+
+def _text_inputs(bad):
+    with open(f"{bad}/blank.txt", "w") as f:
+        f.write("\n  \n\n")
+    with open(f"{bad}/nul.txt", "wb") as f:
+        f.write(b"a b c\nd\0e\n")
+    with open(f"{bad}/prompts.txt", "w") as f:
+        f.write("w1 w2\n")
+    with open(f"{bad}/a_file", "w") as f:
+        f.write("not a folder\n")
+    os.symlink(f"{bad}/loop", f"{bad}/loop")
+
+
+def _nan_checkpoint(src, dst):
+    """One NaN weight (a bias every position adds, then normalizes): every score of the model is NaN."""
+    state = torch.load(src, weights_only=True)
+    state["model"]["layers.0.fc2.bias"][0] = float("nan")
+    torch.save(state, dst)
+
+
+def _forged_hf_folder(folder, marker):
+    """A transformers GPT-2 folder whose pytorch_model.bin would run a command if unpickled freely."""
+    import transformers
+
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32).save_pretrained(folder)
+    with open(f"{folder}/pytorch_model.bin", "wb") as f:
+        torch.save({"transformer.wte.weight": Payload(marker)}, f)
+
+
+def _data_bins_for_checks(data_bin, bad):
+    """An empty split (train and test), a cut dictionary, a corrupted word in a split."""
+    from tests.lm_fixtures import write_split
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    size = len(Dictionary.load(f"{data_bin}/dict.txt"))
+    p = _copy_bin(data_bin, f"{bad}/empty_split")
+    for split in ("train", "test"):
+        write_split(f"{p}/{split}", [], size)
+    p = _copy_bin(data_bin, f"{bad}/cut_dict")
+    with open(f"{p}/dict.txt", encoding="utf-8") as f:
+        head = f.read().splitlines()[:4]
+    with open(f"{p}/dict.txt", "w", encoding="utf-8") as f:
+        f.write("\n".join(head) + "\n")
+    p = _copy_bin(data_bin, f"{bad}/corrupt_word")
+    dtype = MMapIndexedDataset(f"{p}/valid").dtype
+    with open(f"{p}/valid.bin", "r+b") as f:
+        f.seek(3 * dtype.itemsize)
+        f.write(np.array([250], dtype=dtype).tobytes())  # past the tiny dictionary, within uint8
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +321,9 @@ def prepared(tmp_path_factory):
     bad = f"{root}/bad"
     os.makedirs(bad)
     _damaged_bins(data_bin, bad)
-    _bad_checkpoints(bad, f"{root}/sharded", f"{root}/MARKER")
+    _data_bins_for_checks(data_bin, bad)
+    _text_inputs(bad)
+    _bad_checkpoints(bad, f"{root}/sharded", f"{root}/MARKER", f"{root}/save")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -227,6 +351,9 @@ def tree_hashes(root: str) -> dict:
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
+            if os.path.islink(path):  # e.g. the symlink loop: its target is what must not change
+                out[os.path.relpath(path, root)] = "-> " + os.readlink(path)
+                continue
             with open(path, "rb") as f:
                 out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
     return out
@@ -286,7 +413,141 @@ def test_bad_input(name, module, argv, fragment, prepared, tmp_path):
     assert "Traceback" not in out + err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and lines[-1].startswith(f"{PROGS[module]}: error: "), err[-3000:]
-    assert fragment in lines[-1], lines[-1]
+    assert fragment.format(**prepared) in lines[-1], lines[-1]
     assert sum("error" in line for line in lines) == 1, err[-3000:]
     assert tree_hashes(prepared["root"]) == before  # nothing written, nothing damaged
     assert not os.path.exists(f"{prepared['root']}/MARKER")
+
+
+# --- what is not a refusal: interruptions, warnings, leftovers (issue 19, item 7) -------------------
+
+def _train_until(args, update: int):
+    """A toolkit-train process, returned once it logged ``update`` (its stdout lines so far)."""
+    proc = subprocess.Popen([sys.executable, "-m", TRAIN, *args], cwd=H.REPO_ROOT, env=H.subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f'"num_updates": "{update}"' in line:
+            return proc, lines
+    raise AssertionError(proc.stderr.read()[-3000:])
+
+
+def _one_line_end(proc, prog: str = "toolkit-train"):
+    out, err = proc.communicate(timeout=600)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"{prog}: error: "), err[-3000:]
+    return lines[-1]
+
+
+def test_ctrl_c_in_training_is_one_line_with_the_update_and_the_saved_checkpoint(prepared, tmp_path):
+    save = tmp_path / "s"
+    proc, _ = _train_until([prepared["bin"], *H.model_args(str(save)), "--save-interval-updates", "2",
+                            "--disable-validation", "--max-update", "100000"], 3)
+    proc.send_signal(signal.SIGINT)
+    last = _one_line_end(proc)
+    assert proc.returncode == 130
+    found = re.fullmatch(r"toolkit-train: error: interrupted at update (\d+); checkpoint_last.pt is update (\d+)",
+                         last)
+    assert found, last
+    stopped, saved = int(found.group(1)), int(found.group(2))
+    assert 2 <= saved <= stopped and saved % 2 == 0
+    state = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    assert state["extra_state"]["trainer"]["num_updates"] == saved  # what the line says is what is on disk
+
+
+def test_a_killed_data_loader_worker_is_one_line(prepared, tmp_path):
+    args = [prepared["bin"], *H.model_args(str(tmp_path / "s")), "--num-workers", "2", "--disable-validation",
+            "--max-update", "100000", "--no-save"]
+    proc, _ = _train_until(args, 2)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        workers = [int(p) for p in f.read().split()]
+    assert workers, "no DataLoader worker found"
+    os.kill(workers[0], signal.SIGKILL)
+    last = _one_line_end(proc)
+    assert proc.returncode == 1
+    assert "a data loader worker died at update" in last and "no checkpoint_last.pt saved yet" in last, last
+
+
+def test_interactive_warns_about_invalid_utf8_and_nul_on_its_input(prepared, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"w1 \xff\xfe w2\nw3\x00w4\nw5\n")
+    code, out, err = run_forked(INTERACTIVE, [prepared["bin"], "--path", f"{prepared['save']}/checkpoint_last.pt",
+                                              "--input", str(prompts), "--beam", "1", "--max-len-b", "2", "--cpu"],
+                                str(tmp_path))
+    assert code == 0, err[-2000:]
+    warnings = [line for line in (out + err).splitlines() if "invalid UTF-8 byte(s) or NUL" in line]
+    assert len(warnings) == 2 and "input line 1: 2 invalid" in warnings[0] and "input line 2: 1" in warnings[1]
+    assert "Traceback" not in out + err and "S-2\tw5" in out
+
+
+def test_a_killed_preprocess_leaves_a_temp_folder_that_the_next_run_removes(prepared, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = {}
+    for name, owner in (("dead", f"{socket.gethostname()} {dead.pid}"), ("alive", f"{socket.gethostname()} "
+                                                                                     f"{os.getpid()}"),
+                        ("elsewhere", f"another-host {dead.pid}")):
+        folder = tmp_path / f".bin.{name}1234.tmp"
+        folder.mkdir()
+        (folder / ".preprocess.owner").write_text(owner + "\n")
+        (folder / "train.bin").write_bytes(b"\0" * 1000)
+        leftovers[name] = folder
+    code, out, err = run_forked(PREPROCESS, ["--only-source", "--trainpref", f"{prepared['bad']}/train.txt",
+                                             "--destdir", str(tmp_path / "bin")], str(tmp_path))
+    assert code == 0, err[-2000:]
+    assert not leftovers["dead"].exists()
+    assert leftovers["alive"].exists() and leftovers["elsewhere"].exists()  # a running or unknown writer's
+    log = (tmp_path / "bin" / "preprocess.log").read_text()
+    assert log.rstrip().endswith(f"Wrote preprocessed data to {tmp_path / 'bin'}")
+    assert not (tmp_path / "bin" / ".preprocess.owner").exists()
+
+
+def test_disk_full_while_copying_to_checkpoint_last_names_that_file(tmp_path, monkeypatch):
+    import contextlib
+    import errno
+
+    from toolkit.checkpoint import consolidated
+    from toolkit.errors import UserError
+
+    real = consolidated.atomic_write
+
+    @contextlib.contextmanager
+    def full_at_last(path, mode="w", **kwargs):
+        if path.endswith("checkpoint_last.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with real(path, mode, **kwargs) as f:
+            yield f
+
+    monkeypatch.setattr(consolidated, "atomic_write", full_at_last)
+    with pytest.raises(UserError) as error:
+        consolidated.write_checkpoint({"x": torch.zeros(2)}, str(tmp_path), ["checkpoint1.pt", "checkpoint_last.pt"])
+    assert str(error.value).startswith(f"could not write {tmp_path / 'checkpoint_last.pt'}: No space left")
+    assert (tmp_path / "checkpoint1.pt").exists()
+
+
+def test_fairseqs_zero_meanings_still_parse():
+    """--max-update 0 / --max-epoch 0 (no limit), --save-interval-updates 0 (off), --keep-* -1 (keep all)."""
+    from toolkit.resolve import parse_train_config
+
+    cfg = parse_train_config(["data", "--max-update", "0", "--max-epoch", "0", "--save-interval-updates", "0",
+                              "--keep-last-epochs", "-1", "--keep-interval-updates", "-1", "--patience", "-1",
+                              "--num-workers", "0", "--batch-size", "1"])
+    assert (cfg.optimization.max_update, cfg.optimization.max_epoch, cfg.checkpoint.save_interval_updates) == (0, 0, 0)
+    assert (cfg.checkpoint.keep_last_epochs, cfg.checkpoint.patience, cfg.dataset.num_workers) == (-1, -1, 0)
+
+
+def test_ctrl_c_in_preprocess_is_one_line_and_leaves_nothing(prepared, tmp_path, monkeypatch):
+    """Ctrl-C while binarizing (raised where the workers' results are collected): exit 130, no temp folder."""
+    from toolkit.data import preprocess
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preprocess, "_binarize_step", interrupted)
+    code, out, err = run_forked(PREPROCESS, ["--only-source", "--trainpref", f"{prepared['bad']}/train.txt",
+                                             "--destdir", str(tmp_path / "bin")], str(tmp_path))
+    assert code == 130 and "Traceback" not in out + err
+    assert err.strip().splitlines()[-1].startswith("toolkit-preprocess: error: interrupted; nothing was written")
+    assert sorted(os.listdir(tmp_path)) == ["stderr", "stdout"]  # no data-bin, no temporary folder

@@ -48,8 +48,10 @@ def single():
     trained = H.train(plain, opt=opt)
     state = {k: v.clone() for k, v in plain.state_dict().items()}
     continued = H.train(plain, opt=opt, first=H.STEPS, steps=H.RESUMED_STEPS)  # the uninterrupted run
+    arch_tied = H.arch_defaults_cfg(share_decoder_input_output_embed=True)
     return {"short_batch_loss": short, "init_state": init, "plain": trained, "plain_state": state,
-            "continued": continued, "tied": H.train(tied)}
+            "continued": continued, "tied": H.train(tied), "arch_defaults": H.train(H.build(H.arch_defaults_cfg())),
+            "arch_defaults_tied": H.train(H.build(arch_tied))}
 
 
 def assert_close(got, want, rel, steps=H.STEPS):
@@ -71,6 +73,30 @@ def test_two_ranks_model_parallel_match_one_process(tp2, single):
     assert_close(tp2["sp_untied"]["loss"], single["plain"]["loss"], REL_TOL)
     assert_close(tp2["sp_untied"]["gnorm"], single["plain"]["gnorm"], REL_TOL)
     assert single["plain"]["gnorm"][0] > H.CLIP_NORM  # clipping took part
+
+
+def test_transformer_lm_defaults_project_in_and_out_match_one_process(tp2, single):
+    """fairseq's --arch transformer_lm: 512-wide embeddings around a narrower model (project_in_dim and
+    project_out_dim, replicated over the TP ranks), post-norm without a final LayerNorm; and tied to the
+    vocabulary-sharded embedding without sequence parallelism."""
+    assert_close(tp2["arch_defaults"]["loss"], single["arch_defaults"]["loss"], REL_TOL)
+    assert_close(tp2["arch_defaults"]["gnorm"], single["arch_defaults"]["gnorm"], REL_TOL)
+    assert_close(tp2["arch_defaults_tied_no_sp"]["loss"], single["arch_defaults_tied"]["loss"], REL_TOL)
+
+
+def test_layers_without_a_split_are_refused_in_one_line():
+    from toolkit.distributed.tensor_parallel import _refuse_unsplit_layers
+    from toolkit.errors import UserError
+
+    adaptive = H.build(H.model_cfg(adaptive_softmax_cutoff="16,32"), meta=True)
+    with pytest.raises(UserError, match="adaptive softmax"):
+        _refuse_unsplit_layers(adaptive, 2)
+    with pytest.raises(UserError, match="--layernorm-embedding"):
+        _refuse_unsplit_layers(H.build(H.model_cfg(layernorm_embedding=True), meta=True), 2)
+    adaptive_input = H.build(H.model_cfg(adaptive_input=True, adaptive_input_cutoff="16,32",
+                                         share_decoder_input_output_embed=False), meta=True)
+    with pytest.raises(UserError, match="adaptive input"):
+        _refuse_unsplit_layers(adaptive_input, 2)
 
 
 def test_sequence_parallel_pads_a_short_batch_to_a_multiple_of_m(tp2, single):

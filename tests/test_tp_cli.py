@@ -19,8 +19,22 @@ def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("tp") / "bin"))
 
 
+def arch_default_args(save_dir) -> list:
+    """The tiny model under --arch transformer_lm as fairseq defines it: 512-wide input/output embeddings
+    (project_in_dim/project_out_dim), post-norm without a final LayerNorm (only the sizes are small)."""
+    args, out, skip = H.model_args(str(save_dir)), [], 0
+    for a in args:
+        if skip:
+            skip -= 1
+        elif a in ("--decoder-input-dim", "--decoder-output-dim"):
+            skip = 1
+        elif a != "--decoder-normalize-before":
+            out.append(a)
+    return out
+
+
 def train(data_bin, save_dir, *flags):
-    proc = H.run_cli([data_bin] + H.model_args(str(save_dir)) + ["--disable-validation", *flags], timeout=300)
+    proc = H.run_cli([data_bin] + arch_default_args(save_dir) + ["--disable-validation", *flags], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -57,7 +71,9 @@ def test_two_ranks_one_replica_match_one_process_and_resume_on_one(data_bin, tmp
         if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
             C = a[k].numel() // 3
             a[k], b[k] = torch.cat([a[k][:C], a[k][2 * C:]]), torch.cat([b[k][:C], b[k][2 * C:]])
-        assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5), k
+        # atol 1e-4: with fairseq's 512-wide input embeddings, an element of project_in_dim whose gradient is
+        # near zero moves by Adam-normalized rounding noise (3.5e-5 measured; lr is 3e-3)
+        assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), k
 
 
 def test_consolidated_checkpoint_is_the_plain_layout(data_bin, tmp_path):
@@ -70,7 +86,7 @@ def test_consolidated_checkpoint_is_the_plain_layout(data_bin, tmp_path):
 
 
 def test_refused_combinations_are_one_line(data_bin, tmp_path):
-    proc = H.run_cli([data_bin] + H.model_args(str(tmp_path)) + ["--model-parallel-size", "2",
+    proc = H.run_cli([data_bin] + arch_default_args(tmp_path) + ["--model-parallel-size", "2",
                                                                  "--ddp-backend", "no_c10d"])
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [

@@ -34,6 +34,18 @@ def model_cfg(**overrides):
     return TransformerLMConfig(**values)
 
 
+def arch_defaults_cfg(**overrides):
+    """``--arch transformer_lm`` as fairseq defines it (post-norm, no final LayerNorm, sinusoidal positions,
+    512-wide input/output embeddings, so project_in_dim/project_out_dim exist); only the sizes are small."""
+    from toolkit.models.transformer_lm import transformer_lm
+
+    cfg = model_cfg(decoder_learned_pos=False)
+    transformer_lm(cfg)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
 def build(cfg, seed: int = 7, meta: bool = False):
     from toolkit.models.transformer_lm import TransformerLanguageModel
 
@@ -190,6 +202,10 @@ def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
     tied = model_cfg(share_decoder_input_output_embed=True, decoder_learned_pos=False)
     model = parallel_model(tied, mesh, fsdp=False, sequence_parallel=False, checkpoint_activations=True)
     result["tied_no_sp_ac"] = train(model, loss_parallel=True)
+    result["arch_defaults"] = train(parallel_model(arch_defaults_cfg(), mesh, fsdp=False), loss_parallel=True)
+    tied = arch_defaults_cfg(share_decoder_input_output_embed=True)
+    result["arch_defaults_tied_no_sp"] = train(parallel_model(tied, mesh, fsdp=False, sequence_parallel=False),
+                                               loss_parallel=True)
     result["dropout"] = dropout_probes(mesh)
     result["short_batch_loss"] = short_batch_loss(parallel_model(model_cfg(), mesh, fsdp=False), True)
     return result

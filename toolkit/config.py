@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from toolkit.flag_types import float_list, int_list
+from toolkit.flag_types import count_or_minus_one, count_or_zero, float_list, int_list, positive_int
 
 
 def opt(default, help: str, **metadata):
@@ -19,7 +19,7 @@ def opt(default, help: str, **metadata):
 class CommonConfig:
     seed: int = opt(1, "random seed")
     cpu: bool = opt(False, "use CPU instead of CUDA")
-    log_interval: int = opt(100, "log progress every N updates")
+    log_interval: int = opt(100, "log progress every N updates", type=positive_int)
     log_format: Optional[str] = opt(None, "log format (default: tqdm on a terminal, else simple)",
                                     choices=["json", "simple", "tqdm", "none"])
     log_file: Optional[str] = opt(None, "also write the log to this file")
@@ -45,30 +45,33 @@ class CommonConfig:
 
 @dataclass
 class DatasetConfig:
-    num_workers: int = opt(1, "data loader worker processes")
-    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch")
-    batch_size: Optional[int] = opt(None, "number of samples in a batch", aliases=("--max-sentences",))
-    required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this")
+    num_workers: int = opt(1, "data loader worker processes", type=count_or_zero)
+    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch", type=positive_int)
+    batch_size: Optional[int] = opt(None, "number of samples in a batch", aliases=("--max-sentences",),
+                                    type=positive_int)
+    required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this", type=positive_int)
     train_subset: str = opt("train", "data subset to train on")
     valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
-    validate_interval: int = opt(1, "validate every N epochs")
-    validate_interval_updates: int = opt(0, "validate every N updates")
+    validate_interval: int = opt(1, "validate every N epochs", type=positive_int)
+    validate_interval_updates: int = opt(0, "validate every N updates", type=count_or_zero)
     disable_validation: bool = opt(False, "do not validate")
-    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
+    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)",
+                                          type=positive_int)
     batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)",
-                                          aliases=("--max-sentences-valid",))
+                                          aliases=("--max-sentences-valid",), type=positive_int)
     skip_invalid_size_inputs_valid_test: bool = opt(False, "skip validation samples longer than the model's "
                                                            "positions instead of stopping with an error")
     combine_valid_subsets: bool = opt(False, "validate on valid, valid1, valid2, ... combined (fairseq's "
                                              "--combine-val)", aliases=("--combine-val",))
     fixed_validation_seed: Optional[int] = opt(None, "seed the random generators with this before every validation")
-    validate_after_updates: int = opt(0, "do not validate (nor save mid-epoch) before this many updates")
+    validate_after_updates: int = opt(0, "do not validate (nor save mid-epoch) before this many updates",
+                                      type=count_or_zero)
 
 
 @dataclass
 class OptimizationConfig:
-    max_epoch: int = opt(0, "stop after this many epochs (0: no limit)")
-    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+    max_epoch: int = opt(0, "stop after this many epochs (0: no limit)", type=count_or_zero)
+    max_update: int = opt(0, "stop after this many updates (0: no limit)", type=count_or_zero)
     stop_time_hours: float = opt(0.0, "stop after this many hours of training (0: no limit)")
     clip_norm: float = opt(0.0, "clip gradients to this global norm (0: no clipping)")
     update_freq: int = opt(1, "accumulate gradients over N batches before each update; a comma-separated list "
@@ -92,19 +95,20 @@ class CheckpointConfig:
     reset_lr_scheduler: bool = opt(False, "do not restore the LR scheduler from the checkpoint")
     reset_meters: bool = opt(False, "do not restore the meters from the checkpoint")
     reset_optimizer: bool = opt(False, "do not restore the optimizer from the checkpoint")
-    save_interval: int = opt(1, "save a checkpoint every N epochs")
-    save_interval_updates: int = opt(0, "save a checkpoint every N updates")
-    keep_interval_updates: int = opt(-1, "keep the last N update checkpoints")
-    keep_last_epochs: int = opt(-1, "keep the last N epoch checkpoints")
+    save_interval: int = opt(1, "save a checkpoint every N epochs", type=positive_int)
+    save_interval_updates: int = opt(0, "save a checkpoint every N updates", type=count_or_zero)
+    keep_interval_updates: int = opt(-1, "keep the last N update checkpoints", type=count_or_minus_one)
+    keep_last_epochs: int = opt(-1, "keep the last N epoch checkpoints", type=count_or_minus_one)
     no_save: bool = opt(False, "do not save checkpoints")
     no_epoch_checkpoints: bool = opt(False, "only keep the last and best checkpoints")
     no_last_checkpoints: bool = opt(False, "do not write checkpoint_last.pt")
     no_save_optimizer_state: bool = opt(False, "do not save the optimizer state")
     best_checkpoint_metric: str = opt("loss", "metric that decides checkpoint_best.pt")
     maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
-    patience: int = opt(-1, "stop after N validations without improvement (-1: never)")
+    patience: int = opt(-1, "stop after N validations without improvement (-1: never)", type=count_or_minus_one)
     keep_best_checkpoints: int = opt(-1, "keep the N best checkpoints by --best-checkpoint-metric, named "
-                                         "checkpoint.best_{metric}_{value}.pt as fairseq names them")
+                                         "checkpoint.best_{metric}_{value}.pt as fairseq names them",
+                                      type=count_or_minus_one)
     finetune_from_model: Optional[str] = opt(None, "start from this model's weights (toolkit or fairseq checkpoint) "
                                                    "with a fresh optimizer, LR schedule, meters and data position; "
                                                    "only when --save-dir has no checkpoint_last.pt")

@@ -8,9 +8,14 @@ the last ``context_window`` input tokens of the blocks before it, in dataset ord
 tokens after up to 400 tokens of context, and the first block has none.
 
 The sum and count follow ``fairseq_cli/eval_lm.py``: every target token counts once
-(``<s>`` removed under ``--add-bos-token``), infinite scores are dropped, and with
+(``<s>`` removed under ``--add-bos-token``), and with
 ``--post-process subword_nmt`` a BPE continuation's score is added to the next
 token's and the pair counts as one word. Perplexity is ``2 ** (-sum / count / ln 2)``.
+
+Unlike fairseq, a non-finite score is an error (:func:`check_finite`), not a token
+dropped from the count: one NaN weight made every score NaN, all were dropped, and the
+command printed perplexity 1.00 with exit 0. An evaluation that counts no token at all
+is an error too, for the same reason.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
+from toolkit import inference
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.errors import UserError
 
@@ -87,26 +93,6 @@ def eval_batches(dataset, context_window: int, tokens_per_sample: int, pad: int,
         yield window(sample) if window is not None else sample
 
 
-@torch.no_grad()
-def target_log_probs(models: List[torch.nn.Module], src: torch.Tensor, target: torch.Tensor,
-                     softmax_batch: int = 0) -> torch.Tensor:
-    """log p(target) per position [B, T] (natural log, fp32); an ensemble averages probabilities.
-
-    ``softmax_batch`` > 0 normalizes at most that many positions at a time (memory only).
-    """
-    per_model = []
-    for model in models:
-        logits = model(src)
-        flat, flat_tgt = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
-        step = softmax_batch if 0 < softmax_batch < flat.size(0) else flat.size(0)
-        parts = [torch.log_softmax(flat[s:s + step].float(), dim=-1).gather(1, flat_tgt[s:s + step, None])[:, 0]
-                 for s in range(0, flat.size(0), step)]
-        per_model.append(torch.cat(parts).view(target.shape))
-    if len(per_model) == 1:
-        return per_model[0]
-    return torch.stack([lp.exp() for lp in per_model]).mean(0).log()
-
-
 def score_sample(models: List[torch.nn.Module], sample: Dict[str, Any], pad: int, max_positions: int,
                  softmax_batch: int, device: torch.device) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
     """(sample id, target tokens, positional scores) per row, as fairseq's SequenceScorer."""
@@ -116,7 +102,7 @@ def score_sample(models: List[torch.nn.Module], sample: Dict[str, Any], pad: int
     if src.size(1) > max_positions:
         raise UserError(f"--tokens-per-sample/--context-window: a block with its context has {src.size(1)} tokens, "
                         f"more than the model's {max_positions} positions; lower --tokens-per-sample")
-    lp = target_log_probs(models, src.to(device), target.to(device), softmax_batch).cpu()
+    lp = inference.target_log_probs(models, src.to(device), target.to(device), softmax_batch).cpu()
     starts = sample.get("start_indices") or [0] * src.size(0)
     rows = []
     for i, start in enumerate(starts):
@@ -213,15 +199,30 @@ def accumulate(totals: Totals, dictionary, rows, bpe: Tuple[Optional[Set[int]], 
                                 "differently?")
             tokens, scores = tokens[1:], scores[1:]
         skipped = merge_bpe(tokens, scores, bpe_toks, tgt_len)
-        finite = torch.isfinite(scores)
-        if not bool(finite.all()):
-            logger.info(f"skipping tokens with inf scores: {dictionary.string(tokens[~finite])}")
-        totals.score_sum = totals.score_sum + scores[finite].float().sum()
-        totals.count += int(finite.sum()) - skipped
+        totals.score_sum = totals.score_sum + scores.float().sum()
+        totals.count += len(scores) - skipped
         if word_output:
             words = word_probs(dictionary, tokens, scores, bpe_toks, bpe_len, totals.word_stats)
             lines.append(f"{sample_id} " + "\t".join(f"{w} [{p:2f}]" for w, p in words))
     return lines
+
+
+def check_finite(rows, split: str, path: str) -> None:
+    """Refuse the first NaN/inf score (a broken checkpoint), naming where it is: no perplexity is printed."""
+    for sample_id, tokens, scores in rows:
+        bad = (~torch.isfinite(scores)).nonzero()
+        if len(bad):
+            index = int(bad[0, 0])
+            raise UserError(f"{path}: the model scores {float(scores[index])} for --gen-subset {split}, sample "
+                            f"{sample_id}, token {index} (id {int(tokens[index])}): the checkpoint looks broken "
+                            f"(NaN/inf weights?); evaluate an earlier checkpoint")
+
+
+def check_counted(totals: Totals, split: str, data: str) -> None:
+    """An evaluation that counted no token has no perplexity (fairseq printed 1.00)."""
+    if totals.count <= 0:
+        raise UserError(f"{data}/{split}: no tokens to evaluate (the split is empty, or this --shard-id has no "
+                        f"batch); give a split with text in it (--gen-subset)")
 
 
 def perplexity(totals: Totals) -> Dict[str, float]:

@@ -17,6 +17,7 @@ from toolkit import eval_lm as E
 from toolkit import inference
 from toolkit.config import opt
 from toolkit.errors import UserError
+from toolkit.flag_types import count_or_zero, positive_int
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
@@ -40,9 +41,10 @@ class EvalLMConfig:
     sample_break_mode: str = opt("none", "how the split is cut into blocks (as the language_modeling task)",
                                  choices=["none", "complete", "complete_doc", "eos"])
     add_bos_token: bool = opt(False, "prepend <s> to every block (its score is not counted)")
-    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch (default 36000, as fairseq)")
-    batch_size: Optional[int] = opt(None, "number of blocks in a batch", aliases=("--max-sentences",))
-    softmax_batch: int = opt(0, "normalize at most this many positions at once (memory only)")
+    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch (default 36000, as fairseq)", type=positive_int)
+    batch_size: Optional[int] = opt(None, "number of blocks in a batch", aliases=("--max-sentences",),
+                                    type=positive_int)
+    softmax_batch: int = opt(0, "normalize at most this many positions at once (memory only)", type=count_or_zero)
     output_word_probs: bool = opt(False, "log each word with its log-probability (natural log, fairseq's format)")
     output_word_stats: bool = opt(False, "log per-word counts and summed log-probabilities")
     post_process: Optional[str] = opt(None, "merge BPE continuations: subword_nmt / '@@ ' "
@@ -52,7 +54,7 @@ class EvalLMConfig:
                                                     "eval-lm does not use; see --model-overrides)")
     skip_invalid_size_inputs_valid_test: bool = opt(False, "accepted: eval-lm always skips blocks longer "
                                                            "than the model's positions, as fairseq")
-    num_shards: int = opt(1, "evaluate only every num-shards-th batch ...")
+    num_shards: int = opt(1, "evaluate only every num-shards-th batch ...", type=positive_int)
     shard_id: int = opt(0, "... starting at this one")
     seed: int = opt(1, "random seed (orders the batches, as fairseq)")
     fp16: bool = opt(False, "evaluate in fp16")
@@ -62,7 +64,7 @@ class EvalLMConfig:
     results_path: Optional[str] = opt(None, "accepted for fairseq compatibility (fairseq-eval-lm writes "
                                             "nothing there)")
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
-    log_interval: int = opt(100, "log progress every N batches")
+    log_interval: int = opt(100, "log progress every N batches", type=positive_int)
     no_progress_bar: bool = opt(False, "disable the progress bar")
     log_file: Optional[str] = opt(None, "also write the log to this file")
 
@@ -155,12 +157,14 @@ def evaluate(cfg: EvalLMConfig, models: List[torch.nn.Module], task, dataset, de
         start = time.time()
         rows = E.score_sample(models, sample, pad, max_positions, cfg.softmax_batch, device)
         elapsed += time.time() - start
+        E.check_finite(rows, cfg.gen_subset, cfg.path)
         totals.ntokens += int(sample["ntokens"])
         for line in E.accumulate(totals, dictionary, rows, bpe, cfg.add_bos_token,
                                  cfg.output_word_probs or cfg.output_word_stats):
             if cfg.output_word_probs:
                 logger.info(line)
         progress.log({"ntokens": totals.ntokens, "ppl": round(E.perplexity(totals)["perplexity"], 2)})
+    E.check_counted(totals, cfg.gen_subset, task.cfg.data)
     rate = totals.ntokens / elapsed if elapsed > 0 else 0.0
     logger.info(f"Evaluated {totals.ntokens:,} tokens in {elapsed:.1f}s ({rate:.2f} tokens/s)")
     if cfg.output_word_stats:

@@ -8,6 +8,7 @@ context, which lowers perplexity because fewer predictions start cold.
 """
 from __future__ import annotations
 
+import math
 from argparse import Namespace
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -87,12 +88,26 @@ def stream_blocks(num_tokens: int, tokens_per_sample: int, context_window: int) 
 
 
 @torch.no_grad()
-def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor) -> torch.Tensor:
-    """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32."""
-    logps = [m.get_normalized_probs(m(inputs), log_probs=True) for m in models]  # adaptive softmax too
-    if len(logps) == 1:
-        return logps[0]
-    return torch.logsumexp(torch.stack(logps), dim=0) - torch.log(torch.tensor(float(len(logps))))
+def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
+                     softmax_batch: int = 0) -> torch.Tensor:
+    """log p(target) per position [B, T] (natural log, fp32): the one scorer of eval-lm and the hub.
+
+    Every model normalizes through its own ``get_normalized_probs`` (a plain softmax, or the
+    adaptive softmax's head and tails, whose input is features, not logits); an ensemble
+    averages probabilities, as fairseq's SequenceScorer. ``softmax_batch`` > 0 normalizes at
+    most that many positions at a time (memory only).
+    """
+    per_model = []
+    for model in models:
+        out = model(inputs)
+        flat, flat_tgt = out.reshape(1, -1, out.size(-1)), targets.reshape(-1)
+        step = softmax_batch if 0 < softmax_batch < flat.size(1) else flat.size(1)
+        parts = [model.get_normalized_probs(flat[:, s:s + step], log_probs=True)[0]
+                 .gather(1, flat_tgt[s:s + step, None])[:, 0] for s in range(0, flat.size(1), step)]
+        per_model.append(torch.cat(parts).float().view(targets.shape))
+    if len(per_model) == 1:
+        return per_model[0]
+    return torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
 
 
 @torch.no_grad()
@@ -110,10 +125,11 @@ def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, 
         group = blocks[i:i + per_batch]
         lengths = [end - s for s, _, end in group]
         batch = torch.full((len(group), max(lengths)), eos, dtype=torch.long)
+        targets = torch.full_like(batch, eos)
         for row, (s, _, end) in enumerate(group):
             batch[row, : end - s] = inputs_all[s:end]
-        logp = ensemble_log_probs(models, batch.to(device)).cpu()
+            targets[row, : end - s] = stream[s:end]
+        logp = target_log_probs(models, batch.to(device), targets.to(device)).cpu()
         for row, (s, t, end) in enumerate(group):
-            positions = torch.arange(t - s, end - s)
-            out[t:end] = logp[row, positions, stream[t:end]]
+            out[t:end] = logp[row, t - s:end - s]
     return out

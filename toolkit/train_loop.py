@@ -13,11 +13,12 @@ resolved (:mod:`toolkit.resolve`) and the processes are launched
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,14 @@ from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_model
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
+from toolkit.errors import Interrupted, UserError
 from toolkit.flag_types import for_epoch
 from toolkit.logging import metrics, throughput
 from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.wandb_writer import finish as finish_wandb
 from toolkit.logging.wandb_writer import wrap_with_wandb
+from toolkit.preflight import check_writable_folder
 from toolkit.registry import CRITERION_REGISTRY, TASK_REGISTRY
 from toolkit.trainer import Trainer
 
@@ -45,6 +48,7 @@ def train(cfg: TrainConfig) -> None:
     """One rank's whole run."""
     env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(cfg.common.log_file, rank=env.rank)
+    check_outputs(cfg, env)
     logger.info(cfg)
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
@@ -66,13 +70,16 @@ def train(cfg: TrainConfig) -> None:
         if env.is_master:
             print(done, flush=True)
         return
+    if position is not None and os.path.basename(cfg.checkpoint.restore_file).startswith("checkpoint_last"):
+        state.saved_update = trainer.num_updates
     start = time.time()
-    while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
-        valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
-        if should_stop:
-            break
-        trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
-        state.epoch_itr = train_iterator(cfg, trainer, epoch=state.epoch_itr.next_epoch_idx)
+    with reported_interruptions(cfg, state):
+        while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
+            valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
+            if should_stop:
+                break
+            trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
+            state.epoch_itr = train_iterator(cfg, trainer, epoch=state.epoch_itr.next_epoch_idx)
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
@@ -84,6 +91,36 @@ def log_update_freq_change(position: dict, update_freq: int) -> None:
     if saved is not None and saved != update_freq and position.get("samples_in_epoch"):
         logger.info(f"--update-freq {saved} -> {update_freq}: resuming at sample {position['samples_in_epoch']} "
                     f"of epoch {position.get('epoch')}, {update_freq} batches per update from here")
+
+
+@contextlib.contextmanager
+def reported_interruptions(cfg: TrainConfig, state: TrainingState) -> Iterator[None]:
+    """Ctrl-C and a killed data loader worker as one line saying where the run stopped and what is saved."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted at update {state.trainer.num_updates}; {_last_saved(cfg, state)}") from None
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
+                        f"{state.trainer.num_updates} ({str(e).splitlines()[0].rstrip('. ')}); "
+                        f"{_last_saved(cfg, state)}: run again to resume") from None
+
+
+def _last_saved(cfg: TrainConfig, state: TrainingState) -> str:
+    name = "checkpoint_last" if cfg.checkpoint.use_sharded_state else "checkpoint_last.pt"
+    if state.saved_update is None:
+        return f"no {name} saved yet"
+    return f"{name} is update {state.saved_update}"
+
+
+def check_outputs(cfg: TrainConfig, env: DistributedEnv) -> None:
+    """--save-dir and --tensorboard-logdir take files, found before the first update, not at the first save."""
+    if not cfg.checkpoint.no_save:
+        check_writable_folder("--save-dir", cfg.checkpoint.save_dir)
+    if cfg.common.tensorboard_logdir and env.is_master:
+        check_writable_folder("--tensorboard-logdir", cfg.common.tensorboard_logdir)
 
 
 def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] = ()) -> Trainer:
@@ -141,11 +178,15 @@ def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     """This replica's batches of the epoch: sharded over the data-parallel replicas (the M ranks of a
     tensor-parallel replica read the same ones)."""
     data, strategy = cfg.dataset, trainer.strategy
-    return trainer.task.get_batch_iterator(
+    itr = trainer.task.get_batch_iterator(
         trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
         batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
         num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch)
+    if len(itr) == 0:  # an epoch without a batch would end at once, forever (114,672 empty epochs in 2 minutes)
+        raise UserError(f"{cfg.task.data}: the --train-subset {data.train_subset} split gives no batch in epoch "
+                        f"{epoch} (it has no samples); binarize text into it (toolkit-preprocess --trainpref)")
+    return itr
 
 
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
@@ -241,6 +282,8 @@ def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, 
     state.val_loss = valid_losses[0]
     if do_save and not ckpt.no_save:
         manager.save_checkpoint(cfg, trainer, state, end_of_epoch, env)
+        if not ckpt.no_last_checkpoints:
+            state.saved_update = updates
     state.best.update(valid_losses[0])
     return valid_losses, should_stop
 

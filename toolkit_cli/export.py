@@ -20,8 +20,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = options.parse_with_components("toolkit-export", [ExportConfig], argv, selectors=(), arch=False,
                                          description="Export a checkpoint (or import a transformers GPT-2).")
     cfg = options.config_from_args(ExportConfig, args)
-    setup_logging(cfg.log_file)
     try:
+        setup_logging(cfg.log_file)
         run_export(cfg)
     except UserError as e:
         print(f"toolkit-export: error: {e}", file=sys.stderr)

@@ -45,6 +45,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     except OSError as e:  # e.g. disk full, permission denied on --destdir's parent
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _fail(f"{where}{e.strerror or e}; check the path, its permissions and free space")
+    except KeyboardInterrupt:  # the temporary folder is already removed (atomic_directory)
+        print(f"{PROG}: error: interrupted; nothing was written to --destdir (run the command again)",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 from toolkit.distributed import launch
-from toolkit.errors import UserError
+from toolkit.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
 from toolkit.resolve import parse_train_config
 from toolkit.train_loop import train
@@ -29,6 +29,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     except (UserError, FloatingPointError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as e:  # Interrupted says where; before the loop there is nothing to say
+        print(f"{PROG}: error: {e if isinstance(e, Interrupted) else 'interrupted before the first update'}",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class TrainingState:
     best: BestTracker
     epoch_itr: Any = None
     val_loss: Optional[float] = None
+    saved_update: Optional[int] = None  # the update checkpoint_last holds (None: none yet); not saved itself
 
     def state_dict(self) -> Dict[str, Any]:
         from toolkit.checkpoint.identity import HASH_KEY

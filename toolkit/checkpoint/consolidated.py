@@ -35,6 +35,7 @@ from toolkit.checkpoint.common import (
     switch_optimizer_state,
 )
 from toolkit.checkpoint import integrity
+from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.errors import UserError
@@ -70,10 +71,11 @@ def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]
     """Write the first name atomically, then copy it to the others (each atomically)."""
     os.makedirs(save_dir, exist_ok=True)
     first = os.path.join(save_dir, names[0])
-    with atomic_write(first, "wb") as f:
+    with write_errors.reported(first, save_dir), atomic_write(first, "wb") as f:
         torch.save(checkpoint, f)
-    for name in names[1:]:
-        with atomic_write(os.path.join(save_dir, name), "wb") as dst, open(first, "rb") as src:
+    for name in names[1:]:  # a failed copy names its own target (disk full at checkpoint_last.pt), not the first
+        target = os.path.join(save_dir, name)
+        with write_errors.reported(target, save_dir), atomic_write(target, "wb") as dst, open(first, "rb") as src:
             while chunk := src.read(16 << 20):
                 dst.write(chunk)
     logger.info(f"saved checkpoint {first} (also as {', '.join(names[1:]) or 'nothing else'})")

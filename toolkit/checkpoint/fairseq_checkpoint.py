@@ -41,12 +41,16 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         raise UserError(f"{path}: checkpoint not found")
     integrity.check_file(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # config objects (fairseq's Namespace / omegaconf): the allowlist decides
         return fairseq_pickle.read(path)
     except Exception as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: cannot load checkpoint ({text})") from None
+    if not isinstance(state, dict):  # torch.save(tensor), a list: every reader below asks it for keys
+        raise UserError(f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
+                        f"and 'cfg'); give a file saved by toolkit-train or fairseq")
+    return state
 
 
 def is_fairseq_checkpoint(state: Dict[str, Any]) -> bool:

@@ -14,15 +14,17 @@ temporary name and renamed into place.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from toolkit.data.binarizer import (
     BinarizeSummary,
@@ -117,6 +119,31 @@ def _check_readable(flag: str, path: str, what: str = "file") -> None:
         raise UserError(f"{flag} {path}: cannot be read ({e.strerror}); check its permissions") from None
 
 
+def _check_no_nul(flag: str, path: str, chunk: int = 1 << 22) -> None:
+    """Text has no NUL byte: one is a UTF-16 file or binary data, which trained without a word (one pass, memchr)."""
+    offset, lines = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            if not data:
+                return
+            at = data.find(b"\0")
+            if at >= 0:
+                lines += data.count(b"\n", 0, at)
+                nuls = data.count(b"\0") + sum(part.count(b"\0") for part in iter(lambda: f.read(chunk), b""))
+                raise UserError(f"{flag} {path}: holds {nuls} NUL byte(s), the first at byte {offset + at:,} "
+                                f"(line {lines + 1}): not UTF-8 text (UTF-16? binary?); convert it to UTF-8 text")
+            lines += data.count(b"\n")
+            offset += len(data)
+
+
+def _check_has_tokens(flag: str, path: str, summary: BinarizeSummary) -> None:
+    """A split of blank lines only has no token to train or evaluate on (it trained without a word)."""
+    if summary.num_tok - summary.num_seq <= 0:
+        raise UserError(f"{flag} {path}: {summary.num_seq} line(s) and no token (blank lines only); "
+                        f"give a file with text in it")
+
+
 def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
@@ -141,6 +168,7 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         if os.path.getsize(path) == 0:
             raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line "
                             f"or leave out {flag}")
+        _check_no_nul(flag, path)
         inputs.append(path)
     if cfg.srcdict:
         _check_readable("--srcdict", cfg.srcdict, "dictionary file")
@@ -227,7 +255,9 @@ def add_splits(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], args: 
     spec = _data_bin_tokenizer_spec(dest)
     timings: Dict[str, float] = {}
     parent = os.path.dirname(os.path.abspath(dest))
+    remove_dead_temp_folders(dest)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dest)) + ".", suffix=".add.tmp", dir=parent)
+    _write_owner(tmp)
     handler = logging.FileHandler(os.path.join(dest, "preprocess.log"), mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
     logger.addHandler(handler)
@@ -247,6 +277,53 @@ def add_splits(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], args: 
         logger.removeHandler(handler)
         handler.close()
     return PreprocessResult(dest, len(vocab), summaries, timings)
+
+
+OWNER_FILE = ".preprocess.owner"  # "host pid" of the run writing a temporary folder
+
+
+def _write_owner(tmp: str) -> None:
+    with open(os.path.join(tmp, OWNER_FILE), "w", encoding="utf-8") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+@contextlib.contextmanager
+def _owned(tmp: str) -> Iterator[None]:
+    """The temporary data-bin names its writer while it is built; the mark is gone before the rename."""
+    _write_owner(tmp)
+    yield
+    os.unlink(os.path.join(tmp, OWNER_FILE))
+
+
+def _is_dead_run(tmp: str) -> bool:
+    """A temporary folder whose writer, on this host, no longer runs (killed: nothing else removes it)."""
+    try:
+        with open(os.path.join(tmp, OWNER_FILE), encoding="utf-8") as f:
+            host, pid = f.read().split()
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def remove_dead_temp_folders(destdir: str) -> List[str]:
+    """Remove the temporary folders that killed runs into ``destdir`` left beside it (one INFO line)."""
+    parent = os.path.dirname(os.path.abspath(destdir))
+    prefix = "." + os.path.basename(os.path.abspath(destdir)) + "."
+    if not os.path.isdir(parent):
+        return []
+    dead = [os.path.join(parent, n) for n in sorted(os.listdir(parent))
+            if n.startswith(prefix) and n.endswith(".tmp") and _is_dead_run(os.path.join(parent, n))]
+    for path in dead:
+        shutil.rmtree(path, ignore_errors=True)
+    if dead:
+        logger.info(f"removed {len(dead)} temporary folder(s) left by killed runs: "
+                    f"{', '.join(os.path.basename(p) for p in dead)}")
+    return dead
 
 
 def _set_default_permissions(folder: str) -> None:
@@ -305,7 +382,8 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
                     tokenizer_cls: Any, args: Any) -> PreprocessResult:
     """A new data-bin in a temporary folder beside --destdir, renamed into place at the end."""
     timings: Dict[str, float] = {}
-    with atomic_directory(cfg.destdir) as tmp:
+    remove_dead_temp_folders(cfg.destdir)
+    with atomic_directory(cfg.destdir) as tmp, _owned(tmp):
         handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")
         handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
         logger.addHandler(handler)
@@ -317,12 +395,23 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
                 vocab, first_pass = _dictionary_step(cfg, workers, spec, tmp, timings)
                 summaries = {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec,
                                                                      tmp, timings)
-                logger.info(f"Wrote preprocessed data to {cfg.destdir}")
             _set_default_permissions(tmp)
         finally:
             logger.removeHandler(handler)
             handler.close()
+    _log_written(cfg.destdir)  # only once the data-bin is in place: never before a failure
     return PreprocessResult(cfg.destdir, len(vocab), summaries, timings)
+
+
+def _log_written(destdir: str) -> None:
+    handler = logging.FileHandler(os.path.join(destdir, "preprocess.log"), mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    logger.addHandler(handler)
+    try:
+        logger.info(f"Wrote preprocessed data to {destdir}")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def _tokenizer_step(cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, tokenizer_cls: Any, tmp: str,
@@ -382,7 +471,7 @@ def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vo
     """Every split's ``.bin/.idx`` (train: its provisional ids renumbered with dict.txt)."""
     summaries: Dict[str, BinarizeSummary] = {}
     dtype = best_fitting_dtype(len(vocab))
-    for name, _, path in splits:
+    for name, flag, path in splits:
         logger.info(f"[None] Dictionary: {len(vocab)} types")
         t0 = time.perf_counter()
         if name == "train" and first_pass is not None:
@@ -392,6 +481,7 @@ def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vo
                 summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
                                         cfg.encoding_errors, bar.update)
         timings[name] = seconds = time.perf_counter() - t0
+        _check_has_tokens(flag, path, summary)
         summaries[name] = summary
         logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
         if name == "train" and first_pass is not None:

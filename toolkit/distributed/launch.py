@@ -41,7 +41,7 @@ from toolkit import folder_lock
 from toolkit.config import TrainConfig
 from toolkit.distributed import heartbeat, parent_watch, slurm
 from toolkit.distributed.utils import shutdown, under_launcher
-from toolkit.errors import UserError
+from toolkit.errors import Interrupted, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +181,10 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
         if rank == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         shutdown(ok=False, error=KeyboardInterrupt("interrupted"))
+        if rank == 0 and isinstance(e, Interrupted):  # where the run stopped and what is saved, once
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 130
     except BaseException as e:  # noqa: B902 - report any failure, then exit non-zero
         if isinstance(e, SystemExit) and not e.code:

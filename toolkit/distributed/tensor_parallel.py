@@ -209,6 +209,15 @@ def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
     return _Style()
 
 
+def _replicate_parameters(_name: str, module: nn.Module, mesh) -> None:
+    """``distribute_module``'s partition function: the module's own parameters as ``Replicate`` DTensors."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
 class _ReplicatedParallel:
     """Parameters replicated over the TP ranks (DTensor ``Replicate``), computed on plain tensors.
 
@@ -219,13 +228,8 @@ class _ReplicatedParallel:
 
     @staticmethod
     def style():
-        from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
         from torch.distributed.tensor.parallel import ParallelStyle
-
-        def partition(_name, module, mesh):
-            for name, param in list(module.named_parameters(recurse=False)):
-                dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
-                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
         def inputs(_module, args, mesh):
             return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
@@ -236,7 +240,7 @@ class _ReplicatedParallel:
 
         class _Style(ParallelStyle):
             def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-                return distribute_module(module, device_mesh, partition, inputs, outputs)
+                return distribute_module(module, device_mesh, _replicate_parameters, inputs, outputs)
 
         return _Style()
 
@@ -368,12 +372,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     tp_rank = tp_mesh.get_local_rank()
     device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
         if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
+    _refuse_unsplit_layers(model, M)
     top: Dict[str, object] = {"embed_tokens": _swap_class_style(_VocabParallelEmbedding, 0)}
     if model.output_projection is not None:
         top["output_projection"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                    use_local_output=False)
-    if model.embed_positions is not None:
-        top["embed_positions"] = _ReplicatedParallel.style()
+    # Replicated, computed on the replicated embedding output: learned positions, fairseq's 512 -> C input
+    # projection (--decoder-input-dim).
+    for name in ("embed_positions", "project_in_dim"):
+        if getattr(model, name) is not None:
+            top[name] = _ReplicatedParallel.style()
+    if model.project_out_dim is not None:  # C -> --decoder-output-dim on the replicated hidden state (a DTensor)
+        top["project_out_dim"] = _replicated_weights_style()
     if model.layer_norm is not None:
         top["layer_norm"] = SequenceParallel(use_local_output=True) if sequence_parallel \
             else _ReplicatedParallel.style()
@@ -395,7 +405,45 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     last.register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
     if not loss_parallel:
         model.register_forward_hook(_gather_logits_hook)
+    _check_every_parameter_split(model, M)
     return model
+
+
+def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
+    """Layers with no tensor-parallel split yet, refused in one line before anything is sharded."""
+    if getattr(model, "adaptive_softmax", None) is not None:
+        raise UserError(f"--model-parallel-size {M}: the adaptive softmax (--adaptive-softmax-cutoff, e.g. "
+                        f"--arch transformer_lm_wiki103) has no tensor-parallel split; use a plain output "
+                        f"projection or --model-parallel-size 1")
+    if getattr(model, "layernorm_embedding", None) is not None:  # replicated, its gradients came out wrong
+        raise UserError(f"--model-parallel-size {M}: --layernorm-embedding has no tensor-parallel split yet; "
+                        f"leave it out or use --model-parallel-size 1")
+    if not isinstance(model.embed_tokens, nn.Embedding):
+        raise UserError(f"--model-parallel-size {M}: the adaptive input (--adaptive-input) has no tensor-parallel "
+                        f"split; leave out --adaptive-input or use --model-parallel-size 1")
+
+
+def _check_every_parameter_split(model: nn.Module, M: int) -> None:
+    """Every parameter is a DTensor on the TP mesh: a layer the plan missed fails here, in one line, instead of
+    at its first forward (``aten.mm.default got mixed torch.Tensor and DTensor``)."""
+    from torch.distributed.tensor import DTensor
+
+    missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if missed:
+        raise UserError(f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
+                        f"(toolkit/distributed/tensor_parallel.py); use --model-parallel-size 1 with this model")
+
+
+def _replicated_weights_style():
+    """Parameters replicated over the TP ranks; the module computes on DTensors as they come (no hooks)."""
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            return distribute_module(module, device_mesh, _replicate_parameters)
+
+    return _Style()
 
 
 def loss_context(enabled: bool):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -166,6 +167,18 @@ def training_flags(arch: str, given: Dict[str, object]) -> str:
     return " ".join(flags)
 
 
+def _load_hf_model(transformers, folder: str):
+    """The GPT-2 model, or one line: a forged ``pytorch_model.bin`` is refused by ``weights_only`` as an
+    UnpicklingError (nothing runs), a damaged file as an OSError/RuntimeError."""
+    try:
+        return transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+    except (pickle.UnpicklingError, OSError, RuntimeError, ValueError, EOFError) as e:
+        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"--path {folder}: cannot load the model's weights ({type(e).__name__}: {text}); give a "
+                        f"folder written by save_pretrained (model.safetensors or an intact pytorch_model.bin)") \
+            from None
+
+
 def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None) -> str:
     """Write ``out_dir`` (atomically) from the GPT2LMHeadModel in ``folder``."""
     transformers = require("transformers", "transformers")
@@ -174,7 +187,7 @@ def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = No
     with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
         config = transformers.AutoConfig.from_pretrained(folder)
         check_config(folder, config)
-        hf = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+        hf = _load_hf_model(transformers, folder)
         progress.advance(f"{folder}: GPT2LMHeadModel, {config.n_layer} layers, vocabulary of {config.vocab_size}")
         eot = config.eos_token_id if isinstance(config.eos_token_id, int) and \
             0 <= config.eos_token_id < config.vocab_size else None

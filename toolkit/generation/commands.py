@@ -9,21 +9,24 @@ Prompts are encoded with the data-bin's BPE (``bpe.json``); ``D-`` lines are dec
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import torch
 
 from toolkit import inference, options
 from toolkit.config import opt
 from toolkit.errors import UserError
+from toolkit.flag_types import count_or_zero, positive_int
 from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
-from toolkit.generation.sequence_generator import SequenceGenerator
+from toolkit.generation.sequence_generator import BrokenModelOutput, SequenceGenerator
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.step_progress import StepProgress
 from toolkit.tokenizers import load_tokenizer_for_data_bin
@@ -35,7 +38,7 @@ logger = logging.getLogger("toolkit.generation")
 class GenerationCommandConfig:
     data: str = opt(None, "the data-bin folder (its dictionary and BPE)", positional=True)
     path: Optional[str] = opt(None, "checkpoint to generate with; several joined by ':' form an ensemble")
-    batch_size: Optional[int] = opt(None, "prompts per batch", aliases=("--max-sentences",))
+    batch_size: Optional[int] = opt(None, "prompts per batch", aliases=("--max-sentences",), type=positive_int)
     seed: int = opt(1, "random seed (sampling)")
     cpu: bool = opt(False, "generate on CPU even when a GPU is present")
     fp16: bool = opt(False, "run the model in fp16")
@@ -52,7 +55,7 @@ class GenerateConfig(GenerationCommandConfig):
 
 @dataclass
 class InteractiveConfig(GenerationCommandConfig):
-    buffer_size: int = opt(0, "read this many sentences into a buffer before processing them")
+    buffer_size: int = opt(0, "read this many sentences into a buffer before processing them", type=count_or_zero)
     input: str = opt("-", "file to read from; use - for stdin")
 
 
@@ -83,7 +86,10 @@ class Session:
 
     def generate(self, prompts: List[torch.Tensor]) -> List[List[Dict]]:
         start = time.time()
-        hypos = self.generator.generate(prompts)
+        try:
+            hypos = self.generator.generate(prompts)
+        except BrokenModelOutput as e:
+            raise UserError(f"{self.cfg.path}: {e}") from None
         self.seconds += time.time() - start
         self.num_sentences += len(prompts)
         self.num_tokens += sum(len(h[0]["tokens"]) for h in hypos if h)
@@ -150,13 +156,33 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
 
 def buffered_read(stream: TextIO, buffer_size: int) -> Iterator[List[str]]:
     buffer: List[str] = []
-    for line in stream:
-        buffer.append(line.strip())
+    for number, line in enumerate(stream, 1):
+        buffer.append(clean_input_line(line.strip(), number))
         if len(buffer) >= buffer_size:
             yield buffer
             buffer = []
     if buffer:
         yield buffer
+
+
+def clean_input_line(line: str, number: int) -> str:
+    """Invalid UTF-8 (read as surrogate escapes) and NUL characters become U+FFFD, with a warning:
+    the prompt then holds an unknown word, and the user is told instead of silently getting ``<unk>``."""
+    bad = sum(1 for ch in line if ch == "\0" or "\udc80" <= ch <= "\udcff")
+    if not bad:
+        return line
+    logger.warning(f"input line {number}: {bad} invalid UTF-8 byte(s) or NUL character(s), replaced by U+FFFD "
+                   f"(an unknown word to the model); give UTF-8 text")
+    return "".join("\ufffd" if ch == "\0" or "\udc80" <= ch <= "\udcff" else ch for ch in line)
+
+
+def open_input(path: str) -> ContextManager[TextIO]:
+    """stdin or a file as UTF-8 text whose invalid bytes survive as surrogate escapes (see clean_input_line)."""
+    if path == "-":  # stdin stays open: the process may still read or close it
+        return contextlib.nullcontext(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape"))
+    if not os.path.isfile(path):
+        raise UserError(f"--input {path}: no such file; give a text file, one prompt per line, or - for stdin")
+    return open(path, encoding="utf-8", errors="surrogateescape")
 
 
 def encode_prompt(session: Session, line: str) -> torch.Tensor:
@@ -176,12 +202,10 @@ def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_ove
         logger.info(f"Sentence buffer size: {buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info("Type the input sentence and press return:")
-    if stdin is not None or cfg.input == "-":
-        run_interactive(session, stdin or sys.stdin, buffer_size, batch_size, out)
+    if stdin is not None:
+        run_interactive(session, stdin, buffer_size, batch_size, out)
     else:
-        if not os.path.isfile(cfg.input):
-            raise UserError(f"--input {cfg.input}: no such file; give a text file, one prompt per line, or - for stdin")
-        with open(cfg.input, encoding="utf-8") as stream:
+        with open_input(cfg.input) as stream:
             run_interactive(session, stream, buffer_size, batch_size, out)
     session.log_summary()
     return session

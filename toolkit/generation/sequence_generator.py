@@ -41,6 +41,10 @@ from toolkit.generation.search import beam_search_step, block_repeated_ngrams, s
 Hypothesis = Dict[str, object]  # {"tokens": LongTensor, "score": float, "positional_scores": FloatTensor}
 
 
+class BrokenModelOutput(UserError):
+    """Every next token has a NaN probability: no hypothesis can be made (fairseq printed none and exited 0)."""
+
+
 @dataclass
 class _Search:
     """The rows being searched: K hypotheses for each of N unfinished prompts."""
@@ -101,7 +105,11 @@ class SequenceGenerator:
             per_model.append(model.get_normalized_probs(out, log_probs=True))
         lp = per_model[0] if len(per_model) == 1 else \
             torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
-        lp = lp.masked_fill(torch.isnan(lp), -math.inf)
+        nan = torch.isnan(lp)
+        if bool(nan.all(dim=-1).any()):
+            raise BrokenModelOutput("the model's next-token probabilities are all NaN: the checkpoint looks broken "
+                                    "(NaN weights?); generate with an earlier checkpoint")
+        lp = lp.masked_fill(nan, -math.inf)  # fairseq's: a single NaN token is never chosen
         lp[..., self.pad] = -math.inf
         lp[..., self.unk] -= self.cfg.unkpen
         return lp

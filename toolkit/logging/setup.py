@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Optional
 
+from toolkit.preflight import check_writable_file
+
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -46,9 +48,7 @@ def add_file_handler(log_file: str) -> logging.Handler:
     for h in root.handlers:
         if getattr(h, _MARK, False) and isinstance(h, logging.FileHandler) and h.baseFilename == path:
             return h
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
+    check_writable_file("--log-file", log_file)  # one line, not an OSError traceback (read-only fs, a folder)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(make_formatter())
     setattr(handler, _MARK, True)

@@ -23,6 +23,7 @@ from toolkit.data.lm_dataset import MonolingualDataset
 from toolkit.data.sample_position import Batching
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.errors import UserError
+from toolkit.preflight import check_token_ids
 from toolkit.registry import CRITERION_REGISTRY, register_task
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,10 @@ class LanguageModelingTask:
             raise UserError(f"{prefix}.bin/.idx: not found; splits in {data_path}: {', '.join(found) or 'none'} "
                             f"(choose with --train-subset/--valid-subset, or binarize it with toolkit-preprocess)")
         names = numbered_splits(data_path, split) if combine else [split]
-        split_data = (MMapIndexedDataset(prefix) if len(names) == 1 else
-                      ConcatIndexedDataset([MMapIndexedDataset(os.path.join(data_path, n)) for n in names]))
+        parts = [MMapIndexedDataset(os.path.join(data_path, n)) for n in names]
+        for part in parts:  # before any update: an id past the dictionary was an IndexError hundreds of updates in
+            check_token_ids(part.prefix, part.tokens, len(self.dictionary), os.path.join(paths[0], "dict.txt"))
+        split_data = parts[0] if len(parts) == 1 else ConcatIndexedDataset(parts)
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
                                    eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
                                    include_targets=True)

@@ -1,0 +1,84 @@
+"""Checks made before the first update, so that a run does not die at its first save.
+
+Without them a ``--save-dir`` that is a file, a symlink loop or on a read-only filesystem
+was found at the first checkpoint (every update before it lost), a ``--tensorboard-logdir``
+that is a file at the first log line, and a token id past the dictionary (a cut
+``dict.txt``, a damaged ``train.bin``) as an ``IndexError`` after hundreds of updates.
+Each check costs a probe write or one max over a memory-mapped array.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Optional
+
+import numpy as np
+
+from toolkit.errors import UserError
+
+
+def _why(path: str, error: OSError) -> str:
+    """What is wrong with ``path`` in words, from the error a mkdir or a write raised."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return "is a symlink that leads nowhere (dangling, or a loop)"
+    if error.errno == errno.ELOOP:
+        return "goes through a symlink loop"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a folder"
+    if error.errno == errno.EROFS:
+        return "is on a read-only filesystem"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "is not writable (permission denied)"
+    if error.errno == errno.ENOSPC:
+        return "is on a full disk"
+    return f"cannot be written ({error.strerror or error})"
+
+
+def check_writable_folder(flag: str, path: str) -> None:
+    """``path`` exists as a folder (created if missing) and takes a file: a probe written and removed."""
+    probe = os.path.join(path, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: {_why(path, e)}; give a writable folder") from None
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """``path`` can be appended to (its folder created if missing); nothing is written to it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder, not a file; give a file name")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        if os.path.lexists(path):
+            raise UserError(f"{flag} {path}: {_why(path, e)}; give a writable file") from None
+        raise UserError(f"{flag} {path}: its folder {_nearest_existing(folder)} {_why(_nearest_existing(folder), e)}; "
+                        f"give a writable file") from None
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or the closest of its parents that exists (what a failed makedirs tripped on)."""
+    while path and not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_token_ids(prefix: str, tokens: np.ndarray, dictionary_size: int, dict_path: Optional[str]) -> None:
+    """Every token id of a split is a row of the embedding: one max (and min) over the memory-mapped ids."""
+    if len(tokens) == 0:
+        return
+    high, low = int(tokens.max()), int(tokens.min())
+    if high < dictionary_size and low >= 0:
+        return
+    bad = high if high >= dictionary_size else low
+    where = int(np.argmax(tokens == bad))
+    raise UserError(f"{prefix}.bin: token id {bad} (at token {where:,}) is outside the dictionary's "
+                    f"{dictionary_size} entries ({dict_path or 'dict.txt'}); the dictionary is not the one this "
+                    f"split was binarized with, or the file is damaged: re-run toolkit-preprocess")
