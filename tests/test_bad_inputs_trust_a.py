@@ -54,7 +54,7 @@ CASES = [
     ("consolidate-to-fairseq-folder", CONSOLIDATE, [LAST, "--to-fairseq", "{bad}", "--force"], "is a folder"),
     # --- 2. one writer per folder (a file where the folder should be) ------------------------------
     ("train-save-dir-is-file", TRAIN, ["{bin}", MODEL, "--save-dir", "{bad}/train.txt"],
-     "exists and is not a folder"),
+     "is a file, not a folder"),
     # --- 3. sample positions: what the samples are cannot change in mid-epoch -----------------------
     ("resume-other-tokens-per-sample", TRAIN, ["{bin}", MODEL, "--max-update", "9", "--tokens-per-sample", "16"],
      "--tokens-per-sample 16: the checkpoint stopped in mid-epoch with --tokens-per-sample 32"),

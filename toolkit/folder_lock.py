@@ -26,6 +26,7 @@ import time
 from typing import Iterator, Optional
 
 from toolkit.errors import UserError
+from toolkit.preflight import describe_os_error
 
 SAVE_DIR_LOCK = ".toolkit.lock"
 
@@ -102,14 +103,11 @@ def hold(path: str, flag: str, prog: str) -> Iterator[None]:
 @contextlib.contextmanager
 def hold_folder(folder: str, flag: str, prog: str) -> Iterator[None]:
     """Lock ``folder`` (created if missing, and removed again if the run leaves it empty) for the block."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UserError(f"{flag}: exists and is not a folder; choose another {flag.split()[0]}")
     created = not os.path.isdir(folder)
     try:
         os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{flag}: cannot create the folder ({e.strerror or e}); check the path and its "
-                        f"permissions, or choose another {flag.split()[0]}") from None
+    except OSError as e:  # a file, a symlink loop, a read-only filesystem: the same words as the preflight checks
+        raise UserError(f"{flag}: {describe_os_error(folder, e)}; choose another {flag.split()[0]}") from None
     try:
         with hold(os.path.join(folder, SAVE_DIR_LOCK), flag, prog):
             yield

@@ -18,7 +18,7 @@ import numpy as np
 from toolkit.errors import UserError
 
 
-def _why(path: str, error: OSError) -> str:
+def describe_os_error(path: str, error: OSError) -> str:
     """What is wrong with ``path`` in words, from the error a mkdir or a write raised."""
     if os.path.islink(path) and not os.path.exists(path):
         return "is a symlink that leads nowhere (dangling, or a loop)"
@@ -44,7 +44,7 @@ def check_writable_folder(flag: str, path: str) -> None:
             f.write(b"probe")
         os.unlink(probe)
     except OSError as e:
-        raise UserError(f"{flag} {path}: {_why(path, e)}; give a writable folder") from None
+        raise UserError(f"{flag} {path}: {describe_os_error(path, e)}; give a writable folder") from None
 
 
 def check_writable_file(flag: str, path: str) -> None:
@@ -58,8 +58,8 @@ def check_writable_file(flag: str, path: str) -> None:
             pass
     except OSError as e:
         if os.path.lexists(path):
-            raise UserError(f"{flag} {path}: {_why(path, e)}; give a writable file") from None
-        raise UserError(f"{flag} {path}: its folder {_nearest_existing(folder)} {_why(_nearest_existing(folder), e)}; "
+            raise UserError(f"{flag} {path}: {describe_os_error(path, e)}; give a writable file") from None
+        raise UserError(f"{flag} {path}: its folder {_nearest_existing(folder)} {describe_os_error(_nearest_existing(folder), e)}; "
                         f"give a writable file") from None
 
 
