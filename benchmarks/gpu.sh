@@ -27,6 +27,8 @@
 #   fp8      --fp8 (torchao float8): 500 updates of a small model, bf16 vs fp8, both compiled (losses within
 #            1%, benchmarks/compare_losses.py), then gpt3_xl tokens/s with rowwise, tensorwise and tensorwise
 #            + float8 all-gather under fully_sharded
+#   llama    a tiny Llama through fully_sharded + activation checkpointing + --compile (train, resume, eval-lm),
+#            then llama3_1b tokens/s and MFU (llama_bench: bf16 + --compile, unsharded, fully_sharded, --fp8)
 #   compile  --compile (torch.compile per block, inductor): eager vs compiled losses of a tiny bf16
 #            model (compile_parity), tiny models through its GPU compositions
 #            (fp16 loss scaling, bf16 fully_sharded + activation checkpointing, --cpu-offload cpu_adam),
@@ -39,12 +41,14 @@
 #            fully_sharded, fully_sharded --compile, and fully_sharded --compile --checkpoint-activations
 #            (tokens/s, MFU from the family's own FLOPs per token, peak GPU memory)
 #
-# Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job),
+# Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job), OFFLOAD_UPDATES
+# (updates per offload run, default 20),
 # GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt),
 # TOOLKIT_PY (python, default python3).
 set -u
 cd "$(dirname "$0")/.."
 DATA=${DATA:-data-bin/wikitext-2-mini}
+UPDATES=${OFFLOAD_UPDATES:-20}  # updates of each offload run (words/s: the median of updates 2..N)
 LOG=${GPU_LOG_DIR:-runs/gpu}
 PY=${TOOLKIT_PY:-python3}
 CK=$(mktemp -d /tmp/toolkit-gpu.XXXXXX)
@@ -104,7 +108,7 @@ offload_arch() {  # NAME ARCH LIMIT_S [extra flags]
   run "$name" "$limit" $PY benchmarks/peak_memory.py --json "$LOG/${name}_memory.json" -- \
     $TRAIN "$DATA" --task language_modeling --arch "transformer_lm_$arch" "${OFFLOAD[@]}" \
     --fp16-init-scale 4 --tokens-per-sample 2048 --batch-size 8 --adam-betas "(0.9, 0.98)" --lr 0.0001 \
-    --lr-scheduler polynomial_decay --warmup-updates 5 --total-num-update 20 --max-update 20 \
+    --lr-scheduler polynomial_decay --warmup-updates 5 --total-num-update "$UPDATES" --max-update "$UPDATES" \
     --no-save --disable-validation --log-format json --log-interval 1 --num-workers 0 "$@"
 }
 
@@ -166,11 +170,14 @@ compile() { compile_parity; compile_smoke; xl_compile; profile_compile; attentio
 # 13B in 126 GiB of host memory: 8-bit moments + bf16 host gradients, about 8 bytes per parameter (96 GiB).
 offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --adam-state-precision 8bit --bf16-host-grads; }
 # --overlap-offload-step against the serial update, the same commands back to back (words/s: the logs' wps).
-offload_overlap() {
+offload_pairs() {
   offload_arch offload_gpt3_2_7_serial gpt3_2_7 540
   offload_arch offload_gpt3_2_7_overlap gpt3_2_7 540 --overlap-offload-step
   offload_arch offload_gpt3_6_7_serial gpt3_6_7 330
   offload_arch offload_gpt3_6_7_overlap gpt3_6_7 330 --overlap-offload-step
+}
+offload_overlap() {
+  offload_pairs
   # both trainers in one process: about 2 x 47 GiB of host memory for 2.7B
   run offload_overlap_bench_gpt3_2_7 540 $PY benchmarks/offload_overlap.py --device cuda --vocab 50264 \
     --arch transformer_lm_gpt3_2_7 --tokens-per-sample 2048 --batch-size 8 --fp16 --fp16-init-scale 4 \
@@ -202,16 +209,19 @@ fp8() { fp8_parity; fp8_xl; }
 TINY_LLAMA=(--task language_modeling --arch llama_tiny --tokens-per-sample 128 --batch-size 16 --optimizer adam
             --lr 0.001 --log-format json --log-interval 10 --num-workers 0 --no-epoch-checkpoints --bf16
             --ddp-backend fully_sharded --checkpoint-activations --compile)
-llama() {
+llama_smoke() {
   run smoke_llama 300 $TRAIN "$DATA" "${TINY_LLAMA[@]}" --max-update 20 --save-dir "$CK/llama" &&
     run smoke_llama_resume 300 $TRAIN "$DATA" "${TINY_LLAMA[@]}" --max-update 30 --save-dir "$CK/llama" &&
     run smoke_llama_eval 120 $EVAL "$DATA" --path "$CK/llama/checkpoint_last.pt" --tokens-per-sample 128 --batch-size 16
-  run llama3_1b_bf16 300 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16
-  run llama3_1b_fsdp 300 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 --ddp-backend fully_sharded
-  run llama3_1b_fsdp_compile 500 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+}
+llama() { llama_smoke; llama_bench; }
+# llama3_1b (Llama-3.2-1B's shape, V 128256): bf16 + --compile without sharding and under fully_sharded, and --fp8.
+llama_bench() {
+  run llama3_1b_bf16_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 --compile --warmup 5
+  run llama3_1b_fsdp_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
     --ddp-backend fully_sharded --compile --warmup 5
-  run llama3_1b_fsdp_compile_ac 500 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
-    --ddp-backend fully_sharded --compile --checkpoint-activations --warmup 5
+  run llama3_1b_fp8_tensorwise_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+    --compile --fp8 --fp8-recipe tensorwise --warmup 5
 }
 generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
