@@ -42,7 +42,10 @@ class Run:
 
 
 def run_cli(module: str, args: List[str], timeout: int = 300, env: Optional[Dict[str, str]] = None) -> Run:
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, **(env or {}))
+    # The repo first, then whatever the caller's PYTHONPATH holds (packages installed with --target, as on
+    # the GPU machine, where torchao and deepspeed come from there).
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **(env or {}))
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=REPO_ROOT)
     return Run(proc.returncode, proc.stdout, proc.stderr)
