@@ -54,7 +54,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
                                "materialize the model first (model.to_empty(device=...))")
         name = canonical_name(name)
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-        full = owner.initial_value(name, param.shape, generator)
+        with torch.device("cpu"):  # values come from a CPU generator, also when built under torch.device("cuda")
+            full = owner.initial_value(name, param.shape, generator)
         if tuple(full.shape) != tuple(param.shape):
             raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
                                f"expected {tuple(param.shape)}")
