@@ -1,8 +1,9 @@
 """``toolkit-export --from hf`` for the Llama family (Llama, Mistral, Qwen2 folders saved by transformers).
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
-model's own tokenizer files and its ``config.json`` as ``hf_config.json`` (``--format hf`` writes
-the same class back from it).
+model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
+(``bpe.json``: the hub's ``encode`` gives the tokenizer's ids, then EOS as in the data-bins) and
+its ``config.json`` as ``hf_config.json`` (``--format hf`` writes the same class back from it).
 
 Token ids stay the model's own: ``dict.txt`` is the tokenizer's vocabulary in id order
 (``Dictionary.from_vocabulary``), followed by unused rows up to the embedding's ``vocab_size``
@@ -156,6 +157,7 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
     from toolkit.models.llama.hf import options_from_hf
     from toolkit.models.llama.model import LlamaLanguageModel
     from toolkit import models
+    from toolkit.tokenizers import save_tokenizer_to_data_bin
 
     given = options_from_hf(config, os.path.join(folder, "config.json"))
     with StepProgress(4, "import") as progress, atomic_directory(out_dir) as tmp:
@@ -181,7 +183,10 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
         for name in copied:
             shutil.copyfile(os.path.join(folder, name), os.path.join(tmp, name))
         shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(tmp, HF_CONFIG))
-        progress.advance(f"copied {', '.join(copied)} and config.json as {HF_CONFIG}")
+        # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
+        save_tokenizer_to_data_bin("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")}, tmp)
+        progress.advance(f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe "
+                         f"hf_byte_bpe")
     logger.info(f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
                 f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA")
     logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
