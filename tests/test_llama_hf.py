@@ -235,3 +235,16 @@ def test_imported_model_continues_training_on_its_tokenizers_data_and_exports(tm
     trained = hf2.state_dict()
     original = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).state_dict()
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_sharded_safetensors_import_like_one_file(tmp_path):
+    hf = make_hf(str(tmp_path / "hf"), "mistral")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "sharded" / name).write_bytes((tmp_path / "hf" / name).read_bytes())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    run_export(ExportConfig(path=str(tmp_path / "sharded"), out=str(tmp_path / "ours"), import_from="hf"))
+    model, _, _ = load_model(str(tmp_path / "ours" / "model.pt"), str(tmp_path / "ours"))
+    x = batch()
+    with torch.no_grad():
+        assert (model.get_normalized_probs(model(x)) - log_probs(hf(x).logits)).abs().max().item() < 1e-4
