@@ -248,3 +248,15 @@ def test_sharded_safetensors_import_like_one_file(tmp_path):
     x = batch()
     with torch.no_grad():
         assert (model.get_normalized_probs(model(x)) - log_probs(hf(x).logits)).abs().max().item() < 1e-4
+
+
+def test_onnx_export_matches_and_the_cache_graph_is_refused(tmp_path):
+    pytest.importorskip("onnxruntime")
+    make_hf(str(tmp_path / "hf"), "llama")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    ckpt = str(tmp_path / "ours" / "model.pt")
+    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx"))  # checks onnxruntime parity
+    assert os.path.isfile(os.path.join(out, "decoder.onnx"))
+    with pytest.raises(UserError, match="--kv-cache: decoder_with_past.onnx is written for transformer_lm only"):
+        run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx2"), format="onnx", kv_cache=True))
+    assert not os.path.exists(tmp_path / "onnx2")
