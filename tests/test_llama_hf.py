@@ -6,7 +6,9 @@ saved by transformers with a tokenizer that adds BOS (not Qwen2's): ``--from hf`
 tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
 transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
 ``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
-``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line.
+``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line;
+text binarized with the imported tokenizer keeps its ids, continues training from the imported
+checkpoint, and the trained model exports back to a folder transformers loads.
 """
 from __future__ import annotations
 
@@ -101,6 +103,16 @@ def test_token_ids_are_the_tokenizers_own(imported):
     assert d.pad() not in (d.eos(), d.bos()) and d.pad() not in ids
 
 
+def test_hub_encodes_with_the_models_tokenizer(imported):
+    from toolkit.models.llama.model import LlamaLanguageModel
+
+    hub = LlamaLanguageModel.from_pretrained(str(imported["root"] / "ours"), "model.pt", device="cpu")
+    text = "w3 w17 w59 w0"
+    d = imported["task"].dictionary
+    assert hub.encode(text).tolist() == tokenizer(imported["root"] / "hf")(text, add_special_tokens=False)["input_ids"] \
+        + [d.eos()]
+
+
 def test_log_probs_equal_transformers(imported):
     x = batch()
     with torch.no_grad():
@@ -182,3 +194,69 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("toolkit-export: error: --path ")
     assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")
+
+
+def test_imported_model_continues_training_on_its_tokenizers_data_and_exports(tmp_path):
+    """Binarized with the imported tokenizer (ids unchanged, EOS at each line's end), trained from the
+    imported checkpoint, exported to the same class that transformers loads (export checks the logits)."""
+    import numpy as np
+
+    from tests import dist_helpers as H
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    make_hf(str(tmp_path / "hf"), "llama")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    rng = np.random.default_rng(0)
+    lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(120)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:100]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[100:]) + "\n")
+    proc = H.run_cli(["--only-source", "--trainpref", str(tmp_path / "train.txt"), "--validpref",
+                      str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"),
+                      "--srcdict", str(tmp_path / "ours" / "dict.txt"), "--bpe", "hf_byte_bpe", "--bpe-model",
+                      str(tmp_path / "ours" / "tokenizer.json")], module="toolkit_cli.preprocess")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tok = tokenizer(tmp_path / "hf")
+    first = MMapIndexedDataset(str(tmp_path / "bin" / "train"))[0].tolist()
+    assert first == tok(lines[0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    proc = H.run_cli([str(tmp_path / "bin"), "--arch", "llama", "--decoder-ffn-embed-dim", "96", "--decoder-kv-heads",
+                      "2", "--rms-norm-eps", "1e-06", "--max-target-positions", "64", "--rope-theta", "500000.0",
+                      "--rope-scaling-factor", "8.0", "--rope-original-max-positions", "16", "--tokens-per-sample",
+                      "63", "--add-bos-token", "--restore-file", str(tmp_path / "ours" / "model.pt"),
+                      "--reset-optimizer", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.001", "--max-update",
+                      "3", "--cpu", "--num-workers", "0", "--disable-validation", "--save-dir", str(tmp_path / "ck")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "loaded checkpoint" in proc.stdout
+    saved = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)
+    assert saved["extra_state"]["trainer"]["num_updates"] == 3
+    run_export(ExportConfig(path=str(tmp_path / "ck" / "checkpoint_last.pt"), out=str(tmp_path / "back"), format="hf"))
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
+    assert type(hf2).__name__ == "LlamaForCausalLM"
+    trained = hf2.state_dict()
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).state_dict()
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_sharded_safetensors_import_like_one_file(tmp_path):
+    hf = make_hf(str(tmp_path / "hf"), "mistral")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "sharded" / name).write_bytes((tmp_path / "hf" / name).read_bytes())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    run_export(ExportConfig(path=str(tmp_path / "sharded"), out=str(tmp_path / "ours"), import_from="hf"))
+    model, _, _ = load_model(str(tmp_path / "ours" / "model.pt"), str(tmp_path / "ours"))
+    x = batch()
+    with torch.no_grad():
+        assert (model.get_normalized_probs(model(x)) - log_probs(hf(x).logits)).abs().max().item() < 1e-4
+
+
+def test_onnx_export_matches_and_the_cache_graph_is_refused(tmp_path):
+    pytest.importorskip("onnxruntime")
+    make_hf(str(tmp_path / "hf"), "llama")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    ckpt = str(tmp_path / "ours" / "model.pt")
+    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx"))  # checks onnxruntime parity
+    assert os.path.isfile(os.path.join(out, "decoder.onnx"))
+    with pytest.raises(UserError, match="--kv-cache: decoder_with_past.onnx is written for transformer_lm only"):
+        run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx2"), format="onnx", kv_cache=True))
+    assert not os.path.exists(tmp_path / "onnx2")

@@ -1,14 +1,20 @@
 """``toolkit-export --from hf`` for the Llama family (Llama, Mistral, Qwen2 folders saved by transformers).
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
-model's own tokenizer files and its ``config.json`` as ``hf_config.json`` (``--format hf`` writes
-the same class back from it).
+model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
+(``bpe.json``: the hub's ``encode`` gives the tokenizer's ids, then EOS as in the data-bins) and
+its ``config.json`` as ``hf_config.json`` (``--format hf`` writes the same class back from it).
 
 Token ids stay the model's own: ``dict.txt`` is the tokenizer's vocabulary in id order
 (``Dictionary.from_vocabulary``), followed by unused rows up to the embedding's ``vocab_size``
 (Qwen2 has more rows than tokens). BOS and EOS are the config's; the dictionary's pad (targets
 the loss ignores) must be an id text never encodes to: an unused row, else a pad token distinct
 from EOS, else a special token named like a pad or reserved one, else the unknown token.
+
+Continued pretraining: binarize text with ``toolkit-preprocess --srcdict OUT/dict.txt --bpe hf_byte_bpe
+--bpe-model OUT/tokenizer.json`` (the pieces are the tokenizer's tokens, so the ids are its ids, and
+each line ends with its EOS), then ``toolkit-train ... --restore-file OUT/model.pt --reset-optimizer``
+with ``--add-bos-token`` when the tokenizer puts BOS first; the log prints both commands.
 
 Weights are read tensor by tensor from the safetensors files (sharded or not) and converted to
 fp32 as they come, so the import holds one copy of the model, never the original beside it.
@@ -151,6 +157,7 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
     from toolkit.models.llama.hf import options_from_hf
     from toolkit.models.llama.model import LlamaLanguageModel
     from toolkit import models
+    from toolkit.tokenizers import save_tokenizer_to_data_bin
 
     given = options_from_hf(config, os.path.join(folder, "config.json"))
     with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
@@ -163,8 +170,10 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
         state = read_state(folder, given["share_decoder_input_output_embed"])
         check_state(state, model, folder)
         progress.advance(f"converted to --arch {arch} ({len(state)} tensors)")
-        ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample or min(given["max_target_positions"], 2048))
-        ckpt["cfg"]["add_bos_token"] = _adds_bos(folder, dictionary)
+        add_bos = _adds_bos(folder, dictionary)  # then a sample is BOS + tokens_per_sample tokens
+        tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
+        ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
+        ckpt["cfg"]["add_bos_token"] = add_bos
         ckpt["extra_state"][identity.HASH_KEY] = dictionary.symbols_hash()
         with open(os.path.join(tmp, CHECKPOINT), "wb") as f:
             torch.save(ckpt, f)
@@ -174,10 +183,15 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
         for name in copied:
             shutil.copyfile(os.path.join(folder, name), os.path.join(tmp, name))
         shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(tmp, HF_CONFIG))
-        progress.advance(f"copied {', '.join(copied)} and config.json as {HF_CONFIG}")
-    logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --restore-file "
-                f"{os.path.join(out_dir, CHECKPOINT)} --reset-optimizer (DATA binarized with this tokenizer and "
-                f"--srcdict {os.path.join(out_dir, 'dict.txt')})")
+        # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
+        save_tokenizer_to_data_bin("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")}, tmp)
+        progress.advance(f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe "
+                         f"hf_byte_bpe")
+    logger.info(f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
+                f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA")
+    logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
+                f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --restore-file "
+                f"{os.path.join(out_dir, CHECKPOINT)} --reset-optimizer")
     return out_dir
 
 
