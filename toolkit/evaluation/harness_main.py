@@ -27,8 +27,8 @@ logger = logging.getLogger("toolkit_cli.eval_harness")
 
 @dataclass
 class EvalHarnessConfig:
-    data: Optional[str] = opt(None, "the data-bin (dictionary and tokenizer; default: the checkpoint's own)",
-                              positional=True)
+    data: str = opt("", "the data-bin (dictionary and tokenizer; default: the checkpoint's own)",
+                    positional=True)
     path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit, fairseq, sharded folder, model.safetensors)")
     tasks: Optional[str] = opt(None, "harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
     num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)")
@@ -115,7 +115,7 @@ def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
     from toolkit.evaluation.harness import ToolkitLM
 
     manager = task_manager(names, cfg.include_path)
-    lm = ToolkitLM(path=cfg.path, data=cfg.data, batch_size=cfg.batch_size, device=cfg.device,
+    lm = ToolkitLM(path=cfg.path, data=cfg.data or None, batch_size=cfg.batch_size, device=cfg.device,
                    context_window=cfg.context_window, max_gen_toks=cfg.max_gen_toks, seed=cfg.seed)
     results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples,
                        cfg.bootstrap_iters)

@@ -7,6 +7,7 @@ Three cases, in this order:
 - the data-bin records a BPE (``bpe.json``): pieces, then ``dict.txt`` ids (as the hub encodes);
 - a whitespace data-bin: words looked up in ``dict.txt``.
 
+Decoding drops the specials (``<unk>`` too), as the Hugging Face export's tokenizer does.
 Encoding never adds specials: ``prefix`` is the symbol the LM sees before a text (``</s>``,
 or ``<s>`` with ``--add-bos-token``), put in front by the caller, as fairseq's LM task does.
 """
@@ -40,7 +41,8 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         if self.hf is not None:
             return self.hf.decode(list(ids), skip_special_tokens=True)
-        text = self.dictionary.string(list(ids), extra_symbols_to_ignore=(self.dictionary.bos(),))
+        d = self.dictionary  # the specials dropped, as the exported tokenizer's decode(skip_special_tokens=True)
+        text = d.string(list(ids), extra_symbols_to_ignore=(d.bos(), d.unk()))
         return self.bpe.decode(text) if self.bpe is not None else text
 
     def token_string(self, token_id: int) -> str:
