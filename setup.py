@@ -33,6 +33,7 @@ setup(
             "toolkit-train = toolkit_cli.train:cli_main",
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
             "toolkit-eval-harness = toolkit_cli.eval_harness:cli_main",
+            "toolkit-validate = toolkit_cli.validate:cli_main",
             "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
             "toolkit-export = toolkit_cli.export:cli_main",
             "toolkit-generate = toolkit_cli.generate:cli_main",
