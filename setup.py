@@ -24,12 +24,16 @@ setup(
         "wandb": ["wandb"],
         # --fp8: float8 training of the blocks' Linear layers (torchao's Float8Linear)
         "fp8": ["torchao"],
+        # toolkit-eval-harness / --eval-harness-tasks: EleutherAI's lm-evaluation-harness
+        "eval": ["lm-eval>=0.4,<0.5"],
     },
     entry_points={
         "console_scripts": [
             "toolkit-preprocess = toolkit_cli.preprocess:cli_main",
             "toolkit-train = toolkit_cli.train:cli_main",
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
+            "toolkit-eval-harness = toolkit_cli.eval_harness:cli_main",
+            "toolkit-validate = toolkit_cli.validate:cli_main",
             "toolkit-consolidate = toolkit_cli.consolidate:cli_main",
             "toolkit-export = toolkit_cli.export:cli_main",
             "toolkit-generate = toolkit_cli.generate:cli_main",

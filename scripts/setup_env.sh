@@ -14,6 +14,8 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
   safetensors onnx onnxruntime onnxscript transformers wandb
 # torchao (--fp8) after torch, without its dependencies: it must not replace the pinned torch.
 have torchao || "$PY" -m pip install -q --no-deps torchao
+# lm-evaluation-harness (toolkit-eval-harness, --eval-harness-tasks): checked not to replace torch.
+have lm_eval || "$PY" -m pip install -q "lm-eval==0.4.13" accelerate
 # DeepSpeed's setup.py imports torch, so it builds against the torch installed above.
 have deepspeed || "$PY" -m pip install -q --no-build-isolation deepspeed
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .

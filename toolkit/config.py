@@ -66,6 +66,13 @@ class DatasetConfig:
     fixed_validation_seed: Optional[int] = opt(None, "seed the random generators with this before every validation")
     validate_after_updates: int = opt(0, "do not validate (nor save mid-epoch) before this many updates",
                                       type=count_or_zero)
+    eval_harness_tasks: Optional[str] = opt(None, "lm-evaluation-harness tasks (comma-separated) to run on the "
+                                                  "master rank every --eval-harness-interval-updates; their "
+                                                  "metrics ({task}_{metric}) can be --best-checkpoint-metric")
+    eval_harness_interval_updates: int = opt(0, "run --eval-harness-tasks every N updates", type=count_or_zero)
+    eval_harness_limit: Optional[float] = opt(None, "only the first N examples of each task (a fraction if < 1)")
+    eval_harness_include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
+    eval_harness_batch_size: int = opt(8, "requests per forward pass in --eval-harness-tasks", type=positive_int)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from toolkit import options
 from toolkit.checkpoint.compat import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.errors import UserError
+from toolkit.evaluation import during_training as harness_training
 from toolkit.fairseq_flags import check_list_flags, resolve_fairseq_flags, split_list_flags
 from toolkit.registry import (
     CRITERION_REGISTRY,
@@ -203,6 +204,7 @@ def _check_values(cfg: TrainConfig) -> None:
     if opt.update_freq < 1:
         raise UserError(f"--update-freq must be >= 1, got {opt.update_freq}")
     check_list_flags(cfg)
+    harness_training.check_options(cfg.dataset)
     if hasattr(cfg.task, "tokens_per_sample"):
         check_positions(getattr(cfg.model, "max_target_positions", None), cfg.task.tokens_per_sample,
                         getattr(cfg.task, "add_bos_token", False), getattr(cfg.task, "sample_break_mode", "none"))

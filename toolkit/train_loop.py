@@ -31,6 +31,7 @@ from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_model
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
 from toolkit.errors import Interrupted, UserError
+from toolkit.evaluation import during_training as harness_training
 from toolkit.flag_types import for_epoch
 from toolkit.logging import metrics, throughput
 from toolkit.logging.progress_bar import build_progress_bar
@@ -276,6 +277,8 @@ def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, 
         (end_of_epoch and epoch % cfg.dataset.validate_interval == 0) or should_stop or do_save
         or _every(cfg.dataset.validate_interval_updates, updates))
     valid_losses: List[Optional[float]] = validate(cfg, trainer, epoch, env, state.best) if do_validate else [None]
+    if after and harness_training.due(cfg.dataset, updates):
+        valid_losses = eval_harness(cfg, trainer, env, epoch, valid_losses)
     if state.best.out_of_patience(ckpt.patience, valid_losses[0]):
         logger.info(f"early stop since valid performance hasn't improved for last {ckpt.patience} runs")
         should_stop = True
@@ -307,6 +310,17 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
         progress.print(stats, tag=subset, step=trainer.num_updates)
         losses.append(stats.get(metric))
     return losses
+
+
+def eval_harness(cfg: TrainConfig, trainer: Trainer, env: DistributedEnv, epoch: int,
+                 valid_losses: List[Optional[float]]) -> List[Optional[float]]:
+    """--eval-harness-tasks: log the metrics (master rank evaluates, all ranks get them); one named
+    by --best-checkpoint-metric takes the place of validation's value."""
+    stats = harness_training.evaluator(cfg).evaluate(trainer, env)
+    metric = cfg.checkpoint.best_checkpoint_metric
+    make_progress(cfg, [], env, epoch).print({**stats, "num_updates": trainer.num_updates}, tag="eval_harness",
+                                             step=trainer.num_updates)
+    return [stats[metric], *valid_losses[1:]] if metric in stats else valid_losses
 
 
 def seed_everything(seed: int) -> None:

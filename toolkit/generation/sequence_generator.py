@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ class _Search:
     max_len: torch.Tensor     # [N]
     ids: List[int]            # each row group's index in the caller's list
     states: List[Dict]        # one incremental state per model
+    stop: Optional[Callable[[int, torch.Tensor], bool]] = None  # (prompt index, tokens after the prompt)
 
 
 class SequenceGenerator:
@@ -76,12 +77,19 @@ class SequenceGenerator:
         return next(self.models[0].parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[torch.Tensor]) -> List[List[Hypothesis]]:
-        """For each prompt (1-D token ids, no ``</s>``), its hypotheses, best first."""
+    def generate(self, prompts: Sequence[torch.Tensor],
+                 stop: Optional[Callable[[int, torch.Tensor], bool]] = None) -> List[List[Hypothesis]]:
+        """For each prompt (1-D token ids, no ``</s>``), its hypotheses, best first.
+
+        ``stop(i, tokens)``, when given, is asked after every step with prompt ``i``'s tokens past
+        the prompt; once it answers True that hypothesis may only end (``</s>`` next), as at max_len:
+        stop strings for lm-evaluation-harness's ``generate_until``.
+        """
         if not prompts:
             return []
         finalized: List[List[Hypothesis]] = [[] for _ in prompts]
         s, lprobs, step = self._start(prompts)
+        s.stop = stop
         while True:
             cand = self._candidates(s, step, lprobs)
             eos_mask, done = self._finalize(s, step, cand, finalized)
@@ -173,6 +181,8 @@ class SequenceGenerator:
         """max_len, min_len and n-gram blocking, in place on [N*K, V]."""
         K = self.beam
         at_max = (step >= s.max_len).repeat_interleave(K)
+        if s.stop is not None:
+            at_max |= self._stopped(s, step, forced)
         if at_max.any():
             keep_eos = lprobs[at_max, self.eos]
             lprobs[at_max] = -math.inf
@@ -182,6 +192,17 @@ class SequenceGenerator:
         if self.cfg.no_repeat_ngram_size > 0:
             free_rows = (~forced).repeat_interleave(K).nonzero().flatten().tolist()
             block_repeated_ngrams(s.tokens[:, :step + 1], lprobs, self.cfg.no_repeat_ngram_size, free_rows)
+
+    def _stopped(self, s: _Search, step: int, forced: torch.Tensor) -> torch.Tensor:
+        """[N*K]: hypotheses past their prompt whose tokens so far satisfy ``s.stop``."""
+        K = self.beam
+        out = torch.zeros(len(s.ids) * K, dtype=torch.bool, device=s.tokens.device)
+        prompt_len = s.prompt_len.tolist()
+        for n in (~forced).nonzero().flatten().tolist():
+            for row in range(n * K, n * K + K):
+                generated = s.tokens[row, prompt_len[n] + 1:step + 1]
+                out[row] = len(generated) > 0 and bool(s.stop(s.ids[n], generated.cpu()))
+        return out
 
     def _candidates(self, s: _Search, step: int, lprobs: torch.Tensor):
         """(scores, tokens, beams, token log-probs, forced) of this step's candidates, [N, C] each."""

@@ -1,0 +1,179 @@
+"""lm-evaluation-harness on toolkit models: ``ToolkitLM``, an ``lm_eval`` model (``--model toolkit``).
+
+    import lm_eval
+    from toolkit.evaluation.harness import ToolkitLM
+    lm = ToolkitLM(path="checkpoints/checkpoint_best.pt", batch_size=16)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
+
+What it computes is what the harness's ``hf`` model computes on this model's Hugging Face export
+(``toolkit-export --format hf``) with the exported tokenizer:
+
+- texts are encoded with the model's own tokenizer (:mod:`toolkit.evaluation.text`), the symbol
+  the LM sees before a text (``</s>``, or ``<s>`` with ``--add-bos-token``) first, as the exported
+  tokenizer adds it; the harness's ``TemplateLM`` splits context and continuation;
+- ``loglikelihood``: batched, longest first, inputs truncated from the left to the model's
+  positions, scored by the model's ``get_normalized_probs`` (:mod:`toolkit.evaluation.scoring`);
+- ``loglikelihood_rolling``: the document's tokens after the prefix symbol, cut into blocks as
+  ``toolkit-eval-lm`` cuts a stream (``context_window`` earlier tokens before each block). For a
+  document that fits the model's positions this is the ``hf`` model's number with
+  ``add_bos_token=False`` (without it, ``hf`` also scores the tokenizer's own leading symbol);
+- ``generate_until``: the KV-cache ``SequenceGenerator`` (greedy, or sampling with ``temperature``/
+  ``top_k``/``top_p``), stopping at the stop strings or ``</s>`` or ``max_gen_toks``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from toolkit.errors import UserError
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+except ImportError:  # pragma: no cover - the command says how to install it
+    raise UserError("lm-eval is not installed; pip install lm-eval (or: pip install toolkit[eval])") from None
+
+from toolkit.evaluation import scoring
+from toolkit.evaluation.loading import load_for_eval
+from toolkit.evaluation.text import TextCodec
+from toolkit.generation import GenerationConfig, SequenceGenerator
+
+logger = logging.getLogger(__name__)
+
+#: generation kwargs the generator implements (anything else is refused rather than ignored)
+GEN_KWARGS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks"}
+
+
+@register_model("toolkit")
+class ToolkitLM(TemplateLM):
+    """A toolkit checkpoint (or models already in memory) as an ``lm_eval`` model."""
+
+    backend = "causal"
+
+    def __init__(self, path: Optional[str] = None, data: Optional[str] = None, batch_size: int = 8,
+                 device: Optional[str] = None, context_window: int = 0, max_gen_toks: int = 256, seed: int = 1234,
+                 models: Optional[List[torch.nn.Module]] = None, task=None, add_bos_token: Optional[bool] = None):
+        super().__init__()
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if models is None:
+            if path is None:
+                raise UserError("--path is required: the checkpoint to evaluate")
+            model, task, args = load_for_eval(path, data, self._device)
+            models, add_bos_token = [model], bool(vars(args).get("add_bos_token", False))
+        self.models, self.task = list(models), task
+        self.dictionary = task.dictionary
+        bos = task.cfg.add_bos_token if add_bos_token is None else add_bos_token
+        self.codec = TextCodec(self.dictionary, task.cfg.data.split(":")[0], bool(bos))
+        self.batch_size = int(batch_size)
+        self.max_length = min(m.max_positions() for m in self.models)
+        self.context_window = int(context_window)
+        self._max_gen_toks, self.seed = int(max_gen_toks), int(seed)
+        if not 0 <= self.context_window < self.max_length:
+            raise UserError(f"--context-window {context_window}: must be in [0, {self.max_length}) "
+                            f"(the model's positions)")
+
+    # ---- identity ----
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.dictionary.eos()
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.codec.prefix
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"toolkit-{self.codec.kind}-{len(self.dictionary)}"
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> List[int]:
+        """The tokenizer's ids; the prefix symbol first unless ``add_special_tokens=False`` (as the export's)."""
+        ids = self.codec.encode(string)
+        return ids if add_special_tokens is False else [self.codec.prefix] + ids
+
+    def tok_decode(self, tokens: Sequence[int], **kwargs) -> str:
+        return self.codec.decode(tokens)
+
+    # ---- scoring ----
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        results = scoring.loglikelihood_tokens(self.models, pairs, self.max_length, self.dictionary.pad(),
+                                               self.batch_size, self._device)
+        for (request, _, _), answer in zip(requests, results):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
+        block = self.max_length - self.context_window
+        out = []
+        for (string,) in [req.args for req in requests]:
+            total = scoring.rolling_loglikelihood(self.models, self.codec.encode(string), self.codec.prefix, block,
+                                                  self.context_window, self.batch_size, self._device)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            out.append(total)
+        return out
+
+    # ---- generation ----
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
+        groups: Dict[str, List[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out: List[str] = [""] * len(requests)
+        for indices in groups.values():
+            contexts = [requests[i].args[0] for i in indices]
+            for i, text in zip(indices, self._generate_group(contexts, requests[indices[0]].args[1])):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out
+
+    def _generate_group(self, contexts: List[str], gen_kwargs: dict) -> List[str]:
+        """Continuations of ``contexts`` sharing one set of generation kwargs, in their order."""
+        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks))
+        unknown = sorted(set(kwargs) - GEN_KWARGS)
+        if unknown:
+            raise UserError(f"generate_until: generation arguments {unknown} are not implemented by the toolkit's "
+                            f"generator (it implements {sorted(GEN_KWARGS)})")
+        until = handle_stop_sequences(kwargs["until"], eos=self.codec.token_string(self.eot_token_id))
+        max_gen = kwargs["max_gen_toks"]
+        if max_gen >= self.max_length:
+            raise UserError(f"generate_until: max_gen_toks {max_gen} must be less than the model's "
+                            f"{self.max_length} positions")
+        prompts = [torch.tensor(self.codec.encode(c)[-(self.max_length - max_gen - 1):] or [], dtype=torch.long)
+                   for c in contexts]
+        generator = SequenceGenerator(self.models, self.dictionary, self._generation_config(kwargs, max_gen),
+                                      generator=torch.Generator(device=self._device).manual_seed(self.seed),
+                                      bos=self.codec.prefix)
+
+        def stop(i: int, tokens: torch.Tensor) -> bool:
+            text = self.codec.decode(tokens.tolist())
+            return any(s and s in text for s in until)
+
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        texts: List[str] = [""] * len(prompts)
+        for first in range(0, len(order), max(1, self.batch_size)):
+            chunk = order[first:first + max(1, self.batch_size)]
+            hypos = generator.generate([prompts[i] for i in chunk], stop=lambda j, t: stop(chunk[j], t))
+            for i, hyps in zip(chunk, hypos):
+                tokens = hyps[0]["tokens"][len(prompts[i]):].tolist()
+                tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens
+                texts[i] = postprocess_generated_text(self.codec.decode(tokens), until, None)
+        return texts
+
+    def _generation_config(self, kwargs: dict, max_gen: int) -> GenerationConfig:
+        sampling = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
+        return GenerationConfig(
+            beam=1, nbest=1, sampling=sampling, min_len=0, max_len_a=0.0, max_len_b=self.max_length,
+            max_new_tokens=max_gen, temperature=float(kwargs["temperature"]) if sampling else 1.0,
+            sampling_topk=int(kwargs.get("top_k") or -1) if sampling else -1,
+            sampling_topp=float(kwargs.get("top_p") or -1.0) if sampling else -1.0)

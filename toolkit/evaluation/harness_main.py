@@ -1,0 +1,128 @@
+"""``toolkit-eval-harness``: lm-evaluation-harness tasks on a toolkit checkpoint (options + ``run``).
+
+    toolkit-eval-harness data-bin/wikitext-103 --path checkpoints/checkpoint_best.pt \\
+        --tasks hellaswag,lambada_openai --num-fewshot 0 --batch-size 16 --output-path results.json
+
+``--path`` takes a toolkit checkpoint (transformer_lm or the Llama family), a fairseq
+``transformer_lm`` checkpoint, a sharded checkpoint folder (consolidated on the fly), a
+``model.safetensors`` export or the ``model.pt`` of ``toolkit-export --from hf`` (then DATA is
+that folder: its ``tokenizer.json`` is used). Tasks under ``--include-path`` (harness YAML) are
+found without indexing the harness's own thousands when every task asked for is there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.fileio import atomic_write
+from toolkit.logging.setup import setup_logging
+
+logger = logging.getLogger("toolkit_cli.eval_harness")
+
+
+@dataclass
+class EvalHarnessConfig:
+    data: str = opt("", "the data-bin (dictionary and tokenizer; default: the checkpoint's own)",
+                    positional=True)
+    path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit, fairseq, sharded folder, model.safetensors)")
+    tasks: Optional[str] = opt(None, "harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
+    num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)")
+    batch_size: int = opt(8, "requests per forward pass")
+    limit: Optional[float] = opt(None, "evaluate only the first N examples of each task (a fraction if < 1)")
+    include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
+    output_path: Optional[str] = opt(None, "write the harness's results JSON here")
+    device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
+    context_window: int = opt(0, "loglikelihood_rolling: earlier tokens given as context to each block "
+                                 "(toolkit-eval-lm's --context-window)")
+    max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say")
+    seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
+    log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")
+    bootstrap_iters: int = opt(100000, "bootstrap resamples for the metrics' standard errors (0: none)")
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+
+
+def require_lm_eval():
+    try:
+        import lm_eval
+    except ImportError:
+        raise UserError("lm-eval is not installed; pip install lm-eval (or: pip install toolkit[eval])") from None
+    return lm_eval
+
+
+def task_names(tasks: Optional[str]) -> List[str]:
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    if not names:
+        raise UserError("--tasks is required: harness task names, comma-separated (e.g. --tasks hellaswag)")
+    return names
+
+
+def task_manager(names: List[str], include_path: Optional[str]):
+    """The harness's TaskManager: only ``include_path`` when it holds every task asked for."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        if not os.path.isdir(include_path):
+            raise UserError(f"--include-path {include_path}: no such folder; give a folder of harness task YAML")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not set(names) - set(local.all_tasks):
+            return local
+    manager = TaskManager(include_path=include_path)
+    unknown = sorted(set(names) - set(manager.all_tasks))
+    if unknown:
+        raise UserError(f"--tasks: unknown task(s) {', '.join(unknown)}; see lm-eval ls tasks, or give "
+                        f"--include-path with their YAML")
+    return manager
+
+
+def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, limit: Optional[float] = None,
+             seed: int = 1234, log_samples: bool = False, bootstrap_iters: int = 0) -> Dict[str, Any]:
+    """The harness's ``simple_evaluate`` on a ToolkitLM (also used during training)."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=manager, log_samples=log_samples, random_seed=seed,
+                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                   bootstrap_iters=bootstrap_iters)
+
+
+def write_results(results: Dict[str, Any], path: str) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"--output-path {path}: folder {folder} does not exist; create it first")
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+        f.write("\n")
+
+
+def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
+    """Evaluate, print the harness's table, write ``--output-path``; returns the results dict."""
+    setup_logging(cfg.log_file)
+    require_lm_eval()
+    if cfg.path is None:
+        raise UserError("--path is required: the checkpoint to evaluate")
+    names = task_names(cfg.tasks)
+    if cfg.batch_size < 1:
+        raise UserError(f"--batch-size {cfg.batch_size}: must be at least 1")
+    from lm_eval.utils import make_table
+
+    from toolkit.evaluation.harness import ToolkitLM
+
+    manager = task_manager(names, cfg.include_path)
+    lm = ToolkitLM(path=cfg.path, data=cfg.data or None, batch_size=cfg.batch_size, device=cfg.device,
+                   context_window=cfg.context_window, max_gen_toks=cfg.max_gen_toks, seed=cfg.seed)
+    results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples,
+                       cfg.bootstrap_iters)
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if cfg.output_path:
+        write_results(results, cfg.output_path)
+        logger.info(f"wrote {cfg.output_path}")
+    return results

@@ -1,0 +1,67 @@
+"""Text <-> token ids for evaluation, with the tokenizer the model was trained or imported with.
+
+Three cases, in this order:
+
+- the data folder holds ``tokenizer.json`` and its ``dict.txt`` is that tokenizer's vocabulary
+  (``toolkit-export --from hf``): the Hugging Face tokenizer's ids are the dictionary's ids;
+- the data-bin records a BPE (``bpe.json``): pieces, then ``dict.txt`` ids (as the hub encodes);
+- a whitespace data-bin: words looked up in ``dict.txt``.
+
+Decoding drops the specials (``<unk>`` too), as the Hugging Face export's tokenizer does.
+Encoding never adds specials: ``prefix`` is the symbol the LM sees before a text (``</s>``,
+or ``<s>`` with ``--add-bos-token``), put in front by the caller, as fairseq's LM task does.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+from toolkit.errors import UserError
+from toolkit.tokenizers import load_tokenizer_for_data_bin
+
+
+class TextCodec:
+    def __init__(self, dictionary, data_dir: str, add_bos_token: bool):
+        self.dictionary = dictionary
+        self.prefix = dictionary.bos() if add_bos_token else dictionary.eos()
+        self.eos = dictionary.eos()
+        self.hf = _hf_tokenizer(data_dir, dictionary)
+        self.bpe = None if self.hf is not None else load_tokenizer_for_data_bin(data_dir)
+
+    @property
+    def kind(self) -> str:
+        return "tokenizer.json" if self.hf is not None else "bpe.json" if self.bpe is not None else "whitespace"
+
+    def encode(self, text: str) -> List[int]:
+        if self.hf is not None:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        pieces = self.bpe.encode(text) if self.bpe is not None else text
+        return self.dictionary.encode_line(pieces, append_eos=False).tolist()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.hf is not None:
+            return self.hf.decode(list(ids), skip_special_tokens=True)
+        d = self.dictionary  # the specials dropped, as the exported tokenizer's decode(skip_special_tokens=True)
+        text = d.string(list(ids), extra_symbols_to_ignore=(d.bos(), d.unk()))
+        return self.bpe.decode(text) if self.bpe is not None else text
+
+    def token_string(self, token_id: int) -> str:
+        """The text a special id stands for (the harness adds EOS's string to the stop strings)."""
+        return self.dictionary[token_id]
+
+
+def _hf_tokenizer(data_dir: str, dictionary):
+    """``tokenizer.json`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None."""
+    path = os.path.join(data_dir, "tokenizer.json")
+    if not os.path.isfile(path) or not getattr(dictionary, "fixed_ids", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UserError(f"{path}: reading it needs the tokenizers package; pip install tokenizers") from None
+    tok = Tokenizer.from_file(path)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > len(dictionary):
+        raise UserError(f"{path}: {size} tokens but dict.txt has {len(dictionary)}; the folder is not one "
+                        f"toolkit-export --from hf wrote (re-import the model)")
+    return tok

@@ -1,0 +1,106 @@
+"""``toolkit-validate`` (fairseq-validate): a checkpoint's loss and perplexity on ``--valid-subset`` splits.
+
+    toolkit-validate data-bin/wikitext-103 --path checkpoints/checkpoint_best.pt --valid-subset valid,test
+
+The splits are batched as the trainer batches them (``--max-tokens-valid``/``--batch-size-valid``,
+else the training values saved in the checkpoint; the same seed, ``--required-batch-size-multiple``
+and skipping rules), scored by the checkpoint's criterion in eval mode, and summed and logged by
+the training loop's own ``valid_totals``: the ``valid`` line equals the one the training run
+printed for that checkpoint (a run on several ranks splits the batches, the sums are the same).
+Any checkpoint evaluation reads (fairseq's, sharded folders, safetensors exports) is accepted.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Dict, Optional
+
+import torch
+
+from toolkit import options, registry
+from toolkit.config import opt
+from toolkit.errors import UserError
+from toolkit.eval_lm_main import parse_overrides
+from toolkit.evaluation.loading import load_for_eval
+from toolkit.logging import metrics, progress_bar
+from toolkit.logging.setup import setup_logging
+from toolkit.train_loop import valid_totals
+from toolkit.trainer import move_to_device
+
+logger = logging.getLogger("toolkit_cli.validate")
+
+
+@dataclass
+class ValidateConfig:
+    data: str = opt("", "the data-bin (default: the one the checkpoint was trained on)", positional=True)
+    path: Optional[str] = opt(None, "checkpoint to validate (toolkit, fairseq, sharded folder, model.safetensors)")
+    valid_subset: str = opt("valid", "comma-separated splits to validate on")
+    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a batch (default: the training run's)",
+                                          aliases=("--max-tokens",))
+    batch_size_valid: Optional[int] = opt(None, "samples in a batch (default: the training run's)",
+                                          aliases=("--batch-size", "--max-sentences"))
+    skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
+    model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
+    cpu: bool = opt(False, "validate on CPU even when a GPU is present")
+    log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
+    log_interval: int = opt(100, "log progress every N batches")
+    no_progress_bar: bool = opt(False, "disable the progress bar")
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+
+
+class _Validator:
+    """What ``train_loop.valid_totals`` asks of a Trainer, for one process and no optimizer."""
+
+    def __init__(self, model: torch.nn.Module, criterion, device: torch.device):
+        self.model, self.criterion, self.device = model, criterion, device
+        self.strategy = SimpleNamespace(dp_size=1, dp_group=None)
+
+    @torch.no_grad()
+    def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
+        _, sample_size, logging_output = self.criterion(self.model, move_to_device(sample, self.device))
+        out = {k: float(v) for k, v in logging_output.items()}
+        out["_sample_size"] = float(sample_size)
+        return out
+
+
+def _criterion(task, saved: Dict[str, Any]):
+    entry = registry.CRITERION_REGISTRY.get(saved.get("criterion") or "cross_entropy")
+    return entry.cls(task, options.config_from_args(entry.config, saved) if entry.config else None)
+
+
+def _batches(task, saved: Dict[str, Any], cfg: ValidateConfig, subset: str, max_positions: int):
+    """The subset's batches as ``train_loop.valid_iterator`` makes them on one replica."""
+    task.load_dataset(subset)
+    max_tokens = cfg.max_tokens_valid or saved.get("max_tokens_valid") or saved.get("max_tokens")
+    batch_size = cfg.batch_size_valid or saved.get("batch_size_valid") or saved.get("batch_size")
+    return task.get_batch_iterator(
+        task.dataset(subset), max_tokens=max_tokens, batch_size=batch_size,
+        required_batch_size_multiple=saved.get("required_batch_size_multiple", 8), seed=saved.get("seed", 1),
+        epoch=1, max_positions=max_positions,
+        ignore_invalid_inputs=cfg.skip_invalid_size_inputs_valid_test).next_epoch_itr(shuffle=False)
+
+
+def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
+    """``{subset: stats}`` (fairseq's valid stats, also logged as the training run logs them)."""
+    setup_logging(cfg.log_file)
+    if cfg.path is None:
+        raise UserError("--path is required: the checkpoint to validate")
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    model, task, args = load_for_eval(cfg.path, cfg.data or None, device, parse_overrides(cfg.model_overrides))
+    saved = vars(args)
+    validator = _Validator(model, _criterion(task, saved), device)
+    max_positions = min(task.max_positions(), model.max_positions())
+    results = {}
+    for subset in [s for s in cfg.valid_subset.split(",") if s]:
+        logger.info(f'begin validation on "{subset}" subset')
+        progress = progress_bar.progress_bar(
+            _batches(task, saved, cfg, subset, max_positions), log_format=cfg.log_format,
+            log_interval=cfg.log_interval, prefix=f"valid on '{subset}' subset",
+            default_log_format="simple" if cfg.no_progress_bar else "tqdm")
+        with metrics.aggregate(new_root=True) as agg:
+            valid_totals(validator, progress)
+        stats = agg.get_smoothed_values()
+        progress.print(stats, tag=subset)
+        results[subset] = dict(stats)
+    return results
