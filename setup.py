@@ -24,6 +24,8 @@ setup(
         "wandb": ["wandb"],
         # --fp8: float8 training of the blocks' Linear layers (torchao's Float8Linear)
         "fp8": ["torchao"],
+        # toolkit-preprocess: *.parquet (pyarrow), --hf-dataset (datasets), *.jsonl.zst (zstandard)
+        "data": ["datasets", "pyarrow", "zstandard"],
     },
     entry_points={
         "console_scripts": [
