@@ -139,13 +139,20 @@ def _cpu_count() -> int:
 
 def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     """This replica's batches of the epoch: sharded over the data-parallel replicas (the M ranks of a
-    tensor-parallel replica read the same ones)."""
+    tensor-parallel replica read the same ones); samples too long are skipped (``train_max_positions``)."""
     data, strategy = cfg.dataset, trainer.strategy
     return trainer.task.get_batch_iterator(
         trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
         batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch)
+        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch,
+        max_positions=train_max_positions(cfg, trainer), ignore_invalid_inputs=True)
+
+
+def train_max_positions(cfg: TrainConfig, trainer: Trainer) -> Optional[int]:
+    """As fairseq's training: a sample longer than the model takes is skipped (one warning with the
+    count), so sentence-level training (--sample-break-mode eos|complete) does not stop on a long line."""
+    return valid_max_positions(trainer)
 
 
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import numpy as np
+
 from toolkit import options, registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
@@ -21,6 +23,7 @@ from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset
 from toolkit.data.sample_position import Batching
+from toolkit.data.shorten import SHORTEN_METHODS, ShortenedDataset, applies_to
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.errors import UserError
 from toolkit.registry import CRITERION_REGISTRY, register_task
@@ -40,6 +43,13 @@ class LanguageModelingConfig:
     tokens_per_sample: int = field(default=1024, metadata={"help": "max number of tokens per sample"})
     add_bos_token: bool = field(default=False, metadata={
         "help": "prepend the beginning-of-sentence token <s> to every sample"})
+    shorten_method: str = field(default="none", metadata={
+        "help": "if not none, shorten sequences that exceed --tokens-per-sample (truncate: keep the first "
+                "tokens; random_crop: a seeded random window)", "choices": list(SHORTEN_METHODS)})
+    shorten_data_split_list: str = field(default="", metadata={
+        "help": "comma-separated list of dataset splits to apply shortening to, e.g., \"train,valid\" "
+                "(default: all dataset splits)"})
+    seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -58,6 +68,9 @@ class LanguageModelingTask:
         if cfg.sample_break_mode not in BREAK_MODES:
             raise UserError(f"--sample-break-mode: unknown mode {cfg.sample_break_mode!r}; "
                             f"choose from {', '.join(BREAK_MODES)}")
+        if cfg.shorten_method not in SHORTEN_METHODS:
+            raise UserError(f"--shorten-method: unknown method {cfg.shorten_method!r}; "
+                            f"choose from {', '.join(SHORTEN_METHODS)}")
         if cfg.sample_break_mode != "eos" and cfg.tokens_per_sample < 1:
             raise UserError(f"--tokens-per-sample must be >= 1, got {cfg.tokens_per_sample}")
         self.cfg = cfg
@@ -115,6 +128,7 @@ class LanguageModelingTask:
         names = numbered_splits(data_path, split) if combine else [split]
         split_data = (MMapIndexedDataset(prefix) if len(names) == 1 else
                       ConcatIndexedDataset([MMapIndexedDataset(os.path.join(data_path, n)) for n in names]))
+        split_data = self._maybe_shorten(split_data, split)
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
                                    eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
                                    include_targets=True)
@@ -123,6 +137,17 @@ class LanguageModelingTask:
         self.datasets[split] = dataset
         self._loaded_from[split] = data_path
         return dataset
+
+    def _maybe_shorten(self, split_data, split: str):
+        """fairseq's maybe_shorten_dataset: --shorten-method on the splits of --shorten-data-split-list."""
+        method = self.cfg.shorten_method
+        if method == "none" or not applies_to(split, self.cfg.shorten_data_split_list):
+            return split_data
+        shortened = ShortenedDataset(split_data, self.cfg.tokens_per_sample, method, self.cfg.seed)
+        cut = int((np.asarray(split_data.sizes) > self.cfg.tokens_per_sample).sum())
+        logger.info(f"--shorten-method {method}: {cut} of {len(shortened)} {split} lines cut to "
+                    f"{self.cfg.tokens_per_sample} tokens")
+        return shortened
 
     def _check_shards(self, split: str, paths) -> None:
         """A split found in several shards (the train split) must be in every one."""
@@ -177,7 +202,11 @@ class LanguageModelingTask:
                 if not ignore_invalid_inputs:
                     raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample "
                                     f"or use a break mode that bounds the sample size")
-                logger.warning(f"{msg}; skipping them")
+                if len(indices) == 0:
+                    raise UserError(f"--tokens-per-sample/--sample-break-mode: every sample is skipped ({msg}); "
+                                    f"raise --tokens-per-sample or pass --shorten-method truncate")
+                logger.warning(f"{len(dropped):,} samples have invalid sizes and will be skipped, "
+                               f"max_positions={max_positions}, first few sample ids={dropped[:10].tolist()}")
         flags = {"max_tokens": max_tokens, "batch_size": batch_size,
                  "required_batch_size_multiple": required_batch_size_multiple}
         batching = self._batching(dataset, flags, max_positions)
