@@ -22,6 +22,7 @@ from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset
+from toolkit.data.mixture import MixtureDataset, parse_mixture
 from toolkit.data.sample_position import Batching
 from toolkit.data.shorten import SHORTEN_METHODS, ShortenedDataset, applies_to
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
@@ -33,9 +34,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LanguageModelingConfig:
-    data: Optional[str] = field(default=None, metadata={
+    data: Optional[str] = field(default="", metadata={
         "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
-                "used round-robin, one per epoch", "positional": True})
+                "used round-robin, one per epoch (leave out with --data-mixture)", "positional": True})
+    data_mixture: Optional[str] = field(default=None, metadata={
+        "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
+                "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
+                "the weighted total (valid)", "metavar": "SPEC"})
+    mixture_epoch_samples: int = field(default=0, metadata={
+        "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
     sample_break_mode: str = field(default="none", metadata={
         "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
                 "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
@@ -60,6 +67,26 @@ def _as_dict(cfg: Any) -> Dict[str, Any]:
     return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
 
 
+def _load_dictionary(data: str) -> Dictionary:
+    dict_path = os.path.join(data, "dict.txt")
+    if not os.path.isfile(dict_path):
+        raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
+    return Dictionary.load(dict_path)
+
+
+def _mixture_dictionary(spec: str) -> Dictionary:
+    """The one dictionary of every --data-mixture source (the same ids in each, checked)."""
+    sources = parse_mixture(spec)
+    dictionary = _load_dictionary(sources[0].path)
+    for source in sources[1:]:
+        if _load_dictionary(source.path) != dictionary:
+            raise UserError(f"--data-mixture: {os.path.join(source.path, 'dict.txt')} differs from "
+                            f"{os.path.join(sources[0].path, 'dict.txt')}; the sources must share one dictionary "
+                            f"(binarize them with toolkit-preprocess --srcdict {sources[0].path}/dict.txt)")
+    logger.info(f"dictionary: {len(dictionary)} types (shared by the {len(sources)} sources of --data-mixture)")
+    return dictionary
+
+
 @register_task("language_modeling", dataclass=LanguageModelingConfig)
 class LanguageModelingTask:
     def __init__(self, cfg: LanguageModelingConfig, dictionary: Dictionary):
@@ -78,6 +105,7 @@ class LanguageModelingTask:
         self.datasets: Dict[str, MonolingualDataset] = {}
         self._loaded_from: Dict[str, str] = {}
         self._checked_splits: set = set()
+        self.mixture = parse_mixture(cfg.data_mixture) if cfg.data_mixture else []
 
     @property
     def source_dictionary(self) -> Dictionary:
@@ -96,30 +124,52 @@ class LanguageModelingTask:
     def setup_task(cls, cfg: Any) -> "LanguageModelingTask":
         if not isinstance(cfg, LanguageModelingConfig):
             cfg = options.config_from_args(LanguageModelingConfig, cfg)
+        if cfg.data_mixture:
+            if cfg.data:
+                raise UserError(f"--data-mixture: also given DATA {cfg.data}; give one of them")
+            return cls(cfg, _mixture_dictionary(cfg.data_mixture))
         if not cfg.data:
-            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")
+            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess "
+                            "(or --data-mixture)")
         shards = [p for p in cfg.data.split(":") if p]
         missing = [p for p in shards if not os.path.isdir(p)]
         if missing:
             raise UserError(f"{missing[0]}: data shard not found (DATA is {cfg.data}); every ':'-separated "
                             f"folder must be a data-bin made by toolkit-preprocess")
-        data = shards[0]
-        dict_path = os.path.join(data, "dict.txt")
-        if not os.path.isfile(dict_path):
-            raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
-        dictionary = Dictionary.load(dict_path)
+        dictionary = _load_dictionary(shards[0])
         logger.info(f"dictionary: {len(dictionary)} types")
         return cls(cfg, dictionary)
 
     # --- data -----------------------------------------------------------------------
-    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> MonolingualDataset:
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any):
         """Load ``split`` from the data-bin of this epoch (round-robin over ``DATA``'s folders); with
-        ``combine`` (fairseq's ``--combine-val``), ``split``, ``split1``, ``split2``, ... as one."""
-        paths = self.data_paths()
-        data_path = paths[(max(epoch, 1) - 1) % len(paths)]
+        ``combine`` (fairseq's ``--combine-val``), ``split``, ``split1``, ``split2``, ... as one.
+        With ``--data-mixture``: ``split`` of every source as the weighted mixture, and ``split_NAME``
+        that split of source NAME alone (what validation per source reads)."""
+        if self.mixture:
+            dataset = self._load_mixture_split(split, combine)
+        else:
+            paths = self.data_paths()
+            data_path = paths[(max(epoch, 1) - 1) % len(paths)]
+            if len(paths) > 1 and split not in self._checked_splits:
+                self._check_shards(split, paths)
+            dataset = self._load_split(data_path, split, combine)
+            self._loaded_from[split] = data_path
+        self.datasets[split] = dataset
+        return dataset
+
+    def _load_mixture_split(self, split: str, combine: bool):
+        for source in self.mixture:
+            if split.endswith("_" + source.name):
+                return self._load_split(source.path, split[:-len(source.name) - 1], combine)
+        parts = [self._load_split(source.path, split, combine) for source in self.mixture]
+        mixed = MixtureDataset(self.mixture, parts, self.cfg.mixture_epoch_samples)
+        shares = ", ".join(f"{s.name} {s.weight:.3f}" for s in self.mixture)
+        logger.info(f"{split}: mixture of {shares}; {mixed.num_samples} samples per epoch")
+        return mixed
+
+    def _load_split(self, data_path: str, split: str, combine: bool) -> MonolingualDataset:
         prefix = os.path.join(data_path, split)
-        if len(paths) > 1 and split not in self._checked_splits:
-            self._check_shards(split, paths)
         if not MMapIndexedDataset.exists(prefix):
             found = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
                            if MMapIndexedDataset.exists(p[:-4]))
@@ -134,8 +184,6 @@ class LanguageModelingTask:
                                    include_targets=True)
         dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
-        self.datasets[split] = dataset
-        self._loaded_from[split] = data_path
         return dataset
 
     def _maybe_shorten(self, split_data, split: str):
@@ -159,10 +207,12 @@ class LanguageModelingTask:
         self._checked_splits.add(split)
 
     def has_sharded_data(self) -> bool:
-        return len(self.data_paths()) > 1
+        return not self.mixture and len(self.data_paths()) > 1
 
     def dataset_for_epoch(self, split: str, epoch: int) -> MonolingualDataset:
         """The split as epoch ``epoch`` sees it: reloaded from that epoch's shard when DATA has several."""
+        if self.mixture:
+            return self.datasets[split] if split in self.datasets else self.load_dataset(split)
         paths = self.data_paths()
         wanted = paths[(max(epoch, 1) - 1) % len(paths)]
         if split not in self.datasets or (len(paths) > 1 and self._loaded_from.get(split) != wanted):
