@@ -56,6 +56,11 @@ class LanguageModelingConfig:
     shorten_data_split_list: str = field(default="", metadata={
         "help": "comma-separated list of dataset splits to apply shortening to, e.g., \"train,valid\" "
                 "(default: all dataset splits)"})
+    document_attention_mask: bool = field(default=False, metadata={
+        "help": "keep attention inside each document (line) of a packed sample (block-diagonal causal mask; "
+                "flex_attention on CUDA, else an SDPA mask), e.g. with --sample-break-mode none"})
+    reset_position_ids: bool = field(default=False, metadata={
+        "help": "with --document-attention-mask: positions restart at 0 in each document"})
     seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
@@ -98,6 +103,9 @@ class LanguageModelingTask:
         if cfg.shorten_method not in SHORTEN_METHODS:
             raise UserError(f"--shorten-method: unknown method {cfg.shorten_method!r}; "
                             f"choose from {', '.join(SHORTEN_METHODS)}")
+        if cfg.reset_position_ids and not cfg.document_attention_mask:
+            raise UserError("--reset-position-ids: restarts positions per document of a packed sample, which "
+                            "needs --document-attention-mask; add it")
         if cfg.sample_break_mode != "eos" and cfg.tokens_per_sample < 1:
             raise UserError(f"--tokens-per-sample must be >= 1, got {cfg.tokens_per_sample}")
         self.cfg = cfg
@@ -182,7 +190,9 @@ class LanguageModelingTask:
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
                                    eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
                                    include_targets=True)
-        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
+        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True,
+                                     document_mask=self.cfg.document_attention_mask,
+                                     reset_positions=self.cfg.reset_position_ids)
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
         return dataset
 
