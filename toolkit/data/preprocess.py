@@ -38,6 +38,7 @@ from toolkit.data.binarizer import (
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
 from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_text
+from toolkit.data.shards import check_shard_flags, merge_parts, write_shard_record
 from toolkit import folder_lock
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_directory
@@ -94,6 +95,13 @@ class PreprocessConfig:
         "help": "the --hf-dataset split binarized as train", "metavar": "NAME"})
     hf_valid_split: Optional[str] = field(default=None, metadata={
         "help": "--hf-dataset split(s), comma separated, binarized as valid, valid1, ...", "metavar": "NAMES"})
+    num_shards: int = field(default=1, metadata={
+        "help": "binarize only part --shard-id of N of every input (one job of many machines; needs --srcdict); "
+                "join the parts with --merge", "metavar": "N"})
+    shard_id: int = field(default=0, metadata={"help": "which part of --num-shards (0-based)", "metavar": "I"})
+    merge: Optional[str] = field(default=None, metadata={
+        "help": "join the data-bins of --num-shards parts (comma-separated folders or a pattern such as "
+                "'parts/*') into --destdir: the same bytes as one run", "metavar": "PARTS"})
     streaming: bool = field(default=False, metadata={
         "help": "read --hf-dataset as a stream (datasets' streaming=True), for datasets larger than memory"})
 
@@ -202,6 +210,9 @@ def check_destdir(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], inp
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
     if adds_to_data_bin(cfg):
+        if cfg.num_shards > 1:
+            raise UserError(f"--destdir {dest}: already holds a data-bin; write each --shard-id part to a folder "
+                            f"of its own (e.g. parts/{cfg.shard_id}) and --merge them")
         _check_additions(cfg, splits)
         return
     if os.path.isdir(dest) and os.listdir(dest):
@@ -313,6 +324,9 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
     or copied), the dictionary (counted, with the train split binarized in the same pass),
     then every split binarized against it.
     """
+    check_shard_flags(cfg.num_shards, cfg.shard_id, cfg.srcdict, cfg.merge)
+    if cfg.merge:
+        return _merge(cfg)
     tokenizer_cls = None
     if bpe is not None:
         from toolkit.tokenizers import make_config, tokenizer_class
@@ -333,6 +347,15 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
             if adds_to_data_bin(cfg):
                 return add_splits(cfg, [] if cfg.dict_only else splits, args)
             return _build_data_bin(cfg, splits, bpe, bpe_cfg, tokenizer_cls, args)
+
+
+def _merge(cfg: PreprocessConfig) -> PreprocessResult:
+    """--merge: the parts joined into a new --destdir (under its lock)."""
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
+    with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
+        check_destdir(cfg, [], [])
+        merge_parts(cfg.merge, cfg.destdir)
+    return PreprocessResult(cfg.destdir, len(Dictionary.load(os.path.join(cfg.destdir, DICT_FILE))), {}, {})
 
 
 def _record_options(cfg: PreprocessConfig, name: str, flag: str) -> RecordOptions:
@@ -390,6 +413,8 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
                 vocab, first_pass = _dictionary_step(cfg, workers, spec, tmp, timings)
                 summaries = {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec,
                                                                      tmp, timings)
+                if cfg.num_shards > 1:
+                    write_shard_record(tmp, cfg.shard_id, cfg.num_shards, list(summaries))
                 logger.info(f"Wrote preprocessed data to {cfg.destdir}")
             _set_default_permissions(tmp)
         finally:
@@ -463,7 +488,7 @@ def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vo
         else:
             with _progress_bar(cfg, os.path.getsize(path), name) as bar:
                 summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
-                                        cfg.encoding_errors, bar.update)
+                                        cfg.encoding_errors, bar.update, shard=(cfg.shard_id, cfg.num_shards))
         timings[name] = seconds = time.perf_counter() - t0
         summaries[name] = summary
         logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
