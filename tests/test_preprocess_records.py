@@ -6,19 +6,8 @@ import os
 
 import pytest
 
-from toolkit_cli.preprocess import cli_main, main
-
-PROG = "toolkit-preprocess"
-
-
-def run(*argv):
-    return main(["--only-source", "--no-progress-bar", *map(str, argv)])
-
-
-def bin_files(folder):
-    """Every data-bin file but the log (which names its inputs)."""
-    return {name: open(os.path.join(folder, name), "rb").read()
-            for name in sorted(os.listdir(folder)) if name != "preprocess.log"}
+from tests.test_preprocess import files_of as bin_files
+from tests.test_preprocess import expect_error, run
 
 
 def real_lines(path, limit):
@@ -152,16 +141,6 @@ def test_parquet_nulls_and_binary(tmp_path):
 
 
 # --- bad input: one line, nothing written ------------------------------------------------------
-def expect_error(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as e:
-        cli_main(["--only-source", "--no-progress-bar", *map(str, argv)])
-    assert e.value.code == 1
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), lines
-    for fragment in fragments:
-        assert str(fragment) in lines[0], (fragment, lines[0])
-
-
 def assert_nothing_left(tmp_path, dest):
     assert not os.path.exists(dest)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], os.listdir(tmp_path)

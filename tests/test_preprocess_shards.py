@@ -3,18 +3,8 @@ import os
 
 import pytest
 
-from toolkit_cli.preprocess import cli_main, main
-
-PROG = "toolkit-preprocess"
-
-
-def run(*argv):
-    return main(["--only-source", "--no-progress-bar", *map(str, argv)])
-
-
-def bin_files(folder):
-    return {name: open(os.path.join(folder, name), "rb").read()
-            for name in sorted(os.listdir(folder)) if name != "preprocess.log"}
+from tests.test_preprocess import files_of as bin_files
+from tests.test_preprocess import expect_error, run
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +38,6 @@ def test_dict_only_then_parts(tmp_path, wikitext_dir):
             "--destdir", tmp_path / "parts" / f"p{shard}")
     run("--merge", ",".join(str(tmp_path / "parts" / f"p{i}") for i in range(3)), "--destdir", tmp_path / "all")
     assert bin_files(tmp_path / "all") == bin_files(tmp_path / "one")
-
-
-def expect_error(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as e:
-        cli_main(["--only-source", "--no-progress-bar", *map(str, argv)])
-    assert e.value.code == 1
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 def test_bad_shard_flags_and_merges(tmp_path, capsys, wikitext_dir):
