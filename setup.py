@@ -26,6 +26,8 @@ setup(
         "fp8": ["torchao"],
         # toolkit-eval-harness / --eval-harness-tasks: EleutherAI's lm-evaluation-harness
         "eval": ["lm-eval>=0.4,<0.5"],
+        # toolkit-preprocess: *.parquet (pyarrow), --hf-dataset (datasets), *.jsonl.zst (zstandard)
+        "data": ["datasets", "pyarrow", "zstandard"],
     },
     entry_points={
         "console_scripts": [

@@ -12,6 +12,10 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
   || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest \
   safetensors onnx onnxruntime onnxscript transformers wandb
+# toolkit-preprocess inputs (Parquet, datasets folders, .zst): after torch, which stays pinned
+# (datasets does not ask for torch; --upgrade-strategy only-if-needed keeps what is installed).
+have datasets && have pyarrow && have zstandard \
+  || "$PY" -m pip install -q --upgrade-strategy only-if-needed datasets pyarrow zstandard
 # torchao (--fp8) after torch, without its dependencies: it must not replace the pinned torch.
 have torchao || "$PY" -m pip install -q --no-deps torchao
 # lm-evaluation-harness (toolkit-eval-harness, --eval-harness-tasks): checked not to replace torch.

@@ -11,3 +11,13 @@ class Interrupted(KeyboardInterrupt):
     A KeyboardInterrupt still (every handler of one keeps working); the command line prints
     it as one line and exits 130, as a shell does for a process killed by SIGINT.
     """
+
+
+def import_optional(module: str, message: str):
+    """Import an optional package, or raise ``UserError(message)`` (which names its pip install)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(message) from None

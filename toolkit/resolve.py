@@ -19,9 +19,10 @@ A conflict the user wrote explicitly (``--cpu-offload --optimizer adam``) is sti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -186,11 +187,31 @@ def _implied_values(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
         else:
             choices.append("--cpu-offload: no GPU in use, so training runs in fp32 (parameters and optimizer "
                            "state are already in host memory)")
+    dataset, more = _mixture_valid_subsets(cfg.task, dataset)
+    choices += more
     if dataset.max_tokens is None and dataset.batch_size is None:
         max_tokens = max(DEFAULT_MAX_TOKENS, 2 * model_positions(cfg))
         dataset = dataclasses.replace(dataset, max_tokens=max_tokens)
         choices.append(f"--max-tokens and --batch-size not given: using --max-tokens {max_tokens}")
     return dataclasses.replace(cfg, common=common, dataset=dataset), choices
+
+
+def _mixture_valid_subsets(task: Any, dataset: Any) -> Tuple[Any, List[str]]:
+    """--data-mixture: each --valid-subset X is validated per source (X_NAME, for the sources that have X)."""
+    spec = getattr(task, "data_mixture", None)
+    if not spec:
+        return dataset, []
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+    from toolkit.data.mixture import parse_mixture
+
+    sources = parse_mixture(spec)
+    subsets = [f"{v}_{s.name}" for v in dataset.valid_subset.split(",") for s in sources
+               if MMapIndexedDataset.exists(os.path.join(s.path, v))]
+    if not subsets:
+        return dataset, []  # loading --valid-subset then names the data-bins that lack it
+    valid = ",".join(subsets)
+    return dataclasses.replace(dataset, valid_subset=valid), [
+        f"--data-mixture: validating each source and their weighted total: --valid-subset {valid}"]
 
 
 def model_positions(cfg: TrainConfig) -> int:

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -177,17 +177,24 @@ def _cpu_count() -> int:
 
 def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     """This replica's batches of the epoch: sharded over the data-parallel replicas (the M ranks of a
-    tensor-parallel replica read the same ones)."""
+    tensor-parallel replica read the same ones); samples too long are skipped (``train_max_positions``)."""
     data, strategy = cfg.dataset, trainer.strategy
     itr = trainer.task.get_batch_iterator(
         trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
         batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch)
+        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch,
+        max_positions=train_max_positions(cfg, trainer), ignore_invalid_inputs=True)
     if len(itr) == 0:  # an epoch without a batch would end at once, forever (114,672 empty epochs in 2 minutes)
         raise UserError(f"{cfg.task.data}: the --train-subset {data.train_subset} split gives no batch in epoch "
                         f"{epoch} (it has no samples); binarize text into it (toolkit-preprocess --trainpref)")
     return itr
+
+
+def train_max_positions(cfg: TrainConfig, trainer: Trainer) -> Optional[int]:
+    """As fairseq's training: a sample longer than the model takes is skipped (one warning with the
+    count), so sentence-level training (--sample-break-mode eos|complete) does not stop on a long line."""
+    return valid_max_positions(trainer)
 
 
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
@@ -297,18 +304,25 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     metric = cfg.checkpoint.best_checkpoint_metric
     if cfg.dataset.fixed_validation_seed is not None:
         seed_everything(cfg.dataset.fixed_validation_seed)  # fairseq: the same draws at every validation
+    per_subset: Dict[str, Dict[str, Any]] = {}
     for subset in cfg.dataset.valid_subset.split(","):
         logger.info(f'begin validation on "{subset}" subset')
         progress = make_progress(cfg, valid_iterator(cfg, trainer, subset).next_epoch_itr(shuffle=False),
                                  env, epoch, prefix=f"valid on '{subset}' subset")
         with metrics.aggregate(new_root=True) as agg:
             valid_totals(trainer, progress)
-        stats = metrics.get_valid_stats(agg.get_smoothed_values(), trainer.num_updates, best=best.best,
-                                        best_checkpoint_metric=metric, maximize=best.maximize)
-        if best.best is None and metric in stats:
-            stats[f"best_{metric}"] = stats[metric]
+        stats = _valid_stats(cfg, agg.get_smoothed_values(), trainer.num_updates, best)
         progress.print(stats, tag=subset, step=trainer.num_updates)
+        per_subset[subset] = stats
         losses.append(stats.get(metric))
+    mixture = getattr(trainer.task, "mixture", None)
+    if mixture:  # the weighted totals first: they are what --best-checkpoint-metric follows
+        totals = weighted_valid_totals(mixture, per_subset, metric)
+        for tag, values in reversed(list(totals.items())):
+            stats = _valid_stats(cfg, values, trainer.num_updates, best)
+            total_bar = make_progress(cfg, [], env, epoch, prefix=f"valid on '{tag}' subset")
+            total_bar.print(stats, tag=tag, step=trainer.num_updates)
+            losses.insert(0, stats.get(metric))
     return losses
 
 
@@ -321,6 +335,38 @@ def eval_harness(cfg: TrainConfig, trainer: Trainer, env: DistributedEnv, epoch:
     make_progress(cfg, [], env, epoch).print({**stats, "num_updates": trainer.num_updates}, tag="eval_harness",
                                              step=trainer.num_updates)
     return [stats[metric], *valid_losses[1:]] if metric in stats else valid_losses
+
+
+def _valid_stats(cfg: TrainConfig, values: Dict[str, Any], num_updates: int, best: BestTracker) -> Dict[str, Any]:
+    metric = cfg.checkpoint.best_checkpoint_metric
+    stats = metrics.get_valid_stats(values, num_updates, best=best.best, best_checkpoint_metric=metric,
+                                    maximize=best.maximize)
+    if best.best is None and metric in stats:
+        stats[f"best_{metric}"] = stats[metric]
+    return stats
+
+
+def weighted_valid_totals(mixture, per_subset: Dict[str, Dict[str, Any]], metric: str) -> Dict[str, Dict[str, Any]]:
+    """``{"valid": {"loss", "ppl"}}``: the sources' valid_NAME losses weighted by the mixture's weights
+    (renormalized over the sources that have that split)."""
+    totals: Dict[str, Dict[str, Any]] = {}
+    for subset in per_subset:
+        for source in mixture:
+            if subset.endswith("_" + source.name):
+                base = subset[:-len(source.name) - 1]
+                entry = totals.setdefault(base, {"loss": 0.0, "weight": 0.0, metric: 0.0})
+                entry["loss"] += source.weight * float(per_subset[subset]["loss"])
+                if metric != "loss":
+                    entry[metric] += source.weight * float(per_subset[subset].get(metric, 0.0))
+                entry["weight"] += source.weight
+    out = {}
+    for base, entry in totals.items():
+        loss = entry["loss"] / entry["weight"]
+        values = {"loss": round(loss, 3), "ppl": round(2 ** loss, 2)}
+        if metric not in values:
+            values[metric] = entry[metric] / entry["weight"]
+        out[base] = values
+    return out
 
 
 def seed_everything(seed: int) -> None:

@@ -19,6 +19,7 @@ import torch
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from toolkit.errors import UserError
 from toolkit.registry import register_criterion
+from toolkit.models.document_mask import packing_inputs
 
 
 @register_criterion("adaptive_loss", dataclass=CrossEntropyCriterionConfig)
@@ -28,6 +29,6 @@ class AdaptiveLoss(CrossEntropyCriterion):
         if adaptive_softmax is None:
             raise UserError("--criterion adaptive_loss: the model has no adaptive softmax; add "
                             "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy")
-        features = self.logits_of(model(sample["net_input"]["src_tokens"]))
+        features = self.logits_of(model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"])))
         return self.with_counts(adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce),
                                 sample)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.registry import register_criterion
+from toolkit.models.document_mask import packing_inputs
 
 
 @dataclass
@@ -72,7 +73,7 @@ class CrossEntropyCriterion(torch.nn.Module):
     def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
         # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
-        net_output = model(sample["net_input"]["src_tokens"])
+        net_output = model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"]))
         return self.with_counts(self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce),
                                 sample)
 

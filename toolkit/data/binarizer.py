@@ -84,15 +84,26 @@ def _next_line_start(f, pos: int, size: int) -> int:
         scanned += len(block)
 
 
-def find_offsets(path: str, num_chunks: int) -> List[int]:
-    """``num_chunks + 1`` byte offsets cutting ``path`` into line-aligned ranges of about equal size."""
+def find_offsets(path: str, num_chunks: int, start: int = 0, end: Optional[int] = None) -> List[int]:
+    """``num_chunks + 1`` byte offsets cutting bytes ``[start, end)`` of ``path`` (``start`` a line start)
+    into line-aligned ranges of about equal size."""
     size = os.path.getsize(path)
-    offsets = [0] * (num_chunks + 1)
-    offsets[-1] = size
+    end = size if end is None else end
+    offsets = [start] * (num_chunks + 1)
+    offsets[-1] = end
     with open(path, "rb") as f:
         for i in range(1, num_chunks):
-            offsets[i] = max(offsets[i - 1], _next_line_start(f, size * i // num_chunks, size))
+            at = start + (end - start) * i // num_chunks
+            offsets[i] = min(end, max(offsets[i - 1], _next_line_start(f, at, size)))
     return offsets
+
+
+def shard_range(path: str, shard: Tuple[int, int]) -> Tuple[int, int]:
+    """Bytes ``[start, end)`` of part ``shard_id`` of ``num_shards`` (``--shard-id``/``--num-shards``): the same
+    line-aligned cut as ``find_offsets(path, num_shards)``, so the parts joined are the whole file."""
+    shard_id, num_shards = shard
+    offsets = find_offsets(path, num_shards)
+    return offsets[shard_id], offsets[shard_id + 1]
 
 
 def line_number_at(path: str, offset: int) -> int:
@@ -480,15 +491,17 @@ def worker_prefix(out_prefix: str, worker_id: int) -> str:
 
 def binarize_file(path: str, out_prefix: str, dictionary, dtype, workers: Workers,
                   tokenizer_spec: TokenizerSpec = None, encoding_errors: str = "strict",
-                  progress: Progress = None) -> BinarizeSummary:
-    """Write ``{out_prefix}.bin/.idx`` holding one item per line of ``path``."""
+                  progress: Progress = None, shard: Tuple[int, int] = (0, 1)) -> BinarizeSummary:
+    """Write ``{out_prefix}.bin/.idx`` holding one item per line of ``path`` (of its part ``shard``:
+    ``(shard_id, num_shards)``)."""
     dtype = np.dtype(dtype)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype)
+    start, end = shard_range(path, shard)
     if workers.num_workers == 1:
-        summary = binarize_range(path, 0, None, dictionary, builder, get_tokenizer(tokenizer_spec),
+        summary = binarize_range(path, start, end, dictionary, builder, get_tokenizer(tokenizer_spec),
                                  encoding_errors, progress)
     else:
-        offsets = find_offsets(path, workers.num_workers)
+        offsets = find_offsets(path, workers.num_workers, start, end)
         parts = [worker_prefix(out_prefix, i) for i in range(workers.num_workers)]
         tasks = [(path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors)
                  for (s, e), part in zip(zip(offsets, offsets[1:]), parts)]

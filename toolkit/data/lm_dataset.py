@@ -62,8 +62,10 @@ class MonolingualDataset(torch.utils.data.Dataset):
     fairseq's; with ``--add-bos-token`` each row is one token longer than counted.
     """
 
-    def __init__(self, blocks: TokenBlockDataset, dictionary, add_bos_token: bool = False, shuffle: bool = True):
+    def __init__(self, blocks: TokenBlockDataset, dictionary, add_bos_token: bool = False, shuffle: bool = True,
+                 document_mask: bool = False, reset_positions: bool = False):
         self.blocks = blocks
+        self.document_mask, self.reset_positions = document_mask, reset_positions
         self.dictionary = dictionary
         self.add_bos_token = add_bos_token
         self.shuffle = shuffle
@@ -101,7 +103,17 @@ class MonolingualDataset(torch.utils.data.Dataset):
         return np.lexsort([tiebreak, self.sizes]).astype(np.int64)
 
     def collater(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return collate(samples, self._pad)
+        """The batch; with ``--document-attention-mask`` its net_input also holds ``document_ids`` (and
+        ``positions`` with ``--reset-position-ids``), see :mod:`toolkit.models.document_mask`."""
+        batch = collate(samples, self._pad)
+        if batch and self.document_mask:
+            from toolkit.models.document_mask import document_layout
+
+            net_input = batch["net_input"]
+            net_input["document_ids"], positions = document_layout(net_input["src_tokens"], self.dictionary.eos())
+            if self.reset_positions:
+                net_input["positions"] = positions
+        return batch
 
     def set_epoch(self, epoch: int) -> None:  # nothing changes between epochs
         pass

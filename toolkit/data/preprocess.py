@@ -38,6 +38,8 @@ from toolkit.data.binarizer import (
 )
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
+from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_text
+from toolkit.data.shards import check_shard_flags, merge_parts, write_shard_record
 from toolkit import folder_lock
 from toolkit.errors import UserError
 from toolkit.fileio import atomic_directory
@@ -48,6 +50,7 @@ LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 ENCODING_ERRORS = ("strict", "replace", "ignore")
 DICT_FILE = "dict.txt"
+HF_FLAG = "--hf-dataset"
 SPLIT_EXTENSIONS = ("bin", "idx")
 
 
@@ -82,6 +85,26 @@ class PreprocessConfig:
         "help": "what to do with bytes that are not UTF-8: stop with an error (strict), put U+FFFD in their "
                 "place (replace) or drop them (ignore)", "choices": list(ENCODING_ERRORS), "metavar": "MODE"})
     no_progress_bar: bool = field(default=False, metadata={"help": "disable the progress bars"})
+    json_key: str = field(default="text", metadata={
+        "help": "the key holding the text in *.jsonl[.gz|.zst] inputs", "metavar": "KEY"})
+    parquet_column: str = field(default="text", metadata={
+        "help": "the column holding the text in *.parquet inputs and --hf-dataset splits", "metavar": "NAME"})
+    hf_dataset: Optional[str] = field(default=None, metadata={
+        "help": "train on a Hugging Face datasets folder (save_to_disk, or data files) or local dataset script "
+                "instead of --trainpref (pip install datasets)", "metavar": "PATH"})
+    hf_split: str = field(default="train", metadata={
+        "help": "the --hf-dataset split binarized as train", "metavar": "NAME"})
+    hf_valid_split: Optional[str] = field(default=None, metadata={
+        "help": "--hf-dataset split(s), comma separated, binarized as valid, valid1, ...", "metavar": "NAMES"})
+    num_shards: int = field(default=1, metadata={
+        "help": "binarize only part --shard-id of N of every input (one job of many machines; needs --srcdict); "
+                "join the parts with --merge", "metavar": "N"})
+    shard_id: int = field(default=0, metadata={"help": "which part of --num-shards (0-based)", "metavar": "I"})
+    merge: Optional[str] = field(default=None, metadata={
+        "help": "join the data-bins of --num-shards parts (comma-separated folders or a pattern such as "
+                "'parts/*') into --destdir: the same bytes as one run", "metavar": "PARTS"})
+    streaming: bool = field(default=False, metadata={
+        "help": "read --hf-dataset as a stream (datasets' streaming=True), for datasets larger than memory"})
 
 
 @dataclass
@@ -95,8 +118,19 @@ class PreprocessResult:
 def plan_splits(cfg: PreprocessConfig) -> List[Tuple[str, str, str]]:
     """``(output name, flag, input file)`` for every split, in fairseq's naming (valid, valid1, ...)."""
     splits = []
+    if cfg.trainpref and cfg.hf_dataset:
+        raise UserError(f"--hf-dataset {cfg.hf_dataset}: also given --trainpref {cfg.trainpref}; give one of them")
     if cfg.trainpref:
         splits.append(("train", "--trainpref", cfg.trainpref))
+    if cfg.hf_dataset:
+        splits.append(("train", HF_FLAG, cfg.hf_dataset))
+    if cfg.hf_valid_split:
+        if not cfg.hf_dataset:
+            raise UserError(f"--hf-valid-split {cfg.hf_valid_split}: needs --hf-dataset PATH")
+        if cfg.validpref:
+            raise UserError(f"--hf-valid-split {cfg.hf_valid_split}: also given --validpref; give one of them")
+        for k, _ in enumerate(cfg.hf_valid_split.split(",")):
+            splits.append((f"valid{k}" if k > 0 else "valid", HF_FLAG, cfg.hf_dataset))
     for kind, value in (("valid", cfg.validpref), ("test", cfg.testpref)):
         if value:
             for k, path in enumerate(p.strip() for p in value.split(",")):
@@ -111,7 +145,8 @@ def _check_readable(flag: str, path: str, what: str = "file") -> None:
     if not os.path.exists(path):
         raise UserError(f"{flag} {path}: no such {what}; check the path")
     if os.path.isdir(path):
-        raise UserError(f"{flag} {path}: is a folder; give the {what} itself")
+        hint = "; for a Hugging Face datasets folder use --hf-dataset PATH" if flag != "--srcdict" else ""
+        raise UserError(f"{flag} {path}: is a folder; give the {what} itself{hint}")
     try:
         with open(path, "rb") as f:
             f.read(1)
@@ -160,10 +195,15 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         raise UserError(f"--workers {cfg.workers}: must be at least 1")
     if not splits and not cfg.srcdict:
         raise UserError("--trainpref: nothing to do; give --trainpref (and --validpref/--testpref) files")
-    if not cfg.srcdict and not cfg.trainpref:
+    if not cfg.srcdict and not (cfg.trainpref or cfg.hf_dataset):
         raise UserError("--trainpref: needed to build the dictionary; give it, or give --srcdict DICT")
     inputs = []
     for _, flag, path in splits:
+        if input_kind(path, flag == HF_FLAG) == "hf":
+            if not os.path.exists(path):
+                raise UserError(f"{flag} {path}: no such folder or dataset script; check the path")
+            inputs.append(path)
+            continue
         _check_readable(flag, path)
         if os.path.getsize(path) == 0:
             raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line "
@@ -182,7 +222,7 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         cls = tokenizer_class(bpe)
         cls.check_config(bpe_cfg, f"--bpe {bpe}")
         if cls.needs_training(bpe_cfg):
-            if not cfg.trainpref:
+            if not (cfg.trainpref or cfg.hf_dataset):
                 raise UserError(f"--bpe {bpe}: training a tokenizer needs --trainpref (or give a model file)")
         else:
             cls(bpe_cfg)  # load the given model files now, so a bad one is reported under its own path
@@ -197,6 +237,9 @@ def check_destdir(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], inp
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
     if adds_to_data_bin(cfg):
+        if cfg.num_shards > 1:
+            raise UserError(f"--destdir {dest}: already holds a data-bin; write each --shard-id part to a folder "
+                            f"of its own (e.g. parts/{cfg.shard_id}) and --merge them")
         _check_additions(cfg, splits)
         return
     if os.path.isdir(dest) and os.listdir(dest):
@@ -357,6 +400,9 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
     or copied), the dictionary (counted, with the train split binarized in the same pass),
     then every split binarized against it.
     """
+    check_shard_flags(cfg.num_shards, cfg.shard_id, cfg.srcdict, cfg.merge)
+    if cfg.merge:
+        return _merge(cfg)
     tokenizer_cls = None
     if bpe is not None:
         from toolkit.tokenizers import make_config, tokenizer_class
@@ -373,9 +419,58 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
     os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
     with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
         check_destdir(cfg, splits, inputs)  # again: another run may have written it meanwhile
-        if adds_to_data_bin(cfg):
-            return add_splits(cfg, [] if cfg.dict_only else splits, args)
-        return _build_data_bin(cfg, splits, bpe, bpe_cfg, tokenizer_cls, args)
+        with records_as_text(cfg, splits) as (cfg, splits):
+            if adds_to_data_bin(cfg):
+                return add_splits(cfg, [] if cfg.dict_only else splits, args)
+            return _build_data_bin(cfg, splits, bpe, bpe_cfg, tokenizer_cls, args)
+
+
+def _merge(cfg: PreprocessConfig) -> PreprocessResult:
+    """--merge: the parts joined into a new --destdir (under its lock)."""
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
+    with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
+        check_destdir(cfg, [], [])
+        merge_parts(cfg.merge, cfg.destdir)
+    return PreprocessResult(cfg.destdir, len(Dictionary.load(os.path.join(cfg.destdir, DICT_FILE))), {}, {})
+
+
+def _record_options(cfg: PreprocessConfig, name: str, flag: str) -> RecordOptions:
+    split = cfg.hf_split
+    if flag == HF_FLAG and name.startswith("valid"):
+        split = cfg.hf_valid_split.split(",")[int(name[5:] or 0)].strip()
+    return RecordOptions(json_key=cfg.json_key, column=cfg.parquet_column, hf_split=split,
+                         streaming=cfg.streaming, encoding_errors=cfg.encoding_errors,
+                         progress_bars=not cfg.no_progress_bar)
+
+
+@contextlib.contextmanager
+def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
+    """JSON lines / Parquet / datasets inputs streamed into text files (a private folder beside --destdir).
+
+    Yields the config and splits naming those files, so the one text path binarizes them
+    (byte-identical to the same text given as a file); the folder is deleted afterwards.
+    """
+    kinds = [input_kind(path, flag == HF_FLAG) for _, flag, path in splits]
+    if all(kind == "text" for kind in kinds):
+        yield cfg, splits
+        return
+    parent = os.path.dirname(os.path.abspath(cfg.destdir))
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(cfg.destdir)) + ".", suffix=".inputs.tmp",
+                           dir=parent)
+    try:
+        converted = []
+        for (name, flag, path), kind in zip(splits, kinds):
+            if kind != "text":
+                opts = _record_options(cfg, name, flag)
+                source = f"{flag} {path}" + (f" (split {opts.hf_split})" if kind == "hf" else "")
+                text_path = os.path.join(tmp, f"{name}.{os.path.basename(os.path.normpath(path))}.txt")
+                write_as_text(kind, path, text_path, opts, source)
+                path = text_path
+            converted.append((name, flag, path))
+        train = [path for name, _, path in converted if name == "train"]
+        yield (dataclasses.replace(cfg, trainpref=train[0]) if train else cfg), converted
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str], bpe_cfg: Any,
@@ -395,6 +490,8 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
                 vocab, first_pass = _dictionary_step(cfg, workers, spec, tmp, timings)
                 summaries = {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec,
                                                                      tmp, timings)
+                if cfg.num_shards > 1:
+                    write_shard_record(tmp, cfg.shard_id, cfg.num_shards, list(summaries))
             _set_default_permissions(tmp)
         finally:
             logger.removeHandler(handler)
@@ -479,7 +576,7 @@ def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vo
         else:
             with _progress_bar(cfg, os.path.getsize(path), name) as bar:
                 summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
-                                        cfg.encoding_errors, bar.update)
+                                        cfg.encoding_errors, bar.update, shard=(cfg.shard_id, cfg.num_shards))
         timings[name] = seconds = time.perf_counter() - t0
         _check_has_tokens(flag, path, summary)
         summaries[name] = summary

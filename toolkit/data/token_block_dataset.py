@@ -124,7 +124,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         self._prefix = getattr(dataset, "prefix", None)
         self.dataset = dataset
         item_sizes = np.asarray(dataset.sizes, dtype=np.int64)
-        self.tokens = self._flat_tokens(dataset, item_sizes)
+        self.tokens = self.flat_tokens(dataset, item_sizes)
         self.slice_indices = block_slices(item_sizes, block_size, self.break_mode, document_sep_len)
         self.sizes = self.slice_indices[:, 1] - self.slice_indices[:, 0]
         # Whether each block starts exactly where a line starts (its first source token is </s>).
@@ -134,7 +134,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         self.starts_item = offsets[pos] == starts
 
     @staticmethod
-    def _flat_tokens(dataset, item_sizes: np.ndarray) -> np.ndarray:
+    def flat_tokens(dataset, item_sizes: np.ndarray) -> np.ndarray:
         tokens = getattr(dataset, "tokens", None)
         if tokens is not None:
             return tokens

@@ -5,7 +5,6 @@ step otherwise, so a long export into a log file still says where it is.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
@@ -15,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, import_optional
 from toolkit.logging.step_progress import StepProgress  # noqa: F401  (the exporters' progress)
 from toolkit.tokenizers import BPE_JSON
 
@@ -26,11 +25,8 @@ DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 
 def require(module: str, packages: str = "onnx onnxruntime onnxscript"):
     """Import an optional dependency, or one UserError saying how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f"{module} is not installed; pip install toolkit[export] "
-                        f"(or: pip install {packages})") from None
+    return import_optional(module, f"{module} is not installed; pip install toolkit[export] "
+                                   f"(or: pip install {packages})")
 
 
 @dataclass

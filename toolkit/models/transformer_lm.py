@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,7 @@ from toolkit.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache
+from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.registry import register_model, register_model_architecture
@@ -139,7 +140,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
         self.out_proj = nn.Linear(C, C)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
         B, T, _ = x.shape
         # [B, T, 3C] -> q, k, v [B, H, T, D], views only (SDPA takes strided inputs). In backward
         # SDPA's gradients come back in [B, T, H, D] memory order, so the views undo for free and
@@ -154,8 +155,8 @@ class CausalSelfAttention(nn.Module):
         # Causal mask; right padding needs no mask of its own (see the module docstring).
         # Scale is 1/sqrt(D), as fairseq's.
         dropout = self.dropout if self.training else 0.0
-        if kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if kv_cache is None:  # causal, or inside each document (--document-attention-mask)
+            y = attend(q, k, v, attn_mask, dropout)
         else:
             k, v = kv_cache.append(k, v)
             P = k.size(2) - T
@@ -189,17 +190,19 @@ class TransformerBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self._dropout(self.activation(self.fc1(x)), self.activation_dropout))
 
-    def attention(self, x: torch.Tensor, kv_cache: Optional[KVCache]) -> torch.Tensor:
-        # The cache is passed only when there is one: parallel styles hooked on self_attn
-        # (tensor parallelism) describe its one input.
-        return self.self_attn(x) if kv_cache is None else self.self_attn(x, kv_cache)
+    def attention(self, x: torch.Tensor, kv_cache: Optional[KVCache], attn_mask: Any = None) -> torch.Tensor:
+        # The cache (or a document mask, by keyword) is passed only when there is one: parallel styles
+        # hooked on self_attn (tensor parallelism) describe its one positional input.
+        if kv_cache is not None:
+            return self.self_attn(x, kv_cache)
+        return self.self_attn(x) if attn_mask is None else self.self_attn(x, attn_mask=attn_mask)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
         if self.normalize_before:  # pre-norm: x + f(LN(x))
-            x = x + self._dropout(self.attention(self.self_attn_layer_norm(x), kv_cache), self.dropout)
+            x = x + self._dropout(self.attention(self.self_attn_layer_norm(x), kv_cache, attn_mask), self.dropout)
             x = x + self._dropout(self.ffn(self.final_layer_norm(x)), self.dropout)
         else:  # post-norm: LN(x + f(x))
-            x = self.self_attn_layer_norm(x + self._dropout(self.attention(x, kv_cache), self.dropout))
+            x = self.self_attn_layer_norm(x + self._dropout(self.attention(x, kv_cache, attn_mask), self.dropout))
             x = self.final_layer_norm(x + self._dropout(self.ffn(x), self.dropout))
         return x
 
@@ -232,6 +235,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         self.cfg = cfg
         self.padding_idx = padding_idx
         self.max_target_positions = cfg.max_target_positions
+        self.attention_dropout = cfg.attention_dropout
         C = cfg.decoder_embed_dim
         C_in, C_out = cfg.decoder_input_dim or C, cfg.decoder_output_dim or C
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(C)
@@ -291,8 +295,12 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
+                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
+        token's position (restarting per document), instead of 0..T-1 (``toolkit.models.document_mask``).
 
         With an adaptive softmax: the features [B, T, C_out] it scores (as fairseq's decoder);
         ``get_normalized_probs`` or the ``adaptive_loss`` criterion turns them into probabilities.
@@ -306,20 +314,24 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             x = x * self.embed_scale
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)  # [T], broadcast over the batch
         if self.embed_positions is not None:
-            first = self.padding_idx + 1 + start
-            positions = torch.arange(first, first + T, device=tokens.device)
-            x = x + self.embed_positions(positions)  # [T, C], broadcast over the batch
+            x = x + self.embed_positions(positions + self.padding_idx + 1)
         elif self.sinusoidal_positions is not None:
-            x = x + self.sinusoidal_positions[start:start + T]
+            x = x + self.sinusoidal_positions[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
         caches = self._layer_caches(incremental_state)
+        mask = make_attention_mask(document_ids, self.attention_dropout if self.training else 0.0)
         for layer, keep, cache in zip(self.layers, self.layer_drop.keep(len(self.layers)), caches):
             if keep:  # LayerDrop: in training a whole layer may be skipped
-                x = layer(x, cache) if cache is not None else layer(x)
+                if cache is not None:
+                    x = layer(x, cache)
+                else:
+                    x = layer(x) if mask is None else layer(x, attn_mask=mask)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
         if self.layer_norm is not None:

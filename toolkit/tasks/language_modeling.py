@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import numpy as np
+
 from toolkit import options, registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
@@ -20,7 +22,9 @@ from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset
+from toolkit.data.mixture import MixtureDataset, parse_mixture
 from toolkit.data.sample_position import Batching
+from toolkit.data.shorten import SHORTEN_METHODS, ShortenedDataset, applies_to
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.errors import UserError
 from toolkit.preflight import check_token_ids
@@ -31,9 +35,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LanguageModelingConfig:
-    data: Optional[str] = field(default=None, metadata={
+    data: Optional[str] = field(default="", metadata={
         "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
-                "used round-robin, one per epoch", "positional": True})
+                "used round-robin, one per epoch (leave out with --data-mixture)", "positional": True})
+    data_mixture: Optional[str] = field(default=None, metadata={
+        "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
+                "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
+                "the weighted total (valid)", "metavar": "SPEC"})
+    mixture_epoch_samples: int = field(default=0, metadata={
+        "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
     sample_break_mode: str = field(default="none", metadata={
         "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
                 "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
@@ -41,6 +51,18 @@ class LanguageModelingConfig:
     tokens_per_sample: int = field(default=1024, metadata={"help": "max number of tokens per sample"})
     add_bos_token: bool = field(default=False, metadata={
         "help": "prepend the beginning-of-sentence token <s> to every sample"})
+    shorten_method: str = field(default="none", metadata={
+        "help": "if not none, shorten sequences that exceed --tokens-per-sample (truncate: keep the first "
+                "tokens; random_crop: a seeded random window)", "choices": list(SHORTEN_METHODS)})
+    shorten_data_split_list: str = field(default="", metadata={
+        "help": "comma-separated list of dataset splits to apply shortening to, e.g., \"train,valid\" "
+                "(default: all dataset splits)"})
+    document_attention_mask: bool = field(default=False, metadata={
+        "help": "keep attention inside each document (line) of a packed sample (block-diagonal causal mask; "
+                "flex_attention on CUDA, else an SDPA mask), e.g. with --sample-break-mode none"})
+    reset_position_ids: bool = field(default=False, metadata={
+        "help": "with --document-attention-mask: positions restart at 0 in each document"})
+    seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -51,6 +73,26 @@ def _as_dict(cfg: Any) -> Dict[str, Any]:
     return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
 
 
+def _load_dictionary(data: str) -> Dictionary:
+    dict_path = os.path.join(data, "dict.txt")
+    if not os.path.isfile(dict_path):
+        raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
+    return Dictionary.load(dict_path)
+
+
+def _mixture_dictionary(spec: str) -> Dictionary:
+    """The one dictionary of every --data-mixture source (the same ids in each, checked)."""
+    sources = parse_mixture(spec)
+    dictionary = _load_dictionary(sources[0].path)
+    for source in sources[1:]:
+        if _load_dictionary(source.path) != dictionary:
+            raise UserError(f"--data-mixture: {os.path.join(source.path, 'dict.txt')} differs from "
+                            f"{os.path.join(sources[0].path, 'dict.txt')}; the sources must share one dictionary "
+                            f"(binarize them with toolkit-preprocess --srcdict {sources[0].path}/dict.txt)")
+    logger.info(f"dictionary: {len(dictionary)} types (shared by the {len(sources)} sources of --data-mixture)")
+    return dictionary
+
+
 @register_task("language_modeling", dataclass=LanguageModelingConfig)
 class LanguageModelingTask:
     def __init__(self, cfg: LanguageModelingConfig, dictionary: Dictionary):
@@ -59,6 +101,12 @@ class LanguageModelingTask:
         if cfg.sample_break_mode not in BREAK_MODES:
             raise UserError(f"--sample-break-mode: unknown mode {cfg.sample_break_mode!r}; "
                             f"choose from {', '.join(BREAK_MODES)}")
+        if cfg.shorten_method not in SHORTEN_METHODS:
+            raise UserError(f"--shorten-method: unknown method {cfg.shorten_method!r}; "
+                            f"choose from {', '.join(SHORTEN_METHODS)}")
+        if cfg.reset_position_ids and not cfg.document_attention_mask:
+            raise UserError("--reset-position-ids: restarts positions per document of a packed sample, which "
+                            "needs --document-attention-mask; add it")
         if cfg.sample_break_mode != "eos" and cfg.tokens_per_sample < 1:
             raise UserError(f"--tokens-per-sample must be >= 1, got {cfg.tokens_per_sample}")
         self.cfg = cfg
@@ -66,6 +114,7 @@ class LanguageModelingTask:
         self.datasets: Dict[str, MonolingualDataset] = {}
         self._loaded_from: Dict[str, str] = {}
         self._checked_splits: set = set()
+        self.mixture = parse_mixture(cfg.data_mixture) if cfg.data_mixture else []
 
     @property
     def source_dictionary(self) -> Dictionary:
@@ -84,30 +133,52 @@ class LanguageModelingTask:
     def setup_task(cls, cfg: Any) -> "LanguageModelingTask":
         if not isinstance(cfg, LanguageModelingConfig):
             cfg = options.config_from_args(LanguageModelingConfig, cfg)
+        if cfg.data_mixture:
+            if cfg.data:
+                raise UserError(f"--data-mixture: also given DATA {cfg.data}; give one of them")
+            return cls(cfg, _mixture_dictionary(cfg.data_mixture))
         if not cfg.data:
-            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")
+            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess "
+                            "(or --data-mixture)")
         shards = [p for p in cfg.data.split(":") if p]
         missing = [p for p in shards if not os.path.isdir(p)]
         if missing:
             raise UserError(f"{missing[0]}: data shard not found (DATA is {cfg.data}); every ':'-separated "
                             f"folder must be a data-bin made by toolkit-preprocess")
-        data = shards[0]
-        dict_path = os.path.join(data, "dict.txt")
-        if not os.path.isfile(dict_path):
-            raise UserError(f"{dict_path}: not found; is {data} a data-bin made by toolkit-preprocess?")
-        dictionary = Dictionary.load(dict_path)
+        dictionary = _load_dictionary(shards[0])
         logger.info(f"dictionary: {len(dictionary)} types")
         return cls(cfg, dictionary)
 
     # --- data -----------------------------------------------------------------------
-    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> MonolingualDataset:
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any):
         """Load ``split`` from the data-bin of this epoch (round-robin over ``DATA``'s folders); with
-        ``combine`` (fairseq's ``--combine-val``), ``split``, ``split1``, ``split2``, ... as one."""
-        paths = self.data_paths()
-        data_path = paths[(max(epoch, 1) - 1) % len(paths)]
+        ``combine`` (fairseq's ``--combine-val``), ``split``, ``split1``, ``split2``, ... as one.
+        With ``--data-mixture``: ``split`` of every source as the weighted mixture, and ``split_NAME``
+        that split of source NAME alone (what validation per source reads)."""
+        if self.mixture:
+            dataset = self._load_mixture_split(split, combine)
+        else:
+            paths = self.data_paths()
+            data_path = paths[(max(epoch, 1) - 1) % len(paths)]
+            if len(paths) > 1 and split not in self._checked_splits:
+                self._check_shards(split, paths)
+            dataset = self._load_split(data_path, split, combine)
+            self._loaded_from[split] = data_path
+        self.datasets[split] = dataset
+        return dataset
+
+    def _load_mixture_split(self, split: str, combine: bool):
+        for source in self.mixture:
+            if split.endswith("_" + source.name):
+                return self._load_split(source.path, split[:-len(source.name) - 1], combine)
+        parts = [self._load_split(source.path, split, combine) for source in self.mixture]
+        mixed = MixtureDataset(self.mixture, parts, self.cfg.mixture_epoch_samples)
+        shares = ", ".join(f"{s.name} {s.weight:.3f}" for s in self.mixture)
+        logger.info(f"{split}: mixture of {shares}; {mixed.num_samples} samples per epoch")
+        return mixed
+
+    def _load_split(self, data_path: str, split: str, combine: bool) -> MonolingualDataset:
         prefix = os.path.join(data_path, split)
-        if len(paths) > 1 and split not in self._checked_splits:
-            self._check_shards(split, paths)
         if not MMapIndexedDataset.exists(prefix):
             found = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
                            if MMapIndexedDataset.exists(p[:-4]))
@@ -118,14 +189,26 @@ class LanguageModelingTask:
         for part in parts:  # before any update: an id past the dictionary was an IndexError hundreds of updates in
             check_token_ids(part.prefix, part.tokens, len(self.dictionary), os.path.join(paths[0], "dict.txt"))
         split_data = parts[0] if len(parts) == 1 else ConcatIndexedDataset(parts)
+        split_data = self._maybe_shorten(split_data, split)
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
                                    eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
                                    include_targets=True)
-        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True)
+        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True,
+                                     document_mask=self.cfg.document_attention_mask,
+                                     reset_positions=self.cfg.reset_position_ids)
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
-        self.datasets[split] = dataset
-        self._loaded_from[split] = data_path
         return dataset
+
+    def _maybe_shorten(self, split_data, split: str):
+        """fairseq's maybe_shorten_dataset: --shorten-method on the splits of --shorten-data-split-list."""
+        method = self.cfg.shorten_method
+        if method == "none" or not applies_to(split, self.cfg.shorten_data_split_list):
+            return split_data
+        shortened = ShortenedDataset(split_data, self.cfg.tokens_per_sample, method, self.cfg.seed)
+        cut = int((np.asarray(split_data.sizes) > self.cfg.tokens_per_sample).sum())
+        logger.info(f"--shorten-method {method}: {cut} of {len(shortened)} {split} lines cut to "
+                    f"{self.cfg.tokens_per_sample} tokens")
+        return shortened
 
     def _check_shards(self, split: str, paths) -> None:
         """A split found in several shards (the train split) must be in every one."""
@@ -137,10 +220,12 @@ class LanguageModelingTask:
         self._checked_splits.add(split)
 
     def has_sharded_data(self) -> bool:
-        return len(self.data_paths()) > 1
+        return not self.mixture and len(self.data_paths()) > 1
 
     def dataset_for_epoch(self, split: str, epoch: int) -> MonolingualDataset:
         """The split as epoch ``epoch`` sees it: reloaded from that epoch's shard when DATA has several."""
+        if self.mixture:
+            return self.datasets[split] if split in self.datasets else self.load_dataset(split)
         paths = self.data_paths()
         wanted = paths[(max(epoch, 1) - 1) % len(paths)]
         if split not in self.datasets or (len(paths) > 1 and self._loaded_from.get(split) != wanted):
@@ -180,7 +265,11 @@ class LanguageModelingTask:
                 if not ignore_invalid_inputs:
                     raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample "
                                     f"or use a break mode that bounds the sample size")
-                logger.warning(f"{msg}; skipping them")
+                if len(indices) == 0:
+                    raise UserError(f"--tokens-per-sample/--sample-break-mode: every sample is skipped ({msg}); "
+                                    f"raise --tokens-per-sample or pass --shorten-method truncate")
+                logger.warning(f"{len(dropped):,} samples have invalid sizes and will be skipped, "
+                               f"max_positions={max_positions}, first few sample ids={dropped[:10].tolist()}")
         flags = {"max_tokens": max_tokens, "batch_size": batch_size,
                  "required_batch_size_multiple": required_batch_size_multiple}
         batching = self._batching(dataset, flags, max_positions)

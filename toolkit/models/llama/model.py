@@ -30,13 +30,14 @@ Choices worth knowing
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.models.decoder import DecoderInterface, KVCache
+from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
 from toolkit.registry import register_model
@@ -111,13 +112,13 @@ class GroupedQueryAttention(nn.Module):
         return x.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
         q = apply_rope(self._heads(self.q_proj(x)), cos, sin)
         k = apply_rope(self._heads(self.k_proj(x)), cos, sin)
         v = self._heads(self.v_proj(x))
         gqa = q.size(1) != k.size(1)
-        if kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if kv_cache is None:  # causal, or inside each document (--document-attention-mask)
+            y = attend(q, k, v, attn_mask, enable_gqa=gqa)
         else:  # new positions P..P+T-1 see every cached one and the new ones up to themselves
             P, T = kv_cache.length, x.size(1)
             k, v = kv_cache.append(k, v)
@@ -151,10 +152,15 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
         h = self.input_layernorm(x)
-        # The cache is passed only when there is one: styles hooked on self_attn describe its inputs.
-        x = x + (self.self_attn(h, cos, sin) if kv_cache is None else self.self_attn(h, cos, sin, kv_cache))
+        # The cache is passed only when there is one (a document mask by keyword): styles hooked on
+        # self_attn describe its positional inputs.
+        if kv_cache is not None:
+            x = x + self.self_attn(h, cos, sin, kv_cache)
+        else:
+            x = x + (self.self_attn(h, cos, sin) if attn_mask is None else self.self_attn(h, cos, sin,
+                                                                                          attn_mask=attn_mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -185,8 +191,12 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
+                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
+        token's rotary position (restarting per document) (``toolkit.models.document_mask``).
 
         With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
         ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
@@ -194,9 +204,16 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         """
         start, T = self._first_position(tokens, incremental_state), tokens.size(1)
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        if positions is None:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        else:  # [B, 1, T, D]: per row, broadcast over the heads
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        mask = make_attention_mask(document_ids)
         for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
-            x = layer(x, cos, sin) if cache is None else layer(x, cos, sin, cache)
+            if cache is not None:
+                x = layer(x, cos, sin, cache)
+            else:
+                x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, attn_mask=mask)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
         x = self.norm(x)
