@@ -187,7 +187,7 @@ class LanguageModelingTask:
         names = numbered_splits(data_path, split) if combine else [split]
         parts = [MMapIndexedDataset(os.path.join(data_path, n)) for n in names]
         for part in parts:  # before any update: an id past the dictionary was an IndexError hundreds of updates in
-            check_token_ids(part.prefix, part.tokens, len(self.dictionary), os.path.join(paths[0], "dict.txt"))
+            check_token_ids(part.prefix, part.tokens, len(self.dictionary), os.path.join(data_path, "dict.txt"))
         split_data = parts[0] if len(parts) == 1 else ConcatIndexedDataset(parts)
         split_data = self._maybe_shorten(split_data, split)
         blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
