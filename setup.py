@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A fairseq-style language-model training toolkit on PyTorch FSDP2",
     packages=find_packages(include=["toolkit", "toolkit.*", "toolkit_cli", "toolkit_cli.*"]),
+    package_data={"toolkit.optim": ["csrc/*.cpp"]},  # the fused 8-bit Adam kernel, built on first use
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -120,11 +121,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, int], vocab: int) -> Dict[str, float]:
-    """Bytes per parameter of the tensors a CPUAdam holds after one step on a host-memory model."""
+MID = dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048, decoder_attention_heads=8)
+
+
+def host_params(grad_dtype: torch.dtype, arch_overrides: Dict[str, int], vocab: int) -> List[torch.Tensor]:
+    """A transformer_lm's parameters in host memory (random), each with a random gradient of ``grad_dtype``."""
     from toolkit.models import build_on_meta
-    from toolkit.optim import quantized_states
-    from toolkit.optim.cpu_adam import CPUAdam
 
     model = build_on_meta("transformer_lm", vocab, 512, **arch_overrides).to_empty(device="cpu")
     params = list({id(p): p for p in model.parameters()}.values())
@@ -134,6 +136,15 @@ def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, 
             p.normal_(0, 0.02, generator=g)
         p.grad_dtype = None  # what --bf16-host-grads sets, so that a bf16 gradient may be assigned
         p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=g).to(grad_dtype)
+    return params
+
+
+def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, int], vocab: int) -> Dict[str, float]:
+    """Bytes per parameter of the tensors a CPUAdam holds after one step on a host-memory model."""
+    from toolkit.optim import quantized_states
+    from toolkit.optim.cpu_adam import CPUAdam
+
+    params = host_params(grad_dtype, arch_overrides, vocab)
     opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), adam_state_precision=precision)
     opt.step()  # creates the state
     start = time.perf_counter()
@@ -160,7 +171,7 @@ def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, f
 
 
 def memory(args) -> None:
-    mid = dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048, decoder_attention_heads=8)
+    mid = MID
     print("| model | params | moments | host grads | weights B/param | grads B/param | optimizer state B/param "
           "| total B/param | total host memory | step s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -177,16 +188,99 @@ def memory(args) -> None:
                   f"{total * r['params'] / 2 ** 30:.1f} GiB | {r.get('step_s', float('nan')):.2f} |", flush=True)
 
 
+# --------------------------------------------------------------------------- speed
+
+SPEED_RUNS = {  # name -> (--adam-state-precision, host gradient dtype, the fused 8-bit kernel)
+    "fp32": ("fp32", torch.float32, True), "bf16": ("bf16", torch.float32, True),
+    "8bit": ("8bit", torch.float32, True), "8bit eager": ("8bit", torch.float32, False),
+    "bf16 +bf16 grads": ("bf16", torch.bfloat16, True), "8bit +bf16 grads": ("8bit", torch.bfloat16, True),
+    "8bit eager +bf16 grads": ("8bit", torch.bfloat16, False),
+}
+
+
+def speed(args) -> Dict[str, Dict[str, float]]:
+    """CPUAdam.step() time on the 51.7M-parameter model per moment layout, rounds interleaved across layouts
+    (a noisy neighbour hits all alike); the same parameters and gradients for each, untimed first steps."""
+    from toolkit.optim.cpu_adam import CPUAdam
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = {}
+    for name in args.speed_runs:
+        precision, grad_dtype, fused = SPEED_RUNS[name]
+        params = host_params(grad_dtype, MID, 32000)
+        opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01, adam_state_precision=precision)
+        if opt.moments is not None and not fused:
+            opt.moments.fused = None  # the eager codec (the fallback without a compiler)
+        for _ in range(args.warmup):
+            opt.step()
+        runs[name] = (opt, [])
+    n = sum(p.numel() for p in runs[args.speed_runs[0]][0].param_groups[0]["params"])
+    for _ in range(args.rounds):
+        for name, (opt, times) in runs.items():
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    print(f"\nCPUAdam.step() on transformer_lm 6x512 V 32000 ({n / 1e6:.1f}M params), {torch.get_num_threads()} "
+          f"threads, {args.rounds} rounds\n")
+    print("| moments (host grads, codec) | step s, median | best | median vs fp32 |")
+    print("| --- | --- | --- | --- |")
+    results = {name: {"median_s": statistics.median(t), "best_s": min(t)} for name, (_, t) in runs.items()}
+    ref = results.get("fp32", {}).get("median_s")
+    for name, r in results.items():
+        rel = f"{r['median_s'] / ref:.2f}x" if ref else ""
+        print(f"| {name} | {r['median_s']:.3f} | {r['best_s']:.3f} | {rel} |")
+    print(json.dumps({"benchmark": "adam_states_speed", "params": n, "threads": torch.get_num_threads(),
+                      "results": results}))
+    return results
+
+
+# --------------------------------------------------------------------------- codes
+
+def codes() -> None:
+    """The fused kernel's exp_avg_sq encoder against the eager one on every fp32 ratio ``v / vmax`` in (0, 1]
+    (and, for the record, how many of them the log2 formula of before the tables coded otherwise)."""
+    from toolkit.optim import fused_8bit
+    from toolkit.optim import quantized_states as qs
+
+    op = fused_8bit.fused_op()
+    if op is None:
+        raise SystemExit("codes: the fused 8-bit kernel could not be built (see the WARNING above)")
+    one, chunk = 0x3F800000, 1 << 24
+    differ = formula_differ = 0
+    start_s = time.perf_counter()
+    for start in range(1, one + 1, chunk):
+        ratio = torch.arange(start, min(start + chunk, one + 1), dtype=torch.int32).view(torch.float32)
+        eager = qs.sq_code(ratio)
+        differ += int((op.sq_codes(ratio, qs.SQ_RATIO, qs.SQ_THRESHOLD).int() != eager).sum())
+        formula = ratio.log2().mul_(127.0 / qs.SQ_OCTAVES).round_().add_(255).clamp_(1, 255)
+        formula_differ += int((formula.int() != eager).sum())
+    print(f"codes: {one:,} fp32 ratios in (0, 1]: the fused encoder differs from the eager one on {differ}; "
+          f"the log2 formula (torch's log2, before the tables) on {formula_differ} "
+          f"({time.perf_counter() - start_s:.0f} s)")
+    if differ:
+        raise SystemExit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", nargs="?", choices=["parity", "memory", "all"], default="all")
+    parser.add_argument("part", nargs="?", choices=["parity", "memory", "speed", "codes", "all"], default="all")
     parser.add_argument("--updates", type=int, default=500)
     parser.add_argument("--workdir", default=os.path.join("/tmp", "adam_states"))
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="parity runs (default: all)")
+    parser.add_argument("--speed-runs", nargs="+", choices=list(SPEED_RUNS), default=list(SPEED_RUNS),
+                        help="speed: the layouts to time (default: all)")
+    parser.add_argument("--rounds", type=int, default=5, help="speed: timed steps per layout (interleaved)")
+    parser.add_argument("--warmup", type=int, default=2, help="speed: untimed steps per layout")
+    parser.add_argument("--threads", type=int, default=None, help="speed: intra-op threads (default: torch's)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     if args.part in ("memory", "all"):
         memory(args)
+    if args.part in ("speed", "all"):
+        speed(args)
+    if args.part == "codes":
+        codes()
     if args.part in ("parity", "all"):
         parity(args)
 

@@ -8,7 +8,8 @@ down so that a missing wait would let the forward read stale weights) and compar
 losses, gradient norms, a checkpoint taken while an update is in flight, a validation
 step taken while one is in flight, and the final parameters and optimizer states with
 ``torch.equal``. Two gloo ranks (``--clip-norm``, ``--update-freq 2``, ``--checkpoint-activations``)
-and one process (fp32; fp16 with overflowing loss scales).
+and one process (fp32; fp16 with overflowing loss scales); two ranks with ``--bf16-host-grads`` and
+8-bit moments.
 """
 from __future__ import annotations
 
@@ -164,6 +165,18 @@ def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data)
 
     argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
             "--checkpoint-activations"]  # the offload recipe's: blocks are checkpoint wrappers
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), argv, str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
+
+
+def test_two_ranks_bf16_host_grads_and_8bit_moments_bit_identical(tmp_path, data):
+    """--bf16-host-grads composes with the overlap: the bf16 gradients the hooks store during backward are the
+    ones the worker takes the squares of and steps with (8-bit moments: the 13B recipe's pair, fused kernel)."""
+    import torch.multiprocessing as mp
+
+    argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
+            "--bf16-host-grads", "--adam-state-precision", "8bit"]
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), argv, str(tmp_path / "out")), nprocs=2, join=True)
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)

@@ -27,6 +27,12 @@ on which parameters were updated before it (``CPUAdam._prime_bias_correction``),
 hyperparameters are taken when the update is launched (``CPUAdam.plan_step``, so the LR
 schedule can move on), and the norm's pieces are summed exactly.
 
+With ``--bf16-host-grads`` too: its hooks re-store each gradient in bf16 when FSDP2 assigns it,
+within the group's post-backward, so the squares and the update read the bf16 gradients, as the
+serial run does (a gradient replaced after its squares were taken would have them taken again
+after backward: ``raw_grad_norm`` checks identity). Bit for bit the serial run with 2 ranks and
+8-bit moments (``tests/test_overlap.py``).
+
 DeepSpeed binds its op without releasing the GIL, which would stall the main thread for the
 whole of each update call: :mod:`toolkit.optim.gil_free_adam` builds the same update under a
 binding that releases it (falling back to DeepSpeed's, with a WARNING, if it cannot be built).

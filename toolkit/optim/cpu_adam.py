@@ -35,7 +35,7 @@ import torch
 from toolkit.config import opt
 from toolkit.distributed.dtensor import is_dtensor, local_tensor
 from toolkit.errors import UserError
-from toolkit.optim import quantized_states
+from toolkit.optim import fused_8bit, quantized_states
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 from toolkit.registry import register_optimizer
@@ -85,7 +85,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.fp16_adam_stats = bool(fp16_adam_stats)
         self.moments = (None if adam_state_precision == "fp32"
-                        else quantized_states.ReducedMoments(adam_state_precision))
+                        else quantized_states.ReducedMoments(adam_state_precision, fused=fused_8bit.update))
         self._locals: Dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:

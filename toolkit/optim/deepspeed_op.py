@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import sys
-from typing import Optional
+from typing import Any, Sequence, Optional
 
 import torch
 
@@ -98,3 +98,37 @@ def load_deepspeed_cpu_adam():
         raise RuntimeError(f"--optimizer cpu_adam: building/loading DeepSpeed's CPU Adam op failed "
                            f"(build folder {cpu_adam_build_dir()}): {e}") from e
     return DeepSpeedCPUAdam
+
+
+def build_like_cpu_adam(name: str, sources: Sequence[str], include_paths: Sequence[str] = (), purpose: str = "",
+                        extra_cxx_args: Sequence[str] = ()) -> Any:
+    """Build (once per machine, cached by torch's extension loader) and import an extension of ``sources``
+    with DeepSpeed's CPU Adam builder: its compiler flags (-O3, -march, OpenMP, the SIMD width) and
+    include paths, so code compiled with DeepSpeed's Adam source computes exactly as DeepSpeed's op.
+    Relative paths are DeepSpeed's own (``csrc/...``). One INFO line (``purpose``) while it builds.
+    ``extra_cxx_args`` are added after DeepSpeed's flags (only ones that keep IEEE results, e.g. -fno-math-errno).
+    """
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    class Builder(CPUAdamBuilder):
+        def __init__(self):
+            super().__init__()
+            self.name = name
+
+        def absolute_name(self) -> str:
+            return f"toolkit.{name}"
+
+        def sources(self):
+            return list(sources)
+
+        def include_paths(self):
+            return list(super().include_paths()) + list(include_paths)
+
+        def cxx_args(self):
+            return list(super().cxx_args()) + list(extra_cxx_args)
+
+    folder = os.path.join(os.path.dirname(cpu_adam_build_dir()), name)
+    if not os.path.exists(os.path.join(folder, f"{name}.so")):
+        logger.info(f"{purpose}: building {name} with DeepSpeed's CPU Adam flags (once per machine, "
+                    f"about as long as DeepSpeed's own op; cached in {folder})")
+    return Builder().load(verbose=False)

@@ -60,26 +60,11 @@ def load_gil_free_op() -> Any:
     if _loaded is None:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        source = _binding_source()
+        from toolkit.optim.deepspeed_op import build_like_cpu_adam
 
-        class Builder(CPUAdamBuilder):
-            def __init__(self):
-                super().__init__()
-                self.name = NAME
-
-            def absolute_name(self) -> str:
-                return f"toolkit.{NAME}"
-
-            def sources(self):
-                return [source] + [s for s in super().sources() if s.endswith("cpu_adam_impl.cpp")]
-
-        from toolkit.optim.deepspeed_op import cpu_adam_build_dir
-
-        folder = os.path.join(os.path.dirname(cpu_adam_build_dir()), NAME)
-        if not os.path.exists(os.path.join(folder, f"{NAME}.so")):
-            logger.info(f"--overlap-offload-step: building DeepSpeed's CPU Adam update with the GIL released "
-                        f"(once per machine, about as long as DeepSpeed's own op; cached in {folder})")
-        _loaded = Builder().load(verbose=False)
+        impl = [s for s in CPUAdamBuilder().sources() if s.endswith("cpu_adam_impl.cpp")]
+        purpose = "--overlap-offload-step: DeepSpeed's CPU Adam update with the GIL released"
+        _loaded = build_like_cpu_adam(NAME, [_binding_source()] + impl, purpose=purpose)
     return _loaded
 
 

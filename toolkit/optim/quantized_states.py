@@ -39,7 +39,9 @@ the parameter, so checkpoints carry them like any optimizer state):
 The update (:meth:`ReducedMoments.update`): a bounded slice of the tensor at a time (about
 4M values) is expanded to fp32, updated by DeepSpeed's op exactly as fp32 moments would be,
 and stored back; the temporary fp32 memory is a few slices, never a copy of all states.
-Gradients of any float dtype are cast slice by slice.
+Gradients of any float dtype are cast slice by slice. With 8-bit moments the update normally
+runs in :mod:`toolkit.optim.fused_8bit` (decode, update and encode per block in one C++
+pass, the same bits); this eager path is its fallback and its reference.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import logging
 import math
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Dict, Iterator, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
@@ -104,30 +106,72 @@ def dequantize_signed(codes: torch.Tensor, absmax: torch.Tensor, block: int = BL
     return _unblocked(x, codes.shape[1])
 
 
+def _sq_tables() -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, threshold), fp32 [256]: the ``v / vmax`` each exp_avg_sq code stands for, and the smallest
+    fp32 ``v / vmax`` that gets code k (k >= 2), from the exact boundaries (float64 math, correctly rounded up).
+
+    ``sqrt(v / vmax) = 2 ** ((k - 255) * SQ_OCTAVES / 254)``, so code k covers ``v / vmax`` in
+    ``[2 ** ((k - 255.5) * SQ_OCTAVES / 127), 2 ** ((k - 254.5) * SQ_OCTAVES / 127))``. Tables, not
+    ``log2``/``exp2`` of tensors: torch computes those with SIMD code on most values and scalar libm code
+    on the tails of its loops, which differ in the last bit for some inputs, so the codes depended on
+    where a value sat in the tensor (and on the thread count); a table lookup and comparisons do not,
+    and the fused kernel (toolkit/optim/fused_8bit.py) uses the same tables, so both give the same bits.
+    """
+    ratio = torch.tensor([2.0 ** ((k - 255) * SQ_OCTAVES / 127) for k in range(256)], dtype=torch.float64)
+    boundary = torch.tensor([2.0 ** ((k - 255.5) * SQ_OCTAVES / 127) for k in range(256)], dtype=torch.float64)
+    threshold = boundary.float()
+    threshold = torch.where(threshold.double() < boundary, torch.nextafter(threshold, torch.tensor(1.0)), threshold)
+    ratio[0], threshold[:2] = 0.0, 0.0  # code 0 is v == 0; codes 0 and 1 have no lower threshold
+    return ratio.float(), threshold
+
+
+SQ_RATIO, SQ_THRESHOLD = _sq_tables()
+
+
 def quantize_sq(v: torch.Tensor, block: int = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
     """(uint8 log codes of ``sqrt(v)``, fp32 max ``v`` per row block); see the module docstring."""
     n, b = row_blocks(v.shape[1], block)
     vb = _blocked(v.float(), n, b)
     vmax = vb.amax(dim=2)
     ratio = vb / vmax.clamp_min(_TINY).unsqueeze(2)
-    # sqrt(ratio) = 2 ** ((k - 255) * SQ_OCTAVES / 254)  <=>  k = 255 + log2(ratio) * 127 / SQ_OCTAVES
-    k = ratio.log2_().mul_(127.0 / SQ_OCTAVES).round_().add_(255).clamp_(1, 255)
+    k = sq_code(ratio)
     codes = torch.where(vb > 0, k, torch.zeros((), dtype=k.dtype)).to(torch.uint8)
     return _unblocked(codes, v.shape[1]), vmax
 
 
+def sq_code(ratio: torch.Tensor) -> torch.Tensor:
+    """exp_avg_sq's code (int32, 1..255) of ``v / vmax`` = ``ratio`` > 0: one plus the thresholds it reaches."""
+    return torch.bucketize(ratio, SQ_THRESHOLD[2:], out_int32=True, right=True).add_(1)
+
+
 def dequantize_sq(codes: torch.Tensor, vmax: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     n, b = row_blocks(codes.shape[1], block)
-    k = _blocked(codes.float(), n, b)
-    v = k.sub(255).mul_(SQ_OCTAVES / 127.0).exp2_().mul_(vmax.unsqueeze(2))
+    k = _blocked(codes, n, b).long()
+    v = SQ_RATIO[k].mul_(vmax.unsqueeze(2))
     v.masked_fill_(k == 0, 0.0)
     return _unblocked(v, codes.shape[1])
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``sqrt(x)`` correctly rounded, as C++'s ``std::sqrt`` (the fused kernel) gives it.
+
+    torch's CPU ``sqrt`` of fp32 goes through MKL's vector math, which is not correctly rounded
+    (one value in five is a unit in the last place off, measured with torch 2.13): it is only the
+    first guess here. The correctly rounded root is it or a neighbour: the one whose rounding interval
+    holds ``x``, decided exactly in float64 (a midpoint of two fp32 values has 25 significant bits,
+    its square 50: exact).
+    """
+    y = x.sqrt()
+    down, up = torch.nextafter(y, torch.zeros(())), torch.nextafter(y, torch.full((), math.inf))
+    yd, xd = y.double(), x.double()
+    low, high = (yd + down.double()).mul_(0.5), (yd + up.double()).mul_(0.5)
+    return torch.where(xd < low.mul_(low), down, torch.where(xd > high.mul_(high), up, y))
 
 
 def quantize_moments(m: torch.Tensor, v: torch.Tensor, block: int = BLOCK) -> Tuple[torch.Tensor, ...]:
     """(exp_avg codes, exp_avg_absmax, exp_avg_sq codes, exp_avg_sq_absmax) of (rows, C) fp32 moments."""
     v_codes, vmax = quantize_sq(v, block)
-    root = dequantize_sq(v_codes, vmax, block).sqrt_()
+    root = exact_sqrt(dequantize_sq(v_codes, vmax, block))
     r = torch.where(root > 0, m / root.clamp_min(_TINY), torch.zeros((), dtype=root.dtype))
     r_codes, r_absmax = quantize_signed(r, block)
     return r_codes, r_absmax, v_codes, vmax
@@ -136,7 +180,7 @@ def quantize_moments(m: torch.Tensor, v: torch.Tensor, block: int = BLOCK) -> Tu
 def dequantize_moments(r_codes, r_absmax, v_codes, vmax, block: int = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp32 (m, v), (rows, C) contiguous, from :func:`quantize_moments`' codes."""
     v = dequantize_sq(v_codes, vmax, block)
-    return dequantize_signed(r_codes, r_absmax, block).mul_(v.sqrt()), v
+    return dequantize_signed(r_codes, r_absmax, block).mul_(exact_sqrt(v)), v
 
 
 # ---------------------------------------------------------------------------
@@ -321,11 +365,12 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
 class ReducedMoments:
     """bf16 or 8-bit moments for :class:`toolkit.optim.cpu_adam.CPUAdam`; see the module docstring."""
 
-    def __init__(self, precision: str, chunk_elements: int = CHUNK_ELEMENTS):
+    def __init__(self, precision: str, chunk_elements: int = CHUNK_ELEMENTS, fused: Optional[Callable] = None):
         if precision not in PRECISIONS or precision == "fp32":
             raise ValueError(f"reduced moments: {precision!r}")
         self.precision = precision
         self.chunk_elements = chunk_elements
+        self.fused = fused  # 8-bit layouts: toolkit.optim.fused_8bit.update (None: the eager codec below)
 
     def zeros(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         return zeros_state(param_layout(self.precision, p), p)
@@ -361,6 +406,10 @@ class ReducedMoments:
                  group["bias_correction"])
         flat_p, flat_g = local.view(-1), grad.view(-1)
         unit = (p.numel() // max(1, p.shape[0])) if layout == "8bit" else 1
+        if layout == "8bit" and self.fused is not None and self.fused(
+                _rows(p, local), _rows(p, grad), [local_tensor(state[k]) for k in REDUCED_KEYS], hyper[1:],
+                grad_scale, max(1, self.chunk_elements // unit)):
+            return
         for a, b in _spans(flat_p.numel() // max(1, unit), unit, self.chunk_elements):
             lo, hi = a * unit, b * unit
             m, v = self._load(p, state, layout, lo, hi)
