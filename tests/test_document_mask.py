@@ -123,3 +123,39 @@ def test_reset_positions_needs_the_mask(tmp_path):
     run = train(str(tmp_path / "bin"), str(tmp_path / "ck"), "--reset-position-ids", "--max-update", "1",
                 check=False)
     assert run.returncode == 1 and "needs --document-attention-mask" in run.stderr.strip().splitlines()[-1]
+
+
+def test_two_fsdp_ranks_with_the_mask_equal_one_process(tmp_path):
+    """The mask travels with the batch through FSDP2: 2 ranks = 1 process with --update-freq 2."""
+    from tests import dist_helpers as H
+    from tests.test_distributed import assert_logged_losses_match
+
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    masked = ["--document-attention-mask", "--reset-position-ids", "--max-update", "4", "--disable-validation"]
+    one = H.run_cli([data, *H.model_args(str(tmp_path / "one")), *masked, "--update-freq", "2"])
+    two = H.run_cli([data, *H.model_args(str(tmp_path / "two")), *masked, "--distributed-world-size", "2",
+                     "--ddp-backend", "fully_sharded"])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert_logged_losses_match(H.losses(two.stdout), H.losses(one.stdout), range(1, 5))
+    plain = H.run_cli([data, *H.model_args(str(tmp_path / "plain")), "--max-update", "4", "--disable-validation",
+                       "--update-freq", "2"])
+    assert H.losses(plain.stdout)[4] != H.losses(one.stdout)[4], "the mask changes what is computed"
+
+
+@pytest.mark.parametrize("family", ["transformer_lm", "llama"])
+def test_tensor_parallel_with_the_mask_equals_one_process(tmp_path, family):
+    """The mask goes to the blocks by keyword, past the tensor-parallel input styles: TP 2 = one process."""
+    from tests import dist_helpers as H
+    from tests.test_distributed import assert_logged_losses_match
+
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    masked = ["--document-attention-mask", "--reset-position-ids", "--max-update", "3", "--disable-validation"]
+
+    def args(name):
+        return H.model_args(str(tmp_path / name)) if family == "transformer_lm" else llama_args(tmp_path / name)
+
+    one = H.run_cli([data, *args("one"), *masked])
+    tp = H.run_cli([data, *args("tp"), *masked, "--distributed-world-size", "2", "--model-parallel-size", "2",
+                    "--ddp-backend", "fully_sharded"])
+    assert one.returncode == 0 and tp.returncode == 0, (one.stderr[-2000:], tp.stdout[-2000:] + tp.stderr[-2000:])
+    assert_logged_losses_match(H.losses(tp.stdout), H.losses(one.stdout), range(1, 4))

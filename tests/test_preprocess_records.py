@@ -204,3 +204,15 @@ def test_missing_optional_package_is_one_line(tmp_path, capsys, monkeypatch):
     path.write_bytes(b"PAR1")
     expect_error(capsys, ["--trainpref", path, "--destdir", tmp_path / "out"], "pip install pyarrow")
     assert_nothing_left(tmp_path, tmp_path / "out")
+
+
+def test_jsonl_with_a_trained_tokenizer_equals_text(tmp_path, corpus):
+    """--bpe works on records as on text: the tokenizer is trained on the same lines."""
+    _, lines, _ = corpus
+    text = tmp_path / "train.txt"
+    text.write_text("".join(line + "\n" for line in lines["train"][:500]), encoding="utf-8")
+    write_jsonl(tmp_path / "train.jsonl", lines["train"][:500])
+    for name, path in (("a", text), ("b", tmp_path / "train.jsonl")):
+        run("--trainpref", path, "--destdir", tmp_path / name, "--bpe", "hf_byte_bpe", "--bpe-vocab-size", 600)
+    same = ("dict.txt", "train.bin", "train.idx")
+    assert {n: bin_files(tmp_path / "a")[n] for n in same} == {n: bin_files(tmp_path / "b")[n] for n in same}

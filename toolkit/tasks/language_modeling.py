@@ -104,6 +104,9 @@ class LanguageModelingTask:
         if cfg.shorten_method not in SHORTEN_METHODS:
             raise UserError(f"--shorten-method: unknown method {cfg.shorten_method!r}; "
                             f"choose from {', '.join(SHORTEN_METHODS)}")
+        if cfg.mixture_epoch_samples < 0:
+            raise UserError(f"--mixture-epoch-samples {cfg.mixture_epoch_samples}: must be >= 0 (0: all sources' "
+                            f"samples together)")
         if cfg.reset_position_ids and not cfg.document_attention_mask:
             raise UserError("--reset-position-ids: restarts positions per document of a packed sample, which "
                             "needs --document-attention-mask; add it")

@@ -1,0 +1,143 @@
+"""Binarizing with a tokenizer against the tokenizer alone: tokens/s per worker of ``toolkit-preprocess``.
+
+    python benchmarks/preprocess_tokenizers.py                         # 8 MB of WikiText, 1 worker
+    python benchmarks/preprocess_tokenizers.py --size-mb 20 --workers 1 2
+
+For each tokenizer on the same text:
+
+* ``whitespace``: no ``--bpe`` (``str.split``);
+* ``gpt2``: ``--bpe gpt2`` with GPT-2-format files (``encoder.json``/``vocab.bpe``) of a byte-level BPE
+  of 8k merges trained here on the corpus source (GPT-2's own files need a download);
+* ``hf_byte_bpe``: ``--bpe hf_byte_bpe`` with the same kind of model, tokens as pieces.
+
+``alone``: the tokenizer's own batch API on every line in one process (``encode_batch`` in blocks of
+lines, as the binarizer calls it; ``str.split`` for whitespace), ``TOKENIZERS_PARALLELISM=false``.
+``binarize``: ``toolkit-preprocess --srcdict DICT --validpref CORPUS --workers N`` (the split's
+binarize time from its log, start-up excluded), tokens/s per worker and its time over the tokenizer's
+time alone (the issue's aim: <= 1.25). Each row is the best of ``--repeats`` runs (the machine is
+shared). Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+DEFAULT_SOURCE = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini", "wiki.train.tokens")
+BLOCK_LINES = 8192
+
+
+def make_corpus(source: str, dest: str, size_mb: float) -> None:
+    data = open(source, "rb").read()
+    with open(dest, "wb") as f:
+        for _ in range(max(1, -(-int(size_mb * 1e6) // len(data)))):
+            f.write(data)
+
+
+def train_bpe(source: str, folder: str) -> dict:
+    """A byte-level BPE saved in GPT-2's file format (vocab.json = encoder.json, merges.txt = vocab.bpe)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train([source], vocab_size=8192, min_frequency=2, show_progress=False)
+    vocab, merges = tok.save_model(folder)
+    return {"encoder": vocab, "merges": merges}
+
+
+def time_alone(name: str, corpus: str, files: dict) -> tuple:
+    """(seconds, tokens) of the tokenizer's own batch API over the corpus lines."""
+    with open(corpus, encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if name == "whitespace":
+        t0 = time.perf_counter()
+        tokens = sum(len(line.split()) for line in lines)
+        return time.perf_counter() - t0, tokens
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer.from_file(files["encoder"], files["merges"])
+    tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(lines), BLOCK_LINES):
+        tokens += sum(len(e.ids) for e in tok.encode_batch(lines[i:i + BLOCK_LINES]))
+    return time.perf_counter() - t0, tokens
+
+
+def bpe_flags(name: str, files: dict) -> list:
+    if name == "gpt2":
+        return ["--bpe", "gpt2", "--gpt2-encoder-json", files["encoder"], "--gpt2-vocab-bpe", files["merges"]]
+    if name == "hf_byte_bpe":
+        return ["--bpe", "hf_byte_bpe", "--bpe-model", files["hf"]]
+    return []
+
+
+def preprocess(args: list) -> str:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--no-progress-bar",
+                           *args], capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode:
+        raise SystemExit(f"toolkit-preprocess failed: {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def time_binarize(name: str, corpus: str, files: dict, workers: int, tmp: str) -> float:
+    """Seconds the valid split took to binarize (from the log), with the data-bin's own dictionary."""
+    dict_bin = os.path.join(tmp, f"dict-{name}")
+    if not os.path.isdir(dict_bin):
+        preprocess(["--trainpref", corpus, "--dict-only", "--destdir", dict_bin, *bpe_flags(name, files)])
+    dest = os.path.join(tmp, f"bin-{name}-{workers}")
+    out = preprocess(["--srcdict", os.path.join(dict_bin, "dict.txt"), "--validpref", corpus, "--destdir", dest,
+                      "--workers", str(workers), "--overwrite", *bpe_flags(name, files)])
+    return float(re.search(r"valid: binarized in ([\d.]+)s", out).group(1))
+
+
+def hf_model(files: dict, folder: str) -> str:
+    """The same BPE as an hf_byte_bpe model (tokenizer.json)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    path = os.path.join(folder, "tokenizer.json")
+    ByteLevelBPETokenizer.from_file(files["encoder"], files["merges"]).save(path)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mb", type=float, default=8.0)
+    p.add_argument("--workers", type=int, nargs="+", default=[1])
+    p.add_argument("--tokenizers", nargs="+", default=["whitespace", "gpt2", "hf_byte_bpe"])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--source", default=DEFAULT_SOURCE)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "corpus.txt")
+        make_corpus(args.source, corpus, args.size_mb)
+        files = train_bpe(args.source, tmp)
+        files["hf"] = hf_model(files, tmp)
+        print(f"{os.path.getsize(corpus) / 1e6:.1f} MB, load {os.getloadavg()[0]:.2f}")
+        print(f"{'tokenizer':<13}{'workers':>8}{'tokens':>12}{'alone tok/s':>14}{'binarize tok/s/worker':>23}"
+              f"{'x alone':>9}")
+        for name in args.tokenizers:
+            alone, tokens = min(time_alone(name, corpus, files) for _ in range(args.repeats))
+            for workers in args.workers:
+                seconds = min(time_binarize(name, corpus, files, workers, tmp) for _ in range(args.repeats))
+                ratio = seconds * workers / alone
+                print(f"{name:<13}{workers:>8}{tokens:>12}{tokens / alone:>14,.0f}{tokens / seconds / workers:>23,.0f}"
+                      f"{ratio:>9.2f}")
+                rows.append({"tokenizer": name, "workers": workers, "tokens": tokens,
+                             "alone_tokens_per_s": round(tokens / alone),
+                             "binarize_tokens_per_s_per_worker": round(tokens / seconds / workers),
+                             "time_over_alone": round(ratio, 3)})
+    print(json.dumps({"benchmark": "preprocess_tokenizers", "size_mb": args.size_mb, "load": round(os.getloadavg()[0], 2),
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
