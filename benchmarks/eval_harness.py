@@ -37,6 +37,7 @@ from toolkit import options, registry  # noqa: E402
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.models import build_model  # noqa: E402
+from toolkit.models.init import init_weights  # noqa: E402
 
 
 def write_checkpoint(folder: str, args) -> str:
@@ -56,8 +57,8 @@ def write_checkpoint(folder: str, args) -> str:
            **options.architecture_defaults(args.arch, {**given, "max_target_positions": args.positions})}
     task_entry = registry.TASK_REGISTRY.get("language_modeling")
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, cfg))
-    torch.manual_seed(0)
     model = build_model(args.arch, argparse.Namespace(**cfg), task)
+    init_weights(model, seed=1)  # as toolkit-train initializes (the constructor may leave some tensors empty)
     path = os.path.join(folder, "checkpoint.pt")
     torch.save({"cfg": cfg, "model": model.state_dict()}, path)
     return path
