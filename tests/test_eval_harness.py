@@ -142,7 +142,8 @@ def _data_of(ckpt) -> str:
 
 def test_command_prints_table_and_writes_json(transformer_ckpt, tmp_path):
     out = str(tmp_path / "results.json")
-    run = H.run_cli("toolkit_cli.eval_harness", [_data_of(transformer_ckpt), "--path", transformer_ckpt["pt"],
+    sharded_folder = os.path.join(transformer_ckpt["save"], "checkpoint_last")  # consolidated on the fly
+    run = H.run_cli("toolkit_cli.eval_harness", [_data_of(transformer_ckpt), "--path", sharded_folder,
                                                  "--tasks", "toolkit_wiki_cloze", "--include-path", TASKS_DIR,
                                                  "--limit", "8", "--output-path", out, "--bootstrap-iters", "0"])
     assert run.returncode == 0, run.stderr[-2000:]
