@@ -32,7 +32,7 @@ def data_bin(tmp_path_factory, wikitext_dir):
 @pytest.fixture(scope="module")
 def straight(data_bin, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("straight") / "ck")
-    return save, H.train(data_bin, save, "--max-update", "15", *HARNESS)
+    return save, H.train(data_bin, save, "--max-update", "15", *HARNESS, "--tensorboard-logdir", save + "/tb")
 
 
 def harness_lines(run) -> dict:
@@ -45,6 +45,7 @@ def test_lines_at_the_interval_are_the_saved_models_numbers(straight):
     save, run = straight
     lines = harness_lines(run)
     assert sorted(lines) == [5, 10, 15]
+    assert os.listdir(os.path.join(save, "tb", "eval_harness"))  # the same scalars for TensorBoard
     lm = ToolkitLM(path=os.path.join(save, "checkpoint_1_10.pt"), device="cpu")
     names = TASKS.split(",")
     expected = flatten(evaluate(lm, names, task_manager(names, TASKS_DIR), limit=12, seed=3))

@@ -111,6 +111,25 @@ def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, target
 
 
 @torch.no_grad()
+def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
+                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32.
+
+    ``positions`` [B, K] (optional): normalize only those positions of each row, [B, K, V]; the
+    softmax over the vocabulary at every other position is never computed (memory and time).
+    """
+    def select(out: torch.Tensor) -> torch.Tensor:
+        if positions is None:
+            return out
+        return out.gather(1, positions[:, :, None].expand(-1, -1, out.size(-1)))
+
+    logps = [m.get_normalized_probs(select(m(inputs)), log_probs=True) for m in models]  # adaptive softmax too
+    if len(logps) == 1:
+        return logps[0]
+    return torch.logsumexp(torch.stack(logps), dim=0) - torch.log(torch.tensor(float(len(logps))))
+
+
+@torch.no_grad()
 def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, tokens_per_sample: int,
                  context_window: int = 0, max_tokens: Optional[int] = None, batch_size: Optional[int] = None,
                  device: torch.device = torch.device("cpu")) -> torch.Tensor:

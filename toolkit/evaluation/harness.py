@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 GEN_KWARGS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks"}
 
 
+def _last(ids: List[int], n: int) -> List[int]:
+    """The last ``n`` ids (none for n <= 0): the harness's left truncation."""
+    return ids[max(0, len(ids) - n):] if n > 0 else []
+
+
 @register_model("toolkit")
 class ToolkitLM(TemplateLM):
     """A toolkit checkpoint (or models already in memory) as an ``lm_eval`` model."""
@@ -149,13 +154,13 @@ class ToolkitLM(TemplateLM):
         if max_gen >= self.max_length:
             raise UserError(f"generate_until: max_gen_toks {max_gen} must be less than the model's "
                             f"{self.max_length} positions")
-        prompts = [torch.tensor(self.codec.encode(c)[-(self.max_length - max_gen - 1):] or [], dtype=torch.long)
-                   for c in contexts]
+        keep = self.max_length - max_gen - 1  # the prefix symbol comes first, then the prompt, then max_gen
+        prompts = [torch.tensor(_last(self.codec.encode(c), keep), dtype=torch.long) for c in contexts]
         generator = SequenceGenerator(self.models, self.dictionary, self._generation_config(kwargs, max_gen),
                                       generator=torch.Generator(device=self._device).manual_seed(self.seed),
                                       bos=self.codec.prefix)
 
-        def stop(i: int, tokens: torch.Tensor) -> bool:
+        def stop(_: int, tokens: torch.Tensor) -> bool:
             text = self.codec.decode(tokens.tolist())
             return any(s and s in text for s in until)
 
@@ -163,7 +168,7 @@ class ToolkitLM(TemplateLM):
         texts: List[str] = [""] * len(prompts)
         for first in range(0, len(order), max(1, self.batch_size)):
             chunk = order[first:first + max(1, self.batch_size)]
-            hypos = generator.generate([prompts[i] for i in chunk], stop=lambda j, t: stop(chunk[j], t))
+            hypos = generator.generate([prompts[i] for i in chunk], stop=stop)
             for i, hyps in zip(chunk, hypos):
                 tokens = hyps[0]["tokens"][len(prompts[i]):].tolist()
                 tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens

@@ -4,8 +4,9 @@
 and a continuation (ids, the context starting with the symbol the LM sees before a text); the
 input is ``(context + continuation)[-(max_length + 1):][:-1]``, so a request longer than the
 model's positions loses tokens from the left, and the continuation is scored at the input's
-last positions. Requests are sorted by input length (longest first) and batched, right-padded;
-requests with the same input (e.g. one-token answers to one question) share one forward pass.
+last positions (only those are normalized: no [B, T, V] softmax). Requests are sorted by input
+length (longest first) and batched, right-padded; requests with the same input (e.g. one-token
+answers to one question) share one forward pass.
 
 ``rolling_loglikelihood`` scores a whole document as ``toolkit-eval-lm`` scores a stream:
 blocks of ``tokens_per_sample`` targets, each after up to ``context_window`` earlier tokens,
@@ -45,19 +46,23 @@ def loglikelihood_tokens(models: List[torch.nn.Module], pairs: Sequence[Pair], m
     results: List[Tuple[float, bool]] = [(0.0, False)] * len(pairs)
     for first in range(0, len(order), max(1, batch_size)):
         keys = order[first:first + max(1, batch_size)]
+        width = max(len(pairs[i][1]) for key in keys for i in distinct[key])
         batch = torch.full((len(keys), len(keys[0])), pad, dtype=torch.long)
+        positions = torch.zeros(len(keys), width, dtype=torch.long)
         for row, key in enumerate(keys):
             batch[row, :len(key)] = torch.tensor(key, dtype=torch.long)
-        logp = inference.ensemble_log_probs(models, batch.to(device))
+            positions[row] = torch.arange(len(key) - width, len(key)).clamp(min=0)
+        logp = inference.ensemble_log_probs(models, batch.to(device), positions.to(device))  # [B, width, V]
         for row, key in enumerate(keys):
             for i in distinct[key]:
-                results[i] = _continuation_score(logp[row], len(key), pairs[i][1])
+                results[i] = _continuation_score(logp[row], pairs[i][1])
     return results
 
 
-def _continuation_score(logp: torch.Tensor, input_len: int, continuation: Sequence[int]) -> Tuple[float, bool]:
+def _continuation_score(logp: torch.Tensor, continuation: Sequence[int]) -> Tuple[float, bool]:
+    """``logp``: [width, V], the row's last positions; the continuation is scored at its last ones."""
     cont = torch.tensor(list(continuation), dtype=torch.long, device=logp.device)
-    rows = logp[input_len - len(cont):input_len]
+    rows = logp[logp.size(0) - len(cont):]
     greedy = bool((rows.argmax(dim=-1) == cont).all())
     return float(rows.gather(1, cont[:, None]).sum()), greedy
 
