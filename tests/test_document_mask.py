@@ -159,3 +159,18 @@ def test_tensor_parallel_with_the_mask_equals_one_process(tmp_path, family):
                     "--ddp-backend", "fully_sharded"])
     assert one.returncode == 0 and tp.returncode == 0, (one.stderr[-2000:], tp.stdout[-2000:] + tp.stderr[-2000:])
     assert_logged_losses_match(H.losses(tp.stdout), H.losses(one.stdout), range(1, 4))
+
+
+def test_compiled_blocks_with_the_mask_equal_eager(tmp_path):
+    """--compile (aot_eager, as test_compile's CLI runs) with activation checkpointing takes the mask keyword."""
+    from tests import dist_helpers as H
+    from tests.test_distributed import assert_logged_losses_match
+    from toolkit.distributed.compile import BACKEND_ENV
+
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    masked = ["--document-attention-mask", "--reset-position-ids", "--max-update", "3", "--disable-validation"]
+    eager = H.run_cli([data, *H.model_args(str(tmp_path / "eager")), *masked])
+    compiled = H.run_cli([data, *H.model_args(str(tmp_path / "compiled")), *masked, "--compile",
+                          "--checkpoint-activations"], env={BACKEND_ENV: "aot_eager"})
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    assert_logged_losses_match(H.losses(compiled.stdout), H.losses(eager.stdout), range(1, 4))
