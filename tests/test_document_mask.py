@@ -47,24 +47,33 @@ def token_losses(model, src, tgt, **kw):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_each_document_in_a_packed_block_equals_it_alone(name):
-    model = MODELS[name]()
+def test_each_document_in_a_packed_block_equals_it_alone(name, device="cpu", tol=1e-5):
+    model = MODELS[name]().to(device)
     docs = documents()
     stream = np.concatenate(docs)
     # the packed block: targets are the stream, sources it shifted right after a leading </s>
-    tgt = torch.as_tensor(stream)[None]
-    src = torch.as_tensor(np.concatenate([[EOS], stream[:-1]]))[None]
+    tgt = torch.as_tensor(stream, device=device)[None]
+    src = torch.as_tensor(np.concatenate([[EOS], stream[:-1]]), device=device)[None]
     document_ids, positions = document_layout(src, EOS)
     packed = token_losses(model, src, tgt, document_ids=document_ids, positions=positions)[0]
     plain = token_losses(model, src, tgt)[0]
     start = 0
     for doc in docs:
-        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]))[None],
-                             torch.as_tensor(doc)[None])[0]
+        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]), device=device)[None],
+                             torch.as_tensor(doc, device=device)[None])[0]
         inside = packed[start:start + len(doc)]
-        assert torch.allclose(inside, alone, atol=1e-5, rtol=0), (name, start, inside - alone)
+        assert torch.allclose(inside, alone, atol=tol, rtol=0), (name, start, inside - alone)
         start += len(doc)
     assert not torch.allclose(plain, packed, atol=1e-3), "without the mask, later documents see earlier ones"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_flex_attention_on_cuda_keeps_documents_apart(name):
+    """On CUDA the mask is flex_attention's block mask (compiled): the same equality, fp32 without TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    test_each_document_in_a_packed_block_equals_it_alone(name, device="cuda", tol=1e-4)
 
 
 def test_layout_and_mask():
