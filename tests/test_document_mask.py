@@ -47,24 +47,33 @@ def token_losses(model, src, tgt, **kw):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_each_document_in_a_packed_block_equals_it_alone(name):
-    model = MODELS[name]()
+def test_each_document_in_a_packed_block_equals_it_alone(name, device="cpu", tol=1e-5):
+    model = MODELS[name]().to(device)
     docs = documents()
     stream = np.concatenate(docs)
     # the packed block: targets are the stream, sources it shifted right after a leading </s>
-    tgt = torch.as_tensor(stream)[None]
-    src = torch.as_tensor(np.concatenate([[EOS], stream[:-1]]))[None]
+    tgt = torch.as_tensor(stream, device=device)[None]
+    src = torch.as_tensor(np.concatenate([[EOS], stream[:-1]]), device=device)[None]
     document_ids, positions = document_layout(src, EOS)
     packed = token_losses(model, src, tgt, document_ids=document_ids, positions=positions)[0]
     plain = token_losses(model, src, tgt)[0]
     start = 0
     for doc in docs:
-        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]))[None],
-                             torch.as_tensor(doc)[None])[0]
+        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]), device=device)[None],
+                             torch.as_tensor(doc, device=device)[None])[0]
         inside = packed[start:start + len(doc)]
-        assert torch.allclose(inside, alone, atol=1e-5, rtol=0), (name, start, inside - alone)
+        assert torch.allclose(inside, alone, atol=tol, rtol=0), (name, start, inside - alone)
         start += len(doc)
     assert not torch.allclose(plain, packed, atol=1e-3), "without the mask, later documents see earlier ones"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_flex_attention_on_cuda_keeps_documents_apart(name):
+    """On CUDA the mask is flex_attention's block mask (compiled): the same equality, fp32 without TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    test_each_document_in_a_packed_block_equals_it_alone(name, device="cuda", tol=1e-4)
 
 
 def test_layout_and_mask():
@@ -159,3 +168,18 @@ def test_tensor_parallel_with_the_mask_equals_one_process(tmp_path, family):
                     "--ddp-backend", "fully_sharded"])
     assert one.returncode == 0 and tp.returncode == 0, (one.stderr[-2000:], tp.stdout[-2000:] + tp.stderr[-2000:])
     assert_logged_losses_match(H.losses(tp.stdout), H.losses(one.stdout), range(1, 4))
+
+
+def test_compiled_blocks_with_the_mask_equal_eager(tmp_path):
+    """--compile (aot_eager, as test_compile's CLI runs) with activation checkpointing takes the mask keyword."""
+    from tests import dist_helpers as H
+    from tests.test_distributed import assert_logged_losses_match
+    from toolkit.distributed.compile import BACKEND_ENV
+
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    masked = ["--document-attention-mask", "--reset-position-ids", "--max-update", "3", "--disable-validation"]
+    eager = H.run_cli([data, *H.model_args(str(tmp_path / "eager")), *masked])
+    compiled = H.run_cli([data, *H.model_args(str(tmp_path / "compiled")), *masked, "--compile",
+                          "--checkpoint-activations"], env={BACKEND_ENV: "aot_eager"})
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    assert_logged_losses_match(H.losses(compiled.stdout), H.losses(eager.stdout), range(1, 4))
