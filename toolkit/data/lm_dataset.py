@@ -15,7 +15,7 @@ The collater right-pads with the dictionary's pad index and returns::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -52,6 +52,17 @@ def collate(samples: List[Dict[str, Any]], pad_idx: int) -> Dict[str, Any]:
         },
         "target": collate_tokens(targets, pad_idx),
     }
+
+
+def document_layout(src_tokens: torch.Tensor, eos: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(document_ids, positions)`` [B, T]: a new document wherever the input token is ``eos``;
+    positions count from 0 at each document start (and at the start of the row)."""
+    starts = src_tokens == eos
+    document_ids = starts.long().cumsum(dim=1)
+    T = src_tokens.size(1)
+    steps = torch.arange(T, device=src_tokens.device).expand_as(src_tokens)
+    last_start = torch.where(starts, steps, torch.zeros_like(steps)).cummax(dim=1).values
+    return document_ids, steps - last_start
 
 
 class MonolingualDataset(torch.utils.data.Dataset):
@@ -104,11 +115,9 @@ class MonolingualDataset(torch.utils.data.Dataset):
 
     def collater(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
         """The batch; with ``--document-attention-mask`` its net_input also holds ``document_ids`` (and
-        ``positions`` with ``--reset-position-ids``), see :mod:`toolkit.models.document_mask`."""
+        ``positions`` with ``--reset-position-ids``), see :func:`document_layout` and :mod:`toolkit.models.document_mask`."""
         batch = collate(samples, self._pad)
         if batch and self.document_mask:
-            from toolkit.models.document_mask import document_layout
-
             net_input = batch["net_input"]
             net_input["document_ids"], positions = document_layout(net_input["src_tokens"], self.dictionary.eos())
             if self.reset_positions:

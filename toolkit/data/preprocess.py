@@ -199,7 +199,8 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         raise UserError("--trainpref: needed to build the dictionary; give it, or give --srcdict DICT")
     inputs = []
     for _, flag, path in splits:
-        if input_kind(path, flag == HF_FLAG) == "hf":
+        kind = input_kind(path, flag == HF_FLAG)
+        if kind == "hf":
             if not os.path.exists(path):
                 raise UserError(f"{flag} {path}: no such folder or dataset script; check the path")
             inputs.append(path)
@@ -208,7 +209,8 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         if os.path.getsize(path) == 0:
             raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line "
                             f"or leave out {flag}")
-        _check_no_nul(flag, path)
+        if kind == "text":  # compressed or Parquet bytes hold NULs; their records are checked as they are read
+            _check_no_nul(flag, path)
         inputs.append(path)
     if cfg.srcdict:
         _check_readable("--srcdict", cfg.srcdict, "dictionary file")

@@ -19,21 +19,12 @@ skipped) when torch has it and attention has no dropout, otherwise a boolean SDP
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-
-def document_layout(src_tokens: torch.Tensor, eos: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(document_ids, positions)`` [B, T]: a new document wherever the input token is ``eos``;
-    positions count from 0 at each document start (and at the start of the row)."""
-    starts = src_tokens == eos
-    document_ids = starts.long().cumsum(dim=1)
-    T = src_tokens.size(1)
-    steps = torch.arange(T, device=src_tokens.device).expand_as(src_tokens)
-    last_start = torch.where(starts, steps, torch.zeros_like(steps)).cummax(dim=1).values
-    return document_ids, steps - last_start
+from toolkit.data.lm_dataset import document_layout  # noqa: F401 (the collater's layout, re-exported)
 
 
 def _flex():
