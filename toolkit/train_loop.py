@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -104,9 +105,17 @@ def reported_interruptions(cfg: TrainConfig, state: TrainingState) -> Iterator[N
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
+        _quiet_worker_teardown()
         raise UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
                         f"{state.trainer.num_updates} ({str(e).splitlines()[0].rstrip('. ')}); "
                         f"{_last_saved(cfg, state)}: run again to resume") from None
+
+
+def _quiet_worker_teardown() -> None:
+    """After a data loader worker was killed, multiprocessing's descriptor-sharing thread may still report
+    the broken connection as a traceback (``resource_sharer._serve`` calls ``sys.excepthook``) while the
+    process exits; the one line about the worker has said what happened, so the rest stays quiet."""
+    sys.excepthook = lambda *exc_info: None
 
 
 def _last_saved(cfg: TrainConfig, state: TrainingState) -> str:
