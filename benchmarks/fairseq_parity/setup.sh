@@ -11,7 +11,6 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 home=${FAIRSEQ_HOME:-$HOME/.cache/toolkit/fairseq-0.12.2}
-url=https://files.pythonhosted.org/packages/30/36/db42846570f479ac859be3b48d8b47f2ae9b0b9c77487a512f2f2ecbcb6b/fairseq-0.12.2.tar.gz
 sha=34f1b18426bf3844714534162f065ab733e049597476daa35fffb4d06a92b524
 mkdir -p "$home"
 if [ ! -x "$home/venv/bin/python" ]; then
@@ -23,7 +22,10 @@ if [ ! -x "$home/venv/bin/python" ]; then
 fi
 if [ ! -d "$home/src/fairseq" ]; then
   echo "[fairseq-parity] downloading fairseq 0.12.2 (sdist)"
-  curl -sSfL -o "$home/fairseq.tar.gz" "$url"
+  # pip finds the released sdist by name and version (no index address here); the sha256 pins its bytes.
+  rm -rf "$home/dl" && python3 -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+    -d "$home/dl" fairseq==0.12.2
+  mv "$home/dl/fairseq-0.12.2.tar.gz" "$home/fairseq.tar.gz" && rm -rf "$home/dl"
   echo "$sha  $home/fairseq.tar.gz" | sha256sum -c --quiet
   mkdir -p "$home/src" && tar xzf "$home/fairseq.tar.gz" -C "$home/src" --strip-components 1
 fi
