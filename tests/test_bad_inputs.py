@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from tests import dist_helpers as H
+from tests.train_helpers import run_cli
 from toolkit.checkpoint import integrity
 
 TRAIN, EVAL, CONSOLIDATE, PREPROCESS = "toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.consolidate", \
@@ -473,9 +474,11 @@ def test_a_killed_data_loader_worker_is_one_line(prepared, tmp_path):
 def test_interactive_warns_about_invalid_utf8_and_nul_on_its_input(prepared, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"w1 \xff\xfe w2\nw3\x00w4\nw5\n")
-    code, out, err = run_forked(INTERACTIVE, [prepared["bin"], "--path", f"{prepared['save']}/checkpoint_last.pt",
-                                              "--input", str(prompts), "--beam", "1", "--max-len-b", "2", "--cpu"],
-                                str(tmp_path))
+    # A fresh process, as a user runs it: a child forked from the suite inherits what earlier tests left
+    # behind (multiprocessing's descriptor-sharing state), which once printed a traceback that is not ours.
+    run = run_cli(INTERACTIVE, [prepared["bin"], "--path", f"{prepared['save']}/checkpoint_last.pt",
+                                  "--input", str(prompts), "--beam", "1", "--max-len-b", "2", "--cpu"])
+    code, out, err = run.returncode, run.stdout, run.stderr
     assert code == 0, err[-2000:]
     warnings = [line for line in (out + err).splitlines() if "invalid UTF-8 byte(s) or NUL" in line]
     assert len(warnings) == 2 and "input line 1: 2 invalid" in warnings[0] and "input line 2: 1" in warnings[1]
