@@ -11,6 +11,6 @@ dependencies = ["torch", "numpy"]
 def transformer_lm(model_dir: str, checkpoint_file: str = "checkpoint_best.pt",
                    data_name_or_path: str = ".", device=None):
     """A trained transformer_lm with encode/decode/score/sample."""
-    from toolkit.hub_utils import from_pretrained
+    from toolkit.inference.hub_utils import from_pretrained
 
     return from_pretrained(model_dir, checkpoint_file, data_name_or_path, device=device)

@@ -115,7 +115,7 @@ def parity(args) -> Dict[str, Dict[str, float]]:
 # --------------------------------------------------------------------------- memory
 
 def _nbytes(t: torch.Tensor) -> int:
-    from toolkit.distributed.dtensor import local_tensor
+    from toolkit.core.dtensor import local_tensor
 
     t = local_tensor(t)
     return t.numel() * t.element_size()

@@ -72,7 +72,7 @@ def build(config: str, a):
     from types import SimpleNamespace
 
     from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
-    from toolkit.registry import CRITERION_REGISTRY, import_all_components
+    from toolkit.core.registry import CRITERION_REGISTRY, import_all_components
 
     import_all_components()
     common = dict(decoder_layers=a.layers, decoder_embed_dim=a.embed_dim, decoder_ffn_embed_dim=a.ffn_dim,

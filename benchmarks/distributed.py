@@ -63,7 +63,7 @@ def make_data_bin(dest: str, vocab: int = 500, tokens: int = 400_000, seed: int 
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    from toolkit.distributed.dtensor import local_tensor
+    from toolkit.core.dtensor import local_tensor
 
     t = local_tensor(t)
     return t.numel() * t.element_size()
@@ -85,7 +85,7 @@ def worker(cfg) -> None:
 
     from toolkit.distributed.utils import init_distributed
     from toolkit.logging.setup import setup_logging
-    from toolkit.train_loop import build_trainer, train_iterator
+    from toolkit.train.train_loop import build_trainer, train_iterator
 
     env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(None, rank=env.rank)
@@ -129,7 +129,7 @@ def worker(cfg) -> None:
 
 def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Namespace, out: str) -> List[dict]:
     from toolkit.distributed import launch
-    from toolkit.resolve import parse_train_config
+    from toolkit.train.resolve import parse_train_config
 
     argv = [data, "--task", "language_modeling", "--arch", "transformer_lm",
             "--decoder-layers", str(cli.layers), "--decoder-embed-dim", str(cli.dim),
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     cli = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from toolkit import registry
+    from toolkit.core import registry
 
     registry.import_all_components()
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from toolkit import options, registry  # noqa: E402
+from toolkit.config import options  # noqa: E402
+from toolkit.core import registry
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.models import build_model  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from toolkit import options  # noqa: E402
+from toolkit.config import options  # noqa: E402
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.export import onnx_format  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402

@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from toolkit import options, registry  # noqa: E402
+from toolkit.config import options  # noqa: E402
+from toolkit.core import registry
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402

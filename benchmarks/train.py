@@ -105,10 +105,10 @@ def build(ours, train_argv):
     from toolkit.data.dictionary import Dictionary
     from toolkit.distributed.parallelize import build_model
     from toolkit.distributed.utils import DistributedEnv, init_distributed
-    from toolkit.registry import CRITERION_REGISTRY
-    from toolkit.resolve import parse_train_config
+    from toolkit.core.registry import CRITERION_REGISTRY
+    from toolkit.train.resolve import parse_train_config
     from toolkit.tasks.language_modeling import LanguageModelingTask
-    from toolkit.trainer import Trainer
+    from toolkit.train.trainer import Trainer
 
     device = torch.device(ours.device)
     argv = ["synthetic", "--task", "language_modeling", "--optimizer", "adam", "--lr", "1e-4",

@@ -34,7 +34,7 @@ def _train_updates(cfg, env) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from toolkit.logging import metrics
-    from toolkit.train_loop import build_trainer, train_iterator
+    from toolkit.train.train_loop import build_trainer, train_iterator
 
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])

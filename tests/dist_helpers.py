@@ -102,8 +102,8 @@ STRATEGY_UPDATES = 3
 
 
 def _parse_train_args(argv: List[str]):
-    """toolkit-train's resolved config (toolkit.resolve), as the command builds it."""
-    from toolkit.resolve import parse_train_config
+    """toolkit-train's resolved config (toolkit.train.resolve), as the command builds it."""
+    from toolkit.train.resolve import parse_train_config
 
     return parse_train_config(argv)
 
@@ -112,9 +112,9 @@ def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
     """Build task/model/trainer as toolkit-train does and run ``updates`` updates; full-precision losses."""
     import torch
 
-    from toolkit.distributed.dtensor import local_tensor
+    from toolkit.core.dtensor import local_tensor
     from toolkit.logging import metrics
-    from toolkit.train_loop import build_trainer, train_iterator
+    from toolkit.train.train_loop import build_trainer, train_iterator
 
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
@@ -144,7 +144,7 @@ def _sync_skipped(cfg, env) -> bool:
     import torch
     import torch.distributed as dist
 
-    from toolkit.train_loop import build_trainer, train_iterator
+    from toolkit.train.train_loop import build_trainer, train_iterator
 
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     model, strategy = trainer.model, trainer.strategy
@@ -220,7 +220,7 @@ def capped_main(cfg) -> None:
     """toolkit-train's loop, with RLIMIT_AS set to (size now + headroom) just before the model is built."""
     import resource
 
-    import toolkit.train_loop as train
+    import toolkit.train.train_loop as train
 
     headroom = int(os.environ["TOOLKIT_TEST_HEADROOM_MB"]) << 20
     build = train.build_model
@@ -249,7 +249,7 @@ def _peak_vm() -> int:
 
 def memcap_main(nprocs: int, headroom_mb: int, train_argv: List[str]) -> None:
     from toolkit.distributed import launch
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     os.environ["TOOLKIT_TEST_HEADROOM_MB"] = str(headroom_mb)
     try:

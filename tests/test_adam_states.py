@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.test_optim import new_params, run_steps
 from tests.train_helpers import train
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim import build_optimizer
 from toolkit.optim import quantized_states as qs
 
@@ -179,7 +179,7 @@ def test_fp32_moments_convert_to_reduced_and_back(precision, caplog):
 
 
 def test_flags_parse_and_bf16_host_grads_needs_cpu_offload():
-    from toolkit.resolve import parse_train_config
+    from toolkit.train.resolve import parse_train_config
 
     cfg = parse_train_config(["d", "--ddp-backend", "fully_sharded", "--cpu-offload", "--cpu", "--bf16-host-grads",
                               "--adam-state-precision", "8bit"])

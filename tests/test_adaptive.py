@@ -19,7 +19,7 @@ import torch
 from tests.dist_helpers import make_lm_data_bin
 from tests.train_helpers import run_cli
 from toolkit.criterions.adaptive_loss import AdaptiveLoss
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 import toolkit.models as toolkit_models
 from toolkit.models import build_on_meta, model_config
 from toolkit.models.accounting import count_parameters
@@ -413,7 +413,7 @@ def test_readme_adaptive_inputs_command_without_the_missing_loop_flags(wikitext_
     assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
     assert run.records("train_inner")[0]["wpb"] == "192"  # --update-freq 3 x 64 tokens
     # eval-lm's scoring path (inference.score_stream) through the hub: get_normalized_probs of the adaptive softmax
-    from toolkit.hub_utils import from_pretrained
+    from toolkit.inference.hub_utils import from_pretrained
 
     hub = from_pretrained(str(tmp_path), "checkpoint_last.pt", wikitext_bin)
     scored = hub.score("w1 w2")
@@ -471,7 +471,7 @@ def test_eval_lm_on_a_fairseq_adaptive_checkpoint_is_the_hub_score_and_the_direc
     """eval-lm scored the adaptive softmax's features as if they were logits (index 87 is out of bounds): now
     it goes through get_normalized_probs, the hub's scorer, and sums what a float64 computation gives."""
     from toolkit import inference
-    from toolkit.eval_lm_main import EvalLMConfig, main
+    from toolkit.inference.eval_lm_main import EvalLMConfig, main
 
     state = write_fairseq_adaptive_checkpoint(variant, tmp_path / "fairseq_adaptive.pt")
     words = "w4 w12 w30 w36 w5 w21 w11 w9 w33 w19 w6"  # every band, one block with its </s> (12 < 16 tokens)

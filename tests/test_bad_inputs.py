@@ -336,7 +336,7 @@ def prepared(tmp_path_factory):
 
 def _warm_up() -> None:
     """What every child would redo: imports, the registries, the CPU's measured peak (cached per process)."""
-    from toolkit import registry
+    from toolkit.core import registry
     from toolkit.logging import throughput
 
     for module in PROGS:
@@ -512,7 +512,7 @@ def test_disk_full_while_copying_to_checkpoint_last_names_that_file(tmp_path, mo
     import errno
 
     from toolkit.checkpoint import consolidated
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     real = consolidated.atomic_write
 
@@ -532,7 +532,7 @@ def test_disk_full_while_copying_to_checkpoint_last_names_that_file(tmp_path, mo
 
 def test_fairseqs_zero_meanings_still_parse():
     """--max-update 0 / --max-epoch 0 (no limit), --save-interval-updates 0 (off), --keep-* -1 (keep all)."""
-    from toolkit.resolve import parse_train_config
+    from toolkit.train.resolve import parse_train_config
 
     cfg = parse_train_config(["data", "--max-update", "0", "--max-epoch", "0", "--save-interval-updates", "0",
                               "--keep-last-epochs", "-1", "--keep-interval-updates", "-1", "--patience", "-1",

@@ -23,7 +23,7 @@ import torch
 from tests import dist_helpers as H
 from tests import test_bad_inputs as catalogue
 from tests.test_bad_inputs import MODEL, PROGS, prepared  # noqa: F401  (the module's trained checkpoints)
-from toolkit import folder_lock
+from toolkit.core import folder_lock
 from toolkit.checkpoint import integrity
 
 TRAIN, EVAL, CONSOLIDATE, PREPROCESS, EXPORT = ("toolkit_cli.train", "toolkit_cli.eval_lm",

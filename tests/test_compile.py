@@ -147,7 +147,7 @@ def test_unknown_backend_and_tensor_parallel_are_user_errors(monkeypatch):
     from toolkit.config import CommonConfig, DistributedConfig
     from toolkit.distributed.parallelize import parallelize
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     monkeypatch.setenv(BACKEND_ENV, "no_such_backend")
     with pytest.raises(UserError, match=f"{BACKEND_ENV}=no_such_backend: not a torch.compile backend"):

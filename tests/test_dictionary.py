@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.data.dictionary import Dictionary
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def make_dict(counts, **finalize_kwargs):

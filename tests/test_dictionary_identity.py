@@ -11,7 +11,7 @@ import torch
 from tests import dist_helpers as H
 from tests.train_helpers import run_cli
 from toolkit.data.dictionary import Dictionary
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_eval_resume_and_hub_refuse_another_dictionary(trained, tmp_path):
     shutil.copytree(os.path.dirname(ckpt), save)
     resumed = H.run_cli([shuffled] + H.model_args(str(save)) + ["--max-update", "4", "--disable-validation"])
     assert resumed.returncode == 1 and expected in resumed.stderr.strip().splitlines()[-1], resumed.stderr[-2000:]
-    from toolkit.hub_utils import from_pretrained
+    from toolkit.inference.hub_utils import from_pretrained
 
     with pytest.raises(UserError, match=expected):
         from_pretrained(os.path.dirname(ckpt), "checkpoint_last.pt", shuffled)

@@ -313,7 +313,7 @@ def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
 @pytest.fixture()
 def small_trainer(data_bin, tmp_path):
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit.train_loop import build_trainer
+    from toolkit.train.train_loop import build_trainer
 
     cfg = H._parse_train_args([data_bin] + H.model_args(str(tmp_path)))
     return cfg, build_trainer(cfg, DistributedEnv())
@@ -324,10 +324,10 @@ def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tm
 
     import dataclasses
 
-    from toolkit.checkpoint import manager
+    from toolkit.train import checkpoint_manager as manager
     from toolkit.checkpoint.common import BestTracker, TrainingState
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     cfg, trainer = small_trainer
 

@@ -19,9 +19,9 @@ from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import train
 from toolkit import inference
 from toolkit.config import EMAConfig
-from toolkit.ema import EMA
-from toolkit.errors import UserError
-from toolkit.resolve import parse_train_config
+from toolkit.train.ema import EMA
+from toolkit.core.errors import UserError
+from toolkit.train.resolve import parse_train_config
 
 LINES = ["the cat sat on the mat", "a dog ran far", "the dog sat on a mat"] * 4
 MAX_POS = 24
@@ -73,7 +73,7 @@ def test_seed_without_an_average_or_of_another_model_is_one_line(tmp_path, data)
 def test_flag_checks(tmp_path, caplog):
     with pytest.raises(UserError, match="--ema-seed-model .*no such file"):
         parse_train_config(["d", "--max-update", "1", "--store-ema", "--ema-seed-model", str(tmp_path / "x.pt")])
-    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
         cfg = parse_train_config(["d", "--max-update", "1", "--ema-seed-model", "x.pt"])
     assert cfg.ema.ema_seed_model == "x.pt"
     assert sum("--ema-seed-model x.pt: accepted, no effect without --store-ema" in r.getMessage()

@@ -23,7 +23,7 @@ pytest.importorskip("accelerate")
 from tests import train_helpers as H  # noqa: E402
 from tests.lm_fixtures import make_wikitext_data_bin  # noqa: E402
 from toolkit.checkpoint import sharded  # noqa: E402
-from toolkit.errors import UserError  # noqa: E402
+from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.evaluation.harness import ToolkitLM  # noqa: E402
 from toolkit.evaluation import harness_main  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402

@@ -19,8 +19,8 @@ from tests.fairseq_layout import (fairseq_main_checkpoint, model_options, random
                                   reference_logits, task_options)
 from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import run_cli
-from toolkit.errors import UserError
-from toolkit.eval_lm_main import EvalLMConfig, main
+from toolkit.core.errors import UserError
+from toolkit.inference.eval_lm_main import EvalLMConfig, main
 
 LINES = ["the cat sat on the mat", "a dog ran", "the dog sat", "", "on a mat the cat ran far away now",
          "cat", "the mat sat on a dog"] * 3

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit import options
+from toolkit.config import options
 from toolkit.data.dictionary import Dictionary
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.evaluation import scoring
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.lm_fixtures import make_data_bin
-from toolkit import options
-from toolkit.errors import UserError
+from toolkit.config import options
+from toolkit.core.errors import UserError
 from toolkit.export.api import ExportConfig, run_export
 from toolkit.export.safetensors_format import dedupe_shared
-from toolkit.hub_utils import from_pretrained
+from toolkit.inference.hub_utils import from_pretrained
 from toolkit.models import model_config
 from toolkit.models.transformer_lm import TransformerLanguageModel
 

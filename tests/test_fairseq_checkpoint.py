@@ -18,9 +18,9 @@ from tests.fairseq_layout import (fairseq_010_checkpoint, fairseq_main_checkpoin
                                   task_options)
 from tests.lm_fixtures import make_data_bin
 from toolkit import inference
-from toolkit.checkpoint import fairseq_checkpoint as fc
-from toolkit.checkpoint import fairseq_export
-from toolkit.errors import UserError
+from toolkit.compat.fairseq import checkpoint as fc
+from toolkit.compat.fairseq import export as fairseq_export
+from toolkit.core.errors import UserError
 
 LINES = ["the cat sat on the mat", "a dog ran far", "the dog sat on a mat"] * 4
 MAX_POS = 24
@@ -175,7 +175,7 @@ def test_hub_reads_fairseq_checkpoint(tmp_path, data):
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS, learned=False, tied=True)
     torch.save(fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS, learned=False, tied=True),
                                        task_options(data_dir, MAX_POS)), str(tmp_path / "model.pt"))
-    from toolkit.hub_utils import from_pretrained
+    from toolkit.inference.hub_utils import from_pretrained
 
     lm = from_pretrained(str(tmp_path), "model.pt", data_dir, device="cpu")
     scored = lm.score("the cat sat")

@@ -17,10 +17,10 @@ from tests.train_helpers import REPO_ROOT, train
 from toolkit.checkpoint import best_checkpoints, finetune
 from toolkit.checkpoint.common import BestTracker, checkpoint_names
 from toolkit.config import CheckpointConfig, EMAConfig
-from toolkit.ema import EMA
-from toolkit.errors import UserError
-from toolkit.flag_types import for_epoch
-from toolkit.resolve import parse_train_config
+from toolkit.train.ema import EMA
+from toolkit.core.errors import UserError
+from toolkit.config.flag_types import for_epoch
+from toolkit.train.resolve import parse_train_config
 
 
 def parse(*flags: str):
@@ -28,10 +28,10 @@ def parse(*flags: str):
 
 
 def infos(caplog, *flags: str):
-    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
         caplog.clear()
         cfg = parse(*flags)
-    return cfg, [r.getMessage() for r in caplog.records if r.name == "toolkit.resolve"]
+    return cfg, [r.getMessage() for r in caplog.records if r.name == "toolkit.train.resolve"]
 
 
 # --- parse level -------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_finetune_from_a_fairseq_checkpoint(tmp_path):
     """fairseq's own transformer_lm file: its weights, by our names, with a fresh optimizer and counters."""
     from tests.fairseq_layout import fairseq_main_checkpoint, model_options, random_fairseq_model, task_options
     from tests.lm_fixtures import make_data_bin
-    from toolkit.checkpoint import fairseq_checkpoint
+    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
     from toolkit.models.transformer_lm import TransformerLMConfig
 
     data = str(tmp_path / "data")
@@ -321,7 +321,7 @@ def test_combine_val_concatenates_numbered_valid_splits(tmp_path, break_mode):
 ])
 def test_transformer_lm_arch_defaults_are_fairseqs(arch, given, expected):
     import toolkit.models.transformer_lm  # noqa: F401  (registers the archs)
-    from toolkit.options import architecture_defaults
+    from toolkit.config.options import architecture_defaults
 
     d = architecture_defaults(arch, given)
     got = (d["decoder_embed_dim"], d["decoder_input_dim"], d["decoder_output_dim"], d["decoder_normalize_before"])

@@ -170,8 +170,8 @@ def test_grad_norm_fp32_does_not_overflow_and_flags_inf():
 
 
 def parse_train_args(*argv):
-    """toolkit-train's resolved config for these flags (toolkit.resolve)."""
-    from toolkit.resolve import parse_train_config
+    """toolkit-train's resolved config for these flags (toolkit.train.resolve)."""
+    from toolkit.train.resolve import parse_train_config
 
     return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
 
@@ -186,7 +186,7 @@ def parse_train_args(*argv):
     (["--fp16", "--bf16"], "--fp16 and --bf16 conflict; choose one"),
 ])
 def test_flag_combinations(argv, message):
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     with pytest.raises(UserError) as e:
         parse_train_args(*argv)
@@ -409,7 +409,7 @@ def test_overflow_on_one_rank_is_seen_by_all(data_bin, tmp_path, backend, mode, 
 def _worker(mode: str, update: int, argv) -> None:
     """One rank of toolkit-train; rank 1 overflows once, at update ``update``; prints its final state."""
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
-    from toolkit.trainer import Trainer
+    from toolkit.train.trainer import Trainer
     from toolkit_cli.train import cli_main
 
     rank = int(os.environ["RANK"])

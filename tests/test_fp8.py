@@ -6,9 +6,9 @@ import torch
 
 from tests.train_helpers import train
 from toolkit.distributed import float8
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
-from toolkit.resolve import parse_train_config
+from toolkit.train.resolve import parse_train_config
 
 pytest.importorskip("torchao.float8", reason="--fp8 needs torchao (pip install torchao)")
 

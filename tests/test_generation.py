@@ -11,9 +11,9 @@ import torch
 from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import run_cli, train
 from toolkit.data.dictionary import Dictionary
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
-from toolkit.generation.commands import GenerateConfig, InteractiveConfig, generate_main, interactive_main
+from toolkit.inference.generate import GenerateConfig, InteractiveConfig, generate_main, interactive_main
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
 

@@ -34,7 +34,7 @@ def test_fp32_squares_beyond_range_are_not_finite_so_the_trainer_looks_again():
 def test_trainer_normalizes_and_clips_in_one_pass_and_survives_huge_raw_gradients():
     from types import SimpleNamespace
 
-    from toolkit.trainer import Trainer
+    from toolkit.train.trainer import Trainer
 
     lin = torch.nn.Linear(4, 3)  # 15 parameters
     owner = SimpleNamespace(model=lin)

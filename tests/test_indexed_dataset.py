@@ -13,7 +13,7 @@ from toolkit.data.indexed_dataset import (
     dtype_code,
     write_index,
 )
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 ITEMS = [[1, 2, 3], [4], [], [5, 6], [300, 7, 65535]]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import dist_helpers as H
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.models import count_parameters, model_config
 from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
@@ -233,7 +233,7 @@ def reference_eval(model, stream, block):
 
 def test_eval_lm_and_generation_drive_the_trained_model(data_bin, baseline):
     from toolkit.data.indexed_dataset import MMapIndexedDataset
-    from toolkit.eval_lm_main import EvalLMConfig, main
+    from toolkit.inference.eval_lm_main import EvalLMConfig, main
     from toolkit.inference import load_model
 
     result = main(EvalLMConfig(data=data_bin, path=baseline["ckpt"], gen_subset="valid", tokens_per_sample=32,

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from toolkit.errors import UserError  # noqa: E402
+from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
 

@@ -10,7 +10,7 @@ from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.data.iterators import CountingIterator, EpochBatchIterator
 from toolkit.data.lm_dataset import MonolingualDataset, collate, collate_tokens
 from toolkit.data.token_block_dataset import TokenBlockDataset, block_slices
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
 # ids: <s>=0 <pad>=1 </s>=2 <unk>=3 a=4 b=5 ... j=13
@@ -480,7 +480,7 @@ def test_task_builds_criterion(data_bin):
 def test_task_builds_model_from_arch(data_bin, monkeypatch):
     import argparse
     from dataclasses import dataclass, field
-    from toolkit import registry
+    from toolkit.core import registry
 
     @dataclass
     class TinyCfg:
@@ -508,7 +508,8 @@ def test_task_builds_model_from_arch(data_bin, monkeypatch):
 
 def test_task_and_criterion_registered_with_options():
     import argparse
-    from toolkit import options, registry
+    from toolkit.config import options
+    from toolkit.core import registry
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
     task_entry = registry.TASK_REGISTRY.get("language_modeling")

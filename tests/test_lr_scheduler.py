@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import build_lr_scheduler
 
 
@@ -141,7 +141,7 @@ def test_bad_combinations(kw, flag):
 def test_flags_are_generated_and_shared():
     from toolkit.config import OptimizationConfig
     from toolkit.optim.lr_scheduler.cosine import CosineLRScheduleConfig
-    from toolkit.options import add_dataclass_options
+    from toolkit.config.options import add_dataclass_options
 
     parser = argparse.ArgumentParser()
     add_dataclass_options(parser, OptimizationConfig)

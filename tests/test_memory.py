@@ -29,7 +29,7 @@ def parallel_args(**kw):
                 no_reshard_after_forward=False, sharding_strategy="full_shard", shard_group_size=0, seed=7,
                 fp16=False, bf16=False, memory_efficient_fp16=False)
     args.update(kw)
-    from toolkit import options
+    from toolkit.config import options
     from toolkit.config import CommonConfig, DistributedConfig
 
     return options.config_from_args(DistributedConfig, args), options.config_from_args(CommonConfig, args)

@@ -11,7 +11,7 @@ from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import REPO_ROOT, TINY_MODEL, train
 from toolkit.data.iterators import EpochBatchIterator
 from toolkit.data.mixture import MixtureDataset, Source, mixture_order, parse_mixture, source_counts
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 WORDS = "the cat sat on a mat dogs ran in park birds sang over tall green trees".split()
 

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit import options, registry
+from toolkit.config import options
+from toolkit.core import registry
 from toolkit.models import build_on_meta, count_parameters, model_config
 from toolkit.models.init import canonical_name, init_weights
 from toolkit.models.transformer_lm import (

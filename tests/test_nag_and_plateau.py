@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim import build_optimizer
 from toolkit.optim.fp16 import MemoryEfficientFP16
 from toolkit.optim.lr_scheduler import build_lr_scheduler

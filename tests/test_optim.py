@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim import build_optimizer
 from toolkit.optim.adam import parse_adam_betas
-from toolkit.registry import UnknownComponentError
+from toolkit.core.registry import UnknownComponentError
 
 SHAPES = [(12, 5), (5,), (16, 3)]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -124,7 +124,7 @@ def test_unknown_optimizer():
 def test_flags_are_generated_and_shared():
     from toolkit.config import OptimizationConfig
     from toolkit.optim.cpu_adam import CPUAdamConfig
-    from toolkit.options import add_dataclass_options
+    from toolkit.config.options import add_dataclass_options
 
     parser = argparse.ArgumentParser()
     add_dataclass_options(parser, OptimizationConfig)

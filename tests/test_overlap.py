@@ -30,7 +30,7 @@ SLOW_WORKER_S = 0.03  # per block: the forward overtakes the worker unless it wa
 
 
 def _config(argv: List[str]):
-    from toolkit.resolve import parse_train_config
+    from toolkit.train.resolve import parse_train_config
 
     return parse_train_config(argv)
 
@@ -48,8 +48,8 @@ def _slow_down(overlap) -> None:
 def _train(argv: List[str], env, overlap: bool) -> Dict[str, Any]:
     """UPDATES updates; a checkpoint state right after update 2 and a validation step right after update 3."""
     from toolkit.checkpoint import consolidated
-    from toolkit.distributed.dtensor import local_tensor
-    from toolkit.train_loop import build_trainer, train_iterator, valid_iterator
+    from toolkit.core.dtensor import local_tensor
+    from toolkit.train.train_loop import build_trainer, train_iterator, valid_iterator
 
     cfg = _config(argv + (["--overlap-offload-step"] if overlap else []))
     torch.manual_seed(cfg.common.seed)
@@ -262,7 +262,7 @@ def test_cpu_adam_grad_scale_is_the_separate_multiply_bit_for_bit_in_any_order()
 
 def test_worker_errors_surface_in_the_main_thread_with_their_message(tmp_path, data, one_rank_group):
     from toolkit.distributed.utils import DistributedEnv
-    from toolkit.train_loop import build_trainer, train_iterator
+    from toolkit.train.train_loop import build_trainer, train_iterator
 
     cfg = _config([data, *model_args(str(tmp_path)), *OFFLOAD, "--overlap-offload-step"])
     trainer = build_trainer(cfg, DistributedEnv(), [cfg.dataset.train_subset])
@@ -292,7 +292,7 @@ def test_worker_errors_surface_in_the_main_thread_with_their_message(tmp_path, d
 ])
 def test_bad_combinations_are_user_errors(tmp_path, flags, message):
     from toolkit.distributed.offload_overlap import build_offload_overlap
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     cfg = _config([str(tmp_path), *model_args(str(tmp_path)), *flags, "--overlap-offload-step"])
     with pytest.raises(UserError, match="^--overlap-offload-step: ") as e:

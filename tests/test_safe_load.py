@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from tests.dist_helpers import make_lm_data_bin
 from tests.train_helpers import run_cli, train
 from toolkit.checkpoint import integrity, safe_pickle
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 class Payload:
@@ -137,7 +137,7 @@ def test_forged_consolidated_checkpoint(data_bin, sharded_run, tmp_path):
     assert "refusing to load: unexpected object posix.system" in one_error_line(ev, "toolkit-eval-lm")
     resumed = train(data_bin, str(tmp_path / "s"), "--restore-file", ckpt, check=False)
     assert "refusing to load: unexpected object posix.system" in one_error_line(resumed, "toolkit-train")
-    from toolkit.hub_utils import from_pretrained
+    from toolkit.inference.hub_utils import from_pretrained
 
     with pytest.raises(UserError, match="refusing to load: unexpected object"):
         from_pretrained(str(tmp_path), "checkpoint_best.pt", data_bin)

@@ -8,7 +8,7 @@ import pytest
 
 from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import TINY_MODEL, run_cli
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
 SYMBOLS = list("abcdefgh")

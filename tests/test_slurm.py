@@ -17,8 +17,8 @@ import torch
 
 from tests import dist_helpers as H
 from toolkit.distributed import launch, slurm
-from toolkit.errors import UserError
-from toolkit.resolve import parse_train_config
+from toolkit.core.errors import UserError
+from toolkit.train.resolve import parse_train_config
 
 UPDATES = 5
 SLURM_KEYS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
@@ -163,7 +163,7 @@ def test_default_world_size_leaves_torchrun_and_slurm_alone(clean_env):
 
 def test_resolver_spawns_one_process_per_gpu_with_one_info_line(clean_env, caplog):
     fake_gpus(clean_env, 3)
-    with caplog.at_level("INFO", logger="toolkit.resolve"):
+    with caplog.at_level("INFO", logger="toolkit.train.resolve"):
         cfg = parse_train_config(["data-bin", "--max-update", "1"])
     assert cfg.distributed.distributed_world_size == 3
     assert sum("using all 3 visible GPUs" in r.getMessage() for r in caplog.records) == 1

@@ -10,7 +10,7 @@ import pytest
 
 from tests import dist_helpers as H
 from toolkit.checkpoint.stale_files import remove_stale_temp_files, stale_temp_paths
-from toolkit.fileio import atomic_directory, atomic_write, process_umask
+from toolkit.core.fileio import atomic_directory, atomic_write, process_umask
 
 
 def complete_sharded(folder):

@@ -86,7 +86,7 @@ def test_transformer_lm_defaults_project_in_and_out_match_one_process(tp2, singl
 
 def test_layers_without_a_split_are_refused_in_one_line():
     from toolkit.distributed.tensor_parallel import _refuse_unsplit_layers
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     adaptive = H.build(H.model_cfg(adaptive_softmax_cutoff="16,32"), meta=True)
     with pytest.raises(UserError, match="adaptive softmax"):
@@ -166,7 +166,7 @@ def test_dropout_replicated_regions_agree_sharded_regions_differ(tp2):
 
 def test_mesh_and_divisibility_errors():
     from toolkit.distributed.tensor_parallel import build_2d_mesh
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     with pytest.raises(UserError, match="--model-parallel-size 3"):
         build_2d_mesh(4, 3, "cpu")
@@ -194,7 +194,7 @@ def test_fairseq_megatron_architectures(arch, ffn, published):
 
 
 def test_vocab_parallel_cross_entropy_is_the_cross_entropy_criterion():
-    from toolkit.registry import CRITERION_REGISTRY, import_all_components
+    from toolkit.core.registry import CRITERION_REGISTRY, import_all_components
 
     import_all_components()
     assert CRITERION_REGISTRY.get("vocab_parallel_cross_entropy").cls is CRITERION_REGISTRY.get("cross_entropy").cls

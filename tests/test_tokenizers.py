@@ -8,9 +8,9 @@ import pytest
 
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDataset
-from toolkit.errors import UserError
-from toolkit.options import parse_with_components
-from toolkit.registry import TOKENIZER_REGISTRY
+from toolkit.core.errors import UserError
+from toolkit.config.options import parse_with_components
+from toolkit.core.registry import TOKENIZER_REGISTRY
 from toolkit.tokenizers import build_tokenizer, load_tokenizer_for_data_bin, tokenizer_names
 from toolkit_cli.preprocess import cli_main, main
 

@@ -100,7 +100,7 @@ def test_same_batching_resumes_at_the_batch_offset(data_bin):
 
 
 def test_changed_data_mid_epoch_is_refused(data_bin):
-    from toolkit.errors import UserError
+    from toolkit.core.errors import UserError
 
     task = LanguageModelingTask.setup_task(LanguageModelingConfig(data=data_bin, tokens_per_sample=32))
     dataset = task.load_dataset("train")

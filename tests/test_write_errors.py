@@ -18,7 +18,7 @@ import torch
 
 from tests import dist_helpers as H
 from toolkit.checkpoint import write_errors
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 @pytest.fixture(scope="module")

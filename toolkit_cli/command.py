@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, List, Optional
 
-from toolkit import options
-from toolkit.errors import UserError
+from toolkit.config import options
+from toolkit.core.errors import UserError
 
 
 def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List[str]], description: str):

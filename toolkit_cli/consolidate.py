@@ -12,7 +12,7 @@ size) load it. Runs in one process; no GPU and no process group needed.
 ``--to-fairseq OUT.pt`` writes the model (a consolidated ``.pt`` or a sharded folder)
 in fairseq's ``transformer_lm`` checkpoint layout, which fairseq's
 ``checkpoint_utils.load_model_ensemble`` (``fairseq-eval-lm --path``) reads; the key
-layout is documented in :mod:`toolkit.checkpoint.fairseq_export`.
+layout is documented in :mod:`toolkit.compat.fairseq.export`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 import sys
 from typing import List, Optional
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 PROG = "toolkit-consolidate"
 
@@ -52,7 +52,8 @@ def check_output(flag: str, output: str, force: bool) -> None:
 def to_fairseq(args: argparse.Namespace) -> str:
     import tempfile
 
-    from toolkit.checkpoint import fairseq_export, sharded
+    from toolkit.checkpoint import sharded
+    from toolkit.compat.fairseq import export as fairseq_export
 
     output = args.to_fairseq
     check_output("--to-fairseq", output, args.force)

@@ -13,9 +13,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from toolkit import options
-from toolkit.errors import UserError
-from toolkit.eval_lm_main import EvalLMConfig, main
+from toolkit.config import options
+from toolkit.core.errors import UserError
+from toolkit.inference.eval_lm_main import EvalLMConfig, main
 
 PROG = "toolkit-eval-lm"
 

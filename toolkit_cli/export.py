@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from toolkit import options
-from toolkit.errors import UserError
+from toolkit.config import options
+from toolkit.core.errors import UserError
 from toolkit.export.api import ExportConfig, run_export
 from toolkit.logging.setup import setup_logging
 

@@ -12,7 +12,7 @@ from toolkit_cli.interactive import run
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.generation.commands import GenerateConfig, generate_main
+    from toolkit.inference.generate import GenerateConfig, generate_main
 
     run("toolkit-generate", GenerateConfig, generate_main, argv,
         "Generate from a language model with prompts from a data-bin split (fairseq's S-/T-/H-/D-/P- lines).")

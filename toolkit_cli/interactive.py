@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from typing import Callable, List, Optional
 
-from toolkit import options
-from toolkit.errors import UserError
-from toolkit.registry import TASK_REGISTRY
+from toolkit.config import options
+from toolkit.core.errors import UserError
+from toolkit.core.registry import TASK_REGISTRY
 
 VALUE_FLAGS_WITH_DEFAULT = {"--remove-bpe": "subword_nmt", "--post-process": "subword_nmt"}
 
@@ -42,7 +42,7 @@ def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.generation.commands import InteractiveConfig, interactive_main
+    from toolkit.inference.generate import InteractiveConfig, interactive_main
 
     run("toolkit-interactive", InteractiveConfig, interactive_main, argv,
         "Generate from a language model, one prompt per line of stdin (fairseq's S-/W-/H-/D-/P- lines).")

@@ -11,9 +11,9 @@ import sys
 from typing import List, Optional
 
 from toolkit.data.preprocess import LOG_DATEFMT, LOG_FORMAT, PreprocessConfig, PreprocessResult, preprocess
-from toolkit.errors import UserError
-from toolkit.options import config_from_args, parse_with_components
-from toolkit.registry import TOKENIZER_REGISTRY
+from toolkit.core.errors import UserError
+from toolkit.config.options import config_from_args, parse_with_components
+from toolkit.core.registry import TOKENIZER_REGISTRY
 
 PROG = "toolkit-preprocess"
 

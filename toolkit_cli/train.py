@@ -3,7 +3,7 @@
     toolkit-train data-bin/wikitext-103 --task language_modeling --arch transformer_lm \
         --optimizer adam --lr 0.0005 --max-tokens 2048 --max-update 1000
 
-This module only parses, resolves and launches; the loop is :mod:`toolkit.train_loop`.
+This module only parses, resolves and launches; the loop is :mod:`toolkit.train.train_loop`.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import sys
 from typing import List, Optional
 
 from toolkit.distributed import launch
-from toolkit.errors import Interrupted, UserError
+from toolkit.core.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
-from toolkit.resolve import parse_train_config
-from toolkit.train_loop import train
+from toolkit.train.resolve import parse_train_config
+from toolkit.train.train_loop import train
 
 PROG = "toolkit-train"
 

@@ -3,13 +3,13 @@
     toolkit-validate data-bin/wikitext-103 --path checkpoints/checkpoint_best.pt --valid-subset valid,test
 
 Prints the ``valid`` line the training run prints for the same checkpoint; the work is in
-:mod:`toolkit.validate`.
+:mod:`toolkit.train.validate`.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.validate import ValidateConfig, main
+from toolkit.train.validate import ValidateConfig, main
 from toolkit_cli.command import run_command
 
 

@@ -21,7 +21,7 @@ import torch
 
 from toolkit.checkpoint import best_checkpoints, finetune
 from toolkit.config import CheckpointConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 Shapes = Mapping[str, Tuple[int, ...]]
 

@@ -38,8 +38,8 @@ from toolkit.checkpoint import integrity
 from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.config import CheckpointConfig
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_write
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_write
 
 logger = logging.getLogger(__name__)
 

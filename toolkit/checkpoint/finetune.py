@@ -16,7 +16,7 @@ import os
 from typing import Tuple
 
 from toolkit.config import CheckpointConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

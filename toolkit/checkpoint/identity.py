@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import zipfile
 import zlib
 from typing import Dict, List, Optional
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 CHECKSUMS = "checksums.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint.*")
@@ -60,7 +60,7 @@ def folder_checksums(folder: str) -> Dict[str, Dict[str, int]]:
 
 def write_folder_checksums(folder: str) -> None:
     """Record the checksums of a complete sharded checkpoint's files (before it is published)."""
-    from toolkit.fileio import atomic_write
+    from toolkit.core.fileio import atomic_write
 
     sums = folder_checksums(folder)  # before the record's own temporary file appears there
     with atomic_write(os.path.join(folder, CHECKSUMS), "w", encoding="utf-8") as f:

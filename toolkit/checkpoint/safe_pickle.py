@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 Allowlist = Mapping[Tuple[str, str], Any]
 

@@ -54,8 +54,8 @@ from toolkit.checkpoint.common import (
 from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier, broadcast_object
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_write
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_write
 from toolkit.logging.step_progress import StepProgress
 from toolkit.optim.quantized_states import check_sharded_load
 

@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO)
 _TORCH_WRITE_FAILURE = ("inline_container", "unexpected pos", "iostream error", "PytorchStreamWriter failed")

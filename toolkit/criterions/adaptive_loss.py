@@ -17,8 +17,8 @@ from typing import Any, Dict, Tuple
 import torch
 
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
-from toolkit.errors import UserError
-from toolkit.registry import register_criterion
+from toolkit.core.errors import UserError
+from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 
 

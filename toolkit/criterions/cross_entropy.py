@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from toolkit.registry import register_criterion
+from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 
 

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def _limit(value: Optional[int]) -> float:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 BLOCK_BYTES = 2 << 20  # bytes of text handled per step: ~400k tokens, a few tens of MB of Python objects
 

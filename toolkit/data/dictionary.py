@@ -17,8 +17,8 @@ from typing import Callable, Dict, Iterable, List, Sequence
 
 import torch
 
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_write
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_write
 
 
 class Dictionary:

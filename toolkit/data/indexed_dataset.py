@@ -18,7 +18,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from toolkit.data.sample_position import Batching, EpochPlan, resume_plan, sampler_state, samples_consumed
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 class CountingIterator:

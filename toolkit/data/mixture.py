@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 FLAG = "--data-mixture"
 

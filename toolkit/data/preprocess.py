@@ -40,9 +40,9 @@ from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
 from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_text
 from toolkit.data.shards import check_shard_flags, merge_parts, write_shard_record
-from toolkit import folder_lock
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_directory
+from toolkit.core import folder_lock
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_directory
 
 logger = logging.getLogger("toolkit_cli.preprocess")
 

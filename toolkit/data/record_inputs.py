@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
-from toolkit.errors import UserError, import_optional
+from toolkit.core.errors import UserError, import_optional
 
 logger = logging.getLogger("toolkit_cli.preprocess")
 

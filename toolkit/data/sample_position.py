@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import shutil
 from typing import Dict, List
 
 from toolkit.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, data_file_path, index_file_path
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_directory
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_directory
 
 logger = logging.getLogger("toolkit_cli.preprocess")
 

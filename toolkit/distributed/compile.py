@@ -29,7 +29,7 @@ from typing import List
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

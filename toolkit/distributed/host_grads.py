@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.distributed.dtensor import is_dtensor
+from toolkit.core.dtensor import is_dtensor
 
 
 def _store_in_bf16(param: torch.Tensor) -> None:

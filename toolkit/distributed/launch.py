@@ -37,11 +37,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from toolkit import folder_lock
+from toolkit.core import folder_lock
 from toolkit.config import TrainConfig
 from toolkit.distributed import heartbeat, parent_watch, slurm
 from toolkit.distributed.utils import shutdown, under_launcher
-from toolkit.errors import Interrupted, UserError
+from toolkit.core.errors import Interrupted, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Opti
     os.environ.update({**layout.rank_env(index), HOSTED_STORE_ENV: "1"})
     if threads:
         torch.set_num_threads(threads)
-    from toolkit import registry  # a spawned process starts with empty registries
+    from toolkit.core import registry  # a spawned process starts with empty registries
 
     if user_dir:  # before the config is unpickled: it may hold a plugin's options dataclass
         registry.import_user_module(user_dir)

@@ -55,7 +55,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from toolkit.config import TrainConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim.gil_free_adam import use_gil_free_op
 from toolkit.optim.grad_norm import SquareSums
 

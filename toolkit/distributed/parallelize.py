@@ -43,7 +43,7 @@ from toolkit.distributed.compile import COMPILE_WITH_TENSOR_PARALLEL, apply_comp
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models.init import init_weights
 from toolkit.models.llama.config import LlamaConfig
 
@@ -113,7 +113,7 @@ def mixed_precision_policy(common: CommonConfig):
 
 def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
     """``--cpu-offload``: FSDP2's CPUOffloadPolicy on GPU; on a CPU-only machine the state is already in host memory
-    (toolkit.resolve says so once)."""
+    (toolkit.train.resolve says so once)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     if not cfg.cpu_offload or env.device.type != "cuda":

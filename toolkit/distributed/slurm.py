@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 NODELIST_KEYS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 TORCHRUN_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")

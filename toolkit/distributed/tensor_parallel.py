@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 TP = "tp"
 

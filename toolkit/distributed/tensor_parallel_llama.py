@@ -31,7 +31,7 @@ import torch.nn as nn
 from toolkit.distributed.tensor_parallel import (_ColumnParallelLinear, _gather_logits_hook, _pad_sequence_hooks,
                                                  _ReplicatedParallel, _replicate_hidden_hook, _swap_class_style,
                                                  _VocabParallelEmbedding)
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models.llama.config import kv_heads
 
 

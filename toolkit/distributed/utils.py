@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.config import DistributedConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 try:
     from lm_eval.api.model import TemplateLM

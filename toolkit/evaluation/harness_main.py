@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from toolkit.config import opt
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_write
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_write
 from toolkit.logging.setup import setup_logging
 
 logger = logging.getLogger("toolkit_cli.eval_harness")

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from toolkit import inference
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def load_for_eval(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),

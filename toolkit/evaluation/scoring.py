@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from toolkit import inference
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 Pair = Tuple[Sequence[int], Sequence[int]]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import List, Sequence
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.tokenizers import load_tokenizer_for_data_bin
 
 

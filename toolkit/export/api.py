@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from toolkit.config import opt
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import DTYPES, LoadedModel, StepProgress
 from toolkit.export.target import check_target
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from toolkit.errors import UserError, import_optional
+from toolkit.core.errors import UserError, import_optional
 from toolkit.logging.step_progress import StepProgress  # noqa: F401  (the exporters' progress)
 from toolkit.tokenizers import BPE_JSON
 

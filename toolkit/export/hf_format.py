@@ -30,7 +30,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import DTYPES, StepProgress, require
 from toolkit.export.target import export_directory
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import StepProgress, require
 from toolkit.export.target import export_directory
 
@@ -108,7 +108,8 @@ def model_options(config) -> Dict[str, object]:
 
 def matching_arch(given: Dict[str, object]) -> str:
     """The named architecture with GPT-2's sizes (OpenAI's 124M is ``transformer_lm_gpt``), else ``transformer_lm``."""
-    from toolkit import options, registry
+    from toolkit.config import options
+    from toolkit.core import registry
 
     registry.import_submodules("toolkit.models")
     sizes = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
@@ -121,7 +122,7 @@ def matching_arch(given: Dict[str, object]) -> str:
 
 
 def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) -> dict:
-    from toolkit import options
+    from toolkit.config import options
 
     cfg = {"task": "language_modeling", "arch": arch, "data": os.path.abspath(out_dir),
            "tokens_per_sample": tokens_per_sample, "sample_break_mode": "none", "add_bos_token": False,
@@ -153,7 +154,7 @@ def _copy_bpe(folder: str, out_dir: str) -> str:
 
 def training_flags(arch: str, given: Dict[str, object]) -> str:
     """The toolkit-train flags that rebuild this model (for the log: how to fine-tune it)."""
-    from toolkit import options
+    from toolkit.config import options
 
     defaults = options.architecture_defaults(arch)
     flags = [f"--arch {arch}"]

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import StepProgress, require
 from toolkit.export.target import export_directory
 
@@ -140,7 +140,8 @@ def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: 
 
 def matching_arch(given: Dict[str, Any]) -> str:
     """The named size with these shapes and settings (e.g. llama3_1b), else ``llama``."""
-    from toolkit import options, registry
+    from toolkit.config import options
+    from toolkit.core import registry
 
     registry.import_submodules("toolkit.models")
     for arch in sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == "llama" and a != "llama"):

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
 

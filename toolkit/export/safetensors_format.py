@@ -15,7 +15,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.export.common import DTYPES, StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
 
@@ -46,7 +46,7 @@ def dedupe_shared(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tenso
 
 def export_config(loaded, dtype: str, aliases: Dict[str, str]) -> Dict[str, Any]:
     """Everything ``toolkit.inference`` needs to rebuild the model, in plain JSON."""
-    from toolkit.options import args_to_dict
+    from toolkit.config.options import args_to_dict
 
     cfg = {k: v for k, v in args_to_dict(loaded.args).items() if k != "data"}
     d = loaded.dictionary

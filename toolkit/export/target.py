@@ -1,7 +1,7 @@
 """Where an export may write: never over files it did not write (``toolkit-export --out``).
 
 An export is written into a temporary folder beside ``--out`` and renamed into place
-(:func:`toolkit.fileio.atomic_directory`). Before that, the target is checked:
+(:func:`toolkit.core.fileio.atomic_directory`). Before that, the target is checked:
 
 - a missing or empty folder is fine;
 - a non-empty one is refused, unless ``--force`` is given *and* it is an earlier export:
@@ -17,8 +17,8 @@ import json
 import os
 from typing import Iterator, List, Optional
 
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_directory
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_directory
 
 MANIFEST = "toolkit_export.json"
 MANIFEST_FORMAT = "toolkit-export-v1"

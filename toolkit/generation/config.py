@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from toolkit.config import opt
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 POST_PROCESS_CHOICES = ("sentencepiece", "wordpiece", "letter", "silence", "_EOW", "subword_nmt", "@@ ", "@@",
                         "none")

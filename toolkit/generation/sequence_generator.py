@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.generation.config import GenerationConfig, check_generation_config
 from toolkit.generation.search import beam_search_step, block_repeated_ngrams, sample_step
 

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Optional
 
-from toolkit.preflight import check_writable_file
+from toolkit.core.preflight import check_writable_file
 
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"

@@ -5,7 +5,7 @@ bar, and every ``log``/``print`` also sends the numeric stats, as ``<tag>/<name>
 number, to one run (rank 0 only). The run is named after ``$WANDB_NAME`` or the save dir, as in
 fairseq. ``WANDB_MODE=offline`` writes the run under ``wandb/`` without a network.
 
-``toolkit.train_loop`` wraps every training and validation progress bar with :func:`wrap_with_wandb`
+``toolkit.train.train_loop`` wraps every training and validation progress bar with :func:`wrap_with_wandb`
 when ``--wandb-project`` is given (on the master rank), and calls :func:`finish` at the end.
 """
 from __future__ import annotations

@@ -15,7 +15,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from toolkit import options, registry
+from toolkit.config import options
+from toolkit.core import registry
 
 
 def _values(section: Any) -> Dict[str, Any]:

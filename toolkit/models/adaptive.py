@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def parse_cutoff(text: Optional[str], vocab_size: int, flag: str) -> List[int]:

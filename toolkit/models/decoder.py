@@ -71,7 +71,7 @@ class DecoderInterface:
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
                         data_name_or_path: str = ".", **kwargs):
         """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
-        from toolkit.hub_utils import from_pretrained
+        from toolkit.inference.hub_utils import from_pretrained
 
         return from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
 

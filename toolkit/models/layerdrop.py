@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 class LayerDrop(nn.Module):

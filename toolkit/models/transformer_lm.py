@@ -50,14 +50,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
-from toolkit.registry import register_model, register_model_architecture
+from toolkit.core.registry import register_model, register_model_architecture
 
 ACTIVATIONS = {
     "relu": F.relu,

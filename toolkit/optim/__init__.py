@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import torch
 
 from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window, overflow_message
-from toolkit.registry import OPTIMIZER_REGISTRY
+from toolkit.core.registry import OPTIMIZER_REGISTRY
 
 __all__ = ["build_optimizer", "build_optimizer_from_section", "DynamicLossScaler", "default_scale_window",
            "overflow_message"]
@@ -18,7 +18,7 @@ __all__ = ["build_optimizer", "build_optimizer_from_section", "DynamicLossScaler
 
 def build_optimizer_from_section(name: str, section: Any, params: Iterable, lr: Any) -> torch.optim.Optimizer:
     """The registered optimizer ``name`` with its own options ``section`` over ``params`` at ``lr``."""
-    from toolkit.registry import import_submodules
+    from toolkit.core.registry import import_submodules
 
     import_submodules(__name__)
     if isinstance(lr, (list, tuple)):  # fairseq's "--lr 0.1,0.05" form: the first value starts training
@@ -28,8 +28,8 @@ def build_optimizer_from_section(name: str, section: Any, params: Iterable, lr: 
 
 def build_optimizer(values: Any, params: Iterable) -> torch.optim.Optimizer:
     """Build ``values["optimizer"]`` from a flat dict (or namespace) of options, e.g. in tests and scripts."""
-    from toolkit.options import config_from_args
-    from toolkit.registry import import_submodules
+    from toolkit.config.options import config_from_args
+    from toolkit.core.registry import import_submodules
 
     import_submodules(__name__)
     values = values if isinstance(values, dict) else vars(values)

@@ -8,8 +8,8 @@ from typing import Any, Iterable, List, Tuple
 import torch
 
 from toolkit.config import opt
-from toolkit.errors import UserError
-from toolkit.registry import register_optimizer
+from toolkit.core.errors import UserError
+from toolkit.core.registry import register_optimizer
 
 
 @dataclass

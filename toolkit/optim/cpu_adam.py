@@ -33,12 +33,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from toolkit.config import opt
-from toolkit.distributed.dtensor import is_dtensor, local_tensor
-from toolkit.errors import UserError
+from toolkit.core.dtensor import is_dtensor, local_tensor
+from toolkit.core.errors import UserError
 from toolkit.optim import fused_8bit, quantized_states
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
-from toolkit.registry import register_optimizer
+from toolkit.core.registry import register_optimizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence, Optional
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

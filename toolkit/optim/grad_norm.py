@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from toolkit.distributed.dtensor import is_dtensor, local_tensor
+from toolkit.core.dtensor import is_dtensor, local_tensor
 
 _CHUNK = 1 << 22
 

@@ -21,7 +21,7 @@ import torch
 
 from toolkit.config import opt
 from toolkit.optim.sgd import check_momentum_options
-from toolkit.registry import register_optimizer
+from toolkit.core.registry import register_optimizer
 
 
 @dataclass

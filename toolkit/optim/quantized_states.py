@@ -53,8 +53,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from toolkit.distributed.dtensor import is_dtensor, local_tensor
-from toolkit.errors import UserError
+from toolkit.core.dtensor import is_dtensor, local_tensor
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

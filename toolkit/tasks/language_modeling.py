@@ -15,7 +15,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from toolkit import options, registry
+from toolkit.config import options
+from toolkit.core import registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
 from toolkit.data.dictionary import Dictionary
@@ -26,9 +27,9 @@ from toolkit.data.mixture import MixtureDataset, parse_mixture
 from toolkit.data.sample_position import Batching
 from toolkit.data.shorten import SHORTEN_METHODS, ShortenedDataset, applies_to
 from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
-from toolkit.errors import UserError
-from toolkit.preflight import check_token_ids
-from toolkit.registry import CRITERION_REGISTRY, register_task
+from toolkit.core.errors import UserError
+from toolkit.core.preflight import check_token_ids
+from toolkit.core.registry import CRITERION_REGISTRY, register_task
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import os
 import shutil
 from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Union
 
-from toolkit import registry
-from toolkit.errors import UserError
-from toolkit.fileio import atomic_write
+from toolkit.core import registry
+from toolkit.core.errors import UserError
+from toolkit.core.fileio import atomic_write
 
 BPE_JSON = "bpe.json"
 

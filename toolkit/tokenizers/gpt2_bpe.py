@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from toolkit.errors import UserError
-from toolkit.registry import register_bpe
+from toolkit.core.errors import UserError
+from toolkit.core.registry import register_bpe
 from toolkit.tokenizers import Tokenizer
 
 

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional
 
-from toolkit.errors import UserError
-from toolkit.registry import register_bpe
+from toolkit.core.errors import UserError
+from toolkit.core.registry import register_bpe
 from toolkit.tokenizers import Tokenizer
 
 BYTE_ALPHABET = 256

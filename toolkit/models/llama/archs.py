@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Dict
 
 from toolkit.models.llama.config import LlamaConfig
-from toolkit.registry import register_model_architecture
+from toolkit.core.registry import register_model_architecture
 
 PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
     "llama3_1b": 128256, "llama3_3b": 128256, "llama3_8b": 128256, "llama2_7b": 32000,

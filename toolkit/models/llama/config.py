@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models.llama.config import LlamaConfig, head_dim, kv_heads
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

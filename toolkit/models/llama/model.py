@@ -40,7 +40,7 @@ from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
-from toolkit.registry import register_model
+from toolkit.core.registry import register_model
 
 
 class RMSNorm(nn.Module):

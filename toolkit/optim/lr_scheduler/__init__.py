@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from toolkit.registry import LR_SCHEDULER_REGISTRY
+from toolkit.core.registry import LR_SCHEDULER_REGISTRY
 
 
 class LRScheduler:
@@ -60,7 +60,7 @@ class LRScheduler:
 
 def build_lr_scheduler_from_section(name: str, section: Any, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """The registered scheduler ``name`` with its own options ``section``, driving ``optimizer``."""
-    from toolkit.registry import import_submodules
+    from toolkit.core.registry import import_submodules
 
     import_submodules(__name__)
     return LR_SCHEDULER_REGISTRY.get(name).cls(section, optimizer)
@@ -68,8 +68,8 @@ def build_lr_scheduler_from_section(name: str, section: Any, optimizer: torch.op
 
 def build_lr_scheduler(values: Any, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """Build ``values["lr_scheduler"]`` from a flat dict (or namespace) of options, e.g. in tests."""
-    from toolkit.options import config_from_args
-    from toolkit.registry import import_submodules
+    from toolkit.config.options import config_from_args
+    from toolkit.core.registry import import_submodules
 
     import_submodules(__name__)
     values = values if isinstance(values, dict) else vars(values)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import opt
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
-from toolkit.registry import register_lr_scheduler
+from toolkit.core.registry import register_lr_scheduler
 
 
 @dataclass

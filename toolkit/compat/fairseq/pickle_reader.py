@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 class RefusedObject(pickle.UnpicklingError):

@@ -20,10 +20,11 @@ from typing import ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import torch
 
-from toolkit import inference, options
+from toolkit import inference
+from toolkit.config import options
 from toolkit.config import opt
-from toolkit.errors import UserError
-from toolkit.flag_types import count_or_zero, positive_int
+from toolkit.core.errors import UserError
+from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
 from toolkit.generation.sequence_generator import BrokenModelOutput, SequenceGenerator

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def describe_os_error(path: str, error: OSError) -> str:

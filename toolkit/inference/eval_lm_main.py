@@ -1,7 +1,7 @@
 """toolkit-eval-lm's options (fairseq-eval-lm's names and meanings) and its main loop.
 
 The command line module only parses these options and calls :func:`main`. The
-arithmetic lives in :mod:`toolkit.eval_lm`.
+arithmetic lives in :mod:`toolkit.inference.eval_lm`.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from toolkit import eval_lm as E
+from toolkit.inference import eval_lm as E
 from toolkit import inference
 from toolkit.config import opt
-from toolkit.errors import UserError
-from toolkit.flag_types import count_or_zero, positive_int
+from toolkit.core.errors import UserError
+from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask

@@ -3,12 +3,12 @@
 Reading (``toolkit-eval-lm --path``, the hub, ``load_fairseq_into_trainer``): a
 file written by fairseq 0.10 (options in ``args``, an ``argparse.Namespace``) or
 by fairseq 0.10.1-0.12/main (options in ``cfg``: a DictConfig or plain dict with
-``model``/``task`` sections) is read by :mod:`toolkit.checkpoint.fairseq_pickle`
+``model``/``task`` sections) is read by :mod:`toolkit.compat.fairseq.pickle_reader`
 (a restricted unpickler), its options become our ``TransformerLMConfig`` values
 (:func:`toolkit_cfg`) and its weights our names (:func:`to_toolkit_weights`).
 fairseq features we do not implement are refused with one line naming the flag.
 
-Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.checkpoint.fairseq_export`,
+Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.compat.fairseq.export`,
 which documents the key layout it writes.
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.checkpoint import fairseq_pickle, integrity
-from toolkit.errors import UserError
+from toolkit.checkpoint import integrity
+from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from toolkit import registry
+    from toolkit.core import registry
     from toolkit.checkpoint.consolidated import FULL_STATE
 
     state = read_checkpoint(path) if state is None else state

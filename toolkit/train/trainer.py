@@ -20,13 +20,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.amp_retries import AmpBatchRetries
+from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.config import TrainConfig
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
-from toolkit.ema import EMA
+from toolkit.train.ema import EMA
 from toolkit.logging import metrics
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils

@@ -7,7 +7,7 @@ does the same. One difference: fairseq resets its retry counter only when it ski
 retries used on earlier batches that then succeeded count against later ones; here the counter
 is per batch, as the flag's help ("number of retries of same batch") says.
 
-Retries need loss scaling: ``--amp`` is the ``--fp16`` path on a GPU (toolkit.fairseq_flags);
+Retries need loss scaling: ``--amp`` is the ``--fp16`` path on a GPU (toolkit.compat.fairseq.flags);
 on CPU it runs fp32, nothing overflows, and the flag has no effect (one INFO line says so).
 """
 from __future__ import annotations

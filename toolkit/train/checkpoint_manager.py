@@ -11,13 +11,14 @@ from typing import Any, Dict, Optional
 
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from toolkit.checkpoint import (consolidated, fairseq_checkpoint, fairseq_shards, finetune, resume, sharded,
-                                stale_files, write_errors)
+from toolkit.checkpoint import consolidated, finetune, resume, sharded, stale_files, write_errors
+from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
+from toolkit.compat.fairseq import shards as fairseq_shards
 from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
-from toolkit import ema as ema_module
-from toolkit.errors import UserError
+from toolkit.train import ema as ema_module
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,15 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from toolkit import options, registry
+from toolkit.config import options
+from toolkit.core import registry
 from toolkit.checkpoint import identity
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
-from toolkit.checkpoint.fairseq_checkpoint import (check_weights, fold_adaptive_aliases, import_checkpoint,
+from toolkit.compat.fairseq.checkpoint import (check_weights, fold_adaptive_aliases, import_checkpoint,
                                                    is_fairseq_checkpoint, read_checkpoint)
 from toolkit.models import build_model
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 
 def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
@@ -29,7 +30,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
 
     Reads toolkit checkpoints, fairseq ``transformer_lm`` ones (see
-    :mod:`toolkit.checkpoint.fairseq_checkpoint`) and the ``model.safetensors`` of a
+    :mod:`toolkit.compat.fairseq.checkpoint`) and the ``model.safetensors`` of a
     ``toolkit-export --format safetensors`` folder (no pickle; options from its ``config.json``);
     ``overrides`` replace saved options (fairseq's ``--model-overrides``).
     """

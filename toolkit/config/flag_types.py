@@ -1,7 +1,7 @@
 """Argument types: fairseq's list-valued flags (``--lr 0.1,0.05``, ``--update-freq 2,4``) and bounded counts.
 
 A single value parses to a plain number, so code reading the flag as a number keeps
-working; several values parse to a tuple, which :func:`toolkit.resolve` splits into the
+working; several values parse to a tuple, which :func:`toolkit.train.resolve` splits into the
 first value and the per-epoch list.
 
 The bounded counts refuse, at parse time, the values that would otherwise mean something

@@ -29,7 +29,7 @@ import torch
 
 from toolkit import inference
 from toolkit.data.batching import batch_by_size, filter_by_size
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

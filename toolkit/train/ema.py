@@ -8,7 +8,7 @@ weights' dtype) and is saved in the checkpoint's ``extra_state["ema"]`` (fairseq
 keyed by the model's own state-dict names. It is not used for training or validation;
 evaluate it by loading that state into a model (``EMA.copy_to``).
 
-Only whole (unsharded) weights are averaged: toolkit.resolve refuses ``--store-ema`` with
+Only whole (unsharded) weights are averaged: toolkit.train.resolve refuses ``--store-ema`` with
 FSDP2 or tensor parallelism.
 
 ``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
@@ -26,7 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from toolkit.config import EMAConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class EMA:
 def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The moving average saved in checkpoint ``path`` under our names, checked against ``shadow``'s names
     and shapes (a toolkit or fairseq checkpoint; loaded without unpickling arbitrary objects)."""
-    from toolkit.checkpoint import fairseq_checkpoint
+    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
 
     state = fairseq_checkpoint.read_checkpoint(path)
     return saved_average(path, state, model, shadow, flag=f"--ema-seed-model {path}")
@@ -112,7 +112,7 @@ def has_saved_average(state: Dict) -> bool:
 def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[str, torch.Tensor],
                   flag: str) -> Dict[str, torch.Tensor]:
     """``state``'s (read from ``path``) moving average under our names, checked against ``shadow``."""
-    from toolkit.checkpoint import fairseq_checkpoint
+    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
 
     saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
     if not isinstance(saved, dict) or not saved:
@@ -137,8 +137,8 @@ def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[s
 def _from_fairseq(path: str, state: Dict, saved: Dict[str, torch.Tensor], model: torch.nn.Module
                   ) -> Dict[str, torch.Tensor]:
     """A fairseq EMA (its model's ``state_dict()``) under our names, mapped as its model weights are."""
-    from toolkit import registry
-    from toolkit.checkpoint import fairseq_checkpoint
+    from toolkit.core import registry
+    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
 
     registry.import_all_components()
     imported = fairseq_checkpoint.import_checkpoint(f"--ema-seed-model {path}", dict(state, model=saved),

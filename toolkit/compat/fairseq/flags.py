@@ -1,4 +1,4 @@
-"""fairseq's names and list forms of flags we already have, resolved once (called by :mod:`toolkit.resolve`).
+"""fairseq's names and list forms of flags we already have, resolved once (called by :mod:`toolkit.train.resolve`).
 
 =====================================  =================================================
 given                                  resolved to
@@ -13,10 +13,10 @@ no ``--distributed-world-size``        every visible GPU (one process each, spaw
 ``--amp``                              ``--fp16`` on a GPU (autocast over fp32 weights, dynamic
                                        loss scaling); fp32 on CPU
 ``--amp-batch-retries N``              an overflowing batch retried N times before it is skipped
-                                       (toolkit.amp_retries); INFO "no effect" without loss scaling
+                                       (toolkit.train.amp_retries); INFO "no effect" without loss scaling
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
 ``--update-freq 2,4``                  ``update_freq`` 2, ``update_freq_per_epoch`` (2, 4)
-``--ema-seed-model PATH``              the EMA starts at PATH's saved average (toolkit.ema); INFO "no
+``--ema-seed-model PATH``              the EMA starts at PATH's saved average (toolkit.train.ema); INFO "no
                                        effect" without --store-ema
 =====================================  =================================================
 """
@@ -32,8 +32,8 @@ import torch
 from toolkit.checkpoint import finetune
 from toolkit.config import TrainConfig
 from toolkit.distributed import launch
-from toolkit.errors import UserError
-from toolkit.flag_types import as_tuple
+from toolkit.core.errors import UserError
+from toolkit.config.flag_types import as_tuple
 
 DDP_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 DEFAULT_BUCKET_CAP_MB = 25

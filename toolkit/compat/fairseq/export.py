@@ -42,8 +42,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from toolkit.checkpoint.fairseq_checkpoint import is_fairseq_checkpoint, read_checkpoint
-from toolkit.errors import UserError
+from toolkit.compat.fairseq.checkpoint import is_fairseq_checkpoint, read_checkpoint
+from toolkit.core.errors import UserError
 
 # Every field of fairseq's TransformerLanguageModelConfig, at fairseq's defaults (ours override them).
 FAIRSEQ_MODEL_DEFAULTS: Dict[str, Any] = {
@@ -155,7 +155,7 @@ def to_fairseq_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def export(source: str, output: str) -> Dict[str, int]:
     """Write ``source`` (a toolkit ``.pt``) as a fairseq checkpoint at ``output`` (atomically)."""
-    from toolkit.fileio import atomic_write
+    from toolkit.core.fileio import atomic_write
 
     state = read_checkpoint(source)
     if is_fairseq_checkpoint(state) or "cfg" not in state or "model" not in state:

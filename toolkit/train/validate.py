@@ -18,15 +18,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from toolkit import options, registry
+from toolkit.config import options
+from toolkit.core import registry
 from toolkit.config import opt
-from toolkit.errors import UserError
-from toolkit.eval_lm_main import parse_overrides
+from toolkit.core.errors import UserError
+from toolkit.inference.eval_lm_main import parse_overrides
 from toolkit.evaluation.loading import load_for_eval
 from toolkit.logging import metrics, progress_bar
 from toolkit.logging.setup import setup_logging
-from toolkit.train_loop import valid_totals
-from toolkit.trainer import move_to_device
+from toolkit.train.train_loop import valid_totals
+from toolkit.train.trainer import move_to_device
 
 logger = logging.getLogger("toolkit_cli.validate")
 

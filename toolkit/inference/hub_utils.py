@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from toolkit import inference
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.tokenizers import load_tokenizer_for_data_bin
 

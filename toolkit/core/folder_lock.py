@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Iterator, Optional
 
-from toolkit.errors import UserError
-from toolkit.preflight import describe_os_error
+from toolkit.core.errors import UserError
+from toolkit.core.preflight import describe_os_error
 
 SAVE_DIR_LOCK = ".toolkit.lock"
 

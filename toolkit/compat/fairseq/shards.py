@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from toolkit.checkpoint.common import TrainingState, first_line
 from toolkit.config import CheckpointConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.models.init import canonical_name
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from toolkit.flag_types import count_or_minus_one, count_or_zero, float_list, int_list, positive_int
+from toolkit.config.flag_types import count_or_minus_one, count_or_zero, float_list, int_list, positive_int
 
 
 def opt(default, help: str, **metadata):
@@ -38,7 +38,7 @@ class CommonConfig:
     threshold_loss_scale: Optional[float] = opt(None, "never lower the loss scale below this")
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
     amp: bool = opt(False, "automatic mixed precision: fp16 autocast over fp32 weights with dynamic loss scaling "
-                           "(on CPU: see toolkit.resolve)")
+                           "(on CPU: see toolkit.train.resolve)")
     amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
                                     "lowered loss scale before skipping it")
 
@@ -85,7 +85,7 @@ class OptimizationConfig:
                               "gives epoch e the e-th value (the last repeats)", type=int_list, metavar="N[,N...]")
     lr: float = opt(0.25, "learning rate; a comma-separated list gives epoch e the e-th value under "
                           "--lr-scheduler fixed", type=float_list, metavar="LR[,LR...]")
-    # The list forms (fairseq's): filled by toolkit.resolve from --update-freq / --lr; the fields above hold
+    # The list forms (fairseq's): filled by toolkit.train.resolve from --update-freq / --lr; the fields above hold
     # the first value, which is what everything but the per-epoch choice uses.
     update_freq_per_epoch: Tuple[int, ...] = opt((), "--update-freq's values, one per epoch", cli=False)
     lr_per_epoch: Tuple[float, ...] = opt((), "--lr's values, one per epoch", cli=False)
@@ -197,7 +197,7 @@ class Components:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything ``toolkit-train`` was asked to do, typed and resolved once (toolkit.resolve).
+    """Everything ``toolkit-train`` was asked to do, typed and resolved once (toolkit.train.resolve).
 
     Each component receives its own section: the distributed section goes to the parallel
     strategy, the optimizer section to the optimizer, and so on. Nothing changes it after

@@ -1,7 +1,7 @@
 """The training loop: epochs of updates, validation, checkpoints, stopping (fairseq's ``train.py``).
 
 ``train(cfg)`` is what every rank of ``toolkit-train`` runs once the command line is
-resolved (:mod:`toolkit.resolve`) and the processes are launched
+resolved (:mod:`toolkit.train.resolve`) and the processes are launched
 (:mod:`toolkit.distributed.launch`)::
 
     env = init_distributed(...)                      # torchrun's / our launcher's process group
@@ -24,24 +24,24 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from toolkit.checkpoint import manager
+from toolkit.train import checkpoint_manager as manager
 from toolkit.checkpoint.common import BestTracker, TrainingState
 from toolkit.config import TrainConfig
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_model
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
-from toolkit.errors import Interrupted, UserError
+from toolkit.core.errors import Interrupted, UserError
 from toolkit.evaluation import during_training as harness_training
-from toolkit.flag_types import for_epoch
+from toolkit.config.flag_types import for_epoch
 from toolkit.logging import metrics, throughput
 from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.wandb_writer import finish as finish_wandb
 from toolkit.logging.wandb_writer import wrap_with_wandb
-from toolkit.preflight import check_writable_folder
-from toolkit.registry import CRITERION_REGISTRY, TASK_REGISTRY
-from toolkit.trainer import Trainer
+from toolkit.core.preflight import check_writable_folder
+from toolkit.core.registry import CRITERION_REGISTRY, TASK_REGISTRY
+from toolkit.train.trainer import Trainer
 
 logger = logging.getLogger("toolkit_cli.train")  # fairseq's log lines name the command (fairseq_cli.train)
 

@@ -2,7 +2,7 @@
 
 Each component registers its class together with the dataclass that declares its
 options; the command line is generated from those dataclasses (see
-``toolkit.options``), so an option is declared exactly once.
+``toolkit.config.options``), so an option is declared exactly once.
 """
 from __future__ import annotations
 

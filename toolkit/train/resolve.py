@@ -26,13 +26,13 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from toolkit import options
+from toolkit.config import options
 from toolkit.checkpoint.compat import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
-from toolkit.errors import UserError
+from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training
-from toolkit.fairseq_flags import check_list_flags, resolve_fairseq_flags, split_list_flags
-from toolkit.registry import (
+from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
+from toolkit.core.registry import (
     CRITERION_REGISTRY,
     LR_SCHEDULER_REGISTRY,
     OPTIMIZER_REGISTRY,

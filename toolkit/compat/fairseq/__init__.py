@@ -1,0 +1,2 @@
+"""All that exists only for fairseq: its flag aliases, checkpoint read/write, the restricted unpickler
+for its files and its ``-shard`` sets, kept in one place so the core does not carry them."""

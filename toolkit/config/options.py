@@ -1,0 +1,250 @@
+"""The command line, generated from options dataclasses.
+
+Every component declares its options once, as a dataclass whose fields carry
+``metadata={"help": ...}`` (and optionally ``"choices"``, ``"positional"``).
+This module turns those into argparse flags with fairseq's names
+(``decoder_embed_dim`` -> ``--decoder-embed-dim``) and back into dataclasses.
+
+Parsing happens in two passes, as in fairseq: the first pass reads which task,
+architecture, criterion, optimizer, scheduler and tokenizer were chosen (and
+imports ``--user-dir``); the second adds those components' options. A named
+architecture's values become defaults, so the user's own flags override them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
+
+from toolkit.core import registry
+from toolkit.core.registry import (
+    ARCH_CONFIG_FN,
+    CRITERION_REGISTRY,
+    LR_SCHEDULER_REGISTRY,
+    OPTIMIZER_REGISTRY,
+    TASK_REGISTRY,
+    TOKENIZER_REGISTRY,
+    Registry,
+    UnknownComponentError,
+)
+
+T = TypeVar("T")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, title: Optional[str] = None) -> None:
+    """Add one flag per dataclass field; a flag some other component already added is shared."""
+    assert is_dataclass(config_cls), config_cls
+    existing = {action.dest for action in parser._actions}
+    hints = typing.get_type_hints(config_cls)
+    group = parser.add_argument_group(title or config_cls.__name__)
+    for f in fields(config_cls):
+        if f.name in existing or f.metadata.get("cli") is False:
+            continue
+        tp = _unwrap_optional(hints[f.name])
+        default = _field_default(f)
+        kwargs: Dict[str, Any] = {"help": f.metadata.get("help", "")}
+        choices = f.metadata.get("choices")
+        if choices is None and typing.get_origin(tp) is typing.Literal:
+            choices = list(typing.get_args(tp))
+            tp = type(choices[0])
+        if tp is bool:
+            kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = f.metadata.get("type") or (tp if tp in (int, float, str) else str)
+            kwargs["default"] = default
+            if choices is not None:
+                kwargs["choices"] = choices
+            kwargs["metavar"] = f.metadata.get("metavar", f.name.upper().replace("_", "-"))
+        if default is not None and kwargs["help"] and "%(default)" not in kwargs["help"]:
+            kwargs["help"] += " (default: %(default)s)"
+        if f.metadata.get("positional"):
+            kwargs.pop("default", None)
+            if default is not None:
+                kwargs["nargs"] = "?"
+                kwargs["default"] = default
+            kwargs["metavar"] = f.name.upper()
+            group.add_argument(f.name, **kwargs)
+        else:
+            names = [flag_name(f.name)] + list(f.metadata.get("aliases", ()))
+            group.add_argument(*names, dest=f.name, **kwargs)
+
+
+def config_from_args(config_cls: Type[T], args: Any, **overrides: Any) -> T:
+    """Build a dataclass from a namespace (or dict), ignoring keys it does not declare."""
+    values = args if isinstance(args, dict) else vars(args)
+    kwargs = {}
+    for f in fields(config_cls):  # type: ignore[arg-type]
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return config_cls(**kwargs)
+
+
+class _ArchView:
+    """What an architecture function sees: the options the user gave keep their values.
+
+    fairseq's architectures read each option with a default (``getattr``), so a value derived from
+    another option follows the user's choice (``transformer_lm_gpt3_xl --decoder-embed-dim 1024``
+    gets an FFN of 4096). Here assignments to given options are ignored and reads see them.
+    """
+
+    def __init__(self, cfg: Any, given: Dict[str, Any]):
+        for name, value in given.items():
+            setattr(cfg, name, value)
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "_given", set(given))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._given:
+            setattr(self._cfg, name, value)
+
+
+def architecture_defaults(arch: str, given: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The model option values a named architecture sets, around the options the user ``given``."""
+    entry = registry.resolve_arch(arch)
+    if entry.config is None:
+        return {}
+    cfg = entry.config()
+    view = _ArchView(cfg, dict(given or {}))
+    if arch in ARCH_CONFIG_FN:
+        ARCH_CONFIG_FN[arch](view)
+    return dataclasses.asdict(cfg)
+
+
+def given_options(config: type, argv: Sequence[str]) -> Dict[str, Any]:
+    """The options of dataclass ``config`` that appear in ``argv``, with their parsed values."""
+    parser = OneLineErrorParser(add_help=False, allow_abbrev=False)
+    add_dataclass_options(parser, config)
+    values, _ = parser.parse_known_args(list(argv))
+    given = {}
+    for action in parser._actions:
+        if any(a == opt or a.startswith(opt + "=") for opt in action.option_strings for a in argv):
+            given[action.dest] = getattr(values, action.dest)
+    return given
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we keep its one-line ``prog: error: ...`` form."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:
+    group = parser.add_argument_group("components")
+    for reg in selectors:
+        group.add_argument(reg.flag, default=reg.default, metavar=reg.kind.upper(),
+                           help=f"registered {reg.kind} to use (default: %(default)s)")
+    if arch:
+        group.add_argument("--arch", "-a", default=None, metavar="ARCH",
+                           help="model architecture, e.g. transformer_lm_gpt3_small")
+    parser.add_argument("--user-dir", default=None, help="folder of plugins to import before parsing")
+
+
+def _selected(reg: Registry, name: Optional[str]) -> Optional[type]:
+    if name is None:
+        return None
+    return reg.get(name).config
+
+
+def build_parser(
+    prog: str,
+    base_configs: Sequence[type],
+    argv: Sequence[str],
+    selectors: Sequence[Registry] = (TASK_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY,
+                                     LR_SCHEDULER_REGISTRY, TOKENIZER_REGISTRY),
+    arch: bool = True,
+    description: Optional[str] = None,
+    imply: Optional[Callable[[argparse.Namespace, Set[str]], List[str]]] = None,
+) -> Tuple[argparse.ArgumentParser, List[str]]:
+    """The parser for the components ``argv`` chooses, and the argv to parse with it.
+
+    A first pass reads the selector flags (and imports ``--user-dir``); ``imply`` may then
+    add selector flags the user did not give (e.g. ``--optimizer cpu_adam`` under
+    ``--cpu-offload``), returned in front of ``argv``. Unknown component names exit with one
+    line listing the registered names.
+    """
+    argv = list(argv)
+
+    def fresh_parser(add_help: bool) -> argparse.ArgumentParser:
+        p = OneLineErrorParser(prog=prog, description=description, add_help=add_help, allow_abbrev=False)
+        _selectors(p, selectors, arch)
+        for cfg in base_configs:
+            add_dataclass_options(p, cfg)
+        return p
+
+    first_parser = fresh_parser(add_help=False)
+    first, _ = first_parser.parse_known_args(argv)
+    if first.user_dir:
+        registry.import_user_module(first.user_dir)
+    registry.import_all_components()
+    if imply is not None:
+        argv = imply(first, explicit_options(first_parser, argv)) + argv
+        first, _ = first_parser.parse_known_args(argv)
+
+    parser = fresh_parser(add_help=True)
+    try:
+        for reg in selectors:
+            cfg = _selected(reg, getattr(first, reg.flag[2:].replace("-", "_")))
+            if cfg is not None:
+                add_dataclass_options(parser, cfg, title=f"{reg.kind} options")
+        if arch and first.arch is not None:
+            entry = registry.resolve_arch(first.arch)
+            if entry.config is not None:
+                add_dataclass_options(parser, entry.config, title=f"model options ({first.arch})")
+                parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
+    except UnknownComponentError as e:
+        parser.exit(2, f"{prog}: error: {e}\n")
+    return parser, argv
+
+
+def parse_with_components(prog: str, base_configs: Sequence[type], argv: Optional[List[str]] = None,
+                          **kwargs: Any) -> argparse.Namespace:
+    """Two-pass parse: the chosen components decide which options exist (see :func:`build_parser`)."""
+    parser, argv = build_parser(prog, base_configs, list(sys.argv[1:] if argv is None else argv), **kwargs)
+    return parser.parse_args(argv)
+
+
+def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Set[str]:
+    """The destinations of the options that appear in ``argv`` (given by the user, not defaulted)."""
+    given = set()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if any(a == option or a.startswith(option + "=") for a in argv):
+                given.add(action.dest)
+    return given
+
+
+def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
+    """Only plain values survive, so a checkpoint holding them loads with ``weights_only=True``."""
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in vars(args).items() if isinstance(v, plain) or
+            (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
