@@ -18,7 +18,7 @@ from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.tokenizers import load_tokenizer_for_data_bin
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
 
 
 def from_pretrained(model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",

@@ -17,7 +17,7 @@ from typing import Callable, Optional, TypeVar
 
 from toolkit.config import CommonConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.amp_retries")  # the name in log lines, kept from before the move
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ import torch
 from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.ema")  # the name in log lines, kept from before the move
 
 CHECKPOINT_KEY = "ema"  # fairseq's trainer.state_dict()["extra_state"]["ema"]
 

@@ -42,7 +42,7 @@ from toolkit.core.registry import (
     resolve_arch,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.resolve")  # the name in log lines, kept from before the move
 
 DEFAULT_ARCH = "transformer_lm"
 DEFAULT_MAX_TOKENS = 4096

@@ -34,7 +34,7 @@ from toolkit.optim.grad_norm import total_norm as total_grad_norm
 from toolkit.optim.loss_scaler import DynamicLossScaler
 from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.trainer")  # the name in log lines, kept from before the move
 
 
 def move_to_device(sample: Dict[str, Any], device: torch.device) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ from toolkit.checkpoint import integrity
 from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
 from toolkit.core.errors import UserError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.checkpoint.fairseq_checkpoint")  # the name in log lines, kept from before the move
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024  # fairseq's, for checkpoints that never set it
 _QKV = re.compile(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)")

@@ -19,7 +19,7 @@ from toolkit.config import CheckpointConfig
 from toolkit.core.errors import UserError
 from toolkit.models.init import canonical_name
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("toolkit.checkpoint.fairseq_shards")  # the name in log lines, kept from before the move
 
 
 def fairseq_shard_files(path: str) -> List[str]:
