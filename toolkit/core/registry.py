@@ -112,6 +112,18 @@ def import_submodules(package_name: str) -> None:
             importlib.import_module(f"{package_name}.{info.name}")
 
 
+# The hub interface (a trained model with encode/decode/score/sample) is built by the inference layer,
+# above models; a model class's fairseq-style ``from_pretrained`` reaches it by this name, the way
+# components are found by package name, so models never import upward.
+HUB_MODULE = "toolkit.inference.hub_utils"
+
+
+def hub_from_pretrained(model_name_or_path: str, checkpoint_file: str, data_name_or_path: str, **kwargs):
+    """The inference layer's ``from_pretrained`` (see ``HUB_MODULE``)."""
+    return importlib.import_module(HUB_MODULE).from_pretrained(model_name_or_path, checkpoint_file,
+                                                               data_name_or_path, **kwargs)
+
+
 _COMPONENT_PACKAGES = (
     "toolkit.tasks",
     "toolkit.models",

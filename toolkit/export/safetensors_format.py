@@ -15,13 +15,9 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from toolkit.core.errors import UserError
 from toolkit.export.common import DTYPES, StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-FORMAT_NAME = "toolkit-safetensors"
+from toolkit.inference.safetensors_read import CONFIG, FORMAT_NAME, WEIGHTS
 
 
 def dedupe_shared(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
@@ -77,32 +73,3 @@ def export_safetensors(loaded, out_dir: str, dtype: str = "fp32") -> str:
         copied = copy_data_bin_files(loaded.data_dir, tmp)
         progress.advance(f"copied {', '.join(copied)}")
     return out_dir
-
-
-def is_exported_folder(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, WEIGHTS)) and os.path.isfile(os.path.join(folder, CONFIG))
-
-
-def read_exported(path: str) -> Dict[str, Any]:
-    """A checkpoint-shaped dict ``{"cfg", "model"}`` from ``model.safetensors`` and its ``config.json``.
-
-    Values are fp32 whatever the stored dtype, as a training checkpoint's are.
-    """
-    load_file = require("safetensors.torch", "safetensors").load_file
-    config_path = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
-    if not os.path.isfile(path) or not os.path.isfile(config_path):
-        raise UserError(f"{path}: needs {CONFIG} beside it; give a folder written by toolkit-export --format "
-                        f"safetensors")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    if config.get("format") != FORMAT_NAME:
-        raise UserError(f"{config_path}: not written by toolkit-export --format safetensors "
-                        f"(format {config.get('format')!r})")
-    tensors = load_file(path)
-    for alias, name in config.get("tied", {}).items():
-        tensors[alias] = tensors[name]
-    state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-    cfg = dict(config["cfg"])
-    cfg.update(config.get("model", {}))
-    cfg.setdefault("data", os.path.dirname(os.path.abspath(path)))
-    return {"cfg": cfg, "model": state}

@@ -36,7 +36,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     """
     registry.import_all_components()
     if path.endswith(".safetensors"):
-        from toolkit.export.safetensors_format import read_exported
+        from toolkit.inference.safetensors_read import read_exported
 
         state = read_exported(path)
     else:

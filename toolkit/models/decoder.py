@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from toolkit.core import registry
 
 
 class KVCache:
@@ -71,9 +72,7 @@ class DecoderInterface:
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
                         data_name_or_path: str = ".", **kwargs):
         """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
-        from toolkit.inference.hub_utils import from_pretrained
-
-        return from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+        return registry.hub_from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
 
     def max_positions(self) -> int:
         return self.max_target_positions
