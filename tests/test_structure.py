@@ -161,3 +161,20 @@ def test_design_doc_names_every_package():
     text = open(os.path.join(REPO_ROOT, "docs", "design.md")).read()
     missing = [p for p in ORDER if p != "toolkit" and f"`{p.split('.', 1)[-1]}" not in text]
     assert not missing, f"docs/design.md does not describe {', '.join(missing)}: add it to its layer table"
+
+
+# What the library above compat/ takes from it: the adapter (fairseq's checkpoint files, for the run's
+# checkpoint manager, model loading and EMA) and the flag aliases (toolkit-train's resolution). The rest of
+# compat/fairseq/ is its own business, so a caller never branches on "is this fairseq".
+COMPAT_DOORS = {"toolkit.compat", "toolkit.compat.fairseq", "toolkit.compat.fairseq.adapter",
+                "toolkit.compat.fairseq.flags"}
+
+
+def test_library_reaches_fairseq_files_through_the_adapter():
+    files = module_files()
+    found = [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
+             for module, path in sorted(files.items())
+             if module.startswith("toolkit.") and package_of(module) != "toolkit.compat"
+             for target, line in import_sites(module, path, set(files))
+             if package_of(target) == "toolkit.compat" and target not in COMPAT_DOORS]
+    assert not found, "use toolkit.compat.fairseq.adapter (add what is missing there):\n" + "\n".join(found)

@@ -19,8 +19,7 @@ from toolkit.core import registry
 from toolkit.checkpoint import identity
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
-from toolkit.compat.fairseq.checkpoint import (check_weights, fold_adaptive_aliases, import_checkpoint,
-                                                   is_fairseq_checkpoint, read_checkpoint)
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.models import build_model
 from toolkit.core.errors import UserError
 
@@ -40,9 +39,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
 
         state = read_exported(path)
     else:
-        state = read_checkpoint(path)
-    if is_fairseq_checkpoint(state):
-        state = import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
+        state = fairseq_adapter.read_checkpoint(path)
+    state = fairseq_adapter.as_toolkit_state(path, state)
     if "cfg" not in state or "model" not in state:
         raise UserError(f"{path}: not a toolkit or fairseq checkpoint (no 'cfg'/'model' entries)")
     cfg = dict(state["cfg"])
@@ -59,9 +57,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
         model = build_model(args.arch, args, task)
     model.to_empty(device=device)
     model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
-    if "fairseq_source" in state:
-        state["model"] = fold_adaptive_aliases(path, model, state["model"])
-        check_weights(path, model, state["model"], state["fairseq_source"])
+    state["model"] = fairseq_adapter.model_weights(path, model, state)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "

@@ -1,7 +1,8 @@
 """Save and resume: picks the format (consolidated file, DCP folder, fairseq shard set) and the names.
 
 The loop calls :func:`save_checkpoint` and :func:`load_latest`; the formats live in
-``consolidated``, ``sharded`` and ``fairseq_shards``, what they share in ``common``.
+``toolkit.checkpoint`` (``consolidated``, ``sharded``, what they share in ``common``); fairseq's files
+come through :mod:`toolkit.compat.fairseq.adapter`.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from typing import Any, Dict, Optional
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from toolkit.checkpoint import consolidated, finetune, resume, sharded, stale_files, write_errors
-from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
-from toolkit.compat.fairseq import shards as fairseq_shards
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
@@ -69,7 +69,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     last = finetune.restore_path(ckpt_cfg)
     path, finetuning = finetune.choose(ckpt_cfg, os.path.exists(last) or sharded.find_sharded(last) is not None)
     if finetuning:
-        _load_finetune_weights(path, fairseq_checkpoint.read_checkpoint(path), cfg.model, trainer)
+        _load_finetune_weights(path, fairseq_adapter.read_checkpoint(path), cfg.model, trainer)
         return None
     load_args = (ckpt_cfg, cfg.model, cfg.components.optimizer, trainer, state)
     folder = sharded.find_sharded(path)
@@ -79,22 +79,22 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
                         f"{sharded.META_FILE}); it may be from a save that was interrupted")
     if not os.path.exists(path):
-        shards = fairseq_shards.fairseq_shard_files(path)
+        shards = fairseq_adapter.shard_files(path)
         if shards:
-            return fairseq_shards.load(shards, ckpt_cfg, trainer, state)
+            return fairseq_adapter.load_shards(shards, ckpt_cfg, trainer, state)
         finetune.log_fresh_start(ckpt_cfg, path)  # fairseq: a missing --restore-file starts a fresh run
         return None
-    checkpoint = fairseq_checkpoint.read_checkpoint(path)  # weights_only; fairseq's configs through an allowlist
-    if fairseq_checkpoint.is_fairseq_checkpoint(checkpoint):
-        return _load_fairseq(path, checkpoint, ckpt_cfg.reset_optimizer, trainer)
+    checkpoint = fairseq_adapter.read_checkpoint(path)  # weights_only; fairseq's configs through an allowlist
+    info = fairseq_adapter.load_into_trainer(path, checkpoint, trainer, ckpt_cfg.reset_optimizer)
+    if info is not None:
+        return _after_fairseq_load(path, checkpoint, info, trainer)
     return rescale_iterator_state(*consolidated.load(path, *load_args, checkpoint=checkpoint),
                                   trainer.strategy.dp_size)
 
 
-def _load_fairseq(path: str, checkpoint: Dict[str, Any], reset_optimizer: bool, trainer) -> Dict[str, Any]:
-    """A checkpoint written by fairseq: its weights, Adam moments where they map, its update count and epoch
+def _after_fairseq_load(path: str, checkpoint: Dict[str, Any], info: Dict[str, int], trainer) -> Dict[str, Any]:
+    """A checkpoint written by fairseq, its weights and Adam moments loaded: its update count, EMA and epoch
     (fairseq's data position does not map onto ours: the epoch starts over)."""
-    info = fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=checkpoint)
     trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
     _restore_ema(path, checkpoint, trainer, flag="--restore-file")
     logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
@@ -103,9 +103,7 @@ def _load_fairseq(path: str, checkpoint: Dict[str, Any], reset_optimizer: bool, 
 
 def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer) -> None:
     """A fine-tuning start: only the model weights of a toolkit or fairseq checkpoint."""
-    if fairseq_checkpoint.is_fairseq_checkpoint(checkpoint):
-        fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer=True, state=checkpoint)
-    else:
+    if fairseq_adapter.load_into_trainer(path, checkpoint, trainer, reset_optimizer=True) is None:
         if "model" not in checkpoint:
             raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
         check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),

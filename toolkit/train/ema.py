@@ -25,6 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError
 
@@ -98,9 +99,7 @@ class EMA:
 def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The moving average saved in checkpoint ``path`` under our names, checked against ``shadow``'s names
     and shapes (a toolkit or fairseq checkpoint; loaded without unpickling arbitrary objects)."""
-    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
-
-    state = fairseq_checkpoint.read_checkpoint(path)
+    state = fairseq_adapter.read_checkpoint(path)
     return saved_average(path, state, model, shadow, flag=f"--ema-seed-model {path}")
 
 
@@ -112,14 +111,11 @@ def has_saved_average(state: Dict) -> bool:
 def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[str, torch.Tensor],
                   flag: str) -> Dict[str, torch.Tensor]:
     """``state``'s (read from ``path``) moving average under our names, checked against ``shadow``."""
-    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
-
     saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
     if not isinstance(saved, dict) or not saved:
         raise UserError(f"{flag}: the checkpoint holds no moving average (extra_state[\"ema\"]); was it "
                         f"trained with --store-ema? To start from its model weights, use --finetune-from-model")
-    if fairseq_checkpoint.is_fairseq_checkpoint(state):
-        saved = _from_fairseq(path, state, saved, model)
+    saved = fairseq_adapter.average_weights(path, state, saved, unwrap(model))
     for key, avg in shadow.items():
         if key not in saved:
             raise UserError(f"{flag}: the saved moving average has no {key}; it was trained with another "
@@ -133,14 +129,3 @@ def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[s
                         f"same model options")
     return saved
 
-
-def _from_fairseq(path: str, state: Dict, saved: Dict[str, torch.Tensor], model: torch.nn.Module
-                  ) -> Dict[str, torch.Tensor]:
-    """A fairseq EMA (its model's ``state_dict()``) under our names, mapped as its model weights are."""
-    from toolkit.core import registry
-    from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
-
-    registry.import_all_components()
-    imported = fairseq_checkpoint.import_checkpoint(f"--ema-seed-model {path}", dict(state, model=saved),
-                                                    registry.resolve_arch("transformer_lm").config)
-    return fairseq_checkpoint.fold_adaptive_aliases(path, unwrap(model), imported["model"])

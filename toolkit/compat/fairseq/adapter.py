@@ -1,0 +1,69 @@
+"""The one door from the layers above into fairseq's checkpoint files.
+
+The run's checkpoint manager (``train/checkpoint_manager.py``), model loading (``toolkit.inference``) and
+EMA (``train/ema.py``) accept toolkit and fairseq checkpoints alike. Each function here takes any
+checkpoint, does the fairseq part where the file is fairseq's and nothing otherwise, so those callers never
+ask "is this fairseq?" and the fairseq details (its names, options, optimizer history, ``-shard`` sets)
+stay in this package.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
+from toolkit.compat.fairseq import shards as fairseq_shards
+from toolkit.core import registry
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """Any ``.pt`` checkpoint, ours or fairseq's, with ``weights_only`` (fairseq's options through an allowlist)."""
+    return fairseq_checkpoint.read_checkpoint(path)
+
+
+def as_toolkit_state(path: str, state: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"cfg", "model", ...}`` under our names: a fairseq file's options and weights imported, ours as is."""
+    if not fairseq_checkpoint.is_fairseq_checkpoint(state):
+        return state
+    registry.import_all_components()
+    return fairseq_checkpoint.import_checkpoint(path, state, registry.resolve_arch("transformer_lm").config)
+
+
+def model_weights(path: str, model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The weights to load into ``model`` from ``as_toolkit_state``'s result: a fairseq file's
+    adaptive-softmax aliases folded onto ``model``'s names and checked, ours as they are."""
+    if "fairseq_source" not in state:
+        return state["model"]
+    weights = fairseq_checkpoint.fold_adaptive_aliases(path, model, state["model"])
+    fairseq_checkpoint.check_weights(path, model, weights, state["fairseq_source"])
+    return weights
+
+
+def load_into_trainer(path: str, state: Dict[str, Any], trainer, reset_optimizer: bool
+                      ) -> Optional[Dict[str, int]]:
+    """A fairseq checkpoint's weights (and Adam moments unless ``reset_optimizer``) into ``trainer``:
+    ``{"num_updates", "epoch"}``; None when ``state`` is ours, which the caller loads itself."""
+    if not fairseq_checkpoint.is_fairseq_checkpoint(state):
+        return None
+    return fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=state)
+
+
+def average_weights(path: str, state: Dict[str, Any], saved: Dict[str, torch.Tensor],
+                    model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The moving average ``saved`` in checkpoint ``state`` under our names: fairseq's (its model's
+    ``state_dict()``) mapped as its model weights are, ours as is."""
+    if not fairseq_checkpoint.is_fairseq_checkpoint(state):
+        return saved
+    imported = as_toolkit_state(f"--ema-seed-model {path}", dict(state, model=saved))
+    return fairseq_checkpoint.fold_adaptive_aliases(path, model, imported["model"])
+
+
+def shard_files(path: str) -> List[str]:
+    """fairseq's ``-shard{N}.pt`` set standing for the missing file ``path`` (empty when there is none)."""
+    return fairseq_shards.fairseq_shard_files(path)
+
+
+def load_shards(shards: List[str], ckpt_cfg, trainer, state) -> Optional[Dict[str, Any]]:
+    """Resume from a fairseq ``-shard`` set (see :mod:`toolkit.compat.fairseq.shards`)."""
+    return fairseq_shards.load(shards, ckpt_cfg, trainer, state)
