@@ -1,6 +1,6 @@
 """What every checkpoint format shares: names, the training state, compatibility, optimizer switching, pruning.
 
-The formats (``consolidated``: one ``.pt`` file; ``sharded``: a DCP folder; ``fairseq_shards``:
+The formats (``consolidated``: one ``.pt`` file; ``sharded``: a DCP folder; ``toolkit.compat.fairseq.shards``:
 fairseq's ``-shard{N}.pt`` sets, read-only) differ only in how they store the model and
 optimizer tensors. Everything else a run needs to resume -- the trainer's counters, LR
 schedule and loss scale, the meters, the data position and the best metric -- is one
