@@ -11,8 +11,9 @@ PACKAGES = ("toolkit", "toolkit_cli")
 
 # The layer order, bottom first (docs/design.md explains each). A package may import only the packages
 # listed before it, so the order inside a layer matters too. ``toolkit`` is the root package's
-# ``__init__`` (the version only); ``toolkit.options`` is a fairseq-named facade for users and nothing in
-# the library imports it; ``toolkit_cli`` (the commands) parses flags and calls the layers below.
+# ``__init__`` (the version only); ``toolkit.options``, ``toolkit.checkpoint_utils`` and ``toolkit.utils`` are
+# fairseq-named facades for users (re-exports; a name may be listed before its module exists) and nothing in
+# the library imports them; ``toolkit_cli`` (the commands) parses flags and calls the layers below.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("toolkit", "toolkit.core")),
     ("config", ("toolkit.config",)),
@@ -26,7 +27,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("evaluation", ("toolkit.evaluation",)),
     ("train", ("toolkit.train",)),
     ("export", ("toolkit.export",)),
-    ("api facades", ("toolkit.options",)),
+    ("api facades", ("toolkit.options", "toolkit.checkpoint_utils", "toolkit.utils")),
     ("commands", ("toolkit_cli",)),
 ]
 ORDER = [package for _, packages in LAYERS for package in packages]
