@@ -1,0 +1,21 @@
+"""fairseq's ``fairseq.utils`` names (``from toolkit import utils``); see toolkit.compat.fairseq.utils."""
+from toolkit.compat.fairseq.utils import (  # noqa: F401
+    apply_to_sample,
+    convert_padding_direction,
+    eval_str_list,
+    get_activation_fn,
+    get_incremental_state,
+    get_perplexity,
+    import_user_module,
+    item,
+    log_softmax,
+    make_positions,
+    move_to_cpu,
+    move_to_cuda,
+    resolve_max_positions,
+    set_incremental_state,
+    set_torch_seed,
+    softmax,
+    split_paths,
+    strip_pad,
+)
