@@ -121,6 +121,25 @@ def test_tutorial_plugin_trains_evaluates_and_generates(data_bin, tmp_path):
                                            "--max-len-b", "5"])
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert sum(line.startswith("H-") for line in gen.stdout.splitlines()) == 2
+    _script_scores_equal_the_hub(ckpt, data_bin)
+
+
+def _script_scores_equal_the_hub(ckpt, data_bin):
+    """A fairseq-style script (checkpoint_utils.load_model_ensemble_and_task, imports renamed) scores the plugin
+    model by hand; the hub's scorer, another code path, gives the same sums."""
+    from toolkit.hub_utils import from_pretrained
+
+    sentences = ["the cat sat on the mat", "a dog ran"]
+    script = os.path.join(REPO_ROOT, "tests", "plugins", "score_sentences.py")
+    run = run_cli("tests.plugins.score_sentences", ["--path", ckpt, "--data", data_bin, "--user-dir", PLUGIN,
+                                                    *sentences])
+    assert run.returncode == 0 and os.path.isfile(script), run.stderr[-2000:]
+    rows = [line.split("\t") for line in run.stdout.strip().splitlines()]
+    assert [r[0] for r in rows] == sentences and {r[2] for r in rows} == {"tutorial_simple_lstm_lm"}
+    registry.import_user_module(PLUGIN)
+    hub = from_pretrained(os.path.dirname(ckpt), os.path.basename(ckpt), data_bin, device="cpu")
+    for row, result in zip(rows, hub.score(sentences)):
+        assert float(row[1]) == pytest.approx(result["positional_scores"].sum().item(), abs=1e-4)
 
 
 def test_eval_without_the_plugin_says_what_to_add(data_bin, tmp_path):

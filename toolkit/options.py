@@ -248,3 +248,17 @@ def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
     plain = (str, int, float, bool, type(None))
     return {k: v for k, v in vars(args).items() if isinstance(v, plain) or
             (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
+
+
+# fairseq's parser functions (``options.get_training_parser()``, ``options.parse_args_and_arch(parser)``), for
+# scripts that port by renaming the import; they live in toolkit.compat.fairseq.parsers, which builds on this
+# module, so they are looked up by name on first use (an import here would make the two modules a cycle).
+_FAIRSEQ_PARSER_NAMES = ("FairseqParser", "get_training_parser", "get_eval_lm_parser", "parse_args_and_arch")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FAIRSEQ_PARSER_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("toolkit.compat.fairseq.parsers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
