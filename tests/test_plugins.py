@@ -150,3 +150,21 @@ def test_eval_without_the_plugin_says_what_to_add(data_bin, tmp_path):
     ev = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", os.path.join(save, "checkpoint_last.pt"), "--cpu"])
     assert ev.returncode != 0
     assert "tutorial_simple_lstm_lm" in ev.stderr and "Traceback" not in ev.stderr
+
+
+def test_legacy_task_and_criterion_options_reach_the_run(data_bin, tmp_path):
+    """A task subclassing LanguageModelingTask and a FairseqCriterion, both declaring options with add_args:
+    the flags parse, are saved with the checkpoint, and --loss-weight 2 doubles the first update's loss."""
+    first = {}
+    for weight in ("1", "2"):
+        save = str(tmp_path / f"w{weight}")
+        run = run_cli("toolkit_cli.train", [
+            data_bin, *TINY, "--task", "language_modeling_with_tag", "--run-tag", "abc", "--criterion",
+            "weighted_cross_entropy", "--loss-weight", weight, "--optimizer", "adam", "--lr", "0.01",
+            "--batch-size", "4", "--max-update", "1", "--save-dir", save, "--cpu", "--num-workers", "0",
+            "--log-format", "json", "--log-interval", "1", "--disable-validation"])
+        assert run.returncode == 0, run.stderr[-2000:]
+        first[weight] = run.losses()[1]
+    assert first["2"] == pytest.approx(2 * first["1"], rel=2e-3)
+    saved = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)["cfg"]
+    assert (saved["run_tag"], saved["loss_weight"], saved["tokens_per_sample"]) == ("abc", 2.0, 32)

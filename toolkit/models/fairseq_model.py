@@ -17,6 +17,7 @@ renaming the import to ``toolkit.models``. What differs underneath, and is bridg
 from __future__ import annotations
 
 import copy
+import inspect
 import uuid
 from typing import Any, Dict, Optional
 
@@ -203,7 +204,13 @@ class FairseqLanguageModel(BaseFairseqModel):
 
     def forward(self, src_tokens, incremental_state: Optional[Dict] = None, **kwargs):
         """``incremental_state`` given: ``src_tokens`` are the tokens after the ones already seen
-        (the toolkit's generation protocol); the decoder is called with the prefix, fairseq's way."""
+        (the toolkit's generation protocol); the decoder is called with the prefix, fairseq's way.
+
+        ``src_lengths`` (from ``model(**sample["net_input"])``) reaches the decoder only when its
+        ``forward`` names it or takes ``**kwargs``; a decoder without it (the tutorial's) still runs.
+        """
+        if "src_lengths" in kwargs and not _accepts(self.decoder.forward, "src_lengths"):
+            kwargs.pop("src_lengths")
         if incremental_state is None:
             return self.decoder(src_tokens, **kwargs)
         return self._forward_new_tokens(src_tokens, incremental_state, **kwargs)
@@ -249,6 +256,11 @@ class FairseqLanguageModel(BaseFairseqModel):
     @property
     def supported_targets(self):
         return {"future"}
+
+
+def _accepts(fn, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class _FairseqModelBuilder:

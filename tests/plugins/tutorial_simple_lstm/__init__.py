@@ -2,4 +2,4 @@
 
 Used through ``--user-dir tests/plugins/tutorial_simple_lstm`` (tests/test_plugins.py, docs/plugins.md).
 """
-from . import simple_lstm_lm  # noqa: F401
+from . import legacy_components, simple_lstm_lm  # noqa: F401
