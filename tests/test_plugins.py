@@ -168,3 +168,30 @@ def test_legacy_task_and_criterion_options_reach_the_run(data_bin, tmp_path):
     assert first["2"] == pytest.approx(2 * first["1"], rel=2e-3)
     saved = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)["cfg"]
     assert (saved["run_tag"], saved["loss_weight"], saved["tokens_per_sample"]) == ("abc", 2.0, 32)
+
+
+def test_two_gloo_ranks_train_the_plugin_as_one_process(data_bin, tmp_path):
+    """DDP over 2 gloo ranks equals one process accumulating the same 2 batches (--update-freq 2):
+    the plugin's initial values (its own __init__ under --seed) and its updates agree bit for bit."""
+    common = [data_bin, *TINY, "--decoder-dropout", "0", "--optimizer", "adam", "--lr", "0.01", "--batch-size", "2",
+              "--max-update", "2", "--cpu", "--num-workers", "0", "--log-format", "json", "--log-interval", "1",
+              "--disable-validation"]
+    runs = {}
+    for name, extra in (("one", ["--update-freq", "2"]), ("two", ["--distributed-world-size", "2"])):
+        run = run_cli("toolkit_cli.train", [*common, "--save-dir", str(tmp_path / name), *extra])
+        assert run.returncode == 0, run.stderr[-2000:]
+        runs[name] = run
+    assert runs["one"].losses() == runs["two"].losses() and len(runs["one"].losses()) == 2
+    one, two = (torch.load(str(tmp_path / n / "checkpoint_last.pt"), weights_only=True)["model"] for n in ("one", "two"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_block_wrapping_flags_are_refused_for_a_model_without_blocks(task):
+    from toolkit.config import DistributedConfig
+    from toolkit.distributed.parallelize import check_blocks
+
+    model = _build(task)
+    check_blocks(model, DistributedConfig())  # plain training: fine
+    with pytest.raises(UserError, match="--checkpoint-activations: works on the blocks of model.layers, which "
+                                        "SimpleLSTMLanguageModel does not have"):
+        check_blocks(model, DistributedConfig(checkpoint_activations=True))
