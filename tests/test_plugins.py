@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -15,7 +16,17 @@ import torch
 from tests.lm_fixtures import make_data_bin
 from tests.train_helpers import REPO_ROOT, run_cli
 from toolkit import options, registry
+from toolkit.dataclass import ChoiceEnum, FairseqDataclass
 from toolkit.errors import UserError
+
+DEMO_MODE = ChoiceEnum(["none", "complete", "eos"])
+
+
+@dataclass
+class DemoConfig(FairseqDataclass):
+    break_mode: DEMO_MODE = field(default="none", metadata={"help": "how samples break"})
+    width: int = field(default=8, metadata={"help": "a width"})
+
 
 PLUGIN = os.path.join(REPO_ROOT, "tests", "plugins", "tutorial_simple_lstm")
 LINES = ["the cat sat on the mat", "a dog ran in the park", "the cat ran", "", "a dog sat on a mat"] * 8
@@ -195,3 +206,22 @@ def test_block_wrapping_flags_are_refused_for_a_model_without_blocks(task):
     with pytest.raises(UserError, match="--checkpoint-activations: works on the blocks of model.layers, which "
                                         "SimpleLSTMLanguageModel does not have"):
         check_blocks(model, DistributedConfig(checkpoint_activations=True))
+
+
+def test_fairseq_dataclass_options_become_flags_with_choices(capsys):
+    """A plugin declaring options fairseq's newer way (FairseqDataclass, ChoiceEnum) gets them as flags."""
+    from toolkit.models import FairseqLanguageModel, register_model
+
+    mode = DEMO_MODE
+
+    @register_model("test_plugins_enum_demo", dataclass=DemoConfig)
+    class Demo(FairseqLanguageModel):
+        pass
+
+    parser, argv = options.build_parser("demo", (), ["--arch", "test_plugins_enum_demo", "--break-mode", "eos"])
+    args = parser.parse_args(argv)
+    assert (args.break_mode, args.width) == ("eos", 8) and args.break_mode == mode.eos
+    assert "--_name" not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--arch", "test_plugins_enum_demo", "--break-mode", "zzz"])
+    assert "invalid choice: 'zzz' (choose from 'none', 'complete', 'eos')" in capsys.readouterr().err

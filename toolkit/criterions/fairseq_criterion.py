@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from toolkit import registry
+from toolkit.dataclass.utils import with_enum_choices
 from toolkit.legacy_args import legacy_config
 
 
@@ -68,8 +69,8 @@ class _CriterionBuilder:
 def register_criterion(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a criterion class (options: ``dataclass`` or its ``add_args``)."""
     def decorator(cls):
-        config = dataclass or legacy_config(registry.CRITERION_REGISTRY, "criterion", name, cls,
-                                            FairseqCriterion.add_args)
+        config = with_enum_choices(dataclass) if dataclass else legacy_config(
+            registry.CRITERION_REGISTRY, "criterion", name, cls, FairseqCriterion.add_args)
         registry.CRITERION_REGISTRY.register(name, config)(_CriterionBuilder(cls))
         return cls
 

@@ -46,3 +46,28 @@ class FairseqDataclass:
     @staticmethod
     def name():
         return None
+
+
+def with_enum_choices(config: type) -> type:
+    """``config`` with each ``ChoiceEnum``-typed field's members as its flag's choices (fairseq's parser lists
+    them; the toolkit's generator reads ``metadata["choices"]``). Other dataclasses come back unchanged."""
+    import typing
+    from dataclasses import fields, make_dataclass
+
+    try:
+        hints = typing.get_type_hints(config)
+    except NameError:  # an annotation naming something local to a function: its choices stay unchecked
+        hints = {f.name: f.type for f in fields(config)}
+    redone = []
+    for f in fields(config):
+        tp = hints.get(f.name)
+        tp = next((a for a in typing.get_args(tp) if isinstance(a, type) and issubclass(a, Enum)), tp)
+        if isinstance(tp, type) and issubclass(tp, Enum) and "choices" not in f.metadata:
+            default = f.default.value if isinstance(f.default, Enum) else f.default
+            meta = dict(f.metadata, choices=[m.value for m in tp])
+            redone.append((f.name, Optional[str], field(default=default, metadata=meta)))
+    if not redone:
+        return config
+    derived = make_dataclass(config.__name__, redone, bases=(config,))
+    derived.__module__, derived.__qualname__ = config.__module__, config.__qualname__
+    return derived

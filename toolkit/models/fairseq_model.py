@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit import registry
+from toolkit.dataclass.utils import with_enum_choices
 from toolkit import legacy_args
 
 #: keys of the toolkit-side incremental state of a :class:`FairseqLanguageModel`
@@ -288,8 +289,8 @@ class _FairseqModelBuilder:
 def register_model(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a model class under ``name`` (options: ``dataclass``, or its ``add_args``)."""
     def decorator(cls):
-        config = dataclass or legacy_args.legacy_config(registry.MODEL_REGISTRY, "model", name, cls,
-                                                        BaseFairseqModel.add_args)
+        config = with_enum_choices(dataclass) if dataclass else legacy_args.legacy_config(
+            registry.MODEL_REGISTRY, "model", name, cls, BaseFairseqModel.add_args)
         registry.MODEL_REGISTRY.register(name, config)(_FairseqModelBuilder(cls, name))
         return cls
 

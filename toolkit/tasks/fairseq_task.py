@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from toolkit import registry
+from toolkit.dataclass.utils import with_enum_choices
 from toolkit.data.dictionary import Dictionary
 from toolkit.legacy_args import legacy_config
 
@@ -75,7 +76,8 @@ class LegacyFairseqTask(FairseqTask):
 def register_task(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a task class (options: ``dataclass``, its ``add_args``, or its parent's)."""
     def decorator(cls):
-        config = dataclass or legacy_config(registry.TASK_REGISTRY, "task", name, cls, FairseqTask.add_args)
+        config = with_enum_choices(dataclass) if dataclass else legacy_config(
+            registry.TASK_REGISTRY, "task", name, cls, FairseqTask.add_args)
         return registry.TASK_REGISTRY.register(name, config)(cls)
 
     return decorator
