@@ -147,8 +147,7 @@ def _script_scores_equal_the_hub(ckpt, data_bin):
     assert run.returncode == 0 and os.path.isfile(script), run.stderr[-2000:]
     rows = [line.split("\t") for line in run.stdout.strip().splitlines()]
     assert [r[0] for r in rows] == sentences and {r[2] for r in rows} == {"tutorial_simple_lstm_lm"}
-    registry.import_user_module(PLUGIN)
-    hub = from_pretrained(os.path.dirname(ckpt), os.path.basename(ckpt), data_bin, device="cpu")
+    hub = from_pretrained(os.path.dirname(ckpt), os.path.basename(ckpt), data_bin, device="cpu", user_dir=PLUGIN)
     for row, result in zip(rows, hub.score(sentences)):
         assert float(row[1]) == pytest.approx(result["positional_scores"].sum().item(), abs=1e-4)
 

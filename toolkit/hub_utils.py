@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from toolkit import inference
+from toolkit import inference, registry
 from toolkit.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
@@ -31,12 +31,15 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     ``checkpoint_best.pt``, ``checkpoint_last.pt``, or the ``model.safetensors`` a ``toolkit-export
     --format safetensors`` folder holds (beside ``config.json`` and ``dict.txt``; loaded with no pickle).
     fairseq's keywords: ``bpe=`` / ``tokenizer=`` (with their options, e.g. ``gpt2_encoder_json=``)
-    choose the text processing (default: the data-bin's recorded BPE); the rest override saved options.
+    choose the text processing (default: the data-bin's recorded BPE); ``user_dir=`` imports a plugin
+    folder first; the rest override saved options.
     """
     path = checkpoint_path(model_name_or_path, checkpoint_file)
     data = data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path,
                                                                                     data_name_or_path)
     bpe_name, tokenizer_name, rest = split_hub_kwargs(kwargs)
+    if rest.get("user_dir"):  # fairseq's keyword: the plugin folder that registers the model
+        registry.import_user_module(rest.pop("user_dir"))
     tokenizer = build_tokenizer_kwarg(tokenizer_name, rest)
     bpe = build_bpe_kwarg(bpe_name, data.split(":")[0], rest)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -275,8 +275,8 @@ class _FairseqModelBuilder:
 
     def build_model(self, section: Any, task):
         config = registry.MODEL_REGISTRY.get(self.name).config
-        unset = legacy_args.unset_names(config)
-        args = legacy_args.legacy_args(section, task, unset) if unset or section is None else section
+        legacy = config is None or hasattr(config, legacy_args.UNSET_ATTR)  # options from add_args, or none
+        args = legacy_args.legacy_args(section, task, legacy_args.unset_names(config)) if legacy else section
         model = self.wrapped_class.build_model(args, task)
         if isinstance(model, BaseFairseqModel):  # how initial_value rebuilds it (see there)
             model.__dict__["_fairseq_build"] = (self.wrapped_class, args, task)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from toolkit import registry
 from toolkit.dataclass.utils import with_enum_choices
 from toolkit.data.dictionary import Dictionary
+from toolkit.errors import UserError
 from toolkit.legacy_args import legacy_config
 
 
@@ -44,7 +45,10 @@ class FairseqTask:
     def build_model(self, cfg: Any):
         from toolkit import models
 
-        return models.build_model(getattr(cfg, "arch", None) or cfg["arch"], cfg, self)
+        arch = cfg.get("arch") if isinstance(cfg, dict) else getattr(cfg, "arch", None)
+        if arch is None:
+            raise UserError("build_model: the options name no --arch")
+        return models.build_model(arch, cfg, self)
 
     def build_criterion(self, cfg: Any):
         name = getattr(cfg, "criterion", None) or registry.CRITERION_REGISTRY.default
