@@ -338,7 +338,7 @@ def test_import_gpt2_logits_match(tmp_path, tied):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     hub = from_pretrained(out, "model.pt", device="cpu")  # GPT-2's BPE, our dictionary: ids map one to one
     text = "the cat sat on the red mat"
-    gpt2_ids = [int(p) for p in hub.tokenizer.encode(text).split()]
+    gpt2_ids = [int(p) for p in hub.bpe.encode(text).split()]
     assert hub.encode(text).tolist() == ours_of[gpt2_ids].tolist() + [d.eos()]
 
 
@@ -387,5 +387,5 @@ def test_safetensors_folder_carries_the_bpe(tmp_path):
     original = from_pretrained(os.path.dirname(path), data_name_or_path=data_dir, device="cpu")
     exported = from_pretrained(out, device="cpu")
     text = "the red cat sat in the park"
-    assert exported.tokenizer is not None
+    assert exported.bpe is not None  # fairseq's name: bpe (subwords), tokenizer (words)
     assert torch.equal(original.score(text)["positional_scores"], exported.score(text)["positional_scores"])

@@ -118,7 +118,7 @@ def import_submodules(package_name: str) -> None:
 HUB_MODULE = "toolkit.inference.hub_utils"
 
 
-def hub_from_pretrained(model_name_or_path: str, checkpoint_file: str, data_name_or_path: str, **kwargs):
+def hub_from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str], data_name_or_path: str, **kwargs):
     """The inference layer's ``from_pretrained`` (see ``HUB_MODULE``)."""
     return importlib.import_module(HUB_MODULE).from_pretrained(model_name_or_path, checkpoint_file,
                                                                data_name_or_path, **kwargs)

@@ -147,6 +147,7 @@ def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
 def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
                 ) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
+    check_blocks(model, cfg)
     pin = torch.cuda.is_available() and env.device.type == "cuda"
     placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin)
     if cfg.fp8:
@@ -175,6 +176,19 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
         return model, AllReduceStrategy(model, env.world_size, **placement)
     return model, ParallelStrategy(**placement)
+
+
+def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
+    """Options that wrap each block of ``model.layers``, refused in one line for a model without them
+    (a plugin built on fairseq's base classes) instead of an AttributeError from inside the wrapping."""
+    if hasattr(model, "layers"):
+        return
+    wanted = [flag for flag, on in (("--checkpoint-activations", cfg.checkpoint_activations), ("--compile", cfg.compile),
+                                    ("--ddp-backend fully_sharded", cfg.ddp_backend == "fully_sharded"),
+                                    ("--model-parallel-size", cfg.model_parallel_size > 1), ("--fp8", cfg.fp8)) if on]
+    if wanted:
+        raise UserError(f"{wanted[0]}: works on the blocks of model.layers, which {type(model).__name__} does not "
+                        f"have; drop the flag (or give the model a ModuleList of blocks named layers)")
 
 
 def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv,

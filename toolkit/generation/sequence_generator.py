@@ -107,6 +107,7 @@ class SequenceGenerator:
         per_model = []
         for i, model in enumerate(self.models):
             out = model(tokens, incremental_state=states[i]) if states is not None else model(tokens)
+            out = out[0] if isinstance(out, tuple) else out  # fairseq-style models return (logits, extra)
             out = out[:, -1:] if last_only else out
             if self.cfg.temperature != 1.0:
                 out = out / self.cfg.temperature

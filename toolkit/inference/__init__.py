@@ -48,6 +48,9 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
         cfg["data"] = data_dir
     cfg.update(overrides or {})
     args = Namespace(**cfg)
+    if args.arch not in registry.ARCH_MODEL_NAME and args.arch not in registry.MODEL_REGISTRY:
+        raise UserError(f"{path}: trained with --arch {args.arch}, which no module registers here; pass --user-dir "
+                        f"with the plugin folder that registers it (the run used {cfg.get('user_dir')})")
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
@@ -97,6 +100,7 @@ def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, target
     per_model = []
     for model in models:
         out = model(inputs)
+        out = out[0] if isinstance(out, tuple) else out  # fairseq-style models return (logits, extra)
         flat, flat_tgt = out.reshape(1, -1, out.size(-1)), targets.reshape(-1)
         step = softmax_batch if 0 < softmax_batch < flat.size(1) else flat.size(1)
         parts = [model.get_normalized_probs(flat[:, s:s + step], log_probs=True)[0]
@@ -116,6 +120,7 @@ def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
     softmax over the vocabulary at every other position is never computed (memory and time).
     """
     def select(out: torch.Tensor) -> torch.Tensor:
+        out = out[0] if isinstance(out, tuple) else out  # fairseq-style models return (logits, extra)
         if positions is None:
             return out
         return out.gather(1, positions[:, :, None].expand(-1, -1, out.size(-1)))

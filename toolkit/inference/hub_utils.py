@@ -1,7 +1,8 @@
 """torch.hub / ``from_pretrained`` interface: text in, scores and samples out.
 
 The data-bin's tokenizer (whitespace or the BPE it was built with) is applied,
-so users pass raw sentences.
+so users pass raw sentences. fairseq's hub methods and keywords (``cfg``, ``src_dict``, ``binarize``,
+``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.inference.hub_fairseq`.
 """
 from __future__ import annotations
 
@@ -16,53 +17,50 @@ import torch
 from toolkit import inference
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
-from toolkit.tokenizers import load_tokenizer_for_data_bin
+from toolkit.inference.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
+                                  split_hub_kwargs)
 
 logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
 
 
-def from_pretrained(model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
-                    data_name_or_path: str = ".", device: Optional[str] = None) -> "LMHubInterface":
+def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = None,
+                    data_name_or_path: str = ".", device: Optional[str] = None, **kwargs) -> "LMHubInterface":
     """``model_name_or_path`` is a folder holding the checkpoint; the data-bin path is relative to it.
 
-    A folder written by ``toolkit-export --format safetensors`` (``model.safetensors`` beside
-    ``config.json`` and ``dict.txt``) loads as it is, with no pickle.
+    With no ``checkpoint_file``, the folder's ``model.pt`` (fairseq's release name), else
+    ``checkpoint_best.pt``, ``checkpoint_last.pt``, or the ``model.safetensors`` a ``toolkit-export
+    --format safetensors`` folder holds (beside ``config.json`` and ``dict.txt``; loaded with no pickle).
+    fairseq's keywords: ``bpe=`` / ``tokenizer=`` (with their options, e.g. ``gpt2_encoder_json=``)
+    choose the text processing (default: the data-bin's recorded BPE); ``user_dir=`` imports a plugin
+    folder first; the rest override saved options.
     """
-    path = os.path.join(model_name_or_path, checkpoint_file)
-    exported = os.path.join(model_name_or_path, "model.safetensors")
-    if not os.path.isfile(path) and os.path.isfile(exported):
-        path = exported
+    path = checkpoint_path(model_name_or_path, checkpoint_file)
     data = data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path,
                                                                                     data_name_or_path)
+    bpe_name, tokenizer_name, rest = split_hub_kwargs(kwargs)
+    if rest.get("user_dir"):  # fairseq's keyword: the plugin folder that registers the model
+        registry.import_user_module(rest.pop("user_dir"))
+    tokenizer = build_tokenizer_kwarg(tokenizer_name, rest)
+    bpe = build_bpe_kwarg(bpe_name, data.split(":")[0], rest)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    models, task, args = inference.load_ensemble(path, data, dev)
-    return LMHubInterface(models, task, args, tokenizer=load_tokenizer_for_data_bin(task.cfg.data.split(":")[0]))
+    models, task, args = inference.load_ensemble(path, data, dev, overrides=rest or None)
+    return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe)
 
 
-class LMHubInterface(torch.nn.Module):
-    def __init__(self, models: List[torch.nn.Module], task, args, tokenizer=None):
+class LMHubInterface(FairseqHubMethods, torch.nn.Module):
+    def __init__(self, models: List[torch.nn.Module], task, args, tokenizer=None, bpe=None):
         super().__init__()
         self.models = torch.nn.ModuleList(models)
-        self.task, self.args, self.tokenizer = task, args, tokenizer
+        self.task, self.args, self.tokenizer, self.bpe = task, args, tokenizer, bpe
         self.dictionary = task.dictionary
 
     @property
     def device(self) -> torch.device:
         return next(self.models[0].parameters()).device
 
-    def encode(self, sentence: str) -> torch.LongTensor:
-        """Text -> token ids, ending with </s> as in the data-bin."""
-        pieces = self.tokenizer.encode(sentence) if self.tokenizer else sentence
-        return self.dictionary.encode_line(pieces, append_eos=True).long()
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        text = self.dictionary.string(tokens)
-        return self.tokenizer.decode(text) if self.tokenizer else text
-
     @torch.no_grad()
-    def score(self, sentence: str) -> Dict[str, object]:
-        """Per-token log-probabilities (natural log) of the sentence and its perplexity."""
-        tokens = self.encode(sentence)
+    def score_tokens(self, tokens: torch.Tensor, **kwargs) -> Dict[str, object]:
+        """Per-token log-probabilities (natural log) of encoded tokens and their perplexity."""
         lprobs = inference.score_stream(list(self.models), tokens, self.dictionary.eos(),
                                         tokens_per_sample=self.args.tokens_per_sample, device=self.device)
         return {

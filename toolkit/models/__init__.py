@@ -86,3 +86,15 @@ def build_on_meta(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2
 def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, **overrides: Any) -> int:
     """Number of parameters (tied ones once) of a named architecture, e.g. ~175e9 for transformer_lm_gpt3_175."""
     return count_params(build_on_meta(arch, vocab_size, tokens_per_sample, **overrides))[0]
+
+
+# fairseq's names, so a plugin's ``from fairseq.models import ...`` ports by renaming the import
+# (toolkit.models.fairseq_model; docs/plugins.md).
+from toolkit.models.fairseq_model import (  # noqa: E402,F401
+    BaseFairseqModel,
+    FairseqDecoder,
+    FairseqIncrementalDecoder,
+    FairseqLanguageModel,
+    register_model,
+    register_model_architecture,
+)

@@ -69,7 +69,7 @@ class DecoderInterface:
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 
     @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "checkpoint_best.pt",
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: Optional[str] = None,
                         data_name_or_path: str = ".", **kwargs):
         """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
         return registry.hub_from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)

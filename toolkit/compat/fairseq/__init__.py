@@ -1,2 +1,4 @@
 """All that exists only for fairseq: its flag aliases, checkpoint read/write, the restricted unpickler
-for its files and its ``-shard`` sets, kept in one place so the core does not carry them."""
+for its files and its ``-shard`` sets, kept in one place so the core does not carry them. fairseq's Python
+names are the top-level modules fairseq scripts import (``toolkit.options``, ``toolkit.checkpoint_utils``,
+``toolkit.utils``; docs/fairseq_python_api.md)."""

@@ -22,6 +22,12 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     return fairseq_checkpoint.read_checkpoint(path)
 
 
+def is_fairseq_checkpoint(state: Any) -> bool:
+    """Only for fairseq's own Python API (``toolkit.checkpoint_utils``), which hands fairseq's files back in
+    fairseq's layout; the library's loaders use the functions below and never ask."""
+    return fairseq_checkpoint.is_fairseq_checkpoint(state)
+
+
 def as_toolkit_state(path: str, state: Dict[str, Any]) -> Dict[str, Any]:
     """``{"cfg", "model", ...}`` under our names: a fairseq file's options and weights imported, ours as is."""
     if not fairseq_checkpoint.is_fairseq_checkpoint(state):
