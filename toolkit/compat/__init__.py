@@ -1,0 +1,1 @@
+"""Compatibility with fairseq: its file formats, configs and Python surface."""

@@ -1,0 +1,1 @@
+"""fairseq-shaped inputs read here: its Hydra/YAML training configs (yaml_config)."""
