@@ -221,3 +221,17 @@ def test_hydra_train_runs_the_docs_config(tmp_path, data):
     assert run.returncode == 0, run.stderr[-3000:]
     assert os.path.isfile(os.path.join(save, "checkpoint_last.pt"))
     assert '"num_updates": "3"' in run.stdout
+
+
+def test_overrides_alone_as_in_the_docs_first_example(tmp_path, data):
+    """docs/hydra_integration.md, "1. Override default values through command line" (max_update made tiny):
+    model=transformer_lm/transformer_lm_gpt names fairseq's bundled config, here the architecture of that name."""
+    argv = hydra_train_argv(None, "config", [
+        "distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={data}",
+        "model=transformer_lm/transformer_lm_gpt", "task=language_modeling", "optimization.max_update=5",
+        f"checkpoint.save_dir={tmp_path}", "common.cpu=true"])
+    flags = [data, "--distributed-world-size", "1", "--batch-size", "2", "--arch", "transformer_lm_gpt", "--task",
+             "language_modeling", "--max-update", "5", "--save-dir", str(tmp_path), "--cpu"]
+    assert parse_train_config(argv) == parse_train_config(flags)
+    with pytest.raises(UserError, match=r"^the overrides: unknown group 'optimisation'"):
+        hydra_train_argv(None, "config", ["optimisation.max_update=5"])

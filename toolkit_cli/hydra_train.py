@@ -23,8 +23,9 @@ PROG = "toolkit-hydra-train"
 def parse(argv: List[str]) -> argparse.Namespace:
     parser = OneLineErrorParser(prog=PROG, description="Train from a fairseq-layout Hydra config.",
                                 allow_abbrev=False)
-    parser.add_argument("--config-dir", "--config-path", "-cd", "-cp", dest="config_dir", required=True,
-                        help="folder holding NAME.yaml and its group folders (model/, task/, ...)")
+    parser.add_argument("--config-dir", "--config-path", "-cd", "-cp", dest="config_dir", default=None,
+                        help="folder holding NAME.yaml and its group folders (model/, task/, ...); without it the "
+                             "overrides alone make the config (group=name names the component)")
     parser.add_argument("--config-name", "-cn", default="config", help="the config file, without .yaml "
                                                                        "(default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="key=value (optimization.max_update=100), group=option "

@@ -3,7 +3,9 @@
     toolkit-train data-bin/wikitext-103 --task language_modeling --arch transformer_lm \
         --optimizer adam --lr 0.0005 --max-tokens 2048 --max-update 1000
 
-This module only parses, resolves and launches; the loop is :mod:`toolkit.train_loop`.
+``--config FILE.yaml`` reads fairseq's YAML layout (the flags given after it win; see
+:mod:`toolkit.compat.fairseq.train_config`). This module only parses, resolves and launches; the loop
+is :mod:`toolkit.train_loop`.
 """
 from __future__ import annotations
 

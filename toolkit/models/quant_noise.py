@@ -2,11 +2,12 @@
 and ``--quant-noise-pq-block-size``.
 
 Training for later iterative product quantization (iPQ): in each training forward pass, the
-weight of every Linear/Embedding it covers is cut into blocks of ``block_size`` consecutive input
+weight of every Linear it covers is cut into blocks of ``block_size`` consecutive input
 features per output row, and each block is dropped with probability ``p``; the kept blocks are
 scaled by ``1 / (1 - p)`` so the expected weight is unchanged. Evaluation uses the weights as they
 are. Covered, as in fairseq's transformer LM: each block's attention projections (q/k/v and out)
-and FFN (fc1, fc2), and an adaptive input's embeddings and projections.
+and FFN (fc1, fc2), and an adaptive input's projections (fairseq's AdaptiveInput leaves its
+embeddings, and the adaptive softmax, without noise).
 
 One difference, on purpose: fairseq's hook writes the masked, rescaled weight back into the
 parameter (``mod.weight.data = s * weight.masked_fill(mask, 0)``), so the drops and the
@@ -41,20 +42,11 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, self.bias)
 
 
-def _embedding_forward(self: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
-    weight = noisy_weight(self.weight, self.quant_noise_p, self.quant_noise_block) if self.training else self.weight
-    return F.embedding(tokens, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                       self.sparse)
-
-
 def covered_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """The Linear/Embedding modules fairseq's transformer LM puts quant-noise on."""
+    """The Linear modules fairseq's transformer LM puts quant-noise on."""
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        in_adaptive_input = name.startswith("embed_tokens.embeddings.")
-        if isinstance(module, nn.Linear) and (leaf in BLOCK_LINEARS or in_adaptive_input):
-            yield name, module
-        elif isinstance(module, nn.Embedding) and in_adaptive_input:
+        if isinstance(module, nn.Linear) and (leaf in BLOCK_LINEARS or name.startswith("embed_tokens.embeddings.")):
             yield name, module
 
 
@@ -74,7 +66,6 @@ def apply_quant_noise(model: nn.Module, p: float, block_size: int) -> int:
                             f"not a multiple of it (fairseq: 'Input features must be a multiple of block sizes'); "
                             f"choose a block size dividing every layer's width")
         module.quant_noise_p, module.quant_noise_block = p, block_size
-        forward = _linear_forward if isinstance(module, nn.Linear) else _embedding_forward
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(_linear_forward, module)
         count += 1
     return count

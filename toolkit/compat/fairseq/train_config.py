@@ -34,9 +34,9 @@ def expand_config_flag(argv: Sequence[str]) -> List[str]:
     return train_argv(yaml_config.load_config_file(path), path) + rest
 
 
-def hydra_train_argv(config_dir: str, config_name: str, overrides: Sequence[str]) -> List[str]:
+def hydra_train_argv(config_dir: Optional[str], config_name: str, overrides: Sequence[str]) -> List[str]:
     """fairseq-hydra-train's ``--config-dir DIR --config-name NAME key=value ...`` as toolkit-train's argv."""
     from toolkit.compat.fairseq.hydra_compose import compose
 
     config, choices = compose(config_dir, config_name, overrides)
-    return train_argv(config, f"{config_dir}/{config_name}.yaml", choices)
+    return train_argv(config, f"{config_dir}/{config_name}.yaml" if config_dir else "the overrides", choices)

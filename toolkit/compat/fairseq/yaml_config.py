@@ -248,8 +248,12 @@ OVERRIDE = re.compile(r"^[+~]*(" + "|".join(OPTION_GROUPS + tuple(SELECTORS) + I
 
 def check_no_overrides(argv: Sequence[str], prog: str) -> None:
     """fairseq-hydra-train's ``key=value`` overrides given to toolkit-train would be read as DATA."""
+    previous = ""
     for arg in argv:
-        if OVERRIDE.match(arg) and not os.path.exists(arg):
+        # A bare group=value right after an option may be that option's value (--data-mixture dataset=...:1).
+        bare_after_option = previous.startswith("-") and "." not in arg.split("=", 1)[0]
+        previous = arg
+        if OVERRIDE.match(arg) and not bare_after_option and not os.path.exists(arg):
             raise UserError(f"{arg}: a Hydra override (key=value) is not a toolkit-train argument; run "
                             f"toolkit-hydra-train --config-dir DIR --config-name NAME {arg} ..., or give "
                             f"toolkit-train --config FILE.yaml and flags")
