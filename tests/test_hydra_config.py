@@ -186,10 +186,13 @@ def test_hydra_composes_group_files_and_overrides_as_the_flags(tmp_path, data):
     assert parse_train_config(again).task.tokens_per_sample == 32
 
 
-def test_unknown_keys_are_refused_unless_inert(tmp_path, data):
+def test_unknown_keys_are_refused_unless_inert(tmp_path, data, caplog):
     base = WIKI103.format(data=data, save=str(tmp_path / "c"))
-    inert = write(tmp_path / "inert.yaml", base + "  character_embeddings: false\n  quant_noise_scalar: 0\n")
-    parse_train_config(expand_config_flag(["--config", inert]))
+    inert = write(tmp_path / "inert.yaml", base + "  character_embeddings: false\n  quant_noise_scalar: 0\n"
+                                                  "generation:\n  beam: 5\n")
+    with caplog.at_level("INFO"):
+        parse_train_config(expand_config_flag(["--config", inert]))
+    assert f"{inert}: accepted, not read by training (no effect): generation" in caplog.messages
     bad = write(tmp_path / "bad.yaml", base.replace("  decoder_layers: 2", "  decoder_layers: 2\n  character_embeddings: true"))
     with pytest.raises(UserError, match=r"bad.yaml: model.character_embeddings=True: toolkit-train has no "
                                         r"--character-embeddings; remove the key \(or set it to null\)"):

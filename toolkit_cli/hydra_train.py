@@ -9,11 +9,13 @@ The composed config (Hydra: ``pip install hydra-core``) becomes toolkit-train's 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 from toolkit.compat.fairseq.train_config import hydra_train_argv
 from toolkit.errors import UserError
+from toolkit.logging.setup import setup_logging
 from toolkit.options import OneLineErrorParser
 from toolkit_cli import train as train_cli
 
@@ -35,6 +37,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
     try:
         train_argv = hydra_train_argv(args.config_dir, args.config_name, args.overrides)
     except UserError as e:

@@ -183,7 +183,7 @@ def option_argv(config: Dict[str, Any], parser: argparse.ArgumentParser, source:
                 continue
             argv += _flag(action, value)
     if ignored:
-        logger.info(f"{source}: groups {', '.join(ignored)} are not read by training (accepted, no effect)")
+        logger.info(f"{source}: accepted, not read by training (no effect): {', '.join(ignored)}")
     return argv
 
 
