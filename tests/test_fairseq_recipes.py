@@ -109,6 +109,17 @@ def test_quant_noise_drops_whole_blocks_only_in_training():
         TransformerLanguageModel(TransformerLMConfig(**{**cfg.__dict__, "quant_noise_pq_block_size": 3}), 24, 1)
 
 
+def test_quant_noise_trains_under_fully_sharded_on_two_gloo_ranks(data, tmp_path):
+    """FSDP2 gathers each block's weights before its forward: the noise applies to the whole weight there."""
+    run = run_cli("toolkit_cli.train", [data, "--save-dir", str(tmp_path), *SMALL_RUN, "--quant-noise-pq", "0.1",
+                                        "--distributed-world-size", "2", "--ddp-backend", "fully_sharded",
+                                        "--max-update", "3", "--disable-validation"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "num_updates: 3 >= max_update: 3" in run.stdout
+    saved = torch.load(os.path.join(tmp_path, "checkpoint_last.pt"), weights_only=True)
+    assert all(bool(torch.isfinite(v).all()) for v in saved["model"].values())
+
+
 def test_relu_dropout_is_fairseqs_fallback_for_activation_dropout():
     from toolkit.models.transformer_lm import TransformerBlock, TransformerLMConfig
 

@@ -157,7 +157,9 @@ def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEn
     if env.device.type == "cpu":
         # A CPU without native fp16/bf16 matmuls converts to fp32: its best rate is the ceiling either way
         # (the reduced dtype's measured rate alone once gave an MFU of 134% under --memory-efficient-fp16).
-        peak = max(shared_cpu_peak(env, dtype), shared_cpu_peak(env, torch.float32))
+        peak = shared_cpu_peak(env, dtype)
+        if dtype != torch.float32:
+            peak = max(peak, shared_cpu_peak(env, torch.float32))
     else:
         peak = throughput.peak_flops(env.device, dtype)
     logger.info(f"peak {dtype} throughput of this device: {peak / 1e9:.1f} GFLOP/s (for MFU)")
