@@ -160,6 +160,10 @@ def test_config_file_resolves_as_the_flags(tmp_path, data):
     assert from_file.checkpoint.save_interval_updates == 3  # ${optimization.max_update}
     # A flag after --config overrides the file, as on fairseq-hydra-train's command line.
     assert parse_train_config(expand_config_flag(["--config", path, "--max-update", "7"])).optimization.max_update == 7
+    # So does DATA: the command line's replaces task.data.
+    other = str(tmp_path / "other")
+    os.symlink(data, other)
+    assert parse_train_config(expand_config_flag(["--config", path, "--cpu", other])).task.data == other
 
 
 def test_pyyaml_reads_the_same_file_without_omegaconf(tmp_path, data, monkeypatch):

@@ -13,25 +13,38 @@ from toolkit.compat.fairseq import yaml_config
 PROG = "toolkit-train"
 
 
-def train_argv(config: Dict, source: str, choices: Optional[Dict[str, str]] = None) -> List[str]:
-    """The toolkit-train argv equivalent to the fairseq-layout ``config`` read from ``source``."""
+def _build_parser(argv: List[str]):
     from toolkit import options
     from toolkit.config import TRAIN_CONFIGS
     from toolkit.resolve import implied_selectors
 
-    def build_parser(selectors: List[str]):
-        return options.build_parser(PROG, TRAIN_CONFIGS, selectors, imply=implied_selectors)[0]
+    return options.build_parser(PROG, TRAIN_CONFIGS, argv, imply=implied_selectors)[0]
 
-    return yaml_config.config_to_argv(config, source, PROG, build_parser, choices)
+
+def train_argv(config: Dict, source: str, choices: Optional[Dict[str, str]] = None) -> List[str]:
+    """The toolkit-train argv equivalent to the fairseq-layout ``config`` read from ``source``."""
+    return yaml_config.config_to_argv(config, source, PROG, _build_parser, choices)
 
 
 def expand_config_flag(argv: Sequence[str]) -> List[str]:
-    """``argv`` with ``--config FILE.yaml`` replaced by the file's flags (the rest after them)."""
+    """``argv`` with ``--config FILE.yaml`` replaced by the file's flags (the rest after them); a DATA given
+    on the command line replaces the file's ``task.data``, as a flag replaces the file's value."""
     yaml_config.check_no_overrides(argv, PROG)
     path, rest = yaml_config.split_config_flag(argv)
     if path is None:
         return list(argv)
-    return train_argv(yaml_config.load_config_file(path), path) + rest
+    config = yaml_config.load_config_file(path)
+    task = config.get("task")
+    if isinstance(task, dict) and task.get("data") and _gives_data(config, path, rest):
+        config = dict(config, task={k: v for k, v in task.items() if k != "data"})
+    return train_argv(config, path) + rest
+
+
+def _gives_data(config: Dict, path: str, rest: List[str]) -> bool:
+    """Whether ``rest`` holds the positional DATA (parsed with the options of the components the file chooses)."""
+    argv = yaml_config.selector_argv(config, path) + rest
+    values, _ = _build_parser(argv).parse_known_args(argv)
+    return bool(getattr(values, "data", None))
 
 
 def hydra_train_argv(config_dir: Optional[str], config_name: str, overrides: Sequence[str]) -> List[str]:
