@@ -29,11 +29,14 @@ setup(
         "eval": ["lm-eval>=0.4,<0.5"],
         # toolkit-preprocess: *.parquet (pyarrow), --hf-dataset (datasets), *.jsonl.zst (zstandard)
         "data": ["datasets", "pyarrow", "zstandard"],
+        # toolkit-hydra-train (fairseq-hydra-train's configs); toolkit-train --config reads YAML with omegaconf
+        "hydra": ["hydra-core>=1.0.7", "omegaconf"],
     },
     entry_points={
         "console_scripts": [
             "toolkit-preprocess = toolkit_cli.preprocess:cli_main",
             "toolkit-train = toolkit_cli.train:cli_main",
+            "toolkit-hydra-train = toolkit_cli.hydra_train:cli_main",
             "toolkit-eval-lm = toolkit_cli.eval_lm:cli_main",
             "toolkit-eval-harness = toolkit_cli.eval_harness:cli_main",
             "toolkit-validate = toolkit_cli.validate:cli_main",

@@ -20,6 +20,8 @@ have datasets && have pyarrow && have zstandard \
 have torchao || "$PY" -m pip install -q --no-deps torchao
 # lm-evaluation-harness (toolkit-eval-harness, --eval-harness-tasks): checked not to replace torch.
 have lm_eval || "$PY" -m pip install -q "lm-eval==0.4.13" accelerate
+# Hydra (toolkit-hydra-train, toolkit-train --config): pure Python, checked not to replace torch.
+have hydra && have omegaconf || "$PY" -m pip install -q --upgrade-strategy only-if-needed hydra-core
 # DeepSpeed's setup.py imports torch, so it builds against the torch installed above.
 have deepspeed || "$PY" -m pip install -q --no-build-isolation deepspeed
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .

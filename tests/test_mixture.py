@@ -122,7 +122,7 @@ def test_resumes_exactly_after_kill_9(tmp_path, sources):
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if "saved checkpoint" in line and "checkpoint_1_5" in line:
+        if "Saved checkpoint" in line and "checkpoint_1_5" in line:
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()

@@ -13,8 +13,9 @@ from toolkit_cli.interactive import run
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
     from toolkit.inference.generate import GenerateConfig, generate_main
+    from toolkit.inference.results_file import generate_with_results_path
 
-    run("toolkit-generate", GenerateConfig, generate_main, argv,
+    run("toolkit-generate", GenerateConfig, generate_with_results_path, argv,
         "Generate from a language model with prompts from a data-bin split (fairseq's S-/T-/H-/D-/P- lines).")
 
 

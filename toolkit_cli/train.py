@@ -3,7 +3,9 @@
     toolkit-train data-bin/wikitext-103 --task language_modeling --arch transformer_lm \
         --optimizer adam --lr 0.0005 --max-tokens 2048 --max-update 1000
 
-This module only parses, resolves and launches; the loop is :mod:`toolkit.train.train_loop`.
+``--config FILE.yaml`` reads fairseq's YAML layout (the flags given after it win; see
+:mod:`toolkit.compat.fairseq.train_config`). This module only parses, resolves and launches; the loop
+is :mod:`toolkit.train.train_loop`.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import sys
 from typing import List, Optional
 
+from toolkit.train.config_file import expand_config_flag
 from toolkit.distributed import launch
 from toolkit.core.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
@@ -20,17 +23,18 @@ from toolkit.train.train_loop import train
 PROG = "toolkit-train"
 
 
-def cli_main(argv: Optional[List[str]] = None) -> None:
+def cli_main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     # The resolver's choices are logged once (by rank 0 under torchrun, task 0 under srun), before any worker starts.
     setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
     try:
-        cfg = parse_train_config(argv, prog=PROG, description="Train a language model.")
+        argv = expand_config_flag(sys.argv[1:] if argv is None else argv)  # --config FILE.yaml: its flags first
+        cfg = parse_train_config(argv, prog=prog, description="Train a language model.")
         launch.run(train, cfg)
     except (UserError, FloatingPointError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:  # Interrupted says where; before the loop there is nothing to say
-        print(f"{PROG}: error: {e if isinstance(e, Interrupted) else 'interrupted before the first update'}",
+        print(f"{prog}: error: {e if isinstance(e, Interrupted) else 'interrupted before the first update'}",
               file=sys.stderr)
         sys.exit(130)
 

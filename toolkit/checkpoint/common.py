@@ -240,3 +240,9 @@ def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
+
+def saved_line(path: str, state: TrainingState, seconds: float) -> str:
+    """fairseq's checkpoint_utils.save_checkpoint line, word for word (score: the validation loss, or None)."""
+    epoch = state.epoch_itr.epoch if state.epoch_itr is not None else None
+    return (f"Saved checkpoint {path} (epoch {epoch} @ {state.trainer.num_updates} updates, score {state.val_loss}) "
+            f"(writing took {seconds} seconds)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from toolkit.checkpoint.common import (
+    saved_line,
     TrainingState,
     check_resumable,
     saved_data_parallel_size,
@@ -34,7 +36,7 @@ from toolkit.checkpoint.common import (
     prune,
     switch_optimizer_state,
 )
-from toolkit.checkpoint import integrity
+from toolkit.checkpoint import integrity, layer_pruning
 from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
 from toolkit.config import CheckpointConfig
@@ -68,7 +70,7 @@ def build_checkpoint(run_cfg: Dict[str, Any], trainer, state: TrainingState, opt
 
 
 def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]) -> None:
-    """Write the first name atomically, then copy it to the others (each atomically)."""
+    """Write the first name atomically, then copy it to the others (each atomically); the caller logs it."""
     os.makedirs(save_dir, exist_ok=True)
     first = os.path.join(save_dir, names[0])
     with write_errors.reported(first, save_dir), atomic_write(first, "wb") as f:
@@ -78,14 +80,15 @@ def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]
         with write_errors.reported(target, save_dir), atomic_write(target, "wb") as dst, open(first, "rb") as src:
             while chunk := src.read(16 << 20):
                 dst.write(chunk)
-    logger.info(f"saved checkpoint {first} (also as {', '.join(names[1:]) or 'nothing else'})")
 
 
 def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: TrainingState, names: List[str],
          optimizer_name: Optional[str], is_master: bool) -> None:
     checkpoint = build_checkpoint(run_cfg, trainer, state, optimizer_name)
     if is_master:
+        started = time.perf_counter()
         write_checkpoint(checkpoint, cfg.save_dir, names)
+        logger.info(saved_line(os.path.join(cfg.save_dir, names[0]), state, time.perf_counter() - started))
         prune(cfg)
 
 
@@ -113,6 +116,7 @@ def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, 
     Returns the saved data position and the number of data-parallel replicas it was counted on.
     """
     checkpoint = load_checkpoint_file(path) if checkpoint is None else checkpoint
+    checkpoint = layer_pruning.prune_checkpoint(checkpoint, model_cfg)  # --decoder-layers-to-keep added
     check_compatible(path, checkpoint.get("cfg", {}), model_cfg, embed_rows(checkpoint["model"]),
                      len(trainer.task.dictionary))
     check_resumable(path, checkpoint.get("cfg", {}), checkpoint.get("extra_state"),

@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from toolkit.checkpoint import integrity
 from toolkit.checkpoint.common import (
+    saved_line,
     TrainingState,
     check_compatible,
     check_optimizer_switch,
@@ -161,7 +163,7 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
          optimizer_name: Optional[str], env) -> None:
     """Collective: every rank writes its shard of ``names[0]``; rank 0 publishes it (and copies to the others)."""
     folders = [os.path.join(cfg.save_dir, folder_name(n)) for n in names]
-    tmp = tmp_path(folders[0])
+    tmp, started = tmp_path(folders[0]), time.perf_counter()
     if env.is_master:
         os.makedirs(cfg.save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this run that failed
@@ -180,8 +182,7 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
             shutil.rmtree(other_tmp, ignore_errors=True)
             _link_tree(folders[0], other_tmp)
             _publish(other_tmp, other)
-        logger.info(f"saved sharded checkpoint {folders[0]} ({env.world_size} shards; also as "
-                    f"{', '.join(os.path.basename(f) for f in folders[1:]) or 'nothing else'})")
+        logger.info(f"{saved_line(folders[0], state, time.perf_counter() - started)} ({env.world_size} shards)")
         prune(cfg, folders=True)
     barrier()
 

@@ -41,6 +41,12 @@ class CommonConfig:
                            "(on CPU: see toolkit.train.resolve)")
     amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
                                     "lowered loss scale before skipping it")
+    # fairseq recipe flags (toolkit.config.recipe_flags says what each does here).
+    memory_efficient_bf16: bool = opt(False, "fairseq's bf16 without an fp32 copy of the weights: --bf16 here")
+    empty_cache_freq: int = opt(0, "release the CUDA caching allocator's free blocks every N updates (0: never)",
+                                type=count_or_zero)
+    all_gather_list_size: int = opt(16384, "fairseq's buffer for gathering logging stats (accepted; stats are "
+                                           "reduced as tensors here)")
 
 
 @dataclass
@@ -128,6 +134,8 @@ class DistributedConfig:
     distributed_backend: Optional[str] = opt(None, "process group backend (default: nccl on GPU, gloo on CPU, "
                                              "NCCL plus gloo for host-memory shards under --cpu-offload)",
                                              choices=["nccl", "gloo"])
+    distributed_no_spawn: bool = opt(False, "do not spawn processes: they are started by torchrun or srun "
+                                            "(toolkit-train never spawns under those)")
     distributed_port: int = opt(-1, "port for the spawned processes' rendezvous (-1: pick a free one)")
     ddp_backend: str = opt("c10d", "data parallel backend (fairseq's pytorch_ddp is c10d, legacy_ddp is no_c10d)",
                            choices=["c10d", "fully_sharded", "no_c10d", "pytorch_ddp", "legacy_ddp"])

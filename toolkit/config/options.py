@@ -160,13 +160,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:
     group = parser.add_argument_group("components")
-    for reg in selectors:
+    for reg in selectors:  # the help lists the names registered so far (all of them once imported)
         group.add_argument(reg.flag, default=reg.default, metavar=reg.kind.upper(),
-                           help=f"registered {reg.kind} to use (default: %(default)s)")
+                           help=f"registered {reg.kind} to use: {_listed(reg.names())} (default: %(default)s)")
     if arch:
         group.add_argument("--arch", "-a", default=None, metavar="ARCH",
-                           help="model architecture, e.g. transformer_lm_gpt3_small")
+                           help=f"model architecture: {_listed(registry.architecture_names())}")
     parser.add_argument("--user-dir", default=None, help="folder of plugins to import before parsing")
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(sorted(names)).replace("%", "%%") or "none registered yet"
 
 
 def _selected(reg: Registry, name: Optional[str]) -> Optional[type]:

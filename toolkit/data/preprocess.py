@@ -78,6 +78,9 @@ class PreprocessConfig:
     dataset_impl: str = field(default="mmap", metadata={
         "help": "output dataset implementation", "choices": ["mmap"], "metavar": "FORMAT"})
     dict_only: bool = field(default=False, metadata={"help": "only build the dictionary, binarize nothing"})
+    joined_dictionary: bool = field(default=False, metadata={
+        "help": "fairseq: one dictionary for source and target; language-model data has one side, so its "
+                "dictionary already is (accepted, no effect)"})
     overwrite: bool = field(default=False, metadata={
         "help": "replace an existing, non-empty --destdir; when adding splits to a data-bin (--srcdict), "
                 "replace only the files of the splits written"})
@@ -189,6 +192,9 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
     """Every problem that can be seen before any work starts, as one UserError; returns the input files."""
     if cfg.dataset_impl != "mmap":
         raise UserError(f"--dataset-impl {cfg.dataset_impl}: only mmap is supported")
+    if cfg.joined_dictionary:
+        logger.info("--joined-dictionary: accepted, no effect (language-model data has one side: its one "
+                    "dictionary is already the joined one)")
     if cfg.encoding_errors not in ENCODING_ERRORS:
         raise UserError(f"--encoding-errors {cfg.encoding_errors}: choose one of {', '.join(ENCODING_ERRORS)}")
     if cfg.workers < 1:

@@ -8,6 +8,8 @@ context, which lowers perplexity because fewer predictions start cold.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from argparse import Namespace
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -22,6 +24,8 @@ from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.models import build_model
 from toolkit.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
@@ -46,6 +50,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     cfg = dict(state["cfg"])
     if data_dir is not None:
         cfg["data"] = data_dir
+    warn_unknown_overrides(path, overrides, cfg)
     cfg.update(overrides or {})
     args = Namespace(**cfg)
     if args.arch not in registry.ARCH_MODEL_NAME and args.arch not in registry.MODEL_REGISTRY:
@@ -66,6 +71,21 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
         raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.eval(), task, args
+
+
+def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) -> None:
+    """--model-overrides keys that are no option of the checkpoint's model or task: one line (fairseq ignores
+    them without a word, so a misspelt key silently changed nothing)."""
+    known = set(saved) | set(model_option_names(saved.get("arch")))
+    unknown = sorted(set(overrides or {}) - known)
+    if unknown:
+        logger.warning(f"--model-overrides: {', '.join(unknown)} not an option of {path}'s model or task "
+                       f"(--arch {saved.get('arch')}); ignored")
+
+
+def model_option_names(arch: Optional[str]) -> List[str]:
+    entry = registry.resolve_arch(arch) if arch else None
+    return [f.name for f in dataclasses.fields(entry.config)] if entry is not None and entry.config else []
 
 
 def load_ensemble(paths: str, data_dir: Optional[str], device: torch.device,

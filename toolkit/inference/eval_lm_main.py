@@ -63,6 +63,12 @@ class EvalLMConfig:
     quiet: bool = opt(False, "accepted for fairseq compatibility (eval-lm only prints final scores anyway)")
     results_path: Optional[str] = opt(None, "accepted for fairseq compatibility (fairseq-eval-lm writes "
                                             "nothing there)")
+    required_batch_size_multiple: int = opt(8, "accepted for fairseq compatibility (fairseq-eval-lm does not "
+                                               "apply it either)", type=positive_int)
+    distributed_world_size: int = opt(1, "accepted for fairseq compatibility (eval-lm runs in one process)",
+                                      type=positive_int)
+    model_parallel_size: int = opt(1, "accepted for fairseq compatibility (the model is evaluated whole)",
+                                   type=positive_int)
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
     log_interval: int = opt(100, "log progress every N batches", type=positive_int)
     no_progress_bar: bool = opt(False, "disable the progress bar")
@@ -76,9 +82,13 @@ _NO_EFFECT = {
     "num_workers": "batches are built in this process",
     "quiet": "eval-lm prints only its final scores and the outputs asked for",
     "results_path": "fairseq-eval-lm writes no results file either",
+    "required_batch_size_multiple": "fairseq-eval-lm's batches do not apply it either (same batches, same sums)",
+    "distributed_world_size": "eval-lm runs in one process here (one device evaluates the whole model)",
+    "model_parallel_size": "the model is loaded whole and evaluated in one process",
 }
 _DEFAULTS = {"criterion": None, "max_target_positions": None, "skip_invalid_size_inputs_valid_test": False,
-             "num_workers": 1, "quiet": False, "results_path": None}
+             "num_workers": 1, "quiet": False, "results_path": None, "required_batch_size_multiple": 8,
+             "distributed_world_size": 1, "model_parallel_size": 1}
 
 
 def announce_ignored(cfg: EvalLMConfig) -> None:

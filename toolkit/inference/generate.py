@@ -52,6 +52,8 @@ class GenerationCommandConfig:
 class GenerateConfig(GenerationCommandConfig):
     gen_subset: str = opt("test", "data split to take prompts from")
     quiet: bool = opt(False, "only print the summary")
+    results_path: Optional[str] = opt(None, "write the output to RESULTS_PATH/generate-{gen_subset}.txt instead of "
+                                            "stdout (fairseq's file name)")
 
 
 @dataclass
@@ -140,8 +142,9 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
         except UserError as e:
             if gen_cfg.prefix_size > 0:
                 raise
+            eos = "" if session.task.cfg.sample_break_mode == "eos" else ", or --sample-break-mode eos for one line per sample"
             raise UserError(f"{e} (without --prefix-size each whole sample of --gen-subset is a prompt: "
-                            f"give --prefix-size N, or --sample-break-mode eos for one line per sample)") from None
+                            f"give --prefix-size N{eos})") from None
         if cfg.quiet:
             continue
         for sample_id, sample_hypos in zip(ids, hypos):

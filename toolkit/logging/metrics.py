@@ -411,8 +411,14 @@ def log_throughput(ntokens: Any, spec: "ThroughputSpec") -> None:
     log_speed("tps", float(to_python(ntokens)) / spec.world_size, priority=PRIORITY["tps"], round=1)
     if spec.peak_flops:
         fpt, peak = spec.flops_per_token, float(spec.peak_flops)
-        log_derived("mfu", lambda meters: round(100.0 * meters["tps"].avg * fpt / peak, 2) if "tps" in meters else 0.0,
+        log_derived("mfu", lambda meters: mfu_percent(meters["tps"].avg, fpt, peak) if "tps" in meters else 0.0,
                     priority=PRIORITY["mfu"])
+
+
+def mfu_percent(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation in percent, at most 100: a measured peak (CPU) is a sample that a
+    long run can beat; a share of the peak above it would only say the sample read low."""
+    return min(100.0, round(100.0 * tokens_per_second * flops_per_token / peak_flops, 2))
 
 
 def get_training_stats(name_or_stats: Any = "train_inner") -> Dict[str, Any]:

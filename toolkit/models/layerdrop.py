@@ -15,13 +15,16 @@ sets to ``seed + num_updates`` on every rank before each update, and the number 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from toolkit.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class LayerDrop(nn.Module):
@@ -68,12 +71,16 @@ def parse_layers_to_keep(text: Optional[str]) -> Optional[List[int]]:
 _LAYER = re.compile(r"^((?:.*\.)?layers\.)(\d+)(\..*)$")
 
 
-def prune_state_dict(state: Dict[str, torch.Tensor], keep: List[int], num_layers: int) -> Dict[str, torch.Tensor]:
+def prune_state_dict(state: Dict[str, Any], keep: List[int], num_layers: int, log: bool = True) -> Dict[str, Any]:
     """Layers ``keep`` of a full state dict, renumbered 0, 1, ...; a state dict that already has
-    ``num_layers`` (the pruned model's) layers is returned as it is (a pruned run's own checkpoint)."""
+    ``num_layers`` (the pruned model's) layers is returned as it is (a pruned run's own checkpoint).
+    Pruning logs fairseq's line (checkpoint_utils.prune_state_dict)."""
     saved = {int(m.group(2)) for m in map(_LAYER.match, state) if m}
     if len(saved) <= num_layers:
         return state
+    if log:
+        logger.info("Pruning model to specified layer configuration - this works best if the model was trained "
+                    "with LayerDrop")
     missing = [i for i in keep if i not in saved]
     if missing:
         raise UserError(f"--decoder-layers-to-keep: layers {missing} are not in the checkpoint "

@@ -56,6 +56,7 @@ from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
+from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.core.registry import register_model, register_model_architecture
 
@@ -94,6 +95,8 @@ class TransformerLMConfig:
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability for attention weights"})
     activation_dropout: float = field(
         default=0.0, metadata={"help": "dropout probability after activation in FFN."})
+    relu_dropout: float = field(
+        default=0.0, metadata={"help": "fairseq's older name of --activation-dropout, used when that is 0"})
     max_target_positions: Optional[int] = field(
         default=None, metadata={"help": "max number of tokens in the target sequence "
                                         "(default: --tokens-per-sample)"})
@@ -126,6 +129,12 @@ class TransformerLMConfig:
         default=False, metadata={"help": "if set, ties the weights of adaptive softmax and adaptive input"})
     tie_adaptive_proj: bool = field(
         default=False, metadata={"help": "if set, ties the projection weights of adaptive softmax and adaptive input"})
+    # Quant-Noise (see toolkit.models.quant_noise).
+    quant_noise_pq: float = field(
+        default=0.0, metadata={"help": "iterative PQ quantization noise at training time: blocks of weights "
+                                       "dropped with this probability"})
+    quant_noise_pq_block_size: int = field(
+        default=8, metadata={"help": "block size of quantization noise at training time"})
 
 
 class CausalSelfAttention(nn.Module):
@@ -176,7 +185,7 @@ class TransformerBlock(nn.Module):
         C = cfg.decoder_embed_dim
         self.normalize_before = cfg.decoder_normalize_before
         self.dropout = cfg.dropout
-        self.activation_dropout = cfg.activation_dropout
+        self.activation_dropout = cfg.activation_dropout or cfg.relu_dropout  # fairseq's fallback
         self.activation = ACTIVATIONS[cfg.activation_fn]
         self.self_attn_layer_norm = nn.LayerNorm(C)
         self.self_attn = CausalSelfAttention(cfg)
@@ -269,6 +278,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             self.adaptive_softmax: Optional[AdaptiveSoftmax] = None
             self.output_projection: Optional[nn.Linear] = None
             self._build_output_layer(cfg, vocab_size, C_out)
+        quant_noise.apply_quant_noise(self, cfg.quant_noise_pq, cfg.quant_noise_pq_block_size)
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)

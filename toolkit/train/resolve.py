@@ -234,5 +234,12 @@ def _check_values(cfg: TrainConfig) -> None:
         raise UserError("--decoder-layerdrop with --ddp-backend c10d on several ranks: DDP waits for every "
                         "parameter's gradient and a dropped layer gives none; use --ddp-backend no_c10d "
                         "(fairseq's legacy_ddp) or fully_sharded")
+    cutoff = getattr(cfg.model, "adaptive_softmax_cutoff", None)
+    if cutoff and cfg.components.criterion != "adaptive_loss":
+        raise UserError(f"--arch {cfg.components.arch} has an adaptive softmax (--adaptive-softmax-cutoff {cutoff}): "
+                        f"it must be used with --criterion adaptive_loss, got --criterion {cfg.components.criterion}")
+    if getattr(cfg.model, "quant_noise_pq", 0) > 0 and cfg.distributed.model_parallel_size > 1:
+        raise UserError("--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
+                        "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)")
     if opt.max_update <= 0 and opt.max_epoch <= 0 and opt.stop_time_hours <= 0:
         logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")
