@@ -22,7 +22,7 @@ PROG = "toolkit-plan"
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.plan import make_plan
+    from toolkit.plan import make_plan, table
     from toolkit.plan.hardware import add_hardware_args, hardware_from_args, split_hardware_args
     from toolkit.resolve import parse_train_config
 
@@ -52,7 +52,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    print(plan.table())
+    print(table(plan))
     sys.exit(0 if plan.fits else 3)
 
 

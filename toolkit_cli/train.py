@@ -7,6 +7,7 @@ This module only parses, resolves and launches; the loop is :mod:`toolkit.train_
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import List, Optional
@@ -14,6 +15,7 @@ from typing import List, Optional
 from toolkit.distributed import launch
 from toolkit.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
+from toolkit.plan import summary_for_train
 from toolkit.resolve import parse_train_config
 from toolkit.train_loop import train
 
@@ -25,6 +27,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
     try:
         cfg = parse_train_config(argv, prog=PROG, description="Train a language model.")
+        if cfg.common.plan:  # before the workers start: the prediction, then the measured MFU in the log
+            logging.getLogger("toolkit_cli.train").info(summary_for_train(cfg))
         launch.run(train, cfg)
     except (UserError, FloatingPointError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

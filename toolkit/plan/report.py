@@ -1,59 +1,11 @@
-"""How a plan reads: the per-rank table, the verdict with its reason, the one-line summary, and the
-first flag to change when it does not fit (found by planning the candidates, not by a rule of thumb)."""
+"""How a plan reads: the per-rank table, the verdict with its reason and the first flag to change, and the
+one-line summary ``toolkit-train --plan`` logs."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 from toolkit.plan.hardware import GIB
-
-# Tried in this order: cheapest first (no extra hardware, least speed lost).
-_GPU_FIXES = (
-    ("--checkpoint-activations", lambda s: not s.checkpoint, dict(checkpoint=True)),
-    ("--ddp-backend fully_sharded", lambda s: not s.fsdp and s.world > 1,
-     dict(fsdp=True, backend="fully_sharded", strategy="full_shard", reshard=True)),
-    ("--sharding-strategy full_shard", lambda s: s.fsdp and s.strategy != "full_shard" and s.dp > 1,
-     dict(strategy="full_shard", reshard=True)),
-    ("--cpu-offload", lambda s: not s.cpu_offload and s.mp == 1,
-     dict(cpu_offload=True, optimizer="cpu_adam", fsdp=True, backend="fully_sharded",
-          strategy=None, reshard=True)),
-)
-_HOST_FIXES = (
-    ("--adam-state-precision 8bit", lambda s: s.optimizer == "cpu_adam" and s.adam_state_precision != "8bit",
-     dict(adam_state_precision="8bit")),
-    ("--bf16-host-grads", lambda s: s.cpu_offload and not s.bf16_host_grads, dict(bf16_host_grads=True)),
-)
-
-
-def _candidates(plan: Any) -> List[Tuple[str, Any]]:
-    s = plan.setup
-    out = []
-    fixes = (_GPU_FIXES if not plan.fits_gpu else ()) + (_HOST_FIXES if not plan.fits_host else ())
-    for flag, applies, change in fixes:
-        if applies(s):
-            change = {k: (s.strategy if s.fsdp else "full_shard") if v is None else v for k, v in change.items()}
-            out.append((flag, dataclasses.replace(s, **change)))
-    if s.batch_sequences > 1:
-        half = s.batch_sequences // 2
-        out.append((f"--batch-size {half} --update-freq {s.update_freq * 2}",
-                    dataclasses.replace(s, batch_sequences=half, update_freq=s.update_freq * 2)))
-    return out
-
-
-def first_fix(plan: Any) -> Optional[str]:
-    """The first single change (then the same with --checkpoint-activations) after which the plan fits."""
-    from toolkit.plan import Plan, plan_for
-
-    tried = _candidates(plan)
-    if not plan.setup.checkpoint:
-        tried += [(f"--checkpoint-activations {flag}", dataclasses.replace(s, checkpoint=True))
-                  for flag, s in tried if not flag.startswith("--checkpoint")]
-    for flag, setup in tried:
-        items, time = plan_for(plan.stats, setup, plan.hw)
-        if Plan(plan.stats, setup, plan.hw, items, time, None).fits:
-            return flag
-    return None
-
+from toolkit.plan.memory import Item
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
@@ -80,8 +32,6 @@ def verdict(plan: Any) -> str:
 
 
 def table(plan: Any) -> str:
-    from toolkit.plan import items_as_rows
-
     st, t = plan.stats, plan.time
     lines = [f"{st.arch}: {st.num_params / 1e9:.3f}B parameters, V {st.vocab_size}, T {st.tokens_per_sample}, "
              f"{st.flops_per_token / 1e9:.2f} GFLOPs/token; {_layout(plan)} on {plan.hw.name}",
@@ -95,7 +45,7 @@ def table(plan: Any) -> str:
         lines.append(f"  {name}: {nbytes / GIB:.2f} GiB per rank, {secs * 1e3:.1f} ms")
     lines.append(f"step time: {t.total_s:.3f} s (compute {t.compute_s:.3f} s, optimizer {t.optimizer_s:.3f} s), "
                  f"{t.tokens_per_step / t.total_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU")
-    lines.append(plan.verdict())
+    lines.append(verdict(plan))
     return "\n".join(lines)
 
 
@@ -104,4 +54,19 @@ def summary(plan: Any) -> str:
     gpu = f"GPU {_gib(plan.gpu_peak)}, " if plan.hw.has_gpu else ""
     return (f"{plan.stats.num_params / 1e9:.2f}B params, {gpu}host {_gib(plan.host_peak_node)}/node, "
             f"step {t.total_s:.3f} s, {t.tokens_per_step / t.total_s:,.0f} tok/s, "
-            f"{t.tflops_per_gpu:.0f} TFLOP/s/GPU on {plan.hw.name}: {plan.verdict()}")
+            f"{t.tflops_per_gpu:.0f} TFLOP/s/GPU on {plan.hw.name}: {verdict(plan)}")
+
+
+def summary_for_train(cfg: Any) -> str:
+    """``toolkit-train --plan``: the plan's one line for this machine, world size from the environment."""
+    import os
+
+    from toolkit.plan.hardware import detect_hardware
+    from toolkit.plan.planner import make_plan
+
+    world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    return "plan: " + summary(make_plan(cfg, detect_hardware(), world_size=world))
+
+
+def items_as_rows(items: List[Item]) -> List[Tuple[str, str, str, str]]:
+    return [(i.name, _gib(i.gpu) if i.gpu else "-", _gib(i.host) if i.host else "-", i.note) for i in items]
