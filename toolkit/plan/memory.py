@@ -124,7 +124,8 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
         held = top + 2 * block if setup.reshard else total
         items.append(Item("gathered parameters", cb * held, 0,
                           "root + 2 blocks" if setup.reshard else "whole model until backward ends"))
-        accumulate = cb * total if setup.update_freq > 1 else 0  # unsynced micro-batches keep unsharded grads
+        # Micro-batches without gradient sync keep unsharded gradients, upcast to the fp32 reduce dtype (FSDP2).
+        accumulate = 4 * total if setup.update_freq > 1 else 0
         items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
                           "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
     elif cb == 2 and not setup.memory_efficient_fp16:

@@ -72,7 +72,7 @@ _GPU_FIXES = (
      dict(fsdp=True, backend="fully_sharded", strategy="full_shard", reshard=True)),
     ("--sharding-strategy full_shard", lambda s: s.fsdp and s.strategy != "full_shard" and s.dp > 1,
      dict(strategy="full_shard", reshard=True)),
-    ("--cpu-offload", lambda s: not s.cpu_offload and s.mp == 1,
+    ("--ddp-backend fully_sharded --cpu-offload", lambda s: not s.cpu_offload and s.mp == 1,
      dict(cpu_offload=True, optimizer="cpu_adam", fsdp=True, backend="fully_sharded",
           strategy=None, reshard=True)),
 )
@@ -91,16 +91,28 @@ def _candidates(plan: Any) -> List[Tuple[str, Any]]:
         if applies(s):
             change = {k: (s.strategy if s.fsdp else "full_shard") if v is None else v for k, v in change.items()}
             out.append((flag, dataclasses.replace(s, **change)))
-    if s.batch_sequences > 1:
-        half = s.batch_sequences // 2
-        out.append((f"--batch-size {half} --update-freq {s.update_freq * 2}",
-                    dataclasses.replace(s, batch_sequences=half, update_freq=s.update_freq * 2)))
+    if not plan.fits_gpu and s.mp == 1 and not s.cpu_offload:
+        for m in (2, 4, 8):  # Megatron's split within a node: a block's gathered weights and grads / m
+            if m <= plan.hw.gpus_per_node and s.world % m == 0 and s.world > m:
+                out.append((f"--model-parallel-size {m}", dataclasses.replace(s, mp=m, fsdp=True)))
     return out
 
 
-def first_fix(plan: Any) -> Optional[str]:
-    """The first single change (then the same with --checkpoint-activations) after which the plan fits."""
-    tried = _candidates(plan)
+def _smaller_batches(s: Setup) -> List[Tuple[str, Setup]]:
+    """Half the micro-batch (and twice --update-freq: the same tokens per update), then a quarter, ..."""
+    out, b, freq = [], s.batch_sequences, s.update_freq
+    while b > 1:
+        b, freq = b // 2, freq * 2
+        out.append((f"--batch-size {b} --update-freq {freq}", dataclasses.replace(s, batch_sequences=b,
+                                                                                  update_freq=freq)))
+    return out
+
+
+def first_fix(plan: Plan) -> Optional[str]:
+    """The first change after which the plan fits: one flag, then a smaller micro-batch, then either
+    with --checkpoint-activations added (cheapest first: no extra hardware, least speed lost)."""
+    single = _candidates(plan)
+    tried = single + _smaller_batches(plan.setup)
     if not plan.setup.checkpoint:
         tried += [(f"--checkpoint-activations {flag}", dataclasses.replace(s, checkpoint=True))
                   for flag, s in tried if not flag.startswith("--checkpoint")]

@@ -44,7 +44,9 @@ def table(plan: Any) -> str:
     for name, nbytes, secs in t.comm:
         lines.append(f"  {name}: {nbytes / GIB:.2f} GiB per rank, {secs * 1e3:.1f} ms")
     lines.append(f"step time: {t.total_s:.3f} s (compute {t.compute_s:.3f} s, optimizer {t.optimizer_s:.3f} s), "
-                 f"{t.tokens_per_step / t.total_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU")
+                 f"{t.tokens_per_step / t.total_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU"
+                 + (f" ({t.tflops_per_gpu * 8 / 6:.0f} counting the recomputed forward)" if plan.setup.checkpoint
+                    else ""))
     lines.append(verdict(plan))
     return "\n".join(lines)
 
