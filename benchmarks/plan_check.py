@@ -53,6 +53,15 @@ CONFIGS: List[Tuple[str, int, List[str]]] = [  # (name, processes, flags)
     ("llama_single_fp32", 1, LLAMA),
     ("llama_fsdp2_bf16", 2, LLAMA + FSDP + ["--bf16"]),
 ]
+MID = ["--arch", "transformer_lm_gpt3_small", "--decoder-layers", "6", "--decoder-embed-dim", "512",
+       "--decoder-ffn-embed-dim", "2048", "--decoder-attention-heads", "8", "--tokens-per-sample", "512",
+       "--batch-size", "4", "--dropout", "0"]
+RSS_CONFIGS: List[Tuple[str, int, List[str]]] = [  # the resident-set growth of one update (a larger model)
+    ("rss_single_fp32", 1, MID),
+    ("rss_single_fp32_ckpt", 1, MID + ["--checkpoint-activations"]),
+    ("rss_fsdp2_full_fp32", 2, MID + FSDP),
+    ("rss_fsdp2_grad_op_ckpt", 2, MID + FSDP + ["--sharding-strategy", "shard_grad_op", "--checkpoint-activations"]),
+]
 ITEMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
          "activations": "activations (saved)"}
 BOUNDS = {"params": 0.10, "grads": 0.10, "optimizer": 0.10, "activations": 0.25}
@@ -68,15 +77,46 @@ def predicted(cfg, world: int) -> Dict[str, int]:
             for key, name in ITEMS.items()}
 
 
+def predicted_rss_growth(cfg, world: int) -> int:
+    """What one update adds to a process that holds its parameters and optimizer state: everything else."""
+    from toolkit.plan import PRESETS, make_plan
+
+    plan = make_plan(cfg, PRESETS["cpu"], world_size=world)
+    return sum(i.host + i.gpu for i in plan.items if not i.name.startswith(("parameters", "optimizer state")))
+
+
+def _train_argv(data: str, procs: int, flags: List[str]) -> List[str]:
+    argv = [data, "--cpu", "--num-workers", "0", "--no-save", "--disable-validation", "--log-format", "none",
+            "--lr", "0.0001", "--distributed-world-size", str(procs), *flags]
+    return argv + ([] if "--optimizer" in flags else ["--optimizer", "adam"])
+
+
+def run_rss_config(data: str, name: str, procs: int, flags: List[str], out: str) -> Dict[str, object]:
+    from toolkit.plan.measure import measure_run
+    from toolkit.resolve import parse_train_config
+
+    cfg = parse_train_config(_train_argv(data, procs, flags))
+    measured = max(r["rss_growth"] for r in measure_run(cfg, out, rss=True))
+    return {"name": name, "processes": procs, "measured": measured, "predicted": predicted_rss_growth(cfg, procs)}
+
+
+def print_rss_table(rows: List[Dict[str, object]]) -> bool:
+    mib = 1 << 20
+    print(f"\n{'config (6 x 512, B 4 x T 512)':<30}{'np':>3}{'predicted MiB':>15}{'RSS growth MiB':>16}{'error':>8}")
+    ok = True
+    for row in rows:
+        err = (row["predicted"] - row["measured"]) / row["measured"]
+        ok &= abs(err) <= BOUNDS["activations"]
+        print(f"{row['name']:<30}{row['processes']:>3}{row['predicted'] / mib:>15,.1f}{row['measured'] / mib:>16,.1f}"
+              f"{err:>+8.1%}")
+    return ok
+
+
 def run_config(data: str, name: str, procs: int, flags: List[str], out: str) -> Dict[str, object]:
     from toolkit.plan.measure import measure_run
     from toolkit.resolve import parse_train_config
 
-    argv = [data, "--cpu", "--num-workers", "0", "--no-save", "--disable-validation", "--log-format", "none",
-            "--lr", "0.0001", "--distributed-world-size", str(procs), *flags]
-    if "--optimizer" not in flags:
-        argv += ["--optimizer", "adam"]
-    cfg = parse_train_config(argv)
+    cfg = parse_train_config(_train_argv(data, procs, flags))
     ranks = measure_run(cfg, out)
     measured = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"] + r["activations"])
     return {"name": name, "processes": procs, "flags": " ".join(flags[len(MODEL):]) or "c10d",
@@ -112,17 +152,20 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from benchmarks.distributed import make_data_bin
 
-    chosen = [c for c in CONFIGS if cli.only is None or c[0] in cli.only.split(",")]
-    rows = []
+    wanted = lambda name: cli.only is None or name in cli.only.split(",")  # noqa: E731
+    rows, rss_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         data = make_data_bin(os.path.join(tmp, "bin"), tokens=60_000)
-        for name, procs, flags in chosen:
-            rows.append(run_config(data, name, procs, flags, os.path.join(tmp, "out.json")))
-    ok = print_table(rows)
+        out = os.path.join(tmp, "out.json")
+        rows = [run_config(data, n, p, f, out) for n, p, f in CONFIGS if wanted(n)]
+        rss_rows = [run_rss_config(data, n, p, f, out) for n, p, f in RSS_CONFIGS if wanted(n)]
+    ok = print_table(rows) if rows else True
+    ok = (print_rss_table(rss_rows) if rss_rows else True) and ok
     if cli.json:
         with open(cli.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(f"model states within 10%, activations within 25%: {'OK' if ok else 'FAIL'}")
+            json.dump({"tensors": rows, "rss": rss_rows}, f, indent=1)
+    print(f"model states within 10%, activations and RSS growth within 25%: {'OK' if ok else 'FAIL'}")
+    print(json.dumps({"benchmark": "plan_check", "ok": ok, "tensors": rows, "rss": rss_rows}))
     return 0 if ok else 1
 
 

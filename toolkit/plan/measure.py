@@ -6,6 +6,8 @@ neither may take library code from ``toolkit_cli``. Two counts:
 * :func:`state_bytes`: the bytes of this rank's parameters (local shards of DTensors), their
   gradients and the optimizer's state tensors, taken right after ``optimizer.step()`` (before
   ``zero_grad``, when all three exist).
+* :class:`RssPeak` / :func:`rss_growth_of_update`: the resident-set growth of one (second) update,
+  what the transient memory of a step costs the process: gradients, activations, backward buffers.
 * :class:`SavedActivations`: the unique storages autograd saves for backward during a training step
   (``torch.autograd.graph.saved_tensors_hooks``), parameters and their views excluded, local shards
   of DTensors. Tensors are kept alive while counting, so a storage is never counted twice; use it
@@ -102,6 +104,55 @@ def measure_trainer(trainer: Any, batches: List[Any]) -> Dict[str, int]:
 
 
 OUT_ENV = "TOOLKIT_PLAN_MEASURE_OUT"
+MODE_ENV = "TOOLKIT_PLAN_MEASURE_MODE"  # "rss": the resident-set growth of the second update instead
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    """The peak of this process's resident set above its value at ``__enter__``, sampled every millisecond
+    on a thread (torch's kernels release the GIL). Freed heap is first handed back (``malloc_trim``), so
+    the baseline is what is live; run with ``TOOLKIT_KEEP_CPU_MEMORY=0`` so the trainer keeps glibc's
+    default of unmapping large blocks."""
+
+    def __enter__(self) -> "RssPeak":
+        import ctypes
+        import threading
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, _rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def rss_growth_of_update(trainer: Any, batches: Any) -> Dict[str, int]:
+    """One plain update (optimizer state created), then the resident-set growth of the next one."""
+    trainer.train_step([next(batches)])
+    batch = next(batches)
+    with RssPeak() as rss:
+        trainer.train_step([batch])
+    return {"rss_growth": rss.growth}
 
 
 def measure_worker(cfg: Any) -> None:
@@ -121,7 +172,10 @@ def measure_worker(cfg: Any) -> None:
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     batches = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)
-    mine = measure_trainer(trainer, [next(batches)])
+    if os.environ.get(MODE_ENV) == "rss":
+        mine = rss_growth_of_update(trainer, batches)
+    else:
+        mine = measure_trainer(trainer, [next(batches)])
     results: List[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         results = [None] * dist.get_world_size()
@@ -131,14 +185,18 @@ def measure_worker(cfg: Any) -> None:
             json.dump(results, f)
 
 
-def measure_run(cfg: Any, out: str) -> List[Dict[str, int]]:
-    """Run :func:`measure_worker` on ``cfg``'s world size (spawned gloo processes); every rank's counts."""
+def measure_run(cfg: Any, out: str, rss: bool = False) -> List[Dict[str, int]]:
+    """Run :func:`measure_worker` on ``cfg``'s world size (spawned gloo processes); every rank's counts.
+    ``rss``: the resident-set growth of the second update (:func:`rss_growth_of_update`) instead."""
     import json
     import os
 
     from toolkit.distributed import launch
 
     os.environ[OUT_ENV] = out
+    os.environ[MODE_ENV] = "rss" if rss else "tensors"
+    if rss:
+        os.environ["TOOLKIT_KEEP_CPU_MEMORY"] = "0"
     launch.run(measure_worker, cfg)
     with open(out) as f:
         return json.load(f)

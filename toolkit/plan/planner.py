@@ -72,6 +72,9 @@ _GPU_FIXES = (
      dict(fsdp=True, backend="fully_sharded", strategy="full_shard", reshard=True)),
     ("--sharding-strategy full_shard", lambda s: s.fsdp and s.strategy != "full_shard" and s.dp > 1,
      dict(strategy="full_shard", reshard=True)),
+)
+# Offloading slows every step down (host Adam, PCIe copies): after a smaller micro-batch.
+_OFFLOAD_FIX = (
     ("--ddp-backend fully_sharded --cpu-offload", lambda s: not s.cpu_offload and s.mp == 1,
      dict(cpu_offload=True, optimizer="cpu_adam", fsdp=True, backend="fully_sharded",
           strategy=None, reshard=True)),
@@ -83,14 +86,20 @@ _HOST_FIXES = (
 )
 
 
-def _candidates(plan: Any) -> List[Tuple[str, Any]]:
-    s = plan.setup
+def _apply(s: Setup, fixes: Any) -> List[Tuple[str, Setup]]:
+    """The fixes that apply to ``s``, each as (flags, the setup with it); None in a change keeps the strategy."""
     out = []
-    fixes = (_GPU_FIXES if not plan.fits_gpu else ()) + (_HOST_FIXES if not plan.fits_host else ())
     for flag, applies, change in fixes:
         if applies(s):
             change = {k: (s.strategy if s.fsdp else "full_shard") if v is None else v for k, v in change.items()}
             out.append((flag, dataclasses.replace(s, **change)))
+    return out
+
+
+def _candidates(plan: Any) -> List[Tuple[str, Setup]]:
+    """Single flag changes for what does not fit: GPU memory first, then host memory."""
+    s = plan.setup
+    out = _apply(s, (_GPU_FIXES if not plan.fits_gpu else ()) + (_HOST_FIXES if not plan.fits_host else ()))
     if not plan.fits_gpu and s.mp == 1 and not s.cpu_offload:
         for m in (2, 4, 8):  # Megatron's split within a node: a block's gathered weights and grads / m
             if m <= plan.hw.gpus_per_node and s.world % m == 0 and s.world > m:
@@ -109,10 +118,10 @@ def _smaller_batches(s: Setup) -> List[Tuple[str, Setup]]:
 
 
 def first_fix(plan: Plan) -> Optional[str]:
-    """The first change after which the plan fits: one flag, then a smaller micro-batch, then either
-    with --checkpoint-activations added (cheapest first: no extra hardware, least speed lost)."""
+    """The first change after which the plan fits: one flag, then a smaller micro-batch, then --cpu-offload,
+    then any of those with --checkpoint-activations added (cheapest first: no extra hardware, least speed lost)."""
     single = _candidates(plan)
-    tried = single + _smaller_batches(plan.setup)
+    tried = single + _smaller_batches(plan.setup) + (_apply(plan.setup, _OFFLOAD_FIX) if not plan.fits_gpu else [])
     if not plan.setup.checkpoint:
         tried += [(f"--checkpoint-activations {flag}", dataclasses.replace(s, checkpoint=True))
                   for flag, s in tried if not flag.startswith("--checkpoint")]
