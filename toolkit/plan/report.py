@@ -67,7 +67,10 @@ def summary_for_train(cfg: Any) -> str:
     from toolkit.plan.planner import make_plan
 
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
-    return "plan: " + summary(make_plan(cfg, detect_hardware(), world_size=world))
+    try:
+        return "plan: " + summary(make_plan(cfg, detect_hardware(), world_size=world))
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:  # a plugin model the planner cannot read
+        return f"plan: not available for this model ({type(e).__name__}: {e}); training goes on"
 
 
 def items_as_rows(items: List[Item]) -> List[Tuple[str, str, str, str]]:
