@@ -180,7 +180,14 @@ def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dt
 
 
 def trace_activations(arch: str, model_cfg: Any, vocab: int, tokens: int, dtype: torch.dtype) -> Activations:
-    """One layer's and the rest's saved bytes per sequence (see the module docstring)."""
+    """One layer's and the rest's saved bytes per sequence (see the module docstring).
+
+    Adaptive input/softmax pick each band's tokens with ``nonzero()``, which has no size on the meta
+    device: their activations are traced with a full embedding and softmax instead (an upper bound).
+    """
+    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
+        model_cfg = dataclasses.replace(model_cfg, adaptive_input=False, adaptive_softmax_cutoff=None,
+                                        tie_adaptive_weights=False)
     one = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens),
                       tokens, vocab, dtype)
     two = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens),
