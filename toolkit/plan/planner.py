@@ -11,8 +11,12 @@ from toolkit.plan.model_stats import ModelStats, model_stats
 from toolkit.plan.setup import Setup, setup_from_config
 from toolkit.plan.step_time import StepTime, step_time
 
+
 @dataclass(frozen=True)
 class Plan:
+    """A run's predicted memory and time. The peaks add every item, transient ones included, although
+    not all are alive at once (gradients grow while activations shrink): a bound to plan against."""
+
     stats: ModelStats
     setup: Setup
     hw: Hardware
