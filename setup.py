@@ -44,6 +44,7 @@ setup(
             "toolkit-export = toolkit_cli.export:cli_main",
             "toolkit-generate = toolkit_cli.generate:cli_main",
             "toolkit-interactive = toolkit_cli.interactive:cli_main",
+            "toolkit-plan = toolkit_cli.plan:cli_main",
         ],
     },
 )

@@ -27,6 +27,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("evaluation", ("toolkit.evaluation",)),
     ("train", ("toolkit.train",)),
     ("export", ("toolkit.export",)),
+    ("plan", ("toolkit.plan",)),
     ("api facades", ("toolkit.options", "toolkit.checkpoint_utils", "toolkit.utils")),
     ("commands", ("toolkit_cli",)),
 ]

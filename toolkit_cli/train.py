@@ -9,6 +9,7 @@ is :mod:`toolkit.train.train_loop`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import List, Optional
@@ -17,6 +18,7 @@ from toolkit.train.config_file import expand_config_flag
 from toolkit.distributed import launch
 from toolkit.core.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
+from toolkit.plan import summary_for_train
 from toolkit.train.resolve import parse_train_config
 from toolkit.train.train_loop import train
 
@@ -29,6 +31,8 @@ def cli_main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     try:
         argv = expand_config_flag(sys.argv[1:] if argv is None else argv)  # --config FILE.yaml: its flags first
         cfg = parse_train_config(argv, prog=prog, description="Train a language model.")
+        if cfg.common.plan:  # before the workers start: the prediction, then the measured MFU in the log
+            logging.getLogger("toolkit_cli.train").info(summary_for_train(cfg))
         launch.run(train, cfg)
     except (UserError, FloatingPointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

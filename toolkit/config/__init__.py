@@ -39,6 +39,7 @@ class CommonConfig:
     min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
     amp: bool = opt(False, "automatic mixed precision: fp16 autocast over fp32 weights with dynamic loss scaling "
                            "(on CPU: see toolkit.train.resolve)")
+    plan: bool = opt(False, "log toolkit-plan's one-line memory and step-time prediction for this run at start-up")
     amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
                                     "lowered loss scale before skipping it")
     # fairseq recipe flags (toolkit.config.recipe_flags says what each does here).

@@ -1,0 +1,122 @@
+"""The machine a plan is for: GPU memory and speed, host memory, links (``--gpu h100`` and the rest).
+
+Why presets: a user planning a cluster run knows the card's name, not its NVLink bandwidth. The
+figures are the datasheets' (dense bf16 TFLOP/s, NVLink per direction, one NIC per GPU as in
+NVIDIA's DGX/HGX nodes, PCIe for the host link); the flags override any of them. Bandwidths are
+in gigabits per second (as NICs are sold): ``--inter-node-gbps 400`` is one 400 Gb/s NIC per GPU.
+
+``--gpu cpu`` plans for this kind of machine: no GPU, every byte in host memory (what the CPU
+checks in ``benchmarks/plan_check.py`` measure).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from toolkit.core.errors import UserError
+
+GIB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of node. ``gpu_memory`` 0 means no GPU (everything lives in host memory)."""
+
+    name: str
+    gpu_memory: int
+    host_memory: int          # per node, shared by its ranks
+    gpu_tflops: float         # dense peak for the run's compute dtype (bf16/fp16; fp32 runs use fp32_tflops)
+    fp32_tflops: float
+    intra_node_gbps: float    # per GPU and direction (NVLink)
+    inter_node_gbps: float    # per GPU and direction (its NIC)
+    host_link_gbps: float     # GPU <-> host (PCIe), per direction
+    gpus_per_node: int = 8
+    compute_efficiency: float = 0.45  # share of the peak a step's FLOPs run at (measured: gpt3_xl on H100)
+    comm_efficiency: float = 0.7      # share of a link's bandwidth a collective reaches
+    cpu_adam_gparams: float = 2.5     # 1e9 parameters/s CPU Adam updates on a node (6.5B offloaded on the H100 VM)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_memory > 0
+
+
+PRESETS: Dict[str, Hardware] = {
+    "a100-40": Hardware("A100 40GB", 40 * GIB, 1 << 40, 312.0, 19.5, 2400.0, 200.0, 200.0),
+    "a100-80": Hardware("A100 80GB", 80 * GIB, 2 << 40, 312.0, 19.5, 2400.0, 200.0, 200.0),
+    "h100": Hardware("H100 80GB", 80 * GIB, 2 << 40, 989.4, 66.9, 3600.0, 400.0, 400.0),
+    "h200": Hardware("H200 141GB", 141 * 10 ** 9, 2 << 40, 989.4, 66.9, 3600.0, 400.0, 400.0),
+    "cpu": Hardware("CPU only", 0, 0, 0.2, 0.2, 80.0, 10.0, 80.0, gpus_per_node=1, compute_efficiency=0.5),
+}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``80GiB``, ``1TiB``, ``126GB``, ``5e9``: a byte count, or a one-line error naming ``flag``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"{flag} {text!r}: expected a size such as 80GiB, 1TiB or 126GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_hardware_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("hardware (toolkit-plan)")
+    g.add_argument("--gpu", default="h100", choices=sorted(PRESETS), help="preset the figures below (default: h100)")
+    g.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB")
+    g.add_argument("--host-memory", default=None, help="host memory of one node, e.g. 1TiB")
+    g.add_argument("--gpu-tflops", type=float, default=None, help="dense bf16/fp16 peak TFLOP/s of one GPU")
+    g.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink Gb/s per GPU and direction")
+    g.add_argument("--inter-node-gbps", type=float, default=None, help="network Gb/s per GPU and direction")
+    g.add_argument("--host-link-gbps", type=float, default=None, help="GPU-host (PCIe) Gb/s per direction")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: 8)")
+    g.add_argument("--compute-efficiency", type=float, default=None,
+                   help="share of the peak the step's FLOPs reach (default 0.45: gpt3_xl measured on one H100)")
+    g.add_argument("--cpu-adam-gparams", type=float, default=None,
+                   help="1e9 parameters/s CPU Adam updates on one node (default 2.5: the 16-core H100 VM)")
+
+
+HARDWARE_FLAGS = ("--gpu", "--gpu-memory", "--host-memory", "--gpu-tflops", "--intra-node-gbps",
+                  "--inter-node-gbps", "--host-link-gbps", "--gpus-per-node", "--compute-efficiency",
+                  "--cpu-adam-gparams")
+
+
+def split_hardware_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
+    """(the hardware flags, the rest of ``argv`` for the training parser)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_hardware_args(parser)
+    ns, rest = parser.parse_known_args(list(argv))
+    return ns, rest
+
+
+def hardware_from_args(ns: argparse.Namespace) -> Hardware:
+    """The preset of ``--gpu`` with the explicit flags over it (each checked: positive)."""
+    hw = PRESETS[ns.gpu]
+    changes: Dict[str, object] = {}
+    if ns.gpu_memory is not None:
+        changes["gpu_memory"] = parse_bytes(ns.gpu_memory, "--gpu-memory")
+    if ns.host_memory is not None:
+        changes["host_memory"] = parse_bytes(ns.host_memory, "--host-memory")
+    for name in ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "gpus_per_node",
+                 "compute_efficiency", "cpu_adam_gparams"):
+        value = getattr(ns, name)
+        if value is not None:
+            if value <= 0:
+                raise UserError(f"--{name.replace('_', '-')} {value}: must be positive")
+            changes[name] = value
+    return dataclasses.replace(hw, **changes)
+
+
+def detect_hardware() -> Hardware:
+    """This machine's GPU (by its name, memory as reported) or ``cpu``: for ``toolkit-train --plan``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return PRESETS["cpu"]
+    name = torch.cuda.get_device_name()
+    key: Optional[str] = next((k for k, pattern in (("h200", "H200"), ("h100", "H100"), ("a100-80", "A100"))
+                               if pattern in name), None)
+    base = PRESETS[key] if key else PRESETS["h100"]
+    return dataclasses.replace(base, name=name, gpu_memory=torch.cuda.get_device_properties(0).total_memory)

@@ -1,0 +1,170 @@
+"""Bytes per rank, on the GPU and in host memory, item by item.
+
+The counts follow what the trainer allocates (the tests compare them with its tensors):
+
+* FSDP2 (``--ddp-backend fully_sharded``, and every ``--model-parallel-size`` > 1 run) keeps each
+  parameter's fp32 shard: dim 0 padded to a multiple of the shard group, ``ceil(rows / S)`` rows per
+  rank; the sharded gradient likewise (bf16 under ``--bf16-host-grads``). While a block runs its
+  parameters are gathered in the compute dtype; ``full_shard``/``hybrid_shard`` free them after the
+  block's forward (two blocks live with prefetch, plus the root's embeddings and output layer, never
+  resharded), the others keep the whole model gathered until backward ends.
+* DDP and ``no_c10d`` keep whole fp32 parameters and gradients (fp16 ones under
+  ``--memory-efficient-fp16``); under ``--fp16``/``--bf16`` autocast keeps a cast copy of every
+  matmul weight until backward.
+* Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor; cpu_adam per
+  ``--adam-state-precision`` (``toolkit.optim.quantized_states``'s layouts: 8-bit moments with one
+  fp32 scale per 2048-value block of a row, fp32 for tensors under 4096 values or 1-D).
+* Activations: the meta-device trace of :mod:`toolkit.plan.model_stats` times the sequences per
+  micro-batch; a checkpointed layer keeps its input, and backward recomputes one layer at a time.
+  Tensor parallelism with sequence parallelism splits them over M.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from toolkit.plan.hardware import GIB, Hardware
+from toolkit.plan.model_stats import ModelStats, ParamInfo
+from toolkit.plan.setup import Setup
+
+QUANT_BLOCK, MIN_8BIT_NUMEL = 2048, 4096   # toolkit.optim.quantized_states.BLOCK / MIN_8BIT_NUMEL
+GPU_RUNTIME = int(1.0 * GIB)    # CUDA context, NCCL and cuBLAS workspaces (outside torch's allocator)
+HOST_RUNTIME = int(5.0 * GIB)   # per GPU process: torch + CUDA libraries, data loading (6.7B offload: 102.5 GiB
+                                # measured against 96.9 GiB of model states, benchmarks/README.md)
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    gpu: int
+    host: int
+    note: str = ""
+
+
+def shard_group(setup: Setup, gpus_per_node: int) -> int:
+    """S: the ranks one parameter is sharded over (1 when replicated), as parallelize builds the mesh."""
+    if not setup.fsdp or setup.strategy == "no_shard":
+        return 1
+    if setup.strategy.startswith("hybrid"):
+        local = min(gpus_per_node, setup.world)
+        group = setup.shard_group_size or max(1, local // setup.mp)
+        return min(group, setup.dp)
+    return setup.dp
+
+
+def local_shape(p: ParamInfo, mp: int, shards: int) -> Tuple[int, ...]:
+    """The shape of this rank's piece: dim 0 split over TP (when split), then over the FSDP shard group."""
+    shape = list(p.shape) or [1]
+    if p.tp_split and mp > 1:
+        shape[0] = math.ceil(shape[0] / mp)
+    if shards > 1:
+        shape[0] = math.ceil(shape[0] / shards)
+    return tuple(shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def adam_state_bytes(setup: Setup, p: ParamInfo, local: Tuple[int, ...]) -> int:
+    """Optimizer state of one parameter's local piece, step counter included."""
+    n = _numel(local)
+    if setup.optimizer in ("sgd", "nag"):
+        return 4 * n
+    if setup.optimizer != "cpu_adam":
+        return 8 * n + 4
+    if setup.fp16_adam_stats:
+        return 4 * n + 8 + 4
+    precision = setup.adam_state_precision
+    if precision == "8bit" and (len(p.shape) < 2 or p.numel < MIN_8BIT_NUMEL):
+        precision = "fp32"
+    if precision == "fp32":
+        return 8 * n + 4
+    if precision == "bf16":
+        return 4 * n + 4
+    row = p.numel // p.shape[0]
+    blocks = math.ceil(row / QUANT_BLOCK)
+    return 2 * n + 2 * 4 * local[0] * blocks + 4
+
+
+def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
+    """Parameters, gradients and optimizer state per rank (exact counts: the tests check them)."""
+    S = shard_group(setup, hw.gpus_per_node)
+    locals_ = [(p, local_shape(p, setup.mp, S)) for p in stats.params]
+    n = sum(_numel(s) for _, s in locals_)
+    param_bytes = (2 if setup.memory_efficient_fp16 and not setup.fsdp else 4) * n
+    grad_bytes = (2 if (setup.bf16_host_grads or (setup.memory_efficient_fp16 and not setup.fsdp)) else 4) * n
+    optim = sum(adam_state_bytes(setup, p, s) for p, s in locals_)
+    host = setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu
+    where = (lambda b: Item("", 0, b)) if host else (lambda b: Item("", b, 0))
+    note = f"1/{S} shard" if S > 1 else "whole"
+    return [_named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note),
+            _named(where(grad_bytes), "gradients", note),
+            _named(where(optim), "optimizer state", f"{setup.optimizer} {setup.adam_state_precision}"
+                   if setup.optimizer == "cpu_adam" else setup.optimizer)]
+
+
+def _named(item: Item, name: str, note: str) -> Item:
+    return Item(name, item.gpu, item.host, note)
+
+
+def _tp_numel(params: Sequence[ParamInfo], mp: int) -> int:
+    return sum(_numel(local_shape(p, mp, 1)) for p in params)
+
+
+def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
+    """Gathered parameters and gradient buffers (communication), transient but at the peak."""
+    cb = setup.compute_bytes
+    layer = [p for p in stats.params if p.layer == 0]
+    root = [p for p in stats.params if p.layer is None]
+    block, top, total = _tp_numel(layer, setup.mp), _tp_numel(root, setup.mp), _tp_numel(stats.params, setup.mp)
+    items: List[Item] = []
+    if setup.fsdp:
+        held = top + 2 * block if setup.reshard else total
+        items.append(Item("gathered parameters", cb * held, 0,
+                          "root + 2 blocks" if setup.reshard else "whole model until backward ends"))
+        # Micro-batches without gradient sync keep unsharded gradients, upcast to the fp32 reduce dtype (FSDP2).
+        accumulate = 4 * total if setup.update_freq > 1 else 0
+        items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
+                          "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
+    elif cb == 2 and not setup.memory_efficient_fp16:
+        matmul = sum(p.numel for p in stats.params if len(p.shape) == 2 and "embed_positions" not in p.name)
+        items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
+    if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
+        items.append(Item("gradient buffers", 2 * (64 << 20), 0, "64 MiB bucket, flat + reduced"))
+    return [_to_host(i) for i in items] if not hw.has_gpu else items
+
+
+def _to_host(item: Item) -> Item:
+    return Item(item.name, 0, item.gpu + item.host, item.note)
+
+
+def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
+    """(saved for backward at the end of forward, the extra transient peak in backward) per rank."""
+    act, b, M = stats.activations, setup.batch_sequences, setup.mp
+    layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
+    per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
+    saved = b * (stats.num_layers * per_layer + act.rest / M)
+    # Backward of a checkpointed layer holds its recomputed activations and, about as large, their gradients
+    # (CPU RSS growth at B 1/4/8: the unexplained part grew by 1.25 layers' activations per sequence).
+    recompute = 2 * b * act.per_layer * layer_share if setup.checkpoint else 0
+    logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)
+    return int(saved), int(recompute + logits_grad)
+
+
+def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
+    saved, transient = activation_bytes(stats, setup)
+    note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (", checkpointed" if setup.checkpoint else "")
+    on_host = setup.offload_activations or not hw.has_gpu
+    items = [Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
+             Item("backward transient", transient if hw.has_gpu else 0, 0 if hw.has_gpu else transient,
+                  "recomputed layer + its grads + logits grad" if setup.checkpoint else "logits grad")]
+    return items
+
+
+def memory_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
+    items = model_state_items(stats, setup, hw) + buffer_items(stats, setup, hw) + activation_items(stats, setup, hw)
+    if hw.has_gpu:
+        items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries"))
+    return items

@@ -1,0 +1,212 @@
+"""What the planner needs from the model, read from the model itself built on the meta device.
+
+Why the model and not a formula: the two families differ (LayerNorm + GELU + fused q/k/v against
+RMSNorm + SwiGLU + grouped k/v heads), fairseq options change shapes (``--decoder-input-dim``,
+adaptive softmax, untied output), and a user's ``--user-dir`` model is neither. So:
+
+* parameters: every tensor's shape, whether tensor parallelism splits it (the Megatron rule
+  ``toolkit.distributed.tensor_parallel`` applies: 2-D weights and the column-parallel biases
+  split, norms, row-parallel biases and learned positions replicated), and which layer owns it;
+* FLOPs per token: the model's own ``flops_per_token`` (what the MFU log uses);
+* activations: one forward plus the criterion's loss of a 1-layer and a 2-layer copy on the meta
+  device (no memory, no compute), counting what autograd saves for backward (unique storages,
+  parameters excluded). Their difference is one layer's bytes, the rest is the embeddings, the
+  final norm, the logits and the loss. Attention is counted as a fused kernel saves it (q, k, v,
+  output and the per-row log-sum-exp: flash attention on GPU, torch's flash kernel on CPU), not
+  as the meta device's math fallback that would save the T x T scores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+COLUMN_PARALLEL = ("qkv_proj", "fc1", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: Tuple[int, ...]
+    tp_split: bool          # split over the tensor-parallel ranks (along dim 0)
+    layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd keeps for backward, per sequence of ``tokens_per_sample`` tokens."""
+
+    per_layer: int      # one decoder layer
+    rest: int           # embeddings, final norm, logits and loss
+    block_input: int    # one layer's input: all a checkpointed layer keeps
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    arch: str
+    params: Tuple[ParamInfo, ...]
+    num_layers: int
+    embed_dim: int
+    vocab_size: int
+    tokens_per_sample: int
+    flops_per_token: float
+    activations: Activations
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+class _CountingDictionary:
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def pad(self) -> int:
+        return 1
+
+
+def vocab_size_of(cfg: Any) -> int:
+    """The dictionary of ``cfg.task.data`` (its first data-bin) when given, else the arch's published one."""
+    data = (getattr(cfg.task, "data", "") or "").split(os.pathsep)[0]
+    if data and os.path.isfile(os.path.join(data, "dict.txt")):
+        from toolkit.data.dictionary import Dictionary
+
+        return len(Dictionary.load(os.path.join(data, "dict.txt")))
+    from toolkit.models.accounting import default_vocab_size
+
+    return default_vocab_size(cfg.components.arch)
+
+
+def _build(arch: str, model_cfg: Any, vocab: int, tokens: int) -> torch.nn.Module:
+    from toolkit import models
+
+    task = SimpleNamespace(dictionary=_CountingDictionary(vocab), cfg=SimpleNamespace(tokens_per_sample=tokens))
+    with torch.device("meta"):
+        return models.build_model(arch, model_cfg, task)
+
+
+def _tp_split(name: str, shape: Tuple[int, ...]) -> bool:
+    if "embed_positions" in name:
+        return False
+    if len(shape) >= 2:
+        return True
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return name.endswith(".bias") and module in COLUMN_PARALLEL
+
+
+def _layer_of(name: str) -> Optional[int]:
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
+    """Every parameter once (tied ones under their first name), in the model's order."""
+    seen, out = set(), []
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        shape = tuple(p.shape)
+        out.append(ParamInfo(name, shape, _tp_split(name, shape), _layer_of(name)))
+    return tuple(out)
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """Saves what a fused attention kernel saves: q, k, v, the output and a float32 log-sum-exp per row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, D = q.shape
+        out = q.new_empty(B, T, H, D).transpose(1, 2)  # the kernels' output layout: [B, T, H, D] in memory
+        lse = q.new_empty(B, H, T, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the trace stops after forward
+        raise NotImplementedError
+
+
+@contextmanager
+def _fused_attention() -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return _FusedAttentionSaves.apply(q, k, v)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """Bytes autograd saves in one training forward + loss of one sequence (meta device, no memory)."""
+    model = model.to(dtype=dtype).train()
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: Dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in params:
+            saved.setdefault(key, t)  # kept alive, so that no key is reused
+        return t
+
+    x = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+        logits = model(x)
+        logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x.reshape(-1), reduction="sum")
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
+def trace_activations(arch: str, model_cfg: Any, vocab: int, tokens: int, dtype: torch.dtype) -> Activations:
+    """One layer's and the rest's saved bytes per sequence (see the module docstring).
+
+    Adaptive input/softmax pick each band's tokens with ``nonzero()``, which has no size on the meta
+    device: their activations are traced with a full embedding and softmax instead (an upper bound).
+    """
+    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
+        model_cfg = dataclasses.replace(model_cfg, adaptive_input=False, adaptive_softmax_cutoff=None,
+                                        tie_adaptive_weights=False)
+    one = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens),
+                      tokens, vocab, dtype)
+    two = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens),
+                      tokens, vocab, dtype)
+    per_layer = two - one
+    width = model_cfg.decoder_embed_dim
+    return Activations(per_layer=per_layer, rest=one - per_layer,
+                       block_input=tokens * width * torch.empty((), dtype=dtype).element_size())
+
+
+def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> ModelStats:
+    """The planner's view of ``cfg``'s model (a resolved TrainConfig) computing in ``dtype``."""
+    arch, model_cfg = cfg.components.arch, cfg.model
+    vocab = vocab or vocab_size_of(cfg)
+    tokens = int(getattr(cfg.task, "tokens_per_sample", 0) or model_cfg.max_target_positions)
+    model = _build(arch, model_cfg, vocab, tokens)
+    infos = param_infos(model)
+    flops = float(model.flops_per_token(tokens)) if hasattr(model, "flops_per_token") else 6.0 * sum(
+        p.numel for p in infos)
+    return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
+                      embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,
+                      flops_per_token=flops, activations=trace_activations(arch, model_cfg, vocab, tokens, dtype))

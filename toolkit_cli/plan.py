@@ -1,0 +1,60 @@
+"""toolkit-plan: predict per-rank memory and step time of a toolkit-train command, and whether it fits.
+
+    toolkit-plan --arch transformer_lm_gpt3_13 --cpu-offload --adam-state-precision 8bit --bf16-host-grads \
+        --gpu-memory 80GiB --host-memory 126GiB
+    toolkit-plan --arch transformer_lm_gpt3_175 --distributed-world-size 64 --model-parallel-size 8 \
+        --ddp-backend fully_sharded --checkpoint-activations --bf16 --batch-size 1 --gpu a100-80
+
+Takes toolkit-train's flags (the data directory is optional: without it the vocabulary is the
+arch's published one, or ``--vocab-size``) plus the hardware flags of ``toolkit.plan.hardware``.
+Exit status 0 when the run fits, 3 when it does not, 1 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from toolkit.core.errors import UserError
+
+PROG = "toolkit-plan"
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    from toolkit.plan import make_plan, table
+    from toolkit.plan.hardware import add_hardware_args, hardware_from_args, split_hardware_args
+    from toolkit.train.resolve import parse_train_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        help_parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], add_help=False)
+        add_hardware_args(help_parser)
+        help_parser.add_argument("--vocab-size", type=int, help="dictionary size when no data directory is given")
+        help_parser.print_help()
+        print("\nand every toolkit-train flag (toolkit-train --help)")
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    vocab = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    vocab.add_argument("--vocab-size", type=int, default=None)
+    try:
+        ns, rest = split_hardware_args(argv)
+        vs, rest = vocab.parse_known_args(rest)
+        if vs.vocab_size is not None and vs.vocab_size < 1:
+            raise UserError(f"--vocab-size {vs.vocab_size}: must be positive")
+        hw = hardware_from_args(ns)
+        logging.getLogger("toolkit").setLevel(logging.ERROR)  # resolve's choices are for training runs
+        if "--cpu-offload" in rest and not any(a.startswith("--ddp-backend") for a in rest):
+            print("--cpu-offload: planning with --ddp-backend fully_sharded (toolkit-train needs it given)")
+            rest = ["--ddp-backend", "fully_sharded"] + rest
+        cfg = parse_train_config(rest, prog=PROG)
+        plan = make_plan(cfg, hw, vocab_size=vs.vocab_size)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(table(plan))
+    sys.exit(0 if plan.fits else 3)
+
+
+if __name__ == "__main__":
+    cli_main()
