@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from toolkit.core.protocols import Bounded
 
 
 class KVCache:
@@ -63,7 +64,7 @@ class DecoderInterface:
     @classmethod
     def build_model(cls, cfg, task):
         if cfg.max_target_positions is None:
-            task_max = task.max_positions() if hasattr(task, "max_positions") else None
+            task_max = task.max_positions() if isinstance(task, Bounded) else None
             cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 

@@ -1,0 +1,1 @@
+"""The bottom layer: what every other package may import (protocols; nothing here imports the toolkit)."""
