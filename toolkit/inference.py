@@ -20,7 +20,7 @@ from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.checkpoint.fairseq_checkpoint import (check_weights, fold_adaptive_aliases, import_checkpoint,
                                                    is_fairseq_checkpoint, read_checkpoint)
-from toolkit.models import build_model
+from toolkit.models import build_for_loading
 from toolkit.errors import UserError
 
 
@@ -54,10 +54,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
     identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), task.dictionary,
                               identity.dict_path_of(task))
-    with torch.device("meta"):
-        model = build_model(args.arch, args, task)
-    model.to_empty(device=device)
-    model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
+    model = build_for_loading(args.arch, args, task, device)
     if "fairseq_source" in state:
         state["model"] = fold_adaptive_aliases(path, model, state["model"])
         check_weights(path, model, state["model"], state["fairseq_source"])

@@ -30,7 +30,7 @@ from toolkit.config import TrainConfig
 from toolkit.core.protocols import Bounded, FlopsCounted
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
-from toolkit.distributed.parallelize import build_model, unwrapped
+from toolkit.distributed.parallelize import build_parallel_model, unwrapped
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
 from toolkit.errors import Interrupted, UserError
 from toolkit.evaluation import during_training as harness_training
@@ -139,7 +139,7 @@ def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] =
     task = TASK_REGISTRY.get(cfg.components.task).cls.setup_task(cfg.task)
     for split in splits:
         task.load_dataset(split)
-    model, strategy = build_model(cfg, task, env)
+    model, strategy = build_parallel_model(cfg, task, env)
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     return Trainer(cfg, task, model, criterion, env, strategy)
 

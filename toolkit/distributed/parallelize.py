@@ -247,8 +247,9 @@ def _data_parallel_shape(cfg: DistributedConfig, env: DistributedEnv):
     return None
 
 
-def build_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
-    """The run's model, built on the meta device, then wrapped, materialized and initialized."""
+def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """The run's model, built on the meta device by ``toolkit.models.build_model`` (the one path from an
+    architecture to a model), then wrapped, materialized and initialized."""
     with torch.device("meta"):
         model = models.build_model(cfg.components.arch, cfg.model, task)
     logger.info(model)

@@ -63,6 +63,8 @@ class DecoderInterface:
 
     @classmethod
     def build_model(cls, cfg, task):
+        """The family's hook that ``toolkit.models.build_model`` calls with the resolved options (fairseq's
+        ``Model.build_model(args, task)``, which plugins may override): the context length defaults to the task's."""
         if cfg.max_target_positions is None:
             task_max = task.max_positions() if isinstance(task, Bounded) else None
             cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
