@@ -134,15 +134,6 @@ class TensorParallelizable(Protocol):
 
 
 @runtime_checkable
-class StateDictAdapter(Protocol):
-    """Converts a family's state dict to and from another library's keys (fairseq, Hugging Face)."""
-
-    def to_external(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
-
-    def from_external(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
-
-
-@runtime_checkable
 class Dictionary(Protocol):
     def __len__(self) -> int: ...
 
