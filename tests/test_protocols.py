@@ -50,3 +50,15 @@ def test_task_criterions_and_config_sections():
     assert isinstance(LanguageModelingConfig(), P.ConfigSection)
     assert not isinstance({"tokens_per_sample": 8}, P.ConfigSection)
     assert dataclasses.is_dataclass(P.TensorParallelPlan)
+
+
+def test_tensor_parallelism_refuses_a_model_without_a_plan_in_one_line():
+    from toolkit.distributed.tensor_parallel import _check_divisible, _refuse_unsplit_layers
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--model-parallel-size 2: Linear gives no tensor_parallel_plan\(\)"):
+        _refuse_unsplit_layers(torch.nn.Linear(2, 2), 2)
+    llama = build_on_meta("llama_tiny_gqa", vocab_size=40, tokens_per_sample=16)
+    with pytest.raises(UserError, match="^--decoder-kv-heads"):
+        _check_divisible(llama, 3)
+    _refuse_unsplit_layers(llama, 2)  # nothing unsupported in the Llama plan
