@@ -330,7 +330,7 @@ def _check_every_parameter_split(model: nn.Module, M: int) -> None:
     missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise UserError(f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
-                        f"(toolkit/distributed/tensor_parallel.py); use --model-parallel-size 1 with this model")
+                        f"({type(model).__name__}.tensor_parallel_plan()); use --model-parallel-size 1 with this model")
 
 
 def _replicated_weights_style():
