@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from toolkit.data.lm_dataset import document_layout  # noqa: E402
 from toolkit.models import model_config  # noqa: E402
-from toolkit.models.document_mask import document_layout  # noqa: E402
 from toolkit.models.llama.model import LlamaLanguageModel  # noqa: E402
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402
 

@@ -7,7 +7,7 @@
     python benchmarks/train.py --arch transformer_lm --decoder-layers 2 ... # any toolkit-train model flags
 
 What runs is the real training path: the options are parsed by toolkit-train's parser,
-the model is built by ``toolkit.distributed.parallelize.build_model`` (meta device,
+the model is built by ``toolkit.distributed.parallelize.build_parallel_model`` (meta device,
 materialize, ``init_weights``), the criterion by the task, and every step is one
 ``Trainer.train_step([sample])`` (criterion forward, backward, gradient normalization
 and norm, AdamW step, zero_grad, LR schedule, metrics), inside the same
@@ -103,7 +103,7 @@ def parse(argv):
 def build(ours, train_argv):
     """Options through toolkit-train's parser; task, model, criterion, Trainer as toolkit-train builds them."""
     from toolkit.data.dictionary import Dictionary
-    from toolkit.distributed.parallelize import build_model
+    from toolkit.distributed.parallelize import build_parallel_model
     from toolkit.distributed.utils import DistributedEnv, init_distributed
     from toolkit.core.registry import CRITERION_REGISTRY
     from toolkit.train.resolve import parse_train_config
@@ -134,7 +134,7 @@ def build(ours, train_argv):
         env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     else:
         env = DistributedEnv(device=device)
-    model, strategy = build_model(cfg, task, env)
+    model, strategy = build_parallel_model(cfg, task, env)
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     trainer = Trainer(cfg, task, model, criterion, env, strategy)
     return args, task, model, criterion, trainer

@@ -223,7 +223,7 @@ def capped_main(cfg) -> None:
     import toolkit.train.train_loop as train
 
     headroom = int(os.environ["TOOLKIT_TEST_HEADROOM_MB"]) << 20
-    build = train.build_model
+    build = train.build_parallel_model
 
     def build_capped(a, task, env):
         base = vm_bytes()
@@ -233,7 +233,7 @@ def capped_main(cfg) -> None:
               f"({base >> 20} MiB before the model + {headroom >> 20} MiB)", flush=True)
         return build(a, task, env)
 
-    train.build_model = build_capped
+    train.build_parallel_model = build_capped
     train.train(cfg)
     print(f"rank {int(os.environ.get('RANK', 0))}: finished under the cap, peak VM {_peak_vm() >> 20} MiB",
           flush=True)

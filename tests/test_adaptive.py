@@ -489,6 +489,53 @@ def test_eval_lm_on_a_fairseq_adaptive_checkpoint_is_the_hub_score_and_the_direc
     assert -float(hub.double().sum()) == pytest.approx(direct, rel=1e-5)
 
 
+WIKI103_TINY = dict(decoder_layers=2, decoder_embed_dim=C, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
+                    adaptive_input_cutoff="10,20", adaptive_softmax_cutoff="10,20", adaptive_input_factor=2.0,
+                    adaptive_softmax_factor=2.0)
+
+
+def write_wiki103_checkpoint(folder, data) -> TransformerLanguageModel:
+    """A toolkit checkpoint (as the trainer writes it: flat cfg + state) of a tiny ``--arch transformer_lm_wiki103``:
+    adaptive input and softmax, tied weights and projections, no final norm; every value randomized."""
+    from toolkit import options
+
+    arch = "transformer_lm_wiki103"
+    m = TransformerLanguageModel(model_config(arch, max_target_positions=16, **WIKI103_TINY), V, PAD, seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    cfg = {"task": "language_modeling", "arch": arch, "data": str(data), "tokens_per_sample": 16,
+           "sample_break_mode": "none", "add_bos_token": False, "seed": 1,
+           **options.architecture_defaults(arch, WIKI103_TINY)}
+    folder.mkdir()
+    torch.save({"cfg": cfg, "model": m.state_dict()}, folder / "checkpoint_best.pt")
+    return m.eval()
+
+
+def test_eval_lm_on_a_wiki103_checkpoint_is_the_hub_score_and_the_float64_computation(tmp_path):
+    """The one scorer (inference.ensemble_log_probs through get_normalized_probs) on the adaptive softmax of
+    ``--arch transformer_lm_wiki103``: eval-lm's sum = the hub's positional scores = fairseq's factorized
+    softmax computed in float64 from the checkpoint's tensors."""
+    from toolkit.inference.eval_lm_main import EvalLMConfig, main
+    from toolkit.inference.hub_utils import from_pretrained
+
+    words = "w4 w12 w30 w36 w5 w21 w11 w9 w33 w19 w6"  # every band, one block with its </s> (12 < 16 tokens)
+    data = write_adaptive_data_bin(tmp_path / "bin", [words], split="test")
+    m = write_wiki103_checkpoint(tmp_path / "run", data)
+    result = main(EvalLMConfig(data=str(data), path=str(tmp_path / "run" / "checkpoint_best.pt"), cpu=True,
+                               no_progress_bar=True))
+    hub = from_pretrained(str(tmp_path / "run"), "checkpoint_best.pt", str(data))
+    scored = hub.score(words)
+    stream = scored["tokens"]
+    inputs = torch.cat([stream.new_tensor([hub.dictionary.eos()]), stream[:-1]])[None]
+    with torch.no_grad():
+        direct = direct_nll(to_fairseq_state_dict(m.state_dict(), m), "tied+proj", m(inputs), stream[None])
+    assert result["count"] == len(stream) == 12
+    assert result["loss"] * math.log(2) * result["count"] == pytest.approx(direct, rel=1e-5)
+    assert -float(scored["positional_scores"].double().sum()) == pytest.approx(direct, rel=1e-5)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fairseq_adaptive_checkpoint_loads_through_eval_and_hub_path(variant, tmp_path):
     """fairseq's file layout (cfg sections, ``decoder.`` keys, separate q/k/v, tied aliases, buffers) read by

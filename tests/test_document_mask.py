@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from tests.lm_fixtures import make_data_bin
 from tests.test_llama import llama_args
 from tests.train_helpers import run_cli, train
-from toolkit.data.lm_dataset import MonolingualDataset
+from toolkit.data.lm_dataset import MonolingualDataset, document_layout
 from toolkit.data.token_block_dataset import TokenBlockDataset
 from toolkit.models import model_config
-from toolkit.models.document_mask import attend, document_block_mask, document_layout, make_attention_mask
+from toolkit.models.document_mask import attend, document_block_mask, make_attention_mask
 from toolkit.models.llama.model import LlamaLanguageModel
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 

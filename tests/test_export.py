@@ -202,7 +202,7 @@ def hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("hf_class,overrides", HF_CASES)
 def test_hf_export_logits_match(tmp_path, hf_class, overrides):
     pytest.importorskip("transformers")
-    from toolkit.export.hf_format import CLASS_NAMES
+    from toolkit.models.transformer_lm.hf import CLASS_NAMES
     from toolkit.inference import load_model
 
     path, _ = make_checkpoint(tmp_path, **overrides)

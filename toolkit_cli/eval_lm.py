@@ -21,18 +21,10 @@ PROG = "toolkit-eval-lm"
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # --post-process/--remove-bpe take an optional value (bare: subword_nmt), which the dataclass
-    # option generator does not express; parsed here and passed on as EvalLMConfig.post_process.
-    extra = options.OneLineErrorParser(add_help=False, allow_abbrev=False)
-    extra.add_argument("--post-process", "--remove-bpe", dest="post_process", nargs="?", const="subword_nmt",
-                       default=None)
-    known, rest = extra.parse_known_args(argv)
-    args = options.parse_with_components(PROG, [EvalLMConfig], rest, selectors=(), arch=False,
+    argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))  # bare: subword_nmt
+    return options.parse_with_components(PROG, [EvalLMConfig], argv, selectors=(), arch=False,
                                          description="Evaluate a language model's perplexity "
                                                      "(--post-process/--remove-bpe [subword_nmt]: merge BPE).")
-    args.post_process = known.post_process
-    return args
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

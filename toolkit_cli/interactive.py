@@ -12,24 +12,11 @@ from toolkit.config import options
 from toolkit.core.errors import UserError
 from toolkit.core.registry import TASK_REGISTRY
 
-VALUE_FLAGS_WITH_DEFAULT = {"--remove-bpe": "subword_nmt", "--post-process": "subword_nmt"}
-
-
-def fill_optional_values(argv: List[str]) -> List[str]:
-    """fairseq's ``--remove-bpe`` alone means ``--remove-bpe subword_nmt`` (argparse's const)."""
-    out: List[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        if arg in VALUE_FLAGS_WITH_DEFAULT and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            out.append(VALUE_FLAGS_WITH_DEFAULT[arg])
-    return out
-
-
 def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str]], description: str) -> None:
     from toolkit.generation import GenerationConfig
     from toolkit.tasks.language_modeling import LanguageModelingConfig
 
-    argv = fill_optional_values(list(sys.argv[1:] if argv is None else argv))
+    argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))
     args = options.parse_with_components(prog, [command_config, GenerationConfig], argv,
                                          selectors=(TASK_REGISTRY,), arch=False, description=description)
     task_overrides = {k: v for k, v in options.given_options(LanguageModelingConfig, argv).items() if k != "data"}

@@ -10,8 +10,9 @@ import os
 import sys
 from typing import List, Optional
 
-from toolkit.data.preprocess import LOG_DATEFMT, LOG_FORMAT, PreprocessConfig, PreprocessResult, preprocess
+from toolkit.data.preprocess import PreprocessConfig, PreprocessResult, preprocess
 from toolkit.core.errors import UserError
+from toolkit.logging.setup import DATE_FORMAT, LOG_FORMAT
 from toolkit.config.options import config_from_args, parse_with_components
 from toolkit.core.registry import TOKENIZER_REGISTRY
 
@@ -36,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> PreprocessResult:
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT,
+    logging.basicConfig(format=LOG_FORMAT, datefmt=DATE_FORMAT,
                         level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout)
     try:
         main(argv)

@@ -1,4 +1,4 @@
-"""Checks that turn load-time crashes into one line: another architecture, bad positions, fairseq files.
+"""Checks that turn load-time crashes into one line: another architecture, bad positions.
 
 - :func:`check_model`: a checkpoint whose parameters (names or shapes) differ from this
   run's model is refused before anything loads, naming the model flags that differ
@@ -6,8 +6,9 @@
   unexpected key or missing optimizer state that would come out of torch.
 - :func:`check_positions`: ``--tokens-per-sample`` longer than ``--max-target-positions``
   is caught at parse time, not at the first forward.
-- :func:`refuse_fairseq`: a checkpoint written by fairseq itself (``args`` / nested ``cfg`` /
-  ``optimizer_history``) is named as such.
+
+fairseq's own files are read by ``toolkit.compat.fairseq.checkpoint`` (its ``is_fairseq_checkpoint``
+is the one test of where a file comes from).
 """
 from __future__ import annotations
 
@@ -69,21 +70,6 @@ def check_positions(max_target_positions: Optional[int], tokens_per_sample: int,
         raise UserError(f"--tokens-per-sample {tokens_per_sample} makes samples of {longest} tokens but "
                         f"--max-target-positions is {max_target_positions}; lower --tokens-per-sample or raise "
                         f"--max-target-positions")
-
-
-def is_fairseq_checkpoint(state: Any) -> bool:
-    if not isinstance(state, dict):
-        return False
-    cfg = state.get("cfg")
-    nested_cfg = isinstance(cfg, dict) and any(isinstance(cfg.get(k), dict) for k in ("model", "task", "common"))
-    return "optimizer_history" in state or "args" in state or nested_cfg
-
-
-def refuse_fairseq(path: str, state: Dict[str, Any]) -> None:
-    if is_fairseq_checkpoint(state):
-        raise UserError(f"fairseq checkpoint: {path} was written by fairseq (it has "
-                        f"{'optimizer_history' if 'optimizer_history' in state else 'a fairseq cfg'}); "
-                        f"the toolkit cannot load fairseq checkpoints yet")
 
 
 def model_shapes(model) -> Dict[str, Tuple[int, ...]]:

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from toolkit.core.protocols import ConfigSection
 from toolkit.config.flag_types import count_or_minus_one, count_or_zero, float_list, int_list, positive_int
 
 
@@ -221,12 +222,12 @@ class TrainConfig:
     optimization: OptimizationConfig
     checkpoint: CheckpointConfig
     ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
-    task: Any = None
-    model: Any = None
-    criterion: Any = None
-    optimizer: Any = None
-    lr_scheduler: Any = None
-    bpe: Any = None
+    task: Optional[ConfigSection] = None
+    model: Optional[ConfigSection] = None
+    criterion: Optional[ConfigSection] = None
+    optimizer: Optional[ConfigSection] = None
+    lr_scheduler: Optional[ConfigSection] = None
+    bpe: Optional[ConfigSection] = None
 
     def sections(self) -> Tuple[Any, ...]:
         return (self.common, self.distributed, self.dataset, self.optimization, self.checkpoint, self.ema, self.task,

@@ -247,8 +247,15 @@ def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Se
     return given
 
 
-def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
-    """Only plain values survive, so a checkpoint holding them loads with ``weights_only=True``."""
-    plain = (str, int, float, bool, type(None))
-    return {k: v for k, v in vars(args).items() if isinstance(v, plain) or
-            (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
+VALUE_FLAGS_WITH_DEFAULT = {"--remove-bpe": "subword_nmt", "--post-process": "subword_nmt"}
+
+
+def fill_optional_values(argv: List[str]) -> List[str]:
+    """fairseq's ``--remove-bpe`` / ``--post-process`` alone mean ``... subword_nmt`` (argparse's const): filled in
+    before parsing, so every command (eval-lm, generate, interactive) reads the flag the same way."""
+    out: List[str] = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in VALUE_FLAGS_WITH_DEFAULT and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append(VALUE_FLAGS_WITH_DEFAULT[arg])
+    return out

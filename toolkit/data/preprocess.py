@@ -43,11 +43,10 @@ from toolkit.data.shards import check_shard_flags, merge_parts, write_shard_reco
 from toolkit.core import folder_lock
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_directory
+from toolkit.logging.setup import make_formatter
 
 logger = logging.getLogger("toolkit_cli.preprocess")
 
-LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
-LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 ENCODING_ERRORS = ("strict", "replace", "ignore")
 DICT_FILE = "dict.txt"
 HF_FLAG = "--hf-dataset"
@@ -310,7 +309,7 @@ def add_splits(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], args: 
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dest)) + ".", suffix=".add.tmp", dir=parent)
     _write_owner(tmp)
     handler = logging.FileHandler(os.path.join(dest, "preprocess.log"), mode="a", encoding="utf-8")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    handler.setFormatter(make_formatter())
     logger.addHandler(handler)
     try:
         with Workers(cfg.workers) as workers:
@@ -488,7 +487,7 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
     remove_dead_temp_folders(cfg.destdir)
     with atomic_directory(cfg.destdir) as tmp, _owned(tmp):
         handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+        handler.setFormatter(make_formatter())
         logger.addHandler(handler)
         try:
             # fork the workers first, before a tokenizer library starts threads in this process
@@ -510,7 +509,7 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
 
 def _log_written(destdir: str) -> None:
     handler = logging.FileHandler(os.path.join(destdir, "preprocess.log"), mode="a", encoding="utf-8")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    handler.setFormatter(make_formatter())
     logger.addHandler(handler)
     try:
         logger.info(f"Wrote preprocessed data to {destdir}")

@@ -45,7 +45,6 @@ from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPS
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.core.errors import UserError
 from toolkit.models.init import init_weights
-from toolkit.models.llama.config import LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,11 @@ class DataParallelModel(torch.nn.parallel.DistributedDataParallel):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.module, name)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP: what Protocol checks (``isinstance(model, FlopsCounted)``) look at."""
+    return model.module if isinstance(model, DataParallelModel) else model
 
 
 # --- pieces ---------------------------------------------------------------------------
@@ -229,12 +233,7 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
         raise RuntimeError("--model-parallel-size needs a process group (init_distributed makes one)")
     M, W = cfg.model_parallel_size, env.world_size
     mesh = tp.build_2d_mesh(W, M, env.device.type, _data_parallel_shape(cfg, env))
-    plan = tp.apply_tensor_parallel
-    if isinstance(model.cfg, LlamaConfig):  # the family's own plan (separate q/k/v, GQA)
-        from toolkit.distributed import tensor_parallel_llama
-
-        plan = tensor_parallel_llama.apply_tensor_parallel
-    plan(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
+    tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     dp_mesh = tp.data_parallel_mesh(mesh)
@@ -262,8 +261,9 @@ def _data_parallel_shape(cfg: DistributedConfig, env: DistributedEnv):
     return None
 
 
-def build_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
-    """The run's model, built on the meta device, then wrapped, materialized and initialized."""
+def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """The run's model, built on the meta device by ``toolkit.models.build_model`` (the one path from an
+    architecture to a model), then wrapped, materialized and initialized."""
     with torch.device("meta"):
         model = models.build_model(cfg.components.arch, cfg.model, task)
     logger.info(model)

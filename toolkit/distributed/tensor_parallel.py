@@ -1,17 +1,21 @@
-"""Tensor (model) parallelism for ``TransformerLanguageModel``, applied from outside the model.
+"""Tensor (model) parallelism of any model family, applied from outside the model by the family's plan.
 
 Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
-``parallelize_module`` as torchtitan's ``apply_tp`` does. On a tensor-parallel mesh of M ranks:
+``parallelize_module`` as torchtitan's ``apply_tp`` does. The model names which of its modules
+gets which kind of split (``model.tensor_parallel_plan()``, a ``toolkit.core.protocols.
+TensorParallelPlan``: ``toolkit/models/transformer_lm/parallel.py``, ``toolkit/models/llama/parallel.py``);
+this module holds the meshes, the DTensor styles of each kind and no parameter name of any family.
+On a tensor-parallel mesh of M ranks:
 
 ==========================  ===========================  =====================================
-module                      parameter placement          what a rank computes
+kind                        parameter placement          what a rank computes
 ==========================  ===========================  =====================================
-``embed_tokens``            rows (vocabulary) Shard(0)    lookups of its V/M tokens, all-reduce
-``qkv_proj``                Shard(0) of ``[q | k | v]``   q, k and v of its H/M heads
-``out_proj``, ``fc2``       Shard(1) (row-parallel)      partial sums, reduce-scatter over T
-``fc1``                     Shard(0) (column-parallel)   its F/M hidden units
-LayerNorms                  Replicate                    its T/M positions (sequence parallel)
-``output_projection``       Shard(0) (or the tied        its V/M logits; the loss is taken
+``vocab_embedding``         rows (vocabulary) Shard(0)   lookups of its V/M tokens, all-reduce
+``fused_qkv``               Shard(0) of ``[q | k | v]``  q, k and v of its H/M heads
+``row``                     Shard(1) (row-parallel)      partial sums, reduce-scatter over T
+``column``                  Shard(0) (column-parallel)   its F/M hidden units (or heads)
+``norm``                    Replicate                    its T/M positions (sequence parallel)
+``output``                  Shard(0) (or the tied        its V/M logits; the loss is taken
                             embedding)                   with ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
 
@@ -21,7 +25,7 @@ take 1/M of the memory as well. The embedding output (with positions and its dro
 replicated and cut into sequence chunks at the first block, so the model file needs no change
 for learned/sinusoidal positions.
 
-Column-parallel layers (``qkv_proj``, ``fc1``) gather their sequence-split input inside a
+Column-parallel layers (``transformer_lm``'s ``qkv_proj``, ``fc1``) gather their sequence-split input inside a
 recomputed region (``torch.utils.checkpoint``): a rank keeps T/M positions of it for backward and
 gathers again there, as Megatron's sequence parallelism does. The vocabulary-parallel embedding
 has its own forward so that its gradient stays Shard(0) (torch's ``RowwiseParallel`` on an
@@ -31,7 +35,7 @@ embedding produced a replicated V x C gradient). Every parameter ends up a DTens
 replicated parameters fed by sequence-split activations are ``Partial`` sums until reduced:
 FSDP2 reduces them; without it the optimizer's DTensor ops and ``grad_norm.total_norm`` do.
 
-The fused ``qkv_proj`` keeps its parameter as the plain ``Shard(0)`` of the canonical
+``transformer_lm``'s fused ``qkv_proj`` keeps its parameter as the plain ``Shard(0)`` of the canonical
 ``[3C, C]`` weight (rows ``[q | k | v]``), so sharded (DCP) checkpoints, FSDP2 on top,
 ``init_weights`` and the consolidated checkpoint see the same tensor as without tensor
 parallelism. Shard(0) of that layout would give rank 0 all of q and part of k, so at forward
@@ -65,6 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.core.protocols import TensorParallelizable, TensorParallelPlan
 from toolkit.core.errors import UserError
 
 TP = "tp"
@@ -274,43 +279,6 @@ def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
     (end or start).register_forward_hook(leave, always_call=True)
 
 
-# --- the plan ------------------------------------------------------------------------------------
-
-def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -> None:
-    cfg = model.cfg
-    sizes = [("--decoder-attention-heads", cfg.decoder_attention_heads),
-             ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)]
-    if sequence_parallel:  # the vocabulary may split unevenly; positions may not
-        sizes.append(("--tokens-per-sample (max target positions)", cfg.max_target_positions))
-    for flag, value in sizes:
-        if value % M:
-            raise UserError(f"{flag} {value}: must be divisible by --model-parallel-size {M}")
-
-
-def block_plan(sequence_parallel: bool) -> Dict[str, object]:
-    """Megatron's split of one block: column-parallel q/k/v and fc1, row-parallel out_proj and fc2."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    layout = Shard(1) if sequence_parallel else Replicate()  # the residual stream's
-    qkv = _swap_class_style(_HeadParallelQKV, 0, input_layout=layout)
-    fc1 = _swap_class_style(_ColumnParallelLinear, 0, input_layout=layout)
-    if not sequence_parallel:
-        return {"self_attn_layer_norm": _ReplicatedParallel.style(), "final_layer_norm": _ReplicatedParallel.style(),
-                "self_attn.qkv_proj": qkv, "self_attn.out_proj": RowwiseParallel(),
-                "fc1": fc1, "fc2": RowwiseParallel()}
-    return {
-        "self_attn_layer_norm": SequenceParallel(use_local_output=True),
-        # attention sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T); qkv_proj gathers it
-        "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)),
-        "self_attn.qkv_proj": qkv,
-        "self_attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "final_layer_norm": SequenceParallel(use_local_output=True),
-        "fc1": fc1,
-        "fc2": RowwiseParallel(output_layouts=Shard(1)),
-    }
-
-
 def _replicate_hidden_hook(tp_mesh, sequence_parallel: bool):
     """Forward hook on the module before the output projection: its output as a replicated DTensor."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -354,75 +322,6 @@ def _gather_logits_hook(_module, _inputs, logits):
     return logits
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
-                          loss_parallel: bool = True) -> nn.Module:
-    """Shard ``model`` (a TransformerLanguageModel, on the meta device or materialized) over ``tp_mesh``.
-
-    Call before activation checkpointing and FSDP2 (torchtitan's order). With
-    ``loss_parallel`` the model returns vocabulary-sharded logits (a DTensor, ``Shard(2)``)
-    and forward/backward of the loss must run under :func:`loss_context`; otherwise
-    the logits are gathered into a plain [B, T, V] tensor.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, SequenceParallel,
-                                                   parallelize_module)
-
-    M = tp_mesh.size()
-    _check_divisible(model, M, sequence_parallel)
-    tp_rank = tp_mesh.get_local_rank()
-    device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
-        if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
-    _refuse_unsplit_layers(model, M)
-    top: Dict[str, object] = {"embed_tokens": _swap_class_style(_VocabParallelEmbedding, 0)}
-    if model.output_projection is not None:
-        top["output_projection"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                                   use_local_output=False)
-    # Replicated, computed on the replicated embedding output: learned positions, fairseq's 512 -> C input
-    # projection (--decoder-input-dim).
-    for name in ("embed_positions", "project_in_dim"):
-        if getattr(model, name) is not None:
-            top[name] = _ReplicatedParallel.style()
-    if model.project_out_dim is not None:  # C -> --decoder-output-dim on the replicated hidden state (a DTensor)
-        top["project_out_dim"] = _replicated_weights_style()
-    if model.layer_norm is not None:
-        top["layer_norm"] = SequenceParallel(use_local_output=True) if sequence_parallel \
-            else _ReplicatedParallel.style()
-    if sequence_parallel:
-        # the replicated embedding output is cut into sequence chunks (a local slice; all-gather in backward)
-        top["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                             use_local_output=True)
-    parallelize_module(model, tp_mesh, top, src_data_rank=None)
-    if sequence_parallel:
-        _pad_sequence_hooks(model, M, model.padding_idx)
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
-        if sequence_parallel:  # every dropout of the block acts on local positions, heads or units
-            fork_rng_per_tp_rank(block, tp_rank, device)
-        else:  # attention dropout on local heads; activation dropout (between fc1 and fc2) on local units
-            fork_rng_per_tp_rank(block.self_attn, tp_rank, device)
-            fork_rng_per_tp_rank(block.fc1, tp_rank, device, end=block.fc2)
-    last = model.layer_norm if model.layer_norm is not None else model.layers[-1]
-    last.register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
-    if not loss_parallel:
-        model.register_forward_hook(_gather_logits_hook)
-    _check_every_parameter_split(model, M)
-    return model
-
-
-def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
-    """Layers with no tensor-parallel split yet, refused in one line before anything is sharded."""
-    if getattr(model, "adaptive_softmax", None) is not None:
-        raise UserError(f"--model-parallel-size {M}: the adaptive softmax (--adaptive-softmax-cutoff, e.g. "
-                        f"--arch transformer_lm_wiki103) has no tensor-parallel split; use a plain output "
-                        f"projection or --model-parallel-size 1")
-    if getattr(model, "layernorm_embedding", None) is not None:  # replicated, its gradients came out wrong
-        raise UserError(f"--model-parallel-size {M}: --layernorm-embedding has no tensor-parallel split yet; "
-                        f"leave it out or use --model-parallel-size 1")
-    if not isinstance(model.embed_tokens, nn.Embedding):
-        raise UserError(f"--model-parallel-size {M}: the adaptive input (--adaptive-input) has no tensor-parallel "
-                        f"split; leave out --adaptive-input or use --model-parallel-size 1")
-
-
 def _check_every_parameter_split(model: nn.Module, M: int) -> None:
     """Every parameter is a DTensor on the TP mesh: a layer the plan missed fails here, in one line, instead of
     at its first forward (``aten.mm.default got mixed torch.Tensor and DTensor``)."""
@@ -431,7 +330,7 @@ def _check_every_parameter_split(model: nn.Module, M: int) -> None:
     missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise UserError(f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
-                        f"(toolkit/distributed/tensor_parallel.py); use --model-parallel-size 1 with this model")
+                        f"({type(model).__name__}.tensor_parallel_plan()); use --model-parallel-size 1 with this model")
 
 
 def _replicated_weights_style():
@@ -453,3 +352,117 @@ def loss_context(enabled: bool):
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+# --- the plan: the model names a kind per module (toolkit.core.protocols), the styles come from here ---------
+
+def model_plan(model: nn.Module, M: int) -> TensorParallelPlan:
+    """The model's own plan; a model without one is refused in one line (it cannot be split)."""
+    if not isinstance(model, TensorParallelizable):
+        raise UserError(f"--model-parallel-size {M}: {type(model).__name__} gives no tensor_parallel_plan() "
+                        f"(toolkit.core.protocols.TensorParallelizable); use --model-parallel-size 1")
+    return model.tensor_parallel_plan()
+
+
+def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -> None:
+    """One line naming the size that M does not divide (the vocabulary may split unevenly; positions may not)."""
+    plan = model_plan(model, M)
+    sizes = list(plan.divisible)
+    if sequence_parallel:
+        sizes.append(("--tokens-per-sample (max target positions)", plan.positions))
+    for flag, value in sizes:
+        if value % M:
+            raise UserError(f"{flag} {value}: must be divisible by --model-parallel-size {M} (each rank holds "
+                            f"whole heads and an equal share); choose a model parallel size that divides it")
+
+
+def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
+    """Layers with no tensor-parallel split yet, refused in one line before anything is sharded."""
+    reason = model_plan(model, M).unsupported
+    if reason is not None:
+        raise UserError(f"--model-parallel-size {M}: {reason}")
+
+
+def _style(kind: str, sequence_parallel: bool, block_inputs: int = 1):
+    """The DTensor style of one kind (``toolkit.core.protocols.TP_KINDS``); None: nothing to do for this layout."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    layout = Shard(1) if sequence_parallel else Replicate()  # the residual stream's
+    styles = {
+        "vocab_embedding": lambda: _swap_class_style(_VocabParallelEmbedding, 0),
+        "output": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+        "column": lambda: _swap_class_style(_ColumnParallelLinear, 0, input_layout=layout),
+        "fused_qkv": lambda: _swap_class_style(_HeadParallelQKV, 0, input_layout=layout),
+        "row": lambda: RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
+        "norm": lambda: SequenceParallel(use_local_output=True) if sequence_parallel
+        else _ReplicatedParallel.style(),
+        "replicated": _ReplicatedParallel.style,
+        "replicated_weights": _replicated_weights_style,
+        # the replicated embedding output is cut into sequence chunks (a local slice; all-gather in backward);
+        # a block's other inputs (Llama's cos/sin) stay whole
+        "sequence_split": lambda: PrepareModuleInput(
+            input_layouts=(Replicate(),) + (None,) * (block_inputs - 1),
+            desired_input_layouts=(Shard(1),) + (None,) * (block_inputs - 1), use_local_output=True),
+        # attention sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T); qkv_proj gathers it
+        "sequence_input": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)),
+    }
+    if kind not in styles:
+        raise ValueError(f"tensor-parallel plan: unknown kind {kind!r}; choose from {', '.join(styles)}")
+    if kind.startswith("sequence_") and not sequence_parallel:
+        return None
+    return styles[kind]()
+
+
+def _styles(entries: Dict[str, str], sequence_parallel: bool, block_inputs: int = 1) -> Dict[str, object]:
+    styles = {path: _style(kind, sequence_parallel, block_inputs) for path, kind in entries.items()}
+    return {path: style for path, style in styles.items() if style is not None}
+
+
+def block_plan(plan: TensorParallelPlan, sequence_parallel: bool) -> Dict[str, object]:
+    """The styles of one block of ``plan`` (the same for every block)."""
+    return _styles(plan.block, sequence_parallel)
+
+
+def _fork_dropout_streams(plan: TensorParallelPlan, block: nn.Module, tp_rank: int, device: torch.device,
+                          sequence_parallel: bool) -> None:
+    """Per-rank random streams where the block's dropouts act on this rank's share (module docstring)."""
+    if not plan.sharded_dropout:
+        return
+    if sequence_parallel:  # every dropout of the block acts on local positions, heads or units
+        fork_rng_per_tp_rank(block, tp_rank, device)
+        return
+    for start, end in plan.sharded_dropout:  # e.g. attention on local heads; fc1 -> fc2 on local units
+        fork_rng_per_tp_rank(block.get_submodule(start), tp_rank, device, end=block.get_submodule(end))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> nn.Module:
+    """Shard ``model`` (on the meta device or materialized) over ``tp_mesh`` by its ``tensor_parallel_plan()``.
+
+    Call before activation checkpointing and FSDP2 (torchtitan's order). With
+    ``loss_parallel`` the model returns vocabulary-sharded logits (a DTensor, ``Shard(2)``)
+    and forward/backward of the loss must run under :func:`loss_context`; otherwise
+    the logits are gathered into a plain [B, T, V] tensor.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    M = tp_mesh.size()
+    plan = model_plan(model, M)
+    _check_divisible(model, M, sequence_parallel)
+    _refuse_unsplit_layers(model, M)
+    tp_rank = tp_mesh.get_local_rank()
+    device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
+        if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
+    parallelize_module(model, tp_mesh, _styles(plan.top, sequence_parallel, plan.block_inputs), src_data_rank=None)
+    if sequence_parallel:
+        _pad_sequence_hooks(model, M, plan.padding_idx)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan(plan, sequence_parallel), src_data_rank=None)
+        _fork_dropout_streams(plan, block, tp_rank, device, sequence_parallel)
+    model.get_submodule(plan.hidden).register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
+    if not loss_parallel:
+        model.register_forward_hook(_gather_logits_hook)
+    _check_every_parameter_split(model, M)
+    return model

@@ -81,12 +81,9 @@ def rng_kept() -> Iterator[None]:
 
 
 def _eval_copy(cfg, trainer, state_dict) -> torch.nn.Module:
-    from toolkit.models import build_model
+    from toolkit.models import build_for_loading
 
-    with torch.device("meta"):
-        model = build_model(cfg.components.arch, cfg.model, trainer.task)
-    model.to_empty(device=trainer.device)
-    model.reset_buffers()
+    model = build_for_loading(cfg.components.arch, cfg.model, trainer.task, trainer.device)
     model.load_state_dict(state_dict)
     return model.eval()
 

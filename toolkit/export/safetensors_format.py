@@ -42,9 +42,9 @@ def dedupe_shared(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tenso
 
 def export_config(loaded, dtype: str, aliases: Dict[str, str]) -> Dict[str, Any]:
     """Everything ``toolkit.inference`` needs to rebuild the model, in plain JSON."""
-    from toolkit.config.options import args_to_dict
+    from toolkit.config import plain_values
 
-    cfg = {k: v for k, v in args_to_dict(loaded.args).items() if k != "data"}
+    cfg = {k: v for k, v in plain_values(vars(loaded.args)).items() if k != "data"}
     d = loaded.dictionary
     return {
         "format": FORMAT_NAME,

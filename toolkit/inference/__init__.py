@@ -22,7 +22,7 @@ from toolkit.checkpoint import identity
 from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.compat.fairseq import adapter as fairseq_adapter
-from toolkit.models import build_model
+from toolkit.models import build_for_loading
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -61,10 +61,7 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
     identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), task.dictionary,
                               identity.dict_path_of(task))
-    with torch.device("meta"):
-        model = build_model(args.arch, args, task)
-    model.to_empty(device=device)
-    model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
+    model = build_for_loading(args.arch, args, task, device)
     state["model"] = fairseq_adapter.model_weights(path, model, state)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
@@ -107,35 +104,30 @@ def stream_blocks(num_tokens: int, tokens_per_sample: int, context_window: int) 
         yield max(0, start - context_window), start, end
 
 
-@torch.no_grad()
-def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
-                     softmax_batch: int = 0) -> torch.Tensor:
-    """log p(target) per position [B, T] (natural log, fp32): the one scorer of eval-lm and the hub.
+def _positions_of(net_output, select) -> object:
+    """``select`` applied to the positions of forward's output, whether a tensor or ``(tensor, extra)``."""
+    if isinstance(net_output, (tuple, list)):
+        return (select(net_output[0]), *net_output[1:])
+    return select(net_output)
 
-    Every model normalizes through its own ``get_normalized_probs`` (a plain softmax, or the
-    adaptive softmax's head and tails, whose input is features, not logits); an ensemble
-    averages probabilities, as fairseq's SequenceScorer. ``softmax_batch`` > 0 normalizes at
-    most that many positions at a time (memory only).
-    """
-    per_model = []
-    for model in models:
-        out = model(inputs)
-        out = out[0] if isinstance(out, tuple) else out  # fairseq-style models return (logits, extra)
-        flat, flat_tgt = out.reshape(1, -1, out.size(-1)), targets.reshape(-1)
-        step = softmax_batch if 0 < softmax_batch < flat.size(1) else flat.size(1)
-        parts = [model.get_normalized_probs(flat[:, s:s + step], log_probs=True)[0]
-                 .gather(1, flat_tgt[s:s + step, None])[:, 0] for s in range(0, flat.size(1), step)]
-        per_model.append(torch.cat(parts).float().view(targets.shape))
-    if len(per_model) == 1:
-        return per_model[0]
-    return torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
+
+def _average(models: List[torch.nn.Module], outputs: list) -> torch.Tensor:
+    """log of the mean probability over the ensemble, each model normalizing its own output (fp32)."""
+    logps = [m.get_normalized_probs(out, log_probs=True) for m, out in zip(models, outputs)]  # adaptive softmax too
+    if len(logps) == 1:
+        return logps[0]
+    return torch.logsumexp(torch.stack(logps), dim=0) - math.log(len(logps))
 
 
 @torch.no_grad()
 def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
                        positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32.
+    """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32: the one scorer.
 
+    Every model normalizes through its own ``get_normalized_probs`` (a plain softmax, or the
+    adaptive softmax's head and tails, whose input is features, not logits); an ensemble averages
+    probabilities, as fairseq's SequenceScorer. eval-lm, the hub (:func:`target_log_probs`) and the
+    evaluation harness all score through here, so they cannot disagree.
     ``positions`` [B, K] (optional): normalize only those positions of each row, [B, K, V]; the
     softmax over the vocabulary at every other position is never computed (memory and time).
     """
@@ -145,10 +137,23 @@ def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
             return out
         return out.gather(1, positions[:, :, None].expand(-1, -1, out.size(-1)))
 
-    logps = [m.get_normalized_probs(select(m(inputs)), log_probs=True) for m in models]  # adaptive softmax too
-    if len(logps) == 1:
-        return logps[0]
-    return torch.logsumexp(torch.stack(logps), dim=0) - torch.log(torch.tensor(float(len(logps))))
+    return _average(models, [_positions_of(m(inputs), select) for m in models])
+
+
+@torch.no_grad()
+def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
+                     softmax_batch: int = 0) -> torch.Tensor:
+    """log p(target) per position [B, T] (natural log, fp32): :func:`ensemble_log_probs`' distribution, gathered
+    at the targets. ``softmax_batch`` > 0 normalizes at most that many positions at a time (memory only)."""
+    outputs = [_positions_of(m(inputs), lambda out: out.reshape(1, -1, out.size(-1))) for m in models]
+    flat_tgt = targets.reshape(-1)
+    n = flat_tgt.numel()
+    step = softmax_batch if 0 < softmax_batch < n else max(n, 1)
+    parts = []
+    for s in range(0, n, step):
+        chunk = [_positions_of(out, lambda x: x[:, s:s + step]) for out in outputs]
+        parts.append(_average(models, chunk)[0].gather(1, flat_tgt[s:s + step, None])[:, 0])
+    return torch.cat(parts).float().view(targets.shape)
 
 
 @torch.no_grad()

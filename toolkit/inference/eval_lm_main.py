@@ -48,7 +48,8 @@ class EvalLMConfig:
     output_word_probs: bool = opt(False, "log each word with its log-probability (natural log, fairseq's format)")
     output_word_stats: bool = opt(False, "log per-word counts and summed log-probabilities")
     post_process: Optional[str] = opt(None, "merge BPE continuations: subword_nmt / '@@ ' "
-                                            "(alias --remove-bpe; bare flag = subword_nmt)", cli=False)
+                                            "(alias --remove-bpe; bare flag = subword_nmt)",
+                                 aliases=("--remove-bpe",))
     model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
     max_target_positions: Optional[int] = opt(None, "accepted for fairseq compatibility (a task option "
                                                     "eval-lm does not use; see --model-overrides)")

@@ -4,6 +4,7 @@ The one way to turn an architecture name into a model, whoever asks (training, t
 task, evaluation, the hub, parameter counts):
 
 ``build_model(arch, options, task)``     options (a dataclass, dict or namespace) over the arch's values
+``build_for_loading(arch, options, task, device)``  the same, memory allocated but not initialized (weights follow)
 ``model_config(arch, **overrides)``      the options dataclass with the arch's values, then yours
 ``count_parameters(arch, ...)``          its parameter count, built on the meta device (no memory)
 """
@@ -55,6 +56,16 @@ def build_model(arch: str, section: Any, task) -> torch.nn.Module:
     names = {f.name for f in dataclasses.fields(entry.config)}
     given = {k: v for k, v in _values(section).items() if k in names}
     return entry.cls.build_model(entry.config(**options.architecture_defaults(arch, given)), task)
+
+
+def build_for_loading(arch: str, section: Any, task, device: torch.device) -> torch.nn.Module:
+    """``build_model`` for a checkpoint's weights (eval-lm, the hub, the in-training evaluation): built on the
+    meta device, allocated on ``device`` without drawing initial values, computed buffers set."""
+    with torch.device("meta"):
+        model = build_model(arch, section, task)
+    model.to_empty(device=device)
+    model.reset_buffers()  # computed buffers; every parameter comes from the checkpoint next
+    return model
 
 
 def count_params(model: torch.nn.Module) -> Tuple[int, int]:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from toolkit.core import registry
+from toolkit.core.protocols import Bounded
 
 
 class KVCache:
@@ -63,8 +64,10 @@ class DecoderInterface:
 
     @classmethod
     def build_model(cls, cfg, task):
+        """The family's hook that ``toolkit.models.build_model`` calls with the resolved options (fairseq's
+        ``Model.build_model(args, task)``, which plugins may override): the context length defaults to the task's."""
         if cfg.max_target_positions is None:
-            task_max = task.max_positions() if hasattr(task, "max_positions") else None
+            task_max = task.max_positions() if isinstance(task, Bounded) else None
             cfg = dataclasses.replace(cfg, max_target_positions=task_max or task.cfg.tokens_per_sample)
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 

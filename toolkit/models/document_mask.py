@@ -24,8 +24,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from toolkit.data.lm_dataset import document_layout  # noqa: F401 (the collater's layout, re-exported)
-
 
 def _flex():
     try:

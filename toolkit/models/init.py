@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from toolkit.core.protocols import Initializable
+
 # Module names that wrappers insert into parameter names (DDP, torch.compile,
 # activation checkpointing, FSDP1); dropped so that names match the plain model's.
 _WRAPPER_COMPONENTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -39,7 +41,7 @@ def parameter_seed(seed: int, name: str) -> int:
 def _initializing_module(model: nn.Module) -> nn.Module:
     """The (possibly wrapped) module that provides ``initial_value``."""
     for module in model.modules():
-        if hasattr(module, "initial_value"):
+        if isinstance(module, Initializable):
             return module
     raise TypeError(f"{type(model).__name__} has no initial_value(name, shape, generator) method")
 

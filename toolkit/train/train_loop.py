@@ -28,9 +28,10 @@ from toolkit.config.recipe_flags import empty_cache_due
 from toolkit.train import checkpoint_manager as manager
 from toolkit.checkpoint.common import BestTracker, TrainingState
 from toolkit.config import TrainConfig
+from toolkit.core.protocols import Bounded, FlopsCounted
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
-from toolkit.distributed.parallelize import build_model
+from toolkit.distributed.parallelize import build_parallel_model, unwrapped
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
 from toolkit.core.errors import Interrupted, UserError
 from toolkit.evaluation import during_training as harness_training
@@ -139,7 +140,7 @@ def build_trainer(cfg: TrainConfig, env: DistributedEnv, splits: Sequence[str] =
     task = TASK_REGISTRY.get(cfg.components.task).cls.setup_task(cfg.task)
     for split in splits:
         task.load_dataset(split)
-    model, strategy = build_model(cfg, task, env)
+    model, strategy = build_parallel_model(cfg, task, env)
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     return Trainer(cfg, task, model, criterion, env, strategy)
 
@@ -153,7 +154,8 @@ def load_combined_valid(cfg: TrainConfig, task) -> None:
 def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv,
                     dtype: torch.dtype) -> throughput.ThroughputSpec:
     """tokens/s per device and MFU against one device's peak (on CPU: measured once per machine)."""
-    flops = model.flops_per_token(cfg.task.tokens_per_sample) if hasattr(model, "flops_per_token") else 0.0
+    inner = unwrapped(model)
+    flops = inner.flops_per_token(cfg.task.tokens_per_sample) if isinstance(inner, FlopsCounted) else 0.0
     if env.device.type == "cpu":
         # A CPU without native fp16/bf16 matmuls converts to fp32: its best rate is the ceiling either way
         # (the reduced dtype's measured rate alone once gave an MFU of 134% under --memory-efficient-fp16).
@@ -225,8 +227,7 @@ def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
 
 def valid_max_positions(trainer: Trainer) -> Optional[int]:
     """The smaller of what the task produces and what the model takes (fairseq's resolve_max_positions)."""
-    limits = [trainer.task.max_positions() if hasattr(trainer.task, "max_positions") else None,
-              trainer.model.max_positions() if hasattr(trainer.model, "max_positions") else None]
+    limits = [part.max_positions() for part in (trainer.task, unwrapped(trainer.model)) if isinstance(part, Bounded)]
     known = [int(x) for x in limits if isinstance(x, (int, float))]
     return min(known) if known else None
 

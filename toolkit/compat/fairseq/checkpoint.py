@@ -5,7 +5,8 @@ file written by fairseq 0.10 (options in ``args``, an ``argparse.Namespace``) or
 by fairseq 0.10.1-0.12/main (options in ``cfg``: a DictConfig or plain dict with
 ``model``/``task`` sections) is read by :mod:`toolkit.compat.fairseq.pickle_reader`
 (a restricted unpickler), its options become our ``TransformerLMConfig`` values
-(:func:`toolkit_cfg`) and its weights our names (:func:`to_toolkit_weights`).
+(:func:`toolkit_cfg`) and its weights our names (the family's
+``toolkit.models.transformer_lm.fairseq_weights``).
 fairseq features we do not implement are refused with one line naming the flag.
 
 Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.compat.fairseq.export`,
@@ -13,12 +14,10 @@ which documents the key layout it writes.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
 import pickle
-import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -26,14 +25,11 @@ import torch
 from toolkit.checkpoint import integrity
 from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
 from toolkit.core.errors import UserError
+from toolkit.models.transformer_lm.fairseq_weights import FAIRSEQ_IGNORED, to_toolkit_weights
 
 logger = logging.getLogger("toolkit.checkpoint.fairseq_checkpoint")  # the name in log lines, kept from before the move
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024  # fairseq's, for checkpoints that never set it
-_QKV = re.compile(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)")
-_IN_PROJ = re.compile(r"(layers\.\d+\.self_attn)\.in_proj_(weight|bias)")
-_OLD_LAYER_NORMS = re.compile(r"(layers\.\d+)\.layer_norms\.([02])\.(weight|bias)")
-_IGNORED = {"version", "embed_positions._float_tensor", "embed_positions.weights"}
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
@@ -136,41 +132,6 @@ def _decoder_version(state: Dict[str, Any]) -> float:
     return float(version.flatten()[0]) if isinstance(version, torch.Tensor) and version.numel() else 1.0
 
 
-def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
-                       drop_final_norm: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """(our state dict, our name -> the fairseq key it came from) for a fairseq ``model`` dict."""
-    out: Dict[str, torch.Tensor] = {}
-    source: Dict[str, str] = {}
-    qkv: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = collections.defaultdict(dict)
-    for key, value in model_sd.items():
-        if not key.startswith("decoder."):
-            raise UserError(f"{path}: cannot load: weight {key} is not part of a transformer_lm decoder")
-        name = key[len("decoder."):]
-        if name in _IGNORED or (shared and name == "output_projection.weight") or (
-                drop_final_norm and name.startswith("layer_norm.")):
-            continue
-        m = _QKV.fullmatch(name)
-        if m:
-            qkv[(m[1], m[3])][m[2]] = value
-            continue
-        if _IN_PROJ.fullmatch(name):
-            name = _IN_PROJ.sub(r"\1.qkv_proj.\2", name)  # fairseq < 0.9: already fused, rows [q|k|v]
-        m = _OLD_LAYER_NORMS.fullmatch(name)
-        if m:
-            name = f"{m[1]}.{'self_attn_layer_norm' if m[2] == '0' else 'final_layer_norm'}.{m[3]}"
-        if name == "embed_out":
-            name = "output_projection.weight"
-        out[name], source[name] = value, key
-    for (prefix, kind), parts in qkv.items():
-        name = f"{prefix}.qkv_proj.{kind}"
-        missing = [p for p in "qkv" if p not in parts]
-        if missing:
-            raise UserError(f"{path}: cannot load: decoder.{prefix}.{missing[0]}_proj.{kind} is missing")
-        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]])
-        source[name] = f"decoder.{prefix}.q_proj.{kind}"
-    return out, source
-
-
 def fold_adaptive_aliases(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor]
                           ) -> Dict[str, torch.Tensor]:
     """fairseq stores a tied adaptive weight under both modules' names (and buffers we do not keep);
@@ -227,7 +188,7 @@ def _fairseq_parameter_keys(state: Dict[str, Any], shared: bool) -> List[str]:
     keys = []
     for key in state["model"]:
         name = key[len("decoder."):]
-        if name in _IGNORED or (shared and name == "output_projection.weight"):
+        if name in FAIRSEQ_IGNORED or (shared and name == "output_projection.weight"):
             continue
         keys.append(key)
     return keys

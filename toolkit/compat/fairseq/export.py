@@ -37,13 +37,13 @@ Checked against real fairseq 0.12.2 by ``benchmarks/fairseq_parity/parity.py``.
 """
 from __future__ import annotations
 
-import collections
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
 from toolkit.compat.fairseq.checkpoint import is_fairseq_checkpoint, read_checkpoint
 from toolkit.core.errors import UserError
+from toolkit.models.transformer_lm.fairseq_weights import to_fairseq_weights
 
 # Every field of fairseq's TransformerLanguageModelConfig, at fairseq's defaults (ours override them).
 FAIRSEQ_MODEL_DEFAULTS: Dict[str, Any] = {
@@ -88,47 +88,6 @@ def fairseq_cfg(cfg: Dict[str, Any]) -> Dict[str, Any]:
             "task": {"_name": "language_modeling", **task},
             "model": {"_name": "transformer_lm", **model},
             "criterion": {"_name": "cross_entropy", "sentence_avg": False}}
-
-
-def to_fairseq_weights(weights: Dict[str, torch.Tensor], cfg: Dict[str, Any]) -> "collections.OrderedDict[str, torch.Tensor]":
-    """Our state dict in fairseq's names and module order (q/k/v split, ``decoder.`` prefix, version 3)."""
-    w, out = dict(weights), collections.OrderedDict()
-
-    def take(name: str, as_name: Optional[str] = None) -> None:
-        if name in w:
-            out["decoder." + (as_name or name)] = w.pop(name)
-
-    take("embed_tokens.weight")
-    take("project_in_dim.weight")
-    if "embed_positions.weight" in w:
-        take("embed_positions.weight")
-    elif not cfg.get("no_token_positional_embeddings"):
-        out["decoder.embed_positions._float_tensor"] = torch.zeros(1)  # fairseq <= 0.10 expects this buffer
-    take("layernorm_embedding.weight")
-    take("layernorm_embedding.bias")
-    layer = 0
-    while f"layers.{layer}.self_attn.qkv_proj.weight" in w:
-        p = f"layers.{layer}."
-        split = {kind: dict(zip("qkv", w.pop(f"{p}self_attn.qkv_proj.{kind}").chunk(3)))
-                 for kind in ("weight", "bias")}
-        for part in "kvq":  # fairseq's MultiheadAttention order
-            for kind in ("weight", "bias"):
-                out[f"decoder.{p}self_attn.{part}_proj.{kind}"] = split[kind][part].clone()
-        for module in ("self_attn.out_proj", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"):
-            take(f"{p}{module}.weight")
-            take(f"{p}{module}.bias")
-        layer += 1
-    take("layer_norm.weight")
-    take("layer_norm.bias")
-    take("project_out_dim.weight")
-    if "output_projection.weight" in w:
-        take("output_projection.weight")
-    else:  # tied: fairseq's state dict holds the shared tensor under both names
-        out["decoder.output_projection.weight"] = out["decoder.embed_tokens.weight"]
-    if w:
-        raise UserError(f"--to-fairseq: weight {sorted(w)[0]} has no counterpart in fairseq's transformer_lm")
-    out["decoder.version"] = torch.Tensor([3])
-    return out
 
 
 def to_fairseq_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:

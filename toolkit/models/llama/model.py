@@ -36,10 +36,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
 from toolkit.core.registry import register_model
 
 
@@ -95,7 +97,7 @@ class GroupedQueryAttention(nn.Module):
     """Causal self-attention with H query heads sharing G key/value heads (H/G queries per group).
 
     The head counts follow from the projections' output widths, so a tensor-parallel split of
-    q/k/v by heads (``toolkit.models.llama.parallel``) runs this code unchanged on its share.
+    q/k/v by heads (``toolkit.models.llama.parallel``'s plan) runs this code unchanged on its share.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -248,6 +250,10 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
                                 "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
             raise KeyError(f"no initialization rule for parameter {name}")
         return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """torchtitan's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
+        return family_plan(self)
 
     # ---- accounting ----
 

@@ -1,7 +1,8 @@
 """A decoder-only Transformer language model, fairseq's ``transformer_lm``.
 
-Read top to bottom: options, the attention and block modules, the model, its
-initialization rule, then the named architectures (GPT-1/2/3 sizes from fairseq).
+Read top to bottom: the attention and block modules, the model, its initialization rule and
+FLOPs (the options are ``config.py``, the named sizes ``archs.py``, the tensor-parallel plan
+``parallel.py``).
 
 Shape notation: B batch, T time (tokens), C = decoder_embed_dim, H heads,
 D = C // H head size, V vocabulary.
@@ -34,8 +35,8 @@ Choices worth knowing
   adaptive_loss`` score them, as fairseq's decoder does.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
   FSDP2 / activation checkpointing can be applied per block from outside, and
-  tensor parallelism (``toolkit.distributed.tensor_parallel``) shards the linear
-  layers from outside too: attention takes its head count from qkv_proj's output width.
+  tensor parallelism (``toolkit.distributed.tensor_parallel``, by the plan of ``parallel.py``)
+  shards the linear layers from outside too: attention takes its head count from qkv_proj's output width.
 - Incremental decoding (generation): ``forward(tokens, incremental_state)`` takes only
   the new tokens; each layer keeps the keys and values of the positions already seen
   in a ``KVCache``, so a new token costs one position, not the whole prefix.
@@ -43,13 +44,13 @@ Choices worth knowing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.core.protocols import TensorParallelPlan
 from toolkit.core.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
@@ -58,83 +59,9 @@ from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
-from toolkit.core.registry import register_model, register_model_architecture
-
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
-    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's name for the tanh approximation
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's deprecated alias of gelu_accurate
-    "tanh": torch.tanh,
-    "swish": F.silu,
-    "linear": lambda x: x,
-}
-
-
-@dataclass
-class TransformerLMConfig:
-    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
-    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
-    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
-    decoder_normalize_before: bool = field(
-        default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm; the named archs "
-                                        "set it, --arch transformer_lm is post-norm as in fairseq)"})
-    no_decoder_final_norm: bool = field(
-        default=False, metadata={"help": "don't add an extra layernorm after the last decoder block"})
-    share_decoder_input_output_embed: bool = field(
-        default=False, metadata={"help": "share decoder input and output embeddings"})
-    no_token_positional_embeddings: bool = field(
-        default=False, metadata={"help": "if set, disables positional embeddings (outside self attention)"})
-    decoder_learned_pos: bool = field(
-        default=False, metadata={"help": "use learned positional embeddings in the decoder"})
-    no_scale_embedding: bool = field(default=False, metadata={"help": "if True, dont scale embeddings"})
-    activation_fn: str = field(default="relu", metadata={"help": "activation function to use",
-                                                         "choices": list(ACTIVATIONS)})
-    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
-    attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability for attention weights"})
-    activation_dropout: float = field(
-        default=0.0, metadata={"help": "dropout probability after activation in FFN."})
-    relu_dropout: float = field(
-        default=0.0, metadata={"help": "fairseq's older name of --activation-dropout, used when that is 0"})
-    max_target_positions: Optional[int] = field(
-        default=None, metadata={"help": "max number of tokens in the target sequence "
-                                        "(default: --tokens-per-sample)"})
-    # Embedding and output sizes (fairseq's project_in_dim / project_out_dim when they differ from C).
-    decoder_input_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder input dimension (default: 512 under --arch transformer_lm, as in "
-                                        "fairseq; --decoder-embed-dim under the named archs)"})
-    decoder_output_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder output dimension (default: 512 under --arch transformer_lm, as in "
-                                        "fairseq; --decoder-embed-dim under the named archs)"})
-    layernorm_embedding: bool = field(default=False, metadata={"help": "add layernorm to embedding"})
-    # LayerDrop (see toolkit.models.layerdrop).
-    decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
-    decoder_layers_to_keep: Optional[str] = field(
-        default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"})
-    # Adaptive input and softmax (see toolkit.models.adaptive).
-    adaptive_input: bool = field(default=False, metadata={"help": "if set, uses adaptive input"})
-    adaptive_input_factor: float = field(
-        default=4.0, metadata={"help": "adaptive input factor: band i has dimension C_in // factor**i"})
-    adaptive_input_cutoff: Optional[str] = field(
-        default=None, metadata={"help": "comma separated list of adaptive input cutoff points."})
-    adaptive_softmax_cutoff: Optional[str] = field(
-        default=None, metadata={"help": "comma separated list of adaptive softmax cutoff points. "
-                                        "Must be used with adaptive_loss criterion"})
-    adaptive_softmax_dropout: float = field(
-        default=0.0, metadata={"help": "sets adaptive softmax dropout for the tail projections"})
-    adaptive_softmax_factor: float = field(
-        default=4.0, metadata={"help": "adaptive softmax factor: tail band i has dimension C_out // factor**(i+1)"})
-    tie_adaptive_weights: bool = field(
-        default=False, metadata={"help": "if set, ties the weights of adaptive softmax and adaptive input"})
-    tie_adaptive_proj: bool = field(
-        default=False, metadata={"help": "if set, ties the projection weights of adaptive softmax and adaptive input"})
-    # Quant-Noise (see toolkit.models.quant_noise).
-    quant_noise_pq: float = field(
-        default=0.0, metadata={"help": "iterative PQ quantization noise at training time: blocks of weights "
-                                       "dropped with this probability"})
-    quant_noise_pq_block_size: int = field(
-        default=8, metadata={"help": "block size of quantization noise at training time"})
+from toolkit.models.transformer_lm.config import ACTIVATIONS, TransformerLMConfig
+from toolkit.models.transformer_lm.parallel import tensor_parallel_plan as family_plan
+from toolkit.core.registry import register_model
 
 
 class CausalSelfAttention(nn.Module):
@@ -405,6 +332,10 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             raise KeyError(f"no initialization rule for parameter {name}")
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
+        return family_plan(self)
+
     # ---- accounting ----
 
     def num_matmul_parameters(self) -> int:
@@ -429,156 +360,3 @@ def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: i
     """
     layers = cfg.decoder_layers if num_layers is None else num_layers
     return int(6 * num_matmul_params + 12 * layers * cfg.decoder_embed_dim * seq_len)
-
-
-# ---- named architectures: each sets values on a fresh config; the user's flags override them ----
-
-@register_model_architecture("transformer_lm", "transformer_lm")
-def transformer_lm(cfg: TransformerLMConfig) -> None:
-    """fairseq's config defaults as they are: since fairseq 0.11 the model's own name is a no-op architecture
-    (base_lm_architecture runs only for the named ones). So ``--arch transformer_lm`` is post-norm without a
-    final LayerNorm, with 512-wide input and output embeddings whatever --decoder-embed-dim is
-    (project_in_dim / project_out_dim map them when it differs). fairseq 0.10 ran base_lm_architecture here."""
-    cfg.decoder_normalize_before = False
-    cfg.decoder_input_dim = cfg.decoder_output_dim = 512
-
-
-def base_lm_architecture(cfg: TransformerLMConfig) -> None:
-    # fairseq's base_lm_architecture, called by every named transformer_lm arch, forces pre-norm.
-    cfg.decoder_normalize_before = True
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_big")
-def transformer_lm_big(cfg: TransformerLMConfig) -> None:
-    base_lm_architecture(cfg)
-    cfg.decoder_layers, cfg.decoder_embed_dim = 12, 1024
-    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = 4096, 16
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_wiki103")
-@register_model_architecture("transformer_lm", "transformer_lm_baevski_wiki103")
-def transformer_lm_baevski_wiki103(cfg: TransformerLMConfig) -> None:
-    """Baevski & Auli's WikiText-103 model: 16 layers of transformer_lm_big with 8 heads, adaptive input
-    and softmax (bands 20000 / 60000 / rest, tied embeddings and projections); 247M parameters."""
-    transformer_lm_big(cfg)
-    cfg.decoder_layers, cfg.decoder_attention_heads = 16, 8
-    cfg.dropout, cfg.attention_dropout, cfg.activation_dropout = 0.3, 0.1, 0.1
-    cfg.adaptive_input, cfg.tie_adaptive_weights, cfg.tie_adaptive_proj = True, True, True
-    cfg.adaptive_input_cutoff = cfg.adaptive_softmax_cutoff = "20000,60000"
-    cfg.adaptive_softmax_dropout = 0.2
-    cfg.no_decoder_final_norm = True
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gbw")
-@register_model_architecture("transformer_lm", "transformer_lm_baevski_gbw")
-def transformer_lm_baevski_gbw(cfg: TransformerLMConfig) -> None:
-    """Baevski & Auli's Billion Word base: transformer_lm_big at C=512 (adaptive flags come from the user)."""
-    transformer_lm_big(cfg)
-    cfg.decoder_embed_dim = 512
-    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
-    cfg.no_decoder_final_norm = True
-
-
-def _gpt(cfg: TransformerLMConfig, layers: int, dim: int, ffn: int, heads: int) -> None:
-    """fairseq's GPT-1/GPT-2 archs: sinusoidal positions, untied output, dropout 0.1, GELU."""
-    base_lm_architecture(cfg)
-    cfg.decoder_layers, cfg.decoder_embed_dim = layers, dim
-    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = ffn, heads
-    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
-    cfg.activation_fn = "gelu"
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt")
-def transformer_lm_gpt(cfg: TransformerLMConfig) -> None:
-    _gpt(cfg, layers=12, dim=768, ffn=3072, heads=12)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt2_tiny")
-def transformer_lm_gpt2_tiny(cfg: TransformerLMConfig) -> None:
-    _gpt(cfg, layers=2, dim=64, ffn=64, heads=1)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt2_small")
-def transformer_lm_gpt2_small(cfg: TransformerLMConfig) -> None:
-    _gpt(cfg, layers=24, dim=1024, ffn=4096, heads=16)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt2_medium")
-def transformer_lm_gpt2_medium(cfg: TransformerLMConfig) -> None:
-    _gpt(cfg, layers=36, dim=1280, ffn=5120, heads=20)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt2_big")
-def transformer_lm_gpt2_big(cfg: TransformerLMConfig) -> None:
-    _gpt(cfg, layers=48, dim=1600, ffn=6400, heads=25)
-
-
-def _gpt3(cfg: TransformerLMConfig, layers: int, dim: int, heads: int) -> None:
-    """fairseq's base_gpt3_architecture: FFN 4C, learned positions, tied embeddings, no dropout, GELU."""
-    base_lm_architecture(cfg)
-    cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads = layers, dim, heads
-    cfg.decoder_ffn_embed_dim = 4 * cfg.decoder_embed_dim  # 4C of the user's --decoder-embed-dim if given
-    cfg.decoder_learned_pos = True
-    cfg.dropout, cfg.attention_dropout = 0.0, 0.0
-    cfg.activation_fn = "gelu"
-    cfg.share_decoder_input_output_embed = True
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_small")
-def transformer_lm_gpt3_small(cfg: TransformerLMConfig) -> None:  # 125M
-    _gpt3(cfg, layers=12, dim=768, heads=12)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_medium")
-def transformer_lm_gpt3_medium(cfg: TransformerLMConfig) -> None:  # 350M
-    _gpt3(cfg, layers=24, dim=1024, heads=16)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_large")
-def transformer_lm_gpt3_large(cfg: TransformerLMConfig) -> None:  # 760M
-    _gpt3(cfg, layers=24, dim=1536, heads=16)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_xl")
-def transformer_lm_gpt3_xl(cfg: TransformerLMConfig) -> None:  # 1.3B
-    _gpt3(cfg, layers=24, dim=2048, heads=32)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_2_7")
-def transformer_lm_gpt3_2_7(cfg: TransformerLMConfig) -> None:  # 2.7B
-    _gpt3(cfg, layers=32, dim=2560, heads=32)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_6_7")
-def transformer_lm_gpt3_6_7(cfg: TransformerLMConfig) -> None:  # 6.7B
-    _gpt3(cfg, layers=32, dim=4096, heads=32)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_13")
-def transformer_lm_gpt3_13(cfg: TransformerLMConfig) -> None:  # 13B
-    _gpt3(cfg, layers=40, dim=5120, heads=40)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_gpt3_175")
-def transformer_lm_gpt3_175(cfg: TransformerLMConfig) -> None:  # 175B
-    _gpt3(cfg, layers=96, dim=12288, heads=96)
-
-
-def _megatron(cfg: TransformerLMConfig, ffn: int) -> None:
-    """fairseq's model_parallel archs (fairseq/model_parallel/models/transformer_lm.py), meant for
-    ``--model-parallel-size``: 72 x 3072, 32 heads, GELU, dropout and attention dropout 0.1."""
-    base_lm_architecture(cfg)
-    cfg.decoder_layers, cfg.decoder_embed_dim = 72, 3072
-    cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads = ffn, 32
-    cfg.dropout, cfg.attention_dropout = 0.1, 0.1
-    cfg.activation_fn = "gelu"
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_megatron")
-def transformer_lm_megatron(cfg: TransformerLMConfig) -> None:
-    _megatron(cfg, ffn=3072 * 4)
-
-
-@register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
-def transformer_lm_megatron_11b(cfg: TransformerLMConfig) -> None:
-    _megatron(cfg, ffn=3072 * 6)

@@ -1,0 +1,176 @@
+"""What the rest of the toolkit asks of a model family, a task and a criterion.
+
+Training, evaluation, generation, export, checkpointing and parallelism never look at a model's
+class or probe it with ``hasattr``: they rely on the Protocols here, so a new family (a folder
+under ``toolkit/models/``, or a ``--user-dir`` plugin) knows exactly which methods to write and
+nothing else. Each Protocol is one caller's view; a full language model implements
+:class:`LanguageModel` (what eval-lm, the hub and generation call), :class:`Initializable` (meta-
+device build, then ``init_weights``), and optionally :class:`FlopsCounted` (MFU in the logs) and
+:class:`TensorParallelizable` (``--model-parallel-size``). ``runtime_checkable`` ones are tested
+with ``isinstance`` where the caller has a fallback (a plugin without FLOPs logs no MFU).
+
+The tensor-parallel plan is data, not code: the family names which of its modules gets which kind
+of split (:data:`TP_KINDS`), and ``toolkit.distributed.tensor_parallel`` turns the kinds into
+DTensor styles. So the model package depends on nothing above it, and the parallel code holds no
+parameter names of any family.
+
+This module imports only ``typing``, ``dataclasses`` and ``torch``: it sits at the bottom of the
+package order, below everything that implements or calls it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+
+import torch
+
+NetOutput = Union[torch.Tensor, Tuple[torch.Tensor, Any]]
+"""What ``forward`` returns: a tensor [B, T, V] (or features, for an adaptive softmax), or
+``(tensor, extra)``; training's criterions take either, eval and generation pass it to
+``get_normalized_probs`` unchanged, so they need not know which."""
+
+
+@runtime_checkable
+class ConfigSection(Protocol):
+    """One section of a run's options (a dataclass instance): task, model, criterion, optimizer..."""
+
+    __dataclass_fields__: ClassVar[Dict[str, Any]]
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A decoder-only model as eval-lm, the hub, generation and export call it.
+
+    ``forward(tokens [B, T], incremental_state)``: with a dict for ``incremental_state`` (empty at the
+    first call, then owned by the model) ``tokens`` are only the new positions.
+    ``get_normalized_probs`` turns forward's output (of the positions the caller kept) into fp32
+    log-probabilities [B, T, V]: the one place a family's output layer is normalized (plain softmax,
+    adaptive softmax), so every scorer agrees with training's loss.
+    """
+
+    def __call__(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None) -> NetOutput: ...
+
+    def get_normalized_probs(self, net_output: NetOutput, log_probs: bool = True) -> torch.Tensor: ...
+
+    def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None: ...
+
+    def max_positions(self) -> int: ...
+
+
+@runtime_checkable
+class Bounded(Protocol):
+    """A task or model that limits the positions it takes (``None``: no limit of its own); fairseq's
+    ``resolve_max_positions`` takes the smallest of those declared."""
+
+    def max_positions(self) -> Optional[int]: ...
+
+
+@runtime_checkable
+class Initializable(Protocol):
+    """Built on the meta device, sharded, then filled: ``initial_value`` gives parameter ``name``'s full fp32
+    value from a generator seeded by (seed, name), ``reset_buffers`` recomputes the non-saved buffers."""
+
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor: ...
+
+    def reset_buffers(self) -> None: ...
+
+
+@runtime_checkable
+class FlopsCounted(Protocol):
+    """Training FLOPs per token at context ``seq_len`` (the 6N + attention of MFU)."""
+
+    def flops_per_token(self, seq_len: int) -> int: ...
+
+
+TP_KINDS = ("vocab_embedding", "output", "column", "fused_qkv", "row", "norm", "replicated",
+            "replicated_weights", "sequence_split", "sequence_input")
+"""The splits a family's plan may name (``toolkit.distributed.tensor_parallel`` implements each):
+
+- ``vocab_embedding``: embedding rows Shard(0), each rank looks up its tokens, summed over ranks;
+- ``output``: output projection Shard(0), logits sharded over the vocabulary (``loss_parallel``);
+- ``column`` / ``fused_qkv``: Shard(0), this rank's output features (fused ``[q | k | v]``: its heads of each);
+- ``row``: Shard(1), partial sums reduced (scattered over the sequence under sequence parallelism);
+- ``norm``: replicated weights on T/M positions (sequence parallel) or on all (without);
+- ``replicated``: replicated weights computed on the replicated stream (positions, input projections);
+- ``replicated_weights``: replicated weights computed on a DTensor as it comes (output-side projections);
+- ``sequence_split``: the first block, whose replicated input is cut into T/M chunks (sequence parallelism only);
+- ``sequence_input``: a module that takes the sequence-split stream as a DTensor (sequence parallelism only)."""
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A family's Megatron split: module paths -> kinds, and what the tensor-parallel size must divide.
+
+    ``top`` holds the model's own modules (relative to the model), ``block`` those of every entry of
+    ``model.layers``. ``divisible`` lists ``(flag, value)`` pairs M must divide (heads, FFN width);
+    ``positions`` is the context length, which M must divide under sequence parallelism.
+    ``block_inputs``: positional inputs of a block (the stream first; Llama's also takes cos/sin).
+    ``hidden``: the module whose output is the hidden state the output layer reads.
+    ``sharded_dropout``: ``(start, end)`` module paths inside a block whose dropout acts on this
+    rank's heads/units (each rank draws its own masks there); empty for a family without dropout.
+    ``unsupported``: why this model has no split (one line), refused before anything is sharded.
+    """
+
+    top: Dict[str, str]
+    block: Dict[str, str]
+    divisible: Tuple[Tuple[str, int], ...]
+    positions: int
+    hidden: str
+    block_inputs: int = 1
+    sharded_dropout: Tuple[Tuple[str, str], ...] = ()
+    unsupported: Optional[str] = None
+    padding_idx: int = 1
+
+    def kinds(self) -> Iterator[str]:
+        yield from self.top.values()
+        yield from self.block.values()
+
+
+@runtime_checkable
+class TensorParallelizable(Protocol):
+    """A model that ``--model-parallel-size`` can split: it names the split of its modules."""
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan: ...
+
+
+@runtime_checkable
+class Dictionary(Protocol):
+    def __len__(self) -> int: ...
+
+    def pad(self) -> int: ...
+
+    def eos(self) -> int: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the trainer, eval-lm and model builders ask of a task (fairseq's ``FairseqTask`` subset).
+
+    ``max_positions`` is part of it: ``None`` means the task sets no limit of its own."""
+
+    cfg: Any
+
+    @property
+    def source_dictionary(self) -> Dictionary: ...
+
+    @property
+    def target_dictionary(self) -> Dictionary: ...
+
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> Any: ...
+
+    def dataset(self, split: str) -> Any: ...
+
+    def max_positions(self) -> Optional[int]: ...
+
+
+@runtime_checkable
+class Criterion(Protocol):
+    """``criterion(model, sample)`` -> (loss summed over the sample, sample size, logging output), and the
+    classmethod-free reductions the trainer calls on the gathered logging outputs."""
+
+    def __call__(self, model: Any, sample: Dict[str, Any], reduce: bool = True
+                 ) -> Tuple[torch.Tensor, int, Dict[str, Any]]: ...
+
+    def reduce_metrics(self, logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]: ...
+
+    def logging_outputs_can_be_summed(self) -> bool: ...
