@@ -71,10 +71,7 @@ def get_eval_lm_parser(default_task: str = "language_modeling") -> FairseqParser
     """toolkit-eval-lm's options, ``--post-process/--remove-bpe [subword_nmt]`` included."""
     from toolkit.inference.eval_lm_main import EvalLMConfig
 
-    parser = FairseqParser("toolkit-eval-lm", (EvalLMConfig,), False, ())
-    parser.add_argument("--post-process", "--remove-bpe", dest="post_process", nargs="?", const="subword_nmt",
-                        default=None, help="merge subwords before counting words (bare: subword_nmt)")
-    return parser
+    return FairseqParser("toolkit-eval-lm", (EvalLMConfig,), False, ())
 
 
 def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Sequence[str]] = None,
@@ -86,9 +83,9 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Se
     ``parse_known``: ``(args, unknown)``. ``suppress_defaults``: only the options given.
     """
     if not isinstance(parser, FairseqParser):
-        raise TypeError("parse_args_and_arch: pass a parser from toolkit.config.options.get_training_parser() "
+        raise TypeError("parse_args_and_arch: pass a parser from toolkit.options.get_training_parser() "
                         "or get_eval_lm_parser()")
-    argv = list(sys.argv[1:] if input_args is None else input_args)
+    argv = options.fill_optional_values(list(sys.argv[1:] if input_args is None else input_args))
     full, argv = options.build_parser(parser.prog, parser.toolkit_configs, argv, selectors=parser.toolkit_selectors,
                                       arch=parser.toolkit_arch, imply=parser.toolkit_imply)
     for args, kwargs in parser.user_arguments:
