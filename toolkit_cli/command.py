@@ -1,19 +1,47 @@
-"""The shape of a simple command: parse one options dataclass, run, report a UserError in one line."""
+"""The one shape of a command: parse its options dataclass with the shared options machinery, call
+``run(config)`` from the library, and report what went wrong in one line through one error handler.
+
+Every ``toolkit_cli`` module is a thin parser over a library function (litgpt's one module per command):
+the work lives in the layers below, so tests and Python users call the same ``run(config)``.
+"""
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
 from toolkit.config import options
-from toolkit.core.errors import UserError
+from toolkit.core.errors import Interrupted, UserError
 
 
-def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List[str]], description: str):
-    """``main(config)``'s result; a UserError prints ``<prog>: error: <message>`` and exits 1."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = options.parse_with_components(prog, [config_cls], argv, selectors=(), arch=False, description=description)
+def fail(prog: str, message: object, status: int = 1) -> None:
+    """``<prog>: error: <message>`` on one line (a message with newlines is joined), then exit ``status``."""
+    print(f"{prog}: error: {' '.join(str(message).splitlines())}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str, also: Tuple[Type[BaseException], ...] = (),
+                    interrupted: str = "interrupted") -> Iterator[None]:
+    """The error handler every command shares: a ``UserError`` (or one of ``also``) exits 1, an ``OSError`` that
+    escaped the library names its file and what to check (exit 1), Ctrl-C exits 130 saying where it stopped."""
     try:
+        yield
+    except (UserError,) + tuple(also) as e:
+        fail(prog, e)
+    except OSError as e:  # e.g. disk full or permission denied on a path the library did not check first
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        fail(prog, f"{where}{e.strerror or e}; check the path, its permissions and free space")
+    except KeyboardInterrupt as e:  # Interrupted says where the run stopped; otherwise the command's own words
+        fail(prog, e if isinstance(e, Interrupted) else interrupted, status=130)
+
+
+def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List[str]], description: str,
+                selectors: Sequence = ()):
+    """``main(config)``'s result for the options dataclass ``config_cls`` parsed from ``argv``; fairseq's bare
+    ``--remove-bpe`` / ``--post-process`` mean ``subword_nmt`` in every command."""
+    argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))
+    args = options.parse_with_components(prog, [config_cls], argv, selectors=tuple(selectors), arch=False,
+                                         description=description)
+    with one_line_errors(prog):
         return main(options.config_from_args(config_cls, args))
-    except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)

@@ -12,7 +12,7 @@ from toolkit_cli.interactive import run
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.inference.generate import GenerateConfig, generate_main
+    from toolkit.inference.generate import GenerateConfig
     from toolkit.inference.results_file import generate_with_results_path
 
     run("toolkit-generate", GenerateConfig, generate_with_results_path, argv,

@@ -14,10 +14,10 @@ import sys
 from typing import List, Optional
 
 from toolkit.train.config_file import hydra_train_argv
-from toolkit.core.errors import UserError
 from toolkit.logging.setup import setup_logging
 from toolkit.config.options import OneLineErrorParser
 from toolkit_cli import train as train_cli
+from toolkit_cli.command import one_line_errors
 
 PROG = "toolkit-hydra-train"
 
@@ -38,11 +38,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
-    try:
+    with one_line_errors(PROG):
         train_argv = hydra_train_argv(args.config_dir, args.config_name, args.overrides)
-    except UserError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
     train_cli.cli_main(train_argv, prog=PROG)
 
 

@@ -9,8 +9,8 @@ import sys
 from typing import Callable, List, Optional
 
 from toolkit.config import options
-from toolkit.core.errors import UserError
 from toolkit.core.registry import TASK_REGISTRY
+from toolkit_cli.command import one_line_errors
 
 def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str]], description: str) -> None:
     from toolkit.generation import GenerationConfig
@@ -20,12 +20,9 @@ def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str
     args = options.parse_with_components(prog, [command_config, GenerationConfig], argv,
                                          selectors=(TASK_REGISTRY,), arch=False, description=description)
     task_overrides = {k: v for k, v in options.given_options(LanguageModelingConfig, argv).items() if k != "data"}
-    try:
+    with one_line_errors(prog):
         main(options.config_from_args(command_config, args), options.config_from_args(GenerationConfig, args),
              task_overrides)
-    except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

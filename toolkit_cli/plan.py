@@ -17,6 +17,7 @@ import sys
 from typing import List, Optional
 
 from toolkit.core.errors import UserError
+from toolkit_cli.command import one_line_errors
 
 PROG = "toolkit-plan"
 
@@ -37,7 +38,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     vocab = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     vocab.add_argument("--vocab-size", type=int, default=None)
-    try:
+    with one_line_errors(PROG):
         ns, rest = split_hardware_args(argv)
         vs, rest = vocab.parse_known_args(rest)
         if vs.vocab_size is not None and vs.vocab_size < 1:
@@ -49,9 +50,6 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             rest = ["--ddp-backend", "fully_sharded"] + rest
         cfg = parse_train_config(rest, prog=PROG)
         plan = make_plan(cfg, hw, vocab_size=vs.vocab_size)
-    except UserError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
     print(table(plan))
     sys.exit(0 if plan.fits else 3)
 

@@ -11,18 +11,13 @@ import sys
 from typing import List, Optional
 
 from toolkit.data.preprocess import PreprocessConfig, PreprocessResult, preprocess
-from toolkit.core.errors import UserError
 from toolkit.logging.setup import DATE_FORMAT, LOG_FORMAT
 from toolkit.config.options import config_from_args, parse_with_components
 from toolkit.core.registry import TOKENIZER_REGISTRY
 
+from toolkit_cli.command import one_line_errors
+
 PROG = "toolkit-preprocess"
-
-
-def _fail(message: str) -> None:
-    one_line = " ".join(str(message).split("\n"))
-    print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def main(argv: Optional[List[str]] = None) -> PreprocessResult:
@@ -39,17 +34,9 @@ def main(argv: Optional[List[str]] = None) -> PreprocessResult:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(format=LOG_FORMAT, datefmt=DATE_FORMAT,
                         level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout)
-    try:
+    # Ctrl-C: the temporary folder is already removed (atomic_directory)
+    with one_line_errors(PROG, interrupted="interrupted; nothing was written to --destdir (run the command again)"):
         main(argv)
-    except UserError as e:
-        _fail(str(e))
-    except OSError as e:  # e.g. disk full, permission denied on --destdir's parent
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        _fail(f"{where}{e.strerror or e}; check the path, its permissions and free space")
-    except KeyboardInterrupt:  # the temporary folder is already removed (atomic_directory)
-        print(f"{PROG}: error: interrupted; nothing was written to --destdir (run the command again)",
-              file=sys.stderr, flush=True)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from typing import List, Optional
 
 from toolkit.train.config_file import expand_config_flag
 from toolkit.distributed import launch
-from toolkit.core.errors import Interrupted, UserError
 from toolkit.logging.setup import setup_logging
 from toolkit.plan import summary_for_train
 from toolkit.train.resolve import parse_train_config
 from toolkit.train.train_loop import train
+from toolkit_cli.command import one_line_errors
 
 PROG = "toolkit-train"
 
@@ -28,19 +28,12 @@ PROG = "toolkit-train"
 def cli_main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     # The resolver's choices are logged once (by rank 0 under torchrun, task 0 under srun), before any worker starts.
     setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
-    try:
+    with one_line_errors(prog, also=(FloatingPointError,), interrupted="interrupted before the first update"):
         argv = expand_config_flag(sys.argv[1:] if argv is None else argv)  # --config FILE.yaml: its flags first
         cfg = parse_train_config(argv, prog=prog, description="Train a language model.")
         if cfg.common.plan:  # before the workers start: the prediction, then the measured MFU in the log
             logging.getLogger("toolkit_cli.train").info(summary_for_train(cfg))
         launch.run(train, cfg)
-    except (UserError, FloatingPointError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt as e:  # Interrupted says where; before the loop there is nothing to say
-        print(f"{prog}: error: {e if isinstance(e, Interrupted) else 'interrupted before the first update'}",
-              file=sys.stderr)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from toolkit import inference
+from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
