@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from toolkit.checkpoint import sharded
-from toolkit.compat.fairseq import export as fairseq_export
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.core.errors import UserError
 
 PROG = "toolkit-consolidate"
@@ -48,12 +48,12 @@ def to_fairseq(cfg: ConsolidateConfig) -> str:
     check_output("--to-fairseq", output, cfg.force)
     folder = None if os.path.isfile(cfg.checkpoint) else sharded.find_sharded(cfg.checkpoint)
     if folder is None:
-        summary = fairseq_export.export(cfg.checkpoint, output)
+        summary = fairseq_adapter.write_fairseq_checkpoint(cfg.checkpoint, output)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             consolidated = os.path.join(tmp, "consolidated.pt")
             sharded.consolidate(folder, consolidated, include_optimizer=False)
-            summary = fairseq_export.export(consolidated, output)
+            summary = fairseq_adapter.write_fairseq_checkpoint(consolidated, output)
     print(f"{PROG}: wrote {output} in fairseq's layout: {summary['tensors']} tensors, "
           f"{summary['params']} parameters (from {cfg.checkpoint})")
     return output

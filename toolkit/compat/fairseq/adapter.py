@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
+from toolkit.compat.fairseq import export as fairseq_export
 from toolkit.compat.fairseq import shards as fairseq_shards
 from toolkit.core import registry
 
@@ -73,3 +74,9 @@ def shard_files(path: str) -> List[str]:
 def load_shards(shards: List[str], ckpt_cfg, trainer, state) -> Optional[Dict[str, Any]]:
     """Resume from a fairseq ``-shard`` set (see :mod:`toolkit.compat.fairseq.shards`)."""
     return fairseq_shards.load(shards, ckpt_cfg, trainer, state)
+
+
+def write_fairseq_checkpoint(path: str, output: str) -> Dict[str, int]:
+    """A consolidated toolkit checkpoint's model in fairseq's ``transformer_lm`` layout at ``output``
+    (``toolkit-consolidate --to-fairseq``); ``{"tensors", "params"}`` written."""
+    return fairseq_export.export(path, output)
