@@ -81,7 +81,8 @@ def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) ->
 
 
 def model_option_names(arch: Optional[str]) -> List[str]:
-    entry = registry.resolve_arch(arch) if arch else None
+    known = arch in registry.ARCH_MODEL_NAME or arch in registry.MODEL_REGISTRY
+    entry = registry.resolve_arch(arch) if known else None  # an unregistered arch is refused by the caller next
     return [f.name for f in dataclasses.fields(entry.config)] if entry is not None and entry.config else []
 
 
