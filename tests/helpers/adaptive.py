@@ -1,4 +1,4 @@
-"""A tiny adaptive-input / adaptive-softmax transformer_lm and its token batches (shared by both tiers' adaptive tests)."""
+"""A tiny adaptive-input / adaptive-softmax transformer_lm and its token batches, for both tiers' adaptive tests."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
-"""Worker for tests/test_adaptive_distributed.py (``python -m tests.helpers.adaptive_dist_helpers DATA OUT_JSON``).
+"""Worker for tests/integration/test_adaptive_distributed.py
+(``python -m tests.helpers.adaptive_dist_helpers DATA OUT_JSON``).
 
 Two ranks (spawned by toolkit's launcher) train a tiny adaptive model (adaptive input and softmax,
 tied weights and projections, as transformer_lm_wiki103) for a few updates under each parallel

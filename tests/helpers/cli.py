@@ -6,15 +6,18 @@ same everywhere.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from tests.helpers import REPO_ROOT
+from tests.helpers.forkserver import ForkServer
 
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| (\w+) \| ([\w.]+) \| (.*)$")
 
@@ -47,11 +50,14 @@ class Run:
         return {int(r["num_updates"]): float(r["loss"]) for r in self.records("train_inner")}
 
 
-def subprocess_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+_ENV_AT_IMPORT = dict(os.environ)  # before any test's monkeypatch: what the fork server starts with
+
+
+def subprocess_env(extra: Optional[Dict[str, str]] = None, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The environment of a command under test: the repo first, then whatever the caller's PYTHONPATH holds
     (packages installed with --target, as on the GPU machine, where torchao and deepspeed come from there);
     one thread per process (several run at once on two cores); no WORLD_SIZE/RANK leaking from a launcher."""
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath})
     env.pop("WORLD_SIZE", None)
@@ -61,9 +67,33 @@ def subprocess_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def run_cli(module: str, args: Sequence[str], timeout: float = 300, env: Optional[Dict[str, str]] = None) -> Run:
+    """``python -m module args`` with the test environment; a ``toolkit_cli`` command is forked from the session's
+    fork server (tests/helpers/forkserver.py: the same command, without paying the imports again)."""
+    if module.startswith("toolkit_cli.") and _fork_ok():
+        return _run_forked(module, args, timeout, subprocess_env(env))
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env(env), cwd=REPO_ROOT)
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+_SERVER: List[ForkServer] = []
+
+
+def _fork_ok() -> bool:
+    """Forking is for CPU machines: a process that touched CUDA cannot hand it to a forked child, so on a machine
+    with an NVIDIA driver every command starts a fresh interpreter (as with TOOLKIT_TESTS_FORK=0)."""
+    return os.environ.get("TOOLKIT_TESTS_FORK", "1") != "0" and not os.path.exists("/dev/nvidiactl")
+
+
+def _run_forked(module: str, args: Sequence[str], timeout: float, env: Dict[str, str]) -> Run:
+    if not _SERVER or not _SERVER[0].alive():
+        _SERVER[:] = [ForkServer(subprocess_env(base=_ENV_AT_IMPORT), REPO_ROOT)]
+        atexit.register(_SERVER[0].close)
+    with tempfile.TemporaryDirectory(prefix="toolkit-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        code = _SERVER[0].run(module, [str(a) for a in args], env, REPO_ROOT, out, err, timeout)
+        with open(out, errors="replace") as f, open(err, errors="replace") as g:
+            return Run(code, f.read(), g.read())
 
 
 def run_train(argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 240,

@@ -1,4 +1,4 @@
-"""Worker for tests/test_compile.py: eager and ``--compile`` runs of the same flags, in one launched group.
+"""Worker for tests/integration/test_compile.py: eager and ``--compile`` runs of the same flags, in one launched group.
 
     python -m tests.helpers.compile_helpers DATA OUT_JSON WORLD_SIZE CONFIGS_JSON
 

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_distributed.py: a tiny data-bin, CLI runs as subprocesses, and worker programs.
+"""Helpers for tests/integration/test_distributed.py: a tiny data-bin, CLI runs as subprocesses, and worker programs.
 
 Worker programs (run as ``python -m tests.helpers.dist_helpers COMMAND ...``):
 
@@ -70,14 +70,14 @@ def llama_args(save_dir) -> list:
 
 
 def train(data_bin, save_dir, *flags, env=None, timeout=240):
-    """toolkit-train on ``model_args`` (dropout 0, so runs can be compared loss for loss); fails the test if it fails."""
+    """toolkit-train on ``model_args`` (dropout 0: runs compare loss for loss); fails the test if it fails."""
     proc = run_train([data_bin] + model_args(str(save_dir)) + list(flags), env=env, timeout=timeout)
     assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
 def assert_logged_losses_match(got, want, updates):
-    """Logged losses (4 decimals) of two runs agree within float noise plus one unit in the last logged place."""
+    """Logged losses of two runs agree within float noise plus one unit in the last logged place."""
     assert sorted(got) == list(updates), f"updates logged: {sorted(got)}"
     for u in updates:
         assert abs(got[u] - want[u]) <= REL_TOL * abs(want[u]) + LOGGED_TOL, (u, got[u], want[u])

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_tensor_parallel.py: a tiny model, fixed batches, one training loop for
+"""Helpers for tests/integration/test_tensor_parallel.py: a tiny model, fixed batches, one training loop for
 every layout, and the spawned workers (gloo on CPU).
 
 The loop does what the trainer does for one update: summed loss, backward under

@@ -4,7 +4,8 @@ import pytest
 from tests.helpers.bad_inputs import prepare
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
-    """The bad-input catalogue's files (tests/helpers/bad_inputs.py), made once per module that asks."""
+    """The bad-input catalogue's files (tests/helpers/bad_inputs.py): two trainings, made once for both catalogue
+    modules. Every case asserts it changed none of them; test_bad_inputs_trust_a only adds folders beside them."""
     yield from prepare(str(tmp_path_factory.mktemp("catalogue")))

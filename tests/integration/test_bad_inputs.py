@@ -6,7 +6,8 @@ for all of them: exit status 1 (2 for argparse's own parse errors), no ``Traceba
 ``prog: error: ...``, and every prepared file (data-bins, checkpoints, the forged and
 damaged inputs) is byte-identical afterwards.
 
-Speed: the prepared files are made once per module (two 2-update trainings), and each
+Speed: the prepared files are made once per session (two 2-update trainings, shared with
+test_bad_inputs_trust_a.py), and each
 case runs in a forked child of this process (torch already imported, real exit status
 and real stderr, nothing shared back), so the whole table takes seconds.
 """

@@ -182,7 +182,7 @@ def test_getting_started_multi_shard(wikitext, tmp_path):
 
 def test_adaptive_inputs_readme(tmp_path):
     """examples/language_model/README.adaptive_inputs.md, flag for flag (transformer_lm_wiki103, adaptive_loss,
-    nag, cosine, legacy_ddp, --skip-invalid-size-inputs-valid-test); only sizes shrunk (see tests/test_adaptive.py)."""
+    nag, cosine, legacy_ddp, --skip-invalid-size-inputs-valid-test); only sizes shrunk (see tests/helpers/fairseq_readme.py)."""
     from tests.helpers.dist_helpers import make_lm_data_bin
     from tests.helpers.fairseq_readme import README_COMMAND, readme_argv
 

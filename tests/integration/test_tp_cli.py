@@ -1,7 +1,7 @@
 """``toolkit-train --model-parallel-size``: tensor parallelism through the real command, against one process.
 
 The library-level parity (every layout, activation checkpointing, fp16, dropout streams, DCP
-resharding) is in tests/test_tensor_parallel.py; here the command line, the trainer's
+resharding) is in tests/integration/test_tensor_parallel.py; here the command line, the trainer's
 data-parallel bookkeeping (batches sharded over replicas, not ranks), checkpoints and resume.
 """
 import pytest

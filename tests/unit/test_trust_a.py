@@ -1,6 +1,6 @@
 """Issue 19 items 1-4 working as promised: samples resumed exactly, one writer, checksums, exports replaced.
 
-(The refusals are in ``tests/test_bad_inputs_trust_a.py``.)
+(The refusals are in ``tests/integration/test_bad_inputs_trust_a.py``.)
 """
 from __future__ import annotations
 
