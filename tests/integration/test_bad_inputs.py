@@ -243,8 +243,9 @@ def test_a_killed_data_loader_worker_is_one_line(prepared, tmp_path):
 def test_interactive_warns_about_invalid_utf8_and_nul_on_its_input(prepared, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"w1 \xff\xfe w2\nw3\x00w4\nw5\n")
-    # A fresh process, as a user runs it: a child forked from the suite inherits what earlier tests left
-    # behind (multiprocessing's descriptor-sharing state), which once printed a traceback that is not ours.
+    # Not run_forked: a child forked from the suite inherits what earlier tests left behind (multiprocessing's
+    # descriptor-sharing state), which once printed a traceback that is not ours. run_cli starts it clean (a
+    # fresh interpreter, or a child of the fork server, which never runs a test).
     run = run_cli(INTERACTIVE, [prepared["bin"], "--path", f"{prepared['save']}/checkpoint_last.pt",
                                   "--input", str(prompts), "--beam", "1", "--max-len-b", "2", "--cpu"])
     code, out, err = run.returncode, run.stdout, run.stderr
