@@ -1,7 +1,7 @@
 """Crash consistency: training runs killed with SIGKILL at random moments resume bit-identical.
 
     python benchmarks/faults.py --runs 20            # the figure reported for issue 10
-    python benchmarks/faults.py --runs 3 --updates 6 # the short version tests/test_faults.py runs
+    python benchmarks/faults.py --runs 3 --updates 6 # the short version tests/integration/test_faults.py runs
 
 One uninterrupted reference run first. Then ``--runs`` runs of the same command, each
 ``kill -9``ed once: at least half of them right after a checkpoint's temporary file

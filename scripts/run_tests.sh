@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite.
+# Set up (if needed) and run the whole test suite: the unit tier, then the integration tier.
+# tests/unit/ is in-process (a few minutes); tests/integration/ starts commands, several ranks and faults
+# (marked `integration`). A failing unit tier stops here: the slower tier would only repeat its failure.
+# Arguments go to both pytest runs (e.g. -x, -k NAME); a tier that -k/-m leaves empty (pytest's exit 5)
+# is not a failure unless both are empty.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec "${PYTHON:-python3}" -m pytest tests -q "$@"
+unit=0
+"${PYTHON:-python3}" -m pytest tests/unit -q "$@" || unit=$?
+if [ "$unit" -ne 0 ] && [ "$unit" -ne 5 ]; then
+    exit "$unit"
+fi
+integration=0
+"${PYTHON:-python3}" -m pytest tests/integration -q "$@" || integration=$?
+if [ "$integration" -eq 5 ] && [ "$unit" -eq 0 ]; then
+    integration=0
+fi
+exit "$integration"

@@ -3,16 +3,26 @@ import os
 import pytest
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.abspath(os.path.join(REPO_ROOT, "..", "shared", "data"))
+from tests.helpers import SHARED_DATA
 
 # Two cores here and on CI: extra intra-op threads only add contention between test processes.
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")
+
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: under tests/integration/ (CLI runs, several ranks, faults); "
+                                       "`pytest -m 'not integration'` is the unit tier")
     config.addinivalue_line("markers", "faults: kill -9 fault suite (starts ~10 training processes)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `pytest -m gpu` on a GPU machine)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tier is where the file lives: everything under tests/integration/ is marked ``integration``."""
+    for item in items:
+        if os.path.commonpath([str(item.path), INTEGRATION_DIR]) == INTEGRATION_DIR:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ With ``--bf16-host-grads`` too: its hooks re-store each gradient in bf16 when FS
 within the group's post-backward, so the squares and the update read the bf16 gradients, as the
 serial run does (a gradient replaced after its squares were taken would have them taken again
 after backward: ``raw_grad_norm`` checks identity). Bit for bit the serial run with 2 ranks and
-8-bit moments (``tests/test_overlap.py``).
+8-bit moments (``tests/{unit,integration}/test_overlap.py``).
 
 DeepSpeed binds its op without releasing the GIL, which would stall the main thread for the
 whole of each update call: :mod:`toolkit.optim.gil_free_adam` builds the same update under a

@@ -7,7 +7,7 @@ values of a row) at a time on each OpenMP thread: the two codes decoded to fp32 
 that stay in L1, DeepSpeed's Adam update on them (its own ``cpu_adam_impl.cpp``, built with
 its builder and flags), the new codes and scales.
 
-The same bits as the eager path (``tests/test_adam_states.py`` compares codes, scales and
+The same bits as the eager path (``tests/{unit,integration}/test_adam_states.py`` compares codes, scales and
 parameters with ``torch.equal``): every step of the codec is one IEEE operation done in the
 eager order, exp_avg_sq's log code goes through the same two tables
 (``quantized_states.SQ_RATIO``, ``SQ_THRESHOLD``), and the values that the eager path's

@@ -2,7 +2,7 @@
 
 Parameter counts at each model's own vocabulary (``PUBLISHED_VOCAB_SIZE``, what
 ``python -m toolkit.models.accounting ARCH`` uses when ``--vocab-size`` is not given) equal the
-published ones; ``tests/test_llama.py`` checks them. Under ``toolkit-train`` the vocabulary is the
+published ones; ``tests/{unit,integration}/test_llama.py`` checks them. Under ``toolkit-train`` the vocabulary is the
 data-bin's dictionary, so the count follows it.
 
 ===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================

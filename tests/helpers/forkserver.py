@@ -1,0 +1,131 @@
+"""Run ``python -m toolkit_cli.X ARGS`` as a child forked from a process that has already imported the toolkit.
+
+Why: a fresh interpreter spends seconds importing torch, DTensor, DCP and dynamo before a tiny test run
+does a few milliseconds of training; the integration tier starts a few hundred such commands. The
+server here imports the command modules once, then forks one child per command. The child is still a
+separate process started from a clean state (the server never trains, never starts a thread pool or a
+process group): it gets its own environment, working folder, stdin from /dev/null and stdout/stderr into
+files, runs the module as ``__main__`` exactly as ``python -m`` would (``runpy``) and exits with the
+command's status; an uncaught exception prints its traceback and exits 1, as the interpreter does.
+
+``tests/helpers/cli.run_cli`` uses it for ``toolkit_cli.*`` modules; ``TOOLKIT_TESTS_FORK=0`` turns it off
+(every command then starts a fresh interpreter). Protocol on the server's stdin/stdout, one JSON line a
+request: ``{"module", "argv", "env", "cwd", "out", "err"}``; the server says ``ready`` once its imports are done, then
+answers each request with the child's pid and its exit status, each on a line.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Dict, List, Optional, Tuple
+
+WARM = ("toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.generate", "toolkit_cli.validate",
+        "toolkit_cli.export", "toolkit_cli.consolidate", "toolkit_cli.preprocess", "toolkit_cli.interactive",
+        "toolkit_cli.hydra_train", "toolkit_cli.plan")
+
+
+def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
+    """In the forked child: become the command, never return."""
+    code = 1
+    try:
+        for fd in proto_fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = [request["module"], *request["argv"]]
+        sys.modules.pop(request["module"], None)  # run as __main__ only, as ``python -m`` does (its imports stay)
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    """The server loop: requests on fd 0, answers on fd 1 (moved aside so a child's output cannot mix in)."""
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    for module in WARM:
+        importlib.import_module(module)
+    os.write(proto_out, b"ready\n")
+    reader = os.fdopen(proto_in, "r")
+    for line in reader:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, (proto_in, proto_out))
+        os.write(proto_out, f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(proto_out, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+class ForkServer:
+    """The client side: one server process per test session, started on first use."""
+
+    def __init__(self, env: Dict[str, str], cwd: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.forkserver"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, cwd=cwd, text=True, bufsize=1)
+        self.ready = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _line(self, deadline: Optional[float]) -> str:
+        if deadline is not None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline))
+            if not ready:
+                raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the test fork server exited")
+        return line
+
+    def run(self, module: str, argv: List[str], env: Dict[str, str], cwd: str, out: str, err: str,
+            timeout: Optional[float]) -> int:
+        if not self.ready:  # the imports, once (a minute at most, even on a busy machine)
+            assert self._line(300.0) == "ready\n"
+            self.ready = True
+        request = dict(module=module, argv=list(argv), env=env, cwd=cwd, out=out, err=err)
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self._line(10.0))
+        try:
+            return int(self._line(timeout))
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._line(None)
+            raise subprocess.TimeoutExpired([module, *argv], timeout)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    serve()

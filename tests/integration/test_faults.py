@@ -1,0 +1,29 @@
+"""The short fault suite: 3 runs killed with SIGKILL (during saves and between them) resume bit-identical.
+
+Runs ``benchmarks/faults.py --runs 3 --updates 4`` (the full version, ``--runs 20``, is
+reported in the benchmarks README). Marked ``faults`` (``-m "not faults"`` leaves it out):
+it starts 14 training processes (the last run is also restarted after it finished; then a SIGINT and a
+SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir).
+"""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.dist_helpers import REPO_ROOT, subprocess_env
+
+
+@pytest.mark.faults
+def test_killed_runs_resume_bit_identical(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/faults.py", "--runs", "3", "--updates", "4", "--seed", "1",
+                           "--finished-restarts", "1", "--signal-runs", "2", "--writer-runs", "1",
+                           "--workdir", str(tmp_path)], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"^matched: 3/3$", proc.stdout, re.M), out[-3000:]
+    saves = int(re.search(r"kills during a save \(.*\): (\d+)/3", proc.stdout).group(1))
+    assert saves >= 2, out[-3000:]  # at least half of the kills hit a save in progress
+    assert re.search(r"^signal in mid-save matched: 2/2$", proc.stdout, re.M), out[-3000:]  # SIGINT and SIGTERM
+    assert re.search(r"^two writers matched: 1/1$", proc.stdout, re.M), out[-3000:]
+    assert proc.returncode == 0

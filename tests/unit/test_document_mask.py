@@ -1,0 +1,113 @@
+"""--document-attention-mask / --reset-position-ids: a document inside a packed block scores as it does alone."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.lm_fixtures import make_data_bin
+from toolkit.data.lm_dataset import MonolingualDataset, document_layout
+from toolkit.data.token_block_dataset import TokenBlockDataset
+from toolkit.models import model_config
+from toolkit.models.document_mask import attend, document_block_mask, make_attention_mask
+from toolkit.models.llama.model import LlamaLanguageModel
+from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
+
+VOCAB, PAD, EOS = 40, 1, 2
+
+
+def transformer(kind):
+    positions = {"learned": dict(decoder_learned_pos=True), "sinusoidal": {}}[kind]
+    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64,
+                              decoder_attention_heads=4, max_target_positions=64, dropout=0.0,
+                              decoder_normalize_before=True, **positions)
+    return TransformerLanguageModel(cfg, VOCAB, PAD, seed=3).eval()
+
+
+def llama(arch):
+    return LlamaLanguageModel(model_config(arch, max_target_positions=64), VOCAB, padding_idx=PAD, seed=3).eval()
+
+
+MODELS = {"transformer_lm-learned": lambda: transformer("learned"),
+          "transformer_lm-sinusoidal": lambda: transformer("sinusoidal"),
+          "llama": lambda: llama("llama_tiny"), "llama-gqa": lambda: llama("llama_tiny_gqa")}
+
+
+def documents(seed=0):
+    """Token lines (each ending in </s>) of different lengths."""
+    rng = np.random.RandomState(seed)
+    return [np.concatenate([rng.randint(4, VOCAB, size=n), [EOS]]) for n in (5, 11, 1, 8, 14, 3)]
+
+
+def token_losses(model, src, tgt, **kw):
+    with torch.no_grad():
+        logits = model(src, **kw)
+    return F.cross_entropy(logits.reshape(-1, VOCAB).double(), tgt.reshape(-1), reduction="none").view(tgt.shape)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_document_in_a_packed_block_equals_it_alone(name, device="cpu", tol=1e-5):
+    model = MODELS[name]().to(device)
+    docs = documents()
+    stream = np.concatenate(docs)
+    # the packed block: targets are the stream, sources it shifted right after a leading </s>
+    tgt = torch.as_tensor(stream, device=device)[None]
+    src = torch.as_tensor(np.concatenate([[EOS], stream[:-1]]), device=device)[None]
+    document_ids, positions = document_layout(src, EOS)
+    packed = token_losses(model, src, tgt, document_ids=document_ids, positions=positions)[0]
+    plain = token_losses(model, src, tgt)[0]
+    start = 0
+    for doc in docs:
+        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]), device=device)[None],
+                             torch.as_tensor(doc, device=device)[None])[0]
+        inside = packed[start:start + len(doc)]
+        assert torch.allclose(inside, alone, atol=tol, rtol=0), (name, start, inside - alone)
+        start += len(doc)
+    assert not torch.allclose(plain, packed, atol=1e-3), "without the mask, later documents see earlier ones"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_flex_attention_on_cuda_keeps_documents_apart(name):
+    """On CUDA the mask is flex_attention's block mask (compiled): the same equality, fp32 without TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    test_each_document_in_a_packed_block_equals_it_alone(name, device="cuda", tol=1e-4)
+
+
+def test_layout_and_mask():
+    src = torch.tensor([[7, 8, EOS, 9, EOS, EOS, 5, PAD]])
+    ids, pos = document_layout(src, EOS)
+    assert ids.tolist() == [[0, 0, 1, 1, 2, 3, 3, 3]]
+    assert pos.tolist() == [[0, 1, 0, 1, 0, 0, 1, 2]]
+    mask = make_attention_mask(ids)[0, 0]
+    assert mask.shape == (8, 8) and mask[3].tolist() == [False, False, True, True] + [False] * 4
+    assert mask.tril().equal(mask)
+
+
+def test_flex_attention_equals_the_sdpa_mask():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    ids, _ = document_layout(torch.tensor([[EOS, 4, 5, EOS, 6, 7, 8, EOS, 9, 4, 4, 5, EOS, 6, 6, 6]]), EOS)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    expected = attend(q, k, v, make_attention_mask(ids))
+
+    block = document_block_mask(ids)
+    try:
+        got = flex.flex_attention(q, k, v, block_mask=block)
+    except Exception as e:  # CPU flex_attention needs a compiler on some builds
+        pytest.skip(f"flex_attention does not run on this CPU build: {type(e).__name__}")
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_collater_sends_the_layout(tmp_path):
+    make_data_bin(tmp_path / "bin", {"train": ["a b c", "d e", "f g h i"]}, symbols=list("abcdefghi"))
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    d = Dictionary.load(str(tmp_path / "bin" / "dict.txt"))
+    blocks = TokenBlockDataset(MMapIndexedDataset(str(tmp_path / "bin" / "train")), 6, d.pad(), d.eos())
+    dataset = MonolingualDataset(blocks, d, document_mask=True, reset_positions=True)
+    batch = dataset.collater([dataset[0]])
+    net = batch["net_input"]
+    assert net["document_ids"].tolist() == [[1, 1, 1, 1, 2, 2]]  # "a b c </s> | d e"
+    assert net["positions"].tolist() == [[0, 1, 2, 3, 0, 1]]

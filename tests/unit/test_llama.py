@@ -1,0 +1,103 @@
+"""The Llama family in one process: the named sizes' published parameter counts, the KV cache against
+the full forward, rotary positions, generation with and without the cache, FLOPs per token and the
+one-line refusals of impossible shapes.
+
+Training runs (real text, two ranks, tensor parallelism, resume) are in tests/integration/test_llama.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.core.errors import UserError
+from toolkit.generation import GenerationConfig, SequenceGenerator
+from toolkit.models import count_parameters, model_config
+from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
+from toolkit.models.llama.model import LlamaLanguageModel
+
+PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embeddings once)
+    "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
+    "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
+    "mistral_7b": 7_241_732_096,
+}
+
+
+@pytest.mark.parametrize("arch", sorted(PUBLISHED))
+def test_named_sizes_have_the_published_parameter_counts(arch):
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == PUBLISHED[arch]
+
+
+def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
+    cfg = model_config(arch, max_target_positions=48, **overrides)
+    return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama_tiny", "llama_tiny_gqa"])
+def test_cache_equals_full_forward_and_holds_kv_heads(arch):
+    model = tiny(arch, attention_qkv_bias=True)
+    x = torch.randint(4, 40, (3, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(x)
+        state = {}
+        chunks = [model(x[:, a:b], incremental_state=state) for a, b in [(0, 7), (7, 8), (8, 9), (9, 30)]]
+        assert torch.allclose(torch.cat(chunks, 1), full, atol=1e-5)
+        assert state["positions"] == 30
+        assert state["layers"][0].k.size(1) == model.cfg.decoder_kv_heads < model.cfg.decoder_attention_heads
+        # beam search reorders (and repeats) rows; continuing equals the reordered full forward
+        order = torch.tensor([2, 2, 0])
+        state = {}
+        model(x[:, :10], incremental_state=state)
+        model.reorder_incremental_state(state, order)
+        assert torch.allclose(model(x[order, 10:], incremental_state=state), model(x[order])[:, 10:], atol=1e-5)
+
+
+def test_rotary_positions_matter_and_continue():
+    """Without positions a causal model would score a shifted copy the same; RoPE must not."""
+    model = tiny()
+    x = torch.randint(4, 40, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        alone = model(x[:, 6:])
+        state = {}
+        model(x[:, :6], incremental_state=state)
+        continued = model(x[:, 6:], incremental_state=state)
+    assert not torch.allclose(alone, continued, atol=1e-3)
+    assert torch.allclose(continued, model(x)[:, 6:], atol=1e-5)
+
+
+def test_generation_with_and_without_cache_agree():
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary()
+    for i in range(36):
+        d.add_symbol(f"w{i}")
+    model = tiny("llama_tiny_gqa", vocab=len(d))
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(40.0)  # tied output: a peaked next-token distribution
+    prompts = [torch.tensor(p) for p in ([5, 6, 7], [8], [9, 10, 11, 12, 5])]
+    for values in (dict(beam=1, max_len_b=12), dict(beam=3, nbest=3, max_len_b=10, lenpen=0.5)):
+        cached, recomputed = (SequenceGenerator([model], d, GenerationConfig(**values), incremental=inc).generate(prompts)
+                              for inc in (True, False))
+        for a_hypos, b_hypos in zip(cached, recomputed):
+            for a, b in zip(a_hypos, b_hypos):
+                assert torch.equal(a["tokens"], b["tokens"]), values
+                assert torch.allclose(a["positional_scores"], b["positional_scores"], atol=1e-5)
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention():
+    untied, tied = tiny(), tiny("llama_tiny_gqa")
+    C, F_, L, V = 64, 128, 2, 40
+    per_layer = C * C + 2 * C * 32 + C * C + 3 * C * F_ + 2 * C  # q, k, v (2 heads of 16), o; SwiGLU; norms
+    n = L * per_layer + C + C * V  # final norm, output layer (the embedding lookup is not a matmul)
+    assert untied.num_matmul_parameters() == n
+    assert untied.flops_per_token(32) == 6 * n + 12 * L * C * 32
+    assert tied.num_matmul_parameters() == sum(p.numel() for p in tied.parameters())  # the lookup is the output
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(decoder_kv_heads=3), "--decoder-kv-heads 3: must divide --decoder-attention-heads 4"),
+    (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
+    (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
+])
+def test_impossible_shapes_are_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        tiny(**overrides)

@@ -1,0 +1,168 @@
+"""Hugging Face checkpoints of the Llama family in and out (toolkit/export/hf_llama.py, models/llama/hf.py).
+
+For random tiny LlamaForCausalLM (GQA, untied, Llama 3 RoPE scaling), Qwen2ForCausalLM (q/k/v
+biases, tied, more embedding rows than tokens) and MistralForCausalLM (no sliding window) folders
+saved by transformers with a tokenizer that adds BOS (not Qwen2's): ``--from hf`` keeps the
+tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
+transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
+``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
+``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line;
+text binarized with the imported tokenizer keeps its ids, continues training from the imported
+checkpoint, and the trained model exports back to a folder transformers loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from tests.helpers.hf_llama import KINDS, make_hf  # noqa: E402
+from toolkit.core.errors import UserError  # noqa: E402
+from toolkit.export.api import ExportConfig, run_export  # noqa: E402
+from toolkit.inference import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def imported(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(str(root / "hf"), request.param)
+    run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    model, task, args = load_model(str(root / "ours" / "model.pt"), str(root / "ours"))
+    return dict(kind=request.param, root=root, hf=hf, model=model, task=task, args=args)
+
+
+def log_probs(model_output) -> torch.Tensor:
+    return torch.log_softmax(model_output.float(), dim=-1)
+
+
+def batch(n: int = 14) -> torch.Tensor:
+    return torch.randint(0, 60, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def tokenizer(folder):
+    """The folder's tokenizer.json as saved (AutoTokenizer would rebuild a Qwen2 folder's as Qwen2's BPE,
+    which this word-level test tokenizer is not)."""
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+def test_token_ids_are_the_tokenizers_own(imported):
+    tok = tokenizer(imported["root"] / "ours")
+    d = imported["task"].dictionary
+    text = "w3 w17 w59 w0"
+    ids = tok(text)["input_ids"]
+    assert ids == tokenizer(imported["root"] / "hf")(text)["input_ids"]
+    assert [d[i] for i in ids] == tok.convert_ids_to_tokens(ids)
+    assert len(d) == imported["hf"].config.vocab_size
+    assert d.eos() == imported["hf"].config.eos_token_id
+    adds_bos = imported["kind"] != "qwen2"
+    assert (ids[0] == d.bos()) == adds_bos and imported["args"].add_bos_token == adds_bos
+    assert d.pad() not in (d.eos(), d.bos()) and d.pad() not in ids
+
+
+def test_hub_encodes_with_the_models_tokenizer(imported):
+    from toolkit.models.llama.model import LlamaLanguageModel
+
+    hub = LlamaLanguageModel.from_pretrained(str(imported["root"] / "ours"), "model.pt", device="cpu")
+    text = "w3 w17 w59 w0"
+    d = imported["task"].dictionary
+    assert hub.encode(text).tolist() == tokenizer(imported["root"] / "hf")(text, add_special_tokens=False)["input_ids"] \
+        + [d.eos()]
+
+
+def test_log_probs_equal_transformers(imported):
+    x = batch()
+    with torch.no_grad():
+        ours = imported["model"].get_normalized_probs(imported["model"](x))
+        theirs = log_probs(imported["hf"](x).logits)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_greedy_generation_with_the_cache_equals_transformers(imported):
+    model, hf = imported["model"], imported["hf"]
+    prompt = torch.tensor([[1, 5, 9, 13]]) if imported["kind"] != "qwen2" else torch.tensor([[5, 9, 13]])
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                           min_new_tokens=12, pad_token_id=0)[0, prompt.size(1):].tolist()
+        state, got = {}, []
+        logits = model(prompt, incremental_state=state)
+        for _ in range(12):
+            got.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[got[-1]]]), incremental_state=state)
+    assert got == want
+
+
+def test_export_back_gives_the_same_class_and_log_probs(imported):
+    back = imported["root"] / "back"
+    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(back), format="hf"))
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(back), dtype=torch.float32).eval()
+    assert type(hf2).__name__ == type(imported["hf"]).__name__
+    x = batch()
+    with torch.no_grad():
+        assert (log_probs(hf2(x).logits) - log_probs(imported["hf"](x).logits)).abs().max().item() < 1e-4
+    text = "w1 w2 w40"
+    assert tokenizer(back)(text)["input_ids"] == tokenizer(imported["root"] / "hf")(text)["input_ids"]
+
+
+def test_a_sliding_window_is_refused_in_one_line(tmp_path):
+    make_hf(str(tmp_path / "hf"), "mistral")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(config, sliding_window=4096)))
+    with pytest.raises(UserError, match="config.json: sliding_window 4096; the toolkit attends over the whole context"):
+        run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "out"), import_from="hf"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_safetensors_export_reloads_with_the_same_log_probs(imported):
+    out = imported["root"] / "st"
+    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(out), format="safetensors"))
+    model, task, _ = load_model(str(out / "model.safetensors"))
+    assert task.dictionary == imported["task"].dictionary and task.dictionary.bos() == imported["task"].dictionary.bos()
+    x = batch()
+    with torch.no_grad():
+        assert torch.equal(model(x), imported["model"](x))
+
+
+def test_vocabulary_dictionary_keeps_ids_through_dict_txt(tmp_path):
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary.from_vocabulary(["<unk>", "<s>", "</s>", "a", "b"], bos=1, pad=0, eos=2, unk=0)
+    d.save(str(tmp_path / "dict.txt"))
+    e = Dictionary.load(str(tmp_path / "dict.txt"))
+    assert e == d and (e.bos(), e.pad(), e.eos(), e.unk()) == (1, 0, 2, 0)
+    assert e.encode_line("a b zz").tolist() == [3, 4, 0, 2]
+    with pytest.raises(ValueError, match="'a b' \\(id 1\\) is empty, repeated or holds whitespace"):
+        Dictionary.from_vocabulary(["x", "a b"], bos=0, pad=0, eos=0, unk=0)
+    (tmp_path / "bad.txt").write_text("#toolkit:vocabulary bos=1 eos=2\na 1\n")
+    with pytest.raises(UserError, match="must be '#toolkit:vocabulary bos=I pad=J eos=K unk=L'"):
+        Dictionary.load(str(tmp_path / "bad.txt"))
+
+
+def test_sharded_safetensors_import_like_one_file(tmp_path):
+    hf = make_hf(str(tmp_path / "hf"), "mistral")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "sharded" / name).write_bytes((tmp_path / "hf" / name).read_bytes())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    run_export(ExportConfig(path=str(tmp_path / "sharded"), out=str(tmp_path / "ours"), import_from="hf"))
+    model, _, _ = load_model(str(tmp_path / "ours" / "model.pt"), str(tmp_path / "ours"))
+    x = batch()
+    with torch.no_grad():
+        assert (model.get_normalized_probs(model(x)) - log_probs(hf(x).logits)).abs().max().item() < 1e-4
+
+
+def test_onnx_export_matches_and_the_cache_graph_is_refused(tmp_path):
+    pytest.importorskip("onnxruntime")
+    make_hf(str(tmp_path / "hf"), "llama")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    ckpt = str(tmp_path / "ours" / "model.pt")
+    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx"))  # checks onnxruntime parity
+    assert os.path.isfile(os.path.join(out, "decoder.onnx"))
+    with pytest.raises(UserError, match="--kv-cache: decoder_with_past.onnx is written for transformer_lm only"):
+        run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx2"), format="onnx", kv_cache=True))
+    assert not os.path.exists(tmp_path / "onnx2")
