@@ -6,7 +6,8 @@
   equals ``generate(do_sample=False)``.
 - An imported Llama continues training on a data-bin binarized with its tokenizer
   (``--finetune-from-model``), is killed with SIGKILL in the middle of a save, and the resumed run ends
-  with the uninterrupted run's losses and weights exactly (benchmarks/faults.py's helpers).
+  with the uninterrupted run's losses and weights exactly (benchmarks/faults.py's helpers); its
+  ``--format hf`` export loads in transformers with the same log-probs.
 """
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ TEXTS = ["w3 w17 w59 w0", "w1 w2 w40 w40 w7 w12", "w5 w9"]
 
 
 def reference_tokenizer(folder, kind: str):
-    """``AutoTokenizer`` for Llama; for the Qwen2 folder the saved tokenizer.json itself (AutoTokenizer rebuilds
+    """``AutoTokenizer`` for Llama and Mistral; for the Qwen2 folder the saved tokenizer.json itself (AutoTokenizer rebuilds
     a Qwen2 folder's tokenizer as Qwen2's byte-level BPE, which the word-level test tokenizer is not)."""
     if kind == "qwen2":
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
     return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
 def hub(request, tmp_path_factory):
     from toolkit.models.llama.model import LlamaLanguageModel
 
@@ -53,12 +54,12 @@ def hf_log_probs(hf, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_encode_is_the_tokenizers_input_ids(hub):
-    unknown = ["w3 zz w1"] if hub["kind"] == "llama" else []  # the Qwen2 test tokenizer has no unknown token
+    unknown = ["w3 zz w1"] if hub["kind"] != "qwen2" else []  # the Qwen2 test tokenizer has no unknown token
     for text in TEXTS + unknown + [""]:
         assert hub["lm"].encode(text).tolist() == hub["tok"](text)["input_ids"], text
     first = hub["lm"].encode(TEXTS[0]).tolist()
     d = hub["lm"].dictionary
-    assert (first[0] == d.bos()) == (hub["kind"] == "llama") and first[-1] != d.eos()
+    assert (first[0] == d.bos()) == (hub["kind"] != "qwen2") and first[-1] != d.eos()
 
 
 def test_score_equals_transformers_log_probs(hub):
@@ -73,7 +74,7 @@ def test_score_equals_transformers_log_probs(hub):
 
 
 def test_one_id_cannot_be_scored(hub):
-    text = "" if hub["kind"] == "llama" else "w3"  # encodes to one id: the context alone
+    text = "" if hub["kind"] != "qwen2" else "w3"  # encodes to one id: the context alone
     with pytest.raises(UserError, match="score: 1 id\\(s\\) after encoding; the first id is the context"):
         hub["lm"].score(text)
 
@@ -149,3 +150,13 @@ def test_imported_llama_resumes_exactly_after_kill_9(tmp_path):
     merged.update(faults.losses(resume_log))
     assert merged == reference
     assert faults.same_weights(faults.final_weights(save_dir), faults.final_weights(ref_dir))
+
+    from toolkit.inference import load_model
+
+    run_export(ExportConfig(path=os.path.join(save_dir, "checkpoint_last.pt"), out=str(tmp_path / "back"), format="hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    model, _, _ = load_model(os.path.join(save_dir, "checkpoint_last.pt"), str(ours))
+    ids = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))(lines[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ours_lp = model.get_normalized_probs(model(ids))
+        assert (torch.log_softmax(hf(ids).logits.float(), -1) - ours_lp).abs().max().item() < 1e-4
