@@ -64,16 +64,6 @@ def test_token_ids_are_the_tokenizers_own(imported):
     assert d.pad() not in (d.eos(), d.bos()) and d.pad() not in ids
 
 
-def test_hub_encodes_with_the_models_tokenizer(imported):
-    from toolkit.models.llama.model import LlamaLanguageModel
-
-    hub = LlamaLanguageModel.from_pretrained(str(imported["root"] / "ours"), "model.pt", device="cpu")
-    text = "w3 w17 w59 w0"
-    d = imported["task"].dictionary
-    assert hub.encode(text).tolist() == tokenizer(imported["root"] / "hf")(text, add_special_tokens=False)["input_ids"] \
-        + [d.eos()]
-
-
 def test_log_probs_equal_transformers(imported):
     x = batch()
     with torch.no_grad():

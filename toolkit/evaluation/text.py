@@ -13,10 +13,9 @@ or ``<s>`` with ``--add-bos-token``), put in front by the caller, as fairseq's L
 """
 from __future__ import annotations
 
-import os
 from typing import List, Sequence
 
-from toolkit.core.errors import UserError
+from toolkit.inference.model_tokenizer import load_model_tokenizer
 from toolkit.tokenizers import load_tokenizer_for_data_bin
 
 
@@ -25,7 +24,7 @@ class TextCodec:
         self.dictionary = dictionary
         self.prefix = dictionary.bos() if add_bos_token else dictionary.eos()
         self.eos = dictionary.eos()
-        self.hf = _hf_tokenizer(data_dir, dictionary)
+        self.hf = load_model_tokenizer(data_dir, dictionary)
         self.bpe = None if self.hf is not None else load_tokenizer_for_data_bin(data_dir)
 
     @property
@@ -49,19 +48,3 @@ class TextCodec:
         """The text a special id stands for (the harness adds EOS's string to the stop strings)."""
         return self.dictionary[token_id]
 
-
-def _hf_tokenizer(data_dir: str, dictionary):
-    """``tokenizer.json`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    if not os.path.isfile(path) or not getattr(dictionary, "fixed_ids", False):
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UserError(f"{path}: reading it needs the tokenizers package; pip install tokenizers") from None
-    tok = Tokenizer.from_file(path)
-    size = tok.get_vocab_size(with_added_tokens=True)
-    if size > len(dictionary):
-        raise UserError(f"{path}: {size} tokens but dict.txt has {len(dictionary)}; the folder is not one "
-                        f"toolkit-export --from hf wrote (re-import the model)")
-    return tok

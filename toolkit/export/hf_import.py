@@ -204,6 +204,6 @@ def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = No
         progress.advance(f"wrote {CHECKPOINT} and dict.txt ({len(symbols) + 4} symbols)")
         progress.advance(_copy_bpe(folder, tmp))
     logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-                f"{config.n_positions} --restore-file {os.path.join(out_dir, CHECKPOINT)} --reset-optimizer "
+                f"{config.n_positions} --finetune-from-model {os.path.join(out_dir, CHECKPOINT)} "
                 f"(binarize DATA with --srcdict {os.path.join(out_dir, 'dict.txt')})")
     return out_dir

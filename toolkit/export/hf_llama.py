@@ -2,7 +2,8 @@
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
 model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
-(``bpe.json``: the hub's ``encode`` gives the tokenizer's ids, then EOS as in the data-bins) and
+(``bpe.json``: what ``toolkit-preprocess`` reads; the hub encodes with ``tokenizer.json`` itself, see
+``toolkit/inference/model_tokenizer.py``) and
 its ``config.json`` as ``hf_config.json`` (``--format hf`` writes the same class back from it).
 
 Token ids stay the model's own: ``dict.txt`` is the tokenizer's vocabulary in id order
@@ -13,8 +14,10 @@ from EOS, else a special token named like a pad or reserved one, else the unknow
 
 Continued pretraining: binarize text with ``toolkit-preprocess --srcdict OUT/dict.txt --bpe hf_byte_bpe
 --bpe-model OUT/tokenizer.json`` (the pieces are the tokenizer's tokens, so the ids are its ids, and
-each line ends with its EOS), then ``toolkit-train ... --restore-file OUT/model.pt --reset-optimizer``
-with ``--add-bos-token`` when the tokenizer puts BOS first; the log prints both commands.
+each line ends with its EOS), then ``toolkit-train ... --finetune-from-model OUT/model.pt`` with
+``--add-bos-token`` when the tokenizer puts BOS first; the log prints both commands. (``--finetune-from-model``,
+not ``--restore-file OUT/model.pt --reset-optimizer``: a run restarted after a crash then resumes from its
+own ``checkpoint_last.pt`` instead of starting over from the imported weights.)
 
 Weights are read tensor by tensor from the safetensors files (sharded or not) and converted to
 fp32 as they come, so the import holds one copy of the model, never the original beside it.
@@ -191,8 +194,8 @@ def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_s
     logger.info(f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
                 f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA")
     logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-                f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --restore-file "
-                f"{os.path.join(out_dir, CHECKPOINT)} --reset-optimizer")
+                f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
+                f"{os.path.join(out_dir, CHECKPOINT)}")
     return out_dir
 
 

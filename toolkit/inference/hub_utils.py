@@ -18,6 +18,7 @@ from toolkit import inference
 from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
+from toolkit.inference import model_tokenizer as hf_ids
 from toolkit.inference.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
                                   split_hub_kwargs)
 
@@ -45,15 +46,32 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     bpe = build_bpe_kwarg(bpe_name, data.split(":")[0], rest)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models, task, args = inference.load_ensemble(path, data, dev, overrides=rest or None)
-    return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe)
+    own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
+    if bpe_name is None and tokenizer_name is None:
+        own = hf_ids.load_model_tokenizer(data.split(":")[0], task.dictionary)
+    return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe, model_tokenizer=own)
 
 
 class LMHubInterface(FairseqHubMethods, torch.nn.Module):
-    def __init__(self, models: List[torch.nn.Module], task, args, tokenizer=None, bpe=None):
+    """``model_tokenizer``: an imported model's own tokenizer (:mod:`toolkit.inference.model_tokenizer`);
+    then ``encode`` gives its ids exactly, and ``score``/``generate`` read them as transformers does."""
+
+    def __init__(self, models: List[torch.nn.Module], task, args, tokenizer=None, bpe=None, model_tokenizer=None):
         super().__init__()
         self.models = torch.nn.ModuleList(models)
         self.task, self.args, self.tokenizer, self.bpe = task, args, tokenizer, bpe
+        self.model_tokenizer = model_tokenizer
         self.dictionary = task.dictionary
+
+    def encode(self, sentence: str) -> torch.LongTensor:
+        if self.model_tokenizer is not None:
+            return hf_ids.encode_ids(self.model_tokenizer, sentence)
+        return super().encode(sentence)
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        if self.model_tokenizer is not None:
+            return hf_ids.decode_ids(self.model_tokenizer, tokens)
+        return super().decode(tokens)
 
     @property
     def device(self) -> torch.device:
@@ -61,8 +79,15 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
 
     @torch.no_grad()
     def score_tokens(self, tokens: torch.Tensor, **kwargs) -> Dict[str, object]:
-        """Per-token log-probabilities (natural log) of encoded tokens and their perplexity."""
-        lprobs = inference.score_stream(list(self.models), tokens, self.dictionary.eos(),
+        """Per-token log-probabilities (natural log) of encoded tokens and their perplexity.
+
+        With the model's own tokenizer the first id is the context (``tokens`` are then the ids after it);
+        else every token is scored after ``</s>``, as fairseq's hub does.
+        """
+        first = self.dictionary.eos()
+        if self.model_tokenizer is not None:
+            first, tokens = hf_ids.split_context(tokens, "score")
+        lprobs = inference.score_stream(list(self.models), tokens, first,
                                         tokens_per_sample=self.args.tokens_per_sample, device=self.device)
         return {
             "tokens": tokens,
@@ -89,7 +114,11 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
     @torch.no_grad()
     def generate(self, tokenized_sentences: Union[torch.Tensor, List[torch.Tensor]], beam: int = 5,
                  verbose: bool = False, batch_size: int = 16, **kwargs) -> List[List[Dict[str, object]]]:
-        """Hypotheses (``tokens``, ``score``, ``positional_scores``; natural log) per encoded prompt."""
+        """Hypotheses (``tokens``, ``score``, ``positional_scores``; natural log) per encoded prompt.
+
+        With the model's own tokenizer each prompt's first id is the context it starts from (prompts are
+        batched by it) and comes back at the front of ``tokens``, as in transformers' ``generate``.
+        """
         if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
             return self.generate([tokenized_sentences], beam, verbose, batch_size, **kwargs)[0]
         seed = kwargs.pop("seed", None)
@@ -97,12 +126,17 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator,
-                                bos=self.dictionary.bos() if self.args_add_bos else None)
+        start = self.dictionary.bos() if self.args_add_bos else self.dictionary.eos()
         prompts = [strip_eos(t, self.dictionary.eos()) for t in tokenized_sentences]
-        out: List[List[Dict[str, object]]] = []
-        for i in range(0, len(prompts), batch_size):
-            out.extend(gen.generate(prompts[i:i + batch_size]))
+        groups = hf_ids.group_by_context(prompts, start) if self.model_tokenizer is not None else \
+            {start: list(enumerate(prompts))}
+        out: List[List[Dict[str, object]]] = [[] for _ in prompts]
+        for first, group in groups.items():
+            gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator, bos=first)
+            for i in range(0, len(group), batch_size):
+                chunk = group[i:i + batch_size]
+                for (index, _), hypos in zip(chunk, gen.generate([p for _, p in chunk])):
+                    out[index] = hf_ids.with_context(hypos, first) if self.model_tokenizer is not None else hypos
         if verbose:
             for prompt, hypos in zip(prompts, out):
                 logger.info(f"S\t{self.dictionary.string(prompt)}")
