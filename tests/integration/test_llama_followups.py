@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from tests.test_llama_hf import make_hf  # noqa: E402
+from tests.helpers.hf_llama import make_hf  # noqa: E402
 from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 
