@@ -105,7 +105,7 @@ def test_imported_llama_resumes_exactly_after_kill_9(tmp_path):
     import numpy as np
 
     from benchmarks import faults
-    from tests.train_helpers import run_cli
+    from tests.helpers.cli import run_cli
 
     make_hf(str(tmp_path / "hf"), "llama")
     ours = tmp_path / "ours"
