@@ -81,7 +81,7 @@ def test_batch_skipped_once_the_retries_are_spent(data_bin, tmp_path, caplog):
     trainer, samples = build(data_bin, tmp_path, retries=2)
     start = weights(trainer)
     forwards = inject_overflows(trainer, 5)
-    with caplog.at_level(logging.INFO, logger="toolkit.train.amp_retries"):
+    with caplog.at_level(logging.INFO, logger="toolkit.amp_retries"):
         assert trainer.train_step(samples) is None
     assert len(forwards) == 3 and trainer.num_updates == 0  # the batch and its 2 retries
     assert sum("AMP: skipping this batch." in r.getMessage() for r in caplog.records) == 1
@@ -107,12 +107,12 @@ def test_retry_counter_unit():
 def test_flag_validated_and_no_effect_said_once(caplog):
     with pytest.raises(UserError, match="--amp-batch-retries must be >= 0"):
         parse_train_config(["data-bin", "--max-update", "1", "--amp-batch-retries", "-1"])
-    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         cfg = parse_train_config(["data-bin", "--max-update", "1", "--cpu", "--amp", "--amp-batch-retries", "3"])
     assert cfg.common.amp_batch_retries == 3
     lines = [r.getMessage() for r in caplog.records if "--amp-batch-retries 3" in r.getMessage()]
     assert len(lines) == 1 and "no effect" in lines[0]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         parse_train_config(["data-bin", "--max-update", "1", "--cpu", "--amp"])
     assert not any("--amp-batch-retries" in r.getMessage() for r in caplog.records)

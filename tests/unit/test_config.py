@@ -9,13 +9,13 @@ from toolkit.train.resolve import parse_train_config
 
 
 def test_headline_command_resolves_each_choice_in_one_line(caplog):
-    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         cfg = parse_train_config(["data-bin/x", "--ddp-backend", "fully_sharded", "--cpu-offload", "--cpu"])
     assert cfg.components.optimizer == "cpu_adam" and cfg.components.arch == "transformer_lm"
     assert not cfg.common.fp16 and not cfg.common.bf16  # fp32 on CPU: offloading is a placement no-op
     assert cfg.dataset.max_tokens == max(4096, 2 * cfg.task.tokens_per_sample)
     assert type(cfg.optimizer).__name__ == "CPUAdamConfig"  # the implied optimizer's own options exist
-    lines = [r.getMessage() for r in caplog.records if r.name == "toolkit.train.resolve" and r.levelno == logging.INFO]
+    lines = [r.getMessage() for r in caplog.records if r.name == "toolkit.resolve" and r.levelno == logging.INFO]
     assert lines[:4] == [
         "--arch not given: using --arch transformer_lm",
         "--cpu-offload: using --optimizer cpu_adam",

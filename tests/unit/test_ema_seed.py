@@ -71,7 +71,7 @@ def test_seed_without_an_average_or_of_another_model_is_one_line(tmp_path, data)
 def test_flag_checks(tmp_path, caplog):
     with pytest.raises(UserError, match="--ema-seed-model .*no such file"):
         parse_train_config(["d", "--max-update", "1", "--store-ema", "--ema-seed-model", str(tmp_path / "x.pt")])
-    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         cfg = parse_train_config(["d", "--max-update", "1", "--ema-seed-model", "x.pt"])
     assert cfg.ema.ema_seed_model == "x.pt"
     assert sum("--ema-seed-model x.pt: accepted, no effect without --store-ema" in r.getMessage()

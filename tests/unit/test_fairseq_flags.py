@@ -26,10 +26,10 @@ def parse(*flags: str):
 
 
 def infos(caplog, *flags: str):
-    with caplog.at_level(logging.INFO, logger="toolkit.train.resolve"):
+    with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         caplog.clear()
         cfg = parse(*flags)
-    return cfg, [r.getMessage() for r in caplog.records if r.name == "toolkit.train.resolve"]
+    return cfg, [r.getMessage() for r in caplog.records if r.name == "toolkit.resolve"]
 
 
 @pytest.mark.parametrize("given, ours", [("pytorch_ddp", "c10d"), ("legacy_ddp", "no_c10d"), ("no_c10d", "no_c10d")])

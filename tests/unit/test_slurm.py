@@ -154,7 +154,7 @@ def test_default_world_size_leaves_torchrun_and_slurm_alone(clean_env):
 
 def test_resolver_spawns_one_process_per_gpu_with_one_info_line(clean_env, caplog):
     fake_gpus(clean_env, 3)
-    with caplog.at_level("INFO", logger="toolkit.train.resolve"):
+    with caplog.at_level("INFO", logger="toolkit.resolve"):
         cfg = parse_train_config(["data-bin", "--max-update", "1"])
     assert cfg.distributed.distributed_world_size == 3
     assert sum("using all 3 visible GPUs" in r.getMessage() for r in caplog.records) == 1
