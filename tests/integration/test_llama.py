@@ -9,11 +9,16 @@ tests/helpers/dist_helpers.py): one process with --update-freq 2 is the referenc
 text); 2-rank FSDP2, 2-rank DDP and tensor parallelism over 2 ranks (KV heads split; with and without sequence
 parallelism) match it, as does one process with --checkpoint-activations --compile (aot_eager);
 a run stopped at update 4 resumes exactly; eval-lm and generation drive the trained checkpoint.
+--cpu-offload with cpu_adam on 2 FSDP2 ranks matches it too and resumes from its update-4 checkpoint
+(consolidated and sharded); --fp16 (dynamic loss scaling, overflows skipped) and --bf16 track fp32 within
+the tolerances of test_fp16.py and test_distributed.py's bf16 strategy.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -154,3 +159,82 @@ def test_eval_lm_and_generation_drive_the_trained_model(data_bin, baseline):
                           for inc in (True, False))
     assert [[h["tokens"].tolist() for h in hs] for hs in cached] == [[h["tokens"].tolist() for h in hs]
                                                                      for hs in recomputed]
+
+
+# --- --cpu-offload (cpu_adam) and mixed precision: the family through the same paths as transformer_lm ------------
+
+OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--distributed-world-size", "2"]
+
+
+@pytest.fixture(scope="module", params=["consolidated", "sharded"])
+def offload_run(request, data_bin, tmp_path_factory):
+    """2 gloo ranks, FSDP2 with the shards and cpu_adam's moments in host memory; checkpoints at update 4."""
+    save = tmp_path_factory.mktemp(f"llama-offload-{request.param}")
+    layout = ["--use-sharded-state"] if request.param == "sharded" else []
+    proc = train(data_bin, save, *OFFLOAD, *layout, "--max-update", str(UPDATES), "--save-interval-updates", "4")
+    return {"layout": request.param, "flags": layout, "dir": save, "stdout": proc.stdout,
+            "losses": H.losses(proc.stdout)}
+
+
+def test_cpu_offload_two_ranks_match_one_process(offload_run, baseline):
+    """cpu_adam's update equals torch's Adam: the offloaded run is the one-process run (same tolerances)."""
+    stdout = offload_run["stdout"]
+    assert "training on 2 devices" in stdout and "fully_sharded: full_shard" in stdout
+    assert_logged_losses_match(offload_run["losses"], baseline["losses"])
+    if offload_run["layout"] == "consolidated":
+        state = torch.load(offload_run["dir"] / "checkpoint_1_4.pt", map_location="cpu", weights_only=True)
+        assert state["optimizer_name"] == "cpu_adam"
+        assert_same_params(model_state(offload_run["dir"] / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+    else:
+        assert any(f.endswith(".distcp") for f in os.listdir(offload_run["dir"] / "checkpoint_1_4"))
+
+
+def test_cpu_offload_resumes_from_its_checkpoint(offload_run, data_bin, baseline, tmp_path):
+    saved = offload_run["dir"] / ("checkpoint_1_4.pt" if offload_run["layout"] == "consolidated" else "checkpoint_1_4")
+    proc = train(data_bin, tmp_path, *OFFLOAD, *offload_run["flags"], "--restore-file", str(saved),
+                 "--max-update", str(UPDATES))
+    loaded = r"loaded (sharded )?checkpoint \S*checkpoint_1_4(\.pt)? .*@ 4 updates"
+    assert re.search(loaded, proc.stdout), proc.stdout[-3000:]
+    resumed = H.losses(proc.stdout)
+    assert sorted(resumed) == list(range(5, UPDATES + 1))
+    assert all(resumed[u] == pytest.approx(offload_run["losses"][u], rel=1e-6) for u in resumed), resumed
+    if offload_run["layout"] == "consolidated":
+        assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
+
+
+# rel. tolerance of the logged losses against fp32: test_fp16.py's (fp16) and test_distributed.py's bf16 strategy
+MIXED = {"fp16": (["--fp16", "--fp16-scale-window", "2"], 2e-3), "bf16": (["--bf16"], 2e-2)}
+
+
+@pytest.mark.parametrize("precision", sorted(MIXED))
+def test_mixed_precision_tracks_fp32(data_bin, baseline, tmp_path, precision):
+    """fp32 master weights, half-precision compute; fp16 with dynamic loss scaling (the scale doubles every
+    2 updates without overflow), bf16 without a scaler."""
+    flags, tol = MIXED[precision]
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--update-freq", "2", *flags)
+    losses = H.losses(proc.stdout)
+    assert sorted(losses) == list(range(1, UPDATES + 1))
+    for u in losses:
+        assert losses[u] == pytest.approx(baseline["losses"][u], rel=tol), (u, losses, baseline["losses"])
+    scales = [json.loads(line.split("| train_inner | ")[1]).get("loss_scale") for line in proc.stdout.splitlines()
+              if "| train_inner | " in line]
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert {v.dtype for v in state["model"].values()} == {torch.float32}
+    want = model_state(baseline["ckpt"])  # half-precision compute really ran: the weights are not fp32's bit for bit
+    assert not all(torch.equal(state["model"][k], want[k]) for k in want)
+    if precision == "fp16":
+        assert [float(s) for s in scales] == [128.0 * 2 ** (u // 2) for u in range(1, UPDATES + 1)], scales
+        assert state["extra_state"]["trainer"]["loss_scaler"]["loss_scale"] == 128.0 * 2 ** (UPDATES // 2)
+    else:
+        assert scales == [None] * UPDATES
+
+
+def test_fp16_overflow_halves_the_scale_and_training_goes_on(data_bin, tmp_path):
+    """A loss scale of 2**40 overflows fp16 gradients: those steps are skipped and the scale halves until they fit."""
+    proc = train(data_bin, tmp_path, "--max-update", "3", "--fp16", "--fp16-init-scale", str(2 ** 40), "--no-save")
+    notes = [line for line in proc.stdout.splitlines() if "NOTE: gradient overflow detected" in line]
+    assert notes and notes[0].endswith(f"setting loss scale to: {float(2 ** 39)}")
+    halved = [float(n.rsplit(": ", 1)[1]) for n in notes]
+    assert halved == [2.0 ** (39 - i) for i in range(len(halved))]
+    losses = H.losses(proc.stdout)
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
