@@ -1,4 +1,5 @@
 """Logging: fairseq-format lines (json/simple), metrics aggregation, state, TensorBoard, MFU."""
+import io
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import torch
 
 from toolkit.logging import meters as meters_mod
 from toolkit.logging import metrics, progress_bar, setup_logging, throughput
+from toolkit.logging import setup as logging_setup
 from toolkit.logging.setup import remove_handlers
 from toolkit.logging.progress_bar import close_tensorboard_writers, format_stat
 
@@ -473,3 +475,30 @@ def test_grouped_iterator_and_module_paths():
     assert list(bar) == [[0, 1, 2], [3, 4]]
     assert bar.i == 2 and grouped.n == 3 and not grouped.has_next()
     assert progress_bar.progress_bar(list(range(2)), log_format="none").__class__.__name__ == "NoopProgressBar"
+
+
+# ---- errors raised inside a log write ----------------------------------------------------------------
+
+
+def test_a_dataloader_error_raised_inside_a_log_write_reaches_the_caller(capsys):
+    logging_setup.setup_logging(None)
+    handler = [h for h in logging.getLogger().handlers if isinstance(h, logging_setup.StreamHandler)][0]
+    class Dying(io.StringIO):
+        def write(self, s):
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+    handler.setStream(Dying())
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        logging.getLogger("x").info("hello")
+    logging_setup.remove_handlers()
+    assert "Logging error" not in capsys.readouterr().err
+
+def test_other_write_errors_stay_logging_errors(capsys):
+    logging_setup.setup_logging(None)
+    handler = [h for h in logging.getLogger().handlers if isinstance(h, logging_setup.StreamHandler)][0]
+    class Broken(io.StringIO):
+        def write(self, s):
+            raise ValueError("closed")
+    handler.setStream(Broken())
+    logging.getLogger("x").info("hello")  # logging's own handling: reported, not raised
+    logging_setup.remove_handlers()
+    assert "Logging error" in capsys.readouterr().err

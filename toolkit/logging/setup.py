@@ -17,6 +17,27 @@ DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _MARK = "_toolkit_handler"  # set on the handlers installed here, so a second setup replaces them
 
 
+class _ProgramErrorsPropagate:
+    """A DataLoader worker's death is reported by torch's SIGCHLD handler raising ``RuntimeError("DataLoader worker
+    ... is killed")`` in whatever the main process runs at that instant; when that is a log write, logging would
+    print "--- Logging error ---" with a traceback and swallow it. Such an error belongs to the run, not to
+    logging: it is re-raised, so the training loop reports it in its one line (``reported_interruptions``)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, RuntimeError) and "DataLoader worker" in str(error):
+            raise error
+        super().handleError(record)  # type: ignore[misc]
+
+
+class StreamHandler(_ProgramErrorsPropagate, logging.StreamHandler):
+    pass
+
+
+class FileHandler(_ProgramErrorsPropagate, logging.FileHandler):
+    pass
+
+
 def make_formatter() -> logging.Formatter:
     return logging.Formatter(LOG_FORMAT, datefmt=DATE_FORMAT)
 
@@ -29,7 +50,7 @@ def setup_logging(log_file: Optional[str] = None, rank: int = 0) -> None:
     """
     root = logging.getLogger()
     remove_handlers()
-    handler = logging.StreamHandler(sys.stdout)
+    handler = StreamHandler(sys.stdout)
     handler.setFormatter(make_formatter())
     setattr(handler, _MARK, True)
     root.addHandler(handler)
@@ -49,7 +70,7 @@ def add_file_handler(log_file: str) -> logging.Handler:
         if getattr(h, _MARK, False) and isinstance(h, logging.FileHandler) and h.baseFilename == path:
             return h
     check_writable_file("--log-file", log_file)  # one line, not an OSError traceback (read-only fs, a folder)
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(make_formatter())
     setattr(handler, _MARK, True)
     root.addHandler(handler)
