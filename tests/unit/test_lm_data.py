@@ -552,3 +552,24 @@ def test_wikitext_smoke(tmp_path, wikitext_dir):
         assert len(blocks) > 0
         s = blocks[0]
         assert s["source"][0] == EOS and s["source"][1:].tolist() == s["target"][:-1].tolist()
+
+
+def test_data_loader_workers_drop_only_the_descriptor_sharing_threads_reports(monkeypatch):
+    """A worker's fd-sharing thread (multiprocessing.resource_sharer._serve) reporting a broken connection after
+    the main process left is dropped; any other error still reaches the previous excepthook."""
+    import sys
+    from multiprocessing import resource_sharer
+
+    from toolkit.data.iterators import quiet_descriptor_sharing_errors
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(kind.__name__))
+    quiet_descriptor_sharing_errors(0)
+    namespace = {}  # a function "defined in" resource_sharer.py, so its frame carries that file name
+    exec(compile("def _serve():\n    raise OSError('broken pipe')\n", resource_sharer.__file__, "exec"), namespace)
+    for fail in (namespace["_serve"], lambda: int("not a number")):
+        try:
+            fail()
+        except Exception:
+            sys.excepthook(*sys.exc_info())
+    assert seen == ["ValueError"]

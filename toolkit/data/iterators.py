@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
+import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
@@ -245,10 +248,26 @@ class EpochBatchIterator:
         if self.num_workers > 0:
             itr: Iterable = torch.utils.data.DataLoader(
                 loader, batch_size=None, sampler=positions, num_workers=self.num_workers,
-                pin_memory=torch.cuda.is_available())
+                pin_memory=torch.cuda.is_available(), worker_init_fn=quiet_descriptor_sharing_errors)
         else:
             itr = (loader[k] for k in positions)
         return CountingIterator(itr, start=offset, total=len(mine))
+
+
+def quiet_descriptor_sharing_errors(worker_id: int) -> None:
+    """In a DataLoader worker: the thread that hands batch tensors' file descriptors to the main process
+    (``multiprocessing.resource_sharer._serve``) reports a broken connection through ``sys.excepthook`` when
+    the main process is already gone, e.g. exiting after another worker was killed, and its half-printed
+    traceback would follow the run's one-line error. Those reports are dropped; any other error still prints."""
+    original = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        if any(f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames):
+            return
+        original(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 class GroupedIterator:
