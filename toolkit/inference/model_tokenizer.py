@@ -40,6 +40,18 @@ def encode_ids(tok, text: str) -> torch.LongTensor:
     return torch.tensor(tok.encode(text).ids, dtype=torch.long)
 
 
+def encode_lines(tok, lines: Sequence[str], dictionary) -> torch.LongTensor:
+    """Lines as one text: the tokenizer's BOS once (when it puts one first), then each line's ids followed by
+    EOS: what a data-bin of those lines gives eval-lm and training (``--bpe hf_byte_bpe``, BOS as the context;
+    see :func:`toolkit.tasks.language_modeling.bos_as_context`), and what the tokenizer gives for the lines
+    joined by its EOS token. A newline thus becomes EOS, never EOS followed by BOS."""
+    first = tok.encode("").ids
+    ids = [first[0]] if first and first[0] == dictionary.bos() != dictionary.eos() else []
+    for line in lines:
+        ids += tok.encode(line.strip(), add_special_tokens=False).ids + [dictionary.eos()]
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def split_context(tokens: torch.Tensor, what: str) -> Tuple[int, torch.Tensor]:
     """(the first id, the ids after it): the context transformers starts from, and the ids it scores."""
     if len(tokens) < 2:

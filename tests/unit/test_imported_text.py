@@ -1,0 +1,146 @@
+"""Text in and out of models imported with ``toolkit-export --from hf`` (tiny random HF Llama, fp32).
+
+- Multi-line text: a data-bin made with the import's ``toolkit-preprocess`` command holds each line's ids
+  followed by EOS. eval-lm and training read it as transformers reads ``[BOS] + those ids`` (BOS is the
+  context a line starts from, never ``<s> </s>`` and never BOS in the middle of the text), so eval-lm's
+  per-token log-probs equal ``log_softmax(model(input_ids).logits)`` within 1e-4, in every break mode and
+  with a context window; the hub's ``score(text, replace_newlines_with_eos=True)`` gives the same ids.
+- ``toolkit-generate`` / ``toolkit-interactive`` on the imported folder (``--path`` the checkpoint or the
+  folder) tokenize with the model's tokenizer: greedy output = transformers' ``generate(do_sample=False)``
+  ids for the same prompt, ``D-`` lines the tokenizer's decoding of them; a data-bin whose dictionary is
+  not the model's is refused in one line.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from tests.helpers import preprocess  # noqa: E402
+from tests.helpers.hf_llama import make_hf  # noqa: E402
+from toolkit.export.api import ExportConfig, run_export  # noqa: E402
+
+LINES = ["w3 w17 w59 w0", "w1 w2 w40 w40 w7 w12", "w5 w9", "w8 w8 w30 w4 w11"]
+TOL = 1e-4  # fp32, the same weights: only summation order differs
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    hf = make_hf(str(root / "hf"), "llama")
+    ours = root / "ours"
+    run_export(ExportConfig(path=str(root / "hf"), out=str(ours), import_from="hf"))
+    (root / "test.txt").write_text("\n".join(LINES) + "\n")
+    preprocess.run("--testpref", root / "test.txt", "--destdir", root / "bin", "--srcdict", ours / "dict.txt",
+                   "--bpe", "hf_byte_bpe", "--bpe-model", ours / "tokenizer.json", "--workers", "1")
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
+    return dict(root=root, hf=hf, ours=ours, bin=root / "bin", tok=tok)
+
+
+def hf_ids(tok, lines) -> torch.Tensor:
+    """transformers' ids for the lines joined by its EOS token (one EOS after each line, BOS first)."""
+    return torch.tensor(tok("".join(f"{line} {tok.eos_token} " for line in lines))["input_ids"])
+
+
+def hf_scores(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(ids[None]).logits[0].float(), dim=-1)
+    return lp[:-1].gather(-1, ids[1:, None]).squeeze(-1)
+
+
+def eval_rows(imported, **options):
+    """eval-lm's (sample id, targets, per-token log-probs) rows, built as toolkit-eval-lm builds them."""
+    from toolkit import inference
+    from toolkit.inference import eval_lm as E
+    from toolkit.inference import eval_lm_main as M
+
+    cfg = M.EvalLMConfig(data=str(imported["bin"]), path=str(imported["ours"] / "model.pt"), cpu=True, **options)
+    models, train_task, args = inference.load_ensemble(cfg.path, cfg.data, torch.device("cpu"))
+    tps = cfg.tokens_per_sample or args.tokens_per_sample
+    task = M.eval_task(cfg, train_task.dictionary, cfg.data, tps, M.reads_bos_first(cfg, train_task.dictionary, args))
+    dataset = task.dataset("test")
+    rows = []
+    for sample in E.eval_batches(dataset, cfg.context_window, task.cfg.tokens_per_sample, task.dictionary.pad(),
+                                 max_positions=models[0].max_positions()):
+        rows += E.score_sample(models, sample, task.dictionary.pad(), models[0].max_positions(), 0,
+                               torch.device("cpu"))
+    return sorted(rows, key=lambda r: r[0]), M.main(cfg)
+
+
+def test_the_data_bin_holds_each_lines_ids_then_eos(imported):
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    data = MMapIndexedDataset(str(imported["bin"] / "test"))
+    want = hf_ids(imported["tok"], LINES)[1:].tolist()  # without the BOS
+    assert torch.cat([torch.as_tensor(data[i]) for i in range(len(data))]).tolist() == want
+
+
+@pytest.mark.parametrize("add_bos_flag", [False, True])
+def test_eval_lm_scores_a_multi_line_text_as_transformers(imported, add_bos_flag):
+    """One block holds the whole text: its rows are transformers' log-probs of [BOS] + stream, with or
+    without --add-bos-token (the imported model always reads BOS first), and BOS itself is not counted."""
+    ids = hf_ids(imported["tok"], LINES)
+    want = hf_scores(imported["hf"], ids)
+    (_, targets, scores), = eval_rows(imported, tokens_per_sample=64, add_bos_token=add_bos_flag)[0]
+    assert targets.tolist() == ids[1:].tolist()
+    assert (scores - want).abs().max().item() < TOL
+    result = eval_rows(imported, tokens_per_sample=64, add_bos_token=add_bos_flag)[1]
+    assert result["count"] == len(ids) - 1
+    assert abs(result["loss"] - (-want.mean().item() / math.log(2))) < TOL
+
+
+def test_eval_lm_one_line_per_block_is_each_line_alone(imported):
+    rows, result = eval_rows(imported, sample_break_mode="eos")
+    assert len(rows) == len(LINES)
+    for (_, targets, scores), line in zip(rows, LINES):
+        ids = hf_ids(imported["tok"], [line])
+        assert targets.tolist() == ids[1:].tolist()
+        assert (scores - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
+    assert result["count"] == sum(len(r[1]) for r in rows)
+
+
+def test_a_context_window_continues_the_text_without_bos_inside(imported):
+    """Blocks of one token, each after up to 40 earlier tokens: the whole text is context, so every score is
+    transformers' on the full text; a block that starts a line gets the previous line's EOS back in front of
+    it (the carried context), not BOS."""
+    ids = hf_ids(imported["tok"], LINES)
+    assert len(ids) <= 41
+    rows, result = eval_rows(imported, tokens_per_sample=41, context_window=40, batch_size=1)
+    got = torch.cat([scores for _, _, scores in rows])
+    assert torch.cat([t for _, t, _ in rows]).tolist() == ids[1:].tolist()
+    assert (got - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
+    assert result["count"] == len(ids) - 1
+
+
+@pytest.mark.parametrize("mode", ["none", "complete", "eos"])
+def test_training_samples_are_transformers_inputs_and_labels(imported, mode):
+    """--add-bos-token (the import's fine-tune flag) with this dictionary: every sample that starts a line is
+    source [BOS] + ids[:-1], target ids; <s> is never a target and stands nowhere but first."""
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    task = LanguageModelingTask.setup_task(LanguageModelingConfig(
+        data=str(imported["bin"]), tokens_per_sample=64, sample_break_mode=mode, add_bos_token=True))
+    task.load_dataset("test")
+    dataset, bos = task.dataset("test"), task.dictionary.bos()
+    texts = [LINES] if mode != "eos" else [[line] for line in LINES]
+    for i, lines in enumerate(texts):
+        ids = hf_ids(imported["tok"], lines)
+        sample = dataset[i]
+        assert sample["source"].tolist() == ids[:-1].tolist() and sample["target"].tolist() == ids[1:].tolist()
+        assert (sample["source"] == bos).sum() == 1 and (sample["target"] != bos).all()
+    assert dataset.seq_lengths().tolist() == dataset.sizes.tolist()
+
+
+def test_hub_score_with_newlines_as_eos_is_transformers(imported):
+    from toolkit.inference.hub_utils import from_pretrained
+
+    lm = from_pretrained(str(imported["ours"]), "model.pt", device="cpu")
+    ids = hf_ids(imported["tok"], LINES)
+    got = lm.score("\n".join(LINES), replace_newlines_with_eos=True)
+    assert got["tokens"].tolist() == ids[1:].tolist()
+    assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
