@@ -144,3 +144,92 @@ def test_hub_score_with_newlines_as_eos_is_transformers(imported):
     got = lm.score("\n".join(LINES), replace_newlines_with_eos=True)
     assert got["tokens"].tolist() == ids[1:].tolist()
     assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
+
+
+def hf_greedy(imported, prompt_ids: torch.Tensor, new_tokens: int) -> list:
+    """transformers' greedy continuation ids (prompt first), pad suppressed as the toolkit never emits it."""
+    pad = imported["tok"].convert_tokens_to_ids("<unk>")  # the import's pad: Llama's tokenizer has none
+    with torch.no_grad():
+        out = imported["hf"].generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
+                                      max_new_tokens=new_tokens, do_sample=False, suppress_tokens=[pad],
+                                      pad_token_id=pad)[0].tolist()
+    return out[:-1] if out[-1] == imported["tok"].eos_token_id else out
+
+
+def result_lines(text: str, kind: str) -> dict:
+    """{sample id: the line's fields after the id} for one kind of fairseq line (S, H, D, P)."""
+    lines = [line.split("\t") for line in text.splitlines() if line.startswith(f"{kind}-")]
+    return {int(fields[0].split("-")[1]): fields[1:] for fields in lines}
+
+
+def hypothesis_ids(imported, fields) -> list:
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary.load(str(imported["ours"] / "dict.txt"))
+    return [d.index(sym) for sym in fields[-1].split()]
+
+
+@pytest.mark.parametrize("path", ["model.pt", "."])
+def test_interactive_greedy_equals_transformers_generate(imported, path):
+    from toolkit.generation import GenerationConfig
+    from toolkit.inference.generate import InteractiveConfig, interactive_main
+
+    prompts = ["w3 w17 w59", "w1", "w40 w2 w7 w7"]
+    out = io.StringIO()
+    cfg = InteractiveConfig(data=str(imported["ours"]), path=str(imported["ours"] / path), cpu=True, batch_size=2,
+                            buffer_size=2)
+    # --max-len-b counts the prompt: the longest prompt gets 10 new tokens, the others more (then cut to 10)
+    interactive_main(cfg, GenerationConfig(beam=1, max_len_b=14), stdin=io.StringIO("\n".join(prompts) + "\n"), out=out)
+    hyps, texts, shown = result_lines(out.getvalue(), "H"), result_lines(out.getvalue(), "D"), \
+        result_lines(out.getvalue(), "S")
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor(imported["tok"](prompt)["input_ids"])
+        want = hf_greedy(imported, ids, 10)[1:]  # without the BOS
+        assert hypothesis_ids(imported, hyps[i])[:len(want)] == want, prompt
+        assert shown[i] == [prompt]
+        assert texts[i][-1] == imported["tok"].decode(hypothesis_ids(imported, hyps[i]), skip_special_tokens=True)
+
+
+def test_generate_from_the_imported_data_bin_equals_transformers(imported):
+    from toolkit.generation import GenerationConfig
+    from toolkit.inference.generate import GenerateConfig, generate_main
+
+    out = io.StringIO()
+    cfg = GenerateConfig(data=str(imported["bin"]), path=str(imported["ours"] / "model.pt"), cpu=True)
+    generate_main(cfg, GenerationConfig(beam=1, max_len_b=12, prefix_size=2), {"sample_break_mode": "eos"}, out=out)
+    hyps, texts = result_lines(out.getvalue(), "H"), result_lines(out.getvalue(), "D")
+    assert sorted(hyps) == list(range(len(LINES)))
+    for i, line in enumerate(LINES):
+        ids = torch.tensor(imported["tok"](line)["input_ids"][:3])  # BOS and the first 2 tokens: --prefix-size 2
+        want = hf_greedy(imported, ids, 10)[1:]
+        assert hypothesis_ids(imported, hyps[i])[:len(want)] == want, line
+        assert texts[i][-1] == imported["tok"].decode(hypothesis_ids(imported, hyps[i]), skip_special_tokens=True)
+
+
+def test_a_data_bin_of_another_dictionary_is_refused_in_one_line(imported, tmp_path, capsys):
+    from toolkit_cli.interactive import cli_main
+
+    (tmp_path / "train.txt").write_text("a b c\nb c d\n")
+    preprocess.run("--trainpref", tmp_path / "train.txt", "--destdir", tmp_path / "bin", "--workers", "1")
+    with pytest.raises(SystemExit) as e:
+        cli_main([str(tmp_path / "bin"), "--path", str(imported["ours"]), "--cpu", "--input", "-"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(err) == 1 and err[0].startswith("toolkit-interactive: error: "), err
+    assert "dict.txt" in err[0], err
+
+
+def test_an_imported_vocabulary_without_its_tokenizer_is_refused_in_one_line(imported, tmp_path):
+    """Without tokenizer.json the prompt could only be split on whitespace: ids the model never saw."""
+    import shutil
+
+    from toolkit.core.errors import UserError
+    from toolkit.generation import GenerationConfig
+    from toolkit.inference.generate import InteractiveConfig, interactive_main
+
+    folder = tmp_path / "bare"
+    shutil.copytree(imported["ours"], folder)
+    for name in ("tokenizer.json", "hf_byte_bpe.json", "bpe.json"):
+        (folder / name).unlink()
+    cfg = InteractiveConfig(data=str(folder), path=str(folder), cpu=True)
+    with pytest.raises(UserError, match="dict.txt is a tokenizer's vocabulary .* no tokenizer.json"):
+        interactive_main(cfg, GenerationConfig(beam=1), stdin=io.StringIO("w3\n"), out=io.StringIO())

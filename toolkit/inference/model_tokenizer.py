@@ -18,11 +18,18 @@ import torch
 from toolkit.core.errors import UserError
 
 
-def load_model_tokenizer(data_dir: str, dictionary):
-    """``tokenizer.json`` of ``data_dir`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    if not os.path.isfile(path) or not getattr(dictionary, "fixed_ids", False):
+def load_model_tokenizer(data_dir: str, dictionary, data_bin_copy: bool = False):
+    """``tokenizer.json`` of ``data_dir`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None.
+
+    ``data_bin_copy``: also the copy of it a data-bin binarized with the import's command keeps
+    (``--bpe hf_byte_bpe --bpe-model OUT/tokenizer.json`` writes it as ``hf_byte_bpe.json``), so generating
+    from such a data-bin decodes as the tokenizer does.
+    """
+    names = ("tokenizer.json", "hf_byte_bpe.json") if data_bin_copy else ("tokenizer.json",)
+    found = [os.path.join(data_dir, n) for n in names if os.path.isfile(os.path.join(data_dir, n))]
+    if not found or not getattr(dictionary, "fixed_ids", False):
         return None
+    path = found[0]
     try:
         from tokenizers import Tokenizer
     except ImportError:
