@@ -233,3 +233,31 @@ def test_an_imported_vocabulary_without_its_tokenizer_is_refused_in_one_line(imp
     cfg = InteractiveConfig(data=str(folder), path=str(folder), cpu=True)
     with pytest.raises(UserError, match="dict.txt is a tokenizer's vocabulary .* no tokenizer.json"):
         interactive_main(cfg, GenerationConfig(beam=1), stdin=io.StringIO("w3\n"), out=io.StringIO())
+
+
+def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tmp_path):
+    """Qwen2's tokenizer adds no BOS: a prompt's first token is the context (prompts grouped by it), printed in
+    S-, H- and D- as part of the text; greedy output is transformers' generate from the prompt's ids."""
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.generation import GenerationConfig
+    from toolkit.inference.generate import InteractiveConfig, interactive_main
+
+    hf = make_hf(str(tmp_path / "hf"), "qwen2")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "hf"))
+    prompts = ["w3 w17", "w5 w9 w1", "w3 w40"]  # two contexts: w3 (twice) and w5
+    out = io.StringIO()
+    cfg = InteractiveConfig(data=str(tmp_path / "ours"), path=str(tmp_path / "ours"), cpu=True, batch_size=3,
+                            buffer_size=3)
+    interactive_main(cfg, GenerationConfig(beam=1, max_len_b=9), stdin=io.StringIO("\n".join(prompts)), out=out)
+    hyps, texts, shown = (result_lines(out.getvalue(), kind) for kind in "HDS")
+    imported = dict(ours=tmp_path / "ours")
+    pad = Dictionary.load(str(tmp_path / "ours" / "dict.txt")).pad()  # an unused row, never generated here
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor(tok(prompt)["input_ids"])
+        with torch.no_grad():
+            want = hf.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=6,
+                               do_sample=False, suppress_tokens=[pad], pad_token_id=pad)[0].tolist()
+        got = hypothesis_ids(imported, hyps[i])
+        assert got[:len(want)] == want[:len(got)] and len(got) >= len(ids) + 1, prompt
+        assert shown[i] == [prompt] and texts[i][-1] == tok.decode(got, skip_special_tokens=True)
