@@ -109,3 +109,42 @@ def test_live_peak_counts_allocations_and_frees_exactly():
         keep = torch.empty(1 << 19, dtype=torch.uint8)
     assert live.peak == 3 << 20
     assert live.end == 1 << 19 and keep.numel() == 1 << 19
+
+
+def test_offload_activations_moves_saved_tensors_to_the_host_but_not_checkpoint_inputs(data):
+    """--offload-activations: saved activations wait in host memory (one block comes back for its
+    backward); a checkpointed block's inputs are held by the checkpoint itself and stay on the GPU."""
+    from toolkit.plan import PRESETS
+    from toolkit.plan.model_stats import model_stats
+    from toolkit.plan.setup import setup_from_config
+    from toolkit.plan.update_peak import update_peak
+
+    cfg = _cfg(data, "--bf16")
+    stats = model_stats(cfg, torch.bfloat16)
+    base = setup_from_config(cfg, gpu=True)
+    gpu = PRESETS["h100"]
+    b, L, act = base.batch_sequences, stats.num_layers, stats.activations
+    plain, offloaded = update_peak(stats, base, gpu), update_peak(stats, dataclasses.replace(
+        base, offload_activations=True), gpu)
+    assert plain.where == "start of backward" and plain.host == 0
+    assert offloaded.host == L * b * act.per_layer  # every block's saved activations
+    assert b * act.per_layer <= offloaded.gpu < plain.gpu  # one block's come back for its backward
+    ckpt = dataclasses.replace(base, checkpoint=True)
+    assert update_peak(stats, dataclasses.replace(ckpt, offload_activations=True), gpu) == update_peak(stats, ckpt, gpu)
+
+
+def test_fp16_state_is_counted_on_the_first_update_not_skipped(data):
+    """--fp16's first updates may overflow and skip the step: the count waits for one that steps."""
+    from toolkit.distributed.utils import init_distributed
+    from toolkit.plan import PRESETS, make_plan
+    from toolkit.plan.measure import measure_trainer
+    from toolkit.train.train_loop import build_trainer, train_iterator
+
+    cfg = _cfg(data, "--fp16", "--fp16-init-scale", "65536")  # overflows at first on purpose
+    env = init_distributed(cfg.distributed, cpu=True)
+    torch.manual_seed(0)
+    trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
+    counted = measure_trainer(trainer, iter(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)),
+                              tries=20)
+    plan = make_plan(cfg, PRESETS["cpu"], world_size=1)
+    assert counted["optimizer"] == next(i.host for i in plan.items if i.name == "optimizer state")
