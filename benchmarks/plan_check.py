@@ -1,6 +1,6 @@
 """toolkit-plan's predictions against measured CPU runs: per-rank model-state bytes and saved activations.
 
-    python benchmarks/plan_check.py                    # every configuration below (about 2-4 minutes)
+    python benchmarks/plan_check.py                    # every configuration below (10-15 minutes on 2 busy cores)
     python benchmarks/plan_check.py --only fsdp_full_bf16,tp2 --json out.json
 
 Each configuration runs toolkit's own trainer (``build_trainer``: the model built on the meta device,
