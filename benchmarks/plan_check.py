@@ -1,7 +1,7 @@
-"""toolkit-plan's predictions against measured CPU runs: per-rank model-state bytes and saved activations.
+"""toolkit-plan's predictions against measured CPU runs: per-rank model-state bytes, saved activations, update peaks.
 
     python benchmarks/plan_check.py                    # every configuration below (10-15 minutes on 2 busy cores)
-    python benchmarks/plan_check.py --only fsdp_full_bf16,tp2 --json out.json
+    python benchmarks/plan_check.py --only fsdp2_full_bf16_ckpt,tp2_fp32,peak_single_fp32_ckpt --json out.json
 
 Each configuration runs toolkit's own trainer (``build_trainer``: the model built on the meta device,
 wrapped by ``parallelize`` as the flags ask, the registered optimizer) on 1, 2 or 4 gloo processes on
