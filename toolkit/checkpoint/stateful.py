@@ -116,7 +116,8 @@ class OptimizerState(TensorState):
 
     def _check_sharded(self, folder: str, shapes: Shapes) -> None:
         """fp16 moments (``--fp16-adam-stats``) are stored with scales that a sharded switch would not apply,
-        and 8-bit moments do not convert value by value: those go through a consolidated file."""
+        and 8-bit moments do not convert value by value: those go through a consolidated file. ``shapes`` are
+        DCP's flat keys, where the optimizer is saved under ``optim`` (the key ``Trainer.statefuls`` gives it)."""
         from toolkit.optim.quantized_states import check_sharded_load
 
         saved_fp16 = any(k.endswith("_scale") and k.startswith("optim.state.") for k in shapes)
@@ -151,15 +152,15 @@ class Value:
     hash, which is checked against the run's before anything loads).
     """
 
-    def __init__(self, get: Callable[[], Any], set: Optional[Callable[[Any], None]] = None):
-        self._get, self._set = get, set
+    def __init__(self, get: Callable[[], Any], restore: Optional[Callable[[Any], None]] = None):
+        self._get, self._restore = get, restore
 
     def state_dict(self) -> Any:
         return self._get()
 
     def load_state_dict(self, state: Any) -> None:
-        if self._set is not None:
-            self._set(state)
+        if self._restore is not None:
+            self._restore(state)
 
 
 class Meters:

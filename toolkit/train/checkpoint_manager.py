@@ -12,8 +12,6 @@ import logging
 import os
 from typing import Any, Callable, Dict, Optional
 
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
 from toolkit.checkpoint import consolidated, finetune, resume, sharded, stale_files, write_errors
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.checkpoint.common import (
@@ -24,6 +22,7 @@ from toolkit.checkpoint.common import (
     restore_path,
     vocabulary_rows,
 )
+from toolkit.checkpoint.stateful import ModelState
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
 from toolkit.train import ema as ema_module
@@ -128,7 +127,7 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
             raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
         check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),
                          len(trainer.task.dictionary))
-        set_model_state_dict(trainer.model, checkpoint["model"], options=consolidated.FULL_STATE)
+        ModelState(trainer.model).load_state_dict(checkpoint["model"], full=True)
     _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
 
