@@ -24,7 +24,7 @@ from toolkit.checkpoint.common import TrainingState, prune, saved_data_parallel_
 from toolkit.checkpoint import integrity, layer_pruning
 from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
-from toolkit.checkpoint.stateful import FULL_STATE, ModelState, OptimizerState
+from toolkit.checkpoint.stateful import FULL_STATE, ModelState, OptimizerState  # noqa: F401 (FULL_STATE: re-exported)
 from toolkit.config import CheckpointConfig
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
@@ -103,7 +103,9 @@ def embed_rows(model_state_dict: Dict[str, Any]) -> Optional[int]:
 
 def tensor_shapes(state: Any) -> stateful.Shapes:
     """The shapes of a state dict's top-level tensors (a model's; an optimizer state has none at the top)."""
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+    if not isinstance(state, dict):
+        return {}
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def load(path: str, model_cfg: Any, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check,
