@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import dist_helpers as H
+from tests.helpers.statefuls import Counter, assert_same, full_state, resume, train_and_save
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
@@ -21,86 +22,9 @@ TRAINER_KEYS = ["num_updates", "lr_scheduler", "loss_scaler"]
 META_KEYS = ["format", "cfg", "world_size", "has_optimizer_state", "optimizer_name", "extra_state"]
 
 
-class Counter:
-    """A piece of run state the formats have never seen: a plain Stateful."""
-
-    def __init__(self, value: int = 0):
-        self.value = value
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"value": self.value, "history": torch.arange(self.value)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.value = state["value"]
-        assert torch.equal(state["history"], torch.arange(self.value))
-
-
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("statefuls") / "bin"))
-
-
-def run(data_bin: str, save_dir: str, *flags: str):
-    """A trainer and the loop's progress, as toolkit-train builds them (one process)."""
-    from toolkit.checkpoint.common import BestTracker, TrainingState
-    from toolkit.distributed.utils import DistributedEnv
-    from toolkit.train.train_loop import build_trainer, train_iterator
-
-    cfg = H._parse_train_args([data_bin] + H.model_args(save_dir) + list(flags))
-    torch.manual_seed(cfg.common.seed)
-    trainer = build_trainer(cfg, DistributedEnv(), [cfg.dataset.train_subset])
-    state = TrainingState(trainer, BestTracker(False))
-    state.epoch_itr = train_iterator(cfg, trainer, epoch=1)
-    return cfg, trainer, state
-
-
-def train_and_save(data_bin: str, save_dir: str, *flags: str, updates: int = 2, extra=None):
-    """``updates`` updates, then the loop's save (``extra``: entries added to the trainer's mapping)."""
-    from toolkit.distributed.utils import DistributedEnv
-    from toolkit.train import checkpoint_manager as manager
-
-    cfg, trainer, state = run(data_bin, save_dir, *flags)
-    add_entries(trainer, extra or {})
-    batches = state.epoch_itr.next_epoch_itr(shuffle=True)
-    for _ in range(updates):
-        trainer.train_step([next(batches)])
-    state.val_loss = 4.25
-    manager.save_checkpoint(cfg, trainer, state, False, DistributedEnv())
-    return cfg, trainer, state
-
-
-def add_entries(trainer, extra: Dict[str, Any]) -> None:
-    """What adding a piece of run state takes: one more entry in the trainer's mapping."""
-    statefuls = trainer.statefuls
-    trainer.statefuls = lambda progress: {**statefuls(progress), **extra}
-
-
-def resume(data_bin: str, save_dir: str, *flags: str, extra=None):
-    from toolkit.distributed.utils import DistributedEnv
-    from toolkit.train import checkpoint_manager as manager
-
-    cfg, trainer, state = run(data_bin, save_dir, *flags)
-    add_entries(trainer, extra or {})
-    position = manager.load_latest(cfg, trainer, state, DistributedEnv())
-    return trainer, state, position
-
-
-def full_state(trainer) -> Dict[str, Any]:
-    from toolkit.checkpoint.consolidated import model_state, optimizer_state
-
-    return {"model": model_state(trainer.model), "optim": optimizer_state(trainer.model, trainer.optimizer)["state"],
-            "trainer": trainer.state_dict()}
-
-
-def assert_same(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    else:
-        assert a == b, path
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["pt", "dcp"])
