@@ -1,11 +1,10 @@
 """What every checkpoint format shares: names, the training state, compatibility, optimizer switching, pruning.
 
 The formats (``consolidated``: one ``.pt`` file; ``sharded``: a DCP folder; ``toolkit.compat.fairseq.shards``:
-fairseq's ``-shard{N}.pt`` sets, read-only) differ only in how they store the model and
-optimizer tensors. Everything else a run needs to resume -- the trainer's counters, LR
-schedule and loss scale, the meters, the data position and the best metric -- is one
-:class:`TrainingState` (torchtitan's ``Stateful``: ``state_dict`` / ``load_state_dict``),
-stored as the checkpoint's ``extra_state`` in every format.
+fairseq's ``-shard{N}.pt`` sets, read-only) save and load the run's Statefuls
+(:mod:`toolkit.checkpoint.stateful`); they differ only in how they store the tensor entries (model,
+optimizer). :class:`TrainingState` is the training loop's progress (data iterator, validation loss,
+best metric) that some of those Statefuls read and restore.
 """
 from __future__ import annotations
 
@@ -59,9 +58,11 @@ class BestTracker:
 
 @dataclass
 class TrainingState:
-    """Everything but the model and optimizer tensors that a resumed run needs (one ``Stateful``).
+    """The loop's progress: the data iterator, the last validation loss, the best metric.
 
-    ``epoch_itr`` may be None while loading (the iterator is built after the data position is known).
+    Not itself saved: ``statefuls()`` is the run's one mapping of Statefuls (the trainer's, which include
+    adapters over these fields) that the checkpoint formats save and load. ``epoch_itr`` may be None while
+    loading (the iterator is built after the data position is known, from ``saved_position``).
     """
 
     trainer: Any
@@ -69,40 +70,15 @@ class TrainingState:
     epoch_itr: Any = None
     val_loss: Optional[float] = None
     saved_update: Optional[int] = None  # the update checkpoint_last holds (None: none yet); not saved itself
+    saved_position: Optional[Dict[str, Any]] = None  # the data position the last load found; not saved itself
 
-    def state_dict(self) -> Dict[str, Any]:
-        from toolkit.checkpoint.identity import HASH_KEY
-        from toolkit.logging import metrics
+    def statefuls(self) -> Dict[str, Any]:
+        """Everything a checkpoint holds, by key (``Trainer.statefuls``, which says why it is one mapping)."""
+        return self.trainer.statefuls(self)
 
-        position = self.epoch_itr.state_dict() if self.epoch_itr is not None else None
-        if position is not None:
-            position["update_freq"] = self.trainer.cfg.optimization.update_freq  # for the resume's log line
-        state = {
-            "train_iterator": position,
-            "val_loss": self.val_loss,
-            "best": self.best.best,
-            "trainer": self.trainer.state_dict(),
-            "metrics": metrics.state_dict(),
-            HASH_KEY: self.trainer.task.dictionary.symbols_hash(),  # the dictionary's symbols, in order
-        }
-        ema = getattr(self.trainer, "ema", None)
-        if ema is not None:
-            state["ema"] = ema.state_dict()  # fairseq's key (--store-ema)
-        return state
-
-    def load_state_dict(self, extra: Dict[str, Any], cfg: CheckpointConfig) -> Optional[Dict[str, Any]]:
-        """Restore counters, schedule, scaler, meters and best; returns the saved data position (the loop
-        uses its epoch even under --reset-dataloader)."""
-        from toolkit.logging import metrics
-
-        self.trainer.load_state_dict(extra["trainer"], reset_lr_scheduler=cfg.reset_lr_scheduler)
-        if not cfg.reset_meters and extra.get("metrics"):
-            metrics.load_state_dict(extra["metrics"])
-        self.best.best = extra.get("best")
-        ema = getattr(self.trainer, "ema", None)
-        if ema is not None and not ema.load_state_dict(extra.get("ema"), self.trainer.model):
-            logger.info("EMA not found in checkpoint; --store-ema starts it from the loaded weights")
-        return extra.get("train_iterator")
+    def loaded_summary(self) -> str:
+        """``epoch E @ N updates`` of the load just done, as the ``loaded checkpoint`` line says it."""
+        return f"epoch {(self.saved_position or {}).get('epoch')} @ {self.trainer.num_updates} updates"
 
 
 def checkpoint_names(cfg: CheckpointConfig, epoch: int, end_of_epoch: bool, num_updates: int,
@@ -140,14 +116,13 @@ def check_compatible(path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed
 
 
 def check_resumable(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]],
-                    saved_shapes: Dict[str, Any], model_cfg: Any, trainer) -> None:
+                    saved_shapes: Dict[str, Any], model_cfg: Any, model: torch.nn.Module, task) -> None:
     """Same dictionary (symbols in order) and the same parameter names and shapes, else one line naming the
     flags that differ (before anything is loaded)."""
     from toolkit.checkpoint import compat, identity
 
-    identity.check_dictionary(path, identity.saved_hash(extra_state), trainer.task.dictionary,
-                              identity.dict_path_of(trainer.task))
-    compat.check_resume(path, saved_shapes, saved_cfg, model_cfg, trainer.model)
+    identity.check_dictionary(path, identity.saved_hash(extra_state), task.dictionary, identity.dict_path_of(task))
+    compat.check_resume(path, saved_shapes, saved_cfg, model_cfg, model)
 
 
 def check_optimizer_switch(path: str, saved_name: Optional[str], name: str) -> bool:

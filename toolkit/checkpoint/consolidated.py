@@ -3,70 +3,62 @@
 A checkpoint is a dict of plain values and tensors, so it loads with ``weights_only=True``::
 
     {"cfg": {option: value}, "model": state dict, "last_optimizer_state": ..., "optimizer_name": ...,
-     "extra_state": TrainingState.state_dict()}
+     "extra_state": {key: state of every plain Stateful}}
 
-Model and optimizer states are gathered into full (consolidated) form through
-``torch.distributed.checkpoint.state_dict``, keyed by parameter name, so they load into
-any world size and any wrapper (FSDP2, DDP, none).
+It is written from the run's Statefuls (:mod:`toolkit.checkpoint.stateful`) without knowing what
+each one is: every tensor entry gathered into full (consolidated) form through
+``torch.distributed.checkpoint.state_dict``, keyed by parameter name, so it loads into any world
+size and any wrapper (FSDP2, DDP, none), and every other entry under its key in ``extra_state``.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from toolkit.checkpoint.common import (
-    saved_line,
-    TrainingState,
-    check_resumable,
-    saved_data_parallel_size,
-    vocabulary_rows,
-    check_compatible,
-    check_optimizer_switch,
-    prune,
-    switch_optimizer_state,
-)
+from toolkit.checkpoint import stateful
+from toolkit.checkpoint.common import TrainingState, prune, saved_data_parallel_size, saved_line, vocabulary_rows
 from toolkit.checkpoint import integrity, layer_pruning
 from toolkit.checkpoint import write_errors
 from toolkit.checkpoint.safe_pickle import load_refusal
+from toolkit.checkpoint.stateful import FULL_STATE, ModelState, OptimizerState  # noqa: F401 (FULL_STATE: re-exported)
 from toolkit.config import CheckpointConfig
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 
 logger = logging.getLogger(__name__)
 
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FILE_KEYS = {"optim": "last_optimizer_state"}  # fairseq's name for the optimizer state; other entries: their key
+ORDER = ("cfg", "model", "extra_state", "last_optimizer_state", "optimizer_name")  # the files' key order; new ones last
+
+
+def file_key(key: str) -> str:
+    return FILE_KEYS.get(key, key)
 
 
 def model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=FULL_STATE)
+    return ModelState(model).state_dict(full=True)
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    return get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+    return OptimizerState(model, optimizer, name="").state_dict(full=True)
 
 
-def build_checkpoint(run_cfg: Dict[str, Any], trainer, state: TrainingState, optimizer_name: Optional[str]
-                     ) -> Dict[str, Any]:
+def build_checkpoint(run_cfg: Dict[str, Any], statefuls: stateful.Statefuls) -> Dict[str, Any]:
     """Collective under sharding: every rank must call it; only rank 0 gets the full tensors.
 
-    ``optimizer_name`` None leaves the optimizer state out (--no-save-optimizer-state).
+    Tensor entries a save leaves out (``saved`` False: --no-save-optimizer-state) are not in the file.
     """
-    checkpoint = {"cfg": run_cfg, "model": model_state(trainer.model), "extra_state": state.state_dict()}
-    if optimizer_name is not None:
-        checkpoint["last_optimizer_state"] = optimizer_state(trainer.model, trainer.optimizer)
-        checkpoint["optimizer_name"] = optimizer_name
-    return checkpoint
+    checkpoint: Dict[str, Any] = {"cfg": run_cfg}
+    for key, entry in stateful.tensor_entries(statefuls).items():
+        if entry.saved:
+            checkpoint[file_key(key)] = entry.state_dict(full=True)
+    checkpoint["extra_state"] = stateful.extra_state(statefuls)
+    checkpoint.update(stateful.side_values(statefuls, saved_only=True))
+    return {k: checkpoint[k] for k in sorted(checkpoint, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))}
 
 
 def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]) -> None:
@@ -82,13 +74,14 @@ def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]
                 dst.write(chunk)
 
 
-def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: TrainingState, names: List[str],
-         optimizer_name: Optional[str], is_master: bool) -> None:
-    checkpoint = build_checkpoint(run_cfg, trainer, state, optimizer_name)
+def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, progress: TrainingState,
+         names: List[str], is_master: bool) -> None:
+    """``progress`` only names the save in its log line."""
+    checkpoint = build_checkpoint(run_cfg, statefuls)
     if is_master:
         started = time.perf_counter()
         write_checkpoint(checkpoint, cfg.save_dir, names)
-        logger.info(saved_line(os.path.join(cfg.save_dir, names[0]), state, time.perf_counter() - started))
+        logger.info(saved_line(os.path.join(cfg.save_dir, names[0]), progress, time.perf_counter() - started))
         prune(cfg)
 
 
@@ -108,27 +101,32 @@ def embed_rows(model_state_dict: Dict[str, Any]) -> Optional[int]:
     return vocabulary_rows({k: tuple(v.shape) for k, v in model_state_dict.items()})
 
 
-def load(path: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, trainer,
-         state: TrainingState, checkpoint: Optional[Dict[str, Any]] = None
-         ) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
-    """Restore model, optimizer (unless --reset-optimizer) and training state.
+def tensor_shapes(state: Any) -> stateful.Shapes:
+    """The shapes of a state dict's top-level tensors (a model's; an optimizer state has none at the top)."""
+    if not isinstance(state, dict):
+        return {}
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
-    Returns the saved data position and the number of data-parallel replicas it was counted on.
+
+def load(path: str, model_cfg: Any, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check,
+         checkpoint: Optional[Dict[str, Any]] = None) -> Optional[int]:
+    """Restore every entry of ``statefuls`` that this run loads (``check`` first: it refuses another model or
+    dictionary before anything is loaded).
+
+    Returns the number of data-parallel replicas the saved data position was counted on.
     """
     checkpoint = load_checkpoint_file(path) if checkpoint is None else checkpoint
     checkpoint = layer_pruning.prune_checkpoint(checkpoint, model_cfg)  # --decoder-layers-to-keep added
-    check_compatible(path, checkpoint.get("cfg", {}), model_cfg, embed_rows(checkpoint["model"]),
-                     len(trainer.task.dictionary))
-    check_resumable(path, checkpoint.get("cfg", {}), checkpoint.get("extra_state"),
-                    {k: tuple(v.shape) for k, v in checkpoint["model"].items()}, model_cfg, trainer)
-    set_model_state_dict(trainer.model, checkpoint["model"], options=FULL_STATE)
-    if not cfg.reset_optimizer and "last_optimizer_state" in checkpoint:
-        saved, saved_name = checkpoint["last_optimizer_state"], checkpoint.get("optimizer_name")
-        if check_optimizer_switch(path, saved_name, optimizer_name):
-            saved = switch_optimizer_state(path, saved, saved_name, optimizer_name, trainer.optimizer)
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, saved, options=FULL_STATE)
-    extra = checkpoint["extra_state"]
-    position = state.load_state_dict(extra, cfg)
-    logger.info(f"loaded checkpoint {path} (epoch {extra['train_iterator'].get('epoch')} "
-                f"@ {trainer.num_updates} updates)")
-    return position, saved_data_parallel_size(checkpoint.get("cfg", {}))
+    tensors = stateful.tensor_entries(statefuls)
+    for key, entry in tensors.items():
+        if not entry.optional and file_key(key) not in checkpoint:
+            raise UserError(f"{path}: no '{file_key(key)}' in this checkpoint; is it a toolkit checkpoint?")
+    check(path, checkpoint.get("cfg", {}), checkpoint.get("extra_state"),
+          {key: tensor_shapes(checkpoint.get(file_key(key))) for key in tensors})
+    loading = [key for key, entry in tensors.items()
+               if file_key(key) in checkpoint and entry.prepare_load(path, checkpoint, None)]
+    for key in loading:
+        tensors[key].load_state_dict(checkpoint[file_key(key)], full=True)
+    stateful.load_extra_state(statefuls, checkpoint["extra_state"])
+    logger.info(f"loaded checkpoint {path} ({progress.loaded_summary()})")
+    return saved_data_parallel_size(checkpoint.get("cfg", {}))

@@ -5,10 +5,13 @@ Layout: one folder per checkpoint name, ``checkpoint_last.pt`` -> ``SAVE_DIR/che
     checkpoint_last/
         .metadata          DCP's index of every tensor's shards (written last, by rank 0)
         __0_0.distcp ...   each rank's shard of the model and optimizer state
-        meta.pt            cfg, extra state (data position, LR schedule, meters), optimizer name
+        meta.pt            cfg, extra state (every plain Stateful: data position, LR schedule, meters, ...),
+                           optimizer name
         checksums.json     CRC-32 and size of every file above (checked before loading)
 
-Model and optimizer states are keyed by parameter name (``get_state_dict``), so a
+The run's Statefuls (:mod:`toolkit.checkpoint.stateful`) are written without knowing what each one
+is: the tensor entries (model, optimizer) into DCP under their keys, the others into ``meta.pt``'s
+``extra_state``. Model and optimizer states are keyed by parameter name (``get_state_dict``), so a
 checkpoint saved on W ranks loads on any other world size, sharded or not (DCP
 reshards on load), and into DDP or plain models as well as FSDP2.
 
@@ -34,38 +37,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from toolkit.checkpoint import integrity
-from toolkit.checkpoint.common import (
-    saved_line,
-    TrainingState,
-    check_compatible,
-    check_optimizer_switch,
-    check_resumable,
-    log_optimizer_switch,
-    prune,
-    saved_data_parallel_size,
-    vocabulary_rows,
-)
+from toolkit.checkpoint import integrity, stateful
+from toolkit.checkpoint.common import TrainingState, prune, saved_data_parallel_size, saved_line
 from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
 from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier, broadcast_object
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 from toolkit.logging.step_progress import StepProgress
-from toolkit.optim.quantized_states import check_sharded_load
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.pt"
 DCP_INDEX = ".metadata"
 FORMAT = "toolkit-sharded-v1"
+SAVED_FLAGS = {"optim": "has_optimizer_state"}  # meta.pt's flag saying whether a tensor entry was saved
 
 
 # --- names -------------------------------------------------------------------------------
@@ -139,29 +126,25 @@ def _writer(path: str) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path)
 
 
-def _sharded_state(trainer, with_optimizer: bool) -> Dict[str, Any]:
-    """The model's (and optimizer's) state as this rank holds it (DTensor shards under FSDP2)."""
-    state = {"model": get_model_state_dict(trainer.model)}
-    if with_optimizer:
-        state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
-    return state
+def _sharded_state(statefuls: stateful.Statefuls) -> Dict[str, Any]:
+    """The tensor entries a save writes, as this rank holds them (DTensor shards under FSDP2)."""
+    return {key: entry.state_dict(full=False) for key, entry in stateful.tensor_entries(statefuls).items()
+            if entry.saved}
 
 
-def _meta(run_cfg: Dict[str, Any], state: TrainingState, optimizer_name: Optional[str],
-          world_size: int) -> Dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "cfg": run_cfg,
-        "world_size": world_size,
-        "has_optimizer_state": optimizer_name is not None,
-        "optimizer_name": optimizer_name,
-        "extra_state": state.state_dict(),
-    }
+def _meta(run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, world_size: int) -> Dict[str, Any]:
+    meta = {"format": FORMAT, "cfg": run_cfg, "world_size": world_size}
+    meta.update({flag: statefuls[key].saved for key, flag in SAVED_FLAGS.items() if key in statefuls})
+    meta.update(stateful.side_values(statefuls, saved_only=False))
+    meta["extra_state"] = stateful.extra_state(statefuls)
+    return meta
 
 
-def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: TrainingState, names: List[str],
-         optimizer_name: Optional[str], env) -> None:
-    """Collective: every rank writes its shard of ``names[0]``; rank 0 publishes it (and copies to the others)."""
+def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, progress: TrainingState,
+         names: List[str], env) -> None:
+    """Collective: every rank writes its shard of ``names[0]``; rank 0 publishes it (and copies to the others).
+
+    ``progress`` only names the save in its log line."""
     folders = [os.path.join(cfg.save_dir, folder_name(n)) for n in names]
     tmp, started = tmp_path(folders[0]), time.perf_counter()
     if env.is_master:
@@ -169,10 +152,10 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this run that failed
         os.makedirs(tmp)
     barrier()
-    dcp.save(_sharded_state(trainer, optimizer_name is not None), storage_writer=_writer(tmp))
+    dcp.save(_sharded_state(statefuls), storage_writer=_writer(tmp))
     if env.is_master:
         with atomic_write(os.path.join(tmp, META_FILE), "wb") as f:
-            torch.save(_meta(run_cfg, state, optimizer_name, env.world_size), f)
+            torch.save(_meta(run_cfg, statefuls, env.world_size), f)
     barrier()  # every shard, DCP's index and meta.pt are on disk
     if env.is_master:
         integrity.write_folder_checksums(tmp)
@@ -182,7 +165,7 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], trainer, state: Trainin
             shutil.rmtree(other_tmp, ignore_errors=True)
             _link_tree(folders[0], other_tmp)
             _publish(other_tmp, other)
-        logger.info(f"{saved_line(folders[0], state, time.perf_counter() - started)} ({env.world_size} shards)")
+        logger.info(f"{saved_line(folders[0], progress, time.perf_counter() - started)} ({env.world_size} shards)")
         prune(cfg, folders=True)
     barrier()
 
@@ -241,55 +224,29 @@ def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def optimizer_switch(folder: str, meta: Dict[str, Any], optimizer_name: str, trainer) -> bool:
-    """Whether the saved optimizer state is another one's that loads into this run's (adam <-> cpu_adam).
+def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check
+         ) -> Optional[int]:
+    """Restore every entry of ``statefuls`` that this run loads from a DCP folder saved on any world size
+    (``check`` first: it refuses another model or dictionary before anything is loaded).
 
-    fp16 moments (``--fp16-adam-stats``) are stored with scales that a sharded load would not
-    apply, so those switches go through a consolidated file.
-    """
-    saved = meta.get("optimizer_name")
-    if not check_optimizer_switch(folder, saved, optimizer_name):
-        return False
-    saved_fp16 = any(k.endswith("_scale") and k.startswith("optim.state.") for k in tensor_shapes(folder))
-    if saved_fp16 or getattr(trainer.optimizer, "fp16_adam_stats", False):
-        raise UserError(f"{folder}: switching between --optimizer {saved} and {optimizer_name} with "
-                        f"--fp16-adam-stats goes through a consolidated checkpoint: run toolkit-consolidate "
-                        f"{folder} and pass the .pt to --restore-file, or add --reset-optimizer")
-    return True
-
-
-def load(folder: str, cfg: CheckpointConfig, model_cfg: Any, optimizer_name: str, trainer,
-         state: TrainingState) -> Tuple[Optional[Dict[str, Any]], Optional[int]]:
-    """Restore model, optimizer (unless --reset-optimizer) and training state from a DCP folder; any world size.
-
-    Returns the saved data position and the number of data-parallel replicas it was counted on.
+    Returns the number of data-parallel replicas the saved data position was counted on.
     """
     integrity.check_folder(folder)
     meta = read_meta(folder)
-    shapes = {k[len("model."):]: v for k, v in tensor_shapes(folder).items() if k.startswith("model.")}
-    check_compatible(folder, meta.get("cfg", {}), model_cfg, vocabulary_rows(shapes), len(trainer.task.dictionary))
-    check_resumable(folder, meta.get("cfg", {}), meta.get("extra_state"), shapes, model_cfg, trainer)
-    load_optimizer = not cfg.reset_optimizer and meta.get("has_optimizer_state", False)
-    switching = load_optimizer and optimizer_switch(folder, meta, optimizer_name, trainer)
-    if load_optimizer:
-        check_sharded_load(folder, tensor_shapes(folder), trainer.optimizer)
-    tensors = _sharded_state(trainer, load_optimizer)
-    groups = None
-    if switching:  # per-parameter state from the checkpoint, hyperparameters from this run's flags
-        groups = tensors["optim"]["param_groups"]
-        tensors["optim"] = {"state": tensors["optim"]["state"]}
-    load_dcp(tensors, folder)
-    set_model_state_dict(trainer.model, tensors["model"])
-    if load_optimizer:
-        optim = tensors["optim"] if groups is None else {"state": tensors["optim"]["state"], "param_groups": groups}
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim)
-        if switching:
-            log_optimizer_switch(meta["optimizer_name"], optimizer_name)
-    extra = meta["extra_state"]
-    position = state.load_state_dict(extra, cfg)
-    logger.info(f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; epoch "
-                f"{(extra.get('train_iterator') or {}).get('epoch')} @ {trainer.num_updates} updates)")
-    return position, saved_data_parallel_size(meta.get("cfg", {})) or meta.get("world_size")
+    tensors = stateful.tensor_entries(statefuls)
+    flat = tensor_shapes(folder)
+    check(folder, meta.get("cfg", {}), meta.get("extra_state"), stateful.shapes_by_entry(tensors, flat))
+    loading = {key: entry for key, entry in tensors.items()
+               if (key not in SAVED_FLAGS or meta.get(SAVED_FLAGS[key], False))
+               and entry.prepare_load(folder, meta, flat)}
+    templates = {key: entry.load_template() for key, entry in loading.items()}
+    load_dcp(templates, folder)
+    for key, entry in loading.items():
+        entry.load_state_dict(templates[key], full=False)
+    stateful.load_extra_state(statefuls, meta["extra_state"])
+    logger.info(f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; "
+                f"{progress.loaded_summary()})")
+    return saved_data_parallel_size(meta.get("cfg", {})) or meta.get("world_size")
 
 
 # --- consolidation --------------------------------------------------------------------------

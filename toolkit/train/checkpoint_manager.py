@@ -2,19 +2,27 @@
 
 The loop calls :func:`save_checkpoint` and :func:`load_latest`; the formats live in
 ``toolkit.checkpoint`` (``consolidated``, ``sharded``, what they share in ``common``); fairseq's files
-come through :mod:`toolkit.compat.fairseq.adapter`.
+come through :mod:`toolkit.compat.fairseq.adapter`. What a checkpoint holds is the trainer's mapping
+of Statefuls (``Trainer.statefuls``), handed to the format as it is; this module adds the checks that
+need the run (same model options and dictionary) before anything loads.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Optional
-
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from typing import Any, Callable, Dict, Optional
 
 from toolkit.checkpoint import consolidated, finetune, resume, sharded, stale_files, write_errors
 from toolkit.compat.fairseq import adapter as fairseq_adapter
-from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
+from toolkit.checkpoint.common import (
+    TrainingState,
+    check_compatible,
+    check_resumable,
+    checkpoint_names,
+    restore_path,
+    vocabulary_rows,
+)
+from toolkit.checkpoint.stateful import ModelState
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
 from toolkit.train import ema as ema_module
@@ -39,7 +47,7 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
                              state.best)
     if not names:
         return
-    optimizer_name = None if ckpt_cfg.no_save_optimizer_state else cfg.components.optimizer
+    statefuls = state.statefuls()
     saved_best = state.best.best
     if state.val_loss is not None and state.best.is_better(state.val_loss):
         state.best.best = state.val_loss  # the file records the best including this validation
@@ -47,12 +55,11 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
         if ckpt_cfg.use_sharded_state:
             folder = os.path.join(ckpt_cfg.save_dir, sharded.folder_name(names[0]))
             with write_errors.reported(folder, ckpt_cfg.save_dir, remove=sharded.tmp_path(folder)):
-                sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names, optimizer_name,
-                             env)
+                sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), statefuls, state, names, env)
         else:
             with write_errors.reported(os.path.join(ckpt_cfg.save_dir, names[0]), ckpt_cfg.save_dir):
-                consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), trainer, state, names,
-                                  optimizer_name, env.is_master)
+                consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), statefuls, state, names,
+                                  env.is_master)
     finally:
         state.best.best = saved_best  # the loop updates the tracker itself after saving
 
@@ -71,10 +78,11 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     if finetuning:
         _load_finetune_weights(path, fairseq_adapter.read_checkpoint(path), cfg.model, trainer)
         return None
-    load_args = (ckpt_cfg, cfg.model, cfg.components.optimizer, trainer, state)
+    check = _resume_check(cfg.model, trainer)
     folder = sharded.find_sharded(path)
     if folder is not None and not _file_is_newer(path, folder):
-        return rescale_iterator_state(*sharded.load(folder, *load_args), trainer.strategy.dp_size)
+        saved_replicas = sharded.load(folder, state.statefuls(), state, check)
+        return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dp_size)
     if os.path.isdir(path):
         raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
                         f"{sharded.META_FILE}); it may be from a save that was interrupted")
@@ -88,8 +96,19 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     info = fairseq_adapter.load_into_trainer(path, checkpoint, trainer, ckpt_cfg.reset_optimizer)
     if info is not None:
         return _after_fairseq_load(path, checkpoint, info, trainer)
-    return rescale_iterator_state(*consolidated.load(path, *load_args, checkpoint=checkpoint),
-                                  trainer.strategy.dp_size)
+    saved_replicas = consolidated.load(path, cfg.model, state.statefuls(), state, check, checkpoint=checkpoint)
+    return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dp_size)
+
+
+def _resume_check(model_cfg: Any, trainer) -> Callable[..., None]:
+    """The formats' check before anything loads: this run's model options, parameter names and shapes, and
+    dictionary (symbols in order), else one line naming what differs."""
+    def check(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]],
+              shapes: Dict[str, Dict[str, Any]]) -> None:
+        model_shapes = shapes["model"]
+        check_compatible(path, saved_cfg, model_cfg, vocabulary_rows(model_shapes), len(trainer.task.dictionary))
+        check_resumable(path, saved_cfg, extra_state, model_shapes, model_cfg, trainer.model, trainer.task)
+    return check
 
 
 def _after_fairseq_load(path: str, checkpoint: Dict[str, Any], info: Dict[str, int], trainer) -> Dict[str, Any]:
@@ -108,7 +127,7 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
             raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
         check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),
                          len(trainer.task.dictionary))
-        set_model_state_dict(trainer.model, checkpoint["model"], options=consolidated.FULL_STATE)
+        ModelState(trainer.model).load_state_dict(checkpoint["model"], full=True)
     _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
 

@@ -31,6 +31,7 @@ from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger("toolkit.ema")  # the name in log lines, kept from before the move
+_checkpoint_logger = logging.getLogger("toolkit.checkpoint.common")  # the name of the loads' EMA line, kept
 
 CHECKPOINT_KEY = "ema"  # fairseq's trainer.state_dict()["extra_state"]["ema"]
 
@@ -95,6 +96,21 @@ class EMA:
     def copy_to(self, model: torch.nn.Module) -> None:
         """Load the averaged weights into ``model`` (fairseq's ``EMA.reverse``), for evaluation."""
         unwrap(model).load_state_dict({k: v for k, v in self.shadow.items()}, strict=False)
+
+
+class EMAState:
+    """The EMA as a checkpoint's Stateful (``extra_state["ema"]``): a checkpoint without an average restarts
+    it from the loaded model, which must load first (tensor entries do)."""
+
+    def __init__(self, ema: EMA, model: torch.nn.Module):
+        self.ema, self.model = ema, model
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]]) -> None:
+        if not self.ema.load_state_dict(state, self.model):
+            _checkpoint_logger.info("EMA not found in checkpoint; --store-ema starts it from the loaded weights")
 
 
 def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

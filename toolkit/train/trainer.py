@@ -21,12 +21,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from toolkit.train.amp_retries import AmpBatchRetries
+from toolkit.checkpoint.identity import HASH_KEY
+from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
 from toolkit.config import TrainConfig
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
-from toolkit.train.ema import EMA
+from toolkit.train.ema import EMA, EMAState
 from toolkit.logging import metrics
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
@@ -71,10 +73,9 @@ def keep_freed_cpu_memory() -> bool:
 
 
 class Trainer:
-    """One update at a time; ``state_dict``/``load_state_dict`` hold its counters, schedule and loss scale.
+    """One update at a time; the owner of a run's state, which :meth:`statefuls` hands to the checkpoints.
 
-    The model and optimizer tensors are saved by the checkpoint formats (full or sharded);
-    the rest of a run's state is :class:`toolkit.checkpoint.common.TrainingState`.
+    Its own ``state_dict``/``load_state_dict`` hold its counters, LR schedule and loss scale.
     """
 
     def __init__(self, cfg: TrainConfig, task, model: torch.nn.Module, criterion, env: DistributedEnv,
@@ -298,6 +299,31 @@ class Trainer:
         self.lr_scheduler.step(epoch, val_loss)
         return self.lr_scheduler.step_update(self.num_updates)
 
+    def statefuls(self, progress) -> Dict[str, Any]:
+        """Everything a checkpoint holds, by its key in the file, in load order (tensors first).
+
+        Why one mapping, built here: the trainer owns (or is handed, ``progress``: the loop's
+        :class:`~toolkit.checkpoint.common.TrainingState`) every piece of run state, so it is the one
+        place that lists them; the checkpoint formats save and load whatever the mapping holds
+        (:mod:`toolkit.checkpoint.stateful`) and never reach into the trainer. A new piece of state (a
+        second EMA) is one entry here. The keys are the files' (fairseq's ``extra_state`` names).
+        """
+        ckpt = self.cfg.checkpoint
+        entries: Dict[str, Any] = {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optimizer, self.cfg.components.optimizer,
+                                    save=not ckpt.no_save_optimizer_state, reset=ckpt.reset_optimizer),
+            "train_iterator": DataPosition(progress, self.cfg.optimization.update_freq),
+            "val_loss": Value(lambda: progress.val_loss),  # saved for fairseq's readers; a resume validates anew
+            "best": Value(lambda: progress.best.best, lambda best: setattr(progress.best, "best", best)),
+            "trainer": self,
+            "metrics": Meters(reset=ckpt.reset_meters),
+            HASH_KEY: Value(self.task.dictionary.symbols_hash),  # checked before anything loads
+        }
+        if self.ema is not None:
+            entries["ema"] = EMAState(self.ema, self.model)  # fairseq's key (--store-ema)
+        return entries
+
     def state_dict(self) -> Dict[str, Any]:
         self.finish_pending_steps()
         return {
@@ -306,7 +332,10 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
-    def load_state_dict(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
+    def load_state_dict(self, state: Dict[str, Any], reset_lr_scheduler: Optional[bool] = None) -> None:
+        """``reset_lr_scheduler`` None: ``--reset-lr-scheduler``'s value."""
+        if reset_lr_scheduler is None:
+            reset_lr_scheduler = self.cfg.checkpoint.reset_lr_scheduler
         self.num_updates = int(state["num_updates"])
         if not reset_lr_scheduler and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

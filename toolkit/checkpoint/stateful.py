@@ -1,0 +1,242 @@
+"""A run's state as named Statefuls: what a checkpoint holds, each piece under its key in the file.
+
+The formats (``consolidated``: one ``.pt``; ``sharded``: a DCP folder) are given one mapping
+``{key: Stateful}`` (torchtitan's ``CheckpointManager(states=...)``) and save or load every entry
+without knowing what it is; the trainer builds the mapping (``Trainer.statefuls``). So a new piece
+of run state (a second EMA) is one more entry, and one more key in the file. The formats store two
+kinds of state, so there are two kinds of entry:
+
+- :class:`TensorState` (the model, the optimizer): tensors that may be sharded across ranks.
+  ``state_dict(full=True)`` gathers them whole for the ``.pt`` file; ``full=False`` is what this
+  rank holds, which DCP writes and reads back in place (resharding to this run's world size).
+- any other Stateful (``state_dict()`` / ``load_state_dict(state)``): plain values and small CPU
+  tensors (counters, LR schedule, loss scale, meters, data position, EMA), stored under its key in
+  the checkpoint's ``extra_state`` in every format. A key the file lacks loads as ``None``.
+
+Loading goes in the mapping's order, tensors first: the EMA restarts from the loaded weights, and
+the LR schedule steps to the loaded update count after the optimizer's learning rate is restored.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from toolkit.checkpoint.common import check_optimizer_switch, log_optimizer_switch, switch_optimizer_state
+from toolkit.core.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+Statefuls = Mapping[str, Any]  # key in the file -> TensorState or Stateful
+Shapes = Dict[str, Tuple[int, ...]]
+# check(file, saved cfg, saved extra_state, {tensor entry: its saved shapes}): refuses another model before any load
+Check = Callable[[str, Dict[str, Any], Optional[Dict[str, Any]], Dict[str, Shapes]], None]
+
+
+class TensorState:
+    """Tensors a format stores its own way (whole in a ``.pt``, as each rank's shards in DCP).
+
+    ``saved``: whether a save writes this entry (``--no-save-optimizer-state`` leaves the optimizer out);
+    ``side_values``: plain values stored beside the tensors (the optimizer's name), whether saved or not;
+    ``prepare_load``: whether this run loads the entry from a file whose side values and (for DCP)
+    tensor shapes are given, checked before anything loads; ``load_template``: what DCP reads into.
+    """
+
+    saved = True
+    optional = False  # a file without this entry still loads (the optimizer: --no-save-optimizer-state)
+
+    def state_dict(self, full: bool = False) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Dict[str, Any], full: bool = False) -> None:
+        raise NotImplementedError
+
+    def side_values(self) -> Dict[str, Any]:
+        return {}
+
+    def prepare_load(self, where: str, side: Mapping[str, Any], shapes: Optional[Shapes]) -> bool:
+        return True
+
+    def load_template(self) -> Dict[str, Any]:
+        return self.state_dict(full=False)
+
+
+class ModelState(TensorState):
+    """A model (FSDP2, DDP or plain) by parameter name (``torch.distributed.checkpoint.state_dict``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self, full: bool = False) -> Dict[str, Any]:
+        return get_model_state_dict(self.model, options=FULL_STATE if full else None)
+
+    def load_state_dict(self, state: Dict[str, Any], full: bool = False) -> None:
+        set_model_state_dict(self.model, state, options=FULL_STATE if full else None)
+
+
+class OptimizerState(TensorState):
+    """An optimizer's state keyed by parameter name; saved with its ``--optimizer`` name.
+
+    A state saved by the other Adam (adam <-> cpu_adam: the same per-parameter layout) loads with this
+    run's hyperparameters (:func:`toolkit.checkpoint.common.check_optimizer_switch`).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str, save: bool = True,
+                 reset: bool = False):
+        self.model, self.optimizer, self.name = model, optimizer, name
+        self.saved, self.reset, self.optional = save, reset, True
+        self._where = ""  # the file being loaded, for the messages of a switch
+        self._switch_from: Optional[str] = None  # the saved optimizer's name while loading another's state
+        self._groups: Optional[list] = None  # this run's param_groups, kept aside for a sharded switch
+
+    def state_dict(self, full: bool = False) -> Dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE if full else None)
+
+    def side_values(self) -> Dict[str, Any]:
+        return {"optimizer_name": self.name if self.saved else None}
+
+    def prepare_load(self, where: str, side: Mapping[str, Any], shapes: Optional[Shapes]) -> bool:
+        if self.reset:
+            return False
+        saved_name, self._where = side.get("optimizer_name"), where
+        self._switch_from = saved_name if check_optimizer_switch(where, saved_name, self.name) else None
+        if shapes is not None:
+            self._check_sharded(where, shapes)
+        return True
+
+    def _check_sharded(self, folder: str, shapes: Shapes) -> None:
+        """fp16 moments (``--fp16-adam-stats``) are stored with scales that a sharded switch would not apply,
+        and 8-bit moments do not convert value by value: those go through a consolidated file. ``shapes`` are
+        DCP's flat keys, where the optimizer is saved under ``optim`` (the key ``Trainer.statefuls`` gives it)."""
+        from toolkit.optim.quantized_states import check_sharded_load
+
+        saved_fp16 = any(k.endswith("_scale") and k.startswith("optim.state.") for k in shapes)
+        if self._switch_from is not None and (saved_fp16 or getattr(self.optimizer, "fp16_adam_stats", False)):
+            raise UserError(f"{folder}: switching between --optimizer {self._switch_from} and {self.name} with "
+                            f"--fp16-adam-stats goes through a consolidated checkpoint: run toolkit-consolidate "
+                            f"{folder} and pass the .pt to --restore-file, or add --reset-optimizer")
+        check_sharded_load(folder, shapes, self.optimizer)
+
+    def load_template(self) -> Dict[str, Any]:
+        template = self.state_dict(full=False)
+        if self._switch_from is None:
+            return template
+        self._groups = template["param_groups"]  # hyperparameters from this run's flags
+        return {"state": template["state"]}
+
+    def load_state_dict(self, state: Dict[str, Any], full: bool = False) -> None:
+        if self._switch_from is not None and full:
+            state = switch_optimizer_state(self._where, state, self._switch_from, self.name, self.optimizer)
+        elif self._switch_from is not None:
+            state = {"state": state["state"], "param_groups": self._groups}
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL_STATE if full else None)
+        if self._switch_from is not None and not full:
+            log_optimizer_switch(self._switch_from, self.name)
+        self._switch_from, self._groups = None, None
+
+
+class Value:
+    """A Stateful over a getter and a setter: a plain value another object keeps (the best metric).
+
+    Without a setter the value is saved and not restored (the validation loss; the dictionary's
+    hash, which is checked against the run's before anything loads).
+    """
+
+    def __init__(self, get: Callable[[], Any], restore: Optional[Callable[[Any], None]] = None):
+        self._get, self._restore = get, restore
+
+    def state_dict(self) -> Any:
+        return self._get()
+
+    def load_state_dict(self, state: Any) -> None:
+        if self._restore is not None:
+            self._restore(state)
+
+
+class Meters:
+    """The metrics aggregators (``toolkit.logging.metrics``), so averages and the wall clock continue
+    across a resume; ``reset`` (``--reset-meters``) keeps this run's fresh meters."""
+
+    def __init__(self, reset: bool = False):
+        self.reset = reset
+
+    def state_dict(self) -> Dict[str, Any]:
+        from toolkit.logging import metrics
+
+        return metrics.state_dict()
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        from toolkit.logging import metrics
+
+        if not self.reset and state:
+            metrics.load_state_dict(state)
+
+
+class DataPosition:
+    """Where in the data the run is: the epoch iterator's position (and the ``--update-freq`` it was
+    counted with, for the resume's log line). Loading only records the position (``saved``): the
+    iterator is built after the load, from the saved epoch."""
+
+    def __init__(self, progress: Any, update_freq: int):
+        self.progress, self.update_freq = progress, update_freq
+        self.saved: Optional[Dict[str, Any]] = None
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        itr = self.progress.epoch_itr
+        position = itr.state_dict() if itr is not None else None
+        if position is not None:
+            position["update_freq"] = self.update_freq
+        return position
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        self.saved = state
+        self.progress.saved_position = state
+
+
+# --- what the formats call ------------------------------------------------------------------------
+
+def tensor_entries(statefuls: Statefuls) -> Dict[str, TensorState]:
+    return {k: s for k, s in statefuls.items() if isinstance(s, TensorState)}
+
+
+def plain_entries(statefuls: Statefuls) -> Dict[str, Any]:
+    return {k: s for k, s in statefuls.items() if not isinstance(s, TensorState)}
+
+
+def extra_state(statefuls: Statefuls) -> Dict[str, Any]:
+    """The checkpoint's ``extra_state``: every plain entry's state under its key, in the mapping's order."""
+    return {key: s.state_dict() for key, s in plain_entries(statefuls).items()}
+
+
+def side_values(statefuls: Statefuls, saved_only: bool) -> Dict[str, Any]:
+    """The tensor entries' plain values stored beside them (``saved_only``: only of entries a save writes)."""
+    out: Dict[str, Any] = {}
+    for s in tensor_entries(statefuls).values():
+        if s.saved or not saved_only:
+            out.update(s.side_values())
+    return out
+
+
+def load_extra_state(statefuls: Statefuls, extra: Mapping[str, Any]) -> None:
+    for key, s in plain_entries(statefuls).items():
+        s.load_state_dict(extra.get(key))
+
+
+def shapes_by_entry(keys: Iterable[str], flat: Shapes) -> Dict[str, Shapes]:
+    """DCP's flat tensor shapes (``model.embed_tokens.weight``) grouped by the entry they belong to."""
+    out: Dict[str, Shapes] = {key: {} for key in keys}
+    for name, shape in flat.items():
+        key, _, rest = name.partition(".")
+        if key in out:
+            out[key][rest] = shape
+    return out
