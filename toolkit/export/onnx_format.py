@@ -21,11 +21,12 @@ import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
+from toolkit.core.protocols import OnnxCacheExportable
 from toolkit.export.common import StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
+from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder  # noqa: F401  (its home before the move)
 
 logger = logging.getLogger(__name__)
 
@@ -44,65 +45,6 @@ class LogitsDecoder(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
-
-
-class CachedDecoder(torch.nn.Module):
-    """The model's forward for new tokens after P cached positions; returns logits and the grown cache.
-
-    Same arithmetic as ``TransformerLanguageModel.forward`` restricted to the new rows: keys and
-    values of earlier positions come from the cache, the causal mask is offset by P.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def _embed(self, tokens: torch.Tensor, past_len: int) -> torch.Tensor:
-        m = self.model
-        x = m.embed_tokens(tokens)
-        if m.embed_scale != 1.0:
-            x = x * m.embed_scale
-        positions = torch.arange(tokens.size(1), device=tokens.device) + past_len
-        if m.embed_positions is not None:
-            x = x + m.embed_positions.weight.index_select(0, positions + (m.padding_idx + 1))
-        elif m.sinusoidal_positions is not None:
-            x = x + m.sinusoidal_positions.index_select(0, positions)
-        return x
-
-    @staticmethod
-    def _attention(attn, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor):
-        B, T, C = x.shape
-        H = attn.num_heads
-        q, k, v = attn.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
-        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        past_len = past_k.size(2)
-        query_pos = torch.arange(T, device=x.device) + past_len
-        mask = torch.arange(past_len + T, device=x.device)[None, :] <= query_pos[:, None]  # [T, P + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return attn.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
-
-    def _block(self, layer, x, past_k, past_v):
-        if layer.normalize_before:
-            h, k, v = self._attention(layer.self_attn, layer.self_attn_layer_norm(x), past_k, past_v)
-            x = x + h
-            x = x + layer.ffn(layer.final_layer_norm(x))
-        else:
-            h, k, v = self._attention(layer.self_attn, x, past_k, past_v)
-            x = layer.self_attn_layer_norm(x + h)
-            x = layer.final_layer_norm(x + layer.ffn(x))
-        return x, k, v
-
-    def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        m = self.model
-        x = self._embed(tokens, past[0].size(2))
-        present: List[torch.Tensor] = []
-        for i, layer in enumerate(m.layers):
-            x, k, v = self._block(layer, x, past[2 * i], past[2 * i + 1])
-            present += [k, v]
-        if m.layer_norm is not None:
-            x = m.layer_norm(x)
-        logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)
-        return (logits, *present)
 
 
 def cache_names(num_layers: int, prefix: str) -> List[str]:
@@ -147,7 +89,7 @@ def export_decoder_with_past(model: torch.nn.Module, path: str, opset: int) -> N
     sample = torch.full((2, 2), model.padding_idx + 1, dtype=torch.long)
     past_sample = empty_cache(model, 2, past_len=min(3, max_len - 2))
     shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past} for _ in past_sample))
-    _export(CachedDecoder(model).eval(), (sample, *past_sample), path,
+    _export(model.onnx_cached_decoder().eval(), (sample, *past_sample), path,
             ["tokens"] + cache_names(n, "past"), ["logits"] + cache_names(n, "present"), shapes, opset)
 
 
@@ -201,6 +143,15 @@ def check_parity(model: torch.nn.Module, path: str, tolerance: float = 1e-4) -> 
     return diff
 
 
+def _cache_families() -> List[str]:
+    """The registered model families that provide a cached decoder (``--kv-cache``)."""
+    from toolkit.core import registry
+
+    registry.import_submodules("toolkit.models")
+    return [name for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
+            if isinstance(entry.cls, OnnxCacheExportable)]
+
+
 def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAULT_OPSET) -> str:
     """Export (and check) the graphs into ``out_dir``, with the dictionary and BPE model beside them."""
     if opset < MIN_OPSET:
@@ -208,11 +159,9 @@ def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAU
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
     model = loaded.model
-    from toolkit.models.transformer_lm import TransformerLanguageModel
-
-    if kv_cache and not isinstance(model, TransformerLanguageModel):  # CachedDecoder spells out its blocks
-        raise UserError(f"--kv-cache: decoder_with_past.onnx is written for transformer_lm only, not "
-                        f"{type(model).__name__}; export without --kv-cache (decoder.onnx)")
+    if kv_cache and not isinstance(model, OnnxCacheExportable):  # the cached forward spells out a family's blocks
+        raise UserError(f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} "
+                        f"only, not {type(model).__name__}; export without --kv-cache (decoder.onnx)")
     steps = 4 if kv_cache else 3
     with StepProgress(steps, "onnx") as progress, export_directory(out_dir) as tmp, torch.no_grad():
         export_decoder(model, os.path.join(tmp, DECODER), opset)

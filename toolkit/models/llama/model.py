@@ -41,6 +41,7 @@ from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
 from toolkit.core.registry import register_model
 
@@ -254,6 +255,23 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """torchtitan's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
         return family_plan(self)
+
+    # ---- export (the adapters are imported when asked: hf.py maps configs and names, hf_files.py the folders) ----
+
+    HF_CLASSES = HF_CLASS_NAMES  # --from hf reads these config.json model_types
+
+    @classmethod
+    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """``--from hf``: a Llama, Mistral or Qwen2 folder as our checkpoint (``hf_files.py``)."""
+        from toolkit.models.llama.hf_files import read_llama
+
+        return read_llama(folder, config, out_dir, tokens_per_sample, advance)
+
+    def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
+        """``--format hf``: the class it was imported from (else Llama or Qwen2), see ``hf_files.py``."""
+        from toolkit.models.llama.hf_files import hf_weights
+
+        return hf_weights(self, hf_class, dictionary, first_symbol, data_dir)
 
     # ---- accounting ----
 

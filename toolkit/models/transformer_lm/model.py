@@ -336,6 +336,29 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
         return family_plan(self)
 
+    # ---- export (the adapters are imported when asked: they live beside, in hf.py, hf_import.py, onnx_decoder.py) ----
+
+    HF_CLASSES = {"gpt2": "GPT2LMHeadModel"}  # --from hf reads these config.json model_types
+
+    @classmethod
+    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """``--from hf``: a GPT-2 folder as our checkpoint (``hf_import.py``)."""
+        from toolkit.models.transformer_lm.hf_import import read_gpt2
+
+        return read_gpt2(folder, out_dir, tokens_per_sample, advance)
+
+    def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
+        """``--format hf``: XGLM, OPT or GPT-2, whichever computes this model exactly (``hf.py``)."""
+        from toolkit.models.transformer_lm.hf import hf_weights
+
+        return hf_weights(self, hf_class, dictionary, first_symbol)
+
+    def onnx_cached_decoder(self) -> nn.Module:
+        """``--format onnx --kv-cache``: the forward after P cached positions (``onnx_decoder.py``)."""
+        from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder
+
+        return CachedDecoder(self)
+
     # ---- accounting ----
 
     def num_matmul_parameters(self) -> int:
