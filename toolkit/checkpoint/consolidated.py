@@ -17,7 +17,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
+
+from toolkit.checkpoint.dcp_state import (  # DCP imported at the first call
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,

@@ -33,8 +33,9 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
+
+from toolkit.checkpoint.dcp_state import (  # DCP imported at the first call
+    dcp,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -53,7 +54,7 @@ from toolkit.checkpoint.common import (
     saved_data_parallel_size,
     vocabulary_rows,
 )
-from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
+from toolkit.checkpoint.safe_pickle import dcp_to_state_dict, load_dcp, load_refusal, safe_reader
 from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier, broadcast_object
 from toolkit.core.errors import UserError
@@ -237,7 +238,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
 
 def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor in a DCP folder, by flattened key (``model.embed_tokens.weight``)."""
-    md = SafeFileSystemReader(folder).read_metadata()
+    md = safe_reader(folder).read_metadata()
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 

@@ -10,9 +10,9 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from toolkit.checkpoint import consolidated, finetune, resume, sharded, stale_files, write_errors
+from toolkit.checkpoint.dcp_state import set_model_state_dict
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.checkpoint.common import TrainingState, check_compatible, checkpoint_names, restore_path
 from toolkit.config import TrainConfig
