@@ -43,3 +43,14 @@ def test_the_checkpoint_code_imports_dcp_at_its_first_use():
                                       "set_model_state_dict(m, saved, options=StateDictOptions(full_state_dict=True))\n"
                                       "assert set(saved) == {'weight', 'bias'} and not m.weight.any()")
     assert imported == [] and "torch.distributed.checkpoint" in called
+
+
+def test_registering_every_component_and_building_models_on_meta_import_none():
+    """``--help`` and every command register all components; eval-lm, generate and export build the model on
+    the meta device (torch's default init of an embedding there would import dynamo)."""
+    after = imported_after("from toolkit.core import registry\nregistry.import_all_components()",
+                           "from toolkit import models\nmodels.build_on_meta('transformer_lm', 100, 64)\n"
+                           "models.build_on_meta('transformer_lm', 100, 64, decoder_learned_pos=True)\n"
+                           "models.build_on_meta('llama', 100, 64, decoder_layers=2, decoder_embed_dim=32, "
+                           "decoder_attention_heads=2, decoder_ffn_embed_dim=64)")
+    assert after == [[], []]

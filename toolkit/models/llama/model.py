@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
-from toolkit.models.init import init_weights
+from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
@@ -183,7 +183,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         self.max_target_positions = cfg.max_target_positions
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_embed_dim)
+            self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
             self.layers = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.decoder_layers)])
             self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
             self.output_projection = (None if cfg.share_decoder_input_output_embed

@@ -56,7 +56,7 @@ from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
-from toolkit.models.init import init_weights
+from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.models.transformer_lm.config import ACTIVATIONS, TransformerLMConfig
@@ -191,7 +191,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             sinusoidal = None  # computed, not trained, not saved: rebuilt by reset_buffers()
             if not cfg.no_token_positional_embeddings:
                 if cfg.decoder_learned_pos:
-                    self.embed_positions = nn.Embedding(cfg.max_target_positions + padding_idx + 1, C)
+                    self.embed_positions = meta_embedding(cfg.max_target_positions + padding_idx + 1, C)
                 else:
                     sinusoidal = torch.empty(cfg.max_target_positions, C)
             self.register_buffer("sinusoidal_positions", sinusoidal, persistent=False)
@@ -228,7 +228,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
     @staticmethod
     def _token_embedding(cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, dim: int) -> nn.Module:
         if not cfg.adaptive_input:
-            return nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
+            return meta_embedding(vocab_size, dim, padding_idx=padding_idx)
         cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
