@@ -37,11 +37,15 @@ def one_line_errors(prog: str, also: Tuple[Type[BaseException], ...] = (),
 
 
 def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List[str]], description: str,
-                selectors: Sequence = ()):
-    """``main(config)``'s result for the options dataclass ``config_cls`` parsed from ``argv``; fairseq's bare
-    ``--remove-bpe`` / ``--post-process`` mean ``subword_nmt`` in every command."""
+                selectors: Sequence = (), sections: Sequence[type] = (),
+                from_argv: Optional[Callable[[List[str]], Sequence]] = None):
+    """``main(config, *sections, *from_argv(argv))``'s result, ``config`` and each of ``sections`` (more options
+    dataclasses, e.g. generation's) parsed from ``argv``; ``from_argv`` gives what the dataclasses cannot (e.g.
+    which task options were given). fairseq's bare ``--remove-bpe`` / ``--post-process`` mean ``subword_nmt``."""
     argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))
-    args = options.parse_with_components(prog, [config_cls], argv, selectors=tuple(selectors), arch=False,
+    configs = [config_cls, *sections]
+    args = options.parse_with_components(prog, configs, argv, selectors=tuple(selectors), arch=False,
                                          description=description)
+    extra = tuple(from_argv(argv)) if from_argv is not None else ()
     with one_line_errors(prog):
-        return main(options.config_from_args(config_cls, args))
+        return main(*(options.config_from_args(cls, args) for cls in configs), *extra)

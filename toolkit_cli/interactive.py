@@ -6,23 +6,26 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from toolkit.config import options
 from toolkit.core.registry import TASK_REGISTRY
-from toolkit_cli.command import one_line_errors
+from toolkit_cli.command import run_command
 
-def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str]], description: str) -> None:
-    from toolkit.generation import GenerationConfig
+
+def _task_overrides(argv: List[str]) -> Tuple[Dict]:
+    """The task options given on the command line (they replace the checkpoint's; the data folder is positional)."""
     from toolkit.tasks.language_modeling import LanguageModelingConfig
 
-    argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))
-    args = options.parse_with_components(prog, [command_config, GenerationConfig], argv,
-                                         selectors=(TASK_REGISTRY,), arch=False, description=description)
-    task_overrides = {k: v for k, v in options.given_options(LanguageModelingConfig, argv).items() if k != "data"}
-    with one_line_errors(prog):
-        main(options.config_from_args(command_config, args), options.config_from_args(GenerationConfig, args),
-             task_overrides)
+    return ({k: v for k, v in options.given_options(LanguageModelingConfig, argv).items() if k != "data"},)
+
+
+def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str]], description: str) -> None:
+    """toolkit-interactive and toolkit-generate: ``main(command config, GenerationConfig, task overrides)``."""
+    from toolkit.generation import GenerationConfig
+
+    run_command(prog, command_config, main, argv, description, selectors=(TASK_REGISTRY,),
+                sections=(GenerationConfig,), from_argv=_task_overrides)
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

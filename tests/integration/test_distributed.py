@@ -45,12 +45,15 @@ def baseline(data_bin, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_run(data_bin, tmp_path_factory):
-    """Two ranks, FSDP2 full_shard, sharded checkpoints at update 10 and at the end."""
-    save = tmp_path_factory.mktemp("fsdp")
+    """Two ranks, FSDP2 full_shard, sharded checkpoints at update 10 and at the end; a log file and TensorBoard
+    events too, and the workers' stdout block-buffered (PYTHONUNBUFFERED empty), as outside the tests."""
+    save, logs = tmp_path_factory.mktemp("fsdp"), tmp_path_factory.mktemp("fsdp_logs")
     proc = train(data_bin, save, "--max-update", str(UPDATES), "--distributed-world-size", "2",
                  "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "10",
-                 "--disable-validation")
-    return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout}
+                 "--disable-validation", "--log-file", str(logs / "train.log"), "--tensorboard-logdir",
+                 str(logs / "tb"), env={"PYTHONUNBUFFERED": ""})
+    return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout, "stderr": proc.stderr,
+            "logs": logs}
 
 
 def model_state(path):
@@ -77,6 +80,38 @@ def test_two_ranks_on_one_cpu_log_mfu_at_most_100(fsdp_run):
     measuring it in each rank while the other computes once gave an MFU of 149%."""
     mfus = [float(m.group(1)) for m in re.finditer(r'"mfu": "([\d.]+)"', fsdp_run["stdout"])]
     assert mfus and max(mfus) <= 100.0, mfus
+
+
+def test_spawned_workers_leave_every_writer_complete(fsdp_run):
+    """The workers end with os._exit (gloo's teardown at finalization can abort them, pytorch#179291) after
+    flushing and closing their writers: every stdout line, the log file and the TensorBoard events are whole."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert sorted(fsdp_run["losses"]) == list(range(1, UPDATES + 1))
+    out = fsdp_run["stdout"].strip().splitlines()
+    assert "done training in" in out[-1], fsdp_run["stdout"][-2000:]
+    with open(fsdp_run["logs"] / "train.log") as f:
+        logged = f.read().splitlines()
+    assert [line for line in logged if " | train_inner | " in line] == [line for line in out if " | train_inner | " in line]
+    assert "done training in" in logged[-1]
+    events = EventAccumulator(str(fsdp_run["logs"] / "tb" / "train_inner"))
+    events.Reload()
+    loss = {e.step: e.value for e in events.Scalars("loss")}
+    assert sorted(loss) == list(range(1, UPDATES + 1))
+    assert all(loss[u] == pytest.approx(fsdp_run["losses"][u], abs=1e-3) for u in loss)
+    assert "terminate called" not in fsdp_run["stderr"] and "Traceback" not in fsdp_run["stderr"]
+
+
+def test_a_failing_spawned_worker_reports_its_error_and_exits_non_zero(data_bin, tmp_path):
+    proc = H.run_train([data_bin] + H.model_args(str(tmp_path)) + ["--max-update", "5", "--lr", "1e30",
+                       "--lr-scheduler", "fixed", "--distributed-world-size", "2", "--disable-validation"],
+                       env={"PYTHONUNBUFFERED": ""})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("toolkit-train: error: ")]
+    assert "Traceback" not in proc.stderr and errors, proc.stderr[-2000:]
+    assert "non-finite gradient norm" in errors[0]  # rank 0's own line, or the launcher's naming the rank
+    assert re.search(r"rank \d .*failed: FloatingPointError", errors[-1]), errors
+    assert "training on 2 devices" in proc.stdout  # the worker's buffered lines before the error came out
 
 
 def test_fully_sharded_two_ranks_match_one_process(fsdp_run, baseline, tmp_path):

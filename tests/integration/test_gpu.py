@@ -84,5 +84,21 @@ def test_cpu_offload_with_cpu_adam_saves_resumes_and_evaluates(data, tmp_path):
     resumed = gpu_train(data, tmp_path / "ck", *offload, "--max-update", "15")
     assert 15 in resumed.losses()
     run = run_cli("toolkit_cli.eval_lm", [data, "--path", str(tmp_path / "ck" / "checkpoint_last.pt"),
-                                          "--tokens-per-sample", "128", "--batch-size", "8"])
+                                          "--tokens-per-sample", "128", "--batch-size", "8",
+                                          "--gen-subset", "valid"])
     assert run.returncode == 0 and "Perplexity" in run.stdout + run.stderr, run.stderr[-2000:]
+
+
+def test_bf16_host_grads_and_8bit_moments_under_cpu_offload_track_fp32_state(data, tmp_path):
+    """The 13B recipe's host-memory savings on a GPU: gradients and moments stay in host memory (a
+    DTensor built on a CUDA mesh must not move its local shard to the GPU) and the losses track
+    fp32 gradients and moments."""
+    pytest.importorskip("deepspeed")
+    offload = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16",
+               "--checkpoint-activations", "--max-update", "12", "--no-save"]
+    plain = gpu_train(data, tmp_path / "fp32", *offload).losses()
+    small = gpu_train(data, tmp_path / "small", *offload, "--bf16-host-grads", "--adam-state-precision",
+                      "8bit").losses()
+    assert sorted(small) == sorted(plain)
+    for update, loss in plain.items():
+        assert abs(small[update] - loss) / loss < 2e-2, (update, small[update], loss)

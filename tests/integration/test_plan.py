@@ -27,17 +27,19 @@ def data(tmp_path_factory):
     return make_lm_data_bin(str(tmp_path_factory.mktemp("plan") / "bin"))
 
 
-def _measure_script(data: str, flags, out: str) -> str:
-    """A fresh interpreter per run: FSDP2 needs a process group, which must not outlive the test."""
+def _measure_script(data: str, flags, out: str, peak: bool = False) -> str:
+    """A fresh interpreter per run: FSDP2 needs a process group, which must not outlive the test.
+    ``peak``: every rank's live-tensor peak of an update and the plan's update peak instead."""
+    result = ("{'measured': [r['live_peak'] for r in ranks], 'predicted': plan.update_peak.host}" if peak else
+              "{'ranks': ranks, 'items': {i.name: i.gpu + i.host for i in plan.items}}")
     return ("import json, sys\n"
             "from toolkit.train.resolve import parse_train_config\n"
             "from toolkit.plan import PRESETS, make_plan\n"
             "from toolkit.plan.measure import measure_run\n"
             f"cfg = parse_train_config({[data] + TINY + list(flags)!r})\n"
-            f"ranks = measure_run(cfg, {out!r})\n"
+            f"ranks = measure_run(cfg, {out!r}, peak={peak})\n"
             "plan = make_plan(cfg, PRESETS['cpu'], world_size=cfg.distributed.distributed_world_size)\n"
-            "items = {i.name: i.gpu + i.host for i in plan.items}\n"
-            "print(json.dumps({'ranks': ranks, 'items': items}))\n")
+            f"print(json.dumps({result}))\n")
 
 
 def _check(data: str, tmp_path, flags, tolerance=None):
@@ -137,3 +139,28 @@ def test_train_plan_flag_logs_the_summary(data, tmp_path):
     lines = [x for x in (run.stdout + run.stderr).splitlines() if "| plan: " in x]
     assert len(lines) == 1 and "FITS" in lines[0], lines
     assert os.path.basename(data) == "bin"
+
+
+PEAK_2_RANKS = ["--optimizer", "adam", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2",
+                "--decoder-layers", "4", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
+                "--tokens-per-sample", "128", "--checkpoint-activations"]
+
+
+def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, tmp_path):
+    """Two gloo ranks, checkpointed: the plan's update peak against each rank's live tensor bytes
+    (toolkit.plan.measure.LivePeak) within 25%, the issue's bound (measured -7% to +10% here over runs:
+    the ranks' peaks move by about a block with the order of gloo's collectives, too much to compare the
+    two strategies' measured peaks at this size); the plan holds every block gathered under shard_grad_op."""
+    import json
+
+    results = {}
+    for strategy in ("full_shard", "shard_grad_op"):
+        code = _measure_script(data, PEAK_2_RANKS + ["--sharding-strategy", strategy], str(tmp_path / "p.json"), True)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env=subprocess_env(), cwd=REPO_ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[strategy] = json.loads(run.stdout.strip().splitlines()[-1])
+        for measured in results[strategy]["measured"]:
+            predicted = results[strategy]["predicted"]
+            assert abs(predicted - measured) <= 0.25 * measured, (strategy, predicted, measured)
+    assert results["shard_grad_op"]["predicted"] > results["full_shard"]["predicted"]

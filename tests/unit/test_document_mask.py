@@ -15,9 +15,9 @@ from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerL
 VOCAB, PAD, EOS = 40, 1, 2
 
 
-def transformer(kind):
+def transformer(kind, dim=32):
     positions = {"learned": dict(decoder_learned_pos=True), "sinusoidal": {}}[kind]
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64,
+    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=dim, decoder_ffn_embed_dim=64,
                               decoder_attention_heads=4, max_target_positions=64, dropout=0.0,
                               decoder_normalize_before=True, **positions)
     return TransformerLanguageModel(cfg, VOCAB, PAD, seed=3).eval()
@@ -29,6 +29,8 @@ def llama(arch):
 
 MODELS = {"transformer_lm-learned": lambda: transformer("learned"),
           "transformer_lm-sinusoidal": lambda: transformer("sinusoidal"),
+          # heads of 16: on CUDA the compiled flex_attention kernel (narrower heads use the dense mask)
+          "transformer_lm-heads-of-16": lambda: transformer("learned", dim=64),
           "llama": lambda: llama("llama_tiny"), "llama-gqa": lambda: llama("llama_tiny_gqa")}
 
 
@@ -97,6 +99,21 @@ def test_flex_attention_equals_the_sdpa_mask():
     except Exception as e:  # CPU flex_attention needs a compiler on some builds
         pytest.skip(f"flex_attention does not run on this CPU build: {type(e).__name__}")
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_heads_narrower_than_flex_allows_attend_with_the_dense_mask():
+    """inductor's flex_attention refuses heads under 16 wide: ``attend`` turns the BlockMask into the
+    same dense mask for them (on CPU too), so tiny models train with --document-attention-mask on a GPU."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from toolkit.models.document_mask import FLEX_MIN_HEAD_DIM, _dense_mask
+
+    ids, _ = document_layout(torch.tensor([[EOS, 4, 5, EOS, 6, 7, 8, EOS, 9, 4, 4, 5, EOS, 6, 6, 6]]), EOS)
+    dense = make_attention_mask(ids)
+    block = document_block_mask(ids)
+    q, k, v = (torch.randn(1, 2, 16, FLEX_MIN_HEAD_DIM // 2, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    assert torch.equal(_dense_mask(block, q), dense)
+    assert torch.allclose(attend(q, k, v, block), attend(q, k, v, dense), atol=1e-6)
 
 
 def test_collater_sends_the_layout(tmp_path):

@@ -52,8 +52,16 @@ class ToyImportLM(PlainLM):
 def test_the_two_families_declare_their_adapters():
     for cls in (TransformerLanguageModel, LlamaLanguageModel):
         assert isinstance(cls, HFImportable) and hasattr(cls, "hf_weights")
-    assert hasattr(TransformerLanguageModel, "onnx_cached_decoder")
+        assert isinstance(cls, OnnxCacheExportable)
     assert not isinstance(PlainLM(), (HFExportable, OnnxCacheExportable))
+
+
+def test_kv_cache_of_a_family_without_a_cached_decoder_is_one_line_naming_those_with_one():
+    from toolkit.export.onnx_format import cached_decoder
+
+    with pytest.raises(UserError, match=r"^--kv-cache: decoder_with_past.onnx is written for llama and transformer_lm "
+                                        r"models, not PlainLM; export without --kv-cache \(decoder.onnx\)$"):
+        cached_decoder(PlainLM())
 
 
 def test_from_hf_asks_the_registered_family_for_its_model_type(tmp_path, monkeypatch, caplog):

@@ -8,7 +8,8 @@ transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
 ``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
 ``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line;
 text binarized with the imported tokenizer keeps its ids, continues training from the imported
-checkpoint, and the trained model exports back to a folder transformers loads.
+checkpoint, and the trained model exports back to a folder transformers loads; ``--format onnx
+--kv-cache`` writes a cache graph whose logits (a prompt, then a cached step) equal PyTorch's within 1e-4.
 """
 from __future__ import annotations
 
@@ -146,13 +147,62 @@ def test_sharded_safetensors_import_like_one_file(tmp_path):
         assert (model.get_normalized_probs(model(x)) - log_probs(hf(x).logits)).abs().max().item() < 1e-4
 
 
-def test_onnx_export_matches_and_the_cache_graph_is_refused(tmp_path):
+def test_llama_cached_forward_equals_the_full_forward(imported):
+    """The forward decoder_with_past.onnx is exported from, in PyTorch: a prompt pass, then a token at a time;
+    the cache holds the key/value heads (GQA: fewer than the query heads)."""
+    from toolkit.export.onnx_format import cached_decoder, empty_cache
+    from toolkit.models.llama.config import head_dim, kv_heads
+
+    model = imported["model"]
+    tokens = batch(12)
+    cached = cached_decoder(model)
+    with torch.no_grad():
+        expected = model(tokens)
+        out = cached(tokens[:, :5], *empty_cache(model, 2))
+        steps = [out[0]]
+        for t in range(5, tokens.size(1)):
+            out = cached(tokens[:, t:t + 1], *out[1:])
+            steps.append(out[0])
+    assert out[1].shape == (2, kv_heads(model.cfg), tokens.size(1), head_dim(model.cfg))
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
+    """--format onnx --kv-cache of an imported Llama (GQA, Llama 3 RoPE scaling) or Qwen2 (one key/value head,
+    q/k/v biases, tied): the checker passes, the cache
+    graph's logits for a prompt and then one cached step equal PyTorch's (1e-4), and greedy decoding through it
+    gives PyTorch's tokens."""
     pytest.importorskip("onnxruntime")
-    make_hf(str(tmp_path / "hf"), "llama")
+    import onnx
+
+    from toolkit.export import onnx_format
+
+    from toolkit.models.llama.config import head_dim, kv_heads
+
+    make_hf(str(tmp_path / "hf"), kind)
     run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
     ckpt = str(tmp_path / "ours" / "model.pt")
-    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx"))  # checks onnxruntime parity
-    assert os.path.isfile(os.path.join(out, "decoder.onnx"))
-    with pytest.raises(UserError, match="--kv-cache: decoder_with_past.onnx is written for transformer_lm only"):
-        run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx2"), format="onnx", kv_cache=True))
-    assert not os.path.exists(tmp_path / "onnx2")
+    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx", kv_cache=True))
+    for name in ("decoder.onnx", "decoder_with_past.onnx"):
+        onnx.checker.check_model(onnx.load(os.path.join(out, name)))
+    model, _, _ = load_model(ckpt, str(tmp_path / "ours"))
+    names = onnx_format.cache_names(len(model.layers), "past")
+    sess = onnx_format.session(os.path.join(out, "decoder_with_past.onnx"))
+    tokens = batch(9)
+    first = sess.run(None, {"tokens": tokens[:, :8].numpy(),
+                            **{k: v.numpy() for k, v in zip(names, onnx_format.empty_cache(model, 2))}})
+    step = sess.run(None, {"tokens": tokens[:, 8:].numpy(), **dict(zip(names, first[1:]))})
+    with torch.no_grad():
+        expected = model(tokens)
+    assert (torch.from_numpy(first[0]) - expected[:, :8]).abs().max().item() < 1e-4
+    assert (torch.from_numpy(step[0]) - expected[:, 8:]).abs().max().item() < 1e-4
+    assert step[1].shape == (2, kv_heads(model.cfg), 9, head_dim(model.cfg))  # [B, G, P + T, D]
+    prompt, steps = tokens[:, :3], 6
+    want = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    got = onnx_format.greedy_decode(sess, len(model.layers), onnx_format.cached_decoder(model).cache_shape, prompt,
+                                    steps)
+    assert torch.equal(got, want)

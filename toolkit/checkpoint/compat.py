@@ -13,7 +13,7 @@ is the one test of where a file comes from).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from toolkit.core.errors import UserError
 
@@ -51,6 +51,29 @@ def check_model(path: str, saved_shapes: Shapes, model_shapes: Shapes, saved_cfg
                f"e.g. {unexpected[:1]})")
     raise UserError(f"{path}: checkpoint does not fit this model: {why}; use the checkpoint's model flags, "
                     f"or another --save-dir to start afresh")
+
+
+def check_weights(where: str, saved: Mapping[str, Any], expected: Mapping[str, Any], saved_as: str = "the checkpoint",
+                  describe: Callable[[str], str] = str, fix: str = "use the same model options") -> None:
+    """Refuse, in one line, weights that cannot load into a model: the first of ``saved`` the model lacks or holds
+    in another shape, else the first of the model's (``expected``) that ``saved`` lacks. Checked before
+    ``load_state_dict``, whose error lists every key of a wrong layout and names no option to change.
+
+    Values are tensors or shapes; ``describe`` names a key (e.g. with its fairseq name), ``fix`` says what to do.
+    """
+    for name, value in saved.items():
+        if name not in expected:
+            raise UserError(f"{where}: {saved_as} has {describe(name)}, which this model does not; {fix}")
+        if _shape(value) != _shape(expected[name]):
+            raise UserError(f"{where}: {describe(name)} has shape {_shape(value)} in {saved_as}, "
+                            f"{_shape(expected[name])} in this model; {fix}")
+    missing = next((name for name in expected if name not in saved), None)
+    if missing is not None:
+        raise UserError(f"{where}: {saved_as} has no weight for {describe(missing)}; {fix}")
+
+
+def _shape(value: Any) -> Tuple[int, ...]:
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
 
 
 def model_option_names(config_cls: Optional[type]) -> List[str]:

@@ -29,3 +29,22 @@ def sharded_mesh_dims(t: torch.Tensor) -> Tuple[int, ...]:
     if not is_dtensor(t):
         return ()
     return tuple(i for i, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def dtensor_like(local: torch.Tensor, like: torch.Tensor, shape: Any = None, stride: Any = None) -> torch.Tensor:
+    """``local`` as this rank's part of a DTensor on ``like``'s mesh and placements, left on its own device.
+
+    Why not ``DTensor.from_local``: it moves the local tensor to the mesh's device type, and FSDP2's
+    CPU offload keeps every shard (parameters, gradients, optimizer state) in host memory under a
+    CUDA mesh, so a bf16 gradient or an 8-bit moment built with it would land on the GPU (and a
+    gradient assignment would fail: "a gradient with device type 'cuda' to a tensor with device type
+    'cpu'"). FSDP2 builds its own offloaded DTensors the same way (a spec, no device move).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(like.shape if shape is None else shape)
+    stride = tuple(like.stride() if stride is None else stride)
+    spec = DTensorSpec(like.device_mesh, tuple(like.placements),
+                       tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)

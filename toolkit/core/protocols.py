@@ -243,6 +243,7 @@ class HFImportable(Protocol):
 class OnnxCacheExportable(Protocol):
     """A model that ``--format onnx --kv-cache`` writes as ``decoder_with_past.onnx``: a module computing
     ``(tokens [B, T], past_key_0, past_value_0, ...) -> (logits, present_key_0, present_value_0, ...)``,
-    written from the family's own blocks. Every model exports ``decoder.onnx`` (its plain forward)."""
+    written from the family's own blocks; its ``cache_shape`` is (cache heads, head size), the cache tensors'
+    dimensions 1 and 3. Every model exports ``decoder.onnx`` (its plain forward)."""
 
     def onnx_cached_decoder(self) -> torch.nn.Module: ...

@@ -95,13 +95,33 @@ def architecture_names() -> List[str]:
     return sorted(ARCH_MODEL_NAME)
 
 
-def resolve_arch(arch: str) -> RegistryEntry:
-    """The model entry that serves a named architecture (or a bare model name)."""
+def registered_arch(arch: Optional[str]) -> Optional[RegistryEntry]:
+    """The model entry that serves ``arch`` (a named architecture or a bare model name), or None when no
+    imported module registers it: the one "is this arch registered" test (training, loading, overrides)."""
     if arch in ARCH_MODEL_NAME:
         return MODEL_REGISTRY.get(ARCH_MODEL_NAME[arch])
-    if arch in MODEL_REGISTRY:
+    if arch is not None and arch in MODEL_REGISTRY:
         return MODEL_REGISTRY.get(arch)
-    raise UnknownComponentError(unknown_name_message("--arch", arch, architecture_names()))
+    return None
+
+
+def unknown_arch_message(arch: Optional[str]) -> str:
+    """One line for an architecture nothing registers: the closest registered names (a typo), and
+    ``--user-dir`` (an architecture from a plugin, whose folder was not given)."""
+    names = sorted(set(ARCH_MODEL_NAME) | set(MODEL_REGISTRY.names()))
+    close = difflib.get_close_matches(str(arch), names, n=3)
+    hint = f"closest registered: {', '.join(close)}" if close else f"registered: {', '.join(names)}"
+    return (f"--arch {arch}: no module registers this architecture ({hint}); fix the name, or pass --user-dir "
+            f"with the plugin folder that registers it")
+
+
+def resolve_arch(arch: Optional[str]) -> RegistryEntry:
+    """The model entry that serves a named architecture (or a bare model name); refused in one line when
+    nothing registers it (:func:`unknown_arch_message`)."""
+    entry = registered_arch(arch)
+    if entry is None:
+        raise UnknownComponentError(unknown_arch_message(arch))
+    return entry
 
 
 def import_submodules(package_name: str) -> None:

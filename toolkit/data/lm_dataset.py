@@ -7,6 +7,12 @@ scored against ``target[t]``. With ``--add-bos-token``, ``<s>`` is prepended to
 *both* source and target, exactly as fairseq does (the first position then learns
 to predict ``<s>`` from ``<s>``; it keeps losses identical to fairseq's).
 
+With ``bos_as_context`` (a model imported from Hugging Face whose tokenizer puts BOS first, see
+:func:`toolkit.tasks.language_modeling.bos_as_context`) a block that starts a line reads BOS where
+fairseq reads ``</s>``, and nothing is prepended: the sample is then exactly what transformers
+computes for the text, ``model([BOS] + ids)`` scored on ``ids`` (no ``</s>`` after BOS, no BOS
+in the middle of the text, no score for BOS itself).
+
 The collater right-pads with the dictionary's pad index and returns::
 
     {"id": LongTensor[B], "nsentences": B, "ntokens": non-pad target tokens (int),
@@ -74,8 +80,9 @@ class MonolingualDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, blocks: TokenBlockDataset, dictionary, add_bos_token: bool = False, shuffle: bool = True,
-                 document_mask: bool = False, reset_positions: bool = False):
+                 document_mask: bool = False, reset_positions: bool = False, bos_as_context: bool = False):
         self.blocks = blocks
+        self.bos_as_context = bos_as_context
         self.document_mask, self.reset_positions = document_mask, reset_positions
         self.dictionary = dictionary
         self.add_bos_token = add_bos_token
@@ -88,7 +95,10 @@ class MonolingualDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
         source, target = self.blocks.block(index)
-        if self.add_bos_token:
+        if self.bos_as_context:
+            if len(source) and self.blocks.starts_item[index]:
+                source[0] = self._bos  # block() returns a fresh array: the stream is not changed
+        elif self.add_bos_token:
             source = np.concatenate([[self._bos], source])
             target = np.concatenate([[self._bos], target])
         return {"id": index, "source": torch.from_numpy(source), "target": torch.from_numpy(target)}
@@ -101,7 +111,12 @@ class MonolingualDataset(torch.utils.data.Dataset):
 
     def seq_lengths(self) -> np.ndarray:
         """Length of every sample's rows as the model sees them (``<s>`` included)."""
-        return self.sizes + (1 if self.add_bos_token else 0)
+        return self.sizes + (1 if self.add_bos_token and not self.bos_as_context else 0)
+
+    def starts_with_bos(self, index: int) -> bool:
+        """Whether the sample's first source token is the BOS that stands for the line's ``</s>`` context
+        (``bos_as_context``): a context window carried in front of it puts the ``</s>`` back."""
+        return self.bos_as_context and bool(self.blocks.starts_item[index]) and self.sizes[index] > 0
 
     def ordered_indices(self, seed: int = 1) -> np.ndarray:
         """Indices sorted by size, ties in a random order fixed by ``seed`` (fairseq's order).

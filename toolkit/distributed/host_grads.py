@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.core.dtensor import is_dtensor
+from toolkit.core.dtensor import dtensor_like, is_dtensor
 
 
 def _store_in_bf16(param: torch.Tensor) -> None:
@@ -27,12 +27,9 @@ def _store_in_bf16(param: torch.Tensor) -> None:
         return  # already bf16 (a later micro-batch was added into it)
     param.grad = None  # free the fp32 gradient before allocating its bf16 copy's successor
     if is_dtensor(grad):
-        from torch.distributed.tensor import DTensor
-
         local = grad.to_local().to(torch.bfloat16)
         del grad
-        param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                        shape=param.shape, stride=param.stride())
+        param.grad = dtensor_like(local, param)  # stays in host memory under --cpu-offload
     else:
         param.grad = grad.to(torch.bfloat16)
 

@@ -226,11 +226,23 @@ def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Opti
         registry.import_user_module(user_dir)
     registry.import_all_components()
     cfg = pickle.loads(cfg_bytes)
-    code = run_worker(main, cfg)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)
+    _leave(run_worker(main, cfg))
+
+
+def _leave(code: int) -> None:
+    """End a spawned worker with ``code`` once every writer is flushed and closed, skipping the interpreter's
+    finalization: there, gloo's teardown can abort a worker whose run succeeded (SIGABRT, "terminate called
+    without an active exception", pytorch/pytorch#179291), which the launcher would report as a failed rank.
+    A failing worker has printed its error already (:func:`run_worker`) and still leaves non-zero."""
+    from toolkit.logging.writers import close_writers
+
+    try:
+        close_writers()
+    except BaseException:  # noqa: B902 - e.g. a full disk under the log file: say so, and do not exit 0
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = code or 1
+    os._exit(code)
 
 
 def _describe_exit(rank: int, proc) -> str:

@@ -7,8 +7,12 @@ it handles scaled_dot_product_attention and symbolic slicing, so no TorchScript 
 - ``decoder_with_past.onnx`` (``--kv-cache``): ``tokens`` [B, T] plus ``past_key_{i}`` /
   ``past_value_{i}`` [B, H, P, D] per layer -> ``logits`` [B, T, V] plus ``present_key_{i}`` /
   ``present_value_{i}`` [B, H, P + T, D]. The new tokens sit at positions P, P+1, ...; P = 0
-  (empty past) is the prompt pass. The cached forward is written here, from the model's own
-  modules, so the graph does not depend on an incremental path inside the model.
+  (empty past) is the prompt pass. The cached forward is the family's
+  (:class:`toolkit.core.protocols.OnnxCacheExportable`: ``toolkit/models/transformer_lm/onnx_decoder.py``,
+  ``toolkit/models/llama/cached.py``, whose cache holds its G key/value heads: [B, G, P, D]), written from
+  the model's own modules, so the graph does not depend on an incremental path inside the model; a family
+  without one exports ``decoder.onnx`` only. The export checks it too: a prompt pass, then one cached step, against
+  PyTorch's logits for the whole sequence.
 
 Inputs are right-padded as in training: no padding mask (causal attention keeps a row's
 padding from reaching its earlier positions).
@@ -51,10 +55,28 @@ def cache_names(num_layers: int, prefix: str) -> List[str]:
     return [f"{prefix}_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
+def cached_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``decoder_with_past.onnx`` is exported from: the family's (``OnnxCacheExportable``); one line
+    naming the families that have one otherwise."""
+    if isinstance(model, OnnxCacheExportable):
+        return model.onnx_cached_decoder()
+    raise UserError(f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} models, "
+                    f"not {type(model).__name__}; export without --kv-cache (decoder.onnx)")
+
+
+def _cache_families() -> List[str]:
+    """The registered model families that provide a cached decoder (``--kv-cache``)."""
+    from toolkit.core import registry
+
+    registry.import_submodules("toolkit.models")
+    return [name for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
+            if isinstance(entry.cls, OnnxCacheExportable)]
+
+
 def empty_cache(model: torch.nn.Module, batch: int, past_len: int = 0) -> List[torch.Tensor]:
-    """Per layer k and v of shape [B, H, P, D] (zeros), the layout the cache graph takes."""
-    C, H = model.cfg.decoder_embed_dim, model.cfg.decoder_attention_heads
-    return [torch.zeros(batch, H, past_len, C // H) for _ in range(2 * len(model.layers))]
+    """Per layer k and v of shape [B, heads, P, D] (zeros), the layout the cache graph takes."""
+    heads, size = cached_decoder(model).cache_shape
+    return [torch.zeros(batch, heads, past_len, size) for _ in range(2 * len(model.layers))]
 
 
 def _export(module: torch.nn.Module, args: tuple, path: str, input_names: Sequence[str],
@@ -89,7 +111,7 @@ def export_decoder_with_past(model: torch.nn.Module, path: str, opset: int) -> N
     sample = torch.full((2, 2), model.padding_idx + 1, dtype=torch.long)
     past_sample = empty_cache(model, 2, past_len=min(3, max_len - 2))
     shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past} for _ in past_sample))
-    _export(model.onnx_cached_decoder().eval(), (sample, *past_sample), path,
+    _export(cached_decoder(model).eval(), (sample, *past_sample), path,
             ["tokens"] + cache_names(n, "past"), ["logits"] + cache_names(n, "present"), shapes, opset)
 
 
@@ -143,13 +165,23 @@ def check_parity(model: torch.nn.Module, path: str, tolerance: float = 1e-4) -> 
     return diff
 
 
-def _cache_families() -> List[str]:
-    """The registered model families that provide a cached decoder (``--kv-cache``)."""
-    from toolkit.core import registry
-
-    registry.import_submodules("toolkit.models")
-    return [name for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
-            if isinstance(entry.cls, OnnxCacheExportable)]
+def check_cached_parity(model: torch.nn.Module, path: str, tolerance: float = 1e-4) -> float:
+    """Max |logits| difference of the cache graph (a prompt pass, then one cached step) from PyTorch's forward
+    over the whole sequence; an error above ``tolerance``."""
+    g = torch.Generator().manual_seed(0)
+    n = min(6, model.max_positions())
+    tokens = torch.randint(0, model.embed_tokens.num_embeddings, (2, n), generator=g)
+    names = cache_names(len(model.layers), "past")
+    sess = session(path)
+    first = sess.run(None, {"tokens": tokens[:, :-1].numpy(),
+                            **{k: v.numpy() for k, v in zip(names, empty_cache(model, 2))}})
+    step = sess.run(None, {"tokens": tokens[:, -1:].numpy(), **dict(zip(names, first[1:]))})
+    got = torch.cat([torch.from_numpy(first[0]), torch.from_numpy(step[0])], dim=1)
+    with torch.no_grad():
+        diff = (got - model(tokens)).abs().max().item()
+    if not diff <= tolerance:
+        raise RuntimeError(f"{path}: onnxruntime's cached logits differ from PyTorch's by {diff:.3g} (> {tolerance})")
+    return diff
 
 
 def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAULT_OPSET) -> str:
@@ -159,9 +191,8 @@ def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAU
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
     model = loaded.model
-    if kv_cache and not isinstance(model, OnnxCacheExportable):  # the cached forward spells out a family's blocks
-        raise UserError(f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} "
-                        f"only, not {type(model).__name__}; export without --kv-cache (decoder.onnx)")
+    if kv_cache:
+        cached_decoder(model)  # refuses a family without one before anything is written
     steps = 4 if kv_cache else 3
     with StepProgress(steps, "onnx") as progress, export_directory(out_dir) as tmp, torch.no_grad():
         export_decoder(model, os.path.join(tmp, DECODER), opset)
@@ -172,6 +203,8 @@ def export_onnx(loaded, out_dir: str, kv_cache: bool = False, opset: int = DEFAU
         for name in (DECODER, DECODER_WITH_PAST) if kv_cache else (DECODER,):
             check_graph(os.path.join(tmp, name))
         diff = check_parity(model, os.path.join(tmp, DECODER))
+        if kv_cache:
+            diff = max(diff, check_cached_parity(model, os.path.join(tmp, DECODER_WITH_PAST)))
         progress.advance(f"onnx.checker passed; onnxruntime vs PyTorch max |logits diff| {diff:.2g}")
         copied = copy_data_bin_files(loaded.data_dir, tmp)
         progress.advance(f"copied {', '.join(copied)}")

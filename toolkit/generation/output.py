@@ -8,7 +8,7 @@ prints a float32 tensor's value.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -44,11 +44,16 @@ def base2(score: float) -> float:
 
 
 def hypothesis_lines(sample_id: int, hypos: List[Dict], nbest: int, dictionary, tokenizer,
-                     symbol: Optional[str]) -> List[str]:
+                     symbol: Optional[str], decode_ids: Optional[Callable[[torch.Tensor], str]] = None) -> List[str]:
+    """``decode_ids``: the D- text from the ids themselves (an imported model's own tokenizer), else the
+    H- tokens decoded by the data-bin's BPE."""
     lines = []
     for hypo in hypos[:nbest]:
         hypo_str = post_process(dictionary.string(hypo["tokens"]), symbol)
-        detok = tokenizer.decode(hypo_str) if tokenizer is not None else hypo_str
+        if decode_ids is not None:
+            detok = decode_ids(hypo["tokens"])
+        else:
+            detok = tokenizer.decode(hypo_str) if tokenizer is not None else hypo_str
         score = base2(hypo["score"])
         positional = (hypo["positional_scores"].float() / math.log(2)).tolist()
         lines.append(f"H-{sample_id}\t{score}\t{hypo_str}")

@@ -53,9 +53,9 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     warn_unknown_overrides(path, overrides, cfg)
     cfg.update(overrides or {})
     args = Namespace(**cfg)
-    if args.arch not in registry.ARCH_MODEL_NAME and args.arch not in registry.MODEL_REGISTRY:
-        raise UserError(f"{path}: trained with --arch {args.arch}, which no module registers here; pass --user-dir "
-                        f"with the plugin folder that registers it (the run used {cfg.get('user_dir')})")
+    if registry.registered_arch(args.arch) is None:
+        used = f" (the run used --user-dir {cfg['user_dir']})" if cfg.get("user_dir") else ""
+        raise UserError(f"{path}: {registry.unknown_arch_message(args.arch)}{used}")
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
@@ -81,8 +81,8 @@ def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) ->
 
 
 def model_option_names(arch: Optional[str]) -> List[str]:
-    known = arch in registry.ARCH_MODEL_NAME or arch in registry.MODEL_REGISTRY
-    entry = registry.resolve_arch(arch) if known else None  # an unregistered arch is refused by the caller next
+    """The options of ``arch``'s model (none for an unregistered arch: :func:`load_model` refuses it next)."""
+    entry = registry.registered_arch(arch)
     return [f.name for f in dataclasses.fields(entry.config)] if entry is not None and entry.config else []
 
 

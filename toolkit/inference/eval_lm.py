@@ -39,11 +39,14 @@ DEFAULT_MAX_TOKENS = 36000  # fairseq-eval-lm's default --max-tokens
 class ContextWindow:
     """fairseq's LMContextWindowDataset collater: carries the last inputs across batches."""
 
-    def __init__(self, tokens_per_sample: int, context_window: int, pad: int):
+    def __init__(self, tokens_per_sample: int, context_window: int, pad: int, relink=None):
         self.max_sample_len = tokens_per_sample + context_window
         self.context_window = context_window
         self.pad = pad
         self.prev = np.empty(0, dtype=np.int64)
+        # (sample id -> whether its first input is BOS standing for </s>, eos): with context before it, the
+        # row continues the stream, so </s> goes back (no BOS in the middle of the text)
+        self.relink = relink
 
     def __call__(self, sample: Dict[str, Any]) -> Dict[str, Any]:
         pad, cw = self.pad, self.context_window
@@ -58,6 +61,8 @@ class ContextWindow:
             if extra > 0:
                 self.prev = self.prev[extra:]
             row = np.concatenate([self.prev, toks[i].numpy()])
+            if self.relink is not None and len(self.prev) and self.relink[0](int(sample["id"][i])):
+                row[len(self.prev)] = self.relink[1]
             new_toks[i, :len(row)] = row
             new_tgt[i, len(self.prev):len(self.prev) + tgt.shape[1]] = tgt[i].numpy()
             starts.append(len(self.prev))
@@ -87,7 +92,8 @@ def eval_batches(dataset, context_window: int, tokens_per_sample: int, pad: int,
                        f"positions) and will be skipped, e.g. sample {int(dropped[0])}")
     batches = batch_by_size(indices, dataset.sizes, max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
                             max_sentences=batch_size)
-    window = ContextWindow(tokens_per_sample, context_window, pad) if context_window > 0 else None
+    relink = (dataset.starts_with_bos, dataset.dictionary.eos()) if dataset.bos_as_context else None
+    window = ContextWindow(tokens_per_sample, context_window, pad, relink) if context_window > 0 else None
     for batch in batches[shard_id::num_shards]:
         sample = dataset.collater([dataset[int(i)] for i in batch])
         yield window(sample) if window is not None else sample

@@ -20,7 +20,7 @@ from toolkit.core.errors import UserError
 from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
-from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask, bos_as_context
 
 logger = logging.getLogger("toolkit_cli.eval_lm")
 
@@ -120,11 +120,24 @@ def check_options(cfg: EvalLMConfig, tokens_per_sample: int) -> None:
         raise UserError(f"--shard-id {cfg.shard_id} must be in [0, --num-shards {cfg.num_shards})")
 
 
-def eval_task(cfg: EvalLMConfig, dictionary, data: str, tokens_per_sample: int) -> LanguageModelingTask:
+def reads_bos_first(cfg: EvalLMConfig, dictionary, train_args) -> bool:
+    """``--add-bos-token`` as the evaluation applies it: a model imported from Hugging Face whose tokenizer
+    puts BOS first (the checkpoint's ``add_bos_token`` with the tokenizer's vocabulary) always reads BOS
+    first, with or without the flag: without it every line would start from ``</s>``, which transformers
+    never gives that model (see :func:`toolkit.tasks.language_modeling.bos_as_context`)."""
+    imported = bos_as_context(bool(vars(train_args).get("add_bos_token")), dictionary)
+    if imported and not cfg.add_bos_token:
+        logger.info("the model's tokenizer puts BOS first (imported with toolkit-export --from hf): each line "
+                    "starts from BOS, as in transformers (--add-bos-token implied)")
+    return cfg.add_bos_token or imported
+
+
+def eval_task(cfg: EvalLMConfig, dictionary, data: str, tokens_per_sample: int,
+              add_bos_token: bool = False) -> LanguageModelingTask:
     """The task as fairseq-eval-lm sets it up: blocks of tokens_per_sample - context_window tokens."""
     block = tokens_per_sample - cfg.context_window if cfg.context_window > 0 else tokens_per_sample
     task_cfg = LanguageModelingConfig(data=data, sample_break_mode=cfg.sample_break_mode,
-                                      tokens_per_sample=block, add_bos_token=cfg.add_bos_token)
+                                      tokens_per_sample=block, add_bos_token=cfg.add_bos_token or add_bos_token)
     task = LanguageModelingTask(task_cfg, dictionary)
     task.load_dataset(cfg.gen_subset)
     return task
@@ -147,7 +160,8 @@ def main(cfg: EvalLMConfig) -> Dict[str, float]:
     if cfg.fp16:
         models = [m.half() for m in models]
     logger.info(f"num. model params: {sum(p.numel() for p in models[0].parameters()):,}")
-    task = eval_task(cfg, train_task.dictionary, train_task.cfg.data, tokens_per_sample)
+    task = eval_task(cfg, train_task.dictionary, train_task.cfg.data, tokens_per_sample,
+                     reads_bos_first(cfg, train_task.dictionary, train_args))
     dataset = task.dataset(cfg.gen_subset)
     logger.info(f"{train_task.cfg.data} {cfg.gen_subset} {len(dataset):,} examples")
     return evaluate(cfg, models, task, dataset, device)
@@ -170,7 +184,7 @@ def evaluate(cfg: EvalLMConfig, models: List[torch.nn.Module], task, dataset, de
         elapsed += time.time() - start
         E.check_finite(rows, cfg.gen_subset, cfg.path)
         totals.ntokens += int(sample["ntokens"])
-        for line in E.accumulate(totals, dictionary, rows, bpe, cfg.add_bos_token,
+        for line in E.accumulate(totals, dictionary, rows, bpe, task.cfg.add_bos_token and not dataset.bos_as_context,
                                  cfg.output_word_probs or cfg.output_word_stats):
             if cfg.output_word_probs:
                 logger.info(line)

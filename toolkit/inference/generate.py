@@ -6,6 +6,12 @@
         --sampling --sampling-topk 10 --beam 1
 
 Prompts are encoded with the data-bin's BPE (``bpe.json``); ``D-`` lines are decoded with it.
+
+A model imported with ``toolkit-export --from hf`` uses its own tokenizer instead (``tokenizer.json`` of
+DATA, or the copy a data-bin binarized with it keeps; :mod:`toolkit.inference.model_tokenizer`): a prompt
+is what ``AutoTokenizer(line)["input_ids"]`` gives, its first id (Llama's BOS) the context generation
+starts from, so greedy output is transformers' ``generate(do_sample=False)``; ``D-`` is the tokenizer's
+``decode(..., skip_special_tokens=True)``. ``--path`` may name the imported folder itself.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 import torch
 
 from toolkit import inference
+from toolkit.inference import model_tokenizer as hf_ids
 from toolkit.config import options
 from toolkit.config import opt
 from toolkit.core.errors import UserError
@@ -73,24 +80,30 @@ class Session:
             raise UserError(f"--sampling requires --nbest ({gen_cfg.nbest}) to be equal to --beam ({gen_cfg.beam})")
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-        self.models, self.task, self.train_args = inference.load_ensemble(cfg.path, cfg.data, self.device)
+        self.models, self.task, self.train_args = inference.load_ensemble(checkpoint_files(cfg.path), cfg.data,
+                                                                          self.device)
         if task_overrides:  # the task only: the models keep the shapes they were trained with
             values = {**vars(self.train_args), "data": self.task.cfg.data, **task_overrides}
             self.task = type(self.task).setup_task(options.config_from_args(type(self.task.cfg), values))
         if cfg.fp16:
             self.models = [m.half() for m in self.models]
         self.dictionary = self.task.dictionary
-        self.tokenizer = load_tokenizer_for_data_bin(self.task.cfg.data.split(":")[0])
-        bos = self.dictionary.bos() if self.task.cfg.add_bos_token else None
-        self.bos = self.dictionary.eos() if bos is None else bos
-        self.generator = SequenceGenerator(self.models, self.dictionary, gen_cfg, bos=bos)
+        data_dir = self.task.cfg.data.split(":")[0]
+        self.tokenizer = load_tokenizer_for_data_bin(data_dir)
+        self.model_tokenizer = hf_ids.load_model_tokenizer(data_dir, self.dictionary, data_bin_copy=True)
+        self.bos = self.dictionary.bos() if self.task.cfg.add_bos_token else self.dictionary.eos()
+        self.generators: Dict[int, SequenceGenerator] = {}
         self.cfg, self.gen_cfg = cfg, gen_cfg
         self.num_sentences, self.num_tokens, self.seconds = 0, 0, 0.0
 
-    def generate(self, prompts: List[torch.Tensor]) -> List[List[Dict]]:
+    def generate(self, prompts: List[torch.Tensor], context: Optional[int] = None) -> List[List[Dict]]:
+        """Hypotheses per prompt, each prompt read after ``context`` (default: the task's ``</s>`` or ``<s>``)."""
+        context = self.bos if context is None else context
+        if context not in self.generators:
+            self.generators[context] = SequenceGenerator(self.models, self.dictionary, self.gen_cfg, bos=context)
         start = time.time()
         try:
-            hypos = self.generator.generate(prompts)
+            hypos = self.generators[context].generate(prompts)
         except BrokenModelOutput as e:
             raise UserError(f"{self.cfg.path}: {e}") from None
         self.seconds += time.time() - start
@@ -102,14 +115,29 @@ class Session:
         return post_process(self.dictionary.string(tokens), self.cfg.post_process)
 
     def hypothesis_lines(self, sample_id: int, hypos: List[Dict]) -> List[str]:
+        decode = None
+        if self.model_tokenizer is not None:
+            decode = lambda tokens: hf_ids.decode_ids(self.model_tokenizer, tokens)  # noqa: E731
         return hypothesis_lines(sample_id, hypos, self.gen_cfg.nbest, self.dictionary, self.tokenizer,
-                                self.cfg.post_process)
+                                self.cfg.post_process, decode)
 
     def log_summary(self) -> None:
         logger.info("NOTE: hypothesis and token scores are output in base 2")
         secs = max(self.seconds, 1e-9)
         logger.info(f"Translated {self.num_sentences:,} sentences ({self.num_tokens:,} tokens) in {self.seconds:.1f}s "
                     f"({self.num_sentences / secs:.2f} sentences/s, {self.num_tokens / secs:.2f} tokens/s)")
+
+
+def checkpoint_files(paths: str) -> str:
+    """``--path`` with each model folder (one holding ``model.pt``, e.g. what ``toolkit-export --from hf`` wrote)
+    replaced by its checkpoint file; files and sharded checkpoint folders stay as given."""
+    from toolkit.inference.hub_fairseq import CHECKPOINT_NAMES, checkpoint_path
+
+    parts = paths.split(":")
+    for i, part in enumerate(parts):
+        if os.path.isdir(part) and any(os.path.isfile(os.path.join(part, n)) for n in CHECKPOINT_NAMES):
+            parts[i] = checkpoint_path(part, None)
+    return ":".join(parts)
 
 
 def split_prompts(session: Session, dataset, ids: List[int], prefix_size: int) -> List[torch.Tensor]:
@@ -190,8 +218,31 @@ def open_input(path: str) -> ContextManager[TextIO]:
 
 
 def encode_prompt(session: Session, line: str) -> torch.Tensor:
+    """The prompt's ids; with the model's own tokenizer its context id (BOS) first, see :func:`generate_prompts`."""
+    if session.model_tokenizer is not None:
+        return hf_ids.encode_ids(session.model_tokenizer, line)
+    if session.dictionary.fixed_ids:
+        raise UserError(f"{session.task.cfg.data}: dict.txt is a tokenizer's vocabulary (toolkit-export --from hf) but "
+                        f"no tokenizer.json is beside it; give the folder the import wrote as DATA")
     pieces = session.tokenizer.encode(line) if session.tokenizer is not None else line
     return session.dictionary.encode_line(pieces, append_eos=False).long()
+
+
+def generate_prompts(session: Session, prompts: List[torch.Tensor]) -> Tuple[List[torch.Tensor], List[List[Dict]]]:
+    """(what S- prints, hypotheses) per prompt. With the model's own tokenizer a prompt's first id is the
+    context transformers starts from (prompts grouped by it); a context that is text (a tokenizer without
+    BOS, e.g. Qwen2's) is printed as part of the prompt and of each hypothesis (it has no score)."""
+    if session.model_tokenizer is None:
+        return prompts, session.generate(prompts)
+    shown: List[torch.Tensor] = list(prompts)
+    out: List[List[Dict]] = [[] for _ in prompts]
+    for context, group in hf_ids.group_by_context(prompts, session.bos).items():
+        hypos = session.generate([p for _, p in group], context)
+        for (index, rest), h in zip(group, hypos):
+            is_text = context not in (session.dictionary.bos(), session.dictionary.eos())
+            shown[index] = prompts[index] if is_text else rest
+            out[index] = hf_ids.with_context(h, context) if is_text else h
+    return shown, out
 
 
 def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None,
@@ -221,9 +272,8 @@ def run_interactive(session: Session, stream: TextIO, buffer_size: int, batch_si
     for lines in buffered_read(stream, buffer_size):
         prompts = [encode_prompt(session, line) for line in lines]
         for first in range(0, len(prompts), batch_size):
-            batch = prompts[first:first + batch_size]
             started = time.time()
-            hypos = session.generate(batch)
+            batch, hypos = generate_prompts(session, prompts[first:first + batch_size])
             per_prompt = (time.time() - started) / len(batch)
             for offset, (prompt, sample_hypos) in enumerate(zip(batch, hypos)):
                 sample_id = start_id + first + offset

@@ -169,11 +169,15 @@ class FairseqHubMethods:
         out = []
         for sentence in sentences:
             if replace_newlines_with_eos:
-                tokens = torch.cat([self.encode(line) for line in sentence.splitlines()])
+                tokens = self.encode_lines(sentence.splitlines())
             else:
                 tokens = self.encode(sentence)
             out.append(self.score_tokens(tokens, **kwargs))
         return out
+
+    def encode_lines(self, lines: List[str]) -> torch.LongTensor:
+        """The lines as one text, each line's ids ending with ``</s>`` (a data-bin's stream)."""
+        return torch.cat([self.encode(line) for line in lines])
 
     def score_tokens(self, tokens: torch.Tensor, **kwargs: Any) -> Dict[str, object]:
         raise NotImplementedError

@@ -68,6 +68,13 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
             return hf_ids.encode_ids(self.model_tokenizer, sentence)
         return super().encode(sentence)
 
+    def encode_lines(self, lines: List[str]) -> torch.LongTensor:
+        """With the model's own tokenizer: BOS (when it puts one first) once, then each line's ids and EOS, as
+        eval-lm and training read a data-bin of those lines; never BOS in the middle of the text."""
+        if self.model_tokenizer is not None:
+            return hf_ids.encode_lines(self.model_tokenizer, lines, self.dictionary)
+        return super().encode_lines(lines)
+
     def decode(self, tokens: torch.Tensor) -> str:
         if self.model_tokenizer is not None:
             return hf_ids.decode_ids(self.model_tokenizer, tokens)

@@ -18,11 +18,18 @@ import torch
 from toolkit.core.errors import UserError
 
 
-def load_model_tokenizer(data_dir: str, dictionary):
-    """``tokenizer.json`` of ``data_dir`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    if not os.path.isfile(path) or not getattr(dictionary, "fixed_ids", False):
+def load_model_tokenizer(data_dir: str, dictionary, data_bin_copy: bool = False):
+    """``tokenizer.json`` of ``data_dir`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None.
+
+    ``data_bin_copy``: also the copy of it a data-bin binarized with the import's command keeps
+    (``--bpe hf_byte_bpe --bpe-model OUT/tokenizer.json`` writes it as ``hf_byte_bpe.json``), so generating
+    from such a data-bin decodes as the tokenizer does.
+    """
+    names = ("tokenizer.json", "hf_byte_bpe.json") if data_bin_copy else ("tokenizer.json",)
+    found = [os.path.join(data_dir, n) for n in names if os.path.isfile(os.path.join(data_dir, n))]
+    if not found or not getattr(dictionary, "fixed_ids", False):
         return None
+    path = found[0]
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -38,6 +45,18 @@ def load_model_tokenizer(data_dir: str, dictionary):
 def encode_ids(tok, text: str) -> torch.LongTensor:
     """The tokenizer's ids for ``text`` with its specials, as ``AutoTokenizer(text)["input_ids"]``."""
     return torch.tensor(tok.encode(text).ids, dtype=torch.long)
+
+
+def encode_lines(tok, lines: Sequence[str], dictionary) -> torch.LongTensor:
+    """Lines as one text: the tokenizer's BOS once (when it puts one first), then each line's ids followed by
+    EOS: what a data-bin of those lines gives eval-lm and training (``--bpe hf_byte_bpe``, BOS as the context;
+    see :func:`toolkit.tasks.language_modeling.bos_as_context`), and what the tokenizer gives for the lines
+    joined by its EOS token. A newline thus becomes EOS, never EOS followed by BOS."""
+    first = tok.encode("").ids
+    ids = [first[0]] if first and first[0] == dictionary.bos() != dictionary.eos() else []
+    for line in lines:
+        ids += tok.encode(line.strip(), add_special_tokens=False).ids + [dictionary.eos()]
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def split_context(tokens: torch.Tensor, what: str) -> Tuple[int, torch.Tensor]:

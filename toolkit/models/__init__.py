@@ -48,7 +48,7 @@ def build_model(arch: str, section: Any, task) -> torch.nn.Module:
     Built in the caller's default device (``with torch.device("meta")`` for a model that is
     sharded and initialized afterwards).
     """
-    if arch not in registry.ARCH_MODEL_NAME and arch not in registry.MODEL_REGISTRY:
+    if registry.registered_arch(arch) is None:
         registry.import_all_components()
     entry = registry.resolve_arch(arch)
     if entry.config is None:

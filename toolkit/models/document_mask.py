@@ -63,7 +63,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = N
     if isinstance(attn_mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
                                               enable_gqa=enable_gqa)
+    if q.size(-1) < FLEX_MIN_HEAD_DIM:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(attn_mask, q), dropout_p=dropout,
+                                              enable_gqa=enable_gqa)
     return _compiled_flex()(q, k, v, block_mask=attn_mask, enable_gqa=enable_gqa)
+
+
+# inductor's flex_attention kernel refuses heads narrower than this ("NYI: embedding dimension of the
+# query, key, and value must be at least 16"); such (tiny) models attend with the dense mask instead.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def _dense_mask(block_mask: Any, q: torch.Tensor) -> torch.Tensor:
+    """The bool [B, 1, T, T] mask of a flex BlockMask (from its mask_mod: the same predicate)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    B, T = q.size(0), q.size(2)
+    return create_mask(block_mask.mask_mod, B, 1, T, T, device=q.device)
 
 
 _COMPILED: list = []

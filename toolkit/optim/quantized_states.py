@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from toolkit.core.dtensor import is_dtensor, local_tensor
+from toolkit.core.dtensor import dtensor_like, is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -203,11 +203,8 @@ def _absmax_like_rows(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A per-row-block tensor placed like ``p``'s rows (a DTensor sharing ``p``'s mesh and placements)."""
     if not is_dtensor(p):
         return local
-    from torch.distributed.tensor import DTensor
-
     n = local.shape[1]
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=torch.Size((p.shape[0], n)), stride=(n, 1))
+    return dtensor_like(local, p, shape=(p.shape[0], n), stride=(n, 1))
 
 
 def check_row_sharded(p: torch.Tensor) -> None:
@@ -316,10 +313,7 @@ def fp32_moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, 
 def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(p):
         return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return dtensor_like(local, p)
 
 
 def to_fp32_state(p: torch.Tensor, state: Dict[str, Any], saved: Optional[SavedMoments]) -> str:

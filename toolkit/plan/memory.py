@@ -17,6 +17,10 @@ The counts follow what the trainer allocates (the tests compare them with its te
 * Activations: the meta-device trace of :mod:`toolkit.plan.model_stats` times the sequences per
   micro-batch; a checkpointed layer keeps its input, and backward recomputes one layer at a time.
   Tensor parallelism with sequence parallelism splits them over M.
+
+Each row is that item's largest size. The rows marked ``persistent`` (parameters, optimizer state,
+runtime) live through the whole run; the others come and go within an update, and their peak is
+:func:`toolkit.plan.update_peak.update_peak`'s (what is alive at once), not their sum.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ class Item:
     gpu: int
     host: int
     note: str = ""
+    persistent: bool = False  # alive between updates (counted whole in the peak); else within an update
 
 
 def shard_group(setup: Setup, gpus_per_node: int) -> int:
@@ -88,28 +93,42 @@ def adam_state_bytes(setup: Setup, p: ParamInfo, local: Tuple[int, ...]) -> int:
     return 2 * n + 2 * 4 * local[0] * blocks + 4
 
 
+def _grad_width(setup: Setup) -> int:
+    return 2 if (setup.bf16_host_grads or (setup.memory_efficient_fp16 and not setup.fsdp)) else 4
+
+
+def grad_bytes_by_part(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> Tuple[int, int]:
+    """(all gradient bytes of this rank, those of the root and the top block: the first ones backward makes)."""
+    S = shard_group(setup, gpus_per_node)
+    top = stats.num_layers - 1
+    local = [(p, _numel(local_shape(p, setup.mp, S))) for p in stats.params]
+    first = sum(n for p, n in local if p.layer is None or p.layer == top)
+    return _grad_width(setup) * sum(n for _, n in local), _grad_width(setup) * first
+
+
 def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     """Parameters, gradients and optimizer state per rank (exact counts: the tests check them)."""
     S = shard_group(setup, hw.gpus_per_node)
     locals_ = [(p, local_shape(p, setup.mp, S)) for p in stats.params]
     n = sum(_numel(s) for _, s in locals_)
     param_bytes = (2 if setup.memory_efficient_fp16 and not setup.fsdp else 4) * n
-    grad_bytes = (2 if (setup.bf16_host_grads or (setup.memory_efficient_fp16 and not setup.fsdp)) else 4) * n
+    grad_bytes = _grad_width(setup) * n
     optim = sum(adam_state_bytes(setup, p, s) for p, s in locals_)
     host = setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu
     where = (lambda b: Item("", 0, b)) if host else (lambda b: Item("", b, 0))
     note = f"1/{S} shard" if S > 1 else "whole"
-    return [_named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note),
+    return [_named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note,
+                   True),
             _named(where(grad_bytes), "gradients", note),
             _named(where(optim), "optimizer state", f"{setup.optimizer} {setup.adam_state_precision}"
-                   if setup.optimizer == "cpu_adam" else setup.optimizer)]
+                   if setup.optimizer == "cpu_adam" else setup.optimizer, True)]
 
 
-def _named(item: Item, name: str, note: str) -> Item:
-    return Item(name, item.gpu, item.host, note)
+def _named(item: Item, name: str, note: str, persistent: bool = False) -> Item:
+    return Item(name, item.gpu, item.host, note, persistent)
 
 
-def _tp_numel(params: Sequence[ParamInfo], mp: int) -> int:
+def tp_numel(params: Sequence[ParamInfo], mp: int) -> int:
     return sum(_numel(local_shape(p, mp, 1)) for p in params)
 
 
@@ -118,7 +137,7 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     cb = setup.compute_bytes
     layer = [p for p in stats.params if p.layer == 0]
     root = [p for p in stats.params if p.layer is None]
-    block, top, total = _tp_numel(layer, setup.mp), _tp_numel(root, setup.mp), _tp_numel(stats.params, setup.mp)
+    block, top, total = tp_numel(layer, setup.mp), tp_numel(root, setup.mp), tp_numel(stats.params, setup.mp)
     items: List[Item] = []
     if setup.fsdp:
         held = top + 2 * block if setup.reshard else total
@@ -141,16 +160,20 @@ def _to_host(item: Item) -> Item:
 
 
 def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
-    """(saved for backward at the end of forward, the extra transient peak in backward) per rank."""
+    """(saved for backward at the end of forward, the largest backward transient) per rank.
+
+    The transient is the larger of the head's (the logits' gradient, with the logits still saved)
+    and one block's backward (its recomputed activations under checkpointing, all alive at once,
+    plus the fp32 gradient flowing in and out of it); :mod:`toolkit.plan.update_peak` places both.
+    """
     act, b, M = stats.activations, setup.batch_sequences, setup.mp
     layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
     per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
     saved = b * (stats.num_layers * per_layer + act.rest / M)
-    # Backward of a checkpointed layer holds its recomputed activations and, about as large, their gradients
-    # (CPU RSS growth at B 1/4/8: the unexplained part grew by 1.25 layers' activations per sequence).
-    recompute = 2 * b * act.per_layer * layer_share if setup.checkpoint else 0
+    recompute = b * act.per_layer * layer_share if setup.checkpoint else 0
+    flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1)
     logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)
-    return int(saved), int(recompute + logits_grad)
+    return int(saved), int(max(recompute + flow, logits_grad))
 
 
 def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
@@ -159,12 +182,13 @@ def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item
     on_host = setup.offload_activations or not hw.has_gpu
     items = [Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
              Item("backward transient", transient if hw.has_gpu else 0, 0 if hw.has_gpu else transient,
-                  "recomputed layer + its grads + logits grad" if setup.checkpoint else "logits grad")]
+                  "max(recomputed block + gradient flow, logits grad)" if setup.checkpoint
+                  else "max(gradient flow, logits grad)")]
     return items
 
 
 def memory_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     items = model_state_items(stats, setup, hw) + buffer_items(stats, setup, hw) + activation_items(stats, setup, hw)
     if hw.has_gpu:
-        items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries"))
+        items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries", True))
     return items

@@ -10,12 +10,14 @@ from toolkit.plan.memory import Item, memory_items
 from toolkit.plan.model_stats import ModelStats, model_stats
 from toolkit.plan.setup import Setup, setup_from_config
 from toolkit.plan.step_time import StepTime, step_time
+from toolkit.plan.update_peak import Peak, update_peak
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A run's predicted memory and time. The peaks add every item, transient ones included, although
-    not all are alive at once (gradients grow while activations shrink): a bound to plan against."""
+    """A run's predicted memory and time. A peak is the persistent items (parameters, optimizer state,
+    runtime) plus the update's peak (:mod:`toolkit.plan.update_peak`: what is alive at the same moment),
+    not the sum of every row: gradients grow while saved activations shrink."""
 
     stats: ModelStats
     setup: Setup
@@ -25,12 +27,16 @@ class Plan:
     fix: Optional[str]  # the first flag change that makes it fit (None: fits, or nothing found)
 
     @property
+    def update_peak(self) -> Peak:
+        return update_peak(self.stats, self.setup, self.hw)
+
+    @property
     def gpu_peak(self) -> int:
-        return sum(i.gpu for i in self.items)
+        return sum(i.gpu for i in self.items if i.persistent) + self.update_peak.gpu
 
     @property
     def host_peak_rank(self) -> int:
-        return sum(i.host for i in self.items)
+        return sum(i.host for i in self.items if i.persistent) + self.update_peak.host
 
     @property
     def ranks_per_node(self) -> int:

@@ -39,7 +39,8 @@ def table(plan: Any) -> str:
     for name, gpu, host, note in items_as_rows(list(plan.items)):
         lines.append(f"{name:<28}{gpu:>12}{host:>12}  {note}")
     lines.append(f"{'peak':<28}{_gib(plan.gpu_peak) if plan.hw.has_gpu else '-':>12}{_gib(plan.host_peak_rank):>12}"
-                 f"  x {plan.ranks_per_node} rank(s) per node = {_gib(plan.host_peak_node)} host")
+                 f"  x {plan.ranks_per_node} rank(s) per node = {_gib(plan.host_peak_node)} host; "
+                 f"at the {plan.update_peak.where}")
     lines.append(f"FLOPs per step and rank: {t.flops_per_rank / 1e12:.1f} TFLOP ({t.tokens_per_step} tokens per update)")
     for name, nbytes, secs in t.comm:
         lines.append(f"  {name}: {nbytes / GIB:.2f} GiB per rank, {secs * 1e3:.1f} ms")

@@ -74,6 +74,18 @@ def _as_dict(cfg: Any) -> Dict[str, Any]:
     return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
 
 
+def bos_as_context(add_bos_token: bool, dictionary) -> bool:
+    """Whether ``--add-bos-token`` means transformers' BOS-first layout rather than fairseq's prepended ``<s>``.
+
+    Why: a dictionary that is a tokenizer's vocabulary (``toolkit-export --from hf``) belongs to a model
+    pretrained on ``[BOS] + text``; fairseq's layout gives it ``<s> </s> text`` and scores ``<s>``
+    itself, which is neither what it was trained on nor what transformers computes. Then BOS takes the
+    place of the ``</s>`` a line starts from (see :class:`toolkit.data.lm_dataset.MonolingualDataset`).
+    """
+    return bool(add_bos_token) and dictionary.fixed_ids \
+        and dictionary.bos() != dictionary.eos()
+
+
 def _load_dictionary(data: str) -> Dictionary:
     dict_path = os.path.join(data, "dict.txt")
     if not os.path.isfile(dict_path):
@@ -199,7 +211,8 @@ class LanguageModelingTask:
                                    include_targets=True)
         dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True,
                                      document_mask=self.cfg.document_attention_mask,
-                                     reset_positions=self.cfg.reset_position_ids)
+                                     reset_positions=self.cfg.reset_position_ids,
+                                     bos_as_context=bos_as_context(self.cfg.add_bos_token, self.dictionary))
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
         return dataset
 

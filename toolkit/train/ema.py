@@ -25,6 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
+from toolkit.checkpoint.compat import check_weights
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError
@@ -116,16 +117,7 @@ def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[s
         raise UserError(f"{flag}: the checkpoint holds no moving average (extra_state[\"ema\"]); was it "
                         f"trained with --store-ema? To start from its model weights, use --finetune-from-model")
     saved = fairseq_adapter.average_weights(path, state, saved, unwrap(model))
-    for key, avg in shadow.items():
-        if key not in saved:
-            raise UserError(f"{flag}: the saved moving average has no {key}; it was trained with another "
-                            f"architecture or other model options")
-        if tuple(saved[key].shape) != tuple(avg.shape):
-            raise UserError(f"{flag}: {key} has shape {tuple(saved[key].shape)} in the saved moving average, "
-                            f"{tuple(avg.shape)} in this model; use the same model options")
-    extra = sorted(set(saved) - set(shadow))
-    if extra:
-        raise UserError(f"{flag}: the saved moving average has {extra[0]}, which this model does not; use the "
-                        f"same model options")
+    check_weights(flag, saved, shadow, saved_as="the saved moving average",
+                  fix="it was trained with another architecture or other model options; use the same model options")
     return saved
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.checkpoint import integrity
+from toolkit.checkpoint import compat as checkpoint_compat, integrity
 from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
 from toolkit.core.errors import UserError
 from toolkit.models.transformer_lm.fairseq_weights import FAIRSEQ_IGNORED, to_toolkit_weights
@@ -149,22 +149,14 @@ def fold_adaptive_aliases(path: str, model: torch.nn.Module, weights: Dict[str, 
 
 def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor],
                   source: Dict[str, str]) -> None:
-    """One line naming the first fairseq weight without a counterpart (or of another shape)."""
+    """One line naming the first fairseq weight without a counterpart, of another shape, or missing."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     expected = get_model_state_dict(model)  # canonical names under any wrapper (DDP, FSDP2, checkpointing)
-    for name, value in weights.items():
-        if name not in expected:
-            raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has no counterpart in "
-                            f"toolkit's transformer_lm (a fairseq feature not implemented here)")
-        if tuple(expected[name].shape) != tuple(value.shape):
-            raise UserError(f"{path}: cannot load: fairseq weight {source.get(name, name)} has shape "
-                            f"{tuple(value.shape)}, the model built from its options expects "
-                            f"{tuple(expected[name].shape)}")
-    missing = [n for n in expected if n not in weights]
-    if missing:
-        raise UserError(f"{path}: cannot load: the checkpoint has no weight for {missing[0]} "
-                        f"(fairseq name decoder.{missing[0]})")
+    checkpoint_compat.check_weights(f"{path}: cannot load", weights, expected,
+                                    describe=lambda name: f"{name} (fairseq name {source.get(name, 'decoder.' + name)})",
+                                    fix="the model is built from the checkpoint's own options: a fairseq feature "
+                                        "toolkit's transformer_lm does not implement, or an incomplete checkpoint")
 
 
 def import_checkpoint(path: str, state: Dict[str, Any], model_config: type) -> Dict[str, Any]:

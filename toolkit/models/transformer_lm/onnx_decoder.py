@@ -23,6 +23,12 @@ class CachedDecoder(torch.nn.Module):
         super().__init__()
         self.model = model
 
+    @property
+    def cache_shape(self) -> Tuple[int, int]:
+        """(heads, head size): the cache tensors' dimensions 1 and 3."""
+        H = self.model.cfg.decoder_attention_heads
+        return H, self.model.cfg.decoder_embed_dim // H
+
     def _embed(self, tokens: torch.Tensor, past_len: int) -> torch.Tensor:
         m = self.model
         x = m.embed_tokens(tokens)

@@ -1,0 +1,61 @@
+"""The Llama forward over new tokens after P cached positions, with the cache as plain tensors in and out.
+
+Why a second spelling of the forward: ``LlamaLanguageModel.forward``'s incremental decoding keeps its
+cache in ``KVCache`` objects that grow in place, which an exported graph cannot hold. This module takes
+the cache as inputs and returns the grown cache as outputs, the form ``toolkit-export --format onnx
+--kv-cache`` writes (``decoder_with_past.onnx``: ``past_key_{i}``/``past_value_{i}`` [B, G, P, D] in,
+``present_*`` [B, G, P + T, D] out, G the key/value heads). It runs the model's own modules (norms,
+projections, rotary tables, SwiGLU), so it cannot drift from the model's weights or settings; the
+key/value heads are repeated for the H query heads explicitly (``enable_gqa`` has no ONNX form).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.models.llama.config import head_dim, kv_heads
+from toolkit.models.llama.rope import apply_rope
+
+
+class LlamaCachedDecoder(torch.nn.Module):
+    """``(tokens [B, T], *past) -> (logits [B, T, V], *present)``; P = 0 (empty past) is the prompt pass."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    @property
+    def cache_shape(self) -> Tuple[int, int]:
+        """(key/value heads, head size): the cache tensors' dimensions 1 and 3."""
+        return kv_heads(self.model.cfg), head_dim(self.model.cfg)
+
+    def _attention(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
+                   past_v: torch.Tensor):
+        q = apply_rope(attn._heads(attn.q_proj(h)), cos, sin)
+        k = torch.cat([past_k, apply_rope(attn._heads(attn.k_proj(h)), cos, sin)], dim=2)
+        v = torch.cat([past_v, attn._heads(attn.v_proj(h))], dim=2)
+        P, T = past_k.size(2), h.size(1)
+        query_pos = torch.arange(T, device=h.device) + P
+        mask = torch.arange(P + T, device=h.device)[None, :] <= query_pos[:, None]  # [T, P + T]
+        repeat = q.size(1) // k.size(1)
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1),
+                                           attn_mask=mask)
+        return attn.o_proj(y.transpose(1, 2).flatten(2)), k, v
+
+    def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        m = self.model
+        positions = torch.arange(tokens.size(1), device=tokens.device) + past[0].size(2)
+        cos, sin = m.rope_cos.index_select(0, positions), m.rope_sin.index_select(0, positions)
+        x = m.embed_tokens(tokens)
+        present: List[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            h, k, v = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, past[2 * i],
+                                      past[2 * i + 1])
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            present += [k, v]
+        x = m.norm(x)
+        logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)
+        return (logits, *present)
