@@ -25,6 +25,12 @@ class StateDictOptions:
     def build(self):
         return _state_dict_module().StateDictOptions(**self.kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """The real options' fields (``FULL_STATE.cpu_offload``), as if it were one."""
+        if name == "kwargs":
+            raise AttributeError(name)
+        return getattr(self.build(), name)
+
 
 def _call(name: str, args, kwargs):
     options = kwargs.get("options")
