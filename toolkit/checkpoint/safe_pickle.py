@@ -4,7 +4,9 @@
 folder's ``.metadata`` with plain ``pickle.load`` and its non-tensor items with
 ``torch.load`` with ``weights_only`` off: a forged sharded checkpoint would run code on
 load. :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` close both holes;
-every DCP load in the toolkit goes through them.
+every DCP load in the toolkit goes through them. They are built at the first DCP read
+(:func:`safe_reader`, :func:`load_dcp`), so importing this module does not import DCP (a second of
+every command's start-up, see ``toolkit.checkpoint.dcp_state``).
 
 :func:`restricted_load` is generic: the caller names every ``(module, name)`` a pickle may
 reference and what each resolves to, so other formats (fairseq's checkpoints) can reuse it.
@@ -19,12 +21,6 @@ import re
 from typing import Any, BinaryIO, Dict, Mapping, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 from toolkit.core.errors import UserError
 
@@ -67,6 +63,7 @@ def _dtype_names() -> Dict[Tuple[str, str], Any]:
 @functools.lru_cache(maxsize=1)
 def dcp_metadata_allowlist() -> Dict[Tuple[str, str], Any]:
     """DCP's own metadata classes, torch.Size, dtypes, layouts, memory formats and a path: all inert."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     allowed: Dict[Tuple[str, str], Any] = _dtype_names()
@@ -87,25 +84,14 @@ def dcp_metadata_allowlist() -> Dict[Tuple[str, str], Any]:
     return allowed
 
 
-def read_dcp_metadata(file: BinaryIO, path: str) -> dcp_metadata.Metadata:
+def read_dcp_metadata(file: BinaryIO, path: str) -> Any:
     """A DCP ``.metadata`` file, through the allowlist."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     md = restricted_load(file, dcp_metadata_allowlist(), path)
     if not isinstance(md, dcp_metadata.Metadata):
         raise UserError(f"{path}: not a DCP metadata file (holds a {type(md).__name__})")
     return md
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose ``.metadata`` goes through :func:`read_dcp_metadata` (torch's uses pickle.load)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            md = read_dcp_metadata(f, str(path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
 
 
 def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
@@ -115,24 +101,57 @@ def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
         raise load_refusal(f"item {fqn}", e, "a non-tensor item") from None
 
 
-class _SafeBytesMixin:
-    """DCP's planners read non-tensor items with ``torch.load`` with ``weights_only`` off; this one does not."""
+@functools.lru_cache(maxsize=1)
+def _dcp_classes() -> Dict[str, type]:
+    """The reader and planners, defined at the first DCP read (their bases are DCP's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        obj = _load_bytes_safely(value, fqn)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        """FileSystemReader whose ``.metadata`` goes through :func:`read_dcp_metadata` (torch's uses pickle.load)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                md = read_dcp_metadata(f, str(path))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    class _SafeBytesMixin:
+        """DCP's planners read non-tensor items with ``torch.load`` with ``weights_only`` off; this one does not."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            obj = _load_bytes_safely(value, fqn)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    class SafeLoadPlanner(_SafeBytesMixin, DefaultLoadPlanner):
+        """DefaultLoadPlanner with allowlisted (weights-only) reads of non-tensor items."""
+
+    class _SafeEmptyStateDictLoadPlanner(_SafeBytesMixin, _EmptyStateDictLoadPlanner):
+        """Rebuilds the whole saved state dict (for consolidation), reading non-tensor items weights-only."""
+
+    return {"SafeFileSystemReader": SafeFileSystemReader, "SafeLoadPlanner": SafeLoadPlanner,
+            "_SafeEmptyStateDictLoadPlanner": _SafeEmptyStateDictLoadPlanner}
 
 
-class SafeLoadPlanner(_SafeBytesMixin, DefaultLoadPlanner):
-    """DefaultLoadPlanner with allowlisted (weights-only) reads of non-tensor items."""
+def __getattr__(name: str) -> Any:
+    """``safe_pickle.SafeFileSystemReader`` and the planners, as before they were built lazily."""
+    if name not in ("SafeFileSystemReader", "SafeLoadPlanner", "_SafeEmptyStateDictLoadPlanner"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _dcp_classes()[name]
 
 
-class _SafeEmptyStateDictLoadPlanner(_SafeBytesMixin, _EmptyStateDictLoadPlanner):
-    """Rebuilds the whole saved state dict (for consolidation), reading non-tensor items weights-only."""
+def safe_reader(folder: str):
+    """DCP's ``FileSystemReader`` for ``folder`` whose ``.metadata`` goes through the allowlist."""
+    return _dcp_classes()["SafeFileSystemReader"](folder)
 
 
 def _one_line_error(folder: str, error: BaseException) -> UserError:
@@ -155,13 +174,18 @@ def load_dcp(state: Dict[str, Any], folder: str, whole: bool = False) -> None:
     (DCP's public ``load`` copies the dict it is given, so this takes its inner loader, as
     torch's own ``dcp_to_torch_save`` does).
     """
-    SafeFileSystemReader(folder).read_metadata()  # a forged index fails here, before DCP's noisy retries
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    classes = _dcp_classes()
+    safe_reader(folder).read_metadata()  # a forged index fails here, before DCP's noisy retries
     try:
         if whole:
-            _load_state_dict(state, storage_reader=SafeFileSystemReader(folder),
-                             planner=_SafeEmptyStateDictLoadPlanner(), no_dist=True)
+            _load_state_dict(state, storage_reader=safe_reader(folder),
+                             planner=classes["_SafeEmptyStateDictLoadPlanner"](), no_dist=True)
         else:
-            dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=safe_reader(folder), planner=classes["SafeLoadPlanner"]())
     except (Exception, CheckpointException) as e:
         error = _one_line_error(folder, e)
         raise (error if str(error).startswith(folder) else UserError(f"{folder}: {error}")) from None

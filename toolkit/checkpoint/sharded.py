@@ -36,11 +36,11 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
+from toolkit.checkpoint.dcp_state import dcp  # DCP imported at the first call
 
 from toolkit.checkpoint import integrity, stateful
 from toolkit.checkpoint.common import TrainingState, prune, saved_data_parallel_size, saved_line
-from toolkit.checkpoint.safe_pickle import SafeFileSystemReader, dcp_to_state_dict, load_dcp, load_refusal
+from toolkit.checkpoint.safe_pickle import dcp_to_state_dict, load_dcp, load_refusal, safe_reader
 from toolkit.config import CheckpointConfig
 from toolkit.distributed.utils import barrier, broadcast_object
 from toolkit.core.errors import UserError
@@ -220,7 +220,7 @@ def read_meta(folder: str) -> Dict[str, Any]:
 
 def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor in a DCP folder, by flattened key (``model.embed_tokens.weight``)."""
-    md = SafeFileSystemReader(folder).read_metadata()
+    md = safe_reader(folder).read_metadata()
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 

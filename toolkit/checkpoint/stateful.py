@@ -22,7 +22,7 @@ import logging
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
+from toolkit.checkpoint.dcp_state import (  # DCP imported at the first call
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,

@@ -18,7 +18,8 @@ import shutil
 from typing import Iterator, Optional
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
+
+from toolkit.checkpoint.dcp_state import dcp_failure
 
 from toolkit.core.errors import UserError
 
@@ -88,7 +89,9 @@ def reported(path: str, save_dir: str, remove: Optional[str] = None) -> Iterator
         yield
     except UserError:
         raise
-    except (Exception, CheckpointException) as e:
+    except BaseException as e:
+        if not (isinstance(e, Exception) or dcp_failure(e)):
+            raise
         code = write_errno(e, path)
         if code is None:
             raise

@@ -21,3 +21,12 @@ def import_optional(module: str, message: str):
         return importlib.import_module(module)
     except ImportError:
         raise UserError(message) from None
+
+
+def require(module: str, packages: str = "onnx onnxruntime onnxscript"):
+    """An export's optional dependency (the ``toolkit[export]`` extra), or one UserError saying how to install it.
+
+    Here rather than in ``toolkit.export`` because the model families' Hugging Face adapters (below export)
+    need it too."""
+    return import_optional(module, f"{module} is not installed; pip install toolkit[export] "
+                                   f"(or: pip install {packages})")

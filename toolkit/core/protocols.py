@@ -174,3 +174,76 @@ class Criterion(Protocol):
     def reduce_metrics(self, logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]: ...
 
     def logging_outputs_can_be_summed(self) -> bool: ...
+
+
+# ---- export: what toolkit-export asks a family (its adapters live in the family's folder) ----------
+
+
+@dataclass
+class HFWeights:
+    """A model as one transformers class (``toolkit-export --format hf``): the family computes these; the
+    exporter writes the folder, adds ``architectures`` and ``dtype`` to ``config``, and loads it with
+    transformers to compare logits before the folder appears.
+
+    ``tokenizer_files``: files of the data-bin copied as they are (a model's own tokenizer); empty: the
+    exporter writes a ``tokenizer.json`` from ``dict.txt`` and the BPE where one maps to it."""
+
+    architecture: str
+    config: Dict[str, Any]
+    state: Dict[str, torch.Tensor]
+    tokenizer_files: Tuple[str, ...] = ()
+
+
+@runtime_checkable
+class HFExportable(Protocol):
+    """A model that ``--format hf`` writes: its family says which class computes it and in which names.
+
+    ``first_symbol`` is what the LM sees before a text (``</s>``, or ``<s>`` with ``--add-bos-token``);
+    ``data_dir`` is the data-bin the model was trained on (an imported model's own files are there)."""
+
+    def hf_weights(self, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str) -> HFWeights: ...
+
+
+@dataclass
+class HFCheckpoint:
+    """A transformers folder read as a toolkit checkpoint (``toolkit-export --from hf``): the family computes
+    these; the exporter writes them atomically into one folder.
+
+    ``checkpoint`` is saved as ``model.pt`` (as the trainer writes it) and ``dictionary`` as ``dict.txt``;
+    ``files`` maps names in the output to files copied there, ``bpe`` is recorded as the folder's
+    tokenizer (``(--bpe name, its model files)``, see ``toolkit.tokenizers``). ``written`` and ``copied``
+    are the progress lines of those two steps; ``log`` the lines logged once the folder exists.
+    ``dictionary_hash``: record the dictionary's hash in ``extra_state`` as the trainer does (a resume then
+    refuses data binarized with another dictionary)."""
+
+    checkpoint: Dict[str, Any]
+    dictionary: Any
+    written: str
+    copied: str
+    files: Dict[str, str]
+    bpe: Optional[Tuple[str, Dict[str, str]]] = None
+    log: Tuple[str, ...] = ()
+    dictionary_hash: bool = False
+
+
+@runtime_checkable
+class HFImportable(Protocol):
+    """A family (its model class) that ``--from hf`` builds checkpoints for: ``HF_CLASSES`` maps the
+    ``config.json`` ``model_type`` values it reads to their class names (for the refusal of others).
+    ``from_hf`` reads the folder, reporting its two steps (read, converted) through ``advance``."""
+
+    HF_CLASSES: ClassVar[Dict[str, str]]
+
+    @classmethod
+    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int],
+                advance: Any) -> HFCheckpoint: ...
+
+
+@runtime_checkable
+class OnnxCacheExportable(Protocol):
+    """A model that ``--format onnx --kv-cache`` writes as ``decoder_with_past.onnx``: a module computing
+    ``(tokens [B, T], past_key_0, past_value_0, ...) -> (logits, present_key_0, present_value_0, ...)``,
+    written from the family's own blocks; its ``cache_shape`` is (cache heads, head size), the cache tensors'
+    dimensions 1 and 3. Every model exports ``decoder.onnx`` (its plain forward)."""
+
+    def onnx_cached_decoder(self) -> torch.nn.Module: ...

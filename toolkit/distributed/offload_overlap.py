@@ -142,7 +142,21 @@ class OffloadOverlap:
         self._register_hooks()
 
     # -- hooks -----------------------------------------------------------------------
+    @classmethod
+    def _hooks_run_eagerly(cls) -> None:
+        """Hooks run eagerly, as FSDP2's own: under --compile a block's compiled call includes its hooks, and
+        dynamo cannot trace a thread wait. ``torch._dynamo.disable`` is applied here, when the first overlap is
+        built, as a decorator would at import: importing dynamo costs every command a second at start-up."""
+        from torch._dynamo import disable
+
+        if not getattr(cls, "_eager", False):
+            cls._before_forward, cls._post_backward = disable(cls._before_forward), disable(cls._post_backward)
+            cls._eager = True
+
     def _register_hooks(self) -> None:
+        from torch._dynamo import disable as eager
+
+        self._hooks_run_eagerly()
         state_index = {id(g.module._get_fsdp_state()): i for i, g in enumerate(self.groups)}
         for i, group in enumerate(self.groups):
             # prepend: runs before FSDP2's pre-forward (registered with prepend=True when fully_shard ran)
@@ -150,20 +164,16 @@ class OffloadOverlap:
                                                    prepend=True)
             original = group.param_group.post_backward
             group.param_group.post_backward = functools.partial(self._post_backward, i, original)
-        wait = torch._dynamo.disable(lambda *_: self.finish())
+        wait = eager(lambda *_: self.finish())
         self.model.register_forward_hook(wait)
         for owner in (self.model, self.optimizer):
             owner.register_state_dict_pre_hook(wait)
             owner.register_load_state_dict_pre_hook(wait)
 
-    # Hooks run eagerly, as FSDP2's own: under --compile a block's compiled call includes its hooks,
-    # and dynamo cannot trace a thread wait.
-    @torch._dynamo.disable
     def _before_forward(self, index: int, state_index: Dict[int, int], module: torch.nn.Module, *_: Any) -> None:
         prefetched = module._get_fsdp_state()._states_to_forward_prefetch or []
         self.wait(max([index] + [state_index[id(s)] for s in prefetched if id(s) in state_index]))
 
-    @torch._dynamo.disable
     def _post_backward(self, index: int, original, *args: Any) -> Any:
         """FSDP2's post-backward of one group; if it reduce-scattered new gradients, queue their squares."""
         fsdp_params = self.groups[index].param_group.fsdp_params

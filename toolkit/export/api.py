@@ -94,33 +94,14 @@ def run_export(cfg: ExportConfig) -> str:
 
 
 def import_hf(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None) -> str:
-    """``--from hf``: the Llama family (``hf_llama``) by its config.json's model_type, else GPT-2 (``hf_import``)."""
-    import json
+    """``--from hf``: the family that reads the folder's ``model_type`` builds the checkpoint (``hf_family``)."""
+    from toolkit.export.hf_family import import_hf as import_through_family
 
-    from toolkit.models.llama.hf import CLASSES
-
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if config.get("model_type") in CLASSES:
-        from toolkit.export.hf_llama import import_llama
-
-        return import_llama(folder, out_dir, config, tokens_per_sample)
-    from toolkit.export.hf_import import import_gpt2
-
-    return import_gpt2(folder, out_dir, tokens_per_sample)
+    return import_through_family(folder, out_dir, tokens_per_sample)
 
 
 def export_hf(loaded: LoadedModel, out: str, hf_class: str, dtype: str) -> str:
-    """``--format hf``: the Llama family as its own class (``hf_llama``), transformer_lm as XGLM/OPT/GPT-2."""
-    from toolkit.models.llama.config import LlamaConfig
+    """``--format hf``: the model's family says which transformers class computes it (``hf_format``)."""
+    from toolkit.export.hf_format import export_hf as export_through_family
 
-    if isinstance(loaded.model.cfg, LlamaConfig):
-        from toolkit.export.hf_llama import export_llama
-
-        return export_llama(loaded, out, hf_class, dtype)
-    from toolkit.export.hf_format import export_hf as export_transformer_lm
-
-    return export_transformer_lm(loaded, out, hf_class=hf_class, dtype=dtype)
+    return export_through_family(loaded, out, hf_class=hf_class, dtype=dtype)

@@ -14,19 +14,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from toolkit.core.errors import UserError, import_optional
+from toolkit.core.errors import UserError, require  # noqa: F401  (the exporters' optional packages)
 from toolkit.logging.step_progress import StepProgress  # noqa: F401  (the exporters' progress)
 from toolkit.tokenizers import BPE_JSON
 
 logger = logging.getLogger("toolkit.export")
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def require(module: str, packages: str = "onnx onnxruntime onnxscript"):
-    """Import an optional dependency, or one UserError saying how to install it."""
-    return import_optional(module, f"{module} is not installed; pip install toolkit[export] "
-                                   f"(or: pip install {packages})")
 
 
 @dataclass

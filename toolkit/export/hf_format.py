@@ -1,9 +1,11 @@
 """``--format hf``: a transformers folder whose class computes exactly what our model computes.
 
-Which class expresses which ``transformer_lm``, and its weights in that class's names, is the family's
-(``toolkit.models.transformer_lm.hf``); the Llama family's is ``toolkit.export.hf_llama``. Here: the
-folder (config.json, model.safetensors, the tokenizer), written under a temporary name, and before it
-appears transformers loads it and its logits are compared with ours (fp32).
+Which class computes a model, its config and its weights in that class's names are the family's
+(:class:`toolkit.core.protocols.HFExportable`: ``toolkit/models/transformer_lm/hf.py``,
+``toolkit/models/llama/hf_files.py``). Here: the folder (config.json, model.safetensors, the
+tokenizer), written under a temporary name, and before it appears transformers loads it and its
+logits are compared with ours (fp32). A family without adapters is refused in one line naming the
+formats it can use.
 
 Ids are the dictionary's: <s>=0, <pad>=1, </s>=2, <unk>=3. ``bos_token_id`` is the symbol our
 LMs see before a sentence's first token (</s>, or <s> with ``--add-bos-token``), as in fairseq.
@@ -13,28 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from typing import Callable, Dict
 
 import torch
 
+from toolkit.core.errors import UserError
+from toolkit.core.protocols import HFExportable, OnnxCacheExportable
 from toolkit.export.common import DTYPES, StepProgress, require
 from toolkit.export.target import export_directory
-from toolkit.models.transformer_lm.hf import CONVERTERS, HF_ACTIVATIONS, choose_class
 
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4
-
-
-def full_config(loaded, architecture: str, config: dict, dtype: str) -> dict:
-    model, d = loaded.model, loaded.dictionary
-    first_symbol = loaded.first_symbol
-    return {**config, "architectures": [architecture], "vocab_size": len(d),
-            "max_position_embeddings": model.max_positions(), "activation_function":
-            HF_ACTIVATIONS[model.cfg.activation_fn], "tie_word_embeddings": model.output_projection is None,
-            "pad_token_id": d.pad(), "bos_token_id": first_symbol, "eos_token_id": d.eos(),
-            "decoder_start_token_id": first_symbol, "dtype": {"fp32": "float32", "bf16": "bfloat16",
-                                                               "fp16": "float16"}[dtype], "use_cache": True}
 
 
 def _write_weights(state: Dict[str, torch.Tensor], path: str, dtype: str) -> None:
@@ -78,15 +71,41 @@ def write_folder(tmp: str, model, architecture: str, config: dict, state: Dict[s
         progress.advance(f"not compared with transformers ({dtype} weights; compare an fp32 export)")
 
 
-def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
-    """Write config.json, model.safetensors and (where the BPE maps to one) the tokenizer files."""
+def _tokenizer(loaded, files):
+    """Write the tokenizer into a folder: the data-bin's own ``files`` as they are, else one built from
+    ``dict.txt`` and the BPE (``hf_tokenizer``); returns the progress line."""
     from toolkit.export.hf_tokenizer import write_tokenizer
 
-    require("transformers", "transformers")
+    def write(folder: str) -> str:
+        if not files:
+            return write_tokenizer(loaded, folder)
+        for name in files:
+            shutil.copyfile(os.path.join(loaded.data_dir, name), os.path.join(folder, name))
+        return f"tokenizer: the model's own ({', '.join(files)})"
+
+    return write
+
+
+def unsupported(model, fmt: str) -> UserError:
+    """One line for a family without the adapters ``--format fmt`` needs, naming the formats it has."""
+    formats = ["safetensors", "onnx (--kv-cache too)" if isinstance(model, OnnxCacheExportable) else "onnx"]
+    if isinstance(model, HFExportable):
+        formats.append("hf")
+    return UserError(f"--format {fmt}: {type(model).__name__} ({type(model).__module__}) provides no Hugging Face "
+                     f"adapters (hf_weights, see toolkit.core.protocols.HFExportable); it exports as "
+                     f"{', '.join(formats)}; nothing written")
+
+
+def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
+    """Write config.json, model.safetensors and the tokenizer (the model's own, or one mapped from the BPE)."""
     model = loaded.model
-    name = choose_class(model, hf_class)
+    if not isinstance(model, HFExportable):
+        raise unsupported(model, "hf")
+    require("transformers", "transformers")
+    weights = model.hf_weights(hf_class, loaded.dictionary, loaded.first_symbol, loaded.data_dir)
+    config = {**weights.config, "architectures": [weights.architecture],
+              "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]}
     with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
-        architecture, config, state = CONVERTERS[name](model, model.state_dict())
-        write_folder(tmp, model, architecture, full_config(loaded, architecture, config, dtype), state, dtype,
-                     lambda folder: write_tokenizer(loaded, folder), progress)
+        write_folder(tmp, model, weights.architecture, config, weights.state, dtype,
+                     _tokenizer(loaded, weights.tokenizer_files), progress)
     return out_dir

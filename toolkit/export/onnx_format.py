@@ -7,10 +7,11 @@ it handles scaled_dot_product_attention and symbolic slicing, so no TorchScript 
 - ``decoder_with_past.onnx`` (``--kv-cache``): ``tokens`` [B, T] plus ``past_key_{i}`` /
   ``past_value_{i}`` [B, H, P, D] per layer -> ``logits`` [B, T, V] plus ``present_key_{i}`` /
   ``present_value_{i}`` [B, H, P + T, D]. The new tokens sit at positions P, P+1, ...; P = 0
-  (empty past) is the prompt pass. The cached forward is written from the model's own
-  modules (here for transformer_lm, ``toolkit/models/llama/cached.py`` for the Llama family, whose
-  cache holds its G key/value heads: [B, G, P, D]), so the graph does not depend on an incremental
-  path inside the model. The export checks it too: a prompt pass, then one cached step, against
+  (empty past) is the prompt pass. The cached forward is the family's
+  (:class:`toolkit.core.protocols.OnnxCacheExportable`: ``toolkit/models/transformer_lm/onnx_decoder.py``,
+  ``toolkit/models/llama/cached.py``, whose cache holds its G key/value heads: [B, G, P, D]), written from
+  the model's own modules, so the graph does not depend on an incremental path inside the model; a family
+  without one exports ``decoder.onnx`` only. The export checks it too: a prompt pass, then one cached step, against
   PyTorch's logits for the whole sequence.
 
 Inputs are right-padded as in training: no padding mask (causal attention keeps a row's
@@ -24,11 +25,12 @@ import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
+from toolkit.core.protocols import OnnxCacheExportable
 from toolkit.export.common import StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
+from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder  # noqa: F401  (its home before the move)
 
 logger = logging.getLogger(__name__)
 
@@ -49,88 +51,26 @@ class LogitsDecoder(torch.nn.Module):
         return self.model(tokens)
 
 
-class CachedDecoder(torch.nn.Module):
-    """The model's forward for new tokens after P cached positions; returns logits and the grown cache.
-
-    Same arithmetic as ``TransformerLanguageModel.forward`` restricted to the new rows: keys and
-    values of earlier positions come from the cache, the causal mask is offset by P.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    @property
-    def cache_shape(self) -> Tuple[int, int]:
-        """(heads, head size): the cache tensors' dimensions 1 and 3."""
-        H = self.model.cfg.decoder_attention_heads
-        return H, self.model.cfg.decoder_embed_dim // H
-
-    def _embed(self, tokens: torch.Tensor, past_len: int) -> torch.Tensor:
-        m = self.model
-        x = m.embed_tokens(tokens)
-        if m.embed_scale != 1.0:
-            x = x * m.embed_scale
-        positions = torch.arange(tokens.size(1), device=tokens.device) + past_len
-        if m.embed_positions is not None:
-            x = x + m.embed_positions.weight.index_select(0, positions + (m.padding_idx + 1))
-        elif m.sinusoidal_positions is not None:
-            x = x + m.sinusoidal_positions.index_select(0, positions)
-        return x
-
-    @staticmethod
-    def _attention(attn, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor):
-        B, T, C = x.shape
-        H = attn.num_heads
-        q, k, v = attn.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
-        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        past_len = past_k.size(2)
-        query_pos = torch.arange(T, device=x.device) + past_len
-        mask = torch.arange(past_len + T, device=x.device)[None, :] <= query_pos[:, None]  # [T, P + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return attn.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
-
-    def _block(self, layer, x, past_k, past_v):
-        if layer.normalize_before:
-            h, k, v = self._attention(layer.self_attn, layer.self_attn_layer_norm(x), past_k, past_v)
-            x = x + h
-            x = x + layer.ffn(layer.final_layer_norm(x))
-        else:
-            h, k, v = self._attention(layer.self_attn, x, past_k, past_v)
-            x = layer.self_attn_layer_norm(x + h)
-            x = layer.final_layer_norm(x + layer.ffn(x))
-        return x, k, v
-
-    def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        m = self.model
-        x = self._embed(tokens, past[0].size(2))
-        present: List[torch.Tensor] = []
-        for i, layer in enumerate(m.layers):
-            x, k, v = self._block(layer, x, past[2 * i], past[2 * i + 1])
-            present += [k, v]
-        if m.layer_norm is not None:
-            x = m.layer_norm(x)
-        logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)
-        return (logits, *present)
-
-
 def cache_names(num_layers: int, prefix: str) -> List[str]:
     return [f"{prefix}_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
 def cached_decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``decoder_with_past.onnx`` is exported from, for the model's family; one line otherwise."""
-    from toolkit.models.llama.model import LlamaLanguageModel
-    from toolkit.models.transformer_lm import TransformerLanguageModel
+    """The module ``decoder_with_past.onnx`` is exported from: the family's (``OnnxCacheExportable``); one line
+    naming the families that have one otherwise."""
+    if isinstance(model, OnnxCacheExportable):
+        return model.onnx_cached_decoder()
+    raise UserError(f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} models, "
+                    f"not {type(model).__name__}; export without --kv-cache (decoder.onnx)")
 
-    if isinstance(model, LlamaLanguageModel):
-        from toolkit.models.llama.cached import LlamaCachedDecoder
 
-        return LlamaCachedDecoder(model)
-    if isinstance(model, TransformerLanguageModel):
-        return CachedDecoder(model)
-    raise UserError(f"--kv-cache: decoder_with_past.onnx is written for transformer_lm and llama models, not "
-                    f"{type(model).__name__}; export without --kv-cache (decoder.onnx)")
+def _cache_families() -> List[str]:
+    """The registered model families that provide a cached decoder (``--kv-cache``)."""
+    from toolkit.core import registry
+
+    registry.import_submodules("toolkit.models")
+    return [name for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
+            if isinstance(entry.cls, OnnxCacheExportable)]
 
 
 def empty_cache(model: torch.nn.Module, batch: int, past_len: int = 0) -> List[torch.Tensor]:

@@ -23,6 +23,13 @@ import torch.nn as nn
 
 from toolkit.core.protocols import Initializable
 
+def meta_embedding(num_embeddings: int, dim: int, padding_idx: Optional[int] = None) -> nn.Embedding:
+    """An ``nn.Embedding`` without torch's default init, for the families' meta-device builds (``init_weights``
+    fills it). There the default init is wasted work, and ``normal_`` on a meta tensor runs a Python
+    reference kernel that imports torch._dynamo: a second of start-up for every command that builds a model."""
+    return nn.Embedding(num_embeddings, dim, padding_idx=padding_idx, _weight=torch.empty(num_embeddings, dim))
+
+
 # Module names that wrappers insert into parameter names (DDP, torch.compile,
 # activation checkpointing, FSDP1); dropped so that names match the plain model's.
 _WRAPPER_COMPONENTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}

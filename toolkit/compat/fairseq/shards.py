@@ -12,7 +12,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from toolkit.checkpoint.dcp_state import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from toolkit.checkpoint.common import TrainingState, first_line
 from toolkit.config import CheckpointConfig

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.llama.config import head_dim, kv_heads
-from toolkit.models.llama.model import apply_rope
+from toolkit.models.llama.rope import apply_rope
 
 
 class LlamaCachedDecoder(torch.nn.Module):

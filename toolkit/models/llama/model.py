@@ -30,7 +30,7 @@ Choices worth knowing
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -39,9 +39,11 @@ import torch.nn.functional as F
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
-from toolkit.models.init import init_weights
+from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
+from toolkit.models.llama.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401  (their home before)
 from toolkit.core.registry import register_model
 
 
@@ -57,40 +59,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
-    """The D/2 angular frequencies theta^(-2i/D), with Llama 3.1's scaling when ``--rope-scaling-factor`` is set:
-    wavelengths longer than original/low_freq_factor are divided by the factor, shorter than
-    original/high_freq_factor kept, and those between interpolated smoothly."""
-    D = head_dim(cfg)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
-    factor = cfg.rope_scaling_factor
-    if factor is None:
-        return inv_freq
-    low, high, original = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_positions
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(cfg: LlamaConfig, positions: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles."""
-    inv_freq = rope_frequencies(cfg, device)
-    angles = torch.arange(positions, dtype=torch.int64, device=device).float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, D] by the angles of its positions (cos/sin [T, D]), in fp32."""
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -182,7 +150,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         self.max_target_positions = cfg.max_target_positions
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_embed_dim)
+            self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
             self.layers = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.decoder_layers)])
             self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
             self.output_projection = (None if cfg.share_decoder_input_output_embed
@@ -254,6 +222,29 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """torchtitan's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
         return family_plan(self)
+
+    # ---- export (imported when asked: hf.py maps configs and names, hf_files.py the folders, cached.py ONNX) ----
+
+    HF_CLASSES = HF_CLASS_NAMES  # --from hf reads these config.json model_types
+
+    @classmethod
+    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """``--from hf``: a Llama, Mistral or Qwen2 folder as our checkpoint (``hf_files.py``)."""
+        from toolkit.models.llama.hf_files import read_llama
+
+        return read_llama(folder, config, out_dir, tokens_per_sample, advance)
+
+    def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
+        """``--format hf``: the class it was imported from (else Llama or Qwen2), see ``hf_files.py``."""
+        from toolkit.models.llama.hf_files import hf_weights
+
+        return hf_weights(self, hf_class, dictionary, first_symbol, data_dir)
+
+    def onnx_cached_decoder(self) -> nn.Module:
+        """``--format onnx --kv-cache``: the forward after P cached positions, G key/value heads (``cached.py``)."""
+        from toolkit.models.llama.cached import LlamaCachedDecoder
+
+        return LlamaCachedDecoder(self)
 
     # ---- accounting ----
 

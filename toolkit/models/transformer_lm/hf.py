@@ -1,6 +1,6 @@
 """The ``transformer_lm`` family in Hugging Face transformers' classes: which class computes exactly what a
 model computes, its config values and its state dict in that class's names (``toolkit-export --format hf``
-writes the folder: ``toolkit.export.hf_format``).
+writes the folder: ``toolkit.export.hf_format``; ``hf_import.py`` reads GPT-2 folders for ``--from hf``).
 
 Which class expresses which ``transformer_lm`` (checked option by option in :func:`why_not`):
 
@@ -27,6 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from toolkit.core.errors import UserError
+from toolkit.core.protocols import HFWeights
 
 HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_pytorch_tanh",
                   "gelu_fast": "gelu_pytorch_tanh", "tanh": "tanh", "swish": "silu", "linear": "linear"}
@@ -155,3 +156,16 @@ def gpt2(model, state) -> Tuple[str, dict, Dict[str, torch.Tensor]]:
 
 
 CONVERTERS: Dict[str, Callable] = {"xglm": xglm, "opt": opt, "gpt2": gpt2}
+
+
+def hf_weights(model, hf_class: str, dictionary, first_symbol: int) -> HFWeights:
+    """The class that computes ``model`` exactly (``hf_class``, or the first that can), its config and weights.
+    ``bos_token_id`` is what our LMs see before a text; the tokenizer is written from the data-bin's."""
+    name = choose_class(model, hf_class)
+    architecture, config, state = CONVERTERS[name](model, model.state_dict())
+    config = {**config, "vocab_size": len(dictionary), "max_position_embeddings": model.max_positions(),
+              "activation_function": HF_ACTIVATIONS[model.cfg.activation_fn],
+              "tie_word_embeddings": model.output_projection is None, "pad_token_id": dictionary.pad(),
+              "bos_token_id": first_symbol, "eos_token_id": dictionary.eos(), "decoder_start_token_id": first_symbol,
+              "use_cache": True}
+    return HFWeights(architecture, config, state)

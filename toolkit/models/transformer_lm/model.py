@@ -56,7 +56,7 @@ from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.document_mask import attend, make_attention_mask
-from toolkit.models.init import init_weights
+from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.models.transformer_lm.config import ACTIVATIONS, TransformerLMConfig
@@ -191,7 +191,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             sinusoidal = None  # computed, not trained, not saved: rebuilt by reset_buffers()
             if not cfg.no_token_positional_embeddings:
                 if cfg.decoder_learned_pos:
-                    self.embed_positions = nn.Embedding(cfg.max_target_positions + padding_idx + 1, C)
+                    self.embed_positions = meta_embedding(cfg.max_target_positions + padding_idx + 1, C)
                 else:
                     sinusoidal = torch.empty(cfg.max_target_positions, C)
             self.register_buffer("sinusoidal_positions", sinusoidal, persistent=False)
@@ -228,7 +228,7 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
     @staticmethod
     def _token_embedding(cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, dim: int) -> nn.Module:
         if not cfg.adaptive_input:
-            return nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
+            return meta_embedding(vocab_size, dim, padding_idx=padding_idx)
         cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
@@ -335,6 +335,29 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
         return family_plan(self)
+
+    # ---- export (the adapters are imported when asked: they live beside, in hf.py, hf_import.py, onnx_decoder.py) ----
+
+    HF_CLASSES = {"gpt2": "GPT2LMHeadModel"}  # --from hf reads these config.json model_types
+
+    @classmethod
+    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """``--from hf``: a GPT-2 folder as our checkpoint (``hf_import.py``)."""
+        from toolkit.models.transformer_lm.hf_import import read_gpt2
+
+        return read_gpt2(folder, out_dir, tokens_per_sample, advance)
+
+    def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
+        """``--format hf``: XGLM, OPT or GPT-2, whichever computes this model exactly (``hf.py``)."""
+        from toolkit.models.transformer_lm.hf import hf_weights
+
+        return hf_weights(self, hf_class, dictionary, first_symbol)
+
+    def onnx_cached_decoder(self) -> nn.Module:
+        """``--format onnx --kv-cache``: the forward after P cached positions (``onnx_decoder.py``)."""
+        from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder
+
+        return CachedDecoder(self)
 
     # ---- accounting ----
 

@@ -1,4 +1,5 @@
-"""``toolkit-export --from hf``: a transformers ``GPT2LMHeadModel`` folder as a toolkit checkpoint.
+"""``toolkit-export --from hf``: a transformers ``GPT2LMHeadModel`` folder read as a ``transformer_lm`` checkpoint
+(the exporter, ``toolkit.export.hf_family``, writes it).
 
 GPT-2 is our ``transformer_lm`` with learned positions, no embedding scale, pre-norm with a final
 LayerNorm (eps 1e-5 in both), tanh-approximated GELU (``gelu_new`` = our ``gelu_accurate``) and
@@ -20,20 +21,16 @@ dict, ``model``, a fresh-start ``extra_state``), ``dict.txt``, and GPT-2's BPE f
 """
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.core.errors import UserError
-from toolkit.export.common import StepProgress, require
-from toolkit.export.target import export_directory
+from toolkit.core.errors import UserError, require
+from toolkit.core.protocols import HFCheckpoint
+from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
 
-logger = logging.getLogger(__name__)
-
-CHECKPOINT = "model.pt"
 ACTIVATIONS = {"gelu_new": "gelu_accurate", "gelu_pytorch_tanh": "gelu_accurate", "gelu": "gelu",
                "relu": "relu", "tanh": "tanh", "silu": "swish", "swish": "swish", "linear": "linear"}
 
@@ -121,51 +118,22 @@ def matching_arch(given: Dict[str, object]) -> str:
     return "transformer_lm"
 
 
-def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) -> dict:
-    from toolkit.config import options
-
-    cfg = {"task": "language_modeling", "arch": arch, "data": os.path.abspath(out_dir),
-           "tokens_per_sample": tokens_per_sample, "sample_break_mode": "none", "add_bos_token": False,
-           **options.architecture_defaults(arch, given)}
-    fresh = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True}, "val_loss": None,
-             "best": None, "trainer": {"num_updates": 0, "lr_scheduler": None, "loss_scaler": None}, "metrics": {}}
-    return {"cfg": cfg, "model": state, "extra_state": fresh}
-
-
-def _write_dictionary(symbols: List[str], path: str) -> None:
+def _dictionary(symbols: List[str]):
     from toolkit.data.dictionary import Dictionary
 
     d = Dictionary()
     for sym in symbols:
         d.add_symbol(sym)
-    d.save(path)
+    return d
 
 
-def _copy_bpe(folder: str, out_dir: str) -> str:
-    """GPT-2's vocab.json/merges.txt as the data-bin's encoder.json/vocab.bpe (``--bpe gpt2``)."""
-    from toolkit.tokenizers import save_tokenizer_to_data_bin
-
+def _bpe(folder: str) -> Tuple[Optional[Tuple[str, Dict[str, str]]], str]:
+    """GPT-2's vocab.json/merges.txt as the data-bin's encoder.json/vocab.bpe (``--bpe gpt2``), and the note."""
     vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
-        return "no vocab.json/merges.txt: dict.txt names GPT-2 ids, tokenize with --bpe gpt2 yourself"
-    save_tokenizer_to_data_bin("gpt2", {"gpt2_encoder_json": vocab, "gpt2_vocab_bpe": merges}, out_dir)
-    return "copied GPT-2's BPE as encoder.json + vocab.bpe (--bpe gpt2)"
-
-
-def training_flags(arch: str, given: Dict[str, object]) -> str:
-    """The toolkit-train flags that rebuild this model (for the log: how to fine-tune it)."""
-    from toolkit.config import options
-
-    defaults = options.architecture_defaults(arch)
-    flags = [f"--arch {arch}"]
-    for key, value in given.items():
-        follows_width = key in ("decoder_input_dim", "decoder_output_dim") and defaults.get(key) is None \
-            and value == given.get("decoder_embed_dim")  # None: the named archs' "same as the width"
-        if defaults.get(key) == value or follows_width:
-            continue
-        flag = "--" + key.replace("_", "-")
-        flags.append(flag if value is True else f"{flag} {value}")
-    return " ".join(flags)
+        return None, "no vocab.json/merges.txt: dict.txt names GPT-2 ids, tokenize with --bpe gpt2 yourself"
+    return ("gpt2", {"gpt2_encoder_json": vocab, "gpt2_vocab_bpe": merges}), \
+        "copied GPT-2's BPE as encoder.json + vocab.bpe (--bpe gpt2)"
 
 
 def _load_hf_model(transformers, folder: str):
@@ -180,30 +148,24 @@ def _load_hf_model(transformers, folder: str):
             from None
 
 
-def import_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None) -> str:
-    """Write ``out_dir`` (atomically) from the GPT2LMHeadModel in ``folder``."""
+def read_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int], advance) -> HFCheckpoint:
+    """The GPT2LMHeadModel in ``folder`` as our checkpoint (``out_dir``: where it will be written)."""
     transformers = require("transformers", "transformers")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
-    with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        check_config(folder, config)
-        hf = _load_hf_model(transformers, folder)
-        progress.advance(f"{folder}: GPT2LMHeadModel, {config.n_layer} layers, vocabulary of {config.vocab_size}")
-        eot = config.eos_token_id if isinstance(config.eos_token_id, int) and \
-            0 <= config.eos_token_id < config.vocab_size else None
-        symbols, index = vocabulary(config.vocab_size, eot)
-        state = convert_state(hf.state_dict(), config, index, eot)
-        given = model_options(config)
-        arch = matching_arch(given)
-        ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample or config.n_positions)
-        progress.advance(f"converted to --arch {arch} ({len(state)} tensors)")
-        with open(os.path.join(tmp, CHECKPOINT), "wb") as f:
-            torch.save(ckpt, f)
-        _write_dictionary(symbols, os.path.join(tmp, "dict.txt"))
-        progress.advance(f"wrote {CHECKPOINT} and dict.txt ({len(symbols) + 4} symbols)")
-        progress.advance(_copy_bpe(folder, tmp))
-    logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-                f"{config.n_positions} --finetune-from-model {os.path.join(out_dir, CHECKPOINT)} "
-                f"(binarize DATA with --srcdict {os.path.join(out_dir, 'dict.txt')})")
-    return out_dir
+    config = transformers.AutoConfig.from_pretrained(folder)
+    check_config(folder, config)
+    hf = _load_hf_model(transformers, folder)
+    advance(f"{folder}: GPT2LMHeadModel, {config.n_layer} layers, vocabulary of {config.vocab_size}")
+    eot = config.eos_token_id if isinstance(config.eos_token_id, int) and \
+        0 <= config.eos_token_id < config.vocab_size else None
+    symbols, index = vocabulary(config.vocab_size, eot)
+    state = convert_state(hf.state_dict(), config, index, eot)
+    given = model_options(config)
+    arch = matching_arch(given)
+    ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample or config.n_positions)
+    advance(f"converted to --arch {arch} ({len(state)} tensors)")
+    bpe, copied = _bpe(folder)
+    log = (f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
+           f"{config.n_positions} --finetune-from-model {os.path.join(out_dir, CHECKPOINT)} "
+           f"(binarize DATA with --srcdict {os.path.join(out_dir, 'dict.txt')})",)
+    return HFCheckpoint(ckpt, _dictionary(symbols), f"wrote {CHECKPOINT} and dict.txt ({len(symbols) + 4} symbols)",
+                        copied, files={}, bpe=bpe, log=log)

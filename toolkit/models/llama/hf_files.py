@@ -1,4 +1,6 @@
-"""``toolkit-export --from hf`` for the Llama family (Llama, Mistral, Qwen2 folders saved by transformers).
+"""The Llama family's transformers folders (Llama, Mistral, Qwen2, saved by transformers) read as our checkpoint
+(``toolkit-export --from hf``) and our model as one (``--format hf``). The exporter writes the folders
+(``toolkit.export.hf_family``); ``hf.py`` holds the config and tensor-name mappings these use.
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
 model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
@@ -25,18 +27,14 @@ fp32 as they come, so the import holds one copy of the model, never the original
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from toolkit.core.errors import UserError
-from toolkit.export.common import StepProgress, require
-from toolkit.export.target import export_directory
-
-logger = logging.getLogger(__name__)
+from toolkit.core.errors import UserError, require
+from toolkit.core.protocols import HFCheckpoint, HFWeights
+from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 HF_CONFIG = "hf_config.json"
@@ -154,49 +152,37 @@ def matching_arch(given: Dict[str, Any]) -> str:
     return "llama"
 
 
-def import_llama(folder: str, out_dir: str, config: Dict[str, Any], tokens_per_sample: Optional[int]) -> str:
-    """Write ``out_dir`` (atomically) from the Llama-family model in ``folder``."""
-    from toolkit.checkpoint import identity
-    from toolkit.export.hf_import import CHECKPOINT, checkpoint, training_flags
+def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int],
+               advance) -> HFCheckpoint:
+    """The Llama-family model in ``folder`` as our checkpoint (``out_dir``: where it will be written)."""
     from toolkit.models.llama.hf import options_from_hf
-    from toolkit.models.llama.model import LlamaLanguageModel
     from toolkit import models
-    from toolkit.tokenizers import save_tokenizer_to_data_bin
 
     given = options_from_hf(config, os.path.join(folder, "config.json"))
-    with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
-        dictionary = tokenizer_dictionary(folder, config)
-        progress.advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
-                         f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
-        arch = matching_arch(given)
-        with torch.device("meta"):
-            model = LlamaLanguageModel(models.model_config(arch, **given), len(dictionary), dictionary.pad())
-        state = read_state(folder, given["share_decoder_input_output_embed"])
-        check_state(state, model, folder)
-        progress.advance(f"converted to --arch {arch} ({len(state)} tensors)")
-        add_bos = _adds_bos(folder, dictionary)  # then a sample is BOS + tokens_per_sample tokens
-        tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
-        ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
-        ckpt["cfg"]["add_bos_token"] = add_bos
-        ckpt["extra_state"][identity.HASH_KEY] = dictionary.symbols_hash()
-        with open(os.path.join(tmp, CHECKPOINT), "wb") as f:
-            torch.save(ckpt, f)
-        dictionary.save(os.path.join(tmp, "dict.txt"))
-        progress.advance(f"wrote {CHECKPOINT} and dict.txt")
-        copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
-        for name in copied:
-            shutil.copyfile(os.path.join(folder, name), os.path.join(tmp, name))
-        shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(tmp, HF_CONFIG))
-        # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
-        save_tokenizer_to_data_bin("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")}, tmp)
-        progress.advance(f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe "
-                         f"hf_byte_bpe")
-    logger.info(f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
-                f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA")
-    logger.info(f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-                f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
-                f"{os.path.join(out_dir, CHECKPOINT)}")
-    return out_dir
+    dictionary = tokenizer_dictionary(folder, config)
+    advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
+            f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
+    arch = matching_arch(given)
+    model = models.build_on_meta(arch, len(dictionary), padding_idx=dictionary.pad(), **given)
+    state = read_state(folder, given["share_decoder_input_output_embed"])
+    check_state(state, model, folder)
+    advance(f"converted to --arch {arch} ({len(state)} tensors)")
+    add_bos = _adds_bos(folder, dictionary)  # then a sample is BOS + tokens_per_sample tokens
+    tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
+    ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
+    ckpt["cfg"]["add_bos_token"] = add_bos
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
+    files = {**{name: os.path.join(folder, name) for name in copied}, HF_CONFIG: os.path.join(folder, "config.json")}
+    # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
+    bpe = ("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")})
+    log = (f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
+           f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
+           f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
+           f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
+           f"{os.path.join(out_dir, CHECKPOINT)}")
+    return HFCheckpoint(ckpt, dictionary, f"wrote {CHECKPOINT} and dict.txt",
+                        f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe",
+                        files, bpe, log, dictionary_hash=True)
 
 
 def _adds_bos(folder: str, dictionary) -> bool:
@@ -208,42 +194,24 @@ def _adds_bos(folder: str, dictionary) -> bool:
 
 # ---- --format hf: the same class back -----------------------------------------------------------
 
-def _token_ids(loaded, base: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _token_ids(dictionary, first_symbol: int, base: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The imported model's own token ids, else the dictionary's (BOS = what our LMs see first)."""
     if base is not None:
         return {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in base}
-    d = loaded.dictionary
-    return {"bos_token_id": loaded.first_symbol, "eos_token_id": d.eos(), "pad_token_id": d.pad()}
+    return {"bos_token_id": first_symbol, "eos_token_id": dictionary.eos(), "pad_token_id": dictionary.pad()}
 
 
-def _write_tokenizer_files(loaded, out_dir: str) -> str:
-    from toolkit.export.hf_tokenizer import write_tokenizer
-
-    src = loaded.data_dir
-    if not os.path.isfile(os.path.join(src, "tokenizer.json")):
-        return write_tokenizer(loaded, out_dir)
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
-    for name in copied:
-        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    return f"tokenizer: the model's own ({', '.join(copied)})"
-
-
-def export_llama(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
-    """config.json (the imported class, else Llama or Qwen2), model.safetensors, the tokenizer; checked by
-    loading it with transformers (fp32)."""
-    from toolkit.export.hf_format import write_folder
+def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
+    """The imported class (from the data-bin's ``hf_config.json``), else Llama or Qwen2; the model's own
+    tokenizer files where the data-bin has them."""
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
         raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
                         "its own class (Llama, Mistral or Qwen2); nothing written")
-    require("transformers", "transformers")
-    model = loaded.model
-    base = _read_json(os.path.join(loaded.data_dir, HF_CONFIG))
-    with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
-        architecture, config = hf_config(model.cfg, len(loaded.dictionary), base)
-        config.update(_token_ids(loaded, base), architectures=[architecture],
-                      dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
-        write_folder(tmp, model, architecture, config, state_to_hf(model.state_dict()), dtype,
-                     lambda folder: _write_tokenizer_files(loaded, folder), progress)
-    return out_dir
+    base = _read_json(os.path.join(data_dir, HF_CONFIG))
+    architecture, config = hf_config(model.cfg, len(dictionary), base)
+    config.update(_token_ids(dictionary, first_symbol, base))
+    own = os.path.isfile(os.path.join(data_dir, "tokenizer.json"))
+    tokenizer_files = tuple(name for name in TOKENIZER_FILES if own and os.path.isfile(os.path.join(data_dir, name)))
+    return HFWeights(architecture, config, state_to_hf(model.state_dict()), tokenizer_files)

@@ -1,0 +1,97 @@
+"""Command start-up time: what every command, every spawned rank and every integration test pays
+before it does anything.
+
+    python benchmarks/startup.py                          # this checkout, 7 fresh interpreters per command
+    python benchmarks/startup.py --runs 11 --baseline /tmp/main-checkout   # before/after, interleaved
+
+For each command (train, eval_lm, generate, export) it times ``import toolkit_cli.<cmd>`` in a fresh
+interpreter, and ``toolkit-train --help`` (``python -m toolkit_cli.train --help``, the whole parse);
+``import torch`` alone is the floor no command can go below. Reports the median wall time of ``--runs``
+interpreters, the optional packages each import pulled in (DCP, dynamo, DeepSpeed, transformers, ...
+should appear only on the paths that use them), and the load average before and after, since the
+figures move with the machine's load. With ``--baseline DIR`` (another checkout, e.g. ``git archive
+main | tar -x -C DIR``) each round runs both trees back to back, so they see the same load.
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = ("train", "eval_lm", "generate", "export")
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "torch._inductor",
+         "torch.distributed.fsdp", "deepspeed", "transformers", "safetensors", "onnx", "onnxruntime",
+         "onnxscript", "tensorboard", "wandb", "sympy", "lm_eval", "datasets", "omegaconf", "hydra",
+         "sentencepiece", "tokenizers")
+REPORT = "import sys, json; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
+
+
+def cases() -> Dict[str, List[str]]:
+    """name -> the python arguments of one fresh interpreter."""
+    out = {"import torch": ["-c", "import torch"]}
+    for cmd in COMMANDS:
+        out[f"import toolkit_cli.{cmd}"] = ["-c", f"import toolkit_cli.{cmd}"]
+    out["toolkit-train --help"] = ["-m", "toolkit_cli.train", "--help"]
+    return out
+
+
+def run_once(tree: str, args: List[str]) -> float:
+    env = {**os.environ, "PYTHONPATH": tree}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *args], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def heavy_modules(tree: str, cmd: str) -> List[str]:
+    code = f"import toolkit_cli.{cmd}; " + REPORT.format(heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": tree},
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(trees: Dict[str, str], runs: int) -> Dict[str, Dict[str, float]]:
+    """Median seconds per (tree, case); the trees alternate within each round."""
+    times: Dict[str, Dict[str, List[float]]] = {t: {c: [] for c in cases()} for t in trees}
+    for _ in range(runs):
+        for case, args in cases().items():
+            for name, tree in trees.items():
+                times[name][case].append(run_once(tree, args))
+    return {t: {c: statistics.median(v) for c, v in per.items()} for t, per in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=7, help="fresh interpreters per case and tree")
+    parser.add_argument("--baseline", help="another checkout to time in the same rounds (before/after)")
+    args = parser.parse_args()
+    trees = {"this": REPO}
+    if args.baseline:
+        trees = {"baseline": os.path.abspath(args.baseline), "this": REPO}
+    load_before = os.getloadavg()
+    medians = measure(trees, args.runs)
+    load_after = os.getloadavg()
+    heavy = {t: {cmd: heavy_modules(tree, cmd) for cmd in COMMANDS} for t, tree in trees.items()}
+    bytecode = "off (PYTHONDONTWRITEBYTECODE: every start compiles the sources)" \
+        if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
+    print(f"median of {args.runs} fresh interpreters; load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs; bytecode cache {bytecode}")
+    print(f"{'case':28s}" + "".join(f"{t:>12s}" for t in trees))
+    for case in cases():
+        print(f"{case:28s}" + "".join(f"{medians[t][case]:11.2f}s" for t in trees))
+    for t in trees:
+        for cmd in COMMANDS:
+            print(f"{t}: toolkit_cli.{cmd} imports {', '.join(heavy[t][cmd]) or 'none of the optional/heavy modules'}")
+    print(json.dumps({"runs": args.runs, "load_before": load_before[0], "load_after": load_after[0],
+                      "median_s": medians, "heavy_modules": heavy}))
+
+
+if __name__ == "__main__":
+    main()
