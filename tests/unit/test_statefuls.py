@@ -57,10 +57,11 @@ def test_a_new_entry_round_trips_through_both_formats(data_bin, tmp_path, sharde
 def head_layout_checkpoint(cfg, trainer, state) -> Dict[str, Any]:
     """A checkpoint as the code before the Statefuls wrote it, spelled out piece by piece (not through the
     formats): the layout every old ``.pt`` file has."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    from toolkit.checkpoint.consolidated import FULL_STATE
     from toolkit.logging import metrics
+
+    FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # torch's own, as the old code used
 
     position = dict(state.epoch_itr.state_dict(), update_freq=cfg.optimization.update_freq)
     extra = {"train_iterator": position, "val_loss": state.val_loss, "best": 3.5, "trainer": trainer.state_dict(),

@@ -248,7 +248,7 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
     Returns ``{"num_updates", "epoch"}`` as fairseq saved them (the caller decides whether a
     fine-tuning run keeps them).
     """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from toolkit.checkpoint.dcp_state import set_model_state_dict, set_optimizer_state_dict
 
     from toolkit.core import registry
     from toolkit.checkpoint.consolidated import FULL_STATE
