@@ -3,6 +3,7 @@
     python benchmarks/generate.py                          # transformer_lm_gpt2_small, CPU, batch 1, 256 + 256
     python benchmarks/generate.py --preset tiny --full     # small model: the estimate checked against a full run
     python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16   # batch 1 and 16 on a GPU
+    python benchmarks/generate.py --preset tiny --profile-step [--arch llama_tiny]   # host cost of one step
 
 What runs is ``toolkit.generation.SequenceGenerator`` (the code path of toolkit-generate,
 toolkit-interactive and the hub): greedy decoding (``--beam 1``) of ``--new`` tokens after a
@@ -18,7 +19,15 @@ spaced prefix lengths, integrated over all steps (trapezoid rule; a step's cost 
 smoothly with its prefix). ``--full`` runs the no-cache generator end to end instead (and
 prints the estimate beside it, to check the estimate). GPU presets run it in full.
 
-Prints a table and one JSON line (``"benchmark": "generate"``).
+``--profile-step`` measures instead what one cached decoding step costs the host: ms per new
+token, operators per step (the model's and the search's apart) and host-device synchronizations
+per step (``.item()``/``bool()``/``.tolist()``/``.cpu()``/``nonzero``/boolean indexing/``torch.equal``:
+each one waits for the GPU's queue to drain, so the next step's kernels cannot be queued ahead).
+Per step = (cost of generating ``--new`` tokens - cost of ``--new // 4``) / the difference, so the
+prefill and the last step's bookkeeping cancel out. On a CPU with a tiny model the time is almost
+all host work, the part a GPU does not speed up.
+
+Prints a table and one JSON line (``"benchmark": "generate"`` or ``"generate_step"``).
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from toolkit.config import options  # noqa: E402
 from toolkit.core import registry
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
-from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 PRESETS = {
     # name: (arch, vocabulary, batch sizes, device, run the no-cache path in full)
@@ -57,13 +66,14 @@ def synchronize(device: torch.device) -> None:
 def build(arch: str, vocab: int, max_positions: int, device: torch.device, dtype: torch.dtype):
     """A randomly initialized model of ``arch`` and a dictionary of ``vocab`` symbols."""
     registry.import_all_components()
+    entry = registry.resolve_arch(arch)  # any decoder family: transformer_lm_*, llama_*
     values = options.architecture_defaults(arch, {"max_target_positions": max_positions})
-    cfg = options.config_from_args(TransformerLMConfig, values)
+    cfg = options.config_from_args(entry.config, values)
     d = Dictionary()
     for i in range(vocab - len(d)):
         d.add_symbol(f"w{i}")
     with torch.device(device):
-        model = TransformerLanguageModel(cfg, len(d), d.pad(), seed=0)
+        model = entry.cls(cfg, len(d), d.pad(), seed=0)
     return model.to(dtype).eval(), d
 
 
@@ -122,6 +132,99 @@ def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.devic
             "speedup": no_cache / cached}
 
 
+# aten operators that copy a device value to the host (on a GPU: wait for every queued kernel)
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+            "aten.is_nonzero.default"}
+# indexing by a boolean mask runs nonzero inside the kernel (the mask's count sizes the result)
+INDEX_OPS = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default"}
+
+
+def masked_index(name: str, args) -> bool:
+    return name in INDEX_OPS and any(i is not None and i.dtype == torch.bool for i in args[1])
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts operators (the model's apart from the search's) and host-device synchronizations.
+
+    ``.tolist()`` and ``.cpu()`` do not reach the dispatcher on a CPU tensor (on a GPU they copy
+    to the host), so they are counted by wrapping the two methods while the counter is on.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model_ops = self.search_ops = self.syncs = 0
+        self.in_model = False
+        self.hooks = [model.register_forward_pre_hook(lambda *_: self._set(True)),
+                      model.register_forward_hook(lambda *_: self._set(False))]
+        self.wrapped = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
+
+    def _set(self, value: bool) -> None:
+        self.in_model = value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.in_model:
+            self.model_ops += 1
+        else:
+            self.search_ops += 1
+        name = str(func)
+        self.syncs += name in SYNC_OPS or masked_index(name, args)
+        return func(*args, **(kwargs or {}))
+
+    def _counting(self, method):
+        def call(tensor, *args, **kwargs):
+            self.syncs += 1
+            return method(tensor, *args, **kwargs)
+        return call
+
+    def __enter__(self):
+        for name, method in self.wrapped.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self.wrapped.items():
+            setattr(torch.Tensor, name, method)
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+
+def step_costs(model, d, batch: int, prompt: int, new: int, device: torch.device, repeats: int = 5) -> Dict:
+    """One cached step's host cost: counts and time of ``new`` new tokens minus those of ``new // 4``.
+
+    The time is the median over ``repeats`` back-to-back pairs of runs (a shared machine's load
+    shifts between pairs more than within one).
+    """
+    prompts = list(torch.randint(4, len(d), (batch, prompt), generator=torch.Generator().manual_seed(0)))
+    lengths = (max(1, new // 4), new)
+    steps = lengths[1] - lengths[0]
+    gens = [generator(model, d, prompt, n, True) for n in lengths]
+    counts = []
+    for gen in gens:
+        with StepCounter(model) as counter:
+            gen.generate(prompts)
+        counts.append((counter.model_ops, counter.search_ops, counter.syncs))
+    model_ops, search_ops, syncs = ((b - a) / steps for a, b in zip(*counts))
+    pairs = sorted(run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device)
+                   for _ in range(repeats))
+    return {"batch": batch, "ms_per_step": 1000 * pairs[len(pairs) // 2] / steps, "model_ops": model_ops,
+            "search_ops": search_ops, "syncs": syncs}
+
+
+def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
+    rows = [step_costs(model, d, b, args.prompt, args.new, device) for b in args.batch_size or [1]]
+    print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), cached greedy step "
+          f"after a {args.prompt}-token prompt; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'batch':>5} {'ms/step':>9} {'model ops':>10} {'search ops':>11} {'syncs':>6}  (per step: batch new tokens)")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
+              f"{r['syncs']:>6.2f}")
+    print(json.dumps({"benchmark": "generate_step", "arch": arch, "vocab": len(d), "device": str(device),
+                      "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
+                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
+                      "torch": torch.__version__, "machine": platform.machine()}))
+
+
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=list(PRESETS), default="gpt2_small")
@@ -135,6 +238,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
     p.add_argument("--sample-steps", type=int, default=6, help="no-cache steps timed for the estimate")
     p.add_argument("--full", action="store_true", help="run the no-cache generator end to end")
+    p.add_argument("--profile-step", action="store_true",
+                   help="print the host cost of one cached step (ms, operators, syncs) instead")
     return p.parse_args(argv)
 
 
@@ -145,6 +250,8 @@ def main(argv: List[str]) -> None:
     device = torch.device(args.device or device_name)
     torch.set_num_threads(args.threads)
     model, d = build(arch, vocab, max(1024, args.prompt + args.new + 1), device, DTYPES[args.dtype])
+    if args.profile_step:
+        return profile_steps(model, d, arch, args, device)
     rows = [measure(model, d, b, args, full or args.full, device) for b in args.batch_size or batches]
     print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
           f"{args.prompt}-token prompt + {args.new} new tokens, greedy; load average "
