@@ -47,7 +47,7 @@ from toolkit.config import options  # noqa: E402
 from toolkit.core import registry
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from toolkit.generation.step_counter import StepCounter  # noqa: E402
 
 PRESETS = {
     # name: (arch, vocabulary, batch sizes, device, run the no-cache path in full)
@@ -130,63 +130,6 @@ def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.devic
             "no_cache_s": no_cache, "no_cache_tokens_per_s": tokens / no_cache,
             "no_cache_estimated_s": estimated, "no_cache_measured": full is not None,
             "speedup": no_cache / cached}
-
-
-# aten operators that copy a device value to the host (on a GPU: wait for every queued kernel)
-SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-            "aten.is_nonzero.default"}
-# indexing by a boolean mask runs nonzero inside the kernel (the mask's count sizes the result)
-INDEX_OPS = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default"}
-
-
-def masked_index(name: str, args) -> bool:
-    return name in INDEX_OPS and any(i is not None and i.dtype == torch.bool for i in args[1])
-
-
-class StepCounter(TorchDispatchMode):
-    """Counts operators (the model's apart from the search's) and host-device synchronizations.
-
-    ``.tolist()`` and ``.cpu()`` do not reach the dispatcher on a CPU tensor (on a GPU they copy
-    to the host), so they are counted by wrapping the two methods while the counter is on.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model_ops = self.search_ops = self.syncs = 0
-        self.in_model = False
-        self.hooks = [model.register_forward_pre_hook(lambda *_: self._set(True)),
-                      model.register_forward_hook(lambda *_: self._set(False))]
-        self.wrapped = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
-
-    def _set(self, value: bool) -> None:
-        self.in_model = value
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.in_model:
-            self.model_ops += 1
-        else:
-            self.search_ops += 1
-        name = str(func)
-        self.syncs += name in SYNC_OPS or masked_index(name, args)
-        return func(*args, **(kwargs or {}))
-
-    def _counting(self, method):
-        def call(tensor, *args, **kwargs):
-            self.syncs += 1
-            return method(tensor, *args, **kwargs)
-        return call
-
-    def __enter__(self):
-        for name, method in self.wrapped.items():
-            setattr(torch.Tensor, name, self._counting(method))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, method in self.wrapped.items():
-            setattr(torch.Tensor, name, method)
-        for hook in self.hooks:
-            hook.remove()
-        return super().__exit__(*exc)
 
 
 def step_costs(model, d, batch: int, prompt: int, new: int, device: torch.device, repeats: int = 5) -> Dict:
