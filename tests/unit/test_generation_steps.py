@@ -92,3 +92,55 @@ def test_greedy_and_beam_with_the_cache_equal_recomputing_the_prefix(arch):
                               .generate(prompts) for inc in (True, False))
         for a_hypos, b_hypos in zip(cached, recomputed):
             assert [h["tokens"].tolist() for h in a_hypos] == [h["tokens"].tolist() for h in b_hypos], values
+
+
+class EosBoost(NaNAfter):
+    """A model that ends sequences early: ``boost`` added to </s>'s logit (rows end at different steps)."""
+
+    def __init__(self, model, eos: int, boost: float):
+        super().__init__(model, n=1 << 30)
+        self.eos, self.boost = eos, boost
+
+    def forward(self, tokens, incremental_state=None):
+        out = super().forward(tokens, incremental_state)
+        out[..., self.eos] += self.boost
+        return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reading_ended_rows_every_n_steps_changes_no_result(arch):
+    model, d = build(arch)
+    model = EosBoost(model, d.eos(), 2.5)
+    prompts = [torch.tensor(p) for p in PROMPTS + [[7, 7], [13, 4, 20, 21], [6]]]
+    ended = set()  # tokens generated: rows end at different steps, before and between reads
+    for values in (dict(beam=1, max_len_b=30), dict(beam=1, max_len_b=30, min_len=5, lenpen=0.5),
+                   dict(beam=1, max_len_b=9, unnormalized=True)):
+        results = []
+        for interval in (1, 3, 8):
+            gen = SequenceGenerator([model], d, GenerationConfig(**values), eos_check_interval=interval)
+            results.append([[(h["tokens"].tolist(), h["score"], h["positional_scores"].tolist()) for h in hypos]
+                            for hypos in gen.generate(prompts)])
+        ended.update(len(hypos[0][0]) - len(p) for hypos, p in zip(results[0], prompts))
+        for other in results[1:]:  # ended rows stay in the batch longer: a matmul may round differently
+            for a, b in zip(results[0], other):
+                assert [h[0] for h in a] == [h[0] for h in b], values
+                assert [h[1] for h in a] == pytest.approx([h[1] for h in b], abs=1e-5)
+                for ha, hb in zip(a, b):
+                    assert ha[2] == pytest.approx(hb[2], abs=1e-5)
+    assert len(ended) > 3, ended
+    with pytest.raises(ValueError, match="eos_check_interval 0"):
+        SequenceGenerator([model], d, GenerationConfig(), eos_check_interval=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reading_every_n_steps_reads_the_device_n_times_less(arch):
+    model, d = build(arch)
+    model = EosBoost(model, d.eos(), -1e4)  # </s> never wins: every row runs to max_len
+
+    def reads(max_len: int) -> int:
+        gen = SequenceGenerator([model], d, GenerationConfig(beam=1, max_len_b=max_len), eos_check_interval=8)
+        with StepCounter() as counter:
+            gen.generate([torch.tensor(p) for p in PROMPTS])
+        return counter.syncs
+
+    assert reads(50) - reads(10) <= 40 // 8 + 1  # 40 more steps

@@ -33,13 +33,19 @@ no longer queue the next step's kernels while the GPU runs this one. Everything 
 host as lists, masks are applied with ``masked_fill`` rather than boolean indexing, greedy and
 single-sample rows are never reordered, and a step reads the device once: the ``</s>`` candidates
 (with the all-NaN check folded in), and only at steps where ``</s>`` can be chosen (none before
-``min_len``). Sampling checks NaN at once (``multinomial`` would fail on it first); n-gram
-blocking and ``stop`` callbacks read the tokens on the host, as fairseq's.
+``min_len``). With ``eos_check_interval=n > 1`` greedy search (one hypothesis, no n-gram
+blocking, no ``stop``) reads that every n steps instead: the steps' candidates wait on the device,
+then are finalized in order, as if read at once; a prompt that ended keeps its row (wasted work)
+until the read. Scores may then differ from n = 1's in the last bits (a batch of another size
+may round differently; so may a token, at a near tie); the default, 1, keeps every result.
+Sampling checks NaN at once (``multinomial`` would fail on it first); n-gram blocking and
+``stop`` callbacks read the tokens on the host, as fairseq's.
 ``benchmarks/generate.py --profile-step`` counts operators and synchronizations per step.
 """
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -72,13 +78,20 @@ class _Search:
     max_len_h: List[int]
     broken: torch.Tensor      # [] bool: some row's probabilities were all NaN (read with the </s> hits)
     stop: Optional[Callable[[int, torch.Tensor], bool]] = None  # (prompt index, tokens after the prompt)
+    interval: int = 1           # read the </s> candidates every this many steps (greedy only)
+    pending: List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 class SequenceGenerator:
     def __init__(self, models: Sequence[torch.nn.Module], dictionary, cfg: GenerationConfig,
                  incremental: bool = True, generator: Optional[torch.Generator] = None,
-                 bos: Optional[int] = None):
+                 bos: Optional[int] = None, eos_check_interval: int = 1):
+        """``eos_check_interval``: greedy search reads which rows ended every this many steps (a GPU
+        then queues that many steps' kernels without waiting; ended rows run on until the read)."""
         check_generation_config(cfg)
+        if eos_check_interval < 1:
+            raise ValueError(f"eos_check_interval {eos_check_interval}: must be at least 1")
+        self.eos_check_interval = eos_check_interval
         self.models, self.cfg, self.incremental, self.generator = list(models), cfg, incremental, generator
         self.pad, self.unk, self.eos = dictionary.pad(), dictionary.unk(), dictionary.eos()
         self.bos = self.eos if bos is None else bos
@@ -104,6 +117,8 @@ class SequenceGenerator:
         finalized: List[List[Hypothesis]] = [[] for _ in prompts]
         s, lprobs, step = self._start(prompts)
         s.stop = stop
+        greedy = self.beam == 1 and not self.cfg.sampling and self.cfg.no_repeat_ngram_size == 0 and stop is None
+        s.interval = self.eos_check_interval if greedy else 1
         while True:
             cand = self._candidates(s, step, lprobs)
             eos_mask, done = self._finalize(s, step, cand, finalized)
@@ -281,6 +296,27 @@ class SequenceGenerator:
         self._check_broken(flags[0])
         return [divmod(i, K) for i, hit in enumerate(flags[1:]) if hit]
 
+    def _record(self, s: _Search, step: int, row: int, score: torch.Tensor, last_lp: torch.Tensor,
+                out: List[Hypothesis]) -> None:
+        """Finalize hypothesis ``row`` ending in </s> at ``step`` (``score`` its summed log-probability)."""
+        positional = torch.cat([s.token_scores[row, :step], last_lp]).float().cpu()
+        if not self.cfg.unnormalized:  # float32 arithmetic, as fairseq's
+            score = score / (step + 1) ** self.cfg.lenpen
+        hyp_tokens = torch.cat([s.tokens[row, 1:step + 1], s.tokens.new_tensor([self.eos])]).cpu()
+        out.append({"tokens": hyp_tokens, "score": float(score), "positional_scores": positional})
+
+    def _read_pending(self, s: _Search, finalized: List[List[Hypothesis]]) -> None:
+        """Finalize the waiting greedy steps' </s> candidates, oldest first, in one device read."""
+        if not s.pending:
+            return
+        N = len(s.ids)
+        flags = torch.cat([s.broken.view(1)] + [eos for _, eos, _, _ in s.pending]).tolist()
+        self._check_broken(flags[0])
+        for i, (step, _, scores, token_lp) in enumerate(s.pending):
+            for n in (n for n in range(N) if flags[1 + i * N + n] and not finalized[s.ids[n]]):
+                self._record(s, step, n, scores[n], token_lp[n:n + 1], finalized[s.ids[n]])
+        s.pending = []
+
     def _finalize(self, s: _Search, step: int, cand, finalized: List[List[Hypothesis]]):
         """Record hypotheses ending in </s> among the first K candidates; return (eos mask, finished rows)."""
         scores, tokens, beams, token_lp, forced = cand
@@ -289,17 +325,15 @@ class SequenceGenerator:
         if forced is not None:
             eos_mask &= ~forced.unsqueeze(1)
         eos_mask[:, :K] &= ~s.ignore
-        for n, c in self._eos_hits(s, step, eos_mask):
+        if s.interval > 1:  # greedy: K = 1, the row is the prompt's and stays put until the read
+            if step >= self.cfg.min_len:
+                s.pending.append((step, eos_mask[:, 0], scores[:, 0], token_lp[:, 0]))
+            if len(s.pending) >= s.interval or any(step >= m for m in s.max_len_h):
+                self._read_pending(s, finalized)
+        for n, c in [] if s.interval > 1 else self._eos_hits(s, step, eos_mask):
             out = finalized[s.ids[n]]
-            if len(out) >= K:
-                continue
-            row = n * K + int(beams[n, c])
-            positional = torch.cat([s.token_scores[row, :step], token_lp[n, c:c + 1]]).float().cpu()
-            score = scores[n, c]  # float32 arithmetic, as fairseq's
-            if not self.cfg.unnormalized:
-                score = score / (step + 1) ** self.cfg.lenpen
-            hyp_tokens = torch.cat([s.tokens[row, 1:step + 1], tokens.new_tensor([self.eos])]).cpu()
-            out.append({"tokens": hyp_tokens, "score": float(score), "positional_scores": positional})
+            if len(out) < K:
+                self._record(s, step, n * K + int(beams[n, c]), scores[n, c], token_lp[n, c:c + 1], out)
         done = [n for n in range(len(s.ids)) if len(finalized[s.ids[n]]) >= K or step >= s.max_len_h[n]]
         return eos_mask, done
 
