@@ -3,6 +3,8 @@
     python benchmarks/generate.py                          # transformer_lm_gpt2_small, CPU, batch 1, 256 + 256
     python benchmarks/generate.py --preset tiny --full     # small model: the estimate checked against a full run
     python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16   # batch 1 and 16 on a GPU
+    python benchmarks/generate.py --preset tiny --profile-step [--arch llama_tiny]   # host cost of one step
+    python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16 --profile-step --eos-check-interval 8
 
 What runs is ``toolkit.generation.SequenceGenerator`` (the code path of toolkit-generate,
 toolkit-interactive and the hub): greedy decoding (``--beam 1``) of ``--new`` tokens after a
@@ -18,7 +20,15 @@ spaced prefix lengths, integrated over all steps (trapezoid rule; a step's cost 
 smoothly with its prefix). ``--full`` runs the no-cache generator end to end instead (and
 prints the estimate beside it, to check the estimate). GPU presets run it in full.
 
-Prints a table and one JSON line (``"benchmark": "generate"``).
+``--profile-step`` measures instead what one cached decoding step costs the host: ms per new
+token, operators per step (the model's and the search's apart) and host-device synchronizations
+per step (``.item()``/``bool()``/``.tolist()``/``.cpu()``/``nonzero``/boolean indexing/``torch.equal``:
+each one waits for the GPU's queue to drain, so the next step's kernels cannot be queued ahead).
+Per step = (cost of generating ``--new`` tokens - cost of ``--new // 4``) / the difference, so the
+prefill and the last step's bookkeeping cancel out. On a CPU with a tiny model the time is almost
+all host work, the part a GPU does not speed up.
+
+Prints a table and one JSON line (``"benchmark": "generate"`` or ``"generate_step"``).
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ from toolkit.config import options  # noqa: E402
 from toolkit.core import registry
 from toolkit.data.dictionary import Dictionary  # noqa: E402
 from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
-from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402
+from toolkit.generation.step_counter import StepCounter  # noqa: E402
 
 PRESETS = {
     # name: (arch, vocabulary, batch sizes, device, run the no-cache path in full)
@@ -57,19 +67,22 @@ def synchronize(device: torch.device) -> None:
 def build(arch: str, vocab: int, max_positions: int, device: torch.device, dtype: torch.dtype):
     """A randomly initialized model of ``arch`` and a dictionary of ``vocab`` symbols."""
     registry.import_all_components()
+    entry = registry.resolve_arch(arch)  # any decoder family: transformer_lm_*, llama_*
     values = options.architecture_defaults(arch, {"max_target_positions": max_positions})
-    cfg = options.config_from_args(TransformerLMConfig, values)
+    cfg = options.config_from_args(entry.config, values)
     d = Dictionary()
     for i in range(vocab - len(d)):
         d.add_symbol(f"w{i}")
     with torch.device(device):
-        model = TransformerLanguageModel(cfg, len(d), d.pad(), seed=0)
+        model = entry.cls(cfg, len(d), d.pad(), seed=0)
     return model.to(dtype).eval(), d
 
 
-def generator(model, d, prompt: int, new: int, incremental: bool) -> SequenceGenerator:
-    cfg = GenerationConfig(beam=1, max_len_b=prompt + new, min_len=prompt + new)
-    return SequenceGenerator([model], d, cfg, incremental=incremental)
+def generator(model, d, prompt: int, new: int, incremental: bool, eos_check_interval: int = 1,
+              ban_eos: bool = True) -> SequenceGenerator:
+    """Greedy; ``ban_eos``: </s> only at the last step (every row generates ``new`` tokens)."""
+    cfg = GenerationConfig(beam=1, max_len_b=prompt + new, min_len=prompt + new if ban_eos else 1)
+    return SequenceGenerator([model], d, cfg, incremental=incremental, eos_check_interval=eos_check_interval)
 
 
 def run_generator(gen: SequenceGenerator, prompts: torch.Tensor, device: torch.device) -> float:
@@ -110,7 +123,8 @@ def estimate_no_cache(model, prompts: torch.Tensor, new: int, samples: int, devi
 
 def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.device) -> Dict:
     prompts = torch.randint(4, len(d), (batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    cached = run_generator(generator(model, d, args.prompt, args.new, True), prompts, device)
+    cached = run_generator(generator(model, d, args.prompt, args.new, True, args.eos_check_interval), prompts,
+                           device)
     estimated = estimate_no_cache(model, prompts.to(device), args.new, args.sample_steps, device)
     full = run_generator(generator(model, d, args.prompt, args.new, False), prompts, device) \
         if full_no_cache else None
@@ -120,6 +134,52 @@ def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.devic
             "no_cache_s": no_cache, "no_cache_tokens_per_s": tokens / no_cache,
             "no_cache_estimated_s": estimated, "no_cache_measured": full is not None,
             "speedup": no_cache / cached}
+
+
+def counts(model, gen: SequenceGenerator, prompts: List[torch.Tensor]):
+    with StepCounter(model) as counter:
+        gen.generate(prompts)
+    return counter.model_ops, counter.search_ops, counter.syncs
+
+
+def step_costs(model, d, batch: int, args, device: torch.device, repeats: int = 5) -> Dict:
+    """One cached step's host cost: counts and time of ``new`` new tokens minus those of ``new // 4``.
+
+    The time is the median over ``repeats`` back-to-back pairs of runs (a shared machine's load
+    shifts between pairs more than within one). Syncs are counted twice: with </s> banned until
+    the last step (as timed) and with </s> allowed from the first new token (a row may end: the
+    search reads which did, every ``--eos-check-interval`` steps), on a model that rarely ends.
+    """
+    prompt, new, interval = args.prompt, args.new, args.eos_check_interval
+    prompts = list(torch.randint(4, len(d), (batch, prompt), generator=torch.Generator().manual_seed(0)))
+    lengths = (max(1, new // 4), new)
+    steps = lengths[1] - lengths[0]
+    gens = [generator(model, d, prompt, n, True, interval) for n in lengths]
+    banned = [counts(model, gen, prompts) for gen in gens]
+    allowed = [counts(model, generator(model, d, prompt, n, True, interval, ban_eos=False), prompts)[2]
+               for n in lengths]
+    model_ops, search_ops, syncs = ((b - a) / steps for a, b in zip(*banned))
+    pairs = sorted(run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device)
+                   for _ in range(repeats))
+    return {"batch": batch, "ms_per_step": 1000 * pairs[len(pairs) // 2] / steps, "model_ops": model_ops,
+            "search_ops": search_ops, "syncs": syncs, "syncs_eos_allowed": (allowed[1] - allowed[0]) / steps}
+
+
+def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
+    rows = [step_costs(model, d, b, args, device) for b in args.batch_size or [1]]
+    print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), cached greedy step "
+          f"after a {args.prompt}-token prompt, --eos-check-interval {args.eos_check_interval}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'batch':>5} {'ms/step':>9} {'model ops':>10} {'search ops':>11} {'syncs':>6} {'syncs (</s> allowed)':>20}"
+          f"  (per step: batch new tokens)")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
+              f"{r['syncs']:>6.2f} {r['syncs_eos_allowed']:>20.2f}")
+    print(json.dumps({"benchmark": "generate_step", "arch": arch, "vocab": len(d), "device": str(device),
+                      "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
+                      "eos_check_interval": args.eos_check_interval,
+                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
+                      "torch": torch.__version__, "machine": platform.machine()}))
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -135,6 +195,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
     p.add_argument("--sample-steps", type=int, default=6, help="no-cache steps timed for the estimate")
     p.add_argument("--full", action="store_true", help="run the no-cache generator end to end")
+    p.add_argument("--eos-check-interval", type=int, default=1,
+                   help="the cached generator reads which rows ended every this many steps")
+    p.add_argument("--profile-step", action="store_true",
+                   help="print the host cost of one cached step (ms, operators, syncs) instead")
     return p.parse_args(argv)
 
 
@@ -145,6 +209,8 @@ def main(argv: List[str]) -> None:
     device = torch.device(args.device or device_name)
     torch.set_num_threads(args.threads)
     model, d = build(arch, vocab, max(1024, args.prompt + args.new + 1), device, DTYPES[args.dtype])
+    if args.profile_step:
+        return profile_steps(model, d, arch, args, device)
     rows = [measure(model, d, b, args, full or args.full, device) for b in args.batch_size or batches]
     print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
           f"{args.prompt}-token prompt + {args.new} new tokens, greedy; load average "
@@ -157,6 +223,7 @@ def main(argv: List[str]) -> None:
               f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}")
     print(json.dumps({"benchmark": "generate", "arch": arch, "vocab": len(d), "device": str(device),
                       "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
+                      "eos_check_interval": args.eos_check_interval,
                       "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
                       "torch": torch.__version__, "machine": platform.machine()}))
 
