@@ -81,7 +81,7 @@ def test_memory_efficient_small_gradients_do_not_underflow():
 def test_memory_efficient_state_stays_fp32_through_checkpoint_state_dicts():
     """torch casts loaded state to the parameter dtype; the fp32 moments must survive save/load (DCP helpers)."""
     from toolkit.checkpoint.consolidated import FULL_STATE, optimizer_state
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from toolkit.checkpoint.dcp_state import set_optimizer_state_dict  # torch's, imported at the call
 
     def model_and_opt(hooks: bool):
         torch.manual_seed(0)
