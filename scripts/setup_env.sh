@@ -25,3 +25,7 @@ have hydra && have omegaconf || "$PY" -m pip install -q --upgrade-strategy only-
 # DeepSpeed's setup.py imports torch, so it builds against the torch installed above.
 have deepspeed || "$PY" -m pip install -q --no-build-isolation deepspeed
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+# DeepSpeed's CPU Adam and the two ops built like it compile on first use (a minute or more each, once per
+# machine, cached under ~/.cache/torch_extensions): build them now, so no run or test waits for a compiler.
+echo "setup_env: building the C++ optimizer ops if not cached (python -m toolkit.optim.build_ops)"
+"$PY" -m toolkit.optim.build_ops || echo "setup_env: some ops were not built; they are tried again at first use"
