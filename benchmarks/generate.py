@@ -175,7 +175,13 @@ def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
               f"{r['syncs']:>6.2f} {r['syncs_eos_allowed']:>20.2f}")
-    print(json.dumps({"benchmark": "generate_step", "arch": arch, "vocab": len(d), "device": str(device),
+    print_json("generate_step", arch, d, device, args, rows)
+
+
+def print_json(benchmark: str, arch: str, d: Dictionary, device: torch.device, args: argparse.Namespace,
+               rows: List[Dict]) -> None:
+    """The run's one JSON line: what was measured, on what, under which load."""
+    print(json.dumps({"benchmark": benchmark, "arch": arch, "vocab": len(d), "device": str(device),
                       "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
                       "eos_check_interval": args.eos_check_interval,
                       "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
@@ -221,11 +227,7 @@ def main(argv: List[str]) -> None:
         extra = f" (estimate {r['no_cache_estimated_s']:.1f}s)" if r["no_cache_measured"] else ""
         print(f"{r['batch']:>5} {r['cache_tokens_per_s']:>12.2f} {r['no_cache_tokens_per_s']:>15.2f} "
               f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}")
-    print(json.dumps({"benchmark": "generate", "arch": arch, "vocab": len(d), "device": str(device),
-                      "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
-                      "eos_check_interval": args.eos_check_interval,
-                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
-                      "torch": torch.__version__, "machine": platform.machine()}))
+    print_json("generate", arch, d, device, args, rows)
 
 
 if __name__ == "__main__":

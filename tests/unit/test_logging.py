@@ -480,25 +480,27 @@ def test_grouped_iterator_and_module_paths():
 # ---- errors raised inside a log write ----------------------------------------------------------------
 
 
-def test_a_dataloader_error_raised_inside_a_log_write_reaches_the_caller(capsys):
+def log_to_a_stream_raising(error: Exception) -> None:
+    """The toolkit's console handler, writing to a stream whose every write raises ``error``."""
     logging_setup.setup_logging(None)
     handler = [h for h in logging.getLogger().handlers if isinstance(h, logging_setup.StreamHandler)][0]
-    class Dying(io.StringIO):
+
+    class Raising(io.StringIO):
         def write(self, s):
-            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
-    handler.setStream(Dying())
+            raise error
+    handler.setStream(Raising())
+
+
+def test_a_dataloader_error_raised_inside_a_log_write_reaches_the_caller(capsys):
+    log_to_a_stream_raising(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."))
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         logging.getLogger("x").info("hello")
     logging_setup.remove_handlers()
     assert "Logging error" not in capsys.readouterr().err
 
+
 def test_other_write_errors_stay_logging_errors(capsys):
-    logging_setup.setup_logging(None)
-    handler = [h for h in logging.getLogger().handlers if isinstance(h, logging_setup.StreamHandler)][0]
-    class Broken(io.StringIO):
-        def write(self, s):
-            raise ValueError("closed")
-    handler.setStream(Broken())
+    log_to_a_stream_raising(ValueError("closed"))
     logging.getLogger("x").info("hello")  # logging's own handling: reported, not raised
     logging_setup.remove_handlers()
     assert "Logging error" in capsys.readouterr().err

@@ -33,11 +33,16 @@ def _flex():
     return create_block_mask, flex_attention
 
 
-def make_attention_mask(document_ids: Optional[torch.Tensor], dropout: float = 0.0) -> Any:
-    """What the blocks attend with: None (plain causal), a flex BlockMask, or a bool [B, 1, T, T] mask."""
+def make_attention_mask(document_ids: Optional[torch.Tensor], dropout: float = 0.0,
+                        head_dim: Optional[int] = None) -> Any:
+    """What the blocks attend with: None (plain causal), a flex BlockMask, or a bool [B, 1, T, T] mask.
+
+    ``head_dim``: the model's head width; heads narrower than flex_attention allows get the dense mask
+    here, once per forward, rather than from ``attend`` in every layer."""
     if document_ids is None:
         return None
-    if _flex() is not None and document_ids.is_cuda and dropout == 0.0:
+    flex_heads = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
+    if _flex() is not None and document_ids.is_cuda and dropout == 0.0 and flex_heads:
         return document_block_mask(document_ids)
     T = document_ids.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()

@@ -178,7 +178,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # [B, 1, T, D]: per row, broadcast over the heads
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = make_attention_mask(document_ids)
+        mask = make_attention_mask(document_ids, head_dim=head_dim(self.cfg))
         for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
             if cache is not None:
                 x = layer(x, cos, sin, cache)

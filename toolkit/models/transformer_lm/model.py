@@ -262,7 +262,8 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
         caches = self._layer_caches(incremental_state)
-        mask = make_attention_mask(document_ids, self.attention_dropout if self.training else 0.0)
+        mask = make_attention_mask(document_ids, self.attention_dropout if self.training else 0.0,
+                                   head_dim=self.cfg.decoder_embed_dim // self.cfg.decoder_attention_heads)
         for layer, keep, cache in zip(self.layers, self.layer_drop.keep(len(self.layers)), caches):
             if keep:  # LayerDrop: in training a whole layer may be skipped
                 if cache is not None:
