@@ -57,11 +57,21 @@ def _cxx_compiler_present() -> bool:
     return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name)
 
 
-def apply_compile(model: torch.nn.Module, device: torch.device) -> None:
-    """Compile every block of ``model.layers`` in place and log the cost of the first training passes."""
+def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: bool = False) -> None:
+    """Compile every block of ``model.layers`` in place and log the cost of the first training passes.
+
+    ``hooks_eager``: compile only the block's own ``forward`` (inside an activation-checkpointing
+    wrapper), so the forward hooks on the block stay outside the compiled code. Tensor parallelism
+    needs this: its per-rank random-number hooks reseed the generator (``torch.manual_seed``), which
+    dynamo cannot capture in a graph, around the block.
+    """
     backend = compile_backend(device)
     for block in model.layers:
-        block.compile(backend=backend, fullgraph=True)
+        if hooks_eager:
+            inner = block._checkpoint_wrapped_module if hasattr(block, "_checkpoint_wrapped_module") else block
+            inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=True)
+        else:
+            block.compile(backend=backend, fullgraph=True)
     CompileTimeLog(model, backend)
     logger.info(f"--compile: torch.compile ({backend}, fullgraph) on each of the {len(model.layers)} blocks; "
                 f"the first training pass compiles them (forward and backward)")

@@ -107,6 +107,16 @@ def apply_float8(model: torch.nn.Module, recipe: str = "rowwise", all_gather: bo
     return swapped
 
 
+def float8_matmul(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``Float8Linear.forward`` on given (local) weights: tensor parallelism's column-parallel layers compute
+    their rank's output features from the local shard, in float8 with the module's torchao config."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    out = matmul_with_hp_or_float8_args.apply(x, weight.t(), module.linear_mm_config, module.config)
+    return out + bias.to(out.dtype) if bias is not None else out
+
+
 def after_optimizer_step(model: torch.nn.Module, all_gather: bool) -> Optional[Callable[[], None]]:
     """What the trainer calls after each optimizer step, or None (only float8 all-gather needs it):
     the per-tensor float8 scales of the sharded weights, for the next all-gather, in one fused pass."""

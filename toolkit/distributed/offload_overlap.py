@@ -68,9 +68,9 @@ def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module,
     dist_cfg = cfg.distributed
     if not dist_cfg.overlap_offload_step:
         return None
-    if dist_cfg.ddp_backend != "fully_sharded" or dist_cfg.model_parallel_size > 1:
-        raise UserError("--overlap-offload-step: needs --ddp-backend fully_sharded (FSDP2's blocks) without "
-                        "--model-parallel-size; add --ddp-backend fully_sharded --cpu-offload or drop the flag")
+    if dist_cfg.ddp_backend != "fully_sharded" and dist_cfg.model_parallel_size == 1:
+        raise UserError("--overlap-offload-step: needs --ddp-backend fully_sharded (it updates FSDP2's blocks one "
+                        "by one); add --ddp-backend fully_sharded --cpu-offload or drop the flag")
     if cfg.components.optimizer != "cpu_adam":
         raise UserError(f"--overlap-offload-step: needs --optimizer cpu_adam (the update in host memory), got "
                         f"--optimizer {cfg.components.optimizer}; use --optimizer cpu_adam or drop the flag")

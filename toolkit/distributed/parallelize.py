@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
-from toolkit.distributed.compile import COMPILE_WITH_TENSOR_PARALLEL, apply_compile
+from toolkit.distributed.compile import apply_compile
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
@@ -227,8 +227,6 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     """
     from toolkit.distributed import tensor_parallel as tp
 
-    if cfg.compile:
-        raise UserError(COMPILE_WITH_TENSOR_PARALLEL)
     if not dist.is_initialized():
         raise RuntimeError("--model-parallel-size needs a process group (init_distributed makes one)")
     M, W = cfg.model_parallel_size, env.world_size
@@ -236,6 +234,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
+    if cfg.compile:
+        apply_compile(model, env.device, hooks_eager=True)
     dp_mesh = tp.data_parallel_mesh(mesh)
     apply_fsdp(model, dp_mesh, cfg, common, env)
     model.to_empty(device=env.device)

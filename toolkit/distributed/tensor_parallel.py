@@ -62,6 +62,7 @@ draws the same seed again and the recomputed masks equal the original ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from typing import Dict, Optional, Tuple
 
@@ -156,7 +157,20 @@ class _ColumnParallelLinear(nn.Linear):
         # Every rank uses all of x for its own features: x's gradient is a sum over the ranks.
         x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
         weight, bias = self._local_weights()
+        return self._local_linear(x, weight, bias)
+
+    def _local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+
+class _Float8Local:
+    """Mixed into a column-parallel class when the module was a float8 ``Float8Linear`` (``--fp8``, swapped
+    in before the split): this rank's matmul runs in float8 with the module's own torchao config."""
+
+    def _local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from toolkit.distributed.float8 import float8_matmul
+
+        return float8_matmul(self, x, weight, bias)
 
 
 class _HeadParallelQKV(_ColumnParallelLinear):
@@ -195,6 +209,16 @@ class _VocabParallelEmbedding(nn.Embedding):
         return partial.redistribute(placements=[Replicate()]).to_local()
 
 
+def _is_float8(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+@functools.lru_cache(maxsize=None)
+def _with_float8(cls: type) -> type:
+    """``cls`` computing its local matmul in float8 (one class per column-parallel kind)."""
+    return type(f"{cls.__name__.lstrip('_')}Float8", (_Float8Local, cls), {})
+
+
 def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
     """A ParallelStyle: parameters Shard(shard_dim) on the TP mesh, and the module computes with ``cls.forward``."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -206,7 +230,7 @@ def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
                 dist = distribute_tensor(param, device_mesh, [Shard(shard_dim)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
             # Same parameters and state-dict keys, another forward (FSDP2 swaps classes the same way).
-            module.__class__ = cls
+            module.__class__ = _with_float8(cls) if _is_float8(module) else cls
             if input_layout is not None:
                 module.input_layout = input_layout
             return module
@@ -264,6 +288,9 @@ def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
     stacks = []
 
     def enter(_module, _inputs):
+        if torch.compiler.is_compiling():
+            return  # inside a compiled block (--no-sequence-parallel): toolkit.train.resolve allows it only where
+            # these regions have no dropout, so the default generator gives the same (no) masks
         draw = int(torch.randint(0, 2 ** 62, (1,)).item())  # advances the default stream alike on every rank
         stack = contextlib.ExitStack()
         devices = [device.index or 0] if device.type != "cpu" else []

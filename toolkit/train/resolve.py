@@ -106,8 +106,6 @@ def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
     if common.fp16:
         raise UserError("--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
                         "without loss scaling; use --bf16")
-    if dist.model_parallel_size > 1:
-        raise UserError("--fp8 with --model-parallel-size > 1: not supported yet; drop one of the two")
     if dist.fp8_all_gather and (dist.ddp_backend != "fully_sharded" or dist.cpu_offload):
         raise UserError("--fp8-all-gather casts FSDP2's all-gather to float8: it needs --ddp-backend fully_sharded "
                         "with the weights on the GPU (not --cpu-offload)")
@@ -155,8 +153,7 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
                 raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
     if dist.model_parallel_size > 1:
         for flag, value in (("--ddp-backend no_c10d", dist.ddp_backend == "no_c10d"),
-                            ("--memory-efficient-fp16", common.memory_efficient_fp16),
-                            ("--cpu-offload", dist.cpu_offload)):
+                            ("--memory-efficient-fp16", common.memory_efficient_fp16)):
             if value:
                 raise UserError(f"--model-parallel-size {dist.model_parallel_size} does not combine with {flag}; "
                                 f"use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
