@@ -22,7 +22,7 @@ def tiny_meta_model() -> torch.nn.Module:
                                                             decoder_attention_heads=2, max_target_positions=8), 20, 1)
 
 
-def test_unknown_backend_and_tensor_parallel_are_user_errors(monkeypatch):
+def test_unknown_backend_is_a_user_error(monkeypatch):
     from toolkit.config import CommonConfig, DistributedConfig
     from toolkit.distributed.parallelize import parallelize
     from toolkit.distributed.utils import DistributedEnv
@@ -31,7 +31,4 @@ def test_unknown_backend_and_tensor_parallel_are_user_errors(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "no_such_backend")
     with pytest.raises(UserError, match=f"{BACKEND_ENV}=no_such_backend: not a torch.compile backend"):
         parallelize(tiny_meta_model(), DistributedConfig(compile=True), CommonConfig(), DistributedEnv())
-    monkeypatch.setenv(BACKEND_ENV, AOT)
-    with pytest.raises(UserError, match="--compile with --model-parallel-size"):
-        parallelize(tiny_meta_model(), DistributedConfig(compile=True, model_parallel_size=2), CommonConfig(),
-                    DistributedEnv(world_size=2))
+    # --compile with --model-parallel-size: tests/integration/test_composition.py

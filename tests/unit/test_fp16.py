@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from toolkit.config import composition
 from toolkit.optim import build_optimizer
 from toolkit.optim.fp16 import MemoryEfficientFP16, grad_norm_fp32
 
@@ -129,8 +130,8 @@ def parse_train_args(*argv):
      "DeepSpeed's CPU Adam), got --optimizer adam; drop --optimizer or use --optimizer cpu_adam"),
     (["--cpu-offload", "--optimizer", "cpu_adam", "--fp16"], "--cpu-offload requires --ddp-backend fully_sharded"),
     (["--cpu-offload"], "--cpu-offload requires --ddp-backend fully_sharded"),
-    (["--memory-efficient-fp16", "--bf16"], "--memory-efficient-fp16 and --bf16 conflict; choose one"),
-    (["--fp16", "--bf16"], "--fp16 and --bf16 conflict; choose one"),
+    (["--memory-efficient-fp16", "--bf16"], composition.MEFP16_BF16),  # the table's messages (docs/composition.md)
+    (["--fp16", "--bf16"], composition.HALF_FORMATS),
 ])
 def test_flag_combinations(argv, message):
     from toolkit.core.errors import UserError

@@ -45,7 +45,6 @@ def test_float8_forward_is_close_to_the_high_precision_one():
     (["--fp8", "--fp8-all-gather", "--ddp-backend", "fully_sharded"], "only with --fp8-recipe tensorwise"),
     (["--fp8", "--fp8-recipe", "tensorwise", "--fp8-all-gather"], "needs --ddp-backend fully_sharded"),
     (["--fp8-recipe", "tensorwise"], "only applies with --fp8"),
-    (["--fp8", "--model-parallel-size", "2"], "--fp8 with --model-parallel-size"),
 ])
 def test_fp8_conflicts_are_one_line_before_any_worker(argv, message):
     with pytest.raises(UserError, match=message):

@@ -9,7 +9,9 @@ checkpoints move freely between compiled and eager runs.
 
 Order in ``parallelize`` (torchtitan's): activation checkpointing (the compiled module is
 then the checkpoint wrapper, so dynamo sees the recomputation region), compile, then FSDP2
-``fully_shard`` or DDP. Not with tensor parallelism yet (``COMPILE_WITH_TENSOR_PARALLEL``).
+``fully_shard`` or DDP. Under tensor parallelism (after the split, before FSDP2) only the block's
+``forward`` is compiled: the per-rank random-number hooks on the block (``torch.manual_seed`` of a
+forked generator, which dynamo cannot put in a graph) then run eagerly around it.
 Each block is compiled with ``fullgraph=True``: a graph break inside a block is an error
 rather than a silent slowdown.
 
@@ -34,10 +36,6 @@ from toolkit.core.errors import UserError
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
-# The tensor-parallel plan forks the RNG in forward hooks inside each block (dropout per TP rank),
-# which dynamo cannot trace.
-COMPILE_WITH_TENSOR_PARALLEL = ("--compile with --model-parallel-size > 1: not supported yet (the tensor-parallel "
-                                "random-number hooks inside each block do not compile); drop one of the two")
 DEFAULT_BACKEND = "inductor"
 
 

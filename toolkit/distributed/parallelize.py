@@ -232,6 +232,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     M, W = cfg.model_parallel_size, env.world_size
     mesh = tp.build_2d_mesh(W, M, env.device.type, _data_parallel_shape(cfg, env))
     tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
+    if cfg.fp8:
+        logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:

@@ -219,6 +219,13 @@ def _with_float8(cls: type) -> type:
     return type(f"{cls.__name__.lstrip('_')}Float8", (_Float8Local, cls), {})
 
 
+def float8_layers(model: nn.Module) -> str:
+    """How many float8 Linear layers the split kept (a check that no style dropped one), for the log."""
+    float8 = [m for m in model.modules() if "Float8" in type(m).__name__]
+    column = sum(isinstance(m, _Float8Local) for m in float8)
+    return f"float8 Linear layers after the split: {len(float8)} ({column} column-parallel)"
+
+
 def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
     """A ParallelStyle: parameters Shard(shard_dim) on the TP mesh, and the module computes with ``cls.forward``."""
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from toolkit.config import options
+from toolkit.config import composition, options
 from toolkit.checkpoint.compat import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
@@ -103,9 +103,6 @@ def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
         return []
     from toolkit.distributed import float8
 
-    if common.fp16:
-        raise UserError("--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
-                        "without loss scaling; use --bf16")
     if dist.fp8_all_gather and (dist.ddp_backend != "fully_sharded" or dist.cpu_offload):
         raise UserError("--fp8-all-gather casts FSDP2's all-gather to float8: it needs --ddp-backend fully_sharded "
                         "with the weights on the GPU (not --cpu-offload)")
@@ -143,20 +140,16 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
     common, dist = cfg.common, cfg.distributed
-    if common.fp16 and common.bf16:
-        raise UserError("--fp16 and --bf16 conflict; choose one")
-    if common.memory_efficient_fp16 and common.bf16:
-        raise UserError("--memory-efficient-fp16 and --bf16 conflict; choose one")
+    refused = composition.refusal(cfg)  # the pairs of features that cannot run together (docs/composition.md)
+    if refused:
+        raise UserError(refused)
     if dist.ddp_backend != "fully_sharded":
         for flag in ("cpu_offload", "no_reshard_after_forward"):
             if getattr(dist, flag):
                 raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
-    if dist.model_parallel_size > 1:
-        for flag, value in (("--ddp-backend no_c10d", dist.ddp_backend == "no_c10d"),
-                            ("--memory-efficient-fp16", common.memory_efficient_fp16)):
-            if value:
-                raise UserError(f"--model-parallel-size {dist.model_parallel_size} does not combine with {flag}; "
-                                f"use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
+    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
+        raise UserError(f"--model-parallel-size {dist.model_parallel_size} does not combine with --ddp-backend "
+                        f"no_c10d; use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
     if dist.model_parallel_size < 1:
         raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
     if dist.bf16_host_grads and not dist.cpu_offload:

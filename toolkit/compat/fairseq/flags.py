@@ -149,9 +149,6 @@ def _check_ema(cfg: TrainConfig, dist) -> List[str]:
     if ema.ema_seed_model and not os.path.isfile(ema.ema_seed_model):
         raise UserError(f"--ema-seed-model {ema.ema_seed_model}: no such file; give a checkpoint trained with "
                         f"--store-ema")
-    if dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1:
-        raise UserError("--store-ema: the moving average is kept of whole weights; it does not combine with "
-                        "--ddp-backend fully_sharded or --model-parallel-size > 1 (use c10d or no_c10d)")
     if not 0.0 <= ema.ema_decay <= 1.0 or ema.ema_update_freq < 1:
         raise UserError(f"--ema-decay must be in [0, 1] and --ema-update-freq >= 1, got {ema.ema_decay} and "
                         f"{ema.ema_update_freq}")

@@ -1,0 +1,95 @@
+"""The composition table (toolkit/config/composition.py): the resolver refuses exactly its refused pairs, with its
+messages; every refusal names a reason; every tested pair names a test that exists; docs/composition.md is current."""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+from toolkit.config import composition as C
+from toolkit.core.errors import UserError
+
+SWITCHABLE = [f for f in C.FEATURES if f.argv]
+PAIRS = [(a, b, entry) for a, b, entry in C.pairs() if a.argv and b.argv]
+
+
+def resolve(*argv: str):
+    from toolkit.train.resolve import parse_train_config
+
+    return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
+
+
+def both(a: C.Feature, b: C.Feature) -> list:
+    """The flags of both features; a flag pair both need (--ddp-backend X) is given once."""
+    argv = list(a.argv)
+    rest = list(b.argv)
+    while rest:
+        flag, value = (rest[0], rest[1]) if len(rest) > 1 and not rest[1].startswith("--") else (rest[0], None)
+        rest = rest[2:] if value is not None else rest[1:]
+        if flag in argv and flag != "--data-mixture":
+            continue
+        argv += [flag] + ([value] if value is not None else [])
+    return argv
+
+
+def test_the_docs_table_is_current():
+    with open(os.path.join(REPO_ROOT, "docs", "composition.md")) as f:
+        assert f.read() == C.markdown(), "run: python -m toolkit.config.composition --markdown > docs/composition.md"
+
+
+def test_every_pair_has_one_entry_and_every_refusal_a_reason():
+    entries = C.pairs()
+    assert len(entries) == len(C.FEATURES) * (len(C.FEATURES) - 1) // 2
+    messages = [e.message for _, _, e in entries if isinstance(e, C.Refused)] + [C.COMPILE_TP_SHARDED_DROPOUT]
+    assert messages
+    for message in messages:
+        assert "yet" not in message.split() and "not supported" not in message, message
+        assert ":" in message and ";" in message, f"no reason or no remedy: {message}"
+
+
+def _defined_tests(path: str) -> set:
+    with open(os.path.join(REPO_ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+def test_every_tested_pair_names_a_test_that_exists():
+    tested = {e.test for _, _, e in C.pairs() if isinstance(e, C.Tested)}
+    assert tested
+    for test in tested:
+        path, name = test.split("::")
+        assert name in _defined_tests(path), test
+
+
+@pytest.mark.parametrize("feature", SWITCHABLE, ids=lambda f: f.name)
+def test_each_features_flags_turn_it_on(feature):
+    argv = list(feature.argv)
+    if feature.name == "HSDP":
+        argv += ["--shard-group-size", "1"]
+    assert feature.on(resolve(*argv))
+
+
+@pytest.mark.parametrize("a,b,entry", [p for p in PAIRS if isinstance(p[2], C.Refused)],
+                         ids=lambda x: getattr(x, "name", ""))
+def test_the_resolver_refuses_each_refused_pair_with_its_reason(a, b, entry):
+    with pytest.raises(UserError) as e:
+        resolve(*both(a, b))
+    assert str(e.value) == entry.message
+
+
+@pytest.mark.parametrize("a,b,entry", [p for p in PAIRS if isinstance(p[2], (C.Tested, C.Runs))],
+                         ids=lambda x: getattr(x, "name", ""))
+def test_the_resolver_lets_every_other_pair_through(a, b, entry):
+    cfg = resolve(*both(a, b))
+    assert C.refusal(cfg) is None
+
+
+def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_on_the_dropouts():
+    flags = ["--model-parallel-size", "2", "--compile", "--no-sequence-parallel"]
+    resolve(*flags, "--dropout", "0.1")  # replicated regions: the default generator, inside the compiled block
+    with pytest.raises(UserError) as e:
+        resolve(*flags, "--attention-dropout", "0.1")
+    assert str(e.value) == C.COMPILE_TP_SHARDED_DROPOUT
+    resolve("--model-parallel-size", "2", "--compile", "--attention-dropout", "0.1")  # sequence parallel

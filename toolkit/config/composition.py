@@ -1,0 +1,285 @@
+"""Which training features combine: one table, read by the resolver, the docs and the tests.
+
+Every pair of the features below has one entry:
+
+* ``Tested``: the pair trains and a named test compares it with one process (or with the eager,
+  un-parallelized run), loss for loss to a stated tolerance;
+* ``Runs``: the two act on separate things (the data side and the model side, a precision and a
+  wrapper) and nothing refuses the pair, but no test compares this exact pair with one process;
+* ``Refused``: ``toolkit.train.resolve`` stops the run before any worker starts, with the message
+  here, which names the physical reason (what the two would have to do at once and cannot);
+* ``OneSetting``: not a combination: one feature is a value or a mode of the other;
+* ``ByModel``: decided by the architecture's capability (context and expert parallelism act
+  inside attention and the expert layers: a family without them is refused by that flag itself).
+
+``refusal(cfg)`` is the resolver's one check of the pairs (the first refused pair that is on);
+``markdown()`` writes the table of ``docs/composition.md``
+(``python -m toolkit.config.composition --markdown > docs/composition.md``), which
+``tests/unit/test_composition.py`` keeps current; the same test asks the resolver for every
+refused pair and checks that each named test exists.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    flags: str  # how a user turns it on (the docs' column)
+    on: Callable[[Any], bool]  # over a TrainConfig, before implied values are filled in
+    argv: Tuple[str, ...] = ()  # turns it on in a test (with what it needs); empty: no flag in this version
+
+
+@dataclass(frozen=True)
+class Tested:
+    test: str  # tests/...py::test_name
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Runs:
+    why: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    message: str  # the UserError the resolver raises: the physical reason and what to do
+
+
+@dataclass(frozen=True)
+class OneSetting:
+    why: str
+
+
+@dataclass(frozen=True)
+class ByModel:
+    why: str
+
+
+Status = Union[Tested, Runs, Refused, OneSetting, ByModel]
+
+FSDP = ("--ddp-backend", "fully_sharded")
+TP2 = ("--model-parallel-size", "2")
+
+
+def _fsdp(cfg: Any) -> bool:
+    dist = cfg.distributed
+    return dist.ddp_backend == "fully_sharded" and not dist.sharding_strategy.startswith("hybrid")
+
+
+def _hsdp(cfg: Any) -> bool:
+    return cfg.distributed.ddp_backend == "fully_sharded" and cfg.distributed.sharding_strategy.startswith("hybrid")
+
+
+def _size(cfg: Any, name: str) -> int:
+    """A parallel size the distributed section may not have in this version (context / expert parallelism)."""
+    return int(vars(cfg.distributed).get(name, 1) or 1)
+
+
+def _task(cfg: Any, name: str) -> Any:
+    return vars(cfg.task).get(name) if cfg.task is not None else None
+
+
+FEATURES: Tuple[Feature, ...] = (
+    Feature("FSDP", "--ddp-backend fully_sharded (full_shard, shard_grad_op, no_shard)", _fsdp, FSDP),
+    Feature("HSDP", "--sharding-strategy hybrid_shard / hybrid_shard_zero2", _hsdp,
+            FSDP + ("--sharding-strategy", "hybrid_shard")),
+    Feature("TP", "--model-parallel-size M > 1", lambda c: c.distributed.model_parallel_size > 1, TP2),
+    Feature("SP", "sequence parallelism (on under TP unless --no-sequence-parallel)",
+            lambda c: c.distributed.model_parallel_size > 1 and not c.distributed.no_sequence_parallel, TP2),
+    Feature("CP", "--context-parallel-size > 1", lambda c: _size(c, "context_parallel_size") > 1),
+    Feature("EP", "--expert-parallel-size > 1", lambda c: _size(c, "expert_parallel_size") > 1),
+    Feature("compile", "--compile", lambda c: c.distributed.compile, ("--compile",)),
+    Feature("fp8", "--fp8", lambda c: c.distributed.fp8, ("--fp8",)),
+    Feature("AC", "--checkpoint-activations", lambda c: c.distributed.checkpoint_activations,
+            ("--checkpoint-activations",)),
+    Feature("cpu-offload", "--cpu-offload", lambda c: c.distributed.cpu_offload,
+            FSDP + ("--cpu-offload", "--optimizer", "cpu_adam")),
+    Feature("overlap-offload", "--overlap-offload-step", lambda c: c.distributed.overlap_offload_step,
+            FSDP + ("--cpu-offload", "--optimizer", "cpu_adam", "--overlap-offload-step")),
+    Feature("fp16", "--fp16", lambda c: c.common.fp16 and not c.common.memory_efficient_fp16, ("--fp16",)),
+    Feature("bf16", "--bf16", lambda c: c.common.bf16, ("--bf16",)),
+    Feature("memory-efficient fp16", "--memory-efficient-fp16", lambda c: c.common.memory_efficient_fp16,
+            ("--memory-efficient-fp16",)),
+    Feature("document mask", "--document-attention-mask", lambda c: bool(_task(c, "document_attention_mask")),
+            ("--document-attention-mask",)),
+    Feature("data mixture", "--data-mixture", lambda c: bool(_task(c, "data_mixture")),
+            ("--data-mixture", "a=.:1")),
+    Feature("EMA", "--store-ema", lambda c: c.ema.store_ema, ("--store-ema",)),
+)
+NAMES = tuple(f.name for f in FEATURES)
+
+# --- the tests that compare a pair with one process -------------------------------------------------------
+COMPOSITION = "tests/integration/test_composition.py::"
+COMPILE_1 = "tests/integration/test_compile.py::test_one_process_compiled_matches_eager"
+COMPILE_2 = "tests/integration/test_compile.py::test_two_ranks_compiled_matches_eager"
+STRATEGIES = "tests/integration/test_distributed.py::test_every_sharding_strategy_trains_the_same"
+TP_FP16_AC = "tests/integration/test_tensor_parallel.py::test_fsdp2_with_checkpointing_and_fp16_compute"
+TP_DP = "tests/integration/test_tp_cli.py::test_two_replicas_of_two_ranks_match_one_process_with_update_freq_2"
+OVERLAP_2 = "tests/integration/test_overlap.py::test_two_ranks_bit_identical_with_clipping_and_update_freq_2"
+MASK = "tests/integration/test_document_mask.py::"
+
+# --- the refusals: each names what the two would have to do at once ----------------------------------------
+HALF_FORMATS = ("--fp16 and --bf16 conflict: a run computes in one 16-bit format, fp16 (with loss scaling) or "
+                "bf16 (without); choose one")
+MEFP16_BF16 = ("--memory-efficient-fp16 and --bf16 conflict: it keeps the weights themselves in fp16 (with fp16's "
+               "loss scaling), which bf16 training does not; use --bf16 alone, or --memory-efficient-fp16 alone")
+FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), without loss "
+            "scaling; use --bf16")
+FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
+              "without fp16 weights or loss scaling; use --bf16")
+EMA_SHARDED = ("--store-ema: the average is saved as whole tensors in the checkpoint's extra_state (fairseq's "
+               "format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank holds only "
+               "its shards of each weight; use --ddp-backend c10d or no_c10d")
+BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
+                   "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
+
+INDEPENDENT_DATA = Runs("the data side (batches drawn and masked on each data-parallel rank) is separate from how "
+                        "the model is split or computed")
+INDEPENDENT = Runs("separate mechanisms (one wraps or places the model, the other sets how it computes); no parity "
+                   "test of this pair")
+EMA_RUNS = Runs("the average is taken of the whole weights after each update, in any precision or wrapping")
+
+_PAIRS: Dict[Tuple[str, str], Status] = {
+    ("FSDP", "HSDP"): OneSetting("both are values of --sharding-strategy: a run has one"),
+    ("FSDP", "TP"): Tested(TP_DP), ("FSDP", "SP"): Tested(TP_DP),
+    ("FSDP", "compile"): Tested(COMPILE_2),
+    ("FSDP", "fp8"): Tested("tests/integration/test_fp8.py::test_float8_all_gather_on_two_fsdp2_ranks_follows_one_process"),
+    ("FSDP", "AC"): Tested(STRATEGIES), ("FSDP", "cpu-offload"): Tested(STRATEGIES),
+    ("FSDP", "overlap-offload"): Tested(OVERLAP_2), ("FSDP", "bf16"): Tested(STRATEGIES),
+    ("FSDP", "document mask"): Tested(MASK + "test_two_fsdp_ranks_with_the_mask_equal_one_process"),
+    ("HSDP", "TP"): Tested(COMPOSITION + "test_hsdp_with_tensor_parallel_matches_one_process"),
+    ("HSDP", "SP"): Tested(COMPOSITION + "test_hsdp_with_tensor_parallel_matches_one_process"),
+    ("TP", "SP"): OneSetting("sequence parallelism is how TP splits the norm and dropout activations (on unless "
+                             "--no-sequence-parallel)"),
+    ("TP", "compile"): Tested(COMPOSITION + "test_tensor_parallel_compiled_matches_one_process",
+                              "transformer_lm and llama; with --no-sequence-parallel only where the attention and "
+                              "activation dropouts are 0 (refused otherwise, with the reason)"),
+    ("TP", "fp8"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
+    ("TP", "AC"): Tested(TP_FP16_AC), ("TP", "fp16"): Tested(TP_FP16_AC),
+    ("TP", "cpu-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
+    ("TP", "overlap-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
+    ("TP", "bf16"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
+    ("TP", "memory-efficient fp16"): Tested(COMPOSITION + "test_tensor_parallel_memory_efficient_fp16_matches_one_process"),
+    ("TP", "document mask"): Tested(MASK + "test_tensor_parallel_with_the_mask_equals_one_process"),
+    ("compile", "AC"): Tested(COMPILE_1), ("compile", "fp16"): Tested(COMPILE_1), ("compile", "bf16"): Tested(COMPILE_1),
+    ("compile", "cpu-offload"): Tested(COMPILE_2),
+    ("compile", "overlap-offload"): Tested("tests/integration/test_overlap.py::test_one_process_compiled_blocks_bit_identical"),
+    ("compile", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager",
+                                         "on CPU (the dense mask); a GPU run's flex_attention block mask is not "
+                                         "compared here"),
+    ("fp8", "fp16"): Refused(FP8_FP16), ("fp8", "memory-efficient fp16"): Refused(FP8_MEFP16),
+    ("fp8", "bf16"): Tested("tests/integration/test_fp8.py::test_fp8_training_follows_fp32_and_its_checkpoint_loads_without_fp8"),
+    ("AC", "cpu-offload"): Tested(COMPILE_2),
+    ("AC", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager"),
+    ("cpu-offload", "overlap-offload"): Tested(OVERLAP_2),
+    ("overlap-offload", "fp16"): Tested("tests/integration/test_overlap.py::test_one_process_fp16_overflow_skips_bit_identical"),
+    ("fp16", "bf16"): Refused(HALF_FORMATS),
+    ("fp16", "memory-efficient fp16"): OneSetting("--memory-efficient-fp16 is fp16 training with fp16 weights; it "
+                                                  "turns --fp16 on"),
+    ("bf16", "memory-efficient fp16"): Refused(MEFP16_BF16),
+}
+for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16", "bf16", "memory-efficient fp16",
+               "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
+    _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
+for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
+    _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
+for _model_split in ("CP", "EP"):
+    for _other in NAMES:
+        if _other != _model_split:
+            _PAIRS.setdefault((_model_split, _other), BY_MODEL)
+
+
+def status(a: str, b: str) -> Status:
+    """The entry of the pair (a, b), in either order."""
+    if (a, b) in _PAIRS:
+        return _PAIRS[(a, b)]
+    if (b, a) in _PAIRS:
+        return _PAIRS[(b, a)]
+    if "data mixture" in (a, b):
+        return INDEPENDENT_DATA
+    if "EMA" in (a, b):
+        return EMA_RUNS
+    return INDEPENDENT
+
+
+def pairs() -> List[Tuple[Feature, Feature, Status]]:
+    """Every unordered pair of features once, in the table's order."""
+    return [(a, b, status(a.name, b.name)) for a, b in itertools.combinations(FEATURES, 2)]
+
+
+# TP x compile depends on the model in one case: without sequence parallelism the dropouts on a rank's own heads
+# and hidden units draw from a per-rank generator reseeded between layers inside a block (toolkit.distributed.
+# tensor_parallel), which a compiled block cannot do; with sequence parallelism the whole block draws per rank.
+COMPILE_TP_SHARDED_DROPOUT = (
+    "--compile with --model-parallel-size > 1 and --no-sequence-parallel: the attention and activation dropouts act "
+    "on this rank's heads and hidden units and draw from a per-rank generator that is reseeded between layers inside "
+    "a block, and a compiled block draws from one generator; drop --no-sequence-parallel (then the whole block draws "
+    "per rank) or set --attention-dropout and --activation-dropout to 0")
+
+
+def _sharded_dropout(model: Any) -> bool:
+    fields = vars(model) if model is not None else {}
+    return any((fields.get(name) or 0) > 0 for name in ("attention_dropout", "activation_dropout", "relu_dropout"))
+
+
+def refusal(cfg: Any) -> Optional[str]:
+    """The message of the first refused pair that ``cfg`` turns on (None: every pair on composes)."""
+    on = [f for f in FEATURES if f.on(cfg)]
+    for a, b in itertools.combinations(on, 2):
+        entry = status(a.name, b.name)
+        if isinstance(entry, Refused):
+            return entry.message
+    dist = cfg.distributed
+    if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
+        return COMPILE_TP_SHARDED_DROPOUT
+    return None
+
+
+# --- the docs' table --------------------------------------------------------------------------------------
+
+SYMBOL = {Tested: "T", Runs: "r", Refused: "X", OneSetting: "=", ByModel: "m"}
+
+
+def markdown() -> str:
+    """``docs/composition.md``: the matrix, then every refusal, tested pair and model-decided pair in words."""
+    lines = ["# Which features combine", "",
+             "Generated from `toolkit/config/composition.py` (`python -m toolkit.config.composition --markdown "
+             "> docs/composition.md`); `tests/unit/test_composition.py` fails when this file is not current.", "",
+             "T: trains and a test compares it with one process (or the eager run); r: runs (separate mechanisms), "
+             "no parity test of this pair; X: refused before any worker starts, for the reason below; "
+             "=: not a combination (one is a mode of the other); m: decided by the architecture.", "",
+             "| | " + " | ".join(NAMES) + " |", "| --- |" + " --- |" * len(NAMES)]
+    for a in NAMES:
+        cells = ["" if a == b else SYMBOL[type(status(a, b))] for b in NAMES]
+        lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
+    lines += ["", "## Features", ""] + [f"- **{f.name}**: {f.flags}" for f in FEATURES]
+    sections: Dict[type, List[str]] = {Refused: [], Tested: [], OneSetting: [], ByModel: []}
+    for a, b, entry in pairs():
+        pair = f"**{a.name} x {b.name}**"
+        if isinstance(entry, Refused):
+            sections[Refused].append(f"- {pair}: `{entry.message}`")
+        elif isinstance(entry, Tested):
+            sections[Tested].append(f"- {pair}: `{entry.test}`" + (f" ({entry.note})" if entry.note else ""))
+        elif isinstance(entry, OneSetting):
+            sections[OneSetting].append(f"- {pair}: {entry.why}")
+    model = sorted({entry.why for _, _, entry in pairs() if isinstance(entry, ByModel)})
+    for title, kind in (("Refused (the message the run stops with)", Refused),
+                        ("Tested equal to one process", Tested), ("Not a combination", OneSetting)):
+        lines += ["", f"## {title}", ""] + sections[kind]
+    lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]
+    lines += ["", "## Runs, no parity test of the pair", "",
+              f"- with the data mixture: {INDEPENDENT_DATA.why}", f"- with the EMA: {EMA_RUNS.why}",
+              f"- the other pairs marked r: {INDEPENDENT.why}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m toolkit.config.composition --markdown > docs/composition.md")
+    sys.stdout.write(markdown())
