@@ -93,3 +93,19 @@ def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_o
         resolve(*flags, "--attention-dropout", "0.1")
     assert str(e.value) == C.COMPILE_TP_SHARDED_DROPOUT
     resolve("--model-parallel-size", "2", "--compile", "--attention-dropout", "0.1")  # sequence parallel
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dropout", "0.1"], "--dropout: --arch llama_tiny has no such option (the Llama family has no dropout); "
+                           "drop the flag"),
+    (["--adaptive-input"], "--adaptive-input: --arch llama_tiny has no such option (it is an option of "
+                           "transformer_lm); drop the flag"),
+])
+def test_an_option_of_another_family_is_one_line_naming_it(flags, message):
+    from toolkit.train.resolve import parse_train_config
+
+    with pytest.raises(UserError) as e:
+        parse_train_config(["data", "--arch", "llama_tiny", "--max-update", "1", *flags])
+    assert str(e.value) == message
+    with pytest.raises(SystemExit):  # a flag no family has: argparse's own error, as before
+        parse_train_config(["data", "--arch", "llama_tiny", "--max-update", "1", "--no-such-option"])

@@ -230,6 +230,32 @@ def build_parser(
     return parser, argv
 
 
+def _option_strings(config: Optional[type]) -> Set[str]:
+    if config is None or not is_dataclass(config):
+        return set()
+    return {name for f in fields(config) for name in [flag_name(f.name), *f.metadata.get("aliases", ())]}
+
+
+def refuse_other_family_options(parser: argparse.ArgumentParser, argv: Sequence[str], arch: str) -> None:
+    """A model option of another family (``--arch llama --dropout 0.1``) is one line saying so, not argparse's
+    "unrecognized arguments": the user asked for something the chosen family does not have. A family may
+    say why in its options class (``ABSENT_OPTIONS = {"dropout": "it has no dropout"}``)."""
+    from toolkit.core.errors import UserError
+
+    known = {option for action in parser._actions for option in action.option_strings}
+    chosen = registry.resolve_arch(arch).config
+    absent = getattr(chosen, "ABSENT_OPTIONS", {})
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag in known:
+            continue
+        owners = sorted(name for name in registry.MODEL_REGISTRY.names()
+                        if flag in _option_strings(registry.MODEL_REGISTRY.get(name).config))
+        if owners:
+            why = absent.get(flag[2:].replace("-", "_")) or f"it is an option of {', '.join(owners)}"
+            raise UserError(f"{flag}: --arch {arch} has no such option ({why}); drop the flag")
+
+
 def parse_with_components(prog: str, base_configs: Sequence[type], argv: Optional[List[str]] = None,
                           **kwargs: Any) -> argparse.Namespace:
     """Two-pass parse: the chosen components decide which options exist (see :func:`build_parser`)."""

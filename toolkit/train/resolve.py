@@ -57,7 +57,10 @@ def parse_train_config(argv: Optional[Sequence[str]] = None, prog: str = "toolki
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, full_argv = options.build_parser(prog, TRAIN_CONFIGS, argv, description=description,
                                              imply=implied_selectors)
-    args = parser.parse_args(full_argv)
+    args, unknown = parser.parse_known_args(full_argv)
+    if unknown:  # another family's model option: one line naming the family; else argparse's own error
+        options.refuse_other_family_options(parser, unknown, args.arch)
+        parser.parse_args(full_argv)
     cfg, choices = resolve(args, options.explicit_options(parser, argv))
     for line in choices:
         logger.info(line)

@@ -15,13 +15,22 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Dict, Optional
 
 from toolkit.core.errors import UserError
 
 
 @dataclass
 class LlamaConfig:
+    # transformer_lm's options this family does not have, and why (toolkit.config.options says so in one line)
+    ABSENT_OPTIONS: ClassVar[Dict[str, str]] = {
+        **{name: "the Llama family has no dropout" for name in ("dropout", "attention_dropout", "activation_dropout",
+                                                                "relu_dropout")},
+        "decoder_normalize_before": "Llama blocks always normalize before attention and the MLP (RMSNorm)",
+        "decoder_learned_pos": "Llama encodes positions with rotary embeddings",
+        "activation_fn": "Llama's MLP is SwiGLU",
+    }
+
     decoder_layers: int = field(default=2, metadata={"help": "num decoder layers"})
     decoder_embed_dim: int = field(default=64, metadata={"help": "decoder embedding dimension"})
     decoder_ffn_embed_dim: int = field(default=128, metadata={"help": "decoder embedding dimension for FFN"})
