@@ -58,6 +58,17 @@ one draw of the default generator and the TP rank: different masks per rank, and
 masks again for the same (seed, update), so resuming stays exact. Activation checkpointing
 (``preserve_rng_state``) restores the default generator before recomputation, so the fork
 draws the same seed again and the recomputed masks equal the original ones.
+
+``--compile``: reseeding a generator is not something dynamo can put in a graph, so under tensor
+parallelism only each block's ``forward`` is compiled (``toolkit.distributed.compile``): the
+block's own hooks, the sequence-parallel fork among them, run eagerly around the compiled code,
+which draws from the forked generator. The per-region forks of ``--no-sequence-parallel`` sit
+inside the block; compiled, they draw nothing, and ``toolkit.train.resolve`` refuses the
+attention/activation dropouts they would serve (``toolkit/config/composition.py``).
+
+``--fp8``: the float8 swap comes first (``toolkit.distributed.float8``); the row-parallel layers
+keep torchao's ``Float8Linear`` on DTensors, and the column-parallel classes mix in
+``_Float8Local``, which computes this rank's matmul in float8 with the module's own config.
 """
 from __future__ import annotations
 
@@ -295,9 +306,8 @@ def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
     stacks = []
 
     def enter(_module, _inputs):
-        if torch.compiler.is_compiling():
-            return  # inside a compiled block (--no-sequence-parallel): toolkit.train.resolve allows it only where
-            # these regions have no dropout, so the default generator gives the same (no) masks
+        if torch.compiler.is_compiling():  # inside a compiled block (--no-sequence-parallel, module docstring)
+            return
         draw = int(torch.randint(0, 2 ** 62, (1,)).item())  # advances the default stream alike on every rank
         stack = contextlib.ExitStack()
         devices = [device.index or 0] if device.type != "cpu" else []
