@@ -2,8 +2,9 @@
 
 Every pair of the features below has one entry:
 
-* ``Tested``: the pair trains and a named test compares it with one process (or with the eager,
-  un-parallelized run), loss for loss to a stated tolerance;
+* ``Tested``: the pair trains and a named test compares it, loss for loss to a stated tolerance, with
+  one process (or with the same run without one of the two: eager for ``--compile``, the serial
+  update for ``--overlap-offload-step``);
 * ``Runs``: the two act on separate things (the data side and the model side, a precision and a
   wrapper) and nothing refuses the pair, but no test compares this exact pair with one process;
 * ``Refused``: ``toolkit.train.resolve`` stops the run before any worker starts, with the message
@@ -121,6 +122,8 @@ TP_FP16_AC = "tests/integration/test_tensor_parallel.py::test_fsdp2_with_checkpo
 TP_DP = "tests/integration/test_tp_cli.py::test_two_replicas_of_two_ranks_match_one_process_with_update_freq_2"
 OVERLAP_2 = "tests/integration/test_overlap.py::test_two_ranks_bit_identical_with_clipping_and_update_freq_2"
 MASK = "tests/integration/test_document_mask.py::"
+FP8 = "tests/integration/test_fp8.py::"
+OVERLAP = "tests/integration/test_overlap.py::"
 
 # --- the refusals: each names what the two would have to do at once ----------------------------------------
 HALF_FORMATS = ("--fp16 and --bf16 conflict: a run computes in one 16-bit format, fp16 (with loss scaling) or "
@@ -131,9 +134,10 @@ FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in
             "scaling; use --bf16")
 FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
               "without fp16 weights or loss scaling; use --bf16")
-EMA_SHARDED = ("--store-ema: the average is saved as whole tensors in the checkpoint's extra_state (fairseq's "
-               "format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank holds only "
-               "its shards of each weight; use --ddp-backend c10d or no_c10d")
+EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole in the checkpoint's extra_state, "
+               "fairseq's format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank "
+               "holds only its shards: averaging whole weights would gather the whole model onto every rank after "
+               "each update, which sharding exists to avoid; use --ddp-backend c10d or no_c10d")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -147,7 +151,7 @@ _PAIRS: Dict[Tuple[str, str], Status] = {
     ("FSDP", "HSDP"): OneSetting("both are values of --sharding-strategy: a run has one"),
     ("FSDP", "TP"): Tested(TP_DP), ("FSDP", "SP"): Tested(TP_DP),
     ("FSDP", "compile"): Tested(COMPILE_2),
-    ("FSDP", "fp8"): Tested("tests/integration/test_fp8.py::test_float8_all_gather_on_two_fsdp2_ranks_follows_one_process"),
+    ("FSDP", "fp8"): Tested(FP8 + "test_float8_all_gather_on_two_fsdp2_ranks_follows_one_process"),
     ("FSDP", "AC"): Tested(STRATEGIES), ("FSDP", "cpu-offload"): Tested(STRATEGIES),
     ("FSDP", "overlap-offload"): Tested(OVERLAP_2), ("FSDP", "bf16"): Tested(STRATEGIES),
     ("FSDP", "document mask"): Tested(MASK + "test_two_fsdp_ranks_with_the_mask_equal_one_process"),
@@ -157,26 +161,28 @@ _PAIRS: Dict[Tuple[str, str], Status] = {
                              "--no-sequence-parallel)"),
     ("TP", "compile"): Tested(COMPOSITION + "test_tensor_parallel_compiled_matches_one_process",
                               "transformer_lm and llama; with --no-sequence-parallel only where the attention and "
-                              "activation dropouts are 0 (refused otherwise, with the reason)"),
+                              "activation dropouts are 0, refused otherwise with the reason"),
     ("TP", "fp8"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
     ("TP", "AC"): Tested(TP_FP16_AC), ("TP", "fp16"): Tested(TP_FP16_AC),
     ("TP", "cpu-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
     ("TP", "overlap-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
     ("TP", "bf16"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
-    ("TP", "memory-efficient fp16"): Tested(COMPOSITION + "test_tensor_parallel_memory_efficient_fp16_matches_one_process"),
+    ("TP", "memory-efficient fp16"): Tested(
+        COMPOSITION + "test_tensor_parallel_memory_efficient_fp16_matches_one_process"),
     ("TP", "document mask"): Tested(MASK + "test_tensor_parallel_with_the_mask_equals_one_process"),
-    ("compile", "AC"): Tested(COMPILE_1), ("compile", "fp16"): Tested(COMPILE_1), ("compile", "bf16"): Tested(COMPILE_1),
+    ("compile", "AC"): Tested(COMPILE_1), ("compile", "fp16"): Tested(COMPILE_1),
+    ("compile", "bf16"): Tested(COMPILE_1),
     ("compile", "cpu-offload"): Tested(COMPILE_2),
-    ("compile", "overlap-offload"): Tested("tests/integration/test_overlap.py::test_one_process_compiled_blocks_bit_identical"),
+    ("compile", "overlap-offload"): Tested(OVERLAP + "test_one_process_compiled_blocks_bit_identical"),
     ("compile", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager",
                                          "on CPU (the dense mask); a GPU run's flex_attention block mask is not "
                                          "compared here"),
     ("fp8", "fp16"): Refused(FP8_FP16), ("fp8", "memory-efficient fp16"): Refused(FP8_MEFP16),
-    ("fp8", "bf16"): Tested("tests/integration/test_fp8.py::test_fp8_training_follows_fp32_and_its_checkpoint_loads_without_fp8"),
+    ("fp8", "bf16"): Tested(FP8 + "test_fp8_training_follows_fp32_and_its_checkpoint_loads_without_fp8"),
     ("AC", "cpu-offload"): Tested(COMPILE_2),
     ("AC", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager"),
     ("cpu-offload", "overlap-offload"): Tested(OVERLAP_2),
-    ("overlap-offload", "fp16"): Tested("tests/integration/test_overlap.py::test_one_process_fp16_overflow_skips_bit_identical"),
+    ("overlap-offload", "fp16"): Tested(OVERLAP + "test_one_process_fp16_overflow_skips_bit_identical"),
     ("fp16", "bf16"): Refused(HALF_FORMATS),
     ("fp16", "memory-efficient fp16"): OneSetting("--memory-efficient-fp16 is fp16 training with fp16 weights; it "
                                                   "turns --fp16 on"),
@@ -249,7 +255,8 @@ def markdown() -> str:
     lines = ["# Which features combine", "",
              "Generated from `toolkit/config/composition.py` (`python -m toolkit.config.composition --markdown "
              "> docs/composition.md`); `tests/unit/test_composition.py` fails when this file is not current.", "",
-             "T: trains and a test compares it with one process (or the eager run); r: runs (separate mechanisms), "
+             "T: trains and a test compares it, loss for loss, with one process (or with the same run without "
+             "one of the two: eager for compile, serial for overlap-offload); r: runs (separate mechanisms), "
              "no parity test of this pair; X: refused before any worker starts, for the reason below; "
              "=: not a combination (one is a mode of the other); m: decided by the architecture.", "",
              "| | " + " | ".join(NAMES) + " |", "| --- |" + " --- |" * len(NAMES)]
