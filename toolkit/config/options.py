@@ -20,6 +20,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from toolkit.core import registry
+from toolkit.core.errors import UserError
 from toolkit.core.registry import (
     ARCH_CONFIG_FN,
     CRITERION_REGISTRY,
@@ -240,8 +241,6 @@ def refuse_other_family_options(parser: argparse.ArgumentParser, argv: Sequence[
     """A model option of another family (``--arch llama --dropout 0.1``) is one line saying so, not argparse's
     "unrecognized arguments": the user asked for something the chosen family does not have. A family may
     say why in its options class (``ABSENT_OPTIONS = {"dropout": "it has no dropout"}``)."""
-    from toolkit.core.errors import UserError
-
     known = {option for action in parser._actions for option in action.option_strings}
     chosen = registry.resolve_arch(arch).config
     absent = getattr(chosen, "ABSENT_OPTIONS", {})
