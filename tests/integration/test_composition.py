@@ -118,3 +118,52 @@ def test_hsdp_with_tensor_parallel_matches_one_process(data_bin, tmp_path):
                  "--shard-group-size", "1")
     assert "mesh (2, 1, 2) ('dp_replicate', 'dp_shard', 'tp')" in hsdp.stdout
     assert_same_losses(hsdp, one, 1e-3)
+
+
+# --- pairs with nothing to change in the code: each run against one process (docs/composition.md's T) --------
+HSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
+        "--shard-group-size", "1"]  # (2 replicas, 1 shard)
+FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]
+REFERENCES = {  # one process, the batches of two ranks per update
+    "fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"], "mefp16": ["--memory-efficient-fp16"],
+    "fp8": ["--fp8", "--bf16"], "mask": ["--document-attention-mask"],
+}
+BF16_TOL, FP16_TOL = 2e-2, 1e-2
+RUNS = {  # name: (flags, reference, relative tolerance)
+    "hsdp_compile": (HSDP + ["--compile"], "fp32", 1e-3),
+    "hsdp_ac": (HSDP + ["--checkpoint-activations"], "fp32", 1e-3),
+    "hsdp_offload_overlap": (HSDP + OFFLOAD + ["--overlap-offload-step"], "fp32", 1e-3),
+    "hsdp_bf16": (HSDP + ["--bf16"], "bf16", BF16_TOL),
+    "hsdp_fp16": (HSDP + ["--fp16"], "fp16", FP16_TOL),
+    "hsdp_mefp16": (HSDP + ["--memory-efficient-fp16"], "mefp16", FP16_TOL),
+    "hsdp_mask": (HSDP + ["--document-attention-mask"], "mask", 1e-3),
+    "hsdp_fp8": (HSDP + ["--fp8", "--bf16"], "fp8", BF16_TOL),
+    "fsdp_fp16": (FSDP2 + ["--fp16"], "fp16", FP16_TOL),
+    "fsdp_mefp16": (FSDP2 + ["--memory-efficient-fp16"], "mefp16", FP16_TOL),
+    "offload_bf16_ac": (FSDP2 + OFFLOAD + ["--bf16", "--checkpoint-activations"], "bf16", BF16_TOL),
+    "offload_fp16": (FSDP2 + OFFLOAD + ["--fp16"], "fp16", FP16_TOL),
+    "overlap_bf16": (FSDP2 + OFFLOAD + ["--overlap-offload-step", "--bf16"], "bf16", BF16_TOL),
+    "offload_mask": (FSDP2 + OFFLOAD + ["--document-attention-mask"], "mask", 1e-3),
+    "offload_fp8_ac": (FSDP2 + OFFLOAD + ["--fp8", "--bf16", "--checkpoint-activations"], "fp8", BF16_TOL),
+    "compile_fp8": (FSDP2 + ["--compile", "--fp8", "--bf16"], "fp8", BF16_TOL),
+    "compile_mefp16": (FSDP2 + ["--compile", "--memory-efficient-fp16"], "mefp16", FP16_TOL),
+    "ac_fp16_mask": (FSDP2 + ["--checkpoint-activations", "--fp16", "--document-attention-mask"], "fp16+mask",
+                     FP16_TOL),
+}
+
+
+@pytest.fixture(scope="module")
+def references(data_bin, tmp_path_factory):
+    out = {}
+    for name in {reference for _, reference, _ in RUNS.values()}:
+        flags = [f for part in name.split("+") for f in REFERENCES[part]]
+        out[name] = train(data_bin, tmp_path_factory.mktemp(name.replace("+", "_")), *flags, "--update-freq", "2")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_pairs_that_run_match_one_process(data_bin, tmp_path, references, name):
+    flags, reference, rel = RUNS[name]
+    proc = train(data_bin, tmp_path, *flags, env=COMPILE if "--compile" in flags else None)
+    assert_same_losses(proc, references[reference], rel)

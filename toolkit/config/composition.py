@@ -188,6 +188,21 @@ _PAIRS: Dict[Tuple[str, str], Status] = {
                                                   "turns --fp16 on"),
     ("bf16", "memory-efficient fp16"): Refused(MEFP16_BF16),
 }
+RUN_PAIRS = COMPOSITION + "test_pairs_that_run_match_one_process"
+for _case, _names in {  # the parametrized cases of RUN_PAIRS (tests/integration/test_composition.py RUNS)
+    "hsdp_compile": [("HSDP", "compile")], "hsdp_ac": [("HSDP", "AC")],
+    "hsdp_offload_overlap": [("HSDP", "cpu-offload"), ("HSDP", "overlap-offload")],
+    "hsdp_bf16": [("HSDP", "bf16")], "hsdp_fp16": [("HSDP", "fp16")],
+    "hsdp_mefp16": [("HSDP", "memory-efficient fp16")], "hsdp_mask": [("HSDP", "document mask")],
+    "hsdp_fp8": [("HSDP", "fp8")], "fsdp_fp16": [("FSDP", "fp16")], "fsdp_mefp16": [("FSDP", "memory-efficient fp16")],
+    "offload_bf16_ac": [("cpu-offload", "bf16"), ("AC", "bf16")], "offload_fp16": [("cpu-offload", "fp16")],
+    "overlap_bf16": [("overlap-offload", "bf16")], "offload_mask": [("cpu-offload", "document mask")],
+    "offload_fp8_ac": [("fp8", "cpu-offload"), ("fp8", "AC")], "compile_fp8": [("compile", "fp8")],
+    "compile_mefp16": [("compile", "memory-efficient fp16")],
+    "ac_fp16_mask": [("AC", "fp16"), ("fp16", "document mask")],
+}.items():
+    for _pair in _names:
+        _PAIRS.setdefault(_pair, Tested(RUN_PAIRS, f"case {_case}"))
 for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16", "bf16", "memory-efficient fp16",
                "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
