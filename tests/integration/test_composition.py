@@ -1,5 +1,7 @@
-"""Pairs of features that used to be refused, each through ``toolkit-train`` against one process
-(docs/composition.md lists every pair; toolkit/config/composition.py names these tests).
+"""Pairs of features through ``toolkit-train`` against one process: those that used to be refused (TP with
+--compile, --fp8, --cpu-offload, --overlap-offload-step, --memory-efficient-fp16; HSDP with TP), then the pairs
+that needed no change, several pairs per run (docs/composition.md lists every pair; toolkit/config/composition.py
+names these tests and cases).
 
 Four ranks are (2 data-parallel replicas x 2 tensor-parallel ranks); the one process then takes both replicas'
 batches per update (``--update-freq 2``). Two ranks (one replica) where a pair changes nothing across replicas
@@ -125,6 +127,7 @@ HSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded", "--sh
         "--shard-group-size", "1"]  # (2 replicas, 1 shard)
 FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]
+C10D = ["--distributed-world-size", "2", "--ddp-backend", "c10d"]
 REFERENCES = {  # one process, the batches of two ranks per update
     "fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"], "mefp16": ["--memory-efficient-fp16"],
     "fp8": ["--fp8", "--bf16"], "mask": ["--document-attention-mask"],
@@ -150,6 +153,15 @@ RUNS = {  # name: (flags, reference, relative tolerance)
     "compile_mefp16": (FSDP2 + ["--compile", "--memory-efficient-fp16"], "mefp16", FP16_TOL),
     "ac_fp16_mask": (FSDP2 + ["--checkpoint-activations", "--fp16", "--document-attention-mask"], "fp16+mask",
                      FP16_TOL),
+    "overlap_fp8_ac_mask": (FSDP2 + OFFLOAD + ["--overlap-offload-step", "--fp8", "--bf16", "--checkpoint-activations",
+                                               "--document-attention-mask"], "fp8+mask", BF16_TOL),
+    "overlap_mefp16_ac_mask": (FSDP2 + OFFLOAD + ["--overlap-offload-step", "--memory-efficient-fp16",
+                                                  "--checkpoint-activations", "--document-attention-mask"],
+                               "mefp16+mask", FP16_TOL),
+    "ema_compile_ac_fp16_mask": (C10D + ["--store-ema", "--compile", "--checkpoint-activations", "--fp16",
+                                         "--document-attention-mask"], "fp16+mask", FP16_TOL),
+    "ema_fp8": (C10D + ["--store-ema", "--fp8", "--bf16"], "fp8", BF16_TOL),
+    "ema_mefp16": (C10D + ["--store-ema", "--memory-efficient-fp16"], "mefp16", FP16_TOL),
 }
 
 
@@ -167,3 +179,35 @@ def test_pairs_that_run_match_one_process(data_bin, tmp_path, references, name):
     flags, reference, rel = RUNS[name]
     proc = train(data_bin, tmp_path, *flags, env=COMPILE if "--compile" in flags else None)
     assert_same_losses(proc, references[reference], rel)
+
+
+# --- --data-mixture with every other feature: the mixture is drawn per data-parallel rank ---------------------
+MIXTURE_RUNS = {  # name: (flags, reference, relative tolerance)
+    "tp_compile_ac": (FOUR_RANKS + ["--compile", "--checkpoint-activations"], "fp32", 1e-3),
+    "hsdp_offload_overlap_mask": (HSDP + OFFLOAD + ["--overlap-offload-step", "--document-attention-mask"], "mask",
+                                  1e-3),
+    "ema_fp8": (C10D + ["--store-ema", "--fp8", "--bf16"], "fp8", BF16_TOL),
+    "fsdp_fp16": (FSDP2 + ["--fp16"], "fp16", FP16_TOL),
+    "fsdp_mefp16": (FSDP2 + ["--memory-efficient-fp16"], "mefp16", FP16_TOL),
+}
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    from tests.helpers.mixture import make_sources
+
+    root = make_sources(tmp_path_factory.mktemp("mixture"))
+    return ["--data-mixture", f"web={root}/web:0.7,code={root}/code:0.3"]
+
+
+@pytest.fixture(scope="module")
+def mixture_references(mixture, tmp_path_factory):
+    return {name: train("", tmp_path_factory.mktemp(f"mixture_{name}"), *mixture, *REFERENCES[name], "--update-freq",
+                        "2") for name in {reference for _, reference, _ in MIXTURE_RUNS.values()}}
+
+
+@pytest.mark.parametrize("name", sorted(MIXTURE_RUNS))
+def test_data_mixture_pairs_match_one_process(mixture, mixture_references, tmp_path, name):
+    flags, reference, rel = MIXTURE_RUNS[name]
+    proc = train("", tmp_path, *mixture, *flags, env=COMPILE if "--compile" in flags else None)
+    assert_same_losses(proc, mixture_references[reference], rel)

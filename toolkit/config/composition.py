@@ -141,11 +141,8 @@ EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole i
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
-INDEPENDENT_DATA = Runs("the data side (batches drawn and masked on each data-parallel rank) is separate from how "
-                        "the model is split or computed")
 INDEPENDENT = Runs("separate mechanisms (one wraps or places the model, the other sets how it computes); no parity "
                    "test of this pair")
-EMA_RUNS = Runs("the average is taken of the whole weights after each update, in any precision or wrapping")
 
 _PAIRS: Dict[Tuple[str, str], Status] = {
     ("FSDP", "HSDP"): OneSetting("both are values of --sharding-strategy: a run has one"),
@@ -200,9 +197,23 @@ for _case, _names in {  # the parametrized cases of RUN_PAIRS (tests/integration
     "offload_fp8_ac": [("fp8", "cpu-offload"), ("fp8", "AC")], "compile_fp8": [("compile", "fp8")],
     "compile_mefp16": [("compile", "memory-efficient fp16")],
     "ac_fp16_mask": [("AC", "fp16"), ("fp16", "document mask")],
+    "overlap_fp8_ac_mask": [("fp8", "overlap-offload"), ("AC", "overlap-offload"), ("overlap-offload", "document mask"),
+                            ("fp8", "document mask"), ("bf16", "document mask")],
+    "overlap_mefp16_ac_mask": [("cpu-offload", "memory-efficient fp16"), ("overlap-offload", "memory-efficient fp16"),
+                               ("AC", "memory-efficient fp16"), ("memory-efficient fp16", "document mask")],
+    "ema_compile_ac_fp16_mask": [("compile", "EMA"), ("AC", "EMA"), ("fp16", "EMA"), ("document mask", "EMA")],
+    "ema_fp8": [("fp8", "EMA"), ("bf16", "EMA")], "ema_mefp16": [("memory-efficient fp16", "EMA")],
 }.items():
     for _pair in _names:
         _PAIRS.setdefault(_pair, Tested(RUN_PAIRS, f"case {_case}"))
+MIXTURE_PAIRS = COMPOSITION + "test_data_mixture_pairs_match_one_process"
+for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_composition.py MIXTURE_RUNS)
+    "tp_compile_ac": ("FSDP", "TP", "SP", "compile", "AC"),
+    "hsdp_offload_overlap_mask": ("HSDP", "cpu-offload", "overlap-offload", "document mask"),
+    "ema_fp8": ("EMA", "fp8", "bf16"), "fsdp_fp16": ("fp16",), "fsdp_mefp16": ("memory-efficient fp16",),
+}.items():
+    for _other in _others:
+        _PAIRS[(_other, "data mixture")] = Tested(MIXTURE_PAIRS, f"case {_case}")
 for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16", "bf16", "memory-efficient fp16",
                "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
@@ -220,10 +231,6 @@ def status(a: str, b: str) -> Status:
         return _PAIRS[(a, b)]
     if (b, a) in _PAIRS:
         return _PAIRS[(b, a)]
-    if "data mixture" in (a, b):
-        return INDEPENDENT_DATA
-    if "EMA" in (a, b):
-        return EMA_RUNS
     return INDEPENDENT
 
 
@@ -293,9 +300,12 @@ def markdown() -> str:
                         ("Tested equal to one process", Tested), ("Not a combination", OneSetting)):
         lines += ["", f"## {title}", ""] + sections[kind]
     lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]
-    lines += ["", "## Runs, no parity test of the pair", "",
-              f"- with the data mixture: {INDEPENDENT_DATA.why}", f"- with the EMA: {EMA_RUNS.why}",
-              f"- the other pairs marked r: {INDEPENDENT.why}"]
+    runs: Dict[str, List[str]] = {}
+    for a, b, entry in pairs():
+        if isinstance(entry, Runs):
+            runs.setdefault(entry.why, []).append(f"{a.name} x {b.name}")
+    lines += ["", "## Runs, no parity test of the pair", ""]
+    lines += [f"- {', '.join(names)}: {why}" for why, names in runs.items()] or ["- none"]
     return "\n".join(lines) + "\n"
 
 
