@@ -185,6 +185,14 @@ _PAIRS: Dict[Tuple[str, str], Status] = {
                                                   "turns --fp16 on"),
     ("bf16", "memory-efficient fp16"): Refused(MEFP16_BF16),
 }
+
+
+def _fill(a: str, b: str, entry: Status) -> None:
+    """Give the pair (either order) this entry unless the table above already has one."""
+    if (a, b) not in _PAIRS and (b, a) not in _PAIRS:
+        _PAIRS[(a, b)] = entry
+
+
 RUN_PAIRS = COMPOSITION + "test_pairs_that_run_match_one_process"
 for _case, _names in {  # the parametrized cases of RUN_PAIRS (tests/integration/test_composition.py RUNS)
     "hsdp_compile": [("HSDP", "compile")], "hsdp_ac": [("HSDP", "AC")],
@@ -205,7 +213,7 @@ for _case, _names in {  # the parametrized cases of RUN_PAIRS (tests/integration
     "ema_fp8": [("fp8", "EMA"), ("bf16", "EMA")], "ema_mefp16": [("memory-efficient fp16", "EMA")],
 }.items():
     for _pair in _names:
-        _PAIRS.setdefault(_pair, Tested(RUN_PAIRS, f"case {_case}"))
+        _fill(*_pair, Tested(RUN_PAIRS, f"case {_case}"))
 MIXTURE_PAIRS = COMPOSITION + "test_data_mixture_pairs_match_one_process"
 for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_composition.py MIXTURE_RUNS)
     "tp_compile_ac": ("FSDP", "TP", "SP", "compile", "AC"),
@@ -222,16 +230,26 @@ for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
-            _PAIRS.setdefault((_model_split, _other), BY_MODEL)
+            _fill(_model_split, _other, BY_MODEL)
+
+
+def _in_order(table: Dict[Tuple[str, str], Status]) -> Dict[Tuple[str, str], Status]:
+    """The table keyed in FEATURES' order; a pair given in both orders with two entries is a mistake here."""
+    out: Dict[Tuple[str, str], Status] = {}
+    for (a, b), entry in table.items():
+        key = (a, b) if NAMES.index(a) < NAMES.index(b) else (b, a)
+        if out.get(key, entry) != entry:
+            raise ValueError(f"composition table: {a} x {b} has two entries")
+        out[key] = entry
+    return out
+
+
+_PAIRS = _in_order(_PAIRS)
 
 
 def status(a: str, b: str) -> Status:
     """The entry of the pair (a, b), in either order."""
-    if (a, b) in _PAIRS:
-        return _PAIRS[(a, b)]
-    if (b, a) in _PAIRS:
-        return _PAIRS[(b, a)]
-    return INDEPENDENT
+    return _PAIRS.get((a, b) if NAMES.index(a) < NAMES.index(b) else (b, a), INDEPENDENT)
 
 
 def pairs() -> List[Tuple[Feature, Feature, Status]]:
