@@ -152,10 +152,12 @@ def given_options(config: type, argv: Sequence[str]) -> Dict[str, Any]:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; we keep its one-line ``prog: error: ...`` form."""
+    """argparse prints the usage (ten lines for a big parser) then the error and exits 2; every command's
+    parser prints only the ``prog: error: ...`` line and exits 1, as for any other bad input (``-h`` shows the
+    usage)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(1, f"{self.prog}: error: {message}\n")
 
 
 def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:
@@ -226,7 +228,7 @@ def build_parser(
                 add_dataclass_options(parser, entry.config, title=f"model options ({first.arch})")
                 parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
     except UnknownComponentError as e:
-        parser.exit(2, f"{prog}: error: {e}\n")
+        parser.error(str(e))
     return parser, argv
 
 
