@@ -20,6 +20,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from toolkit.core import registry
+from toolkit.core.errors import print_error_line
 from toolkit.core.registry import (
     ARCH_CONFIG_FN,
     CRITERION_REGISTRY,
@@ -157,7 +158,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
     usage)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        self.exit(1, f"{self.prog}: error: {message}\n")
+        print_error_line(self.prog, message)
+        self.exit(1)
 
 
 def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:

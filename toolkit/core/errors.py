@@ -1,4 +1,8 @@
 """Errors the command line reports as one line, without a traceback."""
+import json
+import os
+import sys
+import time
 
 
 class UserError(Exception):
@@ -70,3 +74,20 @@ def read_json_object(path: str, what_to_do: str) -> dict:
     if not isinstance(value, dict):
         raise UserError(f"{path}: holds a JSON {type(value).__name__}, not an object; {what_to_do}")
     return value
+
+
+def print_error_line(prog: str, message: object) -> None:
+    """``<prog>: error: <message>`` on stderr as one line (a message with newlines is joined): what every command
+    and its argument parser print before exiting. Under torchrun the line is also the rank's error file, so
+    torchrun's failure report names it as the root cause (instead of "To enable traceback see ..."); the
+    ``ChildFailedError`` traceback after it is printed by torchrun's own process (docs/fairseq_flags.md)."""
+    line = f"{prog}: error: {' '.join(str(message).splitlines())}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line + "\n",
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # torchrun's report then lacks the root cause; the exit status still says the rank failed
