@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from toolkit.core.errors import UserError, print_error_line
+from toolkit.core.errors import UserError
 
 
 # --- 9. tracebacks ---------------------------------------------------------------------------------
@@ -96,6 +96,8 @@ def test_harness_limit_is_checked_at_parse_time(value, ok):
 def test_a_failing_ranks_line_is_torchruns_root_cause(tmp_path, monkeypatch, capsys):
     """torchrun reads the rank's error file for its failure report: the line, not "To enable traceback see"."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from toolkit.core.errors import print_error_line
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
