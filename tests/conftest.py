@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import SHARED_DATA
+from tests.helpers.processes import kill_started
 
 # Two cores here and on CI: extra intra-op threads only add contention between test processes.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -41,3 +42,11 @@ def wikitext_dir(shared_data) -> str:
 @pytest.fixture(scope="session")
 def shakespeare_file(shared_data) -> str:
     return os.path.join(shared_data, "tinyshakespeare", "input.txt")
+
+
+@pytest.fixture(autouse=True)
+def kill_started_processes():
+    """Whatever a test started with ``tests.helpers.processes.start`` and left running is killed when it ends
+    (passed, failed or interrupted), so no training outlives the test that started it."""
+    yield
+    kill_started()

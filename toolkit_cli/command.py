@@ -11,12 +11,12 @@ import sys
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
 from toolkit.config import options
-from toolkit.core.errors import Interrupted, UserError
+from toolkit.core.errors import Interrupted, UserError, print_error_line
 
 
 def fail(prog: str, message: object, status: int = 1) -> None:
     """``<prog>: error: <message>`` on one line (a message with newlines is joined), then exit ``status``."""
-    print(f"{prog}: error: {' '.join(str(message).splitlines())}", file=sys.stderr, flush=True)
+    print_error_line(prog, message)
     sys.exit(status)
 
 

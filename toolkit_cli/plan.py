@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import List, Optional
 
+from toolkit.config.options import OneLineErrorParser
 from toolkit.core.errors import UserError
 from toolkit_cli.command import one_line_errors
 
@@ -36,7 +37,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         print("\nand every toolkit-train flag (toolkit-train --help)")
         return
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    vocab = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    vocab = OneLineErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
     vocab.add_argument("--vocab-size", type=int, default=None)
     with one_line_errors(PROG):
         ns, rest = split_hardware_args(argv)

@@ -48,3 +48,64 @@ def make_hf(folder: str, kind: str):
     hf = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPES, **extra, **ids)).eval()
     hf.save_pretrained(folder)
     return hf
+
+
+# --- malformed folders: what a hand edit, a cut download or a wrong file make of one (each a one-line refusal) ---
+
+def _edit_config(change):
+    def edit(folder: str) -> None:
+        import json
+
+        path = f"{folder}/config.json"
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(change(config), f)
+    return edit
+
+
+def _write(name: str, text: str):
+    def write(folder: str) -> None:
+        with open(f"{folder}/{name}", "w", encoding="utf-8") as f:
+            f.write(text)
+    return write
+
+
+def _cut_weights(folder: str) -> None:
+    import os
+
+    path = f"{folder}/model.safetensors"
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _without(key: str):
+    return lambda config: {k: v for k, v in config.items() if k != key}
+
+
+#: name -> (how the folder is damaged, the file the refusal names, a fragment of what it says)
+MALFORMED = {
+    "config-not-json": (_write("config.json", "{not json"), "config.json", "JSONDecodeError"),
+    "config-a-list": (_write("config.json", "[1, 2]"), "config.json", "holds a JSON list, not an object"),
+    "config-no-layers": (_edit_config(_without("num_hidden_layers")), "config.json", "no num_hidden_layers"),
+    "config-layers-a-string": (_edit_config(lambda c: dict(c, num_hidden_layers="two")), "config.json",
+                               "num_hidden_layers 'two'; these are counts"),
+    "config-llama3-rope-cut": (_edit_config(lambda c: dict(c, rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+                               "config.json", "rope_scaling of rope_type llama3 has no low_freq_factor"),
+    "config-rope-factor-a-list": (_edit_config(lambda c: dict(c, rope_scaling={
+        "rope_type": "llama3", "factor": [8], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})), "config.json", "TypeError"),
+    "half-a-safetensors-file": (_cut_weights, "model.safetensors", "SafetensorError"),
+    "tokenizer-garbage": (_write("tokenizer.json", "garbage{"), "tokenizer.json", "expected value"),
+    "tokenizer-config-not-json": (_write("tokenizer_config.json", "{x"), "tokenizer_config.json", "JSONDecodeError"),
+    "index-not-json": (_write("model.safetensors.index.json", "{x"), "model.safetensors.index.json",
+                       "JSONDecodeError"),
+}
+
+
+def malformed_copy(base: str, folder: str, name: str) -> str:
+    """A copy of the Llama folder ``base`` at ``folder`` damaged as ``MALFORMED[name]`` says."""
+    import shutil
+
+    shutil.copytree(base, folder)
+    MALFORMED[name][0](folder)
+    return folder

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.helpers import dist_helpers as H
+from tests.helpers import processes
 from tests.helpers.bad_inputs import (CONSOLIDATE, EVAL, EXPORT, GENERATE, INTERACTIVE, MODEL, NAN_GEN, PREPROCESS,
                                      PROGS, TRAIN, check_bad_input, run_forked)
 from tests.helpers.cli import run_cli
@@ -193,8 +194,8 @@ def test_bad_input(name, module, argv, fragment, prepared, tmp_path):
 
 def _train_until(args, update: int):
     """A toolkit-train process, returned once it logged ``update`` (its stdout lines so far)."""
-    proc = subprocess.Popen([sys.executable, "-m", TRAIN, *args], cwd=H.REPO_ROOT, env=H.subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = processes.start([sys.executable, "-m", TRAIN, *args], cwd=H.REPO_ROOT, env=H.subprocess_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -203,8 +204,8 @@ def _train_until(args, update: int):
     raise AssertionError(proc.stderr.read()[-3000:])
 
 
-def _one_line_end(proc, prog: str = "toolkit-train"):
-    out, err = proc.communicate(timeout=600)
+def _one_line_end(proc, prog: str = "toolkit-train", output=None):
+    out, err = output if output is not None else proc.communicate(timeout=600)
     assert "Traceback" not in out + err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and lines[-1].startswith(f"{prog}: error: "), err[-3000:]
@@ -215,8 +216,7 @@ def test_ctrl_c_in_training_is_one_line_with_the_update_and_the_saved_checkpoint
     save = tmp_path / "s"
     proc, _ = _train_until([prepared["bin"], *H.model_args(str(save)), "--save-interval-updates", "2",
                             "--disable-validation", "--max-update", "100000"], 3)
-    proc.send_signal(signal.SIGINT)
-    last = _one_line_end(proc)
+    last = _one_line_end(proc, output=processes.interrupt(proc))
     assert proc.returncode == 130
     found = re.fullmatch(r"toolkit-train: error: interrupted at update (\d+); checkpoint_last.pt is update (\d+)",
                          last)

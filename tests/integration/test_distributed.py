@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import dist_helpers as H
+from tests.helpers import processes
 from tests.helpers.dist_helpers import REL_TOL, assert_logged_losses_match, train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
@@ -233,9 +234,9 @@ def test_two_nodes_with_torchrun_rendezvous(data_bin, baseline, tmp_path):
 
 
 def _start(data_bin, save_dir, *flags, env=None, module="toolkit_cli.train"):
-    return subprocess.Popen([sys.executable, "-m", module, data_bin] + H.model_args(str(save_dir))
-                            + list(flags), cwd=H.REPO_ROOT, env=H.subprocess_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return processes.start([sys.executable, "-m", module, data_bin] + H.model_args(str(save_dir))
+                           + list(flags), cwd=H.REPO_ROOT, env=H.subprocess_env(env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, bufsize=1)
 
 
 def _read_until(proc, predicate, timeout):

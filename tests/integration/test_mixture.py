@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.helpers import processes
 from tests.helpers.cli import REPO_ROOT, TINY_MODEL, train
 from tests.helpers.mixture import make_sources
 
@@ -33,8 +34,8 @@ def test_validation_per_source_and_weighted_total(tmp_path, sources):
 def popen_train(root, save_dir, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
     args = ["", "--save-dir", save_dir, *TINY_MODEL, *mixture_args(root), *extra]
-    return subprocess.Popen([sys.executable, "-m", "toolkit_cli.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
+    return processes.start([sys.executable, "-m", "toolkit_cli.train", *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
 
 
 def test_resumes_exactly_after_kill_9(tmp_path, sources):

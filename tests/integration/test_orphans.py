@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.helpers import dist_helpers as H
+from tests.helpers import processes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -52,8 +53,8 @@ def wait_for(path: str, text: str, timeout: float) -> str:
 def kill_launcher_and_check(launcher_cmd, tmp_path, workers_of):
     log = str(tmp_path / "out.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen(launcher_cmd, cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = processes.start(launcher_cmd, cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=out,
+                               stderr=subprocess.STDOUT)
     workers = []
     try:
         wait_for(log, '"num_updates": "2"', 180)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import dist_helpers as H
+from tests.helpers import processes
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +49,15 @@ def _wait_for(path: str, proc, seconds: float = 120) -> None:
 @pytest.mark.parametrize("extra", [[], ["--use-sharded-state"]])
 def test_two_trainings_on_one_save_dir(data_bin, tmp_path, extra):
     save = str(tmp_path / "save")
-    first = subprocess.Popen([sys.executable, "-m", "toolkit_cli.train", data_bin, *H.model_args(save),
-                              "--max-update", "100000", "--save-interval-updates", "2", "--disable-validation",
-                              *extra], cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first = processes.start([sys.executable, "-m", "toolkit_cli.train", data_bin, *H.model_args(save),
+                             "--max-update", "100000", "--save-interval-updates", "2", "--disable-validation",
+                             *extra], cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(os.path.join(save, ".toolkit.lock"), first)
         second = H.run_train([data_bin, *H.model_args(save), "--max-update", "3", "--seed", "99", *extra])
     finally:
-        first.send_signal(signal.SIGINT)
-        first.communicate(timeout=120)
+        processes.interrupt(first)  # killed if it ignores the Ctrl-C (and the fixture kills it on any failure)
     assert second.returncode == 1
     err = [line for line in second.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "Traceback" not in second.stderr and \

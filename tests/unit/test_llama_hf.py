@@ -99,12 +99,19 @@ def test_export_back_gives_the_same_class_and_log_probs(imported):
     assert tokenizer(back)(text)["input_ids"] == tokenizer(imported["root"] / "hf")(text)["input_ids"]
 
 
-def test_a_sliding_window_is_refused_in_one_line(tmp_path):
+def test_a_sliding_window_is_refused_in_one_line_unless_it_never_binds(tmp_path):
+    """MistralConfig's default window (4096) is wider than this model's context: every position attends
+    to all before it, so the model is ours; a window shorter than the context is refused."""
     make_hf(str(tmp_path / "hf"), "mistral")
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps(dict(config, sliding_window=4096)))
-    with pytest.raises(UserError, match="config.json: sliding_window 4096; the toolkit attends over the whole context"):
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "wide"), import_from="hf"))
+    assert os.path.isfile(tmp_path / "wide" / "model.pt")
+    short = config["max_position_embeddings"] - 1
+    path.write_text(json.dumps(dict(config, sliding_window=short)))
+    with pytest.raises(UserError, match=f"config.json: sliding_window {short} is shorter than "
+                                        "max_position_embeddings .*; the toolkit attends over the whole context"):
         run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "out"), import_from="hf"))
     assert not os.path.exists(tmp_path / "out")
 

@@ -20,7 +20,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from toolkit.core import registry
-from toolkit.core.errors import UserError
+from toolkit.core.errors import UserError, print_error_line
 from toolkit.core.registry import (
     ARCH_CONFIG_FN,
     CRITERION_REGISTRY,
@@ -153,10 +153,13 @@ def given_options(config: type, argv: Sequence[str]) -> Dict[str, Any]:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; we keep its one-line ``prog: error: ...`` form."""
+    """argparse prints the usage (ten lines for a big parser) then the error and exits 2; every command's
+    parser prints only the ``prog: error: ...`` line and exits 1, as for any other bad input (``-h`` shows the
+    usage)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        print_error_line(self.prog, message)
+        self.exit(1)
 
 
 def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:
@@ -227,7 +230,7 @@ def build_parser(
                 add_dataclass_options(parser, entry.config, title=f"model options ({first.arch})")
                 parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
     except UnknownComponentError as e:
-        parser.exit(2, f"{prog}: error: {e}\n")
+        parser.error(str(e))
     return parser, argv
 
 

@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 from toolkit.core.errors import UserError
 from toolkit.core.preflight import describe_os_error
@@ -38,7 +38,8 @@ def beside(folder: str) -> str:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from what the holder wrote into the file."""
+    """Who holds the lock, from what the holder wrote into the file; when that process has exited (a killed
+    launcher), the processes that still have the file open: its orphaned ranks, which hold the lock now."""
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
     except (OSError, ValueError, UnicodeDecodeError):
@@ -46,7 +47,48 @@ def _holder(fd: int) -> str:
     if not isinstance(info, dict) or "pid" not in info:
         return "another process (it has not written its PID yet)"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
-    return f"{info.get('prog', 'another run')} (pid {info['pid']} on host {info.get('host', '?')}, since {since})"
+    holder = f"{info.get('prog', 'another run')} (pid {info['pid']} on host {info.get('host', '?')}, since {since})"
+    if info.get("host") != socket.gethostname() or _alive(info["pid"]):
+        return holder
+    others = [pid for pid in _processes_with_open(fd) if pid != os.getpid()]
+    if not others:
+        return holder
+    return (f"process {', '.join(map(str, others))} (started by {holder}, which has exited: an orphaned rank; "
+            f"stop it with kill {' '.join(map(str, others))})")
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, TypeError):
+        return True  # another user's process, or a PID we cannot read: assume it runs
+    return True
+
+
+def _processes_with_open(fd: int) -> List[int]:
+    """The PIDs on this host with the file of ``fd`` open (Linux ``/proc``; our own user's processes)."""
+    try:
+        target = os.fstat(fd)
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                found.append(pid)
+                break
+    return found
 
 
 def _take(path: str, flag: str) -> Optional[int]:

@@ -462,9 +462,11 @@ def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
         yield cfg, splits
         return
     parent = os.path.dirname(os.path.abspath(cfg.destdir))
+    remove_dead_temp_folders(cfg.destdir)  # e.g. the text of a killed run's records (as big as its inputs)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(cfg.destdir)) + ".", suffix=".inputs.tmp",
                            dir=parent)
     try:
+        _write_owner(tmp)  # so the next run removes it if this one is killed before the finally below
         converted = []
         for (name, flag, path), kind in zip(splits, kinds):
             if kind != "text":

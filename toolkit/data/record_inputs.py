@@ -6,7 +6,7 @@ temporary folder; that file then goes through the one text path (workers, dictio
 ``--bpe``, sharding). So the same text gives byte-identical data-bins whichever way it comes,
 and the fast text pipeline is not written twice.
 
-Bad records (not JSON, missing key, not a string, invalid UTF-8) are skipped and counted;
+Bad records (not JSON, missing key, not a string, invalid UTF-8, a NUL character) are skipped and counted;
 each kind is reported in one warning line naming the first one, and the rest is binarized.
 ``pyarrow``/``datasets``/``zstandard`` are optional: missing, they are one line naming the
 ``pip install``.
@@ -36,6 +36,7 @@ NOT_JSON = "not a JSON object"
 MISSING_KEY = "missing key"
 NOT_STRING = "not a string"
 INVALID_UTF8 = "invalid UTF-8"
+NUL_CHARACTER = "holds a NUL character"  # "\u0000" escaped in JSON or in a Parquet string: text has none
 
 
 def input_kind(path: str, hf: bool = False) -> str:
@@ -229,6 +230,9 @@ def write_as_text(kind: str, path: str, out_path: str, opts: RecordOptions, sour
     report = RecordReport(source)
     with open(out_path, "wb") as out:
         for text in READERS[kind](path, opts, report):
+            if "\0" in text:  # a raw NUL is not JSON (skipped as such); the escaped one would become a word
+                report.skip(NUL_CHARACTER, f"record {report.written + sum(report.bad.values()) + 1}")
+                continue
             try:
                 data = text.encode("utf-8")  # lone surrogates from JSON escapes fail here
             except UnicodeEncodeError:

@@ -227,8 +227,10 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     """
     from toolkit.distributed import tensor_parallel as tp
 
-    if not dist.is_initialized():
-        raise RuntimeError("--model-parallel-size needs a process group (init_distributed makes one)")
+    if not dist.is_initialized() or env.world_size < cfg.model_parallel_size:
+        raise UserError(f"--model-parallel-size {cfg.model_parallel_size}: each layer is split over that many ranks "
+                        f"and this run has {env.world_size} process(es); give --distributed-world-size "
+                        f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun")
     M, W = cfg.model_parallel_size, env.world_size
     mesh = tp.build_2d_mesh(W, M, env.device.type, _data_parallel_shape(cfg, env))
     tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)

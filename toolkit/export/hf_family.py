@@ -7,7 +7,6 @@ is a new folder under ``toolkit/models/`` (or a ``--user-dir`` plugin), nothing 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -15,13 +14,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from toolkit.core.errors import UserError
+from toolkit.core.errors import UserError, read_json_object
 from toolkit.core.protocols import HFCheckpoint, HFImportable
 from toolkit.export.common import StepProgress
 from toolkit.export.target import export_directory
 from toolkit.models.hf_checkpoint import CHECKPOINT
 
 logger = logging.getLogger("toolkit.export.hf_import")
+RESAVE = "give the folder as transformers' save_pretrained wrote it (download it again)"
 
 
 def importing_family(config: Dict[str, Any], where: str) -> Any:
@@ -63,8 +63,7 @@ def import_hf(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"--path {folder}: no config.json; give a folder written by transformers' save_pretrained")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_object(path, RESAVE)
     family = importing_family(config, path)
     with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
         imported = family.from_hf(folder, config, out_dir, tokens_per_sample, progress.advance)

@@ -16,9 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from toolkit.config.options import OneLineErrorParser
 from toolkit.core.errors import UserError
 
 GIB = 1 << 30
+MAX_BYTES = float(1 << 60)  # 1 EiB: a memory size above it is a typo (and 1e400 would be inf)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -59,7 +61,10 @@ def parse_bytes(text: str, flag: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise UserError(f"{flag} {text!r}: expected a size such as 80GiB, 1TiB or 126GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not size < MAX_BYTES:  # 1e400 is inf as a float
+        raise UserError(f"{flag} {text!r}: more than any machine holds (the limit is 1 EiB); give a size such as 80GiB")
+    return int(size)
 
 
 def add_hardware_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +90,7 @@ HARDWARE_FLAGS = ("--gpu", "--gpu-memory", "--host-memory", "--gpu-tflops", "--i
 
 def split_hardware_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     """(the hardware flags, the rest of ``argv`` for the training parser)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = OneLineErrorParser(prog="toolkit-plan", add_help=False, allow_abbrev=False)
     add_hardware_args(parser)
     ns, rest = parser.parse_known_args(list(argv))
     return ns, rest

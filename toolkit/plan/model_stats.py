@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from toolkit.core.errors import UserError
+
 COLUMN_PARALLEL = ("qkv_proj", "fc1", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
@@ -202,7 +204,11 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     """The planner's view of ``cfg``'s model (a resolved TrainConfig) computing in ``dtype``."""
     arch, model_cfg = cfg.components.arch, cfg.model
     vocab = vocab or vocab_size_of(cfg)
-    tokens = int(getattr(cfg.task, "tokens_per_sample", 0) or model_cfg.max_target_positions)
+    tokens = getattr(cfg.task, "tokens_per_sample", None)
+    tokens = model_cfg.max_target_positions if tokens is None else tokens
+    if tokens is None or tokens < 1:
+        raise UserError(f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give "
+                        "--tokens-per-sample N (N >= 1)")
     model = _build(arch, model_cfg, vocab, tokens)
     infos = param_infos(model)
     flops = float(model.flops_per_token(tokens)) if hasattr(model, "flops_per_token") else 6.0 * sum(

@@ -96,6 +96,7 @@ def setup_task(cfg: Any, **kwargs: Any):
     if not isinstance(name, str):  # fairseq's hydra layout: cfg.task is a section with _name
         cfg, name = name, getattr(name, "_name", None) or registry.TASK_REGISTRY.default
     entry = registry.TASK_REGISTRY.get(name)
-    section = options.config_from_args(entry.config, cfg if isinstance(cfg, dict) else vars(cfg)) \
-        if entry.config is not None else cfg
+    values = cfg if isinstance(cfg, dict) else vars(cfg)  # None: not given (e.g. eval-lm's --tokens-per-sample,
+    given = {k: v for k, v in values.items() if v is not None}  # which means "the checkpoint's"): the task's default
+    section = options.config_from_args(entry.config, given) if entry.config is not None else cfg
     return entry.cls.setup_task(section, **kwargs)

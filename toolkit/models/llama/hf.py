@@ -1,7 +1,7 @@
 """Hugging Face adapters of the Llama family: ``config.json`` <-> options, state dicts both ways.
 
-Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (full attention only: a ``sliding_window``
-is refused) and ``Qwen2ForCausalLM`` (q/k/v biases). Their parameters are ours under a prefix:
+Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (full attention only: a ``sliding_window`` shorter
+than the context is refused) and ``Qwen2ForCausalLM`` (q/k/v biases). Their parameters are ours under a prefix:
 ``model.`` before everything but the output layer, ``lm_head.weight`` for our
 ``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
 half-rotation layout, so no weight is permuted. Everything here works on plain dicts read from
@@ -14,11 +14,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from toolkit.core.errors import UserError
+from toolkit.core.errors import UserError, malformed_file
 from toolkit.models.llama.config import LlamaConfig, head_dim, kv_heads
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False}  # transformers' config defaults
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings")
 
 
 def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -29,6 +31,10 @@ def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out: Dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": None}
     if kind == "llama3":
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+        if missing:
+            raise UserError(f"{where}: rope_scaling of rope_type llama3 has no {', '.join(missing)}; give all of "
+                            f"{', '.join(LLAMA3_ROPE_KEYS)} (as the model's published config.json does)")
         out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
                    rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
@@ -43,11 +49,11 @@ def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
         raise UserError(f"{where}: hidden_act {config['hidden_act']!r}; the Llama family's feed-forward is SwiGLU (silu)")
     if config.get("mlp_bias") or (kind == "llama" and config.get("attention_bias")):
         raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
-    if kind == "mistral" and config.get("sliding_window") is not None:
-        raise UserError(f"{where}: sliding_window {config['sliding_window']}; the toolkit attends over the whole "
-                        "context (a model trained with full attention has sliding_window null)")
-    if kind == "qwen2" and config.get("use_sliding_window"):
-        raise UserError(f"{where}: use_sliding_window is set; the toolkit attends over the whole context")
+    window = config.get("sliding_window") if kind == "mistral" or config.get("use_sliding_window") else None
+    if window is not None and window < config["max_position_embeddings"]:  # a wider window never binds
+        raise UserError(f"{where}: sliding_window {window} is shorter than max_position_embeddings "
+                        f"{config['max_position_embeddings']}; the toolkit attends over the whole context (a model "
+                        "trained with full attention has sliding_window null)")
     C, H = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, C // H):
         raise UserError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads "
@@ -60,7 +66,20 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     if kind not in CLASSES:
         raise UserError(f"{where}: model_type {kind!r}; --from hf imports {', '.join(CLASSES.values())} "
                         "and GPT2LMHeadModel folders")
-    _refuse_unsupported(config, kind, where)
+    missing = [k for k in REQUIRED if k not in config]
+    if missing:
+        raise UserError(f"{where}: no {', '.join(missing)}; give the config.json transformers saved with the model")
+    counts = REQUIRED + (("num_key_value_heads",) if config.get("num_key_value_heads") is not None else ())
+    wrong = [f"{k} {config[k]!r}" for k in counts if type(config[k]) is not int or config[k] < 1]
+    if wrong:
+        raise UserError(f"{where}: {', '.join(wrong)}; these are counts (positive integers), give the config.json "
+                        "transformers saved with the model")
+    with malformed_file(where, "give the config.json transformers saved with the model"):  # e.g. a str for a float
+        _refuse_unsupported(config, kind, where)
+        return _options(config, kind, where)
+
+
+def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
     return dict(decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
                 decoder_ffn_embed_dim=config["intermediate_size"],
                 decoder_attention_heads=config["num_attention_heads"],

@@ -32,13 +32,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from toolkit.core.errors import UserError, require
+from toolkit.core.errors import UserError, malformed_file, read_json_object, require
 from toolkit.core.protocols import HFCheckpoint, HFWeights
 from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 HF_CONFIG = "hf_config.json"
 UNUSED = "<toolkit_unused_{}>"
+RESAVE = "save the model again with save_pretrained (or download the folder again)"
 
 
 def _token_name(value) -> Optional[str]:
@@ -72,8 +73,7 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
     if not os.path.isfile(path):
         raise UserError(f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
                         "(tokenizer.save_pretrained) so the token ids stay the model's own")
-    tokenizers = require("tokenizers", "tokenizers")
-    tok = tokenizers.Tokenizer.from_file(path)
+    tok = _load_tokenizer(path)
     vocab = tok.get_vocab(with_added_tokens=True)
     n_tokens = len(vocab)
     if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
@@ -96,17 +96,22 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
         raise UserError(f"{path}: {e}") from None
 
 
+def _load_tokenizer(path: str):
+    """The ``tokenizers.Tokenizer`` saved in ``path``; one line naming the file when it is not one."""
+    tokenizers = require("tokenizers", "tokenizers")
+    with malformed_file(path, RESAVE, errors=(Exception,)):  # tokenizers raises a plain Exception
+        return tokenizers.Tokenizer.from_file(path)
+
+
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path, RESAVE) if os.path.isfile(path) else None
 
 
 def _safetensors_files(folder: str) -> List[str]:
     index = _read_json(os.path.join(folder, "model.safetensors.index.json"))
     if index is not None:
-        return [os.path.join(folder, name) for name in sorted(set(index["weight_map"].values()))]
+        with malformed_file(os.path.join(folder, "model.safetensors.index.json"), RESAVE):
+            return [os.path.join(folder, name) for name in sorted(set(index["weight_map"].values()))]
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -121,11 +126,14 @@ def read_state(folder: str, tied: bool) -> Dict[str, torch.Tensor]:
     safe_open = require("safetensors", "safetensors").safe_open
     state: Dict[str, torch.Tensor] = {}
     for path in _safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                converted = state_from_hf(name, f.get_tensor(name), tied)
-                if converted is not None:
-                    state[converted[0]] = converted[1]
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: missing (model.safetensors.index.json names it); {RESAVE}")
+        with malformed_file(path, RESAVE, errors=(Exception,)):  # SafetensorError: cut short, not safetensors
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    converted = state_from_hf(name, f.get_tensor(name), tied)
+                    if converted is not None:
+                        state[converted[0]] = converted[1]
     return state
 
 
@@ -187,8 +195,7 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
 
 def _adds_bos(folder: str, dictionary) -> bool:
     """Whether the tokenizer puts BOS before a text (what its post-processor makes of the empty text)."""
-    tokenizers = require("tokenizers", "tokenizers")
-    ids = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).encode("").ids
+    ids = _load_tokenizer(os.path.join(folder, "tokenizer.json")).encode("").ids
     return bool(ids) and ids[0] == dictionary.bos() != dictionary.eos()
 
 

@@ -1,0 +1,54 @@
+"""The processes tests start: Ctrl-C (SIGINT) reaches them, and none outlives its test.
+
+A shell starts a background job of a non-interactive shell (``bash -c 'pytest ... & wait'``, CI runners,
+``nohup``) with SIGINT ignored, and an ignored signal stays ignored in every child: a test that
+interrupts a training would wait for ever on a process that never hears it. ``start`` gives the
+child SIGINT's default back (Python then raises KeyboardInterrupt in it, as under a terminal), and
+remembers it: the ``kill_started_processes`` fixture (tests/conftest.py) kills whatever a test
+started and left running, whichever way the test ended.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+from typing import List
+
+_STARTED: List[subprocess.Popen] = []
+
+
+def sigint_default() -> None:
+    """``preexec_fn``: SIGINT as a terminal's foreground process has it (an inherited SIG_IGN undone)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(cmd, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` with SIGINT at its default, killed at the end of the test if still running."""
+    proc = subprocess.Popen(cmd, preexec_fn=sigint_default, **kwargs)
+    _STARTED.append(proc)
+    return proc
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 120):
+    """Ctrl-C ``proc`` and wait for it: its ``communicate()``; killed (and the test failed) if it ignores it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"pid {proc.pid} did not stop within {timeout}s of SIGINT; killed") from None
+
+
+def kill_started() -> List[int]:
+    """Kill (SIGKILL) and reap every process ``start`` started that still runs; their PIDs."""
+    killed = []
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            killed.append(proc.pid)
+        try:
+            proc.communicate(timeout=30)
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            pass
+    return killed
