@@ -88,9 +88,9 @@ class Session:
         if cfg.fp16:
             self.models = [m.half() for m in self.models]
         self.dictionary = self.task.dictionary
-        data_dir = self.task.cfg.data.split(":")[0]
+        data_dir = self.task.model_files_dir()
         self.tokenizer = load_tokenizer_for_data_bin(data_dir)
-        self.model_tokenizer = hf_ids.load_model_tokenizer(data_dir, self.dictionary, data_bin_copy=True)
+        self.model_tokenizer = hf_ids.load_model_tokenizer(data_dir, self.dictionary)
         self.bos = self.dictionary.bos() if self.task.cfg.add_bos_token else self.dictionary.eos()
         self.generators: Dict[int, SequenceGenerator] = {}
         self.cfg, self.gen_cfg = cfg, gen_cfg

@@ -201,17 +201,46 @@ def _token_ids(dictionary, first_symbol: int, base: Optional[Dict[str, Any]]) ->
     return {"bos_token_id": first_symbol, "eos_token_id": dictionary.eos(), "pad_token_id": dictionary.pad()}
 
 
+def own_tokenizer_files(data_dir: str, dictionary) -> Dict[str, str]:
+    """{name in the export: path} of the model's own tokenizer files; empty when ``dict.txt`` is no tokenizer's
+    vocabulary. Found in the import's folder, or in a data-bin binarized with the import's command: its copy of
+    tokenizer.json (``hf_byte_bpe.json``), the other files and ``hf_config.json`` from the folder its
+    ``bpe.json`` records the tokenizer came from, while that folder still holds the same tokenizer.json."""
+    if not dictionary.fixed_ids:
+        return {}
+    if os.path.isfile(os.path.join(data_dir, "tokenizer.json")):
+        home: Optional[str] = data_dir
+        files = {}
+    else:
+        copy = os.path.join(data_dir, "hf_byte_bpe.json")
+        if not os.path.isfile(copy):
+            return {}
+        files = {"tokenizer.json": copy}
+        source = ((_read_json(os.path.join(data_dir, "bpe.json")) or {}).get("source") or {}).get("bpe_model")
+        home = os.path.dirname(source) if source and _same_bytes(source, copy) else None
+    for name in TOKENIZER_FILES + (HF_CONFIG,):
+        if home is not None and os.path.isfile(os.path.join(home, name)):
+            files.setdefault(name, os.path.join(home, name))
+    return files
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    if not os.path.isfile(a):
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
 def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
-    """The imported class (from the data-bin's ``hf_config.json``), else Llama or Qwen2; the model's own
-    tokenizer files where the data-bin has them."""
+    """The imported class (from ``hf_config.json``), else Llama or Qwen2; the model's own tokenizer files
+    wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
         raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
                         "its own class (Llama, Mistral or Qwen2); nothing written")
-    base = _read_json(os.path.join(data_dir, HF_CONFIG))
+    files = own_tokenizer_files(data_dir, dictionary)
+    base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
     architecture, config = hf_config(model.cfg, len(dictionary), base)
     config.update(_token_ids(dictionary, first_symbol, base))
-    own = os.path.isfile(os.path.join(data_dir, "tokenizer.json"))
-    tokenizer_files = tuple(name for name in TOKENIZER_FILES if own and os.path.isfile(os.path.join(data_dir, name)))
-    return HFWeights(architecture, config, state_to_hf(model.state_dict()), tokenizer_files)
+    return HFWeights(architecture, config, state_to_hf(model.state_dict()), files)
