@@ -146,6 +146,56 @@ def test_hub_score_with_newlines_as_eos_is_transformers(imported):
     assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
 
 
+def test_hub_with_the_data_bin_reads_text_as_transformers(imported):
+    """The README's hub example with the data-bin as ``data_name_or_path``: the model's tokenizer (the data-bin's
+    copy of it), so BOS first and transformers' log-probs, as with the import's folder (was ``</s>`` first)."""
+    from toolkit.inference.hub_utils import from_pretrained
+
+    lm = from_pretrained(str(imported["ours"]), "model.pt", data_name_or_path=str(imported["bin"]), device="cpu")
+    for text in LINES:
+        ids = torch.tensor(imported["tok"](text)["input_ids"])
+        assert lm.encode(text).tolist() == ids.tolist()
+        got = lm.score(text)
+        assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
+
+
+TEXTS = LINES + ["w3 zz w1", ""]
+
+
+def test_hf_export_with_the_data_bin_carries_the_models_tokenizer(imported, tmp_path):
+    """``--format hf`` given the data-bin (as a fine-tuned checkpoint records it): the model's own tokenizer and
+    class, never a tokenizer rebuilt from dict.txt; the harness reads the data-bin with the same ids."""
+    import json
+
+    from toolkit.evaluation.harness import ToolkitLM
+
+    run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), format="hf",
+                            out=str(tmp_path / "hf")))
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (imported["root"] / "hf" / "tokenizer.json").read_bytes()
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert [exported(t)["input_ids"] for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_scaling"]["rope_type"] == "llama3"
+    lm = ToolkitLM(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), device="cpu")
+    assert [lm.tok_encode(t) for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
+
+
+def test_hf_export_of_a_vocabulary_without_its_tokenizer_is_refused(imported, tmp_path):
+    """A dict.txt that is a tokenizer's vocabulary, its tokenizer absent: refused, nothing written (a tokenizer
+    built from dict.txt splits on whitespace: ids the model never saw)."""
+    import shutil
+
+    from toolkit.core.errors import UserError
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copyfile(imported["ours"] / "dict.txt", bare / "dict.txt")
+    with pytest.raises(UserError, match="the vocabulary of a tokenizer .* neither tokenizer.json nor hf_byte_bpe.json"):
+        run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(bare), format="hf",
+                                out=str(tmp_path / "hf")))
+    assert not (tmp_path / "hf").exists()
+
+
 def hf_greedy(imported, prompt_ids: torch.Tensor, new_tokens: int) -> list:
     """transformers' greedy continuation ids (prompt first), pad suppressed as the toolkit never emits it."""
     pad = imported["tok"].convert_tokens_to_ids("<unk>")  # the import's pad: Llama's tokenizer has none
