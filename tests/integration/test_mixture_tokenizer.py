@@ -55,7 +55,7 @@ def tuned(tmp_path_factory):
 
 def test_hf_export_writes_the_models_own_tokenizer(tuned):
     """The file itself (the test tokenizer is word-level, so a WordLevel over dict.txt gives its ids too)."""
-    own = (tuned["root"] / "hf" / "tokenizer.json").read_bytes()
+    own = (tuned["root"] / "ours" / "tokenizer.json").read_bytes()  # the import's: AutoTokenizer's build
     assert (tuned["root"] / "export" / "tokenizer.json").read_bytes() == own
     exported = transformers.AutoTokenizer.from_pretrained(str(tuned["root"] / "export"))
     assert [exported(t)["input_ids"] for t in TEXTS] == [tuned["tok"](t)["input_ids"] for t in TEXTS]

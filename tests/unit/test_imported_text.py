@@ -171,7 +171,7 @@ def test_hf_export_with_the_data_bin_carries_the_models_tokenizer(imported, tmp_
 
     run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), format="hf",
                             out=str(tmp_path / "hf")))
-    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (imported["root"] / "hf" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (imported["ours"] / "tokenizer.json").read_bytes()
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert [exported(t)["input_ids"] for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -294,8 +294,8 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
 
     hf = make_hf(str(tmp_path / "hf"), "qwen2")
     run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "hf"))
-    prompts = ["w3 w17", "w5 w9 w1", "w3 w40"]  # two contexts: w3 (twice) and w5
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    prompts = ["w3 w17", "z5 w9 w1", "w3 w40"]  # two contexts: w (twice) and z
     out = io.StringIO()
     cfg = InteractiveConfig(data=str(tmp_path / "ours"), path=str(tmp_path / "ours"), cpu=True, batch_size=3,
                             buffer_size=3)
@@ -311,3 +311,27 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
         got = hypothesis_ids(imported, hyps[i])
         assert got[:len(want)] == want[:len(got)] and len(got) >= len(ids) + 1, prompt
         assert shown[i] == [prompt] and texts[i][-1] == tok.decode(got, skip_special_tokens=True)
+
+
+def test_a_qwen2_import_reads_text_as_autotokenizer_not_as_the_file(tmp_path):
+    """transformers 5 builds a Qwen2 folder's tokenizer as ``Qwen2Tokenizer`` (digits split one by one) whatever
+    tokenizer.json holds; the import takes that tokenizer, so the hub, the harness and the ``--format hf`` export
+    give ``AutoTokenizer``'s ids (the test folder's file merges "17", "12" and "59": other ids)."""
+    import tokenizers
+
+    from toolkit.evaluation.harness import ToolkitLM
+    from toolkit.inference.hub_utils import from_pretrained
+
+    make_hf(str(tmp_path / "hf"), "qwen2")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    texts = ["w17 w12 w59", "w3 w1"]
+    auto = [transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(t)["input_ids"] for t in texts]
+    in_file = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert in_file.encode(texts[0]).ids != auto[0]
+    lm = from_pretrained(str(tmp_path / "ours"), "model.pt", device="cpu")
+    assert [lm.encode(t).tolist() for t in texts] == auto
+    harness = ToolkitLM(path=str(tmp_path / "ours" / "model.pt"), device="cpu")
+    assert [harness.tok_encode(t) for t in texts] == auto
+    run_export(ExportConfig(path=str(tmp_path / "ours" / "model.pt"), format="hf", out=str(tmp_path / "back")))
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert [back(t)["input_ids"] for t in texts] == auto

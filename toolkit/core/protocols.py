@@ -215,7 +215,8 @@ class HFCheckpoint:
     tokenizer (``(--bpe name, its model files)``, see ``toolkit.tokenizers``). ``written`` and ``copied``
     are the progress lines of those two steps; ``log`` the lines logged once the folder exists.
     ``dictionary_hash``: record the dictionary's hash in ``extra_state`` as the trainer does (a resume then
-    refuses data binarized with another dictionary)."""
+    refuses data binarized with another dictionary). ``texts``: files written with this content (the
+    tokenizer as transformers builds it); a ``bpe`` model file named as one of them is that file."""
 
     checkpoint: Dict[str, Any]
     dictionary: Any
@@ -225,6 +226,7 @@ class HFCheckpoint:
     bpe: Optional[Tuple[str, Dict[str, str]]] = None
     log: Tuple[str, ...] = ()
     dictionary_hash: bool = False
+    texts: Dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -112,6 +112,9 @@ class Session:
         return hypos
 
     def string(self, tokens: torch.Tensor) -> str:
+        """A prompt's text: the model's tokenizer decodes it (its tokens are byte-level pieces), else dict.txt's."""
+        if self.model_tokenizer is not None:
+            return hf_ids.decode_ids(self.model_tokenizer, tokens)
         return post_process(self.dictionary.string(tokens), self.cfg.post_process)
 
     def hypothesis_lines(self, sample_id: int, hypos: List[Dict]) -> List[str]:

@@ -64,16 +64,37 @@ def _pad_id(symbols: List[str], n_tokens: int, ids: Dict[str, Optional[int]], sp
                     "the loss needs an id no text encodes to (add a pad token to the tokenizer)")
 
 
-def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
-    """The tokenizer's vocabulary as a ``Dictionary`` with its own ids (see the module docstring)."""
-    from toolkit.data.dictionary import Dictionary
+def reference_tokenizer(folder: str) -> str:
+    """The folder's tokenizer as JSON, as transformers builds it: ``AutoTokenizer.from_pretrained(folder)``.
 
+    Why not the file as it is: transformers builds some model types' tokenizers with their own class, whatever
+    tokenizer.json holds (transformers 5's ``Qwen2Tokenizer`` puts Qwen2's digit-splitting pre-tokenizer and NFC
+    normalizer over the file's vocabulary and merges), and the promise is ``AutoTokenizer``'s ids. Without
+    transformers installed, the file (what ``PreTrainedTokenizerFast`` reads).
+    """
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise UserError(f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
                         "(tokenizer.save_pretrained) so the token ids stay the model's own")
+    try:
+        import transformers
+    except ImportError:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(f"--path {folder}: transformers builds no fast tokenizer from it; save one "
+                        "(tokenizer.json) so the token ids are the tokenizer's")
+    return backend.to_str()
+
+
+def tokenizer_dictionary(folder: str, config: Dict[str, Any], tokenizer_json: str):
+    """The tokenizer's vocabulary as a ``Dictionary`` with its own ids (see the module docstring)."""
+    from toolkit.data.dictionary import Dictionary
+
+    path = os.path.join(folder, "tokenizer.json")
     tokenizers = require("tokenizers", "tokenizers")
-    tok = tokenizers.Tokenizer.from_file(path)
+    tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     vocab = tok.get_vocab(with_added_tokens=True)
     n_tokens = len(vocab)
     if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
@@ -81,7 +102,7 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
                         f"{config['vocab_size']}; cannot keep them as they are")
     symbols = sorted(vocab, key=vocab.get) + [UNUSED.format(i) for i in range(config["vocab_size"] - n_tokens)]
     tok_config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
-    unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tok.to_str())["model"].get("unk_token")
+    unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tokenizer_json)["model"].get("unk_token")
     ids = {"bos": _first_id(config.get("bos_token_id")), "eos": _first_id(config.get("eos_token_id")),
            "pad": _first_id(config.get("pad_token_id")), "unk": vocab.get(unk_name) if unk_name else None}
     if ids["eos"] is None:
@@ -159,7 +180,8 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
     from toolkit import models
 
     given = options_from_hf(config, os.path.join(folder, "config.json"))
-    dictionary = tokenizer_dictionary(folder, config)
+    tokenizer_json = reference_tokenizer(folder)
+    dictionary = tokenizer_dictionary(folder, config, tokenizer_json)
     advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
             f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
     arch = matching_arch(given)
@@ -167,28 +189,29 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
     state = read_state(folder, given["share_decoder_input_output_embed"])
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
-    add_bos = _adds_bos(folder, dictionary)  # then a sample is BOS + tokens_per_sample tokens
+    add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
     tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
     ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
     ckpt["cfg"]["add_bos_token"] = add_bos
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
+    copied = [name for name in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(folder, name))]
     files = {**{name: os.path.join(folder, name) for name in copied}, HF_CONFIG: os.path.join(folder, "config.json")}
     # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
-    bpe = ("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")})
+    bpe = ("hf_byte_bpe", {"bpe_model": "tokenizer.json"})
     log = (f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
            f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
            f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
            f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
            f"{os.path.join(out_dir, CHECKPOINT)}")
     return HFCheckpoint(ckpt, dictionary, f"wrote {CHECKPOINT} and dict.txt",
-                        f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe",
-                        files, bpe, log, dictionary_hash=True)
+                        f"wrote tokenizer.json as AutoTokenizer builds it, copied {', '.join(copied)}, config.json as "
+                        f"{HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe", files, bpe, log,
+                        dictionary_hash=True, texts={"tokenizer.json": tokenizer_json})
 
 
-def _adds_bos(folder: str, dictionary) -> bool:
+def _adds_bos(tokenizer_json: str, dictionary) -> bool:
     """Whether the tokenizer puts BOS before a text (what its post-processor makes of the empty text)."""
     tokenizers = require("tokenizers", "tokenizers")
-    ids = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).encode("").ids
+    ids = tokenizers.Tokenizer.from_str(tokenizer_json).encode("").ids
     return bool(ids) and ids[0] == dictionary.bos() != dictionary.eos()
 
 
