@@ -1,4 +1,6 @@
-"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Mistral) with a word-level tokenizer.
+"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Mistral): Llama and Mistral with a
+word-level tokenizer, Qwen2 with a byte-level BPE whose tokenizer.json lacks Qwen2's digit splitting (as
+transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokenizer`` gives other ids than the file).
 
 Import only after ``pytest.importorskip("transformers")`` / ``("tokenizers")``: the optional extras are
 imported here at module level.
@@ -23,22 +25,35 @@ KINDS = {
 }
 
 
+#: Qwen2's test BPE: characters, then merges of which "1 7" and "1 2" join digits (Qwen2Tokenizer never does)
+QWEN2_MERGES = [("\u0120", "w"), ("1", "7"), ("1", "2"), ("5", "9")]
+
+
+def save_qwen2_tokenizer(folder: str) -> dict:
+    """A byte-level BPE, end-of-text last, no BOS; GPT-2's pre-tokenizer (digits kept together)."""
+    chars = ["w", "z", "\u0120"] + [str(i) for i in range(10)]
+    vocab = {tok: i for i, tok in enumerate(chars + ["".join(m) for m in QWEN2_MERGES] + ["<|endoftext|>"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, QWEN2_MERGES))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(folder)
+    return dict(bos_token_id=None, eos_token_id=vocab["<|endoftext|>"], vocab_size=len(vocab) + 48)  # unused rows, as Qwen2 has
+
+
 def save_tokenizer(folder: str, kind: str) -> dict:
     """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added;
-    Qwen2's end-of-text last, no BOS."""
-    specials = ["<unk>", "<s>", "</s>"] if kind != "qwen2" else []
-    vocab = {tok: i for i, tok in enumerate(specials + WORDS + (["<|endoftext|>"] if kind == "qwen2" else []))}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>" if specials else None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    Qwen2's: :func:`save_qwen2_tokenizer`."""
     if kind == "qwen2":
-        names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    else:
-        tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+        return save_qwen2_tokenizer(folder)
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
     fast.save_pretrained(folder)
-    ids = {"bos_token_id": None if kind == "qwen2" else 1, "eos_token_id": vocab.get("<|endoftext|>", 2)}
-    return dict(ids, vocab_size=len(vocab) + (7 if kind == "qwen2" else 0))
+    return dict(bos_token_id=1, eos_token_id=2, vocab_size=len(vocab))
 
 
 def make_hf(folder: str, kind: str):

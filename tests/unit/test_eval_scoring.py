@@ -1,5 +1,5 @@
 """The arithmetic under ToolkitLM, without lm-eval: left truncation, batching and shared inputs change
-no log-likelihood; rolling scores follow eval-lm's blocks; generation stops where ``stop`` says."""
+no log-likelihood; generation stops where ``stop`` says."""
 from __future__ import annotations
 
 import pytest
@@ -60,23 +60,6 @@ def test_a_continuation_longer_than_the_model_is_one_line(lm):
     model, d = lm
     with pytest.raises(UserError, match="longer than the model's 12 positions"):
         scoring.loglikelihood_tokens([model], [([d.eos()], [5] * 13)], POSITIONS, d.pad())
-
-
-@pytest.mark.parametrize("context_window", [0, 4])
-def test_rolling_follows_eval_lm_blocks(lm, context_window):
-    model, d = lm
-    tokens = torch.randint(4, len(d), (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    block = POSITIONS - context_window
-    inputs = [d.eos()] + tokens[:-1]
-    want = 0.0
-    for start in range(0, len(tokens), block):
-        end = min(start + block, len(tokens))
-        first = max(0, start - context_window)
-        with torch.no_grad():
-            logp = model.get_normalized_probs(model(torch.tensor([inputs[first:end]])))[0]
-        want += float(logp[start - first:].gather(1, torch.tensor(tokens[start:end])[:, None]).sum())
-    got = scoring.rolling_loglikelihood([model], tokens, d.eos(), block, context_window, batch_size=2)
-    assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_generation_stops_where_stop_says(lm):

@@ -146,6 +146,56 @@ def test_hub_score_with_newlines_as_eos_is_transformers(imported):
     assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
 
 
+def test_hub_with_the_data_bin_reads_text_as_transformers(imported):
+    """The README's hub example with the data-bin as ``data_name_or_path``: the model's tokenizer (the data-bin's
+    copy of it), so BOS first and transformers' log-probs, as with the import's folder (was ``</s>`` first)."""
+    from toolkit.inference.hub_utils import from_pretrained
+
+    lm = from_pretrained(str(imported["ours"]), "model.pt", data_name_or_path=str(imported["bin"]), device="cpu")
+    for text in LINES:
+        ids = torch.tensor(imported["tok"](text)["input_ids"])
+        assert lm.encode(text).tolist() == ids.tolist()
+        got = lm.score(text)
+        assert (got["positional_scores"] - hf_scores(imported["hf"], ids)).abs().max().item() < TOL
+
+
+TEXTS = LINES + ["w3 zz w1", ""]
+
+
+def test_hf_export_with_the_data_bin_carries_the_models_tokenizer(imported, tmp_path):
+    """``--format hf`` given the data-bin (as a fine-tuned checkpoint records it): the model's own tokenizer and
+    class, never a tokenizer rebuilt from dict.txt; the harness reads the data-bin with the same ids."""
+    import json
+
+    from toolkit.evaluation.harness import ToolkitLM
+
+    run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), format="hf",
+                            out=str(tmp_path / "hf")))
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (imported["ours"] / "tokenizer.json").read_bytes()
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert [exported(t)["input_ids"] for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_scaling"]["rope_type"] == "llama3"
+    lm = ToolkitLM(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), device="cpu")
+    assert [lm.tok_encode(t) for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
+
+
+def test_hf_export_of_a_vocabulary_without_its_tokenizer_is_refused(imported, tmp_path):
+    """A dict.txt that is a tokenizer's vocabulary, its tokenizer absent: refused, nothing written (a tokenizer
+    built from dict.txt splits on whitespace: ids the model never saw)."""
+    import shutil
+
+    from toolkit.core.errors import UserError
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copyfile(imported["ours"] / "dict.txt", bare / "dict.txt")
+    with pytest.raises(UserError, match="the vocabulary of a tokenizer .* neither tokenizer.json nor hf_byte_bpe.json"):
+        run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(bare), format="hf",
+                                out=str(tmp_path / "hf")))
+    assert not (tmp_path / "hf").exists()
+
+
 def hf_greedy(imported, prompt_ids: torch.Tensor, new_tokens: int) -> list:
     """transformers' greedy continuation ids (prompt first), pad suppressed as the toolkit never emits it."""
     pad = imported["tok"].convert_tokens_to_ids("<unk>")  # the import's pad: Llama's tokenizer has none
@@ -244,8 +294,8 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
 
     hf = make_hf(str(tmp_path / "hf"), "qwen2")
     run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "hf"))
-    prompts = ["w3 w17", "w5 w9 w1", "w3 w40"]  # two contexts: w3 (twice) and w5
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    prompts = ["w3 w17", "z5 w9 w1", "w3 w40"]  # two contexts: w (twice) and z
     out = io.StringIO()
     cfg = InteractiveConfig(data=str(tmp_path / "ours"), path=str(tmp_path / "ours"), cpu=True, batch_size=3,
                             buffer_size=3)
@@ -261,3 +311,27 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
         got = hypothesis_ids(imported, hyps[i])
         assert got[:len(want)] == want[:len(got)] and len(got) >= len(ids) + 1, prompt
         assert shown[i] == [prompt] and texts[i][-1] == tok.decode(got, skip_special_tokens=True)
+
+
+def test_a_qwen2_import_reads_text_as_autotokenizer_not_as_the_file(tmp_path):
+    """transformers 5 builds a Qwen2 folder's tokenizer as ``Qwen2Tokenizer`` (digits split one by one) whatever
+    tokenizer.json holds; the import takes that tokenizer, so the hub, the harness and the ``--format hf`` export
+    give ``AutoTokenizer``'s ids (the test folder's file merges "17", "12" and "59": other ids)."""
+    import tokenizers
+
+    from toolkit.evaluation.harness import ToolkitLM
+    from toolkit.inference.hub_utils import from_pretrained
+
+    make_hf(str(tmp_path / "hf"), "qwen2")
+    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
+    texts = ["w17 w12 w59", "w3 w1"]
+    auto = [transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(t)["input_ids"] for t in texts]
+    in_file = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert in_file.encode(texts[0]).ids != auto[0]
+    lm = from_pretrained(str(tmp_path / "ours"), "model.pt", device="cpu")
+    assert [lm.encode(t).tolist() for t in texts] == auto
+    harness = ToolkitLM(path=str(tmp_path / "ours" / "model.pt"), device="cpu")
+    assert [harness.tok_encode(t) for t in texts] == auto
+    run_export(ExportConfig(path=str(tmp_path / "ours" / "model.pt"), format="hf", out=str(tmp_path / "back")))
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert [back(t)["input_ids"] for t in texts] == auto

@@ -19,7 +19,7 @@ package order, below everything that implements or calls it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
@@ -185,13 +185,14 @@ class HFWeights:
     exporter writes the folder, adds ``architectures`` and ``dtype`` to ``config``, and loads it with
     transformers to compare logits before the folder appears.
 
-    ``tokenizer_files``: files of the data-bin copied as they are (a model's own tokenizer); empty: the
-    exporter writes a ``tokenizer.json`` from ``dict.txt`` and the BPE where one maps to it."""
+    ``tokenizer_files``: {name in the folder: path} copied as they are (a model's own tokenizer); empty: the
+    exporter writes a ``tokenizer.json`` from ``dict.txt`` and the BPE where one maps to it, and refuses a
+    ``dict.txt`` that is a tokenizer's vocabulary (only that tokenizer gives its ids)."""
 
     architecture: str
     config: Dict[str, Any]
     state: Dict[str, torch.Tensor]
-    tokenizer_files: Tuple[str, ...] = ()
+    tokenizer_files: Dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -214,7 +215,8 @@ class HFCheckpoint:
     tokenizer (``(--bpe name, its model files)``, see ``toolkit.tokenizers``). ``written`` and ``copied``
     are the progress lines of those two steps; ``log`` the lines logged once the folder exists.
     ``dictionary_hash``: record the dictionary's hash in ``extra_state`` as the trainer does (a resume then
-    refuses data binarized with another dictionary)."""
+    refuses data binarized with another dictionary). ``texts``: files written with this content (the
+    tokenizer as transformers builds it); a ``bpe`` model file named as one of them is that file."""
 
     checkpoint: Dict[str, Any]
     dictionary: Any
@@ -224,6 +226,7 @@ class HFCheckpoint:
     bpe: Optional[Tuple[str, Dict[str, str]]] = None
     log: Tuple[str, ...] = ()
     dictionary_hash: bool = False
+    texts: Dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -5,20 +5,24 @@
     lm = ToolkitLM(path="checkpoints/checkpoint_best.pt", batch_size=16)
     results = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
 
-What it computes is what the harness's ``hf`` model computes on this model's Hugging Face export
-(``toolkit-export --format hf``) with the exported tokenizer:
+What it computes is what ``lm_eval --model hf`` computes with its default ``model_args`` on this model's
+Hugging Face export (``toolkit-export --format hf``), request by request. The user compares against that
+command as it is, so every step below is ``HFLM``'s (lm_eval 0.4's ``models/huggingface.py``):
 
-- texts are encoded with the model's own tokenizer (:mod:`toolkit.evaluation.text`), the symbol
-  the LM sees before a text (``</s>``, or ``<s>`` with ``--add-bos-token``) first, as the exported
-  tokenizer adds it; the harness's ``TemplateLM`` splits context and continuation;
-- ``loglikelihood``: batched, longest first, inputs truncated from the left to the model's
-  positions, scored by the model's ``get_normalized_probs`` (:mod:`toolkit.evaluation.scoring`);
-- ``loglikelihood_rolling``: the document's tokens after the prefix symbol, cut into blocks as
-  ``toolkit-eval-lm`` cuts a stream (``context_window`` earlier tokens before each block). For a
-  document that fits the model's positions this is the ``hf`` model's number with
-  ``add_bos_token=False`` (without it, ``hf`` also scores the tokenizer's own leading symbol);
-- ``generate_until``: the KV-cache ``SequenceGenerator`` (greedy, or sampling with ``temperature``/
-  ``top_k``/``top_p``), stopping at the stop strings or ``</s>`` or ``max_gen_toks``.
+- ``tok_encode`` is the exported tokenizer's default encoding (:mod:`toolkit.evaluation.text`): its
+  specials included, i.e. the symbol the LM sees before a text first (``</s>``, ``<s>`` with
+  ``--add-bos-token``, an imported Llama's BOS; an imported Qwen2 adds none); ``prefix_token_id`` is the
+  tokenizer's BOS, else its EOS;
+- ``loglikelihood``: the harness's ``TemplateLM`` splits context and continuation; batched, longest first,
+  inputs truncated from the left to ``max_length`` (the model's positions), scored by the model's
+  ``get_normalized_probs`` (:mod:`toolkit.evaluation.scoring`);
+- ``loglikelihood_rolling``: the document's default encoding (so the leading symbol is scored too, as
+  ``hf`` scores it), cut by ``lm_eval.utils.get_rolling_token_windows`` with ``max_length`` and
+  ``prefix_token_id``, each window a ``loglikelihood`` request; ``context_window`` > 0 gives every window
+  after the first that many more tokens of context (the windows' ``context_len`` - 1; ``hf``: 0);
+- ``generate_until``: the context's default encoding, its last ``max_length - max_gen_toks`` ids, the
+  first of them the start symbol; the KV-cache ``SequenceGenerator`` (greedy, or sampling with
+  ``temperature``/``top_k``/``top_p``), stopping at the stop strings or EOS or ``max_gen_toks``.
 """
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ from toolkit.core.errors import UserError
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
+                                      postprocess_generated_text)
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError:  # pragma: no cover - the command says how to install it
     raise UserError("lm-eval is not installed; pip install lm-eval (or: pip install toolkit[eval])") from None
 
@@ -41,6 +47,7 @@ from toolkit.evaluation import scoring
 from toolkit.evaluation.loading import load_for_eval
 from toolkit.evaluation.text import TextCodec
 from toolkit.generation import GenerationConfig, SequenceGenerator
+from toolkit.inference.model_tokenizer import group_by_context
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +79,7 @@ class ToolkitLM(TemplateLM):
         self.models, self.task = list(models), task
         self.dictionary = task.dictionary
         bos = task.cfg.add_bos_token if add_bos_token is None else add_bos_token
-        self.codec = TextCodec(self.dictionary, task.cfg.data.split(":")[0], bool(bos))
+        self.codec = TextCodec(self.dictionary, task.model_files_dir(), bool(bos))
         self.batch_size = int(batch_size)
         self.max_length = min(m.max_positions() for m in self.models)
         self.context_window = int(context_window)
@@ -100,9 +107,11 @@ class ToolkitLM(TemplateLM):
         return f"toolkit-{self.codec.kind}-{len(self.dictionary)}"
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> List[int]:
-        """The tokenizer's ids; the prefix symbol first unless ``add_special_tokens=False`` (as the export's)."""
-        ids = self.codec.encode(string)
-        return ids if add_special_tokens is False else [self.codec.prefix] + ids
+        """The exported tokenizer's ids: its specials unless ``add_special_tokens=False`` or the text already
+        starts with the prefix symbol's string (``HFLM.tok_encode``)."""
+        if add_special_tokens is None and has_bos_prefix(string, self.codec.token_string(self.prefix_token_id)):
+            add_special_tokens = False
+        return self.codec.encode(string) if add_special_tokens is False else self.codec.encode_with_specials(string)
 
     def tok_decode(self, tokens: Sequence[int], **kwargs) -> str:
         return self.codec.decode(tokens)
@@ -119,14 +128,19 @@ class ToolkitLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
-        block = self.max_length - self.context_window
-        out = []
-        for (string,) in [req.args for req in requests]:
-            total = scoring.rolling_loglikelihood(self.models, self.codec.encode(string), self.codec.prefix, block,
-                                                  self.context_window, self.batch_size, self._device)
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            out.append(total)
-        return out
+        """``HFLM.loglikelihood_rolling``: the windows of every document scored as loglikelihood requests."""
+        windows, owner = [], []
+        for index, (string,) in enumerate(req.args for req in requests):
+            for context, continuation in rolling_windows(self.tok_encode(string), self.prefix_token_id,
+                                                         self.max_length, self.context_window):
+                windows.append((None, context, continuation))
+                owner.append(index)
+        totals = [0.0] * len(requests)
+        for index, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[index] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
 
     # ---- generation ----
 
@@ -154,25 +168,27 @@ class ToolkitLM(TemplateLM):
         if max_gen >= self.max_length:
             raise UserError(f"generate_until: max_gen_toks {max_gen} must be less than the model's "
                             f"{self.max_length} positions")
-        keep = self.max_length - max_gen - 1  # the prefix symbol comes first, then the prompt, then max_gen
-        prompts = [torch.tensor(_last(self.codec.encode(c), keep), dtype=torch.long) for c in contexts]
-        generator = SequenceGenerator(self.models, self.dictionary, self._generation_config(kwargs, max_gen),
-                                      generator=torch.Generator(device=self._device).manual_seed(self.seed),
-                                      bos=self.codec.prefix)
+        # HFLM: the context's default encoding, left-truncated to max_length - max_gen; its first id starts
+        prompts = [torch.tensor(_last(self.tok_encode(c), self.max_length - max_gen), dtype=torch.long)
+                   for c in contexts]
+        config = self._generation_config(kwargs, max_gen)
 
         def stop(_: int, tokens: torch.Tensor) -> bool:
             text = self.codec.decode(tokens.tolist())
             return any(s and s in text for s in until)
 
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         texts: List[str] = [""] * len(prompts)
-        for first in range(0, len(order), max(1, self.batch_size)):
-            chunk = order[first:first + max(1, self.batch_size)]
-            hypos = generator.generate([prompts[i] for i in chunk], stop=stop)
-            for i, hyps in zip(chunk, hypos):
-                tokens = hyps[0]["tokens"][len(prompts[i]):].tolist()
-                tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens
-                texts[i] = postprocess_generated_text(self.codec.decode(tokens), until, None)
+        for start, members in group_by_context(prompts, self.prefix_token_id).items():
+            generator = SequenceGenerator(self.models, self.dictionary, config, bos=start,
+                                          generator=torch.Generator(device=self._device).manual_seed(self.seed))
+            members = sorted(members, key=lambda m: -len(m[1]))
+            for first in range(0, len(members), max(1, self.batch_size)):
+                chunk = members[first:first + max(1, self.batch_size)]
+                hypos = generator.generate([rest for _, rest in chunk], stop=stop)
+                for (i, rest), hyps in zip(chunk, hypos):
+                    tokens = hyps[0]["tokens"][len(rest):].tolist()
+                    tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens
+                    texts[i] = postprocess_generated_text(self.codec.decode(tokens), until, None)
         return texts
 
     def _generation_config(self, kwargs: dict, max_gen: int) -> GenerationConfig:
@@ -182,3 +198,11 @@ class ToolkitLM(TemplateLM):
             max_new_tokens=max_gen, temperature=float(kwargs["temperature"]) if sampling else 1.0,
             sampling_topk=int(kwargs.get("top_k") or -1) if sampling else -1,
             sampling_topp=float(kwargs.get("top_p") or -1.0) if sampling else -1.0)
+
+
+def rolling_windows(tokens: List[int], prefix: int, max_length: int, context_window: int = 0):
+    """(context, continuation) pairs covering ``tokens`` as ``HFLM`` cuts a document (``context_window``
+    more tokens of context for every window after the first)."""
+    return [make_disjoint_window(w) for w in get_rolling_token_windows(token_list=tokens, prefix_token=prefix,
+                                                                       max_seq_len=max_length,
+                                                                       context_len=1 + context_window)]

@@ -8,9 +8,8 @@ last positions (only those are normalized: no [B, T, V] softmax). Requests are s
 length (longest first) and batched, right-padded; requests with the same input (e.g. one-token
 answers to one question) share one forward pass.
 
-``rolling_loglikelihood`` scores a whole document as ``toolkit-eval-lm`` scores a stream:
-blocks of ``tokens_per_sample`` targets, each after up to ``context_window`` earlier tokens,
-the prefix symbol before the first.
+A whole document (``loglikelihood_rolling``) is scored as such requests too, one per window
+(``toolkit.evaluation.harness.rolling_windows``), as lm-evaluation-harness's ``hf`` model scores it.
 """
 from __future__ import annotations
 
@@ -65,15 +64,3 @@ def _continuation_score(logp: torch.Tensor, continuation: Sequence[int]) -> Tupl
     rows = logp[logp.size(0) - len(cont):]
     greedy = bool((rows.argmax(dim=-1) == cont).all())
     return float(rows.gather(1, cont[:, None]).sum()), greedy
-
-
-@torch.no_grad()
-def rolling_loglikelihood(models: List[torch.nn.Module], tokens: Sequence[int], prefix: int,
-                          tokens_per_sample: int, context_window: int = 0, batch_size: int = 8,
-                          device: torch.device = torch.device("cpu")) -> float:
-    """log p(document) with eval-lm's blocks (``prefix`` before the first token)."""
-    if not tokens:
-        return 0.0
-    scores = inference.score_stream(models, torch.tensor(list(tokens), dtype=torch.long), prefix,
-                                    tokens_per_sample, context_window, batch_size=batch_size, device=device)
-    return float(scores.double().sum())

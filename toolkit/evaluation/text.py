@@ -7,9 +7,13 @@ Three cases, in this order:
 - the data-bin records a BPE (``bpe.json``): pieces, then ``dict.txt`` ids (as the hub encodes);
 - a whitespace data-bin: words looked up in ``dict.txt``.
 
+The folder is the task's ``model_files_dir()``: DATA's first folder or a ``--data-mixture`` run's first
+source, the import's folder or a data-bin binarized with its command (``hf_byte_bpe.json``, the copy).
+
 Decoding drops the specials (``<unk>`` too), as the Hugging Face export's tokenizer does.
-Encoding never adds specials: ``prefix`` is the symbol the LM sees before a text (``</s>``,
-or ``<s>`` with ``--add-bos-token``), put in front by the caller, as fairseq's LM task does.
+``encode`` adds no specials; ``encode_with_specials`` gives what the exported tokenizer gives by default:
+the model's own tokenizer's specials, else ``prefix`` first, the symbol the LM sees before a text
+(``</s>``, or ``<s>`` with ``--add-bos-token``), which ``toolkit-export --format hf`` makes its BOS.
 """
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ class TextCodec:
             return self.hf.encode(text, add_special_tokens=False).ids
         pieces = self.bpe.encode(text) if self.bpe is not None else text
         return self.dictionary.encode_line(pieces, append_eos=False).tolist()
+
+    def encode_with_specials(self, text: str) -> List[int]:
+        """``AutoTokenizer(export)(text)["input_ids"]``: what lm_eval's ``hf`` model encodes by default."""
+        if self.hf is not None:
+            return self.hf.encode(text).ids
+        return [self.prefix] + self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.hf is not None:

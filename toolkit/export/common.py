@@ -44,7 +44,8 @@ class LoadedModel:
 
     @property
     def data_dir(self) -> str:
-        return self.task.cfg.data.split(":")[0]
+        """The folder with the model's dictionary and tokenizer (a --data-mixture run's first source)."""
+        return self.task.model_files_dir()
 
 
 def data_bin_files(data_dir: str) -> List[str]:

@@ -51,10 +51,15 @@ def write_checkpoint(imported: HFCheckpoint, tmp: str, progress: StepProgress) -
         torch.save(imported.checkpoint, f)
     imported.dictionary.save(os.path.join(tmp, "dict.txt"))
     progress.advance(imported.written)
+    for name, text in imported.texts.items():
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            f.write(text)
     for name, src in imported.files.items():
         shutil.copyfile(src, os.path.join(tmp, name))
     if imported.bpe is not None:
-        save_tokenizer_to_data_bin(imported.bpe[0], imported.bpe[1], tmp)
+        name, model_files = imported.bpe
+        written = {k: os.path.join(tmp, v) if v in imported.texts else v for k, v in model_files.items()}
+        save_tokenizer_to_data_bin(name, written, tmp)
     progress.advance(imported.copied)
 
 

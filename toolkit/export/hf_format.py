@@ -71,17 +71,27 @@ def write_folder(tmp: str, model, architecture: str, config: dict, state: Dict[s
         progress.advance(f"not compared with transformers ({dtype} weights; compare an fp32 export)")
 
 
-def _tokenizer(loaded, files):
-    """Write the tokenizer into a folder: the data-bin's own ``files`` as they are, else one built from
-    ``dict.txt`` and the BPE (``hf_tokenizer``); returns the progress line."""
-    from toolkit.export.hf_tokenizer import write_tokenizer
+def _tokenizer(loaded, files: Dict[str, str]):
+    """Write the tokenizer into a folder: the model's own ``files`` ({name: path}) as they are, else one built
+    from ``dict.txt`` and the BPE (``hf_tokenizer``); returns the progress line. A ``dict.txt`` that is a
+    tokenizer's vocabulary without that tokenizer is refused: a tokenizer built from it would give other ids."""
+    from toolkit.export.hf_tokenizer import write_tokenizer, write_tokenizer_config
 
     def write(folder: str) -> str:
         if not files:
+            if loaded.dictionary.fixed_ids:
+                raise UserError(f"{os.path.join(loaded.data_dir, 'dict.txt')}: the vocabulary of a tokenizer "
+                                f"(toolkit-export --from hf), but neither tokenizer.json nor hf_byte_bpe.json is "
+                                f"beside it; give --data the import's folder (or a data-bin binarized with its "
+                                f"tokenizer); nothing written")
             return write_tokenizer(loaded, folder)
-        for name in files:
-            shutil.copyfile(os.path.join(loaded.data_dir, name), os.path.join(folder, name))
-        return f"tokenizer: the model's own ({', '.join(files)})"
+        for name, path in files.items():
+            shutil.copyfile(path, os.path.join(folder, name))
+        line = f"tokenizer: the model's own ({', '.join(files)} from {os.path.dirname(next(iter(files.values())))})"
+        if "tokenizer_config.json" not in files:  # else AutoTokenizer would pick the class by model_type
+            write_tokenizer_config(loaded, folder, loaded.dictionary.bos())
+            line += "; tokenizer_config.json written for it"
+        return line
 
     return write
 

@@ -85,9 +85,15 @@ def write_tokenizer(loaded, out_dir: str) -> str:
     spec["post_processor"] = _template(d, first)
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": d[first], "eos_token": d[d.eos()],
+    write_tokenizer_config(loaded, out_dir, first)
+    return message
+
+
+def write_tokenizer_config(loaded, out_dir: str, bos: int) -> None:
+    """tokenizer_config.json: the tokenizer.json as it is (``PreTrainedTokenizerFast``), with the specials' names."""
+    d = loaded.dictionary
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": d[bos], "eos_token": d[d.eos()],
               "unk_token": d[d.unk()], "pad_token": d[d.pad()], "model_max_length": loaded.model.max_positions(),
               "clean_up_tokenization_spaces": False}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    return message

@@ -50,6 +50,8 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     cfg = dict(state["cfg"])
     if data_dir is not None:
         cfg["data"] = data_dir
+        if cfg.get("data_mixture"):  # the given folder replaces --data-mixture's sources too (for the
+            cfg["data_mixture"] = None  # dictionary: the hash check below refuses one not the model's)
     warn_unknown_overrides(path, overrides, cfg)
     cfg.update(overrides or {})
     args = Namespace(**cfg)

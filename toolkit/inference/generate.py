@@ -88,9 +88,9 @@ class Session:
         if cfg.fp16:
             self.models = [m.half() for m in self.models]
         self.dictionary = self.task.dictionary
-        data_dir = self.task.cfg.data.split(":")[0]
+        data_dir = self.task.model_files_dir()
         self.tokenizer = load_tokenizer_for_data_bin(data_dir)
-        self.model_tokenizer = hf_ids.load_model_tokenizer(data_dir, self.dictionary, data_bin_copy=True)
+        self.model_tokenizer = hf_ids.load_model_tokenizer(data_dir, self.dictionary)
         self.bos = self.dictionary.bos() if self.task.cfg.add_bos_token else self.dictionary.eos()
         self.generators: Dict[int, SequenceGenerator] = {}
         self.cfg, self.gen_cfg = cfg, gen_cfg
@@ -112,6 +112,9 @@ class Session:
         return hypos
 
     def string(self, tokens: torch.Tensor) -> str:
+        """A prompt's text: the model's tokenizer decodes it (its tokens are byte-level pieces), else dict.txt's."""
+        if self.model_tokenizer is not None:
+            return hf_ids.decode_ids(self.model_tokenizer, tokens)
         return post_process(self.dictionary.string(tokens), self.cfg.post_process)
 
     def hypothesis_lines(self, sample_id: int, hypos: List[Dict]) -> List[str]:

@@ -48,7 +48,7 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     models, task, args = inference.load_ensemble(path, data, dev, overrides=rest or None)
     own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
     if bpe_name is None and tokenizer_name is None:
-        own = hf_ids.load_model_tokenizer(data.split(":")[0], task.dictionary)
+        own = hf_ids.load_model_tokenizer(task.model_files_dir(), task.dictionary)
     return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe, model_tokenizer=own)
 
 

@@ -18,14 +18,19 @@ import torch
 from toolkit.core.errors import UserError
 
 
-def load_model_tokenizer(data_dir: str, dictionary, data_bin_copy: bool = False):
-    """``tokenizer.json`` of ``data_dir`` when ``dict.txt`` holds its vocabulary (ids unchanged), else None.
+#: the model's tokenizer in an imported folder, and the copy of it a data-bin binarized with the import's
+#: command keeps (``--bpe hf_byte_bpe --bpe-model OUT/tokenizer.json`` writes it as ``hf_byte_bpe.json``)
+TOKENIZER_NAMES = ("tokenizer.json", "hf_byte_bpe.json")
 
-    ``data_bin_copy``: also the copy of it a data-bin binarized with the import's command keeps
-    (``--bpe hf_byte_bpe --bpe-model OUT/tokenizer.json`` writes it as ``hf_byte_bpe.json``), so generating
-    from such a data-bin decodes as the tokenizer does.
+
+def load_model_tokenizer(data_dir: str, dictionary):
+    """The model's tokenizer in ``data_dir`` (the import's folder or a data-bin made with its command) when
+    ``dict.txt`` holds its vocabulary (ids unchanged), else None.
+
+    Why the data-bin's copy too: every consumer given either folder must read text as the model's tokenizer
+    does (BOS first as transformers puts it), not as a BPE data-bin (``</s>`` first).
     """
-    names = ("tokenizer.json", "hf_byte_bpe.json") if data_bin_copy else ("tokenizer.json",)
+    names = TOKENIZER_NAMES
     found = [os.path.join(data_dir, n) for n in names if os.path.isfile(os.path.join(data_dir, n))]
     if not found or not getattr(dictionary, "fixed_ids", False):
         return None

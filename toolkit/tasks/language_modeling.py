@@ -140,6 +140,14 @@ class LanguageModelingTask:
     def target_dictionary(self) -> Dictionary:
         return self.dictionary
 
+    def model_files_dir(self) -> str:
+        """The folder holding the dictionary and the tokenizer the model reads text with: DATA's first folder,
+        else the first ``--data-mixture`` source's (the sources share one dictionary), so a consumer finds the
+        model's tokenizer whichever way the run read its data."""
+        if self.cfg.data:
+            return self.data_paths()[0]
+        return self.mixture[0].path if self.mixture else ""
+
     def data_paths(self):
         if not self.cfg.data:
             raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess")

@@ -65,15 +65,39 @@ def _pad_id(symbols: List[str], n_tokens: int, ids: Dict[str, Optional[int]], sp
                     "the loss needs an id no text encodes to (add a pad token to the tokenizer)")
 
 
-def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
-    """The tokenizer's vocabulary as a ``Dictionary`` with its own ids (see the module docstring)."""
-    from toolkit.data.dictionary import Dictionary
+def reference_tokenizer(folder: str) -> str:
+    """The folder's tokenizer as JSON, as transformers builds it: ``AutoTokenizer.from_pretrained(folder)``.
 
+    Why not the file as it is: transformers builds some model types' tokenizers with their own class, whatever
+    tokenizer.json holds (transformers 5's ``Qwen2Tokenizer`` puts Qwen2's digit-splitting pre-tokenizer and NFC
+    normalizer over the file's vocabulary and merges), and the promise is ``AutoTokenizer``'s ids. Without
+    transformers installed, the file (what ``PreTrainedTokenizerFast`` reads).
+    """
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise UserError(f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
                         "(tokenizer.save_pretrained) so the token ids stay the model's own")
-    tok = _load_tokenizer(path)
+    try:
+        import transformers
+    except ImportError:
+        return _load_tokenizer(path).to_str()
+    _load_tokenizer(path)  # a file that is no tokenizer: one line naming it, before transformers' traceback
+    with malformed_file(path, RESAVE, errors=(Exception,)):
+        backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(f"--path {folder}: transformers builds no fast tokenizer from it; save one "
+                        "(tokenizer.json) so the token ids are the tokenizer's")
+    return backend.to_str()
+
+
+def tokenizer_dictionary(folder: str, config: Dict[str, Any], tokenizer_json: str):
+    """The tokenizer's vocabulary as a ``Dictionary`` with its own ids (see the module docstring)."""
+    from toolkit.data.dictionary import Dictionary
+
+    path = os.path.join(folder, "tokenizer.json")
+    tokenizers = require("tokenizers", "tokenizers")
+    with malformed_file(path, RESAVE, errors=(Exception,)):
+        tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     vocab = tok.get_vocab(with_added_tokens=True)
     n_tokens = len(vocab)
     if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
@@ -81,7 +105,7 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any]):
                         f"{config['vocab_size']}; cannot keep them as they are")
     symbols = sorted(vocab, key=vocab.get) + [UNUSED.format(i) for i in range(config["vocab_size"] - n_tokens)]
     tok_config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
-    unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tok.to_str())["model"].get("unk_token")
+    unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tokenizer_json)["model"].get("unk_token")
     ids = {"bos": _first_id(config.get("bos_token_id")), "eos": _first_id(config.get("eos_token_id")),
            "pad": _first_id(config.get("pad_token_id")), "unk": vocab.get(unk_name) if unk_name else None}
     if ids["eos"] is None:
@@ -167,7 +191,8 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
     from toolkit import models
 
     given = options_from_hf(config, os.path.join(folder, "config.json"))
-    dictionary = tokenizer_dictionary(folder, config)
+    tokenizer_json = reference_tokenizer(folder)
+    dictionary = tokenizer_dictionary(folder, config, tokenizer_json)
     advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
             f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
     arch = matching_arch(given)
@@ -175,27 +200,29 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
     state = read_state(folder, given["share_decoder_input_output_embed"])
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
-    add_bos = _adds_bos(folder, dictionary)  # then a sample is BOS + tokens_per_sample tokens
+    add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
     tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
     ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
     ckpt["cfg"]["add_bos_token"] = add_bos
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
+    copied = [name for name in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(folder, name))]
     files = {**{name: os.path.join(folder, name) for name in copied}, HF_CONFIG: os.path.join(folder, "config.json")}
     # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
-    bpe = ("hf_byte_bpe", {"bpe_model": os.path.join(folder, "tokenizer.json")})
+    bpe = ("hf_byte_bpe", {"bpe_model": "tokenizer.json"})
     log = (f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
            f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
            f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
            f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
            f"{os.path.join(out_dir, CHECKPOINT)}")
     return HFCheckpoint(ckpt, dictionary, f"wrote {CHECKPOINT} and dict.txt",
-                        f"copied {', '.join(copied)}, config.json as {HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe",
-                        files, bpe, log, dictionary_hash=True)
+                        f"wrote tokenizer.json as AutoTokenizer builds it, copied {', '.join(copied)}, config.json as "
+                        f"{HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe", files, bpe, log,
+                        dictionary_hash=True, texts={"tokenizer.json": tokenizer_json})
 
 
-def _adds_bos(folder: str, dictionary) -> bool:
+def _adds_bos(tokenizer_json: str, dictionary) -> bool:
     """Whether the tokenizer puts BOS before a text (what its post-processor makes of the empty text)."""
-    ids = _load_tokenizer(os.path.join(folder, "tokenizer.json")).encode("").ids
+    tokenizers = require("tokenizers", "tokenizers")
+    ids = tokenizers.Tokenizer.from_str(tokenizer_json).encode("").ids
     return bool(ids) and ids[0] == dictionary.bos() != dictionary.eos()
 
 
@@ -208,17 +235,46 @@ def _token_ids(dictionary, first_symbol: int, base: Optional[Dict[str, Any]]) ->
     return {"bos_token_id": first_symbol, "eos_token_id": dictionary.eos(), "pad_token_id": dictionary.pad()}
 
 
+def own_tokenizer_files(data_dir: str, dictionary) -> Dict[str, str]:
+    """{name in the export: path} of the model's own tokenizer files; empty when ``dict.txt`` is no tokenizer's
+    vocabulary. Found in the import's folder, or in a data-bin binarized with the import's command: its copy of
+    tokenizer.json (``hf_byte_bpe.json``), the other files and ``hf_config.json`` from the folder its
+    ``bpe.json`` records the tokenizer came from, while that folder still holds the same tokenizer.json."""
+    if not dictionary.fixed_ids:
+        return {}
+    if os.path.isfile(os.path.join(data_dir, "tokenizer.json")):
+        home: Optional[str] = data_dir
+        files = {}
+    else:
+        copy = os.path.join(data_dir, "hf_byte_bpe.json")
+        if not os.path.isfile(copy):
+            return {}
+        files = {"tokenizer.json": copy}
+        source = ((_read_json(os.path.join(data_dir, "bpe.json")) or {}).get("source") or {}).get("bpe_model")
+        home = os.path.dirname(source) if source and _same_bytes(source, copy) else None
+    for name in TOKENIZER_FILES + (HF_CONFIG,):
+        if home is not None and os.path.isfile(os.path.join(home, name)):
+            files.setdefault(name, os.path.join(home, name))
+    return files
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    if not os.path.isfile(a):
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
 def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
-    """The imported class (from the data-bin's ``hf_config.json``), else Llama or Qwen2; the model's own
-    tokenizer files where the data-bin has them."""
+    """The imported class (from ``hf_config.json``), else Llama or Qwen2; the model's own tokenizer files
+    wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
         raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
                         "its own class (Llama, Mistral or Qwen2); nothing written")
-    base = _read_json(os.path.join(data_dir, HF_CONFIG))
+    files = own_tokenizer_files(data_dir, dictionary)
+    base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
     architecture, config = hf_config(model.cfg, len(dictionary), base)
     config.update(_token_ids(dictionary, first_symbol, base))
-    own = os.path.isfile(os.path.join(data_dir, "tokenizer.json"))
-    tokenizer_files = tuple(name for name in TOKENIZER_FILES if own and os.path.isfile(os.path.join(data_dir, name)))
-    return HFWeights(architecture, config, state_to_hf(model.state_dict()), tokenizer_files)
+    return HFWeights(architecture, config, state_to_hf(model.state_dict()), files)
