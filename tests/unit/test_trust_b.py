@@ -78,3 +78,41 @@ def test_merge_into_a_destdir_holding_its_parts_is_refused(tmp_path, capsys, wik
                  "holds the input")
     assert sorted(os.listdir(tmp_path / "big" / "0")) == before and os.path.isdir(tmp_path / "big" / "1")
     run("--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "merged")  # elsewhere: as before
+
+
+# --- 6. hangs: every YAML load is bounded -------------------------------------------------------------
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ncommon:\n  seed: *a{levels - 1}\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_is_read(tmp_path):
+    from toolkit.compat.fairseq.yaml_config import load_config_file
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    with pytest.raises(UserError, match=r"--config .*bomb.yaml: its aliases \(\*name\) expand to more than 100,000"):
+        load_config_file(str(path))
+    path.write_text("a: &a [1, *a]\n")
+    with pytest.raises(UserError, match="a value that contains itself"):
+        load_config_file(str(path))
+    path.write_text("common: &c {seed: 3}\ncheckpoint: {save_dir: x}\nother: *c\n")  # a few aliases: fine
+    assert load_config_file(str(path))["other"] == {"seed": 3}
+
+
+def test_hydra_composition_and_overrides_are_bounded_too(tmp_path):
+    pytest.importorskip("hydra")
+    from toolkit.compat.fairseq.hydra_compose import compose
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - model: small\ncommon: {seed: 1}\n")
+    (tmp_path / "model" / "small.yaml").write_text(_alias_bomb())
+    with pytest.raises(UserError, match=r"small.yaml: its aliases"):
+        compose(str(tmp_path), "config", [])
+    (tmp_path / "model" / "small.yaml").write_text("decoder_layers: 2\n")
+    assert compose(str(tmp_path), "config", [])[0]["common"] == {"seed": 1}
+    bomb_value = "{" + ", ".join(_alias_bomb().splitlines()[:9]) + "}"
+    with pytest.raises(UserError, match="its aliases"):
+        compose(None, "config", [f"common.seed={bomb_value}"])
