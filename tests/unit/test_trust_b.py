@@ -116,3 +116,96 @@ def test_hydra_composition_and_overrides_are_bounded_too(tmp_path):
     bomb_value = "{" + ", ".join(_alias_bomb().splitlines()[:9]) + "}"
     with pytest.raises(UserError, match="its aliases"):
         compose(None, "config", [f"common.seed={bomb_value}"])
+
+
+# --- 7. wrong numbers with exit 0: every count and float flag bounded at parse time --------------------
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--batch-size", "0"], "argument --batch-size-valid/--batch-size/--max-sentences: 0: must be at least 1"),
+    (["--batch-size", "-3"], "-3: must be at least 1"),
+    (["--max-tokens", "0"], "0: must be at least 1"),
+    (["--log-interval", "0"], "0: must be at least 1"),
+])
+def test_validate_counts_are_bounded(argv, fragment, capsys):
+    from toolkit_cli.validate import cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["data", "--path", "x.pt", *argv])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--tokens-per-sample", "0"], "--tokens-per-sample: 0: must be at least 1"),
+    (["--dropout", "1.5"], "--dropout: 1.5: must be in [0, 1)"),
+    (["--dropout", "nan"], "--dropout: nan: must be a finite number"),
+    (["--lr", "0.1,nan"], "--lr: 0.1,nan: every value must be a finite number"),
+    (["--decoder-layers", "0"], "--decoder-layers: 0: must be at least 1"),
+    (["--clip-norm", "inf"], "--clip-norm: inf: must be a finite number"),
+])
+def test_train_counts_and_floats_are_bounded(argv, fragment, capsys):
+    from toolkit.train.resolve import parse_train_config
+
+    with pytest.raises(SystemExit):
+        parse_train_config(["data", "--arch", "transformer_lm", *argv])
+    assert fragment in capsys.readouterr().err
+
+
+def test_no_float_flag_takes_nan_or_inf():
+    """The class: every float option of every component and command refuses nan and inf at parse time
+    (a float field without its own type gets ``finite_float``)."""
+    import argparse
+    import dataclasses
+
+    from toolkit.config import TrainConfig, options
+    from toolkit.core import registry
+    from toolkit.inference.eval_lm_main import EvalLMConfig
+    from toolkit.train.validate import ValidateConfig
+
+    registry.import_all_components()
+    configs = [ValidateConfig, EvalLMConfig]
+    configs += [f.type for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)]
+    for reg in (registry.TASK_REGISTRY, registry.MODEL_REGISTRY, registry.CRITERION_REGISTRY,
+                registry.OPTIMIZER_REGISTRY, registry.LR_SCHEDULER_REGISTRY, registry.TOKENIZER_REGISTRY):
+        configs += [e.config for e in reg.entries.values() if e.config]
+    checked = 0
+    for config in configs:
+        parser = argparse.ArgumentParser()
+        options.add_dataclass_options(parser, config)
+        for action in parser._actions:
+            if action.type is None or not action.option_strings or action.choices:
+                continue
+            try:
+                if not isinstance(action.type("1.5"), float):
+                    continue  # not a float flag
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                continue
+            for bad in ("nan", "inf"):
+                try:
+                    action.type(bad)
+                except (ValueError, argparse.ArgumentTypeError):
+                    continue
+                pytest.fail(f"{config.__name__} {action.option_strings[0]} takes {bad}")
+            checked += 1
+    assert checked > 30
+
+
+def test_the_planner_refuses_what_training_refuses():
+    from toolkit.plan.hardware import hardware_from_args, split_hardware_args
+    from toolkit.plan.setup import Setup, check_layout
+
+    for argv, fragment in ((["--gpu-tflops", "nan"], "must be a finite number"),
+                           (["--compute-efficiency", "5"], "must be in (0, 1]"),
+                           (["--gpu-memory", "0"], "must be between 1 byte and 1PiB"),
+                           (["--host-memory", "1e400"], "must be between 1 byte and 1PiB"),
+                           (["--gpus-per-node", "0"], "must be at least 1")):
+        with pytest.raises(UserError, match=__import__("re").escape(fragment)):
+            hardware_from_args(split_hardware_args(argv)[0])
+    assert hardware_from_args(split_hardware_args(["--compute-efficiency", "1"])[0]).compute_efficiency == 1.0
+    import dataclasses
+    fields = {f.name: None for f in dataclasses.fields(Setup)}
+    base = dict(fields, world=8, mp=3, fsdp=True, strategy="full_shard", shard_group_size=None)
+    with pytest.raises(UserError, match="--model-parallel-size 3: must divide the world size 8"):
+        check_layout(Setup(**base))
+    check_layout(Setup(**dict(base, mp=4)))
+    with pytest.raises(UserError, match="--shard-group-size 3: must divide the 8 data-parallel replicas"):
+        check_layout(Setup(**dict(base, mp=1, strategy="hybrid_shard", shard_group_size=3)))
