@@ -209,3 +209,46 @@ def test_the_planner_refuses_what_training_refuses():
     check_layout(Setup(**dict(base, mp=4)))
     with pytest.raises(UserError, match="--shard-group-size 3: must divide the 8 data-parallel replicas"):
         check_layout(Setup(**dict(base, mp=1, strategy="hybrid_shard", shard_group_size=3)))
+
+
+# --- 7. wrong numbers with exit 0: inputs accepted in part, weights that overflow ---------------------
+
+def _records(n: int) -> bytes:
+    return b"".join(json.dumps({"text": f"record {i} " + "w " * (i % 13)}).encode() + b"\n" for i in range(n))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_truncated_compressed_jsonl_is_refused(tmp_path, suffix):
+    import gzip
+
+    from toolkit.data.record_inputs import RecordOptions, RecordReport, jsonl_texts
+
+    data = _records(3000)
+    if suffix.endswith(".zst"):
+        zstd = pytest.importorskip("zstandard")
+        whole = zstd.ZstdCompressor().compress(data[:40000]) + zstd.ZstdCompressor().compress(data[40000:])
+    else:
+        whole = gzip.compress(data)
+    full, cut = tmp_path / f"full{suffix}", tmp_path / f"cut{suffix}"
+    full.write_bytes(whole)
+    cut.write_bytes(whole[:len(whole) // 2])
+    assert len(list(jsonl_texts(str(full), RecordOptions(), RecordReport(str(full))))) == 3000  # two frames
+    with pytest.raises(UserError, match=r"cut\.jsonl\..*: cannot be read as .*(truncated|end-of-stream marker)"):
+        list(jsonl_texts(str(cut), RecordOptions(), RecordReport(str(cut))))
+
+
+def test_mixture_weights_that_overflow_a_sum_keep_their_shares(tmp_path):
+    from toolkit.data.mixture import parse_mixture, source_counts
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    sources = parse_mixture(f"a={tmp_path}/a:1e308,b={tmp_path}/b:1e308")
+    assert [s.weight for s in sources] == [0.5, 0.5]
+    assert list(source_counts([s.weight for s in sources], 100)) == [50, 50]
+    sources = parse_mixture(f"a={tmp_path}/a:3e307,b={tmp_path}/b:1.7976931348623157e308")
+    assert sum(s.weight for s in sources) == pytest.approx(1.0) and all(s.weight > 0.1 for s in sources)
+    with pytest.raises(UserError, match="the weight of b is too small next to the others"):
+        parse_mixture(f"a={tmp_path}/a:1e308,b={tmp_path}/b:1e-300")
+    for bad in ("nan", "inf", "-1", "0"):
+        with pytest.raises(UserError, match="must be a positive number"):
+            parse_mixture(f"a={tmp_path}/a:1,b={tmp_path}/b:{bad}")
