@@ -32,7 +32,7 @@ CASES = [
     ("harness-batch-size-0", HARNESS, ["--path", "{save}/checkpoint_last.pt", "--tasks", "x", "--batch-size", "0"],
      "argument --batch-size: 0: must be at least 1"),
     ("plan-gpu-memory-1e400", PLAN, [*PLAN_MODEL, "--gpu-memory", "1e400"],
-     "--gpu-memory '1e400': more than any machine holds"),
+     "--gpu-memory 1e400: must be between 1 byte and 1PiB"),
     ("plan-tokens-per-sample-0", PLAN, [*PLAN_MODEL, "--tokens-per-sample", "0"],
      "--tokens-per-sample 0: the plan needs the length of a sample"),
     ("train-model-parallel-one-process", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/mp", "--model-parallel-size",

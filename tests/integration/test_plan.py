@@ -122,7 +122,13 @@ def test_suggested_flag_makes_it_fit():
 
 @pytest.mark.parametrize("args,needle", [
     (["--gpu-memory", "eighty"], "--gpu-memory 'eighty': expected a size"),
-    (["--gpu-tflops", "-1"], "--gpu-tflops -1.0: must be positive"),
+    (["--gpu-tflops", "-1"], "--gpu-tflops: -1: must be greater than 0"),
+    (["--gpu-tflops", "nan"], "--gpu-tflops: nan: must be a finite number"),
+    (["--compute-efficiency", "5"], "--compute-efficiency: 5: must be in (0, 1]"),
+    (["--gpu-memory", "0"], "--gpu-memory 0: must be between 1 byte and 1PiB"),
+    (["--gpu-memory", "1e400"], "--gpu-memory 1e400: must be between 1 byte and 1PiB"),
+    (["--model-parallel-size", "3", "--distributed-world-size", "8"],
+     "--model-parallel-size 3: must divide the world size 8"),
     (["--model-parallel-size", "0"], "--model-parallel-size must be >= 1"),
 ])
 def test_bad_input_is_one_line(args, needle):

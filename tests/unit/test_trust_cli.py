@@ -75,7 +75,7 @@ def test_plan_sizes_beyond_any_machine_are_one_line():
 
     assert parse_bytes("80GiB", "--gpu-memory") == 80 << 30
     for text in ("1e400", "1e30TiB"):
-        with pytest.raises(UserError, match=f"--gpu-memory '{text}': more than any machine holds"):
+        with pytest.raises(UserError, match=f"--gpu-memory {text}: must be between 1 byte and 1PiB"):
             parse_bytes(text, "--gpu-memory")
 
 

@@ -9,17 +9,24 @@ nobody asked for: ``--batch-size 0`` read as "no limit" (the host ran out of mem
 ``--max-update -1`` as "train forever", ``--save-interval-updates -3`` as "off". Where
 fairseq gives 0 or -1 a meaning (``--max-update 0`` = no limit, ``--keep-last-epochs -1`` =
 keep all) that value stays accepted.
+
+No float flag takes ``nan`` or ``inf`` (``float`` parses both): an options dataclass's float field
+without its own type is a :func:`finite_float`, and the bounded floats (:func:`positive_float`,
+:func:`share`, ...) say what else a value must be (``--compute-efficiency 5`` is not a share of a peak).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Tuple, Union
+import math
+from typing import Callable, Optional, Tuple, Union
 
 
 def _number_list(kind: Callable[[str], Union[int, float]], name: str):
     def parse(text: str):
         try:
             values = tuple(kind(v) for v in str(text).strip("[]() ").split(",") if v.strip())
+            if not all(math.isfinite(v) for v in values):
+                raise argparse.ArgumentTypeError(f"{text}: every value must be a finite number (not nan or inf)")
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {name} list: {text!r} (e.g. 0.1 or 0.1,0.05)") from None
         if not values:
@@ -29,6 +36,37 @@ def _number_list(kind: Callable[[str], Union[int, float]], name: str):
     parse.__name__ = f"{name}_list"
     return parse
 
+
+def bounded_float(low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
+                  high_open: bool = False, meaning: str = ""):
+    """A float flag type: finite, within [low, high] (``low_open``/``high_open``: the end itself excluded)."""
+    lower = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+    upper = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+    bounds = f"in {lower}, {upper}" if low is not None and high is not None else (
+        f"{'greater than' if low_open else 'at least'} {low:g}" if low is not None else
+        f"{'less than' if high_open else 'at most'} {high:g}" if high is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number (not nan or inf)")
+        if low is not None and (value < low or (low_open and value == low)) or \
+                high is not None and (value > high or (high_open and value == high)):
+            raise argparse.ArgumentTypeError(f"{value:g}: must be {bounds}{meaning}")
+        return value
+
+    parse.__name__ = "float" if not bounds else f"float_{bounds}".replace(" ", "_")
+    return parse
+
+
+finite_float = bounded_float()
+positive_float = bounded_float(0.0, low_open=True)
+non_negative_float = bounded_float(0.0)
+share = bounded_float(0.0, 1.0, low_open=True, meaning=" (a share: 1 is all of it)")
+probability = bounded_float(0.0, 1.0, high_open=True, meaning=" (a probability; 1 would drop everything)")
 
 float_list = _number_list(float, "float")
 int_list = _number_list(int, "int")

@@ -19,6 +19,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
+from toolkit.config.flag_types import finite_float
 from toolkit.core import registry
 from toolkit.core.errors import UserError, print_error_line
 from toolkit.core.registry import (
@@ -55,6 +56,10 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+# A field's flag type when it names none: no float flag takes nan or inf.
+_DEFAULT_TYPES: Dict[Any, Any] = {int: int, float: finite_float, str: str}
+
+
 def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, title: Optional[str] = None) -> None:
     """Add one flag per dataclass field; a flag some other component already added is shared."""
     assert is_dataclass(config_cls), config_cls
@@ -75,7 +80,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, tit
             kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
             kwargs["default"] = default
         else:
-            kwargs["type"] = f.metadata.get("type") or (tp if tp in (int, float, str) else str)
+            kwargs["type"] = f.metadata.get("type") or _DEFAULT_TYPES.get(tp, str)
             kwargs["default"] = default
             if choices is not None:
                 kwargs["choices"] = choices

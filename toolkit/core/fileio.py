@@ -32,11 +32,12 @@ def atomic_write(path: str, mode: str = "w", **open_kwargs) -> Iterator:
     """Write to a temporary file beside ``path``; rename over it only when the block succeeds."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    # mkstemp creates the file itself (O_EXCL | O_NOFOLLOW) and the block writes through that descriptor:
+    # the temporary name is never opened again, so nothing put there meanwhile (a symlink) is followed.
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
-    _as_if_created(tmp)
     try:
-        with open(tmp, mode, **open_kwargs) as f:
+        os.fchmod(fd, 0o666 & ~process_umask())
+        with os.fdopen(fd, mode, **open_kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

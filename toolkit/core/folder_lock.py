@@ -12,6 +12,9 @@ outlives its run; the file itself is removed on a clean release (a killed run le
 unlocked, and the next run simply takes it). Removing a lock file another process may be
 waiting on is safe because a taker checks, after locking, that the file it locked is still
 the one at the path.
+
+A lock file is never followed: one that is a symbolic link (or anything but a plain file) is
+refused, because taking it would truncate and overwrite whatever the link points at.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from typing import Iterator, List, Optional
@@ -91,9 +95,29 @@ def _processes_with_open(fd: int) -> List[int]:
     return found
 
 
+def _not_a_plain_file(path: str, flag: str) -> UserError:
+    return UserError(f"{flag}: the lock file {path} is a symbolic link or not a plain file; a lock is never "
+                     f"followed (taking it would overwrite what it points at): remove it, or choose another "
+                     f"{flag.split()[0]}")
+
+
+def _open_lock_file(path: str, flag: str) -> int:
+    """The lock file opened (created if missing) without following a symbolic link at ``path``."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise _not_a_plain_file(path, flag) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device put there: never write into it
+        os.close(fd)
+        raise _not_a_plain_file(path, flag)
+    return fd
+
+
 def _take(path: str, flag: str) -> Optional[int]:
     """The locked file's descriptor, or None when the file was replaced meanwhile (try again)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path, flag)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -104,14 +128,19 @@ def _take(path: str, flag: str) -> Optional[int]:
         os.close(fd)
         raise UserError(f"{flag}: in use by {holder}; one run writes a folder at a time: wait for it to "
                         f"finish, or choose another {flag.split()[0]}") from None
-    try:
-        same = os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        same = False
-    if not same:  # the previous holder removed it between our open and our lock
+    if not _still_at(fd, path):  # the previous holder removed it between our open and our lock
         os.close(fd)
         return None
     return fd
+
+
+def _still_at(fd: int, path: str) -> bool:
+    """Whether ``path`` (not followed) is still the file open as ``fd``."""
+    try:
+        mine, there = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _acquire(path: str, flag: str, prog: str) -> int:
@@ -137,8 +166,9 @@ def hold(path: str, flag: str, prog: str) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        if _still_at(fd, path):  # never remove what someone put at the path meanwhile
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os.close(fd)
 
 

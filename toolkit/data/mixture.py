@@ -54,12 +54,23 @@ def parse_mixture(spec: str) -> List[Source]:
         if name in (s[0] for s in raw):
             raise UserError(f"{FLAG} {spec}: source {name} is named twice; give each source its own name")
         raw.append((name, path, w))
-    total = sum(w for _, _, w in raw)
-    for name, path, w in raw:
+    for name, path, share in zip([r[0] for r in raw], [r[1] for r in raw], normalized([w for _, _, w in raw])):
         if not os.path.isdir(path):
             raise UserError(f"{FLAG}: {name}={path}: no such data-bin folder; check the path")
-        sources.append(Source(name, path, w / total))
+        if share <= 0:
+            raise UserError(f"{FLAG} {spec}: the weight of {name} is too small next to the others to be "
+                            f"drawn at all (its share rounds to 0); give weights closer to each other")
+        sources.append(Source(name, path, share))
     return sources
+
+
+def normalized(weights: Sequence[float]) -> List[float]:
+    """Weights as shares adding up to 1, scaled by the largest first: a plain sum of 1e308 and 1e308 is inf,
+    which would make every share 0 (and the epoch empty)."""
+    largest = max(weights)
+    scaled = [w / largest for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
 
 
 def source_counts(weights: Sequence[float], total: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from toolkit.data.binarizer import (
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
 from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_text
-from toolkit.data.shards import check_shard_flags, merge_parts, write_shard_record
+from toolkit.data.shards import check_shard_flags, find_parts, merge_parts, write_shard_record
 from toolkit.core import folder_lock
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_directory
@@ -433,10 +433,13 @@ def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = 
 
 
 def _merge(cfg: PreprocessConfig) -> PreprocessResult:
-    """--merge: the parts joined into a new --destdir (under its lock)."""
+    """--merge: the parts joined into a new --destdir (under its lock); a part inside --destdir is an input
+    --overwrite would delete, so it is refused as any other input there."""
+    parts = find_parts(cfg.merge)
+    check_destdir(cfg, [], parts)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
     with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
-        check_destdir(cfg, [], [])
+        check_destdir(cfg, [], parts)
         merge_parts(cfg.merge, cfg.destdir)
     return PreprocessResult(cfg.destdir, len(Dictionary.load(os.path.join(cfg.destdir, DICT_FILE))), {}, {})
 

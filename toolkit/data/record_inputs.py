@@ -97,9 +97,48 @@ def open_binary(path: str):
         return gzip.open(path, "rb")
     if lower.endswith(".zst"):
         zstd = require("zstandard", "zstandard", f"{path}: reading .zst")
-        raw = open(path, "rb")
-        return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdFrames(path, zstd))
     return open(path, "rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's bytes, frame after frame, refusing a file cut inside a frame (as gzip refuses a cut
+    .gz): zstandard's ``stream_reader`` ends quietly where a truncated file ends, which accepted half the
+    records of a file whose copy was interrupted."""
+
+    def __init__(self, path: str, zstd: Any):
+        super().__init__()
+        self._file, self._zstd, self._frame = open(path, "rb"), zstd, None
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._at == len(self._out):
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("the file ends inside a zstd frame: it is truncated")
+                return 0
+            self._out, self._at = self._decompress(chunk), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        out = []
+        while chunk:
+            if self._frame is None or self._frame.eof:  # a new frame starts here
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            out.append(self._frame.decompress(chunk))
+            chunk = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _decode(data: bytes, errors: str) -> Optional[str]:

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch
 
+from toolkit.core.fileio import atomic_write
+
 logger = logging.getLogger(__name__)
 
 NAME = "toolkit_cpu_adam_nogil"
@@ -47,10 +49,8 @@ def _binding_source() -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "binding.cpp")
     if not os.path.exists(path) or open(path).read() != BINDING:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with atomic_write(path) as f:
             f.write(BINDING)
-        os.replace(tmp, path)
     return path
 
 

@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from toolkit.config.options import OneLineErrorParser
+from toolkit.config.flag_types import positive_float, positive_int, share
 from toolkit.core.errors import UserError
 
 GIB = 1 << 30
-MAX_BYTES = float(1 << 60)  # 1 EiB: a memory size above it is a typo (and 1e400 would be inf)
+MAX_BYTES = 1 << 50  # 1PiB: more than any one GPU or node holds
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -62,8 +62,9 @@ def parse_bytes(text: str, flag: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise UserError(f"{flag} {text!r}: expected a size such as 80GiB, 1TiB or 126GB")
     size = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not size < MAX_BYTES:  # 1e400 is inf as a float
-        raise UserError(f"{flag} {text!r}: more than any machine holds (the limit is 1 EiB); give a size such as 80GiB")
+    if not 1 <= size <= MAX_BYTES:  # 0 plans nothing (and "fits"); 1e400 is inf
+        raise UserError(f"{flag} {text}: must be between 1 byte and 1PiB (e.g. 80GiB); for a machine without "
+                        f"a GPU use --gpu cpu")
     return int(size)
 
 
@@ -72,14 +73,15 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100", choices=sorted(PRESETS), help="preset the figures below (default: h100)")
     g.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB")
     g.add_argument("--host-memory", default=None, help="host memory of one node, e.g. 1TiB")
-    g.add_argument("--gpu-tflops", type=float, default=None, help="dense bf16/fp16 peak TFLOP/s of one GPU")
-    g.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink Gb/s per GPU and direction")
-    g.add_argument("--inter-node-gbps", type=float, default=None, help="network Gb/s per GPU and direction")
-    g.add_argument("--host-link-gbps", type=float, default=None, help="GPU-host (PCIe) Gb/s per direction")
-    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: 8)")
-    g.add_argument("--compute-efficiency", type=float, default=None,
-                   help="share of the peak the step's FLOPs reach (default 0.45: gpt3_xl measured on one H100)")
-    g.add_argument("--cpu-adam-gparams", type=float, default=None,
+    g.add_argument("--gpu-tflops", type=positive_float, default=None, help="dense bf16/fp16 peak TFLOP/s of one GPU")
+    g.add_argument("--intra-node-gbps", type=positive_float, default=None, help="NVLink Gb/s per GPU and direction")
+    g.add_argument("--inter-node-gbps", type=positive_float, default=None, help="network Gb/s per GPU and direction")
+    g.add_argument("--host-link-gbps", type=positive_float, default=None, help="GPU-host (PCIe) Gb/s per direction")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs (ranks) per node (default: 8)")
+    g.add_argument("--compute-efficiency", type=share, default=None,
+                   help="share of the peak the step's FLOPs reach, in (0, 1] (default 0.45: gpt3_xl measured on "
+                        "one H100)")
+    g.add_argument("--cpu-adam-gparams", type=positive_float, default=None,
                    help="1e9 parameters/s CPU Adam updates on one node (default 2.5: the 16-core H100 VM)")
 
 
@@ -88,9 +90,16 @@ HARDWARE_FLAGS = ("--gpu", "--gpu-memory", "--host-memory", "--gpu-tflops", "--i
                   "--cpu-adam-gparams")
 
 
+class _HardwareParser(argparse.ArgumentParser):
+    """A bad hardware figure is bad input like any other: one line, exit 1 (argparse would print its usage)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(message)
+
+
 def split_hardware_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     """(the hardware flags, the rest of ``argv`` for the training parser)."""
-    parser = OneLineErrorParser(prog="toolkit-plan", add_help=False, allow_abbrev=False)
+    parser = _HardwareParser(prog="toolkit-plan", add_help=False, allow_abbrev=False)
     add_hardware_args(parser)
     ns, rest = parser.parse_known_args(list(argv))
     return ns, rest

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from toolkit.core.errors import UserError
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -78,3 +80,16 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
         offload_activations=dist.offload_activations, sequence_parallel=not dist.no_sequence_parallel,
         compute_bytes=2 if half else 4, memory_efficient_fp16=common.memory_efficient_fp16,
         batch_sequences=batch, update_freq=cfg.optimization.update_freq)
+
+
+def check_layout(setup: Setup) -> None:
+    """The layouts toolkit-train refuses, refused by the plan too (a plan of a run that cannot start is no
+    answer): the world is split into data-parallel groups of --model-parallel-size ranks, so M divides it,
+    and a hybrid shard group divides the data-parallel replicas. One small function, to be replaced by the
+    mesh's own validation (one ``ParallelDims`` check for training and planning)."""
+    if setup.world % setup.mp:
+        raise UserError(f"--model-parallel-size {setup.mp}: must divide the world size {setup.world} (the world is "
+                        f"split into {setup.world}/M data-parallel groups of M ranks)")
+    group = setup.shard_group_size
+    if setup.fsdp and str(setup.strategy or "").startswith("hybrid") and group and setup.dp % group:
+        raise UserError(f"--shard-group-size {group}: must divide the {setup.dp} data-parallel replicas")

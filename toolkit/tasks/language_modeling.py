@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from toolkit.config import options
+from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.core import registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
@@ -43,13 +44,14 @@ class LanguageModelingConfig:
         "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
                 "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
                 "the weighted total (valid)", "metavar": "SPEC"})
-    mixture_epoch_samples: int = field(default=0, metadata={
+    mixture_epoch_samples: int = field(default=0, metadata={"type": count_or_zero, 
         "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
     sample_break_mode: str = field(default="none", metadata={
         "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
                 "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
                 "documents (empty lines); 'eos': one line per sample", "choices": list(BREAK_MODES)})
-    tokens_per_sample: int = field(default=1024, metadata={"help": "max number of tokens per sample"})
+    tokens_per_sample: int = field(default=1024, metadata={
+        "type": positive_int, "help": "max number of tokens per sample"})
     add_bos_token: bool = field(default=False, metadata={
         "help": "prepend the beginning-of-sentence token <s> to every sample"})
     shorten_method: str = field(default="none", metadata={

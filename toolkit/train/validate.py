@@ -21,6 +21,7 @@ import torch
 from toolkit.config import options
 from toolkit.core import registry
 from toolkit.config import opt
+from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
 from toolkit.inference.eval_lm_main import parse_overrides
 from toolkit.evaluation.loading import load_for_eval
@@ -38,14 +39,14 @@ class ValidateConfig:
     path: Optional[str] = opt(None, "checkpoint to validate (toolkit, fairseq, sharded folder, model.safetensors)")
     valid_subset: str = opt("valid", "comma-separated splits to validate on")
     max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a batch (default: the training run's)",
-                                          aliases=("--max-tokens",))
+                                          aliases=("--max-tokens",), type=positive_int)
     batch_size_valid: Optional[int] = opt(None, "samples in a batch (default: the training run's)",
-                                          aliases=("--batch-size", "--max-sentences"))
+                                          aliases=("--batch-size", "--max-sentences"), type=positive_int)
     skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
     model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
     cpu: bool = opt(False, "validate on CPU even when a GPU is present")
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
-    log_interval: int = opt(100, "log progress every N batches")
+    log_interval: int = opt(100, "log progress every N batches", type=positive_int)
     no_progress_bar: bool = opt(False, "disable the progress bar")
     log_file: Optional[str] = opt(None, "also write the log to this file")
 

@@ -13,7 +13,8 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from toolkit.compat.fairseq.yaml_config import HYDRA_MISSING, SELECTORS, _first_line, _check_mapping
+from toolkit.compat.fairseq.yaml_config import (HYDRA_MISSING, SELECTORS, _check_mapping, _first_line,
+                                                check_yaml_bounded, check_yaml_file_bounded)
 from toolkit.core.errors import UserError, import_optional
 
 
@@ -67,6 +68,8 @@ def _compose_dir(config_dir: str, config_name: str,
         raise UserError(f"--config-name {config_name}: no {config_name}.yaml in --config-dir {config_dir}")
     hydra_side, after = split_overrides(config_dir, overrides)
     source = os.path.join(config_dir, config_name + ".yaml")
+    for path in _yaml_files(config_dir):  # any of them may be composed in
+        check_yaml_file_bounded(path)
     try:
         # Hydra 1.1's rules read fairseq's files as written ("# @package _group_" headers); its notes about
         # them are for Hydra's users, not fairseq's.
@@ -88,11 +91,17 @@ def _compose_dir(config_dir: str, config_name: str,
     return _check_mapping(data, source), choices
 
 
+def _yaml_files(config_dir: str) -> List[str]:
+    return sorted(os.path.join(folder, name) for folder, _, names in os.walk(config_dir)
+                  for name in names if name.endswith((".yaml", ".yml")))
+
+
 def _apply(cfg: Any, key: str, text: str) -> None:
     """``a.b=v`` sets (or adds) that key; ``task=NAME`` names the component, keeping the group's options."""
     import yaml
     from omegaconf import OmegaConf
 
+    check_yaml_bounded(text, f"{key}={text[:40]}")
     value = yaml.safe_load(text) if text else ""
     if "." not in key and key in SELECTORS:
         value = str(value).split("/")[-1]  # model=transformer_lm/transformer_lm_gpt: the architecture

@@ -49,14 +49,78 @@ INERT_DEFAULTS: Dict[str, Any] = {
     "load_checkpoint_on_all_dp_ranks": False, "write_checkpoints_asynchronously": False, "model_parallel": False,
     "continue_once": None, "use_old_adam": False, "sentence_avg": False, "seed_sample": False,
 }
+# A training config is hundreds of values; anchors and aliases (``&a`` / ``*a``) may repeat a part, but
+# a file that expands past this many values is an alias bomb: 9 levels of 9 aliases are 9**9 values, which
+# the readers (omegaconf, Hydra) copy out one by one, without bound in time and memory.
+MAX_YAML_VALUES = 100_000
 _INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
 _NO_OP = (None, False, 0, "", [], {})
+
+
+def _children(node: Any) -> List[Any]:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expanded_values(root: Any, source: str) -> int:
+    """How many values ``root`` is once its aliases are copied out (each shared node counted once, so the
+    count costs the file's size, not the expansion's); a node that holds itself is refused."""
+    size: Dict[int, int] = {}
+    visiting = set()
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            visiting.discard(id(node))
+            size[id(node)] = min(1 + sum(size[id(c)] for c in _children(node)), MAX_YAML_VALUES + 1)
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in visiting:
+            raise UserError(f"{source}: an alias refers to the value that holds it (a value that contains "
+                            f"itself); write the value out")
+        visiting.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in size)
+    return size[id(root)]
+
+
+def check_yaml_bounded(text: str, source: str) -> None:
+    """Refuse YAML whose aliases expand past ``MAX_YAML_VALUES`` values, before any reader copies them out.
+    Every YAML text the toolkit reads (``--config``, Hydra's config folder, an override's value) passes here;
+    a syntax error is left to the reader, which reports it with its line."""
+    try:
+        import yaml
+    except ImportError:
+        return
+    try:
+        documents = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return
+    total = sum(_expanded_values(d, source) for d in documents if d is not None)
+    if total > MAX_YAML_VALUES:
+        raise UserError(f"{source}: its aliases (*name) expand to more than {MAX_YAML_VALUES:,} values, which "
+                        f"would take unbounded time and memory to read (an alias bomb); write the config out "
+                        f"without nested aliases")
+
+
+def check_yaml_file_bounded(path: str, source: Optional[str] = None) -> None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return  # the reader reports it
+    check_yaml_bounded(text, source or path)
 
 
 def load_config_file(path: str) -> Dict[str, Any]:
     """``path`` read as a plain dict with ``${...}`` resolved: omegaconf if installed, else PyYAML."""
     if not os.path.isfile(path):
         raise UserError(f"--config {path}: no such file; give a YAML file in fairseq's layout (common:, task:, ...)")
+    check_yaml_file_bounded(path, f"--config {path}")
     try:
         from omegaconf import OmegaConf
     except ImportError:

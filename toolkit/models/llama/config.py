@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Optional
 
 from toolkit.core.errors import UserError
+from toolkit.config.flag_types import positive_int
 
 
 @dataclass
@@ -31,12 +32,14 @@ class LlamaConfig:
         "activation_fn": "Llama's MLP is SwiGLU",
     }
 
-    decoder_layers: int = field(default=2, metadata={"help": "num decoder layers"})
-    decoder_embed_dim: int = field(default=64, metadata={"help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(default=128, metadata={"help": "decoder embedding dimension for FFN"})
-    decoder_attention_heads: int = field(default=4, metadata={"help": "num decoder attention heads"})
+    decoder_layers: int = field(default=2, metadata={"type": positive_int, "help": "num decoder layers"})
+    decoder_embed_dim: int = field(default=64, metadata={"type": positive_int, "help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=128, metadata={
+        "type": positive_int, "help": "decoder embedding dimension for FFN"})
+    decoder_attention_heads: int = field(default=4, metadata={
+        "type": positive_int, "help": "num decoder attention heads"})
     decoder_kv_heads: Optional[int] = field(
-        default=None, metadata={"help": "key/value heads of grouped-query attention (default: "
+        default=None, metadata={"type": positive_int, "help": "key/value heads of grouped-query attention (default: "
                                         "--decoder-attention-heads; 1 is multi-query attention)"})
     rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
     rope_scaling_factor: Optional[float] = field(
@@ -54,7 +57,7 @@ class LlamaConfig:
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     max_target_positions: Optional[int] = field(
-        default=None, metadata={"help": "max number of tokens in the target sequence "
+        default=None, metadata={"type": positive_int, "help": "max number of tokens in the target sequence "
                                         "(default: --tokens-per-sample)"})
     init_std: float = field(
         default=0.02, metadata={"help": "standard deviation of the initial weights (output layers of each block "

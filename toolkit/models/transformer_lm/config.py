@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from toolkit.config.flag_types import positive_int, probability
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
@@ -24,10 +26,12 @@ ACTIVATIONS = {
 
 @dataclass
 class TransformerLMConfig:
-    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
-    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
-    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
+    decoder_layers: int = field(default=6, metadata={"type": positive_int, "help": "num decoder layers"})
+    decoder_embed_dim: int = field(default=512, metadata={"type": positive_int, "help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={
+        "type": positive_int, "help": "decoder embedding dimension for FFN"})
+    decoder_attention_heads: int = field(default=8, metadata={
+        "type": positive_int, "help": "num decoder attention heads"})
     decoder_normalize_before: bool = field(
         default=True, metadata={"help": "apply layernorm before each decoder block (pre-norm; the named archs "
                                         "set it, --arch transformer_lm is post-norm as in fairseq)"})
@@ -42,14 +46,16 @@ class TransformerLMConfig:
     no_scale_embedding: bool = field(default=False, metadata={"help": "if True, dont scale embeddings"})
     activation_fn: str = field(default="relu", metadata={"help": "activation function to use",
                                                          "choices": list(ACTIVATIONS)})
-    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
-    attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability for attention weights"})
+    dropout: float = field(default=0.1, metadata={"type": probability, "help": "dropout probability"})
+    attention_dropout: float = field(default=0.0, metadata={
+        "type": probability, "help": "dropout probability for attention weights"})
     activation_dropout: float = field(
-        default=0.0, metadata={"help": "dropout probability after activation in FFN."})
+        default=0.0, metadata={"type": probability, "help": "dropout probability after activation in FFN."})
     relu_dropout: float = field(
-        default=0.0, metadata={"help": "fairseq's older name of --activation-dropout, used when that is 0"})
+        default=0.0, metadata={
+            "type": probability, "help": "fairseq's older name of --activation-dropout, used when that is 0"})
     max_target_positions: Optional[int] = field(
-        default=None, metadata={"help": "max number of tokens in the target sequence "
+        default=None, metadata={"type": positive_int, "help": "max number of tokens in the target sequence "
                                         "(default: --tokens-per-sample)"})
     # Embedding and output sizes (fairseq's project_in_dim / project_out_dim when they differ from C).
     decoder_input_dim: Optional[int] = field(
@@ -60,7 +66,8 @@ class TransformerLMConfig:
                                         "fairseq; --decoder-embed-dim under the named archs)"})
     layernorm_embedding: bool = field(default=False, metadata={"help": "add layernorm to embedding"})
     # LayerDrop (see toolkit.models.layerdrop).
-    decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
+    decoder_layerdrop: float = field(default=0.0, metadata={
+        "type": probability, "help": "LayerDrop probability for decoder"})
     decoder_layers_to_keep: Optional[str] = field(
         default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"})
     # Adaptive input and softmax (see toolkit.models.adaptive).
@@ -73,7 +80,7 @@ class TransformerLMConfig:
         default=None, metadata={"help": "comma separated list of adaptive softmax cutoff points. "
                                         "Must be used with adaptive_loss criterion"})
     adaptive_softmax_dropout: float = field(
-        default=0.0, metadata={"help": "sets adaptive softmax dropout for the tail projections"})
+        default=0.0, metadata={"type": probability, "help": "sets adaptive softmax dropout for the tail projections"})
     adaptive_softmax_factor: float = field(
         default=4.0, metadata={"help": "adaptive softmax factor: tail band i has dimension C_out // factor**(i+1)"})
     tie_adaptive_weights: bool = field(
