@@ -41,27 +41,79 @@
 #            fully_sharded, fully_sharded --compile, and fully_sharded --compile --checkpoint-activations
 #            (tokens/s, MFU from the family's own FLOPs per token, peak GPU memory)
 #
-# Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by the main job), OFFLOAD_UPDATES
-# (updates per offload run, default 20),
-# GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt),
-# TOOLKIT_PY (python, default python3).
+# Figures (issue 37: one entry per figure, each under its own limit of FIGURE_LIMIT s, default 470: < 8
+# minutes; each appends one JSON line to $RESULTS/gpu_figures.jsonl, benchmarks/figure.py):
+#   offload_13 / offload_13_bf16   transformer_lm_gpt3_13 on one GPU, B 8 x T 2048, fp16 (bf16), fully_sharded
+#            + --cpu-offload + cpu_adam + --checkpoint-activations, 8-bit moments, bf16 host gradients,
+#            --overlap-offload-step, 10 updates: words/s, peak GPU and host memory, host bytes per
+#            parameter, and the planner's prediction (toolkit-train --plan) beside them
+#   offload_2_7 / offload_6_7      the same offload recipe (fp32 moments and gradients) with
+#            --overlap-offload-step at 2.7B and 6.7B, 10 updates
+#   mfu_xl / mfu_xl_fsdp / mfu_llama3_1b / mfu_llama3_1b_fsdp   benchmarks/train.py, bf16 + --compile,
+#            unsharded and fully_sharded: tokens/s, MFU, the step's time split
+#   fp8_d4096_bf16 / fp8_d4096_tensorwise / fp8_d4096_rowwise   an 8-layer llama3_8b-shaped model (d 4096,
+#            FFN 14336, V 32768), bf16 + --compile against --fp8 with each recipe
+#   decode_xl   benchmarks/generate.py, gpt3_xl bf16, batch 1: cached decoding against the whole prefix
+#            recomputed (tokens/s of each)
+#   (moe, cp: slots for the MoE and context-parallel figures, written with those features)
+#
+#   bash benchmarks/gpu.sh --dry-run [ENTRY ...]   the same entries on CPU with tiny shapes (2 layers of 64,
+#            T 32, 2 updates), GPU-only flags (--compile, --fp8) dropped, results in a temporary folder;
+#            tests/integration/test_gpu_sh.py runs it for every entry
+#   bash benchmarks/gpu.sh prepare   (here, before the GPU session) the wheels a fresh GPU machine lacks in
+#            .whl/ and the data-bin; benchmarks/README.md says what to carry
+#   bash benchmarks/gpu.sh setup     (there, first) installs .whl/ into /tmp/site and builds the C++ optimizer
+#            ops into .ops/ (and $OUT/toolkit_ops.tar.gz, to carry to the next call)
+#
+# Environment: DATA (a data-bin, default data-bin/wikitext-2-mini, made by `prepare`), OFFLOAD_UPDATES
+# (updates per offload run of the older steps, default 20), FIGURE_LIMIT (seconds per figure, default 470),
+# GPU_LOG_DIR (logs, default runs/gpu; one file per step plus summary.txt), GPU_RESULTS (where
+# gpu_figures.jsonl goes: default $OUT when set, else benchmarks/results), TOOLKIT_PY (python, default python3).
 set -u
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY=1
+  shift
+fi
 DATA=${DATA:-data-bin/wikitext-2-mini}
 UPDATES=${OFFLOAD_UPDATES:-20}  # updates of each offload run (words/s: the median of updates 2..N)
-LOG=${GPU_LOG_DIR:-runs/gpu}
+FIGURE_LIMIT=${FIGURE_LIMIT:-470}
 PY=${TOOLKIT_PY:-python3}
 CK=$(mktemp -d /tmp/toolkit-gpu.XXXXXX)
-mkdir -p "$LOG"
+if [ $DRY = 1 ]; then  # never mixed with a GPU session's logs and results
+  LOG=${GPU_LOG_DIR:-$CK/logs}
+  RESULTS=${GPU_RESULTS:-$CK}
+else
+  LOG=${GPU_LOG_DIR:-runs/gpu}
+  RESULTS=${GPU_RESULTS:-${OUT:-benchmarks/results}}
+fi
+mkdir -p "$LOG" "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The carried wheels (prepare), installed once per machine; the C++ ops built by `setup` (or carried back).
+if [ $DRY = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  [ -f /tmp/site/.toolkit-wheels ] ||
+    { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+      touch /tmp/site/.toolkit-wheels; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ $DRY = 0 ]; then
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ops/torch_extensions}
+  if [ -f .ops/toolkit_ops.tar.gz ] && [ ! -d "$TORCH_EXTENSIONS_DIR" ]; then
+    mkdir -p "$TORCH_EXTENSIONS_DIR" && tar -xzf .ops/toolkit_ops.tar.gz -C "$TORCH_EXTENSIONS_DIR"
+  fi
+fi
 TRAIN="$PY -m toolkit_cli.train"
 EVAL="$PY -m toolkit_cli.eval_lm"
 CONSOLIDATE="$PY -m toolkit_cli.consolidate"
 
-if [ ! -f "$DATA/dict.txt" ]; then
-  echo "benchmarks/gpu.sh: no data-bin at $DATA (run the main job first, or set DATA)" >&2
-  exit 1
-fi
+case "${1:-}" in
+  prepare|setup|--list) ;;
+  *) if [ ! -f "$DATA/dict.txt" ]; then
+       echo "benchmarks/gpu.sh: no data-bin at $DATA (run 'bash benchmarks/gpu.sh prepare' here and carry it, or set DATA)" >&2
+       exit 1
+     fi ;;
+esac
 
 # run NAME LIMIT_S CMD...: the command's output to $LOG/NAME.log (and the screen), status to summary.txt
 run() {
@@ -225,6 +277,165 @@ llama_bench() {
 }
 generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
 
+# --- figures (issue 37): one entry per figure, each under FIGURE_LIMIT seconds, one JSON line each ---------
+
+DRY_LIMIT=240  # seconds per entry in --dry-run (tiny shapes on CPU)
+# --dry-run's shapes: appended last, so they win over the entry's own (argparse keeps a flag's last value)
+DRY_GPT=(--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 --decoder-attention-heads 2
+         --decoder-input-dim 64 --decoder-output-dim 64 --tokens-per-sample 32 --batch-size 2)
+DRY_LLAMA=(--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 --decoder-attention-heads 4
+           --decoder-kv-heads 2 --tokens-per-sample 32 --batch-size 2)
+DRY_BENCH=(--warmup 1 --steps 1 --vocab 512 --threads 2)
+
+# adapt ARG...: the entry's command as it runs, in ARGS: unchanged on a GPU; in --dry-run on the CPU, without
+# the flags that need a GPU (--compile: inductor's CPU build would take minutes; --fp8: float8 matmuls)
+adapt() {
+  ARGS=()
+  local skip=0 a
+  for a in "$@"; do
+    if [ $DRY = 0 ]; then ARGS+=("$a"); continue; fi
+    if [ $skip = 1 ]; then skip=0; continue; fi
+    case $a in
+      --compile|--fp8|--fp8-all-gather) ;;
+      --fp8-recipe) skip=1 ;;
+      cuda) ARGS+=(cpu) ;;
+      *) ARGS+=("$a") ;;
+    esac
+  done
+}
+
+# figure NAME [--memory] CMD...: CMD (adapted) under the figure's limit, logged to $LOG/NAME.log, then its
+# JSON line (benchmarks/figure.py) appended to $RESULTS/gpu_figures.jsonl; --memory runs CMD under
+# benchmarks/peak_memory.py (peak host and GPU memory). Returns CMD's status.
+figure() {
+  local name=$1; shift
+  local mem=() limit=$FIGURE_LIMIT dry=()
+  if [ "$1" = --memory ]; then
+    shift
+    mem=(--memory "$LOG/$name.memory.json")
+    set -- $PY benchmarks/peak_memory.py --json "$LOG/$name.memory.json" -- "$@"
+  fi
+  if [ $DRY = 1 ]; then limit=$DRY_LIMIT; dry=(--dry-run); fi
+  adapt "$@"
+  : > "$LOG/$name.log"
+  rm -f "$LOG/$name.memory.json"
+  local t0=$SECONDS rc=0
+  run "$name" "$limit" "${ARGS[@]}" || rc=$?
+  $PY benchmarks/figure.py "$name" --log "$LOG/$name.log" --rc "$rc" --seconds $((SECONDS - t0)) "${mem[@]}" \
+    "${dry[@]}" --out "$RESULTS/gpu_figures.jsonl"
+  return "$rc"
+}
+
+# offload_figure NAME ARCH PRECISION... [flags]: toolkit-train with FSDP2 + --cpu-offload + CPU Adam,
+# B 8 x T 2048, 10 updates, the plan's line logged at start-up (--plan)
+offload_figure() {
+  local name=$1 arch=$2; shift 2
+  local dry=()
+  [ $DRY = 1 ] && dry=("${DRY_GPT[@]}" --max-update 2 --total-num-update 2 --warmup-updates 1)
+  figure "$name" --memory $TRAIN "$DATA" --task language_modeling --arch "transformer_lm_$arch" \
+    --ddp-backend fully_sharded --cpu-offload --optimizer cpu_adam --checkpoint-activations \
+    --tokens-per-sample 2048 --batch-size 8 --adam-betas "(0.9, 0.98)" --lr 0.0001 --lr-scheduler polynomial_decay \
+    --warmup-updates 5 --total-num-update 10 --max-update 10 --no-save --disable-validation --log-format json \
+    --log-interval 1 --num-workers 0 --plan "$@" "${dry[@]}"
+}
+
+# bench_figure NAME FAMILY [benchmarks/train.py flags]: tokens/s, MFU and the time split of one configuration
+bench_figure() {
+  local name=$1 family=$2; shift 2
+  local dry=()
+  if [ $DRY = 1 ] && [ "$family" = llama ]; then dry=("${DRY_LLAMA[@]}" "${DRY_BENCH[@]}"); fi
+  if [ $DRY = 1 ] && [ "$family" = gpt ]; then dry=("${DRY_GPT[@]}" "${DRY_BENCH[@]}"); fi
+  figure "$name" $PY benchmarks/train.py --device cuda --bf16 "$@" "${dry[@]}"
+}
+
+# The 8-layer llama3_8b shape of the float8 figures: d 4096 is where float8's saving outgrows its casts.
+FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 --compile
+           --warmup 5)
+FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
+fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl"
+LOW_HOST_13=(--adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)
+
+is_figure() {
+  case " $(echo $FIGURES) " in *" $1 "*) return 0 ;; esac
+  return 1
+}
+
+run_figure() {
+  case $1 in
+    offload_13) offload_figure offload_13 gpt3_13 --fp16 --fp16-init-scale 4 "${LOW_HOST_13[@]}" ;;
+    offload_13_bf16) offload_figure offload_13_bf16 gpt3_13 --bf16 "${LOW_HOST_13[@]}" ;;
+    offload_2_7) offload_figure offload_2_7 gpt3_2_7 --fp16 --fp16-init-scale 4 --overlap-offload-step ;;
+    offload_6_7) offload_figure offload_6_7 gpt3_6_7 --fp16 --fp16-init-scale 4 --overlap-offload-step ;;
+    mfu_xl) bench_figure mfu_xl gpt --preset gpt3_xl --compile --warmup 5 ;;
+    mfu_xl_fsdp) bench_figure mfu_xl_fsdp gpt --preset gpt3_xl --compile --warmup 5 --ddp-backend fully_sharded ;;
+    mfu_llama3_1b) bench_figure mfu_llama3_1b llama --preset llama3_1b --compile --warmup 5 ;;
+    mfu_llama3_1b_fsdp) bench_figure mfu_llama3_1b_fsdp llama --preset llama3_1b --compile --warmup 5 \
+                          --ddp-backend fully_sharded ;;
+    fp8_d4096_bf16) bench_figure fp8_d4096_bf16 llama "${FP8_SHAPE[@]}" ;;
+    fp8_d4096_tensorwise) bench_figure fp8_d4096_tensorwise llama "${FP8_SHAPE[@]}" --fp8 --fp8-recipe tensorwise ;;
+    fp8_d4096_rowwise) bench_figure fp8_d4096_rowwise llama "${FP8_SHAPE[@]}" --fp8 --fp8-recipe rowwise ;;
+    decode_xl)
+      local dry=()
+      [ $DRY = 1 ] && dry=(--arch transformer_lm_gpt2_tiny --vocab 512 --prompt 8 --new 4)
+      figure decode_xl $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16 --batch-size 1 \
+        "${dry[@]}" ;;
+    # moe) the MoE figure (tokens/s and expert balance), written with the MoE layer
+    # cp)  the context-parallel figure (long-sequence tokens/s over the ranks), written with context parallelism
+  esac
+}
+
+# --- host side, before the GPU session: what a fresh GPU machine lacks ----------------------------------
+
+# The GPU image has torch 2.11 + CUDA 13 on Python 3.12 and most of the stack (device README, KINDS.md), but
+# not DeepSpeed (CPU Adam), torchao (--fp8) or DeepSpeed's hjson and pydantic: their wheels go to .whl/.
+WHEELS=(torchao==0.18.0 hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
+        typing-inspection==0.4.2)
+prepare() {
+  if [ ! -f data-bin/wikitext-2-mini/dict.txt ]; then
+    $PY -m toolkit_cli.preprocess --only-source --trainpref ../shared/data/wikitext-2-mini/wiki.train.tokens \
+      --validpref ../shared/data/wikitext-2-mini/wiki.valid.tokens \
+      --testpref ../shared/data/wikitext-2-mini/wiki.test.tokens --destdir data-bin/wikitext-2-mini --workers 2 ||
+      return 1
+  fi
+  mkdir -p .whl
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${WHEELS[@]}" || return 1
+  # DeepSpeed is published as a source archive; its wheel is pure Python (its ops are built there, by setup)
+  ls .whl/deepspeed-*.whl >/dev/null 2>&1 ||
+    DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 || return 1
+  du -sh .whl data-bin/wikitext-2-mini
+  echo "carry: .whl data-bin/wikitext-2-mini (and .ops once setup's toolkit_ops.tar.gz is copied there)"
+}
+
+# --- device side, first: the C++ optimizer ops (DeepSpeed's CPU Adam, the GIL-free binding, fused 8-bit Adam)
+setup() {
+  run setup_build_ops 470 $PY -m toolkit.optim.build_ops
+  if [ -n "${OUT:-}" ] && [ -d "$TORCH_EXTENSIONS_DIR" ]; then
+    tar -czf "$OUT/toolkit_ops.tar.gz" -C "$TORCH_EXTENSIONS_DIR" . && ls -la "$OUT/toolkit_ops.tar.gz"
+  fi
+}
+
+# --- dispatch -------------------------------------------------------------------------------------------
+
+if [ "${1:-}" = --list ]; then
+  echo $FIGURES
+  exit 0
+fi
+if [ $DRY = 1 ]; then
+  status=0
+  for name in ${@:-$FIGURES}; do
+    if ! is_figure "$name"; then
+      echo "benchmarks/gpu.sh --dry-run: no figure named $name (bash benchmarks/gpu.sh --list)" >&2
+      status=1
+      continue
+    fi
+    run_figure "$name" || status=1
+  done
+  echo "dry run: results in $RESULTS/gpu_figures.jsonl, logs in $LOG"
+  exit $status
+fi
+
 echo "toolkit GPU checks: $(date -u '+%F %T') UTC" | tee -a "$LOG/summary.txt"
 $PY - <<'EOF' 2>&1 | tee -a "$LOG/summary.txt"
 import os, torch
@@ -233,6 +444,8 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"host memory {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
 EOF
 for step in "${@:-smoke xl offload}"; do
-  for s in $step; do "$s"; done
+  for s in $step; do
+    if is_figure "$s"; then run_figure "$s"; else "$s"; fi  # a figure, or one of the older steps above
+  done
 done
 rm -rf "$CK"

@@ -37,7 +37,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")
-        init_weights(model, 7)
+        init_weights(model, 7, threads=3)  # the DTensor shards filled from the thread pool
         sharded = all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         reference = TransformerLanguageModel(cfg, VOCAB, PAD, seed=7)

@@ -233,6 +233,32 @@ def test_init_weights_deterministic_per_seed():
     torch.testing.assert_close(d.layers[1].fc2.weight, b.layers[1].fc2.weight, rtol=0, atol=0)
 
 
+def test_init_weights_values_do_not_depend_on_the_thread_count():
+    """init_weights draws parameters on a thread pool: any pool size gives a serial build's values."""
+    serial = tiny_model(seed=0)
+    init_weights(serial, 9, threads=1)
+    for threads in (2, 5):
+        pooled = tiny_model(seed=1)
+        init_weights(pooled, 9, threads=threads)
+        for name, value in serial.state_dict().items():
+            torch.testing.assert_close(pooled.state_dict()[name], value, rtol=0, atol=0)
+    assert all(not p.grad_fn for p in pooled.parameters())
+
+
+def test_init_weights_raises_a_parameters_error_from_the_pool():
+    model = tiny_model(seed=0)
+    owner_rule = model.initial_value
+
+    def broken(name, shape, generator):
+        if name == "layers.1.fc2.weight":
+            raise KeyError(f"no initialization rule for parameter {name}")
+        return owner_rule(name, shape, generator)
+
+    model.initial_value = broken
+    with pytest.raises(KeyError, match="layers.1.fc2.weight"):
+        init_weights(model, 3, threads=4)
+
+
 def test_init_values_depend_only_on_parameter_name():
     two, three = tiny_model(seed=1, decoder_layers=2), tiny_model(seed=1, decoder_layers=3)
     for name, value in two.state_dict().items():
