@@ -51,8 +51,7 @@ def worker(mode: str, update: int, argv) -> None:
 
     Trainer.__init__ = trainer_init
     if mode == "shard":
-        Trainer._normalize_and_clip = poison_shard(Trainer._normalize_and_clip)
-        Trainer._scaled_grad_norm = poison_shard(Trainer._scaled_grad_norm)
+        Trainer._grad_norm_for_step = poison_shard(Trainer._grad_norm_for_step)
     else:
         CrossEntropyCriterion.forward = poisoned_forward
     cli_main(list(argv))

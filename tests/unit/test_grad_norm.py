@@ -3,7 +3,8 @@ import math
 
 import torch
 
-from toolkit.optim.grad_norm import foreach_sum_of_squares, sum_of_squares, total_norm
+from toolkit.optim.grad_norm import (clip_coefficient, foreach_sum_of_squares, normalize_and_clip, sum_of_squares,
+                                     total_norm)
 
 
 def reference(tensors):
@@ -31,23 +32,35 @@ def test_fp32_squares_beyond_range_are_not_finite_so_the_trainer_looks_again():
     assert not math.isfinite(float(total_norm([torch.full((4,), 1e20)])))
 
 
-def test_trainer_normalizes_and_clips_in_one_pass_and_survives_huge_raw_gradients():
-    from types import SimpleNamespace
-
-    from toolkit.train.trainer import Trainer
-
+def test_normalizes_and_clips_in_one_pass_and_survives_huge_raw_gradients():
     lin = torch.nn.Linear(4, 3)  # 15 parameters
-    owner = SimpleNamespace(model=lin)
-    for p in lin.parameters():
-        p.grad = torch.full_like(p, 2.0)
-    norm = Trainer._normalize_and_clip(owner, 0.5, 1.0)  # normalized gradients are 1.0: norm sqrt(15), clipped to 1
+    grads = [torch.full_like(p, 2.0) for p in lin.parameters()]
+    norm, factor = normalize_and_clip(grads, 0.5, 1.0)  # normalized gradients are 1.0: norm sqrt(15), clipped to 1
+    assert math.isclose(norm, math.sqrt(15), rel_tol=1e-6) and factor == 1.0
+    assert math.isclose(float(total_norm(grads)), 1.0, rel_tol=1e-5)
+    grads = [torch.full_like(p, 1e20) for p in lin.parameters()]  # squares overflow fp32; normalized ones are fine
+    norm, factor = normalize_and_clip(grads, 1e-20, 0.0)
+    assert math.isclose(norm, math.sqrt(15), rel_tol=1e-5) and factor == 1.0
+    assert all(torch.allclose(g, torch.ones_like(g)) for g in grads)
+
+
+def test_the_step_may_apply_the_factor_and_fp16_overflow_is_not_looked_at_again():
+    grads = [torch.full((15,), 2.0)]
+    norm, factor = normalize_and_clip(grads, 0.5, 1.0, in_place=False)  # for cpu_adam's grad_scale
     assert math.isclose(norm, math.sqrt(15), rel_tol=1e-6)
-    assert math.isclose(float(total_norm([p.grad for p in lin.parameters()])), 1.0, rel_tol=1e-5)
-    for p in lin.parameters():
-        p.grad = torch.full_like(p, 1e20)  # squares overflow fp32; the normalized gradients are fine
-    norm = Trainer._normalize_and_clip(owner, 1e-20, 0.0)
-    assert math.isclose(norm, math.sqrt(15), rel_tol=1e-5)
-    assert all(torch.allclose(p.grad, torch.ones_like(p)) for p in lin.parameters())
+    assert factor == 0.5 * clip_coefficient(norm, 1.0) and math.isclose(factor * 2 * math.sqrt(15), 1.0, rel_tol=1e-5)
+    assert torch.equal(grads[0], torch.full((15,), 2.0))  # untouched
+    norm, factor = normalize_and_clip(grads, 0.5, 0.0, in_place=False)  # no --clip-norm: just the normalization
+    assert factor == 0.5
+    inf = [torch.tensor([1.0, float("inf")])]
+    norm, factor = normalize_and_clip(inf, 0.5, 1.0, raw_norm=float("inf"), in_place=False, look_again=False)
+    assert math.isinf(norm) and factor == 0.5 and inf[0][0] == 1.0  # the scaler sees the overflow; nothing rescaled
+
+
+def test_clip_coefficient():
+    assert clip_coefficient(4.0, 0.0) == 1.0 and clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(float("inf"), 1.0) == 1.0 and clip_coefficient(float("nan"), 1.0) == 1.0
+    assert clip_coefficient(4.0, 1.0) == 1.0 / (4.0 + 1e-6)
 
 
 def test_large_fp32_tensor_is_accurate():

@@ -250,3 +250,15 @@ class OnnxCacheExportable(Protocol):
     dimensions 1 and 3. Every model exports ``decoder.onnx`` (its plain forward)."""
 
     def onnx_cached_decoder(self) -> torch.nn.Module: ...
+
+
+# ---- training: what a model's modules may ask of the trainer ----------------------------------------
+
+
+@runtime_checkable
+class PostStepHook(Protocol):
+    """A module with state to refresh after every optimizer step (a MoE router's load-balancing bias from
+    the update's expert counts; float8's weight scales are the trainer's own hook): the trainer finds such
+    modules in the model and calls each after every update, once the new weights are in place."""
+
+    def after_optimizer_step(self) -> None: ...

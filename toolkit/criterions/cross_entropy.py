@@ -17,6 +17,10 @@ A batch with ``sample["is_dummy"]`` (padding of a short data shard, see
 :mod:`toolkit.data.iterators`) still runs forward and backward, but its loss is
 multiplied by 0 and its ``sample_size``/``ntokens``/``nsentences`` are 0.
 
+A model's auxiliary losses and metrics (``(logits, extra)``, see :mod:`toolkit.models.outputs`) are added
+to the training loss with their coefficients and logged each under its name; ``loss`` stays the
+cross-entropy.
+
 ``reduce_metrics(logging_outputs)`` sums the outputs and reports fairseq's numbers:
 ``loss`` = loss_sum / sample_size / ln 2 (base 2), ``nll_loss`` per token when
 ``sample_size != ntokens``, ``ppl`` = 2 ** (nll_)loss. It logs them to
@@ -33,6 +37,10 @@ import torch.nn.functional as F
 
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
+from toolkit.models.outputs import aux_losses_of, metrics_of
+
+# logging-output keys of the criterion itself (and what reduce_metrics derives); any other is a model's extra
+_NOT_EXTRAS = frozenset({"loss", "nll_loss", "ppl", "ntokens", "nsentences", "sample_size"})
 
 
 @dataclass
@@ -74,8 +82,30 @@ class CrossEntropyCriterion(torch.nn.Module):
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
         # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
         net_output = model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"]))
-        return self.with_counts(self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce),
-                                sample)
+        counted = self.with_counts(self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce),
+                                   sample)
+        return self.with_model_extras(net_output, *counted) if reduce else counted
+
+    @staticmethod
+    def with_model_extras(net_output: Any, loss: torch.Tensor, sample_size: int, logging_output: Dict[str, Any]
+                          ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        """The model's auxiliary losses added (``coefficient * value`` per unit of ``sample_size``, so the
+        trainer's division by the update's sample size leaves ``coefficient * value``), each term and metric
+        in the logging output as ``value * sample_size`` (summed like ``loss``, ``reduce_metrics`` divides);
+        ``loss`` in the logging output stays the cross-entropy (``toolkit.models.outputs``)."""
+        aux, model_metrics = aux_losses_of(net_output), metrics_of(net_output)
+        for name in (*aux, *model_metrics):
+            if name in logging_output or name in _NOT_EXTRAS:
+                raise ValueError(f"model output: the auxiliary term {name!r} has the name of a criterion output; "
+                                 "rename it")
+        for name, (value, coefficient) in aux.items():
+            weighted = value.float() * sample_size
+            loss = loss + coefficient * weighted
+            logging_output[name] = weighted.detach()
+        for name, value in model_metrics.items():
+            value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
+            logging_output[name] = value * sample_size
+        return loss, sample_size, logging_output
 
     def with_counts(self, loss: torch.Tensor, sample: Dict[str, Any]) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         """(loss, sample_size, logging_output) as fairseq's criterions return them; a dummy batch counts nothing."""
@@ -116,16 +146,27 @@ class CrossEntropyCriterion(torch.nn.Module):
         return CrossEntropyCriterion._derive(*CrossEntropyCriterion._sums(logging_outputs))
 
     @staticmethod
+    def _extras(logging_outputs: Sequence[Dict[str, Any]], sample_size: float) -> Dict[str, float]:
+        """Each auxiliary loss and model metric as its ``sample_size``-weighted mean (see ``with_model_extras``)."""
+        names = {k for log in logging_outputs for k in log if k not in _NOT_EXTRAS and not k.startswith("_")}
+        return {name: _to_float(sum(log.get(name, 0) for log in logging_outputs)) / sample_size
+                if sample_size > 0 else 0.0 for name in sorted(names)}
+
+    @staticmethod
     def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]:
-        """Logs ``loss``/``nll_loss``/``ppl`` as fairseq does (weighted by sample_size) and returns them."""
+        """Logs ``loss``/``nll_loss``/``ppl`` as fairseq does (weighted by sample_size), and each auxiliary
+        term of the model under its name, and returns them."""
         loss_sum, ntokens, nsentences, sample_size = CrossEntropyCriterion._sums(logging_outputs)
+        extras = CrossEntropyCriterion._extras(logging_outputs, sample_size)
         try:
             from toolkit.logging import metrics
         except ImportError:  # metrics not available: just return the numbers
             metrics = None
         if metrics is not None:
             metrics.log_loss_metrics(loss_sum, sample_size, ntokens)
-        return CrossEntropyCriterion._derive(loss_sum, ntokens, nsentences, sample_size)
+            for name, value in extras.items():
+                metrics.log_scalar(name, value, sample_size, round=4)
+        return dict(CrossEntropyCriterion._derive(loss_sum, ntokens, nsentences, sample_size), **extras)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -61,17 +61,19 @@ def document_block_mask(document_ids: torch.Tensor):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout: float = 0.0,
-           enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention of q, k, v [B, heads, T, D] under ``make_attention_mask``'s mask."""
+           enable_gqa: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of q, k, v [B, heads, T, D] under ``make_attention_mask``'s mask (``scale``: the
+    logits' multiplier, default 1/sqrt(D))."""
     if attn_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=enable_gqa,
+                                              scale=scale)
     if isinstance(attn_mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
-                                              enable_gqa=enable_gqa)
+                                              enable_gqa=enable_gqa, scale=scale)
     if q.size(-1) < FLEX_MIN_HEAD_DIM:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(attn_mask, q), dropout_p=dropout,
-                                              enable_gqa=enable_gqa)
-    return _compiled_flex()(q, k, v, block_mask=attn_mask, enable_gqa=enable_gqa)
+                                              enable_gqa=enable_gqa, scale=scale)
+    return _compiled_flex()(q, k, v, block_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 # inductor's flex_attention kernel refuses heads narrower than this ("NYI: embedding dimension of the

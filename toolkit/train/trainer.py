@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import platform
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,7 @@ from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
 from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
 from toolkit.config import TrainConfig
+from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.strategies import ParallelStrategy
@@ -32,7 +33,7 @@ from toolkit.train.ema import EMA, EMAState
 from toolkit.logging import metrics
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
-from toolkit.optim.grad_norm import total_norm as total_grad_norm
+from toolkit.optim.grad_norm import normalize_and_clip
 from toolkit.optim.loss_scaler import DynamicLossScaler
 from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
@@ -105,7 +106,13 @@ class Trainer:
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
         self.overlap = build_offload_overlap(cfg, model, self.optimizer)  # --overlap-offload-step, else None
-        self.after_optimizer_step = float8.after_optimizer_step(model, cfg.distributed.fp8_all_gather)
+        self.post_step_hooks: List[Callable[[], None]] = []
+        float8_scales = float8.after_optimizer_step(model, cfg.distributed.fp8_all_gather)  # --fp8-all-gather
+        if float8_scales is not None:
+            self.add_post_step_hook(float8_scales)
+        for module in model.modules():
+            if isinstance(module, PostStepHook):
+                self.add_post_step_hook(module.after_optimizer_step)
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
@@ -146,6 +153,7 @@ class Trainer:
             metrics.log_stop_time("train_wall")
             return self.amp_retries.after_overflow(lambda: self.train_step(samples))  # --amp-batch-retries
         self._step_optimizer(grad_factor)
+        self._run_post_step_hooks()
         if self.scaler is not None:
             self.scaler.update()
         self.num_updates += 1
@@ -194,8 +202,18 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.after_optimizer_step is not None:  # --fp8-all-gather: the next all-gather's float8 scales
-            self.after_optimizer_step()
+
+    def add_post_step_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every optimizer step, once the new weights are in place (in the order added):
+        float8's scales for the next all-gather, a module's ``PostStepHook`` (a MoE router's bias)."""
+        self.post_step_hooks.append(hook)
+
+    def _run_post_step_hooks(self) -> None:
+        if not self.post_step_hooks:
+            return
+        self.finish_pending_steps()  # --overlap-offload-step: the hooks read the updated weights
+        for hook in self.post_step_hooks:
+            hook()
 
     def finish_pending_steps(self) -> None:
         """Wait for an update still running beside the forward (--overlap-offload-step); no-op otherwise.
@@ -219,69 +237,27 @@ class Trainer:
         out["_sample_size"] = float(sample_size)
         return out
 
-    def _normalize_and_clip(self, grad_factor: float, max_norm: float) -> float:
-        """Scale gradients by ``grad_factor`` and clip them to ``max_norm``; the norm of the scaled gradients.
-
-        The norm is linear in the gradients, so it is taken once on the raw ones and the
-        normalization and the clip coefficient are applied in one pass: 3 passes over the
-        gradients instead of the 5 that multiply / norm / multiply-by-coefficient take
-        (12 of 188 ms of a transformer_lm_gpt3_xl step on an H100 went there).
-        """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        raw_norm = float(total_grad_norm(grads))  # the one device sync of the update's bookkeeping
-        if not math.isfinite(raw_norm):
-            # inf/NaN gradients (an fp16 overflow), or raw squares beyond fp32's range: normalize, then look again.
-            torch._foreach_mul_(grads, grad_factor)
-            norm = float(total_grad_norm(grads))
-            if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-                torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-            return norm
-        norm = raw_norm * grad_factor
-        factor = grad_factor
-        if max_norm > 0 and norm > max_norm:
-            factor *= max_norm / (norm + 1e-6)
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        return norm
-
     def _grad_norm_for_step(self, grad_factor: float) -> Tuple[float, float]:
-        """(norm of the normalized, clipped gradients, the factor the step still applies: 1.0 once applied)."""
-        clip = self.cfg.optimization.clip_norm
-        if self.memory_efficient is not None:
-            # fp16 gradients stay scaled; the factor (and clipping) is applied in fp32 inside the step.
-            return self._scaled_grad_norm(grad_factor, clip)
-        if self.overlap is not None or getattr(self.optimizer, "supports_grad_scale", False):
-            return self._grad_norm_and_factor(grad_factor, clip)
-        return self._normalize_and_clip(grad_factor, clip), 1.0
+        """(norm of the normalized gradients, the factor the step still applies: 1.0 once applied), clipped to
+        ``--clip-norm`` by the one clipping path (``toolkit.optim.grad_norm.normalize_and_clip``).
 
-    def _grad_norm_and_factor(self, grad_factor: float, max_norm: float) -> Tuple[float, float]:
-        """(norm of ``grad_factor * grads``, the factor with the clip coefficient) for an optimizer that applies it.
-
-        Folding the multiply into the update saves a read and a write of every gradient; it is
-        exact for cpu_adam (the same fp32 multiply, chunk by chunk). torch's fused AdamW takes
-        only a divisor (``grad_scale``: ``g / s``, not ``g * f``, which rounds differently), so
-        it keeps the separate pass. Non-finite raw norms take the two-pass route.
+        Where the norm comes from and who multiplies depends on the step: fp16 gradients of
+        ``--memory-efficient-fp16`` stay scaled (norm in fp32, the factor applied in fp32 inside the step,
+        a non-finite norm is the overflow); the offload overlap has summed most squares during backward;
+        an optimizer with ``supports_grad_scale`` (cpu_adam) folds the factor into its update, exactly
+        (torch's fused AdamW takes only a divisor, which rounds differently, so it gets the separate pass).
         """
-        if self.overlap is not None:
-            raw_norm = self.overlap.raw_grad_norm()
-        else:
-            raw_norm = float(total_grad_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
-        if not math.isfinite(raw_norm):
-            return self._normalize_and_clip(grad_factor, max_norm), 1.0
-        norm = raw_norm * grad_factor
-        if max_norm > 0 and norm > max_norm:
-            grad_factor *= max_norm / (norm + 1e-6)
-        return norm, grad_factor
-
-    def _scaled_grad_norm(self, grad_factor: float, max_norm: float):
-        """(norm of ``grad_factor * grads``, factor including the clip coefficient) for fp16 gradients."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(fp16_utils.grad_norm_fp32(params)) * grad_factor
-        if max_norm > 0 and math.isfinite(grad_norm) and grad_norm > max_norm:
-            grad_factor *= max_norm / (grad_norm + 1e-6)
-        return grad_norm, grad_factor
+        grads = [p.grad for p in params]
+        raw_norm = None
+        if self.memory_efficient is not None:
+            raw_norm = float(fp16_utils.grad_norm_fp32(params))
+        elif self.overlap is not None:
+            raw_norm = self.overlap.raw_grad_norm()
+        step_applies = (self.memory_efficient is not None or self.overlap is not None
+                        or getattr(self.optimizer, "supports_grad_scale", False))
+        return normalize_and_clip(grads, grad_factor, self.cfg.optimization.clip_norm, raw_norm=raw_norm,
+                                  in_place=not step_applies, look_again=self.memory_efficient is None)
 
     def _log_update(self, totals: Dict[str, float], sample_size: float, grad_norm: float) -> None:
         self.criterion.reduce_metrics([dict(totals, sample_size=sample_size)])

@@ -5,7 +5,7 @@ cache in ``KVCache`` objects that grow in place, which an exported graph cannot 
 the cache as inputs and returns the grown cache as outputs, the form ``toolkit-export --format onnx
 --kv-cache`` writes (``decoder_with_past.onnx``: ``past_key_{i}``/``past_value_{i}`` [B, G, P, D] in,
 ``present_*`` [B, G, P + T, D] out, G the key/value heads). It runs the model's own modules (norms,
-projections, rotary tables, SwiGLU), so it cannot drift from the model's weights or settings; the
+projections and norms, rotary tables, SwiGLU), so it cannot drift from the model's weights or settings; the
 key/value heads are repeated for the H query heads explicitly (``enable_gqa`` has no ONNX form).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
+from toolkit.models.blocks.attention import causal_mask, explicit_attention
 from toolkit.models.llama.config import head_dim, kv_heads
-from toolkit.models.llama.rope import apply_rope
 
 
 class LlamaCachedDecoder(torch.nn.Module):
@@ -33,15 +33,15 @@ class LlamaCachedDecoder(torch.nn.Module):
 
     def _attention(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
                    past_v: torch.Tensor):
-        q = apply_rope(attn._heads(attn.q_proj(h)), cos, sin)
-        k = torch.cat([past_k, apply_rope(attn._heads(attn.k_proj(h)), cos, sin)], dim=2)
-        v = torch.cat([past_v, attn._heads(attn.v_proj(h))], dim=2)
-        P, T = past_k.size(2), h.size(1)
-        query_pos = torch.arange(T, device=h.device) + P
-        mask = torch.arange(P + T, device=h.device)[None, :] <= query_pos[:, None]  # [T, P + T]
-        repeat = q.size(1) // k.size(1)
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1),
-                                           attn_mask=mask)
+        q, new_k, new_v = attn.project(h, cos, sin)
+        k, v = torch.cat([past_k, new_k], dim=2), torch.cat([past_v, new_v], dim=2)
+        mask = causal_mask(past_k.size(2), h.size(1), attn.window, h.device)  # [T, P + T]
+        if attn.softcap is not None:  # SDPA has no soft-cap (explicit_attention repeats the heads itself)
+            y = explicit_attention(q, k, v, mask, attn.scale, attn.softcap)
+        else:
+            repeat = q.size(1) // k.size(1)
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1),
+                                               v.repeat_interleave(repeat, dim=1), attn_mask=mask, scale=attn.scale)
         return attn.o_proj(y.transpose(1, 2).flatten(2)), k, v
 
     def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:

@@ -1,5 +1,5 @@
-"""The Llama decoder, read top to bottom: RMSNorm, rotary embeddings, grouped-query attention,
-the SwiGLU feed-forward, the block, the model.
+"""The Llama decoder: the block and the model, on the shared modules of ``toolkit.models.blocks``
+(RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU feed-forward).
 
 Shape notation: B batch, T time, C = decoder_embed_dim, H query heads, G key/value heads
 (H % G == 0), D = C // H head size, F = decoder_ffn_embed_dim, V vocabulary.
@@ -37,8 +37,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.core.protocols import TensorParallelPlan
+from toolkit.models.blocks.attention import Attention, attention_mask
+from toolkit.models.blocks.feed_forward import GatedFeedForward
+from toolkit.models.blocks.norms import RMSNorm
 from toolkit.models.decoder import DecoderInterface, KVCache
-from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
@@ -47,79 +49,17 @@ from toolkit.models.llama.rope import apply_rope, rope_frequencies, rope_tables 
 from toolkit.core.registry import register_model
 
 
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, reduced in fp32 whatever the input dtype (as Hugging Face's)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class GroupedQueryAttention(nn.Module):
-    """Causal self-attention with H query heads sharing G key/value heads (H/G queries per group).
-
-    The head counts follow from the projections' output widths, so a tensor-parallel split of
-    q/k/v by heads (``toolkit.models.llama.parallel``'s plan) runs this code unchanged on its share.
-    """
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        C, H, G, D = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg)
-        self.head_dim = D
-        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_qkv_bias)
-        self.k_proj = nn.Linear(C, G * D, bias=cfg.attention_qkv_bias)
-        self.v_proj = nn.Linear(C, G * D, bias=cfg.attention_qkv_bias)
-        self.o_proj = nn.Linear(H * D, C, bias=False)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, width = x.shape
-        return x.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
-        q = apply_rope(self._heads(self.q_proj(x)), cos, sin)
-        k = apply_rope(self._heads(self.k_proj(x)), cos, sin)
-        v = self._heads(self.v_proj(x))
-        gqa = q.size(1) != k.size(1)
-        if kv_cache is None:  # causal, or inside each document (--document-attention-mask)
-            y = attend(q, k, v, attn_mask, enable_gqa=gqa)
-        else:  # new positions P..P+T-1 see every cached one and the new ones up to themselves
-            P, T = kv_cache.length, x.size(1)
-            k, v = kv_cache.append(k, v)
-            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).flatten(2))  # [B, H, T, D] -> [B, T, H*D]
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the gated feed-forward of Llama (F hidden units)."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        C, F_ = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
-        self.gate_proj = nn.Linear(C, F_, bias=False)
-        self.up_proj = nn.Linear(C, F_, bias=False)
-        self.down_proj = nn.Linear(F_, C, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LlamaBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
-        self.self_attn = GroupedQueryAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        C = cfg.decoder_embed_dim
+        self.input_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
+                                   qkv_bias=cfg.attention_qkv_bias)
+        self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
@@ -178,7 +118,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # [B, 1, T, D]: per row, broadcast over the heads
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = make_attention_mask(document_ids, head_dim=head_dim(self.cfg))
+        mask = attention_mask(document_ids, T, tokens.device, head_dim=head_dim(self.cfg))
         for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
             if cache is not None:
                 x = layer(x, cos, sin, cache)

@@ -1,0 +1,12 @@
+"""Building blocks of decoder-only transformers, shared by the families (``llama`` today; Qwen3, Gemma 3,
+OLMo 2 and MoE models next): each a small module configured by arguments, not by a family's config.
+
+``norms``         RMSNorm, with the ``(1 + w)`` variant (Gemma)
+``rope``          rotary frequencies (Llama 3 scaling; a table of scalings for YaRN and others), tables, rotation
+``attention``     causal self-attention: GQA/MQA, QK-norm, sliding window, logit soft-capping, document
+                  masks; the SDPA / flex_attention / explicit back ends chosen in one function, ``attend``
+``feed_forward``  SwiGLU, GeGLU, GELU; ``FEED_FORWARDS`` is where a mixture-of-experts block registers
+
+A family keeps its own block (which norms where, its parameter names around these modules) and its
+config; these modules take plain numbers, so their state-dict names are the ones the family gives them.
+"""

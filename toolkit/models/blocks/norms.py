@@ -1,0 +1,28 @@
+"""RMSNorm: x / sqrt(mean(x^2) + eps), times a learned scale per channel."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    """Reduced in fp32 whatever the input dtype, as Hugging Face's.
+
+    ``unit_offset``: the scale is ``1 + weight`` (Gemma), so a weight of 0 is the identity; the product is
+    taken in fp32 and then cast (Gemma's order). Without it the normalized input is cast first and then
+    scaled by ``weight`` (Llama's order): the two orders round differently in bf16, and each family's
+    checkpoints were trained with its own.
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
