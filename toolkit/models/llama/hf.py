@@ -58,8 +58,8 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     """Our ``LlamaConfig`` values for a ``config.json`` (a dict), or a one-line refusal."""
     kind = config.get("model_type")
     if kind not in CLASSES:
-        raise UserError(f"{where}: model_type {kind!r}; --from hf imports {', '.join(CLASSES.values())} "
-                        "and GPT2LMHeadModel folders")
+        raise UserError(f"{where}: model_type {kind!r}; the Llama family reads {', '.join(CLASSES.values())} "
+                        "folders (toolkit-export --from hf picks the family by model_type)")
     _refuse_unsupported(config, kind, where)
     return dict(decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
                 decoder_ffn_embed_dim=config["intermediate_size"],
