@@ -24,7 +24,9 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
     for protocol in (P.LanguageModel, P.Initializable, P.FlopsCounted, P.Bounded, P.TensorParallelizable):
         assert isinstance(model, protocol), protocol.__name__
     plan = model.tensor_parallel_plan()
-    assert set(plan.kinds()) <= set(P.TP_KINDS)
+    from toolkit.distributed.tensor_parallel import TP_STYLES
+
+    assert set(plan.kinds()) <= set(TP_STYLES)
     names = {name for name, _ in model.named_modules()}
     assert all(path in names for path in plan.top if path != "layers.0") and plan.hidden in names
     block = {name for name, _ in model.layers[0].named_modules()}

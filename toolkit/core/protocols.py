@@ -9,10 +9,12 @@ device build, then ``init_weights``), and optionally :class:`FlopsCounted` (MFU 
 :class:`TensorParallelizable` (``--model-parallel-size``). ``runtime_checkable`` ones are tested
 with ``isinstance`` where the caller has a fallback (a plugin without FLOPs logs no MFU).
 
-The tensor-parallel plan is data, not code: the family names which of its modules gets which kind
-of split (:data:`TP_KINDS`), and ``toolkit.distributed.tensor_parallel`` turns the kinds into
-DTensor styles. So the model package depends on nothing above it, and the parallel code holds no
-parameter names of any family.
+The parallelism plan is data, not code: the family names which of its modules gets which kind of
+tensor-parallel split (a name; the vocabulary is open: ``toolkit.distributed.tensor_parallel.
+register_tp_style`` maps each name to a DTensor ``ParallelStyle``, and a new kind registers there
+without editing a list), which modules FSDP2 wraps as units, and where experts go. So the model
+package depends on nothing above it, and the parallel code (and the planner, which counts the
+split from the same plan) holds no module name of any family.
 
 This module imports only ``typing``, ``dataclasses`` and ``torch``: it sits at the bottom of the
 package order, below everything that implements or calls it.
@@ -82,19 +84,13 @@ class FlopsCounted(Protocol):
     def flops_per_token(self, seq_len: int) -> int: ...
 
 
-TP_KINDS = ("vocab_embedding", "output", "column", "fused_qkv", "row", "norm", "replicated",
-            "replicated_weights", "sequence_split", "sequence_input")
-"""The splits a family's plan may name (``toolkit.distributed.tensor_parallel`` implements each):
+@runtime_checkable
+class PositionTables(Protocol):
+    """A model with learned position tables: the names of those parameters, which are looked up by position and
+    never enter a matmul (``toolkit-plan`` leaves them out of the weights autocast copies). A model without
+    the method has none (rotary or sinusoidal positions)."""
 
-- ``vocab_embedding``: embedding rows Shard(0), each rank looks up its tokens, summed over ranks;
-- ``output``: output projection Shard(0), logits sharded over the vocabulary (``loss_parallel``);
-- ``column`` / ``fused_qkv``: Shard(0), this rank's output features (fused ``[q | k | v]``: its heads of each);
-- ``row``: Shard(1), partial sums reduced (scattered over the sequence under sequence parallelism);
-- ``norm``: replicated weights on T/M positions (sequence parallel) or on all (without);
-- ``replicated``: replicated weights computed on the replicated stream (positions, input projections);
-- ``replicated_weights``: replicated weights computed on a DTensor as it comes (output-side projections);
-- ``sequence_split``: the first block, whose replicated input is cut into T/M chunks (sequence parallelism only);
-- ``sequence_input``: a module that takes the sequence-split stream as a DTensor (sequence parallelism only)."""
+    def position_parameters(self) -> Tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +105,15 @@ class TensorParallelPlan:
     ``sharded_dropout``: ``(start, end)`` module paths inside a block whose dropout acts on this
     rank's heads/units (each rank draws its own masks there); empty for a family without dropout.
     ``unsupported``: why this model has no split (one line), refused before anything is sharded.
+    ``fsdp_units``: the modules FSDP2 shards as units before the root, in order; a ``ModuleList`` path
+    means each of its entries (every family: its blocks, ``("layers",)``).
+    ``experts``: expert-parallel placement, module path -> placement name; empty in every family today
+    (a plan naming one is refused in one line: the toolkit has no expert-parallel code yet to apply it).
+
+    A kind is a name registered with ``toolkit.distributed.tensor_parallel.register_tp_style`` (the
+    built-in ones: ``vocab_embedding``, ``output``, ``column``, ``fused_qkv``, ``row``, ``norm``,
+    ``replicated``, ``replicated_weights``, ``sequence_split``, ``sequence_input``; see that module);
+    an unregistered one is refused in one line naming the family, the module and the kind.
     """
 
     top: Dict[str, str]
@@ -120,6 +125,8 @@ class TensorParallelPlan:
     sharded_dropout: Tuple[Tuple[str, str], ...] = ()
     unsupported: Optional[str] = None
     padding_idx: int = 1
+    fsdp_units: Tuple[str, ...] = ("layers",)
+    experts: Dict[str, str] = field(default_factory=dict)
 
     def kinds(self) -> Iterator[str]:
         yield from self.top.values()

@@ -78,6 +78,9 @@ register_bpe = TOKENIZER_REGISTRY.register
 # sets the architecture's values on a model config (user flags override them).
 ARCH_MODEL_NAME: Dict[str, str] = {}
 ARCH_CONFIG_FN: Dict[str, Callable[[Any], None]] = {}
+PUBLISHED_VOCAB_SIZE: Dict[str, int] = {}
+"""arch -> the vocabulary its published weights use (a family fills it in; parameter counts and ``toolkit-plan``
+without a data-bin count at it)."""
 
 
 def register_model_architecture(model_name: str, arch_name: str) -> Callable:

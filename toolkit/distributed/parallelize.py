@@ -127,15 +127,17 @@ def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
 
 def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: CommonConfig,
                env: DistributedEnv) -> None:
-    """FSDP2 ``fully_shard`` on every block (bottom-up), then on the root."""
+    """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root."""
     from torch.distributed.fsdp import fully_shard
+
+    from toolkit.distributed.tensor_parallel import fsdp_units
 
     shared = dict(mesh=mesh, mp_policy=mixed_precision_policy(common), offload_policy=offload_policy(cfg, env))
     reshard = reshard_after_forward(cfg)
-    last = len(model.layers) - 1
-    for i, block in enumerate(model.layers):
-        # The last block's parameters are needed again as soon as backward starts.
-        fully_shard(block, reshard_after_forward=reshard and i < last, **shared)
+    units = fsdp_units(model)  # the family's plan says which (its blocks)
+    for i, unit in enumerate(units):
+        # The last unit's parameters are needed again as soon as backward starts.
+        fully_shard(unit, reshard_after_forward=reshard and i < len(units) - 1, **shared)
     fully_shard(model, reshard_after_forward=False, **shared)
 
 

@@ -75,7 +75,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -427,46 +428,177 @@ def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
         raise UserError(f"--model-parallel-size {M}: {reason}")
 
 
-def _style(kind: str, sequence_parallel: bool, block_inputs: int = 1):
-    """The DTensor style of one kind (``toolkit.core.protocols.TP_KINDS``); None: nothing to do for this layout."""
+# --- the kinds: an open registry of names -> DTensor styles (a new kind registers here, no list to edit) ----
+
+@dataclass(frozen=True)
+class StyleContext:
+    """What a style may depend on: the layout of the run, not the module it is given."""
+
+    sequence_parallel: bool
+    block_inputs: int = 1  # positional inputs of a block (the stream first)
+
+    @property
+    def stream_layout(self):
+        """The residual stream's placement between blocks: Shard(1) under sequence parallelism, else Replicate."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return Shard(1) if self.sequence_parallel else Replicate()
+
+
+@dataclass(frozen=True)
+class TPStyle:
+    """One registered kind: ``build(StyleContext)`` gives its ``ParallelStyle`` (None: nothing to do in this
+    layout); ``sharded`` names the module's own parameters it divides over the TP ranks (``toolkit-plan``
+    counts 1/M of those, whole copies of the others)."""
+
+    name: str
+    build: Callable[[StyleContext], Optional[object]]
+    sharded: Tuple[str, ...] = ()
+
+
+TP_STYLES: Dict[str, TPStyle] = {}
+
+
+def register_tp_style(name: str, sharded: Tuple[str, ...] = ()):
+    """Decorator: ``build(ctx) -> ParallelStyle | None`` is the style of kind ``name`` in a family's plan."""
+    def register(build: Callable[[StyleContext], Optional[object]]):
+        if name in TP_STYLES and TP_STYLES[name].build is not build:
+            raise ValueError(f"tensor-parallel kind {name!r} is registered twice")
+        TP_STYLES[name] = TPStyle(name, build, tuple(sharded))
+        return build
+
+    return register
+
+
+def tp_style(kind: str, owner: str, path: str) -> TPStyle:
+    """The registered kind, or one line naming the family (``owner``), the module and the kind."""
+    if kind not in TP_STYLES:
+        raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} has kind {kind!r}, which no "
+                        f"register_tp_style registered (known: {', '.join(sorted(TP_STYLES))}); register it "
+                        f"(toolkit.distributed.tensor_parallel.register_tp_style) or name a known kind")
+    return TP_STYLES[kind]
+
+
+def check_plan_kinds(plan: TensorParallelPlan, owner: str) -> None:
+    """Every kind of ``plan`` registered, and no expert placement (this toolkit has no expert-parallel code to
+    place experts with): refused before anything is sharded."""
+    for path, kind in {**plan.top, **plan.block}.items():
+        tp_style(kind, owner, path)
+    if plan.experts:
+        path, placement = next(iter(plan.experts.items()))
+        raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} asks for expert-parallel placement "
+                        f"{placement!r}, and the toolkit has no expert-parallel code to place it; use "
+                        f"--model-parallel-size 1 or leave the experts out of the plan")
+
+
+@register_tp_style("vocab_embedding", sharded=("weight",))
+def _vocab_embedding(_ctx: StyleContext):
+    return _swap_class_style(_VocabParallelEmbedding, 0)
+
+
+@register_tp_style("output", sharded=("weight", "bias"))
+def _output(_ctx: StyleContext):
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    layout = Shard(1) if sequence_parallel else Replicate()  # the residual stream's
-    styles = {
-        "vocab_embedding": lambda: _swap_class_style(_VocabParallelEmbedding, 0),
-        "output": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
-        "column": lambda: _swap_class_style(_ColumnParallelLinear, 0, input_layout=layout),
-        "fused_qkv": lambda: _swap_class_style(_HeadParallelQKV, 0, input_layout=layout),
-        "row": lambda: RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
-        "norm": lambda: SequenceParallel(use_local_output=True) if sequence_parallel
-        else _ReplicatedParallel.style(),
-        "replicated": _ReplicatedParallel.style,
-        "replicated_weights": _replicated_weights_style,
-        # the replicated embedding output is cut into sequence chunks (a local slice; all-gather in backward);
-        # a block's other inputs (Llama's cos/sin) stay whole
-        "sequence_split": lambda: PrepareModuleInput(
-            input_layouts=(Replicate(),) + (None,) * (block_inputs - 1),
-            desired_input_layouts=(Shard(1),) + (None,) * (block_inputs - 1), use_local_output=True),
-        # attention sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T); qkv_proj gathers it
-        "sequence_input": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)),
-    }
-    if kind not in styles:
-        raise ValueError(f"tensor-parallel plan: unknown kind {kind!r}; choose from {', '.join(styles)}")
-    if kind.startswith("sequence_") and not sequence_parallel:
+    return ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+
+
+@register_tp_style("column", sharded=("weight", "bias"))
+def _column(ctx: StyleContext):
+    return _swap_class_style(_ColumnParallelLinear, 0, input_layout=ctx.stream_layout)
+
+
+@register_tp_style("fused_qkv", sharded=("weight", "bias"))
+def _fused_qkv(ctx: StyleContext):
+    return _swap_class_style(_HeadParallelQKV, 0, input_layout=ctx.stream_layout)
+
+
+@register_tp_style("row", sharded=("weight",))
+def _row(ctx: StyleContext):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return RowwiseParallel(output_layouts=Shard(1)) if ctx.sequence_parallel else RowwiseParallel()
+
+
+@register_tp_style("norm")
+def _norm(ctx: StyleContext):
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return SequenceParallel(use_local_output=True) if ctx.sequence_parallel else _ReplicatedParallel.style()
+
+
+@register_tp_style("replicated")
+def _replicated(_ctx: StyleContext):
+    return _ReplicatedParallel.style()
+
+
+@register_tp_style("replicated_weights")
+def _replicated_weights(_ctx: StyleContext):
+    return _replicated_weights_style()
+
+
+@register_tp_style("sequence_split")
+def _sequence_split(ctx: StyleContext):
+    """The replicated embedding output cut into sequence chunks at the first block (a local slice; all-gather
+    in backward); a block's other inputs (rotary tables) stay whole. Sequence parallelism only."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if not ctx.sequence_parallel:
         return None
-    return styles[kind]()
+    rest = (None,) * (ctx.block_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest,
+                              use_local_output=True)
 
 
-def _styles(entries: Dict[str, str], sequence_parallel: bool, block_inputs: int = 1) -> Dict[str, object]:
-    styles = {path: _style(kind, sequence_parallel, block_inputs) for path, kind in entries.items()}
+@register_tp_style("sequence_input")
+def _sequence_input(ctx: StyleContext):
+    """A module that sees [B, T/M, C] as a DTensor of [B, T, C] (its shape gives T). Sequence parallelism only."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if not ctx.sequence_parallel:
+        return None
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+
+
+def _styles(entries: Dict[str, str], ctx: StyleContext, owner: str = "the model") -> Dict[str, object]:
+    styles = {path: tp_style(kind, owner, path).build(ctx) for path, kind in entries.items()}
     return {path: style for path, style in styles.items() if style is not None}
 
 
 def block_plan(plan: TensorParallelPlan, sequence_parallel: bool) -> Dict[str, object]:
     """The styles of one block of ``plan`` (the same for every block)."""
-    return _styles(plan.block, sequence_parallel)
+    return _styles(plan.block, StyleContext(sequence_parallel, plan.block_inputs))
+
+
+def fsdp_units(model: nn.Module) -> list:
+    """The modules FSDP2 shards as units before the root, as the model's plan lists them (``fsdp_units``; a
+    ``ModuleList`` path: each entry); a model without a plan: the blocks of ``model.layers``."""
+    paths = model.tensor_parallel_plan().fsdp_units if isinstance(model, TensorParallelizable) else ("layers",)
+    units = []
+    for path in paths:
+        module = model.get_submodule(path)
+        units.extend(module if isinstance(module, nn.ModuleList) else [module])
+    return units
+
+
+def split_parameters(model: nn.Module) -> set:
+    """Names of the parameters the model's plan divides over the TP ranks (what ``toolkit-plan`` counts 1/M of):
+    each planned module's own parameters its kind's style shards; empty for a model without a plan."""
+    if not isinstance(model, TensorParallelizable):
+        return set()
+    plan, owner = model.tensor_parallel_plan(), type(model).__name__
+    entries = {path: tp_style(kind, owner, path) for path, kind in plan.top.items()}
+    for i in range(len(model.layers)):
+        entries.update({f"layers.{i}.{path}": tp_style(kind, owner, path) for path, kind in plan.block.items()})
+    split = set()
+    for path, style in entries.items():
+        module = model.get_submodule(path)
+        split.update(f"{path}.{name}" for name, _ in module.named_parameters(recurse=False) if name in style.sharded)
+    return split
 
 
 def _fork_dropout_streams(plan: TensorParallelPlan, block: nn.Module, tp_rank: int, device: torch.device,
@@ -494,12 +626,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
 
     M = tp_mesh.size()
     plan = model_plan(model, M)
+    owner = type(model).__name__
+    check_plan_kinds(plan, owner)
     _check_divisible(model, M, sequence_parallel)
     _refuse_unsplit_layers(model, M)
     tp_rank = tp_mesh.get_local_rank()
     device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
         if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
-    parallelize_module(model, tp_mesh, _styles(plan.top, sequence_parallel, plan.block_inputs), src_data_rank=None)
+    parallelize_module(model, tp_mesh, _styles(plan.top, StyleContext(sequence_parallel, plan.block_inputs), owner),
+                       src_data_rank=None)
     if sequence_parallel:
         _pad_sequence_hooks(model, M, plan.padding_idx)
     for block in model.layers:

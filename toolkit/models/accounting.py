@@ -1,17 +1,13 @@
-"""Parameter and FLOP accounting of the models, ``transformer_lm``'s adaptive input/softmax included.
+"""Parameter accounting of any registered architecture, by its top-level parts.
 
     python -m toolkit.models.accounting transformer_lm_wiki103 --vocab-size 267744
     python -m toolkit.models.accounting llama3_1b qwen2_0_5b     # at their published vocabularies
 
-prints the parameter count of a named architecture by part (built on the meta device, no memory).
-Without ``--vocab-size`` a Llama-family size counts at its own published vocabulary
-(``toolkit.models.llama.archs.PUBLISHED_VOCAB_SIZE``), anything else at GPT-2's 50257.
-
-FLOPs: an adaptive model does not use all of its output layer for every token. The head runs for
-every position; tail band ``i`` runs only where the target is in that band, and only one band's
-input projection runs per input token. ``matmul_parameters_per_token`` counts each of those weights
-by the share of tokens that use it, estimated with Zipf's law over the frequency-sorted vocabulary
-(``adaptive.band_token_shares``; WikiText-103 at cutoffs 20000,60000: 80% / 8% / 12%).
+prints the parameter count of a named architecture by part (its top-level modules, built on the meta
+device, no memory; a tied parameter counted once, under the part that holds it first). Without
+``--vocab-size`` a size counts at the vocabulary its architecture was published with, when its
+family registered one (``toolkit.core.registry.PUBLISHED_VOCAB_SIZE``), else at GPT-2's 50257.
+A family's FLOPs (the N of 6N) are its own ``flops_per_token`` (``transformer_lm/accounting.py``).
 """
 from __future__ import annotations
 
@@ -20,55 +16,16 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch.nn as nn
 
-from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax, band_token_shares, linear_weight
-
-
-def _numel(module: Optional[nn.Module]) -> int:
-    return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-
-def _adaptive_input_per_token(embed: AdaptiveInput, shares: Sequence[float]) -> float:
-    return sum(share * band[1].weight.numel() for share, band in zip(shares, embed.embeddings))
-
-
-def _adaptive_softmax_per_token(asm: AdaptiveSoftmax, shares: Sequence[float]) -> float:
-    """Head for every token (tied word scores included), tail i for the tokens of band i + 1."""
-    x_dim = asm.input_dim
-    total = float(asm.cutoff[0] + len(asm.tail)) * x_dim  # head scores: words + clusters
-    head_proj = getattr(asm.head, "word_proj", None)
-    if isinstance(head_proj, nn.Sequential):  # tied head with a projection to the band-0 dimension
-        proj = head_proj[0].weight
-        total += proj.numel() + float(asm.cutoff[0]) * (proj.shape[0] - x_dim)
-    for i, tail in enumerate(asm.tail):
-        size, dim = linear_weight(tail[2]).shape
-        total += shares[i + 1] * (x_dim * dim + dim * size)
-    return total
-
-
-def matmul_parameters_per_token(model: nn.Module) -> int:
-    """The N of 6N training FLOPs per token (see the module docstring for the adaptive parts)."""
-    lookups = {"embed_tokens.weight", "embed_positions.weight", "output_projection.weight"}
-    body = sum(p.numel() for name, p in model.named_parameters()
-               if name not in lookups and not name.startswith(("embed_tokens.", "adaptive_softmax.")))
-    embed, asm = model.embed_tokens, model.adaptive_softmax
-    n = float(body)
-    if isinstance(embed, AdaptiveInput):
-        n += _adaptive_input_per_token(embed, band_token_shares(embed.cutoff))
-    if asm is not None:
-        n += _adaptive_softmax_per_token(asm, band_token_shares(asm.cutoff))
-    elif model.output_projection is not None:
-        n += model.output_projection.weight.numel()
-    else:
-        n += embed.weight.numel()  # tied output projection
-    return int(round(n))
-
 
 def parameter_breakdown(model: nn.Module) -> Dict[str, int]:
-    """Parameters (tied ones once) by part: embeddings, layers, output layer, other, total."""
-    part_names = ("embed_tokens", "embed_positions", "layers", "adaptive_softmax", "output_projection")
-    parts = {name: _numel(getattr(model, name, None)) for name in part_names}  # a family may lack some
+    """Parameters by top-level part (tied ones once, under their first holder), then other, total."""
+    seen, parts = set(), {}
+    for part, module in model.named_children():
+        fresh = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        parts[part] = sum(p.numel() for p in fresh)
     total = sum(p.numel() for p in model.parameters())
-    parts["other"] = total - sum(parts.values())
+    parts["other"] = total - sum(parts.values())  # the model's own parameters, outside any part
     parts["total"] = total
     return parts
 
@@ -98,10 +55,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def default_vocab_size(arch: str) -> int:
-    """The vocabulary a named size was published with (the Llama family), else GPT-2's."""
-    from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
+    """The vocabulary a named size was published with (its family registers it), else GPT-2's."""
+    from toolkit.core import registry
 
-    return PUBLISHED_VOCAB_SIZE.get(arch, 50257)
+    registry.import_submodules("toolkit.models")
+    return registry.PUBLISHED_VOCAB_SIZE.get(arch, 50257)
 
 
 if __name__ == "__main__":

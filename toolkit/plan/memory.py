@@ -148,7 +148,7 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
         items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
                           "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
     elif cb == 2 and not setup.memory_efficient_fp16:
-        matmul = sum(p.numel for p in stats.params if len(p.shape) == 2 and "embed_positions" not in p.name)
+        matmul = sum(p.numel for p in stats.params if p.matmul)
         items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
     if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
         items.append(Item("gradient buffers", 2 * (64 << 20), 0, "64 MiB bucket, flat + reduced"))

@@ -4,10 +4,11 @@ Why the model and not a formula: the two families differ (LayerNorm + GELU + fus
 RMSNorm + SwiGLU + grouped k/v heads), fairseq options change shapes (``--decoder-input-dim``,
 adaptive softmax, untied output), and a user's ``--user-dir`` model is neither. So:
 
-* parameters: every tensor's shape, whether tensor parallelism splits it (the Megatron rule
-  ``toolkit.distributed.tensor_parallel`` applies: 2-D weights and the column-parallel biases
-  split, norms, row-parallel biases and learned positions replicated), and which layer owns it;
-* FLOPs per token: the model's own ``flops_per_token`` (what the MFU log uses);
+* parameters: every tensor's shape, whether tensor parallelism splits it (read from the family's own
+  plan, ``tensor_parallel_plan()``, through the kinds ``toolkit.distributed.tensor_parallel`` applies:
+  the planner names no module of any family), whether it is a position table (never in a matmul;
+  ``PositionTables``), and which block of ``model.layers`` owns it;
+* FLOPs per token: the model's own ``flops_per_token`` (what the MFU log uses; 6N for a model without it);
 * activations: one forward plus the criterion's loss of a 1-layer and a 2-layer copy on the meta
   device (no memory, no compute), counting what autograd saves for backward (unique storages,
   parameters excluded). Their difference is one layer's bytes, the rest is the embeddings, the
@@ -28,9 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
-
-COLUMN_PARALLEL = ("qkv_proj", "fc1", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
+from toolkit.core.protocols import FlopsCounted, PositionTables
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -38,6 +37,7 @@ class ParamInfo:
     shape: Tuple[int, ...]
     tp_split: bool          # split over the tensor-parallel ranks (along dim 0)
     layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
+    matmul: bool = True     # a weight some matmul reads (autocast casts it): 2-D and not a position table
 
     @property
     def numel(self) -> int:
@@ -103,15 +103,6 @@ def _build(arch: str, model_cfg: Any, vocab: int, tokens: int) -> torch.nn.Modul
         return models.build_model(arch, model_cfg, task)
 
 
-def _tp_split(name: str, shape: Tuple[int, ...]) -> bool:
-    if "embed_positions" in name:
-        return False
-    if len(shape) >= 2:
-        return True
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    return name.endswith(".bias") and module in COLUMN_PARALLEL
-
-
 def _layer_of(name: str) -> Optional[int]:
     parts = name.split(".")
     if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
@@ -121,13 +112,18 @@ def _layer_of(name: str) -> Optional[int]:
 
 def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
     """Every parameter once (tied ones under their first name), in the model's order."""
+    from toolkit.distributed.tensor_parallel import split_parameters
+
+    split = split_parameters(model)
+    positions = set(model.position_parameters()) if isinstance(model, PositionTables) else set()
     seen, out = set(), []
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
         shape = tuple(p.shape)
-        out.append(ParamInfo(name, shape, _tp_split(name, shape), _layer_of(name)))
+        out.append(ParamInfo(name, shape, name in split, _layer_of(name),
+                             matmul=len(shape) == 2 and name not in positions))
     return tuple(out)
 
 
@@ -211,7 +207,7 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
                         "--tokens-per-sample N (N >= 1)")
     model = _build(arch, model_cfg, vocab, tokens)
     infos = param_infos(model)
-    flops = float(model.flops_per_token(tokens)) if hasattr(model, "flops_per_token") else 6.0 * sum(
+    flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
     return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
                       embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,

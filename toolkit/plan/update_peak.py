@@ -64,7 +64,7 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     """Weights autocast casts (DDP/one process under --fp16/--bf16) and autograd keeps: (top, first block)."""
     if setup.fsdp or setup.compute_bytes != 2 or setup.memory_efficient_fp16:
         return 0, 0
-    matmul = [p for p in stats.params if len(p.shape) == 2 and "embed_positions" not in p.name]
+    matmul = [p for p in stats.params if p.matmul]
     block = 2 * sum(p.numel for p in matmul if p.layer == 0)
     root = 2 * sum(p.numel for p in matmul if p.layer is None)
     return root + (0 if setup.checkpoint else stats.num_layers * block), block

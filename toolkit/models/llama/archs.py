@@ -26,12 +26,14 @@ from __future__ import annotations
 from typing import Dict
 
 from toolkit.models.llama.config import LlamaConfig
+from toolkit.core import registry
 from toolkit.core.registry import register_model_architecture
 
 PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
     "llama3_1b": 128256, "llama3_3b": 128256, "llama3_8b": 128256, "llama2_7b": 32000,
     "tinyllama_1_1b": 32000, "qwen2_0_5b": 151936, "mistral_7b": 32000,
 }
+registry.PUBLISHED_VOCAB_SIZE.update(PUBLISHED_VOCAB_SIZE)
 
 
 def _shape(cfg: LlamaConfig, layers: int, dim: int, ffn: int, heads: int, kv: int) -> None:

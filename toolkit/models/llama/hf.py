@@ -64,8 +64,8 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     """Our ``LlamaConfig`` values for a ``config.json`` (a dict), or a one-line refusal."""
     kind = config.get("model_type")
     if kind not in CLASSES:
-        raise UserError(f"{where}: model_type {kind!r}; --from hf imports {', '.join(CLASSES.values())} "
-                        "and GPT2LMHeadModel folders")
+        raise UserError(f"{where}: model_type {kind!r}; the Llama family reads {', '.join(CLASSES.values())} "
+                        "folders (toolkit-export --from hf picks the family by model_type)")
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise UserError(f"{where}: no {', '.join(missing)}; give the config.json transformers saved with the model")

@@ -1,6 +1,8 @@
 """The tensor-parallel plan of the Llama family, torchtitan's ``apply_tp`` split, named module by module.
 
-``toolkit.distributed.tensor_parallel`` applies it (the kinds are ``toolkit.core.protocols.TP_KINDS``):
+``toolkit.distributed.tensor_parallel`` applies it, looking each kind up in its registry (``register_tp_style``);
+``toolkit-plan`` counts the split from the same plan. FSDP2 shards each block as a unit (``fsdp_units``);
+there are no experts (``experts`` empty). The split:
 
 ==========================  ===========================  =====================================
 module                      kind (parameter placement)   what a rank computes
@@ -45,6 +47,6 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     top["layers.0"] = "sequence_split"
     return TensorParallelPlan(
         top=top, block=dict(BLOCK), hidden="norm", positions=cfg.max_target_positions, block_inputs=3,
-        padding_idx=model.padding_idx,
+        padding_idx=model.padding_idx, fsdp_units=("layers",), experts={},
         divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads),
                    ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)))

@@ -39,8 +39,8 @@ def check_config(folder: str, config) -> None:
     """Refuse (one line, naming the setting) what our model cannot compute exactly."""
     where = os.path.join(folder, "config.json")
     if config.model_type != "gpt2":
-        raise UserError(f"{where}: model_type {config.model_type!r}; --from hf imports GPT2LMHeadModel, "
-                        "LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM folders")
+        raise UserError(f"{where}: model_type {config.model_type!r}; transformer_lm reads GPT2LMHeadModel folders "
+                        "(toolkit-export --from hf picks the family by model_type)")
     if config.activation_function not in ACTIVATIONS:
         raise UserError(f"{where}: activation_function {config.activation_function!r} has no toolkit equivalent")
     if abs(config.layer_norm_epsilon - 1e-5) > 1e-12:

@@ -44,7 +44,7 @@ Choices worth knowing
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -362,11 +362,15 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
 
     # ---- accounting ----
 
+    def position_parameters(self) -> Tuple[str, ...]:
+        """The learned position table, looked up and never in a matmul (``toolkit-plan``'s autocast copies)."""
+        return ("embed_positions.weight",) if self.embed_positions is not None else ()
+
     def num_matmul_parameters(self) -> int:
         """Weights used in matmuls per token: everything except embedding lookups, plus the output
         layer (``embed_tokens.weight`` when tied; the adaptive softmax's head and, by each tail
         band's expected share of tokens, its tails). The N in 6N FLOPs per token."""
-        from toolkit.models.accounting import matmul_parameters_per_token
+        from toolkit.models.transformer_lm.accounting import matmul_parameters_per_token
 
         return matmul_parameters_per_token(self)
 

@@ -1,6 +1,8 @@
 """The tensor-parallel plan of ``TransformerLanguageModel``: Megatron's split, named module by module.
 
-``toolkit.distributed.tensor_parallel`` applies it (the kinds are ``toolkit.core.protocols.TP_KINDS``):
+``toolkit.distributed.tensor_parallel`` applies it, looking each kind up in its registry (``register_tp_style``);
+``toolkit-plan`` counts the split from the same plan. FSDP2 shards each block as a unit (``fsdp_units``);
+there are no experts (``experts`` empty). The split:
 
 ==========================  ===========================  =====================================
 module                      kind (parameter placement)   what a rank computes
@@ -59,4 +61,5 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
         top=top, block=dict(BLOCK), hidden=last, positions=cfg.max_target_positions, padding_idx=model.padding_idx,
         divisible=(("--decoder-attention-heads", cfg.decoder_attention_heads),
                    ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)),
-        sharded_dropout=(("self_attn", "self_attn"), ("fc1", "fc2")), unsupported=_unsupported(model))
+        sharded_dropout=(("self_attn", "self_attn"), ("fc1", "fc2")), unsupported=_unsupported(model),
+        fsdp_units=("layers",), experts={})
