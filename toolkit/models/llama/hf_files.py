@@ -3,7 +3,8 @@
 (``toolkit.export.hf_family``); ``hf.py`` holds the config and tensor-name mappings these use.
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
-model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
+model's own tokenizer files (``tokenizer.json`` as ``AutoTokenizer`` builds it, see :func:`reference_tokenizer`),
+that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
 (``bpe.json``: what ``toolkit-preprocess`` reads; the hub encodes with ``tokenizer.json`` itself, see
 ``toolkit/inference/model_tokenizer.py``) and
 its ``config.json`` as ``hf_config.json`` (``--format hf`` writes the same class back from it).
@@ -81,7 +82,12 @@ def reference_tokenizer(folder: str) -> str:
     except ImportError:
         with open(path, encoding="utf-8") as f:
             return f.read()
-    backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
+    try:
+        built = transformers.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--path {folder}: transformers cannot build its tokenizer ({str(e).splitlines()[0]}); "
+                        f"the ids promised are AutoTokenizer's, so fix the tokenizer files first") from None
+    backend = getattr(built, "backend_tokenizer", None)
     if backend is None:
         raise UserError(f"--path {folder}: transformers builds no fast tokenizer from it; save one "
                         "(tokenizer.json) so the token ids are the tokenizer's")
