@@ -4,8 +4,9 @@ Two checkpoints trained here on WikiText-2 (transformer_lm: 2 ranks, fully_shard
 a tiny Llama: one process) are exported with ``toolkit-export --format hf``; the local tasks in
 ``tests/harness_tasks`` (multiple choice, rolling perplexity, generate_until) run through
 ``ToolkitLM`` and through lm_eval's ``HFLM`` on the export: per-request log-likelihoods within 1e-4,
-identical accuracies, identical greedy generations, with ``HFLM``'s default model_args. ``ToolkitLM`` reads the sharded folder, its
-consolidated ``.pt`` and its fairseq-layout export alike; the command prints the table and writes JSON.
+identical accuracies, identical greedy generations, with ``HFLM``'s default model_args. ``ToolkitLM`` reads
+the sharded folder, its consolidated ``.pt`` and its fairseq-layout export alike; the command prints the table
+and writes JSON.
 """
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ class ToolkitLM(TemplateLM):
         if max_gen >= self.max_length:
             raise UserError(f"generate_until: max_gen_toks {max_gen} must be less than the model's "
                             f"{self.max_length} positions")
-        # HFLM: the context's default encoding, left-truncated to max_length - max_gen; its first id starts
+        # HFLM: the default encoding, left-truncated to max_length - max_gen; its first id is the start symbol
         prompts = [torch.tensor(_last(self.tok_encode(c), self.max_length - max_gen), dtype=torch.long)
                    for c in contexts]
         config = self._generation_config(kwargs, max_gen)

@@ -55,8 +55,8 @@ class EvalHarnessConfig:
     include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
     output_path: Optional[str] = opt(None, "write the harness's results JSON here")
     device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
-    context_window: int = opt(0, "loglikelihood_rolling: earlier tokens given as context to each block "
-                                 "(toolkit-eval-lm's --context-window)", type=count_or_zero)
+    context_window: int = opt(0, "loglikelihood_rolling: more earlier tokens given as context to every "
+                                 "window after the first (0: lm_eval's hf model)", type=count_or_zero)
     max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say", type=positive_int)
     seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
     log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")

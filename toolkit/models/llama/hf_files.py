@@ -3,7 +3,8 @@
 (``toolkit.export.hf_family``); ``hf.py`` holds the config and tensor-name mappings these use.
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
-model's own tokenizer files, that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
+model's own tokenizer files (``tokenizer.json`` as ``AutoTokenizer`` builds it, see :func:`reference_tokenizer`),
+that tokenizer recorded as the folder's ``--bpe hf_byte_bpe``
 (``bpe.json``: what ``toolkit-preprocess`` reads; the hub encodes with ``tokenizer.json`` itself, see
 ``toolkit/inference/model_tokenizer.py``) and
 its ``config.json`` as ``hf_config.json`` (``--format hf`` writes the same class back from it).
