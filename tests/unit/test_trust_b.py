@@ -252,3 +252,18 @@ def test_mixture_weights_that_overflow_a_sum_keep_their_shares(tmp_path):
     for bad in ("nan", "inf", "-1", "0"):
         with pytest.raises(UserError, match="must be a positive number"):
             parse_mixture(f"a={tmp_path}/a:1,b={tmp_path}/b:{bad}")
+
+
+def test_the_write_probe_never_follows_a_symlink(tmp_path):
+    import socket
+
+    from toolkit.core.preflight import check_writable_folder
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    os.symlink(victim, tmp_path / f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    with pytest.raises(UserError, match="--save-dir"):
+        check_writable_folder("--save-dir", str(tmp_path))
+    assert victim.read_text() == "keep\n"
+    check_writable_folder("--save-dir", str(tmp_path / "fresh"))
+    assert os.listdir(tmp_path / "fresh") == []
