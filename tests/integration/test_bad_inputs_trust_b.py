@@ -47,7 +47,8 @@ CASES = [
     ("mixture-weight-too-small", TRAIN, ["", MODEL, "--save-dir", "{root}/new_save_mix", "--data-mixture",
                                          "a={bin}:1e308,b={bin}:1e-320", "--max-update", "2"],
      "the weight of b is too small next to the others"),
-    ("train-dropout-nan", TRAIN, ["{bin}", MODEL, "--dropout", "nan"], "nan: must be a finite number"),
+    ("train-dropout-nan", TRAIN, ["{bin}", MODEL, "--dropout", "nan", "--max-update", "1"],
+     "nan: must be a finite number"),
     # --- 8. late failures --------------------------------------------------------------------------
     ("train-valid-samples-too-long", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/new_save_long",
                                              "--sample-break-mode", "eos", "--tokens-per-sample", "16"],

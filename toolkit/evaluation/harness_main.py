@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from toolkit.config import opt
+from toolkit.config.flag_types import count_or_zero, non_negative_int, positive_int
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 from toolkit.core.preflight import check_writable_folder
@@ -32,18 +33,21 @@ class EvalHarnessConfig:
                     positional=True)
     path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit, fairseq, sharded folder, model.safetensors)")
     tasks: Optional[str] = opt(None, "harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
-    num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)")
-    batch_size: int = opt(8, "requests per forward pass")
+    num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)",
+                                     type=non_negative_int)
+    batch_size: int = opt(8, "requests per forward pass", type=positive_int)
     limit: Optional[float] = opt(None, "evaluate only the first N examples of each task (a fraction if < 1)")
     include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
     output_path: Optional[str] = opt(None, "write the harness's results JSON here")
     device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
     context_window: int = opt(0, "loglikelihood_rolling: earlier tokens given as context to each block "
-                                 "(toolkit-eval-lm's --context-window)")
-    max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say")
+                                 "(toolkit-eval-lm's --context-window)", type=non_negative_int)
+    max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say",
+                            type=positive_int)
     seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
     log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")
-    bootstrap_iters: int = opt(100000, "bootstrap resamples for the metrics' standard errors (0: none)")
+    bootstrap_iters: int = opt(100000, "bootstrap resamples for the metrics' standard errors (0: none)",
+                               type=count_or_zero)
     log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
