@@ -18,9 +18,7 @@ from toolkit.core import folder_lock
 
 TRAIN, PREPROCESS = "toolkit_cli.train", "toolkit_cli.preprocess"
 VALIDATE, HYDRA, HARNESS = "toolkit_cli.validate", "toolkit_cli.hydra_train", "toolkit_cli.eval_harness"
-for _module, _prog in ((VALIDATE, "toolkit-validate"), (HYDRA, "toolkit-hydra-train"),
-                       (HARNESS, "toolkit-eval-harness")):
-    PROGS.setdefault(_module, _prog)  # run_forked names the program from this table
+OUR_PROGS = {VALIDATE: "toolkit-validate", HYDRA: "toolkit-hydra-train", HARNESS: "toolkit-eval-harness"}
 LAST = "{save}/checkpoint_last.pt"
 
 CASES = [
@@ -105,5 +103,7 @@ def test_catalogue_cases_are_named_once():
 
 
 @pytest.mark.parametrize("name,module,argv,fragment", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(name, module, argv, fragment, paths, tmp_path):
+def test_bad_input(name, module, argv, fragment, paths, tmp_path, monkeypatch):
+    for known, prog in OUR_PROGS.items():  # run_forked names the program from this table; only for this test,
+        monkeypatch.setitem(PROGS, known, prog)  # as test_bad_inputs checks its cases cover the table
     check_bad_input(module, argv, fragment, paths, tmp_path)
