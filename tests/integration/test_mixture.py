@@ -31,6 +31,21 @@ def test_validation_per_source_and_weighted_total(tmp_path, sources):
     assert "--valid-subset valid_web,valid_code" in run.stdout
 
 
+def test_validate_prints_the_runs_weighted_valid(tmp_path, sources):
+    """toolkit-validate on a mixture checkpoint: per source, then the weighted `valid` the run's
+    --best-checkpoint-metric followed (the same number, not a draw from the mixed split)."""
+    from tests.helpers.cli import run_cli
+
+    run = train_mixture(sources, str(tmp_path / "ck"), "--max-update", "4", "--no-epoch-checkpoints")
+    check = run_cli("toolkit_cli.validate", ["", "--path", str(tmp_path / "ck" / "checkpoint_last.pt"),
+                                             "--log-format", "json", "--cpu"])
+    assert check.returncode == 0, check.stderr[-2000:]
+    for tag in ("valid_web", "valid_code", "valid"):
+        trained, validated = run.records(tag)[-1], check.records(tag)[-1]
+        assert validated[f"{tag}_loss"] == trained[f"{tag}_loss"], tag
+        assert validated[f"{tag}_ppl"] == trained[f"{tag}_ppl"], tag
+
+
 def popen_train(root, save_dir, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
     args = ["", "--save-dir", save_dir, *TINY_MODEL, *mixture_args(root), *extra]

@@ -252,3 +252,37 @@ def test_mixture_weights_that_overflow_a_sum_keep_their_shares(tmp_path):
     for bad in ("nan", "inf", "-1", "0"):
         with pytest.raises(UserError, match="must be a positive number"):
             parse_mixture(f"a={tmp_path}/a:1,b={tmp_path}/b:{bad}")
+
+
+def test_the_write_probe_never_follows_a_symlink(tmp_path):
+    import socket
+
+    from toolkit.core.preflight import check_writable_folder
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    os.symlink(victim, tmp_path / f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    with pytest.raises(UserError, match="--save-dir"):
+        check_writable_folder("--save-dir", str(tmp_path))
+    assert victim.read_text() == "keep\n"
+    check_writable_folder("--save-dir", str(tmp_path / "fresh"))
+    assert os.listdir(tmp_path / "fresh") == []
+
+
+# --- 8. late failures ---------------------------------------------------------------------------------
+
+def test_harness_output_path_is_checked_before_the_evaluation(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from toolkit.evaluation import harness_main
+
+    def never(*a, **k):
+        raise AssertionError("evaluated before --output-path was checked")
+
+    monkeypatch.setattr(harness_main, "task_manager", never)
+    monkeypatch.setattr(harness_main, "evaluate", never)
+    for out, fragment in ((tmp_path / "no_such" / "r.json", "does not exist; create it first"),
+                          (tmp_path, "is a folder; give a file name")):
+        cfg = harness_main.EvalHarnessConfig(path="x.pt", tasks="t", output_path=str(out))
+        with pytest.raises(UserError, match=f"--output-path {out}: .*{fragment}"):
+            harness_main.run(cfg)
+    assert os.listdir(tmp_path) == []

@@ -98,5 +98,6 @@ def _bounded_int(minimum: int, meaning: str):
 
 
 positive_int = _bounded_int(1, "")
+non_negative_int = _bounded_int(0, "")
 count_or_zero = _bounded_int(0, " (0: no limit / off)")
 count_or_minus_one = _bounded_int(-1, " (-1: off / keep all)")

@@ -40,9 +40,13 @@ def check_writable_folder(flag: str, path: str) -> None:
     probe = os.path.join(path, f".write_probe.{socket.gethostname()}.{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-        os.unlink(probe)
+        # created, never opened if something is there already (a symlink planted at the name is not followed)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise UserError(f"{flag} {path}: {describe_os_error(path, e)}; give a writable folder") from None
 

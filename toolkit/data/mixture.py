@@ -15,6 +15,7 @@ resume, with the same or other batching and replicas, continues the same draw.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
@@ -54,7 +55,7 @@ def parse_mixture(spec: str) -> List[Source]:
         if name in (s[0] for s in raw):
             raise UserError(f"{FLAG} {spec}: source {name} is named twice; give each source its own name")
         raw.append((name, path, w))
-    for name, path, share in zip([r[0] for r in raw], [r[1] for r in raw], normalized([w for _, _, w in raw])):
+    for (name, path, _), share in zip(raw, normalized([w for _, _, w in raw])):
         if not os.path.isdir(path):
             raise UserError(f"{FLAG}: {name}={path}: no such data-bin folder; check the path")
         if share <= 0:
@@ -65,12 +66,15 @@ def parse_mixture(spec: str) -> List[Source]:
 
 
 def normalized(weights: Sequence[float]) -> List[float]:
-    """Weights as shares adding up to 1, scaled by the largest first: a plain sum of 1e308 and 1e308 is inf,
-    which would make every share 0 (and the epoch empty)."""
-    largest = max(weights)
-    scaled = [w / largest for w in weights]
-    total = sum(scaled)
-    return [w / total for w in scaled]
+    """Weights as shares adding up to 1. Where their plain sum overflows (1e308 + 1e308 is inf, which made
+    every share 0 and the epoch one batch) they are scaled by the largest first; otherwise the plain
+    division, so the shares (and the draw) of every other spec stay bit for bit what they were."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        largest = max(weights)
+        weights = [w / largest for w in weights]
+        total = sum(weights)
+    return [w / total for w in weights]
 
 
 def source_counts(weights: Sequence[float], total: int) -> np.ndarray:

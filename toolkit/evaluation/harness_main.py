@@ -23,6 +23,7 @@ from toolkit.config import opt
 from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
+from toolkit.core.preflight import check_writable_folder
 from toolkit.logging.setup import setup_logging
 
 logger = logging.getLogger("toolkit_cli.eval_harness")
@@ -109,12 +110,22 @@ def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, l
                                    bootstrap_iters=bootstrap_iters)
 
 
-def write_results(results: Dict[str, Any], path: str) -> None:
-    from lm_eval.utils import handle_non_serializable
-
+def check_output_path(path: str) -> None:
+    """--output-path checked before the evaluation (a probe file written beside it), not after: a refusal at
+    the end would lose the whole evaluation's results."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--output-path {path}: folder {folder} does not exist; create it first")
+    if os.path.isdir(path):
+        raise UserError(f"--output-path {path}: is a folder; give a file name "
+                        f"(e.g. {os.path.join(path, 'results.json')})")
+    check_writable_folder("--output-path", folder)
+
+
+def write_results(results: Dict[str, Any], path: str) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    check_output_path(path)
     with atomic_write(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
         f.write("\n")
@@ -127,6 +138,8 @@ def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
     if cfg.path is None:
         raise UserError("--path is required: the checkpoint to evaluate")
     names = task_names(cfg.tasks)
+    if cfg.output_path:
+        check_output_path(cfg.output_path)
     if cfg.batch_size < 1:
         raise UserError(f"--batch-size {cfg.batch_size}: must be at least 1")
     from lm_eval.utils import make_table

@@ -44,7 +44,7 @@ class LanguageModelingConfig:
         "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
                 "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
                 "the weighted total (valid)", "metavar": "SPEC"})
-    mixture_epoch_samples: int = field(default=0, metadata={"type": count_or_zero, 
+    mixture_epoch_samples: int = field(default=0, metadata={"type": count_or_zero,
         "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
     sample_break_mode: str = field(default="none", metadata={
         "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
@@ -290,8 +290,9 @@ class LanguageModelingTask:
                 msg = (f"{len(dropped)} samples are longer than the model's {max_positions} positions "
                        f"(e.g. sample {first}: {int(dataset.seq_lengths()[first])} tokens)")
                 if not ignore_invalid_inputs:
-                    raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample "
-                                    f"or use a break mode that bounds the sample size")
+                    raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample, "
+                                    f"use a break mode that bounds the sample size, or skip them with "
+                                    f"--skip-invalid-size-inputs-valid-test")
                 if len(indices) == 0:
                     raise UserError(f"--tokens-per-sample/--sample-break-mode: every sample is skipped ({msg}); "
                                     f"raise --tokens-per-sample or pass --shorten-method truncate")

@@ -57,6 +57,7 @@ def train(cfg: TrainConfig) -> None:
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
     load_combined_valid(cfg, trainer.task)
+    check_valid_splits(cfg, trainer)
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
@@ -213,10 +214,27 @@ def train_max_positions(cfg: TrainConfig, trainer: Trainer) -> Optional[int]:
     return valid_max_positions(trainer)
 
 
+def check_valid_splits(cfg: TrainConfig, trainer: Trainer) -> None:
+    """Before the first update, every --valid-subset split batched once as validation will batch it: an empty
+    split or a sample longer than the model takes is refused now, not after an epoch whose updates are lost."""
+    if not cfg.dataset.disable_validation:
+        for subset in cfg.dataset.valid_subset.split(","):
+            valid_iterator(cfg, trainer, subset)
+
+
+def refuse_empty_split(subset: str, dataset) -> None:
+    """A split without a sample validates to loss 0 and perplexity 1, which would be saved as the best."""
+    if len(dataset) == 0:
+        raise UserError(f"--valid-subset {subset}: the split has no samples, so its loss would read 0 (perplexity "
+                        f"1); binarize text into it (toolkit-preprocess --validpref) or leave it out of "
+                        f"--valid-subset")
+
+
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
     """As fairseq: samples longer than the model takes are an error, or skipped under
-    --skip-invalid-size-inputs-valid-test."""
+    --skip-invalid-size-inputs-valid-test; an empty split is an error."""
     data, strategy = cfg.dataset, trainer.strategy
+    refuse_empty_split(subset, trainer.task.dataset(subset))
     return trainer.task.get_batch_iterator(
         trainer.task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
         batch_size=data.batch_size_valid or data.batch_size,

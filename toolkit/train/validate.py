@@ -12,9 +12,10 @@ Any checkpoint evaluation reads (fairseq's, sharded folders, safetensors exports
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -23,11 +24,12 @@ from toolkit.core import registry
 from toolkit.config import opt
 from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
+from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.inference.eval_lm_main import parse_overrides
 from toolkit.evaluation.loading import load_for_eval
 from toolkit.logging import metrics, progress_bar
 from toolkit.logging.setup import setup_logging
-from toolkit.train.train_loop import valid_totals
+from toolkit.train.train_loop import refuse_empty_split, valid_totals, weighted_valid_totals
 from toolkit.train.trainer import move_to_device
 
 logger = logging.getLogger("toolkit_cli.validate")
@@ -74,6 +76,7 @@ def _criterion(task, saved: Dict[str, Any]):
 def _batches(task, saved: Dict[str, Any], cfg: ValidateConfig, subset: str, max_positions: int):
     """The subset's batches as ``train_loop.valid_iterator`` makes them on one replica."""
     task.load_dataset(subset)
+    refuse_empty_split(subset, task.dataset(subset))
     max_tokens = cfg.max_tokens_valid or saved.get("max_tokens_valid") or saved.get("max_tokens")
     batch_size = cfg.batch_size_valid or saved.get("batch_size_valid") or saved.get("batch_size")
     return task.get_batch_iterator(
@@ -94,7 +97,7 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
     validator = _Validator(model, _criterion(task, saved), device)
     max_positions = min(task.max_positions(), model.max_positions())
     results = {}
-    for subset in [s for s in cfg.valid_subset.split(",") if s]:
+    for subset in _subsets(task, [s for s in cfg.valid_subset.split(",") if s]):
         logger.info(f'begin validation on "{subset}" subset')
         progress = progress_bar.progress_bar(
             _batches(task, saved, cfg, subset, max_positions), log_format=cfg.log_format,
@@ -105,4 +108,22 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
         stats = agg.get_smoothed_values()
         progress.print(stats, tag=subset)
         results[subset] = dict(stats)
+    mixture = getattr(task, "mixture", None)
+    if mixture:  # the run's `valid` line: the same function over the same per-source values
+        for tag, values in weighted_valid_totals(mixture, results, "loss").items():
+            progress_bar.progress_bar([], log_format=cfg.log_format, prefix=f"valid on '{tag}' subset",
+                                      default_log_format="simple" if cfg.no_progress_bar else "tqdm").print(
+                values, tag=tag)
+            results[tag] = values
     return results
+
+
+def _subsets(task, names: List[str]) -> List[str]:
+    """A --data-mixture checkpoint is validated as its run validated: each split per source (X_NAME, for the
+    sources that have X), then their weighted total (a draw from the mixed split would give another number
+    than the `valid` that --best-checkpoint-metric followed)."""
+    mixture = getattr(task, "mixture", None)
+    if not mixture:
+        return names
+    return [f"{name}_{source.name}" for name in names for source in mixture
+            if MMapIndexedDataset.exists(os.path.join(source.path, name))]
