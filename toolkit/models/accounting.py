@@ -15,7 +15,6 @@ by the share of tokens that use it, estimated with Zipf's law over the frequency
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, Optional, Sequence
 
 import torch.nn as nn
@@ -86,8 +85,10 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.models.accounting",
-                                     description="Parameter counts of named architectures.")
+    from toolkit.config.options import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog="python -m toolkit.models.accounting",
+                                description="Parameter counts of named architectures.")
     parser.add_argument("arch", nargs="+")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="dictionary size (default: the arch's published one, else 50257)")
