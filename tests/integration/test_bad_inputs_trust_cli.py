@@ -7,24 +7,29 @@ folders are the Llama one of ``tests/helpers/hf_llama.py`` damaged each way ``MA
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
-from tests.helpers.bad_inputs import MODEL, PROGS, check_bad_input
+from tests.helpers.bad_inputs import MODEL, check_bad_input
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 from tests.helpers.hf_llama import MALFORMED, make_hf, malformed_copy  # noqa: E402
 
 TRAIN, EXPORT, PLAN, HARNESS = "toolkit_cli.train", "toolkit_cli.export", "toolkit_cli.plan", "toolkit_cli.eval_harness"
-PROGS.setdefault(PLAN, "toolkit-plan")  # run_forked names the program from this table
-PROGS.setdefault(HARNESS, "toolkit-eval-harness")
 PLAN_MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--vocab-size", "100"]
 
 CASES = [
     # --- 9. tracebacks ------------------------------------------------------------------------------
     *[(f"import-hf-{name}", EXPORT, ["--from", "hf", "--path", f"{{hf}}/{name}", "--out", "{root}/imported"],
        f"{{hf}}/{name}/{file}: ") for name, (_, file, _) in MALFORMED.items()],
+    ("import-gpt2-layers-a-string", EXPORT, ["--from", "hf", "--path", "{hf}/gpt2_layers_str", "--out",
+                                             "{root}/imported"],
+     "{hf}/gpt2_layers_str/config.json: StrictDataclassFieldValidationError: Validation error for field 'n_layer'"),
+    ("import-gpt2-config-without-n-layer", EXPORT, ["--from", "hf", "--path", "{hf}/gpt2_no_layers", "--out",
+                                                    "{root}/imported"],
+     "the weights do not match config.json (missing ['transformer.h.1."),  # not 12 layers, 11 of them random
     ("harness-limit-0", HARNESS, ["--path", "{save}/checkpoint_last.pt", "--tasks", "x", "--limit", "0"],
      "argument --limit: 0: give a fraction between 0 and 1 or a whole number of examples >= 1"),
     ("harness-limit-minus-3", HARNESS, ["--path", "{save}/checkpoint_last.pt", "--tasks", "x", "--limit", "-3"],
@@ -55,7 +60,24 @@ def paths(prepared, tmp_path_factory):
     make_hf(f"{hf}/good", "llama")
     for name in MALFORMED:
         malformed_copy(f"{hf}/good", f"{hf}/{name}", name)
+    _gpt2_folders(hf)
     return {**prepared, "hf": hf}
+
+
+def _gpt2_folders(hf: str) -> None:
+    import json
+
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(f"{hf}/gpt2")
+    for name, change in (("gpt2_layers_str", lambda c: dict(c, n_layer="two")),
+                         ("gpt2_no_layers", lambda c: {k: v for k, v in c.items() if k != "n_layer"})):
+        shutil.copytree(f"{hf}/gpt2", f"{hf}/{name}")
+        with open(f"{hf}/{name}/config.json", encoding="utf-8") as f:
+            values = change(json.load(f))
+        with open(f"{hf}/{name}/config.json", "w", encoding="utf-8") as f:
+            json.dump(values, f)
 
 
 def test_catalogue_cases_are_named_once():

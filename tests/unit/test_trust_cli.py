@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -123,36 +121,44 @@ def test_argparse_errors_are_one_line_and_exit_1(module, capsys):
     assert e.value.code == 1 and len(err.splitlines()) == 1 and ": error: " in err, err
 
 
+def _killed_launcher_with_a_rank(lock: str) -> int:
+    """A launcher that takes the lock, forks a rank and dies without releasing anything; the rank's PID (it keeps
+    the lock: the flock is on the open file it inherited)."""
+    from toolkit.core import folder_lock
+
+    read, write = os.pipe()
+    launcher = os.fork()
+    if launcher == 0:
+        with folder_lock.hold(lock, "--save-dir x", "toolkit-train"):
+            rank = os.fork()
+            if rank == 0:
+                os.close(write)
+                time.sleep(120)
+                os._exit(0)
+            os.write(write, str(rank).encode())
+            os._exit(0)  # killed: no finally runs
+    os.close(write)
+    os.waitpid(launcher, 0)
+    with os.fdopen(read) as f:
+        return int(f.read())
+
+
 def test_lock_refusal_names_the_orphaned_rank_not_the_dead_launcher(tmp_path):
-    """A launcher killed while its rank runs: the rank holds the lock (the flock is on the file it inherited)."""
     from toolkit.core import folder_lock
 
     lock = str(tmp_path / folder_lock.SAVE_DIR_LOCK)
-    launcher = subprocess.run([sys.executable, "-c", f"""
-import os, time
-from toolkit.core import folder_lock
-with folder_lock.hold({lock!r}, "--save-dir x", "toolkit-train"):
-    rank = os.fork()
-    if rank == 0:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1), os.dup2(null, 2)  # the test reads the launcher's output to its end
-        time.sleep(120)
-        os._exit(0)
-    print(rank, flush=True)
-    os._exit(0)  # killed: nothing released, the rank keeps the lock
-"""], capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    rank = int(launcher.stdout.split()[0])
+    rank = _killed_launcher_with_a_rank(lock)
     try:
         with pytest.raises(UserError) as e:
             with folder_lock.hold(lock, "--save-dir x", "toolkit-train"):
                 pass
         message = str(e.value)
-        assert message.startswith(f"--save-dir x: in use by process {rank} (started by toolkit-train (pid ")
+        assert message.startswith(f"--save-dir x: in use by process {rank} (started by toolkit-train (pid "), message
         assert f"which has exited: an orphaned rank; stop it with kill {rank})" in message, message
     finally:
         os.kill(rank, 9)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the rank (reparented, not ours to reap) gone: the lock is free
+    while time.monotonic() < deadline:  # the rank gone (reparented: not ours to reap), the lock is free
         try:
             with folder_lock.hold(lock, "--save-dir x", "toolkit-train"):
                 break

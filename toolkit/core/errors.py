@@ -42,7 +42,7 @@ PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError)  # 
 def _what_is_wrong(e: BaseException) -> str:
     if isinstance(e, KeyError) and e.args:
         return f"no {e.args[0]!r}"
-    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:240]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

@@ -11,7 +11,6 @@ A family's FLOPs (the N of 6N) are its own ``flops_per_token`` (``transformer_lm
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, Optional, Sequence
 
 import torch.nn as nn
@@ -43,8 +42,10 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.models.accounting",
-                                     description="Parameter counts of named architectures.")
+    from toolkit.config.options import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog="python -m toolkit.models.accounting",
+                                description="Parameter counts of named architectures.")
     parser.add_argument("arch", nargs="+")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="dictionary size (default: the arch's published one, else 50257)")

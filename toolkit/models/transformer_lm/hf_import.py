@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.core.errors import UserError, require
+from toolkit.core.errors import UserError, malformed_file, require
 from toolkit.core.protocols import HFCheckpoint
 from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
 
@@ -140,18 +140,26 @@ def _load_hf_model(transformers, folder: str):
     """The GPT-2 model, or one line: a forged ``pytorch_model.bin`` is refused by ``weights_only`` as an
     UnpicklingError (nothing runs), a damaged file as an OSError/RuntimeError."""
     try:
-        return transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+        model, info = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32,
+                                                                    output_loading_info=True)
     except (pickle.UnpicklingError, OSError, RuntimeError, ValueError, EOFError) as e:
         text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"--path {folder}: cannot load the model's weights ({type(e).__name__}: {text}); give a "
                         f"folder written by save_pretrained (model.safetensors or an intact pytorch_model.bin)") \
             from None
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.endswith("attn.bias"))  # masks are buffers
+    if missing:  # transformers would start them from random values: not the model the folder holds
+        raise UserError(f"--path {folder}: the weights do not match config.json (missing {missing[:3]}); give the "
+                        "config.json saved with these weights")
+    return model
 
 
 def read_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int], advance) -> HFCheckpoint:
     """The GPT2LMHeadModel in ``folder`` as our checkpoint (``out_dir``: where it will be written)."""
     transformers = require("transformers", "transformers")
-    config = transformers.AutoConfig.from_pretrained(folder)
+    with malformed_file(os.path.join(folder, "config.json"), "give the config.json transformers saved with the model",
+                        errors=(Exception,)):  # transformers checks each value's type, in its own exception
+        config = transformers.AutoConfig.from_pretrained(folder)
     check_config(folder, config)
     hf = _load_hf_model(transformers, folder)
     advance(f"{folder}: GPT2LMHeadModel, {config.n_layer} layers, vocabulary of {config.vocab_size}")
