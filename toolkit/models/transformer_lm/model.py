@@ -360,6 +360,8 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
 
         return CachedDecoder(self)
 
+    QUANT_NOISE_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")  # --quant-noise-pq covers these, as fairseq does
+
     # ---- accounting ----
 
     def position_parameters(self) -> Tuple[str, ...]:
