@@ -93,6 +93,15 @@ class PositionTables(Protocol):
     def position_parameters(self) -> Tuple[str, ...]: ...
 
 
+@runtime_checkable
+class MetaTraceable(Protocol):
+    """A model with parts the meta device cannot run (an adaptive band picks its tokens with ``nonzero()``, whose
+    size is data): the options that build a traceable stand-in (``toolkit-plan`` traces activations with it, an
+    upper bound); ``{}`` when this model has none. A model without the method traces as it is."""
+
+    def meta_traceable_options(self) -> Dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class TensorParallelPlan:
     """A family's Megatron split: module paths -> kinds, and what the tensor-parallel size must divide.

@@ -5,7 +5,10 @@ Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
 gets which kind of split (``model.tensor_parallel_plan()``, a ``toolkit.core.protocols.
 TensorParallelPlan``: ``toolkit/models/transformer_lm/parallel.py``, ``toolkit/models/llama/parallel.py``);
 this module holds the meshes, the DTensor styles of each kind and no parameter name of any family.
-On a tensor-parallel mesh of M ranks:
+The kinds are an open registry (``register_tp_style(name, sharded=...)``: a function of the run's
+layout returning a torch ``ParallelStyle``, and the parameters it divides over the ranks, which
+``toolkit-plan`` counts); a new kind registers without editing a list, and a plan naming an unknown
+one is refused in one line naming the family and the kind. The built-in kinds, on a mesh of M ranks:
 
 ==========================  ===========================  =====================================
 kind                        parameter placement          what a rank computes

@@ -26,9 +26,6 @@ import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
 
-BLOCK_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")
-
-
 def noisy_weight(weight: torch.Tensor, p: float, block_size: int) -> torch.Tensor:
     """``weight`` [out, in] with blocks of ``block_size`` input features dropped with probability p, rest scaled."""
     out_features, in_features = weight.shape
@@ -43,10 +40,12 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def covered_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """The Linear modules fairseq's transformer LM puts quant-noise on."""
+    """The Linear modules quant-noise covers: those whose last name part the family lists in its class's
+    ``QUANT_NOISE_LINEARS`` (``transformer_lm``: fairseq's choice), and an adaptive input's projections."""
+    covered = getattr(type(model), "QUANT_NOISE_LINEARS", ())  # a family without the list: none of its own
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and (leaf in BLOCK_LINEARS or name.startswith("embed_tokens.embeddings.")):
+        if isinstance(module, nn.Linear) and (leaf in covered or name.startswith("embed_tokens.embeddings.")):
             yield name, module
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import FlopsCounted, PositionTables
+from toolkit.core.protocols import FlopsCounted, MetaTraceable, PositionTables
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -177,15 +177,15 @@ def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dt
     return sum(t.untyped_storage().nbytes() for t in saved.values())
 
 
-def trace_activations(arch: str, model_cfg: Any, vocab: int, tokens: int, dtype: torch.dtype) -> Activations:
+def trace_activations(model: torch.nn.Module, arch: str, model_cfg: Any, vocab: int, tokens: int,
+                      dtype: torch.dtype) -> Activations:
     """One layer's and the rest's saved bytes per sequence (see the module docstring).
 
-    Adaptive input/softmax pick each band's tokens with ``nonzero()``, which has no size on the meta
-    device: their activations are traced with a full embedding and softmax instead (an upper bound).
+    Parts the meta device cannot run (adaptive input/softmax pick each band's tokens with ``nonzero()``) are
+    traced as the stand-in the family gives (``MetaTraceable``: a full embedding and softmax, an upper bound).
     """
-    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
-        model_cfg = dataclasses.replace(model_cfg, adaptive_input=False, adaptive_softmax_cutoff=None,
-                                        tie_adaptive_weights=False)
+    overrides = model.meta_traceable_options() if isinstance(model, MetaTraceable) else {}
+    model_cfg = dataclasses.replace(model_cfg, **overrides)
     one = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens),
                       tokens, vocab, dtype)
     two = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens),
@@ -209,6 +209,7 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     infos = param_infos(model)
     flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
+    activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
     return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
                       embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,
-                      flops_per_token=flops, activations=trace_activations(arch, model_cfg, vocab, tokens, dtype))
+                      flops_per_token=flops, activations=activations)

@@ -360,7 +360,16 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
 
         return CachedDecoder(self)
 
+    QUANT_NOISE_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")  # --quant-noise-pq covers these, as fairseq does
+
     # ---- accounting ----
+
+    def meta_traceable_options(self) -> Dict[str, Any]:
+        """A full embedding and softmax in place of adaptive ones (``toolkit-plan``'s activations; an upper bound)."""
+        cfg = self.cfg
+        if not (cfg.adaptive_input or cfg.adaptive_softmax_cutoff):
+            return {}
+        return dict(adaptive_input=False, adaptive_softmax_cutoff=None, tie_adaptive_weights=False)
 
     def position_parameters(self) -> Tuple[str, ...]:
         """The learned position table, looked up and never in a matmul (``toolkit-plan``'s autocast copies)."""
