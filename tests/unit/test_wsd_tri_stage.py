@@ -109,7 +109,7 @@ def test_wsd_resume_mid_decay_gives_the_uninterrupted_rates(shape):
 
 def test_wsd_decay_from_a_stable_phase_checkpoint(caplog):
     stable, _ = sched("wsd", lr=1e-3, max_update=1000, decay_fraction=0.0)
-    assert set(run(stable, range(0, 600))) == {1e-3}
+    assert set(run(stable, range(0, 600))) == {1e-3} and stable.step_update(1000) == 1e-3  # no decay at all
     state = stable.state_dict()
     decay, _ = sched("wsd", lr=1e-3, max_update=700, wsd_decay_start=600, decay_shape="linear")
     with caplog.at_level(logging.WARNING):

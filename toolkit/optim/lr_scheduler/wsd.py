@@ -67,7 +67,8 @@ def _decay_window(cfg: WSDLRScheduleConfig) -> tuple:
 @register_lr_scheduler("wsd", dataclass=WSDLRScheduleConfig)
 class WSDLRSchedule(LRScheduler):
     """At update ``n``: ``lr * n / warmup`` during the warmup; ``lr`` until ``start``; then
-    ``min_lr + (lr - min_lr) * shape((n - start) / (end - start))``; ``min_lr`` from ``end`` on."""
+    ``min_lr + (lr - min_lr) * shape((n - start) / (end - start))``; ``min_lr`` from ``end`` on. With no decay
+    (``--decay-fraction 0``) the rate stays ``lr`` to the end: a stable phase to resume later with a decay."""
 
     def __init__(self, cfg: WSDLRScheduleConfig, optimizer: torch.optim.Optimizer):
         super().__init__(cfg, optimizer)
@@ -85,7 +86,7 @@ class WSDLRSchedule(LRScheduler):
     def lr_at(self, num_updates: int) -> float:
         if num_updates < self.warmup_updates:
             return self.peak_lr * num_updates / self.warmup_updates
-        if num_updates < self.decay_start:
+        if num_updates < self.decay_start or self.decay_start == self.decay_end:  # no decay: a stable-only run
             return self.peak_lr
         if num_updates >= self.decay_end:
             return self.min_lr
