@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -48,7 +48,7 @@ class WSDLRScheduleConfig:
     max_update: int = opt(0, "stop after this many updates (0: no limit)")
 
 
-def _decay_window(cfg: WSDLRScheduleConfig) -> tuple:
+def _decay_window(cfg: WSDLRScheduleConfig) -> Tuple[int, int]:
     """(first update of the decay, update where it reaches --min-lr), checked against the warmup."""
     total = cfg.total_num_update if cfg.total_num_update is not None and cfg.total_num_update > 0 \
         else cfg.max_update
@@ -117,7 +117,7 @@ class WSDLRSchedule(LRScheduler):
                            _saved_rate(self, saved, at), self.lr_at(at))
 
 
-def _saved_rate(schedule: WSDLRSchedule, window: tuple, num_updates: int) -> float:
+def _saved_rate(schedule: WSDLRSchedule, window: Tuple[int, int], num_updates: int) -> float:
     """The rate the checkpoint's own decay window gave at ``num_updates``."""
     progress = min(1.0, (num_updates - window[0]) / (window[1] - window[0]))
     return schedule.min_lr + (schedule.peak_lr - schedule.min_lr) * schedule.shape(progress)
