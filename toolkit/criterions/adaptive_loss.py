@@ -24,6 +24,12 @@ from toolkit.models.document_mask import packing_inputs
 
 @register_criterion("adaptive_loss", dataclass=CrossEntropyCriterionConfig)
 class AdaptiveLoss(CrossEntropyCriterion):
+    def __init__(self, task, cfg: CrossEntropyCriterionConfig = None):
+        super().__init__(task, cfg)
+        if self.z_loss_coef > 0:
+            raise UserError("--z-loss-coef: the adaptive softmax never forms the whole vocabulary's logits, so it has "
+                            "no single normalizer to penalize; use --criterion cross_entropy for the z-loss")
+
     def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         adaptive_softmax = model.adaptive_softmax
         if adaptive_softmax is None:

@@ -17,6 +17,11 @@ A batch with ``sample["is_dummy"]`` (padding of a short data shard, see
 :mod:`toolkit.data.iterators`) still runs forward and backward, but its loss is
 multiplied by 0 and its ``sample_size``/``ntokens``/``nsentences`` are 0.
 
+``--z-loss-coef c`` (PaLM, https://arxiv.org/abs/2204.02311, section 5) adds ``c * logsumexp(logits)**2`` summed
+over the non-pad target tokens to the training loss, normalized by ``sample_size`` like the cross-entropy (so per
+token by default). It is logged as ``z_loss``: that mean of ``logsumexp**2`` without the coefficient, in nats
+squared (not converted to base 2 as ``loss`` is). ``loss``, ``nll_loss`` and ``ppl`` stay the cross-entropy's.
+
 A model's auxiliary losses and metrics (``(logits, extra)``, see :mod:`toolkit.models.outputs`) are added
 to the training loss with their coefficients and logged each under its name; ``loss`` stays the
 cross-entropy.
@@ -35,6 +40,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from toolkit.config.flag_types import non_negative_float
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 from toolkit.models.outputs import aux_losses_of, metrics_of
@@ -47,6 +53,10 @@ _NOT_EXTRAS = frozenset({"loss", "nll_loss", "ppl", "ntokens", "nsentences", "sa
 class CrossEntropyCriterionConfig:
     sentence_avg: bool = field(default=False, metadata={
         "help": "normalize gradients by the number of sentences in a batch (default: by the number of tokens)"})
+    z_loss_coef: float = field(default=0.0, metadata={
+        "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
+                "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
+                "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy", "type": non_negative_float})
 
 
 def _to_float(x: Any) -> float:
@@ -65,6 +75,7 @@ class CrossEntropyCriterion(torch.nn.Module):
         self.cfg = cfg if cfg is not None else CrossEntropyCriterionConfig()
         self.sentence_avg = bool(self.cfg.sentence_avg)
         self.padding_idx = task.target_dictionary.pad()
+        self.z_loss_coef = float(self.cfg.z_loss_coef)
 
     @staticmethod
     def logits_of(net_output: Any) -> torch.Tensor:
@@ -82,9 +93,28 @@ class CrossEntropyCriterion(torch.nn.Module):
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
         # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
         net_output = model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"]))
-        counted = self.with_counts(self.compute_loss(self.logits_of(net_output), sample["target"], reduce=reduce),
-                                   sample)
-        return self.with_model_extras(net_output, *counted) if reduce else counted
+        logits = self.logits_of(net_output)
+        counted = self.with_counts(self.compute_loss(logits, sample["target"], reduce=reduce), sample)
+        if not reduce:
+            return counted
+        if self.z_loss_coef > 0:
+            counted = self.with_z_loss(logits, sample, *counted)
+        return self.with_model_extras(net_output, *counted)
+
+    def with_z_loss(self, logits: torch.Tensor, sample: Dict[str, Any], loss: torch.Tensor, sample_size: int,
+                    logging_output: Dict[str, Any]) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        """``loss + z_loss_coef * sum(logsumexp(logits)**2)`` over the non-pad target tokens, fp32; the sum is
+        logged as ``z_loss`` (``reduce_metrics`` divides by ``sample_size`` as for ``loss``). A large normalizer
+        lets logits drift, which bf16 rounds badly; the square pulls log Z towards 0."""
+        log_z = torch.logsumexp(logits.float(), dim=-1)
+        if hasattr(log_z, "full_tensor"):  # vocabulary-parallel logits: the normalizer, gathered over the vocabulary
+            log_z = log_z.full_tensor()
+        counted = sample["target"].ne(self.padding_idx)
+        z_sum = torch.where(counted, log_z.square(), torch.zeros_like(log_z)).sum()
+        if sample.get("is_dummy", False):
+            z_sum = z_sum * 0.0
+        logging_output["z_loss"] = z_sum.detach()
+        return loss + self.z_loss_coef * z_sum, sample_size, logging_output
 
     @staticmethod
     def with_model_extras(net_output: Any, loss: torch.Tensor, sample_size: int, logging_output: Dict[str, Any]
