@@ -131,7 +131,7 @@ def test_validate_counts_are_bounded(argv, fragment, capsys):
 
     with pytest.raises(SystemExit) as e:
         cli_main(["data", "--path", "x.pt", *argv])
-    assert e.value.code == 2 and fragment in capsys.readouterr().err
+    assert e.value.code == 1 and fragment in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,fragment", [
