@@ -83,6 +83,7 @@ def reference_tokenizer(folder: str) -> str:
     except ImportError:
         return _load_tokenizer(path).to_str()
     _load_tokenizer(path)  # a file that is no tokenizer: one line naming it, before transformers' traceback
+    _read_json(os.path.join(folder, "tokenizer_config.json"))  # likewise for its settings
     with malformed_file(path, RESAVE, errors=(Exception,)):
         backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
     if backend is None:
