@@ -1,5 +1,6 @@
 """Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Qwen3, Mistral with and without a
-sliding window): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE whose tokenizer.json lacks Qwen2's digit splitting (as
+sliding window): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
+whose tokenizer.json lacks Qwen2's digit splitting (as
 transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokenizer`` gives other ids than the file).
 
 Import only after ``pytest.importorskip("transformers")`` / ``("tokenizers")``: the optional extras are

@@ -1,6 +1,6 @@
-"""Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and
-refuses a folder without tokenizer.json in one line; a Qwen3 folder and a sliding-window Mistral one go in
-and back out (``--format hf``) as the same class with the same logits; text binarized with the imported tokenizer continues
+"""Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and refuses a
+folder without tokenizer.json in one line; a Qwen3 folder and a sliding-window Mistral one go in and back out
+(``--format hf``) as the same class with the same logits; text binarized with the imported tokenizer continues
 training from the imported checkpoint, and the trained model exports back to a folder transformers loads.
 
 The in-process round trips (ids, log-probs, generation, exports) are in tests/unit/test_llama_hf.py.
@@ -44,7 +44,8 @@ def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_p
     from tests.helpers.cli import run_cli
 
     hf = make_hf(str(tmp_path / "hf"), kind)
-    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"),
+                                         "--out", str(tmp_path / "ours")])
     assert run.returncode == 0, run.stderr
     assert "converted to --arch llama" in run.stdout + run.stderr
     run = run_cli("toolkit_cli.export", ["--path", str(tmp_path / "ours" / "model.pt"), "--out", str(tmp_path / "back"),

@@ -134,7 +134,8 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
     elif kind == "mistral":
         config.update(sliding_window=cfg.sliding_window)
     else:
-        config.update(sliding_window=None, use_sliding_window=False, layer_types=["full_attention"] * cfg.decoder_layers)
+        config.update(sliding_window=None, use_sliding_window=False,
+                      layer_types=["full_attention"] * cfg.decoder_layers)
     if cfg.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                                   "low_freq_factor": cfg.rope_low_freq_factor,
