@@ -1,5 +1,6 @@
-"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Mistral): Llama and Mistral with a
-word-level tokenizer, Qwen2 with a byte-level BPE whose tokenizer.json lacks Qwen2's digit splitting (as
+"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Qwen3, Mistral with and without a
+sliding window): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
+whose tokenizer.json lacks Qwen2's digit splitting (as
 transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokenizer`` gives other ids than the file).
 
 Import only after ``pytest.importorskip("transformers")`` / ``("tokenizers")``: the optional extras are
@@ -22,7 +23,13 @@ KINDS = {
     "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                              rope_theta=1e6)),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    # QK-norm, heads of 32 (not 64 / 4), untied
+    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                                             rms_norm_eps=1e-6, rope_theta=1e6)),
+    # every position sees the last 6 (the tests' texts are longer)
+    "mistral_window": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=6)),
 }
+WINDOW = 6
 
 
 #: Qwen2's test BPE: characters, then merges of which "1 7" and "1 2" join digits (Qwen2Tokenizer never does)
@@ -43,8 +50,8 @@ def save_qwen2_tokenizer(folder: str) -> dict:
 
 def save_tokenizer(folder: str, kind: str) -> dict:
     """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added;
-    Qwen2's: :func:`save_qwen2_tokenizer`."""
-    if kind == "qwen2":
+    Qwen2's and Qwen3's: :func:`save_qwen2_tokenizer`."""
+    if kind in ("qwen2", "qwen3"):
         return save_qwen2_tokenizer(folder)
     vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))

@@ -1,5 +1,6 @@
-"""Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and
-refuses a folder without tokenizer.json in one line; text binarized with the imported tokenizer continues
+"""Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and refuses a
+folder without tokenizer.json in one line; a Qwen3 folder and a sliding-window Mistral one go in and back out
+(``--format hf``) as the same class with the same logits; text binarized with the imported tokenizer continues
 training from the imported checkpoint, and the trained model exports back to a folder transformers loads.
 
 The in-process round trips (ids, log-probs, generation, exports) are in tests/unit/test_llama_hf.py.
@@ -36,6 +37,26 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("toolkit-export: error: --path ")
     assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral_window"])
+def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_path, kind):
+    from tests.helpers.cli import run_cli
+
+    hf = make_hf(str(tmp_path / "hf"), kind)
+    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"),
+                                         "--out", str(tmp_path / "ours")])
+    assert run.returncode == 0, run.stderr
+    assert "converted to --arch llama" in run.stdout + run.stderr
+    run = run_cli("toolkit_cli.export", ["--path", str(tmp_path / "ours" / "model.pt"), "--out", str(tmp_path / "back"),
+                                         "--format", "hf"])
+    assert run.returncode == 0, run.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert type(back).__name__ == type(hf).__name__
+    assert back.config.sliding_window == hf.config.sliding_window
+    x = torch.randint(0, 60, (2, 20), generator=torch.Generator().manual_seed(3))  # longer than the window (6)
+    with torch.no_grad():
+        assert (back(x).logits - hf(x).logits).abs().max().item() < 1e-4
 
 
 def test_imported_model_continues_training_on_its_tokenizers_data_and_exports(tmp_path):

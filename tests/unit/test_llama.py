@@ -1,6 +1,7 @@
 """The Llama family in one process: the named sizes' published parameter counts, the KV cache against
 the full forward, rotary positions, generation with and without the cache, FLOPs per token and the
-one-line refusals of impossible shapes.
+one-line refusals of impossible shapes; Qwen3's sizes against transformers' own count, its QK-norm and
+head size, and the sliding window's reach.
 
 Training runs (real text, two ranks, tensor parallelism, resume) are in tests/integration/test_llama.py.
 """
@@ -18,7 +19,16 @@ from toolkit.models.llama.model import LlamaLanguageModel
 PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embeddings once)
     "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
     "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
-    "mistral_7b": 7_241_732_096,
+    "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_8b": 8_190_735_360,
+}
+#: transformers' Qwen3Config values of the published models (config.json on the hub)
+QWEN3_CONFIGS = {
+    "qwen3_0_6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072,
+                       tie_word_embeddings=True),
+    "qwen3_1_7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144,
+                       tie_word_embeddings=True),
+    "qwen3_8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, intermediate_size=12288,
+                     tie_word_embeddings=False),
 }
 
 
@@ -27,14 +37,27 @@ def test_named_sizes_have_the_published_parameter_counts(arch):
     assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == PUBLISHED[arch]
 
 
+@pytest.mark.parametrize("arch", sorted(QWEN3_CONFIGS))
+def test_qwen3_sizes_count_as_transformers_builds_them(arch):
+    """Our model built on the meta device holds as many parameters as transformers' Qwen3ForCausalLM of the
+    published config (tied embeddings once)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, **QWEN3_CONFIGS[arch])
+    with torch.device("meta"):
+        hf = transformers.Qwen3ForCausalLM(config)
+    theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+
+
 def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
     cfg = model_config(arch, max_target_positions=48, **overrides)
     return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama_tiny", "llama_tiny_gqa"])
-def test_cache_equals_full_forward_and_holds_kv_heads(arch):
-    model = tiny(arch, attention_qkv_bias=True)
+@pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
+                                            ("llama_tiny", dict(sliding_window=6))])
+def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
+    model = tiny(arch, attention_qkv_bias=True, **overrides)
     x = torch.randint(4, 40, (3, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(x)
@@ -49,6 +72,29 @@ def test_cache_equals_full_forward_and_holds_kv_heads(arch):
         model(x[:, :10], incremental_state=state)
         model.reorder_incremental_state(state, order)
         assert torch.allclose(model(x[order, 10:], incremental_state=state), model(x[order])[:, 10:], atol=1e-5)
+
+
+def test_a_sliding_window_hides_what_lies_beyond_it():
+    """With --sliding-window 6, position t reads positions t-5..t only: changing position 3 changes the
+    outputs at 3..8 (two layers: each widens the reach by 5, so up to 13), none from 14 on; without a
+    window every later position changes."""
+    x = torch.randint(4, 40, (1, 20), generator=torch.Generator().manual_seed(2))
+    y = x.clone()
+    y[0, 3] = 4 if x[0, 3] != 4 else 5
+    windowed, full = tiny(sliding_window=6), tiny()
+    with torch.no_grad():
+        changed = (windowed(x) - windowed(y)).abs().amax(-1)[0] > 1e-6
+        changed_full = (full(x) - full(y)).abs().amax(-1)[0] > 1e-6
+    assert changed[3:14].all() and not changed[14:].any() and not changed[:3].any()
+    assert changed_full[3:].all()
+
+
+def test_qwen3_heads_are_their_own_size_with_qk_norm():
+    model = tiny("qwen3_tiny")
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4 * 32, 64) and attn.k_proj.weight.shape == (2 * 32, 64)
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (32,)
+    assert model.rope_cos.shape == (48, 32)
 
 
 def test_rotary_positions_matter_and_continue():
@@ -97,6 +143,7 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     (dict(decoder_kv_heads=3), "--decoder-kv-heads 3: must divide --decoder-attention-heads 4"),
     (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
     (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
+    (dict(decoder_head_dim=9), "--decoder-head-dim 9: must be even for rotary embeddings"),
 ])
 def test_impossible_shapes_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints of the Llama family in and out (toolkit/export/hf_llama.py, models/llama/hf.py).
 
 For random tiny LlamaForCausalLM (GQA, untied, Llama 3 RoPE scaling), Qwen2ForCausalLM (q/k/v
-biases, tied, more embedding rows than tokens) and MistralForCausalLM (no sliding window) folders
-saved by transformers with a tokenizer that adds BOS (not Qwen2's): ``--from hf`` keeps the
+biases, tied, more embedding rows than tokens), Qwen3ForCausalLM (QK-norm, head_dim 32 with width 64 and
+4 heads) and MistralForCausalLM (no sliding window, and a window of 6 shorter than the texts) folders
+saved by transformers with a tokenizer that adds BOS (not Qwen's): ``--from hf`` keeps the
 tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
 transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
 ``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
@@ -22,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tests.helpers.hf_llama import KINDS, make_hf  # noqa: E402
+from tests.helpers.hf_llama import KINDS, WINDOW, make_hf  # noqa: E402
 from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
@@ -59,7 +60,7 @@ def test_token_ids_are_the_tokenizers_own(imported):
     assert [d[i] for i in ids] == tok.convert_ids_to_tokens(ids)
     assert len(d) == imported["hf"].config.vocab_size
     assert d.eos() == imported["hf"].config.eos_token_id
-    adds_bos = imported["kind"] != "qwen2"
+    adds_bos = not imported["kind"].startswith("qwen")
     assert (ids[0] == d.bos()) == adds_bos and imported["args"].add_bos_token == adds_bos
     assert d.pad() not in (d.eos(), d.bos()) and d.pad() not in ids
 
@@ -74,7 +75,7 @@ def test_log_probs_equal_transformers(imported):
 
 def test_greedy_generation_with_the_cache_equals_transformers(imported):
     model, hf = imported["model"], imported["hf"]
-    prompt = torch.tensor([[1, 5, 9, 13]]) if imported["kind"] != "qwen2" else torch.tensor([[5, 9, 13]])
+    prompt = torch.tensor([[1, 5, 9, 13]]) if not imported["kind"].startswith("qwen") else torch.tensor([[5, 9, 13]])
     with torch.no_grad():
         want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
                            min_new_tokens=12, pad_token_id=0)[0, prompt.size(1):].tolist()
@@ -98,20 +99,32 @@ def test_export_back_gives_the_same_class_and_log_probs(imported):
     assert tokenizer(back)(text)["input_ids"] == tokenizer(imported["root"] / "hf")(text)["input_ids"]
 
 
-def test_a_sliding_window_is_refused_in_one_line_unless_it_never_binds(tmp_path):
+def test_the_imported_options_are_the_classes_own(imported):
+    """Qwen3: QK-norm and heads of its own size; Mistral: its window; the texts above are longer than it."""
+    cfg = imported["model"].cfg
+    assert cfg.qk_norm == (imported["kind"] == "qwen3")
+    assert cfg.decoder_head_dim == (32 if imported["kind"] == "qwen3" else None)
+    assert cfg.sliding_window == (WINDOW if imported["kind"] == "mistral_window" else None) and WINDOW < len(batch()[0])
+
+
+def test_a_window_wider_than_the_context_is_none_and_a_local_qwen_layer_refused(tmp_path):
     """MistralConfig's default window (4096) is wider than this model's context: every position attends
-    to all before it, so the model is ours; a window shorter than the context is refused."""
+    to all before it (imported without a window). Qwen2 with use_sliding_window makes the layers from
+    max_window_layers on local, other layers not: refused in one line, nothing written."""
     make_hf(str(tmp_path / "hf"), "mistral")
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps(dict(config, sliding_window=4096)))
     run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "wide"), import_from="hf"))
-    assert os.path.isfile(tmp_path / "wide" / "model.pt")
-    short = config["max_position_embeddings"] - 1
-    path.write_text(json.dumps(dict(config, sliding_window=short)))
-    with pytest.raises(UserError, match=f"config.json: sliding_window {short} is shorter than "
-                                        "max_position_embeddings .*; the toolkit attends over the whole context"):
-        run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "out"), import_from="hf"))
+    model, _, _ = load_model(str(tmp_path / "wide" / "model.pt"), str(tmp_path / "wide"))
+    assert model.cfg.sliding_window is None
+    make_hf(str(tmp_path / "qwen"), "qwen2")
+    path = tmp_path / "qwen" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(config, use_sliding_window=True, sliding_window=8, max_window_layers=1)))
+    with pytest.raises(UserError, match="config.json: use_sliding_window/layer_types make layers from "
+                                        "max_window_layers on attend within sliding_window"):
+        run_export(ExportConfig(path=str(tmp_path / "qwen"), out=str(tmp_path / "out"), import_from="hf"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -173,7 +186,7 @@ def test_llama_cached_forward_equals_the_full_forward(imported):
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window"])
 def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
     """--format onnx --kv-cache of an imported Llama (GQA, Llama 3 RoPE scaling) or Qwen2 (one key/value head,
     q/k/v biases, tied): the checker passes, the cache

@@ -15,11 +15,15 @@ llama2_7b            32      4096   11008  32   32   10000       -        no    
 tinyllama_1_1b       22      2048   5632   32   4    10000       -        no      1,100,048,384
 qwen2_0_5b           24      896    4864   14   2    1000000     -        yes     494,032,768
 mistral_7b           32      4096   14336  32   8    10000       -        no      7,241,732,096
+qwen3_0_6b           28      1024   3072   16   8    1000000     -        yes     596,049,920
+qwen3_1_7b           28      2048   6144   16   8    1000000     -        yes     1,720,574,976
+qwen3_8b             36      4096   12288  32   8    1000000     -        no      8,190,735,360
 ===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================
 
 ``llama3_1b`` / ``llama3_3b`` are Llama 3.2 1B / 3B, ``llama3_8b`` is Llama 3.1 8B (Llama 3 8B has
 the same shapes without the RoPE scaling), ``mistral_7b`` is Mistral 7B v0.1 without its sliding
-window (full causal attention, as v0.2 and later). ``llama_tiny`` / ``llama_tiny_gqa`` are for tests.
+window (full causal attention, as v0.2 and later). The Qwen3 sizes have QK-norm and heads of 128 whatever
+the width (H x 128 is not C). ``llama_tiny`` / ``llama_tiny_gqa`` / ``qwen3_tiny`` are for tests.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from toolkit.core.registry import register_model_architecture
 PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
     "llama3_1b": 128256, "llama3_3b": 128256, "llama3_8b": 128256, "llama2_7b": 32000,
     "tinyllama_1_1b": 32000, "qwen2_0_5b": 151936, "mistral_7b": 32000,
+    "qwen3_0_6b": 151936, "qwen3_1_7b": 151936, "qwen3_8b": 151936,
 }
 registry.PUBLISHED_VOCAB_SIZE.update(PUBLISHED_VOCAB_SIZE)
 
@@ -119,3 +124,38 @@ def qwen2_0_5b(cfg: LlamaConfig) -> None:
 def mistral_7b(cfg: LlamaConfig) -> None:
     """Mistral 7B (v0.1 shapes; full causal attention, no sliding window)."""
     _shape(cfg, layers=32, dim=4096, ffn=14336, heads=32, kv=8)
+
+
+def _qwen3(cfg: LlamaConfig, layers: int, dim: int, ffn: int, heads: int, tied: bool) -> None:
+    """Qwen3's dense models: 8 key/value heads of size 128, QK-norm, theta 1e6, RMSNorm eps 1e-6."""
+    _shape(cfg, layers=layers, dim=dim, ffn=ffn, heads=heads, kv=8)
+    cfg.decoder_head_dim, cfg.qk_norm = 128, True
+    cfg.rope_theta, cfg.rms_norm_eps = 1000000.0, 1e-6
+    cfg.share_decoder_input_output_embed = tied
+
+
+@register_model_architecture("llama", "qwen3_0_6b")
+def qwen3_0_6b(cfg: LlamaConfig) -> None:
+    """Qwen3 0.6B."""
+    _qwen3(cfg, layers=28, dim=1024, ffn=3072, heads=16, tied=True)
+
+
+@register_model_architecture("llama", "qwen3_1_7b")
+def qwen3_1_7b(cfg: LlamaConfig) -> None:
+    """Qwen3 1.7B."""
+    _qwen3(cfg, layers=28, dim=2048, ffn=6144, heads=16, tied=True)
+
+
+@register_model_architecture("llama", "qwen3_8b")
+def qwen3_8b(cfg: LlamaConfig) -> None:
+    """Qwen3 8B."""
+    _qwen3(cfg, layers=36, dim=4096, ffn=12288, heads=32, tied=False)
+
+
+@register_model_architecture("llama", "qwen3_tiny")
+def qwen3_tiny(cfg: LlamaConfig) -> None:
+    """For tests: 2 x 64, 4 query heads of size 32 (not 64 / 4) on 2 key/value heads, QK-norm, tied."""
+    _shape(cfg, layers=2, dim=64, ffn=128, heads=4, kv=2)
+    cfg.decoder_head_dim, cfg.qk_norm = 32, True
+    cfg.rope_theta, cfg.rms_norm_eps = 1000000.0, 1e-6
+    cfg.share_decoder_input_output_embed = True

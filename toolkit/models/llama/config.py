@@ -11,6 +11,10 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--rope-scaling-factor`` ...   Llama 3.1's frequency scaling (``rope_scaling`` of type ``llama3``)
 ``--rms-norm-eps``              RMSNorm's epsilon (``rms_norm_eps``)
 ``--attention-qkv-bias``        biases on q, k, v (Qwen2); no other linear layer has one
+``--decoder-head-dim``          size of each attention head (``head_dim``) when it is not width / heads (Qwen3)
+``--qk-norm``                   RMSNorm over each query and key head before the rotation (Qwen3)
+``--sliding-window``            each position attends to the last N positions only, itself included
+                                (Mistral's ``sliding_window``); every layer alike
 """
 from __future__ import annotations
 
@@ -54,6 +58,14 @@ class LlamaConfig:
     rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
     attention_qkv_bias: bool = field(
         default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"})
+    decoder_head_dim: Optional[int] = field(
+        default=None, metadata={"type": positive_int, "help": "size of each attention head (default: "
+                                        "--decoder-embed-dim / --decoder-attention-heads)"})
+    qk_norm: bool = field(
+        default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"})
+    sliding_window: Optional[int] = field(
+        default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
+                                        "included, in every layer (Mistral; default: the whole context)"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     max_target_positions: Optional[int] = field(
@@ -69,17 +81,21 @@ def kv_heads(cfg: LlamaConfig) -> int:
 
 
 def head_dim(cfg: LlamaConfig) -> int:
-    return cfg.decoder_embed_dim // cfg.decoder_attention_heads
+    """``--decoder-head-dim`` when given (Qwen3's heads are wider than width / heads), else width / heads."""
+    return cfg.decoder_head_dim or cfg.decoder_embed_dim // cfg.decoder_attention_heads
 
 
 def check_shapes(cfg: LlamaConfig) -> None:
     """One line per impossible shape, before anything is built."""
     C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
-    if H < 1 or C % H:
-        raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H}")
-    if (C // H) % 2:
+    if cfg.decoder_head_dim is None and (H < 1 or C % H):
+        raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "
+                        "(or give the head size, --decoder-head-dim)")
+    if cfg.decoder_head_dim is not None and cfg.decoder_head_dim % 2:
+        raise UserError(f"--decoder-head-dim {cfg.decoder_head_dim}: must be even for rotary embeddings")
+    if head_dim(cfg) % 2:
         raise UserError(f"--decoder-embed-dim {C} / --decoder-attention-heads {H}: the head size {C // H} must be "
-                        "even for rotary embeddings; change one of the two")
+                        "even for rotary embeddings; change one of the two (or give --decoder-head-dim)")
     if G < 1 or H % G:
         raise UserError(f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
                         "(each key/value head serves a whole group of query heads)")

@@ -1,7 +1,9 @@
 """Hugging Face adapters of the Llama family: ``config.json`` <-> options, state dicts both ways.
 
-Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (full attention only: a ``sliding_window`` shorter
-than the context is refused) and ``Qwen2ForCausalLM`` (q/k/v biases). Their parameters are ours under a prefix:
+Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (its ``sliding_window``: every layer sees the
+last N positions), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (QK-norm, ``head_dim``
+independent of the width); Qwen2/Qwen3 folders whose ``use_sliding_window`` makes some layers local
+are refused (the toolkit applies one window to every layer). Their parameters are ours under a prefix:
 ``model.`` before everything but the output layer, ``lm_head.weight`` for our
 ``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
 half-rotation layout, so no weight is permuted. Everything here works on plain dicts read from
@@ -17,8 +19,10 @@ import torch
 from toolkit.core.errors import UserError, malformed_file
 from toolkit.models.llama.config import LlamaConfig, head_dim, kv_heads
 
-CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False}  # transformers' config defaults
+CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "qwen3": "Qwen3ForCausalLM"}
+TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False}  # transformers' config defaults
+DEFAULT_HEAD_DIM = {"qwen3": 128}  # Qwen3Config's head_dim when config.json has none (others: width / heads)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings")
 
@@ -47,17 +51,22 @@ def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
 def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {config['hidden_act']!r}; the Llama family's feed-forward is SwiGLU (silu)")
-    if config.get("mlp_bias") or (kind == "llama" and config.get("attention_bias")):
+    if config.get("mlp_bias") or (kind in ("llama", "qwen3") and config.get("attention_bias")):
         raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
-    window = config.get("sliding_window") if kind == "mistral" or config.get("use_sliding_window") else None
-    if window is not None and window < config["max_position_embeddings"]:  # a wider window never binds
-        raise UserError(f"{where}: sliding_window {window} is shorter than max_position_embeddings "
-                        f"{config['max_position_embeddings']}; the toolkit attends over the whole context (a model "
-                        "trained with full attention has sliding_window null)")
-    C, H = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim") not in (None, C // H):
-        raise UserError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads "
-                        f"({C // H}); the toolkit derives the head size")
+    local = [t for t in config.get("layer_types") or () if t != "full_attention"]
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if local or (kind != "mistral" and window is not None and window < config["max_position_embeddings"]):
+        raise UserError(f"{where}: use_sliding_window/layer_types make layers from max_window_layers on attend "
+                        "within sliding_window; the toolkit applies one attention to every layer (a model trained "
+                        "with full attention has use_sliding_window false)")
+
+
+def _sliding_window(config: Dict[str, Any], kind: str, where: str) -> Optional[int]:
+    """Mistral's window, None when there is none or it is no shorter than the context (it never binds)."""
+    window = config.get("sliding_window") if kind == "mistral" else None
+    if window is not None and (type(window) is not int or window < 1):
+        raise UserError(f"{where}: sliding_window {window!r}: a count of positions (a positive integer) or null")
+    return window if window is not None and window < config["max_position_embeddings"] else None
 
 
 def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -80,7 +89,11 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
 
 
 def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
-    return dict(decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
+    C, H = config["hidden_size"], config["num_attention_heads"]
+    head_size = int(config.get("head_dim") or DEFAULT_HEAD_DIM.get(kind, C // H))
+    return dict(decoder_head_dim=head_size if head_size != C // H or C % H else None, qk_norm=kind == "qwen3",
+                sliding_window=_sliding_window(config, kind, where), decoder_layers=config["num_hidden_layers"],
+                decoder_embed_dim=config["hidden_size"],
                 decoder_ffn_embed_dim=config["intermediate_size"],
                 decoder_attention_heads=config["num_attention_heads"],
                 decoder_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -106,9 +119,7 @@ def state_to_hf(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
     """(class name, config.json values) computing exactly ``cfg``. ``base`` (the imported model's own
     config.json) keeps its class and every setting we do not model (token ids, dtype, ...)."""
-    kind = (base or {}).get("model_type") or ("qwen2" if cfg.attention_qkv_bias else "llama")
-    if cfg.attention_qkv_bias != (kind == "qwen2"):
-        kind = "qwen2" if cfg.attention_qkv_bias else "llama"  # the base's class cannot express the biases
+    kind = _hf_kind(cfg, (base or {}).get("model_type"))
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "architectures")}
     config.update(model_type=kind, hidden_size=cfg.decoder_embed_dim, intermediate_size=cfg.decoder_ffn_embed_dim,
                   num_hidden_layers=cfg.decoder_layers, num_attention_heads=cfg.decoder_attention_heads,
@@ -116,13 +127,32 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
                   rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, vocab_size=vocab_size,
                   max_position_embeddings=cfg.max_target_positions,
                   tie_word_embeddings=cfg.share_decoder_input_output_embed, attention_dropout=0.0)
+    if kind in ("llama", "qwen3"):
+        config.update(attention_bias=False)
     if kind == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
+        config.update(mlp_bias=False)
+    elif kind == "mistral":
+        config.update(sliding_window=cfg.sliding_window)
     else:
-        config.update(sliding_window=None, use_sliding_window=False)
+        config.update(sliding_window=None, use_sliding_window=False,
+                      layer_types=["full_attention"] * cfg.decoder_layers)
     if cfg.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                                   "low_freq_factor": cfg.rope_low_freq_factor,
                                   "high_freq_factor": cfg.rope_high_freq_factor,
                                   "original_max_position_embeddings": cfg.rope_original_max_positions}
     return CLASSES[kind], config
+
+
+def _hf_kind(cfg: LlamaConfig, base_kind: Optional[str]) -> str:
+    """The imported model's own model_type when its class computes ``cfg``, else the one class that does:
+    Qwen3 for QK-norm, Qwen2 for q/k/v biases, Mistral for a sliding window, Llama otherwise."""
+    needs = [kind for kind, used in (("qwen3", cfg.qk_norm), ("qwen2", cfg.attention_qkv_bias),
+                                     ("mistral", cfg.sliding_window is not None)) if used]
+    if len(needs) > 1:
+        raise UserError(f"the model combines {' and '.join(CLASSES[k] for k in needs)} features "
+                        "(QK-norm, q/k/v biases, a sliding window); no transformers class of the Llama family "
+                        "computes it, nothing written")
+    if needs:
+        return needs[0]
+    return base_kind if base_kind in ("llama", "mistral") else "llama"  # Qwen2/Qwen3 always have their features

@@ -1,4 +1,4 @@
-"""The Llama family's transformers folders (Llama, Mistral, Qwen2, saved by transformers) read as our checkpoint
+"""The Llama family's transformers folders (Llama, Mistral, Qwen2, Qwen3, saved by transformers) read as our checkpoint
 (``toolkit-export --from hf``) and our model as one (``--format hf``). The exporter writes the folders
 (``toolkit.export.hf_family``); ``hf.py`` holds the config and tensor-name mappings these use.
 
@@ -268,13 +268,13 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
-    """The imported class (from ``hf_config.json``), else Llama or Qwen2; the model's own tokenizer files
-    wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
+    """The imported class (from ``hf_config.json``), else the class its options need (``hf.py``); the
+    model's own tokenizer files wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
         raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
-                        "its own class (Llama, Mistral or Qwen2); nothing written")
+                        "its own class (Llama, Mistral, Qwen2 or Qwen3); nothing written")
     files = own_tokenizer_files(data_dir, dictionary)
     base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
     architecture, config = hf_config(model.cfg, len(dictionary), base)

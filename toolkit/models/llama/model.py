@@ -2,7 +2,7 @@
 (RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU feed-forward).
 
 Shape notation: B batch, T time, C = decoder_embed_dim, H query heads, G key/value heads
-(H % G == 0), D = C // H head size, F = decoder_ffn_embed_dim, V vocabulary.
+(H % G == 0), D head size (C // H unless --decoder-head-dim), F = decoder_ffn_embed_dim, V vocabulary.
 
 Choices worth knowing
 - Parameter names are Hugging Face's inside a block (``self_attn.q_proj``, ``mlp.gate_proj``,
@@ -19,7 +19,9 @@ Choices worth knowing
   ``torch.compile`` wrap from outside, and incremental decoding continues the positions by
   slicing the tables further on.
 - Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
-  of the key/value heads); the KV cache holds G heads, not H.
+  of the key/value heads); the KV cache holds G heads, not H. Qwen3's QK-norm (``--qk-norm``, an
+  RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``) and Mistral's sliding window
+  (``--sliding-window``, a boolean mask, also over the cache) are options of ``blocks.Attention``.
 - Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
   of a row changes no earlier position. No dropout anywhere (none of the family uses it).
 - Initial values come from ``initial_value(name, ...)`` seeded by (seed, name), as for
@@ -57,7 +59,8 @@ class LlamaBlock(nn.Module):
         C = cfg.decoder_embed_dim
         self.input_layernorm = RMSNorm(C, cfg.rms_norm_eps)
         self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
-                                   qkv_bias=cfg.attention_qkv_bias)
+                                   qkv_bias=cfg.attention_qkv_bias,
+                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=cfg.sliding_window)
         self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
         self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
 
@@ -76,7 +79,7 @@ class LlamaBlock(nn.Module):
 
 @register_model("llama", dataclass=LlamaConfig)
 class LlamaLanguageModel(DecoderInterface, nn.Module):
-    """The decoder-only Llama / Mistral / Qwen2 language model behind the toolkit's model interface."""
+    """The decoder-only Llama / Mistral / Qwen2 / Qwen3 language model behind the toolkit's model interface."""
 
     def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``);
@@ -118,7 +121,8 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # [B, 1, T, D]: per row, broadcast over the heads
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = attention_mask(document_ids, T, tokens.device, head_dim=head_dim(self.cfg))
+        mask = attention_mask(document_ids, T, tokens.device, window=self.cfg.sliding_window,
+                              head_dim=head_dim(self.cfg))
         for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
             if cache is not None:
                 x = layer(x, cos, sin, cache)
@@ -169,13 +173,13 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
 
     @classmethod
     def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
-        """``--from hf``: a Llama, Mistral or Qwen2 folder as our checkpoint (``hf_files.py``)."""
+        """``--from hf``: a Llama, Mistral, Qwen2 or Qwen3 folder as our checkpoint (``hf_files.py``)."""
         from toolkit.models.llama.hf_files import read_llama
 
         return read_llama(folder, config, out_dir, tokens_per_sample, advance)
 
     def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
-        """``--format hf``: the class it was imported from (else Llama or Qwen2), see ``hf_files.py``."""
+        """``--format hf``: the class it was imported from (else the class its options need), see ``hf_files.py``."""
         from toolkit.models.llama.hf_files import hf_weights
 
         return hf_weights(self, hf_class, dictionary, first_symbol, data_dir)
