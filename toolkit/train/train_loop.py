@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,6 +30,7 @@ from toolkit.train import checkpoint_manager as manager
 from toolkit.checkpoint.common import BestTracker, TrainingState
 from toolkit.config import TrainConfig
 from toolkit.core.protocols import Bounded, FlopsCounted
+from toolkit.data.batching import filter_by_size
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
 from toolkit.distributed.parallelize import build_parallel_model, unwrapped
@@ -215,11 +217,27 @@ def train_max_positions(cfg: TrainConfig, trainer: Trainer) -> Optional[int]:
 
 
 def check_valid_splits(cfg: TrainConfig, trainer: Trainer) -> None:
-    """Before the first update, every --valid-subset split batched once as validation will batch it: an empty
-    split or a sample longer than the model takes is refused now, not after an epoch whose updates are lost."""
-    if not cfg.dataset.disable_validation:
-        for subset in cfg.dataset.valid_subset.split(","):
-            valid_iterator(cfg, trainer, subset)
+    """Before the first update, what validation would refuse: an empty --valid-subset split, a sample longer
+    than the model takes (unless skipped), a split whose every sample is skipped; refused now, not after an
+    epoch whose updates are then lost."""
+    if cfg.dataset.disable_validation:
+        return
+    limit, skip = valid_max_positions(trainer), cfg.dataset.skip_invalid_size_inputs_valid_test
+    for subset in cfg.dataset.valid_subset.split(","):
+        dataset = trainer.task.dataset(subset)
+        refuse_empty_split(subset, dataset)
+        lengths = getattr(dataset, "seq_lengths", None)  # what the batching filters by
+        if limit is None or lengths is None:
+            continue
+        _, dropped = filter_by_size(np.arange(len(dataset)), lengths(), limit)
+        if len(dropped) and (not skip or len(dropped) == len(dataset)):
+            first = int(dropped[0])
+            raise UserError(
+                f"--valid-subset {subset}: {len(dropped)} of its {len(dataset)} samples are longer than the model's "
+                f"{limit} positions (e.g. sample {first}: {int(lengths()[first])} tokens)" + (
+                    "; every one would be skipped: raise --tokens-per-sample or pass --shorten-method truncate"
+                    if skip else "; skip them with --skip-invalid-size-inputs-valid-test (as fairseq), raise "
+                                 "--tokens-per-sample, or use a break mode that bounds the sample size"))
 
 
 def refuse_empty_split(subset: str, dataset) -> None:
