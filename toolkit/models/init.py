@@ -14,8 +14,8 @@ Cost: each parameter is drawn at one core's RNG speed (a seeded generator is seq
 parameters are drawn on a pool of threads, one parameter per task (``threads``, default torch's CPU
 threads): the draws release the GIL, and the values cannot depend on the thread count, since each
 comes from its own (seed, name) generator. Peak extra memory = ``threads`` full-size fp32
-parameters (the largest ones, e.g. the embedding). A 13B model's 194 s host build (16 cores, one
-thread, 2026-11-25) was these draws and copies.
+parameters (the largest ones, e.g. the embedding). Drawn one after the other, 13B took 194 s to
+build on a 16-core GPU host (2026-11-25); ``benchmarks/host_build.py`` measures this path.
 """
 from __future__ import annotations
 
@@ -103,7 +103,11 @@ def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor)
     if tuple(full.shape) != tuple(param.shape):
         raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
                            f"expected {tuple(param.shape)}")
-    _copy_full_value(param, full)
+    if param.device.type == "cuda":  # a pool thread's current GPU is 0: this rank's may be another
+        with torch.cuda.device(param.device):
+            _copy_full_value(param, full)
+    else:
+        _copy_full_value(param, full)
 
 
 def _copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
