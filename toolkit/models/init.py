@@ -14,8 +14,9 @@ Cost: each parameter is drawn at one core's RNG speed (a seeded generator is seq
 parameters are drawn on a pool of threads, one parameter per task (``threads``, default torch's CPU
 threads): the draws release the GIL, and the values cannot depend on the thread count, since each
 comes from its own (seed, name) generator. Peak extra memory = ``threads`` full-size fp32
-parameters (the largest ones, e.g. the embedding). Drawn one after the other, 13B took 194 s to
-build on a 16-core GPU host (2026-11-25); ``benchmarks/host_build.py`` measures this path.
+parameters (the largest ones, e.g. the embedding). ``benchmarks/host_build.py`` measures this path
+(on 2 idle cores the serial draws take about 5 s per billion parameters; the pool's gain on a
+16-core host is not measured yet).
 """
 from __future__ import annotations
 
