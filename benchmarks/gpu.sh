@@ -13,9 +13,7 @@
 #   offload  transformer_lm_gpt3_2_7 with --ddp-backend fully_sharded --cpu-offload
 #            --optimizer cpu_adam --fp16 --checkpoint-activations, 20 updates (fairseq's
 #            13B-on-one-GPU recipe: batch 8 x 2048 tokens), under benchmarks/peak_memory.py
-#   offload_6_7 / offload_13   the same for transformer_lm_gpt3_6_7 / _13 (host memory is the
-#            limit: parameters, gradients and Adam state take 16 bytes per parameter; offload_13 runs
-#            with --adam-state-precision 8bit --bf16-host-grads, about 8)
+#   (offload_6_7 and offload_13 are figures now: below)
 #   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
 #   offload_overlap the offload runs of 2.7B and 6.7B without and with --overlap-offload-step (norm
 #            during backward, CPU Adam block by block beside the next forward; issue 15's aims:
@@ -165,12 +163,6 @@ offload_arch() {  # NAME ARCH LIMIT_S [extra flags]
 }
 
 offload() { offload_arch offload_gpt3_2_7 gpt3_2_7 540; }
-# 6.7B needs about 16 bytes per parameter of host memory (fp32 shard, gradient, two Adam moments):
-# about 110 GiB with the rest of the process. If that does not fit, fp16 Adam moments (12 bytes) may.
-offload_6_7() {
-  offload_arch offload_gpt3_6_7 gpt3_6_7 330 ||
-    offload_arch offload_gpt3_6_7_fp16_adam_stats gpt3_6_7 420 --fp16-adam-stats
-}
 # Where an offloaded update's time goes (forward, backward, gradient norm, CPU Adam step), by benchmarks/train.py.
 offload_split() {
   run offload_split_gpt3_2_7 300 $PY benchmarks/train.py --preset gpt3_xl --device cuda --arch transformer_lm_gpt3_2_7 \
@@ -219,8 +211,6 @@ attention_layout_xl() {
     --device cuda --dtype bf16
 }
 compile() { compile_parity; compile_smoke; xl_compile; profile_compile; attention_layout_xl; }
-# 13B in 126 GiB of host memory: 8-bit moments + bf16 host gradients, about 8 bytes per parameter (96 GiB).
-offload_13() { offload_arch offload_gpt3_13 gpt3_13 580 --adam-state-precision 8bit --bf16-host-grads; }
 # --overlap-offload-step against the serial update, the same commands back to back (words/s: the logs' wps).
 offload_pairs() {
   offload_arch offload_gpt3_2_7_serial gpt3_2_7 540

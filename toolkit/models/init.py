@@ -14,8 +14,9 @@ Cost: each parameter is drawn at one core's RNG speed (a seeded generator is seq
 parameters are drawn on a pool of threads, one parameter per task (``threads``, default torch's CPU
 threads): the draws release the GIL, and the values cannot depend on the thread count, since each
 comes from its own (seed, name) generator. Peak extra memory = ``threads`` full-size fp32
-parameters (the largest ones, e.g. the embedding). A 13B model's 194 s host build (16 cores, one
-thread, 2026-11-25) was these draws and copies.
+parameters (the largest ones, e.g. the embedding). ``benchmarks/host_build.py`` measures this path
+(on 2 idle cores the serial draws take about 5 s per billion parameters; the pool's gain on a
+16-core host is not measured yet).
 """
 from __future__ import annotations
 
@@ -103,7 +104,11 @@ def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor)
     if tuple(full.shape) != tuple(param.shape):
         raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
                            f"expected {tuple(param.shape)}")
-    _copy_full_value(param, full)
+    if param.device.type == "cuda":  # a pool thread's current GPU is 0: this rank's may be another
+        with torch.cuda.device(param.device):
+            _copy_full_value(param, full)
+    else:
+        _copy_full_value(param, full)
 
 
 def _copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
