@@ -69,6 +69,7 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
     setup = setup_from_config(cfg, hw.has_gpu)
     if world_size:
         setup = dataclasses.replace(setup, world=world_size)
+    setup.layout(hw.gpus_per_node)  # refuses what toolkit-train refuses (--model-parallel-size 3 of 8 ranks)
     stats = model_stats(cfg, setup.compute_dtype, vocab_size)
     items, time = plan_for(stats, setup, hw)
     plan = Plan(stats, setup, hw, items, time, None)
