@@ -57,6 +57,8 @@ def test_ranks_data_loss_and_coordinates():
     assert shape.coordinates(13) == dict(dp_replicate=1, dp_shard=1, cp=0, tp=1, ep=2)  # 13 = ((1*2+1)*2+0)*2+1
     assert shape.coordinates(7) == dict(dp_replicate=0, dp_shard=1, cp=1, tp=1, ep=3)
     assert shape.shard_axis == "dp_shard_cp" and parallel_shape(4, "fully_sharded").shard_axis == "dp_shard"
+    assert shape.placement(13) == "dp_replicate 1 of 2, dp_shard 1 of 2, cp 0 of 2, tp 1 of 2, ep 2 of 4"  # the heartbeat's words
+    assert parallel_shape(4).placement(3) == ""  # plain DDP: a rank is only its number
     one = ParallelDims.single()
     assert (one.data_rank, one.data_world, one.loss_world, one.loss_group) == (0, 1, 1, None)
 

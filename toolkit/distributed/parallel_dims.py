@@ -41,6 +41,7 @@ from toolkit.core.protocols import supports
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 BACKEND_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 TP = "tp"
+AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,14 @@ class ParallelShape:
         shard, replicate = rest % self.dp_shard, rest // self.dp_shard
         return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(shard * self.cp + cp) % self.ep)
 
+    def placement(self, rank: int) -> str:
+        """Global ``rank``'s index along each axis the layout splits (``""`` for plain data parallelism)."""
+        where = self.coordinates(rank)
+        return ", ".join(f"{axis} {where[axis]} of {getattr(self, axis)}" for axis in AXES
+                         if getattr(self, axis) > 1 and (axis != "dp_replicate" or self.hsdp))
+
     def describe(self) -> str:
-        sizes = [f"{name} {getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
+        sizes = [f"{name} {getattr(self, name)}" for name in AXES]
         return f"{self.world} ranks = " + " x ".join(sizes[:4]) + f" (ep {self.ep} of dp_shard x cp)"
 
 
