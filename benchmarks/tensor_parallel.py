@@ -55,7 +55,7 @@ def build(ns, mesh, dp: int, mp: int):
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from toolkit.distributed.tensor_parallel import apply_tensor_parallel, data_parallel_mesh
+    from toolkit.distributed.tensor_parallel import apply_tensor_parallel
     from toolkit.models.init import init_weights
     from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
@@ -66,9 +66,9 @@ def build(ns, mesh, dp: int, mp: int):
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, ns.vocab, padding_idx=1)
     if mp > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=not ns.no_sequence_parallel)
+        apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=not ns.no_sequence_parallel)
     if dp > 1:
-        dp_mesh = data_parallel_mesh(mesh)
+        dp_mesh = mesh.fsdp_mesh
         for block in model.layers:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
@@ -82,10 +82,11 @@ def measure(rank: int, ns, dp: int, mp: int) -> Dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from toolkit.distributed.tensor_parallel import build_2d_mesh, data_parallel_rank_and_size, loss_context
+    from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
+    from toolkit.distributed.tensor_parallel import loss_context
 
-    mesh = build_2d_mesh(dp * mp, mp, "cpu")
-    dp_rank, _ = data_parallel_rank_and_size(mesh)
+    mesh = ParallelDims(parallel_shape(dp * mp, "fully_sharded", tp=mp), rank)
+    dp_rank = mesh.data_rank
     model = build(ns, mesh, dp, mp)
     model.train()
     params = list({id(p): p for p in model.parameters()}.values())

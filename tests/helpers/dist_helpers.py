@@ -136,7 +136,7 @@ def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
     out["param_numel"] = sum(p.numel() for p in params)
     first = params[1] if len(params) > 1 else params[0]
     out["placements"] = str(getattr(first, "placements", None))
-    out["mesh"] = list(strategy.mesh.shape) if strategy.mesh is not None else None
+    out["mesh"] = list(strategy.dims.mesh.shape) if strategy.dims.shape.needs_mesh else None
     out["kind"] = strategy.name
     return out
 

@@ -133,21 +133,28 @@ def full_state(model) -> Dict[str, torch.Tensor]:
 
 # --- building a (dp, mp) model the way parallelize will ----------------------------------------
 
-def parallel_model(cfg, mesh, fsdp: bool, checkpoint_activations: bool = False, seed: int = 7,
+def layout(world_size: int, tp: int, strategy: str = "full_shard"):
+    """The run's ParallelDims for ``world_size`` ranks with ``tp`` tensor-parallel ones (FSDP2 ``strategy``)."""
+    from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
+
+    return ParallelDims(parallel_shape(world_size, "fully_sharded", strategy, tp=tp), dist.get_rank())
+
+
+def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, seed: int = 7,
                    sequence_parallel: bool = True, loss_parallel: bool = True, mp_dtype=None):
     """Meta build -> tensor parallel -> activation checkpointing -> FSDP2 on dp -> to_empty -> init_weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from toolkit.distributed.parallelize import apply_activation_checkpointing
-    from toolkit.distributed.tensor_parallel import apply_tensor_parallel, data_parallel_group, data_parallel_mesh
+    from toolkit.distributed.tensor_parallel import apply_tensor_parallel
     from toolkit.models.init import init_weights
 
     model = build(cfg, meta=True)
-    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if checkpoint_activations:
         apply_activation_checkpointing(model)
     if fsdp:
-        dp = data_parallel_mesh(mesh)
+        dp = dims.fsdp_mesh
         policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype \
             else MixedPrecisionPolicy()
         for block in model.layers:
@@ -155,7 +162,7 @@ def parallel_model(cfg, mesh, fsdp: bool, checkpoint_activations: bool = False, 
         fully_shard(model, mesh=dp, mp_policy=policy)
     model.to_empty(device="cpu")
     init_weights(model, seed)
-    _DP_GROUP[id(model)] = data_parallel_group(mesh) if fsdp else None
+    _DP_GROUP[id(model)] = dims.loss_group if fsdp else None
     return model
 
 
@@ -192,9 +199,7 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str) -> None:
 def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
     """2 ranks, M=2: untied + sequence parallel; tied + no sequence parallel + sinusoidal positions +
     activation checkpointing; dropout streams."""
-    from toolkit.distributed.tensor_parallel import build_2d_mesh
-
-    mesh = build_2d_mesh(world_size, 2, "cpu")
+    mesh = layout(world_size, 2)
     result = {}
     model = parallel_model(model_cfg(), mesh, fsdp=False)
     result["init_state"] = full_state(model)
@@ -246,7 +251,7 @@ def dropout_probes(mesh) -> Dict[str, bool]:
         return dict(probes)
 
     first, again, other = run(5), run(5), run(6)
-    group = mesh["tp"].get_group()
+    group = mesh.tp_mesh.get_group()
     embedded = _gather(first["embedded"], group)
     draws = _gather(first["block_draw"], group)
     out = {"embedded_same_on_tp_ranks": torch.equal(embedded[0], embedded[1]),
@@ -277,10 +282,8 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
     """4 ranks as (dp 2 x mp 2) under FSDP2: fp32, then with activation checkpointing and fp16
     compute (FSDP2's mixed-precision policy); a DCP checkpoint (model and optimizer) saved at (2 x 2) is
     loaded at (1 x 4), which trains on."""
-    from toolkit.distributed.tensor_parallel import build_2d_mesh, data_parallel_rank_and_size
-
-    mesh = build_2d_mesh(world_size, 2, "cpu")
-    dp_rank, dp_size = data_parallel_rank_and_size(mesh)
+    mesh = layout(world_size, 2)
+    dp_rank, dp_size = mesh.data_rank, mesh.data_world
     result = {"dp": (dp_rank, dp_size)}
     model = parallel_model(model_cfg(), mesh, fsdp=True)
     result["init_state"] = full_state(model)
@@ -293,13 +296,13 @@ def worker_2x2(rank: int, world_size: int, out_dir: str) -> Dict:
     result["fsdp_ac_fp16"] = train(model, dp_rank, dp_size, loss_parallel=True)
 
     # no_shard's (replicate, shard) data-parallel mesh (W/M, 1) x mp: DDP-like replication with TP
-    mesh3 = build_2d_mesh(world_size, 2, "cpu", dp_shape=(2, 1))
+    mesh3 = layout(world_size, 2, "no_shard")
     model = parallel_model(model_cfg(), mesh3, fsdp=True)
-    result["replicate"] = train(model, *data_parallel_rank_and_size(mesh3), loss_parallel=True, steps=4)
+    result["replicate"] = train(model, mesh3.data_rank, mesh3.data_world, loss_parallel=True, steps=4)
 
     result["consolidated_loads"] = consolidated_loads_into(parallel_model(model_cfg(), mesh, fsdp=True, seed=99))
 
-    mesh4 = build_2d_mesh(world_size, 4, "cpu")
+    mesh4 = layout(world_size, 4)
     model = parallel_model(model_cfg(), mesh4, fsdp=False, seed=99)  # other values, overwritten by the load
     opt = load_checkpoint(model, os.path.join(out_dir, "dcp"))
     result["loaded_1x4"] = full_state(model)

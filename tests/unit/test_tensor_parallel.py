@@ -30,14 +30,8 @@ def test_layers_without_a_split_are_refused_in_one_line():
         _refuse_unsplit_layers(adaptive_input, 2)
 
 
-def test_mesh_and_divisibility_errors():
-    from toolkit.distributed.tensor_parallel import build_2d_mesh
+def test_divisibility_errors():
     from toolkit.core.errors import UserError
-
-    with pytest.raises(UserError, match="--model-parallel-size 3"):
-        build_2d_mesh(4, 3, "cpu")
-    with pytest.raises(UserError, match="does not multiply"):
-        build_2d_mesh(4, 2, "cpu", dp_shape=(2, 2))
     from toolkit.distributed.tensor_parallel import _check_divisible
 
     with pytest.raises(UserError, match="--decoder-attention-heads 4: must be divisible by --model-parallel-size 3"):

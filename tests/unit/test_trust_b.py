@@ -191,7 +191,7 @@ def test_no_float_flag_takes_nan_or_inf():
 
 def test_the_planner_refuses_what_training_refuses():
     from toolkit.plan.hardware import hardware_from_args, split_hardware_args
-    from toolkit.plan.setup import Setup, check_layout
+    from toolkit.plan.setup import Setup
 
     for argv, fragment in ((["--gpu-tflops", "nan"], "must be a finite number"),
                            (["--compute-efficiency", "5"], "must be in (0, 1]"),
@@ -203,12 +203,12 @@ def test_the_planner_refuses_what_training_refuses():
     assert hardware_from_args(split_hardware_args(["--compute-efficiency", "1"])[0]).compute_efficiency == 1.0
     import dataclasses
     fields = {f.name: None for f in dataclasses.fields(Setup)}
-    base = dict(fields, world=8, mp=3, fsdp=True, strategy="full_shard", shard_group_size=None)
+    base = dict(fields, world=8, mp=3, cp=1, ep=1, fsdp=True, strategy="full_shard", shard_group_size=None)
     with pytest.raises(UserError, match="--model-parallel-size 3: must divide the world size 8"):
-        check_layout(Setup(**base))
-    check_layout(Setup(**dict(base, mp=4)))
-    with pytest.raises(UserError, match="--shard-group-size 3: must divide the 8 data-parallel replicas"):
-        check_layout(Setup(**dict(base, mp=1, strategy="hybrid_shard", shard_group_size=3)))
+        Setup(**base).layout(gpus_per_node=8)  # the planner's check is the mesh's own (ParallelDims)
+    Setup(**dict(base, mp=4)).layout(gpus_per_node=8)
+    with pytest.raises(UserError, match="--shard-group-size 3: must divide the 8 data-parallel ranks"):
+        Setup(**dict(base, mp=1, strategy="hybrid_shard", shard_group_size=3)).layout(gpus_per_node=8)
 
 
 # --- 7. wrong numbers with exit 0: inputs accepted in part, weights that overflow ---------------------

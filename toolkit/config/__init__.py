@@ -173,6 +173,11 @@ class DistributedConfig:
                                    aliases=("--tensor-parallel-size",))
     no_sequence_parallel: bool = opt(False, "under --model-parallel-size: keep the LayerNorm/dropout activations "
                                             "whole on every rank instead of split over the sequence")
+    context_parallel_size: int = opt(1, "ranks that split each sequence of a replica (context parallelism; the "
+                                        "model's attention must exchange keys/values across them)")
+    expert_parallel_size: int = opt(1, "ranks the experts of each MoE layer are spread over, taken from the ranks "
+                                       "that shard one replica (dp_shard x context parallel); the model must have "
+                                       "expert layers")
 
 
 @dataclass

@@ -149,6 +149,26 @@ class TensorParallelizable(Protocol):
     def tensor_parallel_plan(self) -> TensorParallelPlan: ...
 
 
+class ContextParallelizable(Protocol):
+    """A model whose attention exchanges keys/values across the ``cp`` ranks (ring or all-gather attention),
+    so ``--context-parallel-size`` may cut its sequences into chunks: its class says
+    ``supports_context_parallel = True``. Without it each rank would attend within its own chunk only."""
+
+    supports_context_parallel: ClassVar[bool]
+
+
+class ExpertParallelizable(Protocol):
+    """A model with expert (MoE) layers that ``--expert-parallel-size`` can spread over ranks: its class says
+    ``supports_expert_parallel = True``."""
+
+    supports_expert_parallel: ClassVar[bool]
+
+
+def supports(model_cls: Any, capability: str) -> bool:
+    """Whether a model class declares ``capability`` (``supports_context_parallel``, ``supports_expert_parallel``)."""
+    return bool(getattr(model_cls, capability, False))
+
+
 @runtime_checkable
 class Dictionary(Protocol):
     def __len__(self) -> int: ...

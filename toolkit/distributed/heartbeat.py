@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from toolkit.distributed import parent_watch
+from toolkit.distributed.parallel_dims import ParallelShape
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ def interval_for(timeout: float) -> float:
 
 class Heartbeat:
     def __init__(self, store, rank: int, world_size: int, timeout: float, prefix: str = "toolkit/hb/",
-                 interval: Optional[float] = None, store_desc: str = "the rendezvous store"):
+                 interval: Optional[float] = None, store_desc: str = "the rendezvous store",
+                 layout: Optional[ParallelShape] = None):
         self.store = store
+        self.layout = layout  # names a lost rank's place (its TP/data-parallel peers are the ones stuck)
         self.rank, self.world_size = rank, world_size
         self.timeout = float(timeout)
         self.interval = interval or interval_for(self.timeout)
@@ -178,7 +181,7 @@ class Heartbeat:
                 continue
             if info.get("state") == "failed":
                 self._die(f"rank {r} ({info.get('host')}, pid {info.get('pid')}) failed: "
-                          f"{info.get('error') or 'exited with an error'}")
+                          f"{info.get('error') or 'exited with an error'}{self._place(r)}")
             seen = self._seen.get(r)
             if seen is None or seen[0] != info.get("n"):
                 self._seen[r] = (info.get("n"), now, info)
@@ -187,7 +190,12 @@ class Heartbeat:
             if silent > self.stale_after:
                 self._die(f"rank {r} ({info.get('host')}, pid {info.get('pid')}) sent no heartbeat for "
                           f"{silent:.0f} s (--heartbeat-timeout {self.timeout:.0f}): it died, froze or lost its "
-                          f"network; last seen after {info.get('step')} micro-batches at {info.get('where')}")
+                          f"network; last seen after {info.get('step')} micro-batches at {info.get('where')}"
+                          f"{self._place(r)}")
+
+    def _place(self, rank: int) -> str:
+        place = self.layout.placement(rank) if self.layout is not None else ""
+        return f"; its place in the parallel layout: {place}" if place else ""
 
     def _read(self, rank: int) -> Optional[dict]:
         key = self._key(rank)
@@ -248,14 +256,14 @@ def abort_key() -> str:
     return key_prefix() + "abort"
 
 
-def start(rank: int, world_size: int, timeout: float) -> Optional[Heartbeat]:
+def start(rank: int, world_size: int, timeout: float, layout: Optional[ParallelShape] = None) -> Optional[Heartbeat]:
     """Start this rank's heartbeat (no-op for one rank or a non-positive timeout)."""
     global _HEARTBEAT
     if world_size <= 1 or timeout <= 0:
         return None
     stop()
     store, desc = _connect_store(timeout)
-    _HEARTBEAT = Heartbeat(store, rank, world_size, timeout, prefix=key_prefix(), store_desc=desc)
+    _HEARTBEAT = Heartbeat(store, rank, world_size, timeout, prefix=key_prefix(), store_desc=desc, layout=layout)
     _HEARTBEAT.start()
     _install_exit_hooks()
     return _HEARTBEAT

@@ -28,6 +28,9 @@ materialized model.
 
     G is ``--shard-group-size`` (default: the ranks of one machine, ``LOCAL_WORLD_SIZE``).
     ``--no-reshard-after-forward`` turns resharding off for any strategy.
+
+The meshes, the data-parallel rank and the reduction group come from the run's one
+:class:`~toolkit.distributed.parallel_dims.ParallelDims` (built here, handed to the strategy).
 """
 from __future__ import annotations
 
@@ -41,14 +44,13 @@ from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
 from toolkit.distributed.compile import apply_compile
 from toolkit.distributed.float8 import apply_float8
+from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.core.errors import UserError
 from toolkit.models.init import init_weights
 
 logger = logging.getLogger(__name__)
-
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 
 
 class DataParallelModel(torch.nn.parallel.DistributedDataParallel):
@@ -79,26 +81,6 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                              preserve_rng_state=True)
-
-
-def build_mesh(cfg: DistributedConfig, env: DistributedEnv):
-    """The data-parallel DeviceMesh of ``--sharding-strategy`` (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    W = env.world_size
-    strategy = cfg.sharding_strategy
-    if strategy not in STRATEGIES:
-        raise UserError(f"--sharding-strategy {strategy}: choose from {', '.join(STRATEGIES)}")
-    device_type = env.device.type
-    if strategy in ("full_shard", "shard_grad_op"):
-        return init_device_mesh(device_type, (W,), mesh_dim_names=("dp_shard",))
-    if strategy == "no_shard":
-        return init_device_mesh(device_type, (W, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    group = cfg.shard_group_size or env.local_world_size or W
-    if group < 1 or group > W or W % group:
-        raise UserError(f"--shard-group-size {cfg.shard_group_size}: must divide the world size {W} "
-                        f"(ranks shard within groups of this size; groups replicate)")
-    return init_device_mesh(device_type, (W // group, group), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def reshard_after_forward(cfg: DistributedConfig) -> bool:
@@ -154,13 +136,13 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
                 ) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
     check_blocks(model, cfg)
+    dims = ParallelDims.from_config(cfg, env)  # the layout, validated; its meshes are built on first use
     pin = torch.cuda.is_available() and env.device.type == "cuda"
-    placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin)
+    placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin, dims=dims)
     if cfg.fp8:
         apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)  # first: the swap is seen by AC, compile and FSDP2
     if cfg.model_parallel_size > 1:
         return _tensor_parallel(model, cfg, common, env, placement)
-    placement.update(dp_rank=env.rank, dp_size=env.world_size)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:
@@ -201,7 +183,7 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
                  placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
     if not dist.is_initialized():
         raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
-    mesh = build_mesh(cfg, env)
+    mesh = placement["dims"].fsdp_mesh
     apply_fsdp(model, mesh, cfg, common, env)
     offloaded = cfg.cpu_offload and env.device.type == "cuda"
     model.to_empty(device="cpu" if offloaded else env.device)
@@ -215,7 +197,7 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
     logger.info(f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
                 f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
                 f"mixed precision: {mixed_precision_policy(common)}")
-    strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), mesh=mesh, **placement)
+    strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
     return model, strategy
 
 
@@ -233,38 +215,22 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
         raise UserError(f"--model-parallel-size {cfg.model_parallel_size}: each layer is split over that many ranks "
                         f"and this run has {env.world_size} process(es); give --distributed-world-size "
                         f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun")
-    M, W = cfg.model_parallel_size, env.world_size
-    mesh = tp.build_2d_mesh(W, M, env.device.type, _data_parallel_shape(cfg, env))
-    tp.apply_tensor_parallel(model, mesh[tp.TP], sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
+    dims = placement["dims"]
+    tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
     if cfg.fp8:
         logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:
         apply_compile(model, env.device, hooks_eager=True)
-    dp_mesh = tp.data_parallel_mesh(mesh)
-    apply_fsdp(model, dp_mesh, cfg, common, env)
+    apply_fsdp(model, dims.fsdp_mesh, cfg, common, env)
     model.to_empty(device=env.device)
     init_weights(model, common.seed)
-    dp_rank, dp_size = tp.data_parallel_rank_and_size(mesh)
-    logger.info(f"tensor parallel: {M} ranks per replica, {dp_size} data-parallel replicas, mesh {tuple(mesh.shape)} "
-                f"{mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
-    return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), mesh=mesh,
-                               dp_rank=dp_rank, dp_size=dp_size, dp_group=tp.data_parallel_group(mesh),
-                               loss_parallel=True, **placement)
-
-
-def _data_parallel_shape(cfg: DistributedConfig, env: DistributedEnv):
-    """The data-parallel part of the 2-D mesh for ``--sharding-strategy`` (None: shard over all W/M)."""
-    dp = env.world_size // max(1, cfg.model_parallel_size)
-    if cfg.ddp_backend != "fully_sharded" or cfg.sharding_strategy == "no_shard":
-        return (dp, 1)
-    if cfg.sharding_strategy.startswith("hybrid"):
-        group = cfg.shard_group_size or max(1, (env.local_world_size or env.world_size) // cfg.model_parallel_size)
-        if dp % group:
-            raise UserError(f"--shard-group-size {group}: must divide the {dp} data-parallel replicas")
-        return (dp // group, group)
-    return None
+    mesh = dims.mesh
+    logger.info(f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
+                f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
+    return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True,
+                               **placement)
 
 
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

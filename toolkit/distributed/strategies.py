@@ -10,17 +10,19 @@ The trainer asks its strategy, and nothing else, around each micro-batch:
 
 ``handles_mixed_precision`` tells whether parameters are cast by the wrapper (then
 ``--memory-efficient-fp16`` needs no fp16 copy of the model on the trainer's side).
-``dp_rank``/``dp_size``/``dp_group`` place this rank among the data-parallel replicas: the
-batches are sharded and the losses summed over them (under tensor parallelism the M ranks
-of one replica see the same batch).
+``dims`` is the run's parallel layout (``toolkit.distributed.parallel_dims.ParallelDims``): the
+trainer, the data loader and the checkpoints ask it for the data-parallel rank, the reduction
+group and the meshes (under tensor parallelism the M ranks of one replica see the same batch).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List
+from typing import Any, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from toolkit.distributed.parallel_dims import ParallelDims
 
 
 class ParallelStrategy:
@@ -29,12 +31,11 @@ class ParallelStrategy:
     name = "none"
     handles_mixed_precision = False
 
-    def __init__(self, offload_activations: bool = False, pin_memory: bool = False, mesh: Any = None,
-                 dp_rank: int = 0, dp_size: int = 1, dp_group: Any = None, loss_parallel: bool = False):
+    def __init__(self, offload_activations: bool = False, pin_memory: bool = False,
+                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False):
         self.offload_activations = offload_activations
         self.pin_memory = pin_memory
-        self.mesh = mesh
-        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.dims = dims if dims is not None else ParallelDims.single()
         self.loss_parallel = loss_parallel
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:

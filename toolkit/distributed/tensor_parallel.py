@@ -4,7 +4,8 @@ Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
 ``parallelize_module`` as torchtitan's ``apply_tp`` does. The model names which of its modules
 gets which kind of split (``model.tensor_parallel_plan()``, a ``toolkit.core.protocols.
 TensorParallelPlan``: ``toolkit/models/transformer_lm/parallel.py``, ``toolkit/models/llama/parallel.py``);
-this module holds the meshes, the DTensor styles of each kind and no parameter name of any family.
+this module holds the DTensor styles of each kind and no parameter name of any family; the meshes come
+from the run's layout (``toolkit.distributed.parallel_dims.ParallelDims.tp_mesh``).
 The kinds are an open registry (``register_tp_style(name, sharded=...)``: a function of the run's
 layout returning a torch ``ParallelStyle``, and the parameters it divides over the ranks, which
 ``toolkit-plan`` counts); a new kind registers without editing a list, and a plan naming an unknown
@@ -87,58 +88,6 @@ import torch.nn.functional as F
 
 from toolkit.core.protocols import TensorParallelizable, TensorParallelPlan
 from toolkit.core.errors import UserError
-
-TP = "tp"
-
-
-# --- meshes ---------------------------------------------------------------------------------
-
-def build_2d_mesh(world_size: int, model_parallel_size: int, device_type: str,
-                  dp_shape: Optional[Tuple[int, ...]] = None):
-    """The world as (data parallel..., tensor parallel) with the TP ranks innermost (consecutive ranks, one node).
-
-    ``dp_shape`` None: ``(W/M, M)`` named ``("dp_shard", "tp")`` (full_shard / shard_grad_op);
-    ``(R, S)`` with ``R * S = W/M``: ``(R, S, M)`` named ``("dp_replicate", "dp_shard", "tp")``
-    (no_shard: ``(W/M, 1)``; hybrid_shard: S ranks shard, R groups replicate), as
-    ``toolkit.distributed.parallelize.build_mesh`` names them. ``c10d`` under tensor parallelism:
-    DDP does not take DTensor parameters; FSDP2 on the no_shard shape replicates the same way.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    M = model_parallel_size
-    if M < 1 or world_size % M:
-        raise UserError(f"--model-parallel-size {M}: must divide the world size {world_size} "
-                        f"(the world is split into {world_size}/M data-parallel groups of M ranks)")
-    dp = world_size // M
-    if dp_shape is None:
-        return init_device_mesh(device_type, (dp, M), mesh_dim_names=("dp_shard", TP))
-    if len(dp_shape) != 2 or dp_shape[0] * dp_shape[1] != dp:
-        raise UserError(f"data-parallel shape {tuple(dp_shape)} does not multiply to world size / "
-                        f"--model-parallel-size = {dp}")
-    return init_device_mesh(device_type, (*dp_shape, M), mesh_dim_names=("dp_replicate", "dp_shard", TP))
-
-
-def data_parallel_mesh(mesh):
-    """The data-parallel part of a mesh from ``build_2d_mesh``: what ``fully_shard(mesh=...)`` takes."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != TP)
-    return mesh[names] if len(names) > 1 else mesh[names[0]]
-
-
-def data_parallel_group(mesh):
-    """The process group of this rank's data-parallel peers (same TP rank): the trainer sums losses,
-    token counts and non-FSDP gradients over it, not over the world."""
-    dp = data_parallel_mesh(mesh)
-    return dp.get_group() if dp.ndim == 1 else dp._flatten().get_group()
-
-
-def data_parallel_rank_and_size(mesh) -> Tuple[int, int]:
-    """This rank's position among the data-parallel groups: the batch iterator shards by this, not the global rank."""
-    dp = data_parallel_mesh(mesh)
-    coordinate = dp.get_coordinate()
-    rank = 0
-    for size, index in zip(dp.shape, coordinate):
-        rank = rank * size + index
-    return rank, dp.size()
 
 
 # --- custom styles: the fused q/k/v projection and the vocabulary-parallel embedding -------------

@@ -127,8 +127,10 @@ def init_distributed(cfg: DistributedConfig, cpu: bool = False) -> DistributedEn
         logger.info(f"distributed init (rank {rank}): {backend}, world size {world_size}, "
                     f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
         from toolkit.distributed import heartbeat
+        from toolkit.distributed.parallel_dims import shape_from_config
 
-        heartbeat.start(rank, world_size, timeout=float(cfg.heartbeat_timeout))
+        heartbeat.start(rank, world_size, timeout=float(cfg.heartbeat_timeout),
+                        layout=shape_from_config(cfg, world_size, local_world_size))
     elif cfg.ddp_backend == "fully_sharded":
         # FSDP2 works on DTensors, which need a process group even for one rank.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -61,6 +61,10 @@ class KVCache:
 class DecoderInterface:
     layers: torch.nn.ModuleList
     max_target_positions: int
+    # What the parallel layout may place on this family (toolkit.core.protocols.ContextParallelizable,
+    # ExpertParallelizable): a family with context-parallel attention or MoE layers sets its flag to True.
+    supports_context_parallel: bool = False
+    supports_expert_parallel: bool = False
 
     @classmethod
     def build_model(cls, cfg, task):

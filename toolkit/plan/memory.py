@@ -48,14 +48,8 @@ class Item:
 
 
 def shard_group(setup: Setup, gpus_per_node: int) -> int:
-    """S: the ranks one parameter is sharded over (1 when replicated), as parallelize builds the mesh."""
-    if not setup.fsdp or setup.strategy == "no_shard":
-        return 1
-    if setup.strategy.startswith("hybrid"):
-        local = min(gpus_per_node, setup.world)
-        group = setup.shard_group_size or max(1, local // setup.mp)
-        return min(group, setup.dp)
-    return setup.dp
+    """S: the ranks one parameter is sharded over (1 when replicated), from the layout training builds."""
+    return setup.layout(gpus_per_node).fsdp_shard
 
 
 def local_shape(p: ParamInfo, mp: int, shards: int) -> Tuple[int, ...]:

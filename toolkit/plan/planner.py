@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Tuple
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.memory import Item, memory_items
 from toolkit.plan.model_stats import ModelStats, model_stats
-from toolkit.plan.setup import Setup, check_layout, setup_from_config
+from toolkit.plan.setup import Setup, setup_from_config
 from toolkit.plan.step_time import StepTime, step_time
 from toolkit.plan.update_peak import Peak, update_peak
 
@@ -69,7 +69,7 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
     setup = setup_from_config(cfg, hw.has_gpu)
     if world_size:
         setup = dataclasses.replace(setup, world=world_size)
-    check_layout(setup)
+    setup.layout(hw.gpus_per_node)  # refuses what toolkit-train refuses (--model-parallel-size 3 of 8 ranks)
     stats = model_stats(cfg, setup.compute_dtype, vocab_size)
     items, time = plan_for(stats, setup, hw)
     plan = Plan(stats, setup, hw, items, time, None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from toolkit.core.errors import UserError
+from toolkit.distributed.parallel_dims import ParallelShape, parallel_shape
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,18 @@ class Setup:
     memory_efficient_fp16: bool
     batch_sequences: int         # sequences per micro-batch and data-parallel rank
     update_freq: int
+    cp: int = 1                  # --context-parallel-size
+    ep: int = 1                  # --expert-parallel-size
 
     @property
     def dp(self) -> int:
         return max(1, self.world // self.mp)
+
+    def layout(self, gpus_per_node: int) -> ParallelShape:
+        """The parallel layout toolkit-train would build (the same validation: a layout it refuses raises here)."""
+        return parallel_shape(self.world, "fully_sharded" if self.fsdp else self.backend, self.strategy,
+                              self.shard_group_size, min(gpus_per_node, self.world), tp=self.mp, cp=self.cp,
+                              ep=self.ep)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -79,17 +87,5 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
         bf16_host_grads=dist.bf16_host_grads, checkpoint=dist.checkpoint_activations,
         offload_activations=dist.offload_activations, sequence_parallel=not dist.no_sequence_parallel,
         compute_bytes=2 if half else 4, memory_efficient_fp16=common.memory_efficient_fp16,
-        batch_sequences=batch, update_freq=cfg.optimization.update_freq)
-
-
-def check_layout(setup: Setup) -> None:
-    """The layouts toolkit-train refuses, refused by the plan too (a plan of a run that cannot start is no
-    answer): the world is split into data-parallel groups of --model-parallel-size ranks, so M divides it,
-    and a hybrid shard group divides the data-parallel replicas. One small function, to be replaced by the
-    mesh's own validation (one ``ParallelDims`` check for training and planning)."""
-    if setup.world % setup.mp:
-        raise UserError(f"--model-parallel-size {setup.mp}: must divide the world size {setup.world} (the world is "
-                        f"split into {setup.world}/M data-parallel groups of M ranks)")
-    group = setup.shard_group_size
-    if setup.fsdp and str(setup.strategy or "").startswith("hybrid") and group and setup.dp % group:
-        raise UserError(f"--shard-group-size {group}: must divide the {setup.dp} data-parallel replicas")
+        batch_sequences=batch, update_freq=cfg.optimization.update_freq, cp=dist.context_parallel_size,
+        ep=dist.expert_parallel_size)

@@ -36,7 +36,7 @@ DEFAULT_RESTORE_FILE = finetune.DEFAULT_RESTORE_FILE
 def run_config_dict(cfg: TrainConfig, trainer, env: DistributedEnv) -> Dict[str, Any]:
     """The ``cfg`` a checkpoint stores: every option, with the world size the run really had and its
     number of data-parallel replicas (what the data position is counted in)."""
-    return dict(cfg.to_dict(), distributed_world_size=env.world_size, data_parallel_size=trainer.strategy.dp_size)
+    return dict(cfg.to_dict(), distributed_world_size=env.world_size, data_parallel_size=trainer.strategy.dims.data_world)
 
 
 def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoch: bool,
@@ -82,7 +82,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     folder = sharded.find_sharded(path)
     if folder is not None and not _file_is_newer(path, folder):
         saved_replicas = sharded.load(folder, state.statefuls(), state, check)
-        return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dp_size)
+        return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dims.data_world)
     if os.path.isdir(path):
         raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
                         f"{sharded.META_FILE}); it may be from a save that was interrupted")
@@ -97,7 +97,7 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
     if info is not None:
         return _after_fairseq_load(path, checkpoint, info, trainer)
     saved_replicas = consolidated.load(path, cfg.model, state.statefuls(), state, check, checkpoint=checkpoint)
-    return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dp_size)
+    return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dims.data_world)
 
 
 def _resume_check(model_cfg: Any, trainer) -> Callable[..., None]:

@@ -32,6 +32,7 @@ from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
+from toolkit.distributed.parallel_dims import check_model_capabilities, shape_from_config
 from toolkit.core.registry import (
     CRITERION_REGISTRY,
     LR_SCHEDULER_REGISTRY,
@@ -93,7 +94,17 @@ def resolve(args: argparse.Namespace, explicit: Set[str]) -> Tuple[TrainConfig, 
     _check_conflicts(cfg, explicit)
     cfg, more = _implied_values(cfg)
     _check_values(cfg)
-    return cfg, choices + aliases + more + _check_fp8(cfg, explicit)
+    warnings = _check_fp8(cfg, explicit)
+    _check_layout(cfg)
+    return cfg, choices + aliases + more + warnings
+
+
+def _check_layout(cfg: TrainConfig) -> None:
+    """The parallel layout fits the world and the model can use its axes: refused here, before any rank starts
+    (``toolkit-plan`` resolves through here too, so it refuses the same layouts)."""
+    world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    shape_from_config(cfg.distributed, world, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+    check_model_capabilities(cfg.distributed, cfg.components.arch, resolve_arch(cfg.components.arch).cls)
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:

@@ -197,12 +197,12 @@ def _cpu_count() -> int:
 def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     """This replica's batches of the epoch: sharded over the data-parallel replicas (the M ranks of a
     tensor-parallel replica read the same ones); samples too long are skipped (``train_max_positions``)."""
-    data, strategy = cfg.dataset, trainer.strategy
+    data, dims = cfg.dataset, trainer.strategy.dims
     itr = trainer.task.get_batch_iterator(
         trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
         batch_size=data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=epoch,
+        num_shards=dims.data_world, shard_id=dims.data_rank, num_workers=data.num_workers, epoch=epoch,
         max_positions=train_max_positions(cfg, trainer), ignore_invalid_inputs=True)
     if len(itr) == 0:  # an epoch without a batch would end at once, forever (114,672 empty epochs in 2 minutes)
         raise UserError(f"{cfg.task.data}: the --train-subset {data.train_subset} split gives no batch in epoch "
@@ -251,13 +251,13 @@ def refuse_empty_split(subset: str, dataset) -> None:
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
     """As fairseq: samples longer than the model takes are an error, or skipped under
     --skip-invalid-size-inputs-valid-test; an empty split is an error."""
-    data, strategy = cfg.dataset, trainer.strategy
+    data, dims = cfg.dataset, trainer.strategy.dims
     refuse_empty_split(subset, trainer.task.dataset(subset))
     return trainer.task.get_batch_iterator(
         trainer.task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
         batch_size=data.batch_size_valid or data.batch_size,
         required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=strategy.dp_size, shard_id=strategy.dp_rank, num_workers=data.num_workers, epoch=1,
+        num_shards=dims.data_world, shard_id=dims.data_rank, num_workers=data.num_workers, epoch=1,
         max_positions=valid_max_positions(trainer), ignore_invalid_inputs=data.skip_invalid_size_inputs_valid_test)
 
 
@@ -434,9 +434,9 @@ def valid_totals(trainer: Trainer, progress) -> None:
         for k, v in trainer.valid_step(sample).items():
             totals[k] = totals.get(k, 0.0) + v
         totals["_batches"] += 1
-    dp = trainer.strategy
-    totals = all_reduce_sums(totals, trainer.device, dp.dp_size, group=dp.dp_group)
+    dims = trainer.strategy.dims
+    totals = all_reduce_sums(totals, trainer.device, dims.loss_world, group=dims.loss_group)
     totals["sample_size"] = totals.pop("_sample_size", 0.0)
-    batches = totals.pop("_batches") / dp.dp_size
+    batches = totals.pop("_batches") / dims.loss_world
     trainer.criterion.reduce_metrics([totals])
     metrics.log_valid_metrics(totals.get("ntokens", 0), totals.get("nsentences", 0), num_batches=batches)

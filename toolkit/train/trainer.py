@@ -136,7 +136,7 @@ class Trainer:
 
         overflow = False
         scale = self.scaler.loss_scale if self.scaler else 1.0
-        grad_factor = self.strategy.dp_size / (max(sample_size, 1.0) * scale)
+        grad_factor = self.strategy.dims.loss_world / (max(sample_size, 1.0) * scale)
         grad_norm, grad_factor = self._grad_norm_for_step(grad_factor)  # factor: what the step still applies
         if self.scaler is not None:
             try:
@@ -188,7 +188,8 @@ class Trainer:
                 totals[k] = totals[k] + v if k in totals else v
             totals["_sample_size"] = totals.get("_sample_size", 0.0) + float(sample_size)
         totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
-        return all_reduce_sums(totals, self.device, self.strategy.dp_size, group=self.strategy.dp_group)
+        dims = self.strategy.dims
+        return all_reduce_sums(totals, self.device, dims.loss_world, group=dims.loss_group)
 
     def _step_optimizer(self, grad_factor: float) -> None:
         """The update with the gradients times ``grad_factor`` (folded into the step where that is exact); grads dropped."""

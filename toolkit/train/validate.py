@@ -25,6 +25,7 @@ from toolkit.config import opt
 from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
 from toolkit.data.indexed_dataset import MMapIndexedDataset
+from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.inference.eval_lm_main import parse_overrides
 from toolkit.evaluation.loading import load_for_eval
 from toolkit.logging import metrics, progress_bar
@@ -58,7 +59,7 @@ class _Validator:
 
     def __init__(self, model: torch.nn.Module, criterion, device: torch.device):
         self.model, self.criterion, self.device = model, criterion, device
-        self.strategy = SimpleNamespace(dp_size=1, dp_group=None)
+        self.strategy = SimpleNamespace(dims=ParallelDims.single())
 
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:

@@ -1,0 +1,286 @@
+"""The run's parallel layout, built once from the flags: every mesh and group comes from here (torchtitan's ``ParallelDims``).
+
+The world of W ranks is laid out as ``(dp_replicate, dp_shard, cp, tp)``, tensor parallelism innermost
+(consecutive ranks, one machine), and nothing else in the toolkit builds a DeviceMesh or a process group:
+
+=================  ===========================================  ===============================================
+axis               flag                                         what the ranks along it share
+=================  ===========================================  ===============================================
+``dp_replicate``   ``--sharding-strategy no_shard|hybrid_*``    nothing: each holds a whole (or hybrid) replica
+``dp_shard``       ``--ddp-backend fully_sharded``,             FSDP2 shards parameters over ``dp_shard x cp``
+                   ``--shard-group-size`` (hybrid)
+``cp``             ``--context-parallel-size``                  one batch, each rank a chunk of the sequence
+``tp``             ``--model-parallel-size``                    one batch, each rank a slice of every block
+``ep``             ``--expert-parallel-size``                   carved from ``dp_shard x cp`` (below)
+=================  ===========================================  ===============================================
+
+Data: the batches are sharded over ``dp_replicate x dp_shard`` (:attr:`ParallelDims.data_rank`,
+:attr:`~ParallelDims.data_world`); the CP and TP ranks of one replica read the same batch. Losses, token
+counts and gradients not reduced by FSDP2 are summed over ``dp_replicate x dp_shard x cp`` (the ranks
+holding the same TP slice: :attr:`~ParallelDims.loss_group`), whose size divides the summed gradient.
+
+Expert parallelism (as torchtitan and Megatron): the experts of a MoE layer are spread over ``ep`` ranks
+taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, consecutive ranks of it),
+so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
+the dense layers keep their ``dp_shard x cp`` sharding.
+
+:func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
+(``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
+the layouts training refuses. :class:`ParallelDims` builds the meshes from a shape once, on first use, as
+views of one world mesh (``DeviceMesh._unflatten``), so FSDP2's and TP's meshes share their root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from toolkit.config import DistributedConfig
+from toolkit.core.errors import UserError
+from toolkit.core.protocols import supports
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+BACKEND_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
+TP = "tp"
+AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    """Sizes of every axis (their product with ``cp`` and ``tp`` is the world; ``ep`` is carved from ``dp_shard x cp``)."""
+
+    world: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    fsdp: bool = False   # FSDP2 wraps the model (--ddp-backend fully_sharded, or any backend under TP)
+    hsdp: bool = False   # FSDP2's mesh has the dp_replicate axis (no_shard, hybrid_*; c10d under TP)
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel replicas: how many distinct batches one step reads."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def loss_world(self) -> int:
+        """Ranks whose losses are summed (the same TP slice): replicas x context-parallel chunks."""
+        return self.data_world * self.cp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks one parameter is sharded over (1: replicated)."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def shard_axis(self) -> str:
+        """The FSDP shard axis's name: ``dp_shard``, or ``dp_shard_cp`` when context parallelism shares it."""
+        return "dp_shard" if self.cp == 1 else "dp_shard_cp"
+
+    @property
+    def needs_mesh(self) -> bool:
+        """DDP and ``no_c10d`` without TP/CP/EP use the default group only (no mesh, no extra groups)."""
+        return self.fsdp or self.tp > 1 or self.cp > 1 or self.ep > 1
+
+    def data_rank(self, rank: int) -> int:
+        """The batch shard of global ``rank`` (its CP and TP peers read the same one)."""
+        return rank // (self.cp * self.tp)
+
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """Global ``rank``'s index along each axis (``ep``: its place among the expert-parallel ranks)."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        shard, replicate = rest % self.dp_shard, rest // self.dp_shard
+        return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(shard * self.cp + cp) % self.ep)
+
+    def placement(self, rank: int) -> str:
+        """Global ``rank``'s index along each axis the layout splits (``""`` for plain data parallelism)."""
+        where = self.coordinates(rank)
+        return ", ".join(f"{axis} {where[axis]} of {getattr(self, axis)}" for axis in AXES
+                         if getattr(self, axis) > 1 and (axis != "dp_replicate" or self.hsdp))
+
+    def describe(self) -> str:
+        sizes = [f"{name} {getattr(self, name)}" for name in AXES]
+        return f"{self.world} ranks = " + " x ".join(sizes[:4]) + f" (ep {self.ep} of dp_shard x cp)"
+
+
+def _positive(flag: str, value: int) -> int:
+    if value < 1:
+        raise UserError(f"{flag} {value}: must be >= 1 (1: no split along this axis)")
+    return value
+
+
+def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str = "full_shard",
+                   shard_group_size: int = 0, local_world_size: int = 0, tp: int = 1, cp: int = 1,
+                   ep: int = 1) -> ParallelShape:
+    """The layout of ``world`` ranks for these flags, or a one-line UserError naming the axis that does not fit.
+
+    Pure (no process group): ``toolkit-train`` checks it before spawning and ``toolkit-plan`` plans with it.
+    ``local_world_size`` is the ranks of one machine, the default ``--shard-group-size`` of hybrid sharding.
+    """
+    backend = BACKEND_ALIASES.get(ddp_backend, ddp_backend)
+    if sharding_strategy not in STRATEGIES:
+        raise UserError(f"--sharding-strategy {sharding_strategy}: choose from {', '.join(STRATEGIES)}")
+    tp, cp, ep = (_positive(flag, v) for flag, v in (("--model-parallel-size", tp), ("--context-parallel-size", cp),
+                                                     ("--expert-parallel-size", ep)))
+    if world % tp:
+        raise UserError(f"--model-parallel-size {tp}: must divide the world size {world} (the world is split "
+                        f"into world/M data-parallel groups of M tensor-parallel ranks)")
+    if (world // tp) % cp:
+        raise UserError(f"--context-parallel-size {cp}: must divide the {world // tp} ranks left by "
+                        f"--model-parallel-size {tp} of world size {world} (each replica's sequence is cut into "
+                        f"that many chunks)")
+    dp = world // (tp * cp)
+    fsdp = backend == "fully_sharded" or tp > 1
+    strategy = sharding_strategy if backend == "fully_sharded" else "no_shard"
+    if not fsdp or strategy == "no_shard":
+        replicate, shard = dp, 1
+    elif strategy.startswith("hybrid"):
+        group = shard_group_size or max(1, (local_world_size or world) // (tp * cp))
+        if group < 1 or dp % group:
+            raise UserError(f"--shard-group-size {group}: must divide the {dp} data-parallel ranks (world size "
+                            f"{world} / (--model-parallel-size {tp} x --context-parallel-size {cp})); ranks shard "
+                            f"within groups of this size and the groups replicate")
+        replicate, shard = dp // group, group
+    else:
+        replicate, shard = 1, dp
+    if (shard * cp) % ep:
+        raise UserError(f"--expert-parallel-size {ep}: must divide the {shard * cp} ranks that shard one replica "
+                        f"(dp_shard {shard} x --context-parallel-size {cp}); experts are spread over those ranks")
+    return ParallelShape(world=world, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=ep, fsdp=fsdp,
+                         hsdp=fsdp and strategy != "full_shard" and strategy != "shard_grad_op")
+
+
+def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int = 0) -> ParallelShape:
+    """:func:`parallel_shape` of a run's ``DistributedConfig`` on ``world`` ranks."""
+    return parallel_shape(world, cfg.ddp_backend, cfg.sharding_strategy, cfg.shard_group_size, local_world_size,
+                          tp=cfg.model_parallel_size, cp=cfg.context_parallel_size, ep=cfg.expert_parallel_size)
+
+
+def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
+    """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
+    if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
+        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
+                        f"layers to place; use a MoE architecture or drop the flag")
+    if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
+        raise UserError(f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
+                        f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
+                        f"would see only its chunk of the sequence; drop the flag")
+
+
+class ParallelDims:
+    """A :class:`ParallelShape` placed on this rank, with its DeviceMesh and groups (built once, on first use).
+
+    Every rank must ask for the meshes at the same point (building one is a collective); ``parallelize``
+    does it for the run. Without a mesh (``needs_mesh`` False) the groups are the default one.
+    """
+
+    def __init__(self, shape: ParallelShape, rank: int = 0, device_type: str = "cpu"):
+        self.shape, self.rank, self.device_type = shape, rank, device_type
+        self._meshes: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def from_config(cls, cfg: DistributedConfig, env: Any) -> "ParallelDims":
+        """The layout of the run: ``env`` is its ``DistributedEnv`` (rank, world, ranks per machine, device)."""
+        shape = shape_from_config(cfg, env.world_size, env.local_world_size)
+        return cls(shape, env.rank, env.device.type)
+
+    @classmethod
+    def single(cls) -> "ParallelDims":
+        """One process: every size 1, no mesh."""
+        return cls(ParallelShape(world=1))
+
+    # --- what a collective or the data loader asks (no mesh needed) ---------------------------
+
+    @property
+    def data_rank(self) -> int:
+        return self.shape.data_rank(self.rank)
+
+    @property
+    def data_world(self) -> int:
+        return self.shape.data_world
+
+    @property
+    def loss_world(self) -> int:
+        return self.shape.loss_world
+
+    @property
+    def loss_group(self) -> Any:
+        """The group the losses and token counts are summed over (None: all ranks, the default group)."""
+        if self.shape.loss_world == self.shape.world:
+            return None
+        return self._built()["loss_group"]
+
+    # --- meshes ------------------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> Any:
+        """``(dp_replicate?, dp_shard[_cp], tp?)``: FSDP2's and TP's meshes are its slices."""
+        return self._built()["dense"]
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """What ``fully_shard(mesh=...)`` takes: 1-D (shard) or 2-D (replicate, shard: HSDP)."""
+        axes = (("dp_replicate",) if self.shape.hsdp else ()) + (self.shape.shard_axis,)
+        return self.mesh[axes] if len(axes) > 1 else self.mesh[axes[0]]
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self._sub("dense", TP, self.shape.tp)
+
+    @property
+    def cp_mesh(self) -> Any:
+        return self._sub("context", "cp", self.shape.cp)
+
+    @property
+    def ep_mesh(self) -> Any:
+        return self._sub("experts", "ep", self.shape.ep)
+
+    def _sub(self, view: str, axis: str, size: int) -> Any:
+        if size == 1:
+            raise ValueError(f"the layout has no {axis} axis ({self.shape.describe()})")
+        return self._built()[view][axis]
+
+    def _built(self) -> Dict[str, Any]:
+        if self._meshes is None:
+            self._meshes = _build_meshes(self.shape, self.device_type)
+        return self._meshes
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({self.shape.describe()}, rank {self.rank}: {self.shape.coordinates(self.rank)})"
+
+
+def _dense_axes(s: ParallelShape) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The dense mesh's axes: those that exist, with at least one data-parallel axis (the names earlier
+    checkpoints' logs and the tests know: ``(W,)`` dp_shard, ``(R, S)``, ``(R, S, M)``, ``(D, M)``)."""
+    axes = []
+    if s.hsdp or s.dp_replicate > 1:
+        axes.append(("dp_replicate", s.dp_replicate))
+    if s.fsdp or s.dp_shard * s.cp > 1 or not axes:
+        axes.append((s.shard_axis, s.dp_shard * s.cp))
+    if s.tp > 1:
+        axes.append((TP, s.tp))
+    return tuple(size for _, size in axes), tuple(name for name, _ in axes)
+
+
+def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
+    """Views of one world mesh (so FSDP2's and TP's meshes share a root): the only place groups are made."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, (s.world,), mesh_dim_names=("world",))
+    sizes, names = _dense_axes(s)
+    dense = world._unflatten(0, sizes, names)
+    data_axes = tuple(n for n in names if n != TP)
+    data = dense[data_axes] if len(data_axes) > 1 else dense[data_axes[0]]
+    meshes = dict(world=world, dense=dense,
+                  loss_group=(data._flatten("dp_cp") if data.ndim > 1 else data).get_group())
+    if s.cp > 1:
+        meshes["context"] = world._unflatten(0, (s.dp_replicate, s.dp_shard, s.cp, s.tp),
+                                             ("dp_replicate", "dp_shard", "cp", TP))
+    if s.ep > 1:
+        meshes["experts"] = world._unflatten(0, (s.dp_replicate, s.dp_shard * s.cp // s.ep, s.ep, s.tp),
+                                             ("dp_replicate", "dp_shard_mod_ep", "ep", TP))
+    return meshes
+
+
+__all__ = ["ParallelDims", "ParallelShape", "parallel_shape", "shape_from_config", "STRATEGIES"]
