@@ -18,7 +18,9 @@ PAIRS = [(a, b, entry) for a, b, entry in C.pairs() if a.argv and b.argv]
 def resolve(*argv: str):
     from toolkit.train.resolve import parse_train_config
 
-    return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
+    # 4 ranks: every layout in the table fits them (the resolver checks the layout against the world size)
+    return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1",
+                               "--distributed-world-size", "4", *argv])
 
 
 def both(a: C.Feature, b: C.Feature) -> list:
