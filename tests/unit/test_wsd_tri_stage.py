@@ -109,17 +109,23 @@ def test_wsd_resume_mid_decay_gives_the_uninterrupted_rates(shape):
 
 def _warnings_while(fn) -> str:
     """The wsd module's warnings while ``fn`` runs, read from a handler on its own logger (an earlier test's
-    setup_logging may stop propagation to the root logger that caplog reads)."""
+    setup_logging or Hydra may stop propagation or disable it)."""
     from toolkit.optim.lr_scheduler import wsd
 
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: records.append(record.getMessage())
+    # Hydra's dictConfig (an earlier test) disables existing loggers; a level or logging.disable may hide it too
+    saved = wsd.logger.disabled, wsd.logger.level, logging.root.manager.disable
+    wsd.logger.disabled, _ = False, wsd.logger.setLevel(logging.WARNING)
+    logging.disable(logging.NOTSET)
     wsd.logger.addHandler(handler)
     try:
         fn()
     finally:
         wsd.logger.removeHandler(handler)
+        wsd.logger.disabled, _ = saved[0], wsd.logger.setLevel(saved[1])
+        logging.disable(saved[2])
     return "\n".join(records)
 
 
