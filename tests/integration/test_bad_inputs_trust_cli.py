@@ -39,7 +39,7 @@ CASES = [
     ("plan-gpu-memory-1e400", PLAN, [*PLAN_MODEL, "--gpu-memory", "1e400"],
      "--gpu-memory 1e400: must be between 1 byte and 1PiB"),
     ("plan-tokens-per-sample-0", PLAN, [*PLAN_MODEL, "--tokens-per-sample", "0"],
-     "--tokens-per-sample 0: the plan needs the length of a sample"),
+     "--tokens-per-sample: 0: must be at least 1"),  # refused at parse time
     ("train-model-parallel-one-process", TRAIN, ["{bin}", MODEL, "--save-dir", "{root}/mp", "--model-parallel-size",
                                                  "2", "--ddp-backend", "fully_sharded"],
      "--model-parallel-size 2: each layer is split over that many ranks and this run has 1 process(es)"),

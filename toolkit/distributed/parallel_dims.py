@@ -123,6 +123,10 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         raise UserError(f"--sharding-strategy {sharding_strategy}: choose from {', '.join(STRATEGIES)}")
     tp, cp, ep = (_positive(flag, v) for flag, v in (("--model-parallel-size", tp), ("--context-parallel-size", cp),
                                                      ("--expert-parallel-size", ep)))
+    if world < tp:
+        raise UserError(f"--model-parallel-size {tp}: each layer is split over that many ranks and this run has "
+                        f"{world} process(es); give --distributed-world-size {tp} (or a multiple), or start that "
+                        f"many ranks with torchrun")
     if world % tp:
         raise UserError(f"--model-parallel-size {tp}: must divide the world size {world} (the world is split "
                         f"into world/M data-parallel groups of M tensor-parallel ranks)")
