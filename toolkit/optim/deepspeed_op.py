@@ -100,6 +100,25 @@ def load_deepspeed_cpu_adam():
     return DeepSpeedCPUAdam
 
 
+def stable_source(name: str, filename: str, text: str) -> str:
+    """``text`` written as ``filename`` in a folder beside torch's extension builds (rewritten only when it
+    changed); the path to compile. Why: the build file records each source's path, so a source compiled from
+    a checkout makes every other checkout sharing ``~/.cache/torch_extensions`` (worktrees, CI clones, a
+    GPU machine's copy) rebuild the op in turn, and a build killed midway leaves a lock that later runs
+    wait on. One path for one content builds once per machine."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from toolkit.core.fileio import atomic_write
+
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), f"{name}_src")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, filename)
+    if not os.path.exists(path) or open(path).read() != text:
+        with atomic_write(path) as f:
+            f.write(text)
+    return path
+
+
 def build_like_cpu_adam(name: str, sources: Sequence[str], include_paths: Sequence[str] = (), purpose: str = "",
                         extra_cxx_args: Sequence[str] = ()) -> Any:
     """Build (once per machine, cached by torch's extension loader) and import an extension of ``sources``

@@ -52,12 +52,14 @@ def fused_op() -> Optional[Any]:
 
 
 def _build() -> Any:
-    from toolkit.optim.deepspeed_op import build_like_cpu_adam, cxx_compiler
+    from toolkit.optim.deepspeed_op import build_like_cpu_adam, cxx_compiler, stable_source
 
     if cxx_compiler() is None:
         raise RuntimeError("no C++ compiler (g++) found")
+    with open(SOURCE) as f:  # compiled from one path per machine, not from this checkout (stable_source)
+        source = stable_source(NAME, os.path.basename(SOURCE), f.read())
     # errno and FP traps only: without them sqrt and selects vectorize; every result stays the IEEE one
-    return build_like_cpu_adam(NAME, [SOURCE], include_paths=["csrc/adam"], extra_cxx_args=CXX_ARGS,
+    return build_like_cpu_adam(NAME, [source], include_paths=["csrc/adam"], extra_cxx_args=CXX_ARGS,
                                purpose="--adam-state-precision 8bit: the fused 8-bit Adam kernel")
 
 

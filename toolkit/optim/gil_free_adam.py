@@ -17,12 +17,10 @@ before anything else steps).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 
-from toolkit.core.fileio import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +41,9 @@ _loaded: Optional[Any] = None
 
 def _binding_source() -> str:
     """The binding's source, written once where torch builds extensions (rewritten only if it changed)."""
-    from torch.utils.cpp_extension import get_default_build_root
+    from toolkit.optim.deepspeed_op import stable_source
 
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), f"{NAME}_src")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "binding.cpp")
-    if not os.path.exists(path) or open(path).read() != BINDING:
-        with atomic_write(path) as f:
-            f.write(BINDING)
-    return path
+    return stable_source(NAME, "binding.cpp", BINDING)
 
 
 def load_gil_free_op() -> Any:
