@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -107,20 +108,34 @@ def reported_interruptions(cfg: TrainConfig, state: TrainingState) -> Iterator[N
         yield
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted at update {state.trainer.num_updates}; {_last_saved(cfg, state)}") from None
-    except RuntimeError as e:
-        if "DataLoader worker" not in str(e):
+    except (RuntimeError, ConnectionError, EOFError) as e:
+        if not _data_loader_worker_died(e, cfg.dataset.num_workers):
             raise
         _quiet_worker_teardown()
+        what = str(e).splitlines()[0].rstrip(". ") if isinstance(e, RuntimeError) else "its connection broke"
         raise UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
-                        f"{state.trainer.num_updates} ({str(e).splitlines()[0].rstrip('. ')}); "
-                        f"{_last_saved(cfg, state)}: run again to resume") from None
+                        f"{state.trainer.num_updates} ({what}); {_last_saved(cfg, state)}: run again to resume") from None
+
+
+def _data_loader_worker_died(error: BaseException, num_workers: int) -> bool:
+    """torch's SIGCHLD handler says so (``RuntimeError: DataLoader worker ... is killed``), or, when the main
+    process was reading a batch's shared memory from the worker at that instant, the read fails first
+    (``ConnectionResetError`` in ``rebuild_storage_fd``, ``EOFError``) and the handler fires a moment later."""
+    if isinstance(error, RuntimeError):
+        return "DataLoader worker" in str(error)
+    return num_workers > 0
 
 
 def _quiet_worker_teardown() -> None:
     """After a data loader worker was killed, multiprocessing's descriptor-sharing thread may still report
     the broken connection as a traceback (``resource_sharer._serve`` calls ``sys.excepthook``) while the
-    process exits; the one line about the worker has said what happened, so the rest stays quiet."""
+    process exits, and torch's SIGCHLD handler would raise again inside the error line's own ``print``; the
+    one line about the worker has said what happened, so the rest stays quiet."""
     sys.excepthook = lambda *exc_info: None
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # not the main thread: torch installed no handler there either
+        pass
 
 
 def _last_saved(cfg: TrainConfig, state: TrainingState) -> str:
