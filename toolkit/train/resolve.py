@@ -171,7 +171,8 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
         raise UserError("--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)")
     if dist.cpu_offload and cfg.components.optimizer not in HOST_MEMORY_OPTIMIZERS:
         raise UserError(f"--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
-                        f"in host memory), got --optimizer {cfg.components.optimizer}; "
+                        f"in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
+                        f"{cfg.components.optimizer}; "
                         f"drop --optimizer or use --optimizer cpu_adam")
 
 
