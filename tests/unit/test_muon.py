@@ -99,6 +99,19 @@ def test_bf16_momentum_is_stored_in_bf16_and_follows_fp32():
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=1e-2, atol=0)
     buffers = [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
     assert buffers and all(b.dtype == torch.bfloat16 for b in buffers)
+    # a checkpoint's momentum converts to the loading run's precision, both ways
+    for saved, wanted in (("bf16", torch.float32), ("fp32", torch.bfloat16)):
+        model = tiny_llama()
+        source = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": saved},
+                                 parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        train(model, source.step, source.zero_grad, updates=1)
+        target = build_optimizer({"optimizer": "muon", "lr": 0.02,
+                                  "muon_momentum_dtype": "fp32" if wanted == torch.float32 else "bf16"},
+                                 parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        target.load_state_dict(source.state_dict())
+        loaded = [s["momentum_buffer"] for s in target.state.values() if "momentum_buffer" in s]
+        assert loaded and all(b.dtype == wanted for b in loaded)
+        train(model, target.step, target.zero_grad, updates=1)
 
 
 def test_muon_needs_roles():

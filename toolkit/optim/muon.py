@@ -105,6 +105,16 @@ class Muon(torch.optim.Optimizer):
                         raise ValueError(f"--optimizer muon: a 'matrix' parameter has shape {tuple(p.shape)}; "
                                          "the family's parameter_roles must name only 2-D weights 'matrix'")
         self._log_communication()
+        self.register_load_state_dict_post_hook(Muon._momentum_in_own_dtype)
+
+    @staticmethod
+    def _momentum_in_own_dtype(optimizer: "Muon") -> None:
+        """torch's ``load_state_dict`` casts state to the parameter's dtype: a checkpoint's momentum (fp32 or bf16)
+        is converted to this run's ``--muon-momentum-dtype``, as cpu_adam converts its moments."""
+        for state in optimizer.state.values():
+            buf = state.get("momentum_buffer")
+            if buf is not None and buf.dtype != optimizer.momentum_dtype:
+                state["momentum_buffer"] = buf.to(optimizer.momentum_dtype)
 
     def _matrices(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups if g["role"] == "matrix" for p in g["params"]]
