@@ -7,7 +7,7 @@ model family (transformer_lm, pre-norm, tied embeddings, 2 layers), smaller so t
 two loaded CPU cores (width 64, FFN 256, B 8 x T 64, no dropout), trained for the same ``--updates`` with the
 same schedule (inverse_sqrt, warm-up a quarter of the updates, --clip-norm 1) by ``toolkit-train --optimizer
 adam`` and ``--optimizer muon``, each at three learning rates; Muon's AdamW side (embeddings, norms, biases)
-keeps AdamW's middle rate. Prints every run's validation perplexity and each optimizer's best.
+takes AdamW's best rate, so only the blocks' matrices are updated differently. Prints every run's validation perplexity and each optimizer's best.
 
 step: one optimizer step over a transformer's parameters (4 blocks of width 512: matrices and vectors, random
 gradients) in host memory, what ``--cpu-offload`` updates: ``--optimizer muon`` (Newton-Schulz on the CPU, no
@@ -55,24 +55,33 @@ def valid_ppl(log: str) -> float:
     return float(values[-1]["valid_ppl"])
 
 
-def quality(corpus: str, updates: int) -> dict:
+def quality(corpus: str, updates: int, adamw_best=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "bin")
         toolkit("preprocess", "--only-source", "--trainpref", f"{corpus}/wiki.train.tokens", "--validpref",
                 f"{corpus}/wiki.valid.tokens", "--destdir", data, "--workers", "1")
         common = MODEL + ["--max-update", str(updates), "--warmup-updates", str(max(1, updates // 4)),
                           "--validate-interval-updates", str(updates)]
-        runs = {}
-        for name, lrs, extra in (("adamw", ADAM_LRS, ["--optimizer", "adam"]),
-                                 ("muon", MUON_LRS, ["--optimizer", "muon", "--muon-adamw-lr", str(ADAM_LRS[1])])):
+        runs: dict = {}
+
+        def grid(name, lrs, extra):
             for lr in lrs:
                 t0 = time.perf_counter()
                 ppl = valid_ppl(toolkit("train", data, *common, *extra, "--lr", str(lr)))
-                runs[f"{name} lr {lr:g}"] = ppl
+                runs[(name, lr)] = ppl
                 print(f"{name:6s} lr {lr:<7g} valid ppl {ppl:8.2f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
-    best = {name: min(v for k, v in runs.items() if k.startswith(name)) for name in ("adamw", "muon")}
-    print(f"best of 3 after {updates} updates: AdamW {best['adamw']:.2f}, Muon {best['muon']:.2f}")
-    return {"updates": updates, "runs": runs, "best": best}
+
+        if adamw_best is None:
+            grid("adamw", ADAM_LRS, ["--optimizer", "adam"])
+            adamw_best = min((v, lr) for (n, lr), v in runs.items() if n == "adamw")[1]
+        # Muon's AdamW side (embeddings, head, norms, biases) at AdamW's best rate: only the matrices differ
+        grid("muon", MUON_LRS, ["--optimizer", "muon", "--muon-adamw-lr", str(adamw_best)])
+    best = {name: min(v for (n, _), v in runs.items() if n == name) for name in ("adamw", "muon") if
+            any(n == name for n, _ in runs)}
+    print(f"best of 3 after {updates} updates: " + ", ".join(f"{n} {v:.2f}" for n, v in best.items())
+          + f" (Muon's AdamW side at lr {adamw_best:g})")
+    return {"updates": updates, "runs": {f"{n} lr {lr:g}": v for (n, lr), v in runs.items()}, "best": best,
+            "muon_adamw_lr": adamw_best}
 
 
 def transformer_params(dim: int = 512, blocks: int = 4):
@@ -117,13 +126,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--updates", type=int, default=120)
     ap.add_argument("--part", choices=["quality", "step", "both"], default="both")
+    ap.add_argument("--adamw-best-lr", type=float, default=None,
+                    help="skip the AdamW grid: its best rate from an earlier run (Muon's AdamW side uses it)")
     ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini"))
     args = ap.parse_args(argv)
     result = {"load_average": os.getloadavg()[0]}
     if args.part in ("step", "both"):
         result["step"] = step_times()
     if args.part in ("quality", "both"):
-        result["quality"] = quality(args.corpus, args.updates)
+        result["quality"] = quality(args.corpus, args.updates, args.adamw_best_lr)
     print(json.dumps(result))
 
 

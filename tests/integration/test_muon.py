@@ -132,3 +132,21 @@ def test_killed_run_resumes_bitwise(data_bin, tmp_path):
     for i in sa:
         for name in sa[i]:
             assert torch.equal(sa[i][name], sb[i][name]), (i, name)
+
+
+def test_llama_skips_decay_on_norms_and_embeddings_by_default(data_bin, tmp_path):
+    """The family's default, said in one INFO line, and the groups it gave the optimizer (in the checkpoint)."""
+    args, drop = muon_args(tmp_path / "llama"), {"--decoder-input-dim": 2, "--decoder-output-dim": 2,
+                                                   "--decoder-normalize-before": 1, "--dropout": 2}
+    for flag, n in drop.items():
+        i = args.index(flag)
+        del args[i:i + n]
+    llama = ["--arch", "llama", "--decoder-kv-heads", "1", "--max-update", "2"]
+    run = H.run_train([data_bin] + args + llama, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "not applied to norms" in line]
+    assert len(lines) == 1 and "LlamaLanguageModel's default; --decay-all-parameters" in lines[0]
+    groups = torch.load(tmp_path / "llama" / "checkpoint_last.pt", map_location="cpu",
+                        weights_only=True)["last_optimizer_state"]["param_groups"]
+    assert {g["role"]: g["weight_decay"] for g in groups} == {"matrix": 0.01, "embedding": 0.0, "output": 0.01,
+                                                             "norm": 0.0}
