@@ -69,6 +69,7 @@ def test_cpu_offload_refuses_an_explicit_other_optimizer(data_bin, tmp_path):
                 "--max-update", "1", check=False)  # TINY_MODEL says --optimizer adam
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == (
-        "toolkit-train: error: --cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated "
-        "in host memory by DeepSpeed's CPU Adam), got --optimizer adam; drop --optimizer or use --optimizer cpu_adam")
+        "toolkit-train: error: --cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
+        "in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer adam; drop "
+        "--optimizer or use --optimizer cpu_adam")
     assert not os.listdir(tmp_path)  # refused before anything was written

@@ -126,8 +126,9 @@ def parse_train_args(*argv):
 
 @pytest.mark.parametrize("argv,message", [
     (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "adam", "--fp16"],
-     "--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host memory by "
-     "DeepSpeed's CPU Adam), got --optimizer adam; drop --optimizer or use --optimizer cpu_adam"),
+     "--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated in host memory by "
+     "DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer adam; drop --optimizer or use "
+     "--optimizer cpu_adam"),
     (["--cpu-offload", "--optimizer", "cpu_adam", "--fp16"], "--cpu-offload requires --ddp-backend fully_sharded"),
     (["--cpu-offload"], "--cpu-offload requires --ddp-backend fully_sharded"),
     (["--memory-efficient-fp16", "--bf16"], composition.MEFP16_BF16),  # the table's messages (docs/composition.md)

@@ -98,6 +98,10 @@ class OptimizationConfig:
     update_freq_per_epoch: Tuple[int, ...] = opt((), "--update-freq's values, one per epoch", cli=False)
     lr_per_epoch: Tuple[float, ...] = opt((), "--lr's values, one per epoch", cli=False)
     stop_min_lr: float = opt(-1.0, "stop when the learning rate falls to or below this")
+    no_decay_norms_biases_embeddings: bool = opt(False, "--weight-decay skips norms, biases and embeddings (the "
+                                                        "default of the families that declare it, e.g. llama)")
+    decay_all_parameters: bool = opt(False, "--weight-decay applies to every parameter (fairseq's rule, the "
+                                            "default of transformer_lm)")
 
 
 @dataclass

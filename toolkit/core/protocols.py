@@ -298,3 +298,24 @@ class PostStepHook(Protocol):
     modules in the model and calls each after every update, once the new weights are in place."""
 
     def after_optimizer_step(self) -> None: ...
+
+
+# ---- optimization: which parameters an optimizer treats how ------------------------------------------
+
+PARAMETER_ROLES = ("matrix", "embedding", "output", "norm", "bias")
+"""What a parameter is to an optimizer: ``matrix`` (a 2-D weight inside the blocks, multiplied with the hidden
+states: what Muon orthogonalizes), ``embedding`` (a lookup table: token or position embeddings), ``output``
+(the output head), ``norm`` (a normalization's scale), ``bias``. Muon takes ``matrix`` and leaves the rest to
+AdamW; ``--weight-decay`` skips ``norm``, ``bias`` and ``embedding`` under ``--no-decay-norms-biases-embeddings``."""
+
+
+@runtime_checkable
+class ParameterRoles(Protocol):
+    """A model that says what each of its parameters is (:data:`PARAMETER_ROLES`), so optimizers group them
+    by meaning, not by guessing from names or shapes. ``no_decay_norms_biases_embeddings_by_default``: whether
+    the family skips weight decay on norms, biases and embeddings unless told otherwise (new families do;
+    fairseq's keep fairseq's decay of everything, for parity)."""
+
+    no_decay_norms_biases_embeddings_by_default: ClassVar[bool]
+
+    def parameter_roles(self) -> Dict[str, str]: ...

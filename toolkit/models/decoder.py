@@ -101,3 +101,25 @@ class DecoderInterface:
         """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""
         for cache in incremental_state.get("layers", []):
             cache.reorder(new_order)
+
+
+def roles_by_prefix(model: torch.nn.Module, embeddings: tuple, outputs: tuple) -> Dict[str, str]:
+    """A decoder family's parameter roles (``toolkit.core.protocols.ParameterRoles``) from what the family
+    declares: the module prefixes that are lookup tables (``embeddings``) and the output head (``outputs``).
+    Everything else follows from the module that owns the parameter: a bias is a ``bias``, the weight of a
+    normalization (1-D) is a ``norm``, a 2-D weight in the blocks is a ``matrix``."""
+    roles: Dict[str, str] = {}
+    for name, p in model.named_parameters():
+        if name.startswith(embeddings):
+            roles[name] = "embedding"
+        elif name.startswith(outputs):
+            roles[name] = "output"
+        elif name.endswith(".bias"):
+            roles[name] = "bias"
+        elif p.dim() == 1:
+            roles[name] = "norm"
+        elif p.dim() == 2:
+            roles[name] = "matrix"
+        else:
+            raise ValueError(f"{type(model).__name__}: no role for parameter {name} of shape {tuple(p.shape)}")
+    return roles

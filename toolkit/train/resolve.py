@@ -48,6 +48,7 @@ logger = logging.getLogger("toolkit.resolve")  # the name in log lines, kept fro
 DEFAULT_ARCH = "transformer_lm"
 DEFAULT_MAX_TOKENS = 4096
 OFFLOAD_OPTIMIZER = "cpu_adam"
+HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 
 
 def parse_train_config(argv: Optional[Sequence[str]] = None, prog: str = "toolkit-train",
@@ -168,9 +169,10 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
         raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
     if dist.bf16_host_grads and not dist.cpu_offload:
         raise UserError("--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)")
-    if dist.cpu_offload and cfg.components.optimizer != OFFLOAD_OPTIMIZER:
-        raise UserError(f"--cpu-offload requires --optimizer cpu_adam (the offloaded shards are updated in host "
-                        f"memory by DeepSpeed's CPU Adam), got --optimizer {cfg.components.optimizer}; "
+    if dist.cpu_offload and cfg.components.optimizer not in HOST_MEMORY_OPTIMIZERS:
+        raise UserError(f"--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
+                        f"in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
+                        f"{cfg.components.optimizer}; "
                         f"drop --optimizer or use --optimizer cpu_adam")
 
 

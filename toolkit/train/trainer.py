@@ -35,6 +35,7 @@ from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
 from toolkit.optim.grad_norm import normalize_and_clip
 from toolkit.optim.loss_scaler import DynamicLossScaler
+from toolkit.optim.param_groups import log_decay_choice, parameter_groups, skips_decay
 from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
 logger = logging.getLogger("toolkit.trainer")  # the name in log lines, kept from before the move
@@ -91,9 +92,8 @@ class Trainer:
         if env.is_master:
             flag = "memory-efficient-fp16" if common.memory_efficient_fp16 else "fp16" if common.fp16 else "bf16"
             fp16_utils.warn_if_slow_on_cpu(self.device, self.compute_dtype, flag)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer_from_section(cfg.components.optimizer, cfg.optimizer, params,
-                                                      cfg.optimization.lr)
+        self.optimizer = build_optimizer_from_section(cfg.components.optimizer, cfg.optimizer,
+                                                      self._parameter_groups(), cfg.optimization.lr)
         # --memory-efficient-fp16 without sharding: fp16 weights (cast by parallelize), fp32 optimizer state
         # (see toolkit.optim.fp16); under FSDP2 the mixed-precision policy keeps only the sharded fp32 weights.
         memory_efficient = common.memory_efficient_fp16 and not strategy.handles_mixed_precision
@@ -116,6 +116,18 @@ class Trainer:
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
+
+    def _parameter_groups(self) -> List[Any]:
+        """The trainable parameters, grouped by the family's roles where the optimizer or the weight decay asks."""
+        optimization, section = self.cfg.optimization, self.cfg.optimizer
+        no_decay = skips_decay(self.model, optimization.no_decay_norms_biases_embeddings,
+                               optimization.decay_all_parameters)
+        by_role = bool(getattr(type(section), "wants_parameter_roles", False))
+        weight_decay = float(getattr(section, "weight_decay", 0.0) or 0.0)
+        if self.env.is_master:
+            log_decay_choice(self.model, no_decay, optimization.no_decay_norms_biases_embeddings, weight_decay)
+        return parameter_groups(self.model, by_role, no_decay and weight_decay > 0,
+                                f"--optimizer {self.cfg.components.optimizer}")
 
     # --- contexts -------------------------------------------------------------------
     def _autocast(self):

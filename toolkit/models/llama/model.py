@@ -42,7 +42,7 @@ from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.blocks.attention import Attention, attention_mask
 from toolkit.models.blocks.feed_forward import GatedFeedForward
 from toolkit.models.blocks.norms import RMSNorm
-from toolkit.models.decoder import DecoderInterface, KVCache
+from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
@@ -162,6 +162,13 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
                                 "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
             raise KeyError(f"no initialization rule for parameter {name}")
         return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    no_decay_norms_biases_embeddings_by_default = True  # the usual rule of 2024-26 pretraining recipes
+
+    def parameter_roles(self) -> Dict[str, str]:
+        """What each parameter is to the optimizer (``toolkit.core.protocols.ParameterRoles``): Muon's matrices are
+        the blocks' projections; the token table and the untied head go to AdamW."""
+        return roles_by_prefix(self, embeddings=("embed_tokens.",), outputs=("output_projection.",))
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """torchtitan's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""

@@ -54,7 +54,7 @@ from toolkit.core.protocols import TensorParallelPlan
 from toolkit.core.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
-from toolkit.models.decoder import DecoderInterface, KVCache
+from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
@@ -332,6 +332,15 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         else:
             raise KeyError(f"no initialization rule for parameter {name}")
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+    no_decay_norms_biases_embeddings_by_default = False  # fairseq decays every parameter: kept for parity
+
+    def parameter_roles(self) -> Dict[str, str]:
+        """What each parameter is to the optimizer (``toolkit.core.protocols.ParameterRoles``): the token and
+        position tables (adaptive input's bands too) are embeddings, the output head (or adaptive softmax) the
+        output; the blocks' and the dimension projections' weights are Muon's matrices."""
+        return roles_by_prefix(self, embeddings=("embed_tokens.", "embed_positions."),
+                               outputs=("output_projection.", "adaptive_softmax."))
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""

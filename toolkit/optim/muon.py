@@ -1,0 +1,233 @@
+"""``--optimizer muon``: Newton-Schulz-orthogonalized momentum for the blocks' matrices, AdamW for the rest.
+
+One optimizer over parameter groups tagged with the family's roles (``toolkit.optim.param_groups``): groups of
+role ``matrix`` take torch's Muon update (``torch.optim.Muon``'s momentum, Newton-Schulz iteration and
+learning-rate adjustment, the same functions), every other group (embeddings, output head, norms, biases)
+takes torch's AdamW update. One optimizer, so one state dict, one LR schedule (``set_lr`` sets every group;
+the AdamW side keeps its ratio ``--muon-adamw-lr / --lr``) and the checkpoints' optimizer entry as for Adam:
+Muon's parameters hold ``momentum_buffer`` (torch's name), AdamW's ``step``/``exp_avg``/``exp_avg_sq``.
+
+Sharded matrices (FSDP2's row shards, tensor parallelism's column or row shards, both: DTensors):
+orthogonalizing a shard is not orthogonalizing the matrix, so each matrix's momentum update is gathered
+whole (``full_tensor``), orthogonalized by one owner, chosen round-robin (on a 2-D mesh the ranks at that
+coordinate of the first dimension: ``distribute_tensor`` scatters dimension by dimension), and the owner's result is
+scattered back as the parameter's own shards (``distribute_tensor(src_data_rank=owner)``). Every rank then
+applies the same update to its shard, so N ranks take the step one process takes. The bytes moved per step
+are logged once at start-up.
+
+Host memory (``--cpu-offload``: the parameters, gradients and this state live on the CPU): the momentum stays
+there (fp32, or bf16 with ``--muon-momentum-dtype bf16``); the Newton-Schulz iteration runs on the GPU when
+there is one, one matrix at a time (the copy up and back is two transfers of one matrix), else on the CPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional
+
+import torch
+from torch.optim.adamw import adamw
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+
+from toolkit.config import opt
+from toolkit.config.flag_types import positive_int
+from toolkit.core.errors import UserError
+from toolkit.core.registry import register_optimizer
+from toolkit.optim.adam import check_adam_options
+
+logger = logging.getLogger("toolkit.optim")
+
+MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class MuonConfig:
+    wants_parameter_roles: ClassVar[bool] = True  # the trainer hands this optimizer groups tagged by role
+
+    muon_momentum: float = opt(0.95, "Muon's momentum factor")
+    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon's matrices")
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per matrix and step", type=positive_int)
+    muon_adjust_lr: str = opt("original", "how Muon scales --lr by a matrix's shape (A x B): 'original' by "
+                                          "sqrt(max(1, A/B)) (Keller Jordan's), 'match_rms_adamw' by "
+                                          "0.2 sqrt(max(A, B)) (Moonshot's: AdamW's learning rate and weight "
+                                          "decay carry over)", choices=["original", "match_rms_adamw"])
+    muon_adamw_lr: Optional[float] = opt(None, "peak learning rate of the AdamW side (embeddings, output head, "
+                                               "norms, biases), scheduled as --lr (default: --lr)")
+    muon_momentum_dtype: str = opt("fp32", "Muon's momentum in fp32 or bf16 (half the host memory under "
+                                           "--cpu-offload)", choices=list(MOMENTUM_DTYPES))
+    adam_betas: str = opt("(0.9, 0.999)", "betas of the AdamW side, e.g. '(0.9, 0.98)'")
+    adam_eps: float = opt(1e-8, "epsilon of the AdamW side")
+    weight_decay: float = opt(0.0, "weight decay (decoupled) of both sides")
+
+
+def _on_fastest_device(matrix: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(matrix)`` on the GPU when the matrix is in host memory and a GPU exists (one matrix at a time)."""
+    if matrix.device.type != "cpu" or not torch.cuda.is_available():
+        return fn(matrix)
+    return fn(matrix.to("cuda", non_blocking=True)).to("cpu")
+
+
+def orthogonalized_update(update: torch.Tensor, ns_steps: int, owner: int) -> torch.Tensor:
+    """Newton-Schulz of the whole matrix ``update`` (torch.optim.Muon's function), in ``update``'s layout.
+
+    A DTensor is gathered whole, orthogonalized where the first mesh coordinate is ``owner`` and scattered
+    back from there; a plain tensor on the CPU goes to the GPU when there is one (``--cpu-offload``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    if not isinstance(update, DTensor):
+        return _on_fastest_device(update, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
+    mesh = update.device_mesh
+    full = update.full_tensor()
+    if mesh.get_coordinate()[0] == owner:
+        result = _on_fastest_device(full, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
+    else:  # filled by the owner's scatter
+        result = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+    return distribute_tensor(result, mesh, update.placements, src_data_rank=owner)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups of role ``matrix``, AdamW on the others (see the module docstring)."""
+
+    def __init__(self, params: List[Dict[str, Any]], lr: float, *, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, adjust_lr_fn: str = "original", adamw_lr_ratio: float = 1.0,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum_dtype: torch.dtype = torch.float32):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, lr_ratio=adamw_lr_ratio)
+        super().__init__(params, defaults)
+        self.momentum_dtype = momentum_dtype
+        for group in self.param_groups:
+            if group["role"] == "matrix":
+                group["lr_ratio"] = 1.0
+                for p in group["params"]:
+                    if p.dim() != 2:
+                        raise ValueError(f"--optimizer muon: a 'matrix' parameter has shape {tuple(p.shape)}; "
+                                         "the family's parameter_roles must name only 2-D weights 'matrix'")
+        self._log_communication()
+        self.register_load_state_dict_post_hook(Muon._momentum_in_own_dtype)
+
+    @staticmethod
+    def _momentum_in_own_dtype(optimizer: "Muon") -> None:
+        """torch's ``load_state_dict`` casts state to the parameter's dtype: a checkpoint's momentum (fp32 or bf16)
+        is converted to this run's ``--muon-momentum-dtype``, as cpu_adam converts its moments."""
+        for state in optimizer.state.values():
+            buf = state.get("momentum_buffer")
+            if buf is not None and buf.dtype != optimizer.momentum_dtype:
+                state["momentum_buffer"] = buf.to(optimizer.momentum_dtype)
+
+    def _matrices(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups if g["role"] == "matrix" for p in g["params"]]
+
+    def _log_communication(self) -> None:
+        """Once at start-up: how many bytes the whole-matrix orthogonalization moves per step."""
+        from torch.distributed.tensor import DTensor
+
+        sharded = [p for p in self._matrices() if isinstance(p, DTensor)]
+        if not sharded:
+            return
+        mesh = sharded[0].device_mesh
+        rank, world = torch.distributed.get_rank(), mesh.size()
+        gathered = sum(p.numel() - p.to_local().numel() for p in sharded) * 4  # fp32 momentum in
+        scattered = sum(p.numel() for p in sharded) * 2 // world  # bf16 result out, from owners in turn
+        if rank == 0:
+            logger.info(f"--optimizer muon: {len(sharded)} sharded matrices orthogonalized whole, each by one "
+                        f"owner (round-robin over {min(mesh.shape)} ranks): per step a rank gathers "
+                        f"{gathered / 2 ** 20:.2f} MiB of momentum and receives {scattered / 2 ** 20:.2f} MiB of "
+                        f"updates")
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=self.momentum_dtype)
+        return state["momentum_buffer"]
+
+    def _muon_group(self, group: Dict[str, Any], first_index: int) -> int:
+        """torch.optim.Muon's single-tensor update with whole-matrix orthogonalization; returns the next index."""
+        lr, momentum, index = group["lr"], group["momentum"], first_index
+        for p in group["params"]:
+            owner = index % self._owners(p)
+            index += 1
+            if p.grad is None:
+                continue
+            grad, buf = p.grad, self._momentum(p)
+            if buf.dtype != grad.dtype:  # bf16 momentum: the arithmetic in the gradient's precision
+                wide = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
+                buf.copy_(wide)
+            else:
+                wide = buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(wide, momentum) if group["nesterov"] else wide
+            update = orthogonalized_update(update, group["ns_steps"], owner)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return index
+
+    @staticmethod
+    def _owners(p: torch.Tensor) -> int:
+        """How many owners take turns: ``distribute_tensor`` scatters from the same group rank on every mesh
+        dimension, so an owner is a rank index all of them have."""
+        mesh = getattr(p, "device_mesh", None)
+        return min(mesh.shape) if mesh is not None else 1
+
+    def _adamw_group(self, group: Dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_ratio"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            if group["role"] == "matrix":
+                index = self._muon_group(group, index)
+            else:
+                self._adamw_group(group)
+        return loss
+
+
+def check_muon_options(cfg: MuonConfig, lr: float) -> float:
+    """The options' checks; returns the AdamW side's learning rate as a ratio of --lr."""
+    check_adam_options(cfg, lr)
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise UserError(f"--muon-momentum: must be in [0, 1), got {cfg.muon_momentum}")
+    if cfg.muon_adamw_lr is None:
+        return 1.0
+    if cfg.muon_adamw_lr < 0:
+        raise UserError(f"--muon-adamw-lr: must be >= 0, got {cfg.muon_adamw_lr}")
+    if lr == 0:
+        raise UserError("--muon-adamw-lr: is scheduled as a ratio of --lr, which is 0; give --lr > 0")
+    return cfg.muon_adamw_lr / lr
+
+
+@register_optimizer("muon", dataclass=MuonConfig)
+def build(cfg: MuonConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    ratio = check_muon_options(cfg, lr)
+    params = list(params)
+    if not all(isinstance(g, dict) and "role" in g for g in params):
+        raise UserError("--optimizer muon: needs the parameters grouped by the family's roles (matrices for Muon, "
+                        "the rest for AdamW); build it from toolkit.optim.param_groups.parameter_groups")
+    return Muon(params, lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr_ratio=ratio, betas=check_adam_options(cfg, lr),
+                eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                momentum_dtype=MOMENTUM_DTYPES[cfg.muon_momentum_dtype])
