@@ -1,0 +1,78 @@
+"""``toolkit-train --context-parallel-size``: each sequence split over gloo ranks equals one process.
+
+The attention arithmetic of the layout is checked in one process by tests/unit/test_context_parallel.py;
+here the real command: the all-gather of keys/values and its backward, positions kept global, the loss and
+token counts summed over the cp ranks, FSDP2 sharding over dp_shard x cp, checkpoints and resume at CP 1.
+"""
+import shutil
+
+import torch
+
+from tests.helpers import dist_helpers as H
+from tests.helpers.dist_helpers import assert_logged_losses_match, llama_args
+
+UPDATES = 4
+DOCUMENTS = ["--document-attention-mask", "--reset-position-ids", "--sample-break-mode", "none"]
+
+
+def train(data, save_dir, *flags):
+    proc = H.run_train([data, *llama_args(save_dir), "--disable-validation", "--max-update", str(UPDATES), *flags],
+                       timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def model_state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents(tmp_path):
+    """4 ranks (dp_shard 2 x cp 2, FSDP2 over all four): two batches per update, each split over 2 ranks."""
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    for name, flags in (("plain", []), ("documents", DOCUMENTS)):
+        one = train(data, tmp_path / f"{name}-one", *flags, "--update-freq", "2")
+        cp = train(data, tmp_path / f"{name}-cp", *flags, "--distributed-world-size", "4",
+                   "--context-parallel-size", "2", "--ddp-backend", "fully_sharded")
+        assert_logged_losses_match(H.losses(cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
+        assert_same_weights(model_state(tmp_path / f"{name}-cp" / "checkpoint_last.pt"),
+                            model_state(tmp_path / f"{name}-one" / "checkpoint_last.pt"))
+
+
+def test_cp2_with_documents_and_a_window_equals_one_process(tmp_path):
+    """Documents and a 5-token window crossing the chunk boundaries (T 32 in chunks of 8); DDP (c10d)."""
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    flags = [*DOCUMENTS, "--sliding-window", "5"]
+    one = train(data, tmp_path / "one", *flags)
+    cp = train(data, tmp_path / "cp", *flags, "--distributed-world-size", "2", "--context-parallel-size", "2")
+    assert_logged_losses_match(H.losses(cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
+    assert_same_weights(model_state(tmp_path / "cp" / "checkpoint_last.pt"),
+                        model_state(tmp_path / "one" / "checkpoint_last.pt"))
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
+    """The sharded (DCP) checkpoint of update 2 at (cp 2, FSDP2) continues in one process as if never split."""
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    one = train(data, tmp_path / "one")
+    train(data, tmp_path / "cp", "--distributed-world-size", "2", "--context-parallel-size", "2",
+          "--ddp-backend", "fully_sharded", "--save-interval-updates", "2", "--use-sharded-state")
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "cp" / "checkpoint_1_2", resumed_dir / "checkpoint_last")
+    resumed = train(data, resumed_dir)
+    assert "loaded sharded checkpoint" in resumed.stdout
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(one.stdout), range(3, UPDATES + 1))
+    assert_same_weights(model_state(resumed_dir / "checkpoint_last.pt"), model_state(tmp_path / "one" / "checkpoint_last.pt"))
+
+
+def test_a_family_without_context_parallel_attention_is_refused(tmp_path):
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+    proc = H.run_train([data, *H.model_args(str(tmp_path / "ck")), "--distributed-world-size", "2",
+                        "--context-parallel-size", "2"])
+    assert proc.returncode == 1
+    assert "--arch transformer_lm's attention does not exchange keys/values" in proc.stderr.strip().splitlines()[-1]
