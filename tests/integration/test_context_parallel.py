@@ -27,9 +27,12 @@ def model_state(path):
 
 
 def assert_same_weights(a, b):
+    """atol 1e-4 (lr 3e-3, weights ~1e-2): the CP ranks attend tile by tile with the flash kernel, one process
+    in one call, so the gradients differ in rounding; Adam turns rounding of a near-zero gradient into up to
+    lr-sized steps (2e-5 measured on one element of 4 updates), as in test_tp_cli's comparison."""
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
 def test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents(tmp_path):

@@ -36,10 +36,26 @@ def _documents(B, T, seed=0):
     return starts.cumsum(1)
 
 
+class _SimulatedGather(ContextShard):
+    """A shard in one process whose 'all-gather' returns the whole sequence's k/v in the layout's order."""
+
+    def __init__(self, T, C, r, full_kv, **kw):
+        super().__init__(T, C, r, **kw)
+        self.full_kv = full_kv
+
+    def gather(self, x):
+        return self.full_kv
+
+
 @pytest.mark.parametrize("C", [2, 3])
 @pytest.mark.parametrize("documents,window,softcap", [(False, None, None), (True, None, None), (False, 5, None),
                                                       (True, 4, None), (True, None, 30.0)])
-def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, window, softcap):
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "one_mask"])
+def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, window, softcap, tiles):
+    """Both back ends: the CPU tiles merged by log-sum-exp (soft-capped logits take the mask instead), and
+    ``attend`` under the [T/C, T] mask (CUDA's)."""
+    if tiles is False and softcap is not None:
+        pytest.skip("soft-capped logits always take the mask: the tiles case covers it")
     B, H, G, T, D = 2, 4, 2, 12 * C, 8
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, heads, T, D, generator=g, requires_grad=True) for heads in (H, G, G))
@@ -51,30 +67,31 @@ def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, wi
     keys = gathered_layout(T, C)
     out = torch.empty_like(full)
     for r in range(C):
-        shard = ContextShard(T, C, r, document_ids=docs)
+        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]), document_ids=docs)
         rows = shard.query_index
-        part = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], shard.mask(window), causal=False, softcap=softcap)
+        if tiles:
+            part = shard.attend_across_ranks(q[:, :, rows], k[:, :, rows], v[:, :, rows], window, softcap=softcap)
+        else:
+            part = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], shard.mask(window), causal=False)
         out[:, :, rows] = part
-    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     got = torch.autograd.grad(out, (q, k, v), grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-class _SimulatedGather(ContextShard):
-    """A shard of a one-rank 'group' whose gather returns the whole sequence's keys (computed beforehand)."""
-
-    def __init__(self, T, C, r, full_kv, **kw):
-        super().__init__(T, C, r, **kw)
-        self.full_kv = full_kv
-
-    def exchange_keys_values(self, k, v, window=None):
-        fk, fv = self.full_kv
-        return fk, fv, self.mask(window)
+def test_tiles_skip_what_the_mask_hides():
+    """Plain causal: a rank's tiles are the diagonal ones (flash's is_causal) and the earlier chunks, unmasked."""
+    shard = ContextShard(16, 2, 0)
+    tiles = shard.blocks(None, torch.float32)
+    # rank 0 holds chunks 0 and 3; gathered key chunks: 0, 3 (rank 0), 1, 2 (rank 1)
+    assert {(b.query, b.key, b.causal, b.mask is None) for b in tiles} == {
+        (0, 0, True, True), (1, 1, True, True), (1, 0, False, True), (1, 2, False, True), (1, 3, False, True)}
+    assert [b.causal for b in tiles[:2]] == [True, True]  # the diagonal first: each row's log-sum-exp is finite
 
 
 def test_attention_module_takes_the_shard_as_its_mask():
-    """blocks.Attention gathers through the shard and attends with its window: rows equal the full layer's."""
+    """blocks.Attention hands q/k/v to the shard with its window: the rows equal the full layer's."""
     torch.manual_seed(0)
     T, C = 16, 2
     layer = Attention(32, 4, 2, 8, window=6)
@@ -85,7 +102,7 @@ def test_attention_module_takes_the_shard_as_its_mask():
     keys = gathered_layout(T, C)
     for r in range(C):
         rows = chunk_layout(T, C, r)
-        shard = _SimulatedGather(T, C, r, (k[:, :, keys], v[:, :, keys]))
+        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]))
         torch.testing.assert_close(layer(x[:, rows], cos[rows], sin[rows], attn_mask=shard), full[:, rows])
 
 

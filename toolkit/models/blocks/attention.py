@@ -158,10 +158,10 @@ class Attention(nn.Module):
         (``toolkit.distributed.context_parallel.ContextShard``); with ``kv_cache`` the new positions P..P+T-1 see
         every cached one (within the window) and the new ones up to themselves."""
         q, k, v = self.project(x, cos, sin)
-        exchange = getattr(attn_mask, "exchange_keys_values", None)
-        if exchange is not None:  # context parallelism: the whole sequence's keys, this chunk's queries
-            k, v, attn_mask = exchange(k, v, self.window)
-            return self.attend(q, k, v, attn_mask, causal=False)
+        across_ranks = getattr(attn_mask, "attend_across_ranks", None)
+        if across_ranks is not None:  # context parallelism: this chunk's queries, the whole sequence's keys
+            y = across_ranks(q, k, v, self.window, self.scale, self.softcap)
+            return self.o_proj(y.transpose(1, 2).flatten(2))
         if kv_cache is None:
             if attn_mask is None and self.window is not None:
                 attn_mask = causal_mask(0, x.size(1), self.window, x.device)
