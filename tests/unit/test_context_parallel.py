@@ -122,3 +122,24 @@ def test_shard_sample_keeps_positions_global_and_counts_each_token_once():
     assert parts[1]["net_input"]["context_parallel"].document_ids.tolist() == [[0] * 5 + [1] * 7]
     reset = dict(sample, net_input=dict(sample["net_input"], positions=torch.tensor([[0, 1, 2, 3, 4] * 2])))
     assert shard_sample(reset, 2, 1, None, pad=0)["net_input"]["positions"].tolist() == [[3, 4, 0, 1, 2, 3]]
+
+
+def test_planner_divides_activations_per_cp_rank(tmp_path):
+    """toolkit-plan: a rank of --context-parallel-size 2 holds half of each sequence's activations."""
+    import dataclasses
+
+    from tests.helpers.dist_helpers import llama_args, make_lm_data_bin
+    from toolkit.plan.memory import activation_bytes
+    from toolkit.plan.model_stats import model_stats
+    from toolkit.plan.setup import setup_from_config
+    from toolkit.train.resolve import parse_train_config
+
+    data = make_lm_data_bin(str(tmp_path / "bin"))
+    cfg = parse_train_config([data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2",
+                              "--context-parallel-size", "2", "--ddp-backend", "fully_sharded"])
+    stats, cp2 = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
+    assert cp2.cp == 2
+    for checkpoint in (False, True):
+        split = activation_bytes(stats, dataclasses.replace(cp2, checkpoint=checkpoint))
+        whole = activation_bytes(stats, dataclasses.replace(cp2, cp=1, checkpoint=checkpoint))
+        assert [2 * s for s in split] == pytest.approx(whole, abs=2)

@@ -159,20 +159,24 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     The transient is the larger of the head's (the logits' gradient, with the logits still saved)
     and one block's backward (its recomputed activations under checkpointing, all alive at once,
     plus the fp32 gradient flowing in and out of it); :mod:`toolkit.plan.update_peak` places both.
+    Context parallelism (``--context-parallel-size C``) gives each rank T/C of every sequence's tokens, so
+    each term is divided by C (the attention is tiled, so no term grows with T x T; the gathered keys/values
+    of a layer, 2 x T x G x D, are small next to its activations and not counted).
     """
-    act, b, M = stats.activations, setup.batch_sequences, setup.mp
+    act, b, M, C = stats.activations, setup.batch_sequences, setup.mp, setup.cp
     layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
     per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
-    saved = b * (stats.num_layers * per_layer + act.rest / M)
-    recompute = b * act.per_layer * layer_share if setup.checkpoint else 0
-    flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1)
-    logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)
+    saved = b * (stats.num_layers * per_layer + act.rest / M) / C
+    recompute = b * act.per_layer * layer_share / C if setup.checkpoint else 0
+    flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1) / C
+    logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes) / C
     return int(saved), int(max(recompute + flow, logits_grad))
 
 
 def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     saved, transient = activation_bytes(stats, setup)
-    note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (", checkpointed" if setup.checkpoint else "")
+    note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (f" / cp {setup.cp}" if setup.cp > 1 else "")
+    note += ", checkpointed" if setup.checkpoint else ""
     on_host = setup.offload_activations or not hw.has_gpu
     items = [Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
              Item("backward transient", transient if hw.has_gpu else 0, 0 if hw.has_gpu else transient,
