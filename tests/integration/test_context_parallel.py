@@ -4,6 +4,7 @@ The attention arithmetic of the layout is checked in one process by tests/unit/t
 here the real command: the all-gather of keys/values and its backward, positions kept global, the loss and
 token counts summed over the cp ranks, FSDP2 sharding over dp_shard x cp, checkpoints and resume at CP 1.
 """
+import json
 import shutil
 
 import torch
@@ -98,3 +99,21 @@ def test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process(tmp_path):
     assert sorted(cp_bf16) == list(range(1, UPDATES + 1))
     for u in cp_bf16:  # bf16 keeps 8 bits of mantissa: 2e-3 relative is its rounding of a loss near 7
         assert abs(cp_bf16[u] - one_bf16[u]) <= 2e-3 * abs(one_bf16[u]), (u, cp_bf16[u], one_bf16[u])
+
+
+def test_cp2_pads_uneven_lines_and_validates_as_one_process(tmp_path):
+    """--sample-break-mode eos: lines of any length (padded to a multiple of 2C on the CP ranks); the validation's
+    loss and counts (words and sentences per batch: each row counted once over the cp ranks) equal one process's."""
+    data = H.make_lm_data_bin(str(tmp_path / "bin"))
+
+    def run(name, *flags):
+        proc = H.run_train([data, *llama_args(tmp_path / name), "--max-update", "3", "--sample-break-mode", "eos",
+                            *flags], timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        valid = [json.loads(line.split("| valid | ")[1]) for line in proc.stdout.splitlines() if "| valid | " in line]
+        return H.losses(proc.stdout), {k: valid[-1][k] for k in ("valid_loss", "valid_wpb", "valid_bsz")}
+
+    one_losses, one_valid = run("one")
+    cp_losses, cp_valid = run("cp", "--distributed-world-size", "2", "--context-parallel-size", "2")
+    assert_logged_losses_match(cp_losses, one_losses, range(1, 4))
+    assert cp_valid == one_valid
