@@ -72,7 +72,8 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     resumed = train(data, resumed_dir)
     assert "loaded sharded checkpoint" in resumed.stdout
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(one.stdout), range(3, UPDATES + 1))
-    assert_same_weights(model_state(resumed_dir / "checkpoint_last.pt"), model_state(tmp_path / "one" / "checkpoint_last.pt"))
+    assert_same_weights(model_state(resumed_dir / "checkpoint_last.pt"),
+                        model_state(tmp_path / "one" / "checkpoint_last.pt"))
 
 
 def test_a_family_without_context_parallel_attention_is_refused(tmp_path):

@@ -227,10 +227,11 @@ for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16",
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
 for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
     _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
-CP_DP = "tests/integration/test_context_parallel.py::test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
+CONTEXT = "tests/integration/test_context_parallel.py::"
+CP_DP = CONTEXT + "test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
 _PAIRS[("FSDP", "CP")] = Tested(CP_DP, "the Llama family: FSDP2 shards over dp_shard x cp")
 _PAIRS[("CP", "document mask")] = Tested(CP_DP, "the Llama family, with --reset-position-ids")
-CP_TP_AC = "tests/integration/test_context_parallel.py::test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process"
+CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process"
 for _other in ("TP", "SP", "AC", "bf16"):
     _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
 for _model_split in ("CP", "EP"):
