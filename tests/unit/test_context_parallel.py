@@ -132,6 +132,9 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
     from toolkit.plan.memory import activation_bytes
     from toolkit.plan.model_stats import model_stats
     from toolkit.plan.setup import setup_from_config
+    from toolkit.plan.hardware import PRESETS
+    from toolkit.plan.step_time import step_time
+    from toolkit.plan.update_peak import moments
     from toolkit.train.resolve import parse_train_config
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
@@ -143,3 +146,13 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
         split = activation_bytes(stats, dataclasses.replace(cp2, checkpoint=checkpoint))
         whole = activation_bytes(stats, dataclasses.replace(cp2, cp=1, checkpoint=checkpoint))
         assert [2 * s for s in split] == pytest.approx(whole, abs=2)
+        # the update's peak moments (start of backward, first block's backward) hold half the activations too
+        at = lambda s: [sum(n for n, _ in terms) for terms in (moments(stats, s).top, moments(stats, s).bottom)]  # noqa: E731,E501
+        state = at(dataclasses.replace(cp2, checkpoint=checkpoint, batch_sequences=0))
+        split_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, checkpoint=checkpoint)), state)]
+        whole_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint)), state)]
+        assert [2 * p for p in split_peaks] == pytest.approx(whole_peaks, abs=8)
+    # the step's compute: a CP rank computes half of each sequence, the update still counts every token
+    one = step_time(stats, dataclasses.replace(cp2, cp=1, world=1), PRESETS["h100"])
+    two = step_time(stats, cp2, PRESETS["h100"])
+    assert two.flops_per_rank == pytest.approx(one.flops_per_rank / 2) and two.tokens_per_step == one.tokens_per_step

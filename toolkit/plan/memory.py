@@ -159,17 +159,14 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     The transient is the larger of the head's (the logits' gradient, with the logits still saved)
     and one block's backward (its recomputed activations under checkpointing, all alive at once,
     plus the fp32 gradient flowing in and out of it); :mod:`toolkit.plan.update_peak` places both.
-    Context parallelism (``--context-parallel-size C``) gives each rank T/C of every sequence's tokens, so
-    each term is divided by C (the attention is tiled, so no term grows with T x T; the gathered keys/values
-    of a layer, 2 x T x G x D, are small next to its activations and not counted).
     """
-    act, b, M, C = stats.activations, setup.batch_sequences, setup.mp, setup.cp
+    act, b, M = stats.activations, setup.rank_sequences, setup.mp
     layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
     per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
-    saved = b * (stats.num_layers * per_layer + act.rest / M) / C
-    recompute = b * act.per_layer * layer_share / C if setup.checkpoint else 0
-    flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1) / C
-    logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes) / C
+    saved = b * (stats.num_layers * per_layer + act.rest / M)
+    recompute = b * act.per_layer * layer_share if setup.checkpoint else 0
+    flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1)
+    logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)
     return int(saved), int(max(recompute + flow, logits_grad))
 
 

@@ -71,7 +71,7 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
 
 
 def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
-    tokens_rank = setup.batch_sequences * stats.tokens_per_sample * setup.update_freq
+    tokens_rank = setup.rank_sequences * stats.tokens_per_sample * setup.update_freq
     flops = stats.flops_per_token * tokens_rank / setup.mp
     executed = flops * (8 / 6 if setup.checkpoint else 1.0)  # the recomputed forward
     peak = (hw.gpu_tflops if setup.compute_bytes == 2 else hw.fp32_tflops) * 1e12
@@ -87,4 +87,4 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
         optimizer = ADAM_BYTES_PER_PARAM * P_local / HBM_BYTES_PER_S.get(hw.name, 2.0e12)
     total = max(compute, overlapped) + exposed + optimizer
     return StepTime(flops, compute, tuple((n, b, s) for n, b, s, _ in comms), optimizer, total,
-                    tokens_rank * setup.dp)
+                    int(round(tokens_rank * setup.dp)))
