@@ -147,7 +147,10 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
         whole = activation_bytes(stats, dataclasses.replace(cp2, cp=1, checkpoint=checkpoint))
         assert [2 * s for s in split] == pytest.approx(whole, abs=2)
         # the update's peak moments (start of backward, first block's backward) hold half the activations too
-        at = lambda s: [sum(n for n, _ in terms) for terms in (moments(stats, s).top, moments(stats, s).bottom)]  # noqa: E731,E501
+        def at(setup):
+            both = moments(stats, setup)
+            return [sum(n for n, _ in terms) for terms in (both.top, both.bottom)]
+
         state = at(dataclasses.replace(cp2, checkpoint=checkpoint, batch_sequences=0))
         split_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, checkpoint=checkpoint)), state)]
         whole_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint)), state)]
