@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers import dist_helpers as H
 from tests.helpers.dist_helpers import assert_logged_losses_match, llama_args
+from toolkit.config.composition import CP_COMPILE
 
 UPDATES = 4
 DOCUMENTS = ["--document-attention-mask", "--reset-position-ids", "--sample-break-mode", "none"]
@@ -76,12 +77,17 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
                         model_state(tmp_path / "one" / "checkpoint_last.pt"))
 
 
-def test_a_family_without_context_parallel_attention_is_refused(tmp_path):
+def test_refusals_are_one_line(tmp_path):
+    """A family without context-parallel attention; --compile (a block's graph cannot hold the exchange)."""
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
     proc = H.run_train([data, *H.model_args(str(tmp_path / "ck")), "--distributed-world-size", "2",
                         "--context-parallel-size", "2"])
     assert proc.returncode == 1
     assert "--arch transformer_lm's attention does not exchange keys/values" in proc.stderr.strip().splitlines()[-1]
+    proc = H.run_train([data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2",
+                        "--context-parallel-size", "2", "--compile"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"toolkit-train: error: {CP_COMPILE}"]
 
 
 def test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process(tmp_path):
