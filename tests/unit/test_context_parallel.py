@@ -159,3 +159,8 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
     one = step_time(stats, dataclasses.replace(cp2, cp=1, world=1), PRESETS["h100"])
     two = step_time(stats, cp2, PRESETS["h100"])
     assert two.flops_per_rank == pytest.approx(one.flops_per_rank / 2) and two.tokens_per_step == one.tokens_per_step
+    # the K/V exchange: llama_tiny's 2 layers of k and v (2 heads x 16 each), 4 x 32 tokens, fp32; half comes
+    # from the other rank, 3 times (gather, and the gradients' ring all-reduce); not in one process's step
+    exchange = {name: size for name, size, _ in two.comm}["context-parallel K/V exchange"]
+    assert exchange == 2 * (2 * 32) * 4 * 32 * 4 / 2 * 3
+    assert "context-parallel K/V exchange" not in {name for name, _, _ in one.comm}

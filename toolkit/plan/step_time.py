@@ -63,11 +63,26 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
         per_layer = (4 + (2 if setup.checkpoint else 0)) * 2 * act * (setup.mp - 1) / setup.mp
         tp = mb * stats.num_layers * per_layer
         out.append(("tensor-parallel all-reduce", tp, tp / _link(hw, setup.mp), False))
+    if setup.cp > 1:
+        kv = context_parallel_bytes(stats, setup)
+        out.append(("context-parallel K/V exchange", kv, kv / _link(hw, setup.cp * setup.mp), False))
     if setup.cpu_offload and hw.has_gpu:
         S_params = 4 * P / S
         h2d = mb * (2 if setup.reshard else 1) * S_params + (2 if setup.bf16_host_grads else 4) * P / S
         out.append(("host <-> GPU copies", h2d, h2d / (hw.host_link_gbps / 8 * 1e9 * hw.comm_efficiency), True))
     return out
+
+
+def context_parallel_bytes(stats: ModelStats, setup: Setup) -> float:
+    """Bytes a CP rank receives per update for the keys/values (``toolkit.distributed.context_parallel``): each
+    layer all-gathers its k and v of the whole sequence (the others' (C-1)/C of it), again when a checkpointed
+    block is recomputed, and backward all-reduces their gradients (a ring all-reduce: twice the gather's bytes).
+    Not overlapped: the attention waits for the gather."""
+    kv_width = sum(p.shape[0] / (setup.mp if p.tp_split else 1) for p in stats.params
+                   if p.name.endswith(("k_proj.weight", "v_proj.weight")))
+    whole = setup.batch_sequences * stats.tokens_per_sample * kv_width * setup.compute_bytes
+    gather = whole * (setup.cp - 1) / setup.cp
+    return setup.update_freq * gather * (3 + (1 if setup.checkpoint else 0))
 
 
 def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
