@@ -100,12 +100,15 @@ def test_model_capabilities_refuse_with_the_physical_reason():
     with pytest.raises(UserError, match=r"^--expert-parallel-size 2: --arch llama has no expert \(MoE\) layers to "
                                         r"place; use a MoE architecture or drop the flag$"):
         check_model_capabilities(dataclasses.replace(plain, expert_parallel_size=2), "llama", LlamaLanguageModel)
-    with pytest.raises(UserError, match=r"^--context-parallel-size 2: --arch llama's attention does not exchange "
-                                        r"keys/values across ranks"):
-        check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "llama", LlamaLanguageModel)
+    check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "llama", LlamaLanguageModel)
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    with pytest.raises(UserError, match=r"^--context-parallel-size 2: --arch transformer_lm's attention does not "
+                                        r"exchange keys/values across ranks"):
+        check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "transformer_lm",
+                                 TransformerLanguageModel)
 
     class WithRingAttentionAndExperts(LlamaLanguageModel):  # what a family does once it has both: flip the flags
-        supports_context_parallel = True
         supports_expert_parallel = True
 
     check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2, expert_parallel_size=2), "x",

@@ -138,6 +138,10 @@ EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole i
                "fairseq's format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank "
                "holds only its shards: averaging whole weights would gather the whole model onto every rank after "
                "each update, which sharding exists to avoid; use --ddp-backend c10d or no_c10d")
+CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each block one graph (fullgraph), while "
+              "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
+              "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
+              "--compile (or the split)")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -227,6 +231,14 @@ for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16",
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
 for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
     _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
+CONTEXT = "tests/integration/test_context_parallel.py::"
+CP_DP = CONTEXT + "test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
+_PAIRS[("FSDP", "CP")] = Tested(CP_DP, "the Llama family: FSDP2 shards over dp_shard x cp")
+_PAIRS[("CP", "document mask")] = Tested(CP_DP, "the Llama family, with --reset-position-ids")
+CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process"
+for _other in ("TP", "SP", "AC", "bf16"):
+    _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
+_PAIRS[("CP", "compile")] = Refused(CP_COMPILE)
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:

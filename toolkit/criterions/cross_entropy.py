@@ -144,7 +144,8 @@ class CrossEntropyCriterion(torch.nn.Module):
             ntokens = nsentences = sample_size = 0
         else:
             ntokens = int(sample["ntokens"])
-            nsentences = int(sample["target"].size(0))
+            # a context-parallel shard counts its rows on one cp rank only (the rows are split over the cp ranks)
+            nsentences = int(sample.get("nsentences", sample["target"].size(0)))
             sample_size = nsentences if self.sentence_avg else ntokens
         logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
                           "sample_size": sample_size}

@@ -7,6 +7,7 @@ The trainer asks its strategy, and nothing else, around each micro-batch:
 ``forward_context()``           ``--offload-activations``: saved tensors wait in host memory
 
 ``loss_context()``              ``--model-parallel-size``: the loss of vocabulary-sharded logits
+``shard_sample(sample, pad)``   ``--context-parallel-size``: this rank's chunks of the sequences
 
 ``handles_mixed_precision`` tells whether parameters are cast by the wrapper (then
 ``--memory-efficient-fp16`` needs no fp16 copy of the model on the trainer's side).
@@ -17,7 +18,7 @@ group and the meshes (under tensor parallelism the M ranks of one replica see th
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,17 @@ class ParallelStrategy:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
+
+    def shard_sample(self, sample: Dict[str, Any], pad: int) -> Dict[str, Any]:
+        """The micro-batch this rank computes: its chunks of each sequence under ``--context-parallel-size``
+        (``toolkit.distributed.context_parallel``; ``pad``: the padding index), the whole batch otherwise."""
+        shape = self.dims.shape
+        if shape.cp == 1:
+            return sample
+        from toolkit.distributed.context_parallel import shard_sample
+
+        cp_rank = shape.coordinates(self.dims.rank)["cp"]
+        return shard_sample(sample, shape.cp, cp_rank, self.dims.cp_mesh.get_group(), pad)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

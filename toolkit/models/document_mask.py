@@ -100,5 +100,6 @@ def _compiled_flex():
 
 
 def packing_inputs(net_input: dict) -> dict:
-    """The keyword arguments a model's forward takes from a batch (none for unmasked batches)."""
-    return {key: net_input[key] for key in ("document_ids", "positions") if key in net_input}
+    """The keyword arguments a model's forward takes from a batch (none for unmasked batches; ``context_parallel``:
+    the sequence shard of ``--context-parallel-size``, see ``toolkit.distributed.context_parallel``)."""
+    return {key: net_input[key] for key in ("document_ids", "positions", "context_parallel") if key in net_input}

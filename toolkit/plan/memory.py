@@ -160,7 +160,7 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     and one block's backward (its recomputed activations under checkpointing, all alive at once,
     plus the fp32 gradient flowing in and out of it); :mod:`toolkit.plan.update_peak` places both.
     """
-    act, b, M = stats.activations, setup.batch_sequences, setup.mp
+    act, b, M = stats.activations, setup.rank_sequences, setup.mp
     layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
     per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
     saved = b * (stats.num_layers * per_layer + act.rest / M)
@@ -172,7 +172,8 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
 
 def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     saved, transient = activation_bytes(stats, setup)
-    note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (", checkpointed" if setup.checkpoint else "")
+    note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (f" / cp {setup.cp}" if setup.cp > 1 else "")
+    note += ", checkpointed" if setup.checkpoint else ""
     on_host = setup.offload_activations or not hw.has_gpu
     items = [Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
              Item("backward transient", transient if hw.has_gpu else 0, 0 if hw.has_gpu else transient,

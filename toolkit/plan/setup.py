@@ -40,6 +40,14 @@ class Setup:
     ep: int = 1                  # --expert-parallel-size
 
     @property
+    def rank_sequences(self) -> float:
+        """Sequences' worth of tokens a rank computes and holds activations of per micro-batch:
+        ``--context-parallel-size C`` gives each rank T/C of every sequence (its attention is tiled, so nothing
+        grows with T x T; the gathered keys/values of a layer, 2 x T x G x D, are small next to its activations
+        and not counted, nor is their all-gather's time)."""
+        return self.batch_sequences / self.cp
+
+    @property
     def dp(self) -> int:
         return max(1, self.world // self.mp)
 

@@ -63,6 +63,9 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
         per_layer = (4 + (2 if setup.checkpoint else 0)) * 2 * act * (setup.mp - 1) / setup.mp
         tp = mb * stats.num_layers * per_layer
         out.append(("tensor-parallel all-reduce", tp, tp / _link(hw, setup.mp), False))
+    if setup.cp > 1:
+        kv = context_parallel_bytes(stats, setup)
+        out.append(("context-parallel K/V exchange", kv, kv / _link(hw, setup.cp * setup.mp), False))
     if setup.cpu_offload and hw.has_gpu:
         S_params = 4 * P / S
         h2d = mb * (2 if setup.reshard else 1) * S_params + (2 if setup.bf16_host_grads else 4) * P / S
@@ -70,8 +73,20 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
     return out
 
 
+def context_parallel_bytes(stats: ModelStats, setup: Setup) -> float:
+    """Bytes a CP rank receives per update for the keys/values (``toolkit.distributed.context_parallel``): each
+    layer all-gathers its k and v of the whole sequence (the others' (C-1)/C of it), again when a checkpointed
+    block is recomputed, and backward all-reduces their gradients (a ring all-reduce: twice the gather's bytes).
+    Not overlapped: the attention waits for the gather."""
+    kv_width = sum(p.shape[0] / (setup.mp if p.tp_split else 1) for p in stats.params
+                   if p.name.endswith(("k_proj.weight", "v_proj.weight")))
+    whole = setup.batch_sequences * stats.tokens_per_sample * kv_width * setup.compute_bytes
+    gather = whole * (setup.cp - 1) / setup.cp
+    return setup.update_freq * gather * (3 + (1 if setup.checkpoint else 0))
+
+
 def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
-    tokens_rank = setup.batch_sequences * stats.tokens_per_sample * setup.update_freq
+    tokens_rank = setup.rank_sequences * stats.tokens_per_sample * setup.update_freq
     flops = stats.flops_per_token * tokens_rank / setup.mp
     executed = flops * (8 / 6 if setup.checkpoint else 1.0)  # the recomputed forward
     peak = (hw.gpu_tflops if setup.compute_bytes == 2 else hw.fp32_tflops) * 1e12
@@ -87,4 +102,4 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
         optimizer = ADAM_BYTES_PER_PARAM * P_local / HBM_BYTES_PER_S.get(hw.name, 2.0e12)
     total = max(compute, overlapped) + exposed + optimizer
     return StepTime(flops, compute, tuple((n, b, s) for n, b, s, _ in comms), optimizer, total,
-                    tokens_rank * setup.dp)
+                    int(round(tokens_rank * setup.dp)))

@@ -72,7 +72,7 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
 
 def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> Moments:
     """The terms of both moments (see the module docstring)."""
-    act, b, M = stats.activations, setup.batch_sequences, setup.mp
+    act, b, M = stats.activations, setup.rank_sequences, setup.mp
     share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
     kept = int(b * (act.block_input / M if setup.checkpoint else act.per_layer * share))  # per block, to backward
     recompute = int(b * act.per_layer * share) if setup.checkpoint else 0

@@ -184,7 +184,7 @@ class Trainer:
         """Every micro-batch's forward and backward; the logged sums over them and the data-parallel replicas."""
         totals: Dict[str, Any] = {}
         for i, sample in enumerate(samples):
-            sample = move_to_device(sample, self.device)
+            sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
             with self.strategy.loss_context():  # forward and backward of a vocabulary-sharded loss
                 with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
                         self.strategy.forward_context():
@@ -241,7 +241,7 @@ class Trainer:
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
         self.finish_pending_steps()
         self.model.eval()
-        sample = move_to_device(sample, self.device)
+        sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
         with self._autocast(), self.strategy.loss_context():
             _, sample_size, logging_output = self.criterion(self.model, sample)
         if sample.get("is_dummy"):

@@ -154,9 +154,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None,
                 attn_mask: Any = None) -> torch.Tensor:
         """x [B, T, C] -> [B, T, C]. ``attn_mask``: ``attention_mask``'s, built once per forward by the model
-        (a sliding window without one is masked here); with ``kv_cache`` the new positions P..P+T-1 see
+        (a sliding window without one is masked here), or a context-parallel shard that gathers the keys/values
+        (``toolkit.distributed.context_parallel.ContextShard``); with ``kv_cache`` the new positions P..P+T-1 see
         every cached one (within the window) and the new ones up to themselves."""
         q, k, v = self.project(x, cos, sin)
+        across_ranks = getattr(attn_mask, "attend_across_ranks", None)
+        if across_ranks is not None:  # context parallelism: this chunk's queries, the whole sequence's keys
+            y = across_ranks(q, k, v, self.window, self.scale, self.softcap)
+            return self.o_proj(y.transpose(1, 2).flatten(2))
         if kv_cache is None:
             if attn_mask is None and self.window is not None:
                 attn_mask = causal_mask(0, x.size(1), self.window, x.device)

@@ -81,6 +81,8 @@ class LlamaBlock(nn.Module):
 class LlamaLanguageModel(DecoderInterface, nn.Module):
     """The decoder-only Llama / Mistral / Qwen2 / Qwen3 language model behind the toolkit's model interface."""
 
+    supports_context_parallel = True  # its attention takes a ContextShard as the mask (forward's docstring)
+
     def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``);
         otherwise they are set by ``init_weights(self, seed)`` (default ``torch.initial_seed()``)."""
@@ -105,11 +107,15 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             init_weights(self, torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                context_parallel: Any = None) -> torch.Tensor:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
         ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
         token's rotary position (restarting per document) (``toolkit.models.document_mask``).
+        ``context_parallel``: this rank's chunks of the sequences (``--context-parallel-size``): ``tokens`` and
+        ``positions`` are the chunks', the shard is every layer's mask and gathers the keys/values
+        (``toolkit.distributed.context_parallel``).
 
         With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
         ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
@@ -121,8 +127,8 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # [B, 1, T, D]: per row, broadcast over the heads
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = attention_mask(document_ids, T, tokens.device, window=self.cfg.sliding_window,
-                              head_dim=head_dim(self.cfg))
+        mask = context_parallel if context_parallel is not None else attention_mask(
+            document_ids, T, tokens.device, window=self.cfg.sliding_window, head_dim=head_dim(self.cfg))
         for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
             if cache is not None:
                 x = layer(x, cos, sin, cache)

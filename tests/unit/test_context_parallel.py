@@ -1,0 +1,166 @@
+"""Context parallelism's layout and attention (toolkit.distributed.context_parallel), in one process.
+
+The C ranks are simulated: each rank's queries are its chunks of the full q, the "gathered" keys are the
+full k/v in the layout's order (what the all-gather returns), and the outputs put back in sequence order
+must equal one process's attention (causal, within documents crossing chunk boundaries, within a window,
+grouped-query, soft-capped), and so must the gradients of q, k, v. The collective itself (and its backward)
+is exercised on gloo ranks by tests/integration/test_context_parallel.py.
+"""
+import pytest
+import torch
+
+from toolkit.distributed.context_parallel import (ContextShard, chunk_layout, gathered_layout, pad_to_chunks,
+                                                  shard_sample, visible_keys)
+from toolkit.models.blocks.attention import Attention, attend, attention_mask
+
+
+def test_layout_is_load_balanced_and_covers_the_sequence():
+    assert chunk_layout(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_layout(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for C in (1, 2, 3, 4):
+        T = 2 * C * 3
+        held = [chunk_layout(T, C, r) for r in range(C)]
+        assert sorted(torch.cat(held).tolist()) == list(range(T))
+        assert torch.equal(gathered_layout(T, C), torch.cat(held))
+        # causal work: how many (query, key) pairs each rank scores is the same on every rank
+        work = {int(visible_keys(h, torch.arange(T)).sum()) for h in held}
+        assert len(work) == 1, (C, work)
+    with pytest.raises(ValueError):
+        chunk_layout(10, 2, 0)
+
+
+def _documents(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    starts = (torch.rand(B, T, generator=g) < 0.2).long()
+    starts[:, 0] = 0
+    return starts.cumsum(1)
+
+
+class _SimulatedGather(ContextShard):
+    """A shard in one process whose 'all-gather' returns the whole sequence's k/v in the layout's order."""
+
+    def __init__(self, T, C, r, full_kv, **kw):
+        super().__init__(T, C, r, **kw)
+        self.full_kv = full_kv
+
+    def gather(self, x):
+        return self.full_kv
+
+
+@pytest.mark.parametrize("C", [2, 3])
+@pytest.mark.parametrize("documents,window,softcap", [(False, None, None), (True, None, None), (False, 5, None),
+                                                      (True, 4, None), (True, None, 30.0)])
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "one_mask"])
+def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, window, softcap, tiles):
+    """Both back ends: the CPU tiles merged by log-sum-exp (soft-capped logits take the mask instead), and
+    ``attend`` under the [T/C, T] mask (CUDA's)."""
+    if tiles is False and softcap is not None:
+        pytest.skip("soft-capped logits always take the mask: the tiles case covers it")
+    B, H, G, T, D = 2, 4, 2, 12 * C, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, heads, T, D, generator=g, requires_grad=True) for heads in (H, G, G))
+    docs = _documents(B, T) if documents else None
+    full = attend(q, k, v, attention_mask(docs, T, window=window), softcap=softcap)
+    grad = torch.randn(full.shape, generator=g)
+    want = torch.autograd.grad(full, (q, k, v), grad)
+
+    keys = gathered_layout(T, C)
+    out = torch.empty_like(full)
+    for r in range(C):
+        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]), document_ids=docs)
+        rows = shard.query_index
+        if tiles:
+            part = shard.attend_across_ranks(q[:, :, rows], k[:, :, rows], v[:, :, rows], window, softcap=softcap)
+        else:
+            part = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], shard.mask(window), causal=False)
+        out[:, :, rows] = part
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_tiles_skip_what_the_mask_hides():
+    """Plain causal: a rank's tiles are the diagonal ones (flash's is_causal) and the earlier chunks, unmasked."""
+    shard = ContextShard(16, 2, 0)
+    tiles = shard.blocks(None, torch.float32)
+    # rank 0 holds chunks 0 and 3; gathered key chunks: 0, 3 (rank 0), 1, 2 (rank 1)
+    assert {(b.query, b.key, b.causal, b.mask is None) for b in tiles} == {
+        (0, 0, True, True), (1, 1, True, True), (1, 0, False, True), (1, 2, False, True), (1, 3, False, True)}
+    assert [b.causal for b in tiles[:2]] == [True, True]  # the diagonal first: each row's log-sum-exp is finite
+
+
+def test_attention_module_takes_the_shard_as_its_mask():
+    """blocks.Attention hands q/k/v to the shard with its window: the rows equal the full layer's."""
+    torch.manual_seed(0)
+    T, C = 16, 2
+    layer = Attention(32, 4, 2, 8, window=6)
+    x = torch.randn(1, T, 32)
+    cos, sin = torch.ones(T, 8), torch.zeros(T, 8)  # no rotation: positions are the test of the integration
+    full = layer(x, cos, sin)
+    _, k, v = layer.project(x, cos, sin)
+    keys = gathered_layout(T, C)
+    for r in range(C):
+        rows = chunk_layout(T, C, r)
+        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]))
+        torch.testing.assert_close(layer(x[:, rows], cos[rows], sin[rows], attn_mask=shard), full[:, rows])
+
+
+def test_shard_sample_keeps_positions_global_and_counts_each_token_once():
+    tokens = torch.arange(1, 11).view(1, 10)            # T 10: padded to 12, a multiple of 2C = 4
+    target = tokens + 100
+    target[0, -1] = 0                                   # a padded target (pad 0)
+    sample = {"net_input": {"src_tokens": tokens, "document_ids": torch.tensor([[0] * 5 + [1] * 5])},
+              "target": target, "ntokens": 9, "nsentences": 1}
+    padded = pad_to_chunks(sample, 2, pad=0)
+    assert padded["net_input"]["src_tokens"].tolist() == [list(range(1, 11)) + [0, 0]]
+    parts = [shard_sample(sample, 2, r, None, pad=0) for r in range(2)]
+    assert [p["net_input"]["positions"].tolist() for p in parts] == [[[0, 1, 2, 9, 10, 11]], [[3, 4, 5, 6, 7, 8]]]
+    assert [p["net_input"]["src_tokens"].tolist() for p in parts] == [[[1, 2, 3, 10, 0, 0]], [[4, 5, 6, 7, 8, 9]]]
+    assert sum(p["ntokens"] for p in parts) == 9 and [p["nsentences"] for p in parts] == [1, 0]
+    assert all("document_ids" not in p["net_input"] for p in parts)
+    assert parts[1]["net_input"]["context_parallel"].document_ids.tolist() == [[0] * 5 + [1] * 7]
+    reset = dict(sample, net_input=dict(sample["net_input"], positions=torch.tensor([[0, 1, 2, 3, 4] * 2])))
+    assert shard_sample(reset, 2, 1, None, pad=0)["net_input"]["positions"].tolist() == [[3, 4, 0, 1, 2, 3]]
+
+
+def test_planner_divides_activations_per_cp_rank(tmp_path):
+    """toolkit-plan: a rank of --context-parallel-size 2 holds half of each sequence's activations."""
+    import dataclasses
+
+    from tests.helpers.dist_helpers import llama_args, make_lm_data_bin
+    from toolkit.plan.memory import activation_bytes
+    from toolkit.plan.model_stats import model_stats
+    from toolkit.plan.setup import setup_from_config
+    from toolkit.plan.hardware import PRESETS
+    from toolkit.plan.step_time import step_time
+    from toolkit.plan.update_peak import moments
+    from toolkit.train.resolve import parse_train_config
+
+    data = make_lm_data_bin(str(tmp_path / "bin"))
+    cfg = parse_train_config([data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2",
+                              "--context-parallel-size", "2", "--ddp-backend", "fully_sharded"])
+    stats, cp2 = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
+    assert cp2.cp == 2
+    for checkpoint in (False, True):
+        split = activation_bytes(stats, dataclasses.replace(cp2, checkpoint=checkpoint))
+        whole = activation_bytes(stats, dataclasses.replace(cp2, cp=1, checkpoint=checkpoint))
+        assert [2 * s for s in split] == pytest.approx(whole, abs=2)
+        # the update's peak moments (start of backward, first block's backward) hold half the activations too
+        def at(setup):
+            both = moments(stats, setup)
+            return [sum(n for n, _ in terms) for terms in (both.top, both.bottom)]
+
+        state = at(dataclasses.replace(cp2, checkpoint=checkpoint, batch_sequences=0))
+        split_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, checkpoint=checkpoint)), state)]
+        whole_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint)), state)]
+        assert [2 * p for p in split_peaks] == pytest.approx(whole_peaks, abs=8)
+    # the step's compute: a CP rank computes half of each sequence, the update still counts every token
+    one = step_time(stats, dataclasses.replace(cp2, cp=1, world=1), PRESETS["h100"])
+    two = step_time(stats, cp2, PRESETS["h100"])
+    assert two.flops_per_rank == pytest.approx(one.flops_per_rank / 2) and two.tokens_per_step == one.tokens_per_step
+    # the K/V exchange: llama_tiny's 2 layers of k and v (2 heads x 16 each), 4 x 32 tokens, fp32; half comes
+    # from the other rank, 3 times (gather, and the gradients' ring all-reduce); not in one process's step
+    exchange = {name: size for name, size, _ in two.comm}["context-parallel K/V exchange"]
+    assert exchange == 2 * (2 * 32) * 4 * 32 * 4 / 2 * 3
+    assert "context-parallel K/V exchange" not in {name for name, _, _ in one.comm}
