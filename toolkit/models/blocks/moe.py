@@ -165,6 +165,14 @@ class MoE(nn.Module):
         self.aux: Dict[str, torch.Tensor] = {}
         self.load: Dict[str, torch.Tensor] = {}
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """No counts, no bias (after ``to_empty``; ``init_weights`` calls this; a checkpoint then loads the bias)."""
+        self.tokens_per_expert.zero_()
+        self.idle_updates.zero_()
+        if self.gate.expert_bias is not None:
+            self.gate.expert_bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
