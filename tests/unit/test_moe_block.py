@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS
-from toolkit.models.blocks.moe import (MoE, Router, grouped_matmul, load_balancing_loss, logger as moe_logger,
-                                       router_z_loss)
+from toolkit.models.blocks.moe import (MoE, Router, _grouped_mm_applies, grouped_matmul, load_balancing_loss,
+                                       logger as moe_logger, per_expert_matmul, router_z_loss)
 
 C, FF, E, K = 16, 24, 4, 2
 
@@ -88,12 +88,20 @@ def test_moe_forward_and_gradients_equal_the_loop_over_experts(shared):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_cpu_path_equals_grouped_mm():
+def test_per_expert_path_equals_grouped_mm_values_and_gradients():
     torch.manual_seed(3)
     counts = torch.tensor([3, 0, 5, 2])
-    rows, w = torch.randn(10, 16), torch.randn(4, 32, 16)
-    want = torch._grouped_mm(rows, w.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    torch.testing.assert_close(grouped_matmul(rows, w, counts), want)
+    rows, w = torch.randn(10, 16, requires_grad=True), torch.randn(4, 32, 16, requires_grad=True)
+    assert _grouped_mm_applies(rows, w) and not _grouped_mm_applies(rows[:, :6], w[:, :, :6])
+    grad = torch.randn(10, 32)
+    got = grouped_matmul(rows, w, counts)
+    got.backward(grad)
+    grads = rows.grad.clone(), w.grad.clone()
+    rows.grad = w.grad = None
+    want = per_expert_matmul(rows, w, counts)
+    want.backward(grad)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grads, (rows.grad, w.grad))
 
 
 def test_balance_and_z_losses_equal_their_definitions():

@@ -17,8 +17,9 @@ Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert (a stab
 its tokens in order), each expert multiplies its contiguous run of rows, and the outputs, scaled by the
 router weights, are added back to their tokens. The experts are stored stacked (``gate_proj``, ``up_proj``
 [E, F, C], ``down_proj`` [E, C, F]: Hugging Face's per-expert matrices, one above the other), so the runs
-go through one grouped GEMM (``torch._grouped_mm``) on CUDA in bf16, and through one matmul per expert on
-the CPU (``_grouped_mm`` has no CPU backward): the same products in the same order.
+go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) on CUDA in bf16 and on the
+CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
+products (the tests check the two paths bit for bit).
 
 Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
 
@@ -97,11 +98,29 @@ def expert_runs(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] in runs of ``counts`` [E] rows, run e times ``weights[e]`` [out, in]^T -> [M, out].
-    One grouped GEMM on CUDA (bf16, 16-byte aligned widths); one matmul per expert otherwise."""
-    if rows.is_cuda and rows.dtype == torch.bfloat16 and rows.size(1) % 8 == 0 and weights.size(1) % 8 == 0:
+    """rows [M, in] in runs of ``counts`` [E] rows, run e times ``weights[e]`` [out, in]^T -> [M, out]: one grouped
+    GEMM (``torch._grouped_mm``; CUDA in bf16, CPU in fp32 or bf16) where its kernel takes the shapes, else
+    :func:`per_expert_matmul` (the same products)."""
+    if _grouped_mm_applies(rows, weights):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
+        return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
+    return per_expert_matmul(rows, weights, counts)
+
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_applies(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    """The kernel's conditions: bf16 on CUDA (fp32 or bf16 on CPU), rows of both operands 16-byte aligned."""
+    if GROUPED_MM is None or rows.dtype != weights.dtype or rows.device.type not in ("cuda", "cpu"):
+        return False
+    dtypes = (torch.bfloat16,) if rows.is_cuda else (torch.float32, torch.bfloat16)
+    aligned = all(width * rows.element_size() % 16 == 0 for width in (rows.size(1), weights.size(1)))
+    return rows.dtype in dtypes and aligned
+
+
+def per_expert_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_matmul` as one matmul per expert (fp16, unaligned widths, other devices)."""
     runs = torch.split(rows, counts.tolist())
     return torch.cat([run @ weights[e].t() for e, run in enumerate(runs)], dim=0)
 
