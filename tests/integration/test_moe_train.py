@@ -1,7 +1,8 @@
 """Training the MoE family with toolkit-train: the router terms and expert loads in the log (dropped tokens 0),
 two gloo ranks (DDP and FSDP2) logging the same losses, router terms and loads as one process with
 --update-freq 2 and ending with the same aux-loss-free bias (the post-step hook sums the loads over the ranks),
-and a resumed run equal to the uninterrupted one (the bias is saved with the model)."""
+a --compile run logging the same losses, and a resumed run equal to the uninterrupted one (the bias is saved
+with the model)."""
 import pytest
 import torch
 
@@ -80,6 +81,12 @@ def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, t
             assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
     if backend == "c10d":  # a consolidated checkpoint: the bias the ranks share equals one process's
         torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
+
+
+def test_compile_logs_the_same_losses(data_bin, one_process, tmp_path):
+    """--compile: each block compiled (fullgraph); the grouped matmul runs as an opaque op (fp32 on CPU)."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), *ONE_PROC, "--compile")
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
 
 
 def test_resume_equals_the_uninterrupted_run(data_bin, one_process, tmp_path):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,27 +93,77 @@ def expert_runs(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
     (an index into ``experts.flatten()``), tokens per expert [E])."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return x[order // experts.size(1)], order, counts
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [M, in] in runs of ``counts`` [E] rows, run e times ``weights[e]`` [out, in]^T -> [M, out]: one grouped
     GEMM (``torch._grouped_mm``; CUDA in bf16, CPU in fp32 or bf16) where its kernel takes the shapes, else
-    :func:`per_expert_matmul` (the same products)."""
+    :func:`per_expert_matmul` (the same products). Under ``torch.compile`` (``--compile``) anything but bf16 goes
+    through the opaque ``toolkit::grouped_matmul`` op (the kernel's compiled form takes bf16 only, and the
+    per-expert split has data-dependent sizes), which runs this same eager code."""
+    if torch.compiler.is_compiling() and not (rows.dtype == torch.bfloat16 and _grouped_mm_applies(rows, weights)):
+        return _opaque_grouped_matmul(rows, weights, counts)
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if _grouped_mm_applies(rows, weights):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
     return per_expert_matmul(rows, weights, counts)
 
 
+@torch.library.custom_op("toolkit::grouped_matmul", mutates_args=())
+def _opaque_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+@_opaque_grouped_matmul.register_fake
+def _(rows, weights, counts):
+    return rows.new_empty(rows.size(0), weights.size(1))
+
+
+@torch.library.custom_op("toolkit::grouped_matmul_backward", mutates_args=())
+def _opaque_grouped_matmul_backward(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                                    grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """d rows = grad_e weights[e], d weights[e] = grad_e^T rows_e, run by run (an op runs below autograd)."""
+    sizes = counts.tolist()
+    grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
+    grad_rows = torch.cat([g @ weights[e] for e, g in enumerate(grad_runs)], dim=0)
+    grad_weights = torch.stack([g.t() @ r for g, r in zip(grad_runs, row_runs)])
+    return grad_rows, grad_weights
+
+
+@_opaque_grouped_matmul_backward.register_fake
+def _(rows, weights, counts, grad):
+    return torch.empty_like(rows), torch.empty_like(weights)
+
+
+def _setup_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    rows, weights, counts = ctx.saved_tensors
+    grad_rows, grad_weights = _opaque_grouped_matmul_backward(rows, weights, counts, grad)
+    return grad_rows, grad_weights, None
+
+
+_opaque_grouped_matmul.register_autograd(_backward, setup_context=_setup_backward)
+
+
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _grouped_mm_applies(rows: torch.Tensor, weights: torch.Tensor) -> bool:
-    """The kernel's conditions: bf16 on CUDA (fp32 or bf16 on CPU), rows of both operands 16-byte aligned."""
-    if GROUPED_MM is None or rows.dtype != weights.dtype or rows.device.type not in ("cuda", "cpu"):
+    """The kernel's conditions: bf16 on CUDA (fp32 or bf16 on CPU), rows of both operands 16-byte aligned; any
+    dtype on the meta device."""
+    if GROUPED_MM is None or rows.dtype != weights.dtype or rows.device.type not in ("cuda", "cpu", "meta"):
         return False
+    if rows.is_meta:  # shapes only (toolkit-plan's trace): the per-expert split would need the counts' values
+        return True
     dtypes = (torch.bfloat16,) if rows.is_cuda else (torch.float32, torch.bfloat16)
     aligned = all(width * rows.element_size() % 16 == 0 for width in (rows.size(1), weights.size(1)))
     return rows.dtype in dtypes and aligned
