@@ -88,40 +88,35 @@ def test_moe_forward_and_gradients_equal_the_loop_over_experts(shared):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def assert_same_products(matmul, counts, width_in, width_out, seed):
+    """``matmul`` against ``per_expert_matmul``: values and both gradients."""
+    torch.manual_seed(seed)
+    rows = torch.randn(int(counts.sum()), width_in, requires_grad=True)
+    w = torch.randn(len(counts), width_out, width_in, requires_grad=True)
+    grad = torch.randn(rows.size(0), width_out)
+    results = []
+    for fn in (matmul, per_expert_matmul):
+        rows.grad = w.grad = None
+        out = fn(rows, w, counts)
+        out.backward(grad)
+        results.append((out.detach(), rows.grad.clone(), w.grad.clone()))
+    torch.testing.assert_close(results[0], results[1])
+    return rows, w
+
+
 def test_per_expert_path_equals_grouped_mm_values_and_gradients():
-    torch.manual_seed(3)
-    counts = torch.tensor([3, 0, 5, 2])
-    rows, w = torch.randn(10, 16, requires_grad=True), torch.randn(4, 32, 16, requires_grad=True)
+    rows, w = assert_same_products(grouped_matmul, torch.tensor([3, 0, 5, 2]), 16, 32, seed=3)
     assert _grouped_mm_applies(rows, w) and not _grouped_mm_applies(rows[:, :6], w[:, :, :6])
-    grad = torch.randn(10, 32)
-    got = grouped_matmul(rows, w, counts)
-    got.backward(grad)
-    grads = rows.grad.clone(), w.grad.clone()
-    rows.grad = w.grad = None
-    want = per_expert_matmul(rows, w, counts)
-    want.backward(grad)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(grads, (rows.grad, w.grad))
 
 
 def test_the_compiled_form_of_the_grouped_matmul_has_the_same_values_and_gradients():
     """``--compile`` runs the grouped matmul as an opaque op with its own backward (fp32 has no compiled kernel)."""
     from toolkit.models.blocks.moe import _opaque_grouped_matmul
 
-    torch.manual_seed(5)
     counts = torch.tensor([2, 4, 0, 3])
-    rows, w = torch.randn(9, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True)
-    grad = torch.randn(9, 8)
-    want = per_expert_matmul(rows, w, counts)
-    want.backward(grad)
-    grads = rows.grad.clone(), w.grad.clone()
-    rows.grad = w.grad = None
-    got = _opaque_grouped_matmul(rows, w, counts)
-    got.backward(grad)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close((rows.grad, w.grad), grads)
+    rows, w = assert_same_products(_opaque_grouped_matmul, counts, 16, 8, seed=5)
     compiled = torch.compile(grouped_matmul, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(rows, w, counts), want)
+    torch.testing.assert_close(compiled(rows, w, counts), per_expert_matmul(rows, w, counts))
 
 
 def test_balance_and_z_losses_equal_their_definitions():
