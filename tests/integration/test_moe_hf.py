@@ -2,7 +2,8 @@
 OlmoeForCausalLM and MixtralForCausalLM folders (4 experts, top 2) saved by transformers with a tokenizer.
 ``--from hf`` keeps the tokenizer's ids and stacks the per-expert tensors; the imported model's log-probs equal
 transformers' within 1e-4 in fp32; greedy decoding with the KV cache equals ``generate(do_sample=False)``;
-``--format hf`` writes the same class back, tensor for tensor the folder transformers saved."""
+``--format hf`` writes the same class back, tensor for tensor the folder transformers saved; ``--format onnx
+--kv-cache`` exports and passes the exporter's onnxruntime check."""
 from __future__ import annotations
 
 import pytest
@@ -75,3 +76,13 @@ def test_export_back_is_the_same_class_and_tensors(imported):
         assert set(a.keys()) == set(b.keys())
         for name in a.keys():
             assert torch.equal(a.get_tensor(name).float(), b.get_tensor(name).float()), name
+
+
+def test_onnx_export_with_kv_cache(imported):
+    """The exported graphs run every expert on every token (no sort), the unchosen weighted 0: the exporter's own
+    check (onnxruntime's logits against PyTorch's sorted dispatch) passes."""
+    pytest.importorskip("onnxruntime")
+    out = imported["root"] / "onnx"
+    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(out), format="onnx",
+                            kv_cache=True))
+    assert (out / "decoder.onnx").exists() and (out / "decoder_with_past.onnx").exists()

@@ -88,6 +88,14 @@ def test_moe_forward_and_gradients_equal_the_loop_over_experts(shared):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_the_export_form_runs_every_expert_to_the_same_sum():
+    moe = make_moe().eval()
+    x = torch.randn(10, C)
+    routing = moe.gate(x)
+    sorted_sum, _ = moe.experts(x, routing)
+    torch.testing.assert_close(moe.experts.every_expert(x, routing), sorted_sum, atol=1e-5, rtol=1e-5)
+
+
 def assert_same_products(matmul, counts, width_in, width_out, seed):
     """``matmul`` against ``per_expert_matmul``: values and both gradients."""
     torch.manual_seed(seed)

@@ -190,8 +190,19 @@ class GroupedExperts(nn.Module):
         hidden = F.silu(grouped_matmul(rows, self.gate_proj, counts)) * grouped_matmul(rows, self.up_proj, counts)
         return grouped_matmul(hidden, self.down_proj, counts)
 
+    def every_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The same sum with every expert run on every token, the unchosen ones weighted 0: no sort, no data-dependent
+        shape, so an exported graph (``toolkit-export --format onnx``) can hold it; E/k times the FLOPs."""
+        combine = torch.zeros(x.size(0), self.num_experts, dtype=x.dtype, device=x.device)
+        combine = combine.scatter(1, routing.experts, routing.weights)  # [N, E]
+        hidden = F.silu(torch.einsum("nc,efc->enf", x, self.gate_proj)) * torch.einsum("nc,efc->enf", x, self.up_proj)
+        return torch.einsum("enf,ecf,ne->nc", hidden, self.down_proj, combine)
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [N, C] -> sum over each token's k experts of weight * expert(x) [N, C]; also the tokens per expert."""
+        """x [N, C] -> sum over each token's k experts of weight * expert(x) [N, C]; also the tokens per expert
+        (None in an exported graph, which runs :meth:`every_expert`)."""
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            return self.every_expert(x, routing), None
         rows, order, counts = expert_runs(x, routing.experts, self.num_experts)
         out = self.run(rows, counts) * routing.weights.flatten()[order, None]
         tokens = order // routing.experts.size(1)
