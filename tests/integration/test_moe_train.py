@@ -1,5 +1,5 @@
 """Training the MoE family with toolkit-train: the router terms and expert loads in the log (dropped tokens 0),
-two gloo ranks (DDP and FSDP2) logging the same losses, router terms and loads as one process with
+two gloo ranks (DDP; FSDP2 with activation checkpointing) logging the same losses, router terms and loads as one process with
 --update-freq 2 and ending with the same aux-loss-free bias (the post-step hook sums the loads over the ranks),
 a --compile run logging the same losses, and a resumed run equal to the uninterrupted one (the bias is saved
 with the model)."""
@@ -70,16 +70,17 @@ def test_router_terms_and_loads_are_logged(one_process):
     assert bias.abs().max() > 0 and torch.all(bias.abs() <= UPDATES * 0.05 + 1e-6)
 
 
-@pytest.mark.parametrize("backend", ["c10d", "fully_sharded"])
+@pytest.mark.parametrize("backend", [["c10d"], ["fully_sharded", "--checkpoint-activations"]],
+                         ids=["c10d", "fully_sharded+ac"])
 def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, tmp_path, backend):
     proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", backend)
+                 "--ddp-backend", *backend)
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
     terms = logged(proc.stdout)
     for u in range(1, UPDATES + 1):
         for name in ("moe_aux_loss", "moe_z_loss"):
             assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
-    if backend == "c10d":  # a consolidated checkpoint: the bias the ranks share equals one process's
+    if backend == ["c10d"]:  # a consolidated checkpoint: the bias the ranks share equals one process's
         torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
 
 
