@@ -72,6 +72,20 @@ def make_hf(folder: str, kind: str):
     return hf
 
 
+def greedy_pair(model, hf, prompt: torch.Tensor, steps: int):
+    """(transformers' ``generate(do_sample=False)`` tokens, ours through the KV cache) after ``prompt``; EOS is
+    never picked (``min_new_tokens``: transformers masks it, so ours is masked too)."""
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps, do_sample=False,
+                           min_new_tokens=steps, pad_token_id=0)[0, prompt.size(1):].tolist()
+        state, got = {}, []
+        logits = model(prompt, incremental_state=state)
+        for _ in range(steps):
+            got.append(int(logits[0, -1].index_fill(0, torch.tensor([hf.config.eos_token_id]), -1e9).argmax()))
+            logits = model(torch.tensor([[got[-1]]]), incremental_state=state)
+    return want, got
+
+
 # --- malformed folders: what a hand edit, a cut download or a wrong file make of one (each a one-line refusal) ---
 
 def _edit_config(change):

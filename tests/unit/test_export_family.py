@@ -59,8 +59,8 @@ def test_the_two_families_declare_their_adapters():
 def test_kv_cache_of_a_family_without_a_cached_decoder_is_one_line_naming_those_with_one():
     from toolkit.export.onnx_format import cached_decoder
 
-    with pytest.raises(UserError, match=r"^--kv-cache: decoder_with_past.onnx is written for llama and transformer_lm "
-                                        r"models, not PlainLM; export without --kv-cache \(decoder.onnx\)$"):
+    with pytest.raises(UserError, match=r"^--kv-cache: decoder_with_past.onnx is written for llama and moe and "
+                                        r"transformer_lm models, not PlainLM; export without --kv-cache \(decoder.onnx\)$"):
         cached_decoder(PlainLM())
 
 

@@ -23,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tests.helpers.hf_llama import KINDS, WINDOW, make_hf  # noqa: E402
+from tests.helpers.hf_llama import KINDS, WINDOW, greedy_pair, make_hf  # noqa: E402
 from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
@@ -76,14 +76,7 @@ def test_log_probs_equal_transformers(imported):
 def test_greedy_generation_with_the_cache_equals_transformers(imported):
     model, hf = imported["model"], imported["hf"]
     prompt = torch.tensor([[1, 5, 9, 13]]) if not imported["kind"].startswith("qwen") else torch.tensor([[5, 9, 13]])
-    with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
-                           min_new_tokens=12, pad_token_id=0)[0, prompt.size(1):].tolist()
-        state, got = {}, []
-        logits = model(prompt, incremental_state=state)
-        for _ in range(12):  # min_new_tokens: transformers never picks EOS here
-            got.append(int(logits[0, -1].index_fill(0, torch.tensor([hf.config.eos_token_id]), -1e9).argmax()))
-            logits = model(torch.tensor([[got[-1]]]), incremental_state=state)
+    want, got = greedy_pair(model, hf, prompt, 12)
     assert got == want
 
 

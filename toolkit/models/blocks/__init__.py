@@ -6,6 +6,8 @@ OLMo 2 and MoE models next): each a small module configured by arguments, not by
 ``attention``     causal self-attention: GQA/MQA, QK-norm, sliding window, logit soft-capping, document
                   masks; the SDPA / flex_attention / explicit back ends chosen in one function, ``attend``
 ``feed_forward``  SwiGLU, GeGLU, GELU; ``FEED_FORWARDS`` is where a mixture-of-experts block registers
+``moe``           mixture of experts: top-k router (softmax / sigmoid with an aux-loss-free bias), stacked
+                  experts with dropless sorted dispatch, shared experts, load-balancing and z losses
 
 A family keeps its own block (which norms where, its parameter names around these modules) and its
 config; these modules take plain numbers, so their state-dict names are the ones the family gives them.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -145,21 +145,27 @@ def _safetensors_files(folder: str) -> List[str]:
                     "safe_serialization (the default of save_pretrained)")
 
 
-def read_state(folder: str, tied: bool) -> Dict[str, torch.Tensor]:
-    """Our fp32 state dict, read one tensor at a time from each safetensors shard."""
-    from toolkit.models.llama.hf import state_from_hf
-
+def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the folder's safetensors shards, read one at a time."""
     safe_open = require("safetensors", "safetensors").safe_open
-    state: Dict[str, torch.Tensor] = {}
     for path in _safetensors_files(folder):
         if not os.path.isfile(path):
             raise UserError(f"{path}: missing (model.safetensors.index.json names it); {RESAVE}")
         with malformed_file(path, RESAVE, errors=(Exception,)):  # SafetensorError: cut short, not safetensors
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    converted = state_from_hf(name, f.get_tensor(name), tied)
-                    if converted is not None:
-                        state[converted[0]] = converted[1]
+                    yield name, f.get_tensor(name)
+
+
+def read_state(folder: str, tied: bool) -> Dict[str, torch.Tensor]:
+    """Our fp32 state dict, read one tensor at a time from each safetensors shard."""
+    from toolkit.models.llama.hf import state_from_hf
+
+    state: Dict[str, torch.Tensor] = {}
+    for name, tensor in safetensors_tensors(folder):
+        converted = state_from_hf(name, tensor, tied)
+        if converted is not None:
+            state[converted[0]] = converted[1]
     return state
 
 
@@ -173,33 +179,37 @@ def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: 
                         f"{extra[:3]}, other shapes {wrong[:3]})")
 
 
-def matching_arch(given: Dict[str, Any]) -> str:
-    """The named size with these shapes and settings (e.g. llama3_1b), else ``llama``."""
+def matching_arch(given: Dict[str, Any], family: str = "llama") -> str:
+    """The named size of ``family`` with these shapes and settings (e.g. llama3_1b), else the family's name."""
     from toolkit.config import options
     from toolkit.core import registry
 
     registry.import_submodules("toolkit.models")
-    for arch in sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == "llama" and a != "llama"):
+    for arch in sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == family and a != family):
         values = options.architecture_defaults(arch)
         if all(values[k] == v for k, v in given.items() if k != "max_target_positions"):
             return arch
-    return "llama"
+    return family
 
 
 def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int],
-               advance) -> HFCheckpoint:
-    """The Llama-family model in ``folder`` as our checkpoint (``out_dir``: where it will be written)."""
+               advance, adapter=None) -> HFCheckpoint:
+    """The Llama-family model in ``folder`` as our checkpoint (``out_dir``: where it will be written).
+    ``adapter``: another family built on this one (``models/moe/hf.py``: its ``FAMILY``, ``options_from_hf``,
+    ``read_state``); the tokenizer, dictionary and checkpoint are made the same way."""
     from toolkit.models.llama.hf import options_from_hf
     from toolkit import models
 
-    given = options_from_hf(config, os.path.join(folder, "config.json"))
+    given = (adapter.options_from_hf if adapter is not None else options_from_hf)(config, os.path.join(folder,
+                                                                                                     "config.json"))
     tokenizer_json = reference_tokenizer(folder)
     dictionary = tokenizer_dictionary(folder, config, tokenizer_json)
     advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
             f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
-    arch = matching_arch(given)
+    arch = matching_arch(given, getattr(adapter, "FAMILY", "llama"))
     model = models.build_on_meta(arch, len(dictionary), padding_idx=dictionary.pad(), **given)
-    state = read_state(folder, given["share_decoder_input_output_embed"])
+    state = (adapter.read_state(folder, given) if adapter is not None
+             else read_state(folder, given["share_decoder_input_output_embed"]))
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
     add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
@@ -267,16 +277,18 @@ def _same_bytes(a: str, b: str) -> bool:
         return fa.read() == fb.read()
 
 
-def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
+def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str, adapter=None) -> HFWeights:
     """The imported class (from ``hf_config.json``), else the class its options need (``hf.py``); the
     model's own tokenizer files wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
         raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
-                        "its own class (Llama, Mistral, Qwen2 or Qwen3); nothing written")
+                        "its own class (Llama, Mistral, Qwen2 or Qwen3, Qwen3-MoE, OLMoE, Mixtral); nothing written")
     files = own_tokenizer_files(data_dir, dictionary)
     base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
-    architecture, config = hf_config(model.cfg, len(dictionary), base)
+    architecture, config = (adapter.hf_config if adapter is not None else hf_config)(model.cfg, len(dictionary), base)
     config.update(_token_ids(dictionary, first_symbol, base))
-    return HFWeights(architecture, config, state_to_hf(model.state_dict()), files)
+    state = (adapter.state_to_hf(model.state_dict(), config["model_type"]) if adapter is not None
+             else state_to_hf(model.state_dict()))
+    return HFWeights(architecture, config, state, files)

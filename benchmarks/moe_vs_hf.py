@@ -1,0 +1,122 @@
+"""Training step of the toolkit's MoE (Qwen3-MoE shape) against transformers' ``Qwen3MoeForCausalLM``, on CPU.
+
+    python benchmarks/moe_vs_hf.py                        # 4 x 256, 8 experts of 256, top 2, V 8192, B 8 x T 256
+    python benchmarks/moe_vs_hf.py --hf-experts eager     # transformers' loop over experts in Python
+
+Same config, same initial weights (ours copied into transformers' in-memory layout: its experts are fused
+``gate_up_proj`` [E, 2F, C] / ``down_proj`` [E, C, F] tensors in transformers 5), same batches (uniformly random
+tokens) and AdamW; one step is forward, fp32 cross entropy over all targets, backward, AdamW step, zero_grad
+(``llama_hf.py``'s step; no auxiliary loss on either side). The two alternate step by step in one process;
+``--warmup`` rounds are discarded. ``--hf-experts``: transformers' ``experts_implementation`` (default: what it
+picks itself, recorded in the JSON line). Reports the median step times, tokens/s, their ratio (above 1: ours
+is faster), the last losses' difference and one JSON line (``"benchmark": "moe_vs_transformers"``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from llama_hf import make_step  # noqa: E402
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-ffn", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=256, help="T, tokens per row")
+    ap.add_argument("--batch", type=int, default=8, help="B, rows per step")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (eager, grouped_mm, "
+                                                       "batched_mm; default: its own choice)")
+    return ap.parse_args(argv)
+
+
+def in_memory_hf_state(state):
+    """Our state dict in transformers 5's in-memory names (fused expert tensors), from the file layout."""
+    from toolkit.models.llama.hf import state_to_hf
+
+    out = {}
+    for name, tensor in state_to_hf(state).items():
+        if name.endswith("mlp.experts.up_proj"):
+            continue
+        if name.endswith("mlp.experts.gate_proj"):
+            up = state[name[len("model."):].replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, up], dim=1)
+        else:
+            out[name] = tensor
+    return out
+
+
+def build_pair(args):
+    """Our model and transformers' with the same config and weights (fp32, CPU)."""
+    import transformers
+
+    from toolkit.models import model_config
+    from toolkit.models.moe.hf import hf_config
+    from toolkit.models.moe.model import MoELanguageModel
+
+    cfg = model_config("moe_tiny", decoder_layers=args.layers, decoder_embed_dim=args.dim,
+                       decoder_attention_heads=args.heads, decoder_kv_heads=args.kv_heads,
+                       decoder_head_dim=args.dim // args.heads, moe_num_experts=args.experts, moe_top_k=args.top_k,
+                       moe_ffn_embed_dim=args.expert_ffn, max_target_positions=args.tokens)
+    ours = MoELanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
+    _, config = hf_config(cfg, args.vocab)
+    extra = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
+    theirs = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config, **extra))
+    theirs.load_state_dict(in_memory_hf_state(ours.state_dict()), strict=True)
+    return ours.train(), theirs.train()
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    ours, theirs = build_pair(args)
+    steps = {"toolkit": make_step(ours, lambda m, x: m(x)[0]),
+             "transformers": make_step(theirs, lambda m, x: m(input_ids=x, use_cache=False).logits)}
+    g = torch.Generator().manual_seed(0)
+    times = {name: [] for name in steps}
+    losses = {}
+    for r in range(args.warmup + args.rounds):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.tokens + 1), generator=g)
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            losses[name] = step(tokens)
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    tokens_per_step = args.batch * args.tokens
+    return {"benchmark": "moe_vs_transformers", **{k: v for k, v in vars(args).items() if k != "hf_experts"},
+            "hf_experts": getattr(theirs.config, "_experts_implementation", None), "torch": torch.__version__,
+            "step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
+            "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
+            "speedup": round(median["transformers"] / median["toolkit"], 3),
+            "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}
+
+
+def main(argv=None) -> None:
+    result = run(parse(argv))
+    for name in ("toolkit", "transformers"):
+        print(f"{name:>12}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
+    print(f"toolkit / transformers ({result['hf_experts']} experts): {result['speedup']:.2f}x (median of "
+          f"{result['rounds']} alternated steps); last losses differ by {result['last_loss_diff']:.2e}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Training the MoE family with toolkit-train: the router terms and expert loads in the log (dropped tokens 0),
+two gloo ranks (DDP; FSDP2 with activation checkpointing) logging the same losses, router terms and loads as one process with
+--update-freq 2 and ending with the same aux-loss-free bias (the post-step hook sums the loads over the ranks),
+a --compile run logging the same losses, and a resumed run equal to the uninterrupted one (the bias is saved
+with the model)."""
+import pytest
+import torch
+
+from tests.helpers import dist_helpers as H
+from tests.helpers.dist_helpers import assert_logged_losses_match
+
+pytestmark = pytest.mark.integration
+
+UPDATES = 4
+ONE_PROC = ["--update-freq", "2"]
+ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped")
+
+
+def args(save_dir):
+    """DeepSeek-V3's router (sigmoid, aux-loss-free bias with a large rate, so that it moves) and a shared expert,
+    with the balance and z losses on as well."""
+    return ["--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--moe-bias-update-rate", "0.05",
+            "--moe-aux-loss-coef", "0.01", "--moe-z-loss-coef", "0.001", "--optimizer", "adam", "--lr", "0.003",
+            "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
+            "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--disable-validation"]
+
+
+def train(data_bin, save_dir, *flags):
+    proc = H.run_train([data_bin] + args(save_dir) + list(flags), timeout=300)
+    assert proc.returncode == 0, f"toolkit-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def logged(stdout):
+    """{update: {name: value}} of the train_inner lines."""
+    import json
+
+    out = {}
+    for line in stdout.splitlines():
+        if "| train_inner |" in line:
+            record = json.loads(line.split("| train_inner |", 1)[1])
+            out[int(record["num_updates"])] = {k: float(v) for k, v in record.items() if k in ROUTER_TERMS}
+    return out
+
+
+def expert_bias(save_dir):
+    state = torch.load(f"{save_dir}/checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in range(2)])
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("moe_train") / "bin"))
+
+
+@pytest.fixture(scope="module")
+def one_process(data_bin, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("one")
+    proc = train(data_bin, save_dir, "--max-update", str(UPDATES), *ONE_PROC)
+    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir))
+
+
+def test_router_terms_and_loads_are_logged(one_process):
+    terms = one_process["terms"]
+    assert sorted(terms) == list(range(1, UPDATES + 1))
+    for update in terms.values():
+        assert set(update) == set(ROUTER_TERMS)
+        assert update["moe_dropped"] == 0.0 and update["moe_max_load_0"] >= 1.0 and update["moe_z_loss"] > 0
+    bias = one_process["bias"]
+    assert bias.abs().max() > 0 and torch.all(bias.abs() <= UPDATES * 0.05 + 1e-6)
+
+
+@pytest.mark.parametrize("backend", [["c10d"], ["fully_sharded", "--checkpoint-activations"]],
+                         ids=["c10d", "fully_sharded+ac"])
+def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, tmp_path, backend):
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                 "--ddp-backend", *backend)
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+    terms = logged(proc.stdout)
+    for u in range(1, UPDATES + 1):
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
+    if backend == ["c10d"]:  # a consolidated checkpoint: the bias the ranks share equals one process's
+        torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
+
+
+def test_compile_logs_the_same_losses(data_bin, one_process, tmp_path):
+    """--compile: each block compiled (fullgraph); the grouped matmul runs as an opaque op (fp32 on CPU)."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), *ONE_PROC, "--compile")
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+
+
+def test_resume_equals_the_uninterrupted_run(data_bin, one_process, tmp_path):
+    train(data_bin, tmp_path, "--max-update", "2", *ONE_PROC)
+    resumed = train(data_bin, tmp_path, "--max-update", str(UPDATES), *ONE_PROC)
+    assert_logged_losses_match(H.losses(resumed.stdout), one_process["losses"], range(3, UPDATES + 1))
+    torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])

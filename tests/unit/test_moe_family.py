@@ -1,0 +1,123 @@
+"""The MoE family (``toolkit.models.moe``): named sizes against transformers' own models built on the meta
+device from the published configs (total parameters), the active count against a direct count of one token's
+experts, FLOPs from the active parameters, the training forward's router terms, the parallel plan's refusals."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from toolkit import models
+from toolkit.core.errors import UserError
+from toolkit.models.accounting import default_vocab_size
+from toolkit.models.blocks.moe import MoE
+
+# The published config.json values (Hugging Face Hub: Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924,
+# mistralai/Mixtral-8x7B-v0.1), as much of them as decides the shapes.
+PUBLISHED = {
+    "qwen3_30b_a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, tie_word_embeddings=False)),
+    "olmoe_1b_7b": ("OlmoeForCausalLM", "OlmoeConfig", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, tie_word_embeddings=False)),
+    "mixtral_8x7b": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+}
+
+
+def meta_model(arch: str, **overrides):
+    return models.build_on_meta(arch, default_vocab_size(arch), **overrides)
+
+
+@pytest.mark.parametrize("arch", sorted(PUBLISHED))
+def test_total_and_active_parameters_equal_the_published_models(arch):
+    transformers = pytest.importorskip("transformers")
+    cls_name, config_name, values = PUBLISHED[arch]
+    config = getattr(transformers, config_name)(**values)
+    with torch.device("meta"):
+        hf_model = getattr(transformers, cls_name)(config)
+    hf_total = sum(p.numel() for p in hf_model.parameters())
+    ours = meta_model(arch)
+    assert sum(p.numel() for p in ours.parameters()) == hf_total
+    # active: everything but the experts a token is not routed to (E - k of them, 3 matrices C x F each, per layer)
+    cfg = ours.cfg
+    idle = cfg.decoder_layers * (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.decoder_embed_dim * cfg.moe_ffn_embed_dim
+    assert ours.active_parameters() == hf_total - idle
+    embed = values["vocab_size"] * values["hidden_size"]
+    attention = 12 * cfg.decoder_layers * cfg.decoder_attention_heads * 128 * 2048
+    assert ours.flops_per_token(2048) == 6 * (hf_total - idle - embed) + attention
+
+
+def test_published_active_counts():
+    """The "A3B" / "1B" / 12.9B of the names."""
+    assert meta_model("qwen3_30b_a3b").active_parameters() == 3_353_032_704
+    assert meta_model("olmoe_1b_7b").active_parameters() == 1_282_017_280
+    assert meta_model("mixtral_8x7b").active_parameters() == 12_879_925_248
+
+
+@pytest.mark.parametrize("arch", ["moe_tiny", "olmoe_tiny", "mixtral_tiny", "moe_tiny_sigmoid"])
+def test_training_forward_returns_the_router_terms(arch):
+    torch.manual_seed(0)
+    model = _build(arch)
+    tokens = torch.randint(4, 50, (2, 16))
+    model.train()
+    logits, extra = model(tokens)
+    assert set(extra["aux_losses"]) == {"moe_aux_loss", "moe_z_loss"}
+    value, coef = extra["aux_losses"]["moe_aux_loss"]
+    assert value.requires_grad and coef == model.cfg.moe_aux_loss_coef
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert set(extra["metrics"]) == {"moe_max_load_0", "moe_max_load_1", "moe_dropped"}
+    assert float(extra["metrics"]["moe_dropped"]) == 0.0 and all(float(extra["metrics"][f"moe_max_load_{i}"]) >= 1.0
+                                                                  for i in range(2))
+    assert all(float(m.tokens_per_expert.sum()) == 2 * 16 * model.cfg.moe_top_k for m in layers)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), logits.detach())  # evaluation: the logits alone, the same
+
+
+def _build(arch):
+    from types import SimpleNamespace
+
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary()
+    for i in range(46):
+        d.add_symbol(f"w{i}")
+    task = SimpleNamespace(dictionary=d, cfg=SimpleNamespace(tokens_per_sample=16))
+    return models.build_model(arch, models.model_config(arch), task)
+
+
+def test_sigmoid_family_updates_its_bias_after_a_step():
+    torch.manual_seed(0)
+    model = _build("moe_tiny_sigmoid").train()
+    model(torch.randint(4, 50, (2, 16)))
+    layer = [m for m in model.modules() if isinstance(m, MoE)][0]
+    loads = layer.tokens_per_expert.clone()
+    layer.after_optimizer_step()
+    torch.testing.assert_close(layer.gate.expert_bias, 0.001 * torch.sign(loads.mean() - loads))
+    assert "layers.0.mlp.gate.expert_bias" in model.state_dict()
+
+
+def test_tensor_and_expert_parallel_are_refused_in_one_line():
+    from toolkit.config import DistributedConfig
+    from toolkit.distributed.parallel_dims import check_model_capabilities
+    from toolkit.distributed.tensor_parallel import check_plan_kinds
+    from toolkit.models.moe.model import MoELanguageModel
+
+    plan = meta_model("moe_tiny").tensor_parallel_plan()
+    assert plan.experts == {"mlp": "ep_shard"} and "self_attn.q_proj" in plan.block
+    assert not any(path.startswith("mlp") for path in plan.block)
+    with pytest.raises(UserError, match=r"'mlp' asks for expert-parallel placement 'ep_shard'"):
+        check_plan_kinds(plan, "MoELanguageModel")
+    cfg = dataclasses.replace(DistributedConfig(), expert_parallel_size=2)
+    with pytest.raises(UserError, match=r"^--expert-parallel-size 2: every data-parallel rank computes all experts"):
+        check_model_capabilities(cfg, "moe_tiny", MoELanguageModel)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(UserError, match=r"^--moe-top-k 5: a token cannot go to more than the --moe-num-experts 4"):
+        meta_model("moe_tiny", moe_top_k=5)

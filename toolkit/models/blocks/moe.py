@@ -1,0 +1,296 @@
+"""Mixture-of-experts feed-forward: a router picks k of E SwiGLU experts per token (Qwen3-MoE, OLMoE, Mixtral,
+DeepSeek-V3), with optional shared experts every token goes through.
+
+Shape notation: N tokens (B x T flattened), C model width, F an expert's hidden width, E experts, k experts a token.
+
+Router (``Router``, parameter ``weight`` [E, C]: Hugging Face's ``gate``):
+
+- ``softmax``: probabilities over the E experts, the top k kept; ``renormalize`` divides the k kept by their
+  sum (Qwen3-MoE's ``norm_topk_prob``, Mixtral), else they are used as they are (OLMoE, Qwen3-MoE's default);
+- ``sigmoid`` (DeepSeek-V3): independent scores per expert; with ``balance_bias`` a per-expert bias
+  (buffer ``expert_bias``, not a parameter: no gradient) is added to the scores to *choose* the experts,
+  the weights stay the unbiased scores. After every update the bias moves by ``bias_update_rate`` towards
+  the under-loaded experts: ``b_i += rate * sign(mean load - load_i)`` (aux-loss-free balancing), the loads
+  counted over the update's micro-batches and summed over all ranks, so every rank keeps the same bias.
+
+Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert (a stable sort, so each expert sees
+its tokens in order), each expert multiplies its contiguous run of rows, and the outputs, scaled by the
+router weights, are added back to their tokens. The experts are stored stacked (``gate_proj``, ``up_proj``
+[E, F, C], ``down_proj`` [E, C, F]: Hugging Face's per-expert matrices, one above the other), so the runs
+go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) on CUDA in bf16 and on the
+CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
+products (the tests check the two paths bit for bit).
+
+Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
+
+- load balancing (Switch Transformer / GShard): ``E * sum_i f_i * P_i``, f_i the fraction of the N*k
+  assignments going to expert i, P_i the router's mean probability of i (1.0 when balanced);
+- router z-loss (ST-MoE): ``mean_n logsumexp(router logits_n)^2``;
+- metrics: the busiest expert's load over the mean load, and the tokens dropped (0: nothing is dropped).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
+
+logger = logging.getLogger("toolkit.moe")
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Routing:
+    """One forward's routing: ``weights`` [N, k] (the input's dtype), ``experts`` [N, k], ``logits`` and
+    ``probs`` [N, E] in fp32 (``probs``: the scores normalized over the experts, what the balance loss reads)."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor
+
+
+class Router(nn.Module):
+    """Top-k gate over E experts (see the module docstring for the score functions and the bias)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str = "softmax",
+                 renormalize: bool = False, balance_bias: bool = False):
+        super().__init__()
+        if score_func not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_func {score_func!r}: one of {SCORE_FUNCTIONS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k}: between 1 and the {num_experts} experts")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.renormalize = score_func, renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        if balance_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))  # saved: part of the model's state
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, C] -> the k experts of each token and their weights."""
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        experts = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(weights.to(x.dtype), experts, logits, probs)
+
+
+def expert_runs(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    """The N*k (token, expert) pairs sorted by expert: (rows of x in that order [N*k, C], the pair each row is
+    (an index into ``experts.flatten()``), tokens per expert [E])."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return x[order // experts.size(1)], order, counts
+
+
+def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] in runs of ``counts`` [E] rows, run e times ``weights[e]`` [out, in]^T -> [M, out]: one grouped
+    GEMM (``torch._grouped_mm``; CUDA in bf16, CPU in fp32 or bf16) where its kernel takes the shapes, else
+    :func:`per_expert_matmul` (the same products). Under ``torch.compile`` (``--compile``) anything but bf16 goes
+    through the opaque ``toolkit::grouped_matmul`` op (the kernel's compiled form takes bf16 only, and the
+    per-expert split has data-dependent sizes), which runs this same eager code."""
+    if torch.compiler.is_compiling() and not (rows.dtype == torch.bfloat16 and _grouped_mm_applies(rows, weights)):
+        return _opaque_grouped_matmul(rows, weights, counts)
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if _grouped_mm_applies(rows, weights):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
+    return per_expert_matmul(rows, weights, counts)
+
+
+@torch.library.custom_op("toolkit::grouped_matmul", mutates_args=())
+def _opaque_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+@_opaque_grouped_matmul.register_fake
+def _(rows, weights, counts):
+    return rows.new_empty(rows.size(0), weights.size(1))
+
+
+@torch.library.custom_op("toolkit::grouped_matmul_backward", mutates_args=())
+def _opaque_grouped_matmul_backward(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                                    grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """d rows = grad_e weights[e], d weights[e] = grad_e^T rows_e, run by run (an op runs below autograd)."""
+    sizes = counts.tolist()
+    grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
+    grad_rows = torch.cat([g @ weights[e] for e, g in enumerate(grad_runs)], dim=0)
+    grad_weights = torch.stack([g.t() @ r for g, r in zip(grad_runs, row_runs)])
+    return grad_rows, grad_weights
+
+
+@_opaque_grouped_matmul_backward.register_fake
+def _(rows, weights, counts, grad):
+    return torch.empty_like(rows), torch.empty_like(weights)
+
+
+def _setup_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    rows, weights, counts = ctx.saved_tensors
+    grad_rows, grad_weights = _opaque_grouped_matmul_backward(rows, weights, counts, grad)
+    return grad_rows, grad_weights, None
+
+
+_opaque_grouped_matmul.register_autograd(_backward, setup_context=_setup_backward)
+
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_applies(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    """The kernel's conditions: bf16 on CUDA (fp32 or bf16 on CPU), rows of both operands 16-byte aligned; any
+    dtype on the meta device."""
+    if GROUPED_MM is None or rows.dtype != weights.dtype or rows.device.type not in ("cuda", "cpu", "meta"):
+        return False
+    if rows.is_meta:  # shapes only (toolkit-plan's trace): the per-expert split would need the counts' values
+        return True
+    dtypes = (torch.bfloat16,) if rows.is_cuda else (torch.float32, torch.bfloat16)
+    aligned = all(width * rows.element_size() % 16 == 0 for width in (rows.size(1), weights.size(1)))
+    return rows.dtype in dtypes and aligned
+
+
+def per_expert_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_matmul` as one matmul per expert (fp16, unaligned widths, other devices)."""
+    runs = torch.split(rows, counts.tolist())
+    return torch.cat([run @ weights[e].t() for e, run in enumerate(runs)], dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, C] sorted by expert, ``counts`` [E] -> each row through its expert [M, C]."""
+        hidden = F.silu(grouped_matmul(rows, self.gate_proj, counts)) * grouped_matmul(rows, self.up_proj, counts)
+        return grouped_matmul(hidden, self.down_proj, counts)
+
+    def every_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The same sum with every expert run on every token, the unchosen ones weighted 0: no sort, no data-dependent
+        shape, so an exported graph (``toolkit-export --format onnx``) can hold it; E/k times the FLOPs."""
+        combine = torch.zeros(x.size(0), self.num_experts, dtype=x.dtype, device=x.device)
+        combine = combine.scatter(1, routing.experts, routing.weights)  # [N, E]
+        hidden = F.silu(torch.einsum("nc,efc->enf", x, self.gate_proj)) * torch.einsum("nc,efc->enf", x, self.up_proj)
+        return torch.einsum("enf,ecf,ne->nc", hidden, self.down_proj, combine)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [N, C] -> sum over each token's k experts of weight * expert(x) [N, C]; also the tokens per expert
+        (None in an exported graph, which runs :meth:`every_expert`)."""
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            return self.every_expert(x, routing), None
+        rows, order, counts = expert_runs(x, routing.experts, self.num_experts)
+        out = self.run(rows, counts) * routing.weights.flatten()[order, None]
+        tokens = order // routing.experts.size(1)
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype)), counts
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch/GShard: E * sum_i f_i * P_i, f_i = counts_i / (N k) (no gradient), P_i = mean_n probs[n, i]."""
+    fraction = counts.float() / (probs.size(0) * top_k)
+    return probs.size(1) * (fraction.detach() * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: mean over tokens of logsumexp(router logits)^2, which keeps the logits small."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class MoE(nn.Module):
+    """Router + stacked experts (+ shared experts): [B, T, C] -> [B, T, C], dropless.
+
+    After each training forward ``self.aux`` holds this layer's ``balance`` and ``z`` losses (0-dim, in the graph)
+    and ``self.load`` its load metrics; the family's model hands them to the criterion. The tokens each expert
+    received are summed over the update's micro-batches (``tokens_per_expert``) for ``after_optimizer_step``:
+    the aux-loss-free bias update and the warning about an expert that got no token for ``idle_warning_updates``
+    updates in a row.
+    """
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, num_experts: int = 8, top_k: int = 2,
+                 score_func: str = "softmax", renormalize: bool = False, shared_hidden: int = 0,
+                 bias_update_rate: float = 0.0, idle_warning_updates: int = 100, name: str = "moe"):
+        super().__init__()
+        if bias:
+            raise ValueError("MoE experts have no biases")
+        self.name, self.bias_update_rate, self.idle_warning_updates = name, bias_update_rate, idle_warning_updates
+        self.gate = Router(dim, num_experts, top_k, score_func, renormalize, balance_bias=bias_update_rate > 0)
+        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.shared_experts = GatedFeedForward(dim, shared_hidden) if shared_hidden else None
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("idle_updates", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        self.aux: Dict[str, torch.Tensor] = {}
+        self.load: Dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """No counts, no bias (after ``to_empty``; ``init_weights`` calls this; a checkpoint then loads the bias)."""
+        self.tokens_per_expert.zero_()
+        self.idle_updates.zero_()
+        if self.gate.expert_bias is not None:
+            self.gate.expert_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        routing = self.gate(flat)
+        y, counts = self.experts(flat, routing)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        if self.training:
+            self._record(routing, counts)
+        return y.view(B, T, C)
+
+    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
+        self.aux = {"balance": load_balancing_loss(routing.probs, counts, self.gate.top_k),
+                    "z": router_z_loss(routing.logits)}
+        with torch.no_grad():
+            counts = counts.float()
+            self.load = {"max_load": counts.max() / counts.mean(),
+                         "dropped": routing.experts.numel() - counts.sum()}
+            self.tokens_per_expert += counts
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The update's loads (summed over the ranks): the bias moves towards the idle experts, idle streaks
+        are counted and warned about; the counts start again at zero for the next update."""
+        loads = self.tokens_per_expert.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loads)
+        self.tokens_per_expert.zero_()
+        if loads.sum() == 0:  # no training forward since the last step (e.g. a skipped update)
+            return
+        if self.gate.expert_bias is not None:
+            self.gate.expert_bias += self.bias_update_rate * torch.sign(loads.mean() - loads)
+        self.idle_updates = torch.where(loads == 0, self.idle_updates + 1, torch.zeros_like(self.idle_updates))
+        idle = (self.idle_updates == self.idle_warning_updates).nonzero().flatten().tolist()
+        if idle:
+            logger.warning(f"{self.name}: expert(s) {', '.join(map(str, idle))} received no token for "
+                           f"{self.idle_warning_updates} updates in a row (router collapse? raise "
+                           "--moe-aux-loss-coef or use --moe-bias-update-rate)")
+
+
+FEED_FORWARDS["moe"] = MoE

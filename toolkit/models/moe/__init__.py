@@ -1,0 +1,5 @@
+"""The mixture-of-experts family (Qwen3-MoE, OLMoE, Mixtral; DeepSeek-V3's sigmoid router and shared experts as
+options): ``config.py`` its options, ``model.py`` the decoder (Llama's blocks, a ``blocks.moe.MoE`` feed-forward),
+``archs.py`` the named sizes, ``parallel.py`` its parallelism plan, ``hf.py`` its Hugging Face classes.
+Importing the package registers ``--arch moe`` and the sizes."""
+from toolkit.models.moe import archs, model  # noqa: F401  (registration)

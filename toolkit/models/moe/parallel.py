@@ -1,0 +1,29 @@
+"""The parallelism plan of the MoE family: Llama's attention split, the experts in the plan's expert slot.
+
+Attention, norms, embeddings and the output layer take the Llama family's kinds (``llama/parallel.py``).
+Each block's ``mlp`` (router and stacked experts) is named in ``experts`` with the placement ``ep_shard``
+(the experts' leading dimension E cut over the ``ep`` ranks, tokens exchanged with all-to-all): the toolkit
+has no code yet that applies such a placement, so ``--model-parallel-size`` refuses the plan in one line and
+``--expert-parallel-size`` is refused by the layout (``supports_expert_parallel`` is False). FSDP2 shards
+each block as a unit, experts included, as for the dense families.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from toolkit.core.protocols import TensorParallelPlan
+from toolkit.models.llama.config import kv_heads
+from toolkit.models.llama.parallel import BLOCK as LLAMA_BLOCK
+from toolkit.models.llama.parallel import tensor_parallel_plan as llama_plan
+
+BLOCK = {path: kind for path, kind in LLAMA_BLOCK.items() if not path.startswith("mlp.")}
+EXPERTS = {"mlp": "ep_shard"}
+
+
+def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
+    cfg = model.cfg
+    return dataclasses.replace(
+        llama_plan(model), block=dict(BLOCK), experts=dict(EXPERTS),
+        divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads)))
