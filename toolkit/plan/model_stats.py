@@ -66,6 +66,7 @@ class ModelStats:
     tokens_per_sample: int
     flops_per_token: float
     activations: Activations
+    kv_width: int = 0  # keys + values features per token, summed over the layers (shared Attention blocks)
 
     @property
     def num_params(self) -> int:
@@ -210,6 +211,9 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
+    from toolkit.models.blocks.attention import Attention
+
+    kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, Attention))
     return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
                       embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,
-                      flops_per_token=flops, activations=activations)
+                      flops_per_token=flops, activations=activations, kv_width=kv_width)

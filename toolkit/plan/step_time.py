@@ -78,8 +78,7 @@ def context_parallel_bytes(stats: ModelStats, setup: Setup) -> float:
     layer all-gathers its k and v of the whole sequence (the others' (C-1)/C of it), again when a checkpointed
     block is recomputed, and backward all-reduces their gradients (a ring all-reduce: twice the gather's bytes).
     Not overlapped: the attention waits for the gather."""
-    kv_width = sum(p.shape[0] / (setup.mp if p.tp_split else 1) for p in stats.params
-                   if p.name.endswith(("k_proj.weight", "v_proj.weight")))
+    kv_width = stats.kv_width / setup.mp  # keys and values are split by heads under tensor parallelism
     whole = setup.batch_sequences * stats.tokens_per_sample * kv_width * setup.compute_bytes
     gather = whole * (setup.cp - 1) / setup.cp
     return setup.update_freq * gather * (3 + (1 if setup.checkpoint else 0))

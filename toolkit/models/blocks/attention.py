@@ -131,6 +131,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+
+    def kv_width(self) -> int:
+        """Features of one token's keys plus values: what context parallelism exchanges per token (the planner)."""
+        return self.k_proj.out_features + self.v_proj.out_features
     def _heads(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         B, T, width = x.shape
         x = x.view(B, T, width // self.head_dim, self.head_dim)
