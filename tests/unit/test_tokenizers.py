@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import unicodedata
 
 import pytest
@@ -226,3 +227,42 @@ def test_build_tokenizer_errors(tmp_path):
     (tmp_path / "bpe.json").write_text("{not json")
     with pytest.raises(UserError, match="bpe.json"):
         load_tokenizer_for_data_bin(str(tmp_path))
+
+
+def make_hf_byte_bpe(path, train_file, vocab_size):
+    """A tokenizer.json (byte-level BPE) whose vocabulary holds ``<unk>`` and ``</s>`` as added tokens."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator((line.strip() for line in lines_of(train_file)), vocab_size=vocab_size,
+                            show_progress=False, special_tokens=["<unk>", "</s>"])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("bpe", ["gpt2", "hf_byte_bpe"])
+def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespeare_file, bpe):
+    """Binarizing with a known dictionary maps the tokenizer's ids through one array (``id_pieces``); the
+    data-bin and its replaced count must be those of the text path (pieces joined, split, looked up)."""
+    corpus = tmp_path / "valid.txt"
+    edge = "\n\n  \u00a0 \n a <unk> b </s> c \u2003 d\n\x1cq\x85r\n"  # empty/blank lines, specials, unicode spaces
+    corpus.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
+                      + edge, encoding="utf-8")
+    if bpe == "gpt2":
+        encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", shakespeare_file, 700)
+        flags = ["--bpe", "gpt2", "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
+    else:
+        flags = ["--bpe", "hf_byte_bpe", "--bpe-model", make_hf_byte_bpe(tmp_path / "tok.json", shakespeare_file, 700)]
+    dict_bin = tmp_path / "dict"
+    run("--trainpref", shakespeare_file, "--destdir", dict_bin, "--dict-only", "--thresholdsrc", 20, *flags)
+    outputs = {}
+    for path in ("ids", "text"):
+        if path == "text":
+            monkeypatch.setattr(TOKENIZER_REGISTRY.get(bpe).cls, "id_pieces", lambda self: None)
+        dest = tmp_path / path
+        run("--srcdict", dict_bin / "dict.txt", "--validpref", corpus, "--destdir", dest, *flags)
+        log = (dest / "preprocess.log").read_text(encoding="utf-8")
+        outputs[path] = ((dest / "valid.bin").read_bytes(), (dest / "valid.idx").read_bytes(),
+                         re.search(r"\d+ sents, \d+ tokens, \S+% replaced", log).group(0))
+    assert outputs["ids"] == outputs["text"]
+    assert not outputs["ids"][2].endswith(" 0.0% replaced")  # the threshold left pieces out: <unk> is exercised
