@@ -240,29 +240,32 @@ def make_hf_byte_bpe(path, train_file, vocab_size):
     return path
 
 
+@pytest.mark.parametrize("cut", [[], ["--thresholdsrc", 20]], ids=["whole", "threshold"])
 @pytest.mark.parametrize("bpe", ["gpt2", "hf_byte_bpe"])
-def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespeare_file, bpe):
-    """Binarizing with a known dictionary maps the tokenizer's ids through one array (``id_pieces``); the
-    data-bin and its replaced count must be those of the text path (pieces joined, split, looked up)."""
-    corpus = tmp_path / "valid.txt"
+def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespeare_file, bpe, cut):
+    """With a tokenizer that has ``id_pieces`` the binarizer maps its ids through arrays (the train split's
+    provisional ids are the tokenizer's ids; other splits look them up in a table): dict.txt, every split's
+    bytes and the replaced counts must be those of the text path (pieces joined, split, looked up)."""
     edge = "\n\n  \u00a0 \n a <unk> b </s> c \u2003 d\n\x1cq\x85r\n"  # empty/blank lines, specials, unicode spaces
-    corpus.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
-                      + edge, encoding="utf-8")
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
+    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge, encoding="utf-8")
+    valid.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
+                     + edge, encoding="utf-8")
     if bpe == "gpt2":
         encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", shakespeare_file, 700)
         flags = ["--bpe", "gpt2", "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
     else:
         flags = ["--bpe", "hf_byte_bpe", "--bpe-model", make_hf_byte_bpe(tmp_path / "tok.json", shakespeare_file, 700)]
-    dict_bin = tmp_path / "dict"
-    run("--trainpref", shakespeare_file, "--destdir", dict_bin, "--dict-only", "--thresholdsrc", 20, *flags)
     outputs = {}
     for path in ("ids", "text"):
         if path == "text":
             monkeypatch.setattr(TOKENIZER_REGISTRY.get(bpe).cls, "id_pieces", lambda self: None)
         dest = tmp_path / path
-        run("--srcdict", dict_bin / "dict.txt", "--validpref", corpus, "--destdir", dest, *flags)
+        run("--trainpref", train, "--validpref", valid, "--destdir", dest, "--workers", 2, *cut, *flags)
         log = (dest / "preprocess.log").read_text(encoding="utf-8")
-        outputs[path] = ((dest / "valid.bin").read_bytes(), (dest / "valid.idx").read_bytes(),
-                         re.search(r"\d+ sents, \d+ tokens, \S+% replaced", log).group(0))
+        outputs[path] = {name: (dest / name).read_bytes()
+                         for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx")}
+        outputs[path]["replaced"] = re.findall(r"\d+ sents, \d+ tokens, \S+% replaced", log)
     assert outputs["ids"] == outputs["text"]
-    assert not outputs["ids"][2].endswith(" 0.0% replaced")  # the threshold left pieces out: <unk> is exercised
+    # <unk> is exercised: pieces cut by the threshold, and pieces of the valid split never seen in train
+    assert not outputs["ids"]["replaced"][1].endswith(" 0.0% replaced")
