@@ -18,6 +18,10 @@ dataset builder as one array, and the item sizes come from the positions of
   are final at once (``binarize_file``); workers write ``{prefix}.pt{i}`` parts
   merged in order with ``MMapIndexedDatasetBuilder.merge_file_``.
 
+With a tokenizer whose ids stand for fixed one-word pieces (``Tokenizer.id_pieces``: ``gpt2``,
+``hf_byte_bpe``) no piece text is made: its ids are the provisional ids (``ProvisionalIdEncoder``), or
+go through one table to the final ids (``TokenizerIdEncoder``); the output is that of the text path.
+
 Either way the output does not depend on the number of workers. Lines are
 split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
 tokenized with ``str.split()`` (fairseq's ``tokenize_line``), and an empty line
