@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,8 +94,9 @@ def time_binarize(name: str, corpus: str, files: dict, workers: int, tmp: str) -
     if not os.path.isdir(dict_bin):
         preprocess(["--trainpref", corpus, "--dict-only", "--destdir", dict_bin, *bpe_flags(name, files)])
     dest = os.path.join(tmp, f"bin-{name}-{workers}")
+    shutil.rmtree(dest, ignore_errors=True)  # a fresh data-bin each run (one holding a bpe.json refuses --bpe)
     out = preprocess(["--srcdict", os.path.join(dict_bin, "dict.txt"), "--validpref", corpus, "--destdir", dest,
-                      "--workers", str(workers), "--overwrite", *bpe_flags(name, files)])
+                      "--workers", str(workers), *bpe_flags(name, files)])
     return float(re.search(r"valid: binarized in ([\d.]+)s", out).group(1))
 
 

@@ -283,3 +283,25 @@ def test_bad_flags(tmp_path, capsys, edge_file):
     expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--bpe", "sentencepiece"],
                  "--bpe-vocab-size")
     assert_no_trace(dest)
+
+
+def test_on_the_fly_encoding_equals_the_data_bin(tmp_path, edge_file, wikitext_dir):
+    """eval-lm on raw text and interactive generation encode with ``TextCodec`` (``Dictionary.encode_line``),
+    not with the binarizer's block encoder: both must give the data-bin's ids for every line, including
+    unicode whitespace, empty lines, literal ``</s>``/``<unk>`` and words missing from a cut dictionary."""
+    from toolkit.evaluation.text import TextCodec
+
+    valid = os.path.join(wikitext_dir, "wiki.valid.tokens")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(open(valid, "rb").read()[:200_000] + EDGE_TEXT.encode("utf-8"))
+    dest = tmp_path / "bin"
+    run("--trainpref", corpus, "--validpref", corpus, "--destdir", dest, "--thresholdsrc", 2)
+    d = Dictionary.load(str(dest / "dict.txt"))
+    codec = TextCodec(d, str(dest), add_bos_token=False)
+    assert codec.kind == "whitespace"
+    lines = [line.rstrip("\n") for line in fairseq_lines(str(corpus))]
+    on_the_fly = [codec.encode(line) + [d.eos()] for line in lines]
+    assert d.unk() in {i for item in on_the_fly for i in item}  # the threshold left words out
+    for split in ("train", "valid"):
+        ds = MMapIndexedDataset(str(dest / split))
+        assert [ds[i].tolist() for i in range(len(ds))] == on_the_fly, split

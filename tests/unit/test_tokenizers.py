@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import unicodedata
 
 import pytest
@@ -226,3 +227,45 @@ def test_build_tokenizer_errors(tmp_path):
     (tmp_path / "bpe.json").write_text("{not json")
     with pytest.raises(UserError, match="bpe.json"):
         load_tokenizer_for_data_bin(str(tmp_path))
+
+
+def make_hf_byte_bpe(path, train_file, vocab_size):
+    """A tokenizer.json (byte-level BPE) whose vocabulary holds ``<unk>`` and ``</s>`` as added tokens."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator((line.strip() for line in lines_of(train_file)), vocab_size=vocab_size,
+                            show_progress=False, special_tokens=["<unk>", "</s>"])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("cut", [[], ["--thresholdsrc", 20]], ids=["whole", "threshold"])
+@pytest.mark.parametrize("bpe", ["gpt2", "hf_byte_bpe"])
+def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespeare_file, bpe, cut):
+    """With a tokenizer that has ``id_pieces`` the binarizer maps its ids through arrays (the train split's
+    provisional ids are the tokenizer's ids; other splits look them up in a table): dict.txt, every split's
+    bytes and the replaced counts must be those of the text path (pieces joined, split, looked up)."""
+    edge = "\n\n  \u00a0 \n a <unk> b </s> c \u2003 d\n\x1cq\x85r\n"  # empty/blank lines, specials, unicode spaces
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
+    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge, encoding="utf-8")
+    valid.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
+                     + edge, encoding="utf-8")
+    if bpe == "gpt2":
+        encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", shakespeare_file, 700)
+        flags = ["--bpe", "gpt2", "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
+    else:
+        flags = ["--bpe", "hf_byte_bpe", "--bpe-model", make_hf_byte_bpe(tmp_path / "tok.json", shakespeare_file, 700)]
+    outputs = {}
+    for path in ("ids", "text"):
+        if path == "text":
+            monkeypatch.setattr(TOKENIZER_REGISTRY.get(bpe).cls, "id_pieces", lambda self: None)
+        dest = tmp_path / path
+        run("--trainpref", train, "--validpref", valid, "--destdir", dest, "--workers", 2, *cut, *flags)
+        log = (dest / "preprocess.log").read_text(encoding="utf-8")
+        outputs[path] = {name: (dest / name).read_bytes()
+                         for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx")}
+        outputs[path]["replaced"] = re.findall(r"\d+ sents, \d+ tokens, \S+% replaced", log)
+    assert outputs["ids"] == outputs["text"]
+    # <unk> is exercised: pieces cut by the threshold, and pieces of the valid split never seen in train
+    assert not outputs["ids"]["replaced"][1].endswith(" 0.0% replaced")

@@ -18,6 +18,10 @@ dataset builder as one array, and the item sizes come from the positions of
   are final at once (``binarize_file``); workers write ``{prefix}.pt{i}`` parts
   merged in order with ``MMapIndexedDatasetBuilder.merge_file_``.
 
+With a tokenizer whose ids stand for fixed one-word pieces (``Tokenizer.id_pieces``: ``gpt2``,
+``hf_byte_bpe``) no piece text is made: its ids are the provisional ids (``ProvisionalIdEncoder``), or
+go through one table to the final ids (``TokenizerIdEncoder``); the output is that of the text path.
+
 Either way the output does not depend on the number of workers. Lines are
 split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
 tokenized with ``str.split()`` (fairseq's ``tokenize_line``), and an empty line
@@ -267,13 +271,70 @@ class BlockEncoder:
         return ids, sizes, self.lookup.misses - misses_before
 
 
+def tokenizer_id_pieces(tokenizer) -> Optional[List[str]]:
+    """The tokenizer's piece for each of its ids, where looking its ids up through them gives exactly what
+    the text path gives (every piece one distinct whitespace-free word); None otherwise."""
+    pieces = tokenizer.id_pieces() if tokenizer is not None else None
+    if not pieces or not all(p and p.split() == [p] for p in pieces) or len(set(pieces)) != len(pieces):
+        return None
+    return pieces
+
+
+def tokenize_lines(tokenizer, text: str) -> Tuple[np.ndarray, np.ndarray]:
+    """The library ids of a block's lines, flat, and each line's item size (its ids and ``</s>``)."""
+    lines = text.split("\n")
+    lines.pop()
+    per_line = tokenizer.encode_lines_to_ids(lines)
+    lengths = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
+    flat = np.fromiter(itertools.chain.from_iterable(per_line), dtype=np.int64, count=int(lengths.sum()))
+    return flat, (lengths + 1).astype(np.int32)
+
+
+def with_line_ends(values: np.ndarray, sizes: np.ndarray, eos: int, dtype) -> np.ndarray:
+    """``values`` with ``eos`` after each line (the last position of each item)."""
+    ids = np.full(int(sizes.sum()), eos, dtype=dtype)
+    words = np.ones(len(ids), dtype=bool)
+    words[np.cumsum(sizes) - 1] = False
+    ids[words] = values
+    return ids
+
+
+class TokenizerIdEncoder:
+    """A block of lines through a tokenizer straight to ``dict.txt`` ids: its ids, then one array lookup.
+
+    Gives what ``BlockEncoder`` gives on ``apply_tokenizer``'s text (``tokenizer_id_pieces``; otherwise
+    ``build`` returns None and the text path is used): a piece missing from the dictionary becomes
+    ``<unk>`` and is counted as replaced, a piece that is literally ``<unk>`` or ``</s>`` maps to its own
+    id, and ``</s>`` ends each line.
+    """
+
+    def __init__(self, tokenizer, dictionary, pieces: List[str], dtype):
+        self.tokenizer, self.dtype, self.eos = tokenizer, np.dtype(dtype), dictionary.eos_index
+        get, unk = dictionary.indices.get, dictionary.unk_index
+        self.table = np.fromiter((get(p, unk) for p in pieces), dtype=np.int64, count=len(pieces))
+        self.replaced = np.fromiter((p not in dictionary.indices for p in pieces), dtype=bool, count=len(pieces))
+
+    @classmethod
+    def build(cls, tokenizer, dictionary, dtype) -> Optional["TokenizerIdEncoder"]:
+        pieces = tokenizer_id_pieces(tokenizer)
+        return None if pieces is None else cls(tokenizer, dictionary, pieces, dtype)
+
+    def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
+        flat, sizes = tokenize_lines(self.tokenizer, text)
+        return with_line_ends(self.table[flat], sizes, self.eos, self.dtype), sizes, int(self.replaced[flat].sum())
+
+
 def binarize_range(path: str, start: int, end: Optional[int], dictionary, builder: MMapIndexedDatasetBuilder,
                    tokenizer=None, encoding_errors: str = "strict", progress: Progress = None) -> BinarizeSummary:
     """Append the lines in bytes ``[start, end)`` to ``builder`` as items (``</s>`` appended)."""
     encoder = BlockEncoder(dictionary, builder.dtype)
+    by_ids = TokenizerIdEncoder.build(tokenizer, dictionary, builder.dtype)
     summary = BinarizeSummary()
     for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
-        ids, sizes, replaced = encoder.encode(apply_tokenizer(text, tokenizer))
+        if by_ids is not None:
+            ids, sizes, replaced = by_ids.encode(text)
+        else:
+            ids, sizes, replaced = encoder.encode(apply_tokenizer(text, tokenizer))
         builder.add_items(ids, sizes)
         summary.num_seq += len(sizes)
         summary.num_tok += len(ids)
@@ -315,6 +376,29 @@ class ProvisionalEncoder:
         return self.counts[: len(self.vocab)].copy()
 
 
+class ProvisionalIdEncoder:
+    """``ProvisionalEncoder`` for a tokenizer with ``tokenizer_id_pieces``: its own ids are the provisional ids
+    (``</s>`` its piece's id, or one more id), so no piece text is made; unseen pieces keep a count of 0."""
+
+    def __init__(self, tokenizer, pieces: List[str], eos_word: str = "</s>"):
+        self.tokenizer = tokenizer
+        self.vocab = pieces if eos_word in pieces else pieces + [eos_word]
+        self.eos = self.vocab.index(eos_word)
+        self.counts = np.zeros(len(self.vocab), dtype=np.int64)
+
+    def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
+        flat, sizes = tokenize_lines(self.tokenizer, text)
+        ids = with_line_ends(flat, sizes, self.eos, np.int32)
+        self.counts += np.bincount(ids, minlength=len(self.vocab))
+        return ids, sizes
+
+    def words(self) -> List[str]:
+        return list(self.vocab)
+
+    def word_counts(self) -> np.ndarray:
+        return self.counts.copy()
+
+
 @dataclass
 class ProvisionalPart:
     """One byte range of the train file, binarized with provisional ids (``prefix.bin/.idx``, int32)."""
@@ -327,11 +411,12 @@ class ProvisionalPart:
 
 def provisional_range(path: str, start: int, end: Optional[int], out_prefix: str, tokenizer=None,
                       encoding_errors: str = "strict", progress: Progress = None) -> ProvisionalPart:
-    encoder = ProvisionalEncoder()
+    pieces = tokenizer_id_pieces(tokenizer)
+    encoder = ProvisionalEncoder() if pieces is None else ProvisionalIdEncoder(tokenizer, pieces)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.int32)
     summary = BinarizeSummary()
     for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
-        ids, sizes = encoder.encode(apply_tokenizer(text, tokenizer))
+        ids, sizes = encoder.encode(text if pieces is not None else apply_tokenizer(text, tokenizer))
         builder.add_items(ids, sizes)
         summary.num_seq += len(sizes)
         summary.num_tok += len(ids)
@@ -345,7 +430,7 @@ def part_counts(parts: Sequence[ProvisionalPart]) -> Counter:
     """The token counts of all parts (for ``Dictionary.add_counts``)."""
     total: Counter = Counter()
     for part in parts:
-        counts = dict(zip(part.words, part.counts.tolist()))
+        counts = {w: c for w, c in zip(part.words, part.counts.tolist()) if c}  # a piece never seen is no word
         if not total:
             total = Counter(counts)
         else:

@@ -44,6 +44,20 @@ class Tokenizer:
         """Encode many lines at once (subclasses batch this into their library)."""
         return [self.encode(line) for line in lines]
 
+    def id_pieces(self) -> Optional[List[Optional[str]]]:
+        """The piece ``encode`` writes for each of the library's ids, where a line's pieces are always exactly
+        ``[id_pieces()[i] for i in encode_lines_to_ids([line])[0]]``; None where they are not.
+
+        With it the binarizer maps the library's ids to ``dict.txt`` ids through one array, instead of
+        joining pieces into text and splitting and looking them up again (most of its cost beyond the
+        tokenizer's own).
+        """
+        return None
+
+    def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
+        """The library's ids of each line (only where ``id_pieces`` is not None)."""
+        raise NotImplementedError
+
     # --- building a data-bin ---------------------------------------------------------
     @classmethod
     def needs_training(cls, cfg: Any) -> bool:

@@ -44,6 +44,12 @@ class Gpt2Bpe(Tokenizer):
     def encode_lines(self, lines: List[str]) -> List[str]:
         return [" ".join(map(str, e.ids)) for e in self.tok.encode_batch([l.strip() for l in lines])]
 
+    def id_pieces(self) -> List[str]:
+        return [str(i) for i in range(self.tok.get_vocab_size())]  # fairseq's pieces: the ids as text
+
+    def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
+        return [e.ids for e in self.tok.encode_batch([l.strip() for l in lines])]
+
     def decode(self, text: str) -> str:
         """Ids back to text; a token that is not an id (``<unk>``, ``madeupword0000``) is kept as is."""
         out: List[str] = []

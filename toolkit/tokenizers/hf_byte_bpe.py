@@ -58,6 +58,12 @@ class HfByteBpe(Tokenizer):
         encodings = self.tok.encode_batch([l.strip() for l in lines], add_special_tokens=False)
         return [" ".join(e.tokens) for e in encodings]
 
+    def id_pieces(self) -> List[Optional[str]]:
+        return [self.tok.id_to_token(i) for i in range(self.tok.get_vocab_size(with_added_tokens=True))]
+
+    def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
+        return [e.ids for e in self.tok.encode_batch([l.strip() for l in lines], add_special_tokens=False)]
+
     def decode(self, text: str) -> str:
         return self.tok.decoder.decode(text.split())
 
