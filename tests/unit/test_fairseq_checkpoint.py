@@ -295,3 +295,27 @@ def test_load_fairseq_into_trainer(tmp_path, data, flat):
     assert float(state["step"]) == 7.0
     torch.testing.assert_close(trainer.optimizer.state[model.embed_tokens.weight]["exp_avg"],
                                moments["decoder.embed_tokens.weight"][0])
+
+
+def test_resume_from_a_fairseq_file_sets_updates_and_restarts_the_epoch(tmp_path, data):
+    """The adapter's resume (what --restore-file does with a fairseq file): weights, the saved update count
+    handed to the trainer, and the saved epoch started over (fairseq's data position does not map onto ours)."""
+    import types as _types
+
+    from toolkit.compat.fairseq import adapter
+    from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
+
+    data_dir, vocab = data
+    sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
+    path = str(tmp_path / "checkpoint_last.pt")
+    torch.save(fairseq_010_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS)), path)
+    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=24,
+                              decoder_attention_heads=2, decoder_learned_pos=True, max_target_positions=MAX_POS)
+    model = TransformerLanguageModel(cfg, vocab, 1, seed=0)
+    loaded = {}
+    trainer = _types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     load_state_dict=lambda state, reset_lr_scheduler: loaded.update(state))
+    position = adapter.resume_trainer(path, adapter.read_checkpoint(path), trainer, reset_optimizer=True)
+    assert position == {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True}
+    assert loaded == {"num_updates": 7}
+    torch.testing.assert_close(model.embed_tokens.weight.detach(), sd["decoder.embed_tokens.weight"])
