@@ -88,6 +88,7 @@ def task_manager(names: List[str], include_path: Optional[str]):
     if include_path is not None:
         if not os.path.isdir(include_path):
             raise UserError(f"--include-path {include_path}: no such folder; give a folder of harness task YAML")
+        check_task_yaml(include_path)
         local = TaskManager(include_path=include_path, include_defaults=False)
         if not set(names) - set(local.all_tasks):
             return local
@@ -97,6 +98,31 @@ def task_manager(names: List[str], include_path: Optional[str]):
         raise UserError(f"--tasks: unknown task(s) {', '.join(unknown)}; see lm-eval ls tasks, or give "
                         f"--include-path with their YAML")
     return manager
+
+
+def check_task_yaml(include_path: str) -> None:
+    """Every ``*.yaml`` under ``--include-path`` parses, else one line naming the file and line. The harness
+    skips a file it cannot parse with a warning, so a typo would otherwise surface as "unknown task".
+
+    Only the syntax is read (``yaml.compose``: no alias is expanded, no tag constructed, so lm-eval's own
+    tags such as ``!function`` pass); what the keys mean stays the harness's to judge.
+    """
+    import yaml
+
+    for folder, _, files in sorted(os.walk(include_path)):
+        for name in sorted(f for f in files if f.endswith((".yaml", ".yml"))):
+            path = os.path.join(folder, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    list(yaml.compose_all(f, Loader=yaml.SafeLoader))
+            except UnicodeDecodeError as e:
+                raise UserError(f"--include-path {path}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise UserError(f"--include-path {path}:{where} invalid YAML ({problem}); fix the file or move "
+                                f"it out of the folder") from None
 
 
 def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, limit: Optional[float] = None,
