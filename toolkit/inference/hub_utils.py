@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from toolkit import inference
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
@@ -49,6 +50,7 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
     if bpe_name is None and tokenizer_name is None:
         own = hf_ids.load_model_tokenizer(task.model_files_dir(), task.dictionary)
+    models = [fairseq_adapter.with_fairseq_outputs(m) for m in models]  # hub.models[0](src): (logits, extra)
     return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe, model_tokenizer=own)
 
 

@@ -1,4 +1,4 @@
-"""The one door from the layers above into fairseq's checkpoint files.
+"""The one door from the layers above into fairseq's checkpoint files (and the model outputs its scripts read).
 
 The run's checkpoint manager (``train/checkpoint_manager.py``), model loading (``toolkit.inference``) and
 EMA (``train/ema.py``) accept toolkit and fairseq checkpoints alike. Each function here takes any
@@ -15,6 +15,7 @@ import torch
 
 from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
 from toolkit.compat.fairseq import export as fairseq_export
+from toolkit.compat.fairseq import model_outputs
 from toolkit.compat.fairseq import shards as fairseq_shards
 from toolkit.core import registry
 
@@ -95,3 +96,9 @@ def write_fairseq_checkpoint(path: str, output: str) -> Dict[str, int]:
     """A consolidated toolkit checkpoint's model in fairseq's ``transformer_lm`` layout at ``output``
     (``toolkit-consolidate --to-fairseq``); ``{"tensors", "params"}`` written."""
     return fairseq_export.export(path, output)
+
+
+def with_fairseq_outputs(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` returning fairseq's ``(logits, extra)`` when called (for fairseq's Python API: the hub's
+    models, ``load_model_ensemble_and_task``); see :mod:`toolkit.compat.fairseq.model_outputs`."""
+    return model_outputs.return_fairseq_outputs(model)
