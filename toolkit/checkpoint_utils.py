@@ -6,7 +6,7 @@ with these functions they port by renaming the import. Loading is the toolkit's
 (:func:`toolkit.inference.load_model`: toolkit and fairseq checkpoints, ``weights_only``).
 
 fairseq's ``cfg`` is grouped (``cfg.task.tokens_per_sample``, ``cfg.model._name``); the returned
-``cfg`` is a :class:`toolkit.inference.hub_fairseq.GroupedConfig`, which answers both that and the flat names.
+``cfg`` is a :class:`toolkit.compat.fairseq.hub.GroupedConfig`, which answers both that and the flat names.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from toolkit import inference
 from toolkit.compat.fairseq.adapter import is_fairseq_checkpoint, read_checkpoint, with_fairseq_outputs
-from toolkit.inference.hub_fairseq import GroupedConfig
+from toolkit.compat.fairseq.hub import GroupedConfig
 
 def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
                            load_on_all_ranks: bool = False) -> Dict[str, Any]:

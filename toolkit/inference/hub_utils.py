@@ -2,7 +2,7 @@
 
 The data-bin's tokenizer (whitespace or the BPE it was built with) is applied,
 so users pass raw sentences. fairseq's hub methods and keywords (``cfg``, ``src_dict``, ``binarize``,
-``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.inference.hub_fairseq`.
+``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.compat.fairseq.hub`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference import model_tokenizer as hf_ids
-from toolkit.inference.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
+from toolkit.compat.fairseq.hub import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
                                   split_hub_kwargs)
 
 logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
