@@ -144,7 +144,7 @@ def test_recipe_flags_accepted_with_one_line_each(data, tmp_path, caplog, monkey
         parse_train_config(base + ["--distributed-no-spawn", "--distributed-world-size", "2"])
     with pytest.raises(UserError, match="--memory-efficient-bf16 and --fp16"):
         parse_train_config(base + ["--memory-efficient-bf16", "--fp16"])
-    from toolkit.config.recipe_flags import empty_cache_due
+    from toolkit.train.train_loop import empty_cache_due
 
     assert [n for n in range(1, 8) if empty_cache_due(cfg.common, n)] == [1, 3, 5, 7]  # fairseq's (n + f - 1) % f
 
