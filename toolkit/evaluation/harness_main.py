@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from toolkit.config import opt
 from toolkit.config.flag_types import count_or_zero, positive_int
+from toolkit.core import yaml_syntax
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 from toolkit.core.preflight import check_writable_folder
@@ -101,28 +102,11 @@ def task_manager(names: List[str], include_path: Optional[str]):
 
 
 def check_task_yaml(include_path: str) -> None:
-    """Every ``*.yaml`` under ``--include-path`` parses, else one line naming the file and line. The harness
-    skips a file it cannot parse with a warning, so a typo would otherwise surface as "unknown task".
-
-    Only the syntax is read (``yaml.compose``: no alias is expanded, no tag constructed, so lm-eval's own
-    tags such as ``!function`` pass); what the keys mean stays the harness's to judge.
-    """
-    import yaml
-
-    for folder, _, files in sorted(os.walk(include_path)):
-        for name in sorted(f for f in files if f.endswith((".yaml", ".yml"))):
-            path = os.path.join(folder, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    list(yaml.compose_all(f, Loader=yaml.SafeLoader))
-            except UnicodeDecodeError as e:
-                raise UserError(f"--include-path {path}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
-            except yaml.YAMLError as e:
-                mark = getattr(e, "problem_mark", None)
-                where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
-                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-                raise UserError(f"--include-path {path}:{where} invalid YAML ({problem}); fix the file or move "
-                                f"it out of the folder") from None
+    """Every YAML under ``--include-path`` parses, else one line naming the file and line: the harness skips
+    a file it cannot parse with a warning, so a typo would otherwise surface as "unknown task"."""
+    error = yaml_syntax.first_syntax_error(include_path)
+    if error is not None:
+        raise UserError(f"--include-path {error}; fix the file or move it out of the folder")
 
 
 def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, limit: Optional[float] = None,
