@@ -6,7 +6,7 @@ with these functions they port by renaming the import. Loading is the toolkit's
 (:func:`toolkit.inference.load_model`: toolkit and fairseq checkpoints, ``weights_only``).
 
 fairseq's ``cfg`` is grouped (``cfg.task.tokens_per_sample``, ``cfg.model._name``); the returned
-``cfg`` is a :class:`toolkit.inference.hub_fairseq.GroupedConfig`, which answers both that and the flat names.
+``cfg`` is a :class:`toolkit.compat.fairseq.hub.GroupedConfig`, which answers both that and the flat names.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from toolkit import inference
-from toolkit.compat.fairseq.adapter import is_fairseq_checkpoint, read_checkpoint
-from toolkit.inference.hub_fairseq import GroupedConfig
+from toolkit.compat.fairseq.adapter import is_fairseq_checkpoint, read_checkpoint, with_fairseq_outputs
+from toolkit.compat.fairseq.hub import GroupedConfig
 
 def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
                            load_on_all_ranks: bool = False) -> Dict[str, Any]:
@@ -43,7 +43,8 @@ def _paths(filenames: Union[str, Sequence[str]], suffix: str) -> List[str]:
 def load_model_ensemble_and_task(filenames: Union[str, Sequence[str]], arg_overrides: Optional[Dict[str, Any]] = None,
                                  task=None, strict: bool = True, suffix: str = "", num_shards: int = 1,
                                  state: Optional[Dict[str, Any]] = None) -> Tuple[List[torch.nn.Module], Any, Any]:
-    """(models in eval mode on the CPU, cfg, task), as fairseq's.
+    """(models in eval mode on the CPU, cfg, task), as fairseq's; ``model(src_tokens)`` returns fairseq's
+    ``(logits, extra)``.
 
     ``arg_overrides`` replace saved options (``{"data": "data-bin/x"}`` points at another
     data-bin). A ``task`` given is returned as is (its dictionary must be the checkpoint's).
@@ -59,7 +60,7 @@ def load_model_ensemble_and_task(filenames: Union[str, Sequence[str]], arg_overr
         model, path_task, path_args = inference.load_model(path, data, torch.device("cpu"), overrides)
         if loaded_task is not None and path_task.dictionary != loaded_task.dictionary:
             raise ValueError(f"{path}: ensemble members must share one dictionary")
-        models.append(model)
+        models.append(with_fairseq_outputs(model))  # model(src) gives fairseq's (logits, extra)
         loaded_task, args = loaded_task or path_task, args or path_args
     if task is not None and task.dictionary != loaded_task.dictionary:
         raise ValueError("task=: its dictionary differs from the checkpoint's")

@@ -76,11 +76,18 @@ def sinusoidal(positions: torch.Tensor, C: int) -> torch.Tensor:
 
 def reference_logits(sd, tokens: torch.Tensor, heads: int, pad: int, learned: bool, tied: bool) -> torch.Tensor:
     """fairseq's pre-norm decoder on right-padded ``tokens`` [B, T], with separate q/k/v."""
+    return reference_forward(sd, tokens, heads, pad, learned, tied)[0]
+
+
+def reference_forward(sd, tokens: torch.Tensor, heads: int, pad: int, learned: bool, tied: bool):
+    """(logits, extra) as fairseq's TransformerDecoder returns them: ``extra["inner_states"]`` is the
+    embedded input and each layer's output, [T, B, C], before the final layer norm; ``attn`` is ``[None]``."""
     C = sd["decoder.embed_tokens.weight"].shape[1]
     B, T = tokens.shape
     x = sd["decoder.embed_tokens.weight"][tokens] * math.sqrt(C)
     positions = torch.arange(T) + pad + 1
     x = x + (sd["decoder.embed_positions.weight"][positions] if learned else sinusoidal(positions, C))
+    inner_states = [x.transpose(0, 1)]
     layer = 0
     while f"decoder.layers.{layer}.fc1.weight" in sd:
         p = f"decoder.layers.{layer}."
@@ -99,10 +106,11 @@ def reference_logits(sd, tokens: torch.Tensor, heads: int, pad: int, learned: bo
         x = x + lin(attn, "self_attn.out_proj")
         h = F.layer_norm(x, (C,), sd[p + "final_layer_norm.weight"], sd[p + "final_layer_norm.bias"])
         x = x + lin(torch.relu(lin(h, "fc1")), "fc2")
+        inner_states.append(x.transpose(0, 1))
         layer += 1
     x = F.layer_norm(x, (C,), sd["decoder.layer_norm.weight"], sd["decoder.layer_norm.bias"])
     out = sd["decoder.embed_tokens.weight"] if tied else sd["decoder.output_projection.weight"]
-    return x @ out.t()
+    return x @ out.t(), {"attn": [None], "inner_states": inner_states}
 
 
 def model_options(layers=2, C=16, F_=24, heads=2, max_pos=32, learned=True, tied=False) -> Dict:

@@ -144,7 +144,7 @@ def test_recipe_flags_accepted_with_one_line_each(data, tmp_path, caplog, monkey
         parse_train_config(base + ["--distributed-no-spawn", "--distributed-world-size", "2"])
     with pytest.raises(UserError, match="--memory-efficient-bf16 and --fp16"):
         parse_train_config(base + ["--memory-efficient-bf16", "--fp16"])
-    from toolkit.config.recipe_flags import empty_cache_due
+    from toolkit.train.train_loop import empty_cache_due
 
     assert [n for n in range(1, 8) if empty_cache_due(cfg.common, n)] == [1, 3, 5, 7]  # fairseq's (n + f - 1) % f
 
@@ -258,6 +258,24 @@ def test_generate_results_path_and_hint(data, trained, tmp_path):
     assert failed.returncode == 1
     assert "give --prefix-size N)" in failed.stderr and "--sample-break-mode eos for" not in failed.stderr, \
         failed.stderr
+
+
+def test_generate_beam_without_prefix_size_forces_each_whole_sample_as_fairseq(data, trained):
+    """fairseq's language_modeling task without --prefix-size passes each sample (as long as the model's
+    positions here: --sample-break-mode none) as prefix_tokens: the search is forced through it up to max_len,
+    then ends with </s>. It was refused ("prompt of 32 tokens does not fit")."""
+    save, _, _ = trained
+    run = run_cli("toolkit_cli.generate", [data, "--path", os.path.join(save, "checkpoint_best.pt"), "--task",
+                                           "language_modeling", "--cpu", "--beam", "5", "--max-len-b", "3",
+                                           "--batch-size", "4"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    sources = dict(line.split("\t", 1) for line in run.stdout.splitlines() if line.startswith("S-"))
+    hypos = [line.split("\t") for line in run.stdout.splitlines() if line.startswith("H-")]
+    assert hypos and len(sources) == len({h[0] for h in hypos})
+    for name, _score, text in hypos:
+        source = sources["S-" + name[2:]].split()
+        words = text.split()  # the sample's first 3 tokens; a </s> among them (a line end) prints as nothing
+        assert len(source) > 3 and 1 <= len(words) <= 3 and words == source[:len(words)], (source, text)
 
 
 def test_preprocess_joined_dictionary(tmp_path):

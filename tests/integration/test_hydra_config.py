@@ -242,3 +242,15 @@ def test_overrides_alone_as_in_the_docs_first_example(tmp_path, data):
     assert parse_train_config(argv) == parse_train_config(flags)
     with pytest.raises(UserError, match=r"^the overrides: unknown group 'optimisation'"):
         hydra_train_argv(None, "config", ["optimisation.max_update=5"])
+
+
+def test_broken_yaml_in_the_config_folder_names_its_file_and_line(tmp_path):
+    """A syntax error in a group's file (task/lm.yaml) was reported against the primary config, without a line."""
+    pytest.importorskip("hydra")
+    (tmp_path / "task").mkdir()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - task: lm\n  - _self_\ncommon:\n  seed: 1\n")
+    (tmp_path / "task" / "lm.yaml").write_text("# @package _group_\n_name: language_modeling\ndata: x\n"
+                                               "  tokens_per_sample: [32\n")
+    with pytest.raises(UserError, match=r"^--config-dir .*task/lm\.yaml: line 4, column 20: invalid YAML "
+                                        r"\(mapping values are not allowed here\); fix the file$"):
+        hydra_train_argv(str(tmp_path), "config", [])

@@ -83,20 +83,30 @@ def _build(task, embed=16, hidden=24):
         decoder_embed_dim=embed, decoder_hidden_dim=hidden, decoder_dropout=0.0), task)
 
 
-def test_meta_build_then_init_weights_equals_the_plugins_own_init(task):
-    """The toolkit materializes a meta-device model; values equal the plugin's __init__ under the run's seed."""
+def test_meta_build_then_init_weights_equals_the_plugins_own_init(task, monkeypatch):
+    """The toolkit materializes a meta-device model; values equal the plugin's __init__ under the run's seed,
+    and the plugin's build_model runs once for it, as fairseq's train.py calls it once per process."""
+    from toolkit.models.fairseq_model import INIT_VALUES_KEY
     from toolkit.models.init import init_weights
 
+    plugin_class = registry.MODEL_REGISTRY.get("simple_lstm_lm").cls.wrapped_class
+    calls = []
+    own_build = plugin_class.build_model.__func__
+    monkeypatch.setattr(plugin_class, "build_model",
+                        classmethod(lambda cls, args, task: calls.append(1) or own_build(cls, args, task)))
     torch.manual_seed(11)
     plain = _build(task)
+    assert len(calls) == 1
     with torch.device("meta"):
         meta = _build(task)
+    assert all(p.is_meta for p in meta.parameters())
     meta.to_empty(device="cpu")
     torch.manual_seed(11)
     init_weights(meta, 11)
+    assert len(calls) == 2  # one build each: the meta build's values come from its own build_model
     for (name, a), (_, b) in zip(plain.named_parameters(), meta.named_parameters()):
         assert torch.equal(a, b), name
-    assert "_fairseq_init_twin" not in meta.__dict__  # the CPU twin is dropped after init
+    assert INIT_VALUES_KEY not in meta.__dict__  # the CPU values are dropped after init
 
 
 def test_incremental_generation_equals_recomputing_the_prefix(task):

@@ -5,6 +5,7 @@ Trained checkpoints (sharded, exported, generate_until) are in tests/integration
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -93,3 +94,18 @@ def test_rolling_windows_score_every_token_once_within_the_model(context_window)
         start = tokens.index(continuation[0]) + 1  # its index in ``full``
         assert context == full[start - len(context):start] and len(context + continuation) - 1 <= max_length
     assert all(len(cont) == max_length - context_window for _, cont in windows[1:-1])
+
+
+def test_broken_yaml_in_include_path_names_the_file_and_line(tmp_path):
+    """The harness skips a YAML it cannot parse (a warning), so the task asked for came back as "unknown task";
+    the folder's files are parsed first and the first broken one is named with its line."""
+    import shutil
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "harness_tasks"), tasks)
+    harness_main.check_task_yaml(str(tasks))  # lm-eval's own tags (!function) are fine
+    (tasks / "nested").mkdir()
+    (tasks / "nested" / "broken.yaml").write_text("task: broken\ndataset_path: json\n  bad: [1, 2\n")
+    with pytest.raises(UserError, match=r"--include-path .*nested/broken\.yaml: line 3, column 6: invalid YAML "
+                                        r"\(mapping values are not allowed here\)"):
+        harness_main.task_manager(["broken"], str(tasks))

@@ -20,7 +20,8 @@ def test_a_toolkit_checkpoint_passes_through():
     ours = {"cfg": {"arch": "transformer_lm"}, "model": weights, "extra_state": {}}
     assert adapter.as_toolkit_state("ours.pt", ours) is ours
     assert adapter.model_weights("ours.pt", torch.nn.Linear(2, 2), ours) is weights
-    assert adapter.load_into_trainer("ours.pt", ours, trainer=None, reset_optimizer=False) is None
+    assert adapter.resume_trainer("ours.pt", ours, trainer=None, reset_optimizer=False) is None
+    assert adapter.load_weights_into_trainer("ours.pt", ours, trainer=None) is False
     assert adapter.average_weights("ours.pt", ours, weights, torch.nn.Linear(2, 2)) is weights
 
 

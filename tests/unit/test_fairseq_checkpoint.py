@@ -295,3 +295,60 @@ def test_load_fairseq_into_trainer(tmp_path, data, flat):
     assert float(state["step"]) == 7.0
     torch.testing.assert_close(trainer.optimizer.state[model.embed_tokens.weight]["exp_avg"],
                                moments["decoder.embed_tokens.weight"][0])
+
+
+def test_resume_from_a_fairseq_file_sets_updates_and_restarts_the_epoch(tmp_path, data):
+    """The adapter's resume (what --restore-file does with a fairseq file): weights, the saved update count
+    handed to the trainer, and the saved epoch started over (fairseq's data position does not map onto ours)."""
+    import types as _types
+
+    from toolkit.compat.fairseq import adapter
+    from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
+
+    data_dir, vocab = data
+    sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
+    path = str(tmp_path / "checkpoint_last.pt")
+    torch.save(fairseq_010_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS)), path)
+    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=24,
+                              decoder_attention_heads=2, decoder_learned_pos=True, max_target_positions=MAX_POS)
+    model = TransformerLanguageModel(cfg, vocab, 1, seed=0)
+    loaded = {}
+    trainer = _types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     load_state_dict=lambda state, reset_lr_scheduler: loaded.update(state))
+    position = adapter.resume_trainer(path, adapter.read_checkpoint(path), trainer, reset_optimizer=True)
+    assert position == {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True}
+    assert loaded == {"num_updates": 7}
+    torch.testing.assert_close(model.embed_tokens.weight.detach(), sd["decoder.embed_tokens.weight"])
+
+
+def test_a_fairseq_script_unpacks_logits_and_extra(tmp_path, data):
+    """``logits, extra = model(src)`` on a model from fairseq's Python API (load_model_ensemble_and_task, the
+    hub's ``.models``): the logits and fairseq's ``extra`` (``inner_states`` [T, B, C], embedded input then
+    each layer's output; ``attn`` [None]) equal a direct forward over the fairseq weights; the library's
+    scorer reads such a model unchanged."""
+    from tests.helpers.fairseq_layout import reference_forward
+    from toolkit import checkpoint_utils
+    from toolkit.inference.hub_utils import from_pretrained
+
+    data_dir, vocab = data
+    sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
+    path = str(tmp_path / "model.pt")
+    torch.save(fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS)), path)
+    [model], _, _ = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides={"data": data_dir})
+    hub = from_pretrained(str(tmp_path), "model.pt", data_dir)
+    tokens = torch.randint(4, vocab, (3, 11), generator=torch.Generator().manual_seed(0))
+    want_logits, want_extra = reference_forward(sd, tokens, 2, 1, learned=True, tied=False)
+    for loaded in (model, hub.models[0]):
+        with torch.no_grad():
+            logits, extra = loaded(tokens)
+            again, _ = loaded(tokens)  # a second call starts its own list
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert set(extra) >= {"attn", "inner_states"} and extra["attn"] == [None]
+        assert len(extra["inner_states"]) == len(want_extra["inner_states"]) == 3
+        for got, want in zip(extra["inner_states"], want_extra["inner_states"]):
+            assert got.shape == (11, 3, 16)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again, logits)
+    plain, _, _ = inference.load_model(path, data_dir)
+    torch.testing.assert_close(inference.ensemble_log_probs([model], tokens),
+                               inference.ensemble_log_probs([plain], tokens))

@@ -293,3 +293,22 @@ def test_ensemble_greedy_follows_the_averaged_probabilities():
             break
     assert best["tokens"].tolist() == tokens[1:]
     assert torch.allclose(best["positional_scores"], torch.tensor(scores), atol=1e-5)
+
+
+def test_a_prompt_as_long_as_the_model_is_forced_to_max_len_then_ends_as_in_fairseq():
+    """toolkit-generate without --prefix-size makes each whole sample (up to the model's positions) a prompt;
+    fairseq's LM task passes it as prefix_tokens, forces it up to max_len = min(max_len_b, positions - 1) and
+    then forces </s>. A prompt longer than the model's positions is refused (fairseq: an invalid sample size)."""
+    from toolkit.core.errors import UserError
+
+    d = make_dictionary(20)
+    model = make_model(d, max_positions=16)
+    prompt = torch.randint(4, len(d), (16,), generator=torch.Generator().manual_seed(0))
+    for max_len_b, kept in [(200, 15), (5, 5)]:
+        gen = SequenceGenerator([model], d, GenerationConfig(beam=3, max_len_b=max_len_b))
+        [hypos] = gen.generate([prompt])
+        assert hypos  # one: the forced prefix leaves the other beams at -inf, never finalized (as fairseq's)
+        for h in hypos:
+            assert h["tokens"].tolist() == prompt[:kept].tolist() + [d.eos()]
+    with pytest.raises(UserError, match="prompt of 17 tokens is longer than the model's 16 positions"):
+        SequenceGenerator([model], d, GenerationConfig(beam=3)).generate([torch.cat([prompt, prompt[:1]])])

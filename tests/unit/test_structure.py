@@ -167,10 +167,11 @@ def test_design_doc_names_every_package():
 
 # What the library above compat/ takes from it: the adapter (fairseq's checkpoint files, for the run's
 # checkpoint manager, model loading and EMA), the flag aliases (toolkit-train's resolution) and the YAML
-# configs (``train_config``: toolkit-train --config and toolkit-hydra-train). The rest of
-# compat/fairseq/ is its own business, so a caller never branches on "is this fairseq".
+# configs (``train_config``: toolkit-train --config and toolkit-hydra-train), and fairseq's hub methods and
+# keywords (``hub``: the hub, toolkit-generate's checkpoint names, checkpoint_utils' GroupedConfig). The rest
+# of compat/fairseq/ is its own business, so a caller never branches on "is this fairseq".
 COMPAT_DOORS = {"toolkit.compat", "toolkit.compat.fairseq", "toolkit.compat.fairseq.adapter",
-                "toolkit.compat.fairseq.flags", "toolkit.compat.fairseq.train_config"}
+                "toolkit.compat.fairseq.flags", "toolkit.compat.fairseq.train_config", "toolkit.compat.fairseq.hub"}
 
 
 def test_library_reaches_fairseq_files_through_the_adapter():

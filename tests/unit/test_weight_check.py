@@ -1,4 +1,4 @@
-"""One weight check (toolkit.checkpoint.compat.check_weights) for a fairseq checkpoint's weights and a seed
+"""One weight check (toolkit.checkpoint.model_fit.check_weights) for a fairseq checkpoint's weights and a seed
 checkpoint's moving average: the same one line naming the weight, both shapes and what to do."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tests.helpers.fairseq_layout import fairseq_main_checkpoint, model_options, random_fairseq_model, task_options
 from tests.helpers.lm_fixtures import make_data_bin
 from toolkit import inference
-from toolkit.checkpoint.compat import check_weights
+from toolkit.checkpoint.model_fit import check_weights
 from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError
 from toolkit.train.ema import EMA

@@ -119,10 +119,10 @@ def check_resumable(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[
                     saved_shapes: Dict[str, Any], model_cfg: Any, model: torch.nn.Module, task) -> None:
     """Same dictionary (symbols in order) and the same parameter names and shapes, else one line naming the
     flags that differ (before anything is loaded)."""
-    from toolkit.checkpoint import compat, identity
+    from toolkit.checkpoint import identity, model_fit
 
     identity.check_dictionary(path, identity.saved_hash(extra_state), task.dictionary, identity.dict_path_of(task))
-    compat.check_resume(path, saved_shapes, saved_cfg, model_cfg, model)
+    model_fit.check_resume(path, saved_shapes, saved_cfg, model_cfg, model)
 
 
 def check_optimizer_switch(path: str, saved_name: Optional[str], name: str) -> bool:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -85,15 +86,29 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Sta
         prune(cfg)
 
 
-def load_checkpoint_file(path: str) -> Dict[str, Any]:
-    """Read a consolidated checkpoint; refuses anything that needs unpickling arbitrary objects."""
+def load_checkpoint_file(path: str, pickled_objects: Optional[Callable[[str], Dict[str, Any]]] = None
+                         ) -> Dict[str, Any]:
+    """Read a ``.pt`` checkpoint with ``weights_only``: a dict, else one line.
+
+    A file that pickles objects besides tensors is refused, unless the caller passes ``pickled_objects``,
+    a reader with its own allowlist (fairseq's files, whose options are an ``argparse.Namespace`` or
+    omegaconf: ``toolkit.compat.fairseq.checkpoint``), which then reads it.
+    """
     if not os.path.isfile(path):
         raise UserError(f"{path}: checkpoint not found")
     integrity.check_file(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, or a pickle with arbitrary objects: one line naming what was refused
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if pickled_objects is None:
+            raise load_refusal(path, e) from None
+        return pickled_objects(path)
+    except Exception as e:  # corrupt file: one line naming what was refused
         raise load_refusal(path, e) from None
+    if not isinstance(state, dict):  # torch.save(tensor), a list: every reader asks it for keys
+        raise UserError(f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
+                        f"and 'cfg'); give a file saved by toolkit-train or fairseq")
+    return state
 
 
 def embed_rows(model_state_dict: Dict[str, Any]) -> Optional[int]:

@@ -198,7 +198,6 @@ def dcp_to_state_dict(folder: str) -> Dict[str, Any]:
     return state
 
 
-FAIRSEQ_MODULES = ("argparse", "omegaconf", "fairseq")  # what fairseq's checkpoints pickle besides tensors
 _BLOCKED_GLOBAL = re.compile(r"Trying to load unsupported GLOBAL ([\w.]+)|Unsupported global: GLOBAL ([\w.]+)")
 
 
@@ -208,9 +207,6 @@ def load_refusal(path: str, error: BaseException, what: str = "checkpoint") -> U
     m = _BLOCKED_GLOBAL.search(text)
     if m:
         obj = m.group(1) or m.group(2)
-        if obj.split(".")[0] in FAIRSEQ_MODULES:
-            return UserError(f"fairseq checkpoint: {path} pickles {obj} (fairseq's training arguments); "
-                             f"the toolkit cannot load fairseq checkpoints yet")
         return UserError(f"{path}: refusing to load: unexpected object {obj}")
     lines = text.strip().splitlines()
     first = lines[0][:200] if lines else type(error).__name__

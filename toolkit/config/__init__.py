@@ -43,7 +43,7 @@ class CommonConfig:
     plan: bool = opt(False, "log toolkit-plan's one-line memory and step-time prediction for this run at start-up")
     amp_batch_retries: int = opt(2, "under --amp: retry a batch whose gradients overflow up to N times with the "
                                     "lowered loss scale before skipping it")
-    # fairseq recipe flags (toolkit.config.recipe_flags says what each does here).
+    # fairseq recipe flags (toolkit.compat.fairseq.recipe_flags says what each does here).
     memory_efficient_bf16: bool = opt(False, "fairseq's bf16 without an fp32 copy of the weights: --bf16 here")
     empty_cache_freq: int = opt(0, "release the CUDA caching allocator's free blocks every N updates (0: never)",
                                 type=count_or_zero)

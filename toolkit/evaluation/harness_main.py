@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from toolkit.config import opt
 from toolkit.config.flag_types import count_or_zero, positive_int
+from toolkit.core import yaml_syntax
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 from toolkit.core.preflight import check_writable_folder
@@ -88,6 +89,7 @@ def task_manager(names: List[str], include_path: Optional[str]):
     if include_path is not None:
         if not os.path.isdir(include_path):
             raise UserError(f"--include-path {include_path}: no such folder; give a folder of harness task YAML")
+        check_task_yaml(include_path)
         local = TaskManager(include_path=include_path, include_defaults=False)
         if not set(names) - set(local.all_tasks):
             return local
@@ -97,6 +99,14 @@ def task_manager(names: List[str], include_path: Optional[str]):
         raise UserError(f"--tasks: unknown task(s) {', '.join(unknown)}; see lm-eval ls tasks, or give "
                         f"--include-path with their YAML")
     return manager
+
+
+def check_task_yaml(include_path: str) -> None:
+    """Every YAML under ``--include-path`` parses, else one line naming the file and line: the harness skips
+    a file it cannot parse with a warning, so a typo would otherwise surface as "unknown task"."""
+    error = yaml_syntax.first_syntax_error(include_path)
+    if error is not None:
+        raise UserError(f"--include-path {error}; fix the file or move it out of the folder")
 
 
 def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, limit: Optional[float] = None,

@@ -8,7 +8,11 @@ Semantics are those of fairseq's ``SequenceGenerator`` driven by the
   per token, prompt tokens included; its ``score`` is their sum divided by
   ``len ** lenpen`` (``len`` counts the final ``</s>``), unless ``unnormalized``.
 - ``max_len = min(int(max_len_a * (prompt_len + 1) + max_len_b), max_positions - 1)``
-  tokens before ``</s>``; ``min_len`` counts prompt tokens too (fairseq's step index).
+  tokens before ``</s>``; ``min_len`` counts prompt tokens too (fairseq's step index). A prompt longer
+  than ``max_len`` is forced up to ``max_len`` and ends there with ``</s>``, as fairseq's
+  ``prefix_tokens``: so ``toolkit-generate`` without ``--prefix-size``, whose prompts are whole samples
+  (up to ``--tokens-per-sample`` = the model's positions), gives fairseq's output; only a prompt longer
+  than the model's positions is refused, as fairseq refuses such a sample.
 - Beam search keeps K hypotheses, scores 2K candidates, finalizes those ending in
   ``</s>`` among the first K, and finishes a prompt once K are final (or at max_len).
   Sampling draws K independent samples. ``--temperature`` divides the model output.
@@ -174,9 +178,9 @@ class SequenceGenerator:
 
     def _limits(self, prompt_len: torch.Tensor) -> torch.Tensor:
         longest = int(prompt_len.max())
-        if longest + 1 > self.max_positions:
-            raise UserError(f"prompt of {longest} tokens does not fit the model's {self.max_positions} "
-                            f"positions (with </s> before it); shorten it")
+        if longest > self.max_positions:  # fairseq refuses such a sample ("Size of sample ... is invalid")
+            raise UserError(f"prompt of {longest} tokens is longer than the model's {self.max_positions} "
+                            f"positions; shorten it")
         cfg = self.cfg
         max_len = (cfg.max_len_a * (prompt_len + 1).double() + cfg.max_len_b).long()
         if cfg.max_new_tokens is not None:

@@ -134,7 +134,7 @@ class Session:
 def checkpoint_files(paths: str) -> str:
     """``--path`` with each model folder (one holding ``model.pt``, e.g. what ``toolkit-export --from hf`` wrote)
     replaced by its checkpoint file; files and sharded checkpoint folders stay as given."""
-    from toolkit.inference.hub_fairseq import CHECKPOINT_NAMES, checkpoint_path
+    from toolkit.compat.fairseq.hub import CHECKPOINT_NAMES, checkpoint_path
 
     parts = paths.split(":")
     for i, part in enumerate(parts):

@@ -2,7 +2,7 @@
 
 The data-bin's tokenizer (whitespace or the BPE it was built with) is applied,
 so users pass raw sentences. fairseq's hub methods and keywords (``cfg``, ``src_dict``, ``binarize``,
-``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.inference.hub_fairseq`.
+``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.compat.fairseq.hub`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from toolkit import inference
+from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference import model_tokenizer as hf_ids
-from toolkit.inference.hub_fairseq import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
+from toolkit.compat.fairseq.hub import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
                                   split_hub_kwargs)
 
 logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
@@ -49,6 +50,7 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
     if bpe_name is None and tokenizer_name is None:
         own = hf_ids.load_model_tokenizer(task.model_files_dir(), task.dictionary)
+    models = [fairseq_adapter.with_fairseq_outputs(m) for m in models]  # hub.models[0](src): (logits, extra)
     return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe, model_tokenizer=own)
 
 

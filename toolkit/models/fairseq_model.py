@@ -8,8 +8,10 @@ renaming the import to ``toolkit.models``. What differs underneath, and is bridg
   fairseq's getattr-with-default behaviour.
 - Initialization: the toolkit builds every model on the meta device and fills parameters from
   ``initial_value`` (:mod:`toolkit.models.init`). A fairseq model initializes itself in
-  ``__init__``; :meth:`BaseFairseqModel.initial_value` builds the model once more on the CPU,
-  seeded with the run's seed, and hands out its values, so a plugin's own init rules hold.
+  ``__init__``, so the registry runs the plugin's ``build_model`` once (as fairseq does, per process)
+  on the CPU, seeded with the run's seed, keeps those values for
+  :meth:`BaseFairseqModel.initial_value` and hands the model on on the meta device: a plugin's own
+  init rules hold, and a ``build_model`` with side effects (logging, reading files) runs once.
 - Decoding: toolkit generation passes a model only the new tokens with ``incremental_state``;
   a fairseq decoder takes the whole prefix and caches what it needs.
   :meth:`FairseqLanguageModel.forward` keeps the prefix and calls the decoder as fairseq does.
@@ -31,6 +33,8 @@ from toolkit.config import legacy_args
 
 #: keys of the toolkit-side incremental state of a :class:`FairseqLanguageModel`
 PREFIX_KEY, DECODER_STATE_KEY = "fairseq_prefix", "fairseq_decoder_state"
+#: where a fairseq model keeps its own ``__init__``'s parameter values until ``init_weights`` has read them
+INIT_VALUES_KEY = "_fairseq_init_values"
 
 
 class BaseFairseqModel(nn.Module):
@@ -77,28 +81,26 @@ class BaseFairseqModel(nn.Module):
         run's ``--seed``) supplies them. It is kept until :meth:`reset_buffers` (the end of
         ``init_weights``), one CPU copy of the model at most.
         """
-        twin = self.__dict__.get("_fairseq_init_twin")
-        if twin is None:
-            twin = self._build_twin()
-            self.__dict__["_fairseq_init_twin"] = twin
-        return dict(twin.named_parameters())[name].detach().clone()
+        values = self.__dict__.get(INIT_VALUES_KEY)
+        if values is None:
+            values = {n: p.detach() for n, p in self._build_twin().named_parameters()}
+            self.__dict__[INIT_VALUES_KEY] = values
+        return values[name].clone()
 
     def _build_twin(self) -> nn.Module:
+        """A model built without the registry (the registry's builds keep their values, see
+        ``_FairseqModelBuilder``): a copy re-initialized by its modules' ``reset_parameters``."""
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(torch.initial_seed())
-            built = self.__dict__.get("_fairseq_build")
-            if built is not None:
-                model_class, args, task = built
-                return model_class.build_model(copy.copy(args), task)
-            twin = copy.deepcopy(self).to_empty(device="cpu")  # not built from a registry entry
+            twin = copy.deepcopy(self).to_empty(device="cpu")
             for module in twin.modules():
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
             return twin
 
     def reset_buffers(self) -> None:
-        """Called last by ``init_weights`` (and before loading a checkpoint): the init twin is no longer needed."""
-        self.__dict__.pop("_fairseq_init_twin", None)
+        """Called last by ``init_weights`` (and before loading a checkpoint): the init values are no longer needed."""
+        self.__dict__.pop(INIT_VALUES_KEY, None)
 
 
 class FairseqDecoder(nn.Module):
@@ -277,9 +279,22 @@ class _FairseqModelBuilder:
         config = registry.MODEL_REGISTRY.get(self.name).config
         legacy = config is None or hasattr(config, legacy_args.UNSET_ATTR)  # options from add_args, or none
         args = legacy_args.legacy_args(section, task, legacy_args.unset_names(config)) if legacy else section
-        model = self.wrapped_class.build_model(args, task)
-        if isinstance(model, BaseFairseqModel):  # how initial_value rebuilds it (see there)
-            model.__dict__["_fairseq_build"] = (self.wrapped_class, args, task)
+        if torch.empty(0).device.type != "meta":
+            return self.wrapped_class.build_model(args, task)
+        return self._build_on_cpu_keep_values(args, task)
+
+    def _build_on_cpu_keep_values(self, args: Any, task) -> nn.Module:
+        """``build_model`` under ``with torch.device("meta")`` (how the toolkit builds every model): the plugin's
+        ``build_model`` runs once, as fairseq calls it once per process, on the CPU and seeded with the run's
+        seed; its ``__init__``'s values are kept for :meth:`BaseFairseqModel.initial_value` (one CPU copy,
+        dropped at the end of ``init_weights``) and the model handed back on the meta device, like any other."""
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(torch.initial_seed())
+            model = self.wrapped_class.build_model(args, task)
+        values = {name: p.detach() for name, p in model.named_parameters()}  # the storage outlives .to("meta")
+        model = model.to("meta")
+        if isinstance(model, BaseFairseqModel):
+            model.__dict__[INIT_VALUES_KEY] = values
         return model
 
     def __getattr__(self, name: str):

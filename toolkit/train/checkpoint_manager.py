@@ -93,9 +93,10 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         finetune.log_fresh_start(ckpt_cfg, path)  # fairseq: a missing --restore-file starts a fresh run
         return None
     checkpoint = fairseq_adapter.read_checkpoint(path)  # weights_only; fairseq's configs through an allowlist
-    info = fairseq_adapter.load_into_trainer(path, checkpoint, trainer, ckpt_cfg.reset_optimizer)
-    if info is not None:
-        return _after_fairseq_load(path, checkpoint, info, trainer)
+    position = fairseq_adapter.resume_trainer(path, checkpoint, trainer, ckpt_cfg.reset_optimizer)
+    if position is not None:  # a file not made of our Statefuls: its EMA is restored here
+        _restore_ema(path, checkpoint, trainer, flag="--restore-file")
+        return position
     saved_replicas = consolidated.load(path, cfg.model, state.statefuls(), state, check, checkpoint=checkpoint)
     return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dims.data_world)
 
@@ -111,18 +112,9 @@ def _resume_check(model_cfg: Any, trainer) -> Callable[..., None]:
     return check
 
 
-def _after_fairseq_load(path: str, checkpoint: Dict[str, Any], info: Dict[str, int], trainer) -> Dict[str, Any]:
-    """A checkpoint written by fairseq, its weights and Adam moments loaded: its update count, EMA and epoch
-    (fairseq's data position does not map onto ours: the epoch starts over)."""
-    trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
-    _restore_ema(path, checkpoint, trainer, flag="--restore-file")
-    logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
-    return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
-
-
 def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer) -> None:
     """A fine-tuning start: only the model weights of a toolkit or fairseq checkpoint."""
-    if fairseq_adapter.load_into_trainer(path, checkpoint, trainer, reset_optimizer=True) is None:
+    if not fairseq_adapter.load_weights_into_trainer(path, checkpoint, trainer):
         if "model" not in checkpoint:
             raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
         check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),

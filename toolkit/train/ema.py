@@ -25,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-from toolkit.checkpoint.compat import check_weights
+from toolkit.checkpoint.model_fit import check_weights
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.config import EMAConfig
 from toolkit.core.errors import UserError

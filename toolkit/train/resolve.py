@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 import torch
 
 from toolkit.config import composition, options
-from toolkit.checkpoint.compat import check_positions
+from toolkit.checkpoint.model_fit import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from toolkit.config.recipe_flags import empty_cache_due
 from toolkit.train import checkpoint_manager as manager
 from toolkit.checkpoint.common import BestTracker, TrainingState
 from toolkit.config import TrainConfig
@@ -49,6 +48,13 @@ from toolkit.core.registry import CRITERION_REGISTRY, TASK_REGISTRY
 from toolkit.train.trainer import Trainer
 
 logger = logging.getLogger("toolkit_cli.train")  # fairseq's log lines name the command (fairseq_cli.train)
+
+
+def empty_cache_due(common: Any, num_updates: int) -> bool:
+    """``--empty-cache-freq``, fairseq's trainer: ``torch.cuda.empty_cache()`` when
+    ``(num_updates + empty_cache_freq - 1) % freq == 0``."""
+    freq = common.empty_cache_freq
+    return freq > 0 and (num_updates + freq - 1) % freq == 0
 
 
 def train(cfg: TrainConfig) -> None:

@@ -1,4 +1,4 @@
-"""The one door from the layers above into fairseq's checkpoint files.
+"""The one door from the layers above into fairseq's checkpoint files (and the model outputs its scripts read).
 
 The run's checkpoint manager (``train/checkpoint_manager.py``), model loading (``toolkit.inference``) and
 EMA (``train/ema.py``) accept toolkit and fairseq checkpoints alike. Each function here takes any
@@ -8,14 +8,18 @@ stay in this package.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from toolkit.compat.fairseq import checkpoint as fairseq_checkpoint
 from toolkit.compat.fairseq import export as fairseq_export
+from toolkit.compat.fairseq import model_outputs
 from toolkit.compat.fairseq import shards as fairseq_shards
 from toolkit.core import registry
+
+logger = logging.getLogger("toolkit.checkpoint.manager")  # the resume's log lines keep the manager's name
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
@@ -47,13 +51,25 @@ def model_weights(path: str, model: torch.nn.Module, state: Dict[str, Any]) -> D
     return weights
 
 
-def load_into_trainer(path: str, state: Dict[str, Any], trainer, reset_optimizer: bool
-                      ) -> Optional[Dict[str, int]]:
-    """A fairseq checkpoint's weights (and Adam moments unless ``reset_optimizer``) into ``trainer``:
-    ``{"num_updates", "epoch"}``; None when ``state`` is ours, which the caller loads itself."""
+def load_weights_into_trainer(path: str, state: Dict[str, Any], trainer) -> bool:
+    """A fine-tuning start from ``state``: a fairseq checkpoint's weights loaded into ``trainer`` (True);
+    False when ``state`` is ours, which the caller loads itself."""
+    if not fairseq_checkpoint.is_fairseq_checkpoint(state):
+        return False
+    fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer=True, state=state)
+    return True
+
+
+def resume_trainer(path: str, state: Dict[str, Any], trainer, reset_optimizer: bool) -> Optional[Dict[str, Any]]:
+    """A resume from a fairseq checkpoint: its weights, Adam moments (unless ``reset_optimizer``) and update
+    count into ``trainer``; returns the data iterator's position, the saved epoch started over (fairseq's
+    data position does not map onto ours). None when ``state`` is ours, which the caller loads itself."""
     if not fairseq_checkpoint.is_fairseq_checkpoint(state):
         return None
-    return fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=state)
+    info = fairseq_checkpoint.load_fairseq_into_trainer(path, trainer, reset_optimizer, state=state)
+    trainer.load_state_dict({"num_updates": info["num_updates"]}, reset_lr_scheduler=True)
+    logger.info(f"loaded fairseq checkpoint {path} (epoch {info['epoch']} @ {info['num_updates']} updates)")
+    return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
 
 
 def average_weights(path: str, state: Dict[str, Any], saved: Dict[str, torch.Tensor],
@@ -80,3 +96,9 @@ def write_fairseq_checkpoint(path: str, output: str) -> Dict[str, int]:
     """A consolidated toolkit checkpoint's model in fairseq's ``transformer_lm`` layout at ``output``
     (``toolkit-consolidate --to-fairseq``); ``{"tensors", "params"}`` written."""
     return fairseq_export.export(path, output)
+
+
+def with_fairseq_outputs(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` returning fairseq's ``(logits, extra)`` when called (for fairseq's Python API: the hub's
+    models, ``load_model_ensemble_and_task``); see :mod:`toolkit.compat.fairseq.model_outputs`."""
+    return model_outputs.return_fairseq_outputs(model)

@@ -6,7 +6,7 @@ by fairseq 0.10.1-0.12/main (options in ``cfg``: a DictConfig or plain dict with
 ``model``/``task`` sections) is read by :mod:`toolkit.compat.fairseq.pickle_reader`
 (a restricted unpickler), its options become our ``TransformerLMConfig`` values
 (:func:`toolkit_cfg`) and its weights our names (the family's
-``toolkit.models.transformer_lm.fairseq_weights``).
+:mod:`toolkit.compat.fairseq.weights`).
 fairseq features we do not implement are refused with one line naming the flag.
 
 Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.compat.fairseq.export`,
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from toolkit.checkpoint import compat as checkpoint_compat, integrity
+from toolkit.checkpoint import consolidated, model_fit
 from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
 from toolkit.core.errors import UserError
-from toolkit.models.transformer_lm.fairseq_weights import FAIRSEQ_IGNORED, to_toolkit_weights
+from toolkit.compat.fairseq.weights import FAIRSEQ_IGNORED, to_toolkit_weights
 
 logger = logging.getLogger("toolkit.checkpoint.fairseq_checkpoint")  # the name in log lines, kept from before the move
 
@@ -33,21 +32,9 @@ DEFAULT_MAX_TARGET_POSITIONS = 1024  # fairseq's, for checkpoints that never set
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
-    """A toolkit or fairseq checkpoint: ``weights_only`` first, the fairseq allowlist when that refuses."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: checkpoint not found")
-    integrity.check_file(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # config objects (fairseq's Namespace / omegaconf): the allowlist decides
-        return fairseq_pickle.read(path)
-    except Exception as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: cannot load checkpoint ({text})") from None
-    if not isinstance(state, dict):  # torch.save(tensor), a list: every reader below asks it for keys
-        raise UserError(f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
-                        f"and 'cfg'); give a file saved by toolkit-train or fairseq")
-    return state
+    """A toolkit or fairseq checkpoint: the toolkit's ``weights_only`` reader, fairseq's allowlist for the
+    options objects fairseq pickles."""
+    return consolidated.load_checkpoint_file(path, pickled_objects=fairseq_pickle.read)
 
 
 def is_fairseq_checkpoint(state: Dict[str, Any]) -> bool:
@@ -153,7 +140,7 @@ def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Te
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     expected = get_model_state_dict(model)  # canonical names under any wrapper (DDP, FSDP2, checkpointing)
-    checkpoint_compat.check_weights(f"{path}: cannot load", weights, expected,
+    model_fit.check_weights(f"{path}: cannot load", weights, expected,
                                     describe=lambda name: f"{name} (fairseq name {source.get(name, 'decoder.' + name)})",
                                     fix="the model is built from the checkpoint's own options: a fairseq feature "
                                         "toolkit's transformer_lm does not implement, or an incomplete checkpoint")

@@ -43,7 +43,7 @@ import torch
 
 from toolkit.compat.fairseq.checkpoint import is_fairseq_checkpoint, read_checkpoint
 from toolkit.core.errors import UserError
-from toolkit.models.transformer_lm.fairseq_weights import to_fairseq_weights
+from toolkit.compat.fairseq.weights import to_fairseq_weights
 
 # Every field of fairseq's TransformerLanguageModelConfig, at fairseq's defaults (ours override them).
 FAIRSEQ_MODEL_DEFAULTS: Dict[str, Any] = {

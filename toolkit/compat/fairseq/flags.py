@@ -16,7 +16,7 @@ no ``--distributed-world-size``        every visible GPU (one process each, spaw
                                        (toolkit.train.amp_retries); INFO "no effect" without loss scaling
 ``--lr 0.1,0.05``                      ``lr`` 0.1, ``lr_per_epoch`` (0.1, 0.05) for ``fixed``
 ``--update-freq 2,4``                  ``update_freq`` 2, ``update_freq_per_epoch`` (2, 4)
-``--memory-efficient-bf16``,         see :mod:`toolkit.config.recipe_flags`
+``--memory-efficient-bf16``,         see :mod:`toolkit.compat.fairseq.recipe_flags`
 ``--empty-cache-freq``, ...
 ``--ema-seed-model PATH``              the EMA starts at PATH's saved average (toolkit.train.ema); INFO "no
                                        effect" without --store-ema
@@ -32,7 +32,7 @@ from typing import List, Tuple
 import torch
 
 from toolkit.checkpoint import finetune
-from toolkit.config.recipe_flags import resolve_recipe_flags
+from toolkit.compat.fairseq.recipe_flags import resolve_recipe_flags
 from toolkit.config import TrainConfig
 from toolkit.distributed import launch
 from toolkit.core.errors import UserError

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from toolkit.compat.fairseq.yaml_config import (HYDRA_MISSING, SELECTORS, _check_mapping, _first_line,
                                                 check_yaml_bounded, check_yaml_file_bounded)
+from toolkit.core import yaml_syntax
 from toolkit.core.errors import UserError, import_optional
 
 
@@ -68,7 +69,10 @@ def _compose_dir(config_dir: str, config_name: str,
         raise UserError(f"--config-name {config_name}: no {config_name}.yaml in --config-dir {config_dir}")
     hydra_side, after = split_overrides(config_dir, overrides)
     source = os.path.join(config_dir, config_name + ".yaml")
-    for path in _yaml_files(config_dir):  # any of them may be composed in
+    for path in yaml_syntax.yaml_files(config_dir):  # any of them may be composed in
+        error = yaml_syntax.syntax_error(path)  # Hydra would name the primary config, without the line
+        if error is not None:
+            raise UserError(f"--config-dir {error}; fix the file")
         check_yaml_file_bounded(path)
     try:
         # Hydra 1.1's rules read fairseq's files as written ("# @package _group_" headers); its notes about
@@ -89,11 +93,6 @@ def _compose_dir(config_dir: str, config_name: str,
     except Exception as e:  # Hydra's and omegaconf's errors name the file, key or override
         raise UserError(f"{source}: {_first_line(e)}") from None
     return _check_mapping(data, source), choices
-
-
-def _yaml_files(config_dir: str) -> List[str]:
-    return sorted(os.path.join(folder, name) for folder, _, names in os.walk(config_dir)
-                  for name in names if name.endswith((".yaml", ".yml")))
 
 
 def _apply(cfg: Any, key: str, text: str) -> None:

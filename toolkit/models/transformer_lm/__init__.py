@@ -1,6 +1,6 @@
 """The ``transformer_lm`` family (fairseq's): ``config.py`` its options, ``model.py`` the decoder and its FLOPs,
-``archs.py`` the named sizes, ``parallel.py`` its tensor-parallel plan, ``fairseq_weights.py`` / ``hf.py`` its
-state dict in fairseq's and Hugging Face's names. Importing the package registers
+``archs.py`` the named sizes, ``parallel.py`` its tensor-parallel plan, ``hf.py`` its state dict in
+Hugging Face's names (fairseq's are ``toolkit.compat.fairseq.weights``). Importing the package registers
 ``--arch transformer_lm`` and the sizes; the names fairseq users and plugins import stay here."""
 from toolkit.models.transformer_lm import archs  # noqa: F401  (registration)
 from toolkit.models.transformer_lm.archs import *  # noqa: F401,F403  (transformer_lm, base_lm_architecture, ...)

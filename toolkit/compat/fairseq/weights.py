@@ -4,7 +4,7 @@ fairseq's decoder keeps q, k and v apart (``self_attn.{q,k,v}_proj``; before 0.9
 ``in_proj_weight``; before 0.10 ``layer_norms.{0,2}``), prefixes every key with ``decoder.``, stores
 a tied output projection under both names and keeps a few buffers; ours fuses q/k/v into
 ``self_attn.qkv_proj`` (rows ``[q | k | v]``). Reading and writing whole fairseq files (options,
-optimizer state, the pickle) is ``toolkit.compat.fairseq.checkpoint`` / ``fairseq_export``; the
+optimizer state, the pickle) is ``checkpoint`` / ``export`` beside this module; the
 adaptive input/softmax keys are ``toolkit.models.adaptive``'s.
 """
 from __future__ import annotations

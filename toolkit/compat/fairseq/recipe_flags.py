@@ -4,7 +4,7 @@ has no effect here (called by :func:`toolkit.compat.fairseq.flags.resolve_fairse
 =================================  ===========================================================
 ``--memory-efficient-bf16``        ``--bf16`` (one INFO line): bf16 compute without loss scaling
 ``--empty-cache-freq N``           ``torch.cuda.empty_cache()`` every N updates on a GPU (the train
-                                   loop); INFO "no effect" on CPU
+                                   loop's ``empty_cache_due``); INFO "no effect" on CPU
 ``--all-gather-list-size``         INFO "no effect": logging stats are all-reduced as tensors, there
                                    is no pickled buffer to size
 ``--distributed-no-spawn``         INFO "no effect" under torchrun/srun or for one process; several
@@ -54,8 +54,3 @@ def _no_spawn(dist: Any) -> List[str]:
                         f"{dist.distributed_world_size} (or drop --distributed-no-spawn to spawn them here)")
     return ["--distributed-no-spawn: accepted, no effect (one process: nothing to spawn)"]
 
-
-def empty_cache_due(common: Any, num_updates: int) -> bool:
-    """fairseq's trainer: ``torch.cuda.empty_cache()`` when ``(num_updates + empty_cache_freq - 1) % freq == 0``."""
-    freq = common.empty_cache_freq
-    return freq > 0 and (num_updates + freq - 1) % freq == 0
