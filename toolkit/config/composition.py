@@ -138,6 +138,13 @@ EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole i
                "fairseq's format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank "
                "holds only its shards: averaging whole weights would gather the whole model onto every rank after "
                "each update, which sharding exists to avoid; use --ddp-backend c10d or no_c10d")
+EP_SHARDED = ("--expert-parallel-size with --ddp-backend fully_sharded or --model-parallel-size > 1: FSDP2 would "
+              "shard and reduce-scatter each rank's expert shard together with the ranks holding other experts, and "
+              "tensor parallelism splits the same layers a second way; use --ddp-backend c10d or no_c10d")
+EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row counts are known only after "
+              "routing, which a compiled block cannot hold in one graph; drop --compile")
+EP_CLIP = ("--expert-parallel-size with --clip-norm: each rank holds different experts, so the norm each rank "
+           "measures over its own gradients differs and the ranks would clip differently; use --clip-norm 0")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -227,6 +234,10 @@ for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16",
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
 for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
     _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
+for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
+    _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
+_PAIRS[("EP", "compile")] = Refused(EP_COMPILE)
+_PAIRS[("EP", "data mixture")] = INDEPENDENT
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
@@ -282,6 +293,9 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
+    optimization = getattr(cfg, "optimization", None)
+    if _size(cfg, "expert_parallel_size") > 1 and optimization is not None and optimization.clip_norm > 0:
+        return EP_CLIP
     return None
 
 
