@@ -149,11 +149,12 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
-    carved = shard * cp if fsdp else replicate * cp  # DDP: every data-parallel rank is a replica
+    carved = shard * cp if fsdp else replicate * cp  # DDP: every data-parallel rank is a whole replica
     if carved % ep:
-        raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} data-parallel ranks of one "
-                        f"{'replica (dp_shard' if fsdp else 'run (dp_replicate'} x --context-parallel-size {cp}); "
-                        f"experts are spread over those ranks")
+        where = (f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})" if fsdp else
+                 "that replicate the model (DDP)")
+        raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
+                        f"over those ranks")
     return ParallelShape(world=world, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=ep, fsdp=fsdp,
                          hsdp=fsdp and strategy != "full_shard" and strategy != "shard_grad_op")
 
