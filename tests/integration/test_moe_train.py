@@ -130,3 +130,19 @@ def test_refusals_name_the_reason(data_bin, tmp_path):
                         "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",
                         "fully_sharded", "--save-dir", str(tmp_path)], timeout=120)
     assert proc.returncode == 1 and "FSDP2 would shard" in proc.stdout + proc.stderr
+
+
+def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, one_process, tmp_path):
+    """Saved at --expert-parallel-size 2 (whole expert stacks and their Adam moments): resumed by two expert-parallel
+    ranks, and by one process, each continues as the uninterrupted one-process run."""
+    import shutil
+
+    first = tmp_path / "ep2"
+    train(data_bin, first, "--max-update", "2", "--distributed-world-size", "2", "--expert-parallel-size", "2")
+    shutil.copytree(first, tmp_path / "ep1")
+    again = train(data_bin, first, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                  "--expert-parallel-size", "2")
+    assert_logged_losses_match(H.losses(again.stdout), one_process["losses"], range(3, UPDATES + 1))
+    alone = train(data_bin, tmp_path / "ep1", "--max-update", str(UPDATES), *ONE_PROC)
+    assert_logged_losses_match(H.losses(alone.stdout), one_process["losses"], range(3, UPDATES + 1))
+    torch.testing.assert_close(expert_bias(tmp_path / "ep1"), one_process["bias"])

@@ -145,6 +145,9 @@ EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row c
               "routing, which a compiled block cannot hold in one graph; drop --compile")
 EP_CLIP = ("--expert-parallel-size with --clip-norm: each rank holds different experts, so the norm each rank "
            "measures over its own gradients differs and the ranks would clip differently; use --clip-norm 0")
+EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
+                    "for all ranks, and each rank of an ep group holds different experts under the same name; save "
+                    "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -293,9 +296,18 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
-    optimization = getattr(cfg, "optimization", None)
-    if _size(cfg, "expert_parallel_size") > 1 and optimization is not None and optimization.clip_norm > 0:
+    return _expert_parallel_refusal(cfg)
+
+
+def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
+    """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
+    if _size(cfg, "expert_parallel_size") <= 1:
+        return None
+    optimization, checkpoint = getattr(cfg, "optimization", None), getattr(cfg, "checkpoint", None)
+    if optimization is not None and optimization.clip_norm > 0:
         return EP_CLIP
+    if checkpoint is not None and checkpoint.use_sharded_state:
+        return EP_SHARDED_STATE
     return None
 
 

@@ -7,15 +7,20 @@ differ between the ranks of one ep group, so DDP leaves them out of its all-redu
 :func:`expert_grad_reducer` sums them over the ranks that hold the same experts (``ep_peers``, world / P
 ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds the
 contributions of the tokens of all P ranks, brought back by the exchange's backward.
+
+Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
+:func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments, so a
+checkpoint saved at one P resumes at any other (1 included).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, GroupedExperts
+from toolkit.models.init import canonical_name
 
 
 def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> Tuple[List[str], List[torch.nn.Parameter]]:
@@ -35,3 +40,33 @@ def expert_grad_reducer(params: List[torch.nn.Parameter], dims: ParallelDims):
     from toolkit.distributed.strategies import GradAllReduce
 
     return GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group)
+
+
+def _placed(model: torch.nn.Module):
+    """(parameter name, its module, the parameter) of every placed expert stack."""
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.ep_group is not None:
+            for name in EXPERT_PROJECTIONS:
+                yield canonical_name(f"{prefix}.{name}"), module, getattr(module, name)
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           state: Dict[str, Any]) -> Dict[str, Any]:
+    """A full optimizer state (rank 0's; other ranks may hold none) with the expert moments replaced by whole
+    stacks, gathered from every rank's optimizer (collective: every rank calls it)."""
+    for fqn, module, param in _placed(model):
+        whole = {k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v
+                 for k, v in optimizer.state.get(param, {}).items()}
+        if fqn in state.get("state", {}):
+            state["state"][fqn].update(whole)
+    return state
+
+
+def own_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A full optimizer state with the expert moments cut to this rank's experts."""
+    for fqn, module, _param in _placed(model):
+        entry = state.get("state", {}).get(fqn) or {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = module.own_part(value)
+    return state

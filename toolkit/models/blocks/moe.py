@@ -206,22 +206,16 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _gather_experts(module: "GroupedExperts", state: Dict, prefix: str, _metadata) -> None:
-    """state_dict hook of placed experts: every ep rank's shard gathered into the whole [E, ...] stack
-    (collective: every rank saves, as for a sharded model)."""
+    """state_dict hook of placed experts: the whole [E, ...] stacks (collective: every rank saves)."""
     for name in EXPERT_PROJECTIONS:
-        shard = state[prefix + name].detach().contiguous()
-        shards = [torch.empty_like(shard) for _ in range(module.ep_size)]
-        dist.all_gather(shards, shard, group=module.ep_group)
-        state[prefix + name] = torch.cat(shards)
+        state[prefix + name] = module.whole_stack(state[prefix + name])
 
 
 def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -> None:
     """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts."""
-    local = module.num_experts // module.ep_size
     for name in EXPERT_PROJECTIONS:
-        full = state.get(prefix + name)
-        if full is not None and full.size(0) == module.num_experts:
-            state[prefix + name] = full[module.ep_rank * local:(module.ep_rank + 1) * local]
+        if prefix + name in state:
+            state[prefix + name] = module.own_part(state[prefix + name])
 
 
 class GroupedExperts(nn.Module):
@@ -248,6 +242,22 @@ class GroupedExperts(nn.Module):
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
         self._register_state_dict_hook(_gather_experts)  # checkpoints hold the whole stack, loadable at any P
         self._register_load_state_dict_pre_hook(_slice_experts, with_module=True)
+
+    def whole_stack(self, shard: torch.Tensor) -> torch.Tensor:
+        """This rank's [E/P, ...] piece of a per-expert tensor (a weight, an optimizer moment) gathered over the ep
+        ranks into [E, ...]; anything else (a scalar step count) as it is. Collective."""
+        if shard.dim() == 0 or shard.size(0) != self.num_experts // self.ep_size:
+            return shard
+        shards = [torch.empty_like(shard) for _ in range(self.ep_size)]
+        dist.all_gather(shards, shard.detach().contiguous(), group=self.ep_group)
+        return torch.cat(shards)
+
+    def own_part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole [E, ...] per-expert tensor; anything else as it is."""
+        if whole.dim() == 0 or whole.size(0) != self.num_experts:
+            return whole
+        local = self.num_experts // self.ep_size
+        return whole[self.ep_rank * local:(self.ep_rank + 1) * local]
 
     def run_placed(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`run` with the experts spread over the ep ranks: ``counts`` [E] of all experts; rows go to their
