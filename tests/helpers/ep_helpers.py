@@ -4,6 +4,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from toolkit.distributed.expert_parallel import global_grad_norm
 from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, MoE
 
 EXPERTS, TOP_K, WIDTH, TOKENS = 4, 2, 16, 12
@@ -30,7 +31,12 @@ def dispatch_matches_local(rank: int, world: int, out_dir: str) -> dict:
     for name in EXPERT_PROJECTIONS:
         want = getattr(whole.experts, name).grad[rank * local:(rank + 1) * local]
         torch.testing.assert_close(getattr(placed.experts, name).grad, want)
-    router = placed.gate.weight.grad.clone()  # from this rank's tokens: summed over the ranks, the whole gradient
-    dist.all_reduce(router)
-    torch.testing.assert_close(router, whole.gate.weight.grad)
+    experts = [getattr(placed.experts, name) for name in EXPERT_PROJECTIONS]
+    for p in placed.parameters():  # the rest from this rank's tokens: summed over the ranks, the whole gradient
+        if all(p is not e for e in experts):
+            dist.all_reduce(p.grad)
+    torch.testing.assert_close(placed.gate.weight.grad, whole.gate.weight.grad)
+    norm = global_grad_norm(list(placed.parameters()), {id(e) for e in experts}, dist.group.WORLD)
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in whole.parameters()])).item()
+    assert abs(norm - want) <= 1e-5 * want, (norm, want)
     return {"state": {k: v.clone() for k, v in placed.state_dict().items()}, "whole": whole.state_dict()}

@@ -146,3 +146,23 @@ def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, on
     alone = train(data_bin, tmp_path / "ep1", "--max-update", str(UPDATES), *ONE_PROC)
     assert_logged_losses_match(H.losses(alone.stdout), one_process["losses"], range(3, UPDATES + 1))
     torch.testing.assert_close(expert_bias(tmp_path / "ep1"), one_process["bias"])
+
+
+def test_expert_parallel_clips_by_the_global_norm(data_bin, tmp_path):
+    """--clip-norm under expert parallelism trains as one process (the norm's expert share, added over the ep ranks,
+    is checked exactly by the dispatch test: in this tiny model the experts hold little of the norm)."""
+    clip = ["--max-update", "2", "--clip-norm", "0.05"]
+    alone = train(data_bin, tmp_path / "one", *clip, *ONE_PROC)
+    placed = train(data_bin, tmp_path / "ep", *clip, "--distributed-world-size", "2", "--expert-parallel-size", "2")
+    assert_logged_losses_match(H.losses(placed.stdout), H.losses(alone.stdout), range(1, 3))
+    norms = [gradient_norms(proc.stdout) for proc in (alone, placed)]
+    assert sorted(norms[0]) == [1, 2] and min(norms[0].values()) > 0.05  # clipping was active
+    assert norms[1] == pytest.approx(norms[0], rel=1e-3, abs=2e-3)
+
+
+def gradient_norms(stdout):
+    """{update: logged gradient norm} of the train_inner lines."""
+    import json
+
+    return {int(r["num_updates"]): float(r["gnorm"]) for r in
+            (json.loads(line.split("| train_inner |", 1)[1]) for line in stdout.splitlines() if "| train_inner |" in line)}

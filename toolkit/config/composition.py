@@ -143,8 +143,6 @@ EP_SHARDED = ("--expert-parallel-size with --ddp-backend fully_sharded or --mode
               "tensor parallelism splits the same layers a second way; use --ddp-backend c10d or no_c10d")
 EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row counts are known only after "
               "routing, which a compiled block cannot hold in one graph; drop --compile")
-EP_CLIP = ("--expert-parallel-size with --clip-norm: each rank holds different experts, so the norm each rank "
-           "measures over its own gradients differs and the ranks would clip differently; use --clip-norm 0")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -303,9 +301,7 @@ def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
     """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
     if _size(cfg, "expert_parallel_size") <= 1:
         return None
-    optimization, checkpoint = getattr(cfg, "optimization", None), getattr(cfg, "checkpoint", None)
-    if optimization is not None and optimization.clip_norm > 0:
-        return EP_CLIP
+    checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint is not None and checkpoint.use_sharded_state:
         return EP_SHARDED_STATE
     return None

@@ -14,7 +14,7 @@ checkpoint saved at one P resumes at any other (1 included).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
@@ -35,11 +35,38 @@ def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> Tuple[L
     return names, params
 
 
-def expert_grad_reducer(params: List[torch.nn.Parameter], dims: ParallelDims):
-    """The all-reduce of the expert gradients over the ranks holding the same experts, averaged over the world."""
-    from toolkit.distributed.strategies import GradAllReduce
+class ExpertGradients:
+    """The placed experts' gradients: summed over the ranks holding the same experts after the update's last
+    micro-batch (``enabled``, set by the strategy's ``grad_sync``), and their part of the global norm."""
 
-    return GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group)
+    def __init__(self, params: List[torch.nn.Parameter], dims: ParallelDims):
+        from toolkit.distributed.strategies import GradAllReduce
+
+        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group)
+        self.ep_group = dims.ep_mesh.get_group()
+        self.ids = {id(p) for p in params}
+
+    @property
+    def enabled(self) -> bool:
+        return self.reducer.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.reducer.enabled = value
+
+    def global_norm(self, params: List[torch.nn.Parameter]) -> float:
+        return global_grad_norm(params, self.ids, self.ep_group)
+
+
+def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_group: Any) -> float:
+    """The L2 norm of all gradients of the model: the replicated ones once, each expert shard's squares added
+    over the ep ranks (each holds other experts), so every rank measures, and clips by, the same norm."""
+    from toolkit.optim.grad_norm import sum_of_squares
+
+    dense = sum_of_squares([p.grad for p in params if id(p) not in expert_ids and p.grad is not None])
+    experts = sum_of_squares([p.grad for p in params if id(p) in expert_ids and p.grad is not None]).clone()
+    torch.distributed.all_reduce(experts, group=ep_group)
+    return float((dense + experts).sqrt())
 
 
 def _placed(model: torch.nn.Module):

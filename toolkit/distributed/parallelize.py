@@ -43,7 +43,7 @@ import torch.distributed as dist
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
 from toolkit.distributed.compile import apply_compile
-from toolkit.distributed.expert_parallel import apply_expert_parallel, expert_grad_reducer
+from toolkit.distributed.expert_parallel import ExpertGradients, apply_expert_parallel
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
@@ -159,7 +159,7 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     expert_names, expert_params = [], []
     if dims.shape.ep > 1:
         expert_names, expert_params = apply_expert_parallel(model, dims)
-        placement["expert_reducer"] = expert_grad_reducer(expert_params, dims)
+        placement["expert_grads"] = ExpertGradients(expert_params, dims)
         logger.info(f"expert parallel: {len(expert_params) // 3} MoE layers' experts over {dims.shape.ep} ranks")
     if env.world_size > 1 and cfg.ddp_backend == "c10d":
         # each rank's expert shards are its own: DDP must not average them with other experts' gradients

@@ -32,9 +32,9 @@ class ParallelStrategy:
     handles_mixed_precision = False
 
     def __init__(self, offload_activations: bool = False, pin_memory: bool = False,
-                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False, expert_reducer: Any = None):
+                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False, expert_grads: Any = None):
         self.offload_activations = offload_activations
-        self.expert_reducer = expert_reducer  # --expert-parallel-size: the expert shards' own all-reduce
+        self.expert_grads = expert_grads  # --expert-parallel-size: the expert shards' all-reduce and norm
         self.pin_memory = pin_memory
         self.dims = dims if dims is not None else ParallelDims.single()
         self.loss_parallel = loss_parallel
@@ -70,8 +70,8 @@ class DDPStrategy(ParallelStrategy):
     name = "ddp"
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
-        if self.expert_reducer is not None:
-            self.expert_reducer.enabled = enabled
+        if self.expert_grads is not None:
+            self.expert_grads.enabled = enabled
         return contextlib.nullcontext() if enabled else model.no_sync()
 
 
@@ -86,8 +86,8 @@ class AllReduceStrategy(ParallelStrategy):
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
         self.reducer.enabled = enabled
-        if self.expert_reducer is not None:
-            self.expert_reducer.enabled = enabled
+        if self.expert_grads is not None:
+            self.expert_grads.enabled = enabled
         return contextlib.nullcontext()
 
 
