@@ -168,9 +168,8 @@ def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int 
 def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
     """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
     if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
-        why = getattr(model_cls, "expert_parallel_refusal", None)  # a MoE family that cannot place its experts
-        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: " + (
-            why or f"--arch {arch} has no expert (MoE) layers to place; use a MoE architecture or drop the flag"))
+        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
+                        f"layers to place; use a MoE architecture or drop the flag")
     if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
         raise UserError(f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
                         f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
