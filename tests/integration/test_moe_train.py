@@ -109,9 +109,10 @@ def test_dispatch_and_combine_equal_the_local_computation(tmp_path):
         torch.testing.assert_close(result["state"][name], whole)
 
 
-def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_path):
+@pytest.mark.parametrize("backend", ["c10d", "no_c10d"])
+def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_path, backend):
     proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--expert-parallel-size", "2")
+                 "--expert-parallel-size", "2", "--ddp-backend", backend)
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
     terms = logged(proc.stdout)
