@@ -102,7 +102,7 @@ def test_sigmoid_family_updates_its_bias_after_a_step():
     assert "layers.0.mlp.gate.expert_bias" in model.state_dict()
 
 
-def test_tensor_and_expert_parallel_are_refused_in_one_line():
+def test_tensor_parallel_is_refused_and_expert_parallel_accepted():
     from toolkit.config import DistributedConfig
     from toolkit.distributed.parallel_dims import check_model_capabilities
     from toolkit.distributed.tensor_parallel import check_plan_kinds
@@ -114,8 +114,11 @@ def test_tensor_and_expert_parallel_are_refused_in_one_line():
     with pytest.raises(UserError, match=r"'mlp' asks for expert-parallel placement 'ep_shard'"):
         check_plan_kinds(plan, "MoELanguageModel")
     cfg = dataclasses.replace(DistributedConfig(), expert_parallel_size=2)
-    with pytest.raises(UserError, match=r"^--expert-parallel-size 2: every data-parallel rank computes all experts"):
-        check_model_capabilities(cfg, "moe_tiny", MoELanguageModel)
+    check_model_capabilities(cfg, "moe_tiny", MoELanguageModel)  # the family places its experts
+    from toolkit.config import composition
+
+    for other in ("TP", "FSDP", "cpu-offload", "compile"):  # what expert parallelism does not compose with
+        assert isinstance(composition.status("EP", other), composition.Refused), other
 
 
 def test_bad_shapes_are_refused():

@@ -72,7 +72,7 @@ def test_ranks_data_loss_and_coordinates():
     (dict(world=8, ddp_backend="fully_sharded", tp=2, cp=2, ep=8),
      r"^--expert-parallel-size 8: must divide the 4 ranks that shard one replica \(dp_shard 2 x "
      r"--context-parallel-size 2\)"),
-    (dict(world=8, ep=2), r"^--expert-parallel-size 2: must divide the 1 ranks"),  # DDP: nothing is sharded
+    (dict(world=8, ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP\)"),
     (dict(world=8, ep=0), r"^--expert-parallel-size 0: must be >= 1"),
     (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=3),
      r"^--shard-group-size 3: must divide the 8 data-parallel ranks"),
@@ -123,7 +123,7 @@ MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-d
     (["--distributed-world-size", "8", "--model-parallel-size", "3"], "^--model-parallel-size 3: must divide"),
     (["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--context-parallel-size", "2"],
      r"^--context-parallel-size 2: --arch transformer_lm's attention does not exchange keys/values"),
-    (["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--expert-parallel-size", "2"],
+    (["--distributed-world-size", "4", "--expert-parallel-size", "2"],
      r"^--expert-parallel-size 2: --arch transformer_lm has no expert \(MoE\) layers"),
     (["--distributed-world-size", "4", "--context-parallel-size", "3"], "^--context-parallel-size 3: must divide"),
 ])

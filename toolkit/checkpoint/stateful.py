@@ -100,7 +100,10 @@ class OptimizerState(TensorState):
         self._groups: Optional[list] = None  # this run's param_groups, kept aside for a sharded switch
 
     def state_dict(self, full: bool = False) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE if full else None)
+        from toolkit.distributed import expert_parallel
+
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE if full else None)
+        return expert_parallel.gather_optimizer_state(self.model, self.optimizer, state) if full else state
 
     def side_values(self) -> Dict[str, Any]:
         return {"optimizer_name": self.name if self.saved else None}
@@ -139,6 +142,10 @@ class OptimizerState(TensorState):
             state = switch_optimizer_state(self._where, state, self._switch_from, self.name, self.optimizer)
         elif self._switch_from is not None:
             state = {"state": state["state"], "param_groups": self._groups}
+        if full:  # --expert-parallel-size: the file holds whole expert stacks, this rank its own experts
+            from toolkit.distributed import expert_parallel
+
+            state = expert_parallel.own_optimizer_state(self.model, state)
         set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL_STATE if full else None)
         if self._switch_from is not None and not full:
             log_optimizer_switch(self._switch_from, self.name)

@@ -179,9 +179,9 @@ class DistributedConfig:
                                             "whole on every rank instead of split over the sequence")
     context_parallel_size: int = opt(1, "ranks that split each sequence of a replica (context parallelism; the "
                                         "model's attention must exchange keys/values across them)")
-    expert_parallel_size: int = opt(1, "ranks the experts of each MoE layer are spread over, taken from the ranks "
-                                       "that shard one replica (dp_shard x context parallel); the model must have "
-                                       "expert layers")
+    expert_parallel_size: int = opt(1, "ranks the experts of each MoE layer are spread over (tokens sent to them "
+                                       "by all-to-all), taken from the data-parallel ranks (DDP: all of them); the "
+                                       "model must have expert layers")
 
 
 @dataclass

@@ -142,6 +142,14 @@ CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each bloc
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
               "--compile (or the split)")
+EP_SHARDED = ("--expert-parallel-size with --ddp-backend fully_sharded or --model-parallel-size > 1: FSDP2 would "
+              "shard and reduce-scatter each rank's expert shard together with the ranks holding other experts, and "
+              "tensor parallelism splits the same layers a second way; use --ddp-backend c10d or no_c10d")
+EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row counts are known only after "
+              "routing, which a compiled block cannot hold in one graph; drop --compile")
+EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
+                    "for all ranks, and each rank of an ep group holds different experts under the same name; save "
+                    "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -239,6 +247,10 @@ CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_
 for _other in ("TP", "SP", "AC", "bf16"):
     _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
 _PAIRS[("CP", "compile")] = Refused(CP_COMPILE)
+for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
+    _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
+_PAIRS[("EP", "compile")] = Refused(EP_COMPILE)
+_PAIRS[("EP", "data mixture")] = INDEPENDENT
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
@@ -294,6 +306,16 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
+    return _expert_parallel_refusal(cfg)
+
+
+def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
+    """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
+    if _size(cfg, "expert_parallel_size") <= 1:
+        return None
+    checkpoint = getattr(cfg, "checkpoint", None)
+    if checkpoint is not None and checkpoint.use_sharded_state:
+        return EP_SHARDED_STATE
     return None
 
 

@@ -91,7 +91,8 @@ class ParallelShape:
         tp, rest = rank % self.tp, rank // self.tp
         cp, rest = rest % self.cp, rest // self.cp
         shard, replicate = rest % self.dp_shard, rest // self.dp_shard
-        return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(shard * self.cp + cp) % self.ep)
+        # ep: consecutive data-parallel ranks (ep divides dp_shard x cp, or every rank's data index under DDP)
+        return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(rank // self.tp) % self.ep)
 
     def placement(self, rank: int) -> str:
         """Global ``rank``'s index along each axis the layout splits (``""`` for plain data parallelism)."""
@@ -148,9 +149,12 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
-    if (shard * cp) % ep:
-        raise UserError(f"--expert-parallel-size {ep}: must divide the {shard * cp} ranks that shard one replica "
-                        f"(dp_shard {shard} x --context-parallel-size {cp}); experts are spread over those ranks")
+    carved = shard * cp if fsdp else replicate * cp  # DDP: every data-parallel rank is a whole replica
+    if carved % ep:
+        where = (f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})" if fsdp else
+                 "that replicate the model (DDP)")
+        raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
+                        f"over those ranks")
     return ParallelShape(world=world, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=ep, fsdp=fsdp,
                          hsdp=fsdp and strategy != "full_shard" and strategy != "shard_grad_op")
 
@@ -164,9 +168,8 @@ def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int 
 def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
     """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
     if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
-        why = getattr(model_cls, "expert_parallel_refusal", None)  # a MoE family that cannot place its experts
-        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: " + (
-            why or f"--arch {arch} has no expert (MoE) layers to place; use a MoE architecture or drop the flag"))
+        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
+                        f"layers to place; use a MoE architecture or drop the flag")
     if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
         raise UserError(f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
                         f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
@@ -241,6 +244,12 @@ class ParallelDims:
     def ep_mesh(self) -> Any:
         return self._sub("experts", "ep", self.shape.ep)
 
+    @property
+    def expert_peers_group(self) -> Any:
+        """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over."""
+        self._sub("experts", "ep", self.shape.ep)
+        return self._built()["experts"]["ep_peers"].get_group()
+
     def _sub(self, view: str, axis: str, size: int) -> Any:
         if size == 1:
             raise ValueError(f"the layout has no {axis} axis ({self.shape.describe()})")
@@ -283,8 +292,8 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
         meshes["context"] = world._unflatten(0, (s.dp_replicate, s.dp_shard, s.cp, s.tp),
                                              ("dp_replicate", "dp_shard", "cp", TP))
     if s.ep > 1:
-        meshes["experts"] = world._unflatten(0, (s.dp_replicate, s.dp_shard * s.cp // s.ep, s.ep, s.tp),
-                                             ("dp_replicate", "dp_shard_mod_ep", "ep", TP))
+        # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
+        meshes["experts"] = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
     return meshes
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
 from toolkit.distributed.compile import apply_compile
+from toolkit.distributed.expert_parallel import ExpertGradients, apply_expert_parallel
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
@@ -155,14 +156,23 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         from toolkit.optim import fp16 as fp16_utils
 
         fp16_utils.half_model_(model)  # fp16 weights, fp32 optimizer state; before DDP builds its buckets
+    expert_names, expert_params = [], []
+    if dims.shape.ep > 1:
+        expert_names, expert_params = apply_expert_parallel(model, dims)
+        placement["expert_grads"] = ExpertGradients(expert_params, dims)
+        logger.info(f"expert parallel: {len(expert_params) // 3} MoE layers' experts over {dims.shape.ep} ranks")
     if env.world_size > 1 and cfg.ddp_backend == "c10d":
+        # each rank's expert shards are its own: DDP must not average them with other experts' gradients
+        DataParallelModel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
         model = DataParallelModel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                                   broadcast_buffers=False, gradient_as_bucket_view=True,
                                   find_unused_parameters=cfg.find_unused_parameters,
                                   bucket_cap_mb=cfg.bucket_cap_mb)
         return model, DDPStrategy(**placement)
     if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
-        return model, AllReduceStrategy(model, env.world_size, **placement)
+        expert = {id(p) for p in expert_params}
+        dense = [p for p in model.parameters() if id(p) not in expert]
+        return model, AllReduceStrategy(dense, env.world_size, **placement)
     return model, ParallelStrategy(**placement)
 
 

@@ -18,7 +18,7 @@ group and the meshes (under tensor parallelism the M ranks of one replica see th
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, List, Optional
+from typing import Any, ContextManager, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ class ParallelStrategy:
     handles_mixed_precision = False
 
     def __init__(self, offload_activations: bool = False, pin_memory: bool = False,
-                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False):
+                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False, expert_grads: Any = None):
         self.offload_activations = offload_activations
+        self.expert_grads = expert_grads  # --expert-parallel-size: the expert shards' all-reduce and norm
         self.pin_memory = pin_memory
         self.dims = dims if dims is not None else ParallelDims.single()
         self.loss_parallel = loss_parallel
@@ -81,6 +82,8 @@ class DDPStrategy(ParallelStrategy):
     name = "ddp"
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
+        if self.expert_grads is not None:
+            self.expert_grads.enabled = enabled
         return contextlib.nullcontext() if enabled else model.no_sync()
 
 
@@ -89,12 +92,14 @@ class AllReduceStrategy(ParallelStrategy):
 
     name = "no_c10d"
 
-    def __init__(self, model: torch.nn.Module, world_size: int, **kwargs: Any):
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, **kwargs: Any):
         super().__init__(**kwargs)
-        self.reducer = GradAllReduce(model, world_size)
+        self.reducer = GradAllReduce(params, world_size)
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
         self.reducer.enabled = enabled
+        if self.expert_grads is not None:
+            self.expert_grads.enabled = enabled
         return contextlib.nullcontext()
 
 
@@ -117,15 +122,17 @@ class FSDPStrategy(ParallelStrategy):
 
 
 class GradAllReduce:
-    """After backward, all-reduce all gradients (averaged), in buckets.
+    """After backward, all-reduce the gradients of ``params`` over ``group`` (None: all ranks), divided by
+    ``world_size``, in buckets.
 
     Hooks on every parameter queue one callback at the end of the backward pass of a
     micro-batch whose gradient sync is enabled; gradients accumulate locally otherwise.
     """
 
-    def __init__(self, model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20):
-        self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
-        self.world_size = world_size
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, bucket_bytes: int = 64 << 20,
+                 group: Any = None):
+        self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+        self.world_size, self.group = world_size, group
         self.bucket_bytes = bucket_bytes
         self.enabled = True
         self._queued = False
@@ -156,7 +163,7 @@ class GradAllReduce:
 
     def _all_reduce(self, grads: List[torch.Tensor]) -> None:
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.group)
         flat.div_(self.world_size)
         for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)

@@ -263,7 +263,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         raw_norm = None
-        if self.memory_efficient is not None:
+        if self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
+            raw_norm = self.strategy.expert_grads.global_norm(params)
+        elif self.memory_efficient is not None:
             raw_norm = float(fp16_utils.grad_norm_fp32(params))
         elif self.overlap is not None:
             raw_norm = self.overlap.raw_grad_norm()

@@ -21,6 +21,13 @@ go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) 
 CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
 products (the tests check the two paths bit for bit).
 
+Expert parallelism (``--expert-parallel-size P``, :meth:`GroupedExperts.place`): each of P ranks keeps E/P
+consecutive experts. The router still scores all E on every rank; a rank's rows, already sorted by expert, go
+in P contiguous runs to the ranks owning them (``all_to_all_single``: the counts first, then the rows), are
+computed there and come back by a second exchange in the same order, so the combine below is unchanged.
+Backward sends the gradients along the same splits reversed (:class:`_Exchange`). The routing statistics
+(counts, aux losses, bias update) are taken before the dispatch, as in one process.
+
 Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
 
 - load balancing (Switch Transformer / GShard): ``E * sum_i f_i * P_i``, f_i the fraction of the N*k
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -175,8 +182,45 @@ def per_expert_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.T
     return torch.cat([run @ weights[e].t() for e, run in enumerate(runs)], dim=0)
 
 
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_single`` of rows in runs (``send`` rows to each rank, ``receive`` from each) that autograd
+    goes through: the gradient of what arrived goes back to where it came from, the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _all_to_all(rows, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+    out = rows.new_empty(sum(receive), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+    return out
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _gather_experts(module: "GroupedExperts", state: Dict, prefix: str, _metadata) -> None:
+    """state_dict hook of placed experts: the whole [E, ...] stacks (collective: every rank saves)."""
+    for name in EXPERT_PROJECTIONS:
+        state[prefix + name] = module.whole_stack(state[prefix + name])
+
+
+def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -> None:
+    """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts."""
+    for name in EXPERT_PROJECTIONS:
+        if prefix + name in state:
+            state[prefix + name] = module.own_part(state[prefix + name])
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]."""
+    """E SwiGLU experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]; after
+    :meth:`place`, this rank's E/P consecutive ones (``num_experts`` stays E, the router's count)."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -184,6 +228,51 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
+
+    @torch.no_grad()
+    def place(self, group, rank: int, size: int) -> None:
+        """Keep experts [rank E/P, (rank + 1) E/P) of the initialized stack; tokens are exchanged over ``group``."""
+        if self.num_experts % size:
+            raise ValueError(f"{self.num_experts} experts cannot be split evenly over {size} ranks")
+        local = self.num_experts // size
+        for name in EXPERT_PROJECTIONS:
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full[rank * local:(rank + 1) * local].clone()))
+        self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+        self._register_state_dict_hook(_gather_experts)  # checkpoints hold the whole stack, loadable at any P
+        self._register_load_state_dict_pre_hook(_slice_experts, with_module=True)
+
+    def whole_stack(self, shard: torch.Tensor) -> torch.Tensor:
+        """This rank's [E/P, ...] piece of a per-expert tensor (a weight, an optimizer moment) gathered over the ep
+        ranks into [E, ...]; anything else (a scalar step count) as it is. Collective."""
+        if shard.dim() == 0 or shard.size(0) != self.num_experts // self.ep_size:
+            return shard
+        shards = [torch.empty_like(shard) for _ in range(self.ep_size)]
+        dist.all_gather(shards, shard.detach().contiguous(), group=self.ep_group)
+        return torch.cat(shards)
+
+    def own_part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole [E, ...] per-expert tensor; anything else as it is."""
+        if whole.dim() == 0 or whole.size(0) != self.num_experts:
+            return whole
+        local = self.num_experts // self.ep_size
+        return whole[self.ep_rank * local:(self.ep_rank + 1) * local]
+
+    def run_placed(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the experts spread over the ep ranks: ``counts`` [E] of all experts; rows go to their
+        experts' rank and come back in the same order."""
+        if self.ep_group is None:
+            return self.run(rows, counts)
+        P, local = self.ep_size, self.num_experts // self.ep_size
+        arriving = torch.empty_like(counts)  # [P * local]: from rank s, the rows for my expert e at s * local + e
+        dist.all_to_all_single(arriving, counts, group=self.ep_group)
+        send, receive = counts.view(P, local).sum(1).tolist(), arriving.view(P, local).sum(1).tolist()
+        arrived = _Exchange.apply(rows, send, receive, self.ep_group)
+        expert_of_row = torch.arange(local, device=rows.device).repeat(P).repeat_interleave(arriving)
+        order = torch.argsort(expert_of_row, stable=True)  # by expert, each expert's rows by source rank
+        out = self.run(arrived[order], arriving.view(P, local).sum(0))
+        return _Exchange.apply(out[torch.argsort(order)], receive, send, self.ep_group)
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, C] sorted by expert, ``counts`` [E] -> each row through its expert [M, C]."""
@@ -204,7 +293,7 @@ class GroupedExperts(nn.Module):
         if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
             return self.every_expert(x, routing), None
         rows, order, counts = expert_runs(x, routing.experts, self.num_experts)
-        out = self.run(rows, counts) * routing.weights.flatten()[order, None]
+        out = self.run_placed(rows, counts) * routing.weights.flatten()[order, None]
         tokens = order // routing.experts.size(1)
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype)), counts
 

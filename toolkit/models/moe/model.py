@@ -68,10 +68,7 @@ class MoEBlock(LlamaBlock):
 class MoELanguageModel(LlamaLanguageModel):
     """Qwen3-MoE / OLMoE / Mixtral-style sparse decoder behind the toolkit's model interface."""
 
-    expert_parallel_refusal = ("every data-parallel rank computes all experts of its own tokens (FSDP2 shards the "
-                               "expert weights with their block); this family has no all-to-all token dispatch "
-                               "that would place experts on ranks, so drop the flag (--ddp-backend fully_sharded "
-                               "already spreads the experts' memory over the ranks)")
+    supports_expert_parallel = True  # the experts of each layer are spread by toolkit.distributed.expert_parallel
 
     def __init__(self, cfg: MoEConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         check_moe_shapes(cfg)

@@ -2,10 +2,10 @@
 
 Attention, norms, embeddings and the output layer take the Llama family's kinds (``llama/parallel.py``).
 Each block's ``mlp`` (router and stacked experts) is named in ``experts`` with the placement ``ep_shard``
-(the experts' leading dimension E cut over the ``ep`` ranks, tokens exchanged with all-to-all): the toolkit
-has no code yet that applies such a placement, so ``--model-parallel-size`` refuses the plan in one line and
-``--expert-parallel-size`` is refused by the layout (``supports_expert_parallel`` is False). FSDP2 shards
-each block as a unit, experts included, as for the dense families.
+(the experts' leading dimension E cut over the ``ep`` ranks, tokens exchanged with all-to-all), which
+``--expert-parallel-size`` applies under DDP (``toolkit.distributed.expert_parallel``); tensor parallelism
+does not place it, so ``--model-parallel-size`` refuses the plan in one line. FSDP2 shards each block as a
+unit, experts included, as for the dense families.
 """
 from __future__ import annotations
 

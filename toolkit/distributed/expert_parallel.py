@@ -1,0 +1,99 @@
+"""``--expert-parallel-size P``: each MoE layer's stacked experts spread over P data-parallel ranks.
+
+Every rank builds and initializes the whole model (the same values as one process), then
+:func:`apply_expert_parallel` keeps E/P consecutive experts of each layer on each rank of the ``ep`` group
+(``GroupedExperts.place``; the tokens travel by all-to-all, ``toolkit.models.blocks.moe``). Those shards
+differ between the ranks of one ep group, so DDP leaves them out of its all-reduce; instead
+:func:`expert_grad_reducer` sums them over the ranks that hold the same experts (``ep_peers``, world / P
+ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds the
+contributions of the tokens of all P ranks, brought back by the exchange's backward.
+
+Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
+:func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments, so a
+checkpoint saved at one P resumes at any other (1 included).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+
+from toolkit.distributed.parallel_dims import ParallelDims
+from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, GroupedExperts
+from toolkit.models.init import canonical_name
+
+
+def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> Tuple[List[str], List[torch.nn.Parameter]]:
+    """Place every MoE layer's experts on this rank's share; (their parameter names, the parameters)."""
+    group, rank = dims.ep_mesh.get_group(), dims.ep_mesh.get_local_rank()
+    names, params = [], []
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            module.place(group, rank, dims.shape.ep)
+            names += [f"{prefix}.{name}" for name in EXPERT_PROJECTIONS]
+            params += [getattr(module, name) for name in EXPERT_PROJECTIONS]
+    return names, params
+
+
+class ExpertGradients:
+    """The placed experts' gradients: summed over the ranks holding the same experts after the update's last
+    micro-batch (``enabled``, set by the strategy's ``grad_sync``), and their part of the global norm."""
+
+    def __init__(self, params: List[torch.nn.Parameter], dims: ParallelDims):
+        from toolkit.distributed.strategies import GradAllReduce
+
+        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group)
+        self.ep_group = dims.ep_mesh.get_group()
+        self.ids = {id(p) for p in params}
+
+    @property
+    def enabled(self) -> bool:
+        return self.reducer.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.reducer.enabled = value
+
+    def global_norm(self, params: List[torch.nn.Parameter]) -> float:
+        return global_grad_norm(params, self.ids, self.ep_group)
+
+
+def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_group: Any) -> float:
+    """The L2 norm of all gradients of the model: the replicated ones once, each expert shard's squares added
+    over the ep ranks (each holds other experts), so every rank measures, and clips by, the same norm."""
+    from toolkit.optim.grad_norm import sum_of_squares
+
+    dense = sum_of_squares([p.grad for p in params if id(p) not in expert_ids and p.grad is not None])
+    experts = sum_of_squares([p.grad for p in params if id(p) in expert_ids and p.grad is not None]).clone()
+    torch.distributed.all_reduce(experts, group=ep_group)
+    return float((dense + experts).sqrt())
+
+
+def _placed(model: torch.nn.Module):
+    """(parameter name, its module, the parameter) of every placed expert stack."""
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.ep_group is not None:
+            for name in EXPERT_PROJECTIONS:
+                yield canonical_name(f"{prefix}.{name}"), module, getattr(module, name)
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           state: Dict[str, Any]) -> Dict[str, Any]:
+    """A full optimizer state (rank 0's; other ranks may hold none) with the expert moments replaced by whole
+    stacks, gathered from every rank's optimizer (collective: every rank calls it)."""
+    for fqn, module, param in _placed(model):
+        whole = {k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v
+                 for k, v in optimizer.state.get(param, {}).items()}
+        if fqn in state.get("state", {}):
+            state["state"][fqn].update(whole)
+    return state
+
+
+def own_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A full optimizer state with the expert moments cut to this rank's experts."""
+    for fqn, module, _param in _placed(model):
+        entry = state.get("state", {}).get(fqn) or {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = module.own_part(value)
+    return state
