@@ -1,0 +1,353 @@
+"""The toolkit against its peers on the same work, in one table (CPU).
+
+    python benchmarks/peers.py                 # the full table: a few minutes on 2 cores
+    python benchmarks/peers.py --quick         # tiny shapes, 1 timed round: checks that every row runs
+
+Each pair is alternated (A B A B ...), with the same thread count, shapes and data; ``--warmup`` rounds
+are run and discarded; the median of ``--rounds`` timed rounds is reported with the spread (fastest and
+slowest round), so a neighbour process slows both sides alike. Rows:
+
+* training step, toolkit vs transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``: in one process,
+  the same config and initial weights (ours exported through the Hugging Face adapters), the same random
+  batches, forward + fp32 cross entropy + backward + AdamW (``benchmarks/llama_hf.py``'s step);
+* cached greedy generation, ``toolkit.generation.SequenceGenerator`` (the toolkit-generate path) vs
+  transformers' ``generate()`` on the exported GPT-2 model, the same prompts, every row generating the
+  same number of tokens;
+* ``toolkit-train`` vs ``fairseq-train``, ``toolkit-eval-lm`` vs ``fairseq-eval-lm`` on the same
+  fairseq-trained checkpoint, ``toolkit-preprocess`` vs ``fairseq-preprocess``: the commands of
+  ``benchmarks/fairseq_parity/parity.py`` (same model, flags and WikiText-2 split), timed end to end
+  (start-up included) as a user runs them; needs the fairseq 0.12.2 that ``setup.sh`` there builds.
+
+A peer that is not installed is one skipped row naming how to install it. Writes
+``benchmarks/results/peers_cpu.json`` (``--out``) and prints a markdown table, with the machine's
+load average beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "fairseq_parity"))
+
+FAIRSEQ_HOME = os.environ.get("FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache" / "toolkit" / "fairseq-0.12.2"))
+FAIRSEQ_INSTALL = "bash benchmarks/fairseq_parity/setup.sh (fairseq 0.12.2 is not pip-installable on Python 3.11)"
+TRANSFORMERS_INSTALL = "pip install transformers"
+EVALUATED = re.compile(r"Evaluated [\d,]+ tokens in [\d.]+s \(([\d.]+) tokens/s\)")
+
+
+class Skipped(Exception):
+    """A peer that is not installed: the row says how to install it."""
+
+
+def alternate(sides: Dict[str, Callable[[int], float]], warmup: int, rounds: int) -> Dict[str, Dict[str, float]]:
+    """Runs ``side(round)`` for each side in turn, round after round; each returns its own seconds.
+    Warm-up rounds are discarded; the median, fastest and slowest timed rounds are kept."""
+    times: Dict[str, List[float]] = {name: [] for name in sides}
+    for r in range(warmup + rounds):
+        for name, side in sides.items():
+            seconds = side(r)
+            if r >= warmup:
+                times[name].append(seconds)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for name, t in times.items()}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def row(name: str, peer: str, unit: str, work: float, timings: Dict[str, Dict[str, float]], **extra) -> Dict:
+    """One table row: ``work`` units per timed round (tokens, for example) -> a rate per second each side."""
+    ours, theirs = timings["toolkit"], timings[peer]
+    return {"name": name, "peer": peer, "unit": unit, "work": work,
+            "toolkit": {**ours, "rate": work / ours["median_s"]}, "peer_timing": {**theirs, "rate": work / theirs["median_s"]},
+            "speedup": theirs["median_s"] / ours["median_s"], **extra}
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError as e:
+        raise Skipped(TRANSFORMERS_INSTALL) from e
+    return transformers
+
+
+def train_steps(ours, theirs, logits_theirs, vocab: int, batch: int, tokens: int, args) -> Dict:
+    """The llama_hf step on both models, alternated on the same random batches."""
+    import torch
+    from llama_hf import make_step
+
+    steps = {"toolkit": make_step(ours, lambda m, x: m(x)), "transformers": make_step(theirs, logits_theirs)}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
+    losses: Dict[str, float] = {}
+
+    def side(name):
+        def run(r):
+            start = time.perf_counter()
+            losses[name] = steps[name](batches[r])
+            return time.perf_counter() - start
+        return run
+
+    timings = alternate({name: side(name) for name in steps}, args.warmup, args.rounds)
+    return {"timings": timings, "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}
+
+
+def llama_training(args) -> Dict:
+    transformers_module()
+    from llama_hf import build_pair, parse
+
+    shape = ["--layers", "2", "--dim", "64", "--ffn", "172", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
+             "--tokens", "32", "--batch", "2"] if args.quick else []
+    cfg = parse(shape + ["--threads", str(args.threads)])
+    ours, theirs = build_pair(cfg)
+    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg.vocab, cfg.batch,
+                      cfg.tokens, args)
+    shape_text = f"{cfg.layers}x{cfg.dim}, FFN {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
+    return row("training step, Llama", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
+               shape=shape_text, last_loss_diff=out["last_loss_diff"])
+
+
+def gpt2_pair(layers: int, dim: int, heads: int, vocab: int, positions: int):
+    """Our transformer_lm with GPT-2's layout and transformers' GPT2LMHeadModel with the same weights."""
+    transformers = transformers_module()
+    from toolkit.core import registry
+    from toolkit.config import options
+    from toolkit.data.dictionary import Dictionary
+    from toolkit.models.transformer_lm.hf import hf_weights
+
+    registry.import_all_components()
+    entry = registry.resolve_arch("transformer_lm_gpt2_small")
+    values = options.architecture_defaults("transformer_lm_gpt2_small", {
+        "max_target_positions": positions, "decoder_layers": layers, "decoder_embed_dim": dim,
+        "decoder_ffn_embed_dim": 4 * dim, "decoder_attention_heads": heads,
+        # GPT-2's own layout (what toolkit-export --format hf needs for GPT2LMHeadModel); no dropout, so
+        # both sides compute the same loss
+        "decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True,
+        "dropout": 0.0, "attention_dropout": 0.0})
+    d = Dictionary()
+    for i in range(vocab - len(d)):
+        d.add_symbol(f"w{i}")
+    model = entry.cls(options.config_from_args(entry.config, values), len(d), d.pad(), seed=0)
+    weights = hf_weights(model, "gpt2", d, d.eos())
+    config = getattr(transformers, weights.architecture).config_class(**weights.config)
+    theirs = getattr(transformers, weights.architecture)(config)
+    theirs.load_state_dict(weights.state, strict=False)
+    return model, theirs, d
+
+
+def gpt2_shape(args):
+    return (2, 64, 4, 512, 32, 2) if args.quick else (4, 256, 4, 8192, 256, 8)
+
+
+def gpt2_training(args) -> Dict:
+    layers, dim, heads, vocab, tokens, batch = gpt2_shape(args)
+    ours, theirs, d = gpt2_pair(layers, dim, heads, vocab, tokens + 1)
+    ours.train(), theirs.train()
+    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, len(d), batch, tokens, args)
+    return row("training step, GPT-2", "transformers", "tokens/s", batch * tokens, out["timings"],
+               shape=f"{layers}x{dim}, FFN {4 * dim}, {heads} heads, V {len(d)}, B {batch} x T {tokens}",
+               last_loss_diff=out["last_loss_diff"])
+
+
+def generation(args) -> Dict:
+    """Cached greedy decoding of ``new`` tokens after a random prompt, every row the same length."""
+    import torch
+    from generate import generator
+
+    layers, dim, heads, vocab, _, _ = gpt2_shape(args)
+    prompt, new = (8, 8) if args.quick else (64, 128)
+    ours, theirs, d = gpt2_pair(layers, dim, heads, vocab, prompt + new + 2)
+    ours.eval(), theirs.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(d.nspecial, len(d), (1, prompt), generator=g)
+    ours_gen = generator(ours, d, prompt, new, incremental=True)
+    # transformers sees the same input our generator builds: </s> first (fairseq LMs' start symbol).
+    hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1)
+
+    def toolkit_side(_):
+        with torch.no_grad():
+            return timed(lambda: ours_gen.generate(list(prompts)))
+
+    def hf_side(_):
+        with torch.no_grad():
+            return timed(lambda: theirs.generate(hf_input, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                                 num_beams=1, use_cache=True, pad_token_id=d.pad()))
+
+    timings = alternate({"toolkit": toolkit_side, "transformers": hf_side}, args.warmup, args.rounds)
+    return row("cached greedy generation, GPT-2 (batch 1)", "transformers", "new tokens/s", new, timings,
+               shape=f"{layers}x{dim}, V {len(d)}, prompt {prompt}, {new} new tokens")
+
+
+class FairseqPair:
+    """The parity script's commands, on the parity split, fairseq's and ours in turn."""
+
+    def __init__(self, args, work: pathlib.Path):
+        home = pathlib.Path(args.fairseq_home)
+        if not (home / "venv" / "bin" / "python").exists() or not (home / "src" / "fairseq").is_dir():
+            raise Skipped(FAIRSEQ_INSTALL)
+        import parity
+        self.parity = parity
+        self.runner = parity.Runner(work, home)
+        self.work = work
+        self.data = str(work / "fairseq-bin")
+        self.threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+        for env in (self.runner.fairseq_env, self.runner.toolkit_env):
+            env.update(self.threads)
+        self.updates = 4 if args.quick else 40
+
+    def command(self, side: str, tool: str, *argv: str) -> Callable[[int], float]:
+        run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
+        return lambda _: timed(lambda: run(tool, *argv))
+
+    def preprocess(self, side: str) -> Callable[[int], float]:
+        data = self.parity.DATA
+        splits = ["--trainpref", str(data / "wiki.train.tokens"), "--validpref", str(data / "wiki.valid.tokens"),
+                  "--testpref", str(data / "wiki.test.tokens"), "--workers", "1", "--only-source"]
+        dest = self.work / f"{side}-bin"
+
+        def run(r):
+            shutil.rmtree(dest, ignore_errors=True)
+            return self.command(side, "preprocess", *splits, "--destdir", str(dest))(r)
+        return run
+
+    def train(self, side: str) -> Callable[[int], float]:
+        p = self.parity
+        return self.command(side, "train", self.data, *p.MODEL, *p.TRAIN, "--max-update", str(self.updates),
+                            "--save-dir", str(self.work / f"{side}-ckpt"), "--no-save")
+
+    def eval_lm(self, side: str, checkpoint: str, loop_rates: Dict[str, List[float]]) -> Callable[[int], float]:
+        """The whole command timed; the scoring loop's own tokens/s (its "Evaluated N tokens in Xs" line,
+        the same in both) kept in ``loop_rates``: on a small model the command is mostly start-up."""
+        run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
+
+        def timed_eval(_):
+            start = time.perf_counter()
+            output = run("eval_lm", self.data, "--path", checkpoint, "--gen-subset", "test",
+                         "--tokens-per-sample", "64", "--max-tokens", "4096", "--cpu")
+            seconds = time.perf_counter() - start
+            loop_rates.setdefault(side, []).append(float(EVALUATED.findall(output)[-1]))
+            return seconds
+        return timed_eval
+
+
+def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
+    pair = FairseqPair(args, work)
+    tokens = sum(len(line.split()) + 1 for line in open(pair.parity.DATA / "wiki.train.tokens", encoding="utf-8"))
+    pre = alternate({"toolkit": pair.preprocess("toolkit"), "fairseq": pair.preprocess("fairseq")},
+                    args.warmup, args.rounds)
+    rows = [row("preprocess (whitespace, 1 worker; train split)", "fairseq", "train tokens/s", tokens, pre,
+                note="end to end, start-up included; train+valid+test written")]
+    train = alternate({"toolkit": pair.train("toolkit"), "fairseq": pair.train("fairseq")}, args.warmup, args.rounds)
+    rows.append(row("toolkit-train vs fairseq-train (parity model, 2x64)", "fairseq", "updates/s", pair.updates,
+                    train, note="whole command, start-up included"))
+    save = work / "fairseq-ckpt-for-eval"
+    pair.runner.fairseq("train", pair.data, *pair.parity.MODEL, *pair.parity.TRAIN, "--max-update",
+                        str(pair.updates), "--save-dir", str(save))
+    ckpt = str(save / "checkpoint_last.pt")
+    test_tokens = sum(len(line.split()) + 1 for line in open(pair.parity.DATA / "wiki.test.tokens", encoding="utf-8"))
+    loop_rates: Dict[str, List[float]] = {}
+    evals = alternate({"toolkit": pair.eval_lm("toolkit", ckpt, loop_rates),
+                       "fairseq": pair.eval_lm("fairseq", ckpt, loop_rates)}, args.warmup, args.rounds)
+    loop = {side: statistics.median(rates[args.warmup:]) for side, rates in loop_rates.items()}
+    rows.append(row("eval-lm on the same fairseq checkpoint (test split)", "fairseq", "tokens/s", test_tokens, evals,
+                    note=f"whole command, start-up included; scoring loop alone {loop['toolkit']:,.0f} vs "
+                         f"{loop['fairseq']:,.0f} tokens/s = {loop['toolkit'] / loop['fairseq']:.2f}x",
+                    loop_tokens_per_s=loop))
+    return rows
+
+
+def load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+        return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+    except OSError:
+        return "load average unknown"
+
+
+def markdown(result: Dict) -> str:
+    lines = [f"{result['machine']}; torch {result['torch']}, {result['threads']} threads; "
+             f"{result['rounds']} alternated rounds after {result['warmup']} warm-up; {result['load_before']} before, "
+             f"{result['load_after']} after", "",
+             "| work | peer | toolkit | peer | toolkit / peer | spread (toolkit; peer, s) |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['name']} | {r['peer']} | skipped: {r['skipped']} | | | |")
+            continue
+        t, p = r["toolkit"], r["peer_timing"]
+        lines.append(f"| {r['name']} ({r.get('shape', r.get('note', ''))}) | {r['peer']} | {t['rate']:,.1f} {r['unit']} | "
+                     f"{p['rate']:,.1f} {r['unit']} | {r['speedup']:.2f}x | {t['min_s']:.3f}-{t['max_s']:.3f}; "
+                     f"{p['min_s']:.3f}-{p['max_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def run_rows(args, work: pathlib.Path) -> List[Dict]:
+    rows: List[Dict] = []
+    for name, peer, fn in (("training step, Llama", "transformers", llama_training),
+                           ("training step, GPT-2", "transformers", gpt2_training),
+                           ("cached greedy generation, GPT-2", "transformers", generation)):
+        try:
+            rows.append(fn(args))
+        except Skipped as s:
+            rows.append({"name": name, "peer": peer, "skipped": str(s)})
+        print(markdown_row_progress(rows[-1]), flush=True)
+    try:
+        rows.extend(fairseq_rows(args, work))
+    except Skipped as s:
+        rows.extend({"name": name, "peer": "fairseq 0.12.2", "skipped": str(s)}
+                    for name in ("preprocess", "toolkit-train vs fairseq-train", "eval-lm vs fairseq-eval-lm"))
+    return rows
+
+
+def markdown_row_progress(r: Dict) -> str:
+    return f"[peers] {r['name']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else f"{r['speedup']:.2f}x")
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, one timed round (a check, not a figure)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fairseq-home", default=FAIRSEQ_HOME)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers_cpu.json"))
+    args = ap.parse_args(argv)
+    args.warmup = 1 if args.warmup is None else args.warmup
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    import torch
+    torch.set_num_threads(args.threads)
+    before = load()
+    with tempfile.TemporaryDirectory(prefix="peers-") as work:
+        rows = run_rows(args, pathlib.Path(work))
+    result = {"benchmark": "peers", "quick": args.quick, "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": args.threads, "warmup": args.warmup,
+              "rounds": args.rounds, "load_before": before, "load_after": load(), "rows": rows}
+    result["markdown"] = markdown(result)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(result["markdown"])
+    print(json.dumps({k: v for k, v in result.items() if k != "markdown"}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
