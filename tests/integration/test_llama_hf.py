@@ -39,7 +39,7 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral_window"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral_window", "qwen3_window"])
 def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_path, kind):
     from tests.helpers.cli import run_cli
 

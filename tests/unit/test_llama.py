@@ -55,7 +55,9 @@ def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) 
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
-                                            ("llama_tiny", dict(sliding_window=6))])
+                                            ("llama_tiny", dict(sliding_window=6)),
+                                            ("llama_tiny", dict(sliding_window=6,
+                                                                layer_types="sliding_attention,full_attention"))])
 def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
     model = tiny(arch, attention_qkv_bias=True, **overrides)
     x = torch.randint(4, 40, (3, 30), generator=torch.Generator().manual_seed(0))
@@ -87,6 +89,24 @@ def test_a_sliding_window_hides_what_lies_beyond_it():
         changed_full = (full(x) - full(y)).abs().amax(-1)[0] > 1e-6
     assert changed[3:14].all() and not changed[14:].any() and not changed[:3].any()
     assert changed_full[3:].all()
+
+
+def test_layer_types_make_only_the_local_layers_windowed():
+    """--layer-types sliding_attention,full_attention: layer 0 reads the last 6 positions, layer 1 all before
+    it, so a change at 3 reaches every later position (the global layer), unlike two local layers; the
+    same holds with a document mask (one document), which builds each kind's mask once."""
+    x = torch.randint(4, 40, (1, 20), generator=torch.Generator().manual_seed(2))
+    y = x.clone()
+    y[0, 3] = 4 if x[0, 3] != 4 else 5
+    mixed = tiny(sliding_window=6, layer_types="sliding_attention,full_attention")
+    assert [layer.self_attn.window for layer in mixed.layers] == [6, None]
+    one_document = torch.zeros_like(x)
+    with torch.no_grad():
+        changed = (mixed(x) - mixed(y)).abs().amax(-1)[0] > 1e-6
+        assert torch.allclose(mixed(x, document_ids=one_document), mixed(x), atol=1e-5)
+        local = tiny(sliding_window=6, layer_types="sliding_attention,sliding_attention")
+        assert torch.equal(local(x), tiny(sliding_window=6)(x))
+    assert changed[3:].all() and not changed[:3].any()
 
 
 def test_qwen3_heads_are_their_own_size_with_qk_norm():
@@ -144,6 +164,10 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
     (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
     (dict(decoder_head_dim=9), "--decoder-head-dim 9: must be even for rotary embeddings"),
+    (dict(sliding_window=6, layer_types="sliding_attention"), "--layer-types sliding_attention: give one of "
+                                                              "full_attention or sliding_attention per layer"),
+    (dict(sliding_window=6, layer_types="local,full_attention"), "--layer-types local,full_attention: give one"),
+    (dict(layer_types="sliding_attention,full_attention"), "sliding_attention layers need --sliding-window N"),
 ])
 def test_impossible_shapes_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -14,12 +14,15 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--decoder-head-dim``          size of each attention head (``head_dim``) when it is not width / heads (Qwen3)
 ``--qk-norm``                   RMSNorm over each query and key head before the rotation (Qwen3)
 ``--sliding-window``            each position attends to the last N positions only, itself included
-                                (Mistral's ``sliding_window``); every layer alike
+                                (Mistral's ``sliding_window``); every layer alike unless --layer-types
+``--layer-types``               which layers are local (``sliding_attention``, within --sliding-window) and
+                                which global (``full_attention``), comma-separated, one per layer
+                                (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict, List, Optional
 
 from toolkit.core.errors import UserError
 from toolkit.config.flag_types import positive_int
@@ -66,6 +69,9 @@ class LlamaConfig:
     sliding_window: Optional[int] = field(
         default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
                                         "included, in every layer (Mistral; default: the whole context)"})
+    layer_types: Optional[str] = field(
+        default=None, metadata={"help": "per layer, comma-separated: sliding_attention (within --sliding-window) "
+                                        "or full_attention (default: every layer as --sliding-window says)"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     max_target_positions: Optional[int] = field(
@@ -85,8 +91,32 @@ def head_dim(cfg: LlamaConfig) -> int:
     return cfg.decoder_head_dim or cfg.decoder_embed_dim // cfg.decoder_attention_heads
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
+
+
+def layer_windows(cfg: LlamaConfig) -> List[Optional[int]]:
+    """Each layer's window: --sliding-window for a local layer, None (the whole context) for a global one."""
+    if cfg.layer_types is None:
+        return [cfg.sliding_window] * cfg.decoder_layers
+    return [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types.split(",")]
+
+
+def _check_layer_types(cfg: LlamaConfig) -> None:
+    if cfg.layer_types is None:
+        return
+    kinds = cfg.layer_types.split(",")
+    wrong = sorted(set(kinds) - set(LAYER_TYPES))
+    if wrong or len(kinds) != cfg.decoder_layers:
+        raise UserError(f"--layer-types {cfg.layer_types}: give one of {' or '.join(LAYER_TYPES)} per layer "
+                        f"({cfg.decoder_layers}, --decoder-layers), comma-separated")
+    if "sliding_attention" in kinds and cfg.sliding_window is None:
+        raise UserError(f"--layer-types {cfg.layer_types}: sliding_attention layers need --sliding-window N "
+                        "(how many positions a local layer sees)")
+
+
 def check_shapes(cfg: LlamaConfig) -> None:
     """One line per impossible shape, before anything is built."""
+    _check_layer_types(cfg)
     C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
     if cfg.decoder_head_dim is None and (H < 1 or C % H):
         raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "

@@ -2,8 +2,8 @@
 
 Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (its ``sliding_window``: every layer sees the
 last N positions), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (QK-norm, ``head_dim``
-independent of the width); Qwen2/Qwen3 folders whose ``use_sliding_window`` makes some layers local
-are refused (the toolkit applies one window to every layer). Their parameters are ours under a prefix:
+independent of the width); Qwen2/Qwen3's ``use_sliding_window`` makes the layers its ``layer_types``
+(or, older configs, those from ``max_window_layers`` on) local, ``--layer-types``. Their parameters are ours under a prefix:
 ``model.`` before everything but the output layer, ``lm_head.weight`` for our
 ``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
 half-rotation layout, so no weight is permuted. Everything here works on plain dicts read from
@@ -17,11 +17,12 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from toolkit.core.errors import UserError, malformed_file
-from toolkit.models.llama.config import LlamaConfig, head_dim, kv_heads
+from toolkit.models.llama.config import LAYER_TYPES, LlamaConfig, head_dim, kv_heads, layer_windows
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM"}
 TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False}  # transformers' config defaults
+QWEN = ("qwen2", "qwen3")  # the classes whose layers may differ (use_sliding_window, layer_types)
 DEFAULT_HEAD_DIM = {"qwen3": 128}  # Qwen3Config's head_dim when config.json has none (others: width / heads)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings")
@@ -54,19 +55,32 @@ def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
     if config.get("mlp_bias") or (kind in ("llama", "qwen3") and config.get("attention_bias")):
         raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
     local = [t for t in config.get("layer_types") or () if t != "full_attention"]
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    if local or (kind != "mistral" and window is not None and window < config["max_position_embeddings"]):
-        raise UserError(f"{where}: use_sliding_window/layer_types make layers from max_window_layers on attend "
-                        "within sliding_window; the toolkit applies one attention to every layer (a model trained "
-                        "with full attention has use_sliding_window false)")
+    if local and kind not in QWEN:
+        raise UserError(f"{where}: layer_types {sorted(set(local))} in a {CLASSES[kind]}; its transformers class "
+                        "attends to the whole context (or Mistral's one window) in every layer")
 
 
 def _sliding_window(config: Dict[str, Any], kind: str, where: str) -> Optional[int]:
-    """Mistral's window, None when there is none or it is no shorter than the context (it never binds)."""
-    window = config.get("sliding_window") if kind == "mistral" else None
+    """Mistral's window (Qwen2/Qwen3's with ``use_sliding_window``), None when there is none or it is no
+    shorter than the context (it never binds)."""
+    window = config.get("sliding_window") if kind == "mistral" or config.get("use_sliding_window") else None
     if window is not None and (type(window) is not int or window < 1):
         raise UserError(f"{where}: sliding_window {window!r}: a count of positions (a positive integer) or null")
     return window if window is not None and window < config["max_position_embeddings"] else None
+
+
+def _layer_types(config: Dict[str, Any], kind: str, window: Optional[int], where: str) -> Optional[str]:
+    """``--layer-types`` of a Qwen2/Qwen3 folder with a binding window: its ``layer_types``, else (configs
+    saved before transformers wrote them) local from ``max_window_layers`` on; None when every layer is alike."""
+    if kind not in QWEN or window is None:
+        return None
+    L = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["sliding_attention" if i >= config.get("max_window_layers", L) else
+                                          "full_attention" for i in range(L)]
+    if len(kinds) != L or set(kinds) - set(LAYER_TYPES):
+        raise UserError(f"{where}: layer_types {kinds!r}: one of {' or '.join(LAYER_TYPES)} for each of the "
+                        f"{L} layers (num_hidden_layers)")
+    return None if set(kinds) == {"sliding_attention"} else ",".join(kinds)
 
 
 def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -91,8 +105,12 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
 def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
     C, H = config["hidden_size"], config["num_attention_heads"]
     head_size = int(config.get("head_dim") or DEFAULT_HEAD_DIM.get(kind, C // H))
+    window = _sliding_window(config, kind, where)
+    layer_types = _layer_types(config, kind, window, where)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window, layer_types = None, None  # no layer is local
     return dict(decoder_head_dim=head_size if head_size != C // H or C % H else None, qk_norm=kind == "qwen3",
-                sliding_window=_sliding_window(config, kind, where), decoder_layers=config["num_hidden_layers"],
+                sliding_window=window, layer_types=layer_types, decoder_layers=config["num_hidden_layers"],
                 decoder_embed_dim=config["hidden_size"],
                 decoder_ffn_embed_dim=config["intermediate_size"],
                 decoder_attention_heads=config["num_attention_heads"],
@@ -134,8 +152,7 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
     elif kind == "mistral":
         config.update(sliding_window=cfg.sliding_window)
     else:
-        config.update(sliding_window=None, use_sliding_window=False,
-                      layer_types=["full_attention"] * cfg.decoder_layers)
+        config.update(_qwen_windows(cfg))
     if cfg.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                                   "low_freq_factor": cfg.rope_low_freq_factor,
@@ -144,15 +161,28 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
     return CLASSES[kind], config
 
 
+def _qwen_windows(cfg: LlamaConfig) -> Dict[str, Any]:
+    """Qwen2/Qwen3's window settings: ``layer_types`` decides (transformers 5); ``max_window_layers`` says the
+    first local layer, for readers of older configs."""
+    windows = layer_windows(cfg)
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in windows]
+    first_local = kinds.index("sliding_attention") if "sliding_attention" in kinds else cfg.decoder_layers
+    return dict(sliding_window=cfg.sliding_window, use_sliding_window=cfg.sliding_window is not None,
+                max_window_layers=first_local, layer_types=kinds)
+
+
 def _hf_kind(cfg: LlamaConfig, base_kind: Optional[str]) -> str:
     """The imported model's own model_type when its class computes ``cfg``, else the one class that does:
-    Qwen3 for QK-norm, Qwen2 for q/k/v biases, Mistral for a sliding window, Llama otherwise."""
-    needs = [kind for kind, used in (("qwen3", cfg.qk_norm), ("qwen2", cfg.attention_qkv_bias),
-                                     ("mistral", cfg.sliding_window is not None)) if used]
-    if len(needs) > 1:
+    Qwen3 for QK-norm, Qwen2 for q/k/v biases (either with any window), Mistral for one window in every
+    layer, Llama otherwise."""
+    local_and_global = len(set(layer_windows(cfg))) > 1
+    needs = [kind for kind, used in (("qwen3", cfg.qk_norm), ("qwen2", cfg.attention_qkv_bias)) if used]
+    if not needs and cfg.sliding_window is not None:
+        needs = ["mistral"]
+    if len(needs) > 1 or (needs == ["mistral"] and local_and_global):
         raise UserError(f"the model combines {' and '.join(CLASSES[k] for k in needs)} features "
-                        "(QK-norm, q/k/v biases, a sliding window); no transformers class of the Llama family "
-                        "computes it, nothing written")
+                        "(QK-norm, q/k/v biases, a sliding window in some layers only); no transformers class of the "
+                        "Llama family computes it, nothing written")
     if needs:
         return needs[0]
     return base_kind if base_kind in ("llama", "mistral") else "llama"  # Qwen2/Qwen3 always have their features

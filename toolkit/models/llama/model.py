@@ -21,7 +21,9 @@ Choices worth knowing
 - Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
   of the key/value heads); the KV cache holds G heads, not H. Qwen3's QK-norm (``--qk-norm``, an
   RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``) and Mistral's sliding window
-  (``--sliding-window``, a boolean mask, also over the cache) are options of ``blocks.Attention``.
+  (``--sliding-window``, a boolean mask, also over the cache) are options of ``blocks.Attention``;
+  ``--layer-types`` makes only some layers local (Qwen2/Qwen3's ``max_window_layers``), the others
+  global, each kind's mask built once per forward.
 - Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
   of a row changes no earlier position. No dropout anywhere (none of the family uses it).
 - Initial values come from ``initial_value(name, ...)`` seeded by (seed, name), as for
@@ -44,7 +46,7 @@ from toolkit.models.blocks.feed_forward import GatedFeedForward
 from toolkit.models.blocks.norms import RMSNorm
 from toolkit.models.decoder import DecoderInterface, KVCache
 from toolkit.models.init import init_weights, meta_embedding
-from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads, layer_windows
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
 from toolkit.models.llama.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401  (their home before)
@@ -54,13 +56,13 @@ from toolkit.core.registry import register_model
 class LlamaBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
         C = cfg.decoder_embed_dim
         self.input_layernorm = RMSNorm(C, cfg.rms_norm_eps)
         self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
                                    qkv_bias=cfg.attention_qkv_bias,
-                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=cfg.sliding_window)
+                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=window)
         self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
         self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
 
@@ -94,7 +96,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
             self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
-            self.layers = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.decoder_layers)])
+            self.layers = nn.ModuleList([LlamaBlock(cfg, window) for window in layer_windows(cfg)])
             self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
             self.output_projection = (None if cfg.share_decoder_input_output_embed
                                       else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False))
@@ -121,9 +123,11 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # [B, 1, T, D]: per row, broadcast over the heads
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = attention_mask(document_ids, T, tokens.device, window=self.cfg.sliding_window,
-                              head_dim=head_dim(self.cfg))
-        for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
+        windows = layer_windows(self.cfg)  # local and global layers attend differently: one mask per kind
+        masks = {window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
+                 for window in set(windows)}
+        for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
+            mask = masks[window]
             if cache is not None:
                 x = layer(x, cos, sin, cache)
             else:
