@@ -1,5 +1,5 @@
 """Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Qwen3 with and without a local layer,
-Mistral with and without a sliding window): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
+Mistral with and without a sliding window, OLMo 2): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
 whose tokenizer.json lacks Qwen2's digit splitting (as
 transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokenizer`` gives other ids than the file).
 
@@ -32,6 +32,9 @@ KINDS = {
     "qwen3_window": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
                                                     rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=True,
                                                     sliding_window=6, max_window_layers=1)),
+    # norms after attention and the MLP, QK-norm over the whole projections, GQA
+    "olmo2": (transformers.Olmo2Config, dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                             rope_theta=500000.0)),
 }
 WINDOW = 6
 

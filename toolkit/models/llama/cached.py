@@ -51,10 +51,9 @@ class LlamaCachedDecoder(torch.nn.Module):
         x = m.embed_tokens(tokens)
         present: List[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            h, k, v = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, past[2 * i],
+            h, k, v = self._attention(layer.self_attn, layer.attention_input(x), cos, sin, past[2 * i],
                                       past[2 * i + 1])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.add_attention(x, h)
             present += [k, v]
         x = m.norm(x)
         logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)

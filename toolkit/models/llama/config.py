@@ -15,6 +15,9 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--qk-norm``                   RMSNorm over each query and key head before the rotation (Qwen3)
 ``--sliding-window``            each position attends to the last N positions only, itself included
                                 (Mistral's ``sliding_window``); every layer alike unless --layer-types
+``--qk-norm-over projection``   the QK-norm over the whole q and k projections, not per head (OLMo 2)
+``--norm-after-sublayer``       RMSNorm on the attention's and the MLP's outputs before the residual add,
+                                none on their inputs (OLMo 2)
 ``--layer-types``               which layers are local (``sliding_attention``, within --sliding-window) and
                                 which global (``full_attention``), comma-separated, one per layer
                                 (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)
@@ -66,6 +69,12 @@ class LlamaConfig:
                                         "--decoder-embed-dim / --decoder-attention-heads)"})
     qk_norm: bool = field(
         default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"})
+    qk_norm_over: str = field(
+        default="head", metadata={"choices": ["head", "projection"], "help": "--qk-norm over each head (Qwen3) "
+                                  "or over the whole q and k projections (OLMo 2)"})
+    norm_after_sublayer: bool = field(
+        default=False, metadata={"help": "RMSNorm on the attention's and the MLP's outputs before the residual "
+                                         "add instead of on their inputs (OLMo 2)"})
     sliding_window: Optional[int] = field(
         default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
                                         "included, in every layer (Mistral; default: the whole context)"})

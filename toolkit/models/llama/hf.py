@@ -2,7 +2,8 @@
 
 Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (its ``sliding_window``: every layer sees the
 last N positions), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (QK-norm, ``head_dim``
-independent of the width); Qwen2/Qwen3's ``use_sliding_window`` makes the layers its ``layer_types``
+independent of the width), ``Olmo2ForCausalLM`` (norms after attention and the MLP, QK-norm over the
+whole projections); Qwen2/Qwen3's ``use_sliding_window`` makes the layers its ``layer_types``
 (or, older configs, those from ``max_window_layers`` on) local, ``--layer-types``. Their parameters are ours under a prefix:
 ``model.`` before everything but the output layer, ``lm_head.weight`` for our
 ``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
@@ -20,8 +21,9 @@ from toolkit.core.errors import UserError, malformed_file
 from toolkit.models.llama.config import LAYER_TYPES, LlamaConfig, head_dim, kv_heads, layer_windows
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen3": "Qwen3ForCausalLM"}
-TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False}  # transformers' config defaults
+           "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False,  # transformers' config defaults
+                   "olmo2": False}
 QWEN = ("qwen2", "qwen3")  # the classes whose layers may differ (use_sliding_window, layer_types)
 DEFAULT_HEAD_DIM = {"qwen3": 128}  # Qwen3Config's head_dim when config.json has none (others: width / heads)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -52,7 +54,7 @@ def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
 def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {config['hidden_act']!r}; the Llama family's feed-forward is SwiGLU (silu)")
-    if config.get("mlp_bias") or (kind in ("llama", "qwen3") and config.get("attention_bias")):
+    if config.get("mlp_bias") or (kind in ("llama", "qwen3", "olmo2") and config.get("attention_bias")):
         raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
     local = [t for t in config.get("layer_types") or () if t != "full_attention"]
     if local and kind not in QWEN:
@@ -109,7 +111,9 @@ def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
     layer_types = _layer_types(config, kind, window, where)
     if layer_types is not None and "sliding_attention" not in layer_types:
         window, layer_types = None, None  # no layer is local
-    return dict(decoder_head_dim=head_size if head_size != C // H or C % H else None, qk_norm=kind == "qwen3",
+    return dict(decoder_head_dim=head_size if head_size != C // H or C % H else None,
+                qk_norm=kind in ("qwen3", "olmo2"), qk_norm_over="projection" if kind == "olmo2" else "head",
+                norm_after_sublayer=kind == "olmo2",
                 sliding_window=window, layer_types=layer_types, decoder_layers=config["num_hidden_layers"],
                 decoder_embed_dim=config["hidden_size"],
                 decoder_ffn_embed_dim=config["intermediate_size"],
@@ -145,13 +149,13 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
                   rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, vocab_size=vocab_size,
                   max_position_embeddings=cfg.max_target_positions,
                   tie_word_embeddings=cfg.share_decoder_input_output_embed, attention_dropout=0.0)
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "olmo2"):
         config.update(attention_bias=False)
     if kind == "llama":
         config.update(mlp_bias=False)
     elif kind == "mistral":
         config.update(sliding_window=cfg.sliding_window)
-    else:
+    elif kind in QWEN:
         config.update(_qwen_windows(cfg))
     if cfg.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
@@ -175,6 +179,14 @@ def _hf_kind(cfg: LlamaConfig, base_kind: Optional[str]) -> str:
     """The imported model's own model_type when its class computes ``cfg``, else the one class that does:
     Qwen3 for QK-norm, Qwen2 for q/k/v biases (either with any window), Mistral for one window in every
     layer, Llama otherwise."""
+    olmo2 = cfg.norm_after_sublayer or (cfg.qk_norm and cfg.qk_norm_over == "projection")
+    if olmo2:
+        if not (cfg.norm_after_sublayer and cfg.qk_norm and cfg.qk_norm_over == "projection"
+                and not cfg.attention_qkv_bias and cfg.sliding_window is None):
+            raise UserError("Olmo2ForCausalLM has --norm-after-sublayer and --qk-norm --qk-norm-over projection "
+                            "together, no q/k/v biases and no window; this model differs, no transformers class of "
+                            "the Llama family computes it, nothing written")
+        return "olmo2"
     local_and_global = len(set(layer_windows(cfg))) > 1
     needs = [kind for kind, used in (("qwen3", cfg.qk_norm), ("qwen2", cfg.attention_qkv_bias)) if used]
     if not needs and cfg.sliding_window is not None:

@@ -54,34 +54,48 @@ from toolkit.core.registry import register_model
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with --norm-after-sublayer (OLMo 2)
+    x + norm(attn(x)), then x + norm(mlp(x)) (``post_attention_layernorm``, ``post_feedforward_layernorm``:
+    Hugging Face's names in both, so Llama's ``post_attention_layernorm`` is the MLP's input norm)."""
 
     def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
         C = cfg.decoder_embed_dim
-        self.input_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, cfg.rms_norm_eps)
         self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
                                    qkv_bias=cfg.attention_qkv_bias,
-                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=window)
+                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=window,
+                                   qk_norm_per_head=cfg.qk_norm_over == "head")
         self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
         self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
+        if cfg.norm_after_sublayer:
+            self.post_feedforward_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_layernorm is None else self.input_layernorm(x)
+
+    def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual add of the attention's output (normalized first after the sublayer), then the MLP's."""
+        if self.input_layernorm is None:
+            x = x + self.post_attention_layernorm(attended)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        h = self.attention_input(x)
         # The cache is passed only when there is one (a document mask by keyword): styles hooked on
         # self_attn describe its positional inputs.
         if kv_cache is not None:
-            x = x + self.self_attn(h, cos, sin, kv_cache)
-        else:
-            x = x + (self.self_attn(h, cos, sin) if attn_mask is None else self.self_attn(h, cos, sin,
-                                                                                          attn_mask=attn_mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return self.add_attention(x, self.self_attn(h, cos, sin, kv_cache))
+        return self.add_attention(x, self.self_attn(h, cos, sin) if attn_mask is None
+                                  else self.self_attn(h, cos, sin, attn_mask=attn_mask))
 
 
 @register_model("llama", dataclass=LlamaConfig)
 class LlamaLanguageModel(DecoderInterface, nn.Module):
-    """The decoder-only Llama / Mistral / Qwen2 / Qwen3 language model behind the toolkit's model interface."""
+    """The decoder-only Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 language model behind the toolkit's model interface."""
 
     def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``);
