@@ -20,6 +20,14 @@ PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embedding
     "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
     "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_8b": 8_190_735_360,
+    "olmo2_1b": 1_484_916_736, "olmo2_7b": 7_298_617_344,
+}
+#: transformers' Olmo2Config values of the published models (OLMo-2-0425-1B, OLMo-2-1124-7B)
+OLMO2_CONFIGS = {
+    "olmo2_1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                     num_key_value_heads=16),
+    "olmo2_7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32),
 }
 #: transformers' Qwen3Config values of the published models (config.json on the hub)
 QWEN3_CONFIGS = {
@@ -49,12 +57,25 @@ def test_qwen3_sizes_count_as_transformers_builds_them(arch):
     assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
 
 
+@pytest.mark.parametrize("arch", sorted(OLMO2_CONFIGS))
+def test_olmo2_sizes_count_as_transformers_builds_them(arch):
+    """As for Qwen3: a meta-device Olmo2ForCausalLM of the published config holds as many parameters
+    (its q_norm / k_norm span the whole projections, and each block has two norms after its sublayers)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Olmo2Config(vocab_size=100352, tie_word_embeddings=False, **OLMO2_CONFIGS[arch])
+    with torch.device("meta"):
+        hf = transformers.Olmo2ForCausalLM(config)
+    theirs = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+
+
 def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
     cfg = model_config(arch, max_target_positions=48, **overrides)
     return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
+                                            ("olmo2_tiny", {}),
                                             ("llama_tiny", dict(sliding_window=6)),
                                             ("llama_tiny", dict(sliding_window=6,
                                                                 layer_types="sliding_attention,full_attention"))])
