@@ -166,7 +166,10 @@ class Attention(nn.Module):
             if attn_mask is None and self.window is not None:
                 attn_mask = causal_mask(0, x.size(1), self.window, x.device)
             return self.attend(q, k, v, attn_mask)
-        P, T = kv_cache.length, x.size(1)
+        P, T = kv_cache.length, x.size(1)  # P: the cached positions (the last window - 1 in a local layer)
         k, v = kv_cache.append(k, v)
         needs_mask = T > 1 or (self.window is not None and P + T > self.window)
-        return self.attend(q, k, v, causal_mask(P, T, self.window, x.device) if needs_mask else None, causal=False)
+        y = self.attend(q, k, v, causal_mask(P, T, self.window, x.device) if needs_mask else None, causal=False)
+        if self.window is not None:
+            kv_cache.keep_last(self.window - 1)  # the next position reads these and itself
+        return y

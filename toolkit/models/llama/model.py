@@ -21,7 +21,8 @@ Choices worth knowing
 - Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
   of the key/value heads); the KV cache holds G heads, not H. Qwen3's QK-norm (``--qk-norm``, an
   RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``) and Mistral's sliding window
-  (``--sliding-window``, a boolean mask, also over the cache) are options of ``blocks.Attention``;
+  (``--sliding-window``, a boolean mask; a local layer's cache keeps the last window - 1 positions) are
+  options of ``blocks.Attention``;
   ``--layer-types`` makes only some layers local (Qwen2/Qwen3's ``max_window_layers``), the others
   global, each kind's mask built once per forward.
 - Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
