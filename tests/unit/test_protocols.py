@@ -34,6 +34,13 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
     assert plan.positions == 16
 
 
+def test_olmo2s_whole_projection_qk_norm_refuses_a_split_by_heads_in_one_line():
+    from toolkit.core.errors import UserError
+
+    with pytest.raises(UserError, match="--model-parallel-size: --qk-norm-over projection .OLMo 2. normalizes"):
+        build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16).tensor_parallel_plan()
+
+
 def test_a_module_without_the_protocol_is_refused_by_name():
     assert not isinstance(torch.nn.Linear(2, 2), P.LanguageModel)
     assert not isinstance(torch.nn.Linear(2, 2), P.TensorParallelizable)
