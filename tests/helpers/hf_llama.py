@@ -35,6 +35,14 @@ KINDS = {
     # norms after attention and the MLP, QK-norm over the whole projections, GQA
     "olmo2": (transformers.Olmo2Config, dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
                                              rope_theta=500000.0)),
+    # a local layer (window 6) then a global one, each with its rotary base; soft-capped scores and logits
+    "gemma3": (transformers.Gemma3TextConfig, dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                                   sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                                   attn_logit_softcapping=30.0, final_logit_softcapping=20.0,
+                                                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                       "rope_theta": 1e6},
+                                                                    "sliding_attention": {"rope_type": "default",
+                                                                                          "rope_theta": 1e4}})),
 }
 WINDOW = 6
 

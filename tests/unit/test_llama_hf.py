@@ -3,7 +3,8 @@
 For random tiny LlamaForCausalLM (GQA, untied, Llama 3 RoPE scaling), Qwen2ForCausalLM (q/k/v
 biases, tied, more embedding rows than tokens), Qwen3ForCausalLM (QK-norm, head_dim 32 with width 64 and
 4 heads; and with a global then a local layer of window 6), Olmo2ForCausalLM (norms after the sublayers,
-QK-norm over the projections) and MistralForCausalLM (no sliding window, and a window of 6 shorter than the texts) folders
+QK-norm over the projections), Gemma3ForCausalLM (a local layer of window 6 then a global one, each with its
+rotary base, (1 + w) norms around both sublayers, GeGLU, query_pre_attn_scalar, final logit soft-cap) and MistralForCausalLM (no sliding window, and a window of 6 shorter than the texts) folders
 saved by transformers with a tokenizer that adds BOS (not Qwen's): ``--from hf`` keeps the
 tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
 transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
@@ -105,7 +106,13 @@ def test_the_imported_options_are_the_classes_own(imported):
     projections (q_norm of H x D); Mistral: its window in every layer, Qwen3 with
     use_sliding_window in the layers from max_window_layers on; the texts above are longer than it."""
     cfg, kind = imported["model"].cfg, imported["kind"]
-    assert cfg.qk_norm == (kind.startswith("qwen3") or kind == "olmo2")
+    assert cfg.qk_norm == (kind.startswith("qwen3") or kind in ("olmo2", "gemma3"))
+    if kind == "gemma3":  # its own norms, GeGLU, score scale, logit cap, local rotary base; a local then a global layer
+        assert (cfg.gemma_norms, cfg.mlp_activation, cfg.query_pre_attn_scalar) == (True, "gelu_tanh", 24.0)
+        assert (cfg.final_logit_softcap, cfg.rope_local_theta, cfg.rope_theta) == (20.0, 1e4, 1e6)
+        assert cfg.attn_logit_softcap is None  # Gemma3ForCausalLM ignores attn_logit_softcapping
+        assert cfg.layer_types == "sliding_attention,full_attention" and cfg.sliding_window == WINDOW
+        return
     assert (cfg.qk_norm_over, cfg.norm_after_sublayer) == (("projection", True) if kind == "olmo2" else ("head", False))
     assert cfg.decoder_head_dim == (32 if kind.startswith("qwen3") else None)
     assert cfg.sliding_window == (WINDOW if kind.endswith("_window") else None) and WINDOW < len(batch()[0])
@@ -204,7 +211,7 @@ def test_llama_cached_forward_equals_the_full_forward(imported):
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window", "qwen3_window", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window", "qwen3_window", "olmo2", "gemma3"])
 def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
     """--format onnx --kv-cache of an imported Llama (GQA, Llama 3 RoPE scaling) or Qwen2 (one key/value head,
     q/k/v biases, tied): the checker passes, the cache

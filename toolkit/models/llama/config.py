@@ -39,7 +39,7 @@ class LlamaConfig:
                                                                 "relu_dropout")},
         "decoder_normalize_before": "Llama blocks always normalize before attention and the MLP (RMSNorm)",
         "decoder_learned_pos": "Llama encodes positions with rotary embeddings",
-        "activation_fn": "Llama's MLP is SwiGLU",
+        "activation_fn": "Llama's MLP is gated: --mlp-activation silu (SwiGLU) or gelu_tanh (GeGLU)",
     }
 
     decoder_layers: int = field(default=2, metadata={"type": positive_int, "help": "num decoder layers"})
@@ -75,6 +75,21 @@ class LlamaConfig:
     norm_after_sublayer: bool = field(
         default=False, metadata={"help": "RMSNorm on the attention's and the MLP's outputs before the residual "
                                          "add instead of on their inputs (OLMo 2)"})
+    gemma_norms: bool = field(
+        default=False, metadata={"help": "Gemma 2/3: RMSNorm scales (1 + weight), norms before and after both the "
+                                         "attention and the MLP, embeddings times sqrt(--decoder-embed-dim)"})
+    mlp_activation: str = field(
+        default="silu", metadata={"choices": ["silu", "gelu_tanh"], "help": "the gated MLP's activation: SwiGLU "
+                                  "(silu) or GeGLU (gelu_tanh, Gemma)"})
+    query_pre_attn_scalar: Optional[float] = field(
+        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"})
+    rope_local_theta: Optional[float] = field(
+        default=None, metadata={"help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
+                                        "default: --rope-theta)"})
+    attn_logit_softcap: Optional[float] = field(
+        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"})
+    final_logit_softcap: Optional[float] = field(
+        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"})
     sliding_window: Optional[int] = field(
         default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
                                         "included, in every layer (Mistral; default: the whole context)"})

@@ -21,10 +21,10 @@ from toolkit.core.errors import UserError, malformed_file
 from toolkit.models.llama.config import LAYER_TYPES, LlamaConfig, head_dim, kv_heads, layer_windows
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False,  # transformers' config defaults
-                   "olmo2": False}
-QWEN = ("qwen2", "qwen3")  # the classes whose layers may differ (use_sliding_window, layer_types)
+                   "olmo2": False, "gemma3_text": True}
+QWEN = ("qwen2", "qwen3", "gemma3_text")  # the classes whose layers may differ (layer_types)
 DEFAULT_HEAD_DIM = {"qwen3": 128}  # Qwen3Config's head_dim when config.json has none (others: width / heads)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings")
@@ -51,8 +51,28 @@ def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     return out
 
 
+def _gemma3(config: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """Gemma 3's own options: its norms, GeGLU, score scale, soft-caps and the local layers' rotary base
+    (``rope_parameters`` per layer type in transformers 5, ``rope_local_base_freq`` before)."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UserError(f"{where}: hidden_activation {config['hidden_activation']!r}; Gemma's MLP is GeGLU "
+                        "with gelu_pytorch_tanh")
+    params = config.get("rope_parameters") or {}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UserError(f"{where}: rope_parameters.sliding_attention of rope_type {local['rope_type']!r}; the "
+                        "local layers rotate with the default frequencies only")
+    out = dict(gemma_norms=True, mlp_activation="gelu_tanh",
+               query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+               rope_local_theta=float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0))),
+               attn_logit_softcap=None,  # Gemma3ForCausalLM applies no attn_logit_softcapping (QK-norm instead)
+               final_logit_softcap=config.get("final_logit_softcapping"))
+    out.update(_rope(dict(config, rope_parameters=params.get("full_attention", params)), where))
+    return out
+
+
 def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
-    if config.get("hidden_act", "silu") != "silu":
+    if kind != "gemma3_text" and config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {config['hidden_act']!r}; the Llama family's feed-forward is SwiGLU (silu)")
     if config.get("mlp_bias") or (kind in ("llama", "qwen3", "olmo2") and config.get("attention_bias")):
         raise UserError(f"{where}: attention_bias/mlp_bias set; the toolkit's Llama has biases on q/k/v only (Qwen2)")
@@ -65,7 +85,8 @@ def _refuse_unsupported(config: Dict[str, Any], kind: str, where: str) -> None:
 def _sliding_window(config: Dict[str, Any], kind: str, where: str) -> Optional[int]:
     """Mistral's window (Qwen2/Qwen3's with ``use_sliding_window``), None when there is none or it is no
     shorter than the context (it never binds)."""
-    window = config.get("sliding_window") if kind == "mistral" or config.get("use_sliding_window") else None
+    window = (config.get("sliding_window") if kind in ("mistral", "gemma3_text") or config.get("use_sliding_window")
+              else None)
     if window is not None and (type(window) is not int or window < 1):
         raise UserError(f"{where}: sliding_window {window!r}: a count of positions (a positive integer) or null")
     return window if window is not None and window < config["max_position_embeddings"] else None
@@ -112,7 +133,7 @@ def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
     if layer_types is not None and "sliding_attention" not in layer_types:
         window, layer_types = None, None  # no layer is local
     return dict(decoder_head_dim=head_size if head_size != C // H or C % H else None,
-                qk_norm=kind in ("qwen3", "olmo2"), qk_norm_over="projection" if kind == "olmo2" else "head",
+                qk_norm=kind in ("qwen3", "olmo2", "gemma3_text"), qk_norm_over="projection" if kind == "olmo2" else "head",
                 norm_after_sublayer=kind == "olmo2",
                 sliding_window=window, layer_types=layer_types, decoder_layers=config["num_hidden_layers"],
                 decoder_embed_dim=config["hidden_size"],
@@ -121,7 +142,8 @@ def _options(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
                 decoder_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), attention_qkv_bias=kind == "qwen2",
                 share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", TIED_BY_DEFAULT[kind])),
-                max_target_positions=int(config["max_position_embeddings"]), **_rope(config, where))
+                max_target_positions=int(config["max_position_embeddings"]),
+                **(_gemma3(config, where) if kind == "gemma3_text" else _rope(config, where)))
 
 
 def state_from_hf(name: str, tensor: torch.Tensor, tied: bool) -> Optional[Tuple[str, torch.Tensor]]:
@@ -157,6 +179,16 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
         config.update(sliding_window=cfg.sliding_window)
     elif kind in QWEN:
         config.update(_qwen_windows(cfg))
+    if kind == "gemma3_text":
+        config.pop("rope_theta", None)
+        scalar = cfg.query_pre_attn_scalar
+        config.update(hidden_activation="gelu_pytorch_tanh",  # an int in Gemma3TextConfig when whole
+                      query_pre_attn_scalar=int(scalar) if scalar is not None and scalar == int(scalar) else scalar,
+                      attn_logit_softcapping=None, final_logit_softcapping=cfg.final_logit_softcap,
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+        config.pop("use_sliding_window", None)
     if cfg.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                                   "low_freq_factor": cfg.rope_low_freq_factor,
@@ -179,6 +211,12 @@ def _hf_kind(cfg: LlamaConfig, base_kind: Optional[str]) -> str:
     """The imported model's own model_type when its class computes ``cfg``, else the one class that does:
     Qwen3 for QK-norm, Qwen2 for q/k/v biases (either with any window), Mistral for one window in every
     layer, Llama otherwise."""
+    if cfg.gemma_norms:
+        if (cfg.rope_scaling_factor is not None or cfg.attention_qkv_bias or not cfg.qk_norm
+                or cfg.attn_logit_softcap is not None):
+            raise UserError("Gemma3ForCausalLM has QK-norm, no q/k/v biases, no Llama 3 RoPE scaling and no "
+                            "soft-cap of the attention scores; this model differs, nothing written")
+        return "gemma3_text"
     olmo2 = cfg.norm_after_sublayer or (cfg.qk_norm and cfg.qk_norm_over == "projection")
     if olmo2:
         if not (cfg.norm_after_sublayer and cfg.qk_norm and cfg.qk_norm_over == "projection"

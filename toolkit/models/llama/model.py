@@ -56,27 +56,37 @@ from toolkit.core.registry import register_model
 
 class LlamaBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with --norm-after-sublayer (OLMo 2)
-    x + norm(attn(x)), then x + norm(mlp(x)) (``post_attention_layernorm``, ``post_feedforward_layernorm``:
-    Hugging Face's names in both, so Llama's ``post_attention_layernorm`` is the MLP's input norm)."""
+    x + norm(attn(x)), then x + norm(mlp(x)); with --gemma-norms both, x + norm(attn(norm(x))), then
+    x + norm(mlp(norm(x))). Hugging Face's names: ``input_layernorm``, ``post_attention_layernorm`` (Llama's is
+    the MLP's input norm, OLMo 2's and Gemma's the attention's output norm), ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``."""
 
     def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
-        C = cfg.decoder_embed_dim
-        self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, cfg.rms_norm_eps)
+        C, eps, gemma = cfg.decoder_embed_dim, cfg.rms_norm_eps, cfg.gemma_norms
+        self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, eps, unit_offset=gemma)
         self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
-                                   qkv_bias=cfg.attention_qkv_bias,
-                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=window,
-                                   qk_norm_per_head=cfg.qk_norm_over == "head")
-        self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
-        self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
-        if cfg.norm_after_sublayer:
-            self.post_feedforward_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+                                   qkv_bias=cfg.attention_qkv_bias, qk_norm_eps=eps if cfg.qk_norm else None,
+                                   window=window, qk_norm_per_head=cfg.qk_norm_over == "head",
+                                   softcap=cfg.attn_logit_softcap, scale=attention_scale(cfg))
+        if gemma:
+            self.self_attn.q_norm.unit_offset = self.self_attn.k_norm.unit_offset = True
+        self.post_attention_layernorm = RMSNorm(C, eps, unit_offset=gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(C, eps, unit_offset=True)
+        self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation=cfg.mlp_activation)
+        if cfg.norm_after_sublayer or gemma:
+            self.post_feedforward_layernorm = RMSNorm(C, eps, unit_offset=gemma)
+        self.gemma = gemma
 
     def attention_input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.input_layernorm is None else self.input_layernorm(x)
 
     def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual add of the attention's output (normalized first after the sublayer), then the MLP's."""
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attended)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.input_layernorm is None:
             x = x + self.post_attention_layernorm(attended)
             return x + self.post_feedforward_layernorm(self.mlp(x))
@@ -92,6 +102,11 @@ class LlamaBlock(nn.Module):
             return self.add_attention(x, self.self_attn(h, cos, sin, kv_cache))
         return self.add_attention(x, self.self_attn(h, cos, sin) if attn_mask is None
                                   else self.self_attn(h, cos, sin, attn_mask=attn_mask))
+
+
+def attention_scale(cfg: LlamaConfig) -> Optional[float]:
+    """1/sqrt(--query-pre-attn-scalar) (Gemma), else None: 1/sqrt(head size)."""
+    return None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
 
 
 @register_model("llama", dataclass=LlamaConfig)
@@ -112,11 +127,16 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         with torch.device("meta"):
             self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
             self.layers = nn.ModuleList([LlamaBlock(cfg, window) for window in layer_windows(cfg)])
-            self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps, unit_offset=cfg.gemma_norms)
             self.output_projection = (None if cfg.share_decoder_input_output_embed
                                       else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False))
             self.register_buffer("rope_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
+            if cfg.rope_local_theta is not None:  # Gemma 3: the local layers rotate with their own base
+                self.register_buffer("rope_local_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)),
+                                     persistent=False)
+                self.register_buffer("rope_local_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)),
+                                     persistent=False)
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
@@ -133,26 +153,43 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         ``tokens`` are only the new tokens and their rotary positions continue after the cached ones.
         """
         start, T = self._first_position(tokens, incremental_state), tokens.size(1)
-        x = self.embed_tokens(tokens)
-        if positions is None:
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        else:  # [B, 1, T, D]: per row, broadcast over the heads
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        x = self.embed(tokens)
+        tables = {window: self.rope_rows(window, start, T, positions) for window in set(layer_windows(self.cfg))}
         windows = layer_windows(self.cfg)  # local and global layers attend differently: one mask per kind
         masks = {window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
                  for window in set(windows)}
         for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
-            mask = masks[window]
+            mask, (cos, sin) = masks[window], tables[window]
             if cache is not None:
                 x = layer(x, cos, sin, cache)
             else:
                 x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, attn_mask=mask)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
+        return self.output(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, times sqrt(width) with --gemma-norms (in the weights' dtype, as Gemma)."""
+        x = self.embed_tokens(tokens)
+        if self.cfg.gemma_norms:
+            x = x * torch.tensor(self.cfg.decoder_embed_dim ** 0.5, dtype=x.dtype)
+        return x
+
+    def rope_rows(self, window: Optional[int], start: int, T: int, positions: Optional[torch.Tensor] = None):
+        """cos, sin of positions start..start+T-1 (or ``positions`` [B, T]: [B, 1, T, D]) for a layer of
+        ``window``: the local tables for a local layer when --rope-local-theta is given."""
+        local = window is not None and self.cfg.rope_local_theta is not None
+        cos, sin = (self.rope_local_cos, self.rope_local_sin) if local else (self.rope_cos, self.rope_sin)
+        if positions is None:
+            return cos[start:start + T], sin[start:start + T]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # per row, broadcast over the heads
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer (the embedding when tied), Gemma 2's soft-cap of the logits."""
         x = self.norm(x)
-        if self.output_projection is None:
-            return F.linear(x, self.embed_tokens.weight)
-        return self.output_projection(x)
+        logits = F.linear(x, self.embed_tokens.weight) if self.output_projection is None else self.output_projection(x)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def get_normalized_probs(self, net_output, log_probs: bool = True) -> torch.Tensor:
         """fp32 [B, T, V] (log-)probabilities of the next token, from ``forward``'s output."""
@@ -167,13 +204,17 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         cos, sin = rope_tables(self.cfg, self.rope_cos.size(0), device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if self.cfg.rope_local_theta is not None:
+            cos, sin = rope_tables(self.cfg, self.rope_cos.size(0), device=self.rope_cos.device, local=True)
+            self.rope_local_cos.copy_(cos)
+            self.rope_local_sin.copy_(sin)
 
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         """The full initial fp32 value of parameter ``name`` (see the module docstring), drawn from ``generator``."""
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
+        if name.endswith("norm.weight"):  # the identity: Gemma's scale is 1 + weight
+            return torch.zeros(shape) if self.cfg.gemma_norms else torch.ones(shape)
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std = std / math.sqrt(2 * self.cfg.decoder_layers)
