@@ -20,7 +20,15 @@ PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embedding
     "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
     "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_8b": 8_190_735_360,
-    "olmo2_1b": 1_484_916_736, "olmo2_7b": 7_298_617_344,
+    "olmo2_1b": 1_484_916_736, "olmo2_7b": 7_298_617_344, "gemma3_1b": 999_885_952,
+    "gemma3_4b": 3_880_263_168,  # the language model of Gemma 3 4B (no vision tower)
+}
+#: transformers' Gemma3TextConfig values of the published models
+GEMMA3_CONFIGS = {
+    "gemma3_1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256),
+    "gemma3_4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256),
 }
 #: transformers' Olmo2Config values of the published models (OLMo-2-0425-1B, OLMo-2-1124-7B)
 OLMO2_CONFIGS = {
@@ -69,13 +77,24 @@ def test_olmo2_sizes_count_as_transformers_builds_them(arch):
     assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
 
 
+@pytest.mark.parametrize("arch", sorted(GEMMA3_CONFIGS))
+def test_gemma3_sizes_count_as_transformers_builds_them(arch):
+    """A meta-device Gemma3ForCausalLM of the published text config holds as many parameters (tied)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(vocab_size=PUBLISHED_VOCAB_SIZE[arch], **GEMMA3_CONFIGS[arch])
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(config)
+    theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+
+
 def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
     cfg = model_config(arch, max_target_positions=48, **overrides)
     return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
-                                            ("olmo2_tiny", {}),
+                                            ("olmo2_tiny", {}), ("gemma3_tiny", {}),
                                             ("llama_tiny", dict(sliding_window=6)),
                                             ("llama_tiny", dict(sliding_window=6,
                                                                 layer_types="sliding_attention,full_attention"))])
