@@ -1,5 +1,5 @@
 """Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and refuses a
-folder without tokenizer.json in one line; a Qwen3 folder (also with a local layer), a sliding-window Mistral one and an OLMo 2 one go in and back out
+folder without tokenizer.json in one line; a Qwen3 folder (also with a local layer), a sliding-window Mistral one, an OLMo 2 one and a Gemma 3 one go in and back out
 (``--format hf``) as the same class with the same logits; text binarized with the imported tokenizer continues
 training from the imported checkpoint, and the trained model exports back to a folder transformers loads.
 
@@ -39,7 +39,7 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral_window", "qwen3_window", "olmo2"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral_window", "qwen3_window", "olmo2", "gemma3"])
 def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_path, kind):
     from tests.helpers.cli import run_cli
 

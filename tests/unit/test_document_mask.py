@@ -36,7 +36,7 @@ MODELS = {"transformer_lm-learned": lambda: transformer("learned"),
           # a local layer (window 6) then a global one; OLMo 2's norms after the sublayers
           "llama-local-global": lambda: llama("llama_tiny", sliding_window=6,
                                               layer_types="sliding_attention,full_attention"),
-          "olmo2": lambda: llama("olmo2_tiny")}
+          "olmo2": lambda: llama("olmo2_tiny"), "gemma3": lambda: llama("gemma3_tiny")}
 
 
 def documents(seed=0):
