@@ -15,7 +15,7 @@ from toolkit.models import build_on_meta
 from toolkit.models.init import init_weights
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
-FAMILY_ARCHS = ["transformer_lm_gpt2_tiny", "transformer_lm", "llama_tiny", "llama_tiny_gqa"]
+FAMILY_ARCHS = ["transformer_lm_gpt2_tiny", "transformer_lm", "llama_tiny", "llama_tiny_gqa", "gemma3_tiny"]
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)

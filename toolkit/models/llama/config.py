@@ -18,6 +18,10 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--qk-norm-over projection``   the QK-norm over the whole q and k projections, not per head (OLMo 2)
 ``--norm-after-sublayer``       RMSNorm on the attention's and the MLP's outputs before the residual add,
                                 none on their inputs (OLMo 2)
+``--gemma-norms``               Gemma: (1 + w) RMSNorms before and after the attention and the MLP, embeddings
+                                times sqrt(width); with ``--mlp-activation gelu_tanh`` (GeGLU),
+                                ``--query-pre-attn-scalar``, ``--rope-local-theta`` (``rope_local_base_freq``)
+``--final-logit-softcap`` ...   Gemma 2's cap * tanh(x / cap) on the logits (and the attention scores)
 ``--layer-types``               which layers are local (``sliding_attention``, within --sliding-window) and
                                 which global (``full_attention``), comma-separated, one per layer
                                 (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)

@@ -3,7 +3,8 @@
 Classes: ``LlamaForCausalLM``, ``MistralForCausalLM`` (its ``sliding_window``: every layer sees the
 last N positions), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (QK-norm, ``head_dim``
 independent of the width), ``Olmo2ForCausalLM`` (norms after attention and the MLP, QK-norm over the
-whole projections); Qwen2/Qwen3's ``use_sliding_window`` makes the layers its ``layer_types``
+whole projections), ``Gemma3ForCausalLM`` (text: its norms, GeGLU, score scale, local/global layers
+with their own rotary bases, final logit soft-cap; it computes no ``attn_logit_softcapping``); Qwen2/Qwen3's ``use_sliding_window`` makes the layers its ``layer_types``
 (or, older configs, those from ``max_window_layers`` on) local, ``--layer-types``. Their parameters are ours under a prefix:
 ``model.`` before everything but the output layer, ``lm_head.weight`` for our
 ``output_projection.weight`` (absent when tied). Rotary embeddings are stored in the same
