@@ -1,5 +1,5 @@
-"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Qwen3, Mistral with and without a
-sliding window): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
+"""Random tiny Hugging Face folders of the Llama family (Llama 3, Qwen2, Qwen3 with and without a local layer,
+Mistral with and without a sliding window, OLMo 2): Llama and Mistral with a word-level tokenizer, Qwen2 and Qwen3 with a byte-level BPE
 whose tokenizer.json lacks Qwen2's digit splitting (as
 transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokenizer`` gives other ids than the file).
 
@@ -28,6 +28,21 @@ KINDS = {
                                              rms_norm_eps=1e-6, rope_theta=1e6)),
     # every position sees the last 6 (the tests' texts are longer)
     "mistral_window": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=6)),
+    # layer 0 global, layer 1 local within the last 6 positions (use_sliding_window from max_window_layers on)
+    "qwen3_window": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                                                    rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=True,
+                                                    sliding_window=6, max_window_layers=1)),
+    # norms after attention and the MLP, QK-norm over the whole projections, GQA
+    "olmo2": (transformers.Olmo2Config, dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                             rope_theta=500000.0)),
+    # a local layer (window 6) then a global one, each with its rotary base; soft-capped scores and logits
+    "gemma3": (transformers.Gemma3TextConfig, dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                                   sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                                   attn_logit_softcapping=30.0, final_logit_softcapping=20.0,
+                                                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                       "rope_theta": 1e6},
+                                                                    "sliding_attention": {"rope_type": "default",
+                                                                                          "rope_theta": 1e4}})),
 }
 WINDOW = 6
 
@@ -51,7 +66,7 @@ def save_qwen2_tokenizer(folder: str) -> dict:
 def save_tokenizer(folder: str, kind: str) -> dict:
     """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added;
     Qwen2's and Qwen3's: :func:`save_qwen2_tokenizer`."""
-    if kind in ("qwen2", "qwen3"):
+    if kind.startswith("qwen"):
         return save_qwen2_tokenizer(folder)
     vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))

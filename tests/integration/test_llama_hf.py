@@ -1,5 +1,5 @@
 """Hugging Face Llama-family folders through the command line: ``toolkit-export --from hf`` imports and refuses a
-folder without tokenizer.json in one line; a Qwen3 folder and a sliding-window Mistral one go in and back out
+folder without tokenizer.json in one line; a Qwen3 folder (also with a local layer), a sliding-window Mistral one, an OLMo 2 one and a Gemma 3 one go in and back out
 (``--format hf``) as the same class with the same logits; text binarized with the imported tokenizer continues
 training from the imported checkpoint, and the trained model exports back to a folder transformers loads.
 
@@ -39,7 +39,7 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     assert "no tokenizer.json" in run.stderr and not os.path.exists(tmp_path / "x")
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral_window"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral_window", "qwen3_window", "olmo2", "gemma3"])
 def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_path, kind):
     from tests.helpers.cli import run_cli
 
@@ -53,7 +53,7 @@ def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_p
     assert run.returncode == 0, run.stderr
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     assert type(back).__name__ == type(hf).__name__
-    assert back.config.sliding_window == hf.config.sliding_window
+    assert getattr(back.config, "sliding_window", None) == getattr(hf.config, "sliding_window", None)
     x = torch.randint(0, 60, (2, 20), generator=torch.Generator().manual_seed(3))  # longer than the window (6)
     with torch.no_grad():
         assert (back(x).logits - hf(x).logits).abs().max().item() < 1e-4

@@ -23,15 +23,20 @@ def transformer(kind, dim=32):
     return TransformerLanguageModel(cfg, VOCAB, PAD, seed=3).eval()
 
 
-def llama(arch):
-    return LlamaLanguageModel(model_config(arch, max_target_positions=64), VOCAB, padding_idx=PAD, seed=3).eval()
+def llama(arch, **overrides):
+    return LlamaLanguageModel(model_config(arch, max_target_positions=64, **overrides), VOCAB, padding_idx=PAD,
+                              seed=3).eval()
 
 
 MODELS = {"transformer_lm-learned": lambda: transformer("learned"),
           "transformer_lm-sinusoidal": lambda: transformer("sinusoidal"),
           # heads of 16: on CUDA the compiled flex_attention kernel (narrower heads use the dense mask)
           "transformer_lm-heads-of-16": lambda: transformer("learned", dim=64),
-          "llama": lambda: llama("llama_tiny"), "llama-gqa": lambda: llama("llama_tiny_gqa")}
+          "llama": lambda: llama("llama_tiny"), "llama-gqa": lambda: llama("llama_tiny_gqa"),
+          # a local layer (window 6) then a global one; OLMo 2's norms after the sublayers
+          "llama-local-global": lambda: llama("llama_tiny", sliding_window=6,
+                                              layer_types="sliding_attention,full_attention"),
+          "olmo2": lambda: llama("olmo2_tiny"), "gemma3": lambda: llama("gemma3_tiny")}
 
 
 def documents(seed=0):

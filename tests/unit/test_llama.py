@@ -20,6 +20,22 @@ PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embedding
     "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
     "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_8b": 8_190_735_360,
+    "olmo2_1b": 1_484_916_736, "olmo2_7b": 7_298_617_344, "gemma3_1b": 999_885_952,
+    "gemma3_4b": 3_880_263_168,  # the language model of Gemma 3 4B (no vision tower)
+}
+#: transformers' Gemma3TextConfig values of the published models
+GEMMA3_CONFIGS = {
+    "gemma3_1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256),
+    "gemma3_4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256),
+}
+#: transformers' Olmo2Config values of the published models (OLMo-2-0425-1B, OLMo-2-1124-7B)
+OLMO2_CONFIGS = {
+    "olmo2_1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                     num_key_value_heads=16),
+    "olmo2_7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32),
 }
 #: transformers' Qwen3Config values of the published models (config.json on the hub)
 QWEN3_CONFIGS = {
@@ -49,13 +65,39 @@ def test_qwen3_sizes_count_as_transformers_builds_them(arch):
     assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
 
 
+@pytest.mark.parametrize("arch", sorted(OLMO2_CONFIGS))
+def test_olmo2_sizes_count_as_transformers_builds_them(arch):
+    """As for Qwen3: a meta-device Olmo2ForCausalLM of the published config holds as many parameters
+    (its q_norm / k_norm span the whole projections, and each block has two norms after its sublayers)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Olmo2Config(vocab_size=100352, tie_word_embeddings=False, **OLMO2_CONFIGS[arch])
+    with torch.device("meta"):
+        hf = transformers.Olmo2ForCausalLM(config)
+    theirs = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(GEMMA3_CONFIGS))
+def test_gemma3_sizes_count_as_transformers_builds_them(arch):
+    """A meta-device Gemma3ForCausalLM of the published text config holds as many parameters (tied)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(vocab_size=PUBLISHED_VOCAB_SIZE[arch], **GEMMA3_CONFIGS[arch])
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(config)
+    theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+
+
 def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
     cfg = model_config(arch, max_target_positions=48, **overrides)
     return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
-                                            ("llama_tiny", dict(sliding_window=6))])
+                                            ("olmo2_tiny", {}), ("gemma3_tiny", {}),
+                                            ("llama_tiny", dict(sliding_window=6)),
+                                            ("llama_tiny", dict(sliding_window=6,
+                                                                layer_types="sliding_attention,full_attention"))])
 def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
     model = tiny(arch, attention_qkv_bias=True, **overrides)
     x = torch.randint(4, 40, (3, 30), generator=torch.Generator().manual_seed(0))
@@ -66,6 +108,9 @@ def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
         assert torch.allclose(torch.cat(chunks, 1), full, atol=1e-5)
         assert state["positions"] == 30
         assert state["layers"][0].k.size(1) == model.cfg.decoder_kv_heads < model.cfg.decoder_attention_heads
+        # a local layer's cache keeps the last window - 1 positions only, a global layer's all of them
+        kept = [cache.length for cache in state["layers"]]
+        assert kept == [30 if layer.self_attn.window is None else layer.self_attn.window - 1 for layer in model.layers]
         # beam search reorders (and repeats) rows; continuing equals the reordered full forward
         order = torch.tensor([2, 2, 0])
         state = {}
@@ -87,6 +132,24 @@ def test_a_sliding_window_hides_what_lies_beyond_it():
         changed_full = (full(x) - full(y)).abs().amax(-1)[0] > 1e-6
     assert changed[3:14].all() and not changed[14:].any() and not changed[:3].any()
     assert changed_full[3:].all()
+
+
+def test_layer_types_make_only_the_local_layers_windowed():
+    """--layer-types sliding_attention,full_attention: layer 0 reads the last 6 positions, layer 1 all before
+    it, so a change at 3 reaches every later position (the global layer), unlike two local layers; the
+    same holds with a document mask (one document), which builds each kind's mask once."""
+    x = torch.randint(4, 40, (1, 20), generator=torch.Generator().manual_seed(2))
+    y = x.clone()
+    y[0, 3] = 4 if x[0, 3] != 4 else 5
+    mixed = tiny(sliding_window=6, layer_types="sliding_attention,full_attention")
+    assert [layer.self_attn.window for layer in mixed.layers] == [6, None]
+    one_document = torch.zeros_like(x)
+    with torch.no_grad():
+        changed = (mixed(x) - mixed(y)).abs().amax(-1)[0] > 1e-6
+        assert torch.allclose(mixed(x, document_ids=one_document), mixed(x), atol=1e-5)
+        local = tiny(sliding_window=6, layer_types="sliding_attention,sliding_attention")
+        assert torch.equal(local(x), tiny(sliding_window=6)(x))
+    assert changed[3:].all() and not changed[:3].any()
 
 
 def test_qwen3_heads_are_their_own_size_with_qk_norm():
@@ -144,6 +207,10 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
     (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
     (dict(decoder_head_dim=9), "--decoder-head-dim 9: must be even for rotary embeddings"),
+    (dict(sliding_window=6, layer_types="sliding_attention"), "--layer-types sliding_attention: give one of "
+                                                              "full_attention or sliding_attention per layer"),
+    (dict(sliding_window=6, layer_types="local,full_attention"), "--layer-types local,full_attention: give one"),
+    (dict(layer_types="sliding_attention,full_attention"), "sliding_attention layers need --sliding-window N"),
 ])
 def test_impossible_shapes_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -2,7 +2,9 @@
 
 For random tiny LlamaForCausalLM (GQA, untied, Llama 3 RoPE scaling), Qwen2ForCausalLM (q/k/v
 biases, tied, more embedding rows than tokens), Qwen3ForCausalLM (QK-norm, head_dim 32 with width 64 and
-4 heads) and MistralForCausalLM (no sliding window, and a window of 6 shorter than the texts) folders
+4 heads; and with a global then a local layer of window 6), Olmo2ForCausalLM (norms after the sublayers,
+QK-norm over the projections), Gemma3ForCausalLM (a local layer of window 6 then a global one, each with its
+rotary base, (1 + w) norms around both sublayers, GeGLU, query_pre_attn_scalar, final logit soft-cap) and MistralForCausalLM (no sliding window, and a window of 6 shorter than the texts) folders
 saved by transformers with a tokenizer that adds BOS (not Qwen's): ``--from hf`` keeps the
 tokenizer's ids (dictionary symbol i is token i), the imported model's log-probs equal
 transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
@@ -93,17 +95,33 @@ def test_export_back_gives_the_same_class_and_log_probs(imported):
 
 
 def test_the_imported_options_are_the_classes_own(imported):
-    """Qwen3: QK-norm and heads of its own size; Mistral: its window; the texts above are longer than it."""
-    cfg = imported["model"].cfg
-    assert cfg.qk_norm == (imported["kind"] == "qwen3")
-    assert cfg.decoder_head_dim == (32 if imported["kind"] == "qwen3" else None)
-    assert cfg.sliding_window == (WINDOW if imported["kind"] == "mistral_window" else None) and WINDOW < len(batch()[0])
+    """Qwen3: QK-norm and heads of its own size; OLMo 2: norms after the sublayers, QK-norm over the whole
+    projections (q_norm of H x D); Mistral: its window in every layer, Qwen3 with
+    use_sliding_window in the layers from max_window_layers on; the texts above are longer than it."""
+    cfg, kind = imported["model"].cfg, imported["kind"]
+    assert cfg.qk_norm == (kind.startswith("qwen3") or kind in ("olmo2", "gemma3"))
+    if kind == "gemma3":  # its own norms, GeGLU, score scale, logit cap, local rotary base; a local then a global layer
+        assert (cfg.gemma_norms, cfg.mlp_activation, cfg.query_pre_attn_scalar) == (True, "gelu_tanh", 24.0)
+        assert (cfg.final_logit_softcap, cfg.rope_local_theta, cfg.rope_theta) == (20.0, 1e4, 1e6)
+        assert cfg.attn_logit_softcap is None  # Gemma3ForCausalLM ignores attn_logit_softcapping
+        assert cfg.layer_types == "sliding_attention,full_attention" and cfg.sliding_window == WINDOW
+        return
+    assert (cfg.qk_norm_over, cfg.norm_after_sublayer) == (("projection", True) if kind == "olmo2" else ("head", False))
+    assert cfg.decoder_head_dim == (32 if kind.startswith("qwen3") else None)
+    assert cfg.sliding_window == (WINDOW if kind.endswith("_window") else None) and WINDOW < len(batch()[0])
+    assert cfg.layer_types == ("full_attention,sliding_attention" if kind == "qwen3_window" else None)
+    if kind == "olmo2":
+        assert imported["model"].layers[0].self_attn.q_norm.weight.shape == (64,)
+        assert imported["model"].layers[0].input_layernorm is None
+    assert [layer.self_attn.window for layer in imported["model"].layers] == {
+        "qwen3_window": [None, WINDOW], "mistral_window": [WINDOW, WINDOW]}.get(kind, [None, None])
 
 
-def test_a_window_wider_than_the_context_is_none_and_a_local_qwen_layer_refused(tmp_path):
+def test_a_window_wider_than_the_context_is_none_and_local_layers_of_a_llama_refused(tmp_path):
     """MistralConfig's default window (4096) is wider than this model's context: every position attends
-    to all before it (imported without a window). Qwen2 with use_sliding_window makes the layers from
-    max_window_layers on local, other layers not: refused in one line, nothing written."""
+    to all before it (imported without a window). Qwen2 with use_sliding_window and max_window_layers
+    (no layer_types, an older config) makes the layers from there on local. A Llama config naming
+    sliding_attention layers asks what LlamaForCausalLM does not compute: refused in one line, nothing written."""
     make_hf(str(tmp_path / "hf"), "mistral")
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
@@ -114,10 +132,17 @@ def test_a_window_wider_than_the_context_is_none_and_a_local_qwen_layer_refused(
     make_hf(str(tmp_path / "qwen"), "qwen2")
     path = tmp_path / "qwen" / "config.json"
     config = json.loads(path.read_text())
+    config.pop("layer_types", None)
     path.write_text(json.dumps(dict(config, use_sliding_window=True, sliding_window=8, max_window_layers=1)))
-    with pytest.raises(UserError, match="config.json: use_sliding_window/layer_types make layers from "
-                                        "max_window_layers on attend within sliding_window"):
-        run_export(ExportConfig(path=str(tmp_path / "qwen"), out=str(tmp_path / "out"), import_from="hf"))
+    run_export(ExportConfig(path=str(tmp_path / "qwen"), out=str(tmp_path / "local"), import_from="hf"))
+    model, _, _ = load_model(str(tmp_path / "local" / "model.pt"), str(tmp_path / "local"))
+    assert [layer.self_attn.window for layer in model.layers] == [None, 8]
+    make_hf(str(tmp_path / "llama"), "llama")
+    path = tmp_path / "llama" / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), sliding_window=8,
+                                    layer_types=["full_attention", "sliding_attention"])))
+    with pytest.raises(UserError, match=r"config.json: layer_types \['sliding_attention'\] in a LlamaForCausalLM"):
+        run_export(ExportConfig(path=str(tmp_path / "llama"), out=str(tmp_path / "out"), import_from="hf"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -179,7 +204,7 @@ def test_llama_cached_forward_equals_the_full_forward(imported):
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window", "qwen3_window", "olmo2", "gemma3"])
 def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
     """--format onnx --kv-cache of an imported Llama (GQA, Llama 3 RoPE scaling) or Qwen2 (one key/value head,
     q/k/v biases, tied): the checker passes, the cache

@@ -15,7 +15,7 @@ from toolkit.models import build_on_meta
 from toolkit.models.init import init_weights
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
-FAMILY_ARCHS = ["transformer_lm_gpt2_tiny", "transformer_lm", "llama_tiny", "llama_tiny_gqa"]
+FAMILY_ARCHS = ["transformer_lm_gpt2_tiny", "transformer_lm", "llama_tiny", "llama_tiny_gqa", "gemma3_tiny"]
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
@@ -32,6 +32,13 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
     block = {name for name, _ in model.layers[0].named_modules()}
     assert set(plan.block) <= block, set(plan.block) - block
     assert plan.positions == 16
+
+
+def test_olmo2s_whole_projection_qk_norm_refuses_a_split_by_heads_in_one_line():
+    from toolkit.core.errors import UserError
+
+    with pytest.raises(UserError, match="--model-parallel-size: --qk-norm-over projection .OLMo 2. normalizes"):
+        build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16).tensor_parallel_plan()
 
 
 def test_a_module_without_the_protocol_is_refused_by_name():

@@ -35,8 +35,8 @@ class ExportConfig:
                                 "positions, OPT for learned ones)", choices=list(HF_CLASSES))
     import_from: Optional[str] = opt(None, "import instead of export: build a toolkit checkpoint folder "
                                            "from a transformers folder (--path): GPT2LMHeadModel, "
-                                           "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or "
-                                           "Qwen3ForCausalLM",
+                                           "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                           "Qwen3ForCausalLM, Olmo2ForCausalLM or Gemma3ForCausalLM",
                                      choices=["hf"], aliases=("--from",))
     tokens_per_sample: Optional[int] = opt(None, "--from hf: tokens per sample recorded in the checkpoint "
                                                  "(default: GPT-2's n_positions; the Llama family's "

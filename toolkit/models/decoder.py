@@ -48,6 +48,14 @@ class KVCache:
         self.length = P + T
         return self.k[:, :, :P + T], self.v[:, :, :P + T]
 
+    def keep_last(self, n: int) -> None:
+        """Forget all but the last ``n`` positions (a sliding-window layer never reads older keys again),
+        so a local layer's cache stays window-sized however long generation runs."""
+        L = self.length
+        if L > n:
+            self.k[:, :, :n], self.v[:, :, :n] = self.k[:, :, L - n:L].clone(), self.v[:, :, L - n:L].clone()
+            self.length = n
+
     def reorder(self, new_order: torch.Tensor) -> None:
         """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
         if self.k is not None:  # copy the filled positions only, keep the capacity

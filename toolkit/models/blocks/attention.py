@@ -118,16 +118,17 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool = False,
                  qk_norm_eps: Optional[float] = None, window: Optional[int] = None,
-                 softcap: Optional[float] = None, scale: Optional[float] = None):
+                 softcap: Optional[float] = None, scale: Optional[float] = None, qk_norm_per_head: bool = True):
         super().__init__()
         self.head_dim, self.window, self.softcap, self.scale = head_dim, window, softcap, scale
+        self.qk_norm_per_head = qk_norm_per_head  # else over the whole projection (OLMo 2), before the heads split
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim if qk_norm_per_head else heads * head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -145,8 +146,12 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D], k and v [B, G, T, D]: projected, normalized per head (QK-norm), q and k rotated."""
-        q = apply_rope(self._heads(self.q_proj(x), self.q_norm), cos, sin)
-        k = apply_rope(self._heads(self.k_proj(x), self.k_norm), cos, sin)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        per_head = self.qk_norm_per_head
+        q = apply_rope(self._heads(q, self.q_norm if per_head else None), cos, sin)
+        k = apply_rope(self._heads(k, self.k_norm if per_head else None), cos, sin)
         return q, k, self._heads(self.v_proj(x))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
@@ -170,7 +175,10 @@ class Attention(nn.Module):
             if attn_mask is None and self.window is not None:
                 attn_mask = causal_mask(0, x.size(1), self.window, x.device)
             return self.attend(q, k, v, attn_mask)
-        P, T = kv_cache.length, x.size(1)
+        P, T = kv_cache.length, x.size(1)  # P: the cached positions (the last window - 1 in a local layer)
         k, v = kv_cache.append(k, v)
         needs_mask = T > 1 or (self.window is not None and P + T > self.window)
-        return self.attend(q, k, v, causal_mask(P, T, self.window, x.device) if needs_mask else None, causal=False)
+        y = self.attend(q, k, v, causal_mask(P, T, self.window, x.device) if needs_mask else None, causal=False)
+        if self.window is not None:
+            kv_cache.keep_last(self.window - 1)  # the next position reads these and itself
+        return y

@@ -47,15 +47,15 @@ class LlamaCachedDecoder(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, *past: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         m = self.model
         positions = torch.arange(tokens.size(1), device=tokens.device) + past[0].size(2)
-        cos, sin = m.rope_cos.index_select(0, positions), m.rope_sin.index_select(0, positions)
-        x = m.embed_tokens(tokens)
+        x = m.embed(tokens)
         present: List[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            h, k, v = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, past[2 * i],
+            window = layer.self_attn.window
+            local = window is not None and m.cfg.rope_local_theta is not None
+            cos_table, sin_table = (m.rope_local_cos, m.rope_local_sin) if local else (m.rope_cos, m.rope_sin)
+            cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
+            h, k, v = self._attention(layer.self_attn, layer.attention_input(x), cos, sin, past[2 * i],
                                       past[2 * i + 1])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.add_attention(x, h)
             present += [k, v]
-        x = m.norm(x)
-        logits = F.linear(x, m.embed_tokens.weight) if m.output_projection is None else m.output_projection(x)
-        return (logits, *present)
+        return (m.output(x), *present)

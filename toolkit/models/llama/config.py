@@ -14,12 +14,22 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--decoder-head-dim``          size of each attention head (``head_dim``) when it is not width / heads (Qwen3)
 ``--qk-norm``                   RMSNorm over each query and key head before the rotation (Qwen3)
 ``--sliding-window``            each position attends to the last N positions only, itself included
-                                (Mistral's ``sliding_window``); every layer alike
+                                (Mistral's ``sliding_window``); every layer alike unless --layer-types
+``--qk-norm-over projection``   the QK-norm over the whole q and k projections, not per head (OLMo 2)
+``--norm-after-sublayer``       RMSNorm on the attention's and the MLP's outputs before the residual add,
+                                none on their inputs (OLMo 2)
+``--gemma-norms``               Gemma: (1 + w) RMSNorms before and after the attention and the MLP, embeddings
+                                times sqrt(width); with ``--mlp-activation gelu_tanh`` (GeGLU),
+                                ``--query-pre-attn-scalar``, ``--rope-local-theta`` (``rope_local_base_freq``)
+``--final-logit-softcap`` ...   Gemma 2's cap * tanh(x / cap) on the logits (and the attention scores)
+``--layer-types``               which layers are local (``sliding_attention``, within --sliding-window) and
+                                which global (``full_attention``), comma-separated, one per layer
+                                (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict, List, Optional
 
 from toolkit.core.errors import UserError
 from toolkit.config.flag_types import positive_int
@@ -33,7 +43,7 @@ class LlamaConfig:
                                                                 "relu_dropout")},
         "decoder_normalize_before": "Llama blocks always normalize before attention and the MLP (RMSNorm)",
         "decoder_learned_pos": "Llama encodes positions with rotary embeddings",
-        "activation_fn": "Llama's MLP is SwiGLU",
+        "activation_fn": "Llama's MLP is gated: --mlp-activation silu (SwiGLU) or gelu_tanh (GeGLU)",
     }
 
     decoder_layers: int = field(default=2, metadata={"type": positive_int, "help": "num decoder layers"})
@@ -63,9 +73,33 @@ class LlamaConfig:
                                         "--decoder-embed-dim / --decoder-attention-heads)"})
     qk_norm: bool = field(
         default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"})
+    qk_norm_over: str = field(
+        default="head", metadata={"choices": ["head", "projection"], "help": "--qk-norm over each head (Qwen3) "
+                                  "or over the whole q and k projections (OLMo 2)"})
+    norm_after_sublayer: bool = field(
+        default=False, metadata={"help": "RMSNorm on the attention's and the MLP's outputs before the residual "
+                                         "add instead of on their inputs (OLMo 2)"})
+    gemma_norms: bool = field(
+        default=False, metadata={"help": "Gemma 2/3: RMSNorm scales (1 + weight), norms before and after both the "
+                                         "attention and the MLP, embeddings times sqrt(--decoder-embed-dim)"})
+    mlp_activation: str = field(
+        default="silu", metadata={"choices": ["silu", "gelu_tanh"], "help": "the gated MLP's activation: SwiGLU "
+                                  "(silu) or GeGLU (gelu_tanh, Gemma)"})
+    query_pre_attn_scalar: Optional[float] = field(
+        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"})
+    rope_local_theta: Optional[float] = field(
+        default=None, metadata={"help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
+                                        "default: --rope-theta)"})
+    attn_logit_softcap: Optional[float] = field(
+        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"})
+    final_logit_softcap: Optional[float] = field(
+        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"})
     sliding_window: Optional[int] = field(
         default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
                                         "included, in every layer (Mistral; default: the whole context)"})
+    layer_types: Optional[str] = field(
+        default=None, metadata={"help": "per layer, comma-separated: sliding_attention (within --sliding-window) "
+                                        "or full_attention (default: every layer as --sliding-window says)"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     max_target_positions: Optional[int] = field(
@@ -85,8 +119,32 @@ def head_dim(cfg: LlamaConfig) -> int:
     return cfg.decoder_head_dim or cfg.decoder_embed_dim // cfg.decoder_attention_heads
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
+
+
+def layer_windows(cfg: LlamaConfig) -> List[Optional[int]]:
+    """Each layer's window: --sliding-window for a local layer, None (the whole context) for a global one."""
+    if cfg.layer_types is None:
+        return [cfg.sliding_window] * cfg.decoder_layers
+    return [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types.split(",")]
+
+
+def _check_layer_types(cfg: LlamaConfig) -> None:
+    if cfg.layer_types is None:
+        return
+    kinds = cfg.layer_types.split(",")
+    wrong = sorted(set(kinds) - set(LAYER_TYPES))
+    if wrong or len(kinds) != cfg.decoder_layers:
+        raise UserError(f"--layer-types {cfg.layer_types}: give one of {' or '.join(LAYER_TYPES)} per layer "
+                        f"({cfg.decoder_layers}, --decoder-layers), comma-separated")
+    if "sliding_attention" in kinds and cfg.sliding_window is None:
+        raise UserError(f"--layer-types {cfg.layer_types}: sliding_attention layers need --sliding-window N "
+                        "(how many positions a local layer sees)")
+
+
 def check_shapes(cfg: LlamaConfig) -> None:
     """One line per impossible shape, before anything is built."""
+    _check_layer_types(cfg)
     C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
     if cfg.decoder_head_dim is None and (H < 1 or C % H):
         raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "

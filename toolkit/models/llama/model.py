@@ -21,7 +21,10 @@ Choices worth knowing
 - Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
   of the key/value heads); the KV cache holds G heads, not H. Qwen3's QK-norm (``--qk-norm``, an
   RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``) and Mistral's sliding window
-  (``--sliding-window``, a boolean mask, also over the cache) are options of ``blocks.Attention``.
+  (``--sliding-window``, a boolean mask; a local layer's cache keeps the last window - 1 positions) are
+  options of ``blocks.Attention``;
+  ``--layer-types`` makes only some layers local (Qwen2/Qwen3's ``max_window_layers``), the others
+  global, each kind's mask built once per forward.
 - Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
   of a row changes no earlier position. No dropout anywhere (none of the family uses it).
 - Initial values come from ``initial_value(name, ...)`` seeded by (seed, name), as for
@@ -44,7 +47,7 @@ from toolkit.models.blocks.feed_forward import GatedFeedForward
 from toolkit.models.blocks.norms import RMSNorm
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.init import init_weights, meta_embedding
-from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads
+from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads, layer_windows
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.llama.parallel import tensor_parallel_plan as family_plan
 from toolkit.models.llama.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401  (their home before)
@@ -52,34 +55,63 @@ from toolkit.core.registry import register_model
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with --norm-after-sublayer (OLMo 2)
+    x + norm(attn(x)), then x + norm(mlp(x)); with --gemma-norms both, x + norm(attn(norm(x))), then
+    x + norm(mlp(norm(x))). Hugging Face's names: ``input_layernorm``, ``post_attention_layernorm`` (Llama's is
+    the MLP's input norm, OLMo 2's and Gemma's the attention's output norm), ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
-        C = cfg.decoder_embed_dim
-        self.input_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+        C, eps, gemma = cfg.decoder_embed_dim, cfg.rms_norm_eps, cfg.gemma_norms
+        self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, eps, unit_offset=gemma)
         self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
-                                   qkv_bias=cfg.attention_qkv_bias,
-                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, window=cfg.sliding_window)
-        self.post_attention_layernorm = RMSNorm(C, cfg.rms_norm_eps)
-        self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation="silu")
+                                   qkv_bias=cfg.attention_qkv_bias, qk_norm_eps=eps if cfg.qk_norm else None,
+                                   window=window, qk_norm_per_head=cfg.qk_norm_over == "head",
+                                   softcap=cfg.attn_logit_softcap, scale=attention_scale(cfg))
+        if gemma:
+            self.self_attn.q_norm.unit_offset = self.self_attn.k_norm.unit_offset = True
+        self.post_attention_layernorm = RMSNorm(C, eps, unit_offset=gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(C, eps, unit_offset=True)
+        self.mlp = GatedFeedForward(C, cfg.decoder_ffn_embed_dim, activation=cfg.mlp_activation)
+        if cfg.norm_after_sublayer or gemma:
+            self.post_feedforward_layernorm = RMSNorm(C, eps, unit_offset=gemma)
+        self.gemma = gemma
+
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_layernorm is None else self.input_layernorm(x)
+
+    def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual add of the attention's output (normalized first after the sublayer), then the MLP's."""
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attended)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.input_layernorm is None:
+            x = x + self.post_attention_layernorm(attended)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        h = self.attention_input(x)
         # The cache is passed only when there is one (a document mask by keyword): styles hooked on
         # self_attn describe its positional inputs.
         if kv_cache is not None:
-            x = x + self.self_attn(h, cos, sin, kv_cache)
-        else:
-            x = x + (self.self_attn(h, cos, sin) if attn_mask is None else self.self_attn(h, cos, sin,
-                                                                                          attn_mask=attn_mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return self.add_attention(x, self.self_attn(h, cos, sin, kv_cache))
+        return self.add_attention(x, self.self_attn(h, cos, sin) if attn_mask is None
+                                  else self.self_attn(h, cos, sin, attn_mask=attn_mask))
+
+
+def attention_scale(cfg: LlamaConfig) -> Optional[float]:
+    """1/sqrt(--query-pre-attn-scalar) (Gemma), else None: 1/sqrt(head size)."""
+    return None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
 
 
 @register_model("llama", dataclass=LlamaConfig)
 class LlamaLanguageModel(DecoderInterface, nn.Module):
-    """The decoder-only Llama / Mistral / Qwen2 / Qwen3 language model behind the toolkit's model interface."""
+    """The decoder-only Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 language model behind the toolkit's model interface."""
 
     supports_context_parallel = True  # its attention takes a ContextShard as the mask (forward's docstring)
 
@@ -96,12 +128,17 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         device = torch.empty(0).device  # the caller's default device (meta under `with torch.device("meta")`)
         with torch.device("meta"):
             self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
-            self.layers = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.decoder_layers)])
-            self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList([LlamaBlock(cfg, window) for window in layer_windows(cfg)])
+            self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps, unit_offset=cfg.gemma_norms)
             self.output_projection = (None if cfg.share_decoder_input_output_embed
                                       else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False))
             self.register_buffer("rope_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
+            if cfg.rope_local_theta is not None:  # Gemma 3: the local layers rotate with their own base
+                self.register_buffer("rope_local_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)),
+                                     persistent=False)
+                self.register_buffer("rope_local_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)),
+                                     persistent=False)
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
@@ -122,24 +159,46 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         ``tokens`` are only the new tokens and their rotary positions continue after the cached ones.
         """
         start, T = self._first_position(tokens, incremental_state), tokens.size(1)
-        x = self.embed_tokens(tokens)
-        if positions is None:
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        else:  # [B, 1, T, D]: per row, broadcast over the heads
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        mask = context_parallel if context_parallel is not None else attention_mask(
-            document_ids, T, tokens.device, window=self.cfg.sliding_window, head_dim=head_dim(self.cfg))
-        for layer, cache in zip(self.layers, self._layer_caches(incremental_state)):
+        x = self.embed(tokens)
+        windows = layer_windows(self.cfg)  # local and global layers attend differently: one mask per kind
+        tables = {window: self.rope_rows(window, start, T, positions) for window in set(windows)}
+        if context_parallel is not None:  # the shard masks each layer by the layer's own window (attend_across_ranks)
+            masks = {window: context_parallel for window in set(windows)}
+        else:
+            masks = {window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
+                     for window in set(windows)}
+        for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
+            mask, (cos, sin) = masks[window], tables[window]
             if cache is not None:
                 x = layer(x, cos, sin, cache)
             else:
                 x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, attn_mask=mask)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
+        return self.output(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, times sqrt(width) with --gemma-norms (in the weights' dtype, as Gemma)."""
+        x = self.embed_tokens(tokens)
+        if self.cfg.gemma_norms:
+            x = x * torch.tensor(self.cfg.decoder_embed_dim ** 0.5, dtype=x.dtype)
+        return x
+
+    def rope_rows(self, window: Optional[int], start: int, T: int, positions: Optional[torch.Tensor] = None):
+        """cos, sin of positions start..start+T-1 (or ``positions`` [B, T]: [B, 1, T, D]) for a layer of
+        ``window``: the local tables for a local layer when --rope-local-theta is given."""
+        local = window is not None and self.cfg.rope_local_theta is not None
+        cos, sin = (self.rope_local_cos, self.rope_local_sin) if local else (self.rope_cos, self.rope_sin)
+        if positions is None:
+            return cos[start:start + T], sin[start:start + T]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # per row, broadcast over the heads
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer (the embedding when tied), Gemma 2's soft-cap of the logits."""
         x = self.norm(x)
-        if self.output_projection is None:
-            return F.linear(x, self.embed_tokens.weight)
-        return self.output_projection(x)
+        logits = F.linear(x, self.embed_tokens.weight) if self.output_projection is None else self.output_projection(x)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def get_normalized_probs(self, net_output, log_probs: bool = True) -> torch.Tensor:
         """fp32 [B, T, V] (log-)probabilities of the next token, from ``forward``'s output."""
@@ -154,13 +213,17 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         cos, sin = rope_tables(self.cfg, self.rope_cos.size(0), device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if self.cfg.rope_local_theta is not None:
+            cos, sin = rope_tables(self.cfg, self.rope_cos.size(0), device=self.rope_cos.device, local=True)
+            self.rope_local_cos.copy_(cos)
+            self.rope_local_sin.copy_(sin)
 
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         """The full initial fp32 value of parameter ``name`` (see the module docstring), drawn from ``generator``."""
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
+        if name.endswith("norm.weight"):  # the identity: Gemma's scale is 1 + weight
+            return torch.zeros(shape) if self.cfg.gemma_norms else torch.ones(shape)
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std = std / math.sqrt(2 * self.cfg.decoder_layers)

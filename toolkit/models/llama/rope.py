@@ -28,7 +28,11 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     return rope.rope_frequencies(head_dim(cfg), cfg.rope_theta, rope_scaling(cfg), device)[0]
 
 
-def rope_tables(cfg: LlamaConfig, positions: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles."""
+def rope_tables(cfg: LlamaConfig, positions: int, device=None, local: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles; ``local``: the
+    sliding_attention layers' tables (--rope-local-theta, unscaled, Gemma 3)."""
+    if local:
+        inv_freq, factor = rope.rope_frequencies(head_dim(cfg), cfg.rope_local_theta, None, device)
+        return rope.rope_tables(inv_freq, positions, factor)
     inv_freq, factor = rope.rope_frequencies(head_dim(cfg), cfg.rope_theta, rope_scaling(cfg), device)
     return rope.rope_tables(inv_freq, positions, factor)
