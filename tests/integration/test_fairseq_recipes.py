@@ -168,7 +168,7 @@ def test_help_lists_arch_and_optimizer_choices():
     from toolkit.config import TRAIN_CONFIGS
 
     text = " ".join(options.build_parser("toolkit-train", TRAIN_CONFIGS, [])[0].format_help().split())
-    assert "--optimizer OPTIMIZER registered optimizer to use: adam, cpu_adam, nag, sgd" in text
+    assert "--optimizer OPTIMIZER registered optimizer to use: adam, cpu_adam, muon, nag, sgd" in text
     assert re.search(r"model architecture: .*transformer_lm_gpt3_small", text)
 
 
