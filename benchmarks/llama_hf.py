@@ -82,6 +82,15 @@ def run(args) -> dict:
     ours, theirs = build_pair(args)
     steps = {"toolkit": make_step(ours, lambda m, x: m(x)),
              "transformers": make_step(theirs, lambda m, x: m(input_ids=x, use_cache=False).logits)}
+    return {"benchmark": "llama_vs_transformers", "layers": args.layers, "dim": args.dim, "ffn": args.ffn,
+            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tokens": args.tokens,
+            "batch": args.batch, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
+            **alternated(steps, args)}
+
+
+def alternated(steps, args) -> dict:
+    """Time ``steps`` (name -> step(tokens)) alternated on the same random batches, ``args.warmup`` rounds
+    untimed; the median step of each, tokens/s, toolkit / transformers and how far their last losses differ."""
     g = torch.Generator().manual_seed(0)
     times = {name: [] for name in steps}
     losses = {}
@@ -94,10 +103,7 @@ def run(args) -> dict:
                 times[name].append(time.perf_counter() - t0)
     tokens_per_step = args.batch * args.tokens
     median = {name: statistics.median(t) for name, t in times.items()}
-    return {"benchmark": "llama_vs_transformers", "layers": args.layers, "dim": args.dim, "ffn": args.ffn,
-            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tokens": args.tokens,
-            "batch": args.batch, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-            "step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
+    return {"step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
             "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
             "speedup": round(median["transformers"] / median["toolkit"], 3),
             "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}

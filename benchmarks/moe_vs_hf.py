@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from llama_hf import make_step  # noqa: E402
+from llama_hf import alternated, make_step  # noqa: E402
 
 
 def parse(argv=None):
@@ -89,24 +87,9 @@ def run(args) -> dict:
     ours, theirs = build_pair(args)
     steps = {"toolkit": make_step(ours, lambda m, x: m(x)[0]),
              "transformers": make_step(theirs, lambda m, x: m(input_ids=x, use_cache=False).logits)}
-    g = torch.Generator().manual_seed(0)
-    times = {name: [] for name in steps}
-    losses = {}
-    for r in range(args.warmup + args.rounds):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.tokens + 1), generator=g)
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            losses[name] = step(tokens)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    median = {name: statistics.median(t) for name, t in times.items()}
-    tokens_per_step = args.batch * args.tokens
     return {"benchmark": "moe_vs_transformers", **{k: v for k, v in vars(args).items() if k != "hf_experts"},
             "hf_experts": getattr(theirs.config, "_experts_implementation", None), "torch": torch.__version__,
-            "step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
-            "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
-            "speedup": round(median["transformers"] / median["toolkit"], 3),
-            "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}
+            **alternated(steps, args)}
 
 
 def main(argv=None) -> None:

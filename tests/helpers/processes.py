@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from typing import List
+import time
+from typing import Callable, List, Tuple
 
 _STARTED: List[subprocess.Popen] = []
 
@@ -52,3 +53,17 @@ def kill_started() -> List[int]:
         except (subprocess.TimeoutExpired, ValueError, OSError):
             pass
     return killed
+
+
+def read_until(proc: subprocess.Popen, predicate: Callable[[str], bool], timeout: float) -> Tuple[List[str], float]:
+    """Lines of ``proc``'s stdout until one satisfies ``predicate`` (returned with the time it was read); an
+    AssertionError showing the last lines if the output ends or ``timeout`` seconds pass first."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if predicate(line):
+            return lines, time.monotonic()
+    raise AssertionError("expected output did not come:\n" + "".join(lines[-50:]))

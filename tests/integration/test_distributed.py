@@ -239,19 +239,6 @@ def _start(data_bin, save_dir, *flags, env=None, module="toolkit_cli.train"):
                            stderr=subprocess.STDOUT, text=True, bufsize=1)
 
 
-def _read_until(proc, predicate, timeout):
-    """Lines of ``proc`` until one satisfies ``predicate`` (returned with the time it was read) or EOF."""
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if predicate(line):
-            return lines, time.monotonic()
-    raise AssertionError("expected output did not come:\n" + "".join(lines[-50:]))
-
-
 def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin, baseline, tmp_path):
     timeout = 10
     proc = _start(data_bin, tmp_path, "--max-update", "1000", "--distributed-world-size", "2",
@@ -260,7 +247,7 @@ def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin
                   env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"},  # rank 1 dies inside its 2nd save (update 10)
                   module="tests.helpers.faulty_train")
     try:
-        lines, t_kill = _read_until(proc, lambda l: "killing rank 1" in l, 180)
+        lines, t_kill = processes.read_until(proc, lambda l: "killing rank 1" in l, 180)
         rest = proc.communicate(timeout=60)[0]
         elapsed = time.monotonic() - t_kill
     finally:
@@ -292,7 +279,7 @@ def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
                   "--heartbeat-timeout", str(timeout), "--no-save", "--disable-validation")
     pid = None
     try:
-        lines, _ = _read_until(proc, lambda l: '"num_updates": "3"' in l, 180)
+        lines, _ = processes.read_until(proc, lambda l: '"num_updates": "3"' in l, 180)
         pid = int(next(l for l in lines if "rank 1: pid" in l).rsplit(" ", 1)[1])
         os.kill(pid, signal.SIGSTOP)  # frozen: alive, holds its sockets, does nothing
         rest = proc.communicate(timeout=600)[0]  # a hang guard only: how fast is judged on the heartbeat's clock

@@ -90,20 +90,6 @@ def test_hybrid_shard_and_cpu_offload_equal_one_process(data_bin, one_process, t
     assert_close(H.losses(offload.stdout), one_process)
 
 
-def _read_until(proc, text, timeout=240):
-    import time
-
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if text in line:
-            return lines
-    raise AssertionError("expected output did not come:\n" + "".join(lines[-50:]))
-
-
 def test_killed_run_resumes_bitwise(data_bin, tmp_path):
     """SIGKILL after update 5 (checkpoints every 2 updates): the resumed run ends with the uninterrupted run's
     weights and optimizer state, bit for bit."""
@@ -113,7 +99,7 @@ def test_killed_run_resumes_bitwise(data_bin, tmp_path):
                            env=H.subprocess_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            bufsize=1)
     try:
-        _read_until(proc, '"num_updates": "5"')
+        processes.read_until(proc, lambda line: '"num_updates": "5"' in line, 240)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
@@ -146,7 +132,7 @@ def test_llama_skips_decay_on_norms_and_embeddings_by_default(data_bin, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [line for line in (run.stdout + run.stderr).splitlines() if "not applied to norms" in line]
     assert len(lines) == 1 and "LlamaLanguageModel's default; --decay-all-parameters" in lines[0]
-    groups = torch.load(tmp_path / "llama" / "checkpoint_last.pt", map_location="cpu",
-                        weights_only=True)["last_optimizer_state"]["param_groups"]
+    state = torch.load(tmp_path / "llama" / "checkpoint_last.pt", weights_only=True, map_location="cpu")
+    groups = state["last_optimizer_state"]["param_groups"]
     assert {g["role"]: g["weight_decay"] for g in groups} == {"matrix": 0.01, "embedding": 0.0, "output": 0.01,
                                                              "norm": 0.0}
