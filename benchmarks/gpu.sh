@@ -53,7 +53,14 @@
 #            FFN 14336, V 32768), bf16 + --compile against --fp8 with each recipe
 #   decode_xl   benchmarks/generate.py, gpt3_xl bf16, batch 1: cached decoding against the whole prefix
 #            recomputed (tokens/s of each)
-#   (moe, cp: slots for the MoE and context-parallel figures, written with those features)
+#   moe_olmoe / moe_olmoe_compile   OLMoE-1B-7B's shape (8 of 16 layers), bf16, eager and --compile: tokens/s, MFU
+#            counted on the active parameters (grouped GEMM on CUDA)
+#   moe_30b_a3b_offload   Qwen3-30B-A3B's shape (12 of 48 layers) through the 13B recipe (FSDP2 + --cpu-offload,
+#            8-bit moments, bf16 host gradients, overlap): words/s, host bytes per parameter, the plan beside
+#   cp_llama3_1b_32k   llama3_1b on one 32k-token sequence, bf16 + --compile: tokens/s and peak memory (one GPU
+#            cannot show context parallelism's scaling; toolkit-plan predicts CP over 8)
+#   muon_offload_llama3_1b / adam_offload_llama3_1b   llama3_1b, FSDP2 + --cpu-offload, --optimizer muon against
+#            cpu_adam, B 4 x T 2048: words/s (the offloaded Muon step against the offloaded Adam step)
 #
 #   bash benchmarks/gpu.sh --dry-run [ENTRY ...]   the same entries on CPU with tiny shapes (2 layers of 64,
 #            T 32, 2 updates), GPU-only flags (--compile, --fp8) dropped, results in a temporary folder;
@@ -275,6 +282,7 @@ DRY_GPT=(--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 -
          --decoder-input-dim 64 --decoder-output-dim 64 --tokens-per-sample 32 --batch-size 2)
 DRY_LLAMA=(--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 --decoder-attention-heads 4
            --decoder-kv-heads 2 --tokens-per-sample 32 --batch-size 2)
+DRY_MOE=("${DRY_LLAMA[@]}" --decoder-head-dim 16 --moe-num-experts 4 --moe-ffn-embed-dim 32 --moe-top-k 2)
 DRY_BENCH=(--warmup 1 --steps 1 --vocab 512 --threads 2)
 
 # adapt ARG...: the entry's command as it runs, in ARGS: unchanged on a GPU; in --dry-run on the CPU, without
@@ -320,9 +328,19 @@ figure() {
 # B 8 x T 2048, 10 updates, the plan's line logged at start-up (--plan)
 offload_figure() {
   local name=$1 arch=$2; shift 2
+  family_offload_figure "$name" gpt "transformer_lm_$arch" "$@"
+}
+
+# family_offload_figure NAME FAMILY ARCH [flags]: offload_figure for any family (gpt, llama, moe: the dry run's
+# shapes); a later --optimizer or --batch-size in the flags wins over cpu_adam and 8
+family_offload_figure() {
+  local name=$1 family=$2 arch=$3; shift 3
   local dry=()
-  [ $DRY = 1 ] && dry=("${DRY_GPT[@]}" --max-update 2 --total-num-update 2 --warmup-updates 1)
-  figure "$name" --memory $TRAIN "$DATA" --task language_modeling --arch "transformer_lm_$arch" \
+  if [ $DRY = 1 ]; then
+    case $family in gpt) dry=("${DRY_GPT[@]}") ;; llama) dry=("${DRY_LLAMA[@]}") ;; moe) dry=("${DRY_MOE[@]}") ;; esac
+    dry+=(--max-update 2 --total-num-update 2 --warmup-updates 1)
+  fi
+  figure "$name" --memory $TRAIN "$DATA" --task language_modeling --arch "$arch" \
     --ddp-backend fully_sharded --cpu-offload --optimizer cpu_adam --checkpoint-activations \
     --tokens-per-sample 2048 --batch-size 8 --adam-betas "(0.9, 0.98)" --lr 0.0001 --lr-scheduler polynomial_decay \
     --warmup-updates 5 --total-num-update 10 --max-update 10 --no-save --disable-validation --log-format json \
@@ -335,6 +353,7 @@ bench_figure() {
   local dry=()
   if [ $DRY = 1 ] && [ "$family" = llama ]; then dry=("${DRY_LLAMA[@]}" "${DRY_BENCH[@]}"); fi
   if [ $DRY = 1 ] && [ "$family" = gpt ]; then dry=("${DRY_GPT[@]}" "${DRY_BENCH[@]}"); fi
+  if [ $DRY = 1 ] && [ "$family" = moe ]; then dry=("${DRY_MOE[@]}" "${DRY_BENCH[@]}"); fi
   figure "$name" $PY benchmarks/train.py --device cuda --bf16 "$@" "${dry[@]}"
 }
 
@@ -342,7 +361,17 @@ bench_figure() {
 FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 --compile
            --warmup 5)
 FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
-fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl"
+fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl moe_olmoe moe_olmoe_compile moe_30b_a3b_offload
+cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b"
+# OLMoE-1B-7B's shape at 8 of its 16 layers (3.6B parameters, 0.7B active: AdamW's fp32 states of all 16 would
+# crowd an 80 GB GPU), its vocabulary (50304), B 4 x T 2048
+OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50304 --warmup 5)
+# Qwen3-30B-A3B's shape at 12 of its 48 layers (7.9B parameters): the whole model needs ~230 GiB of host memory
+# (toolkit-plan), more than a 128 GiB GPU machine has; words/s of the whole model are about a quarter of these
+MOE_30B_SLICE=(--decoder-layers 12 --bf16 --adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)
+# Muon with --cpu-offload (momentum in host memory, Newton-Schulz on the GPU one matrix at a time) against CPU
+# Adam on the same model and batch: llama3_1b, bf16, B 4 x T 2048, 10 updates
+MUON_OFFLOAD=(--bf16 --batch-size 4 --lr 0.001)
 LOW_HOST_13=(--adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)
 
 is_figure() {
@@ -369,8 +398,16 @@ run_figure() {
       [ $DRY = 1 ] && dry=(--arch transformer_lm_gpt2_tiny --vocab 512 --prompt 8 --new 4)
       figure decode_xl $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16 --batch-size 1 \
         "${dry[@]}" ;;
-    # moe) the MoE figure (tokens/s and expert balance), written with the MoE layer
-    # cp)  the context-parallel figure (long-sequence tokens/s over the ranks), written with context parallelism
+    moe_olmoe) bench_figure moe_olmoe moe "${OLMOE_SHAPE[@]}" ;;
+    moe_olmoe_compile) bench_figure moe_olmoe_compile moe "${OLMOE_SHAPE[@]}" --compile ;;
+    moe_30b_a3b_offload) family_offload_figure moe_30b_a3b_offload moe qwen3_30b_a3b "${MOE_30B_SLICE[@]}" ;;
+    # one GPU cannot show context parallelism's scaling: one 32k-token sequence of llama3_1b (tokens/s, peak
+    # memory); toolkit-plan predicts 8 GPUs at --context-parallel-size 8 (benchmarks/README.md)
+    cp_llama3_1b_32k) bench_figure cp_llama3_1b_32k llama --preset llama3_1b --tokens-per-sample 32768 \
+                        --batch-size 1 --compile --warmup 3 --steps 5 ;;
+    muon_offload_llama3_1b) family_offload_figure muon_offload_llama3_1b llama llama3_1b "${MUON_OFFLOAD[@]}" \
+                              --optimizer muon ;;
+    adam_offload_llama3_1b) family_offload_figure adam_offload_llama3_1b llama llama3_1b "${MUON_OFFLOAD[@]}" ;;
   esac
 }
 

@@ -68,22 +68,28 @@ def _on_fastest_device(matrix: torch.Tensor, fn) -> torch.Tensor:
 
 
 def orthogonalized_update(update: torch.Tensor, ns_steps: int, owner: int) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix ``update`` (torch.optim.Muon's function), in ``update``'s layout.
+    """Newton-Schulz of the whole matrix ``update`` (torch.optim.Muon's function); of a DTensor, this rank's shard.
 
     A DTensor is gathered whole, orthogonalized where the first mesh coordinate is ``owner`` and scattered
-    back from there; a plain tensor on the CPU goes to the GPU when there is one (``--cpu-offload``)."""
+    back from there; the shard returned lies where the update's did. Under ``--cpu-offload`` the shards are in
+    host memory and the collectives on the mesh's device (the GPU), so the gather starts there and the result
+    comes back (``DTensor.from_local`` places a shard on the mesh's device). A plain tensor on the CPU goes to
+    the GPU when there is one."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     if not isinstance(update, DTensor):
         return _on_fastest_device(update, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
-    mesh = update.device_mesh
+    mesh, placements, home = update.device_mesh, update.placements, update.to_local().device
+    if home.type != mesh.device_type:
+        update = DTensor.from_local(update.to_local(), mesh, placements, run_check=False, shape=update.shape,
+                                    stride=update.stride())
     full = update.full_tensor()
     if mesh.get_coordinate()[0] == owner:
         result = _on_fastest_device(full, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
     else:  # filled by the owner's scatter
         result = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
-    return distribute_tensor(result, mesh, update.placements, src_data_rank=owner)
+    return distribute_tensor(result, mesh, placements, src_data_rank=owner).to_local().to(home)
 
 
 class Muon(torch.optim.Optimizer):
@@ -158,8 +164,9 @@ class Muon(torch.optim.Optimizer):
                 wide = buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(wide, momentum) if group["nesterov"] else wide
             update = orthogonalized_update(update, group["ns_steps"], owner)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard: where update belongs
+            local.mul_(1 - lr * group["weight_decay"])
+            local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return index
 
     @staticmethod

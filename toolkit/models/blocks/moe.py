@@ -110,9 +110,20 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tens
     :func:`per_expert_matmul` (the same products). Under ``torch.compile`` (``--compile``) anything but bf16 goes
     through the opaque ``toolkit::grouped_matmul`` op (the kernel's compiled form takes bf16 only, and the
     per-expert split has data-dependent sizes), which runs this same eager code."""
+    rows, weights = _autocast_operands(rows, weights)
     if torch.compiler.is_compiling() and not (rows.dtype == torch.bfloat16 and _grouped_mm_applies(rows, weights)):
         return _opaque_grouped_matmul(rows, weights, counts)
     return _eager_grouped_matmul(rows, weights, counts)
+
+
+def _autocast_operands(rows: torch.Tensor, weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both operands in autocast's dtype, as autocast casts a matmul's: it does not cover the grouped GEMM, and
+    bf16 rows against fp32 master weights would miss the kernel (one small matmul per expert instead)."""
+    kind = rows.device.type
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        return rows.to(dtype), weights.to(dtype)
+    return rows, weights
 
 
 def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -290,7 +301,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [N, C] -> sum over each token's k experts of weight * expert(x) [N, C]; also the tokens per expert
         (None in an exported graph, which runs :meth:`every_expert`)."""
-        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        # An exported graph is an inference graph; torch 2.11's is_exporting() is also True under torch.compile
+        # (pytorch/pytorch#176347), where training must take the dropless dispatch below.
+        if (torch.compiler.is_exporting() and not self.training) or torch.onnx.is_in_onnx_export():
             return self.every_expert(x, routing), None
         rows, order, counts = expert_runs(x, routing.experts, self.num_experts)
         out = self.run_placed(rows, counts) * routing.weights.flatten()[order, None]

@@ -15,15 +15,15 @@ import torch.nn as nn
 
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.llama.config import kv_heads
-from toolkit.models.llama.parallel import BLOCK as LLAMA_BLOCK
 from toolkit.models.llama.parallel import tensor_parallel_plan as llama_plan
 
-BLOCK = {path: kind for path, kind in LLAMA_BLOCK.items() if not path.startswith("mlp.")}
 EXPERTS = {"mlp": "ep_shard"}
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
+    dense = llama_plan(model)  # its block leaves out the norms this configuration does not build
     return dataclasses.replace(
-        llama_plan(model), block=dict(BLOCK), experts=dict(EXPERTS),
+        dense, block={path: kind for path, kind in dense.block.items() if not path.startswith("mlp.")},
+        experts=dict(EXPERTS),
         divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads)))
