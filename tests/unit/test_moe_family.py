@@ -121,6 +121,19 @@ def test_tensor_parallel_is_refused_and_expert_parallel_accepted():
         assert isinstance(composition.status("EP", other), composition.Refused), other
 
 
+@pytest.mark.parametrize("arch", ["moe_tiny", "olmoe_tiny", "mixtral_tiny"])
+def test_the_plan_names_only_modules_the_model_builds(arch):
+    """toolkit-plan reads each planned module (``split_parameters``): the MoE plan must not name a norm that this
+    configuration of the shared block leaves out (it once named Gemma's ``post_feedforward_layernorm``)."""
+    from toolkit.distributed.tensor_parallel import split_parameters
+
+    model = meta_model(arch)
+    split = split_parameters(model)
+    assert "layers.0.self_attn.q_proj.weight" in split and not any(".mlp." in name for name in split)
+    for path in model.tensor_parallel_plan().block:
+        model.layers[0].get_submodule(path)
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(UserError, match=r"^--moe-top-k 5: a token cannot go to more than the --moe-num-experts 4"):
         meta_model("moe_tiny", moe_top_k=5)
