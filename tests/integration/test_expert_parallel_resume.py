@@ -5,8 +5,8 @@ killed with SIGKILL resumes bit for bit, and cpu_adam's fp16 moments (one scale 
 
 Every run reads the same 4 batches per update: one process with ``--update-freq 4``, two ranks with
 ``--update-freq 2``, four ranks with 1 (the iterator's sharding), so one uninterrupted run is the reference of all.
-Resumed runs log its losses (the 2-proc = 1-proc tolerance) and end with its weights and optimizer state to
-float noise (``rtol 1e-4, atol 1e-5``; measured: 3e-6 at most): a moment lost or given to the wrong expert would
+Resumed runs log its losses (the 2-proc = 1-proc tolerance) and end with its weights, their average
+(``--store-ema``, saved whole as well) and its optimizer state to float noise (``rtol 1e-4, atol 1e-5``; measured: 3e-6 at most): a moment lost or given to the wrong expert would
 move the weights by about the learning rate, 3e-3.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def args(save_dir) -> list:
     return ["--task", "language_modeling", "--arch", "moe_tiny", "--optimizer", "adam", "--lr", "0.003",
             "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
             "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--disable-validation",
-            "--no-epoch-checkpoints"]
+            "--no-epoch-checkpoints", "--store-ema", "--ema-decay", "0.5"]
 
 
 def train(data_bin, save_dir, *flags):
@@ -53,12 +53,14 @@ def last_checkpoint(save_dir) -> dict:
 
 
 def assert_same_state(got: dict, want: dict, exact: bool = False) -> None:
-    """The weights and every optimizer moment (whole expert stacks included) of two checkpoints agree."""
+    """The weights, their average (--store-ema) and every optimizer moment (whole expert stacks included) of two
+    checkpoints agree."""
     check = (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=0, atol=0, msg=msg)) if exact else (
         lambda a, b, msg: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=msg))
     assert got["model"].keys() == want["model"].keys()
     for name, tensor in want["model"].items():
         check(got["model"][name], tensor, name)
+        check(got["extra_state"]["ema"][name], want["extra_state"]["ema"][name], f"ema {name}")
     moments_got, moments_want = got["last_optimizer_state"]["state"], want["last_optimizer_state"]["state"]
     assert moments_got.keys() == moments_want.keys()
     assert "exp_avg_sq" in moments_want["layers.0.mlp.experts.down_proj"]
