@@ -1,7 +1,8 @@
 """Checkpoints across expert-parallel sizes (issue 32): a consolidated checkpoint holds whole expert stacks and
 their whole Adam moments, so one saved at ``--expert-parallel-size 2`` resumes on one process (EP 1) and on four
-ranks at EP 4 (one expert of moe_tiny's 4 per rank), one saved by one process resumes at EP 2, an EP 2 run
-killed with SIGKILL resumes bit for bit, and cpu_adam's fp16 moments (one scale per tensor) are saved on one scale.
+ranks at EP 4 (one expert of moe_tiny's 4 per rank) or at EP 2 (each expert half on 2 ranks), one saved by one
+process resumes at EP 2, an EP 2 run killed with SIGKILL resumes bit for bit, and cpu_adam's fp16 moments (one
+scale per tensor) are saved on one scale.
 
 Every run reads the same 4 batches per update: one process with ``--update-freq 4``, two ranks with
 ``--update-freq 2``, four ranks with 1 (the iterator's sharding), so one uninterrupted run is the reference of all.
@@ -32,6 +33,7 @@ ONE_PROC = ["--update-freq", "4"]
 EP1_ON_1 = ONE_PROC  # the same run: expert parallelism of size 1 is no expert parallelism
 EP2_ON_2 = ["--distributed-world-size", "2", "--expert-parallel-size", "2", "--update-freq", "2"]
 EP4_ON_4 = ["--distributed-world-size", "4", "--expert-parallel-size", "4"]
+EP2_ON_4 = ["--distributed-world-size", "4", "--expert-parallel-size", "2"]  # two replicas of each expert half
 RANK_PID = re.compile(r"\brank \d+: pid (\d+)\s*$")  # the launcher's line naming each rank's process
 
 
@@ -81,14 +83,15 @@ def uninterrupted(data_bin, tmp_path_factory):
     return dict(losses=H.losses(proc.stdout), state=last_checkpoint(save_dir))
 
 
-def test_saved_at_ep2_resumes_at_ep1_and_at_ep4(data_bin, uninterrupted, tmp_path):
+def test_saved_at_ep2_resumes_at_ep1_at_ep4_and_at_ep2_on_4_ranks(data_bin, uninterrupted, tmp_path):
     first = tmp_path / "ep1"
     saved = train(data_bin, first, "--max-update", str(SAVED_AT), *EP2_ON_2)
     assert_logged_losses_match(H.losses(saved.stdout), uninterrupted["losses"], range(1, SAVED_AT + 1))
     saved_experts = last_checkpoint(first)["model"]["layers.0.mlp.experts.gate_proj"]
     assert saved_experts.shape[0] == 4  # whole stacks, gathered from the two ranks' halves
-    shutil.copytree(first, tmp_path / "ep4")
-    for save_dir, flags in ((first, EP1_ON_1), (tmp_path / "ep4", EP4_ON_4)):
+    for copy in ("ep4", "ep2_on_4"):
+        shutil.copytree(first, tmp_path / copy)
+    for save_dir, flags in ((first, EP1_ON_1), (tmp_path / "ep4", EP4_ON_4), (tmp_path / "ep2_on_4", EP2_ON_4)):
         resumed = train(data_bin, save_dir, "--max-update", str(UPDATES), *flags)
         assert f"@ {SAVED_AT} updates" in resumed.stdout + resumed.stderr
         assert_logged_losses_match(H.losses(resumed.stdout), uninterrupted["losses"], range(SAVED_AT + 1, UPDATES + 1))
