@@ -2,6 +2,7 @@
 
     python benchmarks/faults.py --runs 20            # the figure reported for issue 10
     python benchmarks/faults.py --runs 3 --updates 6 # the short version tests/integration/test_faults.py runs
+    python benchmarks/faults.py --runs 6 --updates 6 --expert-parallel-size 2  # the MoE family, experts on 2 ranks
 
 One uninterrupted reference run first. Then ``--runs`` runs of the same command, each
 ``kill -9``ed once: at least half of them right after a checkpoint's temporary file
@@ -53,6 +54,14 @@ MODEL = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-l
          "--warmup-updates", "4", "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "7",
          "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--disable-validation",
          "--save-interval-updates", "1", "--keep-interval-updates", "2"]
+
+
+def expert_parallel_model(ep: int) -> List[str]:
+    """``--expert-parallel-size EP``: the MoE family's tiny model (4 experts) with its experts over EP ranks (as
+    many as the world), the same optimizer, schedule and saves as ``MODEL``; rank 0 saves the gathered stacks."""
+    arch_end = MODEL.index("--optimizer")
+    return (["--task", "language_modeling", "--arch", "moe_tiny", "--distributed-world-size", str(ep),
+             "--expert-parallel-size", str(ep)] + MODEL[arch_end:])
 
 
 def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
@@ -139,12 +148,44 @@ def wait_for_update(proc: subprocess.Popen, log: str, update: int, timeout: floa
     return False
 
 
+def workers(pid: int) -> List[int]:
+    """The processes ``pid`` started (a launcher's ranks), from Linux's /proc; [] elsewhere or once it is gone."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill9(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGKILL ``proc``, then wait until the ranks it launched are gone too (they stop when their launcher dies;
+    one still running would hold the save dir's writer lock against the resume): SIGKILLed after ``timeout``."""
+    ranks = workers(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in (pid for pid in ranks if running(pid)):
+        os.kill(pid, signal.SIGKILL)
+
+
 def kill_during_save(proc: subprocess.Popen, save_dir: str) -> bool:
     """SIGKILL the moment a checkpoint temp file shows up (busy poll); False if the run ended first."""
     while proc.poll() is None:
         if temp_files(save_dir):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            kill9(proc)
             return True
     return False
 
@@ -159,8 +200,7 @@ def kill_once(cmd: List[str], save_dir: str, log: str, rng: random.Random, durin
     else:
         time.sleep(rng.uniform(0.0, 0.05))
         killed = proc.poll() is None
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill9(proc)
     where = "after the end" if not killed else ("during a save" if temp_files(save_dir) else "between saves")
     return where, last_update(log)
 
@@ -218,7 +258,8 @@ def final_weights_any(save_dir: str) -> Dict[str, torch.Tensor]:
 def signal_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, str]:
     """SIGINT/SIGTERM the moment a save's temporary file appears; the resume must finish as the reference."""
     sig = (signal.SIGINT, signal.SIGTERM)[index % 2]
-    sharded = ["--use-sharded-state"] if (index // 2 + index) % 2 else []  # both formats within 2 runs
+    sharded = ["--use-sharded-state"] if (index // 2 + index) % 2 and not args.expert_parallel_size > 1 else []
+    # both formats within 2 runs; expert parallelism saves consolidated checkpoints only
     save_dir = os.path.join(args.workdir, f"signal{index}")
     cmd = command(data_bin, save_dir, args.updates) + sharded
     log = os.path.join(args.workdir, f"signal{index}.log")
@@ -244,7 +285,7 @@ def signal_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, 
 
 def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, str]:
     """A second run on the same --save-dir while the first trains: refused, the first unharmed."""
-    sharded = ["--use-sharded-state"] if index % 2 else []
+    sharded = ["--use-sharded-state"] if index % 2 and not args.expert_parallel_size > 1 else []
     save_dir = os.path.join(args.workdir, f"writers{index}")
     cmd = command(data_bin, save_dir, args.updates) + sharded
     log, second_log = (os.path.join(args.workdir, f"writers{index}.{n}.log") for n in ("first", "second"))
@@ -292,7 +333,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--writer-runs", type=int, default=2, help="runs with a second writer on their --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="folder for data, checkpoints and logs (default: a temp dir)")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="> 1: the MoE family with its experts over this many ranks (the launcher is killed)")
     args = p.parse_args(argv)
+    if args.expert_parallel_size > 1:
+        MODEL[:] = expert_parallel_model(args.expert_parallel_size)  # what command() runs, for every kind of run
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="faults.")
     args.finished_restarts = args.runs if args.finished_restarts is None else args.finished_restarts
     rng = random.Random(args.seed)

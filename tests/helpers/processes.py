@@ -9,6 +9,7 @@ started and left running, whichever way the test ended.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -67,3 +68,27 @@ def read_until(proc: subprocess.Popen, predicate: Callable[[str], bool], timeout
         if predicate(line):
             return lines, time.monotonic()
     raise AssertionError("expected output did not come:\n" + "".join(lines[-50:]))
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone; Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill_survivors(pids: List[int], timeout: float) -> List[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` (processes ``start`` did not start itself: a launcher's
+    workers) to end, then SIGKILL those still running; the ones that had to be killed (empty: all ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.2)
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return survivors

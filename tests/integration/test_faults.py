@@ -3,7 +3,8 @@
 Runs ``benchmarks/faults.py --runs 3 --updates 4`` (the full version, ``--runs 20``, is
 reported in the benchmarks README). Marked ``faults`` (``-m "not faults"`` leaves it out):
 it starts 14 training processes (the last run is also restarted after it finished; then a SIGINT and a
-SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir).
+SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir). The same under
+``--expert-parallel-size 2`` (the MoE family on 2 ranks; the launcher killed, its ranks following it): 2 runs.
 """
 import re
 import subprocess
@@ -26,4 +27,15 @@ def test_killed_runs_resume_bit_identical(tmp_path):
     assert saves >= 2, out[-3000:]  # at least half of the kills hit a save in progress
     assert re.search(r"^signal in mid-save matched: 2/2$", proc.stdout, re.M), out[-3000:]  # SIGINT and SIGTERM
     assert re.search(r"^two writers matched: 1/1$", proc.stdout, re.M), out[-3000:]
+    assert proc.returncode == 0
+
+
+@pytest.mark.faults
+def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/faults.py", "--runs", "2", "--updates", "4", "--seed", "1",
+                           "--finished-restarts", "0", "--signal-runs", "0", "--writer-runs", "0",
+                           "--expert-parallel-size", "2", "--workdir", str(tmp_path)], cwd=REPO_ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert re.search(r"^matched: 2/2$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
+    assert "expert parallel: 2 MoE layers' experts over 2 ranks" in (tmp_path / "reference.log").read_text()
     assert proc.returncode == 0

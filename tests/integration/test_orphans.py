@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,15 +19,6 @@ DEADLINE = 10.0
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("orphans") / "bin"))
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def children(pid: int):
@@ -62,14 +52,10 @@ def kill_launcher_and_check(launcher_cmd, tmp_path, workers_of):
         assert len(workers) >= 2, workers  # the two ranks (and multiprocessing's resource tracker)
         proc.kill()  # SIGKILL: the launcher cannot tell anyone
         proc.wait()
-        deadline = time.monotonic() + DEADLINE
-        while time.monotonic() < deadline and any(alive(w) for w in workers):
-            time.sleep(0.2)
-        assert not any(alive(w) for w in workers), "workers outlived their launcher"
+        assert not processes.kill_survivors(workers, DEADLINE), "workers outlived their launcher"
+        workers = []
     finally:
-        for w in workers:
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
+        processes.kill_survivors(workers, 0)
         if proc.poll() is None:
             proc.kill()
     time.sleep(0.5)

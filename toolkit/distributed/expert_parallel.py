@@ -9,8 +9,9 @@ ranks) and divides by the world size, as DDP averages the rest: each shard's gra
 contributions of the tokens of all P ranks, brought back by the exchange's backward.
 
 Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
-:func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments, so a
-checkpoint saved at one P resumes at any other (1 included).
+:func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments (cpu_adam's
+fp16 moments put on one scale first), so a checkpoint saved at one P resumes at any other (1 included;
+tests/integration/test_expert_parallel_resume.py).
 """
 from __future__ import annotations
 
@@ -82,11 +83,31 @@ def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """A full optimizer state (rank 0's; other ranks may hold none) with the expert moments replaced by whole
     stacks, gathered from every rank's optimizer (collective: every rank calls it)."""
     for fqn, module, param in _placed(model):
-        whole = {k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v
-                 for k, v in optimizer.state.get(param, {}).items()}
+        whole = _whole_entry(module, optimizer.state.get(param, {}))
         if fqn in state.get("state", {}):
             state["state"][fqn].update(whole)
     return state
+
+
+def _whole_entry(module: GroupedExperts, entry: Dict[str, Any]) -> Dict[str, Any]:
+    """One expert stack's optimizer entry with every per-expert tensor gathered whole (collective)."""
+    scaled = [key for key in entry if f"{key}_scale" in entry]
+    whole = {k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v
+             for k, v in entry.items() if k not in scaled}
+    for key in scaled:
+        whole[key], whole[f"{key}_scale"] = _on_common_scale(module, entry[key], entry[f"{key}_scale"])
+    return whole
+
+
+def _on_common_scale(module: GroupedExperts, moment: torch.Tensor, scale: torch.Tensor):
+    """cpu_adam's ``--fp16-adam-stats``: an fp16 moment over one scale per tensor, the rank's own experts' amax;
+    stacked as they are, the others' halves would be read with this rank's scale. The whole stack goes over the
+    largest scale of the ep ranks, the one a single process (the whole stack's amax) would hold, up to fp16
+    rounding: (the fp16 moment, its scale)."""
+    true = module.whole_stack(moment.float() * scale)
+    common = scale.detach().clone().float()
+    torch.distributed.all_reduce(common, op=torch.distributed.ReduceOp.MAX, group=module.ep_group)
+    return (true / common).to(moment.dtype), common.to(scale.dtype)
 
 
 def own_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
