@@ -137,3 +137,17 @@ def test_the_plan_names_only_modules_the_model_builds(arch):
 def test_bad_shapes_are_refused():
     with pytest.raises(UserError, match=r"^--moe-top-k 5: a token cannot go to more than the --moe-num-experts 4"):
         meta_model("moe_tiny", moe_top_k=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planner_traces_the_family_in_either_precision(tmp_path, dtype):
+    """toolkit-plan traces one forward and backward on the meta device, whose grouped-GEMM kernel takes bf16 only."""
+    from tests.helpers.dist_helpers import make_lm_data_bin
+    from toolkit.plan.model_stats import model_stats
+    from toolkit.train.resolve import parse_train_config
+
+    data = make_lm_data_bin(str(tmp_path / "bin"))
+    cfg = parse_train_config([data, "--task", "language_modeling", "--arch", "moe_tiny", "--tokens-per-sample", "16",
+                              "--batch-size", "2"])
+    stats = model_stats(cfg, dtype)
+    assert stats.activations.per_layer > 0 and stats.num_layers == 2 and stats.num_params > 0

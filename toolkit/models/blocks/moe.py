@@ -127,6 +127,8 @@ def _autocast_operands(rows: torch.Tensor, weights: torch.Tensor) -> Tuple[torch
 
 
 def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if rows.is_meta and rows.dtype != torch.bfloat16:  # toolkit-plan's shape trace: the meta kernel takes bf16 only
+        return _eager_grouped_matmul(rows.bfloat16(), weights.bfloat16(), counts).to(rows.dtype)
     if _grouped_mm_applies(rows, weights):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
