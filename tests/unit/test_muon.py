@@ -13,6 +13,7 @@ from toolkit.core.errors import UserError
 from toolkit.models.llama.config import LlamaConfig
 from toolkit.models.llama.model import LlamaLanguageModel
 from toolkit.optim import build_optimizer
+from toolkit.optim import muon as muon_module
 from toolkit.optim.param_groups import log_decay_choice, parameter_groups, skips_decay
 
 
@@ -161,3 +162,71 @@ def test_decay_choice_logged_once_when_the_family_decides(caplog):
         log_decay_choice(tiny_llama(), True, explicit=True, weight_decay=0.1)
     lines = [r.getMessage() for r in caplog.records if "not applied to norms" in r.getMessage()]
     assert len(lines) == 1 and "LlamaLanguageModel's default" in lines[0]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_pipelined_finishes_in_order_with_at_most_depth_in_flight(depth):
+    events, in_flight = [], []
+
+    def start(task):
+        events.append(("start", task))
+        in_flight.append(task)
+        assert len(in_flight) <= depth + 1
+        return task * 10
+
+    def finish(task, handle):
+        assert handle == task * 10 and in_flight[0] == task  # oldest first
+        in_flight.pop(0)
+        events.append(("finish", task))
+
+    muon_module.pipelined(range(5), start, finish, depth)
+    assert [t for kind, t in events if kind == "finish"] == list(range(5)) and not in_flight
+    # task i starts before task i - depth finishes, and after task i - depth - 1 has finished
+    for i in range(5):
+        started = events.index(("start", i))
+        if i - depth >= 0:
+            assert started < events.index(("finish", i - depth))
+        if i - depth - 1 >= 0:
+            assert started > events.index(("finish", i - depth - 1))
+
+
+class CpuStaging:
+    """HostStaging's interface on the CPU (bf16 up, a deferred wait back), checking that no slot is written while
+    a task using it is still in flight."""
+
+    def __init__(self, slots):
+        self.slots, self.busy, self.uploads = slots, set(), 0
+
+    def upload(self, host, slot):
+        assert 0 <= slot < self.slots and slot not in self.busy
+        self.busy.add(slot)
+        self.uploads += 1
+        return host.to(torch.bfloat16)
+
+    def download(self, device, slot):
+        def wait():
+            self.busy.remove(slot)
+            return device.clone()
+        return wait
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_staged_pipeline_takes_the_same_steps_as_the_plain_loop(monkeypatch, depth):
+    """The offloaded path's order (momentum of i+1 before i's result is applied) and its bf16 upload change no
+    number: Newton-Schulz casts to bf16 first."""
+    losses, params = {}, {}
+    for staged in (False, True):
+        if staged:
+            monkeypatch.setattr(muon_module, "HostStaging", CpuStaging)
+            monkeypatch.setattr(muon_module, "needs_staging", lambda p: True)
+        model = tiny_llama()
+        opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "weight_decay": 0.01},
+                              parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        opt.pipeline_depth = depth
+        losses[staged] = train(model, opt.step, opt.zero_grad, updates=3)
+        params[staged] = [p.detach().clone() for p in model.parameters()]
+        assert (opt._staging is not None) == staged
+    assert opt._staging.uploads == 3 * len(opt._matrices()) and not opt._staging.busy
+    assert losses[True] == losses[False]
+    for a, b in zip(params[True], params[False]):
+        assert torch.equal(a, b)
