@@ -230,3 +230,29 @@ def test_staged_pipeline_takes_the_same_steps_as_the_plain_loop(monkeypatch, dep
     assert losses[True] == losses[False]
     for a, b in zip(params[True], params[False]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
+def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
+    """toolkit-plan's optimizer-state bytes for --optimizer muon: one momentum per matrix (4 or 2 bytes a value),
+    AdamW's step and two fp32 moments on the rest; against the tensors a real step leaves."""
+    import dataclasses
+
+    from toolkit.plan.measure import state_bytes
+    from toolkit.plan.memory import optimizer_state_bytes
+    from toolkit.plan.model_stats import param_infos
+    from toolkit.plan.setup import Setup
+
+    model = tiny_llama()
+    opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": momentum_dtype},
+                          parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+    train(model, opt.step, opt.zero_grad, updates=1)
+    fields = {f.name: None for f in dataclasses.fields(Setup)}
+    setup = Setup(**dict(fields, optimizer="muon", fp16_adam_stats=False, adam_state_precision="fp32",
+                         muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype]))
+    infos = param_infos(model)
+    assert {i.role for i in infos} == {"matrix", "embedding", "output", "norm"}
+    planned = sum(optimizer_state_bytes(setup, i, i.shape) for i in infos)
+    assert planned == state_bytes(model, opt)["optimizer"]
+    as_adam = sum(optimizer_state_bytes(dataclasses.replace(setup, optimizer="adam"), i, i.shape) for i in infos)
+    assert planned < as_adam

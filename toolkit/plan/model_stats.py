@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import FlopsCounted, MetaTraceable, PositionTables
+from toolkit.core.protocols import FlopsCounted, MetaTraceable, ParameterRoles, PositionTables
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -38,6 +38,7 @@ class ParamInfo:
     tp_split: bool          # split over the tensor-parallel ranks (along dim 0)
     layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
     matmul: bool = True     # a weight some matmul reads (autocast casts it): 2-D and not a position table
+    role: str = ""          # the family's parameter_roles() ('matrix' takes Muon's update); "" when undeclared
 
     @property
     def numel(self) -> int:
@@ -117,6 +118,7 @@ def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
 
     split = split_parameters(model)
     positions = set(model.position_parameters()) if isinstance(model, PositionTables) else set()
+    roles = model.parameter_roles() if isinstance(model, ParameterRoles) else {}
     seen, out = set(), []
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
@@ -124,7 +126,7 @@ def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
         seen.add(id(p))
         shape = tuple(p.shape)
         out.append(ParamInfo(name, shape, name in split, _layer_of(name),
-                             matmul=len(shape) == 2 and name not in positions))
+                             matmul=len(shape) == 2 and name not in positions, role=roles.get(name, "")))
     return tuple(out)
 
 
