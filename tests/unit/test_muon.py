@@ -256,3 +256,35 @@ def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
     assert planned == state_bytes(model, opt)["optimizer"]
     as_adam = sum(optimizer_state_bytes(dataclasses.replace(setup, optimizer="adam"), i, i.shape) for i in infos)
     assert planned < as_adam
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    from tests.helpers import dist_helpers
+
+    return dist_helpers.make_lm_data_bin(str(tmp_path_factory.mktemp("decay_groups") / "bin"))
+
+
+@pytest.mark.parametrize("saved, resumed, fix", [
+    (["--weight-decay", "0.1"], ["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"],
+     "resume with --decay-all-parameters as saved"),
+    (["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"], ["--weight-decay", "0.1"],
+     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
+    (["--optimizer", "muon", "--weight-decay", "0.1", "--no-decay-norms-biases-embeddings", "--use-sharded-state"],
+     ["--optimizer", "muon", "--weight-decay", "0.1", "--use-sharded-state"],
+     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
+], ids=["adam_flat_to_groups", "adam_groups_to_flat", "muon_sharded_groups_lose_their_0"])
+def test_resume_refuses_other_weight_decay_groups(data_bin, tmp_path, saved, resumed, fix):
+    """A resume whose decay flags regroup the parameters: one line naming the flag (torch would raise a traceback
+    or a DCP key error, or load the checkpoint's decay where the group count still matches)."""
+    from tests.helpers.statefuls import resume, train_and_save
+
+    train_and_save(data_bin, str(tmp_path), *saved)
+    with pytest.raises(UserError) as refused:
+        resume(data_bin, str(tmp_path), *resumed)
+    message = str(refused.value)
+    assert "\n" not in message and fix in message and "--reset-optimizer" in message
+    trainer, _, _ = resume(data_bin, str(tmp_path), *resumed, "--reset-optimizer")
+    assert trainer.num_updates == 2 and not trainer.optimizer.state
+    trainer, _, _ = resume(data_bin, str(tmp_path), *saved)  # the checkpoint's own flags still resume it
+    assert trainer.num_updates == 2 and trainer.optimizer.state
