@@ -288,3 +288,40 @@ def test_resume_refuses_other_weight_decay_groups(data_bin, tmp_path, saved, res
     assert trainer.num_updates == 2 and not trainer.optimizer.state
     trainer, _, _ = resume(data_bin, str(tmp_path), *saved)  # the checkpoint's own flags still resume it
     assert trainer.num_updates == 2 and trainer.optimizer.state
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from tests.helpers.dist_helpers import one_rank_cpu_mesh
+
+    yield from one_rank_cpu_mesh(str(tmp_path_factory.mktemp("muon_pg")))
+
+
+def test_staged_sharded_matrices_take_the_plain_step(mesh, monkeypatch):
+    """The staged path of a DTensor (its host shard uploaded, rebuilt on the mesh, gathered, orthogonalized,
+    scattered, downloaded) against the plain path, on a 1-rank gloo mesh with the CPU stand-in for the GPU."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(24, 16), (16, 24), (24, 16)]
+    weights = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    update = distribute_tensor(grads[0][0], mesh, [Shard(0)])
+    staged = muon_module.start_orthogonalization(update, 5, 0, CpuStaging(2), slot=1)()
+    assert torch.equal(staged, muon_module.orthogonalized_update(update, 5, 0))
+    assert torch.equal(staged, muon_module.newton_schulz(grads[0][0], 5))
+    params = {}
+    for staging in (False, True):
+        if staging:
+            monkeypatch.setattr(muon_module, "HostStaging", CpuStaging)
+            monkeypatch.setattr(muon_module, "needs_staging", lambda p: True)
+        ps = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
+        opt = muon_module.Muon([{"params": ps, "role": "matrix"}], lr=0.02, weight_decay=0.01)
+        for step_grads in grads:
+            for p, grad in zip(ps, step_grads):
+                p.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            opt.step()
+        assert (opt._staging is not None) == staging
+        params[staging] = [p.full_tensor() for p in ps]
+    for a, b in zip(params[True], params[False]):
+        assert torch.equal(a, b)
