@@ -85,18 +85,19 @@ def pipelined(tasks: Iterable, start: Callable, finish: Callable, depth: int) ->
 
 
 class HostStaging:
-    """Pinned host buffers and a copy stream: the offloaded step's transfers overlap the GPU's Newton-Schulz.
+    """Pinned host buffers and two copy streams: the offloaded step's transfers overlap the GPU's Newton-Schulz.
 
     A matrix's update goes up in bf16 (Newton-Schulz's first operation is that cast, so the numbers are the
-    same and the bytes half) through a pinned buffer, copied on the side stream while the compute stream works
-    on the previous matrix; its result comes back through another pinned buffer the same way. Buffers are kept
-    per (slot, direction, shape); the caller gives task i the slot i mod (depth + 1), so a slot is written again
-    only after the task that last used it has finished (its download waited on, which came after its upload
-    and its compute)."""
+    same and the bytes half) through a pinned buffer on the upload stream, which waits for nothing the compute
+    stream does: matrix i+1 goes up while matrix i iterates. Its result comes back through another pinned buffer
+    on the download stream, which waits for the compute stream's work so far (that matrix's iteration), while
+    the compute stream goes on with the next one. Buffers are kept per (slot, direction, shape); the caller gives
+    task i the slot i mod (depth + 1), so a slot is written again only after the task that last used it has
+    finished (its download waited on, which came after its upload and its compute)."""
 
     def __init__(self, slots: int):
         self.slots = slots
-        self.stream = torch.cuda.Stream()
+        self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
         self._buffers: Dict[tuple, torch.Tensor] = {}
 
     def _pinned(self, slot: int, direction: str, shape: torch.Size) -> torch.Tensor:
@@ -110,21 +111,22 @@ class HostStaging:
         staged = self._pinned(slot, "up", host.shape)
         staged.copy_(host)
         compute = torch.cuda.current_stream()
-        device = torch.empty(host.shape, dtype=torch.bfloat16, device="cuda")  # allocated on the compute stream
-        self.stream.wait_stream(compute)  # the allocator may hand out memory the compute stream still reads
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.up):  # allocated and written on the upload stream
+            device = torch.empty(host.shape, dtype=torch.bfloat16, device="cuda")
             device.copy_(staged, non_blocking=True)
-        compute.wait_stream(self.stream)
+        compute.wait_stream(self.up)
+        device.record_stream(compute)  # read there: not reused before the compute stream is done with it
         return device
 
     def download(self, device: torch.Tensor, slot: int) -> Callable[[], torch.Tensor]:
-        """Starts copying ``device`` (bf16) back; returns the wait that hands over the host copy."""
+        """Starts copying ``device`` (bf16, made on the compute stream) back; returns the wait that hands over
+        the host copy."""
         host = self._pinned(slot, "down", device.shape)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        self.down.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.down):
             host.copy_(device, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.down)
 
         def wait(keep_alive: torch.Tensor = device) -> torch.Tensor:  # the GPU copy lives until it is copied
             done.synchronize()
