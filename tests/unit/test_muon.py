@@ -250,7 +250,7 @@ def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
     fields = {f.name: None for f in dataclasses.fields(Setup)}
     setup = Setup(**dict(fields, optimizer="muon", fp16_adam_stats=False, adam_state_precision="fp32",
                          muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype]))
-    infos = param_infos(model)
+    infos = param_infos(model, with_roles=True)
     assert {i.role for i in infos} == {"matrix", "embedding", "output", "norm"}
     planned = sum(optimizer_state_bytes(setup, i, i.shape) for i in infos)
     assert planned == state_bytes(model, opt)["optimizer"]
