@@ -369,7 +369,7 @@ OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50
 # Qwen3-30B-A3B's shape at 12 of its 48 layers (7.9B parameters): the whole model needs ~230 GiB of host memory
 # (toolkit-plan), more than a 128 GiB GPU machine has; words/s of the whole model are about a quarter of these
 MOE_30B_SLICE=(--decoder-layers 12 --bf16 --adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)
-# Muon with --cpu-offload (momentum in host memory, Newton-Schulz on the GPU one matrix at a time) against CPU
+# Muon with --cpu-offload (momentum in host memory, Newton-Schulz on the GPU, transfers overlapped) against CPU
 # Adam on the same model and batch: llama3_1b, bf16, B 4 x T 2048, 10 updates
 MUON_OFFLOAD=(--bf16 --batch-size 4 --lr 0.001)
 LOW_HOST_13=(--adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)

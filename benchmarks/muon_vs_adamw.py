@@ -11,7 +11,8 @@ takes AdamW's best rate, so only the blocks' matrices are updated differently. P
 
 step: one optimizer step over a transformer's parameters (4 blocks of width 512: matrices and vectors, random
 gradients) in host memory, what ``--cpu-offload`` updates: ``--optimizer muon`` (Newton-Schulz on the CPU, no
-GPU here) against DeepSpeed's CPU Adam (``--optimizer cpu_adam``); interleaved rounds, the minimum reported.
+GPU here; fp32 and ``--muon-momentum-dtype bf16``; on a GPU machine the matrices go through the pinned, overlapped
+staging instead, so that figure is the GPU's: ``gpu.sh muon_offload_llama3_1b``) against DeepSpeed's CPU Adam (``--optimizer cpu_adam``); interleaved rounds, the minimum reported.
 
 The last line is one JSON object.
 """
@@ -101,24 +102,30 @@ def transformer_params(dim: int = 512, blocks: int = 4):
 
 def step_times(rounds: int = 5) -> dict:
     from toolkit.optim.cpu_adam import CPUAdam
-    from toolkit.optim.muon import Muon
+    from toolkit.optim.muon import Muon, newton_schulz
 
     matrices, vectors = transformer_params()
     opts = {"muon": Muon([{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}], lr=0.02,
                          weight_decay=0.01)}
     matrices, vectors = transformer_params()
+    opts["muon_bf16_momentum"] = Muon([{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}],
+                                      lr=0.02, weight_decay=0.01, momentum_dtype=torch.bfloat16)
+    matrices, vectors = transformer_params()
     opts["cpu_adam"] = CPUAdam(matrices + vectors, lr=1e-3, weight_decay=0.01)
     numel = sum(p.numel() for p in matrices + vectors)
-    times = {k: [] for k in opts}
+    steps = {name: opt.step for name, opt in opts.items()}
+    steps["newton_schulz_only"] = lambda: [newton_schulz(p.grad, 5) for p in matrices]  # muon's share of it
+    times = {k: [] for k in steps}
     for r in range(rounds + 1):
-        for name, opt in opts.items():
+        for name, step in steps.items():
             t0 = time.perf_counter()
-            opt.step()
+            step()
             if r:  # the first round allocates the state
                 times[name].append(time.perf_counter() - t0)
     best = {k: min(v) * 1e3 for k, v in times.items()}
     print(f"host-memory step over {numel / 1e6:.1f}M parameters ({torch.get_num_threads()} threads): "
-          f"muon {best['muon']:.1f} ms, cpu_adam {best['cpu_adam']:.1f} ms")
+          f"muon {best['muon']:.1f} ms (of which Newton-Schulz {best['newton_schulz_only']:.1f} ms; bf16 momentum "
+          f"{best['muon_bf16_momentum']:.1f} ms), cpu_adam {best['cpu_adam']:.1f} ms")
     return {"params": numel, "threads": torch.get_num_threads(), "ms": best}
 
 

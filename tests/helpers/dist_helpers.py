@@ -28,6 +28,20 @@ from tests.helpers.cli import run_train, subprocess_env  # noqa: F401  (tests us
 WORDS = [f"w{i}" for i in range(120)]
 
 
+def one_rank_cpu_mesh(store_dir: str):
+    """A 1-rank gloo process group (unless one exists) and its CPU mesh, for in-process DTensor tests; a
+    generator for a module fixture: it destroys the group it created."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store_dir}/store")
+    yield init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()
+
+
 def make_lm_data_bin(dest: str) -> str:
     """A deterministic data-bin: 400 training lines (about 230 samples of 32 tokens), 40 valid lines."""
     from tests.helpers.lm_fixtures import make_data_bin

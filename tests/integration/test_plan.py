@@ -66,6 +66,11 @@ def test_one_process_adam_and_checkpointing(data, tmp_path):
     assert ckpt["ranks"][0]["activations"] < plain["ranks"][0]["activations"] / 2
 
 
+def test_one_process_muon_bf16_momentum(data, tmp_path):
+    """--optimizer muon: one bf16 momentum per matrix and AdamW's moments on the rest, not Adam's everywhere."""
+    _check(data, tmp_path, ["--optimizer", "muon", "--muon-momentum-dtype", "bf16"], {"activations": 0.25})
+
+
 def test_one_process_offload_8bit_moments(data, tmp_path):
     _check(data, tmp_path, ["--ddp-backend", "fully_sharded", "--cpu-offload", "--adam-state-precision", "8bit",
                             "--bf16-host-grads"], {"activations": 0.25})

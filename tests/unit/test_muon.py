@@ -13,6 +13,7 @@ from toolkit.core.errors import UserError
 from toolkit.models.llama.config import LlamaConfig
 from toolkit.models.llama.model import LlamaLanguageModel
 from toolkit.optim import build_optimizer
+from toolkit.optim import muon as muon_module
 from toolkit.optim.param_groups import log_decay_choice, parameter_groups, skips_decay
 
 
@@ -161,3 +162,166 @@ def test_decay_choice_logged_once_when_the_family_decides(caplog):
         log_decay_choice(tiny_llama(), True, explicit=True, weight_decay=0.1)
     lines = [r.getMessage() for r in caplog.records if "not applied to norms" in r.getMessage()]
     assert len(lines) == 1 and "LlamaLanguageModel's default" in lines[0]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_pipelined_finishes_in_order_with_at_most_depth_in_flight(depth):
+    events, in_flight = [], []
+
+    def start(task):
+        events.append(("start", task))
+        in_flight.append(task)
+        assert len(in_flight) <= depth + 1
+        return task * 10
+
+    def finish(task, handle):
+        assert handle == task * 10 and in_flight[0] == task  # oldest first
+        in_flight.pop(0)
+        events.append(("finish", task))
+
+    muon_module.pipelined(range(5), start, finish, depth)
+    assert [t for kind, t in events if kind == "finish"] == list(range(5)) and not in_flight
+    # task i starts before task i - depth finishes, and after task i - depth - 1 has finished
+    for i in range(5):
+        started = events.index(("start", i))
+        if i - depth >= 0:
+            assert started < events.index(("finish", i - depth))
+        if i - depth - 1 >= 0:
+            assert started > events.index(("finish", i - depth - 1))
+
+
+class CpuStaging:
+    """HostStaging's interface on the CPU (bf16 up, a deferred wait back), checking that no slot is written while
+    a task using it is still in flight."""
+
+    def __init__(self, slots):
+        self.slots, self.busy, self.uploads = slots, set(), 0
+
+    def upload(self, host, slot):
+        assert 0 <= slot < self.slots and slot not in self.busy
+        self.busy.add(slot)
+        self.uploads += 1
+        return host.to(torch.bfloat16)
+
+    def download(self, device, slot):
+        def wait():
+            self.busy.remove(slot)
+            return device.clone()
+        return wait
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_staged_pipeline_takes_the_same_steps_as_the_plain_loop(monkeypatch, depth):
+    """The offloaded path's order (momentum of i+1 before i's result is applied) and its bf16 upload change no
+    number: Newton-Schulz casts to bf16 first."""
+    losses, params = {}, {}
+    for staged in (False, True):
+        if staged:
+            monkeypatch.setattr(muon_module, "HostStaging", CpuStaging)
+            monkeypatch.setattr(muon_module, "needs_staging", lambda p: True)
+        model = tiny_llama()
+        opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "weight_decay": 0.01},
+                              parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        opt.pipeline_depth = depth
+        losses[staged] = train(model, opt.step, opt.zero_grad, updates=3)
+        params[staged] = [p.detach().clone() for p in model.parameters()]
+        assert (opt._staging is not None) == staged
+    assert opt._staging.uploads == 3 * len(opt._matrices()) and not opt._staging.busy
+    assert losses[True] == losses[False]
+    for a, b in zip(params[True], params[False]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
+def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
+    """toolkit-plan's optimizer-state bytes for --optimizer muon: one momentum per matrix (4 or 2 bytes a value),
+    AdamW's step and two fp32 moments on the rest; against the tensors a real step leaves."""
+    import dataclasses
+
+    from toolkit.plan.measure import state_bytes
+    from toolkit.plan.memory import optimizer_state_bytes
+    from toolkit.plan.model_stats import param_infos
+    from toolkit.plan.setup import Setup
+
+    model = tiny_llama()
+    opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": momentum_dtype},
+                          parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+    train(model, opt.step, opt.zero_grad, updates=1)
+    fields = {f.name: None for f in dataclasses.fields(Setup)}
+    setup = Setup(**dict(fields, optimizer="muon", fp16_adam_stats=False, adam_state_precision="fp32",
+                         muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype]))
+    infos = param_infos(model, with_roles=True)
+    assert {i.role for i in infos} == {"matrix", "embedding", "output", "norm"}
+    planned = sum(optimizer_state_bytes(setup, i, i.shape) for i in infos)
+    assert planned == state_bytes(model, opt)["optimizer"]
+    as_adam = sum(optimizer_state_bytes(dataclasses.replace(setup, optimizer="adam"), i, i.shape) for i in infos)
+    assert planned < as_adam
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    from tests.helpers import dist_helpers
+
+    return dist_helpers.make_lm_data_bin(str(tmp_path_factory.mktemp("decay_groups") / "bin"))
+
+
+@pytest.mark.parametrize("saved, resumed, fix", [
+    (["--weight-decay", "0.1"], ["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"],
+     "resume with --decay-all-parameters as saved"),
+    (["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"], ["--weight-decay", "0.1"],
+     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
+    (["--optimizer", "muon", "--weight-decay", "0.1", "--no-decay-norms-biases-embeddings", "--use-sharded-state"],
+     ["--optimizer", "muon", "--weight-decay", "0.1", "--use-sharded-state"],
+     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
+], ids=["adam_flat_to_groups", "adam_groups_to_flat", "muon_sharded_groups_lose_their_0"])
+def test_resume_refuses_other_weight_decay_groups(data_bin, tmp_path, saved, resumed, fix):
+    """A resume whose decay flags regroup the parameters: one line naming the flag (torch would raise a traceback
+    or a DCP key error, or load the checkpoint's decay where the group count still matches)."""
+    from tests.helpers.statefuls import resume, train_and_save
+
+    train_and_save(data_bin, str(tmp_path), *saved)
+    with pytest.raises(UserError) as refused:
+        resume(data_bin, str(tmp_path), *resumed)
+    message = str(refused.value)
+    assert "\n" not in message and fix in message and "--reset-optimizer" in message
+    trainer, _, _ = resume(data_bin, str(tmp_path), *resumed, "--reset-optimizer")
+    assert trainer.num_updates == 2 and not trainer.optimizer.state
+    trainer, _, _ = resume(data_bin, str(tmp_path), *saved)  # the checkpoint's own flags still resume it
+    assert trainer.num_updates == 2 and trainer.optimizer.state
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from tests.helpers.dist_helpers import one_rank_cpu_mesh
+
+    yield from one_rank_cpu_mesh(str(tmp_path_factory.mktemp("muon_pg")))
+
+
+def test_staged_sharded_matrices_take_the_plain_step(mesh, monkeypatch):
+    """The staged path of a DTensor (its host shard uploaded, rebuilt on the mesh, gathered, orthogonalized,
+    scattered, downloaded) against the plain path, on a 1-rank gloo mesh with the CPU stand-in for the GPU."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(24, 16), (16, 24), (24, 16)]
+    weights = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    update = distribute_tensor(grads[0][0], mesh, [Shard(0)])
+    staged = muon_module.start_orthogonalization(update, 5, 0, CpuStaging(2), slot=1)()
+    assert torch.equal(staged, muon_module.orthogonalized_update(update, 5, 0))
+    assert torch.equal(staged, muon_module.newton_schulz(grads[0][0], 5))
+    params = {}
+    for staging in (False, True):
+        if staging:
+            monkeypatch.setattr(muon_module, "HostStaging", CpuStaging)
+            monkeypatch.setattr(muon_module, "needs_staging", lambda p: True)
+        ps = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
+        opt = muon_module.Muon([{"params": ps, "role": "matrix"}], lr=0.02, weight_decay=0.01)
+        for step_grads in grads:
+            for p, grad in zip(ps, step_grads):
+                p.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            opt.step()
+        assert (opt._staging is not None) == staging
+        params[staging] = [p.full_tensor() for p in ps]
+    for a, b in zip(params[True], params[False]):
+        assert torch.equal(a, b)

@@ -32,6 +32,7 @@ from toolkit.checkpoint.dcp_state import (  # DCP imported at the first call
 
 from toolkit.checkpoint.common import check_optimizer_switch, log_optimizer_switch, switch_optimizer_state
 from toolkit.core.errors import UserError
+from toolkit.optim.param_groups import DecayChoice, check_resumed_decay_groups
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,9 @@ class OptimizerState(TensorState):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str, save: bool = True,
-                 reset: bool = False):
+                 reset: bool = False, decay: Optional[DecayChoice] = None):
         self.model, self.optimizer, self.name = model, optimizer, name
+        self.decay = decay  # this run's weight-decay grouping flags, checked against the checkpoint's cfg
         self.saved, self.reset, self.optional = save, reset, True
         self._where = ""  # the file being loaded, for the messages of a switch
         self._switch_from: Optional[str] = None  # the saved optimizer's name while loading another's state
@@ -112,6 +114,8 @@ class OptimizerState(TensorState):
         if self.reset:
             return False
         saved_name, self._where = side.get("optimizer_name"), where
+        if self.decay is not None:
+            check_resumed_decay_groups(where, DecayChoice.from_saved(side.get("cfg")), self.decay, self.model)
         self._switch_from = saved_name if check_optimizer_switch(where, saved_name, self.name) else None
         if shapes is not None:
             self._check_sharded(where, shapes)

@@ -97,6 +97,7 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("fp8", "--fp8", lambda c: c.distributed.fp8, ("--fp8",)),
     Feature("AC", "--checkpoint-activations", lambda c: c.distributed.checkpoint_activations,
             ("--checkpoint-activations",)),
+    Feature("muon", "--optimizer muon", lambda c: c.components.optimizer == "muon", ("--optimizer", "muon")),
     Feature("cpu-offload", "--cpu-offload", lambda c: c.distributed.cpu_offload,
             FSDP + ("--cpu-offload", "--optimizer", "cpu_adam")),
     Feature("overlap-offload", "--overlap-offload-step", lambda c: c.distributed.overlap_offload_step,
@@ -124,6 +125,8 @@ OVERLAP_2 = "tests/integration/test_overlap.py::test_two_ranks_bit_identical_wit
 MASK = "tests/integration/test_document_mask.py::"
 FP8 = "tests/integration/test_fp8.py::"
 OVERLAP = "tests/integration/test_overlap.py::"
+MUON = "tests/integration/test_muon.py::"
+MUON_HSDP_OFFLOAD = MUON + "test_hybrid_shard_and_cpu_offload_equal_one_process"
 
 # --- the refusals: each names what the two would have to do at once ----------------------------------------
 HALF_FORMATS = ("--fp16 and --bf16 conflict: a run computes in one 16-bit format, fp16 (with loss scaling) or "
@@ -150,6 +153,11 @@ EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row c
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
+MUON_OVERLAP = ("--overlap-offload-step with --optimizer muon: the overlapped step updates each block on a background "
+                "thread while the next forward gathers the following blocks, and Muon's update of a sharded matrix "
+                "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
+                "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
+                "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam")
 BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
                    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
 
@@ -196,6 +204,13 @@ _PAIRS: Dict[Tuple[str, str], Status] = {
     ("fp16", "memory-efficient fp16"): OneSetting("--memory-efficient-fp16 is fp16 training with fp16 weights; it "
                                                   "turns --fp16 on"),
     ("bf16", "memory-efficient fp16"): Refused(MEFP16_BF16),
+    ("FSDP", "muon"): Tested(MUON + "test_fully_sharded_two_ranks_equal_one_process_and_resume_in_one",
+                             "each sharded matrix orthogonalized whole by one owner rank"),
+    ("HSDP", "muon"): Tested(MUON_HSDP_OFFLOAD, "the replicate axis owns the orthogonalization"),
+    ("TP", "muon"): Tested(MUON + "test_four_ranks_with_model_parallel_2_equal_one_process"),
+    ("muon", "cpu-offload"): Tested(MUON_HSDP_OFFLOAD, "host-memory momentum; Newton-Schulz on the CPU there, on "
+                                                      "the GPU through pinned, overlapped copies where one exists"),
+    ("muon", "overlap-offload"): Refused(MUON_OVERLAP),
 }
 
 
@@ -234,8 +249,8 @@ for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_co
 }.items():
     for _other in _others:
         _PAIRS[(_other, "data mixture")] = Tested(MIXTURE_PAIRS, f"case {_case}")
-for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16", "bf16", "memory-efficient fp16",
-               "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
+for _other in ("compile", "fp8", "AC", "muon", "cpu-offload", "overlap-offload", "fp16", "bf16",
+               "memory-efficient fp16", "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
 for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
     _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
@@ -255,6 +270,11 @@ for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
             _fill(_model_split, _other, BY_MODEL)
+MUON_RUNS = Runs("the optimizer's update acts on the gradients after backward, the other on how the forward and "
+                 "backward compute or what data they see; no parity test of this pair")
+for _other in NAMES:
+    if _other != "muon":
+        _fill("muon", _other, MUON_RUNS)
 
 
 def _in_order(table: Dict[Tuple[str, str], Status]) -> Dict[Tuple[str, str], Status]:

@@ -17,13 +17,16 @@ are logged once at start-up.
 
 Host memory (``--cpu-offload``: the parameters, gradients and this state live on the CPU): the momentum stays
 there (fp32, or bf16 with ``--muon-momentum-dtype bf16``); the Newton-Schulz iteration runs on the GPU when
-there is one, one matrix at a time (the copy up and back is two transfers of one matrix), else on the CPU.
+there is one, else on the CPU. On the GPU the transfers overlap the work (``HostStaging``, ``pipelined``): each
+update goes up in bf16 through pinned buffers on a side stream while the previous matrix iterates, and comes
+back the same way while the next one computes; the host applies results in order.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional
+from collections import deque
+from typing import Any, Callable, ClassVar, Deque, Dict, Iterable, List, Optional
 
 import torch
 from torch.optim.adamw import adamw
@@ -60,36 +63,124 @@ class MuonConfig:
     weight_decay: float = opt(0.0, "weight decay (decoupled) of both sides")
 
 
-def _on_fastest_device(matrix: torch.Tensor, fn) -> torch.Tensor:
-    """``fn(matrix)`` on the GPU when the matrix is in host memory and a GPU exists (one matrix at a time)."""
-    if matrix.device.type != "cpu" or not torch.cuda.is_available():
-        return fn(matrix)
-    return fn(matrix.to("cuda", non_blocking=True)).to("cpu")
+def newton_schulz(matrix: torch.Tensor, ns_steps: int) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalization of one whole matrix (its coefficients; the result in bf16)."""
+    return _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), ns_steps, EPS)
 
 
-def orthogonalized_update(update: torch.Tensor, ns_steps: int, owner: int) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix ``update`` (torch.optim.Muon's function); of a DTensor, this rank's shard.
+def pipelined(tasks: Iterable, start: Callable, finish: Callable, depth: int) -> None:
+    """``finish(task, start(task))`` for every task in order, with up to ``depth`` started tasks not yet finished.
+
+    ``start`` launches a task's asynchronous work (the GPU's copies and Newton-Schulz) and returns a handle;
+    ``finish`` waits on it and consumes the result. With ``depth`` 1 the host prepares and launches matrix i+1
+    while the GPU still works on matrix i; with ``depth`` 0 every task finishes before the next starts (the
+    CPU path: the same operations in the same order as a plain loop)."""
+    in_flight: Deque = deque()
+    for task in tasks:
+        in_flight.append((task, start(task)))
+        if len(in_flight) > depth:
+            finish(*in_flight.popleft())
+    while in_flight:
+        finish(*in_flight.popleft())
+
+
+class HostStaging:
+    """Pinned host buffers and two copy streams: the offloaded step's transfers overlap the GPU's Newton-Schulz.
+
+    A matrix's update goes up in bf16 (Newton-Schulz's first operation is that cast, so the numbers are the
+    same and the bytes half) through a pinned buffer on the upload stream, which waits for nothing the compute
+    stream does: matrix i+1 goes up while matrix i iterates. Its result comes back through another pinned buffer
+    on the download stream, which waits for the compute stream's work so far (that matrix's iteration), while
+    the compute stream goes on with the next one. Buffers are kept per (slot, direction, shape); the caller gives
+    task i the slot i mod (depth + 1), so a slot is written again only after the task that last used it has
+    finished (its download waited on, which came after its upload and its compute)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
+        self._buffers: Dict[tuple, torch.Tensor] = {}
+
+    def _pinned(self, slot: int, direction: str, shape: torch.Size) -> torch.Tensor:
+        key = (slot, direction, tuple(shape))
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+        return self._buffers[key]
+
+    def upload(self, host: torch.Tensor, slot: int) -> torch.Tensor:
+        """``host`` on the GPU in bf16; the compute stream waits for the copy."""
+        staged = self._pinned(slot, "up", host.shape)
+        staged.copy_(host)
+        compute = torch.cuda.current_stream()
+        with torch.cuda.stream(self.up):  # allocated and written on the upload stream
+            device = torch.empty(host.shape, dtype=torch.bfloat16, device="cuda")
+            device.copy_(staged, non_blocking=True)
+        compute.wait_stream(self.up)
+        device.record_stream(compute)  # read there: not reused before the compute stream is done with it
+        return device
+
+    def download(self, device: torch.Tensor, slot: int) -> Callable[[], torch.Tensor]:
+        """Starts copying ``device`` (bf16, made on the compute stream) back; returns the wait that hands over
+        the host copy."""
+        host = self._pinned(slot, "down", device.shape)
+        self.down.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.down):
+            host.copy_(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.down)
+
+        def wait(keep_alive: torch.Tensor = device) -> torch.Tensor:  # the GPU copy lives until it is copied
+            done.synchronize()
+            return host
+
+        return wait
+
+
+def start_orthogonalization(update: torch.Tensor, ns_steps: int, owner: int,
+                            staging: Optional[HostStaging] = None, slot: int = 0) -> Callable[[], torch.Tensor]:
+    """Newton-Schulz of the whole matrix ``update``; returns the wait that gives the result (of a DTensor: this
+    rank's shard, where the update's shard lies).
 
     A DTensor is gathered whole, orthogonalized where the first mesh coordinate is ``owner`` and scattered
-    back from there; the shard returned lies where the update's did. Under ``--cpu-offload`` the shards are in
-    host memory and the collectives on the mesh's device (the GPU), so the gather starts there and the result
-    comes back (``DTensor.from_local`` places a shard on the mesh's device). A plain tensor on the CPU goes to
-    the GPU when there is one."""
+    back from there. Under ``--cpu-offload`` on a GPU (``staging``) the update (a plain matrix, or a DTensor's
+    host shard) goes up through ``staging``, the gather, iteration and scatter run on the GPU, and the result
+    comes back through ``staging``: all launched here, waited for by the returned function. Without a GPU
+    everything runs here, on the update's device."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     if not isinstance(update, DTensor):
-        return _on_fastest_device(update, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
+        if staging is None:
+            result = newton_schulz(update, ns_steps)
+            return lambda: result
+        return staging.download(newton_schulz(staging.upload(update, slot), ns_steps), slot)
     mesh, placements, home = update.device_mesh, update.placements, update.to_local().device
-    if home.type != mesh.device_type:
-        update = DTensor.from_local(update.to_local(), mesh, placements, run_check=False, shape=update.shape,
+    if staging is not None or home.type != mesh.device_type:  # host shards, collectives on the mesh's device
+        local = staging.upload(update.to_local(), slot) if staging is not None else update.to_local()
+        update = DTensor.from_local(local, mesh, placements, run_check=False, shape=update.shape,
                                     stride=update.stride())
     full = update.full_tensor()
     if mesh.get_coordinate()[0] == owner:
-        result = _on_fastest_device(full, lambda m: _zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS))
+        result = newton_schulz(full, ns_steps)
     else:  # filled by the owner's scatter
         result = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
-    return distribute_tensor(result, mesh, placements, src_data_rank=owner).to_local().to(home)
+    shard = distribute_tensor(result, mesh, placements, src_data_rank=owner).to_local()
+    if staging is not None:
+        return staging.download(shard, slot)
+    shard = shard.to(home)
+    return lambda: shard
+
+
+def orthogonalized_update(update: torch.Tensor, ns_steps: int, owner: int) -> torch.Tensor:
+    """``start_orthogonalization`` waited for at once, on the update's device."""
+    return start_orthogonalization(update, ns_steps, owner)()
+
+
+def needs_staging(p: torch.Tensor) -> bool:
+    """A matrix in host memory (``--cpu-offload``) whose Newton-Schulz can run on a GPU: a plain tensor, or a
+    DTensor whose mesh (its collectives) is on the GPU."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    mesh = getattr(p, "device_mesh", None)
+    return (local.device.type == "cpu" and torch.cuda.is_available()
+            and (mesh is None or mesh.device_type == "cuda"))
 
 
 class Muon(torch.optim.Optimizer):
@@ -103,6 +194,8 @@ class Muon(torch.optim.Optimizer):
                         adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, lr_ratio=adamw_lr_ratio)
         super().__init__(params, defaults)
         self.momentum_dtype = momentum_dtype
+        self.pipeline_depth = 1  # matrices in flight on the GPU under --cpu-offload (see _muon_group)
+        self._staging: Optional[HostStaging] = None  # created at the first offloaded step on a GPU
         for group in self.param_groups:
             if group["role"] == "matrix":
                 group["lr_ratio"] = 1.0
@@ -148,25 +241,46 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=self.momentum_dtype)
         return state["momentum_buffer"]
 
+    def _momentum_update(self, group: Dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """torch.optim.Muon's momentum step for ``p``; returns the (Nesterov) update to orthogonalize."""
+        momentum, grad, buf = group["momentum"], p.grad, self._momentum(p)
+        if buf.dtype != grad.dtype:  # bf16 momentum: the arithmetic in the gradient's precision
+            wide = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
+            buf.copy_(wide)
+        else:
+            wide = buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(wide, momentum) if group["nesterov"] else wide
+
     def _muon_group(self, group: Dict[str, Any], first_index: int) -> int:
-        """torch.optim.Muon's single-tensor update with whole-matrix orthogonalization; returns the next index."""
-        lr, momentum, index = group["lr"], group["momentum"], first_index
+        """torch.optim.Muon's single-tensor update with whole-matrix orthogonalization; returns the next index.
+
+        Host-memory matrices on a machine with a GPU go through ``pipelined``: matrix i+1's momentum step and
+        upload are launched while matrix i iterates, and i's result is applied once it is back."""
+        tasks, index = [], first_index
         for p in group["params"]:
             owner = index % self._owners(p)
             index += 1
-            if p.grad is None:
-                continue
-            grad, buf = p.grad, self._momentum(p)
-            if buf.dtype != grad.dtype:  # bf16 momentum: the arithmetic in the gradient's precision
-                wide = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
-                buf.copy_(wide)
-            else:
-                wide = buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(wide, momentum) if group["nesterov"] else wide
-            update = orthogonalized_update(update, group["ns_steps"], owner)
+            if p.grad is not None:
+                tasks.append((len(tasks), p, owner))
+        staged = bool(tasks) and needs_staging(tasks[0][1])
+        depth = self.pipeline_depth if staged else 0
+        if staged and self._staging is None:
+            self._staging = HostStaging(slots=self.pipeline_depth + 1)
+
+        def start(task):
+            i, p, owner = task
+            update = self._momentum_update(group, p)
+            return start_orthogonalization(update, group["ns_steps"], owner, self._staging if staged else None,
+                                           slot=i % (depth + 1))
+
+        def finish(task, wait):
+            _, p, _ = task
+            lr, update = group["lr"], wait()
             local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard: where update belongs
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+        pipelined(tasks, start, finish, depth)
         return index
 
     @staticmethod

@@ -11,7 +11,8 @@ is unchanged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
@@ -36,6 +37,55 @@ def skips_decay(model: torch.nn.Module, no_decay: bool, decay_all: bool) -> bool
     if no_decay or decay_all:
         return no_decay
     return bool(getattr(type(_declaring_model(model)), "no_decay_norms_biases_embeddings_by_default", False))
+
+
+@dataclass(frozen=True)
+class DecayChoice:
+    """The flags that decide the optimizer's weight-decay groups, kept to compare a resume with its checkpoint.
+
+    torch's ``load_state_dict`` matches parameter groups by position and restores each group's weight decay:
+    a checkpoint whose groups skipped decay on norms, biases and embeddings does not fit a run that decays every
+    parameter alike (a flat list, or role groups without the 0.0), and the other way round."""
+
+    no_decay: bool       # --no-decay-norms-biases-embeddings
+    decay_all: bool      # --decay-all-parameters
+    weight_decay: float  # --weight-decay: at 0 nothing is decayed, so no group is set apart
+
+    @classmethod
+    def from_saved(cls, cfg: Any) -> Optional["DecayChoice"]:
+        """A checkpoint's choice from its ``cfg``; None for one saved before the flags existed."""
+        if not isinstance(cfg, Mapping) or "no_decay_norms_biases_embeddings" not in cfg:
+            return None
+        return cls(bool(cfg["no_decay_norms_biases_embeddings"]), bool(cfg.get("decay_all_parameters")),
+                   float(cfg.get("weight_decay") or 0.0))
+
+    def skips(self, model: torch.nn.Module) -> bool:
+        """Whether the groups set norms, biases and embeddings apart (``parameter_groups``'s ``no_decay``)."""
+        return skips_decay(model, self.no_decay, self.decay_all) and self.weight_decay > 0
+
+    def because(self, model: torch.nn.Module) -> str:
+        if self.weight_decay <= 0:
+            return f"--weight-decay {self.weight_decay:g}"
+        if self.no_decay or self.decay_all:
+            return "--no-decay-norms-biases-embeddings" if self.no_decay else "--decay-all-parameters"
+        return f"{type(_declaring_model(model)).__name__}'s default"
+
+
+def check_resumed_decay_groups(where: str, saved: Optional[DecayChoice], now: DecayChoice,
+                               model: torch.nn.Module) -> None:
+    """A one-line refusal when this run's weight-decay groups are not the checkpoint's (``DecayChoice``)."""
+    if saved is None or saved.skips(model) == now.skips(model):
+        return
+    if saved.skips(model):
+        raise UserError(f"{where}: its optimizer state skips weight decay on norms, biases and embeddings (their "
+                        f"own parameter groups) but this run does not ({now.because(model)}), so the groups do not "
+                        f"match; resume with --no-decay-norms-biases-embeddings --weight-decay "
+                        f"{saved.weight_decay:g} as saved, or add --reset-optimizer")
+    raise UserError(f"{where}: its optimizer state treats every parameter alike for weight decay "
+                    f"({saved.because(model)}) but this run skips norms, biases and embeddings in their own "
+                    f"parameter groups ({now.because(model)}), so the groups do not match; resume with "
+                    f"{'--weight-decay 0' if saved.weight_decay <= 0 else '--decay-all-parameters'} as saved, "
+                    f"or add --reset-optimizer")
 
 
 def parameter_roles(model: torch.nn.Module, purpose: str) -> Dict[str, str]:

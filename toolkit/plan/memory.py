@@ -11,7 +11,9 @@ The counts follow what the trainer allocates (the tests compare them with its te
 * DDP and ``no_c10d`` keep whole fp32 parameters and gradients (fp16 ones under
   ``--memory-efficient-fp16``); under ``--fp16``/``--bf16`` autocast keeps a cast copy of every
   matmul weight until backward.
-* Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor; cpu_adam per
+* Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also ``--optimizer
+  muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
+  ``--muon-momentum-dtype bf16``); cpu_adam per
   ``--adam-state-precision`` (``toolkit.optim.quantized_states``'s layouts: 8-bit moments with one
   fp32 scale per 2048-value block of a row, fp32 for tensors under 4096 values or 1-D).
 * Activations: the meta-device trace of :mod:`toolkit.plan.model_stats` times the sequences per
@@ -66,11 +68,13 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape) if shape else 1
 
 
-def adam_state_bytes(setup: Setup, p: ParamInfo, local: Tuple[int, ...]) -> int:
+def optimizer_state_bytes(setup: Setup, p: ParamInfo, local: Tuple[int, ...]) -> int:
     """Optimizer state of one parameter's local piece, step counter included."""
     n = _numel(local)
     if setup.optimizer in ("sgd", "nag"):
         return 4 * n
+    if setup.optimizer == "muon" and p.role == "matrix":
+        return setup.muon_momentum_bytes * n  # torch's Muon keeps one momentum buffer and no step
     if setup.optimizer != "cpu_adam":
         return 8 * n + 4
     if setup.fp16_adam_stats:
@@ -107,15 +111,22 @@ def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Ite
     n = sum(_numel(s) for _, s in locals_)
     param_bytes = (2 if setup.memory_efficient_fp16 and not setup.fsdp else 4) * n
     grad_bytes = _grad_width(setup) * n
-    optim = sum(adam_state_bytes(setup, p, s) for p, s in locals_)
+    optim = sum(optimizer_state_bytes(setup, p, s) for p, s in locals_)
     host = setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu
     where = (lambda b: Item("", 0, b)) if host else (lambda b: Item("", b, 0))
     note = f"1/{S} shard" if S > 1 else "whole"
     return [_named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note,
                    True),
             _named(where(grad_bytes), "gradients", note),
-            _named(where(optim), "optimizer state", f"{setup.optimizer} {setup.adam_state_precision}"
-                   if setup.optimizer == "cpu_adam" else setup.optimizer, True)]
+            _named(where(optim), "optimizer state", _optimizer_note(setup), True)]
+
+
+def _optimizer_note(setup: Setup) -> str:
+    if setup.optimizer == "cpu_adam":
+        return f"cpu_adam {setup.adam_state_precision}"
+    if setup.optimizer == "muon":
+        return f"muon (momentum {'bf16' if setup.muon_momentum_bytes == 2 else 'fp32'}) + adamw"
+    return setup.optimizer
 
 
 def _named(item: Item, name: str, note: str, persistent: bool = False) -> Item:

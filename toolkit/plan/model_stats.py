@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import FlopsCounted, MetaTraceable, PositionTables
+from toolkit.core.protocols import FlopsCounted, MetaTraceable, ParameterRoles, PositionTables
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -38,6 +38,7 @@ class ParamInfo:
     tp_split: bool          # split over the tensor-parallel ranks (along dim 0)
     layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
     matmul: bool = True     # a weight some matmul reads (autocast casts it): 2-D and not a position table
+    role: str = ""          # the family's parameter_roles() ('matrix' takes Muon's update); "" when undeclared
 
     @property
     def numel(self) -> int:
@@ -111,12 +112,14 @@ def _layer_of(name: str) -> Optional[int]:
     return None
 
 
-def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
-    """Every parameter once (tied ones under their first name), in the model's order."""
+def param_infos(model: torch.nn.Module, with_roles: bool = False) -> Tuple[ParamInfo, ...]:
+    """Every parameter once (tied ones under their first name), in the model's order; ``with_roles``: each with
+    the family's role (asked only for an optimizer that uses them: a family may leave some unnamed)."""
     from toolkit.distributed.tensor_parallel import split_parameters
 
     split = split_parameters(model)
     positions = set(model.position_parameters()) if isinstance(model, PositionTables) else set()
+    roles = model.parameter_roles() if with_roles and isinstance(model, ParameterRoles) else {}
     seen, out = set(), []
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
@@ -124,7 +127,7 @@ def param_infos(model: torch.nn.Module) -> Tuple[ParamInfo, ...]:
         seen.add(id(p))
         shape = tuple(p.shape)
         out.append(ParamInfo(name, shape, name in split, _layer_of(name),
-                             matmul=len(shape) == 2 and name not in positions))
+                             matmul=len(shape) == 2 and name not in positions, role=roles.get(name, "")))
     return tuple(out)
 
 
@@ -207,7 +210,7 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         raise UserError(f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give "
                         "--tokens-per-sample N (N >= 1)")
     model = _build(arch, model_cfg, vocab, tokens)
-    infos = param_infos(model)
+    infos = param_infos(model, with_roles=bool(getattr(type(cfg.optimizer), "wants_parameter_roles", False)))
     flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)

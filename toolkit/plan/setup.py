@@ -38,6 +38,7 @@ class Setup:
     update_freq: int
     cp: int = 1                  # --context-parallel-size
     ep: int = 1                  # --expert-parallel-size
+    muon_momentum_bytes: int = 4  # --optimizer muon's momentum per matrix value (--muon-momentum-dtype)
 
     @property
     def rank_sequences(self) -> float:
@@ -96,4 +97,5 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
         offload_activations=dist.offload_activations, sequence_parallel=not dist.no_sequence_parallel,
         compute_bytes=2 if half else 4, memory_efficient_fp16=common.memory_efficient_fp16,
         batch_sequences=batch, update_freq=cfg.optimization.update_freq, cp=dist.context_parallel_size,
-        ep=dist.expert_parallel_size)
+        ep=dist.expert_parallel_size,
+        muon_momentum_bytes=2 if getattr(opt, "muon_momentum_dtype", "fp32") == "bf16" else 4)

@@ -35,7 +35,7 @@ from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
 from toolkit.optim.grad_norm import normalize_and_clip
 from toolkit.optim.loss_scaler import DynamicLossScaler
-from toolkit.optim.param_groups import log_decay_choice, parameter_groups, skips_decay
+from toolkit.optim.param_groups import DecayChoice, log_decay_choice, parameter_groups, skips_decay
 from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
 logger = logging.getLogger("toolkit.trainer")  # the name in log lines, kept from before the move
@@ -119,15 +119,19 @@ class Trainer:
 
     def _parameter_groups(self) -> List[Any]:
         """The trainable parameters, grouped by the family's roles where the optimizer or the weight decay asks."""
-        optimization, section = self.cfg.optimization, self.cfg.optimizer
-        no_decay = skips_decay(self.model, optimization.no_decay_norms_biases_embeddings,
-                               optimization.decay_all_parameters)
-        by_role = bool(getattr(type(section), "wants_parameter_roles", False))
-        weight_decay = float(getattr(section, "weight_decay", 0.0) or 0.0)
+        decay = self._decay_choice()
+        by_role = bool(getattr(type(self.cfg.optimizer), "wants_parameter_roles", False))
         if self.env.is_master:
-            log_decay_choice(self.model, no_decay, optimization.no_decay_norms_biases_embeddings, weight_decay)
-        return parameter_groups(self.model, by_role, no_decay and weight_decay > 0,
+            log_decay_choice(self.model, skips_decay(self.model, decay.no_decay, decay.decay_all), decay.no_decay,
+                             decay.weight_decay)
+        return parameter_groups(self.model, by_role, decay.skips(self.model),
                                 f"--optimizer {self.cfg.components.optimizer}")
+
+    def _decay_choice(self) -> DecayChoice:
+        """The weight-decay grouping flags (``DecayChoice``): the groups built here, the resume's check."""
+        optimization = self.cfg.optimization
+        return DecayChoice(optimization.no_decay_norms_biases_embeddings, optimization.decay_all_parameters,
+                           float(getattr(self.cfg.optimizer, "weight_decay", 0.0) or 0.0))
 
     # --- contexts -------------------------------------------------------------------
     def _autocast(self):
@@ -303,7 +307,8 @@ class Trainer:
         entries: Dict[str, Any] = {
             "model": ModelState(self.model),
             "optim": OptimizerState(self.model, self.optimizer, self.cfg.components.optimizer,
-                                    save=not ckpt.no_save_optimizer_state, reset=ckpt.reset_optimizer),
+                                    save=not ckpt.no_save_optimizer_state, reset=ckpt.reset_optimizer,
+                                    decay=self._decay_choice()),
             "train_iterator": DataPosition(progress, self.cfg.optimization.update_freq),
             "val_loss": Value(lambda: progress.val_loss),  # saved for fairseq's readers; a resume validates anew
             "best": Value(lambda: progress.best.best, lambda best: setattr(progress.best, "best", best)),
