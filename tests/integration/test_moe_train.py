@@ -129,8 +129,36 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
                         "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",
-                        "fully_sharded", "--save-dir", str(tmp_path)], timeout=120)
-    assert proc.returncode == 1 and "FSDP2 would shard" in proc.stdout + proc.stderr
+                        "fully_sharded", "--sharding-strategy", "hybrid_shard", "--save-dir", str(tmp_path)],
+                       timeout=120)
+    assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
+
+
+FSDP_EP = ["--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+
+
+def test_expert_parallel_with_fsdp2_equals_one_process(data_bin, one_process, tmp_path):
+    """--ddp-backend fully_sharded --expert-parallel-size 2: on 2 ranks (each expert on one rank: its FSDP2 mesh has
+    one rank) as one process with --update-freq 2, to the logged digits (``assert_logged_losses_match``), with the
+    consolidated checkpoint holding the whole stacks (rtol 1e-4); on 4 ranks (each expert sharded over the 2 ranks
+    holding it, its gradient reduce-scattered between them only) as one process with --update-freq 4, stopped after
+    2 updates and resumed from the consolidated checkpoint (weights and Adam moments gathered, then re-sharded)."""
+    proc = train(data_bin, tmp_path / "two", "--max-update", str(UPDATES), "--distributed-world-size", "2", *FSDP_EP)
+    assert "each sharded by FSDP2 over the 1 ranks holding them" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+    torch.testing.assert_close(expert_bias(tmp_path / "two"), one_process["bias"])
+    saved = torch.load(tmp_path / "two" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    for name, tensor in reference["model"].items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    alone = train(data_bin, tmp_path / "one", "--max-update", str(UPDATES), "--update-freq", "4")
+    four = ["--distributed-world-size", "4", *FSDP_EP]
+    first = train(data_bin, tmp_path / "four", "--max-update", "2", *four)
+    assert "each sharded by FSDP2 over the 2 ranks holding them" in first.stdout + first.stderr
+    resumed = train(data_bin, tmp_path / "four", "--max-update", str(UPDATES), *four)
+    assert_logged_losses_match(H.losses(first.stdout), H.losses(alone.stdout), range(1, 3))
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
 
 
 def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, one_process, tmp_path):

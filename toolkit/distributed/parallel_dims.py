@@ -245,6 +245,16 @@ class ParallelDims:
         return self._sub("experts", "ep", self.shape.ep)
 
     @property
+    def expert_fsdp_mesh(self) -> Any:
+        """What ``fully_shard(mesh=...)`` takes for a block's experts under ``--ddp-backend fully_sharded``
+        (torchtitan's ``dp_shard_mod_ep``): the (dp_shard x cp) / ep ranks holding the same experts, so an expert's
+        weights are sharded, and its gradients reduce-scattered, only among the ranks that compute with it."""
+        if not self.shape.fsdp or self.shape.hsdp or self.shape.tp > 1:
+            raise ValueError(f"the experts are sharded by FSDP2 only under full_shard or shard_grad_op without tensor "
+                             f"parallelism ({self.shape.describe()})")
+        return self._sub("experts", "ep_peers", self.shape.ep)
+
+    @property
     def expert_peers_group(self) -> Any:
         """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over."""
         self._sub("experts", "ep", self.shape.ep)
