@@ -126,6 +126,15 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_expert_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path):
+    """--compile under --expert-parallel-size 2 (2 ranks): each block compiled around its eager token exchange, the
+    losses those of one eager process with --update-freq 2 to the logged digits (``assert_logged_losses_match``)."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                 "--expert-parallel-size", "2", "--compile")
+    assert "graphs around the expert exchange" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+
+
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
                         "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",

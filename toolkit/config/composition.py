@@ -152,8 +152,6 @@ EP_HSDP = ("--expert-parallel-size with --sharding-strategy no_shard or hybrid_*
 EP_OFFLOAD = ("--expert-parallel-size with --cpu-offload or --overlap-offload-step: the host-memory step takes the "
               "gradient norm over the dense FSDP2 mesh (the overlapped step while backward runs), and the experts' "
               "shards live on a second mesh whose squares must first be added over the ep ranks; drop the offload")
-EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row counts are known only after "
-              "routing, which a compiled block cannot hold in one graph; drop --compile")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -262,7 +260,9 @@ for _sharded in ("TP", "SP"):
     _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
 for _offload in ("cpu-offload", "overlap-offload"):
     _PAIRS[(_offload, "EP")] = Refused(EP_OFFLOAD)
-_PAIRS[("EP", "compile")] = Refused(EP_COMPILE)
+_PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
+                                   "2 ranks, ep 2, c10d; the token exchange runs eagerly between two graphs of "
+                                   "each block")
 _PAIRS[("EP", "data mixture")] = INDEPENDENT
 for _model_split in ("CP", "EP"):
     for _other in NAMES:

@@ -155,8 +155,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         return _tensor_parallel(model, cfg, common, env, placement)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
-    if cfg.compile:
-        apply_compile(model, env.device)
+    if cfg.compile:  # expert parallelism: the token exchange stays eager, between two graphs of each block
+        apply_compile(model, env.device, fullgraph=dims.shape.ep == 1)
     if cfg.ddp_backend == "fully_sharded":
         return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)

@@ -265,6 +265,8 @@ class GroupedExperts(nn.Module):
             full = getattr(self, name)
             setattr(self, name, nn.Parameter(full[rank * local:(rank + 1) * local].clone()))
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+        # wrapped here, not at import: torch.compiler.disable imports dynamo, which a plain command does not need
+        self._eager_exchange = torch.compiler.disable(self._exchange_and_run)
         self._register_state_dict_hook(_gather_experts)  # checkpoints hold the whole stack, loadable at any P
         self._register_load_state_dict_pre_hook(_slice_experts, with_module=True)
 
@@ -297,6 +299,12 @@ class GroupedExperts(nn.Module):
         experts' rank and come back in the same order."""
         if self.ep_group is None:
             return self.run(rows, counts)
+        return self._eager_exchange(rows, counts)
+
+    def _exchange_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The exchange, always eager (``_eager_exchange``): its row counts per rank are known only after routing
+        (``.tolist()`` of a collective's result), so under ``--compile`` the block's graph stops before it and
+        resumes after it."""
         P, local = self.ep_size, self.num_experts // self.ep_size
         arriving = torch.empty_like(counts)  # [P * local]: from rank s, the rows for my expert e at s * local + e
         dist.all_to_all_single(arriving, counts, group=self.ep_group)
