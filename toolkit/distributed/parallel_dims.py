@@ -22,7 +22,9 @@ holding the same TP slice: :attr:`~ParallelDims.loss_group`), whose size divides
 Expert parallelism (as torchtitan and Megatron): the experts of a MoE layer are spread over ``ep`` ranks
 taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, consecutive ranks of it),
 so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
-the dense layers keep their ``dp_shard x cp`` sharding.
+the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's experts are sharded over the
+(dp_shard x cp) / ep ranks holding the same ones (``ep_peers``: :attr:`ParallelDims.expert_fsdp_mesh`,
+torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only.
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
