@@ -16,6 +16,7 @@ pytestmark = pytest.mark.integration
 
 UPDATES = 4
 ONE_PROC = ["--update-freq", "2"]
+FSDP_EP = ["--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
 ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped")
 
 
@@ -126,13 +127,27 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_expert_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path):
-    """--compile under --expert-parallel-size 2 (2 ranks): each block compiled around its eager token exchange, the
-    losses those of one eager process with --update-freq 2 to the logged digits (``assert_logged_losses_match``)."""
+@pytest.mark.parametrize("backend", ["c10d", "fully_sharded"])
+def test_expert_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path, backend):
+    """--compile under --expert-parallel-size 2 (2 ranks; DDP, and FSDP2): each block compiled (inductor) around its
+    eager token exchange, the losses those of one eager process with --update-freq 2 to the logged digits
+    (``assert_logged_losses_match``)."""
     proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--expert-parallel-size", "2", "--compile")
+                 "--expert-parallel-size", "2", "--ddp-backend", backend, "--compile")
     assert "graphs around the expert exchange" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+
+
+def test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process(data_bin, tmp_path):
+    """--cpu-offload --optimizer cpu_adam under FSDP2 x EP (2 ranks): the host-memory step over the experts' shards
+    and the dense ones, clipped by the whole model's norm, as one process with --update-freq 2 (the same optimizer)."""
+    host = ["--max-update", "2", "--optimizer", "cpu_adam", "--clip-norm", "0.05"]
+    alone = train(data_bin, tmp_path / "one", *host, *ONE_PROC)
+    placed = train(data_bin, tmp_path / "ep", *host, "--distributed-world-size", "2", *FSDP_EP, "--cpu-offload")
+    assert_logged_losses_match(H.losses(placed.stdout), H.losses(alone.stdout), range(1, 3))
+    norms = [gradient_norms(proc.stdout) for proc in (alone, placed)]
+    assert min(norms[0].values()) > 0.05  # clipping was active
+    assert norms[1] == pytest.approx(norms[0], rel=1e-3, abs=2e-3)
 
 
 def test_refusals_name_the_reason(data_bin, tmp_path):
@@ -142,8 +157,6 @@ def test_refusals_name_the_reason(data_bin, tmp_path):
                        timeout=120)
     assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
 
-
-FSDP_EP = ["--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
 
 
 def test_expert_parallel_with_fsdp2_equals_one_process(data_bin, one_process, tmp_path):

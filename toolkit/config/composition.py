@@ -149,9 +149,10 @@ EP_HSDP = ("--expert-parallel-size with --sharding-strategy no_shard or hybrid_*
            "across groups, while the ranks holding the same experts span those groups, so the experts would need a "
            "second (replicate, shard) mesh of their own; use --sharding-strategy full_shard or shard_grad_op (or "
            "--ddp-backend c10d, which replicates as no_shard does)")
-EP_OFFLOAD = ("--expert-parallel-size with --cpu-offload or --overlap-offload-step: the host-memory step takes the "
-              "gradient norm over the dense FSDP2 mesh (the overlapped step while backward runs), and the experts' "
-              "shards live on a second mesh whose squares must first be added over the ep ranks; drop the offload")
+EP_OVERLAP = ("--expert-parallel-size with --overlap-offload-step: the overlapped step takes the squares of the "
+              "gradient norm per FSDP2 group as backward runs and folds the clip factor into updates launched block "
+              "by block, while the experts' squares must first be added over the ep ranks (each holds other experts); "
+              "drop --overlap-offload-step (--cpu-offload alone composes)")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -258,11 +259,13 @@ _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equal
 _PAIRS[("HSDP", "EP")] = Refused(EP_HSDP)
 for _sharded in ("TP", "SP"):
     _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
-for _offload in ("cpu-offload", "overlap-offload"):
-    _PAIRS[(_offload, "EP")] = Refused(EP_OFFLOAD)
+_PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
+                                       "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
+                                       "GPU)")
+_PAIRS[("overlap-offload", "EP")] = Refused(EP_OVERLAP)
 _PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
-                                   "2 ranks, ep 2, c10d; the token exchange runs eagerly between two graphs of "
-                                   "each block")
+                                   "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
+                                   "two graphs of each block")
 _PAIRS[("EP", "data mixture")] = INDEPENDENT
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
