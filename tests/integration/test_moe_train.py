@@ -4,7 +4,9 @@ two gloo ranks (DDP; FSDP2 with activation checkpointing) logging the same losse
 a --compile run logging the same losses, and a resumed run equal to the uninterrupted one (the bias is saved
 with the model). Expert parallelism: the all-to-all dispatch and combine equal the local computation (2 gloo
 ranks), and two ranks with --expert-parallel-size 2 train as one process with --update-freq 2, their consolidated
-checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism."""
+checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism;
+under FSDP2 (2 ranks, and 4 ranks with each rank's experts sharded over 2, resumed), FSDP2 with --cpu-offload, and
+with --compile (the exchange eager between the compiled graphs) the same."""
 import pytest
 import torch
 

@@ -228,7 +228,7 @@ def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -
     FSDP2 shard of them when the experts are sharded: every rank holds the whole stack, so no communication)."""
     for name in EXPERT_PROJECTIONS:
         if prefix + name in state:
-            part = module.own_part(_whole_local(state[prefix + name]))
+            part = module.own_part(_whole_local(state[prefix + name]))  # DCP may hand a replicated DTensor
             param = getattr(module, name)
             if is_dtensor(param):  # a DTensor: FSDP2 shards these experts over their peers
                 from torch.distributed.tensor import distribute_tensor
