@@ -1,7 +1,8 @@
 """Worker for tests/integration/test_parallel_dims.py: the run's ParallelDims built on 4 gloo ranks.
 
 For each layout, every rank builds its ParallelDims from the same flags ``parallelize`` reads, asks
-for what its consumers ask (data rank and world, the loss group, the FSDP / TP / CP / EP meshes), sums
+for what its consumers ask (data rank and world, the loss group, the FSDP / TP / CP / EP meshes, the
+experts' FSDP2 mesh), sums
 its rank over each group with a real collective, and rank 0 gathers all ranks' answers.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ LAYOUTS = {
     "c10d_tp2": dict(model_parallel_size=2),
     "full_shard_tp2_ep2": dict(ddp_backend="fully_sharded", model_parallel_size=2, expert_parallel_size=2),
     "full_shard_cp2_ep4": dict(ddp_backend="fully_sharded", context_parallel_size=2, expert_parallel_size=4),
+    "full_shard_ep2": dict(ddp_backend="fully_sharded", expert_parallel_size=2),
 }
 
 
@@ -44,6 +46,9 @@ def _describe(dims) -> Dict:
         if size > 1:
             group = getattr(dims, f"{axis}_mesh").get_group()
             out[axis] = (_ranks(group), _summed_rank(group))
+    if dims.shape.ep > 1 and dims.shape.fsdp and not dims.shape.hsdp and dims.shape.tp == 1:
+        group = dims.expert_fsdp_mesh.get_group()  # FSDP2's mesh of the experts: the ranks holding the same ones
+        out["expert_fsdp"] = (_ranks(group), _summed_rank(group))
     return out
 
 

@@ -4,7 +4,9 @@ two gloo ranks (DDP; FSDP2 with activation checkpointing) logging the same losse
 a --compile run logging the same losses, and a resumed run equal to the uninterrupted one (the bias is saved
 with the model). Expert parallelism: the all-to-all dispatch and combine equal the local computation (2 gloo
 ranks), and two ranks with --expert-parallel-size 2 train as one process with --update-freq 2, their consolidated
-checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism."""
+checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism;
+under FSDP2 (2 ranks, and 4 ranks with each rank's experts sharded over 2, resumed), FSDP2 with --cpu-offload, and
+with --compile (the exchange eager between the compiled graphs) the same."""
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ pytestmark = pytest.mark.integration
 
 UPDATES = 4
 ONE_PROC = ["--update-freq", "2"]
+FSDP_EP = ["--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
 ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped")
 
 
@@ -126,11 +129,60 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("backend", ["c10d", "fully_sharded"])
+def test_expert_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path, backend):
+    """--compile under --expert-parallel-size 2 (2 ranks; DDP, and FSDP2): each block compiled (inductor) around its
+    eager token exchange, the losses those of one eager process with --update-freq 2 to the logged digits
+    (``assert_logged_losses_match``)."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
+                 "--expert-parallel-size", "2", "--ddp-backend", backend, "--compile")
+    assert "graphs around the expert exchange" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+
+
+def test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process(data_bin, tmp_path):
+    """--cpu-offload --optimizer cpu_adam under FSDP2 x EP (2 ranks): the host-memory step over the experts' shards
+    and the dense ones, clipped by the whole model's norm, as one process with --update-freq 2 (the same optimizer)."""
+    host = ["--max-update", "2", "--optimizer", "cpu_adam", "--clip-norm", "0.05"]
+    alone = train(data_bin, tmp_path / "one", *host, *ONE_PROC)
+    placed = train(data_bin, tmp_path / "ep", *host, "--distributed-world-size", "2", *FSDP_EP, "--cpu-offload")
+    assert_logged_losses_match(H.losses(placed.stdout), H.losses(alone.stdout), range(1, 3))
+    norms = [gradient_norms(proc.stdout) for proc in (alone, placed)]
+    assert min(norms[0].values()) > 0.05  # clipping was active
+    assert norms[1] == pytest.approx(norms[0], rel=1e-3, abs=2e-3)
+
+
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
                         "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",
-                        "fully_sharded", "--save-dir", str(tmp_path)], timeout=120)
-    assert proc.returncode == 1 and "FSDP2 would shard" in proc.stdout + proc.stderr
+                        "fully_sharded", "--sharding-strategy", "hybrid_shard", "--save-dir", str(tmp_path)],
+                       timeout=120)
+    assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
+
+
+
+def test_expert_parallel_with_fsdp2_equals_one_process(data_bin, one_process, tmp_path):
+    """--ddp-backend fully_sharded --expert-parallel-size 2: on 2 ranks (each expert on one rank: its FSDP2 mesh has
+    one rank) as one process with --update-freq 2, to the logged digits (``assert_logged_losses_match``), with the
+    consolidated checkpoint holding the whole stacks (rtol 1e-4); on 4 ranks (each expert sharded over the 2 ranks
+    holding it, its gradient reduce-scattered between them only) as one process with --update-freq 4, stopped after
+    2 updates and resumed from the consolidated checkpoint (weights and Adam moments gathered, then re-sharded)."""
+    proc = train(data_bin, tmp_path / "two", "--max-update", str(UPDATES), "--distributed-world-size", "2", *FSDP_EP)
+    assert "each sharded by FSDP2 over the 1 ranks holding them" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+    torch.testing.assert_close(expert_bias(tmp_path / "two"), one_process["bias"])
+    saved = torch.load(tmp_path / "two" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    for name, tensor in reference["model"].items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    alone = train(data_bin, tmp_path / "one", "--max-update", str(UPDATES), "--update-freq", "4")
+    four = ["--distributed-world-size", "4", *FSDP_EP]
+    first = train(data_bin, tmp_path / "four", "--max-update", "2", *four)
+    assert "each sharded by FSDP2 over the 2 ranks holding them" in first.stdout + first.stderr
+    resumed = train(data_bin, tmp_path / "four", "--max-update", str(UPDATES), *four)
+    assert_logged_losses_match(H.losses(first.stdout), H.losses(alone.stdout), range(1, 3))
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
 
 
 def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, one_process, tmp_path):

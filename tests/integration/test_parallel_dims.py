@@ -73,3 +73,13 @@ def test_context_and_expert_parallel(layouts):
     assert _each_rank(ranks, "mesh") == [((4,), ("dp_shard_cp",))] * 4
     assert _each_rank(ranks, "cp") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
     assert _each_rank(ranks, "ep") == [(ALL, 6)] * 4
+    assert _each_rank(ranks, "expert_fsdp") == [([r], r) for r in ALL]  # each rank alone holds its experts
+
+
+def test_experts_sharded_by_fsdp2_over_the_ranks_holding_them(layouts):
+    """full_shard x ep 2 on 4 ranks: the dense layers shard over all 4, ep pairs are consecutive data-parallel ranks,
+    and each rank's experts are sharded over the ranks with the same ep index (torchtitan's dp_shard_mod_ep)."""
+    ranks = layouts["full_shard_ep2"]
+    assert _each_rank(ranks, "fsdp") == [((4,), ("dp_shard",))] * 4
+    assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
+    assert _each_rank(ranks, "expert_fsdp") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]

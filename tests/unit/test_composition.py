@@ -111,3 +111,14 @@ def test_an_option_of_another_family_is_one_line_naming_it(flags, message):
     assert str(e.value) == message
     with pytest.raises(SystemExit):  # a flag no family has: argparse's own error, as before
         parse_train_config(["data", "--arch", "llama_tiny", "--max-update", "1", "--no-such-option"])
+
+
+def test_expert_parallelism_composes_with_full_shard_and_compile_not_with_a_replicating_strategy():
+    """FSDP x EP and EP x compile pass the resolver; no_shard (a replicate mesh, like hybrid sharding's groups,
+    which is not a feature pair of the table) is refused with the hybrid reason."""
+    ep = ["--arch", "moe_tiny", "--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+    assert C.refusal(resolve(*ep, "--compile")) is None
+    assert C.refusal(resolve(*ep, "--sharding-strategy", "shard_grad_op")) is None
+    with pytest.raises(UserError) as e:
+        resolve(*ep, "--sharding-strategy", "no_shard")
+    assert str(e.value) == C.EP_HSDP

@@ -117,8 +117,10 @@ def test_tensor_parallel_is_refused_and_expert_parallel_accepted():
     check_model_capabilities(cfg, "moe_tiny", MoELanguageModel)  # the family places its experts
     from toolkit.config import composition
 
-    for other in ("TP", "FSDP", "cpu-offload", "compile"):  # what expert parallelism does not compose with
+    for other in ("TP", "HSDP", "overlap-offload"):  # what expert parallelism does not compose with
         assert isinstance(composition.status("EP", other), composition.Refused), other
+    for other in ("FSDP", "cpu-offload", "compile"):  # what it composes with, each pair tested
+        assert isinstance(composition.status("EP", other), composition.Tested), other
 
 
 @pytest.mark.parametrize("arch", ["moe_tiny", "olmoe_tiny", "mixtral_tiny"])

@@ -145,11 +145,17 @@ CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each bloc
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
               "--compile (or the split)")
-EP_SHARDED = ("--expert-parallel-size with --ddp-backend fully_sharded or --model-parallel-size > 1: FSDP2 would "
-              "shard and reduce-scatter each rank's expert shard together with the ranks holding other experts, and "
-              "tensor parallelism splits the same layers a second way; use --ddp-backend c10d or no_c10d")
-EP_COMPILE = ("--expert-parallel-size with --compile: the token exchange's row counts are known only after "
-              "routing, which a compiled block cannot hold in one graph; drop --compile")
+EP_SHARDED = ("--expert-parallel-size with --model-parallel-size > 1: tensor parallelism would split each rank's "
+              "experts a second way, over the tp ranks, and the token exchange sends whole rows to whole experts; use "
+              "--model-parallel-size 1")
+EP_HSDP = ("--expert-parallel-size with --sharding-strategy no_shard or hybrid_*: the dense layers are replicated "
+           "across groups, while the ranks holding the same experts span those groups, so the experts would need a "
+           "second (replicate, shard) mesh of their own; use --sharding-strategy full_shard or shard_grad_op (or "
+           "--ddp-backend c10d, which replicates as no_shard does)")
+EP_OVERLAP = ("--expert-parallel-size with --overlap-offload-step: the overlapped step takes the squares of the "
+              "gradient norm per FSDP2 group as backward runs and folds the clip factor into updates launched block "
+              "by block, while the experts' squares must first be added over the ep ranks (each holds other experts); "
+              "drop --overlap-offload-step (--cpu-offload alone composes)")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -262,9 +268,19 @@ CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_
 for _other in ("TP", "SP", "AC", "bf16"):
     _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
 _PAIRS[("CP", "compile")] = Refused(CP_COMPILE)
-for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
+EXPERTS = "tests/integration/test_moe_train.py::"
+_PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equals_one_process",
+                                "2 ranks (ep 2) and 4 ranks (ep 2, the experts sharded over 2); full_shard")
+_PAIRS[("HSDP", "EP")] = Refused(EP_HSDP)
+for _sharded in ("TP", "SP"):
     _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
-_PAIRS[("EP", "compile")] = Refused(EP_COMPILE)
+_PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
+                                       "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
+                                       "GPU)")
+_PAIRS[("overlap-offload", "EP")] = Refused(EP_OVERLAP)
+_PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
+                                   "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
+                                   "two graphs of each block")
 _PAIRS[("EP", "data mixture")] = INDEPENDENT
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
@@ -333,6 +349,9 @@ def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
     """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
     if _size(cfg, "expert_parallel_size") <= 1:
         return None
+    dist = cfg.distributed
+    if dist.ddp_backend == "fully_sharded" and dist.sharding_strategy == "no_shard":
+        return EP_HSDP  # FSDP's no_shard is a replicate mesh, as hybrid sharding's groups are
     checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint is not None and checkpoint.use_sharded_state:
         return EP_SHARDED_STATE

@@ -13,7 +13,7 @@ then the checkpoint wrapper, so dynamo sees the recomputation region), compile, 
 ``forward`` is compiled: the per-rank random-number hooks on the block (``torch.manual_seed`` of a
 forked generator, which dynamo cannot put in a graph) then run eagerly around it.
 Each block is compiled with ``fullgraph=True``: a graph break inside a block is an error
-rather than a silent slowdown.
+rather than a silent slowdown; under ``--expert-parallel-size`` the one planned break is the token exchange.
 
 The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
 ``torch.compile`` backend (e.g. ``aot_eager``: the same graph capture and autograd
@@ -55,23 +55,29 @@ def _cxx_compiler_present() -> bool:
     return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name)
 
 
-def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: bool = False) -> None:
+def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: bool = False,
+                  fullgraph: bool = True) -> None:
     """Compile every block of ``model.layers`` in place and log the cost of the first training passes.
 
     ``hooks_eager``: compile only the block's own ``forward`` (inside an activation-checkpointing
     wrapper), so the forward hooks on the block stay outside the compiled code. Tensor parallelism
     needs this: its per-rank random-number hooks reseed the generator (``torch.manual_seed``), which
     dynamo cannot capture in a graph, around the block.
+
+    ``fullgraph=False``: a block may be several graphs. Expert parallelism needs this: its token exchange
+    (``GroupedExperts._exchange_and_run``, ``torch.compiler.disable``) runs eagerly between the graph of the
+    attention and router and the graph of the combine.
     """
     backend = compile_backend(device)
     for block in model.layers:
         if hooks_eager:
             inner = block._checkpoint_wrapped_module if hasattr(block, "_checkpoint_wrapped_module") else block
-            inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=True)
+            inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=fullgraph)
         else:
-            block.compile(backend=backend, fullgraph=True)
+            block.compile(backend=backend, fullgraph=fullgraph)
     CompileTimeLog(model, backend)
-    logger.info(f"--compile: torch.compile ({backend}, fullgraph) on each of the {len(model.layers)} blocks; "
+    graphs = "fullgraph" if fullgraph else "graphs around the expert exchange"
+    logger.info(f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(model.layers)} blocks; "
                 f"the first training pass compiles them (forward and backward)")
 
 

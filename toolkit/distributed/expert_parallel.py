@@ -8,6 +8,13 @@ differ between the ranks of one ep group, so DDP leaves them out of its all-redu
 ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds the
 contributions of the tokens of all P ranks, brought back by the exchange's backward.
 
+Under ``--ddp-backend fully_sharded`` (torchtitan's layout) the experts are placed on the meta device, before
+FSDP2: :func:`shard_experts` ``fully_shard``-s each layer's E/P experts over the ranks holding the same ones
+(``ParallelDims.expert_fsdp_mesh``, (dp_shard x cp) / P ranks), while the rest of the block is sharded over all
+dp_shard x cp ranks as without experts. FSDP2 then reduce-scatters the expert gradients among those peers only,
+divided by the same data-parallel size as the dense ones (``set_gradient_divide_factor``), and ``init_weights``
+draws each whole stack and keeps this rank's part (``GroupedExperts.initial_parts``), as one process would.
+
 Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
 :func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments (cpu_adam's
 fp16 moments put on one scale first), so a checkpoint saved at one P resumes at any other (1 included;
@@ -36,24 +43,47 @@ def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> Tuple[L
     return names, params
 
 
+def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any) -> None:
+    """``fully_shard`` each placed expert stack of ``unit`` (a block, before the block itself) over the ranks that
+    hold the same experts; their summed gradient is divided by the dense layers' data-parallel size, so both
+    are the average over every rank's tokens."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in unit.modules():
+        if isinstance(module, GroupedExperts) and module.ep_group is not None:
+            mesh = dims.expert_fsdp_mesh
+            fully_shard(module, mesh=mesh, **fsdp_options)
+            module.set_gradient_divide_factor(float(dims.shape.fsdp_shard))
+            # gloo has no pre-multiplied sum: sum, then divide (on one rank FSDP2 divides without either)
+            if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group()) == "gloo":
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def placed_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters of every placed expert stack (FSDP2's DTensors once sharded)."""
+    return [param for _fqn, _module, param in _placed(model)]
+
+
 class ExpertGradients:
     """The placed experts' gradients: summed over the ranks holding the same experts after the update's last
-    micro-batch (``enabled``, set by the strategy's ``grad_sync``), and their part of the global norm."""
+    micro-batch (``enabled``, set by the strategy's ``grad_sync``; ``reduce=False``: FSDP2 reduce-scatters them
+    itself), and their part of the global norm."""
 
-    def __init__(self, params: List[torch.nn.Parameter], dims: ParallelDims):
+    def __init__(self, params: List[torch.nn.Parameter], dims: ParallelDims, reduce: bool = True):
         from toolkit.distributed.strategies import GradAllReduce
 
-        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group)
+        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group) if reduce else None
         self.ep_group = dims.ep_mesh.get_group()
         self.ids = {id(p) for p in params}
 
     @property
     def enabled(self) -> bool:
-        return self.reducer.enabled
+        return self.reducer is not None and self.reducer.enabled
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
-        self.reducer.enabled = value
+        if self.reducer is not None:
+            self.reducer.enabled = value
 
     def global_norm(self, params: List[torch.nn.Parameter]) -> float:
         return global_grad_norm(params, self.ids, self.ep_group)
@@ -62,10 +92,16 @@ class ExpertGradients:
 def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_group: Any) -> float:
     """The L2 norm of all gradients of the model: the replicated ones once, each expert shard's squares added
     over the ep ranks (each holds other experts), so every rank measures, and clips by, the same norm."""
-    from toolkit.optim.grad_norm import sum_of_squares
+    from toolkit.core.dtensor import is_dtensor
+    from toolkit.optim.grad_norm import sum_of_squares, total_norm
 
-    dense = sum_of_squares([p.grad for p in params if id(p) not in expert_ids and p.grad is not None])
-    experts = sum_of_squares([p.grad for p in params if id(p) in expert_ids and p.grad is not None]).clone()
+    dense_grads = [p.grad for p in params if id(p) not in expert_ids and p.grad is not None]
+    expert_grads = [p.grad for p in params if id(p) in expert_ids and p.grad is not None]
+    if any(is_dtensor(g) for g in dense_grads + expert_grads):  # FSDP2: each group summed over its own shards
+        dense = total_norm(dense_grads).double().square()
+        experts = total_norm(expert_grads).double().square()
+    else:
+        dense, experts = sum_of_squares(dense_grads), sum_of_squares(expert_grads).clone()
     torch.distributed.all_reduce(experts, group=ep_group)
     return float((dense + experts).sqrt())
 

@@ -22,7 +22,9 @@ holding the same TP slice: :attr:`~ParallelDims.loss_group`), whose size divides
 Expert parallelism (as torchtitan and Megatron): the experts of a MoE layer are spread over ``ep`` ranks
 taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, consecutive ranks of it),
 so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
-the dense layers keep their ``dp_shard x cp`` sharding.
+the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's experts are sharded over the
+(dp_shard x cp) / ep ranks holding the same ones (``ep_peers``: :attr:`ParallelDims.expert_fsdp_mesh`,
+torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only.
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
@@ -243,6 +245,16 @@ class ParallelDims:
     @property
     def ep_mesh(self) -> Any:
         return self._sub("experts", "ep", self.shape.ep)
+
+    @property
+    def expert_fsdp_mesh(self) -> Any:
+        """What ``fully_shard(mesh=...)`` takes for a block's experts under ``--ddp-backend fully_sharded``
+        (torchtitan's ``dp_shard_mod_ep``): the (dp_shard x cp) / ep ranks holding the same experts, so an expert's
+        weights are sharded, and its gradients reduce-scattered, only among the ranks that compute with it."""
+        if not self.shape.fsdp or self.shape.hsdp or self.shape.tp > 1:
+            raise ValueError(f"the experts are sharded by FSDP2 only under full_shard or shard_grad_op without tensor "
+                             f"parallelism ({self.shape.describe()})")
+        return self._sub("experts", "ep_peers", self.shape.ep)
 
     @property
     def expert_peers_group(self) -> Any:

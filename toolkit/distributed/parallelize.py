@@ -35,7 +35,7 @@ The meshes, the data-parallel rank and the reduction group come from the run's o
 from __future__ import annotations
 
 import logging
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,12 @@ import torch.distributed as dist
 from toolkit import models
 from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
 from toolkit.distributed.compile import apply_compile
-from toolkit.distributed.expert_parallel import ExpertGradients, apply_expert_parallel
+from toolkit.distributed.expert_parallel import (
+    ExpertGradients,
+    apply_expert_parallel,
+    placed_parameters,
+    shard_experts,
+)
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
@@ -109,19 +114,23 @@ def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: CommonConfig,
-               env: DistributedEnv) -> None:
-    """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root."""
+               env: DistributedEnv, dims: Optional[ParallelDims] = None) -> None:
+    """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root;
+    under expert parallelism (``dims.shape.ep > 1``) each unit's placed experts first, over their own mesh."""
     from torch.distributed.fsdp import fully_shard
 
     from toolkit.distributed.tensor_parallel import fsdp_units
 
-    shared = dict(mesh=mesh, mp_policy=mixed_precision_policy(common), offload_policy=offload_policy(cfg, env))
+    policies = dict(mp_policy=mixed_precision_policy(common), offload_policy=offload_policy(cfg, env))
     reshard = reshard_after_forward(cfg)
     units = fsdp_units(model)  # the family's plan says which (its blocks)
     for i, unit in enumerate(units):
         # The last unit's parameters are needed again as soon as backward starts.
-        fully_shard(unit, reshard_after_forward=reshard and i < len(units) - 1, **shared)
-    fully_shard(model, reshard_after_forward=False, **shared)
+        unit_reshard = reshard and i < len(units) - 1
+        if dims is not None and dims.shape.ep > 1:
+            shard_experts(unit, dims, reshard_after_forward=unit_reshard, **policies)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=unit_reshard, **policies)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
 
 
 def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -146,8 +155,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         return _tensor_parallel(model, cfg, common, env, placement)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
-    if cfg.compile:
-        apply_compile(model, env.device)
+    if cfg.compile:  # expert parallelism: the token exchange stays eager, between two graphs of each block
+        apply_compile(model, env.device, fullgraph=dims.shape.ep == 1)
     if cfg.ddp_backend == "fully_sharded":
         return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)
@@ -193,8 +202,11 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
                  placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
     if not dist.is_initialized():
         raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
-    mesh = placement["dims"].fsdp_mesh
-    apply_fsdp(model, mesh, cfg, common, env)
+    dims = placement["dims"]
+    mesh = dims.fsdp_mesh
+    if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, are then sharded over their peers
+        apply_expert_parallel(model, dims)
+    apply_fsdp(model, mesh, cfg, common, env, dims)
     offloaded = cfg.cpu_offload and env.device.type == "cuda"
     model.to_empty(device="cpu" if offloaded else env.device)
     if offloaded:
@@ -207,6 +219,10 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
     logger.info(f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
                 f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
                 f"mixed precision: {mixed_precision_policy(common)}")
+    if dims.shape.ep > 1:
+        placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
+        logger.info(f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
+                    f"ranks, each sharded by FSDP2 over the {dims.expert_fsdp_mesh.size()} ranks holding them")
     strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
     return model, strategy
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from toolkit.core.protocols import Initializable
+
+Part = Tuple[Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]  # (the whole tensor's shape, its cut to this rank)
 
 def meta_embedding(num_embeddings: int, dim: int, padding_idx: Optional[int] = None) -> nn.Embedding:
     """An ``nn.Embedding`` without torch's default init, for the families' meta-device builds (``init_weights``
@@ -76,8 +78,10 @@ def init_weights(model: nn.Module, seed: int, threads: Optional[int] = None) -> 
                                "materialize the model first (model.to_empty(device=...))")
         params.append((canonical_name(name), param))
 
+    parts = _initial_parts(owner)
+
     def fill(item: Tuple[str, torch.Tensor]) -> None:
-        _fill_parameter(owner, seed, *item)
+        _fill_parameter(owner, seed, *item, part=parts.get(item[0]))
 
     workers = min(threads or torch.get_num_threads(), len(params))
     if params:
@@ -95,12 +99,28 @@ def init_weights(model: nn.Module, seed: int, threads: Optional[int] = None) -> 
             reset()
 
 
+def _initial_parts(owner: nn.Module) -> Dict[str, Part]:
+    """Parameters that hold part of a larger tensor before initialization (expert parallelism under FSDP2
+    places each rank's experts on the meta device): by name, the whole shape to draw and the cut to keep, so
+    the values equal a plain build's. A module says so with ``initial_parts()`` ({its parameter: (shape, cut)})."""
+    parts: Dict[str, Part] = {}
+    for prefix, module in owner.named_modules():
+        declared = getattr(module, "initial_parts", None)
+        for local, part in (declared() if callable(declared) else {}).items():
+            parts[canonical_name(f"{prefix}.{local}" if prefix else local)] = part
+    return parts
+
+
 @torch.no_grad()  # grad mode is per thread: the pool's threads start with it on
-def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor) -> None:
+def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor, part: Optional[Part] = None) -> None:
     """Draw parameter ``name``'s full value from its own generator and copy (this rank's part of) it in."""
     generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
     with torch.device("cpu"):  # values come from a CPU generator, also when built under torch.device("cuda")
-        full = owner.initial_value(name, param.shape, generator)
+        if part is None:
+            full = owner.initial_value(name, param.shape, generator)
+        else:
+            whole_shape, cut = part
+            full = cut(owner.initial_value(name, torch.Size(whole_shape), generator))
     if tuple(full.shape) != tuple(param.shape):
         raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
                            f"expected {tuple(param.shape)}")

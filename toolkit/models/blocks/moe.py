@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.core.dtensor import is_dtensor
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
 
 logger = logging.getLogger("toolkit.moe")
@@ -225,10 +226,23 @@ def _gather_experts(module: "GroupedExperts", state: Dict, prefix: str, _metadat
 
 
 def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -> None:
-    """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts."""
+    """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts (as this rank's
+    FSDP2 shard of them when the experts are sharded: every rank holds the whole stack, so no communication)."""
     for name in EXPERT_PROJECTIONS:
         if prefix + name in state:
-            state[prefix + name] = module.own_part(state[prefix + name])
+            part = module.own_part(_whole_local(state[prefix + name]))  # DCP may hand a replicated DTensor
+            param = getattr(module, name)
+            if is_dtensor(param):  # a DTensor: FSDP2 shards these experts over their peers
+                from torch.distributed.tensor import distribute_tensor
+
+                part = distribute_tensor(part.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                         src_data_rank=None)
+            state[prefix + name] = part
+
+
+def _whole_local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's shard of this rank's experts) gathered over its mesh (collective); a tensor as it is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 class GroupedExperts(nn.Module):
@@ -253,6 +267,8 @@ class GroupedExperts(nn.Module):
             full = getattr(self, name)
             setattr(self, name, nn.Parameter(full[rank * local:(rank + 1) * local].clone()))
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+        # wrapped here, not at import: torch.compiler.disable imports dynamo, which a plain command does not need
+        self._eager_exchange = torch.compiler.disable(self._exchange_and_run)
         self._register_state_dict_hook(_gather_experts)  # checkpoints hold the whole stack, loadable at any P
         self._register_load_state_dict_pre_hook(_slice_experts, with_module=True)
 
@@ -261,9 +277,17 @@ class GroupedExperts(nn.Module):
         ranks into [E, ...]; anything else (a scalar step count) as it is. Collective."""
         if shard.dim() == 0 or shard.size(0) != self.num_experts // self.ep_size:
             return shard
+        shard = _whole_local(shard)  # under FSDP2, this rank's experts are first gathered from their peers
         shards = [torch.empty_like(shard) for _ in range(self.ep_size)]
         dist.all_gather(shards, shard.detach().contiguous(), group=self.ep_group)
         return torch.cat(shards)
+
+    def initial_parts(self) -> Dict[str, Tuple[Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
+        """Placed before initialization (on the meta device, under FSDP2): each stack's whole shape and the cut to
+        this rank's experts, so ``init_weights`` draws the values of the whole stack, as one process does."""
+        if self.ep_group is None:
+            return {}
+        return {name: ((self.num_experts, *getattr(self, name).shape[1:]), self.own_part) for name in EXPERT_PROJECTIONS}
 
     def own_part(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole [E, ...] per-expert tensor; anything else as it is."""
@@ -277,6 +301,12 @@ class GroupedExperts(nn.Module):
         experts' rank and come back in the same order."""
         if self.ep_group is None:
             return self.run(rows, counts)
+        return self._eager_exchange(rows, counts)
+
+    def _exchange_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The exchange, always eager (``_eager_exchange``): its row counts per rank are known only after routing
+        (``.tolist()`` of a collective's result), so under ``--compile`` the block's graph stops before it and
+        resumes after it."""
         P, local = self.ep_size, self.num_experts // self.ep_size
         arriving = torch.empty_like(counts)  # [P * local]: from rank s, the rows for my expert e at s * local + e
         dist.all_to_all_single(arriving, counts, group=self.ep_group)
