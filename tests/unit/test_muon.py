@@ -325,3 +325,24 @@ def test_staged_sharded_matrices_take_the_plain_step(mesh, monkeypatch):
         params[staging] = [p.full_tensor() for p in ps]
     for a, b in zip(params[True], params[False]):
         assert torch.equal(a, b)
+
+
+def test_a_stack_of_expert_matrices_takes_each_matrix_own_muon_step():
+    """A MoE layer's [E, out, in] expert weights: Muon's step equals the step of E separate 2-D matrices (each
+    orthogonalized alone, the learning rate adjusted by one matrix's shape, not the stack's)."""
+    from toolkit.optim.muon import Muon
+
+    torch.manual_seed(0)
+    stack = torch.nn.Parameter(torch.randn(3, 8, 5))
+    apart = [torch.nn.Parameter(m.detach().clone()) for m in stack]
+    grads = torch.randn(2, 3, 8, 5)
+    together = Muon([{"params": [stack], "role": "matrix"}], lr=0.02, weight_decay=0.1)
+    separate = Muon([{"params": apart, "role": "matrix"}], lr=0.02, weight_decay=0.1)
+    for g in grads:
+        stack.grad = g.clone()
+        for p, part in zip(apart, g):
+            p.grad = part.clone()
+        together.step()
+        separate.step()
+    torch.testing.assert_close(stack.detach(), torch.stack([p.detach() for p in apart]), rtol=0, atol=0)
+    assert not torch.equal(stack.detach()[0], apart[1].detach())

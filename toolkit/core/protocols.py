@@ -304,7 +304,7 @@ class PostStepHook(Protocol):
 
 PARAMETER_ROLES = ("matrix", "embedding", "output", "norm", "bias")
 """What a parameter is to an optimizer: ``matrix`` (a 2-D weight inside the blocks, multiplied with the hidden
-states: what Muon orthogonalizes), ``embedding`` (a lookup table: token or position embeddings), ``output``
+states, or a [experts, out, in] stack of them: what Muon orthogonalizes, matrix by matrix), ``embedding`` (a lookup table: token or position embeddings), ``output``
 (the output head), ``norm`` (a normalization's scale), ``bias``. Muon takes ``matrix`` and leaves the rest to
 AdamW; ``--weight-decay`` skips ``norm``, ``bias`` and ``embedding`` under ``--no-decay-norms-biases-embeddings``."""
 

@@ -115,7 +115,8 @@ def roles_by_prefix(model: torch.nn.Module, embeddings: tuple, outputs: tuple) -
     """A decoder family's parameter roles (``toolkit.core.protocols.ParameterRoles``) from what the family
     declares: the module prefixes that are lookup tables (``embeddings``) and the output head (``outputs``).
     Everything else follows from the module that owns the parameter: a bias is a ``bias``, the weight of a
-    normalization (1-D) is a ``norm``, a 2-D weight in the blocks is a ``matrix``."""
+    normalization (1-D) is a ``norm``, a 2-D weight in the blocks is a ``matrix``, and so is a 3-D stack of
+    experts' weights (Muon orthogonalizes each expert's matrix)."""
     roles: Dict[str, str] = {}
     for name, p in model.named_parameters():
         if name.startswith(embeddings):
@@ -126,7 +127,7 @@ def roles_by_prefix(model: torch.nn.Module, embeddings: tuple, outputs: tuple) -
             roles[name] = "bias"
         elif p.dim() == 1:
             roles[name] = "norm"
-        elif p.dim() == 2:
+        elif p.dim() == 2 or p.dim() == 3:  # a weight, or a MoE layer's stack of experts' weights
             roles[name] = "matrix"
         else:
             raise ValueError(f"{type(model).__name__}: no role for parameter {name} of shape {tuple(p.shape)}")

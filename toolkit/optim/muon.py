@@ -64,7 +64,10 @@ class MuonConfig:
 
 
 def newton_schulz(matrix: torch.Tensor, ns_steps: int) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalization of one whole matrix (its coefficients; the result in bf16)."""
+    """torch.optim.Muon's orthogonalization of one whole matrix (its coefficients; the result in bf16); a stack
+    [E, A, B] (a MoE layer's experts) is E matrices, each orthogonalized on its own."""
+    if matrix.dim() == 3:
+        return torch.stack([newton_schulz(m, ns_steps) for m in matrix])
     return _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), ns_steps, EPS)
 
 
@@ -200,9 +203,10 @@ class Muon(torch.optim.Optimizer):
             if group["role"] == "matrix":
                 group["lr_ratio"] = 1.0
                 for p in group["params"]:
-                    if p.dim() != 2:
+                    if p.dim() not in (2, 3):
                         raise ValueError(f"--optimizer muon: a 'matrix' parameter has shape {tuple(p.shape)}; "
-                                         "the family's parameter_roles must name only 2-D weights 'matrix'")
+                                         "the family's parameter_roles must name only 2-D weights (or stacks "
+                                         "of them, [experts, out, in]) 'matrix'")
         self._log_communication()
         self.register_load_state_dict_post_hook(Muon._momentum_in_own_dtype)
 
@@ -278,7 +282,7 @@ class Muon(torch.optim.Optimizer):
             lr, update = group["lr"], wait()
             local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard: where update belongs
             local.mul_(1 - lr * group["weight_decay"])
-            local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
         pipelined(tasks, start, finish, depth)
         return index
