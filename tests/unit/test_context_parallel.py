@@ -199,3 +199,38 @@ def test_planner_counts_the_gathered_keys_values_and_the_mask_per_cp_rank(tmp_pa
     assert rows["gathered keys/values (cp)"] == 2 * 4 * 16 * 64 * 4 and rows["context-parallel mask"] == 16 * 32
     printed = table(make_plan(cfg, PRESETS["h100"], world_size=2))
     assert "gathered keys/values (cp)" in printed and "context-parallel K/V exchange" in printed
+
+
+def test_a_131072_token_sample_goes_through_the_task_and_the_cp_split(tmp_path):
+    """--tokens-per-sample 131072 --document-attention-mask --reset-position-ids: the task packs ~100 documents
+    into 131072-token blocks whose positions restart at each document; --context-parallel-size 8 gives each rank
+    2 chunks of 8192 columns with the block's own tokens, targets and positions, and the whole row's documents."""
+    import numpy as np
+
+    from tests.helpers.lm_fixtures import make_data_bin
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    T, C = 131072, 8
+    rng = np.random.default_rng(0)
+    make_data_bin(tmp_path / "bin", {"train": [" ".join(f"w{i}" for i in rng.integers(0, 50, n))
+                                               for n in rng.integers(100, 3000, 110)]})
+    task = LanguageModelingTask.setup_task(LanguageModelingConfig(
+        data=str(tmp_path / "bin"), tokens_per_sample=T, sample_break_mode="none", document_attention_mask=True,
+        reset_position_ids=True))
+    dataset = task.load_dataset("train")
+    assert dataset.sizes[0] == T
+    sample = dataset.collater([dataset[0]])
+    net = sample["net_input"]
+    assert net["src_tokens"].shape == sample["target"].shape == net["positions"].shape == (1, T)
+    docs, positions = net["document_ids"][0], net["positions"][0]
+    starts = torch.cat([torch.tensor([True]), docs[1:] != docs[:-1]])
+    assert 40 < int(starts.sum()) < 200 and (positions[starts] == 0).all()
+    assert (positions[1:][~starts[1:]] == positions[:-1][~starts[1:]] + 1).all()  # counting up within a document
+    parts = [shard_sample(sample, C, r, None, pad=task.dictionary.pad()) for r in range(C)]
+    for r, part in enumerate(parts):
+        columns = chunk_layout(T, C, r)
+        assert part["net_input"]["src_tokens"].shape == (1, T // C)
+        assert torch.equal(part["net_input"]["src_tokens"][0], net["src_tokens"][0, columns])
+        assert torch.equal(part["target"][0], sample["target"][0, columns])
+        assert torch.equal(part["net_input"]["positions"][0], positions[columns])
+        assert torch.equal(part["net_input"]["context_parallel"].document_ids, net["document_ids"])
