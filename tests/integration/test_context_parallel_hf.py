@@ -30,9 +30,10 @@ IMPORTED_LLAMA = ["--arch", "llama", "--decoder-ffn-embed-dim", "96", "--decoder
 
 def imported_model_and_data(root):
     """(data-bin binarized with the imported tokenizer, the imported checkpoint). The vocabulary has one unused
-    row (64, not the tokenizer's 63): FSDP2 over the flattened dp_shard x cp axis places each weight as a
-    ``_StridedShard``, and torch's ``distribute_tensor`` of a full state dict into one asserts that the rows split
-    evenly over the 4 ranks (a 63-row embedding fails to load; real vocabularies, 128256 or 151936, divide)."""
+    row (64, not the tokenizer's 63): with TP, FSDP2 over the other axis (cp, or dp_shard: TP 2 x dp 2 fails the
+    same way) places the embedding and output rows as a ``_StridedShard``, and torch's ``distribute_tensor`` of
+    the full imported state dict asserts that they split evenly, so 63 rows fail to load at TP 2 x CP 2
+    (dp 2 x cp 2 and TP 2 alone load them; real vocabularies, 128256 or 151936, divide)."""
     make_hf(str(root / "hf"), "llama", vocab_size=64)
     run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
     rng = np.random.default_rng(0)
