@@ -197,7 +197,8 @@ def context_parallel_items(stats: ModelStats, setup: Setup, hw: Hardware) -> Lis
                   0 if hw.has_gpu else gathered * layers,
                   f"{'the recomputed layer' if setup.checkpoint else f'{layers} layers'}, (C-1)/C of T x 2G x D")]
     if mask:
-        items.append(Item("context-parallel mask", mask, 0, f"bool T/C x T{' per sequence' if setup.document_mask else ''}"))
+        rows = " per sequence" if setup.document_mask else ""
+        items.append(Item("context-parallel mask", mask, 0, f"bool T/C x T{rows}"))
     return items
 
 

@@ -65,7 +65,7 @@ def _yarn(scaling: Dict[str, Any], where: str) -> Dict[str, Any]:
     are 32 and 1; DeepSeek's mscale/mscale_all_dim give the attention factor when it is not written."""
     if scaling.get("truncate", True) is not True:
         raise UserError(f"{where}: rope_scaling truncate {scaling['truncate']!r}; the toolkit rounds YaRN's "
-                        "correction range outwards (truncate true), as the YaRN paper does")
+                        "correction range outwards (truncate true, transformers' default); drop the key")
     factor = float(scaling["factor"])
     attention = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
