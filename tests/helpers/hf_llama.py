@@ -78,11 +78,12 @@ def save_tokenizer(folder: str, kind: str) -> dict:
     return dict(bos_token_id=1, eos_token_id=2, vocab_size=len(vocab))
 
 
-def make_hf(folder: str, kind: str):
+def make_hf(folder: str, kind: str, **overrides):
+    """A random model of ``kind`` with its tokenizer; ``overrides`` replace config values (vocab_size, rope_scaling)."""
     config_cls, extra = KINDS[kind]
     torch.manual_seed(0)
     ids = save_tokenizer(folder, kind)
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPES, **extra, **ids)).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**{**SHAPES, **extra, **ids, **overrides})).eval()
     hf.save_pretrained(folder)
     return hf
 

@@ -131,7 +131,7 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
     import dataclasses
 
     from tests.helpers.dist_helpers import llama_args, make_lm_data_bin
-    from toolkit.plan.memory import activation_bytes
+    from toolkit.plan.memory import activation_bytes, context_parallel_held
     from toolkit.plan.model_stats import model_stats
     from toolkit.plan.setup import setup_from_config
     from toolkit.plan.hardware import PRESETS
@@ -155,8 +155,12 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
 
         state = at(dataclasses.replace(cp2, checkpoint=checkpoint, batch_sequences=0))
         split_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, checkpoint=checkpoint)), state)]
-        whole_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint)), state)]
-        assert [2 * p for p in split_peaks] == pytest.approx(whole_peaks, abs=8)
+        one_state = at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint, batch_sequences=0))
+        whole_peaks = [p - q for p, q in zip(at(dataclasses.replace(cp2, cp=1, checkpoint=checkpoint)), one_state)]
+        # ... beyond which a CP rank holds the other rank's keys/values (every layer's, or the recomputed one's)
+        gathered = context_parallel_held(stats, cp2, True)[0]
+        held = [gathered * (1 if checkpoint else stats.num_layers), gathered]
+        assert [2 * (p - h) for p, h in zip(split_peaks, held)] == pytest.approx(whole_peaks, abs=8)
     # the step's compute: a CP rank computes half of each sequence, the update still counts every token
     one = step_time(stats, dataclasses.replace(cp2, cp=1, world=1), PRESETS["h100"])
     two = step_time(stats, cp2, PRESETS["h100"])
@@ -166,3 +170,67 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
     exchange = {name: size for name, size, _ in two.comm}["context-parallel K/V exchange"]
     assert exchange == 2 * (2 * 32) * 4 * 32 * 4 / 2 * 3
     assert "context-parallel K/V exchange" not in {name for name, _, _ in one.comm}
+
+
+def test_planner_counts_the_gathered_keys_values_and_the_mask_per_cp_rank(tmp_path):
+    """llama_tiny (2 layers, k and v of 2 heads x 16), 4 x 32 tokens in fp32 at CP 2: a rank holds the other
+    rank's half of each layer's k and v (4 x 16 tokens x 128 features x 4 bytes) and, on a GPU, the bool
+    [1, 1, 16, 32] mask ([4, 1, 16, 32] with --document-attention-mask); the table prints both rows."""
+    from tests.helpers.dist_helpers import llama_args, make_lm_data_bin
+    from toolkit.plan.hardware import PRESETS
+    from toolkit.plan.memory import context_parallel_held, memory_items
+    from toolkit.plan.model_stats import model_stats
+    from toolkit.plan.planner import make_plan
+    from toolkit.plan.report import table
+    from toolkit.plan.setup import setup_from_config
+    from toolkit.train.resolve import parse_train_config
+
+    data = make_lm_data_bin(str(tmp_path / "bin"))
+    flags = [data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2", "--context-parallel-size", "2",
+             "--ddp-backend", "fully_sharded"]
+    cfg = parse_train_config(flags)
+    stats, setup = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
+    assert stats.kv_width == 2 * 2 * 2 * 16
+    assert context_parallel_held(stats, setup, has_gpu=True) == (4 * 16 * 64 * 4, 16 * 32)
+    assert context_parallel_held(stats, setup, has_gpu=False) == (4 * 16 * 64 * 4, 0)  # CPU: tile by tile
+    documents = setup_from_config(parse_train_config(flags + ["--document-attention-mask"]), gpu=True)
+    assert documents.document_mask and context_parallel_held(stats, documents, True)[1] == 4 * 16 * 32
+    rows = {item.name: item.gpu for item in memory_items(stats, setup, PRESETS["h100"])}
+    assert rows["gathered keys/values (cp)"] == 2 * 4 * 16 * 64 * 4 and rows["context-parallel mask"] == 16 * 32
+    printed = table(make_plan(cfg, PRESETS["h100"], world_size=2))
+    assert "gathered keys/values (cp)" in printed and "context-parallel K/V exchange" in printed
+
+
+def test_a_131072_token_sample_goes_through_the_task_and_the_cp_split(tmp_path):
+    """--tokens-per-sample 131072 --document-attention-mask --reset-position-ids: the task packs ~100 documents
+    into 131072-token blocks whose positions restart at each document; --context-parallel-size 8 gives each rank
+    2 chunks of 8192 columns with the block's own tokens, targets and positions, and the whole row's documents."""
+    import numpy as np
+
+    from tests.helpers.lm_fixtures import make_data_bin
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    T, C = 131072, 8
+    rng = np.random.default_rng(0)
+    make_data_bin(tmp_path / "bin", {"train": [" ".join(f"w{i}" for i in rng.integers(0, 50, n))
+                                               for n in rng.integers(100, 3000, 110)]})
+    task = LanguageModelingTask.setup_task(LanguageModelingConfig(
+        data=str(tmp_path / "bin"), tokens_per_sample=T, sample_break_mode="none", document_attention_mask=True,
+        reset_position_ids=True))
+    dataset = task.load_dataset("train")
+    assert dataset.sizes[0] == T
+    sample = dataset.collater([dataset[0]])
+    net = sample["net_input"]
+    assert net["src_tokens"].shape == sample["target"].shape == net["positions"].shape == (1, T)
+    docs, positions = net["document_ids"][0], net["positions"][0]
+    starts = torch.cat([torch.tensor([True]), docs[1:] != docs[:-1]])
+    assert 40 < int(starts.sum()) < 200 and (positions[starts] == 0).all()
+    assert (positions[1:][~starts[1:]] == positions[:-1][~starts[1:]] + 1).all()  # counting up within a document
+    parts = [shard_sample(sample, C, r, None, pad=task.dictionary.pad()) for r in range(C)]
+    for r, part in enumerate(parts):
+        columns = chunk_layout(T, C, r)
+        assert part["net_input"]["src_tokens"].shape == (1, T // C)
+        assert torch.equal(part["net_input"]["src_tokens"][0], net["src_tokens"][0, columns])
+        assert torch.equal(part["target"][0], sample["target"][0, columns])
+        assert torch.equal(part["net_input"]["positions"][0], positions[columns])
+        assert torch.equal(part["net_input"]["context_parallel"].document_ids, net["document_ids"])

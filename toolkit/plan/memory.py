@@ -18,7 +18,8 @@ The counts follow what the trainer allocates (the tests compare them with its te
   fp32 scale per 2048-value block of a row, fp32 for tensors under 4096 values or 1-D).
 * Activations: the meta-device trace of :mod:`toolkit.plan.model_stats` times the sequences per
   micro-batch; a checkpointed layer keeps its input, and backward recomputes one layer at a time.
-  Tensor parallelism with sequence parallelism splits them over M.
+  Tensor parallelism with sequence parallelism splits them over M. Context parallelism (``--context-parallel-size
+  C``) divides them by C and adds what a rank holds of the whole sequence (:func:`context_parallel_held`).
 
 Each row is that item's largest size. The rows marked ``persistent`` (parameters, optimizer state,
 runtime) live through the whole run; the others come and go within an update, and their peak is
@@ -181,6 +182,37 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     return int(saved), int(max(recompute + flow, logits_grad))
 
 
+def context_parallel_held(stats: ModelStats, setup: Setup, has_gpu: bool) -> Tuple[int, int]:
+    """(one layer's gathered keys/values from the other cp ranks, the layout's mask) per rank, in bytes.
+
+    ``toolkit.distributed.context_parallel`` all-gathers each layer's k and v over the whole sequence and the
+    attention keeps them for backward: (C-1)/C of 2 x T x G x D per sequence beyond this rank's own (already in
+    the T/C tokens' activations); every layer's until backward, or the recomputed layer's alone under
+    checkpointing. On a GPU the attention runs under a bool [B or 1, 1, T/C, T] mask (B rows with
+    --document-attention-mask), built once per micro-batch; on CPU it goes tile by tile (no such mask)."""
+    if setup.cp == 1:
+        return 0, 0
+    T, C = stats.tokens_per_sample, setup.cp
+    per_layer = stats.kv_width / stats.num_layers / setup.mp  # keys and values are split by heads under TP
+    gathered = setup.batch_sequences * T * per_layer * setup.compute_bytes * (C - 1) / C
+    rows = setup.batch_sequences if setup.document_mask else 1
+    return int(gathered), (rows * (T // C) * T if has_gpu else 0)
+
+
+def context_parallel_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
+    gathered, mask = context_parallel_held(stats, setup, hw.has_gpu)
+    if setup.cp == 1:
+        return []
+    layers = 1 if setup.checkpoint else stats.num_layers
+    items = [Item("gathered keys/values (cp)", gathered * layers if hw.has_gpu else 0,
+                  0 if hw.has_gpu else gathered * layers,
+                  f"{'the recomputed layer' if setup.checkpoint else f'{layers} layers'}, (C-1)/C of T x 2G x D")]
+    if mask:
+        rows = " per sequence" if setup.document_mask else ""
+        items.append(Item("context-parallel mask", mask, 0, f"bool T/C x T{rows}"))
+    return items
+
+
 def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     saved, transient = activation_bytes(stats, setup)
     note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (f" / cp {setup.cp}" if setup.cp > 1 else "")
@@ -194,7 +226,8 @@ def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item
 
 
 def memory_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
-    items = model_state_items(stats, setup, hw) + buffer_items(stats, setup, hw) + activation_items(stats, setup, hw)
+    items = (model_state_items(stats, setup, hw) + buffer_items(stats, setup, hw) + activation_items(stats, setup, hw)
+             + context_parallel_items(stats, setup, hw))
     if hw.has_gpu:
         items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries", True))
     return items

@@ -37,15 +37,15 @@ class Setup:
     batch_sequences: int         # sequences per micro-batch and data-parallel rank
     update_freq: int
     cp: int = 1                  # --context-parallel-size
+    document_mask: bool = False  # --document-attention-mask: the CP mask has a row block per sequence
     ep: int = 1                  # --expert-parallel-size
     muon_momentum_bytes: int = 4  # --optimizer muon's momentum per matrix value (--muon-momentum-dtype)
 
     @property
     def rank_sequences(self) -> float:
         """Sequences' worth of tokens a rank computes and holds activations of per micro-batch:
-        ``--context-parallel-size C`` gives each rank T/C of every sequence (its attention is tiled, so nothing
-        grows with T x T; the gathered keys/values of a layer, 2 x T x G x D, are small next to its activations
-        and not counted, nor is their all-gather's time)."""
+        ``--context-parallel-size C`` gives each rank T/C of every sequence; what it holds of the whole
+        sequence (the gathered keys/values, the [T/C, T] mask) is :func:`toolkit.plan.memory.context_parallel_held`."""
         return self.batch_sequences / self.cp
 
     @property
@@ -97,5 +97,5 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
         offload_activations=dist.offload_activations, sequence_parallel=not dist.no_sequence_parallel,
         compute_bytes=2 if half else 4, memory_efficient_fp16=common.memory_efficient_fp16,
         batch_sequences=batch, update_freq=cfg.optimization.update_freq, cp=dist.context_parallel_size,
-        ep=dist.expert_parallel_size,
+        document_mask=bool(getattr(cfg.task, "document_attention_mask", False)), ep=dist.expert_parallel_size,
         muon_momentum_bytes=2 if getattr(opt, "muon_momentum_dtype", "fp32") == "bf16" else 4)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from toolkit.plan.hardware import Hardware
-from toolkit.plan.memory import grad_bytes_by_part, tp_numel
+from toolkit.plan.memory import context_parallel_held, grad_bytes_by_part, tp_numel
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.setup import Setup
 
@@ -70,7 +70,7 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     return root + (0 if setup.checkpoint else stats.num_layers * block), block
 
 
-def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> Moments:
+def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bool = True) -> Moments:
     """The terms of both moments (see the module docstring)."""
     act, b, M = stats.activations, setup.rank_sequences, setup.mp
     share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
@@ -88,6 +88,10 @@ def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> Moments:
               (recompute + flow + (kept if setup.offload_activations and not setup.checkpoint else 0), GPU)]
     if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
         bottom.append((2 * (64 << 20), GPU))  # the flat bucket and its reduced copy, after backward
+    if setup.cp > 1:  # every layer's gathered keys/values (the recomputed top one's under checkpointing); the mask
+        gathered, mask = context_parallel_held(stats, setup, has_gpu)
+        top += [(gathered * (1 if setup.checkpoint else stats.num_layers), inputs_place), (mask, GPU)]
+        bottom += [(gathered, inputs_place), (mask, GPU)]
     return Moments(top, bottom)
 
 
@@ -103,7 +107,7 @@ def _place(setup: Setup, hw: Hardware, where: str) -> str:
 
 def update_peak(stats: ModelStats, setup: Setup, hw: Hardware) -> Peak:
     """The highest live bytes of an update above the persistent state, on the GPU and in host memory."""
-    m = moments(stats, setup, hw.gpus_per_node)
+    m = moments(stats, setup, hw.gpus_per_node, hw.has_gpu)
     totals = {}
     for name, terms in (("start of backward", m.top), ("backward of the first block", m.bottom)):
         gpu = sum(n for n, w in terms if _place(setup, hw, w) == GPU)

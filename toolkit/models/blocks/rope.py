@@ -3,9 +3,11 @@ and the rotation, in Hugging Face's layout (the two halves of each head rotated 
 pairs), the layout its checkpoints are stored in. Tables and rotation are fp32 (bf16 angles lose positions
 beyond a few hundred).
 
-A context-extension scheme is one function in ``SCALINGS``: ``(inverse frequencies, RopeScaling) ->
+A context-extension scheme is one function in ``SCALINGS``: ``(inverse frequencies, RopeScaling, base) ->
 (rescaled inverse frequencies, attention factor)``; the factor multiplies cos and sin (YaRN's
-``mscale``; 1.0 for Llama 3's scaling, which then leaves the tables untouched).
+``mscale``; 1.0 for Llama 3's scaling, which then leaves the tables untouched). Both compute what
+transformers' ``_compute_llama3_parameters`` / ``_compute_yarn_parameters`` do, so imported checkpoints
+keep their logits.
 """
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float = 32.0  # YaRN: dimensions turning more than this often over the original context extrapolate
+    beta_slow: float = 1.0  # YaRN: those turning less than this often interpolate (divided by the factor)
+    attention_factor: Optional[float] = None  # YaRN: cos/sin multiplier (None: 0.1 ln(factor) + 1, the paper's)
 
 
-def llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> Tuple[torch.Tensor, float]:
+def llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[torch.Tensor, float]:
     """Llama 3.1: wavelengths longer than original/low_freq_factor are divided by the factor, shorter than
     original/high_freq_factor kept, and those between interpolated smoothly."""
     low, high, original = s.low_freq_factor, s.high_freq_factor, s.original_max_positions
@@ -38,7 +43,35 @@ def llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> Tuple[torch.Tensor
     return torch.where(medium, smoothed, scaled), 1.0
 
 
-SCALINGS: Dict[str, Callable[[torch.Tensor, RopeScaling], Tuple[torch.Tensor, float]]] = {"llama3": llama3_scaling}
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's default cos/sin multiplier (its paper's sqrt(1/t) = 0.1 ln(s) + 1; DeepSeek's ``mscale`` multiplies
+    the logarithm), 1 when nothing is stretched."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[torch.Tensor, float]:
+    """YaRN: frequency pairs that turn more than beta_fast times over the original context keep their
+    frequency (extrapolate), those turning fewer than beta_slow times are divided by the factor (interpolate),
+    a linear ramp over the pair index between; the tables are multiplied by the attention factor. The
+    correction range is rounded outwards (floor/ceil, transformers' ``truncate`` true)."""
+    dim = 2 * inv_freq.numel()
+
+    def pair_turning(rotations: float) -> float:  # the (fractional) pair index turning ``rotations`` times
+        return dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_turning(s.beta_fast)), 0)
+    high = min(math.ceil(pair_turning(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.device)
+    extrapolated = 1 - ramp
+    scaled = inv_freq / s.factor * ramp + inv_freq * extrapolated
+    factor = s.attention_factor if s.attention_factor is not None else yarn_attention_factor(s.factor)
+    return scaled, factor
+
+
+SCALINGS: Dict[str, Callable[[torch.Tensor, RopeScaling, float], Tuple[torch.Tensor, float]]] = {
+    "llama3": llama3_scaling, "yarn": yarn_scaling}
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None,
@@ -48,7 +81,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling]
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
     if scaling is None:
         return inv_freq, 1.0
-    return SCALINGS[scaling.kind](inv_freq, scaling)
+    return SCALINGS[scaling.kind](inv_freq, scaling, theta)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: int, attention_factor: float = 1.0

@@ -8,7 +8,9 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
 ``--decoder-kv-heads``          key/value heads (``num_key_value_heads``): grouped-query attention
                                 when fewer than the query heads, multi-query at 1
 ``--rope-theta``                base of the rotary frequencies (``rope_theta``)
-``--rope-scaling-factor`` ...   Llama 3.1's frequency scaling (``rope_scaling`` of type ``llama3``)
+``--rope-scaling-factor`` ...   stretch the rotary frequencies for a longer context (``rope_scaling``):
+                                ``--rope-scaling llama3`` (Llama 3.1's, the default) or ``yarn`` (YaRN, with
+                                ``--rope-yarn-beta-fast/-slow`` and ``--rope-attention-factor``)
 ``--rms-norm-eps``              RMSNorm's epsilon (``rms_norm_eps``)
 ``--attention-qkv-bias``        biases on q, k, v (Qwen2); no other linear layer has one
 ``--decoder-head-dim``          size of each attention head (``head_dim``) when it is not width / heads (Qwen3)
@@ -57,14 +59,28 @@ class LlamaConfig:
                                         "--decoder-attention-heads; 1 is multi-query attention)"})
     rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
     rope_scaling_factor: Optional[float] = field(
-        default=None, metadata={"help": "Llama 3.1 RoPE frequency scaling: divide the low frequencies by this "
-                                        "factor (default: no scaling)"})
+        default=None, metadata={"help": "RoPE frequency scaling (--rope-scaling): divide the low frequencies by "
+                                        "this factor, the context stretched by it (default: no scaling)"})
+    rope_scaling: str = field(
+        default="llama3", metadata={"choices": ["llama3", "yarn"], "help": "how --rope-scaling-factor rescales the "
+                                    "frequencies: Llama 3.1's wavelength bands (llama3) or YaRN's ramp over the "
+                                    "frequency pairs with its attention factor (yarn)"})
+    rope_yarn_beta_fast: float = field(
+        default=32.0, metadata={"help": "YaRN: frequency pairs turning more often than this over the original "
+                                        "context keep their frequency (beta_fast)"})
+    rope_yarn_beta_slow: float = field(
+        default=1.0, metadata={"help": "YaRN: frequency pairs turning less often than this over the original "
+                                       "context are divided by the factor (beta_slow)"})
+    rope_attention_factor: Optional[float] = field(
+        default=None, metadata={"help": "YaRN: multiplier of the rotary cos/sin tables (attention_factor; "
+                                        "default: 0.1 ln(--rope-scaling-factor) + 1)"})
     rope_low_freq_factor: float = field(
         default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"})
     rope_high_freq_factor: float = field(
         default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"})
     rope_original_max_positions: int = field(
-        default=8192, metadata={"help": "Llama 3.1 RoPE scaling: the context length the model was trained at"})
+        default=8192, metadata={"help": "RoPE scaling (llama3, yarn): the context length the model was trained "
+                                        "at (original_max_position_embeddings)"})
     rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
     attention_qkv_bias: bool = field(
         default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"})
@@ -157,6 +173,18 @@ def check_shapes(cfg: LlamaConfig) -> None:
     if G < 1 or H % G:
         raise UserError(f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
                         "(each key/value head serves a whole group of query heads)")
-    if cfg.rope_scaling_factor is not None and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+    _check_rope_scaling(cfg)
+
+
+def _check_rope_scaling(cfg: LlamaConfig) -> None:
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_factor <= 0:
+        raise UserError(f"--rope-scaling-factor {cfg.rope_scaling_factor}: must be positive (how many times the "
+                        "context is stretched)")
+    if cfg.rope_scaling == "yarn" and cfg.rope_scaling_factor is not None and \
+            cfg.rope_yarn_beta_fast <= cfg.rope_yarn_beta_slow:
+        raise UserError(f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must be above --rope-yarn-beta-slow "
+                        f"{cfg.rope_yarn_beta_slow} (the ramp runs from the fast-turning pairs to the slow ones)")
+    if cfg.rope_scaling == "llama3" and cfg.rope_scaling_factor is not None and \
+            cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
         raise UserError(f"--rope-high-freq-factor {cfg.rope_high_freq_factor}: must be above "
                         f"--rope-low-freq-factor {cfg.rope_low_freq_factor}")

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from toolkit.core.errors import UserError, malformed_file
+from toolkit.models.blocks.rope import yarn_attention_factor
 from toolkit.models.llama.config import LAYER_TYPES, LlamaConfig, head_dim, kv_heads, layer_windows
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -28,28 +29,51 @@ TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": Fa
 QWEN = ("qwen2", "qwen3", "gemma3_text")  # the classes whose layers may differ (layer_types)
 DEFAULT_HEAD_DIM = {"qwen3": 128}  # Qwen3Config's head_dim when config.json has none (others: width / heads)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_ROPE_KEYS = ("factor", "original_max_position_embeddings")
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings")
 
 
 def _rope(config: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """rope_theta and the llama3 scaling, from the legacy keys or transformers 5's ``rope_parameters``."""
+    """rope_theta and the llama3 or yarn scaling, from the legacy keys or transformers 5's ``rope_parameters``."""
     params = dict(config.get("rope_parameters") or {})
     scaling = dict(config.get("rope_scaling") or params)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out: Dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": None}
-    if kind == "llama3":
-        missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
-        if missing:
-            raise UserError(f"{where}: rope_scaling of rope_type llama3 has no {', '.join(missing)}; give all of "
-                            f"{', '.join(LLAMA3_ROPE_KEYS)} (as the model's published config.json does)")
-        out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                   rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
-    elif kind != "default":
-        raise UserError(f"{where}: rope_type {kind!r}; the toolkit computes the default and llama3 rotary "
+    if kind not in ("default", "llama3", "yarn"):
+        raise UserError(f"{where}: rope_type {kind!r}; the toolkit computes the default, llama3 and yarn rotary "
                         "frequencies only")
+    if kind == "default":
+        return out
+    required = LLAMA3_ROPE_KEYS if kind == "llama3" else YARN_ROPE_KEYS
+    missing = [k for k in required if scaling.get(k) is None]
+    if missing:
+        raise UserError(f"{where}: rope_scaling of rope_type {kind} has no {', '.join(missing)}; give all of "
+                        f"{', '.join(required)} (as the model's published config.json does)")
+    out.update(rope_scaling=kind, rope_scaling_factor=float(scaling["factor"]),
+               rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                   rope_high_freq_factor=float(scaling["high_freq_factor"]))
+    else:
+        out.update(_yarn(scaling, where))
     return out
+
+
+def _yarn(scaling: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """YaRN's ramp and attention factor as transformers' ``_compute_yarn_parameters`` reads them: null betas
+    are 32 and 1; DeepSeek's mscale/mscale_all_dim give the attention factor when it is not written."""
+    if scaling.get("truncate", True) is not True:
+        raise UserError(f"{where}: rope_scaling truncate {scaling['truncate']!r}; the toolkit rounds YaRN's "
+                        "correction range outwards (truncate true, transformers' default); drop the key")
+    factor = float(scaling["factor"])
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        attention = yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
+    return dict(rope_yarn_beta_fast=float(scaling.get("beta_fast") or 32.0),
+                rope_yarn_beta_slow=float(scaling.get("beta_slow") or 1.0),
+                rope_attention_factor=None if attention is None else float(attention))
 
 
 def _gemma3(config: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -191,11 +215,20 @@ def hf_config(cfg: LlamaConfig, vocab_size: int, base: Optional[Dict[str, Any]] 
                                                              "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
         config.pop("use_sliding_window", None)
     if cfg.rope_scaling_factor is not None:
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                                  "low_freq_factor": cfg.rope_low_freq_factor,
-                                  "high_freq_factor": cfg.rope_high_freq_factor,
-                                  "original_max_position_embeddings": cfg.rope_original_max_positions}
+        config["rope_scaling"] = _hf_rope_scaling(cfg)
     return CLASSES[kind], config
+
+
+def _hf_rope_scaling(cfg: LlamaConfig) -> Dict[str, Any]:
+    """``rope_scaling`` of ``--rope-scaling``; YaRN's attention factor written out (the default computed) so
+    that transformers never falls back to a max_position_embeddings-derived factor."""
+    common = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor,
+              "original_max_position_embeddings": cfg.rope_original_max_positions}
+    if cfg.rope_scaling == "llama3":
+        return {**common, "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
+    attention = cfg.rope_attention_factor
+    return {**common, "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+            "attention_factor": yarn_attention_factor(cfg.rope_scaling_factor) if attention is None else attention}
 
 
 def _qwen_windows(cfg: LlamaConfig) -> Dict[str, Any]:
