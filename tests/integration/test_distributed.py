@@ -154,8 +154,7 @@ def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, baseline, data_bin,
 
 def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
     out = tmp_path / "strategies.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.dist_helpers", "strategies", data_bin, str(out)],
-                          cwd=H.REPO_ROOT, env=H.subprocess_env(), capture_output=True, text=True, timeout=240)
+    proc = H.run_cli("tests.helpers.dist_helpers", ["strategies", data_bin, str(out)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 
