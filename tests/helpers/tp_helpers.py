@@ -169,37 +169,25 @@ def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, 
 # --- spawned workers ---------------------------------------------------------------------------
 
 def spawn(fn, world_size: int, out_dir: str, timeout: float = 600) -> None:
-    """``fn(rank, world_size, out_dir)`` on ``world_size`` gloo ranks; rank 0's result in ``out_dir/result.pt``.
+    """``fn(rank, world_size, out_dir)`` on ``world_size`` gloo ranks (forked: tests/helpers/ranks.py); rank 0's
+    result in ``out_dir/result.pt``, a rank's traceback in ``out_dir/error<rank>.txt``."""
+    from tests.helpers import free_port, ranks
 
-    The ranks are started by ``python -m tests.helpers.tp_helpers`` through ``run_cli``: forked from the test
-    fork server, that command forks its ranks too (``launch.WORKER_START_METHOD``), so no rank pays the imports
-    of torch and the toolkit again; without the fork server, each rank is a fresh interpreter (``spawn``)."""
-    from tests.helpers.cli import run_cli
-
-    run = run_cli("tests.helpers.tp_helpers", [f"{fn.__module__}:{fn.__name__}", str(world_size), out_dir],
-                  timeout=timeout)
-    errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-    if errors:
-        raise AssertionError(open(os.path.join(out_dir, errors[0])).read())
-    assert run.returncode == 0, f"ranks failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    try:
+        ranks.spawn(_entry, world_size, f"{fn.__module__}:{fn.__name__}", world_size, free_port(), out_dir,
+                    timeout=timeout)
+    finally:
+        errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
+        if errors:
+            raise AssertionError(open(os.path.join(out_dir, errors[0])).read())
 
 
-def start_ranks(target: str, world_size: int, out_dir: str) -> None:
-    """The command's side of :func:`spawn`: ``target`` is ``module:function``."""
+def _entry(rank: int, target: str, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: gloo up, ``target`` (``module:function``) run, rank 0's result saved, any error written out."""
     import importlib
-
-    import torch.multiprocessing as mp
-
-    from tests.helpers import free_port
-    from toolkit.distributed import launch
 
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir), nprocs=world_size,
-                       start_method=launch.WORKER_START_METHOD)
-
-
-def _entry(rank: int, fn, world_size: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -364,11 +352,3 @@ def load_checkpoint(model, path: str) -> torch.optim.Optimizer:
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     return opt
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tests.helpers.tp_helpers import start_ranks as _start  # the importable module's, so ``spawn`` can pickle
-
-    _start(sys.argv[1], int(sys.argv[2]), sys.argv[3])
