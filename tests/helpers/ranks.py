@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 
@@ -29,9 +30,18 @@ def main(target: str, nprocs: int, args: list) -> None:
 
     from toolkit.distributed import launch
 
+    mp.start_processes(_rank, args=(target, os.getpid(), *args), nprocs=nprocs,
+                       start_method=launch.WORKER_START_METHOD)
+
+
+def _rank(rank: int, target: str, command_pid: int, *args) -> None:
+    """One rank: stops when the command that started it dies (a test's timeout kills only the command), then
+    ``target`` (``module:function``)."""
+    from toolkit.distributed import parent_watch
+
+    parent_watch.watch_parent(command_pid, "the test's rank launcher", f"rank {rank}")
     module, name = target.split(":")
-    fn = getattr(importlib.import_module(module), name)
-    mp.start_processes(fn, args=tuple(args), nprocs=nprocs, start_method=launch.WORKER_START_METHOD)
+    getattr(importlib.import_module(module), name)(rank, *args)
 
 
 if __name__ == "__main__":
