@@ -49,8 +49,9 @@ PROG = "toolkit-train"
 HOSTED_STORE_ENV = "TOOLKIT_LAUNCHER_STORE"  # "1": the launcher hosts the store; workers connect as clients
 # How the launcher starts its workers: "spawn", a fresh interpreter each (safe with CUDA and with threads, at
 # the price of importing torch and the toolkit again in every worker). The test suite's fork server
-# (tests/helpers/forkserver.py) sets "fork" in its CPU-only children, whose imports are done and which have
-# started no thread pool: the workers then begin from the launcher's memory instead of a new interpreter.
+# (tests/helpers/forkserver.py) sets "fork" in its CPU-only children, whose imports are done and which have run
+# no parallel torch op: the workers then begin from the launcher's memory (the store's server thread stays
+# behind; they connect to it as clients, as spawned ones do) instead of a new interpreter.
 WORKER_START_METHOD = "spawn"
 
 
