@@ -63,8 +63,8 @@
 #            cpu_adam, B 4 x T 2048: words/s (the offloaded Muon step against the offloaded Adam step)
 #
 #   bash benchmarks/gpu.sh --dry-run [ENTRY ...]   the same entries on CPU with tiny shapes (2 layers of 64,
-#            T 32, 2 updates), GPU-only flags (--compile, --fp8) dropped, results in a temporary folder;
-#            tests/integration/test_gpu_sh.py runs it for every entry
+#            T 32, 2 updates), GPU-only flags (--compile, --fp8) dropped (entries left with the same command
+#            run it once), results in a temporary folder; tests/integration/test_gpu_sh.py runs it for every entry
 #   bash benchmarks/gpu.sh prepare   (here, before the GPU session) the wheels a fresh GPU machine lacks in
 #            .whl/ and the data-bin; benchmarks/README.md says what to carry
 #   bash benchmarks/gpu.sh setup     (there, first) installs .whl/ into /tmp/site and builds the C++ optimizer
@@ -302,6 +302,8 @@ adapt() {
   done
 }
 
+declare -A DRY_DONE=()  # --dry-run: adapted command -> "ENTRY RC" of the entry that ran it
+
 # figure NAME [--memory] CMD...: CMD (adapted) under the figure's limit, logged to $LOG/NAME.log, then its
 # JSON line (benchmarks/figure.py) appended to $RESULTS/gpu_figures.jsonl; --memory runs CMD under
 # benchmarks/peak_memory.py (peak host and GPU memory). Returns CMD's status.
@@ -317,8 +319,18 @@ figure() {
   adapt "$@"
   : > "$LOG/$name.log"
   rm -f "$LOG/$name.memory.json"
-  local t0=$SECONDS rc=0
-  run "$name" "$limit" "${ARGS[@]}" || rc=$?
+  local t0=$SECONDS rc=0 key="${ARGS[*]}"
+  if [ $DRY = 1 ] && [ ${#mem[@]} = 0 ] && [ -n "${DRY_DONE[$key]:-}" ]; then
+    # the CPU runs exactly the command an earlier entry ran (they differ only in GPU-only flags, dropped):
+    # its log and status stand for this one too
+    local same=${DRY_DONE[$key]}
+    echo "=== $name: the same command on the CPU as ${same% *} (GPU-only flags dropped); its log" | tee "$LOG/$name.log"
+    cat "$LOG/${same% *}.log" >> "$LOG/$name.log"
+    rc=${same##* }
+  else
+    run "$name" "$limit" "${ARGS[@]}" || rc=$?
+    DRY_DONE[$key]="$name $rc"
+  fi
   $PY benchmarks/figure.py "$name" --log "$LOG/$name.log" --rc "$rc" --seconds $((SECONDS - t0)) "${mem[@]}" \
     "${dry[@]}" --out "$RESULTS/gpu_figures.jsonl"
   return "$rc"

@@ -67,9 +67,10 @@ def subprocess_env(extra: Optional[Dict[str, str]] = None, base: Optional[Dict[s
 
 
 def run_cli(module: str, args: Sequence[str], timeout: float = 300, env: Optional[Dict[str, str]] = None) -> Run:
-    """``python -m module args`` with the test environment; a ``toolkit_cli`` command is forked from the session's
-    fork server (tests/helpers/forkserver.py: the same command, without paying the imports again)."""
-    if module.startswith("toolkit_cli.") and _fork_ok():
+    """``python -m module args`` with the test environment; a ``toolkit_cli`` command (or a ``tests.helpers``
+    program) is forked from the session's fork server (tests/helpers/forkserver.py: the same command, without
+    paying the imports again)."""
+    if module.startswith(("toolkit_cli.", "tests.helpers.")) and _fork_ok():
         return _run_forked(module, args, timeout, subprocess_env(env))
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env(env), cwd=REPO_ROOT)

@@ -23,7 +23,7 @@ import sys
 from typing import Dict, List
 
 from tests.helpers import REPO_ROOT, free_port  # noqa: F401  (tests use H.free_port)
-from tests.helpers.cli import run_train, subprocess_env  # noqa: F401  (tests use H.run_train, H.subprocess_env)
+from tests.helpers.cli import run_cli, run_train, subprocess_env  # noqa: F401  (tests use them as H.*)
 
 WORDS = [f"w{i}" for i in range(120)]
 

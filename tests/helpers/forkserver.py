@@ -9,9 +9,11 @@ files, runs the module as ``__main__`` exactly as ``python -m`` would (``runpy``
 command's status; an uncaught exception prints its traceback and exits 1, as the interpreter does.
 
 ``tests/helpers/cli.run_cli`` uses it for ``toolkit_cli.*`` modules; ``TOOLKIT_TESTS_FORK=0`` turns it off
-(every command then starts a fresh interpreter). Protocol on the server's stdin/stdout, one JSON line a
-request: ``{"module", "argv", "env", "cwd", "out", "err"}``; the server says ``ready`` once its imports are done, then
-answers each request with the child's pid and its exit status, each on a line.
+(every command then starts a fresh interpreter). A command's ranks (``--distributed-world-size N``) are forked
+from the command too, not spawned (``TOOLKIT_TESTS_FORK_RANKS=0``: spawned, as outside the tests). Protocol on
+the server's stdin/stdout, one JSON line a request: ``{"module", "argv", "env", "cwd", "out", "err"}``; the
+server says ``ready`` once its imports are done, then answers each request with the child's pid and its exit
+status, each on a line.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = [request["module"], *request["argv"]]
+        _fork_ranks()
         sys.modules.pop(request["module"], None)  # run as __main__ only, as ``python -m`` does (its imports stay)
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
@@ -60,6 +63,17 @@ def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _fork_ranks() -> None:
+    """A command with ``--distributed-world-size N`` forks its N workers from itself (already imported) instead
+    of spawning N fresh interpreters: the launcher here is a CPU-only child that has run no torch op, so no
+    thread pool or CUDA context is copied. ``TOOLKIT_TESTS_FORK_RANKS=0`` in the command's environment keeps
+    ``spawn`` (a test of the spawned worker's own start-up)."""
+    if os.environ.get("TOOLKIT_TESTS_FORK_RANKS", "1") != "0":
+        from toolkit.distributed import launch
+
+        launch.WORKER_START_METHOD = "fork"
 
 
 def serve() -> None:

@@ -168,19 +168,26 @@ def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, 
 
 # --- spawned workers ---------------------------------------------------------------------------
 
-def spawn(fn, world_size: int, out_dir: str) -> None:
-    import torch.multiprocessing as mp
+def spawn(fn, world_size: int, out_dir: str, timeout: float = 600) -> None:
+    """``fn(rank, world_size, out_dir)`` on ``world_size`` gloo ranks (forked: tests/helpers/ranks.py); rank 0's
+    result in ``out_dir/result.pt``, a rank's traceback in ``out_dir/error<rank>.txt``."""
+    from tests.helpers import free_port, ranks
 
-    from tests.helpers import free_port
+    try:
+        ranks.spawn(_entry, world_size, f"{fn.__module__}:{fn.__name__}", world_size, free_port(), out_dir,
+                    timeout=timeout)
+    finally:
+        errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
+        if errors:
+            raise AssertionError(open(os.path.join(out_dir, errors[0])).read())
 
-    port = free_port()
-    mp.start_processes(_entry, args=(fn, world_size, port, out_dir), nprocs=world_size, start_method="spawn")
-    errors = [f for f in os.listdir(out_dir) if f.startswith("error")]
-    if errors:
-        raise AssertionError(open(os.path.join(out_dir, errors[0])).read())
 
+def _entry(rank: int, target: str, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: gloo up, ``target`` (``module:function``) run, rank 0's result saved, any error written out."""
+    import importlib
 
-def _entry(rank: int, fn, world_size: int, port: int, out_dir: str) -> None:
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,8 +22,7 @@ def data_bin(tmp_path_factory):
 
 def test_every_backend_trains_an_adaptive_model_as_one_process_does(data_bin, tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.adaptive_dist_helpers", data_bin, str(out)],
-                          cwd=H.REPO_ROOT, env=H.subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = H.run_cli("tests.helpers.adaptive_dist_helpers", [data_bin, str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     reference = results.pop("reference")["losses"]

@@ -19,8 +19,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -62,11 +60,8 @@ def data_bin(tmp_path_factory):
 
 def run_worker(data_bin: str, out_dir, world_size: int, configs) -> dict:
     out = str(out_dir / "results.json")
-    env = H.subprocess_env()
-    env.pop(BACKEND_ENV, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.compile_helpers", data_bin, out, str(world_size),
-                           json.dumps(configs)], cwd=H.REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = H.run_cli("tests.helpers.compile_helpers", [data_bin, out, str(world_size), json.dumps(configs)],
+                     env={BACKEND_ENV: ""}, timeout=400)  # empty: the default backend, whatever the shell set
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(out) as f:
         return json.load(f)

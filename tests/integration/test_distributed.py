@@ -47,12 +47,13 @@ def baseline(data_bin, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_run(data_bin, tmp_path_factory):
     """Two ranks, FSDP2 full_shard, sharded checkpoints at update 10 and at the end; a log file and TensorBoard
-    events too, and the workers' stdout block-buffered (PYTHONUNBUFFERED empty), as outside the tests."""
+    events too, and the workers spawned (fresh interpreters, not forked from the test fork server) with their
+    stdout block-buffered (PYTHONUNBUFFERED empty), as outside the tests."""
     save, logs = tmp_path_factory.mktemp("fsdp"), tmp_path_factory.mktemp("fsdp_logs")
     proc = train(data_bin, save, "--max-update", str(UPDATES), "--distributed-world-size", "2",
                  "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "10",
                  "--disable-validation", "--log-file", str(logs / "train.log"), "--tensorboard-logdir",
-                 str(logs / "tb"), env={"PYTHONUNBUFFERED": ""})
+                 str(logs / "tb"), env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"})  # spawned
     return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout, "stderr": proc.stderr,
             "logs": logs}
 
@@ -106,7 +107,7 @@ def test_spawned_workers_leave_every_writer_complete(fsdp_run):
 def test_a_failing_spawned_worker_reports_its_error_and_exits_non_zero(data_bin, tmp_path):
     proc = H.run_train([data_bin] + H.model_args(str(tmp_path)) + ["--max-update", "5", "--lr", "1e30",
                        "--lr-scheduler", "fixed", "--distributed-world-size", "2", "--disable-validation"],
-                       env={"PYTHONUNBUFFERED": ""})
+                       env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"})  # spawned, as outside tests
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("toolkit-train: error: ")]
     assert "Traceback" not in proc.stderr and errors, proc.stderr[-2000:]
@@ -154,8 +155,7 @@ def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, baseline, data_bin,
 
 def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
     out = tmp_path / "strategies.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.dist_helpers", "strategies", data_bin, str(out)],
-                          cwd=H.REPO_ROOT, env=H.subprocess_env(), capture_output=True, text=True, timeout=240)
+    proc = H.run_cli("tests.helpers.dist_helpers", ["strategies", data_bin, str(out)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 

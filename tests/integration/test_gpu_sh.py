@@ -3,7 +3,10 @@
 A GPU session has minutes of device time; an entry that fails on a flag that no longer parses, a
 preset that moved, or a log line ``benchmarks/figure.py`` no longer finds would waste them. The dry
 run is the same entry (same script, same flags, the same JSON line) with tiny shapes appended and
-the flags that need a GPU (``--compile``, ``--fp8``) dropped.
+the flags that need a GPU (``--compile``, ``--fp8``) dropped. Entries whose CPU commands then coincide (the
+float8 recipes, OLMoE with and without --compile) run once and share that log. The figures go to two
+``gpu.sh --dry-run`` invocations side by side (an entry's time is mostly its interpreter's single-threaded
+start-up: on two cores, about half the wait), each family of entries in one of them so that shared runs stay shared.
 """
 import json
 import os
@@ -12,19 +15,43 @@ import sys
 
 import pytest
 
+from tests.helpers import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_SH = os.path.join(ROOT, "benchmarks", "gpu.sh")
 
 
-def _dry_run(tmp_path, data_bin, *entries):
-    env = dict(os.environ, DATA=str(data_bin), GPU_LOG_DIR=str(tmp_path / "logs"), GPU_RESULTS=str(tmp_path),
+def _start_dry_run(folder, data_bin, entries):
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, DATA=str(data_bin), GPU_LOG_DIR=str(folder / "logs"), GPU_RESULTS=str(folder),
                TOOLKIT_PY=sys.executable, PYTHONPATH=ROOT)
     env.pop("OUT", None)
-    done = subprocess.run(["bash", GPU_SH, "--dry-run", *entries], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=900)
-    results = tmp_path / "gpu_figures.jsonl"
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:  # files: no pipe to fill
+        return processes.start(["bash", GPU_SH, "--dry-run", *entries], cwd=str(folder), env=env, stdout=out,
+                               stderr=err)
+
+
+def _finish_dry_run(proc, folder):
+    proc.wait(timeout=900)
+    out, err = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+    results = folder / "gpu_figures.jsonl"
     lines = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
-    return done, lines
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), lines
+
+
+def _dry_run(tmp_path, data_bin, *entries):
+    return _finish_dry_run(_start_dry_run(tmp_path, data_bin, entries), tmp_path)
+
+
+def _two_halves(listed):
+    """The entries in two lists of about equal length, each family (the name's first word) whole."""
+    families = {}
+    for name in listed:
+        families.setdefault(name.split("_")[0], []).append(name)
+    halves = ([], [])
+    for family in sorted(families.values(), key=len, reverse=True):
+        min(halves, key=len).extend(family)
+    return halves
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +66,18 @@ def data_bin(tmp_path_factory, wikitext_dir):
 def test_every_figure_runs_on_cpu_with_tiny_shapes(tmp_path, data_bin):
     listed = subprocess.run(["bash", GPU_SH, "--list"], capture_output=True, text=True, check=True).stdout.split()
     assert {"offload_13", "mfu_xl", "fp8_d4096_tensorwise", "decode_xl"} <= set(listed)
-    done, lines = _dry_run(tmp_path, data_bin)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [line["figure"] for line in lines] == listed  # one JSON line per figure, in order
+    halves = _two_halves(listed)
+    started = [_start_dry_run(tmp_path / str(i), data_bin, half) for i, half in enumerate(halves)]
+    lines, logs = [], {}
+    for i, (proc, half) in enumerate(zip(started, halves)):
+        done, half_lines = _finish_dry_run(proc, tmp_path / str(i))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert [line["figure"] for line in half_lines] == half  # one JSON line per figure, in order
+        lines += half_lines
+        logs.update({name: (tmp_path / str(i) / "logs" / f"{name}.log").read_text() for name in half})
+    assert sorted(line["figure"] for line in lines) == sorted(listed)
+    shared = {name for name, log in logs.items() if "the same command on the CPU as" in log}
+    assert shared == {"fp8_d4096_tensorwise", "fp8_d4096_rowwise", "moe_olmoe_compile"}  # GPU-only flags apart
     for line in lines:
         assert line["rc"] == 0 and line["dry_run"], line
         if "offload" in line["figure"]:  # toolkit-train under peak_memory.py, with --plan

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import free_port, ranks
 from tests.helpers.models import PAD, VOCAB, tiny_cfg, tiny_model, tokens
 from toolkit.models.init import init_weights
 from toolkit.models.transformer_lm import TransformerLanguageModel
@@ -49,11 +49,9 @@ def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
 
 def test_sharded_init_equals_plain_build(tmp_path):
     """FSDP2 on 2 CPU ranks: each rank initializes only its shard, and the gathered values are a plain build's."""
-    import torch.multiprocessing as mp
-
     if not torch.distributed.is_available():
         pytest.skip("torch built without distributed")
-    mp.start_processes(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks.spawn(_fsdp_worker, 2, 2, free_port(), str(tmp_path))
     for rank in range(2):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result == {"sharded": True, "same": True}, rank

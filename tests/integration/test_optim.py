@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from tests.helpers import ranks
 from toolkit.optim import build_optimizer
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -66,9 +67,7 @@ def _two_rank_worker(rank, store_path, out_path):
 
 
 def test_cpu_adam_two_ranks_uneven_shards(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_two_rank_worker, 2, str(tmp_path / "store"), str(tmp_path / "out"))
     r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=True) for r in (0, 1))
     for a, b, ref in zip(r0[False]["params"], r0[True]["params"], r0["ref"]):
         torch.testing.assert_close(a, ref, **TOL)

@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from tests.helpers import ranks
 from tests.helpers.dist_helpers import make_lm_data_bin, model_args
 
 OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--lr", "0.01",
@@ -161,11 +162,9 @@ def one_rank_group(tmp_path_factory):
 
 
 def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data):
-    import torch.multiprocessing as mp
-
     argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
             "--checkpoint-activations"]  # the offload recipe's: blocks are checkpoint wrappers
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), argv, str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_worker, 2, 2, str(tmp_path / "store"), argv, str(tmp_path / "out"))
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
 
@@ -173,11 +172,9 @@ def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data)
 def test_two_ranks_bf16_host_grads_and_8bit_moments_bit_identical(tmp_path, data):
     """--bf16-host-grads composes with the overlap: the bf16 gradients the hooks store during backward are the
     ones the worker takes the squares of and steps with (8-bit moments: the 13B recipe's pair, fused kernel)."""
-    import torch.multiprocessing as mp
-
     argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
             "--bf16-host-grads", "--adam-state-precision", "8bit"]
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), argv, str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_worker, 2, 2, str(tmp_path / "store"), argv, str(tmp_path / "out"))
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
 

@@ -6,13 +6,13 @@ tiny models here). Figures for larger layouts: benchmarks/plan_check.py.
 """
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.dist_helpers import REPO_ROOT, make_lm_data_bin, subprocess_env
+from tests.helpers.cli import run_cli
+from tests.helpers.dist_helpers import make_lm_data_bin
 
 TINY = ["--task", "language_modeling", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2",
         "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2",
@@ -27,27 +27,14 @@ def data(tmp_path_factory):
     return make_lm_data_bin(str(tmp_path_factory.mktemp("plan") / "bin"))
 
 
-def _measure_script(data: str, flags, out: str, peak: bool = False) -> str:
-    """A fresh interpreter per run: FSDP2 needs a process group, which must not outlive the test.
-    ``peak``: every rank's live-tensor peak of an update and the plan's update peak instead."""
-    result = ("{'measured': [r['live_peak'] for r in ranks], 'predicted': plan.update_peak.host}" if peak else
-              "{'ranks': ranks, 'items': {i.name: i.gpu + i.host for i in plan.items}}")
-    return ("import json, sys\n"
-            "from toolkit.train.resolve import parse_train_config\n"
-            "from toolkit.plan import PRESETS, make_plan\n"
-            "from toolkit.plan.measure import measure_run\n"
-            f"cfg = parse_train_config({[data] + TINY + list(flags)!r})\n"
-            f"ranks = measure_run(cfg, {out!r}, peak={peak})\n"
-            "plan = make_plan(cfg, PRESETS['cpu'], world_size=cfg.distributed.distributed_world_size)\n"
-            f"print(json.dumps({result}))\n")
+def _measure(data: str, flags, out: str, peak: bool = False):
+    """The plan beside the trainer's counts (tests/helpers/plan_measure.py), in a process of its own."""
+    return run_cli("tests.helpers.plan_measure", [json.dumps([data] + TINY + list(flags)), out]
+                   + (["--peak"] if peak else []), timeout=300)
 
 
 def _check(data: str, tmp_path, flags, tolerance=None):
-    import json
-
-    code = _measure_script(data, flags, str(tmp_path / "out.json"))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=subprocess_env(), cwd=REPO_ROOT)
+    run = _measure(data, flags, str(tmp_path / "out.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     items = result["items"]
@@ -84,8 +71,7 @@ def test_two_ranks_full_shard_bf16(data, tmp_path):
 
 
 def _plan_cli(*args: str, timeout: int = 240):
-    return subprocess.run([sys.executable, "-m", "toolkit_cli.plan", *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(), cwd=REPO_ROOT)
+    return run_cli("toolkit_cli.plan", args, timeout=timeout)
 
 
 GPT3_13_OFFLOAD = ["--arch", "transformer_lm_gpt3_13", "--cpu-offload", "--adam-state-precision", "8bit",
@@ -143,9 +129,8 @@ def test_bad_input_is_one_line(args, needle):
 
 
 def test_train_plan_flag_logs_the_summary(data, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "toolkit_cli.train", data, *TINY, "--optimizer", "adam",
-                          "--max-update", "1", "--plan", "--save-dir", str(tmp_path / "ckpt")],
-                         capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO_ROOT)
+    run = run_cli("toolkit_cli.train", [data, *TINY, "--optimizer", "adam", "--max-update", "1", "--plan",
+                                        "--save-dir", str(tmp_path / "ckpt")], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [x for x in (run.stdout + run.stderr).splitlines() if "| plan: " in x]
     assert len(lines) == 1 and "FITS" in lines[0], lines
@@ -162,13 +147,9 @@ def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, t
     (toolkit.plan.measure.LivePeak) within 25%, the issue's bound (measured -7% to +10% here over runs:
     the ranks' peaks move by about a block with the order of gloo's collectives, too much to compare the
     two strategies' measured peaks at this size); the plan holds every block gathered under shard_grad_op."""
-    import json
-
     results = {}
     for strategy in ("full_shard", "shard_grad_op"):
-        code = _measure_script(data, PEAK_2_RANKS + ["--sharding-strategy", strategy], str(tmp_path / "p.json"), True)
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                             env=subprocess_env(), cwd=REPO_ROOT)
+        run = _measure(data, PEAK_2_RANKS + ["--sharding-strategy", strategy], str(tmp_path / "p.json"), True)
         assert run.returncode == 0, run.stderr[-3000:]
         results[strategy] = json.loads(run.stdout.strip().splitlines()[-1])
         for measured in results[strategy]["measured"]:

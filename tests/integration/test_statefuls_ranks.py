@@ -3,8 +3,6 @@ the plain entry is rank 0's, the tensor entry and the model come back as the ran
 
 The worker is tests/helpers/statefuls.py (``python -m tests.helpers.statefuls``).
 """
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ def test_new_entries_saved_on_two_fsdp2_ranks_resume_in_one_process(tmp_path):
 
     data_bin = H.make_lm_data_bin(str(tmp_path / "bin"))
     save_dir, out = str(tmp_path / "save"), str(tmp_path / "ranks.pt")
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.statefuls", data_bin, save_dir, out],
-                          cwd=H.REPO_ROOT, env=H.subprocess_env(), capture_output=True, text=True, timeout=240)
+    proc = H.run_cli("tests.helpers.statefuls", [data_bin, save_dir, out], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = torch.load(out, weights_only=True)
 

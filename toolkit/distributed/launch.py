@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 PROG = "toolkit-train"
 HOSTED_STORE_ENV = "TOOLKIT_LAUNCHER_STORE"  # "1": the launcher hosts the store; workers connect as clients
+# How the launcher starts its workers: "spawn", a fresh interpreter each (safe with CUDA and with threads, at
+# the price of importing torch and the toolkit again in every worker). The test suite's fork server
+# (tests/helpers/forkserver.py) sets "fork" in its CPU-only children, whose imports are done and which have run
+# no parallel torch op: the workers then begin from the launcher's memory (the store's server thread stays
+# behind; they connect to it as clients, as spawned ones do) instead of a new interpreter.
+WORKER_START_METHOD = "spawn"
 
 
 def run(main: Callable, cfg: TrainConfig) -> None:
@@ -286,7 +292,7 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
     ctx = torch.multiprocessing.start_processes(
         _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, plan,
                                _threads_per_worker(nprocs), os.getpid()),
-        nprocs=nprocs, join=False, start_method="spawn")
+        nprocs=nprocs, join=False, start_method=WORKER_START_METHOD)
     procs = ctx.processes
     for index, proc in enumerate(procs):
         logger.info(f"rank {plan.start_rank + index}: pid {proc.pid}")
