@@ -134,10 +134,10 @@ FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in
             "scaling; use --bf16")
 FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
               "without fp16 weights or loss scaling; use --bf16")
-EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole in the checkpoint's extra_state, "
-               "fairseq's format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank "
-               "holds only its shards: averaging whole weights would gather the whole model onto every rank after "
-               "each update, which sharding exists to avoid; use --ddp-backend c10d or no_c10d")
+EMA_SHARDED_STATE = ("--store-ema with --use-sharded-state under --ddp-backend fully_sharded or --model-parallel-size > "
+                     "1: each rank holds only its shards of the moving average, and the sharded format writes "
+                     "extra_state (where the average is kept, fairseq's key) from rank 0 alone, which holds no whole "
+                     "average to write; save consolidated checkpoints (drop --use-sharded-state), which gather it")
 CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each block one graph (fullgraph), while "
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
@@ -237,8 +237,15 @@ for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_co
 for _other in ("compile", "fp8", "AC", "cpu-offload", "overlap-offload", "fp16", "bf16", "memory-efficient fp16",
                "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
-for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
-    _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
+EMA_SHARDED = "tests/integration/test_ema_sharded.py::test_sharded_moving_average_equals_one_process"
+_PAIRS[("FSDP", "EMA")] = Tested(EMA_SHARDED, "case fsdp: each rank averages its shards; the checkpoint's whole "
+                                 "average, resumed at 2 ranks, equals one process's")
+_PAIRS[("HSDP", "EMA")] = Runs("each rank averages its shards as under FSDP (tested); no parity test of HSDP with it")
+for _tp in ("TP", "SP"):
+    _PAIRS[(_tp, "EMA")] = Tested(EMA_SHARDED, "case tp")
+_PAIRS[("cpu-offload", "EMA")] = Tested(EMA_SHARDED, "case offload: the shards in host memory")
+_PAIRS[("overlap-offload", "EMA")] = Tested(EMA_SHARDED, "case offload_overlap (each update waits for the "
+                                            "whole step: the average reads every weight)")
 CONTEXT = "tests/integration/test_context_parallel.py::"
 CP_DP = CONTEXT + "test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
 _PAIRS[("FSDP", "CP")] = Tested(CP_DP, "the Llama family: FSDP2 shards over dp_shard x cp")
@@ -306,7 +313,17 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
-    return _expert_parallel_refusal(cfg)
+    return _sharded_state_refusal(cfg) or _expert_parallel_refusal(cfg)
+
+
+def _sharded_state_refusal(cfg: Any) -> Optional[str]:
+    """--use-sharded-state (a setting, not a feature of the table) with a moving average held in shards."""
+    checkpoint = getattr(cfg, "checkpoint", None)
+    dist = cfg.distributed
+    sharded = dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1
+    if checkpoint is not None and checkpoint.use_sharded_state and cfg.ema.store_ema and sharded:
+        return EMA_SHARDED_STATE
+    return None
 
 
 def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
