@@ -263,6 +263,16 @@ for _model_split in ("CP", "EP"):
         if _other != _model_split:
             _fill(_model_split, _other, BY_MODEL)
 
+# The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
+TP_BACKENDS: Dict[str, Status] = {
+    "fully_sharded": Tested(TP_DP, "FSDP2 shards over the data-parallel ranks of each tensor-parallel slice"),
+    "c10d": Tested("tests/integration/test_tp_cli.py::test_consolidated_checkpoint_is_the_plain_layout",
+                   "FSDP2 replicates over the data-parallel ranks (DDP does not take DTensor parameters)"),
+    "no_c10d": Tested("tests/integration/test_tp_no_c10d.py::test_tensor_parallel_with_no_c10d_matches_one_process",
+                      "no FSDP2: each rank all-reduces its own shards' gradients with the ranks holding the same "
+                      "ones, after backward; 2 and 4 ranks"),
+}
+
 
 def _in_order(table: Dict[Tuple[str, str], Status]) -> Dict[Tuple[str, str], Status]:
     """The table keyed in FEATURES' order; a pair given in both orders with two entries is a mistake here."""
@@ -368,6 +378,8 @@ def markdown() -> str:
     for title, kind in (("Refused (the message the run stops with)", Refused),
                         ("Tested equal to one process", Tested), ("Not a combination", OneSetting)):
         lines += ["", f"## {title}", ""] + sections[kind]
+    lines += ["", "## --ddp-backend under TP (--model-parallel-size > 1)", ""]
+    lines += [f"- **{backend}**: `{entry.test}` ({entry.note})" for backend, entry in TP_BACKENDS.items()]
     lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]
     runs: Dict[str, List[str]] = {}
     for a, b, entry in pairs():
