@@ -138,6 +138,11 @@ EMA_SHARDED_STATE = ("--store-ema with --use-sharded-state under --ddp-backend f
                      "1: each rank holds only its shards of the moving average, and the sharded format writes "
                      "extra_state (where the average is kept, fairseq's key) from rank 0 alone, which holds no whole "
                      "average to write; save consolidated checkpoints (drop --use-sharded-state), which gather it")
+TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
+                     "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
+                     "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
+                     "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
+                     "(FSDP2 under TP), or --fp16")
 CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each block one graph (fullgraph), while "
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
@@ -270,7 +275,8 @@ TP_BACKENDS: Dict[str, Status] = {
                    "FSDP2 replicates over the data-parallel ranks (DDP does not take DTensor parameters)"),
     "no_c10d": Tested("tests/integration/test_tp_no_c10d.py::test_tensor_parallel_with_no_c10d_matches_one_process",
                       "no FSDP2: each rank all-reduces its own shards' gradients with the ranks holding the same "
-                      "ones, after backward; 2 and 4 ranks"),
+                      "ones, after backward; 2 and 4 ranks, and --fp16; --memory-efficient-fp16 refused: "
+                      + TP_NO_C10D_MEFP16),
 }
 
 
@@ -323,6 +329,8 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
+    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d" and cfg.common.memory_efficient_fp16:
+        return TP_NO_C10D_MEFP16
     return _sharded_state_refusal(cfg) or _expert_parallel_refusal(cfg)
 
 

@@ -242,20 +242,15 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     logger.info(f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
                 f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
     if cfg.ddp_backend == "no_c10d":
-        return model, _tensor_parallel_all_reduce(model, common, dims, placement)
+        return model, _tensor_parallel_all_reduce(model, dims, placement)
     return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True,
                                **placement)
 
 
-def _tensor_parallel_all_reduce(model: torch.nn.Module, common: CommonConfig, dims: ParallelDims,
-                                placement: dict) -> ParallelStrategy:
+def _tensor_parallel_all_reduce(model: torch.nn.Module, dims: ParallelDims, placement: dict) -> ParallelStrategy:
     """``--ddp-backend no_c10d`` under TP: no FSDP2; after backward each rank all-reduces its own shards'
     gradients over the ranks holding the same shards (the loss group: replicas x cp chunks), fairseq's legacy
     DDP per tensor-parallel slice (a layer that gets no gradient, as with LayerDrop, still takes part)."""
-    if common.memory_efficient_fp16:
-        from toolkit.optim import fp16 as fp16_utils
-
-        fp16_utils.half_model_(model)  # fp16 weights, fp32 optimizer state
     if dims.loss_world == 1:
         return ParallelStrategy(loss_parallel=True, **placement)
     return AllReduceStrategy(model.parameters(), dims.loss_world, group=dims.loss_group, loss_parallel=True,
