@@ -32,8 +32,8 @@ from tests.helpers.cli import run_cli
 CASES = [
     # --- toolkit-train: flags, caught before any work -----------------------------------------
     ("train-no-data", TRAIN, ["{root}/nope", MODEL], "nope: data shard not found"),
-    ("train-tp-no-c10d", TRAIN, ["{bin}", MODEL, "--model-parallel-size", "2", "--ddp-backend", "no_c10d"],
-     "--model-parallel-size 2 does not combine with --ddp-backend no_c10d"),
+    ("train-tp-world", TRAIN, ["{bin}", MODEL, "--model-parallel-size", "2", "--distributed-world-size", "3"],
+     "--model-parallel-size 2: must divide the world size 3"),
     ("train-arch-typo", TRAIN, ["{bin}", "--arch", "transformer_lm_gpt3_smal", "--batch-size", "2"],
      "transformer_lm_gpt3_small"),
     ("train-fp16-bf16", TRAIN, ["{bin}", MODEL, "--fp16", "--bf16"], "--fp16 and --bf16 conflict"),

@@ -87,11 +87,11 @@ def test_consolidated_checkpoint_is_the_plain_layout(data_bin, tmp_path):
 
 def test_refused_combinations_are_one_line(data_bin, tmp_path):
     proc = H.run_train([data_bin] + arch_default_args(tmp_path) + ["--model-parallel-size", "2",
-                                                                 "--ddp-backend", "no_c10d"])
+                                                                 "--distributed-world-size", "3"])
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "toolkit-train: error: --model-parallel-size 2 does not combine with --ddp-backend no_c10d; use "
-        "--ddp-backend fully_sharded (or c10d) with --fp16/--bf16"]
+        "toolkit-train: error: --model-parallel-size 2: must divide the world size 3 (the world is split into "
+        "world/M data-parallel groups of M tensor-parallel ranks)"]
 
 
 def test_two_replicas_of_two_ranks_match_one_process_with_update_freq_2(data_bin, tmp_path):

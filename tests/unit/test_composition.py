@@ -59,6 +59,7 @@ def _defined_tests(path: str) -> set:
 
 def test_every_tested_pair_names_a_test_that_exists():
     tested = {e.test for _, _, e in C.pairs() if isinstance(e, C.Tested)}
+    tested |= {e.test for e in C.TP_BACKENDS.values()}
     assert tested
     for test in tested:
         path, name = test.split("::")
@@ -95,6 +96,21 @@ def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_o
         resolve(*flags, "--attention-dropout", "0.1")
     assert str(e.value) == C.COMPILE_TP_SHARDED_DROPOUT
     resolve("--model-parallel-size", "2", "--compile", "--attention-dropout", "0.1")  # sequence parallel
+
+
+def test_settings_that_are_not_features_refused_with_their_reason():
+    """--ddp-backend under TP and --use-sharded-state are settings, not rows of the table: their refusals."""
+    tp_no_c10d = ["--model-parallel-size", "2", "--ddp-backend", "no_c10d"]
+    assert resolve(*tp_no_c10d, "--fp16").distributed.ddp_backend == "no_c10d"
+    with pytest.raises(UserError) as e:
+        resolve(*tp_no_c10d, "--memory-efficient-fp16")
+    assert str(e.value) == C.TP_NO_C10D_MEFP16
+    assert resolve("--store-ema", "--use-sharded-state").ema.store_ema  # whole averages under DDP: saved by rank 0
+    for sharded in (["--ddp-backend", "fully_sharded"], ["--model-parallel-size", "2"]):
+        assert resolve("--store-ema", *sharded).ema.store_ema
+        with pytest.raises(UserError) as e:
+            resolve("--store-ema", "--use-sharded-state", *sharded)
+        assert str(e.value) == C.EMA_SHARDED_STATE
 
 
 @pytest.mark.parametrize("flags,message", [

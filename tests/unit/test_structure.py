@@ -9,17 +9,23 @@ from tests.helpers import REPO_ROOT
 
 PACKAGES = ("toolkit", "toolkit_cli")
 
+# fairseq's plugin API (--user-dir plugins' base classes): the compat layer's lower part, a package of its own
+# below the families that re-export its names under fairseq's import paths; compat/ itself sits above checkpoint.
+PLUGIN_API = "toolkit.compat_plugins"
+
 # The layer order, bottom first (docs/design.md explains each). A package may import only the packages
 # listed before it, so the order inside a layer matters too. ``toolkit`` is the root package's
 # ``__init__`` (the version only); ``toolkit.options``, ``toolkit.checkpoint_utils`` and ``toolkit.utils`` are
-# fairseq-named facades for users (re-exports; a name may be listed before its module exists) and nothing in
+# fairseq-named facades for users (re-exports; a name may be listed before its module exists; ``toolkit.dataclass``
+# re-exports the plugin API's ``FairseqDataclass``) and nothing in
 # the library imports them; ``toolkit_cli`` (the commands) parses flags and calls the layers below.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("core", ("toolkit", "toolkit.core", "toolkit.dataclass")),
+    ("core", ("toolkit", "toolkit.core")),
     ("config", ("toolkit.config",)),
     ("logging", ("toolkit.logging",)),
-    ("components", ("toolkit.tokenizers", "toolkit.data", "toolkit.models", "toolkit.criterions",
-                    "toolkit.tasks", "toolkit.optim", "toolkit.generation")),
+    ("components", ("toolkit.tokenizers", "toolkit.data")),
+    ("compat plugin api", (PLUGIN_API,)),
+    ("components", ("toolkit.models", "toolkit.criterions", "toolkit.tasks", "toolkit.optim", "toolkit.generation")),
     ("parallel", ("toolkit.distributed",)),
     ("checkpoint", ("toolkit.checkpoint",)),
     ("compat", ("toolkit.compat",)),
@@ -28,7 +34,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("train", ("toolkit.train",)),
     ("export", ("toolkit.export",)),
     ("plan", ("toolkit.plan",)),
-    ("api facades", ("toolkit.options", "toolkit.checkpoint_utils", "toolkit.utils")),
+    ("api facades", ("toolkit.options", "toolkit.checkpoint_utils", "toolkit.utils", "toolkit.dataclass")),
     ("commands", ("toolkit_cli",)),
 ]
 ORDER = [package for _, packages in LAYERS for package in packages]
@@ -182,3 +188,19 @@ def test_library_reaches_fairseq_files_through_the_adapter():
              for target, line in import_sites(module, path, set(files))
              if package_of(target) == "toolkit.compat" and target not in COMPAT_DOORS]
     assert not found, "use toolkit.compat.fairseq.adapter (add what is missing there):\n" + "\n".join(found)
+
+
+# The fairseq import paths a plugin uses, which re-export the plugin API; nothing else in the library imports it.
+PLUGIN_API_PATHS = {"toolkit.models.fairseq_model", "toolkit.tasks.fairseq_task", "toolkit.criterions.fairseq_criterion",
+                    "toolkit.dataclass", "toolkit.dataclass.utils"}
+
+
+def test_only_fairseqs_import_paths_reach_the_plugin_api():
+    files = module_files()
+    assert PLUGIN_API + ".model" in files and PLUGIN_API_PATHS <= set(files)
+    found = [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
+             for module, path in sorted(files.items())
+             if package_of(module) != PLUGIN_API and module not in PLUGIN_API_PATHS
+             for target, line in import_sites(module, path, set(files)) if package_of(target) == PLUGIN_API]
+    assert not found, ("the toolkit's own components register through toolkit.core.registry; only fairseq's import "
+                       "paths re-export toolkit.compat_plugins:\n" + "\n".join(found))

@@ -137,10 +137,15 @@ FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in
             "scaling; use --bf16")
 FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
               "without fp16 weights or loss scaling; use --bf16")
-EMA_SHARDED = ("--store-ema: the average is kept of whole weights (saved whole in the checkpoint's extra_state, "
-               "fairseq's format), while under --ddp-backend fully_sharded or --model-parallel-size > 1 each rank "
-               "holds only its shards: averaging whole weights would gather the whole model onto every rank after "
-               "each update, which sharding exists to avoid; use --ddp-backend c10d or no_c10d")
+EMA_SHARDED_STATE = ("--store-ema with --use-sharded-state under --ddp-backend fully_sharded or --model-parallel-size > "
+                     "1: each rank holds only its shards of the moving average, and the sharded format writes "
+                     "extra_state (where the average is kept, fairseq's key) from rank 0 alone, which holds no whole "
+                     "average to write; save consolidated checkpoints (drop --use-sharded-state), which gather it")
+TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
+                     "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
+                     "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
+                     "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
+                     "(FSDP2 under TP), or --fp16")
 CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each block one graph (fullgraph), while "
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
@@ -258,8 +263,15 @@ for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_co
 for _other in ("compile", "fp8", "AC", "muon", "cpu-offload", "overlap-offload", "fp16", "bf16",
                "memory-efficient fp16", "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
-for _sharded in ("FSDP", "HSDP", "TP", "SP", "cpu-offload", "overlap-offload"):
-    _PAIRS[(_sharded, "EMA")] = Refused(EMA_SHARDED)
+EMA_SHARDED = "tests/integration/test_ema_sharded.py::test_sharded_moving_average_equals_one_process"
+_PAIRS[("FSDP", "EMA")] = Tested(EMA_SHARDED, "case fsdp: each rank averages its shards; the checkpoint's whole "
+                                 "average, resumed at 2 ranks, equals one process's")
+_PAIRS[("HSDP", "EMA")] = Runs("each rank averages its shards as under FSDP (tested); no parity test of HSDP with it")
+for _tp in ("TP", "SP"):
+    _PAIRS[(_tp, "EMA")] = Tested(EMA_SHARDED, "case tp")
+_PAIRS[("cpu-offload", "EMA")] = Tested(EMA_SHARDED, "case offload: the shards in host memory")
+_PAIRS[("overlap-offload", "EMA")] = Tested(EMA_SHARDED, "case offload_overlap (each update waits for the "
+                                            "whole step: the average reads every weight)")
 CONTEXT = "tests/integration/test_context_parallel.py::"
 CP_DP = CONTEXT + "test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
 _PAIRS[("FSDP", "CP")] = Tested(CP_DP, "the Llama family: FSDP2 shards over dp_shard x cp")
@@ -291,6 +303,17 @@ MUON_RUNS = Runs("the optimizer's update acts on the gradients after backward, t
 for _other in NAMES:
     if _other != "muon":
         _fill("muon", _other, MUON_RUNS)
+
+# The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
+TP_BACKENDS: Dict[str, Status] = {
+    "fully_sharded": Tested(TP_DP, "FSDP2 shards over the data-parallel ranks of each tensor-parallel slice"),
+    "c10d": Tested("tests/integration/test_tp_cli.py::test_consolidated_checkpoint_is_the_plain_layout",
+                   "FSDP2 replicates over the data-parallel ranks (DDP does not take DTensor parameters)"),
+    "no_c10d": Tested("tests/integration/test_tp_no_c10d.py::test_tensor_parallel_with_no_c10d_matches_one_process",
+                      "no FSDP2: each rank all-reduces its own shards' gradients with the ranks holding the same "
+                      "ones, after backward; 2 and 4 ranks, and --fp16; --memory-efficient-fp16 refused: "
+                      + TP_NO_C10D_MEFP16),
+}
 
 
 def _in_order(table: Dict[Tuple[str, str], Status]) -> Dict[Tuple[str, str], Status]:
@@ -342,7 +365,19 @@ def refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
         return COMPILE_TP_SHARDED_DROPOUT
-    return _expert_parallel_refusal(cfg)
+    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d" and cfg.common.memory_efficient_fp16:
+        return TP_NO_C10D_MEFP16
+    return _sharded_state_refusal(cfg) or _expert_parallel_refusal(cfg)
+
+
+def _sharded_state_refusal(cfg: Any) -> Optional[str]:
+    """--use-sharded-state (a setting, not a feature of the table) with a moving average held in shards."""
+    checkpoint = getattr(cfg, "checkpoint", None)
+    dist = cfg.distributed
+    sharded = dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1
+    if checkpoint is not None and checkpoint.use_sharded_state and cfg.ema.store_ema and sharded:
+        return EMA_SHARDED_STATE
+    return None
 
 
 def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
@@ -390,6 +425,8 @@ def markdown() -> str:
     for title, kind in (("Refused (the message the run stops with)", Refused),
                         ("Tested equal to one process", Tested), ("Not a combination", OneSetting)):
         lines += ["", f"## {title}", ""] + sections[kind]
+    lines += ["", "## --ddp-backend under TP (--model-parallel-size > 1)", ""]
+    lines += [f"- **{backend}**: `{entry.test}` ({entry.note})" for backend, entry in TP_BACKENDS.items()]
     lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]
     runs: Dict[str, List[str]] = {}
     for a, b, entry in pairs():

@@ -147,6 +147,16 @@ def hub_from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str],
                                                                data_name_or_path, **kwargs)
 
 
+# fairseq's ``FairseqTask.build_model`` (toolkit.compat_plugins, a layer below the model families) builds
+# through the models layer's one path from an architecture to a model, reached by name the same way.
+MODELS_MODULE = "toolkit.models"
+
+
+def build_model(arch: str, section: Any, task: Any):
+    """The models layer's ``build_model`` (see ``MODELS_MODULE``)."""
+    return importlib.import_module(MODELS_MODULE).build_model(arch, section, task)
+
+
 _COMPONENT_PACKAGES = (
     "toolkit.tasks",
     "toolkit.models",

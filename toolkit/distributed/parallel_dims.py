@@ -56,7 +56,7 @@ class ParallelShape:
     cp: int = 1
     tp: int = 1
     ep: int = 1
-    fsdp: bool = False   # FSDP2 wraps the model (--ddp-backend fully_sharded, or any backend under TP)
+    fsdp: bool = False   # FSDP2 wraps the model (--ddp-backend fully_sharded, or c10d under TP)
     hsdp: bool = False   # FSDP2's mesh has the dp_replicate axis (no_shard, hybrid_*; c10d under TP)
 
     @property
@@ -138,7 +138,7 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
                         f"--model-parallel-size {tp} of world size {world} (each replica's sequence is cut into "
                         f"that many chunks)")
     dp = world // (tp * cp)
-    fsdp = backend == "fully_sharded" or tp > 1
+    fsdp = backend == "fully_sharded" or (tp > 1 and backend != "no_c10d")  # no_c10d under TP: its own all-reduce
     strategy = sharding_strategy if backend == "fully_sharded" else "no_shard"
     if not fsdp or strategy == "no_shard":
         replicate, shard = dp, 1

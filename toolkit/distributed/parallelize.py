@@ -233,7 +233,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
 
     The order is torchtitan's: tensor parallelism, activation checkpointing, FSDP2, then
     materialize and initialize (the values equal a plain build's). ``c10d`` and ``no_shard``
-    replicate through FSDP2 on a (W/M, 1) mesh: DDP does not take DTensor parameters.
+    replicate through FSDP2 on a (W/M, 1) mesh: DDP does not take DTensor parameters. ``no_c10d`` has no
+    FSDP2: its all-reduce after backward takes each rank's shards over the ranks holding the same ones.
     """
     from toolkit.distributed import tensor_parallel as tp
 
@@ -249,14 +250,27 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
         apply_activation_checkpointing(model)
     if cfg.compile:
         apply_compile(model, env.device, hooks_eager=True)
-    apply_fsdp(model, dims.fsdp_mesh, cfg, common, env)
+    if cfg.ddp_backend != "no_c10d":
+        apply_fsdp(model, dims.fsdp_mesh, cfg, common, env)
     model.to_empty(device=env.device)
     init_weights(model, common.seed)
     mesh = dims.mesh
     logger.info(f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
                 f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
+    if cfg.ddp_backend == "no_c10d":
+        return model, _tensor_parallel_all_reduce(model, dims, placement)
     return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True,
                                **placement)
+
+
+def _tensor_parallel_all_reduce(model: torch.nn.Module, dims: ParallelDims, placement: dict) -> ParallelStrategy:
+    """``--ddp-backend no_c10d`` under TP: no FSDP2; after backward each rank all-reduces its own shards'
+    gradients over the ranks holding the same shards (the loss group: replicas x cp chunks), fairseq's legacy
+    DDP per tensor-parallel slice (a layer that gets no gradient, as with LayerDrop, still takes part)."""
+    if dims.loss_world == 1:
+        return ParallelStrategy(loss_parallel=True, **placement)
+    return AllReduceStrategy(model.parameters(), dims.loss_world, group=dims.loss_group, loss_parallel=True,
+                             **placement)
 
 
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

@@ -23,6 +23,7 @@ from typing import Any, ContextManager, Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from toolkit.core.dtensor import local_tensor
 from toolkit.distributed.parallel_dims import ParallelDims
 
 
@@ -92,9 +93,9 @@ class AllReduceStrategy(ParallelStrategy):
 
     name = "no_c10d"
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, **kwargs: Any):
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, group: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self.reducer = GradAllReduce(params, world_size)
+        self.reducer = GradAllReduce(params, world_size, group=group)
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
         self.reducer.enabled = enabled
@@ -153,8 +154,9 @@ class GradAllReduce:
         bucket: List[torch.Tensor] = []
         size = 0
         for p in self.params:
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
+            grad = local_tensor(p.grad)  # under TP: this rank's shard, reduced with the ranks holding the same one
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
             if size >= self.bucket_bytes:
                 self._all_reduce(bucket)
                 bucket, size = [], 0

@@ -8,8 +8,11 @@ weights' dtype) and is saved in the checkpoint's ``extra_state["ema"]`` (fairseq
 keyed by the model's own state-dict names. It is not used for training or validation;
 evaluate it by loading that state into a model (``EMA.copy_to``).
 
-Only whole (unsharded) weights are averaged: toolkit.train.resolve refuses ``--store-ema`` with
-FSDP2 or tensor parallelism.
+Under FSDP2 and tensor parallelism (and FSDP2's ``--cpu-offload``) the weights are DTensors and each
+rank averages only its own shards: the average is elementwise, so a shard's average is the average's
+shard and no update gathers anything. A consolidated checkpoint gathers the whole average (every rank
+calls ``state_dict``, as it does for the model) and a load takes each rank's part of the whole tensors
+saved, so the file holds the same whole tensors as one process's run.
 
 ``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
 checkpoint (its ``extra_state["ema"]``, as fairseq's ``load_ema_from_checkpoint`` reads it),
@@ -28,6 +31,7 @@ import torch
 from toolkit.checkpoint.model_fit import check_weights
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.config import EMAConfig
+from toolkit.core.dtensor import is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger("toolkit.ema")  # the name in log lines, kept from before the move
@@ -72,14 +76,16 @@ class EMA:
             avg = self.shadow.get(key)
             if avg is None or "version" in key:
                 continue
+            avg, weight = local_tensor(avg), local_tensor(weight.detach())  # this rank's shards (same layout)
             if not avg.is_floating_point():
                 avg.copy_(weight)
                 continue
-            avg.mul_(self.decay).add_(weight.detach().to(avg.dtype), alpha=1 - self.decay)
+            avg.mul_(self.decay).add_(weight.to(avg.dtype), alpha=1 - self.decay)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """CPU copies, so a checkpoint holding them loads anywhere (``weights_only=True``)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.shadow.items()}
+        """Whole CPU tensors, so a checkpoint holding them loads anywhere (``weights_only=True``).
+        Collective under sharding: every rank calls it (the consolidated save does)."""
+        return {k: whole(v).detach().to("cpu", copy=True) for k, v in self.shadow.items()}
 
     def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]], model: torch.nn.Module) -> bool:
         """Restore a saved average; without one, restart it from the (just loaded) model. Returns whether
@@ -89,13 +95,31 @@ class EMA:
             return False
         for key, avg in self.shadow.items():
             if key in state:
-                avg.copy_(state[key].to(avg.device, avg.dtype))
+                local_tensor(avg).copy_(this_ranks_part(state[key], avg).to(avg.device, avg.dtype))
         return True
 
     @torch.no_grad()
     def copy_to(self, model: torch.nn.Module) -> None:
         """Load the averaged weights into ``model`` (fairseq's ``EMA.reverse``), for evaluation."""
         unwrap(model).load_state_dict({k: v for k, v in self.shadow.items()}, strict=False)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered over its mesh); a plain tensor itself."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of the whole tensor ``full`` that this rank holds of ``like`` (a DTensor: taken by a
+    Replicate -> ``like``'s placements redistribution, a local slice with no communication)."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    replicated = DTensor.from_local(full.to(local_tensor(like).device), mesh, [Replicate()] * mesh.ndim,
+                                    run_check=False)
+    return replicated.redistribute(mesh, like.placements).to_local()
 
 
 class EMAState:

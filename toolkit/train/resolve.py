@@ -162,9 +162,6 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
         for flag in ("cpu_offload", "no_reshard_after_forward"):
             if getattr(dist, flag):
                 raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
-    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
-        raise UserError(f"--model-parallel-size {dist.model_parallel_size} does not combine with --ddp-backend "
-                        f"no_c10d; use --ddp-backend fully_sharded (or c10d) with --fp16/--bf16")
     if dist.model_parallel_size < 1:
         raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
     if dist.bf16_host_grads and not dist.cpu_offload:

@@ -1,0 +1,89 @@
+"""--store-ema where the weights are sharded (FSDP2, tensor parallelism, FSDP2's --cpu-offload): each rank
+averages its own shards, the consolidated checkpoint holds the whole average, and it equals one process's.
+
+Two ranks against one process: FSDP2 splits the batch over two data-parallel ranks (one process takes both
+with ``--update-freq 2``); under TP the two ranks are one replica, so both runs take ``--update-freq 2``. The
+``fsdp`` case stops after 3 updates and resumes at two ranks for the 4th, so the average goes through a save
+(gathered) and a load (each rank's part taken back). ``--ema-decay 0.5`` keeps the average away from the last
+weights (checked), so a run that saved the weights instead, or one rank's shards, fails. Weights and averages are
+fp32; tolerance rtol 1e-3 / atol 1e-4 (as test_composition's TP x cpu-offload weights), losses 1e-3 relative.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import dist_helpers as H
+
+UPDATES = 4
+EMA = ["--store-ema", "--ema-decay", "0.5"]
+OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]
+TWO_FSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+CASES = {  # case: (the two-rank run's flags, the one-process run's flags)
+    "fsdp": (TWO_FSDP, ["--update-freq", "2"]),
+    "tp": (["--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "fully_sharded",
+            "--update-freq", "2"], ["--update-freq", "2"]),
+    "offload": (TWO_FSDP + OFFLOAD, ["--update-freq", "2", "--optimizer", "cpu_adam"]),
+    "offload_overlap": (TWO_FSDP + OFFLOAD + ["--overlap-offload-step"], ["--update-freq", "2", "--optimizer",
+                                                                          "cpu_adam"]),
+}
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("ema_sharded") / "bin"))
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """The one-process runs by their flags, trained once for the cases that share them."""
+    return {"root": tmp_path_factory.mktemp("ema_one"), "runs": {}}
+
+
+def train(data_bin, save_dir, *flags, max_update=UPDATES):
+    proc = H.run_train([data_bin, *H.model_args(str(save_dir)), "--disable-validation", "--max-update",
+                        str(max_update), *EMA, *flags], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def one_process(data_bin, runs, flags):
+    key = " ".join(flags)
+    if key not in runs["runs"]:
+        save_dir = runs["root"] / f"one{len(runs['runs'])}"
+        runs["runs"][key] = (train(data_bin, save_dir, *flags), save_dir / "checkpoint_last.pt")
+    return runs["runs"][key]
+
+
+def saved(path):
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    return ckpt["model"], ckpt["extra_state"]["ema"]
+
+
+def assert_close_states(got, want, what):
+    assert got.keys() == want.keys(), what
+    for k in want:
+        a, b = got[k], want[k]
+        if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
+            C = a.numel() // 3  # (as in test_composition / test_tp_cli)
+            a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (what, k, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_moving_average_equals_one_process(data_bin, one_process_runs, tmp_path, case):
+    sharded_flags, one_flags = CASES[case]
+    one, one_path = one_process(data_bin, one_process_runs, one_flags)
+    if case == "fsdp":  # 3 updates, then a resumed run for the 4th: the average is saved and loaded sharded
+        train(data_bin, tmp_path / "two", *sharded_flags, max_update=UPDATES - 1)
+    two = train(data_bin, tmp_path / "two", *sharded_flags)
+    got, want = H.losses(two.stdout), H.losses(one.stdout)
+    assert UPDATES in got and all(abs(got[u] - want[u]) <= 1e-3 * abs(want[u]) + H.LOGGED_TOL for u in got)
+    if case == "fsdp":
+        assert sorted(got) == [UPDATES], "the second run resumed after update 3"
+    weights, average = saved(tmp_path / "two" / "checkpoint_last.pt")
+    one_weights, one_average = saved(one_path)
+    assert_close_states(weights, one_weights, "weights")
+    assert_close_states(average, one_average, "moving average")
+    key = next(k for k in average if k.endswith("layers.0.fc1.weight"))
+    assert not torch.allclose(average[key], weights[key], atol=1e-4), "the average is not the last weights"
