@@ -25,6 +25,7 @@ import torch
 
 from tests.helpers import dist_helpers as H
 from tests.helpers.dist_helpers import llama_args
+from tests.helpers.eval_reference import reference_eval
 from toolkit.generation import GenerationConfig, SequenceGenerator
 
 UPDATES = 8
@@ -124,19 +125,6 @@ def test_resume_continues_exactly(data_bin, baseline, tmp_path):
     want = model_state(baseline["ckpt"])
     got = model_state(tmp_path / "checkpoint_last.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
-
-def reference_eval(model, stream, block):
-    """(sum of natural-log scores, count): blocks of ``block`` targets, each predicted from the tokens
-    before it in its block, ``</s>`` before the first (eval-lm without a context window)."""
-    total = 0.0
-    for s in range(0, len(stream), block):
-        targets = stream[s:s + block]
-        inputs = torch.tensor([[stream[s - 1] if s else 2] + targets[:-1]])
-        with torch.no_grad():
-            lp = model.get_normalized_probs(model(inputs))[0]
-        total += float(lp.gather(1, torch.tensor(targets)[:, None]).sum())
-    return total, len(stream)
 
 
 def test_eval_lm_and_generation_drive_the_trained_model(data_bin, baseline):

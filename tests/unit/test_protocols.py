@@ -35,10 +35,14 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
 
 
 def test_olmo2s_whole_projection_qk_norm_refuses_a_split_by_heads_in_one_line():
+    """The plan says why TP cannot split it (``unsupported``) and still gives FSDP2 its units: OLMo 2 shards."""
     from toolkit.core.errors import UserError
+    from toolkit.distributed.tensor_parallel import _refuse_unsplit_layers, fsdp_units
 
-    with pytest.raises(UserError, match="--model-parallel-size: --qk-norm-over projection .OLMo 2. normalizes"):
-        build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16).tensor_parallel_plan()
+    model = build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16)
+    assert len(fsdp_units(model)) == 2
+    with pytest.raises(UserError, match="^--model-parallel-size 2: --qk-norm-over projection .OLMo 2. normalizes"):
+        _refuse_unsplit_layers(model, 2)
 
 
 def test_a_module_without_the_protocol_is_refused_by_name():

@@ -30,7 +30,6 @@ from typing import Dict
 
 import torch.nn as nn
 
-from toolkit.core.errors import UserError
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.llama.config import kv_heads
 
@@ -43,9 +42,10 @@ BLOCK = {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     """Key/value heads first among the sizes M must divide: the usual culprit."""
     cfg = model.cfg
+    unsupported = None  # refused by --model-parallel-size only: FSDP2 reads this plan's units too
     if cfg.qk_norm and cfg.qk_norm_over == "projection":
-        raise UserError("--model-parallel-size: --qk-norm-over projection (OLMo 2) normalizes q and k over all "
-                        "heads, which a split by heads puts on different ranks; train it with FSDP (--model-parallel-size 1)")
+        unsupported = ("--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
+                       "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)")
     top: Dict[str, str] = {"embed_tokens": "vocab_embedding", "norm": "norm"}
     if model.output_projection is not None:
         top["output_projection"] = "output"
@@ -56,6 +56,6 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
         unused_norm.add("pre_feedforward_layernorm")
     return TensorParallelPlan(
         top=top, block={path: kind for path, kind in BLOCK.items() if path not in unused_norm}, hidden="norm", positions=cfg.max_target_positions, block_inputs=3,
-        padding_idx=model.padding_idx, fsdp_units=("layers",), experts={},
+        padding_idx=model.padding_idx, fsdp_units=("layers",), experts={}, unsupported=unsupported,
         divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads),
                    ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)))

@@ -1,0 +1,60 @@
+"""The 2025-26 dense families (Qwen3, OLMo 2, Gemma 3) through what a user runs on them, beyond HF parity.
+
+For each tiny member (``qwen3_tiny``: QK-norm per head, head size apart from the width, tied; ``olmo2_tiny``: norms
+after the sub-layers, QK-norm over the projections; ``gemma3_tiny``: a sliding-window layer then a global one,
+(1 + w) norms, GeGLU): one process with --update-freq 2 is the reference; 2 FSDP2 ranks and one process with
+--checkpoint-activations --compile (aot_eager) log the same losses; a run stopped at update 2 resumes to the
+reference's losses exactly; toolkit-eval-lm on the checkpoint equals the log-probabilities of the model's own
+forward (tests/helpers/eval_reference.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from tests.helpers import dist_helpers as H
+from tests.helpers.eval_reference import reference_eval
+
+UPDATES = 4
+FAMILIES = ["qwen3_tiny", "olmo2_tiny", "gemma3_tiny"]
+
+
+def train(data_bin, save_dir, arch, *flags, env=None):
+    args = H.llama_args(save_dir)
+    args[args.index("--arch") + 1] = arch
+    proc = H.run_train([data_bin] + args + ["--max-update", str(UPDATES)] + list(flags), env=env)
+    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return H.losses(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("families") / "bin"))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tmp_path):
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+    from toolkit.inference import load_model
+    from toolkit.inference.eval_lm_main import EvalLMConfig, main
+
+    reference = train(data_bin, tmp_path / "one", arch, "--update-freq", "2")
+    assert sorted(reference) == list(range(1, UPDATES + 1)) and reference[UPDATES] < reference[1]
+    sharded = train(data_bin, tmp_path / "fsdp", arch, "--distributed-world-size", "2", "--ddp-backend", "fully_sharded")
+    H.assert_logged_losses_match(sharded, reference, range(1, UPDATES + 1))
+    compiled = train(data_bin, tmp_path / "compiled", arch, "--update-freq", "2", "--checkpoint-activations",
+                     "--compile", env={"TOOLKIT_COMPILE_BACKEND": "aot_eager"})
+    H.assert_logged_losses_match(compiled, reference, range(1, UPDATES + 1))
+    train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2", "--max-update", "2")
+    resumed = train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2")
+    assert sorted(resumed) == [3, 4] and all(resumed[u] == reference[u] for u in resumed)
+
+    ckpt = str(tmp_path / "one" / "checkpoint_last.pt")
+    result = main(EvalLMConfig(data=data_bin, path=ckpt, gen_subset="valid", tokens_per_sample=32, batch_size=3))
+    model, _, _ = load_model(ckpt, data_bin)
+    valid = MMapIndexedDataset(os.path.join(data_bin, "valid"))
+    total, count = reference_eval(model, [int(t) for i in range(len(valid)) for t in valid[i]], 32)
+    assert result["count"] == count
+    assert result["loss"] == pytest.approx(-total / count / math.log(2), rel=1e-5)
