@@ -218,7 +218,7 @@ def build_parser(
     first, _ = first_parser.parse_known_args(argv)
     if first.user_dir:
         registry.import_user_module(first.user_dir)
-    registry.import_all_components()
+    registry.declare_builtin_components()  # names and options only: a component's code is imported at its use
     if imply is not None:
         argv = imply(first, explicit_options(first_parser, argv)) + argv
         first, _ = first_parser.parse_known_args(argv)

@@ -47,10 +47,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
+from toolkit.models.moe.config import SCORE_FUNCTIONS
 
 logger = logging.getLogger("toolkit.moe")
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass
