@@ -85,6 +85,7 @@ HELP_AND_ARGUMENT_ERRORS = [
     ("preprocess", ["--bpe", "no_such_bpe"], 1),
     ("generate", ["--help"], 0), ("generate", ["data-bin", "--beam", "abc"], 1),
     ("interactive", ["--help"], 0), ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
+    ("validate", ["--help"], 0), ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
 ]
 
 

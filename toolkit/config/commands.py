@@ -1,4 +1,4 @@
-"""The options of the commands other than toolkit-train (whose options are ``toolkit.config``'s sections).
+"""The options of the commands other than toolkit-train and toolkit-export (whose options are ``toolkit.config``'s sections).
 
 They live here, apart from the code that runs the command (which imports torch), so that
 ``toolkit-<command> --help`` and every argument error exit before torch is imported. The modules that use
@@ -179,3 +179,22 @@ class PreprocessConfig:
                 "'parts/*') into --destdir: the same bytes as one run", "metavar": "PARTS"})
     streaming: bool = field(default=False, metadata={
         "help": "read --hf-dataset as a stream (datasets' streaming=True), for datasets larger than memory"})
+
+
+# toolkit-validate (toolkit/train/validate.py)
+@dataclass
+class ValidateConfig:
+    data: str = opt("", "the data-bin (default: the one the checkpoint was trained on)", positional=True)
+    path: Optional[str] = opt(None, "checkpoint to validate (toolkit, fairseq, sharded folder, model.safetensors)")
+    valid_subset: str = opt("valid", "comma-separated splits to validate on")
+    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a batch (default: the training run's)",
+                                          aliases=("--max-tokens",), type=positive_int)
+    batch_size_valid: Optional[int] = opt(None, "samples in a batch (default: the training run's)",
+                                          aliases=("--batch-size", "--max-sentences"), type=positive_int)
+    skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
+    model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
+    cpu: bool = opt(False, "validate on CPU even when a GPU is present")
+    log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
+    log_interval: int = opt(100, "log progress every N batches", type=positive_int)
+    no_progress_bar: bool = opt(False, "disable the progress bar")
+    log_file: Optional[str] = opt(None, "also write the log to this file")
