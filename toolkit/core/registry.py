@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 class UnknownComponentError(ValueError):

@@ -34,13 +34,12 @@ cross-entropy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from toolkit.config.flag_types import non_negative_float
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 from toolkit.models.outputs import aux_losses_of, metrics_of

@@ -5,10 +5,6 @@ all build a :class:`~toolkit.generation.sequence_generator.SequenceGenerator` fr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.config.commands import GenerationConfig  # noqa: F401  (torch-free for --help)
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 import ast
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from toolkit.inference import eval_lm as E
 from toolkit import inference
-from toolkit.config import opt
 from toolkit.core.errors import UserError
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask, bos_as_context

@@ -21,7 +21,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import torch
@@ -29,9 +28,7 @@ import torch
 from toolkit import inference
 from toolkit.inference import model_tokenizer as hf_ids
 from toolkit.config import options
-from toolkit.config import opt
 from toolkit.core.errors import UserError
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
 from toolkit.generation.sequence_generator import BrokenModelOutput, SequenceGenerator

@@ -7,7 +7,6 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_optimizer
 from toolkit.config.components import AdamConfig  # noqa: F401  (its options, torch-free for --help)

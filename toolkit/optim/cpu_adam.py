@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.dtensor import is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 from toolkit.optim import fused_8bit, quantized_states

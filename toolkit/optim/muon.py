@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch.optim.adamw import adamw
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-from toolkit.config import opt
-from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_optimizer
 from toolkit.optim.adam import check_adam_options

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.optim.sgd import check_momentum_options
 from toolkit.core.registry import register_optimizer
 from toolkit.config.components import NAGConfig  # noqa: F401  (its options, torch-free for --help)

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.adam import _all_params, _keep_implementation, fused_supported
 from toolkit.core.registry import register_optimizer

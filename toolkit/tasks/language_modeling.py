@@ -10,13 +10,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
 
 from toolkit.config import options
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.core import registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits

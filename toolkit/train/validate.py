@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from toolkit.config import options
 from toolkit.core import registry
-from toolkit.config import opt
-from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.distributed.parallel_dims import ParallelDims

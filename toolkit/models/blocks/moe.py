@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
 from toolkit.models.moe.config import SCORE_FUNCTIONS
 
 logger = logging.getLogger("toolkit.moe")
-
 
 
 @dataclass
