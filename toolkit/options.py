@@ -62,7 +62,7 @@ _COMPONENTS = (registry.TASK_REGISTRY, registry.CRITERION_REGISTRY, registry.OPT
 
 def get_training_parser(default_task: str = "language_modeling") -> FairseqParser:
     """toolkit-train's options (fairseq's ``default_task`` is ignored: ``--task`` defaults to language_modeling)."""
-    from toolkit.train.resolve import implied_selectors
+    from toolkit.train.arguments import implied_selectors
 
     return FairseqParser("toolkit-train", TRAIN_CONFIGS, True, _COMPONENTS, implied_selectors)
 

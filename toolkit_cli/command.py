@@ -11,6 +11,7 @@ import sys
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
 from toolkit.config import options
+from toolkit.core import registry
 from toolkit.core.errors import Interrupted, UserError, print_error_line
 
 
@@ -48,4 +49,5 @@ def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List
                                          description=description)
     extra = tuple(from_argv(argv)) if from_argv is not None else ()
     with one_line_errors(prog):
+        registry.import_all_components()  # parsing imported only the chosen components' options (no torch)
         return main(*(options.config_from_args(cls, args) for cls in configs), *extra)

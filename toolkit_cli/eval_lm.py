@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.inference.eval_lm_main import EvalLMConfig, main
+from toolkit.config.commands import EvalLMConfig
 from toolkit_cli.command import run_command
 
 PROG = "toolkit-eval-lm"
+
+
+def main(cfg: EvalLMConfig):
+    from toolkit.inference.eval_lm_main import main  # torch: after parsing (--help and argument errors exit first)
+
+    return main(cfg)
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

@@ -11,11 +11,16 @@ from typing import List, Optional
 from toolkit_cli.interactive import run
 
 
-def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.inference.generate import GenerateConfig
-    from toolkit.inference.results_file import generate_with_results_path
+def _generate(*configs):
+    from toolkit.inference.results_file import generate_with_results_path  # torch: after parsing
 
-    run("toolkit-generate", GenerateConfig, generate_with_results_path, argv,
+    return generate_with_results_path(*configs)
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    from toolkit.config.commands import GenerateConfig
+
+    run("toolkit-generate", GenerateConfig, _generate, argv,
         "Generate from a language model with prompts from a data-bin split (fairseq's S-/T-/H-/D-/P- lines).")
 
 

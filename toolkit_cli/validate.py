@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.train.validate import ValidateConfig, main
+from toolkit.config.commands import ValidateConfig
 from toolkit_cli.command import run_command
+
+
+def main(cfg: ValidateConfig):
+    from toolkit.train.validate import main  # torch: after parsing (--help and argument errors exit first)
+
+    return main(cfg)
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

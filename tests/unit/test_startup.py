@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO_ROOT
 from tests.helpers.cli import subprocess_env
 
@@ -54,3 +56,74 @@ def test_registering_every_component_and_building_models_on_meta_import_none():
                            "models.build_on_meta('llama', 100, 64, decoder_layers=2, decoder_embed_dim=32, "
                            "decoder_attention_heads=2, decoder_ffn_embed_dim=64)")
     assert after == [[], []]
+
+
+def modules_after_command(command: str, argv: list) -> tuple:
+    """(exit status, whether torch was imported) of ``toolkit-<command> ARGV`` run in one fresh interpreter."""
+    code = ("import importlib, sys\n"
+            f"command = importlib.import_module('toolkit_cli.{command}')\n"
+            f"sys.argv = ['toolkit-{command}'] + {list(argv)!r}\n"
+            "try:\n    command.cli_main()\n    status = 0\n"
+            "except SystemExit as e:\n    status = e.code\n"
+            "print('RESULT', status, 'torch' in sys.modules, file=sys.stderr)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    result = [line for line in run.stderr.splitlines() if line.startswith("RESULT ")]
+    assert result, run.stderr[-2000:]
+    _, status, torch_imported = result[-1].split()
+    return int(status or 0), torch_imported == "True"
+
+
+HELP_AND_ARGUMENT_ERRORS = [
+    ("train", ["--help"], 0), ("train", ["--arch", "llama_tiny", "--help"], 0),
+    ("train", ["--arch", "moe_tiny", "--optimizer", "muon", "--lr-scheduler", "wsd", "--help"], 0),
+    ("train", ["data-bin", "--arch", "no_such_arch"], 1), ("train", ["data-bin", "--lr", "abc"], 1),
+    ("train", ["data-bin", "--optimizer", "no_such_optimizer"], 1), ("train", ["data-bin", "--no-such-flag"], 1),
+    ("train", ["data-bin", "--arch", "llama_tiny", "--dropout", "0.1"], 1),
+    ("eval_lm", ["--help"], 0), ("eval_lm", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+    ("preprocess", ["--help"], 0), ("preprocess", ["--bpe", "sentencepiece", "--help"], 0),
+    ("preprocess", ["--bpe", "no_such_bpe"], 1),
+    ("generate", ["--help"], 0), ("generate", ["data-bin", "--beam", "abc"], 1),
+    ("interactive", ["--help"], 0), ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
+    ("validate", ["--help"], 0), ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+]
+
+
+@pytest.mark.parametrize("command,argv,status", HELP_AND_ARGUMENT_ERRORS,
+                         ids=[f"{c} {' '.join(a)}" for c, a, _ in HELP_AND_ARGUMENT_ERRORS])
+def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, status):
+    """The parser is built from the components' names and options alone (``registry.BUILTIN_COMPONENTS``,
+    torch-free options modules); torch comes in after parsing, with the code that runs the command."""
+    assert modules_after_command(command, argv) == (status, False)
+
+
+def test_a_valid_command_line_goes_on_to_import_torch():
+    """The check above can fail: past parsing, the command imports torch (here eval-lm, failing on its
+    missing checkpoint)."""
+    assert modules_after_command("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"]) == (1, True)
+
+
+def test_the_declared_components_are_what_the_modules_register():
+    """Every built-in name is declared with the module that registers it and the options class it registers
+    with (a fresh interpreter: what the packages register, no test's plugin); a component a module registered
+    without a declaration would be missing from the command line."""
+    code = """
+import importlib, json
+from toolkit.core import registry
+registry.import_all_components()
+problems = []
+for reg, declared in registry.BUILTIN_COMPONENTS.items():
+    problems += [f"{reg.kind} {name}: not declared" for name in set(reg.entries) - set(declared)]
+    for name, (module, options) in declared.items():
+        entry = reg.get(name)
+        options_module, _, options_class = options.partition(":")
+        if entry.module != module or entry.cls is None:
+            problems.append(f"{reg.kind} {name}: registered by {entry.module}, declared {module}")
+        if getattr(importlib.import_module(options_module), options_class) is not entry.config:
+            problems.append(f"{reg.kind} {name}: options {entry.config}, declared {options}")
+print(json.dumps(problems))
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []

@@ -215,10 +215,13 @@ def build_parser(
         return p
 
     first_parser = fresh_parser(add_help=False)
+    for action in first_parser._actions:  # a missing positional (toolkit-generate --help) is the second pass's error
+        if not action.option_strings and action.nargs is None:
+            action.nargs, action.required = "?", False
     first, _ = first_parser.parse_known_args(argv)
     if first.user_dir:
         registry.import_user_module(first.user_dir)
-    registry.import_all_components()
+    registry.declare_builtin_components()  # names and options only: a component's code is imported at its use
     if imply is not None:
         argv = imply(first, explicit_options(first_parser, argv)) + argv
         first, _ = first_parser.parse_known_args(argv)

@@ -16,17 +16,19 @@ without editing a list), which modules FSDP2 wraps as units, and where experts g
 package depends on nothing above it, and the parallel code (and the planner, which counts the
 split from the same plan) holds no module name of any family.
 
-This module imports only ``typing``, ``dataclasses`` and ``torch``: it sits at the bottom of the
-package order, below everything that implements or calls it.
+This module imports only ``typing`` and ``dataclasses`` (``torch`` for type checkers only: ``toolkit.config``
+imports it, and ``--help`` runs without torch): it sits at the bottom of the package order, below everything
+that implements or calls it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-NetOutput = Union[torch.Tensor, Tuple[torch.Tensor, Any]]
+NetOutput = Union["torch.Tensor", Tuple["torch.Tensor", Any]]
 """What ``forward`` returns: a tensor [B, T, V] (or features, for an adaptive softmax), or
 ``(tensor, extra)``; training's criterions take either, eval and generation pass it to
 ``get_normalized_probs`` unchanged, so they need not know which."""

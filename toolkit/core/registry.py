@@ -9,19 +9,43 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 class UnknownComponentError(ValueError):
     """A name given on the command line is not registered."""
 
 
-@dataclass
 class RegistryEntry:
-    name: str
-    cls: Any
-    config: Optional[type]  # the options dataclass, or None when it takes none
+    """One component: its class and its options dataclass (or None when it takes none).
+
+    A built-in component is declared first (:data:`BUILTIN_COMPONENTS`): its name, the module that registers
+    its class and the torch-free module holding its options. ``config`` then imports only the options module
+    and ``cls`` the component's module (whose decorator fills the entry in), so the command line (``--help``,
+    every argument error) is built without importing torch."""
+
+    def __init__(self, name: str, cls: Any = None, config: Optional[type] = None, module: Optional[str] = None,
+                 options: Optional[str] = None):
+        self.name = name
+        self._cls = cls
+        self._config = config
+        self.module = module  # imported at the first use of ``cls`` (None: registered already)
+        self.options = options  # "module:Class" of the options dataclass, imported at the first use of ``config``
+
+    @property
+    def cls(self) -> Any:
+        if self._cls is None and self.module is not None:
+            importlib.import_module(self.module)  # its decorator fills ``_cls`` in (see Registry.register)
+        if self._cls is None:
+            raise ValueError(f"{self.module} does not register '{self.name}'")
+        return self._cls
+
+    @property
+    def config(self) -> Optional[type]:
+        if self._config is None and self.options is not None:
+            module, _, name = self.options.partition(":")
+            self._config = getattr(importlib.import_module(module), name)
+        return self._config
 
 
 class Registry:
@@ -35,12 +59,21 @@ class Registry:
 
     def register(self, name: str, dataclass: Optional[type] = None) -> Callable:
         def decorator(cls):
-            if name in self.entries:
+            declared = self.entries.get(name)
+            if declared is None:
+                self.entries[name] = RegistryEntry(name, cls, dataclass)
+            elif declared._cls is None and declared.module is not None:  # the declared module, imported now
+                declared._cls, declared._config = cls, dataclass
+            else:
                 raise ValueError(f"cannot register duplicate {self.kind} ({name})")
-            self.entries[name] = RegistryEntry(name, cls, dataclass)
             return cls
 
         return decorator
+
+    def declare(self, name: str, module: str, options: Optional[str]) -> None:
+        """A built-in component by module name: listed (``--help``, choices) before its module is imported."""
+        if name not in self.entries:
+            self.entries[name] = RegistryEntry(name, module=module, options=options)
 
     def names(self) -> List[str]:
         return sorted(self.entries)
@@ -169,13 +202,74 @@ _imported = False
 
 
 def import_all_components() -> None:
-    """Populate every registry (idempotent)."""
+    """Populate every registry with its classes (idempotent)."""
     global _imported
     if _imported:
         return
+    declare_builtin_components()
     for package in _COMPONENT_PACKAGES:
         import_submodules(package)
     _imported = True
+
+
+# The built-in components by name: {registry: {name: (module that registers the class, "options module:class")}}.
+# The options modules import no torch, so the command line (every name, the chosen components' options) is
+# built before torch is imported; ``tests/unit/test_startup.py`` checks this table against what the modules
+# register.
+BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
+    TASK_REGISTRY: {
+        "language_modeling": ("toolkit.tasks.language_modeling", "toolkit.config.components:LanguageModelingConfig"),
+    },
+    CRITERION_REGISTRY: {
+        name: (module, "toolkit.config.components:CrossEntropyCriterionConfig")
+        for name, module in (("cross_entropy", "toolkit.criterions.cross_entropy"),
+                             ("vocab_parallel_cross_entropy", "toolkit.criterions.cross_entropy"),
+                             ("adaptive_loss", "toolkit.criterions.adaptive_loss"))
+    },
+    OPTIMIZER_REGISTRY: {
+        "adam": ("toolkit.optim.adam", "toolkit.config.components:AdamConfig"),
+        "cpu_adam": ("toolkit.optim.cpu_adam", "toolkit.config.components:CPUAdamConfig"),
+        "muon": ("toolkit.optim.muon", "toolkit.config.components:MuonConfig"),
+        "sgd": ("toolkit.optim.sgd", "toolkit.config.components:SGDConfig"),
+        "nag": ("toolkit.optim.nag", "toolkit.config.components:NAGConfig"),
+    },
+    LR_SCHEDULER_REGISTRY: {
+        name: (f"toolkit.optim.lr_scheduler.{name}", f"toolkit.config.components:{options}")
+        for name, options in (("fixed", "FixedLRScheduleConfig"),
+                              ("inverse_sqrt", "InverseSquareRootLRScheduleConfig"),
+                              ("polynomial_decay", "PolynomialDecayLRScheduleConfig"),
+                              ("cosine", "CosineLRScheduleConfig"),
+                              ("tri_stage", "TriStageLRScheduleConfig"),
+                              ("reduce_lr_on_plateau", "ReduceLROnPlateauLRScheduleConfig"),
+                              ("wsd", "WSDLRScheduleConfig"))
+    },
+    TOKENIZER_REGISTRY: {
+        "sentencepiece": ("toolkit.tokenizers.sentencepiece_bpe", "toolkit.tokenizers.sentencepiece_bpe:SentencepieceBpeConfig"),
+        "gpt2": ("toolkit.tokenizers.gpt2_bpe", "toolkit.tokenizers.gpt2_bpe:Gpt2BpeConfig"),
+        "hf_byte_bpe": ("toolkit.tokenizers.hf_byte_bpe", "toolkit.tokenizers.hf_byte_bpe:HfByteBpeConfig"),
+    },
+    MODEL_REGISTRY: {
+        "transformer_lm": ("toolkit.models.transformer_lm.model", "toolkit.models.transformer_lm.config:TransformerLMConfig"),
+        "llama": ("toolkit.models.llama.model", "toolkit.models.llama.config:LlamaConfig"),
+        "moe": ("toolkit.models.moe.model", "toolkit.models.moe.config:MoEConfig"),
+    },
+}
+# The named architectures register when these (torch-free) modules are imported.
+BUILTIN_ARCH_MODULES = ("toolkit.models.transformer_lm.archs", "toolkit.models.llama.archs", "toolkit.models.moe.archs")
+_declared = False
+
+
+def declare_builtin_components() -> None:
+    """Every built-in name and architecture, without importing a component's code (idempotent)."""
+    global _declared
+    if _declared:
+        return
+    _declared = True
+    for reg, components in BUILTIN_COMPONENTS.items():
+        for name, (module, options) in components.items():
+            reg.declare(name, module, options)
+    for module in BUILTIN_ARCH_MODULES:
+        importlib.import_module(module)
 
 
 def import_user_module(user_dir: str) -> None:

@@ -34,29 +34,19 @@ cross-entropy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from toolkit.config.flag_types import non_negative_float
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 from toolkit.models.outputs import aux_losses_of, metrics_of
+from toolkit.config.components import CrossEntropyCriterionConfig  # noqa: F401  (its options, torch-free for --help)
 
 # logging-output keys of the criterion itself (and what reduce_metrics derives); any other is a model's extra
 _NOT_EXTRAS = frozenset({"loss", "nll_loss", "ppl", "ntokens", "nsentences", "sample_size"})
-
-
-@dataclass
-class CrossEntropyCriterionConfig:
-    sentence_avg: bool = field(default=False, metadata={
-        "help": "normalize gradients by the number of sentences in a batch (default: by the number of tokens)"})
-    z_loss_coef: float = field(default=0.0, metadata={
-        "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
-                "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
-                "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy", "type": non_negative_float})
 
 
 def _to_float(x: Any) -> float:

@@ -23,7 +23,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from toolkit.data.binarizer import (
@@ -44,69 +44,13 @@ from toolkit.core import folder_lock
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_directory
 from toolkit.logging.setup import make_formatter
+from toolkit.config.commands import ENCODING_ERRORS, PreprocessConfig  # noqa: F401  (torch-free for --help)
 
 logger = logging.getLogger("toolkit_cli.preprocess")
 
-ENCODING_ERRORS = ("strict", "replace", "ignore")
 DICT_FILE = "dict.txt"
 HF_FLAG = "--hf-dataset"
 SPLIT_EXTENSIONS = ("bin", "idx")
-
-
-@dataclass
-class PreprocessConfig:
-    only_source: bool = field(default=False, metadata={
-        "help": "only process the source language: language-model data (the only mode here; accepted for "
-                "fairseq compatibility)"})
-    trainpref: Optional[str] = field(default=None, metadata={
-        "help": "train file (fairseq's train prefix; with --only-source it is the file itself)", "metavar": "FP"})
-    validpref: Optional[str] = field(default=None, metadata={
-        "help": "valid file(s), comma separated: they become valid, valid1, valid2, ...", "metavar": "FP"})
-    testpref: Optional[str] = field(default=None, metadata={
-        "help": "test file(s), comma separated: they become test, test1, test2, ...", "metavar": "FP"})
-    destdir: str = field(default="data-bin", metadata={"help": "destination folder", "metavar": "DIR"})
-    srcdict: Optional[str] = field(default=None, metadata={
-        "help": "reuse this dict.txt instead of building one from the train file", "metavar": "FP"})
-    thresholdsrc: int = field(default=0, metadata={
-        "help": "map words appearing fewer than this many times to <unk>", "metavar": "N"})
-    nwordssrc: int = field(default=-1, metadata={
-        "help": "number of dictionary entries to keep, the 4 special symbols included (-1: all)", "metavar": "N"})
-    padding_factor: int = field(default=8, metadata={
-        "help": "pad the dictionary size to a multiple of this (madeupwordNNNN fillers)", "metavar": "N"})
-    workers: int = field(default=1, metadata={"help": "number of parallel worker processes", "metavar": "N"})
-    dataset_impl: str = field(default="mmap", metadata={
-        "help": "output dataset implementation", "choices": ["mmap"], "metavar": "FORMAT"})
-    dict_only: bool = field(default=False, metadata={"help": "only build the dictionary, binarize nothing"})
-    joined_dictionary: bool = field(default=False, metadata={
-        "help": "fairseq: one dictionary for source and target; language-model data has one side, so its "
-                "dictionary already is (accepted, no effect)"})
-    overwrite: bool = field(default=False, metadata={
-        "help": "replace an existing, non-empty --destdir; when adding splits to a data-bin (--srcdict), "
-                "replace only the files of the splits written"})
-    encoding_errors: str = field(default="strict", metadata={
-        "help": "what to do with bytes that are not UTF-8: stop with an error (strict), put U+FFFD in their "
-                "place (replace) or drop them (ignore)", "choices": list(ENCODING_ERRORS), "metavar": "MODE"})
-    no_progress_bar: bool = field(default=False, metadata={"help": "disable the progress bars"})
-    json_key: str = field(default="text", metadata={
-        "help": "the key holding the text in *.jsonl[.gz|.zst] inputs", "metavar": "KEY"})
-    parquet_column: str = field(default="text", metadata={
-        "help": "the column holding the text in *.parquet inputs and --hf-dataset splits", "metavar": "NAME"})
-    hf_dataset: Optional[str] = field(default=None, metadata={
-        "help": "train on a Hugging Face datasets folder (save_to_disk, or data files) or local dataset script "
-                "instead of --trainpref (pip install datasets)", "metavar": "PATH"})
-    hf_split: str = field(default="train", metadata={
-        "help": "the --hf-dataset split binarized as train", "metavar": "NAME"})
-    hf_valid_split: Optional[str] = field(default=None, metadata={
-        "help": "--hf-dataset split(s), comma separated, binarized as valid, valid1, ...", "metavar": "NAMES"})
-    num_shards: int = field(default=1, metadata={
-        "help": "binarize only part --shard-id of N of every input (one job of many machines; needs --srcdict); "
-                "join the parts with --merge", "metavar": "N"})
-    shard_id: int = field(default=0, metadata={"help": "which part of --num-shards (0-based)", "metavar": "I"})
-    merge: Optional[str] = field(default=None, metadata={
-        "help": "join the data-bins of --num-shards parts (comma-separated folders or a pattern such as "
-                "'parts/*') into --destdir: the same bytes as one run", "metavar": "PARTS"})
-    streaming: bool = field(default=False, metadata={
-        "help": "read --hf-dataset as a stream (datasets' streaming=True), for datasets larger than memory"})
 
 
 @dataclass

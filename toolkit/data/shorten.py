@@ -16,7 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-SHORTEN_METHODS = ("none", "truncate", "random_crop")
+from toolkit.config.components import SHORTEN_METHODS  # noqa: F401  (the names, torch-free for --help)
+
 CROP_EPOCH = 0  # what fairseq's RandomCropDataset sees under its language-model task
 
 

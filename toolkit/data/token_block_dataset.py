@@ -32,7 +32,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-BREAK_MODES = ("none", "complete", "complete_doc", "eos")
+from toolkit.config.components import BREAK_MODES  # noqa: F401  (the names, torch-free for --help)
 
 
 def _item_offsets(sizes: np.ndarray) -> np.ndarray:

@@ -5,34 +5,8 @@ all build a :class:`~toolkit.generation.sequence_generator.SequenceGenerator` fr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-from toolkit.config import opt
 from toolkit.core.errors import UserError
-
-
-@dataclass
-class GenerationConfig:
-    beam: int = opt(5, "beam size (with --sampling: the number of samples per prompt)")
-    nbest: int = opt(1, "number of hypotheses to output")
-    max_len_a: float = opt(0.0, "generate sequences of maximum length ax + b, where x is the source length "
-                                "(for a language model: the prompt length + 1)")
-    max_len_b: int = opt(200, "generate sequences of maximum length ax + b, where x is the source length")
-    min_len: int = opt(1, "minimum generation length")
-    lenpen: float = opt(1.0, "length penalty: <1.0 favors shorter, >1.0 favors longer sentences")
-    unkpen: float = opt(0.0, "unknown word penalty: <0 produces more unks, >0 produces fewer")
-    unnormalized: bool = opt(False, "compare unnormalized hypothesis scores")
-    no_repeat_ngram_size: int = opt(0, "ngram blocking such that this size ngram cannot be repeated in the "
-                                       "generation")
-    sampling: bool = opt(False, "sample hypotheses instead of using beam search")
-    sampling_topk: int = opt(-1, "sample from top K likely next words instead of all words")
-    sampling_topp: float = opt(-1.0, "sample from the smallest set whose cumulative probability mass exceeds p "
-                                     "for next words")
-    temperature: float = opt(1.0, "temperature for generation")
-    prefix_size: int = opt(0, "initialize generation by target prefix of given length")
-    max_new_tokens: Optional[int] = opt(None, "stop after this many tokens past the prompt (the hub's max_len)",
-                                        cli=False)
+from toolkit.config.commands import GenerationConfig  # noqa: F401  (torch-free for --help)
 
 
 def check_generation_config(cfg: GenerationConfig) -> None:

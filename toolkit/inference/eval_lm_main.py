@@ -8,72 +8,19 @@ from __future__ import annotations
 import ast
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from toolkit.inference import eval_lm as E
 from toolkit import inference
-from toolkit.config import opt
 from toolkit.core.errors import UserError
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask, bos_as_context
+from toolkit.config.commands import EvalLMConfig  # noqa: F401  (torch-free for --help)
 
 logger = logging.getLogger("toolkit_cli.eval_lm")
-
-
-@dataclass
-class EvalLMConfig:
-    data: str = opt("", "the data-bin folder (several joined by ':': the first is evaluated)", positional=True)
-    path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit or fairseq); several joined by ':' form "
-                                    "an ensemble")
-    task: str = opt("language_modeling", "task (only language_modeling)")
-    criterion: Optional[str] = opt(None, "accepted for fairseq compatibility: eval-lm scores with the model's "
-                                         "log-probabilities whatever the criterion")
-    gen_subset: str = opt("test", "data split to evaluate")
-    tokens_per_sample: Optional[int] = opt(None, "tokens per block, context included (fairseq's meaning; "
-                                                 "default: the training value)")
-    context_window: int = opt(0, "earlier tokens given as context to each block: each block scores "
-                                 "tokens-per-sample minus this many new tokens")
-    sample_break_mode: str = opt("none", "how the split is cut into blocks (as the language_modeling task)",
-                                 choices=["none", "complete", "complete_doc", "eos"])
-    add_bos_token: bool = opt(False, "prepend <s> to every block (its score is not counted)")
-    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch (default 36000, as fairseq)", type=positive_int)
-    batch_size: Optional[int] = opt(None, "number of blocks in a batch", aliases=("--max-sentences",),
-                                    type=positive_int)
-    softmax_batch: int = opt(0, "normalize at most this many positions at once (memory only)", type=count_or_zero)
-    output_word_probs: bool = opt(False, "log each word with its log-probability (natural log, fairseq's format)")
-    output_word_stats: bool = opt(False, "log per-word counts and summed log-probabilities")
-    post_process: Optional[str] = opt(None, "merge BPE continuations: subword_nmt / '@@ ' "
-                                            "(alias --remove-bpe; bare flag = subword_nmt)",
-                                 aliases=("--remove-bpe",))
-    model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
-    max_target_positions: Optional[int] = opt(None, "accepted for fairseq compatibility (a task option "
-                                                    "eval-lm does not use; see --model-overrides)")
-    skip_invalid_size_inputs_valid_test: bool = opt(False, "accepted: eval-lm always skips blocks longer "
-                                                           "than the model's positions, as fairseq")
-    num_shards: int = opt(1, "evaluate only every num-shards-th batch ...", type=positive_int)
-    shard_id: int = opt(0, "... starting at this one")
-    seed: int = opt(1, "random seed (orders the batches, as fairseq)")
-    fp16: bool = opt(False, "evaluate in fp16")
-    cpu: bool = opt(False, "evaluate on CPU even when a GPU is present")
-    num_workers: int = opt(1, "accepted for fairseq compatibility (batches are built in this process)")
-    quiet: bool = opt(False, "accepted for fairseq compatibility (eval-lm only prints final scores anyway)")
-    results_path: Optional[str] = opt(None, "accepted for fairseq compatibility (fairseq-eval-lm writes "
-                                            "nothing there)")
-    required_batch_size_multiple: int = opt(8, "accepted for fairseq compatibility (fairseq-eval-lm does not "
-                                               "apply it either)", type=positive_int)
-    distributed_world_size: int = opt(1, "accepted for fairseq compatibility (eval-lm runs in one process)",
-                                      type=positive_int)
-    model_parallel_size: int = opt(1, "accepted for fairseq compatibility (the model is evaluated whole)",
-                                   type=positive_int)
-    log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
-    log_interval: int = opt(100, "log progress every N batches", type=positive_int)
-    no_progress_bar: bool = opt(False, "disable the progress bar")
-    log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
 _NO_EFFECT = {

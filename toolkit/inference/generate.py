@@ -21,7 +21,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import torch
@@ -29,44 +28,16 @@ import torch
 from toolkit import inference
 from toolkit.inference import model_tokenizer as hf_ids
 from toolkit.config import options
-from toolkit.config import opt
 from toolkit.core.errors import UserError
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
 from toolkit.generation.sequence_generator import BrokenModelOutput, SequenceGenerator
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.step_progress import StepProgress
 from toolkit.tokenizers import load_tokenizer_for_data_bin
+from toolkit.config.commands import GenerationCommandConfig, GenerateConfig, InteractiveConfig  # noqa: F401  (torch-free for --help)
 
 logger = logging.getLogger("toolkit.generation")
-
-
-@dataclass
-class GenerationCommandConfig:
-    data: str = opt(None, "the data-bin folder (its dictionary and BPE)", positional=True)
-    path: Optional[str] = opt(None, "checkpoint to generate with; several joined by ':' form an ensemble")
-    batch_size: Optional[int] = opt(None, "prompts per batch", aliases=("--max-sentences",), type=positive_int)
-    seed: int = opt(1, "random seed (sampling)")
-    cpu: bool = opt(False, "generate on CPU even when a GPU is present")
-    fp16: bool = opt(False, "run the model in fp16")
-    post_process: Optional[str] = opt(None, "post-process the H- text by removing BPE markers: sentencepiece, "
-                                            "subword_nmt (--remove-bpe alone), ...", aliases=("--remove-bpe",))
-    log_file: Optional[str] = opt(None, "also write the log to this file")
-
-
-@dataclass
-class GenerateConfig(GenerationCommandConfig):
-    gen_subset: str = opt("test", "data split to take prompts from")
-    quiet: bool = opt(False, "only print the summary")
-    results_path: Optional[str] = opt(None, "write the output to RESULTS_PATH/generate-{gen_subset}.txt instead of "
-                                            "stdout (fairseq's file name)")
-
-
-@dataclass
-class InteractiveConfig(GenerationCommandConfig):
-    buffer_size: int = opt(0, "read this many sentences into a buffer before processing them", type=count_or_zero)
-    input: str = opt("-", "file to read from; use - for stdin")
 
 
 class Session:

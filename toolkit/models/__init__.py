@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
-from typing import Any, Dict, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 from toolkit.config import options
 from toolkit.core import registry
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _values(section: Any) -> Dict[str, Any]:
@@ -61,6 +62,8 @@ def build_model(arch: str, section: Any, task) -> torch.nn.Module:
 def build_for_loading(arch: str, section: Any, task, device: torch.device) -> torch.nn.Module:
     """``build_model`` for a checkpoint's weights (eval-lm, the hub, the in-training evaluation): built on the
     meta device, allocated on ``device`` without drawing initial values, computed buffers set."""
+    import torch  # here, not at the top: the families' options and sizes (this package) are read by --help
+
     with torch.device("meta"):
         model = build_model(arch, section, task)
     model.to_empty(device=device)
@@ -88,6 +91,7 @@ class _CountingDictionary:
 def build_on_meta(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, padding_idx: int = 1,
                   **overrides: Any) -> torch.nn.Module:
     """Any registered architecture, built on the meta device (shapes only, no memory, no init)."""
+    import torch
     task = SimpleNamespace(dictionary=_CountingDictionary(vocab_size, padding_idx),
                            cfg=SimpleNamespace(tokens_per_sample=tokens_per_sample))
     with torch.device("meta"):
@@ -100,12 +104,15 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 
 
 # fairseq's names, so a plugin's ``from fairseq.models import ...`` ports by renaming the import
-# (toolkit.models.fairseq_model; docs/plugins.md).
-from toolkit.models.fairseq_model import (  # noqa: E402,F401
-    BaseFairseqModel,
-    FairseqDecoder,
-    FairseqIncrementalDecoder,
-    FairseqLanguageModel,
-    register_model,
-    register_model_architecture,
-)
+# (toolkit.models.fairseq_model; docs/plugins.md). Imported at first use: they need torch, the families'
+# options and sizes (read by --help) do not.
+_FAIRSEQ_NAMES = ("BaseFairseqModel", "FairseqDecoder", "FairseqIncrementalDecoder", "FairseqLanguageModel",
+                  "register_model", "register_model_architecture")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FAIRSEQ_NAMES:
+        from toolkit.models import fairseq_model
+
+        return getattr(fairseq_model, name)
+    raise AttributeError(f"module 'toolkit.models' has no attribute '{name}'")

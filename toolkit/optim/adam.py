@@ -7,16 +7,9 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_optimizer
-
-
-@dataclass
-class AdamConfig:
-    adam_betas: str = opt("(0.9, 0.999)", "betas for Adam optimizer, e.g. '(0.9, 0.98)'")
-    adam_eps: float = opt(1e-8, "epsilon for Adam optimizer")
-    weight_decay: float = opt(0.0, "weight decay (decoupled, as AdamW)")
+from toolkit.config.components import AdamConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 def parse_adam_betas(text: Any, flag: str = "--adam-betas") -> Tuple[float, float]:

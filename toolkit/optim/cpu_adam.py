@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.dtensor import is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 from toolkit.optim import fused_8bit, quantized_states
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 from toolkit.core.registry import register_optimizer
+from toolkit.config.components import CPUAdamConfig  # noqa: F401  (its options, torch-free for --help)
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +47,6 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 # Elements per DeepSpeed call: 4 MiB of fp32 gradient stays in cache between its multiply and the update
 # (and, with DeepSpeed's own binding, which keeps the GIL, other Python threads get it between calls).
 _STEP_CHUNK = 1 << 20
-
-
-@dataclass
-class CPUAdamConfig:
-    adam_betas: str = opt("(0.9, 0.999)", "betas for Adam optimizer, e.g. '(0.9, 0.98)'")
-    adam_eps: float = opt(1e-8, "epsilon for Adam optimizer")
-    weight_decay: float = opt(0.0, "weight decay (decoupled, as AdamW)")
-    fp16_adam_stats: bool = opt(False, "keep the Adam moments in fp16, with one scale per tensor")
-    adam_state_precision: str = opt("fp32", "precision of the Adam moments in host memory: fp32 (8 bytes per "
-                                            "parameter), bf16 (4) or 8bit (about 2: blockwise-quantized)",
-                                    choices=list(quantized_states.PRECISIONS))
 
 
 # ---------------------------------------------------------------------------

@@ -24,43 +24,21 @@ back the same way while the next one computes; the host applies results in order
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections import deque
-from typing import Any, Callable, ClassVar, Deque, Dict, Iterable, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 
 import torch
 from torch.optim.adamw import adamw
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-from toolkit.config import opt
-from toolkit.config.flag_types import positive_int
+from toolkit.config.components import MOMENTUM_DTYPES as MOMENTUM_DTYPE_NAMES, MuonConfig  # noqa: F401  (its options, torch-free for --help)
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_optimizer
 from toolkit.optim.adam import check_adam_options
 
 logger = logging.getLogger("toolkit.optim")
 
-MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class MuonConfig:
-    wants_parameter_roles: ClassVar[bool] = True  # the trainer hands this optimizer groups tagged by role
-
-    muon_momentum: float = opt(0.95, "Muon's momentum factor")
-    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon's matrices")
-    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per matrix and step", type=positive_int)
-    muon_adjust_lr: str = opt("original", "how Muon scales --lr by a matrix's shape (A x B): 'original' by "
-                                          "sqrt(max(1, A/B)) (Keller Jordan's), 'match_rms_adamw' by "
-                                          "0.2 sqrt(max(A, B)) (Moonshot's: AdamW's learning rate and weight "
-                                          "decay carry over)", choices=["original", "match_rms_adamw"])
-    muon_adamw_lr: Optional[float] = opt(None, "peak learning rate of the AdamW side (embeddings, output head, "
-                                               "norms, biases), scheduled as --lr (default: --lr)")
-    muon_momentum_dtype: str = opt("fp32", "Muon's momentum in fp32 or bf16 (half the host memory under "
-                                           "--cpu-offload)", choices=list(MOMENTUM_DTYPES))
-    adam_betas: str = opt("(0.9, 0.999)", "betas of the AdamW side, e.g. '(0.9, 0.98)'")
-    adam_eps: float = opt(1e-8, "epsilon of the AdamW side")
-    weight_decay: float = opt(0.0, "weight decay (decoupled) of both sides")
+MOMENTUM_DTYPES = dict(zip(MOMENTUM_DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
 
 def newton_schulz(matrix: torch.Tensor, ns_steps: int) -> torch.Tensor:

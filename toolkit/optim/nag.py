@@ -19,15 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.optim.sgd import check_momentum_options
 from toolkit.core.registry import register_optimizer
-
-
-@dataclass
-class NAGConfig:
-    momentum: float = opt(0.99, "momentum factor")
-    weight_decay: float = opt(0.0, "weight decay")
+from toolkit.config.components import NAGConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 class NAG(torch.optim.Optimizer):

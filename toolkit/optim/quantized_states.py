@@ -53,12 +53,13 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
+from toolkit.config.components import ADAM_STATE_PRECISIONS
 from toolkit.core.dtensor import dtensor_like, is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "bf16", "8bit")
+PRECISIONS = ADAM_STATE_PRECISIONS
 BLOCK = 2048
 CHUNK_ELEMENTS = 1 << 22
 MIN_8BIT_NUMEL = 4096

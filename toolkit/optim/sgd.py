@@ -5,16 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.adam import _all_params, _keep_implementation, fused_supported
 from toolkit.core.registry import register_optimizer
-
-
-@dataclass
-class SGDConfig:
-    momentum: float = opt(0.0, "momentum factor")
-    weight_decay: float = opt(0.0, "weight decay")
+from toolkit.config.components import SGDConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 def check_momentum_options(momentum: float, weight_decay: float, lr: float) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
 
 from toolkit.config import options
-from toolkit.config.flag_types import count_or_zero, positive_int
 from toolkit.core import registry
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.data.concat_indexed import ConcatIndexedDataset, numbered_splits
@@ -31,41 +30,9 @@ from toolkit.data.token_block_dataset import BREAK_MODES, TokenBlockDataset
 from toolkit.core.errors import UserError
 from toolkit.core.preflight import check_token_ids
 from toolkit.core.registry import CRITERION_REGISTRY, register_task
+from toolkit.config.components import LanguageModelingConfig  # noqa: F401  (its options, torch-free for --help)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LanguageModelingConfig:
-    data: Optional[str] = field(default="", metadata={
-        "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
-                "used round-robin, one per epoch (leave out with --data-mixture)", "positional": True})
-    data_mixture: Optional[str] = field(default=None, metadata={
-        "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
-                "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
-                "the weighted total (valid)", "metavar": "SPEC"})
-    mixture_epoch_samples: int = field(default=0, metadata={"type": count_or_zero,
-        "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
-    sample_break_mode: str = field(default="none", metadata={
-        "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
-                "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
-                "documents (empty lines); 'eos': one line per sample", "choices": list(BREAK_MODES)})
-    tokens_per_sample: int = field(default=1024, metadata={
-        "type": positive_int, "help": "max number of tokens per sample"})
-    add_bos_token: bool = field(default=False, metadata={
-        "help": "prepend the beginning-of-sentence token <s> to every sample"})
-    shorten_method: str = field(default="none", metadata={
-        "help": "if not none, shorten sequences that exceed --tokens-per-sample (truncate: keep the first "
-                "tokens; random_crop: a seeded random window)", "choices": list(SHORTEN_METHODS)})
-    shorten_data_split_list: str = field(default="", metadata={
-        "help": "comma-separated list of dataset splits to apply shortening to, e.g., \"train,valid\" "
-                "(default: all dataset splits)"})
-    document_attention_mask: bool = field(default=False, metadata={
-        "help": "keep attention inside each document (line) of a packed sample (block-diagonal causal mask; "
-                "flex_attention on CUDA, else an SDPA mask), e.g. with --sample-break-mode none"})
-    reset_position_ids: bool = field(default=False, metadata={
-        "help": "with --document-attention-mask: positions restart at 0 in each document"})
-    seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 
 from toolkit.compat.fairseq import train_config
 from toolkit.config import TRAIN_CONFIGS, options
-from toolkit.train.resolve import implied_selectors
+from toolkit.train.arguments import implied_selectors
 
 
 def train_parser(argv: List[str]) -> argparse.ArgumentParser:

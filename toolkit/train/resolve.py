@@ -33,6 +33,7 @@ from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
 from toolkit.distributed.parallel_dims import check_model_capabilities, shape_from_config
+from toolkit.train.arguments import DEFAULT_ARCH, OFFLOAD_OPTIMIZER, implied_selectors, parse_train_args  # noqa: F401
 from toolkit.core.registry import (
     CRITERION_REGISTRY,
     LR_SCHEDULER_REGISTRY,
@@ -40,14 +41,13 @@ from toolkit.core.registry import (
     TASK_REGISTRY,
     TOKENIZER_REGISTRY,
     Registry,
+    import_all_components,
     resolve_arch,
 )
 
 logger = logging.getLogger("toolkit.resolve")  # the name in log lines, kept from before the move
 
-DEFAULT_ARCH = "transformer_lm"
 DEFAULT_MAX_TOKENS = 4096
-OFFLOAD_OPTIMIZER = "cpu_adam"
 HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 
 
@@ -56,27 +56,17 @@ def parse_train_config(argv: Optional[Sequence[str]] = None, prog: str = "toolki
     """Parse ``argv`` once, resolve implied settings (logging each choice) and validate."""
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser, full_argv = options.build_parser(prog, TRAIN_CONFIGS, argv, description=description,
-                                             imply=implied_selectors)
-    args, unknown = parser.parse_known_args(full_argv)
-    if unknown:  # another family's model option: one line naming the family; else argparse's own error
-        options.refuse_other_family_options(parser, unknown, args.arch)
-        parser.parse_args(full_argv)
-    cfg, choices = resolve(args, options.explicit_options(parser, argv))
+    args, explicit = parse_train_args(list(sys.argv[1:] if argv is None else argv), prog, description)
+    return resolve_and_log(args, explicit)
+
+
+def resolve_and_log(args: argparse.Namespace, explicit: Set[str]) -> TrainConfig:
+    """:func:`resolve`, each choice made for the user logged as one INFO line."""
+    import_all_components()  # parsing imported only the chosen components' options; a run has every class
+    cfg, choices = resolve(args, explicit)
     for line in choices:
         logger.info(line)
     return cfg
-
-
-def implied_selectors(first: argparse.Namespace, explicit: Set[str]) -> List[str]:
-    """Component flags the user left out that other flags decide (they change which options exist)."""
-    extra: List[str] = []
-    if first.arch is None:
-        extra += ["--arch", DEFAULT_ARCH]
-    if first.cpu_offload and "optimizer" not in explicit:
-        extra += ["--optimizer", OFFLOAD_OPTIMIZER]
-    return extra
 
 
 def gpu_in_use(common: CommonConfig) -> bool:

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from toolkit.config import options
 from toolkit.core import registry
-from toolkit.config import opt
-from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.distributed.parallel_dims import ParallelDims
@@ -32,26 +29,9 @@ from toolkit.logging import metrics, progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.train.train_loop import refuse_empty_split, valid_totals, weighted_valid_totals
 from toolkit.train.trainer import move_to_device
+from toolkit.config.commands import ValidateConfig  # noqa: F401  (torch-free for --help)
 
 logger = logging.getLogger("toolkit_cli.validate")
-
-
-@dataclass
-class ValidateConfig:
-    data: str = opt("", "the data-bin (default: the one the checkpoint was trained on)", positional=True)
-    path: Optional[str] = opt(None, "checkpoint to validate (toolkit, fairseq, sharded folder, model.safetensors)")
-    valid_subset: str = opt("valid", "comma-separated splits to validate on")
-    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a batch (default: the training run's)",
-                                          aliases=("--max-tokens",), type=positive_int)
-    batch_size_valid: Optional[int] = opt(None, "samples in a batch (default: the training run's)",
-                                          aliases=("--batch-size", "--max-sentences"), type=positive_int)
-    skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
-    model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
-    cpu: bool = opt(False, "validate on CPU even when a GPU is present")
-    log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
-    log_interval: int = opt(100, "log progress every N batches", type=positive_int)
-    no_progress_bar: bool = opt(False, "disable the progress bar")
-    log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
 class _Validator:

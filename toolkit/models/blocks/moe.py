@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,10 +48,9 @@ import torch.nn.functional as F
 
 from toolkit.core.dtensor import is_dtensor
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
+from toolkit.models.moe.config import SCORE_FUNCTIONS
 
 logger = logging.getLogger("toolkit.moe")
-
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
-from toolkit.models.blocks.moe import SCORE_FUNCTIONS
 from toolkit.models.llama.config import LlamaConfig, check_shapes
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+"""``--moe-score-func``: how ``blocks/moe.py``'s router turns logits into scores."""
 
 
 @dataclass

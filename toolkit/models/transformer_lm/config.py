@@ -1,27 +1,17 @@
-"""Options of the ``transformer_lm`` family (fairseq's ``TransformerLanguageModelConfig``) and its activations.
+"""Options of the ``transformer_lm`` family (fairseq's ``TransformerLanguageModelConfig``) and its activations' names.
 
 Each field is one ``--flag`` (the help text is fairseq's); the named architectures (``archs.py``)
-set values on a fresh config and the user's flags override them.
+set values on a fresh config and the user's flags override them. No torch here: ``--help`` reads this module
+(the activation functions are ``model.ACTIVATIONS``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-import torch.nn.functional as F
-
 from toolkit.config.flag_types import positive_int, probability
 
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
-    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's name for the tanh approximation
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's deprecated alias of gelu_accurate
-    "tanh": torch.tanh,
-    "swish": F.silu,
-    "linear": lambda x: x,
-}
+ACTIVATION_NAMES = ("relu", "gelu", "gelu_accurate", "gelu_fast", "tanh", "swish", "linear")
 
 
 @dataclass
@@ -45,7 +35,7 @@ class TransformerLMConfig:
         default=False, metadata={"help": "use learned positional embeddings in the decoder"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "if True, dont scale embeddings"})
     activation_fn: str = field(default="relu", metadata={"help": "activation function to use",
-                                                         "choices": list(ACTIVATIONS)})
+                                                         "choices": list(ACTIVATION_NAMES)})
     dropout: float = field(default=0.1, metadata={"type": probability, "help": "dropout probability"})
     attention_dropout: float = field(default=0.0, metadata={
         "type": probability, "help": "dropout probability for attention weights"})

@@ -59,9 +59,20 @@ from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
-from toolkit.models.transformer_lm.config import ACTIVATIONS, TransformerLMConfig
+from toolkit.models.transformer_lm.config import ACTIVATION_NAMES, TransformerLMConfig
 from toolkit.models.transformer_lm.parallel import tensor_parallel_plan as family_plan
 from toolkit.core.registry import register_model
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
+    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's name for the tanh approximation
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's deprecated alias of gelu_accurate
+    "tanh": torch.tanh,
+    "swish": F.silu,
+    "linear": lambda x: x,
+}
+assert tuple(ACTIVATIONS) == ACTIVATION_NAMES  # the --activation-fn choices (config.py) name these
 
 
 class CausalSelfAttention(nn.Module):

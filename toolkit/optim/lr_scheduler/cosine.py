@@ -6,23 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class CosineLRScheduleConfig:
-    warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    warmup_init_lr: float = opt(-1.0, "initial learning rate during warmup (default: --min-lr)")
-    min_lr: float = opt(0.0, "minimum learning rate of the cosine")
-    t_mult: float = opt(1.0, "factor to grow the length of each period")
-    lr_period_updates: float = opt(-1.0, "initial number of updates per period "
-                                         "(default: --max-update minus --warmup-updates)")
-    lr_shrink: float = opt(0.1, "shrink factor of the peak and minimum after each period")
-    lr: float = opt(0.25, "learning rate")
-    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+from toolkit.config.components import CosineLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 @register_lr_scheduler("cosine", dataclass=CosineLRScheduleConfig)

@@ -2,24 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class FixedLRScheduleConfig:
-    force_anneal: Optional[int] = opt(None, "force annealing at specified epoch (epochs start at 1)")
-    lr_shrink: float = opt(0.1, "shrink factor for annealing, lr_new = (lr * lr_shrink)")
-    warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    lr: float = opt(0.25, "learning rate")
-    lr_per_epoch: Tuple[float, ...] = opt((), "--lr's comma-separated values: epoch e uses the e-th (the last "
-                                          "repeats)", cli=False)
+from toolkit.config.components import FixedLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 @register_lr_scheduler("fixed", dataclass=FixedLRScheduleConfig)

@@ -5,17 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class InverseSquareRootLRScheduleConfig:
-    warmup_updates: int = opt(4000, "warmup the learning rate linearly for the first N updates")
-    warmup_init_lr: float = opt(-1.0, "initial learning rate during warmup (default: 0 with a warmup, else --lr)")
-    lr: float = opt(0.25, "learning rate")
+from toolkit.config.components import InverseSquareRootLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 @register_lr_scheduler("inverse_sqrt", dataclass=InverseSquareRootLRScheduleConfig)

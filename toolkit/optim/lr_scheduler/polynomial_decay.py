@@ -2,26 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class PolynomialDecayLRScheduleConfig:
-    warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    force_anneal: Optional[int] = opt(None, "force annealing at specified epoch")
-    end_learning_rate: float = opt(0.0, "learning rate to decay to")
-    power: float = opt(1.0, "decay exponent")
-    total_num_update: Optional[int] = opt(None, "total number of updates over which to decay the learning rate "
-                                                "(default: --max-update)")
-    lr: float = opt(0.25, "learning rate")
-    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+from toolkit.config.components import PolynomialDecayLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 @register_lr_scheduler("polynomial_decay", dataclass=PolynomialDecayLRScheduleConfig)

@@ -17,21 +17,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from toolkit.config import opt
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class ReduceLROnPlateauLRScheduleConfig:
-    lr_shrink: float = opt(0.1, "shrink factor for annealing")
-    lr_threshold: float = opt(1e-4, "threshold for measuring the new optimum, to only focus on significant changes")
-    lr_patience: int = opt(0, "number of epochs with no improvement after which learning rate will be reduced")
-    warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    warmup_init_lr: float = opt(-1.0, "initial learning rate during warmup phase; default is --lr")
-    lr: float = opt(0.25, "learning rate")
-    maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
+from toolkit.config.components import ReduceLROnPlateauLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 @register_lr_scheduler("reduce_lr_on_plateau", dataclass=ReduceLROnPlateauLRScheduleConfig)

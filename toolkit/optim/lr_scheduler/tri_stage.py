@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
-from toolkit.config import opt
-from toolkit.config.flag_types import as_tuple, float_list
+from toolkit.config.flag_types import as_tuple
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
-
-
-@dataclass
-class TriStageLRScheduleConfig:
-    warmup_steps: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    hold_steps: int = opt(0, "updates held at --lr after the warmup")
-    decay_steps: int = opt(0, "updates of exponential decay after the hold")
-    phase_ratio: Optional[Tuple[float, ...]] = opt(None, "W,H,D: shares of --max-update for warmup, hold and "
-                                                         "decay (adding up to 1); replaces the three step counts",
-                                                   type=float_list, metavar="W,H,D")
-    init_lr_scale: float = opt(0.01, "initial learning rate scale during warmup phase")
-    final_lr_scale: float = opt(0.01, "final learning rate scale")
-    lr: float = opt(0.25, "learning rate")
-    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+from toolkit.config.components import TriStageLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 
 def _stage_lengths(cfg: TriStageLRScheduleConfig) -> Tuple[int, int, int]:

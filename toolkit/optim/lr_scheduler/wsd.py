@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
-from toolkit.config import opt
-from toolkit.config.flag_types import non_negative_float
 from toolkit.core.errors import UserError
 from toolkit.optim.lr_scheduler import LRScheduler
 from toolkit.core.registry import register_lr_scheduler
+from toolkit.config.components import WSDLRScheduleConfig  # noqa: F401  (its options, torch-free for --help)
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +29,6 @@ DECAY_SHAPES = {
     "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
     "1-sqrt": lambda t: 1.0 - math.sqrt(t),
 }
-
-
-@dataclass
-class WSDLRScheduleConfig:
-    warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    decay_fraction: float = opt(0.1, "share of the run (--total-num-update, else --max-update) spent decaying, at "
-                                     "its end", type=non_negative_float)
-    decay_shape: str = opt("1-sqrt", "shape of the decay from --lr to --min-lr (1-sqrt: Hägele et al. 2024)",
-                           choices=list(DECAY_SHAPES))
-    wsd_decay_start: Optional[int] = opt(None, "update at which the decay starts (default: from --decay-fraction); "
-                                               "set it to a stable-phase checkpoint's update to decay from there")
-    min_lr: float = opt(0.0, "learning rate at the end of the decay")
-    total_num_update: Optional[int] = opt(None, "total number of updates; the decay ends there "
-                                                "(default: --max-update)")
-    lr: float = opt(0.25, "learning rate")
-    max_update: int = opt(0, "stop after this many updates (0: no limit)")
 
 
 def _decay_window(cfg: WSDLRScheduleConfig) -> Tuple[int, int]:
