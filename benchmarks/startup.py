@@ -6,7 +6,8 @@ before it does anything.
 
 For each command (train, eval_lm, generate, export) it times ``import toolkit_cli.<cmd>`` in a fresh
 interpreter, and ``toolkit-train --help`` (``python -m toolkit_cli.train --help``, the whole parse);
-``import torch`` alone is the floor no command can go below. Reports the median wall time of ``--runs``
+``import torch`` alone is the floor of a command that runs (``--help`` and argument errors exit before torch
+is imported: tests/unit/test_startup.py). Reports the median wall time of ``--runs``
 interpreters, the optional packages each import pulled in (DCP, dynamo, DeepSpeed, transformers, ...
 should appear only on the paths that use them), and the load average before and after, since the
 figures move with the machine's load. With ``--baseline DIR`` (another checkout, e.g. ``git archive
