@@ -209,6 +209,26 @@ def expand(argv, paths):
     return out
 
 
+CASE_TIMEOUT_S = 300  # a refusal comes before any work: a case still running by then has started training
+
+
+def _wait_or_kill(pid: int, timeout: float, err_path: str) -> int:
+    """The child's wait status; a child still running after ``timeout`` seconds is killed and the test fails."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            with open(err_path) as f:
+                raise AssertionError(f"not refused: still running after {timeout:.0f} s\n{f.read()[-2000:]}")
+        time.sleep(0.05)
+
+
 def run_forked(module: str, argv, out_dir: str):
     """Run ``module.cli_main(argv)`` in a forked child with stdout/stderr to files; (status, stdout, stderr)."""
     out_path, err_path = f"{out_dir}/stdout", f"{out_dir}/stderr"
@@ -234,7 +254,7 @@ def run_forked(module: str, argv, out_dir: str):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    status = _wait_or_kill(pid, CASE_TIMEOUT_S, err_path)
     with open(out_path, errors="replace") as f, open(err_path, errors="replace") as g:
         return os.waitstatus_to_exitcode(status), f.read(), g.read()
 
