@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -214,8 +215,6 @@ CASE_TIMEOUT_S = 300  # a refusal comes before any work: a case still running by
 
 def _wait_or_kill(pid: int, timeout: float, err_path: str) -> int:
     """The child's wait status; a child still running after ``timeout`` seconds is killed and the test fails."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)

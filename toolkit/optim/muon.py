@@ -32,6 +32,7 @@ from torch.optim.adamw import adamw
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
 from toolkit.config.components import MOMENTUM_DTYPES as MOMENTUM_DTYPE_NAMES, MuonConfig  # noqa: F401  (its options, torch-free for --help)
+from toolkit.core.dtensor import is_dtensor
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_optimizer
 from toolkit.optim.adam import check_adam_options
@@ -155,10 +156,15 @@ def orthogonalized_update(update: torch.Tensor, ns_steps: int, owner: int) -> to
     return start_orthogonalization(update, ns_steps, owner)()
 
 
+def _shard(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the plain tensor itself."""
+    return p.to_local() if is_dtensor(p) else p
+
+
 def needs_staging(p: torch.Tensor) -> bool:
     """A matrix in host memory (``--cpu-offload``) whose Newton-Schulz can run on a GPU: a plain tensor, or a
     DTensor whose mesh (its collectives) is on the GPU."""
-    local = p.to_local() if hasattr(p, "to_local") else p
+    local = _shard(p)
     mesh = getattr(p, "device_mesh", None)
     return (local.device.type == "cpu" and torch.cuda.is_available()
             and (mesh is None or mesh.device_type == "cuda"))
@@ -258,7 +264,7 @@ class Muon(torch.optim.Optimizer):
         def finish(task, wait):
             _, p, _ = task
             lr, update = group["lr"], wait()
-            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard: where update belongs
+            local = _shard(p)  # where the update belongs
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
