@@ -1,7 +1,6 @@
 """transformer_lm: shapes, causality, tying, named architectures, deterministic (meta/sharded) init."""
 import os
 
-import pytest
 import torch
 
 from tests.helpers import free_port, ranks
