@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -220,8 +222,14 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
 # --- the single-machine launcher -----------------------------------------------------------
 
 def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str],
-                    layout: slurm.TaskLayout, threads: Optional[int], launcher_pid: int) -> None:
-    """Entry point of a spawned worker (module level, so ``spawn`` can pickle it)."""
+                    layout: slurm.TaskLayout, threads: Optional[int], launcher_pid: int,
+                    inherited_listener: Optional[int] = None) -> None:
+    """Entry point of a spawned worker (module level, so ``spawn`` can pickle it).
+
+    ``inherited_listener``: a forked worker's copy of the launcher's listening socket, closed at once (only
+    the launcher's store accepts on it)."""
+    if inherited_listener is not None:
+        os.close(inherited_listener)
     parent_watch.watch_parent(launcher_pid, "the toolkit-train launcher", f"rank {layout.start_rank + index}")
     os.environ.update({**layout.rank_env(index), HOSTED_STORE_ENV: "1"})
     if threads:
@@ -282,18 +290,24 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
         raise UserError(f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
                         f"(one process per GPU); lower it, or use --cpu")
     timeout = float(cfg.distributed.heartbeat_timeout)
-    if plan is None:
-        store = _host_store(host, cfg.distributed.distributed_port, timeout)
-        plan = slurm.TaskLayout(master_addr=host, port=store.port, world_size=nprocs, start_rank=0,
+    listener = None
+    if plan is None:  # the store's address is taken now; the store itself starts once the workers exist
+        listener = _listen(host, cfg.distributed.distributed_port)
+        plan = slurm.TaskLayout(master_addr=host, port=listener.getsockname()[1], world_size=nprocs, start_rank=0,
                                 local_procs=nprocs, local_rank_offset=0, local_world_size=nprocs, node_id=0)
+        store = None
     else:
         store = _host_store(plan.master_addr, plan.port, timeout, client=plan.node_id > 0)
     logger.info(f"spawning {nprocs} workers (store at {plan.master_addr}:{plan.port})")
+    forked = WORKER_START_METHOD == "fork"
     ctx = torch.multiprocessing.start_processes(
         _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, plan,
-                               _threads_per_worker(nprocs), os.getpid()),
+                               _threads_per_worker(nprocs), os.getpid(),
+                               listener.fileno() if forked and listener is not None else None),
         nprocs=nprocs, join=False, start_method=WORKER_START_METHOD)
     procs = ctx.processes
+    if listener is not None:  # after the fork: a forked worker must not inherit the store's server thread
+        store = _host_store(host, plan.port, timeout, listen_fd=listener.detach())
     for index, proc in enumerate(procs):
         logger.info(f"rank {plan.start_rank + index}: pid {proc.pid}")
 
@@ -343,20 +357,45 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
     return 1
 
 
-def _host_store(host: str, port: int, timeout: float, client: bool = False):
+def _host_store(host: str, port: int, timeout: float, client: bool = False, listen_fd: Optional[int] = None):
     """The rendezvous store on ``--distributed-port`` (or a free port); a port in use is one line.
 
     ``client``: another node's launcher hosts it (Slurm, one task per node); connect to it.
+    ``listen_fd``: a socket already bound and listening (:func:`_listen`); the store takes it over.
     """
     try:
         return dist.TCPStore(host, max(port, 0), world_size=None, is_master=not client, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+                             timeout=datetime.timedelta(seconds=max(timeout, 30.0)), master_listen_fd=listen_fd)
     except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
-        text = str(e)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise UserError(f"--distributed-port {port}: address already in use on {host}; choose another port, "
-                            f"or leave the flag out to use a free one") from None
+        if _in_use(e):
+            raise UserError(_port_in_use(host, port)) from None
         raise
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen on the store's address before any worker starts.
+
+    Why: the store's server runs on threads, and a worker forked while one of them holds a lock can hang
+    forever before it joins (seen as the other ranks timing out waiting for it). With the address held
+    here, the workers start first and connect once the store takes this socket over; their connection
+    waits in the listen backlog meanwhile."""
+    try:
+        return socket.create_server((host, max(port, 0)), backlog=1024)
+    except OSError as e:
+        if _in_use(e):
+            raise UserError(_port_in_use(host, port)) from None
+        raise
+
+
+def _in_use(error: BaseException) -> bool:
+    text = str(error)
+    return (getattr(error, "errno", None) == errno.EADDRINUSE or "EADDRINUSE" in text
+            or "address already in use" in text.lower())
+
+
+def _port_in_use(host: str, port: int) -> str:
+    return (f"--distributed-port {port}: address already in use on {host}; choose another port, "
+            f"or leave the flag out to use a free one")
 
 
 def _watch(procs) -> Optional[int]:
