@@ -10,6 +10,8 @@ slowest round), so a neighbour process slows both sides alike. Rows:
 * training step, toolkit vs transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``: in one process,
   the same config and initial weights (ours exported through the Hugging Face adapters), the same random
   batches, forward + fp32 cross entropy + backward + AdamW (``benchmarks/llama_hf.py``'s step);
+* training step, the toolkit's MoE vs transformers' ``Qwen3MoeForCausalLM`` (``benchmarks/moe_vs_hf.py``'s
+  pair and shape: its experts in transformers' own default implementation);
 * cached greedy generation, ``toolkit.generation.SequenceGenerator`` (the toolkit-generate path) vs
   transformers' ``generate()`` on the exported GPT-2 model, the same prompts, every row generating the
   same number of tokens;
@@ -87,12 +89,13 @@ def transformers_module():
     return transformers
 
 
-def train_steps(ours, theirs, logits_theirs, vocab: int, batch: int, tokens: int, args) -> Dict:
+def train_steps(ours, theirs, logits_theirs, vocab: int, batch: int, tokens: int, args,
+                logits_ours=lambda m, x: m(x)) -> Dict:
     """The llama_hf step on both models, alternated on the same random batches."""
     import torch
     from llama_hf import make_step
 
-    steps = {"toolkit": make_step(ours, lambda m, x: m(x)), "transformers": make_step(theirs, logits_theirs)}
+    steps = {"toolkit": make_step(ours, logits_ours), "transformers": make_step(theirs, logits_theirs)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
     losses: Dict[str, float] = {}
@@ -120,6 +123,23 @@ def llama_training(args) -> Dict:
                       cfg.tokens, args)
     shape_text = f"{cfg.layers}x{cfg.dim}, FFN {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
     return row("training step, Llama", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
+               shape=shape_text, last_loss_diff=out["last_loss_diff"])
+
+
+def moe_training(args) -> Dict:
+    """The toolkit's MoE against transformers' ``Qwen3MoeForCausalLM`` (moe_vs_hf.py's pair and shape)."""
+    transformers_module()
+    from moe_vs_hf import build_pair, parse
+
+    shape = ["--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4",
+             "--expert-ffn", "64", "--vocab", "512", "--tokens", "32", "--batch", "2"] if args.quick else []
+    cfg = parse(shape + ["--threads", str(args.threads)])
+    ours, theirs = build_pair(cfg)
+    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg.vocab, cfg.batch,
+                      cfg.tokens, args, logits_ours=lambda m, x: m(x)[0])
+    shape_text = (f"{cfg.layers}x{cfg.dim}, {cfg.experts} experts of {cfg.expert_ffn}, top {cfg.top_k}, "
+                  f"V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}")
+    return row("training step, Qwen3-MoE", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
                shape=shape_text, last_loss_diff=out["last_loss_diff"])
 
 
@@ -300,6 +320,7 @@ def markdown(result: Dict) -> str:
 def run_rows(args, work: pathlib.Path) -> List[Dict]:
     rows: List[Dict] = []
     for name, peer, fn in (("training step, Llama", "transformers", llama_training),
+                           ("training step, Qwen3-MoE", "transformers", moe_training),
                            ("training step, GPT-2", "transformers", gpt2_training),
                            ("cached greedy generation, GPT-2", "transformers", generation)):
         try:

@@ -26,7 +26,7 @@ def test_quick_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    for name in ("training step, Llama", "training step, GPT-2"):
+    for name in ("training step, Llama", "training step, Qwen3-MoE", "training step, GPT-2"):
         row = rows[next(n for n in rows if n.startswith(name))]
         assert row["toolkit"]["median_s"] > 0 and row["peer_timing"]["median_s"] > 0
         assert row["last_loss_diff"] < 1e-3, row  # the same model and batch on both sides
