@@ -13,7 +13,7 @@ if [ "$unit" -ne 0 ] && [ "$unit" -ne 5 ]; then
     exit "$unit"
 fi
 integration=0
-"${PYTHON:-python3}" -m pytest tests/integration -q "$@" || integration=$?
+"${PYTHON:-python3}" -m pytest tests/integration -q --durations=30 "$@" || integration=$?
 if [ "$integration" -eq 5 ] && [ "$unit" -eq 0 ]; then
     integration=0
 fi
