@@ -1,12 +1,14 @@
 """Worker for tests/integration/test_compile.py: eager and ``--compile`` runs of the same flags, in one launched group.
 
-    python -m tests.helpers.compile_helpers DATA OUT_JSON WORLD_SIZE CONFIGS_JSON
+    python -m tests.helpers.compile_helpers DATA OUT_JSON WORLD_SIZE CONFIGS_JSON [llama]
 
 CONFIGS_JSON is a list of ``[name, flags, backend]``; ``backend`` (or null) is put in
-``TOOLKIT_COMPILE_BACKEND`` for that config. Every rank builds each config as toolkit-train
+``TOOLKIT_COMPILE_BACKEND`` for that config; ``llama``: the flags go on ``llama_args`` instead of
+``model_args``. Every rank builds each config as toolkit-train
 does (``build_trainer``), runs ``UPDATES`` updates on the same batches, and rank 0 writes, per
 config: the full-precision losses, the model's state-dict keys, and how many graphs dynamo
-captured (a compiled config that captured none would be an eager run in disguise).
+captured in all (a compiled config that captured none would be an eager run in disguise) and
+after each update (a count still growing after the first update means recompiling).
 Dynamo's caches are reset between configs, so each one compiles on its own.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import sys
 
-from tests.helpers.dist_helpers import _parse_train_args, model_args
+from tests.helpers.dist_helpers import _parse_train_args, llama_args, model_args
 
 UPDATES = 3
 
@@ -39,12 +41,13 @@ def _train_updates(cfg, env) -> dict:
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     itr = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=True)
-    losses = []
+    losses, graphs = [], []
     for _ in range(UPDATES):
         with metrics.aggregate(new_root=True):
             totals = trainer.train_step([next(itr)])
         losses.append(float(totals["loss"]) / float(totals["sample_size"]) / math.log(2))
-    return {"losses": losses, "keys": sorted(get_model_state_dict(trainer.model).keys())}
+        graphs.append(_captured_graphs())
+    return {"losses": losses, "keys": sorted(get_model_state_dict(trainer.model).keys()), "graphs_after": graphs}
 
 
 def worker(cfg) -> None:
@@ -67,6 +70,7 @@ def worker(cfg) -> None:
         before = _captured_graphs()
         out = _train_updates(_parse_train_args(base_argv + flags), env)
         out["graphs"] = _captured_graphs() - before
+        out["graphs_after"] = [count - before for count in out["graphs_after"]]
         results[name] = out
         if dist.is_initialized():
             dist.barrier()
@@ -75,10 +79,11 @@ def worker(cfg) -> None:
             json.dump(results, f, indent=1)
 
 
-def main(data: str, out: str, world_size: int, configs: str) -> None:
+def main(data: str, out: str, world_size: int, configs: str, family: str = "transformer_lm") -> None:
     from toolkit.distributed import launch
 
-    base = [data] + model_args(os.path.dirname(out)) + ["--disable-validation"]
+    family_args = llama_args if family == "llama" else model_args
+    base = [data] + family_args(os.path.dirname(out)) + ["--disable-validation"]
     cfg = _parse_train_args(base + ["--distributed-world-size", str(world_size)])
     os.environ["TOOLKIT_TEST_BASE_ARGV"] = json.dumps(base)
     os.environ["TOOLKIT_TEST_OUT"] = out
@@ -87,4 +92,4 @@ def main(data: str, out: str, world_size: int, configs: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -146,10 +146,6 @@ TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and
                      "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
                      "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
                      "(FSDP2 under TP), or --fp16")
-CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each block one graph (fullgraph), while "
-              "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
-              "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
-              "--compile (or the split)")
 EP_SHARDED = ("--expert-parallel-size with --model-parallel-size > 1: tensor parallelism would split each rank's "
               "experts a second way, over the tp ranks, and the token exchange sends whole rows to whole experts; use "
               "--model-parallel-size 1")
@@ -279,7 +275,10 @@ _PAIRS[("CP", "document mask")] = Tested(CP_DP, "the Llama family, with --reset-
 CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process"
 for _other in ("TP", "SP", "AC", "bf16"):
     _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
-_PAIRS[("CP", "compile")] = Refused(CP_COMPILE)
+_PAIRS[("CP", "compile")] = Tested(CONTEXT + "test_cp2_compiled_equals_eager_plain_and_with_documents",
+                                   "2 ranks, cp 2, c10d, and FSDP2 with documents and --checkpoint-activations; the "
+                                   "attention over the gathered keys/values runs eagerly between two graphs of each "
+                                   "block")
 EXPERTS = "tests/integration/test_moe_train.py::"
 _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equals_one_process",
                                 "2 ranks (ep 2) and 4 ranks (ep 2, the experts sharded over 2); full_shard")

@@ -13,7 +13,13 @@ then the checkpoint wrapper, so dynamo sees the recomputation region), compile, 
 ``forward`` is compiled: the per-rank random-number hooks on the block (``torch.manual_seed`` of a
 forked generator, which dynamo cannot put in a graph) then run eagerly around it.
 Each block is compiled with ``fullgraph=True``: a graph break inside a block is an error
-rather than a silent slowdown; under ``--expert-parallel-size`` the one planned break is the token exchange.
+rather than a silent slowdown. Two splits run a collective inside the block, each behind
+``torch.compiler.disable``, so the block is a few graphs around one eager call: under
+``--expert-parallel-size`` the token exchange, under ``--context-parallel-size`` the attention over the
+gathered keys/values (its tiles follow each batch's document boundaries: Python decisions a graph would
+guard on, recompiling per batch). Under context parallelism the compiled code is the block's own
+``forward``, inside an activation-checkpointing wrapper: dynamo captures a checkpointed region only as one
+whole graph, and a break in it would leave the whole block eager.
 
 The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
 ``torch.compile`` backend (e.g. ``aot_eager``: the same graph capture and autograd
@@ -27,7 +33,7 @@ import logging
 import os
 import shutil
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -56,19 +62,24 @@ def _cxx_compiler_present() -> bool:
 
 
 def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: bool = False,
-                  fullgraph: bool = True) -> None:
+                  eager_region: Optional[str] = None) -> None:
     """Compile every block of ``model.layers`` in place and log the cost of the first training passes.
 
     ``hooks_eager``: compile only the block's own ``forward`` (inside an activation-checkpointing
     wrapper), so the forward hooks on the block stay outside the compiled code. Tensor parallelism
     needs this: its per-rank random-number hooks reseed the generator (``torch.manual_seed``), which
-    dynamo cannot capture in a graph, around the block.
+    dynamo cannot capture in a graph, around the block. So does context parallelism under
+    ``--checkpoint-activations``: dynamo takes a checkpointed region only as one graph, and the eager
+    attention inside would leave the whole block uncompiled.
 
-    ``fullgraph=False``: a block may be several graphs. Expert parallelism needs this: its token exchange
-    (``GroupedExperts._exchange_and_run``, ``torch.compiler.disable``) runs eagerly between the graph of the
-    attention and router and the graph of the combine.
+    ``eager_region``: what runs eagerly inside each block (``torch.compiler.disable``), which makes the block
+    several graphs instead of one (no ``fullgraph``). Expert parallelism: its token exchange
+    (``GroupedExperts._exchange_and_run``) between the graph of the attention and router and the graph of
+    the combine. Context parallelism: the attention over the gathered keys/values
+    (``ContextShard.attend_across_ranks``) between the projections and ``o_proj``.
     """
     backend = compile_backend(device)
+    fullgraph = eager_region is None
     for block in model.layers:
         if hooks_eager:
             inner = block._checkpoint_wrapped_module if hasattr(block, "_checkpoint_wrapped_module") else block
@@ -76,7 +87,7 @@ def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: boo
         else:
             block.compile(backend=backend, fullgraph=fullgraph)
     CompileTimeLog(model, backend)
-    graphs = "fullgraph" if fullgraph else "graphs around the expert exchange"
+    graphs = "fullgraph" if fullgraph else f"graphs around {eager_region}"
     logger.info(f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(model.layers)} blocks; "
                 f"the first training pass compiles them (forward and backward)")
 

@@ -208,12 +208,20 @@ class ContextShard:
             return x
         return _GatherSequence.apply(x, self.group, self.cp_rank, self.cp_size)
 
+    @torch.compiler.disable
     def attend_across_ranks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
                             scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
         """Attention of this rank's queries q [B, H, T/C, D] over the whole sequence's keys/values (k, v
         [B, G, T/C, D] here, gathered in one collective) -> [B, H, T/C, D]. On CPU tile by tile
         (:class:`_ChunkedAttention`); elsewhere, or with soft-capped logits (no kernel has the cap and the
-        log-sum-exp), the toolkit's ``attend`` under the [T/C, T] mask."""
+        log-sum-exp), the toolkit's ``attend`` under the [T/C, T] mask.
+
+        Eager under ``--compile`` (``torch.compiler.disable``): a compiled block is a graph before and one
+        after this call (``toolkit.distributed.compile``). Traced, the collective would break the graph anyway,
+        and the tiles (which exist, which are causal, which carry a mask) are Python decisions on each batch's
+        document boundaries that a graph would guard on, recompiling batch after batch. Decorated at import
+        (this module is imported only by context-parallel runs): one function object, so the compiled blocks'
+        guards on it hold from one micro-batch's shard to the next."""
         kv = self.gather(torch.stack([k, v]))
         k, v = kv[0], kv[1]
         if softcap is None and q.device.type == "cpu":

@@ -155,8 +155,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         return _tensor_parallel(model, cfg, common, env, placement)
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
-    if cfg.compile:  # expert parallelism: the token exchange stays eager, between two graphs of each block
-        apply_compile(model, env.device, fullgraph=dims.shape.ep == 1)
+    if cfg.compile:  # a collective inside a block (EP's token exchange, CP's attention) stays eager between graphs
+        apply_compile(model, env.device, hooks_eager=dims.shape.cp > 1, eager_region=eager_region(dims))
     if cfg.ddp_backend == "fully_sharded":
         return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)
@@ -183,6 +183,13 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
         dense = [p for p in model.parameters() if id(p) not in expert]
         return model, AllReduceStrategy(dense, env.world_size, **placement)
     return model, ParallelStrategy(**placement)
+
+
+def eager_region(dims: ParallelDims) -> Optional[str]:
+    """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any."""
+    regions = [name for name, size in (("the context-parallel attention", dims.shape.cp),
+                                       ("the expert exchange", dims.shape.ep)) if size > 1]
+    return " and ".join(regions) or None
 
 
 def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
@@ -249,7 +256,7 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:
-        apply_compile(model, env.device, hooks_eager=True)
+        apply_compile(model, env.device, hooks_eager=True, eager_region=eager_region(dims))
     if cfg.ddp_backend != "no_c10d":
         apply_fsdp(model, dims.fsdp_mesh, cfg, common, env)
     model.to_empty(device=env.device)
