@@ -154,10 +154,33 @@ def test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process(data_bin, tmp
 
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
-                        "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",
-                        "fully_sharded", "--sharding-strategy", "hybrid_shard", "--save-dir", str(tmp_path)],
-                       timeout=120)
-    assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
+                        "--distributed-world-size", "2", *FSDP_EP, "--use-sharded-state", "--save-dir",
+                        str(tmp_path)], timeout=120)
+    assert proc.returncode == 1 and "each rank of an ep group holds different experts" in proc.stdout + proc.stderr
+
+
+def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
+    """--sharding-strategy hybrid_shard (2 groups of 2 ranks) x --expert-parallel-size 2 on 4 ranks: the dense layers
+    on their (replicate, shard) mesh, each rank's experts on a (replicate, shard) mesh of their own over the ranks
+    holding the same ones (the other group's), their gradient divided as the dense ones'. Its losses and gradient
+    norms are those of one process with --update-freq 4 (the same global batch) to the logged digits / rtol 1e-3,
+    its consolidated checkpoint after 2 updates holds the one-process weights (rtol 1e-4), and one process resumed
+    from it continues as the uninterrupted run."""
+    one = tmp_path / "one"
+    first = train(data_bin, one, "--max-update", "2", "--update-freq", "4")
+    at_two = torch.load(one / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    alone = train(data_bin, one, "--max-update", str(UPDATES), "--update-freq", "4")  # resumed: the same run
+    hsdp = train(data_bin, tmp_path / "hsdp", "--max-update", "2", "--distributed-world-size", "4", *FSDP_EP,
+                 "--sharding-strategy", "hybrid_shard", "--shard-group-size", "2")
+    assert "each sharded by FSDP2 over the 1 ranks holding them, replicated over 2 groups" in hsdp.stdout + hsdp.stderr
+    assert_logged_losses_match(H.losses(hsdp.stdout), H.losses(first.stdout), range(1, 3))
+    assert gradient_norms(hsdp.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
+    saved = torch.load(tmp_path / "hsdp" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    assert set(saved) == set(at_two)
+    for name, tensor in at_two.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    resumed = train(data_bin, tmp_path / "hsdp", "--max-update", str(UPDATES), "--update-freq", "4")
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
 
 
 
