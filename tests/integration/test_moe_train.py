@@ -152,6 +152,26 @@ def test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process(data_bin, tmp
     assert norms[1] == pytest.approx(norms[0], rel=1e-3, abs=2e-3)
 
 
+def test_expert_parallel_overlap_offload_step_equals_the_serial_step(data_bin, tmp_path):
+    """--overlap-offload-step under FSDP2 x EP (2 ranks, ep 2, --cpu-offload, cpu_adam), clipped: the squares taken
+    per FSDP2 group during backward, the experts' added over the ep ranks before the clip factor, give the norm and
+    the updates of the serial step (logged losses and gradient norms, rtol 1e-3) and of one process."""
+    # wide experts and no shared one: the experts hold a large part of the norm, so a norm that missed the other
+    # ep rank's experts would show in the logged digits
+    host = ["--max-update", "2", "--optimizer", "cpu_adam", "--clip-norm", "0.05", "--moe-ffn-embed-dim", "512",
+            "--moe-shared-ffn-embed-dim", "0"]
+    alone = train(data_bin, tmp_path / "one", *host, *ONE_PROC)
+    placed = ["--distributed-world-size", "2", *FSDP_EP, "--cpu-offload"]
+    serial = train(data_bin, tmp_path / "serial", *host, *placed)
+    overlapped = train(data_bin, tmp_path / "overlap", *host, *placed, "--overlap-offload-step")
+    assert "--overlap-offload-step: CPU Adam steps" in overlapped.stdout + overlapped.stderr
+    norms = [gradient_norms(proc.stdout) for proc in (alone, serial, overlapped)]
+    assert sorted(norms[0]) == [1, 2] and min(norms[0].values()) > 0.05  # clipping was active
+    for reference in (serial, alone):
+        assert_logged_losses_match(H.losses(overlapped.stdout), H.losses(reference.stdout), range(1, 3))
+    assert norms[2] == pytest.approx(norms[1], rel=1e-3) and norms[2] == pytest.approx(norms[0], rel=1e-3)
+
+
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
                         "--distributed-world-size", "2", *FSDP_EP, "--use-sharded-state", "--save-dir",

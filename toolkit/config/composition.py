@@ -153,10 +153,6 @@ CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each bloc
 EP_SHARDED = ("--expert-parallel-size with --model-parallel-size > 1: tensor parallelism would split each rank's "
               "experts a second way, over the tp ranks, and the token exchange sends whole rows to whole experts; use "
               "--model-parallel-size 1")
-EP_OVERLAP = ("--expert-parallel-size with --overlap-offload-step: the overlapped step takes the squares of the "
-              "gradient norm per FSDP2 group as backward runs and folds the clip factor into updates launched block "
-              "by block, while the experts' squares must first be added over the ep ranks (each holds other experts); "
-              "drop --overlap-offload-step (--cpu-offload alone composes)")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -287,7 +283,9 @@ for _sharded in ("TP", "SP"):
 _PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
                                        "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
                                        "GPU)")
-_PAIRS[("overlap-offload", "EP")] = Refused(EP_OVERLAP)
+_PAIRS[("overlap-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_overlap_offload_step_equals_the_serial_step",
+                                           "2 ranks, ep 2, clipped: the experts' squares added over the ep ranks "
+                                           "before the clip factor; equal to the serial step and to one process")
 _PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
                                    "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
                                    "two graphs of each block")

@@ -92,6 +92,18 @@ class ExpertGradients:
     def global_norm(self, params: List[torch.nn.Parameter]) -> float:
         return global_grad_norm(params, self.ids, self.ep_group)
 
+    def norm_of(self, dense_squares: torch.Tensor, expert_squares: torch.Tensor) -> float:
+        """The global norm from this rank's squares (float64 scalars: the dense ones as every rank has them, its
+        experts' own), the experts' added over the ep ranks (collective; ``--overlap-offload-step`` sums them
+        during backward)."""
+        return add_expert_squares(dense_squares, expert_squares, self.ep_group)
+
+
+def add_expert_squares(dense: torch.Tensor, experts: torch.Tensor, ep_group: Any) -> float:
+    """sqrt(dense + the experts' squares summed over the ep ranks): each ep rank holds other experts."""
+    torch.distributed.all_reduce(experts, group=ep_group)
+    return float((dense + experts).sqrt())
+
 
 def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_group: Any) -> float:
     """The L2 norm of all gradients of the model: the replicated ones once, each expert shard's squares added
@@ -106,8 +118,7 @@ def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_
         experts = total_norm(expert_grads).double().square()
     else:
         dense, experts = sum_of_squares(dense_grads), sum_of_squares(expert_grads).clone()
-    torch.distributed.all_reduce(experts, group=ep_group)
-    return float((dense + experts).sqrt())
+    return add_expert_squares(dense, experts, ep_group)
 
 
 def _placed(model: torch.nn.Module):
