@@ -185,7 +185,7 @@ def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
     holding the same ones (the other group's), their gradient divided as the dense ones'. Its losses and gradient
     norms are those of one process with --update-freq 4 (the same global batch) to the logged digits / rtol 1e-3,
     its consolidated checkpoint after 2 updates holds the one-process weights (rtol 1e-4), and one process resumed
-    from it continues as the uninterrupted run."""
+    from it continues as the uninterrupted run. no_shard (4 replicas, ep 2) logs the same losses and norms."""
     one = tmp_path / "one"
     first = train(data_bin, one, "--max-update", "2", "--update-freq", "4")
     at_two = torch.load(one / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
@@ -201,6 +201,12 @@ def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     resumed = train(data_bin, tmp_path / "hsdp", "--max-update", str(UPDATES), "--update-freq", "4")
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
+    # no_shard: the dense layers replicated over 4, the ep pairs whole replicas, each expert replicated over 2
+    replicated = train(data_bin, tmp_path / "no_shard", "--max-update", "2", "--distributed-world-size", "4",
+                       *FSDP_EP, "--sharding-strategy", "no_shard")
+    assert "over the 1 ranks holding them, replicated over 2 groups" in replicated.stdout + replicated.stderr
+    assert_logged_losses_match(H.losses(replicated.stdout), H.losses(first.stdout), range(1, 3))
+    assert gradient_norms(replicated.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
 
 
 

@@ -277,7 +277,7 @@ _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equal
                                 "2 ranks (ep 2) and 4 ranks (ep 2, the experts sharded over 2); full_shard")
 _PAIRS[("HSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_hsdp_equals_one_process",
                                 "4 ranks, hybrid_shard 2 x 2, ep 2: the experts on a (replicate, shard) mesh of "
-                                "their own; the consolidated checkpoint resumed in one process")
+                                "their own; the consolidated checkpoint resumed in one process; no_shard x EP too")
 for _sharded in ("TP", "SP"):
     _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
 _PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
