@@ -49,6 +49,8 @@ def _describe(dims) -> Dict:
         if size > 1:
             group = getattr(dims, f"{axis}_mesh").get_group()
             out[axis] = (_ranks(group), _summed_rank(group))
+    if dims.shape.ep > 1:
+        out["expert_peers"] = _ranks(dims.expert_peers_group), _summed_rank(dims.expert_peers_group)
     if dims.shape.ep > 1 and dims.shape.fsdp and dims.shape.tp == 1:
         mesh = dims.expert_fsdp_mesh  # FSDP2's mesh of the experts: the ranks holding the same ones
         if mesh.ndim == 1:

@@ -83,6 +83,7 @@ def test_experts_sharded_by_fsdp2_over_the_ranks_holding_them(layouts):
     assert _each_rank(ranks, "fsdp") == [((4,), ("dp_shard",))] * 4
     assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
     assert _each_rank(ranks, "expert_fsdp") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
+    assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
 
 
 @pytest.mark.parametrize("name,dense", [("hybrid_2x2_ep2", ((2, 2), ("dp_replicate", "dp_shard"))),
@@ -96,3 +97,4 @@ def test_experts_under_hsdp_replicate_across_the_groups(layouts, name, dense):
     assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
     assert _each_rank(ranks, "expert_fsdp") == [((2, 1), ("ep_replicate", "ep_shard"),
                                                  [(PAIRS_DP[r], sum(PAIRS_DP[r])), ([r], r)]) for r in ALL]
+    assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]  # both axes flattened

@@ -280,7 +280,12 @@ class ParallelDims:
         """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over
         (DDP and no_c10d; FSDP2 reduces them over :attr:`expert_fsdp_mesh`)."""
         self._sub("experts", "ep", self.shape.ep)
-        return self._built()["experts"]["ep_peers"].get_group()
+        experts = self._built()["experts"]
+        if "ep_peers" in experts.mesh_dim_names:
+            return experts["ep_peers"].get_group()
+        if "expert_peers" not in self._meshes:  # HSDP's (ep_replicate, ep_shard): the same ranks, flattened once
+            self._meshes["expert_peers"] = experts[("ep_replicate", "ep_shard")]._flatten("ep_peers")
+        return self._meshes["expert_peers"].get_group()
 
     def _sub(self, view: str, axis: str, size: int) -> Any:
         if size == 1:
