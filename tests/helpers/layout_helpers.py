@@ -20,6 +20,9 @@ LAYOUTS = {
     "full_shard_tp2_ep2": dict(ddp_backend="fully_sharded", model_parallel_size=2, expert_parallel_size=2),
     "full_shard_cp2_ep4": dict(ddp_backend="fully_sharded", context_parallel_size=2, expert_parallel_size=4),
     "full_shard_ep2": dict(ddp_backend="fully_sharded", expert_parallel_size=2),
+    "hybrid_2x2_ep2": dict(ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2,
+                           expert_parallel_size=2),
+    "no_shard_ep2": dict(ddp_backend="fully_sharded", sharding_strategy="no_shard", expert_parallel_size=2),
 }
 
 
@@ -46,9 +49,15 @@ def _describe(dims) -> Dict:
         if size > 1:
             group = getattr(dims, f"{axis}_mesh").get_group()
             out[axis] = (_ranks(group), _summed_rank(group))
-    if dims.shape.ep > 1 and dims.shape.fsdp and not dims.shape.hsdp and dims.shape.tp == 1:
-        group = dims.expert_fsdp_mesh.get_group()  # FSDP2's mesh of the experts: the ranks holding the same ones
-        out["expert_fsdp"] = (_ranks(group), _summed_rank(group))
+    if dims.shape.ep > 1:
+        out["expert_peers"] = _ranks(dims.expert_peers_group), _summed_rank(dims.expert_peers_group)
+    if dims.shape.ep > 1 and dims.shape.fsdp and dims.shape.tp == 1:
+        mesh = dims.expert_fsdp_mesh  # FSDP2's mesh of the experts: the ranks holding the same ones
+        if mesh.ndim == 1:
+            out["expert_fsdp"] = (_ranks(mesh.get_group()), _summed_rank(mesh.get_group()))
+        else:  # HSDP: (replicate, shard), each axis's group
+            out["expert_fsdp"] = (tuple(mesh.shape), mesh.mesh_dim_names,
+                                  [(_ranks(mesh.get_group(d)), _summed_rank(mesh.get_group(d))) for d in range(2)])
     return out
 
 

@@ -152,12 +152,61 @@ def test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process(data_bin, tmp
     assert norms[1] == pytest.approx(norms[0], rel=1e-3, abs=2e-3)
 
 
+def test_expert_parallel_overlap_offload_step_equals_the_serial_step(data_bin, tmp_path):
+    """--overlap-offload-step under FSDP2 x EP (2 ranks, ep 2, --cpu-offload, cpu_adam), clipped: the squares taken
+    per FSDP2 group during backward, the experts' added over the ep ranks before the clip factor, give the norm and
+    the updates of the serial step (logged losses and gradient norms, rtol 1e-3) and of one process."""
+    # wide experts and no shared one: the experts hold a large part of the norm, so a norm that missed the other
+    # ep rank's experts would show in the logged digits
+    host = ["--max-update", "2", "--optimizer", "cpu_adam", "--clip-norm", "0.05", "--moe-ffn-embed-dim", "512",
+            "--moe-shared-ffn-embed-dim", "0"]
+    alone = train(data_bin, tmp_path / "one", *host, *ONE_PROC)
+    placed = ["--distributed-world-size", "2", *FSDP_EP, "--cpu-offload"]
+    serial = train(data_bin, tmp_path / "serial", *host, *placed)
+    overlapped = train(data_bin, tmp_path / "overlap", *host, *placed, "--overlap-offload-step")
+    assert "--overlap-offload-step: CPU Adam steps" in overlapped.stdout + overlapped.stderr
+    norms = [gradient_norms(proc.stdout) for proc in (alone, serial, overlapped)]
+    assert sorted(norms[0]) == [1, 2] and min(norms[0].values()) > 0.05  # clipping was active
+    for reference in (serial, alone):
+        assert_logged_losses_match(H.losses(overlapped.stdout), H.losses(reference.stdout), range(1, 3))
+    assert norms[2] == pytest.approx(norms[1], rel=1e-3) and norms[2] == pytest.approx(norms[0], rel=1e-3)
+
+
 def test_refusals_name_the_reason(data_bin, tmp_path):
     proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
-                        "--distributed-world-size", "2", "--expert-parallel-size", "2", "--ddp-backend",
-                        "fully_sharded", "--sharding-strategy", "hybrid_shard", "--save-dir", str(tmp_path)],
-                       timeout=120)
-    assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
+                        "--distributed-world-size", "2", *FSDP_EP, "--use-sharded-state", "--save-dir",
+                        str(tmp_path)], timeout=120)
+    assert proc.returncode == 1 and "each rank of an ep group holds different experts" in proc.stdout + proc.stderr
+
+
+def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
+    """--sharding-strategy hybrid_shard (2 groups of 2 ranks) x --expert-parallel-size 2 on 4 ranks: the dense layers
+    on their (replicate, shard) mesh, each rank's experts on a (replicate, shard) mesh of their own over the ranks
+    holding the same ones (the other group's), their gradient divided as the dense ones'. Its losses and gradient
+    norms are those of one process with --update-freq 4 (the same global batch) to the logged digits / rtol 1e-3,
+    its consolidated checkpoint after 2 updates holds the one-process weights (rtol 1e-4), and one process resumed
+    from it continues as the uninterrupted run. no_shard (4 replicas, ep 2) logs the same losses and norms."""
+    one = tmp_path / "one"
+    first = train(data_bin, one, "--max-update", "2", "--update-freq", "4")
+    at_two = torch.load(one / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    alone = train(data_bin, one, "--max-update", str(UPDATES), "--update-freq", "4")  # resumed: the same run
+    hsdp = train(data_bin, tmp_path / "hsdp", "--max-update", "2", "--distributed-world-size", "4", *FSDP_EP,
+                 "--sharding-strategy", "hybrid_shard", "--shard-group-size", "2")
+    assert "each sharded by FSDP2 over the 1 ranks holding them, replicated over 2 groups" in hsdp.stdout + hsdp.stderr
+    assert_logged_losses_match(H.losses(hsdp.stdout), H.losses(first.stdout), range(1, 3))
+    assert gradient_norms(hsdp.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
+    saved = torch.load(tmp_path / "hsdp" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    assert set(saved) == set(at_two)
+    for name, tensor in at_two.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    resumed = train(data_bin, tmp_path / "hsdp", "--max-update", str(UPDATES), "--update-freq", "4")
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
+    # no_shard: the dense layers replicated over 4, the ep pairs whole replicas, each expert replicated over 2
+    replicated = train(data_bin, tmp_path / "no_shard", "--max-update", "2", "--distributed-world-size", "4",
+                       *FSDP_EP, "--sharding-strategy", "no_shard")
+    assert "over the 1 ranks holding them, replicated over 2 groups" in replicated.stdout + replicated.stderr
+    assert_logged_losses_match(H.losses(replicated.stdout), H.losses(first.stdout), range(1, 3))
+    assert gradient_norms(replicated.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
 
 
 

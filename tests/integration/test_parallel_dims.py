@@ -83,3 +83,18 @@ def test_experts_sharded_by_fsdp2_over_the_ranks_holding_them(layouts):
     assert _each_rank(ranks, "fsdp") == [((4,), ("dp_shard",))] * 4
     assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
     assert _each_rank(ranks, "expert_fsdp") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
+    assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
+
+
+@pytest.mark.parametrize("name,dense", [("hybrid_2x2_ep2", ((2, 2), ("dp_replicate", "dp_shard"))),
+                                        ("no_shard_ep2", ((4, 1), ("dp_replicate", "dp_shard")))])
+def test_experts_under_hsdp_replicate_across_the_groups(layouts, name, dense):
+    """hybrid_shard (2 groups of 2) and no_shard x ep 2: the dense layers keep their (replicate, shard) mesh, ep pairs
+    are consecutive ranks, and the experts get a (replicate, shard) mesh of their own over the ranks holding the same
+    ones (torchtitan's dp_mod_ep): here each expert whole on its rank (shard 1), replicated over the other pair."""
+    ranks = layouts[name]
+    assert _each_rank(ranks, "fsdp") == [dense] * 4
+    assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
+    assert _each_rank(ranks, "expert_fsdp") == [((2, 1), ("ep_replicate", "ep_shard"),
+                                                 [(PAIRS_DP[r], sum(PAIRS_DP[r])), ([r], r)]) for r in ALL]
+    assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]  # both axes flattened

@@ -129,12 +129,10 @@ def test_an_option_of_another_family_is_one_line_naming_it(flags, message):
         parse_train_config(["data", "--arch", "llama_tiny", "--max-update", "1", "--no-such-option"])
 
 
-def test_expert_parallelism_composes_with_full_shard_and_compile_not_with_a_replicating_strategy():
-    """FSDP x EP and EP x compile pass the resolver; no_shard (a replicate mesh, like hybrid sharding's groups,
-    which is not a feature pair of the table) is refused with the hybrid reason."""
+def test_expert_parallelism_composes_with_every_sharding_strategy_and_compile():
+    """FSDP x EP, HSDP x EP (the experts on a (replicate, shard) mesh of their own; no_shard is not a feature of the
+    table, a replicate mesh as hybrid sharding's groups) and EP x compile pass the resolver."""
     ep = ["--arch", "moe_tiny", "--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
     assert C.refusal(resolve(*ep, "--compile")) is None
-    assert C.refusal(resolve(*ep, "--sharding-strategy", "shard_grad_op")) is None
-    with pytest.raises(UserError) as e:
-        resolve(*ep, "--sharding-strategy", "no_shard")
-    assert str(e.value) == C.EP_HSDP
+    for strategy in ("shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"):
+        assert C.refusal(resolve(*ep, "--sharding-strategy", strategy)) is None, strategy

@@ -72,7 +72,10 @@ def test_ranks_data_loss_and_coordinates():
     (dict(world=8, ddp_backend="fully_sharded", tp=2, cp=2, ep=8),
      r"^--expert-parallel-size 8: must divide the 4 ranks that shard one replica \(dp_shard 2 x "
      r"--context-parallel-size 2\)"),
-    (dict(world=8, ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP\)"),
+    (dict(world=8, ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, "
+                          r"no_shard\)"),
+    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard", ep=3),
+     r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, no_shard\)"),
     (dict(world=8, ep=0), r"^--expert-parallel-size 0: must be >= 1"),
     (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=3),
      r"^--shard-group-size 3: must divide the 8 data-parallel ranks"),
@@ -84,6 +87,16 @@ def test_each_axis_named_in_one_line(kwargs, message):
     with pytest.raises(UserError, match=message) as err:
         parallel_shape(**kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_expert_shard_is_the_replica_shards_holding_the_same_experts():
+    """The experts' FSDP2 shard axis: (dp_shard x cp) / ep under full_shard and hybrid sharding, 1 where the ep ranks
+    are whole replicas (no_shard, DDP)."""
+    assert parallel_shape(8, "fully_sharded", ep=2).expert_shard == 4
+    assert parallel_shape(8, "fully_sharded", "hybrid_shard", shard_group_size=4, ep=2).expert_shard == 2
+    assert parallel_shape(8, "fully_sharded", "hybrid_shard", shard_group_size=2, cp=2, ep=4).expert_shard == 1
+    assert parallel_shape(8, "fully_sharded", "no_shard", ep=2).expert_shard == 1
+    assert parallel_shape(8, ep=2).expert_shard == 1
 
 
 def test_config_flags_reach_the_shape():

@@ -11,8 +11,9 @@ contributions of the tokens of all P ranks, brought back by the exchange's backw
 Under ``--ddp-backend fully_sharded`` (torchtitan's layout) the experts are placed on the meta device, before
 FSDP2: :func:`shard_experts` ``fully_shard``-s each layer's E/P experts over the ranks holding the same ones
 (``ParallelDims.expert_fsdp_mesh``, (dp_shard x cp) / P ranks), while the rest of the block is sharded over all
-dp_shard x cp ranks as without experts. FSDP2 then reduce-scatters the expert gradients among those peers only,
-divided by the same data-parallel size as the dense ones (``set_gradient_divide_factor``), and ``init_weights``
+dp_shard x cp ranks as without experts (under HSDP that mesh is (replicate, shard), as the dense layers': the peers
+span the replica groups). FSDP2 then reduces the expert gradients among those peers only, divided by the same
+data-parallel size as the dense ones (``set_gradient_divide_factor``), and ``init_weights``
 draws each whole stack and keeps this rank's part (``GroupedExperts.initial_parts``), as one process would.
 
 Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
@@ -53,9 +54,12 @@ def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
             mesh = dims.expert_fsdp_mesh
             fully_shard(module, mesh=mesh, **fsdp_options)
-            module.set_gradient_divide_factor(float(dims.shape.fsdp_shard))
-            # gloo has no pre-multiplied sum: sum, then divide (on one rank FSDP2 divides without either)
-            if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group()) == "gloo":
+            # the dense layers' FSDP2 divides by its whole mesh, replicas x shards (dims.loss_world under FSDP2)
+            module.set_gradient_divide_factor(float(dims.shape.loss_world))
+            # gloo has no pre-multiplied sum for the reduce-scatter: sum, then divide; over one shard rank FSDP2
+            # divides while copying (then, under HSDP, all-reduces a sum), and a forced sum would divide twice
+            shard = mesh.size(mesh.ndim - 1)
+            if shard > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
                 module.set_force_sum_reduction_for_comms(True)
 
 
@@ -88,6 +92,18 @@ class ExpertGradients:
     def global_norm(self, params: List[torch.nn.Parameter]) -> float:
         return global_grad_norm(params, self.ids, self.ep_group)
 
+    def norm_of(self, dense_squares: torch.Tensor, expert_squares: torch.Tensor) -> float:
+        """The global norm from this rank's squares (float64 scalars: the dense ones as every rank has them, its
+        experts' own), the experts' added over the ep ranks (collective; ``--overlap-offload-step`` sums them
+        during backward)."""
+        return add_expert_squares(dense_squares, expert_squares, self.ep_group)
+
+
+def add_expert_squares(dense: torch.Tensor, experts: torch.Tensor, ep_group: Any) -> float:
+    """sqrt(dense + the experts' squares summed over the ep ranks): each ep rank holds other experts."""
+    torch.distributed.all_reduce(experts, group=ep_group)
+    return float((dense + experts).sqrt())
+
 
 def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_group: Any) -> float:
     """The L2 norm of all gradients of the model: the replicated ones once, each expert shard's squares added
@@ -102,8 +118,7 @@ def global_grad_norm(params: List[torch.nn.Parameter], expert_ids: Set[int], ep_
         experts = total_norm(expert_grads).double().square()
     else:
         dense, experts = sum_of_squares(dense_grads), sum_of_squares(expert_grads).clone()
-    torch.distributed.all_reduce(experts, group=ep_group)
-    return float((dense + experts).sqrt())
+    return add_expert_squares(dense, experts, ep_group)
 
 
 def _placed(model: torch.nn.Module):

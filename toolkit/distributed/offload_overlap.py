@@ -33,6 +33,11 @@ serial run does (a gradient replaced after its squares were taken would have the
 after backward: ``raw_grad_norm`` checks identity). Bit for bit the serial run with 2 ranks and
 8-bit moments (``tests/{unit,integration}/test_overlap.py``).
 
+Under ``--expert-parallel-size`` each placed expert stack is an FSDP2 group of its own, and each ep rank holds
+other experts: their squares are kept apart and added over the ep ranks after backward, before the clip factor
+is formed (``ExpertGradients.norm_of``, the serial ``global_grad_norm``'s arithmetic), so every rank clips by the
+whole model's norm (``tests/integration/test_moe_train.py``).
+
 DeepSpeed binds its op without releasing the GIL, which would stall the main thread for the
 whole of each update call: :mod:`toolkit.optim.gil_free_adam` builds the same update under a
 binding that releases it (falling back to DeepSpeed's, with a WARNING, if it cannot be built).
@@ -50,7 +55,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -62,9 +67,11 @@ from toolkit.optim.grad_norm import SquareSums
 logger = logging.getLogger(__name__)
 
 
-def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> Optional["OffloadOverlap"]:
-    """The overlap ``--overlap-offload-step`` asks for (None without the flag); bad combinations are UserErrors."""
+def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          expert_grads: Any = None) -> Optional["OffloadOverlap"]:
+    """The overlap ``--overlap-offload-step`` asks for (None without the flag); bad combinations are UserErrors.
+    ``expert_grads``: under ``--expert-parallel-size`` the strategy's ``ExpertGradients`` (which parameters are
+    this rank's experts, and the ep group their squares are added over)."""
     dist_cfg = cfg.distributed
     if not dist_cfg.overlap_offload_step:
         return None
@@ -80,7 +87,7 @@ def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module,
     if cfg.ema.store_ema:
         logger.info("--overlap-offload-step with --store-ema: the EMA reads every weight after each update, "
                     "so each update waits for the whole step (no overlap)")
-    overlap = OffloadOverlap(model, optimizer)
+    overlap = OffloadOverlap(model, optimizer, expert_grads)
     logger.info(f"--overlap-offload-step: CPU Adam steps {len(overlap.groups)} parameter groups in forward order "
                 f"on a background thread")
     return overlap
@@ -116,6 +123,19 @@ def fsdp_groups(model: torch.nn.Module) -> List[_Group]:
     return groups
 
 
+def _expert_groups(groups: List[_Group], expert_ids: Set[int]) -> Set[int]:
+    """The indices of the groups holding placed experts (each stack is its own FSDP2 module: all of a group or none)."""
+    out = set()
+    for i, group in enumerate(groups):
+        placed = [id(p) in expert_ids for p in group.params]
+        if any(placed) and not all(placed):
+            raise RuntimeError("--overlap-offload-step: an FSDP2 group mixes expert and dense parameters (each placed "
+                               "expert stack is sharded as a module of its own)")
+        if any(placed):
+            out.add(i)
+    return out
+
+
 def _match_threads(num_threads: int) -> None:
     """The worker uses the main thread's intra-op thread count (a new thread would get OpenMP's default),
     so its BLAS dots partition -- and round -- as the main thread's do."""
@@ -125,10 +145,12 @@ def _match_threads(num_threads: int) -> None:
 class OffloadOverlap:
     """Per-block norm during backward, per-block CPU Adam on one worker thread, per-block waits in forward."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert_grads: Any = None):
         self.model, self.optimizer = model, optimizer
         self.groups = fsdp_groups(model)
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
+        self.expert_grads = expert_grads
+        self._expert_groups = _expert_groups(self.groups, expert_grads.ids if expert_grads is not None else set())
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if wanted != set(self._group_of):
             raise RuntimeError("--overlap-offload-step: the optimizer's parameters are not exactly the FSDP2 "
@@ -189,15 +211,19 @@ class OffloadOverlap:
     def raw_grad_norm(self) -> float:
         """The global norm of the gradients (as ``total_norm`` of them all), mostly summed during backward."""
         tasks, self._norm_tasks = self._norm_tasks, {}
-        total = SquareSums()
+        total, experts = SquareSums(), SquareSums()
         for i, group in enumerate(self.groups):
             grads = [p.grad for p in group.params if p.grad is not None]
             seen, squares = tasks[i].result() if i in tasks else ([], None)  # re-raises the worker's error
             if squares is None or len(seen) != len(grads) or any(a is not b for a, b in zip(seen, grads)):
                 squares = SquareSums()  # not (or not exactly these gradients) seen in backward: now
                 squares.add(grads)
-            total.merge(squares)
-        return float(total.norm())
+            (experts if i in self._expert_groups else total).merge(squares)
+        if self.expert_grads is None:
+            return float(total.norm())
+        # expert parallelism: each ep rank holds other experts, so their squares are added over the ep ranks (as
+        # ExpertGradients.global_norm does serially: the same float32 norms, squared in float64)
+        return self.expert_grads.norm_of(total.norm().double().square(), experts.norm().double().square())
 
     # -- update ----------------------------------------------------------------------
     def launch_step(self, grad_scale: float) -> None:

@@ -24,7 +24,10 @@ taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, c
 so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
 the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's experts are sharded over the
 (dp_shard x cp) / ep ranks holding the same ones (``ep_peers``: :attr:`ParallelDims.expert_fsdp_mesh`,
-torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only.
+torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only. Under HSDP
+(hybrid_*, no_shard) those ranks span the replica groups: the experts' mesh is 2-D, (ep_replicate, ep_shard), the
+dense layers' (dp_replicate, dp_shard) with ep carved out of the shard axis (torchtitan's ``dp_mod_ep``); under
+no_shard the ep ranks are whole replicas (carved from ``dp_replicate x cp``, as under DDP).
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
@@ -78,6 +81,14 @@ class ParallelShape:
     def shard_axis(self) -> str:
         """The FSDP shard axis's name: ``dp_shard``, or ``dp_shard_cp`` when context parallelism shares it."""
         return "dp_shard" if self.cp == 1 else "dp_shard_cp"
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks one expert's weights are sharded over by FSDP2: the (dp_shard x cp) / ep ranks of a replica holding
+        the same experts, or 1 where the ep ranks are whole replicas (no_shard); the experts' FSDP2 mesh is
+        (world / (ep x tp x expert_shard), expert_shard), replicated along the first axis under HSDP."""
+        carved = self.dp_shard * self.cp
+        return carved // self.ep if self.fsdp and carved % self.ep == 0 else 1
 
     @property
     def needs_mesh(self) -> bool:
@@ -151,10 +162,12 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
-    carved = shard * cp if fsdp else replicate * cp  # DDP: every data-parallel rank is a whole replica
+    # DDP and no_shard: every data-parallel rank is a whole replica; else the ranks that shard one replica
+    replicas = not fsdp or strategy == "no_shard"
+    carved = replicate * cp if replicas else shard * cp
     if carved % ep:
-        where = (f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})" if fsdp else
-                 "that replicate the model (DDP)")
+        where = ("that replicate the model (DDP, no_shard)" if replicas else
+                 f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})")
         raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
                         f"over those ranks")
     return ParallelShape(world=world, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=ep, fsdp=fsdp,
@@ -250,17 +263,29 @@ class ParallelDims:
     def expert_fsdp_mesh(self) -> Any:
         """What ``fully_shard(mesh=...)`` takes for a block's experts under ``--ddp-backend fully_sharded``
         (torchtitan's ``dp_shard_mod_ep``): the (dp_shard x cp) / ep ranks holding the same experts, so an expert's
-        weights are sharded, and its gradients reduce-scattered, only among the ranks that compute with it."""
-        if not self.shape.fsdp or self.shape.hsdp or self.shape.tp > 1:
-            raise ValueError(f"the experts are sharded by FSDP2 only under full_shard or shard_grad_op without tensor "
+        weights are sharded, and its gradients reduce-scattered, only among the ranks that compute with it.
+        Under HSDP (hybrid_*, no_shard) the ranks holding the same experts span the replica groups, and the mesh is
+        2-D, (ep_replicate, ep_shard), as the dense layers' (dp_replicate, dp_shard) (torchtitan's ``dp_mod_ep``):
+        the gradients are reduce-scattered within a replica, then all-reduced across the replicas."""
+        if not self.shape.fsdp or self.shape.tp > 1:
+            raise ValueError(f"the experts are sharded by FSDP2 only under --ddp-backend fully_sharded without tensor "
                              f"parallelism ({self.shape.describe()})")
+        if self.shape.hsdp:
+            self._sub("experts", "ep", self.shape.ep)
+            return self._built()["experts"][("ep_replicate", "ep_shard")]
         return self._sub("experts", "ep_peers", self.shape.ep)
 
     @property
     def expert_peers_group(self) -> Any:
-        """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over."""
+        """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over
+        (DDP and no_c10d; FSDP2 reduces them over :attr:`expert_fsdp_mesh`)."""
         self._sub("experts", "ep", self.shape.ep)
-        return self._built()["experts"]["ep_peers"].get_group()
+        experts = self._built()["experts"]
+        if "ep_peers" in experts.mesh_dim_names:
+            return experts["ep_peers"].get_group()
+        if "expert_peers" not in self._meshes:  # HSDP's (ep_replicate, ep_shard): the same ranks, flattened once
+            self._meshes["expert_peers"] = experts[("ep_replicate", "ep_shard")]._flatten("ep_peers")
+        return self._meshes["expert_peers"].get_group()
 
     def _sub(self, view: str, axis: str, size: int) -> Any:
         if size == 1:
@@ -305,7 +330,11 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
                                              ("dp_replicate", "dp_shard", "cp", TP))
     if s.ep > 1:
         # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
-        meshes["experts"] = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
+        if s.fsdp and s.hsdp:  # those ranks span the replica groups: (ep_replicate, ep_shard) x ep x tp
+            peers = (s.world // (s.ep * s.tp * s.expert_shard), s.expert_shard)
+            meshes["experts"] = world._unflatten(0, peers + (s.ep, s.tp), ("ep_replicate", "ep_shard", "ep", TP))
+        else:
+            meshes["experts"] = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
     return meshes
 
 

@@ -228,8 +228,10 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
                 f"mixed precision: {mixed_precision_policy(common)}")
     if dims.shape.ep > 1:
         placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
+        expert_mesh = dims.expert_fsdp_mesh
+        replicas = f", replicated over {expert_mesh.size(0)} groups" if expert_mesh.ndim > 1 else ""
         logger.info(f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
-                    f"ranks, each sharded by FSDP2 over the {dims.expert_fsdp_mesh.size()} ranks holding them")
+                    f"ranks, each sharded by FSDP2 over the {dims.shape.expert_shard} ranks holding them{replicas}")
     strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
     return model, strategy
 

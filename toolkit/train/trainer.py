@@ -105,7 +105,8 @@ class Trainer:
         self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
-        self.overlap = build_offload_overlap(cfg, model, self.optimizer)  # --overlap-offload-step, else None
+        # --overlap-offload-step, else None; under expert parallelism its norm adds the experts' squares over ep
+        self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads)
         self.post_step_hooks: List[Callable[[], None]] = []
         float8_scales = float8.after_optimizer_step(model, cfg.distributed.fp8_all_gather)  # --fp8-all-gather
         if float8_scales is not None:
@@ -267,12 +268,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         raw_norm = None
-        if self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
+        if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
+            raw_norm = self.overlap.raw_grad_norm()
+        elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
         elif self.memory_efficient is not None:
             raw_norm = float(fp16_utils.grad_norm_fp32(params))
-        elif self.overlap is not None:
-            raw_norm = self.overlap.raw_grad_norm()
         step_applies = (self.memory_efficient is not None or self.overlap is not None
                         or getattr(self.optimizer, "supports_grad_scale", False))
         return normalize_and_clip(grads, grad_factor, self.cfg.optimization.clip_norm, raw_norm=raw_norm,
