@@ -162,8 +162,9 @@ class DistributedConfig:
                                             "block by block on a background thread while the next forward runs "
                                             "(the same results as the serial step)")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in backward")
-    compile: bool = opt(False, "torch.compile each transformer block (inductor, fullgraph; the first training "
-                               "pass is slower while it compiles)")
+    compile: bool = opt(False, "torch.compile each transformer block (inductor: one graph per block, or graphs "
+                               "around the exchange that context or expert parallelism runs inside it; the first "
+                               "training pass is slower while it compiles)")
     fp8: bool = opt(False, "train the blocks' Linear layers in float8 (torchao; needs a GPU of compute capability "
                            "8.9+ such as H100; embeddings and the output projection stay in the run's precision)")
     fp8_recipe: str = opt("rowwise", "--fp8 scaling: rowwise (a scale per row, more accurate) or tensorwise "

@@ -70,7 +70,7 @@ def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: boo
     needs this: its per-rank random-number hooks reseed the generator (``torch.manual_seed``), which
     dynamo cannot capture in a graph, around the block. So does context parallelism under
     ``--checkpoint-activations``: dynamo takes a checkpointed region only as one graph, and the eager
-    attention inside would leave the whole block uncompiled.
+    attention inside would leave the whole block uncompiled (expert parallelism's exchange likewise).
 
     ``eager_region``: what runs eagerly inside each block (``torch.compiler.disable``), which makes the block
     several graphs instead of one (no ``fullgraph``). Expert parallelism: its token exchange

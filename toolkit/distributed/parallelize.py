@@ -156,7 +156,8 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:  # a collective inside a block (EP's token exchange, CP's attention) stays eager between graphs
-        apply_compile(model, env.device, hooks_eager=dims.shape.cp > 1, eager_region=eager_region(dims))
+        region = eager_region(dims)
+        apply_compile(model, env.device, hooks_eager=region is not None, eager_region=region)
     if cfg.ddp_backend == "fully_sharded":
         return _fully_shard(model, cfg, common, env, placement)
     model.to_empty(device=env.device)
