@@ -137,10 +137,6 @@ FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in
             "scaling; use --bf16")
 FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
               "without fp16 weights or loss scaling; use --bf16")
-EMA_SHARDED_STATE = ("--store-ema with --use-sharded-state under --ddp-backend fully_sharded or --model-parallel-size > "
-                     "1: each rank holds only its shards of the moving average, and the sharded format writes "
-                     "extra_state (where the average is kept, fairseq's key) from rank 0 alone, which holds no whole "
-                     "average to write; save consolidated checkpoints (drop --use-sharded-state), which gather it")
 TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
                      "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
                      "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
@@ -367,17 +363,7 @@ def refusal(cfg: Any) -> Optional[str]:
         return COMPILE_TP_SHARDED_DROPOUT
     if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d" and cfg.common.memory_efficient_fp16:
         return TP_NO_C10D_MEFP16
-    return _sharded_state_refusal(cfg) or _expert_parallel_refusal(cfg)
-
-
-def _sharded_state_refusal(cfg: Any) -> Optional[str]:
-    """--use-sharded-state (a setting, not a feature of the table) with a moving average held in shards."""
-    checkpoint = getattr(cfg, "checkpoint", None)
-    dist = cfg.distributed
-    sharded = dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1
-    if checkpoint is not None and checkpoint.use_sharded_state and cfg.ema.store_ema and sharded:
-        return EMA_SHARDED_STATE
-    return None
+    return _expert_parallel_refusal(cfg)
 
 
 def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
