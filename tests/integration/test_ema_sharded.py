@@ -2,7 +2,8 @@
 averages its own shards, the consolidated checkpoint holds the whole average, and it equals one process's.
 
 Two ranks against one process: FSDP2 splits the batch over two data-parallel ranks (one process takes both
-with ``--update-freq 2``); under TP the two ranks are one replica, so both runs take ``--update-freq 2``. The
+with ``--update-freq 2``); under TP the two ranks are one replica, so both runs take ``--update-freq 2``;
+``hsdp`` is four ranks, two replicas of two shards (``hybrid_shard``), against ``--update-freq 4``. The
 ``fsdp`` case stops after 3 updates and resumes at two ranks for the 4th, so the average goes through a save
 (gathered) and a load (each rank's part taken back). ``--ema-decay 0.5`` keeps the average away from the last
 weights (checked), so a run that saved the weights instead, or one rank's shards, fails. Weights and averages are
@@ -31,6 +32,8 @@ CASES = {  # case: (the two-rank run's flags, the one-process run's flags)
     "fsdp": (TWO_FSDP, ["--update-freq", "2"]),
     "tp": (["--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "fully_sharded",
             "--update-freq", "2"], ["--update-freq", "2"]),
+    "hsdp": (["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
+              "--shard-group-size", "2"], ["--update-freq", "4"]),  # 2 replicas of 2 shards
     "offload": (TWO_FSDP + OFFLOAD, ["--update-freq", "2", "--optimizer", "cpu_adam"]),
     "offload_overlap": (TWO_FSDP + OFFLOAD + ["--overlap-offload-step"], ["--update-freq", "2", "--optimizer",
                                                                           "cpu_adam"]),
@@ -85,6 +88,8 @@ def test_sharded_moving_average_equals_one_process(data_bin, one_process_runs, t
     if case == "fsdp":  # 3 updates, then a resumed run for the 4th: the average is saved and loaded sharded
         train(data_bin, tmp_path / "two", *sharded_flags, max_update=UPDATES - 1)
     two = train(data_bin, tmp_path / "two", *sharded_flags)
+    if case == "hsdp":
+        assert "('dp_replicate', 'dp_shard')" in two.stdout and "(2, 2)" in two.stdout, two.stdout[-2000:]
     got, want = H.losses(two.stdout), H.losses(one.stdout)
     assert UPDATES in got and all(abs(got[u] - want[u]) <= 1e-3 * abs(want[u]) + H.LOGGED_TOL for u in got)
     if case == "fsdp":

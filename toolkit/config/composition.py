@@ -262,7 +262,7 @@ for _other in ("compile", "fp8", "AC", "muon", "cpu-offload", "overlap-offload",
 EMA_SHARDED = "tests/integration/test_ema_sharded.py::test_sharded_moving_average_equals_one_process"
 _PAIRS[("FSDP", "EMA")] = Tested(EMA_SHARDED, "case fsdp: each rank averages its shards; the checkpoint's whole "
                                  "average, resumed at 2 ranks, equals one process's")
-_PAIRS[("HSDP", "EMA")] = Runs("each rank averages its shards as under FSDP (tested); no parity test of HSDP with it")
+_PAIRS[("HSDP", "EMA")] = Tested(EMA_SHARDED, "case hsdp: 4 ranks, 2 replicas of 2 shards")
 for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "EMA")] = Tested(EMA_SHARDED, "case tp")
 _PAIRS[("cpu-offload", "EMA")] = Tested(EMA_SHARDED, "case offload: the shards in host memory")
