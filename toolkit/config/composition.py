@@ -294,11 +294,13 @@ for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
             _fill(_model_split, _other, BY_MODEL)
-MUON_RUNS = Runs("the optimizer's update acts on the gradients after backward, the other on how the forward and "
-                 "backward compute or what data they see; no parity test of this pair")
-for _other in NAMES:
-    if _other != "muon":
-        _fill("muon", _other, MUON_RUNS)
+MUON_PAIRS = "tests/integration/test_muon_pairs.py::test_muon_with_each_feature_equals_one_process"
+for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_pairs.py CASES): 2 FSDP2 ranks
+    "compile_ac_ema_mask": ("compile", "AC", "EMA", "document mask"),  # against one eager process
+    "mefp16": ("memory-efficient fp16",), "fp16_mixture": ("fp16", "data mixture"), "fp8_bf16": ("fp8", "bf16"),
+}.items():
+    for _other in _others:
+        _fill("muon", _other, Tested(MUON_PAIRS, f"case {_case}"))
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {
