@@ -289,7 +289,8 @@ _PAIRS[("overlap-offload", "EP")] = Refused(EP_OVERLAP)
 _PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
                                    "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
                                    "two graphs of each block")
-_PAIRS[("EP", "data mixture")] = INDEPENDENT
+_PAIRS[("EP", "data mixture")] = Tested(EXPERTS + "test_expert_parallel_with_a_data_mixture_equals_one_process",
+                                        "2 ranks, ep 2, DDP")
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
