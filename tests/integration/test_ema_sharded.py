@@ -11,7 +11,8 @@ fp32; tolerance rtol 1e-3 / atol 1e-4 (as test_composition's TP x cpu-offload we
 
 With ``--use-sharded-state`` each rank writes its shards of the average as DCP entries (``ema.*``): a 2-rank run
 stopped after 3 updates and resumed for the 4th, at 2 ranks and (resharded) in one process, equals the
-uninterrupted 2-rank run to rtol 1e-4 (the same arithmetic in the same layout) and one process's run as above.
+uninterrupted 2-rank run to rtol 1e-4 (the same arithmetic in the same layout) and one process's run as above;
+under TP (2 ranks) resumed at 2 ranks, one process's.
 """
 from __future__ import annotations
 
@@ -136,3 +137,18 @@ def test_sharded_state_holds_each_ranks_average_and_resumes_at_any_world_size(da
         assert_close_states(average, one_average, f"{name}: moving average")
     key = next(k for k in average if k.endswith("layers.0.fc1.weight"))
     assert not torch.allclose(average[key], weights[key], atol=1e-4), "the average is not the last weights"
+
+
+def test_tensor_parallel_sharded_state_resumes_its_average(data_bin, one_process_runs, tmp_path):
+    """The same under TP (2 ranks, one replica): the average's column- and row-parallel shards as DCP entries."""
+    tp_flags, one_flags = CASES["tp"]
+    one, one_path = one_process(data_bin, one_process_runs, one_flags)
+    train(data_bin, tmp_path / "tp", *tp_flags, "--use-sharded-state", max_update=UPDATES - 1)
+    assert "ema" not in sharded.read_meta(str(tmp_path / "tp" / "checkpoint_last"))["extra_state"]
+    resumed = train(data_bin, tmp_path / "tp", *tp_flags, "--use-sharded-state")
+    got, want = H.losses(resumed.stdout), H.losses(one.stdout)
+    assert sorted(got) == [UPDATES] and abs(got[UPDATES] - want[UPDATES]) <= 1e-3 * abs(want[UPDATES]) + H.LOGGED_TOL
+    weights, average = consolidated_state(tmp_path / "tp" / "checkpoint_last", tmp_path / "tp.pt")
+    one_weights, one_average = saved(one_path)
+    assert_close_states(weights, one_weights, "weights")
+    assert_close_states(average, one_average, "moving average")
