@@ -6,7 +6,7 @@ with the model). Expert parallelism: the all-to-all dispatch and combine equal t
 ranks), and two ranks with --expert-parallel-size 2 train as one process with --update-freq 2, their consolidated
 checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism;
 under FSDP2 (2 ranks, and 4 ranks with each rank's experts sharded over 2, resumed), FSDP2 with --cpu-offload, and
-with --compile (the exchange eager between the compiled graphs) the same."""
+with --compile (the exchange eager between the compiled graphs) and with --data-mixture the same."""
 import pytest
 import torch
 
@@ -170,6 +170,20 @@ def test_expert_parallel_overlap_offload_step_equals_the_serial_step(data_bin, t
     for reference in (serial, alone):
         assert_logged_losses_match(H.losses(overlapped.stdout), H.losses(reference.stdout), range(1, 3))
     assert norms[2] == pytest.approx(norms[1], rel=1e-3) and norms[2] == pytest.approx(norms[0], rel=1e-3)
+
+
+def test_expert_parallel_with_a_data_mixture_equals_one_process(tmp_path):
+    """--data-mixture under --expert-parallel-size 2 (2 ranks, DDP): each data-parallel rank draws its own mixture
+    batches, and the ranks exchange tokens with each other's experts; as one process drawing both with
+    --update-freq 2."""
+    from tests.helpers.mixture import make_sources
+
+    root = make_sources(tmp_path / "sources")
+    mixture = ["--data-mixture", f"web={root}/web:0.7,code={root}/code:0.3", "--max-update", "3"]
+    alone = train("", tmp_path / "one", *mixture, *ONE_PROC)
+    placed = train("", tmp_path / "ep", *mixture, "--distributed-world-size", "2", "--expert-parallel-size", "2")
+    assert "expert parallel: 2 MoE layers' experts over 2 ranks" in placed.stdout + placed.stderr
+    assert_logged_losses_match(H.losses(placed.stdout), H.losses(alone.stdout), range(1, 4))
 
 
 def test_refusals_name_the_reason(data_bin, tmp_path):

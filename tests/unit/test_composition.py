@@ -99,18 +99,15 @@ def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_o
 
 
 def test_settings_that_are_not_features_refused_with_their_reason():
-    """--ddp-backend under TP and --use-sharded-state are settings, not rows of the table: their refusals."""
+    """--ddp-backend under TP and --use-sharded-state are settings, not rows of the table: their refusals
+    (--store-ema with --use-sharded-state composes: each rank's shards of the average are DCP entries)."""
     tp_no_c10d = ["--model-parallel-size", "2", "--ddp-backend", "no_c10d"]
     assert resolve(*tp_no_c10d, "--fp16").distributed.ddp_backend == "no_c10d"
     with pytest.raises(UserError) as e:
         resolve(*tp_no_c10d, "--memory-efficient-fp16")
     assert str(e.value) == C.TP_NO_C10D_MEFP16
-    assert resolve("--store-ema", "--use-sharded-state").ema.store_ema  # whole averages under DDP: saved by rank 0
-    for sharded in (["--ddp-backend", "fully_sharded"], ["--model-parallel-size", "2"]):
-        assert resolve("--store-ema", *sharded).ema.store_ema
-        with pytest.raises(UserError) as e:
-            resolve("--store-ema", "--use-sharded-state", *sharded)
-        assert str(e.value) == C.EMA_SHARDED_STATE
+    for sharded in ([], ["--ddp-backend", "fully_sharded"], ["--model-parallel-size", "2"]):  # EMA shards in DCP
+        assert resolve("--store-ema", "--use-sharded-state", *sharded).ema.store_ema
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -107,8 +107,7 @@ def test_store_ema_flags_and_refusals():
                 "--ema-fp32")
     assert cfg.ema == EMAConfig(store_ema=True, ema_decay=0.99, ema_start_update=3, ema_update_freq=2, ema_fp32=True)
     assert parse("--store-ema", "--ddp-backend", "fully_sharded").ema.store_ema  # each rank averages its shards
-    with pytest.raises(UserError, match="--store-ema with --use-sharded-state.*rank 0 alone"):
-        parse("--store-ema", "--ddp-backend", "fully_sharded", "--use-sharded-state")
+    assert parse("--store-ema", "--ddp-backend", "fully_sharded", "--use-sharded-state").ema.store_ema  # DCP entries
 
 
 def test_launch_retry_and_ema_seed_flags_parse_under_fairseqs_names(caplog, tmp_path):

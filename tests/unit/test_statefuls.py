@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 PT_KEYS = ["cfg", "model", "extra_state", "last_optimizer_state", "optimizer_name"]
 EXTRA_KEYS = ["train_iterator", "val_loss", "best", "trainer", "metrics", "dictionary_hash"]
 TRAINER_KEYS = ["num_updates", "lr_scheduler", "loss_scaler"]
-META_KEYS = ["format", "cfg", "world_size", "has_optimizer_state", "optimizer_name", "extra_state"]
+META_KEYS = ["format", "cfg", "world_size", "has_optimizer_state", "optimizer_name", "extra_in_dcp", "extra_state"]
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,16 @@ Layout: one folder per checkpoint name, ``checkpoint_last.pt`` -> ``SAVE_DIR/che
 
     checkpoint_last/
         .metadata          DCP's index of every tensor's shards (written last, by rank 0)
-        __0_0.distcp ...   each rank's shard of the model and optimizer state
+        __0_0.distcp ...   each rank's shard of the model and optimizer state (and of the EMA: ``ema.*``)
         meta.pt            cfg, extra state (every plain Stateful: data position, LR schedule, meters, ...),
-                           optimizer name
+                           optimizer name, the extra-state keys kept in DCP (``extra_in_dcp``)
         checksums.json     CRC-32 and size of every file above (checked before loading)
 
 The run's Statefuls (:mod:`toolkit.checkpoint.stateful`) are written without knowing what each one
 is: the tensor entries (model, optimizer) into DCP under their keys, the others into ``meta.pt``'s
-``extra_state``. Model and optimizer states are keyed by parameter name (``get_state_dict``), so a
+``extra_state``, but for the sharded extras (the EMA's moving average, sharded as the weights are): DCP
+entries under their keys, each rank writing its part, and put back into ``extra_state`` by
+:func:`consolidate`, so a consolidated file has them where a ``.pt`` save puts them. Model and optimizer states are keyed by parameter name (``get_state_dict``), so a
 checkpoint saved on W ranks loads on any other world size, sharded or not (DCP
 reshards on load), and into DDP or plain models as well as FSDP2.
 
@@ -53,6 +55,7 @@ META_FILE = "meta.pt"
 DCP_INDEX = ".metadata"
 FORMAT = "toolkit-sharded-v1"
 SAVED_FLAGS = {"optim": "has_optimizer_state"}  # meta.pt's flag saying whether a tensor entry was saved
+EXTRA_IN_DCP = "extra_in_dcp"  # meta.pt's list of extra-state keys saved as DCP entries (older files: none)
 
 
 # --- names -------------------------------------------------------------------------------
@@ -127,16 +130,20 @@ def _writer(path: str) -> dcp.FileSystemWriter:
 
 
 def _sharded_state(statefuls: stateful.Statefuls) -> Dict[str, Any]:
-    """The tensor entries a save writes, as this rank holds them (DTensor shards under FSDP2)."""
-    return {key: entry.state_dict(full=False) for key, entry in stateful.tensor_entries(statefuls).items()
-            if entry.saved}
+    """The tensor entries a save writes, and the sharded extras, as this rank holds them (DTensor shards
+    under FSDP2)."""
+    state = {key: entry.state_dict(full=False) for key, entry in stateful.tensor_entries(statefuls).items()
+             if entry.saved}
+    state.update({key: entry.local_state() for key, entry in stateful.sharded_extras(statefuls).items()})
+    return state
 
 
 def _meta(run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, world_size: int) -> Dict[str, Any]:
     meta = {"format": FORMAT, "cfg": run_cfg, "world_size": world_size}
     meta.update({flag: statefuls[key].saved for key, flag in SAVED_FLAGS.items() if key in statefuls})
     meta.update(stateful.side_values(statefuls, saved_only=False))
-    meta["extra_state"] = stateful.extra_state(statefuls)
+    meta[EXTRA_IN_DCP] = list(stateful.sharded_extras(statefuls))
+    meta["extra_state"] = stateful.extra_state(statefuls, leave_out=meta[EXTRA_IN_DCP])
     return meta
 
 
@@ -239,11 +246,16 @@ def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, ch
     loading = {key: entry for key, entry in tensors.items()
                if (key not in SAVED_FLAGS or meta.get(SAVED_FLAGS[key], False))
                and entry.prepare_load(folder, meta, flat)}
+    extras = {key: entry for key, entry in stateful.sharded_extras(statefuls).items()
+              if key in meta.get(EXTRA_IN_DCP, ())}  # else in extra_state (an older file) or not saved
     templates = {key: entry.load_template() for key, entry in loading.items()}
+    templates.update({key: entry.local_state() for key, entry in extras.items()})
     load_dcp(templates, folder)
     for key, entry in loading.items():
         entry.load_state_dict(templates[key], full=False)
-    stateful.load_extra_state(statefuls, meta["extra_state"])
+    for key, entry in extras.items():  # after the model: as in the mapping's order
+        entry.load_local(templates[key])
+    stateful.load_extra_state(statefuls, meta["extra_state"], loaded=extras)
     logger.info(f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; "
                 f"{progress.loaded_summary()})")
     return saved_data_parallel_size(meta.get("cfg", {})) or meta.get("world_size")
@@ -263,7 +275,8 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
         meta = read_meta(folder)
         full = dcp_to_state_dict(folder)
         progress.advance(f"read {meta.get('world_size')} shards of {folder}")
-        state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": meta["extra_state"]}
+        extra = {**meta["extra_state"], **{key: full[key] for key in meta.get(EXTRA_IN_DCP, ()) if key in full}}
+        state = {"cfg": meta["cfg"], "model": full["model"], "extra_state": extra}
         if include_optimizer and "optim" in full:
             state["last_optimizer_state"] = full["optim"]
             state["optimizer_name"] = meta.get("optimizer_name")

@@ -12,6 +12,10 @@ kinds of state, so there are two kinds of entry:
 - any other Stateful (``state_dict()`` / ``load_state_dict(state)``): plain values and small CPU
   tensors (counters, LR schedule, loss scale, meters, data position, EMA), stored under its key in
   the checkpoint's ``extra_state`` in every format. A key the file lacks loads as ``None``.
+- a :class:`ShardedExtra` (the EMA): a plain Stateful whose whole tensors go in a ``.pt``'s
+  ``extra_state`` (fairseq's place for the average), while the sharded format writes what each rank
+  holds of them as DCP entries under its key, as it does the model's: gathering them whole there
+  would be a collective that the one rank writing ``meta.pt`` cannot run alone.
 
 Loading goes in the mapping's order, tensors first: the EMA restarts from the loaded weights, and
 the LR schedule steps to the loaded update count after the optimizer's learning rate is restored.
@@ -156,6 +160,20 @@ class OptimizerState(TensorState):
         self._switch_from, self._groups = None, None
 
 
+class ShardedExtra:
+    """A plain Stateful (its whole tensors in ``extra_state``) with a by-rank view for DCP.
+
+    ``local_state``: this rank's tensors by name (DTensor shards where the model is sharded), which DCP
+    writes and reads back in place, resharded to this run's world size; ``load_local`` takes the loaded
+    ones after the tensor entries (the model) have loaded."""
+
+    def local_state(self) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load_local(self, state: Dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
 class Value:
     """A Stateful over a getter and a setter: a plain value another object keeps (the best metric).
 
@@ -224,9 +242,14 @@ def plain_entries(statefuls: Statefuls) -> Dict[str, Any]:
     return {k: s for k, s in statefuls.items() if not isinstance(s, TensorState)}
 
 
-def extra_state(statefuls: Statefuls) -> Dict[str, Any]:
-    """The checkpoint's ``extra_state``: every plain entry's state under its key, in the mapping's order."""
-    return {key: s.state_dict() for key, s in plain_entries(statefuls).items()}
+def sharded_extras(statefuls: Statefuls) -> Dict[str, ShardedExtra]:
+    return {k: s for k, s in statefuls.items() if isinstance(s, ShardedExtra)}
+
+
+def extra_state(statefuls: Statefuls, leave_out: Iterable[str] = ()) -> Dict[str, Any]:
+    """The checkpoint's ``extra_state``: every plain entry's state under its key, in the mapping's order
+    (but the keys in ``leave_out``: the sharded format's DCP entries)."""
+    return {key: s.state_dict() for key, s in plain_entries(statefuls).items() if key not in leave_out}
 
 
 def side_values(statefuls: Statefuls, saved_only: bool) -> Dict[str, Any]:
@@ -238,9 +261,11 @@ def side_values(statefuls: Statefuls, saved_only: bool) -> Dict[str, Any]:
     return out
 
 
-def load_extra_state(statefuls: Statefuls, extra: Mapping[str, Any]) -> None:
+def load_extra_state(statefuls: Statefuls, extra: Mapping[str, Any], loaded: Iterable[str] = ()) -> None:
+    """Every plain entry's state from ``extra`` (but the keys in ``loaded``: already read from DCP)."""
     for key, s in plain_entries(statefuls).items():
-        s.load_state_dict(extra.get(key))
+        if key not in loaded:
+            s.load_state_dict(extra.get(key))
 
 
 def shapes_by_entry(keys: Iterable[str], flat: Shapes) -> Dict[str, Shapes]:

@@ -137,10 +137,6 @@ FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in
             "scaling; use --bf16")
 FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
               "without fp16 weights or loss scaling; use --bf16")
-EMA_SHARDED_STATE = ("--store-ema with --use-sharded-state under --ddp-backend fully_sharded or --model-parallel-size > "
-                     "1: each rank holds only its shards of the moving average, and the sharded format writes "
-                     "extra_state (where the average is kept, fairseq's key) from rank 0 alone, which holds no whole "
-                     "average to write; save consolidated checkpoints (drop --use-sharded-state), which gather it")
 TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
                      "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
                      "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
@@ -254,7 +250,7 @@ for _other in ("compile", "fp8", "AC", "muon", "cpu-offload", "overlap-offload",
 EMA_SHARDED = "tests/integration/test_ema_sharded.py::test_sharded_moving_average_equals_one_process"
 _PAIRS[("FSDP", "EMA")] = Tested(EMA_SHARDED, "case fsdp: each rank averages its shards; the checkpoint's whole "
                                  "average, resumed at 2 ranks, equals one process's")
-_PAIRS[("HSDP", "EMA")] = Runs("each rank averages its shards as under FSDP (tested); no parity test of HSDP with it")
+_PAIRS[("HSDP", "EMA")] = Tested(EMA_SHARDED, "case hsdp: 4 ranks, 2 replicas of 2 shards")
 for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "EMA")] = Tested(EMA_SHARDED, "case tp")
 _PAIRS[("cpu-offload", "EMA")] = Tested(EMA_SHARDED, "case offload: the shards in host memory")
@@ -288,16 +284,19 @@ _PAIRS[("overlap-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_overl
 _PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
                                    "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
                                    "two graphs of each block")
-_PAIRS[("EP", "data mixture")] = INDEPENDENT
+_PAIRS[("EP", "data mixture")] = Tested(EXPERTS + "test_expert_parallel_with_a_data_mixture_equals_one_process",
+                                        "2 ranks, ep 2, DDP")
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
             _fill(_model_split, _other, BY_MODEL)
-MUON_RUNS = Runs("the optimizer's update acts on the gradients after backward, the other on how the forward and "
-                 "backward compute or what data they see; no parity test of this pair")
-for _other in NAMES:
-    if _other != "muon":
-        _fill("muon", _other, MUON_RUNS)
+MUON_PAIRS = "tests/integration/test_muon_pairs.py::test_muon_with_each_feature_equals_one_process"
+for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_pairs.py CASES): 2 FSDP2 ranks
+    "compile_ac_ema_mask": ("compile", "AC", "EMA", "document mask"),  # against one eager process
+    "mefp16": ("memory-efficient fp16",), "fp16_mixture": ("fp16", "data mixture"), "fp8_bf16": ("fp8", "bf16"),
+}.items():
+    for _other in _others:
+        _fill("muon", _other, Tested(MUON_PAIRS, f"case {_case}"))
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {
@@ -362,17 +361,7 @@ def refusal(cfg: Any) -> Optional[str]:
         return COMPILE_TP_SHARDED_DROPOUT
     if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d" and cfg.common.memory_efficient_fp16:
         return TP_NO_C10D_MEFP16
-    return _sharded_state_refusal(cfg) or _expert_parallel_refusal(cfg)
-
-
-def _sharded_state_refusal(cfg: Any) -> Optional[str]:
-    """--use-sharded-state (a setting, not a feature of the table) with a moving average held in shards."""
-    checkpoint = getattr(cfg, "checkpoint", None)
-    dist = cfg.distributed
-    sharded = dist.ddp_backend == "fully_sharded" or dist.model_parallel_size > 1
-    if checkpoint is not None and checkpoint.use_sharded_state and cfg.ema.store_ema and sharded:
-        return EMA_SHARDED_STATE
-    return None
+    return _expert_parallel_refusal(cfg)
 
 
 def _expert_parallel_refusal(cfg: Any) -> Optional[str]:

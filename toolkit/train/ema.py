@@ -12,7 +12,9 @@ Under FSDP2 and tensor parallelism (and FSDP2's ``--cpu-offload``) the weights a
 rank averages only its own shards: the average is elementwise, so a shard's average is the average's
 shard and no update gathers anything. A consolidated checkpoint gathers the whole average (every rank
 calls ``state_dict``, as it does for the model) and a load takes each rank's part of the whole tensors
-saved, so the file holds the same whole tensors as one process's run.
+saved, so the file holds the same whole tensors as one process's run. A sharded checkpoint
+(``--use-sharded-state``) writes each rank's shards of the average as DCP entries (``ema.<name>``), as it
+writes the model's, and reads them back resharded to the loading run's world size.
 
 ``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
 checkpoint (its ``extra_state["ema"]``, as fairseq's ``load_ema_from_checkpoint`` reads it),
@@ -29,6 +31,7 @@ from typing import Dict, Optional
 import torch
 
 from toolkit.checkpoint.model_fit import check_weights
+from toolkit.checkpoint.stateful import ShardedExtra
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.config import EMAConfig
 from toolkit.core.dtensor import is_dtensor, local_tensor
@@ -122,9 +125,10 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, like.placements).to_local()
 
 
-class EMAState:
-    """The EMA as a checkpoint's Stateful (``extra_state["ema"]``): a checkpoint without an average restarts
-    it from the loaded model, which must load first (tensor entries do)."""
+class EMAState(ShardedExtra):
+    """The EMA as a checkpoint's Stateful (``extra_state["ema"]``; in a sharded checkpoint, each rank's shards
+    as DCP entries): a checkpoint without an average restarts it from the loaded model, which must load first
+    (tensor entries do)."""
 
     def __init__(self, ema: EMA, model: torch.nn.Module):
         self.ema, self.model = ema, model
@@ -135,6 +139,17 @@ class EMAState:
     def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]]) -> None:
         if not self.ema.load_state_dict(state, self.model):
             _checkpoint_logger.info("EMA not found in checkpoint; --store-ema starts it from the loaded weights")
+
+    def local_state(self) -> Dict[str, torch.Tensor]:
+        """The average's own tensors (this rank's shards): DCP saves them, and loads into them in place."""
+        return dict(self.ema.shadow)
+
+    @torch.no_grad()
+    def load_local(self, state: Dict[str, torch.Tensor]) -> None:
+        for key, avg in self.ema.shadow.items():
+            loaded = state[key]
+            if loaded is not avg:  # DCP loaded into a copy: take its values
+                local_tensor(avg).copy_(local_tensor(loaded))
 
 
 def seed_weights(path: str, model: torch.nn.Module, shadow: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
