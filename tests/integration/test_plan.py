@@ -156,3 +156,14 @@ def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, t
             predicted = results[strategy]["predicted"]
             assert abs(predicted - measured) <= 0.25 * measured, (strategy, predicted, measured)
     assert results["shard_grad_op"]["predicted"] > results["full_shard"]["predicted"]
+
+
+def test_tensor_parallel_no_c10d_keeps_whole_tp_shards(data, tmp_path):
+    """--model-parallel-size 2 --ddp-backend no_c10d on 4 gloo ranks: no FSDP2, so each rank holds its TP shards of
+    every parameter, gradient and moment whole (not 1/2 over the two replicas); the plan counts the same bytes."""
+    flags = ["--optimizer", "adam", "--ddp-backend", "no_c10d", "--model-parallel-size", "2",
+             "--distributed-world-size", "4"]
+    result = _check(data, tmp_path, flags, {"activations": 0.25})
+    sharded = _check(data, tmp_path, flags[:2] + ["--model-parallel-size", "2", "--distributed-world-size", "4",
+                                                  "--ddp-backend", "fully_sharded"], {"activations": 0.25})
+    assert result["ranks"][0]["params"] > 1.8 * sharded["ranks"][0]["params"]

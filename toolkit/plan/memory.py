@@ -10,7 +10,9 @@ The counts follow what the trainer allocates (the tests compare them with its te
   resharded), the others keep the whole model gathered until backward ends.
 * DDP and ``no_c10d`` keep whole fp32 parameters and gradients (fp16 ones under
   ``--memory-efficient-fp16``); under ``--fp16``/``--bf16`` autocast keeps a cast copy of every
-  matmul weight until backward.
+  matmul weight until backward. ``no_c10d`` under ``--model-parallel-size M`` has no FSDP2: each rank keeps
+  its TP shards of everything (1/M of the split tensors, the rest whole), unsharded over the data-parallel
+  ranks, and all-reduces their gradients in buckets.
 * Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also ``--optimizer
   muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
   ``--muon-momentum-dtype bf16``); cpu_adam per
@@ -154,9 +156,9 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
         items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
                           "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
     elif cb == 2 and not setup.memory_efficient_fp16:
-        matmul = sum(p.numel for p in stats.params if p.matmul)
+        matmul = tp_numel([p for p in stats.params if p.matmul], setup.mp)
         items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
-    if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
+    if setup.bucketed_all_reduce:
         items.append(Item("gradient buffers", 2 * (64 << 20), 0, "64 MiB bucket, flat + reduced"))
     return [_to_host(i) for i in items] if not hw.has_gpu else items
 

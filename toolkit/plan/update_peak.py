@@ -65,8 +65,8 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     if setup.fsdp or setup.compute_bytes != 2 or setup.memory_efficient_fp16:
         return 0, 0
     matmul = [p for p in stats.params if p.matmul]
-    block = 2 * sum(p.numel for p in matmul if p.layer == 0)
-    root = 2 * sum(p.numel for p in matmul if p.layer is None)
+    block = 2 * tp_numel([p for p in matmul if p.layer == 0], setup.mp)
+    root = 2 * tp_numel([p for p in matmul if p.layer is None], setup.mp)
     return root + (0 if setup.checkpoint else stats.num_layers * block), block
 
 
@@ -86,7 +86,7 @@ def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bo
            (stats.num_layers * kept, inputs_place), (max(head, recompute + flow), GPU)]
     bottom = [(grads, STATES), (gathered_bottom + grad_buffers + casts_bottom, GPU), (kept, inputs_place),
               (recompute + flow + (kept if setup.offload_activations and not setup.checkpoint else 0), GPU)]
-    if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
+    if setup.bucketed_all_reduce:
         bottom.append((2 * (64 << 20), GPU))  # the flat bucket and its reduced copy, after backward
     if setup.cp > 1:  # every layer's gathered keys/values (the recomputed top one's under checkpointing); the mask
         gathered, mask = context_parallel_held(stats, setup, has_gpu)
