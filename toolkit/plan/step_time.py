@@ -45,7 +45,7 @@ def _link(hw: Hardware, ranks_spanned: int) -> float:
 def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str, float, float, bool]]:
     """(name, bytes per rank per update, seconds, overlapped with compute)."""
     out: List[Tuple[str, float, float, bool]] = []
-    P = tp_numel(stats.params, setup.mp)
+    P = tp_numel(stats.params, setup.mp, setup.ep)
     S, mb, cb = shard_group(setup, hw.gpus_per_node), setup.update_freq, setup.compute_bytes
     if setup.fsdp and S > 1:
         bw = _link(hw, S * setup.mp)
@@ -93,7 +93,7 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
     comms = collectives(stats, setup, hw)
     overlapped = sum(s for _, _, s, o in comms if o)
     exposed = sum(s for _, _, s, o in comms if not o)
-    P_local = tp_numel(stats.params, setup.mp) / shard_group(setup, hw.gpus_per_node)
+    P_local = tp_numel(stats.params, setup.mp, setup.ep) / shard_group(setup, hw.gpus_per_node)
     if setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu:
         ranks_on_node = min(hw.gpus_per_node, setup.world)
         optimizer = P_local * ranks_on_node / (hw.cpu_adam_gparams * 1e9)
