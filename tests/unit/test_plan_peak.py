@@ -97,6 +97,29 @@ def test_expert_stacks_split_over_expert_parallel_ranks_and_their_fsdp_peers(dat
     assert setup.ep == 2
 
 
+def test_expert_parallel_adds_the_all_to_all_and_its_gradient_rows(data):
+    """--expert-parallel-size 2: each MoE layer's exchanges appear in the step's collectives (token rows there and
+    back, forward and backward, again for a checkpointed block's recompute) and its gradient rows in the backward's
+    transient; none without EP."""
+    from toolkit.plan import PRESETS, make_plan
+
+    def plan(*flags):
+        cfg = _cfg(data, "--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--bf16", *flags, model=MOE)
+        return make_plan(cfg, PRESETS["h100"])
+
+    plain, ep, ckpt = plan(), plan("--expert-parallel-size", "2"), plan("--expert-parallel-size", "2",
+                                                                          "--checkpoint-activations")
+    a2a = lambda p: {name: nbytes for name, nbytes, _ in p.time.comm}.get("expert all-to-all", 0)  # noqa: E731
+    rows = 4 * 128 * 4  # B x T x top k
+    assert a2a(plain) == 0 and a2a(ep) == 3 * 2 * 2 * rows * 64 * 2 / 2
+    assert a2a(ckpt) == a2a(ep) * 3 / 2
+    transient = lambda p: next(i.gpu for i in p.items if i.name == "backward transient")  # noqa: E731
+    from toolkit.plan.memory import expert_exchange
+
+    assert expert_exchange(ep.stats, ep.setup) == 2 * rows * 64 * 2 and expert_exchange(plain.stats, plain.setup) == 0
+    assert 0 < transient(ep) - transient(plain) <= 2 * rows * 64 * 2  # less where the logits' gradient was larger
+
+
 def test_checkpointed_peak_is_at_the_first_block_and_counts_one_recomputed_block(data):
     """With checkpointing the peak is all gradients + one recomputed block, far above the saved inputs."""
     from toolkit.plan.update_peak import moments
