@@ -239,6 +239,22 @@ def trace_activations(model: torch.nn.Module, arch: str, model_cfg: Any, vocab: 
                        block_input=tokens * width * torch.empty((), dtype=dtype).element_size())
 
 
+def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
+    """What toolkit-train refuses for this model's experts, refused before planning: a tensor-parallel plan that
+    places experts (``check_plan_kinds``), and ``--expert-parallel-size`` not dividing a layer's experts."""
+    from toolkit.core.protocols import TensorParallelizable
+    from toolkit.distributed.tensor_parallel import check_plan_kinds
+    from toolkit.models.blocks.moe import GroupedExperts
+
+    if dist.model_parallel_size > 1 and isinstance(model, TensorParallelizable):
+        check_plan_kinds(model.tensor_parallel_plan(), type(model).__name__)
+    ep = dist.expert_parallel_size
+    for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+        if experts.num_experts % ep:
+            raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's "
+                            f"{experts.num_experts} experts; give a divisor of {experts.num_experts}")
+
+
 def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> ModelStats:
     """The planner's view of ``cfg``'s model (a resolved TrainConfig) computing in ``dtype``."""
     arch, model_cfg = cfg.components.arch, cfg.model
@@ -249,6 +265,7 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         raise UserError(f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give "
                         "--tokens-per-sample N (N >= 1)")
     model = _build(arch, model_cfg, vocab, tokens)
+    check_expert_layout(model, cfg.distributed)
     infos = param_infos(model, with_roles=bool(getattr(type(cfg.optimizer), "wants_parameter_roles", False)))
     flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
