@@ -13,6 +13,10 @@ The counts follow what the trainer allocates (the tests compare them with its te
   matmul weight until backward. ``no_c10d`` under ``--model-parallel-size M`` has no FSDP2: each rank keeps
   its TP shards of everything (1/M of the split tensors, the rest whole), unsharded over the data-parallel
   ranks, and all-reduces their gradients in buckets.
+* MoE expert stacks [E, ...]: E/P experts a rank under ``--expert-parallel-size P``, sharded by FSDP2 over the
+  (dp_shard x cp) / P ranks holding the same ones (``ParallelDims.expert_fsdp_mesh``); each MoE layer's backward
+  under EP also holds the exchanged gradient rows (:func:`expert_exchange`). ``--cpu-offload`` on a GPU stages a
+  block's fp32 shard (copied in before the bf16 cast) and its fp32 reduce-scatter output (copied out).
 * Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also ``--optimizer
   muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
   ``--muon-momentum-dtype bf16``); cpu_adam per
