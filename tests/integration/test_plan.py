@@ -27,14 +27,14 @@ def data(tmp_path_factory):
     return make_lm_data_bin(str(tmp_path_factory.mktemp("plan") / "bin"))
 
 
-def _measure(data: str, flags, out: str, peak: bool = False):
+def _measure(data: str, flags, out: str, peak: bool = False, base=TINY):
     """The plan beside the trainer's counts (tests/helpers/plan_measure.py), in a process of its own."""
-    return run_cli("tests.helpers.plan_measure", [json.dumps([data] + TINY + list(flags)), out]
+    return run_cli("tests.helpers.plan_measure", [json.dumps([data] + base + list(flags)), out]
                    + (["--peak"] if peak else []), timeout=300)
 
 
-def _check(data: str, tmp_path, flags, tolerance=None):
-    run = _measure(data, flags, str(tmp_path / "out.json"))
+def _check(data: str, tmp_path, flags, tolerance=None, base=TINY):
+    run = _measure(data, flags, str(tmp_path / "out.json"), base=base)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     items = result["items"]
@@ -121,6 +121,10 @@ def test_suggested_flag_makes_it_fit():
     (["--model-parallel-size", "3", "--distributed-world-size", "8"],
      "--model-parallel-size 3: must divide the world size 8"),
     (["--model-parallel-size", "0"], "--model-parallel-size must be >= 1"),
+    (["--arch", "moe_tiny", "--expert-parallel-size", "3", "--distributed-world-size", "3"],
+     "--expert-parallel-size 3: each rank keeps an equal share of a layer's 4 experts"),
+    (["--arch", "moe_tiny", "--model-parallel-size", "2", "--distributed-world-size", "2"],
+     "'mlp' asks for expert-parallel placement 'ep_shard'"),
 ])
 def test_bad_input_is_one_line(args, needle):
     run = _plan_cli("--arch", "transformer_lm_gpt3_small", *args)
@@ -156,3 +160,24 @@ def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, t
             predicted = results[strategy]["predicted"]
             assert abs(predicted - measured) <= 0.25 * measured, (strategy, predicted, measured)
     assert results["shard_grad_op"]["predicted"] > results["full_shard"]["predicted"]
+
+
+def test_tensor_parallel_no_c10d_keeps_whole_tp_shards(data, tmp_path):
+    """--model-parallel-size 2 --ddp-backend no_c10d on 4 gloo ranks: no FSDP2, so each rank holds its TP shards of
+    every parameter, gradient and moment whole (not 1/2 over the two replicas); the plan counts the same bytes."""
+    flags = ["--optimizer", "adam", "--ddp-backend", "no_c10d", "--model-parallel-size", "2",
+             "--distributed-world-size", "4"]
+    result = _check(data, tmp_path, flags, {"activations": 0.25})
+    sharded = _check(data, tmp_path, flags[:2] + ["--model-parallel-size", "2", "--distributed-world-size", "4",
+                                                  "--ddp-backend", "fully_sharded"], {"activations": 0.25})
+    assert result["ranks"][0]["params"] > 1.8 * sharded["ranks"][0]["params"]
+
+
+def test_expert_parallel_ranks_hold_their_experts_only(data, tmp_path):
+    """moe_tiny with --expert-parallel-size 2 under DDP on 2 gloo ranks: each rank keeps 2 of the 4 experts of
+    every layer (parameters, gradients, moments) and the whole dense part; the plan counts the same bytes
+    (it counted every expert on every rank before)."""
+    moe = TINY[:TINY.index("--arch")] + TINY[TINY.index("--lr"):]  # the Llama-shaped family: no --dropout
+    _check(data, tmp_path, ["--arch", "moe_tiny", "--optimizer", "adam", "--ddp-backend", "c10d",
+                            "--expert-parallel-size", "2", "--distributed-world-size", "2"], {"activations": 0.25},
+           base=moe)

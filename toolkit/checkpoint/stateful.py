@@ -35,6 +35,7 @@ from toolkit.checkpoint.dcp_state import (  # DCP imported at the first call
 )
 
 from toolkit.checkpoint.common import check_optimizer_switch, log_optimizer_switch, switch_optimizer_state
+from toolkit.core.dtensor import is_dtensor
 from toolkit.core.errors import UserError
 from toolkit.optim.param_groups import DecayChoice, check_resumed_decay_groups
 
@@ -86,7 +87,30 @@ class ModelState(TensorState):
         return get_model_state_dict(self.model, options=FULL_STATE if full else None)
 
     def load_state_dict(self, state: Dict[str, Any], full: bool = False) -> None:
+        if full:
+            template = get_model_state_dict(self.model)
+            if any(is_dtensor(t) for t in template.values()):
+                set_model_state_dict(self.model, cut_locally(state, template))
+                return
         set_model_state_dict(self.model, state, options=FULL_STATE if full else None)
+
+
+def cut_locally(full: Any, template: Any) -> Any:
+    """A whole (consolidated) state as this rank's shards of ``template``'s DTensors, cut on every rank without
+    communication, as ``init_weights`` cuts fresh values (every rank has read the whole file).
+
+    Why not DCP's full-state load: it scatters each tensor from rank 0 (``distribute_tensor``'s default source),
+    and that path refuses FSDP2-over-TP's ``_StridedShard`` of a dimension the mesh does not divide evenly (an odd
+    vocabulary under ``--model-parallel-size 2``: a fresh run splits it unevenly, and so does this). A tensor whose
+    shape differs from the template's (whole expert stacks: their own load hook cuts them) stays as it is."""
+    if isinstance(full, Mapping) and isinstance(template, Mapping):
+        return {k: cut_locally(v, template.get(k)) for k, v in full.items()}
+    if is_dtensor(template) and torch.is_tensor(full) and tuple(full.shape) == tuple(template.shape):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.detach().to(template.device, template.dtype), template.device_mesh,
+                                 template.placements, src_data_rank=None)
+    return full
 
 
 class OptimizerState(TensorState):
@@ -154,6 +178,9 @@ class OptimizerState(TensorState):
             from toolkit.distributed import expert_parallel
 
             state = expert_parallel.own_optimizer_state(self.model, state)
+            template = get_optimizer_state_dict(self.model, self.optimizer)  # initializes the state to cut into
+            if any(is_dtensor(t) for entry in template["state"].values() for t in entry.values()):
+                state, full = {**state, "state": cut_locally(state["state"], template["state"])}, False
         set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL_STATE if full else None)
         if self._switch_from is not None and not full:
             log_optimizer_switch(self._switch_from, self.name)

@@ -10,7 +10,13 @@ The counts follow what the trainer allocates (the tests compare them with its te
   resharded), the others keep the whole model gathered until backward ends.
 * DDP and ``no_c10d`` keep whole fp32 parameters and gradients (fp16 ones under
   ``--memory-efficient-fp16``); under ``--fp16``/``--bf16`` autocast keeps a cast copy of every
-  matmul weight until backward.
+  matmul weight until backward. ``no_c10d`` under ``--model-parallel-size M`` has no FSDP2: each rank keeps
+  its TP shards of everything (1/M of the split tensors, the rest whole), unsharded over the data-parallel
+  ranks, and all-reduces their gradients in buckets.
+* MoE expert stacks [E, ...]: E/P experts a rank under ``--expert-parallel-size P``, sharded by FSDP2 over the
+  (dp_shard x cp) / P ranks holding the same ones (``ParallelDims.expert_fsdp_mesh``); each MoE layer's backward
+  under EP also holds the exchanged gradient rows (:func:`expert_exchange`). ``--cpu-offload`` on a GPU stages a
+  block's fp32 shard (copied in before the bf16 cast) and its fp32 reduce-scatter output (copied out).
 * Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also ``--optimizer
   muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
   ``--muon-momentum-dtype bf16``); cpu_adam per
@@ -55,11 +61,15 @@ def shard_group(setup: Setup, gpus_per_node: int) -> int:
     return setup.layout(gpus_per_node).fsdp_shard
 
 
-def local_shape(p: ParamInfo, mp: int, shards: int) -> Tuple[int, ...]:
-    """The shape of this rank's piece: dim 0 split over TP (when split), then over the FSDP shard group."""
+def local_shape(p: ParamInfo, mp: int, shards: int, ep: int = 1) -> Tuple[int, ...]:
+    """The shape of this rank's piece: dim 0 split over TP (when split), then over the FSDP shard group. An expert
+    stack keeps E/ep experts (``--expert-parallel-size``), sharded over the ranks holding the same ones
+    (``ParallelDims.expert_fsdp_mesh``: the shard group / ep)."""
     shape = list(p.shape) or [1]
     if p.tp_split and mp > 1:
         shape[0] = math.ceil(shape[0] / mp)
+    if p.expert and ep > 1:
+        shape[0], shards = math.ceil(shape[0] / ep), max(1, shards // ep)
     if shards > 1:
         shape[0] = math.ceil(shape[0] / shards)
     return tuple(shape)
@@ -100,7 +110,7 @@ def grad_bytes_by_part(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) 
     """(all gradient bytes of this rank, those of the root and the top block: the first ones backward makes)."""
     S = shard_group(setup, gpus_per_node)
     top = stats.num_layers - 1
-    local = [(p, _numel(local_shape(p, setup.mp, S))) for p in stats.params]
+    local = [(p, _numel(local_shape(p, setup.mp, S, setup.ep))) for p in stats.params]
     first = sum(n for p, n in local if p.layer is None or p.layer == top)
     return _grad_width(setup) * sum(n for _, n in local), _grad_width(setup) * first
 
@@ -108,7 +118,7 @@ def grad_bytes_by_part(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) 
 def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     """Parameters, gradients and optimizer state per rank (exact counts: the tests check them)."""
     S = shard_group(setup, hw.gpus_per_node)
-    locals_ = [(p, local_shape(p, setup.mp, S)) for p in stats.params]
+    locals_ = [(p, local_shape(p, setup.mp, S, setup.ep)) for p in stats.params]
     n = sum(_numel(s) for _, s in locals_)
     param_bytes = (2 if setup.memory_efficient_fp16 and not setup.fsdp else 4) * n
     grad_bytes = _grad_width(setup) * n
@@ -134,8 +144,25 @@ def _named(item: Item, name: str, note: str, persistent: bool = False) -> Item:
     return Item(name, item.gpu, item.host, note, persistent)
 
 
-def tp_numel(params: Sequence[ParamInfo], mp: int) -> int:
-    return sum(_numel(local_shape(p, mp, 1)) for p in params)
+def tp_numel(params: Sequence[ParamInfo], mp: int, ep: int = 1) -> int:
+    """Values of ``params`` a rank computes with (gathered): its TP shards and its E/ep experts."""
+    return sum(_numel(local_shape(p, mp, 1, ep)) for p in params)
+
+
+def block_shard(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> int:
+    """Values of one block this rank keeps (its FSDP2 shard)."""
+    S = shard_group(setup, gpus_per_node)
+    return sum(_numel(local_shape(p, setup.mp, S, setup.ep)) for p in stats.params if p.layer == 0)
+
+
+def expert_exchange(stats: ModelStats, setup: Setup) -> int:
+    """Bytes of one MoE layer's backward exchange under ``--expert-parallel-size`` (``moe._Exchange``): the gradient
+    rows received from the other ranks and their copy sorted back into this rank's order, [b T k, C] each in the
+    compute dtype (balanced routing; a rank that owns the busiest experts receives more)."""
+    if setup.ep == 1 or not stats.moe_layers:
+        return 0
+    rows = setup.rank_sequences * stats.tokens_per_sample * stats.moe_top_k
+    return int(2 * rows * stats.embed_dim * setup.compute_bytes / (setup.mp if setup.sequence_parallel else 1))
 
 
 def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
@@ -143,7 +170,8 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     cb = setup.compute_bytes
     layer = [p for p in stats.params if p.layer == 0]
     root = [p for p in stats.params if p.layer is None]
-    block, top, total = tp_numel(layer, setup.mp), tp_numel(root, setup.mp), tp_numel(stats.params, setup.mp)
+    block, top, total = tp_numel(layer, setup.mp, setup.ep), tp_numel(root, setup.mp, setup.ep), \
+        tp_numel(stats.params, setup.mp, setup.ep)
     items: List[Item] = []
     if setup.fsdp:
         held = top + 2 * block if setup.reshard else total
@@ -153,10 +181,13 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
         accumulate = 4 * total if setup.update_freq > 1 else 0
         items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
                           "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
+        if setup.cpu_offload and hw.has_gpu:
+            items.append(Item("offload staging", 2 * 4 * block_shard(stats, setup, hw.gpus_per_node), 0,
+                              "a block's fp32 shard in, its fp32 reduce-scatter out"))
     elif cb == 2 and not setup.memory_efficient_fp16:
-        matmul = sum(p.numel for p in stats.params if p.matmul)
+        matmul = tp_numel([p for p in stats.params if p.matmul], setup.mp, setup.ep)
         items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
-    if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
+    if setup.bucketed_all_reduce:
         items.append(Item("gradient buffers", 2 * (64 << 20), 0, "64 MiB bucket, flat + reduced"))
     return [_to_host(i) for i in items] if not hw.has_gpu else items
 
@@ -178,6 +209,7 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     saved = b * (stats.num_layers * per_layer + act.rest / M)
     recompute = b * act.per_layer * layer_share if setup.checkpoint else 0
     flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1)
+    flow += expert_exchange(stats, setup)
     logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)
     return int(saved), int(max(recompute + flow, logits_grad))
 

@@ -39,6 +39,7 @@ class ParamInfo:
     layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
     matmul: bool = True     # a weight some matmul reads (autocast casts it): 2-D and not a position table
     role: str = ""          # the family's parameter_roles() ('matrix' takes Muon's update); "" when undeclared
+    expert: bool = False    # a stack of MoE experts [E, ...]: split over --expert-parallel-size along dim 0
 
     @property
     def numel(self) -> int:
@@ -68,6 +69,8 @@ class ModelStats:
     flops_per_token: float
     activations: Activations
     kv_width: int = 0  # keys + values features per token, summed over the layers (shared Attention blocks)
+    moe_top_k: int = 0  # experts a token goes through in each MoE layer (0: no MoE layer)
+    moe_layers: int = 0  # layers whose feed-forward is a mixture of experts
 
     @property
     def num_params(self) -> int:
@@ -117,7 +120,10 @@ def param_infos(model: torch.nn.Module, with_roles: bool = False) -> Tuple[Param
     the family's role (asked only for an optimizer that uses them: a family may leave some unnamed)."""
     from toolkit.distributed.tensor_parallel import split_parameters
 
+    from toolkit.models.blocks.moe import GroupedExperts
+
     split = split_parameters(model)
+    experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     positions = set(model.position_parameters()) if isinstance(model, PositionTables) else set()
     roles = model.parameter_roles() if with_roles and isinstance(model, ParameterRoles) else {}
     seen, out = set(), []
@@ -126,8 +132,10 @@ def param_infos(model: torch.nn.Module, with_roles: bool = False) -> Tuple[Param
             continue
         seen.add(id(p))
         shape = tuple(p.shape)
+        expert = id(p) in experts  # [E, out, in]: the grouped GEMM casts it as autocast casts a matmul's weight
         out.append(ParamInfo(name, shape, name in split, _layer_of(name),
-                             matmul=len(shape) == 2 and name not in positions, role=roles.get(name, "")))
+                             matmul=(len(shape) == 2 and name not in positions) or expert, role=roles.get(name, ""),
+                             expert=expert))
     return tuple(out)
 
 
@@ -148,17 +156,48 @@ class _FusedAttentionSaves(torch.autograd.Function):
 
 
 @contextmanager
-def _fused_attention() -> Iterator[None]:
-    original = F.scaled_dot_product_attention
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        return _FusedAttentionSaves.apply(q, k, v)
-
-    F.scaled_dot_product_attention = sdpa
+def _replaced(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    """``owner.name`` is ``replacement`` inside the ``with`` block (the trace's stand-ins for fused kernels)."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        setattr(owner, name, original)
+
+
+def _fused_attention() -> Any:
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return _FusedAttentionSaves.apply(q, k, v)
+
+    return _replaced(F, "scaled_dot_product_attention", sdpa)
+
+
+class _GroupedGemmSaves(torch.autograd.Function):
+    """Saves what the grouped GEMM's autograd saves (the token rows and the expert stack), in their own dtype.
+
+    Why a stand-in: the meta device's grouped-GEMM kernel takes bf16 only, so an fp32 trace through it would
+    count bf16 rows and bf16 copies of every expert stack (per sequence) instead of the fp32 rows training saves."""
+
+    @staticmethod
+    def forward(ctx, rows, weights):
+        ctx.save_for_backward(rows, weights)
+        return rows.new_empty(rows.size(0), weights.size(1))
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the trace stops after forward
+        raise NotImplementedError
+
+
+def _grouped_gemm_saves() -> Any:
+    from toolkit.models.blocks import moe
+
+    original = moe._eager_grouped_matmul
+
+    def grouped(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return _GroupedGemmSaves.apply(rows, weights) if rows.is_meta else original(rows, weights, counts)
+
+    return _replaced(moe, "_eager_grouped_matmul", grouped)
 
 
 def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -174,7 +213,7 @@ def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dt
         return t
 
     x = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(), _grouped_gemm_saves():
         logits = model(x)
         logits = logits[0] if isinstance(logits, (tuple, list)) else logits
         F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x.reshape(-1), reduction="sum")
@@ -200,6 +239,22 @@ def trace_activations(model: torch.nn.Module, arch: str, model_cfg: Any, vocab: 
                        block_input=tokens * width * torch.empty((), dtype=dtype).element_size())
 
 
+def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
+    """What toolkit-train refuses for this model's experts, refused before planning: a tensor-parallel plan that
+    places experts (``check_plan_kinds``), and ``--expert-parallel-size`` not dividing a layer's experts."""
+    from toolkit.core.protocols import TensorParallelizable
+    from toolkit.distributed.tensor_parallel import check_plan_kinds
+    from toolkit.models.blocks.moe import GroupedExperts
+
+    if dist.model_parallel_size > 1 and isinstance(model, TensorParallelizable):
+        check_plan_kinds(model.tensor_parallel_plan(), type(model).__name__)
+    ep = dist.expert_parallel_size
+    for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+        if experts.num_experts % ep:
+            raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's "
+                            f"{experts.num_experts} experts; give a divisor of {experts.num_experts}")
+
+
 def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> ModelStats:
     """The planner's view of ``cfg``'s model (a resolved TrainConfig) computing in ``dtype``."""
     arch, model_cfg = cfg.components.arch, cfg.model
@@ -210,13 +265,18 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         raise UserError(f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give "
                         "--tokens-per-sample N (N >= 1)")
     model = _build(arch, model_cfg, vocab, tokens)
+    check_expert_layout(model, cfg.distributed)
     infos = param_infos(model, with_roles=bool(getattr(type(cfg.optimizer), "wants_parameter_roles", False)))
     flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
         p.numel for p in infos)
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
     from toolkit.models.blocks.attention import Attention
 
+    from toolkit.models.blocks.moe import MoE
+
     kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, Attention))
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
     return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
                       embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,
-                      flops_per_token=flops, activations=activations, kv_width=kv_width)
+                      flops_per_token=flops, activations=activations, kv_width=kv_width,
+                      moe_top_k=max((m.gate.top_k for m in moe), default=0), moe_layers=len(moe))

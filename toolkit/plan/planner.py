@@ -114,7 +114,7 @@ def _candidates(plan: Any) -> List[Tuple[str, Setup]]:
     if not plan.fits_gpu and s.mp == 1 and not s.cpu_offload:
         for m in (2, 4, 8):  # Megatron's split within a node: a block's gathered weights and grads / m
             if m <= plan.hw.gpus_per_node and s.world % m == 0 and s.world > m:
-                out.append((f"--model-parallel-size {m}", dataclasses.replace(s, mp=m, fsdp=True)))
+                out.append((f"--model-parallel-size {m}", dataclasses.replace(s, mp=m, fsdp=s.backend != "no_c10d")))
     return out
 
 

@@ -19,7 +19,7 @@ from toolkit.distributed.parallel_dims import ParallelShape, parallel_shape
 class Setup:
     world: int
     mp: int                      # --model-parallel-size
-    fsdp: bool                   # FSDP2 wraps the model (fully_sharded, or any backend under TP)
+    fsdp: bool                   # FSDP2 wraps the model (fully_sharded, or c10d under TP; not no_c10d)
     backend: str                 # c10d | no_c10d | fully_sharded
     strategy: str                # --sharding-strategy
     shard_group_size: int
@@ -51,6 +51,12 @@ class Setup:
     @property
     def dp(self) -> int:
         return max(1, self.world // self.mp)
+
+    @property
+    def bucketed_all_reduce(self) -> bool:
+        """``--ddp-backend no_c10d`` with replicas to sum over: one bucketed all-reduce after backward (under TP each
+        rank's own shards, over the ranks holding the same ones)."""
+        return self.backend == "no_c10d" and not self.fsdp and self.dp > 1
 
     def layout(self, gpus_per_node: int) -> ParallelShape:
         """The parallel layout toolkit-train would build (the same validation: a layout it refuses raises here)."""
@@ -87,7 +93,7 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
     batch = ds.batch_size or max(1, (ds.max_tokens or tokens) // tokens)
     return Setup(
         world=max(1, dist.distributed_world_size), mp=max(1, dist.model_parallel_size),
-        fsdp=backend == "fully_sharded" or dist.model_parallel_size > 1, backend=backend,
+        fsdp=backend == "fully_sharded" or (dist.model_parallel_size > 1 and backend != "no_c10d"), backend=backend,
         strategy=dist.sharding_strategy if backend == "fully_sharded" else "no_shard",
         shard_group_size=dist.shard_group_size, reshard=_reshard(dist), cpu_offload=dist.cpu_offload,
         optimizer=cfg.components.optimizer,

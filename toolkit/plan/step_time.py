@@ -45,7 +45,7 @@ def _link(hw: Hardware, ranks_spanned: int) -> float:
 def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str, float, float, bool]]:
     """(name, bytes per rank per update, seconds, overlapped with compute)."""
     out: List[Tuple[str, float, float, bool]] = []
-    P = tp_numel(stats.params, setup.mp)
+    P = tp_numel(stats.params, setup.mp, setup.ep)
     S, mb, cb = shard_group(setup, hw.gpus_per_node), setup.update_freq, setup.compute_bytes
     if setup.fsdp and S > 1:
         bw = _link(hw, S * setup.mp)
@@ -66,11 +66,24 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
     if setup.cp > 1:
         kv = context_parallel_bytes(stats, setup)
         out.append(("context-parallel K/V exchange", kv, kv / _link(hw, setup.cp * setup.mp), False))
+    if setup.ep > 1 and stats.moe_layers:
+        a2a = expert_all_to_all_bytes(stats, setup)
+        out.append(("expert all-to-all", a2a, a2a / _link(hw, setup.ep * setup.mp), False))
     if setup.cpu_offload and hw.has_gpu:
         S_params = 4 * P / S
         h2d = mb * (2 if setup.reshard else 1) * S_params + (2 if setup.bf16_host_grads else 4) * P / S
         out.append(("host <-> GPU copies", h2d, h2d / (hw.host_link_gbps / 8 * 1e9 * hw.comm_efficiency), True))
     return out
+
+
+def expert_all_to_all_bytes(stats: ModelStats, setup: Setup) -> float:
+    """Bytes a rank sends per update in ``--expert-parallel-size P``'s exchanges (``moe._Exchange``): every MoE layer
+    sends its [b T k, C] token rows to the experts' ranks and takes the outputs back (two exchanges), backward does
+    both again for the gradients, and a checkpointed block's recomputed forward once more; (P-1)/P of the rows leave
+    the rank (balanced routing). Not overlapped: the experts wait for their rows."""
+    rows = setup.rank_sequences * stats.tokens_per_sample * stats.moe_top_k
+    per_layer = 2 * rows * stats.embed_dim * setup.compute_bytes * (setup.ep - 1) / setup.ep
+    return setup.update_freq * stats.moe_layers * per_layer * (3 if setup.checkpoint else 2)
 
 
 def context_parallel_bytes(stats: ModelStats, setup: Setup) -> float:
@@ -93,7 +106,7 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
     comms = collectives(stats, setup, hw)
     overlapped = sum(s for _, _, s, o in comms if o)
     exposed = sum(s for _, _, s, o in comms if not o)
-    P_local = tp_numel(stats.params, setup.mp) / shard_group(setup, hw.gpus_per_node)
+    P_local = tp_numel(stats.params, setup.mp, setup.ep) / shard_group(setup, hw.gpus_per_node)
     if setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu:
         ranks_on_node = min(hw.gpus_per_node, setup.world)
         optimizer = P_local * ranks_on_node / (hw.cpu_adam_gparams * 1e9)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from toolkit.plan.hardware import Hardware
-from toolkit.plan.memory import context_parallel_held, grad_bytes_by_part, tp_numel
+from toolkit.plan.memory import block_shard, context_parallel_held, expert_exchange, grad_bytes_by_part, tp_numel
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.setup import Setup
 
@@ -47,17 +47,22 @@ class Moments:
     bottom: List[Tuple[int, str]]
 
 
-def _gathered(stats: ModelStats, setup: Setup) -> Tuple[int, int, int]:
-    """(gathered parameter bytes at the start of backward, at the first block, one block's unsharded grads)."""
+def _gathered(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bool = True) -> Tuple[int, int, int]:
+    """(gathered parameter bytes at the start of backward, at the first block, one block's unsharded grads).
+
+    Under ``--cpu-offload`` on a GPU, FSDP2 copies a block's fp32 shard to the GPU before casting it for the
+    all-gather (``FSDPParam.all_gather_inputs``: the prefetched block's, 4 bytes a value), and its reduce-scatter
+    output (fp32) waits on the GPU for the copy to the host."""
     if not setup.fsdp:
         return 0, 0, 0
     cb = setup.compute_bytes
-    block = tp_numel([p for p in stats.params if p.layer == 0], setup.mp)
-    root = tp_numel([p for p in stats.params if p.layer is None], setup.mp)
-    total = tp_numel(stats.params, setup.mp)
+    block = tp_numel([p for p in stats.params if p.layer == 0], setup.mp, setup.ep)
+    root = tp_numel([p for p in stats.params if p.layer is None], setup.mp, setup.ep)
+    total = tp_numel(stats.params, setup.mp, setup.ep)
     top = cb * (root + 2 * block) if setup.reshard else cb * total  # full_shard: last block + the prefetched one
     accumulated = 4 * total if setup.update_freq > 1 else 0  # FSDP2 keeps unsharded fp32 grads between micro-batches
-    return top, cb * (root + block), (cb + 4) * block + accumulated
+    staged = 4 * block_shard(stats, setup, gpus_per_node) if setup.cpu_offload and has_gpu else 0
+    return top + staged, cb * (root + block) + staged, (cb + 4) * block + accumulated + staged
 
 
 def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
@@ -65,8 +70,8 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     if setup.fsdp or setup.compute_bytes != 2 or setup.memory_efficient_fp16:
         return 0, 0
     matmul = [p for p in stats.params if p.matmul]
-    block = 2 * sum(p.numel for p in matmul if p.layer == 0)
-    root = 2 * sum(p.numel for p in matmul if p.layer is None)
+    block = 2 * tp_numel([p for p in matmul if p.layer == 0], setup.mp, setup.ep)
+    root = 2 * tp_numel([p for p in matmul if p.layer is None], setup.mp, setup.ep)
     return root + (0 if setup.checkpoint else stats.num_layers * block), block
 
 
@@ -79,14 +84,15 @@ def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bo
     flow = int(2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1))
     head = int(b * act.rest / M + b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes))
     grads, grads_top = grad_bytes_by_part(stats, setup, gpus_per_node)
-    gathered_top, gathered_bottom, grad_buffers = _gathered(stats, setup)
+    gathered_top, gathered_bottom, grad_buffers = _gathered(stats, setup, gpus_per_node, has_gpu)
+    flow += expert_exchange(stats, setup)  # the top block's and the first block's backward both exchange
     casts_top, casts_bottom = _autocast_copies(stats, setup)
     inputs_place = GPU if setup.checkpoint else SAVED  # a checkpoint's arguments bypass --offload-activations
     top = [(grads if setup.update_freq > 1 else grads_top, STATES), (gathered_top + grad_buffers + casts_top, GPU),
            (stats.num_layers * kept, inputs_place), (max(head, recompute + flow), GPU)]
     bottom = [(grads, STATES), (gathered_bottom + grad_buffers + casts_bottom, GPU), (kept, inputs_place),
               (recompute + flow + (kept if setup.offload_activations and not setup.checkpoint else 0), GPU)]
-    if setup.backend == "no_c10d" and not setup.fsdp and setup.world > 1:
+    if setup.bucketed_all_reduce:
         bottom.append((2 * (64 << 20), GPU))  # the flat bucket and its reduced copy, after backward
     if setup.cp > 1:  # every layer's gathered keys/values (the recomputed top one's under checkpointing); the mask
         gathered, mask = context_parallel_held(stats, setup, has_gpu)
