@@ -96,6 +96,10 @@ def _check_layout(cfg: TrainConfig) -> None:
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     shape_from_config(cfg.distributed, world, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
     check_model_capabilities(cfg.distributed, cfg.components.arch, resolve_arch(cfg.components.arch).cls)
+    experts, ep = getattr(cfg.model, "moe_num_experts", 0), cfg.distributed.expert_parallel_size
+    if ep > 1 and experts and experts % ep:
+        raise UserError(f"--expert-parallel-size {ep}: each rank holds an equal share of the --moe-num-experts "
+                        f"{experts} experts of a layer; give a divisor of {experts}")
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
