@@ -31,7 +31,8 @@ def imported_after(*statements: str) -> list:
 
 
 def test_a_command_imports_no_optional_or_heavy_module():
-    commands = ["train", "eval_lm", "generate", "export", "validate", "interactive"]
+    commands = ["train", "eval_lm", "generate", "export", "validate", "interactive", "plan", "hydra_train",
+                "eval_harness", "consolidate", "preprocess"]
     after = imported_after(*(f"import toolkit_cli.{c}" for c in commands))
     assert dict(zip(commands, after)) == {c: [] for c in commands}
 
@@ -86,6 +87,15 @@ HELP_AND_ARGUMENT_ERRORS = [
     ("generate", ["--help"], 0), ("generate", ["data-bin", "--beam", "abc"], 1),
     ("interactive", ["--help"], 0), ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
     ("validate", ["--help"], 0), ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+    ("export", ["--help"], 0), ("export", ["--path", "x.pt", "--format", "no_such_format"], 1),
+    ("export", ["--path", "x.pt", "--dtype", "fp8"], 1),
+    ("plan", ["--help"], 0), ("plan", ["--gpu", "no_such_gpu"], 1), ("plan", ["--gpu-memory", "12XB"], 1),
+    ("plan", ["--arch", "no_such_arch"], 1), ("plan", ["--lr", "abc"], 1),
+    ("hydra_train", ["--help"], 0), ("hydra_train", ["--no-such-flag"], 1),
+    ("hydra_train", ["task.data=data-bin", "optimization.max_update=abc"], 1),
+    ("hydra_train", ["task.data=data-bin", "no_such_group.x=1"], 1),
+    ("eval_harness", ["--help"], 0), ("eval_harness", ["--path", "x.pt", "--limit", "-3"], 1),
+    ("consolidate", ["--help"], 0), ("consolidate", ["checkpoints/x", "--no-such-flag"], 1),
 ]
 
 
@@ -97,10 +107,34 @@ def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, s
     assert modules_after_command(command, argv) == (status, False)
 
 
-def test_a_valid_command_line_goes_on_to_import_torch():
-    """The check above can fail: past parsing, the command imports torch (here eval-lm, failing on its
-    missing checkpoint)."""
-    assert modules_after_command("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"]) == (1, True)
+VALID_COMMAND_LINES = [
+    ("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"], 1),
+    ("export", ["--path", "no_such.pt", "--format", "safetensors", "--out", "no_such_export_folder"], 1),
+    ("consolidate", ["no_such_checkpoint_folder"], 1),
+    ("plan", ["--arch", "transformer_lm", "--vocab-size", "1000"], 0),
+    ("hydra_train", ["task.data=data-bin-that-is-not-there", "model=transformer_lm"], 1),
+    ("eval_harness", ["--path", "no_such.pt", "--tasks", "t", "--include-path", "no_such_task_folder"], 1),
+]
+
+
+@pytest.mark.parametrize("command,argv,status", VALID_COMMAND_LINES,
+                         ids=[f"{c} {' '.join(a)}" for c, a, _ in VALID_COMMAND_LINES])
+def test_a_valid_command_line_goes_on_to_import_torch(command, argv, status):
+    """The check above can fail: past parsing, each command imports torch (here failing on a missing
+    checkpoint, data or task folder; toolkit-plan fits its run)."""
+    assert modules_after_command(command, argv) == (status, True)
+
+
+def test_eval_harness_without_lm_eval_says_what_to_install():
+    """lm-eval is an optional extra: without it, one line naming the pip install (exit 1)."""
+    code = ("import sys\nsys.modules['lm_eval'] = None  # what an interpreter without lm-eval finds\n"
+            "sys.argv = ['toolkit-eval-harness', '--path', 'x.pt', '--tasks', 't']\n"
+            "from toolkit_cli import eval_harness\neval_harness.cli_main()\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == ("toolkit-eval-harness: error: lm-eval is not installed; "
+                                                   "pip install lm-eval (or: pip install toolkit[eval])")
 
 
 def test_the_declared_components_are_what_the_modules_register():
