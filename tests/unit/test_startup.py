@@ -59,6 +59,26 @@ def test_registering_every_component_and_building_models_on_meta_import_none():
     assert after == [[], []]
 
 
+def test_initializing_a_model_in_one_process_imports_no_dtensor():
+    """``init_weights`` asks every parameter whether it is a DTensor (``core.dtensor.is_dtensor``): in one
+    process there is none, and asking imports no torch.distributed.tensor (its sharding ops cost about as much
+    CPU as half of ``import torch``); a real DTensor is still recognized once its module is there."""
+    initialized, sharded = imported_after(
+        "import torch\nfrom toolkit import models\nfrom toolkit.core import registry\n"
+        "from toolkit.models.init import init_weights\nregistry.import_all_components()\n"
+        "m = models.build_on_meta('transformer_lm', 100, 64, decoder_layers=1, decoder_embed_dim=16, "
+        "decoder_ffn_embed_dim=32, decoder_attention_heads=2, decoder_input_dim=16, decoder_output_dim=16)\n"
+        "m.to_empty(device='cpu')\ninit_weights(m, seed=1)\n"
+        "assert m.embed_tokens.weight.abs().sum() > 0",
+        "import os, tempfile, torch.distributed as dist\nfrom toolkit.core.dtensor import is_dtensor\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import Replicate, distribute_tensor\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+        "t = distribute_tensor(torch.ones(2), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+        "assert is_dtensor(t) and not is_dtensor(t.to_local())\ndist.destroy_process_group()")
+    assert "torch.distributed.tensor" not in initialized and "torch.distributed.tensor" in sharded
+
+
 def modules_after_command(command: str, argv: list) -> tuple:
     """(exit status, whether torch was imported) of ``toolkit-<command> ARGV`` run in one fresh interpreter."""
     code = ("import importlib, sys\n"
