@@ -127,6 +127,17 @@ def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, s
     assert modules_after_command(command, argv) == (status, False)
 
 
+def test_a_bad_model_option_value_is_the_commands_own_error_line(capsys):
+    """The model options are parsed once for the arch's defaults before the full parse: a bad value there is
+    the command's one line (it was "train.py: error: ...", the interpreter's script name)."""
+    from toolkit.train.arguments import parse_train_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(["data-bin", "--dropout", "zz"], prog="toolkit-hydra-train")
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip() == "toolkit-hydra-train: error: argument --dropout: invalid number: 'zz'"
+
+
 VALID_COMMAND_LINES = [
     ("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"], 1),
     ("export", ["--path", "no_such.pt", "--format", "safetensors", "--out", "no_such_export_folder"], 1),
