@@ -80,13 +80,13 @@ def test_initializing_a_model_in_one_process_imports_no_dtensor():
 
 
 def modules_after_command(command: str, argv: list) -> tuple:
-    """(exit status, whether torch was imported) of ``toolkit-<command> ARGV`` run in one fresh interpreter."""
+    """(exit status, whether torch or numpy was imported) of ``toolkit-<command> ARGV`` in one fresh interpreter."""
     code = ("import importlib, sys\n"
             f"command = importlib.import_module('toolkit_cli.{command}')\n"
             f"sys.argv = ['toolkit-{command}'] + {list(argv)!r}\n"
             "try:\n    command.cli_main()\n    status = 0\n"
             "except SystemExit as e:\n    status = e.code\n"
-            "print('RESULT', status, 'torch' in sys.modules, file=sys.stderr)\n")
+            "print('RESULT', status, 'torch' in sys.modules or 'numpy' in sys.modules, file=sys.stderr)\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                          text=True, timeout=300)
     result = [line for line in run.stderr.splitlines() if line.startswith("RESULT ")]
@@ -123,7 +123,7 @@ HELP_AND_ARGUMENT_ERRORS = [
                          ids=[f"{c} {' '.join(a)}" for c, a, _ in HELP_AND_ARGUMENT_ERRORS])
 def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, status):
     """The parser is built from the components' names and options alone (``registry.BUILTIN_COMPONENTS``,
-    torch-free options modules); torch comes in after parsing, with the code that runs the command."""
+    torch-free options modules); torch and numpy come in after parsing, with the code that runs the command."""
     assert modules_after_command(command, argv) == (status, False)
 
 
