@@ -3,9 +3,11 @@ before it does anything.
 
     python benchmarks/startup.py                          # this checkout, 7 fresh interpreters per command
     python benchmarks/startup.py --runs 11 --baseline /tmp/main-checkout   # before/after, interleaved
+    python benchmarks/startup.py --runs 5 --only help     # just the cases whose name contains "help"
 
 For each command (train, eval_lm, generate, export) it times ``import toolkit_cli.<cmd>`` in a fresh
-interpreter, and ``toolkit-train --help`` (``python -m toolkit_cli.train --help``, the whole parse);
+interpreter, and ``toolkit-<cmd> --help`` (``python -m toolkit_cli.<cmd> --help``, the whole parse) of
+train, export, plan, hydra-train, eval-harness and consolidate;
 ``import torch`` alone is the floor of a command that runs (``--help`` and argument errors exit before torch
 is imported: tests/unit/test_startup.py). Reports the median wall time of ``--runs``
 interpreters, the optional packages each import pulled in (DCP, dynamo, DeepSpeed, transformers, ...
@@ -27,6 +29,7 @@ from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("train", "eval_lm", "generate", "export")
+HELP_COMMANDS = ("train", "export", "plan", "hydra_train", "eval_harness", "consolidate")
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "torch._inductor",
          "torch.distributed.fsdp", "deepspeed", "transformers", "safetensors", "onnx", "onnxruntime",
          "onnxscript", "tensorboard", "wandb", "sympy", "lm_eval", "datasets", "omegaconf", "hydra",
@@ -39,7 +42,8 @@ def cases() -> Dict[str, List[str]]:
     out = {"import torch": ["-c", "import torch"]}
     for cmd in COMMANDS:
         out[f"import toolkit_cli.{cmd}"] = ["-c", f"import toolkit_cli.{cmd}"]
-    out["toolkit-train --help"] = ["-m", "toolkit_cli.train", "--help"]
+    for cmd in HELP_COMMANDS:
+        out[f"toolkit-{cmd.replace('_', '-')} --help"] = ["-m", f"toolkit_cli.{cmd}", "--help"]
     return out
 
 
@@ -58,11 +62,11 @@ def heavy_modules(tree: str, cmd: str) -> List[str]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(trees: Dict[str, str], runs: int) -> Dict[str, Dict[str, float]]:
+def measure(trees: Dict[str, str], runs: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict[str, float]]:
     """Median seconds per (tree, case); the trees alternate within each round."""
-    times: Dict[str, Dict[str, List[float]]] = {t: {c: [] for c in cases()} for t in trees}
+    times: Dict[str, Dict[str, List[float]]] = {t: {c: [] for c in chosen} for t in trees}
     for _ in range(runs):
-        for case, args in cases().items():
+        for case, args in chosen.items():
             for name, tree in trees.items():
                 times[name][case].append(run_once(tree, args))
     return {t: {c: statistics.median(v) for c, v in per.items()} for t, per in times.items()}
@@ -72,21 +76,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="fresh interpreters per case and tree")
     parser.add_argument("--baseline", help="another checkout to time in the same rounds (before/after)")
+    parser.add_argument("--only", default="", help="time only the cases whose name contains this (e.g. help)")
     args = parser.parse_args()
+    chosen = {name: argv for name, argv in cases().items() if args.only in name}
     trees = {"this": REPO}
     if args.baseline:
         trees = {"baseline": os.path.abspath(args.baseline), "this": REPO}
     load_before = os.getloadavg()
-    medians = measure(trees, args.runs)
+    medians = measure(trees, args.runs, chosen)
     load_after = os.getloadavg()
     heavy = {t: {cmd: heavy_modules(tree, cmd) for cmd in COMMANDS} for t, tree in trees.items()}
     bytecode = "off (PYTHONDONTWRITEBYTECODE: every start compiles the sources)" \
         if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
     print(f"median of {args.runs} fresh interpreters; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs; bytecode cache {bytecode}")
-    print(f"{'case':28s}" + "".join(f"{t:>12s}" for t in trees))
-    for case in cases():
-        print(f"{case:28s}" + "".join(f"{medians[t][case]:11.2f}s" for t in trees))
+    print(f"{'case':30s}" + "".join(f"{t:>12s}" for t in trees))
+    for case in chosen:
+        print(f"{case:30s}" + "".join(f"{medians[t][case]:11.2f}s" for t in trees))
     for t in trees:
         for cmd in COMMANDS:
             print(f"{t}: toolkit_cli.{cmd} imports {', '.join(heavy[t][cmd]) or 'none of the optional/heavy modules'}")

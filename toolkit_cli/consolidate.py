@@ -10,13 +10,20 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.export.consolidate import PROG, ConsolidateConfig, run
+from toolkit.config.commands import ConsolidateConfig
 from toolkit_cli.command import run_command
 
 
+def main(cfg: ConsolidateConfig) -> str:
+    from toolkit.export.consolidate import run  # torch: after parsing (--help and argument errors exit first)
+
+    return run(cfg)
+
+
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command(PROG, ConsolidateConfig, run, argv, "Consolidate a sharded (DCP) checkpoint into one file, or write "
-                                                    "a checkpoint in fairseq's layout (--to-fairseq).")
+    run_command("toolkit-consolidate", ConsolidateConfig, main, argv,
+                "Consolidate a sharded (DCP) checkpoint into one file, or write a checkpoint in fairseq's layout "
+                "(--to-fairseq).")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.evaluation.harness_main import EvalHarnessConfig, run
+from toolkit.config.commands import EvalHarnessConfig
 from toolkit_cli.command import run_command
 
 
+def main(cfg: EvalHarnessConfig):
+    from toolkit.evaluation.harness_main import run  # torch: after parsing (--help and argument errors exit first)
+
+    return run(cfg)
+
+
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command("toolkit-eval-harness", EvalHarnessConfig, run, argv,
+    run_command("toolkit-eval-harness", EvalHarnessConfig, main, argv,
                 "Evaluate a language model on lm-evaluation-harness tasks (prints the harness's table).")
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from toolkit.export.api import ExportConfig, run_export
-from toolkit.logging.setup import setup_logging
+from toolkit.config.commands import ExportConfig
 from toolkit_cli.command import run_command
 
 
 def _logged_export(cfg: ExportConfig) -> str:
+    # torch: after parsing (--help and argument errors exit first)
+    from toolkit.export.api import run_export
+    from toolkit.logging.setup import setup_logging
+
     setup_logging(cfg.log_file)
     return run_export(cfg)
 

@@ -18,16 +18,14 @@ from typing import List, Optional
 
 from toolkit.config.options import OneLineErrorParser
 from toolkit.core.errors import UserError
+from toolkit.plan.hardware import add_hardware_args, hardware_from_args, split_hardware_args
+from toolkit.train.arguments import parse_train_args
 from toolkit_cli.command import one_line_errors
 
 PROG = "toolkit-plan"
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    from toolkit.plan import make_plan, table
-    from toolkit.plan.hardware import add_hardware_args, hardware_from_args, split_hardware_args
-    from toolkit.train.resolve import parse_train_config
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         help_parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], add_help=False)
@@ -49,8 +47,11 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if "--cpu-offload" in rest and not any(a.startswith("--ddp-backend") for a in rest):
             print("--cpu-offload: planning with --ddp-backend fully_sharded (toolkit-train needs it given)")
             rest = ["--ddp-backend", "fully_sharded"] + rest
-        cfg = parse_train_config(rest, prog=PROG)
-        plan = make_plan(cfg, hw, vocab_size=vs.vocab_size)
+        args, explicit = parse_train_args(rest, PROG)  # argument errors exit here, before torch is imported
+        from toolkit.plan import make_plan, table
+        from toolkit.train.resolve import resolve_and_log
+
+        plan = make_plan(resolve_and_log(args, explicit), hw, vocab_size=vs.vocab_size)
     print(table(plan))
     sys.exit(0 if plan.fits else 3)
 

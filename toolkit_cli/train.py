@@ -28,7 +28,6 @@ def cli_main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
         args, explicit = parse_train_args(argv, prog=prog, description="Train a language model.")
         from toolkit.distributed import launch
         from toolkit.logging.setup import setup_logging
-        from toolkit.plan import summary_for_train
         from toolkit.train.resolve import resolve_and_log
         from toolkit.train.train_loop import train
 
@@ -37,6 +36,8 @@ def cli_main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
         setup_logging(None, rank=int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0))
         cfg = resolve_and_log(args, explicit)
         if cfg.common.plan:  # before the workers start: the prediction, then the measured MFU in the log
+            from toolkit.plan import summary_for_train  # the planner only when asked (--plan)
+
             logging.getLogger("toolkit_cli.train").info(summary_for_train(cfg))
         launch.run(train, cfg)
 

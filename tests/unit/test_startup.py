@@ -31,7 +31,8 @@ def imported_after(*statements: str) -> list:
 
 
 def test_a_command_imports_no_optional_or_heavy_module():
-    commands = ["train", "eval_lm", "generate", "export", "validate", "interactive"]
+    commands = ["train", "eval_lm", "generate", "export", "validate", "interactive", "plan", "hydra_train",
+                "eval_harness", "consolidate", "preprocess"]
     after = imported_after(*(f"import toolkit_cli.{c}" for c in commands))
     assert dict(zip(commands, after)) == {c: [] for c in commands}
 
@@ -58,14 +59,34 @@ def test_registering_every_component_and_building_models_on_meta_import_none():
     assert after == [[], []]
 
 
+def test_initializing_a_model_in_one_process_imports_no_dtensor():
+    """``init_weights`` asks every parameter whether it is a DTensor (``core.dtensor.is_dtensor``): in one
+    process there is none, and asking imports no torch.distributed.tensor (its sharding ops cost about as much
+    CPU as half of ``import torch``); a real DTensor is still recognized once its module is there."""
+    initialized, sharded = imported_after(
+        "import torch\nfrom toolkit import models\nfrom toolkit.core import registry\n"
+        "from toolkit.models.init import init_weights\nregistry.import_all_components()\n"
+        "m = models.build_on_meta('transformer_lm', 100, 64, decoder_layers=1, decoder_embed_dim=16, "
+        "decoder_ffn_embed_dim=32, decoder_attention_heads=2, decoder_input_dim=16, decoder_output_dim=16)\n"
+        "m.to_empty(device='cpu')\ninit_weights(m, seed=1)\n"
+        "assert m.embed_tokens.weight.abs().sum() > 0",
+        "import os, tempfile, torch.distributed as dist\nfrom toolkit.core.dtensor import is_dtensor\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import Replicate, distribute_tensor\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+        "t = distribute_tensor(torch.ones(2), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+        "assert is_dtensor(t) and not is_dtensor(t.to_local())\ndist.destroy_process_group()")
+    assert "torch.distributed.tensor" not in initialized and "torch.distributed.tensor" in sharded
+
+
 def modules_after_command(command: str, argv: list) -> tuple:
-    """(exit status, whether torch was imported) of ``toolkit-<command> ARGV`` run in one fresh interpreter."""
+    """(exit status, whether torch or numpy was imported) of ``toolkit-<command> ARGV`` in one fresh interpreter."""
     code = ("import importlib, sys\n"
             f"command = importlib.import_module('toolkit_cli.{command}')\n"
             f"sys.argv = ['toolkit-{command}'] + {list(argv)!r}\n"
             "try:\n    command.cli_main()\n    status = 0\n"
             "except SystemExit as e:\n    status = e.code\n"
-            "print('RESULT', status, 'torch' in sys.modules, file=sys.stderr)\n")
+            "print('RESULT', status, 'torch' in sys.modules or 'numpy' in sys.modules, file=sys.stderr)\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                          text=True, timeout=300)
     result = [line for line in run.stderr.splitlines() if line.startswith("RESULT ")]
@@ -86,6 +107,15 @@ HELP_AND_ARGUMENT_ERRORS = [
     ("generate", ["--help"], 0), ("generate", ["data-bin", "--beam", "abc"], 1),
     ("interactive", ["--help"], 0), ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
     ("validate", ["--help"], 0), ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+    ("export", ["--help"], 0), ("export", ["--path", "x.pt", "--format", "no_such_format"], 1),
+    ("export", ["--path", "x.pt", "--dtype", "fp8"], 1),
+    ("plan", ["--help"], 0), ("plan", ["--gpu", "no_such_gpu"], 1), ("plan", ["--gpu-memory", "12XB"], 1),
+    ("plan", ["--arch", "no_such_arch"], 1), ("plan", ["--lr", "abc"], 1),
+    ("hydra_train", ["--help"], 0), ("hydra_train", ["--no-such-flag"], 1),
+    ("hydra_train", ["task.data=data-bin", "optimization.max_update=abc"], 1),
+    ("hydra_train", ["task.data=data-bin", "no_such_group.x=1"], 1),
+    ("eval_harness", ["--help"], 0), ("eval_harness", ["--path", "x.pt", "--limit", "-3"], 1),
+    ("consolidate", ["--help"], 0), ("consolidate", ["checkpoints/x", "--no-such-flag"], 1),
 ]
 
 
@@ -93,14 +123,49 @@ HELP_AND_ARGUMENT_ERRORS = [
                          ids=[f"{c} {' '.join(a)}" for c, a, _ in HELP_AND_ARGUMENT_ERRORS])
 def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, status):
     """The parser is built from the components' names and options alone (``registry.BUILTIN_COMPONENTS``,
-    torch-free options modules); torch comes in after parsing, with the code that runs the command."""
+    torch-free options modules); torch and numpy come in after parsing, with the code that runs the command."""
     assert modules_after_command(command, argv) == (status, False)
 
 
-def test_a_valid_command_line_goes_on_to_import_torch():
-    """The check above can fail: past parsing, the command imports torch (here eval-lm, failing on its
-    missing checkpoint)."""
-    assert modules_after_command("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"]) == (1, True)
+def test_a_bad_model_option_value_is_the_commands_own_error_line(capsys):
+    """The model options are parsed once for the arch's defaults before the full parse: a bad value there is
+    the command's one line (it was "train.py: error: ...", the interpreter's script name)."""
+    from toolkit.train.arguments import parse_train_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(["data-bin", "--dropout", "zz"], prog="toolkit-hydra-train")
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip() == "toolkit-hydra-train: error: argument --dropout: invalid number: 'zz'"
+
+
+VALID_COMMAND_LINES = [
+    ("eval_lm", ["data-bin-that-is-not-there", "--path", "no_such.pt"], 1),
+    ("export", ["--path", "no_such.pt", "--format", "safetensors", "--out", "no_such_export_folder"], 1),
+    ("consolidate", ["no_such_checkpoint_folder"], 1),
+    ("plan", ["--arch", "transformer_lm", "--vocab-size", "1000"], 0),
+    ("hydra_train", ["task.data=data-bin-that-is-not-there", "model=transformer_lm"], 1),
+    ("eval_harness", ["--path", "no_such.pt", "--tasks", "t", "--include-path", "no_such_task_folder"], 1),
+]
+
+
+@pytest.mark.parametrize("command,argv,status", VALID_COMMAND_LINES,
+                         ids=[f"{c} {' '.join(a)}" for c, a, _ in VALID_COMMAND_LINES])
+def test_a_valid_command_line_goes_on_to_import_torch(command, argv, status):
+    """The check above can fail: past parsing, each command imports torch (here failing on a missing
+    checkpoint, data or task folder; toolkit-plan fits its run)."""
+    assert modules_after_command(command, argv) == (status, True)
+
+
+def test_eval_harness_without_lm_eval_says_what_to_install():
+    """lm-eval is an optional extra: without it, one line naming the pip install (exit 1)."""
+    code = ("import sys\nsys.modules['lm_eval'] = None  # what an interpreter without lm-eval finds\n"
+            "sys.argv = ['toolkit-eval-harness', '--path', 'x.pt', '--tasks', 't']\n"
+            "from toolkit_cli import eval_harness\neval_harness.cli_main()\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == ("toolkit-eval-harness: error: lm-eval is not installed; "
+                                                   "pip install lm-eval (or: pip install toolkit[eval])")
 
 
 def test_the_declared_components_are_what_the_modules_register():

@@ -1,4 +1,4 @@
-"""The options of the commands other than toolkit-train and toolkit-export (whose options are ``toolkit.config``'s sections).
+"""The options of the commands other than toolkit-train (whose options are ``toolkit.config``'s sections).
 
 They live here, apart from the code that runs the command (which imports torch), so that
 ``toolkit-<command> --help`` and every argument error exit before torch is imported. The modules that use
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from toolkit.config import opt
-from toolkit.config.flag_types import count_or_zero, positive_int
+from toolkit.config.flag_types import count_or_zero, example_limit, positive_int
 
 ENCODING_ERRORS = ("strict", "replace", "ignore")
 """``--encoding-errors``: Python's ``errors=`` for a text input that is not valid UTF-8."""
@@ -197,4 +197,80 @@ class ValidateConfig:
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
     log_interval: int = opt(100, "log progress every N batches", type=positive_int)
     no_progress_bar: bool = opt(False, "disable the progress bar")
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+
+
+# toolkit-export (toolkit/export/api.py; the torch dtypes of DTYPE_NAMES are toolkit.export.common.DTYPES)
+
+FORMATS = ("safetensors", "onnx", "hf")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
+
+
+@dataclass
+class ExportConfig:
+    path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
+    format: Optional[str] = opt(None, "what to write: safetensors (weights + config, no pickle), onnx "
+                                      "(decoder graphs) or hf (a transformers folder)", choices=list(FORMATS))
+    out: Optional[str] = opt(None, "output folder, new or empty (written atomically: complete or absent)")
+    force: bool = opt(False, "replace --out when it holds an earlier export (its toolkit_export.json lists "
+                             "every file there); never any other folder")
+    data: Optional[str] = opt(None, "data-bin with dict.txt and the BPE model (default: the one the "
+                                    "checkpoint was trained on)")
+    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf", choices=list(DTYPE_NAMES))
+    kv_cache: bool = opt(False, "--format onnx: also write decoder_with_past.onnx, which takes and "
+                                "returns per-layer keys/values [B, H, P, D] for incremental decoding")
+    opset: int = opt(18, "--format onnx: ONNX opset (17 or later)")
+    hf_class: str = opt("auto", "--format hf: transformers class to write (auto: XGLM for sinusoidal "
+                                "positions, OPT for learned ones)", choices=list(HF_CLASSES))
+    import_from: Optional[str] = opt(None, "import instead of export: build a toolkit checkpoint folder "
+                                           "from a transformers folder (--path): GPT2LMHeadModel, "
+                                           "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                           "Qwen3ForCausalLM, Olmo2ForCausalLM or Gemma3ForCausalLM",
+                                     choices=["hf"], aliases=("--from",))
+    tokens_per_sample: Optional[int] = opt(None, "--from hf: tokens per sample recorded in the checkpoint "
+                                                 "(default: GPT-2's n_positions; the Llama family's "
+                                                 "max_position_embeddings, at most 2048)")
+    log_file: Optional[str] = opt(None, "also write the log to this file")
+
+
+# toolkit-consolidate (toolkit/export/consolidate.py)
+
+@dataclass
+class ConsolidateConfig:
+    checkpoint: Optional[str] = field(default=None, metadata={
+        "positional": True, "help": "sharded checkpoint folder (e.g. checkpoints/checkpoint_last), or its .pt name "
+                                    "(checkpoints/checkpoint_last.pt)"})
+    output: Optional[str] = field(default=None, metadata={
+        "aliases": ("-o",), "help": "file to write (default: the folder's name + .pt, beside it)"})
+    no_optimizer: bool = field(default=False, metadata={
+        "help": "leave the optimizer state out (a smaller file for evaluation)"})
+    force: bool = field(default=False, metadata={"help": "overwrite the output file if it exists"})
+    to_fairseq: Optional[str] = field(default=None, metadata={
+        "metavar": "OUT.pt", "help": "write the model in fairseq's transformer_lm checkpoint layout to OUT.pt"})
+
+
+# toolkit-eval-harness (toolkit/evaluation/harness_main.py)
+
+@dataclass
+class EvalHarnessConfig:
+    data: str = opt("", "the data-bin (dictionary and tokenizer; default: the checkpoint's own)",
+                    positional=True)
+    path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit, fairseq, sharded folder, model.safetensors)")
+    tasks: Optional[str] = opt(None, "harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
+    num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)",
+                                     type=count_or_zero)
+    batch_size: int = opt(8, "requests per forward pass", type=positive_int)
+    limit: Optional[float] = opt(None, "evaluate only the first N examples of each task (a fraction if < 1)",
+                                 type=example_limit)
+    include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
+    output_path: Optional[str] = opt(None, "write the harness's results JSON here")
+    device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
+    context_window: int = opt(0, "loglikelihood_rolling: more earlier tokens given as context to every "
+                                 "window after the first (0: lm_eval's hf model)", type=count_or_zero)
+    max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say", type=positive_int)
+    seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
+    log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")
+    bootstrap_iters: int = opt(100000, "bootstrap resamples for the metrics' standard errors (0: none)",
+                               type=count_or_zero)
     log_file: Optional[str] = opt(None, "also write the log to this file")

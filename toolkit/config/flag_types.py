@@ -101,3 +101,16 @@ positive_int = _bounded_int(1, "")
 non_negative_int = _bounded_int(0, "")
 count_or_zero = _bounded_int(0, " (0: no limit / off)")
 count_or_minus_one = _bounded_int(-1, " (-1: off / keep all)")
+
+
+def example_limit(text: str) -> float:
+    """``--limit`` (toolkit-eval-harness): a fraction of each task in (0, 1), else a whole number of examples
+    (refused at parse time: the harness would evaluate nothing for 0 and everything but the last 3 for -3)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (0 < value < 1 or (math.isfinite(value) and value >= 1 and value == int(value))):
+        raise argparse.ArgumentTypeError(f"{text}: give a fraction between 0 and 1 or a whole number of examples "
+                                         ">= 1")
+    return value

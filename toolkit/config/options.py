@@ -145,9 +145,10 @@ def architecture_defaults(arch: str, given: Optional[Dict[str, Any]] = None) -> 
     return dataclasses.asdict(cfg)
 
 
-def given_options(config: type, argv: Sequence[str]) -> Dict[str, Any]:
-    """The options of dataclass ``config`` that appear in ``argv``, with their parsed values."""
-    parser = OneLineErrorParser(add_help=False, allow_abbrev=False)
+def given_options(config: type, argv: Sequence[str], prog: Optional[str] = None) -> Dict[str, Any]:
+    """The options of dataclass ``config`` that appear in ``argv``, with their parsed values (a bad value is
+    ``prog``'s one-line error: this parse comes before the command's own)."""
+    parser = OneLineErrorParser(prog=prog, add_help=False, allow_abbrev=False)
     add_dataclass_options(parser, config)
     values, _ = parser.parse_known_args(list(argv))
     given = {}
@@ -236,7 +237,7 @@ def build_parser(
             entry = registry.resolve_arch(first.arch)
             if entry.config is not None:
                 add_dataclass_options(parser, entry.config, title=f"model options ({first.arch})")
-                parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv)))
+                parser.set_defaults(**architecture_defaults(first.arch, given_options(entry.config, argv, prog)))
     except UnknownComponentError as e:
         parser.error(str(e))
     return parser, argv

@@ -6,17 +6,20 @@ gradient norm, checkpoint accounting) goes through these.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Tuple
 
 import torch
 
+DTENSOR_MODULE = "torch.distributed.tensor._api"  # where DTensor is defined
+
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor, without importing DTensor: a process holds one only after its module was
+    imported, and a single-process run never imports it (its import, with the sharding ops it registers,
+    is about a second of a tiny run's start; a torch built without distributed has none either)."""
+    api = sys.modules.get(DTENSOR_MODULE)
+    return api is not None and isinstance(t, api.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

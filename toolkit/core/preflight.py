@@ -11,11 +11,12 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import Optional
-
-import numpy as np
+from typing import TYPE_CHECKING, Optional
 
 from toolkit.core.errors import UserError
+
+if TYPE_CHECKING:  # numpy is not imported here: log setup and the commands' --help use this module
+    import numpy as np
 
 
 def describe_os_error(path: str, error: OSError) -> str:
@@ -82,7 +83,7 @@ def check_token_ids(prefix: str, tokens: np.ndarray, dictionary_size: int, dict_
     if high < dictionary_size and low >= 0:
         return
     bad = high if high >= dictionary_size else low
-    where = int(np.argmax(tokens == bad))
+    where = int((tokens == bad).argmax())
     raise UserError(f"{prefix}.bin: token id {bad} (at token {where:,}) is outside the dictionary's "
                     f"{dictionary_size} entries ({dict_path or 'dict.txt'}); the dictionary is not the one this "
                     f"split was binarized with, or the file is damaged: re-run toolkit-preprocess")

@@ -11,16 +11,13 @@ found without indexing the harness's own thousands when every task asked for is 
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from toolkit.config import opt
-from toolkit.config.flag_types import count_or_zero, positive_int
+from toolkit.config.commands import EvalHarnessConfig  # noqa: F401  (its options, torch-free for --help)
+from toolkit.config.flag_types import example_limit  # noqa: F401  (--limit's type, imported from here before)
 from toolkit.core import yaml_syntax
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
@@ -28,43 +25,6 @@ from toolkit.core.preflight import check_writable_folder
 from toolkit.logging.setup import setup_logging
 
 logger = logging.getLogger("toolkit_cli.eval_harness")
-
-
-def example_limit(text: str) -> float:
-    """``--limit``: a fraction of each task in (0, 1), else a whole number of examples (refused at parse time:
-    the harness would evaluate nothing for 0 and everything but the last 3 for -3)."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not (0 < value < 1 or (math.isfinite(value) and value >= 1 and value == int(value))):
-        raise argparse.ArgumentTypeError(f"{text}: give a fraction between 0 and 1 or a whole number of examples "
-                                         ">= 1")
-    return value
-
-
-@dataclass
-class EvalHarnessConfig:
-    data: str = opt("", "the data-bin (dictionary and tokenizer; default: the checkpoint's own)",
-                    positional=True)
-    path: Optional[str] = opt(None, "checkpoint to evaluate (toolkit, fairseq, sharded folder, model.safetensors)")
-    tasks: Optional[str] = opt(None, "harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
-    num_fewshot: Optional[int] = opt(None, "few-shot examples per prompt (default: each task's own)",
-                                     type=count_or_zero)
-    batch_size: int = opt(8, "requests per forward pass", type=positive_int)
-    limit: Optional[float] = opt(None, "evaluate only the first N examples of each task (a fraction if < 1)",
-                                 type=example_limit)
-    include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
-    output_path: Optional[str] = opt(None, "write the harness's results JSON here")
-    device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
-    context_window: int = opt(0, "loglikelihood_rolling: more earlier tokens given as context to every "
-                                 "window after the first (0: lm_eval's hf model)", type=count_or_zero)
-    max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say", type=positive_int)
-    seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
-    log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")
-    bootstrap_iters: int = opt(100000, "bootstrap resamples for the metrics' standard errors (0: none)",
-                               type=count_or_zero)
-    log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
 def require_lm_eval():

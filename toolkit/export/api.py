@@ -1,47 +1,17 @@
-"""``toolkit-export``'s options and the one entry point that dispatches to the format modules."""
+"""``toolkit-export``'s one entry point that dispatches to the format modules (its options, ``ExportConfig``,
+are declared torch-free in ``toolkit.config.commands`` for the parser and re-exported here)."""
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
-from toolkit.config import opt
+from toolkit.config.commands import FORMATS, HF_CLASSES, ExportConfig  # noqa: F401  (torch-free for --help)
 from toolkit.core.errors import UserError
-from toolkit.export.common import DTYPES, LoadedModel, StepProgress
+from toolkit.export.common import DTYPES, LoadedModel, StepProgress  # noqa: F401  (DTYPES: its old import path)
 from toolkit.export.target import check_target
 
 logger = logging.getLogger("toolkit.export")
-
-FORMATS = ("safetensors", "onnx", "hf")
-HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
-
-
-@dataclass
-class ExportConfig:
-    path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
-    format: Optional[str] = opt(None, "what to write: safetensors (weights + config, no pickle), onnx "
-                                      "(decoder graphs) or hf (a transformers folder)", choices=list(FORMATS))
-    out: Optional[str] = opt(None, "output folder, new or empty (written atomically: complete or absent)")
-    force: bool = opt(False, "replace --out when it holds an earlier export (its toolkit_export.json lists "
-                             "every file there); never any other folder")
-    data: Optional[str] = opt(None, "data-bin with dict.txt and the BPE model (default: the one the "
-                                    "checkpoint was trained on)")
-    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf", choices=list(DTYPES))
-    kv_cache: bool = opt(False, "--format onnx: also write decoder_with_past.onnx, which takes and "
-                                "returns per-layer keys/values [B, H, P, D] for incremental decoding")
-    opset: int = opt(18, "--format onnx: ONNX opset (17 or later)")
-    hf_class: str = opt("auto", "--format hf: transformers class to write (auto: XGLM for sinusoidal "
-                                "positions, OPT for learned ones)", choices=list(HF_CLASSES))
-    import_from: Optional[str] = opt(None, "import instead of export: build a toolkit checkpoint folder "
-                                           "from a transformers folder (--path): GPT2LMHeadModel, "
-                                           "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                           "Qwen3ForCausalLM, Olmo2ForCausalLM or Gemma3ForCausalLM",
-                                     choices=["hf"], aliases=("--from",))
-    tokens_per_sample: Optional[int] = opt(None, "--from hf: tokens per sample recorded in the checkpoint "
-                                                 "(default: GPT-2's n_positions; the Llama family's "
-                                                 "max_position_embeddings, at most 2048)")
-    log_file: Optional[str] = opt(None, "also write the log to this file")
 
 
 def _check(cfg: ExportConfig) -> None:

@@ -14,13 +14,15 @@ from typing import Dict, List, Optional
 
 import torch
 
+from toolkit.config.commands import DTYPE_NAMES
 from toolkit.core.errors import UserError, require  # noqa: F401  (the exporters' optional packages)
 from toolkit.logging.step_progress import StepProgress  # noqa: F401  (the exporters' progress)
 from toolkit.tokenizers import BPE_JSON
 
 logger = logging.getLogger("toolkit.export")
 
-DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: Dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+"""``--dtype``'s names (declared torch-free for the parser) as torch dtypes."""
 
 
 @dataclass

@@ -10,28 +10,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
-from typing import Optional
 
 from toolkit.checkpoint import sharded
 from toolkit.compat.fairseq import adapter as fairseq_adapter
+from toolkit.config.commands import ConsolidateConfig  # noqa: F401  (its options, torch-free for --help)
 from toolkit.core.errors import UserError
 
 PROG = "toolkit-consolidate"
-
-
-@dataclass
-class ConsolidateConfig:
-    checkpoint: Optional[str] = field(default=None, metadata={
-        "positional": True, "help": "sharded checkpoint folder (e.g. checkpoints/checkpoint_last), or its .pt name "
-                                    "(checkpoints/checkpoint_last.pt)"})
-    output: Optional[str] = field(default=None, metadata={
-        "aliases": ("-o",), "help": "file to write (default: the folder's name + .pt, beside it)"})
-    no_optimizer: bool = field(default=False, metadata={
-        "help": "leave the optimizer state out (a smaller file for evaluation)"})
-    force: bool = field(default=False, metadata={"help": "overwrite the output file if it exists"})
-    to_fairseq: Optional[str] = field(default=None, metadata={
-        "metavar": "OUT.pt", "help": "write the model in fairseq's transformer_lm checkpoint layout to OUT.pt"})
 
 
 def check_output(flag: str, output: str, force: bool) -> None:

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from toolkit.core.dtensor import is_dtensor
 from toolkit.core.protocols import Initializable
 
 Part = Tuple[Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]  # (the whole tensor's shape, its cut to this rank)
@@ -132,8 +133,7 @@ def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor,
 
 
 def _copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
-    dtensor_cls = _dtensor_class()
-    if dtensor_cls is not None and isinstance(param, dtensor_cls):
+    if is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
 
         full = full.to(device=param.device, dtype=param.dtype)
@@ -141,11 +141,3 @@ def _copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
-
-
-def _dtensor_class() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor

@@ -13,9 +13,21 @@ measured runs.
 """
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from toolkit.plan.hardware import PRESETS, Hardware, detect_hardware
-from toolkit.plan.planner import Plan, make_plan, plan_for
-from toolkit.plan.report import summary, summary_for_train, table, verdict
+
+# The planner builds the model on the meta device (torch); the hardware flags above are torch-free, so
+# toolkit-plan --help and its argument errors exit before torch is imported. The rest comes in at first use.
+_LAZY_NAMES = {"Plan": "planner", "make_plan": "planner", "plan_for": "planner", "summary": "report",
+               "summary_for_train": "report", "table": "report", "verdict": "report"}
 
 __all__ = ["Plan", "make_plan", "plan_for", "PRESETS", "Hardware", "detect_hardware", "summary_for_train",
            "summary", "table", "verdict"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f"toolkit.plan.{_LAZY_NAMES[name]}"), name)
+    raise AttributeError(f"module 'toolkit.plan' has no attribute '{name}'")
