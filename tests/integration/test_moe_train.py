@@ -54,6 +54,14 @@ def expert_bias(save_dir):
     return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in range(2)])
 
 
+def assert_router_terms_match(terms, reference):
+    """The balance and z losses of every update as one process logged them."""
+    assert sorted(terms) == list(range(1, UPDATES + 1))
+    for u in range(1, UPDATES + 1):
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            assert terms[u][name] == pytest.approx(reference[u][name], abs=2e-4), (u, name)
+
+
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("moe_train") / "bin"))
@@ -63,7 +71,8 @@ def data_bin(tmp_path_factory):
 def one_process(data_bin, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("one")
     proc = train(data_bin, save_dir, "--max-update", str(UPDATES), *ONE_PROC)
-    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir), save_dir=save_dir)
+    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir), save_dir=save_dir,
+                stdout=proc.stdout)
 
 
 def test_router_terms_and_loads_are_logged(one_process):
@@ -82,10 +91,7 @@ def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, t
     proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
                  "--ddp-backend", *backend)
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
-    terms = logged(proc.stdout)
-    for u in range(1, UPDATES + 1):
-        for name in ("moe_aux_loss", "moe_z_loss"):
-            assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
+    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
     if backend == ["c10d"]:  # a consolidated checkpoint: the bias the ranks share equals one process's
         torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
 
@@ -118,10 +124,7 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
                  "--expert-parallel-size", "2", "--ddp-backend", backend)
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
-    terms = logged(proc.stdout)
-    for u in range(1, UPDATES + 1):
-        for name in ("moe_aux_loss", "moe_z_loss"):
-            assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
+    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
     torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
     saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
@@ -219,3 +222,29 @@ def gradient_norms(stdout):
 
     return {int(r["num_updates"]): float(r["gnorm"]) for r in
             (json.loads(line.split("| train_inner |", 1)[1]) for line in stdout.splitlines() if "| train_inner |" in line)}
+
+
+TP_EP = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--expert-parallel-size", "2"]
+
+
+def test_expert_parallel_2_with_tensor_parallel_2_equals_one_process(data_bin, one_process, tmp_path):
+    """4 ranks, --model-parallel-size 2 --expert-parallel-size 2 --no-sequence-parallel: attention split over the 2
+    tp ranks, each expert whole on both (its FSDP2 mesh: the 2 ranks holding it, one per tp rank), the 4 experts
+    spread over the 2 data-parallel ranks (ep 2), train as one process with --update-freq 2 (the same global batch),
+    losses and router terms to the logged digits, the same aux-loss-free bias; the consolidated checkpoint holds
+    the whole stacks, and one process resumed from the one saved after 2 updates logs the same later losses."""
+    import shutil
+
+    flags = [*TP_EP, "--no-sequence-parallel"]
+    first = train(data_bin, tmp_path / "tp_ep", "--max-update", "2", *flags)
+    assert "whole on each tp rank, each sharded by FSDP2 over the 2 ranks holding them" in first.stdout + first.stderr
+    shutil.copytree(tmp_path / "tp_ep", tmp_path / "one")
+    again = train(data_bin, tmp_path / "tp_ep", "--max-update", str(UPDATES), *flags)
+    assert_logged_losses_match(H.losses(first.stdout), one_process["losses"], range(1, 3))
+    assert_logged_losses_match(H.losses(again.stdout), one_process["losses"], range(3, UPDATES + 1))
+    assert_router_terms_match(logged(first.stdout + again.stdout), one_process["terms"])
+    norms = {**gradient_norms(first.stdout), **gradient_norms(again.stdout)}  # Adam alone would hide a scaled gradient
+    assert norms == pytest.approx(gradient_norms(one_process["stdout"]), rel=1e-3, abs=2e-3)
+    torch.testing.assert_close(expert_bias(tmp_path / "tp_ep"), one_process["bias"])
+    alone = train(data_bin, tmp_path / "one", "--max-update", str(UPDATES), *ONE_PROC)
+    assert_logged_losses_match(H.losses(alone.stdout), one_process["losses"], range(3, UPDATES + 1))

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Set, Tuple
 import torch
 
 from toolkit.distributed.parallel_dims import ParallelDims
-from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, GroupedExperts
+from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
 
@@ -51,12 +51,38 @@ def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any
 
     for module in unit.modules():
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
-            mesh = dims.expert_fsdp_mesh
-            fully_shard(module, mesh=mesh, **fsdp_options)
-            module.set_gradient_divide_factor(float(dims.shape.fsdp_shard))
-            # gloo has no pre-multiplied sum: sum, then divide (on one rank FSDP2 divides without either)
-            if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group()) == "gloo":
-                module.set_force_sum_reduction_for_comms(True)
+            _fully_shard_summed(module, dims.expert_fsdp_mesh, float(dims.shape.fsdp_shard), fully_shard,
+                                fsdp_options)
+
+
+def shard_moe_replicated_over_tp(unit: torch.nn.Module, dims: ParallelDims, sequence_parallel: bool,
+                                 **fsdp_options: Any) -> None:
+    """Under tensor parallelism (torchtitan's layout when experts are not split over tp): each MoE layer of ``unit``
+    (a block, before the block itself) is whole on every tp rank, replicated over tp like the residual stream it
+    reads, and ``fully_shard``-ed by FSDP2 on its own 1-D mesh: its placed experts over the ranks holding the same
+    ones (``ParallelDims.expert_holders_mesh``: their ep peers x the tp ranks), the router and shared experts over
+    every rank. The gradient summed over that mesh is divided so that it is the average over the data-parallel
+    ranks: under sequence parallelism each tp rank routed its own positions, so the tp ranks' gradients are parts to
+    add (divide by the data-parallel size); without it they are copies (divide by the whole mesh's, tp included)."""
+    from torch.distributed.fsdp import fully_shard
+
+    divide = float(dims.shape.world // dims.shape.tp if sequence_parallel else dims.shape.world)
+    for module in unit.modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.experts.ep_group is not None:
+            _fully_shard_summed(module.experts, dims.expert_holders_mesh, divide, fully_shard, fsdp_options)
+        _fully_shard_summed(module, dims.world_mesh, divide, fully_shard, fsdp_options)
+
+
+def _fully_shard_summed(module: torch.nn.Module, mesh: Any, divide: float, fully_shard: Any,
+                        fsdp_options: Dict[str, Any]) -> None:
+    """``fully_shard`` over ``mesh``, the gradient summed over it then divided by ``divide``."""
+    fully_shard(module, mesh=mesh, **fsdp_options)
+    module.set_gradient_divide_factor(divide)
+    # gloo has no pre-multiplied sum: sum, then divide (on one rank FSDP2 divides without either)
+    if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group()) == "gloo":
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def placed_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:

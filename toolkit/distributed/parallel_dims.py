@@ -24,7 +24,10 @@ taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, c
 so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
 the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's experts are sharded over the
 (dp_shard x cp) / ep ranks holding the same ones (``ep_peers``: :attr:`ParallelDims.expert_fsdp_mesh`,
-torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only.
+torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only. Under tensor
+parallelism the experts are not split over tp: ``ep`` divides all the data-parallel ranks (world / tp), each tp
+rank holds its experts whole, and FSDP2 shards them over the ranks holding the same ones, their ep peers of
+every tp rank (:attr:`ParallelDims.expert_holders_mesh`).
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
@@ -151,9 +154,12 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
-    carved = shard * cp if fsdp else replicate * cp  # DDP: every data-parallel rank is a whole replica
+    # DDP: every data-parallel rank is a whole replica; TP: every data-parallel rank (the experts are whole on each
+    # tp rank, replicated over tp, and spread over ranks of different batches)
+    carved = replicate * shard * cp if tp > 1 else shard * cp if fsdp else replicate * cp
     if carved % ep:
-        where = (f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})" if fsdp else
+        where = (f"left by --model-parallel-size {tp} (world {world} / {tp})" if tp > 1 else
+                 f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})" if fsdp else
                  "that replicate the model (DDP)")
         raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
                         f"over those ranks")
@@ -257,6 +263,20 @@ class ParallelDims:
         return self._sub("experts", "ep_peers", self.shape.ep)
 
     @property
+    def expert_holders_mesh(self) -> Any:
+        """Under tensor parallelism, the 1-D mesh of the world / ep ranks holding the same experts (their ep peers and
+        the tp ranks, over which the experts are replicated): FSDP2 shards each rank's experts over it."""
+        if self.shape.tp == 1:
+            raise ValueError(f"the experts are replicated over tp ranks only under tensor parallelism "
+                             f"({self.shape.describe()})")
+        return self._sub("experts", "ep_holders", self.shape.ep)
+
+    @property
+    def world_mesh(self) -> Any:
+        """The 1-D mesh of every rank (what a parameter replicated over all of them is sharded over by FSDP2)."""
+        return self._built()["world"]
+
+    @property
     def expert_peers_group(self) -> Any:
         """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over."""
         self._sub("experts", "ep", self.shape.ep)
@@ -305,7 +325,10 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
                                              ("dp_replicate", "dp_shard", "cp", TP))
     if s.ep > 1:
         # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
-        meshes["experts"] = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
+        experts = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
+        meshes["experts"] = {"ep_peers": experts["ep_peers"], "ep": experts["ep"], TP: experts[TP]}
+        if s.tp > 1:  # experts whole on each tp rank: their holders are the ep peers of every tp rank
+            meshes["experts"]["ep_holders"] = experts["ep_peers", TP]._flatten("ep_holders")
     return meshes
 
 
