@@ -150,10 +150,6 @@ CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each bloc
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
               "--compile (or the split)")
-EP_SEQUENCE = ("--expert-parallel-size with sequence parallelism (--model-parallel-size > 1 without "
-               "--no-sequence-parallel): each tp rank then routes only its slice of the positions, so the router's "
-               "load-balancing statistics and the router and expert gradients would have to be summed over the tp "
-               "ranks to equal one process; add --no-sequence-parallel")
 EP_HSDP = ("--expert-parallel-size with --sharding-strategy no_shard or hybrid_*: the dense layers are replicated "
            "across groups, while the ranks holding the same experts span those groups, so the experts would need a "
            "second (replicate, shard) mesh of their own; use --sharding-strategy full_shard or shard_grad_op (or "
@@ -287,8 +283,10 @@ _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equal
 _PAIRS[("HSDP", "EP")] = Refused(EP_HSDP)
 _PAIRS[("TP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
                               "4 ranks: attention tensor-parallel over tp 2, each expert whole (replicated over tp) "
-                              "and the experts spread over ep 2 of the data-parallel ranks; --no-sequence-parallel")
-_PAIRS[("SP", "EP")] = Refused(EP_SEQUENCE)
+                              "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate)")
+_PAIRS[("SP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
+                              "case sequence_parallel: each tp rank routes its positions, the router statistics and "
+                              "the MoE gradients summed over tp")
 _PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
                                        "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
                                        "GPU)")

@@ -75,6 +75,15 @@ def shard_moe_replicated_over_tp(unit: torch.nn.Module, dims: ParallelDims, sequ
         _fully_shard_summed(module, dims.world_mesh, divide, fully_shard, fsdp_options)
 
 
+def route_over_sequence_slices(model: torch.nn.Module, group: Any) -> None:
+    """Sequence parallelism: each MoE layer of ``model`` sees this tp rank's positions only; its routing statistics
+    (the balance and z losses' means, the loads) are taken over the positions of every rank of ``group``, as one
+    process takes them over the whole sequence."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_group = group
+
+
 def _fully_shard_summed(module: torch.nn.Module, mesh: Any, divide: float, fully_shard: Any,
                         fsdp_options: Dict[str, Any]) -> None:
     """``fully_shard`` over ``mesh``, the gradient summed over it then divided by ``divide``."""

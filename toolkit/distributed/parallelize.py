@@ -47,6 +47,7 @@ from toolkit.distributed.expert_parallel import (
     ExpertGradients,
     apply_expert_parallel,
     placed_parameters,
+    route_over_sequence_slices,
     shard_experts,
     shard_moe_replicated_over_tp,
 )
@@ -255,6 +256,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
                         f"their gradients over their own mesh; use --ddp-backend c10d or fully_sharded")
     if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
         apply_expert_parallel(model, dims)
+    if not cfg.no_sequence_parallel:
+        route_over_sequence_slices(model, dims.tp_mesh.get_group())
     if cfg.fp8:
         logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
     if cfg.checkpoint_activations:

@@ -303,9 +303,12 @@ def _pad_sequence_hooks(model: nn.Module, M: int, padding_idx: int) -> None:
             return None
         return (F.pad(tokens, (0, M - T % M), value=padding_idx), *args[1:])
 
-    def cut(_module, _inputs, logits):
+    def cut(_module, _inputs, output):
         T = lengths.pop()
-        return logits if logits.size(1) == T else logits[:, :T]
+        logits = output[0] if isinstance(output, tuple) else output  # a training MoE's (logits, extras)
+        if logits.size(1) == T:
+            return output
+        return (logits[:, :T], *output[1:]) if isinstance(output, tuple) else logits[:, :T]
 
     model.register_forward_pre_hook(pad)
     model.register_forward_hook(cut, always_call=True)
