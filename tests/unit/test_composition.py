@@ -138,3 +138,14 @@ def test_expert_parallelism_composes_with_full_shard_and_compile_not_with_a_repl
     with pytest.raises(UserError) as e:
         resolve(*ep, "--sharding-strategy", "no_shard")
     assert str(e.value) == C.EP_HSDP
+
+
+def test_expert_parallelism_composes_with_tensor_parallelism_through_fsdp2_only():
+    """TP x EP (and SP x EP) pass the resolver under c10d (FSDP2 replicate) and fully_sharded; no_c10d has no FSDP2
+    to reduce the experts, whole on every tp rank, and is refused with that reason."""
+    tp_ep = ["--arch", "moe_tiny", "--expert-parallel-size", "2", "--model-parallel-size", "2"]
+    assert C.refusal(resolve(*tp_ep)) is None
+    assert C.refusal(resolve(*tp_ep, "--no-sequence-parallel", "--ddp-backend", "fully_sharded")) is None
+    with pytest.raises(UserError) as e:
+        resolve(*tp_ep, "--ddp-backend", "no_c10d")
+    assert str(e.value) == C.EP_TP_NO_C10D

@@ -150,6 +150,9 @@ CP_COMPILE = ("--compile with --context-parallel-size: --compile makes each bloc
               "context-parallel attention runs a collective with the other cp ranks inside the block and picks its "
               "attention tiles from each batch's document boundaries, which one static graph cannot hold; drop "
               "--compile (or the split)")
+EP_TP_NO_C10D = ("--expert-parallel-size with --model-parallel-size > 1 and --ddp-backend no_c10d: the experts stay "
+                 "whole on every tp rank (plain tensors beside the tp shards) and only FSDP2 reduces their gradients, "
+                 "over the ranks holding the same experts; use --ddp-backend c10d or fully_sharded")
 EP_HSDP = ("--expert-parallel-size with --sharding-strategy no_shard or hybrid_*: the dense layers are replicated "
            "across groups, while the ranks holding the same experts span those groups, so the experts would need a "
            "second (replicate, shard) mesh of their own; use --sharding-strategy full_shard or shard_grad_op (or "
@@ -388,6 +391,8 @@ def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.ddp_backend == "fully_sharded" and dist.sharding_strategy == "no_shard":
         return EP_HSDP  # FSDP's no_shard is a replicate mesh, as hybrid sharding's groups are
+    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
+        return EP_TP_NO_C10D
     checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint is not None and checkpoint.use_sharded_state:
         return EP_SHARDED_STATE

@@ -253,7 +253,7 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     if tp.model_plan(model, cfg.model_parallel_size).experts and cfg.ddp_backend == "no_c10d":
         raise UserError(f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
                         f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
-                        f"their gradients over their own mesh; use --ddp-backend c10d or fully_sharded")
+                        f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded")
     if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
         apply_expert_parallel(model, dims)
     if not cfg.no_sequence_parallel:
