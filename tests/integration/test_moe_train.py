@@ -227,14 +227,16 @@ def gradient_norms(stdout):
 TP_EP = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--expert-parallel-size", "2"]
 
 
-@pytest.mark.parametrize("sequence", [["--no-sequence-parallel"], []], ids=["replicated_sequence", "sequence_parallel"])
+@pytest.mark.parametrize("sequence", [["--no-sequence-parallel"], [], ["--ddp-backend", "fully_sharded"]],
+                         ids=["replicated_sequence", "sequence_parallel", "full_shard_sequence_parallel"])
 def test_expert_parallel_2_with_tensor_parallel_2_equals_one_process(data_bin, one_process, tmp_path, sequence):
     """4 ranks, --model-parallel-size 2 --expert-parallel-size 2: attention split over the 2 tp ranks, each expert
     whole on both (its FSDP2 mesh: the 2 ranks holding it, one per tp rank), the 4 experts spread over the 2
     data-parallel ranks (ep 2), train as one process with --update-freq 2 (the same global batch): losses, router
     terms and gradient norms, the same aux-loss-free bias; the consolidated checkpoint holds the whole stacks, and
     one process resumed from the one saved after 2 updates logs the same later losses. With and without sequence
-    parallelism (each tp rank routing half of the positions: the router statistics summed over tp)."""
+    parallelism (each tp rank routing half of the positions: the router statistics summed over tp), and under
+    --ddp-backend fully_sharded (the dense layers sharded over the 2 data-parallel ranks)."""
     import shutil
 
     flags = [*TP_EP, *sequence]

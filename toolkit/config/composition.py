@@ -286,7 +286,8 @@ _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equal
 _PAIRS[("HSDP", "EP")] = Refused(EP_HSDP)
 _PAIRS[("TP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
                               "4 ranks: attention tensor-parallel over tp 2, each expert whole (replicated over tp) "
-                              "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate)")
+                              "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate) and "
+                              "fully_sharded")
 _PAIRS[("SP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
                               "case sequence_parallel: each tp rank routes its positions, the router statistics and "
                               "the MoE gradients summed over tp")
