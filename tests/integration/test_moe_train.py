@@ -264,3 +264,11 @@ def test_tensor_parallel_2_without_expert_parallelism_equals_one_process(data_bi
     assert_logged_losses_match(H.losses(split.stdout), H.losses(alone.stdout), range(1, 3))
     assert_router_terms_match(logged(split.stdout), logged(alone.stdout), range(1, 3))
     assert gradient_norms(split.stdout) == pytest.approx(gradient_norms(alone.stdout), rel=1e-3, abs=2e-3)
+
+
+def test_expert_parallel_with_tensor_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path):
+    """--compile under EP 2 x TP 2 (sequence parallel): each block's forward compiled in graphs around the MoE layer's
+    own FSDP2 hooks and token exchange (eager), the losses those of one eager process with --update-freq 2."""
+    proc = train(data_bin, tmp_path, "--max-update", "2", *TP_EP, "--compile")
+    assert "graphs around the expert exchange" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, 3))

@@ -66,7 +66,8 @@ def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: boo
 
     ``fullgraph=False``: a block may be several graphs. Expert parallelism needs this: its token exchange
     (``GroupedExperts._exchange_and_run``, ``torch.compiler.disable``) runs eagerly between the graph of the
-    attention and router and the graph of the combine.
+    attention and router and the graph of the combine; so do a MoE layer's own FSDP2 hooks under tensor
+    parallelism (``toolkit.distributed.expert_parallel.shard_moe_replicated_over_tp``).
     """
     backend = compile_backend(device)
     for block in model.layers:

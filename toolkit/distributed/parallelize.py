@@ -250,7 +250,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
                         f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun")
     dims = placement["dims"]
     tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
-    if tp.model_plan(model, cfg.model_parallel_size).experts and cfg.ddp_backend == "no_c10d":
+    moe = bool(tp.model_plan(model, cfg.model_parallel_size).experts)  # MoE layers whole on every tp rank
+    if moe and cfg.ddp_backend == "no_c10d":
         raise UserError(f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
                         f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
                         f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded")
@@ -263,7 +264,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:
-        apply_compile(model, env.device, hooks_eager=True)
+        # the MoE layers' own FSDP2 hooks (and the token exchange) run eagerly between graphs of the block
+        apply_compile(model, env.device, hooks_eager=True, fullgraph=not moe)
     if cfg.ddp_backend != "no_c10d":
         apply_fsdp(model, dims.fsdp_mesh, cfg, common, env, dims)
     model.to_empty(device=env.device)
