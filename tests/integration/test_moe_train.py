@@ -161,6 +161,10 @@ def test_refusals_name_the_reason(data_bin, tmp_path):
                         "fully_sharded", "--sharding-strategy", "hybrid_shard", "--save-dir", str(tmp_path)],
                        timeout=120)
     assert proc.returncode == 1 and "second (replicate, shard) mesh" in proc.stdout + proc.stderr
+    proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
+                        "--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "no_c10d",
+                        "--save-dir", str(tmp_path)], timeout=120)
+    assert proc.returncode == 1 and "only FSDP2 reduces their gradients" in proc.stdout + proc.stderr
 
 
 

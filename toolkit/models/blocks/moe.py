@@ -30,7 +30,9 @@ Backward sends the gradients along the same splits reversed (:class:`_Exchange`)
 
 Under tensor parallelism the layer is not split: each tp rank holds it whole. With sequence parallelism a rank
 routes only its slice of the positions, so the statistics below are summed over the tp ranks
-(``MoE.sequence_group``, set by ``toolkit.distributed.expert_parallel``) and equal one process's.
+(``MoE.sequence_group``, set by ``toolkit.distributed.expert_parallel``) and equal one process's, except in a
+batch whose length sequence parallelism right-pads to a multiple of M (an epoch's short last block): the padding
+positions are routed and counted too (their logits are cut, so they add nothing else).
 
 Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
 
