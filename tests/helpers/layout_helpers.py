@@ -2,7 +2,7 @@
 
 For each layout, every rank builds its ParallelDims from the same flags ``parallelize`` reads, asks
 for what its consumers ask (data rank and world, the loss group, the FSDP / TP / CP / EP meshes, the
-experts' FSDP2 mesh), sums
+experts' FSDP2 mesh, their holders under TP), sums
 its rank over each group with a real collective, and rank 0 gathers all ranks' answers.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ LAYOUTS = {
     "hybrid_2x2": dict(ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2),
     "c10d": dict(),
     "c10d_tp2": dict(model_parallel_size=2),
+    "c10d_tp2_ep2": dict(model_parallel_size=2, expert_parallel_size=2),
     "full_shard_tp2_ep2": dict(ddp_backend="fully_sharded", model_parallel_size=2, expert_parallel_size=2),
     "full_shard_cp2_ep4": dict(ddp_backend="fully_sharded", context_parallel_size=2, expert_parallel_size=4),
     "full_shard_ep2": dict(ddp_backend="fully_sharded", expert_parallel_size=2),
@@ -58,6 +59,9 @@ def _describe(dims) -> Dict:
         else:  # HSDP: (replicate, shard), each axis's group
             out["expert_fsdp"] = (tuple(mesh.shape), mesh.mesh_dim_names,
                                   [(_ranks(mesh.get_group(d)), _summed_rank(mesh.get_group(d))) for d in range(2)])
+    if dims.shape.ep > 1 and dims.shape.tp > 1:
+        group = dims.expert_holders_mesh.get_group()  # experts whole on every tp rank: their holders
+        out["expert_holders"] = (_ranks(group), _summed_rank(group))
     return out
 
 

@@ -54,6 +54,14 @@ def expert_bias(save_dir):
     return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in range(2)])
 
 
+def assert_router_terms_match(terms, reference, updates=range(1, UPDATES + 1)):
+    """The balance and z losses of every update as one process logged them."""
+    assert sorted(terms) == list(updates)
+    for u in updates:
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            assert terms[u][name] == pytest.approx(reference[u][name], abs=2e-4), (u, name)
+
+
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("moe_train") / "bin"))
@@ -63,7 +71,8 @@ def data_bin(tmp_path_factory):
 def one_process(data_bin, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("one")
     proc = train(data_bin, save_dir, "--max-update", str(UPDATES), *ONE_PROC)
-    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir), save_dir=save_dir)
+    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir), save_dir=save_dir,
+                stdout=proc.stdout)
 
 
 def test_router_terms_and_loads_are_logged(one_process):
@@ -82,10 +91,7 @@ def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, t
     proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
                  "--ddp-backend", *backend)
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
-    terms = logged(proc.stdout)
-    for u in range(1, UPDATES + 1):
-        for name in ("moe_aux_loss", "moe_z_loss"):
-            assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
+    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
     if backend == ["c10d"]:  # a consolidated checkpoint: the bias the ranks share equals one process's
         torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
 
@@ -118,10 +124,7 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
                  "--expert-parallel-size", "2", "--ddp-backend", backend)
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
-    terms = logged(proc.stdout)
-    for u in range(1, UPDATES + 1):
-        for name in ("moe_aux_loss", "moe_z_loss"):
-            assert terms[u][name] == pytest.approx(one_process["terms"][u][name], abs=2e-4), (u, name)
+    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
     torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
     saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
@@ -191,6 +194,10 @@ def test_refusals_name_the_reason(data_bin, tmp_path):
                         "--distributed-world-size", "2", *FSDP_EP, "--use-sharded-state", "--save-dir",
                         str(tmp_path)], timeout=120)
     assert proc.returncode == 1 and "each rank of an ep group holds different experts" in proc.stdout + proc.stderr
+    proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
+                        "--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "no_c10d",
+                        "--save-dir", str(tmp_path)], timeout=120)
+    assert proc.returncode == 1 and "only FSDP2 reduces their gradients" in proc.stdout + proc.stderr
 
 
 def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
@@ -282,3 +289,53 @@ def gradient_norms(stdout):
 
     return {int(r["num_updates"]): float(r["gnorm"]) for r in
             (json.loads(line.split("| train_inner |", 1)[1]) for line in stdout.splitlines() if "| train_inner |" in line)}
+
+
+TP_EP = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--expert-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("sequence", [["--no-sequence-parallel"], [], ["--ddp-backend", "fully_sharded"]],
+                         ids=["replicated_sequence", "sequence_parallel", "full_shard_sequence_parallel"])
+def test_expert_parallel_2_with_tensor_parallel_2_equals_one_process(data_bin, one_process, tmp_path, sequence):
+    """4 ranks, --model-parallel-size 2 --expert-parallel-size 2: attention split over the 2 tp ranks, each expert
+    whole on both (its FSDP2 mesh: the 2 ranks holding it, one per tp rank), the 4 experts spread over the 2
+    data-parallel ranks (ep 2), train as one process with --update-freq 2 (the same global batch): losses, router
+    terms and gradient norms, the same aux-loss-free bias; the consolidated checkpoint holds the whole stacks, and
+    one process resumed from the one saved after 2 updates logs the same later losses. With and without sequence
+    parallelism (each tp rank routing half of the positions: the router statistics summed over tp), and under
+    --ddp-backend fully_sharded (the dense layers sharded over the 2 data-parallel ranks)."""
+    import shutil
+
+    flags = [*TP_EP, *sequence]
+    first = train(data_bin, tmp_path / "tp_ep", "--max-update", "2", *flags)
+    assert "whole on each tp rank, each sharded by FSDP2 over the 2 ranks holding them" in first.stdout + first.stderr
+    shutil.copytree(tmp_path / "tp_ep", tmp_path / "one")
+    again = train(data_bin, tmp_path / "tp_ep", "--max-update", str(UPDATES), *flags)
+    assert_logged_losses_match(H.losses(first.stdout), one_process["losses"], range(1, 3))
+    assert_logged_losses_match(H.losses(again.stdout), one_process["losses"], range(3, UPDATES + 1))
+    assert_router_terms_match(logged(first.stdout + again.stdout), one_process["terms"])
+    norms = {**gradient_norms(first.stdout), **gradient_norms(again.stdout)}  # Adam alone would hide a scaled gradient
+    assert norms == pytest.approx(gradient_norms(one_process["stdout"]), rel=1e-3, abs=2e-3)
+    torch.testing.assert_close(expert_bias(tmp_path / "tp_ep"), one_process["bias"])
+    alone = train(data_bin, tmp_path / "one", "--max-update", str(UPDATES), *ONE_PROC)
+    assert_logged_losses_match(H.losses(alone.stdout), one_process["losses"], range(3, UPDATES + 1))
+
+
+def test_tensor_parallel_2_without_expert_parallelism_equals_one_process(data_bin, tmp_path):
+    """--model-parallel-size 2 alone (sequence parallel): every expert whole on both tp ranks (the MoE layer sharded
+    by FSDP2 over all ranks, its gradient the sum of the two halves of the positions) trains as one process with
+    the same batch: losses, router terms and gradient norms."""
+    alone = train(data_bin, tmp_path / "one", "--max-update", "2")
+    split = train(data_bin, tmp_path / "tp", "--max-update", "2", "--distributed-world-size", "2",
+                  "--model-parallel-size", "2")
+    assert_logged_losses_match(H.losses(split.stdout), H.losses(alone.stdout), range(1, 3))
+    assert_router_terms_match(logged(split.stdout), logged(alone.stdout), range(1, 3))
+    assert gradient_norms(split.stdout) == pytest.approx(gradient_norms(alone.stdout), rel=1e-3, abs=2e-3)
+
+
+def test_expert_parallel_with_tensor_parallel_compiled_equals_one_process(data_bin, one_process, tmp_path):
+    """--compile under EP 2 x TP 2 (sequence parallel): each block's forward compiled in graphs around the MoE layer's
+    own FSDP2 hooks and token exchange (eager), the losses those of one eager process with --update-freq 2."""
+    proc = train(data_bin, tmp_path, "--max-update", "2", *TP_EP, "--compile")
+    assert "graphs around the expert exchange" in proc.stdout + proc.stderr
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, 3))

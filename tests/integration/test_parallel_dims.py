@@ -63,6 +63,16 @@ def test_tensor_and_expert_parallel(layouts):
     assert _each_rank(ranks, "loss_ranks") == [PAIRS_DP[r] for r in ALL]
     assert _each_rank(ranks, "tp") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
     assert _each_rank(ranks, "ep") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
+    # each expert whole on both tp ranks: FSDP2 shards it over the TP pair holding it
+    assert _each_rank(ranks, "expert_holders") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
+
+
+def test_expert_parallel_carved_from_the_replicas_under_tensor_parallelism(layouts):
+    """c10d under TP (FSDP2 replicate on (2, 1)): ep 2 spreads the experts over the 2 data-parallel replicas."""
+    ranks = layouts["c10d_tp2_ep2"]
+    assert _each_rank(ranks, "fsdp") == [((2, 1), ("dp_replicate", "dp_shard"))] * 4
+    assert _each_rank(ranks, "ep") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
+    assert _each_rank(ranks, "expert_holders") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
 
 
 def test_context_and_expert_parallel(layouts):

@@ -133,3 +133,14 @@ def test_expert_parallelism_composes_with_every_sharding_strategy_and_compile():
     assert C.refusal(resolve(*ep, "--compile")) is None
     for strategy in ("shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"):
         assert C.refusal(resolve(*ep, "--sharding-strategy", strategy)) is None, strategy
+
+
+def test_expert_parallelism_composes_with_tensor_parallelism_through_fsdp2_only():
+    """TP x EP (and SP x EP) pass the resolver under c10d (FSDP2 replicate) and fully_sharded; no_c10d has no FSDP2
+    to reduce the experts, whole on every tp rank, and is refused with that reason."""
+    tp_ep = ["--arch", "moe_tiny", "--expert-parallel-size", "2", "--model-parallel-size", "2"]
+    assert C.refusal(resolve(*tp_ep)) is None
+    assert C.refusal(resolve(*tp_ep, "--no-sequence-parallel", "--ddp-backend", "fully_sharded")) is None
+    with pytest.raises(UserError) as e:
+        resolve(*tp_ep, "--ddp-backend", "no_c10d")
+    assert str(e.value) == C.EP_TP_NO_C10D

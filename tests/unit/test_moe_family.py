@@ -102,7 +102,7 @@ def test_sigmoid_family_updates_its_bias_after_a_step():
     assert "layers.0.mlp.gate.expert_bias" in model.state_dict()
 
 
-def test_tensor_parallel_is_refused_and_expert_parallel_accepted():
+def test_the_plan_keeps_the_experts_whole_over_tensor_parallel_ranks():
     from toolkit.config import DistributedConfig
     from toolkit.distributed.parallel_dims import check_model_capabilities
     from toolkit.distributed.tensor_parallel import check_plan_kinds
@@ -111,15 +111,16 @@ def test_tensor_parallel_is_refused_and_expert_parallel_accepted():
     plan = meta_model("moe_tiny").tensor_parallel_plan()
     assert plan.experts == {"mlp": "ep_shard"} and "self_attn.q_proj" in plan.block
     assert not any(path.startswith("mlp") for path in plan.block)
-    with pytest.raises(UserError, match=r"'mlp' asks for expert-parallel placement 'ep_shard'"):
-        check_plan_kinds(plan, "MoELanguageModel")
+    check_plan_kinds(plan, "MoELanguageModel")  # ep_shard: a placement the toolkit places
+    with pytest.raises(UserError, match=r"'mlp' asks for expert-parallel placement 'ep_split'"):
+        check_plan_kinds(dataclasses.replace(plan, experts={"mlp": "ep_split"}), "MoELanguageModel")
     cfg = dataclasses.replace(DistributedConfig(), expert_parallel_size=2)
     check_model_capabilities(cfg, "moe_tiny", MoELanguageModel)  # the family places its experts
     from toolkit.config import composition
 
-    for other in ("TP", "HSDP", "overlap-offload"):  # what expert parallelism does not compose with
+    for other in ("HSDP", "overlap-offload"):  # what expert parallelism does not compose with
         assert isinstance(composition.status("EP", other), composition.Refused), other
-    for other in ("FSDP", "cpu-offload", "compile"):  # what it composes with, each pair tested
+    for other in ("FSDP", "cpu-offload", "compile", "TP"):  # what it composes with, each pair tested
         assert isinstance(composition.status("EP", other), composition.Tested), other
 
 

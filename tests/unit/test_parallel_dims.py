@@ -41,6 +41,8 @@ def sizes(s: ParallelShape):
     (dict(world=16, ddp_backend="fully_sharded", tp=2, cp=2, ep=8), (1, 4, 2, 2, 8), True, False),
     (dict(world=32, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2, tp=2, cp=2,
           ep=4), (4, 2, 2, 2, 4), True, True),
+    # c10d under TP: FSDP2 replicates over the world / tp data-parallel ranks, and ep is carved from those
+    (dict(world=4, tp=2, ep=2), (2, 1, 1, 2, 2), True, True),
 ])
 def test_shapes(kwargs, want, fsdp, hsdp):
     shape = parallel_shape(**kwargs)
@@ -69,9 +71,11 @@ def test_ranks_data_loss_and_coordinates():
     (dict(world=8, tp=2, cp=3), r"^--context-parallel-size 3: must divide the 4 ranks left by --model-parallel-size 2"),
     (dict(world=8, cp=-1), r"^--context-parallel-size -1: must be >= 1"),
     (dict(world=8, ddp_backend="fully_sharded", ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks"),
-    (dict(world=8, ddp_backend="fully_sharded", tp=2, cp=2, ep=8),
-     r"^--expert-parallel-size 8: must divide the 4 ranks that shard one replica \(dp_shard 2 x "
+    (dict(world=8, ddp_backend="fully_sharded", cp=2, ep=16),
+     r"^--expert-parallel-size 16: must divide the 8 ranks that shard one replica \(dp_shard 4 x "
      r"--context-parallel-size 2\)"),
+    (dict(world=8, tp=2, cp=2, ep=8),  # under TP the experts are spread over every data-parallel rank
+     r"^--expert-parallel-size 8: must divide the 4 ranks left by --model-parallel-size 2 \(world 8 / 2\)"),
     (dict(world=8, ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, "
                           r"no_shard\)"),
     (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard", ep=3),

@@ -142,9 +142,9 @@ TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and
                      "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
                      "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
                      "(FSDP2 under TP), or --fp16")
-EP_SHARDED = ("--expert-parallel-size with --model-parallel-size > 1: tensor parallelism would split each rank's "
-              "experts a second way, over the tp ranks, and the token exchange sends whole rows to whole experts; use "
-              "--model-parallel-size 1")
+EP_TP_NO_C10D = ("--expert-parallel-size with --model-parallel-size > 1 and --ddp-backend no_c10d: the experts stay "
+                 "whole on every tp rank (plain tensors beside the tp shards) and only FSDP2 reduces their gradients, "
+                 "over the ranks holding the same experts; use --ddp-backend c10d or fully_sharded")
 EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
                     "for all ranks, and each rank of an ep group holds different experts under the same name; save "
                     "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
@@ -273,8 +273,13 @@ _PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equal
 _PAIRS[("HSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_hsdp_equals_one_process",
                                 "4 ranks, hybrid_shard 2 x 2, ep 2: the experts on a (replicate, shard) mesh of "
                                 "their own; the consolidated checkpoint resumed in one process; no_shard x EP too")
-for _sharded in ("TP", "SP"):
-    _PAIRS[(_sharded, "EP")] = Refused(EP_SHARDED)
+_PAIRS[("TP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
+                              "4 ranks: attention tensor-parallel over tp 2, each expert whole (replicated over tp) "
+                              "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate) and "
+                              "fully_sharded")
+_PAIRS[("SP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
+                              "case sequence_parallel: each tp rank routes its positions, the router statistics and "
+                              "the MoE gradients summed over tp")
 _PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
                                        "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
                                        "GPU)")
@@ -368,6 +373,9 @@ def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
     """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
     if _size(cfg, "expert_parallel_size") <= 1:
         return None
+    dist = cfg.distributed
+    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
+        return EP_TP_NO_C10D
     checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint is not None and checkpoint.use_sharded_state:
         return EP_SHARDED_STATE

@@ -118,8 +118,9 @@ class TensorParallelPlan:
     ``unsupported``: why this model has no split (one line), refused before anything is sharded.
     ``fsdp_units``: the modules FSDP2 shards as units before the root, in order; a ``ModuleList`` path
     means each of its entries (every family: its blocks, ``("layers",)``).
-    ``experts``: expert-parallel placement, module path -> placement name; empty in every family today
-    (a plan naming one is refused in one line: the toolkit has no expert-parallel code yet to apply it).
+    ``experts``: expert-parallel placement, block module path -> placement name (``ep_shard``: the MoE family's
+    ``mlp``, whole on every tp rank and its experts spread over the ep ranks); an unknown placement is refused
+    in one line.
 
     A kind is a name registered with ``toolkit.distributed.tensor_parallel.register_tp_style`` (the
     built-in ones: ``vocab_embedding``, ``output``, ``column``, ``fused_qkv``, ``row``, ``norm``,

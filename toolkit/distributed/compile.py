@@ -76,7 +76,8 @@ def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: boo
     several graphs instead of one (no ``fullgraph``). Expert parallelism: its token exchange
     (``GroupedExperts._exchange_and_run``) between the graph of the attention and router and the graph of
     the combine. Context parallelism: the attention over the gathered keys/values
-    (``ContextShard.attend_across_ranks``) between the projections and ``o_proj``.
+    (``ContextShard.attend_across_ranks``) between the projections and ``o_proj``. So do a MoE layer's own FSDP2
+    hooks under tensor parallelism (``toolkit.distributed.expert_parallel.shard_moe_replicated_over_tp``).
     """
     backend = compile_backend(device)
     fullgraph = eager_region is None

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Set, Tuple
 import torch
 
 from toolkit.distributed.parallel_dims import ParallelDims
-from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, GroupedExperts
+from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
 
@@ -52,15 +52,51 @@ def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any
 
     for module in unit.modules():
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
-            mesh = dims.expert_fsdp_mesh
-            fully_shard(module, mesh=mesh, **fsdp_options)
             # the dense layers' FSDP2 divides by its whole mesh, replicas x shards (dims.loss_world under FSDP2)
-            module.set_gradient_divide_factor(float(dims.shape.loss_world))
-            # gloo has no pre-multiplied sum for the reduce-scatter: sum, then divide; over one shard rank FSDP2
-            # divides while copying (then, under HSDP, all-reduces a sum), and a forced sum would divide twice
-            shard = mesh.size(mesh.ndim - 1)
-            if shard > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
-                module.set_force_sum_reduction_for_comms(True)
+            _fully_shard_summed(module, dims.expert_fsdp_mesh, float(dims.shape.loss_world), fully_shard,
+                                fsdp_options)
+
+
+def shard_moe_replicated_over_tp(unit: torch.nn.Module, dims: ParallelDims, sequence_parallel: bool,
+                                 **fsdp_options: Any) -> None:
+    """Under tensor parallelism (torchtitan's layout when experts are not split over tp): each MoE layer of ``unit``
+    (a block, before the block itself) is whole on every tp rank, replicated over tp like the residual stream it
+    reads, and ``fully_shard``-ed by FSDP2 on its own 1-D mesh: its placed experts over the ranks holding the same
+    ones (``ParallelDims.expert_holders_mesh``: their ep peers x the tp ranks), the router and shared experts over
+    every rank. The gradient summed over that mesh is divided so that it is the average over the data-parallel
+    ranks: under sequence parallelism each tp rank routed its own positions, so the tp ranks' gradients are parts to
+    add (divide by the data-parallel size); without it they are copies (divide by the whole mesh's, tp included)."""
+    from torch.distributed.fsdp import fully_shard
+
+    divide = float(dims.shape.world // dims.shape.tp if sequence_parallel else dims.shape.world)
+    for module in unit.modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.experts.ep_group is not None:
+            _fully_shard_summed(module.experts, dims.expert_holders_mesh, divide, fully_shard, fsdp_options)
+        _fully_shard_summed(module, dims.world_mesh, divide, fully_shard, fsdp_options)
+
+
+def route_over_sequence_slices(model: torch.nn.Module, group: Any) -> None:
+    """Sequence parallelism: each MoE layer of ``model`` sees this tp rank's positions only; its routing statistics
+    (the balance and z losses' means, the loads) are taken over the positions of every rank of ``group``, as one
+    process takes them over the whole sequence."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_group = group
+
+
+def _fully_shard_summed(module: torch.nn.Module, mesh: Any, divide: float, fully_shard: Any,
+                        fsdp_options: Dict[str, Any]) -> None:
+    """``fully_shard`` over ``mesh`` (1-D, or HSDP's 2-D (replicate, shard)), the gradient summed over it then
+    divided by ``divide``."""
+    fully_shard(module, mesh=mesh, **fsdp_options)
+    module.set_gradient_divide_factor(divide)
+    # gloo has no pre-multiplied sum for the reduce-scatter: sum, then divide; over one shard rank FSDP2 divides
+    # while copying (then, under HSDP, all-reduces a sum), and a forced sum would divide twice
+    shard = mesh.ndim - 1
+    if mesh.size(shard) > 1 and torch.distributed.get_backend(mesh.get_group(shard)) == "gloo":
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def placed_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:

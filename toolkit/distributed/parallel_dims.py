@@ -27,7 +27,10 @@ the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's 
 torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only. Under HSDP
 (hybrid_*, no_shard) those ranks span the replica groups: the experts' mesh is 2-D, (ep_replicate, ep_shard), the
 dense layers' (dp_replicate, dp_shard) with ep carved out of the shard axis (torchtitan's ``dp_mod_ep``); under
-no_shard the ep ranks are whole replicas (carved from ``dp_replicate x cp``, as under DDP).
+no_shard the ep ranks are whole replicas (carved from ``dp_replicate x cp``, as under DDP). Under tensor
+parallelism the experts are not split over tp: ``ep`` divides all the data-parallel ranks (world / tp), each tp
+rank holds its experts whole, and FSDP2 shards them over the ranks holding the same ones, their ep peers of
+every tp rank (:attr:`ParallelDims.expert_holders_mesh`).
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
@@ -162,11 +165,14 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
-    # DDP and no_shard: every data-parallel rank is a whole replica; else the ranks that shard one replica
+    # DDP and no_shard: every data-parallel rank is a whole replica; FSDP2: the ranks that shard one replica; TP: every
+    # data-parallel rank (the experts are whole on each tp rank, replicated over tp, and spread over ranks of
+    # different batches)
     replicas = not fsdp or strategy == "no_shard"
-    carved = replicate * cp if replicas else shard * cp
+    carved = replicate * shard * cp if tp > 1 else replicate * cp if replicas else shard * cp
     if carved % ep:
-        where = ("that replicate the model (DDP, no_shard)" if replicas else
+        where = (f"left by --model-parallel-size {tp} (world {world} / {tp})" if tp > 1 else
+                 "that replicate the model (DDP, no_shard)" if replicas else
                  f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})")
         raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
                         f"over those ranks")
@@ -271,21 +277,28 @@ class ParallelDims:
             raise ValueError(f"the experts are sharded by FSDP2 only under --ddp-backend fully_sharded without tensor "
                              f"parallelism ({self.shape.describe()})")
         if self.shape.hsdp:
-            self._sub("experts", "ep", self.shape.ep)
-            return self._built()["experts"][("ep_replicate", "ep_shard")]
+            return self._sub("experts", "ep_fsdp", self.shape.ep)
         return self._sub("experts", "ep_peers", self.shape.ep)
+
+    @property
+    def expert_holders_mesh(self) -> Any:
+        """Under tensor parallelism, the 1-D mesh of the world / ep ranks holding the same experts (their ep peers and
+        the tp ranks, over which the experts are replicated): FSDP2 shards each rank's experts over it."""
+        if self.shape.tp == 1:
+            raise ValueError(f"the experts are replicated over tp ranks only under tensor parallelism "
+                             f"({self.shape.describe()})")
+        return self._sub("experts", "ep_holders", self.shape.ep)
+
+    @property
+    def world_mesh(self) -> Any:
+        """The 1-D mesh of every rank (what a parameter replicated over all of them is sharded over by FSDP2)."""
+        return self._built()["world"]
 
     @property
     def expert_peers_group(self) -> Any:
         """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over
         (DDP and no_c10d; FSDP2 reduces them over :attr:`expert_fsdp_mesh`)."""
-        self._sub("experts", "ep", self.shape.ep)
-        experts = self._built()["experts"]
-        if "ep_peers" in experts.mesh_dim_names:
-            return experts["ep_peers"].get_group()
-        if "expert_peers" not in self._meshes:  # HSDP's (ep_replicate, ep_shard): the same ranks, flattened once
-            self._meshes["expert_peers"] = experts[("ep_replicate", "ep_shard")]._flatten("ep_peers")
-        return self._meshes["expert_peers"].get_group()
+        return self._sub("experts", "ep_peers", self.shape.ep).get_group()  # under HSDP: ep_fsdp's ranks, flattened
 
     def _sub(self, view: str, axis: str, size: int) -> Any:
         if size == 1:
@@ -330,11 +343,17 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
                                              ("dp_replicate", "dp_shard", "cp", TP))
     if s.ep > 1:
         # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
-        if s.fsdp and s.hsdp:  # those ranks span the replica groups: (ep_replicate, ep_shard) x ep x tp
+        if s.fsdp and s.hsdp and s.tp == 1:  # those ranks span the replica groups: (ep_replicate, ep_shard) x ep x tp
             peers = (s.world // (s.ep * s.tp * s.expert_shard), s.expert_shard)
-            meshes["experts"] = world._unflatten(0, peers + (s.ep, s.tp), ("ep_replicate", "ep_shard", "ep", TP))
+            experts = world._unflatten(0, peers + (s.ep, s.tp), ("ep_replicate", "ep_shard", "ep", TP))
+            holders = experts[("ep_replicate", "ep_shard")]
+            meshes["experts"] = {"ep_fsdp": holders, "ep_peers": holders._flatten("ep_peers"), "ep": experts["ep"],
+                                 TP: experts[TP]}
         else:
-            meshes["experts"] = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
+            experts = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
+            meshes["experts"] = {"ep_peers": experts["ep_peers"], "ep": experts["ep"], TP: experts[TP]}
+            if s.tp > 1:  # experts whole on each tp rank: their holders are the ep peers of every tp rank
+                meshes["experts"]["ep_holders"] = experts["ep_peers", TP]._flatten("ep_holders")
     return meshes
 
 

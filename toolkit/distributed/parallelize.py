@@ -47,7 +47,9 @@ from toolkit.distributed.expert_parallel import (
     ExpertGradients,
     apply_expert_parallel,
     placed_parameters,
+    route_over_sequence_slices,
     shard_experts,
+    shard_moe_replicated_over_tp,
 )
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import ParallelDims
@@ -116,7 +118,8 @@ def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
 def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: CommonConfig,
                env: DistributedEnv, dims: Optional[ParallelDims] = None) -> None:
     """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root;
-    under expert parallelism (``dims.shape.ep > 1``) each unit's placed experts first, over their own mesh."""
+    under expert parallelism (``dims.shape.ep > 1``) each unit's placed experts first, over their own mesh; under
+    tensor parallelism each unit's MoE layers (replicated over tp) first, over theirs."""
     from torch.distributed.fsdp import fully_shard
 
     from toolkit.distributed.tensor_parallel import fsdp_units
@@ -127,7 +130,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: Com
     for i, unit in enumerate(units):
         # The last unit's parameters are needed again as soon as backward starts.
         unit_reshard = reshard and i < len(units) - 1
-        if dims is not None and dims.shape.ep > 1:
+        if dims is not None and dims.shape.tp > 1:
+            shard_moe_replicated_over_tp(unit, dims, not cfg.no_sequence_parallel, reshard_after_forward=unit_reshard,
+                                         **policies)
+        elif dims is not None and dims.shape.ep > 1:
             shard_experts(unit, dims, reshard_after_forward=unit_reshard, **policies)
         fully_shard(unit, mesh=mesh, reshard_after_forward=unit_reshard, **policies)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
@@ -253,20 +259,36 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
                         f"and this run has {env.world_size} process(es); give --distributed-world-size "
                         f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun")
     dims = placement["dims"]
+    moe = bool(tp.model_plan(model, cfg.model_parallel_size).experts)  # MoE layers whole on every tp rank
+    if moe and cfg.ddp_backend == "no_c10d":
+        raise UserError(f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
+                        f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
+                        f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded")
     tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
+    if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
+        apply_expert_parallel(model, dims)
+    if not cfg.no_sequence_parallel:
+        route_over_sequence_slices(model, dims.tp_mesh.get_group())
     if cfg.fp8:
         logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
     if cfg.checkpoint_activations:
         apply_activation_checkpointing(model)
     if cfg.compile:
-        apply_compile(model, env.device, hooks_eager=True, eager_region=eager_region(dims))
+        # the MoE layers' own FSDP2 hooks (and the token exchange) run eagerly between graphs of the block
+        region = " and ".join(r for r in (eager_region(dims), "the MoE layers' FSDP2 hooks" if moe else None) if r)
+        apply_compile(model, env.device, hooks_eager=True, eager_region=region or None)
     if cfg.ddp_backend != "no_c10d":
-        apply_fsdp(model, dims.fsdp_mesh, cfg, common, env)
+        apply_fsdp(model, dims.fsdp_mesh, cfg, common, env, dims)
     model.to_empty(device=env.device)
     init_weights(model, common.seed)
     mesh = dims.mesh
     logger.info(f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
                 f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
+    if dims.shape.ep > 1:
+        placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
+        logger.info(f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
+                    f"ranks, whole on each tp rank, each sharded by FSDP2 over the {dims.expert_holders_mesh.size()} "
+                    f"ranks holding them")
     if cfg.ddp_backend == "no_c10d":
         return model, _tensor_parallel_all_reduce(model, dims, placement)
     return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True,

@@ -303,9 +303,12 @@ def _pad_sequence_hooks(model: nn.Module, M: int, padding_idx: int) -> None:
             return None
         return (F.pad(tokens, (0, M - T % M), value=padding_idx), *args[1:])
 
-    def cut(_module, _inputs, logits):
+    def cut(_module, _inputs, output):
         T = lengths.pop()
-        return logits if logits.size(1) == T else logits[:, :T]
+        logits = output[0] if isinstance(output, tuple) else output  # a training MoE's (logits, extras)
+        if logits.size(1) == T:
+            return output
+        return (logits[:, :T], *output[1:]) if isinstance(output, tuple) else logits[:, :T]
 
     model.register_forward_pre_hook(pad)
     model.register_forward_hook(cut, always_call=True)
@@ -319,12 +322,16 @@ def _gather_logits_hook(_module, _inputs, logits):
     return logits
 
 
-def _check_every_parameter_split(model: nn.Module, M: int) -> None:
-    """Every parameter is a DTensor on the TP mesh: a layer the plan missed fails here, in one line, instead of
-    at its first forward (``aten.mm.default got mixed torch.Tensor and DTensor``)."""
+def _check_every_parameter_split(model: nn.Module, M: int, whole: Tuple[str, ...] = ()) -> None:
+    """Every parameter is a DTensor on the TP mesh, but those of the block paths in ``whole`` (the plan's
+    experts: whole on every tp rank, plain tensors FSDP2 shards on a mesh of their own): a layer the plan missed
+    fails here, in one line, instead of at its first forward (``aten.mm.default got mixed torch.Tensor and
+    DTensor``)."""
     from torch.distributed.tensor import DTensor
 
-    missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    prefixes = tuple(f"layers.{i}.{path}." for i in range(len(model.layers)) for path in whole)
+    missed = [name for name, p in model.named_parameters()
+              if not isinstance(p, DTensor) and not name.startswith(prefixes)]
     if missed:
         raise UserError(f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
                         f"({type(model).__name__}.tensor_parallel_plan()); use --model-parallel-size 1 with this model")
@@ -431,16 +438,20 @@ def tp_style(kind: str, owner: str, path: str) -> TPStyle:
     return TP_STYLES[kind]
 
 
+EXPERT_PLACEMENTS = ("ep_shard",)  # toolkit.distributed.expert_parallel
+
+
 def check_plan_kinds(plan: TensorParallelPlan, owner: str) -> None:
-    """Every kind of ``plan`` registered, and no expert placement (this toolkit has no expert-parallel code to
-    place experts with): refused before anything is sharded."""
+    """Every kind of ``plan`` registered, and every expert placement one the toolkit places (``ep_shard``: the
+    experts' leading dimension over the ep ranks, each expert whole and replicated over the tp ranks):
+    refused before anything is sharded."""
     for path, kind in {**plan.top, **plan.block}.items():
         tp_style(kind, owner, path)
-    if plan.experts:
-        path, placement = next(iter(plan.experts.items()))
-        raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} asks for expert-parallel placement "
-                        f"{placement!r}, and the toolkit has no expert-parallel code to place it; use "
-                        f"--model-parallel-size 1 or leave the experts out of the plan")
+    for path, placement in plan.experts.items():
+        if placement not in EXPERT_PLACEMENTS:
+            raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} asks for expert-parallel placement {placement!r}, "
+                            f"which the toolkit does not place (known: {', '.join(EXPERT_PLACEMENTS)}); name a known "
+                            f"one or leave the experts out of the plan")
 
 
 @register_tp_style("vocab_embedding", sharded=("weight",))
@@ -595,5 +606,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     model.get_submodule(plan.hidden).register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
     if not loss_parallel:
         model.register_forward_hook(_gather_logits_hook)
-    _check_every_parameter_split(model, M)
+    _check_every_parameter_split(model, M, tuple(plan.experts))
     return model

@@ -28,6 +28,12 @@ computed there and come back by a second exchange in the same order, so the comb
 Backward sends the gradients along the same splits reversed (:class:`_Exchange`). The routing statistics
 (counts, aux losses, bias update) are taken before the dispatch, as in one process.
 
+Under tensor parallelism the layer is not split: each tp rank holds it whole. With sequence parallelism a rank
+routes only its slice of the positions, so the statistics below are summed over the tp ranks
+(``MoE.sequence_group``, set by ``toolkit.distributed.expert_parallel``) and equal one process's, except in a
+batch whose length sequence parallelism right-pads to a multiple of M (an epoch's short last block): the padding
+positions are routed and counted too (their logits are cut, so they add nothing else).
+
 Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
 
 - load balancing (Switch Transformer / GShard): ``E * sum_i f_i * P_i``, f_i the fraction of the N*k
@@ -342,15 +348,45 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype)), counts
 
 
-def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard: E * sum_i f_i * P_i, f_i = counts_i / (N k) (no gradient), P_i = mean_n probs[n, i]."""
-    fraction = counts.float() / (probs.size(0) * top_k)
-    return probs.size(1) * (fraction.detach() * probs.mean(0)).sum()
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=None) -> torch.Tensor:
+    """Switch/GShard: E * sum_i f_i * P_i, f_i = counts_i / (N k) (no gradient), P_i = mean_n probs[n, i]; with a
+    ``group`` (sequence parallelism) the N tokens are those of every rank of it, counts and probabilities summed."""
+    if group is None:
+        fraction = counts.float() / (probs.size(0) * top_k)
+        return probs.size(1) * (fraction.detach() * probs.mean(0)).sum()
+    tokens = _sum_over(probs.new_tensor(float(probs.size(0))), group)
+    fraction = _sum_over(counts.float().detach(), group) / (tokens * top_k)
+    return probs.size(1) * (fraction * _sum_over(probs.sum(0), group) / tokens).sum()
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's z-loss: mean over tokens of logsumexp(router logits)^2, which keeps the logits small."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def router_z_loss(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """ST-MoE's z-loss: mean over tokens of logsumexp(router logits)^2, which keeps the logits small (with a
+    ``group``: over the tokens of every rank of it)."""
+    squares = torch.logsumexp(logits.float(), dim=-1).square()
+    if group is None:
+        return squares.mean()
+    return _sum_over(squares.sum(), group) / _sum_over(squares.new_tensor(float(squares.numel())), group)
+
+
+def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` summed over ``group`` (None: as it is), the gradient passed back to this rank's part unchanged."""
+    return tensor if group is None else _SumOverRanks.apply(tensor, group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce whose backward is the identity: every rank of the group computes the same loss from the sum, and
+    the gradient of that one loss with respect to this rank's part is the gradient with respect to the sum (the
+    parameters' gradients of the ranks are then added, as sequence-parallel gradients are)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class MoE(nn.Module):
@@ -377,6 +413,9 @@ class MoE(nn.Module):
         self.register_buffer("idle_updates", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.aux: Dict[str, torch.Tensor] = {}
         self.load: Dict[str, torch.Tensor] = {}
+        # sequence parallelism (set by toolkit.distributed.expert_parallel): this rank routes its slice of the
+        # positions, and the routing statistics are summed over the ranks of the other slices
+        self.sequence_group = None
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -398,13 +437,14 @@ class MoE(nn.Module):
         return y.view(B, T, C)
 
     def _record(self, routing: Routing, counts: torch.Tensor) -> None:
-        self.aux = {"balance": load_balancing_loss(routing.probs, counts, self.gate.top_k),
-                    "z": router_z_loss(routing.logits)}
+        group = self.sequence_group
+        self.aux = {"balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group),
+                    "z": router_z_loss(routing.logits, group)}
         with torch.no_grad():
-            counts = counts.float()
-            self.load = {"max_load": counts.max() / counts.mean(),
-                         "dropped": routing.experts.numel() - counts.sum()}
-            self.tokens_per_expert += counts
+            self.tokens_per_expert += counts.float()  # this rank's: after_optimizer_step sums over every rank
+            counts = _sum_over(counts.float(), group)
+            assigned = _sum_over(counts.new_tensor(float(routing.experts.numel())), group)
+            self.load = {"max_load": counts.max() / counts.mean(), "dropped": assigned - counts.sum()}
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

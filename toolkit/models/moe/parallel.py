@@ -3,8 +3,9 @@
 Attention, norms, embeddings and the output layer take the Llama family's kinds (``llama/parallel.py``).
 Each block's ``mlp`` (router and stacked experts) is named in ``experts`` with the placement ``ep_shard``
 (the experts' leading dimension E cut over the ``ep`` ranks, tokens exchanged with all-to-all), which
-``--expert-parallel-size`` applies under DDP (``toolkit.distributed.expert_parallel``); tensor parallelism
-does not place it, so ``--model-parallel-size`` refuses the plan in one line. FSDP2 shards each block as a
+``--expert-parallel-size`` applies (``toolkit.distributed.expert_parallel``). Tensor parallelism does not split
+it (torchtitan's layout without expert tensor parallelism): every tp rank holds each of its experts whole, and
+FSDP2 shards the ``mlp`` on meshes of its own (``shard_moe_replicated_over_tp``). FSDP2 shards each block as a
 unit, experts included, as for the dense families.
 """
 from __future__ import annotations
