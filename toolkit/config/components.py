@@ -70,11 +70,11 @@ class CrossEntropyCriterionConfig:
         "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
                 "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
                 "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy", "type": non_negative_float})
-    head_loss_chunk_rows: int = field(default=1024, metadata={
-        "help": "compute the output layer and the loss together, this many tokens at a time, never holding all "
-                "[tokens, vocabulary] logits (transformer_lm, llama, moe; not with --z-loss-coef, an adaptive "
-                "softmax, a vocabulary split over ranks or a logit soft-cap, which keep the logits); "
-                "0: always the logits, then the loss", "type": non_negative_int})
+    head_loss_chunk_rows: int = field(default=512, metadata={
+        "help": "compute the output layer and the loss together, this many tokens at a time: never all "
+                "[tokens, vocabulary] logits, only N x vocabulary fp32 (transformer_lm, llama, moe; not with "
+                "--z-loss-coef, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which keep "
+                "the logits); 0: always the logits, then the loss", "type": non_negative_int})
 
 
 # --optimizer (toolkit/optim/<name>.py)

@@ -13,7 +13,7 @@
   tensor so that micro-batches can be summed on the device and read with one
   ``.item()`` (or ``float()``) per update instead of one sync per micro-batch.
 
-The output layer and the loss are fused (``--head-loss-chunk-rows N``, default 1024; ``toolkit.models.fused_loss``)
+The output layer and the loss are fused (``--head-loss-chunk-rows N``, default 512; ``toolkit.models.fused_loss``)
 when the model offers it (``supports_fused_loss``: ``transformer_lm``, ``llama``, ``moe``): the criterion passes
 ``loss_target=`` to ``forward`` and the model returns the summed NLL, computed N tokens at a time (softmax and its
 gradient per chunk), so the [B*T, V] fp32 logits and their gradient never exist whole. The same sum, to fp32

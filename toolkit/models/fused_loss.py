@@ -23,7 +23,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-DEFAULT_CHUNK_ROWS = 1024  # rows per chunk: benchmarks/fused_loss.py measured 512..2048 alike on CPU
+# benchmarks/fused_loss.py (N 2048, V 8192, 1 thread): 512 and 1024 rows fastest, 512 at 30 MiB of temporaries
+DEFAULT_CHUNK_ROWS = 512
+# (a chunk holds rows x V fp32 logits: 16 MiB at V 8192, 256 MiB at V 128k; lower it for a large vocabulary)
 
 
 def _chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
@@ -70,6 +72,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[rows] = grad_logits @ w
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.t().float(), h.float())
+                del grad_logits  # before the next chunk's logits: one chunk's [rows, V] alive at a time
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss
 
