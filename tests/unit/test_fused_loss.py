@@ -155,6 +155,10 @@ def test_the_model_returns_the_summed_nll_only_where_its_head_fuses():
     assert capped(tokens, loss_target=asked).shape == (3, 12, V)
     features = adaptive_helpers.model()(adaptive_helpers.tokens(T=12), loss_target=asked)  # an adaptive softmax
     assert isinstance(features, torch.Tensor) and features.size(-1) == adaptive_helpers.C
+    with torch.autocast("cpu", dtype=torch.float16):  # fp16's loss scale must reach d logits before they are fp16
+        assert plain(tokens, loss_target=asked).shape == (3, 12, V)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert summed_nll_of(plain(tokens, loss_target=asked)) is not None
     # a MoE model's routers' losses ride along with the fused NLL
     routed = moe().train()(tokens, loss_target=asked)
     assert summed_nll_of(routed) is not None and "moe_aux_loss" in aux_losses_of(routed)

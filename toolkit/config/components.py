@@ -73,8 +73,8 @@ class CrossEntropyCriterionConfig:
     head_loss_chunk_rows: int = field(default=512, metadata={
         "help": "compute the output layer and the loss together, this many tokens at a time: never all "
                 "[tokens, vocabulary] logits, only N x vocabulary fp32 (transformer_lm, llama, moe; not with "
-                "--z-loss-coef, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which keep "
-                "the logits); 0: always the logits, then the loss", "type": non_negative_int})
+                "--z-loss-coef, --fp16, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which "
+                "keep the logits); 0: always the logits, then the loss", "type": non_negative_int})
 
 
 # --optimizer (toolkit/optim/<name>.py)

@@ -20,7 +20,8 @@ gradient per chunk), so the [B*T, V] fp32 logits and their gradient never exist 
 rounding (``tests/unit/test_fused_loss.py``). The logits path stays where fusing cannot apply: ``--z-loss-coef``
 (it needs logsumexp per token beside the NLL), ``reduce=False`` (per-token losses), ``--head-loss-chunk-rows 0``,
 and whatever the model itself declines (an adaptive softmax, a vocabulary split over tensor-parallel ranks, a
-logit soft-cap): the model then returns its logits and the loss is computed from them here.
+logit soft-cap, fp16 with its loss scale): the model then returns its logits and the loss is computed from them
+here.
 
 A batch with ``sample["is_dummy"]`` (padding of a short data shard, see
 :mod:`toolkit.data.iterators`) still runs forward and backward, but its loss is

@@ -21,7 +21,7 @@ import torch
 from toolkit.core import registry
 from toolkit.core.dtensor import is_dtensor
 from toolkit.core.protocols import Bounded
-from toolkit.models.fused_loss import LossTarget, linear_cross_entropy
+from toolkit.models.fused_loss import LossTarget, linear_cross_entropy, matmul_dtype
 from toolkit.models.outputs import with_summed_nll
 
 
@@ -113,9 +113,11 @@ class DecoderInterface:
     def fused_head_loss(self, hidden: torch.Tensor, weight: torch.Tensor, loss_target: Optional[LossTarget]):
         """``(None, {"summed_nll": ...})`` of the head ``hidden @ weight.T`` and the cross-entropy fused
         (``toolkit.models.outputs.with_summed_nll``), or None where the caller must compute logits: no target
-        asked for, or a weight split over ranks (tensor parallel: a DTensor here, whose softmax needs the whole
-        vocabulary row; under FSDP2 the root's weights are whole plain tensors during forward and fuse)."""
-        if loss_target is None or is_dtensor(weight) or is_dtensor(hidden):
+        asked for, a weight split over ranks (tensor parallel: a DTensor here, whose softmax needs the whole
+        vocabulary row; under FSDP2 the root's weights are whole plain tensors during forward and fuse), or an
+        fp16 matmul (the loss scale comes after the fused gradient, see ``toolkit.models.fused_loss``)."""
+        if (loss_target is None or is_dtensor(weight) or is_dtensor(hidden)
+                or matmul_dtype(hidden, weight) == torch.float16):
             return None
         return with_summed_nll(linear_cross_entropy(hidden, weight, loss_target.target, loss_target.ignore_index,
                                                     loss_target.chunk_rows))

@@ -15,7 +15,10 @@ the peak memory of the head is one chunk's logits instead of two or three [N, V]
 
 What it does not do (the caller keeps the unfused path there, see ``toolkit.criterions.cross_entropy``):
 label smoothing, a z-loss, a logit soft-cap, per-token (unreduced) losses, vocabulary-sharded weights (tensor
-parallel: the softmax needs the whole row), adaptive softmax (no single [V, C] weight).
+parallel: the softmax needs the whole row), adaptive softmax (no single [V, C] weight), fp16 matmuls (fp16's
+dynamic loss scale is applied in backward, after this forward has cast the unscaled d logits to fp16, where a large
+vocabulary's probabilities, ~1/V, fall among the subnormals; the logits path scales them first. bf16 has fp32's
+range and fuses).
 """
 from __future__ import annotations
 
@@ -97,10 +100,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"{hidden.size(0)} hidden rows for {target.size(0)} targets")
     # decided here: inside Function.forward grad mode is off, so it could not tell training from evaluation
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, target, ignore_index, chunk_rows, want_grad,
+                                     matmul_dtype(hidden, weight))
+
+
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: under --fp16/--bf16 autocast, autocast's; else the weight's."""
     device = hidden.device.type
-    # under --fp16/--bf16 autocast the unfused head's matmul runs in the autocast dtype: so do the chunks
-    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return _LinearCrossEntropy.apply(hidden, weight, target, ignore_index, chunk_rows, want_grad, compute_dtype)
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
 class LossTarget(NamedTuple):
