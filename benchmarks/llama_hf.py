@@ -2,23 +2,36 @@
 
     python benchmarks/llama_hf.py                       # 4 x 256, FFN 688, 8 heads on 4 KV heads, V 8192
     python benchmarks/llama_hf.py --layers 2 --rounds 6 --threads 1
+    python benchmarks/llama_hf.py --contestants toolkit          # one alone: its peak memory (peak_rss_mib)
 
 Both models have the same config and the same initial weights (ours copied into transformers'
 through the Hugging Face adapter, ``toolkit.models.llama.hf``), see the same batches (uniformly
-random tokens, B x T, every row full) and take the same AdamW steps. One training step is:
-forward to logits, fp32 cross entropy over all B x T targets, backward, AdamW step, zero_grad.
-The two are alternated step by step in one process (ours, theirs, ours, ...), so a neighbour
-process on a shared machine slows both alike; ``--warmup`` rounds are discarded.
+random tokens, B x T, every row full) and take the same AdamW steps. One training step is each
+side's own training path, then backward, AdamW step, zero_grad:
 
-Reports the median step time and tokens/s of each, their ratio (ours / theirs, above 1 is
-faster), the largest difference of the losses of the last round (a check that both computed the
-same thing), and one JSON line (``"benchmark": "llama_vs_transformers"``).
+- ``toolkit``: ``toolkit-train``'s, the ``cross_entropy`` criterion on a fairseq sample (the summed NLL, divided
+  by the sample size as the trainer does), with its default fused output layer + loss
+  (``--head-loss-chunk-rows``, ``toolkit.models.fused_loss``);
+- ``toolkit-logits``: the same with ``--head-loss-chunk-rows 0``: [B*T, V] logits, then the fp32 cross-entropy
+  (the toolkit before the fused head);
+- ``transformers``: ``LlamaForCausalLM(input_ids, labels=...)``, its own loss (logits, ``.float()``, mean
+  cross-entropy); the targets that are our padding index are -100 for it, so both count the same tokens.
+
+The contestants are alternated step by step in one process (ours, theirs, ours, ...), so a neighbour
+process on a shared machine slows all alike; ``--warmup`` rounds are discarded.
+
+Reports the median step time and tokens/s of each, toolkit / transformers (above 1 is faster), toolkit /
+toolkit-logits (what fusing gains), the largest difference of the per-token losses of the last round (a check
+that all computed the same thing), the process's peak resident memory (meaningful with one contestant), and one
+JSON line (``"benchmark": "llama_vs_transformers"``).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -26,7 +39,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 
 def parse(argv=None):
@@ -42,6 +54,10 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contestants", default="toolkit,toolkit-logits,transformers",
+                    help="comma-separated, from toolkit, toolkit-logits, transformers")
+    ap.add_argument("--head-loss-chunk-rows", type=int, default=None,
+                    help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)")
     return ap.parse_args(argv)
 
 
@@ -63,12 +79,14 @@ def build_pair(args):
     return ours.train(), theirs.train()
 
 
-def make_step(model, logits_of):
+PAD = 1  # the toolkit model's padding index: targets equal to it count nothing on either side
+
+
+def make_step(model, loss_of):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
     def step(tokens: torch.Tensor) -> float:
-        logits = logits_of(model, tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = loss_of(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -77,15 +95,51 @@ def make_step(model, logits_of):
     return step
 
 
+def toolkit_loss(chunk_rows):
+    """The toolkit's training loss: the ``cross_entropy`` criterion on a sample, per token as the trainer
+    normalizes it (``chunk_rows`` 0: logits, then the loss)."""
+    from types import SimpleNamespace
+
+    from toolkit.config.components import CrossEntropyCriterionConfig
+    from toolkit.criterions.cross_entropy import CrossEntropyCriterion
+
+    cfg = CrossEntropyCriterionConfig() if chunk_rows is None else CrossEntropyCriterionConfig(
+        head_loss_chunk_rows=chunk_rows)
+    criterion = CrossEntropyCriterion(SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD)), cfg)
+
+    def loss_of(model, inputs, targets):
+        sample = {"net_input": {"src_tokens": inputs}, "target": targets, "ntokens": int(targets.ne(PAD).sum()),
+                  "nsentences": targets.size(0)}
+        loss, sample_size, _ = criterion(model, sample)
+        return loss / sample_size
+
+    return loss_of
+
+
+def transformers_loss(model, inputs, targets):
+    """transformers' own training path: ``labels=`` (already shifted here), its mean cross-entropy."""
+    labels = targets.masked_fill(targets.eq(PAD), -100)
+    return model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False).loss
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     ours, theirs = build_pair(args)
-    steps = {"toolkit": make_step(ours, lambda m, x: m(x)),
-             "transformers": make_step(theirs, lambda m, x: m(input_ids=x, use_cache=False).logits)}
+    chosen = args.contestants.split(",")
+    all_steps = {"toolkit": lambda: make_step(ours, toolkit_loss(args.head_loss_chunk_rows)),
+                 "toolkit-logits": lambda: make_step(copy.deepcopy(ours), toolkit_loss(0)),
+                 "transformers": lambda: make_step(theirs, transformers_loss)}
+    unknown = set(chosen) - set(all_steps)
+    if unknown:
+        raise SystemExit(f"--contestants: unknown {sorted(unknown)}; choose from {sorted(all_steps)}")
+    if "transformers" not in chosen:
+        del theirs
+    steps = {name: all_steps[name]() for name in chosen}
     return {"benchmark": "llama_vs_transformers", "layers": args.layers, "dim": args.dim, "ffn": args.ffn,
             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tokens": args.tokens,
             "batch": args.batch, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-            **alternated(steps, args)}
+            "head_loss_chunk_rows": args.head_loss_chunk_rows, **alternated(steps, args),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def alternated(steps, args) -> dict:
@@ -103,18 +157,24 @@ def alternated(steps, args) -> dict:
                 times[name].append(time.perf_counter() - t0)
     tokens_per_step = args.batch * args.tokens
     median = {name: statistics.median(t) for name, t in times.items()}
-    return {"step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
-            "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
-            "speedup": round(median["transformers"] / median["toolkit"], 3),
-            "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}
+    out = {"step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
+           "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
+           "last_loss_diff": max(losses.values()) - min(losses.values())}
+    for name, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
+        if "toolkit" in median and over in median:  # toolkit / the other, above 1: the toolkit is faster
+            out[name] = round(median[over] / median["toolkit"], 3)
+    return out
 
 
 def main(argv=None) -> None:
     result = run(parse(argv))
-    for name in ("toolkit", "transformers"):
-        print(f"{name:>12}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
-    print(f"toolkit / transformers: {result['speedup']:.2f}x (median of {result['rounds']} alternated steps); "
-          f"last losses differ by {result['last_loss_diff']:.2e}")
+    for name in result["step_ms"]:
+        print(f"{name:>14}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
+    for key, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
+        if key in result:
+            print(f"toolkit / {over}: {result[key]:.2f}x (median of {result['rounds']} alternated steps)")
+    print(f"last per-token losses differ by {result['last_loss_diff']:.2e}; "
+          f"peak resident memory {result['peak_rss_mib']} MiB (of the whole process)")
     print(json.dumps(result))
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Tuple
 
 from toolkit.config import opt
-from toolkit.config.flag_types import count_or_zero, float_list, non_negative_float, positive_int
+from toolkit.config.flag_types import count_or_zero, float_list, non_negative_float, non_negative_int, positive_int
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 """``--sample-break-mode``: how a token stream is cut into samples (``data/token_block_dataset.py``)."""
@@ -70,6 +70,11 @@ class CrossEntropyCriterionConfig:
         "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
                 "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
                 "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy", "type": non_negative_float})
+    head_loss_chunk_rows: int = field(default=512, metadata={
+        "help": "compute the output layer and the loss together, this many tokens at a time: never all "
+                "[tokens, vocabulary] logits, only N x vocabulary fp32 (transformer_lm, llama, moe; not with "
+                "--z-loss-coef, --fp16, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which "
+                "keep the logits); 0: always the logits, then the loss", "type": non_negative_int})
 
 
 # --optimizer (toolkit/optim/<name>.py)

@@ -13,6 +13,16 @@
   tensor so that micro-batches can be summed on the device and read with one
   ``.item()`` (or ``float()``) per update instead of one sync per micro-batch.
 
+The output layer and the loss are fused (``--head-loss-chunk-rows N``, default 512; ``toolkit.models.fused_loss``)
+when the model offers it (``supports_fused_loss``: ``transformer_lm``, ``llama``, ``moe``): the criterion passes
+``loss_target=`` to ``forward`` and the model returns the summed NLL, computed N tokens at a time (softmax and its
+gradient per chunk), so the [B*T, V] fp32 logits and their gradient never exist whole. The same sum, to fp32
+rounding (``tests/unit/test_fused_loss.py``). The logits path stays where fusing cannot apply: ``--z-loss-coef``
+(it needs logsumexp per token beside the NLL), ``reduce=False`` (per-token losses), ``--head-loss-chunk-rows 0``,
+and whatever the model itself declines (an adaptive softmax, a vocabulary split over tensor-parallel ranks, a
+logit soft-cap, fp16 with its loss scale): the model then returns its logits and the loss is computed from them
+here.
+
 A batch with ``sample["is_dummy"]`` (padding of a short data shard, see
 :mod:`toolkit.data.iterators`) still runs forward and backward, but its loss is
 multiplied by 0 and its ``sample_size``/``ntokens``/``nsentences`` are 0.
@@ -42,7 +52,8 @@ import torch.nn.functional as F
 
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
-from toolkit.models.outputs import aux_losses_of, metrics_of
+from toolkit.models.fused_loss import LossTarget
+from toolkit.models.outputs import aux_losses_of, metrics_of, summed_nll_of
 from toolkit.config.components import CrossEntropyCriterionConfig  # noqa: F401  (its options, torch-free for --help)
 
 # logging-output keys of the criterion itself (and what reduce_metrics derives); any other is a model's extra
@@ -66,6 +77,7 @@ class CrossEntropyCriterion(torch.nn.Module):
         self.sentence_avg = bool(self.cfg.sentence_avg)
         self.padding_idx = task.target_dictionary.pad()
         self.z_loss_coef = float(self.cfg.z_loss_coef)
+        self.head_loss_chunk_rows = int(self.cfg.head_loss_chunk_rows)
 
     @staticmethod
     def logits_of(net_output: Any) -> torch.Tensor:
@@ -82,7 +94,13 @@ class CrossEntropyCriterion(torch.nn.Module):
     def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
         # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
-        net_output = model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"]))
+        inputs = packing_inputs(sample["net_input"])
+        if reduce and self.fuses_head_loss(model):
+            inputs["loss_target"] = LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)
+        net_output = model(sample["net_input"]["src_tokens"], **inputs)
+        summed_nll = summed_nll_of(net_output)
+        if summed_nll is not None:  # the model's fused head computed the loss (no z-loss then: fuses_head_loss)
+            return self.with_model_extras(net_output, *self.with_counts(summed_nll, sample))
         logits = self.logits_of(net_output)
         counted = self.with_counts(self.compute_loss(logits, sample["target"], reduce=reduce), sample)
         if not reduce:
@@ -90,6 +108,12 @@ class CrossEntropyCriterion(torch.nn.Module):
         if self.z_loss_coef > 0:
             counted = self.with_z_loss(logits, sample, *counted)
         return self.with_model_extras(net_output, *counted)
+
+    def fuses_head_loss(self, model) -> bool:
+        """Whether to ask ``model`` for its fused head and loss: a family that offers it (through DDP's wrapper,
+        which forwards attributes), fusing not switched off, and no z-loss (which reads every logsumexp)."""
+        return (self.head_loss_chunk_rows > 0 and self.z_loss_coef == 0
+                and bool(getattr(model, "supports_fused_loss", False)))
 
     def with_z_loss(self, logits: torch.Tensor, sample: Dict[str, Any], loss: torch.Tensor, sample_size: int,
                     logging_output: Dict[str, Any]) -> Tuple[torch.Tensor, int, Dict[str, Any]]:

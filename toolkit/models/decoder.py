@@ -19,7 +19,10 @@ from typing import Dict, List, Optional
 import torch
 
 from toolkit.core import registry
+from toolkit.core.dtensor import is_dtensor
 from toolkit.core.protocols import Bounded
+from toolkit.models.fused_loss import LossTarget, linear_cross_entropy, matmul_dtype
+from toolkit.models.outputs import with_summed_nll
 
 
 class KVCache:
@@ -73,6 +76,8 @@ class DecoderInterface:
     # ExpertParallelizable): a family with context-parallel attention or MoE layers sets its flag to True.
     supports_context_parallel: bool = False
     supports_expert_parallel: bool = False
+    # forward(..., loss_target=LossTarget) may return the summed NLL instead of logits (fused_head_loss)
+    supports_fused_loss: bool = False
 
     @classmethod
     def build_model(cls, cfg, task):
@@ -104,6 +109,18 @@ class DecoderInterface:
         if incremental_state is None:
             return [None] * len(self.layers)
         return incremental_state.setdefault("layers", [KVCache() for _ in self.layers])
+
+    def fused_head_loss(self, hidden: torch.Tensor, weight: torch.Tensor, loss_target: Optional[LossTarget]):
+        """``(None, {"summed_nll": ...})`` of the head ``hidden @ weight.T`` and the cross-entropy fused
+        (``toolkit.models.outputs.with_summed_nll``), or None where the caller must compute logits: no target
+        asked for, a weight split over ranks (tensor parallel: a DTensor here, whose softmax needs the whole
+        vocabulary row; under FSDP2 the root's weights are whole plain tensors during forward and fuse), or an
+        fp16 matmul (the loss scale comes after the fused gradient, see ``toolkit.models.fused_loss``)."""
+        if (loss_target is None or is_dtensor(weight) or is_dtensor(hidden)
+                or matmul_dtype(hidden, weight) == torch.float16):
+            return None
+        return with_summed_nll(linear_cross_entropy(hidden, weight, loss_target.target, loss_target.ignore_index,
+                                                    loss_target.chunk_rows))
 
     def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
         """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""

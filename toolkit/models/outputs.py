@@ -10,6 +10,10 @@ A model's ``forward`` returns logits, or fairseq's ``(logits, extra)`` with ``ex
   whatever the number of micro-batches and ranks;
 - ``"metrics"``: ``{name: value}``, numbers to log (an expert's load, the router's entropy), not trained on.
 
+A model asked for its loss (``forward(..., loss_target=LossTarget(...))``, ``toolkit.models.fused_loss``) returns
+``(None, extra)`` with ``extra["summed_nll"]`` the summed cross-entropy in place of the logits (``with_summed_nll``),
+or its usual output where its head cannot be fused; ``summed_nll_of`` tells the criterion which.
+
 Each name is logged under itself (``aux_loss``, ``z_loss``) in the log lines and TensorBoard, as the
 ``sample_size``-weighted mean of the values (before the coefficient, in nats); ``loss`` and ``ppl`` stay
 the cross-entropy alone, in training and in validation.
@@ -22,6 +26,7 @@ import torch
 
 AUX_LOSSES = "aux_losses"
 METRICS = "metrics"
+SUMMED_NLL = "summed_nll"
 
 
 def with_extras(logits: torch.Tensor, aux_losses: Optional[Mapping[str, Tuple[torch.Tensor, float]]] = None,
@@ -44,3 +49,13 @@ def aux_losses_of(net_output: Any) -> Dict[str, Tuple[torch.Tensor, float]]:
 def metrics_of(net_output: Any) -> Dict[str, Any]:
     """The ``{name: value}`` metrics a model's output carries."""
     return dict(_extra(net_output).get(METRICS) or {})
+
+
+def with_summed_nll(summed_nll: torch.Tensor) -> Tuple[None, Dict[str, Any]]:
+    """``(None, extra)``: the fused head's summed NLL where the logits would be."""
+    return with_extras(None, **{SUMMED_NLL: summed_nll})
+
+
+def summed_nll_of(net_output: Any) -> Optional[torch.Tensor]:
+    """The summed NLL a model computed itself (its fused head and loss), or None when it returned logits."""
+    return _extra(net_output).get(SUMMED_NLL)

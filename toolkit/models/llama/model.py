@@ -46,6 +46,7 @@ from toolkit.models.blocks.attention import Attention, attention_mask
 from toolkit.models.blocks.feed_forward import GatedFeedForward
 from toolkit.models.blocks.norms import RMSNorm
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
+from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models.llama.config import LlamaConfig, check_shapes, head_dim, kv_heads, layer_windows
 from toolkit.models.llama.hf import CLASSES as HF_CLASS_NAMES
@@ -114,6 +115,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
     """The decoder-only Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 language model behind the toolkit's model interface."""
 
     supports_context_parallel = True  # its attention takes a ContextShard as the mask (forward's docstring)
+    supports_fused_loss = True  # forward(..., loss_target=): output()
 
     def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``);
@@ -145,8 +147,11 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
 
     def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
                 document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                context_parallel: Any = None) -> torch.Tensor:
+                context_parallel: Any = None, loss_target: Optional[LossTarget] = None) -> Any:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        ``loss_target`` (the criterion's): the summed NLL of those targets instead of the logits, the head and
+        the loss fused (``DecoderInterface.fused_head_loss``), except under Gemma 2's logit soft-cap.
 
         ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
         token's rotary position (restarting per document) (``toolkit.models.document_mask``).
@@ -175,7 +180,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
                 x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, attn_mask=mask)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
-        return self.output(x)
+        return self.output(x, loss_target)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The token embeddings, times sqrt(width) with --gemma-norms (in the weights' dtype, as Gemma)."""
@@ -193,9 +198,15 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             return cos[start:start + T], sin[start:start + T]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # per row, broadcast over the heads
 
-    def output(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, output layer (the embedding when tied), Gemma 2's soft-cap of the logits."""
+    def output(self, x: torch.Tensor, loss_target: Optional[LossTarget] = None) -> Any:
+        """Final norm, output layer (the embedding when tied), Gemma 2's soft-cap of the logits; with
+        ``loss_target`` the fused head and loss where it applies (no soft-cap: the fused softmax reads raw logits)."""
         x = self.norm(x)
+        if loss_target is not None and self.cfg.final_logit_softcap is None:
+            weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+            fused = self.fused_head_loss(x, weight, loss_target)
+            if fused is not None:
+                return fused
         logits = F.linear(x, self.embed_tokens.weight) if self.output_projection is None else self.output_projection(x)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -10,7 +10,7 @@ the busiest expert's load over the mean (``moe_max_load_<layer>``), plus the tok
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,8 @@ from toolkit.models.llama.model import LlamaBlock, LlamaLanguageModel
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
 from toolkit.models.moe.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.moe.parallel import tensor_parallel_plan as family_plan
-from toolkit.models.outputs import with_extras
+from toolkit.models.fused_loss import LossTarget
+from toolkit.models.outputs import SUMMED_NLL, summed_nll_of, with_extras
 
 EXPERT_WEIGHTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 
@@ -81,20 +82,24 @@ class MoELanguageModel(LlamaLanguageModel):
             init_weights(self, torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
-        logits = super().forward(tokens, incremental_state, document_ids, positions)
+                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                loss_target: Optional[LossTarget] = None):
+        out = super().forward(tokens, incremental_state, document_ids, positions, loss_target=loss_target)
         if not self.training:
-            return logits
-        return self._with_router_terms(logits)
+            return out
+        return self._with_router_terms(out)
 
     def moe_layers(self) -> List[MoE]:
         """The MoE modules in layer order (found through any wrapper: FSDP2, checkpointing, compile)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def _with_router_terms(self, logits: torch.Tensor):
+    def _with_router_terms(self, out: Any):
+        """``out`` (logits, or the fused head's ``(None, {"summed_nll": ...})``) with the routers' terms added."""
         layers = [m for m in self.moe_layers() if m.aux]
         if not layers:
-            return logits
+            return out
+        summed_nll = summed_nll_of(out)
+        logits, kept = (None, {SUMMED_NLL: summed_nll}) if summed_nll is not None else (out, {})
         L = len(layers)
         aux = {"moe_aux_loss": (sum(m.aux["balance"] for m in layers) / L, self.cfg.moe_aux_loss_coef),
                "moe_z_loss": (sum(m.aux["z"] for m in layers) / L, self.cfg.moe_z_loss_coef)}
@@ -102,7 +107,7 @@ class MoELanguageModel(LlamaLanguageModel):
         metrics["moe_dropped"] = sum(m.load["dropped"] for m in layers)
         for m in layers:
             m.aux, m.load = {}, {}
-        return with_extras(logits, aux, metrics)
+        return with_extras(logits, aux, metrics, **kept)
 
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         """Llama's rules; stacked experts as their Linear counterparts (down_proj scaled by 1/sqrt(2 x layers)),

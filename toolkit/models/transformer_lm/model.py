@@ -56,6 +56,7 @@ from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.document_mask import attend, make_attention_mask
+from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
@@ -169,6 +170,8 @@ def sinusoidal_table(num_positions: int, dim: int, first_position: int, device=N
 
 @register_model("transformer_lm", dataclass=TransformerLMConfig)
 class TransformerLanguageModel(DecoderInterface, nn.Module):
+    supports_fused_loss = True  # forward(..., loss_target=): the head and the loss in one chunked pass
+
     def __init__(self, cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
         """Built on the meta device, parameters stay uninitialized (materialize, then ``init_weights``).
 
@@ -244,8 +247,12 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
     def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                loss_target: Optional[LossTarget] = None) -> Any:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
+
+        ``loss_target`` (the criterion's): the summed NLL of those targets instead of the logits, the head and
+        the loss fused (``DecoderInterface.fused_head_loss``), except with an adaptive softmax (no single head).
 
         ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
         token's position (restarting per document), instead of 0..T-1 (``toolkit.models.document_mask``).
@@ -289,6 +296,10 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             x = self.project_out_dim(x)
         if self.adaptive_softmax is not None:
             return x
+        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+        fused = self.fused_head_loss(x, weight, loss_target)
+        if fused is not None:
+            return fused
         if self.output_projection is None:
             return F.linear(x, self.embed_tokens.weight)
         return self.output_projection(x)
