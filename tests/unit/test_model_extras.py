@@ -15,7 +15,7 @@ from tests.helpers import dist_helpers as H
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.logging import metrics
-from toolkit.models.outputs import with_extras
+from toolkit.models.outputs import SUMMED_NLL, summed_nll_of, with_extras
 from toolkit.train.resolve import parse_train_config
 
 COEF = 0.5
@@ -35,7 +35,13 @@ def build(data_bin, tmp_path, extras=None):
     trainer = build_trainer(cfg, DistributedEnv(), [cfg.dataset.train_subset, "valid"])
     if extras is not None:
         model, forward = trainer.model, trainer.model.forward
-        model.forward = lambda *a, **k: with_extras(CrossEntropyCriterion.logits_of(forward(*a, **k)), **extras(model))
+
+        def forward_with_extras(*a, **k):  # keeps what the model returned (its fused head's summed NLL, if any)
+            out = forward(*a, **k)
+            nll = summed_nll_of(out)
+            own = {} if nll is None else {SUMMED_NLL: nll}
+            return with_extras(CrossEntropyCriterion.logits_of(out), **own, **extras(model))
+        model.forward = forward_with_extras
     itr = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)
     return trainer, [next(itr), next(itr)]
 
@@ -128,3 +134,22 @@ def test_post_step_hooks_run_after_each_update_on_the_new_weights(data_bin, tmp_
     assert not torch.equal(router.calls[0][WEIGHT], start[WEIGHT])
     trainer.train_step(samples)
     assert len(router.calls) == 2 and order == [1, 2]
+
+
+def test_a_forward_that_drops_the_fused_loss_is_one_line():
+    """A wrapper or override that returns neither logits nor the fused head's loss: a UserError naming the flag."""
+    from types import SimpleNamespace
+
+    from toolkit.core.errors import UserError
+
+    class Dropping(torch.nn.Module):
+        supports_fused_loss = True
+
+        def forward(self, tokens, **kwargs):
+            return with_extras(None)
+
+    task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: 1))
+    sample = {"net_input": {"src_tokens": torch.tensor([[4, 5]])}, "target": torch.tensor([[5, 6]]),
+              "ntokens": 2, "nsentences": 1}
+    with pytest.raises(UserError, match=r"--head-loss-chunk-rows 512: Dropping's forward returned neither logits"):
+        CrossEntropyCriterion(task)(Dropping(), sample)

@@ -50,6 +50,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from toolkit.core.errors import UserError
 from toolkit.core.registry import register_criterion
 from toolkit.models.document_mask import packing_inputs
 from toolkit.models.fused_loss import LossTarget
@@ -102,6 +103,10 @@ class CrossEntropyCriterion(torch.nn.Module):
         if summed_nll is not None:  # the model's fused head computed the loss (no z-loss then: fuses_head_loss)
             return self.with_model_extras(net_output, *self.with_counts(summed_nll, sample))
         logits = self.logits_of(net_output)
+        if logits is None:  # asked to fuse, but something between the family and here dropped its summed NLL
+            raise UserError(f"--head-loss-chunk-rows {self.head_loss_chunk_rows}: {type(model).__name__}'s forward "
+                            f"returned neither logits nor its fused head's loss (a wrapper or override dropped the "
+                            f"output's extras); pass them through, or use --head-loss-chunk-rows 0")
         counted = self.with_counts(self.compute_loss(logits, sample["target"], reduce=reduce), sample)
         if not reduce:
             return counted
