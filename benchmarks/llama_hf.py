@@ -95,6 +95,16 @@ def make_step(model, loss_of):
     return step
 
 
+def logits_loss(logits_of):
+    """A loss from a model's logits (``logits_of(model, inputs)``): fp32 cross entropy, padding ignored, mean per
+    token; the same math on both sides where a pair is compared on its logits (moe_vs_hf.py, no auxiliary loss)."""
+    def loss_of(model, inputs, targets):
+        logits = logits_of(model, inputs)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                                 ignore_index=PAD)
+    return loss_of
+
+
 def toolkit_loss(chunk_rows):
     """The toolkit's training loss: the ``cross_entropy`` criterion on a sample, per token as the trainer
     normalizes it (``chunk_rows`` 0: logits, then the loss)."""

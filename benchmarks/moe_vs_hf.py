@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from llama_hf import alternated, make_step  # noqa: E402
+from llama_hf import alternated, logits_loss, make_step  # noqa: E402
 
 
 def parse(argv=None):
@@ -85,8 +85,8 @@ def build_pair(args):
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     ours, theirs = build_pair(args)
-    steps = {"toolkit": make_step(ours, lambda m, x: m(x)[0]),
-             "transformers": make_step(theirs, lambda m, x: m(input_ids=x, use_cache=False).logits)}
+    steps = {"toolkit": make_step(ours, logits_loss(lambda m, x: m(x)[0])),
+             "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits))}
     return {"benchmark": "moe_vs_transformers", **{k: v for k, v in vars(args).items() if k != "hf_experts"},
             "hf_experts": getattr(theirs.config, "_experts_implementation", None), "torch": torch.__version__,
             **alternated(steps, args)}

@@ -9,7 +9,8 @@ slowest round), so a neighbour process slows both sides alike. Rows:
 
 * training step, toolkit vs transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``: in one process,
   the same config and initial weights (ours exported through the Hugging Face adapters), the same random
-  batches, forward + fp32 cross entropy + backward + AdamW (``benchmarks/llama_hf.py``'s step);
+  batches, forward + fp32 cross entropy + backward + AdamW (``benchmarks/llama_hf.py``'s step: the toolkit's
+  criterion with its fused head and loss; transformers' ``labels=`` loss for Llama, its logits for GPT-2);
 * training step, the toolkit's MoE vs transformers' ``Qwen3MoeForCausalLM`` (``benchmarks/moe_vs_hf.py``'s
   pair and shape: its experts in transformers' own default implementation);
 * cached greedy generation, ``toolkit.generation.SequenceGenerator`` (the toolkit-generate path) vs
@@ -89,13 +90,13 @@ def transformers_module():
     return transformers
 
 
-def train_steps(ours, theirs, logits_theirs, vocab: int, batch: int, tokens: int, args,
-                logits_ours=lambda m, x: m(x)) -> Dict:
-    """The llama_hf step on both models, alternated on the same random batches."""
+def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, args, loss_ours=None) -> Dict:
+    """The llama_hf step on both models, alternated on the same random batches; ``loss_ours`` defaults to the
+    toolkit's own training path (the cross_entropy criterion, its fused head and loss)."""
     import torch
-    from llama_hf import make_step
+    from llama_hf import make_step, toolkit_loss
 
-    steps = {"toolkit": make_step(ours, logits_ours), "transformers": make_step(theirs, logits_theirs)}
+    steps = {"toolkit": make_step(ours, loss_ours or toolkit_loss(None)), "transformers": make_step(theirs, loss_theirs)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
     losses: Dict[str, float] = {}
@@ -119,8 +120,9 @@ def llama_training(args) -> Dict:
              "--tokens", "32", "--batch", "2"] if args.quick else []
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
-    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg.vocab, cfg.batch,
-                      cfg.tokens, args)
+    from llama_hf import transformers_loss  # transformers' own training path: labels=, its mean cross entropy
+
+    out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
     shape_text = f"{cfg.layers}x{cfg.dim}, FFN {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
     return row("training step, Llama", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
                shape=shape_text, last_loss_diff=out["last_loss_diff"])
@@ -135,8 +137,10 @@ def moe_training(args) -> Dict:
              "--expert-ffn", "64", "--vocab", "512", "--tokens", "32", "--batch", "2"] if args.quick else []
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
-    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg.vocab, cfg.batch,
-                      cfg.tokens, args, logits_ours=lambda m, x: m(x)[0])
+    from llama_hf import logits_loss  # both sides on their logits, no auxiliary loss (moe_vs_hf.py's comparison)
+
+    out = train_steps(ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), cfg.vocab,
+                      cfg.batch, cfg.tokens, args, loss_ours=logits_loss(lambda m, x: m(x)[0]))
     shape_text = (f"{cfg.layers}x{cfg.dim}, {cfg.experts} experts of {cfg.expert_ffn}, top {cfg.top_k}, "
                   f"V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}")
     return row("training step, Qwen3-MoE", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
@@ -179,7 +183,10 @@ def gpt2_training(args) -> Dict:
     layers, dim, heads, vocab, tokens, batch = gpt2_shape(args)
     ours, theirs, d = gpt2_pair(layers, dim, heads, vocab, tokens + 1)
     ours.train(), theirs.train()
-    out = train_steps(ours, theirs, lambda m, x: m(input_ids=x, use_cache=False).logits, len(d), batch, tokens, args)
+    from llama_hf import logits_loss
+
+    out = train_steps(ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), len(d), batch,
+                      tokens, args)
     return row("training step, GPT-2", "transformers", "tokens/s", batch * tokens, out["timings"],
                shape=f"{layers}x{dim}, FFN {4 * dim}, {heads} heads, V {len(d)}, B {batch} x T {tokens}",
                last_loss_diff=out["last_loss_diff"])

@@ -45,7 +45,7 @@ CASES = [
      "--max-target-positions is 128"),
     ("train-ep-not-dividing-experts", TRAIN, ["{bin}", "--arch", "moe_tiny", "--batch-size", "2", "--cpu",
                                                "--distributed-world-size", "3", "--expert-parallel-size", "3"],
-     "--expert-parallel-size 3: each rank holds an equal share of the --moe-num-experts 4 experts"),
+     "--expert-parallel-size 3: each rank keeps an equal share of a layer's 4 experts (--moe-num-experts)"),
     ("train-port-in-use", TRAIN, ["{bin}", MODEL, "--distributed-world-size", "2", "--distributed-port", "{port}"],
      "address already in use"),
     ("train-unknown-optimizer", TRAIN, ["{bin}", MODEL, "--optimizer", "adamm"], "adam"),

@@ -98,8 +98,8 @@ def _check_layout(cfg: TrainConfig) -> None:
     check_model_capabilities(cfg.distributed, cfg.components.arch, resolve_arch(cfg.components.arch).cls)
     experts, ep = getattr(cfg.model, "moe_num_experts", 0), cfg.distributed.expert_parallel_size
     if ep > 1 and experts and experts % ep:
-        raise UserError(f"--expert-parallel-size {ep}: each rank holds an equal share of the --moe-num-experts "
-                        f"{experts} experts of a layer; give a divisor of {experts}")
+        raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's {experts} "
+                        f"experts (--moe-num-experts); give a divisor of {experts}")
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
