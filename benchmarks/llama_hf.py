@@ -6,14 +6,16 @@
 
 Both models have the same config and the same initial weights (ours copied into transformers'
 through the Hugging Face adapter, ``toolkit.models.llama.hf``), see the same batches (uniformly
-random tokens, B x T, every row full) and take the same AdamW steps. One training step is each
-side's own training path, then backward, AdamW step, zero_grad:
+random tokens, B x T, every row full) and take the same AdamW steps (torch's fused kernel: both tools'
+default). One training step is each side's own training path, then backward, AdamW step, zero_grad:
 
 - ``toolkit``: ``toolkit-train``'s, the ``cross_entropy`` criterion on a fairseq sample (the summed NLL, divided
   by the sample size as the trainer does), with its default fused output layer + loss
   (``--head-loss-chunk-rows``, ``toolkit.models.fused_loss``);
 - ``toolkit-logits``: the same with ``--head-loss-chunk-rows 0``: [B*T, V] logits, then the fp32 cross-entropy
   (the toolkit before the fused head);
+- ``toolkit-compile`` (not by default): ``toolkit``, each block compiled as ``toolkit-train --compile`` does
+  (inductor; warm-up rounds include the compilation);
 - ``transformers``: ``LlamaForCausalLM(input_ids, labels=...)``, its own loss (logits, ``.float()``, mean
   cross-entropy); the targets that are our padding index are -100 for it, so both count the same tokens.
 
@@ -55,7 +57,8 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contestants", default="toolkit,toolkit-logits,transformers",
-                    help="comma-separated, from toolkit, toolkit-logits, transformers")
+                    help="comma-separated, from toolkit, toolkit-logits, toolkit-compile (blocks compiled as "
+                         "toolkit-train --compile does), transformers")
     ap.add_argument("--head-loss-chunk-rows", type=int, default=None,
                     help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)")
     return ap.parse_args(argv)
@@ -83,7 +86,13 @@ PAD = 1  # the toolkit model's padding index: targets equal to it count nothing 
 
 
 def make_step(model, loss_of):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    """One training step with each tool's default optimizer: torch's fused AdamW kernel (the toolkit's adam uses
+    it wherever it is supported; transformers' Trainer defaults to ``adamw_torch_fused`` on torch >= 2.8)."""
+    from toolkit.optim.adam import fused_supported
+
+    params = list(model.parameters())
+    kernel = {"fused": True} if fused_supported(params) else {}
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kernel)
 
     def step(tokens: torch.Tensor) -> float:
         loss = loss_of(model, tokens[:, :-1], tokens[:, 1:])
@@ -126,6 +135,14 @@ def toolkit_loss(chunk_rows):
     return loss_of
 
 
+def compiled(model):
+    """The model as ``toolkit-train --compile`` runs it: each block compiled (inductor), the head and loss eager."""
+    from toolkit.distributed.compile import apply_compile
+
+    apply_compile(model, torch.device("cpu"))
+    return model
+
+
 def transformers_loss(model, inputs, targets):
     """transformers' own training path: ``labels=`` (already shifted here), its mean cross-entropy."""
     labels = targets.masked_fill(targets.eq(PAD), -100)
@@ -138,6 +155,8 @@ def run(args) -> dict:
     chosen = args.contestants.split(",")
     all_steps = {"toolkit": lambda: make_step(ours, toolkit_loss(args.head_loss_chunk_rows)),
                  "toolkit-logits": lambda: make_step(copy.deepcopy(ours), toolkit_loss(0)),
+                 "toolkit-compile": lambda: make_step(compiled(copy.deepcopy(ours)),
+                                                      toolkit_loss(args.head_loss_chunk_rows)),
                  "transformers": lambda: make_step(theirs, transformers_loss)}
     unknown = set(chosen) - set(all_steps)
     if unknown:
@@ -173,6 +192,8 @@ def alternated(steps, args) -> dict:
     for name, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
         if "toolkit" in median and over in median:  # toolkit / the other, above 1: the toolkit is faster
             out[name] = round(median[over] / median["toolkit"], 3)
+    if "toolkit-compile" in median and "transformers" in median:
+        out["compiled_speedup"] = round(median["transformers"] / median["toolkit-compile"], 3)
     return out
 
 
@@ -183,6 +204,8 @@ def main(argv=None) -> None:
     for key, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
         if key in result:
             print(f"toolkit / {over}: {result[key]:.2f}x (median of {result['rounds']} alternated steps)")
+    if "compiled_speedup" in result:
+        print(f"toolkit --compile / transformers: {result['compiled_speedup']:.2f}x")
     print(f"last per-token losses differ by {result['last_loss_diff']:.2e}; "
           f"peak resident memory {result['peak_rss_mib']} MiB (of the whole process)")
     print(json.dumps(result))

@@ -19,7 +19,9 @@ slowest round), so a neighbour process slows both sides alike. Rows:
 * ``toolkit-train`` vs ``fairseq-train``, ``toolkit-eval-lm`` vs ``fairseq-eval-lm`` on the same
   fairseq-trained checkpoint, ``toolkit-preprocess`` vs ``fairseq-preprocess``: the commands of
   ``benchmarks/fairseq_parity/parity.py`` (same model, flags and WikiText-2 split), timed end to end
-  (start-up included) as a user runs them; needs the fairseq 0.12.2 that ``setup.sh`` there builds.
+  (start-up included) as a user runs them; needs the fairseq 0.12.2 that ``setup.sh`` there builds;
+* training throughput, ``toolkit-train`` vs ``fairseq-train`` on ``STEADY_MODEL`` (4 x 256): each tool's own
+  logged ``wps``, the median of its ``train_inner`` lines after the first (warm-up) interval.
 
 A peer that is not installed is one skipped row naming how to install it. Writes
 ``benchmarks/results/peers_cpu.json`` (``--out``) and prints a markdown table, with the machine's
@@ -50,6 +52,12 @@ FAIRSEQ_HOME = os.environ.get("FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache"
 FAIRSEQ_INSTALL = "bash benchmarks/fairseq_parity/setup.sh (fairseq 0.12.2 is not pip-installable on Python 3.11)"
 TRANSFORMERS_INSTALL = "pip install transformers"
 EVALUATED = re.compile(r"Evaluated [\d,]+ tokens in [\d.]+s \(([\d.]+) tokens/s\)")
+WPS = re.compile(r'train_inner \| \{.*?"wps": "?([\d.]+)"?')
+# The steady-state training row's model: fairseq's transformer_lm at a size where the model, not start-up,
+# takes the time (the parity model, 2 x 64, is all start-up); both tools' own flags, the same data.
+STEADY_MODEL = ["--arch", "transformer_lm", "--decoder-layers", "4", "--decoder-embed-dim", "256",
+                "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4"]
+STEADY_SHAPE = {"--tokens-per-sample": "256", "--max-tokens": "2048", "--log-interval": "5"}
 
 
 class Skipped(Exception):
@@ -237,6 +245,7 @@ class FairseqPair:
         for env in (self.runner.fairseq_env, self.runner.toolkit_env):
             env.update(self.threads)
         self.updates = 4 if args.quick else 40
+        self.steady_updates = 10 if args.quick else 30
 
     def command(self, side: str, tool: str, *argv: str) -> Callable[[int], float]:
         run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
@@ -257,6 +266,24 @@ class FairseqPair:
         p = self.parity
         return self.command(side, "train", self.data, *p.MODEL, *p.TRAIN, "--max-update", str(self.updates),
                             "--save-dir", str(self.work / f"{side}-ckpt"), "--no-save")
+
+    def steady_train(self, side: str, rates: Dict[str, List[float]]) -> Callable[[int], float]:
+        """Training throughput as each tool logs it: the median ``wps`` of its ``train_inner`` lines after the
+        first interval (warm-up), on ``STEADY_MODEL``. Returns seconds per million words (for ``alternate``)."""
+        flags = list(self.parity.TRAIN)
+        for flag, value in STEADY_SHAPE.items():
+            flags[flags.index(flag) + 1] = value
+        run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
+
+        def timed_train(_):
+            output = run("train", self.data, *STEADY_MODEL, *flags, "--max-update", str(self.steady_updates),
+                         "--save-dir", str(self.work / f"{side}-steady"), "--no-save")
+            wps = [float(w) for w in WPS.findall(output)][1:]
+            if not wps:
+                sys.exit(f"peers: no train_inner wps after the first interval in {side}'s output:\n{output[-2000:]}")
+            rates.setdefault(side, []).append(statistics.median(wps))
+            return 1e6 / rates[side][-1]
+        return timed_train
 
     def eval_lm(self, side: str, checkpoint: str, loop_rates: Dict[str, List[float]]) -> Callable[[int], float]:
         """The whole command timed; the scoring loop's own tokens/s (its "Evaluated N tokens in Xs" line,
@@ -283,6 +310,12 @@ def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
     train = alternate({"toolkit": pair.train("toolkit"), "fairseq": pair.train("fairseq")}, args.warmup, args.rounds)
     rows.append(row("toolkit-train vs fairseq-train (parity model, 2x64)", "fairseq", "updates/s", pair.updates,
                     train, note="whole command, start-up included"))
+    steady_rates: Dict[str, List[float]] = {}
+    steady = alternate({"toolkit": pair.steady_train("toolkit", steady_rates),
+                        "fairseq": pair.steady_train("fairseq", steady_rates)}, args.warmup, args.rounds)
+    rows.append(row("training throughput, toolkit-train vs fairseq-train", "fairseq", "words/s", 1e6, steady,
+                    shape="transformer_lm 4x256, FFN 1024, 4 heads, T 256, 2048 tokens an update, fp32; each "
+                          "tool's logged wps, median after the first interval"))
     save = work / "fairseq-ckpt-for-eval"
     pair.runner.fairseq("train", pair.data, *pair.parity.MODEL, *pair.parity.TRAIN, "--max-update",
                         str(pair.updates), "--save-dir", str(save))

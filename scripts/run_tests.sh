@@ -3,17 +3,28 @@
 # tests/unit/ is in-process (a few minutes); tests/integration/ starts commands, several ranks and faults
 # (marked `integration`). A failing unit tier stops here: the slower tier would only repeat its failure.
 # Arguments go to both pytest runs (e.g. -x, -k NAME); a tier that -k/-m leaves empty (pytest's exit 5)
-# is not a failure unless both are empty.
+# is not a failure unless both are empty. Each tier runs on TOOLKIT_TEST_WORKERS pytest-xdist workers
+# (default 2, one a core here; 0: in the pytest process); the integration tier hands out whole files
+# (a file's module fixtures, e.g. its one-process reference runs, are made once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+workers=${TOOLKIT_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != "0" ]; then
+    parallel=(-n "$workers")
+fi
 unit=0
-"${PYTHON:-python3}" -m pytest tests/unit -q "$@" || unit=$?
+"${PYTHON:-python3}" -m pytest tests/unit -q "${parallel[@]}" "$@" || unit=$?
 if [ "$unit" -ne 0 ] && [ "$unit" -ne 5 ]; then
     exit "$unit"
 fi
 integration=0
-"${PYTHON:-python3}" -m pytest tests/integration -q --durations=30 "$@" || integration=$?
+files=()
+if [ "$workers" != "0" ]; then
+    files=(--dist loadfile)
+fi
+"${PYTHON:-python3}" -m pytest tests/integration -q --durations=30 "${parallel[@]}" "${files[@]}" "$@" || integration=$?
 if [ "$integration" -eq 5 ] && [ "$unit" -eq 0 ]; then
     integration=0
 fi

@@ -10,7 +10,7 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
 # torch first and pinned: anything that merely asks for "torch" must not pull a CUDA build.
 "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13') else 1)" >/dev/null 2>&1 \
   || "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest \
+"$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest pytest-xdist \
   safetensors onnx onnxruntime onnxscript transformers wandb
 # toolkit-preprocess inputs (Parquet, datasets folders, .zst): after torch, which stays pinned
 # (datasets does not ask for torch; --upgrade-strategy only-if-needed keeps what is installed).

@@ -6,8 +6,10 @@ import torch
 from tests.helpers import SHARED_DATA
 from tests.helpers.processes import kill_started
 
-# Two cores here and on CI: extra intra-op threads only add contention between test processes.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two cores here and on CI: extra intra-op threads only add contention between test processes, and with
+# pytest-xdist's workers (scripts/run_tests.sh) the cores are shared between them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")
 

@@ -31,6 +31,13 @@ from typing import Dict, List, Optional, Tuple
 WARM = ("toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.generate", "toolkit_cli.validate",
         "toolkit_cli.export", "toolkit_cli.consolidate", "toolkit_cli.preprocess", "toolkit_cli.interactive",
         "toolkit_cli.hydra_train", "toolkit_cli.plan")
+# The command modules import their work only after parsing (``--help`` without torch), so the work is warmed
+# apart: torch, every registered component, the training loop and what it pulls in lazily (dynamo, which any
+# torch.optim optimizer imports; inductor's compiler; FSDP2, DTensor, DCP). About 2 s of imports a command
+# otherwise pays again (1,960 modules), and each of its ranks too where it forks them before its imports.
+WORK = ("toolkit.train.train_loop", "toolkit.distributed.parallelize", "toolkit.checkpoint.stateful",
+        "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.checkpoint",
+        "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
 
 
 def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
@@ -76,6 +83,19 @@ def _fork_ranks() -> None:
         launch.WORKER_START_METHOD = "fork"
 
 
+def _warm_work() -> None:
+    """Imports ``WORK`` and the registries; refuses to serve if that started a thread (a child forked from a
+    process with threads can inherit a held lock: the hang the launcher's store once caused)."""
+    from toolkit.core import registry
+
+    registry.import_all_components()
+    for module in WORK:
+        importlib.import_module(module)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads != 1:
+        raise RuntimeError(f"the fork server has {threads} threads after its imports; it must have one")
+
+
 def serve() -> None:
     """The server loop: requests on fd 0, answers on fd 1 (moved aside so a child's output cannot mix in)."""
     proto_in, proto_out = os.dup(0), os.dup(1)
@@ -84,6 +104,7 @@ def serve() -> None:
     os.dup2(null, 1)
     for module in WARM:
         importlib.import_module(module)
+    _warm_work()
     os.write(proto_out, b"ready\n")
     reader = os.fdopen(proto_in, "r")
     for line in reader:

@@ -58,6 +58,27 @@ def test_loss_and_both_gradients_equal_the_logits_path(chunk_rows):
     assert fused[1][::5].abs().sum() == 0  # padded rows get no gradient
 
 
+def test_logits_spread_past_the_exp_floor_are_as_exact_as_the_logits_path():
+    """Rows whose logits lie hundreds apart (exp(z - max) underflows: the floor at EXP_FLOOR) lose nothing: the
+    fused loss and gradients are as close to float64's as the fp32 logits path is."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(48, 16, generator=g), 40 * torch.randn(V, 16, generator=g)
+    target = padded_targets(48)
+    assert (F.linear(hidden, weight).amax(1, keepdim=True) - F.linear(hidden, weight)).max() > 200
+
+    def loss_and_grads(dtype, fused):
+        h, w = (t.detach().to(dtype).clone().requires_grad_() for t in (hidden, weight))
+        loss = linear_cross_entropy(h, w, target, PAD, 16) if fused else reference_loss(h, w, target)
+        loss.backward()
+        return [t.detach().double() for t in (loss, h.grad, w.grad)]
+
+    exact = loss_and_grads(torch.float64, fused=False)
+    logits_path = loss_and_grads(torch.float32, fused=False)
+    fused = loss_and_grads(torch.float32, fused=True)
+    for ours, theirs, want in zip(fused, logits_path, exact):
+        assert (ours - want).abs().max() <= 2 * (theirs - want).abs().max() + 1e-6 * want.abs().max()
+
+
 def test_without_grad_it_is_the_loss_alone_and_a_dummy_batch_trains_nothing():
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(10, 8, generator=g), torch.randn(V, 8, generator=g, requires_grad=True)

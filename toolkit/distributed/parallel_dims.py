@@ -197,6 +197,15 @@ def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) 
                         f"would see only its chunk of the sequence; drop the flag")
 
 
+def check_expert_share(ep: int, experts: int) -> None:
+    """Expert parallelism gives each of the ``ep`` ranks the same number of a layer's experts (the all-to-all
+    exchanges equal blocks), so ``ep`` must divide them: toolkit-train checks the config, toolkit-plan the
+    built model (an imported family names its expert count its own way)."""
+    if ep > 1 and experts and experts % ep:
+        raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's {experts} "
+                        f"experts (--moe-num-experts); give a divisor of {experts}")
+
+
 class ParallelDims:
     """A :class:`ParallelShape` placed on this rank, with its DeviceMesh and groups (built once, on first use).
 

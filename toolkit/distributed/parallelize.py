@@ -192,11 +192,12 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     return model, ParallelStrategy(**placement)
 
 
-def eager_region(dims: ParallelDims) -> Optional[str]:
-    """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any."""
+def eager_region(dims: ParallelDims, *more: Optional[str]) -> Optional[str]:
+    """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any,
+    and the caller's ``more`` (named, or None)."""
     regions = [name for name, size in (("the context-parallel attention", dims.shape.cp),
                                        ("the expert exchange", dims.shape.ep)) if size > 1]
-    return " and ".join(regions) or None
+    return " and ".join(regions + [m for m in more if m]) or None
 
 
 def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
@@ -275,8 +276,8 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
         apply_activation_checkpointing(model)
     if cfg.compile:
         # the MoE layers' own FSDP2 hooks (and the token exchange) run eagerly between graphs of the block
-        region = " and ".join(r for r in (eager_region(dims), "the MoE layers' FSDP2 hooks" if moe else None) if r)
-        apply_compile(model, env.device, hooks_eager=True, eager_region=region or None)
+        region = eager_region(dims, "the MoE layers' FSDP2 hooks" if moe else None)
+        apply_compile(model, env.device, hooks_eager=True, eager_region=region)
     if cfg.ddp_backend != "no_c10d":
         apply_fsdp(model, dims.fsdp_mesh, cfg, common, env, dims)
     model.to_empty(device=env.device)

@@ -2,7 +2,7 @@
 
 * :func:`peak_flops` - the device's dense peak FLOP/s for a dtype: the datasheet
   number for known GPUs (:data:`GPU_PEAK_TFLOPS`), a large-matmul measurement on
-  CPU (:func:`measure_cpu_peak_flops`, cached per process) or on an unknown GPU.
+  CPU (:func:`measure_cpu_peak_flops`, cached per machine) or on an unknown GPU.
 * :func:`mfu` - achieved / peak.
 * :class:`ThroughputSpec` - what ``metrics.log_throughput`` turns into ``tps``/``mfu``.
 
@@ -10,8 +10,12 @@ Pure computation: the training loop logs the metrics; FLOPs per token come from 
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
@@ -147,27 +151,86 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
 _cpu_peak_cache: Dict[Tuple[torch.dtype, int], float] = {}
 
 
+def cpu_peak_cache_path() -> str:
+    """Where measured CPU peaks are kept between runs: ``$TOOLKIT_CACHE_DIR`` or ``~/.cache/toolkit``."""
+    root = os.environ.get("TOOLKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "toolkit")
+    return os.path.join(root, "cpu_peak.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(dtype: torch.dtype, threads: int) -> str:
+    """The same CPU model, core count, torch build, dtype and thread count give the same peak."""
+    return f"{_cpu_model()} | {os.cpu_count()} CPUs | torch {torch.__version__} | {_dtype_key(dtype)} | {threads} threads"
+
+
+def _read_disk_cache(path: str) -> Dict[str, Dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # absent, or cut short by a full disk: measure again
+        return {}
+
+
+def _write_disk_cache(path: str, key: str, flops: float) -> None:
+    """Adds one entry (read, merge, write to a temporary name, rename: runs starting together lose nothing
+    but a duplicate measurement); a cache that cannot be written only costs the next run a measurement."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        entries = _read_disk_cache(path)
+        entries[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_peak.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning(f"could not keep the measured CPU peak in {path} ({e}); the next run measures it again")
+
+
 def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional[int] = None,
                            duration: float = 0.5) -> float:
     """Peak FLOP/s of this CPU for ``dtype`` with ``threads`` threads (default: torch's), measured.
 
-    Runs square matmuls for about ``duration`` seconds the first time and caches the
-    result per (dtype, threads) for the rest of the process; logs it in GFLOP/s.
+    Runs square matmuls for about ``duration`` seconds the first time on a machine and keeps the result in
+    :func:`cpu_peak_cache_path` (per CPU model, core count, torch build, dtype and threads) and for the rest of
+    the process: the probe took 0.3-1 s of every run's start (2 s for bf16, which also measures fp32). Why a
+    file: the peak of a machine does not change between runs; delete the file to measure again (after a
+    measurement on a busy machine, for example: the best of several 50 ms chunks is kept, which helps but
+    does not cure that). Logs the figure in GFLOP/s, and where it came from.
     """
     if threads is None:
         threads = torch.get_num_threads()
     key = (dtype, int(threads))
-    if key not in _cpu_peak_cache:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(int(threads))
-        try:
-            flops = measure_matmul_flops("cpu", dtype, duration=duration)
-        finally:
-            torch.set_num_threads(previous)
-        _cpu_peak_cache[key] = flops
-        logger.info("measured CPU peak: {:.1f} GFLOP/s ({}, {} threads)".format(
-            flops / 1e9, str(dtype).replace("torch.", ""), threads))
-    return _cpu_peak_cache[key]
+    if key in _cpu_peak_cache:
+        return _cpu_peak_cache[key]
+    path, disk_key = cpu_peak_cache_path(), _machine_key(dtype, int(threads))
+    kept = _read_disk_cache(path).get(disk_key)
+    name = str(dtype).replace("torch.", "")
+    if isinstance(kept, dict) and isinstance(kept.get("flops"), (int, float)) and kept["flops"] > 0:
+        _cpu_peak_cache[key] = float(kept["flops"])
+        logger.info(f"CPU peak: {kept['flops'] / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured "
+                    f"{kept.get('measured', '?')}, kept in {path}: delete it to measure again)")
+        return _cpu_peak_cache[key]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    try:
+        flops = measure_matmul_flops("cpu", dtype, duration=duration)
+    finally:
+        torch.set_num_threads(previous)
+    _cpu_peak_cache[key] = flops
+    _write_disk_cache(path, disk_key, flops)
+    logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
+    return flops
 
 
 def peak_flops(device: Union[str, torch.device, None] = None, dtype: torch.dtype = torch.bfloat16,

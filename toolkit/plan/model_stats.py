@@ -243,16 +243,14 @@ def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
     """What toolkit-train refuses for this model's experts, refused before planning: a tensor-parallel plan that
     places experts (``check_plan_kinds``), and ``--expert-parallel-size`` not dividing a layer's experts."""
     from toolkit.core.protocols import TensorParallelizable
+    from toolkit.distributed.parallel_dims import check_expert_share
     from toolkit.distributed.tensor_parallel import check_plan_kinds
     from toolkit.models.blocks.moe import GroupedExperts
 
     if dist.model_parallel_size > 1 and isinstance(model, TensorParallelizable):
         check_plan_kinds(model.tensor_parallel_plan(), type(model).__name__)
-    ep = dist.expert_parallel_size
     for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
-        if experts.num_experts % ep:
-            raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's "
-                            f"{experts.num_experts} experts; give a divisor of {experts.num_experts}")
+        check_expert_share(dist.expert_parallel_size, experts.num_experts)
 
 
 def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> ModelStats:

@@ -32,7 +32,7 @@ from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
-from toolkit.distributed.parallel_dims import check_model_capabilities, shape_from_config
+from toolkit.distributed.parallel_dims import check_expert_share, check_model_capabilities, shape_from_config
 from toolkit.train.arguments import DEFAULT_ARCH, OFFLOAD_OPTIMIZER, implied_selectors, parse_train_args  # noqa: F401
 from toolkit.core.registry import (
     CRITERION_REGISTRY,
@@ -96,10 +96,7 @@ def _check_layout(cfg: TrainConfig) -> None:
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     shape_from_config(cfg.distributed, world, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
     check_model_capabilities(cfg.distributed, cfg.components.arch, resolve_arch(cfg.components.arch).cls)
-    experts, ep = getattr(cfg.model, "moe_num_experts", 0), cfg.distributed.expert_parallel_size
-    if ep > 1 and experts and experts % ep:
-        raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's {experts} "
-                        f"experts (--moe-num-experts); give a divisor of {experts}")
+    check_expert_share(cfg.distributed.expert_parallel_size, getattr(cfg.model, "moe_num_experts", 0))
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
