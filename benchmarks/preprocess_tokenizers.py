@@ -8,10 +8,12 @@ For each tokenizer on the same text:
 * ``whitespace``: no ``--bpe`` (``str.split``);
 * ``gpt2``: ``--bpe gpt2`` with GPT-2-format files (``encoder.json``/``vocab.bpe``) of a byte-level BPE
   of 8k merges trained here on the corpus source (GPT-2's own files need a download);
-* ``hf_byte_bpe``: ``--bpe hf_byte_bpe`` with the same kind of model, tokens as pieces.
+* ``hf_byte_bpe``: ``--bpe hf_byte_bpe`` with the same kind of model, tokens as pieces;
+* ``sentencepiece``: ``--bpe sentencepiece`` with a SentencePiece BPE of 8k pieces trained here on the source.
 
 ``alone``: the tokenizer's own batch API on every line in one process (``encode_batch`` in blocks of
-lines, as the binarizer calls it; ``str.split`` for whitespace), ``TOKENIZERS_PARALLELISM=false``.
+lines, as the binarizer calls it; ``sp.encode`` of the same blocks for sentencepiece; ``str.split`` for
+whitespace), ``TOKENIZERS_PARALLELISM=false``.
 ``binarize``: ``toolkit-preprocess --srcdict DICT --validpref CORPUS --workers N`` (the split's
 binarize time from its log, start-up excluded), tokens/s per worker and its time over the tokenizer's
 time alone (the issue's aim: <= 1.25). Each row is the best of ``--repeats`` runs (the machine is
@@ -61,6 +63,15 @@ def time_alone(name: str, corpus: str, files: dict) -> tuple:
         t0 = time.perf_counter()
         tokens = sum(len(line.split()) for line in lines)
         return time.perf_counter() - t0, tokens
+    if name == "sentencepiece":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=files["sp"])
+        tokens = 0
+        t0 = time.perf_counter()
+        for i in range(0, len(lines), BLOCK_LINES):
+            tokens += sum(map(len, sp.encode(lines[i:i + BLOCK_LINES])))
+        return time.perf_counter() - t0, tokens
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer.from_file(files["encoder"], files["merges"])
@@ -76,6 +87,8 @@ def bpe_flags(name: str, files: dict) -> list:
         return ["--bpe", "gpt2", "--gpt2-encoder-json", files["encoder"], "--gpt2-vocab-bpe", files["merges"]]
     if name == "hf_byte_bpe":
         return ["--bpe", "hf_byte_bpe", "--bpe-model", files["hf"]]
+    if name == "sentencepiece":
+        return ["--bpe", "sentencepiece", "--bpe-model", files["sp"]]
     return []
 
 
@@ -109,6 +122,16 @@ def hf_model(files: dict, folder: str) -> str:
     return path
 
 
+def sentencepiece_model(source: str, folder: str) -> str:
+    """A SentencePiece BPE of 8k pieces on the source (the settings of ``--bpe-vocab-size``)."""
+    import sentencepiece as spm
+
+    prefix = os.path.join(folder, "sp")
+    spm.SentencePieceTrainer.train(input=source, model_prefix=prefix, model_type="bpe", vocab_size=8192,
+                                   character_coverage=1.0, bos_id=-1, eos_id=-1, minloglevel=2)
+    return prefix + ".model"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=float, default=8.0)
@@ -123,6 +146,8 @@ def main() -> None:
         make_corpus(args.source, corpus, args.size_mb)
         files = train_bpe(args.source, tmp)
         files["hf"] = hf_model(files, tmp)
+        if "sentencepiece" in args.tokenizers:
+            files["sp"] = sentencepiece_model(args.source, tmp)
         print(f"{os.path.getsize(corpus) / 1e6:.1f} MB, load {os.getloadavg()[0]:.2f}")
         print(f"{'tokenizer':<13}{'workers':>8}{'tokens':>12}{'alone tok/s':>14}{'binarize tok/s/worker':>23}"
               f"{'x alone':>9}")

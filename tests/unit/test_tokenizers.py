@@ -240,26 +240,48 @@ def make_hf_byte_bpe(path, train_file, vocab_size):
     return path
 
 
+def make_sentencepiece_model(path, train_file, vocab_size, byte_fallback):
+    """A SentencePiece BPE of the train file's characters (so CJK, emoji and the like are outside it)."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=(l.strip() for l in lines_of(train_file) if l.strip()),
+                                   model_prefix=str(path), model_type="bpe", vocab_size=vocab_size, bos_id=-1,
+                                   eos_id=-1, byte_fallback=byte_fallback, minloglevel=2)
+    return f"{path}.model"
+
+
+# characters outside a model trained on Shakespeare, each kind alone and in runs: sentencepiece writes them
+# as themselves (its ids give the unk id); "\x85" and "\u2028" are whitespace to str.split
+OUTSIDE = "你好世界 ok 🙂🚀x ǅ ᚠᛇᚻ \u0416\u0436 a\x85b \u2028 ☃ 𝔘𝔫𝔦 한국어 \u200b z\n"
+
+
 @pytest.mark.parametrize("cut", [[], ["--thresholdsrc", 20]], ids=["whole", "threshold"])
-@pytest.mark.parametrize("bpe", ["gpt2", "hf_byte_bpe"])
+@pytest.mark.parametrize("bpe", ["gpt2", "hf_byte_bpe", "sentencepiece", "sentencepiece_bytes"])
 def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespeare_file, bpe, cut):
     """With a tokenizer that has ``id_pieces`` the binarizer maps its ids through arrays (the train split's
-    provisional ids are the tokenizer's ids; other splits look them up in a table): dict.txt, every split's
-    bytes and the replaced counts must be those of the text path (pieces joined, split, looked up)."""
+    provisional ids are the tokenizer's ids; other splits look them up in a table; lines holding an id
+    without a fixed piece, sentencepiece's unk id, take the text path): dict.txt, every split's bytes and
+    the replaced counts must be those of the text path (pieces joined, split, looked up)."""
     edge = "\n\n  \u00a0 \n a <unk> b </s> c \u2003 d\n\x1cq\x85r\n"  # empty/blank lines, specials, unicode spaces
+    # the train split repeats the unknown characters so that, with the threshold, some of them make dict.txt
     train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
-    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge, encoding="utf-8")
+    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge + OUTSIDE * 25,
+                     encoding="utf-8")
     valid.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
-                     + edge, encoding="utf-8")
+                     + edge + OUTSIDE + "天地 🎉 ✈ a\u0300\n", encoding="utf-8")
     if bpe == "gpt2":
         encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", shakespeare_file, 700)
         flags = ["--bpe", "gpt2", "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
-    else:
+    elif bpe == "hf_byte_bpe":
         flags = ["--bpe", "hf_byte_bpe", "--bpe-model", make_hf_byte_bpe(tmp_path / "tok.json", shakespeare_file, 700)]
+    else:
+        model = make_sentencepiece_model(tmp_path / "sp", shakespeare_file, 700, bpe == "sentencepiece_bytes")
+        flags = ["--bpe", "sentencepiece", "--bpe-model", model]
+    bpe_name = flags[1]
     outputs = {}
     for path in ("ids", "text"):
         if path == "text":
-            monkeypatch.setattr(TOKENIZER_REGISTRY.get(bpe).cls, "id_pieces", lambda self: None)
+            monkeypatch.setattr(TOKENIZER_REGISTRY.get(bpe_name).cls, "id_pieces", lambda self: None)
         dest = tmp_path / path
         run("--trainpref", train, "--validpref", valid, "--destdir", dest, "--workers", 2, *cut, *flags)
         log = (dest / "preprocess.log").read_text(encoding="utf-8")
@@ -267,5 +289,7 @@ def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespea
                          for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx")}
         outputs[path]["replaced"] = re.findall(r"\d+ sents, \d+ tokens, \S+% replaced", log)
     assert outputs["ids"] == outputs["text"]
+    if bpe == "sentencepiece":  # lines with the unk id went through: the unknown characters' own text is a word
+        assert "你好世界" in outputs["ids"]["dict.txt"].decode("utf-8")
     # <unk> is exercised: pieces cut by the threshold, and pieces of the valid split never seen in train
     assert not outputs["ids"]["replaced"][1].endswith(" 0.0% replaced")

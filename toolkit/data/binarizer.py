@@ -19,8 +19,10 @@ dataset builder as one array, and the item sizes come from the positions of
   merged in order with ``MMapIndexedDatasetBuilder.merge_file_``.
 
 With a tokenizer whose ids stand for fixed one-word pieces (``Tokenizer.id_pieces``: ``gpt2``,
-``hf_byte_bpe``) no piece text is made: its ids are the provisional ids (``ProvisionalIdEncoder``), or
-go through one table to the final ids (``TokenizerIdEncoder``); the output is that of the text path.
+``hf_byte_bpe``, ``sentencepiece``) no piece text is made: its ids are the provisional ids
+(``ProvisionalIdEncoder``), or go through one table to the final ids (``TokenizerIdEncoder``); only a line
+holding an id whose text varies (sentencepiece's unk id) takes the text path; the output is that of the
+text path.
 
 Either way the output does not depend on the number of workers. Lines are
 split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
@@ -271,23 +273,74 @@ class BlockEncoder:
         return ids, sizes, self.lookup.misses - misses_before
 
 
-def tokenizer_id_pieces(tokenizer) -> Optional[List[str]]:
+def tokenizer_id_pieces(tokenizer) -> Optional[List[Optional[str]]]:
     """The tokenizer's piece for each of its ids, where looking its ids up through them gives exactly what
-    the text path gives (every piece one distinct whitespace-free word); None otherwise."""
+    the text path gives; None where no id has such a piece.
+
+    An id keeps its piece when that piece is one whitespace-free word found at no other id; the others are
+    None (``Tokenizer.id_pieces`` gives None where the text varies, e.g. sentencepiece's unk id, whose text
+    is the unknown characters themselves): a line holding such an id takes the text path (``TokenizedBlock``).
+    """
     pieces = tokenizer.id_pieces() if tokenizer is not None else None
-    if not pieces or not all(p and p.split() == [p] for p in pieces) or len(set(pieces)) != len(pieces):
+    if not pieces:
         return None
-    return pieces
+    fixed = [p if isinstance(p, str) and p.split() == [p] else None for p in pieces]
+    seen = Counter(p for p in fixed if p is not None)
+    fixed = [p if p is not None and seen[p] == 1 else None for p in fixed]
+    return fixed if any(p is not None for p in fixed) else None
 
 
-def tokenize_lines(tokenizer, text: str) -> Tuple[np.ndarray, np.ndarray]:
-    """The library ids of a block's lines, flat, and each line's item size (its ids and ``</s>``)."""
-    lines = text.split("\n")
-    lines.pop()
-    per_line = tokenizer.encode_lines_to_ids(lines)
-    lengths = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
-    flat = np.fromiter(itertools.chain.from_iterable(per_line), dtype=np.int64, count=int(lengths.sum()))
-    return flat, (lengths + 1).astype(np.int32)
+@dataclass
+class TokenizedBlock:
+    """A block's lines through a tokenizer's ids: the library's ids of the lines whose pieces all come from
+    ``tokenizer_id_pieces`` (``ids``, flat), and the text path's words of the other lines (``redo``, at
+    line numbers ``redo_lines``); ``lengths`` is the number of pieces of every line."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    redo_lines: np.ndarray
+    redo: List[List[str]]
+
+    @classmethod
+    def of(cls, tokenizer, text: str, varying: np.ndarray) -> "TokenizedBlock":
+        """``varying``: True at the ids without a fixed piece."""
+        lines = text.split("\n")
+        lines.pop()
+        per_line = tokenizer.encode_lines_to_ids(lines)
+        lengths = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
+        flat = np.fromiter(itertools.chain.from_iterable(per_line), dtype=np.int64, count=int(lengths.sum()))
+        hits = varying[flat]
+        if not hits.any():
+            return cls(flat, lengths, np.zeros(0, dtype=np.int64), [])
+        line_of = np.repeat(np.arange(len(lines)), lengths)
+        redo_lines = np.unique(line_of[hits])
+        redo = [encoded.split() for encoded in tokenizer.encode_lines([lines[i] for i in redo_lines.tolist()])]
+        is_redo = np.zeros(len(lines), dtype=bool)
+        is_redo[redo_lines] = True
+        lengths[redo_lines] = [len(words) for words in redo]
+        return cls(flat[~is_redo[line_of]], lengths, redo_lines, redo)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each line's item size: its pieces and ``</s>``."""
+        return (self.lengths + 1).astype(np.int32)
+
+    def with_line_ends(self, mapped: np.ndarray, redo_ids: List[np.ndarray], eos: int, dtype) -> np.ndarray:
+        """The block's items: ``mapped`` (``ids`` mapped) and ``redo_ids`` (``redo`` mapped) put back in line
+        order, ``eos`` after each line."""
+        if not self.redo:
+            return with_line_ends(mapped, self.sizes, eos, dtype)
+        values = np.empty(int(self.lengths.sum()), dtype=np.int64)
+        in_redo = np.zeros(len(self.lengths), dtype=bool)
+        in_redo[self.redo_lines] = True
+        at_redo = np.repeat(in_redo, self.lengths)
+        values[~at_redo] = mapped
+        values[at_redo] = np.concatenate(redo_ids) if redo_ids else []
+        return with_line_ends(values, self.sizes, eos, dtype)
+
+
+def varying_ids(pieces: List[Optional[str]]) -> np.ndarray:
+    return np.fromiter((p is None for p in pieces), dtype=bool, count=len(pieces))
 
 
 def with_line_ends(values: np.ndarray, sizes: np.ndarray, eos: int, dtype) -> np.ndarray:
@@ -305,14 +358,18 @@ class TokenizerIdEncoder:
     Gives what ``BlockEncoder`` gives on ``apply_tokenizer``'s text (``tokenizer_id_pieces``; otherwise
     ``build`` returns None and the text path is used): a piece missing from the dictionary becomes
     ``<unk>`` and is counted as replaced, a piece that is literally ``<unk>`` or ``</s>`` maps to its own
-    id, and ``</s>`` ends each line.
+    id, and ``</s>`` ends each line. Lines holding an id without a fixed piece are looked up word by word.
     """
 
-    def __init__(self, tokenizer, dictionary, pieces: List[str], dtype):
+    def __init__(self, tokenizer, dictionary, pieces: List[Optional[str]], dtype):
         self.tokenizer, self.dtype, self.eos = tokenizer, np.dtype(dtype), dictionary.eos_index
         get, unk = dictionary.indices.get, dictionary.unk_index
         self.table = np.fromiter((get(p, unk) for p in pieces), dtype=np.int64, count=len(pieces))
-        self.replaced = np.fromiter((p not in dictionary.indices for p in pieces), dtype=bool, count=len(pieces))
+        self.replaced = np.fromiter((p is not None and p not in dictionary.indices for p in pieces), dtype=bool,
+                                    count=len(pieces))
+        self.varying = varying_ids(pieces)
+        self.lookup = _UnkLookup(dictionary.indices)
+        self.lookup.unk, self.lookup.misses = unk, 0
 
     @classmethod
     def build(cls, tokenizer, dictionary, dtype) -> Optional["TokenizerIdEncoder"]:
@@ -320,8 +377,12 @@ class TokenizerIdEncoder:
         return None if pieces is None else cls(tokenizer, dictionary, pieces, dtype)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
-        flat, sizes = tokenize_lines(self.tokenizer, text)
-        return with_line_ends(self.table[flat], sizes, self.eos, self.dtype), sizes, int(self.replaced[flat].sum())
+        block = TokenizedBlock.of(self.tokenizer, text, self.varying)
+        misses_before = self.lookup.misses
+        redo_ids = [np.fromiter(map(self.lookup.__getitem__, words), dtype=np.int64, count=len(words))
+                    for words in block.redo]
+        replaced = int(self.replaced[block.ids].sum()) + self.lookup.misses - misses_before
+        return block.with_line_ends(self.table[block.ids], redo_ids, self.eos, self.dtype), block.sizes, replaced
 
 
 def binarize_range(path: str, start: int, end: Optional[int], dictionary, builder: MMapIndexedDatasetBuilder,
@@ -378,25 +439,38 @@ class ProvisionalEncoder:
 
 class ProvisionalIdEncoder:
     """``ProvisionalEncoder`` for a tokenizer with ``tokenizer_id_pieces``: its own ids are the provisional ids
-    (``</s>`` its piece's id, or one more id), so no piece text is made; unseen pieces keep a count of 0."""
+    (``</s>`` its piece's id, or one more id), so no piece text is made; unseen pieces keep a count of 0.
+    The words of lines taken by the text path (``TokenizedBlock.redo``) keep their piece's id, or get the
+    next ids after the tokenizer's."""
 
-    def __init__(self, tokenizer, pieces: List[str], eos_word: str = "</s>"):
+    def __init__(self, tokenizer, pieces: List[Optional[str]], eos_word: str = "</s>"):
         self.tokenizer = tokenizer
-        self.vocab = pieces if eos_word in pieces else pieces + [eos_word]
-        self.eos = self.vocab.index(eos_word)
-        self.counts = np.zeros(len(self.vocab), dtype=np.int64)
+        self.pieces = pieces if eos_word in pieces else pieces + [eos_word]
+        self.varying = varying_ids(self.pieces)
+        self.vocab: Dict[str, int] = defaultdict(itertools.count(len(self.pieces)).__next__)
+        self.vocab.update((p, i) for i, p in enumerate(self.pieces) if p is not None)
+        self.fixed = len(self.vocab)
+        self.eos = self.vocab[eos_word]
+        self.counts = np.zeros(len(self.pieces), dtype=np.int64)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
-        flat, sizes = tokenize_lines(self.tokenizer, text)
-        ids = with_line_ends(flat, sizes, self.eos, np.int32)
-        self.counts += np.bincount(ids, minlength=len(self.vocab))
-        return ids, sizes
+        block = TokenizedBlock.of(self.tokenizer, text, self.varying)
+        redo_ids = [np.fromiter(map(self.vocab.__getitem__, words), dtype=np.int64, count=len(words))
+                    for words in block.redo]
+        ids = block.with_line_ends(block.ids, redo_ids, self.eos, np.int32)
+        found = np.bincount(ids, minlength=len(self.counts))
+        if len(found) > len(self.counts):
+            self.counts = np.concatenate([self.counts, np.zeros(len(found) - len(self.counts), dtype=np.int64)])
+        self.counts += found
+        return ids, block.sizes
 
-    def words(self) -> List[str]:
-        return list(self.vocab)
+    def words(self) -> List[Optional[str]]:
+        """Each provisional id's word (None at the ids without a fixed piece: never in the ids, count 0)."""
+        return self.pieces + list(itertools.islice(self.vocab, self.fixed, None))
 
     def word_counts(self) -> np.ndarray:
-        return self.counts.copy()
+        missing = len(self.pieces) + len(self.vocab) - self.fixed - len(self.counts)
+        return np.concatenate([self.counts, np.zeros(missing, dtype=np.int64)])
 
 
 @dataclass

@@ -53,6 +53,17 @@ class SentencepieceBpe(Tokenizer):
     def encode_lines(self, lines: List[str]) -> List[str]:
         return [" ".join(pieces) for pieces in self.sp.encode([l.strip() for l in lines], out_type=str)]
 
+    def id_pieces(self) -> List[Optional[str]]:
+        """Each id's piece, None at the unknown id (``encode`` writes the unknown characters themselves, not
+        ``<unk>``) and at control ids (their text is empty; ``encode`` never gives them): a line holding
+        one of these takes the binarizer's text path."""
+        sp = self.sp
+        return [None if sp.is_unknown(i) or sp.is_control(i) else sp.id_to_piece(i)
+                for i in range(sp.get_piece_size())]
+
+    def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
+        return self.sp.encode([l.strip() for l in lines])
+
     def decode(self, text: str) -> str:
         return self.sp.decode(text.split())
 
