@@ -335,11 +335,12 @@ class TokenizedBlock:
         in_redo[self.redo_lines] = True
         at_redo = np.repeat(in_redo, self.lengths)
         values[~at_redo] = mapped
-        values[at_redo] = np.concatenate(redo_ids) if redo_ids else []
+        values[at_redo] = np.concatenate(redo_ids)
         return with_line_ends(values, self.sizes, eos, dtype)
 
 
 def varying_ids(pieces: List[Optional[str]]) -> np.ndarray:
+    """True at the ids without a fixed piece: a line holding one is encoded as text."""
     return np.fromiter((p is None for p in pieces), dtype=bool, count=len(pieces))
 
 

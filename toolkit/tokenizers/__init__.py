@@ -46,7 +46,9 @@ class Tokenizer:
 
     def id_pieces(self) -> Optional[List[Optional[str]]]:
         """The piece ``encode`` writes for each of the library's ids, where a line's pieces are always exactly
-        ``[id_pieces()[i] for i in encode_lines_to_ids([line])[0]]``; None where they are not.
+        ``[id_pieces()[i] for i in encode_lines_to_ids([line])[0]]``; None where they are not. An id whose
+        text varies from line to line (sentencepiece's unk id) has None in the list: the binarizer encodes a
+        line holding it as text.
 
         With it the binarizer maps the library's ids to ``dict.txt`` ids through one array, instead of
         joining pieces into text and splitting and looking them up again (most of its cost beyond the
