@@ -3,12 +3,14 @@ experts under the same parameter name, so the sharded format names each layer's 
 Adam moments gathered over the ep ranks, as a consolidated file does) and a rank loading it keeps its own experts.
 
 Two ranks with FSDP2 and --expert-parallel-size 2 save after 3 updates; resumed at ep 2, the 4th update logs the
-loss of the uninterrupted run and ends with its weights, their average (--store-ema) and moments (rtol 1e-4; an expert's moment given to the
-wrong expert moves its weights by about the learning rate, 3e-3); resumed at ep 1 on two ranks and in one process
+loss of the uninterrupted run and ends with its weights, their average (--store-ema) and moments (rtol 1e-4; an
+expert's moment given to the wrong expert moves its weights by about the learning rate, 3e-3); resumed at ep 1 on
+two ranks and in one process
 (--update-freq 2: the same batches), the same loss; and toolkit-consolidate of the folder equals the consolidated
 checkpoint the same run writes at update 3 without --use-sharded-state. A run that saves a sharded checkpoint
 at update 3 and goes on ends as the reference too (the save gathers the moments into new tensors, leaving the
-optimizer's own as they are).
+optimizer's own as they are). On four ranks at ep 2 (each rank's experts sharded by FSDP2 over their 2 holders),
+the checkpoint resumes at ep 4 as the uninterrupted run.
 """
 from __future__ import annotations
 
@@ -94,3 +96,21 @@ def test_sharded_checkpoint_at_ep2_resumes_at_ep2_ep1_and_one_process_and_consol
         assert_logged_losses_match(H.losses(resumed.stdout), reference, range(SAVED_AT + 1, UPDATES + 1))
         if save_dir == "ep2":
             assert_same_state(consolidated(tmp_path / save_dir / "checkpoint_last", tmp_path / "end.pt"), at_end)
+
+
+def test_experts_sharded_by_fsdp2_over_their_peers_resume_at_ep4(data_bin, tmp_path):
+    """Four ranks at ep 2: each rank's two experts sharded by FSDP2 over the 2 ranks holding them
+    (``ParallelDims.expert_fsdp_mesh``); the sharded checkpoint at update 3 resumes at ep 4 (one expert a rank) with
+    the 4th loss, weights and moments of the uninterrupted run (the same global batch: 4 ranks, --update-freq 1)."""
+    four = ["--distributed-world-size", "4", "--ddp-backend", "fully_sharded"]
+    straight = train(data_bin, tmp_path / "straight", *four, "--expert-parallel-size", "2", "--max-update",
+                     str(UPDATES))
+    saved = train(data_bin, tmp_path / "sharded", *four, "--expert-parallel-size", "2", "--use-sharded-state",
+                  "--max-update", str(SAVED_AT))
+    assert "each sharded by FSDP2 over the 2 ranks holding them" in saved.stdout + saved.stderr
+    resumed = train(data_bin, tmp_path / "sharded", *four, "--expert-parallel-size", "4", "--use-sharded-state",
+                    "--max-update", str(UPDATES))
+    assert f"@ {SAVED_AT} updates" in resumed.stdout + resumed.stderr
+    assert_logged_losses_match(H.losses(resumed.stdout), H.losses(straight.stdout), range(SAVED_AT + 1, UPDATES + 1))
+    at_end = torch.load(tmp_path / "straight" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert_same_state(consolidated(tmp_path / "sharded" / "checkpoint_last", tmp_path / "end.pt"), at_end)
