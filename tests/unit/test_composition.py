@@ -128,11 +128,14 @@ def test_an_option_of_another_family_is_one_line_naming_it(flags, message):
 
 def test_expert_parallelism_composes_with_every_sharding_strategy_and_compile():
     """FSDP x EP, HSDP x EP (the experts on a (replicate, shard) mesh of their own; no_shard is not a feature of the
-    table, a replicate mesh as hybrid sharding's groups) and EP x compile pass the resolver."""
+    table, a replicate mesh as hybrid sharding's groups), EP x compile and EP with --use-sharded-state pass the
+    resolver."""
     ep = ["--arch", "moe_tiny", "--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
     assert C.refusal(resolve(*ep, "--compile")) is None
     for strategy in ("shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"):
         assert C.refusal(resolve(*ep, "--sharding-strategy", strategy)) is None, strategy
+    # sharded checkpoints name the whole expert stacks (tests/integration/test_expert_parallel_sharded_resume.py)
+    assert C.refusal(resolve(*ep, "--use-sharded-state")) is None
 
 
 def test_expert_parallelism_composes_with_tensor_parallelism_through_fsdp2_only():

@@ -102,10 +102,12 @@ def cut_locally(full: Any, template: Any) -> Any:
     Why not DCP's full-state load: it scatters each tensor from rank 0 (``distribute_tensor``'s default source),
     and that path refuses FSDP2-over-TP's ``_StridedShard`` of a dimension the mesh does not divide evenly (an odd
     vocabulary under ``--model-parallel-size 2``: a fresh run splits it unevenly, and so does this). A tensor whose
-    shape differs from the template's (whole expert stacks: their own load hook cuts them) stays as it is."""
+    shape differs from the template's (whole expert stacks: their own load hook cuts them), and one already a DTensor
+    (what DCP loaded in place), stays as it is."""
     if isinstance(full, Mapping) and isinstance(template, Mapping):
         return {k: cut_locally(v, template.get(k)) for k, v in full.items()}
-    if is_dtensor(template) and torch.is_tensor(full) and tuple(full.shape) == tuple(template.shape):
+    if (is_dtensor(template) and torch.is_tensor(full) and not is_dtensor(full)
+            and tuple(full.shape) == tuple(template.shape)):
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(full.detach().to(template.device, template.dtype), template.device_mesh,
@@ -133,7 +135,9 @@ class OptimizerState(TensorState):
         from toolkit.distributed import expert_parallel
 
         state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE if full else None)
-        return expert_parallel.gather_optimizer_state(self.model, self.optimizer, state) if full else state
+        # whole expert stacks in both formats: each ep rank holds other experts under the same names, so the sharded
+        # format too names the [E, ...] stack (the model's state_dict hook gathers its weights the same way)
+        return expert_parallel.gather_optimizer_state(self.model, self.optimizer, state)
 
     def side_values(self) -> Dict[str, Any]:
         return {"optimizer_name": self.name if self.saved else None}
@@ -174,17 +178,29 @@ class OptimizerState(TensorState):
             state = switch_optimizer_state(self._where, state, self._switch_from, self.name, self.optimizer)
         elif self._switch_from is not None:
             state = {"state": state["state"], "param_groups": self._groups}
-        if full:  # --expert-parallel-size: the file holds whole expert stacks, this rank its own experts
-            from toolkit.distributed import expert_parallel
-
-            state = expert_parallel.own_optimizer_state(self.model, state)
-            template = get_optimizer_state_dict(self.model, self.optimizer)  # initializes the state to cut into
-            if any(is_dtensor(t) for entry in template["state"].values() for t in entry.values()):
-                state, full = {**state, "state": cut_locally(state["state"], template["state"])}, False
+        if full or self._has_placed_experts():  # whole expert stacks in the file, this rank's experts kept
+            state, full = self._own_part(state, full)
         set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL_STATE if full else None)
         if self._switch_from is not None and not full:
             log_optimizer_switch(self._switch_from, self.name)
         self._switch_from, self._groups = None, None
+
+    def _has_placed_experts(self) -> bool:
+        from toolkit.distributed import expert_parallel
+
+        return bool(expert_parallel.placed_parameters(self.model))
+
+    def _own_part(self, state: Dict[str, Any], full: bool) -> Tuple[Dict[str, Any], bool]:
+        """A state holding whole expert stacks (a ``.pt``'s full state, or a sharded load under
+        ``--expert-parallel-size``) with this rank's experts kept, and where the model is sharded, every
+        tensor cut to this rank's shards (then it loads as a sharded state: ``full`` False)."""
+        from toolkit.distributed import expert_parallel
+
+        state = expert_parallel.own_optimizer_state(self.model, state)
+        template = get_optimizer_state_dict(self.model, self.optimizer)  # initializes the state to cut into
+        if any(is_dtensor(t) for entry in template["state"].values() for t in entry.values()):
+            state, full = {**state, "state": cut_locally(state["state"], template["state"])}, False
+        return state, full
 
 
 class ShardedExtra:

@@ -145,9 +145,6 @@ TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and
 EP_TP_NO_C10D = ("--expert-parallel-size with --model-parallel-size > 1 and --ddp-backend no_c10d: the experts stay "
                  "whole on every tp rank (plain tensors beside the tp shards) and only FSDP2 reduces their gradients, "
                  "over the ranks holding the same experts; use --ddp-backend c10d or fully_sharded")
-EP_SHARDED_STATE = ("--expert-parallel-size with --use-sharded-state: the sharded format saves each tensor once "
-                    "for all ranks, and each rank of an ep group holds different experts under the same name; save "
-                    "consolidated checkpoints (drop --use-sharded-state), which gather the experts")
 MUON_OVERLAP = ("--overlap-offload-step with --optimizer muon: the overlapped step updates each block on a background "
                 "thread while the next forward gathers the following blocks, and Muon's update of a sharded matrix "
                 "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
@@ -376,9 +373,6 @@ def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
     dist = cfg.distributed
     if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
         return EP_TP_NO_C10D
-    checkpoint = getattr(cfg, "checkpoint", None)
-    if checkpoint is not None and checkpoint.use_sharded_state:
-        return EP_SHARDED_STATE
     return None
 
 

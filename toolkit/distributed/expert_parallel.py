@@ -16,10 +16,12 @@ span the replica groups). FSDP2 then reduces the expert gradients among those pe
 data-parallel size as the dense ones (``set_gradient_divide_factor``), and ``init_weights``
 draws each whole stack and keeps this rank's part (``GroupedExperts.initial_parts``), as one process would.
 
-Consolidated checkpoints hold the whole stacks: the experts' state_dict hooks gather the weights, and
-:func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same for their optimizer moments (cpu_adam's
-fp16 moments put on one scale first), so a checkpoint saved at one P resumes at any other (1 included;
-tests/integration/test_expert_parallel_resume.py).
+Checkpoints hold the whole stacks, consolidated and sharded (``--use-sharded-state``: each rank of an ep group
+holds other experts under the same name, so DCP is given the one [E, ...] stack every rank agrees on): the experts'
+state_dict hooks gather the weights, and :func:`gather_optimizer_state` / :func:`own_optimizer_state` do the same
+for their optimizer moments (cpu_adam's fp16 moments put on one scale first), so a checkpoint saved at one P
+resumes at any other (1 included; tests/integration/test_expert_parallel_resume.py,
+test_expert_parallel_sharded_resume.py). The cost: each rank holds a layer's whole stacks while it saves or loads.
 """
 from __future__ import annotations
 
@@ -167,12 +169,13 @@ def _placed(model: torch.nn.Module):
 
 def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            state: Dict[str, Any]) -> Dict[str, Any]:
-    """A full optimizer state (rank 0's; other ranks may hold none) with the expert moments replaced by whole
-    stacks, gathered from every rank's optimizer (collective: every rank calls it)."""
+    """An optimizer state (a full one: rank 0's, other ranks may hold none; or this rank's) with the expert moments
+    replaced by whole stacks, gathered from every rank's optimizer (collective: every rank calls it). New entries:
+    a local state's entries are the optimizer's own dicts."""
     for fqn, module, param in _placed(model):
         whole = _whole_entry(module, optimizer.state.get(param, {}))
         if fqn in state.get("state", {}):
-            state["state"][fqn].update(whole)
+            state["state"][fqn] = {**state["state"][fqn], **whole}
     return state
 
 
@@ -200,8 +203,8 @@ def _on_common_scale(module: GroupedExperts, moment: torch.Tensor, scale: torch.
 def own_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
     """A full optimizer state with the expert moments cut to this rank's experts."""
     for fqn, module, _param in _placed(model):
-        entry = state.get("state", {}).get(fqn) or {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                entry[key] = module.own_part(value)
+        entry = state.get("state", {}).get(fqn)
+        if entry:
+            state["state"][fqn] = {key: module.own_part(value) if isinstance(value, torch.Tensor) else value
+                                   for key, value in entry.items()}
     return state
