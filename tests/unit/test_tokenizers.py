@@ -293,3 +293,24 @@ def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespea
         assert "你好世界" in outputs["ids"]["dict.txt"].decode("utf-8")
     # <unk> is exercised: pieces cut by the threshold, and pieces of the valid split never seen in train
     assert not outputs["ids"]["replaced"][1].endswith(" 0.0% replaced")
+
+
+def test_sentencepiece_takes_one_thread_in_a_binarizer_worker(tmp_path, monkeypatch, shakespeare_file):
+    """A binarizer worker (TOKENIZERS_PARALLELISM=false, set by its pool's initializer) encodes on one thread,
+    elsewhere on every core; the pieces and ids are the same either way."""
+    tok = build_tokenizer("sentencepiece", {"bpe_model": make_sentencepiece_model(tmp_path / "sp", shakespeare_file,
+                                                                                   300, False)})
+    lines = ["First Citizen: before we proceed", OUTSIDE.strip()]
+    seen = []
+    encode = tok.sp.encode
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("num_threads"))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tok.sp, "encode", recording)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    everywhere = (tok.encode_lines(lines), tok.encode_lines_to_ids(lines))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    assert (tok.encode_lines(lines), tok.encode_lines_to_ids(lines)) == everywhere
+    assert seen == [-1, -1, 1, 1]

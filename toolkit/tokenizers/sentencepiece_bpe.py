@@ -17,6 +17,13 @@ def _usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _encode_threads() -> int:
+    """SentencePiece's batch encode uses every core by default (-1); a binarizer worker, one of several processes
+    (``binarizer._init_worker`` sets ``TOKENIZERS_PARALLELISM=false``, the Hugging Face tokenizers' switch), takes
+    one thread, or N workers on C cores would run N x C threads."""
+    return 1 if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() == "false" else -1
+
+
 @dataclass
 class SentencepieceBpeConfig:
     bpe_model: Optional[str] = field(default=None, metadata={
@@ -51,7 +58,8 @@ class SentencepieceBpe(Tokenizer):
         return " ".join(self.sp.encode(line.strip(), out_type=str))
 
     def encode_lines(self, lines: List[str]) -> List[str]:
-        return [" ".join(pieces) for pieces in self.sp.encode([l.strip() for l in lines], out_type=str)]
+        return [" ".join(pieces) for pieces in self.sp.encode([l.strip() for l in lines], out_type=str,
+                                                              num_threads=_encode_threads())]
 
     def id_pieces(self) -> List[Optional[str]]:
         """Each id's piece, None at the unknown id (``encode`` writes the unknown characters themselves, not
@@ -62,7 +70,7 @@ class SentencepieceBpe(Tokenizer):
                 for i in range(sp.get_piece_size())]
 
     def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
-        return self.sp.encode([l.strip() for l in lines])
+        return self.sp.encode([l.strip() for l in lines], num_threads=_encode_threads())
 
     def decode(self, text: str) -> str:
         return self.sp.decode(text.split())
