@@ -12,7 +12,8 @@ slowest round), so a neighbour process slows both sides alike. Rows:
   batches, forward + fp32 cross entropy + backward + AdamW (``benchmarks/llama_hf.py``'s step: the toolkit's
   criterion with its fused head and loss; transformers' ``labels=`` loss for Llama, its logits for GPT-2);
 * training step, the toolkit's MoE vs transformers' ``Qwen3MoeForCausalLM`` (``benchmarks/moe_vs_hf.py``'s
-  pair and shape: its experts in transformers' own default implementation);
+  pair and shape: its experts in transformers' own default implementation), each side's training path as for
+  Llama, no router loss on either (transformers' default);
 * cached greedy generation, ``toolkit.generation.SequenceGenerator`` (the toolkit-generate path) vs
   transformers' ``generate()`` on the exported GPT-2 model, the same prompts, every row generating the
   same number of tokens;
@@ -30,6 +31,7 @@ load average beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -145,10 +147,13 @@ def moe_training(args) -> Dict:
              "--expert-ffn", "64", "--vocab", "512", "--tokens", "32", "--batch", "2"] if args.quick else []
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
-    from llama_hf import logits_loss  # both sides on their logits, no auxiliary loss (moe_vs_hf.py's comparison)
+    # each side's own training path, as the Llama row: the toolkit's criterion (its fused head and loss) and
+    # transformers' labels= loss. The same math: transformers adds no router loss by default
+    # (output_router_logits False), so ours is weighted 0 here (its statistics are still computed).
+    ours.cfg = dataclasses.replace(ours.cfg, moe_aux_loss_coef=0.0)
+    from llama_hf import transformers_loss
 
-    out = train_steps(ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), cfg.vocab,
-                      cfg.batch, cfg.tokens, args, loss_ours=logits_loss(lambda m, x: m(x)[0]))
+    out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
     shape_text = (f"{cfg.layers}x{cfg.dim}, {cfg.experts} experts of {cfg.expert_ffn}, top {cfg.top_k}, "
                   f"V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}")
     return row("training step, Qwen3-MoE", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
