@@ -100,13 +100,13 @@ def transformers_module():
     return transformers
 
 
-def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, args, loss_ours=None) -> Dict:
-    """The llama_hf step on both models, alternated on the same random batches; ``loss_ours`` defaults to the
-    toolkit's own training path (the cross_entropy criterion, its fused head and loss)."""
+def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, args) -> Dict:
+    """The llama_hf step on both models, alternated on the same random batches; ours on the toolkit's own
+    training path (the cross_entropy criterion, its fused head and loss)."""
     import torch
     from llama_hf import make_step, toolkit_loss
 
-    steps = {"toolkit": make_step(ours, loss_ours or toolkit_loss(None)), "transformers": make_step(theirs, loss_theirs)}
+    steps = {"toolkit": make_step(ours, toolkit_loss(None)), "transformers": make_step(theirs, loss_theirs)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
     losses: Dict[str, float] = {}

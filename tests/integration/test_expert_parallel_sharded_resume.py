@@ -74,8 +74,8 @@ def test_sharded_checkpoint_at_ep2_resumes_at_ep2_ep1_and_one_process_and_consol
     straight = train(data_bin, tmp_path / "straight", *EP2, "--max-update", str(UPDATES),
                      "--save-interval-updates", str(SAVED_AT))
     reference = H.losses(straight.stdout)
-    at_saved = torch.load(tmp_path / "straight" / f"checkpoint_1_{SAVED_AT}.pt", map_location="cpu",
-                          weights_only=True)
+    saved_file = tmp_path / "straight" / f"checkpoint_1_{SAVED_AT}.pt"
+    at_saved = torch.load(saved_file, map_location="cpu", weights_only=True)
     at_end = torch.load(tmp_path / "straight" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
 
     saved = train(data_bin, tmp_path / "ep2", *EP2, "--use-sharded-state", "--max-update", str(SAVED_AT))

@@ -5,7 +5,6 @@ import logging
 import math
 import os
 import re
-import time
 from collections import OrderedDict
 
 import pytest

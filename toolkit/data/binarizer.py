@@ -225,6 +225,12 @@ class _UnkLookup(dict):
 
     __slots__ = ("unk", "misses")
 
+    @classmethod
+    def of(cls, dictionary) -> "_UnkLookup":
+        lookup = cls(dictionary.indices)
+        lookup.unk, lookup.misses = dictionary.unk_index, 0
+        return lookup
+
     def __missing__(self, word: str) -> int:
         self.misses += 1
         return self.unk
@@ -260,8 +266,7 @@ class BlockEncoder:
         self.dtype = np.dtype(dtype)
         if len(dictionary) > np.iinfo(self.dtype).max + 1:
             raise ValueError(f"dtype {self.dtype} cannot hold {len(dictionary)} token ids")
-        self.lookup = _UnkLookup(dictionary.indices)
-        self.lookup.unk, self.lookup.misses = dictionary.unk_index, 0
+        self.lookup = _UnkLookup.of(dictionary)
         self.eos, self.eos_word = dictionary.eos_index, dictionary.eos_word
         # the fast path needs the literal eos word to map to the eos index
         self.fast = dictionary.indices.get(self.eos_word) == self.eos
@@ -293,12 +298,12 @@ def tokenizer_id_pieces(tokenizer) -> Optional[List[Optional[str]]]:
 @dataclass
 class TokenizedBlock:
     """A block's lines through a tokenizer's ids: the library's ids of the lines whose pieces all come from
-    ``tokenizer_id_pieces`` (``ids``, flat), and the text path's words of the other lines (``redo``, at
-    line numbers ``redo_lines``); ``lengths`` is the number of pieces of every line."""
+    ``tokenizer_id_pieces`` (``ids``, flat), and the text path's words of the other lines (``redo``, of the
+    lines where ``is_redo``); ``lengths`` is the number of pieces of every line."""
 
     ids: np.ndarray
     lengths: np.ndarray
-    redo_lines: np.ndarray
+    is_redo: np.ndarray
     redo: List[List[str]]
 
     @classmethod
@@ -311,14 +316,14 @@ class TokenizedBlock:
         flat = np.fromiter(itertools.chain.from_iterable(per_line), dtype=np.int64, count=int(lengths.sum()))
         hits = varying[flat]
         if not hits.any():
-            return cls(flat, lengths, np.zeros(0, dtype=np.int64), [])
+            return cls(flat, lengths, np.zeros(len(lines), dtype=bool), [])
         line_of = np.repeat(np.arange(len(lines)), lengths)
         redo_lines = np.unique(line_of[hits])
         redo = [encoded.split() for encoded in tokenizer.encode_lines([lines[i] for i in redo_lines.tolist()])]
         is_redo = np.zeros(len(lines), dtype=bool)
         is_redo[redo_lines] = True
         lengths[redo_lines] = [len(words) for words in redo]
-        return cls(flat[~is_redo[line_of]], lengths, redo_lines, redo)
+        return cls(flat[~is_redo[line_of]], lengths, is_redo, redo)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -331,9 +336,7 @@ class TokenizedBlock:
         if not self.redo:
             return with_line_ends(mapped, self.sizes, eos, dtype)
         values = np.empty(int(self.lengths.sum()), dtype=np.int64)
-        in_redo = np.zeros(len(self.lengths), dtype=bool)
-        in_redo[self.redo_lines] = True
-        at_redo = np.repeat(in_redo, self.lengths)
+        at_redo = np.repeat(self.is_redo, self.lengths)
         values[~at_redo] = mapped
         values[at_redo] = np.concatenate(redo_ids)
         return with_line_ends(values, self.sizes, eos, dtype)
@@ -369,8 +372,7 @@ class TokenizerIdEncoder:
         self.replaced = np.fromiter((p is not None and p not in dictionary.indices for p in pieces), dtype=bool,
                                     count=len(pieces))
         self.varying = varying_ids(pieces)
-        self.lookup = _UnkLookup(dictionary.indices)
-        self.lookup.unk, self.lookup.misses = unk, 0
+        self.lookup = _UnkLookup.of(dictionary)
 
     @classmethod
     def build(cls, tokenizer, dictionary, dtype) -> Optional["TokenizerIdEncoder"]:
