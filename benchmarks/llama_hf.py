@@ -11,7 +11,8 @@ default). One training step is each side's own training path, then backward, Ada
 
 - ``toolkit``: ``toolkit-train``'s, the ``cross_entropy`` criterion on a fairseq sample (the summed NLL, divided
   by the sample size as the trainer does), with its default fused output layer + loss
-  (``--head-loss-chunk-rows``, ``toolkit.models.fused_loss``);
+  (``--head-loss-chunk-rows``, ``toolkit.models.fused_loss``) and its fp32 matmul library (``--cpu-matmul``:
+  auto picks oneDNN where this CPU runs it faster than torch's MKL, ``toolkit.core.cpu_gemm``);
 - ``toolkit-logits``: the same with ``--head-loss-chunk-rows 0``: [B*T, V] logits, then the fp32 cross-entropy
   (the toolkit before the fused head);
 - ``toolkit-compile`` (not by default): ``toolkit``, each block compiled as ``toolkit-train --compile`` does
@@ -59,6 +60,9 @@ def parse(argv=None):
     ap.add_argument("--contestants", default="toolkit,toolkit-logits,transformers",
                     help="comma-separated, from toolkit, toolkit-logits, toolkit-compile (blocks compiled as "
                          "toolkit-train --compile does), transformers")
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+                    help="the toolkit contestants' fp32 matmul library, as toolkit-train's flag (transformers always "
+                         "runs torch's)")
     ap.add_argument("--head-loss-chunk-rows", type=int, default=None,
                     help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)")
     return ap.parse_args(argv)
@@ -120,6 +124,7 @@ def toolkit_loss(chunk_rows):
     from types import SimpleNamespace
 
     from toolkit.config.components import CrossEntropyCriterionConfig
+    from toolkit.core import cpu_gemm
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
 
     cfg = CrossEntropyCriterionConfig() if chunk_rows is None else CrossEntropyCriterionConfig(
@@ -129,7 +134,8 @@ def toolkit_loss(chunk_rows):
     def loss_of(model, inputs, targets):
         sample = {"net_input": {"src_tokens": inputs}, "target": targets, "ntokens": int(targets.ne(PAD).sum()),
                   "nsentences": targets.size(0)}
-        loss, sample_size, _ = criterion(model, sample)
+        with cpu_gemm.linear_mode(inputs.device):  # as the trainer's forward: fp32 products by --cpu-matmul
+            loss, sample_size, _ = criterion(model, sample)
         return loss / sample_size
 
     return loss_of
@@ -150,7 +156,10 @@ def transformers_loss(model, inputs, targets):
 
 
 def run(args) -> dict:
+    from toolkit.core import cpu_gemm
+
     torch.set_num_threads(args.threads)
+    onednn = cpu_gemm.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
     chosen = args.contestants.split(",")
     all_steps = {"toolkit": lambda: make_step(ours, toolkit_loss(args.head_loss_chunk_rows)),
@@ -167,7 +176,8 @@ def run(args) -> dict:
     return {"benchmark": "llama_vs_transformers", "layers": args.layers, "dim": args.dim, "ffn": args.ffn,
             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tokens": args.tokens,
             "batch": args.batch, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-            "head_loss_chunk_rows": args.head_loss_chunk_rows, **alternated(steps, args),
+            "head_loss_chunk_rows": args.head_loss_chunk_rows, "cpu_matmul": "onednn" if onednn else "torch",
+            **alternated(steps, args),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 

@@ -25,6 +25,8 @@ import torch  # noqa: E402
 
 from llama_hf import alternated, logits_loss, make_step  # noqa: E402
 
+from toolkit.core import cpu_gemm  # noqa: E402
+
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +43,8 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+                    help="the toolkit's fp32 matmul library, as its commands' flag (transformers runs torch's)")
     ap.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (eager, grouped_mm, "
                                                        "batched_mm; default: its own choice)")
     return ap.parse_args(argv)
@@ -82,13 +86,21 @@ def build_pair(args):
     return ours.train(), theirs.train()
 
 
+def toolkit_logits(model, tokens):
+    """Our logits with the toolkit's fp32 matmul library (--cpu-matmul), as its commands run the model."""
+    with cpu_gemm.linear_mode(tokens.device):
+        return model(tokens)[0]
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
+    onednn = cpu_gemm.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
-    steps = {"toolkit": make_step(ours, logits_loss(lambda m, x: m(x)[0])),
+    steps = {"toolkit": make_step(ours, logits_loss(toolkit_logits)),
              "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits))}
     return {"benchmark": "moe_vs_transformers", **{k: v for k, v in vars(args).items() if k != "hf_experts"},
             "hf_experts": getattr(theirs.config, "_experts_implementation", None), "torch": torch.__version__,
+            "cpu_matmul": "onednn" if onednn else "torch",
             **alternated(steps, args)}
 
 

@@ -210,6 +210,8 @@ def generation(args) -> Dict:
     import torch
     from generate import generator
 
+    from toolkit.core import cpu_gemm
+
     layers, dim, heads, vocab, _, _ = gpt2_shape(args)
     prompt, new = (8, 8) if args.quick else (64, 128)
     ours, theirs, d = gpt2_pair(layers, dim, heads, vocab, prompt + new + 2)
@@ -221,7 +223,7 @@ def generation(args) -> Dict:
     hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1)
 
     def toolkit_side(_):
-        with torch.no_grad():
+        with torch.no_grad(), cpu_gemm.linear_mode(torch.device("cpu")):  # as toolkit-generate
             return timed(lambda: ours_gen.generate(list(prompts)))
 
     def hf_side(_):
@@ -346,7 +348,8 @@ def load() -> str:
 
 
 def markdown(result: Dict) -> str:
-    lines = [f"{result['machine']}; torch {result['torch']}, {result['threads']} threads; "
+    lines = [f"{result['machine']}; torch {result['torch']}, {result['threads']} threads, toolkit fp32 matmuls by "
+             f"{result.get('cpu_matmul', 'torch')}; "
              f"{result['rounds']} alternated rounds after {result['warmup']} warm-up; {result['load_before']} before, "
              f"{result['load_after']} after", "",
              "| work | peer | toolkit | peer | toolkit / peer | spread (toolkit; peer, s) |",
@@ -392,18 +395,24 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fairseq-home", default=FAIRSEQ_HOME)
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+                    help="the toolkit side's fp32 matmul library in the in-process rows, as its commands' "
+                         "--cpu-matmul (the toolkit commands of the fairseq rows use their default, auto)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers_cpu.json"))
     args = ap.parse_args(argv)
     args.warmup = 1 if args.warmup is None else args.warmup
     args.rounds = args.rounds or (1 if args.quick else 5)
     import torch
+
+    from toolkit.core import cpu_gemm
     torch.set_num_threads(args.threads)
+    onednn = cpu_gemm.select(args.cpu_matmul)  # the toolkit side's fp32 matmul library, as its commands choose
     before = load()
     with tempfile.TemporaryDirectory(prefix="peers-") as work:
         rows = run_rows(args, pathlib.Path(work))
     result = {"benchmark": "peers", "quick": args.quick, "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": args.threads, "warmup": args.warmup,
-              "rounds": args.rounds, "load_before": before, "load_after": load(), "rows": rows}
+              "rounds": args.rounds, "cpu_matmul": "onednn" if onednn else "torch", "load_before": before, "load_after": load(), "rows": rows}
     result["markdown"] = markdown(result)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,3 +52,14 @@ def kill_started_processes():
     (passed, failed or interrupted), so no training outlives the test that started it."""
     yield
     kill_started()
+
+
+@pytest.fixture(autouse=True)
+def cpu_matmul_choice_stays_in_its_test():
+    """A command run in this process (``train``, eval-lm) selects the fp32 CPU matmul library for the process
+    (``toolkit.core.cpu_gemm.select``); the next test starts undecided, as a fresh process does."""
+    from toolkit.core import cpu_gemm
+
+    before = dict(cpu_gemm._state)
+    yield
+    cpu_gemm._state.update(before)

@@ -16,10 +16,16 @@ def opt(default, help: str, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
 
 
+CPU_MATMUL_CHOICES = ["auto", "onednn", "torch"]
+CPU_MATMUL_HELP = ("fp32 matmuls on CPU: by oneDNN or by torch's BLAS (MKL); auto: whichever this CPU runs faster, "
+                   "measured once per machine (oneDNN is ~2x MKL on AMD CPUs; toolkit.core.cpu_gemm)")
+
+
 @dataclass
 class CommonConfig:
     seed: int = opt(1, "random seed")
     cpu: bool = opt(False, "use CPU instead of CUDA")
+    cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     log_interval: int = opt(100, "log progress every N updates", type=positive_int)
     log_format: Optional[str] = opt(None, "log format (default: tqdm on a terminal, else simple)",
                                     choices=["json", "simple", "tqdm", "none"])

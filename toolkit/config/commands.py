@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from toolkit.config import opt
+from toolkit.config import CPU_MATMUL_CHOICES, CPU_MATMUL_HELP, opt
 from toolkit.config.flag_types import count_or_zero, example_limit, positive_int
 
 ENCODING_ERRORS = ("strict", "replace", "ignore")
@@ -50,6 +50,7 @@ class GenerationCommandConfig:
     batch_size: Optional[int] = opt(None, "prompts per batch", aliases=("--max-sentences",), type=positive_int)
     seed: int = opt(1, "random seed (sampling)")
     cpu: bool = opt(False, "generate on CPU even when a GPU is present")
+    cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     fp16: bool = opt(False, "run the model in fp16")
     post_process: Optional[str] = opt(None, "post-process the H- text by removing BPE markers: sentencepiece, "
                                             "subword_nmt (--remove-bpe alone), ...", aliases=("--remove-bpe",))
@@ -107,6 +108,7 @@ class EvalLMConfig:
     seed: int = opt(1, "random seed (orders the batches, as fairseq)")
     fp16: bool = opt(False, "evaluate in fp16")
     cpu: bool = opt(False, "evaluate on CPU even when a GPU is present")
+    cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     num_workers: int = opt(1, "accepted for fairseq compatibility (batches are built in this process)")
     quiet: bool = opt(False, "accepted for fairseq compatibility (eval-lm only prints final scores anyway)")
     results_path: Optional[str] = opt(None, "accepted for fairseq compatibility (fairseq-eval-lm writes "
@@ -194,6 +196,7 @@ class ValidateConfig:
     skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
     model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
     cpu: bool = opt(False, "validate on CPU even when a GPU is present")
+    cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
     log_interval: int = opt(100, "log progress every N batches", type=positive_int)
     no_progress_bar: bool = opt(False, "disable the progress bar")

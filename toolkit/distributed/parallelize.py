@@ -55,6 +55,7 @@ from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
+from toolkit.core import cpu_gemm
 from toolkit.core.errors import UserError
 from toolkit.models.init import init_weights
 
@@ -82,13 +83,14 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block's activations in backward (non-reentrant, RNG state preserved).
 
     torch's ``checkpoint_wrapper`` keeps parameter names (state dicts drop its
-    ``_checkpoint_wrapped_module`` component, as ``init_weights`` does).
+    ``_checkpoint_wrapped_module`` component, as ``init_weights`` does); the recomputation takes the forward's
+    matmul library (``cpu_gemm.checkpoint``).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                             preserve_rng_state=True)
+                                             checkpoint_fn=cpu_gemm.checkpoint, preserve_rng_state=True)
 
 
 def reshard_after_forward(cfg: DistributedConfig) -> bool:

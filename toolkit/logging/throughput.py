@@ -10,17 +10,15 @@ Pure computation: the training loop logs the metrics; FLOPs per token come from 
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
 import torch
+
+from toolkit.core import cpu_gemm, machine_cache
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +81,9 @@ def _sync(device: torch.device) -> None:
 
 def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
                          duration: float = 0.5, n: Optional[int] = None, max_n: Optional[int] = None,
-                         min_reps: int = 3) -> float:
-    """Best FLOP/s of large square matmuls on ``device`` over about ``duration`` seconds.
+                         min_reps: int = 3, kernel: str = "torch") -> float:
+    """Best FLOP/s of large square matmuls on ``device`` over about ``duration`` seconds (``kernel``: torch's
+    ``mm``, or ``"onednn"``: oneDNN's fp32 product on CPU, which the toolkit's layers use where it is faster).
 
     The matrix size starts at ``n`` (2048 on CPU, 4096 on GPU) and doubles, up to
     ``max_n`` (4096 on CPU, 16384 on GPU), while one matmul takes under 50 ms (CPU) /
@@ -121,10 +120,11 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
         a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
         b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
         c = torch.empty(n, n, device=device, dtype=dtype)
-        torch.mm(a, b, out=c)  # warm-up
+        product = _product(a, b, c, kernel)
+        product()  # warm-up
         _sync(device)
         t0 = time.perf_counter()
-        torch.mm(a, b, out=c)
+        product()
         _sync(device)
         one = time.perf_counter() - t0
         if one >= grow_below or n * 2 > max_n:
@@ -139,7 +139,7 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(per_chunk):
-            torch.mm(a, b, out=c)
+            product()
         _sync(device)
         dt = time.perf_counter() - t0
         reps += 1
@@ -148,53 +148,27 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
     return best
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, kernel: str):
+    """One matmul of ``a`` and ``b``: torch's into the preallocated ``c``, or oneDNN's (which allocates its
+    output: at the sizes measured, <1% of the product's time)."""
+    if kernel == "onednn":
+        return lambda: cpu_gemm.onednn_product(a, b)
+    return lambda: torch.mm(a, b, out=c)
+
+
 _cpu_peak_cache: Dict[Tuple[torch.dtype, int], float] = {}
+CPU_PEAK_CACHE = "cpu_peak.json"
 
 
 def cpu_peak_cache_path() -> str:
     """Where measured CPU peaks are kept between runs: ``$TOOLKIT_CACHE_DIR`` or ``~/.cache/toolkit``."""
-    root = os.environ.get("TOOLKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "toolkit")
-    return os.path.join(root, "cpu_peak.json")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return machine_cache.path(CPU_PEAK_CACHE)
 
 
 def _machine_key(dtype: torch.dtype, threads: int) -> str:
-    """The same CPU model, core count, torch build, dtype and thread count give the same peak."""
-    return f"{_cpu_model()} | {os.cpu_count()} CPUs | torch {torch.__version__} | {_dtype_key(dtype)} | {threads} threads"
-
-
-def _read_disk_cache(path: str) -> Dict[str, Dict]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):  # absent, or cut short by a full disk: measure again
-        return {}
-
-
-def _write_disk_cache(path: str, key: str, flops: float) -> None:
-    """Adds one entry (read, merge, write to a temporary name, rename: runs starting together lose nothing
-    but a duplicate measurement); a cache that cannot be written only costs the next run a measurement."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        entries = _read_disk_cache(path)
-        entries[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_peak.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning(f"could not keep the measured CPU peak in {path} ({e}); the next run measures it again")
+    """The same CPU model, core count, torch build, dtype and thread count give the same peak (the best of torch's
+    BLAS and oneDNN for fp32: ``toolkit.core.cpu_gemm``)."""
+    return machine_cache.key(_dtype_key(dtype), f"{threads} threads", "best of torch and oneDNN")
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional[int] = None,
@@ -214,7 +188,7 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional
     if key in _cpu_peak_cache:
         return _cpu_peak_cache[key]
     path, disk_key = cpu_peak_cache_path(), _machine_key(dtype, int(threads))
-    kept = _read_disk_cache(path).get(disk_key)
+    kept = machine_cache.read(path).get(disk_key)
     name = str(dtype).replace("torch.", "")
     if isinstance(kept, dict) and isinstance(kept.get("flops"), (int, float)) and kept["flops"] > 0:
         _cpu_peak_cache[key] = float(kept["flops"])
@@ -225,10 +199,12 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional
     torch.set_num_threads(int(threads))
     try:
         flops = measure_matmul_flops("cpu", dtype, duration=duration)
+        if dtype == torch.float32 and cpu_gemm.onednn_available():  # the toolkit's own fp32 products may use it
+            flops = max(flops, measure_matmul_flops("cpu", dtype, duration=duration, kernel="onednn"))
     finally:
         torch.set_num_threads(previous)
     _cpu_peak_cache[key] = flops
-    _write_disk_cache(path, disk_key, flops)
+    machine_cache.write(path, disk_key, {"flops": flops})
     logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
     return flops
 

@@ -26,6 +26,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from toolkit.core import cpu_gemm
+
 # benchmarks/fused_loss.py (N 2048, V 8192, 1 thread): 512 and 1024 rows fastest, 512 at 30 MiB of temporaries
 DEFAULT_CHUNK_ROWS = 512
 # (a chunk holds rows x V fp32 logits: 16 MiB at V 8192, 256 MiB at V 128k; lower it for a large vocabulary)
@@ -41,7 +43,7 @@ EXP_FLOOR = -87.0
 def _chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
                          want_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One chunk: summed NLL (fp32, 0-dim) and d loss / d logits in the matmul's dtype (or None)."""
-    logits = (hidden @ weight.t()).float()  # [n, V]; a fresh tensor when the dtype is fp32 too (matmul's output)
+    logits = cpu_gemm.mm_nt(hidden, weight).float()  # [n, V]; a fresh tensor in fp32 too (the product's output)
     counted = target.ne(ignore_index)
     safe_target = torch.where(counted, target, torch.zeros_like(target)).unsqueeze(1)
     target_logit = logits.gather(1, safe_target).squeeze(1)
@@ -59,6 +61,21 @@ def _chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return loss, grad.to(weight.dtype)
 
 
+def _add_weight_grad(total: Optional[torch.Tensor], grad_logits: torch.Tensor, h: torch.Tensor,
+                     transposed: bool) -> torch.Tensor:
+    """``total`` plus this chunk's ``grad_logits^T h`` in fp32 (``total`` None: the first chunk's alone).
+
+    ``transposed`` (fp32 products through oneDNN, ``toolkit.core.cpu_gemm``): the sum is kept as [C, V],
+    contiguous, the orientation oneDNN computes fastest, and summed without a strided pass (the caller turns it
+    back into a [V, C] view); else as [V, C], by ``addmm_``."""
+    if transposed:
+        part = cpu_gemm.mm_tn(h, grad_logits)  # [C, V]
+        return part if total is None else total.add_(part)
+    if total is None:
+        return torch.mm(grad_logits.t().float(), h.float())
+    return total.addmm_(grad_logits.t().float(), h.float())
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and (when ``want_grad``) both gradients; backward scales them."""
 
@@ -68,21 +85,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = hidden.size(0)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_grad and ctx.needs_input_grad[0] else None
-        # the weight's gradient summed over chunks in fp32 (one matmul of the whole batch would sum in fp32 too)
-        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                       if want_grad and ctx.needs_input_grad[1] else None)
+        grad_weight = None  # the weight's gradient, summed over chunks in fp32 (as one matmul of all rows would)
         with torch.autocast(hidden.device.type, enabled=False):  # the casts autocast would do, done once here
             w = weight.to(compute_dtype)
+            transposed = cpu_gemm.uses_onednn(hidden, w)  # the weight's gradient summed as [C, V]
             for start in range(0, n, chunk_rows):
                 rows = slice(start, min(start + chunk_rows, n))
                 h = hidden[rows].to(compute_dtype)
                 chunk_loss, grad_logits = _chunk_loss_and_grad(h, w, target[rows], ignore_index, want_grad)
                 loss += chunk_loss
                 if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ w
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad_logits.t().float(), h.float())
+                    grad_hidden[rows] = cpu_gemm.mm_nn(grad_logits, w)
+                if want_grad and ctx.needs_input_grad[1]:
+                    grad_weight = _add_weight_grad(grad_weight, grad_logits, h, transposed)
                 del grad_logits  # before the next chunk's logits: one chunk's [rows, V] alive at a time
+        if want_grad and ctx.needs_input_grad[1]:
+            if grad_weight is None:  # no rows
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            elif transposed:
+                grad_weight = grad_weight.t()
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss
 

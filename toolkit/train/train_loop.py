@@ -43,6 +43,7 @@ from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.wandb_writer import finish as finish_wandb
 from toolkit.logging.wandb_writer import wrap_with_wandb
+from toolkit.core import cpu_gemm
 from toolkit.core.preflight import check_writable_folder
 from toolkit.core.registry import CRITERION_REGISTRY, TASK_REGISTRY
 from toolkit.train.trainer import Trainer
@@ -64,6 +65,7 @@ def train(cfg: TrainConfig) -> None:
     check_outputs(cfg, env)
     logger.info(cfg)
     torch.manual_seed(cfg.common.seed)
+    choose_cpu_matmul(cfg.common.cpu_matmul, env)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
     load_combined_valid(cfg, trainer.task)
     check_valid_splits(cfg, trainer)
@@ -190,6 +192,20 @@ def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEn
         peak = throughput.peak_flops(env.device, dtype)
     logger.info(f"peak {dtype} throughput of this device: {peak / 1e9:.1f} GFLOP/s (for MFU)")
     return throughput.ThroughputSpec(flops, peak, env.world_size)
+
+
+def choose_cpu_matmul(choice: str, env: DistributedEnv) -> None:
+    """``--cpu-matmul`` on a CPU run, alike on every rank: global rank 0 decides (``auto`` measures once per
+    machine, ``toolkit.core.cpu_gemm.select``) while the others wait, and its decision is everyone's."""
+    if env.device.type != "cpu":
+        return
+    if not (dist.is_initialized() and env.world_size > 1):
+        cpu_gemm.select(choice)
+        return
+    decision = torch.tensor([float(cpu_gemm.select(choice)) if env.rank == 0 else 0.0])
+    dist.broadcast(decision, src=0)
+    if env.rank != 0:
+        cpu_gemm.select("onednn" if decision.item() else "torch")
 
 
 def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> float:

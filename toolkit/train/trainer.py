@@ -24,6 +24,7 @@ from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
 from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
 from toolkit.config import TrainConfig
+from toolkit.core import cpu_gemm
 from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
@@ -192,7 +193,7 @@ class Trainer:
             sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
             with self.strategy.loss_context():  # forward and backward of a vocabulary-sharded loss
                 with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
-                        self.strategy.forward_context():
+                        self.strategy.forward_context(), cpu_gemm.linear_mode(self.device):
                     loss, sample_size, logging_output = self.criterion(self.model, sample)
                     if sample.get("is_dummy"):
                         loss = loss * 0.0
@@ -247,7 +248,7 @@ class Trainer:
         self.finish_pending_steps()
         self.model.eval()
         sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
-        with self._autocast(), self.strategy.loss_context():
+        with self._autocast(), self.strategy.loss_context(), cpu_gemm.linear_mode(self.device):
             _, sample_size, logging_output = self.criterion(self.model, sample)
         if sample.get("is_dummy"):
             return {}

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import torch
 
 from toolkit.config import options
-from toolkit.core import registry
+from toolkit.core import cpu_gemm, registry
 from toolkit.core.errors import UserError
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.distributed.parallel_dims import ParallelDims
@@ -43,7 +43,8 @@ class _Validator:
 
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
-        _, sample_size, logging_output = self.criterion(self.model, move_to_device(sample, self.device))
+        with cpu_gemm.linear_mode(self.device):
+            _, sample_size, logging_output = self.criterion(self.model, move_to_device(sample, self.device))
         out = {k: float(v) for k, v in logging_output.items()}
         out["_sample_size"] = float(sample_size)
         return out
@@ -73,6 +74,7 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
     if cfg.path is None:
         raise UserError("--path is required: the checkpoint to validate")
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    cpu_gemm.select_for(device, cfg.cpu_matmul)
     model, task, args = load_for_eval(cfg.path, cfg.data or None, device, parse_overrides(cfg.model_overrides))
     saved = vars(args)
     validator = _Validator(model, _criterion(task, saved), device)

@@ -19,7 +19,8 @@ router weights, are added back to their tokens. The experts are stored stacked (
 [E, F, C], ``down_proj`` [E, C, F]: Hugging Face's per-expert matrices, one above the other), so the runs
 go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) on CUDA in bf16 and on the
 CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
-products (the tests check the two paths bit for bit).
+products (the tests check the two paths bit for bit). Where the run selected oneDNN for fp32 CPU products
+(``--cpu-matmul``, ``toolkit.core.cpu_gemm``), fp32 runs go through it one expert at a time instead.
 
 Expert parallelism (``--expert-parallel-size P``, :meth:`GroupedExperts.place`): each of P ranks keeps E/P
 consecutive experts. The router still scores all E on every rank; a rank's rows, already sorted by expert, go
@@ -52,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.core import cpu_gemm
 from toolkit.core.dtensor import is_dtensor
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
 from toolkit.models.moe.config import SCORE_FUNCTIONS
@@ -135,6 +137,8 @@ def _autocast_operands(rows: torch.Tensor, weights: torch.Tensor) -> Tuple[torch
 def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if rows.is_meta and rows.dtype != torch.bfloat16:  # toolkit-plan's shape trace: the meta kernel takes bf16 only
         return _eager_grouped_matmul(rows.bfloat16(), weights.bfloat16(), counts).to(rows.dtype)
+    if cpu_gemm.uses_onednn(rows, weights):  # fp32 on a CPU where oneDNN's products are faster than torch's BLAS
+        return cpu_gemm.grouped_linear(rows, weights, counts)
     if _grouped_mm_applies(rows, weights):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
