@@ -111,9 +111,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(torch.float32)
-        return (None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
-                None if grad_weight is None else grad_weight * scale.to(grad_weight.dtype),
+        return (None if grad_hidden is None else _scaled(grad_hidden, scale),
+                None if grad_weight is None else _scaled(grad_weight, scale),
                 None, None, None, None, None)
+
+
+def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """grad * scale written contiguous: the weight's gradient summed as [C, V] (``_add_weight_grad``) is a
+    transposed view, which autograd would otherwise copy into the parameter's layout in a second pass (the
+    multiply's strided read costs 2.6 ms for a [12448 x 512] head, the copy 4-7 ms more)."""
+    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    return torch.mul(grad, scale.to(grad.dtype), out=out)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
