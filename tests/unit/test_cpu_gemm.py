@@ -188,3 +188,22 @@ def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls):
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * b.abs().max().item())
     assert weights.grad[1].abs().max() == 0 and ours[2][1].abs().max() == 0
+
+
+@needs_onednn
+def test_compiled_linear_calls_the_onednn_op(onednn_calls):
+    """In a graph compiled inside a linear mode (--compile's blocks) the product is toolkit::onednn_linear, forward
+    and backward; the gradients equal eager's."""
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(128, 512)
+    x = torch.randn(4, 64, 128, requires_grad=True)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with cpu_gemm.linear_mode(torch.device("cpu")):
+        compiled(x).square().sum().backward()
+    assert len(onednn_calls) == 3
+    got = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    layer(x).square().sum().backward()  # torch's, eager
+    for a, b in zip(got, (x.grad, layer.weight.grad, layer.bias.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * b.abs().max().item())
+    torch._dynamo.reset()

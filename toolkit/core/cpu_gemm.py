@@ -103,16 +103,59 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+# --- the same inside a compiled graph (--compile): one opaque call, which inductor leaves as it is -----------------
+@torch.library.custom_op("toolkit::onednn_linear", mutates_args=())
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _lp(x, weight, bias)
+
+
+@_compiled_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.size(0), weight.size(0))
+
+
+@torch.library.custom_op("toolkit::onednn_linear_backward", mutates_args=())
+def _compiled_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d x, d weight), both contiguous as the fake below says (a compiled graph trusts its strides)."""
+    return mm_nn(grad, weight), mm_tn(grad, x).contiguous()
+
+
+@_compiled_linear_backward.register_fake
+def _(grad, x, weight):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_compiled_backward(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _compiled_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = _compiled_linear_backward(grad, x, weight)
+    return grad_x, grad_w, grad.sum(0) if ctx.has_bias else None
+
+
+_compiled_linear.register_autograd(_compiled_backward, setup_context=_setup_compiled_backward)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by oneDNN where it is selected and the operands are plain fp32 CPU tensors
-    (:func:`uses_onednn`) of a product big enough to gain; else ``F.linear`` itself."""
+    (:func:`uses_onednn`) of a product big enough to gain; else ``F.linear`` itself. In a graph being compiled
+    (inside a linear mode only: an exported graph keeps torch's ops) the product is the ``toolkit::onednn_linear``
+    op, which inductor calls as it is and fuses what is around it."""
     if x.dim() < 2 or weight.dim() != 2 or not _goes_to_onednn(x.numel() // max(x.size(-1), 1), weight.size(1),
                                                                weight.size(0), x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
+    shape = (*x.shape[:-1], weight.size(0))
+    if torch.compiler.is_compiling():
+        return _compiled_linear(x.reshape(-1, x.size(-1)), weight, bias).view(shape)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _OneDNNLinear.apply(x, weight, bias)
-    return _lp(x.reshape(-1, x.size(-1)), weight, bias).view(*x.shape[:-1], weight.size(0))
+    return _lp(x.reshape(-1, x.size(-1)), weight, bias).view(shape)
 
 
 class _OneDNNGroupedLinear(torch.autograd.Function):
@@ -152,7 +195,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def uses_onednn(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether products of these operands go to oneDNN: it was selected, and every one is a plain fp32 CPU tensor,
-    outside autocast (which casts F.linear's inputs below this layer), compilation, export and tracing."""
+    outside autocast (which casts F.linear's inputs below this layer) and tracing; in a graph being compiled only
+    inside a linear mode (a compiled training block, not an export)."""
     if not _state["onednn"]:
         return False
     for t in tensors:
@@ -160,9 +204,9 @@ def uses_onednn(*tensors: Optional[torch.Tensor]) -> bool:
             continue
         if type(t) not in _PLAIN or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
-    if torch.is_autocast_enabled("cpu") or torch.jit.is_tracing() or torch.compiler.is_compiling():
+    if torch.is_autocast_enabled("cpu") or torch.jit.is_tracing():
         return False
-    return True
+    return not torch.compiler.is_compiling() or getattr(_active, "depth", 0) > 0
 
 
 class _LinearMode(TorchFunctionMode):
@@ -193,8 +237,9 @@ def checkpoint(function, *args, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` (non-reentrant) whose recomputation in backward runs in a linear mode
     when the forward did. Why: a mode is off while backward runs (``Tensor.backward`` is itself a function the
     mode sees, and a mode's handler runs with the mode off), and an ``F.linear`` recomputed by torch saves other
-    tensors than the forward's by oneDNN, which checkpointing refuses. Inside a compiled region nothing goes to
-    oneDNN (:func:`uses_onednn`) and torch's checkpoint is called as it is."""
+    tensors than the forward's by oneDNN, which checkpointing refuses. Inside a compiled region the compiler
+    recomputes from its own graph (where the product is ``toolkit::onednn_linear``) and torch's checkpoint is
+    called as it is."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     if getattr(_active, "depth", 0) > 0 and not torch.compiler.is_compiling():
