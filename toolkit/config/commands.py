@@ -269,6 +269,7 @@ class EvalHarnessConfig:
     include_path: Optional[str] = opt(None, "folder of extra harness task YAML files")
     output_path: Optional[str] = opt(None, "write the harness's results JSON here")
     device: Optional[str] = opt(None, "torch device (default: cuda when available, else cpu)")
+    cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     context_window: int = opt(0, "loglikelihood_rolling: more earlier tokens given as context to every "
                                  "window after the first (0: lm_eval's hf model)", type=count_or_zero)
     max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say", type=positive_int)

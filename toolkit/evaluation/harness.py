@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from toolkit.core import cpu_gemm
 from toolkit.core.errors import UserError
 
 try:
@@ -68,9 +69,11 @@ class ToolkitLM(TemplateLM):
 
     def __init__(self, path: Optional[str] = None, data: Optional[str] = None, batch_size: int = 8,
                  device: Optional[str] = None, context_window: int = 0, max_gen_toks: int = 256, seed: int = 1234,
-                 models: Optional[List[torch.nn.Module]] = None, task=None, add_bos_token: Optional[bool] = None):
+                 models: Optional[List[torch.nn.Module]] = None, task=None, add_bos_token: Optional[bool] = None,
+                 cpu_matmul: str = "auto"):
         super().__init__()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cpu_gemm.select_for(self._device, cpu_matmul)
         if models is None:
             if path is None:
                 raise UserError("--path is required: the checkpoint to evaluate")
@@ -120,8 +123,9 @@ class ToolkitLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
-        results = scoring.loglikelihood_tokens(self.models, pairs, self.max_length, self.dictionary.pad(),
-                                               self.batch_size, self._device)
+        with cpu_gemm.linear_mode(self._device):
+            results = scoring.loglikelihood_tokens(self.models, pairs, self.max_length, self.dictionary.pad(),
+                                                   self.batch_size, self._device)
         for (request, _, _), answer in zip(requests, results):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)
@@ -184,7 +188,8 @@ class ToolkitLM(TemplateLM):
             members = sorted(members, key=lambda m: -len(m[1]))
             for first in range(0, len(members), max(1, self.batch_size)):
                 chunk = members[first:first + max(1, self.batch_size)]
-                hypos = generator.generate([rest for _, rest in chunk], stop=stop)
+                with cpu_gemm.linear_mode(self._device):
+                    hypos = generator.generate([rest for _, rest in chunk], stop=stop)
                 for (i, rest), hyps in zip(chunk, hypos):
                     tokens = hyps[0]["tokens"][len(rest):].tolist()
                     tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens

@@ -118,7 +118,8 @@ def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
 
     manager = task_manager(names, cfg.include_path)
     lm = ToolkitLM(path=cfg.path, data=cfg.data or None, batch_size=cfg.batch_size, device=cfg.device,
-                   context_window=cfg.context_window, max_gen_toks=cfg.max_gen_toks, seed=cfg.seed)
+                   context_window=cfg.context_window, max_gen_toks=cfg.max_gen_toks, seed=cfg.seed,
+                   cpu_matmul=cfg.cpu_matmul)
     results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples,
                        cfg.bootstrap_iters)
     print(make_table(results))
