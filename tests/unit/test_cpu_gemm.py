@@ -170,7 +170,7 @@ def test_measured_speedup_is_a_ratio():
 
 
 @needs_onednn
-def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls):
+def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls, monkeypatch):
     from toolkit.models.blocks.moe import grouped_matmul, per_expert_matmul
 
     g = torch.Generator().manual_seed(3)
@@ -178,6 +178,9 @@ def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls):
     rows = torch.randn(int(counts.sum()), 128, generator=g, requires_grad=True)
     weights = torch.randn(4, 256, 128, generator=g, requires_grad=True)
     grad = torch.randn(rows.size(0), 256, generator=g)
+    grouped_matmul(rows, weights, counts)  # runs of 256 rows on average, 8.4M multiply-adds: torch's grouped GEMM
+    assert onednn_calls == []
+    monkeypatch.setattr(cpu_gemm, "GROUPED_MIN_MULTIPLY_ADDS", 1 << 20)
     out = grouped_matmul(rows, weights, counts)
     out.backward(grad)
     assert len(onednn_calls) >= 3 * 3  # forward, rows' and weights' gradients of the three non-empty runs

@@ -181,6 +181,20 @@ class _OneDNNGroupedLinear(torch.autograd.Function):
         return grad_rows, grad_weights, None
 
 
+# An expert's run through oneDNN pays from ~16M multiply-adds on average (8 experts of 256 x 256, 512 rows each:
+# 1.34x torch's grouped GEMM, forward + backward; 64 experts of 64 x 256 with 256 rows each: 0.7x in a training step,
+# where torch's grouped GEMM loops over the runs in C++ and MKL's small products start faster)
+GROUPED_MIN_MULTIPLY_ADDS = 1 << 24
+
+
+def grouped_goes_to_onednn(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether a mixture of experts' runs (``rows`` [M, in], ``weights`` [E, out, in]) go through oneDNN one at a
+    time (:func:`grouped_linear`) rather than torch's grouped GEMM: oneDNN is selected, the operands are plain fp32
+    CPU tensors, and the average run is big enough (:data:`GROUPED_MIN_MULTIPLY_ADDS`)."""
+    per_run = rows.size(0) / max(weights.size(0), 1) * weights.size(1) * weights.size(2)
+    return per_run >= GROUPED_MIN_MULTIPLY_ADDS and uses_onednn(rows, weights)
+
+
 def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [M, in] in runs of ``counts`` [E] rows, run e times ``weights[e]`` [out, in]^T -> [M, out], each run's
     products by oneDNN (for operands :func:`uses_onednn` accepts)."""
