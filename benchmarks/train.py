@@ -108,6 +108,7 @@ def build(ours, train_argv):
     from toolkit.core.registry import CRITERION_REGISTRY
     from toolkit.train.resolve import parse_train_config
     from toolkit.tasks.language_modeling import LanguageModelingTask
+    from toolkit.train.train_loop import choose_cpu_matmul
     from toolkit.train.trainer import Trainer
 
     device = torch.device(ours.device)
@@ -134,6 +135,7 @@ def build(ours, train_argv):
         env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     else:
         env = DistributedEnv(device=device)
+    choose_cpu_matmul(cfg.common.cpu_matmul, env)  # fp32 CPU products: oneDNN or torch's, as toolkit-train
     model, strategy = build_parallel_model(cfg, task, env)
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     trainer = Trainer(cfg, task, model, criterion, env, strategy)
@@ -287,7 +289,7 @@ def main(argv=None):
     if device.type == "cpu":
         # The same measurement again after the run, the higher of the two counts: a neighbour
         # process during either one lowers the peak, which would inflate the MFU.
-        peak_after = throughput.measure_matmul_flops(device, dtype)
+        peak_after = throughput.best_matmul_flops(device, dtype)
         peak_used = max(peak, peak_after)
     else:
         peak_after = peak_used = peak

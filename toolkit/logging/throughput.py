@@ -156,6 +156,15 @@ def _product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, kernel: str):
     return lambda: torch.mm(a, b, out=c)
 
 
+def best_matmul_flops(device: Union[str, torch.device], dtype: torch.dtype, duration: float = 0.5) -> float:
+    """:func:`measure_matmul_flops` with torch's matmul, and for fp32 on a CPU also with oneDNN's (which the
+    toolkit's products use where it is faster, ``toolkit.core.cpu_gemm``): the best of the two."""
+    flops = measure_matmul_flops(device, dtype, duration=duration)
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_gemm.onednn_available():
+        flops = max(flops, measure_matmul_flops(device, dtype, duration=duration, kernel="onednn"))
+    return flops
+
+
 _cpu_peak_cache: Dict[Tuple[torch.dtype, int], float] = {}
 CPU_PEAK_CACHE = "cpu_peak.json"
 
@@ -198,9 +207,7 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional
     previous = torch.get_num_threads()
     torch.set_num_threads(int(threads))
     try:
-        flops = measure_matmul_flops("cpu", dtype, duration=duration)
-        if dtype == torch.float32 and cpu_gemm.onednn_available():  # the toolkit's own fp32 products may use it
-            flops = max(flops, measure_matmul_flops("cpu", dtype, duration=duration, kernel="onednn"))
+        flops = best_matmul_flops("cpu", dtype, duration=duration)
     finally:
         torch.set_num_threads(previous)
     _cpu_peak_cache[key] = flops
