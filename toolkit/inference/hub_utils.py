@@ -16,7 +16,7 @@ import torch
 
 from toolkit import inference
 from toolkit.compat.fairseq import adapter as fairseq_adapter
-from toolkit.core import registry
+from toolkit.core import cpu_gemm, registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference import model_tokenizer as hf_ids
@@ -27,7 +27,8 @@ logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept f
 
 
 def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = None,
-                    data_name_or_path: str = ".", device: Optional[str] = None, **kwargs) -> "LMHubInterface":
+                    data_name_or_path: str = ".", device: Optional[str] = None, cpu_matmul: str = "auto",
+                    **kwargs) -> "LMHubInterface":
     """``model_name_or_path`` is a folder holding the checkpoint; the data-bin path is relative to it.
 
     With no ``checkpoint_file``, the folder's ``model.pt`` (fairseq's release name), else
@@ -35,7 +36,8 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     --format safetensors`` folder holds (beside ``config.json`` and ``dict.txt``; loaded with no pickle).
     fairseq's keywords: ``bpe=`` / ``tokenizer=`` (with their options, e.g. ``gpt2_encoder_json=``)
     choose the text processing (default: the data-bin's recorded BPE); ``user_dir=`` imports a plugin
-    folder first; the rest override saved options.
+    folder first; the rest override saved options. ``cpu_matmul``: the commands' ``--cpu-matmul`` (fp32 products
+    on a CPU by oneDNN or torch's BLAS, ``toolkit.core.cpu_gemm``), for ``score``/``sample``/``generate``.
     """
     path = checkpoint_path(model_name_or_path, checkpoint_file)
     data = data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path,
@@ -46,6 +48,7 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     tokenizer = build_tokenizer_kwarg(tokenizer_name, rest)
     bpe = build_bpe_kwarg(bpe_name, data.split(":")[0], rest)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu_gemm.select_for(dev, cpu_matmul)
     models, task, args = inference.load_ensemble(path, data, dev, overrides=rest or None)
     own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
     if bpe_name is None and tokenizer_name is None:
@@ -96,8 +99,9 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         first = self.dictionary.eos()
         if self.model_tokenizer is not None:
             first, tokens = hf_ids.split_context(tokens, "score")
-        lprobs = inference.score_stream(list(self.models), tokens, first,
-                                        tokens_per_sample=self.args.tokens_per_sample, device=self.device)
+        with cpu_gemm.linear_mode(self.device):
+            lprobs = inference.score_stream(list(self.models), tokens, first,
+                                            tokens_per_sample=self.args.tokens_per_sample, device=self.device)
         return {
             "tokens": tokens,
             "positional_scores": lprobs,
@@ -144,7 +148,9 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
             gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator, bos=first)
             for i in range(0, len(group), batch_size):
                 chunk = group[i:i + batch_size]
-                for (index, _), hypos in zip(chunk, gen.generate([p for _, p in chunk])):
+                with cpu_gemm.linear_mode(self.device):
+                    hypos_of_chunk = gen.generate([p for _, p in chunk])
+                for (index, _), hypos in zip(chunk, hypos_of_chunk):
                     out[index] = hf_ids.with_context(hypos, first) if self.model_tokenizer is not None else hypos
         if verbose:
             for prompt, hypos in zip(prompts, out):
