@@ -6,13 +6,16 @@ where oneDNN, which chooses by instruction set, computes the same products at 41
 (``python benchmarks/cpu_gemm.py``). These are strict fp32 products (no bf16 or tf32 inputs: oneDNN's default
 math mode); only the order of the additions differs, as between any two BLAS builds. torch already sends bf16
 matmuls on CPU to oneDNN, but not fp32 ones, so the toolkit does it for its own: every ``F.linear`` of a model
-(:func:`linear_mode`, entered by the trainer, eval-lm and generation) and the fused output layer's three products
-(:func:`mm_nt`, :func:`mm_nn`, :func:`mm_tn`).
+(:func:`linear_mode`, entered by the trainer, validation, eval-lm, generation, the harness and the hub interface;
+inside ``--compile``'s graphs as the ``toolkit::onednn_linear`` op), the fused output layer's three products
+(:func:`mm_nt`, :func:`mm_nn`, :func:`mm_tn`) and a mixture of experts' runs when they are big
+(:func:`grouped_linear`). Activation checkpointing replays the forward's choice (:func:`checkpoint`).
 
 Which library runs is ``--cpu-matmul`` (:func:`select`): ``auto`` (the default) times both once per machine on a
 few transformer-sized products and keeps the answer beside the CPU peak (``~/.cache/toolkit/cpu_gemm.json``);
 ``onednn`` and ``torch`` force one. Anything not a plain fp32 CPU tensor (CUDA, bf16/fp16, autocast, a DTensor or
-another tensor subclass, a graph being compiled or exported) goes to torch as before.
+another tensor subclass, a graph being exported or traced) goes to torch as before, and so do products too small
+to gain (:data:`MIN_MULTIPLY_ADDS`).
 """
 from __future__ import annotations
 
@@ -118,12 +121,12 @@ def _(x, weight, bias):
 def _compiled_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d x, d weight), both contiguous as the fake below says (a compiled graph trusts its strides)."""
-    return mm_nn(grad, weight), mm_tn(grad, x).contiguous()
+    return mm_nn(grad, weight).contiguous(), mm_tn(grad, x).contiguous()
 
 
 @_compiled_linear_backward.register_fake
 def _(grad, x, weight):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, whatever the inputs' strides
 
 
 def _setup_compiled_backward(ctx, inputs, output):
