@@ -169,19 +169,29 @@ class _OneDNNGroupedLinear(torch.autograd.Function):
     def forward(ctx, rows, weights, sizes: List[int]):
         ctx.save_for_backward(rows, weights)
         ctx.sizes = sizes
-        runs = torch.split(rows, sizes)
-        return torch.cat([mm_nt(run, weights[e]) for e, run in enumerate(runs)], dim=0)
+        return _grouped_products(rows, weights, sizes)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         rows, weights = ctx.saved_tensors
-        grad_runs, row_runs = torch.split(grad, ctx.sizes), torch.split(rows, ctx.sizes)
-        grad_rows = torch.cat([mm_nn(g, weights[e]) for e, g in enumerate(grad_runs)], dim=0) \
-            if ctx.needs_input_grad[0] else None
-        grad_weights = torch.stack([mm_tn(g, r) for g, r in zip(grad_runs, row_runs)]) \
-            if ctx.needs_input_grad[1] else None
+        grad_rows, grad_weights = grouped_linear_grads(grad, rows, weights, ctx.sizes, *ctx.needs_input_grad[:2])
         return grad_rows, grad_weights, None
+
+
+def _grouped_products(rows: torch.Tensor, weights: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+    return torch.cat([mm_nt(run, weights[e]) for e, run in enumerate(torch.split(rows, sizes))], dim=0)
+
+
+def grouped_linear_grads(grad: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, sizes: List[int],
+                         want_rows: bool = True, want_weights: bool = True
+                         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(d rows, d weights) of :func:`grouped_linear`, run by run (None where not wanted): d rows = grad_e weights[e],
+    d weights[e] = grad_e^T rows_e (also the backward of the experts' compiled op, ``toolkit::grouped_matmul``)."""
+    grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
+    grad_rows = torch.cat([mm_nn(g, weights[e]) for e, g in enumerate(grad_runs)], dim=0) if want_rows else None
+    grad_weights = torch.stack([mm_tn(g, r) for g, r in zip(grad_runs, row_runs)]) if want_weights else None
+    return grad_rows, grad_weights
 
 
 # An expert's run through oneDNN pays from ~16M multiply-adds on average (8 experts of 256 x 256, 512 rows each:
@@ -204,7 +214,7 @@ def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tens
     sizes = counts.tolist()
     if torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad):
         return _OneDNNGroupedLinear.apply(rows, weights, sizes)
-    return torch.cat([mm_nt(run, weights[e]) for e, run in enumerate(torch.split(rows, sizes))], dim=0)
+    return _grouped_products(rows, weights, sizes)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -326,13 +336,8 @@ def select(choice: str = "auto") -> bool:
         return True
     threads = torch.get_num_threads()
     path = machine_cache.path(CACHE_NAME)
-    key = machine_cache.key(f"{threads} threads")
-    kept = machine_cache.read(path).get(key)
-    if isinstance(kept, dict) and isinstance(kept.get("speedup"), (int, float)):
-        speedup = float(kept["speedup"])
-    else:
-        speedup = measure_speedup(threads)
-        machine_cache.write(path, key, {"speedup": round(speedup, 3)})
+    speedup, _ = machine_cache.kept_or_measured(path, machine_cache.key(f"{threads} threads"), "speedup",
+                                                lambda: round(measure_speedup(threads), 3))
     _state["onednn"] = speedup >= 1.1
     logger.info(f"CPU fp32 matmuls: {'oneDNN' if _state['onednn'] else 'torch'} (oneDNN {speedup:.2f}x torch's "
                 f"on this CPU, {threads} threads; kept in {path}; --cpu-matmul to choose)")

@@ -14,7 +14,7 @@ import os
 import platform
 import tempfile
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -50,6 +50,18 @@ def read(file: str) -> Dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):  # absent, or cut short by a full disk: measure again
         return {}
+
+
+def kept_or_measured(file: str, entry_key: str, field: str, measure: Callable[[], float]
+                     ) -> Tuple[float, Optional[str]]:
+    """(the positive number ``field`` kept under ``entry_key`` in ``file``, when it was measured), or, when there is
+    none (an absent or cut-short file, another machine), ``(measure(), None)`` after keeping that figure."""
+    kept = read(file).get(entry_key)
+    if isinstance(kept, dict) and isinstance(kept.get(field), (int, float)) and kept[field] > 0:
+        return float(kept[field]), str(kept.get("measured", "?"))
+    value = measure()
+    write(file, entry_key, {field: value})
+    return value, None
 
 
 def write(file: str, entry_key: str, entry: Dict[str, Any]) -> None:

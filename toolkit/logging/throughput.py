@@ -196,23 +196,23 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional
     key = (dtype, int(threads))
     if key in _cpu_peak_cache:
         return _cpu_peak_cache[key]
-    path, disk_key = cpu_peak_cache_path(), _machine_key(dtype, int(threads))
-    kept = machine_cache.read(path).get(disk_key)
-    name = str(dtype).replace("torch.", "")
-    if isinstance(kept, dict) and isinstance(kept.get("flops"), (int, float)) and kept["flops"] > 0:
-        _cpu_peak_cache[key] = float(kept["flops"])
-        logger.info(f"CPU peak: {kept['flops'] / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured "
-                    f"{kept.get('measured', '?')}, kept in {path}: delete it to measure again)")
-        return _cpu_peak_cache[key]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(int(threads))
-    try:
-        flops = best_matmul_flops("cpu", dtype, duration=duration)
-    finally:
-        torch.set_num_threads(previous)
+    path, name = cpu_peak_cache_path(), str(dtype).replace("torch.", "")
+
+    def measure() -> float:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(int(threads))
+        try:
+            return best_matmul_flops("cpu", dtype, duration=duration)
+        finally:
+            torch.set_num_threads(previous)
+
+    flops, measured = machine_cache.kept_or_measured(path, _machine_key(dtype, int(threads)), "flops", measure)
     _cpu_peak_cache[key] = flops
-    machine_cache.write(path, disk_key, {"flops": flops})
-    logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
+    if measured is not None:
+        logger.info(f"CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured {measured}, kept in "
+                    f"{path}: delete it to measure again)")
+    else:
+        logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
     return flops
 
 

@@ -161,13 +161,11 @@ def _opaque_grouped_matmul_backward(rows: torch.Tensor, weights: torch.Tensor, c
                                     grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """d rows = grad_e weights[e], d weights[e] = grad_e^T rows_e, run by run (an op runs below autograd)."""
     sizes = counts.tolist()
-    grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
     if cpu_gemm.grouped_goes_to_onednn(rows, weights):
-        grad_rows = torch.cat([cpu_gemm.mm_nn(g, weights[e]) for e, g in enumerate(grad_runs)], dim=0)
-        grad_weights = torch.stack([cpu_gemm.mm_tn(g, r) for g, r in zip(grad_runs, row_runs)])
-    else:
-        grad_rows = torch.cat([g @ weights[e] for e, g in enumerate(grad_runs)], dim=0)
-        grad_weights = torch.stack([g.t() @ r for g, r in zip(grad_runs, row_runs)])
+        return cpu_gemm.grouped_linear_grads(grad, rows, weights, sizes)
+    grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
+    grad_rows = torch.cat([g @ weights[e] for e, g in enumerate(grad_runs)], dim=0)
+    grad_weights = torch.stack([g.t() @ r for g, r in zip(grad_runs, row_runs)])
     return grad_rows, grad_weights
 
 
