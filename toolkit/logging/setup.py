@@ -21,7 +21,7 @@ class _ProgramErrorsPropagate:
     """A DataLoader worker's death is reported by torch's SIGCHLD handler raising ``RuntimeError("DataLoader worker
     ... is killed")`` in whatever the main process runs at that instant; when that is a log write, logging would
     print "--- Logging error ---" with a traceback and swallow it. Such an error belongs to the run, not to
-    logging: it is re-raised, so the training loop reports it in its one line (``reported_interruptions``)."""
+    logging: it is re-raised, so the training loop reports it in its one line (``train_loop.interruption_report``)."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]

@@ -13,14 +13,13 @@ resolved (:mod:`toolkit.train.resolve`) and the processes are launched
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import signal
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -89,13 +88,7 @@ def train(cfg: TrainConfig) -> None:
     if position is not None and os.path.basename(cfg.checkpoint.restore_file).startswith("checkpoint_last"):
         state.saved_update = trainer.num_updates
     start = time.time()
-    with reported_interruptions(cfg, state):
-        while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
-            valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
-            if should_stop:
-                break
-            trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
-            state.epoch_itr = train_iterator(cfg, trainer, epoch=state.epoch_itr.next_epoch_idx)
+    reporting_interruptions(lambda: train_epochs(cfg, trainer, state, env, spec, start), cfg, state)
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
@@ -109,20 +102,57 @@ def log_update_freq_change(position: dict, update_freq: int) -> None:
                     f"of epoch {position.get('epoch')}, {update_freq} batches per update from here")
 
 
-@contextlib.contextmanager
-def reported_interruptions(cfg: TrainConfig, state: TrainingState) -> Iterator[None]:
-    """Ctrl-C and a killed data loader worker as one line saying where the run stopped and what is saved."""
+def train_epochs(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv, spec,
+                 start: float) -> None:
+    """Epoch after epoch until a stopping rule says so (--max-epoch, --max-update, --stop-time-hours, ...)."""
+    while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
+        valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
+        if should_stop:
+            break
+        trainer.lr_step(state.epoch_itr.epoch, valid_losses[0])
+        state.epoch_itr = train_iterator(cfg, trainer, epoch=state.epoch_itr.next_epoch_idx)
+
+
+def reporting_interruptions(run: Callable[[], None], cfg: TrainConfig, state: TrainingState) -> None:
+    """``run()``, with Ctrl-C and a killed data loader worker turned into one line (``interruption_report``).
+
+    Two levels of ``except`` in one frame: torch's SIGCHLD handler may raise its error while the first sign of
+    the worker's death is being reported, and the outer level takes that late error."""
     try:
-        yield
-    except KeyboardInterrupt:
-        raise Interrupted(f"interrupted at update {state.trainer.num_updates}; {_last_saved(cfg, state)}") from None
-    except (RuntimeError, ConnectionError, EOFError) as e:
-        if not _data_loader_worker_died(e, cfg.dataset.num_workers):
+        try:
+            run()
+        except BaseException as error:
+            report = interruption_report(error, cfg, state)
+            if report is None:
+                raise
+            raise report from None
+    except RuntimeError as error:
+        report = interruption_report(error, cfg, state)
+        if report is None:
             raise
-        _quiet_worker_teardown()
-        what = str(e).splitlines()[0].rstrip(". ") if isinstance(e, RuntimeError) else "its connection broke"
-        raise UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
-                        f"{state.trainer.num_updates} ({what}); {_last_saved(cfg, state)}: run again to resume") from None
+        raise report from None
+
+
+def interruption_report(error: BaseException, cfg: TrainConfig, state: TrainingState) -> Optional[Exception]:
+    """Ctrl-C and a killed data loader worker as one line saying where the run stopped and what is saved
+    (``Interrupted`` / ``UserError``); None for any other error, which propagates as it is.
+
+    torch reports a worker's death from its SIGCHLD handler, which raises ``RuntimeError`` in whatever Python
+    code runs at that instant: when the main process was reading that worker's batch, the read fails first
+    (``ConnectionResetError``) and the handler's error may land while that first one is being reported, even
+    in the first line of an ``except`` or a context manager's ``__exit__`` (seen in CI). ``reporting_interruptions``
+    therefore catches twice in one frame, and this function's first act on a worker's death silences the
+    handler, so nothing raises a third time."""
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(f"interrupted at update {state.trainer.num_updates}; {_last_saved(cfg, state)}")
+    if not isinstance(error, (RuntimeError, ConnectionError, EOFError)):
+        return None
+    if not _data_loader_worker_died(error, cfg.dataset.num_workers):
+        return None
+    _quiet_worker_teardown()
+    what = str(error).splitlines()[0].rstrip(". ") if isinstance(error, RuntimeError) else "its connection broke"
+    return UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
+                     f"{state.trainer.num_updates} ({what}); {_last_saved(cfg, state)}: run again to resume")
 
 
 def _data_loader_worker_died(error: BaseException, num_workers: int) -> bool:
