@@ -45,6 +45,8 @@ import torch  # noqa: E402
 
 
 def parse(argv=None):
+    from toolkit.config import CPU_MATMUL_CHOICES  # the commands' --cpu-matmul (no torch import)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
@@ -60,7 +62,7 @@ def parse(argv=None):
     ap.add_argument("--contestants", default="toolkit,toolkit-logits,transformers",
                     help="comma-separated, from toolkit, toolkit-logits, toolkit-compile (blocks compiled as "
                          "toolkit-train --compile does), transformers")
-    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
                     help="the toolkit contestants' fp32 matmul library, as toolkit-train's flag (transformers always "
                          "runs torch's)")
     ap.add_argument("--head-loss-chunk-rows", type=int, default=None,

@@ -29,6 +29,8 @@ from toolkit.core import cpu_gemm  # noqa: E402
 
 
 def parse(argv=None):
+    from toolkit.config import CPU_MATMUL_CHOICES  # the commands' --cpu-matmul (no torch import)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
@@ -43,7 +45,7 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
                     help="the toolkit's fp32 matmul library, as its commands' flag (transformers runs torch's)")
     ap.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (eager, grouped_mm, "
                                                        "batched_mm; default: its own choice)")

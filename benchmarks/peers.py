@@ -389,13 +389,15 @@ def markdown_row_progress(r: Dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
+    from toolkit.config import CPU_MATMUL_CHOICES  # the commands' --cpu-matmul (no torch import)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one timed round (a check, not a figure)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fairseq-home", default=FAIRSEQ_HOME)
-    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
+    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
                     help="the toolkit side's fp32 matmul library in the in-process rows, as its commands' "
                          "--cpu-matmul (the toolkit commands of the fairseq rows use their default, auto)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers_cpu.json"))

@@ -78,6 +78,11 @@ def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for m > n the transposed product is computed and returned as a transposed view."""
     if not _goes_to_onednn(a.size(1), a.size(0), b.size(1), a, b):
         return a.t() @ b
+    return _onednn_tn(a, b)
+
+
+def _onednn_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a^T @ b by oneDNN in its fast orientation (:func:`mm_tn`), whatever :func:`select` decided."""
     if a.size(1) <= b.size(1):
         return _lp(a.t(), b.t())
     return _lp(b.t(), a.t()).t()
@@ -233,7 +238,7 @@ def uses_onednn(*tensors: Optional[torch.Tensor]) -> bool:
             return False
     if torch.is_autocast_enabled("cpu") or torch.jit.is_tracing():
         return False
-    return not torch.compiler.is_compiling() or getattr(_active, "depth", 0) > 0
+    return not torch.compiler.is_compiling() or _active.depth > 0
 
 
 class _LinearMode(TorchFunctionMode):
@@ -245,7 +250,7 @@ class _LinearMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        _active.depth = getattr(_active, "depth", 0) + 1
+        _active.depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -253,7 +258,11 @@ class _LinearMode(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
-_active = threading.local()  # how many linear modes this thread is in
+class _ModeDepth(threading.local):
+    depth = 0  # how many linear modes this thread is in
+
+
+_active = _ModeDepth()
 
 
 def _checkpoint_contexts() -> Tuple[ContextManager, ContextManager]:
@@ -269,7 +278,7 @@ def checkpoint(function, *args, **kwargs):
     called as it is."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    if getattr(_active, "depth", 0) > 0 and not torch.compiler.is_compiling():
+    if _active.depth > 0 and not torch.compiler.is_compiling():
         kwargs["context_fn"] = _checkpoint_contexts
     return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -311,8 +320,7 @@ def measure_speedup(threads: Optional[int] = None) -> float:
             x, w, dy = (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g),
                         torch.randn(m, n, generator=g))
             theirs += best_seconds(lambda: x @ w.t()) + best_seconds(lambda: dy.t() @ x)
-            ours += best_seconds(lambda: _lp(x, w)) + best_seconds(
-                lambda: _lp(x.t(), dy.t()) if n <= k else _lp(dy.t(), x.t()))
+            ours += best_seconds(lambda: _lp(x, w)) + best_seconds(lambda: _onednn_tn(dy, x))
         return theirs / ours
     finally:
         torch.set_num_threads(previous)
