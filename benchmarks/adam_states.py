@@ -20,6 +20,7 @@ in host memory, random gradients), and projected from the shapes of
 ``transformer_lm_gpt3_13`` (built on the meta device) with the same per-shape accounting
 (``quantized_states.state_nbytes``), which the measured figures check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,59 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
 PRECISIONS = ("fp32", "bf16", "8bit")
 # (moments, host gradients): --adam-state-precision, and --bf16-host-grads or not
-CONFIGS = (("fp32", torch.float32), ("bf16", torch.float32), ("8bit", torch.float32),
-           ("bf16", torch.bfloat16), ("8bit", torch.bfloat16))
+CONFIGS = (
+    ("fp32", torch.float32),
+    ("bf16", torch.float32),
+    ("8bit", torch.float32),
+    ("bf16", torch.bfloat16),
+    ("8bit", torch.bfloat16),
+)
 LOG_LINE = re.compile(r"^\S+ \S+ \| \w+ \| ([\w.]+) \| (\{.*\})$")
-MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-         "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--dropout", "0.1",
-         "--share-decoder-input-output-embed",
-         "--tokens-per-sample", "64", "--batch-size", "8", "--optimizer", "cpu_adam",
-         "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr", "0.002",
-         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--clip-norm", "1.0",
-         "--cpu", "--num-workers", "0", "--seed", "1", "--log-format", "json", "--log-interval", "50",
-         "--no-save", "--validate-interval-updates", "0"]
+MODEL = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--decoder-attention-heads",
+    "4",
+    "--dropout",
+    "0.1",
+    "--share-decoder-input-output-embed",
+    "--tokens-per-sample",
+    "64",
+    "--batch-size",
+    "8",
+    "--optimizer",
+    "cpu_adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--weight-decay",
+    "0.01",
+    "--lr",
+    "0.002",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "100",
+    "--clip-norm",
+    "1.0",
+    "--cpu",
+    "--num-workers",
+    "0",
+    "--seed",
+    "1",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "50",
+    "--no-save",
+    "--validate-interval-updates",
+    "0",
+]
 
 
 def _env() -> Dict[str, str]:
@@ -61,25 +104,55 @@ def preprocess(workdir: str) -> str:
     """WikiText-2 mini as a data-bin (the 4,000 most frequent words), once."""
     dest = os.path.join(workdir, "wikitext-2-mini-4k")
     if not os.path.exists(os.path.join(dest, "dict.txt")):
-        subprocess.run([sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--nwordssrc", "4000",
-                        "--trainpref", os.path.join(CORPUS, "wiki.train.tokens"),
-                        "--validpref", os.path.join(CORPUS, "wiki.valid.tokens"), "--destdir", dest],
-                       check=True, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "toolkit_cli.preprocess",
+                "--only-source",
+                "--nwordssrc",
+                "4000",
+                "--trainpref",
+                os.path.join(CORPUS, "wiki.train.tokens"),
+                "--validpref",
+                os.path.join(CORPUS, "wiki.valid.tokens"),
+                "--destdir",
+                dest,
+            ],
+            check=True,
+            env=_env(),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
     return dest
 
 
 # name -> flags: the moments' precision, and the 13B recipe's pair (one process under FSDP2: the same numbers)
-RUNS = {"fp32": ["--adam-state-precision", "fp32"], "bf16": ["--adam-state-precision", "bf16"],
-        "8bit": ["--adam-state-precision", "8bit"],
-        "8bit+bf16-grads": ["--adam-state-precision", "8bit", "--ddp-backend", "fully_sharded", "--cpu-offload",
-                            "--bf16-host-grads"]}
+RUNS = {
+    "fp32": ["--adam-state-precision", "fp32"],
+    "bf16": ["--adam-state-precision", "bf16"],
+    "8bit": ["--adam-state-precision", "8bit"],
+    "8bit+bf16-grads": [
+        "--adam-state-precision",
+        "8bit",
+        "--ddp-backend",
+        "fully_sharded",
+        "--cpu-offload",
+        "--bf16-host-grads",
+    ],
+}
 
 
 def train_run(data: str, name: str, updates: int) -> Dict[str, float]:
     """One toolkit-train run; its last train_inner loss and its last valid loss."""
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates),
-                           *RUNS[name]], capture_output=True, text=True, env=_env(), cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates), *RUNS[name]],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"toolkit-train ({name}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     records: Dict[str, List[dict]] = {}
@@ -88,8 +161,12 @@ def train_run(data: str, name: str, updates: int) -> Dict[str, float]:
         if m:
             records.setdefault(m.group(1), []).append(json.loads(m.group(2)))
     last = records["train_inner"][-1]
-    return {"train_loss": float(last["loss"]), "at_update": int(last["num_updates"]),
-            "valid_loss": float(records["valid"][-1]["valid_loss"]), "seconds": round(time.time() - start, 1)}
+    return {
+        "train_loss": float(last["loss"]),
+        "at_update": int(last["num_updates"]),
+        "valid_loss": float(records["valid"][-1]["valid_loss"]),
+        "seconds": round(time.time() - start, 1),
+    }
 
 
 def parity(args) -> Dict[str, Dict[str, float]]:
@@ -107,12 +184,14 @@ def parity(args) -> Dict[str, Dict[str, float]]:
     for precision, r in results.items():
         dt = (r["train_loss"] - ref["train_loss"]) / ref["train_loss"]
         dv = (r["valid_loss"] - ref["valid_loss"]) / ref["valid_loss"]
-        print(f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} "
-              f"| {r['seconds']} |")
+        print(
+            f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} | {r['seconds']} |"
+        )
     return results
 
 
 # --------------------------------------------------------------------------- memory
+
 
 def _nbytes(t: torch.Tensor) -> int:
     from toolkit.core.dtensor import local_tensor
@@ -153,9 +232,14 @@ def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, 
     n = sum(p.numel() for p in params)
     state = sum(_nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     projected = sum(quantized_states.state_nbytes(precision, p.shape) + 4 for p in params)  # + the step scalar
-    return {"params": n, "weights": sum(_nbytes(p) for p in params) / n,
-            "grads": sum(_nbytes(p.grad) for p in params) / n,
-            "state": state / n, "state_by_shapes": projected / n, "step_s": seconds}
+    return {
+        "params": n,
+        "weights": sum(_nbytes(p) for p in params) / n,
+        "grads": sum(_nbytes(p.grad) for p in params) / n,
+        "state": state / n,
+        "state_by_shapes": projected / n,
+        "step_s": seconds,
+    }
 
 
 def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, float]:
@@ -172,28 +256,37 @@ def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, f
 
 def memory(args) -> None:
     mid = MID
-    print("| model | params | moments | host grads | weights B/param | grads B/param | optimizer state B/param "
-          "| total B/param | total host memory | step s |")
+    print(
+        "| model | params | moments | host grads | weights B/param | grads B/param | optimizer state B/param "
+        "| total B/param | total host memory | step s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, fn in (("transformer_lm 6x512 V 32000 (measured)", lambda p, d: measured(p, d, mid, 32000)),
-                      ("transformer_lm_gpt3_13 V 50257 (projected)",
-                       lambda p, d: projected(p, d, "transformer_lm_gpt3_13"))):
+    for label, fn in (
+        ("transformer_lm 6x512 V 32000 (measured)", lambda p, d: measured(p, d, mid, 32000)),
+        ("transformer_lm_gpt3_13 V 50257 (projected)", lambda p, d: projected(p, d, "transformer_lm_gpt3_13")),
+    ):
         for precision, grad_dtype in CONFIGS:
             r = fn(precision, grad_dtype)
             total = r["weights"] + r["grads"] + r["state"]
             check = f" (by shapes {r['state_by_shapes']:.3f})" if "state_by_shapes" in r else ""
             grads = "bf16" if grad_dtype == torch.bfloat16 else "fp32"
-            print(f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {grads} | {r['weights']:.2f} | "
-                  f"{r['grads']:.2f} | {r['state']:.3f}{check} | {total:.2f} | "
-                  f"{total * r['params'] / 2 ** 30:.1f} GiB | {r.get('step_s', float('nan')):.2f} |", flush=True)
+            print(
+                f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {grads} | {r['weights']:.2f} | "
+                f"{r['grads']:.2f} | {r['state']:.3f}{check} | {total:.2f} | "
+                f"{total * r['params'] / 2**30:.1f} GiB | {r.get('step_s', float('nan')):.2f} |",
+                flush=True,
+            )
 
 
 # --------------------------------------------------------------------------- speed
 
 SPEED_RUNS = {  # name -> (--adam-state-precision, host gradient dtype, the fused 8-bit kernel)
-    "fp32": ("fp32", torch.float32, True), "bf16": ("bf16", torch.float32, True),
-    "8bit": ("8bit", torch.float32, True), "8bit eager": ("8bit", torch.float32, False),
-    "bf16 +bf16 grads": ("bf16", torch.bfloat16, True), "8bit +bf16 grads": ("8bit", torch.bfloat16, True),
+    "fp32": ("fp32", torch.float32, True),
+    "bf16": ("bf16", torch.float32, True),
+    "8bit": ("8bit", torch.float32, True),
+    "8bit eager": ("8bit", torch.float32, False),
+    "bf16 +bf16 grads": ("bf16", torch.bfloat16, True),
+    "8bit +bf16 grads": ("8bit", torch.bfloat16, True),
     "8bit eager +bf16 grads": ("8bit", torch.bfloat16, False),
 }
 
@@ -221,8 +314,10 @@ def speed(args) -> Dict[str, Dict[str, float]]:
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
-    print(f"\nCPUAdam.step() on transformer_lm 6x512 V 32000 ({n / 1e6:.1f}M params), {torch.get_num_threads()} "
-          f"threads, {args.rounds} rounds\n")
+    print(
+        f"\nCPUAdam.step() on transformer_lm 6x512 V 32000 ({n / 1e6:.1f}M params), {torch.get_num_threads()} "
+        f"threads, {args.rounds} rounds\n"
+    )
     print("| moments (host grads, codec) | step s, median | best | median vs fp32 |")
     print("| --- | --- | --- | --- |")
     results = {name: {"median_s": statistics.median(t), "best_s": min(t)} for name, (_, t) in runs.items()}
@@ -230,12 +325,16 @@ def speed(args) -> Dict[str, Dict[str, float]]:
     for name, r in results.items():
         rel = f"{r['median_s'] / ref:.2f}x" if ref else ""
         print(f"| {name} | {r['median_s']:.3f} | {r['best_s']:.3f} | {rel} |")
-    print(json.dumps({"benchmark": "adam_states_speed", "params": n, "threads": torch.get_num_threads(),
-                      "results": results}))
+    print(
+        json.dumps(
+            {"benchmark": "adam_states_speed", "params": n, "threads": torch.get_num_threads(), "results": results}
+        )
+    )
     return results
 
 
 # --------------------------------------------------------------------------- codes
+
 
 def codes() -> None:
     """The fused kernel's exp_avg_sq encoder against the eager one on every fp32 ratio ``v / vmax`` in (0, 1]
@@ -255,9 +354,11 @@ def codes() -> None:
         differ += int((op.sq_codes(ratio, qs.SQ_RATIO, qs.SQ_THRESHOLD).int() != eager).sum())
         formula = ratio.log2().mul_(127.0 / qs.SQ_OCTAVES).round_().add_(255).clamp_(1, 255)
         formula_differ += int((formula.int() != eager).sum())
-    print(f"codes: {one:,} fp32 ratios in (0, 1]: the fused encoder differs from the eager one on {differ}; "
-          f"the log2 formula (torch's log2, before the tables) on {formula_differ} "
-          f"({time.perf_counter() - start_s:.0f} s)")
+    print(
+        f"codes: {one:,} fp32 ratios in (0, 1]: the fused encoder differs from the eager one on {differ}; "
+        f"the log2 formula (torch's log2, before the tables) on {formula_differ} "
+        f"({time.perf_counter() - start_s:.0f} s)"
+    )
     if differ:
         raise SystemExit(1)
 
@@ -268,8 +369,13 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=500)
     parser.add_argument("--workdir", default=os.path.join("/tmp", "adam_states"))
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="parity runs (default: all)")
-    parser.add_argument("--speed-runs", nargs="+", choices=list(SPEED_RUNS), default=list(SPEED_RUNS),
-                        help="speed: the layouts to time (default: all)")
+    parser.add_argument(
+        "--speed-runs",
+        nargs="+",
+        choices=list(SPEED_RUNS),
+        default=list(SPEED_RUNS),
+        help="speed: the layouts to time (default: all)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="speed: timed steps per layout (interleaved)")
     parser.add_argument("--warmup", type=int, default=2, help="speed: untimed steps per layout")
     parser.add_argument("--threads", type=int, default=None, help="speed: intra-op threads (default: torch's)")

@@ -30,6 +30,7 @@ Every configuration runs in a fresh subprocess. Per configuration:
 
 Prints a table and one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,12 +76,24 @@ def build(config: str, a):
     from toolkit.core.registry import CRITERION_REGISTRY, import_all_components
 
     import_all_components()
-    common = dict(decoder_layers=a.layers, decoder_embed_dim=a.embed_dim, decoder_ffn_embed_dim=a.ffn_dim,
-                  decoder_attention_heads=a.heads, max_target_positions=a.tokens_per_sample, dropout=0.0,
-                  no_decoder_final_norm=True)
+    common = dict(
+        decoder_layers=a.layers,
+        decoder_embed_dim=a.embed_dim,
+        decoder_ffn_embed_dim=a.ffn_dim,
+        decoder_attention_heads=a.heads,
+        max_target_positions=a.tokens_per_sample,
+        dropout=0.0,
+        no_decoder_final_norm=True,
+    )
     if config == "adaptive":
-        cfg = TransformerLMConfig(**common, adaptive_input=True, adaptive_input_cutoff=CUTOFF,
-                                  adaptive_softmax_cutoff=CUTOFF, tie_adaptive_weights=True, tie_adaptive_proj=True)
+        cfg = TransformerLMConfig(
+            **common,
+            adaptive_input=True,
+            adaptive_input_cutoff=CUTOFF,
+            adaptive_softmax_cutoff=CUTOFF,
+            tie_adaptive_weights=True,
+            tie_adaptive_proj=True,
+        )
         criterion_name = "adaptive_loss"
     elif config == "adaptive_softmax":
         cfg = TransformerLMConfig(**common, adaptive_softmax_cutoff=CUTOFF)
@@ -107,7 +120,6 @@ def analytic_output_bytes(config: str, target, a) -> int:
 
 def output_layer_step(model, criterion, features, sample) -> int:
     """Peak RSS growth of the output layer + loss alone (forward and backward from detached features)."""
-    import torch
 
     x = features.detach().requires_grad_(True)
     before = rss_bytes()
@@ -127,8 +139,7 @@ def measure(config: str, a) -> Dict[str, float]:
     model, criterion = build(config, a)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = zipf_tokens(a.vocab, (a.batch_size, a.tokens_per_sample + 1), seed=0)
-    sample = {"net_input": {"src_tokens": tokens[:, :-1]}, "target": tokens[:, 1:],
-              "ntokens": tokens[:, 1:].numel()}
+    sample = {"net_input": {"src_tokens": tokens[:, :-1]}, "target": tokens[:, 1:], "ntokens": tokens[:, 1:].numel()}
     # the output layer alone, first (so its peak RSS is not hidden under the whole step's)
     with torch.no_grad():
         features = _features(model, sample)
@@ -150,13 +161,18 @@ def measure(config: str, a) -> Dict[str, float]:
             times.append(elapsed)
             cpu_times.append(cpu)
     n_tokens = sample["ntokens"]
-    return {"config": config, "params": sum(p.numel() for p in model.parameters()),
-            "tokens_per_s": n_tokens / min(times), "step_ms": 1e3 * min(times),
-            "median_step_ms": 1e3 * statistics.median(times),
-            "tokens_per_cpu_s": n_tokens / statistics.median(cpu_times),
-            "output_layer_rss_mb": output_rss / 2 ** 20,
-            "output_layer_analytic_mb": analytic_output_bytes(config, sample["target"], a) / 2 ** 20,
-            "step_peak_rss_growth_mb": step_rss / 2 ** 20, "loss": float(loss)}
+    return {
+        "config": config,
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_s": n_tokens / min(times),
+        "step_ms": 1e3 * min(times),
+        "median_step_ms": 1e3 * statistics.median(times),
+        "tokens_per_cpu_s": n_tokens / statistics.median(cpu_times),
+        "output_layer_rss_mb": output_rss / 2**20,
+        "output_layer_analytic_mb": analytic_output_bytes(config, sample["target"], a) / 2**20,
+        "step_peak_rss_growth_mb": step_rss / 2**20,
+        "loss": float(loss),
+    }
 
 
 def _features(model, sample):
@@ -209,21 +225,29 @@ def main() -> None:
         results["output_layer_memory_ratio_analytic"] = ad["output_layer_analytic_mb"] / f["output_layer_analytic_mb"]
     results["load_average"] = os.getloadavg()[0]
     if not a.json:
-        print(f"V={a.vocab:,}, {a.layers} layers, C={a.embed_dim}, B={a.batch_size} x T={a.tokens_per_sample}, "
-              f"{a.threads} threads (load average {results['load_average']:.1f})")
-        print(f"{'config':16} {'params':>12} {'tokens/s':>10} {'step ms':>9} {'tok/CPU-s':>10} {'out RSS MB':>11} "
-              f"{'out analytic MB':>16} {'step RSS MB':>12}")
+        print(
+            f"V={a.vocab:,}, {a.layers} layers, C={a.embed_dim}, B={a.batch_size} x T={a.tokens_per_sample}, "
+            f"{a.threads} threads (load average {results['load_average']:.1f})"
+        )
+        print(
+            f"{'config':16} {'params':>12} {'tokens/s':>10} {'step ms':>9} {'tok/CPU-s':>10} {'out RSS MB':>11} "
+            f"{'out analytic MB':>16} {'step RSS MB':>12}"
+        )
         for name in a.configs.split(","):
             r = results[name]
-            print(f"{name:16} {r['params']:>12,} {r['tokens_per_s']:>10.1f} {r['step_ms']:>9.0f} "
-                  f"{r['tokens_per_cpu_s']:>10.1f} "
-                  f"{r['output_layer_rss_mb']:>11.1f} {r['output_layer_analytic_mb']:>16.1f} "
-                  f"{r['step_peak_rss_growth_mb']:>12.1f}")
+            print(
+                f"{name:16} {r['params']:>12,} {r['tokens_per_s']:>10.1f} {r['step_ms']:>9.0f} "
+                f"{r['tokens_per_cpu_s']:>10.1f} "
+                f"{r['output_layer_rss_mb']:>11.1f} {r['output_layer_analytic_mb']:>16.1f} "
+                f"{r['step_peak_rss_growth_mb']:>12.1f}"
+            )
         if "speedup" in results:
-            print(f"adaptive vs full: {results['speedup']:.2f}x tokens/s (fastest step), "
-                  f"{results['speedup_cpu_time']:.2f}x tokens per CPU-second; output layer memory "
-                  f"{results['output_layer_memory_ratio_rss']:.3f} (RSS), "
-                  f"{results['output_layer_memory_ratio_analytic']:.3f} (analytic)")
+            print(
+                f"adaptive vs full: {results['speedup']:.2f}x tokens/s (fastest step), "
+                f"{results['speedup_cpu_time']:.2f}x tokens per CPU-second; output layer memory "
+                f"{results['output_layer_memory_ratio_rss']:.3f} (RSS), "
+                f"{results['output_layer_memory_ratio_analytic']:.3f} (analytic)"
+            )
     print(json.dumps(results))
 
 

@@ -16,6 +16,7 @@ Both run on the same weights; the script checks their outputs and gradients agre
 their summed self time, by torch.profiler (the median of 3 profiled backwards). Prints a table and
 one JSON line (``"benchmark": "attention_layout"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,7 @@ def build(args) -> CausalSelfAttention:
     attn = CausalSelfAttention(cfg).to_empty(device=args.device)
     with torch.no_grad():
         for p in attn.parameters():
-            p.normal_(0.0, args.dim ** -0.5)
+            p.normal_(0.0, args.dim**-0.5)
     return attn.to(DTYPES[args.dtype])
 
 
@@ -86,8 +87,7 @@ def one_pass(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, device: st
     return time.perf_counter() - t0
 
 
-def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, runs: int = 3
-                          ) -> Dict[str, float]:
+def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, runs: int = 3) -> Dict[str, float]:
     """How many times one backward calls each copy kernel, and their summed self time in ms, the median
     of ``runs`` (torch.profiler; self times, so ``stack`` calling ``cat`` is not counted twice; kernel
     time on a GPU, host time on CPU)."""
@@ -136,18 +136,33 @@ def main(argv=None) -> None:
             times[name].append(one_pass(fn, attn, x, grad, args.device))
     copies = {name: backward_copy_kernels(fn, attn, x, grad) for name, fn in layouts.items()}
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    print(f"attention layer C {args.dim}, H {args.heads}, B {args.batch} x T {args.tokens}, {args.dtype}, "
-          f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"max relative difference old/new {rel:.1e}")
+    print(
+        f"attention layer C {args.dim}, H {args.heads}, B {args.batch} x T {args.tokens}, {args.dtype}, "
+        f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"max relative difference old/new {rel:.1e}"
+    )
     print(f"{'layout':<8}{'fwd+bwd ms (median)':>21}{'best ms':>10}  backward copy kernels")
     for name in layouts:
         kernels = ", ".join(f"{k.split('::')[1]} {n}" for k, n in copies[name].items() if k in COPY_KERNELS)
         kernels += f"; {copies[name]['self_ms']:.2f} ms"
         print(f"{name:<8}{median[name]:>21.2f}{min(times[name]) * 1e3:>10.2f}  {kernels}")
-    print(json.dumps({"benchmark": "attention_layout", "dim": args.dim, "heads": args.heads, "batch": args.batch,
-                      "tokens": args.tokens, "dtype": args.dtype, "device": args.device,
-                      "torch": torch.__version__, "max_rel_diff": rel,
-                      "median_ms": median, "backward_copy_kernels": copies}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "attention_layout",
+                "dim": args.dim,
+                "heads": args.heads,
+                "batch": args.batch,
+                "tokens": args.tokens,
+                "dtype": args.dtype,
+                "device": args.device,
+                "torch": torch.__version__,
+                "max_rel_diff": rel,
+                "median_ms": median,
+                "backward_copy_kernels": copies,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the relative difference of the mean loss over the logged intervals that end in t
 updates (bf16 against ``--fp8``: different arithmetic, so only where training ends up counts).
 Prints one line; exits 1 when the difference is above ``--tolerance`` or a log has no losses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def main(argv=None) -> int:
         diff = max(((other[u] - ref[u]) / ref[u] for u in common), key=abs)
         what = f"{len(common)} logged updates"
     ok = abs(diff) <= args.tolerance
-    print(f"compare_losses: {what}: relative difference {diff:+.2e} "
-          f"({'within' if ok else 'NOT within'} {args.tolerance:g})")
+    print(
+        f"compare_losses: {what}: relative difference {diff:+.2e} "
+        f"({'within' if ok else 'NOT within'} {args.tolerance:g})"
+    )
     return 0 if ok else 1
 
 

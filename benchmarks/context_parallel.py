@@ -13,6 +13,7 @@ high-water mark of the process: activations, the attention's scores and mask, gr
 share the machine's cores with each other, so their time is not a speed-up measurement on 2 cores; the
 memory per rank is the figure of interest (one GPU or one host per rank is where CP saves time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,14 @@ def _model(args):
     from toolkit.models.llama.config import LlamaConfig
     from toolkit.models.llama.model import LlamaLanguageModel
 
-    cfg = LlamaConfig(decoder_layers=args.layers, decoder_embed_dim=args.dim, decoder_ffn_embed_dim=2 * args.dim,
-                      decoder_attention_heads=args.heads, decoder_kv_heads=args.kv_heads,
-                      max_target_positions=args.tokens)
+    cfg = LlamaConfig(
+        decoder_layers=args.layers,
+        decoder_embed_dim=args.dim,
+        decoder_ffn_embed_dim=2 * args.dim,
+        decoder_attention_heads=args.heads,
+        decoder_kv_heads=args.kv_heads,
+        max_target_positions=args.tokens,
+    )
     return LlamaLanguageModel(cfg, vocab_size=args.vocab, padding_idx=1, seed=0)
 
 
@@ -44,15 +50,16 @@ def _step(model, sample, pad: int) -> None:
     net = sample["net_input"]
     kwargs = {k: net[k] for k in ("positions", "context_parallel") if k in net}
     logits = model(net["src_tokens"], **kwargs)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), sample["target"].flatten(), ignore_index=pad,
-                                             reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), sample["target"].flatten(), ignore_index=pad, reduction="sum"
+    )
     loss.backward()
     model.zero_grad(set_to_none=True)
 
 
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _worker(rank: int, world: int, port: int, args, results) -> None:
@@ -106,9 +113,19 @@ def main() -> None:
             args.tokens = tokens
             per_rank = run(args, world)
             for rank, r in sorted(per_rank.items()):
-                print(json.dumps(dict(tokens=tokens, cp=world, rank=rank, seconds=round(r["seconds"], 3),
-                                      peak_added_mib=round(r["peak_added_mib"], 1),
-                                      rss_before_mib=round(r["rss_before_mib"], 1))), flush=True)
+                print(
+                    json.dumps(
+                        dict(
+                            tokens=tokens,
+                            cp=world,
+                            rank=rank,
+                            seconds=round(r["seconds"], 3),
+                            peak_added_mib=round(r["peak_added_mib"], 1),
+                            rss_before_mib=round(r["rss_before_mib"], 1),
+                        )
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

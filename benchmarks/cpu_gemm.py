@@ -11,6 +11,7 @@ timed alone (best of ``--repeats`` after a warm-up) and alternated between the t
 oneDNN / torch per product, the largest difference of the two results from a float64 product (both are fp32), and
 one JSON line (``"benchmark": "cpu_gemm"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,12 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=2048, help="M: tokens in the batch (B x T)")
-    ap.add_argument("--shapes", default="256x256,256x688,688x256,256x8192,512x12448",
-                    help="layer shapes IN x OUT, comma-separated (a 256-wide Llama's layers, its head, and fairseq "
-                         "transformer_lm's 512 x 12,448 output layer of the parity model)")
+    ap.add_argument(
+        "--shapes",
+        default="256x256,256x688,688x256,256x8192,512x12448",
+        help="layer shapes IN x OUT, comma-separated (a 256-wide Llama's layers, its head, and fairseq "
+        "transformer_lm's 512 x 12,448 output layer of the parity model)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     return ap.parse_args(argv)
 
@@ -40,9 +44,11 @@ def products(m: int, k: int, n: int):
     """name -> (torch's product, oneDNN's product, float64 reference) for one linear layer [n, k] and m rows."""
     g = torch.Generator().manual_seed(0)
     x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
-    return {"forward": (lambda: x @ w.t(), lambda: cpu_gemm.mm_nt(x, w), lambda: x.double() @ w.double().t()),
-            "input grad": (lambda: dy @ w, lambda: cpu_gemm.mm_nn(dy, w), lambda: dy.double() @ w.double()),
-            "weight grad": (lambda: dy.t() @ x, lambda: cpu_gemm.mm_tn(dy, x), lambda: dy.double().t() @ x.double())}
+    return {
+        "forward": (lambda: x @ w.t(), lambda: cpu_gemm.mm_nt(x, w), lambda: x.double() @ w.double().t()),
+        "input grad": (lambda: dy @ w, lambda: cpu_gemm.mm_nn(dy, w), lambda: dy.double() @ w.double()),
+        "weight grad": (lambda: dy.t() @ x, lambda: cpu_gemm.mm_tn(dy, x), lambda: dy.double().t() @ x.double()),
+    }
 
 
 def run(args) -> dict:
@@ -57,21 +63,37 @@ def run(args) -> dict:
         for name, (theirs, ours, reference) in products(args.rows, k, n).items():
             ref = reference()
             t_torch, t_onednn = cpu_gemm.best_seconds(theirs, args.repeats), cpu_gemm.best_seconds(ours, args.repeats)
-            rows.append({"layer": f"{k}x{n}", "product": name, "torch_gflops": round(flops / t_torch / 1e9, 1),
-                         "onednn_gflops": round(flops / t_onednn / 1e9, 1), "speedup": round(t_torch / t_onednn, 2),
-                         "torch_max_err": float((theirs().double() - ref).abs().max()),
-                         "onednn_max_err": float((ours().double() - ref).abs().max())})
-    return {"benchmark": "cpu_gemm", "threads": args.threads, "rows": args.rows, "torch": torch.__version__,
-            "products": rows}
+            rows.append(
+                {
+                    "layer": f"{k}x{n}",
+                    "product": name,
+                    "torch_gflops": round(flops / t_torch / 1e9, 1),
+                    "onednn_gflops": round(flops / t_onednn / 1e9, 1),
+                    "speedup": round(t_torch / t_onednn, 2),
+                    "torch_max_err": float((theirs().double() - ref).abs().max()),
+                    "onednn_max_err": float((ours().double() - ref).abs().max()),
+                }
+            )
+    return {
+        "benchmark": "cpu_gemm",
+        "threads": args.threads,
+        "rows": args.rows,
+        "torch": torch.__version__,
+        "products": rows,
+    }
 
 
 def main(argv=None) -> None:
     result = run(parse(argv))
-    print(f"{'layer':>10} {'product':>12} {'torch GFLOP/s':>14} {'oneDNN GFLOP/s':>15} {'oneDNN/torch':>13} "
-          f"{'max |err| torch / oneDNN':>26}")
+    print(
+        f"{'layer':>10} {'product':>12} {'torch GFLOP/s':>14} {'oneDNN GFLOP/s':>15} {'oneDNN/torch':>13} "
+        f"{'max |err| torch / oneDNN':>26}"
+    )
     for r in result["products"]:
-        print(f"{r['layer']:>10} {r['product']:>12} {r['torch_gflops']:14.1f} {r['onednn_gflops']:15.1f} "
-              f"{r['speedup']:12.2f}x {r['torch_max_err']:12.2e} / {r['onednn_max_err']:.2e}")
+        print(
+            f"{r['layer']:>10} {r['product']:>12} {r['torch_gflops']:14.1f} {r['onednn_gflops']:15.1f} "
+            f"{r['speedup']:12.2f}x {r['torch_max_err']:12.2e} / {r['onednn_max_err']:.2e}"
+        )
     print(json.dumps(result))
 
 

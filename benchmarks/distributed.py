@@ -11,6 +11,7 @@ peak), its peak RSS, and the tokens/s of the whole run over the timed updates.
 Checks that FSDP2 (full_shard) on 2 ranks holds at most 55% of the one-process state per rank.
 On a machine with few cores, ranks share them: tokens/s then measures overhead, not scaling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ def make_data_bin(dest: str, vocab: int = 500, tokens: int = 400_000, seed: int 
         lengths = lengths[np.cumsum(lengths) <= n]
         items, start = [], 0
         for length in lengths:
-            items.append(np.append(ids[start:start + length - 1], d.eos()))
+            items.append(np.append(ids[start : start + length - 1], d.eos()))
             start += length
         builder = MMapIndexedDatasetBuilder(os.path.join(dest, split + ".bin"), dtype=best_fitting_dtype(len(d)))
         builder.add_items(np.concatenate(items), np.array([len(x) for x in items]))
@@ -71,10 +72,13 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
     params = list({id(p): p for p in model.parameters()}.values())
-    out = {"params": sum(local_bytes(p) for p in params),
-           "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-           "optimizer": sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
-                            if isinstance(v, torch.Tensor))}
+    out = {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            local_bytes(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        ),
+    }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
@@ -94,7 +98,7 @@ def worker(cfg) -> None:
     logging.getLogger().setLevel(logging.WARNING)
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
-    task, model = trainer.task, trainer.model
+    model = trainer.model
     peak: Dict[str, int] = {"total": 0}
 
     def after_step(opt, *_):
@@ -116,8 +120,12 @@ def worker(cfg) -> None:
         if i >= warmup:
             tokens += totals["ntokens"]  # summed over ranks
     elapsed = time.perf_counter() - t0
-    result = {"rank": env.rank, "state": dict(peak), "tokens_per_s": tokens / elapsed,
-              "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    result = {
+        "rank": env.rank,
+        "state": dict(peak),
+        "tokens_per_s": tokens / elapsed,
+        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     results: List[dict] = [result]
     if dist.is_initialized() and dist.get_world_size() > 1:
         results = [None] * dist.get_world_size()
@@ -131,13 +139,46 @@ def run_setting(data: str, world_size: int, flags: List[str], cli: argparse.Name
     from toolkit.distributed import launch
     from toolkit.train.resolve import parse_train_config
 
-    argv = [data, "--task", "language_modeling", "--arch", "transformer_lm",
-            "--decoder-layers", str(cli.layers), "--decoder-embed-dim", str(cli.dim),
-            "--decoder-ffn-embed-dim", str(4 * cli.dim), "--decoder-attention-heads", str(max(cli.dim // 64, 1)),
-            "--decoder-input-dim", str(cli.dim), "--decoder-output-dim", str(cli.dim), "--decoder-normalize-before",
-            "--dropout", "0", "--optimizer", "adam", "--lr", "0.0005", "--tokens-per-sample", str(cli.seq),
-            "--batch-size", str(cli.batch), "--num-workers", "0", "--cpu", "--no-save", "--disable-validation",
-            "--log-format", "none", "--distributed-world-size", str(world_size), *flags]
+    argv = [
+        data,
+        "--task",
+        "language_modeling",
+        "--arch",
+        "transformer_lm",
+        "--decoder-layers",
+        str(cli.layers),
+        "--decoder-embed-dim",
+        str(cli.dim),
+        "--decoder-ffn-embed-dim",
+        str(4 * cli.dim),
+        "--decoder-attention-heads",
+        str(max(cli.dim // 64, 1)),
+        "--decoder-input-dim",
+        str(cli.dim),
+        "--decoder-output-dim",
+        str(cli.dim),
+        "--decoder-normalize-before",
+        "--dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.0005",
+        "--tokens-per-sample",
+        str(cli.seq),
+        "--batch-size",
+        str(cli.batch),
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--no-save",
+        "--disable-validation",
+        "--log-format",
+        "none",
+        "--distributed-world-size",
+        str(world_size),
+        *flags,
+    ]
     os.environ["TOOLKIT_BENCH_OUT"], os.environ["TOOLKIT_BENCH_UPDATES"] = out, str(cli.updates)
     launch.run(worker, parse_train_config(argv))
     with open(out) as f:
@@ -167,26 +208,42 @@ def main(argv=None) -> int:
             rows.append((name, ws, results))
     base = rows[0][2][0]["state"]["total"]
     mib = 1 << 20
-    print(f"\nmodel: {cli.layers} layers x {cli.dim}, seq {cli.seq}, batch {cli.batch}/rank; "
-          f"CPU, {os.cpu_count()} cores shared by all ranks, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"{'setting':24} {'params':>9} {'grads':>9} {'optim':>9} {'state/rank':>11} {'vs 1 proc':>9} "
-          f"{'max RSS':>9} {'tokens/s':>10}")
+    print(
+        f"\nmodel: {cli.layers} layers x {cli.dim}, seq {cli.seq}, batch {cli.batch}/rank; "
+        f"CPU, {os.cpu_count()} cores shared by all ranks, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    )
+    print(
+        f"{'setting':24} {'params':>9} {'grads':>9} {'optim':>9} {'state/rank':>11} {'vs 1 proc':>9} "
+        f"{'max RSS':>9} {'tokens/s':>10}"
+    )
     summary = []
     for name, ws, results in rows:
         r = max(results, key=lambda x: x["state"]["total"])  # the rank holding the most
         st = r["state"]
         ratio = st["total"] / base
-        print(f"{name:24} {st['params'] / mib:8.1f}M {st['grads'] / mib:8.1f}M {st['optimizer'] / mib:8.1f}M "
-              f"{st['total'] / mib:10.1f}M {ratio:8.0%} {r['max_rss'] / mib:8.0f}M {results[0]['tokens_per_s']:10.0f}")
-        summary.append({"setting": name, "world_size": ws, "state_bytes_per_rank": st, "ratio_to_1proc": ratio,
-                        "max_rss": r["max_rss"], "tokens_per_s": results[0]["tokens_per_s"]})
+        print(
+            f"{name:24} {st['params'] / mib:8.1f}M {st['grads'] / mib:8.1f}M {st['optimizer'] / mib:8.1f}M "
+            f"{st['total'] / mib:10.1f}M {ratio:8.0%} {r['max_rss'] / mib:8.0f}M {results[0]['tokens_per_s']:10.0f}"
+        )
+        summary.append(
+            {
+                "setting": name,
+                "world_size": ws,
+                "state_bytes_per_rank": st,
+                "ratio_to_1proc": ratio,
+                "max_rss": r["max_rss"],
+                "tokens_per_s": results[0]["tokens_per_s"],
+            }
+        )
     if cli.json:
         with open(cli.json, "w") as f:
             json.dump(summary, f, indent=1)
     fsdp = next(s for s in summary if s["setting"] == "fully_sharded x2")
     ok = fsdp["ratio_to_1proc"] <= 0.55
-    print(f"\nfully_sharded x2 per-rank state = {fsdp['ratio_to_1proc']:.1%} of one process "
-          f"({'OK' if ok else 'FAIL'}: must be <= 55%)")
+    print(
+        f"\nfully_sharded x2 per-rank state = {fsdp['ratio_to_1proc']:.1%} of one process "
+        f"({'OK' if ok else 'FAIL'}: must be <= 55%)"
+    )
     return 0 if ok else 1
 
 

@@ -17,6 +17,7 @@ the Llama family), and both models answer the same requests:
 
 Prints a table and one JSON line (``"benchmark": "eval_harness"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,26 @@ def write_checkpoint(folder: str, args) -> str:
     for i in range(args.vocab - len(d)):
         d.add_symbol(f"w{i}")
     d.save(os.path.join(folder, "dict.txt"))
-    given = {"decoder_layers": args.layers, "decoder_embed_dim": args.dim, "decoder_ffn_embed_dim": 4 * args.dim,
-             "decoder_attention_heads": max(1, args.dim // 64)}
+    given = {
+        "decoder_layers": args.layers,
+        "decoder_embed_dim": args.dim,
+        "decoder_ffn_embed_dim": 4 * args.dim,
+        "decoder_attention_heads": max(1, args.dim // 64),
+    }
     if args.arch == "transformer_lm":
-        given.update(decoder_input_dim=args.dim, decoder_output_dim=args.dim, dropout=0.0,
-                     decoder_normalize_before=True)  # XGLM is pre-norm
-    cfg = {"task": "language_modeling", "arch": args.arch, "data": folder, "tokens_per_sample": args.positions,
-           "sample_break_mode": "none", "add_bos_token": False, "seed": 1,
-           **options.architecture_defaults(args.arch, {**given, "max_target_positions": args.positions})}
+        given.update(
+            decoder_input_dim=args.dim, decoder_output_dim=args.dim, dropout=0.0, decoder_normalize_before=True
+        )  # XGLM is pre-norm
+    cfg = {
+        "task": "language_modeling",
+        "arch": args.arch,
+        "data": folder,
+        "tokens_per_sample": args.positions,
+        "sample_break_mode": "none",
+        "add_bos_token": False,
+        "seed": 1,
+        **options.architecture_defaults(args.arch, {**given, "max_target_positions": args.positions}),
+    }
     task_entry = registry.TASK_REGISTRY.get("language_modeling")
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, cfg))
     model = build_model(args.arch, argparse.Namespace(**cfg), task)
@@ -79,9 +92,14 @@ def requests(args, vocab: int) -> Dict[str, list]:
         for _ in range(4):
             ll.append(Instance("loglikelihood", {}, (context, " " + words(rng.randint(1, 4))), len(ll)))
     for i in range(args.gen_prompts):
-        gen.append(Instance("generate_until", {}, (words(rng.randint(32, 64)),
-                                                   {"until": [], "max_gen_toks": args.gen_tokens,
-                                                    "do_sample": False}), i))
+        gen.append(
+            Instance(
+                "generate_until",
+                {},
+                (words(rng.randint(32, 64)), {"until": [], "max_gen_toks": args.gen_tokens, "do_sample": False}),
+                i,
+            )
+        )
     return {"loglikelihood": ll, "generate_until": gen}
 
 
@@ -111,12 +129,26 @@ def summarize(args, reqs, result) -> Dict:
     rate = {name: n_ll / s["loglikelihood"] for name, s in result["seconds"].items()}
     gen_tokens = {name: sum(len(t.split()) for t in out["generate_until"]) for name, out in result["outputs"].items()}
     gen_rate = {name: gen_tokens[name] / result["seconds"][name]["generate_until"] for name in rate}
-    return {"benchmark": "eval_harness", "arch": args.arch, "layers": args.layers, "dim": args.dim,
-            "vocab": args.vocab, "device": args.device, "threads": args.threads, "batch_size": args.batch_size,
-            "loglikelihood_requests": n_ll, "requests_per_s": rate, "speedup": rate["toolkit"] / rate["hf"],
-            "max_abs_loglikelihood_diff": diff, "generate_tokens": gen_tokens, "generate_tokens_per_s": gen_rate,
-            "generations_equal": ours["generate_until"] == hf["generate_until"],
-            "loadavg": os.getloadavg(), "torch": torch.__version__, "machine": platform.machine()}
+    return {
+        "benchmark": "eval_harness",
+        "arch": args.arch,
+        "layers": args.layers,
+        "dim": args.dim,
+        "vocab": args.vocab,
+        "device": args.device,
+        "threads": args.threads,
+        "batch_size": args.batch_size,
+        "loglikelihood_requests": n_ll,
+        "requests_per_s": rate,
+        "speedup": rate["toolkit"] / rate["hf"],
+        "max_abs_loglikelihood_diff": diff,
+        "generate_tokens": gen_tokens,
+        "generate_tokens_per_s": gen_rate,
+        "generations_equal": ours["generate_until"] == hf["generate_until"],
+        "loadavg": os.getloadavg(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -147,17 +179,28 @@ def main(argv: List[str]) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = write_checkpoint(folder, args)
         run_export(ExportConfig(path=path, format="hf", out=os.path.join(folder, "hf")))
-        models = {"toolkit": ToolkitLM(path=path, batch_size=args.batch_size, device=args.device,
-                                       max_gen_toks=args.gen_tokens),
-                  "hf": HFLM(pretrained=os.path.join(folder, "hf"), batch_size=args.batch_size, device=args.device,
-                             max_length=args.positions)}
+        models = {
+            "toolkit": ToolkitLM(
+                path=path, batch_size=args.batch_size, device=args.device, max_gen_toks=args.gen_tokens
+            ),
+            "hf": HFLM(
+                pretrained=os.path.join(folder, "hf"),
+                batch_size=args.batch_size,
+                device=args.device,
+                max_length=args.positions,
+            ),
+        }
         reqs = requests(args, args.vocab)
         summary = summarize(args, reqs, compare(models, reqs, args.repeats))
     print(f"{'':24}{'toolkit':>12}{'hf':>12}")
-    print(f"{'loglikelihood req/s':24}{summary['requests_per_s']['toolkit']:12.1f}{summary['requests_per_s']['hf']:12.1f}"
-          f"   speedup {summary['speedup']:.2f}x, max |diff| {summary['max_abs_loglikelihood_diff']:.2e}")
-    print(f"{'generate_until tok/s':24}{summary['generate_tokens_per_s']['toolkit']:12.1f}"
-          f"{summary['generate_tokens_per_s']['hf']:12.1f}   same text: {summary['generations_equal']}")
+    print(
+        f"{'loglikelihood req/s':24}{summary['requests_per_s']['toolkit']:12.1f}{summary['requests_per_s']['hf']:12.1f}"
+        f"   speedup {summary['speedup']:.2f}x, max |diff| {summary['max_abs_loglikelihood_diff']:.2e}"
+    )
+    print(
+        f"{'generate_until tok/s':24}{summary['generate_tokens_per_s']['toolkit']:12.1f}"
+        f"{summary['generate_tokens_per_s']['hf']:12.1f}   same text: {summary['generations_equal']}"
+    )
     print(json.dumps(summary))
 
 

@@ -7,6 +7,7 @@ Prints a table, then one JSON line. Decoding compares greedy continuation of a 3
 PyTorch recomputing the whole prefix per token (the model has no cache path) against the ONNX
 cache graph in onnxruntime (prompt pass, then one token per step); both on the CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,23 @@ def write_checkpoint(folder: str, args) -> str:
     for i in range(args.vocab - 4):
         d.add_symbol(f"w{i}")
     d.save(os.path.join(folder, "dict.txt"))
-    given = dict(decoder_layers=args.layers, decoder_embed_dim=args.dim, decoder_ffn_embed_dim=4 * args.dim,
-                 decoder_attention_heads=args.heads, dropout=0.0)
-    cfg = {"task": "language_modeling", "arch": "transformer_lm", "data": folder, "tokens_per_sample": args.positions,
-           **options.architecture_defaults("transformer_lm", given)}
-    model = TransformerLanguageModel(model_config("transformer_lm", max_target_positions=args.positions, **given),
-                                     len(d), d.pad(), seed=0)
+    given = dict(
+        decoder_layers=args.layers,
+        decoder_embed_dim=args.dim,
+        decoder_ffn_embed_dim=4 * args.dim,
+        decoder_attention_heads=args.heads,
+        dropout=0.0,
+    )
+    cfg = {
+        "task": "language_modeling",
+        "arch": "transformer_lm",
+        "data": folder,
+        "tokens_per_sample": args.positions,
+        **options.architecture_defaults("transformer_lm", given),
+    }
+    model = TransformerLanguageModel(
+        model_config("transformer_lm", max_target_positions=args.positions, **given), len(d), d.pad(), seed=0
+    )
     path = os.path.join(folder, "checkpoint.pt")
     torch.save({"cfg": cfg, "model": model.state_dict()}, path)
     return path
@@ -89,16 +101,21 @@ def main() -> None:
         path = write_checkpoint(tmp, args)
         for fmt, extra in (("safetensors", {}), ("hf", {}), ("onnx", {"kv_cache": True})):
             out = os.path.join(tmp, fmt)
-            results[f"export_{fmt}_s"] = timed(lambda: run_export(ExportConfig(path=path, format=fmt, out=out,
-                                                                              **extra)))
+            results[f"export_{fmt}_s"] = timed(
+                lambda: run_export(ExportConfig(path=path, format=fmt, out=out, **extra))
+            )
         results.update(decode_speeds(path, os.path.join(tmp, "onnx"), args))
     n = args.new_tokens
-    print(f"model: {args.layers} x {args.dim}, V {args.vocab}, {args.positions} positions; "
-          f"load average {results['load_average']:.1f}")
+    print(
+        f"model: {args.layers} x {args.dim}, V {args.vocab}, {args.positions} positions; "
+        f"load average {results['load_average']:.1f}"
+    )
     for fmt in ("safetensors", "hf", "onnx"):
         print(f"  export {fmt:<12} {results[f'export_{fmt}_s']:7.2f} s")
-    print(f"  greedy {n} tokens: PyTorch recompute {n / results['torch_recompute_s']:7.1f} tok/s, "
-          f"onnxruntime cache graph {n / results['ort_cache_s']:7.1f} tok/s, same tokens: {results['same_tokens']}")
+    print(
+        f"  greedy {n} tokens: PyTorch recompute {n / results['torch_recompute_s']:7.1f} tok/s, "
+        f"onnxruntime cache graph {n / results['ort_cache_s']:7.1f} tok/s, same tokens: {results['same_tokens']}"
+    )
     print(json.dumps(results))
 
 

@@ -23,6 +23,7 @@ resumed run's for the updates it redid) equals the reference's, the final
 ``checkpoint_last.pt`` holds the reference's exact weights, and the restart of the
 finished run left every file byte-identical. Prints one line per run and ``matched/total``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,21 +48,69 @@ if REPO not in sys.path:
 
 TMP_NAME = re.compile(r"\..*\.tmp")  # atomic_write's and sharded saves' temporary names
 LOSS_LINE = re.compile(r"\| train_inner \| (\{.*\})\s*$")
-MODEL = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
-         "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "4",
-         "--decoder-input-dim", "128", "--decoder-output-dim", "128", "--decoder-normalize-before",
-         "--dropout", "0", "--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt",
-         "--warmup-updates", "4", "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "7",
-         "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--disable-validation",
-         "--save-interval-updates", "1", "--keep-interval-updates", "2"]
+MODEL = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "128",
+    "--decoder-ffn-embed-dim",
+    "512",
+    "--decoder-attention-heads",
+    "4",
+    "--decoder-input-dim",
+    "128",
+    "--decoder-output-dim",
+    "128",
+    "--decoder-normalize-before",
+    "--dropout",
+    "0",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.001",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "4",
+    "--batch-size",
+    "4",
+    "--tokens-per-sample",
+    "32",
+    "--seed",
+    "7",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--disable-validation",
+    "--save-interval-updates",
+    "1",
+    "--keep-interval-updates",
+    "2",
+]
 
 
 def expert_parallel_model(ep: int) -> List[str]:
     """``--expert-parallel-size EP``: the MoE family's tiny model (4 experts) with its experts over EP ranks (as
     many as the world), the same optimizer, schedule and saves as ``MODEL``; rank 0 saves the gathered stacks."""
     arch_end = MODEL.index("--optimizer")
-    return (["--task", "language_modeling", "--arch", "moe_tiny", "--distributed-world-size", str(ep),
-             "--expert-parallel-size", str(ep)] + MODEL[arch_end:])
+    return [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "moe_tiny",
+        "--distributed-world-size",
+        str(ep),
+        "--expert-parallel-size",
+        str(ep),
+    ] + MODEL[arch_end:]
 
 
 def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
@@ -71,8 +120,10 @@ def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
 
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(200)]
-    text = {split: [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(n)]
-            for split, n in (("train", lines), ("valid", 20))}
+    text = {
+        split: [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+        for split, n in (("train", lines), ("valid", 20))
+    }
     d = Dictionary()
     d.add_counts(Dictionary.count_words(text["train"]))
     d.finalize()
@@ -87,8 +138,17 @@ def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
 
 
 def command(data_bin: str, save_dir: str, updates: int) -> List[str]:
-    return [sys.executable, "-m", "toolkit_cli.train", data_bin, "--save-dir", save_dir, *MODEL,
-            "--max-update", str(updates)]
+    return [
+        sys.executable,
+        "-m",
+        "toolkit_cli.train",
+        data_bin,
+        "--save-dir",
+        save_dir,
+        *MODEL,
+        "--max-update",
+        str(updates),
+    ]
 
 
 def environment() -> Dict[str, str]:
@@ -190,8 +250,9 @@ def kill_during_save(proc: subprocess.Popen, save_dir: str) -> bool:
     return False
 
 
-def kill_once(cmd: List[str], save_dir: str, log: str, rng: random.Random, during_save: bool,
-              updates: int) -> Tuple[str, int]:
+def kill_once(
+    cmd: List[str], save_dir: str, log: str, rng: random.Random, during_save: bool, updates: int
+) -> Tuple[str, int]:
     """Start the run and kill it once; returns (where it was killed, last logged update)."""
     proc = start(cmd, log)
     wait_for_update(proc, log, rng.randint(1, max(1, updates - 2)))
@@ -225,8 +286,9 @@ def one_run(index: int, args, data_bin: str, reference: dict, rng: random.Random
     save_dir = os.path.join(args.workdir, f"run{index}")
     cmd = command(data_bin, save_dir, args.updates)
     during_save = index % 2 == 0 or rng.random() < 0.25  # at least half
-    where, killed_at = kill_once(cmd, save_dir, os.path.join(args.workdir, f"run{index}.kill.log"), rng,
-                                 during_save, args.updates)
+    where, killed_at = kill_once(
+        cmd, save_dir, os.path.join(args.workdir, f"run{index}.kill.log"), rng, during_save, args.updates
+    )
     merged = losses(os.path.join(args.workdir, f"run{index}.kill.log"))
     resume_log = os.path.join(args.workdir, f"run{index}.resume.log")
     resumed = start(cmd, resume_log)
@@ -237,9 +299,11 @@ def one_run(index: int, args, data_bin: str, reference: dict, rng: random.Random
     restarted_ok = not tried or restart_is_no_op(cmd, save_dir, os.path.join(args.workdir, f"run{index}.restart.log"))
     losses_ok = merged == reference["losses"]
     weights_ok = same_weights(final_weights(save_dir), reference["weights"])
-    detail = (f"killed {where} (update {killed_at}); losses {'=' if losses_ok else '!='} reference, weights "
-              f"{'=' if weights_ok else '!='} reference, finished restart "
-              f"{'not tried' if not tried else 'no-op' if restarted_ok else 'CHANGED FILES'}")
+    detail = (
+        f"killed {where} (update {killed_at}); losses {'=' if losses_ok else '!='} reference, weights "
+        f"{'=' if weights_ok else '!='} reference, finished restart "
+        f"{'not tried' if not tried else 'no-op' if restarted_ok else 'CHANGED FILES'}"
+    )
     if losses_ok and weights_ok and restarted_ok:
         shutil.rmtree(save_dir, ignore_errors=True)
     return losses_ok and weights_ok and restarted_ok, detail
@@ -279,8 +343,10 @@ def signal_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, 
     ok = merged == reference["losses"] and same_weights(final_weights_any(save_dir), reference["weights"])
     if ok:
         shutil.rmtree(save_dir, ignore_errors=True)
-    return ok, (f"{sig.name} {'during a save' if caught else 'after the end'} ({'sharded' if sharded else 'consolidated'}"
-                f", exit {code}); losses and weights {'=' if ok else '!='} reference")
+    return ok, (
+        f"{sig.name} {'during a save' if caught else 'after the end'} ({'sharded' if sharded else 'consolidated'}"
+        f", exit {code}); losses and weights {'=' if ok else '!='} reference"
+    )
 
 
 def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool, str]:
@@ -303,13 +369,20 @@ def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool,
     with open(second_log, errors="replace") as f:
         said = f.read()
     named = f"in use by toolkit-train (pid {first.pid} on host " in said and "Traceback" not in said
-    ok = (code == 1 and named and first_code == 0 and losses(log) == reference["losses"]
-          and same_weights(final_weights_any(save_dir), reference["weights"]))
+    ok = (
+        code == 1
+        and named
+        and first_code == 0
+        and losses(log) == reference["losses"]
+        and same_weights(final_weights_any(save_dir), reference["weights"])
+    )
     if ok:
         shutil.rmtree(save_dir, ignore_errors=True)
-    return ok, (f"second writer exit {code} ({'named the holder' if named else 'DID NOT NAME THE HOLDER'}), first "
-                f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run "
-                f"{'=' if ok else '!='} reference")
+    return ok, (
+        f"second writer exit {code} ({'named the holder' if named else 'DID NOT NAME THE HOLDER'}), first "
+        f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run "
+        f"{'=' if ok else '!='} reference"
+    )
 
 
 def run_kind(name: str, runs: int, fn, *fn_args) -> int:
@@ -326,15 +399,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20, help="killed runs")
     p.add_argument("--updates", type=int, default=12, help="--max-update of every run")
-    p.add_argument("--finished-restarts", type=int, default=None,
-                   help="how many runs (the last ones) are restarted once more after they finished (default: all)")
-    p.add_argument("--signal-runs", type=int, default=4,
-                   help="runs stopped by SIGINT/SIGTERM in mid-save (consolidated and sharded in turn)")
+    p.add_argument(
+        "--finished-restarts",
+        type=int,
+        default=None,
+        help="how many runs (the last ones) are restarted once more after they finished (default: all)",
+    )
+    p.add_argument(
+        "--signal-runs",
+        type=int,
+        default=4,
+        help="runs stopped by SIGINT/SIGTERM in mid-save (consolidated and sharded in turn)",
+    )
     p.add_argument("--writer-runs", type=int, default=2, help="runs with a second writer on their --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="folder for data, checkpoints and logs (default: a temp dir)")
-    p.add_argument("--expert-parallel-size", type=int, default=1,
-                   help="> 1: the MoE family with its experts over this many ranks (the launcher is killed)")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        help="> 1: the MoE family with its experts over this many ranks (the launcher is killed)",
+    )
     args = p.parse_args(argv)
     if args.expert_parallel_size > 1:
         MODEL[:] = expert_parallel_model(args.expert_parallel_size)  # what command() runs, for every kind of run

@@ -16,6 +16,7 @@ What it reads from the log (whichever is there):
 Appends the line to ``--out`` (default: stdout only) and prints it. A figure whose command failed or
 timed out still gets its line (``rc`` says so), so a session's results file lists every entry it ran.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,7 @@ def figure(name: str, log: str, rc: int, seconds: float, memory: Optional[str], 
         line["peak_host_gib"] = mem.get("peak_host_rss_gib")
         line["peak_gpu_used_gib"] = mem.get("peak_gpu_used_gib")
         if line.get("params") and mem.get("peak_host_rss_gib") is not None:
-            line["host_bytes_per_param"] = round(mem["peak_host_rss_gib"] * 2 ** 30 / line["params"], 2)
+            line["host_bytes_per_param"] = round(mem["peak_host_rss_gib"] * 2**30 / line["params"], 2)
     line["log"] = log
     return line
 

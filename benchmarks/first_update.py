@@ -13,6 +13,7 @@ Each phase is reported as wall and CPU seconds (median over ``--runs``): on a sh
 seconds move less with the load. Also lists the optional/heavy modules loaded at the first update.
 Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,28 @@ from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
-HEAVY = ("torch._dynamo", "torch._inductor", "torch.distributed.checkpoint", "torch.distributed.tensor",
-         "torch.distributed.fsdp", "sympy", "deepspeed", "transformers", "tensorboard", "wandb", "lm_eval")
-PHASES = ("init_distributed", "setup_logging", "check_outputs", "build_trainer", "throughput_spec",
-          "load_latest", "train_iterator")
+HEAVY = (
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "sympy",
+    "deepspeed",
+    "transformers",
+    "tensorboard",
+    "wandb",
+    "lm_eval",
+)
+PHASES = (
+    "init_distributed",
+    "setup_logging",
+    "check_outputs",
+    "build_trainer",
+    "throughput_spec",
+    "load_latest",
+    "train_iterator",
+)
 
 # Runs in the fresh interpreter: wraps the phases, stops the process at the end of the first update.
 PROBE = """
@@ -75,32 +94,84 @@ def make_data_bin(folder: str) -> str:
         with open(os.path.join(folder, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(text)
     dest = os.path.join(folder, "data-bin")
-    subprocess.run([sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--trainpref",
-                    os.path.join(folder, "train.txt"), "--validpref", os.path.join(folder, "valid.txt"),
-                    "--destdir", dest], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit_cli.preprocess",
+            "--only-source",
+            "--trainpref",
+            os.path.join(folder, "train.txt"),
+            "--validpref",
+            os.path.join(folder, "valid.txt"),
+            "--destdir",
+            dest,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return dest
 
 
 def train_argv(data: str, save_dir: str) -> List[str]:
-    return [data, "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-            "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-ffn-embed-dim", "64",
-            "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--batch-size", "2", "--max-update", "1",
-            "--optimizer", "adam", "--lr", "0.001", "--cpu", "--log-format", "simple", "--no-save",
-            "--disable-validation", "--num-workers", "0", "--save-dir", save_dir]
+    return [
+        data,
+        "--arch",
+        "transformer_lm",
+        "--decoder-layers",
+        "2",
+        "--decoder-embed-dim",
+        "32",
+        "--decoder-input-dim",
+        "32",
+        "--decoder-output-dim",
+        "32",
+        "--decoder-ffn-embed-dim",
+        "64",
+        "--decoder-attention-heads",
+        "2",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-update",
+        "1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--cpu",
+        "--log-format",
+        "simple",
+        "--no-save",
+        "--disable-validation",
+        "--num-workers",
+        "0",
+        "--save-dir",
+        save_dir,
+    ]
 
 
 def run_once(tree: str, argv: List[str]) -> Dict:
     """{phase: (wall s, cpu s)} of one fresh run, plus its total wall time and the heavy modules it loaded."""
     code = PROBE.format(phases=PHASES, heavy=HEAVY, argv=argv)
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": tree},
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": tree},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     total = time.perf_counter() - start
     probe = [line for line in run.stderr.splitlines() if line.startswith("PROBE ")]
     if not probe:
         raise SystemExit(f"{tree}: the run ended before its first update:\n{run.stderr[-3000:]}")
-    found = json.loads(probe[-1][len("PROBE "):])
+    found = json.loads(probe[-1][len("PROBE ") :])
     phases, previous = {}, (0.0, 0.0)
     for name, wall, cpu in found["marks"]:
         key = "imports + parse + resolve" if name == "before init_distributed" else name
@@ -129,17 +200,30 @@ def main() -> None:
                 results[name].append(run_once(tree, argv))
     load_after = os.getloadavg()
     names = list(results[next(iter(trees))][0]["phases"])
-    medians = {t: {p: [statistics.median(r["phases"][p][i] for r in rs) for i in (0, 1)] for p in names}
-               for t, rs in results.items()}
-    print(f"median of {args.runs} runs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
-          f"{os.cpu_count()} CPUs; seconds as wall / CPU")
+    medians = {
+        t: {p: [statistics.median(r["phases"][p][i] for r in rs) for i in (0, 1)] for p in names}
+        for t, rs in results.items()
+    }
+    print(
+        f"median of {args.runs} runs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"{os.cpu_count()} CPUs; seconds as wall / CPU"
+    )
     print(f"{'phase':38s}" + "".join(f"{t:>20s}" for t in trees))
     for p in names:
         print(f"{p:38s}" + "".join(f"{medians[t][p][0]:11.2f} / {medians[t][p][1]:5.2f}" for t in trees))
     for t, rs in results.items():
         print(f"{t}: loaded at the first update: {', '.join(rs[-1]['heavy']) or 'none of the heavy modules'}")
-    print(json.dumps({"runs": args.runs, "load_before": load_before[0], "load_after": load_after[0],
-                      "median_wall_cpu_s": medians, "heavy": {t: rs[-1]["heavy"] for t, rs in results.items()}}))
+    print(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "load_before": load_before[0],
+                "load_after": load_after[0],
+                "median_wall_cpu_s": medians,
+                "heavy": {t: rs[-1]["heavy"] for t, rs in results.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

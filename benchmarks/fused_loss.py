@@ -9,6 +9,7 @@ Time: the variants alternated step by step in one process (a busy neighbour slow
 before it (the largest temporaries: logits, their gradient, softmax). Prints one JSON line
 (``"benchmark": "fused_loss"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def inputs(args):
 
 def step_of(variant: str):
     """One forward + backward of the head and loss: ``logits`` or the fused head at ``int(variant)`` rows."""
+
     def step(hidden, weight, target):
         if variant == "logits":
             loss = F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=PAD, reduction="sum")
@@ -57,6 +59,7 @@ def step_of(variant: str):
             loss = linear_cross_entropy(hidden, weight, target, PAD, int(variant))
         loss.backward()
         hidden.grad = weight.grad = None
+
     return step
 
 
@@ -69,8 +72,20 @@ def high_water_kib() -> int:
 
 def peak_mib(variant: str, args) -> float:
     """The step's peak resident memory above what the process held before it (MiB), in a fresh process."""
-    cmd = [sys.executable, __file__, "--memory-of", variant, "--rows", str(args.rows), "--dim", str(args.dim),
-           "--vocab", str(args.vocab), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-of",
+        variant,
+        "--rows",
+        str(args.rows),
+        "--dim",
+        str(args.dim),
+        "--vocab",
+        str(args.vocab),
+        "--threads",
+        str(args.threads),
+    ]
     return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
@@ -92,14 +107,22 @@ def main(argv=None) -> None:
             if r > 0:
                 times[v].append(time.perf_counter() - t0)
     median = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-    result = {"benchmark": "fused_loss", "rows": args.rows, "dim": args.dim, "vocab": args.vocab,
-              "threads": args.threads, "rounds": args.rounds,
-              "step_ms": {v: round(m, 1) for v, m in median.items()},
-              "speedup_over_logits": {v: round(median["logits"] / m, 3) for v, m in median.items()},
-              "peak_step_mib": {v: round(peak_mib(v, args), 1) for v in variants}}
+    result = {
+        "benchmark": "fused_loss",
+        "rows": args.rows,
+        "dim": args.dim,
+        "vocab": args.vocab,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "step_ms": {v: round(m, 1) for v, m in median.items()},
+        "speedup_over_logits": {v: round(median["logits"] / m, 3) for v, m in median.items()},
+        "peak_step_mib": {v: round(peak_mib(v, args), 1) for v in variants},
+    }
     for v in variants:
-        print(f"{v:>8}: {median[v]:8.1f} ms  {result['speedup_over_logits'][v]:5.2f}x  "
-              f"peak +{result['peak_step_mib'][v]:7.1f} MiB")
+        print(
+            f"{v:>8}: {median[v]:8.1f} ms  {result['speedup_over_logits'][v]:5.2f}x  "
+            f"peak +{result['peak_step_mib'][v]:7.1f} MiB"
+        )
     print(json.dumps(result))
 
 

@@ -30,6 +30,7 @@ all host work, the part a GPU does not speed up.
 
 Prints a table and one JSON line (``"benchmark": "generate"`` or ``"generate_step"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ def build(arch: str, vocab: int, max_positions: int, device: torch.device, dtype
     return model.to(dtype).eval(), d
 
 
-def generator(model, d, prompt: int, new: int, incremental: bool, eos_check_interval: int = 1,
-              ban_eos: bool = True) -> SequenceGenerator:
+def generator(
+    model, d, prompt: int, new: int, incremental: bool, eos_check_interval: int = 1, ban_eos: bool = True
+) -> SequenceGenerator:
     """Greedy; ``ban_eos``: </s> only at the last step (every row generates ``new`` tokens)."""
     cfg = GenerationConfig(beam=1, max_len_b=prompt + new, min_len=prompt + new if ban_eos else 1)
     return SequenceGenerator([model], d, cfg, incremental=incremental, eos_check_interval=eos_check_interval)
@@ -123,17 +125,21 @@ def estimate_no_cache(model, prompts: torch.Tensor, new: int, samples: int, devi
 
 def measure(model, d, batch: int, args, full_no_cache: bool, device: torch.device) -> Dict:
     prompts = torch.randint(4, len(d), (batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    cached = run_generator(generator(model, d, args.prompt, args.new, True, args.eos_check_interval), prompts,
-                           device)
+    cached = run_generator(generator(model, d, args.prompt, args.new, True, args.eos_check_interval), prompts, device)
     estimated = estimate_no_cache(model, prompts.to(device), args.new, args.sample_steps, device)
-    full = run_generator(generator(model, d, args.prompt, args.new, False), prompts, device) \
-        if full_no_cache else None
+    full = run_generator(generator(model, d, args.prompt, args.new, False), prompts, device) if full_no_cache else None
     no_cache = full if full is not None else estimated
     tokens = batch * args.new
-    return {"batch": batch, "cache_s": cached, "cache_tokens_per_s": tokens / cached,
-            "no_cache_s": no_cache, "no_cache_tokens_per_s": tokens / no_cache,
-            "no_cache_estimated_s": estimated, "no_cache_measured": full is not None,
-            "speedup": no_cache / cached}
+    return {
+        "batch": batch,
+        "cache_s": cached,
+        "cache_tokens_per_s": tokens / cached,
+        "no_cache_s": no_cache,
+        "no_cache_tokens_per_s": tokens / no_cache,
+        "no_cache_estimated_s": estimated,
+        "no_cache_measured": full is not None,
+        "speedup": no_cache / cached,
+    }
 
 
 def counts(model, gen: SequenceGenerator, prompts: List[torch.Tensor]):
@@ -156,36 +162,65 @@ def step_costs(model, d, batch: int, args, device: torch.device, repeats: int = 
     steps = lengths[1] - lengths[0]
     gens = [generator(model, d, prompt, n, True, interval) for n in lengths]
     banned = [counts(model, gen, prompts) for gen in gens]
-    allowed = [counts(model, generator(model, d, prompt, n, True, interval, ban_eos=False), prompts)[2]
-               for n in lengths]
+    allowed = [
+        counts(model, generator(model, d, prompt, n, True, interval, ban_eos=False), prompts)[2] for n in lengths
+    ]
     model_ops, search_ops, syncs = ((b - a) / steps for a, b in zip(*banned))
-    pairs = sorted(run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device)
-                   for _ in range(repeats))
-    return {"batch": batch, "ms_per_step": 1000 * pairs[len(pairs) // 2] / steps, "model_ops": model_ops,
-            "search_ops": search_ops, "syncs": syncs, "syncs_eos_allowed": (allowed[1] - allowed[0]) / steps}
+    pairs = sorted(
+        run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device) for _ in range(repeats)
+    )
+    return {
+        "batch": batch,
+        "ms_per_step": 1000 * pairs[len(pairs) // 2] / steps,
+        "model_ops": model_ops,
+        "search_ops": search_ops,
+        "syncs": syncs,
+        "syncs_eos_allowed": (allowed[1] - allowed[0]) / steps,
+    }
 
 
 def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
     rows = [step_costs(model, d, b, args, device) for b in args.batch_size or [1]]
-    print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), cached greedy step "
-          f"after a {args.prompt}-token prompt, --eos-check-interval {args.eos_check_interval}; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} {'ms/step':>9} {'model ops':>10} {'search ops':>11} {'syncs':>6} {'syncs (</s> allowed)':>20}"
-          f"  (per step: batch new tokens)")
+    print(
+        f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), cached greedy step "
+        f"after a {args.prompt}-token prompt, --eos-check-interval {args.eos_check_interval}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'batch':>5} {'ms/step':>9} {'model ops':>10} {'search ops':>11} {'syncs':>6} {'syncs (</s> allowed)':>20}"
+        f"  (per step: batch new tokens)"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
-              f"{r['syncs']:>6.2f} {r['syncs_eos_allowed']:>20.2f}")
+        print(
+            f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
+            f"{r['syncs']:>6.2f} {r['syncs_eos_allowed']:>20.2f}"
+        )
     print_json("generate_step", arch, d, device, args, rows)
 
 
-def print_json(benchmark: str, arch: str, d: Dictionary, device: torch.device, args: argparse.Namespace,
-               rows: List[Dict]) -> None:
+def print_json(
+    benchmark: str, arch: str, d: Dictionary, device: torch.device, args: argparse.Namespace, rows: List[Dict]
+) -> None:
     """The run's one JSON line: what was measured, on what, under which load."""
-    print(json.dumps({"benchmark": benchmark, "arch": arch, "vocab": len(d), "device": str(device),
-                      "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "rows": rows,
-                      "eos_check_interval": args.eos_check_interval,
-                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0],
-                      "torch": torch.__version__, "machine": platform.machine()}))
+    print(
+        json.dumps(
+            {
+                "benchmark": benchmark,
+                "arch": arch,
+                "vocab": len(d),
+                "device": str(device),
+                "dtype": args.dtype,
+                "prompt": args.prompt,
+                "new": args.new,
+                "rows": rows,
+                "eos_check_interval": args.eos_check_interval,
+                "threads": torch.get_num_threads(),
+                "loadavg": os.getloadavg()[0],
+                "torch": torch.__version__,
+                "machine": platform.machine(),
+            }
+        )
+    )
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -201,10 +236,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
     p.add_argument("--sample-steps", type=int, default=6, help="no-cache steps timed for the estimate")
     p.add_argument("--full", action="store_true", help="run the no-cache generator end to end")
-    p.add_argument("--eos-check-interval", type=int, default=1,
-                   help="the cached generator reads which rows ended every this many steps")
-    p.add_argument("--profile-step", action="store_true",
-                   help="print the host cost of one cached step (ms, operators, syncs) instead")
+    p.add_argument(
+        "--eos-check-interval",
+        type=int,
+        default=1,
+        help="the cached generator reads which rows ended every this many steps",
+    )
+    p.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="print the host cost of one cached step (ms, operators, syncs) instead",
+    )
     return p.parse_args(argv)
 
 
@@ -218,15 +260,19 @@ def main(argv: List[str]) -> None:
     if args.profile_step:
         return profile_steps(model, d, arch, args, device)
     rows = [measure(model, d, b, args, full or args.full, device) for b in args.batch_size or batches]
-    print(f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
-          f"{args.prompt}-token prompt + {args.new} new tokens, greedy; load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
+        f"{args.prompt}-token prompt + {args.new} new tokens, greedy; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     print(f"{'batch':>5} {'cache tok/s':>12} {'no-cache tok/s':>15} {'speedup':>8}  no-cache time")
     for r in rows:
         how = "measured" if r["no_cache_measured"] else "estimated"
         extra = f" (estimate {r['no_cache_estimated_s']:.1f}s)" if r["no_cache_measured"] else ""
-        print(f"{r['batch']:>5} {r['cache_tokens_per_s']:>12.2f} {r['no_cache_tokens_per_s']:>15.2f} "
-              f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}")
+        print(
+            f"{r['batch']:>5} {r['cache_tokens_per_s']:>12.2f} {r['no_cache_tokens_per_s']:>15.2f} "
+            f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}"
+        )
     print_json("generate", arch, d, device, args, rows)
 
 

@@ -17,6 +17,7 @@ Prints one JSON line (``"benchmark": "host_build"``): seconds of the meta build 
 materialize + initialize, parameters, threads, and a checksum of the initial values (the sum of
 every parameter's float64 sum), which must not change with ``--threads``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ import torch  # noqa: E402
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--vocab", type=int, default=50264, help="dictionary size (default: GPT-2's as fairseq pads it)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--no-checksum", action="store_true", help="skip the checksum pass (one read of every value)")
@@ -51,8 +53,25 @@ def main(argv=None):
     from toolkit.tasks.language_modeling import LanguageModelingTask
     from toolkit.train.resolve import parse_train_config
 
-    cfg = parse_train_config(["synthetic", "--task", "language_modeling", "--optimizer", "adam", "--lr", "1e-4",
-                              "--num-workers", "0", "--seed", "1", "--cpu", "--tokens-per-sample", "2048", *rest])
+    cfg = parse_train_config(
+        [
+            "synthetic",
+            "--task",
+            "language_modeling",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-4",
+            "--num-workers",
+            "0",
+            "--seed",
+            "1",
+            "--cpu",
+            "--tokens-per-sample",
+            "2048",
+            *rest,
+        ]
+    )
     dictionary = Dictionary()
     while len(dictionary) < ours.vocab:
         dictionary.add_symbol(f"w{len(dictionary)}")
@@ -68,12 +87,23 @@ def main(argv=None):
     if not ours.no_checksum:
         with torch.no_grad():
             checksum = float(sum(p.double().sum() for p in {id(p): p for p in model.parameters()}.values()))
-    result = {"benchmark": "host_build", "arch": cfg.components.arch, "params": params,
-              "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "meta_build_s": round(t1 - t0, 3),
-              "materialize_init_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3), "checksum": checksum,
-              "load_average": os.getloadavg()[0], "torch": torch.__version__}
-    print(f"{cfg.components.arch}: {params / 1e9:.3f}B parameters, meta build {t1 - t0:.2f} s, "
-          f"materialize + initialize {t2 - t1:.2f} s ({torch.get_num_threads()} threads)")
+    result = {
+        "benchmark": "host_build",
+        "arch": cfg.components.arch,
+        "params": params,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "meta_build_s": round(t1 - t0, 3),
+        "materialize_init_s": round(t2 - t1, 3),
+        "total_s": round(t2 - t0, 3),
+        "checksum": checksum,
+        "load_average": os.getloadavg()[0],
+        "torch": torch.__version__,
+    }
+    print(
+        f"{cfg.components.arch}: {params / 1e9:.3f}B parameters, meta build {t1 - t0:.2f} s, "
+        f"materialize + initialize {t2 - t1:.2f} s ({torch.get_num_threads()} threads)"
+    )
     print(json.dumps(result))
 
 

@@ -28,6 +28,7 @@ toolkit-logits (what fusing gains), the largest difference of the per-token loss
 that all computed the same thing), the process's peak resident memory (meaningful with one contestant), and one
 JSON line (``"benchmark": "llama_vs_transformers"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,14 +60,24 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--contestants", default="toolkit,toolkit-logits,transformers",
-                    help="comma-separated, from toolkit, toolkit-logits, toolkit-compile (blocks compiled as "
-                         "toolkit-train --compile does), transformers")
-    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
-                    help="the toolkit contestants' fp32 matmul library, as toolkit-train's flag (transformers always "
-                         "runs torch's)")
-    ap.add_argument("--head-loss-chunk-rows", type=int, default=None,
-                    help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)")
+    ap.add_argument(
+        "--contestants",
+        default="toolkit,toolkit-logits,transformers",
+        help="comma-separated, from toolkit, toolkit-logits, toolkit-compile (blocks compiled as "
+        "toolkit-train --compile does), transformers",
+    )
+    ap.add_argument(
+        "--cpu-matmul",
+        default="auto",
+        choices=CPU_MATMUL_CHOICES,
+        help="the toolkit contestants' fp32 matmul library, as toolkit-train's flag (transformers always runs torch's)",
+    )
+    ap.add_argument(
+        "--head-loss-chunk-rows",
+        type=int,
+        default=None,
+        help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)",
+    )
     return ap.parse_args(argv)
 
 
@@ -78,9 +89,15 @@ def build_pair(args):
     from toolkit.models.llama.hf import hf_config, state_to_hf
     from toolkit.models.llama.model import LlamaLanguageModel
 
-    cfg = model_config("llama", decoder_layers=args.layers, decoder_embed_dim=args.dim,
-                       decoder_ffn_embed_dim=args.ffn, decoder_attention_heads=args.heads,
-                       decoder_kv_heads=args.kv_heads, max_target_positions=args.tokens)
+    cfg = model_config(
+        "llama",
+        decoder_layers=args.layers,
+        decoder_embed_dim=args.dim,
+        decoder_ffn_embed_dim=args.ffn,
+        decoder_attention_heads=args.heads,
+        decoder_kv_heads=args.kv_heads,
+        max_target_positions=args.tokens,
+    )
     ours = LlamaLanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
     _, config = hf_config(cfg, args.vocab)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
@@ -113,10 +130,13 @@ def make_step(model, loss_of):
 def logits_loss(logits_of):
     """A loss from a model's logits (``logits_of(model, inputs)``): fp32 cross entropy, padding ignored, mean per
     token; the same math on both sides where a pair is compared on its logits (moe_vs_hf.py, no auxiliary loss)."""
+
     def loss_of(model, inputs, targets):
         logits = logits_of(model, inputs)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                                 ignore_index=PAD)
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=PAD
+        )
+
     return loss_of
 
 
@@ -129,13 +149,20 @@ def toolkit_loss(chunk_rows):
     from toolkit.core import cpu_gemm
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
 
-    cfg = CrossEntropyCriterionConfig() if chunk_rows is None else CrossEntropyCriterionConfig(
-        head_loss_chunk_rows=chunk_rows)
+    cfg = (
+        CrossEntropyCriterionConfig()
+        if chunk_rows is None
+        else CrossEntropyCriterionConfig(head_loss_chunk_rows=chunk_rows)
+    )
     criterion = CrossEntropyCriterion(SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD)), cfg)
 
     def loss_of(model, inputs, targets):
-        sample = {"net_input": {"src_tokens": inputs}, "target": targets, "ntokens": int(targets.ne(PAD).sum()),
-                  "nsentences": targets.size(0)}
+        sample = {
+            "net_input": {"src_tokens": inputs},
+            "target": targets,
+            "ntokens": int(targets.ne(PAD).sum()),
+            "nsentences": targets.size(0),
+        }
         with cpu_gemm.linear_mode(inputs.device):  # as the trainer's forward: fp32 products by --cpu-matmul
             loss, sample_size, _ = criterion(model, sample)
         return loss / sample_size
@@ -164,23 +191,36 @@ def run(args) -> dict:
     onednn = cpu_gemm.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
     chosen = args.contestants.split(",")
-    all_steps = {"toolkit": lambda: make_step(ours, toolkit_loss(args.head_loss_chunk_rows)),
-                 "toolkit-logits": lambda: make_step(copy.deepcopy(ours), toolkit_loss(0)),
-                 "toolkit-compile": lambda: make_step(compiled(copy.deepcopy(ours)),
-                                                      toolkit_loss(args.head_loss_chunk_rows)),
-                 "transformers": lambda: make_step(theirs, transformers_loss)}
+    all_steps = {
+        "toolkit": lambda: make_step(ours, toolkit_loss(args.head_loss_chunk_rows)),
+        "toolkit-logits": lambda: make_step(copy.deepcopy(ours), toolkit_loss(0)),
+        "toolkit-compile": lambda: make_step(compiled(copy.deepcopy(ours)), toolkit_loss(args.head_loss_chunk_rows)),
+        "transformers": lambda: make_step(theirs, transformers_loss),
+    }
     unknown = set(chosen) - set(all_steps)
     if unknown:
         raise SystemExit(f"--contestants: unknown {sorted(unknown)}; choose from {sorted(all_steps)}")
     if "transformers" not in chosen:
         del theirs
     steps = {name: all_steps[name]() for name in chosen}
-    return {"benchmark": "llama_vs_transformers", "layers": args.layers, "dim": args.dim, "ffn": args.ffn,
-            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tokens": args.tokens,
-            "batch": args.batch, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-            "head_loss_chunk_rows": args.head_loss_chunk_rows, "cpu_matmul": "onednn" if onednn else "torch",
-            **alternated(steps, args),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    return {
+        "benchmark": "llama_vs_transformers",
+        "layers": args.layers,
+        "dim": args.dim,
+        "ffn": args.ffn,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "vocab": args.vocab,
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "head_loss_chunk_rows": args.head_loss_chunk_rows,
+        "cpu_matmul": "onednn" if onednn else "torch",
+        **alternated(steps, args),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
 
 
 def alternated(steps, args) -> dict:
@@ -198,9 +238,11 @@ def alternated(steps, args) -> dict:
                 times[name].append(time.perf_counter() - t0)
     tokens_per_step = args.batch * args.tokens
     median = {name: statistics.median(t) for name, t in times.items()}
-    out = {"step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
-           "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
-           "last_loss_diff": max(losses.values()) - min(losses.values())}
+    out = {
+        "step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
+        "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
+        "last_loss_diff": max(losses.values()) - min(losses.values()),
+    }
     for name, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
         if "toolkit" in median and over in median:  # toolkit / the other, above 1: the toolkit is faster
             out[name] = round(median[over] / median["toolkit"], 3)
@@ -218,8 +260,10 @@ def main(argv=None) -> None:
             print(f"toolkit / {over}: {result[key]:.2f}x (median of {result['rounds']} alternated steps)")
     if "compiled_speedup" in result:
         print(f"toolkit --compile / transformers: {result['compiled_speedup']:.2f}x")
-    print(f"last per-token losses differ by {result['last_loss_diff']:.2e}; "
-          f"peak resident memory {result['peak_rss_mib']} MiB (of the whole process)")
+    print(
+        f"last per-token losses differ by {result['last_loss_diff']:.2e}; "
+        f"peak resident memory {result['peak_rss_mib']} MiB (of the whole process)"
+    )
     print(json.dumps(result))
 
 

@@ -24,6 +24,7 @@ Two figures per configuration:
 tensors are already in host memory (it only adds a copy); on a GPU it moves all of them to host.
 The figures are printed as a table and one JSON line (``--json``: only the JSON line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,6 @@ import resource
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from typing import Dict, List
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,8 +49,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def measure(layers: int, embed_dim: int, ffn_dim: int, heads: int, tokens: int, batch: int, vocab: int,
-            checkpoint: bool, dtype: str = "fp32", seed: int = 1) -> Dict[str, float]:
+def measure(
+    layers: int,
+    embed_dim: int,
+    ffn_dim: int,
+    heads: int,
+    tokens: int,
+    batch: int,
+    vocab: int,
+    checkpoint: bool,
+    dtype: str = "fp32",
+    seed: int = 1,
+) -> Dict[str, float]:
     """One forward+backward in this process; returns the figures of one configuration."""
     import torch
     import torch.nn.functional as F
@@ -59,8 +69,14 @@ def measure(layers: int, embed_dim: int, ffn_dim: int, heads: int, tokens: int, 
     from toolkit.distributed.utils import DistributedEnv
     from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
-    cfg = TransformerLMConfig(decoder_layers=layers, decoder_embed_dim=embed_dim, decoder_ffn_embed_dim=ffn_dim,
-                              decoder_attention_heads=heads, dropout=0.1, max_target_positions=tokens)
+    cfg = TransformerLMConfig(
+        decoder_layers=layers,
+        decoder_embed_dim=embed_dim,
+        decoder_ffn_embed_dim=ffn_dim,
+        decoder_attention_heads=heads,
+        dropout=0.1,
+        max_target_positions=tokens,
+    )
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, vocab, padding_idx=1)
     from toolkit.config import CommonConfig, DistributedConfig
@@ -88,8 +104,7 @@ def measure(layers: int, embed_dim: int, ffn_dim: int, heads: int, tokens: int, 
                 saved[ptr] = max(saved.get(ptr, 0), storage.nbytes())
         return t
 
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
-                else torch.autocast("cpu", enabled=False))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else torch.autocast("cpu", enabled=False)
     torch.manual_seed(seed)  # the same dropout masks in every configuration
     base = rss_bytes()
     t0 = time.perf_counter()
@@ -100,8 +115,8 @@ def measure(layers: int, embed_dim: int, ffn_dim: int, heads: int, tokens: int, 
     loss.backward()
     seconds = time.perf_counter() - t0
     return {
-        "saved_activation_mb": sum(saved.values()) / 2 ** 20,
-        "peak_rss_growth_mb": max(0, peak_rss_bytes() - base) / 2 ** 20,
+        "saved_activation_mb": sum(saved.values()) / 2**20,
+        "peak_rss_growth_mb": max(0, peak_rss_bytes() - base) / 2**20,
         "step_seconds": seconds,
         "params_m": sum(p.numel() for p in params) / 1e6,
         "loss": float(loss.detach()) / (batch * tokens),
@@ -141,16 +156,31 @@ def main(argv: List[str] = None) -> None:
         import torch
 
         torch.set_num_threads(ns.threads)
-        print(json.dumps(measure(ns.layers, ns.embed_dim, ns.ffn_dim, ns.heads, ns.tokens_per_sample,
-                                 ns.batch_size, ns.vocab, checkpoint=ns.config == "checkpoint", dtype=ns.dtypes)))
+        print(
+            json.dumps(
+                measure(
+                    ns.layers,
+                    ns.embed_dim,
+                    ns.ffn_dim,
+                    ns.heads,
+                    ns.tokens_per_sample,
+                    ns.batch_size,
+                    ns.vocab,
+                    checkpoint=ns.config == "checkpoint",
+                    dtype=ns.dtypes,
+                )
+            )
+        )
         return
 
     results = {}
     for dtype in ns.dtypes.split(","):
         for config in ns.configs.split(","):
             results[f"{config}/{dtype}"] = run_config(ns, config, dtype)
-    shape = {k: getattr(ns, k) for k in ("layers", "embed_dim", "ffn_dim", "heads", "tokens_per_sample",
-                                         "batch_size", "vocab", "threads")}
+    shape = {
+        k: getattr(ns, k)
+        for k in ("layers", "embed_dim", "ffn_dim", "heads", "tokens_per_sample", "batch_size", "vocab", "threads")
+    }
     for dtype in ns.dtypes.split(","):
         plain, ckpt = results.get(f"plain/{dtype}"), results.get(f"checkpoint/{dtype}")
         if plain and ckpt:
@@ -161,18 +191,24 @@ def main(argv: List[str] = None) -> None:
             }
     if not ns.json:
         first = next(iter(results.values()))
-        print(f"transformer_lm {ns.layers} layers, C={ns.embed_dim}, FFN={ns.ffn_dim}, H={ns.heads}, "
-              f"V={ns.vocab}, {first['params_m']:.1f}M params; batch {ns.batch_size} x {ns.tokens_per_sample} "
-              f"tokens; one forward+backward, {ns.threads} thread(s)")
+        print(
+            f"transformer_lm {ns.layers} layers, C={ns.embed_dim}, FFN={ns.ffn_dim}, H={ns.heads}, "
+            f"V={ns.vocab}, {first['params_m']:.1f}M params; batch {ns.batch_size} x {ns.tokens_per_sample} "
+            f"tokens; one forward+backward, {ns.threads} thread(s)"
+        )
         print(f"{'config':<18}{'saved activations MB':>22}{'peak RSS growth MB':>20}{'step s':>9}")
         for name, r in results.items():
             if "saved_activation_mb" in r:
-                print(f"{name:<18}{r['saved_activation_mb']:>22.1f}{r['peak_rss_growth_mb']:>20.1f}"
-                      f"{r['step_seconds']:>9.2f}")
+                print(
+                    f"{name:<18}{r['saved_activation_mb']:>22.1f}{r['peak_rss_growth_mb']:>20.1f}"
+                    f"{r['step_seconds']:>9.2f}"
+                )
         for name, r in results.items():
             if "saved_activation_ratio" in r:
-                print(f"{name}: saved activations x{r['saved_activation_ratio']:.3f}, "
-                      f"peak RSS growth x{r['peak_rss_growth_ratio']:.3f}, step time x{r['step_time_ratio']:.2f}")
+                print(
+                    f"{name}: saved activations x{r['saved_activation_ratio']:.3f}, "
+                    f"peak RSS growth x{r['peak_rss_growth_ratio']:.3f}, step time x{r['step_time_ratio']:.2f}"
+                )
     print(json.dumps({"shape": shape, "results": results}))
 
 

@@ -11,6 +11,7 @@ tokens) and AdamW; one step is forward, fp32 cross entropy over all targets, bac
 picks itself, recorded in the JSON line). Reports the median step times, tokens/s, their ratio (above 1: ours
 is faster), the last losses' difference and one JSON line (``"benchmark": "moe_vs_transformers"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,17 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
-                    help="the toolkit's fp32 matmul library, as its commands' flag (transformers runs torch's)")
-    ap.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (eager, grouped_mm, "
-                                                       "batched_mm; default: its own choice)")
+    ap.add_argument(
+        "--cpu-matmul",
+        default="auto",
+        choices=CPU_MATMUL_CHOICES,
+        help="the toolkit's fp32 matmul library, as its commands' flag (transformers runs torch's)",
+    )
+    ap.add_argument(
+        "--hf-experts",
+        default=None,
+        help="transformers' experts_implementation (eager, grouped_mm, batched_mm; default: its own choice)",
+    )
     return ap.parse_args(argv)
 
 
@@ -61,7 +69,7 @@ def in_memory_hf_state(state):
         if name.endswith("mlp.experts.up_proj"):
             continue
         if name.endswith("mlp.experts.gate_proj"):
-            up = state[name[len("model."):].replace("gate_proj", "up_proj")]
+            up = state[name[len("model.") :].replace("gate_proj", "up_proj")]
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, up], dim=1)
         else:
             out[name] = tensor
@@ -76,10 +84,18 @@ def build_pair(args):
     from toolkit.models.moe.hf import hf_config
     from toolkit.models.moe.model import MoELanguageModel
 
-    cfg = model_config("moe_tiny", decoder_layers=args.layers, decoder_embed_dim=args.dim,
-                       decoder_attention_heads=args.heads, decoder_kv_heads=args.kv_heads,
-                       decoder_head_dim=args.dim // args.heads, moe_num_experts=args.experts, moe_top_k=args.top_k,
-                       moe_ffn_embed_dim=args.expert_ffn, max_target_positions=args.tokens)
+    cfg = model_config(
+        "moe_tiny",
+        decoder_layers=args.layers,
+        decoder_embed_dim=args.dim,
+        decoder_attention_heads=args.heads,
+        decoder_kv_heads=args.kv_heads,
+        decoder_head_dim=args.dim // args.heads,
+        moe_num_experts=args.experts,
+        moe_top_k=args.top_k,
+        moe_ffn_embed_dim=args.expert_ffn,
+        max_target_positions=args.tokens,
+    )
     ours = MoELanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
     _, config = hf_config(cfg, args.vocab)
     extra = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
@@ -98,20 +114,28 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     onednn = cpu_gemm.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
-    steps = {"toolkit": make_step(ours, logits_loss(toolkit_logits)),
-             "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits))}
-    return {"benchmark": "moe_vs_transformers", **{k: v for k, v in vars(args).items() if k != "hf_experts"},
-            "hf_experts": getattr(theirs.config, "_experts_implementation", None), "torch": torch.__version__,
-            "cpu_matmul": "onednn" if onednn else "torch",
-            **alternated(steps, args)}
+    steps = {
+        "toolkit": make_step(ours, logits_loss(toolkit_logits)),
+        "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits)),
+    }
+    return {
+        "benchmark": "moe_vs_transformers",
+        **{k: v for k, v in vars(args).items() if k != "hf_experts"},
+        "hf_experts": getattr(theirs.config, "_experts_implementation", None),
+        "torch": torch.__version__,
+        "cpu_matmul": "onednn" if onednn else "torch",
+        **alternated(steps, args),
+    }
 
 
 def main(argv=None) -> None:
     result = run(parse(argv))
     for name in ("toolkit", "transformers"):
         print(f"{name:>12}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
-    print(f"toolkit / transformers ({result['hf_experts']} experts): {result['speedup']:.2f}x (median of "
-          f"{result['rounds']} alternated steps); last losses differ by {result['last_loss_diff']:.2e}")
+    print(
+        f"toolkit / transformers ({result['hf_experts']} experts): {result['speedup']:.2f}x (median of "
+        f"{result['rounds']} alternated steps); last losses differ by {result['last_loss_diff']:.2e}"
+    )
     print(json.dumps(result))
 
 

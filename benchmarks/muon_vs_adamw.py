@@ -16,6 +16,7 @@ staging instead, so that figure is the GPU's: ``gpu.sh muon_offload_llama3_1b``)
 
 The last line is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,20 +33,62 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-MODEL = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
-         "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4",
-         "--decoder-input-dim", "64", "--decoder-output-dim", "64", "--decoder-normalize-before",
-         "--share-decoder-input-output-embed", "--dropout", "0", "--tokens-per-sample", "64", "--batch-size", "8",
-         "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "inverse_sqrt", "--warmup-init-lr", "1e-07",
-         "--clip-norm", "1.0", "--log-format", "json", "--log-interval", "1000", "--no-save", "--cpu",
-         "--num-workers", "0", "--seed", "1"]
+MODEL = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--decoder-attention-heads",
+    "4",
+    "--decoder-input-dim",
+    "64",
+    "--decoder-output-dim",
+    "64",
+    "--decoder-normalize-before",
+    "--share-decoder-input-output-embed",
+    "--dropout",
+    "0",
+    "--tokens-per-sample",
+    "64",
+    "--batch-size",
+    "8",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-init-lr",
+    "1e-07",
+    "--clip-norm",
+    "1.0",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1000",
+    "--no-save",
+    "--cpu",
+    "--num-workers",
+    "0",
+    "--seed",
+    "1",
+]
 ADAM_LRS = (1e-3, 3e-3, 1e-2)
 MUON_LRS = (0.01, 0.02, 0.05)
 
 
 def toolkit(command: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", f"toolkit_cli.{command}", *args], cwd=REPO, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", f"toolkit_cli.{command}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{command} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return proc.stdout + proc.stderr
@@ -59,10 +102,26 @@ def valid_ppl(log: str) -> float:
 def quality(corpus: str, updates: int, adamw_best=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "bin")
-        toolkit("preprocess", "--only-source", "--trainpref", f"{corpus}/wiki.train.tokens", "--validpref",
-                f"{corpus}/wiki.valid.tokens", "--destdir", data, "--workers", "1")
-        common = MODEL + ["--max-update", str(updates), "--warmup-updates", str(max(1, updates // 4)),
-                          "--validate-interval-updates", str(updates)]
+        toolkit(
+            "preprocess",
+            "--only-source",
+            "--trainpref",
+            f"{corpus}/wiki.train.tokens",
+            "--validpref",
+            f"{corpus}/wiki.valid.tokens",
+            "--destdir",
+            data,
+            "--workers",
+            "1",
+        )
+        common = MODEL + [
+            "--max-update",
+            str(updates),
+            "--warmup-updates",
+            str(max(1, updates // 4)),
+            "--validate-interval-updates",
+            str(updates),
+        ]
         runs: dict = {}
 
         def grid(name, lrs, extra):
@@ -77,18 +136,30 @@ def quality(corpus: str, updates: int, adamw_best=None) -> dict:
             adamw_best = min((v, lr) for (n, lr), v in runs.items() if n == "adamw")[1]
         # Muon's AdamW side (embeddings, head, norms, biases) at AdamW's best rate: only the matrices differ
         grid("muon", MUON_LRS, ["--optimizer", "muon", "--muon-adamw-lr", str(adamw_best)])
-    best = {name: min(v for (n, _), v in runs.items() if n == name) for name in ("adamw", "muon") if
-            any(n == name for n, _ in runs)}
-    print(f"best of 3 after {updates} updates: " + ", ".join(f"{n} {v:.2f}" for n, v in best.items())
-          + f" (Muon's AdamW side at lr {adamw_best:g})")
-    return {"updates": updates, "runs": {f"{n} lr {lr:g}": v for (n, lr), v in runs.items()}, "best": best,
-            "muon_adamw_lr": adamw_best}
+    best = {
+        name: min(v for (n, _), v in runs.items() if n == name)
+        for name in ("adamw", "muon")
+        if any(n == name for n, _ in runs)
+    }
+    print(
+        f"best of 3 after {updates} updates: "
+        + ", ".join(f"{n} {v:.2f}" for n, v in best.items())
+        + f" (Muon's AdamW side at lr {adamw_best:g})"
+    )
+    return {
+        "updates": updates,
+        "runs": {f"{n} lr {lr:g}": v for (n, lr), v in runs.items()},
+        "best": best,
+        "muon_adamw_lr": adamw_best,
+    }
 
 
 def transformer_params(dim: int = 512, blocks: int = 4):
     g = torch.Generator().manual_seed(0)
-    shapes = ([(3 * dim, dim), (dim, dim), (4 * dim, dim), (dim, 4 * dim)] * blocks,
-              [(3 * dim,), (dim,), (4 * dim,), (dim,), (dim,), (dim,), (dim,), (dim,)] * blocks)
+    shapes = (
+        [(3 * dim, dim), (dim, dim), (4 * dim, dim), (dim, 4 * dim)] * blocks,
+        [(3 * dim,), (dim,), (4 * dim,), (dim,), (dim,), (dim,), (dim,), (dim,)] * blocks,
+    )
     out = []
     for role_shapes in shapes:
         ps = []
@@ -105,11 +176,18 @@ def step_times(rounds: int = 5) -> dict:
     from toolkit.optim.muon import Muon, newton_schulz
 
     matrices, vectors = transformer_params()
-    opts = {"muon": Muon([{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}], lr=0.02,
-                         weight_decay=0.01)}
+    opts = {
+        "muon": Muon(
+            [{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}], lr=0.02, weight_decay=0.01
+        )
+    }
     matrices, vectors = transformer_params()
-    opts["muon_bf16_momentum"] = Muon([{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}],
-                                      lr=0.02, weight_decay=0.01, momentum_dtype=torch.bfloat16)
+    opts["muon_bf16_momentum"] = Muon(
+        [{"params": matrices, "role": "matrix"}, {"params": vectors, "role": "norm"}],
+        lr=0.02,
+        weight_decay=0.01,
+        momentum_dtype=torch.bfloat16,
+    )
     matrices, vectors = transformer_params()
     opts["cpu_adam"] = CPUAdam(matrices + vectors, lr=1e-3, weight_decay=0.01)
     numel = sum(p.numel() for p in matrices + vectors)
@@ -123,9 +201,11 @@ def step_times(rounds: int = 5) -> dict:
             if r:  # the first round allocates the state
                 times[name].append(time.perf_counter() - t0)
     best = {k: min(v) * 1e3 for k, v in times.items()}
-    print(f"host-memory step over {numel / 1e6:.1f}M parameters ({torch.get_num_threads()} threads): "
-          f"muon {best['muon']:.1f} ms (of which Newton-Schulz {best['newton_schulz_only']:.1f} ms; bf16 momentum "
-          f"{best['muon_bf16_momentum']:.1f} ms), cpu_adam {best['cpu_adam']:.1f} ms")
+    print(
+        f"host-memory step over {numel / 1e6:.1f}M parameters ({torch.get_num_threads()} threads): "
+        f"muon {best['muon']:.1f} ms (of which Newton-Schulz {best['newton_schulz_only']:.1f} ms; bf16 momentum "
+        f"{best['muon_bf16_momentum']:.1f} ms), cpu_adam {best['cpu_adam']:.1f} ms"
+    )
     return {"params": numel, "threads": torch.get_num_threads(), "ms": best}
 
 
@@ -133,8 +213,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--updates", type=int, default=120)
     ap.add_argument("--part", choices=["quality", "step", "both"], default="both")
-    ap.add_argument("--adamw-best-lr", type=float, default=None,
-                    help="skip the AdamW grid: its best rate from an earlier run (Muon's AdamW side uses it)")
+    ap.add_argument(
+        "--adamw-best-lr",
+        type=float,
+        default=None,
+        help="skip the AdamW grid: its best rate from an earlier run (Muon's AdamW side uses it)",
+    )
     ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini"))
     args = ap.parse_args(argv)
     result = {"load_average": os.getloadavg()[0]}

@@ -19,6 +19,7 @@ overlap has no idle hardware to fill and can only save the host norm pass that i
 into backward. The figures it is meant for come from a GPU (benchmarks/gpu.sh offload_overlap).
 Prints a table and one JSON line (``"benchmark": "offload_overlap"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,15 +37,29 @@ import torch  # noqa: E402
 
 from benchmarks.train import build, synthetic_sample  # noqa: E402
 
-SMALL = ["--arch", "transformer_lm", "--decoder-layers", "6", "--decoder-embed-dim", "512",
-         "--decoder-ffn-embed-dim", "2048", "--decoder-attention-heads", "8", "--tokens-per-sample", "64",
-         "--batch-size", "2"]
+SMALL = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "6",
+    "--decoder-embed-dim",
+    "512",
+    "--decoder-ffn-embed-dim",
+    "2048",
+    "--decoder-attention-heads",
+    "8",
+    "--tokens-per-sample",
+    "64",
+    "--batch-size",
+    "2",
+]
 OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--clip-norm", "1.0"]
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads on CPU (default 2)")
     ap.add_argument("--vocab", type=int, default=8192, help="dictionary size of the synthetic data")
@@ -53,9 +68,14 @@ def parse(argv):
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per trainer (interleaved)")
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--fold-only", type=float, default=None, metavar="PARAMS",
-                    help="only time CPUAdam's update of PARAMS fp32 parameters (e.g. 50e6): a separate "
-                         "_foreach_mul_ then step(), against step(grad_scale=...) with the multiply folded in")
+    ap.add_argument(
+        "--fold-only",
+        type=float,
+        default=None,
+        metavar="PARAMS",
+        help="only time CPUAdam's update of PARAMS fp32 parameters (e.g. 50e6): a separate "
+        "_foreach_mul_ then step(), against step(grad_scale=...) with the multiply folded in",
+    )
     ours, rest = ap.parse_known_args(argv)
     return ours, (rest or SMALL) + OFFLOAD
 
@@ -75,6 +95,7 @@ class HostTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - t0
+
         return run
 
 
@@ -96,8 +117,10 @@ def round_of(trainer, sample, steps: int, device: torch.device, timer: HostTimer
                 raise RuntimeError("an fp16 overflow skipped a timed update; add --warmup or lower --fp16-init-scale")
     sync(trainer, device)
     wall = time.perf_counter() - t0
-    return {"step_ms": 1e3 * wall / steps,
-            **{f"{k}_ms": 1e3 * (timer.seconds[k] - before[k]) / steps for k in timer.seconds}}
+    return {
+        "step_ms": 1e3 * wall / steps,
+        **{f"{k}_ms": 1e3 * (timer.seconds[k] - before[k]) / steps for k in timer.seconds},
+    }
 
 
 def fold_figures(total: int, rounds: int) -> None:
@@ -124,11 +147,12 @@ def fold_figures(total: int, rounds: int) -> None:
     n = sum(p.numel() for p in runs["folded"][0])
     med = {k: 1e3 * statistics.median(v[1:]) for k, v in results.items()}
     best = {k: 1e3 * min(v[1:]) for k, v in results.items()}
-    print(f"CPUAdam update of {n / 1e6:.1f}M fp32 params, {torch.get_num_threads()} threads, {rounds} rounds: "
-          f"separate multiply + step {med['separate']:.1f} ms (best {best['separate']:.1f}), "
-          f"folded {med['folded']:.1f} ms (best {best['folded']:.1f}); parameters identical: {same}")
-    print(json.dumps({"benchmark": "cpu_adam_fold", "params": n, "median_ms": med, "best_ms": best,
-                      "identical": same}))
+    print(
+        f"CPUAdam update of {n / 1e6:.1f}M fp32 params, {torch.get_num_threads()} threads, {rounds} rounds: "
+        f"separate multiply + step {med['separate']:.1f} ms (best {best['separate']:.1f}), "
+        f"folded {med['folded']:.1f} ms (best {best['folded']:.1f}); parameters identical: {same}"
+    )
+    print(json.dumps({"benchmark": "cpu_adam_fold", "params": n, "median_ms": med, "best_ms": best, "identical": same}))
 
 
 def main(argv=None) -> None:
@@ -151,17 +175,21 @@ def main(argv=None) -> None:
     for _ in range(ours.rounds):
         for name, trainer in trainers.items():
             rounds[name].append(round_of(trainer, sample, ours.steps, device, timers[name]))
-    same = all(torch.equal(a.detach().to_local(), b.detach().to_local()) for a, b in
-               zip(trainers["serial"].model.parameters(), trainers["overlap"].model.parameters()))
+    same = all(
+        torch.equal(a.detach().to_local(), b.detach().to_local())
+        for a, b in zip(trainers["serial"].model.parameters(), trainers["overlap"].model.parameters())
+    )
     report(ours, args, trainers["serial"], rounds, same, device)
 
 
 def report(ours, args, trainer, rounds, same: bool, device: torch.device) -> None:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"{args.arch}: {n_params / 1e6:.1f}M params, B={args.batch_size} T={args.tokens_per_sample}, "
-          f"{str(trainer.compute_dtype).replace('torch.', '')} on {device} ({where}); {ours.rounds} rounds of "
-          f"{ours.steps} updates each; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"{args.arch}: {n_params / 1e6:.1f}M params, B={args.batch_size} T={args.tokens_per_sample}, "
+        f"{str(trainer.compute_dtype).replace('torch.', '')} on {device} ({where}); {ours.rounds} rounds of "
+        f"{ours.steps} updates each; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     print(f"{'':<10}{'step ms (median)':>18}{'best':>10}{'norm ms':>10}{'update call ms':>16}")
     summary = {}
     for name, rs in rounds.items():
@@ -171,8 +199,19 @@ def report(ours, args, trainer, rounds, same: bool, device: torch.device) -> Non
         print(f"{name:<10}{med['step_ms']:>18.1f}{best:>10.1f}{med['norm_ms']:>10.1f}{med['update_call_ms']:>16.1f}")
     speedup = summary["serial"]["step_ms"] / summary["overlap"]["step_ms"]
     print(f"overlap vs serial: {speedup:.3f}x (median step time); parameters identical: {same}")
-    print(json.dumps({"benchmark": "offload_overlap", "device": str(device), "arch": args.arch,
-                      "params": n_params, "speedup": speedup, "identical": same, **summary}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "offload_overlap",
+                "device": str(device),
+                "arch": args.arch,
+                "params": n_params,
+                "speedup": speedup,
+                "identical": same,
+                **summary,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ random gradients; each optimizer gets a few untimed warm-up steps, then ``--step
 steps, interleaved round-robin. Prints a table (Mparam/s and "speed vs fused" from the
 fastest step) and one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +49,14 @@ def build(name: str, params):
     if name == "deepspeed_raw":  # DeepSpeedCPUAdam itself, to show the wrapper's overhead
         from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
 
-        return load_deepspeed_cpu_adam()(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01,
-                                         adamw_mode=True)
-    kw = {"torch_adamw_foreach": dict(foreach=True), "torch_adamw_fused": dict(fused=True),
-          "torch_adamw_forloop": dict(foreach=False)}[name]
+        return load_deepspeed_cpu_adam()(
+            params, lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01, adamw_mode=True
+        )
+    kw = {
+        "torch_adamw_foreach": dict(foreach=True),
+        "torch_adamw_fused": dict(fused=True),
+        "torch_adamw_forloop": dict(foreach=False),
+    }[name]
     return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01, **kw)
 
 
@@ -94,21 +99,44 @@ def main(argv=None):
     rows = []
     for name in names:
         n, t = sizes[name], times[name]
-        rows.append({"optimizer": name, "params": n, "median_ms": 1e3 * statistics.median(t),
-                     "min_ms": 1e3 * min(t), "mean_ms": 1e3 * statistics.mean(t),
-                     "Mparams_per_s": n / min(t) / 1e6})
+        rows.append(
+            {
+                "optimizer": name,
+                "params": n,
+                "median_ms": 1e3 * statistics.median(t),
+                "min_ms": 1e3 * min(t),
+                "mean_ms": 1e3 * statistics.mean(t),
+                "Mparams_per_s": n / min(t) / 1e6,
+            }
+        )
     base = next((r["min_ms"] for r in rows if r["optimizer"] == "torch_adamw_fused"), None)
-    print(f"{'optimizer':<22}{'params':>12}{'median ms':>12}{'min ms':>10}{'Mparam/s':>10}"
-          + ("{:>16}".format("speed vs fused") if base else ""))
+    print(
+        f"{'optimizer':<22}{'params':>12}{'median ms':>12}{'min ms':>10}{'Mparam/s':>10}"
+        + ("{:>16}".format("speed vs fused") if base else "")
+    )
     for r in rows:
-        line = f"{r['optimizer']:<22}{r['params']:>12,}{r['median_ms']:>12.1f}{r['min_ms']:>10.1f}" \
-               f"{r['Mparams_per_s']:>10.0f}"
+        line = (
+            f"{r['optimizer']:<22}{r['params']:>12,}{r['median_ms']:>12.1f}{r['min_ms']:>10.1f}"
+            f"{r['Mparams_per_s']:>10.0f}"
+        )
         if base:
             line += f"{base / r['min_ms']:>15.2f}x"
         print(line)
-    print(json.dumps({"benchmark": "optimizer_step_cpu", "dtype": "float32", "threads": torch.get_num_threads(),
-                      "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                      "torch": torch.__version__, "warmup": args.warmup, "steps": args.steps, "results": rows}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "optimizer_step_cpu",
+                "dtype": "float32",
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "cpu": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "results": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

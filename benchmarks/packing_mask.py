@@ -11,6 +11,7 @@ attention's block mask on CUDA). Variants are interleaved, ``--steps`` timed ste
 warm-up, and the median reported with tokens/s and the cost relative to plain causal attention.
 Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,27 @@ EOS, PAD, VOCAB = 2, 1, 1024  # a small vocabulary: the attention is what is mea
 
 def build(family: str, dim: int, layers: int, positions: int, device: str) -> torch.nn.Module:
     if family == "transformer_lm":
-        cfg = TransformerLMConfig(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=4 * dim,
-                                  decoder_attention_heads=dim // 64, max_target_positions=positions, dropout=0.0,
-                                  decoder_normalize_before=True, decoder_learned_pos=True)
+        cfg = TransformerLMConfig(
+            decoder_layers=layers,
+            decoder_embed_dim=dim,
+            decoder_ffn_embed_dim=4 * dim,
+            decoder_attention_heads=dim // 64,
+            max_target_positions=positions,
+            dropout=0.0,
+            decoder_normalize_before=True,
+            decoder_learned_pos=True,
+        )
         model = TransformerLanguageModel(cfg, VOCAB, PAD, seed=1)
     else:
-        cfg = model_config("llama", decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=3 * dim,
-                           decoder_attention_heads=dim // 64, decoder_kv_heads=max(1, dim // 256),
-                           max_target_positions=positions)
+        cfg = model_config(
+            "llama",
+            decoder_layers=layers,
+            decoder_embed_dim=dim,
+            decoder_ffn_embed_dim=3 * dim,
+            decoder_attention_heads=dim // 64,
+            decoder_kv_heads=max(1, dim // 256),
+            max_target_positions=positions,
+        )
         model = LlamaLanguageModel(cfg, VOCAB, PAD, seed=1)
     return model.to(device).train()
 
@@ -93,12 +107,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     src, document_ids, positions = packed_batch(args.batch, args.tokens, args.mean_doc, args.device)
-    variants = {"causal": {}, "document mask": {"document_ids": document_ids},
-                "mask + reset positions": {"document_ids": document_ids, "positions": positions}}
+    variants = {
+        "causal": {},
+        "document mask": {"document_ids": document_ids},
+        "mask + reset positions": {"document_ids": document_ids, "positions": positions},
+    }
     results = {}
-    print(f"B {args.batch} x T {args.tokens}, documents of ~{args.mean_doc:.0f} tokens "
-          f"({int(document_ids[:, -1].float().mean()) + 1} per row), d {args.dim} x {args.layers} layers, "
-          f"{args.device}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"B {args.batch} x T {args.tokens}, documents of ~{args.mean_doc:.0f} tokens "
+        f"({int(document_ids[:, -1].float().mean()) + 1} per row), d {args.dim} x {args.layers} layers, "
+        f"{args.device}, {args.threads} threads, load {os.getloadavg()[0]:.2f}"
+    )
     print(f"{'family':<16}{'variant':<26}{'ms/step':>10}{'tokens/s':>12}{'cost':>9}")
     for family in args.families:
         model = build(family, args.dim, args.layers, args.tokens, args.device)
@@ -108,11 +127,25 @@ def main() -> None:
             tps = args.batch * args.tokens / seconds
             cost = seconds / base - 1
             print(f"{family:<16}{name:<26}{seconds * 1e3:>10.1f}{tps:>12.0f}{cost:>+9.1%}")
-            results[f"{family}/{name}"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(tps),
-                                           "cost": round(cost, 4)}
-    print(json.dumps({"benchmark": "packing_mask", "device": args.device, "threads": args.threads,
-                      "batch": args.batch, "tokens": args.tokens, "mean_doc": args.mean_doc,
-                      "load": round(os.getloadavg()[0], 2), "results": results}))
+            results[f"{family}/{name}"] = {
+                "ms": round(seconds * 1e3, 2),
+                "tokens_per_s": round(tps),
+                "cost": round(cost, 4),
+            }
+    print(
+        json.dumps(
+            {
+                "benchmark": "packing_mask",
+                "device": args.device,
+                "threads": args.threads,
+                "batch": args.batch,
+                "tokens": args.tokens,
+                "mean_doc": args.mean_doc,
+                "load": round(os.getloadavg()[0], 2),
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

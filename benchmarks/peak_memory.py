@@ -14,6 +14,7 @@ included). The command's output passes through; its exit status is returned.
 Prints one summary line and one JSON line (``"benchmark": "peak_memory"``) on stderr
 after the command ends; ``--json FILE`` also writes that JSON to FILE.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,17 +100,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         rc = child.wait()
     sampler.stop.set()
     sampler.join()
-    gib = 2 ** 30
+    gib = 2**30
     result: Dict = {
-        "benchmark": "peak_memory", "command": cmd, "exit_status": rc, "seconds": round(time.time() - start, 1),
+        "benchmark": "peak_memory",
+        "command": cmd,
+        "exit_status": rc,
+        "seconds": round(time.time() - start, 1),
         "peak_host_rss_gib": round(sampler.peak_rss / gib, 2),
         "host_total_gib": round(psutil.virtual_memory().total / gib, 1),
         "peak_gpu_used_gib": [round(b / gib, 2) for b in sampler.peak_gpu],
         "gpu_used_before_gib": [round(b / gib, 2) for b in sampler.gpu_baseline],
     }
     gpu = ", ".join(f"GPU{i} {b:.1f} GiB" for i, b in enumerate(result["peak_gpu_used_gib"])) or "no GPU seen"
-    print(f"peak memory: host {result['peak_host_rss_gib']:.1f} GiB resident (process tree, of "
-          f"{result['host_total_gib']:.0f}); {gpu} in use (all processes); exit status {rc}", file=sys.stderr)
+    print(
+        f"peak memory: host {result['peak_host_rss_gib']:.1f} GiB resident (process tree, of "
+        f"{result['host_total_gib']:.0f}); {gpu} in use (all processes); exit status {rc}",
+        file=sys.stderr,
+    )
     print(json.dumps(result), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

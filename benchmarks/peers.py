@@ -28,6 +28,7 @@ A peer that is not installed is one skipped row naming how to install it. Writes
 ``benchmarks/results/peers_cpu.json`` (``--out``) and prints a markdown table, with the machine's
 load average beside it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,6 @@ import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,8 +57,18 @@ EVALUATED = re.compile(r"Evaluated [\d,]+ tokens in [\d.]+s \(([\d.]+) tokens/s\
 WPS = re.compile(r'train_inner \| \{.*?"wps": "?([\d.]+)"?')
 # The steady-state training row's model: fairseq's transformer_lm at a size where the model, not start-up,
 # takes the time (the parity model, 2 x 64, is all start-up); both tools' own flags, the same data.
-STEADY_MODEL = ["--arch", "transformer_lm", "--decoder-layers", "4", "--decoder-embed-dim", "256",
-                "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4"]
+STEADY_MODEL = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "4",
+    "--decoder-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "1024",
+    "--decoder-attention-heads",
+    "4",
+]
 STEADY_SHAPE = {"--tokens-per-sample": "256", "--max-tokens": "2048", "--log-interval": "5"}
 
 
@@ -87,9 +97,16 @@ def timed(fn: Callable[[], object]) -> float:
 def row(name: str, peer: str, unit: str, work: float, timings: Dict[str, Dict[str, float]], **extra) -> Dict:
     """One table row: ``work`` units per timed round (tokens, for example) -> a rate per second each side."""
     ours, theirs = timings["toolkit"], timings[peer]
-    return {"name": name, "peer": peer, "unit": unit, "work": work,
-            "toolkit": {**ours, "rate": work / ours["median_s"]}, "peer_timing": {**theirs, "rate": work / theirs["median_s"]},
-            "speedup": theirs["median_s"] / ours["median_s"], **extra}
+    return {
+        "name": name,
+        "peer": peer,
+        "unit": unit,
+        "work": work,
+        "toolkit": {**ours, "rate": work / ours["median_s"]},
+        "peer_timing": {**theirs, "rate": work / theirs["median_s"]},
+        "speedup": theirs["median_s"] / ours["median_s"],
+        **extra,
+    }
 
 
 def transformers_module():
@@ -116,6 +133,7 @@ def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, 
             start = time.perf_counter()
             losses[name] = steps[name](batches[r])
             return time.perf_counter() - start
+
         return run
 
     timings = alternate({name: side(name) for name in steps}, args.warmup, args.rounds)
@@ -126,16 +144,43 @@ def llama_training(args) -> Dict:
     transformers_module()
     from llama_hf import build_pair, parse
 
-    shape = ["--layers", "2", "--dim", "64", "--ffn", "172", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
-             "--tokens", "32", "--batch", "2"] if args.quick else []
+    shape = (
+        [
+            "--layers",
+            "2",
+            "--dim",
+            "64",
+            "--ffn",
+            "172",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "512",
+            "--tokens",
+            "32",
+            "--batch",
+            "2",
+        ]
+        if args.quick
+        else []
+    )
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
     from llama_hf import transformers_loss  # transformers' own training path: labels=, its mean cross entropy
 
     out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
     shape_text = f"{cfg.layers}x{cfg.dim}, FFN {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
-    return row("training step, Llama", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
-               shape=shape_text, last_loss_diff=out["last_loss_diff"])
+    return row(
+        "training step, Llama",
+        "transformers",
+        "tokens/s",
+        cfg.batch * cfg.tokens,
+        out["timings"],
+        shape=shape_text,
+        last_loss_diff=out["last_loss_diff"],
+    )
 
 
 def moe_training(args) -> Dict:
@@ -143,8 +188,30 @@ def moe_training(args) -> Dict:
     transformers_module()
     from moe_vs_hf import build_pair, parse
 
-    shape = ["--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4",
-             "--expert-ffn", "64", "--vocab", "512", "--tokens", "32", "--batch", "2"] if args.quick else []
+    shape = (
+        [
+            "--layers",
+            "2",
+            "--dim",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--experts",
+            "4",
+            "--expert-ffn",
+            "64",
+            "--vocab",
+            "512",
+            "--tokens",
+            "32",
+            "--batch",
+            "2",
+        ]
+        if args.quick
+        else []
+    )
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
     # each side's own training path, as the Llama row: the toolkit's criterion (its fused head and loss) and
@@ -154,10 +221,19 @@ def moe_training(args) -> Dict:
     from llama_hf import transformers_loss
 
     out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
-    shape_text = (f"{cfg.layers}x{cfg.dim}, {cfg.experts} experts of {cfg.expert_ffn}, top {cfg.top_k}, "
-                  f"V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}")
-    return row("training step, Qwen3-MoE", "transformers", "tokens/s", cfg.batch * cfg.tokens, out["timings"],
-               shape=shape_text, last_loss_diff=out["last_loss_diff"])
+    shape_text = (
+        f"{cfg.layers}x{cfg.dim}, {cfg.experts} experts of {cfg.expert_ffn}, top {cfg.top_k}, "
+        f"V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
+    )
+    return row(
+        "training step, Qwen3-MoE",
+        "transformers",
+        "tokens/s",
+        cfg.batch * cfg.tokens,
+        out["timings"],
+        shape=shape_text,
+        last_loss_diff=out["last_loss_diff"],
+    )
 
 
 def gpt2_pair(layers: int, dim: int, heads: int, vocab: int, positions: int):
@@ -170,13 +246,23 @@ def gpt2_pair(layers: int, dim: int, heads: int, vocab: int, positions: int):
 
     registry.import_all_components()
     entry = registry.resolve_arch("transformer_lm_gpt2_small")
-    values = options.architecture_defaults("transformer_lm_gpt2_small", {
-        "max_target_positions": positions, "decoder_layers": layers, "decoder_embed_dim": dim,
-        "decoder_ffn_embed_dim": 4 * dim, "decoder_attention_heads": heads,
-        # GPT-2's own layout (what toolkit-export --format hf needs for GPT2LMHeadModel); no dropout, so
-        # both sides compute the same loss
-        "decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True,
-        "dropout": 0.0, "attention_dropout": 0.0})
+    values = options.architecture_defaults(
+        "transformer_lm_gpt2_small",
+        {
+            "max_target_positions": positions,
+            "decoder_layers": layers,
+            "decoder_embed_dim": dim,
+            "decoder_ffn_embed_dim": 4 * dim,
+            "decoder_attention_heads": heads,
+            # GPT-2's own layout (what toolkit-export --format hf needs for GPT2LMHeadModel); no dropout, so
+            # both sides compute the same loss
+            "decoder_learned_pos": True,
+            "no_scale_embedding": True,
+            "share_decoder_input_output_embed": True,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    )
     d = Dictionary()
     for i in range(vocab - len(d)):
         d.add_symbol(f"w{i}")
@@ -198,11 +284,18 @@ def gpt2_training(args) -> Dict:
     ours.train(), theirs.train()
     from llama_hf import logits_loss
 
-    out = train_steps(ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), len(d), batch,
-                      tokens, args)
-    return row("training step, GPT-2", "transformers", "tokens/s", batch * tokens, out["timings"],
-               shape=f"{layers}x{dim}, FFN {4 * dim}, {heads} heads, V {len(d)}, B {batch} x T {tokens}",
-               last_loss_diff=out["last_loss_diff"])
+    out = train_steps(
+        ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), len(d), batch, tokens, args
+    )
+    return row(
+        "training step, GPT-2",
+        "transformers",
+        "tokens/s",
+        batch * tokens,
+        out["timings"],
+        shape=f"{layers}x{dim}, FFN {4 * dim}, {heads} heads, V {len(d)}, B {batch} x T {tokens}",
+        last_loss_diff=out["last_loss_diff"],
+    )
 
 
 def generation(args) -> Dict:
@@ -228,12 +321,27 @@ def generation(args) -> Dict:
 
     def hf_side(_):
         with torch.no_grad():
-            return timed(lambda: theirs.generate(hf_input, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                                 num_beams=1, use_cache=True, pad_token_id=d.pad()))
+            return timed(
+                lambda: theirs.generate(
+                    hf_input,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    num_beams=1,
+                    use_cache=True,
+                    pad_token_id=d.pad(),
+                )
+            )
 
     timings = alternate({"toolkit": toolkit_side, "transformers": hf_side}, args.warmup, args.rounds)
-    return row("cached greedy generation, GPT-2 (batch 1)", "transformers", "new tokens/s", new, timings,
-               shape=f"{layers}x{dim}, V {len(d)}, prompt {prompt}, {new} new tokens")
+    return row(
+        "cached greedy generation, GPT-2 (batch 1)",
+        "transformers",
+        "new tokens/s",
+        new,
+        timings,
+        shape=f"{layers}x{dim}, V {len(d)}, prompt {prompt}, {new} new tokens",
+    )
 
 
 class FairseqPair:
@@ -244,6 +352,7 @@ class FairseqPair:
         if not (home / "venv" / "bin" / "python").exists() or not (home / "src" / "fairseq").is_dir():
             raise Skipped(FAIRSEQ_INSTALL)
         import parity
+
         self.parity = parity
         self.runner = parity.Runner(work, home)
         self.work = work
@@ -260,19 +369,39 @@ class FairseqPair:
 
     def preprocess(self, side: str) -> Callable[[int], float]:
         data = self.parity.DATA
-        splits = ["--trainpref", str(data / "wiki.train.tokens"), "--validpref", str(data / "wiki.valid.tokens"),
-                  "--testpref", str(data / "wiki.test.tokens"), "--workers", "1", "--only-source"]
+        splits = [
+            "--trainpref",
+            str(data / "wiki.train.tokens"),
+            "--validpref",
+            str(data / "wiki.valid.tokens"),
+            "--testpref",
+            str(data / "wiki.test.tokens"),
+            "--workers",
+            "1",
+            "--only-source",
+        ]
         dest = self.work / f"{side}-bin"
 
         def run(r):
             shutil.rmtree(dest, ignore_errors=True)
             return self.command(side, "preprocess", *splits, "--destdir", str(dest))(r)
+
         return run
 
     def train(self, side: str) -> Callable[[int], float]:
         p = self.parity
-        return self.command(side, "train", self.data, *p.MODEL, *p.TRAIN, "--max-update", str(self.updates),
-                            "--save-dir", str(self.work / f"{side}-ckpt"), "--no-save")
+        return self.command(
+            side,
+            "train",
+            self.data,
+            *p.MODEL,
+            *p.TRAIN,
+            "--max-update",
+            str(self.updates),
+            "--save-dir",
+            str(self.work / f"{side}-ckpt"),
+            "--no-save",
+        )
 
     def steady_train(self, side: str, rates: Dict[str, List[float]]) -> Callable[[int], float]:
         """Training throughput as each tool logs it: the median ``wps`` of its ``train_inner`` lines after the
@@ -283,13 +412,23 @@ class FairseqPair:
         run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
 
         def timed_train(_):
-            output = run("train", self.data, *STEADY_MODEL, *flags, "--max-update", str(self.steady_updates),
-                         "--save-dir", str(self.work / f"{side}-steady"), "--no-save")
+            output = run(
+                "train",
+                self.data,
+                *STEADY_MODEL,
+                *flags,
+                "--max-update",
+                str(self.steady_updates),
+                "--save-dir",
+                str(self.work / f"{side}-steady"),
+                "--no-save",
+            )
             wps = [float(w) for w in WPS.findall(output)][1:]
             if not wps:
                 sys.exit(f"peers: no train_inner wps after the first interval in {side}'s output:\n{output[-2000:]}")
             rates.setdefault(side, []).append(statistics.median(wps))
             return 1e6 / rates[side][-1]
+
         return timed_train
 
     def eval_lm(self, side: str, checkpoint: str, loop_rates: Dict[str, List[float]]) -> Callable[[int], float]:
@@ -299,43 +438,102 @@ class FairseqPair:
 
         def timed_eval(_):
             start = time.perf_counter()
-            output = run("eval_lm", self.data, "--path", checkpoint, "--gen-subset", "test",
-                         "--tokens-per-sample", "64", "--max-tokens", "4096", "--cpu")
+            output = run(
+                "eval_lm",
+                self.data,
+                "--path",
+                checkpoint,
+                "--gen-subset",
+                "test",
+                "--tokens-per-sample",
+                "64",
+                "--max-tokens",
+                "4096",
+                "--cpu",
+            )
             seconds = time.perf_counter() - start
             loop_rates.setdefault(side, []).append(float(EVALUATED.findall(output)[-1]))
             return seconds
+
         return timed_eval
 
 
 def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
     pair = FairseqPair(args, work)
     tokens = sum(len(line.split()) + 1 for line in open(pair.parity.DATA / "wiki.train.tokens", encoding="utf-8"))
-    pre = alternate({"toolkit": pair.preprocess("toolkit"), "fairseq": pair.preprocess("fairseq")},
-                    args.warmup, args.rounds)
-    rows = [row("preprocess (whitespace, 1 worker; train split)", "fairseq", "train tokens/s", tokens, pre,
-                note="end to end, start-up included; train+valid+test written")]
+    pre = alternate(
+        {"toolkit": pair.preprocess("toolkit"), "fairseq": pair.preprocess("fairseq")}, args.warmup, args.rounds
+    )
+    rows = [
+        row(
+            "preprocess (whitespace, 1 worker; train split)",
+            "fairseq",
+            "train tokens/s",
+            tokens,
+            pre,
+            note="end to end, start-up included; train+valid+test written",
+        )
+    ]
     train = alternate({"toolkit": pair.train("toolkit"), "fairseq": pair.train("fairseq")}, args.warmup, args.rounds)
-    rows.append(row("toolkit-train vs fairseq-train (parity model, 2x64)", "fairseq", "updates/s", pair.updates,
-                    train, note="whole command, start-up included"))
+    rows.append(
+        row(
+            "toolkit-train vs fairseq-train (parity model, 2x64)",
+            "fairseq",
+            "updates/s",
+            pair.updates,
+            train,
+            note="whole command, start-up included",
+        )
+    )
     steady_rates: Dict[str, List[float]] = {}
-    steady = alternate({"toolkit": pair.steady_train("toolkit", steady_rates),
-                        "fairseq": pair.steady_train("fairseq", steady_rates)}, args.warmup, args.rounds)
-    rows.append(row("training throughput, toolkit-train vs fairseq-train", "fairseq", "words/s", 1e6, steady,
-                    shape="transformer_lm 4x256, FFN 1024, 4 heads, T 256, 2048 tokens an update, fp32; each "
-                          "tool's logged wps, median after the first interval"))
+    steady = alternate(
+        {"toolkit": pair.steady_train("toolkit", steady_rates), "fairseq": pair.steady_train("fairseq", steady_rates)},
+        args.warmup,
+        args.rounds,
+    )
+    rows.append(
+        row(
+            "training throughput, toolkit-train vs fairseq-train",
+            "fairseq",
+            "words/s",
+            1e6,
+            steady,
+            shape="transformer_lm 4x256, FFN 1024, 4 heads, T 256, 2048 tokens an update, fp32; each "
+            "tool's logged wps, median after the first interval",
+        )
+    )
     save = work / "fairseq-ckpt-for-eval"
-    pair.runner.fairseq("train", pair.data, *pair.parity.MODEL, *pair.parity.TRAIN, "--max-update",
-                        str(pair.updates), "--save-dir", str(save))
+    pair.runner.fairseq(
+        "train",
+        pair.data,
+        *pair.parity.MODEL,
+        *pair.parity.TRAIN,
+        "--max-update",
+        str(pair.updates),
+        "--save-dir",
+        str(save),
+    )
     ckpt = str(save / "checkpoint_last.pt")
     test_tokens = sum(len(line.split()) + 1 for line in open(pair.parity.DATA / "wiki.test.tokens", encoding="utf-8"))
     loop_rates: Dict[str, List[float]] = {}
-    evals = alternate({"toolkit": pair.eval_lm("toolkit", ckpt, loop_rates),
-                       "fairseq": pair.eval_lm("fairseq", ckpt, loop_rates)}, args.warmup, args.rounds)
-    loop = {side: statistics.median(rates[args.warmup:]) for side, rates in loop_rates.items()}
-    rows.append(row("eval-lm on the same fairseq checkpoint (test split)", "fairseq", "tokens/s", test_tokens, evals,
-                    note=f"whole command, start-up included; scoring loop alone {loop['toolkit']:,.0f} vs "
-                         f"{loop['fairseq']:,.0f} tokens/s = {loop['toolkit'] / loop['fairseq']:.2f}x",
-                    loop_tokens_per_s=loop))
+    evals = alternate(
+        {"toolkit": pair.eval_lm("toolkit", ckpt, loop_rates), "fairseq": pair.eval_lm("fairseq", ckpt, loop_rates)},
+        args.warmup,
+        args.rounds,
+    )
+    loop = {side: statistics.median(rates[args.warmup :]) for side, rates in loop_rates.items()}
+    rows.append(
+        row(
+            "eval-lm on the same fairseq checkpoint (test split)",
+            "fairseq",
+            "tokens/s",
+            test_tokens,
+            evals,
+            note=f"whole command, start-up included; scoring loop alone {loop['toolkit']:,.0f} vs "
+            f"{loop['fairseq']:,.0f} tokens/s = {loop['toolkit'] / loop['fairseq']:.2f}x",
+            loop_tokens_per_s=loop,
+        )
+    )
     return rows
 
 
@@ -348,29 +546,36 @@ def load() -> str:
 
 
 def markdown(result: Dict) -> str:
-    lines = [f"{result['machine']}; torch {result['torch']}, {result['threads']} threads, toolkit fp32 matmuls by "
-             f"{result.get('cpu_matmul', 'torch')}; "
-             f"{result['rounds']} alternated rounds after {result['warmup']} warm-up; {result['load_before']} before, "
-             f"{result['load_after']} after", "",
-             "| work | peer | toolkit | peer | toolkit / peer | spread (toolkit; peer, s) |",
-             "|---|---|---:|---:|---:|---|"]
+    lines = [
+        f"{result['machine']}; torch {result['torch']}, {result['threads']} threads, toolkit fp32 matmuls by "
+        f"{result.get('cpu_matmul', 'torch')}; "
+        f"{result['rounds']} alternated rounds after {result['warmup']} warm-up; {result['load_before']} before, "
+        f"{result['load_after']} after",
+        "",
+        "| work | peer | toolkit | peer | toolkit / peer | spread (toolkit; peer, s) |",
+        "|---|---|---:|---:|---:|---|",
+    ]
     for r in result["rows"]:
         if "skipped" in r:
             lines.append(f"| {r['name']} | {r['peer']} | skipped: {r['skipped']} | | | |")
             continue
         t, p = r["toolkit"], r["peer_timing"]
-        lines.append(f"| {r['name']} ({r.get('shape', r.get('note', ''))}) | {r['peer']} | {t['rate']:,.1f} {r['unit']} | "
-                     f"{p['rate']:,.1f} {r['unit']} | {r['speedup']:.2f}x | {t['min_s']:.3f}-{t['max_s']:.3f}; "
-                     f"{p['min_s']:.3f}-{p['max_s']:.3f} |")
+        lines.append(
+            f"| {r['name']} ({r.get('shape', r.get('note', ''))}) | {r['peer']} | {t['rate']:,.1f} {r['unit']} | "
+            f"{p['rate']:,.1f} {r['unit']} | {r['speedup']:.2f}x | {t['min_s']:.3f}-{t['max_s']:.3f}; "
+            f"{p['min_s']:.3f}-{p['max_s']:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def run_rows(args, work: pathlib.Path) -> List[Dict]:
     rows: List[Dict] = []
-    for name, peer, fn in (("training step, Llama", "transformers", llama_training),
-                           ("training step, Qwen3-MoE", "transformers", moe_training),
-                           ("training step, GPT-2", "transformers", gpt2_training),
-                           ("cached greedy generation, GPT-2", "transformers", generation)):
+    for name, peer, fn in (
+        ("training step, Llama", "transformers", llama_training),
+        ("training step, Qwen3-MoE", "transformers", moe_training),
+        ("training step, GPT-2", "transformers", gpt2_training),
+        ("cached greedy generation, GPT-2", "transformers", generation),
+    ):
         try:
             rows.append(fn(args))
         except Skipped as s:
@@ -379,8 +584,10 @@ def run_rows(args, work: pathlib.Path) -> List[Dict]:
     try:
         rows.extend(fairseq_rows(args, work))
     except Skipped as s:
-        rows.extend({"name": name, "peer": "fairseq 0.12.2", "skipped": str(s)}
-                    for name in ("preprocess", "toolkit-train vs fairseq-train", "eval-lm vs fairseq-eval-lm"))
+        rows.extend(
+            {"name": name, "peer": "fairseq 0.12.2", "skipped": str(s)}
+            for name in ("preprocess", "toolkit-train vs fairseq-train", "eval-lm vs fairseq-eval-lm")
+        )
     return rows
 
 
@@ -397,9 +604,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fairseq-home", default=FAIRSEQ_HOME)
-    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
-                    help="the toolkit side's fp32 matmul library in the in-process rows, as its commands' "
-                         "--cpu-matmul (the toolkit commands of the fairseq rows use their default, auto)")
+    ap.add_argument(
+        "--cpu-matmul",
+        default="auto",
+        choices=CPU_MATMUL_CHOICES,
+        help="the toolkit side's fp32 matmul library in the in-process rows, as its commands' "
+        "--cpu-matmul (the toolkit commands of the fairseq rows use their default, auto)",
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers_cpu.json"))
     args = ap.parse_args(argv)
     args.warmup = 1 if args.warmup is None else args.warmup
@@ -407,14 +618,25 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     import torch
 
     from toolkit.core import cpu_gemm
+
     torch.set_num_threads(args.threads)
     onednn = cpu_gemm.select(args.cpu_matmul)  # the toolkit side's fp32 matmul library, as its commands choose
     before = load()
     with tempfile.TemporaryDirectory(prefix="peers-") as work:
         rows = run_rows(args, pathlib.Path(work))
-    result = {"benchmark": "peers", "quick": args.quick, "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": args.threads, "warmup": args.warmup,
-              "rounds": args.rounds, "cpu_matmul": "onednn" if onednn else "torch", "load_before": before, "load_after": load(), "rows": rows}
+    result = {
+        "benchmark": "peers",
+        "quick": args.quick,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "cpu_matmul": "onednn" if onednn else "torch",
+        "load_before": before,
+        "load_after": load(),
+        "rows": rows,
+    }
     result["markdown"] = markdown(result)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ The plan is made from the same resolved config with ``--gpu cpu`` (everything in
 the world size of the run. The rank holding the most is compared. Pass marks (issue 26): model
 states within 10%, activations within 25%. Exit status 1 when any configuration misses them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,42 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-MODEL = ["--arch", "transformer_lm_gpt3_small", "--decoder-layers", "4", "--decoder-embed-dim", "256",
-         "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4", "--tokens-per-sample", "128",
-         "--batch-size", "4", "--dropout", "0"]
-LLAMA = ["--arch", "llama", "--decoder-layers", "4", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "688",
-         "--decoder-attention-heads", "8", "--decoder-kv-heads", "2", "--tokens-per-sample", "128", "--batch-size", "4"]
+MODEL = [
+    "--arch",
+    "transformer_lm_gpt3_small",
+    "--decoder-layers",
+    "4",
+    "--decoder-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "1024",
+    "--decoder-attention-heads",
+    "4",
+    "--tokens-per-sample",
+    "128",
+    "--batch-size",
+    "4",
+    "--dropout",
+    "0",
+]
+LLAMA = [
+    "--arch",
+    "llama",
+    "--decoder-layers",
+    "4",
+    "--decoder-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "688",
+    "--decoder-attention-heads",
+    "8",
+    "--decoder-kv-heads",
+    "2",
+    "--tokens-per-sample",
+    "128",
+    "--batch-size",
+    "4",
+]
 FSDP = ["--ddp-backend", "fully_sharded"]
 OFFLOAD = FSDP + ["--cpu-offload", "--optimizer", "cpu_adam"]
 
@@ -62,9 +94,24 @@ CONFIGS: List[Tuple[str, int, List[str]]] = [  # (name, processes, flags)
     ("llama_single_fp32", 1, LLAMA),
     ("llama_fsdp2_bf16", 2, LLAMA + FSDP + ["--bf16"]),
 ]
-MID = ["--arch", "transformer_lm_gpt3_small", "--decoder-layers", "6", "--decoder-embed-dim", "512",
-       "--decoder-ffn-embed-dim", "2048", "--decoder-attention-heads", "8", "--tokens-per-sample", "512",
-       "--batch-size", "4", "--dropout", "0"]
+MID = [
+    "--arch",
+    "transformer_lm_gpt3_small",
+    "--decoder-layers",
+    "6",
+    "--decoder-embed-dim",
+    "512",
+    "--decoder-ffn-embed-dim",
+    "2048",
+    "--decoder-attention-heads",
+    "8",
+    "--tokens-per-sample",
+    "512",
+    "--batch-size",
+    "4",
+    "--dropout",
+    "0",
+]
 CKPT, GRAD_OP = ["--checkpoint-activations"], ["--sharding-strategy", "shard_grad_op"]
 PEAK_CONFIGS: List[Tuple[str, int, List[str]]] = [  # the live-tensor peak of one update (a larger model)
     ("peak_single_fp32", 1, MID),
@@ -78,8 +125,12 @@ PEAK_CONFIGS: List[Tuple[str, int, List[str]]] = [  # the live-tensor peak of on
     ("peak_fsdp2_grad_op_ckpt", 2, MID + FSDP + GRAD_OP + CKPT),
     ("peak_fsdp2_grad_op_bf16_ckpt", 2, MID + FSDP + GRAD_OP + CKPT + ["--bf16"]),
 ]
-ITEMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-         "activations": "activations (saved)"}
+ITEMS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations (saved)",
+}
 BOUNDS = {"params": 0.10, "grads": 0.10, "optimizer": 0.10, "activations": 0.25}
 
 
@@ -89,8 +140,10 @@ def predicted(cfg, world: int) -> Dict[str, int]:
     plan = make_plan(cfg, PRESETS["cpu"], world_size=world)
     by_name = {i.name.split(" (")[0]: i.gpu + i.host for i in plan.items}
     by_name["activations"] = next(i.gpu + i.host for i in plan.items if i.name == "activations (saved)")
-    return {key: by_name[name.split(" (")[0]] if key != "activations" else by_name["activations"]
-            for key, name in ITEMS.items()}
+    return {
+        key: by_name[name.split(" (")[0]] if key != "activations" else by_name["activations"]
+        for key, name in ITEMS.items()
+    }
 
 
 def predicted_update_peak(cfg, world: int) -> int:
@@ -102,8 +155,21 @@ def predicted_update_peak(cfg, world: int) -> int:
 
 
 def _train_argv(data: str, procs: int, flags: List[str]) -> List[str]:
-    argv = [data, "--cpu", "--num-workers", "0", "--no-save", "--disable-validation", "--log-format", "none",
-            "--lr", "0.0001", "--distributed-world-size", str(procs), *flags]
+    argv = [
+        data,
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--no-save",
+        "--disable-validation",
+        "--log-format",
+        "none",
+        "--lr",
+        "0.0001",
+        "--distributed-world-size",
+        str(procs),
+        *flags,
+    ]
     return argv + ([] if "--optimizer" in flags else ["--optimizer", "adam"])
 
 
@@ -113,20 +179,29 @@ def run_peak_config(data: str, name: str, procs: int, flags: List[str], out: str
 
     cfg = parse_train_config(_train_argv(data, procs, flags))
     ranks = measure_run(cfg, out, peak=True)
-    return {"name": name, "processes": procs, "measured": max(r["live_peak"] for r in ranks),
-            "rss_growth": max(r["rss_growth"] for r in ranks), "predicted": predicted_update_peak(cfg, procs)}
+    return {
+        "name": name,
+        "processes": procs,
+        "measured": max(r["live_peak"] for r in ranks),
+        "rss_growth": max(r["rss_growth"] for r in ranks),
+        "predicted": predicted_update_peak(cfg, procs),
+    }
 
 
 def print_peak_table(rows: List[Dict[str, object]]) -> bool:
     mib = 1 << 20
-    print(f"\n{'update peak (6 x 512, B 4 x T 512)':<36}{'np':>3}{'predicted MiB':>15}{'live peak MiB':>15}"
-          f"{'error':>8}{'RSS growth MiB':>16}")
+    print(
+        f"\n{'update peak (6 x 512, B 4 x T 512)':<36}{'np':>3}{'predicted MiB':>15}{'live peak MiB':>15}"
+        f"{'error':>8}{'RSS growth MiB':>16}"
+    )
     ok = True
     for row in rows:
         err = (row["predicted"] - row["measured"]) / row["measured"]
         ok &= abs(err) <= BOUNDS["activations"]
-        print(f"{row['name']:<36}{row['processes']:>3}{row['predicted'] / mib:>15,.1f}{row['measured'] / mib:>15,.1f}"
-              f"{err:>+8.1%}{row['rss_growth'] / mib:>16,.1f}")
+        print(
+            f"{row['name']:<36}{row['processes']:>3}{row['predicted'] / mib:>15,.1f}{row['measured'] / mib:>15,.1f}"
+            f"{err:>+8.1%}{row['rss_growth'] / mib:>16,.1f}"
+        )
     return ok
 
 
@@ -137,8 +212,13 @@ def run_config(data: str, name: str, procs: int, flags: List[str], out: str) -> 
     cfg = parse_train_config(_train_argv(data, procs, flags))
     ranks = measure_run(cfg, out)
     measured = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"] + r["activations"])
-    return {"name": name, "processes": procs, "flags": " ".join(flags[len(MODEL):]) or "c10d",
-            "measured": measured, "predicted": predicted(cfg, procs)}
+    return {
+        "name": name,
+        "processes": procs,
+        "flags": " ".join(flags[len(MODEL) :]) or "c10d",
+        "measured": measured,
+        "predicted": predicted(cfg, procs),
+    }
 
 
 def within(row: Dict[str, object]) -> Dict[str, float]:
@@ -156,8 +236,10 @@ def print_table(rows: List[Dict[str, object]]) -> bool:
         for k in ITEMS:
             bad = abs(err[k]) > BOUNDS[k]
             ok &= not bad
-            cells.append(f"{row['predicted'][k] / kib:>11,.0f}/{row['measured'][k] / kib:>9,.0f} "
-                         f"{err[k]:+6.1%}{'!' if bad else ' '}")
+            cells.append(
+                f"{row['predicted'][k] / kib:>11,.0f}/{row['measured'][k] / kib:>9,.0f} "
+                f"{err[k]:+6.1%}{'!' if bad else ' '}"
+            )
         print(f"{row['name']:<26}{row['processes']:>3}" + "".join(f"{c:>32}" for c in cells))
     return ok
 

@@ -21,6 +21,7 @@ the parent), the sum of PSS (shared pages split fairly), and the largest single
 process RSS. The import-only baseline (Python + torch + numpy) is shown too.
 A table is printed, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,8 +110,9 @@ def run_tool(argv, log_path):
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit_cli.preprocess", *argv], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit_cli.preprocess", *argv], stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
         sampler = TreeMemory(proc.pid)
         sampler.start()
         rc = proc.wait()
@@ -142,8 +144,10 @@ def parse_log(text: str) -> dict:
 
 def baseline() -> tuple:
     """(max RSS, CPU seconds) of a process that only imports the tool: its fixed start-up cost."""
-    code = ("import resource, toolkit.data.preprocess, toolkit_cli.preprocess; "
-            "r = resource.getrusage(resource.RUSAGE_SELF); print(r.ru_maxrss, r.ru_utime + r.ru_stime)")
+    code = (
+        "import resource, toolkit.data.preprocess, toolkit_cli.preprocess; "
+        "r = resource.getrusage(resource.RUSAGE_SELF); print(r.ru_maxrss, r.ru_utime + r.ru_stime)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     rss_kib, cpu = out.stdout.split()
     return int(rss_kib) * 1024, float(cpu)
@@ -163,11 +167,15 @@ def main() -> None:
         corpus = os.path.join(work, "corpus.txt")
         size = make_corpus(args.source, corpus, args.size_mb)
         base, base_cpu = baseline()
-        print(f"corpus: {size / 1e6:.0f} MB ({os.path.basename(args.source)} repeated) in {work}; "
-              f"CPUs usable: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}; "
-              f"load average now: {os.getloadavg()[0]:.2f}")
-        print(f"start-up of one process (python + torch + numpy imports): {base / mb:.0f} MiB RSS, "
-              f"{base_cpu:.2f} CPU-s (subtracted from cpu_s for tokens per CPU-second)")
+        print(
+            f"corpus: {size / 1e6:.0f} MB ({os.path.basename(args.source)} repeated) in {work}; "
+            f"CPUs usable: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}; "
+            f"load average now: {os.getloadavg()[0]:.2f}"
+        )
+        print(
+            f"start-up of one process (python + torch + numpy imports): {base / mb:.0f} MiB RSS, "
+            f"{base_cpu:.2f} CPU-s (subtracted from cpu_s for tokens per CPU-second)"
+        )
         rows = []
         for workers in args.workers:
             for mode in ("pipeline", "binarize"):
@@ -177,47 +185,81 @@ def main() -> None:
                 if mode == "pipeline":
                     argv = common + ["--trainpref", corpus]
                 else:
-                    argv = common + ["--srcdict", os.path.join(work, f"bin-pipeline-{workers}", "dict.txt"),
-                                     "--validpref", corpus]
+                    argv = common + [
+                        "--srcdict",
+                        os.path.join(work, f"bin-pipeline-{workers}", "dict.txt"),
+                        "--validpref",
+                        corpus,
+                    ]
                 wall, cpu, mem, _ = run_tool(argv, log)
                 info = parse_log(open(log).read())
-                work_s = (info.get("dictionary_s", 0) + info.get("renumber_s", 0)) if mode == "pipeline" \
+                work_s = (
+                    (info.get("dictionary_s", 0) + info.get("renumber_s", 0))
+                    if mode == "pipeline"
                     else info["binarize_s"]
+                )
                 tokens = info["tokens"]
-                rows.append({
-                    "mode": mode, "workers": workers, "tokens": tokens, "sents": info["sents"],
-                    "work_s": round(work_s, 3), "process_wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                    "tokens_per_s": round(tokens / work_s), "tokens_per_s_per_worker": round(tokens / work_s / workers),
-                    "tokens_per_cpu_s": round(tokens / max(cpu - base_cpu, 1e-3)),
-                    "peak_tree_rss_mib": round(mem.peak_rss_sum / mb, 1) if psutil else None,
-                    "peak_tree_pss_mib": round(mem.peak_pss_sum / mb, 1) if psutil else None,
-                    "peak_process_rss_mib": round(mem.peak_rss_max / mb, 1) if psutil else None,
-                    "processes": mem.max_procs if psutil else None,
-                    **({"dictionary_s": info["dictionary_s"], "renumber_s": info["renumber_s"]}
-                       if mode == "pipeline" else {}),
-                })
+                rows.append(
+                    {
+                        "mode": mode,
+                        "workers": workers,
+                        "tokens": tokens,
+                        "sents": info["sents"],
+                        "work_s": round(work_s, 3),
+                        "process_wall_s": round(wall, 3),
+                        "cpu_s": round(cpu, 3),
+                        "tokens_per_s": round(tokens / work_s),
+                        "tokens_per_s_per_worker": round(tokens / work_s / workers),
+                        "tokens_per_cpu_s": round(tokens / max(cpu - base_cpu, 1e-3)),
+                        "peak_tree_rss_mib": round(mem.peak_rss_sum / mb, 1) if psutil else None,
+                        "peak_tree_pss_mib": round(mem.peak_pss_sum / mb, 1) if psutil else None,
+                        "peak_process_rss_mib": round(mem.peak_rss_max / mb, 1) if psutil else None,
+                        "processes": mem.max_procs if psutil else None,
+                        **(
+                            {"dictionary_s": info["dictionary_s"], "renumber_s": info["renumber_s"]}
+                            if mode == "pipeline"
+                            else {}
+                        ),
+                    }
+                )
                 if mode == "binarize":
                     shutil.rmtree(dest, ignore_errors=True)
         # outputs must not depend on the number of workers
         bins = [os.path.join(work, f"bin-pipeline-{w}") for w in args.workers]
-        identical = all(open(os.path.join(b, f), "rb").read() == open(os.path.join(bins[0], f), "rb").read()
-                        for b in bins[1:] for f in ("dict.txt", "train.idx", "train.bin"))
+        identical = all(
+            open(os.path.join(b, f), "rb").read() == open(os.path.join(bins[0], f), "rb").read()
+            for b in bins[1:]
+            for f in ("dict.txt", "train.idx", "train.bin")
+        )
 
-        header = (f"{'mode':<9} {'workers':>7} {'Mtokens':>8} {'work s':>7} {'Mtok/s':>7} {'Mtok/s/wkr':>10} "
-                  f"{'Mtok/cpu-s':>10} {'tree RSS':>9} {'tree PSS':>9} {'max proc':>9}")
+        header = (
+            f"{'mode':<9} {'workers':>7} {'Mtokens':>8} {'work s':>7} {'Mtok/s':>7} {'Mtok/s/wkr':>10} "
+            f"{'Mtok/cpu-s':>10} {'tree RSS':>9} {'tree PSS':>9} {'max proc':>9}"
+        )
         print(header)
         print("-" * len(header))
         for r in rows:
             fmt = lambda v: f"{v:.0f}M" if v is not None else "-"  # noqa: E731
-            print(f"{r['mode']:<9} {r['workers']:>7} {r['tokens'] / 1e6:>8.1f} {r['work_s']:>7.2f} "
-                  f"{r['tokens_per_s'] / 1e6:>7.2f} {r['tokens_per_s_per_worker'] / 1e6:>10.2f} "
-                  f"{r['tokens_per_cpu_s'] / 1e6:>10.2f} {fmt(r['peak_tree_rss_mib']):>9} "
-                  f"{fmt(r['peak_tree_pss_mib']):>9} {fmt(r['peak_process_rss_mib']):>9}")
+            print(
+                f"{r['mode']:<9} {r['workers']:>7} {r['tokens'] / 1e6:>8.1f} {r['work_s']:>7.2f} "
+                f"{r['tokens_per_s'] / 1e6:>7.2f} {r['tokens_per_s_per_worker'] / 1e6:>10.2f} "
+                f"{r['tokens_per_cpu_s'] / 1e6:>10.2f} {fmt(r['peak_tree_rss_mib']):>9} "
+                f"{fmt(r['peak_tree_pss_mib']):>9} {fmt(r['peak_process_rss_mib']):>9}"
+            )
         print(f"(MiB; 'work s' excludes process start-up; outputs identical across worker counts: {identical})")
-        print(json.dumps({"benchmark": "preprocess", "corpus_bytes": size, "baseline_rss_mib": round(base / mb, 1),
-                          "baseline_cpu_s": round(base_cpu, 3),
-                          "load_average": os.getloadavg()[0], "identical_across_workers": identical,
-                          "results": rows}))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "preprocess",
+                    "corpus_bytes": size,
+                    "baseline_rss_mib": round(base / mb, 1),
+                    "baseline_cpu_s": round(base_cpu, 3),
+                    "load_average": os.getloadavg()[0],
+                    "identical_across_workers": identical,
+                    "results": rows,
+                }
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -21,6 +21,7 @@ shared). ``CPU seconds``: the same split binarized in this process (``binarize_r
 through the tokenizer's ids and through its text (``id_pieces`` off), against the tokenizer alone, in CPU
 seconds, which a loaded machine disturbs far less than the wall clock. Prints the tables, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,7 @@ def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter) -> 
         tokens = 0
         t0 = clock()
         for i in range(0, len(lines), BLOCK_LINES):
-            tokens += sum(map(len, sp.encode(lines[i:i + BLOCK_LINES])))
+            tokens += sum(map(len, sp.encode(lines[i : i + BLOCK_LINES])))
         return clock() - t0, tokens
     from tokenizers import ByteLevelBPETokenizer
 
@@ -81,7 +82,7 @@ def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter) -> 
     tokens = 0
     t0 = clock()
     for i in range(0, len(lines), BLOCK_LINES):
-        tokens += sum(len(e.ids) for e in tok.encode_batch(lines[i:i + BLOCK_LINES]))
+        tokens += sum(len(e.ids) for e in tok.encode_batch(lines[i : i + BLOCK_LINES]))
     return clock() - t0, tokens
 
 
@@ -97,8 +98,13 @@ def bpe_flags(name: str, files: dict) -> list:
 
 def preprocess(args: list) -> str:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--no-progress-bar",
-                           *args], capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--no-progress-bar", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     if proc.returncode:
         raise SystemExit(f"toolkit-preprocess failed: {proc.stderr[-2000:]}")
     return proc.stdout
@@ -111,8 +117,19 @@ def time_binarize(name: str, corpus: str, files: dict, workers: int, tmp: str) -
         preprocess(["--trainpref", corpus, "--dict-only", "--destdir", dict_bin, *bpe_flags(name, files)])
     dest = os.path.join(tmp, f"bin-{name}-{workers}")
     shutil.rmtree(dest, ignore_errors=True)  # a fresh data-bin each run (one holding a bpe.json refuses --bpe)
-    out = preprocess(["--srcdict", os.path.join(dict_bin, "dict.txt"), "--validpref", corpus, "--destdir", dest,
-                      "--workers", str(workers), *bpe_flags(name, files)])
+    out = preprocess(
+        [
+            "--srcdict",
+            os.path.join(dict_bin, "dict.txt"),
+            "--validpref",
+            corpus,
+            "--destdir",
+            dest,
+            "--workers",
+            str(workers),
+            *bpe_flags(name, files),
+        ]
+    )
     return float(re.search(r"valid: binarized in ([\d.]+)s", out).group(1))
 
 
@@ -130,8 +147,16 @@ def sentencepiece_model(source: str, folder: str) -> str:
     import sentencepiece as spm
 
     prefix = os.path.join(folder, "sp")
-    spm.SentencePieceTrainer.train(input=source, model_prefix=prefix, model_type="bpe", vocab_size=8192,
-                                   character_coverage=1.0, bos_id=-1, eos_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=source,
+        model_prefix=prefix,
+        model_type="bpe",
+        vocab_size=8192,
+        character_coverage=1.0,
+        bos_id=-1,
+        eos_id=-1,
+        minloglevel=2,
+    )
     return prefix + ".model"
 
 
@@ -148,8 +173,11 @@ def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool) ->
     from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
     from toolkit.tokenizers import build_tokenizer
 
-    options = {"gpt2": {"gpt2_encoder_json": files["encoder"], "gpt2_vocab_bpe": files["merges"]},
-               "hf_byte_bpe": {"bpe_model": files.get("hf")}, "sentencepiece": {"bpe_model": files.get("sp")}}
+    options = {
+        "gpt2": {"gpt2_encoder_json": files["encoder"], "gpt2_vocab_bpe": files["merges"]},
+        "hf_byte_bpe": {"bpe_model": files.get("hf")},
+        "sentencepiece": {"bpe_model": files.get("sp")},
+    }
     tokenizer = build_tokenizer(name, options[name])
     dictionary = Dictionary.load(os.path.join(tmp, f"dict-{name}", "dict.txt"))
     prefix = os.path.join(tmp, f"cpu-{name}")
@@ -174,10 +202,18 @@ def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int) -> l
             best["ids"] = min(best["ids"], cpu_binarize(name, corpus, files, tmp, by_ids=True))
             best["text"] = min(best["text"], cpu_binarize(name, corpus, files, tmp, by_ids=False))
         alone = best["alone"]
-        print(f"{name:<13}{alone:>8.3f}{best['ids']:>8.3f}{best['ids'] / alone:>9.2f}{best['text']:>8.3f}"
-              f"{best['text'] / alone:>9.2f}")
-        rows.append({"tokenizer": name, "cpu_s_alone": round(alone, 3), "cpu_s_ids": round(best["ids"], 3),
-                     "cpu_s_text": round(best["text"], 3)})
+        print(
+            f"{name:<13}{alone:>8.3f}{best['ids']:>8.3f}{best['ids'] / alone:>9.2f}{best['text']:>8.3f}"
+            f"{best['text'] / alone:>9.2f}"
+        )
+        rows.append(
+            {
+                "tokenizer": name,
+                "cpu_s_alone": round(alone, 3),
+                "cpu_s_ids": round(best["ids"], 3),
+                "cpu_s_text": round(best["text"], 3),
+            }
+        )
     return rows
 
 
@@ -198,22 +234,41 @@ def main() -> None:
         if "sentencepiece" in args.tokenizers:
             files["sp"] = sentencepiece_model(args.source, tmp)
         print(f"{os.path.getsize(corpus) / 1e6:.1f} MB, load {os.getloadavg()[0]:.2f}")
-        print(f"{'tokenizer':<13}{'workers':>8}{'tokens':>12}{'alone tok/s':>14}{'binarize tok/s/worker':>23}"
-              f"{'x alone':>9}")
+        print(
+            f"{'tokenizer':<13}{'workers':>8}{'tokens':>12}{'alone tok/s':>14}{'binarize tok/s/worker':>23}"
+            f"{'x alone':>9}"
+        )
         for name in args.tokenizers:
             alone, tokens = min(time_alone(name, corpus, files) for _ in range(args.repeats))
             for workers in args.workers:
                 seconds = min(time_binarize(name, corpus, files, workers, tmp) for _ in range(args.repeats))
                 ratio = seconds * workers / alone
-                print(f"{name:<13}{workers:>8}{tokens:>12}{tokens / alone:>14,.0f}{tokens / seconds / workers:>23,.0f}"
-                      f"{ratio:>9.2f}")
-                rows.append({"tokenizer": name, "workers": workers, "tokens": tokens,
-                             "alone_tokens_per_s": round(tokens / alone),
-                             "binarize_tokens_per_s_per_worker": round(tokens / seconds / workers),
-                             "time_over_alone": round(ratio, 3)})
+                print(
+                    f"{name:<13}{workers:>8}{tokens:>12}{tokens / alone:>14,.0f}{tokens / seconds / workers:>23,.0f}"
+                    f"{ratio:>9.2f}"
+                )
+                rows.append(
+                    {
+                        "tokenizer": name,
+                        "workers": workers,
+                        "tokens": tokens,
+                        "alone_tokens_per_s": round(tokens / alone),
+                        "binarize_tokens_per_s_per_worker": round(tokens / seconds / workers),
+                        "time_over_alone": round(ratio, 3),
+                    }
+                )
         cpu = cpu_rows([n for n in args.tokenizers if n != "whitespace"], corpus, files, tmp, args.repeats)
-    print(json.dumps({"benchmark": "preprocess_tokenizers", "size_mb": args.size_mb, "load": round(os.getloadavg()[0], 2),
-                      "rows": rows, "cpu_rows": cpu}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "preprocess_tokenizers",
+                "size_mb": args.size_mb,
+                "load": round(os.getloadavg()[0], 2),
+                "rows": rows,
+                "cpu_rows": cpu,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ figures move with the machine's load. With ``--baseline DIR`` (another checkout,
 main | tar -x -C DIR``) each round runs both trees back to back, so they see the same load.
 Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,28 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("train", "eval_lm", "generate", "export")
 HELP_COMMANDS = ("train", "export", "plan", "hydra_train", "eval_harness", "consolidate")
-HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "torch._inductor",
-         "torch.distributed.fsdp", "deepspeed", "transformers", "safetensors", "onnx", "onnxruntime",
-         "onnxscript", "tensorboard", "wandb", "sympy", "lm_eval", "datasets", "omegaconf", "hydra",
-         "sentencepiece", "tokenizers")
+HEAVY = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.distributed.fsdp",
+    "deepspeed",
+    "transformers",
+    "safetensors",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "tensorboard",
+    "wandb",
+    "sympy",
+    "lm_eval",
+    "datasets",
+    "omegaconf",
+    "hydra",
+    "sentencepiece",
+    "tokenizers",
+)
 REPORT = "import sys, json; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
 
 
@@ -50,15 +69,22 @@ def cases() -> Dict[str, List[str]]:
 def run_once(tree: str, args: List[str]) -> float:
     env = {**os.environ, "PYTHONPATH": tree}
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, *args], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     return time.perf_counter() - start
 
 
 def heavy_modules(tree: str, cmd: str) -> List[str]:
     code = f"import toolkit_cli.{cmd}; " + REPORT.format(heavy=HEAVY)
-    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": tree},
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": tree},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -86,18 +112,32 @@ def main() -> None:
     medians = measure(trees, args.runs, chosen)
     load_after = os.getloadavg()
     heavy = {t: {cmd: heavy_modules(tree, cmd) for cmd in COMMANDS} for t, tree in trees.items()}
-    bytecode = "off (PYTHONDONTWRITEBYTECODE: every start compiles the sources)" \
-        if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
-    print(f"median of {args.runs} fresh interpreters; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs; bytecode cache {bytecode}")
+    bytecode = (
+        "off (PYTHONDONTWRITEBYTECODE: every start compiles the sources)"
+        if os.environ.get("PYTHONDONTWRITEBYTECODE")
+        else "on"
+    )
+    print(
+        f"median of {args.runs} fresh interpreters; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs; bytecode cache {bytecode}"
+    )
     print(f"{'case':30s}" + "".join(f"{t:>12s}" for t in trees))
     for case in chosen:
         print(f"{case:30s}" + "".join(f"{medians[t][case]:11.2f}s" for t in trees))
     for t in trees:
         for cmd in COMMANDS:
             print(f"{t}: toolkit_cli.{cmd} imports {', '.join(heavy[t][cmd]) or 'none of the optional/heavy modules'}")
-    print(json.dumps({"runs": args.runs, "load_before": load_before[0], "load_after": load_after[0],
-                      "median_s": medians, "heavy_modules": heavy}))
+    print(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "load_before": load_before[0],
+                "load_after": load_after[0],
+                "median_s": medians,
+                "heavy_modules": heavy,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

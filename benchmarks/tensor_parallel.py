@@ -23,6 +23,7 @@ The default model has a block that is large relative to the batch (C=1024, FFN 4
 B x T = 2 x 256 per rank), the case where one block no longer fits and tensor parallelism helps.
 The table and one JSON line (the last line) are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,10 +60,15 @@ def build(ns, mesh, dp: int, mp: int):
     from toolkit.models.init import init_weights
     from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
-    cfg = TransformerLMConfig(decoder_layers=ns.layers, decoder_embed_dim=ns.embed_dim,
-                              decoder_ffn_embed_dim=ns.ffn_dim, decoder_attention_heads=ns.heads,
-                              dropout=ns.dropout, max_target_positions=ns.tokens_per_sample,
-                              decoder_learned_pos=True)
+    cfg = TransformerLMConfig(
+        decoder_layers=ns.layers,
+        decoder_embed_dim=ns.embed_dim,
+        decoder_ffn_embed_dim=ns.ffn_dim,
+        decoder_attention_heads=ns.heads,
+        dropout=ns.dropout,
+        max_target_positions=ns.tokens_per_sample,
+        decoder_learned_pos=True,
+    )
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, ns.vocab, padding_idx=1)
     if mp > 1:
@@ -113,8 +119,12 @@ def measure(rank: int, ns, dp: int, mp: int) -> Dict[str, float]:
     grads = _bytes(p.grad for p in params if p.grad is not None)
     opt.step()
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    return {"param_bytes": _bytes(params), "grad_bytes": grads, "optimizer_bytes": _bytes(state),
-            "activation_bytes": sum(saved.values())}
+    return {
+        "param_bytes": _bytes(params),
+        "grad_bytes": grads,
+        "optimizer_bytes": _bytes(state),
+        "activation_bytes": sum(saved.values()),
+    }
 
 
 def _entry(rank: int, ns, dp: int, mp: int, port: int, out: str) -> None:
@@ -168,15 +178,19 @@ def main(argv: List[str] = None) -> None:
         results[layout] = run_layout(ns, dp, mp)
         if not ns.json:
             print(f"measured {layout}", flush=True)
-    mb = 2 ** 20
+    mb = 2**20
     if not ns.json:
-        print(f"transformer_lm {ns.layers} layers, C={ns.embed_dim}, FFN={ns.ffn_dim}, H={ns.heads}, V={ns.vocab}; "
-              f"per rank B={ns.batch_size} x T={ns.tokens_per_sample}; sequence parallel: "
-              f"{not ns.no_sequence_parallel}; per-rank MB (largest rank)")
+        print(
+            f"transformer_lm {ns.layers} layers, C={ns.embed_dim}, FFN={ns.ffn_dim}, H={ns.heads}, V={ns.vocab}; "
+            f"per rank B={ns.batch_size} x T={ns.tokens_per_sample}; sequence parallel: "
+            f"{not ns.no_sequence_parallel}; per-rank MB (largest rank)"
+        )
         print(f"{'dp x mp':<9}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}")
         for layout, r in results.items():
-            print(f"{layout:<9}{r['param_bytes'] / mb:>10.1f}{r['grad_bytes'] / mb:>10.1f}"
-                  f"{r['optimizer_bytes'] / mb:>11.1f}{r['activation_bytes'] / mb:>13.1f}")
+            print(
+                f"{layout:<9}{r['param_bytes'] / mb:>10.1f}{r['grad_bytes'] / mb:>10.1f}"
+                f"{r['optimizer_bytes'] / mb:>11.1f}{r['activation_bytes'] / mb:>13.1f}"
+            )
     ratios = {}
     for base, tp in (("2x1", "2x2"), ("1x1", "1x2")):
         if base in results and tp in results:
@@ -186,8 +200,9 @@ def main(argv: List[str] = None) -> None:
     if not ns.json:
         for name, value in ratios.items():
             print(f"{name}: {value:.3f}")
-    print(json.dumps({"shape": {k: v for k, v in vars(ns).items() if k != "json"}, "results": results,
-                      "ratios": ratios}))
+    print(
+        json.dumps({"shape": {k: v for k, v in vars(ns).items() if k != "json"}, "results": results, "ratios": ratios})
+    )
 
 
 if __name__ == "__main__":

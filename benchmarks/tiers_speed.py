@@ -12,6 +12,7 @@ is taken around the call, and the table gives the median, min and max of ``--run
 forked call, which also starts the server (its imports), is timed apart and left out of the median.
 A table is printed, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def measure(runs: int, updates: int, world_size: int) -> Dict[str, object]:
 def report(result: Dict[str, object], args: argparse.Namespace) -> None:
     times = result["times"]
     median = {mode: statistics.median(ts) for mode, ts in times.items()}
-    print(f"toolkit-train, {args.updates} updates, {args.world_size} process(es), {args.runs} runs per mode "
-          f"(tests.helpers.cli.run_train)")
+    print(
+        f"toolkit-train, {args.updates} updates, {args.world_size} process(es), {args.runs} runs per mode "
+        f"(tests.helpers.cli.run_train)"
+    )
     print(f"{'mode':<28} {'median s':>9} {'min s':>7} {'max s':>7}")
     for mode, label in (("fresh", "fresh interpreter (FORK=0)"), ("fork", "forked from server (FORK=1)")):
         print(f"{label:<28} {median[mode]:>9.2f} {min(times[mode]):>7.2f} {max(times[mode]):>7.2f}")
@@ -74,10 +77,19 @@ def report(result: Dict[str, object], args: argparse.Namespace) -> None:
     print(f"saved per command: {saved:.2f} s (fresh / fork = {median['fresh'] / median['fork']:.2f}x)")
     if not result["forks"]:
         print("note: this machine has an NVIDIA driver, so run_cli never forks: both modes are fresh interpreters")
-    print(json.dumps({"bench": "tiers_speed", "updates": args.updates, "world_size": args.world_size,
-                      "runs": args.runs, "median_s": {m: round(v, 3) for m, v in median.items()},
-                      "first_fork_s": round(result["first_fork_s"], 3),
-                      "times_s": {m: [round(t, 3) for t in ts] for m, ts in times.items()}}))
+    print(
+        json.dumps(
+            {
+                "bench": "tiers_speed",
+                "updates": args.updates,
+                "world_size": args.world_size,
+                "runs": args.runs,
+                "median_s": {m: round(v, 3) for m, v in median.items()},
+                "first_fork_s": round(result["first_fork_s"], 3),
+                "times_s": {m: [round(t, 3) for t in ts] for m, ts in times.items()},
+            }
+        )
+    )
 
 
 def main() -> None:

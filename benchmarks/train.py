@@ -32,6 +32,7 @@ cannot inflate the MFU. MFU = tokens/s x FLOPs/token / peak, reported for the me
 
 Prints a table and one JSON line (``"benchmark": "train_step"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,40 @@ import torch  # noqa: E402
 
 PRESETS = {
     # name: (toolkit-train model/batch flags, vocabulary size, warmup steps, timed steps)
-    "small": (["--arch", "transformer_lm", "--decoder-layers", "4", "--decoder-embed-dim", "256",
-               "--decoder-ffn-embed-dim", "1024", "--decoder-attention-heads", "4",
-               "--decoder-input-dim", "256", "--decoder-output-dim", "256", "--decoder-normalize-before",
-               "--tokens-per-sample", "256", "--batch-size", "8"], 8192, 3, 10),
-    "gpt3_small": (["--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "256", "--batch-size", "8"],
-                   8192, 1, 3),
+    "small": (
+        [
+            "--arch",
+            "transformer_lm",
+            "--decoder-layers",
+            "4",
+            "--decoder-embed-dim",
+            "256",
+            "--decoder-ffn-embed-dim",
+            "1024",
+            "--decoder-attention-heads",
+            "4",
+            "--decoder-input-dim",
+            "256",
+            "--decoder-output-dim",
+            "256",
+            "--decoder-normalize-before",
+            "--tokens-per-sample",
+            "256",
+            "--batch-size",
+            "8",
+        ],
+        8192,
+        3,
+        10,
+    ),
+    "gpt3_small": (
+        ["--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "256", "--batch-size", "8"],
+        8192,
+        1,
+        3,
+    ),
     # GPT-2 BPE dictionary as fairseq pads it (50264); sized for one 80 GB GPU without checkpointing.
-    "gpt3_xl": (["--arch", "transformer_lm_gpt3_xl", "--tokens-per-sample", "2048", "--batch-size", "4"],
-                50264, 3, 10),
+    "gpt3_xl": (["--arch", "transformer_lm_gpt3_xl", "--tokens-per-sample", "2048", "--batch-size", "4"], 50264, 3, 10),
     # Llama 3.2 1B (1.236B parameters, tied) at its own vocabulary (128256) and batch 4 x 2048.
     "llama3_1b": (["--arch", "llama3_1b", "--tokens-per-sample", "2048", "--batch-size", "4"], 128256, 3, 10),
 }
@@ -77,20 +103,27 @@ def busy_cpu_seconds():
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
-    ap.add_argument("--preset", choices=list(PRESETS), default="small",
-                    help="model and batch shape (default: small); later flags override it")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    ap.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="small",
+        help="model and batch shape (default: small); later flags override it",
+    )
     ap.add_argument("--vocab", type=int, default=None, help="dictionary size (specials included)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per preset)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: per preset)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: 2 on CPU, torch's default on GPU)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: 2 on CPU, torch's default on GPU)"
+    )
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast, as toolkit-train --bf16")
     ap.add_argument("--fp16", action="store_true", help="fp16 autocast with loss scaling, as toolkit-train --fp16")
-    ap.add_argument("--profile", metavar="FILE", default=None,
-                    help="also write a torch.profiler table of one extra step to FILE")
+    ap.add_argument(
+        "--profile", metavar="FILE", default=None, help="also write a torch.profiler table of one extra step to FILE"
+    )
     ours, rest = ap.parse_known_args(argv)
     preset_flags, vocab, warmup, steps = PRESETS[ours.preset]
     ours.vocab = ours.vocab or vocab
@@ -112,8 +145,20 @@ def build(ours, train_argv):
     from toolkit.train.trainer import Trainer
 
     device = torch.device(ours.device)
-    argv = ["synthetic", "--task", "language_modeling", "--optimizer", "adam", "--lr", "1e-4",
-            "--num-workers", "0", "--seed", "1", *train_argv]
+    argv = [
+        "synthetic",
+        "--task",
+        "language_modeling",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-4",
+        "--num-workers",
+        "0",
+        "--seed",
+        "1",
+        *train_argv,
+    ]
     if device.type == "cpu":
         argv.append("--cpu")
     if ours.bf16:
@@ -147,9 +192,13 @@ def synthetic_sample(args, dictionary, device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(dictionary.nspecial, len(dictionary), (B, T + 1), generator=g)
     return {
-        "id": torch.arange(B), "nsentences": B, "ntokens": B * T,
-        "net_input": {"src_tokens": tokens[:, :-1].contiguous().to(device),
-                      "src_lengths": torch.full((B,), T, dtype=torch.long)},
+        "id": torch.arange(B),
+        "nsentences": B,
+        "ntokens": B * T,
+        "net_input": {
+            "src_tokens": tokens[:, :-1].contiguous().to(device),
+            "src_lengths": torch.full((B,), T, dtype=torch.long),
+        },
         "target": tokens[:, 1:].contiguous().to(device),
     }
 
@@ -182,8 +231,11 @@ class PhaseTimer:
         """Seconds per phase between ``start`` and ``end`` (marks, as recorded)."""
         # A mark that never fired (FSDP2 assigns sharded gradients after reduce-scatter, so the
         # per-parameter hooks do not run) counts as zero time: its phase goes to the next one.
-        order = [k for k in ("start", "forward", "backward", "grad_norm", "optimizer", "end")
-                 if k in ("start", "end") or k in self.marks]
+        order = [
+            k
+            for k in ("start", "forward", "backward", "grad_norm", "optimizer", "end")
+            if k in ("start", "end") or k in self.marks
+        ]
         marks = dict(self.marks, start=start, end=end)
         if self.cuda:
             torch.cuda.synchronize()
@@ -231,11 +283,12 @@ def run_steps(trainer, sample, n: int, device: torch.device, phases: bool):
             if timer and not timer.cuda:
                 end = t1
             if out is None and phases:
-                raise RuntimeError("train_step skipped a timed update (fp16 overflow); add --warmup steps "
-                                   "or lower --fp16-init-scale")
+                raise RuntimeError(
+                    "train_step skipped a timed update (fp16 overflow); add --warmup steps or lower --fp16-init-scale"
+                )
             gb_free = metrics.get_smoothed_values("train_inner").get("gb_free")  # the step's peak (CUDA only)
             if gb_free is not None:
-                peaks.append(torch.cuda.get_device_properties(device).total_memory / 2 ** 30 - gb_free)
+                peaks.append(torch.cuda.get_device_properties(device).total_memory / 2**30 - gb_free)
             metrics.reset_meters("train_inner")
             times.append(t1 - t0)
             if timer:
@@ -258,7 +311,7 @@ def main(argv=None):
         torch.set_num_threads(threads)
     load_before = os.getloadavg()
 
-    from toolkit.logging import metrics, throughput
+    from toolkit.logging import throughput
 
     args, task, model, criterion, trainer = build(ours, train_argv)
     dtype = trainer.compute_dtype
@@ -299,28 +352,42 @@ def main(argv=None):
 
     def figures(step_s):
         tps = tokens / step_s
-        return {"step_ms": 1e3 * step_s, "tokens_per_s": tps, "achieved_tflops": tps * fpt / 1e12,
-                "mfu": throughput.mfu(tps * fpt, peak_used)}
+        return {
+            "step_ms": 1e3 * step_s,
+            "tokens_per_s": tps,
+            "achieved_tflops": tps * fpt / 1e12,
+            "mfu": throughput.mfu(tps * fpt, peak_used),
+        }
 
     res = {"median": figures(med), "best": figures(best)}
     split = {ph: statistics.median(s[ph] for s in splits) for ph in PHASES}
     split_total = sum(split.values())
     cfg = model.cfg
-    desc = (f"{args.arch}: L={cfg.decoder_layers} d={cfg.decoder_embed_dim} H={cfg.decoder_attention_heads} "
-            f"ffn={cfg.decoder_ffn_embed_dim} T={args.tokens_per_sample} B={args.batch_size} V={len(task.dictionary)} "
-            f"{str(dtype).replace('torch.', '')} on {device}"
-            + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else f" ({torch.cuda.get_device_name(device)})"))
+    desc = (
+        f"{args.arch}: L={cfg.decoder_layers} d={cfg.decoder_embed_dim} H={cfg.decoder_attention_heads} "
+        f"ffn={cfg.decoder_ffn_embed_dim} T={args.tokens_per_sample} B={args.batch_size} V={len(task.dictionary)} "
+        f"{str(dtype).replace('torch.', '')} on {device}"
+        + (
+            f" ({torch.get_num_threads()} threads)"
+            if device.type == "cpu"
+            else f" ({torch.cuda.get_device_name(device)})"
+        )
+    )
     print(desc)
-    print(f"params {n_params / 1e6:.2f}M, matmul params N {n_matmul / 1e6:.2f}M, "
-          f"FLOPs/token {fpt / 1e6:.1f}M (6N + 12LdT), {tokens} tokens/step, "
-          f"warmup {ours.warmup}, timed steps {ours.steps}, final loss {out['loss'] / tokens / 0.6931:.3f} bits")
+    print(
+        f"params {n_params / 1e6:.2f}M, matmul params N {n_matmul / 1e6:.2f}M, "
+        f"FLOPs/token {fpt / 1e6:.1f}M (6N + 12LdT), {tokens} tokens/step, "
+        f"warmup {ours.warmup}, timed steps {ours.steps}, final loss {out['loss'] / tokens / 0.6931:.3f} bits"
+    )
     if device.type == "cpu":
         how = f"best matmul rate, measured {peak / 1e9:.1f} before and {peak_after / 1e9:.1f} GFLOP/s after the run"
     else:
         how = "toolkit.logging.throughput.peak_flops"
-    print(f"peak {peak_used / 1e12:.3f} TFLOP/s ({how}); "
-          f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} on {os.cpu_count()} CPUs"
-          + ("" if others is None else f"; other processes used {others:.2f} CPUs during the timed steps"))
+    print(
+        f"peak {peak_used / 1e12:.3f} TFLOP/s ({how}); "
+        f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} on {os.cpu_count()} CPUs"
+        + ("" if others is None else f"; other processes used {others:.2f} CPUs during the timed steps")
+    )
     print(f"{'':<8}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}")
     for k, r in res.items():
         m = "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}"
@@ -333,35 +400,71 @@ def main(argv=None):
     else:
         busy = device.type == "cpu" and load_before[0] > cpus - threads + 1.0
     if busy or any(r["mfu"] is not None and r["mfu"] > 1 for r in res.values()):
-        print("WARNING: other processes were using the CPUs; the step times and the measured peak are both "
-              "disturbed, so these figures (MFU especially) are unreliable: rerun when the machine is idle")
+        print(
+            "WARNING: other processes were using the CPUs; the step times and the measured peak are both "
+            "disturbed, so these figures (MFU especially) are unreliable: rerun when the machine is idle"
+        )
     peak_gib = max(peaks) if peaks else None
     if peak_gib is not None:
-        print(f"peak GPU memory allocated during a step: {peak_gib:.2f} GiB "
-              f"(of {torch.cuda.get_device_properties(device).total_memory / 2 ** 30:.1f}; reserved by the caching "
-              f"allocator: {torch.cuda.max_memory_reserved(device) / 2 ** 30:.2f} GiB)")
-    print("time split (median over timed steps): " + ", ".join(
-        f"{ph} {1e3 * split[ph]:.1f} ms ({100 * split[ph] / split_total:.0f}%)" for ph in PHASES))
-    print(json.dumps({
-        "benchmark": "train_step", "preset": ours.preset, "arch": args.arch, "layers": cfg.decoder_layers,
-        "embed_dim": cfg.decoder_embed_dim, "heads": cfg.decoder_attention_heads,
-        "ffn_dim": cfg.decoder_ffn_embed_dim, "tokens_per_sample": args.tokens_per_sample,
-        "batch_size": args.batch_size, "vocab": len(task.dictionary), "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "params": n_params, "matmul_params": n_matmul, "flops_per_token": fpt, "tokens_per_step": tokens,
-        "warmup": ours.warmup, "steps": ours.steps, "peak_flops": peak_used, "peak_flops_before": peak,
-        "peak_flops_after": peak_after,
-        "tokens_per_s": res["median"]["tokens_per_s"], "achieved_flops": res["median"]["achieved_tflops"] * 1e12,
-        "mfu": res["median"]["mfu"], "best_tokens_per_s": res["best"]["tokens_per_s"], "best_mfu": res["best"]["mfu"],
-        "step_ms_all": [round(1e3 * t, 2) for t in times],
-        "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
-        "ddp_backend": args.ddp_backend, "checkpoint_activations": bool(args.checkpoint_activations),
-        "compile": bool(args.compile), "fp8": args.fp8_recipe if args.fp8 else None,
-        "peak_gpu_gib": peak_gib,
-        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else None,
-        "loadavg_before": load_before[0], "loadavg_after": load_after[0], "other_cpus_busy": others, "machine_busy": busy,
-    }))
+        print(
+            f"peak GPU memory allocated during a step: {peak_gib:.2f} GiB "
+            f"(of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f}; reserved by the caching "
+            f"allocator: {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB)"
+        )
+    print(
+        "time split (median over timed steps): "
+        + ", ".join(f"{ph} {1e3 * split[ph]:.1f} ms ({100 * split[ph] / split_total:.0f}%)" for ph in PHASES)
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_step",
+                "preset": ours.preset,
+                "arch": args.arch,
+                "layers": cfg.decoder_layers,
+                "embed_dim": cfg.decoder_embed_dim,
+                "heads": cfg.decoder_attention_heads,
+                "ffn_dim": cfg.decoder_ffn_embed_dim,
+                "tokens_per_sample": args.tokens_per_sample,
+                "batch_size": args.batch_size,
+                "vocab": len(task.dictionary),
+                "dtype": str(dtype).replace("torch.", ""),
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "cpu": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "params": n_params,
+                "matmul_params": n_matmul,
+                "flops_per_token": fpt,
+                "tokens_per_step": tokens,
+                "warmup": ours.warmup,
+                "steps": ours.steps,
+                "peak_flops": peak_used,
+                "peak_flops_before": peak,
+                "peak_flops_after": peak_after,
+                "tokens_per_s": res["median"]["tokens_per_s"],
+                "achieved_flops": res["median"]["achieved_tflops"] * 1e12,
+                "mfu": res["median"]["mfu"],
+                "best_tokens_per_s": res["best"]["tokens_per_s"],
+                "best_mfu": res["best"]["mfu"],
+                "step_ms_all": [round(1e3 * t, 2) for t in times],
+                "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
+                "ddp_backend": args.ddp_backend,
+                "checkpoint_activations": bool(args.checkpoint_activations),
+                "compile": bool(args.compile),
+                "fp8": args.fp8_recipe if args.fp8 else None,
+                "peak_gpu_gib": peak_gib,
+                "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
+                if device.type == "cuda"
+                else None,
+                "loadavg_before": load_before[0],
+                "loadavg_after": load_after[0],
+                "other_cpus_busy": others,
+                "machine_busy": busy,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# One shape for the code before any test: `ruff format` and `ruff check` (ruff.toml) leave nothing to change.
+"${PYTHON:-python3}" -m ruff format --check --quiet . || { echo "run_tests: run 'ruff format .' (the tree is not formatted)"; exit 1; }
+"${PYTHON:-python3}" -m ruff check --quiet . || { echo "run_tests: 'ruff check .' found the above"; exit 1; }
 workers=${TOOLKIT_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != "0" ]; then

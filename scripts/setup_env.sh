@@ -12,6 +12,9 @@ have() { "$PY" -c "import $1" >/dev/null 2>&1; }
   || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q numpy sentencepiece tokenizers tensorboard tqdm pytest pytest-xdist \
   safetensors onnx onnxruntime onnxscript transformers wandb
+# The formatter and linter (scripts/run_tests.sh checks the tree with them): pinned, so the shape is one version's.
+"$PY" -c "import ruff" >/dev/null 2>&1 && [ "$("$PY" -m ruff --version)" = "ruff 0.17.6" ] \
+  || "$PY" -m pip install -q "ruff==0.17.6"
 # toolkit-preprocess inputs (Parquet, datasets folders, .zst): after torch, which stays pinned
 # (datasets does not ask for torch; --upgrade-strategy only-if-needed keeps what is installed).
 have datasets && have pyarrow && have zstandard \

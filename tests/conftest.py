@@ -15,8 +15,11 @@ INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inte
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "integration: under tests/integration/ (CLI runs, several ranks, faults); "
-                                       "`pytest -m 'not integration'` is the unit tier")
+    config.addinivalue_line(
+        "markers",
+        "integration: under tests/integration/ (CLI runs, several ranks, faults); "
+        "`pytest -m 'not integration'` is the unit tier",
+    )
     config.addinivalue_line("markers", "faults: kill -9 fault suite (starts ~10 training processes)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `pytest -m gpu` on a GPU machine)")
 

@@ -8,6 +8,7 @@ with these functions they port by renaming the import. Loading is the toolkit's
 fairseq's ``cfg`` is grouped (``cfg.task.tokens_per_sample``, ``cfg.model._name``); the returned
 ``cfg`` is a :class:`toolkit.compat.fairseq.hub.GroupedConfig`, which answers both that and the flat names.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,10 @@ from toolkit import inference
 from toolkit.compat.fairseq.adapter import is_fairseq_checkpoint, read_checkpoint, with_fairseq_outputs
 from toolkit.compat.fairseq.hub import GroupedConfig
 
-def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
-                           load_on_all_ranks: bool = False) -> Dict[str, Any]:
+
+def load_checkpoint_to_cpu(
+    path: str, arg_overrides: Optional[Dict[str, Any]] = None, load_on_all_ranks: bool = False
+) -> Dict[str, Any]:
     """The checkpoint's dict on the CPU (``model``, ``cfg``, ``extra_state``, ...); ``arg_overrides``
     replace saved options of a toolkit checkpoint's flat ``cfg`` (fairseq's keep their own layout)."""
     state = read_checkpoint(path)
@@ -35,14 +38,20 @@ def _paths(filenames: Union[str, Sequence[str]], suffix: str) -> List[str]:
     for name in names:
         path = name.replace(".pt", suffix + ".pt") if suffix else name
         if not os.path.exists(path):
-            raise IOError(f"Model file not found: {path}")
+            raise OSError(f"Model file not found: {path}")
         out.append(path)
     return out
 
 
-def load_model_ensemble_and_task(filenames: Union[str, Sequence[str]], arg_overrides: Optional[Dict[str, Any]] = None,
-                                 task=None, strict: bool = True, suffix: str = "", num_shards: int = 1,
-                                 state: Optional[Dict[str, Any]] = None) -> Tuple[List[torch.nn.Module], Any, Any]:
+def load_model_ensemble_and_task(
+    filenames: Union[str, Sequence[str]],
+    arg_overrides: Optional[Dict[str, Any]] = None,
+    task=None,
+    strict: bool = True,
+    suffix: str = "",
+    num_shards: int = 1,
+    state: Optional[Dict[str, Any]] = None,
+) -> Tuple[List[torch.nn.Module], Any, Any]:
     """(models in eval mode on the CPU, cfg, task), as fairseq's; ``model(src_tokens)`` returns fairseq's
     ``(logits, extra)``.
 
@@ -67,9 +76,15 @@ def load_model_ensemble_and_task(filenames: Union[str, Sequence[str]], arg_overr
     return models, GroupedConfig(**vars(args)), task or loaded_task
 
 
-def load_model_ensemble(filenames: Union[str, Sequence[str]], arg_overrides: Optional[Dict[str, Any]] = None,
-                        task=None, strict: bool = True, suffix: str = "", num_shards: int = 1,
-                        state: Optional[Dict[str, Any]] = None) -> Tuple[List[torch.nn.Module], Any]:
+def load_model_ensemble(
+    filenames: Union[str, Sequence[str]],
+    arg_overrides: Optional[Dict[str, Any]] = None,
+    task=None,
+    strict: bool = True,
+    suffix: str = "",
+    num_shards: int = 1,
+    state: Optional[Dict[str, Any]] = None,
+) -> Tuple[List[torch.nn.Module], Any]:
     """(models, cfg): :func:`load_model_ensemble_and_task` without the task."""
     models, cfg, _ = load_model_ensemble_and_task(filenames, arg_overrides, task, strict, suffix, num_shards, state)
     return models, cfg

@@ -12,6 +12,7 @@ here holds the first pass and remembers what the script added, and ``parse_args_
 the second pass (task, arch, criterion, optimizer options, the architecture's values as
 defaults) with the script's arguments replayed on it.
 """
+
 from __future__ import annotations
 
 from toolkit.config.options import (  # noqa: F401
@@ -38,8 +39,14 @@ from toolkit.core import registry
 class FairseqParser(options.OneLineErrorParser):
     """A first-pass parser of one command; ``add_argument`` calls made on it are kept and replayed."""
 
-    def __init__(self, prog: str, configs: Sequence[type], arch: bool, selectors: Sequence[registry.Registry],
-                 imply: Optional[Callable] = None):
+    def __init__(
+        self,
+        prog: str,
+        configs: Sequence[type],
+        arch: bool,
+        selectors: Sequence[registry.Registry],
+        imply: Optional[Callable] = None,
+    ):
         super().__init__(prog=prog, allow_abbrev=False)
         self.toolkit_configs, self.toolkit_arch = tuple(configs), arch
         self.toolkit_selectors, self.toolkit_imply = tuple(selectors), imply
@@ -56,8 +63,13 @@ class FairseqParser(options.OneLineErrorParser):
         return action
 
 
-_COMPONENTS = (registry.TASK_REGISTRY, registry.CRITERION_REGISTRY, registry.OPTIMIZER_REGISTRY,
-               registry.LR_SCHEDULER_REGISTRY, registry.TOKENIZER_REGISTRY)
+_COMPONENTS = (
+    registry.TASK_REGISTRY,
+    registry.CRITERION_REGISTRY,
+    registry.OPTIMIZER_REGISTRY,
+    registry.LR_SCHEDULER_REGISTRY,
+    registry.TOKENIZER_REGISTRY,
+)
 
 
 def get_training_parser(default_task: str = "language_modeling") -> FairseqParser:
@@ -74,20 +86,31 @@ def get_eval_lm_parser(default_task: str = "language_modeling") -> FairseqParser
     return FairseqParser("toolkit-eval-lm", (EvalLMConfig,), False, ())
 
 
-def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Sequence[str]] = None,
-                        parse_known: bool = False, suppress_defaults: bool = False,
-                        modify_parser: Optional[Callable[[argparse.ArgumentParser], None]] = None):
+def parse_args_and_arch(
+    parser: argparse.ArgumentParser,
+    input_args: Optional[Sequence[str]] = None,
+    parse_known: bool = False,
+    suppress_defaults: bool = False,
+    modify_parser: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+):
     """The namespace of ``input_args`` (default ``sys.argv[1:]``) with every chosen component's options.
 
     ``--user-dir`` is imported first; the architecture's values are the defaults the flags override.
     ``parse_known``: ``(args, unknown)``. ``suppress_defaults``: only the options given.
     """
     if not isinstance(parser, FairseqParser):
-        raise TypeError("parse_args_and_arch: pass a parser from toolkit.options.get_training_parser() "
-                        "or get_eval_lm_parser()")
+        raise TypeError(
+            "parse_args_and_arch: pass a parser from toolkit.options.get_training_parser() or get_eval_lm_parser()"
+        )
     argv = options.fill_optional_values(list(sys.argv[1:] if input_args is None else input_args))
-    full, argv = options.build_parser(parser.prog, parser.toolkit_configs, argv, selectors=parser.toolkit_selectors,
-                                      arch=parser.toolkit_arch, imply=parser.toolkit_imply)
+    full, argv = options.build_parser(
+        parser.prog,
+        parser.toolkit_configs,
+        argv,
+        selectors=parser.toolkit_selectors,
+        arch=parser.toolkit_arch,
+        imply=parser.toolkit_imply,
+    )
     for args, kwargs in parser.user_arguments:
         full.add_argument(*args, **kwargs)
     if modify_parser is not None:

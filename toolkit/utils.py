@@ -4,6 +4,7 @@ Why: a fairseq script's ``from fairseq import utils`` ports by renaming the impo
 ``from toolkit import utils``; these are the functions such code uses (sample movement,
 padding, incremental state, ``--user-dir``), not a copy of the whole module.
 """
+
 from __future__ import annotations
 
 import ast
@@ -58,6 +59,7 @@ def move_to_cuda(sample: Any, device: Optional[torch.device] = None) -> Any:
 
 def move_to_cpu(sample: Any) -> Any:
     """Tensors to the CPU; fp16/bf16 ones as fp32 (fairseq's: half precision is poorly supported on CPU)."""
+
     def _to_cpu(t: torch.Tensor) -> torch.Tensor:
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.to(dtype=torch.float32)
@@ -89,13 +91,17 @@ def strip_pad(tensor: torch.Tensor, pad: int) -> torch.Tensor:
     return tensor[tensor.ne(pad)]
 
 
-def convert_padding_direction(src_tokens: torch.Tensor, padding_idx: int, right_to_left: bool = False,
-                              left_to_right: bool = False) -> torch.Tensor:
+def convert_padding_direction(
+    src_tokens: torch.Tensor, padding_idx: int, right_to_left: bool = False, left_to_right: bool = False
+) -> torch.Tensor:
     """Move each row's padding to the other side (exactly one direction must be asked)."""
     assert right_to_left ^ left_to_right
     pad_mask = src_tokens.eq(padding_idx)
-    if not pad_mask.any() or (left_to_right and not pad_mask[:, 0].any()) or \
-            (right_to_left and not pad_mask[:, -1].any()):
+    if (
+        not pad_mask.any()
+        or (left_to_right and not pad_mask[:, 0].any())
+        or (right_to_left and not pad_mask[:, -1].any())
+    ):
         return src_tokens
     max_len = src_tokens.size(1)
     positions = torch.arange(max_len, device=src_tokens.device).expand_as(src_tokens)
@@ -115,6 +121,7 @@ def item(tensor: Any) -> Any:
 
 def resolve_max_positions(*args: Any) -> Any:
     """The smallest of several max-positions limits (None: no limit; tuples element-wise)."""
+
     def smaller(a: Any, b: Any) -> Any:
         if a is None:
             return b
@@ -153,7 +160,7 @@ def get_perplexity(loss: Optional[float], round: int = 2, base: float = 2) -> fl
     if loss is None:
         return 0.0
     try:
-        return float(f"{base ** loss:.{round}f}") if math.isfinite(base ** loss) else float("inf")
+        return float(f"{base**loss:.{round}f}") if math.isfinite(base**loss) else float("inf")
     except OverflowError:
         return float("inf")
 
@@ -178,9 +185,16 @@ def set_torch_seed(seed: int) -> None:
 
 def get_activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """fairseq's activation names (``relu``, ``gelu``, ``gelu_accurate``, ``tanh``, ``linear``, ``swish``)."""
-    table = {"relu": F.relu, "gelu": F.gelu, "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-             "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"), "tanh": torch.tanh,
-             "linear": lambda x: x, "swish": F.silu, "relu_squared": lambda x: F.relu(x).pow(2)}
+    table = {
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),
+        "tanh": torch.tanh,
+        "linear": lambda x: x,
+        "swish": F.silu,
+        "relu_squared": lambda x: F.relu(x).pow(2),
+    }
     if activation not in table:
         raise RuntimeError(f"--activation-fn {activation} not supported; choose from {', '.join(table)}")
     return table[activation]

@@ -4,6 +4,7 @@
 Every ``toolkit_cli`` module is a thin parser over a library function (litgpt's one module per command):
 the work lives in the layers below, so tests and Python users call the same ``run(config)``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,9 @@ def fail(prog: str, message: object, status: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def one_line_errors(prog: str, also: Tuple[Type[BaseException], ...] = (),
-                    interrupted: str = "interrupted") -> Iterator[None]:
+def one_line_errors(
+    prog: str, also: Tuple[Type[BaseException], ...] = (), interrupted: str = "interrupted"
+) -> Iterator[None]:
     """The error handler every command shares: a ``UserError`` (or one of ``also``) exits 1, an ``OSError`` that
     escaped the library names its file and what to check (exit 1), Ctrl-C exits 130 saying where it stopped."""
     try:
@@ -37,16 +39,24 @@ def one_line_errors(prog: str, also: Tuple[Type[BaseException], ...] = (),
         fail(prog, e if isinstance(e, Interrupted) else interrupted, status=130)
 
 
-def run_command(prog: str, config_cls: type, main: Callable, argv: Optional[List[str]], description: str,
-                selectors: Sequence = (), sections: Sequence[type] = (),
-                from_argv: Optional[Callable[[List[str]], Sequence]] = None):
+def run_command(
+    prog: str,
+    config_cls: type,
+    main: Callable,
+    argv: Optional[List[str]],
+    description: str,
+    selectors: Sequence = (),
+    sections: Sequence[type] = (),
+    from_argv: Optional[Callable[[List[str]], Sequence]] = None,
+):
     """``main(config, *sections, *from_argv(argv))``'s result, ``config`` and each of ``sections`` (more options
     dataclasses, e.g. generation's) parsed from ``argv``; ``from_argv`` gives what the dataclasses cannot (e.g.
     which task options were given). fairseq's bare ``--remove-bpe`` / ``--post-process`` mean ``subword_nmt``."""
     argv = options.fill_optional_values(list(sys.argv[1:] if argv is None else argv))
     configs = [config_cls, *sections]
-    args = options.parse_with_components(prog, configs, argv, selectors=tuple(selectors), arch=False,
-                                         description=description)
+    args = options.parse_with_components(
+        prog, configs, argv, selectors=tuple(selectors), arch=False, description=description
+    )
     extra = tuple(from_argv(argv)) if from_argv is not None else ()
     with one_line_errors(prog):
         registry.import_all_components()  # parsing imported only the chosen components' options (no torch)

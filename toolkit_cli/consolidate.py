@@ -6,6 +6,7 @@
 
 The work is in :mod:`toolkit.export.consolidate`.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -21,9 +22,14 @@ def main(cfg: ConsolidateConfig) -> str:
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command("toolkit-consolidate", ConsolidateConfig, main, argv,
-                "Consolidate a sharded (DCP) checkpoint into one file, or write a checkpoint in fairseq's layout "
-                "(--to-fairseq).")
+    run_command(
+        "toolkit-consolidate",
+        ConsolidateConfig,
+        main,
+        argv,
+        "Consolidate a sharded (DCP) checkpoint into one file, or write a checkpoint in fairseq's layout "
+        "(--to-fairseq).",
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Needs the optional lm-eval package (pip install lm-eval). The work is in
 :mod:`toolkit.evaluation.harness_main`.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -21,8 +22,13 @@ def main(cfg: EvalHarnessConfig):
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command("toolkit-eval-harness", EvalHarnessConfig, main, argv,
-                "Evaluate a language model on lm-evaluation-harness tasks (prints the harness's table).")
+    run_command(
+        "toolkit-eval-harness",
+        EvalHarnessConfig,
+        main,
+        argv,
+        "Evaluate a language model on lm-evaluation-harness tasks (prints the harness's table).",
+    )
 
 
 if __name__ == "__main__":

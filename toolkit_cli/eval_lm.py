@@ -7,6 +7,7 @@
 new tokens after up to 400 earlier ones. ``--path`` also reads fairseq's own
 ``transformer_lm`` checkpoints. The work is in :mod:`toolkit.inference.eval_lm_main`.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -24,8 +25,13 @@ def main(cfg: EvalLMConfig):
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command(PROG, EvalLMConfig, main, argv,
-                "Evaluate a language model's perplexity (--post-process/--remove-bpe [subword_nmt]: merge BPE).")
+    run_command(
+        PROG,
+        EvalLMConfig,
+        main,
+        argv,
+        "Evaluate a language model's perplexity (--post-process/--remove-bpe [subword_nmt]: merge BPE).",
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 
 The work is in :mod:`toolkit.export.api`.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -25,8 +26,13 @@ def _logged_export(cfg: ExportConfig) -> str:
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command("toolkit-export", ExportConfig, _logged_export, argv,
-                "Export a checkpoint (or import a transformers GPT-2 / Llama / Mistral / Qwen2 folder).")
+    run_command(
+        "toolkit-export",
+        ExportConfig,
+        _logged_export,
+        argv,
+        "Export a checkpoint (or import a transformers GPT-2 / Llama / Mistral / Qwen2 folder).",
+    )
 
 
 if __name__ == "__main__":

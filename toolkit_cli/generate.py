@@ -3,6 +3,7 @@
     toolkit-generate data-bin/wikitext-103 --path checkpoints/checkpoint_best.pt --task language_modeling \\
         --sample-break-mode eos --prefix-size 4 --beam 5 --nbest 2
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,8 +21,13 @@ def _generate(*configs):
 def cli_main(argv: Optional[List[str]] = None) -> None:
     from toolkit.config.commands import GenerateConfig
 
-    run("toolkit-generate", GenerateConfig, _generate, argv,
-        "Generate from a language model with prompts from a data-bin split (fairseq's S-/T-/H-/D-/P- lines).")
+    run(
+        "toolkit-generate",
+        GenerateConfig,
+        _generate,
+        argv,
+        "Generate from a language model with prompts from a data-bin split (fairseq's S-/T-/H-/D-/P- lines).",
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 The composed config (Hydra: ``pip install hydra-core``) becomes toolkit-train's flags
 (:mod:`toolkit.compat.fairseq.train_config`) and trains as toolkit-train does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,26 @@ PROG = "toolkit-hydra-train"
 
 
 def parse(argv: List[str]) -> argparse.Namespace:
-    parser = OneLineErrorParser(prog=PROG, description="Train from a fairseq-layout Hydra config.",
-                                allow_abbrev=False)
-    parser.add_argument("--config-dir", "--config-path", "-cd", "-cp", dest="config_dir", default=None,
-                        help="folder holding NAME.yaml and its group folders (model/, task/, ...); without it the "
-                             "overrides alone make the config (group=name names the component)")
-    parser.add_argument("--config-name", "-cn", default="config", help="the config file, without .yaml "
-                                                                       "(default: %(default)s)")
-    parser.add_argument("overrides", nargs="*", help="key=value (optimization.max_update=100), group=option "
-                                                     "(model=transformer_lm/2_layers), +key=value adds a key")
+    parser = OneLineErrorParser(prog=PROG, description="Train from a fairseq-layout Hydra config.", allow_abbrev=False)
+    parser.add_argument(
+        "--config-dir",
+        "--config-path",
+        "-cd",
+        "-cp",
+        dest="config_dir",
+        default=None,
+        help="folder holding NAME.yaml and its group folders (model/, task/, ...); without it the "
+        "overrides alone make the config (group=name names the component)",
+    )
+    parser.add_argument(
+        "--config-name", "-cn", default="config", help="the config file, without .yaml (default: %(default)s)"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value (optimization.max_update=100), group=option "
+        "(model=transformer_lm/2_layers), +key=value adds a key",
+    )
     return parser.parse_args(argv)
 
 

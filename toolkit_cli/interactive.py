@@ -3,6 +3,7 @@
     echo "The tower is" | toolkit-interactive data-bin/wikitext-103 --path checkpoints/checkpoint_best.pt \\
         --sampling --sampling-topk 10 --beam 1
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,8 +25,16 @@ def run(prog: str, command_config: type, main: Callable, argv: Optional[List[str
     """toolkit-interactive and toolkit-generate: ``main(command config, GenerationConfig, task overrides)``."""
     from toolkit.config.commands import GenerationConfig
 
-    run_command(prog, command_config, main, argv, description, selectors=(TASK_REGISTRY,),
-                sections=(GenerationConfig,), from_argv=_task_overrides)
+    run_command(
+        prog,
+        command_config,
+        main,
+        argv,
+        description,
+        selectors=(TASK_REGISTRY,),
+        sections=(GenerationConfig,),
+        from_argv=_task_overrides,
+    )
 
 
 def _interactive(*configs):
@@ -37,8 +46,13 @@ def _interactive(*configs):
 def cli_main(argv: Optional[List[str]] = None) -> None:
     from toolkit.config.commands import InteractiveConfig
 
-    run("toolkit-interactive", InteractiveConfig, _interactive, argv,
-        "Generate from a language model, one prompt per line of stdin (fairseq's S-/W-/H-/D-/P- lines).")
+    run(
+        "toolkit-interactive",
+        InteractiveConfig,
+        _interactive,
+        argv,
+        "Generate from a language model, one prompt per line of stdin (fairseq's S-/W-/H-/D-/P- lines).",
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Takes toolkit-train's flags (the data directory is optional: without it the voca
 arch's published one, or ``--vocab-size``) plus the hardware flags of ``toolkit.plan.hardware``.
 Exit status 0 when the run fits, 3 when it does not, 1 on bad input.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
     toolkit-preprocess --only-source --trainpref wiki.train.tokens --validpref wiki.valid.tokens \\
         --testpref wiki.test.tokens --destdir data-bin/wikitext-2 --workers 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,14 @@ PROG = "toolkit-preprocess"
 
 def parse(argv: Optional[List[str]] = None) -> Tuple[PreprocessConfig, Optional[str], Any, argparse.Namespace]:
     """The options, the ``--bpe`` name and its options: ``--help`` and argument errors exit here, before torch."""
-    args = parse_with_components(PROG, [PreprocessConfig], argv, selectors=(TOKENIZER_REGISTRY,), arch=False,
-                                 description="Build a fairseq data-bin (dict.txt + mmap .bin/.idx) for "
-                                             "language modeling.")
+    args = parse_with_components(
+        PROG,
+        [PreprocessConfig],
+        argv,
+        selectors=(TOKENIZER_REGISTRY,),
+        arch=False,
+        description="Build a fairseq data-bin (dict.txt + mmap .bin/.idx) for language modeling.",
+    )
     cfg = config_from_args(PreprocessConfig, args)
     bpe_cfg = None
     if args.bpe is not None:
@@ -51,8 +57,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         parsed = parse(argv)  # --help and argument errors exit here, before torch is imported
         from toolkit.logging.setup import DATE_FORMAT, LOG_FORMAT
 
-        logging.basicConfig(format=LOG_FORMAT, datefmt=DATE_FORMAT,
-                            level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout)
+        logging.basicConfig(
+            format=LOG_FORMAT, datefmt=DATE_FORMAT, level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout
+        )
         run(*parsed)
 
 

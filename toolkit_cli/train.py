@@ -7,6 +7,7 @@
 :mod:`toolkit.compat.fairseq.train_config`). This module only parses, resolves and launches; the loop
 is :mod:`toolkit.train.train_loop`.
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@
 Prints the ``valid`` line the training run prints for the same checkpoint; the work is in
 :mod:`toolkit.train.validate`.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -20,8 +21,13 @@ def main(cfg: ValidateConfig):
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    run_command("toolkit-validate", ValidateConfig, main, argv,
-                "Validate a checkpoint: loss and perplexity on --valid-subset, batched as the trainer does.")
+    run_command(
+        "toolkit-validate",
+        ValidateConfig,
+        main,
+        argv,
+        "Validate a checkpoint: loss and perplexity on --valid-subset, batched as the trainer does.",
+    )
 
 
 if __name__ == "__main__":

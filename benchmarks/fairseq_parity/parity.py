@@ -16,6 +16,7 @@ Prints a table, then one JSON line; exits 1 when any perplexity differs by more 
 
     bash benchmarks/fairseq_parity/setup.sh && python benchmarks/fairseq_parity/parity.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,47 @@ from typing import Dict, List
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-mini"
-MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-         "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4"]
-TRAIN = ["--task", "language_modeling", "--tokens-per-sample", "64", "--max-tokens", "1024", "--optimizer", "adam",
-         "--adam-betas", "(0.9, 0.98)", "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
-         "--cpu", "--seed", "1", "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "10",
-         "--num-workers", "0", "--disable-validation"]
+MODEL = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--decoder-attention-heads",
+    "4",
+]
+TRAIN = [
+    "--task",
+    "language_modeling",
+    "--tokens-per-sample",
+    "64",
+    "--max-tokens",
+    "1024",
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--lr",
+    "0.002",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "10",
+    "--cpu",
+    "--seed",
+    "1",
+    "--no-epoch-checkpoints",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "10",
+    "--num-workers",
+    "0",
+    "--disable-validation",
+]
 PERPLEXITY = re.compile(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)")
 
 
@@ -61,13 +97,19 @@ class Runner:
 
     def fairseq(self, tool: str, *args: str) -> str:
         self.n += 1
-        return run([self.fairseq_python, "-m", f"fairseq_cli.{tool}", *args], self.fairseq_env,
-                   self.work / f"{self.n:02d}-fairseq-{tool}.log")
+        return run(
+            [self.fairseq_python, "-m", f"fairseq_cli.{tool}", *args],
+            self.fairseq_env,
+            self.work / f"{self.n:02d}-fairseq-{tool}.log",
+        )
 
     def toolkit(self, tool: str, *args: str) -> str:
         self.n += 1
-        return run([sys.executable, "-m", f"toolkit_cli.{tool}", *args], self.toolkit_env,
-                   self.work / f"{self.n:02d}-toolkit-{tool}.log")
+        return run(
+            [sys.executable, "-m", f"toolkit_cli.{tool}", *args],
+            self.toolkit_env,
+            self.work / f"{self.n:02d}-toolkit-{tool}.log",
+        )
 
 
 def perplexity(output: str) -> float:
@@ -78,8 +120,17 @@ def perplexity(output: str) -> float:
 
 
 def preprocess_both(r: Runner) -> bool:
-    splits = ["--trainpref", str(DATA / "wiki.train.tokens"), "--validpref", str(DATA / "wiki.valid.tokens"),
-              "--testpref", str(DATA / "wiki.test.tokens"), "--workers", "1", "--only-source"]
+    splits = [
+        "--trainpref",
+        str(DATA / "wiki.train.tokens"),
+        "--validpref",
+        str(DATA / "wiki.valid.tokens"),
+        "--testpref",
+        str(DATA / "wiki.test.tokens"),
+        "--workers",
+        "1",
+        "--only-source",
+    ]
     r.fairseq("preprocess", *splits, "--destdir", str(r.work / "fairseq-bin"))
     r.toolkit("preprocess", *splits, "--destdir", str(r.work / "toolkit-bin"))
     names = [f"{s}.{e}" for s in ("train", "valid", "test") for e in ("bin", "idx")] + ["dict.txt"]
@@ -89,15 +140,19 @@ def preprocess_both(r: Runner) -> bool:
 
 def score_both(r: Runner, data: str, fairseq_ckpt: str, toolkit_ckpt: str, extra: List[str]) -> Dict[str, float]:
     common = ["--gen-subset", "test", "--tokens-per-sample", "64", "--max-tokens", "4096", "--cpu", *extra]
-    return {"fairseq": perplexity(r.fairseq("eval_lm", data, "--path", fairseq_ckpt, *common)),
-            "toolkit": perplexity(r.toolkit("eval_lm", data, "--path", toolkit_ckpt, *common))}
+    return {
+        "fairseq": perplexity(r.fairseq("eval_lm", data, "--path", fairseq_ckpt, *common)),
+        "toolkit": perplexity(r.toolkit("eval_lm", data, "--path", toolkit_ckpt, *common)),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="/tmp/fairseq-parity")
-    parser.add_argument("--fairseq-home", default=os.environ.get(
-        "FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache" / "toolkit" / "fairseq-0.12.2")))
+    parser.add_argument(
+        "--fairseq-home",
+        default=os.environ.get("FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache" / "toolkit" / "fairseq-0.12.2")),
+    )
     parser.add_argument("--updates", type=int, default=40, help="training updates of each model")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="largest relative perplexity difference")
     args = parser.parse_args()
@@ -111,21 +166,34 @@ def main() -> None:
     fs_save = work / "fairseq-ckpt"
     r.fairseq("train", data, *MODEL, *TRAIN, "--max-update", str(args.updates), "--save-dir", str(fs_save))
     fs_ckpt = str(fs_save / "checkpoint_last.pt")
-    rows = {"fairseq checkpoint": score_both(r, data, fs_ckpt, fs_ckpt, []),
-            "fairseq checkpoint, --context-window 32": score_both(r, data, fs_ckpt, fs_ckpt,
-                                                                  ["--context-window", "32"]),
-            "fairseq checkpoint, --sample-break-mode eos": score_both(r, data, fs_ckpt, fs_ckpt,
-                                                                      ["--sample-break-mode", "eos"]),
-            "fairseq checkpoint, --add-bos-token --context-window 16": score_both(
-                r, data, fs_ckpt, fs_ckpt, ["--add-bos-token", "--context-window", "16"])}
+    rows = {
+        "fairseq checkpoint": score_both(r, data, fs_ckpt, fs_ckpt, []),
+        "fairseq checkpoint, --context-window 32": score_both(r, data, fs_ckpt, fs_ckpt, ["--context-window", "32"]),
+        "fairseq checkpoint, --sample-break-mode eos": score_both(
+            r, data, fs_ckpt, fs_ckpt, ["--sample-break-mode", "eos"]
+        ),
+        "fairseq checkpoint, --add-bos-token --context-window 16": score_both(
+            r, data, fs_ckpt, fs_ckpt, ["--add-bos-token", "--context-window", "16"]
+        ),
+    }
 
     tk_save = work / "toolkit-ckpt"
     r.toolkit("train", data, *MODEL, *TRAIN, "--max-update", str(args.updates), "--save-dir", str(tk_save))
     exported = str(work / "toolkit-as-fairseq.pt")
     r.toolkit("consolidate", str(tk_save / "checkpoint_last.pt"), "--to-fairseq", exported)
     rows["toolkit checkpoint, --to-fairseq"] = score_both(r, data, exported, str(tk_save / "checkpoint_last.pt"), [])
-    r.toolkit("train", data, *MODEL, *TRAIN, "--max-update", "2", "--save-dir", str(work / "finetuned"),
-              "--finetune-from-model", fs_ckpt)
+    r.toolkit(
+        "train",
+        data,
+        *MODEL,
+        *TRAIN,
+        "--max-update",
+        "2",
+        "--save-dir",
+        str(work / "finetuned"),
+        "--finetune-from-model",
+        fs_ckpt,
+    )
     results["finetune_from_fairseq_checkpoint"] = (work / "finetuned" / "checkpoint_last.pt").exists()
     report(rows, results, args.tolerance)
 
@@ -138,10 +206,14 @@ def report(rows: Dict[str, Dict[str, float]], results: Dict[str, object], tolera
         worst = max(worst, diff)
         print(f"{name:45s} {ppl['fairseq']:12.2f} {ppl['toolkit']:12.2f} {diff:10.5%}")
     trained = (rows["fairseq checkpoint"]["fairseq"], rows["toolkit checkpoint, --to-fairseq"]["fairseq"])
-    print(f"the same training command, test ppl (informational: different initial weights and batch order): "
-          f"fairseq-train {trained[0]:.2f}, toolkit-train {trained[1]:.2f}")
-    print(f"data-bins byte-identical: {results['data_bin_identical']}; "
-          f"--finetune-from-model on fairseq's checkpoint: {results['finetune_from_fairseq_checkpoint']}")
+    print(
+        f"the same training command, test ppl (informational: different initial weights and batch order): "
+        f"fairseq-train {trained[0]:.2f}, toolkit-train {trained[1]:.2f}"
+    )
+    print(
+        f"data-bins byte-identical: {results['data_bin_identical']}; "
+        f"--finetune-from-model on fairseq's checkpoint: {results['finetune_from_fairseq_checkpoint']}"
+    )
     ok = worst <= tolerance and all(results.values())
     print(json.dumps({"rows": rows, **results, "worst_relative_diff": worst, "tolerance": tolerance, "ok": ok}))
     sys.exit(0 if ok else 1)

@@ -3,6 +3,7 @@
 The baseline a trained language model must beat by a wide margin.
     python examples/language_model/unigram_ppl.py data-bin/wikitext-2-mini test
 """
+
 import math
 import os
 import sys

@@ -9,6 +9,7 @@ Nothing is downloaded and nothing is copied into the repository: the sentences a
 - ``toolkit_wiki_gen`` (generate_until): the first half of a sentence; the answer is the rest up
   to the end of the sentence (stop string " .").
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Tests import helpers only from this package (and fixtures from conftest), never from another test
 module: a test file can then move between tiers, or be deleted, without breaking the others.
 """
+
 import os
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,6 +6,7 @@ tied weights and projections, as transformer_lm_wiki103) for a few updates under
 setup, reusing tests/helpers/dist_helpers.py's trainer driver; rank 0 adds the losses of one plain process
 over the same global batches and writes everything to OUT_JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,20 @@ import sys
 
 from tests.helpers import dist_helpers as H
 
-ADAPTIVE = ["--arch", "transformer_lm_wiki103", "--adaptive-input-cutoff", "20,60", "--adaptive-softmax-cutoff",
-            "20,60", "--adaptive-softmax-dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
+ADAPTIVE = [
+    "--arch",
+    "transformer_lm_wiki103",
+    "--adaptive-input-cutoff",
+    "20,60",
+    "--adaptive-softmax-cutoff",
+    "20,60",
+    "--adaptive-softmax-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--activation-dropout",
+    "0",
+]
 UPDATES = 3
 
 # name -> extra flags; the ones with a reference are compared with one process at --update-freq 2
@@ -26,10 +39,30 @@ CONFIGS = {
     "full_shard+fp16": ["--ddp-backend", "fully_sharded", "--fp16"],
     # LayerDrop: every rank skips the same layers, whatever the backend (SGD: an unused parameter's
     # gradient, None under FSDP2 and zero under no_c10d, takes the same step)
-    "layerdrop:full_shard": ["--ddp-backend", "fully_sharded", "--decoder-layerdrop", "0.5", "--optimizer", "sgd",
-                             "--lr", "0.05", "--decoder-layers", "4"],
-    "layerdrop:no_c10d": ["--ddp-backend", "no_c10d", "--decoder-layerdrop", "0.5", "--optimizer", "sgd",
-                          "--lr", "0.05", "--decoder-layers", "4"],
+    "layerdrop:full_shard": [
+        "--ddp-backend",
+        "fully_sharded",
+        "--decoder-layerdrop",
+        "0.5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--decoder-layers",
+        "4",
+    ],
+    "layerdrop:no_c10d": [
+        "--ddp-backend",
+        "no_c10d",
+        "--decoder-layerdrop",
+        "0.5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--decoder-layers",
+        "4",
+    ],
 }
 
 

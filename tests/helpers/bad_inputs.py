@@ -3,6 +3,7 @@
 The prepared files (data-bins, checkpoints, forged and damaged inputs), a forked runner that gives a
 command's real exit status and stderr in seconds, and the promise every case is checked against.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,26 @@ from tests.helpers import dist_helpers as H
 from tests.helpers.checkpoints import Payload
 from toolkit.checkpoint import integrity
 
-TRAIN, EVAL, CONSOLIDATE, PREPROCESS = "toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.consolidate", \
-    "toolkit_cli.preprocess"
+TRAIN, EVAL, CONSOLIDATE, PREPROCESS = (
+    "toolkit_cli.train",
+    "toolkit_cli.eval_lm",
+    "toolkit_cli.consolidate",
+    "toolkit_cli.preprocess",
+)
 GENERATE, INTERACTIVE, EXPORT = "toolkit_cli.generate", "toolkit_cli.interactive", "toolkit_cli.export"
-PROGS = {TRAIN: "toolkit-train", EVAL: "toolkit-eval-lm", CONSOLIDATE: "toolkit-consolidate",
-         PREPROCESS: "toolkit-preprocess", GENERATE: "toolkit-generate", INTERACTIVE: "toolkit-interactive",
-         EXPORT: "toolkit-export"}
+PROGS = {
+    TRAIN: "toolkit-train",
+    EVAL: "toolkit-eval-lm",
+    CONSOLIDATE: "toolkit-consolidate",
+    PREPROCESS: "toolkit-preprocess",
+    GENERATE: "toolkit-generate",
+    INTERACTIVE: "toolkit-interactive",
+    EXPORT: "toolkit-export",
+}
 #: commands whose refusals are catalogued only in the later modules (test_bad_inputs.py covers all of PROGS)
 MORE_PROGS = {"toolkit_cli.plan": "toolkit-plan", "toolkit_cli.eval_harness": "toolkit-eval-harness"}
 NAN_GEN = ["--path", "{bad}/nan.pt", "--beam", "1", "--max-len-b", "3", "--cpu"]
 MODEL = "{model}"  # the tiny model's flags with --save-dir {save}, expanded below
-
 
 
 def prog_of(module: str) -> str:
@@ -42,6 +52,7 @@ def prog_of(module: str) -> str:
 
 
 # --- the prepared files ---------------------------------------------------------------------------
+
 
 def _copy_bin(src, dst):
     shutil.copytree(src, dst)
@@ -73,8 +84,15 @@ def _damaged_bins(data_bin, bad):
 def _bad_checkpoints(bad, sharded, marker, save):
     with open(f"{bad}/forged.pt", "wb") as f:
         torch.save({"cfg": {"arch": "transformer_lm"}, "model": Payload(marker)}, f)
-    torch.save({"cfg": {"common": {"seed": 1}, "model": {"_name": "transformer_lm"}, "task": {"data": "x"}},
-                "model": {}, "optimizer_history": [{"num_updates": 3}], "extra_state": {}}, f"{bad}/fairseq.pt")
+    torch.save(
+        {
+            "cfg": {"common": {"seed": 1}, "model": {"_name": "transformer_lm"}, "task": {"data": "x"}},
+            "model": {},
+            "optimizer_history": [{"num_updates": 3}],
+            "extra_state": {},
+        },
+        f"{bad}/fairseq.pt",
+    )
     torch.save({"args": argparse.Namespace(arch="transformer_lm"), "model": {}}, f"{bad}/fairseq_args.pt")
     with open(f"{bad}/corrupt.pt", "wb") as f:
         f.write(os.urandom(4096))
@@ -152,10 +170,27 @@ def prepare(root: str):
     """The catalogue's files under ``root`` (two 2-update trainings, then the damaged and forged inputs);
     yields their paths (a generator: the fixture in tests/integration/conftest.py owns the lifetime)."""
     data_bin = H.make_lm_data_bin(f"{root}/bin")
-    runs = [subprocess.Popen([sys.executable, "-m", TRAIN, data_bin, *H.model_args(f"{root}/{name}"), "--max-update",
-                              "2", "--disable-validation", *extra], cwd=H.REPO_ROOT, env=H.subprocess_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for name, extra in (("save", []), ("sharded", ["--use-sharded-state"]))]  # both at once
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                TRAIN,
+                data_bin,
+                *H.model_args(f"{root}/{name}"),
+                "--max-update",
+                "2",
+                "--disable-validation",
+                *extra,
+            ],
+            cwd=H.REPO_ROOT,
+            env=H.subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, extra in (("save", []), ("sharded", ["--use-sharded-state"]))
+    ]  # both at once
     _warm_up()
     for run in runs:
         assert run.wait(timeout=300) == 0, run.stderr.read()[-3000:]
@@ -168,8 +203,14 @@ def prepare(root: str):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    paths = {"root": root, "bin": data_bin, "save": f"{root}/save", "sharded": f"{root}/sharded", "bad": bad,
-             "port": str(listener.getsockname()[1])}
+    paths = {
+        "root": root,
+        "bin": data_bin,
+        "save": f"{root}/save",
+        "sharded": f"{root}/sharded",
+        "bad": bad,
+        "port": str(listener.getsockname()[1]),
+    }
     yield paths
     listener.close()
 

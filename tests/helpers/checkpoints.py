@@ -3,6 +3,7 @@
 Random weights (LayerNorm included) make a wrongly mapped tensor visible; the damage flips bytes inside a
 record so the zip's CRC no longer matches, which is what a torn copy looks like.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,11 +17,24 @@ from toolkit import options
 from toolkit.models import model_config
 from toolkit.models.transformer_lm import TransformerLanguageModel
 
-LINES = ["the cat sat on the mat", "a dog ran in the park", "", "the mat was red and the dog was blue",
-         "cats and dogs sat in the red park"]
-TINY = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=48, decoder_attention_heads=4,
-            dropout=0.0, attention_dropout=0.0,
-            decoder_input_dim=32, decoder_output_dim=32, decoder_normalize_before=True)  # not transformer_lm's 512/post
+LINES = [
+    "the cat sat on the mat",
+    "a dog ran in the park",
+    "",
+    "the mat was red and the dog was blue",
+    "cats and dogs sat in the red park",
+]
+TINY = dict(
+    decoder_layers=2,
+    decoder_embed_dim=32,
+    decoder_ffn_embed_dim=48,
+    decoder_attention_heads=4,
+    dropout=0.0,
+    attention_dropout=0.0,
+    decoder_input_dim=32,
+    decoder_output_dim=32,
+    decoder_normalize_before=True,
+)  # not transformer_lm's 512/post
 TOKENS_PER_SAMPLE = 16
 
 
@@ -36,11 +50,19 @@ def make_checkpoint(tmp_path, arch: str = "transformer_lm", data_dir=None, name:
 
     dictionary = Dictionary.load(os.path.join(data_dir, "dict.txt"))
     given = {**TINY, **overrides}
-    cfg = {"task": "language_modeling", "arch": arch, "data": data_dir, "tokens_per_sample": TOKENS_PER_SAMPLE,
-           "sample_break_mode": "none", "add_bos_token": False, "seed": 1,
-           **options.architecture_defaults(arch, given)}
-    model = TransformerLanguageModel(model_config(arch, max_target_positions=TOKENS_PER_SAMPLE, **given),
-                                     len(dictionary), dictionary.pad(), seed=0)
+    cfg = {
+        "task": "language_modeling",
+        "arch": arch,
+        "data": data_dir,
+        "tokens_per_sample": TOKENS_PER_SAMPLE,
+        "sample_break_mode": "none",
+        "add_bos_token": False,
+        "seed": 1,
+        **options.architecture_defaults(arch, given),
+    }
+    model = TransformerLanguageModel(
+        model_config(arch, max_target_positions=TOKENS_PER_SAMPLE, **given), len(dictionary), dictionary.pad(), seed=0
+    )
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():

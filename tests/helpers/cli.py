@@ -4,6 +4,7 @@ The one ``run_cli`` of the suite: every test that starts a toolkit command goes 
 environment a command sees (the repo on PYTHONPATH, one intra-op thread, no inherited rank) is the
 same everywhere.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,12 +23,44 @@ from tests.helpers.forkserver import ForkServer
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| (\w+) \| ([\w.]+) \| (.*)$")
 
 TINY_MODEL = [
-    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-normalize-before",  # else 512 wide, post-norm
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.1",
-    "--tokens-per-sample", "32", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.003",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5", "--num-workers", "0", "--cpu",
-    "--log-format", "json", "--log-interval", "1", "--seed", "3",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--decoder-normalize-before",  # else 512 wide, post-norm
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--dropout",
+    "0.1",
+    "--tokens-per-sample",
+    "32",
+    "--batch-size",
+    "4",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "5",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--seed",
+    "3",
 ]
 
 
@@ -72,8 +105,14 @@ def run_cli(module: str, args: Sequence[str], timeout: float = 300, env: Optiona
     paying the imports again)."""
     if module.startswith(("toolkit_cli.", "tests.helpers.")) and _fork_ok():
         return _run_forked(module, args, timeout, subprocess_env(env))
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(env), cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(env),
+        cwd=REPO_ROOT,
+    )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -97,8 +136,9 @@ def _run_forked(module: str, args: Sequence[str], timeout: float, env: Dict[str,
             return Run(code, f.read(), g.read())
 
 
-def run_train(argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 240,
-              module: str = "toolkit_cli.train") -> Run:
+def run_train(
+    argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 240, module: str = "toolkit_cli.train"
+) -> Run:
     """toolkit-train with exactly these arguments (``train`` below adds the tiny model and a save dir)."""
     return run_cli(module, argv, timeout=timeout, env=env)
 

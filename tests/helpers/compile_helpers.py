@@ -11,6 +11,7 @@ captured in all (a compiled config that captured none would be an eager run in d
 after each update (a count still growing after the first update means recompiling).
 Dynamo's caches are reset between configs, so each one compiles on its own.
 """
+
 from __future__ import annotations
 
 import json

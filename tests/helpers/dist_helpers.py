@@ -12,6 +12,7 @@ Worker programs (run as ``python -m tests.helpers.dist_helpers COMMAND ...``):
     runs toolkit-train with NPROCS processes, each capping its own address space
     (RLIMIT_AS) at its size just before the model is built plus HEADROOM_MB.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,12 +54,46 @@ def make_lm_data_bin(dest: str) -> str:
 
 
 def model_args(save_dir: str) -> List[str]:
-    return ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
-            "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
-            "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-normalize-before",
-            "--dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--batch-size", "4",
-            "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--save-dir", save_dir]
+    return [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "transformer_lm",
+        "--decoder-layers",
+        "2",
+        "--decoder-embed-dim",
+        "32",
+        "--decoder-ffn-embed-dim",
+        "64",
+        "--decoder-attention-heads",
+        "2",
+        "--decoder-input-dim",
+        "32",
+        "--decoder-output-dim",
+        "32",
+        "--decoder-normalize-before",
+        "--dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-dir",
+        save_dir,
+    ]
 
 
 def losses(stdout: str, tag: str = "train_inner") -> Dict[int, float]:
@@ -78,15 +113,40 @@ LOGGED_TOL = 1.01e-3  # one unit in the last logged place
 
 def llama_args(save_dir) -> list:
     """``model_args`` for the Llama family (the ``llama_tiny`` architecture)."""
-    return ["--task", "language_modeling", "--arch", "llama_tiny", "--optimizer", "adam", "--lr", "0.003",
-            "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--no-epoch-checkpoints"]
+    return [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "llama_tiny",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-dir",
+        str(save_dir),
+        "--no-epoch-checkpoints",
+    ]
 
 
 def train(data_bin, save_dir, *flags, env=None, timeout=240):
     """toolkit-train on ``model_args`` (dropout 0: runs compare loss for loss); fails the test if it fails."""
     proc = run_train([data_bin] + model_args(str(save_dir)) + list(flags), env=env, timeout=timeout)
-    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -107,12 +167,24 @@ STRATEGY_CONFIGS = {
     "full_shard+uf2": ["--ddp-backend", "fully_sharded", "--update-freq", "2"],
     "shard_grad_op": ["--ddp-backend", "fully_sharded", "--sharding-strategy", "shard_grad_op"],
     "no_shard": ["--ddp-backend", "fully_sharded", "--sharding-strategy", "no_shard"],
-    "hybrid_shard": ["--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
-                     "--shard-group-size", "1"],
+    "hybrid_shard": [
+        "--ddp-backend",
+        "fully_sharded",
+        "--sharding-strategy",
+        "hybrid_shard",
+        "--shard-group-size",
+        "1",
+    ],
     "hybrid_shard_zero2": ["--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard_zero2"],
     "full_shard+cpu_offload+offload_act+no_reshard": [
-        "--ddp-backend", "fully_sharded", "--cpu-offload", "--offload-activations", "--no-reshard-after-forward",
-        "--optimizer", "cpu_adam"],  # --cpu-offload's optimizer; its updates match torch's Adam
+        "--ddp-backend",
+        "fully_sharded",
+        "--cpu-offload",
+        "--offload-activations",
+        "--no-reshard-after-forward",
+        "--optimizer",
+        "cpu_adam",
+    ],  # --cpu-offload's optimizer; its updates match torch's Adam
     "full_shard+bf16": ["--ddp-backend", "fully_sharded", "--bf16"],
 }
 STRATEGY_UPDATES = 3
@@ -135,7 +207,7 @@ def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
 
     torch.manual_seed(cfg.common.seed)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
-    task, model, strategy = trainer.task, trainer.model, trainer.strategy
+    model, strategy = trainer.model, trainer.strategy
     itr = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=True)
 
     out = {"losses": [], "grad_norms": []}
@@ -203,8 +275,9 @@ def strategies_worker(cfg) -> None:
 
         single = DistributedEnv(rank=0, world_size=1, device=env.device)
         refs = {}
-        for uf in sorted({_parse_train_args(base_argv + f).optimization.update_freq
-                          for f in STRATEGY_CONFIGS.values()}):
+        for uf in sorted(
+            {_parse_train_args(base_argv + f).optimization.update_freq for f in STRATEGY_CONFIGS.values()}
+        ):
             a = _parse_train_args(base_argv + ["--ddp-backend", "c10d", "--update-freq", str(uf * env.world_size)])
             refs[uf] = _train_updates(a, single, STRATEGY_UPDATES, uf * env.world_size)
         for name, flags in STRATEGY_CONFIGS.items():
@@ -224,6 +297,7 @@ def strategies_main(data: str, out: str) -> None:
 
 
 # --- worker: a capped address space ------------------------------------------------------------
+
 
 def vm_bytes() -> int:
     with open("/proc/self/status") as f:
@@ -246,14 +320,16 @@ def capped_main(cfg) -> None:
         base = vm_bytes()
         cap = base + headroom
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        print(f"rank {env.rank}: address space capped at {cap >> 20} MiB "
-              f"({base >> 20} MiB before the model + {headroom >> 20} MiB)", flush=True)
+        print(
+            f"rank {env.rank}: address space capped at {cap >> 20} MiB "
+            f"({base >> 20} MiB before the model + {headroom >> 20} MiB)",
+            flush=True,
+        )
         return build(a, task, env)
 
     train.build_parallel_model = build_capped
     train.train(cfg)
-    print(f"rank {int(os.environ.get('RANK', 0))}: finished under the cap, peak VM {_peak_vm() >> 20} MiB",
-          flush=True)
+    print(f"rank {int(os.environ.get('RANK', 0))}: finished under the cap, peak VM {_peak_vm() >> 20} MiB", flush=True)
 
 
 def _peak_vm() -> int:
@@ -283,6 +359,6 @@ if __name__ == "__main__":
         strategies_main(sys.argv[2], sys.argv[3])
     elif command == "memcap":
         sep = sys.argv.index("--")
-        memcap_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[sep + 1:])
+        memcap_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[sep + 1 :])
     else:
         raise SystemExit(f"unknown command {command}")

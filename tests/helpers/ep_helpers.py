@@ -1,4 +1,5 @@
 """Worker of the expert-parallel dispatch test (tests/integration/test_expert_parallel.py): spawned per rank."""
+
 import copy
 
 import torch
@@ -25,11 +26,11 @@ def dispatch_matches_local(rank: int, world: int, out_dir: str) -> dict:
     x = x_all.detach()[rank].clone().requires_grad_()
     y = placed(x)
     (y * probe[rank]).sum().backward()
-    torch.testing.assert_close(y, whole(x_all.flatten(0, 1))[rank:rank + 1])
+    torch.testing.assert_close(y, whole(x_all.flatten(0, 1))[rank : rank + 1])
     torch.testing.assert_close(x.grad, x_all.grad[rank])
     local = EXPERTS // world
     for name in EXPERT_PROJECTIONS:
-        want = getattr(whole.experts, name).grad[rank * local:(rank + 1) * local]
+        want = getattr(whole.experts, name).grad[rank * local : (rank + 1) * local]
         torch.testing.assert_close(getattr(placed.experts, name).grad, want)
     experts = [getattr(placed.experts, name) for name in EXPERT_PROJECTIONS]
     for p in placed.parameters():  # the rest from this rank's tokens: summed over the ranks, the whole gradient

@@ -1,4 +1,5 @@
 """A tiny fairseq-layout checkpoint and data-bin for eval-lm, shared by its in-process and CLI tests."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,15 @@ import torch
 from tests.helpers.fairseq_layout import fairseq_main_checkpoint, model_options, random_fairseq_model, task_options
 from tests.helpers.lm_fixtures import make_data_bin
 
-LINES = ["the cat sat on the mat", "a dog ran", "the dog sat", "", "on a mat the cat ran far away now",
-         "cat", "the mat sat on a dog"] * 3
+LINES = [
+    "the cat sat on the mat",
+    "a dog ran",
+    "the dog sat",
+    "",
+    "on a mat the cat ran far away now",
+    "cat",
+    "the mat sat on a dog",
+] * 3
 MAX_POS = 40
 
 

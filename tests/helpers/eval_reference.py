@@ -1,4 +1,5 @@
 """What toolkit-eval-lm must compute, written out directly against the model (the integration tests' reference)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ def reference_eval(model, stream, block):
     before it in its block, ``</s>`` before the first (eval-lm without a context window)."""
     total = 0.0
     for s in range(0, len(stream), block):
-        targets = stream[s:s + block]
+        targets = stream[s : s + block]
         inputs = torch.tensor([[stream[s - 1] if s else 2] + targets[:-1]])
         with torch.no_grad():
             lp = model.get_normalized_probs(model(inputs))[0]

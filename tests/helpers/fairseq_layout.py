@@ -7,6 +7,7 @@ toolkit, so a test that loads these files checks our mapping against fairseq's
 layout. The reference forward uses separate q/k/v projections and an explicit
 masked softmax.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,26 @@ def fairseq_param_names(layers: int, learned: bool, tied: bool) -> List[str]:
             names += [f"{p}self_attn.{proj}.weight", f"{p}self_attn.{proj}.bias"]
         for module in ("self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"):
             names += [f"{p}{module}.weight", f"{p}{module}.bias"]
-    names += ["decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.output_projection.weight",
-              "decoder.version"]
+    names += [
+        "decoder.layer_norm.weight",
+        "decoder.layer_norm.bias",
+        "decoder.output_projection.weight",
+        "decoder.version",
+    ]
     return names
 
 
 def fairseq_shapes(layers: int, C: int, F_: int, V: int, pad: int, max_pos: int, learned: bool) -> Dict[str, tuple]:
-    shapes = {"decoder.embed_tokens.weight": (V, C), "decoder.output_projection.weight": (V, C),
-              "decoder.layer_norm.weight": (C,), "decoder.layer_norm.bias": (C,), "decoder.version": (1,)}
+    shapes = {
+        "decoder.embed_tokens.weight": (V, C),
+        "decoder.output_projection.weight": (V, C),
+        "decoder.layer_norm.weight": (C,),
+        "decoder.layer_norm.bias": (C,),
+        "decoder.version": (1,),
+    }
     shapes["decoder.embed_positions.weight" if learned else "decoder.embed_positions._float_tensor"] = (
-        (max_pos + pad + 1, C) if learned else (1,))
+        (max_pos + pad + 1, C) if learned else (1,)
+    )
     for i in range(layers):
         p = f"decoder.layers.{i}."
         for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
@@ -97,7 +108,7 @@ def reference_forward(sd, tokens: torch.Tensor, heads: int, pad: int, learned: b
 
         h = F.layer_norm(x, (C,), sd[p + "self_attn_layer_norm.weight"], sd[p + "self_attn_layer_norm.bias"])
         D = C // heads
-        q = (lin(h, "self_attn.q_proj") * D ** -0.5).view(B, T, heads, D).transpose(1, 2)
+        q = (lin(h, "self_attn.q_proj") * D**-0.5).view(B, T, heads, D).transpose(1, 2)
         k = lin(h, "self_attn.k_proj").view(B, T, heads, D).transpose(1, 2)
         v = lin(h, "self_attn.v_proj").view(B, T, heads, D).transpose(1, 2)
         scores = q @ k.transpose(-1, -2)
@@ -115,33 +126,83 @@ def reference_forward(sd, tokens: torch.Tensor, heads: int, pad: int, learned: b
 
 def model_options(layers=2, C=16, F_=24, heads=2, max_pos=32, learned=True, tied=False) -> Dict:
     """fairseq's TransformerLanguageModelConfig values (after base_lm_architecture)."""
-    return {"_name": "transformer_lm", "activation_fn": "relu", "dropout": 0.1, "attention_dropout": 0.0,
-            "activation_dropout": 0.0, "relu_dropout": 0.0, "decoder_embed_dim": C, "decoder_output_dim": C,
-            "decoder_input_dim": C, "decoder_ffn_embed_dim": F_, "decoder_layers": layers,
-            "decoder_attention_heads": heads, "decoder_normalize_before": True, "no_decoder_final_norm": False,
-            "adaptive_softmax_cutoff": None, "no_token_positional_embeddings": False,
-            "share_decoder_input_output_embed": tied, "character_embeddings": False, "adaptive_input": False,
-            "tie_adaptive_weights": False, "decoder_learned_pos": learned, "layernorm_embedding": False,
-            "no_scale_embedding": False, "decoder_layerdrop": 0.0, "decoder_layers_to_keep": None,
-            "scale_fc": False, "scale_attn": False, "scale_heads": False, "scale_resids": False,
-            "add_bos_token": False, "tokens_per_sample": max_pos, "max_target_positions": max_pos, "tpu": False}
+    return {
+        "_name": "transformer_lm",
+        "activation_fn": "relu",
+        "dropout": 0.1,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "relu_dropout": 0.0,
+        "decoder_embed_dim": C,
+        "decoder_output_dim": C,
+        "decoder_input_dim": C,
+        "decoder_ffn_embed_dim": F_,
+        "decoder_layers": layers,
+        "decoder_attention_heads": heads,
+        "decoder_normalize_before": True,
+        "no_decoder_final_norm": False,
+        "adaptive_softmax_cutoff": None,
+        "no_token_positional_embeddings": False,
+        "share_decoder_input_output_embed": tied,
+        "character_embeddings": False,
+        "adaptive_input": False,
+        "tie_adaptive_weights": False,
+        "decoder_learned_pos": learned,
+        "layernorm_embedding": False,
+        "no_scale_embedding": False,
+        "decoder_layerdrop": 0.0,
+        "decoder_layers_to_keep": None,
+        "scale_fc": False,
+        "scale_attn": False,
+        "scale_heads": False,
+        "scale_resids": False,
+        "add_bos_token": False,
+        "tokens_per_sample": max_pos,
+        "max_target_positions": max_pos,
+        "tpu": False,
+    }
 
 
 def task_options(data: str, tokens_per_sample: int) -> Dict:
-    return {"_name": "language_modeling", "data": data, "sample_break_mode": "none",
-            "tokens_per_sample": tokens_per_sample, "add_bos_token": False, "max_target_positions": None,
-            "seed": 1}
+    return {
+        "_name": "language_modeling",
+        "data": data,
+        "sample_break_mode": "none",
+        "tokens_per_sample": tokens_per_sample,
+        "add_bos_token": False,
+        "max_target_positions": None,
+        "seed": 1,
+    }
 
 
 def fairseq_main_checkpoint(sd, model: Dict, task: Dict, optimizer_state=None) -> Dict:
     """fairseq >= 0.12 Trainer.state_dict(): ``args`` None, ``cfg`` a plain dict."""
-    state = {"args": None, "cfg": {"_name": None, "common": {"seed": 1, "fp16": False}, "task": task,
-                                   "model": model, "criterion": {"_name": "cross_entropy"}},
-             "model": sd, "criterion": None,
-             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "FairseqAdam",
-                                    "lr_scheduler_state": {"best": 5.0}, "num_updates": 7}],
-             "task_state": {}, "extra_state": {"metrics": {}, "previous_training_time": 1.5,
-                                               "train_iterator": {"epoch": 2, "iterations_in_epoch": 3}}}
+    state = {
+        "args": None,
+        "cfg": {
+            "_name": None,
+            "common": {"seed": 1, "fp16": False},
+            "task": task,
+            "model": model,
+            "criterion": {"_name": "cross_entropy"},
+        },
+        "model": sd,
+        "criterion": None,
+        "optimizer_history": [
+            {
+                "criterion_name": "CrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": 5.0},
+                "num_updates": 7,
+            }
+        ],
+        "task_state": {},
+        "extra_state": {
+            "metrics": {},
+            "previous_training_time": 1.5,
+            "train_iterator": {"epoch": 2, "iterations_in_epoch": 3},
+        },
+    }
     if optimizer_state is not None:
         state["last_optimizer_state"] = optimizer_state
     return state
@@ -150,12 +211,27 @@ def fairseq_main_checkpoint(sd, model: Dict, task: Dict, optimizer_state=None) -
 def fairseq_010_checkpoint(sd, model: Dict, task: Dict, optimizer_state=None) -> Dict:
     """fairseq 0.10.0: options in an argparse.Namespace ``args`` (arch, task and model flags together)."""
     flat = {k: v for k, v in {**model, **task}.items() if k != "_name"}
-    args = argparse.Namespace(arch="transformer_lm_gpt", task="language_modeling", criterion="cross_entropy",
-                              optimizer="adam", lr=[0.0005], **flat)
-    state = {"args": args, "model": sd,
-             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "FairseqAdam",
-                                    "lr_scheduler_state": {"best": 5.0}, "num_updates": 7}],
-             "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 7}, "val_loss": 5.0}}
+    args = argparse.Namespace(
+        arch="transformer_lm_gpt",
+        task="language_modeling",
+        criterion="cross_entropy",
+        optimizer="adam",
+        lr=[0.0005],
+        **flat,
+    )
+    state = {
+        "args": args,
+        "model": sd,
+        "optimizer_history": [
+            {
+                "criterion_name": "CrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": 5.0},
+                "num_updates": 7,
+            }
+        ],
+        "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 7}, "val_loss": 5.0},
+    }
     if optimizer_state is not None:
         state["last_optimizer_state"] = optimizer_state
     return state

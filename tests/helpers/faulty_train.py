@@ -4,6 +4,7 @@
 right after it wrote its shard and before the checkpoint is complete. The patch is made
 at import, so the spawned workers (which re-import this main module) get it too.
 """
+
 import logging
 import os
 import signal

@@ -15,6 +15,7 @@ the server's stdin/stdout, one JSON line a request: ``{"module", "argv", "env", 
 server says ``ready`` once its imports are done, then answers each request with the child's pid and its exit
 status, each on a line.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,16 +29,32 @@ import sys
 import traceback
 from typing import Dict, List, Optional, Tuple
 
-WARM = ("toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.generate", "toolkit_cli.validate",
-        "toolkit_cli.export", "toolkit_cli.consolidate", "toolkit_cli.preprocess", "toolkit_cli.interactive",
-        "toolkit_cli.hydra_train", "toolkit_cli.plan")
+WARM = (
+    "toolkit_cli.train",
+    "toolkit_cli.eval_lm",
+    "toolkit_cli.generate",
+    "toolkit_cli.validate",
+    "toolkit_cli.export",
+    "toolkit_cli.consolidate",
+    "toolkit_cli.preprocess",
+    "toolkit_cli.interactive",
+    "toolkit_cli.hydra_train",
+    "toolkit_cli.plan",
+)
 # The command modules import their work only after parsing (``--help`` without torch), so the work is warmed
 # apart: torch, every registered component, the training loop and what it pulls in lazily (dynamo, which any
 # torch.optim optimizer imports; inductor's compiler; FSDP2, DTensor, DCP). About 2 s of imports a command
 # otherwise pays again (1,960 modules), and each of its ranks too where it forks them before its imports.
-WORK = ("toolkit.train.train_loop", "toolkit.distributed.parallelize", "toolkit.checkpoint.stateful",
-        "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.checkpoint",
-        "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
+WORK = (
+    "toolkit.train.train_loop",
+    "toolkit.distributed.parallelize",
+    "toolkit.checkpoint.stateful",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+)
 
 
 def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
@@ -123,8 +140,15 @@ class ForkServer:
     """The client side: one server process per test session, started on first use."""
 
     def __init__(self, env: Dict[str, str], cwd: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.forkserver"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, cwd=cwd, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.forkserver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
+            text=True,
+            bufsize=1,
+        )
         self.ready = False
 
     def alive(self) -> bool:
@@ -140,8 +164,9 @@ class ForkServer:
             raise RuntimeError("the test fork server exited")
         return line
 
-    def run(self, module: str, argv: List[str], env: Dict[str, str], cwd: str, out: str, err: str,
-            timeout: Optional[float]) -> int:
+    def run(
+        self, module: str, argv: List[str], env: Dict[str, str], cwd: str, out: str, err: str, timeout: Optional[float]
+    ) -> int:
         if not self.ready:  # the imports, once (a minute at most, even on a busy machine)
             assert self._line(300.0) == "ready\n"
             self.ready = True

@@ -6,6 +6,7 @@ Rank 1 overflows once, at update UPDATE: ``shard`` puts an inf into its gradient
 ``loss`` blows up its loss before it; every rank prints its final state, so the test sees whether all ranks
 skipped the same update.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,6 +39,7 @@ def worker(mode: str, update: int, argv) -> None:
                 local.view(-1)[0] = float("inf")
                 box["injected"] = 1
             return orig(self, *a, **kw)
+
         return wrapped
 
     forward = CrossEntropyCriterion.forward
@@ -56,10 +58,12 @@ def worker(mode: str, update: int, argv) -> None:
         CrossEntropyCriterion.forward = poisoned_forward
     cli_main(list(argv))
     t = box["trainer"]
-    total = sum(float(p.detach().float().sum()) for p in t.model.parameters()
-                if not hasattr(p, "to_local"))
-    print(f"FINAL rank={rank} injected={box['injected']} num_updates={t.num_updates} "
-          f"loss_scale={t.scaler.loss_scale if t.scaler else None} params={total!r}", flush=True)
+    total = sum(float(p.detach().float().sum()) for p in t.model.parameters() if not hasattr(p, "to_local"))
+    print(
+        f"FINAL rank={rank} injected={box['injected']} num_updates={t.num_updates} "
+        f"loss_scale={t.scaler.loss_scale if t.scaler else None} params={total!r}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ transformers 5 builds it, ``Qwen2Tokenizer`` splits digits anyway: ``AutoTokeniz
 Import only after ``pytest.importorskip("transformers")`` / ``("tokenizers")``: the optional extras are
 imported here at module level.
 """
+
 from __future__ import annotations
 
 import tokenizers
@@ -13,36 +14,78 @@ import torch
 import transformers
 
 WORDS = [f"w{i}" for i in range(60)]
-SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64, initializer_range=0.3)
+SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+)
 KINDS = {
-    "llama": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
-                                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                           "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 16})),
-    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                                             rope_theta=1e6)),
+    "llama": (
+        transformers.LlamaConfig,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),
+    ),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
     # QK-norm, heads of 32 (not 64 / 4), untied
-    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                                             rms_norm_eps=1e-6, rope_theta=1e6)),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
+    ),
     # every position sees the last 6 (the tests' texts are longer)
     "mistral_window": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=6)),
     # layer 0 global, layer 1 local within the last 6 positions (use_sliding_window from max_window_layers on)
-    "qwen3_window": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                                                    rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=True,
-                                                    sliding_window=6, max_window_layers=1)),
+    "qwen3_window": (
+        transformers.Qwen3Config,
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),
+    ),
     # norms after attention and the MLP, QK-norm over the whole projections, GQA
-    "olmo2": (transformers.Olmo2Config, dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                             rope_theta=500000.0)),
+    "olmo2": (
+        transformers.Olmo2Config,
+        dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0),
+    ),
     # a local layer (window 6) then a global one, each with its rotary base; soft-capped scores and logits
-    "gemma3": (transformers.Gemma3TextConfig, dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                                                   sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-                                                   attn_logit_softcapping=30.0, final_logit_softcapping=20.0,
-                                                   rope_parameters={"full_attention": {"rope_type": "default",
-                                                                                       "rope_theta": 1e6},
-                                                                    "sliding_attention": {"rope_type": "default",
-                                                                                          "rope_theta": 1e4}})),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=30.0,
+            final_logit_softcapping=20.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
 }
 WINDOW = 6
 
@@ -60,7 +103,9 @@ def save_qwen2_tokenizer(folder: str) -> dict:
     tok.decoder = tokenizers.decoders.ByteLevel()
     names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(folder)
-    return dict(bos_token_id=None, eos_token_id=vocab["<|endoftext|>"], vocab_size=len(vocab) + 48)  # unused rows, as Qwen2 has
+    return dict(
+        bos_token_id=None, eos_token_id=vocab["<|endoftext|>"], vocab_size=len(vocab) + 48
+    )  # unused rows, as Qwen2 has
 
 
 def save_tokenizer(folder: str, kind: str) -> dict:
@@ -72,8 +117,9 @@ def save_tokenizer(folder: str, kind: str) -> dict:
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.save_pretrained(folder)
     return dict(bos_token_id=1, eos_token_id=2, vocab_size=len(vocab))
 
@@ -92,8 +138,14 @@ def greedy_pair(model, hf, prompt: torch.Tensor, steps: int):
     """(transformers' ``generate(do_sample=False)`` tokens, ours through the KV cache) after ``prompt``; EOS is
     never picked (``min_new_tokens``: transformers masks it, so ours is masked too)."""
     with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps, do_sample=False,
-                           min_new_tokens=steps, pad_token_id=0)[0, prompt.size(1):].tolist()
+        want = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=steps,
+            do_sample=False,
+            min_new_tokens=steps,
+            pad_token_id=0,
+        )[0, prompt.size(1) :].tolist()
         state, got = {}, []
         logits = model(prompt, incremental_state=state)
         for _ in range(steps):
@@ -104,6 +156,7 @@ def greedy_pair(model, hf, prompt: torch.Tensor, steps: int):
 
 # --- malformed folders: what a hand edit, a cut download or a wrong file make of one (each a one-line refusal) ---
 
+
 def _edit_config(change):
     def edit(folder: str) -> None:
         import json
@@ -113,6 +166,7 @@ def _edit_config(change):
             config = json.load(f)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(change(config), f)
+
     return edit
 
 
@@ -120,6 +174,7 @@ def _write(name: str, text: str):
     def write(folder: str) -> None:
         with open(f"{folder}/{name}", "w", encoding="utf-8") as f:
             f.write(text)
+
     return write
 
 
@@ -139,18 +194,36 @@ MALFORMED = {
     "config-not-json": (_write("config.json", "{not json"), "config.json", "JSONDecodeError"),
     "config-a-list": (_write("config.json", "[1, 2]"), "config.json", "holds a JSON list, not an object"),
     "config-no-layers": (_edit_config(_without("num_hidden_layers")), "config.json", "no num_hidden_layers"),
-    "config-layers-a-string": (_edit_config(lambda c: dict(c, num_hidden_layers="two")), "config.json",
-                               "num_hidden_layers 'two'; these are counts"),
-    "config-llama3-rope-cut": (_edit_config(lambda c: dict(c, rope_scaling={"rope_type": "llama3", "factor": 8.0})),
-                               "config.json", "rope_scaling of rope_type llama3 has no low_freq_factor"),
-    "config-rope-factor-a-list": (_edit_config(lambda c: dict(c, rope_scaling={
-        "rope_type": "llama3", "factor": [8], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})), "config.json", "TypeError"),
+    "config-layers-a-string": (
+        _edit_config(lambda c: dict(c, num_hidden_layers="two")),
+        "config.json",
+        "num_hidden_layers 'two'; these are counts",
+    ),
+    "config-llama3-rope-cut": (
+        _edit_config(lambda c: dict(c, rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+        "config.json",
+        "rope_scaling of rope_type llama3 has no low_freq_factor",
+    ),
+    "config-rope-factor-a-list": (
+        _edit_config(
+            lambda c: dict(
+                c,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": [8],
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            )
+        ),
+        "config.json",
+        "TypeError",
+    ),
     "half-a-safetensors-file": (_cut_weights, "model.safetensors", "SafetensorError"),
     "tokenizer-garbage": (_write("tokenizer.json", "garbage{"), "tokenizer.json", "expected value"),
     "tokenizer-config-not-json": (_write("tokenizer_config.json", "{x"), "tokenizer_config.json", "JSONDecodeError"),
-    "index-not-json": (_write("model.safetensors.index.json", "{x"), "model.safetensors.index.json",
-                       "JSONDecodeError"),
+    "index-not-json": (_write("model.safetensors.index.json", "{x"), "model.safetensors.index.json", "JSONDecodeError"),
 }
 
 

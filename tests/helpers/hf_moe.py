@@ -5,6 +5,7 @@ The routers are drawn wide (std 1) so that each token's top 2 of 4 experts are f
 flips on a last-bit difference would make log-probs differ by more than rounding. Import only after
 ``pytest.importorskip("transformers")``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,17 +13,38 @@ import transformers
 
 from tests.helpers.hf_llama import save_tokenizer
 
-SHAPES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False, num_experts_per_tok=2)
+SHAPES = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    num_experts_per_tok=2,
+)
 KINDS = {
     # per-head QK-norm, heads of 32 (not 64 / 4), renormalized top-k
-    "qwen3_moe": (transformers.Qwen3MoeConfig, "qwen3", dict(num_experts=4, moe_intermediate_size=32, head_dim=32,
-                                                             intermediate_size=96, norm_topk_prob=True,
-                                                             rms_norm_eps=1e-6, rope_theta=1e6)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        "qwen3",
+        dict(
+            num_experts=4,
+            moe_intermediate_size=32,
+            head_dim=32,
+            intermediate_size=96,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+        ),
+    ),
     # QK-norm over the whole projections, top-k weights not renormalized
     "olmoe": (transformers.OlmoeConfig, "llama", dict(num_experts=4, intermediate_size=48)),
-    "mixtral": (transformers.MixtralConfig, "llama", dict(num_local_experts=4, intermediate_size=48,
-                                                          sliding_window=None)),
+    "mixtral": (
+        transformers.MixtralConfig,
+        "llama",
+        dict(num_local_experts=4, intermediate_size=48, sliding_window=None),
+    ),
 }
 
 

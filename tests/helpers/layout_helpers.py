@@ -5,6 +5,7 @@ for what its consumers ask (data rank and world, the loss group, the FSDP / TP /
 experts' FSDP2 mesh, their holders under TP), sums
 its rank over each group with a real collective, and rank 0 gathers all ranks' answers.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -21,8 +22,9 @@ LAYOUTS = {
     "full_shard_tp2_ep2": dict(ddp_backend="fully_sharded", model_parallel_size=2, expert_parallel_size=2),
     "full_shard_cp2_ep4": dict(ddp_backend="fully_sharded", context_parallel_size=2, expert_parallel_size=4),
     "full_shard_ep2": dict(ddp_backend="fully_sharded", expert_parallel_size=2),
-    "hybrid_2x2_ep2": dict(ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2,
-                           expert_parallel_size=2),
+    "hybrid_2x2_ep2": dict(
+        ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2, expert_parallel_size=2
+    ),
     "no_shard_ep2": dict(ddp_backend="fully_sharded", sharding_strategy="no_shard", expert_parallel_size=2),
 }
 
@@ -40,12 +42,18 @@ def _summed_rank(group) -> int:
 
 
 def _describe(dims) -> Dict:
-    out = dict(data=(dims.data_rank, dims.data_world), loss_world=dims.loss_world,
-               loss_ranks=_ranks(dims.loss_group), loss_sum=_summed_rank(dims.loss_group), mesh=None)
+    out = dict(
+        data=(dims.data_rank, dims.data_world),
+        loss_world=dims.loss_world,
+        loss_ranks=_ranks(dims.loss_group),
+        loss_sum=_summed_rank(dims.loss_group),
+        mesh=None,
+    )
     if dims.shape.needs_mesh:
         fsdp = dims.fsdp_mesh
-        out.update(mesh=(tuple(dims.mesh.shape), dims.mesh.mesh_dim_names),
-                   fsdp=(tuple(fsdp.shape), fsdp.mesh_dim_names))
+        out.update(
+            mesh=(tuple(dims.mesh.shape), dims.mesh.mesh_dim_names), fsdp=(tuple(fsdp.shape), fsdp.mesh_dim_names)
+        )
     for axis, size in (("tp", dims.shape.tp), ("cp", dims.shape.cp), ("ep", dims.shape.ep)):
         if size > 1:
             group = getattr(dims, f"{axis}_mesh").get_group()
@@ -57,8 +65,11 @@ def _describe(dims) -> Dict:
         if mesh.ndim == 1:
             out["expert_fsdp"] = (_ranks(mesh.get_group()), _summed_rank(mesh.get_group()))
         else:  # HSDP: (replicate, shard), each axis's group
-            out["expert_fsdp"] = (tuple(mesh.shape), mesh.mesh_dim_names,
-                                  [(_ranks(mesh.get_group(d)), _summed_rank(mesh.get_group(d))) for d in range(2)])
+            out["expert_fsdp"] = (
+                tuple(mesh.shape),
+                mesh.mesh_dim_names,
+                [(_ranks(mesh.get_group(d)), _summed_rank(mesh.get_group(d))) for d in range(2)],
+            )
     if dims.shape.ep > 1 and dims.shape.tp > 1:
         group = dims.expert_holders_mesh.get_group()  # experts whole on every tp rank: their holders
         out["expert_holders"] = (_ranks(group), _summed_rank(group))

@@ -6,6 +6,7 @@
 Lines are tokenized on whitespace and end with ``</s>`` (an empty line is just
 ``</s>``, a document separator), as ``toolkit-preprocess`` / fairseq-preprocess do.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 
 
-def build_dictionary(lines: Iterable[str], symbols: Optional[Sequence[str]] = None,
-                     padding_factor: int = 8) -> Dictionary:
+def build_dictionary(
+    lines: Iterable[str], symbols: Optional[Sequence[str]] = None, padding_factor: int = 8
+) -> Dictionary:
     """``symbols`` given: exactly those, in that order, after the 4 specials (ids 4, 5, ...).
     Otherwise: every word of ``lines``, sorted by frequency as fairseq-preprocess does."""
     d = Dictionary()
@@ -43,8 +45,13 @@ def write_split(prefix: str, items: Sequence[np.ndarray], vocab_size: int) -> No
     builder.finalize(prefix + ".idx")
 
 
-def make_data_bin(dest, lines_by_split: Dict[str, Sequence[str]], symbols: Optional[Sequence[str]] = None,
-                  dict_splits: Optional[Sequence[str]] = None, padding_factor: int = 8) -> Dictionary:
+def make_data_bin(
+    dest,
+    lines_by_split: Dict[str, Sequence[str]],
+    symbols: Optional[Sequence[str]] = None,
+    dict_splits: Optional[Sequence[str]] = None,
+    padding_factor: int = 8,
+) -> Dictionary:
     """Write ``dest/dict.txt`` and ``dest/{split}.bin/.idx`` for every split; return the Dictionary.
 
     The dictionary is built from ``dict_splits`` (default: "train" if given, else all
@@ -72,9 +79,14 @@ def read_lines(path: str, max_lines: Optional[int] = None) -> List[str]:
     return out
 
 
-def make_wikitext_data_bin(dest, wikitext_dir: str, max_train_lines: int = 2000, max_valid_lines: int = 200) -> Dictionary:
+def make_wikitext_data_bin(
+    dest, wikitext_dir: str, max_train_lines: int = 2000, max_valid_lines: int = 200
+) -> Dictionary:
     """A data-bin of the first lines of ``wikitext-2-mini`` (whitespace tokens)."""
-    return make_data_bin(dest, {
-        "train": read_lines(os.path.join(wikitext_dir, "wiki.train.tokens"), max_train_lines),
-        "valid": read_lines(os.path.join(wikitext_dir, "wiki.valid.tokens"), max_valid_lines),
-    })
+    return make_data_bin(
+        dest,
+        {
+            "train": read_lines(os.path.join(wikitext_dir, "wiki.train.tokens"), max_train_lines),
+            "valid": read_lines(os.path.join(wikitext_dir, "wiki.valid.tokens"), max_valid_lines),
+        },
+    )

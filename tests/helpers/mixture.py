@@ -1,4 +1,5 @@
 """Two small text sources for the data-mixture tests of both tiers."""
+
 from __future__ import annotations
 
 import numpy as np

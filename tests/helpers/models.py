@@ -1,4 +1,5 @@
 """A tiny transformer_lm (in-process) and its token batches, shared by the model tests of both tiers."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,14 @@ VOCAB, PAD = 37, 1
 
 
 def tiny_cfg(**overrides) -> TransformerLMConfig:
-    values = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
-                  max_target_positions=16, dropout=0.0)
+    values = dict(
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=4,
+        max_target_positions=16,
+        dropout=0.0,
+    )
     values.update(overrides)
     return TransformerLMConfig(**values)
 

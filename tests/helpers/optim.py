@@ -1,4 +1,5 @@
 """Driving an optimizer by hand with given gradients, so two implementations see the same steps."""
+
 from __future__ import annotations
 
 import torch

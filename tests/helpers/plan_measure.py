@@ -5,6 +5,7 @@ A process of its own per run (tests/integration/test_plan.py starts it with ``ru
 process group, which must not outlive the test. ``--peak``: every rank's live-tensor peak of an update and the
 plan's update peak instead of the per-item counts.
 """
+
 from __future__ import annotations
 
 import json

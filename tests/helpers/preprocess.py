@@ -1,4 +1,5 @@
 """toolkit-preprocess run in-process, its one-line refusals, and the bytes of what it wrote."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,11 @@ def run(*argv):
 
 
 def files_of(folder):
-    return {name: open(os.path.join(folder, name), "rb").read()
-            for name in sorted(os.listdir(folder)) if name != "preprocess.log"}
+    return {
+        name: open(os.path.join(folder, name), "rb").read()
+        for name in sorted(os.listdir(folder))
+        if name != "preprocess.log"
+    }
 
 
 def expect_error(capsys, argv, *fragments, code=1):

@@ -7,6 +7,7 @@ child SIGINT's default back (Python then raises KeyboardInterrupt in it, as unde
 remembers it: the ``kill_started_processes`` fixture (tests/conftest.py) kills whatever a test
 started and left running, whichever way the test ended.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ forked from the test fork server (tests/helpers/forkserver.py), that command for
 ``fn(rank, *args)`` as ``mp.spawn`` would. Without the fork server, the ranks are spawned as before.
 ``fn`` must be a module-level function of an importable module; ``args`` JSON values (paths, numbers, lists).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,8 +21,9 @@ def spawn(fn, nprocs: int, *args, timeout: float = 600) -> None:
     """``fn(rank, *args)`` on ranks 0..nprocs-1; fails the test with the ranks' output if one fails."""
     from tests.helpers.cli import run_cli
 
-    run = run_cli("tests.helpers.ranks", [f"{fn.__module__}:{fn.__name__}", str(nprocs), json.dumps(args)],
-                  timeout=timeout)
+    run = run_cli(
+        "tests.helpers.ranks", [f"{fn.__module__}:{fn.__name__}", str(nprocs), json.dumps(args)], timeout=timeout
+    )
     assert run.returncode == 0, f"ranks failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
 
@@ -30,8 +32,7 @@ def main(target: str, nprocs: int, args: list) -> None:
 
     from toolkit.distributed import launch
 
-    mp.start_processes(_rank, args=(target, os.getpid(), *args), nprocs=nprocs,
-                       start_method=launch.WORKER_START_METHOD)
+    mp.start_processes(_rank, args=(target, os.getpid(), *args), nprocs=nprocs, start_method=launch.WORKER_START_METHOD)
 
 
 def _rank(rank: int, target: str, command_pid: int, *args) -> None:

@@ -1,4 +1,5 @@
 """Data-bins split into shards (data1:data2:...), for the sharded-data tests of both tiers."""
+
 from __future__ import annotations
 
 import os

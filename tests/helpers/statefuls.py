@@ -3,6 +3,7 @@ piece of state the checkpoint formats have never seen, a trainer built as toolki
 resume with entries added to ``Trainer.statefuls``, and the worker of 2 FSDP2 ranks saving such a checkpoint
 (``python -m tests.helpers.statefuls DATA SAVE_DIR OUT``).
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,11 @@ def resume(data_bin: str, save_dir: str, *flags: str, extra=None):
 def full_state(trainer) -> Dict[str, Any]:
     from toolkit.checkpoint.consolidated import model_state, optimizer_state
 
-    return {"model": model_state(trainer.model), "optim": optimizer_state(trainer.model, trainer.optimizer)["state"],
-            "trainer": trainer.state_dict()}
+    return {
+        "model": model_state(trainer.model),
+        "optim": optimizer_state(trainer.model, trainer.optimizer)["state"],
+        "trainer": trainer.state_dict(),
+    }
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
@@ -125,8 +129,10 @@ def ranks_worker(cfg) -> None:
     manager.save_checkpoint(cfg, trainer, state, False, env)
     full = model_state(trainer.model)  # collective: every rank gathers, rank 0 keeps it
     if env.rank == 0:
-        torch.save({"model": full, "probe": probe.state_dict(), "num_updates": trainer.num_updates},
-                   os.environ["TOOLKIT_TEST_OUT"])
+        torch.save(
+            {"model": full, "probe": probe.state_dict(), "num_updates": trainer.num_updates},
+            os.environ["TOOLKIT_TEST_OUT"],
+        )
 
 
 def ranks_main(data: str, save_dir: str, out: str) -> None:

@@ -5,6 +5,7 @@ The loop does what the trainer does for one update: summed loss, backward under
 ``loss_context``, gradients multiplied by ``dp_size / total_ntokens`` (FSDP2 averages over the
 data-parallel ranks), the global norm from ``toolkit.optim.grad_norm.total_norm``, clipping, step.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,15 @@ LR = 3e-3
 def model_cfg(**overrides):
     from toolkit.models.transformer_lm import TransformerLMConfig
 
-    values = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
-                  dropout=0.0, max_target_positions=SEQ, decoder_learned_pos=True)
+    values = dict(
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=4,
+        dropout=0.0,
+        max_target_positions=SEQ,
+        decoder_learned_pos=True,
+    )
     values.update(overrides)
     return TransformerLMConfig(**values)
 
@@ -79,9 +87,16 @@ def optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list({id(p): p for p in model.parameters()}.values()), lr=LR, weight_decay=0.01)
 
 
-def train(model, dp_rank: int = 0, dp_size: int = 1, loss_parallel: bool = False, steps: int = STEPS,
-          autocast: Optional[torch.dtype] = None, opt: Optional[torch.optim.Optimizer] = None,
-          first: int = 0) -> Dict[str, List[float]]:
+def train(
+    model,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    loss_parallel: bool = False,
+    steps: int = STEPS,
+    autocast: Optional[torch.dtype] = None,
+    opt: Optional[torch.optim.Optimizer] = None,
+    first: int = 0,
+) -> Dict[str, List[float]]:
     """Per-update loss (summed NLL / target tokens) and gradient norm, over the same global batches
     (updates ``first`` to ``first + steps - 1``)."""
     from toolkit.distributed.tensor_parallel import loss_context
@@ -133,6 +148,7 @@ def full_state(model) -> Dict[str, torch.Tensor]:
 
 # --- building a (dp, mp) model the way parallelize will ----------------------------------------
 
+
 def layout(world_size: int, tp: int, strategy: str = "full_shard"):
     """The run's ParallelDims for ``world_size`` ranks with ``tp`` tensor-parallel ones (FSDP2 ``strategy``)."""
     from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
@@ -140,8 +156,16 @@ def layout(world_size: int, tp: int, strategy: str = "full_shard"):
     return ParallelDims(parallel_shape(world_size, "fully_sharded", strategy, tp=tp), dist.get_rank())
 
 
-def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, seed: int = 7,
-                   sequence_parallel: bool = True, loss_parallel: bool = True, mp_dtype=None):
+def parallel_model(
+    cfg,
+    dims,
+    fsdp: bool,
+    checkpoint_activations: bool = False,
+    seed: int = 7,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    mp_dtype=None,
+):
     """Meta build -> tensor parallel -> activation checkpointing -> FSDP2 on dp -> to_empty -> init_weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -155,8 +179,11 @@ def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, 
         apply_activation_checkpointing(model)
     if fsdp:
         dp = dims.fsdp_mesh
-        policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype \
+        policy = (
+            MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+            if mp_dtype
             else MixedPrecisionPolicy()
+        )
         for block in model.layers:
             fully_shard(block, mesh=dp, mp_policy=policy)
         fully_shard(model, mesh=dp, mp_policy=policy)
@@ -168,14 +195,16 @@ def parallel_model(cfg, dims, fsdp: bool, checkpoint_activations: bool = False, 
 
 # --- spawned workers ---------------------------------------------------------------------------
 
+
 def spawn(fn, world_size: int, out_dir: str, timeout: float = 600) -> None:
     """``fn(rank, world_size, out_dir)`` on ``world_size`` gloo ranks (forked: tests/helpers/ranks.py); rank 0's
     result in ``out_dir/result.pt``, a rank's traceback in ``out_dir/error<rank>.txt``."""
     from tests.helpers import free_port, ranks
 
     try:
-        ranks.spawn(_entry, world_size, f"{fn.__module__}:{fn.__name__}", world_size, free_port(), out_dir,
-                    timeout=timeout)
+        ranks.spawn(
+            _entry, world_size, f"{fn.__module__}:{fn.__name__}", world_size, free_port(), out_dir, timeout=timeout
+        )
     finally:
         errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
         if errors:
@@ -216,8 +245,9 @@ def worker_tp2(rank: int, world_size: int, out_dir: str) -> Dict:
     result["tied_no_sp_ac"] = train(model, loss_parallel=True)
     result["arch_defaults"] = train(parallel_model(arch_defaults_cfg(), mesh, fsdp=False), loss_parallel=True)
     tied = arch_defaults_cfg(share_decoder_input_output_embed=True)
-    result["arch_defaults_tied_no_sp"] = train(parallel_model(tied, mesh, fsdp=False, sequence_parallel=False),
-                                               loss_parallel=True)
+    result["arch_defaults_tied_no_sp"] = train(
+        parallel_model(tied, mesh, fsdp=False, sequence_parallel=False), loss_parallel=True
+    )
     result["dropout"] = dropout_probes(mesh)
     result["short_batch_loss"] = short_batch_loss(parallel_model(model_cfg(), mesh, fsdp=False), True)
     return result
@@ -247,9 +277,9 @@ def dropout_probes(mesh) -> Dict[str, bool]:
     tokens = batches(1)[0]["tokens"]
     probes: Dict[str, torch.Tensor] = {}
     model.layers[0].register_forward_pre_hook(
-        lambda _m, args: probes.__setitem__("embedded", args[0].detach().clone()), prepend=True)
-    model.layers[0].self_attn.register_forward_hook(
-        lambda *_: probes.__setitem__("block_draw", torch.rand(8)))
+        lambda _m, args: probes.__setitem__("embedded", args[0].detach().clone()), prepend=True
+    )
+    model.layers[0].self_attn.register_forward_hook(lambda *_: probes.__setitem__("block_draw", torch.rand(8)))
 
     def run(seed: int) -> Dict[str, torch.Tensor]:
         torch.manual_seed(seed)
@@ -261,11 +291,13 @@ def dropout_probes(mesh) -> Dict[str, bool]:
     group = mesh.tp_mesh.get_group()
     embedded = _gather(first["embedded"], group)
     draws = _gather(first["block_draw"], group)
-    out = {"embedded_same_on_tp_ranks": torch.equal(embedded[0], embedded[1]),
-           "embedding_dropout_active": bool((first["embedded"] == 0).any()),
-           "block_draws_differ_on_tp_ranks": not torch.equal(draws[0], draws[1]),
-           "same_seed_same_draws": all(torch.equal(first[k], again[k]) for k in first),
-           "other_seed_other_draws": not torch.equal(first["block_draw"], other["block_draw"])}
+    out = {
+        "embedded_same_on_tp_ranks": torch.equal(embedded[0], embedded[1]),
+        "embedding_dropout_active": bool((first["embedded"] == 0).any()),
+        "block_draws_differ_on_tp_ranks": not torch.equal(draws[0], draws[1]),
+        "same_seed_same_draws": all(torch.equal(first[k], again[k]) for k in first),
+        "other_seed_other_draws": not torch.equal(first["block_draw"], other["block_draw"]),
+    }
     out["checkpointing_recomputes_same_masks"] = _checkpointing_same_gradients(cfg, mesh, tokens)
     return out
 
@@ -336,15 +368,18 @@ def save_checkpoint(model, opt, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=path)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
 
 
 def load_checkpoint(model, path: str) -> torch.optim.Optimizer:
     """Into any layout (or one plain process): model state, and an optimizer with the saved state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     opt = optimizer(model)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}

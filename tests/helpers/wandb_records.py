@@ -1,4 +1,5 @@
 """Reading a wandb run's offline .wandb file (its record framing), for the wandb tests of both tiers."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,10 @@ def read_wandb_records(path: str):
         if BLOCK - pos % BLOCK < RECORD_HEADER:  # block trailer too small for a header: padding
             pos += BLOCK - pos % BLOCK
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
         if pos + RECORD_HEADER + length > len(data):  # still being written
             break
-        chunk = data[pos + RECORD_HEADER:pos + RECORD_HEADER + length]
+        chunk = data[pos + RECORD_HEADER : pos + RECORD_HEADER + length]
         pos += RECORD_HEADER + length
         if kind == 0 and length == 0:
             break

@@ -1,4 +1,5 @@
 """A spawned rank's check of ``--z-loss-coef`` with vocabulary-sharded logits (``tests.helpers.tp_helpers.spawn``)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,13 +22,17 @@ def worker_vocab_parallel_z_loss(rank: int, world_size: int, out_dir: str) -> di
     whole = (torch.randn(2, 4, 12) * 3).requires_grad_()
     target = torch.tensor([[4, 5, 2, 7], [6, 3, 1, 1]])  # 1 is the padding
     sample = {"nsentences": 2, "ntokens": 6, "net_input": {"src_tokens": target}, "target": target}
-    crit = CrossEntropyCriterion(SimpleNamespace(target_dictionary=Dictionary()),
-                                 CrossEntropyCriterionConfig(z_loss_coef=0.03))
+    crit = CrossEntropyCriterion(
+        SimpleNamespace(target_dictionary=Dictionary()), CrossEntropyCriterionConfig(z_loss_coef=0.03)
+    )
     want, _, want_log = crit(lambda tokens: whole, sample)
     want.backward()
     sharded = distribute_tensor(whole.detach(), mesh, [Shard(-1)]).requires_grad_()
     with loss_parallel():
         got, _, got_log = crit(lambda tokens: sharded, sample)
         got.backward()
-    return {"loss": (got.detach(), want.detach()), "z_loss": (got_log["z_loss"], want_log["z_loss"]),
-            "grad": (sharded.grad.full_tensor(), whole.grad)}
+    return {
+        "loss": (got.detach(), want.detach()),
+        "z_loss": (got_log["z_loss"], want_log["z_loss"]),
+        "grad": (sharded.grad.full_tensor(), whole.grad),
+    }

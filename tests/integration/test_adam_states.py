@@ -6,6 +6,7 @@ uninterrupted run. Tolerances: after 20 AdamW steps at lr 1e-2, the parameters o
 bf16-moment run stay within 1% and those of the 8-bit run within 6% of the distance the
 fp32-moment run moved them (observed about 0.4% and 3%).
 """
+
 import os
 
 import torch
@@ -18,10 +19,26 @@ def test_two_rank_cpu_offload_8bit_trains_and_resumes_from_a_sharded_checkpoint(
     from tests.helpers.dist_helpers import make_lm_data_bin
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
-    args = ["--dropout", "0", "--distributed-world-size", "2",
-            "--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam",
-            "--adam-state-precision", "8bit", "--bf16-host-grads", "--use-sharded-state", "--max-update", "6",
-            "--save-interval-updates", "3", "--no-epoch-checkpoints"]
+    args = [
+        "--dropout",
+        "0",
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--cpu-offload",
+        "--optimizer",
+        "cpu_adam",
+        "--adam-state-precision",
+        "8bit",
+        "--bf16-host-grads",
+        "--use-sharded-state",
+        "--max-update",
+        "6",
+        "--save-interval-updates",
+        "3",
+        "--no-epoch-checkpoints",
+    ]
     full = train(data, str(tmp_path / "full"), *args)
     assert len(full.losses()) == 6 and "bf16_host_grads=True" in full.stdout
     os.makedirs(tmp_path / "resumed")

@@ -5,6 +5,7 @@ projections by hand, the factorized softmax in float64, fairseq's state-dict key
 shapes (fairseq/modules/adaptive_input.py, adaptive_softmax.py) written out, and parameter
 counts from the module shapes of fairseq's transformer_lm_baevski_wiki103.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,5 +86,6 @@ def test_readme_adaptive_inputs_command_without_the_missing_loop_flags(wikitext_
     hub = from_pretrained(str(tmp_path), "checkpoint_last.pt", wikitext_bin)
     scored = hub.score("w1 w2")
     assert scored["positional_scores"].shape == (3,) and bool(torch.isfinite(scored["positional_scores"]).all())
-    assert isinstance(hub.sample("w1", max_len=4, seed=0), str) and isinstance(hub.sample("w1", sampling=False,
-                                                                                         beam=2, max_len=3), str)
+    assert isinstance(hub.sample("w1", max_len=4, seed=0), str) and isinstance(
+        hub.sample("w1", sampling=False, beam=2, max_len=3), str
+    )

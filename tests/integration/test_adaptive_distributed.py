@@ -1,6 +1,7 @@
 """An adaptive model (wiki103-shaped: adaptive input and softmax, tied weights and projections) under
 data parallelism on 2 CPU ranks (gloo): every backend trains as one process does, LayerDrop skips the
 same layers on every rank, and FSDP2's sharded checkpoint consolidates and scores."""
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,20 @@ def test_sharded_checkpoint_of_an_adaptive_model_consolidates_and_scores(data_bi
     from toolkit import inference
     from toolkit_cli import consolidate
 
-    argv = A.base_argv(data_bin, str(tmp_path)) + ["--max-update", "2", "--distributed-world-size", "2",
-                                                    "--ddp-backend", "fully_sharded", "--use-sharded-state",
-                                                    "--disable-validation", "--optimizer", "nag", "--lr", "0.1"]
+    argv = A.base_argv(data_bin, str(tmp_path)) + [
+        "--max-update",
+        "2",
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--use-sharded-state",
+        "--disable-validation",
+        "--optimizer",
+        "nag",
+        "--lr",
+        "0.1",
+    ]
     proc = H.run_train(argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "consolidated.pt"

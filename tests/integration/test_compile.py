@@ -13,6 +13,7 @@ minute on two cores. Every compiled run must have captured a graph, so none is e
 Checkpoints: a compiled run's state-dict keys are the eager model's (no ``_orig_mod.``), and
 ``checkpoint_last.pt`` written by one mode resumes in the other.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,12 @@ def data_bin(tmp_path_factory):
 
 def run_worker(data_bin: str, out_dir, world_size: int, configs) -> dict:
     out = str(out_dir / "results.json")
-    proc = H.run_cli("tests.helpers.compile_helpers", [data_bin, out, str(world_size), json.dumps(configs)],
-                     env={BACKEND_ENV: ""}, timeout=400)  # empty: the default backend, whatever the shell set
+    proc = H.run_cli(
+        "tests.helpers.compile_helpers",
+        [data_bin, out, str(world_size), json.dumps(configs)],
+        env={BACKEND_ENV: ""},
+        timeout=400,
+    )  # empty: the default backend, whatever the shell set
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(out) as f:
         return json.load(f)
@@ -87,28 +92,41 @@ def assert_compiled_matches(results: dict, eager: str, compiled: str, tol: float
     assert not any("_orig_mod" in k for k in got["keys"])
 
 
-@pytest.mark.parametrize("eager,compiled,precision", [
-    ("eager", "compile", "fp32"),  # inductor
-    ("eager", "compile_ac", "fp32"),
-    ("eager_bf16", "compile_bf16", "bf16"),
-    ("eager_fp16", "compile_fp16", "fp16"),
-])
+@pytest.mark.parametrize(
+    "eager,compiled,precision",
+    [
+        ("eager", "compile", "fp32"),  # inductor
+        ("eager", "compile_ac", "fp32"),
+        ("eager_bf16", "compile_bf16", "bf16"),
+        ("eager_fp16", "compile_fp16", "fp16"),
+    ],
+)
 def test_one_process_compiled_matches_eager(single, eager, compiled, precision):
     assert_compiled_matches(single, eager, compiled, TOL[precision])
 
 
-@pytest.mark.parametrize("eager,compiled,precision", [("ddp", "compile_ddp", "fp32"),
-                                                      ("fsdp_bf16", "compile_fsdp_bf16", "bf16"),
-                                                      ("offload", "compile_offload", "fp32")])
+@pytest.mark.parametrize(
+    "eager,compiled,precision",
+    [
+        ("ddp", "compile_ddp", "fp32"),
+        ("fsdp_bf16", "compile_fsdp_bf16", "bf16"),
+        ("offload", "compile_offload", "fp32"),
+    ],
+)
 def test_two_ranks_compiled_matches_eager(two_ranks, eager, compiled, precision):
     assert_compiled_matches(two_ranks, eager, compiled, TOL[precision])
 
 
 def train(data_bin: str, save_dir, updates: int, *flags: str):
-    argv = [data_bin] + H.model_args(str(save_dir)) + ["--max-update", str(updates), "--disable-validation",
-                                                        "--no-epoch-checkpoints", *flags]
+    argv = (
+        [data_bin]
+        + H.model_args(str(save_dir))
+        + ["--max-update", str(updates), "--disable-validation", "--no-epoch-checkpoints", *flags]
+    )
     proc = H.run_train(argv, env={BACKEND_ENV: AOT})
-    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return H.losses(proc.stdout), proc.stdout
 
 

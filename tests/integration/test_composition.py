@@ -9,6 +9,7 @@ batches per update (``--update-freq 2``). Two ranks (one replica) where a pair c
 relative, bf16 and float8 2e-2, plus one unit in the last logged place. ``--compile`` uses ``aot_eager``
 (dynamo's capture and AOTAutograd, no code generation), as tests/integration/test_compile.py's CLI runs do.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,9 @@ def data_bin(tmp_path_factory):
 
 def train(data_bin, save_dir, *flags, llama=False, env=None):
     args = H.llama_args(save_dir) if llama else H.model_args(str(save_dir))
-    proc = H.run_train([data_bin, *args, "--disable-validation", "--max-update", str(UPDATES), *flags], env=env,
-                       timeout=400)
+    proc = H.run_train(
+        [data_bin, *args, "--disable-validation", "--max-update", str(UPDATES), *flags], env=env, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -53,8 +55,9 @@ def test_tensor_parallel_compiled_matches_one_process(data_bin, tmp_path, llama)
     """--compile under TP (with activation checkpointing): the block's forward is compiled, the per-rank
     random-number hooks on the block run around it."""
     one = train(data_bin, tmp_path / "one", "--update-freq", "2", llama=llama)
-    tp = train(data_bin, tmp_path / "tp", *FOUR_RANKS, "--compile", "--checkpoint-activations", llama=llama,
-               env=COMPILE)
+    tp = train(
+        data_bin, tmp_path / "tp", *FOUR_RANKS, "--compile", "--checkpoint-activations", llama=llama, env=COMPILE
+    )
     assert compiled(tp) and "2 data-parallel replicas" in tp.stdout
     assert_same_losses(tp, one, 1e-3)
 
@@ -90,7 +93,7 @@ def test_tensor_parallel_cpu_offload_matches_one_process(data_bin, tmp_path):
             a, b = got[k], want[k]
             if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding
                 C = a.numel() // 3  # noise (as in test_tp_cli)
-                a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+                a, b = torch.cat([a[:C], a[2 * C :]]), torch.cat([b[:C], b[2 * C :]])
             assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (run, k)
 
 
@@ -116,21 +119,34 @@ def test_tensor_parallel_memory_efficient_fp16_matches_one_process(data_bin, tmp
 def test_hsdp_with_tensor_parallel_matches_one_process(data_bin, tmp_path):
     """hybrid_shard under TP: a (2 replicate, 1 shard, 2 tp) mesh on four ranks."""
     one = train(data_bin, tmp_path / "one", "--update-freq", "2")
-    hsdp = train(data_bin, tmp_path / "hsdp", *FOUR_RANKS, "--sharding-strategy", "hybrid_shard",
-                 "--shard-group-size", "1")
+    hsdp = train(
+        data_bin, tmp_path / "hsdp", *FOUR_RANKS, "--sharding-strategy", "hybrid_shard", "--shard-group-size", "1"
+    )
     assert "mesh (2, 1, 2) ('dp_replicate', 'dp_shard', 'tp')" in hsdp.stdout
     assert_same_losses(hsdp, one, 1e-3)
 
 
 # --- pairs with nothing to change in the code: each run against one process (docs/composition.md's T) --------
-HSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
-        "--shard-group-size", "1"]  # (2 replicas, 1 shard)
+HSDP = [
+    "--distributed-world-size",
+    "2",
+    "--ddp-backend",
+    "fully_sharded",
+    "--sharding-strategy",
+    "hybrid_shard",
+    "--shard-group-size",
+    "1",
+]  # (2 replicas, 1 shard)
 FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]
 C10D = ["--distributed-world-size", "2", "--ddp-backend", "c10d"]
 REFERENCES = {  # one process, the batches of two ranks per update
-    "fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"], "mefp16": ["--memory-efficient-fp16"],
-    "fp8": ["--fp8", "--bf16"], "mask": ["--document-attention-mask"],
+    "fp32": [],
+    "bf16": ["--bf16"],
+    "fp16": ["--fp16"],
+    "mefp16": ["--memory-efficient-fp16"],
+    "fp8": ["--fp8", "--bf16"],
+    "mask": ["--document-attention-mask"],
 }
 BF16_TOL, FP16_TOL = 2e-2, 1e-2
 RUNS = {  # name: (flags, reference, relative tolerance)
@@ -151,15 +167,35 @@ RUNS = {  # name: (flags, reference, relative tolerance)
     "offload_fp8_ac": (FSDP2 + OFFLOAD + ["--fp8", "--bf16", "--checkpoint-activations"], "fp8", BF16_TOL),
     "compile_fp8": (FSDP2 + ["--compile", "--fp8", "--bf16"], "fp8", BF16_TOL),
     "compile_mefp16": (FSDP2 + ["--compile", "--memory-efficient-fp16"], "mefp16", FP16_TOL),
-    "ac_fp16_mask": (FSDP2 + ["--checkpoint-activations", "--fp16", "--document-attention-mask"], "fp16+mask",
-                     FP16_TOL),
-    "overlap_fp8_ac_mask": (FSDP2 + OFFLOAD + ["--overlap-offload-step", "--fp8", "--bf16", "--checkpoint-activations",
-                                               "--document-attention-mask"], "fp8+mask", BF16_TOL),
-    "overlap_mefp16_ac_mask": (FSDP2 + OFFLOAD + ["--overlap-offload-step", "--memory-efficient-fp16",
-                                                  "--checkpoint-activations", "--document-attention-mask"],
-                               "mefp16+mask", FP16_TOL),
-    "ema_compile_ac_fp16_mask": (C10D + ["--store-ema", "--compile", "--checkpoint-activations", "--fp16",
-                                         "--document-attention-mask"], "fp16+mask", FP16_TOL),
+    "ac_fp16_mask": (
+        FSDP2 + ["--checkpoint-activations", "--fp16", "--document-attention-mask"],
+        "fp16+mask",
+        FP16_TOL,
+    ),
+    "overlap_fp8_ac_mask": (
+        FSDP2
+        + OFFLOAD
+        + ["--overlap-offload-step", "--fp8", "--bf16", "--checkpoint-activations", "--document-attention-mask"],
+        "fp8+mask",
+        BF16_TOL,
+    ),
+    "overlap_mefp16_ac_mask": (
+        FSDP2
+        + OFFLOAD
+        + [
+            "--overlap-offload-step",
+            "--memory-efficient-fp16",
+            "--checkpoint-activations",
+            "--document-attention-mask",
+        ],
+        "mefp16+mask",
+        FP16_TOL,
+    ),
+    "ema_compile_ac_fp16_mask": (
+        C10D + ["--store-ema", "--compile", "--checkpoint-activations", "--fp16", "--document-attention-mask"],
+        "fp16+mask",
+        FP16_TOL,
+    ),
     "ema_fp8": (C10D + ["--store-ema", "--fp8", "--bf16"], "fp8", BF16_TOL),
     "ema_mefp16": (C10D + ["--store-ema", "--memory-efficient-fp16"], "mefp16", FP16_TOL),
 }
@@ -184,8 +220,11 @@ def test_pairs_that_run_match_one_process(data_bin, tmp_path, references, name):
 # --- --data-mixture with every other feature: the mixture is drawn per data-parallel rank ---------------------
 MIXTURE_RUNS = {  # name: (flags, reference, relative tolerance)
     "tp_compile_ac": (FOUR_RANKS + ["--compile", "--checkpoint-activations"], "fp32", 1e-3),
-    "hsdp_offload_overlap_mask": (HSDP + OFFLOAD + ["--overlap-offload-step", "--document-attention-mask"], "mask",
-                                  1e-3),
+    "hsdp_offload_overlap_mask": (
+        HSDP + OFFLOAD + ["--overlap-offload-step", "--document-attention-mask"],
+        "mask",
+        1e-3,
+    ),
     "ema_fp8": (C10D + ["--store-ema", "--fp8", "--bf16"], "fp8", BF16_TOL),
     "fsdp_fp16": (FSDP2 + ["--fp16"], "fp16", FP16_TOL),
     "fsdp_mefp16": (FSDP2 + ["--memory-efficient-fp16"], "mefp16", FP16_TOL),
@@ -202,8 +241,10 @@ def mixture(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixture_references(mixture, tmp_path_factory):
-    return {name: train("", tmp_path_factory.mktemp(f"mixture_{name}"), *mixture, *REFERENCES[name], "--update-freq",
-                        "2") for name in {reference for _, reference, _ in MIXTURE_RUNS.values()}}
+    return {
+        name: train("", tmp_path_factory.mktemp(f"mixture_{name}"), *mixture, *REFERENCES[name], "--update-freq", "2")
+        for name in {reference for _, reference, _ in MIXTURE_RUNS.values()}
+    }
 
 
 @pytest.mark.parametrize("name", sorted(MIXTURE_RUNS))

@@ -5,6 +5,7 @@ here the real command: the all-gather of keys/values and its backward, positions
 token counts summed over the cp ranks, FSDP2 sharding over dp_shard x cp, checkpoints and resume at CP 1,
 --compile around the eager attention.
 """
+
 import json
 import shutil
 
@@ -19,8 +20,9 @@ DOCUMENTS = ["--document-attention-mask", "--reset-position-ids", "--sample-brea
 
 
 def train(data, save_dir, *flags):
-    proc = H.run_train([data, *llama_args(save_dir), "--disable-validation", "--max-update", str(UPDATES), *flags],
-                       timeout=600)
+    proc = H.run_train(
+        [data, *llama_args(save_dir), "--disable-validation", "--max-update", str(UPDATES), *flags], timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -43,11 +45,22 @@ def test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents(
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
     for name, flags in (("plain", []), ("documents", DOCUMENTS)):
         one = train(data, tmp_path / f"{name}-one", *flags, "--update-freq", "2")
-        cp = train(data, tmp_path / f"{name}-cp", *flags, "--distributed-world-size", "4",
-                   "--context-parallel-size", "2", "--ddp-backend", "fully_sharded")
+        cp = train(
+            data,
+            tmp_path / f"{name}-cp",
+            *flags,
+            "--distributed-world-size",
+            "4",
+            "--context-parallel-size",
+            "2",
+            "--ddp-backend",
+            "fully_sharded",
+        )
         assert_logged_losses_match(H.losses(cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
-        assert_same_weights(model_state(tmp_path / f"{name}-cp" / "checkpoint_last.pt"),
-                            model_state(tmp_path / f"{name}-one" / "checkpoint_last.pt"))
+        assert_same_weights(
+            model_state(tmp_path / f"{name}-cp" / "checkpoint_last.pt"),
+            model_state(tmp_path / f"{name}-one" / "checkpoint_last.pt"),
+        )
 
 
 def test_cp2_with_documents_and_a_window_equals_one_process(tmp_path):
@@ -57,16 +70,28 @@ def test_cp2_with_documents_and_a_window_equals_one_process(tmp_path):
     one = train(data, tmp_path / "one", *flags)
     cp = train(data, tmp_path / "cp", *flags, "--distributed-world-size", "2", "--context-parallel-size", "2")
     assert_logged_losses_match(H.losses(cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
-    assert_same_weights(model_state(tmp_path / "cp" / "checkpoint_last.pt"),
-                        model_state(tmp_path / "one" / "checkpoint_last.pt"))
+    assert_same_weights(
+        model_state(tmp_path / "cp" / "checkpoint_last.pt"), model_state(tmp_path / "one" / "checkpoint_last.pt")
+    )
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     """2 ranks (cp 2, FSDP2) = one process; their sharded (DCP) checkpoint of update 2 continues in one process."""
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
     one = train(data, tmp_path / "one")
-    cp = train(data, tmp_path / "cp", "--distributed-world-size", "2", "--context-parallel-size", "2",
-               "--ddp-backend", "fully_sharded", "--save-interval-updates", "2", "--use-sharded-state")
+    cp = train(
+        data,
+        tmp_path / "cp",
+        "--distributed-world-size",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--save-interval-updates",
+        "2",
+        "--use-sharded-state",
+    )
     assert_logged_losses_match(H.losses(cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
@@ -74,14 +99,16 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     resumed = train(data, resumed_dir)
     assert "loaded sharded checkpoint" in resumed.stdout
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(one.stdout), range(3, UPDATES + 1))
-    assert_same_weights(model_state(resumed_dir / "checkpoint_last.pt"),
-                        model_state(tmp_path / "one" / "checkpoint_last.pt"))
+    assert_same_weights(
+        model_state(resumed_dir / "checkpoint_last.pt"), model_state(tmp_path / "one" / "checkpoint_last.pt")
+    )
 
 
 def test_a_family_without_context_parallel_attention_is_refused_in_one_line(tmp_path):
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
-    proc = H.run_train([data, *H.model_args(str(tmp_path / "ck")), "--distributed-world-size", "2",
-                        "--context-parallel-size", "2"])
+    proc = H.run_train(
+        [data, *H.model_args(str(tmp_path / "ck")), "--distributed-world-size", "2", "--context-parallel-size", "2"]
+    )
     assert proc.returncode == 1
     assert "--arch transformer_lm's attention does not exchange keys/values" in proc.stderr.strip().splitlines()[-1]
 
@@ -105,13 +132,17 @@ def assert_compiled_equals_eager(tmp_path, world_size: int, configs) -> None:
     in the first update and none after it (a recompile per batch would add graphs at each update)."""
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
     out = tmp_path / "results.json"
-    proc = H.run_cli("tests.helpers.compile_helpers", [data, str(out), str(world_size), json.dumps(configs), "llama"],
-                     env={BACKEND_ENV: ""}, timeout=600)
+    proc = H.run_cli(
+        "tests.helpers.compile_helpers",
+        [data, str(out), str(world_size), json.dumps(configs), "llama"],
+        env={BACKEND_ENV: ""},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "graphs around the context-parallel attention" in proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     for eager in (name for name, _, _ in configs if not name.startswith("compiled")):
-        ref, got = results[eager], results["compiled" + eager[len("eager"):]]
+        ref, got = results[eager], results["compiled" + eager[len("eager") :]]
         assert ref["graphs"] == 0 and got["graphs"] == 4, (eager, ref["graphs"], got["graphs"])
         assert got["graphs_after"][0] == got["graphs"], (eager, got["graphs_after"])
         for u, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
@@ -130,8 +161,16 @@ def test_cp2_compiled_equals_eager_plain_and_with_documents(tmp_path):
 def test_tp2_cp2_compiled_equals_eager(tmp_path):
     """TP 2 x CP 2 on 4 ranks (FSDP2, sequence parallelism): the tensor-parallel compile (the block's forward, its
     random-number hooks eager) around the same eager attention; measured 5e-8 relative."""
-    tp_cp = ["--distributed-world-size", "4", "--context-parallel-size", "2", "--model-parallel-size", "2",
-             "--ddp-backend", "fully_sharded"]
+    tp_cp = [
+        "--distributed-world-size",
+        "4",
+        "--context-parallel-size",
+        "2",
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    ]
     assert_compiled_equals_eager(tmp_path, 4, [["eager", tp_cp, None], ["compiled", tp_cp + ["--compile"], None]])
 
 
@@ -141,13 +180,34 @@ def test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process(tmp_path):
     = one process in bf16, to bf16's rounding."""
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
     one = train(data, tmp_path / "one")
-    tp_cp = train(data, tmp_path / "tp-cp", "--distributed-world-size", "4", "--context-parallel-size", "2",
-                  "--model-parallel-size", "2", "--ddp-backend", "fully_sharded")
+    tp_cp = train(
+        data,
+        tmp_path / "tp-cp",
+        "--distributed-world-size",
+        "4",
+        "--context-parallel-size",
+        "2",
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    )
     assert_logged_losses_match(H.losses(tp_cp.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
     half = ["--bf16", "--checkpoint-activations"]
     one_bf16 = H.losses(train(data, tmp_path / "one-bf16", *half).stdout)
-    cp_bf16 = H.losses(train(data, tmp_path / "cp-bf16", *half, "--distributed-world-size", "2",
-                             "--context-parallel-size", "2", "--ddp-backend", "fully_sharded").stdout)
+    cp_bf16 = H.losses(
+        train(
+            data,
+            tmp_path / "cp-bf16",
+            *half,
+            "--distributed-world-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--ddp-backend",
+            "fully_sharded",
+        ).stdout
+    )
     assert sorted(cp_bf16) == list(range(1, UPDATES + 1))
     for u in cp_bf16:  # bf16 keeps 8 bits of mantissa: 2e-3 relative is its rounding of a loss near 7
         assert abs(cp_bf16[u] - one_bf16[u]) <= 2e-3 * abs(one_bf16[u]), (u, cp_bf16[u], one_bf16[u])
@@ -159,8 +219,9 @@ def test_cp2_pads_uneven_lines_and_validates_as_one_process(tmp_path):
     data = H.make_lm_data_bin(str(tmp_path / "bin"))
 
     def run(name, *flags):
-        proc = H.run_train([data, *llama_args(tmp_path / name), "--max-update", "3", "--sample-break-mode", "eos",
-                            *flags], timeout=600)
+        proc = H.run_train(
+            [data, *llama_args(tmp_path / name), "--max-update", "3", "--sample-break-mode", "eos", *flags], timeout=600
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         valid = [json.loads(line.split("| valid | ")[1]) for line in proc.stdout.splitlines() if "| valid | " in line]
         return H.losses(proc.stdout), {k: valid[-1][k] for k in ("valid_loss", "valid_wpb", "valid_bsz")}

@@ -7,6 +7,7 @@ The imported model brings what a random ``llama_tiny`` does not: GQA, Llama 3.1'
 imported weights and vocabulary. Five launches in all (the one-process plain run serves both plain layouts).
 The layout's own checks (windows, padding, resume, bf16) are in tests/integration/test_context_parallel.py.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,9 +24,24 @@ from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 UPDATES = 3
 DOCUMENTS = ["--document-attention-mask", "--reset-position-ids"]
 #: the imported folder's shapes (tests/helpers/hf_llama.py SHAPES and KINDS["llama"]) as toolkit-train flags
-IMPORTED_LLAMA = ["--arch", "llama", "--decoder-ffn-embed-dim", "96", "--decoder-kv-heads", "2", "--rms-norm-eps",
-                  "1e-06", "--max-target-positions", "64", "--rope-theta", "500000.0", "--rope-scaling-factor", "8.0",
-                  "--rope-original-max-positions", "16"]
+IMPORTED_LLAMA = [
+    "--arch",
+    "llama",
+    "--decoder-ffn-embed-dim",
+    "96",
+    "--decoder-kv-heads",
+    "2",
+    "--rms-norm-eps",
+    "1e-06",
+    "--max-target-positions",
+    "64",
+    "--rope-theta",
+    "500000.0",
+    "--rope-scaling-factor",
+    "8.0",
+    "--rope-original-max-positions",
+    "16",
+]
 
 
 def imported_model_and_data(root):
@@ -40,21 +56,68 @@ def imported_model_and_data(root):
     lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(220)]
     (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
     (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    proc = H.run_train(["--only-source", "--trainpref", str(root / "train.txt"), "--validpref",
-                        str(root / "valid.txt"), "--destdir", str(root / "bin"), "--srcdict",
-                        str(root / "ours" / "dict.txt"), "--bpe", "hf_byte_bpe", "--bpe-model",
-                        str(root / "ours" / "tokenizer.json")], module="toolkit_cli.preprocess")
+    proc = H.run_train(
+        [
+            "--only-source",
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--destdir",
+            str(root / "bin"),
+            "--srcdict",
+            str(root / "ours" / "dict.txt"),
+            "--bpe",
+            "hf_byte_bpe",
+            "--bpe-model",
+            str(root / "ours" / "tokenizer.json"),
+        ],
+        module="toolkit_cli.preprocess",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return str(root / "bin"), str(root / "ours" / "model.pt")
 
 
 def finetune(data, model, save_dir, *flags):
     """T 64 (the imported max_position_embeddings), 4 rows a batch, lr 1e-3 from the imported weights."""
-    proc = H.run_train([data, *IMPORTED_LLAMA, "--task", "language_modeling", "--tokens-per-sample", "64",
-                        "--sample-break-mode", "none", "--restore-file", model, "--reset-optimizer", "--batch-size",
-                        "4", "--optimizer", "adam", "--lr", "0.001", "--seed", "3", "--max-update", str(UPDATES),
-                        "--cpu", "--num-workers", "0", "--disable-validation", "--log-format", "json",
-                        "--log-interval", "1", "--no-save", "--save-dir", str(save_dir), *flags], timeout=900)
+    proc = H.run_train(
+        [
+            data,
+            *IMPORTED_LLAMA,
+            "--task",
+            "language_modeling",
+            "--tokens-per-sample",
+            "64",
+            "--sample-break-mode",
+            "none",
+            "--restore-file",
+            model,
+            "--reset-optimizer",
+            "--batch-size",
+            "4",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.001",
+            "--seed",
+            "3",
+            "--max-update",
+            str(UPDATES),
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--disable-validation",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--no-save",
+            "--save-dir",
+            str(save_dir),
+            *flags,
+        ],
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loaded checkpoint" in proc.stdout
     return H.losses(proc.stdout)

@@ -1,4 +1,5 @@
 """A checkpoint refuses a data-bin whose dict.txt has the same size but other symbols or order."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def trained(tmp_path_factory):
     shutil.copytree(data_bin, shuffled)
     d = Dictionary.load(os.path.join(data_bin, "dict.txt"))
     with open(os.path.join(shuffled, "dict.txt"), "w", encoding="utf-8") as f:
-        for sym in reversed(d.symbols[d.nspecial:]):
+        for sym in reversed(d.symbols[d.nspecial :]):
             f.write(f"{sym} 1\n")
     return data_bin, shuffled, str(root / "save" / "checkpoint_last.pt")
 

@@ -7,6 +7,7 @@ Losses are compared on the logged values (``--log-format json``, rounded to 3 de
 fairseq's meters, so within one unit of the last place) and, at full precision, on the final
 parameters (relative difference under 1e-4) and in the strategies test.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,12 +51,26 @@ def fsdp_run(data_bin, tmp_path_factory):
     events too, and the workers spawned (fresh interpreters, not forked from the test fork server) with their
     stdout block-buffered (PYTHONUNBUFFERED empty), as outside the tests."""
     save, logs = tmp_path_factory.mktemp("fsdp"), tmp_path_factory.mktemp("fsdp_logs")
-    proc = train(data_bin, save, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "10",
-                 "--disable-validation", "--log-file", str(logs / "train.log"), "--tensorboard-logdir",
-                 str(logs / "tb"), env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"})  # spawned
-    return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout, "stderr": proc.stderr,
-            "logs": logs}
+    proc = train(
+        data_bin,
+        save,
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--use-sharded-state",
+        "--save-interval-updates",
+        "10",
+        "--disable-validation",
+        "--log-file",
+        str(logs / "train.log"),
+        "--tensorboard-logdir",
+        str(logs / "tb"),
+        env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"},
+    )  # spawned
+    return {"losses": H.losses(proc.stdout), "dir": save, "stdout": proc.stdout, "stderr": proc.stderr, "logs": logs}
 
 
 def model_state(path):
@@ -70,8 +85,17 @@ def assert_same_params(a, b, tol=REL_TOL):
 
 
 def test_c10d_two_ranks_match_one_process(data_bin, baseline, tmp_path):
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", "c10d", "--disable-validation")
+    proc = train(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "c10d",
+        "--disable-validation",
+    )
     assert "training on 2 devices" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"], range(1, UPDATES + 1))
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
@@ -94,7 +118,9 @@ def test_spawned_workers_leave_every_writer_complete(fsdp_run):
     assert "done training in" in out[-1], fsdp_run["stdout"][-2000:]
     with open(fsdp_run["logs"] / "train.log") as f:
         logged = f.read().splitlines()
-    assert [line for line in logged if " | train_inner | " in line] == [line for line in out if " | train_inner | " in line]
+    assert [line for line in logged if " | train_inner | " in line] == [
+        line for line in out if " | train_inner | " in line
+    ]
     assert "done training in" in logged[-1]
     events = EventAccumulator(str(fsdp_run["logs"] / "tb" / "train_inner"))
     events.Reload()
@@ -105,9 +131,22 @@ def test_spawned_workers_leave_every_writer_complete(fsdp_run):
 
 
 def test_a_failing_spawned_worker_reports_its_error_and_exits_non_zero(data_bin, tmp_path):
-    proc = H.run_train([data_bin] + H.model_args(str(tmp_path)) + ["--max-update", "5", "--lr", "1e30",
-                       "--lr-scheduler", "fixed", "--distributed-world-size", "2", "--disable-validation"],
-                       env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"})  # spawned, as outside tests
+    proc = H.run_train(
+        [data_bin]
+        + H.model_args(str(tmp_path))
+        + [
+            "--max-update",
+            "5",
+            "--lr",
+            "1e30",
+            "--lr-scheduler",
+            "fixed",
+            "--distributed-world-size",
+            "2",
+            "--disable-validation",
+        ],
+        env={"PYTHONUNBUFFERED": "", "TOOLKIT_TESTS_FORK_RANKS": "0"},
+    )  # spawned, as outside tests
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("toolkit-train: error: ")]
     assert "Traceback" not in proc.stderr and errors, proc.stderr[-2000:]
@@ -169,9 +208,18 @@ def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
             assert math.isfinite(got) and abs(got - want) <= tol * abs(want), (name, r["losses"], r["reference"])
         # the gradient norm is over all shards once: replicas (no_shard, hybrid) are not counted twice
         for got, want in zip(r["grad_norms"], r["reference"]["grad_norms"]):
-            assert abs(got - want) <= max(10 * tol * abs(want), 2e-3), (name, r["grad_norms"], r["reference"]["grad_norms"])
+            assert abs(got - want) <= max(10 * tol * abs(want), 2e-3), (
+                name,
+                r["grad_norms"],
+                r["reference"]["grad_norms"],
+            )
     total = results["full_shard+ac"]["param_numel"]
-    for name in ("full_shard+ac", "shard_grad_op", "hybrid_shard_zero2", "full_shard+cpu_offload+offload_act+no_reshard"):
+    for name in (
+        "full_shard+ac",
+        "shard_grad_op",
+        "hybrid_shard_zero2",
+        "full_shard+cpu_offload+offload_act+no_reshard",
+    ):
         assert results[name]["kind"] == "fsdp"
         assert results[name]["local_param_numel"] <= 0.55 * total, name  # each rank holds half
     assert results["full_shard+ac"]["mesh"] == [2]
@@ -182,24 +230,75 @@ def test_every_sharding_strategy_trains_the_same(data_bin, tmp_path):
     assert results["c10d+ac+offload_act"]["kind"] == "ddp" and results["no_c10d"]["kind"] == "no_c10d"
 
 
-MEM_MODEL = ["--decoder-layers", "12", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
-             "--decoder-attention-heads", "8"]  # 38M parameters: 152 MB fp32, ~600 MB with grads + Adam
+MEM_MODEL = [
+    "--decoder-layers",
+    "12",
+    "--decoder-embed-dim",
+    "512",
+    "--decoder-ffn-embed-dim",
+    "2048",
+    "--decoder-attention-heads",
+    "8",
+]  # 38M parameters: 152 MB fp32, ~600 MB with grads + Adam
 MEM_HEADROOM_MB = 480  # sharded on 2 ranks peaks at ~380 MB above the pre-model size; one process needs 600+
 
 
 def test_deferred_init_trains_a_model_one_process_cannot_hold(data_bin, tmp_path):
-    argv = [data_bin, "--task", "language_modeling", "--arch", "transformer_lm", *MEM_MODEL, "--dropout", "0",
-            "--optimizer", "adam", "--lr", "0.0001", "--batch-size", "2", "--tokens-per-sample", "16",
-            "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--max-update", "1",
-            "--disable-validation", "--no-save", "--save-dir", str(tmp_path)]
+    argv = [
+        data_bin,
+        "--task",
+        "language_modeling",
+        "--arch",
+        "transformer_lm",
+        *MEM_MODEL,
+        "--dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.0001",
+        "--batch-size",
+        "2",
+        "--tokens-per-sample",
+        "16",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--max-update",
+        "1",
+        "--disable-validation",
+        "--no-save",
+        "--save-dir",
+        str(tmp_path),
+    ]
     # Keep the address space close to live memory: few malloc arenas, large blocks mmapped and unmapped on free.
-    env = H.subprocess_env({"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-                            "TOOLKIT_KEEP_CPU_MEMORY": "0"})
+    env = H.subprocess_env(
+        {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TOOLKIT_KEEP_CPU_MEMORY": "0"}
+    )
 
     def run(nprocs, *extra):
-        return subprocess.run([sys.executable, "-m", "tests.helpers.dist_helpers", "memcap", str(nprocs),
-                               str(MEM_HEADROOM_MB), "--", *argv, *extra], cwd=H.REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.dist_helpers",
+                "memcap",
+                str(nprocs),
+                str(MEM_HEADROOM_MB),
+                "--",
+                *argv,
+                *extra,
+            ],
+            cwd=H.REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     single = run(1)
     assert single.returncode != 0, "one process should not fit the model + Adam state under the cap"
@@ -213,14 +312,47 @@ def test_deferred_init_trains_a_model_one_process_cannot_hold(data_bin, tmp_path
 
 def test_two_nodes_with_torchrun_rendezvous(data_bin, baseline, tmp_path):
     port = H.free_port()
-    flags = [data_bin] + H.model_args(str(tmp_path)) + [
-        "--max-update", "10", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
-        "--disable-validation"]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}",
-         "-m", "toolkit_cli.train", *flags], cwd=H.REPO_ROOT, env=H.subprocess_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    flags = (
+        [data_bin]
+        + H.model_args(str(tmp_path))
+        + [
+            "--max-update",
+            "10",
+            "--ddp-backend",
+            "fully_sharded",
+            "--sharding-strategy",
+            "hybrid_shard",
+            "--disable-validation",
+        ]
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"test{port}",
+                "-m",
+                "toolkit_cli.train",
+                *flags,
+            ],
+            cwd=H.REPO_ROOT,
+            env=H.subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -234,18 +366,37 @@ def test_two_nodes_with_torchrun_rendezvous(data_bin, baseline, tmp_path):
 
 
 def _start(data_bin, save_dir, *flags, env=None, module="toolkit_cli.train"):
-    return processes.start([sys.executable, "-m", module, data_bin] + H.model_args(str(save_dir))
-                           + list(flags), cwd=H.REPO_ROOT, env=H.subprocess_env(env), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return processes.start(
+        [sys.executable, "-m", module, data_bin] + H.model_args(str(save_dir)) + list(flags),
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
 
 
 def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin, baseline, tmp_path):
     timeout = 10
-    proc = _start(data_bin, tmp_path, "--max-update", "1000", "--distributed-world-size", "2",
-                  "--ddp-backend", "fully_sharded", "--use-sharded-state", "--save-interval-updates", "5",
-                  "--heartbeat-timeout", str(timeout), "--disable-validation",
-                  env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"},  # rank 1 dies inside its 2nd save (update 10)
-                  module="tests.helpers.faulty_train")
+    proc = _start(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        "1000",
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--use-sharded-state",
+        "--save-interval-updates",
+        "5",
+        "--heartbeat-timeout",
+        str(timeout),
+        "--disable-validation",
+        env={"TOOLKIT_FAULT_KILL_IN_SAVE": "1:2"},  # rank 1 dies inside its 2nd save (update 10)
+        module="tests.helpers.faulty_train",
+    )
     try:
         lines, t_kill = processes.read_until(proc, lambda l: "killing rank 1" in l, 180)
         rest = proc.communicate(timeout=60)[0]
@@ -275,8 +426,18 @@ def test_rank_killed_during_sharded_save_stops_run_and_resume_continues(data_bin
 
 def test_frozen_rank_is_named_within_the_heartbeat_timeout(data_bin, tmp_path):
     timeout = 8
-    proc = _start(data_bin, tmp_path, "--max-update", "100000", "--distributed-world-size", "2",
-                  "--heartbeat-timeout", str(timeout), "--no-save", "--disable-validation")
+    proc = _start(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        "100000",
+        "--distributed-world-size",
+        "2",
+        "--heartbeat-timeout",
+        str(timeout),
+        "--no-save",
+        "--disable-validation",
+    )
     pid = None
     try:
         lines, _ = processes.read_until(proc, lambda l: '"num_updates": "3"' in l, 180)

@@ -5,6 +5,7 @@ EMA model with ``strict=True``. The fairseq-layout checks use files built from f
 key names and fairseq's forward pass as the reference; the toolkit check follows fairseq's EMA formula
 from the seed through one real update.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,20 @@ def test_toolkit_run_seeded_from_another_runs_average(tmp_path, wikitext_dir):
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     train(data_bin, first, "--max-update", "2", "--store-ema", "--ema-decay", "0.5", "--disable-validation")
     seed = torch.load(os.path.join(first, "checkpoint_last.pt"), weights_only=True)["extra_state"]["ema"]
-    run = train(data_bin, second, "--max-update", "1", "--store-ema", "--ema-decay", "0.5", "--disable-validation",
-                "--seed", "7", "--ema-seed-model", os.path.join(first, "checkpoint_last.pt"))
+    run = train(
+        data_bin,
+        second,
+        "--max-update",
+        "1",
+        "--store-ema",
+        "--ema-decay",
+        "0.5",
+        "--disable-validation",
+        "--seed",
+        "7",
+        "--ema-seed-model",
+        os.path.join(first, "checkpoint_last.pt"),
+    )
     assert "EMA seeded from the moving average" in run.stdout + run.stderr
     ckpt = torch.load(os.path.join(second, "checkpoint_last.pt"), weights_only=True)
     for key, avg in ckpt["extra_state"]["ema"].items():  # fairseq's step: 0.5 * seed + 0.5 * weights after update 1
@@ -43,8 +56,18 @@ def test_finetune_with_store_ema_continues_the_checkpoints_average(tmp_path, wik
     pretrained = os.path.join(first, "checkpoint_last.pt")
     saved = torch.load(pretrained, weights_only=True)["extra_state"]["ema"]
     tuned = str(tmp_path / "tuned")
-    run = train(data_bin, tuned, "--max-update", "1", "--store-ema", "--ema-decay", "0.5", "--disable-validation",
-                "--finetune-from-model", pretrained)
+    run = train(
+        data_bin,
+        tuned,
+        "--max-update",
+        "1",
+        "--store-ema",
+        "--ema-decay",
+        "0.5",
+        "--disable-validation",
+        "--finetune-from-model",
+        pretrained,
+    )
     assert "Loading EMA from checkpoint" in run.stdout + run.stderr
     ckpt = torch.load(os.path.join(tuned, "checkpoint_last.pt"), weights_only=True)
     for key, avg in ckpt["extra_state"]["ema"].items():
@@ -52,8 +75,18 @@ def test_finetune_with_store_ema_continues_the_checkpoints_average(tmp_path, wik
 
     start = torch.load(os.path.join(plain, "checkpoint_last.pt"), weights_only=True)["model"]
     tuned2 = str(tmp_path / "tuned2")
-    run = train(data_bin, tuned2, "--max-update", "1", "--store-ema", "--ema-decay", "0.5", "--disable-validation",
-                "--finetune-from-model", os.path.join(plain, "checkpoint_last.pt"))
+    run = train(
+        data_bin,
+        tuned2,
+        "--max-update",
+        "1",
+        "--store-ema",
+        "--ema-decay",
+        "0.5",
+        "--disable-validation",
+        "--finetune-from-model",
+        os.path.join(plain, "checkpoint_last.pt"),
+    )
     assert "EMA not found in checkpoint" in run.stdout + run.stderr
     ckpt = torch.load(os.path.join(tuned2, "checkpoint_last.pt"), weights_only=True)
     for key, avg in ckpt["extra_state"]["ema"].items():

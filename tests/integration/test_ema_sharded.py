@@ -14,6 +14,7 @@ stopped after 3 updates and resumed for the 4th, at 2 ranks and (resharded) in o
 uninterrupted 2-rank run to rtol 1e-4 (the same arithmetic in the same layout) and one process's run as above;
 under TP (2 ranks) resumed at 2 ranks, one process's.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -31,13 +32,37 @@ OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]
 TWO_FSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 CASES = {  # case: (the two-rank run's flags, the one-process run's flags)
     "fsdp": (TWO_FSDP, ["--update-freq", "2"]),
-    "tp": (["--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "fully_sharded",
-            "--update-freq", "2"], ["--update-freq", "2"]),
-    "hsdp": (["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard",
-              "--shard-group-size", "2"], ["--update-freq", "4"]),  # 2 replicas of 2 shards
+    "tp": (
+        [
+            "--distributed-world-size",
+            "2",
+            "--model-parallel-size",
+            "2",
+            "--ddp-backend",
+            "fully_sharded",
+            "--update-freq",
+            "2",
+        ],
+        ["--update-freq", "2"],
+    ),
+    "hsdp": (
+        [
+            "--distributed-world-size",
+            "4",
+            "--ddp-backend",
+            "fully_sharded",
+            "--sharding-strategy",
+            "hybrid_shard",
+            "--shard-group-size",
+            "2",
+        ],
+        ["--update-freq", "4"],
+    ),  # 2 replicas of 2 shards
     "offload": (TWO_FSDP + OFFLOAD, ["--update-freq", "2", "--optimizer", "cpu_adam"]),
-    "offload_overlap": (TWO_FSDP + OFFLOAD + ["--overlap-offload-step"], ["--update-freq", "2", "--optimizer",
-                                                                          "cpu_adam"]),
+    "offload_overlap": (
+        TWO_FSDP + OFFLOAD + ["--overlap-offload-step"],
+        ["--update-freq", "2", "--optimizer", "cpu_adam"],
+    ),
 }
 
 
@@ -53,8 +78,10 @@ def one_process_runs(tmp_path_factory):
 
 
 def train(data_bin, save_dir, *flags, max_update=UPDATES):
-    proc = H.run_train([data_bin, *H.model_args(str(save_dir)), "--disable-validation", "--max-update",
-                        str(max_update), *EMA, *flags], timeout=400)
+    proc = H.run_train(
+        [data_bin, *H.model_args(str(save_dir)), "--disable-validation", "--max-update", str(max_update), *EMA, *flags],
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -78,7 +105,7 @@ def assert_close_states(got, want, what):
         a, b = got[k], want[k]
         if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
             C = a.numel() // 3  # (as in test_composition / test_tp_cli)
-            a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+            a, b = torch.cat([a[:C], a[2 * C :]]), torch.cat([b[:C], b[2 * C :]])
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (what, k, (a - b).abs().max())
 
 
@@ -109,8 +136,7 @@ def consolidated_state(folder, out):
     return saved(out)
 
 
-def test_sharded_state_holds_each_ranks_average_and_resumes_at_any_world_size(data_bin, one_process_runs,
-                                                                              tmp_path):
+def test_sharded_state_holds_each_ranks_average_and_resumes_at_any_world_size(data_bin, one_process_runs, tmp_path):
     two_flags = TWO_FSDP + ["--use-sharded-state"]
     one, one_path = one_process(data_bin, one_process_runs, ["--update-freq", "2"])
     whole = train(data_bin, tmp_path / "whole", *two_flags)
@@ -120,8 +146,10 @@ def test_sharded_state_holds_each_ranks_average_and_resumes_at_any_world_size(da
     assert any(k.startswith("ema.") and k.endswith("layers.0.fc1.weight") for k in shapes), "the average in DCP"
     assert "ema" not in sharded.read_meta(str(folder))["extra_state"]
     shutil.copytree(tmp_path / "two", tmp_path / "one")
-    resumed = {"two": train(data_bin, tmp_path / "two", *two_flags),  # the 4th update, at 2 ranks and in one
-               "one": train(data_bin, tmp_path / "one", "--update-freq", "2", "--use-sharded-state")}
+    resumed = {
+        "two": train(data_bin, tmp_path / "two", *two_flags),  # the 4th update, at 2 ranks and in one
+        "one": train(data_bin, tmp_path / "one", "--update-freq", "2", "--use-sharded-state"),
+    }
     want, want_whole = H.losses(one.stdout), H.losses(whole.stdout)
     whole_weights, whole_average = consolidated_state(tmp_path / "whole" / "checkpoint_last", tmp_path / "w.pt")
     one_weights, one_average = saved(one_path)

@@ -8,6 +8,7 @@ identical accuracies, identical greedy generations, with ``HFLM``'s default mode
 the sharded folder, its consolidated ``.pt`` and its fairseq-layout export alike; the command prints the table
 and writes JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,45 @@ pytest.importorskip("accelerate")
 TASKS_DIR = os.path.join(H.REPO_ROOT, "tests", "harness_tasks")
 CHOICE_TASKS = ["toolkit_wiki_cloze", "toolkit_wiki_gen"]
 ROLLING_TASKS = ["toolkit_wiki_ppl"]
-COMMON = ["--tokens-per-sample", "64", "--batch-size", "8", "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
-          "--num-workers", "0", "--cpu", "--max-update", "30", "--log-format", "json", "--no-epoch-checkpoints"]
-TRANSFORMER = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-               "--decoder-input-dim", "32", "--decoder-output-dim", "32", "--decoder-normalize-before",
-               "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.0"]
+COMMON = [
+    "--tokens-per-sample",
+    "64",
+    "--batch-size",
+    "8",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--seed",
+    "3",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--max-update",
+    "30",
+    "--log-format",
+    "json",
+    "--no-epoch-checkpoints",
+]
+TRANSFORMER = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--decoder-normalize-before",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--dropout",
+    "0.0",
+]
 FSDP = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded", "--use-sharded-state"]
 
 
@@ -129,8 +164,9 @@ def test_fairseq_layout_checkpoint_scores_the_same(transformer_ckpt, manager, tm
     run = H.run_cli("toolkit_cli.consolidate", [transformer_ckpt["pt"], "--to-fairseq", fairseq_pt])
     assert run.returncode == 0, run.stderr
     a = evaluate(ToolkitLM(path=transformer_ckpt["pt"], device="cpu"), ["toolkit_wiki_cloze"], manager)
-    b = evaluate(ToolkitLM(path=fairseq_pt, data=_data_of(transformer_ckpt), device="cpu"), ["toolkit_wiki_cloze"],
-                 manager)
+    b = evaluate(
+        ToolkitLM(path=fairseq_pt, data=_data_of(transformer_ckpt), device="cpu"), ["toolkit_wiki_cloze"], manager
+    )
     assert responses(a, "toolkit_wiki_cloze") == responses(b, "toolkit_wiki_cloze")
 
 
@@ -141,9 +177,24 @@ def _data_of(ckpt) -> str:
 def test_command_prints_table_and_writes_json(transformer_ckpt, tmp_path):
     out = str(tmp_path / "results.json")
     sharded_folder = os.path.join(transformer_ckpt["save"], "checkpoint_last")  # consolidated on the fly
-    run = H.run_cli("toolkit_cli.eval_harness", [_data_of(transformer_ckpt), "--path", sharded_folder,
-                                                 "--tasks", "toolkit_wiki_cloze", "--include-path", TASKS_DIR,
-                                                 "--limit", "8", "--output-path", out, "--bootstrap-iters", "0"])
+    run = H.run_cli(
+        "toolkit_cli.eval_harness",
+        [
+            _data_of(transformer_ckpt),
+            "--path",
+            sharded_folder,
+            "--tasks",
+            "toolkit_wiki_cloze",
+            "--include-path",
+            TASKS_DIR,
+            "--limit",
+            "8",
+            "--output-path",
+            out,
+            "--bootstrap-iters",
+            "0",
+        ],
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "|toolkit_wiki_cloze|" in run.stdout and "acc_norm" in run.stdout
     results = json.load(open(out))
@@ -151,10 +202,16 @@ def test_command_prints_table_and_writes_json(transformer_ckpt, tmp_path):
     assert results["n-samples"]["toolkit_wiki_cloze"]["effective"] == 8
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--tasks", "toolkit_wiki_cloze", "--include-path", "/nonexistent"], "--include-path /nonexistent: no such folder"),
-    ([], "--tasks is required"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--tasks", "toolkit_wiki_cloze", "--include-path", "/nonexistent"],
+            "--include-path /nonexistent: no such folder",
+        ),
+        ([], "--tasks is required"),
+    ],
+)
 def test_bad_options_are_one_line(transformer_ckpt, flags, message):
     run = H.run_cli("toolkit_cli.eval_harness", ["--path", transformer_ckpt["pt"], *flags])
     assert run.returncode == 1 and "Traceback" not in run.stderr

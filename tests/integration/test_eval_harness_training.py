@@ -1,5 +1,6 @@
 """--eval-harness-tasks during toolkit-train: lines at the interval, the numbers of the saved model,
 a harness metric as --best-checkpoint-metric, exact resume, 2 fully_sharded ranks (gathered)."""
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,23 @@ from toolkit.evaluation.harness_main import evaluate, task_manager  # noqa: E402
 
 TASKS_DIR = os.path.join(H.REPO_ROOT, "tests", "harness_tasks")
 TASKS = "toolkit_wiki_cloze,toolkit_wiki_ppl"
-HARNESS = ["--eval-harness-tasks", TASKS, "--eval-harness-interval-updates", "5", "--eval-harness-limit", "12",
-           "--eval-harness-include-path", TASKS_DIR, "--best-checkpoint-metric", "toolkit_wiki_cloze_acc_norm",
-           "--maximize-best-checkpoint-metric", "--save-interval-updates", "5", "--tokens-per-sample", "32"]
+HARNESS = [
+    "--eval-harness-tasks",
+    TASKS,
+    "--eval-harness-interval-updates",
+    "5",
+    "--eval-harness-limit",
+    "12",
+    "--eval-harness-include-path",
+    TASKS_DIR,
+    "--best-checkpoint-metric",
+    "toolkit_wiki_cloze_acc_norm",
+    "--maximize-best-checkpoint-metric",
+    "--save-interval-updates",
+    "5",
+    "--tokens-per-sample",
+    "32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +90,9 @@ def test_resume_is_exact(data_bin, straight, tmp_path):
 
 def test_two_fully_sharded_ranks_evaluate_the_gathered_model(data_bin, straight, tmp_path):
     save = str(tmp_path / "ck")
-    run = H.train(data_bin, save, "--max-update", "5", "--distributed-world-size", "2",
-                  "--ddp-backend", "fully_sharded", *HARNESS)
+    run = H.train(
+        data_bin, save, "--max-update", "5", "--distributed-world-size", "2", "--ddp-backend", "fully_sharded", *HARNESS
+    )
     lines = harness_lines(run)
     assert sorted(lines) == [5]
     lm = ToolkitLM(path=os.path.join(save, "checkpoint_1_5.pt"), device="cpu")
@@ -86,10 +102,13 @@ def test_two_fully_sharded_ranks_evaluate_the_gathered_model(data_bin, straight,
         assert float(lines[5][key]) == pytest.approx(value, rel=1e-3, abs=1e-3), key
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--eval-harness-tasks", "x"], "--eval-harness-tasks x: also give --eval-harness-interval-updates N"),
-    (["--eval-harness-interval-updates", "5"], "--eval-harness-interval-updates/--eval-harness-limit need"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-harness-tasks", "x"], "--eval-harness-tasks x: also give --eval-harness-interval-updates N"),
+        (["--eval-harness-interval-updates", "5"], "--eval-harness-interval-updates/--eval-harness-limit need"),
+    ],
+)
 def test_flag_errors_are_one_line(data_bin, tmp_path, flags, message):
     run = H.train(data_bin, str(tmp_path / "ck"), "--max-update", "1", *flags, check=False)
     assert "eval_harness" not in run.stdout

@@ -6,6 +6,7 @@ at most ``context_window``, and at most what fits in ``tokens_per_sample`` with 
 block), and the logits come from a direct forward pass over fairseq-named weights
 (tests/helpers/fairseq_layout.py), not from the toolkit's model.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,16 +24,56 @@ def setup(tmp_path_factory):
 
 def test_cli_flags_and_errors(setup, tmp_path):
     data, path, _, _ = setup
-    flags = [data, "--path", path, "--task", "language_modeling", "--criterion", "cross_entropy",
-             "--sample-break-mode", "none", "--tokens-per-sample", "12", "--context-window", "4",
-             "--softmax-batch", "7", "--output-word-stats", "--remove-bpe", "--quiet", "--results-path",
-             str(tmp_path), "--model-overrides", "{'dropout': 0.0}", "--num-workers", "2",
-             "--skip-invalid-size-inputs-valid-test", "--max-target-positions", "40", "--num-shards", "1",
-             "--shard-id", "0", "--seed", "3", "--log-format", "simple", "--max-sentences", "2", "--cpu"]
+    flags = [
+        data,
+        "--path",
+        path,
+        "--task",
+        "language_modeling",
+        "--criterion",
+        "cross_entropy",
+        "--sample-break-mode",
+        "none",
+        "--tokens-per-sample",
+        "12",
+        "--context-window",
+        "4",
+        "--softmax-batch",
+        "7",
+        "--output-word-stats",
+        "--remove-bpe",
+        "--quiet",
+        "--results-path",
+        str(tmp_path),
+        "--model-overrides",
+        "{'dropout': 0.0}",
+        "--num-workers",
+        "2",
+        "--skip-invalid-size-inputs-valid-test",
+        "--max-target-positions",
+        "40",
+        "--num-shards",
+        "1",
+        "--shard-id",
+        "0",
+        "--seed",
+        "3",
+        "--log-format",
+        "simple",
+        "--max-sentences",
+        "2",
+        "--cpu",
+    ]
     run = run_cli("toolkit_cli.eval_lm", flags)
     assert run.returncode == 0, run.stderr
     assert "Loss (base 2):" in run.stdout
-    for flag in ("--criterion", "--quiet", "--results-path", "--num-workers", "--max-target-positions",
-                 "--skip-invalid-size-inputs-valid-test"):
+    for flag in (
+        "--criterion",
+        "--quiet",
+        "--results-path",
+        "--num-workers",
+        "--max-target-positions",
+        "--skip-invalid-size-inputs-valid-test",
+    ):
         assert f"{flag} accepted for fairseq compatibility, no effect" in run.stdout, flag
     assert not os.listdir(tmp_path)

@@ -10,6 +10,7 @@ Resumed runs log its losses (the 2-proc = 1-proc tolerance) and end with its wei
 (``--store-ema``, saved whole as well) and its optimizer state to float noise (``rtol 1e-4, atol 1e-5``; measured: 3e-6 at most): a moment lost or given to the wrong expert would
 move the weights by about the learning rate, 3e-3.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,10 +39,36 @@ RANK_PID = re.compile(r"\brank \d+: pid (\d+)\s*$")  # the launcher's line namin
 
 
 def args(save_dir) -> list:
-    return ["--task", "language_modeling", "--arch", "moe_tiny", "--optimizer", "adam", "--lr", "0.003",
-            "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--disable-validation",
-            "--no-epoch-checkpoints", "--store-ema", "--ema-decay", "0.5"]
+    return [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "moe_tiny",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-dir",
+        str(save_dir),
+        "--disable-validation",
+        "--no-epoch-checkpoints",
+        "--store-ema",
+        "--ema-decay",
+        "0.5",
+    ]
 
 
 def train(data_bin, save_dir, *flags):
@@ -57,8 +84,11 @@ def last_checkpoint(save_dir) -> dict:
 def assert_same_state(got: dict, want: dict, exact: bool = False) -> None:
     """The weights, their average (--store-ema) and every optimizer moment (whole expert stacks included) of two
     checkpoints agree."""
-    check = (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=0, atol=0, msg=msg)) if exact else (
-        lambda a, b, msg: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=msg))
+    check = (
+        (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=0, atol=0, msg=msg))
+        if exact
+        else (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=msg))
+    )
     assert got["model"].keys() == want["model"].keys()
     for name, tensor in want["model"].items():
         check(got["model"][name], tensor, name)
@@ -106,7 +136,6 @@ def test_saved_by_one_process_resumes_at_ep2(data_bin, uninterrupted, tmp_path):
     assert_same_state(last_checkpoint(tmp_path), uninterrupted["state"])
 
 
-
 def test_fp16_adam_stats_of_the_experts_are_saved_on_one_scale(data_bin, tmp_path):
     """cpu_adam's --fp16-adam-stats keeps each moment in fp16 over one scale per tensor, which each ep rank takes
     from its own experts: the saved whole stack is put on the ep ranks' largest scale, so it holds the moments of
@@ -117,19 +146,32 @@ def test_fp16_adam_stats_of_the_experts_are_saved_on_one_scale(data_bin, tmp_pat
     got, want = (last_checkpoint(tmp_path / d)["last_optimizer_state"]["state"] for d in ("ep2", "one"))
     for name in (n for n in want if ".experts." in n):
         for key in ("exp_avg", "exp_avg_sq"):
-            true = {side: entry[name][key].float() * entry[name][f"{key}_scale"]
-                    for side, entry in (("got", got), ("want", want))}
+            true = {
+                side: entry[name][key].float() * entry[name][f"{key}_scale"]
+                for side, entry in (("got", got), ("want", want))
+            }
             largest = true["want"].abs().max()
             assert (true["got"] - true["want"]).abs().max() <= 3e-3 * largest, (name, key)
             torch.testing.assert_close(got[name][f"{key}_scale"], want[name][f"{key}_scale"], rtol=1e-3, atol=0)
+
 
 def test_killed_ep2_run_resumes_bitwise(data_bin, tmp_path):
     """SIGKILL to the launcher after update 3 (checkpoints every 2 updates; its ranks die with it): the resumed run
     ends with the weights and optimizer state of the EP 2 run that never stopped, bit for bit."""
     killed, every_2 = tmp_path / "killed", ["--save-interval-updates", "2"]
-    proc = processes.start([sys.executable, "-m", "toolkit_cli.train", data_bin] + args(killed) + EP2_ON_2
-                           + every_2 + ["--max-update", "1000"], cwd=H.REPO_ROOT, env=H.subprocess_env(None),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = processes.start(
+        [sys.executable, "-m", "toolkit_cli.train", data_bin]
+        + args(killed)
+        + EP2_ON_2
+        + every_2
+        + ["--max-update", "1000"],
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     ranks = []
     try:
         lines, _ = processes.read_until(proc, lambda line: '"num_updates": "3"' in line, 240)
@@ -144,4 +186,3 @@ def test_killed_ep2_run_resumes_bitwise(data_bin, tmp_path):
     assert re.search(r"@ [24] updates", resumed.stdout + resumed.stderr), resumed.stdout[-2000:]
     train(data_bin, tmp_path / "straight", "--max-update", "6", *EP2_ON_2, *every_2)
     assert_same_state(last_checkpoint(killed), last_checkpoint(tmp_path / "straight"), exact=True)
-

@@ -12,6 +12,7 @@ at update 3 and goes on ends as the reference too (the save gathers the moments 
 optimizer's own as they are). On four ranks at ep 2 (each rank's experts sharded by FSDP2 over their 2 holders),
 the checkpoint resumes at ep 4 as the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -31,10 +32,36 @@ ONE_PROC = ["--update-freq", "2"]
 
 
 def train(data_bin, save_dir, *flags):
-    args = ["--task", "language_modeling", "--arch", "moe_tiny", "--optimizer", "adam", "--lr", "0.003",
-            "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--disable-validation",
-            "--no-epoch-checkpoints", "--store-ema", "--ema-decay", "0.5"]
+    args = [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "moe_tiny",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-dir",
+        str(save_dir),
+        "--disable-validation",
+        "--no-epoch-checkpoints",
+        "--store-ema",
+        "--ema-decay",
+        "0.5",
+    ]
     proc = H.run_train([data_bin] + args + list(flags), timeout=300)
     assert proc.returncode == 0, f"toolkit-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -53,15 +80,21 @@ def assert_same_state(got: dict, want: dict) -> None:
     assert got["model"].keys() == want["model"].keys()
     for name, tensor in want["model"].items():
         torch.testing.assert_close(got["model"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
-        torch.testing.assert_close(got["extra_state"]["ema"][name], want["extra_state"]["ema"][name], rtol=1e-4,
-                                   atol=1e-5, msg=f"ema {name}")
+        torch.testing.assert_close(
+            got["extra_state"]["ema"][name], want["extra_state"]["ema"][name], rtol=1e-4, atol=1e-5, msg=f"ema {name}"
+        )
     moments_got, moments_want = got["last_optimizer_state"]["state"], want["last_optimizer_state"]["state"]
     assert moments_got.keys() == moments_want.keys()
     assert moments_want["layers.0.mlp.experts.down_proj"]["exp_avg_sq"].shape[0] == 4  # the whole stack
     for name, entry in moments_want.items():
         for key, value in entry.items():
-            torch.testing.assert_close(torch.as_tensor(moments_got[name][key]), torch.as_tensor(value),
-                                       rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+            torch.testing.assert_close(
+                torch.as_tensor(moments_got[name][key]),
+                torch.as_tensor(value),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=f"{name} {key}",
+            )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +104,9 @@ def data_bin(tmp_path_factory):
 
 def test_sharded_checkpoint_at_ep2_resumes_at_ep2_ep1_and_one_process_and_consolidates(data_bin, tmp_path):
     # the uninterrupted run, consolidated format: its checkpoint at update 3 and its state after update 4
-    straight = train(data_bin, tmp_path / "straight", *EP2, "--max-update", str(UPDATES),
-                     "--save-interval-updates", str(SAVED_AT))
+    straight = train(
+        data_bin, tmp_path / "straight", *EP2, "--max-update", str(UPDATES), "--save-interval-updates", str(SAVED_AT)
+    )
     reference = H.losses(straight.stdout)
     saved_file = tmp_path / "straight" / f"checkpoint_1_{SAVED_AT}.pt"
     at_saved = torch.load(saved_file, map_location="cpu", weights_only=True)
@@ -83,8 +117,16 @@ def test_sharded_checkpoint_at_ep2_resumes_at_ep2_ep1_and_one_process_and_consol
     assert_same_state(consolidated(tmp_path / "ep2" / "checkpoint_last", tmp_path / "saved.pt"), at_saved)
 
     # a sharded save in the middle of a run leaves its optimizer as it was: the run goes on as the reference
-    on = train(data_bin, tmp_path / "on", *EP2, "--use-sharded-state", "--max-update", str(UPDATES),
-               "--save-interval-updates", str(SAVED_AT))
+    on = train(
+        data_bin,
+        tmp_path / "on",
+        *EP2,
+        "--use-sharded-state",
+        "--max-update",
+        str(UPDATES),
+        "--save-interval-updates",
+        str(SAVED_AT),
+    )
     assert_logged_losses_match(H.losses(on.stdout), reference, range(1, UPDATES + 1))
     assert_same_state(consolidated(tmp_path / "on" / "checkpoint_last", tmp_path / "on.pt"), at_end)
 
@@ -103,13 +145,30 @@ def test_experts_sharded_by_fsdp2_over_their_peers_resume_at_ep4(data_bin, tmp_p
     (``ParallelDims.expert_fsdp_mesh``); the sharded checkpoint at update 3 resumes at ep 4 (one expert a rank) with
     the 4th loss, weights and moments of the uninterrupted run (the same global batch: 4 ranks, --update-freq 1)."""
     four = ["--distributed-world-size", "4", "--ddp-backend", "fully_sharded"]
-    straight = train(data_bin, tmp_path / "straight", *four, "--expert-parallel-size", "2", "--max-update",
-                     str(UPDATES))
-    saved = train(data_bin, tmp_path / "sharded", *four, "--expert-parallel-size", "2", "--use-sharded-state",
-                  "--max-update", str(SAVED_AT))
+    straight = train(
+        data_bin, tmp_path / "straight", *four, "--expert-parallel-size", "2", "--max-update", str(UPDATES)
+    )
+    saved = train(
+        data_bin,
+        tmp_path / "sharded",
+        *four,
+        "--expert-parallel-size",
+        "2",
+        "--use-sharded-state",
+        "--max-update",
+        str(SAVED_AT),
+    )
     assert "each sharded by FSDP2 over the 2 ranks holding them" in saved.stdout + saved.stderr
-    resumed = train(data_bin, tmp_path / "sharded", *four, "--expert-parallel-size", "4", "--use-sharded-state",
-                    "--max-update", str(UPDATES))
+    resumed = train(
+        data_bin,
+        tmp_path / "sharded",
+        *four,
+        "--expert-parallel-size",
+        "4",
+        "--use-sharded-state",
+        "--max-update",
+        str(UPDATES),
+    )
     assert f"@ {SAVED_AT} updates" in resumed.stdout + resumed.stderr
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(straight.stdout), range(SAVED_AT + 1, UPDATES + 1))
     at_end = torch.load(tmp_path / "straight" / "checkpoint_last.pt", map_location="cpu", weights_only=True)

@@ -3,6 +3,7 @@
 Parse-level checks use ``parse_train_config`` in process; the effects on a run use tiny
 ``toolkit-train`` runs (a few updates) on a slice of WikiText.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,29 +23,71 @@ def data_bin(tmp_path_factory, wikitext_dir):
 
 
 def test_validation_flags_in_a_run(data_bin, tmp_path):
-    run = train(data_bin, str(tmp_path / "s"), "--max-update", "4", "--validate-interval-updates", "1",
-                "--validate-after-updates", "3", "--keep-best-checkpoints", "1", "--fixed-validation-seed", "7",
-                "--skip-invalid-size-inputs-valid-test", "--max-sentences-valid", "2", "--combine-val")
+    run = train(
+        data_bin,
+        str(tmp_path / "s"),
+        "--max-update",
+        "4",
+        "--validate-interval-updates",
+        "1",
+        "--validate-after-updates",
+        "3",
+        "--keep-best-checkpoints",
+        "1",
+        "--fixed-validation-seed",
+        "7",
+        "--skip-invalid-size-inputs-valid-test",
+        "--max-sentences-valid",
+        "2",
+        "--combine-val",
+    )
     valid = run.records("valid")
     assert [int(r["valid_num_updates"]) for r in valid] == [3, 4]  # nothing before --validate-after-updates
     assert {r["valid_bsz"] for r in valid} == {"2"}  # --max-sentences-valid
     assert f"{data_bin} valid 20 examples" in run.stdout  # --combine-val without valid1: valid alone
     best = min(float(r["valid_loss"]) for r in valid if int(r["valid_num_updates"]) == 4)
     assert [n for n in os.listdir(tmp_path / "s") if n.startswith("checkpoint.best_")] == [
-        f"checkpoint.best_loss_{best:.3f}0.pt"]  # one kept: the digit is randint(0, 1) = 0
+        f"checkpoint.best_loss_{best:.3f}0.pt"
+    ]  # one kept: the digit is randint(0, 1) = 0
 
 
 def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
     """2 ranks on CPU (gloo): fairseq's backend name and DDP's own flags reach DistributedDataParallel."""
-    run = train(data_bin, str(tmp_path / "s"), "--max-update", "2", "--ddp-backend", "pytorch_ddp",
-                "--find-unused-parameters", "--bucket-cap-mb", "1", "--distributed-world-size", "2", "--no-save",
-                "--disable-validation")
+    run = train(
+        data_bin,
+        str(tmp_path / "s"),
+        "--max-update",
+        "2",
+        "--ddp-backend",
+        "pytorch_ddp",
+        "--find-unused-parameters",
+        "--bucket-cap-mb",
+        "1",
+        "--distributed-world-size",
+        "2",
+        "--no-save",
+        "--disable-validation",
+    )
     assert "using fairseq's equivalent here, --ddp-backend c10d" in run.stdout and sorted(run.losses()) == [1, 2]
 
 
 def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):
-    run = train(data_bin, str(tmp_path / "s"), "--max-epoch", "3", "--update-freq", "1,2", "--no-save",
-                "--disable-validation", "--lr", "0.002,0.001", "--lr-scheduler", "fixed", "--warmup-updates", "0")
+    run = train(
+        data_bin,
+        str(tmp_path / "s"),
+        "--max-epoch",
+        "3",
+        "--update-freq",
+        "1,2",
+        "--no-save",
+        "--disable-validation",
+        "--lr",
+        "0.002,0.001",
+        "--lr-scheduler",
+        "fixed",
+        "--warmup-updates",
+        "0",
+    )
     ends = [int(r["train_num_updates"]) for r in run.records("train")]
     first = ends[0]
     assert ends[1] - ends[0] == (first + 1) // 2 and ends[2] - ends[1] == (first + 1) // 2
@@ -69,8 +112,19 @@ def test_finetune_from_model_and_restore_file(data_bin, tmp_path):
     assert "No existing checkpoint found no/such.pt" in fresh.stdout  # fairseq: a missing file starts fresh
     pretrained = os.path.join(pre, "checkpoint_last.pt")
     tuned = str(tmp_path / "tuned")
-    run = train(data_bin, tuned, "--max-update", "2", "--finetune-from-model", pretrained, "--lr", "1e-12",
-                "--lr-scheduler", "fixed", "--disable-validation")
+    run = train(
+        data_bin,
+        tuned,
+        "--max-update",
+        "2",
+        "--finetune-from-model",
+        pretrained,
+        "--lr",
+        "1e-12",
+        "--lr-scheduler",
+        "fixed",
+        "--disable-validation",
+    )
     assert "loading pretrained model from" in run.stdout
     a = torch.load(pretrained, weights_only=True)
     b = torch.load(os.path.join(tuned, "checkpoint_last.pt"), weights_only=True)
@@ -81,8 +135,9 @@ def test_finetune_from_model_and_restore_file(data_bin, tmp_path):
     assert "loading pretrained model from" not in again.stdout and "@ 2 updates" in again.stdout
 
     relative = os.path.relpath(pretrained, REPO_ROOT)  # run_cli runs in the repository root
-    resumed = train(data_bin, str(tmp_path / "other"), "--max-update", "4", "--restore-file", relative,
-                    "--disable-validation")
+    resumed = train(
+        data_bin, str(tmp_path / "other"), "--max-update", "4", "--restore-file", relative, "--disable-validation"
+    )
     assert "@ 3 updates" in resumed.stdout
 
 
@@ -95,14 +150,39 @@ def test_finetune_from_a_fairseq_checkpoint(tmp_path):
 
     data = str(tmp_path / "data")
     vocab = len(make_data_bin(data, {"train": ["the cat sat on the mat", "a dog ran far"] * 8, "valid": ["a cat"]}))
-    state = fairseq_main_checkpoint(random_fairseq_model(V=vocab, max_pos=24), model_options(max_pos=24),
-                                    task_options(data, 24))
+    state = fairseq_main_checkpoint(
+        random_fairseq_model(V=vocab, max_pos=24), model_options(max_pos=24), task_options(data, 24)
+    )
     path = str(tmp_path / "fairseq.pt")
     torch.save(state, path)
     save = str(tmp_path / "tuned")
-    train(data, save, "--max-update", "1", "--finetune-from-model", path, "--decoder-embed-dim", "16", "--decoder-input-dim", "16", "--decoder-output-dim", "16",
-          "--decoder-ffn-embed-dim", "24", "--decoder-learned-pos", "--decoder-normalize-before", "--tokens-per-sample", "24",
-          "--max-target-positions", "24", "--lr", "1e-12", "--lr-scheduler", "fixed", "--disable-validation")
+    train(
+        data,
+        save,
+        "--max-update",
+        "1",
+        "--finetune-from-model",
+        path,
+        "--decoder-embed-dim",
+        "16",
+        "--decoder-input-dim",
+        "16",
+        "--decoder-output-dim",
+        "16",
+        "--decoder-ffn-embed-dim",
+        "24",
+        "--decoder-learned-pos",
+        "--decoder-normalize-before",
+        "--tokens-per-sample",
+        "24",
+        "--max-target-positions",
+        "24",
+        "--lr",
+        "1e-12",
+        "--lr-scheduler",
+        "fixed",
+        "--disable-validation",
+    )
     tuned = torch.load(os.path.join(save, "checkpoint_last.pt"), weights_only=True)
     expected = fairseq_checkpoint.import_checkpoint(path, state, TransformerLMConfig)["model"]
     assert tuned["extra_state"]["trainer"]["num_updates"] == 1  # fairseq's 7 updates are not carried over

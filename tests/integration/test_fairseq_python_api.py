@@ -3,6 +3,7 @@
 checkpoint_utils, options parsers, tasks.setup_task, data.Dictionary, utils, and the hub's
 methods and keywords, each checked against fairseq's semantics on a tiny trained model.
 """
+
 from __future__ import annotations
 
 import collections
@@ -83,8 +84,9 @@ def test_options_parsers_take_script_arguments_and_the_architectures_values(trai
     parser.add_argument("--my-flag", type=int, default=3)
     args = options.parse_args_and_arch(parser, [data, "--arch", ARCH, "--decoder-layers", "3", "--my-flag", "5"])
     assert (args.arch, args.decoder_layers, args.decoder_embed_dim, args.my_flag) == (ARCH, 3, 64, 5)
-    args, unknown = options.parse_args_and_arch(options.get_training_parser(), [data, "--no-such", "1"],
-                                                parse_known=True)
+    args, unknown = options.parse_args_and_arch(
+        options.get_training_parser(), [data, "--no-such", "1"], parse_known=True
+    )
     assert unknown == ["--no-such", "1"] and args.task == "language_modeling"
     given = options.parse_args_and_arch(options.get_training_parser(), [data, "--lr", "0.1"], suppress_defaults=True)
     assert vars(given) == {"arch": "transformer_lm", "lr": 0.1}  # --arch: toolkit-train's implied default
@@ -152,6 +154,14 @@ def test_hub_keywords_refused_in_one_line(trained):
 
 def test_torch_hub_load_takes_fairseqs_keywords(trained):
     data, _, release = trained
-    lm = torch.hub.load(REPO_ROOT, "transformer_lm", source="local", model_dir=release, data_name_or_path=data,
-                        tokenizer="space", bpe=None, device="cpu")
+    lm = torch.hub.load(
+        REPO_ROOT,
+        "transformer_lm",
+        source="local",
+        model_dir=release,
+        data_name_or_path=data,
+        tokenizer="space",
+        bpe=None,
+        device="cpu",
+    )
     assert lm.score("the cat")["tokens"].tolist() == lm.encode("the cat").tolist()

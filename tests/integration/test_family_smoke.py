@@ -7,6 +7,7 @@ after the sub-layers, QK-norm over the projections; ``gemma3_tiny``: a sliding-w
 reference's losses exactly; toolkit-eval-lm on the checkpoint equals the log-probabilities of the model's own
 forward (tests/helpers/eval_reference.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,9 @@ def train(data_bin, save_dir, arch, *flags, env=None):
     args = H.llama_args(save_dir)
     args[args.index("--arch") + 1] = arch
     proc = H.run_train([data_bin] + args + ["--max-update", str(UPDATES)] + list(flags), env=env)
-    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return H.losses(proc.stdout)
 
 
@@ -42,10 +45,20 @@ def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tm
 
     reference = train(data_bin, tmp_path / "one", arch, "--update-freq", "2")
     assert sorted(reference) == list(range(1, UPDATES + 1)) and reference[UPDATES] < reference[1]
-    sharded = train(data_bin, tmp_path / "fsdp", arch, "--distributed-world-size", "2", "--ddp-backend", "fully_sharded")
+    sharded = train(
+        data_bin, tmp_path / "fsdp", arch, "--distributed-world-size", "2", "--ddp-backend", "fully_sharded"
+    )
     H.assert_logged_losses_match(sharded, reference, range(1, UPDATES + 1))
-    compiled = train(data_bin, tmp_path / "compiled", arch, "--update-freq", "2", "--checkpoint-activations",
-                     "--compile", env={"TOOLKIT_COMPILE_BACKEND": "aot_eager"})
+    compiled = train(
+        data_bin,
+        tmp_path / "compiled",
+        arch,
+        "--update-freq",
+        "2",
+        "--checkpoint-activations",
+        "--compile",
+        env={"TOOLKIT_COMPILE_BACKEND": "aot_eager"},
+    )
     H.assert_logged_losses_match(compiled, reference, range(1, UPDATES + 1))
     train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2", "--max-update", "2")
     resumed = train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2")

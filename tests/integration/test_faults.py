@@ -6,6 +6,7 @@ it starts 14 training processes (the last run is also restarted after it finishe
 SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir). The same under
 ``--expert-parallel-size 2`` (the MoE family on 2 ranks; the launcher killed, its ranks following it): 2 runs.
 """
+
 import re
 import subprocess
 import sys
@@ -17,10 +18,31 @@ from tests.helpers.dist_helpers import REPO_ROOT, subprocess_env
 
 @pytest.mark.faults
 def test_killed_runs_resume_bit_identical(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/faults.py", "--runs", "3", "--updates", "4", "--seed", "1",
-                           "--finished-restarts", "1", "--signal-runs", "2", "--writer-runs", "1",
-                           "--workdir", str(tmp_path)], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/faults.py",
+            "--runs",
+            "3",
+            "--updates",
+            "4",
+            "--seed",
+            "1",
+            "--finished-restarts",
+            "1",
+            "--signal-runs",
+            "2",
+            "--writer-runs",
+            "1",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert re.search(r"^matched: 3/3$", proc.stdout, re.M), out[-3000:]
     saves = int(re.search(r"kills during a save \(.*\): (\d+)/3", proc.stdout).group(1))
@@ -32,10 +54,33 @@ def test_killed_runs_resume_bit_identical(tmp_path):
 
 @pytest.mark.faults
 def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/faults.py", "--runs", "2", "--updates", "4", "--seed", "1",
-                           "--finished-restarts", "0", "--signal-runs", "0", "--writer-runs", "0",
-                           "--expert-parallel-size", "2", "--workdir", str(tmp_path)], cwd=REPO_ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/faults.py",
+            "--runs",
+            "2",
+            "--updates",
+            "4",
+            "--seed",
+            "1",
+            "--finished-restarts",
+            "0",
+            "--signal-runs",
+            "0",
+            "--writer-runs",
+            "0",
+            "--expert-parallel-size",
+            "2",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert re.search(r"^matched: 2/2$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in (tmp_path / "reference.log").read_text()
     assert proc.returncode == 0

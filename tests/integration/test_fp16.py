@@ -3,6 +3,7 @@ stop, --memory-efficient-fp16 (fp16 weights, fp32 optimizer state), --bf16, the 
 --cpu-offload flag combinations, adam <-> cpu_adam checkpoints, and overflow agreement across 2 ranks.
 The 2-rank tests run each rank as tests/helpers/fp16_worker.py (toolkit-train with a test-only fault).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from tests.helpers.cli import LOG_LINE, train
 from tests.helpers.lm_fixtures import make_data_bin
 from toolkit.optim.loss_scaler import DynamicLossScaler
 
-HUGE_SCALE = 2 ** 40  # fp16 gradients overflow at this loss scale: forced overflows
+HUGE_SCALE = 2**40  # fp16 gradients overflow at this loss scale: forced overflows
 SLOW_WARNING = "compute works but is much slower than fp32 on most CPUs"
 
 
@@ -62,15 +63,28 @@ def events(stdout: str):
 @pytest.fixture(scope="module")
 def overflow_run(data_bin, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("overflow"))
-    return save, train(data_bin, save, "--fp16", "--fp16-init-scale", str(HUGE_SCALE), "--fp16-scale-window", "2",
-                       "--max-update", "8", "--save-interval-updates", "4")
+    return save, train(
+        data_bin,
+        save,
+        "--fp16",
+        "--fp16-init-scale",
+        str(HUGE_SCALE),
+        "--fp16-scale-window",
+        "2",
+        "--max-update",
+        "8",
+        "--save-interval-updates",
+        "4",
+    )
 
 
 def test_fp16_overflow_skips_update_halves_then_doubles_scale(overflow_run):
     _, run = overflow_run
     evs = events(run.stdout)
-    assert evs[0] == ("overflow", "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: "
-                                  f"{float(HUGE_SCALE // 2)}")
+    assert evs[0] == (
+        "overflow",
+        f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {float(HUGE_SCALE // 2)}",
+    )
     # Replay fairseq's scaler on the logged sequence: every NOTE line and every logged loss_scale agrees.
     scaler = DynamicLossScaler(init_scale=HUGE_SCALE, scale_window=2)
     updates, doubled, skipped = [], False, 0
@@ -98,14 +112,24 @@ def test_fp16_resume_restores_the_loss_scaler(data_bin, overflow_run, tmp_path):
     save, ref = overflow_run
     state = torch.load(os.path.join(save, "checkpoint_1_4.pt"), map_location="cpu", weights_only=True)
     assert state["extra_state"]["trainer"]["loss_scaler"]["loss_scale"] > 0
-    resumed = train(data_bin, str(tmp_path), "--fp16", "--fp16-init-scale", str(HUGE_SCALE),
-                    "--fp16-scale-window", "2", "--max-update", "8",
-                    "--restore-file", os.path.join(save, "checkpoint_1_4.pt"))
+    resumed = train(
+        data_bin,
+        str(tmp_path),
+        "--fp16",
+        "--fp16-init-scale",
+        str(HUGE_SCALE),
+        "--fp16-scale-window",
+        "2",
+        "--max-update",
+        "8",
+        "--restore-file",
+        os.path.join(save, "checkpoint_1_4.pt"),
+    )
     assert "loaded checkpoint" in resumed.stdout
     # (as in fairseq, a skipped update at 4 saves checkpoint_1_4.pt again: the resumed run continues from
     # the last save, so its events are the reference's last ones)
     got = events(resumed.stdout)
-    expected = events(ref.stdout)[-len(got):]
+    expected = events(ref.stdout)[-len(got) :]
     assert [k for k, _ in got] == [k for k, _ in expected]  # the same overflows at the same points
     for (kind, mine), (_, theirs) in zip(got, expected):
         if kind == "overflow":
@@ -117,15 +141,27 @@ def test_fp16_resume_restores_the_loss_scaler(data_bin, overflow_run, tmp_path):
 
 
 def test_min_loss_scale_stops_with_fairseqs_message(data_bin, tmp_path):
-    run = train(data_bin, str(tmp_path), "--fp16", "--fp16-init-scale", str(HUGE_SCALE),
-                "--min-loss-scale", str(float(HUGE_SCALE // 8)), "--max-update", "3", check=False)
+    run = train(
+        data_bin,
+        str(tmp_path),
+        "--fp16",
+        "--fp16-init-scale",
+        str(HUGE_SCALE),
+        "--min-loss-scale",
+        str(float(HUGE_SCALE // 8)),
+        "--max-update",
+        "3",
+        check=False,
+    )
     assert run.returncode == 1
     assert [m for _, m in events(run.stdout)] == [
         f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {float(HUGE_SCALE // 2)}",
-        f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {float(HUGE_SCALE // 4)}"]
+        f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {float(HUGE_SCALE // 4)}",
+    ]
     assert run.stderr.strip().splitlines() == [
         f"toolkit-train: error: Minimum loss scale reached ({float(HUGE_SCALE // 8)}). Your loss is probably "
-        "exploding. Try lowering the learning rate, using gradient clipping or increasing the batch size."]
+        "exploding. Try lowering the learning rate, using gradient clipping or increasing the batch size."
+    ]
     assert not os.path.exists(os.path.join(str(tmp_path), "checkpoint_last.pt"))
 
 
@@ -150,8 +186,15 @@ def test_memory_efficient_fp16_trains_resumes_and_keeps_fp32_state(data_bin, tmp
     assert {v.dtype for v in state["model"].values()} == {torch.float16}  # no fp32 copy of the weights
     moments = [st["exp_avg_sq"] for st in state["last_optimizer_state"]["state"].values()]
     assert moments and all(m.dtype == torch.float32 for m in moments)
-    resumed = train(data_bin, str(tmp_path / "b"), "--memory-efficient-fp16", "--max-update", "8",
-                    "--restore-file", os.path.join(a, "checkpoint_1_4.pt"))
+    resumed = train(
+        data_bin,
+        str(tmp_path / "b"),
+        "--memory-efficient-fp16",
+        "--max-update",
+        "8",
+        "--restore-file",
+        os.path.join(a, "checkpoint_1_4.pt"),
+    )
     assert sorted(resumed.losses()) == [5, 6, 7, 8]
     for update in (5, 6, 7, 8):
         assert resumed.losses()[update] == pytest.approx(losses[update], rel=1e-6), update
@@ -191,13 +234,16 @@ def test_adam_and_cpu_adam_checkpoints_resume_each_other(data_bin, tmp_path, lay
     for update in (7, 8):
         assert back.losses()[update] == pytest.approx(straight.losses()[update], rel=1e-4), update
     if layout == "sharded":
-        fp16_stats = train(data_bin, save, "--optimizer", "cpu_adam", "--fp16-adam-stats", "--max-update", "9",
-                           *flags, check=False)
+        fp16_stats = train(
+            data_bin, save, "--optimizer", "cpu_adam", "--fp16-adam-stats", "--max-update", "9", *flags, check=False
+        )
         assert fp16_stats.returncode == 1 and "run toolkit-consolidate" in fp16_stats.stderr
     sgd = train(data_bin, save, "--optimizer", "sgd", "--max-update", "9", *flags, check=False)
     assert sgd.returncode == 1
-    assert sgd.stderr.strip().endswith("optimizer state was saved by --optimizer adam but this run uses "
-                                       "--optimizer sgd; add --reset-optimizer to start a fresh optimizer state")
+    assert sgd.stderr.strip().endswith(
+        "optimizer state was saved by --optimizer adam but this run uses "
+        "--optimizer sgd; add --reset-optimizer to start a fresh optimizer state"
+    )
 
 
 def run_two_ranks(mode: str, update: int, train_args, timeout: int = 600):
@@ -205,11 +251,27 @@ def run_two_ranks(mode: str, update: int, train_args, timeout: int = 600):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.helpers.fp16_worker", "worker", mode, str(update), "--",
-                                       *train_args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=REPO_ROOT,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.helpers.fp16_worker", "worker", mode, str(update), "--", *train_args],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -233,15 +295,29 @@ def finals(outs):
     return result
 
 
-@pytest.mark.parametrize("backend,mode,extra", [
-    ("fully_sharded", "shard", ["--fp16"]),  # inf in rank 1's local shard only: the DTensor norm is global
-    ("c10d", "loss", ["--memory-efficient-fp16"]),  # rank 1's backward overflows: DDP's all-reduce spreads it
-], ids=["fully_sharded-fp16", "ddp-memory-efficient-fp16"])
+@pytest.mark.parametrize(
+    "backend,mode,extra",
+    [
+        ("fully_sharded", "shard", ["--fp16"]),  # inf in rank 1's local shard only: the DTensor norm is global
+        ("c10d", "loss", ["--memory-efficient-fp16"]),  # rank 1's backward overflows: DDP's all-reduce spreads it
+    ],
+    ids=["fully_sharded-fp16", "ddp-memory-efficient-fp16"],
+)
 def test_overflow_on_one_rank_is_seen_by_all(data_bin, tmp_path, backend, mode, extra):
     from tests.helpers.cli import TINY_MODEL
 
-    args = [data_bin, "--save-dir", str(tmp_path), *TINY_MODEL, "--ddp-backend", backend, *extra,
-            "--max-update", "4", "--no-save"]
+    args = [
+        data_bin,
+        "--save-dir",
+        str(tmp_path),
+        *TINY_MODEL,
+        "--ddp-backend",
+        backend,
+        *extra,
+        "--max-update",
+        "4",
+        "--no-save",
+    ]
     outs = run_two_ranks(mode, 2, args)
     rank0 = outs[0][1]
     evs = events(rank0)

@@ -1,6 +1,7 @@
 """toolkit-train with the fused output layer + loss (the default, ``--head-loss-chunk-rows``) against the logits
 path (``--head-loss-chunk-rows 0``): the same losses and the same trained weights, one process. (DDP and FSDP2
 runs use the default too: tests/integration/test_distributed.py compares them with one process.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,18 @@ def data_bin(tmp_path_factory):
 def trained(data_bin, save_dir, *extra):
     # SGD, not Adam: Adam turns a rounding-sized gradient (the key bias's is 0 in exact arithmetic) into an
     # lr-sized step, so two correct runs would differ there; SGD keeps each difference as small as its cause
-    proc = train(data_bin, save_dir, "--max-update", str(UPDATES), "--disable-validation", "--optimizer", "sgd",
-                 "--lr", "0.5", *extra)
+    proc = train(
+        data_bin,
+        save_dir,
+        "--max-update",
+        str(UPDATES),
+        "--disable-validation",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        *extra,
+    )
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     return H.losses(proc.stdout), state
 

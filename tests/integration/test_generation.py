@@ -1,4 +1,5 @@
 """Generation: the KV cache, greedy / sampling / beam search against direct computations, the two commands."""
+
 import io
 import os
 import re
@@ -19,8 +20,10 @@ WORDS = "the a cat dog sat ran on under mat log and then".split()
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     rng = torch.Generator().manual_seed(0)
-    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(n),), generator=rng).tolist())
-             for n in torch.randint(3, 12, (300,), generator=rng)]
+    lines = [
+        " ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(n),), generator=rng).tolist())
+        for n in torch.randint(3, 12, (300,), generator=rng)
+    ]
     data = tmp_path_factory.mktemp("gen-bin")
     make_data_bin(data, {"train": lines, "valid": lines[:30], "test": lines[30:40]})
     save = str(tmp_path_factory.mktemp("gen-ck"))
@@ -54,9 +57,27 @@ def test_interactive_end_to_end(trained, tmp_path):
     data, ckpt = trained
     prompts = ["the cat", "", "a dog sat on"]
     (tmp_path / "in.txt").write_text("\n".join(prompts) + "\n")
-    run = run_cli("toolkit_cli.interactive", [data, "--path", ckpt, "--input", str(tmp_path / "in.txt"),
-                                              "--beam", "3", "--nbest", "2", "--max-len-b", "12",
-                                              "--buffer-size", "3", "--batch-size", "2", "--cpu"])
+    run = run_cli(
+        "toolkit_cli.interactive",
+        [
+            data,
+            "--path",
+            ckpt,
+            "--input",
+            str(tmp_path / "in.txt"),
+            "--beam",
+            "3",
+            "--nbest",
+            "2",
+            "--max-len-b",
+            "12",
+            "--buffer-size",
+            "3",
+            "--batch-size",
+            "2",
+            "--cpu",
+        ],
+    )
     assert run.returncode == 0, run.stderr
     check_hypotheses(run.stdout, nbest=2, prompts=prompts)
     sources = [line for line in run.stdout.splitlines() if line.startswith(("S-", "W-"))]
@@ -68,7 +89,8 @@ def test_interactive_end_to_end(trained, tmp_path):
     model, task, _ = load_model(ckpt, data)
     cfg = GenerationConfig(beam=3, nbest=2, max_len_b=12)
     (hypos,) = SequenceGenerator([model], task.dictionary, cfg).generate(
-        [task.dictionary.encode_line("a dog sat on", append_eos=False).long()])
+        [task.dictionary.encode_line("a dog sat on", append_eos=False).long()]
+    )
     best = hypos[0]
     h2 = [line for line in run.stdout.splitlines() if line.startswith("H-2\t")][0]
     assert h2.split("\t")[2] == task.dictionary.string(best["tokens"])
@@ -85,13 +107,32 @@ def test_interactive_end_to_end(trained, tmp_path):
 
 def test_generate_end_to_end(trained):
     data, ckpt = trained
-    run = run_cli("toolkit_cli.generate", [data, "--path", ckpt, "--task", "language_modeling",
-                                           "--gen-subset", "test", "--sample-break-mode", "eos",
-                                           "--prefix-size", "2", "--beam", "2", "--max-len-b", "10",
-                                           "--batch-size", "4"])
+    run = run_cli(
+        "toolkit_cli.generate",
+        [
+            data,
+            "--path",
+            ckpt,
+            "--task",
+            "language_modeling",
+            "--gen-subset",
+            "test",
+            "--sample-break-mode",
+            "eos",
+            "--prefix-size",
+            "2",
+            "--beam",
+            "2",
+            "--max-len-b",
+            "10",
+            "--batch-size",
+            "4",
+        ],
+    )
     assert run.returncode == 0, run.stderr
-    targets = {int(line.split("\t")[0][2:]): line.split("\t")[1] for line in run.stdout.splitlines()
-               if line.startswith("T-")}
+    targets = {
+        int(line.split("\t")[0][2:]): line.split("\t")[1] for line in run.stdout.splitlines() if line.startswith("T-")
+    }
     assert sorted(targets) == list(range(10))
     for h in check_hypotheses(run.stdout, nbest=1):
         assert h.group(3).split()[:2] == targets[int(h.group(1))].split()[:2]  # the prefix is kept
@@ -104,13 +145,13 @@ def test_generate_end_to_end(trained):
 
 
 def test_hub_takes_fairseqs_names_and_uses_the_generator(trained):
-    from toolkit.models.transformer_lm import TransformerLanguageModel
 
     data, ckpt = trained
     lm = TransformerLanguageModel.from_pretrained(os.path.dirname(ckpt), "checkpoint_best.pt", data, device="cpu")
     prompt = lm.encode("the cat")
-    (direct,) = SequenceGenerator(list(lm.models), lm.dictionary, GenerationConfig(beam=3, nbest=3, max_len_b=8)) \
-        .generate([prompt[:-1]])
+    (direct,) = SequenceGenerator(
+        list(lm.models), lm.dictionary, GenerationConfig(beam=3, nbest=3, max_len_b=8)
+    ).generate([prompt[:-1]])
     hypos = lm.generate(prompt, beam=3, max_len_b=8)
     assert [h["tokens"].tolist() for h in hypos] == [h["tokens"].tolist() for h in direct]
     assert lm.sample("the cat", max_len_b=8) == lm.decode(lm.generate(prompt, beam=1, max_len_b=8)[0]["tokens"])

@@ -8,6 +8,7 @@ float8 recipes, OLMoE with and without --compile) run once and share that log. T
 ``gpu.sh --dry-run`` invocations side by side (an entry's time is mostly its interpreter's single-threaded
 start-up: on two cores, about half the wait), each family of entries in one of them so that shared runs stay shared.
 """
+
 import json
 import os
 import subprocess
@@ -23,12 +24,19 @@ GPU_SH = os.path.join(ROOT, "benchmarks", "gpu.sh")
 
 def _start_dry_run(folder, data_bin, entries):
     folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DATA=str(data_bin), GPU_LOG_DIR=str(folder / "logs"), GPU_RESULTS=str(folder),
-               TOOLKIT_PY=sys.executable, PYTHONPATH=ROOT)
+    env = dict(
+        os.environ,
+        DATA=str(data_bin),
+        GPU_LOG_DIR=str(folder / "logs"),
+        GPU_RESULTS=str(folder),
+        TOOLKIT_PY=sys.executable,
+        PYTHONPATH=ROOT,
+    )
     env.pop("OUT", None)
     with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:  # files: no pipe to fill
-        return processes.start(["bash", GPU_SH, "--dry-run", *entries], cwd=str(folder), env=env, stdout=out,
-                               stderr=err)
+        return processes.start(
+            ["bash", GPU_SH, "--dry-run", *entries], cwd=str(folder), env=env, stdout=out, stderr=err
+        )
 
 
 def _finish_dry_run(proc, folder):

@@ -1,6 +1,7 @@
 """fairseq's Hydra/YAML configs: ``toolkit-hydra-train`` and ``toolkit-train --config`` resolve to the
 same TrainConfig as the equivalent flags, in fairseq's layout (docs/hydra_integration.md's wiki103.yaml
 and fairseq/config/model/transformer_lm/transformer_lm_gpt.yaml, sizes made tiny)."""
+
 from __future__ import annotations
 
 import os
@@ -57,13 +58,56 @@ lr_scheduler:
   _name: cosine
   warmup_updates: 2
 """
-WIKI103_FLAGS = ["{data}", "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-                 "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--distributed-world-size", "1",
-                 "--batch-size", "2", "--num-workers", "0", "--task", "language_modeling", "--max-target-positions",
-                 "64", "--tokens-per-sample", "32", "--cpu", "--log-format", "json", "--log-interval", "1",
-                 "--max-update", "3", "--lr", "0.25", "--update-freq", "2", "--save-dir", "{save}",
-                 "--save-interval-updates", "3", "--criterion", "cross_entropy", "--optimizer", "adam",
-                 "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "cosine", "--warmup-updates", "2"]
+WIKI103_FLAGS = [
+    "{data}",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--distributed-world-size",
+    "1",
+    "--batch-size",
+    "2",
+    "--num-workers",
+    "0",
+    "--task",
+    "language_modeling",
+    "--max-target-positions",
+    "64",
+    "--tokens-per-sample",
+    "32",
+    "--cpu",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--max-update",
+    "3",
+    "--lr",
+    "0.25",
+    "--update-freq",
+    "2",
+    "--save-dir",
+    "{save}",
+    "--save-interval-updates",
+    "3",
+    "--criterion",
+    "cross_entropy",
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--lr-scheduler",
+    "cosine",
+    "--warmup-updates",
+    "2",
+]
 
 # fairseq/config/model/transformer_lm/transformer_lm_gpt.yaml, every key as fairseq ships it
 # (sizes made tiny), composed by Hydra with model=transformer_lm/transformer_lm_gpt.
@@ -124,14 +168,57 @@ lr_scheduler:
   _name: inverse_sqrt
   warmup_updates: 10
 """
-GPT_FLAGS = ["{data}", "--arch", "transformer_lm_gpt", "--activation-fn", "gelu", "--dropout", "0.1",
-             "--attention-dropout", "0.1", "--decoder-embed-dim", "32", "--decoder-output-dim", "32",
-             "--decoder-input-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-layers", "2",
-             "--decoder-attention-heads", "2", "--decoder-normalize-before", "--adaptive-softmax-factor", "4",
-             "--adaptive-input-factor", "4", "--task", "language_modeling", "--tokens-per-sample", "32", "--cpu",
-             "--log-format", "json", "--batch-size", "2", "--num-workers", "0", "--max-update", "5",
-             "--lr", "0.0005", "--optimizer", "adam", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
-             "--save-dir", "{save}"]
+GPT_FLAGS = [
+    "{data}",
+    "--arch",
+    "transformer_lm_gpt",
+    "--activation-fn",
+    "gelu",
+    "--dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-layers",
+    "2",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-normalize-before",
+    "--adaptive-softmax-factor",
+    "4",
+    "--adaptive-input-factor",
+    "4",
+    "--task",
+    "language_modeling",
+    "--tokens-per-sample",
+    "32",
+    "--cpu",
+    "--log-format",
+    "json",
+    "--batch-size",
+    "2",
+    "--num-workers",
+    "0",
+    "--max-update",
+    "5",
+    "--lr",
+    "0.0005",
+    "--optimizer",
+    "adam",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "10",
+    "--save-dir",
+    "{save}",
+]
 
 
 @pytest.fixture
@@ -181,25 +268,41 @@ def test_hydra_composes_group_files_and_overrides_as_the_flags(tmp_path, data):
     write(confs / "model" / "transformer_lm" / "transformer_lm_gpt.yaml", GPT_GROUP)
     write(confs / "lm.yaml", GPT_MAIN)
     save = str(tmp_path / "ckpt")
-    argv = hydra_train_argv(str(confs), "lm", ["model=transformer_lm/transformer_lm_gpt", f"task.data={data}",
-                                               "optimization.max_update=5", f"checkpoint.save_dir={save}"])
+    argv = hydra_train_argv(
+        str(confs),
+        "lm",
+        [
+            "model=transformer_lm/transformer_lm_gpt",
+            f"task.data={data}",
+            "optimization.max_update=5",
+            f"checkpoint.save_dir={save}",
+        ],
+    )
     assert parse_train_config(argv) == parse_train_config(fill(GPT_FLAGS, data=data, save=save))
     # task=NAME without a task/NAME.yaml names the component and keeps the group's options.
-    again = hydra_train_argv(str(confs), "lm", ["model=transformer_lm/transformer_lm_gpt", "task=language_modeling",
-                                                f"task.data={data}"])
+    again = hydra_train_argv(
+        str(confs), "lm", ["model=transformer_lm/transformer_lm_gpt", "task=language_modeling", f"task.data={data}"]
+    )
     assert parse_train_config(again).task.tokens_per_sample == 32
 
 
 def test_unknown_keys_are_refused_unless_inert(tmp_path, data, caplog):
     base = WIKI103.format(data=data, save=str(tmp_path / "c"))
-    inert = write(tmp_path / "inert.yaml", base + "  character_embeddings: false\n  quant_noise_scalar: 0\n"
-                                                  "generation:\n  beam: 5\n")
+    inert = write(
+        tmp_path / "inert.yaml",
+        base + "  character_embeddings: false\n  quant_noise_scalar: 0\ngeneration:\n  beam: 5\n",
+    )
     with caplog.at_level("INFO"):
         parse_train_config(expand_config_flag(["--config", inert]))
     assert f"{inert}: accepted, not read by training (no effect): generation" in caplog.messages
-    bad = write(tmp_path / "bad.yaml", base.replace("  decoder_layers: 2", "  decoder_layers: 2\n  character_embeddings: true"))
-    with pytest.raises(UserError, match=r"bad.yaml: model.character_embeddings=True: toolkit-train has no "
-                                        r"--character-embeddings; remove the key \(or set it to null\)"):
+    bad = write(
+        tmp_path / "bad.yaml", base.replace("  decoder_layers: 2", "  decoder_layers: 2\n  character_embeddings: true")
+    )
+    with pytest.raises(
+        UserError,
+        match=r"bad.yaml: model.character_embeddings=True: toolkit-train has no "
+        r"--character-embeddings; remove the key \(or set it to null\)",
+    ):
         expand_config_flag(["--config", bad])
     with pytest.raises(UserError, match=r"needs Hydra: run toolkit-hydra-train --config-dir"):
         expand_config_flag(["--config", write(tmp_path / "d.yaml", "defaults:\n  - model: x\n")])
@@ -217,14 +320,24 @@ def test_toolkit_train_refuses_overrides_as_data(data):
     assert run.stderr.strip().splitlines() == [
         f"toolkit-train: error: task.data={data}: a Hydra override (key=value) is not a toolkit-train argument; "
         f"run toolkit-hydra-train --config-dir DIR --config-name NAME task.data={data} ..., or give "
-        f"toolkit-train --config FILE.yaml and flags"]
+        f"toolkit-train --config FILE.yaml and flags"
+    ]
 
 
 def test_hydra_train_runs_the_docs_config(tmp_path, data):
     save = str(tmp_path / "ckpt")
     write(tmp_path / "configs" / "wiki103.yaml", WIKI103.format(data="/nowhere", save="/nowhere"))
-    run = run_cli("toolkit_cli.hydra_train", ["--config-dir", str(tmp_path / "configs"), "--config-name", "wiki103",
-                                              f"task.data={data}", f"checkpoint.save_dir={save}"])
+    run = run_cli(
+        "toolkit_cli.hydra_train",
+        [
+            "--config-dir",
+            str(tmp_path / "configs"),
+            "--config-name",
+            "wiki103",
+            f"task.data={data}",
+            f"checkpoint.save_dir={save}",
+        ],
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert os.path.isfile(os.path.join(save, "checkpoint_last.pt"))
     assert '"num_updates": "3"' in run.stdout
@@ -233,12 +346,36 @@ def test_hydra_train_runs_the_docs_config(tmp_path, data):
 def test_overrides_alone_as_in_the_docs_first_example(tmp_path, data):
     """docs/hydra_integration.md, "1. Override default values through command line" (max_update made tiny):
     model=transformer_lm/transformer_lm_gpt names fairseq's bundled config, here the architecture of that name."""
-    argv = hydra_train_argv(None, "config", [
-        "distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={data}",
-        "model=transformer_lm/transformer_lm_gpt", "task=language_modeling", "optimization.max_update=5",
-        f"checkpoint.save_dir={tmp_path}", "common.cpu=true"])
-    flags = [data, "--distributed-world-size", "1", "--batch-size", "2", "--arch", "transformer_lm_gpt", "--task",
-             "language_modeling", "--max-update", "5", "--save-dir", str(tmp_path), "--cpu"]
+    argv = hydra_train_argv(
+        None,
+        "config",
+        [
+            "distributed_training.distributed_world_size=1",
+            "dataset.batch_size=2",
+            f"task.data={data}",
+            "model=transformer_lm/transformer_lm_gpt",
+            "task=language_modeling",
+            "optimization.max_update=5",
+            f"checkpoint.save_dir={tmp_path}",
+            "common.cpu=true",
+        ],
+    )
+    flags = [
+        data,
+        "--distributed-world-size",
+        "1",
+        "--batch-size",
+        "2",
+        "--arch",
+        "transformer_lm_gpt",
+        "--task",
+        "language_modeling",
+        "--max-update",
+        "5",
+        "--save-dir",
+        str(tmp_path),
+        "--cpu",
+    ]
     assert parse_train_config(argv) == parse_train_config(flags)
     with pytest.raises(UserError, match=r"^the overrides: unknown group 'optimisation'"):
         hydra_train_argv(None, "config", ["optimisation.max_update=5"])
@@ -249,8 +386,12 @@ def test_broken_yaml_in_the_config_folder_names_its_file_and_line(tmp_path):
     pytest.importorskip("hydra")
     (tmp_path / "task").mkdir()
     (tmp_path / "config.yaml").write_text("defaults:\n  - task: lm\n  - _self_\ncommon:\n  seed: 1\n")
-    (tmp_path / "task" / "lm.yaml").write_text("# @package _group_\n_name: language_modeling\ndata: x\n"
-                                               "  tokens_per_sample: [32\n")
-    with pytest.raises(UserError, match=r"^--config-dir .*task/lm\.yaml: line 4, column 20: invalid YAML "
-                                        r"\(mapping values are not allowed here\); fix the file$"):
+    (tmp_path / "task" / "lm.yaml").write_text(
+        "# @package _group_\n_name: language_modeling\ndata: x\n  tokens_per_sample: [32\n"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^--config-dir .*task/lm\.yaml: line 4, column 20: invalid YAML "
+        r"\(mapping values are not allowed here\); fix the file$",
+    ):
         hydra_train_argv(str(tmp_path), "config", [])

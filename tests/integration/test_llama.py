@@ -13,6 +13,7 @@ a run stopped at update 4 resumes exactly; eval-lm and generation drive the trai
 (consolidated and sharded); --fp16 (dynamic loss scaling, overflows skipped) and --bf16 track fp32 within
 the tolerances of test_fp16.py and test_distributed.py's bf16 strategy.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ REL_TOL, LOGGED_TOL = 1e-4, 1.01e-3  # the CLI logs losses rounded to 3 decimals
 
 def train(data_bin, save_dir, *flags, env=None):
     proc = H.run_train([data_bin] + llama_args(save_dir) + list(flags), env=env)
-    assert proc.returncode == 0, f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"toolkit-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -81,37 +84,65 @@ def test_trains_on_real_text_and_its_loss_falls(baseline, wikitext_dir, tmp_path
 
 @pytest.mark.parametrize("backend", ["fully_sharded", "c10d"])
 def test_two_ranks_match_one_process(data_bin, baseline, tmp_path, backend):
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", backend)
+    proc = train(
+        data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2", "--ddp-backend", backend
+    )
     assert "training on 2 devices" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"])
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
 
 
-@pytest.mark.parametrize("flags", [["--ddp-backend", "fully_sharded"],
-                                   ["--no-sequence-parallel", "--checkpoint-activations"]],
-                         ids=["sequence_parallel", "replicated_activations"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--ddp-backend", "fully_sharded"], ["--no-sequence-parallel", "--checkpoint-activations"]],
+    ids=["sequence_parallel", "replicated_activations"],
+)
 def test_tensor_parallel_two_ranks_match_one_process(data_bin, baseline, tmp_path, flags):
     """M=2 splits the 4 query heads and the 2 key/value heads: one of each group per rank."""
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--update-freq", "2", "--distributed-world-size",
-                 "2", "--model-parallel-size", "2", *flags)
+    proc = train(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        str(UPDATES),
+        "--update-freq",
+        "2",
+        "--distributed-world-size",
+        "2",
+        "--model-parallel-size",
+        "2",
+        *flags,
+    )
     assert "tensor parallel: 2 ranks per replica, 1 data-parallel replicas" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"])
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
 
 
 def test_tensor_parallel_refuses_kv_heads_it_cannot_split(data_bin, tmp_path):
-    proc = H.run_train([data_bin] + llama_args(tmp_path) + ["--decoder-kv-heads", "1", "--distributed-world-size", "2",
-                                                          "--model-parallel-size", "2"])
+    proc = H.run_train(
+        [data_bin]
+        + llama_args(tmp_path)
+        + ["--decoder-kv-heads", "1", "--distributed-world-size", "2", "--model-parallel-size", "2"]
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert lines == ["toolkit-train: error: --decoder-kv-heads 1: must be divisible by --model-parallel-size 2 (each "
-                     "rank holds whole heads and an equal share); choose a model parallel size that divides it"]
+    assert lines == [
+        "toolkit-train: error: --decoder-kv-heads 1: must be divisible by --model-parallel-size 2 (each "
+        "rank holds whole heads and an equal share); choose a model parallel size that divides it"
+    ]
 
 
 def test_checkpoint_activations_and_compile_match_eager(data_bin, baseline, tmp_path):
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--update-freq", "2",
-                 "--checkpoint-activations", "--compile", env={"TOOLKIT_COMPILE_BACKEND": "aot_eager"})
+    proc = train(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        str(UPDATES),
+        "--update-freq",
+        "2",
+        "--checkpoint-activations",
+        "--compile",
+        env={"TOOLKIT_COMPILE_BACKEND": "aot_eager"},
+    )
     assert "--compile: torch.compile (aot_eager, fullgraph) on each of the 2 blocks" in proc.stdout
     assert_logged_losses_match(H.losses(proc.stdout), baseline["losses"])
     assert_same_params(model_state(tmp_path / "checkpoint_last.pt"), model_state(baseline["ckpt"]))
@@ -132,8 +163,9 @@ def test_eval_lm_and_generation_drive_the_trained_model(data_bin, baseline):
     from toolkit.inference.eval_lm_main import EvalLMConfig, main
     from toolkit.inference import load_model
 
-    result = main(EvalLMConfig(data=data_bin, path=baseline["ckpt"], gen_subset="valid", tokens_per_sample=32,
-                               batch_size=3))
+    result = main(
+        EvalLMConfig(data=data_bin, path=baseline["ckpt"], gen_subset="valid", tokens_per_sample=32, batch_size=3)
+    )
     model, task, _ = load_model(baseline["ckpt"], data_bin)
     valid = MMapIndexedDataset(os.path.join(data_bin, "valid"))
     stream = [int(t) for i in range(len(valid)) for t in valid[i]]
@@ -143,15 +175,25 @@ def test_eval_lm_and_generation_drive_the_trained_model(data_bin, baseline):
 
     prompts = [task.dictionary.encode_line(p, append_eos=False).long() for p in ("w1 w2", "w3")]
     cfg = GenerationConfig(beam=2, nbest=2, max_len_b=10)
-    cached, recomputed = (SequenceGenerator([model], task.dictionary, cfg, incremental=inc).generate(prompts)
-                          for inc in (True, False))
-    assert [[h["tokens"].tolist() for h in hs] for hs in cached] == [[h["tokens"].tolist() for h in hs]
-                                                                     for hs in recomputed]
+    cached, recomputed = (
+        SequenceGenerator([model], task.dictionary, cfg, incremental=inc).generate(prompts) for inc in (True, False)
+    )
+    assert [[h["tokens"].tolist() for h in hs] for hs in cached] == [
+        [h["tokens"].tolist() for h in hs] for hs in recomputed
+    ]
 
 
 # --- --cpu-offload (cpu_adam) and mixed precision: the family through the same paths as transformer_lm ------------
 
-OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--distributed-world-size", "2"]
+OFFLOAD = [
+    "--ddp-backend",
+    "fully_sharded",
+    "--cpu-offload",
+    "--optimizer",
+    "cpu_adam",
+    "--distributed-world-size",
+    "2",
+]
 
 
 @pytest.fixture(scope="module", params=["consolidated", "sharded"])
@@ -160,8 +202,13 @@ def offload_run(request, data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp(f"llama-offload-{request.param}")
     layout = ["--use-sharded-state"] if request.param == "sharded" else []
     proc = train(data_bin, save, *OFFLOAD, *layout, "--max-update", str(UPDATES), "--save-interval-updates", "4")
-    return {"layout": request.param, "flags": layout, "dir": save, "stdout": proc.stdout,
-            "losses": H.losses(proc.stdout)}
+    return {
+        "layout": request.param,
+        "flags": layout,
+        "dir": save,
+        "stdout": proc.stdout,
+        "losses": H.losses(proc.stdout),
+    }
 
 
 def test_cpu_offload_two_ranks_match_one_process(offload_run, baseline):
@@ -179,8 +226,9 @@ def test_cpu_offload_two_ranks_match_one_process(offload_run, baseline):
 
 def test_cpu_offload_resumes_from_its_checkpoint(offload_run, data_bin, baseline, tmp_path):
     saved = offload_run["dir"] / ("checkpoint_1_4.pt" if offload_run["layout"] == "consolidated" else "checkpoint_1_4")
-    proc = train(data_bin, tmp_path, *OFFLOAD, *offload_run["flags"], "--restore-file", str(saved),
-                 "--max-update", str(UPDATES))
+    proc = train(
+        data_bin, tmp_path, *OFFLOAD, *offload_run["flags"], "--restore-file", str(saved), "--max-update", str(UPDATES)
+    )
     loaded = r"loaded (sharded )?checkpoint \S*checkpoint_1_4(\.pt)? .*@ 4 updates"
     assert re.search(loaded, proc.stdout), proc.stdout[-3000:]
     resumed = H.losses(proc.stdout)
@@ -204,8 +252,11 @@ def test_mixed_precision_tracks_fp32(data_bin, baseline, tmp_path, precision):
     assert sorted(losses) == list(range(1, UPDATES + 1))
     for u in losses:
         assert losses[u] == pytest.approx(baseline["losses"][u], rel=tol), (u, losses, baseline["losses"])
-    scales = [json.loads(line.split("| train_inner | ")[1]).get("loss_scale") for line in proc.stdout.splitlines()
-              if "| train_inner | " in line]
+    scales = [
+        json.loads(line.split("| train_inner | ")[1]).get("loss_scale")
+        for line in proc.stdout.splitlines()
+        if "| train_inner | " in line
+    ]
     state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert {v.dtype for v in state["model"].values()} == {torch.float32}
     want = model_state(baseline["ckpt"])  # half-precision compute really ran: the weights are not fp32's bit for bit
@@ -219,9 +270,9 @@ def test_mixed_precision_tracks_fp32(data_bin, baseline, tmp_path, precision):
 
 def test_fp16_overflow_halves_the_scale_and_training_goes_on(data_bin, tmp_path):
     """A loss scale of 2**40 overflows fp16 gradients: those steps are skipped and the scale halves until they fit."""
-    proc = train(data_bin, tmp_path, "--max-update", "3", "--fp16", "--fp16-init-scale", str(2 ** 40), "--no-save")
+    proc = train(data_bin, tmp_path, "--max-update", "3", "--fp16", "--fp16-init-scale", str(2**40), "--no-save")
     notes = [line for line in proc.stdout.splitlines() if "NOTE: gradient overflow detected" in line]
-    assert notes and notes[0].endswith(f"setting loss scale to: {float(2 ** 39)}")
+    assert notes and notes[0].endswith(f"setting loss scale to: {float(2**39)}")
     halved = [float(n.rsplit(": ", 1)[1]) for n in notes]
     assert halved == [2.0 ** (39 - i) for i in range(len(halved))]
     losses = H.losses(proc.stdout)

@@ -5,6 +5,7 @@ training from the imported checkpoint, and the trained model exports back to a f
 
 The in-process round trips (ids, log-probs, generation, exports) are in tests/unit/test_llama_hf.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def test_the_command_imports_and_refuses_in_one_line(tmp_path):
     from tests.helpers.cli import run_cli
 
     make_hf(str(tmp_path / "hf"), "llama")
-    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    run = run_cli(
+        "toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]
+    )
     assert run.returncode == 0, run.stderr
     assert "converted to --arch llama" in run.stdout + run.stderr
     os.remove(tmp_path / "hf" / "tokenizer.json")
@@ -44,12 +47,15 @@ def test_qwen3_and_windowed_mistral_go_in_and_back_out_through_the_command(tmp_p
     from tests.helpers.cli import run_cli
 
     hf = make_hf(str(tmp_path / "hf"), kind)
-    run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"),
-                                         "--out", str(tmp_path / "ours")])
+    run = run_cli(
+        "toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]
+    )
     assert run.returncode == 0, run.stderr
     assert "converted to --arch llama" in run.stdout + run.stderr
-    run = run_cli("toolkit_cli.export", ["--path", str(tmp_path / "ours" / "model.pt"), "--out", str(tmp_path / "back"),
-                                         "--format", "hf"])
+    run = run_cli(
+        "toolkit_cli.export",
+        ["--path", str(tmp_path / "ours" / "model.pt"), "--out", str(tmp_path / "back"), "--format", "hf"],
+    )
     assert run.returncode == 0, run.stderr
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     assert type(back).__name__ == type(hf).__name__
@@ -73,21 +79,70 @@ def test_imported_model_continues_training_on_its_tokenizers_data_and_exports(tm
     lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(120)]
     (tmp_path / "train.txt").write_text("\n".join(lines[:100]) + "\n")
     (tmp_path / "valid.txt").write_text("\n".join(lines[100:]) + "\n")
-    proc = H.run_train(["--only-source", "--trainpref", str(tmp_path / "train.txt"), "--validpref",
-                      str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"),
-                      "--srcdict", str(tmp_path / "ours" / "dict.txt"), "--bpe", "hf_byte_bpe", "--bpe-model",
-                      str(tmp_path / "ours" / "tokenizer.json")], module="toolkit_cli.preprocess")
+    proc = H.run_train(
+        [
+            "--only-source",
+            "--trainpref",
+            str(tmp_path / "train.txt"),
+            "--validpref",
+            str(tmp_path / "valid.txt"),
+            "--destdir",
+            str(tmp_path / "bin"),
+            "--srcdict",
+            str(tmp_path / "ours" / "dict.txt"),
+            "--bpe",
+            "hf_byte_bpe",
+            "--bpe-model",
+            str(tmp_path / "ours" / "tokenizer.json"),
+        ],
+        module="toolkit_cli.preprocess",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     tok = tokenizer(tmp_path / "hf")
     first = MMapIndexedDataset(str(tmp_path / "bin" / "train"))[0].tolist()
     assert first == tok(lines[0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    proc = H.run_train([str(tmp_path / "bin"), "--arch", "llama", "--decoder-ffn-embed-dim", "96", "--decoder-kv-heads",
-                      "2", "--rms-norm-eps", "1e-06", "--max-target-positions", "64", "--rope-theta", "500000.0",
-                      "--rope-scaling-factor", "8.0", "--rope-original-max-positions", "16", "--tokens-per-sample",
-                      "63", "--add-bos-token", "--restore-file", str(tmp_path / "ours" / "model.pt"),
-                      "--reset-optimizer", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.001", "--max-update",
-                      "3", "--cpu", "--num-workers", "0", "--disable-validation", "--save-dir", str(tmp_path / "ck")])
+    proc = H.run_train(
+        [
+            str(tmp_path / "bin"),
+            "--arch",
+            "llama",
+            "--decoder-ffn-embed-dim",
+            "96",
+            "--decoder-kv-heads",
+            "2",
+            "--rms-norm-eps",
+            "1e-06",
+            "--max-target-positions",
+            "64",
+            "--rope-theta",
+            "500000.0",
+            "--rope-scaling-factor",
+            "8.0",
+            "--rope-original-max-positions",
+            "16",
+            "--tokens-per-sample",
+            "63",
+            "--add-bos-token",
+            "--restore-file",
+            str(tmp_path / "ours" / "model.pt"),
+            "--reset-optimizer",
+            "--batch-size",
+            "4",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.001",
+            "--max-update",
+            "3",
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--disable-validation",
+            "--save-dir",
+            str(tmp_path / "ck"),
+        ]
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "loaded checkpoint" in proc.stdout
     saved = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)

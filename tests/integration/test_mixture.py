@@ -1,4 +1,5 @@
 """--data-mixture: weights met, deterministic by seed, exact resume after kill -9, validation per source."""
+
 import os
 import signal
 import subprocess
@@ -37,8 +38,10 @@ def test_validate_prints_the_runs_weighted_valid(tmp_path, sources):
     from tests.helpers.cli import run_cli
 
     run = train_mixture(sources, str(tmp_path / "ck"), "--max-update", "4", "--no-epoch-checkpoints")
-    check = run_cli("toolkit_cli.validate", ["", "--path", str(tmp_path / "ck" / "checkpoint_last.pt"),
-                                             "--log-format", "json", "--cpu"])
+    check = run_cli(
+        "toolkit_cli.validate",
+        ["", "--path", str(tmp_path / "ck" / "checkpoint_last.pt"), "--log-format", "json", "--cpu"],
+    )
     assert check.returncode == 0, check.stderr[-2000:]
     for tag in ("valid_web", "valid_code", "valid"):
         trained, validated = run.records(tag)[-1], check.records(tag)[-1]
@@ -49,8 +52,14 @@ def test_validate_prints_the_runs_weighted_valid(tmp_path, sources):
 def popen_train(root, save_dir, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
     args = ["", "--save-dir", save_dir, *TINY_MODEL, *mixture_args(root), *extra]
-    return processes.start([sys.executable, "-m", "toolkit_cli.train", *args], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
+    return processes.start(
+        [sys.executable, "-m", "toolkit_cli.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
 
 
 def test_resumes_exactly_after_kill_9(tmp_path, sources):
@@ -73,8 +82,15 @@ def test_resumes_exactly_after_kill_9(tmp_path, sources):
 
 
 def test_different_dictionaries_refused(tmp_path, sources):
-    run = train("", str(tmp_path / "ck"), "--data-mixture", f"web={sources}/web:1,other={sources}/other:1",
-                "--max-update", "1", check=False)
+    run = train(
+        "",
+        str(tmp_path / "ck"),
+        "--data-mixture",
+        f"web={sources}/web:1,other={sources}/other:1",
+        "--max-update",
+        "1",
+        check=False,
+    )
     assert run.returncode == 1
     err = run.stderr.strip().splitlines()
     assert len(err) == 1 and "must share one dictionary" in err[0] and "--srcdict" in err[0], err

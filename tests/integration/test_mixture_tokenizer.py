@@ -6,6 +6,7 @@ not a WordLevel over dict.txt); ``ToolkitLM`` with no data folder reads text wit
 hf`` (default model_args) on the export, request by request; ``toolkit-eval-lm``, ``toolkit-validate`` and the hub
 accept a data folder with the model's dictionary, and refuse one of another dictionary in one line.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,16 +38,56 @@ def tuned(tmp_path_factory):
     for name in ("a", "b"):
         lines = [" ".join(f"w{rng.randrange(60)}" for _ in range(rng.randint(5, 30))) for _ in range(40)]
         (root / f"{name}.txt").write_text("\n".join(lines) + "\n")
-        preprocess.run("--trainpref", root / f"{name}.txt", "--validpref", root / f"{name}.txt", "--destdir",
-                       root / f"bin{name}", "--srcdict", root / "ours" / "dict.txt", "--bpe", "hf_byte_bpe",
-                       "--bpe-model", root / "ours" / "tokenizer.json", "--workers", "1")
+        preprocess.run(
+            "--trainpref",
+            root / f"{name}.txt",
+            "--validpref",
+            root / f"{name}.txt",
+            "--destdir",
+            root / f"bin{name}",
+            "--srcdict",
+            root / "ours" / "dict.txt",
+            "--bpe",
+            "hf_byte_bpe",
+            "--bpe-model",
+            root / "ours" / "tokenizer.json",
+            "--workers",
+            "1",
+        )
     (root / "other.txt").write_text("a b c\nb c d\n")
-    preprocess.run("--trainpref", root / "other.txt", "--validpref", root / "other.txt", "--destdir",
-                   root / "other", "--workers", "1")
-    run = run_cli("toolkit_cli.train", ["--data-mixture", f"a={root / 'bina'}:0.7,b={root / 'binb'}:0.3", *flags,
-                                        "--save-dir", str(root / "ft"), "--optimizer", "adam", "--lr", "0.001",
-                                        "--batch-size", "4", "--max-update", "2", "--cpu", "--num-workers", "0",
-                                        "--disable-validation", "--no-epoch-checkpoints"])
+    preprocess.run(
+        "--trainpref",
+        root / "other.txt",
+        "--validpref",
+        root / "other.txt",
+        "--destdir",
+        root / "other",
+        "--workers",
+        "1",
+    )
+    run = run_cli(
+        "toolkit_cli.train",
+        [
+            "--data-mixture",
+            f"a={root / 'bina'}:0.7,b={root / 'binb'}:0.3",
+            *flags,
+            "--save-dir",
+            str(root / "ft"),
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.001",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "2",
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--disable-validation",
+            "--no-epoch-checkpoints",
+        ],
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     ckpt = str(root / "ft" / "checkpoint_last.pt")
     run_export(ExportConfig(path=ckpt, format="hf", out=str(root / "export")))
@@ -92,7 +133,8 @@ def test_consumers_accept_a_data_folder_of_the_models_dictionary(tuned, command)
 def test_hub_with_a_source_data_bin_reads_text_as_the_tokenizer(tuned):
     from toolkit.inference.hub_utils import from_pretrained
 
-    lm = from_pretrained(str(tuned["root"] / "ft"), "checkpoint_last.pt", data_name_or_path=str(tuned["root"] / "bina"),
-                         device="cpu")
+    lm = from_pretrained(
+        str(tuned["root"] / "ft"), "checkpoint_last.pt", data_name_or_path=str(tuned["root"] / "bina"), device="cpu"
+    )
     assert [lm.encode(t).tolist() for t in TEXTS] == [tuned["tok"](t)["input_ids"] for t in TEXTS]
     assert torch.isfinite(lm.score(TEXTS[1])["positional_scores"]).all()

@@ -1,4 +1,5 @@
 """transformer_lm: shapes, causality, tying, named architectures, deterministic (meta/sharded) init."""
+
 import os
 
 import torch

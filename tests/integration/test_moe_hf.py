@@ -4,6 +4,7 @@ OlmoeForCausalLM and MixtralForCausalLM folders (4 experts, top 2) saved by tran
 transformers' within 1e-4 in fp32; greedy decoding with the KV cache equals ``generate(do_sample=False)``;
 ``--format hf`` writes the same class back, tensor for tensor the folder transformers saved; ``--format onnx
 --kv-cache`` exports and passes the exporter's onnxruntime check."""
+
 from __future__ import annotations
 
 import pytest
@@ -71,8 +72,10 @@ def test_export_back_is_the_same_class_and_tensors(imported):
     x = batch()
     with torch.no_grad():
         assert torch.equal(hf2(x).logits, imported["hf"](x).logits)
-    with safe_open(str(imported["root"] / "hf" / "model.safetensors"), "pt") as a, \
-            safe_open(str(back / "model.safetensors"), "pt") as b:
+    with (
+        safe_open(str(imported["root"] / "hf" / "model.safetensors"), "pt") as a,
+        safe_open(str(back / "model.safetensors"), "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
         for name in a.keys():
             assert torch.equal(a.get_tensor(name).float(), b.get_tensor(name).float()), name
@@ -83,6 +86,7 @@ def test_onnx_export_with_kv_cache(imported):
     check (onnxruntime's logits against PyTorch's sorted dispatch) passes."""
     pytest.importorskip("onnxruntime")
     out = imported["root"] / "onnx"
-    run_export(ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(out), format="onnx",
-                            kv_cache=True))
+    run_export(
+        ExportConfig(path=str(imported["root"] / "ours" / "model.pt"), out=str(out), format="onnx", kv_cache=True)
+    )
     assert (out / "decoder.onnx").exists() and (out / "decoder_with_past.onnx").exists()

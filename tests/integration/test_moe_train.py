@@ -7,6 +7,7 @@ ranks), and two ranks with --expert-parallel-size 2 train as one process with --
 checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism;
 under FSDP2 (2 ranks, and 4 ranks with each rank's experts sharded over 2, resumed), FSDP2 with --cpu-offload, and
 with --compile (the exchange eager between the compiled graphs) and with --data-mixture the same."""
+
 import pytest
 import torch
 
@@ -25,10 +26,38 @@ ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1"
 def args(save_dir):
     """DeepSeek-V3's router (sigmoid, aux-loss-free bias with a large rate, so that it moves) and a shared expert,
     with the balance and z losses on as well."""
-    return ["--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--moe-bias-update-rate", "0.05",
-            "--moe-aux-loss-coef", "0.01", "--moe-z-loss-coef", "0.001", "--optimizer", "adam", "--lr", "0.003",
-            "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3", "--num-workers", "0", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--save-dir", str(save_dir), "--disable-validation"]
+    return [
+        "--task",
+        "language_modeling",
+        "--arch",
+        "moe_tiny_sigmoid",
+        "--moe-bias-update-rate",
+        "0.05",
+        "--moe-aux-loss-coef",
+        "0.01",
+        "--moe-z-loss-coef",
+        "0.001",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-dir",
+        str(save_dir),
+        "--disable-validation",
+    ]
 
 
 def train(data_bin, save_dir, *flags):
@@ -71,8 +100,13 @@ def data_bin(tmp_path_factory):
 def one_process(data_bin, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("one")
     proc = train(data_bin, save_dir, "--max-update", str(UPDATES), *ONE_PROC)
-    return dict(losses=H.losses(proc.stdout), terms=logged(proc.stdout), bias=expert_bias(save_dir), save_dir=save_dir,
-                stdout=proc.stdout)
+    return dict(
+        losses=H.losses(proc.stdout),
+        terms=logged(proc.stdout),
+        bias=expert_bias(save_dir),
+        save_dir=save_dir,
+        stdout=proc.stdout,
+    )
 
 
 def test_router_terms_and_loads_are_logged(one_process):
@@ -85,11 +119,13 @@ def test_router_terms_and_loads_are_logged(one_process):
     assert bias.abs().max() > 0 and torch.all(bias.abs() <= UPDATES * 0.05 + 1e-6)
 
 
-@pytest.mark.parametrize("backend", [["c10d"], ["fully_sharded", "--checkpoint-activations"]],
-                         ids=["c10d", "fully_sharded+ac"])
+@pytest.mark.parametrize(
+    "backend", [["c10d"], ["fully_sharded", "--checkpoint-activations"]], ids=["c10d", "fully_sharded+ac"]
+)
 def test_two_ranks_equal_one_process_with_update_freq_2(data_bin, one_process, tmp_path, backend):
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", *backend)
+    proc = train(
+        data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2", "--ddp-backend", *backend
+    )
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
     assert_router_terms_match(logged(proc.stdout), one_process["terms"])
     if backend == ["c10d"]:  # a consolidated checkpoint: the bias the ranks share equals one process's
@@ -111,6 +147,7 @@ def test_resume_equals_the_uninterrupted_run(data_bin, one_process, tmp_path):
 
 # --- --expert-parallel-size ---
 
+
 def test_dispatch_and_combine_equal_the_local_computation(tmp_path):
     tp_helpers.spawn(ep_helpers.dispatch_matches_local, 2, str(tmp_path))
     result = torch.load(tmp_path / "result.pt", weights_only=True)
@@ -120,8 +157,18 @@ def test_dispatch_and_combine_equal_the_local_computation(tmp_path):
 
 @pytest.mark.parametrize("backend", ["c10d", "no_c10d"])
 def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_path, backend):
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--expert-parallel-size", "2", "--ddp-backend", backend)
+    proc = train(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--expert-parallel-size",
+        "2",
+        "--ddp-backend",
+        backend,
+    )
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
     assert_router_terms_match(logged(proc.stdout), one_process["terms"])
@@ -137,8 +184,19 @@ def test_expert_parallel_compiled_equals_one_process(data_bin, one_process, tmp_
     """--compile under --expert-parallel-size 2 (2 ranks; DDP, and FSDP2): each block compiled (inductor) around its
     eager token exchange, the losses those of one eager process with --update-freq 2 to the logged digits
     (``assert_logged_losses_match``)."""
-    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--expert-parallel-size", "2", "--ddp-backend", backend, "--compile")
+    proc = train(
+        data_bin,
+        tmp_path,
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--expert-parallel-size",
+        "2",
+        "--ddp-backend",
+        backend,
+        "--compile",
+    )
     assert "graphs around the expert exchange" in proc.stdout + proc.stderr
     assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
 
@@ -161,8 +219,18 @@ def test_expert_parallel_overlap_offload_step_equals_the_serial_step(data_bin, t
     the updates of the serial step (logged losses and gradient norms, rtol 1e-3) and of one process."""
     # wide experts and no shared one: the experts hold a large part of the norm, so a norm that missed the other
     # ep rank's experts would show in the logged digits
-    host = ["--max-update", "2", "--optimizer", "cpu_adam", "--clip-norm", "0.05", "--moe-ffn-embed-dim", "512",
-            "--moe-shared-ffn-embed-dim", "0"]
+    host = [
+        "--max-update",
+        "2",
+        "--optimizer",
+        "cpu_adam",
+        "--clip-norm",
+        "0.05",
+        "--moe-ffn-embed-dim",
+        "512",
+        "--moe-shared-ffn-embed-dim",
+        "0",
+    ]
     alone = train(data_bin, tmp_path / "one", *host, *ONE_PROC)
     placed = ["--distributed-world-size", "2", *FSDP_EP, "--cpu-offload"]
     serial = train(data_bin, tmp_path / "serial", *host, *placed)
@@ -190,9 +258,25 @@ def test_expert_parallel_with_a_data_mixture_equals_one_process(tmp_path):
 
 
 def test_refusals_name_the_reason(data_bin, tmp_path):
-    proc = H.run_train([data_bin, "--task", "language_modeling", "--arch", "moe_tiny_sigmoid", "--cpu",
-                        "--distributed-world-size", "2", "--model-parallel-size", "2", "--ddp-backend", "no_c10d",
-                        "--save-dir", str(tmp_path)], timeout=120)
+    proc = H.run_train(
+        [
+            data_bin,
+            "--task",
+            "language_modeling",
+            "--arch",
+            "moe_tiny_sigmoid",
+            "--cpu",
+            "--distributed-world-size",
+            "2",
+            "--model-parallel-size",
+            "2",
+            "--ddp-backend",
+            "no_c10d",
+            "--save-dir",
+            str(tmp_path),
+        ],
+        timeout=120,
+    )
     assert proc.returncode == 1 and "only FSDP2 reduces their gradients" in proc.stdout + proc.stderr
 
 
@@ -207,8 +291,19 @@ def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
     first = train(data_bin, one, "--max-update", "2", "--update-freq", "4")
     at_two = torch.load(one / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     alone = train(data_bin, one, "--max-update", str(UPDATES), "--update-freq", "4")  # resumed: the same run
-    hsdp = train(data_bin, tmp_path / "hsdp", "--max-update", "2", "--distributed-world-size", "4", *FSDP_EP,
-                 "--sharding-strategy", "hybrid_shard", "--shard-group-size", "2")
+    hsdp = train(
+        data_bin,
+        tmp_path / "hsdp",
+        "--max-update",
+        "2",
+        "--distributed-world-size",
+        "4",
+        *FSDP_EP,
+        "--sharding-strategy",
+        "hybrid_shard",
+        "--shard-group-size",
+        "2",
+    )
     assert "each sharded by FSDP2 over the 1 ranks holding them, replicated over 2 groups" in hsdp.stdout + hsdp.stderr
     assert_logged_losses_match(H.losses(hsdp.stdout), H.losses(first.stdout), range(1, 3))
     assert gradient_norms(hsdp.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
@@ -219,12 +314,20 @@ def test_expert_parallel_with_hsdp_equals_one_process(data_bin, tmp_path):
     resumed = train(data_bin, tmp_path / "hsdp", "--max-update", str(UPDATES), "--update-freq", "4")
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
     # no_shard: the dense layers replicated over 4, the ep pairs whole replicas, each expert replicated over 2
-    replicated = train(data_bin, tmp_path / "no_shard", "--max-update", "2", "--distributed-world-size", "4",
-                       *FSDP_EP, "--sharding-strategy", "no_shard")
+    replicated = train(
+        data_bin,
+        tmp_path / "no_shard",
+        "--max-update",
+        "2",
+        "--distributed-world-size",
+        "4",
+        *FSDP_EP,
+        "--sharding-strategy",
+        "no_shard",
+    )
     assert "over the 1 ranks holding them, replicated over 2 groups" in replicated.stdout + replicated.stderr
     assert_logged_losses_match(H.losses(replicated.stdout), H.losses(first.stdout), range(1, 3))
     assert gradient_norms(replicated.stdout) == pytest.approx(gradient_norms(first.stdout), rel=1e-3)
-
 
 
 def test_expert_parallel_with_fsdp2_equals_one_process(data_bin, one_process, tmp_path):
@@ -259,8 +362,9 @@ def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, on
     first = tmp_path / "ep2"
     train(data_bin, first, "--max-update", "2", "--distributed-world-size", "2", "--expert-parallel-size", "2")
     shutil.copytree(first, tmp_path / "ep1")
-    again = train(data_bin, first, "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                  "--expert-parallel-size", "2")
+    again = train(
+        data_bin, first, "--max-update", str(UPDATES), "--distributed-world-size", "2", "--expert-parallel-size", "2"
+    )
     assert_logged_losses_match(H.losses(again.stdout), one_process["losses"], range(3, UPDATES + 1))
     alone = train(data_bin, tmp_path / "ep1", "--max-update", str(UPDATES), *ONE_PROC)
     assert_logged_losses_match(H.losses(alone.stdout), one_process["losses"], range(3, UPDATES + 1))
@@ -283,15 +387,22 @@ def gradient_norms(stdout):
     """{update: logged gradient norm} of the train_inner lines."""
     import json
 
-    return {int(r["num_updates"]): float(r["gnorm"]) for r in
-            (json.loads(line.split("| train_inner |", 1)[1]) for line in stdout.splitlines() if "| train_inner |" in line)}
+    return {
+        int(r["num_updates"]): float(r["gnorm"])
+        for r in (
+            json.loads(line.split("| train_inner |", 1)[1]) for line in stdout.splitlines() if "| train_inner |" in line
+        )
+    }
 
 
 TP_EP = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--expert-parallel-size", "2"]
 
 
-@pytest.mark.parametrize("sequence", [["--no-sequence-parallel"], [], ["--ddp-backend", "fully_sharded"]],
-                         ids=["replicated_sequence", "sequence_parallel", "full_shard_sequence_parallel"])
+@pytest.mark.parametrize(
+    "sequence",
+    [["--no-sequence-parallel"], [], ["--ddp-backend", "fully_sharded"]],
+    ids=["replicated_sequence", "sequence_parallel", "full_shard_sequence_parallel"],
+)
 def test_expert_parallel_2_with_tensor_parallel_2_equals_one_process(data_bin, one_process, tmp_path, sequence):
     """4 ranks, --model-parallel-size 2 --expert-parallel-size 2: attention split over the 2 tp ranks, each expert
     whole on both (its FSDP2 mesh: the 2 ranks holding it, one per tp rank), the 4 experts spread over the 2
@@ -322,8 +433,9 @@ def test_tensor_parallel_2_without_expert_parallelism_equals_one_process(data_bi
     by FSDP2 over all ranks, its gradient the sum of the two halves of the positions) trains as one process with
     the same batch: losses, router terms and gradient norms."""
     alone = train(data_bin, tmp_path / "one", "--max-update", "2")
-    split = train(data_bin, tmp_path / "tp", "--max-update", "2", "--distributed-world-size", "2",
-                  "--model-parallel-size", "2")
+    split = train(
+        data_bin, tmp_path / "tp", "--max-update", "2", "--distributed-world-size", "2", "--model-parallel-size", "2"
+    )
     assert_logged_losses_match(H.losses(split.stdout), H.losses(alone.stdout), range(1, 3))
     assert_router_terms_match(logged(split.stdout), logged(alone.stdout), range(1, 3))
     assert gradient_norms(split.stdout) == pytest.approx(gradient_norms(alone.stdout), rel=1e-3, abs=2e-3)

@@ -4,6 +4,7 @@ Orthogonalizing a shard is not orthogonalizing the matrix: each sharded matrix's
 orthogonalized by its owner and scattered back, so N data-parallel ranks log the losses of one process with
 ``--update-freq N``. The sharded checkpoint resumes in one process; a run killed with SIGKILL resumes bitwise.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -58,8 +59,19 @@ def one_process(data_bin, tmp_path_factory):
 
 
 def test_fully_sharded_two_ranks_equal_one_process_and_resume_in_one(data_bin, one_process, tmp_path):
-    run = train(data_bin, tmp_path / "fsdp", "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                "--ddp-backend", "fully_sharded", "--save-interval-updates", "3", "--use-sharded-state")
+    run = train(
+        data_bin,
+        tmp_path / "fsdp",
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--save-interval-updates",
+        "3",
+        "--use-sharded-state",
+    )
     assert "--optimizer muon: 8 sharded matrices orthogonalized whole" in run.stdout
     assert "per step a rank gathers" in run.stdout
     assert_close(H.losses(run.stdout), one_process)
@@ -73,8 +85,18 @@ def test_fully_sharded_two_ranks_equal_one_process_and_resume_in_one(data_bin, o
 
 
 def test_four_ranks_with_model_parallel_2_equal_one_process(data_bin, one_process, tmp_path):
-    run = train(data_bin, tmp_path / "tp", "--max-update", str(UPDATES), "--distributed-world-size", "4",
-                "--model-parallel-size", "2", "--ddp-backend", "fully_sharded")
+    run = train(
+        data_bin,
+        tmp_path / "tp",
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "4",
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    )
     assert "tensor parallel: 2 ranks per replica, 2 data-parallel replicas" in run.stdout
     assert_close(H.losses(run.stdout), one_process)
 
@@ -82,11 +104,32 @@ def test_four_ranks_with_model_parallel_2_equal_one_process(data_bin, one_proces
 def test_hybrid_shard_and_cpu_offload_equal_one_process(data_bin, one_process, tmp_path):
     """HSDP (2 replicas of 1 shard: the replicate axis owns the orthogonalization) and --cpu-offload (host-memory
     momentum; Newton-Schulz on the CPU here, there being no GPU)."""
-    hsdp = train(data_bin, tmp_path / "hsdp", "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                 "--ddp-backend", "fully_sharded", "--sharding-strategy", "hybrid_shard", "--shard-group-size", "1")
+    hsdp = train(
+        data_bin,
+        tmp_path / "hsdp",
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--sharding-strategy",
+        "hybrid_shard",
+        "--shard-group-size",
+        "1",
+    )
     assert_close(H.losses(hsdp.stdout), one_process)
-    offload = train(data_bin, tmp_path / "offload", "--max-update", str(UPDATES), "--distributed-world-size", "2",
-                    "--ddp-backend", "fully_sharded", "--cpu-offload")
+    offload = train(
+        data_bin,
+        tmp_path / "offload",
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--cpu-offload",
+    )
     assert_close(H.losses(offload.stdout), one_process)
 
 
@@ -94,10 +137,17 @@ def test_killed_run_resumes_bitwise(data_bin, tmp_path):
     """SIGKILL after update 5 (checkpoints every 2 updates): the resumed run ends with the uninterrupted run's
     weights and optimizer state, bit for bit."""
     killed = tmp_path / "killed"
-    proc = processes.start([sys.executable, "-m", "toolkit_cli.train", data_bin] + muon_args(killed)
-                           + ["--max-update", "1000", "--save-interval-updates", "2"], cwd=H.REPO_ROOT,
-                           env=H.subprocess_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           bufsize=1)
+    proc = processes.start(
+        [sys.executable, "-m", "toolkit_cli.train", data_bin]
+        + muon_args(killed)
+        + ["--max-update", "1000", "--save-interval-updates", "2"],
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     try:
         processes.read_until(proc, lambda line: '"num_updates": "5"' in line, 240)
         proc.send_signal(signal.SIGKILL)
@@ -122,11 +172,13 @@ def test_killed_run_resumes_bitwise(data_bin, tmp_path):
 
 def test_llama_skips_decay_on_norms_and_embeddings_by_default(data_bin, tmp_path):
     """The family's default, said in one INFO line, and the groups it gave the optimizer (in the checkpoint)."""
-    args, drop = muon_args(tmp_path / "llama"), {"--decoder-input-dim": 2, "--decoder-output-dim": 2,
-                                                   "--decoder-normalize-before": 1, "--dropout": 2}
+    args, drop = (
+        muon_args(tmp_path / "llama"),
+        {"--decoder-input-dim": 2, "--decoder-output-dim": 2, "--decoder-normalize-before": 1, "--dropout": 2},
+    )
     for flag, n in drop.items():
         i = args.index(flag)
-        del args[i:i + n]
+        del args[i : i + n]
     llama = ["--arch", "llama", "--decoder-kv-heads", "1", "--max-update", "2"]
     run = H.run_train([data_bin] + args + llama, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -134,5 +186,9 @@ def test_llama_skips_decay_on_norms_and_embeddings_by_default(data_bin, tmp_path
     assert len(lines) == 1 and "LlamaLanguageModel's default; --decay-all-parameters" in lines[0]
     state = torch.load(tmp_path / "llama" / "checkpoint_last.pt", weights_only=True, map_location="cpu")
     groups = state["last_optimizer_state"]["param_groups"]
-    assert {g["role"]: g["weight_decay"] for g in groups} == {"matrix": 0.01, "embedding": 0.0, "output": 0.01,
-                                                             "norm": 0.0}
+    assert {g["role"]: g["weight_decay"] for g in groups} == {
+        "matrix": 0.01,
+        "embedding": 0.0,
+        "output": 0.01,
+        "norm": 0.0,
+    }

@@ -14,6 +14,7 @@ moving averages (decay 0.5, so they are not the last weights: checked) are compa
 rounding noise there).
 ``--compile`` uses ``aot_eager`` as test_composition's runs do.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,16 +43,29 @@ def data(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("muon_pairs")
     sources = make_sources(root / "mixture")
-    return {"bin": H.make_lm_data_bin(str(root / "bin")),
-            MIXTURE: ["--data-mixture", f"web={sources}/web:0.7,code={sources}/code:0.3"]}
+    return {
+        "bin": H.make_lm_data_bin(str(root / "bin")),
+        MIXTURE: ["--data-mixture", f"web={sources}/web:0.7,code={sources}/code:0.3"],
+    }
 
 
 def train(data, save_dir, *flags):
     expanded = [f for flag in flags for f in (data[MIXTURE] if flag == MIXTURE else [flag])]
     data_bin = "" if MIXTURE in flags else data["bin"]  # a mixture names its own data
     env = {BACKEND_ENV: "aot_eager"} if "--compile" in flags else None
-    proc = H.run_train([data_bin, *H.model_args(str(save_dir)), *MUON, "--disable-validation", "--max-update",
-                        str(UPDATES), *expanded], env=env, timeout=400)
+    proc = H.run_train(
+        [
+            data_bin,
+            *H.model_args(str(save_dir)),
+            *MUON,
+            "--disable-validation",
+            "--max-update",
+            str(UPDATES),
+            *expanded,
+        ],
+        env=env,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -81,7 +95,7 @@ def test_muon_with_each_feature_equals_one_process(data, tmp_path, case):
             a, b = average[k], want_average[k]
             if k.endswith("qkv_proj.bias"):
                 C = a.numel() // 3
-                a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+                a, b = torch.cat([a[:C], a[2 * C :]]), torch.cat([b[:C], b[2 * C :]])
             assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (k, (a - b).abs().max())
         key = next(k for k in average if k.endswith("layers.0.fc1.weight"))
         assert not torch.allclose(average[key], two_ckpt["model"][key], atol=1e-3), "the average is not the weights"

@@ -5,6 +5,7 @@ different but equivalent formula: it multiplies by 1/sqrt(bias_correction2) wher
 divides by sqrt(bias_correction2)), so after 10 steps they agree to a few fp32 ulps;
 the tests use rtol=atol=1e-5 (observed max abs difference ~1e-6 on values of size ~4).
 """
+
 import os
 import sys
 
@@ -33,7 +34,7 @@ def _two_rank_worker(rank, store_path, out_path):
         shapes = [(5, 3), (1,), (4,)]  # 3+2 rows, 1+0 (an empty shard), 2+2
         g = torch.Generator().manual_seed(0)
         init = [torch.randn(s, generator=g) for s in shapes]
-        grads = [[torch.randn(s, generator=g) * 10 ** k for s in shapes] for k in range(-2, 4)]
+        grads = [[torch.randn(s, generator=g) * 10**k for s in shapes] for k in range(-2, 4)]
         results = {}
         for fp16 in (False, True):
             ps = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]

@@ -1,4 +1,5 @@
 """A worker never outlives its launcher: kill -9 the launcher, and every worker is gone within 10 s."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ def wait_for(path: str, text: str, timeout: float) -> str:
 def kill_launcher_and_check(launcher_cmd, tmp_path, workers_of):
     log = str(tmp_path / "out.log")
     with open(log, "w") as out:
-        proc = processes.start(launcher_cmd, cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=out,
-                               stderr=subprocess.STDOUT)
+        proc = processes.start(
+            launcher_cmd, cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=out, stderr=subprocess.STDOUT
+        )
     workers = []
     try:
         wait_for(log, '"num_updates": "2"', 180)
@@ -61,7 +63,7 @@ def kill_launcher_and_check(launcher_cmd, tmp_path, workers_of):
     time.sleep(0.5)
     with open(log, errors="replace") as f:
         text = f.read()
-    tail = text[text.index('"num_updates": "2"'):]
+    tail = text[text.index('"num_updates": "2"') :]
     assert "died; stopping this worker" in tail, tail[-3000:]
     assert "Traceback" not in tail and "frame #" not in tail, tail[-3000:]
     errors = [line for line in tail.splitlines() if "error" in line.lower()]
@@ -69,17 +71,36 @@ def kill_launcher_and_check(launcher_cmd, tmp_path, workers_of):
 
 
 def train_flags(data_bin, save_dir):
-    return [data_bin] + H.model_args(str(save_dir)) + ["--max-update", "100000", "--disable-validation",
-                                                      "--save-interval-updates", "5"]
+    return (
+        [data_bin]
+        + H.model_args(str(save_dir))
+        + ["--max-update", "100000", "--disable-validation", "--save-interval-updates", "5"]
+    )
 
 
 def test_spawned_workers_exit_when_the_launcher_is_killed(data_bin, tmp_path):
-    cmd = [sys.executable, "-m", "toolkit_cli.train", *train_flags(data_bin, tmp_path / "s"),
-           "--distributed-world-size", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "toolkit_cli.train",
+        *train_flags(data_bin, tmp_path / "s"),
+        "--distributed-world-size",
+        "2",
+    ]
     kill_launcher_and_check(cmd, tmp_path, children)
 
 
 def test_torchrun_workers_exit_when_the_agent_is_killed(data_bin, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(H.free_port()), "-m", "toolkit_cli.train", *train_flags(data_bin, tmp_path / "s")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(H.free_port()),
+        "-m",
+        "toolkit_cli.train",
+        *train_flags(data_bin, tmp_path / "s"),
+    ]
     kill_launcher_and_check(cmd, tmp_path, children)

@@ -11,6 +11,7 @@ step taken while one is in flight, and the final parameters and optimizer states
 and one process (fp32; fp16 with overflowing loss scales); two ranks with ``--bf16-host-grads`` and
 8-bit moments.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,17 @@ import torch
 from tests.helpers import ranks
 from tests.helpers.dist_helpers import make_lm_data_bin, model_args
 
-OFFLOAD = ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--lr", "0.01",
-           "--weight-decay", "0.01"]
+OFFLOAD = [
+    "--ddp-backend",
+    "fully_sharded",
+    "--cpu-offload",
+    "--optimizer",
+    "cpu_adam",
+    "--lr",
+    "0.01",
+    "--weight-decay",
+    "0.01",
+]
 UPDATES = 3
 SLOW_WORKER_S = 0.03  # per block: the forward overtakes the worker unless it waits
 
@@ -70,21 +80,26 @@ def _train(argv: List[str], env, overlap: bool) -> Dict[str, Any]:
         if update in (2, 3):
             out[f"pending_{update}"] = overlap and trainer.overlap.pending
         if update == 2:  # what a checkpoint saves, taken while the update may still run
-            out["checkpoint"] = {"model": consolidated.model_state(trainer.model),
-                                 "optimizer": consolidated.optimizer_state(trainer.model, trainer.optimizer),
-                                 "trainer": trainer.state_dict()}
+            out["checkpoint"] = {
+                "model": consolidated.model_state(trainer.model),
+                "optimizer": consolidated.optimizer_state(trainer.model, trainer.optimizer),
+                "trainer": trainer.state_dict(),
+            }
         if update == 3:
             out["valid"] = trainer.valid_step(valid_sample)
     trainer.finish_pending_steps()
     out["norms"] = norms
     out["params"] = [local_tensor(p.detach()).clone() for p in trainer.model.parameters()]
-    out["states"] = [{k: local_tensor(v).clone() for k, v in trainer.optimizer.state[p].items()}
-                     for p in trainer.model.parameters()]
+    out["states"] = [
+        {k: local_tensor(v).clone() for k, v in trainer.optimizer.state[p].items()} for p in trainer.model.parameters()
+    ]
     if overlap:
         out["gil_free"] = trainer.optimizer._ds.ds_opt_adam.__name__ == "toolkit_cpu_adam_nogil"
         out["hooks_first"] = all(
             isinstance(first := next(iter(g.module._forward_pre_hooks.values())), functools.partial)
-            and first.func == trainer.overlap._before_forward for g in trainer.overlap.groups)
+            and first.func == trainer.overlap._before_forward
+            for g in trainer.overlap.groups
+        )
     return out
 
 
@@ -162,8 +177,16 @@ def one_rank_group(tmp_path_factory):
 
 
 def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data):
-    argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
-            "--checkpoint-activations"]  # the offload recipe's: blocks are checkpoint wrappers
+    argv = [
+        data,
+        *model_args(str(tmp_path)),
+        *OFFLOAD,
+        "--clip-norm",
+        "0.3",
+        "--update-freq",
+        "2",
+        "--checkpoint-activations",
+    ]  # the offload recipe's: blocks are checkpoint wrappers
     ranks.spawn(_worker, 2, 2, str(tmp_path / "store"), argv, str(tmp_path / "out"))
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
@@ -172,8 +195,18 @@ def test_two_ranks_bit_identical_with_clipping_and_update_freq_2(tmp_path, data)
 def test_two_ranks_bf16_host_grads_and_8bit_moments_bit_identical(tmp_path, data):
     """--bf16-host-grads composes with the overlap: the bf16 gradients the hooks store during backward are the
     ones the worker takes the squares of and steps with (8-bit moments: the 13B recipe's pair, fused kernel)."""
-    argv = [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.3", "--update-freq", "2",
-            "--bf16-host-grads", "--adam-state-precision", "8bit"]
+    argv = [
+        data,
+        *model_args(str(tmp_path)),
+        *OFFLOAD,
+        "--clip-norm",
+        "0.3",
+        "--update-freq",
+        "2",
+        "--bf16-host-grads",
+        "--adam-state-precision",
+        "8bit",
+    ]
     ranks.spawn(_worker, 2, 2, str(tmp_path / "store"), argv, str(tmp_path / "out"))
     for rank in range(2):
         check(torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=True), clip_norm=0.3)
@@ -190,16 +223,23 @@ def test_one_process_reduced_precision_moments_bit_identical(tmp_path, data, one
     """--adam-state-precision: the sliced update of reduced moments, block by block on the worker, is the serial one."""
     from toolkit.distributed.utils import DistributedEnv
 
-    check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--adam-state-precision",
-                   precision], DistributedEnv()), 0.5)
+    check(
+        compare(
+            [data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--adam-state-precision", precision],
+            DistributedEnv(),
+        ),
+        0.5,
+    )
 
 
 def test_one_process_fp16_overflow_skips_bit_identical(tmp_path, data, one_rank_group):
     """A loss scale that overflows first: the skipped updates and the ones after are the serial ones."""
     from toolkit.distributed.utils import DistributedEnv
 
-    result = compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--fp16", "--fp16-init-scale", str(2 ** 13),
-                      "--clip-norm", "0.5"], DistributedEnv())
+    result = compare(
+        [data, *model_args(str(tmp_path)), *OFFLOAD, "--fp16", "--fp16-init-scale", str(2**13), "--clip-norm", "0.5"],
+        DistributedEnv(),
+    )
     assert result["losses"][0] is None and result["losses"][-1] is not None, result["losses"]
     check(result, 0.5)
 
@@ -209,8 +249,9 @@ def test_one_process_compiled_blocks_bit_identical(tmp_path, data, one_rank_grou
     from toolkit.distributed.utils import DistributedEnv
 
     monkeypatch.setenv("TOOLKIT_COMPILE_BACKEND", "aot_eager")  # the graph capture without inductor's codegen
-    check(compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--compile"], DistributedEnv()),
-          0.5)
+    check(
+        compare([data, *model_args(str(tmp_path)), *OFFLOAD, "--clip-norm", "0.5", "--compile"], DistributedEnv()), 0.5
+    )
 
 
 def test_worker_errors_surface_in_the_main_thread_with_their_message(tmp_path, data, one_rank_group):
@@ -231,7 +272,11 @@ def test_worker_errors_surface_in_the_main_thread_with_their_message(tmp_path, d
     trainer.optimizer.run_step = run_step_failing_in_block_0
     trainer.train_step([next(batches)])  # launches the update; the failure happens on the worker thread
     # the next forward (at block 0), a checkpoint's state_dict and validation all raise the worker's exception
-    for action in (lambda: trainer.train_step([next(batches)]), trainer.model.state_dict,
-                   lambda: trainer.optimizer.state_dict(), lambda: trainer.valid_step(next(batches))):
+    for action in (
+        lambda: trainer.train_step([next(batches)]),
+        trainer.model.state_dict,
+        lambda: trainer.optimizer.state_dict(),
+        lambda: trainer.valid_step(next(batches)),
+    ):
         with pytest.raises(ValueError, match="^injected failure in block 0's update$"):
             action()

@@ -5,6 +5,7 @@ Rank r of 4 sits at (dp_replicate, dp_shard, cp, tp) with tp innermost; the expe
 out by hand from that order (not computed by the code under test). Training through these layouts against one
 process is tests/integration/test_distributed.py (FSDP2 / HSDP) and test_tensor_parallel.py (TP, TP x HSDP).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ from tests.helpers import layout_helpers, tp_helpers
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
 ALL = [0, 1, 2, 3]
-PAIRS_TP = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}      # consecutive ranks
-PAIRS_DP = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}      # same tp rank
+PAIRS_TP = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}  # consecutive ranks
+PAIRS_DP = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}  # same tp rank
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,11 @@ def _each_rank(ranks, key):
 
 
 def test_data_parallel_only(layouts):
-    for name, mesh in (("full_shard", ((4,), ("dp_shard",))), ("hybrid_2x2", ((2, 2), ("dp_replicate", "dp_shard"))),
-                       ("c10d", None)):
+    for name, mesh in (
+        ("full_shard", ((4,), ("dp_shard",))),
+        ("hybrid_2x2", ((2, 2), ("dp_replicate", "dp_shard"))),
+        ("c10d", None),
+    ):
         ranks = layouts[name]
         assert _each_rank(ranks, "data") == [(r, 4) for r in ALL], name
         assert _each_rank(ranks, "loss_ranks") == [ALL] * 4 and _each_rank(ranks, "loss_sum") == [6] * 4, name
@@ -96,8 +100,13 @@ def test_experts_sharded_by_fsdp2_over_the_ranks_holding_them(layouts):
     assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]
 
 
-@pytest.mark.parametrize("name,dense", [("hybrid_2x2_ep2", ((2, 2), ("dp_replicate", "dp_shard"))),
-                                        ("no_shard_ep2", ((4, 1), ("dp_replicate", "dp_shard")))])
+@pytest.mark.parametrize(
+    "name,dense",
+    [
+        ("hybrid_2x2_ep2", ((2, 2), ("dp_replicate", "dp_shard"))),
+        ("no_shard_ep2", ((4, 1), ("dp_replicate", "dp_shard"))),
+    ],
+)
 def test_experts_under_hsdp_replicate_across_the_groups(layouts, name, dense):
     """hybrid_shard (2 groups of 2) and no_shard x ep 2: the dense layers keep their (replicate, shard) mesh, ep pairs
     are consecutive ranks, and the experts get a (replicate, shard) mesh of their own over the ranks holding the same
@@ -105,6 +114,7 @@ def test_experts_under_hsdp_replicate_across_the_groups(layouts, name, dense):
     ranks = layouts[name]
     assert _each_rank(ranks, "fsdp") == [dense] * 4
     assert _each_rank(ranks, "ep") == [(PAIRS_TP[r], sum(PAIRS_TP[r])) for r in ALL]
-    assert _each_rank(ranks, "expert_fsdp") == [((2, 1), ("ep_replicate", "ep_shard"),
-                                                 [(PAIRS_DP[r], sum(PAIRS_DP[r])), ([r], r)]) for r in ALL]
+    assert _each_rank(ranks, "expert_fsdp") == [
+        ((2, 1), ("ep_replicate", "ep_shard"), [(PAIRS_DP[r], sum(PAIRS_DP[r])), ([r], r)]) for r in ALL
+    ]
     assert _each_rank(ranks, "expert_peers") == [(PAIRS_DP[r], sum(PAIRS_DP[r])) for r in ALL]  # both axes flattened

@@ -4,6 +4,7 @@ The fairseq rows are pointed at an empty FAIRSEQ home, so this checks the skippe
 fairseq commands themselves run in benchmarks/fairseq_parity/parity.py); the transformers rows run for real on
 tiny shapes. Speed is not asserted: only that both sides ran, were timed, and computed the same loss.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,24 @@ pytest.importorskip("transformers")
 
 def test_quick_table(tmp_path):
     out = tmp_path / "peers.json"
-    proc = subprocess.run([sys.executable, "benchmarks/peers.py", "--quick", "--warmup", "0",
-                           "--fairseq-home", str(tmp_path / "no-fairseq"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/peers.py",
+            "--quick",
+            "--warmup",
+            "0",
+            "--fairseq-home",
+            str(tmp_path / "no-fairseq"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}

@@ -4,6 +4,7 @@ The model-state counts must match the trainer's tensors (exact shapes: within 1%
 activations the trainer's autograd graph within 25% (the issue's bound; they match closer on the
 tiny models here). Figures for larger layouts: benchmarks/plan_check.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,43 @@ import pytest
 from tests.helpers.cli import run_cli
 from tests.helpers.dist_helpers import make_lm_data_bin
 
-TINY = ["--task", "language_modeling", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2",
-        "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2",
-        "--dropout", "0", "--lr", "0.001", "--batch-size", "4", "--tokens-per-sample", "32", "--seed", "3",
-        "--num-workers", "0", "--cpu", "--log-format", "none", "--no-save", "--disable-validation"]
-ITEMS = {"params": "parameters (fp32 master)", "grads": "gradients", "optimizer": "optimizer state",
-         "activations": "activations (saved)"}
+TINY = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm_gpt3_small",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "128",
+    "--decoder-attention-heads",
+    "2",
+    "--dropout",
+    "0",
+    "--lr",
+    "0.001",
+    "--batch-size",
+    "4",
+    "--tokens-per-sample",
+    "32",
+    "--seed",
+    "3",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "none",
+    "--no-save",
+    "--disable-validation",
+]
+ITEMS = {
+    "params": "parameters (fp32 master)",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations (saved)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +61,11 @@ def data(tmp_path_factory):
 
 def _measure(data: str, flags, out: str, peak: bool = False, base=TINY):
     """The plan beside the trainer's counts (tests/helpers/plan_measure.py), in a process of its own."""
-    return run_cli("tests.helpers.plan_measure", [json.dumps([data] + base + list(flags)), out]
-                   + (["--peak"] if peak else []), timeout=300)
+    return run_cli(
+        "tests.helpers.plan_measure",
+        [json.dumps([data] + base + list(flags)), out] + (["--peak"] if peak else []),
+        timeout=300,
+    )
 
 
 def _check(data: str, tmp_path, flags, tolerance=None, base=TINY):
@@ -59,14 +94,22 @@ def test_one_process_muon_bf16_momentum(data, tmp_path):
 
 
 def test_one_process_offload_8bit_moments(data, tmp_path):
-    _check(data, tmp_path, ["--ddp-backend", "fully_sharded", "--cpu-offload", "--adam-state-precision", "8bit",
-                            "--bf16-host-grads"], {"activations": 0.25})
+    _check(
+        data,
+        tmp_path,
+        ["--ddp-backend", "fully_sharded", "--cpu-offload", "--adam-state-precision", "8bit", "--bf16-host-grads"],
+        {"activations": 0.25},
+    )
 
 
 def test_two_ranks_full_shard_bf16(data, tmp_path):
     """Two gloo ranks: each holds its shard, the plan says so per rank."""
-    result = _check(data, tmp_path, ["--optimizer", "adam", "--ddp-backend", "fully_sharded", "--bf16",
-                                     "--distributed-world-size", "2"], {"activations": 0.25})
+    result = _check(
+        data,
+        tmp_path,
+        ["--optimizer", "adam", "--ddp-backend", "fully_sharded", "--bf16", "--distributed-world-size", "2"],
+        {"activations": 0.25},
+    )
     assert len(result["ranks"]) == 2
 
 
@@ -74,8 +117,16 @@ def _plan_cli(*args: str, timeout: int = 240):
     return run_cli("toolkit_cli.plan", args, timeout=timeout)
 
 
-GPT3_13_OFFLOAD = ["--arch", "transformer_lm_gpt3_13", "--cpu-offload", "--adam-state-precision", "8bit",
-                   "--bf16-host-grads", "--gpu-memory", "80GiB"]
+GPT3_13_OFFLOAD = [
+    "--arch",
+    "transformer_lm_gpt3_13",
+    "--cpu-offload",
+    "--adam-state-precision",
+    "8bit",
+    "--bf16-host-grads",
+    "--gpu-memory",
+    "80GiB",
+]
 
 
 def test_13b_offload_on_one_h100_host_memory_decides():
@@ -101,8 +152,13 @@ def _with_change(base, change):
 
 def test_suggested_flag_makes_it_fit():
     """The first change the plan names, applied, gives a plan that fits."""
-    base = [("--arch", "transformer_lm_gpt3_xl"), ("--bf16", None), ("--batch-size", "64"),
-            ("--tokens-per-sample", "2048"), ("--gpu", "a100-40")]
+    base = [
+        ("--arch", "transformer_lm_gpt3_xl"),
+        ("--bf16", None),
+        ("--batch-size", "64"),
+        ("--tokens-per-sample", "2048"),
+        ("--gpu", "a100-40"),
+    ]
     run = _plan_cli(*_with_change(base, ""))
     assert run.returncode == 3, run.stdout + run.stderr
     line = next(x for x in run.stdout.splitlines() if "first change:" in x)
@@ -111,19 +167,26 @@ def test_suggested_flag_makes_it_fit():
     assert fixed.returncode == 0, (change, fixed.stdout + fixed.stderr)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--gpu-memory", "eighty"], "--gpu-memory 'eighty': expected a size"),
-    (["--gpu-tflops", "-1"], "--gpu-tflops: -1: must be greater than 0"),
-    (["--gpu-tflops", "nan"], "--gpu-tflops: nan: must be a finite number"),
-    (["--compute-efficiency", "5"], "--compute-efficiency: 5: must be in (0, 1]"),
-    (["--gpu-memory", "0"], "--gpu-memory 0: must be between 1 byte and 1PiB"),
-    (["--gpu-memory", "1e400"], "--gpu-memory 1e400: must be between 1 byte and 1PiB"),
-    (["--model-parallel-size", "3", "--distributed-world-size", "8"],
-     "--model-parallel-size 3: must divide the world size 8"),
-    (["--model-parallel-size", "0"], "--model-parallel-size must be >= 1"),
-    (["--arch", "moe_tiny", "--expert-parallel-size", "3", "--distributed-world-size", "3"],
-     "--expert-parallel-size 3: each rank keeps an equal share of a layer's 4 experts"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--gpu-memory", "eighty"], "--gpu-memory 'eighty': expected a size"),
+        (["--gpu-tflops", "-1"], "--gpu-tflops: -1: must be greater than 0"),
+        (["--gpu-tflops", "nan"], "--gpu-tflops: nan: must be a finite number"),
+        (["--compute-efficiency", "5"], "--compute-efficiency: 5: must be in (0, 1]"),
+        (["--gpu-memory", "0"], "--gpu-memory 0: must be between 1 byte and 1PiB"),
+        (["--gpu-memory", "1e400"], "--gpu-memory 1e400: must be between 1 byte and 1PiB"),
+        (
+            ["--model-parallel-size", "3", "--distributed-world-size", "8"],
+            "--model-parallel-size 3: must divide the world size 8",
+        ),
+        (["--model-parallel-size", "0"], "--model-parallel-size must be >= 1"),
+        (
+            ["--arch", "moe_tiny", "--expert-parallel-size", "3", "--distributed-world-size", "3"],
+            "--expert-parallel-size 3: each rank keeps an equal share of a layer's 4 experts",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(args, needle):
     run = _plan_cli("--arch", "transformer_lm_gpt3_small", *args)
     assert run.returncode == 1
@@ -131,17 +194,34 @@ def test_bad_input_is_one_line(args, needle):
 
 
 def test_train_plan_flag_logs_the_summary(data, tmp_path):
-    run = run_cli("toolkit_cli.train", [data, *TINY, "--optimizer", "adam", "--max-update", "1", "--plan",
-                                        "--save-dir", str(tmp_path / "ckpt")], timeout=300)
+    run = run_cli(
+        "toolkit_cli.train",
+        [data, *TINY, "--optimizer", "adam", "--max-update", "1", "--plan", "--save-dir", str(tmp_path / "ckpt")],
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [x for x in (run.stdout + run.stderr).splitlines() if "| plan: " in x]
     assert len(lines) == 1 and "FITS" in lines[0], lines
     assert os.path.basename(data) == "bin"
 
 
-PEAK_2_RANKS = ["--optimizer", "adam", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2",
-                "--decoder-layers", "4", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
-                "--tokens-per-sample", "128", "--checkpoint-activations"]
+PEAK_2_RANKS = [
+    "--optimizer",
+    "adam",
+    "--ddp-backend",
+    "fully_sharded",
+    "--distributed-world-size",
+    "2",
+    "--decoder-layers",
+    "4",
+    "--decoder-embed-dim",
+    "128",
+    "--decoder-ffn-embed-dim",
+    "512",
+    "--tokens-per-sample",
+    "128",
+    "--checkpoint-activations",
+]
 
 
 def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, tmp_path):
@@ -163,11 +243,23 @@ def test_two_ranks_checkpointed_update_peak_full_shard_and_shard_grad_op(data, t
 def test_tensor_parallel_no_c10d_keeps_whole_tp_shards(data, tmp_path):
     """--model-parallel-size 2 --ddp-backend no_c10d on 4 gloo ranks: no FSDP2, so each rank holds its TP shards of
     every parameter, gradient and moment whole (not 1/2 over the two replicas); the plan counts the same bytes."""
-    flags = ["--optimizer", "adam", "--ddp-backend", "no_c10d", "--model-parallel-size", "2",
-             "--distributed-world-size", "4"]
+    flags = [
+        "--optimizer",
+        "adam",
+        "--ddp-backend",
+        "no_c10d",
+        "--model-parallel-size",
+        "2",
+        "--distributed-world-size",
+        "4",
+    ]
     result = _check(data, tmp_path, flags, {"activations": 0.25})
-    sharded = _check(data, tmp_path, flags[:2] + ["--model-parallel-size", "2", "--distributed-world-size", "4",
-                                                  "--ddp-backend", "fully_sharded"], {"activations": 0.25})
+    sharded = _check(
+        data,
+        tmp_path,
+        flags[:2] + ["--model-parallel-size", "2", "--distributed-world-size", "4", "--ddp-backend", "fully_sharded"],
+        {"activations": 0.25},
+    )
     assert result["ranks"][0]["params"] > 1.8 * sharded["ranks"][0]["params"]
 
 
@@ -175,7 +267,22 @@ def test_expert_parallel_ranks_hold_their_experts_only(data, tmp_path):
     """moe_tiny with --expert-parallel-size 2 under DDP on 2 gloo ranks: each rank keeps 2 of the 4 experts of
     every layer (parameters, gradients, moments) and the whole dense part; the plan counts the same bytes
     (it counted every expert on every rank before)."""
-    moe = TINY[:TINY.index("--arch")] + TINY[TINY.index("--lr"):]  # the Llama-shaped family: no --dropout
-    _check(data, tmp_path, ["--arch", "moe_tiny", "--optimizer", "adam", "--ddp-backend", "c10d",
-                            "--expert-parallel-size", "2", "--distributed-world-size", "2"], {"activations": 0.25},
-           base=moe)
+    moe = TINY[: TINY.index("--arch")] + TINY[TINY.index("--lr") :]  # the Llama-shaped family: no --dropout
+    _check(
+        data,
+        tmp_path,
+        [
+            "--arch",
+            "moe_tiny",
+            "--optimizer",
+            "adam",
+            "--ddp-backend",
+            "c10d",
+            "--expert-parallel-size",
+            "2",
+            "--distributed-world-size",
+            "2",
+        ],
+        {"activations": 0.25},
+        base=moe,
+    )

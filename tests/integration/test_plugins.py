@@ -4,6 +4,7 @@ The plugin is fairseq's tutorial_simple_lstm as a language model (legacy ``add_a
 getattr-style architecture, an incremental decoder); it trains, evaluates with eval-lm and
 generates through the command-line tools, and its pieces hold fairseq's semantics.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,20 @@ class DemoConfig(FairseqDataclass):
 
 PLUGIN = os.path.join(REPO_ROOT, "tests", "plugins", "tutorial_simple_lstm")
 LINES = ["the cat sat on the mat", "a dog ran in the park", "the cat ran", "", "a dog sat on a mat"] * 8
-TINY = ["--user-dir", PLUGIN, "--arch", "tutorial_simple_lstm_lm", "--decoder-embed-dim", "16",
-        "--decoder-hidden-dim", "24", "--tokens-per-sample", "32", "--seed", "5"]
+TINY = [
+    "--user-dir",
+    PLUGIN,
+    "--arch",
+    "tutorial_simple_lstm_lm",
+    "--decoder-embed-dim",
+    "16",
+    "--decoder-hidden-dim",
+    "24",
+    "--tokens-per-sample",
+    "32",
+    "--seed",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +92,11 @@ def test_a_legacy_option_the_toolkit_cannot_carry_is_one_line():
 def _build(task, embed=16, hidden=24):
     from toolkit import models
 
-    return models.build_model("tutorial_simple_lstm_lm", argparse.Namespace(
-        decoder_embed_dim=embed, decoder_hidden_dim=hidden, decoder_dropout=0.0), task)
+    return models.build_model(
+        "tutorial_simple_lstm_lm",
+        argparse.Namespace(decoder_embed_dim=embed, decoder_hidden_dim=hidden, decoder_dropout=0.0),
+        task,
+    )
 
 
 def test_meta_build_then_init_weights_equals_the_plugins_own_init(task, monkeypatch):
@@ -92,8 +108,9 @@ def test_meta_build_then_init_weights_equals_the_plugins_own_init(task, monkeypa
     plugin_class = registry.MODEL_REGISTRY.get("simple_lstm_lm").cls.wrapped_class
     calls = []
     own_build = plugin_class.build_model.__func__
-    monkeypatch.setattr(plugin_class, "build_model",
-                        classmethod(lambda cls, args, task: calls.append(1) or own_build(cls, args, task)))
+    monkeypatch.setattr(
+        plugin_class, "build_model", classmethod(lambda cls, args, task: calls.append(1) or own_build(cls, args, task))
+    )
     torch.manual_seed(11)
     plain = _build(task)
     assert len(calls) == 1
@@ -116,7 +133,10 @@ def test_incremental_generation_equals_recomputing_the_prefix(task):
     torch.manual_seed(3)
     model = _build(task).eval()
     d = task.dictionary
-    prompts = [d.encode_line("the cat", append_eos=False).long(), d.encode_line("a dog ran in", append_eos=False).long()]
+    prompts = [
+        d.encode_line("the cat", append_eos=False).long(),
+        d.encode_line("a dog ran in", append_eos=False).long(),
+    ]
     cfg = GenerationConfig(beam=3, nbest=3, max_len_b=6)
     fast = SequenceGenerator([model], d, cfg, incremental=True).generate(prompts)
     slow = SequenceGenerator([model], d, cfg, incremental=False).generate(prompts)
@@ -128,9 +148,30 @@ def test_incremental_generation_equals_recomputing_the_prefix(task):
 
 def test_tutorial_plugin_trains_evaluates_and_generates(data_bin, tmp_path):
     save = str(tmp_path / "ck")
-    run = run_cli("toolkit_cli.train", [data_bin, *TINY, "--optimizer", "adam", "--lr", "0.01", "--batch-size", "4",
-                                        "--max-update", "12", "--save-dir", save, "--cpu", "--num-workers", "0",
-                                        "--log-format", "json", "--log-interval", "1"])
+    run = run_cli(
+        "toolkit_cli.train",
+        [
+            data_bin,
+            *TINY,
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.01",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "12",
+            "--save-dir",
+            save,
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+        ],
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     losses = run.losses()
     assert len(losses) == 12 and losses[12] < losses[1]  # it learns
@@ -139,8 +180,10 @@ def test_tutorial_plugin_trains_evaluates_and_generates(data_bin, tmp_path):
     ev = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", ckpt, "--user-dir", PLUGIN, "--cpu"])
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "Loss (base 2):" in ev.stdout + ev.stderr
-    gen = run_cli("toolkit_cli.generate", [data_bin, "--path", ckpt, "--user-dir", PLUGIN, "--cpu", "--beam", "2",
-                                           "--max-len-b", "5"])
+    gen = run_cli(
+        "toolkit_cli.generate",
+        [data_bin, "--path", ckpt, "--user-dir", PLUGIN, "--cpu", "--beam", "2", "--max-len-b", "5"],
+    )
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert sum(line.startswith("H-") for line in gen.stdout.splitlines()) == 2
     _script_scores_equal_the_hub(ckpt, data_bin)
@@ -153,8 +196,9 @@ def _script_scores_equal_the_hub(ckpt, data_bin):
 
     sentences = ["the cat sat on the mat", "a dog ran"]
     script = os.path.join(REPO_ROOT, "tests", "plugins", "score_sentences.py")
-    run = run_cli("tests.plugins.score_sentences", ["--path", ckpt, "--data", data_bin, "--user-dir", PLUGIN,
-                                                    *sentences])
+    run = run_cli(
+        "tests.plugins.score_sentences", ["--path", ckpt, "--data", data_bin, "--user-dir", PLUGIN, *sentences]
+    )
     assert run.returncode == 0 and os.path.isfile(script), run.stderr[-2000:]
     rows = [line.split("\t") for line in run.stdout.strip().splitlines()]
     assert [r[0] for r in rows] == sentences and {r[2] for r in rows} == {"tutorial_simple_lstm_lm"}
@@ -165,8 +209,26 @@ def _script_scores_equal_the_hub(ckpt, data_bin):
 
 def test_eval_without_the_plugin_says_what_to_add(data_bin, tmp_path):
     save = str(tmp_path / "ck")
-    run = run_cli("toolkit_cli.train", [data_bin, *TINY, "--optimizer", "adam", "--lr", "0.01", "--batch-size", "4",
-                                        "--max-update", "1", "--save-dir", save, "--cpu", "--num-workers", "0"])
+    run = run_cli(
+        "toolkit_cli.train",
+        [
+            data_bin,
+            *TINY,
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.01",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "1",
+            "--save-dir",
+            save,
+            "--cpu",
+            "--num-workers",
+            "0",
+        ],
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     ev = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", os.path.join(save, "checkpoint_last.pt"), "--cpu"])
     assert ev.returncode != 0
@@ -179,11 +241,39 @@ def test_legacy_task_and_criterion_options_reach_the_run(data_bin, tmp_path):
     first = {}
     for weight in ("1", "2"):
         save = str(tmp_path / f"w{weight}")
-        run = run_cli("toolkit_cli.train", [
-            data_bin, *TINY, "--task", "language_modeling_with_tag", "--run-tag", "abc", "--criterion",
-            "weighted_cross_entropy", "--loss-weight", weight, "--optimizer", "adam", "--lr", "0.01",
-            "--batch-size", "4", "--max-update", "1", "--save-dir", save, "--cpu", "--num-workers", "0",
-            "--log-format", "json", "--log-interval", "1", "--disable-validation"])
+        run = run_cli(
+            "toolkit_cli.train",
+            [
+                data_bin,
+                *TINY,
+                "--task",
+                "language_modeling_with_tag",
+                "--run-tag",
+                "abc",
+                "--criterion",
+                "weighted_cross_entropy",
+                "--loss-weight",
+                weight,
+                "--optimizer",
+                "adam",
+                "--lr",
+                "0.01",
+                "--batch-size",
+                "4",
+                "--max-update",
+                "1",
+                "--save-dir",
+                save,
+                "--cpu",
+                "--num-workers",
+                "0",
+                "--log-format",
+                "json",
+                "--log-interval",
+                "1",
+                "--disable-validation",
+            ],
+        )
         assert run.returncode == 0, run.stderr[-2000:]
         first[weight] = run.losses()[1]
     assert first["2"] == pytest.approx(2 * first["1"], rel=2e-3)
@@ -194,16 +284,37 @@ def test_legacy_task_and_criterion_options_reach_the_run(data_bin, tmp_path):
 def test_two_gloo_ranks_train_the_plugin_as_one_process(data_bin, tmp_path):
     """DDP over 2 gloo ranks equals one process accumulating the same 2 batches (--update-freq 2):
     the plugin's initial values (its own __init__ under --seed) and its updates agree bit for bit."""
-    common = [data_bin, *TINY, "--decoder-dropout", "0", "--optimizer", "adam", "--lr", "0.01", "--batch-size", "2",
-              "--max-update", "2", "--cpu", "--num-workers", "0", "--log-format", "json", "--log-interval", "1",
-              "--disable-validation"]
+    common = [
+        data_bin,
+        *TINY,
+        "--decoder-dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+        "--batch-size",
+        "2",
+        "--max-update",
+        "2",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--disable-validation",
+    ]
     runs = {}
     for name, extra in (("one", ["--update-freq", "2"]), ("two", ["--distributed-world-size", "2"])):
         run = run_cli("toolkit_cli.train", [*common, "--save-dir", str(tmp_path / name), *extra])
         assert run.returncode == 0, run.stderr[-2000:]
         runs[name] = run
     assert runs["one"].losses() == runs["two"].losses() and len(runs["one"].losses()) == 2
-    one, two = (torch.load(str(tmp_path / n / "checkpoint_last.pt"), weights_only=True)["model"] for n in ("one", "two"))
+    one, two = (
+        torch.load(str(tmp_path / n / "checkpoint_last.pt"), weights_only=True)["model"] for n in ("one", "two")
+    )
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
@@ -213,8 +324,11 @@ def test_block_wrapping_flags_are_refused_for_a_model_without_blocks(task):
 
     model = _build(task)
     check_blocks(model, DistributedConfig())  # plain training: fine
-    with pytest.raises(UserError, match="--checkpoint-activations: works on the blocks of model.layers, which "
-                                        "SimpleLSTMLanguageModel does not have"):
+    with pytest.raises(
+        UserError,
+        match="--checkpoint-activations: works on the blocks of model.layers, which "
+        "SimpleLSTMLanguageModel does not have",
+    ):
         check_blocks(model, DistributedConfig(checkpoint_activations=True))
 
 

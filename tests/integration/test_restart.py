@@ -1,4 +1,5 @@
 """Restarting a finished run changes nothing; raising --max-update continues it exactly."""
+
 from __future__ import annotations
 
 import hashlib

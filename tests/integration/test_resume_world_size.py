@@ -4,6 +4,7 @@ the same batches, so its losses equal the run that never stopped (the 2-proc = 1
 Two ranks with --update-freq 1 read, per update, the same two batches as one rank with --update-freq 2
 (the iterator's sharding), so one baseline serves both directions.
 """
+
 import pytest
 
 from tests.helpers import dist_helpers as H
@@ -21,13 +22,17 @@ def data_bin(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(data_bin, tmp_path_factory):
-    proc = train(data_bin, tmp_path_factory.mktemp("whole"), "--max-update", str(UPDATES), *ONE_PROC,
-                 "--disable-validation")
+    proc = train(
+        data_bin, tmp_path_factory.mktemp("whole"), "--max-update", str(UPDATES), *ONE_PROC, "--disable-validation"
+    )
     return H.losses(proc.stdout)
 
 
-@pytest.mark.parametrize("before, after", [(TWO_PROCS, ONE_PROC), (ONE_PROC, TWO_PROCS)],
-                         ids=["2->1 with --update-freq 2", "1 with --update-freq 2 -> 2"])
+@pytest.mark.parametrize(
+    "before, after",
+    [(TWO_PROCS, ONE_PROC), (ONE_PROC, TWO_PROCS)],
+    ids=["2->1 with --update-freq 2", "1 with --update-freq 2 -> 2"],
+)
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(data_bin, uninterrupted, tmp_path, before, after):
     first = train(data_bin, tmp_path, "--max-update", str(SAVED_AT), *before, "--disable-validation")
     assert_logged_losses_match(H.losses(first.stdout), uninterrupted, range(1, SAVED_AT + 1))

@@ -4,6 +4,7 @@ Each forgery holds a pickle whose ``__reduce__`` would run ``touch MARKER``; aft
 command the marker must not exist, the exit status is non-zero and stderr is one
 ``prog: error: ...`` line without a traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def sharded_run(data_bin, tmp_path_factory):
 def one_error_line(run, prog: str) -> str:
     assert run.returncode != 0
     assert "Traceback" not in run.stderr and "Traceback" not in run.stdout, run.stderr[-3000:]
-    lines = [line for line in run.stderr.splitlines() if line.strip() and "Warning" not in line
-             and not line.startswith("  ")]
+    lines = [
+        line for line in run.stderr.splitlines() if line.strip() and "Warning" not in line and not line.startswith("  ")
+    ]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), run.stderr[-3000:]
     return lines[0]
 

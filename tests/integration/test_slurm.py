@@ -3,6 +3,7 @@ its workers, train exactly like the same two ranks spawned by ``--distributed-wo
 
 The layout arithmetic (against fairseq's ``_infer_slurm_init`` formulas) is in tests/unit/test_slurm.py.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -22,14 +23,19 @@ def data_bin(tmp_path_factory):
 
 
 def train_args(data_bin, save_dir, *extra):
-    return [data_bin] + H.model_args(str(save_dir)) + ["--max-update", str(UPDATES), "--disable-validation",
-                                                        *extra]
+    return [data_bin] + H.model_args(str(save_dir)) + ["--max-update", str(UPDATES), "--disable-validation", *extra]
 
 
 def slurm_env(layout, procid):
     nnodes, ntasks = layout
-    return {"SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NNODES": str(nnodes), "SLURM_NTASKS": str(ntasks),
-            "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
+    return {
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NNODES": str(nnodes),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(procid),
+        "SLURM_NODEID": "0",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +57,22 @@ def assert_same_run(losses, ckpt, spawned):
 
 def test_srun_one_task_per_process_trains_like_spawned_ranks(data_bin, spawned, tmp_path):
     port = H.free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "toolkit_cli.train",
-                               *train_args(data_bin, tmp_path, "--distributed-port", str(port))],
-                              cwd=H.REPO_ROOT, env=H.subprocess_env(slurm_env((1, 2), task)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for task in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "toolkit_cli.train",
+                *train_args(data_bin, tmp_path, "--distributed-port", str(port)),
+            ],
+            cwd=H.REPO_ROOT,
+            env=H.subprocess_env(slurm_env((1, 2), task)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for task in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -70,8 +88,10 @@ def test_srun_one_task_per_process_trains_like_spawned_ranks(data_bin, spawned, 
 
 def test_srun_one_task_per_node_spawns_its_workers(data_bin, spawned, tmp_path):
     port = H.free_port()
-    proc = H.run_train(train_args(data_bin, tmp_path, "--distributed-port", str(port), "--distributed-world-size", "2"),
-                     env=slurm_env((1, 1), 0))
+    proc = H.run_train(
+        train_args(data_bin, tmp_path, "--distributed-port", str(port), "--distributed-world-size", "2"),
+        env=slurm_env((1, 1), 0),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Slurm: world size 2, ranks 0..1 here (node 0)" in proc.stdout + proc.stderr
     assert_same_run(H.losses(proc.stdout), tmp_path / "checkpoint_last.pt", spawned)

@@ -1,4 +1,5 @@
 """Leftovers of crashed saves are removed at start; checkpoints get the process umask's mode."""
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,24 @@ def test_training_removes_leftovers_and_writes_with_the_umask(tmp_path):
     save = tmp_path / "save"
     os.makedirs(save)
     (save / ".checkpoint_last.pt.abcd1234.tmp").write_bytes(b"\0" * 4096)
-    proc = subprocess.run([sys.executable, "-m", "toolkit_cli.train", data_bin, *H.model_args(str(save)),
-                           "--max-update", "2", "--disable-validation"], cwd=H.REPO_ROOT,
-                          env=H.subprocess_env(), capture_output=True, text=True, timeout=240,
-                          preexec_fn=lambda: os.umask(0o002))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit_cli.train",
+            data_bin,
+            *H.model_args(str(save)),
+            "--max-update",
+            "2",
+            "--disable-validation",
+        ],
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=lambda: os.umask(0o002),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     removed = [line for line in proc.stdout.splitlines() if "left by interrupted saves" in line]
     assert len(removed) == 1 and "| INFO |" in removed[0] and ".checkpoint_last.pt.abcd1234.tmp" in removed[0]

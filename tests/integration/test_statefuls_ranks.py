@@ -25,8 +25,9 @@ def test_new_entries_saved_on_two_fsdp2_ranks_resume_in_one_process(tmp_path):
 
     counter, probe = Counter(), probe_module()
     torch.nn.init.zeros_(probe.weight)
-    trainer, _, _ = resume(data_bin, save_dir, "--use-sharded-state",
-                           extra={"counter": counter, "probe": ModelState(probe)})
+    trainer, _, _ = resume(
+        data_bin, save_dir, "--use-sharded-state", extra={"counter": counter, "probe": ModelState(probe)}
+    )
     assert counter.value == 5  # rank 0's (rank 1 held 6): plain entries are written once
     assert_same(ranks["probe"], probe.state_dict())
     assert_same(ranks["model"], model_state(trainer.model))

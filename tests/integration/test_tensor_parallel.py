@@ -5,6 +5,7 @@ under FSDP2. Each trains a tiny model (2 layers, C=32, 4 heads, V=64) for 10 upd
 same global batches as a single process, with the trainer's normalization (summed loss,
 gradients times dp / ntokens), the global gradient norm and clipping, and AdamW.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,9 +50,16 @@ def single():
     state = {k: v.clone() for k, v in plain.state_dict().items()}
     continued = H.train(plain, opt=opt, first=H.STEPS, steps=H.RESUMED_STEPS)  # the uninterrupted run
     arch_tied = H.arch_defaults_cfg(share_decoder_input_output_embed=True)
-    return {"short_batch_loss": short, "init_state": init, "plain": trained, "plain_state": state,
-            "continued": continued, "tied": H.train(tied), "arch_defaults": H.train(H.build(H.arch_defaults_cfg())),
-            "arch_defaults_tied": H.train(H.build(arch_tied))}
+    return {
+        "short_batch_loss": short,
+        "init_state": init,
+        "plain": trained,
+        "plain_state": state,
+        "continued": continued,
+        "tied": H.train(tied),
+        "arch_defaults": H.train(H.build(H.arch_defaults_cfg())),
+        "arch_defaults_tied": H.train(H.build(arch_tied)),
+    }
 
 
 def assert_close(got, want, rel, steps=H.STEPS):
@@ -104,7 +112,7 @@ def test_data_and_model_parallel_under_fsdp2_match_one_process(tp4, single):
             # The k bias has a zero gradient in exact arithmetic (softmax is shift-invariant), so AdamW's
             # normalized steps follow rounding noise there: compare the q and v parts.
             C = v.numel() // 3
-            v, got = torch.cat([v[:C], v[2 * C:]]), torch.cat([got[:C], got[2 * C:]])
+            v, got = torch.cat([v[:C], v[2 * C :]]), torch.cat([got[:C], got[2 * C :]])
         diff = (got.double() - v.double()).norm() / v.double().norm().clamp_min(1e-12)
         assert diff < REL_TOL, (k, float(diff))
 

@@ -4,6 +4,7 @@ The library-level parity (every layout, activation checkpointing, fp16, dropout 
 resharding) is in tests/integration/test_tensor_parallel.py; here the command line, the trainer's
 data-parallel bookkeeping (batches sharded over replicas, not ranks), checkpoints and resume.
 """
+
 import pytest
 import torch
 
@@ -51,9 +52,21 @@ def model_state(path):
 
 def test_two_ranks_one_replica_match_one_process_and_resume_on_one(data_bin, tmp_path):
     single = train(data_bin, tmp_path / "one", "--max-update", str(UPDATES))
-    tp = train(data_bin, tmp_path / "tp", "--max-update", str(UPDATES), "--distributed-world-size", "2",
-               "--model-parallel-size", "2", "--ddp-backend", "fully_sharded", "--save-interval-updates", "3",
-               "--use-sharded-state")
+    tp = train(
+        data_bin,
+        tmp_path / "tp",
+        "--max-update",
+        str(UPDATES),
+        "--distributed-world-size",
+        "2",
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--save-interval-updates",
+        "3",
+        "--use-sharded-state",
+    )
     assert "tensor parallel: 2 ranks per replica, 1 data-parallel replicas" in tp.stdout
     assert_close(H.losses(tp.stdout), H.losses(single.stdout))
     # the sharded checkpoint of update 3, saved at (dp 1 x mp 2), resumes in one plain process
@@ -70,7 +83,7 @@ def test_two_ranks_one_replica_match_one_process_and_resume_on_one(data_bin, tmp
     for k in a:
         if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
             C = a[k].numel() // 3
-            a[k], b[k] = torch.cat([a[k][:C], a[k][2 * C:]]), torch.cat([b[k][:C], b[k][2 * C:]])
+            a[k], b[k] = torch.cat([a[k][:C], a[k][2 * C :]]), torch.cat([b[k][:C], b[k][2 * C :]])
         # atol 1e-4: with fairseq's 512-wide input embeddings, an element of project_in_dim whose gradient is
         # near zero moves by Adam-normalized rounding noise (3.5e-5 measured; lr is 3e-3)
         assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), k
@@ -78,26 +91,39 @@ def test_two_ranks_one_replica_match_one_process_and_resume_on_one(data_bin, tmp
 
 def test_consolidated_checkpoint_is_the_plain_layout(data_bin, tmp_path):
     single = train(data_bin, tmp_path / "one", "--max-update", "2")
-    tp = train(data_bin, tmp_path / "tp", "--max-update", "2", "--distributed-world-size", "2",
-               "--tensor-parallel-size", "2")  # fairseq's other name; c10d replicates through FSDP2
+    tp = train(
+        data_bin, tmp_path / "tp", "--max-update", "2", "--distributed-world-size", "2", "--tensor-parallel-size", "2"
+    )  # fairseq's other name; c10d replicates through FSDP2
     assert_close(H.losses(tp.stdout), H.losses(single.stdout))
     a, b = model_state(tmp_path / "tp" / "checkpoint_last.pt"), model_state(tmp_path / "one" / "checkpoint_last.pt")
     assert list(a) == list(b) and all(a[k].shape == b[k].shape for k in a)
 
 
 def test_refused_combinations_are_one_line(data_bin, tmp_path):
-    proc = H.run_train([data_bin] + arch_default_args(tmp_path) + ["--model-parallel-size", "2",
-                                                                 "--distributed-world-size", "3"])
+    proc = H.run_train(
+        [data_bin] + arch_default_args(tmp_path) + ["--model-parallel-size", "2", "--distributed-world-size", "3"]
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "toolkit-train: error: --model-parallel-size 2: must divide the world size 3 (the world is split into "
-        "world/M data-parallel groups of M tensor-parallel ranks)"]
+        "world/M data-parallel groups of M tensor-parallel ranks)"
+    ]
 
 
 def test_two_replicas_of_two_ranks_match_one_process_with_update_freq_2(data_bin, tmp_path):
     """(dp 2 x mp 2): the two replicas read different batches; one process takes both per update."""
     single = train(data_bin, tmp_path / "one", "--max-update", "4", "--update-freq", "2")
-    tp = train(data_bin, tmp_path / "tp", "--max-update", "4", "--distributed-world-size", "4",
-               "--model-parallel-size", "2", "--ddp-backend", "fully_sharded")
+    tp = train(
+        data_bin,
+        tmp_path / "tp",
+        "--max-update",
+        "4",
+        "--distributed-world-size",
+        "4",
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    )
     assert "tensor parallel: 2 ranks per replica, 2 data-parallel replicas" in tp.stdout
     assert_close(H.losses(tp.stdout), H.losses(single.stdout))

@@ -6,6 +6,7 @@ when scattering from rank 0); every rank now cuts its own shards of the whole fi
 the model (``--finetune-from-model``) and the optimizer state (``--restore-file``) are checked, against the same
 resume in one process (same batches: --update-freq 2), loss for loss.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,13 +16,49 @@ from tests.helpers.dist_helpers import assert_logged_losses_match
 from tests.helpers.lm_fixtures import make_data_bin
 
 WORDS = [f"w{i}" for i in range(41)]
-MODEL = ["--task", "language_modeling", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2",
-         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
-         "--dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--tokens-per-sample", "16", "--seed", "3",
-         "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "1", "--disable-validation",
-         "--no-epoch-checkpoints"]
-TP = ["--batch-size", "2", "--model-parallel-size", "2", "--distributed-world-size", "4",
-      "--ddp-backend", "fully_sharded"]
+MODEL = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm_gpt3_small",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--dropout",
+    "0",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--tokens-per-sample",
+    "16",
+    "--seed",
+    "3",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--disable-validation",
+    "--no-epoch-checkpoints",
+]
+TP = [
+    "--batch-size",
+    "2",
+    "--model-parallel-size",
+    "2",
+    "--distributed-world-size",
+    "4",
+    "--ddp-backend",
+    "fully_sharded",
+]
 ONE = ["--batch-size", "2", "--update-freq", "2"]
 
 

@@ -8,6 +8,7 @@ ranks in --fp16 (autocast and loss scaling on the shards; fp32 weights) against 
 test_composition's TP weights). Reducing over all ranks instead of the ranks holding the same shard (adding
 the two halves of a split weight) fails the four-rank case.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def data_bin(tmp_path_factory):
 
 
 def train(data_bin, save_dir, *flags):
-    proc = H.run_train([data_bin, *H.model_args(str(save_dir)), "--disable-validation", "--max-update",
-                        str(UPDATES), *flags], timeout=400)
+    proc = H.run_train(
+        [data_bin, *H.model_args(str(save_dir)), "--disable-validation", "--max-update", str(UPDATES), *flags],
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -34,8 +37,17 @@ def train(data_bin, save_dir, *flags):
 def test_tensor_parallel_with_no_c10d_matches_one_process(data_bin, tmp_path, world, flags):
     replicas = world // 2
     one = train(data_bin, tmp_path / "one", "--update-freq", str(replicas), *flags)
-    tp = train(data_bin, tmp_path / "tp", "--distributed-world-size", str(world), "--model-parallel-size", "2",
-               "--ddp-backend", "no_c10d", *flags)
+    tp = train(
+        data_bin,
+        tmp_path / "tp",
+        "--distributed-world-size",
+        str(world),
+        "--model-parallel-size",
+        "2",
+        "--ddp-backend",
+        "no_c10d",
+        *flags,
+    )
     assert f"tensor parallel: 2 ranks per replica, {replicas} data-parallel replicas" in tp.stdout
     got, want = H.losses(tp.stdout), H.losses(one.stdout)
     assert sorted(got) == sorted(want) == list(range(1, UPDATES + 1)), (got, want)
@@ -43,12 +55,14 @@ def test_tensor_parallel_with_no_c10d_matches_one_process(data_bin, tmp_path, wo
         assert abs(got[u] - want[u]) <= 1e-3 * abs(want[u]) + H.LOGGED_TOL, (u, got[u], want[u])
     if flags:  # fp16: losses only (as test_composition's fp16 pairs); Adam turns fp16 rounding of an embedding
         return  # row's near-zero gradient into steps of lr size (6e-3 measured on embed_tokens)
-    saved = [torch.load(d / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
-             for d in (tmp_path / "tp", tmp_path / "one")]
+    saved = [
+        torch.load(d / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+        for d in (tmp_path / "tp", tmp_path / "one")
+    ]
     assert saved[0].keys() == saved[1].keys()
     for k, b in saved[1].items():
         a = saved[0][k]
         if k.endswith("qkv_proj.bias"):  # the k bias has an exactly-zero gradient: Adam steps on rounding noise
             C = a.numel() // 3  # (as in test_composition / test_tp_cli)
-            a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+            a, b = torch.cat([a[:C], a[2 * C :]]), torch.cat([b[:C], b[2 * C :]])
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (k, (a - b).abs().max())

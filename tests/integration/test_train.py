@@ -1,4 +1,5 @@
 """toolkit-train end to end on a slice of the real WikiText corpus (tiny model, CPU, fp32)."""
+
 import math
 import os
 
@@ -29,8 +30,9 @@ def data_bin(tmp_path_factory, wikitext_dir):
 @pytest.fixture(scope="module")
 def reference_run(data_bin, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("ref"))
-    return save, train(data_bin, save, "--max-update", "12", "--save-interval-updates", "6",
-                       "--validate-interval-updates", "6")
+    return save, train(
+        data_bin, save, "--max-update", "12", "--save-interval-updates", "6", "--validate-interval-updates", "6"
+    )
 
 
 def test_losses_fall_and_match_golden(data_bin, reference_run):
@@ -47,8 +49,16 @@ def test_losses_fall_and_match_golden(data_bin, reference_run):
 
 def test_same_seed_same_losses(data_bin, reference_run, tmp_path):
     _, ref = reference_run
-    again = train(data_bin, str(tmp_path), "--max-update", "12", "--save-interval-updates", "6",
-                  "--validate-interval-updates", "6")
+    again = train(
+        data_bin,
+        str(tmp_path),
+        "--max-update",
+        "12",
+        "--save-interval-updates",
+        "6",
+        "--validate-interval-updates",
+        "6",
+    )
     assert again.losses() == ref.losses()
     other_seed = train(data_bin, str(tmp_path / "s"), "--max-update", "3", "--seed", "4")
     assert other_seed.losses()[3] != ref.losses()[3]
@@ -82,29 +92,56 @@ def test_resume_mid_epoch_gives_same_losses(data_bin, reference_run, tmp_path):
 def test_log_lines_match_fairseq_format(reference_run):
     _, run = reference_run
     inner = run.records("train_inner")[0]
-    assert list(inner)[:11] == ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates",
-                                "lr", "gnorm"]
+    assert list(inner)[:11] == [
+        "epoch",
+        "update",
+        "loss",
+        "ppl",
+        "wps",
+        "ups",
+        "wpb",
+        "bsz",
+        "num_updates",
+        "lr",
+        "gnorm",
+    ]
     assert list(inner)[11:14] == ["train_wall", "wall", "tps"] and "mfu" in inner
     assert "loss_scale" not in inner and "gb_free" not in inner  # fp32, CPU
     assert all(isinstance(v, str) for k, v in inner.items() if k not in ("epoch", "update"))
     assert float(inner["ppl"]) == pytest.approx(2 ** float(inner["loss"]), rel=1e-2)
     assert inner["num_updates"] == "1" and inner["bsz"] == "4"
     valid = run.records("valid")[0]
-    assert list(valid) == ["epoch", "valid_loss", "valid_ppl", "valid_wps", "valid_wpb", "valid_bsz",
-                           "valid_num_updates", "valid_best_loss"]
+    assert list(valid) == [
+        "epoch",
+        "valid_loss",
+        "valid_ppl",
+        "valid_wps",
+        "valid_wpb",
+        "valid_bsz",
+        "valid_num_updates",
+        "valid_best_loss",
+    ]
     assert valid["valid_num_updates"] == "6"
     epoch_line = run.records("train")[-1]
     assert list(epoch_line)[:3] == ["epoch", "train_loss", "train_ppl"]
     assert all(k == "epoch" or k.startswith("train_") for k in epoch_line)
-    for line in ("num. model params:", "training on 1 devices",
-                 "Stopping training due to num_updates: 12 >= max_update: 12", "done training in"):
+    for line in (
+        "num. model params:",
+        "training on 1 devices",
+        "Stopping training due to num_updates: 12 >= max_update: 12",
+        "done training in",
+    ):
         assert line in run.stdout, line
 
 
 def test_checkpoint_files_and_contents(reference_run):
     save, _ = reference_run
-    assert sorted(os.listdir(save)) == ["checkpoint_1_12.pt", "checkpoint_1_6.pt", "checkpoint_best.pt",
-                                       "checkpoint_last.pt"]
+    assert sorted(os.listdir(save)) == [
+        "checkpoint_1_12.pt",
+        "checkpoint_1_6.pt",
+        "checkpoint_best.pt",
+        "checkpoint_last.pt",
+    ]
     state = torch.load(os.path.join(save, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     assert state["cfg"]["arch"] == "transformer_lm" and state["cfg"]["decoder_layers"] == 2
     assert state["extra_state"]["trainer"]["num_updates"] == 12
@@ -122,8 +159,10 @@ def test_eval_lm_and_hub_agree(data_bin, reference_run):
     valid_loss = float(run.records("valid")[-1]["valid_loss"])
     assert eval_loss == pytest.approx(valid_loss, abs=2e-3)  # same tokens, same blocks as validation
 
-    windowed = run_cli("toolkit_cli.eval_lm", [data_bin, "--path", ckpt, "--tokens-per-sample", "32",
-                                               "--context-window", "16", "--batch-size", "4"])
+    windowed = run_cli(
+        "toolkit_cli.eval_lm",
+        [data_bin, "--path", ckpt, "--tokens-per-sample", "32", "--context-window", "16", "--batch-size", "4"],
+    )
     assert float(windowed.stdout.split("Loss (base 2): ")[1].split(",")[0]) < eval_loss
 
     from toolkit.inference import score_stream
@@ -147,8 +186,14 @@ def test_torch_hub_load(reference_run, data_bin):
     from tests.helpers.cli import REPO_ROOT
 
     save, _ = reference_run
-    lm = torch.hub.load(REPO_ROOT, "transformer_lm", source="local", model_dir=save,
-                        checkpoint_file="checkpoint_best.pt", data_name_or_path=data_bin)
+    lm = torch.hub.load(
+        REPO_ROOT,
+        "transformer_lm",
+        source="local",
+        model_dir=save,
+        checkpoint_file="checkpoint_best.pt",
+        data_name_or_path=data_bin,
+    )
     assert lm.score("the game")["perplexity"] > 1.0
 
 
@@ -180,8 +225,9 @@ def test_bad_input(data_bin, tmp_path, reference_run):
     assert "decoder-layers" in _error_line(other_arch)
     assert os.path.getmtime(os.path.join(save, "checkpoint_last.pt")) == before
 
-    exploding = train(data_bin, str(tmp_path / "c"), "--max-update", "5", "--lr", "1e30",
-                      "--lr-scheduler", "fixed", check=False)
+    exploding = train(
+        data_bin, str(tmp_path / "c"), "--max-update", "5", "--lr", "1e30", "--lr-scheduler", "fixed", check=False
+    )
     assert "non-finite" in _error_line(exploding)
 
 
@@ -192,10 +238,23 @@ def test_hub_applies_the_data_bins_bpe(shakespeare_file, tmp_path):
     (tmp_path / "train.txt").write_text("\n".join(lines[:3000]) + "\n", encoding="utf-8")
     (tmp_path / "valid.txt").write_text("\n".join(lines[3000:3300]) + "\n", encoding="utf-8")
     data = str(tmp_path / "bin")
-    prep = run_cli("toolkit_cli.preprocess", ["--only-source", "--trainpref", str(tmp_path / "train.txt"),
-                                              "--validpref", str(tmp_path / "valid.txt"), "--destdir", data,
-                                              "--bpe", "sentencepiece", "--bpe-vocab-size", "300",
-                                              "--no-progress-bar"])
+    prep = run_cli(
+        "toolkit_cli.preprocess",
+        [
+            "--only-source",
+            "--trainpref",
+            str(tmp_path / "train.txt"),
+            "--validpref",
+            str(tmp_path / "valid.txt"),
+            "--destdir",
+            data,
+            "--bpe",
+            "sentencepiece",
+            "--bpe-vocab-size",
+            "300",
+            "--no-progress-bar",
+        ],
+    )
     assert prep.returncode == 0, prep.stderr
     train(data, str(tmp_path / "ck"), "--max-update", "3")
 

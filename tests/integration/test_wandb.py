@@ -1,4 +1,5 @@
 """--wandb-project: the scalars TensorBoard gets, read back from an offline W&B run's file."""
+
 from __future__ import annotations
 
 import glob

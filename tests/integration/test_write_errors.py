@@ -3,6 +3,7 @@
 The limit is the process's ``RLIMIT_FSIZE`` (``ulimit -f``), set in the child only, with
 SIGXFSZ ignored so that the write fails with EFBIG instead of killing it: no root needed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,13 +27,28 @@ def limited(max_bytes: int):
     def preexec():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
     return preexec
 
 
 def train(data_bin, save_dir, *flags, preexec=None):
-    return subprocess.run([sys.executable, "-m", "toolkit_cli.train", data_bin, *H.model_args(str(save_dir)),
-                           "--disable-validation", *flags], cwd=H.REPO_ROOT, env=H.subprocess_env(),
-                          capture_output=True, text=True, timeout=240, preexec_fn=preexec)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit_cli.train",
+            data_bin,
+            *H.model_args(str(save_dir)),
+            "--disable-validation",
+            *flags,
+        ],
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=preexec,
+    )
 
 
 def snapshot(folder) -> dict:
@@ -44,9 +60,11 @@ def snapshot(folder) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", [[], ["--use-sharded-state"],
-                                  ["--use-sharded-state", "--distributed-world-size", "2"]],
-                         ids=["consolidated", "sharded", "sharded-2-ranks"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--use-sharded-state"], ["--use-sharded-state", "--distributed-world-size", "2"]],
+    ids=["consolidated", "sharded", "sharded-2-ranks"],
+)
 def test_file_too_large_at_save_is_one_line(data_bin, tmp_path, mode):
     first = train(data_bin, tmp_path, "--max-update", "3", *mode)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -57,6 +75,8 @@ def test_file_too_large_at_save_is_one_line(data_bin, tmp_path, mode):
     assert "Traceback" not in failed.stderr + failed.stdout, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if "error" in line]
     target = os.path.join(str(tmp_path), "checkpoint_last" + ("" if mode else ".pt"))
-    assert errors[0] == (f"toolkit-train: error: could not write {target}: File too large (errno 27); "
-                         f"the previous checkpoint_last.pt (update 3) is intact"), failed.stderr[-3000:]
+    assert errors[0] == (
+        f"toolkit-train: error: could not write {target}: File too large (errno 27); "
+        f"the previous checkpoint_last.pt (update 3) is intact"
+    ), failed.stderr[-3000:]
     assert snapshot(tmp_path) == before  # nothing half-written, no temporary file left

@@ -1,5 +1,6 @@
 """``--lr-scheduler wsd`` through toolkit-train: a run stopped inside its decay, or in its stable phase and given a
 decay on resume, logs the learning rates and losses of the uninterrupted run; ``--z-loss-coef`` logs ``z_loss``."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,20 @@ import pytest
 from tests.helpers import dist_helpers as H
 from tests.helpers.cli import train
 
-WSD = ["--lr-scheduler", "wsd", "--warmup-updates", "2", "--min-lr", "1e-4", "--decay-shape", "cosine",
-       "--z-loss-coef", "1e-3", "--dropout", "0"]
+WSD = [
+    "--lr-scheduler",
+    "wsd",
+    "--warmup-updates",
+    "2",
+    "--min-lr",
+    "1e-4",
+    "--decay-shape",
+    "cosine",
+    "--z-loss-coef",
+    "1e-3",
+    "--dropout",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")

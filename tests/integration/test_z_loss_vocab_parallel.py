@@ -1,5 +1,6 @@
 """``--z-loss-coef`` under ``vocab_parallel_cross_entropy``: 2 gloo ranks with the vocabulary split give the
 one-process loss, ``z_loss`` and gradients."""
+
 import torch
 
 from tests.helpers import tp_helpers, z_loss_helpers

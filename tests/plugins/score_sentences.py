@@ -1,7 +1,8 @@
 """A fairseq-style scoring script with the import renamed (fairseq -> toolkit): each line's summed log-probability.
 
-    python tests/plugins/score_sentences.py --path CKPT --data DATA-BIN [--user-dir PLUGIN] "the cat sat" ...
+python tests/plugins/score_sentences.py --path CKPT --data DATA-BIN [--user-dir PLUGIN] "the cat sat" ...
 """
+
 import argparse
 
 import torch

@@ -6,6 +6,7 @@ uninterrupted run. Tolerances: after 20 AdamW steps at lr 1e-2, the parameters o
 bf16-moment run stay within 1% and those of the 8-bit run within 6% of the distance the
 fp32-moment run moved them (observed about 0.4% and 3%).
 """
+
 import io
 import logging
 
@@ -25,8 +26,7 @@ ADAM = dict(optimizer="cpu_adam", lr=1e-2, adam_betas="(0.9, 0.98)", adam_eps=1e
 def make_data(steps, seed=0):
     g = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=g) for s in SHAPES]
-    grads = [[torch.randn(s, generator=g) * torch.rand(s, generator=g).pow(4) for s in SHAPES]
-             for _ in range(steps)]
+    grads = [[torch.randn(s, generator=g) * torch.rand(s, generator=g).pow(4) for s in SHAPES] for _ in range(steps)]
     return init, grads
 
 
@@ -49,8 +49,10 @@ def test_signed_code_error_is_at_most_half_a_step(cols):
     n, b = qs.row_blocks(cols)
     assert codes.dtype == torch.int8 and codes.shape == x.shape and absmax.shape == (5, n)
     per_value_max = absmax.repeat_interleave(b, dim=1)[:, :cols]
-    assert torch.equal(per_value_max, torch.stack([x[:, i * b:(i + 1) * b].abs().amax(1)
-                                                   for i in range(n)], 1).repeat_interleave(b, 1)[:, :cols])
+    assert torch.equal(
+        per_value_max,
+        torch.stack([x[:, i * b : (i + 1) * b].abs().amax(1) for i in range(n)], 1).repeat_interleave(b, 1)[:, :cols],
+    )
     err = (qs.dequantize_signed(codes, absmax) - x).abs()
     assert (err <= per_value_max / 254 * (1 + 1e-5)).all()
 
@@ -103,9 +105,15 @@ def test_updates_stay_close_to_fp32_moments(precision, tol):
         if layout == "fp32":  # small and 1-D tensors keep fp32 moments: the same op, the same numbers
             assert torch.equal(p, r)
     st = opt.state[ps[1]]
-    expected = {"bf16": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
-                "8bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8, "exp_avg_absmax": torch.float32,
-                         "exp_avg_sq_absmax": torch.float32}}[precision]
+    expected = {
+        "bf16": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+        "8bit": {
+            "exp_avg": torch.int8,
+            "exp_avg_sq": torch.uint8,
+            "exp_avg_absmax": torch.float32,
+            "exp_avg_sq_absmax": torch.float32,
+        },
+    }[precision]
     assert {k: v.dtype for k, v in st.items() if k != "step"} == expected and float(st["step"]) == 20
 
 
@@ -151,8 +159,9 @@ def test_fp32_moments_convert_to_reduced_and_back(precision, caplog):
     with caplog.at_level(logging.INFO, logger=qs.__name__):
         reduced.load_state_dict(sd)
     lines = [r.message for r in caplog.records if "converted the loaded Adam moments" in r.message]
-    assert lines == [f"cpu_adam: converted the loaded Adam moments (fp32 -> {precision}) "
-                     "to this run's --adam-state-precision"]
+    assert lines == [
+        f"cpu_adam: converted the loaded Adam moments (fp32 -> {precision}) to this run's --adam-state-precision"
+    ]
     back = cpu_adam([torch.nn.Parameter(p.detach().clone()) for p in ps], "fp32")
     adamw = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2)
     back.load_state_dict(round_trip(reduced.state_dict()))
@@ -173,11 +182,24 @@ def test_fp32_moments_convert_to_reduced_and_back(precision, caplog):
 def test_flags_parse_and_bf16_host_grads_needs_cpu_offload():
     from toolkit.train.resolve import parse_train_config
 
-    cfg = parse_train_config(["d", "--ddp-backend", "fully_sharded", "--cpu-offload", "--cpu", "--bf16-host-grads",
-                              "--adam-state-precision", "8bit"])
+    cfg = parse_train_config(
+        [
+            "d",
+            "--ddp-backend",
+            "fully_sharded",
+            "--cpu-offload",
+            "--cpu",
+            "--bf16-host-grads",
+            "--adam-state-precision",
+            "8bit",
+        ]
+    )
     assert cfg.distributed.bf16_host_grads and cfg.optimizer.adam_state_precision == "8bit"
-    with pytest.raises(UserError, match=r"^--bf16-host-grads requires --cpu-offload \(it keeps the offloaded "
-                                        r"gradients in bf16\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--bf16-host-grads requires --cpu-offload \(it keeps the offloaded "
+        r"gradients in bf16\)$",
+    ):
         parse_train_config(["d", "--ddp-backend", "fully_sharded", "--bf16-host-grads"])
 
 
@@ -202,8 +224,11 @@ def mesh(tmp_path_factory):
 
 def test_dtensor_states_and_full_state_dict_conversions(mesh):
     """FSDP2's case: states are DTensors placed like the parameter (the 8-bit scales too, sharded by rows)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -226,8 +251,10 @@ def test_dtensor_states_and_full_state_dict_conversions(mesh):
         m3, opt3 = torch.nn.ParameterList(ps3), cpu_adam(ps3, "8bit")
         set_optimizer_state_dict(m3, opt3, get_optimizer_state_dict(m2, opt2, options=options), options=options)
         for k, v in opt1.state[ps[0]].items():  # dequantize -> requantize is exact
-            assert torch.equal(opt3.state[ps3[0]][k].full_tensor() if k != "step" else opt3.state[ps3[0]][k],
-                               v.full_tensor() if k != "step" else v), k
+            assert torch.equal(
+                opt3.state[ps3[0]][k].full_tensor() if k != "step" else opt3.state[ps3[0]][k],
+                v.full_tensor() if k != "step" else v,
+            ), k
     run_steps(opt3, ps3, dgrads[3:])
     for p, r in zip(ps3, ref):  # the plain-tensor run, up to DeepSpeed's beta**step rounding on a resume
         torch.testing.assert_close(p.detach().full_tensor(), r.detach(), rtol=0, atol=1e-5)
@@ -296,7 +323,9 @@ def test_refusals(mesh):
     opt = cpu_adam(new_params(make_data(0)[0]), "8bit")
     with pytest.raises(UserError) as e:
         qs.check_sharded_load("ck", ["optim.state.a.exp_avg", "optim.state.a.exp_avg_sq"], opt)
-    assert str(e.value) == ("ck: its Adam moments are saved as float and this run keeps them as 8bit "
-                            "(--adam-state-precision); convert through a consolidated checkpoint: run "
-                            "toolkit-consolidate ck and pass the .pt to --restore-file, or add --reset-optimizer")
+    assert str(e.value) == (
+        "ck: its Adam moments are saved as float and this run keeps them as 8bit "
+        "(--adam-state-precision); convert through a consolidated checkpoint: run "
+        "toolkit-consolidate ck and pass the .pt to --restore-file, or add --reset-optimizer"
+    )
     qs.check_sharded_load("ck", ["optim.state.a.exp_avg", "optim.state.a.exp_avg_absmax"], opt)

@@ -5,6 +5,7 @@ projections by hand, the factorized softmax in float64, fairseq's state-dict key
 shapes (fairseq/modules/adaptive_input.py, adaptive_softmax.py) written out, and parameter
 counts from the module shapes of fairseq's transformer_lm_baevski_wiki103.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,10 +63,13 @@ def fairseq_state(variant: str, body: TransformerLanguageModel, seed=5) -> dict:
     if variant != "softmax_only":
         state["decoder.adaptive_softmax.head.word_proj.weight"] = state["decoder.embed_tokens.embeddings.0.0.weight"]
         for i in range(2):
-            state[f"decoder.adaptive_softmax.tail.{i}.2.weight"] = state[f"decoder.embed_tokens.embeddings.{i + 1}.0.weight"]
+            state[f"decoder.adaptive_softmax.tail.{i}.2.weight"] = state[
+                f"decoder.embed_tokens.embeddings.{i + 1}.0.weight"
+            ]
             if variant == "tied+proj":
-                state[f"decoder.adaptive_softmax.tail.{i}.0.weight"] = \
-                    state[f"decoder.embed_tokens.embeddings.{i + 1}.1.weight"]
+                state[f"decoder.adaptive_softmax.tail.{i}.0.weight"] = state[
+                    f"decoder.embed_tokens.embeddings.{i + 1}.1.weight"
+                ]
     for k, v in body.state_dict().items():
         if not k.startswith(("embed_tokens", "adaptive_softmax")):
             state["decoder." + k] = v.clone()
@@ -88,8 +92,9 @@ def direct_nll(state: dict, variant: str, h: torch.Tensor, target: torch.Tensor)
     if variant == "softmax_only":
         head_w = s["decoder.adaptive_softmax.head.weight"]
     else:
-        head_w = torch.cat([s["decoder.adaptive_softmax.head.word_proj.weight"],
-                            s["decoder.adaptive_softmax.head.class_proj.weight"]])
+        head_w = torch.cat(
+            [s["decoder.adaptive_softmax.head.word_proj.weight"], s["decoder.adaptive_softmax.head.class_proj.weight"]]
+        )
     total = 0.0
     for hv, t in zip(h.reshape(-1, C).double(), target.reshape(-1).tolist()):
         if t == PAD:
@@ -121,9 +126,12 @@ def test_fairseq_layout_state_dict_loads_and_its_loss_is_the_direct_computation(
         m.layers[0].register_forward_pre_hook(lambda mod, a: features.setdefault("x", a[0]))
     h = m(x)
     if variant != "softmax_only":  # sqrt(C) * adaptive input + sinusoidal positions enter layer 0
-        torch.testing.assert_close(features["x"].double(),
-                                   math.sqrt(C) * direct_embedding(state, x) + m.sinusoidal_positions[:16].double(),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            features["x"].double(),
+            math.sqrt(C) * direct_embedding(state, x) + m.sinusoidal_positions[:16].double(),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD))
     sample = {"net_input": {"src_tokens": x}, "target": target, "ntokens": int((target != PAD).sum())}
     loss, sample_size, log = AdaptiveLoss(task)(m, sample)
@@ -174,8 +182,9 @@ def test_adaptive_loss_needs_an_adaptive_softmax_and_reduce_false_is_per_positio
     m = model()
     per_pos = m.adaptive_softmax.loss(m(x), x, PAD, reduce=False)
     logp = m.get_normalized_probs(m(x))
-    torch.testing.assert_close(per_pos, -logp.reshape(-1, V).gather(1, x.reshape(-1, 1)).squeeze(1),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        per_pos, -logp.reshape(-1, V).gather(1, x.reshape(-1, 1)).squeeze(1), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_tying_errors_are_one_line():
@@ -192,8 +201,10 @@ def test_tying_errors_are_one_line():
 
 
 def test_init_follows_fairseq_and_meta_build_equals_plain_build():
-    for overrides in (*VARIANTS.values(), dict(decoder_input_dim=16, decoder_output_dim=24, layernorm_embedding=True,
-                                               **UNTIED)):
+    for overrides in (
+        *VARIANTS.values(),
+        dict(decoder_input_dim=16, decoder_output_dim=24, layernorm_embedding=True, **UNTIED),
+    ):
         direct = model(seed=9, **overrides)
         with torch.device("meta"):
             deferred = TransformerLanguageModel(cfg(**overrides), V, PAD)
@@ -242,14 +253,15 @@ def test_layers_to_keep_builds_fewer_layers_and_loads_a_full_checkpoint_pruned()
     pruned.load_state_dict(pruned.state_dict())  # its own (already pruned) checkpoint loads as it is
     with pytest.raises(UserError, match="not in the checkpoint"):
         TransformerLanguageModel(cfg(decoder_layers=4, decoder_layers_to_keep="1,7"), V, PAD).load_state_dict(
-            full.state_dict())
+            full.state_dict()
+        )
 
 
 def fairseq_wiki103_count(vocab: int) -> int:
     """transformer_lm_baevski_wiki103 from fairseq's module shapes (tied weights once)."""
     C_, F_, L_ = 1024, 4096, 16
     bands = [(0, 20000), (20000, 60000), (60000, vocab)]
-    adaptive_input = sum((hi - lo) * (C_ // 4 ** i) + (C_ // 4 ** i) * C_ for i, (lo, hi) in enumerate(bands))
+    adaptive_input = sum((hi - lo) * (C_ // 4**i) + (C_ // 4**i) * C_ for i, (lo, hi) in enumerate(bands))
     head_class_proj = 2 * C_  # word_proj and the tails are tied to the adaptive input
     layer = 4 * (C_ * C_ + C_) + (C_ * F_ + F_) + (F_ * C_ + C_) + 2 * 2 * C_  # q,k,v,out; fc1, fc2; 2 LNs
     return adaptive_input + head_class_proj + L_ * layer  # no final norm, sinusoidal positions
@@ -257,8 +269,12 @@ def fairseq_wiki103_count(vocab: int) -> int:
 
 def test_wiki103_and_gbw_archs_have_fairseqs_values_and_counts(capsys):
     c = model_config("transformer_lm_wiki103")
-    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == \
-        (16, 1024, 4096, 8)
+    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == (
+        16,
+        1024,
+        4096,
+        8,
+    )
     assert (c.dropout, c.attention_dropout, c.activation_dropout, c.adaptive_softmax_dropout) == (0.3, 0.1, 0.1, 0.2)
     assert c.adaptive_input and c.tie_adaptive_weights and c.tie_adaptive_proj and c.no_decoder_final_norm
     assert c.adaptive_input_cutoff == c.adaptive_softmax_cutoff == "20000,60000"
@@ -268,8 +284,12 @@ def test_wiki103_and_gbw_archs_have_fairseqs_values_and_counts(capsys):
     assert toolkit_models.count_parameters("transformer_lm_wiki103", vocab_size=267744) == n
     assert "transformer_lm_wiki103 at V=267,744" in capsys.readouterr().out
     g = model_config("transformer_lm_gbw")
-    assert (g.decoder_layers, g.decoder_embed_dim, g.decoder_ffn_embed_dim, g.decoder_attention_heads) == \
-        (12, 512, 4096, 16)
+    assert (g.decoder_layers, g.decoder_embed_dim, g.decoder_ffn_embed_dim, g.decoder_attention_heads) == (
+        12,
+        512,
+        4096,
+        16,
+    )
     assert (g.dropout, g.attention_dropout, g.no_decoder_final_norm) == (0.1, 0.1, True)
     assert model_config("transformer_lm_baevski_gbw") == g
     V_gbw = 793471
@@ -287,8 +307,14 @@ def test_flops_count_the_head_for_every_token_and_tails_by_their_share():
     head = (20000 + 2) * 1024
     tails = shares[1] * (1024 * 256 + 256 * 40000) + shares[2] * (1024 * 64 + 64 * 207744)
     assert m.num_matmul_parameters() == round(body + adaptive_input + head + tails)
-    full = build_on_meta("transformer_lm_wiki103", vocab_size=267744, tokens_per_sample=3072,
-                         adaptive_softmax_cutoff=None, tie_adaptive_weights=False, tie_adaptive_proj=False)
+    full = build_on_meta(
+        "transformer_lm_wiki103",
+        vocab_size=267744,
+        tokens_per_sample=3072,
+        adaptive_softmax_cutoff=None,
+        tie_adaptive_weights=False,
+        tie_adaptive_proj=False,
+    )
     assert m.flops_per_token(3072) < 0.6 * full.flops_per_token(3072)  # what the adaptive softmax saves
 
 
@@ -320,8 +346,12 @@ def write_fairseq_adaptive_checkpoint(variant: str, path) -> dict:
             state[key.replace("qkv_proj", f"{part}_proj")] = value
     options = {k: v for k, v in dataclasses.asdict(cfg(**VARIANTS[variant])).items() if v is not None}
     options.update(_name="transformer_lm", adaptive_softmax_cutoff="10,20", tokens_per_sample=16)
-    checkpoint = {"args": None, "model": state, "optimizer_history": [{"num_updates": 7}],
-                  "cfg": {"model": options, "task": {"_name": "language_modeling", "tokens_per_sample": 16}}}
+    checkpoint = {
+        "args": None,
+        "model": state,
+        "optimizer_history": [{"num_updates": 7}],
+        "cfg": {"model": options, "task": {"_name": "language_modeling", "tokens_per_sample": 16}},
+    }
     torch.save(checkpoint, path)
     return state
 
@@ -344,8 +374,9 @@ def test_eval_lm_on_a_fairseq_adaptive_checkpoint_is_the_hub_score_and_the_direc
     state = write_fairseq_adaptive_checkpoint(variant, tmp_path / "fairseq_adaptive.pt")
     words = "w4 w12 w30 w36 w5 w21 w11 w9 w33 w19 w6"  # every band, one block with its </s> (12 < 16 tokens)
     data = write_adaptive_data_bin(tmp_path / "bin", [words], split="test")
-    result = main(EvalLMConfig(data=str(data), path=str(tmp_path / "fairseq_adaptive.pt"), cpu=True,
-                               no_progress_bar=True))
+    result = main(
+        EvalLMConfig(data=str(data), path=str(tmp_path / "fairseq_adaptive.pt"), cpu=True, no_progress_bar=True)
+    )
     loaded, task, _ = inference.load_model(str(tmp_path / "fairseq_adaptive.pt"), str(data))
     stream = task.dictionary.encode_line(words).long()  # the words and </s>
     hub = inference.score_stream([loaded], stream, task.dictionary.eos(), tokens_per_sample=16)
@@ -357,9 +388,16 @@ def test_eval_lm_on_a_fairseq_adaptive_checkpoint_is_the_hub_score_and_the_direc
     assert -float(hub.double().sum()) == pytest.approx(direct, rel=1e-5)
 
 
-WIKI103_TINY = dict(decoder_layers=2, decoder_embed_dim=C, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
-                    adaptive_input_cutoff="10,20", adaptive_softmax_cutoff="10,20", adaptive_input_factor=2.0,
-                    adaptive_softmax_factor=2.0)
+WIKI103_TINY = dict(
+    decoder_layers=2,
+    decoder_embed_dim=C,
+    decoder_ffn_embed_dim=64,
+    decoder_attention_heads=4,
+    adaptive_input_cutoff="10,20",
+    adaptive_softmax_cutoff="10,20",
+    adaptive_input_factor=2.0,
+    adaptive_softmax_factor=2.0,
+)
 
 
 def write_wiki103_checkpoint(folder, data) -> TransformerLanguageModel:
@@ -373,9 +411,16 @@ def write_wiki103_checkpoint(folder, data) -> TransformerLanguageModel:
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=g))
-    cfg = {"task": "language_modeling", "arch": arch, "data": str(data), "tokens_per_sample": 16,
-           "sample_break_mode": "none", "add_bos_token": False, "seed": 1,
-           **options.architecture_defaults(arch, WIKI103_TINY)}
+    cfg = {
+        "task": "language_modeling",
+        "arch": arch,
+        "data": str(data),
+        "tokens_per_sample": 16,
+        "sample_break_mode": "none",
+        "add_bos_token": False,
+        "seed": 1,
+        **options.architecture_defaults(arch, WIKI103_TINY),
+    }
     folder.mkdir()
     torch.save({"cfg": cfg, "model": m.state_dict()}, folder / "checkpoint_best.pt")
     return m.eval()
@@ -391,8 +436,9 @@ def test_eval_lm_on_a_wiki103_checkpoint_is_the_hub_score_and_the_float64_comput
     words = "w4 w12 w30 w36 w5 w21 w11 w9 w33 w19 w6"  # every band, one block with its </s> (12 < 16 tokens)
     data = write_adaptive_data_bin(tmp_path / "bin", [words], split="test")
     m = write_wiki103_checkpoint(tmp_path / "run", data)
-    result = main(EvalLMConfig(data=str(data), path=str(tmp_path / "run" / "checkpoint_best.pt"), cpu=True,
-                               no_progress_bar=True))
+    result = main(
+        EvalLMConfig(data=str(data), path=str(tmp_path / "run" / "checkpoint_best.pt"), cpu=True, no_progress_bar=True)
+    )
     hub = from_pretrained(str(tmp_path / "run"), "checkpoint_best.pt", str(data))
     scored = hub.score(words)
     stream = scored["tokens"]

@@ -6,6 +6,7 @@ scaler sees the first K gradient norms as inf, lowers the scale each time, and r
 does on a real overflow. The reference is direct: K retries end in the update one clean step
 at the lowered scale gives; more than N overflows skip the batch, leaving the weights as they were.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ def build(data_bin, tmp_path, retries, amp=True):
     from toolkit.train.train_loop import build_trainer, train_iterator
 
     cfg = parse_train_config([data_bin] + H.model_args(str(tmp_path)) + ["--max-update", "1"])
-    common = dataclasses.replace(cfg.common, fp16=True, amp=amp, amp_batch_retries=retries,
-                                 fp16_init_scale=INIT_SCALE)  # --amp's path on a GPU, forced on CPU
+    common = dataclasses.replace(
+        cfg.common, fp16=True, amp=amp, amp_batch_retries=retries, fp16_init_scale=INIT_SCALE
+    )  # --amp's path on a GPU, forced on CPU
     cfg = dataclasses.replace(cfg, common=common)
     trainer = build_trainer(cfg, DistributedEnv(), [cfg.dataset.train_subset])
     batch = next(iter(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)))
@@ -68,10 +70,10 @@ def test_retries_train_the_batch_at_the_lowered_scale(data_bin, tmp_path, overfl
     forwards = inject_overflows(trainer, overflows)
     assert trainer.train_step(samples) is not None
     assert trainer.num_updates == 1
-    assert forwards == [INIT_SCALE / 2 ** i for i in range(overflows + 1)]  # each retry at the halved scale
+    assert forwards == [INIT_SCALE / 2**i for i in range(overflows + 1)]  # each retry at the halved scale
     reference, _ = build(data_bin, tmp_path, retries=0)
     reference.model.load_state_dict(start)
-    reference.scaler.loss_scale = INIT_SCALE / 2 ** overflows
+    reference.scaler.loss_scale = INIT_SCALE / 2**overflows
     assert reference.train_step(samples) is not None
     for k, v in weights(reference).items():
         torch.testing.assert_close(weights(trainer)[k], v, rtol=0, atol=0)

@@ -4,6 +4,7 @@ The reference is the formula the model used before: ``qkv.view(B, T, 3, H, D).pe
 .unbind(0)``, computed here on the same weights. Output and every gradient must agree to fp32
 rounding, with and without a KV cache, so checkpoints and decoding are unchanged.
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,7 @@ def test_split_layout_with_kv_cache_matches_full_prefix():
         expected = reference_attention(attn, x)
         cache = KVCache()
         first = attn(x[:, :4], cache)
-        steps = [attn(x[:, t:t + 1], cache) for t in range(4, 9)]
+        steps = [attn(x[:, t : t + 1], cache) for t in range(4, 9)]
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), expected, rtol=1e-5, atol=1e-6)
 
 

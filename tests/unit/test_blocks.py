@@ -1,4 +1,5 @@
 """toolkit.models.blocks: each option of the shared modules against a direct computation."""
+
 import math
 
 import pytest
@@ -34,7 +35,11 @@ def reference_attention(q, k, v, visible, scale=None, softcap=None):
 
 def qkv(B=2, H=4, G=2, T=9, D=8, seed=0):
     g = gen(seed)
-    return torch.randn(B, H, T, D, generator=g), torch.randn(B, G, T, D, generator=g), torch.randn(B, G, T, D, generator=g)
+    return (
+        torch.randn(B, H, T, D, generator=g),
+        torch.randn(B, G, T, D, generator=g),
+        torch.randn(B, G, T, D, generator=g),
+    )
 
 
 def test_rmsnorm_and_its_unit_offset_variant_match_the_formula():
@@ -60,7 +65,7 @@ def test_rotary_tables_and_rotation_match_the_complex_formula():
     cos, sin = rope_tables(inv_freq, T)
     x = torch.randn(1, 2, T, D, generator=gen())
     # each pair (x_i, x_{i+D/2}) is a complex number rotated by position * theta^(-2i/D)
-    z = torch.complex(x[..., :D // 2].double(), x[..., D // 2:].double())
+    z = torch.complex(x[..., : D // 2].double(), x[..., D // 2 :].double())
     angle = torch.arange(T).double()[:, None] * theta ** (-torch.arange(0, D, 2).double() / D)
     rotated = z * torch.polar(torch.ones_like(angle), angle)
     assert torch.allclose(apply_rope(x, cos, sin).double(), torch.cat([rotated.real, rotated.imag], -1), atol=1e-5)
@@ -83,8 +88,9 @@ def test_grouped_query_attention_equals_repeated_heads():
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True)
     assert torch.allclose(attend(q, k, v), want, atol=1e-6)
     q1, k1, v1 = qkv(H=4, G=1)  # multi-query
-    assert torch.allclose(attend(q1, k1, v1), reference_attention(q1, k1, v1, lambda b, t, s: s <= t).float(),
-                          atol=1e-5)
+    assert torch.allclose(
+        attend(q1, k1, v1), reference_attention(q1, k1, v1, lambda b, t, s: s <= t).float(), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("window", [1, 3, 20])
@@ -157,15 +163,18 @@ def test_kv_cache_decoding_equals_the_full_forward(options):
     full = attn(x, cos, sin)
     cache = KVCache()
     pieces = [attn(x[:, :6], cos[:6], sin[:6], cache)]
-    pieces += [attn(x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], cache) for t in range(6, 11)]
+    pieces += [attn(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], cache) for t in range(6, 11)]
     assert torch.allclose(torch.cat(pieces, 1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,formula", [
-    ("swiglu", lambda m, x: m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))),
-    ("geglu", lambda m, x: m.down_proj(F.gelu(m.gate_proj(x), approximate="tanh") * m.up_proj(x))),
-    ("gelu", lambda m, x: m.down_proj(F.gelu(m.up_proj(x)))),
-])
+@pytest.mark.parametrize(
+    "kind,formula",
+    [
+        ("swiglu", lambda m, x: m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))),
+        ("geglu", lambda m, x: m.down_proj(F.gelu(m.gate_proj(x), approximate="tanh") * m.up_proj(x))),
+        ("gelu", lambda m, x: m.down_proj(F.gelu(m.up_proj(x)))),
+    ],
+)
 def test_feed_forwards_match_their_formulas(kind, formula):
     torch.manual_seed(0)
     m = FEED_FORWARDS[kind](16, 40)

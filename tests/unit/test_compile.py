@@ -2,6 +2,7 @@
 
 The eager-vs-compiled training comparisons and checkpoints are in tests/integration/test_compile.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,13 @@ def tiny_meta_model() -> torch.nn.Module:
     from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
     with torch.device("meta"):
-        return TransformerLanguageModel(TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16,
-                                                            decoder_attention_heads=2, max_target_positions=8), 20, 1)
+        return TransformerLanguageModel(
+            TransformerLMConfig(
+                decoder_layers=2, decoder_embed_dim=16, decoder_attention_heads=2, max_target_positions=8
+            ),
+            20,
+            1,
+        )
 
 
 def test_unknown_backend_is_a_user_error(monkeypatch):

@@ -1,5 +1,6 @@
 """The composition table (toolkit/config/composition.py): the resolver refuses exactly its refused pairs, with its
 messages; every refusal names a reason; every tested pair names a test that exists; docs/composition.md is current."""
+
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,20 @@ def resolve(*argv: str):
     from toolkit.train.resolve import parse_train_config
 
     # 4 ranks: every layout in the table fits them (the resolver checks the layout against the world size)
-    return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1",
-                               "--distributed-world-size", "4", *argv])
+    return parse_train_config(
+        [
+            "data",
+            "--arch",
+            "transformer_lm",
+            "--batch-size",
+            "2",
+            "--max-update",
+            "1",
+            "--distributed-world-size",
+            "4",
+            *argv,
+        ]
+    )
 
 
 def both(a: C.Feature, b: C.Feature) -> list:
@@ -74,16 +87,18 @@ def test_each_features_flags_turn_it_on(feature):
     assert feature.on(resolve(*argv))
 
 
-@pytest.mark.parametrize("a,b,entry", [p for p in PAIRS if isinstance(p[2], C.Refused)],
-                         ids=lambda x: getattr(x, "name", ""))
+@pytest.mark.parametrize(
+    "a,b,entry", [p for p in PAIRS if isinstance(p[2], C.Refused)], ids=lambda x: getattr(x, "name", "")
+)
 def test_the_resolver_refuses_each_refused_pair_with_its_reason(a, b, entry):
     with pytest.raises(UserError) as e:
         resolve(*both(a, b))
     assert str(e.value) == entry.message
 
 
-@pytest.mark.parametrize("a,b,entry", [p for p in PAIRS if isinstance(p[2], (C.Tested, C.Runs))],
-                         ids=lambda x: getattr(x, "name", ""))
+@pytest.mark.parametrize(
+    "a,b,entry", [p for p in PAIRS if isinstance(p[2], (C.Tested, C.Runs))], ids=lambda x: getattr(x, "name", "")
+)
 def test_the_resolver_lets_every_other_pair_through(a, b, entry):
     cfg = resolve(*both(a, b))
     assert C.refusal(cfg) is None
@@ -110,12 +125,19 @@ def test_settings_that_are_not_features_refused_with_their_reason():
         assert resolve("--store-ema", "--use-sharded-state", *sharded).ema.store_ema
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--dropout", "0.1"], "--dropout: --arch llama_tiny has no such option (the Llama family has no dropout); "
-                           "drop the flag"),
-    (["--adaptive-input"], "--adaptive-input: --arch llama_tiny has no such option (it is an option of "
-                           "transformer_lm); drop the flag"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--dropout", "0.1"],
+            "--dropout: --arch llama_tiny has no such option (the Llama family has no dropout); drop the flag",
+        ),
+        (
+            ["--adaptive-input"],
+            "--adaptive-input: --arch llama_tiny has no such option (it is an option of transformer_lm); drop the flag",
+        ),
+    ],
+)
 def test_an_option_of_another_family_is_one_line_naming_it(flags, message):
     from toolkit.train.resolve import parse_train_config
 

@@ -1,4 +1,5 @@
 """One typed configuration: parsed once, implied settings resolved (and logged), validated before any worker."""
+
 import dataclasses
 import logging
 
@@ -31,12 +32,14 @@ def test_batch_size_default_follows_long_models():
     assert parse_train_config(["d", "--batch-size", "3"]).dataset.max_tokens is None  # given: nothing implied
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "sgd"], "got --optimizer sgd"),
-    (["--tokens-per-sample", "256", "--max-target-positions", "128"],
-     "--max-target-positions is 128"),
-    (["--update-freq", "0"], "--update-freq must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "sgd"], "got --optimizer sgd"),
+        (["--tokens-per-sample", "256", "--max-target-positions", "128"], "--max-target-positions is 128"),
+        (["--update-freq", "0"], "--update-freq must be >= 1"),
+    ],
+)
 def test_explicit_conflicts_are_errors(argv, message):
     with pytest.raises(UserError, match=message):
         parse_train_config(["d", *argv])

@@ -6,11 +6,18 @@ must equal one process's attention (causal, within documents crossing chunk boun
 grouped-query, soft-capped), and so must the gradients of q, k, v. The collective itself (and its backward)
 is exercised on gloo ranks by tests/integration/test_context_parallel.py.
 """
+
 import pytest
 import torch
 
-from toolkit.distributed.context_parallel import (ContextShard, chunk_layout, gathered_layout, pad_to_chunks,
-                                                  shard_sample, visible_keys)
+from toolkit.distributed.context_parallel import (
+    ContextShard,
+    chunk_layout,
+    gathered_layout,
+    pad_to_chunks,
+    shard_sample,
+    visible_keys,
+)
 from toolkit.models.blocks.attention import Attention, attend, attention_mask
 
 
@@ -49,8 +56,9 @@ class _SimulatedGather(ContextShard):
 
 MASKS = [(False, None, None), (True, None, None), (False, 5, None), (True, 4, None)]
 # soft-capped logits always take the mask inside attend_across_ranks, so their case runs through that door only
-CASES = ([pytest.param(*m, True, id=f"tiles-{m}") for m in MASKS + [(True, None, 30.0)]]
-         + [pytest.param(*m, False, id=f"one_mask-{m}") for m in MASKS])
+CASES = [pytest.param(*m, True, id=f"tiles-{m}") for m in MASKS + [(True, None, 30.0)]] + [
+    pytest.param(*m, False, id=f"one_mask-{m}") for m in MASKS
+]
 
 
 @pytest.mark.parametrize("C", [2, 3])
@@ -88,7 +96,12 @@ def test_tiles_skip_what_the_mask_hides():
     tiles = shard.blocks(None, torch.float32)
     # rank 0 holds chunks 0 and 3; gathered key chunks: 0, 3 (rank 0), 1, 2 (rank 1)
     assert {(b.query, b.key, b.causal, b.mask is None) for b in tiles} == {
-        (0, 0, True, True), (1, 1, True, True), (1, 0, False, True), (1, 2, False, True), (1, 3, False, True)}
+        (0, 0, True, True),
+        (1, 1, True, True),
+        (1, 0, False, True),
+        (1, 2, False, True),
+        (1, 3, False, True),
+    }
     assert [b.causal for b in tiles[:2]] == [True, True]  # the diagonal first: each row's log-sum-exp is finite
 
 
@@ -109,11 +122,15 @@ def test_attention_module_takes_the_shard_as_its_mask():
 
 
 def test_shard_sample_keeps_positions_global_and_counts_each_token_once():
-    tokens = torch.arange(1, 11).view(1, 10)            # T 10: padded to 12, a multiple of 2C = 4
+    tokens = torch.arange(1, 11).view(1, 10)  # T 10: padded to 12, a multiple of 2C = 4
     target = tokens + 100
-    target[0, -1] = 0                                   # a padded target (pad 0)
-    sample = {"net_input": {"src_tokens": tokens, "document_ids": torch.tensor([[0] * 5 + [1] * 5])},
-              "target": target, "ntokens": 9, "nsentences": 1}
+    target[0, -1] = 0  # a padded target (pad 0)
+    sample = {
+        "net_input": {"src_tokens": tokens, "document_ids": torch.tensor([[0] * 5 + [1] * 5])},
+        "target": target,
+        "ntokens": 9,
+        "nsentences": 1,
+    }
     padded = pad_to_chunks(sample, 2, pad=0)
     assert padded["net_input"]["src_tokens"].tolist() == [list(range(1, 11)) + [0, 0]]
     parts = [shard_sample(sample, 2, r, None, pad=0) for r in range(2)]
@@ -140,14 +157,25 @@ def test_planner_divides_activations_per_cp_rank(tmp_path):
     from toolkit.train.resolve import parse_train_config
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
-    cfg = parse_train_config([data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2",
-                              "--context-parallel-size", "2", "--ddp-backend", "fully_sharded"])
+    cfg = parse_train_config(
+        [
+            data,
+            *llama_args(tmp_path / "ck"),
+            "--distributed-world-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--ddp-backend",
+            "fully_sharded",
+        ]
+    )
     stats, cp2 = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
     assert cp2.cp == 2
     for checkpoint in (False, True):
         split = activation_bytes(stats, dataclasses.replace(cp2, checkpoint=checkpoint))
         whole = activation_bytes(stats, dataclasses.replace(cp2, cp=1, checkpoint=checkpoint))
         assert [2 * s for s in split] == pytest.approx(whole, abs=2)
+
         # the update's peak moments (start of backward, first block's backward) hold half the activations too
         def at(setup):
             both = moments(stats, setup)
@@ -186,8 +214,16 @@ def test_planner_counts_the_gathered_keys_values_and_the_mask_per_cp_rank(tmp_pa
     from toolkit.train.resolve import parse_train_config
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
-    flags = [data, *llama_args(tmp_path / "ck"), "--distributed-world-size", "2", "--context-parallel-size", "2",
-             "--ddp-backend", "fully_sharded"]
+    flags = [
+        data,
+        *llama_args(tmp_path / "ck"),
+        "--distributed-world-size",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    ]
     cfg = parse_train_config(flags)
     stats, setup = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
     assert stats.kv_width == 2 * 2 * 2 * 16
@@ -212,11 +248,19 @@ def test_a_131072_token_sample_goes_through_the_task_and_the_cp_split(tmp_path):
 
     T, C = 131072, 8
     rng = np.random.default_rng(0)
-    make_data_bin(tmp_path / "bin", {"train": [" ".join(f"w{i}" for i in rng.integers(0, 50, n))
-                                               for n in rng.integers(100, 3000, 110)]})
-    task = LanguageModelingTask.setup_task(LanguageModelingConfig(
-        data=str(tmp_path / "bin"), tokens_per_sample=T, sample_break_mode="none", document_attention_mask=True,
-        reset_position_ids=True))
+    make_data_bin(
+        tmp_path / "bin",
+        {"train": [" ".join(f"w{i}" for i in rng.integers(0, 50, n)) for n in rng.integers(100, 3000, 110)]},
+    )
+    task = LanguageModelingTask.setup_task(
+        LanguageModelingConfig(
+            data=str(tmp_path / "bin"),
+            tokens_per_sample=T,
+            sample_break_mode="none",
+            document_attention_mask=True,
+            reset_position_ids=True,
+        )
+    )
     dataset = task.load_dataset("train")
     assert dataset.sizes[0] == T
     sample = dataset.collater([dataset[0]])

@@ -1,5 +1,6 @@
 """fp32 CPU products through oneDNN (toolkit.core.cpu_gemm): the same numbers as torch's to fp32 rounding, every
 operand that is not a plain fp32 CPU tensor left to torch, and the choice measured once per machine."""
+
 import json
 
 import pytest

@@ -30,10 +30,13 @@ def make_criterion(sentence_avg=False):
 
 def make_sample(target):
     target = torch.tensor(target)
-    return {"id": torch.arange(target.size(0)), "nsentences": target.size(0),
-            "ntokens": int(target.ne(PAD).sum()),
-            "net_input": {"src_tokens": target.clone(), "src_lengths": target.ne(PAD).sum(1)},
-            "target": target}
+    return {
+        "id": torch.arange(target.size(0)),
+        "nsentences": target.size(0),
+        "ntokens": int(target.ne(PAD).sum()),
+        "net_input": {"src_tokens": target.clone(), "src_lengths": target.ne(PAD).sum(1)},
+        "target": target,
+    }
 
 
 def hand_nll(logits, target):
@@ -109,22 +112,27 @@ def test_dummy_batch_has_zero_weight_but_runs_backward():
 def isolated_metrics():
     """Values logged by reduce_metrics go to a private aggregator, not the session's "default"."""
     from toolkit.logging import metrics
+
     with metrics.aggregate(new_root=True) as agg:
         yield agg
 
 
 def test_reduce_metrics_reports_base2_loss_and_ppl(isolated_metrics):
     ln2 = math.log(2)
-    logs = [{"loss": torch.tensor(10.0), "ntokens": 4, "nsentences": 2, "sample_size": 4},
-            {"loss": torch.tensor(6.0), "ntokens": 4, "nsentences": 1, "sample_size": 4},
-            {"loss": torch.tensor(0.0), "ntokens": 0, "nsentences": 0, "sample_size": 0}]  # a dummy
+    logs = [
+        {"loss": torch.tensor(10.0), "ntokens": 4, "nsentences": 2, "sample_size": 4},
+        {"loss": torch.tensor(6.0), "ntokens": 4, "nsentences": 1, "sample_size": 4},
+        {"loss": torch.tensor(0.0), "ntokens": 0, "nsentences": 0, "sample_size": 0},
+    ]  # a dummy
     out = CrossEntropyCriterion.reduce_metrics(logs)
     assert out["loss"] == pytest.approx(16.0 / 8 / ln2)
     assert out["ppl"] == pytest.approx(2 ** (16.0 / 8 / ln2))
     assert (out["ntokens"], out["nsentences"], out["sample_size"]) == (8, 3, 8)
     assert "nll_loss" not in out
     logged = isolated_metrics.get_smoothed_values()
-    assert logged["loss"] == pytest.approx(round(16.0 / 8 / ln2, 3)) and logged["ppl"] == pytest.approx(out["ppl"], abs=0.01)
+    assert logged["loss"] == pytest.approx(round(16.0 / 8 / ln2, 3)) and logged["ppl"] == pytest.approx(
+        out["ppl"], abs=0.01
+    )
     # plain floats work as well; with --sentence-avg the per-token nll_loss drives ppl
     out = CrossEntropyCriterion.reduce_metrics([{"loss": 12.0, "ntokens": 6, "nsentences": 2, "sample_size": 2}])
     assert out["loss"] == pytest.approx(12.0 / 2 / ln2) and out["nll_loss"] == pytest.approx(12.0 / 6 / ln2)

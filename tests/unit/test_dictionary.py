@@ -1,4 +1,5 @@
 """dict.txt: fairseq's format ("token count" per line, specials implicit, padded size) and its errors."""
+
 import os
 from collections import Counter
 
@@ -75,12 +76,15 @@ def test_encode_line_appends_eos():
     assert d.string(ids) == "hello <unk> world"
 
 
-@pytest.mark.parametrize("content,line", [
-    ("a 1\nb\n", 2),
-    ("a 1\nb 2\nc x\n", 3),
-    ("a 1\na 2\n", 2),
-    (" 5\n", 1),
-])
+@pytest.mark.parametrize(
+    "content,line",
+    [
+        ("a 1\nb\n", 2),
+        ("a 1\nb 2\nc x\n", 3),
+        ("a 1\na 2\n", 2),
+        (" 5\n", 1),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, content, line):
     path = tmp_path / "dict.txt"
     path.write_text(content, encoding="utf-8")

@@ -1,4 +1,5 @@
 """A checkpoint refuses a data-bin whose dict.txt has the same size but other symbols or order."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,7 @@ def test_hash_is_the_symbols_in_order():
     d = Dictionary()
     for sym in ("b", "a"):
         d.add_symbol(sym)
-    assert d.symbols_hash() == hashlib.sha256("<s>\n<pad>\n</s>\n<unk>\nb\na".encode()).hexdigest()[:16]
+    assert d.symbols_hash() == hashlib.sha256(b"<s>\n<pad>\n</s>\n<unk>\nb\na").hexdigest()[:16]
     e = Dictionary()
     for sym in ("a", "b"):
         e.add_symbol(sym)

@@ -3,6 +3,7 @@ the data position moves to another world size, and the backend is nccl on GPUs, 
 
 The multi-process toolkit-train runs are in tests/integration/test_distributed.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,10 +45,14 @@ def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tm
 
     full = {k: torch.randn_like(v) for k, v in trainer.model.state_dict().items()}
     for i in range(2):  # fairseq names (decoder.*), every shard holding the whole model
-        torch.save({"model": {"decoder." + k: v for k, v in full.items()},
-                    "optimizer_history": [{"num_updates": 7}],
-                    "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True}}},
-                   tmp_path / f"checkpoint_last-shard{i}.pt")
+        torch.save(
+            {
+                "model": {"decoder." + k: v for k, v in full.items()},
+                "optimizer_history": [{"num_updates": 7}],
+                "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True}},
+            },
+            tmp_path / f"checkpoint_last-shard{i}.pt",
+        )
     itr = load_latest(cfg)
     assert trainer.num_updates == 7 and itr["iterations_in_epoch"] == 3
     for k, v in trainer.model.state_dict().items():
@@ -58,14 +63,17 @@ def test_fairseq_shard_set_loaded_when_it_holds_the_full_model(small_trainer, tm
         d.mkdir()
         for i, state in files.items():
             torch.save(state, d / f"ckpt-shard{i}.pt")
-        restored = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                            restore_file=str(d / "ckpt.pt")))
+        restored = dataclasses.replace(
+            cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restore_file=str(d / "ckpt.pt"))
+        )
         with pytest.raises(UserError, match=match) as e:
             load_latest(restored)
         assert "\n" not in str(e.value)
 
-    flat = {"model": {"decoder.layers.0._fsdp_wrapped_module.flat_param_0": torch.zeros(10)},
-            "shard_metadata": {"param_metadata": []}}
+    flat = {
+        "model": {"decoder.layers.0._fsdp_wrapped_module.flat_param_0": torch.zeros(10)},
+        "shard_metadata": {"param_metadata": []},
+    }
     refused({0: flat, 1: flat}, "FSDP flat-parameter shards")
     refused({0: {"args": argparse.Namespace(arch="x"), "model": full}}, "unsafe to load")
     refused({0: {"model": {"decoder.embed_tokens.weight": full["embed_tokens.weight"]}}}, "names do not match")

@@ -1,4 +1,5 @@
 """--document-attention-mask / --reset-position-ids: a document inside a packed block scores as it does alone."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,26 +18,37 @@ VOCAB, PAD, EOS = 40, 1, 2
 
 def transformer(kind, dim=32):
     positions = {"learned": dict(decoder_learned_pos=True), "sinusoidal": {}}[kind]
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=dim, decoder_ffn_embed_dim=64,
-                              decoder_attention_heads=4, max_target_positions=64, dropout=0.0,
-                              decoder_normalize_before=True, **positions)
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=4,
+        max_target_positions=64,
+        dropout=0.0,
+        decoder_normalize_before=True,
+        **positions,
+    )
     return TransformerLanguageModel(cfg, VOCAB, PAD, seed=3).eval()
 
 
 def llama(arch, **overrides):
-    return LlamaLanguageModel(model_config(arch, max_target_positions=64, **overrides), VOCAB, padding_idx=PAD,
-                              seed=3).eval()
+    return LlamaLanguageModel(
+        model_config(arch, max_target_positions=64, **overrides), VOCAB, padding_idx=PAD, seed=3
+    ).eval()
 
 
-MODELS = {"transformer_lm-learned": lambda: transformer("learned"),
-          "transformer_lm-sinusoidal": lambda: transformer("sinusoidal"),
-          # heads of 16: on CUDA the compiled flex_attention kernel (narrower heads use the dense mask)
-          "transformer_lm-heads-of-16": lambda: transformer("learned", dim=64),
-          "llama": lambda: llama("llama_tiny"), "llama-gqa": lambda: llama("llama_tiny_gqa"),
-          # a local layer (window 6) then a global one; OLMo 2's norms after the sublayers
-          "llama-local-global": lambda: llama("llama_tiny", sliding_window=6,
-                                              layer_types="sliding_attention,full_attention"),
-          "olmo2": lambda: llama("olmo2_tiny"), "gemma3": lambda: llama("gemma3_tiny")}
+MODELS = {
+    "transformer_lm-learned": lambda: transformer("learned"),
+    "transformer_lm-sinusoidal": lambda: transformer("sinusoidal"),
+    # heads of 16: on CUDA the compiled flex_attention kernel (narrower heads use the dense mask)
+    "transformer_lm-heads-of-16": lambda: transformer("learned", dim=64),
+    "llama": lambda: llama("llama_tiny"),
+    "llama-gqa": lambda: llama("llama_tiny_gqa"),
+    # a local layer (window 6) then a global one; OLMo 2's norms after the sublayers
+    "llama-local-global": lambda: llama("llama_tiny", sliding_window=6, layer_types="sliding_attention,full_attention"),
+    "olmo2": lambda: llama("olmo2_tiny"),
+    "gemma3": lambda: llama("gemma3_tiny"),
+}
 
 
 def documents(seed=0):
@@ -64,9 +76,12 @@ def test_each_document_in_a_packed_block_equals_it_alone(name, device="cpu", tol
     plain = token_losses(model, src, tgt)[0]
     start = 0
     for doc in docs:
-        alone = token_losses(model, torch.as_tensor(np.concatenate([[EOS], doc[:-1]]), device=device)[None],
-                             torch.as_tensor(doc, device=device)[None])[0]
-        inside = packed[start:start + len(doc)]
+        alone = token_losses(
+            model,
+            torch.as_tensor(np.concatenate([[EOS], doc[:-1]]), device=device)[None],
+            torch.as_tensor(doc, device=device)[None],
+        )[0]
+        inside = packed[start : start + len(doc)]
         assert torch.allclose(inside, alone, atol=tol, rtol=0), (name, start, inside - alone)
         start += len(doc)
     assert not torch.allclose(plain, packed, atol=1e-3), "without the mask, later documents see earlier ones"
@@ -117,8 +132,9 @@ def test_heads_narrower_than_flex_allows_attend_with_the_dense_mask():
     ids, _ = document_layout(torch.tensor([[EOS, 4, 5, EOS, 6, 7, 8, EOS, 9, 4, 4, 5, EOS, 6, 6, 6]]), EOS)
     dense = make_attention_mask(ids)
     block = document_block_mask(ids)
-    q, k, v = (torch.randn(1, 2, 16, FLEX_MIN_HEAD_DIM // 2, generator=torch.Generator().manual_seed(i))
-               for i in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 16, FLEX_MIN_HEAD_DIM // 2, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
     assert torch.equal(_dense_mask(block, q), dense)
     assert torch.allclose(attend(q, k, v, block), attend(q, k, v, dense), atol=1e-6)
 

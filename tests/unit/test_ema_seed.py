@@ -5,6 +5,7 @@ EMA model with ``strict=True``. The fairseq-layout checks use files built from f
 key names and fairseq's forward pass as the reference; the toolkit check follows fairseq's EMA formula
 from the seed through one real update.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,14 @@ import logging
 import pytest
 import torch
 
-from tests.helpers.fairseq_layout import (fairseq_010_checkpoint, fairseq_main_checkpoint, model_options,
-                                  random_fairseq_model, reference_logits, task_options)
+from tests.helpers.fairseq_layout import (
+    fairseq_010_checkpoint,
+    fairseq_main_checkpoint,
+    model_options,
+    random_fairseq_model,
+    reference_logits,
+    task_options,
+)
 from tests.helpers.lm_fixtures import make_data_bin
 from toolkit import inference
 from toolkit.config import EMAConfig
@@ -74,5 +81,7 @@ def test_flag_checks(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="toolkit.resolve"):
         cfg = parse_train_config(["d", "--max-update", "1", "--ema-seed-model", "x.pt"])
     assert cfg.ema.ema_seed_model == "x.pt"
-    assert sum("--ema-seed-model x.pt: accepted, no effect without --store-ema" in r.getMessage()
-               for r in caplog.records) == 1
+    assert (
+        sum("--ema-seed-model x.pt: accepted, no effect without --store-ema" in r.getMessage() for r in caplog.records)
+        == 1
+    )

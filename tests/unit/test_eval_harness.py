@@ -3,6 +3,7 @@ toolkit's lm-eval model on an imported Hugging Face Llama equals lm-eval's own H
 
 Trained checkpoints (sharded, exported, generate_until) are in tests/integration/test_eval_harness.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,11 +61,16 @@ def _hf_greedy(hf, context: str, n: int) -> list:
     """transformers' greedy ids after ``context`` (HFLM's encoding and truncation)."""
     import torch
 
-    ids = torch.tensor([hf.tok_encode(context)[-(hf.max_length - n):]])
+    ids = torch.tensor([hf.tok_encode(context)[-(hf.max_length - n) :]])
     with torch.no_grad():
-        out = hf.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                pad_token_id=hf.tokenizer.eos_token_id)
-    return out[0, ids.size(1):].tolist()
+        out = hf.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=hf.tokenizer.eos_token_id,
+        )
+    return out[0, ids.size(1) :].tolist()
 
 
 def test_imported_hf_llama_equals_hf_backend_on_the_original(tmp_path):
@@ -92,7 +98,7 @@ def test_rolling_windows_score_every_token_once_within_the_model(context_window)
     full = [prefix] + tokens
     for context, continuation in windows:
         start = tokens.index(continuation[0]) + 1  # its index in ``full``
-        assert context == full[start - len(context):start] and len(context + continuation) - 1 <= max_length
+        assert context == full[start - len(context) : start] and len(context + continuation) - 1 <= max_length
     assert all(len(cont) == max_length - context_window for _, cont in windows[1:-1])
 
 
@@ -106,6 +112,9 @@ def test_broken_yaml_in_include_path_names_the_file_and_line(tmp_path):
     harness_main.check_task_yaml(str(tasks))  # lm-eval's own tags (!function) are fine
     (tasks / "nested").mkdir()
     (tasks / "nested" / "broken.yaml").write_text("task: broken\ndataset_path: json\n  bad: [1, 2\n")
-    with pytest.raises(UserError, match=r"--include-path .*nested/broken\.yaml: line 3, column 6: invalid YAML "
-                                        r"\(mapping values are not allowed here\)"):
+    with pytest.raises(
+        UserError,
+        match=r"--include-path .*nested/broken\.yaml: line 3, column 6: invalid YAML "
+        r"\(mapping values are not allowed here\)",
+    ):
         harness_main.task_manager(["broken"], str(tasks))

@@ -1,5 +1,6 @@
 """The arithmetic under ToolkitLM, without lm-eval: left truncation, batching and shared inputs change
 no log-likelihood; generation stops where ``stop`` says."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,19 @@ def lm():
     d = Dictionary()
     for i in range(40):
         d.add_symbol(f"w{i}")
-    values = options.architecture_defaults("transformer_lm", {
-        "decoder_layers": 2, "decoder_embed_dim": 32, "decoder_ffn_embed_dim": 64, "decoder_attention_heads": 4,
-        "decoder_input_dim": 32, "decoder_output_dim": 32, "dropout": 0.0, "max_target_positions": POSITIONS})
+    values = options.architecture_defaults(
+        "transformer_lm",
+        {
+            "decoder_layers": 2,
+            "decoder_embed_dim": 32,
+            "decoder_ffn_embed_dim": 64,
+            "decoder_attention_heads": 4,
+            "decoder_input_dim": 32,
+            "decoder_output_dim": 32,
+            "dropout": 0.0,
+            "max_target_positions": POSITIONS,
+        },
+    )
     model = TransformerLanguageModel(options.config_from_args(TransformerLMConfig, values), len(d), d.pad(), seed=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -32,11 +43,11 @@ def lm():
 
 def one_by_one(model, context, continuation):
     """The definition: the last POSITIONS tokens of context + continuation minus the last, scored alone."""
-    tokens = (list(context) + list(continuation))[-(POSITIONS + 1):]
+    tokens = (list(context) + list(continuation))[-(POSITIONS + 1) :]
     with torch.no_grad():
         logp = model.get_normalized_probs(model(torch.tensor([tokens[:-1]])))[0]
     cont = torch.tensor(continuation)
-    rows = logp[-len(cont):]
+    rows = logp[-len(cont) :]
     return float(rows.gather(1, cont[:, None]).sum()), bool((rows.argmax(-1) == cont).all())
 
 
@@ -67,7 +78,7 @@ def test_generation_stops_where_stop_says(lm):
     cfg = GenerationConfig(beam=1, min_len=0, max_len_b=POSITIONS, max_new_tokens=8)
     prompts = [torch.tensor([5, 6]), torch.tensor([7, 8, 9])]
     free = SequenceGenerator([model], d, cfg).generate(prompts)
-    cut = [h[0]["tokens"][len(p):len(p) + 2] for h, p in zip(free, prompts)]  # stop after 2 new tokens
+    cut = [h[0]["tokens"][len(p) : len(p) + 2] for h, p in zip(free, prompts)]  # stop after 2 new tokens
     seen = []
 
     def stop(i, tokens):

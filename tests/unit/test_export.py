@@ -1,4 +1,5 @@
 """toolkit-export round trips: safetensors -> hub, ONNX -> onnxruntime, HF both ways (tiny models)."""
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,12 @@ def torch_greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
 
 CACHE_CASES = [
     {},  # transformer_lm: sinusoidal, pre-norm, final LayerNorm, untied
-    {"decoder_learned_pos": True, "decoder_normalize_before": False, "share_decoder_input_output_embed": True,
-     "activation_fn": "gelu"},
+    {
+        "decoder_learned_pos": True,
+        "decoder_normalize_before": False,
+        "share_decoder_input_output_embed": True,
+        "activation_fn": "gelu",
+    },
 ]
 
 
@@ -85,7 +90,7 @@ def test_cached_forward_equals_the_full_forward(tmp_path, overrides):
         out = cached(tokens[:, :5], *empty_cache(model, 2))
         steps = [out[0]]
         for t in range(5, TOKENS_PER_SAMPLE):
-            out = cached(tokens[:, t:t + 1], *out[1:])
+            out = cached(tokens[:, t : t + 1], *out[1:])
             steps.append(out[0])
     assert out[1].shape == (2, 4, TOKENS_PER_SAMPLE, 8)  # [B, H, P, D]
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
@@ -143,8 +148,15 @@ HF_CASES = [  # (class written, model options): each class, tied and untied, eve
     ("opt", {"decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True}),
     ("opt", {"decoder_learned_pos": True, "decoder_normalize_before": False, "activation_fn": "gelu"}),
     ("opt", {"decoder_learned_pos": True, "no_decoder_final_norm": True, "activation_fn": "gelu_accurate"}),
-    ("gpt2", {"decoder_learned_pos": True, "no_scale_embedding": True, "share_decoder_input_output_embed": True,
-              "activation_fn": "gelu"}),
+    (
+        "gpt2",
+        {
+            "decoder_learned_pos": True,
+            "no_scale_embedding": True,
+            "share_decoder_input_output_embed": True,
+            "activation_fn": "gelu",
+        },
+    ),
     ("gpt2", {"decoder_learned_pos": True}),  # untied: the scale √d folds into the input table exactly
 ]
 
@@ -168,8 +180,9 @@ def test_hf_export_logits_match(tmp_path, hf_class, overrides):
     assert config["architectures"] == [CLASS_NAMES[hf_class]]
     assert (config["pad_token_id"], config["eos_token_id"], config["bos_token_id"]) == (1, 2, 2)
     model, _, _ = load_model(path)
-    tokens = torch.randint(4, model.embed_tokens.num_embeddings, (3, TOKENS_PER_SAMPLE),
-                           generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(
+        4, model.embed_tokens.num_embeddings, (3, TOKENS_PER_SAMPLE), generator=torch.Generator().manual_seed(5)
+    )
     with torch.no_grad():
         expected = model(tokens)
     torch.testing.assert_close(hf_logits(out, tokens), expected, atol=1e-4, rtol=0)
@@ -177,21 +190,25 @@ def test_hf_export_logits_match(tmp_path, hf_class, overrides):
 
 def test_hf_auto_class_picks_xglm_for_sinusoidal_and_opt_for_learned(tmp_path):
     pytest.importorskip("transformers")
-    for name, overrides, expected in [("a", {}, "XGLMForCausalLM"),
-                                      ("b", {"decoder_learned_pos": True, "no_scale_embedding": True},
-                                       "OPTForCausalLM")]:
+    for name, overrides, expected in [
+        ("a", {}, "XGLMForCausalLM"),
+        ("b", {"decoder_learned_pos": True, "no_scale_embedding": True}, "OPTForCausalLM"),
+    ]:
         path, _ = make_checkpoint(tmp_path / name, **overrides)
         out = export(path, "hf", tmp_path / name / "hf")
         assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [expected]
 
 
-@pytest.mark.parametrize("arch,overrides,hf_class,option", [
-    ("transformer_lm", {"decoder_normalize_before": False}, "auto", "--no-decoder-normalize-before"),
-    ("transformer_lm", {"no_decoder_final_norm": True}, "auto", "--no-decoder-final-norm"),
-    ("transformer_lm_gpt3_small", {}, "auto", "--share-decoder-input-output-embed"),  # learned + scale + tied
-    ("transformer_lm", {"no_token_positional_embeddings": True}, "auto", "--no-token-positional-embeddings"),
-    ("transformer_lm", {"activation_fn": "swish"}, "gpt2", "sinusoidal positions"),
-])
+@pytest.mark.parametrize(
+    "arch,overrides,hf_class,option",
+    [
+        ("transformer_lm", {"decoder_normalize_before": False}, "auto", "--no-decoder-normalize-before"),
+        ("transformer_lm", {"no_decoder_final_norm": True}, "auto", "--no-decoder-final-norm"),
+        ("transformer_lm_gpt3_small", {}, "auto", "--share-decoder-input-output-embed"),  # learned + scale + tied
+        ("transformer_lm", {"no_token_positional_embeddings": True}, "auto", "--no-token-positional-embeddings"),
+        ("transformer_lm", {"activation_fn": "swish"}, "gpt2", "sinusoidal positions"),
+    ],
+)
 def test_hf_export_refuses_what_no_class_computes(tmp_path, arch, overrides, hf_class, option):
     pytest.importorskip("transformers")
     path, _ = make_checkpoint(tmp_path, arch, **overrides)
@@ -249,19 +266,28 @@ def test_hf_tokenizer_skipped_when_bpe_tokens_are_missing_from_the_dictionary(tm
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "toolkit_export.json"]
 
 
-def save_tiny_gpt2(folder, tied: bool = True, **config_overrides) -> "transformers.GPT2LMHeadModel":
+def save_tiny_gpt2(folder, tied: bool = True, **config_overrides):
     """A randomly initialized GPT2LMHeadModel (LayerNorms randomized too) with a tiny trained BPE."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(LINES, vocab_size=300, min_frequency=1, show_progress=False,
-                            special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(
+        LINES, vocab_size=300, min_frequency=1, show_progress=False, special_tokens=["<|endoftext|>"]
+    )
     vocab_size = tok.get_vocab_size()
     eot = tok.token_to_id("<|endoftext|>")
-    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=TOKENS_PER_SAMPLE, n_embd=32, n_layer=2,
-                                     n_head=4, bos_token_id=eot, eos_token_id=eot, tie_word_embeddings=tied,
-                                     **config_overrides)
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=TOKENS_PER_SAMPLE,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        tie_word_embeddings=tied,
+        **config_overrides,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():
@@ -279,7 +305,14 @@ def test_import_gpt2_logits_match(tmp_path, tied):
 
     hf = save_tiny_gpt2(tmp_path / "gpt2", tied=tied)
     out = run_export(ExportConfig(path=str(tmp_path / "gpt2"), import_from="hf", out=str(tmp_path / "imported")))
-    assert sorted(os.listdir(out)) == ["bpe.json", "dict.txt", "encoder.json", "model.pt", "toolkit_export.json", "vocab.bpe"]
+    assert sorted(os.listdir(out)) == [
+        "bpe.json",
+        "dict.txt",
+        "encoder.json",
+        "model.pt",
+        "toolkit_export.json",
+        "vocab.bpe",
+    ]
     model, task, args = load_model(os.path.join(out, "model.pt"))
     d = Dictionary.load(os.path.join(out, "dict.txt"))
     eot = hf.config.eos_token_id

@@ -1,5 +1,6 @@
 """toolkit-export asks the model family (toolkit/core/protocols.py), never its class: a plugin family that
 provides adapters is imported and exported through them; one that provides none is refused in one line."""
+
 from __future__ import annotations
 
 import json
@@ -42,11 +43,16 @@ class ToyImportLM(PlainLM):
         advance("converted")
         d = Dictionary()
         d.add_symbol("hello")
-        ckpt = {"cfg": {"arch": "toy", "tokens_per_sample": tokens_per_sample or 16}, "model": state,
-                "extra_state": {}}
-        return HFCheckpoint(ckpt, d, "wrote model.pt and dict.txt", "copied notes.txt",
-                            files={"notes.txt": os.path.join(folder, "notes.txt")}, log=("toy imported",),
-                            dictionary_hash=True)
+        ckpt = {"cfg": {"arch": "toy", "tokens_per_sample": tokens_per_sample or 16}, "model": state, "extra_state": {}}
+        return HFCheckpoint(
+            ckpt,
+            d,
+            "wrote model.pt and dict.txt",
+            "copied notes.txt",
+            files={"notes.txt": os.path.join(folder, "notes.txt")},
+            log=("toy imported",),
+            dictionary_hash=True,
+        )
 
 
 def test_the_two_families_declare_their_adapters():
@@ -59,8 +65,11 @@ def test_the_two_families_declare_their_adapters():
 def test_kv_cache_of_a_family_without_a_cached_decoder_is_one_line_naming_those_with_one():
     from toolkit.export.onnx_format import cached_decoder
 
-    with pytest.raises(UserError, match=r"^--kv-cache: decoder_with_past.onnx is written for llama and moe and "
-                                        r"transformer_lm models, not PlainLM; export without --kv-cache \(decoder.onnx\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--kv-cache: decoder_with_past.onnx is written for llama and moe and "
+        r"transformer_lm models, not PlainLM; export without --kv-cache \(decoder.onnx\)$",
+    ):
         cached_decoder(PlainLM())
 
 

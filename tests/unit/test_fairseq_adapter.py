@@ -1,5 +1,6 @@
 """toolkit.compat.fairseq.adapter: callers hand it any checkpoint; a toolkit one passes through untouched,
 a fairseq one comes back under our names (the callers never branch on the format themselves)."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Files are built from fairseq's documented key names (tests/helpers/fairseq_layou
 loaded model's logits are compared with a direct forward over those weights using
 separate q/k/v projections.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,16 @@ import types
 import pytest
 import torch
 
-from tests.helpers.fairseq_layout import (fairseq_010_checkpoint, fairseq_main_checkpoint, fairseq_param_names,
-                                  fairseq_shapes, model_options, random_fairseq_model, reference_logits,
-                                  task_options)
+from tests.helpers.fairseq_layout import (
+    fairseq_010_checkpoint,
+    fairseq_main_checkpoint,
+    fairseq_param_names,
+    fairseq_shapes,
+    model_options,
+    random_fairseq_model,
+    reference_logits,
+    task_options,
+)
 from tests.helpers.lm_fixtures import make_data_bin
 from toolkit import inference
 from toolkit.compat.fairseq import checkpoint as fc
@@ -41,15 +49,17 @@ def check_logits(path, data_dir, sd, learned, tied):
     return model, args
 
 
-@pytest.mark.parametrize("layout,learned,tied", [("0.10", True, False), ("0.10", False, True),
-                                                 ("main", False, False), ("main", True, True)])
+@pytest.mark.parametrize(
+    "layout,learned,tied", [("0.10", True, False), ("0.10", False, True), ("main", False, False), ("main", True, True)]
+)
 def test_fairseq_checkpoint_loads_with_same_logits(tmp_path, data, layout, learned, tied):
     data_dir, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS, learned=learned, tied=tied)
     build = fairseq_010_checkpoint if layout == "0.10" else fairseq_main_checkpoint
     path = str(tmp_path / "checkpoint_last.pt")
-    torch.save(build(sd, model_options(max_pos=MAX_POS, learned=learned, tied=tied),
-                     task_options(data_dir, MAX_POS)), path)
+    torch.save(
+        build(sd, model_options(max_pos=MAX_POS, learned=learned, tied=tied), task_options(data_dir, MAX_POS)), path
+    )
     model, args = check_logits(path, data_dir, sd, learned, tied)
     assert args.tokens_per_sample == MAX_POS and model.max_positions() == MAX_POS
     assert (model.output_projection is None) == tied
@@ -133,8 +143,9 @@ class _Payload:
 def test_forged_payload_is_refused_without_running(tmp_path, data):
     data_dir, vocab = data
     marker = tmp_path / "pwned"
-    state = fairseq_010_checkpoint(random_fairseq_model(V=vocab, max_pos=MAX_POS), model_options(max_pos=MAX_POS),
-                                   task_options(data_dir, MAX_POS))
+    state = fairseq_010_checkpoint(
+        random_fairseq_model(V=vocab, max_pos=MAX_POS), model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS)
+    )
     state["extra_state"]["evil"] = _Payload(marker)
     path = str(tmp_path / "evil.pt")
     torch.save(state, path)
@@ -144,20 +155,25 @@ def test_forged_payload_is_refused_without_running(tmp_path, data):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("option,value,extra_key", [
-    ("adaptive_softmax_cutoff", "20000,60000", None), ("scale_attn", True, "decoder.layers.0.attn_ln.weight")])
+@pytest.mark.parametrize(
+    "option,value,extra_key",
+    [("adaptive_softmax_cutoff", "20000,60000", None), ("scale_attn", True, "decoder.layers.0.attn_ln.weight")],
+)
 def test_unimplemented_fairseq_feature_is_one_line(tmp_path, data, option, value, extra_key):
     data_dir, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
     if extra_key:
         sd[extra_key] = torch.ones(16)
     path = str(tmp_path / "x.pt")
-    torch.save(fairseq_main_checkpoint(sd, {**model_options(max_pos=MAX_POS), option: value},
-                                       task_options(data_dir, MAX_POS)), path)
+    torch.save(
+        fairseq_main_checkpoint(sd, {**model_options(max_pos=MAX_POS), option: value}, task_options(data_dir, MAX_POS)),
+        path,
+    )
     with pytest.raises(UserError) as e:
         inference.load_model(path, data_dir)
-    assert "\n" not in str(e.value) and ("--" + option.replace("_", "-") in str(e.value) or
-                                         (extra_key or "") in str(e.value))
+    assert "\n" not in str(e.value) and (
+        "--" + option.replace("_", "-") in str(e.value) or (extra_key or "") in str(e.value)
+    )
 
 
 def test_old_decoder_version_has_no_final_norm(tmp_path, data):
@@ -173,8 +189,12 @@ def test_old_decoder_version_has_no_final_norm(tmp_path, data):
 def test_hub_reads_fairseq_checkpoint(tmp_path, data):
     data_dir, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS, learned=False, tied=True)
-    torch.save(fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS, learned=False, tied=True),
-                                       task_options(data_dir, MAX_POS)), str(tmp_path / "model.pt"))
+    torch.save(
+        fairseq_main_checkpoint(
+            sd, model_options(max_pos=MAX_POS, learned=False, tied=True), task_options(data_dir, MAX_POS)
+        ),
+        str(tmp_path / "model.pt"),
+    )
     from toolkit.inference.hub_utils import from_pretrained
 
     lm = from_pretrained(str(tmp_path), "model.pt", data_dir, device="cpu")
@@ -187,13 +207,22 @@ def test_hub_reads_fairseq_checkpoint(tmp_path, data):
 
 # ---- optimizer state --------------------------------------------------------------------------
 
+
 def _adam_state(sd, flat: bool, tied: bool):
-    keys = [k for k in sd if not k.endswith(("version", "_float_tensor"))
-            and not (tied and k.endswith("output_projection.weight"))]
+    keys = [
+        k
+        for k in sd
+        if not k.endswith(("version", "_float_tensor")) and not (tied and k.endswith("output_projection.weight"))
+    ]
     moments = {k: (torch.randn(sd[k].shape), torch.rand(sd[k].shape)) for k in keys}
     if flat:  # FP16Optimizer: one flat fp32 vector over fairseq's parameter order
-        state = {0: {"step": 7, "exp_avg": torch.cat([moments[k][0].reshape(-1) for k in keys]),
-                     "exp_avg_sq": torch.cat([moments[k][1].reshape(-1) for k in keys])}}
+        state = {
+            0: {
+                "step": 7,
+                "exp_avg": torch.cat([moments[k][0].reshape(-1) for k in keys]),
+                "exp_avg_sq": torch.cat([moments[k][1].reshape(-1) for k in keys]),
+            }
+        }
     else:
         state = {i: {"step": 7, "exp_avg": moments[k][0], "exp_avg_sq": moments[k][1]} for i, k in enumerate(keys)}
     return {"state": state, "param_groups": [{"lr": [1e-3], "params": list(state)}], "loss_scale": 128.0}, moments
@@ -223,31 +252,44 @@ def test_fp16_adam_stats_are_rescaled(data):
         entry["exp_avg"] = (entry["exp_avg"] / 4.0).half()
     state = fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS), {}, optimizer_state=optim)
     mapped = fc.map_optimizer_state(state, shared=False)
-    torch.testing.assert_close(mapped["layers.0.fc1.weight"]["exp_avg"], moments["decoder.layers.0.fc1.weight"][0],
-                               rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        mapped["layers.0.fc1.weight"]["exp_avg"], moments["decoder.layers.0.fc1.weight"][0], rtol=1e-3, atol=1e-3
+    )
 
 
 def test_optimizer_state_that_does_not_map_is_none(data):
     _, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
-    state = fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS), {},
-                                    optimizer_state={"state": {0: {"momentum_buffer": torch.zeros(3)}}})
+    state = fairseq_main_checkpoint(
+        sd, model_options(max_pos=MAX_POS), {}, optimizer_state={"state": {0: {"momentum_buffer": torch.zeros(3)}}}
+    )
     assert fc.map_optimizer_state(state, shared=False) is None
 
 
 # ---- export ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("learned,tied", [(True, False), (False, True)])
 def test_export_layout_and_round_trip(tmp_path, data, learned, tied):
     data_dir, vocab = data
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS, learned=learned, tied=tied, seed=9)
     src = str(tmp_path / "in.pt")
-    torch.save(fairseq_main_checkpoint(sd, model_options(max_pos=MAX_POS, learned=learned, tied=tied),
-                                       task_options(data_dir, MAX_POS)), src)
+    torch.save(
+        fairseq_main_checkpoint(
+            sd, model_options(max_pos=MAX_POS, learned=learned, tied=tied), task_options(data_dir, MAX_POS)
+        ),
+        src,
+    )
     model, _, args = inference.load_model(src, data_dir)
     toolkit_ckpt = str(tmp_path / "toolkit.pt")
-    torch.save({"cfg": vars(args), "model": model.state_dict(),
-                "extra_state": {"trainer": {"num_updates": 3}, "train_iterator": {"epoch": 2}}}, toolkit_ckpt)
+    torch.save(
+        {
+            "cfg": vars(args),
+            "model": model.state_dict(),
+            "extra_state": {"trainer": {"num_updates": 3}, "train_iterator": {"epoch": 2}},
+        },
+        toolkit_ckpt,
+    )
     out = str(tmp_path / "fairseq.pt")
     fairseq_export.export(toolkit_ckpt, out)
 
@@ -279,22 +321,36 @@ def test_load_fairseq_into_trainer(tmp_path, data, flat):
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
     optim, moments = _adam_state(sd, flat, tied=False)
     path = str(tmp_path / "checkpoint_last.pt")
-    torch.save(fairseq_010_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS),
-                                      optimizer_state=optim), path)
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=24,
-                              decoder_attention_heads=2, decoder_learned_pos=True, max_target_positions=MAX_POS)
+    torch.save(
+        fairseq_010_checkpoint(
+            sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS), optimizer_state=optim
+        ),
+        path,
+    )
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=24,
+        decoder_attention_heads=2,
+        decoder_learned_pos=True,
+        max_target_positions=MAX_POS,
+    )
     model = TransformerLanguageModel(cfg, vocab, 1, seed=0)
     trainer = _types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     info = fc.load_fairseq_into_trainer(path, trainer)
     assert info == {"num_updates": 7, "epoch": 1}
-    torch.testing.assert_close(model.layers[0].self_attn.qkv_proj.bias.detach(),
-                               torch.cat([sd[f"decoder.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    torch.testing.assert_close(
+        model.layers[0].self_attn.qkv_proj.bias.detach(),
+        torch.cat([sd[f"decoder.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]),
+    )
     state = trainer.optimizer.state[model.layers[1].self_attn.qkv_proj.weight]
-    torch.testing.assert_close(state["exp_avg_sq"], torch.cat(
-        [moments[f"decoder.layers.1.self_attn.{p}_proj.weight"][1] for p in "qkv"]))
+    torch.testing.assert_close(
+        state["exp_avg_sq"], torch.cat([moments[f"decoder.layers.1.self_attn.{p}_proj.weight"][1] for p in "qkv"])
+    )
     assert float(state["step"]) == 7.0
-    torch.testing.assert_close(trainer.optimizer.state[model.embed_tokens.weight]["exp_avg"],
-                               moments["decoder.embed_tokens.weight"][0])
+    torch.testing.assert_close(
+        trainer.optimizer.state[model.embed_tokens.weight]["exp_avg"], moments["decoder.embed_tokens.weight"][0]
+    )
 
 
 def test_resume_from_a_fairseq_file_sets_updates_and_restarts_the_epoch(tmp_path, data):
@@ -309,12 +365,21 @@ def test_resume_from_a_fairseq_file_sets_updates_and_restarts_the_epoch(tmp_path
     sd = random_fairseq_model(V=vocab, max_pos=MAX_POS)
     path = str(tmp_path / "checkpoint_last.pt")
     torch.save(fairseq_010_checkpoint(sd, model_options(max_pos=MAX_POS), task_options(data_dir, MAX_POS)), path)
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=24,
-                              decoder_attention_heads=2, decoder_learned_pos=True, max_target_positions=MAX_POS)
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=24,
+        decoder_attention_heads=2,
+        decoder_learned_pos=True,
+        max_target_positions=MAX_POS,
+    )
     model = TransformerLanguageModel(cfg, vocab, 1, seed=0)
     loaded = {}
-    trainer = _types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                     load_state_dict=lambda state, reset_lr_scheduler: loaded.update(state))
+    trainer = _types.SimpleNamespace(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        load_state_dict=lambda state, reset_lr_scheduler: loaded.update(state),
+    )
     position = adapter.resume_trainer(path, adapter.read_checkpoint(path), trainer, reset_optimizer=True)
     assert position == {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True}
     assert loaded == {"num_updates": 7}
@@ -350,5 +415,6 @@ def test_a_fairseq_script_unpacks_logits_and_extra(tmp_path, data):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(again, logits)
     plain, _, _ = inference.load_model(path, data_dir)
-    torch.testing.assert_close(inference.ensemble_log_probs([model], tokens),
-                               inference.ensemble_log_probs([plain], tokens))
+    torch.testing.assert_close(
+        inference.ensemble_log_probs([model], tokens), inference.ensemble_log_probs([plain], tokens)
+    )

@@ -3,6 +3,7 @@
 Parse-level checks use ``parse_train_config`` in process; the effects on a run use tiny
 ``toolkit-train`` runs (a few updates) on a slice of WikiText.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,11 +62,24 @@ def test_local_rank_from_torch_distributed_launch(caplog, monkeypatch, flag):
 
 
 def test_validation_flags_parse():
-    cfg = parse("--max-sentences-valid", "3", "--skip-invalid-size-inputs-valid-test", "--combine-val",
-                "--fixed-validation-seed", "7", "--validate-after-updates", "5")
+    cfg = parse(
+        "--max-sentences-valid",
+        "3",
+        "--skip-invalid-size-inputs-valid-test",
+        "--combine-val",
+        "--fixed-validation-seed",
+        "7",
+        "--validate-after-updates",
+        "5",
+    )
     data = cfg.dataset
-    assert (data.batch_size_valid, data.skip_invalid_size_inputs_valid_test, data.combine_valid_subsets,
-            data.fixed_validation_seed, data.validate_after_updates) == (3, True, True, 7, 5)
+    assert (
+        data.batch_size_valid,
+        data.skip_invalid_size_inputs_valid_test,
+        data.combine_valid_subsets,
+        data.fixed_validation_seed,
+        data.validate_after_updates,
+    ) == (3, True, True, 7, 5)
 
 
 def test_lr_list_is_one_value_per_epoch_under_fixed(caplog):
@@ -103,8 +117,7 @@ def test_amp_on_cpu_trains_in_fp32(caplog):
 
 
 def test_store_ema_flags_and_refusals():
-    cfg = parse("--store-ema", "--ema-decay", "0.99", "--ema-start-update", "3", "--ema-update-freq", "2",
-                "--ema-fp32")
+    cfg = parse("--store-ema", "--ema-decay", "0.99", "--ema-start-update", "3", "--ema-update-freq", "2", "--ema-fp32")
     assert cfg.ema == EMAConfig(store_ema=True, ema_decay=0.99, ema_start_update=3, ema_update_freq=2, ema_fp32=True)
     assert parse("--store-ema", "--ddp-backend", "fully_sharded").ema.store_ema  # each rank averages its shards
     assert parse("--store-ema", "--ddp-backend", "fully_sharded", "--use-sharded-state").ema.store_ema  # DCP entries
@@ -114,10 +127,14 @@ def test_launch_retry_and_ema_seed_flags_parse_under_fairseqs_names(caplog, tmp_
     """The flags of issue 11's last items (their effects: test_slurm, test_amp_retries, test_ema_seed)."""
     seed = tmp_path / "seed.pt"
     seed.write_bytes(b"")
-    cfg, lines = infos(caplog, "--amp-batch-retries", "4", "--store-ema", "--ema-seed-model", str(seed),
-                       "--distributed-port", "12345")
+    cfg, lines = infos(
+        caplog, "--amp-batch-retries", "4", "--store-ema", "--ema-seed-model", str(seed), "--distributed-port", "12345"
+    )
     assert (cfg.common.amp_batch_retries, cfg.ema.ema_seed_model, cfg.distributed.distributed_port) == (
-        4, str(seed), 12345)
+        4,
+        str(seed),
+        12345,
+    )
     assert sum("--amp-batch-retries 4: accepted, no effect without --amp" in line for line in lines) == 1
     assert parse().common.amp_batch_retries == 2  # fairseq's default
 
@@ -171,7 +188,7 @@ def test_ema_fp32_keeps_an_fp32_average_of_half_weights():
 def test_keep_best_checkpoint_names_and_pruning(tmp_path):
     cfg = CheckpointConfig(save_dir=str(tmp_path), keep_best_checkpoints=2)
     # fairseq: "checkpoint.best_{metric}_{val:.3f}{digit}.pt", digit from numpy_seed(epoch, updates, val)
-    digit = np.random.RandomState(int(hash((1, 10, 3.25) ) % 1e6)).randint(0, 2)
+    digit = np.random.RandomState(int(hash((1, 10, 3.25)) % 1e6)).randint(0, 2)
     assert best_checkpoints.best_name(cfg, 1, 10, 3.25) == f"checkpoint.best_loss_3.250{digit}.pt"
     best = BestTracker(maximize=False)
     for updates, loss in enumerate([5.0, 4.0, 4.5, 3.0, 6.0], start=1):
@@ -181,7 +198,7 @@ def test_keep_best_checkpoint_names_and_pruning(tmp_path):
         best_checkpoints.prune_best(cfg)
         best.update(loss)
     kept = sorted(os.listdir(tmp_path))
-    assert [name[len("checkpoint.best_loss_"):][:5] for name in kept] == ["3.000", "4.000"]
+    assert [name[len("checkpoint.best_loss_") :][:5] for name in kept] == ["3.000", "4.000"]
 
 
 @pytest.mark.parametrize("break_mode", ["none", "eos"])
@@ -193,13 +210,15 @@ def test_combine_val_concatenates_numbered_valid_splits(tmp_path, break_mode):
     train_lines = ["the cat sat on the mat", "a dog ran far away"] * 4
     parts = [["the cat sat", "a dog"], ["ran far away now", "the mat"], ["a cat ran"]]
     combined, one = str(tmp_path / "combined"), str(tmp_path / "one")
-    make_data_bin(combined, {"train": train_lines, "valid": parts[0], "valid1": parts[1], "valid2": parts[2],
-                             "valid4": parts[0]})  # valid3 missing: valid4 is not read, as in fairseq
+    make_data_bin(
+        combined, {"train": train_lines, "valid": parts[0], "valid1": parts[1], "valid2": parts[2], "valid4": parts[0]}
+    )  # valid3 missing: valid4 is not read, as in fairseq
     make_data_bin(one, {"train": train_lines, "valid": [line for p in parts for line in p]})
 
     def samples(data: str, combine: bool):
-        task = LanguageModelingTask.setup_task(LanguageModelingConfig(data=data, tokens_per_sample=5,
-                                                                      sample_break_mode=break_mode))
+        task = LanguageModelingTask.setup_task(
+            LanguageModelingConfig(data=data, tokens_per_sample=5, sample_break_mode=break_mode)
+        )
         ds = task.load_dataset("valid", combine=combine)
         return [(ds[i]["source"].tolist(), ds[i]["target"].tolist()) for i in range(len(ds))]
 
@@ -207,14 +226,17 @@ def test_combine_val_concatenates_numbered_valid_splits(tmp_path, break_mode):
     assert len(samples(combined, False)) < len(samples(one, False))
 
 
-@pytest.mark.parametrize("arch, given, expected", [
-    # What real fairseq 0.12.2 builds (options.parse_args_and_arch + convert_namespace_to_omegaconf, cfg.model):
-    # --arch transformer_lm is the config's defaults (a no-op arch): post-norm, 512-wide input/output.
-    ("transformer_lm", {"decoder_embed_dim": 64}, (64, 512, 512, False)),
-    ("transformer_lm_gpt", {}, (768, None, None, True)),  # None: follows --decoder-embed-dim (768 in fairseq)
-    ("transformer_lm_gpt", {"decoder_embed_dim": 64}, (64, None, None, True)),
-    ("transformer_lm", {"decoder_normalize_before": True, "decoder_input_dim": 64}, (512, 64, 512, True)),
-])
+@pytest.mark.parametrize(
+    "arch, given, expected",
+    [
+        # What real fairseq 0.12.2 builds (options.parse_args_and_arch + convert_namespace_to_omegaconf, cfg.model):
+        # --arch transformer_lm is the config's defaults (a no-op arch): post-norm, 512-wide input/output.
+        ("transformer_lm", {"decoder_embed_dim": 64}, (64, 512, 512, False)),
+        ("transformer_lm_gpt", {}, (768, None, None, True)),  # None: follows --decoder-embed-dim (768 in fairseq)
+        ("transformer_lm_gpt", {"decoder_embed_dim": 64}, (64, None, None, True)),
+        ("transformer_lm", {"decoder_normalize_before": True, "decoder_input_dim": 64}, (512, 64, 512, True)),
+    ],
+)
 def test_transformer_lm_arch_defaults_are_fairseqs(arch, given, expected):
     import toolkit.models.transformer_lm  # noqa: F401  (registers the archs)
     from toolkit.options import architecture_defaults

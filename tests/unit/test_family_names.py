@@ -7,6 +7,7 @@ are checked without editing a list. Code is read with ``ast``: names, attributes
 docstrings and comments (which may explain a family as an example) do not. Left out: the family packages
 themselves (``toolkit/models/<family>/``) and ``toolkit/compat/`` (fairseq's checkpoint layout is
 ``transformer_lm``'s by definition)."""
+
 from __future__ import annotations
 
 import ast
@@ -18,9 +19,13 @@ from tests.helpers import REPO_ROOT
 from toolkit.models import build_on_meta
 
 # Archs covering each family's optional modules (learned positions, input/output projections, q/k/v biases).
-FAMILY_BUILDS = (("transformer_lm", {}), ("transformer_lm_gpt2_tiny", {}),
-                 ("transformer_lm_gpt2_tiny", dict(decoder_input_dim=32, decoder_output_dim=32, decoder_learned_pos=True)),
-                 ("llama_tiny", {}), ("llama_tiny_gqa", {}))
+FAMILY_BUILDS = (
+    ("transformer_lm", {}),
+    ("transformer_lm_gpt2_tiny", {}),
+    ("transformer_lm_gpt2_tiny", dict(decoder_input_dim=32, decoder_output_dim=32, decoder_learned_pos=True)),
+    ("llama_tiny", {}),
+    ("llama_tiny_gqa", {}),
+)
 # Module names that are also torch's or the protocol's words (``F.layer_norm``, a ``norm`` kind, a gradient norm).
 SHARED_WORDS = {"norm", "layer_norm"}
 LEFT_OUT = (os.path.join("toolkit", "compat"),)
@@ -54,9 +59,14 @@ def generic_files() -> Iterator[str]:
 
 def named_words(path: str) -> Iterator[Tuple[int, str]]:
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             yield from ((node.lineno, word) for word in re.findall(r"[A-Za-z_]\w*", node.value))
@@ -74,8 +84,12 @@ def test_the_family_only_names_are_found():
 
 def test_generic_code_names_no_family_module():
     names = family_only_names()
-    hits = [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {word}"
-            for path in generic_files() for line, word in named_words(path) if word in names]
+    hits = [
+        f"{os.path.relpath(path, REPO_ROOT)}:{line}: {word}"
+        for path in generic_files()
+        for line, word in named_words(path)
+        if word in names
+    ]
     assert not hits, "generic code names a family's module (ask the family's plan or a Protocol):\n" + "\n".join(hits)
 
 

@@ -3,6 +3,7 @@ stop, --memory-efficient-fp16 (fp16 weights, fp32 optimizer state), --bf16, the 
 --cpu-offload flag combinations, adam <-> cpu_adam checkpoints, and overflow agreement across 2 ranks.
 The 2-rank tests run each rank as tests/helpers/fp16_worker.py (toolkit-train with a test-only fault).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ def test_memory_efficient_step_is_fp32_math_on_fp16_weights(name):
     ref_opt = build_optimizer(OPTIMIZERS[name], ref)
     factor = 1.0 / 4096  # e.g. world_size / (sample_size * loss_scale)
     for step in range(4):
-        grads = [(torch.randn(s, generator=g) * 4096 * (10 ** -step)).half() for s in SHAPES]
+        grads = [(torch.randn(s, generator=g) * 4096 * (10**-step)).half() for s in SHAPES]
         for p, gr in zip(p16, grads):
             p.grad = gr.clone()
         stepper.step(factor)
@@ -73,10 +74,10 @@ def test_memory_efficient_small_gradients_do_not_underflow():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     stepper = MemoryEfficientFP16(build_optimizer(dict(optimizer="sgd", lr=1.0), [p]))
     p.grad = torch.full((4,), 1024.0, dtype=torch.float16)
-    stepper.step(2.0 ** -34)  # 6e-8 after unscaling: fp16 flushes it to 0, fp32 keeps it
-    ref = torch.tensor(1.0) - 1024.0 * 2.0 ** -34
+    stepper.step(2.0**-34)  # 6e-8 after unscaling: fp16 flushes it to 0, fp32 keeps it
+    ref = torch.tensor(1.0) - 1024.0 * 2.0**-34
     assert torch.equal(p.float(), ref.half().float().expand(4))
-    assert (torch.tensor(1024.0, dtype=torch.float16) * torch.tensor(2.0 ** -34, dtype=torch.float16)) == 0
+    assert (torch.tensor(1024.0, dtype=torch.float16) * torch.tensor(2.0**-34, dtype=torch.float16)) == 0
 
 
 def test_memory_efficient_state_stays_fp32_through_checkpoint_state_dicts():
@@ -124,16 +125,21 @@ def parse_train_args(*argv):
     return parse_train_config(["data", "--arch", "transformer_lm", "--batch-size", "2", "--max-update", "1", *argv])
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "adam", "--fp16"],
-     "--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated in host memory by "
-     "DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer adam; drop --optimizer or use "
-     "--optimizer cpu_adam"),
-    (["--cpu-offload", "--optimizer", "cpu_adam", "--fp16"], "--cpu-offload requires --ddp-backend fully_sharded"),
-    (["--cpu-offload"], "--cpu-offload requires --ddp-backend fully_sharded"),
-    (["--memory-efficient-fp16", "--bf16"], composition.MEFP16_BF16),  # the table's messages (docs/composition.md)
-    (["--fp16", "--bf16"], composition.HALF_FORMATS),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "adam", "--fp16"],
+            "--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated in host memory by "
+            "DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer adam; drop --optimizer or use "
+            "--optimizer cpu_adam",
+        ),
+        (["--cpu-offload", "--optimizer", "cpu_adam", "--fp16"], "--cpu-offload requires --ddp-backend fully_sharded"),
+        (["--cpu-offload"], "--cpu-offload requires --ddp-backend fully_sharded"),
+        (["--memory-efficient-fp16", "--bf16"], composition.MEFP16_BF16),  # the table's messages (docs/composition.md)
+        (["--fp16", "--bf16"], composition.HALF_FORMATS),
+    ],
+)
 def test_flag_combinations(argv, message):
     from toolkit.core.errors import UserError
 
@@ -143,10 +149,22 @@ def test_flag_combinations(argv, message):
 
 
 def test_valid_flag_combinations():
-    for argv in (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16"],
-                 ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--bf16"],
-                 ["--fp16", "--fp16-no-flatten-grads", "--fp16-scale-tolerance", "0.25",
-                  "--threshold-loss-scale", "1", "--min-loss-scale", "0.001", "--fp16-scale-window", "16"]):
+    for argv in (
+        ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16"],
+        ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--bf16"],
+        [
+            "--fp16",
+            "--fp16-no-flatten-grads",
+            "--fp16-scale-tolerance",
+            "0.25",
+            "--threshold-loss-scale",
+            "1",
+            "--min-loss-scale",
+            "0.001",
+            "--fp16-scale-window",
+            "16",
+        ],
+    ):
         parse_train_args(*argv)
     cfg = parse_train_args("--memory-efficient-fp16")
     assert cfg.common.fp16  # --memory-efficient-fp16 is fp16 training

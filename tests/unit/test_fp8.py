@@ -1,4 +1,5 @@
 """``--fp8``: torchao float8 training of the blocks' Linear layers (CPU: torch emulates the float8 matmuls)."""
+
 import sys
 
 import pytest
@@ -13,9 +14,15 @@ pytest.importorskip("torchao.float8", reason="--fp8 needs torchao (pip install t
 
 
 def tiny_model(seed: int = 0) -> TransformerLanguageModel:
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=128,
-                              decoder_attention_heads=4, decoder_normalize_before=True, max_target_positions=32,
-                              dropout=0.0)
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=128,
+        decoder_attention_heads=4,
+        decoder_normalize_before=True,
+        max_target_positions=32,
+        dropout=0.0,
+    )
     return TransformerLanguageModel(cfg, 96, 1, seed=seed)
 
 
@@ -40,12 +47,15 @@ def test_float8_forward_is_close_to_the_high_precision_one():
     assert rel < 0.05, rel  # e4m3 has a 3-bit mantissa: a few percent on logits, no more
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--fp8", "--fp16"], "--fp8 with --fp16"),
-    (["--fp8", "--fp8-all-gather", "--ddp-backend", "fully_sharded"], "only with --fp8-recipe tensorwise"),
-    (["--fp8", "--fp8-recipe", "tensorwise", "--fp8-all-gather"], "needs --ddp-backend fully_sharded"),
-    (["--fp8-recipe", "tensorwise"], "only applies with --fp8"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--fp8", "--fp16"], "--fp8 with --fp16"),
+        (["--fp8", "--fp8-all-gather", "--ddp-backend", "fully_sharded"], "only with --fp8-recipe tensorwise"),
+        (["--fp8", "--fp8-recipe", "tensorwise", "--fp8-all-gather"], "needs --ddp-backend fully_sharded"),
+        (["--fp8-recipe", "tensorwise"], "only applies with --fp8"),
+    ],
+)
 def test_fp8_conflicts_are_one_line_before_any_worker(argv, message):
     with pytest.raises(UserError, match=message):
         parse_train_config(["d", "--cpu", *argv])

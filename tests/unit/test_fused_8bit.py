@@ -8,6 +8,7 @@ gradients, a folded gradient scale, and slice sizes that give DeepSpeed's op a s
 The eager codec's own changes (tables instead of torch's log2/exp2, a correctly rounded sqrt)
 are checked against the formulas they replace, with the tolerances its docstrings state.
 """
+
 import logging
 import math
 
@@ -19,8 +20,14 @@ from toolkit.optim import build_optimizer, fused_8bit
 from toolkit.optim import quantized_states as qs
 from toolkit.optim.deepspeed_op import cxx_compiler
 
-ADAM = dict(optimizer="cpu_adam", lr=1e-2, adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=0.1,
-            adam_state_precision="8bit")
+ADAM = dict(
+    optimizer="cpu_adam",
+    lr=1e-2,
+    adam_betas="(0.9, 0.98)",
+    adam_eps=1e-6,
+    weight_decay=0.1,
+    adam_state_precision="8bit",
+)
 # whole blocks; padded blocks; rows of 4099 (one-row slices of 4099 values: a 3-value scalar tail);
 # 3 values per row (blocks shorter than a SIMD span); 1-D (fp32 moments)
 SHAPES = [(64, 300), (8, 5000), (13, 4099), (4096, 3), (40, 2048), (300,)]
@@ -67,9 +74,15 @@ def run(fused: bool, grads, init, grad_dtype=torch.float32, grad_scale=1.0, chun
 
 
 @needs_compiler
-@pytest.mark.parametrize("grad_dtype,grad_scale,chunk", [
-    (torch.float32, 1.0, None), (torch.float32, 0.37125, 700), (torch.bfloat16, 0.37125, None),
-    (torch.bfloat16, 1.0, 3 * 4099)])
+@pytest.mark.parametrize(
+    "grad_dtype,grad_scale,chunk",
+    [
+        (torch.float32, 1.0, None),
+        (torch.float32, 0.37125, 700),
+        (torch.bfloat16, 0.37125, None),
+        (torch.bfloat16, 1.0, 3 * 4099),
+    ],
+)
 def test_fused_step_is_the_eager_step_bit_for_bit(grad_dtype, grad_scale, chunk):
     assert fused_8bit.fused_op() is not None
     init, grads = hard_gradients(5)
@@ -119,11 +132,12 @@ def test_fallback_without_the_kernel_warns_once_and_steps_as_the_eager_path(monk
 
 # --------------------------------------------------------------------------- the eager codec's tables
 
+
 def test_tables_are_the_log_code_of_the_docstring_within_rounding():
     """Against the formulas they replace: codes differ only next to a boundary (by one), ratios by < 2e-6."""
     k = torch.arange(1, 256, dtype=torch.float64)
     exact = torch.exp2((k - 255) * qs.SQ_OCTAVES / 127)
-    assert ((qs.SQ_RATIO[1:].double() - exact).abs() <= exact * 2 ** -24).all()  # correctly rounded
+    assert ((qs.SQ_RATIO[1:].double() - exact).abs() <= exact * 2**-24).all()  # correctly rounded
     old = torch.arange(1, 256, dtype=torch.float32).sub(255).mul_(qs.SQ_OCTAVES / 127.0).exp2_()
     assert ((old - qs.SQ_RATIO[1:]).abs() <= 2e-6 * qs.SQ_RATIO[1:]).all()
     g = torch.Generator().manual_seed(0)

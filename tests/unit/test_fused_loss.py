@@ -1,6 +1,7 @@
 """The fused output layer + cross-entropy (toolkit.models.fused_loss) against the logits path it replaces:
 the same summed loss and the same gradient of every parameter, with padding, tied and untied heads, chunks that
 do not divide the rows; and the cases where the logits path stays."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -108,8 +109,14 @@ def llama(**overrides):
 
 
 def transformer_lm(**overrides):
-    values = dict(decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
-                  max_target_positions=16, dropout=0.0)
+    values = dict(
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=4,
+        max_target_positions=16,
+        dropout=0.0,
+    )
     return TransformerLanguageModel(TransformerLMConfig(**dict(values, **overrides)), V, PAD, seed=3)
 
 
@@ -121,8 +128,9 @@ def moe():
 
 def criterion(chunk_rows, z_loss_coef=0.0):
     task = SimpleNamespace(target_dictionary=Dictionary())
-    return CrossEntropyCriterion(task, CrossEntropyCriterionConfig(head_loss_chunk_rows=chunk_rows,
-                                                                   z_loss_coef=z_loss_coef))
+    return CrossEntropyCriterion(
+        task, CrossEntropyCriterionConfig(head_loss_chunk_rows=chunk_rows, z_loss_coef=z_loss_coef)
+    )
 
 
 def sample():
@@ -131,8 +139,12 @@ def sample():
     target = torch.roll(tokens, -1, 1)
     target[1, 8:] = PAD  # a shorter row, right-padded
     tokens[1, 9:] = PAD
-    return {"net_input": {"src_tokens": tokens}, "target": target, "ntokens": int(target.ne(PAD).sum()),
-            "nsentences": 3}
+    return {
+        "net_input": {"src_tokens": tokens},
+        "target": target,
+        "ntokens": int(target.ne(PAD).sum()),
+        "nsentences": 3,
+    }
 
 
 def loss_and_grads(model, crit):
@@ -143,11 +155,17 @@ def loss_and_grads(model, crit):
     return loss.detach(), log, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("make", [lambda: llama(share_decoder_input_output_embed=True),
-                                  lambda: llama(share_decoder_input_output_embed=False),
-                                  lambda: transformer_lm(share_decoder_input_output_embed=True),
-                                  lambda: transformer_lm(share_decoder_input_output_embed=False), moe],
-                         ids=["llama-tied", "llama-untied", "transformer_lm-tied", "transformer_lm-untied", "moe"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: llama(share_decoder_input_output_embed=True),
+        lambda: llama(share_decoder_input_output_embed=False),
+        lambda: transformer_lm(share_decoder_input_output_embed=True),
+        lambda: transformer_lm(share_decoder_input_output_embed=False),
+        moe,
+    ],
+    ids=["llama-tied", "llama-untied", "transformer_lm-tied", "transformer_lm-untied", "moe"],
+)
 def test_the_criterion_trains_the_same_fused_and_unfused(make, monkeypatch):
     from toolkit.models import decoder
 

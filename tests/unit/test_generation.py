@@ -1,4 +1,5 @@
 """Generation: the KV cache, greedy / sampling / beam search against direct computations, the two commands."""
+
 import itertools
 import math
 
@@ -17,11 +18,24 @@ def make_dictionary(n_symbols: int) -> Dictionary:
     return d
 
 
-def make_model(d: Dictionary, learned: bool = False, pre_norm: bool = True, seed: int = 1, scale: float = 1.0,
-               max_positions: int = 64) -> TransformerLanguageModel:
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=32,
-                              decoder_attention_heads=2, dropout=0.0, max_target_positions=max_positions,
-                              decoder_learned_pos=learned, decoder_normalize_before=pre_norm)
+def make_model(
+    d: Dictionary,
+    learned: bool = False,
+    pre_norm: bool = True,
+    seed: int = 1,
+    scale: float = 1.0,
+    max_positions: int = 64,
+) -> TransformerLanguageModel:
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=2,
+        dropout=0.0,
+        max_target_positions=max_positions,
+        decoder_learned_pos=learned,
+        decoder_normalize_before=pre_norm,
+    )
     model = TransformerLanguageModel(cfg, len(d), d.pad(), seed=seed).eval()
     with torch.no_grad():
         model.output_projection.weight.mul_(scale)  # scale > 1: a peaked next-token distribution
@@ -111,8 +125,13 @@ def test_cache_and_no_cache_give_the_same_hypotheses(learned, pre_norm):
     for values in CONFIGS:
         results = []
         for incremental in (True, False):
-            gen = SequenceGenerator([model], d, GenerationConfig(**values), incremental=incremental,
-                                    generator=torch.Generator().manual_seed(3))
+            gen = SequenceGenerator(
+                [model],
+                d,
+                GenerationConfig(**values),
+                incremental=incremental,
+                generator=torch.Generator().manual_seed(3),
+            )
             results.append(gen.generate(prompts))
         for cached, recomputed in zip(*results):
             assert len(cached) == len(recomputed) == values["beam"]
@@ -197,26 +216,31 @@ def reference_beam_search(model, d, prompt, K, max_len, min_len=1, lenpen=1.0, u
                 if step < min_len:
                     lp[d.eos()] = -math.inf
                 for i in range(len(tokens) - ngram + 1) if ngram else []:
-                    if tokens[i:i + ngram - 1] == tokens[len(tokens) - ngram + 1:]:
+                    if tokens[i : i + ngram - 1] == tokens[len(tokens) - ngram + 1 :]:
                         lp[tokens[i + ngram - 1]] = -math.inf
-            cands += [(total + float(lp[w]), tokens + [w], per_token + [float(lp[w])])
-                      for w in range(len(lp)) if lp[w] > -math.inf]
+            cands += [
+                (total + float(lp[w]), tokens + [w], per_token + [float(lp[w])])
+                for w in range(len(lp))
+                if lp[w] > -math.inf
+            ]
         cands.sort(key=lambda c: -c[0])
-        cands = cands[:2 * K]
+        cands = cands[: 2 * K]
         for total, tokens, per_token in cands[:K]:
             if tokens[-1] == d.eos() and not forced and len(finalized) < K:
                 finalized.append((tokens[1:], total / (step + 1) ** lenpen, per_token))
         if len(finalized) >= K or step >= max_len:
             break
-        live = [(tokens, total, per_token) for total, tokens, per_token in cands
-                if tokens[-1] != d.eos() or forced][:K]
+        live = [(tokens, total, per_token) for total, tokens, per_token in cands if tokens[-1] != d.eos() or forced][:K]
     return sorted(finalized, key=lambda f: -f[1])
 
 
-@pytest.mark.parametrize("values", [
-    dict(beam=3, lenpen=0.6, max_len_b=8),
-    dict(beam=4, lenpen=1.5, unkpen=0.5, min_len=5, max_len_b=9, no_repeat_ngram_size=2),
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(beam=3, lenpen=0.6, max_len_b=8),
+        dict(beam=4, lenpen=1.5, unkpen=0.5, min_len=5, max_len_b=9, no_repeat_ngram_size=2),
+    ],
+)
 def test_beam_search_matches_a_plain_reference(values):
     d = make_dictionary(8)
     model = make_model(d, learned=True, scale=2.0)
@@ -224,8 +248,9 @@ def test_beam_search_matches_a_plain_reference(values):
     prompts = [[5, 6, 7], [8], [9, 10, 11, 5]]
     hypos = SequenceGenerator([model], d, cfg).generate([torch.tensor(p) for p in prompts])
     for prompt, got in zip(prompts, hypos):
-        want = reference_beam_search(model, d, prompt, cfg.beam, cfg.max_len_b, cfg.min_len, cfg.lenpen,
-                                     cfg.unkpen, cfg.no_repeat_ngram_size)
+        want = reference_beam_search(
+            model, d, prompt, cfg.beam, cfg.max_len_b, cfg.min_len, cfg.lenpen, cfg.unkpen, cfg.no_repeat_ngram_size
+        )
         assert [h["tokens"].tolist() for h in got] == [w[0] for w in want]
         for h, (_, score, per_token) in zip(got, want):
             assert h["score"] == pytest.approx(score, abs=1e-5)
@@ -247,8 +272,9 @@ def test_a_beam_wider_than_every_sequence_is_exhaustive():
     for n in range(1, max_len + 1):  # min_len 1: at least one token before </s>
         for seq in itertools.product(choices, repeat=n):
             tokens = list(seq) + [d.eos()]
-            per_token = [float(adjusted_log_probs(model, d, [d.eos()] + tokens[:t])[tokens[t]])
-                         for t in range(len(tokens))]
+            per_token = [
+                float(adjusted_log_probs(model, d, [d.eos()] + tokens[:t])[tokens[t]]) for t in range(len(tokens))
+            ]
             scored.append((sum(per_token) / len(tokens) ** lenpen, tokens, per_token))
     scored.sort(key=lambda s: -s[0])
     assert len(scored) == 84
@@ -278,8 +304,9 @@ def test_ensemble_greedy_follows_the_averaged_probabilities():
     d = make_dictionary(20)
     models = [make_model(d, seed=1, scale=2.0), make_model(d, learned=True, seed=2, scale=2.0)]
     prompt, max_len = [5, 6], 8
-    (best,), = SequenceGenerator(models, d, GenerationConfig(beam=1, max_len_b=max_len)).generate(
-        [torch.tensor(prompt)])
+    ((best,),) = SequenceGenerator(models, d, GenerationConfig(beam=1, max_len_b=max_len)).generate(
+        [torch.tensor(prompt)]
+    )
     tokens, scores = [d.eos()], []
     for step in range(max_len + 1):
         lps = torch.stack([adjusted_log_probs(m, d, tokens) for m in models])

@@ -1,5 +1,6 @@
 """A decoding step's host work: no device reads where the search does not need one, and the
 NaN check that rides on the step's one read still stops a broken model (both families)."""
+
 import pytest
 import torch
 
@@ -68,9 +69,15 @@ class NaNAfter(torch.nn.Module):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("values", [dict(beam=1, max_len_b=20, min_len=20), dict(beam=1, max_len_b=20),
-                                    dict(beam=3, max_len_b=20, min_len=10),
-                                    dict(beam=2, sampling=True, max_len_b=20, min_len=10)])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(beam=1, max_len_b=20, min_len=20),
+        dict(beam=1, max_len_b=20),
+        dict(beam=3, max_len_b=20, min_len=10),
+        dict(beam=2, sampling=True, max_len_b=20, min_len=10),
+    ],
+)
 def test_probabilities_turning_nan_mid_sequence_still_stop_generation(arch, values):
     model, d = build(arch)
     for incremental in (True, False):
@@ -86,10 +93,16 @@ def test_greedy_and_beam_with_the_cache_equal_recomputing_the_prefix(arch):
     with torch.no_grad():
         model.embed_tokens.weight.mul_(8.0)  # a peaked distribution: float noise cannot flip an argmax
     prompts = [torch.tensor(p) for p in PROMPTS]
-    for values in (dict(beam=1, max_len_b=16, min_len=4), dict(beam=1, max_len_b=24),
-                   dict(beam=3, nbest=3, max_len_b=12, min_len=5), dict(beam=2, nbest=2, max_len_b=12)):
-        cached, recomputed = (SequenceGenerator([model], d, GenerationConfig(**values), incremental=inc)
-                              .generate(prompts) for inc in (True, False))
+    for values in (
+        dict(beam=1, max_len_b=16, min_len=4),
+        dict(beam=1, max_len_b=24),
+        dict(beam=3, nbest=3, max_len_b=12, min_len=5),
+        dict(beam=2, nbest=2, max_len_b=12),
+    ):
+        cached, recomputed = (
+            SequenceGenerator([model], d, GenerationConfig(**values), incremental=inc).generate(prompts)
+            for inc in (True, False)
+        )
         for a_hypos, b_hypos in zip(cached, recomputed):
             assert [h["tokens"].tolist() for h in a_hypos] == [h["tokens"].tolist() for h in b_hypos], values
 
@@ -113,13 +126,20 @@ def test_reading_ended_rows_every_n_steps_changes_no_result(arch):
     model = EosBoost(model, d.eos(), 2.5)
     prompts = [torch.tensor(p) for p in PROMPTS + [[7, 7], [13, 4, 20, 21], [6]]]
     ended = set()  # tokens generated: rows end at different steps, before and between reads
-    for values in (dict(beam=1, max_len_b=30), dict(beam=1, max_len_b=30, min_len=5, lenpen=0.5),
-                   dict(beam=1, max_len_b=9, unnormalized=True)):
+    for values in (
+        dict(beam=1, max_len_b=30),
+        dict(beam=1, max_len_b=30, min_len=5, lenpen=0.5),
+        dict(beam=1, max_len_b=9, unnormalized=True),
+    ):
         results = []
         for interval in (1, 3, 8):
             gen = SequenceGenerator([model], d, GenerationConfig(**values), eos_check_interval=interval)
-            results.append([[(h["tokens"].tolist(), h["score"], h["positional_scores"].tolist()) for h in hypos]
-                            for hypos in gen.generate(prompts)])
+            results.append(
+                [
+                    [(h["tokens"].tolist(), h["score"], h["positional_scores"].tolist()) for h in hypos]
+                    for hypos in gen.generate(prompts)
+                ]
+            )
         ended.update(len(hypos[0][0]) - len(p) for hypos, p in zip(results[0], prompts))
         for other in results[1:]:  # ended rows stay in the batch longer: a matmul may round differently
             for a, b in zip(results[0], other):

@@ -1,10 +1,16 @@
 """toolkit.optim.grad_norm: the BLAS sum-of-squares path for host-memory gradients against torch's norm."""
+
 import math
 
 import torch
 
-from toolkit.optim.grad_norm import (clip_coefficient, foreach_sum_of_squares, normalize_and_clip, sum_of_squares,
-                                     total_norm)
+from toolkit.optim.grad_norm import (
+    clip_coefficient,
+    foreach_sum_of_squares,
+    normalize_and_clip,
+    sum_of_squares,
+    total_norm,
+)
 
 
 def reference(tensors):
@@ -13,9 +19,14 @@ def reference(tensors):
 
 def test_matches_torch_for_mixed_shapes_dtypes_and_strides():
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(300, 70, generator=g), torch.randn(513, generator=g) * 1e3,
-               torch.randn(40, 30, generator=g).t(),  # not contiguous
-               torch.randn(64, 8, generator=g).half(), torch.randn(33, generator=g).bfloat16(), torch.zeros(0)]
+    tensors = [
+        torch.randn(300, 70, generator=g),
+        torch.randn(513, generator=g) * 1e3,
+        torch.randn(40, 30, generator=g).t(),  # not contiguous
+        torch.randn(64, 8, generator=g).half(),
+        torch.randn(33, generator=g).bfloat16(),
+        torch.zeros(0),
+    ]
     got = float(total_norm(tensors))
     assert math.isclose(got, reference(tensors), rel_tol=1e-5)
     assert float(sum_of_squares(tensors[:1])) == float(torch.dot(tensors[0].reshape(-1), tensors[0].reshape(-1)))

@@ -10,6 +10,7 @@
   ids for the same prompt, ``D-`` lines the tokenizer's decoding of them; a data-bin whose dictionary is
   not the model's is refused in one line.
 """
+
 from __future__ import annotations
 
 import io
@@ -36,8 +37,20 @@ def imported(tmp_path_factory):
     ours = root / "ours"
     run_export(ExportConfig(path=str(root / "hf"), out=str(ours), import_from="hf"))
     (root / "test.txt").write_text("\n".join(LINES) + "\n")
-    preprocess.run("--testpref", root / "test.txt", "--destdir", root / "bin", "--srcdict", ours / "dict.txt",
-                   "--bpe", "hf_byte_bpe", "--bpe-model", ours / "tokenizer.json", "--workers", "1")
+    preprocess.run(
+        "--testpref",
+        root / "test.txt",
+        "--destdir",
+        root / "bin",
+        "--srcdict",
+        ours / "dict.txt",
+        "--bpe",
+        "hf_byte_bpe",
+        "--bpe-model",
+        ours / "tokenizer.json",
+        "--workers",
+        "1",
+    )
     tok = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
     return dict(root=root, hf=hf, ours=ours, bin=root / "bin", tok=tok)
 
@@ -65,10 +78,14 @@ def eval_rows(imported, **options):
     task = M.eval_task(cfg, train_task.dictionary, cfg.data, tps, M.reads_bos_first(cfg, train_task.dictionary, args))
     dataset = task.dataset("test")
     rows = []
-    for sample in E.eval_batches(dataset, cfg.context_window, task.cfg.tokens_per_sample, task.dictionary.pad(),
-                                 max_positions=models[0].max_positions()):
-        rows += E.score_sample(models, sample, task.dictionary.pad(), models[0].max_positions(), 0,
-                               torch.device("cpu"))
+    for sample in E.eval_batches(
+        dataset,
+        cfg.context_window,
+        task.cfg.tokens_per_sample,
+        task.dictionary.pad(),
+        max_positions=models[0].max_positions(),
+    ):
+        rows += E.score_sample(models, sample, task.dictionary.pad(), models[0].max_positions(), 0, torch.device("cpu"))
     return sorted(rows, key=lambda r: r[0]), M.main(cfg)
 
 
@@ -86,7 +103,7 @@ def test_eval_lm_scores_a_multi_line_text_as_transformers(imported, add_bos_flag
     without --add-bos-token (the imported model always reads BOS first), and BOS itself is not counted."""
     ids = hf_ids(imported["tok"], LINES)
     want = hf_scores(imported["hf"], ids)
-    (_, targets, scores), = eval_rows(imported, tokens_per_sample=64, add_bos_token=add_bos_flag)[0]
+    ((_, targets, scores),) = eval_rows(imported, tokens_per_sample=64, add_bos_token=add_bos_flag)[0]
     assert targets.tolist() == ids[1:].tolist()
     assert (scores - want).abs().max().item() < TOL
     result = eval_rows(imported, tokens_per_sample=64, add_bos_token=add_bos_flag)[1]
@@ -123,8 +140,11 @@ def test_training_samples_are_transformers_inputs_and_labels(imported, mode):
     source [BOS] + ids[:-1], target ids; <s> is never a target and stands nowhere but first."""
     from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
-    task = LanguageModelingTask.setup_task(LanguageModelingConfig(
-        data=str(imported["bin"]), tokens_per_sample=64, sample_break_mode=mode, add_bos_token=True))
+    task = LanguageModelingTask.setup_task(
+        LanguageModelingConfig(
+            data=str(imported["bin"]), tokens_per_sample=64, sample_break_mode=mode, add_bos_token=True
+        )
+    )
     task.load_dataset("test")
     dataset, bos = task.dataset("test"), task.dictionary.bos()
     texts = [LINES] if mode != "eos" else [[line] for line in LINES]
@@ -169,8 +189,11 @@ def test_hf_export_with_the_data_bin_carries_the_models_tokenizer(imported, tmp_
 
     from toolkit.evaluation.harness import ToolkitLM
 
-    run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), format="hf",
-                            out=str(tmp_path / "hf")))
+    run_export(
+        ExportConfig(
+            path=str(imported["ours"] / "model.pt"), data=str(imported["bin"]), format="hf", out=str(tmp_path / "hf")
+        )
+    )
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (imported["ours"] / "tokenizer.json").read_bytes()
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert [exported(t)["input_ids"] for t in TEXTS] == [imported["tok"](t)["input_ids"] for t in TEXTS]
@@ -191,8 +214,9 @@ def test_hf_export_of_a_vocabulary_without_its_tokenizer_is_refused(imported, tm
     bare.mkdir()
     shutil.copyfile(imported["ours"] / "dict.txt", bare / "dict.txt")
     with pytest.raises(UserError, match="the vocabulary of a tokenizer .* neither tokenizer.json nor hf_byte_bpe.json"):
-        run_export(ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(bare), format="hf",
-                                out=str(tmp_path / "hf")))
+        run_export(
+            ExportConfig(path=str(imported["ours"] / "model.pt"), data=str(bare), format="hf", out=str(tmp_path / "hf"))
+        )
     assert not (tmp_path / "hf").exists()
 
 
@@ -200,9 +224,18 @@ def hf_greedy(imported, prompt_ids: torch.Tensor, new_tokens: int) -> list:
     """transformers' greedy continuation ids (prompt first), pad suppressed as the toolkit never emits it."""
     pad = imported["tok"].convert_tokens_to_ids("<unk>")  # the import's pad: Llama's tokenizer has none
     with torch.no_grad():
-        out = imported["hf"].generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
-                                      max_new_tokens=new_tokens, do_sample=False, suppress_tokens=[pad],
-                                      pad_token_id=pad)[0].tolist()
+        out = (
+            imported["hf"]
+            .generate(
+                prompt_ids[None],
+                attention_mask=torch.ones_like(prompt_ids[None]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                suppress_tokens=[pad],
+                pad_token_id=pad,
+            )[0]
+            .tolist()
+        )
     return out[:-1] if out[-1] == imported["tok"].eos_token_id else out
 
 
@@ -226,16 +259,20 @@ def test_interactive_greedy_equals_transformers_generate(imported, path):
 
     prompts = ["w3 w17 w59", "w1", "w40 w2 w7 w7"]
     out = io.StringIO()
-    cfg = InteractiveConfig(data=str(imported["ours"]), path=str(imported["ours"] / path), cpu=True, batch_size=2,
-                            buffer_size=2)
+    cfg = InteractiveConfig(
+        data=str(imported["ours"]), path=str(imported["ours"] / path), cpu=True, batch_size=2, buffer_size=2
+    )
     # --max-len-b counts the prompt: the longest prompt gets 10 new tokens, the others more (then cut to 10)
     interactive_main(cfg, GenerationConfig(beam=1, max_len_b=14), stdin=io.StringIO("\n".join(prompts) + "\n"), out=out)
-    hyps, texts, shown = result_lines(out.getvalue(), "H"), result_lines(out.getvalue(), "D"), \
-        result_lines(out.getvalue(), "S")
+    hyps, texts, shown = (
+        result_lines(out.getvalue(), "H"),
+        result_lines(out.getvalue(), "D"),
+        result_lines(out.getvalue(), "S"),
+    )
     for i, prompt in enumerate(prompts):
         ids = torch.tensor(imported["tok"](prompt)["input_ids"])
         want = hf_greedy(imported, ids, 10)[1:]  # without the BOS
-        assert hypothesis_ids(imported, hyps[i])[:len(want)] == want, prompt
+        assert hypothesis_ids(imported, hyps[i])[: len(want)] == want, prompt
         assert shown[i] == [prompt]
         assert texts[i][-1] == imported["tok"].decode(hypothesis_ids(imported, hyps[i]), skip_special_tokens=True)
 
@@ -252,7 +289,7 @@ def test_generate_from_the_imported_data_bin_equals_transformers(imported):
     for i, line in enumerate(LINES):
         ids = torch.tensor(imported["tok"](line)["input_ids"][:3])  # BOS and the first 2 tokens: --prefix-size 2
         want = hf_greedy(imported, ids, 10)[1:]
-        assert hypothesis_ids(imported, hyps[i])[:len(want)] == want, line
+        assert hypothesis_ids(imported, hyps[i])[: len(want)] == want, line
         assert texts[i][-1] == imported["tok"].decode(hypothesis_ids(imported, hyps[i]), skip_special_tokens=True)
 
 
@@ -297,8 +334,9 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     prompts = ["w3 w17", "z5 w9 w1", "w3 w40"]  # two contexts: w (twice) and z
     out = io.StringIO()
-    cfg = InteractiveConfig(data=str(tmp_path / "ours"), path=str(tmp_path / "ours"), cpu=True, batch_size=3,
-                            buffer_size=3)
+    cfg = InteractiveConfig(
+        data=str(tmp_path / "ours"), path=str(tmp_path / "ours"), cpu=True, batch_size=3, buffer_size=3
+    )
     interactive_main(cfg, GenerationConfig(beam=1, max_len_b=9), stdin=io.StringIO("\n".join(prompts)), out=out)
     hyps, texts, shown = (result_lines(out.getvalue(), kind) for kind in "HDS")
     imported = dict(ours=tmp_path / "ours")
@@ -306,10 +344,16 @@ def test_interactive_with_a_tokenizer_without_bos_starts_from_the_first_token(tm
     for i, prompt in enumerate(prompts):
         ids = torch.tensor(tok(prompt)["input_ids"])
         with torch.no_grad():
-            want = hf.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=6,
-                               do_sample=False, suppress_tokens=[pad], pad_token_id=pad)[0].tolist()
+            want = hf.generate(
+                ids[None],
+                attention_mask=torch.ones_like(ids[None]),
+                max_new_tokens=6,
+                do_sample=False,
+                suppress_tokens=[pad],
+                pad_token_id=pad,
+            )[0].tolist()
         got = hypothesis_ids(imported, hyps[i])
-        assert got[:len(want)] == want[:len(got)] and len(got) >= len(ids) + 1, prompt
+        assert got[: len(want)] == want[: len(got)] and len(got) >= len(ids) + 1, prompt
         assert shown[i] == [prompt] and texts[i][-1] == tok.decode(got, skip_special_tokens=True)
 
 

@@ -1,4 +1,5 @@
 """The mmap indexed dataset, byte for byte against fairseq's published layout."""
+
 import struct
 
 import numpy as np
@@ -141,4 +142,12 @@ def test_merge_with_remap(tmp_path, monkeypatch):
     b.merge_file_(str(tmp_path / "p"), remap=np.array([1, 1, 1]))
     b.finalize(str(tmp_path / "m.idx"))
     assert [x.tolist() for x in MMapIndexedDataset(str(tmp_path / "m"))] == [
-        [7, 300, 2], [2], [], [300, 7, 7, 2, 300], [1, 1, 1], [1], [], [1, 1, 1, 1, 1]]
+        [7, 300, 2],
+        [2],
+        [],
+        [300, 7, 7, 2, 300],
+        [1, 1, 1],
+        [1],
+        [],
+        [1, 1, 1, 1, 1],
+    ]

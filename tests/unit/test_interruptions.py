@@ -1,6 +1,7 @@
 """Ctrl-C and a killed data loader worker end a training run with one line, wherever torch's SIGCHLD handler
 raises its error: the integration test kills a real worker (tests/integration/test_bad_inputs.py); these
 tests place the handler's error at the instants a real kill only reaches by chance."""
+
 from __future__ import annotations
 
 import signal
@@ -16,8 +17,9 @@ KILLED = "DataLoader worker (pid 4242) is killed by signal: Killed. "
 
 
 def _run_state(num_workers: int = 2, update: int = 7):
-    cfg = SimpleNamespace(dataset=SimpleNamespace(num_workers=num_workers),
-                          checkpoint=SimpleNamespace(use_sharded_state=False))
+    cfg = SimpleNamespace(
+        dataset=SimpleNamespace(num_workers=num_workers), checkpoint=SimpleNamespace(use_sharded_state=False)
+    )
     state = SimpleNamespace(trainer=SimpleNamespace(num_updates=update), saved_update=None)
     return cfg, state
 
@@ -34,6 +36,7 @@ def restored_process_hooks(monkeypatch):
 def _raise(error: BaseException):
     def run():
         raise error
+
     return run
 
 
@@ -41,14 +44,17 @@ def test_the_handlers_error_is_one_line(restored_process_hooks):
     cfg, state = _run_state()
     with pytest.raises(UserError) as caught:
         train_loop.reporting_interruptions(_raise(RuntimeError(KILLED)), cfg, state)
-    assert str(caught.value) == ("--num-workers 2: a data loader worker died at update 7 (DataLoader worker "
-                                 "(pid 4242) is killed by signal: Killed); no checkpoint_last.pt saved yet: "
-                                 "run again to resume")
+    assert str(caught.value) == (
+        "--num-workers 2: a data loader worker died at update 7 (DataLoader worker "
+        "(pid 4242) is killed by signal: Killed); no checkpoint_last.pt saved yet: "
+        "run again to resume"
+    )
     assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL  # the handler cannot raise a second time
 
 
 def test_the_handlers_error_landing_while_a_broken_read_is_reported_is_still_one_line(
-        restored_process_hooks, monkeypatch):
+    restored_process_hooks, monkeypatch
+):
     """What CI saw: the read of the worker's batch failed (ConnectionResetError in rebuild_storage_fd) and the
     handler's RuntimeError arrived inside the code reporting that first error."""
     cfg, state = _run_state()
@@ -80,8 +86,9 @@ def test_ctrl_c_says_where_the_run_stopped():
         train_loop.reporting_interruptions(_raise(KeyboardInterrupt()), cfg, state)
 
 
-@pytest.mark.parametrize("error", [RuntimeError("shape mismatch"), ValueError("bad"),
-                                   ConnectionResetError(104, "reset")])
+@pytest.mark.parametrize(
+    "error", [RuntimeError("shape mismatch"), ValueError("bad"), ConnectionResetError(104, "reset")]
+)
 def test_other_errors_propagate_unchanged(error):
     cfg, state = _run_state(num_workers=0)  # no workers: a broken connection is not theirs
     with pytest.raises(type(error)) as caught:

@@ -5,6 +5,7 @@ head size, and the sliding window's reach.
 
 Training runs (real text, two ranks, tensor parallelism, resume) are in tests/integration/test_llama.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,34 +18,64 @@ from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
 from toolkit.models.llama.model import LlamaLanguageModel
 
 PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embeddings once)
-    "llama3_1b": 1_235_814_400, "llama3_3b": 3_212_749_824, "llama3_8b": 8_030_261_248,
-    "llama2_7b": 6_738_415_616, "tinyllama_1_1b": 1_100_048_384, "qwen2_0_5b": 494_032_768,
-    "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_8b": 8_190_735_360,
-    "olmo2_1b": 1_484_916_736, "olmo2_7b": 7_298_617_344, "gemma3_1b": 999_885_952,
+    "llama3_1b": 1_235_814_400,
+    "llama3_3b": 3_212_749_824,
+    "llama3_8b": 8_030_261_248,
+    "llama2_7b": 6_738_415_616,
+    "tinyllama_1_1b": 1_100_048_384,
+    "qwen2_0_5b": 494_032_768,
+    "mistral_7b": 7_241_732_096,
+    "qwen3_0_6b": 596_049_920,
+    "qwen3_1_7b": 1_720_574_976,
+    "qwen3_8b": 8_190_735_360,
+    "olmo2_1b": 1_484_916_736,
+    "olmo2_7b": 7_298_617_344,
+    "gemma3_1b": 999_885_952,
     "gemma3_4b": 3_880_263_168,  # the language model of Gemma 3 4B (no vision tower)
 }
 #: transformers' Gemma3TextConfig values of the published models
 GEMMA3_CONFIGS = {
-    "gemma3_1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                      num_key_value_heads=1, head_dim=256),
-    "gemma3_4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=256),
+    "gemma3_1b": dict(
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+    ),
+    "gemma3_4b": dict(
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+    ),
 }
 #: transformers' Olmo2Config values of the published models (OLMo-2-0425-1B, OLMo-2-1124-7B)
 OLMO2_CONFIGS = {
-    "olmo2_1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-                     num_key_value_heads=16),
-    "olmo2_7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=32),
+    "olmo2_1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16
+    ),
+    "olmo2_7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32
+    ),
 }
 #: transformers' Qwen3Config values of the published models (config.json on the hub)
 QWEN3_CONFIGS = {
-    "qwen3_0_6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072,
-                       tie_word_embeddings=True),
-    "qwen3_1_7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144,
-                       tie_word_embeddings=True),
-    "qwen3_8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, intermediate_size=12288,
-                     tie_word_embeddings=False),
+    "qwen3_0_6b": dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, tie_word_embeddings=True
+    ),
+    "qwen3_1_7b": dict(
+        hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144, tie_word_embeddings=True
+    ),
+    "qwen3_8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        intermediate_size=12288,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -93,11 +124,18 @@ def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) 
     return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama_tiny", {}), ("llama_tiny_gqa", {}), ("qwen3_tiny", {}),
-                                            ("olmo2_tiny", {}), ("gemma3_tiny", {}),
-                                            ("llama_tiny", dict(sliding_window=6)),
-                                            ("llama_tiny", dict(sliding_window=6,
-                                                                layer_types="sliding_attention,full_attention"))])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama_tiny", {}),
+        ("llama_tiny_gqa", {}),
+        ("qwen3_tiny", {}),
+        ("olmo2_tiny", {}),
+        ("gemma3_tiny", {}),
+        ("llama_tiny", dict(sliding_window=6)),
+        ("llama_tiny", dict(sliding_window=6, layer_types="sliding_attention,full_attention")),
+    ],
+)
 def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
     model = tiny(arch, attention_qkv_bias=True, **overrides)
     x = torch.randint(4, 40, (3, 30), generator=torch.Generator().manual_seed(0))
@@ -184,8 +222,10 @@ def test_generation_with_and_without_cache_agree():
         model.embed_tokens.weight.mul_(40.0)  # tied output: a peaked next-token distribution
     prompts = [torch.tensor(p) for p in ([5, 6, 7], [8], [9, 10, 11, 12, 5])]
     for values in (dict(beam=1, max_len_b=12), dict(beam=3, nbest=3, max_len_b=10, lenpen=0.5)):
-        cached, recomputed = (SequenceGenerator([model], d, GenerationConfig(**values), incremental=inc).generate(prompts)
-                              for inc in (True, False))
+        cached, recomputed = (
+            SequenceGenerator([model], d, GenerationConfig(**values), incremental=inc).generate(prompts)
+            for inc in (True, False)
+        )
         for a_hypos, b_hypos in zip(cached, recomputed):
             for a, b in zip(a_hypos, b_hypos):
                 assert torch.equal(a["tokens"], b["tokens"]), values
@@ -202,16 +242,21 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     assert tied.num_matmul_parameters() == sum(p.numel() for p in tied.parameters())  # the lookup is the output
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(decoder_kv_heads=3), "--decoder-kv-heads 3: must divide --decoder-attention-heads 4"),
-    (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
-    (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
-    (dict(decoder_head_dim=9), "--decoder-head-dim 9: must be even for rotary embeddings"),
-    (dict(sliding_window=6, layer_types="sliding_attention"), "--layer-types sliding_attention: give one of "
-                                                              "full_attention or sliding_attention per layer"),
-    (dict(sliding_window=6, layer_types="local,full_attention"), "--layer-types local,full_attention: give one"),
-    (dict(layer_types="sliding_attention,full_attention"), "sliding_attention layers need --sliding-window N"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(decoder_kv_heads=3), "--decoder-kv-heads 3: must divide --decoder-attention-heads 4"),
+        (dict(decoder_attention_heads=5), "--decoder-embed-dim 64: must be divisible by --decoder-attention-heads 5"),
+        (dict(decoder_embed_dim=36, decoder_attention_heads=4), "the head size 9 must be even"),
+        (dict(decoder_head_dim=9), "--decoder-head-dim 9: must be even for rotary embeddings"),
+        (
+            dict(sliding_window=6, layer_types="sliding_attention"),
+            "--layer-types sliding_attention: give one of full_attention or sliding_attention per layer",
+        ),
+        (dict(sliding_window=6, layer_types="local,full_attention"), "--layer-types local,full_attention: give one"),
+        (dict(layer_types="sliding_attention,full_attention"), "sliding_attention layers need --sliding-window N"),
+    ],
+)
 def test_impossible_shapes_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny(**overrides)

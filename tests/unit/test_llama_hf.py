@@ -14,6 +14,7 @@ text binarized with the imported tokenizer keeps its ids, continues training fro
 checkpoint, and the trained model exports back to a folder transformers loads; ``--format onnx
 --kv-cache`` writes a cache graph whose logits (a prompt, then a cached step) equal PyTorch's within 1e-4.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,7 +115,9 @@ def test_the_imported_options_are_the_classes_own(imported):
         assert imported["model"].layers[0].self_attn.q_norm.weight.shape == (64,)
         assert imported["model"].layers[0].input_layernorm is None
     assert [layer.self_attn.window for layer in imported["model"].layers] == {
-        "qwen3_window": [None, WINDOW], "mistral_window": [WINDOW, WINDOW]}.get(kind, [None, None])
+        "qwen3_window": [None, WINDOW],
+        "mistral_window": [WINDOW, WINDOW],
+    }.get(kind, [None, None])
 
 
 def test_a_window_wider_than_the_context_is_none_and_local_layers_of_a_llama_refused(tmp_path):
@@ -139,8 +142,11 @@ def test_a_window_wider_than_the_context_is_none_and_local_layers_of_a_llama_ref
     assert [layer.self_attn.window for layer in model.layers] == [None, 8]
     make_hf(str(tmp_path / "llama"), "llama")
     path = tmp_path / "llama" / "config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), sliding_window=8,
-                                    layer_types=["full_attention", "sliding_attention"])))
+    path.write_text(
+        json.dumps(
+            dict(json.loads(path.read_text()), sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+        )
+    )
     with pytest.raises(UserError, match=r"config.json: layer_types \['sliding_attention'\] in a LlamaForCausalLM"):
         run_export(ExportConfig(path=str(tmp_path / "llama"), out=str(tmp_path / "out"), import_from="hf"))
     assert not os.path.exists(tmp_path / "out")
@@ -198,7 +204,7 @@ def test_llama_cached_forward_equals_the_full_forward(imported):
         out = cached(tokens[:, :5], *empty_cache(model, 2))
         steps = [out[0]]
         for t in range(5, tokens.size(1)):
-            out = cached(tokens[:, t:t + 1], *out[1:])
+            out = cached(tokens[:, t : t + 1], *out[1:])
             steps.append(out[0])
     assert out[1].shape == (2, kv_heads(model.cfg), tokens.size(1), head_dim(model.cfg))
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
@@ -227,8 +233,10 @@ def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
     names = onnx_format.cache_names(len(model.layers), "past")
     sess = onnx_format.session(os.path.join(out, "decoder_with_past.onnx"))
     tokens = batch(9)
-    first = sess.run(None, {"tokens": tokens[:, :8].numpy(),
-                            **{k: v.numpy() for k, v in zip(names, onnx_format.empty_cache(model, 2))}})
+    first = sess.run(
+        None,
+        {"tokens": tokens[:, :8].numpy(), **{k: v.numpy() for k, v in zip(names, onnx_format.empty_cache(model, 2))}},
+    )
     step = sess.run(None, {"tokens": tokens[:, 8:].numpy(), **dict(zip(names, first[1:]))})
     with torch.no_grad():
         expected = model(tokens)
@@ -240,6 +248,7 @@ def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
     with torch.no_grad():
         for _ in range(steps):
             want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    got = onnx_format.greedy_decode(sess, len(model.layers), onnx_format.cached_decoder(model).cache_shape, prompt,
-                                    steps)
+    got = onnx_format.greedy_decode(
+        sess, len(model.layers), onnx_format.cached_decoder(model).cache_shape, prompt, steps
+    )
     assert torch.equal(got, want)

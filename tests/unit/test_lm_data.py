@@ -46,10 +46,10 @@ def test_fixture_writes_expected_stream(split, data_bin):
 
 def test_break_mode_none(split):
     assert blocks_of(split, 4, "none") == [
-        ([2, 4, 5, 6], [4, 5, 6, 2]),        # starts the split: source begins with </s>
-        ([2, 7, 8, 2], [7, 8, 2, 2]),        # starts line 2
-        ([2, 9, 10, 11], [9, 10, 11, 12]),   # starts line 4
-        ([12, 2, 13], [2, 13, 2]),           # starts inside line 4: previous token
+        ([2, 4, 5, 6], [4, 5, 6, 2]),  # starts the split: source begins with </s>
+        ([2, 7, 8, 2], [7, 8, 2, 2]),  # starts line 2
+        ([2, 9, 10, 11], [9, 10, 11, 12]),  # starts line 4
+        ([12, 2, 13], [2, 13, 2]),  # starts inside line 4: previous token
     ]
 
 
@@ -57,6 +57,7 @@ def test_break_mode_none_source_at_line_start_is_eos_even_without_eos_items():
     class Items:  # lines without </s>: a block starting a line still gets </s> (fairseq)
         sizes = np.array([3, 2])
         tokens = np.array([4, 5, 6, 7, 8])
+
     ds = TokenBlockDataset(Items(), 3, pad=PAD, eos=EOS, break_mode="none")
     assert [t.tolist() for t in ds[1]] == [[2, 7], [7, 8]]
     ds = TokenBlockDataset(Items(), 2, pad=PAD, eos=EOS, break_mode="none")
@@ -66,25 +67,29 @@ def test_break_mode_none_source_at_line_start_is_eos_even_without_eos_items():
 def test_break_mode_complete(split):
     assert blocks_of(split, 6, "complete") == [
         ([2, 4, 5, 6], [4, 5, 6, 2]),
-        ([2, 7, 8, 2], [7, 8, 2, 2]),          # line 2 + the empty line
+        ([2, 7, 8, 2], [7, 8, 2, 2]),  # line 2 + the empty line
         ([2, 9, 10, 11, 12], [9, 10, 11, 12, 2]),
         ([2, 13], [13, 2]),
     ]
     assert blocks_of(split, 100, "complete") == [([2] + STREAM[:-1], STREAM)]
     # a line longer than the block is a block of its own
     assert [t for _, t in blocks_of(split, 2, "complete")] == [
-        [4, 5, 6, 2], [7, 8, 2], [2], [9, 10, 11, 12, 2], [13, 2]]
+        [4, 5, 6, 2],
+        [7, 8, 2],
+        [2],
+        [9, 10, 11, 12, 2],
+        [13, 2],
+    ]
 
 
 def test_break_mode_complete_doc(split):
     assert blocks_of(split, 6, "complete_doc") == [
         ([2, 4, 5, 6], [4, 5, 6, 2]),
-        ([2, 7, 8], [7, 8, 2]),                # the document ends at the empty line
+        ([2, 7, 8], [7, 8, 2]),  # the document ends at the empty line
         ([2, 9, 10, 11, 12], [9, 10, 11, 12, 2]),
         ([2, 13], [13, 2]),
     ]
-    assert [t for _, t in blocks_of(split, 100, "complete_doc")] == [
-        [4, 5, 6, 2, 7, 8, 2], [9, 10, 11, 12, 2, 13, 2]]
+    assert [t for _, t in blocks_of(split, 100, "complete_doc")] == [[4, 5, 6, 2, 7, 8, 2], [9, 10, 11, 12, 2, 13, 2]]
 
 
 def test_break_mode_eos(split):
@@ -130,6 +135,7 @@ def test_block_slices_match_reference_loops():
 
 def test_blocks_pickle_without_copying_the_token_array(split):
     import pickle
+
     ds = TokenBlockDataset(split, 4, pad=PAD, eos=EOS, break_mode="none")
     data = pickle.dumps(ds)
     assert ds.tokens.tobytes() not in data
@@ -146,9 +152,9 @@ def test_blocks_of_a_plain_dataset_and_of_an_empty_split(tmp_path):
 
         def __getitem__(self, i):
             return torch.tensor([[4, 2], [5, 6, 2]][i])
+
     ds = TokenBlockDataset(Lines(), 2, pad=PAD, eos=EOS, break_mode="none")
-    assert [[t.tolist() for t in ds[i]] for i in range(len(ds))] == [
-        [[2, 4], [4, 2]], [[2, 5], [5, 6]], [[6], [2]]]
+    assert [[t.tolist() for t in ds[i]] for i in range(len(ds))] == [[[2, 4], [4, 2]], [[2, 5], [5, 6]], [[6], [2]]]
 
     make_data_bin(tmp_path / "e", {"train": []}, symbols=SYMBOLS)
     task = LanguageModelingTask.setup_task({"data": str(tmp_path / "e")})
@@ -171,13 +177,16 @@ def test_add_bos_token_prepends_to_source_and_target(split):
 
 def make_dict():
     from tests.helpers.lm_fixtures import build_dictionary
+
     return build_dictionary([], symbols=SYMBOLS)
 
 
 # --- collate -----------------------------------------------------------------------------
 def test_collate_pads_right_and_counts_tokens():
-    samples = [{"id": 7, "source": torch.tensor([2, 4, 5]), "target": torch.tensor([4, 5, 2])},
-               {"id": 3, "source": torch.tensor([2]), "target": torch.tensor([2])}]
+    samples = [
+        {"id": 7, "source": torch.tensor([2, 4, 5]), "target": torch.tensor([4, 5, 2])},
+        {"id": 3, "source": torch.tensor([2]), "target": torch.tensor([2])},
+    ]
     batch = collate(samples, PAD)
     assert batch["id"].tolist() == [7, 3]
     assert batch["nsentences"] == 2 and batch["ntokens"] == 4
@@ -222,8 +231,9 @@ def test_batch_by_size_random_respects_limits():
     sizes = rng.randint(1, 40, size=500)
     order = rng.permutation(500)
     for max_tokens, max_sent, mult in [(64, None, 1), (100, 7, 4), (None, 16, 8), (250, None, 8)]:
-        batches = batch_by_size(order, sizes, max_tokens=max_tokens, max_sentences=max_sent,
-                                required_batch_size_multiple=mult)
+        batches = batch_by_size(
+            order, sizes, max_tokens=max_tokens, max_sentences=max_sent, required_batch_size_multiple=mult
+        )
         assert np.concatenate(batches).tolist() == order.tolist()
         for b in batches:
             assert max_tokens is None or padded(b, sizes) <= max_tokens
@@ -264,8 +274,16 @@ def collate_ids(samples):
 
 def make_itr(num_batches=10, per_batch=2, seed=1, num_shards=1, shard_id=0, epoch=1, num_workers=0):
     batches = [list(range(k * per_batch, (k + 1) * per_batch)) for k in range(num_batches)]
-    return EpochBatchIterator(ListDataset(num_batches * per_batch), collate_ids, batches, seed=seed,
-                              num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch)
+    return EpochBatchIterator(
+        ListDataset(num_batches * per_batch),
+        collate_ids,
+        batches,
+        seed=seed,
+        num_shards=num_shards,
+        shard_id=shard_id,
+        num_workers=num_workers,
+        epoch=epoch,
+    )
 
 
 def epoch_ids(itr, shuffle=True):
@@ -307,8 +325,8 @@ def batch_position(state):
 @pytest.mark.parametrize("k", [0, 1, 4, 9])
 def test_resume_mid_epoch(k):
     full = make_itr()
-    epoch_ids(full)               # epoch 1
-    reference = epoch_ids(full)   # epoch 2, uninterrupted
+    epoch_ids(full)  # epoch 1
+    reference = epoch_ids(full)  # epoch 2, uninterrupted
 
     run = make_itr()
     epoch_ids(run)
@@ -317,7 +335,9 @@ def test_resume_mid_epoch(k):
     state = run.state_dict()
     assert batch_position(state) == {"epoch": 2, "iterations_in_epoch": k, "shuffle": True}
     assert state["samples_in_epoch"] == 2 * k and state["sampler"]["num_samples"] == 20
-    assert all(type(v) in (int, bool, str) for v in [*state.values(), *state["sampler"].values()] if type(v) is not dict)
+    assert all(
+        type(v) in (int, bool, str) for v in [*state.values(), *state["sampler"].values()] if type(v) is not dict
+    )
 
     resumed = make_itr(epoch=state["epoch"])
     resumed.load_state_dict(state)
@@ -386,7 +406,7 @@ def test_two_ranks_update_freq_1_equal_one_rank_update_freq_2():
     single = epoch_ids(make_itr(num_batches=8))
     r0, r1 = (epoch_ids(make_itr(num_batches=8, num_shards=2, shard_id=r)) for r in range(2))
     updates_2_ranks = [{a, b} for a, b in zip(r0, r1)]
-    updates_1_rank = [set(single[i:i + 2]) for i in range(0, 8, 2)]
+    updates_1_rank = [set(single[i : i + 2]) for i in range(0, 8, 2)]
     assert updates_2_ranks == updates_1_rank
 
 
@@ -412,8 +432,10 @@ def test_task_setup_and_datasets(data_bin):
 
 def test_task_accepts_namespace_or_dict(data_bin):
     import argparse
-    ns = argparse.Namespace(data=data_bin, tokens_per_sample=8, sample_break_mode="complete",
-                            add_bos_token=True, lr=1.0)
+
+    ns = argparse.Namespace(
+        data=data_bin, tokens_per_sample=8, sample_break_mode="complete", add_bos_token=True, lr=1.0
+    )
     task = LanguageModelingTask.setup_task(ns)
     assert task.cfg.tokens_per_sample == 8 and task.cfg.add_bos_token
     assert LanguageModelingTask.setup_task({"data": data_bin}).cfg.tokens_per_sample == 1024
@@ -422,8 +444,7 @@ def test_task_accepts_namespace_or_dict(data_bin):
 def test_task_missing_dict_is_user_error(tmp_path):
     with pytest.raises(UserError) as e:
         make_task(str(tmp_path))
-    assert str(e.value) == (f"{tmp_path}/dict.txt: not found; is {tmp_path} a data-bin made by "
-                            f"toolkit-preprocess?")
+    assert str(e.value) == (f"{tmp_path}/dict.txt: not found; is {tmp_path} a data-bin made by toolkit-preprocess?")
 
 
 def test_task_missing_split_is_user_error(data_bin):
@@ -440,7 +461,10 @@ def test_task_round_robin_over_data_folders(tmp_path):
     make_data_bin(b, {"train": ["c d e"]}, symbols=SYMBOLS)
     task = make_task(f"{a}:{b}", tokens_per_sample=100)
     assert [task.load_dataset("train", epoch=e)[0]["target"].tolist() for e in (1, 2, 3)] == [
-        [4, 5, 2], [6, 7, 8, 2], [4, 5, 2]]
+        [4, 5, 2],
+        [6, 7, 8, 2],
+        [4, 5, 2],
+    ]
 
 
 def test_task_batch_iterator_covers_every_token(data_bin):
@@ -472,6 +496,7 @@ def test_task_max_positions_filter(data_bin):
 def test_task_builds_criterion(data_bin):
     import argparse
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
+
     task = make_task(data_bin)
     crit = task.build_criterion(argparse.Namespace(criterion="cross_entropy", sentence_avg=False))
     assert isinstance(crit, CrossEntropyCriterion) and crit.padding_idx == PAD
@@ -495,8 +520,9 @@ def test_task_builds_model_from_arch(data_bin, monkeypatch):
             return m
 
     # registered only for this test
-    monkeypatch.setitem(registry.MODEL_REGISTRY.entries, "_test_tiny_lm",
-                        registry.RegistryEntry("_test_tiny_lm", Tiny, TinyCfg))
+    monkeypatch.setitem(
+        registry.MODEL_REGISTRY.entries, "_test_tiny_lm", registry.RegistryEntry("_test_tiny_lm", Tiny, TinyCfg)
+    )
     monkeypatch.setitem(registry.ARCH_MODEL_NAME, "_test_tiny_lm_wide", "_test_tiny_lm")
     monkeypatch.setitem(registry.ARCH_CONFIG_FN, "_test_tiny_lm_wide", lambda cfg: setattr(cfg, "width", 64))
     task = make_task(data_bin)
@@ -519,10 +545,14 @@ def test_task_and_criterion_registered_with_options():
     parser = argparse.ArgumentParser()
     options.add_dataclass_options(parser, LanguageModelingConfig)
     options.add_dataclass_options(parser, CrossEntropyCriterionConfig)
-    args = parser.parse_args(["/tmp/bin", "--tokens-per-sample", "16", "--sample-break-mode", "eos",
-                              "--add-bos-token"])
+    args = parser.parse_args(["/tmp/bin", "--tokens-per-sample", "16", "--sample-break-mode", "eos", "--add-bos-token"])
     assert (args.data, args.tokens_per_sample, args.sample_break_mode, args.add_bos_token, args.sentence_avg) == (
-        "/tmp/bin", 16, "eos", True, False)
+        "/tmp/bin",
+        16,
+        "eos",
+        True,
+        False,
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["/tmp/bin", "--sample-break-mode", "lines"])
 
@@ -535,16 +565,16 @@ def test_wikitext_smoke(tmp_path, wikitext_dir):
     split = MMapIndexedDataset(str(tmp_path / "wt" / "train"))
     total = len(split.tokens)
     assert total > 50_000 and len(ds) == -(-total // 128)
-    itr = task.get_batch_iterator(ds, max_tokens=1024, required_batch_size_multiple=8, seed=1,
-                                  num_shards=2, shard_id=1)
+    itr = task.get_batch_iterator(ds, max_tokens=1024, required_batch_size_multiple=8, seed=1, num_shards=2, shard_id=1)
     seen = 0
     for s in itr.next_epoch_itr():
         assert s["target"].numel() <= 1024
         assert s["net_input"]["src_tokens"].max() < len(d)
         if not s["is_dummy"]:
             seen += s["ntokens"]
-    other = task.get_batch_iterator(ds, max_tokens=1024, required_batch_size_multiple=8, seed=1,
-                                    num_shards=2, shard_id=0)
+    other = task.get_batch_iterator(
+        ds, max_tokens=1024, required_batch_size_multiple=8, seed=1, num_shards=2, shard_id=0
+    )
     seen += sum(s["ntokens"] for s in other.next_epoch_itr() if not s["is_dummy"])
     assert seen == total
     for mode in ("complete", "complete_doc", "eos"):

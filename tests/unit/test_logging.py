@@ -1,4 +1,5 @@
 """Logging: fairseq-format lines (json/simple), metrics aggregation, state, TensorBoard, MFU."""
+
 import io
 import json
 import logging
@@ -18,8 +19,21 @@ from toolkit.logging.progress_bar import close_tensorboard_writers, format_stat
 
 LINE_RE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| INFO \| (train_inner|valid|train) \| (\{.*\})$")
 
-FAIRSEQ_TRAIN_KEYS = ["loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr", "gnorm", "loss_scale",
-                      "train_wall", "gb_free", "wall"]
+FAIRSEQ_TRAIN_KEYS = [
+    "loss",
+    "ppl",
+    "wps",
+    "ups",
+    "wpb",
+    "bsz",
+    "num_updates",
+    "lr",
+    "gnorm",
+    "loss_scale",
+    "train_wall",
+    "gb_free",
+    "wall",
+]
 
 
 class FakeClock:
@@ -65,17 +79,34 @@ def parse_json_lines(path):
     return out
 
 
-def fake_update(clock, num_updates, ntokens, bits_per_token, nsentences=8, lr=2e-05, grad_norm=20.7512341,
-                loss_scale=4.0, gb_free=9.3123, seconds=1.0):
+def fake_update(
+    clock,
+    num_updates,
+    ntokens,
+    bits_per_token,
+    nsentences=8,
+    lr=2e-05,
+    grad_norm=20.7512341,
+    loss_scale=4.0,
+    gb_free=9.3123,
+    seconds=1.0,
+):
     """What a trainer does for one update (inside the train_inner aggregator)."""
     metrics.log_start_time("train_wall", priority=800, round=0)
     clock.t += seconds
     metrics.log_stop_time("train_wall")
     # criterion: summed loss in nats over ntokens tokens
     metrics.log_loss_metrics(bits_per_token * ntokens * math.log(2), ntokens, ntokens)
-    metrics.log_standard_update_metrics(ntokens=ntokens, nsentences=nsentences, num_updates=num_updates, lr=lr,
-                                        grad_norm=torch.tensor(grad_norm), clip_norm=0.0, loss_scale=loss_scale,
-                                        gb_free=gb_free)
+    metrics.log_standard_update_metrics(
+        ntokens=ntokens,
+        nsentences=nsentences,
+        num_updates=num_updates,
+        lr=lr,
+        grad_norm=torch.tensor(grad_norm),
+        clip_norm=0.0,
+        loss_scale=loss_scale,
+        gb_free=gb_free,
+    )
 
 
 def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, spec=None):
@@ -85,8 +116,9 @@ def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, 
     ntokens = [1000, 3000, 2000, 2000]
     bits = [4.0, 2.0, 3.0, 5.0]
     with metrics.aggregate("train"):
-        progress = progress_bar.progress_bar(list(range(4)), log_format=log_format, log_interval=2, epoch=1,
-                                             tensorboard_logdir=tensorboard_logdir)
+        progress = progress_bar.progress_bar(
+            list(range(4)), log_format=log_format, log_interval=2, epoch=1, tensorboard_logdir=tensorboard_logdir
+        )
         for i, _ in enumerate(progress):
             with metrics.aggregate("train_inner"):
                 fake_update(clock, i + 1, ntokens[i], bits[i])
@@ -98,8 +130,14 @@ def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, 
                 progress.log(stats, tag="train_inner", step=num_updates)
                 metrics.reset_meters("train_inner")
         # validation, as fairseq: a new root aggregator, logged per batch
-        valid = progress_bar.progress_bar(list(range(3)), log_format=log_format, log_interval=2, epoch=1,
-                                          prefix="valid on 'valid' subset", tensorboard_logdir=tensorboard_logdir)
+        valid = progress_bar.progress_bar(
+            list(range(3)),
+            log_format=log_format,
+            log_interval=2,
+            epoch=1,
+            prefix="valid on 'valid' subset",
+            tensorboard_logdir=tensorboard_logdir,
+        )
         with metrics.aggregate(new_root=True) as agg:
             for _ in valid:
                 clock.t += 0.5
@@ -115,6 +153,7 @@ def run_fake_epoch(tmp_path, clock, log_format="json", tensorboard_logdir=None, 
 
 # --- JSON lines --------------------------------------------------------------------------
 
+
 def test_json_lines_match_fairseq(tmp_path, clock):
     log_file = run_fake_epoch(tmp_path, clock)
     lines = parse_json_lines(log_file)
@@ -126,25 +165,53 @@ def test_json_lines_match_fairseq(tmp_path, clock):
     assert first["epoch"] == 1 and first["update"] == 0.5  # numbers, not strings
     assert all(isinstance(v, str) for k, v in first.items() if k not in ("epoch", "update"))
     # interval 1: loss weighted by sample size (4*1000 + 2*3000) / 4000 = 2.5 bits
-    assert first == OrderedDict([
-        ("epoch", 1), ("update", 0.5), ("loss", "2.5"), ("ppl", "5.66"), ("wps", "3000"), ("ups", "1"),
-        ("wpb", "2000"), ("bsz", "8"), ("num_updates", "2"), ("lr", "2e-05"), ("gnorm", "20.751"),
-        ("loss_scale", "4"), ("train_wall", "2"), ("gb_free", "9.3"), ("wall", "2")])
+    assert first == OrderedDict(
+        [
+            ("epoch", 1),
+            ("update", 0.5),
+            ("loss", "2.5"),
+            ("ppl", "5.66"),
+            ("wps", "3000"),
+            ("ups", "1"),
+            ("wpb", "2000"),
+            ("bsz", "8"),
+            ("num_updates", "2"),
+            ("lr", "2e-05"),
+            ("gnorm", "20.751"),
+            ("loss_scale", "4"),
+            ("train_wall", "2"),
+            ("gb_free", "9.3"),
+            ("wall", "2"),
+        ]
+    )
     # interval 2 after reset_meters("train_inner"): only updates 3 and 4
     assert second["update"] == 1.0
-    assert (second["loss"], second["ppl"], second["wps"], second["wpb"], second["num_updates"]) == \
-        ("4", "16", "2000", "2000", "4")
+    assert (second["loss"], second["ppl"], second["wps"], second["wpb"], second["num_updates"]) == (
+        "4",
+        "16",
+        "2000",
+        "2000",
+        "4",
+    )
     assert (second["train_wall"], second["wall"]) == ("2", "4")
 
-    assert valid == OrderedDict([
-        ("epoch", 1), ("valid_loss", "3"), ("valid_ppl", "8"), ("valid_wps", "200"), ("valid_wpb", "100"),
-        ("valid_bsz", "2"), ("valid_num_updates", "4")])
+    assert valid == OrderedDict(
+        [
+            ("epoch", 1),
+            ("valid_loss", "3"),
+            ("valid_ppl", "8"),
+            ("valid_wps", "200"),
+            ("valid_wpb", "100"),
+            ("valid_bsz", "2"),
+            ("valid_num_updates", "4"),
+        ]
+    )
 
     assert list(train) == ["epoch"] + ["train_" + k for k in FAIRSEQ_TRAIN_KEYS]
     # epoch: (4*1000 + 2*3000 + 3*2000 + 5*2000) / 8000 = 3.25 bits; wps counts updates 2-4 (7000 tokens)
     # from update 1 (t=1 s) to the end of validation (t=5.5 s)
     assert train["train_loss"] == "3.25" and train["train_ppl"] == "9.51"
-    assert train["train_wps"] == "{:g}".format(round(7000 / 4.5, 1)) == "1555.6"
+    assert train["train_wps"] == f"{round(7000 / 4.5, 1):g}" == "1555.6"
     assert train["train_ups"] == "0.67"
     assert train["train_wpb"] == "2000" and train["train_train_wall"] == "4" and train["train_wall"] == "6"
 
@@ -159,21 +226,24 @@ def test_json_line_example_format(tmp_path, clock):
         bar = progress_bar.progress_bar(list(range(100000)), log_format="json", log_interval=1, epoch=1)
         for _ in bar:
             with metrics.aggregate("train_inner"):
-                fake_update(clock, 1, 16384, 16.4751234, lr=2e-05, grad_norm=20.7512, loss_scale=4.0,
-                            gb_free=9.3, seconds=99.2)
+                fake_update(
+                    clock, 1, 16384, 16.4751234, lr=2e-05, grad_norm=20.7512, loss_scale=4.0, gb_free=9.3, seconds=99.2
+                )
             bar.log(metrics.get_training_stats("train_inner"), tag="train_inner", step=1)
             break
     (line,) = read_lines(log_file)
-    expected = ('| INFO | train_inner | {"epoch": 1, "update": 0.0, "loss": "16.475", "ppl": "91097.5", '
-                '"wps": "0", "ups": "0", "wpb": "16384", "bsz": "8", "num_updates": "1", "lr": "2e-05", '
-                '"gnorm": "20.751", "loss_scale": "4", "train_wall": "99", "gb_free": "9.3", "wall": "105"}')
-    assert line[len("2021-03-08 12:31:36 "):] == expected
+    expected = (
+        '| INFO | train_inner | {"epoch": 1, "update": 0.0, "loss": "16.475", "ppl": "91097.5", '
+        '"wps": "0", "ups": "0", "wpb": "16384", "bsz": "8", "num_updates": "1", "lr": "2e-05", '
+        '"gnorm": "20.751", "loss_scale": "4", "train_wall": "99", "gb_free": "9.3", "wall": "105"}'
+    )
+    assert line[len("2021-03-08 12:31:36 ") :] == expected
     assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)
 
 
 def test_format_stat_like_fairseq():
     assert format_stat(round(16.4751234, 3)) == "16.475"
-    assert format_stat(round(2 ** 16.4751234, 2)) == "91097.5"
+    assert format_stat(round(2**16.4751234, 2)) == "91097.5"
     assert format_stat(2e-05) == "2e-05"
     assert format_stat(0.0005) == "0.0005"
     assert format_stat(16384.0) == "16384"
@@ -192,21 +262,28 @@ def test_our_keys_come_after_fairseq_keys(tmp_path, clock):
     assert "valid_tps" not in valid
     # tokens/s per device = wps / world_size; mfu% = 100 * tps * flops_per_token / peak
     assert first["tps"] == "1500"
-    assert first["mfu"] == "{:g}".format(round(100 * 1500 * 6e6 / 1e12, 2)) == "0.9"
+    assert first["mfu"] == f"{round(100 * 1500 * 6e6 / 1e12, 2):g}" == "0.9"
 
 
 # --- simple / none / tqdm -------------------------------------------------------------------
+
 
 def test_simple_format_lines(tmp_path, clock):
     log_file = run_fake_epoch(tmp_path, clock, log_format="simple")
     lines = read_lines(log_file)
     head = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| INFO \| "
-    assert re.match(head + r"train_inner \| epoch 001:      2 / 4 loss=2\.5, ppl=5\.66, wps=3000, ups=1, wpb=2000, "
-                    r"bsz=8, num_updates=2, lr=2e-05, gnorm=20\.751, loss_scale=4, train_wall=2, gb_free=9\.3, "
-                    r"wall=2$", lines[0]), lines[0]
+    assert re.match(
+        head + r"train_inner \| epoch 001:      2 / 4 loss=2\.5, ppl=5\.66, wps=3000, ups=1, wpb=2000, "
+        r"bsz=8, num_updates=2, lr=2e-05, gnorm=20\.751, loss_scale=4, train_wall=2, gb_free=9\.3, "
+        r"wall=2$",
+        lines[0],
+    ), lines[0]
     assert re.match(head + r"train_inner \| epoch 001:      4 / 4 loss=4, ", lines[1]), lines[1]
-    assert re.match(head + r"valid \| epoch 001 \| valid on 'valid' subset \| loss 3 \| ppl 8 \| wps 200 \| "
-                    r"wpb 100 \| bsz 2 \| num_updates 4$", lines[2]), lines[2]
+    assert re.match(
+        head + r"valid \| epoch 001 \| valid on 'valid' subset \| loss 3 \| ppl 8 \| wps 200 \| "
+        r"wpb 100 \| bsz 2 \| num_updates 4$",
+        lines[2],
+    ), lines[2]
     assert re.match(head + r"train \| epoch 001 \| loss 3\.25 \| ppl 9\.51 \| ", lines[3]), lines[3]
 
 
@@ -226,6 +303,7 @@ def test_none_and_tqdm_formats(tmp_path):
 
 def test_logger_name_restored_and_rank_levels(tmp_path):
     from toolkit.logging.progress_bar import logger as bar_logger
+
     setup_logging(log_file=str(tmp_path / "r0.log"))
     bar = progress_bar.progress_bar([1], log_format="json", epoch=1)
     bar.print({"loss": 1.0}, tag="valid")
@@ -239,6 +317,7 @@ def test_logger_name_restored_and_rank_levels(tmp_path):
 
 
 # --- metrics aggregation ----------------------------------------------------------------------
+
 
 def test_weighted_average_priorities_and_derived():
     with metrics.aggregate("a") as agg:
@@ -333,6 +412,7 @@ def test_update_metrics_clip_and_nonfinite():
 
 # --- state -------------------------------------------------------------------------------------
 
+
 def test_state_dict_round_trip_weights_only(tmp_path, clock):
     metrics.log_wall_start()
     with metrics.aggregate("train"):
@@ -368,6 +448,7 @@ def test_state_dict_round_trip_weights_only(tmp_path, clock):
 
 # --- TensorBoard -------------------------------------------------------------------------------
 
+
 def test_tensorboard_scalars(tmp_path, clock):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -391,6 +472,7 @@ def test_tensorboard_scalars(tmp_path, clock):
 
 
 # --- throughput / MFU ------------------------------------------------------------------------------
+
 
 def test_cpu_peak_flops_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
@@ -448,6 +530,7 @@ def test_mfu_and_cpu_peak_share():
 
 # --- the CLI's ways of calling ------------------------------------------------------------------
 
+
 def test_valid_metrics_logged_once_from_totals(tmp_path, clock):
     """Validation that sums its batches and logs once gives fairseq's per-batch numbers."""
     log_file = str(tmp_path / "v.log")
@@ -463,9 +546,18 @@ def test_valid_metrics_logged_once_from_totals(tmp_path, clock):
     assert "wpb" not in metrics.get_meters("train")
     ((tag, valid),) = parse_json_lines(log_file)
     assert tag == "valid"
-    assert valid == OrderedDict([
-        ("epoch", 2), ("valid_loss", "3"), ("valid_ppl", "8"), ("valid_wps", "200"), ("valid_wpb", "100"),
-        ("valid_bsz", "2"), ("valid_num_updates", "7"), ("valid_best_loss", "2.5")])
+    assert valid == OrderedDict(
+        [
+            ("epoch", 2),
+            ("valid_loss", "3"),
+            ("valid_ppl", "8"),
+            ("valid_wps", "200"),
+            ("valid_wpb", "100"),
+            ("valid_bsz", "2"),
+            ("valid_num_updates", "7"),
+            ("valid_best_loss", "2.5"),
+        ]
+    )
 
 
 def test_wall_clock_always_present(clock):
@@ -505,6 +597,7 @@ def log_to_a_stream_raising(error: Exception) -> None:
     class Raising(io.StringIO):
         def write(self, s):
             raise error
+
     handler.setStream(Raising())
 
 

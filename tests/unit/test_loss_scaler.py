@@ -1,4 +1,5 @@
 """fp16 dynamic loss scaler: fairseq's semantics."""
+
 import math
 
 import pytest
@@ -6,14 +7,22 @@ import torch
 
 from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window, overflow_message
 
-MIN_MSG = ("Minimum loss scale reached (0.5). Your loss is probably exploding. Try lowering the learning rate, "
-           "using gradient clipping or increasing the batch size.")
+MIN_MSG = (
+    "Minimum loss scale reached (0.5). Your loss is probably exploding. Try lowering the learning rate, "
+    "using gradient clipping or increasing the batch size."
+)
 
 
 def test_defaults_and_scale():
     s = DynamicLossScaler()
-    assert (s.loss_scale, s.scale_factor, s.scale_window, s.tolerance, s.threshold, s.min_loss_scale) == \
-        (128.0, 2.0, 2000, 0.0, None, 1e-4)
+    assert (s.loss_scale, s.scale_factor, s.scale_window, s.tolerance, s.threshold, s.min_loss_scale) == (
+        128.0,
+        2.0,
+        2000,
+        0.0,
+        None,
+        1e-4,
+    )
     assert s.scale(torch.tensor(1.5)).item() == 192.0
 
 
@@ -30,8 +39,10 @@ def test_overflow_halves_and_raises(bad):
     with pytest.raises(OverflowError, match="setting loss scale to: 64.0"):
         s.check_overflow(bad)
     assert s.loss_scale == 64.0
-    assert overflow_message(s.loss_scale) == \
-        "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
+    assert (
+        overflow_message(s.loss_scale)
+        == "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
+    )
 
 
 def test_overflow_flag():

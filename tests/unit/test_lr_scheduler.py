@@ -1,4 +1,5 @@
 """LR schedulers: fairseq's values at chosen update counts (hand-computed), epochs, state, bad flags."""
+
 import argparse
 import math
 
@@ -34,8 +35,7 @@ def check(s, opt, expected):
 def test_inverse_sqrt():
     s, opt = sched("inverse_sqrt", lr=5e-4, warmup_updates=4000)
     assert lrs_of(opt) == [0.0, 0.0]  # starts at warmup_init_lr (0 by default)
-    check(s, opt, {0: 0.0, 1000: 1.25e-4, 3999: 5e-4 * 3999 / 4000, 4000: 5e-4,
-                   16000: 2.5e-4, 64000: 1.25e-4})
+    check(s, opt, {0: 0.0, 1000: 1.25e-4, 3999: 5e-4 * 3999 / 4000, 4000: 5e-4, 16000: 2.5e-4, 64000: 1.25e-4})
 
 
 def test_inverse_sqrt_warmup_init_lr_and_default_warmup():
@@ -47,13 +47,15 @@ def test_inverse_sqrt_warmup_init_lr_and_default_warmup():
 def test_polynomial_decay():
     s, opt = sched("polynomial_decay", lr=1e-3, warmup_updates=100, total_num_update=1100, end_learning_rate=1e-5)
     assert lrs_of(opt) == [pytest.approx(1e-5)] * 2  # lr / warmup_updates before the first update
-    check(s, opt, {0: 0.0, 50: 5e-4, 100: 1e-3, 600: 0.99e-3 * 0.5 + 1e-5, 1099: 0.99e-3 / 1000 + 1e-5,
-                   1100: 1e-5, 5000: 1e-5})
+    check(
+        s,
+        opt,
+        {0: 0.0, 50: 5e-4, 100: 1e-3, 600: 0.99e-3 * 0.5 + 1e-5, 1099: 0.99e-3 / 1000 + 1e-5, 1100: 1e-5, 5000: 1e-5},
+    )
 
 
 def test_polynomial_decay_power_and_max_update_default():
-    s, opt = sched("polynomial_decay", lr=1e-3, warmup_updates=100, max_update=1100, end_learning_rate=1e-5,
-                   power=2.0)
+    s, opt = sched("polynomial_decay", lr=1e-3, warmup_updates=100, max_update=1100, end_learning_rate=1e-5, power=2.0)
     assert s.total_num_update == 1100
     check(s, opt, {600: 0.99e-3 * 0.25 + 1e-5, 850: 0.99e-3 * 0.0625 + 1e-5})
 
@@ -71,17 +73,31 @@ def test_cosine():
     assert s.period == 1000
     assert lrs_of(opt) == [1e-7, 1e-7]
     c = 0.5 * (1e-3 - 1e-5)
-    check(s, opt, {0: 1e-7, 50: 1e-7 + 50 * (1e-3 - 1e-7) / 100, 100: 1e-3, 350: 1e-5 + c * (1 + math.cos(math.pi / 4)),
-                   600: 1e-5 + c, 1099: 1e-5 + c * (1 + math.cos(math.pi * 999 / 1000)),
-                   # a new period: peak and minimum shrunk by --lr-shrink (0.1)
-                   1100: 1e-4, 1600: 1e-6 + 0.5 * (1e-4 - 1e-6)})
+    check(
+        s,
+        opt,
+        {
+            0: 1e-7,
+            50: 1e-7 + 50 * (1e-3 - 1e-7) / 100,
+            100: 1e-3,
+            350: 1e-5 + c * (1 + math.cos(math.pi / 4)),
+            600: 1e-5 + c,
+            1099: 1e-5 + c * (1 + math.cos(math.pi * 999 / 1000)),
+            # a new period: peak and minimum shrunk by --lr-shrink (0.1)
+            1100: 1e-4,
+            1600: 1e-6 + 0.5 * (1e-4 - 1e-6),
+        },
+    )
 
 
 def test_cosine_t_mult_and_period():
     s, opt = sched("cosine", lr=1e-3, lr_period_updates=100, t_mult=2.0, lr_shrink=0.5)
     assert lrs_of(opt) == [0.0, 0.0]  # warmup_init_lr defaults to --min-lr (0)
-    check(s, opt, {0: 1e-3, 50: 0.5e-3, 100: 0.5e-3, 200: 0.25e-3, 300: 0.25e-3, 500: 0.125e-3,
-                   700: 0.125e-3, 1500: 0.0625e-3})
+    check(
+        s,
+        opt,
+        {0: 1e-3, 50: 0.5e-3, 100: 0.5e-3, 200: 0.25e-3, 300: 0.25e-3, 500: 0.125e-3, 700: 0.125e-3, 1500: 0.0625e-3},
+    )
 
 
 def test_fixed_warmup_and_anneal():
@@ -125,14 +141,17 @@ def test_namespace_args_and_default_scheduler():
     assert type(s).__name__ == "FixedLRSchedule" and lrs_of(opt) == [0.5, 0.5]
 
 
-@pytest.mark.parametrize("kw,flag", [
-    (dict(lr_scheduler="polynomial_decay", lr=1e-3), "--total-num-update"),
-    (dict(lr_scheduler="cosine", lr=1e-3), "--lr-period-updates"),
-    (dict(lr_scheduler="cosine", lr=1e-3, min_lr=1e-3, max_update=100), "--min-lr"),
-    (dict(lr_scheduler="cosine", lr=1e-3, warmup_updates=100, max_update=100), "--warmup-updates"),
-    (dict(lr_scheduler="inverse_sqrt", lr=1e-3, warmup_updates=0), "--warmup-updates"),
-    (dict(lr_scheduler="fixed", lr=1e-3, warmup_updates=-1), "--warmup-updates"),
-])
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        (dict(lr_scheduler="polynomial_decay", lr=1e-3), "--total-num-update"),
+        (dict(lr_scheduler="cosine", lr=1e-3), "--lr-period-updates"),
+        (dict(lr_scheduler="cosine", lr=1e-3, min_lr=1e-3, max_update=100), "--min-lr"),
+        (dict(lr_scheduler="cosine", lr=1e-3, warmup_updates=100, max_update=100), "--warmup-updates"),
+        (dict(lr_scheduler="inverse_sqrt", lr=1e-3, warmup_updates=0), "--warmup-updates"),
+        (dict(lr_scheduler="fixed", lr=1e-3, warmup_updates=-1), "--warmup-updates"),
+    ],
+)
 def test_bad_combinations(kw, flag):
     with pytest.raises(UserError, match=flag):
         build_lr_scheduler(kw, optimizer())
@@ -146,7 +165,21 @@ def test_flags_are_generated_and_shared():
     parser = argparse.ArgumentParser()
     add_dataclass_options(parser, OptimizationConfig)
     add_dataclass_options(parser, CosineLRScheduleConfig)
-    args = parser.parse_args(["--lr", "0.001", "--max-update", "1100", "--warmup-updates", "100",
-                              "--min-lr", "1e-5", "--t-mult", "2", "--lr-shrink", "0.5"])
+    args = parser.parse_args(
+        [
+            "--lr",
+            "0.001",
+            "--max-update",
+            "1100",
+            "--warmup-updates",
+            "100",
+            "--min-lr",
+            "1e-5",
+            "--t-mult",
+            "2",
+            "--lr-shrink",
+            "0.5",
+        ]
+    )
     s = build_lr_scheduler(dict(vars(args), lr_scheduler="cosine"), optimizer())
     assert (s.max_lr, s.period, s.min_lr, s.t_mult, s.lr_shrink) == (1e-3, 1000, 1e-5, 2.0, 0.5)

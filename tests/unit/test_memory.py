@@ -1,6 +1,7 @@
 """Memory options: activation checkpointing / offloading change no gradient; --cpu-offload with
 DeepSpeed CPU Adam, fp16 and activation checkpointing trains on 2 CPU processes and resumes;
 benchmarks/memory.py measures that checkpointing shrinks the saved activations."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,9 +22,19 @@ VOCAB, T, B = 60, 16, 3
 
 
 def parallel_args(**kw):
-    args = dict(ddp_backend="c10d", checkpoint_activations=False, offload_activations=False, cpu_offload=False,
-                no_reshard_after_forward=False, sharding_strategy="full_shard", shard_group_size=0, seed=7,
-                fp16=False, bf16=False, memory_efficient_fp16=False)
+    args = dict(
+        ddp_backend="c10d",
+        checkpoint_activations=False,
+        offload_activations=False,
+        cpu_offload=False,
+        no_reshard_after_forward=False,
+        sharding_strategy="full_shard",
+        shard_group_size=0,
+        seed=7,
+        fp16=False,
+        bf16=False,
+        memory_efficient_fp16=False,
+    )
     args.update(kw)
     from toolkit.config import options
     from toolkit.config import CommonConfig, DistributedConfig
@@ -33,9 +44,16 @@ def parallel_args(**kw):
 
 def grads_after_one_step(dtype=None, **flags):
     """Build the tiny model through toolkit's parallelize, one forward/backward; {name: full grad}, loss."""
-    cfg = TransformerLMConfig(decoder_layers=3, decoder_embed_dim=32, decoder_ffn_embed_dim=64,
-                              decoder_attention_heads=2, dropout=0.1, attention_dropout=0.1,
-                              activation_dropout=0.1, max_target_positions=T)
+    cfg = TransformerLMConfig(
+        decoder_layers=3,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=2,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        max_target_positions=T,
+    )
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, VOCAB, padding_idx=1)
     model, parallel = parallelize(model, *parallel_args(**flags), DistributedEnv())
@@ -43,8 +61,11 @@ def grads_after_one_step(dtype=None, **flags):
     tokens = torch.randint(4, VOCAB, (B, T), generator=g)
     target = torch.randint(4, VOCAB, (B, T), generator=g)
     torch.manual_seed(123)  # dropout: checkpointing must replay the same masks in its recomputation
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None and not parallel.handles_mixed_precision \
+    autocast = (
+        torch.autocast("cpu", dtype=dtype)
+        if dtype is not None and not parallel.handles_mixed_precision
         else torch.autocast("cpu", enabled=False)
+    )
     with parallel.forward_context(), autocast:
         logits = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), target.reshape(-1), reduction="sum")
@@ -62,8 +83,11 @@ def assert_same_grads(a, b):
         assert torch.equal(a[name], b[name]), (name, (a[name] - b[name]).abs().max())
 
 
-MEMORY_FLAGS = [dict(checkpoint_activations=True), dict(offload_activations=True),
-                dict(checkpoint_activations=True, offload_activations=True)]
+MEMORY_FLAGS = [
+    dict(checkpoint_activations=True),
+    dict(offload_activations=True),
+    dict(checkpoint_activations=True, offload_activations=True),
+]
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -102,8 +126,9 @@ def test_fully_sharded_checkpoint_and_offload_give_identical_grads(process_group
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("memory_benchmark", os.path.join(REPO_ROOT, "benchmarks",
-                                                                                    "memory.py"))
+    spec = importlib.util.spec_from_file_location(
+        "memory_benchmark", os.path.join(REPO_ROOT, "benchmarks", "memory.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

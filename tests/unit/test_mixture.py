@@ -1,4 +1,5 @@
 """--data-mixture: weights met, deterministic by seed, exact resume after kill -9, validation per source."""
+
 import numpy as np
 import pytest
 
@@ -30,9 +31,9 @@ def sources(tmp_path_factory):
 def test_weights_met_within_one_percent_over_10k(weights):
     """Counted over the first 10k samples *as trained*: batches cut and shuffled by the epoch iterator."""
     sources = [Source(f"s{i}", "-", w) for i, w in enumerate(weights)]
-    parts = [Sized(np.full(n, 16)) for n in (5000, 800, 20000)[:len(weights)]]
+    parts = [Sized(np.full(n, 16)) for n in (5000, 800, 20000)[: len(weights)]]
     mixed = MixtureDataset(sources, parts, num_samples=30000)
-    batches = [mixed.ordered_indices(5)[i:i + 8] for i in range(0, 30000, 8)]
+    batches = [mixed.ordered_indices(5)[i : i + 8] for i in range(0, 30000, 8)]
     itr = EpochBatchIterator(mixed, list, batches, seed=5)
     order = np.concatenate(itr.epoch_batches(1))
     drawn = np.bincount(mixed.source_of(order[:10000]), minlength=len(weights)) / 10000
@@ -62,14 +63,17 @@ def test_source_counts_add_up():
         assert counts.sum() == total and counts.max() - counts.min() <= 1 + total * 0.001
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ("web=/nope:1", "no such data-bin folder"),
-    ("web:0.7", "is not NAME=PATH:WEIGHT"),
-    ("web=DIR:-1", "must be a positive number"),
-    ("web=DIR:x", "must be a positive number"),
-    ("web=DIR:1,web=DIR:2", "named twice"),
-    ("w b=DIR:1", "may hold only letters"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("web=/nope:1", "no such data-bin folder"),
+        ("web:0.7", "is not NAME=PATH:WEIGHT"),
+        ("web=DIR:-1", "must be a positive number"),
+        ("web=DIR:x", "must be a positive number"),
+        ("web=DIR:1,web=DIR:2", "named twice"),
+        ("w b=DIR:1", "may hold only letters"),
+    ],
+)
 def test_bad_specs(tmp_path, spec, fragment):
     with pytest.raises(UserError, match=fragment):
         parse_mixture(spec.replace("DIR", str(tmp_path)))

@@ -1,4 +1,5 @@
 """transformer_lm: shapes, causality, tying, named architectures, deterministic (meta/sharded) init."""
+
 import argparse
 import dataclasses
 import math
@@ -112,12 +113,23 @@ def test_tied_output_projection_is_the_embedding():
 
 
 GPT3_PUBLISHED = {
-    "transformer_lm_gpt3_small": 125e6, "transformer_lm_gpt3_medium": 350e6, "transformer_lm_gpt3_large": 760e6,
-    "transformer_lm_gpt3_xl": 1.3e9, "transformer_lm_gpt3_2_7": 2.7e9, "transformer_lm_gpt3_6_7": 6.7e9,
-    "transformer_lm_gpt3_13": 13e9, "transformer_lm_gpt3_175": 175e9,
+    "transformer_lm_gpt3_small": 125e6,
+    "transformer_lm_gpt3_medium": 350e6,
+    "transformer_lm_gpt3_large": 760e6,
+    "transformer_lm_gpt3_xl": 1.3e9,
+    "transformer_lm_gpt3_2_7": 2.7e9,
+    "transformer_lm_gpt3_6_7": 6.7e9,
+    "transformer_lm_gpt3_13": 13e9,
+    "transformer_lm_gpt3_175": 175e9,
 }
-EXPECTED_ARCHS = {"transformer_lm", "transformer_lm_gpt", "transformer_lm_gpt2_small", "transformer_lm_gpt2_medium",
-                  "transformer_lm_gpt2_big", *GPT3_PUBLISHED}
+EXPECTED_ARCHS = {
+    "transformer_lm",
+    "transformer_lm_gpt",
+    "transformer_lm_gpt2_small",
+    "transformer_lm_gpt2_medium",
+    "transformer_lm_gpt2_big",
+    *GPT3_PUBLISHED,
+}
 
 
 def test_all_named_architectures_registered_and_build_on_meta():
@@ -141,18 +153,30 @@ def test_gpt3_parameter_counts_match_published(arch, published):
 
 def test_architecture_values_follow_fairseq():
     c = model_config("transformer_lm_gpt3_175")
-    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_attention_heads, c.decoder_ffn_embed_dim) == \
-        (96, 12288, 96, 4 * 12288)
+    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_attention_heads, c.decoder_ffn_embed_dim) == (
+        96,
+        12288,
+        96,
+        4 * 12288,
+    )
     assert c.decoder_learned_pos and c.share_decoder_input_output_embed and c.decoder_normalize_before
     assert (c.dropout, c.attention_dropout, c.activation_fn) == (0.0, 0.0, "gelu")
     c = model_config("transformer_lm_gpt2_big")
-    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_attention_heads, c.decoder_ffn_embed_dim) == \
-        (48, 1600, 25, 6400)
+    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_attention_heads, c.decoder_ffn_embed_dim) == (
+        48,
+        1600,
+        25,
+        6400,
+    )
     assert not c.decoder_learned_pos and not c.share_decoder_input_output_embed
     assert (c.dropout, c.attention_dropout, c.activation_fn) == (0.1, 0.1, "gelu")
     c = model_config("transformer_lm")
-    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == \
-        (6, 512, 2048, 8)
+    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == (
+        6,
+        512,
+        2048,
+        8,
+    )
     # fairseq >= 0.11: --arch transformer_lm is the config's defaults, post-norm with 512-wide in/out embeddings
     assert (c.activation_fn, c.dropout, c.decoder_normalize_before) == ("relu", 0.1, False)
     assert (c.decoder_input_dim, c.decoder_output_dim) == (512, 512)
@@ -171,13 +195,27 @@ def test_user_flags_override_architecture_values():
     assert options.config_from_args(TransformerLMConfig, args).decoder_layers == 12
 
     defaults = options.architecture_defaults("transformer_lm_gpt3_small")
-    cfg = TransformerLMConfig(**{**defaults, "decoder_embed_dim": 64, "decoder_attention_heads": 2,
-                                 "decoder_ffn_embed_dim": 128, "decoder_layers": 1})
-    assert count_parameters("transformer_lm_gpt3_small", vocab_size=100, tokens_per_sample=8,
-                            decoder_embed_dim=64, decoder_attention_heads=2, decoder_ffn_embed_dim=128,
-                            decoder_layers=1) == sum(
-        p.numel() for p in TransformerLanguageModel(dataclasses.replace(cfg, max_target_positions=8),
-                                                    100, 1).parameters())
+    cfg = TransformerLMConfig(
+        **{
+            **defaults,
+            "decoder_embed_dim": 64,
+            "decoder_attention_heads": 2,
+            "decoder_ffn_embed_dim": 128,
+            "decoder_layers": 1,
+        }
+    )
+    assert count_parameters(
+        "transformer_lm_gpt3_small",
+        vocab_size=100,
+        tokens_per_sample=8,
+        decoder_embed_dim=64,
+        decoder_attention_heads=2,
+        decoder_ffn_embed_dim=128,
+        decoder_layers=1,
+    ) == sum(
+        p.numel()
+        for p in TransformerLanguageModel(dataclasses.replace(cfg, max_target_positions=8), 100, 1).parameters()
+    )
 
 
 def test_build_model_takes_sizes_from_the_task():
@@ -275,7 +313,7 @@ def test_init_rules():
             assert torch.all(p == 1), name
     w = model.layers[0].fc1.weight
     assert w.abs().max() <= math.sqrt(6 / (32 + 64))
-    assert model.embed_tokens.weight.std().item() == pytest.approx(32 ** -0.5, rel=0.15)
+    assert model.embed_tokens.weight.std().item() == pytest.approx(32**-0.5, rel=0.15)
 
 
 @pytest.mark.parametrize("kind", sorted(POSITION_KINDS))
@@ -316,13 +354,16 @@ def test_architecture_values_derived_from_a_given_option_follow_it():
     from toolkit.config import TRAIN_CONFIGS
 
     def parse(*extra):
-        return options.parse_with_components("toolkit-train", TRAIN_CONFIGS,
-                                             ["data", "--arch", "transformer_lm_gpt3_xl", *extra])
+        return options.parse_with_components(
+            "toolkit-train", TRAIN_CONFIGS, ["data", "--arch", "transformer_lm_gpt3_xl", *extra]
+        )
 
     assert (parse().decoder_embed_dim, parse().decoder_ffn_embed_dim) == (2048, 8192)
     args = parse("--decoder-embed-dim", "1024")
     assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim, args.decoder_layers) == (1024, 4096, 24)
     args = parse("--decoder-embed-dim=1024", "--decoder-ffn-embed-dim", "100")
     assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim) == (1024, 100)
-    assert options.architecture_defaults("transformer_lm_gpt3_xl", {"decoder_embed_dim": 512})[
-        "decoder_ffn_embed_dim"] == 2048
+    assert (
+        options.architecture_defaults("transformer_lm_gpt3_xl", {"decoder_embed_dim": 512})["decoder_ffn_embed_dim"]
+        == 2048
+    )

@@ -4,6 +4,7 @@ and the trainer's post-step hooks.
 The toy auxiliary term is ``sum(w ** 2)`` of one weight matrix, so its gradient is known in closed form
 (2w): an update's gradient with the term at coefficient c is the cross-entropy's plus exactly c * 2w.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ def build(data_bin, tmp_path, extras=None):
             nll = summed_nll_of(out)
             own = {} if nll is None else {SUMMED_NLL: nll}
             return with_extras(CrossEntropyCriterion.logits_of(out), **own, **extras(model))
+
         model.forward = forward_with_extras
     itr = train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)
     return trainer, [next(itr), next(itr)]
@@ -57,8 +59,13 @@ def step_gradients(trainer, samples):
     step = trainer._step_optimizer
 
     def capture(grad_factor):
-        seen.update({n: p.grad.detach().clone() * grad_factor for n, p in trainer.model.named_parameters()
-                     if p.grad is not None})
+        seen.update(
+            {
+                n: p.grad.detach().clone() * grad_factor
+                for n, p in trainer.model.named_parameters()
+                if p.grad is not None
+            }
+        )
         return step(grad_factor)
 
     trainer._step_optimizer = capture
@@ -91,8 +98,10 @@ def test_aux_loss_is_trained_with_its_coefficient_and_logged_and_valid_loss_is_t
 
 
 def test_reduce_metrics_weights_each_term_by_sample_size():
-    logs = [{"loss": torch.tensor(8.0), "ntokens": 4, "nsentences": 1, "sample_size": 4, "z_loss": torch.tensor(4.0)},
-            {"loss": torch.tensor(4.0), "ntokens": 2, "nsentences": 1, "sample_size": 2, "z_loss": torch.tensor(8.0)}]
+    logs = [
+        {"loss": torch.tensor(8.0), "ntokens": 4, "nsentences": 1, "sample_size": 4, "z_loss": torch.tensor(4.0)},
+        {"loss": torch.tensor(4.0), "ntokens": 2, "nsentences": 1, "sample_size": 2, "z_loss": torch.tensor(8.0)},
+    ]
     with metrics.aggregate(new_root=True) as agg:
         out = CrossEntropyCriterion.reduce_metrics(logs)
     assert out["z_loss"] == pytest.approx(12.0 / 6) and agg.get_smoothed_values()["z_loss"] == pytest.approx(2.0)
@@ -102,8 +111,9 @@ def test_reduce_metrics_weights_each_term_by_sample_size():
 def test_an_aux_term_named_like_a_criterion_output_is_refused():
     logits = torch.zeros(1, 2, 3, requires_grad=True)
     with pytest.raises(ValueError, match="'ntokens'"):
-        CrossEntropyCriterion.with_model_extras(with_extras(logits, {"ntokens": (logits.sum(), 1.0)}),
-                                                logits.sum(), 2, {"loss": 0.0})
+        CrossEntropyCriterion.with_model_extras(
+            with_extras(logits, {"ntokens": (logits.sum(), 1.0)}), logits.sum(), 2, {"loss": 0.0}
+        )
 
 
 class RouterBias(torch.nn.Module):
@@ -149,7 +159,11 @@ def test_a_forward_that_drops_the_fused_loss_is_one_line():
             return with_extras(None)
 
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: 1))
-    sample = {"net_input": {"src_tokens": torch.tensor([[4, 5]])}, "target": torch.tensor([[5, 6]]),
-              "ntokens": 2, "nsentences": 1}
+    sample = {
+        "net_input": {"src_tokens": torch.tensor([[4, 5]])},
+        "target": torch.tensor([[5, 6]]),
+        "ntokens": 2,
+        "nsentences": 1,
+    }
     with pytest.raises(UserError, match=r"--head-loss-chunk-rows 512: Dropping's forward returned neither logits"):
         CrossEntropyCriterion(task)(Dropping(), sample)

@@ -2,6 +2,7 @@
 from the scores, the sorted grouped dispatch against a loop over tokens and their experts (values and
 gradients), the CPU per-expert matmuls against ``torch._grouped_mm``, the balance and z losses from their
 definitions, the aux-loss-free bias update and the idle-expert warning."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.blocks.feed_forward import FEED_FORWARDS
-from toolkit.models.blocks.moe import (MoE, Router, _grouped_mm_applies, grouped_matmul, load_balancing_loss,
-                                       logger as moe_logger, per_expert_matmul, router_z_loss)
+from toolkit.models.blocks.moe import (
+    MoE,
+    Router,
+    _grouped_mm_applies,
+    grouped_matmul,
+    load_balancing_loss,
+    logger as moe_logger,
+    per_expert_matmul,
+    router_z_loss,
+)
 
 C, FF, E, K = 16, 24, 4, 2
 

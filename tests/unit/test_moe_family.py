@@ -1,6 +1,7 @@
 """The MoE family (``toolkit.models.moe``): named sizes against transformers' own models built on the meta
 device from the published configs (total parameters), the active count against a direct count of one token's
 experts, FLOPs from the active parameters, the training forward's router terms, the parallel plan's refusals."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,16 +17,54 @@ from toolkit.models.blocks.moe import MoE
 # The published config.json values (Hugging Face Hub: Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924,
 # mistralai/Mixtral-8x7B-v0.1), as much of them as decides the shapes.
 PUBLISHED = {
-    "qwen3_30b_a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, tie_word_embeddings=False)),
-    "olmoe_1b_7b": ("OlmoeForCausalLM", "OlmoeConfig", dict(
-        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, tie_word_embeddings=False)),
-    "mixtral_8x7b": ("MixtralForCausalLM", "MixtralConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3_30b_a3b": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmoe_1b_7b": (
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        dict(
+            vocab_size=50304,
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral_8x7b": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -45,7 +84,9 @@ def test_total_and_active_parameters_equal_the_published_models(arch):
     assert sum(p.numel() for p in ours.parameters()) == hf_total
     # active: everything but the experts a token is not routed to (E - k of them, 3 matrices C x F each, per layer)
     cfg = ours.cfg
-    idle = cfg.decoder_layers * (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.decoder_embed_dim * cfg.moe_ffn_embed_dim
+    idle = (
+        cfg.decoder_layers * (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.decoder_embed_dim * cfg.moe_ffn_embed_dim
+    )
     assert ours.active_parameters() == hf_total - idle
     embed = values["vocab_size"] * values["hidden_size"]
     attention = 12 * cfg.decoder_layers * cfg.decoder_attention_heads * 128 * 2048
@@ -71,8 +112,9 @@ def test_training_forward_returns_the_router_terms(arch):
     assert value.requires_grad and coef == model.cfg.moe_aux_loss_coef
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert set(extra["metrics"]) == {"moe_max_load_0", "moe_max_load_1", "moe_dropped"}
-    assert float(extra["metrics"]["moe_dropped"]) == 0.0 and all(float(extra["metrics"][f"moe_max_load_{i}"]) >= 1.0
-                                                                  for i in range(2))
+    assert float(extra["metrics"]["moe_dropped"]) == 0.0 and all(
+        float(extra["metrics"][f"moe_max_load_{i}"]) >= 1.0 for i in range(2)
+    )
     assert all(float(m.tokens_per_expert.sum()) == 2 * 16 * model.cfg.moe_top_k for m in layers)
     model.eval()
     with torch.no_grad():
@@ -148,7 +190,8 @@ def test_the_planner_traces_the_family_in_either_precision(tmp_path, dtype):
     from toolkit.train.resolve import parse_train_config
 
     data = make_lm_data_bin(str(tmp_path / "bin"))
-    cfg = parse_train_config([data, "--task", "language_modeling", "--arch", "moe_tiny", "--tokens-per-sample", "16",
-                              "--batch-size", "2"])
+    cfg = parse_train_config(
+        [data, "--task", "language_modeling", "--arch", "moe_tiny", "--tokens-per-sample", "16", "--batch-size", "2"]
+    )
     stats = model_stats(cfg, dtype)
     assert stats.activations.per_layer > 0 and stats.num_layers == 2 and stats.num_params > 0

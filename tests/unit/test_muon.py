@@ -1,5 +1,6 @@
 """--optimizer muon in one process: torch.optim.Muon + torch.optim.AdamW on the family's role groups; the roles
 and the weight-decay groups (--no-decay-norms-biases-embeddings)."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,13 @@ from toolkit.optim.param_groups import log_decay_choice, parameter_groups, skips
 
 
 def tiny_llama(seed=0):
-    cfg = LlamaConfig(decoder_layers=2, decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=64,
-                      max_target_positions=16)
+    cfg = LlamaConfig(
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=64,
+        max_target_positions=16,
+    )
     return LlamaLanguageModel(cfg, 37, 1, seed=seed)
 
 
@@ -46,8 +52,18 @@ def test_equals_torch_muon_plus_adamw(make_model, adjust):
     ours, ref = make_model(), make_model()
     ref.load_state_dict(ours.state_dict())
     groups = parameter_groups(ours, by_role=True, no_decay=False, purpose="test")
-    opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_adjust_lr": adjust, "muon_adamw_lr": 0.003,
-                           "weight_decay": 0.01, "adam_betas": "(0.9, 0.95)", "muon_momentum": 0.9}, groups)
+    opt = build_optimizer(
+        {
+            "optimizer": "muon",
+            "lr": 0.02,
+            "muon_adjust_lr": adjust,
+            "muon_adamw_lr": 0.003,
+            "weight_decay": 0.01,
+            "adam_betas": "(0.9, 0.95)",
+            "muon_momentum": 0.9,
+        },
+        groups,
+    )
     roles = ref.parameter_roles()
     matrices = [p for n, p in ref.named_parameters() if roles[n] == "matrix"]
     others = [p for n, p in ref.named_parameters() if roles[n] != "matrix"]
@@ -73,16 +89,20 @@ def name_of(model, param):
 
 def test_scheduled_lr_keeps_the_adamw_ratio_and_state_round_trips():
     model = tiny_llama()
-    opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_adamw_lr": 0.004},
-                          parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+    opt = build_optimizer(
+        {"optimizer": "muon", "lr": 0.02, "muon_adamw_lr": 0.004},
+        parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+    )
     for group in opt.param_groups:
         group["lr"] = 0.01  # what a scheduler's set_lr does
     assert {g["role"]: g["lr"] * g["lr_ratio"] for g in opt.param_groups}["embedding"] == pytest.approx(0.002)
     train(model, opt.step, opt.zero_grad, updates=2)
     other = tiny_llama()
     other.load_state_dict(model.state_dict())
-    opt2 = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_adamw_lr": 0.004},
-                           parameter_groups(other, by_role=True, no_decay=False, purpose="test"))
+    opt2 = build_optimizer(
+        {"optimizer": "muon", "lr": 0.02, "muon_adamw_lr": 0.004},
+        parameter_groups(other, by_role=True, no_decay=False, purpose="test"),
+    )
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     a = train(model, opt.step, opt.zero_grad, updates=2)
     b = train(other, opt2.step, opt2.zero_grad, updates=2)
@@ -93,8 +113,10 @@ def test_bf16_momentum_is_stored_in_bf16_and_follows_fp32():
     losses = {}
     for dtype in ("fp32", "bf16"):
         model = tiny_llama()
-        opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": dtype},
-                              parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        opt = build_optimizer(
+            {"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": dtype},
+            parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+        )
         losses[dtype] = train(model, opt.step, opt.zero_grad, updates=4)
     assert losses["bf16"] != losses["fp32"]
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=1e-2, atol=0)
@@ -103,12 +125,15 @@ def test_bf16_momentum_is_stored_in_bf16_and_follows_fp32():
     # a checkpoint's momentum converts to the loading run's precision, both ways
     for saved, wanted in (("bf16", torch.float32), ("fp32", torch.bfloat16)):
         model = tiny_llama()
-        source = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": saved},
-                                 parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        source = build_optimizer(
+            {"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": saved},
+            parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+        )
         train(model, source.step, source.zero_grad, updates=1)
-        target = build_optimizer({"optimizer": "muon", "lr": 0.02,
-                                  "muon_momentum_dtype": "fp32" if wanted == torch.float32 else "bf16"},
-                                 parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        target = build_optimizer(
+            {"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": "fp32" if wanted == torch.float32 else "bf16"},
+            parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+        )
         target.load_state_dict(source.state_dict())
         loaded = [s["momentum_buffer"] for s in target.state.values() if "momentum_buffer" in s]
         assert loaded and all(b.dtype == wanted for b in loaded)
@@ -127,8 +152,10 @@ def test_muon_needs_roles():
     with pytest.raises(UserError, match="does not declare its parameter roles"):
         parameter_groups(Plain(), by_role=True, no_decay=False, purpose="--optimizer muon")
     with pytest.raises(UserError, match="--muon-momentum"):
-        build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum": 1.0},
-                        parameter_groups(tiny_llama(), by_role=True, no_decay=False, purpose="test"))
+        build_optimizer(
+            {"optimizer": "muon", "lr": 0.02, "muon_momentum": 1.0},
+            parameter_groups(tiny_llama(), by_role=True, no_decay=False, purpose="test"),
+        )
 
 
 def test_weight_decay_groups_by_role():
@@ -207,6 +234,7 @@ class CpuStaging:
         def wait():
             self.busy.remove(slot)
             return device.clone()
+
         return wait
 
 
@@ -220,8 +248,10 @@ def test_staged_pipeline_takes_the_same_steps_as_the_plain_loop(monkeypatch, dep
             monkeypatch.setattr(muon_module, "HostStaging", CpuStaging)
             monkeypatch.setattr(muon_module, "needs_staging", lambda p: True)
         model = tiny_llama()
-        opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "weight_decay": 0.01},
-                              parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+        opt = build_optimizer(
+            {"optimizer": "muon", "lr": 0.02, "weight_decay": 0.01},
+            parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+        )
         opt.pipeline_depth = depth
         losses[staged] = train(model, opt.step, opt.zero_grad, updates=3)
         params[staged] = [p.detach().clone() for p in model.parameters()]
@@ -244,12 +274,21 @@ def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
     from toolkit.plan.setup import Setup
 
     model = tiny_llama()
-    opt = build_optimizer({"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": momentum_dtype},
-                          parameter_groups(model, by_role=True, no_decay=False, purpose="test"))
+    opt = build_optimizer(
+        {"optimizer": "muon", "lr": 0.02, "muon_momentum_dtype": momentum_dtype},
+        parameter_groups(model, by_role=True, no_decay=False, purpose="test"),
+    )
     train(model, opt.step, opt.zero_grad, updates=1)
     fields = {f.name: None for f in dataclasses.fields(Setup)}
-    setup = Setup(**dict(fields, optimizer="muon", fp16_adam_stats=False, adam_state_precision="fp32",
-                         muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype]))
+    setup = Setup(
+        **dict(
+            fields,
+            optimizer="muon",
+            fp16_adam_stats=False,
+            adam_state_precision="fp32",
+            muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype],
+        )
+    )
     infos = param_infos(model, with_roles=True)
     assert {i.role for i in infos} == {"matrix", "embedding", "output", "norm"}
     planned = sum(optimizer_state_bytes(setup, i, i.shape) for i in infos)
@@ -265,15 +304,34 @@ def data_bin(tmp_path_factory):
     return dist_helpers.make_lm_data_bin(str(tmp_path_factory.mktemp("decay_groups") / "bin"))
 
 
-@pytest.mark.parametrize("saved, resumed, fix", [
-    (["--weight-decay", "0.1"], ["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"],
-     "resume with --decay-all-parameters as saved"),
-    (["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"], ["--weight-decay", "0.1"],
-     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
-    (["--optimizer", "muon", "--weight-decay", "0.1", "--no-decay-norms-biases-embeddings", "--use-sharded-state"],
-     ["--optimizer", "muon", "--weight-decay", "0.1", "--use-sharded-state"],
-     "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved"),
-], ids=["adam_flat_to_groups", "adam_groups_to_flat", "muon_sharded_groups_lose_their_0"])
+@pytest.mark.parametrize(
+    "saved, resumed, fix",
+    [
+        (
+            ["--weight-decay", "0.1"],
+            ["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"],
+            "resume with --decay-all-parameters as saved",
+        ),
+        (
+            ["--weight-decay", "0.1", "--no-decay-norms-biases-embeddings"],
+            ["--weight-decay", "0.1"],
+            "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved",
+        ),
+        (
+            [
+                "--optimizer",
+                "muon",
+                "--weight-decay",
+                "0.1",
+                "--no-decay-norms-biases-embeddings",
+                "--use-sharded-state",
+            ],
+            ["--optimizer", "muon", "--weight-decay", "0.1", "--use-sharded-state"],
+            "resume with --no-decay-norms-biases-embeddings --weight-decay 0.1 as saved",
+        ),
+    ],
+    ids=["adam_flat_to_groups", "adam_groups_to_flat", "muon_sharded_groups_lose_their_0"],
+)
 def test_resume_refuses_other_weight_decay_groups(data_bin, tmp_path, saved, resumed, fix):
     """A resume whose decay flags regroup the parameters: one line naming the flag (torch would raise a traceback
     or a DCP key error, or load the checkpoint's decay where the group count still matches)."""

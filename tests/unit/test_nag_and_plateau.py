@@ -1,5 +1,6 @@
 """``--optimizer nag`` and ``--lr-scheduler reduce_lr_on_plateau`` against fairseq's update rules,
 written out here (fairseq/optim/nag.py, fairseq/optim/lr_scheduler/reduce_lr_on_plateau.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -96,6 +97,7 @@ def test_nag_bad_flags():
 
 # ---- reduce_lr_on_plateau ----
 
+
 def plateau_reference(lr, shrink, threshold, patience, losses, maximize=False):
     """torch/fairseq ReduceLROnPlateau (rel threshold, no cooldown): lr after each epoch's validation."""
     best, bad, out = None, 0, []
@@ -122,8 +124,9 @@ def test_plateau_shrinks_after_patience_epochs_without_improvement(patience, max
     losses = [5.0, 4.0, 4.0, 3.9999, 4.1, 3.0, 3.0, 3.0, 3.0, 2.0, 2.5, 2.5, 2.5]
     if maximize:
         losses = [10 - v for v in losses]
-    s, opt = scheduler(lr=1.0, lr_shrink=0.5, lr_threshold=1e-4, lr_patience=patience,
-                       maximize_best_checkpoint_metric=maximize)
+    s, opt = scheduler(
+        lr=1.0, lr_shrink=0.5, lr_threshold=1e-4, lr_patience=patience, maximize_best_checkpoint_metric=maximize
+    )
     assert opt.param_groups[0]["lr"] == 1.0  # no warmup: starts at --lr
     want = plateau_reference(1.0, 0.5, 1e-4, patience, losses, maximize)
     got = [s.step(epoch, loss) for epoch, loss in enumerate(losses, start=1)]

@@ -1,6 +1,7 @@
 """The one scorer (toolkit.inference): target_log_probs is ensemble_log_probs' distribution gathered at the targets,
 for plain and adaptive-softmax models, ensembles, softmax batches and models whose forward returns
 ``(tensor, extra)`` (what training accepts), computed here independently in float64."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,14 @@ V, PAD = 29, 1
 
 
 def tiny(seed: int, **overrides) -> TransformerLanguageModel:
-    values = dict(decoder_layers=1, decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_attention_heads=2,
-                  max_target_positions=12, dropout=0.0)
+    values = dict(
+        decoder_layers=1,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=2,
+        max_target_positions=12,
+        dropout=0.0,
+    )
     values.update(overrides)
     return TransformerLanguageModel(TransformerLMConfig(**values), V, PAD, seed=seed).eval()
 
@@ -55,11 +62,14 @@ def batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("softmax_batch", [0, 7])
-@pytest.mark.parametrize("members", [
-    [dict(seed=1)],
-    [dict(seed=1), dict(seed=2)],
-    [dict(seed=3, adaptive_softmax_cutoff="8,16"), dict(seed=4)],
-])
+@pytest.mark.parametrize(
+    "members",
+    [
+        [dict(seed=1)],
+        [dict(seed=1), dict(seed=2)],
+        [dict(seed=3, adaptive_softmax_cutoff="8,16"), dict(seed=4)],
+    ],
+)
 def test_target_log_probs_is_the_ensemble_distribution_at_the_targets(members, softmax_batch):
     models = [tiny(**m) for m in members]
     inputs, targets = batch()
@@ -87,5 +97,7 @@ def test_a_model_returning_output_and_extra_scores_like_its_tensor():
     plain = inference.target_log_probs([inner], inputs, targets)
     torch.testing.assert_close(inference.target_log_probs([WithExtra(inner)], inputs, targets, softmax_batch=4), plain)
     stream = torch.randint(PAD + 1, V, (25,), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(inference.score_stream([WithExtra(inner)], stream, 2, tokens_per_sample=12),
-                               inference.score_stream([inner], stream, 2, tokens_per_sample=12))
+    torch.testing.assert_close(
+        inference.score_stream([WithExtra(inner)], stream, 2, tokens_per_sample=12),
+        inference.score_stream([inner], stream, 2, tokens_per_sample=12),
+    )

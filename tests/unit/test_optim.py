@@ -5,6 +5,7 @@ different but equivalent formula: it multiplies by 1/sqrt(bias_correction2) wher
 divides by sqrt(bias_correction2)), so after 10 steps they agree to a few fp32 ulps;
 the tests use rtol=atol=1e-5 (observed max abs difference ~1e-6 on values of size ~4).
 """
+
 import argparse
 import logging
 
@@ -84,19 +85,23 @@ def test_param_groups_and_namespace_args():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 
-@pytest.mark.parametrize("text,expected", [("(0.9, 0.98)", (0.9, 0.98)), ("0.9,0.999", (0.9, 0.999)),
-                                           ("[0.8, 0.9]", (0.8, 0.9))])
+@pytest.mark.parametrize(
+    "text,expected", [("(0.9, 0.98)", (0.9, 0.98)), ("0.9,0.999", (0.9, 0.999)), ("[0.8, 0.9]", (0.8, 0.9))]
+)
 def test_parse_adam_betas(text, expected):
     assert parse_adam_betas(text) == expected
 
 
-@pytest.mark.parametrize("args,flag", [
-    (dict(adam_betas="0.9"), "--adam-betas"),
-    (dict(adam_betas="(0.9, 1.5)"), "--adam-betas"),
-    (dict(adam_betas="nonsense("), "--adam-betas"),
-    (dict(adam_eps=0.0), "--adam-eps"),
-    (dict(weight_decay=-1.0), "--weight-decay"),
-])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (dict(adam_betas="0.9"), "--adam-betas"),
+        (dict(adam_betas="(0.9, 1.5)"), "--adam-betas"),
+        (dict(adam_betas="nonsense("), "--adam-betas"),
+        (dict(adam_eps=0.0), "--adam-eps"),
+        (dict(weight_decay=-1.0), "--weight-decay"),
+    ],
+)
 @pytest.mark.parametrize("optimizer", ["adam", "cpu_adam"])
 def test_bad_adam_flags(optimizer, args, flag):
     with pytest.raises(UserError, match=flag):
@@ -116,8 +121,9 @@ def test_flags_are_generated_and_shared():
     parser = argparse.ArgumentParser()
     add_dataclass_options(parser, OptimizationConfig)
     add_dataclass_options(parser, CPUAdamConfig)
-    args = parser.parse_args(["--adam-betas", "(0.9, 0.98)", "--fp16-adam-stats", "--weight-decay", "0.01",
-                              "--lr", "0.0005"])
+    args = parser.parse_args(
+        ["--adam-betas", "(0.9, 0.98)", "--fp16-adam-stats", "--weight-decay", "0.01", "--lr", "0.0005"]
+    )
     assert (args.adam_betas, args.fp16_adam_stats, args.weight_decay, args.lr) == ("(0.9, 0.98)", True, 0.01, 5e-4)
 
 
@@ -144,10 +150,13 @@ def test_cpu_adam_matches_torch_adamw():
         torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], **TOL)
 
 
-@pytest.mark.parametrize("param, words", [
-    (torch.zeros(4, device="meta"), "must live in host memory"),
-    (torch.zeros(4, dtype=torch.float64), "unsupported parameter dtype"),
-])
+@pytest.mark.parametrize(
+    "param, words",
+    [
+        (torch.zeros(4, device="meta"), "must live in host memory"),
+        (torch.zeros(4, dtype=torch.float64), "unsupported parameter dtype"),
+    ],
+)
 def test_cpu_adam_rejects_params_it_cannot_update(param, words):
     with pytest.raises(UserError, match=words):
         cpu_adam([torch.nn.Parameter(param)])
@@ -156,10 +165,17 @@ def test_cpu_adam_rejects_params_it_cannot_update(param, words):
 def test_cpu_adam_param_groups_and_lr_changes():
     init, grads = make_data(6)
     ps, ref = new_params(init), new_params(init)
-    opt = build_optimizer(dict(optimizer="cpu_adam", **ADAM_ARGS), [{"params": ps[:2]},
-                                                                  {"params": ps[2:], "weight_decay": 0.0}])
-    ref_opt = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.0}],
-                                lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1, foreach=False)
+    opt = build_optimizer(
+        dict(optimizer="cpu_adam", **ADAM_ARGS), [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]
+    )
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.98),
+        eps=1e-6,
+        weight_decay=0.1,
+        foreach=False,
+    )
     for i, step_grads in enumerate(grads):
         for o in (opt, ref_opt):  # what a scheduler does
             for g in o.param_groups:
@@ -236,13 +252,17 @@ def test_cpu_adam_build_log_and_missing_compiler(monkeypatch, caplog, tmp_path):
     cpu_adam(new_params(make_data(1)[0]))  # ensures the op is loaded in this process already
     with caplog.at_level(logging.INFO, logger=mod.__name__):
         mod.load_deepspeed_cpu_adam()
-    assert "Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; cached " \
-           f"afterwards in {tmp_path / 'cpu_adam'})" in caplog.text
+    assert (
+        "Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; cached "
+        f"afterwards in {tmp_path / 'cpu_adam'})" in caplog.text
+    )
     monkeypatch.setattr(mod, "cxx_compiler", lambda: None)
     with pytest.raises(UserError) as e:
         cpu_adam(new_params(make_data(1)[0]))
-    assert str(e.value) == ("--optimizer cpu_adam: DeepSpeed needs a C++ compiler (g++) to build its CPU Adam op; "
-                            "install one (apt-get install g++) or use --optimizer adam")
+    assert str(e.value) == (
+        "--optimizer cpu_adam: DeepSpeed needs a C++ compiler (g++) to build its CPU Adam op; "
+        "install one (apt-get install g++) or use --optimizer adam"
+    )
 
 
 @pytest.fixture(scope="module")

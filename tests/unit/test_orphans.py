@@ -1,4 +1,5 @@
 """A worker never outlives its launcher: kill -9 the launcher, and every worker is gone within 10 s."""
+
 from __future__ import annotations
 
 import os

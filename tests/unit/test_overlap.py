@@ -3,6 +3,7 @@ bit for bit in any order, bad flag combinations are user errors, and the flag is
 
 The bit-identity runs (one process and two ranks) are in tests/integration/test_overlap.py.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -47,9 +48,19 @@ def test_cpu_adam_grad_scale_is_the_separate_multiply_bit_for_bit_in_any_order()
                     state = opt.state[p]
                     step = int(state["step"]) + 1
                     opt._prime_bias_correction(step, hyper)
-                    opt._ds.ds_opt_adam.adam_update(opt._ds.opt_id, step, hyper["lr"], *hyper["betas"], hyper["eps"],
-                                                    hyper["weight_decay"], hyper["bias_correction"], p.data, p.grad,
-                                                    state["exp_avg"], state["exp_avg_sq"])
+                    opt._ds.ds_opt_adam.adam_update(
+                        opt._ds.opt_id,
+                        step,
+                        hyper["lr"],
+                        *hyper["betas"],
+                        hyper["eps"],
+                        hyper["weight_decay"],
+                        hyper["bias_correction"],
+                        p.data,
+                        p.grad,
+                        state["exp_avg"],
+                        state["exp_avg_sq"],
+                    )
                     state["step"] += 1
             opt.zero_grad()
         return [t for p in ps for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
@@ -59,12 +70,17 @@ def test_cpu_adam_grad_scale_is_the_separate_multiply_bit_for_bit_in_any_order()
         assert all(torch.equal(a, b) for a, b in zip(run(how), reference)), how
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--ddp-backend", "c10d", "--optimizer", "cpu_adam"], "needs --ddp-backend fully_sharded"),
-    (["--ddp-backend", "fully_sharded", "--optimizer", "adam"], "needs --optimizer cpu_adam"),
-    (["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16-adam-stats"],
-     "--fp16-adam-stats all-reduces"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ddp-backend", "c10d", "--optimizer", "cpu_adam"], "needs --ddp-backend fully_sharded"),
+        (["--ddp-backend", "fully_sharded", "--optimizer", "adam"], "needs --optimizer cpu_adam"),
+        (
+            ["--ddp-backend", "fully_sharded", "--cpu-offload", "--optimizer", "cpu_adam", "--fp16-adam-stats"],
+            "--fp16-adam-stats all-reduces",
+        ),
+    ],
+)
 def test_bad_combinations_are_user_errors(tmp_path, flags, message):
     from toolkit.distributed.offload_overlap import build_offload_overlap
     from toolkit.core.errors import UserError

@@ -3,6 +3,7 @@ one-line error naming the axis; the same refusals from toolkit-train's resolve a
 
 The meshes themselves are built on 4 gloo ranks in tests/integration/test_parallel_dims.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,39 +12,71 @@ import pytest
 
 from toolkit.config import DistributedConfig
 from toolkit.core.errors import UserError
-from toolkit.distributed.parallel_dims import (ParallelDims, ParallelShape, check_model_capabilities, parallel_shape,
-                                               shape_from_config)
+from toolkit.distributed.parallel_dims import (
+    ParallelDims,
+    ParallelShape,
+    check_model_capabilities,
+    parallel_shape,
+    shape_from_config,
+)
 
 
 def sizes(s: ParallelShape):
     return (s.dp_replicate, s.dp_shard, s.cp, s.tp, s.ep)
 
 
-@pytest.mark.parametrize("kwargs,want,fsdp,hsdp", [
-    (dict(world=8), (8, 1, 1, 1, 1), False, False),                                         # DDP: replicas
-    (dict(world=8, ddp_backend="legacy_ddp"), (8, 1, 1, 1, 1), False, False),
-    (dict(world=8, ddp_backend="fully_sharded"), (1, 8, 1, 1, 1), True, False),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="shard_grad_op"), (1, 8, 1, 1, 1), True, False),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard"), (8, 1, 1, 1, 1), True, True),
-    # hybrid: the default group is the ranks of one machine; --shard-group-size overrides it
-    (dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", local_world_size=8),
-     (2, 8, 1, 1, 1), True, True),
-    (dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard_zero2", shard_group_size=4),
-     (4, 4, 1, 1, 1), True, True),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard"), (1, 8, 1, 1, 1), True, True),
-    # tensor parallel: FSDP2 under any backend; c10d replicates (no_shard's shape); hybrid groups per machine / M
-    (dict(world=8, tp=2), (4, 1, 1, 2, 1), True, True),
-    (dict(world=8, ddp_backend="fully_sharded", tp=4), (1, 2, 1, 4, 1), True, False),
-    (dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", local_world_size=8, tp=2),
-     (2, 4, 1, 2, 1), True, True),  # a machine of 8 holds 4 TP pairs: they shard, 2 machines replicate
-    # tp x dp x cp x ep: ep carved from dp_shard x cp
-    (dict(world=16, ddp_backend="fully_sharded", tp=2, cp=2), (1, 4, 2, 2, 1), True, False),
-    (dict(world=16, ddp_backend="fully_sharded", tp=2, cp=2, ep=8), (1, 4, 2, 2, 8), True, False),
-    (dict(world=32, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2, tp=2, cp=2,
-          ep=4), (4, 2, 2, 2, 4), True, True),
-    # c10d under TP: FSDP2 replicates over the world / tp data-parallel ranks, and ep is carved from those
-    (dict(world=4, tp=2, ep=2), (2, 1, 1, 2, 2), True, True),
-])
+@pytest.mark.parametrize(
+    "kwargs,want,fsdp,hsdp",
+    [
+        (dict(world=8), (8, 1, 1, 1, 1), False, False),  # DDP: replicas
+        (dict(world=8, ddp_backend="legacy_ddp"), (8, 1, 1, 1, 1), False, False),
+        (dict(world=8, ddp_backend="fully_sharded"), (1, 8, 1, 1, 1), True, False),
+        (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="shard_grad_op"), (1, 8, 1, 1, 1), True, False),
+        (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard"), (8, 1, 1, 1, 1), True, True),
+        # hybrid: the default group is the ranks of one machine; --shard-group-size overrides it
+        (
+            dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", local_world_size=8),
+            (2, 8, 1, 1, 1),
+            True,
+            True,
+        ),
+        (
+            dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard_zero2", shard_group_size=4),
+            (4, 4, 1, 1, 1),
+            True,
+            True,
+        ),
+        (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard"), (1, 8, 1, 1, 1), True, True),
+        # tensor parallel: FSDP2 under any backend; c10d replicates (no_shard's shape); hybrid groups per machine / M
+        (dict(world=8, tp=2), (4, 1, 1, 2, 1), True, True),
+        (dict(world=8, ddp_backend="fully_sharded", tp=4), (1, 2, 1, 4, 1), True, False),
+        (
+            dict(world=16, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", local_world_size=8, tp=2),
+            (2, 4, 1, 2, 1),
+            True,
+            True,
+        ),  # a machine of 8 holds 4 TP pairs: they shard, 2 machines replicate
+        # tp x dp x cp x ep: ep carved from dp_shard x cp
+        (dict(world=16, ddp_backend="fully_sharded", tp=2, cp=2), (1, 4, 2, 2, 1), True, False),
+        (dict(world=16, ddp_backend="fully_sharded", tp=2, cp=2, ep=8), (1, 4, 2, 2, 8), True, False),
+        (
+            dict(
+                world=32,
+                ddp_backend="fully_sharded",
+                sharding_strategy="hybrid_shard",
+                shard_group_size=2,
+                tp=2,
+                cp=2,
+                ep=4,
+            ),
+            (4, 2, 2, 2, 4),
+            True,
+            True,
+        ),
+        # c10d under TP: FSDP2 replicates over the world / tp data-parallel ranks, and ep is carved from those
+        (dict(world=4, tp=2, ep=2), (2, 1, 1, 2, 2), True, True),
+    ],
+)
 def test_shapes(kwargs, want, fsdp, hsdp):
     shape = parallel_shape(**kwargs)
     assert sizes(shape) == want and (shape.fsdp, shape.hsdp) == (fsdp, hsdp)
@@ -59,34 +92,55 @@ def test_ranks_data_loss_and_coordinates():
     assert shape.coordinates(13) == dict(dp_replicate=1, dp_shard=1, cp=0, tp=1, ep=2)  # 13 = ((1*2+1)*2+0)*2+1
     assert shape.coordinates(7) == dict(dp_replicate=0, dp_shard=1, cp=1, tp=1, ep=3)
     assert shape.shard_axis == "dp_shard_cp" and parallel_shape(4, "fully_sharded").shard_axis == "dp_shard"
-    assert shape.placement(13) == "dp_replicate 1 of 2, dp_shard 1 of 2, cp 0 of 2, tp 1 of 2, ep 2 of 4"  # the heartbeat's words
+    assert (
+        shape.placement(13) == "dp_replicate 1 of 2, dp_shard 1 of 2, cp 0 of 2, tp 1 of 2, ep 2 of 4"
+    )  # the heartbeat's words
     assert parallel_shape(4).placement(3) == ""  # plain DDP: a rank is only its number
     one = ParallelDims.single()
     assert (one.data_rank, one.data_world, one.loss_world, one.loss_group) == (0, 1, 1, None)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(world=8, tp=3), r"^--model-parallel-size 3: must divide the world size 8 "),
-    (dict(world=8, tp=0), r"^--model-parallel-size 0: must be >= 1"),
-    (dict(world=8, tp=2, cp=3), r"^--context-parallel-size 3: must divide the 4 ranks left by --model-parallel-size 2"),
-    (dict(world=8, cp=-1), r"^--context-parallel-size -1: must be >= 1"),
-    (dict(world=8, ddp_backend="fully_sharded", ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks"),
-    (dict(world=8, ddp_backend="fully_sharded", cp=2, ep=16),
-     r"^--expert-parallel-size 16: must divide the 8 ranks that shard one replica \(dp_shard 4 x "
-     r"--context-parallel-size 2\)"),
-    (dict(world=8, tp=2, cp=2, ep=8),  # under TP the experts are spread over every data-parallel rank
-     r"^--expert-parallel-size 8: must divide the 4 ranks left by --model-parallel-size 2 \(world 8 / 2\)"),
-    (dict(world=8, ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, "
-                          r"no_shard\)"),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard", ep=3),
-     r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, no_shard\)"),
-    (dict(world=8, ep=0), r"^--expert-parallel-size 0: must be >= 1"),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=3),
-     r"^--shard-group-size 3: must divide the 8 data-parallel ranks"),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=4, tp=4),
-     r"^--shard-group-size 4: must divide the 2 data-parallel ranks \(world size 8 / \(--model-parallel-size 4"),
-    (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="zero3"), r"^--sharding-strategy zero3: choose"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(world=8, tp=3), r"^--model-parallel-size 3: must divide the world size 8 "),
+        (dict(world=8, tp=0), r"^--model-parallel-size 0: must be >= 1"),
+        (
+            dict(world=8, tp=2, cp=3),
+            r"^--context-parallel-size 3: must divide the 4 ranks left by --model-parallel-size 2",
+        ),
+        (dict(world=8, cp=-1), r"^--context-parallel-size -1: must be >= 1"),
+        (dict(world=8, ddp_backend="fully_sharded", ep=3), r"^--expert-parallel-size 3: must divide the 8 ranks"),
+        (
+            dict(world=8, ddp_backend="fully_sharded", cp=2, ep=16),
+            r"^--expert-parallel-size 16: must divide the 8 ranks that shard one replica \(dp_shard 4 x "
+            r"--context-parallel-size 2\)",
+        ),
+        (
+            dict(world=8, tp=2, cp=2, ep=8),  # under TP the experts are spread over every data-parallel rank
+            r"^--expert-parallel-size 8: must divide the 4 ranks left by --model-parallel-size 2 \(world 8 / 2\)",
+        ),
+        (
+            dict(world=8, ep=3),
+            r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, "
+            r"no_shard\)",
+        ),
+        (
+            dict(world=8, ddp_backend="fully_sharded", sharding_strategy="no_shard", ep=3),
+            r"^--expert-parallel-size 3: must divide the 8 ranks that replicate the model \(DDP, no_shard\)",
+        ),
+        (dict(world=8, ep=0), r"^--expert-parallel-size 0: must be >= 1"),
+        (
+            dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=3),
+            r"^--shard-group-size 3: must divide the 8 data-parallel ranks",
+        ),
+        (
+            dict(world=8, ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=4, tp=4),
+            r"^--shard-group-size 4: must divide the 2 data-parallel ranks \(world size 8 / \(--model-parallel-size 4",
+        ),
+        (dict(world=8, ddp_backend="fully_sharded", sharding_strategy="zero3"), r"^--sharding-strategy zero3: choose"),
+    ],
+)
 def test_each_axis_named_in_one_line(kwargs, message):
     with pytest.raises(UserError, match=message) as err:
         parallel_shape(**kwargs)
@@ -104,8 +158,9 @@ def test_expert_shard_is_the_replica_shards_holding_the_same_experts():
 
 
 def test_config_flags_reach_the_shape():
-    cfg = DistributedConfig(ddp_backend="fully_sharded", model_parallel_size=2, context_parallel_size=2,
-                            expert_parallel_size=2)
+    cfg = DistributedConfig(
+        ddp_backend="fully_sharded", model_parallel_size=2, context_parallel_size=2, expert_parallel_size=2
+    )
     assert sizes(shape_from_config(cfg, 8)) == (1, 2, 2, 2, 2)
 
 
@@ -114,36 +169,63 @@ def test_model_capabilities_refuse_with_the_physical_reason():
 
     plain = DistributedConfig()
     check_model_capabilities(plain, "llama", LlamaLanguageModel)  # no cp / ep axis: nothing to ask
-    with pytest.raises(UserError, match=r"^--expert-parallel-size 2: --arch llama has no expert \(MoE\) layers to "
-                                        r"place; use a MoE architecture or drop the flag$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--expert-parallel-size 2: --arch llama has no expert \(MoE\) layers to "
+        r"place; use a MoE architecture or drop the flag$",
+    ):
         check_model_capabilities(dataclasses.replace(plain, expert_parallel_size=2), "llama", LlamaLanguageModel)
     check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "llama", LlamaLanguageModel)
     from toolkit.models.transformer_lm import TransformerLanguageModel
 
-    with pytest.raises(UserError, match=r"^--context-parallel-size 2: --arch transformer_lm's attention does not "
-                                        r"exchange keys/values across ranks"):
-        check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "transformer_lm",
-                                 TransformerLanguageModel)
+    with pytest.raises(
+        UserError,
+        match=r"^--context-parallel-size 2: --arch transformer_lm's attention does not "
+        r"exchange keys/values across ranks",
+    ):
+        check_model_capabilities(
+            dataclasses.replace(plain, context_parallel_size=2), "transformer_lm", TransformerLanguageModel
+        )
 
     class WithRingAttentionAndExperts(LlamaLanguageModel):  # what a family does once it has both: flip the flags
         supports_expert_parallel = True
 
-    check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2, expert_parallel_size=2), "x",
-                             WithRingAttentionAndExperts)
+    check_model_capabilities(
+        dataclasses.replace(plain, context_parallel_size=2, expert_parallel_size=2), "x", WithRingAttentionAndExperts
+    )
 
 
-MODEL = ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-         "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "16"]
+MODEL = [
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--tokens-per-sample",
+    "16",
+]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--distributed-world-size", "8", "--model-parallel-size", "3"], "^--model-parallel-size 3: must divide"),
-    (["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--context-parallel-size", "2"],
-     r"^--context-parallel-size 2: --arch transformer_lm's attention does not exchange keys/values"),
-    (["--distributed-world-size", "4", "--expert-parallel-size", "2"],
-     r"^--expert-parallel-size 2: --arch transformer_lm has no expert \(MoE\) layers"),
-    (["--distributed-world-size", "4", "--context-parallel-size", "3"], "^--context-parallel-size 3: must divide"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--distributed-world-size", "8", "--model-parallel-size", "3"], "^--model-parallel-size 3: must divide"),
+        (
+            ["--distributed-world-size", "4", "--ddp-backend", "fully_sharded", "--context-parallel-size", "2"],
+            r"^--context-parallel-size 2: --arch transformer_lm's attention does not exchange keys/values",
+        ),
+        (
+            ["--distributed-world-size", "4", "--expert-parallel-size", "2"],
+            r"^--expert-parallel-size 2: --arch transformer_lm has no expert \(MoE\) layers",
+        ),
+        (["--distributed-world-size", "4", "--context-parallel-size", "3"], "^--context-parallel-size 3: must divide"),
+    ],
+)
 def test_train_and_plan_refuse_the_same_layouts(flags, message, tmp_path):
     """toolkit-train resolves (before any rank starts) and toolkit-plan plans through the same check."""
     from toolkit.plan import PRESETS, make_plan
@@ -159,6 +241,10 @@ def test_train_and_plan_refuse_the_same_layouts(flags, message, tmp_path):
         with pytest.raises(UserError, match=message):
             make_plan(tp3, PRESETS["h100"], vocab_size=64)
         with pytest.raises(UserError, match="^--model-parallel-size 2: must divide the world size 5"):
-            make_plan(dataclasses.replace(tp3, distributed=dataclasses.replace(
-                tp3.distributed, model_parallel_size=2)), PRESETS["h100"], vocab_size=64, world_size=5)
+            make_plan(
+                dataclasses.replace(tp3, distributed=dataclasses.replace(tp3.distributed, model_parallel_size=2)),
+                PRESETS["h100"],
+                vocab_size=64,
+                world_size=5,
+            )
     assert setup_from_config(ok, gpu=True).layout(8).dp_replicate == 8  # c10d on 8 ranks: 8 replicas

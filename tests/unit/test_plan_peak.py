@@ -6,6 +6,7 @@ model the plan is within 5% (fp32 +4.3%, checkpointed -1.8% to +0.9%). The previ
 of every row) was 39-75% high with checkpointing; without the recomputed block the checkpointed
 peak is 34-38% low: either regression fails here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +16,39 @@ import torch
 
 from tests.helpers.dist_helpers import make_lm_data_bin
 
-MODEL = ["--task", "language_modeling", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "3",
-         "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "2",
-         "--dropout", "0", "--lr", "0.001", "--batch-size", "4", "--tokens-per-sample", "128", "--seed", "3",
-         "--num-workers", "0", "--cpu", "--log-format", "none", "--no-save", "--disable-validation",
-         "--optimizer", "adam"]
+MODEL = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm_gpt3_small",
+    "--decoder-layers",
+    "3",
+    "--decoder-embed-dim",
+    "128",
+    "--decoder-ffn-embed-dim",
+    "512",
+    "--decoder-attention-heads",
+    "2",
+    "--dropout",
+    "0",
+    "--lr",
+    "0.001",
+    "--batch-size",
+    "4",
+    "--tokens-per-sample",
+    "128",
+    "--seed",
+    "3",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "none",
+    "--no-save",
+    "--disable-validation",
+    "--optimizer",
+    "adam",
+]
 TOLERANCE = 0.15
 
 
@@ -50,22 +79,55 @@ def _measured_and_planned(data: str, *flags: str, model=MODEL):
     return measured, make_plan(cfg, PRESETS["cpu"], world_size=1)
 
 
-@pytest.mark.parametrize("flags", [(), ("--checkpoint-activations",), ("--checkpoint-activations", "--bf16")],
-                         ids=["fp32", "fp32_ckpt", "bf16_ckpt"])
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--checkpoint-activations",), ("--checkpoint-activations", "--bf16")],
+    ids=["fp32", "fp32_ckpt", "bf16_ckpt"],
+)
 def test_update_peak_matches_a_measured_update(data, flags):
     measured, plan = _measured_and_planned(data, *flags)
     predicted = plan.update_peak.host
     assert abs(predicted - measured) <= TOLERANCE * measured, (flags, predicted, measured)
 
 
-MOE = ["--task", "language_modeling", "--arch", "moe_tiny", "--decoder-layers", "3", "--moe-num-experts", "8",
-       "--moe-top-k", "4", "--moe-ffn-embed-dim", "128", "--lr", "0.001", "--batch-size", "4", "--tokens-per-sample",
-       "128", "--seed", "3", "--num-workers", "0", "--cpu", "--log-format", "none", "--no-save",
-       "--disable-validation", "--optimizer", "adam"]
+MOE = [
+    "--task",
+    "language_modeling",
+    "--arch",
+    "moe_tiny",
+    "--decoder-layers",
+    "3",
+    "--moe-num-experts",
+    "8",
+    "--moe-top-k",
+    "4",
+    "--moe-ffn-embed-dim",
+    "128",
+    "--lr",
+    "0.001",
+    "--batch-size",
+    "4",
+    "--tokens-per-sample",
+    "128",
+    "--seed",
+    "3",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--log-format",
+    "none",
+    "--no-save",
+    "--disable-validation",
+    "--optimizer",
+    "adam",
+]
 
 
-@pytest.mark.parametrize("flags", [(), ("--checkpoint-activations",), ("--checkpoint-activations", "--bf16")],
-                         ids=["fp32", "fp32_ckpt", "bf16_ckpt"])
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--checkpoint-activations",), ("--checkpoint-activations", "--bf16")],
+    ids=["fp32", "fp32_ckpt", "bf16_ckpt"],
+)
 def test_moe_update_peak_matches_a_measured_update(data, flags):
     """A mixture of experts (8 experts of 128, top 4: the dispatch's [N k, C] and [N k, F] rows are most of a
     layer) within the same 15%: measured +3.0%, -1.0%, -11.5%. Before the planner read the expert stacks as
@@ -85,8 +147,16 @@ def test_expert_stacks_split_over_expert_parallel_ranks_and_their_fsdp_peers(dat
     from toolkit.plan.model_stats import model_stats
     from toolkit.plan.setup import setup_from_config
 
-    cfg = _cfg(data, "--ddp-backend", "fully_sharded", "--distributed-world-size", "4", "--expert-parallel-size", "2",
-               model=MOE)
+    cfg = _cfg(
+        data,
+        "--ddp-backend",
+        "fully_sharded",
+        "--distributed-world-size",
+        "4",
+        "--expert-parallel-size",
+        "2",
+        model=MOE,
+    )
     stats, setup = model_stats(cfg, torch.float32), setup_from_config(cfg, gpu=True)
     expert = next(p for p in stats.params if p.expert)
     dense = next(p for p in stats.params if p.layer == 0 and not p.expert and len(p.shape) == 2)
@@ -107,8 +177,11 @@ def test_expert_parallel_adds_the_all_to_all_and_its_gradient_rows(data):
         cfg = _cfg(data, "--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--bf16", *flags, model=MOE)
         return make_plan(cfg, PRESETS["h100"])
 
-    plain, ep, ckpt = plan(), plan("--expert-parallel-size", "2"), plan("--expert-parallel-size", "2",
-                                                                          "--checkpoint-activations")
+    plain, ep, ckpt = (
+        plan(),
+        plan("--expert-parallel-size", "2"),
+        plan("--expert-parallel-size", "2", "--checkpoint-activations"),
+    )
     a2a = lambda p: {name: nbytes for name, nbytes, _ in p.time.comm}.get("expert all-to-all", 0)  # noqa: E731
     rows = 4 * 128 * 4  # B x T x top k
     assert a2a(plain) == 0 and a2a(ep) == 3 * 2 * 2 * rows * 64 * 2 / 2
@@ -186,8 +259,10 @@ def test_offload_activations_moves_saved_tensors_to_the_host_but_not_checkpoint_
     base = setup_from_config(cfg, gpu=True)
     gpu = PRESETS["h100"]
     b, L, act = base.batch_sequences, stats.num_layers, stats.activations
-    plain, offloaded = update_peak(stats, base, gpu), update_peak(stats, dataclasses.replace(
-        base, offload_activations=True), gpu)
+    plain, offloaded = (
+        update_peak(stats, base, gpu),
+        update_peak(stats, dataclasses.replace(base, offload_activations=True), gpu),
+    )
     assert plain.where == "start of backward" and plain.host == 0
     assert offloaded.host == L * b * act.per_layer  # every block's saved activations
     assert b * act.per_layer <= offloaded.gpu < plain.gpu  # one block's come back for its backward
@@ -206,7 +281,8 @@ def test_fp16_state_is_counted_on_the_first_update_not_skipped(data):
     env = init_distributed(cfg.distributed, cpu=True)
     torch.manual_seed(0)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
-    counted = measure_trainer(trainer, iter(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)),
-                              tries=20)
+    counted = measure_trainer(
+        trainer, iter(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=False)), tries=20
+    )
     plan = make_plan(cfg, PRESETS["cpu"], world_size=1)
     assert counted["optimizer"] == next(i.host for i in plan.items if i.name == "optimizer state")

@@ -1,4 +1,5 @@
 """fairseq's plugin API (toolkit.compat_plugins, a layer below the families) under fairseq's import paths."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ def test_a_fairseq_tasks_build_model_is_the_models_layers():
     class Task(task.FairseqTask):
         source_dictionary = target_dictionary = dictionary = vocab  # `dictionary`: what the families read
 
-    cfg = argparse.Namespace(arch="transformer_lm", decoder_layers=1, decoder_embed_dim=16, decoder_ffn_embed_dim=32,
-                             decoder_attention_heads=2, tokens_per_sample=8)
+    cfg = argparse.Namespace(
+        arch="transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=2,
+        tokens_per_sample=8,
+    )
     plugin_task = Task(cfg)
     with torch.device("meta"):
         built, direct = plugin_task.build_model(cfg), models.build_model("transformer_lm", cfg, plugin_task)

@@ -1,4 +1,5 @@
 """toolkit-preprocess: fairseq-compatible data-bins, worker-count independence, and bad input."""
+
 import os
 import re
 import stat
@@ -23,7 +24,7 @@ def fairseq_tokenize_line(line):
 
 def fairseq_lines(path):
     """Lines as fairseq's Binarizer reads them: a text file, readline() (universal newlines)."""
-    with open(path, "r", encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         line = f.readline()
         while line:
             yield line
@@ -53,8 +54,18 @@ def wiki_bins(tmp_path_factory, wikitext_dir):
     out = {}
     for workers in (1, 2):
         dest = root / f"w{workers}"
-        run("--trainpref", train, "--validpref", f"{valid},{test}", "--testpref", test,
-            "--destdir", dest, "--workers", workers)
+        run(
+            "--trainpref",
+            train,
+            "--validpref",
+            f"{valid},{test}",
+            "--testpref",
+            test,
+            "--destdir",
+            dest,
+            "--workers",
+            workers,
+        )
         out[workers] = str(dest)
     return out, (train, valid, test)
 
@@ -92,29 +103,33 @@ def test_reads_back_as_fairseq_would_encode(wiki_bins):
 def test_log_lines_match_fairseq(wiki_bins):
     (bins, (train, valid, test)) = wiki_bins
     log = open(os.path.join(bins[1], "preprocess.log"), encoding="utf-8").read().splitlines()
-    pattern = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| INFO \| toolkit_cli\.preprocess \| "
-                         r"\[None\] (.+): (\d+) sents, (\d+) tokens, (\S+)% replaced \(by <unk>\)$")
+    pattern = re.compile(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| INFO \| toolkit_cli\.preprocess \| "
+        r"\[None\] (.+): (\d+) sents, (\d+) tokens, (\S+)% replaced \(by <unk>\)$"
+    )
     found = [m.groups() for m in map(pattern.match, log) if m]
     assert [f[0] for f in found] == [train, valid, test, test]
     d = Dictionary.load(os.path.join(bins[1], "dict.txt"))
     items = reference_items(valid, d)
     ntok = sum(map(len, items))
-    replaced = sum(1 for line in fairseq_lines(valid) for w in fairseq_tokenize_line(line)
-                   if w not in d.indices and w != "<unk>")
+    replaced = sum(
+        1 for line in fairseq_lines(valid) for w in fairseq_tokenize_line(line) if w not in d.indices and w != "<unk>"
+    )
     assert found[1][1:] == (str(len(items)), str(ntok), f"{100 * replaced / ntok:.3}")
     assert any("Wrote preprocessed data to" in line for line in log)
 
 
 EDGE_TEXT = (
-    "hello world\r\n"          # CRLF
-    "\n"                        # empty line: an item of just </s>
-    "   \t \n"                  # blank line
-    "a\tb  c\rafter-cr\n"       # a lone CR ends a line too (universal newlines)
-    "x </s> y\n"                # a literal </s> (the per-line path)
-    "<unk> foo <unk> bar\n"     # a literal <unk> is not counted as replaced
+    "hello world\r\n"  # CRLF
+    "\n"  # empty line: an item of just </s>
+    "   \t \n"  # blank line
+    "a\tb  c\rafter-cr\n"  # a lone CR ends a line too (universal newlines)
+    "x </s> y\n"  # a literal </s> (the per-line path)
+    "<unk> foo <unk> bar\n"  # a literal <unk> is not counted as replaced
     "é ü\u00a0z\u2003w\u3000v\n"  # unicode whitespace splits words, as fairseq's \\s+
-    "\x1cq\x1dr\x85s\n"         # separators that are whitespace but not line ends in text files
-    + " ".join(f"long{i}" for i in range(150)) + "\n"  # longer than a block
+    "\x1cq\x1dr\x85s\n"  # separators that are whitespace but not line ends in text files
+    + " ".join(f"long{i}" for i in range(150))
+    + "\n"  # longer than a block
     + "hello again world\n" * 30
     + "tail without newline"
 )
@@ -133,8 +148,18 @@ def test_edge_cases_match_fairseq(tmp_path, edge_file, monkeypatch, block_bytes)
     outputs = []
     for workers in (1, 3):
         dest = tmp_path / f"b{workers}"
-        run("--trainpref", edge_file, "--validpref", edge_file, "--destdir", dest, "--workers", workers,
-            "--padding-factor", 1)
+        run(
+            "--trainpref",
+            edge_file,
+            "--validpref",
+            edge_file,
+            "--destdir",
+            dest,
+            "--workers",
+            workers,
+            "--padding-factor",
+            1,
+        )
         outputs.append(files_of(dest))
         d = Dictionary.load(str(dest / "dict.txt"))
         assert d == reference_dict(edge_file, padding_factor=1)
@@ -149,7 +174,7 @@ def test_offsets_and_blocks_cover_file_once(edge_file):
     for n in (1, 2, 5, 50):
         offsets = find_offsets(edge_file, n)
         assert offsets[0] == 0 and offsets[-1] == len(data) and offsets == sorted(offsets)
-        assert all(o == 0 or o == len(data) or data[o - 1:o] == b"\n" for o in offsets)
+        assert all(o == 0 or o == len(data) or data[o - 1 : o] == b"\n" for o in offsets)
         text = "".join(t for s, e in zip(offsets, offsets[1:]) for t, _ in read_blocks(edge_file, s, e, 50))
         expected = data.decode().replace("\r\n", "\n").replace("\r", "\n") + "\n"
         assert text == expected
@@ -170,8 +195,9 @@ def test_srcdict_threshold_nwords(tmp_path, wiki_bins):
     # the train ids were written before dict.txt existed and renumbered: same as encoding with it
     expected = reference_items(train, d)
     assert [ds[i].tolist() for i in range(len(ds))] == expected
-    replaced = sum(1 for line in fairseq_lines(train) for w in fairseq_tokenize_line(line)
-                   if w not in d.indices and w != "<unk>")
+    replaced = sum(
+        1 for line in fairseq_lines(train) for w in fairseq_tokenize_line(line) if w not in d.indices and w != "<unk>"
+    )
     ntok = sum(map(len, expected))
     assert f"{replaced / ntok * 100:.3}% replaced" in (dest / "preprocess.log").read_text()
 
@@ -189,8 +215,9 @@ def test_missing_file(tmp_path, capsys, wikitext_dir):
     missing = tmp_path / "nope.txt"
     expect_error(capsys, ["--trainpref", missing, "--destdir", dest], "--trainpref", missing, "no such file")
     train = os.path.join(wikitext_dir, "wiki.train.tokens")
-    expect_error(capsys, ["--trainpref", train, "--validpref", f"{train},{missing}", "--destdir", dest],
-                 "--validpref", missing)
+    expect_error(
+        capsys, ["--trainpref", train, "--validpref", f"{train},{missing}", "--destdir", dest], "--validpref", missing
+    )
     expect_error(capsys, ["--trainpref", tmp_path, "--destdir", dest], "is a folder")
     assert_no_trace(dest)
 
@@ -219,8 +246,9 @@ def test_empty_split(tmp_path, capsys, edge_file):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     dest = str(tmp_path / "out")
-    expect_error(capsys, ["--trainpref", edge_file, "--testpref", empty, "--destdir", dest],
-                 "--testpref", empty, "empty")
+    expect_error(
+        capsys, ["--trainpref", edge_file, "--testpref", empty, "--destdir", dest], "--testpref", empty, "empty"
+    )
     assert_no_trace(dest)
 
 
@@ -229,8 +257,13 @@ def test_undecodable_bytes(tmp_path, capsys, edge_file, workers):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"good line\n" * 50 + b"caf\xe9 latin-1\nmore\n")
     dest = str(tmp_path / "out")
-    expect_error(capsys, ["--trainpref", edge_file, "--validpref", bad, "--destdir", dest, "--workers", workers],
-                 bad, "line 51", "--encoding-errors replace")
+    expect_error(
+        capsys,
+        ["--trainpref", edge_file, "--validpref", bad, "--destdir", dest, "--workers", workers],
+        bad,
+        "line 51",
+        "--encoding-errors replace",
+    )
     assert_no_trace(dest)
     # and as the train file (dictionary phase)
     expect_error(capsys, ["--trainpref", bad, "--destdir", dest, "--workers", workers], bad, "line 51")
@@ -267,8 +300,12 @@ def test_bad_srcdict(tmp_path, capsys, edge_file):
     dest = str(tmp_path / "out")
     expect_error(capsys, ["--srcdict", bad, "--validpref", edge_file, "--destdir", dest], bad, "line 2")
     assert_no_trace(dest)
-    expect_error(capsys, ["--srcdict", tmp_path / "none.txt", "--validpref", edge_file, "--destdir", dest],
-                 "--srcdict", "no such")
+    expect_error(
+        capsys,
+        ["--srcdict", tmp_path / "none.txt", "--validpref", edge_file, "--destdir", dest],
+        "--srcdict",
+        "no such",
+    )
     assert_no_trace(dest)
 
 
@@ -276,12 +313,11 @@ def test_bad_flags(tmp_path, capsys, edge_file):
     dest = str(tmp_path / "out")
     expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--workers", 0], "--workers")
     expect_error(capsys, ["--destdir", dest], "--trainpref")
-    expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--dataset-impl", "lazy"],
-                 "--dataset-impl")
-    expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--bpe", "sentencepeice"],
-                 "--bpe", "sentencepiece")
-    expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--bpe", "sentencepiece"],
-                 "--bpe-vocab-size")
+    expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--dataset-impl", "lazy"], "--dataset-impl")
+    expect_error(
+        capsys, ["--trainpref", edge_file, "--destdir", dest, "--bpe", "sentencepeice"], "--bpe", "sentencepiece"
+    )
+    expect_error(capsys, ["--trainpref", edge_file, "--destdir", dest, "--bpe", "sentencepiece"], "--bpe-vocab-size")
     assert_no_trace(dest)
 
 

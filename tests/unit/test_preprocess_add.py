@@ -1,5 +1,6 @@
 """toolkit-preprocess --srcdict into an existing data-bin adds splits to it, as fairseq-preprocess does
 (issue 11 item 7): the new files are those a one-shot run over all splits writes, nothing else changes."""
+
 import json
 import os
 
@@ -63,8 +64,13 @@ def test_adds_test_splits_to_a_train_valid_data_bin(train_valid, one_shot, corpu
 def test_existing_split_is_refused_without_overwrite(train_valid, corpus, capsys):
     _, valid, test = corpus
     before = contents(train_valid)
-    expect_error(capsys, ["--srcdict", train_valid / "dict.txt", "--validpref", test, "--destdir", train_valid],
-                 "--validpref", "already has the valid split", "--overwrite")
+    expect_error(
+        capsys,
+        ["--srcdict", train_valid / "dict.txt", "--validpref", test, "--destdir", train_valid],
+        "--validpref",
+        "already has the valid split",
+        "--overwrite",
+    )
     assert contents(train_valid) == before
 
 
@@ -84,17 +90,27 @@ def test_a_different_dictionary_is_one_line_naming_both_files(train_valid, tmp_p
     other = tmp_path / "other"
     run("--trainpref", valid, "--destdir", other)
     before = contents(train_valid)
-    expect_error(capsys, ["--srcdict", other / "dict.txt", "--testpref", test, "--destdir", train_valid],
-                 other / "dict.txt", train_valid / "dict.txt", "differs")
-    expect_error(capsys, ["--srcdict", train_valid / "dict.txt", "--testpref", test, "--destdir", train_valid,
-                          "--bpe", "gpt2"], "--bpe", "leave out --bpe")
+    expect_error(
+        capsys,
+        ["--srcdict", other / "dict.txt", "--testpref", test, "--destdir", train_valid],
+        other / "dict.txt",
+        train_valid / "dict.txt",
+        "differs",
+    )
+    expect_error(
+        capsys,
+        ["--srcdict", train_valid / "dict.txt", "--testpref", test, "--destdir", train_valid, "--bpe", "gpt2"],
+        "--bpe",
+        "leave out --bpe",
+    )
     assert contents(train_valid) == before
 
 
 def test_without_srcdict_a_data_bin_is_still_refused_with_a_hint(train_valid, corpus, capsys):
     train, _, _ = corpus
-    expect_error(capsys, ["--trainpref", train, "--destdir", train_valid], "--overwrite",
-                 f"--srcdict {train_valid / 'dict.txt'}")
+    expect_error(
+        capsys, ["--trainpref", train, "--destdir", train_valid], "--overwrite", f"--srcdict {train_valid / 'dict.txt'}"
+    )
 
 
 def test_added_split_uses_the_data_bins_tokenizer(tmp_path, corpus):
@@ -104,7 +120,17 @@ def test_added_split_uses_the_data_bins_tokenizer(tmp_path, corpus):
     run("--srcdict", dest / "dict.txt", "--validpref", valid, "--destdir", dest)
     model = dest / json.load(open(dest / "bpe.json"))["files"]["bpe_model"]
     reference = tmp_path / "reference"  # the same tokenizer and dictionary, every split in one run
-    run("--srcdict", dest / "dict.txt", "--validpref", valid, "--destdir", reference, "--bpe", "sentencepiece",
-        "--bpe-model", model)
+    run(
+        "--srcdict",
+        dest / "dict.txt",
+        "--validpref",
+        valid,
+        "--destdir",
+        reference,
+        "--bpe",
+        "sentencepiece",
+        "--bpe-model",
+        model,
+    )
     assert (dest / "valid.bin").read_bytes() == (reference / "valid.bin").read_bytes()
     assert (dest / "valid.idx").read_bytes() == (reference / "valid.idx").read_bytes()

@@ -1,4 +1,5 @@
 """toolkit-preprocess from JSON lines, Parquet and `datasets` folders: the same bytes as the text path."""
+
 import gzip
 import json
 import logging
@@ -49,8 +50,18 @@ def test_jsonl_equals_text(tmp_path, corpus, suffix):
         else:
             write_jsonl(paths[name], lines[name], "body", gzip.open if suffix.endswith(".gz") else open)
     dest = tmp_path / "bin"
-    run("--trainpref", paths["train"], "--validpref", paths["valid"], "--json-key", "body", "--destdir", dest,
-        "--workers", 2)
+    run(
+        "--trainpref",
+        paths["train"],
+        "--validpref",
+        paths["valid"],
+        "--json-key",
+        "body",
+        "--destdir",
+        dest,
+        "--workers",
+        2,
+    )
     assert bin_files(dest) == reference
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".inputs.tmp")], "the extracted text is deleted"
 
@@ -65,8 +76,7 @@ def test_parquet_equals_text(tmp_path, corpus):
         table = pa.table({"n": list(range(len(lines[name]))), "content": lines[name]})
         pq.write_table(table, paths[name], row_group_size=500)  # several row groups
     dest = tmp_path / "bin"
-    run("--trainpref", paths["train"], "--validpref", paths["valid"], "--parquet-column", "content",
-        "--destdir", dest)
+    run("--trainpref", paths["train"], "--validpref", paths["valid"], "--parquet-column", "content", "--destdir", dest)
     assert bin_files(dest) == reference
 
 
@@ -75,13 +85,24 @@ def test_datasets_folder_equals_text(tmp_path, corpus, streaming):
     datasets = pytest.importorskip("datasets")
     _, lines, reference = corpus
     folder = tmp_path / "ds"
-    datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": lines["train"]}),
-        "validation": datasets.Dataset.from_dict({"text": lines["valid"]}),
-    }).save_to_disk(str(folder))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": lines["train"]}),
+            "validation": datasets.Dataset.from_dict({"text": lines["valid"]}),
+        }
+    ).save_to_disk(str(folder))
     dest = tmp_path / "bin"
-    run("--hf-dataset", folder, "--hf-split", "train", "--hf-valid-split", "validation", "--destdir", dest,
-        *(["--streaming"] if streaming else []))
+    run(
+        "--hf-dataset",
+        folder,
+        "--hf-split",
+        "train",
+        "--hf-valid-split",
+        "validation",
+        "--destdir",
+        dest,
+        *(["--streaming"] if streaming else []),
+    )
     assert bin_files(dest) == reference
 
 
@@ -102,16 +123,18 @@ def test_datasets_data_files_folder(tmp_path, corpus):
 def test_bad_records_counted_one_line_per_kind(tmp_path, caplog):
     path = tmp_path / "mixed.jsonl"
     good = ["first good line", "second good line", "third"]
-    raw = [json.dumps({"text": good[0]}).encode(),
-           b"{not json",
-           json.dumps({"other": "x"}).encode(),
-           json.dumps({"text": 5}).encode(),
-           json.dumps({"text": good[1]}).encode(),
-           b'{"text": "caf\xe9"}',  # latin-1 byte: not UTF-8
-           json.dumps({"text": None}).encode(),
-           json.dumps({"text": "\ud800"}).encode(),  # a lone surrogate escape
-           b"",
-           json.dumps({"text": good[2]}).encode()]
+    raw = [
+        json.dumps({"text": good[0]}).encode(),
+        b"{not json",
+        json.dumps({"other": "x"}).encode(),
+        json.dumps({"text": 5}).encode(),
+        json.dumps({"text": good[1]}).encode(),
+        b'{"text": "caf\xe9"}',  # latin-1 byte: not UTF-8
+        json.dumps({"text": None}).encode(),
+        json.dumps({"text": "\ud800"}).encode(),  # a lone surrogate escape
+        b"",
+        json.dumps({"text": good[2]}).encode(),
+    ]
     path.write_bytes(b"\n".join(raw) + b"\n")
     text = tmp_path / "good.txt"
     text.write_text("".join(g + "\n" for g in good), encoding="utf-8")
@@ -120,12 +143,14 @@ def test_bad_records_counted_one_line_per_kind(tmp_path, caplog):
     run("--trainpref", text, "--destdir", tmp_path / "b", "--padding-factor", 1)
     assert bin_files(tmp_path / "a") == bin_files(tmp_path / "b")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert sorted(warnings) == sorted([
-        f"--trainpref {path}: 1 record(s) skipped: not a JSON object (first: line 2)",
-        f"--trainpref {path}: 1 record(s) skipped: missing key 'text' (first: line 3)",
-        f"--trainpref {path}: 2 record(s) skipped: not a string 'text' (first: line 4)",
-        f"--trainpref {path}: 2 record(s) skipped: invalid UTF-8 (first: line 6)",
-    ]), warnings
+    assert sorted(warnings) == sorted(
+        [
+            f"--trainpref {path}: 1 record(s) skipped: not a JSON object (first: line 2)",
+            f"--trainpref {path}: 1 record(s) skipped: missing key 'text' (first: line 3)",
+            f"--trainpref {path}: 2 record(s) skipped: not a string 'text' (first: line 4)",
+            f"--trainpref {path}: 2 record(s) skipped: invalid UTF-8 (first: line 6)",
+        ]
+    ), warnings
 
 
 def test_parquet_nulls_and_binary(tmp_path):
@@ -149,8 +174,9 @@ def assert_nothing_left(tmp_path, dest):
 def test_every_record_bad(tmp_path, capsys):
     path = tmp_path / "x.jsonl"
     write_jsonl(path, ["a", "b"], key="body")
-    expect_error(capsys, ["--trainpref", path, "--destdir", tmp_path / "out"],
-                 "no usable record", "2 missing key", "--json-key")
+    expect_error(
+        capsys, ["--trainpref", path, "--destdir", tmp_path / "out"], "no usable record", "2 missing key", "--json-key"
+    )
     assert_nothing_left(tmp_path, tmp_path / "out")
 
 
@@ -159,8 +185,12 @@ def test_missing_parquet_column(tmp_path, capsys):
     pq = pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "x.parquet"
     pq.write_table(pa.table({"body": ["a"]}), path)
-    expect_error(capsys, ["--trainpref", path, "--destdir", tmp_path / "out"],
-                 "--parquet-column text", "has no such column (it has body)")
+    expect_error(
+        capsys,
+        ["--trainpref", path, "--destdir", tmp_path / "out"],
+        "--parquet-column text",
+        "has no such column (it has body)",
+    )
     assert_nothing_left(tmp_path, tmp_path / "out")
 
 
@@ -177,15 +207,24 @@ def test_damaged_gzip_and_parquet(tmp_path, capsys):
 
 def test_hf_dataset_errors(tmp_path, capsys):
     pytest.importorskip("datasets")
-    expect_error(capsys, ["--hf-dataset", tmp_path / "nope", "--destdir", tmp_path / "out"],
-                 "--hf-dataset", "no such folder")
-    expect_error(capsys, ["--hf-dataset", tmp_path / "nope", "--trainpref", "x.txt", "--destdir",
-                          tmp_path / "out"], "give one of them")
+    expect_error(
+        capsys, ["--hf-dataset", tmp_path / "nope", "--destdir", tmp_path / "out"], "--hf-dataset", "no such folder"
+    )
+    expect_error(
+        capsys,
+        ["--hf-dataset", tmp_path / "nope", "--trainpref", "x.txt", "--destdir", tmp_path / "out"],
+        "give one of them",
+    )
     import datasets
+
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "ds"))
     capsys.readouterr()
-    expect_error(capsys, ["--hf-dataset", tmp_path / "ds", "--hf-split", "test", "--destdir", tmp_path / "out"],
-                 "--hf-split test", "no such split (it has train)")
+    expect_error(
+        capsys,
+        ["--hf-dataset", tmp_path / "ds", "--hf-split", "test", "--destdir", tmp_path / "out"],
+        "--hf-split test",
+        "no such split (it has train)",
+    )
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -1,4 +1,5 @@
 """toolkit-preprocess --num-shards/--shard-id parts joined by --merge: the bytes of one run."""
+
 import os
 
 import pytest
@@ -20,9 +21,24 @@ def test_parts_merged_equal_one_run(one_run, num_shards):
     root, (train, valid, test) = one_run
     parts = root / f"parts{num_shards}"
     for shard in range(num_shards):
-        run("--trainpref", train, "--validpref", valid, "--testpref", test, "--srcdict", root / "one" / "dict.txt",
-            "--num-shards", num_shards, "--shard-id", shard, "--destdir", parts / str(shard),
-            "--workers", 1 + shard % 2)
+        run(
+            "--trainpref",
+            train,
+            "--validpref",
+            valid,
+            "--testpref",
+            test,
+            "--srcdict",
+            root / "one" / "dict.txt",
+            "--num-shards",
+            num_shards,
+            "--shard-id",
+            shard,
+            "--destdir",
+            parts / str(shard),
+            "--workers",
+            1 + shard % 2,
+        )
     assert bin_files(parts / "0") != bin_files(root / "one")  # a part alone is not the whole
     run("--merge", f"{parts}/*", "--destdir", root / f"merged{num_shards}")
     assert bin_files(root / f"merged{num_shards}") == bin_files(root / "one")
@@ -34,8 +50,18 @@ def test_dict_only_then_parts(tmp_path, wikitext_dir):
     run("--trainpref", valid, "--destdir", tmp_path / "one")
     run("--trainpref", valid, "--dict-only", "--destdir", tmp_path / "dict")
     for shard in range(3):
-        run("--trainpref", valid, "--srcdict", tmp_path / "dict" / "dict.txt", "--num-shards", 3, "--shard-id", shard,
-            "--destdir", tmp_path / "parts" / f"p{shard}")
+        run(
+            "--trainpref",
+            valid,
+            "--srcdict",
+            tmp_path / "dict" / "dict.txt",
+            "--num-shards",
+            3,
+            "--shard-id",
+            shard,
+            "--destdir",
+            tmp_path / "parts" / f"p{shard}",
+        )
     run("--merge", ",".join(str(tmp_path / "parts" / f"p{i}") for i in range(3)), "--destdir", tmp_path / "all")
     assert bin_files(tmp_path / "all") == bin_files(tmp_path / "one")
 
@@ -43,17 +69,42 @@ def test_dict_only_then_parts(tmp_path, wikitext_dir):
 def test_bad_shard_flags_and_merges(tmp_path, capsys, wikitext_dir):
     valid = os.path.join(wikitext_dir, "wiki.valid.tokens")
     expect_error(capsys, ["--trainpref", valid, "--num-shards", 2, "--destdir", tmp_path / "x"], "--srcdict")
-    expect_error(capsys, ["--trainpref", valid, "--num-shards", 2, "--shard-id", 2, "--destdir", tmp_path / "x"],
-                 "--shard-id 2: must be in [0, --num-shards 2)")
+    expect_error(
+        capsys,
+        ["--trainpref", valid, "--num-shards", 2, "--shard-id", 2, "--destdir", tmp_path / "x"],
+        "--shard-id 2: must be in [0, --num-shards 2)",
+    )
     run("--trainpref", valid, "--dict-only", "--destdir", tmp_path / "dict")
     for shard in (0, 2):
-        run("--trainpref", valid, "--srcdict", tmp_path / "dict" / "dict.txt", "--num-shards", 3, "--shard-id", shard,
-            "--destdir", tmp_path / "parts" / str(shard))
+        run(
+            "--trainpref",
+            valid,
+            "--srcdict",
+            tmp_path / "dict" / "dict.txt",
+            "--num-shards",
+            3,
+            "--shard-id",
+            shard,
+            "--destdir",
+            tmp_path / "parts" / str(shard),
+        )
     expect_error(capsys, ["--merge", f"{tmp_path}/parts/*", "--destdir", tmp_path / "m"], "parts 1 of 3 are missing")
     expect_error(capsys, ["--merge", f"{tmp_path}/nothing/*", "--destdir", tmp_path / "m"], "names no part folder")
     expect_error(capsys, ["--merge", str(tmp_path / "dict"), "--destdir", tmp_path / "m"], "has no shard.json")
-    run("--trainpref", valid, "--srcdict", tmp_path / "dict" / "dict.txt", "--num-shards", 3, "--shard-id", 1,
-        "--destdir", tmp_path / "parts" / "1", "--padding-factor", 1)
+    run(
+        "--trainpref",
+        valid,
+        "--srcdict",
+        tmp_path / "dict" / "dict.txt",
+        "--num-shards",
+        3,
+        "--shard-id",
+        1,
+        "--destdir",
+        tmp_path / "parts" / "1",
+        "--padding-factor",
+        1,
+    )
     with open(tmp_path / "parts" / "1" / "dict.txt", "a") as f:
         f.write("extra 1\n")
     expect_error(capsys, ["--merge", f"{tmp_path}/parts/*", "--destdir", tmp_path / "m"], "differs from")

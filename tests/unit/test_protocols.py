@@ -1,5 +1,6 @@
 """The Protocols of toolkit.core.protocols: both families, the task and the criterions satisfy them, and code
 that used to probe with hasattr now tells a conforming object from one that is not."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The one "is this --arch registered" test (toolkit.core.registry.registered_arch) and its one-line refusal,
 shared by the command line, model building and checkpoint loading (eval-lm, generate, the hub)."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,11 +41,22 @@ def test_loading_a_checkpoint_of_an_unregistered_arch_gives_the_same_line(tmp_pa
     from toolkit import inference
 
     path = str(tmp_path / "plugin.pt")
-    torch.save({"cfg": {"arch": "tutorial_simple_lstm_lm", "task": "language_modeling", "data": "x",
-                        "user_dir": "plugins/lstm"}, "model": {}}, path)
+    torch.save(
+        {
+            "cfg": {
+                "arch": "tutorial_simple_lstm_lm",
+                "task": "language_modeling",
+                "data": "x",
+                "user_dir": "plugins/lstm",
+            },
+            "model": {},
+        },
+        path,
+    )
     with pytest.raises(UserError) as e:
         inference.load_model(path)
-    assert str(e.value) == (f"{path}: {registry.unknown_arch_message('tutorial_simple_lstm_lm')} "
-                            f"(the run used --user-dir plugins/lstm)")
+    assert str(e.value) == (
+        f"{path}: {registry.unknown_arch_message('tutorial_simple_lstm_lm')} (the run used --user-dir plugins/lstm)"
+    )
     assert inference.model_option_names("tutorial_simple_lstm_lm") == []  # no crash before the refusal
     assert "decoder_layers" in inference.model_option_names("transformer_lm_gpt3_small")

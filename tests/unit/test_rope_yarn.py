@@ -4,6 +4,7 @@ with a yarn ``rope_scaling`` import with logits equal to transformers' within 1e
 original context, and export back (``--format hf``) to the same ``rope_scaling`` and logits; settings the
 toolkit computes differently are refused in one line.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,27 @@ from toolkit.models.blocks import rope  # noqa: E402
 #: betas with a given attention factor (Qwen3's heads of 32); DeepSeek's mscale pair instead of the factor
 YARN = {
     "llama_default": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
-    "qwen3_betas": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                              "beta_fast": 8.0, "beta_slow": 0.5, "attention_factor": 0.9}),
-    "llama_mscale": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                               "mscale": 0.8, "mscale_all_dim": 0.5}),
+    "qwen3_betas": (
+        "qwen3",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 8.0,
+            "beta_slow": 0.5,
+            "attention_factor": 0.9,
+        },
+    ),
+    "llama_mscale": (
+        "llama",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.5,
+        },
+    ),
 }
 
 
@@ -81,7 +99,8 @@ def test_export_back_writes_the_same_rope_scaling_and_logits(imported):
     assert scaling["original_max_position_embeddings"] == 16
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert ROPE_INIT_FUNCTIONS["yarn"](back.config, "cpu")[1] == pytest.approx(
-        ROPE_INIT_FUNCTIONS["yarn"](imported["hf"].config, "cpu")[1], rel=1e-12)
+        ROPE_INIT_FUNCTIONS["yarn"](imported["hf"].config, "cpu")[1], rel=1e-12
+    )
     with torch.no_grad():
         assert (back(tokens()).logits - imported["hf"](tokens()).logits).abs().max().item() < 1e-4
 
@@ -89,22 +108,45 @@ def test_export_back_writes_the_same_rope_scaling_and_logits(imported):
 def test_flags_build_the_same_tables_as_the_imported_config():
     """--rope-scaling yarn --rope-scaling-factor 4 --rope-original-max-positions 16 = the HF config's yarn."""
     cfg = LlamaConfig(rope_theta=1e6, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16)
-    imported = LlamaConfig(**options_from_hf(
-        {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-         "num_attention_heads": 4, "max_position_embeddings": 64, "rope_theta": 1e6,
-         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, "x"))
+    imported = LlamaConfig(
+        **options_from_hf(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 64,
+                "rope_theta": 1e6,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            },
+            "x",
+        )
+    )
     assert rope_scaling(cfg) == rope_scaling(imported)
 
 
-@pytest.mark.parametrize("scaling, fragment", [
-    ({"rope_type": "yarn", "factor": 4.0}, "has no original_max_position_embeddings"),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},
-     "truncate False"),
-    ({"rope_type": "longrope", "factor": 4.0}, "default, llama3 and yarn"),
-])
+@pytest.mark.parametrize(
+    "scaling, fragment",
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, "has no original_max_position_embeddings"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},
+            "truncate False",
+        ),
+        ({"rope_type": "longrope", "factor": 4.0}, "default, llama3 and yarn"),
+    ],
+)
 def test_yarn_settings_computed_otherwise_are_refused_in_one_line(scaling, fragment):
-    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-              "num_attention_heads": 4, "max_position_embeddings": 64, "rope_scaling": scaling}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "rope_scaling": scaling,
+    }
     with pytest.raises(UserError, match=fragment) as err:
         options_from_hf(config, "config.json")
     assert "\n" not in str(err.value)

@@ -4,6 +4,7 @@ Each forgery holds a pickle whose ``__reduce__`` would run ``touch MARKER``; aft
 command the marker must not exist, the exit status is non-zero and stderr is one
 ``prog: error: ...`` line without a traceback.
 """
+
 from __future__ import annotations
 
 import io

@@ -1,5 +1,6 @@
 """Sentence-level training (--sample-break-mode eos|complete|complete_doc): long lines are skipped with
 fairseq's warning, and fairseq's --shorten-method truncate|random_crop cut them instead."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,13 +17,13 @@ class FairseqCrop:
     def __getitem__(self, index):
         item = self.items[index]
         if self.method == "truncate":
-            return item[:self.length]
+            return item[: self.length]
         state = np.random.get_state()
         np.random.seed(int(hash((self.seed, 0, index)) % 1e6))
         excess = len(item) - self.length
         if excess > 0:
             start = np.random.randint(0, excess)
-            item = item[start:start + self.length]
+            item = item[start : start + self.length]
         np.random.set_state(state)
         return item
 

@@ -1,4 +1,5 @@
 """Epoch-sharded data (``DATA=shard0:shard1:...``): epoch e trains on shard (e-1) mod n, as fairseq."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ runs simulate ``srun`` on CPU by setting Slurm's variables by hand for two proce
 task per process) and for one process (one task per node, spawning its workers), and compare
 their losses and final weights with the same two ranks spawned by ``--distributed-world-size 2``.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,17 @@ from toolkit.distributed import launch, slurm
 from toolkit.core.errors import UserError
 from toolkit.train.resolve import parse_train_config
 
-SLURM_KEYS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
-              "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+SLURM_KEYS = (
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+)
 TORCHRUN_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
@@ -30,13 +40,16 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("node07", ["node07"]),
-    ("node[01-03,07],other", ["node01", "node02", "node03", "node07", "other"]),
-    ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("a[1],b[003-004]x", ["a1", "b003x", "b004x"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node07", ["node07"]),
+        ("node[01-03,07],other", ["node01", "node02", "node03", "node07", "other"]),
+        ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("a[1],b[003-004]x", ["a1", "b003x", "b004x"]),
+    ],
+)
 def test_nodelist_expands_like_scontrol(nodelist, hosts):
     assert slurm.parse_nodelist(nodelist) == hosts
 
@@ -49,7 +62,7 @@ def test_bad_nodelist_is_one_line(bad):
 
 def test_scontrol_is_preferred_when_on_path(tmp_path, monkeypatch):
     fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\n[ \"$1 $2\" = \"show hostnames\" ] && printf 'from-scontrol-1\\nfrom-scontrol-2\\n'\n")
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf \'from-scontrol-1\\nfrom-scontrol-2\\n\'\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert slurm.expand_nodelist("node[1-2]") == ["from-scontrol-1", "from-scontrol-2"]
@@ -69,14 +82,21 @@ def fairseq_layout(env, gpus_per_node, world_size):
 
 
 def plan_ranks(plan):
-    return plan.world_size, [(int(plan.rank_env(i)["RANK"]), int(plan.rank_env(i)["LOCAL_RANK"]))
-                             for i in range(plan.local_procs)]
+    return plan.world_size, [
+        (int(plan.rank_env(i)["RANK"]), int(plan.rank_env(i)["LOCAL_RANK"])) for i in range(plan.local_procs)
+    ]
 
 
 @pytest.mark.parametrize("task", range(8))
 def test_one_task_per_gpu_matches_fairseq(task):
-    env = {"SLURM_JOB_NODELIST": "gpu[17-18]", "SLURM_NNODES": "2", "SLURM_NTASKS": "8",
-           "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % 4), "SLURM_NODEID": str(task // 4)}
+    env = {
+        "SLURM_JOB_NODELIST": "gpu[17-18]",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": str(task),
+        "SLURM_LOCALID": str(task % 4),
+        "SLURM_NODEID": str(task // 4),
+    }
     plan = slurm.plan_from_env(12345, 1, gpus=4, environ=env, hostnames=slurm.parse_nodelist)
     assert plan_ranks(plan) == fairseq_layout(env, 4, 8)
     assert plan.rank_env(0)["MASTER_ADDR"] == "gpu17" and plan.rank_env(0)["MASTER_PORT"] == "12345"
@@ -88,8 +108,14 @@ def test_one_task_per_gpu_matches_fairseq(task):
 
 @pytest.mark.parametrize("node", [0, 1, 2])
 def test_one_task_per_node_spawns_its_gpus_like_fairseq(node):
-    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NNODES": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": str(node),
-           "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)}
+    env = {
+        "SLURM_JOB_NODELIST": "n[1-3]",
+        "SLURM_NNODES": "3",
+        "SLURM_NTASKS": "3",
+        "SLURM_PROCID": str(node),
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(node),
+    }
     plan = slurm.plan_from_env(2000, 1, gpus=8, environ=env, hostnames=slurm.parse_nodelist)
     assert plan_ranks(plan) == fairseq_layout(env, 8, 24)
     assert plan.local_procs == 8 and plan.rank_env(0)["MASTER_ADDR"] == "n1"
@@ -99,21 +125,29 @@ def test_one_task_per_node_spawns_its_gpus_like_fairseq(node):
 
 
 def test_slurm_ignored_without_port_or_under_torchrun():
-    env = {"SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
-           "SLURM_LOCALID": "0"}
+    env = {
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
     assert slurm.plan_from_env(-1, 1, 0, env, slurm.parse_nodelist) is None
     torchrun = dict(env, MASTER_ADDR="h", MASTER_PORT="1", WORLD_SIZE="2", RANK="0")
     assert slurm.plan_from_env(2000, 1, 0, torchrun, slurm.parse_nodelist) is None
     assert slurm.plan_from_env(2000, 1, 0, env, slurm.parse_nodelist) is not None
 
 
-@pytest.mark.parametrize("env, world, match", [
-    ({"SLURM_NNODES": "2", "SLURM_NTASKS": "4"}, 8, "srun started 4 tasks"),
-    ({"SLURM_NNODES": "2", "SLURM_NTASKS": "3"}, 1, "does not split evenly"),
-    ({"SLURM_NNODES": "2", "SLURM_NTASKS": "2"}, 3, "does not split evenly over the job's 2 nodes"),
-    ({"SLURM_NTASKS": "2"}, 1, r"\$SLURM_NNODES is not set"),
-    ({"SLURM_NNODES": "x", "SLURM_NTASKS": "2"}, 1, "expected an integer"),
-])
+@pytest.mark.parametrize(
+    "env, world, match",
+    [
+        ({"SLURM_NNODES": "2", "SLURM_NTASKS": "4"}, 8, "srun started 4 tasks"),
+        ({"SLURM_NNODES": "2", "SLURM_NTASKS": "3"}, 1, "does not split evenly"),
+        ({"SLURM_NNODES": "2", "SLURM_NTASKS": "2"}, 3, "does not split evenly over the job's 2 nodes"),
+        ({"SLURM_NTASKS": "2"}, 1, r"\$SLURM_NNODES is not set"),
+        ({"SLURM_NNODES": "x", "SLURM_NTASKS": "2"}, 1, "expected an integer"),
+    ],
+)
 def test_inconsistent_layout_is_one_line(env, world, match):
     env = dict(env, SLURM_JOB_NODELIST="n[1-2]", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
     with pytest.raises(UserError, match=match):
@@ -122,8 +156,13 @@ def test_inconsistent_layout_is_one_line(env, world, match):
 
 def test_tasks_that_each_see_one_gpu_are_refused():
     """srun --gpus-per-task 1: SLURM_LOCALID would name a GPU the task cannot see."""
-    env = {"SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
-           "SLURM_LOCALID": "3"}
+    env = {
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "3",
+    }
     with pytest.raises(UserError, match="each sees 1 GPU"):
         slurm.plan_from_env(2000, 1, 1, env, slurm.parse_nodelist)
     assert slurm.plan_from_env(2000, 1, 4, env, slurm.parse_nodelist).rank_env(0)["LOCAL_RANK"] == "3"
@@ -134,9 +173,16 @@ def fake_gpus(monkeypatch, n):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
 
 
-@pytest.mark.parametrize("gpus, given, cpu, want", [
-    (4, False, False, 4), (1, False, False, None), (0, False, False, None),
-    (4, True, False, None), (4, False, True, None)])
+@pytest.mark.parametrize(
+    "gpus, given, cpu, want",
+    [
+        (4, False, False, 4),
+        (1, False, False, None),
+        (0, False, False, None),
+        (4, True, False, None),
+        (4, False, True, None),
+    ],
+)
 def test_default_world_size_is_every_visible_gpu(clean_env, gpus, given, cpu, want):
     fake_gpus(clean_env, gpus)
     assert launch.default_world_size(given, cpu, port=-1) == want

@@ -1,4 +1,5 @@
 """Leftovers of crashed saves are removed at start; checkpoints get the process umask's mode."""
+
 from __future__ import annotations
 
 import os
@@ -21,11 +22,18 @@ def test_only_our_stale_temp_names_are_removed(tmp_path):
     (tmp_path / ".checkpoint_last.pt.k2j_9x0a.tmp").write_bytes(b"half")
     (tmp_path / ".checkpoint_best.pt.dcp.tmp").write_bytes(b"scratch")
     complete_sharded(str(tmp_path / "checkpoint_last"))
-    os.makedirs(tmp_path / ".checkpoint_last.tmp")   # stale: checkpoint_last/ is complete
+    os.makedirs(tmp_path / ".checkpoint_last.tmp")  # stale: checkpoint_last/ is complete
     os.makedirs(tmp_path / ".checkpoint_last.old")
-    os.makedirs(tmp_path / ".checkpoint_1_10.tmp")   # checkpoint_1_10/ missing: may be the only copy
-    expected = sorted(str(tmp_path / n) for n in (".checkpoint_best.pt.dcp.tmp", ".checkpoint_last.old",
-                                                  ".checkpoint_last.pt.k2j_9x0a.tmp", ".checkpoint_last.tmp"))
+    os.makedirs(tmp_path / ".checkpoint_1_10.tmp")  # checkpoint_1_10/ missing: may be the only copy
+    expected = sorted(
+        str(tmp_path / n)
+        for n in (
+            ".checkpoint_best.pt.dcp.tmp",
+            ".checkpoint_last.old",
+            ".checkpoint_last.pt.k2j_9x0a.tmp",
+            ".checkpoint_last.tmp",
+        )
+    )
     assert stale_temp_paths(str(tmp_path)) == expected
     assert remove_stale_temp_files(str(tmp_path)) == expected
     assert sorted(os.listdir(tmp_path)) == sorted(keep + ["checkpoint_last", ".checkpoint_1_10.tmp"])

@@ -4,6 +4,7 @@ other optional or heavy packages come in on the paths that use them (``benchmark
 A fresh interpreter per command: what ``import toolkit_cli.<cmd>`` leaves in ``sys.modules`` is what every
 command, spawned rank and test process pays before its first line of work.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,47 +16,79 @@ import pytest
 from tests.helpers import REPO_ROOT
 from tests.helpers.cli import subprocess_env
 
-LAZY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "torch._inductor",
-        "torch.distributed.fsdp", "deepspeed", "transformers", "safetensors", "onnx", "onnxruntime", "onnxscript",
-        "tensorboard", "wandb", "lm_eval", "datasets", "omegaconf", "hydra")
+LAZY = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.distributed.fsdp",
+    "deepspeed",
+    "transformers",
+    "safetensors",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "tensorboard",
+    "wandb",
+    "lm_eval",
+    "datasets",
+    "omegaconf",
+    "hydra",
+)
 
 
 def imported_after(*statements: str) -> list:
     """The LAZY modules in ``sys.modules`` after each statement (cumulative), in one fresh interpreter."""
     report = f"print(json.dumps(sorted(m for m in {LAZY!r} if m in sys.modules)))"
     code = "import json, sys\n" + "".join(f"{s}\n{report}\n" for s in statements)
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
-    return [json.loads(line) for line in run.stdout.strip().splitlines()[-len(statements):]]
+    return [json.loads(line) for line in run.stdout.strip().splitlines()[-len(statements) :]]
 
 
 def test_a_command_imports_no_optional_or_heavy_module():
-    commands = ["train", "eval_lm", "generate", "export", "validate", "interactive", "plan", "hydra_train",
-                "eval_harness", "consolidate", "preprocess"]
+    commands = [
+        "train",
+        "eval_lm",
+        "generate",
+        "export",
+        "validate",
+        "interactive",
+        "plan",
+        "hydra_train",
+        "eval_harness",
+        "consolidate",
+        "preprocess",
+    ]
     after = imported_after(*(f"import toolkit_cli.{c}" for c in commands))
     assert dict(zip(commands, after)) == {c: [] for c in commands}
 
 
 def test_the_checkpoint_code_imports_dcp_at_its_first_use():
     """The lazy names are torch's own functions once called (the same results as importing them)."""
-    imported, called = imported_after("import torch\nfrom toolkit.checkpoint import consolidated, sharded, safe_pickle",
-                                      "from toolkit.checkpoint.dcp_state import StateDictOptions, set_model_state_dict\n"
-                                      "m = torch.nn.Linear(2, 2)\n"
-                                      "saved = {k: torch.zeros_like(v) for k, v in consolidated.model_state(m).items()}\n"
-                                      "set_model_state_dict(m, saved, options=StateDictOptions(full_state_dict=True))\n"
-                                      "assert set(saved) == {'weight', 'bias'} and not m.weight.any()")
+    imported, called = imported_after(
+        "import torch\nfrom toolkit.checkpoint import consolidated, sharded, safe_pickle",
+        "from toolkit.checkpoint.dcp_state import StateDictOptions, set_model_state_dict\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "saved = {k: torch.zeros_like(v) for k, v in consolidated.model_state(m).items()}\n"
+        "set_model_state_dict(m, saved, options=StateDictOptions(full_state_dict=True))\n"
+        "assert set(saved) == {'weight', 'bias'} and not m.weight.any()",
+    )
     assert imported == [] and "torch.distributed.checkpoint" in called
 
 
 def test_registering_every_component_and_building_models_on_meta_import_none():
     """``--help`` and every command register all components; eval-lm, generate and export build the model on
     the meta device (torch's default init of an embedding there would import dynamo)."""
-    after = imported_after("from toolkit.core import registry\nregistry.import_all_components()",
-                           "from toolkit import models\nmodels.build_on_meta('transformer_lm', 100, 64)\n"
-                           "models.build_on_meta('transformer_lm', 100, 64, decoder_learned_pos=True)\n"
-                           "models.build_on_meta('llama', 100, 64, decoder_layers=2, decoder_embed_dim=32, "
-                           "decoder_attention_heads=2, decoder_ffn_embed_dim=64)")
+    after = imported_after(
+        "from toolkit.core import registry\nregistry.import_all_components()",
+        "from toolkit import models\nmodels.build_on_meta('transformer_lm', 100, 64)\n"
+        "models.build_on_meta('transformer_lm', 100, 64, decoder_learned_pos=True)\n"
+        "models.build_on_meta('llama', 100, 64, decoder_layers=2, decoder_embed_dim=32, "
+        "decoder_attention_heads=2, decoder_ffn_embed_dim=64)",
+    )
     assert after == [[], []]
 
 
@@ -75,20 +108,24 @@ def test_initializing_a_model_in_one_process_imports_no_dtensor():
         "from torch.distributed.tensor import Replicate, distribute_tensor\n"
         "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
         "t = distribute_tensor(torch.ones(2), init_device_mesh('cpu', (1,)), [Replicate()])\n"
-        "assert is_dtensor(t) and not is_dtensor(t.to_local())\ndist.destroy_process_group()")
+        "assert is_dtensor(t) and not is_dtensor(t.to_local())\ndist.destroy_process_group()",
+    )
     assert "torch.distributed.tensor" not in initialized and "torch.distributed.tensor" in sharded
 
 
 def modules_after_command(command: str, argv: list) -> tuple:
     """(exit status, whether torch or numpy was imported) of ``toolkit-<command> ARGV`` in one fresh interpreter."""
-    code = ("import importlib, sys\n"
-            f"command = importlib.import_module('toolkit_cli.{command}')\n"
-            f"sys.argv = ['toolkit-{command}'] + {list(argv)!r}\n"
-            "try:\n    command.cli_main()\n    status = 0\n"
-            "except SystemExit as e:\n    status = e.code\n"
-            "print('RESULT', status, 'torch' in sys.modules or 'numpy' in sys.modules, file=sys.stderr)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=300)
+    code = (
+        "import importlib, sys\n"
+        f"command = importlib.import_module('toolkit_cli.{command}')\n"
+        f"sys.argv = ['toolkit-{command}'] + {list(argv)!r}\n"
+        "try:\n    command.cli_main()\n    status = 0\n"
+        "except SystemExit as e:\n    status = e.code\n"
+        "print('RESULT', status, 'torch' in sys.modules or 'numpy' in sys.modules, file=sys.stderr)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     result = [line for line in run.stderr.splitlines() if line.startswith("RESULT ")]
     assert result, run.stderr[-2000:]
     _, status, torch_imported = result[-1].split()
@@ -96,31 +133,47 @@ def modules_after_command(command: str, argv: list) -> tuple:
 
 
 HELP_AND_ARGUMENT_ERRORS = [
-    ("train", ["--help"], 0), ("train", ["--arch", "llama_tiny", "--help"], 0),
+    ("train", ["--help"], 0),
+    ("train", ["--arch", "llama_tiny", "--help"], 0),
     ("train", ["--arch", "moe_tiny", "--optimizer", "muon", "--lr-scheduler", "wsd", "--help"], 0),
-    ("train", ["data-bin", "--arch", "no_such_arch"], 1), ("train", ["data-bin", "--lr", "abc"], 1),
-    ("train", ["data-bin", "--optimizer", "no_such_optimizer"], 1), ("train", ["data-bin", "--no-such-flag"], 1),
+    ("train", ["data-bin", "--arch", "no_such_arch"], 1),
+    ("train", ["data-bin", "--lr", "abc"], 1),
+    ("train", ["data-bin", "--optimizer", "no_such_optimizer"], 1),
+    ("train", ["data-bin", "--no-such-flag"], 1),
     ("train", ["data-bin", "--arch", "llama_tiny", "--dropout", "0.1"], 1),
-    ("eval_lm", ["--help"], 0), ("eval_lm", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
-    ("preprocess", ["--help"], 0), ("preprocess", ["--bpe", "sentencepiece", "--help"], 0),
+    ("eval_lm", ["--help"], 0),
+    ("eval_lm", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+    ("preprocess", ["--help"], 0),
+    ("preprocess", ["--bpe", "sentencepiece", "--help"], 0),
     ("preprocess", ["--bpe", "no_such_bpe"], 1),
-    ("generate", ["--help"], 0), ("generate", ["data-bin", "--beam", "abc"], 1),
-    ("interactive", ["--help"], 0), ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
-    ("validate", ["--help"], 0), ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
-    ("export", ["--help"], 0), ("export", ["--path", "x.pt", "--format", "no_such_format"], 1),
+    ("generate", ["--help"], 0),
+    ("generate", ["data-bin", "--beam", "abc"], 1),
+    ("interactive", ["--help"], 0),
+    ("interactive", ["data-bin", "--sampling-topp", "xyz"], 1),
+    ("validate", ["--help"], 0),
+    ("validate", ["data-bin", "--path", "x.pt", "--batch-size", "abc"], 1),
+    ("export", ["--help"], 0),
+    ("export", ["--path", "x.pt", "--format", "no_such_format"], 1),
     ("export", ["--path", "x.pt", "--dtype", "fp8"], 1),
-    ("plan", ["--help"], 0), ("plan", ["--gpu", "no_such_gpu"], 1), ("plan", ["--gpu-memory", "12XB"], 1),
-    ("plan", ["--arch", "no_such_arch"], 1), ("plan", ["--lr", "abc"], 1),
-    ("hydra_train", ["--help"], 0), ("hydra_train", ["--no-such-flag"], 1),
+    ("plan", ["--help"], 0),
+    ("plan", ["--gpu", "no_such_gpu"], 1),
+    ("plan", ["--gpu-memory", "12XB"], 1),
+    ("plan", ["--arch", "no_such_arch"], 1),
+    ("plan", ["--lr", "abc"], 1),
+    ("hydra_train", ["--help"], 0),
+    ("hydra_train", ["--no-such-flag"], 1),
     ("hydra_train", ["task.data=data-bin", "optimization.max_update=abc"], 1),
     ("hydra_train", ["task.data=data-bin", "no_such_group.x=1"], 1),
-    ("eval_harness", ["--help"], 0), ("eval_harness", ["--path", "x.pt", "--limit", "-3"], 1),
-    ("consolidate", ["--help"], 0), ("consolidate", ["checkpoints/x", "--no-such-flag"], 1),
+    ("eval_harness", ["--help"], 0),
+    ("eval_harness", ["--path", "x.pt", "--limit", "-3"], 1),
+    ("consolidate", ["--help"], 0),
+    ("consolidate", ["checkpoints/x", "--no-such-flag"], 1),
 ]
 
 
-@pytest.mark.parametrize("command,argv,status", HELP_AND_ARGUMENT_ERRORS,
-                         ids=[f"{c} {' '.join(a)}" for c, a, _ in HELP_AND_ARGUMENT_ERRORS])
+@pytest.mark.parametrize(
+    "command,argv,status", HELP_AND_ARGUMENT_ERRORS, ids=[f"{c} {' '.join(a)}" for c, a, _ in HELP_AND_ARGUMENT_ERRORS]
+)
 def test_help_and_argument_errors_exit_before_torch_is_imported(command, argv, status):
     """The parser is built from the components' names and options alone (``registry.BUILTIN_COMPONENTS``,
     torch-free options modules); torch and numpy come in after parsing, with the code that runs the command."""
@@ -148,8 +201,9 @@ VALID_COMMAND_LINES = [
 ]
 
 
-@pytest.mark.parametrize("command,argv,status", VALID_COMMAND_LINES,
-                         ids=[f"{c} {' '.join(a)}" for c, a, _ in VALID_COMMAND_LINES])
+@pytest.mark.parametrize(
+    "command,argv,status", VALID_COMMAND_LINES, ids=[f"{c} {' '.join(a)}" for c, a, _ in VALID_COMMAND_LINES]
+)
 def test_a_valid_command_line_goes_on_to_import_torch(command, argv, status):
     """The check above can fail: past parsing, each command imports torch (here failing on a missing
     checkpoint, data or task folder; toolkit-plan fits its run)."""
@@ -158,14 +212,18 @@ def test_a_valid_command_line_goes_on_to_import_torch(command, argv, status):
 
 def test_eval_harness_without_lm_eval_says_what_to_install():
     """lm-eval is an optional extra: without it, one line naming the pip install (exit 1)."""
-    code = ("import sys\nsys.modules['lm_eval'] = None  # what an interpreter without lm-eval finds\n"
-            "sys.argv = ['toolkit-eval-harness', '--path', 'x.pt', '--tasks', 't']\n"
-            "from toolkit_cli import eval_harness\neval_harness.cli_main()\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=300)
+    code = (
+        "import sys\nsys.modules['lm_eval'] = None  # what an interpreter without lm-eval finds\n"
+        "sys.argv = ['toolkit-eval-harness', '--path', 'x.pt', '--tasks', 't']\n"
+        "from toolkit_cli import eval_harness\neval_harness.cli_main()\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 1, run.stderr[-2000:]
-    assert run.stderr.strip().splitlines()[-1] == ("toolkit-eval-harness: error: lm-eval is not installed; "
-                                                   "pip install lm-eval (or: pip install toolkit[eval])")
+    assert run.stderr.strip().splitlines()[-1] == (
+        "toolkit-eval-harness: error: lm-eval is not installed; pip install lm-eval (or: pip install toolkit[eval])"
+    )
 
 
 def test_the_declared_components_are_what_the_modules_register():
@@ -188,7 +246,8 @@ for reg, declared in registry.BUILTIN_COMPONENTS.items():
             problems.append(f"{reg.kind} {name}: options {entry.config}, declared {options}")
 print(json.dumps(problems))
 """
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == []

@@ -2,6 +2,7 @@
 load without knowing what each entry is: a new entry round-trips through the .pt file and the DCP folder,
 and the files keep the layout they had before the mapping (fairseq's keys, the same ``extra_state``).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,12 +34,14 @@ def test_a_new_entry_round_trips_through_both_formats(data_bin, tmp_path, sharde
 
     flags = ["--use-sharded-state"] if sharded else []
     probe = torch.nn.Linear(3, 4)  # a tensor entry the formats have never seen
-    _, trainer, _ = train_and_save(data_bin, str(tmp_path), *flags,
-                                   extra={"counter": Counter(5), "probe": ModelState(probe)})
+    _, trainer, _ = train_and_save(
+        data_bin, str(tmp_path), *flags, extra={"counter": Counter(5), "probe": ModelState(probe)}
+    )
     fresh_probe = torch.nn.Linear(3, 4)
     counter = Counter()
-    resumed, _, position = resume(data_bin, str(tmp_path), *flags,
-                                  extra={"counter": counter, "probe": ModelState(fresh_probe)})
+    resumed, _, position = resume(
+        data_bin, str(tmp_path), *flags, extra={"counter": counter, "probe": ModelState(fresh_probe)}
+    )
     assert counter.value == 5
     assert_same(probe.state_dict(), fresh_probe.state_dict())
     assert_same(full_state(trainer), full_state(resumed))
@@ -64,14 +67,23 @@ def head_layout_checkpoint(cfg, trainer, state) -> Dict[str, Any]:
     FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # torch's own, as the old code used
 
     position = dict(state.epoch_itr.state_dict(), update_freq=cfg.optimization.update_freq)
-    extra = {"train_iterator": position, "val_loss": state.val_loss, "best": 3.5, "trainer": trainer.state_dict(),
-             "metrics": metrics.state_dict(), "dictionary_hash": trainer.task.dictionary.symbols_hash()}
+    extra = {
+        "train_iterator": position,
+        "val_loss": state.val_loss,
+        "best": 3.5,
+        "trainer": trainer.state_dict(),
+        "metrics": metrics.state_dict(),
+        "dictionary_hash": trainer.task.dictionary.symbols_hash(),
+    }
     if trainer.ema is not None:
         extra["ema"] = trainer.ema.state_dict()
-    return {"cfg": dict(cfg.to_dict(), distributed_world_size=1, data_parallel_size=1),
-            "model": get_model_state_dict(trainer.model, options=FULL_STATE), "extra_state": extra,
-            "last_optimizer_state": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL_STATE),
-            "optimizer_name": "adam"}
+    return {
+        "cfg": dict(cfg.to_dict(), distributed_world_size=1, data_parallel_size=1),
+        "model": get_model_state_dict(trainer.model, options=FULL_STATE),
+        "extra_state": extra,
+        "last_optimizer_state": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL_STATE),
+        "optimizer_name": "adam",
+    }
 
 
 @pytest.mark.parametrize("flags", [[], ["--store-ema", "--ema-decay", "0.5"]], ids=["plain", "ema"])

@@ -1,6 +1,7 @@
 """The library's import graph: no cycle, and every import points down the declared layer order
 (read with ``ast``, no import executed; function-local imports count: an import inside a function is
 still an edge, only a later one)."""
+
 import ast
 import os
 from typing import Dict, Iterator, List, Set, Tuple
@@ -93,8 +94,10 @@ def upward_edges(files: Dict[str, str], order: List[str]) -> List[str]:
         for target, line in import_sites(module, path, set(files)):
             dest = package_of(target)
             if dest != source and rank[dest] > rank[source]:
-                found.append(f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target} "
-                             f"({source} may only import packages below it in LAYERS)")
+                found.append(
+                    f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target} "
+                    f"({source} may only import packages below it in LAYERS)"
+                )
     return found
 
 
@@ -108,7 +111,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> List[str]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -147,8 +150,10 @@ def test_upward_edges_are_found():
 
 def test_every_package_has_a_layer():
     missing = sorted({package_of(m) for m in module_files()} - set(ORDER))
-    assert not missing, (f"{', '.join(missing)}: no layer; add it to LAYERS in tests/test_structure.py "
-                         f"and to the layer table in docs/design.md")
+    assert not missing, (
+        f"{', '.join(missing)}: no layer; add it to LAYERS in tests/test_structure.py "
+        f"and to the layer table in docs/design.md"
+    )
 
 
 def test_imports_point_down_the_layers():
@@ -176,31 +181,49 @@ def test_design_doc_names_every_package():
 # configs (``train_config``: toolkit-train --config and toolkit-hydra-train), and fairseq's hub methods and
 # keywords (``hub``: the hub, toolkit-generate's checkpoint names, checkpoint_utils' GroupedConfig). The rest
 # of compat/fairseq/ is its own business, so a caller never branches on "is this fairseq".
-COMPAT_DOORS = {"toolkit.compat", "toolkit.compat.fairseq", "toolkit.compat.fairseq.adapter",
-                "toolkit.compat.fairseq.flags", "toolkit.compat.fairseq.train_config", "toolkit.compat.fairseq.hub"}
+COMPAT_DOORS = {
+    "toolkit.compat",
+    "toolkit.compat.fairseq",
+    "toolkit.compat.fairseq.adapter",
+    "toolkit.compat.fairseq.flags",
+    "toolkit.compat.fairseq.train_config",
+    "toolkit.compat.fairseq.hub",
+}
 
 
 def test_library_reaches_fairseq_files_through_the_adapter():
     files = module_files()
-    found = [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
-             for module, path in sorted(files.items())
-             if module.startswith("toolkit.") and not module.startswith("toolkit.compat.")
-             for target, line in import_sites(module, path, set(files))
-             if package_of(target) == "toolkit.compat" and target not in COMPAT_DOORS]
+    found = [
+        f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
+        for module, path in sorted(files.items())
+        if module.startswith("toolkit.") and not module.startswith("toolkit.compat.")
+        for target, line in import_sites(module, path, set(files))
+        if package_of(target) == "toolkit.compat" and target not in COMPAT_DOORS
+    ]
     assert not found, "use toolkit.compat.fairseq.adapter (add what is missing there):\n" + "\n".join(found)
 
 
 # The fairseq import paths a plugin uses, which re-export the plugin API; nothing else in the library imports it.
-PLUGIN_API_PATHS = {"toolkit.models.fairseq_model", "toolkit.tasks.fairseq_task", "toolkit.criterions.fairseq_criterion",
-                    "toolkit.dataclass", "toolkit.dataclass.utils"}
+PLUGIN_API_PATHS = {
+    "toolkit.models.fairseq_model",
+    "toolkit.tasks.fairseq_task",
+    "toolkit.criterions.fairseq_criterion",
+    "toolkit.dataclass",
+    "toolkit.dataclass.utils",
+}
 
 
 def test_only_fairseqs_import_paths_reach_the_plugin_api():
     files = module_files()
     assert PLUGIN_API + ".model" in files and PLUGIN_API_PATHS <= set(files)
-    found = [f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
-             for module, path in sorted(files.items())
-             if package_of(module) != PLUGIN_API and module not in PLUGIN_API_PATHS
-             for target, line in import_sites(module, path, set(files)) if package_of(target) == PLUGIN_API]
-    assert not found, ("the toolkit's own components register through toolkit.core.registry; only fairseq's import "
-                       "paths re-export toolkit.compat_plugins:\n" + "\n".join(found))
+    found = [
+        f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
+        for module, path in sorted(files.items())
+        if package_of(module) != PLUGIN_API and module not in PLUGIN_API_PATHS
+        for target, line in import_sites(module, path, set(files))
+        if package_of(target) == PLUGIN_API
+    ]
+    assert not found, (
+        "the toolkit's own components register through toolkit.core.registry; only fairseq's import "
+        "paths re-export toolkit.compat_plugins:\n" + "\n".join(found)
+    )

@@ -5,6 +5,7 @@ under FSDP2. Each trains a tiny model (2 layers, C=32, 4 heads, V=64) for 10 upd
 same global batches as a single process, with the trainer's normalization (summed loss,
 gradients times dp / ntokens), the global gradient norm and clipping, and AdamW.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def test_layers_without_a_split_are_refused_in_one_line():
         _refuse_unsplit_layers(adaptive, 2)
     with pytest.raises(UserError, match="--layernorm-embedding"):
         _refuse_unsplit_layers(H.build(H.model_cfg(layernorm_embedding=True), meta=True), 2)
-    adaptive_input = H.build(H.model_cfg(adaptive_input=True, adaptive_input_cutoff="16,32",
-                                         share_decoder_input_output_embed=False), meta=True)
+    adaptive_input = H.build(
+        H.model_cfg(adaptive_input=True, adaptive_input_cutoff="16,32", share_decoder_input_output_embed=False),
+        meta=True,
+    )
     with pytest.raises(UserError, match="adaptive input"):
         _refuse_unsplit_layers(adaptive_input, 2)
 
@@ -38,14 +41,20 @@ def test_divisibility_errors():
         _check_divisible(H.build(H.model_cfg(), meta=True), 3)
 
 
-@pytest.mark.parametrize("arch,ffn,published", [("transformer_lm_megatron", 4 * 3072, 8.3e9),
-                                                ("transformer_lm_megatron_11b", 6 * 3072, 11e9)])
+@pytest.mark.parametrize(
+    "arch,ffn,published",
+    [("transformer_lm_megatron", 4 * 3072, 8.3e9), ("transformer_lm_megatron_11b", 6 * 3072, 11e9)],
+)
 def test_fairseq_megatron_architectures(arch, ffn, published):
     from toolkit.models import count_parameters, model_config
 
     c = model_config(arch)
-    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == \
-        (72, 3072, ffn, 32)
+    assert (c.decoder_layers, c.decoder_embed_dim, c.decoder_ffn_embed_dim, c.decoder_attention_heads) == (
+        72,
+        3072,
+        ffn,
+        32,
+    )
     assert (c.dropout, c.attention_dropout, c.activation_fn, c.decoder_normalize_before) == (0.1, 0.1, "gelu", True)
     assert not c.share_decoder_input_output_embed and not c.decoder_learned_pos
     # Megatron-LM's 8.3B and fairseq's Megatron-11b (GPT-2 vocabulary padded to 51200)

@@ -3,6 +3,7 @@
 scripts/run_tests.sh runs tests/unit and tests/integration only, so a test file left at tests/ top level
 would silently never run in CI; a test importing another test module ties the two files' fates together.
 """
+
 import ast
 import os
 
@@ -19,9 +20,12 @@ def python_files(folder: str):
 
 
 def test_every_test_file_is_in_a_tier():
-    stray = [os.path.relpath(p, REPO_ROOT) for p in python_files(TESTS)
-             if os.path.basename(p).startswith("test_")
-             and os.path.relpath(p, TESTS).split(os.sep)[0] not in ("unit", "integration")]
+    stray = [
+        os.path.relpath(p, REPO_ROOT)
+        for p in python_files(TESTS)
+        if os.path.basename(p).startswith("test_")
+        and os.path.relpath(p, TESTS).split(os.sep)[0] not in ("unit", "integration")
+    ]
     assert not stray, f"move these into tests/unit/ (in-process) or tests/integration/ (processes): {stray}"
 
 

@@ -1,4 +1,5 @@
 """--bpe sentencepiece / hf_byte_bpe / gpt2: trained or loaded, recorded in the data-bin, reversible."""
+
 import json
 import math
 import os
@@ -40,12 +41,21 @@ def lines_of(path):
 
 def test_registered_and_options():
     assert {"sentencepiece", "hf_byte_bpe", "gpt2"} <= set(tokenizer_names())
-    args = parse_with_components("toolkit-preprocess", [], ["--bpe", "gpt2", "--gpt2-encoder-json", "e.json",
-                                                            "--gpt2-vocab-bpe", "v.bpe"],
-                                 selectors=(TOKENIZER_REGISTRY,), arch=False)
+    args = parse_with_components(
+        "toolkit-preprocess",
+        [],
+        ["--bpe", "gpt2", "--gpt2-encoder-json", "e.json", "--gpt2-vocab-bpe", "v.bpe"],
+        selectors=(TOKENIZER_REGISTRY,),
+        arch=False,
+    )
     assert (args.gpt2_encoder_json, args.gpt2_vocab_bpe) == ("e.json", "v.bpe")
-    args = parse_with_components("toolkit-preprocess", [], ["--bpe", "sentencepiece", "--sentencepiece-model", "m"],
-                                 selectors=(TOKENIZER_REGISTRY,), arch=False)
+    args = parse_with_components(
+        "toolkit-preprocess",
+        [],
+        ["--bpe", "sentencepiece", "--sentencepiece-model", "m"],
+        selectors=(TOKENIZER_REGISTRY,),
+        arch=False,
+    )
     assert args.bpe_model == "m"
 
 
@@ -55,8 +65,18 @@ def test_trained_tokenizer(tmp_path, wikitext_dir, shakespeare_file, corpus, bpe
     train, valid = corpus_files(corpus, wikitext_dir, shakespeare_file)
     dest = tmp_path / "bin"
     vocab_size = 800 if corpus == "wikitext" else 500
-    argv = ["--trainpref", train, "--destdir", dest, "--bpe", bpe, "--bpe-vocab-size", vocab_size,
-            "--workers", 2 if corpus == "wikitext" else 1]
+    argv = [
+        "--trainpref",
+        train,
+        "--destdir",
+        dest,
+        "--bpe",
+        bpe,
+        "--bpe-vocab-size",
+        vocab_size,
+        "--workers",
+        2 if corpus == "wikitext" else 1,
+    ]
     if valid:
         argv += ["--validpref", valid]
     result = run(*argv)
@@ -145,8 +165,12 @@ def make_gpt2_files(folder, train_file, vocab_size):
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator((line.strip() for line in lines_of(train_file)), vocab_size=vocab_size,
-                            show_progress=False, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(
+        (line.strip() for line in lines_of(train_file)),
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=["<|endoftext|>"],
+    )
     folder.mkdir(exist_ok=True)
     vocab, merges = tok.save_model(str(folder))
     os.replace(vocab, folder / "encoder.json")
@@ -160,8 +184,18 @@ def test_gpt2(tmp_path, wikitext_dir, shakespeare_file, corpus):
     train, valid = corpus_files(corpus, wikitext_dir, shakespeare_file)
     encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", train, 700)
     dest = tmp_path / "bin"
-    argv = ["--trainpref", train, "--destdir", dest, "--bpe", "gpt2",
-            "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
+    argv = [
+        "--trainpref",
+        train,
+        "--destdir",
+        dest,
+        "--bpe",
+        "gpt2",
+        "--gpt2-encoder-json",
+        encoder_json,
+        "--gpt2-vocab-bpe",
+        vocab_bpe,
+    ]
     if valid:
         argv += ["--validpref", valid]
     run(*argv)
@@ -202,19 +236,50 @@ def test_bad_tokenizer_options(tmp_path, capsys, shakespeare_file):
     dest = tmp_path / "out"
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("a b c\nb c d\n")
-    expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "sentencepiece",
-                          "--bpe-vocab-size", 5000], "--bpe-vocab-size 5000", "too high")
-    expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "hf_byte_bpe",
-                          "--bpe-vocab-size", 100], "--bpe-vocab-size 100", "256")
+    expect_error(
+        capsys,
+        ["--trainpref", tiny, "--destdir", dest, "--bpe", "sentencepiece", "--bpe-vocab-size", 5000],
+        "--bpe-vocab-size 5000",
+        "too high",
+    )
+    expect_error(
+        capsys,
+        ["--trainpref", tiny, "--destdir", dest, "--bpe", "hf_byte_bpe", "--bpe-vocab-size", 100],
+        "--bpe-vocab-size 100",
+        "256",
+    )
     expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "gpt2"], "--gpt2-encoder-json")
     not_json = tmp_path / "encoder.json"
     not_json.write_text("this is not json")
-    expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "gpt2", "--gpt2-encoder-json",
-                          not_json, "--gpt2-vocab-bpe", tiny], "--gpt2-encoder-json", not_json)
-    expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "sentencepiece",
-                          "--bpe-model", tiny], "--bpe-model", tiny)
-    expect_error(capsys, ["--trainpref", tiny, "--destdir", dest, "--bpe", "hf_byte_bpe",
-                          "--bpe-model", tmp_path / "missing.json"], "--bpe-model", "no such file")
+    expect_error(
+        capsys,
+        [
+            "--trainpref",
+            tiny,
+            "--destdir",
+            dest,
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            not_json,
+            "--gpt2-vocab-bpe",
+            tiny,
+        ],
+        "--gpt2-encoder-json",
+        not_json,
+    )
+    expect_error(
+        capsys,
+        ["--trainpref", tiny, "--destdir", dest, "--bpe", "sentencepiece", "--bpe-model", tiny],
+        "--bpe-model",
+        tiny,
+    )
+    expect_error(
+        capsys,
+        ["--trainpref", tiny, "--destdir", dest, "--bpe", "hf_byte_bpe", "--bpe-model", tmp_path / "missing.json"],
+        "--bpe-model",
+        "no such file",
+    )
     assert not dest.exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".out")]
 
@@ -234,8 +299,12 @@ def make_hf_byte_bpe(path, train_file, vocab_size):
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator((line.strip() for line in lines_of(train_file)), vocab_size=vocab_size,
-                            show_progress=False, special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator(
+        (line.strip() for line in lines_of(train_file)),
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=["<unk>", "</s>"],
+    )
     tok.save(str(path))
     return path
 
@@ -244,9 +313,16 @@ def make_sentencepiece_model(path, train_file, vocab_size, byte_fallback):
     """A SentencePiece BPE of the train file's characters (so CJK, emoji and the like are outside it)."""
     import sentencepiece as spm
 
-    spm.SentencePieceTrainer.train(sentence_iterator=(l.strip() for l in lines_of(train_file) if l.strip()),
-                                   model_prefix=str(path), model_type="bpe", vocab_size=vocab_size, bos_id=-1,
-                                   eos_id=-1, byte_fallback=byte_fallback, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=(l.strip() for l in lines_of(train_file) if l.strip()),
+        model_prefix=str(path),
+        model_type="bpe",
+        vocab_size=vocab_size,
+        bos_id=-1,
+        eos_id=-1,
+        byte_fallback=byte_fallback,
+        minloglevel=2,
+    )
     return f"{path}.model"
 
 
@@ -265,10 +341,14 @@ def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespea
     edge = "\n\n  \u00a0 \n a <unk> b </s> c \u2003 d\n\x1cq\x85r\n"  # empty/blank lines, specials, unicode spaces
     # the train split repeats the unknown characters so that, with the threshold, some of them make dict.txt
     train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
-    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge + OUTSIDE * 25,
-                     encoding="utf-8")
-    valid.write_text(open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
-                     + edge + OUTSIDE + "天地 🎉 ✈ a\u0300\n", encoding="utf-8")
+    train.write_text(open(shakespeare_file, encoding="utf-8").read()[:300_000] + edge + OUTSIDE * 25, encoding="utf-8")
+    valid.write_text(
+        open(os.path.join(wikitext_dir, "wiki.valid.tokens"), encoding="utf-8").read()[:150_000]
+        + edge
+        + OUTSIDE
+        + "天地 🎉 ✈ a\u0300\n",
+        encoding="utf-8",
+    )
     if bpe == "gpt2":
         encoder_json, vocab_bpe = make_gpt2_files(tmp_path / "gpt2", shakespeare_file, 700)
         flags = ["--bpe", "gpt2", "--gpt2-encoder-json", encoder_json, "--gpt2-vocab-bpe", vocab_bpe]
@@ -285,8 +365,10 @@ def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespea
         dest = tmp_path / path
         run("--trainpref", train, "--validpref", valid, "--destdir", dest, "--workers", 2, *cut, *flags)
         log = (dest / "preprocess.log").read_text(encoding="utf-8")
-        outputs[path] = {name: (dest / name).read_bytes()
-                         for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx")}
+        outputs[path] = {
+            name: (dest / name).read_bytes()
+            for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx")
+        }
         outputs[path]["replaced"] = re.findall(r"\d+ sents, \d+ tokens, \S+% replaced", log)
     assert outputs["ids"] == outputs["text"]
     if bpe == "sentencepiece":  # lines with the unk id went through: the unknown characters' own text is a word
@@ -298,8 +380,9 @@ def test_id_path_equals_text_path(tmp_path, monkeypatch, wikitext_dir, shakespea
 def test_sentencepiece_takes_one_thread_in_a_binarizer_worker(tmp_path, monkeypatch, shakespeare_file):
     """A binarizer worker (TOKENIZERS_PARALLELISM=false, set by its pool's initializer) encodes on one thread,
     elsewhere on every core; the pieces and ids are the same either way."""
-    tok = build_tokenizer("sentencepiece", {"bpe_model": make_sentencepiece_model(tmp_path / "sp", shakespeare_file,
-                                                                                   300, False)})
+    tok = build_tokenizer(
+        "sentencepiece", {"bpe_model": make_sentencepiece_model(tmp_path / "sp", shakespeare_file, 300, False)}
+    )
     lines = ["First Citizen: before we proceed", OUTSIDE.strip()]
     seen = []
     encode = tok.sp.encode

@@ -1,6 +1,7 @@
 """The open vocabulary of tensor-parallel kinds (toolkit.distributed.tensor_parallel.register_tp_style): a kind
 registered at run time is applied by ``apply_tensor_parallel`` and counted by ``toolkit-plan``; a plan naming an
 unregistered kind, or placing experts, is refused in one line naming the family and the module."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -46,8 +47,14 @@ class ToyLM(nn.Module):
         return self.head(x)
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
-        return TensorParallelPlan(top={"embed": "vocab_embedding", "head": "output"}, block={"mix": self.block_kind},
-                                  divisible=(), positions=4, hidden="layers.1", experts=self.experts)
+        return TensorParallelPlan(
+            top={"embed": "vocab_embedding", "head": "output"},
+            block={"mix": self.block_kind},
+            divisible=(),
+            positions=4,
+            hidden="layers.1",
+            experts=self.experts,
+        )
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
 """--wandb-project: the scalars TensorBoard gets, read back from an offline W&B run's file."""
+
 from __future__ import annotations
 
 import glob
@@ -37,8 +38,11 @@ def test_wandb_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     bar = logging_wandb.wrap_with_wandb(bar, "toolkit-test", "run")
     for step in (1, 2, 3):
         meter.update(4.0 / step)
-        bar.log({"loss": meter, "lr": 0.5 * step, "wps": step * 100, "num_updates": step, "flag": True,
-                 "note": "text"}, tag="train_inner", step=step)
+        bar.log(
+            {"loss": meter, "lr": 0.5 * step, "wps": step * 100, "num_updates": step, "flag": True, "note": "text"},
+            tag="train_inner",
+            step=step,
+        )
     bar.print({"loss": 1.25, "ppl": 2.5, "num_updates": 3}, tag="valid", step=3)
     close_tensorboard_writers()
     logging_wandb.finish()

@@ -1,8 +1,8 @@
 """A spawned training worker leaves with os._exit (gloo's teardown at interpreter finalization can abort it,
 pytorch/pytorch#179291), after closing every writer: nothing buffered is lost, and the exit code is kept."""
+
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -37,8 +37,14 @@ launch._leave(code)
 
 def leave(tmp_path, code: int, fail: bool = False) -> subprocess.CompletedProcess:
     env = subprocess_env({"PYTHONUNBUFFERED": ""})  # stdout to a pipe: block-buffered, as in a spawned worker
-    return subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(code), "1" if fail else "0"],
-                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", WORKER, str(tmp_path), str(code), "1" if fail else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
 
 
 def test_every_writer_is_flushed_before_the_exit(tmp_path):

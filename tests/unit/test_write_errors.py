@@ -3,6 +3,7 @@
 The limit is the process's ``RLIMIT_FSIZE`` (``ulimit -f``), set in the child only, with
 SIGXFSZ ignored so that the write fails with EFBIG instead of killing it: no root needed.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,8 +37,10 @@ def test_reported_names_the_previous_checkpoint(tmp_path):
     with pytest.raises(UserError) as info:
         with write_errors.reported(str(tmp_path / "checkpoint_last.pt"), str(tmp_path)):
             raise OSError(errno.ENOSPC, "No space left on device")
-    assert str(info.value) == (f"could not write {tmp_path / 'checkpoint_last.pt'}: No space left on device "
-                               f"(errno 28); the previous checkpoint_last.pt (update 7) is intact")
+    assert str(info.value) == (
+        f"could not write {tmp_path / 'checkpoint_last.pt'}: No space left on device "
+        f"(errno 28); the previous checkpoint_last.pt (update 7) is intact"
+    )
     with pytest.raises(ZeroDivisionError):  # not a write failure: left alone
         with write_errors.reported(str(tmp_path / "x"), str(tmp_path)):
             1 / 0

@@ -1,5 +1,6 @@
 """``--lr-scheduler tri_stage`` against fairseq's formula written out here, and ``--lr-scheduler wsd``: its shapes,
 its resume mid-decay and from a stable-phase checkpoint, its bad flags."""
+
 import logging
 import math
 
@@ -34,12 +35,15 @@ def fairseq_tri_stage(n, lr, warmup, hold, decay, init_scale, final_scale):
     return final_lr
 
 
-@pytest.mark.parametrize("flags, stages", [
-    (dict(warmup_steps=40, hold_steps=100, decay_steps=60), (40, 100, 60)),
-    (dict(warmup_steps=0, hold_steps=0, decay_steps=7, init_lr_scale=0.5, final_lr_scale=0.05), (0, 0, 7)),
-    (dict(phase_ratio=(0.1, 0.4, 0.5), max_update=333), (33, 133, 166)),  # int() truncation, as fairseq
-    (dict(phase_ratio=(0.25, 0.0, 0.75), max_update=100, init_lr_scale=0.0, final_lr_scale=0.2), (25, 0, 75)),
-])
+@pytest.mark.parametrize(
+    "flags, stages",
+    [
+        (dict(warmup_steps=40, hold_steps=100, decay_steps=60), (40, 100, 60)),
+        (dict(warmup_steps=0, hold_steps=0, decay_steps=7, init_lr_scale=0.5, final_lr_scale=0.05), (0, 0, 7)),
+        (dict(phase_ratio=(0.1, 0.4, 0.5), max_update=333), (33, 133, 166)),  # int() truncation, as fairseq
+        (dict(phase_ratio=(0.25, 0.0, 0.75), max_update=100, init_lr_scale=0.0, final_lr_scale=0.2), (25, 0, 75)),
+    ],
+)
 def test_tri_stage_matches_fairseq_at_every_update(flags, stages):
     s, opt = sched("tri_stage", lr=3e-3, **flags)
     init_scale, final_scale = flags.get("init_lr_scale", 0.01), flags.get("final_lr_scale", 0.01)
@@ -51,27 +55,34 @@ def test_tri_stage_matches_fairseq_at_every_update(flags, stages):
     assert s.step(1, 2.0) == pytest.approx(final_scale * 3e-3) and s.best == 2.0  # the epoch hook changes nothing
 
 
-@pytest.mark.parametrize("flags, hint", [
-    (dict(warmup_steps=5, hold_steps=5), "--decay-steps"),
-    (dict(phase_ratio=(0.5, 0.6, 0.1), max_update=100), "--phase-ratio"),
-    (dict(phase_ratio=(0.5, 0.5), max_update=100), "--phase-ratio"),
-    (dict(phase_ratio=(0.1, 0.4, 0.5)), "--max-update"),
-    (dict(decay_steps=5, final_lr_scale=0.0), "--final-lr-scale"),
-])
+@pytest.mark.parametrize(
+    "flags, hint",
+    [
+        (dict(warmup_steps=5, hold_steps=5), "--decay-steps"),
+        (dict(phase_ratio=(0.5, 0.6, 0.1), max_update=100), "--phase-ratio"),
+        (dict(phase_ratio=(0.5, 0.5), max_update=100), "--phase-ratio"),
+        (dict(phase_ratio=(0.1, 0.4, 0.5)), "--max-update"),
+        (dict(decay_steps=5, final_lr_scale=0.0), "--final-lr-scale"),
+    ],
+)
 def test_tri_stage_bad_flags(flags, hint):
     with pytest.raises(UserError, match=hint):
         sched("tri_stage", lr=1e-3, **flags)
 
 
-@pytest.mark.parametrize("shape, share_left", [
-    ("linear", lambda t: 1 - t),
-    ("cosine", lambda t: 0.5 * (1 + math.cos(math.pi * t))),
-    ("1-sqrt", lambda t: 1 - math.sqrt(t)),
-])
+@pytest.mark.parametrize(
+    "shape, share_left",
+    [
+        ("linear", lambda t: 1 - t),
+        ("cosine", lambda t: 0.5 * (1 + math.cos(math.pi * t))),
+        ("1-sqrt", lambda t: 1 - math.sqrt(t)),
+    ],
+)
 def test_wsd_warmup_stable_decay(shape, share_left):
     # 100 updates, last 20% decaying: the decay runs over updates 80..100
-    s, opt = sched("wsd", lr=1e-3, min_lr=1e-4, warmup_updates=10, max_update=100, decay_fraction=0.2,
-                   decay_shape=shape)
+    s, opt = sched(
+        "wsd", lr=1e-3, min_lr=1e-4, warmup_updates=10, max_update=100, decay_fraction=0.2, decay_shape=shape
+    )
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
     want = {0: 0.0, 4: 4e-4, 10: 1e-3, 50: 1e-3, 79: 1e-3, 80: 1e-3, 100: 1e-4, 120: 1e-4}
     want.update({n: 1e-4 + 9e-4 * share_left((n - 80) / 20) for n in (85, 90, 97)})
@@ -134,7 +145,9 @@ def test_wsd_decay_from_a_stable_phase_checkpoint():
     assert set(run(stable, range(0, 600))) == {1e-3} and stable.step_update(1000) == 1e-3  # no decay at all
     state = stable.state_dict()
     decay, _ = sched("wsd", lr=1e-3, max_update=700, wsd_decay_start=600, decay_shape="linear")
-    assert not _warnings_while(lambda: decay.load_state_dict(state))  # a stable checkpoint resumed with a decay: the intended use, nothing to warn
+    assert not _warnings_while(
+        lambda: decay.load_state_dict(state)
+    )  # a stable checkpoint resumed with a decay: the intended use, nothing to warn
     assert decay.step_update(599) == 1e-3 and decay.step_update(600) == 1e-3
     assert decay.step_update(650) == pytest.approx(5e-4)
     assert decay.step_update(700) == 0.0
@@ -148,14 +161,17 @@ def test_wsd_warns_when_a_decaying_checkpoint_gets_another_window():
     assert "jumps from 0.5 to 1" in text and "50..100" in text
 
 
-@pytest.mark.parametrize("flags, hint", [
-    (dict(), "--max-update"),
-    (dict(max_update=100, decay_fraction=1.5), "--decay-fraction"),
-    (dict(max_update=100, wsd_decay_start=101), "--wsd-decay-start"),
-    (dict(max_update=100, warmup_updates=50, wsd_decay_start=40), "--wsd-decay-start"),
-    (dict(max_update=100, min_lr=2e-3), "--min-lr"),
-    (dict(max_update=100, warmup_updates=-1), "--warmup-updates"),
-])
+@pytest.mark.parametrize(
+    "flags, hint",
+    [
+        (dict(), "--max-update"),
+        (dict(max_update=100, decay_fraction=1.5), "--decay-fraction"),
+        (dict(max_update=100, wsd_decay_start=101), "--wsd-decay-start"),
+        (dict(max_update=100, warmup_updates=50, wsd_decay_start=40), "--wsd-decay-start"),
+        (dict(max_update=100, min_lr=2e-3), "--min-lr"),
+        (dict(max_update=100, warmup_updates=-1), "--warmup-updates"),
+    ],
+)
 def test_wsd_bad_flags(flags, hint):
     with pytest.raises(UserError, match=hint):
         sched("wsd", lr=1e-3, **flags)

@@ -1,6 +1,6 @@
 """``--z-loss-coef``: PaLM's z-loss against a direct computation (value and gradient), its normalization and
 logging, and the cross-entropy it leaves alone."""
-import math
+
 from types import SimpleNamespace
 
 import pytest
@@ -31,8 +31,15 @@ def criterion(coef, sentence_avg=False, cls=CrossEntropyCriterion):
 
 def sample(target=TARGET, **extra):
     target = torch.tensor(target)
-    return dict({"nsentences": target.size(0), "ntokens": int(target.ne(PAD).sum()),
-                 "net_input": {"src_tokens": target.clone()}, "target": target}, **extra)
+    return dict(
+        {
+            "nsentences": target.size(0),
+            "ntokens": int(target.ne(PAD).sum()),
+            "net_input": {"src_tokens": target.clone()},
+            "target": target,
+        },
+        **extra,
+    )
 
 
 def direct(logits, target, coef):
@@ -43,7 +50,7 @@ def direct(logits, target, coef):
             if y != PAD:
                 log_z = torch.log(torch.exp(logits[b, t].double()).sum())
                 nll = nll + log_z - logits[b, t, y].double()
-                z = z + log_z ** 2
+                z = z + log_z**2
     return nll + coef * z, nll, z
 
 

@@ -6,6 +6,7 @@ back from the name with the digit attached (so 2.345 with digit 1 ranks as 2.345
 written when its value is at least as good as the worst one kept (or, with none kept yet, as the
 best so far); then all but the N best are removed.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import numpy as np
 from toolkit.config import CheckpointConfig
 
 
-def _pattern(metric: str, folders: bool) -> "re.Pattern[str]":
+def _pattern(metric: str, folders: bool) -> re.Pattern[str]:
     return re.compile(r"checkpoint\.best_{}_(\d+\.?\d*){}".format(re.escape(metric), "" if folders else r"\.pt"))
 
 
@@ -63,7 +64,7 @@ def prune_best(cfg: CheckpointConfig, folders: bool = False) -> None:
 
     if cfg.keep_best_checkpoints <= 0:
         return
-    for _, path in kept(cfg, folders)[cfg.keep_best_checkpoints:]:
+    for _, path in kept(cfg, folders)[cfg.keep_best_checkpoints :]:
         if folders:
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -6,6 +6,7 @@ fairseq's ``-shard{N}.pt`` sets, read-only) save and load the run's Statefuls
 optimizer). :class:`TrainingState` is the training loop's progress (data iterator, validation loss,
 best metric) that some of those Statefuls read and restore.
 """
+
 from __future__ import annotations
 
 import collections
@@ -81,18 +82,25 @@ class TrainingState:
         return f"epoch {(self.saved_position or {}).get('epoch')} @ {self.trainer.num_updates} updates"
 
 
-def checkpoint_names(cfg: CheckpointConfig, epoch: int, end_of_epoch: bool, num_updates: int,
-                     val_loss: Optional[float], best: BestTracker) -> List[str]:
+def checkpoint_names(
+    cfg: CheckpointConfig,
+    epoch: int,
+    end_of_epoch: bool,
+    num_updates: int,
+    val_loss: Optional[float],
+    best: BestTracker,
+) -> List[str]:
     """Which files this save writes, by fairseq's rules."""
     names = collections.OrderedDict()
-    names[f"checkpoint{epoch}.pt"] = (end_of_epoch and not cfg.no_epoch_checkpoints
-                                      and epoch % cfg.save_interval == 0)
+    names[f"checkpoint{epoch}.pt"] = end_of_epoch and not cfg.no_epoch_checkpoints and epoch % cfg.save_interval == 0
     names[f"checkpoint_{epoch}_{num_updates}.pt"] = (
-        not end_of_epoch and cfg.save_interval_updates > 0 and num_updates % cfg.save_interval_updates == 0)
+        not end_of_epoch and cfg.save_interval_updates > 0 and num_updates % cfg.save_interval_updates == 0
+    )
     names["checkpoint_best.pt"] = val_loss is not None and best.is_better(val_loss)
     if val_loss is not None and cfg.keep_best_checkpoints > 0:
         names[best_checkpoints.best_name(cfg, epoch, num_updates, val_loss)] = best_checkpoints.should_write(
-            cfg, val_loss, best.best)
+            cfg, val_loss, best.best
+        )
     names["checkpoint_last.pt"] = not cfg.no_last_checkpoints
     return [name for name, write in names.items() if write]
 
@@ -102,21 +110,33 @@ def restore_path(cfg: CheckpointConfig) -> str:
     return finetune.restore_path(cfg)
 
 
-def check_compatible(path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed_rows: Optional[int],
-                     dictionary_size: int) -> None:
+def check_compatible(
+    path: str, saved_cfg: Dict[str, Any], model_cfg: Any, embed_rows: Optional[int], dictionary_size: int
+) -> None:
     """A checkpoint of another architecture or dictionary is refused before anything is loaded."""
     for key in SHAPE_OPTIONS:
         ours = getattr(model_cfg, key, saved_cfg.get(key))
         if key in saved_cfg and ours != saved_cfg[key]:
-            raise UserError(f"{path}: checkpoint has --{key.replace('_', '-')} {saved_cfg[key]} but this run has "
-                            f"{ours}; use the same --arch or another --save-dir")
+            raise UserError(
+                f"{path}: checkpoint has --{key.replace('_', '-')} {saved_cfg[key]} but this run has "
+                f"{ours}; use the same --arch or another --save-dir"
+            )
     if embed_rows is not None and embed_rows != dictionary_size:
-        raise UserError(f"{path}: checkpoint was trained with a dictionary of {embed_rows} symbols "
-                        f"but the data-bin's dict.txt has {dictionary_size}; use the same data-bin")
+        raise UserError(
+            f"{path}: checkpoint was trained with a dictionary of {embed_rows} symbols "
+            f"but the data-bin's dict.txt has {dictionary_size}; use the same data-bin"
+        )
 
 
-def check_resumable(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]],
-                    saved_shapes: Dict[str, Any], model_cfg: Any, model: torch.nn.Module, task) -> None:
+def check_resumable(
+    path: str,
+    saved_cfg: Dict[str, Any],
+    extra_state: Optional[Dict[str, Any]],
+    saved_shapes: Dict[str, Any],
+    model_cfg: Any,
+    model: torch.nn.Module,
+    task,
+) -> None:
     """Same dictionary (symbols in order) and the same parameter names and shapes, else one line naming the
     flags that differ (before anything is loaded)."""
     from toolkit.checkpoint import identity, model_fit
@@ -134,23 +154,30 @@ def check_optimizer_switch(path: str, saved_name: Optional[str], name: str) -> b
     if saved_name in (None, name):
         return False
     if saved_name not in ADAM_FAMILY or name not in ADAM_FAMILY:
-        raise UserError(f"{path}: optimizer state was saved by --optimizer {saved_name} but this run uses "
-                        f"--optimizer {name}; add --reset-optimizer to start a fresh optimizer state")
+        raise UserError(
+            f"{path}: optimizer state was saved by --optimizer {saved_name} but this run uses "
+            f"--optimizer {name}; add --reset-optimizer to start a fresh optimizer state"
+        )
     return True
 
 
-def switch_optimizer_state(path: str, saved: Dict[str, Any], saved_name: str, name: str,
-                           optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def switch_optimizer_state(
+    path: str, saved: Dict[str, Any], saved_name: str, name: str, optimizer: torch.optim.Optimizer
+) -> Dict[str, Any]:
     """A full optimizer state of ``saved_name`` made loadable into ``optimizer`` (``name``).
 
     Per-parameter state (cpu_adam's fp16 moments with scales expanded to fp32) with this
     run's hyperparameters.
     """
     if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise UserError(f"{path}: optimizer state has {len(saved['param_groups'])} parameter groups, this run "
-                        f"{len(optimizer.param_groups)}; add --reset-optimizer")
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": saved_group["params"]}
-              for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
+        raise UserError(
+            f"{path}: optimizer state has {len(saved['param_groups'])} parameter groups, this run "
+            f"{len(optimizer.param_groups)}; add --reset-optimizer"
+        )
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": saved_group["params"]}
+        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)
+    ]
     per_param = {}
     for key, st in saved["state"].items():
         st = dict(st)
@@ -164,8 +191,10 @@ def switch_optimizer_state(path: str, saved: Dict[str, Any], saved_name: str, na
 
 
 def log_optimizer_switch(saved_name: str, name: str) -> None:
-    logger.info(f"optimizer state of --optimizer {saved_name} loaded into --optimizer {name} "
-                f"(steps and moments kept; hyperparameters from this run's flags)")
+    logger.info(
+        f"optimizer state of --optimizer {saved_name} loaded into --optimizer {name} "
+        f"(steps and moments kept; hyperparameters from this run's flags)"
+    )
 
 
 def prune(cfg: CheckpointConfig, folders: bool = False) -> None:
@@ -173,8 +202,10 @@ def prune(cfg: CheckpointConfig, folders: bool = False) -> None:
     files or DCP folders."""
     best_checkpoints.prune_best(cfg, folders)
     suffix = "" if folders else r"\.pt"
-    for keep, pattern in ((cfg.keep_interval_updates, r"checkpoint_\d+_(\d+)" + suffix),
-                          (cfg.keep_last_epochs, r"checkpoint(\d+)" + suffix)):
+    for keep, pattern in (
+        (cfg.keep_interval_updates, r"checkpoint_\d+_(\d+)" + suffix),
+        (cfg.keep_last_epochs, r"checkpoint(\d+)" + suffix),
+    ):
         if keep <= 0:
             continue
         for path in _sorted_checkpoints(cfg.save_dir, pattern, folders)[keep:]:
@@ -219,5 +250,7 @@ def first_line(e: BaseException) -> str:
 def saved_line(path: str, state: TrainingState, seconds: float) -> str:
     """fairseq's checkpoint_utils.save_checkpoint line, word for word (score: the validation loss, or None)."""
     epoch = state.epoch_itr.epoch if state.epoch_itr is not None else None
-    return (f"Saved checkpoint {path} (epoch {epoch} @ {state.trainer.num_updates} updates, score {state.val_loss}) "
-            f"(writing took {seconds} seconds)")
+    return (
+        f"Saved checkpoint {path} (epoch {epoch} @ {state.trainer.num_updates} updates, score {state.val_loss}) "
+        f"(writing took {seconds} seconds)"
+    )

@@ -10,6 +10,7 @@ each one is: every tensor entry gathered into full (consolidated) form through
 ``torch.distributed.checkpoint.state_dict``, keyed by parameter name, so it loads into any world
 size and any wrapper (FSDP2, DDP, none), and every other entry under its key in ``extra_state``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,8 +76,14 @@ def write_checkpoint(checkpoint: Dict[str, Any], save_dir: str, names: List[str]
                 dst.write(chunk)
 
 
-def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, progress: TrainingState,
-         names: List[str], is_master: bool) -> None:
+def save(
+    cfg: CheckpointConfig,
+    run_cfg: Dict[str, Any],
+    statefuls: stateful.Statefuls,
+    progress: TrainingState,
+    names: List[str],
+    is_master: bool,
+) -> None:
     """``progress`` only names the save in its log line."""
     checkpoint = build_checkpoint(run_cfg, statefuls)
     if is_master:
@@ -86,8 +93,9 @@ def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Sta
         prune(cfg)
 
 
-def load_checkpoint_file(path: str, pickled_objects: Optional[Callable[[str], Dict[str, Any]]] = None
-                         ) -> Dict[str, Any]:
+def load_checkpoint_file(
+    path: str, pickled_objects: Optional[Callable[[str], Dict[str, Any]]] = None
+) -> Dict[str, Any]:
     """Read a ``.pt`` checkpoint with ``weights_only``: a dict, else one line.
 
     A file that pickles objects besides tensors is refused, unless the caller passes ``pickled_objects``,
@@ -106,8 +114,10 @@ def load_checkpoint_file(path: str, pickled_objects: Optional[Callable[[str], Di
     except Exception as e:  # corrupt file: one line naming what was refused
         raise load_refusal(path, e) from None
     if not isinstance(state, dict):  # torch.save(tensor), a list: every reader asks it for keys
-        raise UserError(f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
-                        f"and 'cfg'); give a file saved by toolkit-train or fairseq")
+        raise UserError(
+            f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
+            f"and 'cfg'); give a file saved by toolkit-train or fairseq"
+        )
     return state
 
 
@@ -123,8 +133,14 @@ def tensor_shapes(state: Any) -> stateful.Shapes:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def load(path: str, model_cfg: Any, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check,
-         checkpoint: Optional[Dict[str, Any]] = None) -> Optional[int]:
+def load(
+    path: str,
+    model_cfg: Any,
+    statefuls: stateful.Statefuls,
+    progress: TrainingState,
+    check: stateful.Check,
+    checkpoint: Optional[Dict[str, Any]] = None,
+) -> Optional[int]:
     """Restore every entry of ``statefuls`` that this run loads (``check`` first: it refuses another model or
     dictionary before anything is loaded).
 
@@ -136,10 +152,17 @@ def load(path: str, model_cfg: Any, statefuls: stateful.Statefuls, progress: Tra
     for key, entry in tensors.items():
         if not entry.optional and file_key(key) not in checkpoint:
             raise UserError(f"{path}: no '{file_key(key)}' in this checkpoint; is it a toolkit checkpoint?")
-    check(path, checkpoint.get("cfg", {}), checkpoint.get("extra_state"),
-          {key: tensor_shapes(checkpoint.get(file_key(key))) for key in tensors})
-    loading = [key for key, entry in tensors.items()
-               if file_key(key) in checkpoint and entry.prepare_load(path, checkpoint, None)]
+    check(
+        path,
+        checkpoint.get("cfg", {}),
+        checkpoint.get("extra_state"),
+        {key: tensor_shapes(checkpoint.get(file_key(key))) for key in tensors},
+    )
+    loading = [
+        key
+        for key, entry in tensors.items()
+        if file_key(key) in checkpoint and entry.prepare_load(path, checkpoint, None)
+    ]
     for key in loading:
         tensors[key].load_state_dict(checkpoint[file_key(key)], full=True)
     stateful.load_extra_state(statefuls, checkpoint["extra_state"])

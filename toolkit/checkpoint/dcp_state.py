@@ -6,6 +6,7 @@ sharded checkpoint (``benchmarks/startup.py`` measures it). The checkpoint code 
 from here instead of from torch: the same functions, called with the same arguments, the real module
 loaded on the first call. ``StateDictOptions(...)`` is recorded and built at that call too.
 """
+
 from __future__ import annotations
 
 import importlib

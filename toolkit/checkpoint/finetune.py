@@ -9,6 +9,7 @@
   It cannot be combined with another ``--restore-file`` or with the ``--reset-*`` flags
   (fairseq refuses both).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,12 +29,15 @@ def check_flags(cfg: CheckpointConfig) -> None:
     if cfg.finetune_from_model is None:
         return
     if cfg.restore_file != DEFAULT_RESTORE_FILE:
-        raise UserError(f"--finetune-from-model and --restore-file {cfg.restore_file} cannot be given together; "
-                        f"keep one")
+        raise UserError(
+            f"--finetune-from-model and --restore-file {cfg.restore_file} cannot be given together; keep one"
+        )
     given = [f"--{f.replace('_', '-')}" for f in RESET_FLAGS if getattr(cfg, f)]
     if given:
-        raise UserError(f"--finetune-from-model cannot be given with {', '.join(given)} (it resets the optimizer, "
-                        f"LR scheduler, meters and data position itself); drop {given[0]}")
+        raise UserError(
+            f"--finetune-from-model cannot be given with {', '.join(given)} (it resets the optimizer, "
+            f"LR scheduler, meters and data position itself); drop {given[0]}"
+        )
 
 
 def restore_path(cfg: CheckpointConfig) -> str:
@@ -51,8 +55,10 @@ def choose(cfg: CheckpointConfig, last_exists: bool) -> Tuple[str, bool]:
         return path, False
     if not os.path.isfile(cfg.finetune_from_model):
         raise UserError(f"--finetune-from-model {cfg.finetune_from_model}: file not found")
-    logger.info(f"loading pretrained model from {cfg.finetune_from_model}: optimizer, lr scheduler, meters, "
-                f"dataloader will be reset")
+    logger.info(
+        f"loading pretrained model from {cfg.finetune_from_model}: optimizer, lr scheduler, meters, "
+        f"dataloader will be reset"
+    )
     return cfg.finetune_from_model, True
 
 
@@ -60,5 +66,7 @@ def log_fresh_start(cfg: CheckpointConfig, path: str) -> None:
     logger.info(f"No existing checkpoint found {path}")
     beside = os.path.join(cfg.save_dir, cfg.restore_file)
     if cfg.restore_file != DEFAULT_RESTORE_FILE and not os.path.isabs(cfg.restore_file) and os.path.exists(beside):
-        logger.warning(f"--restore-file {cfg.restore_file} is read relative to the working directory (as in "
-                       f"fairseq), not --save-dir; did you mean --restore-file {beside}?")
+        logger.warning(
+            f"--restore-file {cfg.restore_file} is read relative to the working directory (as in "
+            f"fairseq), not --save-dir; did you mean --restore-file {beside}?"
+        )

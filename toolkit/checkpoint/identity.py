@@ -4,6 +4,7 @@ Checkpoints record :meth:`Dictionary.symbols_hash` (``extra_state["dictionary_ha
 resume, ``toolkit-eval-lm`` and the hub compare it with the data-bin's ``dict.txt``.
 Checkpoints written before the hash existed still load, with a warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,14 @@ def saved_hash(extra_state: Optional[Dict[str, Any]]) -> Optional[str]:
 def check_dictionary(checkpoint: str, recorded: Optional[str], dictionary, dict_path: str) -> None:
     """Refuse a data-bin whose dictionary differs from the checkpoint's (one line naming both)."""
     if recorded is None:
-        logger.warning(f"{checkpoint}: records no dictionary hash (written by an older version); cannot check "
-                       f"that {dict_path} is the dictionary it was trained with")
+        logger.warning(
+            f"{checkpoint}: records no dictionary hash (written by an older version); cannot check "
+            f"that {dict_path} is the dictionary it was trained with"
+        )
         return
     ours = dictionary.symbols_hash()
     if recorded != ours:
-        raise UserError(f"{checkpoint}: trained with dictionary {recorded} but {dict_path} is {ours} "
-                        f"(other symbols or another order); use the data-bin the checkpoint was trained on")
+        raise UserError(
+            f"{checkpoint}: trained with dictionary {recorded} but {dict_path} is {ours} "
+            f"(other symbols or another order); use the data-bin the checkpoint was trained on"
+        )

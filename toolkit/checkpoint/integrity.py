@@ -11,6 +11,7 @@ A mismatch is one line naming the damaged file and the newest intact checkpoint 
 (if any), so a resume can be pointed at it. The cost is one extra read of the checkpoint at
 load (about a quarter of ``torch.load``'s own time) and, for sharded saves, one at save.
 """
+
 from __future__ import annotations
 
 import json
@@ -108,10 +109,15 @@ def newest_intact_beside(path: str) -> Optional[str]:
 
 def _refusal(path: str, what: str) -> UserError:
     intact = newest_intact_beside(path)
-    hint = (f"the newest intact checkpoint beside it is {intact} (give it to --restore-file or --path)"
-            if intact else "no intact checkpoint beside it; restore the file from a copy")
-    return UserError(f"{path}: damaged: {what} does not match the checksum stored at save (changed or corrupted "
-                     f"on disk since); {hint}")
+    hint = (
+        f"the newest intact checkpoint beside it is {intact} (give it to --restore-file or --path)"
+        if intact
+        else "no intact checkpoint beside it; restore the file from a copy"
+    )
+    return UserError(
+        f"{path}: damaged: {what} does not match the checksum stored at save (changed or corrupted "
+        f"on disk since); {hint}"
+    )
 
 
 def check_file(path: str) -> None:

@@ -6,6 +6,7 @@ layers renumbered (:func:`toolkit.models.layerdrop.prune_state_dict`, which logs
 ``Pruning model to specified layer configuration`` line). On a resume the optimizer's
 per-parameter state is pruned the same way, so training goes on with the kept layers' moments.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List

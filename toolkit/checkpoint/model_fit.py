@@ -10,6 +10,7 @@
 fairseq's own files are read by ``toolkit.compat.fairseq.checkpoint`` (its ``is_fairseq_checkpoint``
 is the one test of where a file comes from).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,14 @@ def differing_options(saved_cfg: Mapping[str, Any], current: Mapping[str, Any], 
     return out
 
 
-def check_model(path: str, saved_shapes: Shapes, model_shapes: Shapes, saved_cfg: Mapping[str, Any],
-                current_cfg: Mapping[str, Any], model_options: Iterable[str]) -> None:
+def check_model(
+    path: str,
+    saved_shapes: Shapes,
+    model_shapes: Shapes,
+    saved_cfg: Mapping[str, Any],
+    current_cfg: Mapping[str, Any],
+    model_options: Iterable[str],
+) -> None:
     """Refuse a checkpoint whose parameter names or shapes differ from the model's (one line)."""
     missing = [k for k in model_shapes if k not in saved_shapes]
     unexpected = [k for k in saved_shapes if k not in model_shapes]
@@ -47,14 +54,24 @@ def check_model(path: str, saved_shapes: Shapes, model_shapes: Shapes, saved_cfg
     elif wrong:
         why = f"{wrong[0]} has shape {tuple(saved_shapes[wrong[0]])} in the checkpoint, {tuple(model_shapes[wrong[0]])} now"
     else:
-        why = (f"parameters differ ({len(missing)} missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, "
-               f"e.g. {unexpected[:1]})")
-    raise UserError(f"{path}: checkpoint does not fit this model: {why}; use the checkpoint's model flags, "
-                    f"or another --save-dir to start afresh")
+        why = (
+            f"parameters differ ({len(missing)} missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, "
+            f"e.g. {unexpected[:1]})"
+        )
+    raise UserError(
+        f"{path}: checkpoint does not fit this model: {why}; use the checkpoint's model flags, "
+        f"or another --save-dir to start afresh"
+    )
 
 
-def check_weights(where: str, saved: Mapping[str, Any], expected: Mapping[str, Any], saved_as: str = "the checkpoint",
-                  describe: Callable[[str], str] = str, fix: str = "use the same model options") -> None:
+def check_weights(
+    where: str,
+    saved: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    saved_as: str = "the checkpoint",
+    describe: Callable[[str], str] = str,
+    fix: str = "use the same model options",
+) -> None:
     """Refuse, in one line, weights that cannot load into a model: the first of ``saved`` the model lacks or holds
     in another shape, else the first of the model's (``expected``) that ``saved`` lacks. Checked before
     ``load_state_dict``, whose error lists every key of a wrong layout and names no option to change.
@@ -65,8 +82,10 @@ def check_weights(where: str, saved: Mapping[str, Any], expected: Mapping[str, A
         if name not in expected:
             raise UserError(f"{where}: {saved_as} has {describe(name)}, which this model does not; {fix}")
         if _shape(value) != _shape(expected[name]):
-            raise UserError(f"{where}: {describe(name)} has shape {_shape(value)} in {saved_as}, "
-                            f"{_shape(expected[name])} in this model; {fix}")
+            raise UserError(
+                f"{where}: {describe(name)} has shape {_shape(value)} in {saved_as}, "
+                f"{_shape(expected[name])} in this model; {fix}"
+            )
     missing = next((name for name in expected if name not in saved), None)
     if missing is not None:
         raise UserError(f"{where}: {saved_as} has no weight for {describe(missing)}; {fix}")
@@ -83,16 +102,19 @@ def model_option_names(config_cls: Optional[type]) -> List[str]:
     return [f.name for f in dataclasses.fields(config_cls)]
 
 
-def check_positions(max_target_positions: Optional[int], tokens_per_sample: int, add_bos_token: bool,
-                    sample_break_mode: str) -> None:
+def check_positions(
+    max_target_positions: Optional[int], tokens_per_sample: int, add_bos_token: bool, sample_break_mode: str
+) -> None:
     """Samples must fit the model's positions (fixed-size break modes; 'eos' samples vary in length)."""
     if max_target_positions is None or sample_break_mode == "eos":
         return
     longest = tokens_per_sample + (1 if add_bos_token else 0)
     if longest > max_target_positions:
-        raise UserError(f"--tokens-per-sample {tokens_per_sample} makes samples of {longest} tokens but "
-                        f"--max-target-positions is {max_target_positions}; lower --tokens-per-sample or raise "
-                        f"--max-target-positions")
+        raise UserError(
+            f"--tokens-per-sample {tokens_per_sample} makes samples of {longest} tokens but "
+            f"--max-target-positions is {max_target_positions}; lower --tokens-per-sample or raise "
+            f"--max-target-positions"
+        )
 
 
 def model_shapes(model) -> Dict[str, Tuple[int, ...]]:

@@ -6,6 +6,7 @@ its checkpoints; every restart would add one more. Checking once after loading, 
 any step, makes restarts idempotent (a job scheduler may rerun a finished job), while a
 raised ``--max-update`` continues exactly where the checkpoint stopped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,14 +23,19 @@ class StopCriteria:
     stop_min_lr: float = -1.0
 
     @classmethod
-    def from_config(cls, opt) -> "StopCriteria":
+    def from_config(cls, opt) -> StopCriteria:
         """From the ``OptimizationConfig`` section."""
-        return cls(max_update=opt.max_update, max_epoch=opt.max_epoch, stop_time_hours=opt.stop_time_hours,
-                   stop_min_lr=opt.stop_min_lr)
+        return cls(
+            max_update=opt.max_update,
+            max_epoch=opt.max_epoch,
+            stop_time_hours=opt.stop_time_hours,
+            stop_min_lr=opt.stop_min_lr,
+        )
 
 
-def finished_reason(checkpoint: str, criteria: StopCriteria, num_updates: int, next_epoch: int, lr: float,
-                    training_hours: float = 0.0) -> Optional[str]:
+def finished_reason(
+    checkpoint: str, criteria: StopCriteria, num_updates: int, next_epoch: int, lr: float, training_hours: float = 0.0
+) -> Optional[str]:
     """The ``| done: ...`` line when the loaded checkpoint already meets a stop criterion, else None.
 
     ``next_epoch`` is the epoch the loop would start (or continue) next; ``training_hours``
@@ -41,8 +47,9 @@ def finished_reason(checkpoint: str, criteria: StopCriteria, num_updates: int, n
     if criteria.max_epoch > 0 and next_epoch > criteria.max_epoch:
         return f"{what} finished epoch {next_epoch - 1} >= --max-epoch {criteria.max_epoch}; nothing to do"
     if criteria.stop_time_hours > 0 and training_hours > criteria.stop_time_hours:
-        return (f"{what} trained {training_hours:.4f} hours > --stop-time-hours {criteria.stop_time_hours}; "
-                f"nothing to do")
+        return (
+            f"{what} trained {training_hours:.4f} hours > --stop-time-hours {criteria.stop_time_hours}; nothing to do"
+        )
     if criteria.stop_min_lr >= 0 and lr <= criteria.stop_min_lr:
         return f"{what} has lr {lr} <= --stop-min-lr {criteria.stop_min_lr}; nothing to do"
     return None

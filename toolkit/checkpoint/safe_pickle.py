@@ -11,6 +11,7 @@ every command's start-up, see ``toolkit.checkpoint.dcp_state``).
 :func:`restricted_load` is generic: the caller names every ``(module, name)`` a pickle may
 reference and what each resolves to, so other formats (fairseq's checkpoints) can reuse it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,10 @@ def restricted_load(file: BinaryIO, allowed: Allowlist, what: str) -> Any:
     except UserError:
         raise
     except Exception as e:  # truncated or corrupt bytes
-        raise UserError(f"{what}: cannot read it ({type(e).__name__}: {str(e)[:200]}); "
-                        f"the file is damaged or not what its name says") from None
+        raise UserError(
+            f"{what}: cannot read it ({type(e).__name__}: {str(e)[:200]}); "
+            f"the file is damaged or not what its name says"
+        ) from None
 
 
 def _dtype_names() -> Dict[Tuple[str, str], Any]:
@@ -67,18 +70,28 @@ def dcp_metadata_allowlist() -> Dict[Tuple[str, str], Any]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     allowed: Dict[Tuple[str, str], Any] = _dtype_names()
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ):
         if hasattr(dcp_metadata, name):
             allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(dcp_metadata, name)
-    allowed.update({
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # name -> torch.layout
-        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-        ("collections", "OrderedDict"): dict,
-    })
+    allowed.update(
+        {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # name -> torch.layout
+            ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
+            ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+            ("collections", "OrderedDict"): dict,
+        }
+    )
     for fmt in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format"):
         allowed[("torch", fmt)] = getattr(torch, fmt)
     return allowed
@@ -138,8 +151,11 @@ def _dcp_classes() -> Dict[str, type]:
     class _SafeEmptyStateDictLoadPlanner(_SafeBytesMixin, _EmptyStateDictLoadPlanner):
         """Rebuilds the whole saved state dict (for consolidation), reading non-tensor items weights-only."""
 
-    return {"SafeFileSystemReader": SafeFileSystemReader, "SafeLoadPlanner": SafeLoadPlanner,
-            "_SafeEmptyStateDictLoadPlanner": _SafeEmptyStateDictLoadPlanner}
+    return {
+        "SafeFileSystemReader": SafeFileSystemReader,
+        "SafeLoadPlanner": SafeLoadPlanner,
+        "_SafeEmptyStateDictLoadPlanner": _SafeEmptyStateDictLoadPlanner,
+    }
 
 
 def __getattr__(name: str) -> Any:
@@ -163,8 +179,9 @@ def _one_line_error(folder: str, error: BaseException) -> UserError:
             return exc
     exc = inner[0]
     text = str(exc).strip().splitlines()
-    return UserError(f"{folder}: cannot load the sharded checkpoint ({type(exc).__name__}: "
-                     f"{text[0][:200] if text else ''})")
+    return UserError(
+        f"{folder}: cannot load the sharded checkpoint ({type(exc).__name__}: {text[0][:200] if text else ''})"
+    )
 
 
 def load_dcp(state: Dict[str, Any], folder: str, whole: bool = False) -> None:
@@ -182,8 +199,12 @@ def load_dcp(state: Dict[str, Any], folder: str, whole: bool = False) -> None:
     safe_reader(folder).read_metadata()  # a forged index fails here, before DCP's noisy retries
     try:
         if whole:
-            _load_state_dict(state, storage_reader=safe_reader(folder),
-                             planner=classes["_SafeEmptyStateDictLoadPlanner"](), no_dist=True)
+            _load_state_dict(
+                state,
+                storage_reader=safe_reader(folder),
+                planner=classes["_SafeEmptyStateDictLoadPlanner"](),
+                no_dist=True,
+            )
         else:
             dcp.load(state, storage_reader=safe_reader(folder), planner=classes["SafeLoadPlanner"]())
     except (Exception, CheckpointException) as e:

@@ -27,6 +27,7 @@ complete checkpoint. A crash between the two renames is recovered on load.
 
 Also here: :func:`consolidate` (``toolkit-consolidate``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,6 +60,7 @@ EXTRA_IN_DCP = "extra_in_dcp"  # meta.pt's list of extra-state keys saved as DCP
 
 
 # --- names -------------------------------------------------------------------------------
+
 
 def folder_name(name: str) -> str:
     """``checkpoint_last.pt`` -> ``checkpoint_last``."""
@@ -105,8 +107,11 @@ def _mtime(path: str) -> float:
 
 
 def is_complete(folder: str) -> bool:
-    return (os.path.isdir(folder) and os.path.isfile(os.path.join(folder, DCP_INDEX))
-            and os.path.isfile(os.path.join(folder, META_FILE)))
+    return (
+        os.path.isdir(folder)
+        and os.path.isfile(os.path.join(folder, DCP_INDEX))
+        and os.path.isfile(os.path.join(folder, META_FILE))
+    )
 
 
 def find_sharded(path: str) -> Optional[str]:
@@ -124,6 +129,7 @@ def find_sharded(path: str) -> Optional[str]:
 
 # --- save ---------------------------------------------------------------------------------
 
+
 def _writer(path: str) -> dcp.FileSystemWriter:
     """The storage writer of a save (a seam for tests that inject faults)."""
     return dcp.FileSystemWriter(path)
@@ -132,8 +138,9 @@ def _writer(path: str) -> dcp.FileSystemWriter:
 def _sharded_state(statefuls: stateful.Statefuls) -> Dict[str, Any]:
     """The tensor entries a save writes, and the sharded extras, as this rank holds them (DTensor shards
     under FSDP2)."""
-    state = {key: entry.state_dict(full=False) for key, entry in stateful.tensor_entries(statefuls).items()
-             if entry.saved}
+    state = {
+        key: entry.state_dict(full=False) for key, entry in stateful.tensor_entries(statefuls).items() if entry.saved
+    }
     state.update({key: entry.local_state() for key, entry in stateful.sharded_extras(statefuls).items()})
     return state
 
@@ -147,8 +154,14 @@ def _meta(run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, world_size: in
     return meta
 
 
-def save(cfg: CheckpointConfig, run_cfg: Dict[str, Any], statefuls: stateful.Statefuls, progress: TrainingState,
-         names: List[str], env) -> None:
+def save(
+    cfg: CheckpointConfig,
+    run_cfg: Dict[str, Any],
+    statefuls: stateful.Statefuls,
+    progress: TrainingState,
+    names: List[str],
+    env,
+) -> None:
     """Collective: every rank writes its shard of ``names[0]``; rank 0 publishes it (and copies to the others).
 
     ``progress`` only names the save in its log line."""
@@ -214,6 +227,7 @@ def _link_tree(src: str, dst: str) -> None:
 
 # --- load ----------------------------------------------------------------------------------
 
+
 def read_meta(folder: str) -> Dict[str, Any]:
     path = os.path.join(folder, META_FILE)
     try:
@@ -221,7 +235,9 @@ def read_meta(folder: str) -> Dict[str, Any]:
     except Exception as e:
         raise load_refusal(path, e, "the sharded checkpoint's metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{path}: not a toolkit sharded checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'})")
+        raise UserError(
+            f"{path}: not a toolkit sharded checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'})"
+        )
     return meta
 
 
@@ -231,8 +247,7 @@ def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check
-         ) -> Optional[int]:
+def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, check: stateful.Check) -> Optional[int]:
     """Restore every entry of ``statefuls`` that this run loads from a DCP folder saved on any world size
     (``check`` first: it refuses another model or dictionary before anything is loaded).
 
@@ -243,11 +258,14 @@ def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, ch
     tensors = stateful.tensor_entries(statefuls)
     flat = tensor_shapes(folder)
     check(folder, meta.get("cfg", {}), meta.get("extra_state"), stateful.shapes_by_entry(tensors, flat))
-    loading = {key: entry for key, entry in tensors.items()
-               if (key not in SAVED_FLAGS or meta.get(SAVED_FLAGS[key], False))
-               and entry.prepare_load(folder, meta, flat)}
-    extras = {key: entry for key, entry in stateful.sharded_extras(statefuls).items()
-              if key in meta.get(EXTRA_IN_DCP, ())}  # else in extra_state (an older file) or not saved
+    loading = {
+        key: entry
+        for key, entry in tensors.items()
+        if (key not in SAVED_FLAGS or meta.get(SAVED_FLAGS[key], False)) and entry.prepare_load(folder, meta, flat)
+    }
+    extras = {
+        key: entry for key, entry in stateful.sharded_extras(statefuls).items() if key in meta.get(EXTRA_IN_DCP, ())
+    }  # else in extra_state (an older file) or not saved
     templates = {key: entry.load_template() for key, entry in loading.items()}
     templates.update({key: entry.local_state() for key, entry in extras.items()})
     load_dcp(templates, folder)
@@ -256,12 +274,14 @@ def load(folder: str, statefuls: stateful.Statefuls, progress: TrainingState, ch
     for key, entry in extras.items():  # after the model: as in the mapping's order
         entry.load_local(templates[key])
     stateful.load_extra_state(statefuls, meta["extra_state"], loaded=extras)
-    logger.info(f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; "
-                f"{progress.loaded_summary()})")
+    logger.info(
+        f"loaded sharded checkpoint {folder} (saved on {meta.get('world_size')} ranks; {progress.loaded_summary()})"
+    )
     return saved_data_parallel_size(meta.get("cfg", {})) or meta.get("world_size")
 
 
 # --- consolidation --------------------------------------------------------------------------
+
 
 def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dict[str, Any]:
     """Write a sharded checkpoint as one consolidated ``.pt`` (the format ``toolkit-train`` writes by default).
@@ -283,5 +303,9 @@ def consolidate(folder: str, output: str, include_optimizer: bool = True) -> Dic
         with atomic_write(output, "wb") as f:
             torch.save(state, f)
         progress.advance(f"wrote {output}")
-    return {"tensors": len(state["model"]), "params": sum(v.numel() for v in state["model"].values()),
-            "optimizer": "last_optimizer_state" in state, "world_size": meta.get("world_size")}
+    return {
+        "tensors": len(state["model"]),
+        "params": sum(v.numel() for v in state["model"].values()),
+        "optimizer": "last_optimizer_state" in state,
+        "world_size": meta.get("world_size"),
+    }

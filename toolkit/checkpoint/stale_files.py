@@ -9,6 +9,7 @@ Only names our own writers produce are touched:
   a crash between two renames, and :func:`toolkit.checkpoint.sharded.find_sharded` loads it);
 - consolidation's former scratch file ``.NAME.pt.dcp.tmp``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,6 +64,8 @@ def remove_stale_temp_files(save_dir: str) -> List[str]:
                 os.unlink(path)
         except FileNotFoundError:
             pass
-    logger.info(f"removed {len(paths)} temporary file(s) left by interrupted saves in {save_dir} "
-                f"({total / 2 ** 20:.1f} MiB): {', '.join(os.path.basename(p) for p in paths)}")
+    logger.info(
+        f"removed {len(paths)} temporary file(s) left by interrupted saves in {save_dir} "
+        f"({total / 2**20:.1f} MiB): {', '.join(os.path.basename(p) for p in paths)}"
+    )
     return paths

@@ -20,6 +20,7 @@ kinds of state, so there are two kinds of entry:
 Loading goes in the mapping's order, tensors first: the EMA restarts from the loaded weights, and
 the LR schedule steps to the loaded update count after the optimizer's learning rate is restored.
 """
+
 from __future__ import annotations
 
 import logging
@@ -106,12 +107,20 @@ def cut_locally(full: Any, template: Any) -> Any:
     (what DCP loaded in place), stays as it is."""
     if isinstance(full, Mapping) and isinstance(template, Mapping):
         return {k: cut_locally(v, template.get(k)) for k, v in full.items()}
-    if (is_dtensor(template) and torch.is_tensor(full) and not is_dtensor(full)
-            and tuple(full.shape) == tuple(template.shape)):
+    if (
+        is_dtensor(template)
+        and torch.is_tensor(full)
+        and not is_dtensor(full)
+        and tuple(full.shape) == tuple(template.shape)
+    ):
         from torch.distributed.tensor import distribute_tensor
 
-        return distribute_tensor(full.detach().to(template.device, template.dtype), template.device_mesh,
-                                 template.placements, src_data_rank=None)
+        return distribute_tensor(
+            full.detach().to(template.device, template.dtype),
+            template.device_mesh,
+            template.placements,
+            src_data_rank=None,
+        )
     return full
 
 
@@ -122,8 +131,15 @@ class OptimizerState(TensorState):
     run's hyperparameters (:func:`toolkit.checkpoint.common.check_optimizer_switch`).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str, save: bool = True,
-                 reset: bool = False, decay: Optional[DecayChoice] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        name: str,
+        save: bool = True,
+        reset: bool = False,
+        decay: Optional[DecayChoice] = None,
+    ):
         self.model, self.optimizer, self.name = model, optimizer, name
         self.decay = decay  # this run's weight-decay grouping flags, checked against the checkpoint's cfg
         self.saved, self.reset, self.optional = save, reset, True
@@ -161,9 +177,11 @@ class OptimizerState(TensorState):
 
         saved_fp16 = any(k.endswith("_scale") and k.startswith("optim.state.") for k in shapes)
         if self._switch_from is not None and (saved_fp16 or getattr(self.optimizer, "fp16_adam_stats", False)):
-            raise UserError(f"{folder}: switching between --optimizer {self._switch_from} and {self.name} with "
-                            f"--fp16-adam-stats goes through a consolidated checkpoint: run toolkit-consolidate "
-                            f"{folder} and pass the .pt to --restore-file, or add --reset-optimizer")
+            raise UserError(
+                f"{folder}: switching between --optimizer {self._switch_from} and {self.name} with "
+                f"--fp16-adam-stats goes through a consolidated checkpoint: run toolkit-consolidate "
+                f"{folder} and pass the .pt to --restore-file, or add --reset-optimizer"
+            )
         check_sharded_load(folder, shapes, self.optimizer)
 
     def load_template(self) -> Dict[str, Any]:
@@ -276,6 +294,7 @@ class DataPosition:
 
 
 # --- what the formats call ------------------------------------------------------------------------
+
 
 def tensor_entries(statefuls: Statefuls) -> Dict[str, TensorState]:
     return {k: s for k, s in statefuls.items() if isinstance(s, TensorState)}

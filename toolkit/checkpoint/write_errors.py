@@ -8,6 +8,7 @@ errno in the exception chain, or else re-derives it from the filesystem (free sp
 the process's file-size limit, and says what still holds: the previous checkpoint,
 which the atomic writes never touched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,5 +98,6 @@ def reported(path: str, save_dir: str, remove: Optional[str] = None) -> Iterator
             raise
         if remove:
             shutil.rmtree(remove, ignore_errors=True)
-        raise UserError(f"could not write {path}: {os.strerror(code)} (errno {code}); "
-                        f"{previous_checkpoint(save_dir)}") from None
+        raise UserError(
+            f"could not write {path}: {os.strerror(code)} (errno {code}); {previous_checkpoint(save_dir)}"
+        ) from None

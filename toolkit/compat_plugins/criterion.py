@@ -5,6 +5,7 @@ Why: a fairseq plugin's criterion ports by renaming the import; fairseq builds a
 ``__init__``'s parameters from its options by name, and the toolkit calls ``entry.cls(task, cfg)``,
 so the registry holds a small builder that does fairseq's filling.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -44,8 +45,10 @@ class FairseqCriterion(nn.Module):
             elif cfg is not None and hasattr(cfg, p.name):
                 init_args[p.name] = getattr(cfg, p.name)
             elif p.default is p.empty:
-                raise NotImplementedError(f"{cls.__name__}: cannot fill __init__ argument {p.name!r} from the "
-                                          f"criterion's options; implement build_criterion")
+                raise NotImplementedError(
+                    f"{cls.__name__}: cannot fill __init__ argument {p.name!r} from the "
+                    f"criterion's options; implement build_criterion"
+                )
         return cls(**init_args)
 
     @staticmethod
@@ -68,9 +71,13 @@ class _CriterionBuilder:
 
 def register_criterion(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a criterion class (options: ``dataclass`` or its ``add_args``)."""
+
     def decorator(cls):
-        config = with_enum_choices(dataclass) if dataclass else legacy_config(
-            registry.CRITERION_REGISTRY, "criterion", name, cls, FairseqCriterion.add_args)
+        config = (
+            with_enum_choices(dataclass)
+            if dataclass
+            else legacy_config(registry.CRITERION_REGISTRY, "criterion", name, cls, FairseqCriterion.add_args)
+        )
         registry.CRITERION_REGISTRY.register(name, config)(_CriterionBuilder(cls))
         return cls
 

@@ -4,6 +4,7 @@ Why: fairseq plugins declare options as ``@dataclass class MyConfig(FairseqDatac
 typed ``ChoiceEnum([...])``; the toolkit generates flags from any dataclass (:mod:`toolkit.config.options`),
 so these two names are all a plugin needs to port by renaming the import.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -13,6 +13,7 @@ give is absent, so an architecture's getattr-with-default (``"x", 256``) supplie
 fields of such options default to ``None`` and are listed in ``__fairseq_unset__``;
 :class:`UnsetHidden` makes them absent again for architecture functions and ``build_model``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,15 @@ def _field_spec(kind: str, name: str, action: argparse.Action) -> Tuple[str, typ
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return _bool_field(action, meta)
     if type(action) is not argparse._StoreAction:
-        raise UserError(f"{where}: action {type(action).__name__} is not supported; use a typed option "
-                        f"(type=...), store_true or store_false, or declare the plugin's options in a dataclass")
+        raise UserError(
+            f"{where}: action {type(action).__name__} is not supported; use a typed option "
+            f"(type=...), store_true or store_false, or declare the plugin's options in a dataclass"
+        )
     if action.nargs not in (None, "?"):
-        raise UserError(f"{where}: nargs={action.nargs!r} is not supported; take one comma-separated value "
-                        f"instead, or declare the plugin's options in a dataclass")
+        raise UserError(
+            f"{where}: nargs={action.nargs!r} is not supported; take one comma-separated value "
+            f"instead, or declare the plugin's options in a dataclass"
+        )
     tp = action.type or str
     if tp not in _SIMPLE_TYPES:
         meta["type"] = tp
@@ -129,8 +134,11 @@ def legacy_args(section: Any, task: Any, unset: FrozenSet[str]) -> argparse.Name
     for part in (getattr(task, "cfg", None), section):
         if part is None:
             continue
-        items = dataclasses.asdict(part) if dataclasses.is_dataclass(part) else dict(
-            part if isinstance(part, dict) else vars(part))
+        items = (
+            dataclasses.asdict(part)
+            if dataclasses.is_dataclass(part)
+            else dict(part if isinstance(part, dict) else vars(part))
+        )
         values.update({k: v for k, v in items.items() if not (v is None and k in unset)})
     return argparse.Namespace(**values)
 

@@ -16,6 +16,7 @@ renaming the import to ``toolkit.models``. What differs underneath, and is bridg
   a fairseq decoder takes the whole prefix and caches what it needs.
   :meth:`FairseqLanguageModel.forward` keeps the prefix and calls the decoder as fairseq does.
 """
+
 from __future__ import annotations
 
 import copy
@@ -224,7 +225,7 @@ class FairseqLanguageModel(BaseFairseqModel):
         state[PREFIX_KEY] = full
         if not isinstance(self.decoder, FairseqIncrementalDecoder):  # recompute the prefix, keep the new rows
             x, extra = self.decoder(full, **kwargs)
-            return x[:, -tokens.size(1):], extra
+            return x[:, -tokens.size(1) :], extra
         decoder_state = state.setdefault(DECODER_STATE_KEY, {})
         outs, extra = [], None
         for end in range(full.size(1) - tokens.size(1) + 1, full.size(1) + 1):
@@ -239,7 +240,8 @@ class FairseqLanguageModel(BaseFairseqModel):
         decoder_state = incremental_state.get(DECODER_STATE_KEY)
         if decoder_state and isinstance(self.decoder, FairseqIncrementalDecoder):
             incremental_state[DECODER_STATE_KEY] = self.decoder.reorder_incremental_state_scripting(
-                decoder_state, new_order)
+                decoder_state, new_order
+            )
 
     def forward_decoder(self, prev_output_tokens, **kwargs):
         return self.decoder(prev_output_tokens, **kwargs)
@@ -303,9 +305,13 @@ class _FairseqModelBuilder:
 
 def register_model(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a model class under ``name`` (options: ``dataclass``, or its ``add_args``)."""
+
     def decorator(cls):
-        config = with_enum_choices(dataclass) if dataclass else legacy_args.legacy_config(
-            registry.MODEL_REGISTRY, "model", name, cls, BaseFairseqModel.add_args)
+        config = (
+            with_enum_choices(dataclass)
+            if dataclass
+            else legacy_args.legacy_config(registry.MODEL_REGISTRY, "model", name, cls, BaseFairseqModel.add_args)
+        )
         registry.MODEL_REGISTRY.register(name, config)(_FairseqModelBuilder(cls, name))
         return cls
 
@@ -314,6 +320,7 @@ def register_model(name: str, dataclass: Optional[type] = None):
 
 def register_model_architecture(model_name: str, arch_name: str):
     """fairseq's decorator: a named architecture sets option values on ``args`` (the user's flags win)."""
+
     def decorator(fn):
         def apply(cfg) -> None:
             config = registry.MODEL_REGISTRY.get(model_name).config

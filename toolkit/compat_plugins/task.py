@@ -6,6 +6,7 @@ Why: fairseq plugins register tasks with ``register_task`` and subclass ``Fairse
 import. Options declared the legacy way (``add_args``) become flags (:mod:`toolkit.compat_plugins.legacy_args`); a task
 subclassing a registered task keeps its parent's options and adds its own.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -77,9 +78,13 @@ class LegacyFairseqTask(FairseqTask):
 
 def register_task(name: str, dataclass: Optional[type] = None):
     """fairseq's decorator: register a task class (options: ``dataclass``, its ``add_args``, or its parent's)."""
+
     def decorator(cls):
-        config = with_enum_choices(dataclass) if dataclass else legacy_config(
-            registry.TASK_REGISTRY, "task", name, cls, FairseqTask.add_args)
+        config = (
+            with_enum_choices(dataclass)
+            if dataclass
+            else legacy_config(registry.TASK_REGISTRY, "task", name, cls, FairseqTask.add_args)
+        )
         return registry.TASK_REGISTRY.register(name, config)(cls)
 
     return decorator

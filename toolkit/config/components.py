@@ -5,6 +5,7 @@ without torch: ``toolkit-<command> --help`` and every argument error exit before
 (``core/registry.BUILTIN_COMPONENTS`` names each component's module and options class; the model families'
 options are their ``config.py``). Each component module re-exports its class under the old name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,57 +28,111 @@ ADAM_STATE_PRECISIONS = ("fp32", "bf16", "8bit")
 
 # --task language_modeling (toolkit/tasks/language_modeling.py)
 
+
 @dataclass
 class LanguageModelingConfig:
-    data: Optional[str] = field(default="", metadata={
-        "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
-                "used round-robin, one per epoch (leave out with --data-mixture)", "positional": True})
-    data_mixture: Optional[str] = field(default=None, metadata={
-        "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
-                "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
-                "the weighted total (valid)", "metavar": "SPEC"})
-    mixture_epoch_samples: int = field(default=0, metadata={"type": count_or_zero,
-        "help": "samples in an epoch of --data-mixture (0: all sources' samples together)", "metavar": "N"})
-    sample_break_mode: str = field(default="none", metadata={
-        "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
-                "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
-                "documents (empty lines); 'eos': one line per sample", "choices": list(BREAK_MODES)})
-    tokens_per_sample: int = field(default=1024, metadata={
-        "type": positive_int, "help": "max number of tokens per sample"})
-    add_bos_token: bool = field(default=False, metadata={
-        "help": "prepend the beginning-of-sentence token <s> to every sample"})
-    shorten_method: str = field(default="none", metadata={
-        "help": "if not none, shorten sequences that exceed --tokens-per-sample (truncate: keep the first "
-                "tokens; random_crop: a seeded random window)", "choices": list(SHORTEN_METHODS)})
-    shorten_data_split_list: str = field(default="", metadata={
-        "help": "comma-separated list of dataset splits to apply shortening to, e.g., \"train,valid\" "
-                "(default: all dataset splits)"})
-    document_attention_mask: bool = field(default=False, metadata={
-        "help": "keep attention inside each document (line) of a packed sample (block-diagonal causal mask; "
-                "flex_attention on CUDA, else an SDPA mask), e.g. with --sample-break-mode none"})
-    reset_position_ids: bool = field(default=False, metadata={
-        "help": "with --document-attention-mask: positions restart at 0 in each document"})
+    data: Optional[str] = field(
+        default="",
+        metadata={
+            "help": "data-bin folder made by toolkit-preprocess; several folders separated by ':' are "
+            "used round-robin, one per epoch (leave out with --data-mixture)",
+            "positional": True,
+        },
+    )
+    data_mixture: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "train on a weighted mixture of data-bins with one dictionary, NAME=PATH:WEIGHT,... e.g. "
+            "web=data-bin/web:0.7,code=data-bin/code:0.3; validation per source (valid_NAME) and "
+            "the weighted total (valid)",
+            "metavar": "SPEC",
+        },
+    )
+    mixture_epoch_samples: int = field(
+        default=0,
+        metadata={
+            "type": count_or_zero,
+            "help": "samples in an epoch of --data-mixture (0: all sources' samples together)",
+            "metavar": "N",
+        },
+    )
+    sample_break_mode: str = field(
+        default="none",
+        metadata={
+            "help": "'none': fill each sample with tokens-per-sample tokens; 'complete': split only at "
+            "ends of lines, several lines per sample; 'complete_doc': as complete, never across "
+            "documents (empty lines); 'eos': one line per sample",
+            "choices": list(BREAK_MODES),
+        },
+    )
+    tokens_per_sample: int = field(
+        default=1024, metadata={"type": positive_int, "help": "max number of tokens per sample"}
+    )
+    add_bos_token: bool = field(
+        default=False, metadata={"help": "prepend the beginning-of-sentence token <s> to every sample"}
+    )
+    shorten_method: str = field(
+        default="none",
+        metadata={
+            "help": "if not none, shorten sequences that exceed --tokens-per-sample (truncate: keep the first "
+            "tokens; random_crop: a seeded random window)",
+            "choices": list(SHORTEN_METHODS),
+        },
+    )
+    shorten_data_split_list: str = field(
+        default="",
+        metadata={
+            "help": 'comma-separated list of dataset splits to apply shortening to, e.g., "train,valid" '
+            "(default: all dataset splits)"
+        },
+    )
+    document_attention_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "keep attention inside each document (line) of a packed sample (block-diagonal causal mask; "
+            "flex_attention on CUDA, else an SDPA mask), e.g. with --sample-break-mode none"
+        },
+    )
+    reset_position_ids: bool = field(
+        default=False, metadata={"help": "with --document-attention-mask: positions restart at 0 in each document"}
+    )
     seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
 # --criterion cross_entropy, vocab_parallel_cross_entropy, adaptive_loss (toolkit/criterions/)
 
+
 @dataclass
 class CrossEntropyCriterionConfig:
-    sentence_avg: bool = field(default=False, metadata={
-        "help": "normalize gradients by the number of sentences in a batch (default: by the number of tokens)"})
-    z_loss_coef: float = field(default=0.0, metadata={
-        "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
-                "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
-                "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy", "type": non_negative_float})
-    head_loss_chunk_rows: int = field(default=512, metadata={
-        "help": "compute the output layer and the loss together, this many tokens at a time: never all "
-                "[tokens, vocabulary] logits, only N x vocabulary fp32 (transformer_lm, llama, moe; not with "
-                "--z-loss-coef, --fp16, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which "
-                "keep the logits); 0: always the logits, then the loss", "type": non_negative_int})
+    sentence_avg: bool = field(
+        default=False,
+        metadata={
+            "help": "normalize gradients by the number of sentences in a batch (default: by the number of tokens)"
+        },
+    )
+    z_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "PaLM's z-loss: add coef * logsumexp(logits)^2 per target token (nats^2, normalized like the loss) "
+            "to the training loss to keep the softmax normalizer near 1 (e.g. 1e-4); logged as z_loss "
+            "(the mean logsumexp^2 without coef); loss and ppl stay the cross-entropy",
+            "type": non_negative_float,
+        },
+    )
+    head_loss_chunk_rows: int = field(
+        default=512,
+        metadata={
+            "help": "compute the output layer and the loss together, this many tokens at a time: never all "
+            "[tokens, vocabulary] logits, only N x vocabulary fp32 (transformer_lm, llama, moe; not with "
+            "--z-loss-coef, --fp16, an adaptive softmax, a vocabulary split over ranks or a logit soft-cap, which "
+            "keep the logits); 0: always the logits, then the loss",
+            "type": non_negative_int,
+        },
+    )
 
 
 # --optimizer (toolkit/optim/<name>.py)
+
 
 @dataclass
 class AdamConfig:
@@ -92,9 +147,12 @@ class CPUAdamConfig:
     adam_eps: float = opt(1e-8, "epsilon for Adam optimizer")
     weight_decay: float = opt(0.0, "weight decay (decoupled, as AdamW)")
     fp16_adam_stats: bool = opt(False, "keep the Adam moments in fp16, with one scale per tensor")
-    adam_state_precision: str = opt("fp32", "precision of the Adam moments in host memory: fp32 (8 bytes per "
-                                            "parameter), bf16 (4) or 8bit (about 2: blockwise-quantized)",
-                                    choices=list(ADAM_STATE_PRECISIONS))
+    adam_state_precision: str = opt(
+        "fp32",
+        "precision of the Adam moments in host memory: fp32 (8 bytes per "
+        "parameter), bf16 (4) or 8bit (about 2: blockwise-quantized)",
+        choices=list(ADAM_STATE_PRECISIONS),
+    )
 
 
 @dataclass
@@ -104,14 +162,24 @@ class MuonConfig:
     muon_momentum: float = opt(0.95, "Muon's momentum factor")
     muon_nesterov: bool = opt(True, "Nesterov momentum for Muon's matrices")
     muon_ns_steps: int = opt(5, "Newton-Schulz iterations per matrix and step", type=positive_int)
-    muon_adjust_lr: str = opt("original", "how Muon scales --lr by a matrix's shape (A x B): 'original' by "
-                                          "sqrt(max(1, A/B)) (Keller Jordan's), 'match_rms_adamw' by "
-                                          "0.2 sqrt(max(A, B)) (Moonshot's: AdamW's learning rate and weight "
-                                          "decay carry over)", choices=["original", "match_rms_adamw"])
-    muon_adamw_lr: Optional[float] = opt(None, "peak learning rate of the AdamW side (embeddings, output head, "
-                                               "norms, biases), scheduled as --lr (default: --lr)")
-    muon_momentum_dtype: str = opt("fp32", "Muon's momentum in fp32 or bf16 (half the host memory under "
-                                           "--cpu-offload)", choices=list(MOMENTUM_DTYPES))
+    muon_adjust_lr: str = opt(
+        "original",
+        "how Muon scales --lr by a matrix's shape (A x B): 'original' by "
+        "sqrt(max(1, A/B)) (Keller Jordan's), 'match_rms_adamw' by "
+        "0.2 sqrt(max(A, B)) (Moonshot's: AdamW's learning rate and weight "
+        "decay carry over)",
+        choices=["original", "match_rms_adamw"],
+    )
+    muon_adamw_lr: Optional[float] = opt(
+        None,
+        "peak learning rate of the AdamW side (embeddings, output head, "
+        "norms, biases), scheduled as --lr (default: --lr)",
+    )
+    muon_momentum_dtype: str = opt(
+        "fp32",
+        "Muon's momentum in fp32 or bf16 (half the host memory under --cpu-offload)",
+        choices=list(MOMENTUM_DTYPES),
+    )
     adam_betas: str = opt("(0.9, 0.999)", "betas of the AdamW side, e.g. '(0.9, 0.98)'")
     adam_eps: float = opt(1e-8, "epsilon of the AdamW side")
     weight_decay: float = opt(0.0, "weight decay (decoupled) of both sides")
@@ -131,14 +199,16 @@ class NAGConfig:
 
 # --lr-scheduler (toolkit/optim/lr_scheduler/<name>.py)
 
+
 @dataclass
 class FixedLRScheduleConfig:
     force_anneal: Optional[int] = opt(None, "force annealing at specified epoch (epochs start at 1)")
     lr_shrink: float = opt(0.1, "shrink factor for annealing, lr_new = (lr * lr_shrink)")
     warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
     lr: float = opt(0.25, "learning rate")
-    lr_per_epoch: Tuple[float, ...] = opt((), "--lr's comma-separated values: epoch e uses the e-th (the last "
-                                          "repeats)", cli=False)
+    lr_per_epoch: Tuple[float, ...] = opt(
+        (), "--lr's comma-separated values: epoch e uses the e-th (the last repeats)", cli=False
+    )
 
 
 @dataclass
@@ -154,8 +224,9 @@ class PolynomialDecayLRScheduleConfig:
     force_anneal: Optional[int] = opt(None, "force annealing at specified epoch")
     end_learning_rate: float = opt(0.0, "learning rate to decay to")
     power: float = opt(1.0, "decay exponent")
-    total_num_update: Optional[int] = opt(None, "total number of updates over which to decay the learning rate "
-                                                "(default: --max-update)")
+    total_num_update: Optional[int] = opt(
+        None, "total number of updates over which to decay the learning rate (default: --max-update)"
+    )
     lr: float = opt(0.25, "learning rate")
     max_update: int = opt(0, "stop after this many updates (0: no limit)")
 
@@ -166,8 +237,9 @@ class CosineLRScheduleConfig:
     warmup_init_lr: float = opt(-1.0, "initial learning rate during warmup (default: --min-lr)")
     min_lr: float = opt(0.0, "minimum learning rate of the cosine")
     t_mult: float = opt(1.0, "factor to grow the length of each period")
-    lr_period_updates: float = opt(-1.0, "initial number of updates per period "
-                                         "(default: --max-update minus --warmup-updates)")
+    lr_period_updates: float = opt(
+        -1.0, "initial number of updates per period (default: --max-update minus --warmup-updates)"
+    )
     lr_shrink: float = opt(0.1, "shrink factor of the peak and minimum after each period")
     lr: float = opt(0.25, "learning rate")
     max_update: int = opt(0, "stop after this many updates (0: no limit)")
@@ -178,9 +250,12 @@ class TriStageLRScheduleConfig:
     warmup_steps: int = opt(0, "warmup the learning rate linearly for the first N updates")
     hold_steps: int = opt(0, "updates held at --lr after the warmup")
     decay_steps: int = opt(0, "updates of exponential decay after the hold")
-    phase_ratio: Optional[Tuple[float, ...]] = opt(None, "W,H,D: shares of --max-update for warmup, hold and "
-                                                         "decay (adding up to 1); replaces the three step counts",
-                                                   type=float_list, metavar="W,H,D")
+    phase_ratio: Optional[Tuple[float, ...]] = opt(
+        None,
+        "W,H,D: shares of --max-update for warmup, hold and decay (adding up to 1); replaces the three step counts",
+        type=float_list,
+        metavar="W,H,D",
+    )
     init_lr_scale: float = opt(0.01, "initial learning rate scale during warmup phase")
     final_lr_scale: float = opt(0.01, "final learning rate scale")
     lr: float = opt(0.25, "learning rate")
@@ -201,14 +276,20 @@ class ReduceLROnPlateauLRScheduleConfig:
 @dataclass
 class WSDLRScheduleConfig:
     warmup_updates: int = opt(0, "warmup the learning rate linearly for the first N updates")
-    decay_fraction: float = opt(0.1, "share of the run (--total-num-update, else --max-update) spent decaying, at "
-                                     "its end", type=non_negative_float)
-    decay_shape: str = opt("1-sqrt", "shape of the decay from --lr to --min-lr (1-sqrt: Hägele et al. 2024)",
-                           choices=list(DECAY_SHAPES))
-    wsd_decay_start: Optional[int] = opt(None, "update at which the decay starts (default: from --decay-fraction); "
-                                               "set it to a stable-phase checkpoint's update to decay from there")
+    decay_fraction: float = opt(
+        0.1,
+        "share of the run (--total-num-update, else --max-update) spent decaying, at its end",
+        type=non_negative_float,
+    )
+    decay_shape: str = opt(
+        "1-sqrt", "shape of the decay from --lr to --min-lr (1-sqrt: Hägele et al. 2024)", choices=list(DECAY_SHAPES)
+    )
+    wsd_decay_start: Optional[int] = opt(
+        None,
+        "update at which the decay starts (default: from --decay-fraction); "
+        "set it to a stable-phase checkpoint's update to decay from there",
+    )
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
-    total_num_update: Optional[int] = opt(None, "total number of updates; the decay ends there "
-                                                "(default: --max-update)")
+    total_num_update: Optional[int] = opt(None, "total number of updates; the decay ends there (default: --max-update)")
     lr: float = opt(0.25, "learning rate")
     max_update: int = opt(0, "stop after this many updates (0: no limit)")

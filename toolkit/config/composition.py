@@ -19,6 +19,7 @@ Every pair of the features below has one entry:
 ``tests/unit/test_composition.py`` keeps current; the same test asks the resolver for every
 refused pair and checks that each named test exists.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,30 +87,54 @@ def _task(cfg: Any, name: str) -> Any:
 
 FEATURES: Tuple[Feature, ...] = (
     Feature("FSDP", "--ddp-backend fully_sharded (full_shard, shard_grad_op, no_shard)", _fsdp, FSDP),
-    Feature("HSDP", "--sharding-strategy hybrid_shard / hybrid_shard_zero2", _hsdp,
-            FSDP + ("--sharding-strategy", "hybrid_shard")),
+    Feature(
+        "HSDP",
+        "--sharding-strategy hybrid_shard / hybrid_shard_zero2",
+        _hsdp,
+        FSDP + ("--sharding-strategy", "hybrid_shard"),
+    ),
     Feature("TP", "--model-parallel-size M > 1", lambda c: c.distributed.model_parallel_size > 1, TP2),
-    Feature("SP", "sequence parallelism (on under TP unless --no-sequence-parallel)",
-            lambda c: c.distributed.model_parallel_size > 1 and not c.distributed.no_sequence_parallel, TP2),
+    Feature(
+        "SP",
+        "sequence parallelism (on under TP unless --no-sequence-parallel)",
+        lambda c: c.distributed.model_parallel_size > 1 and not c.distributed.no_sequence_parallel,
+        TP2,
+    ),
     Feature("CP", "--context-parallel-size > 1", lambda c: _size(c, "context_parallel_size") > 1),
     Feature("EP", "--expert-parallel-size > 1", lambda c: _size(c, "expert_parallel_size") > 1),
     Feature("compile", "--compile", lambda c: c.distributed.compile, ("--compile",)),
     Feature("fp8", "--fp8", lambda c: c.distributed.fp8, ("--fp8",)),
-    Feature("AC", "--checkpoint-activations", lambda c: c.distributed.checkpoint_activations,
-            ("--checkpoint-activations",)),
+    Feature(
+        "AC", "--checkpoint-activations", lambda c: c.distributed.checkpoint_activations, ("--checkpoint-activations",)
+    ),
     Feature("muon", "--optimizer muon", lambda c: c.components.optimizer == "muon", ("--optimizer", "muon")),
-    Feature("cpu-offload", "--cpu-offload", lambda c: c.distributed.cpu_offload,
-            FSDP + ("--cpu-offload", "--optimizer", "cpu_adam")),
-    Feature("overlap-offload", "--overlap-offload-step", lambda c: c.distributed.overlap_offload_step,
-            FSDP + ("--cpu-offload", "--optimizer", "cpu_adam", "--overlap-offload-step")),
+    Feature(
+        "cpu-offload",
+        "--cpu-offload",
+        lambda c: c.distributed.cpu_offload,
+        FSDP + ("--cpu-offload", "--optimizer", "cpu_adam"),
+    ),
+    Feature(
+        "overlap-offload",
+        "--overlap-offload-step",
+        lambda c: c.distributed.overlap_offload_step,
+        FSDP + ("--cpu-offload", "--optimizer", "cpu_adam", "--overlap-offload-step"),
+    ),
     Feature("fp16", "--fp16", lambda c: c.common.fp16 and not c.common.memory_efficient_fp16, ("--fp16",)),
     Feature("bf16", "--bf16", lambda c: c.common.bf16, ("--bf16",)),
-    Feature("memory-efficient fp16", "--memory-efficient-fp16", lambda c: c.common.memory_efficient_fp16,
-            ("--memory-efficient-fp16",)),
-    Feature("document mask", "--document-attention-mask", lambda c: bool(_task(c, "document_attention_mask")),
-            ("--document-attention-mask",)),
-    Feature("data mixture", "--data-mixture", lambda c: bool(_task(c, "data_mixture")),
-            ("--data-mixture", "a=.:1")),
+    Feature(
+        "memory-efficient fp16",
+        "--memory-efficient-fp16",
+        lambda c: c.common.memory_efficient_fp16,
+        ("--memory-efficient-fp16",),
+    ),
+    Feature(
+        "document mask",
+        "--document-attention-mask",
+        lambda c: bool(_task(c, "document_attention_mask")),
+        ("--document-attention-mask",),
+    ),
+    Feature("data mixture", "--data-mixture", lambda c: bool(_task(c, "data_mixture")), ("--data-mixture", "a=.:1")),
     Feature("EMA", "--store-ema", lambda c: c.ema.store_ema, ("--store-ema",)),
 )
 NAMES = tuple(f.name for f in FEATURES)
@@ -129,79 +154,113 @@ MUON = "tests/integration/test_muon.py::"
 MUON_HSDP_OFFLOAD = MUON + "test_hybrid_shard_and_cpu_offload_equal_one_process"
 
 # --- the refusals: each names what the two would have to do at once ----------------------------------------
-HALF_FORMATS = ("--fp16 and --bf16 conflict: a run computes in one 16-bit format, fp16 (with loss scaling) or "
-                "bf16 (without); choose one")
-MEFP16_BF16 = ("--memory-efficient-fp16 and --bf16 conflict: it keeps the weights themselves in fp16 (with fp16's "
-               "loss scaling), which bf16 training does not; use --bf16 alone, or --memory-efficient-fp16 alone")
-FP8_FP16 = ("--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), without loss "
-            "scaling; use --bf16")
-FP8_MEFP16 = ("--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
-              "without fp16 weights or loss scaling; use --bf16")
-TP_NO_C10D_MEFP16 = ("--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
-                     "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
-                     "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
-                     "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
-                     "(FSDP2 under TP), or --fp16")
-EP_TP_NO_C10D = ("--expert-parallel-size with --model-parallel-size > 1 and --ddp-backend no_c10d: the experts stay "
-                 "whole on every tp rank (plain tensors beside the tp shards) and only FSDP2 reduces their gradients, "
-                 "over the ranks holding the same experts; use --ddp-backend c10d or fully_sharded")
-MUON_OVERLAP = ("--overlap-offload-step with --optimizer muon: the overlapped step updates each block on a background "
-                "thread while the next forward gathers the following blocks, and Muon's update of a sharded matrix "
-                "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
-                "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
-                "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam")
-BY_MODEL = ByModel("decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
-                   "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them")
+HALF_FORMATS = (
+    "--fp16 and --bf16 conflict: a run computes in one 16-bit format, fp16 (with loss scaling) or "
+    "bf16 (without); choose one"
+)
+MEFP16_BF16 = (
+    "--memory-efficient-fp16 and --bf16 conflict: it keeps the weights themselves in fp16 (with fp16's "
+    "loss scaling), which bf16 training does not; use --bf16 alone, or --memory-efficient-fp16 alone"
+)
+FP8_FP16 = (
+    "--fp8 with --fp16: float8 training keeps its high-precision side in bf16 (or fp32), without loss "
+    "scaling; use --bf16"
+)
+FP8_MEFP16 = (
+    "--fp8 with --memory-efficient-fp16: float8 training keeps its high-precision side in bf16 (or fp32), "
+    "without fp16 weights or loss scaling; use --bf16"
+)
+TP_NO_C10D_MEFP16 = (
+    "--memory-efficient-fp16 with --model-parallel-size > 1 and --ddp-backend no_c10d: it turns the "
+    "weights themselves into fp16 and keeps their fp32 copies beside them, one plain tensor per "
+    "weight, while without FSDP2 each weight here is a tensor-parallel shard (a DTensor) that only "
+    "FSDP2's mixed-precision policy casts shard by shard; use --ddp-backend fully_sharded or c10d "
+    "(FSDP2 under TP), or --fp16"
+)
+EP_TP_NO_C10D = (
+    "--expert-parallel-size with --model-parallel-size > 1 and --ddp-backend no_c10d: the experts stay "
+    "whole on every tp rank (plain tensors beside the tp shards) and only FSDP2 reduces their gradients, "
+    "over the ranks holding the same experts; use --ddp-backend c10d or fully_sharded"
+)
+MUON_OVERLAP = (
+    "--overlap-offload-step with --optimizer muon: the overlapped step updates each block on a background "
+    "thread while the next forward gathers the following blocks, and Muon's update of a sharded matrix "
+    "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
+    "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
+    "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam"
+)
+BY_MODEL = ByModel(
+    "decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
+    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them"
+)
 
-INDEPENDENT = Runs("separate mechanisms (one wraps or places the model, the other sets how it computes); no parity "
-                   "test of this pair")
+INDEPENDENT = Runs(
+    "separate mechanisms (one wraps or places the model, the other sets how it computes); no parity test of this pair"
+)
 
 _PAIRS: Dict[Tuple[str, str], Status] = {
     ("FSDP", "HSDP"): OneSetting("both are values of --sharding-strategy: a run has one"),
-    ("FSDP", "TP"): Tested(TP_DP), ("FSDP", "SP"): Tested(TP_DP),
+    ("FSDP", "TP"): Tested(TP_DP),
+    ("FSDP", "SP"): Tested(TP_DP),
     ("FSDP", "compile"): Tested(COMPILE_2),
     ("FSDP", "fp8"): Tested(FP8 + "test_float8_all_gather_on_two_fsdp2_ranks_follows_one_process"),
-    ("FSDP", "AC"): Tested(STRATEGIES), ("FSDP", "cpu-offload"): Tested(STRATEGIES),
-    ("FSDP", "overlap-offload"): Tested(OVERLAP_2), ("FSDP", "bf16"): Tested(STRATEGIES),
+    ("FSDP", "AC"): Tested(STRATEGIES),
+    ("FSDP", "cpu-offload"): Tested(STRATEGIES),
+    ("FSDP", "overlap-offload"): Tested(OVERLAP_2),
+    ("FSDP", "bf16"): Tested(STRATEGIES),
     ("FSDP", "document mask"): Tested(MASK + "test_two_fsdp_ranks_with_the_mask_equal_one_process"),
     ("HSDP", "TP"): Tested(COMPOSITION + "test_hsdp_with_tensor_parallel_matches_one_process"),
     ("HSDP", "SP"): Tested(COMPOSITION + "test_hsdp_with_tensor_parallel_matches_one_process"),
-    ("TP", "SP"): OneSetting("sequence parallelism is how TP splits the norm and dropout activations (on unless "
-                             "--no-sequence-parallel)"),
-    ("TP", "compile"): Tested(COMPOSITION + "test_tensor_parallel_compiled_matches_one_process",
-                              "transformer_lm and llama; with --no-sequence-parallel only where the attention and "
-                              "activation dropouts are 0, refused otherwise with the reason"),
+    ("TP", "SP"): OneSetting(
+        "sequence parallelism is how TP splits the norm and dropout activations (on unless --no-sequence-parallel)"
+    ),
+    ("TP", "compile"): Tested(
+        COMPOSITION + "test_tensor_parallel_compiled_matches_one_process",
+        "transformer_lm and llama; with --no-sequence-parallel only where the attention and "
+        "activation dropouts are 0, refused otherwise with the reason",
+    ),
     ("TP", "fp8"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
-    ("TP", "AC"): Tested(TP_FP16_AC), ("TP", "fp16"): Tested(TP_FP16_AC),
+    ("TP", "AC"): Tested(TP_FP16_AC),
+    ("TP", "fp16"): Tested(TP_FP16_AC),
     ("TP", "cpu-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
     ("TP", "overlap-offload"): Tested(COMPOSITION + "test_tensor_parallel_cpu_offload_matches_one_process"),
     ("TP", "bf16"): Tested(COMPOSITION + "test_tensor_parallel_fp8_matches_one_process"),
     ("TP", "memory-efficient fp16"): Tested(
-        COMPOSITION + "test_tensor_parallel_memory_efficient_fp16_matches_one_process"),
+        COMPOSITION + "test_tensor_parallel_memory_efficient_fp16_matches_one_process"
+    ),
     ("TP", "document mask"): Tested(MASK + "test_tensor_parallel_with_the_mask_equals_one_process"),
-    ("compile", "AC"): Tested(COMPILE_1), ("compile", "fp16"): Tested(COMPILE_1),
+    ("compile", "AC"): Tested(COMPILE_1),
+    ("compile", "fp16"): Tested(COMPILE_1),
     ("compile", "bf16"): Tested(COMPILE_1),
     ("compile", "cpu-offload"): Tested(COMPILE_2),
     ("compile", "overlap-offload"): Tested(OVERLAP + "test_one_process_compiled_blocks_bit_identical"),
-    ("compile", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager",
-                                         "on CPU (the dense mask); a GPU run's flex_attention block mask is not "
-                                         "compared here"),
-    ("fp8", "fp16"): Refused(FP8_FP16), ("fp8", "memory-efficient fp16"): Refused(FP8_MEFP16),
+    ("compile", "document mask"): Tested(
+        MASK + "test_compiled_blocks_with_the_mask_equal_eager",
+        "on CPU (the dense mask); a GPU run's flex_attention block mask is not compared here",
+    ),
+    ("fp8", "fp16"): Refused(FP8_FP16),
+    ("fp8", "memory-efficient fp16"): Refused(FP8_MEFP16),
     ("fp8", "bf16"): Tested(FP8 + "test_fp8_training_follows_fp32_and_its_checkpoint_loads_without_fp8"),
     ("AC", "cpu-offload"): Tested(COMPILE_2),
     ("AC", "document mask"): Tested(MASK + "test_compiled_blocks_with_the_mask_equal_eager"),
     ("cpu-offload", "overlap-offload"): Tested(OVERLAP_2),
     ("overlap-offload", "fp16"): Tested(OVERLAP + "test_one_process_fp16_overflow_skips_bit_identical"),
     ("fp16", "bf16"): Refused(HALF_FORMATS),
-    ("fp16", "memory-efficient fp16"): OneSetting("--memory-efficient-fp16 is fp16 training with fp16 weights; it "
-                                                  "turns --fp16 on"),
+    ("fp16", "memory-efficient fp16"): OneSetting(
+        "--memory-efficient-fp16 is fp16 training with fp16 weights; it turns --fp16 on"
+    ),
     ("bf16", "memory-efficient fp16"): Refused(MEFP16_BF16),
-    ("FSDP", "muon"): Tested(MUON + "test_fully_sharded_two_ranks_equal_one_process_and_resume_in_one",
-                             "each sharded matrix orthogonalized whole by one owner rank"),
+    ("FSDP", "muon"): Tested(
+        MUON + "test_fully_sharded_two_ranks_equal_one_process_and_resume_in_one",
+        "each sharded matrix orthogonalized whole by one owner rank",
+    ),
     ("HSDP", "muon"): Tested(MUON_HSDP_OFFLOAD, "the replicate axis owns the orthogonalization"),
     ("TP", "muon"): Tested(MUON + "test_four_ranks_with_model_parallel_2_equal_one_process"),
-    ("muon", "cpu-offload"): Tested(MUON_HSDP_OFFLOAD, "host-memory momentum; Newton-Schulz on the CPU there, on "
-                                                      "the GPU through pinned, overlapped copies where one exists"),
+    ("muon", "cpu-offload"): Tested(
+        MUON_HSDP_OFFLOAD,
+        "host-memory momentum; Newton-Schulz on the CPU there, on "
+        "the GPU through pinned, overlapped copies where one exists",
+    ),
     ("muon", "overlap-offload"): Refused(MUON_OVERLAP),
 }
 
@@ -214,22 +273,40 @@ def _fill(a: str, b: str, entry: Status) -> None:
 
 RUN_PAIRS = COMPOSITION + "test_pairs_that_run_match_one_process"
 for _case, _names in {  # the parametrized cases of RUN_PAIRS (tests/integration/test_composition.py RUNS)
-    "hsdp_compile": [("HSDP", "compile")], "hsdp_ac": [("HSDP", "AC")],
+    "hsdp_compile": [("HSDP", "compile")],
+    "hsdp_ac": [("HSDP", "AC")],
     "hsdp_offload_overlap": [("HSDP", "cpu-offload"), ("HSDP", "overlap-offload")],
-    "hsdp_bf16": [("HSDP", "bf16")], "hsdp_fp16": [("HSDP", "fp16")],
-    "hsdp_mefp16": [("HSDP", "memory-efficient fp16")], "hsdp_mask": [("HSDP", "document mask")],
-    "hsdp_fp8": [("HSDP", "fp8")], "fsdp_fp16": [("FSDP", "fp16")], "fsdp_mefp16": [("FSDP", "memory-efficient fp16")],
-    "offload_bf16_ac": [("cpu-offload", "bf16"), ("AC", "bf16")], "offload_fp16": [("cpu-offload", "fp16")],
-    "overlap_bf16": [("overlap-offload", "bf16")], "offload_mask": [("cpu-offload", "document mask")],
-    "offload_fp8_ac": [("fp8", "cpu-offload"), ("fp8", "AC")], "compile_fp8": [("compile", "fp8")],
+    "hsdp_bf16": [("HSDP", "bf16")],
+    "hsdp_fp16": [("HSDP", "fp16")],
+    "hsdp_mefp16": [("HSDP", "memory-efficient fp16")],
+    "hsdp_mask": [("HSDP", "document mask")],
+    "hsdp_fp8": [("HSDP", "fp8")],
+    "fsdp_fp16": [("FSDP", "fp16")],
+    "fsdp_mefp16": [("FSDP", "memory-efficient fp16")],
+    "offload_bf16_ac": [("cpu-offload", "bf16"), ("AC", "bf16")],
+    "offload_fp16": [("cpu-offload", "fp16")],
+    "overlap_bf16": [("overlap-offload", "bf16")],
+    "offload_mask": [("cpu-offload", "document mask")],
+    "offload_fp8_ac": [("fp8", "cpu-offload"), ("fp8", "AC")],
+    "compile_fp8": [("compile", "fp8")],
     "compile_mefp16": [("compile", "memory-efficient fp16")],
     "ac_fp16_mask": [("AC", "fp16"), ("fp16", "document mask")],
-    "overlap_fp8_ac_mask": [("fp8", "overlap-offload"), ("AC", "overlap-offload"), ("overlap-offload", "document mask"),
-                            ("fp8", "document mask"), ("bf16", "document mask")],
-    "overlap_mefp16_ac_mask": [("cpu-offload", "memory-efficient fp16"), ("overlap-offload", "memory-efficient fp16"),
-                               ("AC", "memory-efficient fp16"), ("memory-efficient fp16", "document mask")],
+    "overlap_fp8_ac_mask": [
+        ("fp8", "overlap-offload"),
+        ("AC", "overlap-offload"),
+        ("overlap-offload", "document mask"),
+        ("fp8", "document mask"),
+        ("bf16", "document mask"),
+    ],
+    "overlap_mefp16_ac_mask": [
+        ("cpu-offload", "memory-efficient fp16"),
+        ("overlap-offload", "memory-efficient fp16"),
+        ("AC", "memory-efficient fp16"),
+        ("memory-efficient fp16", "document mask"),
+    ],
     "ema_compile_ac_fp16_mask": [("compile", "EMA"), ("AC", "EMA"), ("fp16", "EMA"), ("document mask", "EMA")],
-    "ema_fp8": [("fp8", "EMA"), ("bf16", "EMA")], "ema_mefp16": [("memory-efficient fp16", "EMA")],
+    "ema_fp8": [("fp8", "EMA"), ("bf16", "EMA")],
+    "ema_mefp16": [("memory-efficient fp16", "EMA")],
 }.items():
     for _pair in _names:
         _fill(*_pair, Tested(RUN_PAIRS, f"case {_case}"))
@@ -237,22 +314,38 @@ MIXTURE_PAIRS = COMPOSITION + "test_data_mixture_pairs_match_one_process"
 for _case, _others in {  # the cases of MIXTURE_PAIRS (tests/integration/test_composition.py MIXTURE_RUNS)
     "tp_compile_ac": ("FSDP", "TP", "SP", "compile", "AC"),
     "hsdp_offload_overlap_mask": ("HSDP", "cpu-offload", "overlap-offload", "document mask"),
-    "ema_fp8": ("EMA", "fp8", "bf16"), "fsdp_fp16": ("fp16",), "fsdp_mefp16": ("memory-efficient fp16",),
+    "ema_fp8": ("EMA", "fp8", "bf16"),
+    "fsdp_fp16": ("fp16",),
+    "fsdp_mefp16": ("memory-efficient fp16",),
 }.items():
     for _other in _others:
         _PAIRS[(_other, "data mixture")] = Tested(MIXTURE_PAIRS, f"case {_case}")
-for _other in ("compile", "fp8", "AC", "muon", "cpu-offload", "overlap-offload", "fp16", "bf16",
-               "memory-efficient fp16", "document mask"):  # sequence parallelism is TP's default mode: the TP tests run it
+for _other in (
+    "compile",
+    "fp8",
+    "AC",
+    "muon",
+    "cpu-offload",
+    "overlap-offload",
+    "fp16",
+    "bf16",
+    "memory-efficient fp16",
+    "document mask",
+):  # sequence parallelism is TP's default mode: the TP tests run it
     _PAIRS[("SP", _other)] = _PAIRS[("TP", _other)]
 EMA_SHARDED = "tests/integration/test_ema_sharded.py::test_sharded_moving_average_equals_one_process"
-_PAIRS[("FSDP", "EMA")] = Tested(EMA_SHARDED, "case fsdp: each rank averages its shards; the checkpoint's whole "
-                                 "average, resumed at 2 ranks, equals one process's")
+_PAIRS[("FSDP", "EMA")] = Tested(
+    EMA_SHARDED,
+    "case fsdp: each rank averages its shards; the checkpoint's whole "
+    "average, resumed at 2 ranks, equals one process's",
+)
 _PAIRS[("HSDP", "EMA")] = Tested(EMA_SHARDED, "case hsdp: 4 ranks, 2 replicas of 2 shards")
 for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "EMA")] = Tested(EMA_SHARDED, "case tp")
 _PAIRS[("cpu-offload", "EMA")] = Tested(EMA_SHARDED, "case offload: the shards in host memory")
-_PAIRS[("overlap-offload", "EMA")] = Tested(EMA_SHARDED, "case offload_overlap (each update waits for the "
-                                            "whole step: the average reads every weight)")
+_PAIRS[("overlap-offload", "EMA")] = Tested(
+    EMA_SHARDED, "case offload_overlap (each update waits for the whole step: the average reads every weight)"
+)
 CONTEXT = "tests/integration/test_context_parallel.py::"
 CP_DP = CONTEXT + "test_dp2_cp2_equals_one_process_with_update_freq_2_plain_and_with_documents"
 _PAIRS[("FSDP", "CP")] = Tested(CP_DP, "the Llama family: FSDP2 shards over dp_shard x cp")
@@ -260,34 +353,49 @@ _PAIRS[("CP", "document mask")] = Tested(CP_DP, "the Llama family, with --reset-
 CP_TP_AC = CONTEXT + "test_tp2_cp2_and_cp2_with_checkpointing_in_bf16_equal_one_process"
 for _other in ("TP", "SP", "AC", "bf16"):
     _PAIRS[(_other, "CP")] = Tested(CP_TP_AC, "the Llama family")
-_PAIRS[("CP", "compile")] = Tested(CONTEXT + "test_cp2_compiled_equals_eager_plain_and_with_documents",
-                                   "2 ranks, cp 2, c10d, and FSDP2 with documents and --checkpoint-activations; the "
-                                   "attention over the gathered keys/values runs eagerly between two graphs of each "
-                                   "block")
+_PAIRS[("CP", "compile")] = Tested(
+    CONTEXT + "test_cp2_compiled_equals_eager_plain_and_with_documents",
+    "2 ranks, cp 2, c10d, and FSDP2 with documents and --checkpoint-activations; the "
+    "attention over the gathered keys/values runs eagerly between two graphs of each "
+    "block",
+)
 EXPERTS = "tests/integration/test_moe_train.py::"
-_PAIRS[("FSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_equals_one_process",
-                                "2 ranks (ep 2) and 4 ranks (ep 2, the experts sharded over 2); full_shard")
-_PAIRS[("HSDP", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_hsdp_equals_one_process",
-                                "4 ranks, hybrid_shard 2 x 2, ep 2: the experts on a (replicate, shard) mesh of "
-                                "their own; the consolidated checkpoint resumed in one process; no_shard x EP too")
-_PAIRS[("TP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
-                              "4 ranks: attention tensor-parallel over tp 2, each expert whole (replicated over tp) "
-                              "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate) and "
-                              "fully_sharded")
-_PAIRS[("SP", "EP")] = Tested(EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
-                              "case sequence_parallel: each tp rank routes its positions, the router statistics and "
-                              "the MoE gradients summed over tp")
-_PAIRS[("cpu-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
-                                       "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a "
-                                       "GPU)")
-_PAIRS[("overlap-offload", "EP")] = Tested(EXPERTS + "test_expert_parallel_overlap_offload_step_equals_the_serial_step",
-                                           "2 ranks, ep 2, clipped: the experts' squares added over the ep ranks "
-                                           "before the clip factor; equal to the serial step and to one process")
-_PAIRS[("EP", "compile")] = Tested(EXPERTS + "test_expert_parallel_compiled_equals_one_process",
-                                   "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between "
-                                   "two graphs of each block")
-_PAIRS[("EP", "data mixture")] = Tested(EXPERTS + "test_expert_parallel_with_a_data_mixture_equals_one_process",
-                                        "2 ranks, ep 2, DDP")
+_PAIRS[("FSDP", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_with_fsdp2_equals_one_process",
+    "2 ranks (ep 2) and 4 ranks (ep 2, the experts sharded over 2); full_shard",
+)
+_PAIRS[("HSDP", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_with_hsdp_equals_one_process",
+    "4 ranks, hybrid_shard 2 x 2, ep 2: the experts on a (replicate, shard) mesh of "
+    "their own; the consolidated checkpoint resumed in one process; no_shard x EP too",
+)
+_PAIRS[("TP", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
+    "4 ranks: attention tensor-parallel over tp 2, each expert whole (replicated over tp) "
+    "and the experts spread over ep 2 of the data-parallel ranks; c10d (FSDP2 replicate) and "
+    "fully_sharded",
+)
+_PAIRS[("SP", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_2_with_tensor_parallel_2_equals_one_process",
+    "case sequence_parallel: each tp rank routes its positions, the router statistics and "
+    "the MoE gradients summed over tp",
+)
+_PAIRS[("cpu-offload", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_with_fsdp2_cpu_offload_equals_one_process",
+    "2 ranks, ep 2, cpu_adam, clipped; on CPU (FSDP2's offload policy acts on a GPU)",
+)
+_PAIRS[("overlap-offload", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_overlap_offload_step_equals_the_serial_step",
+    "2 ranks, ep 2, clipped: the experts' squares added over the ep ranks "
+    "before the clip factor; equal to the serial step and to one process",
+)
+_PAIRS[("EP", "compile")] = Tested(
+    EXPERTS + "test_expert_parallel_compiled_equals_one_process",
+    "2 ranks, ep 2, c10d and fully_sharded; the token exchange runs eagerly between two graphs of each block",
+)
+_PAIRS[("EP", "data mixture")] = Tested(
+    EXPERTS + "test_expert_parallel_with_a_data_mixture_equals_one_process", "2 ranks, ep 2, DDP"
+)
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:
@@ -295,7 +403,9 @@ for _model_split in ("CP", "EP"):
 MUON_PAIRS = "tests/integration/test_muon_pairs.py::test_muon_with_each_feature_equals_one_process"
 for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_pairs.py CASES): 2 FSDP2 ranks
     "compile_ac_ema_mask": ("compile", "AC", "EMA", "document mask"),  # against one eager process
-    "mefp16": ("memory-efficient fp16",), "fp16_mixture": ("fp16", "data mixture"), "fp8_bf16": ("fp8", "bf16"),
+    "mefp16": ("memory-efficient fp16",),
+    "fp16_mixture": ("fp16", "data mixture"),
+    "fp8_bf16": ("fp8", "bf16"),
 }.items():
     for _other in _others:
         _fill("muon", _other, Tested(MUON_PAIRS, f"case {_case}"))
@@ -303,12 +413,15 @@ for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {
     "fully_sharded": Tested(TP_DP, "FSDP2 shards over the data-parallel ranks of each tensor-parallel slice"),
-    "c10d": Tested("tests/integration/test_tp_cli.py::test_consolidated_checkpoint_is_the_plain_layout",
-                   "FSDP2 replicates over the data-parallel ranks (DDP does not take DTensor parameters)"),
-    "no_c10d": Tested("tests/integration/test_tp_no_c10d.py::test_tensor_parallel_with_no_c10d_matches_one_process",
-                      "no FSDP2: each rank all-reduces its own shards' gradients with the ranks holding the same "
-                      "ones, after backward; 2 and 4 ranks, and --fp16; --memory-efficient-fp16 refused: "
-                      + TP_NO_C10D_MEFP16),
+    "c10d": Tested(
+        "tests/integration/test_tp_cli.py::test_consolidated_checkpoint_is_the_plain_layout",
+        "FSDP2 replicates over the data-parallel ranks (DDP does not take DTensor parameters)",
+    ),
+    "no_c10d": Tested(
+        "tests/integration/test_tp_no_c10d.py::test_tensor_parallel_with_no_c10d_matches_one_process",
+        "no FSDP2: each rank all-reduces its own shards' gradients with the ranks holding the same "
+        "ones, after backward; 2 and 4 ranks, and --fp16; --memory-efficient-fp16 refused: " + TP_NO_C10D_MEFP16,
+    ),
 }
 
 
@@ -343,7 +456,8 @@ COMPILE_TP_SHARDED_DROPOUT = (
     "--compile with --model-parallel-size > 1 and --no-sequence-parallel: the attention and activation dropouts act "
     "on this rank's heads and hidden units and draw from a per-rank generator that is reseeded between layers inside "
     "a block, and a compiled block draws from one generator; drop --no-sequence-parallel (then the whole block draws "
-    "per rank) or set --attention-dropout and --activation-dropout to 0")
+    "per rank) or set --attention-dropout and --activation-dropout to 0"
+)
 
 
 def _sharded_dropout(model: Any) -> bool:
@@ -383,14 +497,20 @@ SYMBOL = {Tested: "T", Runs: "r", Refused: "X", OneSetting: "=", ByModel: "m"}
 
 def markdown() -> str:
     """``docs/composition.md``: the matrix, then every refusal, tested pair and model-decided pair in words."""
-    lines = ["# Which features combine", "",
-             "Generated from `toolkit/config/composition.py` (`python -m toolkit.config.composition --markdown "
-             "> docs/composition.md`); `tests/unit/test_composition.py` fails when this file is not current.", "",
-             "T: trains and a test compares it, loss for loss, with one process (or with the same run without "
-             "one of the two: eager for compile, serial for overlap-offload); r: runs (separate mechanisms), "
-             "no parity test of this pair; X: refused before any worker starts, for the reason below; "
-             "=: not a combination (one is a mode of the other); m: decided by the architecture.", "",
-             "| | " + " | ".join(NAMES) + " |", "| --- |" + " --- |" * len(NAMES)]
+    lines = [
+        "# Which features combine",
+        "",
+        "Generated from `toolkit/config/composition.py` (`python -m toolkit.config.composition --markdown "
+        "> docs/composition.md`); `tests/unit/test_composition.py` fails when this file is not current.",
+        "",
+        "T: trains and a test compares it, loss for loss, with one process (or with the same run without "
+        "one of the two: eager for compile, serial for overlap-offload); r: runs (separate mechanisms), "
+        "no parity test of this pair; X: refused before any worker starts, for the reason below; "
+        "=: not a combination (one is a mode of the other); m: decided by the architecture.",
+        "",
+        "| | " + " | ".join(NAMES) + " |",
+        "| --- |" + " --- |" * len(NAMES),
+    ]
     for a in NAMES:
         cells = ["" if a == b else SYMBOL[type(status(a, b))] for b in NAMES]
         lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
@@ -405,8 +525,11 @@ def markdown() -> str:
         elif isinstance(entry, OneSetting):
             sections[OneSetting].append(f"- {pair}: {entry.why}")
     model = sorted({entry.why for _, _, entry in pairs() if isinstance(entry, ByModel)})
-    for title, kind in (("Refused (the message the run stops with)", Refused),
-                        ("Tested equal to one process", Tested), ("Not a combination", OneSetting)):
+    for title, kind in (
+        ("Refused (the message the run stops with)", Refused),
+        ("Tested equal to one process", Tested),
+        ("Not a combination", OneSetting),
+    ):
         lines += ["", f"## {title}", ""] + sections[kind]
     lines += ["", "## --ddp-backend under TP (--model-parallel-size > 1)", ""]
     lines += [f"- **{backend}**: `{entry.test}` ({entry.note})" for backend, entry in TP_BACKENDS.items()]

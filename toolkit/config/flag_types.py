@@ -14,6 +14,7 @@ No float flag takes ``nan`` or ``inf`` (``float`` parses both): an options datac
 without its own type is a :func:`finite_float`, and the bounded floats (:func:`positive_float`,
 :func:`share`, ...) say what else a value must be (``--compute-efficiency 5`` is not a share of a peak).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,27 @@ def _number_list(kind: Callable[[str], Union[int, float]], name: str):
     return parse
 
 
-def bounded_float(low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
-                  high_open: bool = False, meaning: str = ""):
+def bounded_float(
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    meaning: str = "",
+):
     """A float flag type: finite, within [low, high] (``low_open``/``high_open``: the end itself excluded)."""
     lower = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
     upper = "" if high is None else f"{high:g}" + (")" if high_open else "]")
-    bounds = f"in {lower}, {upper}" if low is not None and high is not None else (
-        f"{'greater than' if low_open else 'at least'} {low:g}" if low is not None else
-        f"{'less than' if high_open else 'at most'} {high:g}" if high is not None else "")
+    bounds = (
+        f"in {lower}, {upper}"
+        if low is not None and high is not None
+        else (
+            f"{'greater than' if low_open else 'at least'} {low:g}"
+            if low is not None
+            else f"{'less than' if high_open else 'at most'} {high:g}"
+            if high is not None
+            else ""
+        )
+    )
 
     def parse(text: str) -> float:
         try:
@@ -53,8 +67,12 @@ def bounded_float(low: Optional[float] = None, high: Optional[float] = None, low
             raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number (not nan or inf)")
-        if low is not None and (value < low or (low_open and value == low)) or \
-                high is not None and (value > high or (high_open and value == high)):
+        if (
+            low is not None
+            and (value < low or (low_open and value == low))
+            or high is not None
+            and (value > high or (high_open and value == high))
+        ):
             raise argparse.ArgumentTypeError(f"{value:g}: must be {bounds}{meaning}")
         return value
 
@@ -84,6 +102,7 @@ def for_epoch(values: Tuple, epoch: int):
 
 def _bounded_int(minimum: int, meaning: str):
     """An int flag type refusing values below ``minimum`` (``meaning`` says what the smallest one does)."""
+
     def parse(text: str) -> int:
         try:
             value = int(str(text).strip())
@@ -111,6 +130,5 @@ def example_limit(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
     if not (0 < value < 1 or (math.isfinite(value) and value >= 1 and value == int(value))):
-        raise argparse.ArgumentTypeError(f"{text}: give a fraction between 0 and 1 or a whole number of examples "
-                                         ">= 1")
+        raise argparse.ArgumentTypeError(f"{text}: give a fraction between 0 and 1 or a whole number of examples >= 1")
     return value

@@ -10,6 +10,7 @@ architecture, criterion, optimizer, scheduler and tokenizer were chosen (and
 imports ``--user-dir``); the second adds those components' options. A named
 architecture's values become defaults, so the user's own flags override them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -171,11 +172,20 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def _selectors(parser: argparse.ArgumentParser, selectors: Iterable[Registry], arch: bool) -> None:
     group = parser.add_argument_group("components")
     for reg in selectors:  # the help lists the names registered so far (all of them once imported)
-        group.add_argument(reg.flag, default=reg.default, metavar=reg.kind.upper(),
-                           help=f"registered {reg.kind} to use: {_listed(reg.names())} (default: %(default)s)")
+        group.add_argument(
+            reg.flag,
+            default=reg.default,
+            metavar=reg.kind.upper(),
+            help=f"registered {reg.kind} to use: {_listed(reg.names())} (default: %(default)s)",
+        )
     if arch:
-        group.add_argument("--arch", "-a", default=None, metavar="ARCH",
-                           help=f"model architecture: {_listed(registry.architecture_names())}")
+        group.add_argument(
+            "--arch",
+            "-a",
+            default=None,
+            metavar="ARCH",
+            help=f"model architecture: {_listed(registry.architecture_names())}",
+        )
     parser.add_argument("--user-dir", default=None, help="folder of plugins to import before parsing")
 
 
@@ -193,8 +203,13 @@ def build_parser(
     prog: str,
     base_configs: Sequence[type],
     argv: Sequence[str],
-    selectors: Sequence[Registry] = (TASK_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY,
-                                     LR_SCHEDULER_REGISTRY, TOKENIZER_REGISTRY),
+    selectors: Sequence[Registry] = (
+        TASK_REGISTRY,
+        CRITERION_REGISTRY,
+        OPTIMIZER_REGISTRY,
+        LR_SCHEDULER_REGISTRY,
+        TOKENIZER_REGISTRY,
+    ),
     arch: bool = True,
     description: Optional[str] = None,
     imply: Optional[Callable[[argparse.Namespace, Set[str]], List[str]]] = None,
@@ -260,15 +275,19 @@ def refuse_other_family_options(parser: argparse.ArgumentParser, argv: Sequence[
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--") or flag in known:
             continue
-        owners = sorted(name for name in registry.MODEL_REGISTRY.names()
-                        if flag in _option_strings(registry.MODEL_REGISTRY.get(name).config))
+        owners = sorted(
+            name
+            for name in registry.MODEL_REGISTRY.names()
+            if flag in _option_strings(registry.MODEL_REGISTRY.get(name).config)
+        )
         if owners:
             why = absent.get(flag[2:].replace("-", "_")) or f"it is an option of {', '.join(owners)}"
             raise UserError(f"{flag}: --arch {arch} has no such option ({why}); drop the flag")
 
 
-def parse_with_components(prog: str, base_configs: Sequence[type], argv: Optional[List[str]] = None,
-                          **kwargs: Any) -> argparse.Namespace:
+def parse_with_components(
+    prog: str, base_configs: Sequence[type], argv: Optional[List[str]] = None, **kwargs: Any
+) -> argparse.Namespace:
     """Two-pass parse: the chosen components decide which options exist (see :func:`build_parser`)."""
     parser, argv = build_parser(prog, base_configs, list(sys.argv[1:] if argv is None else argv), **kwargs)
     return parser.parse_args(argv)

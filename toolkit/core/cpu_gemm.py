@@ -17,6 +17,7 @@ few transformer-sized products and keeps the answer beside the CPU peak (``~/.ca
 another tensor subclass, a graph being exported or traced) goes to torch as before, and so do products too small
 to gain (:data:`MIN_MULTIPLY_ADDS`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +124,9 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("toolkit::onednn_linear_backward", mutates_args=())
-def _compiled_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
-                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _compiled_linear_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d x, d weight), both contiguous as the fake below says (a compiled graph trusts its strides)."""
     return mm_nn(grad, weight).contiguous(), mm_tn(grad, x).contiguous()
 
@@ -154,14 +156,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     (:func:`uses_onednn`) of a product big enough to gain; else ``F.linear`` itself. In a graph being compiled
     (inside a linear mode only: an exported graph keeps torch's ops) the product is the ``toolkit::onednn_linear``
     op, which inductor calls as it is and fuses what is around it."""
-    if x.dim() < 2 or weight.dim() != 2 or not _goes_to_onednn(x.numel() // max(x.size(-1), 1), weight.size(1),
-                                                               weight.size(0), x, weight, bias):
+    if (
+        x.dim() < 2
+        or weight.dim() != 2
+        or not _goes_to_onednn(x.numel() // max(x.size(-1), 1), weight.size(1), weight.size(0), x, weight, bias)
+    ):
         return torch.nn.functional.linear(x, weight, bias)
     shape = (*x.shape[:-1], weight.size(0))
     if torch.compiler.is_compiling():
         return _compiled_linear(x.reshape(-1, x.size(-1)), weight, bias).view(shape)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _OneDNNLinear.apply(x, weight, bias)
     return _lp(x.reshape(-1, x.size(-1)), weight, bias).view(shape)
 
@@ -188,9 +194,14 @@ def _grouped_products(rows: torch.Tensor, weights: torch.Tensor, sizes: List[int
     return torch.cat([mm_nt(run, weights[e]) for e, run in enumerate(torch.split(rows, sizes))], dim=0)
 
 
-def grouped_linear_grads(grad: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, sizes: List[int],
-                         want_rows: bool = True, want_weights: bool = True
-                         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def grouped_linear_grads(
+    grad: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    sizes: List[int],
+    want_rows: bool = True,
+    want_weights: bool = True,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(d rows, d weights) of :func:`grouped_linear`, run by run (None where not wanted): d rows = grad_e weights[e],
     d weights[e] = grad_e^T rows_e (also the backward of the experts' compiled op, ``toolkit::grouped_matmul``)."""
     grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
@@ -317,8 +328,7 @@ def measure_speedup(threads: Optional[int] = None) -> float:
         g = torch.Generator().manual_seed(0)
         ours = theirs = 0.0
         for m, k, n in _PROBE_SHAPES:
-            x, w, dy = (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g),
-                        torch.randn(m, n, generator=g))
+            x, w, dy = (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g))
             theirs += best_seconds(lambda: x @ w.t()) + best_seconds(lambda: dy.t() @ x)
             ours += best_seconds(lambda: _lp(x, w)) + best_seconds(lambda: _onednn_tn(dy, x))
         return theirs / ours
@@ -344,11 +354,14 @@ def select(choice: str = "auto") -> bool:
         return True
     threads = torch.get_num_threads()
     path = machine_cache.path(CACHE_NAME)
-    speedup, _ = machine_cache.kept_or_measured(path, machine_cache.key(f"{threads} threads"), "speedup",
-                                                lambda: round(measure_speedup(threads), 3))
+    speedup, _ = machine_cache.kept_or_measured(
+        path, machine_cache.key(f"{threads} threads"), "speedup", lambda: round(measure_speedup(threads), 3)
+    )
     _state["onednn"] = speedup >= 1.1
-    logger.info(f"CPU fp32 matmuls: {'oneDNN' if _state['onednn'] else 'torch'} (oneDNN {speedup:.2f}x torch's "
-                f"on this CPU, {threads} threads; kept in {path}; --cpu-matmul to choose)")
+    logger.info(
+        f"CPU fp32 matmuls: {'oneDNN' if _state['onednn'] else 'torch'} (oneDNN {speedup:.2f}x torch's "
+        f"on this CPU, {threads} threads; kept in {path}; --cpu-matmul to choose)"
+    )
     return bool(_state["onednn"])
 
 

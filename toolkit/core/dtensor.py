@@ -4,6 +4,7 @@ FSDP2 (and tensor parallelism) turn parameters, gradients and optimizer state in
 DTensors; code that works on plain tensors (DeepSpeed's CPU Adam, the host-memory
 gradient norm, checkpoint accounting) goes through these.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,6 +49,5 @@ def dtensor_like(local: torch.Tensor, like: torch.Tensor, shape: Any = None, str
 
     shape = torch.Size(like.shape if shape is None else shape)
     stride = tuple(like.stride() if stride is None else stride)
-    spec = DTensorSpec(like.device_mesh, tuple(like.placements),
-                       tensor_meta=TensorMeta(shape, stride, local.dtype))
+    spec = DTensorSpec(like.device_mesh, tuple(like.placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)

@@ -1,4 +1,5 @@
 """Errors the command line reports as one line, without a traceback."""
+
 import json
 import os
 import sys
@@ -32,8 +33,9 @@ def require(module: str, packages: str = "onnx onnxruntime onnxscript"):
 
     Here rather than in ``toolkit.export`` because the model families' Hugging Face adapters (below export)
     need it too."""
-    return import_optional(module, f"{module} is not installed; pip install toolkit[export] "
-                                   f"(or: pip install {packages})")
+    return import_optional(
+        module, f"{module} is not installed; pip install toolkit[export] (or: pip install {packages})"
+    )
 
 
 PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError)  # what reading a malformed file raises
@@ -87,7 +89,14 @@ def print_error_line(prog: str, message: object) -> None:
     if path:
         try:
             with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line + "\n",
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+                json.dump(
+                    {
+                        "message": {
+                            "message": line,
+                            "extraInfo": {"py_callstack": line + "\n", "timestamp": str(int(time.time()))},
+                        }
+                    },
+                    f,
+                )
         except OSError:
             pass  # torchrun's report then lacks the root cause; the exit status still says the rank failed

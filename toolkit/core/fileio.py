@@ -1,4 +1,5 @@
 """Writes that never leave a half-written file behind."""
+
 from __future__ import annotations
 
 import contextlib

@@ -16,6 +16,7 @@ the one at the path.
 A lock file is never followed: one that is a symbolic link (or anything but a plain file) is
 refused, because taking it would truncate and overwrite whatever the link points at.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,10 @@ def _holder(fd: int) -> str:
     others = [pid for pid in _processes_with_open(fd) if pid != os.getpid()]
     if not others:
         return holder
-    return (f"process {', '.join(map(str, others))} (started by {holder}, which has exited: an orphaned rank; "
-            f"stop it with kill {' '.join(map(str, others))})")
+    return (
+        f"process {', '.join(map(str, others))} (started by {holder}, which has exited: an orphaned rank; "
+        f"stop it with kill {' '.join(map(str, others))})"
+    )
 
 
 def _alive(pid) -> bool:
@@ -96,9 +99,11 @@ def _processes_with_open(fd: int) -> List[int]:
 
 
 def _not_a_plain_file(path: str, flag: str) -> UserError:
-    return UserError(f"{flag}: the lock file {path} is a symbolic link or not a plain file; a lock is never "
-                     f"followed (taking it would overwrite what it points at): remove it, or choose another "
-                     f"{flag.split()[0]}")
+    return UserError(
+        f"{flag}: the lock file {path} is a symbolic link or not a plain file; a lock is never "
+        f"followed (taking it would overwrite what it points at): remove it, or choose another "
+        f"{flag.split()[0]}"
+    )
 
 
 def _open_lock_file(path: str, flag: str) -> int:
@@ -126,8 +131,10 @@ def _take(path: str, flag: str) -> Optional[int]:
             raise
         holder = _holder(fd)
         os.close(fd)
-        raise UserError(f"{flag}: in use by {holder}; one run writes a folder at a time: wait for it to "
-                        f"finish, or choose another {flag.split()[0]}") from None
+        raise UserError(
+            f"{flag}: in use by {holder}; one run writes a folder at a time: wait for it to "
+            f"finish, or choose another {flag.split()[0]}"
+        ) from None
     if not _still_at(fd, path):  # the previous holder removed it between our open and our lock
         os.close(fd)
         return None
@@ -148,8 +155,7 @@ def _acquire(path: str, flag: str, prog: str) -> int:
         fd = _take(path, flag)
         if fd is not None:
             break
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "prog": prog, "since": time.time(),
-            "argv": sys.argv[1:]}
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "prog": prog, "since": time.time(), "argv": sys.argv[1:]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
     return fd
@@ -161,8 +167,10 @@ def hold(path: str, flag: str, prog: str) -> Iterator[None]:
     try:
         fd = _acquire(path, flag, prog)
     except OSError as e:
-        raise UserError(f"{flag}: cannot create the lock file {path} ({e.strerror or e}); check that the "
-                        f"folder is writable, or choose another {flag.split()[0]}") from None
+        raise UserError(
+            f"{flag}: cannot create the lock file {path} ({e.strerror or e}); check that the "
+            f"folder is writable, or choose another {flag.split()[0]}"
+        ) from None
     try:
         yield
     finally:

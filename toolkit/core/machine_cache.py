@@ -6,6 +6,7 @@ Why a file: a machine's figures do not change between runs, and measuring them t
 start. Writes go to a temporary name and are renamed, so runs starting together lose nothing but a duplicate
 measurement; a cache that cannot be read or written only costs the next run a measurement.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def read(file: str) -> Dict[str, Any]:
         return {}
 
 
-def kept_or_measured(file: str, entry_key: str, field: str, measure: Callable[[], float]
-                     ) -> Tuple[float, Optional[str]]:
+def kept_or_measured(
+    file: str, entry_key: str, field: str, measure: Callable[[], float]
+) -> Tuple[float, Optional[str]]:
     """(the positive number ``field`` kept under ``entry_key`` in ``file``, when it was measured), or, when there is
     none (an absent or cut-short file, another machine), ``(measure(), None)`` after keeping that figure."""
     kept = read(file).get(entry_key)
@@ -70,8 +72,7 @@ def write(file: str, entry_key: str, entry: Dict[str, Any]) -> None:
         os.makedirs(os.path.dirname(file), exist_ok=True)
         entries = read(file)
         entries[entry_key] = {**entry, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix="." + os.path.basename(file) + ".",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix="." + os.path.basename(file) + ".", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f, indent=1, sort_keys=True)
         os.replace(tmp, file)

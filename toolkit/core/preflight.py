@@ -6,6 +6,7 @@ that is a file at the first log line, and a token id past the dictionary (a cut
 ``dict.txt``, a damaged ``train.bin``) as an ``IndexError`` after hundreds of updates.
 Each check costs a probe write or one max over a memory-mapped array.
 """
+
 from __future__ import annotations
 
 import errno
@@ -64,8 +65,10 @@ def check_writable_file(flag: str, path: str) -> None:
     except OSError as e:
         if os.path.lexists(path):
             raise UserError(f"{flag} {path}: {describe_os_error(path, e)}; give a writable file") from None
-        raise UserError(f"{flag} {path}: its folder {_nearest_existing(folder)} {describe_os_error(_nearest_existing(folder), e)}; "
-                        f"give a writable file") from None
+        raise UserError(
+            f"{flag} {path}: its folder {_nearest_existing(folder)} {describe_os_error(_nearest_existing(folder), e)}; "
+            f"give a writable file"
+        ) from None
 
 
 def _nearest_existing(path: str) -> str:
@@ -84,6 +87,8 @@ def check_token_ids(prefix: str, tokens: np.ndarray, dictionary_size: int, dict_
         return
     bad = high if high >= dictionary_size else low
     where = int((tokens == bad).argmax())
-    raise UserError(f"{prefix}.bin: token id {bad} (at token {where:,}) is outside the dictionary's "
-                    f"{dictionary_size} entries ({dict_path or 'dict.txt'}); the dictionary is not the one this "
-                    f"split was binarized with, or the file is damaged: re-run toolkit-preprocess")
+    raise UserError(
+        f"{prefix}.bin: token id {bad} (at token {where:,}) is outside the dictionary's "
+        f"{dictionary_size} entries ({dict_path or 'dict.txt'}); the dictionary is not the one this "
+        f"split was binarized with, or the file is damaged: re-run toolkit-preprocess"
+    )

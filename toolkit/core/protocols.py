@@ -20,10 +20,23 @@ This module imports only ``typing`` and ``dataclasses`` (``torch`` for type chec
 imports it, and ``--help`` runs without torch): it sits at the bottom of the package order, below everything
 that implements or calls it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -207,8 +220,9 @@ class Criterion(Protocol):
     """``criterion(model, sample)`` -> (loss summed over the sample, sample size, logging output), and the
     classmethod-free reductions the trainer calls on the gathered logging outputs."""
 
-    def __call__(self, model: Any, sample: Dict[str, Any], reduce: bool = True
-                 ) -> Tuple[torch.Tensor, int, Dict[str, Any]]: ...
+    def __call__(
+        self, model: Any, sample: Dict[str, Any], reduce: bool = True
+    ) -> Tuple[torch.Tensor, int, Dict[str, Any]]: ...
 
     def reduce_metrics(self, logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]: ...
 
@@ -277,8 +291,9 @@ class HFImportable(Protocol):
     HF_CLASSES: ClassVar[Dict[str, str]]
 
     @classmethod
-    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int],
-                advance: Any) -> HFCheckpoint: ...
+    def from_hf(
+        cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance: Any
+    ) -> HFCheckpoint: ...
 
 
 @runtime_checkable

@@ -4,6 +4,7 @@ Each component registers its class together with the dataclass that declares its
 options; the command line is generated from those dataclasses (see
 ``toolkit.config.options``), so an option is declared exactly once.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -24,8 +25,14 @@ class RegistryEntry:
     and ``cls`` the component's module (whose decorator fills the entry in), so the command line (``--help``,
     every argument error) is built without importing torch."""
 
-    def __init__(self, name: str, cls: Any = None, config: Optional[type] = None, module: Optional[str] = None,
-                 options: Optional[str] = None):
+    def __init__(
+        self,
+        name: str,
+        cls: Any = None,
+        config: Optional[type] = None,
+        module: Optional[str] = None,
+        options: Optional[str] = None,
+    ):
         self.name = name
         self._cls = cls
         self._config = config
@@ -147,8 +154,10 @@ def unknown_arch_message(arch: Optional[str]) -> str:
     names = sorted(set(ARCH_MODEL_NAME) | set(MODEL_REGISTRY.names()))
     close = difflib.get_close_matches(str(arch), names, n=3)
     hint = f"closest registered: {', '.join(close)}" if close else f"registered: {', '.join(names)}"
-    return (f"--arch {arch}: no module registers this architecture ({hint}); fix the name, or pass --user-dir "
-            f"with the plugin folder that registers it")
+    return (
+        f"--arch {arch}: no module registers this architecture ({hint}); fix the name, or pass --user-dir "
+        f"with the plugin folder that registers it"
+    )
 
 
 def resolve_arch(arch: Optional[str]) -> RegistryEntry:
@@ -176,8 +185,9 @@ HUB_MODULE = "toolkit.inference.hub_utils"
 
 def hub_from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str], data_name_or_path: str, **kwargs):
     """The inference layer's ``from_pretrained`` (see ``HUB_MODULE``)."""
-    return importlib.import_module(HUB_MODULE).from_pretrained(model_name_or_path, checkpoint_file,
-                                                               data_name_or_path, **kwargs)
+    return importlib.import_module(HUB_MODULE).from_pretrained(
+        model_name_or_path, checkpoint_file, data_name_or_path, **kwargs
+    )
 
 
 # fairseq's ``FairseqTask.build_model`` (toolkit.compat_plugins, a layer below the model families) builds
@@ -222,9 +232,11 @@ BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
     },
     CRITERION_REGISTRY: {
         name: (module, "toolkit.config.components:CrossEntropyCriterionConfig")
-        for name, module in (("cross_entropy", "toolkit.criterions.cross_entropy"),
-                             ("vocab_parallel_cross_entropy", "toolkit.criterions.cross_entropy"),
-                             ("adaptive_loss", "toolkit.criterions.adaptive_loss"))
+        for name, module in (
+            ("cross_entropy", "toolkit.criterions.cross_entropy"),
+            ("vocab_parallel_cross_entropy", "toolkit.criterions.cross_entropy"),
+            ("adaptive_loss", "toolkit.criterions.adaptive_loss"),
+        )
     },
     OPTIMIZER_REGISTRY: {
         "adam": ("toolkit.optim.adam", "toolkit.config.components:AdamConfig"),
@@ -235,21 +247,29 @@ BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
     },
     LR_SCHEDULER_REGISTRY: {
         name: (f"toolkit.optim.lr_scheduler.{name}", f"toolkit.config.components:{options}")
-        for name, options in (("fixed", "FixedLRScheduleConfig"),
-                              ("inverse_sqrt", "InverseSquareRootLRScheduleConfig"),
-                              ("polynomial_decay", "PolynomialDecayLRScheduleConfig"),
-                              ("cosine", "CosineLRScheduleConfig"),
-                              ("tri_stage", "TriStageLRScheduleConfig"),
-                              ("reduce_lr_on_plateau", "ReduceLROnPlateauLRScheduleConfig"),
-                              ("wsd", "WSDLRScheduleConfig"))
+        for name, options in (
+            ("fixed", "FixedLRScheduleConfig"),
+            ("inverse_sqrt", "InverseSquareRootLRScheduleConfig"),
+            ("polynomial_decay", "PolynomialDecayLRScheduleConfig"),
+            ("cosine", "CosineLRScheduleConfig"),
+            ("tri_stage", "TriStageLRScheduleConfig"),
+            ("reduce_lr_on_plateau", "ReduceLROnPlateauLRScheduleConfig"),
+            ("wsd", "WSDLRScheduleConfig"),
+        )
     },
     TOKENIZER_REGISTRY: {
-        "sentencepiece": ("toolkit.tokenizers.sentencepiece_bpe", "toolkit.tokenizers.sentencepiece_bpe:SentencepieceBpeConfig"),
+        "sentencepiece": (
+            "toolkit.tokenizers.sentencepiece_bpe",
+            "toolkit.tokenizers.sentencepiece_bpe:SentencepieceBpeConfig",
+        ),
         "gpt2": ("toolkit.tokenizers.gpt2_bpe", "toolkit.tokenizers.gpt2_bpe:Gpt2BpeConfig"),
         "hf_byte_bpe": ("toolkit.tokenizers.hf_byte_bpe", "toolkit.tokenizers.hf_byte_bpe:HfByteBpeConfig"),
     },
     MODEL_REGISTRY: {
-        "transformer_lm": ("toolkit.models.transformer_lm.model", "toolkit.models.transformer_lm.config:TransformerLMConfig"),
+        "transformer_lm": (
+            "toolkit.models.transformer_lm.model",
+            "toolkit.models.transformer_lm.config:TransformerLMConfig",
+        ),
         "llama": ("toolkit.models.llama.model", "toolkit.models.llama.config:LlamaConfig"),
         "moe": ("toolkit.models.moe.model", "toolkit.models.moe.config:MoEConfig"),
     },

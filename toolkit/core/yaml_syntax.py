@@ -6,6 +6,7 @@ another file (Hydra: the primary config). Parsing each file first names the brok
 read (``yaml.compose``: no alias is expanded, no tag constructed, so readers' own tags such as lm-eval's
 ``!function`` pass); what the keys mean stays the reader's to judge.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,12 @@ from typing import List, Optional
 
 def yaml_files(folder: str) -> List[str]:
     """Every ``*.yaml`` / ``*.yml`` under ``folder``, sorted."""
-    return sorted(os.path.join(parent, name) for parent, _, names in os.walk(folder)
-                  for name in names if name.endswith((".yaml", ".yml")))
+    return sorted(
+        os.path.join(parent, name)
+        for parent, _, names in os.walk(folder)
+        for name in names
+        if name.endswith((".yaml", ".yml"))
+    )
 
 
 def syntax_error(path: str) -> Optional[str]:

@@ -10,6 +10,7 @@ under the factorized softmax. ``sample_size``, the logged fields (``loss``, ``nt
 Unlike fairseq, ``--ddp-backend c10d`` works: every tail band runs, on zero rows when it has no
 target, so every parameter gets a gradient (see toolkit.models.adaptive).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
@@ -27,14 +28,19 @@ class AdaptiveLoss(CrossEntropyCriterion):
     def __init__(self, task, cfg: CrossEntropyCriterionConfig = None):
         super().__init__(task, cfg)
         if self.z_loss_coef > 0:
-            raise UserError("--z-loss-coef: the adaptive softmax never forms the whole vocabulary's logits, so it has "
-                            "no single normalizer to penalize; use --criterion cross_entropy for the z-loss")
+            raise UserError(
+                "--z-loss-coef: the adaptive softmax never forms the whole vocabulary's logits, so it has "
+                "no single normalizer to penalize; use --criterion cross_entropy for the z-loss"
+            )
 
     def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         adaptive_softmax = model.adaptive_softmax
         if adaptive_softmax is None:
-            raise UserError("--criterion adaptive_loss: the model has no adaptive softmax; add "
-                            "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy")
+            raise UserError(
+                "--criterion adaptive_loss: the model has no adaptive softmax; add "
+                "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy"
+            )
         features = self.logits_of(model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"])))
-        return self.with_counts(adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce),
-                                sample)
+        return self.with_counts(
+            adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce), sample
+        )

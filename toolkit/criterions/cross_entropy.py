@@ -41,10 +41,10 @@ cross-entropy.
 ``sample_size != ntokens``, ``ppl`` = 2 ** (nll_)loss. It logs them to
 :mod:`toolkit.logging.metrics` and also returns them as a dict.
 """
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -87,8 +87,12 @@ class CrossEntropyCriterion(torch.nn.Module):
 
     def compute_loss(self, logits: torch.Tensor, target: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """NLL in nats of ``target`` under ``logits``, fp32, padding ignored (summed if ``reduce``)."""
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
-                               ignore_index=self.padding_idx, reduction="sum" if reduce else "none")
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(),
+            target.reshape(-1),
+            ignore_index=self.padding_idx,
+            reduction="sum" if reduce else "none",
+        )
         # vocabulary-parallel logits give a loss replicated over the model-parallel ranks: its local value
         return loss.to_local() if hasattr(loss, "to_local") else loss
 
@@ -104,9 +108,11 @@ class CrossEntropyCriterion(torch.nn.Module):
             return self.with_model_extras(net_output, *self.with_counts(summed_nll, sample))
         logits = self.logits_of(net_output)
         if logits is None:  # asked to fuse, but something between the family and here dropped its summed NLL
-            raise UserError(f"--head-loss-chunk-rows {self.head_loss_chunk_rows}: {type(model).__name__}'s forward "
-                            f"returned neither logits nor its fused head's loss (a wrapper or override dropped the "
-                            f"output's extras); pass them through, or use --head-loss-chunk-rows 0")
+            raise UserError(
+                f"--head-loss-chunk-rows {self.head_loss_chunk_rows}: {type(model).__name__}'s forward "
+                f"returned neither logits nor its fused head's loss (a wrapper or override dropped the "
+                f"output's extras); pass them through, or use --head-loss-chunk-rows 0"
+            )
         counted = self.with_counts(self.compute_loss(logits, sample["target"], reduce=reduce), sample)
         if not reduce:
             return counted
@@ -117,11 +123,20 @@ class CrossEntropyCriterion(torch.nn.Module):
     def fuses_head_loss(self, model) -> bool:
         """Whether to ask ``model`` for its fused head and loss: a family that offers it (through DDP's wrapper,
         which forwards attributes), fusing not switched off, and no z-loss (which reads every logsumexp)."""
-        return (self.head_loss_chunk_rows > 0 and self.z_loss_coef == 0
-                and bool(getattr(model, "supports_fused_loss", False)))
+        return (
+            self.head_loss_chunk_rows > 0
+            and self.z_loss_coef == 0
+            and bool(getattr(model, "supports_fused_loss", False))
+        )
 
-    def with_z_loss(self, logits: torch.Tensor, sample: Dict[str, Any], loss: torch.Tensor, sample_size: int,
-                    logging_output: Dict[str, Any]) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+    def with_z_loss(
+        self,
+        logits: torch.Tensor,
+        sample: Dict[str, Any],
+        loss: torch.Tensor,
+        sample_size: int,
+        logging_output: Dict[str, Any],
+    ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         """``loss + z_loss_coef * sum(logsumexp(logits)**2)`` over the non-pad target tokens, fp32; the sum is
         logged as ``z_loss`` (``reduce_metrics`` divides by ``sample_size`` as for ``loss``). A large normalizer
         lets logits drift, which bf16 rounds badly; the square pulls log Z towards 0."""
@@ -136,8 +151,9 @@ class CrossEntropyCriterion(torch.nn.Module):
         return loss + self.z_loss_coef * z_sum, sample_size, logging_output
 
     @staticmethod
-    def with_model_extras(net_output: Any, loss: torch.Tensor, sample_size: int, logging_output: Dict[str, Any]
-                          ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+    def with_model_extras(
+        net_output: Any, loss: torch.Tensor, sample_size: int, logging_output: Dict[str, Any]
+    ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         """The model's auxiliary losses added (``coefficient * value`` per unit of ``sample_size``, so the
         trainer's division by the update's sample size leaves ``coefficient * value``), each term and metric
         in the logging output as ``value * sample_size`` (summed like ``loss``, ``reduce_metrics`` divides);
@@ -145,8 +161,9 @@ class CrossEntropyCriterion(torch.nn.Module):
         aux, model_metrics = aux_losses_of(net_output), metrics_of(net_output)
         for name in (*aux, *model_metrics):
             if name in logging_output or name in _NOT_EXTRAS:
-                raise ValueError(f"model output: the auxiliary term {name!r} has the name of a criterion output; "
-                                 "rename it")
+                raise ValueError(
+                    f"model output: the auxiliary term {name!r} has the name of a criterion output; rename it"
+                )
         for name, (value, coefficient) in aux.items():
             weighted = value.float() * sample_size
             loss = loss + coefficient * weighted
@@ -166,8 +183,12 @@ class CrossEntropyCriterion(torch.nn.Module):
             # a context-parallel shard counts its rows on one cp rank only (the rows are split over the cp ranks)
             nsentences = int(sample.get("nsentences", sample["target"].size(0)))
             sample_size = nsentences if self.sentence_avg else ntokens
-        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
-                          "sample_size": sample_size}
+        logging_output = {
+            "loss": loss.detach(),
+            "ntokens": ntokens,
+            "nsentences": nsentences,
+            "sample_size": sample_size,
+        }
         return loss, sample_size, logging_output
 
     @staticmethod
@@ -179,13 +200,17 @@ class CrossEntropyCriterion(torch.nn.Module):
 
     @staticmethod
     def _derive(loss_sum: float, ntokens: float, nsentences: float, sample_size: float) -> Dict[str, float]:
-        out = {"loss": loss_sum / sample_size / math.log(2) if sample_size > 0 else 0.0,
-               "ntokens": ntokens, "nsentences": nsentences, "sample_size": sample_size}
+        out = {
+            "loss": loss_sum / sample_size / math.log(2) if sample_size > 0 else 0.0,
+            "ntokens": ntokens,
+            "nsentences": nsentences,
+            "sample_size": sample_size,
+        }
         per_token = out["loss"]
         if sample_size != ntokens:
             per_token = out["nll_loss"] = loss_sum / ntokens / math.log(2) if ntokens > 0 else 0.0
         try:
-            out["ppl"] = 2.0 ** per_token
+            out["ppl"] = 2.0**per_token
         except OverflowError:
             out["ppl"] = float("inf")
         return out
@@ -199,8 +224,10 @@ class CrossEntropyCriterion(torch.nn.Module):
     def _extras(logging_outputs: Sequence[Dict[str, Any]], sample_size: float) -> Dict[str, float]:
         """Each auxiliary loss and model metric as its ``sample_size``-weighted mean (see ``with_model_extras``)."""
         names = {k for log in logging_outputs for k in log if k not in _NOT_EXTRAS and not k.startswith("_")}
-        return {name: _to_float(sum(log.get(name, 0) for log in logging_outputs)) / sample_size
-                if sample_size > 0 else 0.0 for name in sorted(names)}
+        return {
+            name: _to_float(sum(log.get(name, 0) for log in logging_outputs)) / sample_size if sample_size > 0 else 0.0
+            for name in sorted(names)
+        }
 
     @staticmethod
     def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]:

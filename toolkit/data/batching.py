@@ -11,6 +11,7 @@ multiple).
 
 The work is one numpy step per *batch*, not a Python step per sample.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -24,8 +25,13 @@ def _limit(value: Optional[int]) -> float:
     return float("inf") if value is None or value <= 0 else float(value)
 
 
-def batch_by_size(indices: np.ndarray, sizes: np.ndarray, max_tokens: Optional[int] = None,
-                  max_sentences: Optional[int] = None, required_batch_size_multiple: int = 1) -> List[np.ndarray]:
+def batch_by_size(
+    indices: np.ndarray,
+    sizes: np.ndarray,
+    max_tokens: Optional[int] = None,
+    max_sentences: Optional[int] = None,
+    required_batch_size_multiple: int = 1,
+) -> List[np.ndarray]:
     """Batches (int64 arrays of dataset indices) of ``indices`` in order.
 
     Args:
@@ -46,8 +52,10 @@ def batch_by_size(indices: np.ndarray, sizes: np.ndarray, max_tokens: Optional[i
         too_long = np.flatnonzero(lens > tok_limit)
         if len(too_long):
             i = too_long[0]
-            raise UserError(f"--max-tokens {max_tokens}: sample {indices[i]} has {lens[i]} tokens, more than a "
-                            f"whole batch may hold; raise --max-tokens or lower --tokens-per-sample")
+            raise UserError(
+                f"--max-tokens {max_tokens}: sample {indices[i]} has {lens[i]} tokens, more than a "
+                f"whole batch may hold; raise --max-tokens or lower --tokens-per-sample"
+            )
 
     batches: List[np.ndarray] = []
     start = 0
@@ -56,7 +64,7 @@ def batch_by_size(indices: np.ndarray, sizes: np.ndarray, max_tokens: Optional[i
         guess = sent_limit if sent_limit < float("inf") else tok_limit // max(int(lens[start]), 1) + 1
         window = int(min(n - start, max(guess, mult, 1)))
         while True:
-            seg = lens[start:start + window]
+            seg = lens[start : start + window]
             counts = np.arange(1, len(seg) + 1)
             ok = (counts <= sent_limit) & (counts * np.maximum.accumulate(seg) <= tok_limit)
             length = int(np.count_nonzero(ok))  # ok is True then False: a prefix
@@ -65,12 +73,14 @@ def batch_by_size(indices: np.ndarray, sizes: np.ndarray, max_tokens: Optional[i
             window = min(n - start, window * 2)
         if length >= mult:
             length -= length % mult
-        batches.append(indices[start:start + length])
+        batches.append(indices[start : start + length])
         start += length
     return batches
 
 
-def filter_by_size(indices: np.ndarray, lengths: np.ndarray, max_positions: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+def filter_by_size(
+    indices: np.ndarray, lengths: np.ndarray, max_positions: Optional[int]
+) -> Tuple[np.ndarray, np.ndarray]:
     """``(kept, dropped)``: indices whose ``lengths[index]`` is at most ``max_positions``, and the rest."""
     indices = np.asarray(indices, dtype=np.int64)
     if max_positions is None:

@@ -29,6 +29,7 @@ split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
 tokenized with ``str.split()`` (fairseq's ``tokenize_line``), and an empty line
 is an item holding only ``</s>``, as in fairseq.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -63,7 +64,7 @@ class BinarizeSummary:
     def replaced_percent(self) -> float:
         return 100 * self.num_replaced / self.num_tok if self.num_tok else 0.0
 
-    def merge(self, other: "BinarizeSummary") -> "BinarizeSummary":
+    def merge(self, other: BinarizeSummary) -> BinarizeSummary:
         self.num_seq += other.num_seq
         self.num_tok += other.num_tok
         self.num_replaced += other.num_replaced
@@ -131,9 +132,11 @@ def _decode(path: str, data: bytes, offset: int, errors: str) -> str:
         text = data.decode("utf-8", errors)
     except UnicodeDecodeError as e:
         at = offset + e.start
-        bad = data[e.start:e.start + 4]
-        raise UserError(f"{path}, line {line_number_at(path, at)}: not valid UTF-8 (byte {at}: {bad!r}, {e.reason}); "
-                        f"fix or re-encode the file, or pass --encoding-errors replace to go on") from None
+        bad = data[e.start : e.start + 4]
+        raise UserError(
+            f"{path}, line {line_number_at(path, at)}: not valid UTF-8 (byte {at}: {bad!r}, {e.reason}); "
+            f"fix or re-encode the file, or pass --encoding-errors replace to go on"
+        ) from None
     if "\r" in text:  # universal newlines, as Python's text files (and so fairseq) read lines
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     if not text.endswith("\n"):  # a last line without its newline is still a line
@@ -141,8 +144,13 @@ def _decode(path: str, data: bytes, offset: int, errors: str) -> str:
     return text
 
 
-def read_blocks(path: str, start: int = 0, end: Optional[int] = None, block_bytes: Optional[int] = None,
-                encoding_errors: str = "strict") -> Iterator[Tuple[str, int]]:
+def read_blocks(
+    path: str,
+    start: int = 0,
+    end: Optional[int] = None,
+    block_bytes: Optional[int] = None,
+    encoding_errors: str = "strict",
+) -> Iterator[Tuple[str, int]]:
     """Yield ``(text, nbytes)``: bytes ``[start, end)`` of ``path`` as text of whole lines, each ending in ``\\n``.
 
     ``start`` must be a line start (``find_offsets``); a line longer than a block is read whole.
@@ -209,8 +217,14 @@ def apply_tokenizer(text: str, tokenizer) -> str:
 
 
 # --- counting and binarizing a byte range --------------------------------------------------
-def count_range(path: str, start: int = 0, end: Optional[int] = None, tokenizer=None,
-                encoding_errors: str = "strict", progress: Progress = None) -> Counter:
+def count_range(
+    path: str,
+    start: int = 0,
+    end: Optional[int] = None,
+    tokenizer=None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+) -> Counter:
     """Token counts of the lines in bytes ``[start, end)`` (for building ``dict.txt``)."""
     counts: Counter = Counter()
     for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
@@ -226,7 +240,7 @@ class _UnkLookup(dict):
     __slots__ = ("unk", "misses")
 
     @classmethod
-    def of(cls, dictionary) -> "_UnkLookup":
+    def of(cls, dictionary) -> _UnkLookup:
         lookup = cls(dictionary.indices)
         lookup.unk, lookup.misses = dictionary.unk_index, 0
         return lookup
@@ -273,8 +287,7 @@ class BlockEncoder:
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
         misses_before = self.lookup.misses
-        ids, sizes = encode_block(text, self.lookup.__getitem__, self.eos, self.eos_word, self.dtype,
-                                  fast=self.fast)
+        ids, sizes = encode_block(text, self.lookup.__getitem__, self.eos, self.eos_word, self.dtype, fast=self.fast)
         return ids, sizes, self.lookup.misses - misses_before
 
 
@@ -307,7 +320,7 @@ class TokenizedBlock:
     redo: List[List[str]]
 
     @classmethod
-    def of(cls, tokenizer, text: str, varying: np.ndarray) -> "TokenizedBlock":
+    def of(cls, tokenizer, text: str, varying: np.ndarray) -> TokenizedBlock:
         """``varying``: True at the ids without a fixed piece."""
         lines = text.split("\n")
         lines.pop()
@@ -369,27 +382,37 @@ class TokenizerIdEncoder:
         self.tokenizer, self.dtype, self.eos = tokenizer, np.dtype(dtype), dictionary.eos_index
         get, unk = dictionary.indices.get, dictionary.unk_index
         self.table = np.fromiter((get(p, unk) for p in pieces), dtype=np.int64, count=len(pieces))
-        self.replaced = np.fromiter((p is not None and p not in dictionary.indices for p in pieces), dtype=bool,
-                                    count=len(pieces))
+        self.replaced = np.fromiter(
+            (p is not None and p not in dictionary.indices for p in pieces), dtype=bool, count=len(pieces)
+        )
         self.varying = varying_ids(pieces)
         self.lookup = _UnkLookup.of(dictionary)
 
     @classmethod
-    def build(cls, tokenizer, dictionary, dtype) -> Optional["TokenizerIdEncoder"]:
+    def build(cls, tokenizer, dictionary, dtype) -> Optional[TokenizerIdEncoder]:
         pieces = tokenizer_id_pieces(tokenizer)
         return None if pieces is None else cls(tokenizer, dictionary, pieces, dtype)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
         block = TokenizedBlock.of(self.tokenizer, text, self.varying)
         misses_before = self.lookup.misses
-        redo_ids = [np.fromiter(map(self.lookup.__getitem__, words), dtype=np.int64, count=len(words))
-                    for words in block.redo]
+        redo_ids = [
+            np.fromiter(map(self.lookup.__getitem__, words), dtype=np.int64, count=len(words)) for words in block.redo
+        ]
         replaced = int(self.replaced[block.ids].sum()) + self.lookup.misses - misses_before
         return block.with_line_ends(self.table[block.ids], redo_ids, self.eos, self.dtype), block.sizes, replaced
 
 
-def binarize_range(path: str, start: int, end: Optional[int], dictionary, builder: MMapIndexedDatasetBuilder,
-                   tokenizer=None, encoding_errors: str = "strict", progress: Progress = None) -> BinarizeSummary:
+def binarize_range(
+    path: str,
+    start: int,
+    end: Optional[int],
+    dictionary,
+    builder: MMapIndexedDatasetBuilder,
+    tokenizer=None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+) -> BinarizeSummary:
     """Append the lines in bytes ``[start, end)`` to ``builder`` as items (``</s>`` appended)."""
     encoder = BlockEncoder(dictionary, builder.dtype)
     by_ids = TokenizerIdEncoder.build(tokenizer, dictionary, builder.dtype)
@@ -426,8 +449,9 @@ class ProvisionalEncoder:
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
         ids, sizes = encode_block(text, self.vocab.__getitem__, self.eos, self.eos_word, np.int32)
         if len(self.vocab) > len(self.counts):
-            self.counts = np.concatenate([self.counts, np.zeros(max(len(self.vocab), 2 * len(self.counts))
-                                                                 - len(self.counts), dtype=np.int64)])
+            self.counts = np.concatenate(
+                [self.counts, np.zeros(max(len(self.vocab), 2 * len(self.counts)) - len(self.counts), dtype=np.int64)]
+            )
         if len(ids):
             found = np.bincount(ids)
             self.counts[: len(found)] += found
@@ -458,8 +482,9 @@ class ProvisionalIdEncoder:
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
         block = TokenizedBlock.of(self.tokenizer, text, self.varying)
-        redo_ids = [np.fromiter(map(self.vocab.__getitem__, words), dtype=np.int64, count=len(words))
-                    for words in block.redo]
+        redo_ids = [
+            np.fromiter(map(self.vocab.__getitem__, words), dtype=np.int64, count=len(words)) for words in block.redo
+        ]
         ids = block.with_line_ends(block.ids, redo_ids, self.eos, np.int32)
         found = np.bincount(ids, minlength=len(self.counts))
         if len(found) > len(self.counts):
@@ -486,8 +511,15 @@ class ProvisionalPart:
     summary: BinarizeSummary = field(default_factory=BinarizeSummary)
 
 
-def provisional_range(path: str, start: int, end: Optional[int], out_prefix: str, tokenizer=None,
-                      encoding_errors: str = "strict", progress: Progress = None) -> ProvisionalPart:
+def provisional_range(
+    path: str,
+    start: int,
+    end: Optional[int],
+    out_prefix: str,
+    tokenizer=None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+) -> ProvisionalPart:
     pieces = tokenizer_id_pieces(tokenizer)
     encoder = ProvisionalEncoder() if pieces is None else ProvisionalIdEncoder(tokenizer, pieces)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.int32)
@@ -555,16 +587,18 @@ def _count_task(path: str, start: int, end: int, spec: TokenizerSpec, encoding_e
     return count_range(path, start, end, get_tokenizer(spec), encoding_errors, _report)
 
 
-def _binarize_task(path: str, start: int, end: int, dictionary, out_prefix: str, dtype: str,
-                   spec: TokenizerSpec, encoding_errors: str) -> BinarizeSummary:
+def _binarize_task(
+    path: str, start: int, end: int, dictionary, out_prefix: str, dtype: str, spec: TokenizerSpec, encoding_errors: str
+) -> BinarizeSummary:
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.dtype(dtype))
     summary = binarize_range(path, start, end, dictionary, builder, get_tokenizer(spec), encoding_errors, _report)
     builder.finalize(index_file_path(out_prefix))
     return summary
 
 
-def _provisional_task(path: str, start: int, end: int, out_prefix: str, spec: TokenizerSpec,
-                      encoding_errors: str) -> ProvisionalPart:
+def _provisional_task(
+    path: str, start: int, end: int, out_prefix: str, spec: TokenizerSpec, encoding_errors: str
+) -> ProvisionalPart:
     return provisional_range(path, start, end, out_prefix, get_tokenizer(spec), encoding_errors, _report)
 
 
@@ -622,7 +656,7 @@ class Workers:
             self.pool.join()
             self.pool = None
 
-    def __enter__(self) -> "Workers":
+    def __enter__(self) -> Workers:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -633,8 +667,13 @@ class Workers:
 
 
 # --- whole files ---------------------------------------------------------------------------
-def count_file(path: str, workers: Workers, tokenizer_spec: TokenizerSpec = None, encoding_errors: str = "strict",
-               progress: Progress = None) -> Counter:
+def count_file(
+    path: str,
+    workers: Workers,
+    tokenizer_spec: TokenizerSpec = None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+) -> Counter:
     """Token counts of a whole file, each worker counting one line-aligned range."""
     if workers.num_workers == 1:
         return count_range(path, 0, None, get_tokenizer(tokenizer_spec), encoding_errors, progress)
@@ -651,22 +690,33 @@ def worker_prefix(out_prefix: str, worker_id: int) -> str:
     return f"{out_prefix}.pt{worker_id}"
 
 
-def binarize_file(path: str, out_prefix: str, dictionary, dtype, workers: Workers,
-                  tokenizer_spec: TokenizerSpec = None, encoding_errors: str = "strict",
-                  progress: Progress = None, shard: Tuple[int, int] = (0, 1)) -> BinarizeSummary:
+def binarize_file(
+    path: str,
+    out_prefix: str,
+    dictionary,
+    dtype,
+    workers: Workers,
+    tokenizer_spec: TokenizerSpec = None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+    shard: Tuple[int, int] = (0, 1),
+) -> BinarizeSummary:
     """Write ``{out_prefix}.bin/.idx`` holding one item per line of ``path`` (of its part ``shard``:
     ``(shard_id, num_shards)``)."""
     dtype = np.dtype(dtype)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype)
     start, end = shard_range(path, shard)
     if workers.num_workers == 1:
-        summary = binarize_range(path, start, end, dictionary, builder, get_tokenizer(tokenizer_spec),
-                                 encoding_errors, progress)
+        summary = binarize_range(
+            path, start, end, dictionary, builder, get_tokenizer(tokenizer_spec), encoding_errors, progress
+        )
     else:
         offsets = find_offsets(path, workers.num_workers, start, end)
         parts = [worker_prefix(out_prefix, i) for i in range(workers.num_workers)]
-        tasks = [(path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors)
-                 for (s, e), part in zip(zip(offsets, offsets[1:]), parts)]
+        tasks = [
+            (path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors)
+            for (s, e), part in zip(zip(offsets, offsets[1:]), parts)
+        ]
         summary = BinarizeSummary()
         for part_summary in workers.run(_binarize_task, tasks, progress):
             summary.merge(part_summary)
@@ -678,13 +728,24 @@ def binarize_file(path: str, out_prefix: str, dictionary, dtype, workers: Worker
     return summary
 
 
-def provisional_file(path: str, out_prefix: str, workers: Workers, tokenizer_spec: TokenizerSpec = None,
-                     encoding_errors: str = "strict", progress: Progress = None) -> List[ProvisionalPart]:
+def provisional_file(
+    path: str,
+    out_prefix: str,
+    workers: Workers,
+    tokenizer_spec: TokenizerSpec = None,
+    encoding_errors: str = "strict",
+    progress: Progress = None,
+) -> List[ProvisionalPart]:
     """First pass over the train file: counts and provisional ids, one part per worker (see ``finish_provisional``)."""
     if workers.num_workers == 1:
-        return [provisional_range(path, 0, None, worker_prefix(out_prefix, 0), get_tokenizer(tokenizer_spec),
-                                  encoding_errors, progress)]
+        return [
+            provisional_range(
+                path, 0, None, worker_prefix(out_prefix, 0), get_tokenizer(tokenizer_spec), encoding_errors, progress
+            )
+        ]
     offsets = find_offsets(path, workers.num_workers)
-    tasks = [(path, s, e, worker_prefix(out_prefix, i), tokenizer_spec, encoding_errors)
-             for i, (s, e) in enumerate(zip(offsets, offsets[1:]))]
+    tasks = [
+        (path, s, e, worker_prefix(out_prefix, i), tokenizer_spec, encoding_errors)
+        for i, (s, e) in enumerate(zip(offsets, offsets[1:]))
+    ]
     return workers.run(_provisional_task, tasks, progress)

@@ -5,6 +5,7 @@ concatenates them before cutting token blocks, so a block may run from the end o
 the next, exactly as if they were one file. :class:`TokenBlockDataset` reads ``.tokens`` (all
 items back to back) and ``.sizes``; this provides both for the splits in order.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,7 +41,7 @@ class ConcatIndexedDataset(torch.utils.data.Dataset):
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(self._tokens[self._starts[i]:self._starts[i + 1]].copy())
+        return torch.from_numpy(self._tokens[self._starts[i] : self._starts[i + 1]].copy())
 
     @property
     def tokens(self) -> np.ndarray:

@@ -8,6 +8,7 @@ the other form: the first line is ``#toolkit:vocabulary bos=I pad=J eos=K unk=L`
 symbol follows in id order, the specials where that tokenizer puts them
 (:meth:`Dictionary.from_vocabulary`). fairseq cannot read it; the toolkit reads both.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -93,7 +94,7 @@ class Dictionary:
         if nwords <= 0:
             nwords = len(self)
         special = self.symbols[: self.nspecial]
-        rest = sorted(zip(self.symbols[self.nspecial:], self.count[self.nspecial:]), key=lambda x: (-x[1], x[0]))
+        rest = sorted(zip(self.symbols[self.nspecial :], self.count[self.nspecial :]), key=lambda x: (-x[1], x[0]))
         symbols, counts = list(special), list(self.count[: self.nspecial])
         for sym, c in rest:
             if len(symbols) >= nwords or c < threshold:
@@ -112,8 +113,13 @@ class Dictionary:
                 i += 1
 
     # --- text <-> ids -------------------------------------------------------------
-    def encode_line(self, line: str, line_tokenizer: Callable[[str], List[str]] = str.split,
-                    add_if_not_exist: bool = False, append_eos: bool = True) -> torch.IntTensor:
+    def encode_line(
+        self,
+        line: str,
+        line_tokenizer: Callable[[str], List[str]] = str.split,
+        add_if_not_exist: bool = False,
+        append_eos: bool = True,
+    ) -> torch.IntTensor:
         words = line_tokenizer(line)
         if add_if_not_exist:
             ids = [self.add_symbol(w) for w in words]
@@ -132,14 +138,16 @@ class Dictionary:
         return " ".join(self[i] for i in tensor if i not in ignore)
 
     @classmethod
-    def from_vocabulary(cls, symbols: Sequence[str], bos: int, pad: int, eos: int, unk: int) -> "Dictionary":
+    def from_vocabulary(cls, symbols: Sequence[str], bos: int, pad: int, eos: int, unk: int) -> Dictionary:
         """A tokenizer's vocabulary as it is: symbol ``i`` has id ``i``, the specials at the given ids."""
         d = cls()
         d.symbols, d.count, d.indices, d.nspecial = [], [], {}, 0
         for sym in symbols:
             if sym in d.indices or not sym or any(c.isspace() for c in sym):
-                raise ValueError(f"vocabulary symbol {sym!r} (id {len(d.symbols)}) is empty, repeated or holds "
-                                 "whitespace; dict.txt cannot keep it")
+                raise ValueError(
+                    f"vocabulary symbol {sym!r} (id {len(d.symbols)}) is empty, repeated or holds "
+                    "whitespace; dict.txt cannot keep it"
+                )
             d.add_symbol(sym)
         d.bos_index, d.pad_index, d.eos_index, d.unk_index = bos, pad, eos, unk
         d.bos_word, d.pad_word, d.eos_word, d.unk_word = d[bos], d[pad], d[eos], d[unk]
@@ -150,7 +158,7 @@ class Dictionary:
 
     # --- files --------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str) -> "Dictionary":
+    def load(cls, path: str) -> Dictionary:
         header = _vocabulary_header(path)
         if header is not None:
             return cls._load_vocabulary(path, header)
@@ -159,7 +167,7 @@ class Dictionary:
         return d
 
     @classmethod
-    def _load_vocabulary(cls, path: str, specials: Dict[str, int]) -> "Dictionary":
+    def _load_vocabulary(cls, path: str, specials: Dict[str, int]) -> Dictionary:
         with open(path, encoding="utf-8") as f:
             symbols = [line.rstrip("\n").rsplit(" ", 1)[0] for line in f.readlines()[1:]]
         if any(not 0 <= i < len(symbols) for i in specials.values()):
@@ -184,20 +192,26 @@ class Dictionary:
                 overwrite = True
                 fields = fields[0].rsplit(" ", 1)
             if len(fields) != 2 or not fields[1].lstrip("-").isdigit() or not fields[0]:
-                raise UserError(f"{path}, line {lineno}: expected '<token> <count>', got {line[:60]!r}; "
-                                f"is this a dict.txt written by toolkit-preprocess or fairseq-preprocess?")
+                raise UserError(
+                    f"{path}, line {lineno}: expected '<token> <count>', got {line[:60]!r}; "
+                    f"is this a dict.txt written by toolkit-preprocess or fairseq-preprocess?"
+                )
             word, count = fields[0], int(fields[1])
             if word in self.indices and not overwrite:
-                raise UserError(f"{path}, line {lineno}: duplicate token {word!r}; "
-                                f"add '#fairseq:overwrite' to the line if that is intended")
+                raise UserError(
+                    f"{path}, line {lineno}: duplicate token {word!r}; "
+                    f"add '#fairseq:overwrite' to the line if that is intended"
+                )
             self.add_symbol(word, n=count, overwrite=overwrite)
 
     def save(self, path: str) -> None:
         with atomic_write(path, "w", encoding="utf-8") as f:
             if self.fixed_ids:
-                f.write(f"{VOCABULARY_HEADER} bos={self.bos_index} pad={self.pad_index} eos={self.eos_index} "
-                        f"unk={self.unk_index}\n")
-            for sym, c in zip(self.symbols[self.nspecial:], self.count[self.nspecial:]):
+                f.write(
+                    f"{VOCABULARY_HEADER} bos={self.bos_index} pad={self.pad_index} eos={self.eos_index} "
+                    f"unk={self.unk_index}\n"
+                )
+            for sym, c in zip(self.symbols[self.nspecial :], self.count[self.nspecial :]):
                 f.write(f"{sym} {c}\n")
 
     @staticmethod

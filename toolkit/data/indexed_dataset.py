@@ -6,6 +6,7 @@
 ``.bin`` is the items' tokens back to back in that dtype. Reading maps both
 files, so a corpus of any size costs no RAM beyond the pages touched.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,16 @@ from toolkit.core.errors import UserError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-    6: np.float64, 7: np.double, 8: np.uint16, 9: np.uint32, 10: np.uint64,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.double,
+    8: np.uint16,
+    9: np.uint32,
+    10: np.uint64,
 }
 
 
@@ -77,20 +86,26 @@ def read_index_header(idx_path: str):
         header = f.read(HEADER_BYTES)
     size = os.path.getsize(idx_path)
     if header[: len(MAGIC)] != MAGIC:
-        raise UserError(f"{idx_path}: not a memory-mapped indexed dataset (bad magic); "
-                        f"re-run toolkit-preprocess with --dataset-impl mmap")
+        raise UserError(
+            f"{idx_path}: not a memory-mapped indexed dataset (bad magic); "
+            f"re-run toolkit-preprocess with --dataset-impl mmap"
+        )
     if len(header) < HEADER_BYTES:
-        raise UserError(f"{idx_path}: truncated ({size} bytes, shorter than the {HEADER_BYTES}-byte header); "
-                        f"re-run toolkit-preprocess")
-    version, code, count = struct.unpack("<QBQ", header[len(MAGIC):])
+        raise UserError(
+            f"{idx_path}: truncated ({size} bytes, shorter than the {HEADER_BYTES}-byte header); "
+            f"re-run toolkit-preprocess"
+        )
+    version, code, count = struct.unpack("<QBQ", header[len(MAGIC) :])
     if version != VERSION:
         raise UserError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
     if code not in DTYPE_CODES:
         raise UserError(f"{idx_path}: unknown dtype code {code}")
     expected = HEADER_BYTES + 12 * count  # int32 size + int64 pointer per item
     if size < expected:
-        raise UserError(f"{idx_path}: truncated: {size} bytes but its {count} items need {expected}; "
-                        f"the data-bin is incomplete, re-run toolkit-preprocess")
+        raise UserError(
+            f"{idx_path}: truncated: {size} bytes but its {count} items need {expected}; "
+            f"the data-bin is incomplete, re-run toolkit-preprocess"
+        )
     return np.dtype(DTYPE_CODES[code]), count, HEADER_BYTES
 
 
@@ -103,8 +118,7 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
         self.dtype, count, offset = read_index_header(idx_path)
         self._index = np.memmap(idx_path, mode="r", order="C")
         self.sizes = np.frombuffer(self._index, dtype=np.int32, count=count, offset=offset)
-        self.pointers = np.frombuffer(self._index, dtype=np.int64, count=count,
-                                      offset=offset + self.sizes.nbytes)
+        self.pointers = np.frombuffer(self._index, dtype=np.int64, count=count, offset=offset + self.sizes.nbytes)
         bin_path = data_file_path(prefix)
         if not os.path.isfile(bin_path):
             raise UserError(f"{bin_path}: missing data file beside {idx_path}")
@@ -114,15 +128,17 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
             self._data = np.memmap(bin_path, mode="r", dtype=self.dtype, order="C")
         expected = int(self.sizes.sum(dtype=np.int64))
         if expected != len(self._data):
-            raise UserError(f"{bin_path}: holds {len(self._data)} tokens but its index lists {expected}; "
-                            f"the data-bin is incomplete, re-run toolkit-preprocess")
+            raise UserError(
+                f"{bin_path}: holds {len(self._data)} tokens but its index lists {expected}; "
+                f"the data-bin is incomplete, re-run toolkit-preprocess"
+            )
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start = self.pointers[i] // self.dtype.itemsize
-        item = self._data[start: start + self.sizes[i]]
+        item = self._data[start : start + self.sizes[i]]
         return torch.from_numpy(item.astype(np.int64))
 
     @property
@@ -194,7 +210,7 @@ class MMapIndexedDatasetBuilder:
         if remap is None and other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other_prefix}: dtype {other.dtype} != {self.dtype}")
         for start in range(0, len(other.sizes), self._INDEX_CHUNK):
-            self._add_sizes(other.sizes[start: start + self._INDEX_CHUNK])
+            self._add_sizes(other.sizes[start : start + self._INDEX_CHUNK])
         other_dtype = other.dtype
         del other
         with open(data_file_path(other_prefix), "rb") as f:

@@ -20,6 +20,7 @@ epoch; the next ``next_epoch_itr()`` then resumes that epoch after the batches
 already consumed (without loading them). ``num_workers=0`` collates in the calling
 process; ``num_workers >= 1`` uses that many ``DataLoader`` worker processes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -51,7 +52,7 @@ class CountingIterator:
     def __len__(self) -> int:
         return self.total
 
-    def __iter__(self) -> "CountingIterator":
+    def __iter__(self) -> CountingIterator:
         return self
 
     def __next__(self) -> Any:
@@ -67,12 +68,12 @@ class CountingIterator:
     def has_next(self) -> bool:
         return self.n < self.total
 
-    def skip(self, k: int) -> "CountingIterator":
+    def skip(self, k: int) -> CountingIterator:
         for _ in range(k):
             next(self)
         return self
 
-    def take(self, n: int) -> "CountingIterator":
+    def take(self, n: int) -> CountingIterator:
         """Stop after ``n`` items in all (counting those already consumed)."""
         self.total = min(self.total, n)
         self._itr = itertools.islice(self._itr, max(self.total - self.n, 0))
@@ -113,9 +114,18 @@ class EpochBatchIterator:
         epoch: the epoch that the first ``next_epoch_itr()`` starts (1-based).
     """
 
-    def __init__(self, dataset, collate_fn: Callable, batch_sampler: Iterable[Sequence[int]], seed: int = 1,
-                 num_shards: int = 1, shard_id: int = 0, num_workers: int = 0, epoch: int = 1,
-                 batching: Optional[Batching] = None):
+    def __init__(
+        self,
+        dataset,
+        collate_fn: Callable,
+        batch_sampler: Iterable[Sequence[int]],
+        seed: int = 1,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        num_workers: int = 0,
+        epoch: int = 1,
+        batching: Optional[Batching] = None,
+    ):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in [0, {num_shards})")
         self.dataset = dataset
@@ -194,12 +204,22 @@ class EpochBatchIterator:
     def state_dict(self) -> Dict[str, Any]:
         """The position: batches this rank consumed and (what a resume uses) samples consumed in the epoch."""
         if self.end_of_epoch():
-            return {"epoch": self.epoch + 1, "iterations_in_epoch": 0, "shuffle": bool(self.shuffle),
-                    "samples_in_epoch": 0, "sampler": self.sampler}
+            return {
+                "epoch": self.epoch + 1,
+                "iterations_in_epoch": 0,
+                "shuffle": bool(self.shuffle),
+                "samples_in_epoch": 0,
+                "sampler": self.sampler,
+            }
         n = int(self.iterations_in_epoch)
         plan = self._epoch_plan()
-        return {"epoch": int(self.epoch), "iterations_in_epoch": n, "shuffle": bool(self.shuffle),
-                "samples_in_epoch": samples_consumed(plan, n, self.num_shards), "sampler": plan.origin}
+        return {
+            "epoch": int(self.epoch),
+            "iterations_in_epoch": n,
+            "shuffle": bool(self.shuffle),
+            "samples_in_epoch": samples_consumed(plan, n, self.num_shards),
+            "sampler": plan.origin,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
@@ -208,8 +228,9 @@ class EpochBatchIterator:
         self._cur_epoch_itr = None
         self._plan = None
         if state.get("samples_in_epoch"):  # a sample position (older checkpoints: a batch count)
-            offset, self._plan = resume_plan(state, self.epoch, self.shuffle, self.frozen_batches, self.sampler,
-                                             self.batching, self.num_shards)
+            offset, self._plan = resume_plan(
+                state, self.epoch, self.shuffle, self.frozen_batches, self.sampler, self.batching, self.num_shards
+            )
             if self._plan is not None:
                 self._next_epoch_itr = self._iterator_for_epoch(self.epoch, self.shuffle)
                 return
@@ -218,7 +239,8 @@ class EpochBatchIterator:
                 raise UserError(
                     f"checkpoint: the data position (batch {offset} of epoch {self.epoch}) is past the "
                     f"{len(self)} batches this data and batching give per epoch; the data or --max-tokens/"
-                    f"--batch-size/world size changed. Restart the epoch with --reset-dataloader")
+                    f"--batch-size/world size changed. Restart the epoch with --reset-dataloader"
+                )
             self._next_epoch_itr = self._iterator_for_epoch(self.epoch, self.shuffle, offset=offset)
         else:
             self._next_epoch_itr = None
@@ -234,7 +256,7 @@ class EpochBatchIterator:
     def shard_batches(self, epoch: int, shuffle: bool = True) -> List[np.ndarray]:
         """This rank's batches of ``epoch``, the dummy (if any) last."""
         batches = self._plan.batches if self._plan is not None else self.epoch_batches(epoch, shuffle)
-        mine = batches[self.shard_id::self.num_shards]
+        mine = batches[self.shard_id :: self.num_shards]
         if batches and len(mine) < math.ceil(len(batches) / self.num_shards):
             mine.append(batches[0])
         return mine
@@ -247,8 +269,13 @@ class EpochBatchIterator:
         positions = range(offset, len(mine))
         if self.num_workers > 0:
             itr: Iterable = torch.utils.data.DataLoader(
-                loader, batch_size=None, sampler=positions, num_workers=self.num_workers,
-                pin_memory=torch.cuda.is_available(), worker_init_fn=quiet_descriptor_sharing_errors)
+                loader,
+                batch_size=None,
+                sampler=positions,
+                num_workers=self.num_workers,
+                pin_memory=torch.cuda.is_available(),
+                worker_init_fn=quiet_descriptor_sharing_errors,
+            )
         else:
             itr = (loader[k] for k in positions)
         return CountingIterator(itr, start=offset, total=len(mine))
@@ -295,7 +322,7 @@ class GroupedIterator:
             raise TypeError("the grouped iterable has no length")
         return self.total
 
-    def __iter__(self) -> "GroupedIterator":
+    def __iter__(self) -> GroupedIterator:
         return self
 
     def __next__(self) -> list:

@@ -19,6 +19,7 @@ The collater right-pads with the dictionary's pad index and returns::
      "net_input": {"src_tokens": LongTensor[B, T], "src_lengths": LongTensor[B]},
      "target": LongTensor[B, T]}
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -79,8 +80,16 @@ class MonolingualDataset(torch.utils.data.Dataset):
     fairseq's; with ``--add-bos-token`` each row is one token longer than counted.
     """
 
-    def __init__(self, blocks: TokenBlockDataset, dictionary, add_bos_token: bool = False, shuffle: bool = True,
-                 document_mask: bool = False, reset_positions: bool = False, bos_as_context: bool = False):
+    def __init__(
+        self,
+        blocks: TokenBlockDataset,
+        dictionary,
+        add_bos_token: bool = False,
+        shuffle: bool = True,
+        document_mask: bool = False,
+        reset_positions: bool = False,
+        bos_as_context: bool = False,
+    ):
         self.blocks = blocks
         self.bos_as_context = bos_as_context
         self.document_mask, self.reset_positions = document_mask, reset_positions

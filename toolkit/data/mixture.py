@@ -13,6 +13,7 @@ dataset over the sources' samples, so the existing batching, sharding over repli
 sample-position resume (``toolkit.data.sample_position``) apply to it unchanged: a
 resume, with the same or other batching and replicas, continues the same draw.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,11 +42,15 @@ def parse_mixture(spec: str) -> List[Source]:
         name, eq, rest = part.partition("=")
         path, colon, weight = rest.rpartition(":")
         if not (eq and colon and name and path):
-            raise UserError(f"{FLAG} {spec}: {part!r} is not NAME=PATH:WEIGHT; write e.g. "
-                            f"web=data-bin/web:0.7,code=data-bin/code:0.3")
+            raise UserError(
+                f"{FLAG} {spec}: {part!r} is not NAME=PATH:WEIGHT; write e.g. "
+                f"web=data-bin/web:0.7,code=data-bin/code:0.3"
+            )
         if not name.replace("-", "").replace("_", "").isalnum():
-            raise UserError(f"{FLAG} {spec}: source name {name!r} may hold only letters, digits, - and _ "
-                            f"(it names the valid_{name} log lines)")
+            raise UserError(
+                f"{FLAG} {spec}: source name {name!r} may hold only letters, digits, - and _ "
+                f"(it names the valid_{name} log lines)"
+            )
         try:
             w = float(weight)
         except ValueError:
@@ -59,8 +64,10 @@ def parse_mixture(spec: str) -> List[Source]:
         if not os.path.isdir(path):
             raise UserError(f"{FLAG}: {name}={path}: no such data-bin folder; check the path")
         if share <= 0:
-            raise UserError(f"{FLAG} {spec}: the weight of {name} is too small next to the others to be "
-                            f"drawn at all (its share rounds to 0); give weights closer to each other")
+            raise UserError(
+                f"{FLAG} {spec}: the weight of {name} is too small next to the others to be "
+                f"drawn at all (its share rounds to 0); give weights closer to each other"
+            )
         sources.append(Source(name, path, share))
     return sources
 
@@ -145,8 +152,9 @@ class MixtureDataset:
 
     def ordered_indices(self, seed: int = 1) -> np.ndarray:
         if seed not in self._orders:
-            order = mixture_order([len(d) for d in self.datasets], [s.weight for s in self.sources],
-                                  self.num_samples, seed)
+            order = mixture_order(
+                [len(d) for d in self.datasets], [s.weight for s in self.sources], self.num_samples, seed
+            )
             self._orders[seed] = self.offsets[order[:, 0]] + order[:, 1]
         return self._orders[seed]
 

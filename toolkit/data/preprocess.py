@@ -12,6 +12,7 @@ the dictionary must give the same ids as the data-bin's, the data-bin's tokenize
 only its ``.bin/.idx``), and every other file stays. Each split is written under a
 temporary name and renamed into place.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,10 @@ def plan_splits(cfg: PreprocessConfig) -> List[Tuple[str, str, str]]:
         if value:
             for k, path in enumerate(p.strip() for p in value.split(",")):
                 if not path:
-                    raise UserError(f"--{kind}pref {value}: an empty name in the comma-separated list; "
-                                    f"give file paths separated by single commas")
+                    raise UserError(
+                        f"--{kind}pref {value}: an empty name in the comma-separated list; "
+                        f"give file paths separated by single commas"
+                    )
                 splits.append((f"{kind}{k}" if k > 0 else kind, f"--{kind}pref", path))
     return splits
 
@@ -112,8 +115,10 @@ def _check_no_nul(flag: str, path: str, chunk: int = 1 << 22) -> None:
             if at >= 0:
                 lines += data.count(b"\n", 0, at)
                 nuls = data.count(b"\0") + sum(part.count(b"\0") for part in iter(lambda: f.read(chunk), b""))
-                raise UserError(f"{flag} {path}: holds {nuls} NUL byte(s), the first at byte {offset + at:,} "
-                                f"(line {lines + 1}): not UTF-8 text (UTF-16? binary?); convert it to UTF-8 text")
+                raise UserError(
+                    f"{flag} {path}: holds {nuls} NUL byte(s), the first at byte {offset + at:,} "
+                    f"(line {lines + 1}): not UTF-8 text (UTF-16? binary?); convert it to UTF-8 text"
+                )
             lines += data.count(b"\n")
             offset += len(data)
 
@@ -121,8 +126,9 @@ def _check_no_nul(flag: str, path: str, chunk: int = 1 << 22) -> None:
 def _check_has_tokens(flag: str, path: str, summary: BinarizeSummary) -> None:
     """A split of blank lines only has no token to train or evaluate on (it trained without a word)."""
     if summary.num_tok - summary.num_seq <= 0:
-        raise UserError(f"{flag} {path}: {summary.num_seq} line(s) and no token (blank lines only); "
-                        f"give a file with text in it")
+        raise UserError(
+            f"{flag} {path}: {summary.num_seq} line(s) and no token (blank lines only); give a file with text in it"
+        )
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -130,14 +136,17 @@ def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
 
-def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str] = None,
-                 bpe_cfg: Any = None) -> List[str]:
+def check_inputs(
+    cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str] = None, bpe_cfg: Any = None
+) -> List[str]:
     """Every problem that can be seen before any work starts, as one UserError; returns the input files."""
     if cfg.dataset_impl != "mmap":
         raise UserError(f"--dataset-impl {cfg.dataset_impl}: only mmap is supported")
     if cfg.joined_dictionary:
-        logger.info("--joined-dictionary: accepted, no effect (language-model data has one side: its one "
-                    "dictionary is already the joined one)")
+        logger.info(
+            "--joined-dictionary: accepted, no effect (language-model data has one side: its one "
+            "dictionary is already the joined one)"
+        )
     if cfg.encoding_errors not in ENCODING_ERRORS:
         raise UserError(f"--encoding-errors {cfg.encoding_errors}: choose one of {', '.join(ENCODING_ERRORS)}")
     if cfg.workers < 1:
@@ -156,8 +165,7 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
             continue
         _check_readable(flag, path)
         if os.path.getsize(path) == 0:
-            raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line "
-                            f"or leave out {flag}")
+            raise UserError(f"{flag} {path}: the file is empty; give a file with at least one line or leave out {flag}")
         if kind == "text":  # compressed or Parquet bytes hold NULs; their records are checked as they are read
             _check_no_nul(flag, path)
         inputs.append(path)
@@ -165,8 +173,10 @@ def check_inputs(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe:
         _check_readable("--srcdict", cfg.srcdict, "dictionary file")
         inputs.append(cfg.srcdict)
     if bpe is not None and adds_to_data_bin(cfg):
-        raise UserError(f"--bpe {bpe}: --destdir {cfg.destdir} already holds a data-bin, and splits added to it "
-                        f"are tokenized as it was (its bpe.json, if any); leave out --bpe")
+        raise UserError(
+            f"--bpe {bpe}: --destdir {cfg.destdir} already holds a data-bin, and splits added to it "
+            f"are tokenized as it was (its bpe.json, if any); leave out --bpe"
+        )
     if bpe is not None:
         from toolkit.tokenizers import tokenizer_class
 
@@ -189,20 +199,29 @@ def check_destdir(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], inp
         raise UserError(f"--destdir {dest}: exists and is not a folder; choose another --destdir")
     if adds_to_data_bin(cfg):
         if cfg.num_shards > 1:
-            raise UserError(f"--destdir {dest}: already holds a data-bin; write each --shard-id part to a folder "
-                            f"of its own (e.g. parts/{cfg.shard_id}) and --merge them")
+            raise UserError(
+                f"--destdir {dest}: already holds a data-bin; write each --shard-id part to a folder "
+                f"of its own (e.g. parts/{cfg.shard_id}) and --merge them"
+            )
         _check_additions(cfg, splits)
         return
     if os.path.isdir(dest) and os.listdir(dest):
         if not cfg.overwrite:
-            hint = (f"; to add splits to this data-bin, give --srcdict {os.path.join(dest, DICT_FILE)}"
-                    if os.path.isfile(os.path.join(dest, DICT_FILE)) else "")
-            raise UserError(f"--destdir {dest}: folder exists and is not empty; pass --overwrite to replace "
-                            f"it, or choose another --destdir (e.g. {os.path.join(dest, 'NAME')}){hint}")
+            hint = (
+                f"; to add splits to this data-bin, give --srcdict {os.path.join(dest, DICT_FILE)}"
+                if os.path.isfile(os.path.join(dest, DICT_FILE))
+                else ""
+            )
+            raise UserError(
+                f"--destdir {dest}: folder exists and is not empty; pass --overwrite to replace "
+                f"it, or choose another --destdir (e.g. {os.path.join(dest, 'NAME')}){hint}"
+            )
         for path in inputs:
             if _inside(path, dest):
-                raise UserError(f"--destdir {dest}: holds the input {path}, which --overwrite would delete; "
-                                f"move the input out or choose another --destdir")
+                raise UserError(
+                    f"--destdir {dest}: holds the input {path}, which --overwrite would delete; "
+                    f"move the input out or choose another --destdir"
+                )
 
 
 def adds_to_data_bin(cfg: PreprocessConfig) -> bool:
@@ -214,15 +233,20 @@ def _check_additions(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]) 
     """The same ids as the data-bin's dict.txt, and no split replaced unasked."""
     existing = os.path.join(cfg.destdir, DICT_FILE)
     if Dictionary.load(cfg.srcdict) != Dictionary.load(existing):
-        raise UserError(f"--srcdict {cfg.srcdict}: differs from {existing}, the dictionary of the data-bin the "
-                        f"splits are added to; give --srcdict {existing}, or choose another --destdir")
+        raise UserError(
+            f"--srcdict {cfg.srcdict}: differs from {existing}, the dictionary of the data-bin the "
+            f"splits are added to; give --srcdict {existing}, or choose another --destdir"
+        )
     for name, flag, path in splits:
-        present = [f"{name}.{ext}" for ext in SPLIT_EXTENSIONS
-                   if os.path.exists(os.path.join(cfg.destdir, f"{name}.{ext}"))]
+        present = [
+            f"{name}.{ext}" for ext in SPLIT_EXTENSIONS if os.path.exists(os.path.join(cfg.destdir, f"{name}.{ext}"))
+        ]
         if present and not cfg.overwrite:
-            raise UserError(f"{flag} {path}: the data-bin {cfg.destdir} already has the {name} split "
-                            f"({', '.join(present)}); pass --overwrite to replace that split (only its files), "
-                            f"or leave out {flag}")
+            raise UserError(
+                f"{flag} {path}: the data-bin {cfg.destdir} already has the {name} split "
+                f"({', '.join(present)}); pass --overwrite to replace that split (only its files), "
+                f"or leave out {flag}"
+            )
 
 
 def _data_bin_tokenizer_spec(data_dir: str) -> Optional[Tuple[str, Dict[str, Any]]]:
@@ -258,8 +282,10 @@ def add_splits(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], args: 
     try:
         with Workers(cfg.workers) as workers:
             logger.info(args if args is not None else cfg)
-            logger.info(f"[None] Dictionary: {os.path.join(dest, DICT_FILE)} (the data-bin's; same ids as "
-                        f"--srcdict {cfg.srcdict}); adding {', '.join(name for name, _, _ in splits) or 'nothing'}")
+            logger.info(
+                f"[None] Dictionary: {os.path.join(dest, DICT_FILE)} (the data-bin's; same ids as "
+                f"--srcdict {cfg.srcdict}); adding {', '.join(name for name, _, _ in splits) or 'nothing'}"
+            )
             summaries = _binarize_step(cfg, splits, vocab, None, workers, spec, tmp, timings)
         _set_default_permissions(tmp)
         for name in summaries:
@@ -310,13 +336,18 @@ def remove_dead_temp_folders(destdir: str) -> List[str]:
     prefix = "." + os.path.basename(os.path.abspath(destdir)) + "."
     if not os.path.isdir(parent):
         return []
-    dead = [os.path.join(parent, n) for n in sorted(os.listdir(parent))
-            if n.startswith(prefix) and n.endswith(".tmp") and _is_dead_run(os.path.join(parent, n))]
+    dead = [
+        os.path.join(parent, n)
+        for n in sorted(os.listdir(parent))
+        if n.startswith(prefix) and n.endswith(".tmp") and _is_dead_run(os.path.join(parent, n))
+    ]
     for path in dead:
         shutil.rmtree(path, ignore_errors=True)
     if dead:
-        logger.info(f"removed {len(dead)} temporary folder(s) left by killed runs: "
-                    f"{', '.join(os.path.basename(p) for p in dead)}")
+        logger.info(
+            f"removed {len(dead)} temporary folder(s) left by killed runs: "
+            f"{', '.join(os.path.basename(p) for p in dead)}"
+        )
     return dead
 
 
@@ -335,16 +366,25 @@ def _progress_bar(cfg: PreprocessConfig, total: int, desc: str):
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                dynamic_ncols=True, disable=True if cfg.no_progress_bar else None)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        dynamic_ncols=True,
+        disable=True if cfg.no_progress_bar else None,
+    )
 
 
 def _rate(n: int, seconds: float) -> str:
     return f"{n / seconds / 1e6:.2f}M tokens/s" if seconds > 0 else "-"
 
 
-def preprocess(cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = None,
-               args: Any = None) -> PreprocessResult:
+def preprocess(
+    cfg: PreprocessConfig, bpe: Optional[str] = None, bpe_cfg: Any = None, args: Any = None
+) -> PreprocessResult:
     """Build the data-bin ``cfg.destdir``; raises UserError on bad input (and leaves no data-bin).
 
     Three steps, in a temporary folder renamed into place at the end: the tokenizer (trained
@@ -392,9 +432,14 @@ def _record_options(cfg: PreprocessConfig, name: str, flag: str) -> RecordOption
     split = cfg.hf_split
     if flag == HF_FLAG and name.startswith("valid"):
         split = cfg.hf_valid_split.split(",")[int(name[5:] or 0)].strip()
-    return RecordOptions(json_key=cfg.json_key, column=cfg.parquet_column, hf_split=split,
-                         streaming=cfg.streaming, encoding_errors=cfg.encoding_errors,
-                         progress_bars=not cfg.no_progress_bar)
+    return RecordOptions(
+        json_key=cfg.json_key,
+        column=cfg.parquet_column,
+        hf_split=split,
+        streaming=cfg.streaming,
+        encoding_errors=cfg.encoding_errors,
+        progress_bars=not cfg.no_progress_bar,
+    )
 
 
 @contextlib.contextmanager
@@ -410,8 +455,9 @@ def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
         return
     parent = os.path.dirname(os.path.abspath(cfg.destdir))
     remove_dead_temp_folders(cfg.destdir)  # e.g. the text of a killed run's records (as big as its inputs)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(cfg.destdir)) + ".", suffix=".inputs.tmp",
-                           dir=parent)
+    tmp = tempfile.mkdtemp(
+        prefix="." + os.path.basename(os.path.abspath(cfg.destdir)) + ".", suffix=".inputs.tmp", dir=parent
+    )
     try:
         _write_owner(tmp)  # so the next run removes it if this one is killed before the finally below
         converted = []
@@ -429,8 +475,14 @@ def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], bpe: Optional[str], bpe_cfg: Any,
-                    tokenizer_cls: Any, args: Any) -> PreprocessResult:
+def _build_data_bin(
+    cfg: PreprocessConfig,
+    splits: List[Tuple[str, str, str]],
+    bpe: Optional[str],
+    bpe_cfg: Any,
+    tokenizer_cls: Any,
+    args: Any,
+) -> PreprocessResult:
     """A new data-bin in a temporary folder beside --destdir, renamed into place at the end."""
     timings: Dict[str, float] = {}
     remove_dead_temp_folders(cfg.destdir)
@@ -444,8 +496,9 @@ def _build_data_bin(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], b
                 logger.info(args if args is not None else cfg)
                 spec = _tokenizer_step(cfg, bpe, bpe_cfg, tokenizer_cls, tmp, timings)
                 vocab, first_pass = _dictionary_step(cfg, workers, spec, tmp, timings)
-                summaries = {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec,
-                                                                     tmp, timings)
+                summaries = (
+                    {} if cfg.dict_only else _binarize_step(cfg, splits, vocab, first_pass, workers, spec, tmp, timings)
+                )
                 if cfg.num_shards > 1:
                     write_shard_record(tmp, cfg.shard_id, cfg.num_shards, list(summaries))
             _set_default_permissions(tmp)
@@ -467,8 +520,9 @@ def _log_written(destdir: str) -> None:
         handler.close()
 
 
-def _tokenizer_step(cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, tokenizer_cls: Any, tmp: str,
-                    timings: Dict[str, float]) -> Optional[Tuple[str, Dict[str, Any]]]:
+def _tokenizer_step(
+    cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, tokenizer_cls: Any, tmp: str, timings: Dict[str, float]
+) -> Optional[Tuple[str, Dict[str, Any]]]:
     """Train (or copy) the tokenizer into the data-bin; the spec the workers tokenize with (None: whitespace)."""
     if bpe is None:
         return None
@@ -486,8 +540,9 @@ def _tokenizer_step(cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, tok
     return (bpe, dataclasses.asdict(bpe_cfg))
 
 
-def _dictionary_step(cfg: PreprocessConfig, workers: Workers, spec: Any, tmp: str,
-                     timings: Dict[str, float]) -> Tuple[Dictionary, Any]:
+def _dictionary_step(
+    cfg: PreprocessConfig, workers: Workers, spec: Any, tmp: str, timings: Dict[str, float]
+) -> Tuple[Dictionary, Any]:
     """dict.txt: loaded (--srcdict) or counted; counting also binarizes train with provisional ids."""
     t0 = time.perf_counter()
     first_pass = None  # the train split's provisional parts (counted and binarized in one pass)
@@ -501,8 +556,9 @@ def _dictionary_step(cfg: PreprocessConfig, workers: Workers, spec: Any, tmp: st
             if cfg.dict_only:
                 counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update)
             else:
-                first_pass = provisional_file(path, os.path.join(tmp, "train"), workers, spec,
-                                              cfg.encoding_errors, bar.update)
+                first_pass = provisional_file(
+                    path, os.path.join(tmp, "train"), workers, spec, cfg.encoding_errors, bar.update
+                )
                 counts = part_counts(first_pass)
         vocab = Dictionary()
         vocab.add_counts(counts)
@@ -512,15 +568,25 @@ def _dictionary_step(cfg: PreprocessConfig, workers: Workers, spec: Any, tmp: st
         vocab.finalize(threshold=cfg.thresholdsrc, nwords=cfg.nwordssrc, padding_factor=cfg.padding_factor)
         seconds = time.perf_counter() - t0
         how = "counted and binarized with provisional ids" if first_pass else "counted"
-        logger.info(f"[None] Dictionary: {path}: {n_counted} tokens {how} in {seconds:.2f}s "
-                    f"({_rate(n_counted, seconds)}, {cfg.workers} workers)")
+        logger.info(
+            f"[None] Dictionary: {path}: {n_counted} tokens {how} in {seconds:.2f}s "
+            f"({_rate(n_counted, seconds)}, {cfg.workers} workers)"
+        )
     vocab.save(os.path.join(tmp, "dict.txt"))
     timings["dictionary"] = time.perf_counter() - t0
     return vocab, first_pass
 
 
-def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vocab: Dictionary, first_pass: Any,
-                   workers: Workers, spec: Any, tmp: str, timings: Dict[str, float]) -> Dict[str, BinarizeSummary]:
+def _binarize_step(
+    cfg: PreprocessConfig,
+    splits: List[Tuple[str, str, str]],
+    vocab: Dictionary,
+    first_pass: Any,
+    workers: Workers,
+    spec: Any,
+    tmp: str,
+    timings: Dict[str, float],
+) -> Dict[str, BinarizeSummary]:
     """Every split's ``.bin/.idx`` (train: its provisional ids renumbered with dict.txt)."""
     summaries: Dict[str, BinarizeSummary] = {}
     dtype = best_fitting_dtype(len(vocab))
@@ -531,17 +597,29 @@ def _binarize_step(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]], vo
             summary = finish_provisional(first_pass, os.path.join(tmp, name), vocab, dtype)
         else:
             with _progress_bar(cfg, os.path.getsize(path), name) as bar:
-                summary = binarize_file(path, os.path.join(tmp, name), vocab, dtype, workers, spec,
-                                        cfg.encoding_errors, bar.update, shard=(cfg.shard_id, cfg.num_shards))
+                summary = binarize_file(
+                    path,
+                    os.path.join(tmp, name),
+                    vocab,
+                    dtype,
+                    workers,
+                    spec,
+                    cfg.encoding_errors,
+                    bar.update,
+                    shard=(cfg.shard_id, cfg.num_shards),
+                )
         timings[name] = seconds = time.perf_counter() - t0
         _check_has_tokens(flag, path, summary)
         summaries[name] = summary
         logger.info(f"[None] {path}: {summary} (by {vocab.unk_word})")
         if name == "train" and first_pass is not None:
             total = seconds + timings["dictionary"]
-            logger.info(f"[None] {name}: ids renumbered in {seconds:.2f}s; dictionary + binarize "
-                        f"took {total:.2f}s ({_rate(summary.num_tok, total)}, {cfg.workers} workers)")
+            logger.info(
+                f"[None] {name}: ids renumbered in {seconds:.2f}s; dictionary + binarize "
+                f"took {total:.2f}s ({_rate(summary.num_tok, total)}, {cfg.workers} workers)"
+            )
         else:
-            logger.info(f"[None] {name}: binarized in {seconds:.2f}s "
-                        f"({_rate(summary.num_tok, seconds)}, {cfg.workers} workers)")
+            logger.info(
+                f"[None] {name}: binarized in {seconds:.2f}s ({_rate(summary.num_tok, seconds)}, {cfg.workers} workers)"
+            )
     return summaries

@@ -11,6 +11,7 @@ each kind is reported in one warning line naming the first one, and the rest is 
 ``pyarrow``/``datasets``/``zstandard`` are optional: missing, they are one line naming the
 ``pip install``.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -20,7 +21,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 from toolkit.core.errors import UserError, import_optional
 
@@ -53,8 +54,11 @@ def input_kind(path: str, hf: bool = False) -> str:
 
 def require(module: str, package: str, why: str):
     """Import an optional package, or one UserError naming its pip install."""
-    return import_optional(module, f"{why}: needs the optional package {package}; install it with: "
-                                   f"pip install {package} (or pip install toolkit[data])")
+    return import_optional(
+        module,
+        f"{why}: needs the optional package {package}; install it with: "
+        f"pip install {package} (or pip install toolkit[data])",
+    )
 
 
 @dataclass
@@ -123,7 +127,7 @@ class _ZstdFrames(io.RawIOBase):
                 return 0
             self._out, self._at = self._decompress(chunk), 0
         n = min(len(buffer), len(self._out) - self._at)
-        buffer[:n] = self._out[self._at:self._at + n]
+        buffer[:n] = self._out[self._at : self._at + n]
         self._at += n
         return n
 
@@ -211,8 +215,10 @@ def parquet_texts(path: str, opts: RecordOptions, report: RecordReport) -> Itera
         raise UserError(f"{path}: not a readable Parquet file ({e}); check the file") from None
     names = parquet.schema_arrow.names
     if opts.column not in names:
-        raise UserError(f"--parquet-column {opts.column}: {path} has no such column (it has {', '.join(names)}); "
-                        f"give --parquet-column NAME")
+        raise UserError(
+            f"--parquet-column {opts.column}: {path} has no such column (it has {', '.join(names)}); "
+            f"give --parquet-column NAME"
+        )
     row = 1
     for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[opts.column]):
         values = batch.column(0).to_pylist()
@@ -231,8 +237,10 @@ def load_hf_split(path: str, opts: RecordOptions):
             loaded = datasets.load_from_disk(path)
             if isinstance(loaded, datasets.DatasetDict):
                 if opts.hf_split not in loaded:
-                    raise UserError(f"--hf-split {opts.hf_split}: {path} has no such split (it has "
-                                    f"{', '.join(loaded)}); give --hf-split NAME")
+                    raise UserError(
+                        f"--hf-split {opts.hf_split}: {path} has no such split (it has "
+                        f"{', '.join(loaded)}); give --hf-split NAME"
+                    )
                 loaded = loaded[opts.hf_split]
             return loaded.to_iterable_dataset() if opts.streaming else loaded
         return datasets.load_dataset(path, split=opts.hf_split, streaming=opts.streaming)
@@ -240,8 +248,10 @@ def load_hf_split(path: str, opts: RecordOptions):
         raise
     except Exception as e:
         message = " ".join(str(e).split())
-        raise UserError(f"{where}: cannot be loaded with --hf-split {opts.hf_split} ({message}); give a "
-                        f"save_to_disk folder, a folder of data files or a dataset script") from None
+        raise UserError(
+            f"{where}: cannot be loaded with --hf-split {opts.hf_split} ({message}); give a "
+            f"save_to_disk folder, a folder of data files or a dataset script"
+        ) from None
 
 
 def hf_texts(path: str, opts: RecordOptions, report: RecordReport) -> Iterator[str]:
@@ -249,13 +259,16 @@ def hf_texts(path: str, opts: RecordOptions, report: RecordReport) -> Iterator[s
     dataset = load_hf_split(path, opts)
     names = dataset.column_names
     if names is not None and opts.column not in names:
-        raise UserError(f"--parquet-column {opts.column}: the dataset {path} has no such column (it has "
-                        f"{', '.join(names)}); give --parquet-column NAME")
+        raise UserError(
+            f"--parquet-column {opts.column}: the dataset {path} has no such column (it has "
+            f"{', '.join(names)}); give --parquet-column NAME"
+        )
     row = 1
     for batch in dataset.iter(batch_size=BATCH_ROWS):
         if opts.column not in batch:
-            raise UserError(f"--parquet-column {opts.column}: the dataset {path} has no such column; "
-                            f"give --parquet-column NAME")
+            raise UserError(
+                f"--parquet-column {opts.column}: the dataset {path} has no such column; give --parquet-column NAME"
+            )
         values = batch[opts.column]
         yield from _column_values(values, row, report, opts.encoding_errors)
         row += len(values)
@@ -281,8 +294,9 @@ def write_as_text(kind: str, path: str, out_path: str, opts: RecordOptions, sour
             report.written += 1
     report.log(opts.json_key if kind == "jsonl" else opts.column)
     if report.written == 0:
-        raise UserError(f"{source}: no usable record (every record was skipped: "
-                        f"{', '.join(f'{n} {k}' for k, n in sorted(report.bad.items())) or 'none found'}); "
-                        f"check --json-key / --parquet-column and the file")
+        raise UserError(
+            f"{source}: no usable record (every record was skipped: "
+            f"{', '.join(f'{n} {k}' for k, n in sorted(report.bad.items())) or 'none found'}); "
+            f"check --json-key / --parquet-column and the file"
+        )
     return report
-

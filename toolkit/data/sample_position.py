@@ -21,6 +21,7 @@ What the samples *are* (``--tokens-per-sample``, ``--sample-break-mode``) cannot
 mid-epoch: the counts would name other samples. That is refused unless
 ``--reset-dataloader``. Checkpoints without a sample count (batch counts) resume as before.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,9 +73,14 @@ def fingerprint(batches) -> str:
 
 
 def sampler_state(batches, seed: int, batching: Optional[Batching]) -> Dict[str, Any]:
-    return {"seed": int(seed), "num_batches": len(batches), "num_samples": int(sum(len(b) for b in batches)),
-            "fingerprint": fingerprint(batches), **(dict(batching.flags) if batching else {}),
-            **(dict(batching.samples) if batching else {})}
+    return {
+        "seed": int(seed),
+        "num_batches": len(batches),
+        "num_samples": int(sum(len(b) for b in batches)),
+        "fingerprint": fingerprint(batches),
+        **(dict(batching.flags) if batching else {}),
+        **(dict(batching.samples) if batching else {}),
+    }
 
 
 def shuffled(batches, seed: int, epoch: int, shuffle: bool) -> List[np.ndarray]:
@@ -86,7 +92,7 @@ def shuffled(batches, seed: int, epoch: int, shuffle: bool) -> List[np.ndarray]:
 
 
 def samples_consumed(plan: EpochPlan, batches_per_rank: int, num_shards: int) -> int:
-    return plan.base_samples + int(sum(len(b) for b in plan.batches[:batches_per_rank * num_shards]))
+    return plan.base_samples + int(sum(len(b) for b in plan.batches[: batches_per_rank * num_shards]))
 
 
 def check_same_samples(saved: Dict[str, Any], batching: Optional[Batching]) -> None:
@@ -95,9 +101,11 @@ def check_same_samples(saved: Dict[str, Any], batching: Optional[Batching]) -> N
         ours = (batching.samples if batching else {}).get(key)
         if key in saved and ours is not None and saved[key] != ours:
             flag = "--" + key.replace("_", "-")
-            raise UserError(f"{flag} {ours}: the checkpoint stopped in mid-epoch with {flag} {saved[key]}, and its "
-                            f"data position counts those samples; resume with {flag} {saved[key]}, or add "
-                            f"--reset-dataloader to start the epoch over with the new samples")
+            raise UserError(
+                f"{flag} {ours}: the checkpoint stopped in mid-epoch with {flag} {saved[key]}, and its "
+                f"data position counts those samples; resume with {flag} {saved[key]}, or add "
+                f"--reset-dataloader to start the epoch over with the new samples"
+            )
 
 
 def _origin_batches(saved: Dict[str, Any], own_batches, own: Dict[str, Any], batching: Optional[Batching]):
@@ -108,9 +116,11 @@ def _origin_batches(saved: Dict[str, Any], own_batches, own: Dict[str, Any], bat
         rebuilt = batching.make(batching.ordered(int(saved["seed"])), {k: saved[k] for k in BATCH_FLAGS})
         if fingerprint(rebuilt) == saved.get("fingerprint"):
             return rebuilt
-    raise UserError(f"checkpoint: its data position (epoch in progress, {saved.get('num_samples')} samples in "
-                    f"{saved.get('num_batches')} batches) does not match this data: the data-bin changed. Add "
-                    f"--reset-dataloader to start the epoch over")
+    raise UserError(
+        f"checkpoint: its data position (epoch in progress, {saved.get('num_samples')} samples in "
+        f"{saved.get('num_batches')} batches) does not match this data: the data-bin changed. Add "
+        f"--reset-dataloader to start the epoch over"
+    )
 
 
 def _boundary(batches, samples: int) -> Optional[int]:
@@ -123,8 +133,15 @@ def _boundary(batches, samples: int) -> Optional[int]:
     return len(batches) if total == samples else None
 
 
-def resume_plan(saved_state: Dict[str, Any], epoch: int, shuffle: bool, own_batches, own: Dict[str, Any],
-                batching: Optional[Batching], num_shards: int):
+def resume_plan(
+    saved_state: Dict[str, Any],
+    epoch: int,
+    shuffle: bool,
+    own_batches,
+    own: Dict[str, Any],
+    batching: Optional[Batching],
+    num_shards: int,
+):
     """``(batch offset per rank, None)`` when the usual offset resumes exactly, else ``(0, EpochPlan)``."""
     saved, consumed = saved_state.get("sampler") or {}, int(saved_state["samples_in_epoch"])
     check_same_samples(saved, batching)
@@ -139,9 +156,14 @@ def resume_plan(saved_state: Dict[str, Any], epoch: int, shuffle: bool, own_batc
         batches = order[k:]
     else:
         batches = batching.make(rest, dict(batching.flags)) if batching else order[k:]
-    changed = [f"--{key.replace('_', '-')} {saved.get(key)} -> {own.get(key)}"
-               for key in (*BATCH_FLAGS, "seed") if saved.get(key) != own.get(key)]
-    logger.info(f"data position: {consumed} of the {sum(len(b) for b in order)} samples of epoch {epoch} consumed; "
-                f"the batching changed ({', '.join(changed) or f'{num_shards} replicas'}), so the remaining "
-                f"{len(rest)} samples, in the order they had, are trained in {len(batches)} new batches")
+    changed = [
+        f"--{key.replace('_', '-')} {saved.get(key)} -> {own.get(key)}"
+        for key in (*BATCH_FLAGS, "seed")
+        if saved.get(key) != own.get(key)
+    ]
+    logger.info(
+        f"data position: {consumed} of the {sum(len(b) for b in order)} samples of epoch {epoch} consumed; "
+        f"the batching changed ({', '.join(changed) or f'{num_shards} replicas'}), so the remaining "
+        f"{len(rest)} samples, in the order they had, are trained in {len(batches)} new batches"
+    )
     return 0, EpochPlan(batches, consumed, saved)

@@ -6,6 +6,7 @@ it is (``shard.json``). ``--merge`` checks that the parts are all N of one run (
 splits and tokenizer files) and appends their ``.bin/.idx`` in order: the bytes equal those of a
 one-machine run with the same dictionary, since a split's items are its lines in file order.
 """
+
 from __future__ import annotations
 
 import glob
@@ -31,9 +32,11 @@ def check_shard_flags(num_shards: int, shard_id: int, srcdict, merge) -> None:
     if num_shards > 1 and merge:
         raise UserError("--merge: joins parts already binarized; leave out --num-shards/--shard-id")
     if num_shards > 1 and not srcdict:
-        raise UserError(f"--num-shards {num_shards}: every part must use the same dictionary; build it once "
-                        f"(toolkit-preprocess --trainpref FILE --dict-only --destdir DICT) and give --srcdict "
-                        f"DICT/dict.txt")
+        raise UserError(
+            f"--num-shards {num_shards}: every part must use the same dictionary; build it once "
+            f"(toolkit-preprocess --trainpref FILE --dict-only --destdir DICT) and give --srcdict "
+            f"DICT/dict.txt"
+        )
 
 
 def write_shard_record(folder: str, shard_id: int, num_shards: int, splits: List[str]) -> None:
@@ -49,8 +52,10 @@ def find_parts(spec: str) -> List[str]:
         matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         folders += [m for m in matched if os.path.isdir(m)]
         if not matched or not all(os.path.isdir(m) for m in matched):
-            raise UserError(f"--merge {spec}: {pattern} names no part folder; give the --destdir of each "
-                            f"--shard-id run (comma separated, or a pattern such as 'parts/*')")
+            raise UserError(
+                f"--merge {spec}: {pattern} names no part folder; give the --destdir of each "
+                f"--shard-id run (comma separated, or a pattern such as 'parts/*')"
+            )
     records = {}
     for folder in folders:
         path = os.path.join(folder, SHARD_FILE)
@@ -69,13 +74,17 @@ def _in_shard_order(spec: str, records: Dict[str, dict]) -> List[str]:
     by_id: Dict[int, str] = {}
     for folder, record in records.items():
         if record["shard_id"] in by_id:
-            raise UserError(f"--merge {spec}: {by_id[record['shard_id']]} and {folder} are both part "
-                            f"{record['shard_id']}; give each part once")
+            raise UserError(
+                f"--merge {spec}: {by_id[record['shard_id']]} and {folder} are both part "
+                f"{record['shard_id']}; give each part once"
+            )
         by_id[record["shard_id"]] = folder
     missing = [i for i in range(n) if i not in by_id]
     if missing:
-        raise UserError(f"--merge {spec}: parts {', '.join(map(str, missing))} of {n} are missing; binarize them "
-                        f"with --shard-id (or wait for those jobs) and merge again")
+        raise UserError(
+            f"--merge {spec}: parts {', '.join(map(str, missing))} of {n} are missing; binarize them "
+            f"with --shard-id (or wait for those jobs) and merge again"
+        )
     return [by_id[i] for i in range(n)]
 
 
@@ -89,13 +98,17 @@ def _same_files(parts: List[str]) -> List[str]:
     for part in parts[1:]:
         with open(os.path.join(part, SHARD_FILE), encoding="utf-8") as f:
             if json.load(f)["splits"] != splits:
-                raise UserError(f"--merge: {part} holds other splits than {first}; binarize every part with the "
-                                f"same --trainpref/--validpref/--testpref")
+                raise UserError(
+                    f"--merge: {part} holds other splits than {first}; binarize every part with the "
+                    f"same --trainpref/--validpref/--testpref"
+                )
         for name in shared:
             other = os.path.join(part, name)
             if not os.path.isfile(other) or not _equal_files(os.path.join(first, name), other):
-                raise UserError(f"--merge: {other} differs from {os.path.join(first, name)}; every part must be "
-                                f"binarized with the same --srcdict (and tokenizer)")
+                raise UserError(
+                    f"--merge: {other} differs from {os.path.join(first, name)}; every part must be "
+                    f"binarized with the same --srcdict (and tokenizer)"
+                )
     return splits
 
 

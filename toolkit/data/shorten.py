@@ -10,6 +10,7 @@ Here the shortened split is materialized once as a flat token array plus sizes (
 :class:`~toolkit.data.token_block_dataset.TokenBlockDataset` cuts blocks from), with
 one random draw per item that is too long, not one per item.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -68,4 +69,4 @@ class ShortenedDataset:
         return len(self.sizes)
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return self.tokens[self._offsets[index]:self._offsets[index + 1]]
+        return self.tokens[self._offsets[index] : self._offsets[index + 1]]

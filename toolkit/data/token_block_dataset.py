@@ -25,6 +25,7 @@ starts inside a line gets the token before it.
 The slices are computed with vectorized numpy (``none`` and ``eos``) or one cheap
 step per *block* (``complete*``), never a Python loop over every line of a corpus.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -65,8 +66,9 @@ def _pack_greedily(offsets: np.ndarray, first: np.ndarray, stop: np.ndarray, blo
     return np.stack([np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)], axis=1)
 
 
-def block_slices(sizes: np.ndarray, block_size: Optional[int], break_mode: str = "none",
-                 document_sep_len: int = 1) -> np.ndarray:
+def block_slices(
+    sizes: np.ndarray, block_size: Optional[int], break_mode: str = "none", document_sep_len: int = 1
+) -> np.ndarray:
     """Token slices ``[start, end)`` of the flat stream, shape [num_blocks, 2] (int64)."""
     if break_mode is None:
         break_mode = "none"
@@ -114,8 +116,16 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         slice_indices: int64 array [num_blocks, 2], token offsets of each block.
     """
 
-    def __init__(self, dataset, block_size: Optional[int], pad: int, eos: int, break_mode: str = "none",
-                 include_targets: bool = True, document_sep_len: int = 1):
+    def __init__(
+        self,
+        dataset,
+        block_size: Optional[int],
+        pad: int,
+        eos: int,
+        break_mode: str = "none",
+        include_targets: bool = True,
+        document_sep_len: int = 1,
+    ):
         super().__init__()
         self.pad, self.eos = pad, eos
         self.block_size = block_size
@@ -153,9 +163,9 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         if e > s:
             if self.starts_item[index]:
                 source[0] = self.eos
-                source[1:] = self.tokens[s:e - 1]
+                source[1:] = self.tokens[s : e - 1]
             else:
-                source[:] = self.tokens[s - 1:e - 1]
+                source[:] = self.tokens[s - 1 : e - 1]
         return source, target
 
     def __getitem__(self, index: int) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:

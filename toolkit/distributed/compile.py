@@ -27,6 +27,7 @@ transformation without code generation; the tests use it where inductor's compil
 would dominate). Inductor caches compiled kernels on disk (``TORCHINDUCTOR_CACHE_DIR``,
 default under the temp folder), so a second run with the same shapes compiles much faster.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,10 @@ def compile_backend(device: torch.device) -> str:
     if backend not in known:
         raise UserError(f"{BACKEND_ENV}={backend}: not a torch.compile backend; choose from {', '.join(known)}")
     if backend == "inductor" and device.type == "cpu" and not _cxx_compiler_present():
-        raise UserError("--compile: inductor builds CPU kernels with a C++ compiler and none was found "
-                        f"(g++ or $CXX); install one, or set {BACKEND_ENV}=aot_eager")
+        raise UserError(
+            "--compile: inductor builds CPU kernels with a C++ compiler and none was found "
+            f"(g++ or $CXX); install one, or set {BACKEND_ENV}=aot_eager"
+        )
     return backend
 
 
@@ -61,8 +64,9 @@ def _cxx_compiler_present() -> bool:
     return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name)
 
 
-def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: bool = False,
-                  eager_region: Optional[str] = None) -> None:
+def apply_compile(
+    model: torch.nn.Module, device: torch.device, hooks_eager: bool = False, eager_region: Optional[str] = None
+) -> None:
     """Compile every block of ``model.layers`` in place and log the cost of the first training passes.
 
     ``hooks_eager``: compile only the block's own ``forward`` (inside an activation-checkpointing
@@ -89,8 +93,10 @@ def apply_compile(model: torch.nn.Module, device: torch.device, hooks_eager: boo
             block.compile(backend=backend, fullgraph=fullgraph)
     CompileTimeLog(model, backend)
     graphs = "fullgraph" if fullgraph else f"graphs around {eager_region}"
-    logger.info(f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(model.layers)} blocks; "
-                f"the first training pass compiles them (forward and backward)")
+    logger.info(
+        f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(model.layers)} blocks; "
+        f"the first training pass compiles them (forward and backward)"
+    )
 
 
 class CompileTimeLog:
@@ -115,6 +121,8 @@ class CompileTimeLog:
         if len(self.starts) < 3:
             return
         first, second = self.starts[1] - self.starts[0], self.starts[2] - self.starts[1]
-        logger.info(f"--compile: the first training pass took {first:.1f} s, the second {second:.2f} s: "
-                    f"about {max(first - second, 0.0):.1f} s compiling ({self.backend})")
+        logger.info(
+            f"--compile: the first training pass took {first:.1f} s, the second {second:.2f} s: "
+            f"about {max(first - second, 0.0):.1f} s compiling ({self.backend})"
+        )
         self.handle.remove()

@@ -32,6 +32,7 @@ backward sums the keys' gradients over the group (an all-reduce: gloo has no red
 whose length is not a multiple of 2C is padded at its end (padding tokens, targets ignored by the loss;
 causal, so no real position sees them).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -56,8 +57,12 @@ def gathered_layout(seq_len: int, cp_size: int) -> torch.Tensor:
     return torch.cat([chunk_layout(seq_len, cp_size, r) for r in range(cp_size)])
 
 
-def visible_keys(query_index: torch.Tensor, key_index: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
-                 window: Optional[int] = None) -> torch.Tensor:
+def visible_keys(
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    document_ids: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """bool [B or 1, 1, Tq, Tk]: query at sequence index q sees key k when k <= q, q - k < window and both are
     in the same document (``document_ids`` [B, T] of the whole row)."""
     q, k = query_index[:, None], key_index[None, :]
@@ -120,8 +125,7 @@ class _ChunkedAttention(torch.autograd.Function):
         for a in range(2):
             out = lse = None
             for block in (b for b in blocks if b.query == a):  # the diagonal tile first: every row's lse is finite
-                o, l = _FLASH(qs[a], ks[block.key], vs[block.key], 0.0, block.causal, attn_mask=block.mask,
-                              scale=scale)
+                o, l = _FLASH(qs[a], ks[block.key], vs[block.key], 0.0, block.causal, attn_mask=block.mask, scale=scale)
                 if block.blind is not None:
                     l = l.masked_fill(block.blind, float("-inf"))
                 if out is None:
@@ -146,11 +150,21 @@ class _ChunkedAttention(torch.autograd.Function):
         lses = lse.split(c, 2)
         for block in ctx.blocks:
             a, b = block.query, block.key
-            gq, gk, gv = _FLASH_BACKWARD(grads[a].contiguous(), qs[a], ks[b], vs[b], outs[a], lses[a], 0.0,
-                                         block.causal, attn_mask=block.mask, scale=ctx.scale)
-            dq[:, :, a * c:(a + 1) * c] += gq
-            dk[:, :, b * c:(b + 1) * c] += gk
-            dv[:, :, b * c:(b + 1) * c] += gv
+            gq, gk, gv = _FLASH_BACKWARD(
+                grads[a].contiguous(),
+                qs[a],
+                ks[b],
+                vs[b],
+                outs[a],
+                lses[a],
+                0.0,
+                block.causal,
+                attn_mask=block.mask,
+                scale=ctx.scale,
+            )
+            dq[:, :, a * c : (a + 1) * c] += gq
+            dk[:, :, b * c : (b + 1) * c] += gk
+            dv[:, :, b * c : (b + 1) * c] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -160,8 +174,15 @@ class ContextShard:
     ``group=None`` with ``cp_size`` 1 is one process's attention through the same path (the tests use it).
     """
 
-    def __init__(self, seq_len: int, cp_size: int, cp_rank: int, group: Any = None,
-                 document_ids: Optional[torch.Tensor] = None, device: Any = None):
+    def __init__(
+        self,
+        seq_len: int,
+        cp_size: int,
+        cp_rank: int,
+        group: Any = None,
+        document_ids: Optional[torch.Tensor] = None,
+        device: Any = None,
+    ):
         self.cp_size, self.cp_rank, self.group = cp_size, cp_rank, group
         self.query_index = chunk_layout(seq_len, cp_size, cp_rank).to(device)
         self.key_index = gathered_layout(seq_len, cp_size).to(device)
@@ -196,8 +217,9 @@ class ContextShard:
                 else:
                     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
                     blind = ~visible.any(-1)
-                    block = _Block(a, b, False, additive.masked_fill_(~visible, float("-inf")),
-                                   blind if blind.any() else None)
+                    block = _Block(
+                        a, b, False, additive.masked_fill_(~visible, float("-inf")), blind if blind.any() else None
+                    )
                 (diagonal if is_diagonal else others).append(block)
         self._blocks[(window, dtype)] = diagonal + others
         return self._blocks[(window, dtype)]
@@ -209,8 +231,15 @@ class ContextShard:
         return _GatherSequence.apply(x, self.group, self.cp_rank, self.cp_size)
 
     @torch.compiler.disable
-    def attend_across_ranks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
-                            scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    def attend_across_ranks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: Optional[int] = None,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
         """Attention of this rank's queries q [B, H, T/C, D] over the whole sequence's keys/values (k, v
         [B, G, T/C, D] here, gathered in one collective) -> [B, H, T/C, D]. On CPU tile by tile
         (:class:`_ChunkedAttention`); elsewhere, or with soft-capped logits (no kernel has the cap and the
@@ -263,8 +292,13 @@ def shard_sample(sample: Dict[str, Any], cp_size: int, cp_rank: int, group: Any,
     local = dict(net_input, src_tokens=tokens[:, index], positions=positions.contiguous(), context_parallel=shard)
     local.pop("document_ids", None)
     target = target[:, index]
-    return dict(sample, net_input=local, target=target, ntokens=int(target.ne(pad).sum()),
-                nsentences=sample.get("nsentences", B) if cp_rank == 0 else 0)
+    return dict(
+        sample,
+        net_input=local,
+        target=target,
+        ntokens=int(target.ne(pad).sum()),
+        nsentences=sample.get("nsentences", B) if cp_rank == 0 else 0,
+    )
 
 
 __all__ = ["ContextShard", "chunk_layout", "gathered_layout", "visible_keys", "shard_sample", "pad_to_chunks"]

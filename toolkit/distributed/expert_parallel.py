@@ -23,6 +23,7 @@ for their optimizer moments (cpu_adam's fp16 moments put on one scale first), so
 resumes at any other (1 included; tests/integration/test_expert_parallel_resume.py,
 test_expert_parallel_sharded_resume.py). The cost: each rank holds a layer's whole stacks while it saves or loads.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Set, Tuple
@@ -55,12 +56,12 @@ def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any
     for module in unit.modules():
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
             # the dense layers' FSDP2 divides by its whole mesh, replicas x shards (dims.loss_world under FSDP2)
-            _fully_shard_summed(module, dims.expert_fsdp_mesh, float(dims.shape.loss_world), fully_shard,
-                                fsdp_options)
+            _fully_shard_summed(module, dims.expert_fsdp_mesh, float(dims.shape.loss_world), fully_shard, fsdp_options)
 
 
-def shard_moe_replicated_over_tp(unit: torch.nn.Module, dims: ParallelDims, sequence_parallel: bool,
-                                 **fsdp_options: Any) -> None:
+def shard_moe_replicated_over_tp(
+    unit: torch.nn.Module, dims: ParallelDims, sequence_parallel: bool, **fsdp_options: Any
+) -> None:
     """Under tensor parallelism (torchtitan's layout when experts are not split over tp): each MoE layer of ``unit``
     (a block, before the block itself) is whole on every tp rank, replicated over tp like the residual stream it
     reads, and ``fully_shard``-ed by FSDP2 on its own 1-D mesh: its placed experts over the ranks holding the same
@@ -88,8 +89,9 @@ def route_over_sequence_slices(model: torch.nn.Module, group: Any) -> None:
             module.sequence_group = group
 
 
-def _fully_shard_summed(module: torch.nn.Module, mesh: Any, divide: float, fully_shard: Any,
-                        fsdp_options: Dict[str, Any]) -> None:
+def _fully_shard_summed(
+    module: torch.nn.Module, mesh: Any, divide: float, fully_shard: Any, fsdp_options: Dict[str, Any]
+) -> None:
     """``fully_shard`` over ``mesh`` (1-D, or HSDP's 2-D (replicate, shard)), the gradient summed over it then
     divided by ``divide``."""
     fully_shard(module, mesh=mesh, **fsdp_options)
@@ -167,8 +169,9 @@ def _placed(model: torch.nn.Module):
                 yield canonical_name(f"{prefix}.{name}"), module, getattr(module, name)
 
 
-def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           state: Dict[str, Any]) -> Dict[str, Any]:
+def gather_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]
+) -> Dict[str, Any]:
     """An optimizer state (a full one: rank 0's, other ranks may hold none; or this rank's) with the expert moments
     replaced by whole stacks, gathered from every rank's optimizer (collective: every rank calls it). New entries:
     a local state's entries are the optimizer's own dicts."""
@@ -182,8 +185,9 @@ def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
 def _whole_entry(module: GroupedExperts, entry: Dict[str, Any]) -> Dict[str, Any]:
     """One expert stack's optimizer entry with every per-expert tensor gathered whole (collective)."""
     scaled = [key for key in entry if f"{key}_scale" in entry]
-    whole = {k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v
-             for k, v in entry.items() if k not in scaled}
+    whole = {
+        k: module.whole_stack(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items() if k not in scaled
+    }
     for key in scaled:
         whole[key], whole[f"{key}_scale"] = _on_common_scale(module, entry[key], entry[f"{key}_scale"])
     return whole
@@ -205,6 +209,8 @@ def own_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[s
     for fqn, module, _param in _placed(model):
         entry = state.get("state", {}).get(fqn)
         if entry:
-            state["state"][fqn] = {key: module.own_part(value) if isinstance(value, torch.Tensor) else value
-                                   for key, value in entry.items()}
+            state["state"][fqn] = {
+                key: module.own_part(value) if isinstance(value, torch.Tensor) else value
+                for key, value in entry.items()
+            }
     return state

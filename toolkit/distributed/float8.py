@@ -21,6 +21,7 @@ torchao is an optional extra: without it ``--fp8`` is one line naming the instal
 Float8 matmuls need a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090); on CPU
 torch emulates them (correct, slow: useful for tests, not for speed).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,9 +61,11 @@ def check_fp8_device(device: torch.device) -> None:
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise UserError(f"--fp8: {torch.cuda.get_device_name(device)} (compute capability "
-                        f"{capability[0]}.{capability[1]}) has no float8 matmuls; they need 8.9 or newer "
-                        f"(H100, L4, RTX 4090); drop --fp8")
+        raise UserError(
+            f"--fp8: {torch.cuda.get_device_name(device)} (compute capability "
+            f"{capability[0]}.{capability[1]}) has no float8 matmuls; they need 8.9 or newer "
+            f"(H100, L4, RTX 4090); drop --fp8"
+        )
 
 
 def float8_config(recipe: str, all_gather: bool):
@@ -71,8 +74,10 @@ def float8_config(recipe: str, all_gather: bool):
     if recipe not in FP8_RECIPES:
         raise UserError(f"--fp8-recipe {recipe}: choose from {', '.join(FP8_RECIPES)}")
     if all_gather and recipe != "tensorwise":
-        raise UserError("--fp8-all-gather: torchao casts weights to float8 before FSDP2's all-gather only with "
-                        "--fp8-recipe tensorwise; add it, or drop --fp8-all-gather")
+        raise UserError(
+            "--fp8-all-gather: torchao casts weights to float8 before FSDP2's all-gather only with "
+            "--fp8-recipe tensorwise; add it, or drop --fp8-all-gather"
+        )
     if recipe == "rowwise":
         return float8.Float8LinearConfig.from_recipe_name("rowwise")
     return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
@@ -83,8 +88,12 @@ def _in_blocks_and_aligned(model: torch.nn.Module) -> Callable[[torch.nn.Module,
     blocks = {id(m) for block in model.layers for m in block.modules()}
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and id(module) in blocks
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            isinstance(module, torch.nn.Linear)
+            and id(module) in blocks
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
 
     return keep
 
@@ -98,17 +107,22 @@ def apply_float8(model: torch.nn.Module, recipe: str = "rowwise", all_gather: bo
     float8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     if swapped == 0:
-        raise UserError("--fp8: no Linear layer of the model's blocks has both dimensions divisible by 16, so "
-                        "nothing would train in float8; drop --fp8")
+        raise UserError(
+            "--fp8: no Linear layer of the model's blocks has both dimensions divisible by 16, so "
+            "nothing would train in float8; drop --fp8"
+        )
     skipped = candidates - swapped
-    logger.info(f"--fp8: {swapped} Linear layers of the blocks train in float8 ({recipe} scaling"
-                f"{', float8 all-gather' if all_gather else ''}); embeddings and the output projection stay in "
-                f"the run's precision" + (f"; {skipped} left out (a dimension not divisible by 16)" if skipped else ""))
+    logger.info(
+        f"--fp8: {swapped} Linear layers of the blocks train in float8 ({recipe} scaling"
+        f"{', float8 all-gather' if all_gather else ''}); embeddings and the output projection stay in "
+        f"the run's precision" + (f"; {skipped} left out (a dimension not divisible by 16)" if skipped else "")
+    )
     return swapped
 
 
-def float8_matmul(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+def float8_matmul(
+    module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """``Float8Linear.forward`` on given (local) weights: tensor parallelism's column-parallel layers compute
     their rank's output features from the local shard, in float8 with the module's torchao config."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args

@@ -20,6 +20,7 @@ Hangs inside a collective are also bounded by the process group's timeout
 says where each rank was (micro-batches done and the innermost toolkit frame), which
 points at the straggler.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -69,9 +70,17 @@ def interval_for(timeout: float) -> float:
 
 
 class Heartbeat:
-    def __init__(self, store, rank: int, world_size: int, timeout: float, prefix: str = "toolkit/hb/",
-                 interval: Optional[float] = None, store_desc: str = "the rendezvous store",
-                 layout: Optional[ParallelShape] = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        prefix: str = "toolkit/hb/",
+        interval: Optional[float] = None,
+        store_desc: str = "the rendezvous store",
+        layout: Optional[ParallelShape] = None,
+    ):
         self.store = store
         self.layout = layout  # names a lost rank's place (its TP/data-parallel peers are the ones stuck)
         self.rank, self.world_size = rank, world_size
@@ -102,16 +111,26 @@ class Heartbeat:
         return f"{self.prefix}abort"
 
     def _payload(self) -> str:
-        return json.dumps({"n": self.beats, "step": self.steps, "state": self.state, "error": self.error,
-                           "where": _main_thread_location() if self.state == "running" else "",
-                           "host": socket.gethostname(), "pid": os.getpid()})
+        return json.dumps(
+            {
+                "n": self.beats,
+                "step": self.steps,
+                "state": self.state,
+                "error": self.error,
+                "where": _main_thread_location() if self.state == "running" else "",
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
+        )
 
     # --- life cycle ---------------------------------------------------------------
     def start(self) -> None:
         self._publish()
         self._thread.start()
-        logger.info(f"heartbeat: every {self.interval:.1f} s; a rank silent for {self.timeout:.0f} s "
-                    f"(--heartbeat-timeout) stops the run")
+        logger.info(
+            f"heartbeat: every {self.interval:.1f} s; a rank silent for {self.timeout:.0f} s "
+            f"(--heartbeat-timeout) stops the run"
+        )
 
     def progress(self) -> None:
         self.steps += 1
@@ -127,8 +146,10 @@ class Heartbeat:
         try:
             self._publish()
             if not ok:
-                self._set_abort(f"rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                f"{self.error or 'exited with an error'}")
+                self._set_abort(
+                    f"rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}) failed: "
+                    f"{self.error or 'exited with an error'}"
+                )
         except Exception:
             pass  # the store may be gone already (its host failed first)
 
@@ -154,11 +175,19 @@ class Heartbeat:
                 now = time.monotonic()
                 self._store_down_since = self._store_down_since or now
                 if now - self._store_down_since > self.stale_after:
-                    host = ("the torchrun agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else
-                            "the toolkit-train launcher" if os.environ.get("TOOLKIT_LAUNCHER_STORE") == "1" else "rank 0")
-                    self._die(f"lost contact with {self.store_desc} (hosted by {host}) for "
-                              f"{now - self._store_down_since:.0f} s: {host} died or its node is unreachable "
-                              f"({_one_line(e)})", announce=False)
+                    host = (
+                        "the torchrun agent"
+                        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                        else "the toolkit-train launcher"
+                        if os.environ.get("TOOLKIT_LAUNCHER_STORE") == "1"
+                        else "rank 0"
+                    )
+                    self._die(
+                        f"lost contact with {self.store_desc} (hosted by {host}) for "
+                        f"{now - self._store_down_since:.0f} s: {host} died or its node is unreachable "
+                        f"({_one_line(e)})",
+                        announce=False,
+                    )
 
     def _tick(self) -> None:
         self.beats += 1
@@ -173,25 +202,31 @@ class Heartbeat:
             info = self._read(r)
             if info is None:  # not started yet
                 if now - self._started > self.stale_after:
-                    self._die(f"rank {r} never sent a heartbeat in {now - self._started:.0f} s "
-                              f"(--heartbeat-timeout {self.timeout:.0f}); it did not start or is stuck before "
-                              f"joining")
+                    self._die(
+                        f"rank {r} never sent a heartbeat in {now - self._started:.0f} s "
+                        f"(--heartbeat-timeout {self.timeout:.0f}); it did not start or is stuck before "
+                        f"joining"
+                    )
                 continue
             if info.get("state") == "done":
                 continue
             if info.get("state") == "failed":
-                self._die(f"rank {r} ({info.get('host')}, pid {info.get('pid')}) failed: "
-                          f"{info.get('error') or 'exited with an error'}{self._place(r)}")
+                self._die(
+                    f"rank {r} ({info.get('host')}, pid {info.get('pid')}) failed: "
+                    f"{info.get('error') or 'exited with an error'}{self._place(r)}"
+                )
             seen = self._seen.get(r)
             if seen is None or seen[0] != info.get("n"):
                 self._seen[r] = (info.get("n"), now, info)
                 continue
             silent = now - seen[1]
             if silent > self.stale_after:
-                self._die(f"rank {r} ({info.get('host')}, pid {info.get('pid')}) sent no heartbeat for "
-                          f"{silent:.0f} s (--heartbeat-timeout {self.timeout:.0f}): it died, froze or lost its "
-                          f"network; last seen after {info.get('step')} micro-batches at {info.get('where')}"
-                          f"{self._place(r)}")
+                self._die(
+                    f"rank {r} ({info.get('host')}, pid {info.get('pid')}) sent no heartbeat for "
+                    f"{silent:.0f} s (--heartbeat-timeout {self.timeout:.0f}): it died, froze or lost its "
+                    f"network; last seen after {info.get('step')} micro-batches at {info.get('where')}"
+                    f"{self._place(r)}"
+                )
 
     def _place(self, rank: int) -> str:
         place = self.layout.placement(rank) if self.layout is not None else ""
@@ -240,16 +275,23 @@ def _connect_store(timeout: float):
     """A client of the rendezvous store (its own connection, so it never queues behind the process group's)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if addr and port:
-        store = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(min(timeout, 60.0), 5.0)))
+        store = dist.TCPStore(
+            addr,
+            int(port),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=max(min(timeout, 60.0), 5.0)),
+        )
         return store, f"the rendezvous store at {addr}:{port}"
     return dist.distributed_c10d._get_default_store(), "the process group's store"
 
 
 def key_prefix() -> str:
     """Keys of this run (and of this torchrun restart: the agent's store outlives restarts)."""
-    return (f"toolkit/hb/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
-            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    return (
+        f"toolkit/hb/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    )
 
 
 def abort_key() -> str:

@@ -14,6 +14,7 @@ Costs: a parameter with such a hook gets its gradient copied to the host synchro
 ``--update-freq`` > 1 FSDP2 adds the next micro-batch's gradient into the bf16 one (bf16
 accumulation). cpu_adam casts the gradient to fp32 a slice at a time inside its update.
 """
+
 from __future__ import annotations
 
 import torch

@@ -20,6 +20,7 @@ visible GPUs (and without ``--cpu``) uses all of them (:func:`default_world_size
 by the resolver), and ``srun ... --distributed-port P`` reads the job's layout from Slurm
 (:mod:`toolkit.distributed.slurm`): each task is one rank, or spawns its node's workers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,8 +124,7 @@ def default_world_size(world_size_given: bool, cpu: bool, port: int) -> Optional
 def slurm_plan(cfg: TrainConfig) -> Optional[slurm.TaskLayout]:
     """This srun task's place in the job (None when not started by srun with --distributed-port)."""
     dist_cfg = cfg.distributed
-    plan = slurm.plan_from_env(dist_cfg.distributed_port, dist_cfg.distributed_world_size,
-                               gpus_in_use(cfg.common.cpu))
+    plan = slurm.plan_from_env(dist_cfg.distributed_port, dist_cfg.distributed_world_size, gpus_in_use(cfg.common.cpu))
     if plan is None or plan.world_size == 1:
         return None
     return plan
@@ -132,9 +132,11 @@ def slurm_plan(cfg: TrainConfig) -> Optional[slurm.TaskLayout]:
 
 def run_slurm_task(main: Callable, cfg: TrainConfig, plan: slurm.TaskLayout) -> int:
     """Run this task's rank (one task per GPU), or spawn its node's workers (one task per node)."""
-    logger.info(f"Slurm: world size {plan.world_size}, ranks {plan.start_rank}.."
-                f"{plan.start_rank + plan.local_procs - 1} here (node {plan.node_id}), rendezvous at "
-                f"{plan.master_addr}:{plan.port}")
+    logger.info(
+        f"Slurm: world size {plan.world_size}, ranks {plan.start_rank}.."
+        f"{plan.start_rank + plan.local_procs - 1} here (node {plan.node_id}), rendezvous at "
+        f"{plan.master_addr}:{plan.port}"
+    )
     if plan.local_procs == 1:
         os.environ.update(plan.rank_env(0))
         return run_worker(main, cfg)
@@ -143,14 +145,23 @@ def run_slurm_task(main: Callable, cfg: TrainConfig, plan: slurm.TaskLayout) -> 
 
 # --- one rank ----------------------------------------------------------------------------
 
+
 def _is_comm_error(e: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(e, dist_error):
         return True
     text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in (
-        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-        "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))
+    return isinstance(e, RuntimeError) and any(
+        s in text
+        for s in (
+            "gloo/transport",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Timed out waiting",
+            "NCCL communicator was aborted",
+            "Watchdog caught collective operation timeout",
+        )
+    )
 
 
 def _rank() -> int:
@@ -208,9 +219,13 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
             if reason:
                 print(f"{PROG}: error: stopping rank {rank}: {reason}", file=sys.stderr, flush=True)
             else:
-                print(f"{PROG}: error: rank {rank}: communication with the other ranks failed "
-                      f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
-                      + (f"; last heartbeats: {where}" if where else ""), file=sys.stderr, flush=True)
+                print(
+                    f"{PROG}: error: rank {rank}: communication with the other ranks failed "
+                    f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                    + (f"; last heartbeats: {where}" if where else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
             return 1
         traceback.print_exc()
         shutdown(ok=False, error=e)
@@ -221,9 +236,17 @@ def run_worker(main: Callable, cfg: TrainConfig) -> int:
 
 # --- the single-machine launcher -----------------------------------------------------------
 
-def _spawned_worker(index: int, main: Callable, cfg_bytes: bytes, user_dir: Optional[str],
-                    layout: slurm.TaskLayout, threads: Optional[int], launcher_pid: int,
-                    inherited_listener: Optional[int] = None) -> None:
+
+def _spawned_worker(
+    index: int,
+    main: Callable,
+    cfg_bytes: bytes,
+    user_dir: Optional[str],
+    layout: slurm.TaskLayout,
+    threads: Optional[int],
+    launcher_pid: int,
+    inherited_listener: Optional[int] = None,
+) -> None:
     """Entry point of a spawned worker (module level, so ``spawn`` can pickle it).
 
     ``inherited_listener``: a forked worker's copy of the launcher's listening socket, closed at once (only
@@ -276,8 +299,9 @@ def _threads_per_worker(nprocs: int) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1",
-          plan: Optional[slurm.TaskLayout] = None) -> int:
+def spawn(
+    main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1", plan: Optional[slurm.TaskLayout] = None
+) -> int:
     """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run.
 
     With a Slurm ``plan`` (one task per node) the workers take the plan's ranks; the first
@@ -287,24 +311,44 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
 
     setup_logging(None, rank=plan.start_rank if plan else 0)
     if torch.cuda.is_available() and not cfg.common.cpu and nprocs > torch.cuda.device_count():
-        raise UserError(f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
-                        f"(one process per GPU); lower it, or use --cpu")
+        raise UserError(
+            f"--distributed-world-size {nprocs}: this machine has {torch.cuda.device_count()} GPUs "
+            f"(one process per GPU); lower it, or use --cpu"
+        )
     timeout = float(cfg.distributed.heartbeat_timeout)
     listener = None
     if plan is None:  # the store's address is taken now; the store itself starts once the workers exist
         listener = _listen(host, cfg.distributed.distributed_port)
-        plan = slurm.TaskLayout(master_addr=host, port=listener.getsockname()[1], world_size=nprocs, start_rank=0,
-                                local_procs=nprocs, local_rank_offset=0, local_world_size=nprocs, node_id=0)
+        plan = slurm.TaskLayout(
+            master_addr=host,
+            port=listener.getsockname()[1],
+            world_size=nprocs,
+            start_rank=0,
+            local_procs=nprocs,
+            local_rank_offset=0,
+            local_world_size=nprocs,
+            node_id=0,
+        )
         store = None
     else:
         store = _host_store(plan.master_addr, plan.port, timeout, client=plan.node_id > 0)
     logger.info(f"spawning {nprocs} workers (store at {plan.master_addr}:{plan.port})")
     forked = WORKER_START_METHOD == "fork"
     ctx = torch.multiprocessing.start_processes(
-        _spawned_worker, args=(main, pickle.dumps(cfg), cfg.components.user_dir, plan,
-                               _threads_per_worker(nprocs), os.getpid(),
-                               listener.fileno() if forked and listener is not None else None),
-        nprocs=nprocs, join=False, start_method=WORKER_START_METHOD)
+        _spawned_worker,
+        args=(
+            main,
+            pickle.dumps(cfg),
+            cfg.components.user_dir,
+            plan,
+            _threads_per_worker(nprocs),
+            os.getpid(),
+            listener.fileno() if forked and listener is not None else None,
+        ),
+        nprocs=nprocs,
+        join=False,
+        start_method=WORKER_START_METHOD,
+    )
     procs = ctx.processes
     if listener is not None:  # after the fork: a forked worker must not inherit the store's server thread
         store = _host_store(host, plan.port, timeout, listen_fd=listener.detach())
@@ -330,6 +374,13 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
         return 128 + stop_signal[0]
     if failed is None:
         return 0
+    return _report_failure(plan, procs, failed, store, timeout, ctx.error_files)
+
+
+def _report_failure(
+    plan: slurm.TaskLayout, procs: List[Any], failed: int, store: Any, timeout: float, error_files: List[str]
+) -> int:
+    """Stop the other ranks after rank ``failed`` died and print why once; the run's exit code (1)."""
     reason = _describe_exit(plan.start_rank + failed, procs[failed])
     killed = procs[failed].exitcode is not None and procs[failed].exitcode < 0
     abort_key = heartbeat.abort_key()
@@ -349,7 +400,7 @@ def spawn(main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1"
             pass
     if " failed: UserError: " not in message:  # a bad flag or file: the workers said it already, once
         print(f"{PROG}: error: {message}; stopped the other ranks", file=sys.stderr, flush=True)
-    for f in ctx.error_files:
+    for f in error_files:
         try:
             os.unlink(f)
         except OSError:
@@ -364,8 +415,15 @@ def _host_store(host: str, port: int, timeout: float, client: bool = False, list
     ``listen_fd``: a socket already bound and listening (:func:`_listen`); the store takes it over.
     """
     try:
-        return dist.TCPStore(host, max(port, 0), world_size=None, is_master=not client, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=max(timeout, 30.0)), master_listen_fd=listen_fd)
+        return dist.TCPStore(
+            host,
+            max(port, 0),
+            world_size=None,
+            is_master=not client,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=max(timeout, 30.0)),
+            master_listen_fd=listen_fd,
+        )
     except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
         if _in_use(e):
             raise UserError(_port_in_use(host, port)) from None
@@ -389,13 +447,18 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _in_use(error: BaseException) -> bool:
     text = str(error)
-    return (getattr(error, "errno", None) == errno.EADDRINUSE or "EADDRINUSE" in text
-            or "address already in use" in text.lower())
+    return (
+        getattr(error, "errno", None) == errno.EADDRINUSE
+        or "EADDRINUSE" in text
+        or "address already in use" in text.lower()
+    )
 
 
 def _port_in_use(host: str, port: int) -> str:
-    return (f"--distributed-port {port}: address already in use on {host}; choose another port, "
-            f"or leave the flag out to use a free one")
+    return (
+        f"--distributed-port {port}: address already in use on {host}; choose another port, "
+        f"or leave the flag out to use a free one"
+    )
 
 
 def _watch(procs) -> Optional[int]:

@@ -48,6 +48,7 @@ post-accumulate-grad hooks on the sharded parameters would make FSDP2's D2H grad
 synchronous), with ``FSDPParam.grad_offload_event`` telling when they are in host memory,
 and ``FSDPState._states_to_forward_prefetch`` for the prefetch targets.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,8 +68,9 @@ from toolkit.optim.grad_norm import SquareSums
 logger = logging.getLogger(__name__)
 
 
-def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                          expert_grads: Any = None) -> Optional["OffloadOverlap"]:
+def build_offload_overlap(
+    cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert_grads: Any = None
+) -> Optional[OffloadOverlap]:
     """The overlap ``--overlap-offload-step`` asks for (None without the flag); bad combinations are UserErrors.
     ``expert_grads``: under ``--expert-parallel-size`` the strategy's ``ExpertGradients`` (which parameters are
     this rank's experts, and the ep group their squares are added over)."""
@@ -76,20 +78,30 @@ def build_offload_overlap(cfg: TrainConfig, model: torch.nn.Module, optimizer: t
     if not dist_cfg.overlap_offload_step:
         return None
     if dist_cfg.ddp_backend != "fully_sharded" and dist_cfg.model_parallel_size == 1:
-        raise UserError("--overlap-offload-step: needs --ddp-backend fully_sharded (it updates FSDP2's blocks one "
-                        "by one); add --ddp-backend fully_sharded --cpu-offload or drop the flag")
+        raise UserError(
+            "--overlap-offload-step: needs --ddp-backend fully_sharded (it updates FSDP2's blocks one "
+            "by one); add --ddp-backend fully_sharded --cpu-offload or drop the flag"
+        )
     if cfg.components.optimizer != "cpu_adam":
-        raise UserError(f"--overlap-offload-step: needs --optimizer cpu_adam (the update in host memory), got "
-                        f"--optimizer {cfg.components.optimizer}; use --optimizer cpu_adam or drop the flag")
+        raise UserError(
+            f"--overlap-offload-step: needs --optimizer cpu_adam (the update in host memory), got "
+            f"--optimizer {cfg.components.optimizer}; use --optimizer cpu_adam or drop the flag"
+        )
     if cfg.optimizer.fp16_adam_stats:
-        raise UserError("--overlap-offload-step: --fp16-adam-stats all-reduces per-tensor scales inside the update, "
-                        "which cannot run beside the forward's collectives; drop one of the two flags")
+        raise UserError(
+            "--overlap-offload-step: --fp16-adam-stats all-reduces per-tensor scales inside the update, "
+            "which cannot run beside the forward's collectives; drop one of the two flags"
+        )
     if cfg.ema.store_ema:
-        logger.info("--overlap-offload-step with --store-ema: the EMA reads every weight after each update, "
-                    "so each update waits for the whole step (no overlap)")
+        logger.info(
+            "--overlap-offload-step with --store-ema: the EMA reads every weight after each update, "
+            "so each update waits for the whole step (no overlap)"
+        )
     overlap = OffloadOverlap(model, optimizer, expert_grads)
-    logger.info(f"--overlap-offload-step: CPU Adam steps {len(overlap.groups)} parameter groups in forward order "
-                f"on a background thread")
+    logger.info(
+        f"--overlap-offload-step: CPU Adam steps {len(overlap.groups)} parameter groups in forward order "
+        f"on a background thread"
+    )
     return overlap
 
 
@@ -114,9 +126,12 @@ def fsdp_groups(model: torch.nn.Module) -> List[_Group]:
         if param_group is None:
             continue
         if not hasattr(param_group, "post_backward") or not all(
-                hasattr(fp, "grad_offload_event") for fp in param_group.fsdp_params):
-            raise RuntimeError("--overlap-offload-step: this torch's FSDP2 lacks FSDPParamGroup.post_backward / "
-                               "FSDPParam.grad_offload_event (written for torch 2.13)")
+            hasattr(fp, "grad_offload_event") for fp in param_group.fsdp_params
+        ):
+            raise RuntimeError(
+                "--overlap-offload-step: this torch's FSDP2 lacks FSDPParamGroup.post_backward / "
+                "FSDPParam.grad_offload_event (written for torch 2.13)"
+            )
         groups.append(_Group(module, param_group, [fp.sharded_param for fp in param_group.fsdp_params]))
     if not groups:
         raise UserError("--overlap-offload-step: the model has no FSDP2 (fully_shard) modules")
@@ -129,8 +144,10 @@ def _expert_groups(groups: List[_Group], expert_ids: Set[int]) -> Set[int]:
     for i, group in enumerate(groups):
         placed = [id(p) in expert_ids for p in group.params]
         if any(placed) and not all(placed):
-            raise RuntimeError("--overlap-offload-step: an FSDP2 group mixes expert and dense parameters (each placed "
-                               "expert stack is sharded as a module of its own)")
+            raise RuntimeError(
+                "--overlap-offload-step: an FSDP2 group mixes expert and dense parameters (each placed "
+                "expert stack is sharded as a module of its own)"
+            )
         if any(placed):
             out.add(i)
     return out
@@ -153,11 +170,16 @@ class OffloadOverlap:
         self._expert_groups = _expert_groups(self.groups, expert_grads.ids if expert_grads is not None else set())
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if wanted != set(self._group_of):
-            raise RuntimeError("--overlap-offload-step: the optimizer's parameters are not exactly the FSDP2 "
-                               "modules' parameters")
+            raise RuntimeError(
+                "--overlap-offload-step: the optimizer's parameters are not exactly the FSDP2 modules' parameters"
+            )
         use_gil_free_op(optimizer)  # else the main thread waits for the GIL while a chunk updates
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
-                                        initializer=_match_threads, initargs=(torch.get_num_threads(),))
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="offload-step",
+            initializer=_match_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._done: List[threading.Event] = []  # per group, of the update in flight
         self._error: Optional[BaseException] = None
         self._norm_tasks: Dict[int, Future] = {}
@@ -182,8 +204,9 @@ class OffloadOverlap:
         state_index = {id(g.module._get_fsdp_state()): i for i, g in enumerate(self.groups)}
         for i, group in enumerate(self.groups):
             # prepend: runs before FSDP2's pre-forward (registered with prepend=True when fully_shard ran)
-            group.module.register_forward_pre_hook(functools.partial(self._before_forward, i, state_index),
-                                                   prepend=True)
+            group.module.register_forward_pre_hook(
+                functools.partial(self._before_forward, i, state_index), prepend=True
+            )
             original = group.param_group.post_backward
             group.param_group.post_backward = functools.partial(self._post_backward, i, original)
         wait = eager(lambda *_: self.finish())
@@ -235,8 +258,12 @@ class OffloadOverlap:
         self._done = [threading.Event() for _ in self.groups]
         self._pool.submit(self._run, parts, grad_scale, self._done)
 
-    def _run(self, parts: Sequence[List[Tuple[torch.Tensor, Dict[str, Any]]]], grad_scale: float,
-             done: Sequence[threading.Event]) -> None:
+    def _run(
+        self,
+        parts: Sequence[List[Tuple[torch.Tensor, Dict[str, Any]]]],
+        grad_scale: float,
+        done: Sequence[threading.Event],
+    ) -> None:
         for part, event in zip(parts, done):
             try:
                 if self._error is None:

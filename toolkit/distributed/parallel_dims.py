@@ -37,6 +37,7 @@ every tp rank (:attr:`ParallelDims.expert_holders_mesh`).
 the layouts training refuses. :class:`ParallelDims` builds the meshes from a shape once, on first use, as
 views of one world mesh (``DeviceMesh._unflatten``), so FSDP2's and TP's meshes share their root.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +63,8 @@ class ParallelShape:
     cp: int = 1
     tp: int = 1
     ep: int = 1
-    fsdp: bool = False   # FSDP2 wraps the model (--ddp-backend fully_sharded, or c10d under TP)
-    hsdp: bool = False   # FSDP2's mesh has the dp_replicate axis (no_shard, hybrid_*; c10d under TP)
+    fsdp: bool = False  # FSDP2 wraps the model (--ddp-backend fully_sharded, or c10d under TP)
+    hsdp: bool = False  # FSDP2's mesh has the dp_replicate axis (no_shard, hybrid_*; c10d under TP)
 
     @property
     def data_world(self) -> int:
@@ -113,8 +114,11 @@ class ParallelShape:
     def placement(self, rank: int) -> str:
         """Global ``rank``'s index along each axis the layout splits (``""`` for plain data parallelism)."""
         where = self.coordinates(rank)
-        return ", ".join(f"{axis} {where[axis]} of {getattr(self, axis)}" for axis in AXES
-                         if getattr(self, axis) > 1 and (axis != "dp_replicate" or self.hsdp))
+        return ", ".join(
+            f"{axis} {where[axis]} of {getattr(self, axis)}"
+            for axis in AXES
+            if getattr(self, axis) > 1 and (axis != "dp_replicate" or self.hsdp)
+        )
 
     def describe(self) -> str:
         sizes = [f"{name} {getattr(self, name)}" for name in AXES]
@@ -127,9 +131,16 @@ def _positive(flag: str, value: int) -> int:
     return value
 
 
-def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str = "full_shard",
-                   shard_group_size: int = 0, local_world_size: int = 0, tp: int = 1, cp: int = 1,
-                   ep: int = 1) -> ParallelShape:
+def parallel_shape(
+    world: int,
+    ddp_backend: str = "c10d",
+    sharding_strategy: str = "full_shard",
+    shard_group_size: int = 0,
+    local_world_size: int = 0,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+) -> ParallelShape:
     """The layout of ``world`` ranks for these flags, or a one-line UserError naming the axis that does not fit.
 
     Pure (no process group): ``toolkit-train`` checks it before spawning and ``toolkit-plan`` plans with it.
@@ -138,19 +149,27 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
     backend = BACKEND_ALIASES.get(ddp_backend, ddp_backend)
     if sharding_strategy not in STRATEGIES:
         raise UserError(f"--sharding-strategy {sharding_strategy}: choose from {', '.join(STRATEGIES)}")
-    tp, cp, ep = (_positive(flag, v) for flag, v in (("--model-parallel-size", tp), ("--context-parallel-size", cp),
-                                                     ("--expert-parallel-size", ep)))
+    tp, cp, ep = (
+        _positive(flag, v)
+        for flag, v in (("--model-parallel-size", tp), ("--context-parallel-size", cp), ("--expert-parallel-size", ep))
+    )
     if world < tp:
-        raise UserError(f"--model-parallel-size {tp}: each layer is split over that many ranks and this run has "
-                        f"{world} process(es); give --distributed-world-size {tp} (or a multiple), or start that "
-                        f"many ranks with torchrun")
+        raise UserError(
+            f"--model-parallel-size {tp}: each layer is split over that many ranks and this run has "
+            f"{world} process(es); give --distributed-world-size {tp} (or a multiple), or start that "
+            f"many ranks with torchrun"
+        )
     if world % tp:
-        raise UserError(f"--model-parallel-size {tp}: must divide the world size {world} (the world is split "
-                        f"into world/M data-parallel groups of M tensor-parallel ranks)")
+        raise UserError(
+            f"--model-parallel-size {tp}: must divide the world size {world} (the world is split "
+            f"into world/M data-parallel groups of M tensor-parallel ranks)"
+        )
     if (world // tp) % cp:
-        raise UserError(f"--context-parallel-size {cp}: must divide the {world // tp} ranks left by "
-                        f"--model-parallel-size {tp} of world size {world} (each replica's sequence is cut into "
-                        f"that many chunks)")
+        raise UserError(
+            f"--context-parallel-size {cp}: must divide the {world // tp} ranks left by "
+            f"--model-parallel-size {tp} of world size {world} (each replica's sequence is cut into "
+            f"that many chunks)"
+        )
     dp = world // (tp * cp)
     fsdp = backend == "fully_sharded" or (tp > 1 and backend != "no_c10d")  # no_c10d under TP: its own all-reduce
     strategy = sharding_strategy if backend == "fully_sharded" else "no_shard"
@@ -159,42 +178,76 @@ def parallel_shape(world: int, ddp_backend: str = "c10d", sharding_strategy: str
     elif strategy.startswith("hybrid"):
         group = shard_group_size or max(1, (local_world_size or world) // (tp * cp))
         if group < 1 or dp % group:
-            raise UserError(f"--shard-group-size {group}: must divide the {dp} data-parallel ranks (world size "
-                            f"{world} / (--model-parallel-size {tp} x --context-parallel-size {cp})); ranks shard "
-                            f"within groups of this size and the groups replicate")
+            raise UserError(
+                f"--shard-group-size {group}: must divide the {dp} data-parallel ranks (world size "
+                f"{world} / (--model-parallel-size {tp} x --context-parallel-size {cp})); ranks shard "
+                f"within groups of this size and the groups replicate"
+            )
         replicate, shard = dp // group, group
     else:
         replicate, shard = 1, dp
+    _check_expert_axis(ep, world, tp, cp, replicate, shard, fsdp, strategy)
+    return ParallelShape(
+        world=world,
+        dp_replicate=replicate,
+        dp_shard=shard,
+        cp=cp,
+        tp=tp,
+        ep=ep,
+        fsdp=fsdp,
+        hsdp=fsdp and strategy != "full_shard" and strategy != "shard_grad_op",
+    )
+
+
+def _check_expert_axis(
+    ep: int, world: int, tp: int, cp: int, replicate: int, shard: int, fsdp: bool, strategy: str
+) -> None:
+    """--expert-parallel-size must divide the ranks the experts are spread over."""
     # DDP and no_shard: every data-parallel rank is a whole replica; FSDP2: the ranks that shard one replica; TP: every
     # data-parallel rank (the experts are whole on each tp rank, replicated over tp, and spread over ranks of
     # different batches)
     replicas = not fsdp or strategy == "no_shard"
     carved = replicate * shard * cp if tp > 1 else replicate * cp if replicas else shard * cp
     if carved % ep:
-        where = (f"left by --model-parallel-size {tp} (world {world} / {tp})" if tp > 1 else
-                 "that replicate the model (DDP, no_shard)" if replicas else
-                 f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})")
-        raise UserError(f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread "
-                        f"over those ranks")
-    return ParallelShape(world=world, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=ep, fsdp=fsdp,
-                         hsdp=fsdp and strategy != "full_shard" and strategy != "shard_grad_op")
+        where = (
+            f"left by --model-parallel-size {tp} (world {world} / {tp})"
+            if tp > 1
+            else "that replicate the model (DDP, no_shard)"
+            if replicas
+            else f"that shard one replica (dp_shard {shard} x --context-parallel-size {cp})"
+        )
+        raise UserError(
+            f"--expert-parallel-size {ep}: must divide the {carved} ranks {where}; experts are spread over those ranks"
+        )
 
 
 def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int = 0) -> ParallelShape:
     """:func:`parallel_shape` of a run's ``DistributedConfig`` on ``world`` ranks."""
-    return parallel_shape(world, cfg.ddp_backend, cfg.sharding_strategy, cfg.shard_group_size, local_world_size,
-                          tp=cfg.model_parallel_size, cp=cfg.context_parallel_size, ep=cfg.expert_parallel_size)
+    return parallel_shape(
+        world,
+        cfg.ddp_backend,
+        cfg.sharding_strategy,
+        cfg.shard_group_size,
+        local_world_size,
+        tp=cfg.model_parallel_size,
+        cp=cfg.context_parallel_size,
+        ep=cfg.expert_parallel_size,
+    )
 
 
 def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
     """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
     if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
-        raise UserError(f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
-                        f"layers to place; use a MoE architecture or drop the flag")
+        raise UserError(
+            f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
+            f"layers to place; use a MoE architecture or drop the flag"
+        )
     if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
-        raise UserError(f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
-                        f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
-                        f"would see only its chunk of the sequence; drop the flag")
+        raise UserError(
+            f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
+            f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
+            f"would see only its chunk of the sequence; drop the flag"
+        )
 
 
 def check_expert_share(ep: int, experts: int) -> None:
@@ -202,8 +255,10 @@ def check_expert_share(ep: int, experts: int) -> None:
     exchanges equal blocks), so ``ep`` must divide them: toolkit-train checks the config, toolkit-plan the
     built model (an imported family names its expert count its own way)."""
     if ep > 1 and experts and experts % ep:
-        raise UserError(f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's {experts} "
-                        f"experts (--moe-num-experts); give a divisor of {experts}")
+        raise UserError(
+            f"--expert-parallel-size {ep}: each rank keeps an equal share of a layer's {experts} "
+            f"experts (--moe-num-experts); give a divisor of {experts}"
+        )
 
 
 class ParallelDims:
@@ -218,13 +273,13 @@ class ParallelDims:
         self._meshes: Optional[Dict[str, Any]] = None
 
     @classmethod
-    def from_config(cls, cfg: DistributedConfig, env: Any) -> "ParallelDims":
+    def from_config(cls, cfg: DistributedConfig, env: Any) -> ParallelDims:
         """The layout of the run: ``env`` is its ``DistributedEnv`` (rank, world, ranks per machine, device)."""
         shape = shape_from_config(cfg, env.world_size, env.local_world_size)
         return cls(shape, env.rank, env.device.type)
 
     @classmethod
-    def single(cls) -> "ParallelDims":
+    def single(cls) -> ParallelDims:
         """One process: every size 1, no mesh."""
         return cls(ParallelShape(world=1))
 
@@ -283,8 +338,10 @@ class ParallelDims:
         2-D, (ep_replicate, ep_shard), as the dense layers' (dp_replicate, dp_shard) (torchtitan's ``dp_mod_ep``):
         the gradients are reduce-scattered within a replica, then all-reduced across the replicas."""
         if not self.shape.fsdp or self.shape.tp > 1:
-            raise ValueError(f"the experts are sharded by FSDP2 only under --ddp-backend fully_sharded without tensor "
-                             f"parallelism ({self.shape.describe()})")
+            raise ValueError(
+                f"the experts are sharded by FSDP2 only under --ddp-backend fully_sharded without tensor "
+                f"parallelism ({self.shape.describe()})"
+            )
         if self.shape.hsdp:
             return self._sub("experts", "ep_fsdp", self.shape.ep)
         return self._sub("experts", "ep_peers", self.shape.ep)
@@ -294,8 +351,9 @@ class ParallelDims:
         """Under tensor parallelism, the 1-D mesh of the world / ep ranks holding the same experts (their ep peers and
         the tp ranks, over which the experts are replicated): FSDP2 shards each rank's experts over it."""
         if self.shape.tp == 1:
-            raise ValueError(f"the experts are replicated over tp ranks only under tensor parallelism "
-                             f"({self.shape.describe()})")
+            raise ValueError(
+                f"the experts are replicated over tp ranks only under tensor parallelism ({self.shape.describe()})"
+            )
         return self._sub("experts", "ep_holders", self.shape.ep)
 
     @property
@@ -345,19 +403,23 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
     dense = world._unflatten(0, sizes, names)
     data_axes = tuple(n for n in names if n != TP)
     data = dense[data_axes] if len(data_axes) > 1 else dense[data_axes[0]]
-    meshes = dict(world=world, dense=dense,
-                  loss_group=(data._flatten("dp_cp") if data.ndim > 1 else data).get_group())
+    meshes = dict(world=world, dense=dense, loss_group=(data._flatten("dp_cp") if data.ndim > 1 else data).get_group())
     if s.cp > 1:
-        meshes["context"] = world._unflatten(0, (s.dp_replicate, s.dp_shard, s.cp, s.tp),
-                                             ("dp_replicate", "dp_shard", "cp", TP))
+        meshes["context"] = world._unflatten(
+            0, (s.dp_replicate, s.dp_shard, s.cp, s.tp), ("dp_replicate", "dp_shard", "cp", TP)
+        )
     if s.ep > 1:
         # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
         if s.fsdp and s.hsdp and s.tp == 1:  # those ranks span the replica groups: (ep_replicate, ep_shard) x ep x tp
             peers = (s.world // (s.ep * s.tp * s.expert_shard), s.expert_shard)
             experts = world._unflatten(0, peers + (s.ep, s.tp), ("ep_replicate", "ep_shard", "ep", TP))
             holders = experts[("ep_replicate", "ep_shard")]
-            meshes["experts"] = {"ep_fsdp": holders, "ep_peers": holders._flatten("ep_peers"), "ep": experts["ep"],
-                                 TP: experts[TP]}
+            meshes["experts"] = {
+                "ep_fsdp": holders,
+                "ep_peers": holders._flatten("ep_peers"),
+                "ep": experts["ep"],
+                TP: experts[TP],
+            }
         else:
             experts = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
             meshes["experts"] = {"ep_peers": experts["ep_peers"], "ep": experts["ep"], TP: experts[TP]}

@@ -32,6 +32,7 @@ materialized model.
 The meshes, the data-parallel rank and the reduction group come from the run's one
 :class:`~toolkit.distributed.parallel_dims.ParallelDims` (built here, handed to the strategy).
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,6 +80,7 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 # --- pieces ---------------------------------------------------------------------------
 
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block's activations in backward (non-reentrant, RNG state preserved).
 
@@ -89,8 +91,12 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                             checkpoint_fn=cpu_gemm.checkpoint, preserve_rng_state=True)
+        model.layers[i] = checkpoint_wrapper(
+            block,
+            checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+            checkpoint_fn=cpu_gemm.checkpoint,
+            preserve_rng_state=True,
+        )
 
 
 def reshard_after_forward(cfg: DistributedConfig) -> bool:
@@ -117,8 +123,14 @@ def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: CommonConfig,
-               env: DistributedEnv, dims: Optional[ParallelDims] = None) -> None:
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh,
+    cfg: DistributedConfig,
+    common: CommonConfig,
+    env: DistributedEnv,
+    dims: Optional[ParallelDims] = None,
+) -> None:
     """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root;
     under expert parallelism (``dims.shape.ep > 1``) each unit's placed experts first, over their own mesh; under
     tensor parallelism each unit's MoE layers (replicated over tp) first, over theirs."""
@@ -133,8 +145,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, cfg: DistributedConfig, common: Com
         # The last unit's parameters are needed again as soon as backward starts.
         unit_reshard = reshard and i < len(units) - 1
         if dims is not None and dims.shape.tp > 1:
-            shard_moe_replicated_over_tp(unit, dims, not cfg.no_sequence_parallel, reshard_after_forward=unit_reshard,
-                                         **policies)
+            shard_moe_replicated_over_tp(
+                unit, dims, not cfg.no_sequence_parallel, reshard_after_forward=unit_reshard, **policies
+            )
         elif dims is not None and dims.shape.ep > 1:
             shard_experts(unit, dims, reshard_after_forward=unit_reshard, **policies)
         fully_shard(unit, mesh=mesh, reshard_after_forward=unit_reshard, **policies)
@@ -150,8 +163,10 @@ def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 # --- entry point -----------------------------------------------------------------------
 
-def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
-                ) -> Tuple[torch.nn.Module, ParallelStrategy]:
+
+def parallelize(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
+) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
     check_blocks(model, cfg)
     dims = ParallelDims.from_config(cfg, env)  # the layout, validated; its meshes are built on first use
@@ -182,10 +197,14 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
     if env.world_size > 1 and cfg.ddp_backend == "c10d":
         # each rank's expert shards are its own: DDP must not average them with other experts' gradients
         DataParallelModel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
-        model = DataParallelModel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                                  broadcast_buffers=False, gradient_as_bucket_view=True,
-                                  find_unused_parameters=cfg.find_unused_parameters,
-                                  bucket_cap_mb=cfg.bucket_cap_mb)
+        model = DataParallelModel(
+            model,
+            device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=cfg.find_unused_parameters,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+        )
         return model, DDPStrategy(**placement)
     if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
         expert = {id(p) for p in expert_params}
@@ -197,8 +216,11 @@ def parallelize(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCo
 def eager_region(dims: ParallelDims, *more: Optional[str]) -> Optional[str]:
     """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any,
     and the caller's ``more`` (named, or None)."""
-    regions = [name for name, size in (("the context-parallel attention", dims.shape.cp),
-                                       ("the expert exchange", dims.shape.ep)) if size > 1]
+    regions = [
+        name
+        for name, size in (("the context-parallel attention", dims.shape.cp), ("the expert exchange", dims.shape.ep))
+        if size > 1
+    ]
     return " and ".join(regions + [m for m in more if m]) or None
 
 
@@ -207,16 +229,27 @@ def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
     (a plugin built on fairseq's base classes) instead of an AttributeError from inside the wrapping."""
     if hasattr(model, "layers"):
         return
-    wanted = [flag for flag, on in (("--checkpoint-activations", cfg.checkpoint_activations), ("--compile", cfg.compile),
-                                    ("--ddp-backend fully_sharded", cfg.ddp_backend == "fully_sharded"),
-                                    ("--model-parallel-size", cfg.model_parallel_size > 1), ("--fp8", cfg.fp8)) if on]
+    wanted = [
+        flag
+        for flag, on in (
+            ("--checkpoint-activations", cfg.checkpoint_activations),
+            ("--compile", cfg.compile),
+            ("--ddp-backend fully_sharded", cfg.ddp_backend == "fully_sharded"),
+            ("--model-parallel-size", cfg.model_parallel_size > 1),
+            ("--fp8", cfg.fp8),
+        )
+        if on
+    ]
     if wanted:
-        raise UserError(f"{wanted[0]}: works on the blocks of model.layers, which {type(model).__name__} does not "
-                        f"have; drop the flag (or give the model a ModuleList of blocks named layers)")
+        raise UserError(
+            f"{wanted[0]}: works on the blocks of model.layers, which {type(model).__name__} does not "
+            f"have; drop the flag (or give the model a ModuleList of blocks named layers)"
+        )
 
 
-def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv,
-                 placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
+def _fully_shard(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, placement: dict
+) -> Tuple[torch.nn.Module, ParallelStrategy]:
     if not dist.is_initialized():
         raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
     dims = placement["dims"]
@@ -233,21 +266,26 @@ def _fully_shard(model: torch.nn.Module, cfg: DistributedConfig, common: CommonC
         from toolkit.distributed.host_grads import keep_grads_in_bf16
 
         logger.info(f"--bf16-host-grads: {keep_grads_in_bf16(model)} parameters keep their gradients in bf16")
-    logger.info(f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
-                f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
-                f"mixed precision: {mixed_precision_policy(common)}")
+    logger.info(
+        f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
+        f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
+        f"mixed precision: {mixed_precision_policy(common)}"
+    )
     if dims.shape.ep > 1:
         placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
         expert_mesh = dims.expert_fsdp_mesh
         replicas = f", replicated over {expert_mesh.size(0)} groups" if expert_mesh.ndim > 1 else ""
-        logger.info(f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
-                    f"ranks, each sharded by FSDP2 over the {dims.shape.expert_shard} ranks holding them{replicas}")
+        logger.info(
+            f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
+            f"ranks, each sharded by FSDP2 over the {dims.shape.expert_shard} ranks holding them{replicas}"
+        )
     strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
     return model, strategy
 
 
-def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv,
-                     placement: dict) -> Tuple[torch.nn.Module, ParallelStrategy]:
+def _tensor_parallel(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, placement: dict
+) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """``--model-parallel-size M``: Megatron's split over M ranks, then FSDP2 over the W/M data-parallel groups.
 
     The order is torchtitan's: tensor parallelism, activation checkpointing, FSDP2, then
@@ -258,15 +296,19 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     from toolkit.distributed import tensor_parallel as tp
 
     if not dist.is_initialized() or env.world_size < cfg.model_parallel_size:
-        raise UserError(f"--model-parallel-size {cfg.model_parallel_size}: each layer is split over that many ranks "
-                        f"and this run has {env.world_size} process(es); give --distributed-world-size "
-                        f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun")
+        raise UserError(
+            f"--model-parallel-size {cfg.model_parallel_size}: each layer is split over that many ranks "
+            f"and this run has {env.world_size} process(es); give --distributed-world-size "
+            f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun"
+        )
     dims = placement["dims"]
     moe = bool(tp.model_plan(model, cfg.model_parallel_size).experts)  # MoE layers whole on every tp rank
     if moe and cfg.ddp_backend == "no_c10d":
-        raise UserError(f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
-                        f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
-                        f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded")
+        raise UserError(
+            f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
+            f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
+            f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded"
+        )
     tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
     if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
         apply_expert_parallel(model, dims)
@@ -285,17 +327,22 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, common: Com
     model.to_empty(device=env.device)
     init_weights(model, common.seed)
     mesh = dims.mesh
-    logger.info(f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
-                f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}")
+    logger.info(
+        f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
+        f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}"
+    )
     if dims.shape.ep > 1:
         placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
-        logger.info(f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
-                    f"ranks, whole on each tp rank, each sharded by FSDP2 over the {dims.expert_holders_mesh.size()} "
-                    f"ranks holding them")
+        logger.info(
+            f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
+            f"ranks, whole on each tp rank, each sharded by FSDP2 over the {dims.expert_holders_mesh.size()} "
+            f"ranks holding them"
+        )
     if cfg.ddp_backend == "no_c10d":
         return model, _tensor_parallel_all_reduce(model, dims, placement)
-    return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True,
-                               **placement)
+    return model, FSDPStrategy(
+        handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True, **placement
+    )
 
 
 def _tensor_parallel_all_reduce(model: torch.nn.Module, dims: ParallelDims, placement: dict) -> ParallelStrategy:
@@ -304,8 +351,9 @@ def _tensor_parallel_all_reduce(model: torch.nn.Module, dims: ParallelDims, plac
     DDP per tensor-parallel slice (a layer that gets no gradient, as with LayerDrop, still takes part)."""
     if dims.loss_world == 1:
         return ParallelStrategy(loss_parallel=True, **placement)
-    return AllReduceStrategy(model.parameters(), dims.loss_world, group=dims.loss_group, loss_parallel=True,
-                             **placement)
+    return AllReduceStrategy(
+        model.parameters(), dims.loss_world, group=dims.loss_group, loss_parallel=True, **placement
+    )
 
 
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

@@ -16,6 +16,7 @@ Either way the worker prints one line saying why and leaves with ``os._exit``: n
 process-group teardown, whose C++ layers would print pages of stack frames about the
 peers that vanished at the same moment.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,7 +32,7 @@ EXIT_CODE = 1
 POLL_SECONDS = 0.5
 _SIGNAL = signal.SIGUSR2
 
-_watch: Optional["ParentWatch"] = None
+_watch: Optional[ParentWatch] = None
 
 
 def set_parent_death_signal(signum: int) -> bool:
@@ -57,8 +58,13 @@ class ParentWatch:
     def die(self) -> None:
         """One line, then leave at once (no locks taken: the main thread may hold logging's or stdout's)."""
         try:
-            os.write(2, (f"toolkit-train: error: {self.who}: {self.parent_desc} (pid {self.parent_pid}) died; "
-                         f"stopping this worker\n").encode())
+            os.write(
+                2,
+                (
+                    f"toolkit-train: error: {self.who}: {self.parent_desc} (pid {self.parent_pid}) died; "
+                    f"stopping this worker\n"
+                ).encode(),
+            )
         finally:
             os._exit(EXIT_CODE)
 

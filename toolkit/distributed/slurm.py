@@ -15,6 +15,7 @@ torchrun worker (:mod:`toolkit.distributed.utils`).
   without GPUs: ``--distributed-world-size`` / nodes workers, default 1), ranks
   ``SLURM_NODEID`` x workers per node onwards, as fairseq's ``distributed_main`` numbers them.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,9 +46,15 @@ class TaskLayout:
 
     def rank_env(self, index: int) -> Dict[str, str]:
         """The rendezvous variables of this task's ``index``-th process."""
-        return {"RANK": str(self.start_rank + index), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank_offset + index), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                "GROUP_RANK": str(self.node_id), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port)}
+        return {
+            "RANK": str(self.start_rank + index),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank_offset + index),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_id),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.port),
+        }
 
 
 def nodelist_from_env(environ: Mapping[str, str]) -> Optional[str]:
@@ -116,8 +123,9 @@ def expand_nodelist(nodelist: str) -> List[str]:
     if scontrol is None:
         return parse_nodelist(nodelist)
     try:
-        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
+        out = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
     except (subprocess.SubprocessError, OSError) as e:
         raise UserError(f"scontrol show hostnames {nodelist}: failed ({e}); is this a Slurm job step?") from None
     return out.split()
@@ -137,14 +145,21 @@ def _env_int(environ: Mapping[str, str], *names: str) -> Optional[int]:
 def _required(environ: Mapping[str, str], *names: str) -> int:
     value = _env_int(environ, *names)
     if value is None:
-        raise UserError(f"${names[0]} is not set: started by srun with --distributed-port, toolkit-train reads "
-                        f"the job's layout from Slurm's variables; run it through srun, or leave out "
-                        f"--distributed-port")
+        raise UserError(
+            f"${names[0]} is not set: started by srun with --distributed-port, toolkit-train reads "
+            f"the job's layout from Slurm's variables; run it through srun, or leave out "
+            f"--distributed-port"
+        )
     return value
 
 
-def plan_from_env(port: int, world_size_given: int, gpus: int, environ: Mapping[str, str] = os.environ,
-                  hostnames: Callable[[str], List[str]] = expand_nodelist) -> Optional[TaskLayout]:
+def plan_from_env(
+    port: int,
+    world_size_given: int,
+    gpus: int,
+    environ: Mapping[str, str] = os.environ,
+    hostnames: Callable[[str], List[str]] = expand_nodelist,
+) -> Optional[TaskLayout]:
     """This task's place in the job, or None when Slurm's layout does not apply (see :func:`applies`).
 
     ``gpus`` is the number of GPUs a process may use on this node (0 under --cpu);
@@ -161,39 +176,65 @@ def plan_from_env(port: int, world_size_given: int, gpus: int, environ: Mapping[
     if per_node is None:
         ntasks = _required(environ, "SLURM_NTASKS")
         if ntasks % nnodes:
-            raise UserError(f"$SLURM_NTASKS={ntasks} does not split evenly over $SLURM_NNODES={nnodes}; "
-                            f"start the same number of tasks on every node (srun --ntasks-per-node)")
+            raise UserError(
+                f"$SLURM_NTASKS={ntasks} does not split evenly over $SLURM_NNODES={nnodes}; "
+                f"start the same number of tasks on every node (srun --ntasks-per-node)"
+            )
         per_node = ntasks // nnodes
     if per_node == 1:
         return _one_task_per_node(hosts[0], port, nnodes, world_size_given, gpus, environ)
     world = nnodes * per_node
     if 0 < gpus < per_node:  # fairseq would call cuda.set_device(SLURM_LOCALID) on a GPU the task cannot see
-        raise UserError(f"srun started {per_node} tasks per node, but each sees {gpus} GPU(s) (LOCAL_RANK = "
-                        f"$SLURM_LOCALID picks the GPU); let every task see the node's GPUs (no --gpus-per-task), "
-                        f"or start one task per node (it spawns one process per GPU)")
+        raise UserError(
+            f"srun started {per_node} tasks per node, but each sees {gpus} GPU(s) (LOCAL_RANK = "
+            f"$SLURM_LOCALID picks the GPU); let every task see the node's GPUs (no --gpus-per-task), "
+            f"or start one task per node (it spawns one process per GPU)"
+        )
     if world_size_given not in (1, world):
-        raise UserError(f"--distributed-world-size {world_size_given}, but srun started {world} tasks "
-                        f"({nnodes} nodes x {per_node}); drop the flag or make it {world}")
-    return TaskLayout(master_addr=hosts[0], port=port, world_size=world, start_rank=_required(environ, "SLURM_PROCID"),
-                     local_procs=1, local_rank_offset=_required(environ, "SLURM_LOCALID"),
-                     local_world_size=per_node, node_id=_env_int(environ, "SLURM_NODEID") or 0)
+        raise UserError(
+            f"--distributed-world-size {world_size_given}, but srun started {world} tasks "
+            f"({nnodes} nodes x {per_node}); drop the flag or make it {world}"
+        )
+    return TaskLayout(
+        master_addr=hosts[0],
+        port=port,
+        world_size=world,
+        start_rank=_required(environ, "SLURM_PROCID"),
+        local_procs=1,
+        local_rank_offset=_required(environ, "SLURM_LOCALID"),
+        local_world_size=per_node,
+        node_id=_env_int(environ, "SLURM_NODEID") or 0,
+    )
 
 
-def _one_task_per_node(master: str, port: int, nnodes: int, world_size_given: int, gpus: int,
-                       environ: Mapping[str, str]) -> TaskLayout:
+def _one_task_per_node(
+    master: str, port: int, nnodes: int, world_size_given: int, gpus: int, environ: Mapping[str, str]
+) -> TaskLayout:
     """Each task spawns its node's workers: one per GPU, or on CPU --distributed-world-size / nodes."""
     if gpus > 0:
         procs = gpus
     elif world_size_given % nnodes:
-        raise UserError(f"--distributed-world-size {world_size_given} does not split evenly over the job's "
-                        f"{nnodes} nodes (one srun task per node); give a multiple of {nnodes}")
+        raise UserError(
+            f"--distributed-world-size {world_size_given} does not split evenly over the job's "
+            f"{nnodes} nodes (one srun task per node); give a multiple of {nnodes}"
+        )
     else:
         procs = max(1, world_size_given // nnodes)
     world = nnodes * procs
     if world_size_given not in (1, world):
-        raise UserError(f"--distributed-world-size {world_size_given}, but the job has {nnodes} nodes with "
-                        f"{gpus} GPUs each (one srun task per node, one process per GPU); drop the flag or "
-                        f"make it {world}")
+        raise UserError(
+            f"--distributed-world-size {world_size_given}, but the job has {nnodes} nodes with "
+            f"{gpus} GPUs each (one srun task per node, one process per GPU); drop the flag or "
+            f"make it {world}"
+        )
     node_id = _env_int(environ, "SLURM_NODEID", "SLURM_PROCID") or 0
-    return TaskLayout(master_addr=master, port=port, world_size=world, start_rank=node_id * procs, local_procs=procs,
-                     local_rank_offset=0, local_world_size=procs, node_id=node_id)
+    return TaskLayout(
+        master_addr=master,
+        port=port,
+        world_size=world,
+        start_rank=node_id * procs,
+        local_procs=procs,
+        local_rank_offset=0,
+        local_world_size=procs,
+        node_id=node_id,
+    )

@@ -15,6 +15,7 @@ The trainer asks its strategy, and nothing else, around each micro-batch:
 trainer, the data loader and the checkpoints ask it for the data-parallel rank, the reduction
 group and the meshes (under tensor parallelism the M ranks of one replica see the same batch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,14 @@ class ParallelStrategy:
     name = "none"
     handles_mixed_precision = False
 
-    def __init__(self, offload_activations: bool = False, pin_memory: bool = False,
-                 dims: Optional[ParallelDims] = None, loss_parallel: bool = False, expert_grads: Any = None):
+    def __init__(
+        self,
+        offload_activations: bool = False,
+        pin_memory: bool = False,
+        dims: Optional[ParallelDims] = None,
+        loss_parallel: bool = False,
+        expert_grads: Any = None,
+    ):
         self.offload_activations = offload_activations
         self.expert_grads = expert_grads  # --expert-parallel-size: the expert shards' all-reduce and norm
         self.pin_memory = pin_memory
@@ -130,8 +137,9 @@ class GradAllReduce:
     micro-batch whose gradient sync is enabled; gradients accumulate locally otherwise.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, bucket_bytes: int = 64 << 20,
-                 group: Any = None):
+    def __init__(
+        self, params: Iterable[torch.nn.Parameter], world_size: int, bucket_bytes: int = 64 << 20, group: Any = None
+    ):
         self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
         self.world_size, self.group = world_size, group
         self.bucket_bytes = bucket_bytes

@@ -74,6 +74,7 @@ attention/activation dropouts they would serve (``toolkit/config/composition.py`
 keep torchao's ``Float8Linear`` on DTensors, and the column-parallel classes mix in
 ``_Float8Local``, which computes this rank's matmul in float8 with the module's own config.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,6 +93,7 @@ from toolkit.core.errors import UserError
 
 
 # --- custom styles: the fused q/k/v projection and the vocabulary-parallel embedding -------------
+
 
 class _ColumnParallelLinear(nn.Linear):
     """Column-parallel ``fc1``: weight and bias Shard(0); this rank computes its output features.
@@ -160,12 +162,14 @@ class _VocabParallelEmbedding(nn.Embedding):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         weight = self.weight
-        (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
-                                                                       weight.placements)
+        (rows, _), (start, _) = compute_local_shape_and_global_offset(
+            weight.shape, weight.device_mesh, weight.placements
+        )
         ids = tokens - start
         outside = (ids < 0) | (ids >= rows)
-        pad = self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < rows \
-            else None
+        pad = (
+            self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < rows else None
+        )
         out = F.embedding(ids.masked_fill(outside, 0), weight.to_local(), padding_idx=pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         partial = DTensor.from_local(out, weight.device_mesh, [Partial()], run_check=False)
@@ -176,7 +180,7 @@ def _is_float8(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _with_float8(cls: type) -> type:
     """``cls`` computing its local matmul in float8 (one class per column-parallel kind)."""
     return type(f"{cls.__name__.lstrip('_')}Float8", (_Float8Local, cls), {})
@@ -231,8 +235,12 @@ class _ReplicatedParallel:
         from torch.distributed.tensor.parallel import ParallelStyle
 
         def inputs(_module, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
 
         def outputs(_module, output, _mesh):
             return output.to_local() if isinstance(output, DTensor) else output
@@ -246,13 +254,13 @@ class _ReplicatedParallel:
 
 # --- random numbers: one generator per TP rank in sharded regions --------------------------------
 
+
 def _derived_seed(draw: int, tp_rank: int) -> int:
     digest = hashlib.sha256(f"tp/{draw}/{tp_rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
-                         end: Optional[nn.Module] = None) -> None:
+def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device, end: Optional[nn.Module] = None) -> None:
     """From ``start``'s forward to the end of ``end``'s (default: ``start``), draw from a generator
     seeded from (one draw of the default generator, TP rank); the default generator is restored after."""
     stacks = []
@@ -260,7 +268,7 @@ def fork_rng_per_tp_rank(start: nn.Module, tp_rank: int, device: torch.device,
     def enter(_module, _inputs):
         if torch.compiler.is_compiling():  # inside a compiled block (--no-sequence-parallel, module docstring)
             return
-        draw = int(torch.randint(0, 2 ** 62, (1,)).item())  # advances the default stream alike on every rank
+        draw = int(torch.randint(0, 2**62, (1,)).item())  # advances the default stream alike on every rank
         stack = contextlib.ExitStack()
         devices = [device.index or 0] if device.type != "cpu" else []
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type))
@@ -329,11 +337,14 @@ def _check_every_parameter_split(model: nn.Module, M: int, whole: Tuple[str, ...
     from torch.distributed.tensor import DTensor
 
     prefixes = tuple(f"layers.{i}.{path}." for i in range(len(model.layers)) for path in whole)
-    missed = [name for name, p in model.named_parameters()
-              if not isinstance(p, DTensor) and not name.startswith(prefixes)]
+    missed = [
+        name for name, p in model.named_parameters() if not isinstance(p, DTensor) and not name.startswith(prefixes)
+    ]
     if missed:
-        raise UserError(f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
-                        f"({type(model).__name__}.tensor_parallel_plan()); use --model-parallel-size 1 with this model")
+        raise UserError(
+            f"--model-parallel-size {M}: {missed[0]} is not in the tensor-parallel plan "
+            f"({type(model).__name__}.tensor_parallel_plan()); use --model-parallel-size 1 with this model"
+        )
 
 
 def _replicated_weights_style():
@@ -359,11 +370,14 @@ def loss_context(enabled: bool):
 
 # --- the plan: the model names a kind per module (toolkit.core.protocols), the styles come from here ---------
 
+
 def model_plan(model: nn.Module, M: int) -> TensorParallelPlan:
     """The model's own plan; a model without one is refused in one line (it cannot be split)."""
     if not isinstance(model, TensorParallelizable):
-        raise UserError(f"--model-parallel-size {M}: {type(model).__name__} gives no tensor_parallel_plan() "
-                        f"(toolkit.core.protocols.TensorParallelizable); use --model-parallel-size 1")
+        raise UserError(
+            f"--model-parallel-size {M}: {type(model).__name__} gives no tensor_parallel_plan() "
+            f"(toolkit.core.protocols.TensorParallelizable); use --model-parallel-size 1"
+        )
     return model.tensor_parallel_plan()
 
 
@@ -375,8 +389,10 @@ def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -
         sizes.append(("--tokens-per-sample (max target positions)", plan.positions))
     for flag, value in sizes:
         if value % M:
-            raise UserError(f"{flag} {value}: must be divisible by --model-parallel-size {M} (each rank holds "
-                            f"whole heads and an equal share); choose a model parallel size that divides it")
+            raise UserError(
+                f"{flag} {value}: must be divisible by --model-parallel-size {M} (each rank holds "
+                f"whole heads and an equal share); choose a model parallel size that divides it"
+            )
 
 
 def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
@@ -387,6 +403,7 @@ def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
 
 
 # --- the kinds: an open registry of names -> DTensor styles (a new kind registers here, no list to edit) ----
+
 
 @dataclass(frozen=True)
 class StyleContext:
@@ -419,6 +436,7 @@ TP_STYLES: Dict[str, TPStyle] = {}
 
 def register_tp_style(name: str, sharded: Tuple[str, ...] = ()):
     """Decorator: ``build(ctx) -> ParallelStyle | None`` is the style of kind ``name`` in a family's plan."""
+
     def register(build: Callable[[StyleContext], Optional[object]]):
         if name in TP_STYLES and TP_STYLES[name].build is not build:
             raise ValueError(f"tensor-parallel kind {name!r} is registered twice")
@@ -431,9 +449,11 @@ def register_tp_style(name: str, sharded: Tuple[str, ...] = ()):
 def tp_style(kind: str, owner: str, path: str) -> TPStyle:
     """The registered kind, or one line naming the family (``owner``), the module and the kind."""
     if kind not in TP_STYLES:
-        raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} has kind {kind!r}, which no "
-                        f"register_tp_style registered (known: {', '.join(sorted(TP_STYLES))}); register it "
-                        f"(toolkit.distributed.tensor_parallel.register_tp_style) or name a known kind")
+        raise UserError(
+            f"{owner}.tensor_parallel_plan(): {path!r} has kind {kind!r}, which no "
+            f"register_tp_style registered (known: {', '.join(sorted(TP_STYLES))}); register it "
+            f"(toolkit.distributed.tensor_parallel.register_tp_style) or name a known kind"
+        )
     return TP_STYLES[kind]
 
 
@@ -448,9 +468,11 @@ def check_plan_kinds(plan: TensorParallelPlan, owner: str) -> None:
         tp_style(kind, owner, path)
     for path, placement in plan.experts.items():
         if placement not in EXPERT_PLACEMENTS:
-            raise UserError(f"{owner}.tensor_parallel_plan(): {path!r} asks for expert-parallel placement {placement!r}, "
-                            f"which the toolkit does not place (known: {', '.join(EXPERT_PLACEMENTS)}); name a known "
-                            f"one or leave the experts out of the plan")
+            raise UserError(
+                f"{owner}.tensor_parallel_plan(): {path!r} asks for expert-parallel placement {placement!r}, "
+                f"which the toolkit does not place (known: {', '.join(EXPERT_PLACEMENTS)}); name a known "
+                f"one or leave the experts out of the plan"
+            )
 
 
 @register_tp_style("vocab_embedding", sharded=("weight",))
@@ -511,8 +533,9 @@ def _sequence_split(ctx: StyleContext):
     if not ctx.sequence_parallel:
         return None
     rest = (None,) * (ctx.block_inputs - 1)
-    return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest,
-                              use_local_output=True)
+    return PrepareModuleInput(
+        input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest, use_local_output=True
+    )
 
 
 @register_tp_style("sequence_input")
@@ -563,8 +586,9 @@ def split_parameters(model: nn.Module) -> set:
     return split
 
 
-def _fork_dropout_streams(plan: TensorParallelPlan, block: nn.Module, tp_rank: int, device: torch.device,
-                          sequence_parallel: bool) -> None:
+def _fork_dropout_streams(
+    plan: TensorParallelPlan, block: nn.Module, tp_rank: int, device: torch.device, sequence_parallel: bool
+) -> None:
     """Per-rank random streams where the block's dropouts act on this rank's share (module docstring)."""
     if not plan.sharded_dropout:
         return
@@ -575,8 +599,9 @@ def _fork_dropout_streams(plan: TensorParallelPlan, block: nn.Module, tp_rank: i
         fork_rng_per_tp_rank(block.get_submodule(start), tp_rank, device, end=block.get_submodule(end))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
-                          loss_parallel: bool = True) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> nn.Module:
     """Shard ``model`` (on the meta device or materialized) over ``tp_mesh`` by its ``tensor_parallel_plan()``.
 
     Call before activation checkpointing and FSDP2 (torchtitan's order). With
@@ -593,10 +618,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     _check_divisible(model, M, sequence_parallel)
     _refuse_unsplit_layers(model, M)
     tp_rank = tp_mesh.get_local_rank()
-    device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
-        if tp_mesh.device_type == "cuda" else torch.device(tp_mesh.device_type)
-    parallelize_module(model, tp_mesh, _styles(plan.top, StyleContext(sequence_parallel, plan.block_inputs), owner),
-                       src_data_rank=None)
+    device = (
+        torch.device(tp_mesh.device_type, torch.cuda.current_device())
+        if tp_mesh.device_type == "cuda"
+        else torch.device(tp_mesh.device_type)
+    )
+    parallelize_module(
+        model, tp_mesh, _styles(plan.top, StyleContext(sequence_parallel, plan.block_inputs), owner), src_data_rank=None
+    )
     if sequence_parallel:
         _pad_sequence_hooks(model, M, plan.padding_idx)
     for block in model.layers:

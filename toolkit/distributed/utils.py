@@ -13,6 +13,7 @@ After joining, a heartbeat thread (:mod:`toolkit.distributed.heartbeat`) watches
 the other ranks, so that a rank that dies or freezes stops the run with a message
 naming it instead of a hang.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -57,8 +58,10 @@ def pick_device(cpu: bool, local_rank: int) -> torch.device:
     if cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise UserError(f"LOCAL_RANK {local_rank}: this machine has only {torch.cuda.device_count()} GPUs; "
-                        f"start at most one process per GPU (--nproc-per-node / --distributed-world-size)")
+        raise UserError(
+            f"LOCAL_RANK {local_rank}: this machine has only {torch.cuda.device_count()} GPUs; "
+            f"start at most one process per GPU (--nproc-per-node / --distributed-world-size)"
+        )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -109,32 +112,53 @@ def init_distributed(cfg: DistributedConfig, cpu: bool = False) -> DistributedEn
     if not 0 <= rank < world_size:
         raise UserError(f"RANK {rank} is not in [0, WORLD_SIZE={world_size})")
     if under_launcher() and cfg.distributed_world_size not in (1, world_size):
-        raise UserError(f"--distributed-world-size {cfg.distributed_world_size} but the launcher started "
-                        f"{world_size} processes (WORLD_SIZE); drop --distributed-world-size under torchrun")
+        raise UserError(
+            f"--distributed-world-size {cfg.distributed_world_size} but the launcher started "
+            f"{world_size} processes (WORLD_SIZE); drop --distributed-world-size under torchrun"
+        )
     device = pick_device(cpu, local_rank)
     backend = process_group_backend(cfg, device)
-    env = DistributedEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                         local_world_size=local_world_size, backend=None)
+    env = DistributedEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        local_world_size=local_world_size,
+        backend=None,
+    )
     if dist.is_initialized():
         env.backend = dist.get_backend()
         return env
     timeout = pg_timeout(cfg.heartbeat_timeout)
     device_id = device if device.type == "cuda" else None
     if world_size > 1:
-        dist.init_process_group(backend=backend, store=_launcher_store(timeout), rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend=backend,
+            store=_launcher_store(timeout),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
         env.backend = backend
-        logger.info(f"distributed init (rank {rank}): {backend}, world size {world_size}, "
-                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
+        logger.info(
+            f"distributed init (rank {rank}): {backend}, world size {world_size}, "
+            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        )
         from toolkit.distributed import heartbeat
         from toolkit.distributed.parallel_dims import shape_from_config
 
-        heartbeat.start(rank, world_size, timeout=float(cfg.heartbeat_timeout),
-                        layout=shape_from_config(cfg, world_size, local_world_size))
+        heartbeat.start(
+            rank,
+            world_size,
+            timeout=float(cfg.heartbeat_timeout),
+            layout=shape_from_config(cfg, world_size, local_world_size),
+        )
     elif cfg.ddp_backend == "fully_sharded":
         # FSDP2 works on DTensors, which need a process group even for one rank.
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
         env.backend = backend
     return env
 
@@ -153,9 +177,16 @@ def _launcher_store(timeout: datetime.timedelta):
     """The store our own spawner hosts (toolkit.distributed.launch); None under torchrun (env:// rendezvous)."""
     if os.environ.get("TOOLKIT_LAUNCHER_STORE") != "1":
         return None
-    return dist.PrefixStore("toolkit/pg/", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        wait_for_workers=False, timeout=timeout))
+    return dist.PrefixStore(
+        "toolkit/pg/",
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timeout,
+        ),
+    )
 
 
 def shutdown(ok: bool = True, error: Optional[BaseException] = None) -> None:
@@ -177,8 +208,9 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def all_reduce_sums(values: Dict[str, float], device: torch.device, world_size: int,
-                    group: Any = None) -> Dict[str, float]:
+def all_reduce_sums(
+    values: Dict[str, float], device: torch.device, world_size: int, group: Any = None
+) -> Dict[str, float]:
     """Sum a dict of numbers across the ``world_size`` ranks of ``group`` (default: all) in one collective."""
     keys = sorted(values)
     if world_size == 1 or not keys or not dist.is_initialized():
@@ -219,8 +251,9 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return t.item() > 0.0
 
 
-def rescale_iterator_state(state: Optional[Dict[str, Any]], saved_world_size: Optional[int],
-                           world_size: int) -> Optional[Dict[str, Any]]:
+def rescale_iterator_state(
+    state: Optional[Dict[str, Any]], saved_world_size: Optional[int], world_size: int
+) -> Optional[Dict[str, Any]]:
     """The data position of a checkpoint saved on another world size.
 
     The iterator counts the batches *this rank* consumed; rank r of W takes batches
@@ -235,11 +268,15 @@ def rescale_iterator_state(state: Optional[Dict[str, Any]], saved_world_size: Op
     n = int(state.get("iterations_in_epoch", 0))
     consumed = n * int(saved_world_size)
     if consumed % world_size:
-        logger.warning(f"checkpoint saved on {saved_world_size} ranks after {consumed} batches of epoch "
-                       f"{state.get('epoch')}, which do not split evenly over {world_size} ranks; "
-                       f"resuming after {consumed // world_size * world_size}")
+        logger.warning(
+            f"checkpoint saved on {saved_world_size} ranks after {consumed} batches of epoch "
+            f"{state.get('epoch')}, which do not split evenly over {world_size} ranks; "
+            f"resuming after {consumed // world_size * world_size}"
+        )
     state = dict(state)
     state["iterations_in_epoch"] = consumed // world_size
-    logger.info(f"data position: {n} batches per rank on {saved_world_size} ranks = "
-                f"{state['iterations_in_epoch']} per rank on {world_size}")
+    logger.info(
+        f"data position: {n} batches per rank on {saved_world_size} ranks = "
+        f"{state['iterations_in_epoch']} per rank on {world_size}"
+    )
     return state

@@ -13,6 +13,7 @@ written), so sharded (FSDP2) and tensor-parallel models are evaluated whole, in 
 the master's device; the training model and every random generator are left as they were, so a
 resumed run trains exactly as an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,9 @@ def check_options(dataset_cfg) -> None:
             raise UserError("--eval-harness-interval-updates/--eval-harness-limit need --eval-harness-tasks")
         return
     if interval <= 0:
-        raise UserError(f"--eval-harness-tasks {tasks}: also give --eval-harness-interval-updates N "
-                        f"(evaluate every N updates)")
+        raise UserError(
+            f"--eval-harness-tasks {tasks}: also give --eval-harness-interval-updates N (evaluate every N updates)"
+        )
     if dataset_cfg.eval_harness_limit is not None and dataset_cfg.eval_harness_limit <= 0:
         raise UserError(f"--eval-harness-limit {dataset_cfg.eval_harness_limit}: must be positive")
     from toolkit.evaluation.harness_main import require_lm_eval
@@ -68,8 +70,12 @@ def flatten(results: Dict) -> Dict[str, float]:
 @contextmanager
 def rng_kept() -> Iterator[None]:
     """The harness seeds Python's, numpy's and torch's generators; training must not notice."""
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    states = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
     try:
         yield
     finally:
@@ -88,10 +94,10 @@ def _eval_copy(cfg, trainer, state_dict) -> torch.nn.Module:
     return model.eval()
 
 
-_EVALUATORS: Dict[int, "HarnessEvaluator"] = {}
+_EVALUATORS: Dict[int, HarnessEvaluator] = {}
 
 
-def evaluator(cfg) -> "HarnessEvaluator":
+def evaluator(cfg) -> HarnessEvaluator:
     """The run's evaluator (one per TrainConfig: the task index is built once per run)."""
     if id(cfg) not in _EVALUATORS:
         _EVALUATORS[id(cfg)] = HarnessEvaluator(cfg)
@@ -127,9 +133,9 @@ class HarnessEvaluator:
         if self.manager is None:
             self.manager = task_manager(self.names, data.eval_harness_include_path)
         model = _eval_copy(self.cfg, trainer, full_state)
-        lm = ToolkitLM(models=[model], task=trainer.task, batch_size=data.eval_harness_batch_size,
-                       device=str(trainer.device))
+        lm = ToolkitLM(
+            models=[model], task=trainer.task, batch_size=data.eval_harness_batch_size, device=str(trainer.device)
+        )
         with rng_kept(), torch.no_grad():
-            results = evaluate(lm, self.names, self.manager, limit=data.eval_harness_limit,
-                               seed=self.cfg.common.seed)
+            results = evaluate(lm, self.names, self.manager, limit=data.eval_harness_limit, seed=self.cfg.common.seed)
         return flatten(results)

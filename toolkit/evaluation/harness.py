@@ -24,6 +24,7 @@ command as it is, so every step below is ``HFLM``'s (lm_eval 0.4's ``models/hugg
   first of them the start symbol; the KV-cache ``SequenceGenerator`` (greedy, or sampling with
   ``temperature``/``top_k``/``top_p``), stopping at the stop strings or EOS or ``max_gen_toks``.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ from toolkit.core.errors import UserError
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
-                                      postprocess_generated_text)
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        has_bos_prefix,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError:  # pragma: no cover - the command says how to install it
     raise UserError("lm-eval is not installed; pip install lm-eval (or: pip install toolkit[eval])") from None
@@ -58,7 +63,7 @@ GEN_KWARGS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_to
 
 def _last(ids: List[int], n: int) -> List[int]:
     """The last ``n`` ids (none for n <= 0): the harness's left truncation."""
-    return ids[max(0, len(ids) - n):] if n > 0 else []
+    return ids[max(0, len(ids) - n) :] if n > 0 else []
 
 
 @register_model("toolkit")
@@ -67,10 +72,20 @@ class ToolkitLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, path: Optional[str] = None, data: Optional[str] = None, batch_size: int = 8,
-                 device: Optional[str] = None, context_window: int = 0, max_gen_toks: int = 256, seed: int = 1234,
-                 models: Optional[List[torch.nn.Module]] = None, task=None, add_bos_token: Optional[bool] = None,
-                 cpu_matmul: str = "auto"):
+    def __init__(
+        self,
+        path: Optional[str] = None,
+        data: Optional[str] = None,
+        batch_size: int = 8,
+        device: Optional[str] = None,
+        context_window: int = 0,
+        max_gen_toks: int = 256,
+        seed: int = 1234,
+        models: Optional[List[torch.nn.Module]] = None,
+        task=None,
+        add_bos_token: Optional[bool] = None,
+        cpu_matmul: str = "auto",
+    ):
         super().__init__()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cpu_gemm.select_for(self._device, cpu_matmul)
@@ -88,8 +103,9 @@ class ToolkitLM(TemplateLM):
         self.context_window = int(context_window)
         self._max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         if not 0 <= self.context_window < self.max_length:
-            raise UserError(f"--context-window {context_window}: must be in [0, {self.max_length}) "
-                            f"(the model's positions)")
+            raise UserError(
+                f"--context-window {context_window}: must be in [0, {self.max_length}) (the model's positions)"
+            )
 
     # ---- identity ----
 
@@ -124,8 +140,9 @@ class ToolkitLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
         with cpu_gemm.linear_mode(self._device):
-            results = scoring.loglikelihood_tokens(self.models, pairs, self.max_length, self.dictionary.pad(),
-                                                   self.batch_size, self._device)
+            results = scoring.loglikelihood_tokens(
+                self.models, pairs, self.max_length, self.dictionary.pad(), self.batch_size, self._device
+            )
         for (request, _, _), answer in zip(requests, results):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)
@@ -135,8 +152,9 @@ class ToolkitLM(TemplateLM):
         """``HFLM.loglikelihood_rolling``: the windows of every document scored as loglikelihood requests."""
         windows, owner = [], []
         for index, (string,) in enumerate(req.args for req in requests):
-            for context, continuation in rolling_windows(self.tok_encode(string), self.prefix_token_id,
-                                                         self.max_length, self.context_window):
+            for context, continuation in rolling_windows(
+                self.tok_encode(string), self.prefix_token_id, self.max_length, self.context_window
+            ):
                 windows.append((None, context, continuation))
                 owner.append(index)
         totals = [0.0] * len(requests)
@@ -165,16 +183,20 @@ class ToolkitLM(TemplateLM):
         kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks))
         unknown = sorted(set(kwargs) - GEN_KWARGS)
         if unknown:
-            raise UserError(f"generate_until: generation arguments {unknown} are not implemented by the toolkit's "
-                            f"generator (it implements {sorted(GEN_KWARGS)})")
+            raise UserError(
+                f"generate_until: generation arguments {unknown} are not implemented by the toolkit's "
+                f"generator (it implements {sorted(GEN_KWARGS)})"
+            )
         until = handle_stop_sequences(kwargs["until"], eos=self.codec.token_string(self.eot_token_id))
         max_gen = kwargs["max_gen_toks"]
         if max_gen >= self.max_length:
-            raise UserError(f"generate_until: max_gen_toks {max_gen} must be less than the model's "
-                            f"{self.max_length} positions")
+            raise UserError(
+                f"generate_until: max_gen_toks {max_gen} must be less than the model's {self.max_length} positions"
+            )
         # HFLM: the default encoding, left-truncated to max_length - max_gen; its first id is the start symbol
-        prompts = [torch.tensor(_last(self.tok_encode(c), self.max_length - max_gen), dtype=torch.long)
-                   for c in contexts]
+        prompts = [
+            torch.tensor(_last(self.tok_encode(c), self.max_length - max_gen), dtype=torch.long) for c in contexts
+        ]
         config = self._generation_config(kwargs, max_gen)
 
         def stop(_: int, tokens: torch.Tensor) -> bool:
@@ -183,15 +205,20 @@ class ToolkitLM(TemplateLM):
 
         texts: List[str] = [""] * len(prompts)
         for start, members in group_by_context(prompts, self.prefix_token_id).items():
-            generator = SequenceGenerator(self.models, self.dictionary, config, bos=start,
-                                          generator=torch.Generator(device=self._device).manual_seed(self.seed))
+            generator = SequenceGenerator(
+                self.models,
+                self.dictionary,
+                config,
+                bos=start,
+                generator=torch.Generator(device=self._device).manual_seed(self.seed),
+            )
             members = sorted(members, key=lambda m: -len(m[1]))
             for first in range(0, len(members), max(1, self.batch_size)):
-                chunk = members[first:first + max(1, self.batch_size)]
+                chunk = members[first : first + max(1, self.batch_size)]
                 with cpu_gemm.linear_mode(self._device):
                     hypos = generator.generate([rest for _, rest in chunk], stop=stop)
                 for (i, rest), hyps in zip(chunk, hypos):
-                    tokens = hyps[0]["tokens"][len(rest):].tolist()
+                    tokens = hyps[0]["tokens"][len(rest) :].tolist()
                     tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens
                     texts[i] = postprocess_generated_text(self.codec.decode(tokens), until, None)
         return texts
@@ -199,15 +226,25 @@ class ToolkitLM(TemplateLM):
     def _generation_config(self, kwargs: dict, max_gen: int) -> GenerationConfig:
         sampling = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
         return GenerationConfig(
-            beam=1, nbest=1, sampling=sampling, min_len=0, max_len_a=0.0, max_len_b=self.max_length,
-            max_new_tokens=max_gen, temperature=float(kwargs["temperature"]) if sampling else 1.0,
+            beam=1,
+            nbest=1,
+            sampling=sampling,
+            min_len=0,
+            max_len_a=0.0,
+            max_len_b=self.max_length,
+            max_new_tokens=max_gen,
+            temperature=float(kwargs["temperature"]) if sampling else 1.0,
             sampling_topk=int(kwargs.get("top_k") or -1) if sampling else -1,
-            sampling_topp=float(kwargs.get("top_p") or -1.0) if sampling else -1.0)
+            sampling_topp=float(kwargs.get("top_p") or -1.0) if sampling else -1.0,
+        )
 
 
 def rolling_windows(tokens: List[int], prefix: int, max_length: int, context_window: int = 0):
     """(context, continuation) pairs covering ``tokens`` as ``HFLM`` cuts a document (``context_window``
     more tokens of context for every window after the first)."""
-    return [make_disjoint_window(w) for w in get_rolling_token_windows(token_list=tokens, prefix_token=prefix,
-                                                                       max_seq_len=max_length,
-                                                                       context_len=1 + context_window)]
+    return [
+        make_disjoint_window(w)
+        for w in get_rolling_token_windows(
+            token_list=tokens, prefix_token=prefix, max_seq_len=max_length, context_len=1 + context_window
+        )
+    ]

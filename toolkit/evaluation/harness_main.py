@@ -9,6 +9,7 @@
 that folder: its ``tokenizer.json`` is used). Tasks under ``--include-path`` (harness YAML) are
 found without indexing the harness's own thousands when every task asked for is there.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,10 @@ def task_manager(names: List[str], include_path: Optional[str]):
     manager = TaskManager(include_path=include_path)
     unknown = sorted(set(names) - set(manager.all_tasks))
     if unknown:
-        raise UserError(f"--tasks: unknown task(s) {', '.join(unknown)}; see lm-eval ls tasks, or give "
-                        f"--include-path with their YAML")
+        raise UserError(
+            f"--tasks: unknown task(s) {', '.join(unknown)}; see lm-eval ls tasks, or give "
+            f"--include-path with their YAML"
+        )
     return manager
 
 
@@ -69,15 +72,32 @@ def check_task_yaml(include_path: str) -> None:
         raise UserError(f"--include-path {error}; fix the file or move it out of the folder")
 
 
-def evaluate(lm, names: List[str], manager, num_fewshot: Optional[int] = None, limit: Optional[float] = None,
-             seed: int = 1234, log_samples: bool = False, bootstrap_iters: int = 0) -> Dict[str, Any]:
+def evaluate(
+    lm,
+    names: List[str],
+    manager,
+    num_fewshot: Optional[int] = None,
+    limit: Optional[float] = None,
+    seed: int = 1234,
+    log_samples: bool = False,
+    bootstrap_iters: int = 0,
+) -> Dict[str, Any]:
     """The harness's ``simple_evaluate`` on a ToolkitLM (also used during training)."""
     import lm_eval
 
-    return lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, log_samples=log_samples, random_seed=seed,
-                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                   bootstrap_iters=bootstrap_iters)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        bootstrap_iters=bootstrap_iters,
+    )
 
 
 def check_output_path(path: str) -> None:
@@ -87,8 +107,9 @@ def check_output_path(path: str) -> None:
     if not os.path.isdir(folder):
         raise UserError(f"--output-path {path}: folder {folder} does not exist; create it first")
     if os.path.isdir(path):
-        raise UserError(f"--output-path {path}: is a folder; give a file name "
-                        f"(e.g. {os.path.join(path, 'results.json')})")
+        raise UserError(
+            f"--output-path {path}: is a folder; give a file name (e.g. {os.path.join(path, 'results.json')})"
+        )
     check_writable_folder("--output-path", folder)
 
 
@@ -117,11 +138,17 @@ def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
     from toolkit.evaluation.harness import ToolkitLM
 
     manager = task_manager(names, cfg.include_path)
-    lm = ToolkitLM(path=cfg.path, data=cfg.data or None, batch_size=cfg.batch_size, device=cfg.device,
-                   context_window=cfg.context_window, max_gen_toks=cfg.max_gen_toks, seed=cfg.seed,
-                   cpu_matmul=cfg.cpu_matmul)
-    results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples,
-                       cfg.bootstrap_iters)
+    lm = ToolkitLM(
+        path=cfg.path,
+        data=cfg.data or None,
+        batch_size=cfg.batch_size,
+        device=cfg.device,
+        context_window=cfg.context_window,
+        max_gen_toks=cfg.max_gen_toks,
+        seed=cfg.seed,
+        cpu_matmul=cfg.cpu_matmul,
+    )
+    results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples, cfg.bootstrap_iters)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

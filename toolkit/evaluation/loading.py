@@ -6,6 +6,7 @@
 a DCP folder, or its ``.pt`` name) is consolidated into a temporary file first and loaded
 from there, so evaluation never needs ``toolkit-consolidate`` or a process group.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from toolkit import inference
 from toolkit.core.errors import UserError
 
 
-def load_for_eval(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
-                  overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, object]:
+def load_for_eval(
+    path: str,
+    data_dir: Optional[str] = None,
+    device: torch.device = torch.device("cpu"),
+    overrides: Optional[Dict] = None,
+) -> Tuple[torch.nn.Module, object, object]:
     """(model in eval mode, task, the checkpoint's options) for ``path``, whatever its format."""
     if os.path.isfile(path):
         return inference.load_model(path, data_dir, device, overrides)
@@ -27,9 +32,11 @@ def load_for_eval(path: str, data_dir: Optional[str] = None, device: torch.devic
 
     folder = sharded.find_sharded(path)
     if folder is None:
-        raise UserError(f"--path {path}: no such checkpoint file and no complete sharded checkpoint folder; "
-                        f"give a .pt file, a sharded folder (toolkit-train --use-sharded-state) or a "
-                        f"model.safetensors")
+        raise UserError(
+            f"--path {path}: no such checkpoint file and no complete sharded checkpoint folder; "
+            f"give a .pt file, a sharded folder (toolkit-train --use-sharded-state) or a "
+            f"model.safetensors"
+        )
     with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as tmp:
         consolidated = os.path.join(tmp, "consolidated.pt")
         sharded.consolidate(folder, consolidated, include_optimizer=False)

@@ -11,6 +11,7 @@ answers to one question) share one forward pass.
 A whole document (``loglikelihood_rolling``) is scored as such requests too, one per window
 (``toolkit.evaluation.harness.rolling_windows``), as lm-evaluation-harness's ``hf`` model scores it.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -28,14 +29,22 @@ def request_input(context: Sequence[int], continuation: Sequence[int], max_lengt
     if not continuation:
         raise UserError("loglikelihood: a request with an empty continuation has nothing to score")
     if len(continuation) > max_length:
-        raise UserError(f"loglikelihood: a continuation of {len(continuation)} tokens is longer than the "
-                        f"model's {max_length} positions")
-    return tuple((list(context) + list(continuation))[-(max_length + 1):][:-1])
+        raise UserError(
+            f"loglikelihood: a continuation of {len(continuation)} tokens is longer than the "
+            f"model's {max_length} positions"
+        )
+    return tuple((list(context) + list(continuation))[-(max_length + 1) :][:-1])
 
 
 @torch.no_grad()
-def loglikelihood_tokens(models: List[torch.nn.Module], pairs: Sequence[Pair], max_length: int, pad: int,
-                         batch_size: int = 8, device: torch.device = torch.device("cpu")) -> List[Tuple[float, bool]]:
+def loglikelihood_tokens(
+    models: List[torch.nn.Module],
+    pairs: Sequence[Pair],
+    max_length: int,
+    pad: int,
+    batch_size: int = 8,
+    device: torch.device = torch.device("cpu"),
+) -> List[Tuple[float, bool]]:
     """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per request."""
     inputs = [request_input(ctx, cont, max_length) for ctx, cont in pairs]
     distinct: Dict[Tuple[int, ...], List[int]] = {}
@@ -44,12 +53,12 @@ def loglikelihood_tokens(models: List[torch.nn.Module], pairs: Sequence[Pair], m
     order = sorted(distinct, key=lambda key: (-len(key), key))
     results: List[Tuple[float, bool]] = [(0.0, False)] * len(pairs)
     for first in range(0, len(order), max(1, batch_size)):
-        keys = order[first:first + max(1, batch_size)]
+        keys = order[first : first + max(1, batch_size)]
         width = max(len(pairs[i][1]) for key in keys for i in distinct[key])
         batch = torch.full((len(keys), len(keys[0])), pad, dtype=torch.long)
         positions = torch.zeros(len(keys), width, dtype=torch.long)
         for row, key in enumerate(keys):
-            batch[row, :len(key)] = torch.tensor(key, dtype=torch.long)
+            batch[row, : len(key)] = torch.tensor(key, dtype=torch.long)
             positions[row] = torch.arange(len(key) - width, len(key)).clamp(min=0)
         logp = inference.ensemble_log_probs(models, batch.to(device), positions.to(device))  # [B, width, V]
         for row, key in enumerate(keys):
@@ -61,6 +70,6 @@ def loglikelihood_tokens(models: List[torch.nn.Module], pairs: Sequence[Pair], m
 def _continuation_score(logp: torch.Tensor, continuation: Sequence[int]) -> Tuple[float, bool]:
     """``logp``: [width, V], the row's last positions; the continuation is scored at its last ones."""
     cont = torch.tensor(list(continuation), dtype=torch.long, device=logp.device)
-    rows = logp[logp.size(0) - len(cont):]
+    rows = logp[logp.size(0) - len(cont) :]
     greedy = bool((rows.argmax(dim=-1) == cont).all())
     return float(rows.gather(1, cont[:, None]).sum()), greedy

@@ -15,6 +15,7 @@ Decoding drops the specials (``<unk>`` too), as the Hugging Face export's tokeni
 the model's own tokenizer's specials, else ``prefix`` first, the symbol the LM sees before a text
 (``</s>``, or ``<s>`` with ``--add-bos-token``), which ``toolkit-export --format hf`` makes its BOS.
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -57,4 +58,3 @@ class TextCodec:
     def token_string(self, token_id: int) -> str:
         """The text a special id stands for (the harness adds EOS's string to the stop strings)."""
         return self.dictionary[token_id]
-

@@ -1,5 +1,6 @@
 """``toolkit-export``'s one entry point that dispatches to the format modules (its options, ``ExportConfig``,
 are declared torch-free in ``toolkit.config.commands`` for the parser and re-exported here)."""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,10 @@ def load(cfg: ExportConfig) -> LoadedModel:
         model, task, args = inference.load_model(cfg.path, cfg.data, torch.device("cpu"))
         loaded = LoadedModel(model.float().eval(), task, args, cfg.path)
         n = sum(p.numel() for p in model.parameters())
-        progress.advance(f"{cfg.path}: --arch {args.arch}, {n:,} parameters, dictionary of "
-                         f"{len(task.dictionary)} from {loaded.data_dir}")
+        progress.advance(
+            f"{cfg.path}: --arch {args.arch}, {n:,} parameters, dictionary of "
+            f"{len(task.dictionary)} from {loaded.data_dir}"
+        )
     return loaded
 
 

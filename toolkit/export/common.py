@@ -3,14 +3,14 @@
 Progress is per step (load, convert, write, check): a tqdm bar on a terminal, one log line per
 step otherwise, so a long export into a log file still says where it is.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

@@ -6,6 +6,7 @@ The result of the first is the checkpoint ``toolkit-train`` writes without ``--u
 process; no GPU and no process group. The fairseq key layout is documented in
 :mod:`toolkit.compat.fairseq.export`.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ PROG = "toolkit-consolidate"
 def check_output(flag: str, output: str, force: bool) -> None:
     """The output is one file: a folder (even with --force) or an existing file without --force is refused."""
     if os.path.isdir(output):
-        raise UserError(f"{flag} {output}: is a folder; give the file to write, e.g. "
-                        f"{os.path.join(output, 'checkpoint.pt')}")
+        raise UserError(
+            f"{flag} {output}: is a folder; give the file to write, e.g. {os.path.join(output, 'checkpoint.pt')}"
+        )
     if os.path.exists(output) and not force:
         raise UserError(f"{output}: already exists; pass --force to overwrite it or {flag} to write elsewhere")
 
@@ -39,8 +41,10 @@ def to_fairseq(cfg: ConsolidateConfig) -> str:
             consolidated = os.path.join(tmp, "consolidated.pt")
             sharded.consolidate(folder, consolidated, include_optimizer=False)
             summary = fairseq_adapter.write_fairseq_checkpoint(consolidated, output)
-    print(f"{PROG}: wrote {output} in fairseq's layout: {summary['tensors']} tensors, "
-          f"{summary['params']} parameters (from {cfg.checkpoint})")
+    print(
+        f"{PROG}: wrote {output} in fairseq's layout: {summary['tensors']} tensors, "
+        f"{summary['params']} parameters (from {cfg.checkpoint})"
+    )
     return output
 
 
@@ -50,11 +54,15 @@ def run(cfg: ConsolidateConfig) -> str:
         return to_fairseq(cfg)
     folder = sharded.find_sharded(cfg.checkpoint)
     if folder is None:
-        raise UserError(f"{cfg.checkpoint}: no complete sharded checkpoint there (a folder with "
-                        f"{sharded.DCP_INDEX} and {sharded.META_FILE}, as toolkit-train --use-sharded-state writes)")
+        raise UserError(
+            f"{cfg.checkpoint}: no complete sharded checkpoint there (a folder with "
+            f"{sharded.DCP_INDEX} and {sharded.META_FILE}, as toolkit-train --use-sharded-state writes)"
+        )
     output = cfg.output or sharded.folder_name(os.path.normpath(cfg.checkpoint)) + ".pt"
     check_output("-o", output, cfg.force)
     summary = sharded.consolidate(folder, output, include_optimizer=not cfg.no_optimizer)
-    print(f"{PROG}: wrote {output}: {summary['tensors']} tensors, {summary['params']} parameters"
-          f"{', optimizer state' if summary['optimizer'] else ''} (from {summary['world_size']} shards in {folder})")
+    print(
+        f"{PROG}: wrote {output}: {summary['tensors']} tensors, {summary['params']} parameters"
+        f"{', optimizer state' if summary['optimizer'] else ''} (from {summary['world_size']} shards in {folder})"
+    )
     return output

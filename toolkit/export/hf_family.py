@@ -5,6 +5,7 @@ The exporter never names a family: each registered model class that is ``HFImpor
 ``model_type`` values it reads (``transformer_lm``: GPT-2; ``llama``: Llama, Mistral, Qwen2), so a new family
 is a new folder under ``toolkit/models/`` (or a ``--user-dir`` plugin), nothing here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ def importing_family(config: Dict[str, Any], where: str) -> Any:
     from toolkit.core import registry
 
     registry.import_submodules("toolkit.models")
-    families = [entry.cls for _, entry in sorted(registry.MODEL_REGISTRY.entries.items())
-                if isinstance(entry.cls, HFImportable)]
+    families = [
+        entry.cls for _, entry in sorted(registry.MODEL_REGISTRY.entries.items()) if isinstance(entry.cls, HFImportable)
+    ]
     kind = config.get("model_type")
     for family in families:
         if kind in family.HF_CLASSES:

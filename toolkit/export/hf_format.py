@@ -10,6 +10,7 @@ formats it can use.
 Ids are the dictionary's: <s>=0, <pad>=1, </s>=2, <unk>=3. ``bos_token_id`` is the symbol our
 LMs see before a sentence's first token (</s>, or <s> with ``--add-bos-token``), as in fairseq.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,16 @@ def verify(folder: str, model: torch.nn.Module) -> float:
     return diff
 
 
-def write_folder(tmp: str, model, architecture: str, config: dict, state: Dict[str, torch.Tensor], dtype: str,
-                 tokenizer: Callable[[str], str], progress) -> None:
+def write_folder(
+    tmp: str,
+    model,
+    architecture: str,
+    config: dict,
+    state: Dict[str, torch.Tensor],
+    dtype: str,
+    tokenizer: Callable[[str], str],
+    progress,
+) -> None:
     """Weights, config.json and the tokenizer into ``tmp`` (one progress step each), then the transformers check."""
     progress.advance(f"{architecture}: {len(state)} tensors")
     _write_weights(state, os.path.join(tmp, "model.safetensors"), dtype)
@@ -80,10 +89,12 @@ def _tokenizer(loaded, files: Dict[str, str]):
     def write(folder: str) -> str:
         if not files:
             if loaded.dictionary.fixed_ids:
-                raise UserError(f"{os.path.join(loaded.data_dir, 'dict.txt')}: the vocabulary of a tokenizer "
-                                f"(toolkit-export --from hf), but neither tokenizer.json nor hf_byte_bpe.json is "
-                                f"beside it; give --data the import's folder (or a data-bin binarized with its "
-                                f"tokenizer); nothing written")
+                raise UserError(
+                    f"{os.path.join(loaded.data_dir, 'dict.txt')}: the vocabulary of a tokenizer "
+                    f"(toolkit-export --from hf), but neither tokenizer.json nor hf_byte_bpe.json is "
+                    f"beside it; give --data the import's folder (or a data-bin binarized with its "
+                    f"tokenizer); nothing written"
+                )
             return write_tokenizer(loaded, folder)
         for name, path in files.items():
             shutil.copyfile(path, os.path.join(folder, name))
@@ -101,9 +112,11 @@ def unsupported(model, fmt: str) -> UserError:
     formats = ["safetensors", "onnx (--kv-cache too)" if isinstance(model, OnnxCacheExportable) else "onnx"]
     if isinstance(model, HFExportable):
         formats.append("hf")
-    return UserError(f"--format {fmt}: {type(model).__name__} ({type(model).__module__}) provides no Hugging Face "
-                     f"adapters (hf_weights, see toolkit.core.protocols.HFExportable); it exports as "
-                     f"{', '.join(formats)}; nothing written")
+    return UserError(
+        f"--format {fmt}: {type(model).__name__} ({type(model).__module__}) provides no Hugging Face "
+        f"adapters (hf_weights, see toolkit.core.protocols.HFExportable); it exports as "
+        f"{', '.join(formats)}; nothing written"
+    )
 
 
 def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
@@ -113,9 +126,20 @@ def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32")
         raise unsupported(model, "hf")
     require("transformers", "transformers")
     weights = model.hf_weights(hf_class, loaded.dictionary, loaded.first_symbol, loaded.data_dir)
-    config = {**weights.config, "architectures": [weights.architecture],
-              "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]}
+    config = {
+        **weights.config,
+        "architectures": [weights.architecture],
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    }
     with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
-        write_folder(tmp, model, weights.architecture, config, weights.state, dtype,
-                     _tokenizer(loaded, weights.tokenizer_files), progress)
+        write_folder(
+            tmp,
+            model,
+            weights.architecture,
+            config,
+            weights.state,
+            dtype,
+            _tokenizer(loaded, weights.tokenizer_files),
+            progress,
+        )
     return out_dir

@@ -11,6 +11,7 @@
 Encoding puts the symbol our LMs see before a sentence (``</s>``, or ``<s>`` with
 ``--add-bos-token``) in front, so ``model(**tokenizer(text))`` scores the text as the toolkit does.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,17 +22,32 @@ from toolkit.tokenizers import BPE_JSON, load_tokenizer_for_data_bin
 
 
 def _specials(d) -> list:
-    return [{"id": i, "content": d[i], "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True} for i in (d.bos(), d.pad(), d.eos(), d.unk())]
+    return [
+        {
+            "id": i,
+            "content": d[i],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i in (d.bos(), d.pad(), d.eos(), d.unk())
+    ]
 
 
 def _template(d, first: int) -> dict:
     sym = d[first]
-    return {"type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": sym, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": sym, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 0}}],
-            "special_tokens": {sym: {"id": sym, "ids": [first], "tokens": [sym]}}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": sym, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": sym, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 0}},
+        ],
+        "special_tokens": {sym: {"id": sym, "ids": [first], "tokens": [sym]}},
+    }
 
 
 def _word_level(d) -> dict:
@@ -69,8 +85,10 @@ def build_tokenizer_spec(data_dir: str, d) -> tuple:
         return None, f"no tokenizer written: --bpe {name} has no transformers tokenizer here"
     spec = _renumbered_bpe(bpe, d, pieces[name])
     if spec is None:
-        return None, (f"no tokenizer written: some --bpe {name} tokens are not in dict.txt (the toolkit maps "
-                      f"them to <unk>, which a BPE tokenizer cannot)")
+        return None, (
+            f"no tokenizer written: some --bpe {name} tokens are not in dict.txt (the toolkit maps "
+            f"them to <unk>, which a BPE tokenizer cannot)"
+        )
     return spec, f"tokenizer: --bpe {name} renumbered to dict.txt ids"
 
 
@@ -92,8 +110,14 @@ def write_tokenizer(loaded, out_dir: str) -> str:
 def write_tokenizer_config(loaded, out_dir: str, bos: int) -> None:
     """tokenizer_config.json: the tokenizer.json as it is (``PreTrainedTokenizerFast``), with the specials' names."""
     d = loaded.dictionary
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": d[bos], "eos_token": d[d.eos()],
-              "unk_token": d[d.unk()], "pad_token": d[d.pad()], "model_max_length": loaded.model.max_positions(),
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": d[bos],
+        "eos_token": d[d.eos()],
+        "unk_token": d[d.unk()],
+        "pad_token": d[d.pad()],
+        "model_max_length": loaded.model.max_positions(),
+        "clean_up_tokenization_spaces": False,
+    }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)

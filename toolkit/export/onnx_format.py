@@ -17,6 +17,7 @@ it handles scaled_dot_product_attention and symbolic slicing, so no TorchScript 
 Inputs are right-padded as in training: no padding mask (causal attention keeps a row's
 padding from reaching its earlier positions).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,10 @@ def cached_decoder(model: torch.nn.Module) -> torch.nn.Module:
     naming the families that have one otherwise."""
     if isinstance(model, OnnxCacheExportable):
         return model.onnx_cached_decoder()
-    raise UserError(f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} models, "
-                    f"not {type(model).__name__}; export without --kv-cache (decoder.onnx)")
+    raise UserError(
+        f"--kv-cache: decoder_with_past.onnx is written for {' and '.join(_cache_families())} models, "
+        f"not {type(model).__name__}; export without --kv-cache (decoder.onnx)"
+    )
 
 
 def _cache_families() -> List[str]:
@@ -69,8 +72,11 @@ def _cache_families() -> List[str]:
     from toolkit.core import registry
 
     registry.import_submodules("toolkit.models")
-    return [name for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
-            if isinstance(entry.cls, OnnxCacheExportable)]
+    return [
+        name
+        for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
+        if isinstance(entry.cls, OnnxCacheExportable)
+    ]
 
 
 def empty_cache(model: torch.nn.Module, batch: int, past_len: int = 0) -> List[torch.Tensor]:
@@ -79,8 +85,15 @@ def empty_cache(model: torch.nn.Module, batch: int, past_len: int = 0) -> List[t
     return [torch.zeros(batch, heads, past_len, size) for _ in range(2 * len(model.layers))]
 
 
-def _export(module: torch.nn.Module, args: tuple, path: str, input_names: Sequence[str],
-            output_names: Sequence[str], dynamic_shapes, opset: int) -> None:
+def _export(
+    module: torch.nn.Module,
+    args: tuple,
+    path: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_shapes,
+    opset: int,
+) -> None:
     """The exporter's own warnings (deprecations, axis renames, torchvision ops) are not the user's."""
     onnx_logger = logging.getLogger("torch.onnx")
     level = onnx_logger.level
@@ -88,9 +101,18 @@ def _export(module: torch.nn.Module, args: tuple, path: str, input_names: Sequen
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, args, path, dynamo=True, opset_version=opset,
-                              input_names=list(input_names), output_names=list(output_names),
-                              dynamic_shapes=dynamic_shapes, verbose=False, external_data=False)
+            torch.onnx.export(
+                module,
+                args,
+                path,
+                dynamo=True,
+                opset_version=opset,
+                input_names=list(input_names),
+                output_names=list(output_names),
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+                external_data=False,
+            )
     finally:
         onnx_logger.setLevel(level)
 
@@ -99,8 +121,7 @@ def export_decoder(model: torch.nn.Module, path: str, opset: int) -> None:
     max_len = model.max_positions()
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", max=max_len)
     sample = torch.full((2, min(3, max_len)), model.padding_idx + 1, dtype=torch.long)
-    _export(LogitsDecoder(model).eval(), (sample,), path, ["tokens"], ["logits"],
-            {"tokens": {0: batch, 1: seq}}, opset)
+    _export(LogitsDecoder(model).eval(), (sample,), path, ["tokens"], ["logits"], {"tokens": {0: batch, 1: seq}}, opset)
 
 
 def export_decoder_with_past(model: torch.nn.Module, path: str, opset: int) -> None:
@@ -111,8 +132,15 @@ def export_decoder_with_past(model: torch.nn.Module, path: str, opset: int) -> N
     sample = torch.full((2, 2), model.padding_idx + 1, dtype=torch.long)
     past_sample = empty_cache(model, 2, past_len=min(3, max_len - 2))
     shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past} for _ in past_sample))
-    _export(cached_decoder(model).eval(), (sample, *past_sample), path,
-            ["tokens"] + cache_names(n, "past"), ["logits"] + cache_names(n, "present"), shapes, opset)
+    _export(
+        cached_decoder(model).eval(),
+        (sample, *past_sample),
+        path,
+        ["tokens"] + cache_names(n, "past"),
+        ["logits"] + cache_names(n, "present"),
+        shapes,
+        opset,
+    )
 
 
 def check_graph(path: str) -> None:
@@ -138,8 +166,9 @@ def run_logits(sess, tokens: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(sess.run(["logits"], {"tokens": tokens.long().numpy()})[0])
 
 
-def greedy_decode(sess, num_layers: int, cache_shape: Tuple[int, int], prompt: torch.Tensor,
-                  steps: int) -> torch.Tensor:
+def greedy_decode(
+    sess, num_layers: int, cache_shape: Tuple[int, int], prompt: torch.Tensor, steps: int
+) -> torch.Tensor:
     """Greedy continuation of ``prompt`` [B, T] through the cache graph: one prompt pass, then a
     token at a time. ``cache_shape`` is (heads, head size). Returns [B, T + steps]."""
     B = prompt.size(0)
@@ -173,8 +202,9 @@ def check_cached_parity(model: torch.nn.Module, path: str, tolerance: float = 1e
     tokens = torch.randint(0, model.embed_tokens.num_embeddings, (2, n), generator=g)
     names = cache_names(len(model.layers), "past")
     sess = session(path)
-    first = sess.run(None, {"tokens": tokens[:, :-1].numpy(),
-                            **{k: v.numpy() for k, v in zip(names, empty_cache(model, 2))}})
+    first = sess.run(
+        None, {"tokens": tokens[:, :-1].numpy(), **{k: v.numpy() for k, v in zip(names, empty_cache(model, 2))}}
+    )
     step = sess.run(None, {"tokens": tokens[:, -1:].numpy(), **dict(zip(names, first[1:]))})
     got = torch.cat([torch.from_numpy(first[0]), torch.from_numpy(step[0])], dim=1)
     with torch.no_grad():

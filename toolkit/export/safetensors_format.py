@@ -6,6 +6,7 @@ options, the model's resolved options, the dictionary's special indices) and the
 unpickles. Tensors that share storage (tied weights) are written once; ``config.json`` names
 the aliases and loading restores them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,13 @@ def dedupe_shared(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tenso
     aliases: Dict[str, str] = {}
     seen: Dict[Tuple, str] = {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         if tensor.numel() > 0 and key in seen:
             aliases[name] = seen[key]
             continue
@@ -61,8 +67,10 @@ def export_safetensors(loaded, out_dir: str, dtype: str = "fp32") -> str:
     """Write the folder (atomically: it appears complete or not at all); returns its path."""
     save_file = require("safetensors.torch", "safetensors").save_file
     with StepProgress(3, "safetensors") as progress, export_directory(out_dir) as tmp:
-        state = {k: v.detach().to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v.detach()
-                 for k, v in loaded.model.state_dict().items()}
+        state = {
+            k: v.detach().to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v.detach()
+            for k, v in loaded.model.state_dict().items()
+        }
         tensors, aliases = dedupe_shared(state)
         progress.advance(f"{len(tensors)} tensors in {dtype} ({len(aliases)} tied aliases)")
         save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT_NAME})

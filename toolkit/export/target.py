@@ -10,6 +10,7 @@ An export is written into a temporary folder beside ``--out`` and renamed into p
 - the input's own folder (``--path s/checkpoint_last.pt --out s``), a folder that holds the
   input, and the current folder (or one above it) are refused even with ``--force``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,21 +58,27 @@ def check_target(out: str, input_path: str, force: bool) -> None:
     if _inside(os.getcwd(), out):
         raise UserError(f"{flag}: is the current folder (or holds it); give a new folder name, e.g. {flag}/export")
     if _inside(input_path, out):
-        raise UserError(f"{flag}: holds the input --path {input_path}, which replacing it would delete; "
-                        f"choose another --out")
+        raise UserError(
+            f"{flag}: holds the input --path {input_path}, which replacing it would delete; choose another --out"
+        )
     if not os.path.isdir(out) or not os.listdir(out):
         return
     if not force:
-        raise UserError(f"{flag}: folder exists and is not empty; choose a new folder, or pass --force to "
-                        f"replace an earlier export (one with {MANIFEST})")
+        raise UserError(
+            f"{flag}: folder exists and is not empty; choose a new folder, or pass --force to "
+            f"replace an earlier export (one with {MANIFEST})"
+        )
     listed = listed_files(out)
     if listed is None:
-        raise UserError(f"{flag}: not an earlier export (no {MANIFEST}), so --force does not replace it; "
-                        f"choose a new folder")
+        raise UserError(
+            f"{flag}: not an earlier export (no {MANIFEST}), so --force does not replace it; choose a new folder"
+        )
     foreign = [name for name in _files_under(out) if name != MANIFEST and name not in listed]
     if foreign:
-        raise UserError(f"{flag}: holds files the export did not write ({', '.join(foreign[:3])}"
-                        f"{', ...' if len(foreign) > 3 else ''}); move them out or choose a new folder")
+        raise UserError(
+            f"{flag}: holds files the export did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); move them out or choose a new folder"
+        )
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 ``toolkit-generate``, ``toolkit-interactive`` and the hub's ``generate``/``sample``
 all build a :class:`~toolkit.generation.sequence_generator.SequenceGenerator` from this.
 """
+
 from __future__ import annotations
 
 from toolkit.core.errors import UserError

@@ -5,6 +5,7 @@
 4 decimals (the final ``</s>`` included). The hypothesis score is printed as fairseq
 prints a float32 tensor's value.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,7 @@ import torch
 
 from toolkit.core.errors import UserError
 
-POST_PROCESS_CHOICES = ("sentencepiece", "wordpiece", "letter", "silence", "_EOW", "subword_nmt", "@@ ", "@@",
-                        "none")
+POST_PROCESS_CHOICES = ("sentencepiece", "wordpiece", "letter", "silence", "_EOW", "subword_nmt", "@@ ", "@@", "none")
 
 
 def post_process(sentence: str, symbol: Optional[str]) -> str:
@@ -43,8 +43,15 @@ def base2(score: float) -> float:
     return (torch.tensor(score, dtype=torch.float32) / math.log(2)).item()
 
 
-def hypothesis_lines(sample_id: int, hypos: List[Dict], nbest: int, dictionary, tokenizer,
-                     symbol: Optional[str], decode_ids: Optional[Callable[[torch.Tensor], str]] = None) -> List[str]:
+def hypothesis_lines(
+    sample_id: int,
+    hypos: List[Dict],
+    nbest: int,
+    dictionary,
+    tokenizer,
+    symbol: Optional[str],
+    decode_ids: Optional[Callable[[torch.Tensor], str]] = None,
+) -> List[str]:
     """``decode_ids``: the D- text from the ids themselves (an imported model's own tokenizer), else the
     H- tokens decoded by the data-bin's BPE."""
     lines = []

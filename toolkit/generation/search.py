@@ -5,6 +5,7 @@ of each of B prompts; ``cum_scores`` [B, K] the hypotheses' summed log-probabili
 Each step returns candidates (score, token, beam) [B, C], best first for beam search:
 the caller finalizes those ending in ``</s>`` and continues the first K others.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,13 @@ def top_p_mask(lprobs: torch.Tensor, p: float) -> torch.Tensor:
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
-def sample_step(lprobs: torch.Tensor, cum_scores: torch.Tensor, topk: int = -1, topp: float = -1.0,
-                generator: Optional[torch.Generator] = None) -> Candidates:
+def sample_step(
+    lprobs: torch.Tensor,
+    cum_scores: torch.Tensor,
+    topk: int = -1,
+    topp: float = -1.0,
+    generator: Optional[torch.Generator] = None,
+) -> Candidates:
     """Each hypothesis draws its next token from its own (top-k / top-p truncated) distribution.
 
     The token's score is its untruncated log-probability, as fairseq's ``Sampling``
@@ -76,7 +82,7 @@ def block_repeated_ngrams(tokens: torch.Tensor, lprobs: torch.Tensor, n: int, ro
     seqs = tokens.tolist()
     for r in range(len(seqs)) if rows is None else rows:
         seq = seqs[r]
-        tail = seq[len(seq) - n + 1:] if n > 1 else []
-        banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if seq[i:i + n - 1] == tail]
+        tail = seq[len(seq) - n + 1 :] if n > 1 else []
+        banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if seq[i : i + n - 1] == tail]
         if banned:
             lprobs[r, banned] = -math.inf

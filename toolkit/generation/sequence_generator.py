@@ -46,6 +46,7 @@ Sampling checks NaN at once (``multinomial`` would fail on it first); n-gram blo
 ``stop`` callbacks read the tokens on the host, as fairseq's.
 ``benchmarks/generate.py --profile-step`` counts operators and synchronizations per step.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,27 +70,35 @@ class BrokenModelOutput(UserError):
 @dataclass
 class _Search:
     """The rows being searched: K hypotheses for each of N unfinished prompts."""
-    tokens: torch.Tensor      # [N*K, L+2]: </s>, then the tokens chosen at steps 0, 1, ...
+
+    tokens: torch.Tensor  # [N*K, L+2]: </s>, then the tokens chosen at steps 0, 1, ...
     token_scores: torch.Tensor  # [N*K, L+1]: log-probability of the token chosen at each step
-    cum: torch.Tensor         # [N*K]: summed log-probability of each hypothesis (-inf: not alive)
-    ignore: torch.Tensor      # [N, K]: sampling slots whose sample is already final
-    prompts: torch.Tensor     # [N, P]: right-padded prompts
+    cum: torch.Tensor  # [N*K]: summed log-probability of each hypothesis (-inf: not alive)
+    ignore: torch.Tensor  # [N, K]: sampling slots whose sample is already final
+    prompts: torch.Tensor  # [N, P]: right-padded prompts
     prompt_len: torch.Tensor  # [N]
-    max_len: torch.Tensor     # [N]
-    ids: List[int]            # each row group's index in the caller's list
-    states: List[Dict]        # one incremental state per model
-    prompt_len_h: List[int]   # prompt_len and max_len on the host: no device read to branch on them
+    max_len: torch.Tensor  # [N]
+    ids: List[int]  # each row group's index in the caller's list
+    states: List[Dict]  # one incremental state per model
+    prompt_len_h: List[int]  # prompt_len and max_len on the host: no device read to branch on them
     max_len_h: List[int]
-    broken: torch.Tensor      # [] bool: some row's probabilities were all NaN (read with the </s> hits)
+    broken: torch.Tensor  # [] bool: some row's probabilities were all NaN (read with the </s> hits)
     stop: Optional[Callable[[int, torch.Tensor], bool]] = None  # (prompt index, tokens after the prompt)
-    interval: int = 1           # read the </s> candidates every this many steps (greedy only)
+    interval: int = 1  # read the </s> candidates every this many steps (greedy only)
     pending: List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 class SequenceGenerator:
-    def __init__(self, models: Sequence[torch.nn.Module], dictionary, cfg: GenerationConfig,
-                 incremental: bool = True, generator: Optional[torch.Generator] = None,
-                 bos: Optional[int] = None, eos_check_interval: int = 1):
+    def __init__(
+        self,
+        models: Sequence[torch.nn.Module],
+        dictionary,
+        cfg: GenerationConfig,
+        incremental: bool = True,
+        generator: Optional[torch.Generator] = None,
+        bos: Optional[int] = None,
+        eos_check_interval: int = 1,
+    ):
         """``eos_check_interval``: greedy search reads which rows ended every this many steps (a GPU
         then queues that many steps' kernels without waiting; ended rows run on until the read)."""
         check_generation_config(cfg)
@@ -108,8 +117,9 @@ class SequenceGenerator:
         return next(self.models[0].parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[torch.Tensor],
-                 stop: Optional[Callable[[int, torch.Tensor], bool]] = None) -> List[List[Hypothesis]]:
+    def generate(
+        self, prompts: Sequence[torch.Tensor], stop: Optional[Callable[[int, torch.Tensor], bool]] = None
+    ) -> List[List[Hypothesis]]:
         """For each prompt (1-D token ids, no ``</s>``), its hypotheses, best first.
 
         ``stop(i, tokens)``, when given, is asked after every step with prompt ``i``'s tokens past
@@ -146,8 +156,11 @@ class SequenceGenerator:
             if self.cfg.temperature != 1.0:
                 out = out / self.cfg.temperature
             per_model.append(model.get_normalized_probs(out, log_probs=True))
-        lp = per_model[0] if len(per_model) == 1 else \
-            torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
+        lp = (
+            per_model[0]
+            if len(per_model) == 1
+            else torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
+        )
         nan = torch.isnan(lp)
         broken = nan.all(dim=-1).any()
         lp = lp.masked_fill(nan, -math.inf)  # fairseq's: a single NaN token is never chosen
@@ -159,15 +172,17 @@ class SequenceGenerator:
     @staticmethod
     def _check_broken(broken: bool) -> None:
         if broken:
-            raise BrokenModelOutput("the model's next-token probabilities are all NaN: the checkpoint looks broken "
-                                    "(NaN weights?); generate with an earlier checkpoint")
+            raise BrokenModelOutput(
+                "the model's next-token probabilities are all NaN: the checkpoint looks broken "
+                "(NaN weights?); generate with an earlier checkpoint"
+            )
 
     def _next_lprobs(self, s: _Search, step: int) -> torch.Tensor:
         """[N*K, V] for the token at ``step``, given tokens[:, :step + 1]."""
         if self.incremental:
-            lp, broken = self._lprobs(s.tokens[:, step:step + 1], s.states, last_only=True)
+            lp, broken = self._lprobs(s.tokens[:, step : step + 1], s.states, last_only=True)
         else:
-            lp, broken = self._lprobs(s.tokens[:, :step + 1], None, last_only=True)
+            lp, broken = self._lprobs(s.tokens[:, : step + 1], None, last_only=True)
         if self.cfg.sampling:  # multinomial fails on a NaN distribution before the step's read
             self._check_broken(bool(broken))
         else:
@@ -179,16 +194,19 @@ class SequenceGenerator:
     def _limits(self, prompt_len: torch.Tensor) -> torch.Tensor:
         longest = int(prompt_len.max())
         if longest > self.max_positions:  # fairseq refuses such a sample ("Size of sample ... is invalid")
-            raise UserError(f"prompt of {longest} tokens is longer than the model's {self.max_positions} "
-                            f"positions; shorten it")
+            raise UserError(
+                f"prompt of {longest} tokens is longer than the model's {self.max_positions} positions; shorten it"
+            )
         cfg = self.cfg
         max_len = (cfg.max_len_a * (prompt_len + 1).double() + cfg.max_len_b).long()
         if cfg.max_new_tokens is not None:
             max_len = torch.minimum(max_len, prompt_len + cfg.max_new_tokens)
         max_len = max_len.clamp(max=self.max_positions - 1)
         if cfg.min_len > int(max_len.min()):
-            raise UserError(f"--min-len {cfg.min_len} is larger than the maximum length {int(max_len.min())}; "
-                            f"lower it or raise --max-len-b")
+            raise UserError(
+                f"--min-len {cfg.min_len} is larger than the maximum length {int(max_len.min())}; "
+                f"lower it or raise --max-len-b"
+            )
         return max_len
 
     def _start(self, prompts: Sequence[torch.Tensor]) -> Tuple[_Search, torch.Tensor, int]:
@@ -198,7 +216,7 @@ class SequenceGenerator:
         max_len = self._limits(prompt_len)
         padded = torch.full((N, max(1, int(prompt_len.max()))), self.pad, dtype=torch.long)
         for i, p in enumerate(prompts):
-            padded[i, :len(p)] = p.long()
+            padded[i, : len(p)] = p.long()
         shared = int(torch.minimum(prompt_len, max_len).min())
         states = [{} for _ in self.models] if self.incremental else None
         inputs = torch.cat([torch.full((N, 1), self.bos, dtype=torch.long), padded[:, :shared]], dim=1).to(dev)
@@ -211,16 +229,26 @@ class SequenceGenerator:
             model.reorder_incremental_state(state, expand)
         L = int(max_len.max())
         tokens = torch.full((N * K, L + 2), self.pad, dtype=torch.long, device=dev)
-        tokens[:, :shared + 1] = inputs[expand]
+        tokens[:, : shared + 1] = inputs[expand]
         token_scores = torch.zeros(N * K, L + 1, device=dev)
         token_scores[:, :shared] = forced[expand]
         cum = forced.sum(dim=1)[expand].view(N, K).clone()
         if not self.cfg.sampling:
             cum[:, 1:] = -math.inf  # beam search grows from one hypothesis
-        s = _Search(tokens, token_scores, cum.view(-1), torch.zeros(N, K, dtype=torch.bool, device=dev),
-                    padded.to(dev), prompt_len.to(dev), max_len.to(dev), list(range(N)),
-                    states if states is not None else [], prompt_len.tolist(), max_len.tolist(),
-                    torch.zeros((), dtype=torch.bool, device=dev))
+        s = _Search(
+            tokens,
+            token_scores,
+            cum.view(-1),
+            torch.zeros(N, K, dtype=torch.bool, device=dev),
+            padded.to(dev),
+            prompt_len.to(dev),
+            max_len.to(dev),
+            list(range(N)),
+            states if states is not None else [],
+            prompt_len.tolist(),
+            max_len.tolist(),
+            torch.zeros((), dtype=torch.bool, device=dev),
+        )
         return s, lp[:, -1][expand], shared
 
     # ---- one step ----
@@ -249,7 +277,7 @@ class SequenceGenerator:
                 lprobs[:, self.eos].masked_fill_(~forced_d.repeat_interleave(K), -math.inf)
         if self.cfg.no_repeat_ngram_size > 0:
             free_rows = [n * K + k for n, f in enumerate(forced_h) if not f for k in range(K)]
-            block_repeated_ngrams(s.tokens[:, :step + 1], lprobs, self.cfg.no_repeat_ngram_size, free_rows)
+            block_repeated_ngrams(s.tokens[:, : step + 1], lprobs, self.cfg.no_repeat_ngram_size, free_rows)
 
     def _stopped(self, s: _Search, step: int, forced_h: List[bool]) -> torch.Tensor:
         """[N*K]: hypotheses past their prompt whose tokens so far satisfy ``s.stop``."""
@@ -257,7 +285,7 @@ class SequenceGenerator:
         out = [False] * (len(s.ids) * K)
         for n in (n for n, f in enumerate(forced_h) if not f):
             for row in range(n * K, n * K + K):
-                generated = s.tokens[row, s.prompt_len_h[n] + 1:step + 1]
+                generated = s.tokens[row, s.prompt_len_h[n] + 1 : step + 1]
                 out[row] = len(generated) > 0 and bool(s.stop(s.ids[n], generated.cpu()))
         return torch.tensor(out, dtype=torch.bool, device=s.tokens.device)
 
@@ -269,8 +297,7 @@ class SequenceGenerator:
         self._constrain(s, step, lprobs, forced)
         lp, cum = lprobs.view(N, K, V), s.cum.view(N, K)
         if self.cfg.sampling:
-            scores, tokens, beams = sample_step(lp, cum, self.cfg.sampling_topk, self.cfg.sampling_topp,
-                                                self.generator)
+            scores, tokens, beams = sample_step(lp, cum, self.cfg.sampling_topk, self.cfg.sampling_topp, self.generator)
         else:
             scores, tokens, beams = beam_search_step(lp, cum)
         forced = forced[1]
@@ -300,13 +327,14 @@ class SequenceGenerator:
         self._check_broken(flags[0])
         return [divmod(i, K) for i, hit in enumerate(flags[1:]) if hit]
 
-    def _record(self, s: _Search, step: int, row: int, score: torch.Tensor, last_lp: torch.Tensor,
-                out: List[Hypothesis]) -> None:
+    def _record(
+        self, s: _Search, step: int, row: int, score: torch.Tensor, last_lp: torch.Tensor, out: List[Hypothesis]
+    ) -> None:
         """Finalize hypothesis ``row`` ending in </s> at ``step`` (``score`` its summed log-probability)."""
         positional = torch.cat([s.token_scores[row, :step], last_lp]).float().cpu()
         if not self.cfg.unnormalized:  # float32 arithmetic, as fairseq's
             score = score / (step + 1) ** self.cfg.lenpen
-        hyp_tokens = torch.cat([s.tokens[row, 1:step + 1], s.tokens.new_tensor([self.eos])]).cpu()
+        hyp_tokens = torch.cat([s.tokens[row, 1 : step + 1], s.tokens.new_tensor([self.eos])]).cpu()
         out.append({"tokens": hyp_tokens, "score": float(score), "positional_scores": positional})
 
     def _read_pending(self, s: _Search, finalized: List[List[Hypothesis]]) -> None:
@@ -318,7 +346,7 @@ class SequenceGenerator:
         self._check_broken(flags[0])
         for i, (step, _, scores, token_lp) in enumerate(s.pending):
             for n in (n for n in range(N) if flags[1 + i * N + n] and not finalized[s.ids[n]]):
-                self._record(s, step, n, scores[n], token_lp[n:n + 1], finalized[s.ids[n]])
+                self._record(s, step, n, scores[n], token_lp[n : n + 1], finalized[s.ids[n]])
         s.pending = []
 
     def _finalize(self, s: _Search, step: int, cand, finalized: List[List[Hypothesis]]):
@@ -337,7 +365,7 @@ class SequenceGenerator:
         for n, c in [] if s.interval > 1 else self._eos_hits(s, step, eos_mask):
             out = finalized[s.ids[n]]
             if len(out) < K:
-                self._record(s, step, n * K + int(beams[n, c]), scores[n, c], token_lp[n, c:c + 1], out)
+                self._record(s, step, n * K + int(beams[n, c]), scores[n, c], token_lp[n, c : c + 1], out)
         done = [n for n in range(len(s.ids)) if len(finalized[s.ids[n]]) >= K or step >= s.max_len_h[n]]
         return eos_mask, done
 
@@ -353,8 +381,9 @@ class SequenceGenerator:
             keep = [n for n in range(len(s.ids)) if n not in finished]
             keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
             scores, tokens, beams, token_lp, eos_mask = (x[keep_t] for x in (scores, tokens, beams, token_lp, eos_mask))
-            s.ignore, s.prompts, s.prompt_len, s.max_len = (x[keep_t] for x in (s.ignore, s.prompts, s.prompt_len,
-                                                                                 s.max_len))
+            s.ignore, s.prompts, s.prompt_len, s.max_len = (
+                x[keep_t] for x in (s.ignore, s.prompts, s.prompt_len, s.max_len)
+            )
             s.ids, s.prompt_len_h, s.max_len_h = ([x[n] for n in keep] for x in (s.ids, s.prompt_len_h, s.max_len_h))
         C = scores.size(1)
         blocked = eos_mask.clone()

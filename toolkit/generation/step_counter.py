@@ -7,6 +7,7 @@ waits for every queued kernel, so the host cannot queue the next step while the 
 On a CPU those reads are free and invisible in a timing, so they are counted here instead:
 ``benchmarks/generate.py --profile-step`` reports them per step, tests bound them.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,8 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten operators whose result the host reads (on a GPU: after every queued kernel ran)
-SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-            "aten.is_nonzero.default"}
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default", "aten.is_nonzero.default"}
 # indexing by a boolean mask runs nonzero inside the kernel (the mask's count sizes the result)
 INDEX_OPS = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default"}
 
@@ -37,8 +37,14 @@ class StepCounter(TorchDispatchMode):
         super().__init__()
         self.model_ops = self.search_ops = self.syncs = 0
         self.in_model = False
-        self.hooks = [] if model is None else [model.register_forward_pre_hook(lambda *_: self._set(True)),
-                                               model.register_forward_hook(lambda *_: self._set(False))]
+        self.hooks = (
+            []
+            if model is None
+            else [
+                model.register_forward_pre_hook(lambda *_: self._set(True)),
+                model.register_forward_hook(lambda *_: self._set(False)),
+            ]
+        )
         self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
 
     def _set(self, value: bool) -> None:
@@ -57,6 +63,7 @@ class StepCounter(TorchDispatchMode):
         def call(tensor, *args, **kwargs):
             self.syncs += 1
             return method(tensor, *args, **kwargs)
+
         return call
 
     def __enter__(self):

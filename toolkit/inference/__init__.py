@@ -6,6 +6,7 @@ standing before the first. A sliding ``context_window`` gives every block of
 ``tokens_per_sample`` targets up to that many earlier tokens as (unscored)
 context, which lowers perplexity because fewer predictions start cold.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,12 @@ from toolkit.core.errors import UserError
 logger = logging.getLogger(__name__)
 
 
-def load_model(path: str, data_dir: Optional[str] = None, device: torch.device = torch.device("cpu"),
-               overrides: Optional[Dict] = None) -> Tuple[torch.nn.Module, object, Namespace]:
+def load_model(
+    path: str,
+    data_dir: Optional[str] = None,
+    device: torch.device = torch.device("cpu"),
+    overrides: Optional[Dict] = None,
+) -> Tuple[torch.nn.Module, object, Namespace]:
     """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
 
     Reads toolkit checkpoints, fairseq ``transformer_lm`` ones (see
@@ -61,14 +66,16 @@ def load_model(path: str, data_dir: Optional[str] = None, device: torch.device =
     task_entry = registry.TASK_REGISTRY.get(args.task)
     task = task_entry.cls.setup_task(options.config_from_args(task_entry.config, args))
     check_compatible(path, cfg, args, embed_rows(state["model"]), len(task.dictionary))
-    identity.check_dictionary(path, identity.saved_hash(state.get("extra_state")), task.dictionary,
-                              identity.dict_path_of(task))
+    identity.check_dictionary(
+        path, identity.saved_hash(state.get("extra_state")), task.dictionary, identity.dict_path_of(task)
+    )
     model = build_for_loading(args.arch, args, task, device)
     state["model"] = fairseq_adapter.model_weights(path, model, state)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
-        raise UserError(f"{path}: checkpoint does not match --arch {args.arch} "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{path}: checkpoint does not match --arch {args.arch} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return model.eval(), task, args
 
 
@@ -78,8 +85,10 @@ def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) ->
     known = set(saved) | set(model_option_names(saved.get("arch")))
     unknown = sorted(set(overrides or {}) - known)
     if unknown:
-        logger.warning(f"--model-overrides: {', '.join(unknown)} not an option of {path}'s model or task "
-                       f"(--arch {saved.get('arch')}); ignored")
+        logger.warning(
+            f"--model-overrides: {', '.join(unknown)} not an option of {path}'s model or task "
+            f"(--arch {saved.get('arch')}); ignored"
+        )
 
 
 def model_option_names(arch: Optional[str]) -> List[str]:
@@ -88,8 +97,9 @@ def model_option_names(arch: Optional[str]) -> List[str]:
     return [f.name for f in dataclasses.fields(entry.config)] if entry is not None and entry.config else []
 
 
-def load_ensemble(paths: str, data_dir: Optional[str], device: torch.device,
-                  overrides: Optional[Dict] = None) -> Tuple[List[torch.nn.Module], object, Namespace]:
+def load_ensemble(
+    paths: str, data_dir: Optional[str], device: torch.device, overrides: Optional[Dict] = None
+) -> Tuple[List[torch.nn.Module], object, Namespace]:
     models, task, args = [], None, None
     for path in paths.split(":"):
         model, task_i, args_i = load_model(path, data_dir, device, overrides)
@@ -123,8 +133,9 @@ def _average(models: List[torch.nn.Module], outputs: list) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
-                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def ensemble_log_probs(
+    models: List[torch.nn.Module], inputs: torch.Tensor, positions: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """log p(next token) averaged over the ensemble in probability space, [B, T, V] fp32: the one scorer.
 
     Every model normalizes through its own ``get_normalized_probs`` (a plain softmax, or the
@@ -134,6 +145,7 @@ def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
     ``positions`` [B, K] (optional): normalize only those positions of each row, [B, K, V]; the
     softmax over the vocabulary at every other position is never computed (memory and time).
     """
+
     def select(out: torch.Tensor) -> torch.Tensor:
         out = out[0] if isinstance(out, tuple) else out  # fairseq-style models return (logits, extra)
         if positions is None:
@@ -144,8 +156,9 @@ def ensemble_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor,
 
 
 @torch.no_grad()
-def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
-                     softmax_batch: int = 0) -> torch.Tensor:
+def target_log_probs(
+    models: List[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor, softmax_batch: int = 0
+) -> torch.Tensor:
     """log p(target) per position [B, T] (natural log, fp32): :func:`ensemble_log_probs`' distribution, gathered
     at the targets. ``softmax_batch`` > 0 normalizes at most that many positions at a time (memory only)."""
     outputs = [_positions_of(m(inputs), lambda out: out.reshape(1, -1, out.size(-1))) for m in models]
@@ -154,15 +167,22 @@ def target_log_probs(models: List[torch.nn.Module], inputs: torch.Tensor, target
     step = softmax_batch if 0 < softmax_batch < n else max(n, 1)
     parts = []
     for s in range(0, n, step):
-        chunk = [_positions_of(out, lambda x: x[:, s:s + step]) for out in outputs]
-        parts.append(_average(models, chunk)[0].gather(1, flat_tgt[s:s + step, None])[:, 0])
+        chunk = [_positions_of(out, lambda x: x[:, s : s + step]) for out in outputs]
+        parts.append(_average(models, chunk)[0].gather(1, flat_tgt[s : s + step, None])[:, 0])
     return torch.cat(parts).float().view(targets.shape)
 
 
 @torch.no_grad()
-def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, tokens_per_sample: int,
-                 context_window: int = 0, max_tokens: Optional[int] = None, batch_size: Optional[int] = None,
-                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
+def score_stream(
+    models: List[torch.nn.Module],
+    stream: torch.Tensor,
+    eos: int,
+    tokens_per_sample: int,
+    context_window: int = 0,
+    max_tokens: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    device: torch.device = torch.device("cpu"),
+) -> torch.Tensor:
     """Per-token log-probabilities (natural log) of every token of ``stream``."""
     stream = stream.long()
     inputs_all = torch.cat([stream.new_tensor([eos]), stream[:-1]])
@@ -171,7 +191,7 @@ def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, 
     width = tokens_per_sample + context_window
     per_batch = max(1, min(batch_size or 1 << 30, (max_tokens or width * 8) // width))
     for i in range(0, len(blocks), per_batch):
-        group = blocks[i:i + per_batch]
+        group = blocks[i : i + per_batch]
         lengths = [end - s for s, _, end in group]
         batch = torch.full((len(group), max(lengths)), eos, dtype=torch.long)
         targets = torch.full_like(batch, eos)
@@ -180,5 +200,5 @@ def score_stream(models: List[torch.nn.Module], stream: torch.Tensor, eos: int, 
             targets[row, : end - s] = stream[s:end]
         logp = target_log_probs(models, batch.to(device), targets.to(device)).cpu()
         for row, (s, t, end) in enumerate(group):
-            out[t:end] = logp[row, t - s:end - s]
+            out[t:end] = logp[row, t - s : end - s]
     return out

@@ -17,6 +17,7 @@ dropped from the count: one NaN weight made every score NaN, all were dropped, a
 command printed perplexity 1.00 with exit 0. An evaluation that counts no token at all
 is an error too, for the same reason.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,8 @@ class ContextWindow:
             row = np.concatenate([self.prev, toks[i].numpy()])
             if self.relink is not None and len(self.prev) and self.relink[0](int(sample["id"][i])):
                 row[len(self.prev)] = self.relink[1]
-            new_toks[i, :len(row)] = row
-            new_tgt[i, len(self.prev):len(self.prev) + tgt.shape[1]] = tgt[i].numpy()
+            new_toks[i, : len(row)] = row
+            new_tgt[i, len(self.prev) : len(self.prev) + tgt.shape[1]] = tgt[i].numpy()
             starts.append(len(self.prev))
             self.prev = new_toks[i][new_toks[i] != pad][-cw:]
         sample["net_input"]["src_tokens"] = torch.from_numpy(new_toks)
@@ -73,10 +74,18 @@ class ContextWindow:
         return sample
 
 
-def eval_batches(dataset, context_window: int, tokens_per_sample: int, pad: int,
-                 max_tokens: Optional[int] = None, batch_size: Optional[int] = None,
-                 max_positions: Optional[int] = None, num_shards: int = 1, shard_id: int = 0,
-                 seed: int = 1) -> Iterator[Dict[str, Any]]:
+def eval_batches(
+    dataset,
+    context_window: int,
+    tokens_per_sample: int,
+    pad: int,
+    max_tokens: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    max_positions: Optional[int] = None,
+    num_shards: int = 1,
+    shard_id: int = 0,
+    seed: int = 1,
+) -> Iterator[Dict[str, Any]]:
     """Collated batches as fairseq's ``eval_lm_dataloader`` makes them (this shard's share).
 
     ``tokens_per_sample`` is the block size (already reduced by the context window).
@@ -85,13 +94,18 @@ def eval_batches(dataset, context_window: int, tokens_per_sample: int, pad: int,
     indices = np.arange(len(dataset), dtype=np.int64) if context_window > 0 else dataset.ordered_indices(seed)
     indices, dropped = filter_by_size(indices, dataset.sizes, max_positions)
     if len(dropped) and not len(indices):
-        raise UserError(f"--tokens-per-sample/--sample-break-mode: every block is longer than the model's "
-                        f"{max_positions} positions; lower --tokens-per-sample")
+        raise UserError(
+            f"--tokens-per-sample/--sample-break-mode: every block is longer than the model's "
+            f"{max_positions} positions; lower --tokens-per-sample"
+        )
     if len(dropped):
-        logger.warning(f"{len(dropped)} samples have invalid sizes (longer than the model's {max_positions} "
-                       f"positions) and will be skipped, e.g. sample {int(dropped[0])}")
-    batches = batch_by_size(indices, dataset.sizes, max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-                            max_sentences=batch_size)
+        logger.warning(
+            f"{len(dropped)} samples have invalid sizes (longer than the model's {max_positions} "
+            f"positions) and will be skipped, e.g. sample {int(dropped[0])}"
+        )
+    batches = batch_by_size(
+        indices, dataset.sizes, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, max_sentences=batch_size
+    )
     relink = (dataset.starts_with_bos, dataset.dictionary.eos()) if dataset.bos_as_context else None
     window = ContextWindow(tokens_per_sample, context_window, pad, relink) if context_window > 0 else None
     for batch in batches[shard_id::num_shards]:
@@ -99,28 +113,37 @@ def eval_batches(dataset, context_window: int, tokens_per_sample: int, pad: int,
         yield window(sample) if window is not None else sample
 
 
-def score_sample(models: List[torch.nn.Module], sample: Dict[str, Any], pad: int, max_positions: int,
-                 softmax_batch: int, device: torch.device) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+def score_sample(
+    models: List[torch.nn.Module],
+    sample: Dict[str, Any],
+    pad: int,
+    max_positions: int,
+    softmax_batch: int,
+    device: torch.device,
+) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
     """(sample id, target tokens, positional scores) per row, as fairseq's SequenceScorer."""
     src, target = sample["net_input"]["src_tokens"], sample["target"]
     width = int(src.ne(pad).sum(1).max()) if src.numel() else 0  # trailing all-pad columns change nothing
-    src, target = src[:, :max(width, 1)], target[:, :max(width, 1)]
+    src, target = src[:, : max(width, 1)], target[:, : max(width, 1)]
     if src.size(1) > max_positions:
-        raise UserError(f"--tokens-per-sample/--context-window: a block with its context has {src.size(1)} tokens, "
-                        f"more than the model's {max_positions} positions; lower --tokens-per-sample")
+        raise UserError(
+            f"--tokens-per-sample/--context-window: a block with its context has {src.size(1)} tokens, "
+            f"more than the model's {max_positions} positions; lower --tokens-per-sample"
+        )
     lp = inference.target_log_probs(models, src.to(device), target.to(device), softmax_batch).cpu()
     starts = sample.get("start_indices") or [0] * src.size(0)
     rows = []
     for i, start in enumerate(starts):
         ref = target[i, start:]
         ref = ref[ref.ne(pad)]
-        rows.append((int(sample["id"][i]), ref, lp[i, start:start + len(ref)].clone()))
+        rows.append((int(sample["id"][i]), ref, lp[i, start : start + len(ref)].clone()))
     return rows
 
 
 @dataclass
 class WordStat:
     """fairseq's --output-word-stats line: word, count, sum of log-probs, is_bpe, next word's, their count."""
+
     word: str
     is_bpe: bool
     log_prob: float = 0.0
@@ -137,8 +160,10 @@ class WordStat:
         self.count += 1
 
     def __str__(self) -> str:
-        return (f"{self.word}\t{self.count}\t{self.log_prob}\t{self.is_bpe}\t{self.next_word_prob}\t"
-                f"{self.count - self.missing_next_words}")
+        return (
+            f"{self.word}\t{self.count}\t{self.log_prob}\t{self.is_bpe}\t{self.next_word_prob}\t"
+            f"{self.count - self.missing_next_words}"
+        )
 
 
 @dataclass
@@ -172,8 +197,14 @@ def merge_bpe(tokens: torch.Tensor, scores: torch.Tensor, bpe_toks: Optional[Set
     return skipped
 
 
-def word_probs(dictionary, tokens: torch.Tensor, scores: torch.Tensor, bpe_toks: Optional[Set[int]],
-               bpe_len: int, stats: Dict[str, WordStat]) -> List[Tuple[str, float]]:
+def word_probs(
+    dictionary,
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    bpe_toks: Optional[Set[int]],
+    bpe_len: int,
+    stats: Dict[str, WordStat],
+) -> List[Tuple[str, float]]:
     """Whole words with their log-probabilities (fairseq's --output-word-probs/--output-word-stats)."""
     words, w, is_bpe = [], "", False
     for i in range(len(tokens)):
@@ -192,8 +223,9 @@ def word_probs(dictionary, tokens: torch.Tensor, scores: torch.Tensor, bpe_toks:
     return words
 
 
-def accumulate(totals: Totals, dictionary, rows, bpe: Tuple[Optional[Set[int]], int], remove_bos: bool,
-               word_output: bool) -> List[str]:
+def accumulate(
+    totals: Totals, dictionary, rows, bpe: Tuple[Optional[Set[int]], int], remove_bos: bool, word_output: bool
+) -> List[str]:
     """Add one batch's rows to the totals (fairseq's eval_lm loop); the --output-word-probs lines."""
     bpe_toks, bpe_len = bpe
     lines = []
@@ -201,8 +233,9 @@ def accumulate(totals: Totals, dictionary, rows, bpe: Tuple[Optional[Set[int]], 
         tgt_len = len(tokens)
         if remove_bos:
             if len(tokens) == 0 or int(tokens[0]) != dictionary.bos():
-                raise UserError("--add-bos-token: a block does not start with <s>; was the split binarized "
-                                "differently?")
+                raise UserError(
+                    "--add-bos-token: a block does not start with <s>; was the split binarized differently?"
+                )
             tokens, scores = tokens[1:], scores[1:]
         skipped = merge_bpe(tokens, scores, bpe_toks, tgt_len)
         totals.score_sum = totals.score_sum + scores.float().sum()
@@ -219,19 +252,23 @@ def check_finite(rows, split: str, path: str) -> None:
         bad = (~torch.isfinite(scores)).nonzero()
         if len(bad):
             index = int(bad[0, 0])
-            raise UserError(f"{path}: the model scores {float(scores[index])} for --gen-subset {split}, sample "
-                            f"{sample_id}, token {index} (id {int(tokens[index])}): the checkpoint looks broken "
-                            f"(NaN/inf weights?); evaluate an earlier checkpoint")
+            raise UserError(
+                f"{path}: the model scores {float(scores[index])} for --gen-subset {split}, sample "
+                f"{sample_id}, token {index} (id {int(tokens[index])}): the checkpoint looks broken "
+                f"(NaN/inf weights?); evaluate an earlier checkpoint"
+            )
 
 
 def check_counted(totals: Totals, split: str, data: str) -> None:
     """An evaluation that counted no token has no perplexity (fairseq printed 1.00)."""
     if totals.count <= 0:
-        raise UserError(f"{data}/{split}: no tokens to evaluate (the split is empty, or this --shard-id has no "
-                        f"batch); give a split with text in it (--gen-subset)")
+        raise UserError(
+            f"{data}/{split}: no tokens to evaluate (the split is empty, or this --shard-id has no "
+            f"batch); give a split with text in it (--gen-subset)"
+        )
 
 
 def perplexity(totals: Totals) -> Dict[str, float]:
     """fairseq's: loss in base 2 over the counted tokens (0 when nothing was counted)."""
     loss = -float(totals.score_sum) / totals.count / math.log(2) if totals.count > 0 else 0.0
-    return {"loss": loss, "perplexity": 2 ** loss, "count": totals.count}
+    return {"loss": loss, "perplexity": 2**loss, "count": totals.count}

@@ -13,6 +13,7 @@ is what ``AutoTokenizer(line)["input_ids"]`` gives, its first id (Llama's BOS) t
 starts from, so greedy output is transformers' ``generate(do_sample=False)``; ``D-`` is the tokenizer's
 ``decode(..., skip_special_tokens=True)``. ``--path`` may name the imported folder itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,9 @@ class Session:
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
         cpu_gemm.select_for(self.device, cfg.cpu_matmul)
-        self.models, self.task, self.train_args = inference.load_ensemble(checkpoint_files(cfg.path), cfg.data,
-                                                                          self.device)
+        self.models, self.task, self.train_args = inference.load_ensemble(
+            checkpoint_files(cfg.path), cfg.data, self.device
+        )
         if task_overrides:  # the task only: the models keep the shapes they were trained with
             values = {**vars(self.train_args), "data": self.task.cfg.data, **task_overrides}
             self.task = type(self.task).setup_task(options.config_from_args(type(self.task.cfg), values))
@@ -95,14 +97,17 @@ class Session:
         decode = None
         if self.model_tokenizer is not None:
             decode = lambda tokens: hf_ids.decode_ids(self.model_tokenizer, tokens)  # noqa: E731
-        return hypothesis_lines(sample_id, hypos, self.gen_cfg.nbest, self.dictionary, self.tokenizer,
-                                self.cfg.post_process, decode)
+        return hypothesis_lines(
+            sample_id, hypos, self.gen_cfg.nbest, self.dictionary, self.tokenizer, self.cfg.post_process, decode
+        )
 
     def log_summary(self) -> None:
         logger.info("NOTE: hypothesis and token scores are output in base 2")
         secs = max(self.seconds, 1e-9)
-        logger.info(f"Translated {self.num_sentences:,} sentences ({self.num_tokens:,} tokens) in {self.seconds:.1f}s "
-                    f"({self.num_sentences / secs:.2f} sentences/s, {self.num_tokens / secs:.2f} tokens/s)")
+        logger.info(
+            f"Translated {self.num_sentences:,} sentences ({self.num_tokens:,} tokens) in {self.seconds:.1f}s "
+            f"({self.num_sentences / secs:.2f} sentences/s, {self.num_tokens / secs:.2f} tokens/s)"
+        )
 
 
 def checkpoint_files(paths: str) -> str:
@@ -131,14 +136,16 @@ def split_prompts(session: Session, dataset, ids: List[int], prefix_size: int) -
     return prompts
 
 
-def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None,
-                  out: TextIO = sys.stdout) -> Session:
+def generate_main(
+    cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None, out: TextIO = sys.stdout
+) -> Session:
     """Generate from every sample of ``--gen-subset``, printing S-/T-/H-/D-/P- lines."""
     session = Session(cfg, gen_cfg, task_overrides or {})
     dataset = session.task.load_dataset(cfg.gen_subset)
     batch_size = cfg.batch_size or 16
-    progress = StepProgress((len(dataset) + batch_size - 1) // batch_size, f"generate {cfg.gen_subset}",
-                            logger_name=logger.name)
+    progress = StepProgress(
+        (len(dataset) + batch_size - 1) // batch_size, f"generate {cfg.gen_subset}", logger_name=logger.name
+    )
     for first in range(0, len(dataset), batch_size):
         ids = list(range(first, min(first + batch_size, len(dataset))))
         progress.advance(f"samples {first}-{ids[-1]} of {len(dataset)}")
@@ -147,9 +154,14 @@ def generate_main(cfg: GenerateConfig, gen_cfg: GenerationConfig, task_overrides
         except UserError as e:
             if gen_cfg.prefix_size > 0:
                 raise
-            eos = "" if session.task.cfg.sample_break_mode == "eos" else ", or --sample-break-mode eos for one line per sample"
-            raise UserError(f"{e} (without --prefix-size each whole sample of --gen-subset is a prompt: "
-                            f"give --prefix-size N{eos})") from None
+            eos = (
+                ""
+                if session.task.cfg.sample_break_mode == "eos"
+                else ", or --sample-break-mode eos for one line per sample"
+            )
+            raise UserError(
+                f"{e} (without --prefix-size each whole sample of --gen-subset is a prompt: give --prefix-size N{eos})"
+            ) from None
         if cfg.quiet:
             continue
         for sample_id, sample_hypos in zip(ids, hypos):
@@ -180,8 +192,10 @@ def clean_input_line(line: str, number: int) -> str:
     bad = sum(1 for ch in line if ch == "\0" or "\udc80" <= ch <= "\udcff")
     if not bad:
         return line
-    logger.warning(f"input line {number}: {bad} invalid UTF-8 byte(s) or NUL character(s), replaced by U+FFFD "
-                   f"(an unknown word to the model); give UTF-8 text")
+    logger.warning(
+        f"input line {number}: {bad} invalid UTF-8 byte(s) or NUL character(s), replaced by U+FFFD "
+        f"(an unknown word to the model); give UTF-8 text"
+    )
     return "".join("\ufffd" if ch == "\0" or "\udc80" <= ch <= "\udcff" else ch for ch in line)
 
 
@@ -199,8 +213,10 @@ def encode_prompt(session: Session, line: str) -> torch.Tensor:
     if session.model_tokenizer is not None:
         return hf_ids.encode_ids(session.model_tokenizer, line)
     if session.dictionary.fixed_ids:
-        raise UserError(f"{session.task.cfg.data}: dict.txt is a tokenizer's vocabulary (toolkit-export --from hf) but "
-                        f"no tokenizer.json is beside it; give the folder the import wrote as DATA")
+        raise UserError(
+            f"{session.task.cfg.data}: dict.txt is a tokenizer's vocabulary (toolkit-export --from hf) but "
+            f"no tokenizer.json is beside it; give the folder the import wrote as DATA"
+        )
     pieces = session.tokenizer.encode(line) if session.tokenizer is not None else line
     return session.dictionary.encode_line(pieces, append_eos=False).long()
 
@@ -222,8 +238,13 @@ def generate_prompts(session: Session, prompts: List[torch.Tensor]) -> Tuple[Lis
     return shown, out
 
 
-def interactive_main(cfg: InteractiveConfig, gen_cfg: GenerationConfig, task_overrides: Optional[Dict] = None,
-                     stdin: Optional[TextIO] = None, out: TextIO = sys.stdout) -> Session:
+def interactive_main(
+    cfg: InteractiveConfig,
+    gen_cfg: GenerationConfig,
+    task_overrides: Optional[Dict] = None,
+    stdin: Optional[TextIO] = None,
+    out: TextIO = sys.stdout,
+) -> Session:
     """One prompt per input line; S-/W-/H-/D-/P- lines per prompt, in input order."""
     buffer_size = max(cfg.buffer_size, 1)
     batch_size = cfg.batch_size or 1
@@ -250,7 +271,7 @@ def run_interactive(session: Session, stream: TextIO, buffer_size: int, batch_si
         prompts = [encode_prompt(session, line) for line in lines]
         for first in range(0, len(prompts), batch_size):
             started = time.time()
-            batch, hypos = generate_prompts(session, prompts[first:first + batch_size])
+            batch, hypos = generate_prompts(session, prompts[first : first + batch_size])
             per_prompt = (time.time() - started) / len(batch)
             for offset, (prompt, sample_hypos) in enumerate(zip(batch, hypos)):
                 sample_id = start_id + first + offset

@@ -4,6 +4,7 @@ The data-bin's tokenizer (whitespace or the BPE it was built with) is applied,
 so users pass raw sentences. fairseq's hub methods and keywords (``cfg``, ``src_dict``, ``binarize``,
 ``score([...])``, ``bpe=``, ...) come from :mod:`toolkit.compat.fairseq.hub`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,15 +21,25 @@ from toolkit.core import cpu_gemm, registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference import model_tokenizer as hf_ids
-from toolkit.compat.fairseq.hub import (FairseqHubMethods, build_bpe_kwarg, build_tokenizer_kwarg, checkpoint_path,
-                                  split_hub_kwargs)
+from toolkit.compat.fairseq.hub import (
+    FairseqHubMethods,
+    build_bpe_kwarg,
+    build_tokenizer_kwarg,
+    checkpoint_path,
+    split_hub_kwargs,
+)
 
 logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
 
 
-def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = None,
-                    data_name_or_path: str = ".", device: Optional[str] = None, cpu_matmul: str = "auto",
-                    **kwargs) -> "LMHubInterface":
+def from_pretrained(
+    model_name_or_path: str,
+    checkpoint_file: Optional[str] = None,
+    data_name_or_path: str = ".",
+    device: Optional[str] = None,
+    cpu_matmul: str = "auto",
+    **kwargs,
+) -> LMHubInterface:
     """``model_name_or_path`` is a folder holding the checkpoint; the data-bin path is relative to it.
 
     With no ``checkpoint_file``, the folder's ``model.pt`` (fairseq's release name), else
@@ -40,8 +51,9 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str] = No
     on a CPU by oneDNN or torch's BLAS, ``toolkit.core.cpu_gemm``), for ``score``/``sample``/``generate``.
     """
     path = checkpoint_path(model_name_or_path, checkpoint_file)
-    data = data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path,
-                                                                                    data_name_or_path)
+    data = (
+        data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path, data_name_or_path)
+    )
     bpe_name, tokenizer_name, rest = split_hub_kwargs(kwargs)
     if rest.get("user_dir"):  # fairseq's keyword: the plugin folder that registers the model
         registry.import_user_module(rest.pop("user_dir"))
@@ -100,8 +112,9 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         if self.model_tokenizer is not None:
             first, tokens = hf_ids.split_context(tokens, "score")
         with cpu_gemm.linear_mode(self.device):
-            lprobs = inference.score_stream(list(self.models), tokens, first,
-                                            tokens_per_sample=self.args.tokens_per_sample, device=self.device)
+            lprobs = inference.score_stream(
+                list(self.models), tokens, first, tokens_per_sample=self.args.tokens_per_sample, device=self.device
+            )
         return {
             "tokens": tokens,
             "positional_scores": lprobs,
@@ -110,8 +123,9 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         }
 
     @torch.no_grad()
-    def sample(self, sentences: Union[str, List[str]] = "", beam: int = 1, verbose: bool = False,
-               **kwargs) -> Union[str, List[str]]:
+    def sample(
+        self, sentences: Union[str, List[str]] = "", beam: int = 1, verbose: bool = False, **kwargs
+    ) -> Union[str, List[str]]:
         """Continue each prompt (fairseq's ``sample``): the best hypothesis, prompt included, as text.
 
         Keyword arguments are fairseq's generation names (``sampling``, ``sampling_topk``,
@@ -125,8 +139,14 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         return [self.decode(h[0]["tokens"]) for h in hypos]
 
     @torch.no_grad()
-    def generate(self, tokenized_sentences: Union[torch.Tensor, List[torch.Tensor]], beam: int = 5,
-                 verbose: bool = False, batch_size: int = 16, **kwargs) -> List[List[Dict[str, object]]]:
+    def generate(
+        self,
+        tokenized_sentences: Union[torch.Tensor, List[torch.Tensor]],
+        beam: int = 5,
+        verbose: bool = False,
+        batch_size: int = 16,
+        **kwargs,
+    ) -> List[List[Dict[str, object]]]:
         """Hypotheses (``tokens``, ``score``, ``positional_scores``; natural log) per encoded prompt.
 
         With the model's own tokenizer each prompt's first id is the context it starts from (prompts are
@@ -141,13 +161,16 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
             generator = torch.Generator(device=self.device).manual_seed(seed)
         start = self.dictionary.bos() if self.args_add_bos else self.dictionary.eos()
         prompts = [strip_eos(t, self.dictionary.eos()) for t in tokenized_sentences]
-        groups = hf_ids.group_by_context(prompts, start) if self.model_tokenizer is not None else \
-            {start: list(enumerate(prompts))}
+        groups = (
+            hf_ids.group_by_context(prompts, start)
+            if self.model_tokenizer is not None
+            else {start: list(enumerate(prompts))}
+        )
         out: List[List[Dict[str, object]]] = [[] for _ in prompts]
         for first, group in groups.items():
             gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator, bos=first)
             for i in range(0, len(group), batch_size):
-                chunk = group[i:i + batch_size]
+                chunk = group[i : i + batch_size]
                 with cpu_gemm.linear_mode(self.device):
                     hypos_of_chunk = gen.generate([p for _, p in chunk])
                 for (index, _), hypos in zip(chunk, hypos_of_chunk):
@@ -176,8 +199,10 @@ def hub_generation_config(beam: int, kwargs: Dict[str, object]) -> GenerationCon
     for key, value in kwargs.items():
         name = HUB_ALIASES.get(key, key)
         if name not in names:
-            raise UserError(f"generate(): unknown argument {key!r}; use fairseq's generation names "
-                            f"({', '.join(sorted(names - {'max_new_tokens'}))}) or {', '.join(HUB_ALIASES)}")
+            raise UserError(
+                f"generate(): unknown argument {key!r}; use fairseq's generation names "
+                f"({', '.join(sorted(names - {'max_new_tokens'}))}) or {', '.join(HUB_ALIASES)}"
+            )
         values[name] = value
     truncated = values.get("sampling_topk", -1) > 0 or values.get("sampling_topp", -1.0) > 0
     if values.get("sampling") is None:

@@ -8,6 +8,7 @@ the context the model starts from (Llama's BOS; for a tokenizer without BOS, suc
 text token), never scored or generated; every id after it is. Models trained on the toolkit's own
 data-bins keep fairseq's encoding (``</s>`` appended; ``</s>`` or ``<s>`` as the context before it).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ def load_model_tokenizer(data_dir: str, dictionary):
     tok = Tokenizer.from_file(path)
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > len(dictionary):
-        raise UserError(f"{path}: {size} tokens but dict.txt has {len(dictionary)}; the folder is not one "
-                        f"toolkit-export --from hf wrote (re-import the model)")
+        raise UserError(
+            f"{path}: {size} tokens but dict.txt has {len(dictionary)}; the folder is not one "
+            f"toolkit-export --from hf wrote (re-import the model)"
+        )
     return tok
 
 
@@ -67,8 +70,10 @@ def encode_lines(tok, lines: Sequence[str], dictionary) -> torch.LongTensor:
 def split_context(tokens: torch.Tensor, what: str) -> Tuple[int, torch.Tensor]:
     """(the first id, the ids after it): the context transformers starts from, and the ids it scores."""
     if len(tokens) < 2:
-        raise UserError(f"{what}: {len(tokens)} id(s) after encoding; the first id is the context the model "
-                        f"starts from, so at least two are needed (lengthen the text)")
+        raise UserError(
+            f"{what}: {len(tokens)} id(s) after encoding; the first id is the context the model "
+            f"starts from, so at least two are needed (lengthen the text)"
+        )
     return int(tokens[0]), tokens[1:].long()
 
 

@@ -4,6 +4,7 @@ As fairseq, the file holds what stdout would (the S-/T-/H-/D-/P- lines) and the 
 It is written under a temporary name and renamed when generation has finished, so a failed
 run leaves no half-written results file.
 """
+
 from __future__ import annotations
 
 import logging

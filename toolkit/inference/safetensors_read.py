@@ -4,6 +4,7 @@ The writer is :mod:`toolkit.export.safetensors_format`; the reader lives here, i
 because loading a model (``toolkit.inference.load_model``, the hub) accepts such a folder and the
 inference layer sits below export.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,17 +27,20 @@ def read_exported(path: str) -> Dict[str, Any]:
 
     Values are fp32 whatever the stored dtype, as a training checkpoint's are.
     """
-    load_file = import_optional("safetensors.torch", "safetensors is not installed; pip install toolkit[export] "
-                                                   "(or: pip install safetensors)").load_file
+    load_file = import_optional(
+        "safetensors.torch", "safetensors is not installed; pip install toolkit[export] (or: pip install safetensors)"
+    ).load_file
     config_path = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
     if not os.path.isfile(path) or not os.path.isfile(config_path):
-        raise UserError(f"{path}: needs {CONFIG} beside it; give a folder written by toolkit-export --format "
-                        f"safetensors")
+        raise UserError(
+            f"{path}: needs {CONFIG} beside it; give a folder written by toolkit-export --format safetensors"
+        )
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     if config.get("format") != FORMAT_NAME:
-        raise UserError(f"{config_path}: not written by toolkit-export --format safetensors "
-                        f"(format {config.get('format')!r})")
+        raise UserError(
+            f"{config_path}: not written by toolkit-export --format safetensors (format {config.get('format')!r})"
+        )
     tensors = load_file(path)
     for alias, name in config.get("tied", {}).items():
         tensors[alias] = tensors[name]

@@ -6,6 +6,7 @@ Only ``setup`` (the root logger's format, torch-free) is imported with the packa
 progress bars and throughput need torch and come in at their first use, so a command can set up its log
 before it imports torch (toolkit-hydra-train composes its config, and reports a bad one, torch-free).
 """
+
 import importlib
 from typing import Any
 
@@ -14,8 +15,19 @@ from .setup import DATE_FORMAT, LOG_FORMAT, add_file_handler, remove_handlers, s
 _SUBMODULES = ("meters", "metrics", "progress_bar", "throughput")
 _PROGRESS_BAR_NAMES = ("build_progress_bar", "format_stat")
 
-__all__ = ["meters", "metrics", "progress_bar", "throughput", "setup_logging", "add_file_handler",
-           "remove_handlers", "build_progress_bar", "format_stat", "LOG_FORMAT", "DATE_FORMAT"]
+__all__ = [
+    "meters",
+    "metrics",
+    "progress_bar",
+    "throughput",
+    "setup_logging",
+    "add_file_handler",
+    "remove_handlers",
+    "build_progress_bar",
+    "format_stat",
+    "LOG_FORMAT",
+    "DATE_FORMAT",
+]
 
 
 def __getattr__(name: str) -> Any:

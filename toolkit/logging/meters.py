@@ -9,6 +9,7 @@ keeps them lazily as tensors and only turns them into Python numbers when a
 smoothed value is read (at log time) or the state is saved, so logging every
 update costs no device synchronisation.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,8 +20,14 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 __all__ = [
-    "Meter", "AverageMeter", "SumMeter", "TimeMeter", "StopwatchMeter", "MetersDict",
-    "safe_round", "to_python",
+    "Meter",
+    "AverageMeter",
+    "SumMeter",
+    "TimeMeter",
+    "StopwatchMeter",
+    "MetersDict",
+    "safe_round",
+    "to_python",
 ]
 
 
@@ -88,8 +95,12 @@ class AverageMeter(Meter):
             self.count = self.count + n
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"val": to_python(self.val), "sum": to_python(self.sum), "count": to_python(self.count),
-                "round": self.round}
+        return {
+            "val": to_python(self.val),
+            "sum": to_python(self.sum),
+            "count": to_python(self.count),
+            "round": self.round,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.val = state_dict["val"]
@@ -291,7 +302,7 @@ class MetersDict(OrderedDict):
     class _DerivedMeter(Meter):
         """A value computed from the other meters of the same dict (e.g. perplexity)."""
 
-        def __init__(self, fn: Callable[["MetersDict"], Any]):
+        def __init__(self, fn: Callable[[MetersDict], Any]):
             self.fn = fn
 
         def reset(self) -> None:

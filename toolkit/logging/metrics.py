@@ -67,6 +67,7 @@ The loop that produces fairseq's ``train_inner`` / ``valid`` / ``train`` lines::
     metrics.reset_meters("train")
     # checkpoint: extra_state["metrics"] = metrics.state_dict()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,23 +79,45 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 import toolkit.logging.meters as _meters
-from .meters import (AverageMeter, Meter, MetersDict, StopwatchMeter, SumMeter, TimeMeter,  # noqa: F401
-                     safe_round, to_python)
+from .meters import (
+    AverageMeter,
+    Meter,
+    MetersDict,
+    StopwatchMeter,
+    SumMeter,
+    TimeMeter,  # noqa: F401
+    safe_round,
+    to_python,
+)
 
 if TYPE_CHECKING:
     from .throughput import ThroughputSpec
 
 # fairseq's priorities, plus ours (>= AFTER_WALL_PRIORITY, printed after "wall").
 PRIORITY = {
-    "loss": 10, "nll_loss": 10, "ppl": 20, "wps": 90, "ups": 100, "wpb": 180, "bsz": 190,
-    "num_updates": 200, "lr": 300, "gnorm": 400, "clip": 500, "loss_scale": 700, "wall": 790,
-    "train_wall": 800, "gb_free": 1500, "tps": 2000, "mfu": 2010,
+    "loss": 10,
+    "nll_loss": 10,
+    "ppl": 20,
+    "wps": 90,
+    "ups": 100,
+    "wpb": 180,
+    "bsz": 190,
+    "num_updates": 200,
+    "lr": 300,
+    "gnorm": 400,
+    "clip": 500,
+    "loss_scale": 700,
+    "wall": 790,
+    "train_wall": 800,
+    "gb_free": 1500,
+    "tps": 2000,
+    "mfu": 2010,
 }
 # Keys logged with at least this priority come after "wall" in get_training_stats().
 AFTER_WALL_PRIORITY = 2000
 
-_aggregators: "OrderedDict[str, MetersDict]" = OrderedDict()
-_active_aggregators: "OrderedDict[str, MetersDict]" = OrderedDict()
+_aggregators: OrderedDict[str, MetersDict] = OrderedDict()
+_active_aggregators: OrderedDict[str, MetersDict] = OrderedDict()
 _active_aggregators_cnt: Dict[str, int] = defaultdict(lambda: 0)
 _entry_times: List[float] = []  # when each enclosing aggregate() block was entered, innermost last
 
@@ -161,6 +184,7 @@ def get_active_aggregators() -> List[MetersDict]:
 
 # --- logging values -------------------------------------------------------------------
 
+
 def log_scalar(key: str, value: Any, weight: float = 1, priority: int = 10, round: Optional[int] = None) -> None:
     """Log a value averaged with ``weight`` (weight 0: the latest value is reported)."""
     for agg in get_active_aggregators():
@@ -225,6 +249,7 @@ def log_custom(new_meter_fn: Callable[[], Meter], key: str, *args, priority: int
 
 # --- reading / resetting --------------------------------------------------------------
 
+
 def reset_meter(name: str, key: str) -> None:
     meter = get_meter(name, key)
     if meter is not None:
@@ -270,6 +295,7 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
 
 
 # --- fairseq's standard metrics ---------------------------------------------------------
+
 
 def get_perplexity(loss: Any, round: int = 2, base: float = 2) -> float:
     """``base ** loss`` rounded as fairseq's ``utils.get_perplexity`` (inf on overflow)."""
@@ -331,8 +357,9 @@ def log_wall_start() -> None:
     meters["wall"].start()
 
 
-def log_valid_metrics(ntokens: Any, nsentences: Any = None, num_batches: Optional[int] = None,
-                      elapsed: Optional[float] = None) -> None:
+def log_valid_metrics(
+    ntokens: Any, nsentences: Any = None, num_batches: Optional[int] = None, elapsed: Optional[float] = None
+) -> None:
     """Task side of a validation logged once from its totals (instead of per batch).
 
     Gives what fairseq's per-batch logging reports: ``wpb``/``bsz`` per batch
@@ -355,9 +382,14 @@ def log_valid_metrics(ntokens: Any, nsentences: Any = None, num_batches: Optiona
         log_scalar("bsz", nsentences / n, weight=n, priority=PRIORITY["bsz"], round=1)
 
 
-def log_update_metrics(num_updates: int, lr: Optional[float] = None, grad_norm: Any = None,
-                       clip_norm: float = 0.0, loss_scale: Optional[float] = None,
-                       gb_free: Optional[float] = None) -> None:
+def log_update_metrics(
+    num_updates: int,
+    lr: Optional[float] = None,
+    grad_norm: Any = None,
+    clip_norm: float = 0.0,
+    loss_scale: Optional[float] = None,
+    gb_free: Optional[float] = None,
+) -> None:
     """Trainer side of one update, with fairseq's priorities and rounding.
 
     ``num_updates`` and ``lr`` (weight 0), then, for a finite ``grad_norm``: ``ups``,
@@ -368,24 +400,31 @@ def log_update_metrics(num_updates: int, lr: Optional[float] = None, grad_norm: 
     if lr is not None:
         log_scalar("lr", lr, weight=0, priority=PRIORITY["lr"])
     if grad_norm is not None:
-        finite = bool(torch.isfinite(grad_norm)) if isinstance(grad_norm, torch.Tensor) \
-            else math.isfinite(grad_norm)
+        finite = bool(torch.isfinite(grad_norm)) if isinstance(grad_norm, torch.Tensor) else math.isfinite(grad_norm)
         if finite:
             log_speed("ups", 1.0, priority=PRIORITY["ups"], round=2)
             log_scalar("gnorm", grad_norm, priority=PRIORITY["gnorm"], round=3)
             if clip_norm > 0:
-                log_scalar("clip", 100.0 if to_python(grad_norm) > clip_norm else 0.0,
-                           priority=PRIORITY["clip"], round=1)
+                log_scalar(
+                    "clip", 100.0 if to_python(grad_norm) > clip_norm else 0.0, priority=PRIORITY["clip"], round=1
+                )
     if loss_scale is not None:
         log_scalar("loss_scale", loss_scale, priority=PRIORITY["loss_scale"], round=4, weight=0)
     if gb_free is not None:
         log_scalar("gb_free", gb_free, priority=PRIORITY["gb_free"], round=1, weight=0)
 
 
-def log_standard_update_metrics(ntokens: Any, nsentences: Any, num_updates: int, lr: Optional[float] = None,
-                                grad_norm: Any = None, clip_norm: float = 0.0,
-                                loss_scale: Optional[float] = None, device: Optional[torch.device] = None,
-                                gb_free: Optional[float] = None) -> None:
+def log_standard_update_metrics(
+    ntokens: Any,
+    nsentences: Any,
+    num_updates: int,
+    lr: Optional[float] = None,
+    grad_norm: Any = None,
+    clip_norm: float = 0.0,
+    loss_scale: Optional[float] = None,
+    device: Optional[torch.device] = None,
+    gb_free: Optional[float] = None,
+) -> None:
     """Everything a trainer logs per update besides the criterion's loss/ppl.
 
     :func:`log_batch_metrics` (wpb/wps/bsz) + :func:`log_update_metrics`; on a CUDA
@@ -394,12 +433,14 @@ def log_standard_update_metrics(ntokens: Any, nsentences: Any, num_updates: int,
     log_batch_metrics(ntokens, nsentences)
     if gb_free is None and device is not None and torch.device(device).type == "cuda":
         from .throughput import cuda_gb_free
+
         gb_free = cuda_gb_free(device)
-    log_update_metrics(num_updates, lr=lr, grad_norm=grad_norm, clip_norm=clip_norm,
-                       loss_scale=loss_scale, gb_free=gb_free)
+    log_update_metrics(
+        num_updates, lr=lr, grad_norm=grad_norm, clip_norm=clip_norm, loss_scale=loss_scale, gb_free=gb_free
+    )
 
 
-def log_throughput(ntokens: Any, spec: "ThroughputSpec") -> None:
+def log_throughput(ntokens: Any, spec: ThroughputSpec) -> None:
     """Our ``tps`` (tokens/s per device, a speed meter) and derived ``mfu`` (percent) for one update.
 
     ``ntokens`` is the update's token count summed over ranks. Both are computed per
@@ -411,8 +452,11 @@ def log_throughput(ntokens: Any, spec: "ThroughputSpec") -> None:
     log_speed("tps", float(to_python(ntokens)) / spec.world_size, priority=PRIORITY["tps"], round=1)
     if spec.peak_flops:
         fpt, peak = spec.flops_per_token, float(spec.peak_flops)
-        log_derived("mfu", lambda meters: mfu_percent(meters["tps"].avg, fpt, peak) if "tps" in meters else 0.0,
-                    priority=PRIORITY["mfu"])
+        log_derived(
+            "mfu",
+            lambda meters: mfu_percent(meters["tps"].avg, fpt, peak) if "tps" in meters else 0.0,
+            priority=PRIORITY["mfu"],
+        )
 
 
 def mfu_percent(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
@@ -450,8 +494,13 @@ def get_training_stats(name_or_stats: Any = "train_inner") -> Dict[str, Any]:
     return stats
 
 
-def get_valid_stats(stats: Dict[str, Any], num_updates: int, best: Optional[float] = None,
-                    best_checkpoint_metric: str = "loss", maximize: bool = False) -> Dict[str, Any]:
+def get_valid_stats(
+    stats: Dict[str, Any],
+    num_updates: int,
+    best: Optional[float] = None,
+    best_checkpoint_metric: str = "loss",
+    maximize: bool = False,
+) -> Dict[str, Any]:
     """fairseq's ``get_valid_stats``: append ``num_updates`` and, given the best value so far,
     ``best_<metric>`` = best of it and this validation's value."""
     stats = OrderedDict(stats)

@@ -8,6 +8,7 @@ formatted with ``"{:g}"`` (after the meters' rounding) and written as strings::
 
     2021-03-08 12:31:36 | INFO | train_inner | {"epoch": 1, "update": 0.0, "loss": "16.475", ...}
 """
+
 from __future__ import annotations
 
 import atexit
@@ -42,7 +43,7 @@ def progress_bar(
     tensorboard_logdir: Optional[str] = None,
     default_log_format: str = "tqdm",
     log_file: Optional[str] = None,
-) -> "BaseProgressBar":
+) -> BaseProgressBar:
     """Wrap ``iterator`` in a progress bar of ``log_format`` (default ``default_log_format``).
 
     tqdm falls back to simple when stderr is not a terminal. With ``tensorboard_logdir``
@@ -72,33 +73,43 @@ def progress_bar(
     return bar
 
 
-def build_progress_bar(common: "CommonConfig", iterator: Iterable, epoch: Optional[int] = None,
-                       prefix: Optional[str] = None, is_master: bool = True) -> "BaseProgressBar":
+def build_progress_bar(
+    common: CommonConfig,
+    iterator: Iterable,
+    epoch: Optional[int] = None,
+    prefix: Optional[str] = None,
+    is_master: bool = True,
+) -> BaseProgressBar:
     """:func:`progress_bar` from the common options (--log-format, --log-interval, ...).
 
     As fairseq: the default format is tqdm (simple off a terminal) or simple with
     --no-progress-bar; TensorBoard is written by the master rank only.
     """
     return progress_bar(
-        iterator, log_format=common.log_format, log_interval=common.log_interval, epoch=epoch, prefix=prefix,
+        iterator,
+        log_format=common.log_format,
+        log_interval=common.log_interval,
+        epoch=epoch,
+        prefix=prefix,
         tensorboard_logdir=common.tensorboard_logdir if is_master else None,
-        default_log_format="simple" if common.no_progress_bar else "tqdm")
+        default_log_format="simple" if common.no_progress_bar else "tqdm",
+    )
 
 
 def format_stat(stat: Any) -> Any:
     """fairseq's formatting of one value: numbers with ``"{:g}"``, meters by their average."""
     if isinstance(stat, Number):
-        stat = "{:g}".format(stat)
+        stat = f"{stat:g}"
     elif isinstance(stat, AverageMeter):
-        stat = "{:.3f}".format(stat.avg)
+        stat = f"{stat.avg:.3f}"
     elif isinstance(stat, TimeMeter):
-        stat = "{:g}".format(round(stat.avg))
+        stat = f"{round(stat.avg):g}"
     elif isinstance(stat, StopwatchMeter):
-        stat = "{:g}".format(round(stat.sum))
+        stat = f"{round(stat.sum):g}"
     elif isinstance(stat, torch.Tensor):
         stat = stat.tolist()
         if isinstance(stat, Number):
-            stat = "{:g}".format(stat)
+            stat = f"{stat:g}"
     return stat
 
 
@@ -122,7 +133,7 @@ class BaseProgressBar:
         self.epoch = epoch
         self.prefix = ""
         if epoch is not None:
-            self.prefix += "epoch {:03d}".format(epoch)
+            self.prefix += f"epoch {epoch:03d}"
         if prefix is not None:
             self.prefix += (" | " if self.prefix != "" else "") + prefix
 
@@ -155,7 +166,7 @@ class BaseProgressBar:
     def _str_pipes(self, stats: Dict[str, str]) -> str:
         return " | ".join(key + " " + stats[key].strip() for key in stats.keys())
 
-    def _format_stats(self, stats: Dict[str, Any]) -> "OrderedDict[str, str]":
+    def _format_stats(self, stats: Dict[str, Any]) -> OrderedDict[str, str]:
         return OrderedDict((key, str(format_stat(value))) for key, value in stats.items())
 
 
@@ -236,12 +247,12 @@ class SimpleProgressBar(IntervalProgressBar):
             i = (self.i + 1) if self.i is not None else step
             size = self.size if self.size is not None else 0
             with rename_logger(logger, tag):
-                logger.info("{}:  {:5d} / {:d} {}".format(self.prefix, i, size, postfix))
+                logger.info(f"{self.prefix}:  {i:5d} / {size:d} {postfix}")
 
     def print(self, stats, tag=None, step=None):
         postfix = self._str_pipes(self._format_stats(stats))
         with rename_logger(logger, tag):
-            logger.info("{} | {}".format(self.prefix, postfix))
+            logger.info(f"{self.prefix} | {postfix}")
 
 
 class TqdmProgressBar(BaseProgressBar):
@@ -251,8 +262,7 @@ class TqdmProgressBar(BaseProgressBar):
         super().__init__(iterable, epoch, prefix)
         from tqdm import tqdm
 
-        self.tqdm = tqdm(iterable, self.prefix, leave=False,
-                         disable=(logger.getEffectiveLevel() > logging.INFO))
+        self.tqdm = tqdm(iterable, self.prefix, leave=False, disable=(logger.getEffectiveLevel() > logging.INFO))
 
     def __iter__(self):
         return iter(self.tqdm)
@@ -263,7 +273,7 @@ class TqdmProgressBar(BaseProgressBar):
     def print(self, stats, tag=None, step=None):
         postfix = self._str_pipes(self._format_stats(stats))
         with rename_logger(logger, tag):
-            logger.info("{} | {}".format(self.prefix, postfix))
+            logger.info(f"{self.prefix} | {postfix}")
 
     def __exit__(self, *exc):
         self.tqdm.close()

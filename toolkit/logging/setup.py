@@ -1,7 +1,8 @@
 """Root logger setup with fairseq's line format.
 
-    2021-03-08 12:31:36 | INFO | toolkit_cli.train | message
+2021-03-08 12:31:36 | INFO | toolkit_cli.train | message
 """
+
 from __future__ import annotations
 
 import logging

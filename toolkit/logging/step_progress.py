@@ -2,6 +2,7 @@
 
 A command whose output goes to a log file still says where it is (``[3/5] writing ...``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,14 +30,15 @@ class StepProgress:
         if self.bar is not None:
             self.bar.set_postfix_str(message, refresh=False)
             self.bar.update(1)
-        logging.getLogger(self.logger_name).log(logging.DEBUG if self.bar is not None else logging.INFO,
-                   f"{self.desc} [{self.done}/{self.total}] {message}")
+        logging.getLogger(self.logger_name).log(
+            logging.DEBUG if self.bar is not None else logging.INFO, f"{self.desc} [{self.done}/{self.total}] {message}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
-    def __enter__(self) -> "StepProgress":
+    def __enter__(self) -> StepProgress:
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -8,6 +8,7 @@
 
 Pure computation: the training loop logs the metrics; FLOPs per token come from the model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,14 +51,16 @@ DtypeLike = Union[torch.dtype, str]
 def _dtype_key(dtype: DtypeLike) -> str:
     if isinstance(dtype, str):
         return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
-            dtype, dtype)
+            dtype, dtype
+        )
     if dtype not in _DTYPE_KEY:
         raise ValueError(f"no peak FLOP/s for dtype {dtype}")
     return _DTYPE_KEY[dtype]
 
 
-def gpu_datasheet_peak_flops(device_name: str, dtype: DtypeLike = torch.bfloat16,
-                             allow_tf32: bool = False) -> Optional[float]:
+def gpu_datasheet_peak_flops(
+    device_name: str, dtype: DtypeLike = torch.bfloat16, allow_tf32: bool = False
+) -> Optional[float]:
     """Datasheet dense peak FLOP/s of the GPU called ``device_name`` for ``dtype``; None if unknown.
 
     For float32 the TF32 rate is used when ``allow_tf32`` (matmuls run on tensor cores).
@@ -79,9 +82,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
-                         duration: float = 0.5, n: Optional[int] = None, max_n: Optional[int] = None,
-                         min_reps: int = 3, kernel: str = "torch") -> float:
+def measure_matmul_flops(
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.float32,
+    duration: float = 0.5,
+    n: Optional[int] = None,
+    max_n: Optional[int] = None,
+    min_reps: int = 3,
+    kernel: str = "torch",
+) -> float:
     """Best FLOP/s of large square matmuls on ``device`` over about ``duration`` seconds (``kernel``: torch's
     ``mm``, or ``"onednn"``: oneDNN's fp32 product on CPU, which the toolkit's layers use where it is faster).
 
@@ -113,8 +122,8 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
         torch.mm(p, p)
         t0 = time.perf_counter()
         torch.mm(p, p)
-        rate = 2.0 * 256 ** 3 / max(time.perf_counter() - t0, 1e-9)
-        while n > 256 and 2.0 * n ** 3 / rate > 0.5:
+        rate = 2.0 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+        while n > 256 and 2.0 * n**3 / rate > 0.5:
             n //= 2
     while True:
         a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
@@ -130,7 +139,7 @@ def measure_matmul_flops(device: Union[str, torch.device] = "cpu", dtype: torch.
         if one >= grow_below or n * 2 > max_n:
             break
         n *= 2
-    flops_per_mm = 2.0 * n ** 3
+    flops_per_mm = 2.0 * n**3
     per_chunk = max(1, int(0.05 / max(one, 1e-6)))
     best = flops_per_mm / one if one > 0 else 0.0
     deadline = time.perf_counter() + duration
@@ -180,8 +189,9 @@ def _machine_key(dtype: torch.dtype, threads: int) -> str:
     return machine_cache.key(_dtype_key(dtype), f"{threads} threads", "best of torch and oneDNN")
 
 
-def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional[int] = None,
-                           duration: float = 0.5) -> float:
+def measure_cpu_peak_flops(
+    dtype: torch.dtype = torch.float32, threads: Optional[int] = None, duration: float = 0.5
+) -> float:
     """Peak FLOP/s of this CPU for ``dtype`` with ``threads`` threads (default: torch's), measured.
 
     Runs square matmuls for about ``duration`` seconds the first time on a machine and keeps the result in
@@ -209,22 +219,30 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: Optional
     flops, measured = machine_cache.kept_or_measured(path, _machine_key(dtype, int(threads)), "flops", measure)
     _cpu_peak_cache[key] = flops
     if measured is not None:
-        logger.info(f"CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured {measured}, kept in "
-                    f"{path}: delete it to measure again)")
+        logger.info(
+            f"CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured {measured}, kept in "
+            f"{path}: delete it to measure again)"
+        )
     else:
         logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
     return flops
 
 
-def peak_flops(device: Union[str, torch.device, None] = None, dtype: torch.dtype = torch.bfloat16,
-               allow_tf32: Optional[bool] = None) -> float:
+def peak_flops(
+    device: Union[str, torch.device, None] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    allow_tf32: Optional[bool] = None,
+) -> float:
     """Dense peak FLOP/s of one ``device`` for ``dtype``, for MFU.
 
     CUDA: the datasheet number by ``torch.cuda.get_device_name``; an unknown GPU is
     measured (and a warning logged). CPU: :func:`measure_cpu_peak_flops`.
     """
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    )
     if device.type == "cuda":
         if allow_tf32 is None:
             allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
@@ -239,8 +257,8 @@ def peak_flops(device: Union[str, torch.device, None] = None, dtype: torch.dtype
 
 def cuda_gb_free(device: Union[str, torch.device, None] = None) -> float:
     """GiB of the GPU not used at the peak since the last call (fairseq's ``gb_free``); resets the peak."""
-    total = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
-    used = torch.cuda.max_memory_allocated(device) / 1024 ** 3
+    total = torch.cuda.get_device_properties(device).total_memory / 1024**3
+    used = torch.cuda.max_memory_allocated(device) / 1024**3
     torch.cuda.reset_peak_memory_stats(device)
     return total - used
 

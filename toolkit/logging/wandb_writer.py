@@ -8,6 +8,7 @@ fairseq. ``WANDB_MODE=offline`` writes the run under ``wandb/`` without a networ
 ``toolkit.train.train_loop`` wraps every training and validation progress bar with :func:`wrap_with_wandb`
 when ``--wandb-project`` is given (on the master rank), and calls :func:`finish` at the end.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,9 @@ class WandbProgressBarWrapper(BaseProgressBar):
             logger.warning("wandb not found, please install with: pip install wandb")
             return
         if self._wandb.run is None:  # one run for every bar of the process (train, valid, ...)
-            self._wandb.init(project=project, name=os.environ.get("WANDB_NAME", run_name),
-                             config={"argv": " ".join(sys.argv)})
+            self._wandb.init(
+                project=project, name=os.environ.get("WANDB_NAME", run_name), config={"argv": " ".join(sys.argv)}
+            )
 
     def __getattr__(self, name):  # epoch, prefix, n, ... of the wrapped bar
         if name == "wrapped_bar":

@@ -1,4 +1,5 @@
 """Close what a run writes through before a process leaves without the interpreter's exit (``os._exit``)."""
+
 from __future__ import annotations
 
 import atexit

@@ -8,6 +8,7 @@ task, evaluation, the hub, parameter counts):
 ``model_config(arch, **overrides)``      the options dataclass with the arch's values, then yours
 ``count_parameters(arch, ...)``          its parameter count, built on the meta device (no memory)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,12 +89,16 @@ class _CountingDictionary:
         return self.pad_index
 
 
-def build_on_meta(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, padding_idx: int = 1,
-                  **overrides: Any) -> torch.nn.Module:
+def build_on_meta(
+    arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, padding_idx: int = 1, **overrides: Any
+) -> torch.nn.Module:
     """Any registered architecture, built on the meta device (shapes only, no memory, no init)."""
     import torch
-    task = SimpleNamespace(dictionary=_CountingDictionary(vocab_size, padding_idx),
-                           cfg=SimpleNamespace(tokens_per_sample=tokens_per_sample))
+
+    task = SimpleNamespace(
+        dictionary=_CountingDictionary(vocab_size, padding_idx),
+        cfg=SimpleNamespace(tokens_per_sample=tokens_per_sample),
+    )
     with torch.device("meta"):
         return build_model(arch, model_config(arch, **overrides), task)
 
@@ -106,8 +111,14 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 # fairseq's names, so a plugin's ``from fairseq.models import ...`` ports by renaming the import
 # (toolkit.models.fairseq_model; docs/plugins.md). Imported at first use: they need torch, the families'
 # options and sizes (read by --help) do not.
-_FAIRSEQ_NAMES = ("BaseFairseqModel", "FairseqDecoder", "FairseqIncrementalDecoder", "FairseqLanguageModel",
-                  "register_model", "register_model_architecture")
+_FAIRSEQ_NAMES = (
+    "BaseFairseqModel",
+    "FairseqDecoder",
+    "FairseqIncrementalDecoder",
+    "FairseqLanguageModel",
+    "register_model",
+    "register_model_architecture",
+)
 
 
 def __getattr__(name: str) -> Any:

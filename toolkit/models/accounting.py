@@ -9,6 +9,7 @@ device, no memory; a tied parameter counted once, under the part that holds it f
 family registered one (``toolkit.core.registry.PUBLISHED_VOCAB_SIZE``), else at GPT-2's 50257.
 A family's FLOPs (the N of 6N) are its own ``flops_per_token`` (``transformer_lm/accounting.py``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
@@ -29,8 +30,9 @@ def parameter_breakdown(model: nn.Module) -> Dict[str, int]:
     return parts
 
 
-def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, verbose: bool = False,
-                     **overrides: Any) -> int:
+def count_parameters(
+    arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, verbose: bool = False, **overrides: Any
+) -> int:
     """Parameters of a named architecture (tied ones once); ``verbose`` prints them by part."""
     from toolkit.models import build_on_meta
 
@@ -44,11 +46,13 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from toolkit.config.options import OneLineErrorParser
 
-    parser = OneLineErrorParser(prog="python -m toolkit.models.accounting",
-                                description="Parameter counts of named architectures.")
+    parser = OneLineErrorParser(
+        prog="python -m toolkit.models.accounting", description="Parameter counts of named architectures."
+    )
     parser.add_argument("arch", nargs="+")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="dictionary size (default: the arch's published one, else 50257)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="dictionary size (default: the arch's published one, else 50257)"
+    )
     parser.add_argument("--tokens-per-sample", type=int, default=2048)
     args = parser.parse_args(argv)
     for arch in args.arch:

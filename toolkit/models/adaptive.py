@@ -30,6 +30,7 @@ Every band always runs, on zero rows when no token of the batch falls in it: the
 fairseq's, and every parameter takes part in every backward, which DDP (``--ddp-backend c10d``)
 requires (fairseq refuses c10d with adaptive softmax for that reason).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,14 +55,13 @@ def parse_cutoff(text: Optional[str], vocab_size: int, flag: str) -> List[int]:
     if not cutoff or any(b <= a for a, b in zip([0] + cutoff, cutoff)):
         raise UserError(f"{flag}: band boundaries must be positive and increasing, got {text!r}")
     if cutoff[-1] > vocab_size:
-        raise UserError(f"{flag}: cutoff {cutoff[-1]} is larger than the vocabulary ({vocab_size} symbols); "
-                        "lower it")
+        raise UserError(f"{flag}: cutoff {cutoff[-1]} is larger than the vocabulary ({vocab_size} symbols); lower it")
     return cutoff + [vocab_size] if cutoff[-1] < vocab_size else cutoff
 
 
 def band_dims(dim: int, factor: float, bands: int) -> List[int]:
     """fairseq's per-band dimension: ``int(dim // factor**i)``."""
-    return [int(dim // (factor ** i)) for i in range(bands)]
+    return [int(dim // (factor**i)) for i in range(bands)]
 
 
 def _band_rows(tokens: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -71,8 +71,9 @@ def _band_rows(tokens: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 class AdaptiveInput(nn.Module):
     """Token embeddings of dimension ``output_dim`` built from per-band embeddings and projections."""
 
-    def __init__(self, vocab_size: int, padding_idx: int, initial_dim: int, factor: float, output_dim: int,
-                 cutoff: List[int]):
+    def __init__(
+        self, vocab_size: int, padding_idx: int, initial_dim: int, factor: float, output_dim: int, cutoff: List[int]
+    ):
         super().__init__()
         self.cutoff = cutoff
         self.padding_idx = padding_idx
@@ -80,9 +81,12 @@ class AdaptiveInput(nn.Module):
         self.embeddings = nn.ModuleList()
         for i, dim in enumerate(band_dims(initial_dim, factor, len(cutoff))):
             size = cutoff[i] - (cutoff[i - 1] if i > 0 else 0)
-            self.embeddings.append(nn.Sequential(
-                nn.Embedding(size, dim, padding_idx if i == 0 else None),  # fairseq: padding row in band 0 only
-                nn.Linear(dim, output_dim, bias=False)))
+            self.embeddings.append(
+                nn.Sequential(
+                    nn.Embedding(size, dim, padding_idx if i == 0 else None),  # fairseq: padding row in band 0 only
+                    nn.Linear(dim, output_dim, bias=False),
+                )
+            )
 
     def weights_for_band(self, band: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.embeddings[band][0].weight, self.embeddings[band][1].weight
@@ -136,8 +140,9 @@ class TiedHead(nn.Module):
         super().__init__()
         band0_dim = adaptive_input.embeddings[0][0].embedding_dim
         word = TiedLinear(adaptive_input, "embeddings.0.0.weight")
-        self.word_proj = (word if input_dim == band0_dim else
-                          nn.Sequential(nn.Linear(input_dim, band0_dim, bias=False), word))
+        self.word_proj = (
+            word if input_dim == band0_dim else nn.Sequential(nn.Linear(input_dim, band0_dim, bias=False), word)
+        )
         self.class_proj = nn.Linear(input_dim, num_classes, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,8 +156,16 @@ class AdaptiveSoftmax(nn.Module):
     Dropout ``dropout`` applies to the input (all of it, as fairseq's) and again after each tail projection.
     """
 
-    def __init__(self, vocab_size: int, input_dim: int, cutoff: List[int], dropout: float, factor: float = 4.0,
-                 adaptive_input: Optional[AdaptiveInput] = None, tie_proj: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        input_dim: int,
+        cutoff: List[int],
+        dropout: float,
+        factor: float = 4.0,
+        adaptive_input: Optional[AdaptiveInput] = None,
+        tie_proj: bool = False,
+    ):
         super().__init__()
         self.vocab_size, self.input_dim, self.cutoff = vocab_size, input_dim, cutoff
         self.dropout = dropout
@@ -167,12 +180,16 @@ class AdaptiveSoftmax(nn.Module):
         size = self.cutoff[i + 1] - self.cutoff[i]
         if adaptive_input is None:
             dim = int(self.input_dim // factor ** (i + 1))
-            return nn.Sequential(nn.Linear(self.input_dim, dim, bias=False), nn.Dropout(self.dropout),
-                                 nn.Linear(dim, size, bias=False))
+            return nn.Sequential(
+                nn.Linear(self.input_dim, dim, bias=False), nn.Dropout(self.dropout), nn.Linear(dim, size, bias=False)
+            )
         emb, proj = adaptive_input.weights_for_band(i + 1)  # [size, dim], [C, dim]
         band = f"embeddings.{i + 1}"
-        projection = (TiedLinear(adaptive_input, f"{band}.1.weight", transpose=True) if tie_proj
-                      else nn.Linear(proj.size(0), proj.size(1), bias=False))
+        projection = (
+            TiedLinear(adaptive_input, f"{band}.1.weight", transpose=True)
+            if tie_proj
+            else nn.Linear(proj.size(0), proj.size(1), bias=False)
+        )
         return nn.Sequential(projection, nn.Dropout(self.dropout), TiedLinear(adaptive_input, f"{band}.0.weight"))
 
     def _targets(self, target: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -185,8 +202,7 @@ class AdaptiveSoftmax(nn.Module):
             rows.append(idx)
         return head_target, rows
 
-    def forward(self, features: torch.Tensor, target: torch.Tensor
-                ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    def forward(self, features: torch.Tensor, target: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """Scores and targets per part, fairseq's ``(output, new_target)``: ``[head, tail_0, ...]``.
 
         ``features`` [B, T, C_out] and ``target`` [B, T] are flattened; tail ``i`` scores only the
@@ -206,8 +222,9 @@ class AdaptiveSoftmax(nn.Module):
             targets.append(target.index_select(0, idx) - self.cutoff[i])
         return outputs, targets, rows
 
-    def loss(self, features: torch.Tensor, target: torch.Tensor, ignore_index: int,
-             reduce: bool = True) -> torch.Tensor:
+    def loss(
+        self, features: torch.Tensor, target: torch.Tensor, ignore_index: int, reduce: bool = True
+    ) -> torch.Tensor:
         """NLL in nats (fp32) of ``target``: summed, or per position [B*T] when not ``reduce``.
 
         ``ignore_index`` (the padding) applies to the head only: padding is a head word, and a tail
@@ -237,6 +254,7 @@ class AdaptiveSoftmax(nn.Module):
 
 # ---- initialization (fairseq's rules), called from the model's initial_value ----
 
+
 def initial_value(name: str, shape: torch.Size, generator: torch.Generator, padding_idx: int) -> torch.Tensor:
     """Band embeddings ~ N(0, dim^-0.5), row ``padding_idx`` zero in every band (fairseq's init applies
     the padding row to each band's nn.Embedding); every projection Xavier-uniform."""
@@ -253,8 +271,7 @@ def initial_value(name: str, shape: torch.Size, generator: torch.Generator, padd
 
 # ---- fairseq's state-dict layout ----
 
-FAIRSEQ_BUFFERS = ("embed_tokens._float_tensor", "adaptive_softmax.head._float_tensor",
-                   "adaptive_softmax.version")
+FAIRSEQ_BUFFERS = ("embed_tokens._float_tensor", "adaptive_softmax.head._float_tensor", "adaptive_softmax.version")
 
 
 def tied_aliases(model: nn.Module) -> Dict[str, str]:
@@ -269,15 +286,16 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
     return out
 
 
-def from_fairseq_state_dict(state: Dict[str, torch.Tensor], model: nn.Module,
-                            prefix: str = "decoder.") -> Dict[str, torch.Tensor]:
+def from_fairseq_state_dict(
+    state: Dict[str, torch.Tensor], model: nn.Module, prefix: str = "decoder."
+) -> Dict[str, torch.Tensor]:
     """The adaptive-input / adaptive-softmax entries of a fairseq ``transformer_lm`` state dict, renamed
     for ``model``: ``decoder.`` dropped, tied aliases and buffers dropped (a tied alias must equal its
     source). Other keys pass through with the prefix dropped (the fairseq-import path maps those)."""
     aliases = tied_aliases(model)
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        name = key[len(prefix):] if key.startswith(prefix) else key
+        name = key[len(prefix) :] if key.startswith(prefix) else key
         if name in FAIRSEQ_BUFFERS:
             continue
         if name in aliases:
@@ -289,8 +307,9 @@ def from_fairseq_state_dict(state: Dict[str, torch.Tensor], model: nn.Module,
     return out
 
 
-def to_fairseq_state_dict(state: Dict[str, torch.Tensor], model: nn.Module,
-                          prefix: str = "decoder.") -> Dict[str, torch.Tensor]:
+def to_fairseq_state_dict(
+    state: Dict[str, torch.Tensor], model: nn.Module, prefix: str = "decoder."
+) -> Dict[str, torch.Tensor]:
     """Our state dict in fairseq's layout: prefix added, tied aliases and fairseq's buffers written."""
     out = {prefix + k: v for k, v in state.items()}
     for alias, source in tied_aliases(model).items():
@@ -313,22 +332,29 @@ def check_tying(cfg, vocab_size: int) -> None:
     if cfg.adaptive_softmax_cutoff is None:
         raise UserError("--tie-adaptive-weights: needs --adaptive-softmax-cutoff")
     if cfg.adaptive_input_factor != cfg.adaptive_softmax_factor:
-        raise UserError(f"--tie-adaptive-weights: --adaptive-input-factor ({cfg.adaptive_input_factor}) must "
-                        f"equal --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})")
+        raise UserError(
+            f"--tie-adaptive-weights: --adaptive-input-factor ({cfg.adaptive_input_factor}) must "
+            f"equal --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})"
+        )
     C = cfg.decoder_embed_dim
     dims = (cfg.decoder_input_dim or C, cfg.decoder_output_dim or C)
     if dims[0] != dims[1] or dims[1] != C:  # fairseq asserts the first; without project_out_dim it needs the second
-        raise UserError(f"--tie-adaptive-weights: --decoder-input-dim ({dims[0]}) and --decoder-output-dim "
-                        f"({dims[1]}) must equal --decoder-embed-dim ({C}) (tied, there is no output projection)")
+        raise UserError(
+            f"--tie-adaptive-weights: --decoder-input-dim ({dims[0]}) and --decoder-output-dim "
+            f"({dims[1]}) must equal --decoder-embed-dim ({C}) (tied, there is no output projection)"
+        )
     a = parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
     b = parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size, "--adaptive-softmax-cutoff")
     if a != b:
-        raise UserError(f"--tie-adaptive-weights: --adaptive-input-cutoff ({cfg.adaptive_input_cutoff}) must "
-                        f"equal --adaptive-softmax-cutoff ({cfg.adaptive_softmax_cutoff})")
+        raise UserError(
+            f"--tie-adaptive-weights: --adaptive-input-cutoff ({cfg.adaptive_input_cutoff}) must "
+            f"equal --adaptive-softmax-cutoff ({cfg.adaptive_softmax_cutoff})"
+        )
 
 
 def band_token_shares(cutoff: Sequence[int]) -> List[float]:
     """Expected share of tokens per band under Zipf's law (p(rank r) ~ 1/r), for FLOP estimates."""
+
     def harmonic(n: int) -> float:
         return math.log(n) + 0.5772156649 + 1.0 / (2 * n) if n > 0 else 0.0
 

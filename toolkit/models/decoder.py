@@ -11,6 +11,7 @@ provides ``__init__(cfg, vocab_size, padding_idx)``, ``forward(tokens, increment
 - the incremental state of generation: ``{"positions": n, "layers": [KVCache per block]}``, and
   beam search's ``reorder_incremental_state``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,16 +48,16 @@ class KVCache:
             if P > 0:
                 new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
             self.k, self.v = new_k, new_v
-        self.k[:, :, P:P + T], self.v[:, :, P:P + T] = k, v
+        self.k[:, :, P : P + T], self.v[:, :, P : P + T] = k, v
         self.length = P + T
-        return self.k[:, :, :P + T], self.v[:, :, :P + T]
+        return self.k[:, :, : P + T], self.v[:, :, : P + T]
 
     def keep_last(self, n: int) -> None:
         """Forget all but the last ``n`` positions (a sliding-window layer never reads older keys again),
         so a local layer's cache stays window-sized however long generation runs."""
         L = self.length
         if L > n:
-            self.k[:, :, :n], self.v[:, :, :n] = self.k[:, :, L - n:L].clone(), self.v[:, :, L - n:L].clone()
+            self.k[:, :, :n], self.v[:, :, :n] = self.k[:, :, L - n : L].clone(), self.v[:, :, L - n : L].clone()
             self.length = n
 
     def reorder(self, new_order: torch.Tensor) -> None:
@@ -89,8 +90,9 @@ class DecoderInterface:
         return cls(cfg, len(task.dictionary), task.dictionary.pad())
 
     @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: Optional[str] = None,
-                        data_name_or_path: str = ".", **kwargs):
+    def from_pretrained(
+        cls, model_name_or_path: str, checkpoint_file: Optional[str] = None, data_name_or_path: str = ".", **kwargs
+    ):
         """A trained model behind a hub interface (encode/decode/score/sample), as fairseq's."""
         return registry.hub_from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
 
@@ -101,8 +103,10 @@ class DecoderInterface:
         """Position of ``tokens``' first column: 0, or the number already cached; checks the context length."""
         start = 0 if incremental_state is None else incremental_state.get("positions", 0)
         if start + tokens.size(1) > self.max_target_positions:
-            raise ValueError(f"input of {start + tokens.size(1)} tokens is longer than max_target_positions "
-                             f"({self.max_target_positions})")
+            raise ValueError(
+                f"input of {start + tokens.size(1)} tokens is longer than max_target_positions "
+                f"({self.max_target_positions})"
+            )
         return start
 
     def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[KVCache]]:
@@ -116,11 +120,16 @@ class DecoderInterface:
         asked for, a weight split over ranks (tensor parallel: a DTensor here, whose softmax needs the whole
         vocabulary row; under FSDP2 the root's weights are whole plain tensors during forward and fuse), or an
         fp16 matmul (the loss scale comes after the fused gradient, see ``toolkit.models.fused_loss``)."""
-        if (loss_target is None or is_dtensor(weight) or is_dtensor(hidden)
-                or matmul_dtype(hidden, weight) == torch.float16):
+        if (
+            loss_target is None
+            or is_dtensor(weight)
+            or is_dtensor(hidden)
+            or matmul_dtype(hidden, weight) == torch.float16
+        ):
             return None
-        return with_summed_nll(linear_cross_entropy(hidden, weight, loss_target.target, loss_target.ignore_index,
-                                                    loss_target.chunk_rows))
+        return with_summed_nll(
+            linear_cross_entropy(hidden, weight, loss_target.target, loss_target.ignore_index, loss_target.chunk_rows)
+        )
 
     def reorder_incremental_state(self, incremental_state: Dict, new_order: torch.Tensor) -> None:
         """Keep (and repeat) the cached rows ``new_order``: beam search's reordering, finished rows leaving."""

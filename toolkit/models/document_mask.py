@@ -17,6 +17,7 @@ The mask is ``flex_attention``'s block mask on CUDA (no [T, T] tensor, fully mas
 skipped) when torch has it and attention has no dropout, otherwise a boolean SDPA mask
 [B, 1, T, T].
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -33,8 +34,9 @@ def _flex():
     return create_block_mask, flex_attention
 
 
-def make_attention_mask(document_ids: Optional[torch.Tensor], dropout: float = 0.0,
-                        head_dim: Optional[int] = None) -> Any:
+def make_attention_mask(
+    document_ids: Optional[torch.Tensor], dropout: float = 0.0, head_dim: Optional[int] = None
+) -> Any:
     """What the blocks attend with: None (plain causal), a flex BlockMask, or a bool [B, 1, T, T] mask.
 
     ``head_dim``: the model's head width; heads narrower than flex_attention allows get the dense mask
@@ -60,19 +62,29 @@ def document_block_mask(document_ids: torch.Tensor):
     return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout: float = 0.0,
-           enable_gqa: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Any = None,
+    dropout: float = 0.0,
+    enable_gqa: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Causal attention of q, k, v [B, heads, T, D] under ``make_attention_mask``'s mask (``scale``: the
     logits' multiplier, default 1/sqrt(D))."""
     if attn_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=enable_gqa,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=enable_gqa, scale=scale
+        )
     if isinstance(attn_mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
-                                              enable_gqa=enable_gqa, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout, enable_gqa=enable_gqa, scale=scale
+        )
     if q.size(-1) < FLEX_MIN_HEAD_DIM:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(attn_mask, q), dropout_p=dropout,
-                                              enable_gqa=enable_gqa, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_dense_mask(attn_mask, q), dropout_p=dropout, enable_gqa=enable_gqa, scale=scale
+        )
     return _compiled_flex()(q, k, v, block_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
 
 

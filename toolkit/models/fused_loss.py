@@ -20,6 +20,7 @@ dynamic loss scale is applied in backward, after this forward has cast the unsca
 vocabulary's probabilities, ~1/V, fall among the subnormals; the logits path scales them first. bf16 has fp32's
 range and fuses).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
@@ -40,8 +41,9 @@ DEFAULT_CHUNK_ROWS = 512
 EXP_FLOOR = -87.0
 
 
-def _chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                         want_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _chunk_loss_and_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, want_grad: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One chunk: summed NLL (fp32, 0-dim) and d loss / d logits in the matmul's dtype (or None)."""
     logits = cpu_gemm.mm_nt(hidden, weight).float()  # [n, V]; a fresh tensor in fp32 too (the product's output)
     counted = target.ne(ignore_index)
@@ -61,8 +63,9 @@ def _chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return loss, grad.to(weight.dtype)
 
 
-def _add_weight_grad(total: Optional[torch.Tensor], grad_logits: torch.Tensor, h: torch.Tensor,
-                     transposed: bool) -> torch.Tensor:
+def _add_weight_grad(
+    total: Optional[torch.Tensor], grad_logits: torch.Tensor, h: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     """``total`` plus this chunk's ``grad_logits^T h`` in fp32 (``total`` None: the first chunk's alone).
 
     ``transposed`` (fp32 products through oneDNN, ``toolkit.core.cpu_gemm``): the sum is kept as [C, V],
@@ -80,8 +83,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and (when ``want_grad``) both gradients; backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index: int, chunk_rows: int, want_grad: bool,
-                compute_dtype: torch.dtype):
+    def forward(
+        ctx, hidden, weight, target, ignore_index: int, chunk_rows: int, want_grad: bool, compute_dtype: torch.dtype
+    ):
         n = hidden.size(0)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_grad and ctx.needs_input_grad[0] else None
@@ -111,9 +115,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(torch.float32)
-        return (None if grad_hidden is None else _scaled(grad_hidden, scale),
-                None if grad_weight is None else _scaled(grad_weight, scale),
-                None, None, None, None, None)
+        return (
+            None if grad_hidden is None else _scaled(grad_hidden, scale),
+            None if grad_weight is None else _scaled(grad_weight, scale),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -124,8 +134,13 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.mul(grad, scale.to(grad.dtype), out=out)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                         chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
     """Summed NLL in nats (fp32, 0-dim) of ``target`` [...] under the logits ``hidden [..., C] @ weight[V, C].T``,
     rows whose target is ``ignore_index`` not counted; the [N, V] logits are never all in memory at once."""
     if chunk_rows < 1:
@@ -136,8 +151,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"{hidden.size(0)} hidden rows for {target.size(0)} targets")
     # decided here: inside Function.forward grad mode is off, so it could not tell training from evaluation
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, target, ignore_index, chunk_rows, want_grad,
-                                     matmul_dtype(hidden, weight))
+    return _LinearCrossEntropy.apply(
+        hidden, weight, target, ignore_index, chunk_rows, want_grad, matmul_dtype(hidden, weight)
+    )
 
 
 def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -150,5 +166,5 @@ class LossTarget(NamedTuple):
     """What the criterion hands a model's ``forward(..., loss_target=)`` to get the summed NLL instead of logits."""
 
     target: torch.Tensor  # [B, T] next tokens, aligned with the model's input
-    ignore_index: int     # the padding index: those positions count nothing
+    ignore_index: int  # the padding index: those positions count nothing
     chunk_rows: int = DEFAULT_CHUNK_ROWS

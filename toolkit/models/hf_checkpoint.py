@@ -4,6 +4,7 @@
 Here, below ``toolkit.export``, because the families' adapters (``toolkit/models/<family>/``) build
 them and models never import the export package (the layer order in ``docs/design.md``).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,22 @@ CHECKPOINT = "model.pt"
 def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) -> dict:
     from toolkit.config import options
 
-    cfg = {"task": "language_modeling", "arch": arch, "data": os.path.abspath(out_dir),
-           "tokens_per_sample": tokens_per_sample, "sample_break_mode": "none", "add_bos_token": False,
-           **options.architecture_defaults(arch, given)}
-    fresh = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True}, "val_loss": None,
-             "best": None, "trainer": {"num_updates": 0, "lr_scheduler": None, "loss_scaler": None}, "metrics": {}}
+    cfg = {
+        "task": "language_modeling",
+        "arch": arch,
+        "data": os.path.abspath(out_dir),
+        "tokens_per_sample": tokens_per_sample,
+        "sample_break_mode": "none",
+        "add_bos_token": False,
+        **options.architecture_defaults(arch, given),
+    }
+    fresh = {
+        "train_iterator": {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True},
+        "val_loss": None,
+        "best": None,
+        "trainer": {"num_updates": 0, "lr_scheduler": None, "loss_scaler": None},
+        "metrics": {},
+    }
     return {"cfg": cfg, "model": state, "extra_state": fresh}
 
 
@@ -30,8 +42,11 @@ def training_flags(arch: str, given: Dict[str, object]) -> str:
     defaults = options.architecture_defaults(arch)
     flags = [f"--arch {arch}"]
     for key, value in given.items():
-        follows_width = key in ("decoder_input_dim", "decoder_output_dim") and defaults.get(key) is None \
-            and value == given.get("decoder_embed_dim")  # None: the named archs' "same as the width"
+        follows_width = (
+            key in ("decoder_input_dim", "decoder_output_dim")
+            and defaults.get(key) is None
+            and value == given.get("decoder_embed_dim")
+        )  # None: the named archs' "same as the width"
         if defaults.get(key) == value or follows_width:
             continue
         flag = "--" + key.replace("_", "-")

@@ -18,6 +18,7 @@ parameters (the largest ones, e.g. the embedding). ``benchmarks/host_build.py`` 
 (on 2 idle cores the serial draws take about 5 s per billion parameters; the pool's gain on a
 16-core host is not measured yet).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,10 @@ import torch.nn as nn
 from toolkit.core.dtensor import is_dtensor
 from toolkit.core.protocols import Initializable
 
-Part = Tuple[Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]  # (the whole tensor's shape, its cut to this rank)
+Part = Tuple[
+    Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]
+]  # (the whole tensor's shape, its cut to this rank)
+
 
 def meta_embedding(num_embeddings: int, dim: int, padding_idx: Optional[int] = None) -> nn.Embedding:
     """An ``nn.Embedding`` without torch's default init, for the families' meta-device builds (``init_weights``
@@ -75,8 +79,10 @@ def init_weights(model: nn.Module, seed: int, threads: Optional[int] = None) -> 
     params: List[Tuple[str, torch.Tensor]] = []
     for name, param in owner.named_parameters():  # tied parameters are listed once
         if param.is_meta:
-            raise RuntimeError(f"init_weights: parameter {name} is on the meta device; "
-                               "materialize the model first (model.to_empty(device=...))")
+            raise RuntimeError(
+                f"init_weights: parameter {name} is on the meta device; "
+                "materialize the model first (model.to_empty(device=...))"
+            )
         params.append((canonical_name(name), param))
 
     parts = _initial_parts(owner)
@@ -123,8 +129,9 @@ def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor,
             whole_shape, cut = part
             full = cut(owner.initial_value(name, torch.Size(whole_shape), generator))
     if tuple(full.shape) != tuple(param.shape):
-        raise RuntimeError(f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, "
-                           f"expected {tuple(param.shape)}")
+        raise RuntimeError(
+            f"init_weights: initial_value({name}) has shape {tuple(full.shape)}, expected {tuple(param.shape)}"
+        )
     if param.device.type == "cuda":  # a pool thread's current GPU is 0: this rank's may be another
         with torch.cuda.device(param.device):
             _copy_full_value(param, full)

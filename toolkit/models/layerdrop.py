@@ -12,6 +12,7 @@ global generator (whose state differs between ranks once dropout has consumed ba
 different sizes) but from a generator seeded by ``torch.initial_seed()``, which the trainer
 sets to ``seed + num_updates`` on every rank before each update, and the number of draws since.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,9 @@ def parse_layers_to_keep(text: Optional[str]) -> Optional[List[int]]:
     try:
         keep = [int(v) for v in str(text).split(",")]
     except ValueError:
-        raise UserError(f"--decoder-layers-to-keep: expected comma-separated layer indices such as '0,2,4', "
-                        f"got {text!r}") from None
+        raise UserError(
+            f"--decoder-layers-to-keep: expected comma-separated layer indices such as '0,2,4', got {text!r}"
+        ) from None
     if len(set(keep)) != len(keep) or min(keep) < 0:
         raise UserError(f"--decoder-layers-to-keep: indices must be distinct and >= 0, got {text!r}")
     return sorted(keep)
@@ -79,12 +81,14 @@ def prune_state_dict(state: Dict[str, Any], keep: List[int], num_layers: int, lo
     if len(saved) <= num_layers:
         return state
     if log:
-        logger.info("Pruning model to specified layer configuration - this works best if the model was trained "
-                    "with LayerDrop")
+        logger.info(
+            "Pruning model to specified layer configuration - this works best if the model was trained with LayerDrop"
+        )
     missing = [i for i in keep if i not in saved]
     if missing:
-        raise UserError(f"--decoder-layers-to-keep: layers {missing} are not in the checkpoint "
-                        f"(it has layers 0..{max(saved)})")
+        raise UserError(
+            f"--decoder-layers-to-keep: layers {missing} are not in the checkpoint (it has layers 0..{max(saved)})"
+        )
     new_index = {old: new for new, old in enumerate(keep)}
     out = {}
     for key, value in state.items():
@@ -94,4 +98,3 @@ def prune_state_dict(state: Dict[str, Any], keep: List[int], num_layers: int, lo
         elif int(m.group(2)) in new_index:
             out[f"{m.group(1)}{new_index[int(m.group(2))]}{m.group(3)}"] = value
     return out
-

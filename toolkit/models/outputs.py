@@ -18,6 +18,7 @@ Each name is logged under itself (``aux_loss``, ``z_loss``) in the log lines and
 ``sample_size``-weighted mean of the values (before the coefficient, in nats); ``loss`` and ``ppl`` stay
 the cross-entropy alone, in training and in validation.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -29,8 +30,12 @@ METRICS = "metrics"
 SUMMED_NLL = "summed_nll"
 
 
-def with_extras(logits: torch.Tensor, aux_losses: Optional[Mapping[str, Tuple[torch.Tensor, float]]] = None,
-                metrics: Optional[Mapping[str, Any]] = None, **extra: Any) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def with_extras(
+    logits: torch.Tensor,
+    aux_losses: Optional[Mapping[str, Tuple[torch.Tensor, float]]] = None,
+    metrics: Optional[Mapping[str, Any]] = None,
+    **extra: Any,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """``(logits, extra)`` with the auxiliary losses and metrics where the criterion reads them."""
     return logits, dict(extra, **{AUX_LOSSES: dict(aux_losses or {}), METRICS: dict(metrics or {})})
 

@@ -15,6 +15,7 @@ parameter (``mod.weight.data = s * weight.masked_fill(mask, 0)``), so the drops 
 to the weight used by this forward pass only (the paper's method: the gradient reaches the kept
 blocks, the parameter itself is not overwritten).
 """
+
 from __future__ import annotations
 
 import types
@@ -25,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
+
 
 def noisy_weight(weight: torch.Tensor, p: float, block_size: int) -> torch.Tensor:
     """``weight`` [out, in] with blocks of ``block_size`` input features dropped with probability p, rest scaled."""
@@ -61,9 +63,11 @@ def apply_quant_noise(model: nn.Module, p: float, block_size: int) -> int:
     for name, module in covered_modules(model):
         in_features = module.weight.size(1)
         if in_features % block_size:
-            raise UserError(f"--quant-noise-pq-block-size {block_size}: {name} has {in_features} input features, "
-                            f"not a multiple of it (fairseq: 'Input features must be a multiple of block sizes'); "
-                            f"choose a block size dividing every layer's width")
+            raise UserError(
+                f"--quant-noise-pq-block-size {block_size}: {name} has {in_features} input features, "
+                f"not a multiple of it (fairseq: 'Input features must be a multiple of block sizes'); "
+                f"choose a block size dividing every layer's width"
+            )
         module.quant_noise_p, module.quant_noise_block = p, block_size
         module.forward = types.MethodType(_linear_forward, module)
         count += 1

@@ -3,6 +3,7 @@
 Each optimizer module registers a factory ``build(cfg, params, lr) -> torch.optim.Optimizer``;
 ``build_optimizer`` resolves ``--optimizer`` and calls it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -12,8 +13,13 @@ import torch
 from toolkit.optim.loss_scaler import DynamicLossScaler, default_scale_window, overflow_message
 from toolkit.core.registry import OPTIMIZER_REGISTRY
 
-__all__ = ["build_optimizer", "build_optimizer_from_section", "DynamicLossScaler", "default_scale_window",
-           "overflow_message"]
+__all__ = [
+    "build_optimizer",
+    "build_optimizer_from_section",
+    "DynamicLossScaler",
+    "default_scale_window",
+    "overflow_message",
+]
 
 
 def build_optimizer_from_section(name: str, section: Any, params: Iterable, lr: Any) -> torch.optim.Optimizer:

@@ -1,8 +1,8 @@
 """``--optimizer adam``: torch's AdamW (decoupled weight decay, as fairseq's Adam)."""
+
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from typing import Any, Iterable, List, Tuple
 
 import torch
@@ -94,7 +94,6 @@ def build(cfg: AdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
     betas = check_adam_options(cfg, lr)
     params = list(params)
     kwargs = implementation_kwargs(_all_params(params))
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, **kwargs)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, **kwargs)
     _keep_implementation(optimizer, kwargs)
     return optimizer

@@ -9,6 +9,7 @@ at the same time (``--serial`` for one after the other): on a GPU machine's minu
 slowest build's, not the sum. Each op that cannot be built is reported in one line; it will be tried
 again (and fall back where the toolkit has a fallback) at first use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,7 @@ def build_one(index: int) -> int:
         if _loader(index)() is None:  # fused_op: it logged why; 8-bit moments use the eager codec
             raise RuntimeError("see the warning above")
     except Exception as e:  # a missing compiler or DeepSpeed: the runs that need the op will say so
-        print(f"build_ops: {what} not built ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})",
-              flush=True)
+        print(f"build_ops: {what} not built ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})", flush=True)
         return 1
     print(f"build_ops: {what} ready ({time.time() - start:.1f} s)", flush=True)
     return 0
@@ -41,16 +41,19 @@ def build_one(index: int) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-                        stream=sys.stdout)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", stream=sys.stdout
+    )
     if argv[:1] == ["--one"]:
         return build_one(int(argv[1]))
     if "--serial" in argv:
         return 1 if sum(build_one(i) for i in range(len(OPS))) else 0
-    print(f"build_ops: building {len(OPS)} ops at once (a minute or more on a first run; cached afterwards)",
-          flush=True)
-    children = [subprocess.Popen([sys.executable, "-m", "toolkit.optim.build_ops", "--one", str(i)])
-                for i in range(len(OPS))]
+    print(
+        f"build_ops: building {len(OPS)} ops at once (a minute or more on a first run; cached afterwards)", flush=True
+    )
+    children = [
+        subprocess.Popen([sys.executable, "-m", "toolkit.optim.build_ops", "--one", str(i)]) for i in range(len(OPS))
+    ]
     try:
         return 1 if any([child.wait() for child in children]) else 0
     finally:

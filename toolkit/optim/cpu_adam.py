@@ -24,10 +24,10 @@ plain fp32 AdamW/cpu_adam state_dict loads into an fp16-stats optimizer (and bac
 slice at a time (toolkit/optim/quantized_states.py, which documents the layouts); any saved
 layout loads into any other, with one INFO line when it converts.
 """
+
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -53,6 +53,7 @@ _STEP_CHUNK = 1 << 20
 # The optimizer
 # ---------------------------------------------------------------------------
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor sharing storage with ``t`` (its local shard for a DTensor)."""
     with torch.no_grad():
@@ -66,15 +67,32 @@ class CPUAdam(torch.optim.Optimizer):
     (FSDP2 with ``--cpu-offload``). See the module docstring for the state layout.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bias_correction: bool = True, fp16_adam_stats: bool = False,
-                 adam_state_precision: str = "fp32"):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, amsgrad=False)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        fp16_adam_stats: bool = False,
+        adam_state_precision: str = "fp32",
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            amsgrad=False,
+        )
         super().__init__(params, defaults)
         self.fp16_adam_stats = bool(fp16_adam_stats)
-        self.moments = (None if adam_state_precision == "fp32"
-                        else quantized_states.ReducedMoments(adam_state_precision, fused=fused_8bit.update))
+        self.moments = (
+            None
+            if adam_state_precision == "fp32"
+            else quantized_states.ReducedMoments(adam_state_precision, fused=fused_8bit.update)
+        )
         self._locals: Dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -82,8 +100,13 @@ class CPUAdam(torch.optim.Optimizer):
         DeepSpeedCPUAdam = load_deepspeed_cpu_adam()
         self._ds = DeepSpeedCPUAdam(
             [self._ds_group(g) for g in self.param_groups],
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-            bias_correction=bias_correction, adamw_mode=True, fp32_optimizer_states=True,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            adamw_mode=True,
+            fp32_optimizer_states=True,
         )
 
     # -- construction helpers ------------------------------------------------
@@ -91,12 +114,15 @@ class CPUAdam(torch.optim.Optimizer):
     def _check_and_view(p: torch.Tensor) -> torch.Tensor:
         local = _local(p)
         if local.device.type != "cpu":
-            raise UserError(f"--optimizer cpu_adam: parameters must live in host memory, found one on "
-                            f"{local.device}; use --cpu-offload (with --ddp-backend fully_sharded) or --cpu, "
-                            "or use --optimizer adam")
+            raise UserError(
+                f"--optimizer cpu_adam: parameters must live in host memory, found one on "
+                f"{local.device}; use --cpu-offload (with --ddp-backend fully_sharded) or --cpu, "
+                "or use --optimizer adam"
+            )
         if local.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise UserError(f"--optimizer cpu_adam: unsupported parameter dtype {local.dtype} "
-                            "(float32, float16 or bfloat16)")
+            raise UserError(
+                f"--optimizer cpu_adam: unsupported parameter dtype {local.dtype} (float32, float16 or bfloat16)"
+            )
         if not local.is_contiguous():
             # DeepSpeed's op updates a contiguous copy of a non-contiguous tensor: the update would be lost.
             raise ValueError("cpu_adam: parameter (local shard) is not contiguous")
@@ -163,8 +189,12 @@ class CPUAdam(torch.optim.Optimizer):
         plan = []
         for group in self.param_groups:
             hyper = {k: group.get(k, self.defaults[k]) for k in _HYPER}
-            hyper.update(lr=float(hyper["lr"]), eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]),
-                         betas=tuple(float(b) for b in hyper["betas"]))
+            hyper.update(
+                lr=float(hyper["lr"]),
+                eps=float(hyper["eps"]),
+                weight_decay=float(hyper["weight_decay"]),
+                betas=tuple(float(b) for b in hyper["betas"]),
+            )
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -207,23 +237,51 @@ class CPUAdam(torch.optim.Optimizer):
         """
         empty = torch.empty(0)
         beta1, beta2 = hyper["betas"]
-        self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step + 2, hyper["lr"], beta1, beta2, hyper["eps"],
-                                         hyper["weight_decay"], hyper["bias_correction"], empty, empty, empty, empty)
+        self._ds.ds_opt_adam.adam_update(
+            self._ds.opt_id,
+            step + 2,
+            hyper["lr"],
+            beta1,
+            beta2,
+            hyper["eps"],
+            hyper["weight_decay"],
+            hyper["bias_correction"],
+            empty,
+            empty,
+            empty,
+            empty,
+        )
 
-    def _fp32_update(self, local: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any],
-                     grad_scale: float) -> None:
+    def _fp32_update(
+        self, local: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any], grad_scale: float
+    ) -> None:
         """DeepSpeed's update, a chunk at a time (a multiple of its SIMD span: the same arithmetic per element)."""
         step = int(state["step"].item()) + 1
         beta1, beta2 = hyper["betas"]
-        flat = [local.view(-1), local.grad.reshape(-1), _local(state["exp_avg"]).view(-1),
-                _local(state["exp_avg_sq"]).view(-1)]
+        flat = [
+            local.view(-1),
+            local.grad.reshape(-1),
+            _local(state["exp_avg"]).view(-1),
+            _local(state["exp_avg_sq"]).view(-1),
+        ]
         for start in range(0, flat[0].numel(), _STEP_CHUNK):
-            param, grad, exp_avg, exp_avg_sq = (t[start:start + _STEP_CHUNK] for t in flat)
+            param, grad, exp_avg, exp_avg_sq = (t[start : start + _STEP_CHUNK] for t in flat)
             if grad_scale != 1.0:
                 grad.mul_(grad_scale)
-            self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"],
-                                             hyper["weight_decay"], hyper["bias_correction"], param, grad, exp_avg,
-                                             exp_avg_sq)
+            self._ds.ds_opt_adam.adam_update(
+                self._ds.opt_id,
+                step,
+                hyper["lr"],
+                beta1,
+                beta2,
+                hyper["eps"],
+                hyper["weight_decay"],
+                hyper["bias_correction"],
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+            )
 
     def _fp16_stats_update(self, p, local, state, group) -> None:
         """One tensor: expand fp16 moments, run DeepSpeed's op, store them back scaled (fairseq's scheme)."""
@@ -234,14 +292,29 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avg_sq = eas16.float().mul_(state["exp_avg_sq_scale"])
         step = int(state["step"].item()) + 1
         beta1, beta2 = group["betas"]
-        self._ds.ds_opt_adam.adam_update(self._ds.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                         group["weight_decay"], group["bias_correction"],
-                                         local.data, local.grad.data, exp_avg, exp_avg_sq)
+        self._ds.ds_opt_adam.adam_update(
+            self._ds.opt_id,
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["bias_correction"],
+            local.data,
+            local.grad.data,
+            exp_avg,
+            exp_avg_sq,
+        )
         self._store_fp16(p, state, exp_avg, exp_avg_sq)
 
     def _store_fp16(self, p, state, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        amax = torch.stack([exp_avg.abs().max() if exp_avg.numel() else exp_avg.new_zeros(()),
-                            exp_avg_sq.abs().max() if exp_avg_sq.numel() else exp_avg_sq.new_zeros(())])
+        amax = torch.stack(
+            [
+                exp_avg.abs().max() if exp_avg.numel() else exp_avg.new_zeros(()),
+                exp_avg_sq.abs().max() if exp_avg_sq.numel() else exp_avg_sq.new_zeros(()),
+            ]
+        )
         if is_dtensor(p):
             amax = _all_reduce_max(amax, p.device_mesh)
         scales = amax / FLOAT16_MAX + 1e-8
@@ -273,8 +346,11 @@ class CPUAdam(torch.optim.Optimizer):
                 if not state:
                     continue
                 step = state.get("step")
-                state["step"] = (step.detach().to(device="cpu", dtype=torch.float32) if torch.is_tensor(step)
-                                 else torch.tensor(float(step or 0), dtype=torch.float32))
+                state["step"] = (
+                    step.detach().to(device="cpu", dtype=torch.float32)
+                    if torch.is_tensor(step)
+                    else torch.tensor(float(step or 0), dtype=torch.float32)
+                )
                 state.pop("max_exp_avg_sq", None)
                 if self.moments is not None:
                     conversions.add(self.moments.adopt(p, state, saved.get(p)))
@@ -323,7 +399,16 @@ def _all_reduce_max(t: torch.Tensor, mesh) -> torch.Tensor:
 def build(cfg: CPUAdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
     betas = check_adam_options(cfg, lr)
     if cfg.fp16_adam_stats and cfg.adam_state_precision != "fp32":
-        raise UserError(f"--fp16-adam-stats and --adam-state-precision {cfg.adam_state_precision} both set the "
-                        "moments' precision; pass one of them")
-    return CPUAdam(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                   fp16_adam_stats=cfg.fp16_adam_stats, adam_state_precision=cfg.adam_state_precision)
+        raise UserError(
+            f"--fp16-adam-stats and --adam-state-precision {cfg.adam_state_precision} both set the "
+            "moments' precision; pass one of them"
+        )
+    return CPUAdam(
+        params,
+        lr=lr,
+        betas=betas,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        fp16_adam_stats=cfg.fp16_adam_stats,
+        adam_state_precision=cfg.adam_state_precision,
+    )

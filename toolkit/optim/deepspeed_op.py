@@ -3,6 +3,7 @@
 The op is JIT-built by torch's extension loader on first use (about a minute here) and
 cached per machine; while it builds, one INFO line says so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,11 @@ def _op_loaded_in_process() -> bool:
 
 def cpu_adam_op_cached() -> bool:
     """The op needs no build: loaded already, installed with DeepSpeed, or JIT-built before on this machine."""
-    return (_op_loaded_in_process() or _op_precompiled()
-            or os.path.exists(os.path.join(cpu_adam_build_dir(), "cpu_adam.so")))
+    return (
+        _op_loaded_in_process()
+        or _op_precompiled()
+        or os.path.exists(os.path.join(cpu_adam_build_dir(), "cpu_adam.so"))
+    )
 
 
 def cxx_compiler() -> Optional[str]:
@@ -79,24 +83,31 @@ def load_deepspeed_cpu_adam():
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         from deepspeed.ops.op_builder import CPUAdamBuilder
     except ImportError as e:
-        raise UserError(f"--optimizer cpu_adam: DeepSpeed is not importable ({e}); "
-                        "pip install deepspeed or use --optimizer adam") from e
+        raise UserError(
+            f"--optimizer cpu_adam: DeepSpeed is not importable ({e}); pip install deepspeed or use --optimizer adam"
+        ) from e
     if not cpu_adam_op_cached():
         if cxx_compiler() is None:
             raise UserError(NO_COMPILER_MESSAGE)
         from torch.utils.cpp_extension import is_ninja_available
 
         if not is_ninja_available():
-            raise UserError("--optimizer cpu_adam: DeepSpeed needs ninja to build its CPU Adam op; "
-                            "pip install ninja or use --optimizer adam")
-        logger.info("Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; "
-                    "cached afterwards in %s)", cpu_adam_build_dir())
+            raise UserError(
+                "--optimizer cpu_adam: DeepSpeed needs ninja to build its CPU Adam op; "
+                "pip install ninja or use --optimizer adam"
+            )
+        logger.info(
+            "Building DeepSpeed's CPU Adam C++ op (first use on this machine, about a minute; cached afterwards in %s)",
+            cpu_adam_build_dir(),
+        )
     builder = CPUAdamBuilder()
     try:
         builder.load(verbose=False)
     except Exception as e:
-        raise RuntimeError(f"--optimizer cpu_adam: building/loading DeepSpeed's CPU Adam op failed "
-                           f"(build folder {cpu_adam_build_dir()}): {e}") from e
+        raise RuntimeError(
+            f"--optimizer cpu_adam: building/loading DeepSpeed's CPU Adam op failed "
+            f"(build folder {cpu_adam_build_dir()}): {e}"
+        ) from e
     return DeepSpeedCPUAdam
 
 
@@ -119,8 +130,13 @@ def stable_source(name: str, filename: str, text: str) -> str:
     return path
 
 
-def build_like_cpu_adam(name: str, sources: Sequence[str], include_paths: Sequence[str] = (), purpose: str = "",
-                        extra_cxx_args: Sequence[str] = ()) -> Any:
+def build_like_cpu_adam(
+    name: str,
+    sources: Sequence[str],
+    include_paths: Sequence[str] = (),
+    purpose: str = "",
+    extra_cxx_args: Sequence[str] = (),
+) -> Any:
     """Build (once per machine, cached by torch's extension loader) and import an extension of ``sources``
     with DeepSpeed's CPU Adam builder: its compiler flags (-O3, -march, OpenMP, the SIMD width) and
     include paths, so code compiled with DeepSpeed's Adam source computes exactly as DeepSpeed's op.
@@ -148,6 +164,8 @@ def build_like_cpu_adam(name: str, sources: Sequence[str], include_paths: Sequen
 
     folder = os.path.join(os.path.dirname(cpu_adam_build_dir()), name)
     if not os.path.exists(os.path.join(folder, f"{name}.so")):
-        logger.info(f"{purpose}: building {name} with DeepSpeed's CPU Adam flags (once per machine, "
-                    f"about as long as DeepSpeed's own op; cached in {folder})")
+        logger.info(
+            f"{purpose}: building {name} with DeepSpeed's CPU Adam flags (once per machine, "
+            f"about as long as DeepSpeed's own op; cached in {folder})"
+        )
     return Builder().load(verbose=False)

@@ -27,6 +27,7 @@ Checkpoints of a memory-efficient run hold fp16 weights (as fairseq's) and fp32 
 state; torch's ``Optimizer.load_state_dict`` casts floating state to the parameter dtype,
 so :meth:`MemoryEfficientFP16.keep_fp32_state_on_load` restores the fp32 values after a load.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,12 @@ def warn_if_slow_on_cpu(device: torch.device, compute_dtype: torch.dtype, flag: 
     if device.type != "cpu" or compute_dtype == torch.float32:
         return False
     name = str(compute_dtype).replace("torch.", "")
-    this = (f"this CPU has native {name} matrix multiplies, other ops still convert" if cpu_has_native(compute_dtype)
-            else f"this one included: no native {name} matrix multiply; use it to test a configuration, "
-                 f"train in fp32 on CPU")
+    this = (
+        f"this CPU has native {name} matrix multiplies, other ops still convert"
+        if cpu_has_native(compute_dtype)
+        else f"this one included: no native {name} matrix multiply; use it to test a configuration, "
+        f"train in fp32 on CPU"
+    )
     logger.warning(CPU_SLOW_WARNING.format(flag=flag, dtype=name, this=this))
     return True
 
@@ -162,8 +166,10 @@ class MemoryEfficientFP16:
         params = [p for p in self._params() if p.grad is not None]
         for p in params:
             if not isinstance(p, torch.Tensor) or hasattr(p, "to_local"):
-                raise TypeError("MemoryEfficientFP16: plain (non-DTensor) parameters only; under FSDP2 "
-                                "--memory-efficient-fp16 uses the mixed-precision policy instead")
+                raise TypeError(
+                    "MemoryEfficientFP16: plain (non-DTensor) parameters only; under FSDP2 "
+                    "--memory-efficient-fp16 uses the mixed-precision policy instead"
+                )
         grads: Dict[int, torch.Tensor] = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None  # hidden: the optimizer skips parameters without a gradient
@@ -217,8 +223,13 @@ class MemoryEfficientFP16:
                 if p is None or p not in opt.state or p.is_floating_point() is False:
                     continue
                 for k, v in saved.items():
-                    if (k != "step" and torch.is_tensor(v) and v.is_floating_point()
-                            and v.dtype == torch.float32 and p.dtype != torch.float32):
+                    if (
+                        k != "step"
+                        and torch.is_tensor(v)
+                        and v.is_floating_point()
+                        and v.dtype == torch.float32
+                        and p.dtype != torch.float32
+                    ):
                         opt.state[p][k] = v.detach().to(device=p.device, copy=True)
 
         optimizer.register_load_state_dict_pre_hook(pre_hook)

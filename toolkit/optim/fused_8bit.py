@@ -19,6 +19,7 @@ Built once per machine (torch's extension cache, like DeepSpeed's op; one INFO l
 builds). If it cannot be built (no compiler, a failed build): one WARNING, and the eager path.
 Parameters other than fp32 (and gradients other than fp32/bf16/fp16) take the eager path.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,9 +46,11 @@ def fused_op() -> Optional[Any]:
             _state["op"] = _build()
         except Exception as e:  # no compiler, a failed build: the eager codec still works
             _state["op"] = None
-            logger.warning(f"--adam-state-precision 8bit: the fused 8-bit Adam kernel could not be built "
-                           f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}); "
-                           "using the eager codec, whose step is several times slower")
+            logger.warning(
+                f"--adam-state-precision 8bit: the fused 8-bit Adam kernel could not be built "
+                f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}); "
+                "using the eager codec, whose step is several times slower"
+            )
     return _state["op"]
 
 
@@ -59,12 +62,23 @@ def _build() -> Any:
     with open(SOURCE) as f:  # compiled from one path per machine, not from this checkout (stable_source)
         source = stable_source(NAME, os.path.basename(SOURCE), f.read())
     # errno and FP traps only: without them sqrt and selects vectorize; every result stays the IEEE one
-    return build_like_cpu_adam(NAME, [source], include_paths=["csrc/adam"], extra_cxx_args=CXX_ARGS,
-                               purpose="--adam-state-precision 8bit: the fused 8-bit Adam kernel")
+    return build_like_cpu_adam(
+        NAME,
+        [source],
+        include_paths=["csrc/adam"],
+        extra_cxx_args=CXX_ARGS,
+        purpose="--adam-state-precision 8bit: the fused 8-bit Adam kernel",
+    )
 
 
-def update(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[torch.Tensor], hyper: Sequence,
-           grad_scale: float, span_rows: int) -> bool:
+def update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    moments: Sequence[torch.Tensor],
+    hyper: Sequence,
+    grad_scale: float,
+    span_rows: int,
+) -> bool:
     """One AdamW step of a (rows, values per row) fp32 ``param`` with 8-bit ``moments`` (exp_avg, exp_avg_sq
     and their scales, local tensors), in place; False (nothing done) where the eager path must do it.
 
@@ -74,6 +88,7 @@ def update(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[torch.Tens
     op = fused_op()
     if op is None or param.dtype != torch.float32 or grad.dtype not in GRAD_DTYPES:
         return False
-    op.adam_8bit_step(param, grad.contiguous(), *moments, qs.SQ_RATIO, qs.SQ_THRESHOLD, qs.BLOCK, span_rows, *hyper,
-                      float(grad_scale))
+    op.adam_8bit_step(
+        param, grad.contiguous(), *moments, qs.SQ_RATIO, qs.SQ_THRESHOLD, qs.BLOCK, span_rows, *hyper, float(grad_scale)
+    )
     return True

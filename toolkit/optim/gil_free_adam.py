@@ -14,6 +14,7 @@ Thread safety: the C++ side keeps per-optimizer state (the bias-correction power
 static map; toolkit calls it from one thread at a time (the overlap waits for the worker
 before anything else steps).
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,12 +66,22 @@ def use_gil_free_op(optimizer: torch.optim.Optimizer) -> bool:
     try:
         op = load_gil_free_op()
     except Exception as e:  # no compiler, a failed build: the overlap still works, with the GIL held
-        logger.warning(f"--overlap-offload-step: DeepSpeed's CPU Adam update keeps the GIL (the GIL-free build "
-                       f"failed: {e}); the next forward's Python work waits while a chunk updates")
+        logger.warning(
+            f"--overlap-offload-step: DeepSpeed's CPU Adam update keeps the GIL (the GIL-free build "
+            f"failed: {e}); the next forward's Python work waits while a chunk updates"
+        )
         return False
     ds = optimizer._ds
     beta1, beta2 = optimizer.defaults["betas"]
-    op.create_adam(ds.opt_id, optimizer.defaults["lr"], beta1, beta2, optimizer.defaults["eps"],
-                   optimizer.defaults["weight_decay"], True, False)  # adamw_mode as CPUAdam's, no logging
+    op.create_adam(
+        ds.opt_id,
+        optimizer.defaults["lr"],
+        beta1,
+        beta2,
+        optimizer.defaults["eps"],
+        optimizer.defaults["weight_decay"],
+        True,
+        False,
+    )  # adamw_mode as CPUAdam's, no logging
     ds.ds_opt_adam = op  # DeepSpeedCPUAdam destroys its optimizer through this module too
     return True

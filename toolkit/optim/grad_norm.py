@@ -17,6 +17,7 @@ the exactly rounded sum: the total does not depend on the order in which the pie
 arrive, so :class:`SquareSums` fed one block at a time while backward runs
 (``--overlap-offload-step``) gives the very same norm as one call over all gradients.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,11 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of plain tensors, as a float64 CPU scalar; fp32 on the CPU through BLAS."""
     on_host = [t for t in tensors if t.device.type == "cpu"]
     total = math.fsum(_host_pieces(on_host))
-    others = [torch.linalg.vector_norm(t, 2, dtype=torch.float32).double().cpu() ** 2
-              for t in tensors if t.device.type != "cpu" and t.numel()]
+    others = [
+        torch.linalg.vector_norm(t, 2, dtype=torch.float32).double().cpu() ** 2
+        for t in tensors
+        if t.device.type != "cpu" and t.numel()
+    ]
     return torch.tensor(total, dtype=torch.float64) + (torch.stack(others).sum() if others else 0.0)
 
 
@@ -115,7 +119,7 @@ class SquareSums:
             if device:
                 self._device.setdefault(key + (device[0].device,), []).append(foreach_sum_of_squares(device))
 
-    def merge(self, other: "SquareSums") -> None:
+    def merge(self, other: SquareSums) -> None:
         """Count in what ``other`` holds (e.g. one block's gradients, summed on another thread)."""
         for key, values in other._host.items():
             self._host.setdefault(key, []).extend(values)
@@ -154,9 +158,14 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return 1.0
 
 
-def normalize_and_clip(grads: Sequence[torch.Tensor], grad_factor: float, max_norm: float,
-                       raw_norm: Optional[float] = None, in_place: bool = True,
-                       look_again: bool = True) -> Tuple[float, float]:
+def normalize_and_clip(
+    grads: Sequence[torch.Tensor],
+    grad_factor: float,
+    max_norm: float,
+    raw_norm: Optional[float] = None,
+    in_place: bool = True,
+    look_again: bool = True,
+) -> Tuple[float, float]:
     """The one gradient-clipping path: (norm of ``grad_factor * grads``, the factor the step still applies).
 
     ``grad_factor`` normalizes the summed gradients (fairseq's 1/sample_size, and 1/loss-scale under fp16).

@@ -15,6 +15,7 @@ Flow per update (the trainer drives it, as fairseq's FP16Optimizer does)::
 The scaler is process-local: every rank must see the same ``grad_norm`` (the
 trainer all-reduces it) so that all ranks take the same decision.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -36,7 +37,7 @@ def overflow_message(loss_scale: float) -> str:
 
 def default_scale_window(world_size: int, update_freq: int) -> int:
     """fairseq's default ``--fp16-scale-window``: 2**14 / (data-parallel size * update freq)."""
-    return int(2 ** 14 / max(1, world_size) / max(1, update_freq))
+    return int(2**14 / max(1, world_size) / max(1, update_freq))
 
 
 class DynamicLossScaler:
@@ -54,7 +55,7 @@ class DynamicLossScaler:
 
     def __init__(
         self,
-        init_scale: float = 2.0 ** 7,
+        init_scale: float = 2.0**7,
         scale_factor: float = 2.0,
         scale_window: int = 2000,
         tolerance: float = 0.0,
@@ -75,11 +76,16 @@ class DynamicLossScaler:
         self._overflows_since_rescale = 0
 
     @classmethod
-    def from_config(cls, common: "CommonConfig", world_size: int, update_freq: int) -> "DynamicLossScaler":
+    def from_config(cls, common: CommonConfig, world_size: int, update_freq: int) -> DynamicLossScaler:
         """Build from the ``--fp16-*`` flags; the scale window defaults to fairseq's 2**14 / (W * update_freq)."""
         window = common.fp16_scale_window or default_scale_window(world_size, update_freq)
-        return cls(init_scale=common.fp16_init_scale, scale_window=window, tolerance=common.fp16_scale_tolerance,
-                   threshold=common.threshold_loss_scale, min_loss_scale=common.min_loss_scale)
+        return cls(
+            init_scale=common.fp16_init_scale,
+            scale_window=window,
+            tolerance=common.fp16_scale_tolerance,
+            threshold=common.threshold_loss_scale,
+            min_loss_scale=common.min_loss_scale,
+        )
 
     def scale(self, outputs):
         return self.loss_scale * outputs

@@ -21,6 +21,7 @@ there is one, else on the CPU. On the GPU the transfers overlap the work (``Host
 update goes up in bf16 through pinned buffers on a side stream while the previous matrix iterates, and comes
 back the same way while the next one computes; the host applies results in order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,8 +118,9 @@ class HostStaging:
         return wait
 
 
-def start_orthogonalization(update: torch.Tensor, ns_steps: int, owner: int,
-                            staging: Optional[HostStaging] = None, slot: int = 0) -> Callable[[], torch.Tensor]:
+def start_orthogonalization(
+    update: torch.Tensor, ns_steps: int, owner: int, staging: Optional[HostStaging] = None, slot: int = 0
+) -> Callable[[], torch.Tensor]:
     """Newton-Schulz of the whole matrix ``update``; returns the wait that gives the result (of a DTensor: this
     rank's shard, where the update's shard lies).
 
@@ -137,8 +139,9 @@ def start_orthogonalization(update: torch.Tensor, ns_steps: int, owner: int,
     mesh, placements, home = update.device_mesh, update.placements, update.to_local().device
     if staging is not None or home.type != mesh.device_type:  # host shards, collectives on the mesh's device
         local = staging.upload(update.to_local(), slot) if staging is not None else update.to_local()
-        update = DTensor.from_local(local, mesh, placements, run_check=False, shape=update.shape,
-                                    stride=update.stride())
+        update = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=update.shape, stride=update.stride()
+        )
     full = update.full_tensor()
     if mesh.get_coordinate()[0] == owner:
         result = newton_schulz(full, ns_steps)
@@ -166,19 +169,38 @@ def needs_staging(p: torch.Tensor) -> bool:
     DTensor whose mesh (its collectives) is on the GPU."""
     local = _shard(p)
     mesh = getattr(p, "device_mesh", None)
-    return (local.device.type == "cpu" and torch.cuda.is_available()
-            and (mesh is None or mesh.device_type == "cuda"))
+    return local.device.type == "cpu" and torch.cuda.is_available() and (mesh is None or mesh.device_type == "cuda")
 
 
 class Muon(torch.optim.Optimizer):
     """Muon on the groups of role ``matrix``, AdamW on the others (see the module docstring)."""
 
-    def __init__(self, params: List[Dict[str, Any]], lr: float, *, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, adjust_lr_fn: str = "original", adamw_lr_ratio: float = 1.0,
-                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum_dtype: torch.dtype = torch.float32):
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, lr_ratio=adamw_lr_ratio)
+    def __init__(
+        self,
+        params: List[Dict[str, Any]],
+        lr: float,
+        *,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "original",
+        adamw_lr_ratio: float = 1.0,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum_dtype: torch.dtype = torch.float32,
+    ):
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            betas=tuple(betas),
+            eps=eps,
+            lr_ratio=adamw_lr_ratio,
+        )
         super().__init__(params, defaults)
         self.momentum_dtype = momentum_dtype
         self.pipeline_depth = 1  # matrices in flight on the GPU under --cpu-offload (see _muon_group)
@@ -188,14 +210,16 @@ class Muon(torch.optim.Optimizer):
                 group["lr_ratio"] = 1.0
                 for p in group["params"]:
                     if p.dim() not in (2, 3):
-                        raise ValueError(f"--optimizer muon: a 'matrix' parameter has shape {tuple(p.shape)}; "
-                                         "the family's parameter_roles must name only 2-D weights (or stacks "
-                                         "of them, [experts, out, in]) 'matrix'")
+                        raise ValueError(
+                            f"--optimizer muon: a 'matrix' parameter has shape {tuple(p.shape)}; "
+                            "the family's parameter_roles must name only 2-D weights (or stacks "
+                            "of them, [experts, out, in]) 'matrix'"
+                        )
         self._log_communication()
         self.register_load_state_dict_post_hook(Muon._momentum_in_own_dtype)
 
     @staticmethod
-    def _momentum_in_own_dtype(optimizer: "Muon") -> None:
+    def _momentum_in_own_dtype(optimizer: Muon) -> None:
         """torch's ``load_state_dict`` casts state to the parameter's dtype: a checkpoint's momentum (fp32 or bf16)
         is converted to this run's ``--muon-momentum-dtype``, as cpu_adam converts its moments."""
         for state in optimizer.state.values():
@@ -218,10 +242,12 @@ class Muon(torch.optim.Optimizer):
         gathered = sum(p.numel() - p.to_local().numel() for p in sharded) * 4  # fp32 momentum in
         scattered = sum(p.numel() for p in sharded) * 2 // world  # bf16 result out, from owners in turn
         if rank == 0:
-            logger.info(f"--optimizer muon: {len(sharded)} sharded matrices orthogonalized whole, each by one "
-                        f"owner (round-robin over {min(mesh.shape)} ranks): per step a rank gathers "
-                        f"{gathered / 2 ** 20:.2f} MiB of momentum and receives {scattered / 2 ** 20:.2f} MiB of "
-                        f"updates")
+            logger.info(
+                f"--optimizer muon: {len(sharded)} sharded matrices orthogonalized whole, each by one "
+                f"owner (round-robin over {min(mesh.shape)} ranks): per step a rank gathers "
+                f"{gathered / 2**20:.2f} MiB of momentum and receives {scattered / 2**20:.2f} MiB of "
+                f"updates"
+            )
 
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -258,8 +284,9 @@ class Muon(torch.optim.Optimizer):
         def start(task):
             i, p, owner = task
             update = self._momentum_update(group, p)
-            return start_orthogonalization(update, group["ns_steps"], owner, self._staging if staged else None,
-                                           slot=i % (depth + 1))
+            return start_orthogonalization(
+                update, group["ns_steps"], owner, self._staging if staged else None, slot=i % (depth + 1)
+            )
 
         def finish(task, wait):
             _, p, _ = task
@@ -296,9 +323,22 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False,
-                beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_ratio"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"] * group["lr_ratio"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -334,9 +374,20 @@ def build(cfg: MuonConfig, params: list, lr: float) -> torch.optim.Optimizer:
     ratio = check_muon_options(cfg, lr)
     params = list(params)
     if not all(isinstance(g, dict) and "role" in g for g in params):
-        raise UserError("--optimizer muon: needs the parameters grouped by the family's roles (matrices for Muon, "
-                        "the rest for AdamW); build it from toolkit.optim.param_groups.parameter_groups")
-    return Muon(params, lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr_ratio=ratio, betas=check_adam_options(cfg, lr),
-                eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                momentum_dtype=MOMENTUM_DTYPES[cfg.muon_momentum_dtype])
+        raise UserError(
+            "--optimizer muon: needs the parameters grouped by the family's roles (matrices for Muon, "
+            "the rest for AdamW); build it from toolkit.optim.param_groups.parameter_groups"
+        )
+    return Muon(
+        params,
+        lr,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr,
+        adamw_lr_ratio=ratio,
+        betas=check_adam_options(cfg, lr),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        momentum_dtype=MOMENTUM_DTYPES[cfg.muon_momentum_dtype],
+    )

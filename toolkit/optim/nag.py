@@ -13,9 +13,9 @@ every parameter steps every update), so that stepping the parameters a chunk at 
 (``--memory-efficient-fp16``) or skipping a parameter without a gradient (LayerDrop) does not
 lose the correction. Math in fp32 for fp16/bf16 parameters, as fairseq's.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

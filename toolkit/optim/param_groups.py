@@ -8,6 +8,7 @@ torch parameter groups, one per role, each tagged ``"role"`` (and ``"weight_deca
 decayed). A run that needs neither keeps the single flat list, so fairseq's optimizer state layout (one group)
 is unchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ def _declaring_model(model: torch.nn.Module) -> torch.nn.Module:
 def skips_decay(model: torch.nn.Module, no_decay: bool, decay_all: bool) -> bool:
     """Whether ``--weight-decay`` skips norms, biases and embeddings: the flags, else the family's default."""
     if no_decay and decay_all:
-        raise UserError("--no-decay-norms-biases-embeddings and --decay-all-parameters contradict each other; "
-                        "pass one of them")
+        raise UserError(
+            "--no-decay-norms-biases-embeddings and --decay-all-parameters contradict each other; pass one of them"
+        )
     if no_decay or decay_all:
         return no_decay
     return bool(getattr(type(_declaring_model(model)), "no_decay_norms_biases_embeddings_by_default", False))
@@ -47,17 +49,20 @@ class DecayChoice:
     a checkpoint whose groups skipped decay on norms, biases and embeddings does not fit a run that decays every
     parameter alike (a flat list, or role groups without the 0.0), and the other way round."""
 
-    no_decay: bool       # --no-decay-norms-biases-embeddings
-    decay_all: bool      # --decay-all-parameters
+    no_decay: bool  # --no-decay-norms-biases-embeddings
+    decay_all: bool  # --decay-all-parameters
     weight_decay: float  # --weight-decay: at 0 nothing is decayed, so no group is set apart
 
     @classmethod
-    def from_saved(cls, cfg: Any) -> Optional["DecayChoice"]:
+    def from_saved(cls, cfg: Any) -> Optional[DecayChoice]:
         """A checkpoint's choice from its ``cfg``; None for one saved before the flags existed."""
         if not isinstance(cfg, Mapping) or "no_decay_norms_biases_embeddings" not in cfg:
             return None
-        return cls(bool(cfg["no_decay_norms_biases_embeddings"]), bool(cfg.get("decay_all_parameters")),
-                   float(cfg.get("weight_decay") or 0.0))
+        return cls(
+            bool(cfg["no_decay_norms_biases_embeddings"]),
+            bool(cfg.get("decay_all_parameters")),
+            float(cfg.get("weight_decay") or 0.0),
+        )
 
     def skips(self, model: torch.nn.Module) -> bool:
         """Whether the groups set norms, biases and embeddings apart (``parameter_groups``'s ``no_decay``)."""
@@ -71,35 +76,43 @@ class DecayChoice:
         return f"{type(_declaring_model(model)).__name__}'s default"
 
 
-def check_resumed_decay_groups(where: str, saved: Optional[DecayChoice], now: DecayChoice,
-                               model: torch.nn.Module) -> None:
+def check_resumed_decay_groups(
+    where: str, saved: Optional[DecayChoice], now: DecayChoice, model: torch.nn.Module
+) -> None:
     """A one-line refusal when this run's weight-decay groups are not the checkpoint's (``DecayChoice``)."""
     if saved is None or saved.skips(model) == now.skips(model):
         return
     if saved.skips(model):
-        raise UserError(f"{where}: its optimizer state skips weight decay on norms, biases and embeddings (their "
-                        f"own parameter groups) but this run does not ({now.because(model)}), so the groups do not "
-                        f"match; resume with --no-decay-norms-biases-embeddings --weight-decay "
-                        f"{saved.weight_decay:g} as saved, or add --reset-optimizer")
-    raise UserError(f"{where}: its optimizer state treats every parameter alike for weight decay "
-                    f"({saved.because(model)}) but this run skips norms, biases and embeddings in their own "
-                    f"parameter groups ({now.because(model)}), so the groups do not match; resume with "
-                    f"{'--weight-decay 0' if saved.weight_decay <= 0 else '--decay-all-parameters'} as saved, "
-                    f"or add --reset-optimizer")
+        raise UserError(
+            f"{where}: its optimizer state skips weight decay on norms, biases and embeddings (their "
+            f"own parameter groups) but this run does not ({now.because(model)}), so the groups do not "
+            f"match; resume with --no-decay-norms-biases-embeddings --weight-decay "
+            f"{saved.weight_decay:g} as saved, or add --reset-optimizer"
+        )
+    raise UserError(
+        f"{where}: its optimizer state treats every parameter alike for weight decay "
+        f"({saved.because(model)}) but this run skips norms, biases and embeddings in their own "
+        f"parameter groups ({now.because(model)}), so the groups do not match; resume with "
+        f"{'--weight-decay 0' if saved.weight_decay <= 0 else '--decay-all-parameters'} as saved, "
+        f"or add --reset-optimizer"
+    )
 
 
 def parameter_roles(model: torch.nn.Module, purpose: str) -> Dict[str, str]:
     """``{parameter name: role}`` as the family declares it; ``purpose`` names the flag that needs it."""
     inner = _declaring_model(model)
     if not isinstance(inner, ParameterRoles):
-        raise UserError(f"{purpose}: the model {type(inner).__name__} does not declare its parameter roles "
-                        f"(a parameter_roles() method, toolkit.core.protocols.ParameterRoles), so which parameters "
-                        f"are matrices, embeddings, norms or biases is unknown; use --optimizer adam")
+        raise UserError(
+            f"{purpose}: the model {type(inner).__name__} does not declare its parameter roles "
+            f"(a parameter_roles() method, toolkit.core.protocols.ParameterRoles), so which parameters "
+            f"are matrices, embeddings, norms or biases is unknown; use --optimizer adam"
+        )
     roles = inner.parameter_roles()
     unknown = sorted({r for r in roles.values() if r not in PARAMETER_ROLES})
     if unknown:
-        raise ValueError(f"{type(inner).__name__}.parameter_roles: unknown roles {unknown}; "
-                         f"the roles are {PARAMETER_ROLES}")
+        raise ValueError(
+            f"{type(inner).__name__}.parameter_roles: unknown roles {unknown}; the roles are {PARAMETER_ROLES}"
+        )
     return roles
 
 
@@ -128,5 +141,7 @@ def parameter_groups(model: torch.nn.Module, by_role: bool, no_decay: bool, purp
 def log_decay_choice(model: torch.nn.Module, no_decay: bool, explicit: bool, weight_decay: float) -> None:
     """One INFO line where the family's default (not a flag) decided to skip decay on some roles."""
     if no_decay and not explicit and weight_decay > 0:
-        logger.info(f"--weight-decay {weight_decay}: not applied to norms, biases and embeddings "
-                    f"({type(_declaring_model(model)).__name__}'s default; --decay-all-parameters to decay them)")
+        logger.info(
+            f"--weight-decay {weight_decay}: not applied to norms, biases and embeddings "
+            f"({type(_declaring_model(model)).__name__}'s default; --decay-all-parameters to decay them)"
+        )

@@ -43,6 +43,7 @@ Gradients of any float dtype are cast slice by slice. With 8-bit moments the upd
 runs in :mod:`toolkit.optim.fused_8bit` (decode, update and encode per block in one C++
 pass, the same bits); this eager path is its fallback and its reference.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,6 +72,7 @@ _TINY = torch.finfo(torch.float32).tiny
 # ---------------------------------------------------------------------------
 # Codes on plain (rows, row_numel) fp32 tensors
 # ---------------------------------------------------------------------------
+
 
 def row_blocks(row_numel: int, block: int = BLOCK) -> Tuple[int, int]:
     """(blocks per row, values per block): equal blocks of at most ``block`` values (the last padded)."""
@@ -188,6 +190,7 @@ def dequantize_moments(r_codes, r_absmax, v_codes, vmax, block: int = BLOCK) -> 
 # Per-parameter layout
 # ---------------------------------------------------------------------------
 
+
 def param_layout(precision: str, p: torch.Tensor) -> str:
     """The layout ``precision`` gives ``p``: small or 1-D tensors keep fp32 under 8bit."""
     if precision == "8bit" and (p.dim() < 2 or p.numel() < MIN_8BIT_NUMEL):
@@ -210,17 +213,21 @@ def _absmax_like_rows(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def check_row_sharded(p: torch.Tensor) -> None:
     if is_dtensor(p) and not all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements):
-        raise UserError(f"--adam-state-precision 8bit: a parameter of shape {tuple(p.shape)} is sharded as "
-                        f"{tuple(p.placements)}; 8-bit moments need row sharding (FSDP2's Shard(0)); "
-                        "use --adam-state-precision bf16")
+        raise UserError(
+            f"--adam-state-precision 8bit: a parameter of shape {tuple(p.shape)} is sharded as "
+            f"{tuple(p.placements)}; 8-bit moments need row sharding (FSDP2's Shard(0)); "
+            "use --adam-state-precision bf16"
+        )
 
 
 def zeros_state(layout: str, p: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Zero moments of ``layout`` for ``p`` (DTensors placed like ``p`` when it is one)."""
     if layout in ("fp32", "bf16"):
         dtype = torch.float32 if layout == "fp32" else torch.bfloat16
-        return {k: torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-                for k in ("exp_avg", "exp_avg_sq")}
+        return {
+            k: torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            for k in ("exp_avg", "exp_avg_sq")
+        }
     check_row_sharded(p)
     local = local_tensor(p.detach())
     n, _ = row_blocks(p.numel() // p.shape[0])
@@ -264,12 +271,14 @@ class SavedMoments:
     8 bytes per parameter at resume, the memory these layouts exist to save), so those tensors
     are withheld from it and put back after.
     """
+
     layout: str
     tensors: Dict[str, torch.Tensor]
 
 
-def withhold_moments(param_groups, state_dict: Dict[str, Any]) -> Tuple[Dict[torch.Tensor, SavedMoments],
-                                                                        Dict[str, Any]]:
+def withhold_moments(
+    param_groups, state_dict: Dict[str, Any]
+) -> Tuple[Dict[torch.Tensor, SavedMoments], Dict[str, Any]]:
     """(per parameter of ``param_groups``: its saved moments; ``state_dict`` without the reduced tensors)."""
     ids = chain.from_iterable(g["params"] for g in state_dict.get("param_groups", []))
     params = chain.from_iterable(g["params"] for g in param_groups)
@@ -340,6 +349,7 @@ def log_conversions(conversions: Set[Tuple[str, str]]) -> None:
 # The reduced-precision moments of one optimizer
 # ---------------------------------------------------------------------------
 
+
 def _spans(total: int, unit: int, chunk: int) -> Iterator[Tuple[int, int]]:
     """[a, b) ranges over ``total`` items of ``unit`` values each, about ``chunk`` values per range."""
     step = max(1, chunk // max(1, unit))
@@ -389,21 +399,45 @@ class ReducedMoments:
 
     # -- the update ------------------------------------------------------------
     @torch.no_grad()
-    def update(self, ds, p: torch.Tensor, local: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
-               grad_scale: float = 1.0) -> None:
+    def update(
+        self,
+        ds,
+        p: torch.Tensor,
+        local: torch.Tensor,
+        state: Dict[str, Any],
+        group: Dict[str, Any],
+        grad_scale: float = 1.0,
+    ) -> None:
         """One Adam step of ``p`` (local shard ``local``) through DeepSpeed's op, a bounded slice at a time,
         with the gradient times ``grad_scale`` (the trainer's normalization and clip factor, folded in)."""
         layout = param_layout(self.precision, p)
         grad = local_grad(p)
         step = int(state["step"].item()) + 1
         beta1, beta2 = group["betas"]
-        hyper = (ds.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                 group["bias_correction"])
+        hyper = (
+            ds.opt_id,
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["bias_correction"],
+        )
         flat_p, flat_g = local.view(-1), grad.view(-1)
         unit = (p.numel() // max(1, p.shape[0])) if layout == "8bit" else 1
-        if layout == "8bit" and self.fused is not None and self.fused(
-                _rows(p, local), _rows(p, grad), [local_tensor(state[k]) for k in REDUCED_KEYS], hyper[1:],
-                grad_scale, max(1, self.chunk_elements // unit)):
+        if (
+            layout == "8bit"
+            and self.fused is not None
+            and self.fused(
+                _rows(p, local),
+                _rows(p, grad),
+                [local_tensor(state[k]) for k in REDUCED_KEYS],
+                hyper[1:],
+                grad_scale,
+                max(1, self.chunk_elements // unit),
+            )
+        ):
             return
         for a, b in _spans(flat_p.numel() // max(1, unit), unit, self.chunk_elements):
             lo, hi = a * unit, b * unit
@@ -467,10 +501,13 @@ def check_sharded_load(folder: str, saved_keys, optimizer: torch.optim.Optimizer
     """
     saved_8bit = any(k.startswith("optim.state.") and k.endswith(".exp_avg_absmax") for k in saved_keys)
     moments = getattr(optimizer, "moments", None)
-    run_8bit = moments is not None and any(param_layout(moments.precision, p) == "8bit"
-                                           for group in optimizer.param_groups for p in group["params"])
+    run_8bit = moments is not None and any(
+        param_layout(moments.precision, p) == "8bit" for group in optimizer.param_groups for p in group["params"]
+    )
     if saved_8bit != run_8bit:
         saved, run = ("8bit", "float") if saved_8bit else ("float", "8bit")
-        raise UserError(f"{folder}: its Adam moments are saved as {saved} and this run keeps them as {run} "
-                        f"(--adam-state-precision); convert through a consolidated checkpoint: run "
-                        f"toolkit-consolidate {folder} and pass the .pt to --restore-file, or add --reset-optimizer")
+        raise UserError(
+            f"{folder}: its Adam moments are saved as {saved} and this run keeps them as {run} "
+            f"(--adam-state-precision); convert through a consolidated checkpoint: run "
+            f"toolkit-consolidate {folder} and pass the .pt to --restore-file, or add --reset-optimizer"
+        )

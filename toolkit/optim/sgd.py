@@ -1,7 +1,7 @@
 """``--optimizer sgd``: torch's SGD with momentum and (L2) weight decay, as fairseq's sgd."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

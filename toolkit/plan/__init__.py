@@ -11,6 +11,7 @@ shapes, FLOPs per token and saved activations come from a meta-device build
 from :mod:`toolkit.plan.step_time`. ``benchmarks/plan_check.py`` compares the predictions with
 measured runs.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,11 +21,28 @@ from toolkit.plan.hardware import PRESETS, Hardware, detect_hardware
 
 # The planner builds the model on the meta device (torch); the hardware flags above are torch-free, so
 # toolkit-plan --help and its argument errors exit before torch is imported. The rest comes in at first use.
-_LAZY_NAMES = {"Plan": "planner", "make_plan": "planner", "plan_for": "planner", "summary": "report",
-               "summary_for_train": "report", "table": "report", "verdict": "report"}
+_LAZY_NAMES = {
+    "Plan": "planner",
+    "make_plan": "planner",
+    "plan_for": "planner",
+    "summary": "report",
+    "summary_for_train": "report",
+    "table": "report",
+    "verdict": "report",
+}
 
-__all__ = ["Plan", "make_plan", "plan_for", "PRESETS", "Hardware", "detect_hardware", "summary_for_train",
-           "summary", "table", "verdict"]
+__all__ = [
+    "Plan",
+    "make_plan",
+    "plan_for",
+    "PRESETS",
+    "Hardware",
+    "detect_hardware",
+    "summary_for_train",
+    "summary",
+    "table",
+    "verdict",
+]
 
 
 def __getattr__(name: str) -> Any:

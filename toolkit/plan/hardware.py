@@ -8,6 +8,7 @@ in gigabits per second (as NICs are sold): ``--inter-node-gbps 400`` is one 400 
 ``--gpu cpu`` plans for this kind of machine: no GPU, every byte in host memory (what the CPU
 checks in ``benchmarks/plan_check.py`` measure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,22 @@ from toolkit.core.errors import UserError
 
 GIB = 1 << 30
 MAX_BYTES = 1 << 50  # 1PiB: more than any one GPU or node holds
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 @dataclass(frozen=True)
@@ -31,16 +46,16 @@ class Hardware:
 
     name: str
     gpu_memory: int
-    host_memory: int          # per node, shared by its ranks
-    gpu_tflops: float         # dense peak for the run's compute dtype (bf16/fp16; fp32 runs use fp32_tflops)
+    host_memory: int  # per node, shared by its ranks
+    gpu_tflops: float  # dense peak for the run's compute dtype (bf16/fp16; fp32 runs use fp32_tflops)
     fp32_tflops: float
-    intra_node_gbps: float    # per GPU and direction (NVLink)
-    inter_node_gbps: float    # per GPU and direction (its NIC)
-    host_link_gbps: float     # GPU <-> host (PCIe), per direction
+    intra_node_gbps: float  # per GPU and direction (NVLink)
+    inter_node_gbps: float  # per GPU and direction (its NIC)
+    host_link_gbps: float  # GPU <-> host (PCIe), per direction
     gpus_per_node: int = 8
     compute_efficiency: float = 0.45  # share of the peak a step's FLOPs run at (measured: gpt3_xl on H100)
-    comm_efficiency: float = 0.7      # share of a link's bandwidth a collective reaches
-    cpu_adam_gparams: float = 2.5     # 1e9 parameters/s CPU Adam updates on a node (6.5B offloaded on the H100 VM)
+    comm_efficiency: float = 0.7  # share of a link's bandwidth a collective reaches
+    cpu_adam_gparams: float = 2.5  # 1e9 parameters/s CPU Adam updates on a node (6.5B offloaded on the H100 VM)
 
     @property
     def has_gpu(self) -> bool:
@@ -51,7 +66,7 @@ PRESETS: Dict[str, Hardware] = {
     "a100-40": Hardware("A100 40GB", 40 * GIB, 1 << 40, 312.0, 19.5, 2400.0, 200.0, 200.0),
     "a100-80": Hardware("A100 80GB", 80 * GIB, 2 << 40, 312.0, 19.5, 2400.0, 200.0, 200.0),
     "h100": Hardware("H100 80GB", 80 * GIB, 2 << 40, 989.4, 66.9, 3600.0, 400.0, 400.0),
-    "h200": Hardware("H200 141GB", 141 * 10 ** 9, 2 << 40, 989.4, 66.9, 3600.0, 400.0, 400.0),
+    "h200": Hardware("H200 141GB", 141 * 10**9, 2 << 40, 989.4, 66.9, 3600.0, 400.0, 400.0),
     "cpu": Hardware("CPU only", 0, 0, 0.2, 0.2, 80.0, 10.0, 80.0, gpus_per_node=1, compute_efficiency=0.5),
 }
 
@@ -63,8 +78,9 @@ def parse_bytes(text: str, flag: str) -> int:
         raise UserError(f"{flag} {text!r}: expected a size such as 80GiB, 1TiB or 126GB")
     size = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not 1 <= size <= MAX_BYTES:  # 0 plans nothing (and "fits"); 1e400 is inf
-        raise UserError(f"{flag} {text}: must be between 1 byte and 1PiB (e.g. 80GiB); for a machine without "
-                        f"a GPU use --gpu cpu")
+        raise UserError(
+            f"{flag} {text}: must be between 1 byte and 1PiB (e.g. 80GiB); for a machine without a GPU use --gpu cpu"
+        )
     return int(size)
 
 
@@ -78,16 +94,32 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-node-gbps", type=positive_float, default=None, help="network Gb/s per GPU and direction")
     g.add_argument("--host-link-gbps", type=positive_float, default=None, help="GPU-host (PCIe) Gb/s per direction")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs (ranks) per node (default: 8)")
-    g.add_argument("--compute-efficiency", type=share, default=None,
-                   help="share of the peak the step's FLOPs reach, in (0, 1] (default 0.45: gpt3_xl measured on "
-                        "one H100)")
-    g.add_argument("--cpu-adam-gparams", type=positive_float, default=None,
-                   help="1e9 parameters/s CPU Adam updates on one node (default 2.5: the 16-core H100 VM)")
+    g.add_argument(
+        "--compute-efficiency",
+        type=share,
+        default=None,
+        help="share of the peak the step's FLOPs reach, in (0, 1] (default 0.45: gpt3_xl measured on one H100)",
+    )
+    g.add_argument(
+        "--cpu-adam-gparams",
+        type=positive_float,
+        default=None,
+        help="1e9 parameters/s CPU Adam updates on one node (default 2.5: the 16-core H100 VM)",
+    )
 
 
-HARDWARE_FLAGS = ("--gpu", "--gpu-memory", "--host-memory", "--gpu-tflops", "--intra-node-gbps",
-                  "--inter-node-gbps", "--host-link-gbps", "--gpus-per-node", "--compute-efficiency",
-                  "--cpu-adam-gparams")
+HARDWARE_FLAGS = (
+    "--gpu",
+    "--gpu-memory",
+    "--host-memory",
+    "--gpu-tflops",
+    "--intra-node-gbps",
+    "--inter-node-gbps",
+    "--host-link-gbps",
+    "--gpus-per-node",
+    "--compute-efficiency",
+    "--cpu-adam-gparams",
+)
 
 
 class _HardwareParser(argparse.ArgumentParser):
@@ -113,8 +145,15 @@ def hardware_from_args(ns: argparse.Namespace) -> Hardware:
         changes["gpu_memory"] = parse_bytes(ns.gpu_memory, "--gpu-memory")
     if ns.host_memory is not None:
         changes["host_memory"] = parse_bytes(ns.host_memory, "--host-memory")
-    for name in ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "gpus_per_node",
-                 "compute_efficiency", "cpu_adam_gparams"):
+    for name in (
+        "gpu_tflops",
+        "intra_node_gbps",
+        "inter_node_gbps",
+        "host_link_gbps",
+        "gpus_per_node",
+        "compute_efficiency",
+        "cpu_adam_gparams",
+    ):
         value = getattr(ns, name)
         if value is not None:
             if value <= 0:
@@ -130,7 +169,8 @@ def detect_hardware() -> Hardware:
     if not torch.cuda.is_available():
         return PRESETS["cpu"]
     name = torch.cuda.get_device_name()
-    key: Optional[str] = next((k for k, pattern in (("h200", "H200"), ("h100", "H100"), ("a100-80", "A100"))
-                               if pattern in name), None)
+    key: Optional[str] = next(
+        (k for k, pattern in (("h200", "H200"), ("h100", "H100"), ("a100-80", "A100")) if pattern in name), None
+    )
     base = PRESETS[key] if key else PRESETS["h100"]
     return dataclasses.replace(base, name=name, gpu_memory=torch.cuda.get_device_properties(0).total_memory)

@@ -18,6 +18,7 @@ neither may take library code from ``toolkit_cli``. Two counts:
   on small models only. Activation checkpointing recomputes under its own hooks, so what is counted
   is what the forward keeps (the planner's "activations (saved)").
 """
+
 from __future__ import annotations
 
 import resource
@@ -40,10 +41,13 @@ def local_nbytes(t: torch.Tensor) -> int:
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes (tied parameters once)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    return {"params": sum(local_nbytes(p) for p in params),
-            "grads": sum(local_nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local_nbytes(v) for st in optimizer.state.values() for v in st.values()
-                             if isinstance(v, torch.Tensor))}
+    return {
+        "params": sum(local_nbytes(p) for p in params),
+        "grads": sum(local_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            local_nbytes(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        ),
+    }
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -70,7 +74,7 @@ class SavedActivations:
                 self._kept[key] = local
         return t
 
-    def __enter__(self) -> "SavedActivations":
+    def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -103,8 +107,9 @@ def measure_trainer(trainer: Any, batches: Iterator[Any], tries: int = 4) -> Dic
 
     def grads_before_step(*args: Any, **kwargs: Any) -> Any:
         # --memory-efficient-fp16 hides the fp16 gradients from the optimizer during its step: count them here.
-        counted["grads_before_step"] = sum(local_nbytes(p.grad) for p in trainer.model.parameters()
-                                           if p.grad is not None)
+        counted["grads_before_step"] = sum(
+            local_nbytes(p.grad) for p in trainer.model.parameters() if p.grad is not None
+        )
         return step_optimizer(*args, **kwargs)
 
     trainer._step_optimizer = grads_before_step
@@ -146,7 +151,7 @@ class RssPeak:
     the baseline is what is live; run with ``TOOLKIT_KEEP_CPU_MEMORY=0`` so the trainer keeps glibc's
     default of unmapping large blocks."""
 
-    def __enter__(self) -> "RssPeak":
+    def __enter__(self) -> RssPeak:
         import ctypes
         import threading
 
@@ -182,7 +187,7 @@ class LivePeak:
     long-standing API); costs a few percent of speed while on.
     """
 
-    def __enter__(self) -> "LivePeak":
+    def __enter__(self) -> LivePeak:
         from torch.profiler import ProfilerActivity, profile
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -199,7 +204,7 @@ class LivePeak:
         return self.peak
 
 
-def _live_curve_peak(prof: Any) -> "tuple[int, int]":
+def _live_curve_peak(prof: Any) -> tuple[int, int]:
     """(highest, final) running sum of the profiler's allocation events (frees are negative sizes)."""
     from torch._C._profiler import _EventType
 

@@ -31,6 +31,7 @@ Each row is that item's largest size. The rows marked ``persistent`` (parameters
 runtime) live through the whole run; the others come and go within an update, and their peak is
 :func:`toolkit.plan.update_peak.update_peak`'s (what is alive at once), not their sum.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,10 +42,10 @@ from toolkit.plan.hardware import GIB, Hardware
 from toolkit.plan.model_stats import ModelStats, ParamInfo
 from toolkit.plan.setup import Setup
 
-QUANT_BLOCK, MIN_8BIT_NUMEL = 2048, 4096   # toolkit.optim.quantized_states.BLOCK / MIN_8BIT_NUMEL
-GPU_RUNTIME = int(1.0 * GIB)    # CUDA context, NCCL and cuBLAS workspaces (outside torch's allocator)
-HOST_RUNTIME = int(5.0 * GIB)   # per GPU process: torch + CUDA libraries, data loading (6.7B offload: 102.5 GiB
-                                # measured against 96.9 GiB of model states, benchmarks/README.md)
+QUANT_BLOCK, MIN_8BIT_NUMEL = 2048, 4096  # toolkit.optim.quantized_states.BLOCK / MIN_8BIT_NUMEL
+GPU_RUNTIME = int(1.0 * GIB)  # CUDA context, NCCL and cuBLAS workspaces (outside torch's allocator)
+HOST_RUNTIME = int(5.0 * GIB)  # per GPU process: torch + CUDA libraries, data loading (6.7B offload: 102.5 GiB
+# measured against 96.9 GiB of model states, benchmarks/README.md)
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,11 @@ def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Ite
     host = setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu
     where = (lambda b: Item("", 0, b)) if host else (lambda b: Item("", b, 0))
     note = f"1/{S} shard" if S > 1 else "whole"
-    return [_named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note,
-                   True),
-            _named(where(grad_bytes), "gradients", note),
-            _named(where(optim), "optimizer state", _optimizer_note(setup), True)]
+    return [
+        _named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note, True),
+        _named(where(grad_bytes), "gradients", note),
+        _named(where(optim), "optimizer state", _optimizer_note(setup), True),
+    ]
 
 
 def _optimizer_note(setup: Setup) -> str:
@@ -170,20 +172,41 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     cb = setup.compute_bytes
     layer = [p for p in stats.params if p.layer == 0]
     root = [p for p in stats.params if p.layer is None]
-    block, top, total = tp_numel(layer, setup.mp, setup.ep), tp_numel(root, setup.mp, setup.ep), \
-        tp_numel(stats.params, setup.mp, setup.ep)
+    block, top, total = (
+        tp_numel(layer, setup.mp, setup.ep),
+        tp_numel(root, setup.mp, setup.ep),
+        tp_numel(stats.params, setup.mp, setup.ep),
+    )
     items: List[Item] = []
     if setup.fsdp:
         held = top + 2 * block if setup.reshard else total
-        items.append(Item("gathered parameters", cb * held, 0,
-                          "root + 2 blocks" if setup.reshard else "whole model until backward ends"))
+        items.append(
+            Item(
+                "gathered parameters",
+                cb * held,
+                0,
+                "root + 2 blocks" if setup.reshard else "whole model until backward ends",
+            )
+        )
         # Micro-batches without gradient sync keep unsharded gradients, upcast to the fp32 reduce dtype (FSDP2).
         accumulate = 4 * total if setup.update_freq > 1 else 0
-        items.append(Item("gradient buffers", (cb + 4) * block + accumulate, 0,
-                          "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else "")))
+        items.append(
+            Item(
+                "gradient buffers",
+                (cb + 4) * block + accumulate,
+                0,
+                "block grad + fp32 reduce-scatter" + (" + accumulated grads" if accumulate else ""),
+            )
+        )
         if setup.cpu_offload and hw.has_gpu:
-            items.append(Item("offload staging", 2 * 4 * block_shard(stats, setup, hw.gpus_per_node), 0,
-                              "a block's fp32 shard in, its fp32 reduce-scatter out"))
+            items.append(
+                Item(
+                    "offload staging",
+                    2 * 4 * block_shard(stats, setup, hw.gpus_per_node),
+                    0,
+                    "a block's fp32 shard in, its fp32 reduce-scatter out",
+                )
+            )
     elif cb == 2 and not setup.memory_efficient_fp16:
         matmul = tp_numel([p for p in stats.params if p.matmul], setup.mp, setup.ep)
         items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
@@ -236,9 +259,14 @@ def context_parallel_items(stats: ModelStats, setup: Setup, hw: Hardware) -> Lis
     if setup.cp == 1:
         return []
     layers = 1 if setup.checkpoint else stats.num_layers
-    items = [Item("gathered keys/values (cp)", gathered * layers if hw.has_gpu else 0,
-                  0 if hw.has_gpu else gathered * layers,
-                  f"{'the recomputed layer' if setup.checkpoint else f'{layers} layers'}, (C-1)/C of T x 2G x D")]
+    items = [
+        Item(
+            "gathered keys/values (cp)",
+            gathered * layers if hw.has_gpu else 0,
+            0 if hw.has_gpu else gathered * layers,
+            f"{'the recomputed layer' if setup.checkpoint else f'{layers} layers'}, (C-1)/C of T x 2G x D",
+        )
+    ]
     if mask:
         rows = " per sequence" if setup.document_mask else ""
         items.append(Item("context-parallel mask", mask, 0, f"bool T/C x T{rows}"))
@@ -250,16 +278,27 @@ def activation_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item
     note = f"{setup.batch_sequences} x {stats.tokens_per_sample} tokens" + (f" / cp {setup.cp}" if setup.cp > 1 else "")
     note += ", checkpointed" if setup.checkpoint else ""
     on_host = setup.offload_activations or not hw.has_gpu
-    items = [Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
-             Item("backward transient", transient if hw.has_gpu else 0, 0 if hw.has_gpu else transient,
-                  "max(recomputed block + gradient flow, logits grad)" if setup.checkpoint
-                  else "max(gradient flow, logits grad)")]
+    items = [
+        Item("activations (saved)", 0 if on_host else saved, saved if on_host else 0, note),
+        Item(
+            "backward transient",
+            transient if hw.has_gpu else 0,
+            0 if hw.has_gpu else transient,
+            "max(recomputed block + gradient flow, logits grad)"
+            if setup.checkpoint
+            else "max(gradient flow, logits grad)",
+        ),
+    ]
     return items
 
 
 def memory_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
-    items = (model_state_items(stats, setup, hw) + buffer_items(stats, setup, hw) + activation_items(stats, setup, hw)
-             + context_parallel_items(stats, setup, hw))
+    items = (
+        model_state_items(stats, setup, hw)
+        + buffer_items(stats, setup, hw)
+        + activation_items(stats, setup, hw)
+        + context_parallel_items(stats, setup, hw)
+    )
     if hw.has_gpu:
         items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries", True))
     return items

@@ -16,6 +16,7 @@ adaptive softmax, untied output), and a user's ``--user-dir`` model is neither. 
   output and the per-row log-sum-exp: flash attention on GPU, torch's flash kernel on CPU), not
   as the meta device's math fallback that would save the T x T scores.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,15 +32,16 @@ import torch.nn.functional as F
 from toolkit.core.errors import UserError
 from toolkit.core.protocols import FlopsCounted, MetaTraceable, ParameterRoles, PositionTables
 
+
 @dataclass(frozen=True)
 class ParamInfo:
     name: str
     shape: Tuple[int, ...]
-    tp_split: bool          # split over the tensor-parallel ranks (along dim 0)
-    layer: Optional[int]    # the decoder layer holding it (None: embeddings, final norm, output layer)
-    matmul: bool = True     # a weight some matmul reads (autocast casts it): 2-D and not a position table
-    role: str = ""          # the family's parameter_roles() ('matrix' takes Muon's update); "" when undeclared
-    expert: bool = False    # a stack of MoE experts [E, ...]: split over --expert-parallel-size along dim 0
+    tp_split: bool  # split over the tensor-parallel ranks (along dim 0)
+    layer: Optional[int]  # the decoder layer holding it (None: embeddings, final norm, output layer)
+    matmul: bool = True  # a weight some matmul reads (autocast casts it): 2-D and not a position table
+    role: str = ""  # the family's parameter_roles() ('matrix' takes Muon's update); "" when undeclared
+    expert: bool = False  # a stack of MoE experts [E, ...]: split over --expert-parallel-size along dim 0
 
     @property
     def numel(self) -> int:
@@ -53,9 +55,9 @@ class ParamInfo:
 class Activations:
     """Bytes autograd keeps for backward, per sequence of ``tokens_per_sample`` tokens."""
 
-    per_layer: int      # one decoder layer
-    rest: int           # embeddings, final norm, logits and loss
-    block_input: int    # one layer's input: all a checkpointed layer keeps
+    per_layer: int  # one decoder layer
+    rest: int  # embeddings, final norm, logits and loss
+    block_input: int  # one layer's input: all a checkpointed layer keeps
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,17 @@ def param_infos(model: torch.nn.Module, with_roles: bool = False) -> Tuple[Param
         seen.add(id(p))
         shape = tuple(p.shape)
         expert = id(p) in experts  # [E, out, in]: the grouped GEMM casts it as autocast casts a matmul's weight
-        out.append(ParamInfo(name, shape, name in split, _layer_of(name),
-                             matmul=(len(shape) == 2 and name not in positions) or expert, role=roles.get(name, ""),
-                             expert=expert))
+        out.append(
+            ParamInfo(
+                name,
+                shape,
+                name in split,
+                _layer_of(name),
+                matmul=(len(shape) == 2 and name not in positions) or expert,
+                role=roles.get(name, ""),
+                expert=expert,
+            )
+        )
     return tuple(out)
 
 
@@ -220,8 +230,9 @@ def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dt
     return sum(t.untyped_storage().nbytes() for t in saved.values())
 
 
-def trace_activations(model: torch.nn.Module, arch: str, model_cfg: Any, vocab: int, tokens: int,
-                      dtype: torch.dtype) -> Activations:
+def trace_activations(
+    model: torch.nn.Module, arch: str, model_cfg: Any, vocab: int, tokens: int, dtype: torch.dtype
+) -> Activations:
     """One layer's and the rest's saved bytes per sequence (see the module docstring).
 
     Parts the meta device cannot run (adaptive input/softmax pick each band's tokens with ``nonzero()``) are
@@ -229,14 +240,19 @@ def trace_activations(model: torch.nn.Module, arch: str, model_cfg: Any, vocab: 
     """
     overrides = model.meta_traceable_options() if isinstance(model, MetaTraceable) else {}
     model_cfg = dataclasses.replace(model_cfg, **overrides)
-    one = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens),
-                      tokens, vocab, dtype)
-    two = saved_bytes(_build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens),
-                      tokens, vocab, dtype)
+    one = saved_bytes(
+        _build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens), tokens, vocab, dtype
+    )
+    two = saved_bytes(
+        _build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens), tokens, vocab, dtype
+    )
     per_layer = two - one
     width = model_cfg.decoder_embed_dim
-    return Activations(per_layer=per_layer, rest=one - per_layer,
-                       block_input=tokens * width * torch.empty((), dtype=dtype).element_size())
+    return Activations(
+        per_layer=per_layer,
+        rest=one - per_layer,
+        block_input=tokens * width * torch.empty((), dtype=dtype).element_size(),
+    )
 
 
 def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
@@ -260,13 +276,15 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     tokens = getattr(cfg.task, "tokens_per_sample", None)
     tokens = model_cfg.max_target_positions if tokens is None else tokens
     if tokens is None or tokens < 1:
-        raise UserError(f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give "
-                        "--tokens-per-sample N (N >= 1)")
+        raise UserError(
+            f"--tokens-per-sample {tokens}: the plan needs the length of a sample; give --tokens-per-sample N (N >= 1)"
+        )
     model = _build(arch, model_cfg, vocab, tokens)
     check_expert_layout(model, cfg.distributed)
     infos = param_infos(model, with_roles=bool(getattr(type(cfg.optimizer), "wants_parameter_roles", False)))
-    flops = float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(
-        p.numel for p in infos)
+    flops = (
+        float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(p.numel for p in infos)
+    )
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
     from toolkit.models.blocks.attention import Attention
 
@@ -274,7 +292,16 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
 
     kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, Attention))
     moe = [m for m in model.modules() if isinstance(m, MoE)]
-    return ModelStats(arch=arch, params=infos, num_layers=model_cfg.decoder_layers,
-                      embed_dim=model_cfg.decoder_embed_dim, vocab_size=vocab, tokens_per_sample=tokens,
-                      flops_per_token=flops, activations=activations, kv_width=kv_width,
-                      moe_top_k=max((m.gate.top_k for m in moe), default=0), moe_layers=len(moe))
+    return ModelStats(
+        arch=arch,
+        params=infos,
+        num_layers=model_cfg.decoder_layers,
+        embed_dim=model_cfg.decoder_embed_dim,
+        vocab_size=vocab,
+        tokens_per_sample=tokens,
+        flops_per_token=flops,
+        activations=activations,
+        kv_width=kv_width,
+        moe_top_k=max((m.gate.top_k for m in moe), default=0),
+        moe_layers=len(moe),
+    )

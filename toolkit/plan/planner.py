@@ -1,4 +1,5 @@
 """Planning: a Plan from a config and hardware, and the search for the first flag change that fits."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,6 @@ class Plan:
         return self.fits_gpu and self.fits_host
 
 
-
 def plan_for(stats: ModelStats, setup: Setup, hw: Hardware) -> Tuple[Tuple[Item, ...], StepTime]:
     return tuple(memory_items(stats, setup, hw)), step_time(stats, setup, hw)
 
@@ -79,20 +79,31 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
 # Tried in this order: cheapest first (no extra hardware, least speed lost).
 _GPU_FIXES = (
     ("--checkpoint-activations", lambda s: not s.checkpoint, dict(checkpoint=True)),
-    ("--ddp-backend fully_sharded", lambda s: not s.fsdp and s.world > 1,
-     dict(fsdp=True, backend="fully_sharded", strategy="full_shard", reshard=True)),
-    ("--sharding-strategy full_shard", lambda s: s.fsdp and s.strategy != "full_shard" and s.dp > 1,
-     dict(strategy="full_shard", reshard=True)),
+    (
+        "--ddp-backend fully_sharded",
+        lambda s: not s.fsdp and s.world > 1,
+        dict(fsdp=True, backend="fully_sharded", strategy="full_shard", reshard=True),
+    ),
+    (
+        "--sharding-strategy full_shard",
+        lambda s: s.fsdp and s.strategy != "full_shard" and s.dp > 1,
+        dict(strategy="full_shard", reshard=True),
+    ),
 )
 # Offloading slows every step down (host Adam, PCIe copies): after a smaller micro-batch.
 _OFFLOAD_FIX = (
-    ("--ddp-backend fully_sharded --cpu-offload", lambda s: not s.cpu_offload and s.mp == 1,
-     dict(cpu_offload=True, optimizer="cpu_adam", fsdp=True, backend="fully_sharded",
-          strategy=None, reshard=True)),
+    (
+        "--ddp-backend fully_sharded --cpu-offload",
+        lambda s: not s.cpu_offload and s.mp == 1,
+        dict(cpu_offload=True, optimizer="cpu_adam", fsdp=True, backend="fully_sharded", strategy=None, reshard=True),
+    ),
 )
 _HOST_FIXES = (
-    ("--adam-state-precision 8bit", lambda s: s.optimizer == "cpu_adam" and s.adam_state_precision != "8bit",
-     dict(adam_state_precision="8bit")),
+    (
+        "--adam-state-precision 8bit",
+        lambda s: s.optimizer == "cpu_adam" and s.adam_state_precision != "8bit",
+        dict(adam_state_precision="8bit"),
+    ),
     ("--bf16-host-grads", lambda s: s.cpu_offload and not s.bf16_host_grads, dict(bf16_host_grads=True)),
 )
 
@@ -123,8 +134,9 @@ def _smaller_batches(s: Setup) -> List[Tuple[str, Setup]]:
     out, b, freq = [], s.batch_sequences, s.update_freq
     while b > 1:
         b, freq = b // 2, freq * 2
-        out.append((f"--batch-size {b} --update-freq {freq}", dataclasses.replace(s, batch_sequences=b,
-                                                                                  update_freq=freq)))
+        out.append(
+            (f"--batch-size {b} --update-freq {freq}", dataclasses.replace(s, batch_sequences=b, update_freq=freq))
+        )
     return out
 
 
@@ -134,8 +146,11 @@ def first_fix(plan: Plan) -> Optional[str]:
     single = _candidates(plan)
     tried = single + _smaller_batches(plan.setup) + (_apply(plan.setup, _OFFLOAD_FIX) if not plan.fits_gpu else [])
     if not plan.setup.checkpoint:
-        tried += [(f"--checkpoint-activations {flag}", dataclasses.replace(s, checkpoint=True))
-                  for flag, s in tried if not flag.startswith("--checkpoint")]
+        tried += [
+            (f"--checkpoint-activations {flag}", dataclasses.replace(s, checkpoint=True))
+            for flag, s in tried
+            if not flag.startswith("--checkpoint")
+        ]
     for flag, setup in tried:
         items, time = plan_for(plan.stats, setup, plan.hw)
         if Plan(plan.stats, setup, plan.hw, items, time, None).fits:

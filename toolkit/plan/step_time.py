@@ -9,6 +9,7 @@ offloaded update (CPU Adam) runs after backward unless ``--overlap-offload-step`
 Ring collectives move ``(n - 1) / n`` of the buffer per rank (an all-reduce twice that); a group
 within one node uses NVLink, one across nodes each GPU's NIC.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class StepTime:
     comm: Tuple[Tuple[str, float, float], ...]  # (collective, bytes per rank, seconds)
     optimizer_s: float
     total_s: float
-    tokens_per_step: int                         # all ranks, one update
+    tokens_per_step: int  # all ranks, one update
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -113,5 +114,6 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
     else:
         optimizer = ADAM_BYTES_PER_PARAM * P_local / HBM_BYTES_PER_S.get(hw.name, 2.0e12)
     total = max(compute, overlapped) + exposed + optimizer
-    return StepTime(flops, compute, tuple((n, b, s) for n, b, s, _ in comms), optimizer, total,
-                    int(round(tokens_rank * setup.dp)))
+    return StepTime(
+        flops, compute, tuple((n, b, s) for n, b, s, _ in comms), optimizer, total, int(round(tokens_rank * setup.dp))
+    )

@@ -19,6 +19,7 @@ Both moments count what ``toolkit.plan.measure.LivePeak`` measures: live tensor 
 parameters and optimizer state, which exist before and after the update (the planner's persistent
 rows). ``benchmarks/plan_check.py`` compares the two on CPU runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,10 +89,18 @@ def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bo
     flow += expert_exchange(stats, setup)  # the top block's and the first block's backward both exchange
     casts_top, casts_bottom = _autocast_copies(stats, setup)
     inputs_place = GPU if setup.checkpoint else SAVED  # a checkpoint's arguments bypass --offload-activations
-    top = [(grads if setup.update_freq > 1 else grads_top, STATES), (gathered_top + grad_buffers + casts_top, GPU),
-           (stats.num_layers * kept, inputs_place), (max(head, recompute + flow), GPU)]
-    bottom = [(grads, STATES), (gathered_bottom + grad_buffers + casts_bottom, GPU), (kept, inputs_place),
-              (recompute + flow + (kept if setup.offload_activations and not setup.checkpoint else 0), GPU)]
+    top = [
+        (grads if setup.update_freq > 1 else grads_top, STATES),
+        (gathered_top + grad_buffers + casts_top, GPU),
+        (stats.num_layers * kept, inputs_place),
+        (max(head, recompute + flow), GPU),
+    ]
+    bottom = [
+        (grads, STATES),
+        (gathered_bottom + grad_buffers + casts_bottom, GPU),
+        (kept, inputs_place),
+        (recompute + flow + (kept if setup.offload_activations and not setup.checkpoint else 0), GPU),
+    ]
     if setup.bucketed_all_reduce:
         bottom.append((2 * (64 << 20), GPU))  # the flat bucket and its reduced copy, after backward
     if setup.cp > 1:  # every layer's gathered keys/values (the recomputed top one's under checkpointing); the mask
@@ -121,4 +130,3 @@ def update_peak(stats: ModelStats, setup: Setup, hw: Hardware) -> Peak:
     key = 0 if hw.has_gpu else 1
     where = max(totals, key=lambda k: totals[k][key])
     return Peak(max(t[0] for t in totals.values()), max(t[1] for t in totals.values()), where)
-

@@ -5,12 +5,12 @@ folder made by ``toolkit-preprocess`` (``dict.txt`` + ``{split}.bin/.idx``); sev
 folders separated by ``:`` are used round-robin, one per epoch (the dictionary is
 read from the first).
 """
+
 from __future__ import annotations
 
 import glob
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -51,8 +51,7 @@ def bos_as_context(add_bos_token: bool, dictionary) -> bool:
     itself, which is neither what it was trained on nor what transformers computes. Then BOS takes the
     place of the ``</s>`` a line starts from (see :class:`toolkit.data.lm_dataset.MonolingualDataset`).
     """
-    return bool(add_bos_token) and dictionary.fixed_ids \
-        and dictionary.bos() != dictionary.eos()
+    return bool(add_bos_token) and dictionary.fixed_ids and dictionary.bos() != dictionary.eos()
 
 
 def _load_dictionary(data: str) -> Dictionary:
@@ -68,9 +67,11 @@ def _mixture_dictionary(spec: str) -> Dictionary:
     dictionary = _load_dictionary(sources[0].path)
     for source in sources[1:]:
         if _load_dictionary(source.path) != dictionary:
-            raise UserError(f"--data-mixture: {os.path.join(source.path, 'dict.txt')} differs from "
-                            f"{os.path.join(sources[0].path, 'dict.txt')}; the sources must share one dictionary "
-                            f"(binarize them with toolkit-preprocess --srcdict {sources[0].path}/dict.txt)")
+            raise UserError(
+                f"--data-mixture: {os.path.join(source.path, 'dict.txt')} differs from "
+                f"{os.path.join(sources[0].path, 'dict.txt')}; the sources must share one dictionary "
+                f"(binarize them with toolkit-preprocess --srcdict {sources[0].path}/dict.txt)"
+            )
     logger.info(f"dictionary: {len(dictionary)} types (shared by the {len(sources)} sources of --data-mixture)")
     return dictionary
 
@@ -81,17 +82,22 @@ class LanguageModelingTask:
         if not isinstance(cfg, LanguageModelingConfig):
             cfg = options.config_from_args(LanguageModelingConfig, cfg)
         if cfg.sample_break_mode not in BREAK_MODES:
-            raise UserError(f"--sample-break-mode: unknown mode {cfg.sample_break_mode!r}; "
-                            f"choose from {', '.join(BREAK_MODES)}")
+            raise UserError(
+                f"--sample-break-mode: unknown mode {cfg.sample_break_mode!r}; choose from {', '.join(BREAK_MODES)}"
+            )
         if cfg.shorten_method not in SHORTEN_METHODS:
-            raise UserError(f"--shorten-method: unknown method {cfg.shorten_method!r}; "
-                            f"choose from {', '.join(SHORTEN_METHODS)}")
+            raise UserError(
+                f"--shorten-method: unknown method {cfg.shorten_method!r}; choose from {', '.join(SHORTEN_METHODS)}"
+            )
         if cfg.mixture_epoch_samples < 0:
-            raise UserError(f"--mixture-epoch-samples {cfg.mixture_epoch_samples}: must be >= 0 (0: all sources' "
-                            f"samples together)")
+            raise UserError(
+                f"--mixture-epoch-samples {cfg.mixture_epoch_samples}: must be >= 0 (0: all sources' samples together)"
+            )
         if cfg.reset_position_ids and not cfg.document_attention_mask:
-            raise UserError("--reset-position-ids: restarts positions per document of a packed sample, which "
-                            "needs --document-attention-mask; add it")
+            raise UserError(
+                "--reset-position-ids: restarts positions per document of a packed sample, which "
+                "needs --document-attention-mask; add it"
+            )
         if cfg.sample_break_mode != "eos" and cfg.tokens_per_sample < 1:
             raise UserError(f"--tokens-per-sample must be >= 1, got {cfg.tokens_per_sample}")
         self.cfg = cfg
@@ -123,7 +129,7 @@ class LanguageModelingTask:
         return [p for p in self.cfg.data.split(":") if p]
 
     @classmethod
-    def setup_task(cls, cfg: Any) -> "LanguageModelingTask":
+    def setup_task(cls, cfg: Any) -> LanguageModelingTask:
         if not isinstance(cfg, LanguageModelingConfig):
             cfg = options.config_from_args(LanguageModelingConfig, cfg)
         if cfg.data_mixture:
@@ -131,13 +137,16 @@ class LanguageModelingTask:
                 raise UserError(f"--data-mixture: also given DATA {cfg.data}; give one of them")
             return cls(cfg, _mixture_dictionary(cfg.data_mixture))
         if not cfg.data:
-            raise UserError("DATA: no data-bin folder given; pass the folder made by toolkit-preprocess "
-                            "(or --data-mixture)")
+            raise UserError(
+                "DATA: no data-bin folder given; pass the folder made by toolkit-preprocess (or --data-mixture)"
+            )
         shards = [p for p in cfg.data.split(":") if p]
         missing = [p for p in shards if not os.path.isdir(p)]
         if missing:
-            raise UserError(f"{missing[0]}: data shard not found (DATA is {cfg.data}); every ':'-separated "
-                            f"folder must be a data-bin made by toolkit-preprocess")
+            raise UserError(
+                f"{missing[0]}: data shard not found (DATA is {cfg.data}); every ':'-separated "
+                f"folder must be a data-bin made by toolkit-preprocess"
+            )
         dictionary = _load_dictionary(shards[0])
         logger.info(f"dictionary: {len(dictionary)} types")
         return cls(cfg, dictionary)
@@ -163,7 +172,7 @@ class LanguageModelingTask:
     def _load_mixture_split(self, split: str, combine: bool):
         for source in self.mixture:
             if split.endswith("_" + source.name):
-                return self._load_split(source.path, split[:-len(source.name) - 1], combine)
+                return self._load_split(source.path, split[: -len(source.name) - 1], combine)
         parts = [self._load_split(source.path, split, combine) for source in self.mixture]
         mixed = MixtureDataset(self.mixture, parts, self.cfg.mixture_epoch_samples)
         shares = ", ".join(f"{s.name} {s.weight:.3f}" for s in self.mixture)
@@ -173,23 +182,38 @@ class LanguageModelingTask:
     def _load_split(self, data_path: str, split: str, combine: bool) -> MonolingualDataset:
         prefix = os.path.join(data_path, split)
         if not MMapIndexedDataset.exists(prefix):
-            found = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
-                           if MMapIndexedDataset.exists(p[:-4]))
-            raise UserError(f"{prefix}.bin/.idx: not found; splits in {data_path}: {', '.join(found) or 'none'} "
-                            f"(choose with --train-subset/--valid-subset, or binarize it with toolkit-preprocess)")
+            found = sorted(
+                os.path.basename(p)[:-4]
+                for p in glob.glob(os.path.join(glob.escape(data_path), "*.idx"))
+                if MMapIndexedDataset.exists(p[:-4])
+            )
+            raise UserError(
+                f"{prefix}.bin/.idx: not found; splits in {data_path}: {', '.join(found) or 'none'} "
+                f"(choose with --train-subset/--valid-subset, or binarize it with toolkit-preprocess)"
+            )
         names = numbered_splits(data_path, split) if combine else [split]
         parts = [MMapIndexedDataset(os.path.join(data_path, n)) for n in names]
         for part in parts:  # before any update: an id past the dictionary was an IndexError hundreds of updates in
             check_token_ids(part.prefix, part.tokens, len(self.dictionary), os.path.join(data_path, "dict.txt"))
         split_data = parts[0] if len(parts) == 1 else ConcatIndexedDataset(parts)
         split_data = self._maybe_shorten(split_data, split)
-        blocks = TokenBlockDataset(split_data, self.cfg.tokens_per_sample, pad=self.dictionary.pad(),
-                                   eos=self.dictionary.eos(), break_mode=self.cfg.sample_break_mode,
-                                   include_targets=True)
-        dataset = MonolingualDataset(blocks, self.dictionary, add_bos_token=self.cfg.add_bos_token, shuffle=True,
-                                     document_mask=self.cfg.document_attention_mask,
-                                     reset_positions=self.cfg.reset_position_ids,
-                                     bos_as_context=bos_as_context(self.cfg.add_bos_token, self.dictionary))
+        blocks = TokenBlockDataset(
+            split_data,
+            self.cfg.tokens_per_sample,
+            pad=self.dictionary.pad(),
+            eos=self.dictionary.eos(),
+            break_mode=self.cfg.sample_break_mode,
+            include_targets=True,
+        )
+        dataset = MonolingualDataset(
+            blocks,
+            self.dictionary,
+            add_bos_token=self.cfg.add_bos_token,
+            shuffle=True,
+            document_mask=self.cfg.document_attention_mask,
+            reset_positions=self.cfg.reset_position_ids,
+            bos_as_context=bos_as_context(self.cfg.add_bos_token, self.dictionary),
+        )
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
         return dataset
 
@@ -200,8 +224,10 @@ class LanguageModelingTask:
             return split_data
         shortened = ShortenedDataset(split_data, self.cfg.tokens_per_sample, method, self.cfg.seed)
         cut = int((np.asarray(split_data.sizes) > self.cfg.tokens_per_sample).sum())
-        logger.info(f"--shorten-method {method}: {cut} of {len(shortened)} {split} lines cut to "
-                    f"{self.cfg.tokens_per_sample} tokens")
+        logger.info(
+            f"--shorten-method {method}: {cut} of {len(shortened)} {split} lines cut to "
+            f"{self.cfg.tokens_per_sample} tokens"
+        )
         return shortened
 
     def _check_shards(self, split: str, paths) -> None:
@@ -209,8 +235,10 @@ class LanguageModelingTask:
         present = [MMapIndexedDataset.exists(os.path.join(p, split)) for p in paths]
         if sum(present) > 1 and not all(present):
             lacking = paths[present.index(False)]
-            raise UserError(f"{os.path.join(lacking, split)}.bin/.idx: not found, but {split} is in other shards "
-                            f"of {self.cfg.data}; binarize it there or drop that shard")
+            raise UserError(
+                f"{os.path.join(lacking, split)}.bin/.idx: not found, but {split} is in other shards "
+                f"of {self.cfg.data}; binarize it there or drop that shard"
+            )
         self._checked_splits.add(split)
 
     def has_sharded_data(self) -> bool:
@@ -237,11 +265,20 @@ class LanguageModelingTask:
             return None
         return self.cfg.tokens_per_sample + (1 if self.cfg.add_bos_token else 0)
 
-    def get_batch_iterator(self, dataset: MonolingualDataset, max_tokens: Optional[int] = None,
-                           batch_size: Optional[int] = None, required_batch_size_multiple: int = 1,
-                           seed: int = 1, num_shards: int = 1, shard_id: int = 0, num_workers: int = 0,
-                           epoch: int = 1, max_positions: Optional[int] = None,
-                           ignore_invalid_inputs: bool = False) -> EpochBatchIterator:
+    def get_batch_iterator(
+        self,
+        dataset: MonolingualDataset,
+        max_tokens: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        required_batch_size_multiple: int = 1,
+        seed: int = 1,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        num_workers: int = 0,
+        epoch: int = 1,
+        max_positions: Optional[int] = None,
+        ignore_invalid_inputs: bool = False,
+    ) -> EpochBatchIterator:
         """Batches of ``dataset`` for this rank, as a resumable :class:`EpochBatchIterator`.
 
         Samples are sorted by size with ties in a ``seed``-fixed random order, cut into
@@ -254,35 +291,60 @@ class LanguageModelingTask:
             indices, dropped = filter_by_size(indices, dataset.seq_lengths(), max_positions)
             if len(dropped):
                 first = int(dropped[0])
-                msg = (f"{len(dropped)} samples are longer than the model's {max_positions} positions "
-                       f"(e.g. sample {first}: {int(dataset.seq_lengths()[first])} tokens)")
+                msg = (
+                    f"{len(dropped)} samples are longer than the model's {max_positions} positions "
+                    f"(e.g. sample {first}: {int(dataset.seq_lengths()[first])} tokens)"
+                )
                 if not ignore_invalid_inputs:
-                    raise UserError(f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample, "
-                                    f"use a break mode that bounds the sample size, or skip them with "
-                                    f"--skip-invalid-size-inputs-valid-test")
+                    raise UserError(
+                        f"--tokens-per-sample/--sample-break-mode: {msg}; lower --tokens-per-sample, "
+                        f"use a break mode that bounds the sample size, or skip them with "
+                        f"--skip-invalid-size-inputs-valid-test"
+                    )
                 if len(indices) == 0:
-                    raise UserError(f"--tokens-per-sample/--sample-break-mode: every sample is skipped ({msg}); "
-                                    f"raise --tokens-per-sample or pass --shorten-method truncate")
-                logger.warning(f"{len(dropped):,} samples have invalid sizes and will be skipped, "
-                               f"max_positions={max_positions}, first few sample ids={dropped[:10].tolist()}")
-        flags = {"max_tokens": max_tokens, "batch_size": batch_size,
-                 "required_batch_size_multiple": required_batch_size_multiple}
+                    raise UserError(
+                        f"--tokens-per-sample/--sample-break-mode: every sample is skipped ({msg}); "
+                        f"raise --tokens-per-sample or pass --shorten-method truncate"
+                    )
+                logger.warning(
+                    f"{len(dropped):,} samples have invalid sizes and will be skipped, "
+                    f"max_positions={max_positions}, first few sample ids={dropped[:10].tolist()}"
+                )
+        flags = {
+            "max_tokens": max_tokens,
+            "batch_size": batch_size,
+            "required_batch_size_multiple": required_batch_size_multiple,
+        }
         batching = self._batching(dataset, flags, max_positions)
-        return EpochBatchIterator(dataset, dataset.collater, batching.make(indices, flags), seed=seed,
-                                  num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
-                                  batching=batching)
+        return EpochBatchIterator(
+            dataset,
+            dataset.collater,
+            batching.make(indices, flags),
+            seed=seed,
+            num_shards=num_shards,
+            shard_id=shard_id,
+            num_workers=num_workers,
+            epoch=epoch,
+            batching=batching,
+        )
 
     def _batching(self, dataset: MonolingualDataset, flags: Dict[str, Any], max_positions: Optional[int]) -> Batching:
         """How the batches are made, so a checkpoint's sample position maps onto other --batch-size etc."""
+
         def ordered(seed: int):
             indices = dataset.ordered_indices(seed)
-            return indices if max_positions is None else filter_by_size(indices, dataset.seq_lengths(),
-                                                                        max_positions)[0]
+            return (
+                indices if max_positions is None else filter_by_size(indices, dataset.seq_lengths(), max_positions)[0]
+            )
 
         def make(indices, batch_flags: Dict[str, Any]):
-            return batch_by_size(indices, dataset.sizes, max_tokens=batch_flags["max_tokens"],
-                                 max_sentences=batch_flags["batch_size"],
-                                 required_batch_size_multiple=batch_flags["required_batch_size_multiple"])
+            return batch_by_size(
+                indices,
+                dataset.sizes,
+                max_tokens=batch_flags["max_tokens"],
+                max_sentences=batch_flags["batch_size"],
+                required_batch_size_multiple=batch_flags["required_batch_size_multiple"],
+            )
 
         samples = {"tokens_per_sample": self.cfg.tokens_per_sample, "sample_break_mode": self.cfg.sample_break_mode}
         return Batching(ordered, make, flags, samples)

@@ -8,6 +8,7 @@ fairseq's convention: its pieces are GPT-2 BPE ids written as strings.
 A data-bin records its tokenizer in ``bpe.json`` beside ``dict.txt`` with copies
 of the model files, so ``load_tokenizer_for_data_bin`` can rebuild it later.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -162,8 +163,9 @@ def load_tokenizer_for_data_bin(data_dir: str) -> Optional[Tokenizer]:
         for field, file_name in record.get("files", {}).items():
             values[field] = os.path.join(data_dir, file_name)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{path}: not a tokenizer record written by toolkit-preprocess ({e}); "
-                        f"re-run toolkit-preprocess") from None
+        raise UserError(
+            f"{path}: not a tokenizer record written by toolkit-preprocess ({e}); re-run toolkit-preprocess"
+        ) from None
     if name is None:
         return None
     return build_tokenizer(name, values)

@@ -4,6 +4,7 @@ As in fairseq, a line encodes to GPT-2 BPE ids written as strings ("31373 995"),
 and those strings are the tokens of ``dict.txt``. Encoding runs in HF
 ``tokenizers`` (same pre-tokenization regex and merge order as OpenAI's encoder).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,10 +17,13 @@ from toolkit.tokenizers import Tokenizer
 
 @dataclass
 class Gpt2BpeConfig:
-    gpt2_encoder_json: Optional[str] = field(default=None, metadata={
-        "help": "path of GPT-2's encoder.json (BPE token -> id)", "metavar": "PATH"})
-    gpt2_vocab_bpe: Optional[str] = field(default=None, metadata={
-        "help": "path of GPT-2's vocab.bpe (the merges, first line '#version: ...')", "metavar": "PATH"})
+    gpt2_encoder_json: Optional[str] = field(
+        default=None, metadata={"help": "path of GPT-2's encoder.json (BPE token -> id)", "metavar": "PATH"}
+    )
+    gpt2_vocab_bpe: Optional[str] = field(
+        default=None,
+        metadata={"help": "path of GPT-2's vocab.bpe (the merges, first line '#version: ...')", "metavar": "PATH"},
+    )
 
 
 @register_bpe("gpt2", dataclass=Gpt2BpeConfig)
@@ -35,8 +39,10 @@ class Gpt2Bpe(Tokenizer):
         try:
             self.tok = ByteLevelBPETokenizer.from_file(cfg.gpt2_encoder_json, cfg.gpt2_vocab_bpe)
         except Exception as e:  # tokenizers raises its own Exception subclass
-            raise UserError(f"--gpt2-encoder-json {cfg.gpt2_encoder_json} / --gpt2-vocab-bpe {cfg.gpt2_vocab_bpe}: "
-                            f"cannot read GPT-2 BPE files ({e}); give GPT-2's encoder.json and vocab.bpe") from None
+            raise UserError(
+                f"--gpt2-encoder-json {cfg.gpt2_encoder_json} / --gpt2-vocab-bpe {cfg.gpt2_vocab_bpe}: "
+                f"cannot read GPT-2 BPE files ({e}); give GPT-2's encoder.json and vocab.bpe"
+            ) from None
 
     def encode(self, line: str) -> str:
         return " ".join(map(str, self.tok.encode(line.strip()).ids))
@@ -76,6 +82,5 @@ class Gpt2Bpe(Tokenizer):
     def check_config(cls, cfg: Gpt2BpeConfig, flag: str = "--bpe gpt2") -> None:
         for name in ("gpt2_encoder_json", "gpt2_vocab_bpe"):
             if getattr(cfg, name) is None:
-                raise UserError(f"{flag}: needs --{name.replace('_', '-')} PATH (GPT-2's "
-                                f"{cls.model_files[name]})")
+                raise UserError(f"{flag}: needs --{name.replace('_', '-')} PATH (GPT-2's {cls.model_files[name]})")
         super().check_config(cfg, flag)

@@ -2,6 +2,7 @@
 
 The pieces are the byte-level strings (``Ġthe``), so ``dict.txt`` stays readable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,16 +19,29 @@ BYTE_ALPHABET = 256
 
 @dataclass
 class HfByteBpeConfig:
-    bpe_model: Optional[str] = field(default=None, metadata={
-        "help": "tokenizer JSON file (tokenizers' Tokenizer.save) to use; leave out to train one on the "
-                "train split with --bpe-vocab-size", "metavar": "PATH"})
-    bpe_vocab_size: Optional[int] = field(default=None, metadata={
-        "help": "train a byte-level BPE of this many tokens (more than 256) on the train split and save it "
-                "in the data-bin", "metavar": "N"})
-    bpe_min_frequency: int = field(default=2, metadata={
-        "help": "when training, merge only pairs seen at least this often"})
-    bpe_add_prefix_space: bool = field(default=False, metadata={
-        "help": "when training, add a space before each line so its first word encodes as the others do"})
+    bpe_model: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "tokenizer JSON file (tokenizers' Tokenizer.save) to use; leave out to train one on the "
+            "train split with --bpe-vocab-size",
+            "metavar": "PATH",
+        },
+    )
+    bpe_vocab_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "train a byte-level BPE of this many tokens (more than 256) on the train split and save it "
+            "in the data-bin",
+            "metavar": "N",
+        },
+    )
+    bpe_min_frequency: int = field(
+        default=2, metadata={"help": "when training, merge only pairs seen at least this often"}
+    )
+    bpe_add_prefix_space: bool = field(
+        default=False,
+        metadata={"help": "when training, add a space before each line so its first word encodes as the others do"},
+    )
 
 
 @register_bpe("hf_byte_bpe", dataclass=HfByteBpeConfig)
@@ -44,8 +58,10 @@ class HfByteBpe(Tokenizer):
         try:
             self.tok = HfTokenizer.from_file(cfg.bpe_model)
         except Exception as e:  # tokenizers raises its own Exception subclass
-            raise UserError(f"--bpe-model {cfg.bpe_model}: not a tokenizers JSON file ({e}); "
-                            f"give a file written by tokenizers' Tokenizer.save") from None
+            raise UserError(
+                f"--bpe-model {cfg.bpe_model}: not a tokenizers JSON file ({e}); "
+                f"give a file written by tokenizers' Tokenizer.save"
+            ) from None
         if self.tok.decoder is None:
             from tokenizers import decoders
 
@@ -85,8 +101,10 @@ class HfByteBpe(Tokenizer):
         if cfg.bpe_model is not None and cfg.bpe_vocab_size is not None:
             raise UserError(f"{flag}: --bpe-model and --bpe-vocab-size exclude each other; give one of them")
         if cfg.bpe_vocab_size is not None and cfg.bpe_vocab_size <= BYTE_ALPHABET:
-            raise UserError(f"--bpe-vocab-size {cfg.bpe_vocab_size}: a byte-level BPE already has "
-                            f"{BYTE_ALPHABET} byte tokens; give a size above {BYTE_ALPHABET}")
+            raise UserError(
+                f"--bpe-vocab-size {cfg.bpe_vocab_size}: a byte-level BPE already has "
+                f"{BYTE_ALPHABET} byte tokens; give a size above {BYTE_ALPHABET}"
+            )
 
     @classmethod
     def train(cls, cfg: HfByteBpeConfig, lines: Iterable[str], out_dir: str) -> HfByteBpeConfig:
@@ -94,8 +112,13 @@ class HfByteBpe(Tokenizer):
 
         tok = ByteLevelBPETokenizer(add_prefix_space=cfg.bpe_add_prefix_space)
         sentences = (line.strip() for line in lines)
-        tok.train_from_iterator((s for s in sentences if s), vocab_size=cfg.bpe_vocab_size,
-                                min_frequency=cfg.bpe_min_frequency, show_progress=False, special_tokens=[])
+        tok.train_from_iterator(
+            (s for s in sentences if s),
+            vocab_size=cfg.bpe_vocab_size,
+            min_frequency=cfg.bpe_min_frequency,
+            show_progress=False,
+            special_tokens=[],
+        )
         path = os.path.join(out_dir, cls.model_files["bpe_model"])
         tok.save(path)
         return dataclasses.replace(cfg, bpe_model=path)

@@ -1,4 +1,5 @@
 """``--bpe sentencepiece``: a SentencePiece BPE model, given (``--bpe-model``) or trained here."""
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,29 @@ def _encode_threads() -> int:
 
 @dataclass
 class SentencepieceBpeConfig:
-    bpe_model: Optional[str] = field(default=None, metadata={
-        "help": "SentencePiece model file to use; leave out to train one on the train split with --bpe-vocab-size",
-        "aliases": ("--sentencepiece-model",), "metavar": "PATH"})
-    bpe_vocab_size: Optional[int] = field(default=None, metadata={
-        "help": "train a model of this many pieces on the train split and save it in the data-bin", "metavar": "N"})
-    bpe_character_coverage: float = field(default=1.0, metadata={
-        "help": "share of characters the trained model must cover (SentencePiece's character_coverage)"})
-    bpe_train_max_lines: int = field(default=1_000_000, metadata={
-        "help": "train on at most this many lines (a random sample when the split has more)"})
+    bpe_model: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "SentencePiece model file to use; leave out to train one on the train split with --bpe-vocab-size",
+            "aliases": ("--sentencepiece-model",),
+            "metavar": "PATH",
+        },
+    )
+    bpe_vocab_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "train a model of this many pieces on the train split and save it in the data-bin",
+            "metavar": "N",
+        },
+    )
+    bpe_character_coverage: float = field(
+        default=1.0,
+        metadata={"help": "share of characters the trained model must cover (SentencePiece's character_coverage)"},
+    )
+    bpe_train_max_lines: int = field(
+        default=1_000_000,
+        metadata={"help": "train on at most this many lines (a random sample when the split has more)"},
+    )
 
 
 @register_bpe("sentencepiece", dataclass=SentencepieceBpeConfig)
@@ -51,23 +66,26 @@ class SentencepieceBpe(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_file=cfg.bpe_model)
         except (OSError, RuntimeError) as e:
-            raise UserError(f"--bpe-model {cfg.bpe_model}: not a SentencePiece model ({e}); "
-                            f"give a .model file written by SentencePiece") from None
+            raise UserError(
+                f"--bpe-model {cfg.bpe_model}: not a SentencePiece model ({e}); "
+                f"give a .model file written by SentencePiece"
+            ) from None
 
     def encode(self, line: str) -> str:
         return " ".join(self.sp.encode(line.strip(), out_type=str))
 
     def encode_lines(self, lines: List[str]) -> List[str]:
-        return [" ".join(pieces) for pieces in self.sp.encode([l.strip() for l in lines], out_type=str,
-                                                              num_threads=_encode_threads())]
+        return [
+            " ".join(pieces)
+            for pieces in self.sp.encode([l.strip() for l in lines], out_type=str, num_threads=_encode_threads())
+        ]
 
     def id_pieces(self) -> List[Optional[str]]:
         """Each id's piece, None at the unknown id (``encode`` writes the unknown characters themselves, not
         ``<unk>``) and at control ids (their text is empty; ``encode`` never gives them): a line holding
         one of these takes the binarizer's text path."""
         sp = self.sp
-        return [None if sp.is_unknown(i) or sp.is_control(i) else sp.id_to_piece(i)
-                for i in range(sp.get_piece_size())]
+        return [None if sp.is_unknown(i) or sp.is_control(i) else sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
     def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
         return self.sp.encode([l.strip() for l in lines], num_threads=_encode_threads())

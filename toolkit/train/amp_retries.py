@@ -10,6 +10,7 @@ is per batch, as the flag's help ("number of retries of same batch") says.
 Retries need loss scaling: ``--amp`` is the ``--fp16`` path on a GPU (toolkit.compat.fairseq.flags);
 on CPU it runs fp32, nothing overflows, and the flag has no effect (one INFO line says so).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ class AmpBatchRetries:
         self.used = 0  # retries spent on the batch being trained
 
     @classmethod
-    def from_config(cls, common: CommonConfig) -> "AmpBatchRetries":
+    def from_config(cls, common: CommonConfig) -> AmpBatchRetries:
         """Retries under --amp with loss scaling (fp16); none otherwise (plain --fp16 skips, as fairseq)."""
         return cls(common.amp_batch_retries if common.amp and common.fp16 else 0)
 

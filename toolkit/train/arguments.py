@@ -3,6 +3,7 @@ bad choice, a bad value, an unregistered ``--arch``) exit here, before the resol
 
 :mod:`toolkit.train.resolve` turns the parsed namespace into the one ``TrainConfig``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,14 @@ def implied_selectors(first: argparse.Namespace, explicit: Set[str]) -> List[str
     return extra
 
 
-def parse_train_args(argv: Sequence[str], prog: str = "toolkit-train",
-                     description: Optional[str] = None) -> Tuple[argparse.Namespace, Set[str]]:
+def parse_train_args(
+    argv: Sequence[str], prog: str = "toolkit-train", description: Optional[str] = None
+) -> Tuple[argparse.Namespace, Set[str]]:
     """The parsed flags and the options the user gave (not defaulted or implied)."""
     argv = list(argv)
-    parser, full_argv = options.build_parser(prog, TRAIN_CONFIGS, argv, description=description,
-                                             imply=implied_selectors)
+    parser, full_argv = options.build_parser(
+        prog, TRAIN_CONFIGS, argv, description=description, imply=implied_selectors
+    )
     args, unknown = parser.parse_known_args(full_argv)
     if unknown:  # another family's model option: one line naming the family; else argparse's own error
         options.refuse_other_family_options(parser, unknown, args.arch)

@@ -6,6 +6,7 @@ come through :mod:`toolkit.compat.fairseq.adapter`. What a checkpoint holds is t
 of Statefuls (``Trainer.statefuls``), handed to the format as it is; this module adds the checks that
 need the run (same model options and dictionary) before anything loads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,15 +37,17 @@ DEFAULT_RESTORE_FILE = finetune.DEFAULT_RESTORE_FILE
 def run_config_dict(cfg: TrainConfig, trainer, env: DistributedEnv) -> Dict[str, Any]:
     """The ``cfg`` a checkpoint stores: every option, with the world size the run really had and its
     number of data-parallel replicas (what the data position is counted in)."""
-    return dict(cfg.to_dict(), distributed_world_size=env.world_size, data_parallel_size=trainer.strategy.dims.data_world)
+    return dict(
+        cfg.to_dict(), distributed_world_size=env.world_size, data_parallel_size=trainer.strategy.dims.data_world
+    )
 
 
-def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoch: bool,
-                    env: DistributedEnv) -> None:
+def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoch: bool, env: DistributedEnv) -> None:
     """Every rank calls this (gathering or writing a sharded state is collective)."""
     ckpt_cfg = cfg.checkpoint
-    names = checkpoint_names(ckpt_cfg, state.epoch_itr.epoch, end_of_epoch, trainer.num_updates, state.val_loss,
-                             state.best)
+    names = checkpoint_names(
+        ckpt_cfg, state.epoch_itr.epoch, end_of_epoch, trainer.num_updates, state.val_loss, state.best
+    )
     if not names:
         return
     statefuls = state.statefuls()
@@ -58,8 +61,7 @@ def save_checkpoint(cfg: TrainConfig, trainer, state: TrainingState, end_of_epoc
                 sharded.save(ckpt_cfg, run_config_dict(cfg, trainer, env), statefuls, state, names, env)
         else:
             with write_errors.reported(os.path.join(ckpt_cfg.save_dir, names[0]), ckpt_cfg.save_dir):
-                consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), statefuls, state, names,
-                                  env.is_master)
+                consolidated.save(ckpt_cfg, run_config_dict(cfg, trainer, env), statefuls, state, names, env.is_master)
     finally:
         state.best.best = saved_best  # the loop updates the tracker itself after saving
 
@@ -84,8 +86,10 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
         saved_replicas = sharded.load(folder, state.statefuls(), state, check)
         return rescale_iterator_state(state.saved_position, saved_replicas, trainer.strategy.dims.data_world)
     if os.path.isdir(path):
-        raise UserError(f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
-                        f"{sharded.META_FILE}); it may be from a save that was interrupted")
+        raise UserError(
+            f"{path}: folder is not a complete sharded checkpoint (no {sharded.DCP_INDEX} and "
+            f"{sharded.META_FILE}); it may be from a save that was interrupted"
+        )
     if not os.path.exists(path):
         shards = fairseq_adapter.shard_files(path)
         if shards:
@@ -104,11 +108,14 @@ def load_latest(cfg: TrainConfig, trainer, state: TrainingState, env: Distribute
 def _resume_check(model_cfg: Any, trainer) -> Callable[..., None]:
     """The formats' check before anything loads: this run's model options, parameter names and shapes, and
     dictionary (symbols in order), else one line naming what differs."""
-    def check(path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]],
-              shapes: Dict[str, Dict[str, Any]]) -> None:
+
+    def check(
+        path: str, saved_cfg: Dict[str, Any], extra_state: Optional[Dict[str, Any]], shapes: Dict[str, Dict[str, Any]]
+    ) -> None:
         model_shapes = shapes["model"]
         check_compatible(path, saved_cfg, model_cfg, vocabulary_rows(model_shapes), len(trainer.task.dictionary))
         check_resumable(path, saved_cfg, extra_state, model_shapes, model_cfg, trainer.model, trainer.task)
+
     return check
 
 
@@ -117,8 +124,13 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
     if not fairseq_adapter.load_weights_into_trainer(path, checkpoint, trainer):
         if "model" not in checkpoint:
             raise UserError(f"--finetune-from-model {path}: no model weights in this file; is it a checkpoint?")
-        check_compatible(path, checkpoint.get("cfg", {}), model_cfg, consolidated.embed_rows(checkpoint["model"]),
-                         len(trainer.task.dictionary))
+        check_compatible(
+            path,
+            checkpoint.get("cfg", {}),
+            model_cfg,
+            consolidated.embed_rows(checkpoint["model"]),
+            len(trainer.task.dictionary),
+        )
         ModelState(trainer.model).load_state_dict(checkpoint["model"], full=True)
     _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
@@ -134,8 +146,9 @@ def _restore_ema(path: str, checkpoint: dict, trainer, flag: str) -> None:
         logger.warning("EMA not found in checkpoint. But store_ema is True. EMA is re-initialized from checkpoint.")
         ema.reset_from(trainer.model)
         return
-    ema.load_state_dict(ema_module.saved_average(path, checkpoint, trainer.model, ema.shadow,
-                                                 flag=f"{flag} {path}"), trainer.model)
+    ema.load_state_dict(
+        ema_module.saved_average(path, checkpoint, trainer.model, ema.shadow, flag=f"{flag} {path}"), trainer.model
+    )
     logger.info("Loading EMA from checkpoint")
 
 
@@ -148,8 +161,13 @@ def prepare_save_dir(cfg: TrainConfig, env: DistributedEnv) -> None:
 def finished_reason(cfg: TrainConfig, trainer, epoch_itr) -> Optional[str]:
     """``| done: ...`` when the loaded checkpoint already meets a stop criterion: restarts are idempotent."""
     name = os.path.basename(restore_path(cfg.checkpoint))
-    return resume.finished_reason(name, resume.StopCriteria.from_config(cfg.optimization), trainer.num_updates,
-                                  epoch_itr.next_epoch_idx, trainer.get_lr())
+    return resume.finished_reason(
+        name,
+        resume.StopCriteria.from_config(cfg.optimization),
+        trainer.num_updates,
+        epoch_itr.next_epoch_idx,
+        trainer.get_lr(),
+    )
 
 
 def _file_is_newer(path: str, folder: str) -> bool:

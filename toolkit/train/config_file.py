@@ -1,6 +1,7 @@
 """toolkit-train's ``--config FILE.yaml`` and toolkit-hydra-train: fairseq's YAML layout read by
 :mod:`toolkit.compat.fairseq.train_config`, parsed with toolkit-train's own parser (which lives in this
 layer, so it is handed down rather than imported from below)."""
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ read by the safe loaders (``weights_only``; fairseq's config objects through the
 and held to the model's names and shapes (fairseq's ``strict=True``). A checkpoint the run
 resumes from replaces the seed with its own average, as in fairseq.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,8 +62,7 @@ class EMA:
 
     def reset_from(self, model: torch.nn.Module) -> None:
         """Start the average at the model's current weights (fairseq: on a checkpoint without an EMA)."""
-        self.shadow = {k: self._stored(v) for k, v in unwrap(model).state_dict().items()
-                       if isinstance(v, torch.Tensor)}
+        self.shadow = {k: self._stored(v) for k, v in unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
 
     def _stored(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
@@ -120,8 +120,9 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh = like.device_mesh
-    replicated = DTensor.from_local(full.to(local_tensor(like).device), mesh, [Replicate()] * mesh.ndim,
-                                    run_check=False)
+    replicated = DTensor.from_local(
+        full.to(local_tensor(like).device), mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
     return replicated.redistribute(mesh, like.placements).to_local()
 
 
@@ -164,15 +165,22 @@ def has_saved_average(state: Dict) -> bool:
     return isinstance(saved, dict) and bool(saved)
 
 
-def saved_average(path: str, state: Dict, model: torch.nn.Module, shadow: Dict[str, torch.Tensor],
-                  flag: str) -> Dict[str, torch.Tensor]:
+def saved_average(
+    path: str, state: Dict, model: torch.nn.Module, shadow: Dict[str, torch.Tensor], flag: str
+) -> Dict[str, torch.Tensor]:
     """``state``'s (read from ``path``) moving average under our names, checked against ``shadow``."""
     saved = (state.get("extra_state") or {}).get(CHECKPOINT_KEY)
     if not isinstance(saved, dict) or not saved:
-        raise UserError(f"{flag}: the checkpoint holds no moving average (extra_state[\"ema\"]); was it "
-                        f"trained with --store-ema? To start from its model weights, use --finetune-from-model")
+        raise UserError(
+            f'{flag}: the checkpoint holds no moving average (extra_state["ema"]); was it '
+            f"trained with --store-ema? To start from its model weights, use --finetune-from-model"
+        )
     saved = fairseq_adapter.average_weights(path, state, saved, unwrap(model))
-    check_weights(flag, saved, shadow, saved_as="the saved moving average",
-                  fix="it was trained with another architecture or other model options; use the same model options")
+    check_weights(
+        flag,
+        saved,
+        shadow,
+        saved_as="the saved moving average",
+        fix="it was trained with another architecture or other model options; use the same model options",
+    )
     return saved
-

@@ -16,6 +16,7 @@ not given                              chosen
 
 A conflict the user wrote explicitly (``--cpu-offload --optimizer adam``) is still an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ DEFAULT_MAX_TOKENS = 4096
 HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 
 
-def parse_train_config(argv: Optional[Sequence[str]] = None, prog: str = "toolkit-train",
-                       description: Optional[str] = None) -> TrainConfig:
+def parse_train_config(
+    argv: Optional[Sequence[str]] = None, prog: str = "toolkit-train", description: Optional[str] = None
+) -> TrainConfig:
     """Parse ``argv`` once, resolve implied settings (logging each choice) and validate."""
     import sys
 
@@ -110,20 +112,25 @@ def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
     from toolkit.distributed import float8
 
     if dist.fp8_all_gather and (dist.ddp_backend != "fully_sharded" or dist.cpu_offload):
-        raise UserError("--fp8-all-gather casts FSDP2's all-gather to float8: it needs --ddp-backend fully_sharded "
-                        "with the weights on the GPU (not --cpu-offload)")
+        raise UserError(
+            "--fp8-all-gather casts FSDP2's all-gather to float8: it needs --ddp-backend fully_sharded "
+            "with the weights on the GPU (not --cpu-offload)"
+        )
     float8.float8_config(dist.fp8_recipe, dist.fp8_all_gather)  # torchao present, recipe and all-gather agree
     if gpu_in_use(common):
         float8.check_fp8_device(torch.device("cuda", torch.cuda.current_device()))
         if not dist.compile:
-            return ["--fp8 without --compile: the float8 casts run as separate kernels and are usually slower "
-                    "than bf16; add --compile"]
+            return [
+                "--fp8 without --compile: the float8 casts run as separate kernels and are usually slower "
+                "than bf16; add --compile"
+            ]
         return []
     return ["--fp8 on CPU: torch emulates the float8 matmuls (correct, slow; for checking, not for speed)"]
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Split the flat namespace into the typed sections of each chosen component."""
+
     def section(registry: Registry, name: Optional[str]):
         if name is None:
             return None
@@ -132,20 +139,36 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     args = split_list_flags(args)
     common, distributed, dataset, optimization, checkpoint, ema = (
-        options.config_from_args(cls, args) for cls in TRAIN_CONFIGS)
+        options.config_from_args(cls, args) for cls in TRAIN_CONFIGS
+    )
     arch_entry = resolve_arch(args.arch)
     return TrainConfig(
-        components=Components(task=args.task, arch=args.arch, criterion=args.criterion, optimizer=args.optimizer,
-                              lr_scheduler=args.lr_scheduler, bpe=args.bpe, user_dir=args.user_dir),
-        common=common, distributed=distributed, dataset=dataset, optimization=optimization, checkpoint=checkpoint,
-        ema=ema, task=section(TASK_REGISTRY, args.task),
+        components=Components(
+            task=args.task,
+            arch=args.arch,
+            criterion=args.criterion,
+            optimizer=args.optimizer,
+            lr_scheduler=args.lr_scheduler,
+            bpe=args.bpe,
+            user_dir=args.user_dir,
+        ),
+        common=common,
+        distributed=distributed,
+        dataset=dataset,
+        optimization=optimization,
+        checkpoint=checkpoint,
+        ema=ema,
+        task=section(TASK_REGISTRY, args.task),
         model=options.config_from_args(arch_entry.config, args) if arch_entry.config else None,
-        criterion=section(CRITERION_REGISTRY, args.criterion), optimizer=section(OPTIMIZER_REGISTRY, args.optimizer),
-        lr_scheduler=section(LR_SCHEDULER_REGISTRY, args.lr_scheduler), bpe=section(TOKENIZER_REGISTRY, args.bpe))
+        criterion=section(CRITERION_REGISTRY, args.criterion),
+        optimizer=section(OPTIMIZER_REGISTRY, args.optimizer),
+        lr_scheduler=section(LR_SCHEDULER_REGISTRY, args.lr_scheduler),
+        bpe=section(TOKENIZER_REGISTRY, args.bpe),
+    )
 
 
 def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
-    common, dist = cfg.common, cfg.distributed
+    dist = cfg.distributed
     refused = composition.refusal(cfg)  # the pairs of features that cannot run together (docs/composition.md)
     if refused:
         raise UserError(refused)
@@ -158,10 +181,12 @@ def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
     if dist.bf16_host_grads and not dist.cpu_offload:
         raise UserError("--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)")
     if dist.cpu_offload and cfg.components.optimizer not in HOST_MEMORY_OPTIMIZERS:
-        raise UserError(f"--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
-                        f"in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
-                        f"{cfg.components.optimizer}; "
-                        f"drop --optimizer or use --optimizer cpu_adam")
+        raise UserError(
+            f"--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
+            f"in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
+            f"{cfg.components.optimizer}; "
+            f"drop --optimizer or use --optimizer cpu_adam"
+        )
 
 
 def _implied_values(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
@@ -176,11 +201,15 @@ def _implied_values(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
         if gpu_in_use(common):
             bf16 = torch.cuda.is_bf16_supported()
             common = dataclasses.replace(common, bf16=bf16, fp16=not bf16)
-            choices.append(f"--cpu-offload: using --{'bf16' if bf16 else 'fp16'} (mixed precision on the GPU; "
-                           f"fp32 master shards in host memory)")
+            choices.append(
+                f"--cpu-offload: using --{'bf16' if bf16 else 'fp16'} (mixed precision on the GPU; "
+                f"fp32 master shards in host memory)"
+            )
         else:
-            choices.append("--cpu-offload: no GPU in use, so training runs in fp32 (parameters and optimizer "
-                           "state are already in host memory)")
+            choices.append(
+                "--cpu-offload: no GPU in use, so training runs in fp32 (parameters and optimizer "
+                "state are already in host memory)"
+            )
     dataset, more = _mixture_valid_subsets(cfg.task, dataset)
     choices += more
     if dataset.max_tokens is None and dataset.batch_size is None:
@@ -199,13 +228,18 @@ def _mixture_valid_subsets(task: Any, dataset: Any) -> Tuple[Any, List[str]]:
     from toolkit.data.mixture import parse_mixture
 
     sources = parse_mixture(spec)
-    subsets = [f"{v}_{s.name}" for v in dataset.valid_subset.split(",") for s in sources
-               if MMapIndexedDataset.exists(os.path.join(s.path, v))]
+    subsets = [
+        f"{v}_{s.name}"
+        for v in dataset.valid_subset.split(",")
+        for s in sources
+        if MMapIndexedDataset.exists(os.path.join(s.path, v))
+    ]
     if not subsets:
         return dataset, []  # loading --valid-subset then names the data-bins that lack it
     valid = ",".join(subsets)
     return dataclasses.replace(dataset, valid_subset=valid), [
-        f"--data-mixture: validating each source and their weighted total: --valid-subset {valid}"]
+        f"--data-mixture: validating each source and their weighted total: --valid-subset {valid}"
+    ]
 
 
 def model_positions(cfg: TrainConfig) -> int:
@@ -221,19 +255,29 @@ def _check_values(cfg: TrainConfig) -> None:
     check_list_flags(cfg)
     harness_training.check_options(cfg.dataset)
     if hasattr(cfg.task, "tokens_per_sample"):
-        check_positions(getattr(cfg.model, "max_target_positions", None), cfg.task.tokens_per_sample,
-                        getattr(cfg.task, "add_bos_token", False), getattr(cfg.task, "sample_break_mode", "none"))
+        check_positions(
+            getattr(cfg.model, "max_target_positions", None),
+            cfg.task.tokens_per_sample,
+            getattr(cfg.task, "add_bos_token", False),
+            getattr(cfg.task, "sample_break_mode", "none"),
+        )
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     if getattr(cfg.model, "decoder_layerdrop", 0) > 0 and cfg.distributed.ddp_backend == "c10d" and world > 1:
-        raise UserError("--decoder-layerdrop with --ddp-backend c10d on several ranks: DDP waits for every "
-                        "parameter's gradient and a dropped layer gives none; use --ddp-backend no_c10d "
-                        "(fairseq's legacy_ddp) or fully_sharded")
+        raise UserError(
+            "--decoder-layerdrop with --ddp-backend c10d on several ranks: DDP waits for every "
+            "parameter's gradient and a dropped layer gives none; use --ddp-backend no_c10d "
+            "(fairseq's legacy_ddp) or fully_sharded"
+        )
     cutoff = getattr(cfg.model, "adaptive_softmax_cutoff", None)
     if cutoff and cfg.components.criterion != "adaptive_loss":
-        raise UserError(f"--arch {cfg.components.arch} has an adaptive softmax (--adaptive-softmax-cutoff {cutoff}): "
-                        f"it must be used with --criterion adaptive_loss, got --criterion {cfg.components.criterion}")
+        raise UserError(
+            f"--arch {cfg.components.arch} has an adaptive softmax (--adaptive-softmax-cutoff {cutoff}): "
+            f"it must be used with --criterion adaptive_loss, got --criterion {cfg.components.criterion}"
+        )
     if getattr(cfg.model, "quant_noise_pq", 0) > 0 and cfg.distributed.model_parallel_size > 1:
-        raise UserError("--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
-                        "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)")
+        raise UserError(
+            "--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
+            "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)"
+        )
     if opt.max_update <= 0 and opt.max_epoch <= 0 and opt.stop_time_hours <= 0:
         logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")

@@ -11,6 +11,7 @@ resolved (:mod:`toolkit.train.resolve`) and the processes are launched
         for each group of --update-freq batches:     # train_epoch
             trainer.train_step(batches); log; maybe validate and save; maybe stop
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,9 @@ def train(cfg: TrainConfig) -> None:
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
-    logger.info(f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
-                f"{cfg.dataset.batch_size}")
+    logger.info(
+        f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = {cfg.dataset.batch_size}"
+    )
     state = TrainingState(trainer, BestTracker(cfg.checkpoint.maximize_best_checkpoint_metric))
     manager.prepare_save_dir(cfg, env)
     position = manager.load_latest(cfg, trainer, state, env)
@@ -98,12 +100,15 @@ def log_update_freq_change(position: dict, update_freq: int) -> None:
     """--update-freq only groups the batches: the run resumes at the same sample, with other updates."""
     saved = position.get("update_freq")
     if saved is not None and saved != update_freq and position.get("samples_in_epoch"):
-        logger.info(f"--update-freq {saved} -> {update_freq}: resuming at sample {position['samples_in_epoch']} "
-                    f"of epoch {position.get('epoch')}, {update_freq} batches per update from here")
+        logger.info(
+            f"--update-freq {saved} -> {update_freq}: resuming at sample {position['samples_in_epoch']} "
+            f"of epoch {position.get('epoch')}, {update_freq} batches per update from here"
+        )
 
 
-def train_epochs(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv, spec,
-                 start: float) -> None:
+def train_epochs(
+    cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv, spec, start: float
+) -> None:
     """Epoch after epoch until a stopping rule says so (--max-epoch, --max-update, --stop-time-hours, ...)."""
     while state.epoch_itr.next_epoch_idx <= (cfg.optimization.max_epoch or math.inf):
         valid_losses, should_stop = train_epoch(cfg, trainer, state, env, spec, start)
@@ -151,8 +156,10 @@ def interruption_report(error: BaseException, cfg: TrainConfig, state: TrainingS
         return None
     _quiet_worker_teardown()
     what = str(error).splitlines()[0].rstrip(". ") if isinstance(error, RuntimeError) else "its connection broke"
-    return UserError(f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
-                     f"{state.trainer.num_updates} ({what}); {_last_saved(cfg, state)}: run again to resume")
+    return UserError(
+        f"--num-workers {cfg.dataset.num_workers}: a data loader worker died at update "
+        f"{state.trainer.num_updates} ({what}); {_last_saved(cfg, state)}: run again to resume"
+    )
 
 
 def _data_loader_worker_died(error: BaseException, num_workers: int) -> bool:
@@ -207,8 +214,9 @@ def load_combined_valid(cfg: TrainConfig, task) -> None:
         task.load_dataset("valid", combine=True)
 
 
-def throughput_spec(cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv,
-                    dtype: torch.dtype) -> throughput.ThroughputSpec:
+def throughput_spec(
+    cfg: TrainConfig, model: torch.nn.Module, env: DistributedEnv, dtype: torch.dtype
+) -> throughput.ThroughputSpec:
     """tokens/s per device and MFU against one device's peak (on CPU: measured once per machine)."""
     inner = unwrapped(model)
     flops = inner.flops_per_token(cfg.task.tokens_per_sample) if isinstance(inner, FlopsCounted) else 0.0
@@ -266,14 +274,23 @@ def train_iterator(cfg: TrainConfig, trainer: Trainer, epoch: int):
     tensor-parallel replica read the same ones); samples too long are skipped (``train_max_positions``)."""
     data, dims = cfg.dataset, trainer.strategy.dims
     itr = trainer.task.get_batch_iterator(
-        trainer.task.dataset_for_epoch(data.train_subset, epoch), max_tokens=data.max_tokens,
+        trainer.task.dataset_for_epoch(data.train_subset, epoch),
+        max_tokens=data.max_tokens,
         batch_size=data.batch_size,
-        required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=dims.data_world, shard_id=dims.data_rank, num_workers=data.num_workers, epoch=epoch,
-        max_positions=train_max_positions(cfg, trainer), ignore_invalid_inputs=True)
+        required_batch_size_multiple=data.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=dims.data_world,
+        shard_id=dims.data_rank,
+        num_workers=data.num_workers,
+        epoch=epoch,
+        max_positions=train_max_positions(cfg, trainer),
+        ignore_invalid_inputs=True,
+    )
     if len(itr) == 0:  # an epoch without a batch would end at once, forever (114,672 empty epochs in 2 minutes)
-        raise UserError(f"{cfg.task.data}: the --train-subset {data.train_subset} split gives no batch in epoch "
-                        f"{epoch} (it has no samples); binarize text into it (toolkit-preprocess --trainpref)")
+        raise UserError(
+            f"{cfg.task.data}: the --train-subset {data.train_subset} split gives no batch in epoch "
+            f"{epoch} (it has no samples); binarize text into it (toolkit-preprocess --trainpref)"
+        )
     return itr
 
 
@@ -301,18 +318,24 @@ def check_valid_splits(cfg: TrainConfig, trainer: Trainer) -> None:
             first = int(dropped[0])
             raise UserError(
                 f"--valid-subset {subset}: {len(dropped)} of its {len(dataset)} samples are longer than the model's "
-                f"{limit} positions (e.g. sample {first}: {int(lengths()[first])} tokens)" + (
+                f"{limit} positions (e.g. sample {first}: {int(lengths()[first])} tokens)"
+                + (
                     "; every one would be skipped: raise --tokens-per-sample or pass --shorten-method truncate"
-                    if skip else "; skip them with --skip-invalid-size-inputs-valid-test (as fairseq), raise "
-                                 "--tokens-per-sample, or use a break mode that bounds the sample size"))
+                    if skip
+                    else "; skip them with --skip-invalid-size-inputs-valid-test (as fairseq), raise "
+                    "--tokens-per-sample, or use a break mode that bounds the sample size"
+                )
+            )
 
 
 def refuse_empty_split(subset: str, dataset) -> None:
     """A split without a sample validates to loss 0 and perplexity 1, which would be saved as the best."""
     if len(dataset) == 0:
-        raise UserError(f"--valid-subset {subset}: the split has no samples, so its loss would read 0 (perplexity "
-                        f"1); binarize text into it (toolkit-preprocess --validpref) or leave it out of "
-                        f"--valid-subset")
+        raise UserError(
+            f"--valid-subset {subset}: the split has no samples, so its loss would read 0 (perplexity "
+            f"1); binarize text into it (toolkit-preprocess --validpref) or leave it out of "
+            f"--valid-subset"
+        )
 
 
 def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
@@ -321,11 +344,18 @@ def valid_iterator(cfg: TrainConfig, trainer: Trainer, subset: str):
     data, dims = cfg.dataset, trainer.strategy.dims
     refuse_empty_split(subset, trainer.task.dataset(subset))
     return trainer.task.get_batch_iterator(
-        trainer.task.dataset(subset), max_tokens=data.max_tokens_valid or data.max_tokens,
+        trainer.task.dataset(subset),
+        max_tokens=data.max_tokens_valid or data.max_tokens,
         batch_size=data.batch_size_valid or data.batch_size,
-        required_batch_size_multiple=data.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=dims.data_world, shard_id=dims.data_rank, num_workers=data.num_workers, epoch=1,
-        max_positions=valid_max_positions(trainer), ignore_invalid_inputs=data.skip_invalid_size_inputs_valid_test)
+        required_batch_size_multiple=data.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=dims.data_world,
+        shard_id=dims.data_rank,
+        num_workers=data.num_workers,
+        epoch=1,
+        max_positions=valid_max_positions(trainer),
+        ignore_invalid_inputs=data.skip_invalid_size_inputs_valid_test,
+    )
 
 
 def valid_max_positions(trainer: Trainer) -> Optional[int]:
@@ -342,8 +372,14 @@ def make_progress(cfg: TrainConfig, iterator, env: DistributedEnv, epoch: int, p
     return wrap_with_wandb(bar, project, os.path.basename(os.path.normpath(cfg.checkpoint.save_dir)))
 
 
-def train_epoch(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv,
-                spec: throughput.ThroughputSpec, start_time: float) -> Tuple[List[Optional[float]], bool]:
+def train_epoch(
+    cfg: TrainConfig,
+    trainer: Trainer,
+    state: TrainingState,
+    env: DistributedEnv,
+    spec: throughput.ThroughputSpec,
+    start_time: float,
+) -> Tuple[List[Optional[float]], bool]:
     """One ``train_step`` per group of ``--update-freq`` batches; log, validate, save."""
     epoch_itr = state.epoch_itr
     itr = epoch_itr.next_epoch_itr(shuffle=True)
@@ -390,19 +426,30 @@ def _every(interval: int, updates: int) -> bool:
     return interval > 0 and updates > 0 and updates % interval == 0
 
 
-def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv,
-                      end_of_epoch: bool, start_time: float) -> Tuple[List[Optional[float]], bool]:
+def validate_and_save(
+    cfg: TrainConfig, trainer: Trainer, state: TrainingState, env: DistributedEnv, end_of_epoch: bool, start_time: float
+) -> Tuple[List[Optional[float]], bool]:
     updates, epoch, ckpt = trainer.num_updates, state.epoch_itr.epoch, cfg.checkpoint
     reason = stop_reason(cfg, trainer, start_time)
     should_stop = not all_ranks_agree(reason is None, env.device)  # any rank's clock can stop all
     if reason:
         logger.info(f"Stopping training due to {reason}")
     after = updates >= cfg.dataset.validate_after_updates  # fairseq: no validation (nor mid-epoch save) before
-    do_save = (end_of_epoch and epoch % ckpt.save_interval == 0) or should_stop or (_every(
-        ckpt.save_interval_updates, updates) and after)
-    do_validate = not cfg.dataset.disable_validation and after and (
-        (end_of_epoch and epoch % cfg.dataset.validate_interval == 0) or should_stop or do_save
-        or _every(cfg.dataset.validate_interval_updates, updates))
+    do_save = (
+        (end_of_epoch and epoch % ckpt.save_interval == 0)
+        or should_stop
+        or (_every(ckpt.save_interval_updates, updates) and after)
+    )
+    do_validate = (
+        not cfg.dataset.disable_validation
+        and after
+        and (
+            (end_of_epoch and epoch % cfg.dataset.validate_interval == 0)
+            or should_stop
+            or do_save
+            or _every(cfg.dataset.validate_interval_updates, updates)
+        )
+    )
     valid_losses: List[Optional[float]] = validate(cfg, trainer, epoch, env, state.best) if do_validate else [None]
     if after and harness_training.due(cfg.dataset, updates):
         valid_losses = eval_harness(cfg, trainer, env, epoch, valid_losses)
@@ -418,8 +465,9 @@ def validate_and_save(cfg: TrainConfig, trainer: Trainer, state: TrainingState, 
     return valid_losses, should_stop
 
 
-def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv,
-             best: BestTracker) -> List[Optional[float]]:
+def validate(
+    cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv, best: BestTracker
+) -> List[Optional[float]]:
     losses: List[Optional[float]] = []
     metric = cfg.checkpoint.best_checkpoint_metric
     if cfg.dataset.fixed_validation_seed is not None:
@@ -427,8 +475,13 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     per_subset: Dict[str, Dict[str, Any]] = {}
     for subset in cfg.dataset.valid_subset.split(","):
         logger.info(f'begin validation on "{subset}" subset')
-        progress = make_progress(cfg, valid_iterator(cfg, trainer, subset).next_epoch_itr(shuffle=False),
-                                 env, epoch, prefix=f"valid on '{subset}' subset")
+        progress = make_progress(
+            cfg,
+            valid_iterator(cfg, trainer, subset).next_epoch_itr(shuffle=False),
+            env,
+            epoch,
+            prefix=f"valid on '{subset}' subset",
+        )
         with metrics.aggregate(new_root=True) as agg:
             valid_totals(trainer, progress)
         stats = _valid_stats(cfg, agg.get_smoothed_values(), trainer.num_updates, best)
@@ -446,21 +499,24 @@ def validate(cfg: TrainConfig, trainer: Trainer, epoch: int, env: DistributedEnv
     return losses
 
 
-def eval_harness(cfg: TrainConfig, trainer: Trainer, env: DistributedEnv, epoch: int,
-                 valid_losses: List[Optional[float]]) -> List[Optional[float]]:
+def eval_harness(
+    cfg: TrainConfig, trainer: Trainer, env: DistributedEnv, epoch: int, valid_losses: List[Optional[float]]
+) -> List[Optional[float]]:
     """--eval-harness-tasks: log the metrics (master rank evaluates, all ranks get them); one named
     by --best-checkpoint-metric takes the place of validation's value."""
     stats = harness_training.evaluator(cfg).evaluate(trainer, env)
     metric = cfg.checkpoint.best_checkpoint_metric
-    make_progress(cfg, [], env, epoch).print({**stats, "num_updates": trainer.num_updates}, tag="eval_harness",
-                                             step=trainer.num_updates)
+    make_progress(cfg, [], env, epoch).print(
+        {**stats, "num_updates": trainer.num_updates}, tag="eval_harness", step=trainer.num_updates
+    )
     return [stats[metric], *valid_losses[1:]] if metric in stats else valid_losses
 
 
 def _valid_stats(cfg: TrainConfig, values: Dict[str, Any], num_updates: int, best: BestTracker) -> Dict[str, Any]:
     metric = cfg.checkpoint.best_checkpoint_metric
-    stats = metrics.get_valid_stats(values, num_updates, best=best.best, best_checkpoint_metric=metric,
-                                    maximize=best.maximize)
+    stats = metrics.get_valid_stats(
+        values, num_updates, best=best.best, best_checkpoint_metric=metric, maximize=best.maximize
+    )
     if best.best is None and metric in stats:
         stats[f"best_{metric}"] = stats[metric]
     return stats
@@ -473,7 +529,7 @@ def weighted_valid_totals(mixture, per_subset: Dict[str, Dict[str, Any]], metric
     for subset in per_subset:
         for source in mixture:
             if subset.endswith("_" + source.name):
-                base = subset[:-len(source.name) - 1]
+                base = subset[: -len(source.name) - 1]
                 entry = totals.setdefault(base, {"loss": 0.0, "weight": 0.0, metric: 0.0})
                 entry["loss"] += source.weight * float(per_subset[subset]["loss"])
                 if metric != "loss":
@@ -482,7 +538,7 @@ def weighted_valid_totals(mixture, per_subset: Dict[str, Dict[str, Any]], metric
     out = {}
     for base, entry in totals.items():
         loss = entry["loss"] / entry["weight"]
-        values = {"loss": round(loss, 3), "ppl": round(2 ** loss, 2)}
+        values = {"loss": round(loss, 3), "ppl": round(2**loss, 2)}
         if metric not in values:
             values[metric] = entry[metric] / entry["weight"]
         out[base] = values

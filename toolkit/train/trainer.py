@@ -9,6 +9,7 @@ loss, and after all micro-batches the gradients are multiplied by
 ranks). So N ranks with ``--update-freq 1`` take the same step as one rank with
 ``--update-freq N`` over the same batches.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -72,7 +73,7 @@ def keep_freed_cpu_memory() -> bool:
     except OSError:
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class Trainer:
@@ -81,8 +82,9 @@ class Trainer:
     Its own ``state_dict``/``load_state_dict`` hold its counters, LR schedule and loss scale.
     """
 
-    def __init__(self, cfg: TrainConfig, task, model: torch.nn.Module, criterion, env: DistributedEnv,
-                 strategy: ParallelStrategy):
+    def __init__(
+        self, cfg: TrainConfig, task, model: torch.nn.Module, criterion, env: DistributedEnv, strategy: ParallelStrategy
+    ):
         self.cfg = cfg
         self.task, self.model, self.criterion = task, model, criterion
         self.env = env
@@ -93,16 +95,19 @@ class Trainer:
         if env.is_master:
             flag = "memory-efficient-fp16" if common.memory_efficient_fp16 else "fp16" if common.fp16 else "bf16"
             fp16_utils.warn_if_slow_on_cpu(self.device, self.compute_dtype, flag)
-        self.optimizer = build_optimizer_from_section(cfg.components.optimizer, cfg.optimizer,
-                                                      self._parameter_groups(), cfg.optimization.lr)
+        self.optimizer = build_optimizer_from_section(
+            cfg.components.optimizer, cfg.optimizer, self._parameter_groups(), cfg.optimization.lr
+        )
         # --memory-efficient-fp16 without sharding: fp16 weights (cast by parallelize), fp32 optimizer state
         # (see toolkit.optim.fp16); under FSDP2 the mixed-precision policy keeps only the sharded fp32 weights.
         memory_efficient = common.memory_efficient_fp16 and not strategy.handles_mixed_precision
         self.memory_efficient = fp16_utils.MemoryEfficientFP16(self.optimizer) if memory_efficient else None
-        self.lr_scheduler = build_lr_scheduler_from_section(cfg.components.lr_scheduler, cfg.lr_scheduler,
-                                                            self.optimizer)
-        self.scaler = (DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq)
-                       if common.fp16 else None)
+        self.lr_scheduler = build_lr_scheduler_from_section(
+            cfg.components.lr_scheduler, cfg.lr_scheduler, self.optimizer
+        )
+        self.scaler = (
+            DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq) if common.fp16 else None
+        )
         self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
@@ -117,23 +122,30 @@ class Trainer:
                 self.add_post_step_hook(module.after_optimizer_step)
         self.lr_scheduler.step_update(0)
         if self.device.type == "cpu" and keep_freed_cpu_memory():
-            logger.info("CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)")
+            logger.info(
+                "CPU training: glibc malloc keeps freed memory for reuse (TOOLKIT_KEEP_CPU_MEMORY=0 to disable)"
+            )
 
     def _parameter_groups(self) -> List[Any]:
         """The trainable parameters, grouped by the family's roles where the optimizer or the weight decay asks."""
         decay = self._decay_choice()
         by_role = bool(getattr(type(self.cfg.optimizer), "wants_parameter_roles", False))
         if self.env.is_master:
-            log_decay_choice(self.model, skips_decay(self.model, decay.no_decay, decay.decay_all), decay.no_decay,
-                             decay.weight_decay)
-        return parameter_groups(self.model, by_role, decay.skips(self.model),
-                                f"--optimizer {self.cfg.components.optimizer}")
+            log_decay_choice(
+                self.model, skips_decay(self.model, decay.no_decay, decay.decay_all), decay.no_decay, decay.weight_decay
+            )
+        return parameter_groups(
+            self.model, by_role, decay.skips(self.model), f"--optimizer {self.cfg.components.optimizer}"
+        )
 
     def _decay_choice(self) -> DecayChoice:
         """The weight-decay grouping flags (``DecayChoice``): the groups built here, the resume's check."""
         optimization = self.cfg.optimization
-        return DecayChoice(optimization.no_decay_norms_biases_embeddings, optimization.decay_all_parameters,
-                           float(getattr(self.cfg.optimizer, "weight_decay", 0.0) or 0.0))
+        return DecayChoice(
+            optimization.no_decay_norms_biases_embeddings,
+            optimization.decay_all_parameters,
+            float(getattr(self.cfg.optimizer, "weight_decay", 0.0) or 0.0),
+        )
 
     # --- contexts -------------------------------------------------------------------
     def _autocast(self):
@@ -165,7 +177,8 @@ class Trainer:
         elif not math.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite gradient norm ({grad_norm}) at update {self.num_updates + 1}; "
-                f"lower --lr, add --clip-norm, or check the data")
+                f"lower --lr, add --clip-norm, or check the data"
+            )
         if overflow:
             self.optimizer.zero_grad(set_to_none=True)
             metrics.log_stop_time("train_wall")
@@ -192,8 +205,12 @@ class Trainer:
         for i, sample in enumerate(samples):
             sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
             with self.strategy.loss_context():  # forward and backward of a vocabulary-sharded loss
-                with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast(), \
-                        self.strategy.forward_context(), cpu_gemm.linear_mode(self.device):
+                with (
+                    self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1),
+                    self._autocast(),
+                    self.strategy.forward_context(),
+                    cpu_gemm.linear_mode(self.device),
+                ):
                     loss, sample_size, logging_output = self.criterion(self.model, sample)
                     if sample.get("is_dummy"):
                         loss = loss * 0.0
@@ -275,18 +292,32 @@ class Trainer:
             raw_norm = self.strategy.expert_grads.global_norm(params)
         elif self.memory_efficient is not None:
             raw_norm = float(fp16_utils.grad_norm_fp32(params))
-        step_applies = (self.memory_efficient is not None or self.overlap is not None
-                        or getattr(self.optimizer, "supports_grad_scale", False))
-        return normalize_and_clip(grads, grad_factor, self.cfg.optimization.clip_norm, raw_norm=raw_norm,
-                                  in_place=not step_applies, look_again=self.memory_efficient is None)
+        step_applies = (
+            self.memory_efficient is not None
+            or self.overlap is not None
+            or getattr(self.optimizer, "supports_grad_scale", False)
+        )
+        return normalize_and_clip(
+            grads,
+            grad_factor,
+            self.cfg.optimization.clip_norm,
+            raw_norm=raw_norm,
+            in_place=not step_applies,
+            look_again=self.memory_efficient is None,
+        )
 
     def _log_update(self, totals: Dict[str, float], sample_size: float, grad_norm: float) -> None:
         self.criterion.reduce_metrics([dict(totals, sample_size=sample_size)])
         metrics.log_standard_update_metrics(
-            ntokens=totals.get("ntokens", 0), nsentences=totals.get("nsentences", 0),
-            num_updates=self.num_updates, lr=self.get_lr(), grad_norm=grad_norm,
-            clip_norm=self.cfg.optimization.clip_norm, loss_scale=self.scaler.loss_scale if self.scaler else None,
-            device=self.device)
+            ntokens=totals.get("ntokens", 0),
+            nsentences=totals.get("nsentences", 0),
+            num_updates=self.num_updates,
+            lr=self.get_lr(),
+            grad_norm=grad_norm,
+            clip_norm=self.cfg.optimization.clip_norm,
+            loss_scale=self.scaler.loss_scale if self.scaler else None,
+            device=self.device,
+        )
 
     # --- state ----------------------------------------------------------------------
     def get_lr(self) -> float:
@@ -308,9 +339,14 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         entries: Dict[str, Any] = {
             "model": ModelState(self.model),
-            "optim": OptimizerState(self.model, self.optimizer, self.cfg.components.optimizer,
-                                    save=not ckpt.no_save_optimizer_state, reset=ckpt.reset_optimizer,
-                                    decay=self._decay_choice()),
+            "optim": OptimizerState(
+                self.model,
+                self.optimizer,
+                self.cfg.components.optimizer,
+                save=not ckpt.no_save_optimizer_state,
+                reset=ckpt.reset_optimizer,
+                decay=self._decay_choice(),
+            ),
             "train_iterator": DataPosition(progress, self.cfg.optimization.update_freq),
             "val_loss": Value(lambda: progress.val_loss),  # saved for fairseq's readers; a resume validates anew
             "best": Value(lambda: progress.best.best, lambda best: setattr(progress.best, "best", best)),

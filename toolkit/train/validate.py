@@ -9,6 +9,7 @@ the training loop's own ``valid_totals``: the ``valid`` line equals the one the 
 printed for that checkpoint (a run on several ranks splits the batches, the sums are the same).
 Any checkpoint evaluation reads (fairseq's, sharded folders, safetensors exports) is accepted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,10 +63,15 @@ def _batches(task, saved: Dict[str, Any], cfg: ValidateConfig, subset: str, max_
     max_tokens = cfg.max_tokens_valid or saved.get("max_tokens_valid") or saved.get("max_tokens")
     batch_size = cfg.batch_size_valid or saved.get("batch_size_valid") or saved.get("batch_size")
     return task.get_batch_iterator(
-        task.dataset(subset), max_tokens=max_tokens, batch_size=batch_size,
-        required_batch_size_multiple=saved.get("required_batch_size_multiple", 8), seed=saved.get("seed", 1),
-        epoch=1, max_positions=max_positions,
-        ignore_invalid_inputs=cfg.skip_invalid_size_inputs_valid_test).next_epoch_itr(shuffle=False)
+        task.dataset(subset),
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        required_batch_size_multiple=saved.get("required_batch_size_multiple", 8),
+        seed=saved.get("seed", 1),
+        epoch=1,
+        max_positions=max_positions,
+        ignore_invalid_inputs=cfg.skip_invalid_size_inputs_valid_test,
+    ).next_epoch_itr(shuffle=False)
 
 
 def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
@@ -83,9 +89,12 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
     for subset in _subsets(task, [s for s in cfg.valid_subset.split(",") if s]):
         logger.info(f'begin validation on "{subset}" subset')
         progress = progress_bar.progress_bar(
-            _batches(task, saved, cfg, subset, max_positions), log_format=cfg.log_format,
-            log_interval=cfg.log_interval, prefix=f"valid on '{subset}' subset",
-            default_log_format="simple" if cfg.no_progress_bar else "tqdm")
+            _batches(task, saved, cfg, subset, max_positions),
+            log_format=cfg.log_format,
+            log_interval=cfg.log_interval,
+            prefix=f"valid on '{subset}' subset",
+            default_log_format="simple" if cfg.no_progress_bar else "tqdm",
+        )
         with metrics.aggregate(new_root=True) as agg:
             valid_totals(validator, progress)
         stats = agg.get_smoothed_values()
@@ -94,9 +103,12 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
     mixture = getattr(task, "mixture", None)
     if mixture:  # the run's `valid` line: the same function over the same per-source values
         for tag, values in weighted_valid_totals(mixture, results, "loss").items():
-            progress_bar.progress_bar([], log_format=cfg.log_format, prefix=f"valid on '{tag}' subset",
-                                      default_log_format="simple" if cfg.no_progress_bar else "tqdm").print(
-                values, tag=tag)
+            progress_bar.progress_bar(
+                [],
+                log_format=cfg.log_format,
+                prefix=f"valid on '{tag}' subset",
+                default_log_format="simple" if cfg.no_progress_bar else "tqdm",
+            ).print(values, tag=tag)
             results[tag] = values
     return results
 
@@ -108,5 +120,9 @@ def _subsets(task, names: List[str]) -> List[str]:
     mixture = getattr(task, "mixture", None)
     if not mixture:
         return names
-    return [f"{name}_{source.name}" for name in names for source in mixture
-            if MMapIndexedDataset.exists(os.path.join(source.path, name))]
+    return [
+        f"{name}_{source.name}"
+        for name in names
+        for source in mixture
+        if MMapIndexedDataset.exists(os.path.join(source.path, name))
+    ]

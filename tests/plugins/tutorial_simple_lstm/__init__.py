@@ -2,4 +2,5 @@
 
 Used through ``--user-dir tests/plugins/tutorial_simple_lstm`` (tests/test_plugins.py, docs/plugins.md).
 """
+
 from . import legacy_components, simple_lstm_lm  # noqa: F401

@@ -14,7 +14,6 @@ from toolkit.models import (
 
 
 class SimpleLSTMDecoder(FairseqIncrementalDecoder):
-
     def __init__(self, dictionary, embed_dim=128, hidden_dim=128, dropout=0.1):
         super().__init__(dictionary)
         self.embed_tokens = nn.Embedding(
@@ -40,41 +39,46 @@ class SimpleLSTMDecoder(FairseqIncrementalDecoder):
         x = self.dropout(x)
 
         # None at the first step: nn.LSTM starts from zeros, as the tutorial's first-time initialization.
-        initial_state = utils.get_incremental_state(self, incremental_state, 'prev_state')
+        initial_state = utils.get_incremental_state(self, incremental_state, "prev_state")
         output, latest_state = self.lstm(x.transpose(0, 1), initial_state)
-        utils.set_incremental_state(self, incremental_state, 'prev_state', latest_state)
+        utils.set_incremental_state(self, incremental_state, "prev_state", latest_state)
 
         x = output.transpose(0, 1)
         x = self.output_projection(x)
         return x, None
 
     def reorder_incremental_state(self, incremental_state, new_order):
-        prev_state = utils.get_incremental_state(self, incremental_state, 'prev_state')
+        prev_state = utils.get_incremental_state(self, incremental_state, "prev_state")
         if prev_state is None:
             return
         reordered_state = (
             prev_state[0].index_select(1, new_order),  # hidden
             prev_state[1].index_select(1, new_order),  # cell
         )
-        utils.set_incremental_state(self, incremental_state, 'prev_state', reordered_state)
+        utils.set_incremental_state(self, incremental_state, "prev_state", reordered_state)
 
 
-@register_model('simple_lstm_lm')
+@register_model("simple_lstm_lm")
 class SimpleLSTMLanguageModel(FairseqLanguageModel):
-
     @staticmethod
     def add_args(parser):
         parser.add_argument(
-            '--decoder-embed-dim', type=int, metavar='N',
-            help='dimensionality of the decoder embeddings',
+            "--decoder-embed-dim",
+            type=int,
+            metavar="N",
+            help="dimensionality of the decoder embeddings",
         )
         parser.add_argument(
-            '--decoder-hidden-dim', type=int, metavar='N',
-            help='dimensionality of the decoder hidden state',
+            "--decoder-hidden-dim",
+            type=int,
+            metavar="N",
+            help="dimensionality of the decoder hidden state",
         )
         parser.add_argument(
-            '--decoder-dropout', type=float, default=0.1,
-            help='decoder dropout probability',
+            "--decoder-dropout",
+            type=float,
+            default=0.1,
+            help="decoder dropout probability",
         )
 
     @classmethod
@@ -88,8 +92,8 @@ class SimpleLSTMLanguageModel(FairseqLanguageModel):
         return SimpleLSTMLanguageModel(decoder)
 
 
-@register_model_architecture('simple_lstm_lm', 'tutorial_simple_lstm_lm')
+@register_model_architecture("simple_lstm_lm", "tutorial_simple_lstm_lm")
 def tutorial_simple_lstm_lm(args):
     # getattr() keeps the values given on the command line; these are the defaults.
-    args.decoder_embed_dim = getattr(args, 'decoder_embed_dim', 256)
-    args.decoder_hidden_dim = getattr(args, 'decoder_hidden_dim', 256)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
+    args.decoder_hidden_dim = getattr(args, "decoder_hidden_dim", 256)

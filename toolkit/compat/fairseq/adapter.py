@@ -6,6 +6,7 @@ checkpoint, does the fairseq part where the file is fairseq's and nothing otherw
 ask "is this fairseq?" and the fairseq details (its names, options, optimizer history, ``-shard`` sets)
 stay in this package.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,9 @@ def resume_trainer(path: str, state: Dict[str, Any], trainer, reset_optimizer: b
     return {"epoch": info["epoch"], "iterations_in_epoch": 0, "shuffle": True}
 
 
-def average_weights(path: str, state: Dict[str, Any], saved: Dict[str, torch.Tensor],
-                    model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def average_weights(
+    path: str, state: Dict[str, Any], saved: Dict[str, torch.Tensor], model: torch.nn.Module
+) -> Dict[str, torch.Tensor]:
     """The moving average ``saved`` in checkpoint ``state`` under our names: fairseq's (its model's
     ``state_dict()``) mapped as its model weights are, ours as is."""
     if not fairseq_checkpoint.is_fairseq_checkpoint(state):

@@ -12,11 +12,11 @@ fairseq features we do not implement are refused with one line naming the flag.
 Writing (``toolkit-consolidate --to-fairseq``) is :mod:`toolkit.compat.fairseq.export`,
 which documents the key layout it writes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -39,8 +39,11 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
 
 def is_fairseq_checkpoint(state: Dict[str, Any]) -> bool:
     cfg = state.get("cfg")
-    return ("optimizer_history" in state or state.get("args") is not None
-            or (isinstance(cfg, dict) and isinstance(cfg.get("model"), dict)))
+    return (
+        "optimizer_history" in state
+        or state.get("args") is not None
+        or (isinstance(cfg, dict) and isinstance(cfg.get("model"), dict))
+    )
 
 
 def fairseq_options(state: Dict[str, Any], path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -92,8 +95,10 @@ def toolkit_cfg(state: Dict[str, Any], path: str, model_config: type) -> Dict[st
     for name, (active, what) in _FEATURES.items():
         if name not in ours and active(model.get(name), model):
             flag = "--" + name.replace("_", "-")
-            raise UserError(f"{path}: cannot load: the fairseq model uses {flag} ({what}), "
-                            f"which toolkit's transformer_lm does not implement")
+            raise UserError(
+                f"{path}: cannot load: the fairseq model uses {flag} ({what}), "
+                f"which toolkit's transformer_lm does not implement"
+            )
     values = {name: model[name] for name in ours if model.get(name) is not None}
     values["decoder_normalize_before"] = bool(model.get("decoder_normalize_before", True))
     for name in ("decoder_input_dim", "decoder_output_dim"):  # absent: the width (fairseq 0.10's base_lm_architecture)
@@ -105,13 +110,19 @@ def toolkit_cfg(state: Dict[str, Any], path: str, model_config: type) -> Dict[st
     if "no_tie_adaptive_proj" in model or _decoder_version(state) <= 2:
         values["no_decoder_final_norm"] = True  # fairseq: such models have no final LayerNorm
     tokens_per_sample = task.get("tokens_per_sample") or model.get("tokens_per_sample")
-    values["max_target_positions"] = (model.get("max_target_positions") or tokens_per_sample
-                                      or DEFAULT_MAX_TARGET_POSITIONS)
-    return {**values, "task": "language_modeling", "arch": "transformer_lm", "data": task.get("data"),
-            "tokens_per_sample": tokens_per_sample or DEFAULT_MAX_TARGET_POSITIONS,
-            "sample_break_mode": task.get("sample_break_mode") or "none",
-            "add_bos_token": bool(task.get("add_bos_token", False)),
-            "seed": model.get("seed", task.get("seed", 1)) or 1}
+    values["max_target_positions"] = (
+        model.get("max_target_positions") or tokens_per_sample or DEFAULT_MAX_TARGET_POSITIONS
+    )
+    return {
+        **values,
+        "task": "language_modeling",
+        "arch": "transformer_lm",
+        "data": task.get("data"),
+        "tokens_per_sample": tokens_per_sample or DEFAULT_MAX_TARGET_POSITIONS,
+        "sample_break_mode": task.get("sample_break_mode") or "none",
+        "add_bos_token": bool(task.get("add_bos_token", False)),
+        "seed": model.get("seed", task.get("seed", 1)) or 1,
+    }
 
 
 def _decoder_version(state: Dict[str, Any]) -> float:
@@ -119,12 +130,14 @@ def _decoder_version(state: Dict[str, Any]) -> float:
     return float(version.flatten()[0]) if isinstance(version, torch.Tensor) and version.numel() else 1.0
 
 
-def fold_adaptive_aliases(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor]
-                          ) -> Dict[str, torch.Tensor]:
+def fold_adaptive_aliases(
+    path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
     """fairseq stores a tied adaptive weight under both modules' names (and buffers we do not keep);
     here it is one parameter, the adaptive input's: the aliases must equal their source and are dropped."""
     if getattr(model, "adaptive_softmax", None) is None and not any(
-            k.startswith("embed_tokens.embeddings.") for k in weights):
+        k.startswith("embed_tokens.embeddings.") for k in weights
+    ):
         return weights
     from toolkit.models.adaptive import from_fairseq_state_dict
 
@@ -134,39 +147,51 @@ def fold_adaptive_aliases(path: str, model: torch.nn.Module, weights: Dict[str, 
         raise UserError(f"{path}: cannot load: {e}") from None
 
 
-def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor],
-                  source: Dict[str, str]) -> None:
+def check_weights(path: str, model: torch.nn.Module, weights: Dict[str, torch.Tensor], source: Dict[str, str]) -> None:
     """One line naming the first fairseq weight without a counterpart, of another shape, or missing."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     expected = get_model_state_dict(model)  # canonical names under any wrapper (DDP, FSDP2, checkpointing)
-    model_fit.check_weights(f"{path}: cannot load", weights, expected,
-                                    describe=lambda name: f"{name} (fairseq name {source.get(name, 'decoder.' + name)})",
-                                    fix="the model is built from the checkpoint's own options: a fairseq feature "
-                                        "toolkit's transformer_lm does not implement, or an incomplete checkpoint")
+    model_fit.check_weights(
+        f"{path}: cannot load",
+        weights,
+        expected,
+        describe=lambda name: f"{name} (fairseq name {source.get(name, 'decoder.' + name)})",
+        fix="the model is built from the checkpoint's own options: a fairseq feature "
+        "toolkit's transformer_lm does not implement, or an incomplete checkpoint",
+    )
 
 
 def import_checkpoint(path: str, state: Dict[str, Any], model_config: type) -> Dict[str, Any]:
     """A fairseq checkpoint as a toolkit one: ``{"cfg": flat options, "model": our weights, ...}``."""
     if "fsdp_metadata" in state:
-        raise UserError(f"{path}: one shard of a fairseq FSDP checkpoint (flattened parameters); load it with "
-                        f"fairseq's load_model_ensemble(num_shards=...) and save the consolidated model first")
+        raise UserError(
+            f"{path}: one shard of a fairseq FSDP checkpoint (flattened parameters); load it with "
+            f"fairseq's load_model_ensemble(num_shards=...) and save the consolidated model first"
+        )
     cfg = toolkit_cfg(state, path, model_config)
-    weights, source = to_toolkit_weights(state["model"], path, bool(cfg.get("share_decoder_input_output_embed")),
-                                         drop_final_norm=_decoder_version(state) <= 2)
+    weights, source = to_toolkit_weights(
+        state["model"],
+        path,
+        bool(cfg.get("share_decoder_input_output_embed")),
+        drop_final_norm=_decoder_version(state) <= 2,
+    )
     history = state.get("optimizer_history") or [{}]
-    logger.info(f"{path}: fairseq checkpoint ({'args' if state.get('args') else 'cfg'} layout, "
-                f"{history[-1].get('num_updates', 0)} updates)")
+    logger.info(
+        f"{path}: fairseq checkpoint ({'args' if state.get('args') else 'cfg'} layout, "
+        f"{history[-1].get('num_updates', 0)} updates)"
+    )
     return {"cfg": cfg, "model": weights, "fairseq_source": source, "fairseq_state": state}
 
 
 # ---- optimizer state (fairseq -> ours) ---------------------------------------------------------
 
+
 def _fairseq_parameter_keys(state: Dict[str, Any], shared: bool) -> List[str]:
     """fairseq's ``model.parameters()`` order: its state dict's order without buffers and the tied copy."""
     keys = []
     for key in state["model"]:
-        name = key[len("decoder."):]
+        name = key[len("decoder.") :]
         if name in FAIRSEQ_IGNORED or (shared and name == "output_projection.weight"):
             continue
         keys.append(key)
@@ -186,8 +211,10 @@ def _fairseq_moments(state: Dict[str, Any], keys: List[str]) -> Optional[Dict[st
     if len(entries) == 1 and len(keys) > 1 and entries[0]["exp_avg"].numel() == total:  # one flat fp32 vector
         flat, out, offset = entries[0], {}, 0
         for key, p in zip(keys, params):
-            out[key] = {m: flat[m].reshape(-1)[offset:offset + p.numel()].view_as(p).clone()
-                        for m in ("exp_avg", "exp_avg_sq")}
+            out[key] = {
+                m: flat[m].reshape(-1)[offset : offset + p.numel()].view_as(p).clone()
+                for m in ("exp_avg", "exp_avg_sq")
+            }
             out[key]["step"] = flat.get("step", 0)
             offset += p.numel()
         return out
@@ -212,8 +239,9 @@ def map_optimizer_state(state: Dict[str, Any], shared: bool) -> Optional[Dict[st
         return None
     named: Dict[str, Dict[str, torch.Tensor]] = {}
     for moment in ("exp_avg", "exp_avg_sq"):
-        mapped, _ = to_toolkit_weights({k: moments[k][moment] for k in keys}, "", shared,
-                                       drop_final_norm=_decoder_version(state) <= 2)
+        mapped, _ = to_toolkit_weights(
+            {k: moments[k][moment] for k in keys}, "", shared, drop_final_norm=_decoder_version(state) <= 2
+        )
         for name, value in mapped.items():
             named.setdefault(name, {})[moment] = value.float()
     steps = {float(torch.as_tensor(m["step"]).item()) for m in moments.values()}
@@ -227,8 +255,9 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
-                              state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def load_fairseq_into_trainer(
+    path: str, trainer, reset_optimizer: bool = False, state: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """``--restore-file`` / ``--finetune-from-model`` with a fairseq checkpoint: weights, and Adam
     moments where they map (otherwise a fresh optimizer, said in one INFO line).
 
@@ -251,12 +280,15 @@ def load_fairseq_into_trainer(path: str, trainer, reset_optimizer: bool = False,
     set_model_state_dict(trainer.model, weights, options=FULL_STATE)
     moments = None if reset_optimizer else map_optimizer_state(state, shared)
     names = {id(p): _clean_name(n) for n, p in trainer.model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in trainer.optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in trainer.optimizer.param_groups
+    ]
     wanted = {n for g in groups for n in g["params"]}
     if moments is not None and set(moments) == wanted:
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": moments, "param_groups": groups},
-                                 options=FULL_STATE)
+        set_optimizer_state_dict(
+            trainer.model, trainer.optimizer, {"state": moments, "param_groups": groups}, options=FULL_STATE
+        )
         logger.info(f"{path}: fairseq Adam moments loaded ({len(moments)} parameters)")
     elif not reset_optimizer:
         logger.info(f"{path}: fairseq optimizer state does not map onto this optimizer; starting a fresh one")

@@ -22,6 +22,7 @@ no ``--distributed-world-size``        every visible GPU (one process each, spaw
                                        effect" without --store-ema
 =====================================  =================================================
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,22 +79,32 @@ def resolve_fairseq_flags(cfg: TrainConfig, explicit: set) -> Tuple[TrainConfig,
 
 def _ddp_only_flags(dist, explicit: set) -> List[str]:
     """--find-unused-parameters and --bucket-cap-mb configure DDP, which only c10d on several ranks builds."""
-    given = [flag for flag, on in (("--find-unused-parameters", dist.find_unused_parameters),
-                                   ("--bucket-cap-mb", "bucket_cap_mb" in explicit)) if on]
+    given = [
+        flag
+        for flag, on in (
+            ("--find-unused-parameters", dist.find_unused_parameters),
+            ("--bucket-cap-mb", "bucket_cap_mb" in explicit),
+        )
+        if on
+    ]
     if dist.bucket_cap_mb <= 0:
         raise UserError(f"--bucket-cap-mb must be > 0, got {dist.bucket_cap_mb}")
     if not given or dist.ddp_backend == "c10d":
         return []
-    return [f"{' and '.join(given)}: accepted, no effect under --ddp-backend {dist.ddp_backend} "
-            f"(they configure DistributedDataParallel, used by --ddp-backend c10d)"]
+    return [
+        f"{' and '.join(given)}: accepted, no effect under --ddp-backend {dist.ddp_backend} "
+        f"(they configure DistributedDataParallel, used by --ddp-backend c10d)"
+    ]
 
 
 def _local_rank(dist) -> List[str]:
     env_rank = os.environ.get("LOCAL_RANK")
     if dist.device_id is None or env_rank is None or int(env_rank) == dist.device_id:
         return []
-    return [f"--local-rank/--device-id {dist.device_id} differs from LOCAL_RANK={env_rank} in the environment; "
-            f"using LOCAL_RANK"]
+    return [
+        f"--local-rank/--device-id {dist.device_id} differs from LOCAL_RANK={env_rank} in the environment; "
+        f"using LOCAL_RANK"
+    ]
 
 
 def _world_size(dist, cpu: bool, explicit: set):
@@ -103,7 +114,8 @@ def _world_size(dist, cpu: bool, explicit: set):
         return dist, []
     return dataclasses.replace(dist, distributed_world_size=gpus), [
         f"--distributed-world-size not given: using all {gpus} visible GPUs (one process each, as fairseq; "
-        f"--distributed-world-size 1 or --cpu for one process)"]
+        f"--distributed-world-size 1 or --cpu for one process)"
+    ]
 
 
 def _amp_batch_retries(common, explicit: set) -> List[str]:
@@ -113,8 +125,7 @@ def _amp_batch_retries(common, explicit: set) -> List[str]:
     if "amp_batch_retries" not in explicit or (common.amp and common.fp16):
         return []
     why = "without --amp" if not common.amp else "--amp runs without loss scaling here (no fp16 on a GPU)"
-    return [f"--amp-batch-retries {common.amp_batch_retries}: accepted, no effect {why}: nothing overflows "
-            f"to retry"]
+    return [f"--amp-batch-retries {common.amp_batch_retries}: accepted, no effect {why}: nothing overflows to retry"]
 
 
 def _amp(cfg: TrainConfig):
@@ -122,13 +133,17 @@ def _amp(cfg: TrainConfig):
     if not common.amp:
         return common, []
     if common.fp16 or common.bf16:
-        return common, [f"--amp with --{'bf16' if common.bf16 else 'fp16'}: that precision is used (--amp adds "
-                        f"nothing)"]
+        return common, [
+            f"--amp with --{'bf16' if common.bf16 else 'fp16'}: that precision is used (--amp adds nothing)"
+        ]
     if torch.cuda.is_available() and not common.cpu:
         return dataclasses.replace(common, fp16=True), [
-            "--amp: fp16 autocast over fp32 weights with dynamic loss scaling (the --fp16 path)"]
-    return common, ["--amp: no GPU in use, so training runs in fp32 (fairseq's --amp is CUDA autocast; "
-                    "use --bf16 for reduced precision on CPU)"]
+            "--amp: fp16 autocast over fp32 weights with dynamic loss scaling (the --fp16 path)"
+        ]
+    return common, [
+        "--amp: no GPU in use, so training runs in fp32 (fairseq's --amp is CUDA autocast; "
+        "use --bf16 for reduced precision on CPU)"
+    ]
 
 
 def _lr_list(cfg: TrainConfig) -> List[str]:
@@ -136,22 +151,32 @@ def _lr_list(cfg: TrainConfig) -> List[str]:
     if len(lrs) <= 1 or scheduler == "fixed":
         return []
     if scheduler in SINGLE_LR_SCHEDULERS:
-        raise UserError(f"--lr {','.join(map(str, lrs))}: a list of learning rates (one per epoch) needs "
-                        f"--lr-scheduler fixed; --lr-scheduler {scheduler} takes one value")
+        raise UserError(
+            f"--lr {','.join(map(str, lrs))}: a list of learning rates (one per epoch) needs "
+            f"--lr-scheduler fixed; --lr-scheduler {scheduler} takes one value"
+        )
     return [f"--lr {','.join(map(str, lrs))}: --lr-scheduler {scheduler} uses the first value, {lrs[0]}"]
 
 
 def _check_ema(cfg: TrainConfig, dist) -> List[str]:
     ema = cfg.ema
     if not ema.store_ema:
-        return [f"--ema-seed-model {ema.ema_seed_model}: accepted, no effect without --store-ema (there is no "
-                f"moving average to seed)"] if ema.ema_seed_model else []
+        return (
+            [
+                f"--ema-seed-model {ema.ema_seed_model}: accepted, no effect without --store-ema (there is no "
+                f"moving average to seed)"
+            ]
+            if ema.ema_seed_model
+            else []
+        )
     if ema.ema_seed_model and not os.path.isfile(ema.ema_seed_model):
-        raise UserError(f"--ema-seed-model {ema.ema_seed_model}: no such file; give a checkpoint trained with "
-                        f"--store-ema")
+        raise UserError(
+            f"--ema-seed-model {ema.ema_seed_model}: no such file; give a checkpoint trained with --store-ema"
+        )
     if not 0.0 <= ema.ema_decay <= 1.0 or ema.ema_update_freq < 1:
-        raise UserError(f"--ema-decay must be in [0, 1] and --ema-update-freq >= 1, got {ema.ema_decay} and "
-                        f"{ema.ema_update_freq}")
+        raise UserError(
+            f"--ema-decay must be in [0, 1] and --ema-update-freq >= 1, got {ema.ema_decay} and {ema.ema_update_freq}"
+        )
     return []
 
 

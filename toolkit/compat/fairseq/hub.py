@@ -6,6 +6,7 @@ the language-model READMEs) reads ``lm.cfg``, ``lm.src_dict``, ``lm.max_position
 ``bpe=``/``tokenizer=`` keywords from a release folder holding ``model.pt``. These give the
 toolkit's hub (:mod:`toolkit.inference.hub_utils`) the same surface, with fairseq's semantics.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,24 @@ from toolkit.tokenizers import Tokenizer, build_tokenizer, load_tokenizer_for_da
 CHECKPOINT_NAMES = ("model.pt", "checkpoint_best.pt", "checkpoint_last.pt", "model.safetensors")
 
 #: fairseq's config groups -> the flat option naming the group's component (``_name``), or None
-GROUPS = {"common": None, "common_eval": None, "distributed_training": None, "dataset": None,
-          "optimization": None, "checkpoint": None, "generation": None, "eval_lm": None, "interactive": None,
-          "task": "task", "model": "arch", "criterion": "criterion", "optimizer": "optimizer",
-          "lr_scheduler": "lr_scheduler", "bpe": "bpe", "tokenizer": "tokenizer"}
+GROUPS = {
+    "common": None,
+    "common_eval": None,
+    "distributed_training": None,
+    "dataset": None,
+    "optimization": None,
+    "checkpoint": None,
+    "generation": None,
+    "eval_lm": None,
+    "interactive": None,
+    "task": "task",
+    "model": "arch",
+    "criterion": "criterion",
+    "optimizer": "optimizer",
+    "lr_scheduler": "lr_scheduler",
+    "bpe": "bpe",
+    "tokenizer": "tokenizer",
+}
 
 
 class GroupedConfig(argparse.Namespace):
@@ -59,8 +74,10 @@ def checkpoint_path(folder: str, checkpoint_file: Optional[str]) -> str:
     for name in CHECKPOINT_NAMES:
         if os.path.isfile(os.path.join(folder, name)):
             return os.path.join(folder, name)
-    raise UserError(f"{folder}: none of {', '.join(CHECKPOINT_NAMES)} there; name the file "
-                    f"(from_pretrained(folder, 'checkpoint_N.pt'))")
+    raise UserError(
+        f"{folder}: none of {', '.join(CHECKPOINT_NAMES)} there; name the file "
+        f"(from_pretrained(folder, 'checkpoint_N.pt'))"
+    )
 
 
 class MosesTokenizer:
@@ -104,8 +121,10 @@ def build_bpe_kwarg(name: Optional[str], data_dir: str, kwargs: Dict[str, Any]) 
     given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
     missing = [f for f in cls.model_files if given.get(f) is None]
     if missing:
-        raise UserError(f"bpe={name!r}: the data-bin {data_dir} records no such BPE; pass "
-                        f"{', '.join(f'{m}=PATH' for m in missing)} (fairseq downloads these files; here they are given)")
+        raise UserError(
+            f"bpe={name!r}: the data-bin {data_dir} records no such BPE; pass "
+            f"{', '.join(f'{m}=PATH' for m in missing)} (fairseq downloads these files; here they are given)"
+        )
     cls.check_config(make_config(name, given), f"bpe={name!r}")
     return build_tokenizer(name, given)
 
@@ -157,8 +176,9 @@ class FairseqHubMethods:
     def decode(self, tokens: torch.Tensor) -> str:
         return self.detokenize(self.remove_bpe(self.string(tokens)))
 
-    def score(self, sentences: Union[str, List[str]], replace_newlines_with_eos: bool = False,
-              **kwargs: Any) -> Union[Dict[str, object], List[Dict[str, object]]]:
+    def score(
+        self, sentences: Union[str, List[str]], replace_newlines_with_eos: bool = False, **kwargs: Any
+    ) -> Union[Dict[str, object], List[Dict[str, object]]]:
         """Per-token log-probabilities of each sentence (a dict per sentence; one dict for one string).
 
         ``replace_newlines_with_eos``: each line is encoded on its own and the lines joined, so a

@@ -7,20 +7,28 @@ work; a plain YAML file has no schema, so here such overrides (``task.data=...``
 without a ``DIR/task/NAME.yaml``) are applied after composition, before ``${...}`` resolves, which
 gives the same result.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from toolkit.compat.fairseq.yaml_config import (HYDRA_MISSING, SELECTORS, _check_mapping, _first_line,
-                                                check_yaml_bounded, check_yaml_file_bounded)
+from toolkit.compat.fairseq.yaml_config import (
+    HYDRA_MISSING,
+    SELECTORS,
+    _check_mapping,
+    _first_line,
+    check_yaml_bounded,
+    check_yaml_file_bounded,
+)
 from toolkit.core import yaml_syntax
 from toolkit.core.errors import UserError, import_optional
 
 
-def split_overrides(config_dir: str, overrides: Sequence[str],
-                    no_files: bool = False) -> Tuple[List[str], List[Tuple[str, str]]]:
+def split_overrides(
+    config_dir: str, overrides: Sequence[str], no_files: bool = False
+) -> Tuple[List[str], List[Tuple[str, str]]]:
     """(overrides for Hydra: group choices with a file, ``+``/``~`` forms; (key, value) pairs applied after)."""
     hydra_side: List[str] = []
     after: List[Tuple[str, str]] = []
@@ -37,8 +45,9 @@ def split_overrides(config_dir: str, overrides: Sequence[str],
     return hydra_side, after
 
 
-def compose(config_dir: Optional[str], config_name: str,
-            overrides: Sequence[str]) -> Tuple[Dict[str, Any], Dict[str, str]]:
+def compose(
+    config_dir: Optional[str], config_name: str, overrides: Sequence[str]
+) -> Tuple[Dict[str, Any], Dict[str, str]]:
     """The composed config as a plain dict (``${...}`` resolved) and Hydra's group choices.
 
     Without ``config_dir`` the overrides alone make the config, as fairseq's bundled defaults
@@ -60,8 +69,7 @@ def compose(config_dir: Optional[str], config_name: str,
     return _compose_dir(os.path.abspath(config_dir), config_name, overrides)
 
 
-def _compose_dir(config_dir: str, config_name: str,
-                 overrides: Sequence[str]) -> Tuple[Dict[str, Any], Dict[str, str]]:
+def _compose_dir(config_dir: str, config_name: str, overrides: Sequence[str]) -> Tuple[Dict[str, Any], Dict[str, str]]:
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -81,8 +89,11 @@ def _compose_dir(config_dir: str, config_name: str,
             warnings.simplefilter("ignore")
             with initialize_config_dir(config_dir=config_dir, version_base="1.1", job_name="toolkit_hydra_train"):
                 cfg = hydra_compose(config_name=config_name, overrides=hydra_side, return_hydra_config=True)
-        choices = {k: v for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()
-                   if isinstance(v, str) and not k.startswith("hydra")}
+        choices = {
+            k: v
+            for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()
+            if isinstance(v, str) and not k.startswith("hydra")
+        }
         OmegaConf.set_struct(cfg, False)
         del cfg["hydra"]
         for key, value in after:

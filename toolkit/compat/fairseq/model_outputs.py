@@ -15,6 +15,7 @@ hidden states, time first) or ``extra["attn"]``, because fairseq's ``Transformer
 The library's own scorers and generator read ``out[0]`` of a tuple, so they work on such models unchanged.
 A plugin model (``FairseqLanguageModel``) already returns the tuple and is left alone.
 """
+
 from __future__ import annotations
 
 from typing import Any, List
@@ -27,8 +28,12 @@ _HOOKED = "_fairseq_outputs_hooks"
 def return_fairseq_outputs(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model(src_tokens)`` return ``(logits, {"attn": [None], "inner_states": [...]})``; ``model``."""
     layers = getattr(model, "layers", None)
-    if hasattr(model, _HOOKED) or hasattr(model, "decoder") or not isinstance(layers, torch.nn.ModuleList) \
-            or len(layers) == 0:
+    if (
+        hasattr(model, _HOOKED)
+        or hasattr(model, "decoder")
+        or not isinstance(layers, torch.nn.ModuleList)
+        or len(layers) == 0
+    ):
         return model  # hooked already, a fairseq-style plugin (returns the tuple itself), or no layer stack
     inner_states: List[torch.Tensor] = []
 

@@ -12,6 +12,7 @@ plain dicts/lists/strings afterwards (:func:`to_plain`) -- and then lets torch's
 weights-only unpickler load the file with exactly that allowlist. Any other name stops the
 load before anything is called: ``<path>: refusing to load: unexpected object <module.name>``.
 """
+
 from __future__ import annotations
 
 import _compat_pickle
@@ -99,11 +100,22 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("pathlib", "Path"): _path,
 }
 _OMEGACONF_CONTAINERS = {"DictConfig", "ListConfig"}
-_OMEGACONF_NODES = {"AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "EnumNode",
-                    "BytesNode", "PathNode", "ValueNode", "InterpolationResultNode"}
+_OMEGACONF_NODES = {
+    "AnyNode",
+    "StringNode",
+    "IntegerNode",
+    "FloatNode",
+    "BooleanNode",
+    "EnumNode",
+    "BytesNode",
+    "PathNode",
+    "ValueNode",
+    "InterpolationResultNode",
+}
 _OMEGACONF_METADATA = {"Metadata", "ContainerMetadata"}
-_TYPE_NAMES = {("builtins", n) for n in ("dict", "list", "tuple", "str", "int", "float", "bool", "bytes",
-                                         "object", "NoneType")}
+_TYPE_NAMES = {
+    ("builtins", n) for n in ("dict", "list", "tuple", "str", "int", "float", "bool", "bytes", "object", "NoneType")
+}
 
 
 def resolve(module: str, name: str) -> Any:
@@ -121,8 +133,11 @@ def resolve(module: str, name: str) -> Any:
             return MetadataStub
     if module == "fairseq.dataclass.constants":
         return _enum_value  # StrEnum / ChoiceEnum members
-    if module.startswith(("fairseq.dataclass", "fairseq.models", "fairseq.tasks")) or module == "typing" \
-            or (module, name) in _TYPE_NAMES:
+    if (
+        module.startswith(("fairseq.dataclass", "fairseq.models", "fairseq.tasks"))
+        or module == "typing"
+        or (module, name) in _TYPE_NAMES
+    ):
         return TypeRef(f"{module}.{name}")  # a type annotation in omegaconf metadata
     raise RefusedObject(module, name)
 
@@ -167,8 +182,11 @@ def _allowlist(path: str) -> List[Tuple[Any, str]]:
         except RefusedObject as e:
             raise UserError(f"{path}: refusing to load: unexpected object {e.qualified_name}") from None
     # numpy dtypes are built by np.dtype(...) and then given their state: torch checks the built type.
-    allowed += [(cls, f"numpy.dtypes.{cls.__name__}") for cls in vars(np.dtypes).values()
-                if isinstance(cls, type) and issubclass(cls, np.dtype)]
+    allowed += [
+        (cls, f"numpy.dtypes.{cls.__name__}")
+        for cls in vars(np.dtypes).values()
+        if isinstance(cls, type) and issubclass(cls, np.dtype)
+    ]
     return allowed
 
 

@@ -12,6 +12,7 @@ has no effect here (called by :func:`toolkit.compat.fairseq.flags.resolve_fairse
                                    ranks nobody starts)
 =================================  ===========================================================
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,14 +31,20 @@ def resolve_recipe_flags(common: Any, dist: Any, explicit: Set[str], gpu: bool) 
         if common.fp16 or common.memory_efficient_fp16:
             raise UserError("--memory-efficient-bf16 and --fp16/--memory-efficient-fp16 conflict; choose one")
         common = dataclasses.replace(common, bf16=True)
-        lines.append("--memory-efficient-bf16: training with --bf16 (bf16 compute, no loss scaling; the optimizer "
-                     "keeps its fp32 state as under --bf16)")
+        lines.append(
+            "--memory-efficient-bf16: training with --bf16 (bf16 compute, no loss scaling; the optimizer "
+            "keeps its fp32 state as under --bf16)"
+        )
     if common.empty_cache_freq > 0 and not gpu:
-        lines.append(f"--empty-cache-freq {common.empty_cache_freq}: accepted, no effect without a GPU (it empties "
-                     f"the CUDA caching allocator)")
+        lines.append(
+            f"--empty-cache-freq {common.empty_cache_freq}: accepted, no effect without a GPU (it empties "
+            f"the CUDA caching allocator)"
+        )
     if "all_gather_list_size" in explicit:
-        lines.append(f"--all-gather-list-size {common.all_gather_list_size}: accepted, no effect (logging stats "
-                     f"are all-reduced as tensors here; there is no fixed-size buffer)")
+        lines.append(
+            f"--all-gather-list-size {common.all_gather_list_size}: accepted, no effect (logging stats "
+            f"are all-reduced as tensors here; there is no fixed-size buffer)"
+        )
     lines += _no_spawn(dist)
     return common, lines
 
@@ -46,11 +53,14 @@ def _no_spawn(dist: Any) -> List[str]:
     if not dist.distributed_no_spawn:
         return []
     if any(os.environ.get(name) for name in LAUNCHER_ENV):
-        return ["--distributed-no-spawn: accepted, no effect (started by torchrun/srun: each process is one rank, "
-                "nothing is spawned)"]
+        return [
+            "--distributed-no-spawn: accepted, no effect (started by torchrun/srun: each process is one rank, "
+            "nothing is spawned)"
+        ]
     if dist.distributed_world_size > 1:
-        raise UserError(f"--distributed-no-spawn with --distributed-world-size {dist.distributed_world_size} and "
-                        f"no launcher: start the ranks with torchrun --nproc-per-node "
-                        f"{dist.distributed_world_size} (or drop --distributed-no-spawn to spawn them here)")
+        raise UserError(
+            f"--distributed-no-spawn with --distributed-world-size {dist.distributed_world_size} and "
+            f"no launcher: start the ranks with torchrun --nproc-per-node "
+            f"{dist.distributed_world_size} (or drop --distributed-no-spawn to spawn them here)"
+        )
     return ["--distributed-no-spawn: accepted, no effect (one process: nothing to spawn)"]
-

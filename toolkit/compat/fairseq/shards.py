@@ -4,6 +4,7 @@ Loaded when shard 0 holds a full model state under our parameter names (fairseq'
 ``decoder.`` prefix stripped); refused with a one-line reason otherwise (FSDP flat
 parameters, Python objects that would need unpickling, other names or shapes).
 """
+
 from __future__ import annotations
 
 import glob
@@ -45,33 +46,43 @@ def _read_shard_zero(files: List[str]) -> Dict[str, Any]:
     try:
         state = torch.load(files[0], map_location="cpu", weights_only=True)
     except Exception as e:
-        raise _fairseq_refuse(files, f"it pickles Python objects that are unsafe to load ({first_line(e)[:120]}); "
-                                     f"consolidate and convert it with fairseq first") from None
+        raise _fairseq_refuse(
+            files,
+            f"it pickles Python objects that are unsafe to load ({first_line(e)[:120]}); "
+            f"consolidate and convert it with fairseq first",
+        ) from None
     model_state = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model_state, dict):
         raise _fairseq_refuse(files, "it has no 'model' state")
     if any("flat_param" in k or "_fsdp_wrapped_module" in k for k in model_state) or "shard_metadata" in state:
-        raise _fairseq_refuse(files, "it holds FSDP flat-parameter shards; merge them into one checkpoint with "
-                                     "fairseq's consolidate_fsdp_shards first")
+        raise _fairseq_refuse(
+            files,
+            "it holds FSDP flat-parameter shards; merge them into one checkpoint with "
+            "fairseq's consolidate_fsdp_shards first",
+        )
     return state
 
 
-def _renamed_model_state(files: List[str], model_state: Dict[str, torch.Tensor], model: torch.nn.Module
-                         ) -> Dict[str, torch.Tensor]:
+def _renamed_model_state(
+    files: List[str], model_state: Dict[str, torch.Tensor], model: torch.nn.Module
+) -> Dict[str, torch.Tensor]:
     ours = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
     renamed = {}
     for k, v in model_state.items():
-        name = canonical_name(k[len("decoder."):] if k.startswith("decoder.") else k)
+        name = canonical_name(k[len("decoder.") :] if k.startswith("decoder.") else k)
         if name in ours:
             renamed[name] = v
     missing = [k for k in ours if k not in renamed]
     if missing:
-        raise _fairseq_refuse(files, f"its parameter names do not match this model's (no {missing[0]}; "
-                                     f"{len(missing)} of {len(ours)} missing)")
+        raise _fairseq_refuse(
+            files,
+            f"its parameter names do not match this model's (no {missing[0]}; {len(missing)} of {len(ours)} missing)",
+        )
     wrong = [k for k, v in renamed.items() if tuple(v.shape) != ours[k]]
     if wrong:
-        raise _fairseq_refuse(files, f"{wrong[0]} has shape {tuple(renamed[wrong[0]].shape)}, this model has "
-                                     f"{ours[wrong[0]]}")
+        raise _fairseq_refuse(
+            files, f"{wrong[0]} has shape {tuple(renamed[wrong[0]].shape)}, this model has {ours[wrong[0]]}"
+        )
     return renamed
 
 
@@ -81,14 +92,19 @@ def load(files: List[str], cfg: CheckpointConfig, trainer, state: TrainingState)
     Returns the saved data position (its optimizer and scheduler state are not used).
     """
     saved = _read_shard_zero(files)
-    set_model_state_dict(trainer.model, _renamed_model_state(files, saved["model"], trainer.model),
-                         options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(
+        trainer.model,
+        _renamed_model_state(files, saved["model"], trainer.model),
+        options=StateDictOptions(full_state_dict=True),
+    )
     history = saved.get("optimizer_history") or [{}]
     extra = saved.get("extra_state") if isinstance(saved.get("extra_state"), dict) else {}
     num_updates = int((history[-1] if isinstance(history[-1], dict) else {}).get("num_updates", 0))
     trainer.load_state_dict({"num_updates": num_updates}, reset_lr_scheduler=True)
-    logger.warning(f"loaded the model from fairseq shard set {files[0]} ({len(files)} files) @ {num_updates} "
-                   f"updates; its optimizer and scheduler state are not loaded")
+    logger.warning(
+        f"loaded the model from fairseq shard set {files[0]} ({len(files)} files) @ {num_updates} "
+        f"updates; its optimizer and scheduler state are not loaded"
+    )
     best = extra.get("best")
     state.best.best = best if isinstance(best, (int, float)) else None
     return extra.get("train_iterator") if not cfg.reset_dataloader else None

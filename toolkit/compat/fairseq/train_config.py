@@ -6,6 +6,7 @@ value) and the run resolves through the same parser as typed flags. That parser 
 above this package: callers pass it in (``build_parser(argv) -> argparse.ArgumentParser``;
 :mod:`toolkit.train.config_file` does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ PROG = "toolkit-train"
 ParserBuilder = Callable[[List[str]], argparse.ArgumentParser]
 
 
-def train_argv(config: Dict, source: str, build_parser: ParserBuilder,
-               choices: Optional[Dict[str, str]] = None) -> List[str]:
+def train_argv(
+    config: Dict, source: str, build_parser: ParserBuilder, choices: Optional[Dict[str, str]] = None
+) -> List[str]:
     """The toolkit-train argv equivalent to the fairseq-layout ``config`` read from ``source``."""
     return yaml_config.config_to_argv(config, source, PROG, build_parser, choices)
 
@@ -44,11 +46,13 @@ def _gives_data(config: Dict, path: str, rest: List[str], build_parser: ParserBu
     return bool(getattr(values, "data", None))
 
 
-def hydra_train_argv(config_dir: Optional[str], config_name: str, overrides: Sequence[str],
-                     build_parser: ParserBuilder) -> List[str]:
+def hydra_train_argv(
+    config_dir: Optional[str], config_name: str, overrides: Sequence[str], build_parser: ParserBuilder
+) -> List[str]:
     """fairseq-hydra-train's ``--config-dir DIR --config-name NAME key=value ...`` as toolkit-train's argv."""
     from toolkit.compat.fairseq.hydra_compose import compose
 
     config, choices = compose(config_dir, config_name, overrides)
-    return train_argv(config, f"{config_dir}/{config_name}.yaml" if config_dir else "the overrides", build_parser,
-                      choices)
+    return train_argv(
+        config, f"{config_dir}/{config_name}.yaml" if config_dir else "the overrides", build_parser, choices
+    )

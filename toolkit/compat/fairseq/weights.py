@@ -7,6 +7,7 @@ a tied output projection under both names and keeps a few buffers; ours fuses q/
 optimizer state, the pickle) is ``checkpoint`` / ``export`` beside this module; the
 adaptive input/softmax keys are ``toolkit.models.adaptive``'s.
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,8 +24,9 @@ _OLD_LAYER_NORMS = re.compile(r"(layers\.\d+)\.layer_norms\.([02])\.(weight|bias
 FAIRSEQ_IGNORED = {"version", "embed_positions._float_tensor", "embed_positions.weights"}
 
 
-def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
-                       drop_final_norm: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+def to_toolkit_weights(
+    model_sd: Dict[str, Any], path: str, shared: bool, drop_final_norm: bool = False
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """(our state dict, our name -> the fairseq key it came from) for a fairseq ``model`` dict."""
     out: Dict[str, torch.Tensor] = {}
     source: Dict[str, str] = {}
@@ -32,9 +34,12 @@ def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
     for key, value in model_sd.items():
         if not key.startswith("decoder."):
             raise UserError(f"{path}: cannot load: weight {key} is not part of a transformer_lm decoder")
-        name = key[len("decoder."):]
-        if name in FAIRSEQ_IGNORED or (shared and name == "output_projection.weight") or (
-                drop_final_norm and name.startswith("layer_norm.")):
+        name = key[len("decoder.") :]
+        if (
+            name in FAIRSEQ_IGNORED
+            or (shared and name == "output_projection.weight")
+            or (drop_final_norm and name.startswith("layer_norm."))
+        ):
             continue
         m = _QKV.fullmatch(name)
         if m:
@@ -58,7 +63,9 @@ def to_toolkit_weights(model_sd: Dict[str, Any], path: str, shared: bool,
     return out, source
 
 
-def to_fairseq_weights(weights: Dict[str, torch.Tensor], cfg: Dict[str, Any]) -> "collections.OrderedDict[str, torch.Tensor]":
+def to_fairseq_weights(
+    weights: Dict[str, torch.Tensor], cfg: Dict[str, Any]
+) -> collections.OrderedDict[str, torch.Tensor]:
     """Our state dict in fairseq's names and module order (q/k/v split, ``decoder.`` prefix, version 3)."""
     w, out = dict(weights), collections.OrderedDict()
 
@@ -77,8 +84,7 @@ def to_fairseq_weights(weights: Dict[str, torch.Tensor], cfg: Dict[str, Any]) ->
     layer = 0
     while f"layers.{layer}.self_attn.qkv_proj.weight" in w:
         p = f"layers.{layer}."
-        split = {kind: dict(zip("qkv", w.pop(f"{p}self_attn.qkv_proj.{kind}").chunk(3)))
-                 for kind in ("weight", "bias")}
+        split = {kind: dict(zip("qkv", w.pop(f"{p}self_attn.qkv_proj.{kind}").chunk(3))) for kind in ("weight", "bias")}
         for part in "kvq":  # fairseq's MultiheadAttention order
             for kind in ("weight", "bias"):
                 out[f"decoder.{p}self_attn.{part}_proj.{kind}"] = split[kind][part].clone()

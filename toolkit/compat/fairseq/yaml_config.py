@@ -12,6 +12,7 @@ A key we do not have is refused in one line unless its value is the one that tur
 feature off (``null``, ``false``, ``0``) or fairseq's default (fairseq writes every field when
 it dumps a config), so a config never runs differently from what it says without a word.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,26 +29,69 @@ HYDRA_MISSING = "toolkit-hydra-train needs Hydra: pip install hydra-core"
 YAML_MISSING = "--config FILE.yaml needs a YAML reader: pip install omegaconf (or pip install pyyaml)"
 
 # fairseq's group -> the selector flag its _name sets.
-SELECTORS = {"task": "--task", "model": "--arch", "criterion": "--criterion", "optimizer": "--optimizer",
-             "lr_scheduler": "--lr-scheduler", "bpe": "--bpe"}
+SELECTORS = {
+    "task": "--task",
+    "model": "--arch",
+    "criterion": "--criterion",
+    "optimizer": "--optimizer",
+    "lr_scheduler": "--lr-scheduler",
+    "bpe": "--bpe",
+}
 OPTION_GROUPS = ("common", "distributed_training", "dataset", "optimization", "checkpoint", "ema")
 # Groups fairseq's dumped configs carry that training does not read (generation, scoring, ...).
-IGNORED_GROUPS = ("common_eval", "eval_lm", "generation", "interactive", "scoring", "bmuf", "tokenizer",
-                  "job_logging_cfg", "simul_type", "hydra")
+IGNORED_GROUPS = (
+    "common_eval",
+    "eval_lm",
+    "generation",
+    "interactive",
+    "scoring",
+    "bmuf",
+    "tokenizer",
+    "job_logging_cfg",
+    "simul_type",
+    "hydra",
+)
 # fairseq options without a counterpart here whose fairseq default is inert (a dumped config has them all).
 INERT_DEFAULTS: Dict[str, Any] = {
     "character_filters": "[(1, 64), (2, 128), (3, 192), (4, 256), (5, 256), (6, 256), (7, 256)]",
-    "character_embedding_dim": 4, "char_embedder_highway_layers": 2, "quant_noise_scalar": 0,
-    "all_gather_list_size": 16384, "tpu": False, "azureml_logging": False, "profile": False,
-    "reset_logging": False, "suppress_crashes": False, "use_plasma_view": False, "plasma_path": "/tmp/plasma",
-    "fp16_adam_stats": False, "on_cpu_convert_precision": False, "model_parallel_size": 1,
-    "distributed_num_procs": 1, "distributed_rank": 0, "distributed_init_method": None,
-    "pipeline_model_parallel": False, "zero_sharding": "none", "fast_stat_sync": False,
-    "heartbeat_timeout": -1, "broadcast_buffers": False, "slowmo_momentum": None, "slowmo_base_algorithm": "localsgd",
-    "localsgd_frequency": 3, "gradient_as_bucket_view": False, "not_fsdp_flatten_parameters": False,
-    "dataset_impl": None, "data_buffer_size": 10, "checkpoint_suffix": "", "checkpoint_shard_count": 1,
-    "load_checkpoint_on_all_dp_ranks": False, "write_checkpoints_asynchronously": False, "model_parallel": False,
-    "continue_once": None, "use_old_adam": False, "sentence_avg": False, "seed_sample": False,
+    "character_embedding_dim": 4,
+    "char_embedder_highway_layers": 2,
+    "quant_noise_scalar": 0,
+    "all_gather_list_size": 16384,
+    "tpu": False,
+    "azureml_logging": False,
+    "profile": False,
+    "reset_logging": False,
+    "suppress_crashes": False,
+    "use_plasma_view": False,
+    "plasma_path": "/tmp/plasma",
+    "fp16_adam_stats": False,
+    "on_cpu_convert_precision": False,
+    "model_parallel_size": 1,
+    "distributed_num_procs": 1,
+    "distributed_rank": 0,
+    "distributed_init_method": None,
+    "pipeline_model_parallel": False,
+    "zero_sharding": "none",
+    "fast_stat_sync": False,
+    "heartbeat_timeout": -1,
+    "broadcast_buffers": False,
+    "slowmo_momentum": None,
+    "slowmo_base_algorithm": "localsgd",
+    "localsgd_frequency": 3,
+    "gradient_as_bucket_view": False,
+    "not_fsdp_flatten_parameters": False,
+    "dataset_impl": None,
+    "data_buffer_size": 10,
+    "checkpoint_suffix": "",
+    "checkpoint_shard_count": 1,
+    "load_checkpoint_on_all_dp_ranks": False,
+    "write_checkpoints_asynchronously": False,
+    "model_parallel": False,
+    "continue_once": None,
+    "use_old_adam": False,
+    "sentence_avg": False,
+    "seed_sample": False,
 }
 # A training config is hundreds of values; anchors and aliases (``&a`` / ``*a``) may repeat a part, but
 # a file that expands past this many values is an alias bomb: 9 levels of 9 aliases are 9**9 values, which
@@ -80,8 +124,10 @@ def _expanded_values(root: Any, source: str) -> int:
         if id(node) in size:
             continue
         if id(node) in visiting:
-            raise UserError(f"{source}: an alias refers to the value that holds it (a value that contains "
-                            f"itself); write the value out")
+            raise UserError(
+                f"{source}: an alias refers to the value that holds it (a value that contains "
+                f"itself); write the value out"
+            )
         visiting.add(id(node))
         stack.append((node, True))
         stack.extend((c, False) for c in _children(node) if id(c) not in size)
@@ -102,9 +148,11 @@ def check_yaml_bounded(text: str, source: str) -> None:
         return
     total = sum(_expanded_values(d, source) for d in documents if d is not None)
     if total > MAX_YAML_VALUES:
-        raise UserError(f"{source}: its aliases (*name) expand to more than {MAX_YAML_VALUES:,} values, which "
-                        f"would take unbounded time and memory to read (an alias bomb); write the config out "
-                        f"without nested aliases")
+        raise UserError(
+            f"{source}: its aliases (*name) expand to more than {MAX_YAML_VALUES:,} values, which "
+            f"would take unbounded time and memory to read (an alias bomb); write the config out "
+            f"without nested aliases"
+        )
 
 
 def check_yaml_file_bounded(path: str, source: Optional[str] = None) -> None:
@@ -149,19 +197,23 @@ def _check_mapping(data: Any, path: str) -> Dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"--config {path}: expected a mapping of groups (common:, task:, model:, ...), "
-                        f"got a {type(data).__name__}")
+        raise UserError(
+            f"--config {path}: expected a mapping of groups (common:, task:, model:, ...), got a {type(data).__name__}"
+        )
     defaults = [d for d in data.get("defaults") or [] if not (isinstance(d, dict) and None in d.values())]
     if defaults:
-        raise UserError(f"--config {path}: its 'defaults:' list composes other files, which needs Hydra: run "
-                        f"toolkit-hydra-train --config-dir {os.path.dirname(path) or '.'} --config-name "
-                        f"{os.path.splitext(os.path.basename(path))[0]}")
+        raise UserError(
+            f"--config {path}: its 'defaults:' list composes other files, which needs Hydra: run "
+            f"toolkit-hydra-train --config-dir {os.path.dirname(path) or '.'} --config-name "
+            f"{os.path.splitext(os.path.basename(path))[0]}"
+        )
     data.pop("defaults", None)
     return data
 
 
 def resolve_interpolations(data: Dict[str, Any], source: str) -> Dict[str, Any]:
     """``${group.key}`` replaced by that value (typed when it is the whole string), as omegaconf does."""
+
     def lookup(dotted: str, seen: Tuple[str, ...]) -> Any:
         if dotted in seen:
             raise UserError(f"{source}: ${{{dotted}}} refers to itself")
@@ -232,8 +284,9 @@ def option_argv(config: Dict[str, Any], parser: argparse.ArgumentParser, source:
             ignored.append(group)
             continue
         if group not in OPTION_GROUPS and group not in SELECTORS:
-            raise UserError(f"{source}: unknown group {group!r}; fairseq's groups are "
-                            f"{', '.join(OPTION_GROUPS + tuple(SELECTORS))}")
+            raise UserError(
+                f"{source}: unknown group {group!r}; fairseq's groups are {', '.join(OPTION_GROUPS + tuple(SELECTORS))}"
+            )
         if not isinstance(section, dict):
             if group in SELECTORS:
                 continue
@@ -254,8 +307,10 @@ def option_argv(config: Dict[str, Any], parser: argparse.ArgumentParser, source:
 def _check_unknown(group: str, key: str, value: Any, source: str) -> None:
     if value in _NO_OP or (key in INERT_DEFAULTS and INERT_DEFAULTS[key] == value):
         return
-    raise UserError(f"{source}: {group}.{key}={value!r}: toolkit-train has no --{key.replace('_', '-')}; remove "
-                    f"the key (or set it to null) to train without it")
+    raise UserError(
+        f"{source}: {group}.{key}={value!r}: toolkit-train has no --{key.replace('_', '-')}; remove "
+        f"the key (or set it to null) to train without it"
+    )
 
 
 def _flag(action: argparse.Action, value: Any) -> List[str]:
@@ -276,8 +331,9 @@ def _flag(action: argparse.Action, value: Any) -> List[str]:
     return [flag, str(value).lower() if isinstance(value, bool) else str(value)]
 
 
-def config_to_argv(config: Dict[str, Any], source: str, prog: str, build_parser,
-                   choices: Optional[Dict[str, str]] = None) -> List[str]:
+def config_to_argv(
+    config: Dict[str, Any], source: str, prog: str, build_parser, choices: Optional[Dict[str, str]] = None
+) -> List[str]:
     """The ``toolkit-train`` argv equivalent to ``config``; ``build_parser(argv)`` gives the parser for
     the components those flags choose (the same two-pass parser toolkit-train uses)."""
     selectors = selector_argv(config, source, choices)
@@ -318,6 +374,8 @@ def check_no_overrides(argv: Sequence[str], prog: str) -> None:
         bare_after_option = previous.startswith("-") and "." not in arg.split("=", 1)[0]
         previous = arg
         if OVERRIDE.match(arg) and not bare_after_option and not os.path.exists(arg):
-            raise UserError(f"{arg}: a Hydra override (key=value) is not a toolkit-train argument; run "
-                            f"toolkit-hydra-train --config-dir DIR --config-name NAME {arg} ..., or give "
-                            f"toolkit-train --config FILE.yaml and flags")
+            raise UserError(
+                f"{arg}: a Hydra override (key=value) is not a toolkit-train argument; run "
+                f"toolkit-hydra-train --config-dir DIR --config-name NAME {arg} ..., or give "
+                f"toolkit-train --config FILE.yaml and flags"
+            )

@@ -18,6 +18,7 @@ causal case, a boolean mask otherwise); ``flex_attention`` for a flex ``BlockMas
 windows on CUDA, ``attention_mask``), with the soft-cap as its ``score_mod``; the explicit
 softmax(q k^T) v for soft-capping without a BlockMask (SDPA has no soft-cap).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,13 @@ def causal_mask(past: int, new: int, window: Optional[int] = None, device=None) 
     return mask
 
 
-def attention_mask(document_ids: Optional[torch.Tensor], seq_len: int, device=None, window: Optional[int] = None,
-                   head_dim: Optional[int] = None) -> Any:
+def attention_mask(
+    document_ids: Optional[torch.Tensor],
+    seq_len: int,
+    device=None,
+    window: Optional[int] = None,
+    head_dim: Optional[int] = None,
+) -> Any:
     """What the layers of one forward attend with (built once per forward, per distinct window):
     None (plain causal), a bool mask [B or 1, 1, T, T], or a flex ``BlockMask`` on CUDA."""
     if window is None:
@@ -69,8 +75,15 @@ def _window_block_mask(document_ids: Optional[torch.Tensor], T: int, window: int
     return create_block_mask(visible, B, None, T, T, device=device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, causal: bool = True,
-           scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Any = None,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """Attention of q [B, H, Tq, D] over k, v [B, G, Tk, D] -> [B, H, Tq, D], with the mask of
     ``attention_mask`` / ``causal_mask``; ``mask=None`` is causal, or (``causal=False``) every key."""
     gqa = q.size(1) != k.size(1)
@@ -80,19 +93,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, 
         return document_mask.attend(q, k, v, mask, enable_gqa=gqa, scale=scale)
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex BlockMask
         if q.size(-1) >= document_mask.FLEX_MIN_HEAD_DIM:
+
             def capped(score, b, h, q_idx, k_idx):
                 return softcap * torch.tanh(score / softcap)
 
-            return document_mask._compiled_flex()(q, k, v, score_mod=capped, block_mask=mask, scale=scale,
-                                                  enable_gqa=gqa)
+            return document_mask._compiled_flex()(
+                q, k, v, score_mod=capped, block_mask=mask, scale=scale, enable_gqa=gqa
+            )
         mask = document_mask._dense_mask(mask, q)
     if mask is None and causal:
         mask = causal_mask(k.size(2) - q.size(2), q.size(2), device=q.device)
     return explicit_attention(q, k, v, mask, scale, softcap)
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                       scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """softmax(cap(q k^T * scale) masked) v, the softmax in fp32 (Hugging Face's eager attention):
     the reference for the kernels, and the back end for soft-capped logits without flex_attention."""
     if q.size(1) != k.size(1):
@@ -116,9 +137,19 @@ class Attention(nn.Module):
     heads runs this code unchanged on its share. With a ``KVCache`` the cache holds G heads, not H.
     """
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool = False,
-                 qk_norm_eps: Optional[float] = None, window: Optional[int] = None,
-                 softcap: Optional[float] = None, scale: Optional[float] = None, qk_norm_per_head: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        qk_norm_eps: Optional[float] = None,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
+        scale: Optional[float] = None,
+        qk_norm_per_head: bool = True,
+    ):
         super().__init__()
         self.head_dim, self.window, self.softcap, self.scale = head_dim, window, softcap, scale
         self.qk_norm_per_head = qk_norm_per_head  # else over the whole projection (OLMo 2), before the heads split
@@ -132,10 +163,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-
     def kv_width(self) -> int:
         """Features of one token's keys plus values: what context parallelism exchanges per token (the planner)."""
         return self.k_proj.out_features + self.v_proj.out_features
+
     def _heads(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         B, T, width = x.shape
         x = x.view(B, T, width // self.head_dim, self.head_dim)
@@ -143,8 +174,9 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(1, 2)  # [B, heads, T, D]
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D], k and v [B, G, T, D]: projected, normalized per head (QK-norm), q and k rotated."""
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_norm is not None and not self.qk_norm_per_head:
@@ -154,14 +186,16 @@ class Attention(nn.Module):
         k = apply_rope(self._heads(k, self.k_norm if per_head else None), cos, sin)
         return q, k, self._heads(self.v_proj(x))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
-               causal: bool = True) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, causal: bool = True
+    ) -> torch.Tensor:
         """This layer's options (scale, soft-cap) on ``attend``; [B, H, Tq, D] -> [B, Tq, C] through ``o_proj``."""
         y = attend(q, k, v, mask, causal=causal, scale=self.scale, softcap=self.softcap)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None,
-                attn_mask: Any = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None, attn_mask: Any = None
+    ) -> torch.Tensor:
         """x [B, T, C] -> [B, T, C]. ``attn_mask``: ``attention_mask``'s, built once per forward by the model
         (a sliding window without one is masked here), or a context-parallel shard that gathers the keys/values
         (``toolkit.distributed.context_parallel.ContextShard``); with ``kv_cache`` the new positions P..P+T-1 see

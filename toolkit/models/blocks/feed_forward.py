@@ -7,6 +7,7 @@ mixture-of-experts block takes its place by registering a constructor with the s
 goes out through the model's extra output (``toolkit.models.outputs``), its router's bias update
 through the trainer's post-step hooks (``toolkit.core.protocols.PostStepHook``).
 """
+
 from __future__ import annotations
 
 import functools

@@ -43,6 +43,7 @@ Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a
 - router z-loss (ST-MoE): ``mean_n logsumexp(router logits_n)^2``;
 - metrics: the busiest expert's load over the mean load, and the tokens dropped (0: nothing is dropped).
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,15 @@ class Routing:
 class Router(nn.Module):
     """Top-k gate over E experts (see the module docstring for the score functions and the bias)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str = "softmax",
-                 renormalize: bool = False, balance_bias: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        renormalize: bool = False,
+        balance_bias: bool = False,
+    ):
         super().__init__()
         if score_func not in SCORE_FUNCTIONS:
             raise ValueError(f"score_func {score_func!r}: one of {SCORE_FUNCTIONS}")
@@ -157,8 +165,9 @@ def _(rows, weights, counts):
 
 
 @torch.library.custom_op("toolkit::grouped_matmul_backward", mutates_args=())
-def _opaque_grouped_matmul_backward(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                                    grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _opaque_grouped_matmul_backward(
+    rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """d rows = grad_e weights[e], d weights[e] = grad_e^T rows_e, run by run (an op runs below autograd)."""
     sizes = counts.tolist()
     if cpu_gemm.grouped_goes_to_onednn(rows, weights):
@@ -231,13 +240,13 @@ def _all_to_all(rows: torch.Tensor, send: List[int], receive: List[int], group) 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _gather_experts(module: "GroupedExperts", state: Dict, prefix: str, _metadata) -> None:
+def _gather_experts(module: GroupedExperts, state: Dict, prefix: str, _metadata) -> None:
     """state_dict hook of placed experts: the whole [E, ...] stacks (collective: every rank saves)."""
     for name in EXPERT_PROJECTIONS:
         state[prefix + name] = module.whole_stack(state[prefix + name])
 
 
-def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -> None:
+def _slice_experts(module: GroupedExperts, state: Dict, prefix: str, *_args) -> None:
     """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts (as this rank's
     FSDP2 shard of them when the experts are sharded: every rank holds the whole stack, so no communication)."""
     for name in EXPERT_PROJECTIONS:
@@ -247,8 +256,9 @@ def _slice_experts(module: "GroupedExperts", state: Dict, prefix: str, *_args) -
             if is_dtensor(param):  # a DTensor: FSDP2 shards these experts over their peers
                 from torch.distributed.tensor import distribute_tensor
 
-                part = distribute_tensor(part.to(param.device, param.dtype), param.device_mesh, param.placements,
-                                         src_data_rank=None)
+                part = distribute_tensor(
+                    part.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
+                )
             state[prefix + name] = part
 
 
@@ -277,7 +287,7 @@ class GroupedExperts(nn.Module):
         local = self.num_experts // size
         for name in EXPERT_PROJECTIONS:
             full = getattr(self, name)
-            setattr(self, name, nn.Parameter(full[rank * local:(rank + 1) * local].clone()))
+            setattr(self, name, nn.Parameter(full[rank * local : (rank + 1) * local].clone()))
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
         # wrapped here, not at import: torch.compiler.disable imports dynamo, which a plain command does not need
         self._eager_exchange = torch.compiler.disable(self._exchange_and_run)
@@ -299,14 +309,16 @@ class GroupedExperts(nn.Module):
         this rank's experts, so ``init_weights`` draws the values of the whole stack, as one process does."""
         if self.ep_group is None:
             return {}
-        return {name: ((self.num_experts, *getattr(self, name).shape[1:]), self.own_part) for name in EXPERT_PROJECTIONS}
+        return {
+            name: ((self.num_experts, *getattr(self, name).shape[1:]), self.own_part) for name in EXPERT_PROJECTIONS
+        }
 
     def own_part(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole [E, ...] per-expert tensor; anything else as it is."""
         if whole.dim() == 0 or whole.size(0) != self.num_experts:
             return whole
         local = self.num_experts // self.ep_size
-        return whole[self.ep_rank * local:(self.ep_rank + 1) * local]
+        return whole[self.ep_rank * local : (self.ep_rank + 1) * local]
 
     def run_placed(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`run` with the experts spread over the ep ranks: ``counts`` [E] of all experts; rows go to their
@@ -406,9 +418,20 @@ class MoE(nn.Module):
     updates in a row.
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, num_experts: int = 8, top_k: int = 2,
-                 score_func: str = "softmax", renormalize: bool = False, shared_hidden: int = 0,
-                 bias_update_rate: float = 0.0, idle_warning_updates: int = 100, name: str = "moe"):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        bias: bool = False,
+        num_experts: int = 8,
+        top_k: int = 2,
+        score_func: str = "softmax",
+        renormalize: bool = False,
+        shared_hidden: int = 0,
+        bias_update_rate: float = 0.0,
+        idle_warning_updates: int = 100,
+        name: str = "moe",
+    ):
         super().__init__()
         if bias:
             raise ValueError("MoE experts have no biases")
@@ -445,8 +468,10 @@ class MoE(nn.Module):
 
     def _record(self, routing: Routing, counts: torch.Tensor) -> None:
         group = self.sequence_group
-        self.aux = {"balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group),
-                    "z": router_z_loss(routing.logits, group)}
+        self.aux = {
+            "balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group),
+            "z": router_z_loss(routing.logits, group),
+        }
         with torch.no_grad():
             self.tokens_per_expert += counts.float()  # this rank's: after_optimizer_step sums over every rank
             counts = _sum_over(counts.float(), group)
@@ -468,9 +493,11 @@ class MoE(nn.Module):
         self.idle_updates = torch.where(loads == 0, self.idle_updates + 1, torch.zeros_like(self.idle_updates))
         idle = (self.idle_updates == self.idle_warning_updates).nonzero().flatten().tolist()
         if idle:
-            logger.warning(f"{self.name}: expert(s) {', '.join(map(str, idle))} received no token for "
-                           f"{self.idle_warning_updates} updates in a row (router collapse? raise "
-                           "--moe-aux-loss-coef or use --moe-bias-update-rate)")
+            logger.warning(
+                f"{self.name}: expert(s) {', '.join(map(str, idle))} received no token for "
+                f"{self.idle_warning_updates} updates in a row (router collapse? raise "
+                "--moe-aux-loss-coef or use --moe-bias-update-rate)"
+            )
 
 
 FEED_FORWARDS["moe"] = MoE

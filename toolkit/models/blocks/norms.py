@@ -1,4 +1,5 @@
 """RMSNorm: x / sqrt(mean(x^2) + eps), times a learned scale per channel."""
+
 from __future__ import annotations
 
 import torch

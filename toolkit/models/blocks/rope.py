@@ -9,6 +9,7 @@ A context-extension scheme is one function in ``SCALINGS``: ``(inverse frequenci
 transformers' ``_compute_llama3_parameters`` / ``_compute_yarn_parameters`` do, so imported checkpoints
 keep their logits.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ import torch
 @dataclass(frozen=True)
 class RopeScaling:
     """A frequency rescaling (``rope_scaling`` in a Hugging Face config). ``kind`` names a ``SCALINGS`` entry."""
+
     factor: float
     kind: str = "llama3"
     low_freq_factor: float = 1.0
@@ -71,11 +73,14 @@ def yarn_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[t
 
 
 SCALINGS: Dict[str, Callable[[torch.Tensor, RopeScaling, float], Tuple[torch.Tensor, float]]] = {
-    "llama3": llama3_scaling, "yarn": yarn_scaling}
+    "llama3": llama3_scaling,
+    "yarn": yarn_scaling,
+}
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None,
-                     device=None) -> Tuple[torch.Tensor, float]:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: Optional[RopeScaling] = None, device=None
+) -> Tuple[torch.Tensor, float]:
     """(the head_dim/2 angular frequencies theta^(-2i/head_dim), rescaled by ``scaling``; the attention factor)."""
     D = head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
@@ -84,8 +89,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling]
     return SCALINGS[scaling.kind](inv_freq, scaling, theta)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: int, attention_factor: float = 1.0
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    inv_freq: torch.Tensor, positions: int, attention_factor: float = 1.0
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles."""
     angles = torch.arange(positions, dtype=torch.int64, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)

@@ -2,4 +2,5 @@
 decoder, ``archs.py`` the named sizes, ``parallel.py`` its tensor-parallel plan, ``hf.py`` its Hugging Face
 config and state dict. Importing the package registers the sizes; ``--arch llama``'s class registers with
 ``model.py``, imported at its first use (it needs torch, ``--help`` does not)."""
+
 from toolkit.models.llama import archs  # noqa: F401  (registration)

@@ -32,6 +32,7 @@ and the MLP and over the whole q / k projections. The Gemma 3 sizes (``gemma3_4b
 model) have heads of 256 and every 6th layer global (rotary bases global / local). ``llama_tiny`` /
 ``llama_tiny_gqa`` / ``qwen3_tiny`` / ``olmo2_tiny`` / ``gemma3_tiny`` are for tests.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -41,10 +42,20 @@ from toolkit.core import registry
 from toolkit.core.registry import register_model_architecture
 
 PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
-    "llama3_1b": 128256, "llama3_3b": 128256, "llama3_8b": 128256, "llama2_7b": 32000,
-    "tinyllama_1_1b": 32000, "qwen2_0_5b": 151936, "mistral_7b": 32000,
-    "qwen3_0_6b": 151936, "qwen3_1_7b": 151936, "qwen3_8b": 151936,
-    "olmo2_1b": 100352, "olmo2_7b": 100352, "gemma3_1b": 262144, "gemma3_4b": 262208,
+    "llama3_1b": 128256,
+    "llama3_3b": 128256,
+    "llama3_8b": 128256,
+    "llama2_7b": 32000,
+    "tinyllama_1_1b": 32000,
+    "qwen2_0_5b": 151936,
+    "mistral_7b": 32000,
+    "qwen3_0_6b": 151936,
+    "qwen3_1_7b": 151936,
+    "qwen3_8b": 151936,
+    "olmo2_1b": 100352,
+    "olmo2_7b": 100352,
+    "gemma3_1b": 262144,
+    "gemma3_4b": 262208,
 }
 registry.PUBLISHED_VOCAB_SIZE.update(PUBLISHED_VOCAB_SIZE)
 

@@ -28,6 +28,7 @@ families; the rest are the family's own (Hugging Face's config key in brackets):
                                 which global (``full_attention``), comma-separated, one per layer
                                 (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,8 +42,10 @@ from toolkit.config.flag_types import positive_int
 class LlamaConfig:
     # transformer_lm's options this family does not have, and why (toolkit.config.options says so in one line)
     ABSENT_OPTIONS: ClassVar[Dict[str, str]] = {
-        **{name: "the Llama family has no dropout" for name in ("dropout", "attention_dropout", "activation_dropout",
-                                                                "relu_dropout")},
+        **{
+            name: "the Llama family has no dropout"
+            for name in ("dropout", "attention_dropout", "activation_dropout", "relu_dropout")
+        },
         "decoder_normalize_before": "Llama blocks always normalize before attention and the MLP (RMSNorm)",
         "decoder_learned_pos": "Llama encodes positions with rotary embeddings",
         "activation_fn": "Llama's MLP is gated: --mlp-activation silu (SwiGLU) or gelu_tanh (GeGLU)",
@@ -50,80 +53,161 @@ class LlamaConfig:
 
     decoder_layers: int = field(default=2, metadata={"type": positive_int, "help": "num decoder layers"})
     decoder_embed_dim: int = field(default=64, metadata={"type": positive_int, "help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(default=128, metadata={
-        "type": positive_int, "help": "decoder embedding dimension for FFN"})
-    decoder_attention_heads: int = field(default=4, metadata={
-        "type": positive_int, "help": "num decoder attention heads"})
+    decoder_ffn_embed_dim: int = field(
+        default=128, metadata={"type": positive_int, "help": "decoder embedding dimension for FFN"}
+    )
+    decoder_attention_heads: int = field(
+        default=4, metadata={"type": positive_int, "help": "num decoder attention heads"}
+    )
     decoder_kv_heads: Optional[int] = field(
-        default=None, metadata={"type": positive_int, "help": "key/value heads of grouped-query attention (default: "
-                                        "--decoder-attention-heads; 1 is multi-query attention)"})
+        default=None,
+        metadata={
+            "type": positive_int,
+            "help": "key/value heads of grouped-query attention (default: "
+            "--decoder-attention-heads; 1 is multi-query attention)",
+        },
+    )
     rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
     rope_scaling_factor: Optional[float] = field(
-        default=None, metadata={"help": "RoPE frequency scaling (--rope-scaling): divide the low frequencies by "
-                                        "this factor, the context stretched by it (default: no scaling)"})
+        default=None,
+        metadata={
+            "help": "RoPE frequency scaling (--rope-scaling): divide the low frequencies by "
+            "this factor, the context stretched by it (default: no scaling)"
+        },
+    )
     rope_scaling: str = field(
-        default="llama3", metadata={"choices": ["llama3", "yarn"], "help": "how --rope-scaling-factor rescales the "
-                                    "frequencies: Llama 3.1's wavelength bands (llama3) or YaRN's ramp over the "
-                                    "frequency pairs with its attention factor (yarn)"})
+        default="llama3",
+        metadata={
+            "choices": ["llama3", "yarn"],
+            "help": "how --rope-scaling-factor rescales the "
+            "frequencies: Llama 3.1's wavelength bands (llama3) or YaRN's ramp over the "
+            "frequency pairs with its attention factor (yarn)",
+        },
+    )
     rope_yarn_beta_fast: float = field(
-        default=32.0, metadata={"help": "YaRN: frequency pairs turning more often than this over the original "
-                                        "context keep their frequency (beta_fast)"})
+        default=32.0,
+        metadata={
+            "help": "YaRN: frequency pairs turning more often than this over the original "
+            "context keep their frequency (beta_fast)"
+        },
+    )
     rope_yarn_beta_slow: float = field(
-        default=1.0, metadata={"help": "YaRN: frequency pairs turning less often than this over the original "
-                                       "context are divided by the factor (beta_slow)"})
+        default=1.0,
+        metadata={
+            "help": "YaRN: frequency pairs turning less often than this over the original "
+            "context are divided by the factor (beta_slow)"
+        },
+    )
     rope_attention_factor: Optional[float] = field(
-        default=None, metadata={"help": "YaRN: multiplier of the rotary cos/sin tables (attention_factor; "
-                                        "default: 0.1 ln(--rope-scaling-factor) + 1)"})
+        default=None,
+        metadata={
+            "help": "YaRN: multiplier of the rotary cos/sin tables (attention_factor; "
+            "default: 0.1 ln(--rope-scaling-factor) + 1)"
+        },
+    )
     rope_low_freq_factor: float = field(
-        default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"})
+        default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"}
+    )
     rope_high_freq_factor: float = field(
-        default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"})
+        default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"}
+    )
     rope_original_max_positions: int = field(
-        default=8192, metadata={"help": "RoPE scaling (llama3, yarn): the context length the model was trained "
-                                        "at (original_max_position_embeddings)"})
+        default=8192,
+        metadata={
+            "help": "RoPE scaling (llama3, yarn): the context length the model was trained "
+            "at (original_max_position_embeddings)"
+        },
+    )
     rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
     attention_qkv_bias: bool = field(
-        default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"})
+        default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"}
+    )
     decoder_head_dim: Optional[int] = field(
-        default=None, metadata={"type": positive_int, "help": "size of each attention head (default: "
-                                        "--decoder-embed-dim / --decoder-attention-heads)"})
+        default=None,
+        metadata={
+            "type": positive_int,
+            "help": "size of each attention head (default: --decoder-embed-dim / --decoder-attention-heads)",
+        },
+    )
     qk_norm: bool = field(
-        default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"})
+        default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"}
+    )
     qk_norm_over: str = field(
-        default="head", metadata={"choices": ["head", "projection"], "help": "--qk-norm over each head (Qwen3) "
-                                  "or over the whole q and k projections (OLMo 2)"})
+        default="head",
+        metadata={
+            "choices": ["head", "projection"],
+            "help": "--qk-norm over each head (Qwen3) or over the whole q and k projections (OLMo 2)",
+        },
+    )
     norm_after_sublayer: bool = field(
-        default=False, metadata={"help": "RMSNorm on the attention's and the MLP's outputs before the residual "
-                                         "add instead of on their inputs (OLMo 2)"})
+        default=False,
+        metadata={
+            "help": "RMSNorm on the attention's and the MLP's outputs before the residual "
+            "add instead of on their inputs (OLMo 2)"
+        },
+    )
     gemma_norms: bool = field(
-        default=False, metadata={"help": "Gemma 2/3: RMSNorm scales (1 + weight), norms before and after both the "
-                                         "attention and the MLP, embeddings times sqrt(--decoder-embed-dim)"})
+        default=False,
+        metadata={
+            "help": "Gemma 2/3: RMSNorm scales (1 + weight), norms before and after both the "
+            "attention and the MLP, embeddings times sqrt(--decoder-embed-dim)"
+        },
+    )
     mlp_activation: str = field(
-        default="silu", metadata={"choices": ["silu", "gelu_tanh"], "help": "the gated MLP's activation: SwiGLU "
-                                  "(silu) or GeGLU (gelu_tanh, Gemma)"})
+        default="silu",
+        metadata={
+            "choices": ["silu", "gelu_tanh"],
+            "help": "the gated MLP's activation: SwiGLU (silu) or GeGLU (gelu_tanh, Gemma)",
+        },
+    )
     query_pre_attn_scalar: Optional[float] = field(
-        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"})
+        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"}
+    )
     rope_local_theta: Optional[float] = field(
-        default=None, metadata={"help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
-                                        "default: --rope-theta)"})
+        default=None,
+        metadata={
+            "help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
+            "default: --rope-theta)"
+        },
+    )
     attn_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"})
+        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"}
+    )
     final_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"})
+        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"}
+    )
     sliding_window: Optional[int] = field(
-        default=None, metadata={"type": positive_int, "help": "attend to the last N positions only, the own "
-                                        "included, in every layer (Mistral; default: the whole context)"})
+        default=None,
+        metadata={
+            "type": positive_int,
+            "help": "attend to the last N positions only, the own "
+            "included, in every layer (Mistral; default: the whole context)",
+        },
+    )
     layer_types: Optional[str] = field(
-        default=None, metadata={"help": "per layer, comma-separated: sliding_attention (within --sliding-window) "
-                                        "or full_attention (default: every layer as --sliding-window says)"})
+        default=None,
+        metadata={
+            "help": "per layer, comma-separated: sliding_attention (within --sliding-window) "
+            "or full_attention (default: every layer as --sliding-window says)"
+        },
+    )
     share_decoder_input_output_embed: bool = field(
-        default=False, metadata={"help": "share decoder input and output embeddings"})
+        default=False, metadata={"help": "share decoder input and output embeddings"}
+    )
     max_target_positions: Optional[int] = field(
-        default=None, metadata={"type": positive_int, "help": "max number of tokens in the target sequence "
-                                        "(default: --tokens-per-sample)"})
+        default=None,
+        metadata={
+            "type": positive_int,
+            "help": "max number of tokens in the target sequence (default: --tokens-per-sample)",
+        },
+    )
     init_std: float = field(
-        default=0.02, metadata={"help": "standard deviation of the initial weights (output layers of each block "
-                                        "are scaled by 1/sqrt(2 x layers))"})
+        default=0.02,
+        metadata={
+            "help": "standard deviation of the initial weights (output layers of each block "
+            "are scaled by 1/sqrt(2 x layers))"
+        },
+    )
 
 
 def kv_heads(cfg: LlamaConfig) -> int:
@@ -151,11 +235,15 @@ def _check_layer_types(cfg: LlamaConfig) -> None:
     kinds = cfg.layer_types.split(",")
     wrong = sorted(set(kinds) - set(LAYER_TYPES))
     if wrong or len(kinds) != cfg.decoder_layers:
-        raise UserError(f"--layer-types {cfg.layer_types}: give one of {' or '.join(LAYER_TYPES)} per layer "
-                        f"({cfg.decoder_layers}, --decoder-layers), comma-separated")
+        raise UserError(
+            f"--layer-types {cfg.layer_types}: give one of {' or '.join(LAYER_TYPES)} per layer "
+            f"({cfg.decoder_layers}, --decoder-layers), comma-separated"
+        )
     if "sliding_attention" in kinds and cfg.sliding_window is None:
-        raise UserError(f"--layer-types {cfg.layer_types}: sliding_attention layers need --sliding-window N "
-                        "(how many positions a local layer sees)")
+        raise UserError(
+            f"--layer-types {cfg.layer_types}: sliding_attention layers need --sliding-window N "
+            "(how many positions a local layer sees)"
+        )
 
 
 def check_shapes(cfg: LlamaConfig) -> None:
@@ -163,28 +251,46 @@ def check_shapes(cfg: LlamaConfig) -> None:
     _check_layer_types(cfg)
     C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
     if cfg.decoder_head_dim is None and (H < 1 or C % H):
-        raise UserError(f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "
-                        "(or give the head size, --decoder-head-dim)")
+        raise UserError(
+            f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "
+            "(or give the head size, --decoder-head-dim)"
+        )
     if cfg.decoder_head_dim is not None and cfg.decoder_head_dim % 2:
         raise UserError(f"--decoder-head-dim {cfg.decoder_head_dim}: must be even for rotary embeddings")
     if head_dim(cfg) % 2:
-        raise UserError(f"--decoder-embed-dim {C} / --decoder-attention-heads {H}: the head size {C // H} must be "
-                        "even for rotary embeddings; change one of the two (or give --decoder-head-dim)")
+        raise UserError(
+            f"--decoder-embed-dim {C} / --decoder-attention-heads {H}: the head size {C // H} must be "
+            "even for rotary embeddings; change one of the two (or give --decoder-head-dim)"
+        )
     if G < 1 or H % G:
-        raise UserError(f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
-                        "(each key/value head serves a whole group of query heads)")
+        raise UserError(
+            f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
+            "(each key/value head serves a whole group of query heads)"
+        )
     _check_rope_scaling(cfg)
 
 
 def _check_rope_scaling(cfg: LlamaConfig) -> None:
     if cfg.rope_scaling_factor is not None and cfg.rope_scaling_factor <= 0:
-        raise UserError(f"--rope-scaling-factor {cfg.rope_scaling_factor}: must be positive (how many times the "
-                        "context is stretched)")
-    if cfg.rope_scaling == "yarn" and cfg.rope_scaling_factor is not None and \
-            cfg.rope_yarn_beta_fast <= cfg.rope_yarn_beta_slow:
-        raise UserError(f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must be above --rope-yarn-beta-slow "
-                        f"{cfg.rope_yarn_beta_slow} (the ramp runs from the fast-turning pairs to the slow ones)")
-    if cfg.rope_scaling == "llama3" and cfg.rope_scaling_factor is not None and \
-            cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
-        raise UserError(f"--rope-high-freq-factor {cfg.rope_high_freq_factor}: must be above "
-                        f"--rope-low-freq-factor {cfg.rope_low_freq_factor}")
+        raise UserError(
+            f"--rope-scaling-factor {cfg.rope_scaling_factor}: must be positive (how many times the "
+            "context is stretched)"
+        )
+    if (
+        cfg.rope_scaling == "yarn"
+        and cfg.rope_scaling_factor is not None
+        and cfg.rope_yarn_beta_fast <= cfg.rope_yarn_beta_slow
+    ):
+        raise UserError(
+            f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must be above --rope-yarn-beta-slow "
+            f"{cfg.rope_yarn_beta_slow} (the ramp runs from the fast-turning pairs to the slow ones)"
+        )
+    if (
+        cfg.rope_scaling == "llama3"
+        and cfg.rope_scaling_factor is not None
+        and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor
+    ):
+        raise UserError(
+            f"--rope-high-freq-factor {cfg.rope_high_freq_factor}: must be above "
+            f"--rope-low-freq-factor {cfg.rope_low_freq_factor}"
+        )

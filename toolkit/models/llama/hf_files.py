@@ -25,6 +25,7 @@ own ``checkpoint_last.pt`` instead of starting over from the imported weights.)
 Weights are read tensor by tensor from the safetensors files (sharded or not) and converted to
 fp32 as they come, so the import holds one copy of the model, never the original beside it.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,10 @@ def _pad_id(symbols: List[str], n_tokens: int, ids: Dict[str, Optional[int]], sp
             return named[-1]
     if ids["unk"] is not None:
         return ids["unk"]
-    raise UserError("--from hf: the tokenizer has no pad, unknown or reserved token and the embedding no unused row; "
-                    "the loss needs an id no text encodes to (add a pad token to the tokenizer)")
+    raise UserError(
+        "--from hf: the tokenizer has no pad, unknown or reserved token and the embedding no unused row; "
+        "the loss needs an id no text encodes to (add a pad token to the tokenizer)"
+    )
 
 
 def reference_tokenizer(folder: str) -> str:
@@ -76,8 +79,10 @@ def reference_tokenizer(folder: str) -> str:
     """
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
-        raise UserError(f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
-                        "(tokenizer.save_pretrained) so the token ids stay the model's own")
+        raise UserError(
+            f"--path {folder}: no tokenizer.json; save the tokenizer beside the model "
+            "(tokenizer.save_pretrained) so the token ids stay the model's own"
+        )
     try:
         import transformers
     except ImportError:
@@ -87,8 +92,10 @@ def reference_tokenizer(folder: str) -> str:
     with malformed_file(path, RESAVE, errors=(Exception,)):
         backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
     if backend is None:
-        raise UserError(f"--path {folder}: transformers builds no fast tokenizer from it; save one "
-                        "(tokenizer.json) so the token ids are the tokenizer's")
+        raise UserError(
+            f"--path {folder}: transformers builds no fast tokenizer from it; save one "
+            "(tokenizer.json) so the token ids are the tokenizer's"
+        )
     return backend.to_str()
 
 
@@ -103,21 +110,28 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any], tokenizer_json: st
     vocab = tok.get_vocab(with_added_tokens=True)
     n_tokens = len(vocab)
     if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
-        raise UserError(f"{path}: token ids are not 0..{n_tokens - 1} within the model's vocab_size "
-                        f"{config['vocab_size']}; cannot keep them as they are")
+        raise UserError(
+            f"{path}: token ids are not 0..{n_tokens - 1} within the model's vocab_size "
+            f"{config['vocab_size']}; cannot keep them as they are"
+        )
     symbols = sorted(vocab, key=vocab.get) + [UNUSED.format(i) for i in range(config["vocab_size"] - n_tokens)]
     tok_config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
     unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tokenizer_json)["model"].get("unk_token")
-    ids = {"bos": _first_id(config.get("bos_token_id")), "eos": _first_id(config.get("eos_token_id")),
-           "pad": _first_id(config.get("pad_token_id")), "unk": vocab.get(unk_name) if unk_name else None}
+    ids = {
+        "bos": _first_id(config.get("bos_token_id")),
+        "eos": _first_id(config.get("eos_token_id")),
+        "pad": _first_id(config.get("pad_token_id")),
+        "unk": vocab.get(unk_name) if unk_name else None,
+    }
     if ids["eos"] is None:
         raise UserError(f"{folder}/config.json: no eos_token_id; the toolkit's LM data ends documents with it")
     specials = [i for i, added in tok.get_added_tokens_decoder().items() if added.special]
     pad = _pad_id(symbols, n_tokens, ids, specials)
     bos = ids["bos"] if ids["bos"] is not None else ids["eos"]
     try:
-        return Dictionary.from_vocabulary(symbols, bos=bos, pad=pad, eos=ids["eos"],
-                                          unk=ids["unk"] if ids["unk"] is not None else pad)
+        return Dictionary.from_vocabulary(
+            symbols, bos=bos, pad=pad, eos=ids["eos"], unk=ids["unk"] if ids["unk"] is not None else pad
+        )
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None
 
@@ -141,8 +155,10 @@ def _safetensors_files(folder: str) -> List[str]:
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise UserError(f"--path {folder}: no model.safetensors or model.safetensors.index.json; save with "
-                    "safe_serialization (the default of save_pretrained)")
+    raise UserError(
+        f"--path {folder}: no model.safetensors or model.safetensors.index.json; save with "
+        "safe_serialization (the default of save_pretrained)"
+    )
 
 
 def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -175,8 +191,10 @@ def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: 
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     wrong = [k for k in want if k in state and tuple(state[k].shape) != want[k]]
     if missing or extra or wrong:
-        raise UserError(f"--path {folder}: weights do not match config.json (missing {missing[:3]}, unexpected "
-                        f"{extra[:3]}, other shapes {wrong[:3]})")
+        raise UserError(
+            f"--path {folder}: weights do not match config.json (missing {missing[:3]}, unexpected "
+            f"{extra[:3]}, other shapes {wrong[:3]})"
+        )
 
 
 def matching_arch(given: Dict[str, Any], family: str = "llama") -> str:
@@ -192,24 +210,31 @@ def matching_arch(given: Dict[str, Any], family: str = "llama") -> str:
     return family
 
 
-def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int],
-               advance, adapter=None) -> HFCheckpoint:
+def read_llama(
+    folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance, adapter=None
+) -> HFCheckpoint:
     """The Llama-family model in ``folder`` as our checkpoint (``out_dir``: where it will be written).
     ``adapter``: another family built on this one (``models/moe/hf.py``: its ``FAMILY``, ``options_from_hf``,
     ``read_state``); the tokenizer, dictionary and checkpoint are made the same way."""
     from toolkit.models.llama.hf import options_from_hf
     from toolkit import models
 
-    given = (adapter.options_from_hf if adapter is not None else options_from_hf)(config, os.path.join(folder,
-                                                                                                     "config.json"))
+    given = (adapter.options_from_hf if adapter is not None else options_from_hf)(
+        config, os.path.join(folder, "config.json")
+    )
     tokenizer_json = reference_tokenizer(folder)
     dictionary = tokenizer_dictionary(folder, config, tokenizer_json)
-    advance(f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
-            f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})")
+    advance(
+        f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
+        f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})"
+    )
     arch = matching_arch(given, getattr(adapter, "FAMILY", "llama"))
     model = models.build_on_meta(arch, len(dictionary), padding_idx=dictionary.pad(), **given)
-    state = (adapter.read_state(folder, given) if adapter is not None
-             else read_state(folder, given["share_decoder_input_output_embed"]))
+    state = (
+        adapter.read_state(folder, given)
+        if adapter is not None
+        else read_state(folder, given["share_decoder_input_output_embed"])
+    )
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
     add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
@@ -220,15 +245,25 @@ def read_llama(folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sam
     files = {**{name: os.path.join(folder, name) for name in copied}, HF_CONFIG: os.path.join(folder, "config.json")}
     # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
     bpe = ("hf_byte_bpe", {"bpe_model": "tokenizer.json"})
-    log = (f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
-           f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
-           f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-           f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
-           f"{os.path.join(out_dir, CHECKPOINT)}")
-    return HFCheckpoint(ckpt, dictionary, f"wrote {CHECKPOINT} and dict.txt",
-                        f"wrote tokenizer.json as AutoTokenizer builds it, copied {', '.join(copied)}, config.json as "
-                        f"{HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe", files, bpe, log,
-                        dictionary_hash=True, texts={"tokenizer.json": tokenizer_json})
+    log = (
+        f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
+        f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
+        f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
+        f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
+        f"{os.path.join(out_dir, CHECKPOINT)}",
+    )
+    return HFCheckpoint(
+        ckpt,
+        dictionary,
+        f"wrote {CHECKPOINT} and dict.txt",
+        f"wrote tokenizer.json as AutoTokenizer builds it, copied {', '.join(copied)}, config.json as "
+        f"{HF_CONFIG}, and the tokenizer as --bpe hf_byte_bpe",
+        files,
+        bpe,
+        log,
+        dictionary_hash=True,
+        texts={"tokenizer.json": tokenizer_json},
+    )
 
 
 def _adds_bos(tokenizer_json: str, dictionary) -> bool:
@@ -239,6 +274,7 @@ def _adds_bos(tokenizer_json: str, dictionary) -> bool:
 
 
 # ---- --format hf: the same class back -----------------------------------------------------------
+
 
 def _token_ids(dictionary, first_symbol: int, base: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The imported model's own token ids, else the dictionary's (BOS = what our LMs see first)."""
@@ -283,12 +319,17 @@ def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: st
     from toolkit.models.llama.hf import hf_config, state_to_hf
 
     if hf_class != "auto":
-        raise UserError(f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
-                        "its own class (Llama, Mistral, Qwen2 or Qwen3, Qwen3-MoE, OLMoE, Mixtral); nothing written")
+        raise UserError(
+            f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
+            "its own class (Llama, Mistral, Qwen2 or Qwen3, Qwen3-MoE, OLMoE, Mixtral); nothing written"
+        )
     files = own_tokenizer_files(data_dir, dictionary)
     base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
     architecture, config = (adapter.hf_config if adapter is not None else hf_config)(model.cfg, len(dictionary), base)
     config.update(_token_ids(dictionary, first_symbol, base))
-    state = (adapter.state_to_hf(model.state_dict(), config["model_type"]) if adapter is not None
-             else state_to_hf(model.state_dict()))
+    state = (
+        adapter.state_to_hf(model.state_dict(), config["model_type"])
+        if adapter is not None
+        else state_to_hf(model.state_dict())
+    )
     return HFWeights(architecture, config, state, files)

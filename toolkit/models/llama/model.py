@@ -32,6 +32,7 @@ Choices worth knowing
   that write into the residual stream (``o_proj``, ``down_proj``) at init_std / sqrt(2L),
   norms 1, biases 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,10 +67,18 @@ class LlamaBlock(nn.Module):
         super().__init__()
         C, eps, gemma = cfg.decoder_embed_dim, cfg.rms_norm_eps, cfg.gemma_norms
         self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, eps, unit_offset=gemma)
-        self.self_attn = Attention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
-                                   qkv_bias=cfg.attention_qkv_bias, qk_norm_eps=eps if cfg.qk_norm else None,
-                                   window=window, qk_norm_per_head=cfg.qk_norm_over == "head",
-                                   softcap=cfg.attn_logit_softcap, scale=attention_scale(cfg))
+        self.self_attn = Attention(
+            C,
+            cfg.decoder_attention_heads,
+            kv_heads(cfg),
+            head_dim(cfg),
+            qkv_bias=cfg.attention_qkv_bias,
+            qk_norm_eps=eps if cfg.qk_norm else None,
+            window=window,
+            qk_norm_per_head=cfg.qk_norm_over == "head",
+            softcap=cfg.attn_logit_softcap,
+            scale=attention_scale(cfg),
+        )
         if gemma:
             self.self_attn.q_norm.unit_offset = self.self_attn.k_norm.unit_offset = True
         self.post_attention_layernorm = RMSNorm(C, eps, unit_offset=gemma)
@@ -94,20 +103,27 @@ class LlamaBlock(nn.Module):
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        attn_mask: Any = None,
+    ) -> torch.Tensor:
         h = self.attention_input(x)
         # The cache is passed only when there is one (a document mask by keyword): styles hooked on
         # self_attn describe its positional inputs.
         if kv_cache is not None:
             return self.add_attention(x, self.self_attn(h, cos, sin, kv_cache))
-        return self.add_attention(x, self.self_attn(h, cos, sin) if attn_mask is None
-                                  else self.self_attn(h, cos, sin, attn_mask=attn_mask))
+        return self.add_attention(
+            x, self.self_attn(h, cos, sin) if attn_mask is None else self.self_attn(h, cos, sin, attn_mask=attn_mask)
+        )
 
 
 def attention_scale(cfg: LlamaConfig) -> Optional[float]:
     """1/sqrt(--query-pre-attn-scalar) (Gemma), else None: 1/sqrt(head size)."""
-    return None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    return None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
 
 
 @register_model("llama", dataclass=LlamaConfig)
@@ -132,22 +148,33 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
             self.embed_tokens = meta_embedding(vocab_size, cfg.decoder_embed_dim)
             self.layers = nn.ModuleList([LlamaBlock(cfg, window) for window in layer_windows(cfg)])
             self.norm = RMSNorm(cfg.decoder_embed_dim, cfg.rms_norm_eps, unit_offset=cfg.gemma_norms)
-            self.output_projection = (None if cfg.share_decoder_input_output_embed
-                                      else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False))
+            self.output_projection = (
+                None
+                if cfg.share_decoder_input_output_embed
+                else nn.Linear(cfg.decoder_embed_dim, vocab_size, bias=False)
+            )
             self.register_buffer("rope_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False)
             if cfg.rope_local_theta is not None:  # Gemma 3: the local layers rotate with their own base
-                self.register_buffer("rope_local_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)),
-                                     persistent=False)
-                self.register_buffer("rope_local_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)),
-                                     persistent=False)
+                self.register_buffer(
+                    "rope_local_cos", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False
+                )
+                self.register_buffer(
+                    "rope_local_sin", torch.empty(cfg.max_target_positions, head_dim(cfg)), persistent=False
+                )
         if device.type != "meta":
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                context_parallel: Any = None, loss_target: Optional[LossTarget] = None) -> Any:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        incremental_state: Optional[Dict] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        context_parallel: Any = None,
+        loss_target: Optional[LossTarget] = None,
+    ) -> Any:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
         ``loss_target`` (the criterion's): the summed NLL of those targets instead of the logits, the head and
@@ -170,8 +197,10 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         if context_parallel is not None:  # the shard masks each layer by the layer's own window (attend_across_ranks)
             masks = {window: context_parallel for window in set(windows)}
         else:
-            masks = {window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
-                     for window in set(windows)}
+            masks = {
+                window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
+                for window in set(windows)
+            }
         for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
             mask, (cos, sin) = masks[window], tables[window]
             if cache is not None:
@@ -186,7 +215,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         """The token embeddings, times sqrt(width) with --gemma-norms (in the weights' dtype, as Gemma)."""
         x = self.embed_tokens(tokens)
         if self.cfg.gemma_norms:
-            x = x * torch.tensor(self.cfg.decoder_embed_dim ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.cfg.decoder_embed_dim**0.5, dtype=x.dtype)
         return x
 
     def rope_rows(self, window: Optional[int], start: int, T: int, positions: Optional[torch.Tensor] = None):
@@ -195,7 +224,7 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         local = window is not None and self.cfg.rope_local_theta is not None
         cos, sin = (self.rope_local_cos, self.rope_local_sin) if local else (self.rope_cos, self.rope_sin)
         if positions is None:
-            return cos[start:start + T], sin[start:start + T]
+            return cos[start : start + T], sin[start : start + T]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # per row, broadcast over the heads
 
     def output(self, x: torch.Tensor, loss_target: Optional[LossTarget] = None) -> Any:
@@ -238,8 +267,17 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std = std / math.sqrt(2 * self.cfg.decoder_layers)
-        elif not name.endswith(("embed_tokens.weight", "output_projection.weight", "q_proj.weight",
-                                "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        elif not name.endswith(
+            (
+                "embed_tokens.weight",
+                "output_projection.weight",
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "gate_proj.weight",
+                "up_proj.weight",
+            )
+        ):
             raise KeyError(f"no initialization rule for parameter {name}")
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 

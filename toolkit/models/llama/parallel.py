@@ -24,6 +24,7 @@ so the state dict is the plain model's. The rotary tables are replicated buffers
 (x, cos, sin) and only x is cut over the sequence, as the column-parallel projections gather the
 sequence first. The family has no dropout, so no per-rank random streams are needed.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -33,10 +34,19 @@ import torch.nn as nn
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.llama.config import kv_heads
 
-BLOCK = {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
-         "mlp.gate_proj": "column", "mlp.up_proj": "column", "self_attn.o_proj": "row", "mlp.down_proj": "row",
-         "input_layernorm": "norm", "post_attention_layernorm": "norm", "post_feedforward_layernorm": "norm",
-         "pre_feedforward_layernorm": "norm"}
+BLOCK = {
+    "self_attn.q_proj": "column",
+    "self_attn.k_proj": "column",
+    "self_attn.v_proj": "column",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.down_proj": "row",
+    "input_layernorm": "norm",
+    "post_attention_layernorm": "norm",
+    "post_feedforward_layernorm": "norm",
+    "pre_feedforward_layernorm": "norm",
+}
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
@@ -44,18 +54,32 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
     unsupported = None  # refused by --model-parallel-size only: FSDP2 reads this plan's units too
     if cfg.qk_norm and cfg.qk_norm_over == "projection":
-        unsupported = ("--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
-                       "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)")
+        unsupported = (
+            "--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
+            "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)"
+        )
     top: Dict[str, str] = {"embed_tokens": "vocab_embedding", "norm": "norm"}
     if model.output_projection is not None:
         top["output_projection"] = "output"
     top["layers.0"] = "sequence_split"
-    unused_norm = {"input_layernorm"} if cfg.norm_after_sublayer else set() if cfg.gemma_norms else {
-        "post_feedforward_layernorm"}
+    unused_norm = (
+        {"input_layernorm"} if cfg.norm_after_sublayer else set() if cfg.gemma_norms else {"post_feedforward_layernorm"}
+    )
     if not cfg.gemma_norms:
         unused_norm.add("pre_feedforward_layernorm")
     return TensorParallelPlan(
-        top=top, block={path: kind for path, kind in BLOCK.items() if path not in unused_norm}, hidden="norm", positions=cfg.max_target_positions, block_inputs=3,
-        padding_idx=model.padding_idx, fsdp_units=("layers",), experts={}, unsupported=unsupported,
-        divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads),
-                   ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)))
+        top=top,
+        block={path: kind for path, kind in BLOCK.items() if path not in unused_norm},
+        hidden="norm",
+        positions=cfg.max_target_positions,
+        block_inputs=3,
+        padding_idx=model.padding_idx,
+        fsdp_units=("layers",),
+        experts={},
+        unsupported=unsupported,
+        divisible=(
+            ("--decoder-kv-heads", kv_heads(cfg)),
+            ("--decoder-attention-heads", cfg.decoder_attention_heads),
+            ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),
+        ),
+    )

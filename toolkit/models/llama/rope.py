@@ -3,6 +3,7 @@
 cached forward for ONNX (``cached.py``, which ``model.py`` names in ``onnx_cached_decoder``) use them
 without importing each other.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,10 +19,16 @@ def rope_scaling(cfg: LlamaConfig) -> Optional[RopeScaling]:
     """``--rope-scaling``'s frequency scaling (Llama 3.1's or YaRN) when ``--rope-scaling-factor`` is set, else None."""
     if cfg.rope_scaling_factor is None:
         return None
-    return RopeScaling(factor=cfg.rope_scaling_factor, kind=cfg.rope_scaling, low_freq_factor=cfg.rope_low_freq_factor,
-                       high_freq_factor=cfg.rope_high_freq_factor,
-                       original_max_positions=cfg.rope_original_max_positions, beta_fast=cfg.rope_yarn_beta_fast,
-                       beta_slow=cfg.rope_yarn_beta_slow, attention_factor=cfg.rope_attention_factor)
+    return RopeScaling(
+        factor=cfg.rope_scaling_factor,
+        kind=cfg.rope_scaling,
+        low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_positions=cfg.rope_original_max_positions,
+        beta_fast=cfg.rope_yarn_beta_fast,
+        beta_slow=cfg.rope_yarn_beta_slow,
+        attention_factor=cfg.rope_attention_factor,
+    )
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
@@ -29,7 +36,9 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     return rope.rope_frequencies(head_dim(cfg), cfg.rope_theta, rope_scaling(cfg), device)[0]
 
 
-def rope_tables(cfg: LlamaConfig, positions: int, device=None, local: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg: LlamaConfig, positions: int, device=None, local: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [positions, D] in fp32, each half of a head rotated by the same angles; ``local``: the
     sliding_attention layers' tables (--rope-local-theta, unscaled, Gemma 3)."""
     if local:

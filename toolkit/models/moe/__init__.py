@@ -3,4 +3,5 @@ options): ``config.py`` its options, ``model.py`` the decoder (Llama's blocks, a
 ``archs.py`` the named sizes, ``parallel.py`` its parallelism plan, ``hf.py`` its Hugging Face classes.
 Importing the package registers the sizes; ``--arch moe``'s class registers with ``model.py``, imported at
 its first use (it needs torch, ``--help`` does not)."""
+
 from toolkit.models.moe import archs  # noqa: F401  (registration)

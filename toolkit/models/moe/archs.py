@@ -17,6 +17,7 @@ they are and normalizes the whole query and key projections; Mixtral renormalize
 ``olmoe_tiny``, ``mixtral_tiny`` (4 experts, top 2) and ``moe_tiny_sigmoid`` (DeepSeek-V3's sigmoid router with
 the aux-loss-free bias and a shared expert) are for tests.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -29,8 +30,9 @@ PUBLISHED_VOCAB_SIZE: Dict[str, int] = {"qwen3_30b_a3b": 151936, "olmoe_1b_7b": 
 registry.PUBLISHED_VOCAB_SIZE.update(PUBLISHED_VOCAB_SIZE)
 
 
-def _shape(cfg: MoEConfig, layers: int, dim: int, heads: int, kv: int, experts: int, top_k: int, expert_ffn: int,
-           ffn: int) -> None:
+def _shape(
+    cfg: MoEConfig, layers: int, dim: int, heads: int, kv: int, experts: int, top_k: int, expert_ffn: int, ffn: int
+) -> None:
     cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim = layers, dim, ffn
     cfg.decoder_attention_heads, cfg.decoder_kv_heads = heads, kv
     cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_ffn_embed_dim = experts, top_k, expert_ffn

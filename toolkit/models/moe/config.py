@@ -17,6 +17,7 @@ block's feed-forward is a ``toolkit.models.blocks.moe.MoE`` instead of one SwiGL
 ``--moe-idle-warning-updates``    warn when an expert got no token for this many updates in a row
 ``--qk-norm-full-width``          QK-norm over the whole query/key projection, not per head (OLMoE)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,31 +35,56 @@ class MoEConfig(LlamaConfig):
     moe_num_experts: int = field(default=4, metadata={"type": positive_int, "help": "experts in each MoE layer"})
     moe_top_k: int = field(default=2, metadata={"type": positive_int, "help": "experts each token is sent to"})
     moe_ffn_embed_dim: int = field(default=64, metadata={"type": positive_int, "help": "hidden width of each expert"})
-    moe_score_func: str = field(default="softmax", metadata={
-        "choices": SCORE_FUNCTIONS, "help": "router scores: softmax over the experts, or a sigmoid per expert "
-                                            "(DeepSeek-V3)"})
-    moe_renormalize: bool = field(default=False, metadata={
-        "help": "divide the top-k router weights by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)"})
-    moe_shared_ffn_embed_dim: int = field(default=0, metadata={
-        "help": "hidden width of a shared expert every token goes through (0: none)"})
-    moe_bias_update_rate: float = field(default=0.0, metadata={
-        "help": "aux-loss-free balancing (DeepSeek-V3): per-update step of the routing bias towards the "
-                "under-loaded experts (0: no bias)"})
-    moe_aux_loss_coef: float = field(default=0.01, metadata={
-        "help": "weight of the load-balancing loss E * sum_i f_i P_i (Switch/GShard), logged as moe_aux_loss"})
-    moe_z_loss_coef: float = field(default=0.0, metadata={
-        "help": "weight of the router z-loss mean(logsumexp(router logits)^2), logged as moe_z_loss"})
-    moe_idle_warning_updates: int = field(default=100, metadata={
-        "type": positive_int, "help": "warn when an expert receives no token for this many updates in a row"})
-    qk_norm_full_width: bool = field(default=False, metadata={
-        "help": "with --qk-norm: one RMSNorm over the whole query (key) projection instead of each head (OLMoE)"})
+    moe_score_func: str = field(
+        default="softmax",
+        metadata={
+            "choices": SCORE_FUNCTIONS,
+            "help": "router scores: softmax over the experts, or a sigmoid per expert (DeepSeek-V3)",
+        },
+    )
+    moe_renormalize: bool = field(
+        default=False,
+        metadata={"help": "divide the top-k router weights by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)"},
+    )
+    moe_shared_ffn_embed_dim: int = field(
+        default=0, metadata={"help": "hidden width of a shared expert every token goes through (0: none)"}
+    )
+    moe_bias_update_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "aux-loss-free balancing (DeepSeek-V3): per-update step of the routing bias towards the "
+            "under-loaded experts (0: no bias)"
+        },
+    )
+    moe_aux_loss_coef: float = field(
+        default=0.01,
+        metadata={
+            "help": "weight of the load-balancing loss E * sum_i f_i P_i (Switch/GShard), logged as moe_aux_loss"
+        },
+    )
+    moe_z_loss_coef: float = field(
+        default=0.0,
+        metadata={"help": "weight of the router z-loss mean(logsumexp(router logits)^2), logged as moe_z_loss"},
+    )
+    moe_idle_warning_updates: int = field(
+        default=100,
+        metadata={"type": positive_int, "help": "warn when an expert receives no token for this many updates in a row"},
+    )
+    qk_norm_full_width: bool = field(
+        default=False,
+        metadata={
+            "help": "with --qk-norm: one RMSNorm over the whole query (key) projection instead of each head (OLMoE)"
+        },
+    )
 
 
 def check_moe_shapes(cfg: MoEConfig) -> None:
     """The Llama checks, then the experts' (one line each)."""
     check_shapes(cfg)
     if cfg.moe_top_k > cfg.moe_num_experts:
-        raise UserError(f"--moe-top-k {cfg.moe_top_k}: a token cannot go to more than the --moe-num-experts "
-                        f"{cfg.moe_num_experts} experts")
+        raise UserError(
+            f"--moe-top-k {cfg.moe_top_k}: a token cannot go to more than the --moe-num-experts "
+            f"{cfg.moe_num_experts} experts"
+        )
     if cfg.moe_shared_ffn_embed_dim < 0 or cfg.moe_bias_update_rate < 0:
         raise UserError("--moe-shared-ffn-embed-dim / --moe-bias-update-rate: must be 0 or more")

@@ -12,6 +12,7 @@ settings: Qwen3-MoE renormalizes the top-k weights when ``norm_topk_prob``, OLMo
 ``norm_topk_prob`` (default false), Mixtral always. What our model would compute differently (dense
 ``mlp_only_layers``, OLMoE's ``clip_qkv``) is refused in one line.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,21 +34,36 @@ def _experts(config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
     num = config.get("num_experts", config.get("num_local_experts"))
     k = config.get("num_experts_per_tok")
     width = config.get("moe_intermediate_size") if kind == "qwen3_moe" else config.get("intermediate_size")
-    wrong = [f"{name} {v!r}" for name, v in (("num_experts", num), ("num_experts_per_tok", k),
-                                             ("expert intermediate size", width)) if type(v) is not int or v < 1]
+    wrong = [
+        f"{name} {v!r}"
+        for name, v in (("num_experts", num), ("num_experts_per_tok", k), ("expert intermediate size", width))
+        if type(v) is not int or v < 1
+    ]
     if wrong:
-        raise UserError(f"{where}: {', '.join(wrong)}; these are counts (positive integers), give the config.json "
-                        "transformers saved with the model")
+        raise UserError(
+            f"{where}: {', '.join(wrong)}; these are counts (positive integers), give the config.json "
+            "transformers saved with the model"
+        )
     if kind == "qwen3_moe" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
-        raise UserError(f"{where}: mlp_only_layers/decoder_sparse_step make some layers dense; the toolkit's MoE "
-                        "family puts experts in every layer (mlp_only_layers [] and decoder_sparse_step 1)")
+        raise UserError(
+            f"{where}: mlp_only_layers/decoder_sparse_step make some layers dense; the toolkit's MoE "
+            "family puts experts in every layer (mlp_only_layers [] and decoder_sparse_step 1)"
+        )
     if kind == "olmoe" and config.get("clip_qkv") is not None:
-        raise UserError(f"{where}: clip_qkv {config['clip_qkv']}: the toolkit's OLMoE does not clip q/k/v; "
-                        "only models with clip_qkv null are read")
+        raise UserError(
+            f"{where}: clip_qkv {config['clip_qkv']}: the toolkit's OLMoE does not clip q/k/v; "
+            "only models with clip_qkv null are read"
+        )
     renormalize = True if kind == "mixtral" else bool(config.get("norm_topk_prob", False))
-    return dict(moe_num_experts=num, moe_top_k=k, moe_ffn_embed_dim=width, moe_renormalize=renormalize,
-                moe_score_func="softmax", moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.01)),
-                qk_norm_full_width=kind == "olmoe")
+    return dict(
+        moe_num_experts=num,
+        moe_top_k=k,
+        moe_ffn_embed_dim=width,
+        moe_renormalize=renormalize,
+        moe_score_func="softmax",
+        moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.01)),
+        qk_norm_full_width=kind == "olmoe",
+    )
 
 
 def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -67,8 +83,9 @@ def options_from_hf(config: Dict[str, Any], where: str) -> Dict[str, Any]:
     return given
 
 
-def state_from_hf(name: str, tensor: torch.Tensor, tied: bool, state: Dict[str, torch.Tensor],
-                  num_experts: int) -> None:
+def state_from_hf(
+    name: str, tensor: torch.Tensor, tied: bool, state: Dict[str, torch.Tensor], num_experts: int
+) -> None:
     """Put one Hugging Face tensor into ``state`` (fp32): an expert's matrix into its row of the stacked tensor,
     anything else as the Llama family names it."""
     match = EXPERT.match(name)
@@ -120,11 +137,20 @@ def hf_config(cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tu
             config.pop(key, None)
     config.update(model_type=kind, num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef)
     if kind == "qwen3_moe":
-        config.update(num_experts=cfg.moe_num_experts, moe_intermediate_size=cfg.moe_ffn_embed_dim,
-                      norm_topk_prob=cfg.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+        config.update(
+            num_experts=cfg.moe_num_experts,
+            moe_intermediate_size=cfg.moe_ffn_embed_dim,
+            norm_topk_prob=cfg.moe_renormalize,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     elif kind == "olmoe":
-        config.update(num_experts=cfg.moe_num_experts, intermediate_size=cfg.moe_ffn_embed_dim,
-                      norm_topk_prob=cfg.moe_renormalize, clip_qkv=None)
+        config.update(
+            num_experts=cfg.moe_num_experts,
+            intermediate_size=cfg.moe_ffn_embed_dim,
+            norm_topk_prob=cfg.moe_renormalize,
+            clip_qkv=None,
+        )
     else:
         config.update(num_local_experts=cfg.moe_num_experts, intermediate_size=cfg.moe_ffn_embed_dim)
     return CLASSES[kind], config
@@ -133,8 +159,10 @@ def hf_config(cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tu
 def _hf_kind(cfg, base_kind: Optional[str]) -> str:
     """The transformers class that computes ``cfg`` (the imported one when it does), or a one-line refusal."""
     if cfg.moe_score_func != "softmax" or cfg.moe_shared_ffn_embed_dim or cfg.moe_bias_update_rate:
-        raise UserError("--format hf: sigmoid routing, shared experts and the routing bias have no Qwen3-MoE, OLMoE "
-                        "or Mixtral counterpart; nothing written")
+        raise UserError(
+            "--format hf: sigmoid routing, shared experts and the routing bias have no Qwen3-MoE, OLMoE "
+            "or Mixtral counterpart; nothing written"
+        )
     if cfg.qk_norm and cfg.qk_norm_full_width:
         can = ["olmoe"]
     elif cfg.qk_norm:
@@ -144,6 +172,8 @@ def _hf_kind(cfg, base_kind: Optional[str]) -> str:
     if cfg.qk_norm and not cfg.qk_norm_full_width and cfg.attention_qkv_bias:
         can = []
     if not can:
-        raise UserError("--format hf: this combination of QK-norm, q/k/v biases and top-k renormalization is "
-                        "computed by none of Qwen3MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM; nothing written")
+        raise UserError(
+            "--format hf: this combination of QK-norm, q/k/v biases and top-k renormalization is "
+            "computed by none of Qwen3MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM; nothing written"
+        )
     return base_kind if base_kind in can else can[0]

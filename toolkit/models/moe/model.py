@@ -7,6 +7,7 @@ the load-balancing and router z-losses, each the mean over the layers with its `
 the busiest expert's load over the mean (``moe_max_load_<layer>``), plus the tokens dropped (``moe_dropped``,
 0: dispatch is dropless). In evaluation it returns the logits alone, as the Llama model.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,13 +57,27 @@ class MoEBlock(LlamaBlock):
         super().__init__(cfg)
         C = cfg.decoder_embed_dim
         if cfg.qk_norm and cfg.qk_norm_full_width:
-            self.self_attn = FullWidthQKNormAttention(C, cfg.decoder_attention_heads, kv_heads(cfg), head_dim(cfg),
-                                                      cfg.rms_norm_eps, qkv_bias=cfg.attention_qkv_bias,
-                                                      window=cfg.sliding_window)
-        self.mlp = MoE(C, cfg.moe_ffn_embed_dim, num_experts=cfg.moe_num_experts, top_k=cfg.moe_top_k,
-                       score_func=cfg.moe_score_func, renormalize=cfg.moe_renormalize,
-                       shared_hidden=cfg.moe_shared_ffn_embed_dim, bias_update_rate=cfg.moe_bias_update_rate,
-                       idle_warning_updates=cfg.moe_idle_warning_updates, name=f"layers.{index}.mlp")
+            self.self_attn = FullWidthQKNormAttention(
+                C,
+                cfg.decoder_attention_heads,
+                kv_heads(cfg),
+                head_dim(cfg),
+                cfg.rms_norm_eps,
+                qkv_bias=cfg.attention_qkv_bias,
+                window=cfg.sliding_window,
+            )
+        self.mlp = MoE(
+            C,
+            cfg.moe_ffn_embed_dim,
+            num_experts=cfg.moe_num_experts,
+            top_k=cfg.moe_top_k,
+            score_func=cfg.moe_score_func,
+            renormalize=cfg.moe_renormalize,
+            shared_hidden=cfg.moe_shared_ffn_embed_dim,
+            bias_update_rate=cfg.moe_bias_update_rate,
+            idle_warning_updates=cfg.moe_idle_warning_updates,
+            name=f"layers.{index}.mlp",
+        )
 
 
 @register_model("moe", dataclass=MoEConfig)
@@ -81,9 +96,14 @@ class MoELanguageModel(LlamaLanguageModel):
             self.to_empty(device=device)
             init_weights(self, torch.initial_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                loss_target: Optional[LossTarget] = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        incremental_state: Optional[Dict] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        loss_target: Optional[LossTarget] = None,
+    ):
         out = super().forward(tokens, incremental_state, document_ids, positions, loss_target=loss_target)
         if not self.training:
             return out
@@ -101,8 +121,10 @@ class MoELanguageModel(LlamaLanguageModel):
         summed_nll = summed_nll_of(out)
         logits, kept = (None, {SUMMED_NLL: summed_nll}) if summed_nll is not None else (out, {})
         L = len(layers)
-        aux = {"moe_aux_loss": (sum(m.aux["balance"] for m in layers) / L, self.cfg.moe_aux_loss_coef),
-               "moe_z_loss": (sum(m.aux["z"] for m in layers) / L, self.cfg.moe_z_loss_coef)}
+        aux = {
+            "moe_aux_loss": (sum(m.aux["balance"] for m in layers) / L, self.cfg.moe_aux_loss_coef),
+            "moe_z_loss": (sum(m.aux["z"] for m in layers) / L, self.cfg.moe_z_loss_coef),
+        }
         metrics = {f"moe_max_load_{i}": m.load["max_load"] for i, m in enumerate(layers)}
         metrics["moe_dropped"] = sum(m.load["dropped"] for m in layers)
         for m in layers:

@@ -8,6 +8,7 @@ it (torchtitan's layout without expert tensor parallelism): every tp rank holds 
 FSDP2 shards the ``mlp`` on meshes of its own (``shard_moe_replicated_over_tp``). FSDP2 shards each block as a
 unit, experts included, as for the dense families.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,8 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
     dense = llama_plan(model)  # its block leaves out the norms this configuration does not build
     return dataclasses.replace(
-        dense, block={path: kind for path, kind in dense.block.items() if not path.startswith("mlp.")},
+        dense,
+        block={path: kind for path, kind in dense.block.items() if not path.startswith("mlp.")},
         experts=dict(EXPERTS),
-        divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads)))
+        divisible=(("--decoder-kv-heads", kv_heads(cfg)), ("--decoder-attention-heads", cfg.decoder_attention_heads)),
+    )

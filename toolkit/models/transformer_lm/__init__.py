@@ -3,14 +3,22 @@
 Hugging Face's names (fairseq's are ``toolkit.compat.fairseq.weights``). Importing the package registers
 the sizes (``--arch transformer_lm``'s class registers with ``model.py``, imported at its first use: it needs
 torch, ``--help`` does not); the names fairseq users and plugins import stay here."""
+
 from typing import Any
 
 from toolkit.models.transformer_lm import archs  # noqa: F401  (registration)
 from toolkit.models.transformer_lm.archs import *  # noqa: F401,F403  (transformer_lm, base_lm_architecture, ...)
 from toolkit.models.transformer_lm.config import TransformerLMConfig  # noqa: F401
 
-_MODEL_NAMES = ("ACTIVATIONS", "CausalSelfAttention", "KVCache", "TransformerBlock", "TransformerLanguageModel",
-                "flops_per_token", "sinusoidal_table")
+_MODEL_NAMES = (
+    "ACTIVATIONS",
+    "CausalSelfAttention",
+    "KVCache",
+    "TransformerBlock",
+    "TransformerLanguageModel",
+    "flops_per_token",
+    "sinusoidal_table",
+)
 
 
 def __getattr__(name: str) -> Any:

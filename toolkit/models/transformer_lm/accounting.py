@@ -6,6 +6,7 @@ projection runs per input token. ``matmul_parameters_per_token`` counts each of 
 share of tokens that use it, estimated with Zipf's law over the frequency-sorted vocabulary
 (``toolkit.models.adaptive.band_token_shares``; WikiText-103 at cutoffs 20000,60000: 80% / 8% / 12%).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -36,8 +37,11 @@ def _adaptive_softmax_per_token(asm: AdaptiveSoftmax, shares: Sequence[float]) -
 def matmul_parameters_per_token(model: nn.Module) -> int:
     """The N of 6N training FLOPs per token (see the module docstring for the adaptive parts)."""
     lookups = {"embed_tokens.weight", "embed_positions.weight", "output_projection.weight"}
-    body = sum(p.numel() for name, p in model.named_parameters()
-               if name not in lookups and not name.startswith(("embed_tokens.", "adaptive_softmax.")))
+    body = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name not in lookups and not name.startswith(("embed_tokens.", "adaptive_softmax."))
+    )
     embed, asm = model.embed_tokens, model.adaptive_softmax
     n = float(body)
     if isinstance(embed, AdaptiveInput):

@@ -1,9 +1,11 @@
 """Named architectures of the ``transformer_lm`` family (``--arch``): fairseq's GPT-1/2/3, Baevski & Auli's
 adaptive-input models and the Megatron sizes. Each sets values on a fresh config; the user's flags override them."""
+
 from __future__ import annotations
 
 from toolkit.models.transformer_lm.config import TransformerLMConfig
 from toolkit.core.registry import register_model_architecture
+
 
 @register_model_architecture("transformer_lm", "transformer_lm")
 def transformer_lm(cfg: TransformerLMConfig) -> None:

@@ -20,6 +20,7 @@ The activation goes through the config (relu, exact gelu, tanh-approximated gelu
 ``gelu_pytorch_tanh``, ...). Anything else is refused with one line naming the option; before the
 folder appears, transformers loads it and its logits are compared with ours (fp32).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
@@ -29,8 +30,15 @@ import torch
 from toolkit.core.errors import UserError
 from toolkit.core.protocols import HFWeights
 
-HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_pytorch_tanh",
-                  "gelu_fast": "gelu_pytorch_tanh", "tanh": "tanh", "swish": "silu", "linear": "linear"}
+HF_ACTIVATIONS = {
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "tanh": "tanh",
+    "swish": "silu",
+    "linear": "linear",
+}
 CLASS_NAMES = {"xglm": "XGLMForCausalLM", "opt": "OPTForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
@@ -46,8 +54,10 @@ def why_not(model, name: str) -> Optional[str]:
     if name in ("xglm", "opt") and model.padding_idx != 1:
         return f"dictionary pad index {model.padding_idx} (its positions start at 2 = pad 1 + 1)"
     if name != "xglm" and model.embed_scale != 1.0 and model.output_projection is None:
-        return ("embedding scale without --no-scale-embedding, with --share-decoder-input-output-embed "
-                "(it has no scale, and folding one into a tied table would scale the output too)")
+        return (
+            "embedding scale without --no-scale-embedding, with --share-decoder-input-output-embed "
+            "(it has no scale, and folding one into a tied table would scale the output too)"
+        )
     if name in ("xglm", "gpt2") and not c.decoder_normalize_before:
         return "--no-decoder-normalize-before (it is pre-norm only)"
     if name in ("xglm", "gpt2") and model.layer_norm is None:
@@ -58,18 +68,21 @@ def why_not(model, name: str) -> Optional[str]:
 def choose_class(model, requested: str = "auto") -> str:
     """XGLM for sinusoidal positions, OPT (then GPT-2) for learned ones; a UserError naming the option."""
     if model.cfg.activation_fn not in HF_ACTIVATIONS:
-        raise UserError(f"--format hf: --activation-fn {model.cfg.activation_fn} has no transformers equivalent; "
-                        f"nothing written")
-    candidates = [requested] if requested != "auto" else (
-        ["opt", "gpt2"] if model.cfg.decoder_learned_pos else ["xglm"])
+        raise UserError(
+            f"--format hf: --activation-fn {model.cfg.activation_fn} has no transformers equivalent; nothing written"
+        )
+    candidates = (
+        [requested] if requested != "auto" else (["opt", "gpt2"] if model.cfg.decoder_learned_pos else ["xglm"])
+    )
     reasons = []
     for name in candidates:
         reason = why_not(model, name)
         if reason is None:
             return name
         reasons.append(f"{CLASS_NAMES[name]}: {reason}")
-    raise UserError(f"--format hf: no transformers class computes this model exactly ({'; '.join(reasons)}); "
-                    f"nothing written")
+    raise UserError(
+        f"--format hf: no transformers class computes this model exactly ({'; '.join(reasons)}); nothing written"
+    )
 
 
 def _split_qkv(state: Dict[str, torch.Tensor], prefix: str, out: Dict[str, torch.Tensor], dest: str) -> None:
@@ -110,10 +123,18 @@ def xglm(model, state) -> Tuple[str, dict, Dict[str, torch.Tensor]]:
     _copy(state, "layer_norm", out, "model.layer_norm")
     _lm_head(model, state, out)
     c = model.cfg
-    config = dict(model_type="xglm", d_model=c.decoder_embed_dim, ffn_dim=c.decoder_ffn_embed_dim,
-                  num_layers=c.decoder_layers, attention_heads=c.decoder_attention_heads,
-                  scale_embedding=model.embed_scale != 1.0, dropout=c.dropout, attention_dropout=c.attention_dropout,
-                  activation_dropout=c.activation_dropout, layerdrop=0.0)
+    config = dict(
+        model_type="xglm",
+        d_model=c.decoder_embed_dim,
+        ffn_dim=c.decoder_ffn_embed_dim,
+        num_layers=c.decoder_layers,
+        attention_heads=c.decoder_attention_heads,
+        scale_embedding=model.embed_scale != 1.0,
+        dropout=c.dropout,
+        attention_dropout=c.attention_dropout,
+        activation_dropout=c.activation_dropout,
+        layerdrop=0.0,
+    )
     return "XGLMForCausalLM", config, out
 
 
@@ -124,34 +145,58 @@ def opt(model, state) -> Tuple[str, dict, Dict[str, torch.Tensor]]:
         _copy(state, "layer_norm", out, "model.decoder.final_layer_norm")
     _lm_head(model, state, out)
     c = model.cfg
-    config = dict(model_type="opt", hidden_size=c.decoder_embed_dim, word_embed_proj_dim=c.decoder_embed_dim,
-                  ffn_dim=c.decoder_ffn_embed_dim, num_hidden_layers=c.decoder_layers,
-                  num_attention_heads=c.decoder_attention_heads, do_layer_norm_before=c.decoder_normalize_before,
-                  _remove_final_layer_norm=c.decoder_normalize_before and model.layer_norm is None,
-                  dropout=c.dropout, attention_dropout=c.attention_dropout, layerdrop=0.0, enable_bias=True)
+    config = dict(
+        model_type="opt",
+        hidden_size=c.decoder_embed_dim,
+        word_embed_proj_dim=c.decoder_embed_dim,
+        ffn_dim=c.decoder_ffn_embed_dim,
+        num_hidden_layers=c.decoder_layers,
+        num_attention_heads=c.decoder_attention_heads,
+        do_layer_norm_before=c.decoder_normalize_before,
+        _remove_final_layer_norm=c.decoder_normalize_before and model.layer_norm is None,
+        dropout=c.dropout,
+        attention_dropout=c.attention_dropout,
+        layerdrop=0.0,
+        enable_bias=True,
+    )
     return "OPTForCausalLM", config, out
 
 
 def gpt2(model, state) -> Tuple[str, dict, Dict[str, torch.Tensor]]:
     first = model.padding_idx + 1
     n = model.max_positions()
-    out = {"transformer.wte.weight": _embedding(model, state),
-           "transformer.wpe.weight": state["embed_positions.weight"][first:first + n]}
+    out = {
+        "transformer.wte.weight": _embedding(model, state),
+        "transformer.wpe.weight": state["embed_positions.weight"][first : first + n],
+    }
     for i in range(len(model.layers)):
         src, dst = f"layers.{i}", f"transformer.h.{i}"
         _copy(state, f"{src}.self_attn_layer_norm", out, f"{dst}.ln_1")
         _copy(state, f"{src}.final_layer_norm", out, f"{dst}.ln_2")
-        for ours, theirs in (("self_attn.qkv_proj", "attn.c_attn"), ("self_attn.out_proj", "attn.c_proj"),
-                             ("fc1", "mlp.c_fc"), ("fc2", "mlp.c_proj")):  # Conv1D: weight is [in, out]
+        for ours, theirs in (
+            ("self_attn.qkv_proj", "attn.c_attn"),
+            ("self_attn.out_proj", "attn.c_proj"),
+            ("fc1", "mlp.c_fc"),
+            ("fc2", "mlp.c_proj"),
+        ):  # Conv1D: weight is [in, out]
             out[f"{dst}.{theirs}.weight"] = state[f"{src}.{ours}.weight"].t()
             out[f"{dst}.{theirs}.bias"] = state[f"{src}.{ours}.bias"]
     _copy(state, "layer_norm", out, "transformer.ln_f")
     _lm_head(model, state, out)
     c = model.cfg
-    config = dict(model_type="gpt2", n_embd=c.decoder_embed_dim, n_inner=c.decoder_ffn_embed_dim,
-                  n_layer=c.decoder_layers, n_head=c.decoder_attention_heads, n_positions=n,
-                  resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.attention_dropout,
-                  layer_norm_epsilon=1e-5, scale_attn_weights=True)
+    config = dict(
+        model_type="gpt2",
+        n_embd=c.decoder_embed_dim,
+        n_inner=c.decoder_ffn_embed_dim,
+        n_layer=c.decoder_layers,
+        n_head=c.decoder_attention_heads,
+        n_positions=n,
+        resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout,
+        attn_pdrop=c.attention_dropout,
+        layer_norm_epsilon=1e-5,
+        scale_attn_weights=True,
+    )
     return "GPT2LMHeadModel", config, out
 
 
@@ -163,9 +208,16 @@ def hf_weights(model, hf_class: str, dictionary, first_symbol: int) -> HFWeights
     ``bos_token_id`` is what our LMs see before a text; the tokenizer is written from the data-bin's."""
     name = choose_class(model, hf_class)
     architecture, config, state = CONVERTERS[name](model, model.state_dict())
-    config = {**config, "vocab_size": len(dictionary), "max_position_embeddings": model.max_positions(),
-              "activation_function": HF_ACTIVATIONS[model.cfg.activation_fn],
-              "tie_word_embeddings": model.output_projection is None, "pad_token_id": dictionary.pad(),
-              "bos_token_id": first_symbol, "eos_token_id": dictionary.eos(), "decoder_start_token_id": first_symbol,
-              "use_cache": True}
+    config = {
+        **config,
+        "vocab_size": len(dictionary),
+        "max_position_embeddings": model.max_positions(),
+        "activation_function": HF_ACTIVATIONS[model.cfg.activation_fn],
+        "tie_word_embeddings": model.output_projection is None,
+        "pad_token_id": dictionary.pad(),
+        "bos_token_id": first_symbol,
+        "eos_token_id": dictionary.eos(),
+        "decoder_start_token_id": first_symbol,
+        "use_cache": True,
+    }
     return HFWeights(architecture, config, state)

@@ -41,6 +41,7 @@ Choices worth knowing
   the new tokens; each layer keeps the keys and values of the positions already seen
   in a ``KVCache``, so a new token costs one position, not the whole prefix.
 """
+
 from __future__ import annotations
 
 import math
@@ -158,8 +159,7 @@ class TransformerBlock(nn.Module):
 def sinusoidal_table(num_positions: int, dim: int, first_position: int, device=None) -> torch.Tensor:
     """fairseq's sinusoidal embeddings ([sin | cos] halves) for positions first_position, first_position+1, ..."""
     half = dim // 2
-    freq = torch.exp(torch.arange(half, dtype=torch.float32, device=device)
-                     * -(math.log(10000.0) / max(half - 1, 1)))
+    freq = torch.exp(torch.arange(half, dtype=torch.float32, device=device) * -(math.log(10000.0) / max(half - 1, 1)))
     pos = torch.arange(first_position, first_position + num_positions, dtype=torch.float32, device=device)
     angles = pos[:, None] * freq[None, :]
     table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
@@ -214,8 +214,9 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(num_layers)])
             use_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
             self.layer_norm = nn.LayerNorm(C) if use_final_norm else None
-            self.project_out_dim = (nn.Linear(C, C_out, bias=False)
-                                    if C_out != C and not cfg.tie_adaptive_weights else None)
+            self.project_out_dim = (
+                nn.Linear(C, C_out, bias=False) if C_out != C and not cfg.tie_adaptive_weights else None
+            )
             self.adaptive_softmax: Optional[AdaptiveSoftmax] = None
             self.output_projection: Optional[nn.Linear] = None
             self._build_output_layer(cfg, vocab_size, C_out)
@@ -229,13 +230,22 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         if cfg.adaptive_softmax_cutoff is not None:
             cutoff = adaptive.parse_cutoff(cfg.adaptive_softmax_cutoff, vocab_size, "--adaptive-softmax-cutoff")
             tied = self.embed_tokens if cfg.tie_adaptive_weights else None
-            self.adaptive_softmax = AdaptiveSoftmax(vocab_size, dim, cutoff, cfg.adaptive_softmax_dropout,
-                                                    cfg.adaptive_softmax_factor, tied, cfg.tie_adaptive_proj)
+            self.adaptive_softmax = AdaptiveSoftmax(
+                vocab_size,
+                dim,
+                cutoff,
+                cfg.adaptive_softmax_dropout,
+                cfg.adaptive_softmax_factor,
+                tied,
+                cfg.tie_adaptive_proj,
+            )
         elif cfg.share_decoder_input_output_embed:
             # Tied: the output projection is embed_tokens.weight itself (one parameter, see forward).
             if cfg.adaptive_input or dim != self.embed_tokens.embedding_dim:
-                raise UserError("--share-decoder-input-output-embed: needs a plain embedding of "
-                                "--decoder-output-dim's size (use --tie-adaptive-weights with adaptive input)")
+                raise UserError(
+                    "--share-decoder-input-output-embed: needs a plain embedding of "
+                    "--decoder-output-dim's size (use --tie-adaptive-weights with adaptive input)"
+                )
         else:
             self.output_projection = nn.Linear(dim, vocab_size, bias=False)
 
@@ -246,9 +256,14 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         cutoff = adaptive.parse_cutoff(cfg.adaptive_input_cutoff, vocab_size, "--adaptive-input-cutoff")
         return AdaptiveInput(vocab_size, padding_idx, dim, cfg.adaptive_input_factor, cfg.decoder_embed_dim, cutoff)
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[Dict] = None,
-                document_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                loss_target: Optional[LossTarget] = None) -> Any:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        incremental_state: Optional[Dict] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        loss_target: Optional[LossTarget] = None,
+    ) -> Any:
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
         ``loss_target`` (the criterion's): the summed NLL of those targets instead of the logits, the head and
@@ -280,8 +295,11 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
         caches = self._layer_caches(incremental_state)
-        mask = make_attention_mask(document_ids, self.attention_dropout if self.training else 0.0,
-                                   head_dim=self.cfg.decoder_embed_dim // self.cfg.decoder_attention_heads)
+        mask = make_attention_mask(
+            document_ids,
+            self.attention_dropout if self.training else 0.0,
+            head_dim=self.cfg.decoder_embed_dim // self.cfg.decoder_attention_heads,
+        )
         for layer, keep, cache in zip(self.layers, self.layer_drop.keep(len(self.layers)), caches):
             if keep:  # LayerDrop: in training a whole layer may be skipped
                 if cache is not None:
@@ -348,8 +366,9 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             return w
         if name.endswith("qkv_proj.weight"):  # three stacked [C, C] blocks
             bound = math.sqrt(6.0 / (C + C)) / math.sqrt(2.0)
-        elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight", "project_in_dim.weight",
-                            "project_out_dim.weight")):
+        elif name.endswith(
+            ("out_proj.weight", "fc1.weight", "fc2.weight", "project_in_dim.weight", "project_out_dim.weight")
+        ):
             bound = math.sqrt(6.0 / (shape[0] + shape[1]))
         else:
             raise KeyError(f"no initialization rule for parameter {name}")
@@ -361,8 +380,9 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         """What each parameter is to the optimizer (``toolkit.core.protocols.ParameterRoles``): the token and
         position tables (adaptive input's bands too) are embeddings, the output head (or adaptive softmax) the
         output; the blocks' and the dimension projections' weights are Muon's matrices."""
-        return roles_by_prefix(self, embeddings=("embed_tokens.", "embed_positions."),
-                               outputs=("output_projection.", "adaptive_softmax."))
+        return roles_by_prefix(
+            self, embeddings=("embed_tokens.", "embed_positions."), outputs=("output_projection.", "adaptive_softmax.")
+        )
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
@@ -418,8 +438,9 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         return flops_per_token(self.cfg, seq_len, self.num_matmul_parameters(), len(self.layers))
 
 
-def flops_per_token(cfg: TransformerLMConfig, seq_len: int, num_matmul_params: int,
-                    num_layers: Optional[int] = None) -> int:
+def flops_per_token(
+    cfg: TransformerLMConfig, seq_len: int, num_matmul_params: int, num_layers: Optional[int] = None
+) -> int:
     """Training FLOPs per token, PaLM appendix B: 6N + 12·L·C·T.
 
     N counts weights in matmuls (output projection included, embedding lookups not; see

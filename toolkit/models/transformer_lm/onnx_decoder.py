@@ -4,6 +4,7 @@ writes as ``decoder_with_past.onnx`` (``TransformerLanguageModel.onnx_cached_dec
 Written here, from the family's own modules, so the graph does not depend on an incremental path inside
 the model, and the exporter holds no block layout of any family.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple

@@ -23,6 +23,7 @@ Dropout inside a block acts on this rank's heads (attention) and hidden units (b
 fc2): those regions draw per-rank masks. The adaptive input and softmax and
 ``--layernorm-embedding`` have no split yet and are refused before anything is sharded.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -31,35 +32,60 @@ import torch.nn as nn
 
 from toolkit.core.protocols import TensorParallelPlan
 
-BLOCK = {"self_attn_layer_norm": "norm", "self_attn": "sequence_input", "self_attn.qkv_proj": "fused_qkv",
-         "self_attn.out_proj": "row", "final_layer_norm": "norm", "fc1": "column", "fc2": "row"}
+BLOCK = {
+    "self_attn_layer_norm": "norm",
+    "self_attn": "sequence_input",
+    "self_attn.qkv_proj": "fused_qkv",
+    "self_attn.out_proj": "row",
+    "final_layer_norm": "norm",
+    "fc1": "column",
+    "fc2": "row",
+}
 
 
 def _unsupported(model: nn.Module) -> Optional[str]:
     """Layers with no tensor-parallel split yet (the TP code prefixes ``--model-parallel-size M: ``)."""
     if model.adaptive_softmax is not None:
-        return ("the adaptive softmax (--adaptive-softmax-cutoff, e.g. --arch transformer_lm_wiki103) has no "
-                "tensor-parallel split; use a plain output projection or --model-parallel-size 1")
+        return (
+            "the adaptive softmax (--adaptive-softmax-cutoff, e.g. --arch transformer_lm_wiki103) has no "
+            "tensor-parallel split; use a plain output projection or --model-parallel-size 1"
+        )
     if model.layernorm_embedding is not None:  # replicated, its gradients came out wrong
         return "--layernorm-embedding has no tensor-parallel split yet; leave it out or use --model-parallel-size 1"
     if not isinstance(model.embed_tokens, nn.Embedding):
-        return ("the adaptive input (--adaptive-input) has no tensor-parallel split; leave out --adaptive-input or "
-                "use --model-parallel-size 1")
+        return (
+            "the adaptive input (--adaptive-input) has no tensor-parallel split; leave out --adaptive-input or "
+            "use --model-parallel-size 1"
+        )
     return None
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     """The plan of this model's modules; those it lacks (tied output, no learned positions) are left out."""
     top: Dict[str, str] = {"embed_tokens": "vocab_embedding"}
-    optional = {"output_projection": "output", "embed_positions": "replicated", "project_in_dim": "replicated",
-                "project_out_dim": "replicated_weights", "layer_norm": "norm"}
+    optional = {
+        "output_projection": "output",
+        "embed_positions": "replicated",
+        "project_in_dim": "replicated",
+        "project_out_dim": "replicated_weights",
+        "layer_norm": "norm",
+    }
     top.update({name: kind for name, kind in optional.items() if getattr(model, name) is not None})
     top["layers.0"] = "sequence_split"  # the replicated embedding output is cut into sequence chunks there
     cfg = model.cfg
     last = "layer_norm" if model.layer_norm is not None else f"layers.{len(model.layers) - 1}"
     return TensorParallelPlan(
-        top=top, block=dict(BLOCK), hidden=last, positions=cfg.max_target_positions, padding_idx=model.padding_idx,
-        divisible=(("--decoder-attention-heads", cfg.decoder_attention_heads),
-                   ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim)),
-        sharded_dropout=(("self_attn", "self_attn"), ("fc1", "fc2")), unsupported=_unsupported(model),
-        fsdp_units=("layers",), experts={})
+        top=top,
+        block=dict(BLOCK),
+        hidden=last,
+        positions=cfg.max_target_positions,
+        padding_idx=model.padding_idx,
+        divisible=(
+            ("--decoder-attention-heads", cfg.decoder_attention_heads),
+            ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),
+        ),
+        sharded_dropout=(("self_attn", "self_attn"), ("fc1", "fc2")),
+        unsupported=_unsupported(model),
+        fsdp_units=("layers",),
+        experts={},
+    )

@@ -8,6 +8,7 @@ The trainer calls, as fairseq's does::
 
 Each scheduler sets ``param_group["lr"]`` of every group of the optimizer.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional

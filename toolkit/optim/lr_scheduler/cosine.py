@@ -1,8 +1,8 @@
 """``--lr-scheduler cosine``: linear warmup, then cosine cycles (SGDR, https://arxiv.org/abs/1608.03983)."""
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -22,8 +22,9 @@ class CosineLRSchedule(LRScheduler):
         super().__init__(cfg, optimizer)
         self.max_lr = cfg.lr
         if not self.max_lr > cfg.min_lr:
-            raise UserError(f"--min-lr: must be below --lr for the cosine schedule "
-                            f"(--lr {cfg.lr}, --min-lr {cfg.min_lr})")
+            raise UserError(
+                f"--min-lr: must be below --lr for the cosine schedule (--lr {cfg.lr}, --min-lr {cfg.min_lr})"
+            )
         if cfg.warmup_updates < 0:
             raise UserError(f"--warmup-updates: must be >= 0, got {cfg.warmup_updates}")
         if cfg.t_mult <= 0:
@@ -36,13 +37,17 @@ class CosineLRSchedule(LRScheduler):
         self.period = cfg.lr_period_updates
         if self.period <= 0:
             if not cfg.max_update or cfg.max_update <= 0:
-                raise UserError("--lr-period-updates: the cosine schedule needs a period; "
-                                "set --max-update N or --lr-period-updates N")
+                raise UserError(
+                    "--lr-period-updates: the cosine schedule needs a period; "
+                    "set --max-update N or --lr-period-updates N"
+                )
             self.period = cfg.max_update - cfg.warmup_updates
             if self.period <= 0:
-                raise UserError(f"--warmup-updates: must be below --max-update for the cosine schedule "
-                                f"(--warmup-updates {cfg.warmup_updates}, --max-update {cfg.max_update}), "
-                                "or set --lr-period-updates")
+                raise UserError(
+                    f"--warmup-updates: must be below --max-update for the cosine schedule "
+                    f"(--warmup-updates {cfg.warmup_updates}, --max-update {cfg.max_update}), "
+                    "or set --lr-period-updates"
+                )
         if self.warmup_updates > 0:
             self.lr_step = (self.max_lr - self.warmup_init_lr) / self.warmup_updates
         else:
@@ -57,13 +62,13 @@ class CosineLRSchedule(LRScheduler):
             curr_updates = num_updates - self.warmup_updates
             if self.t_mult != 1:
                 i = math.floor(math.log(1 - curr_updates / self.period * (1 - self.t_mult), self.t_mult))
-                t_i = self.t_mult ** i * self.period
-                t_curr = curr_updates - (1 - self.t_mult ** i) / (1 - self.t_mult) * self.period
+                t_i = self.t_mult**i * self.period
+                t_curr = curr_updates - (1 - self.t_mult**i) / (1 - self.t_mult) * self.period
             else:
                 i = math.floor(curr_updates / self.period)
                 t_i = self.period
                 t_curr = curr_updates - self.period * i
-            shrink = self.lr_shrink ** i
+            shrink = self.lr_shrink**i
             min_lr = self.min_lr * shrink
             max_lr = self.max_lr * shrink
             self.lr = min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * t_curr / t_i))

@@ -1,7 +1,7 @@
 """``--lr-scheduler fixed``: a constant learning rate, optional linear warmup and annealing by epoch."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict
 
 import torch

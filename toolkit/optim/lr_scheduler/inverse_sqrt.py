@@ -1,7 +1,7 @@
 """``--lr-scheduler inverse_sqrt``: linear warmup, then decay with the inverse square root of the update."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -20,13 +20,15 @@ class InverseSquareRootSchedule(LRScheduler):
         super().__init__(cfg, optimizer)
         if cfg.warmup_updates <= 0:
             # fairseq would divide by zero (or decay from lr 0): the decay is anchored at the warmup's end.
-            raise UserError(f"--warmup-updates: inverse_sqrt needs at least 1 warmup update "
-                            f"(its decay is lr * sqrt(warmup_updates / num_updates)), got {cfg.warmup_updates}")
+            raise UserError(
+                f"--warmup-updates: inverse_sqrt needs at least 1 warmup update "
+                f"(its decay is lr * sqrt(warmup_updates / num_updates)), got {cfg.warmup_updates}"
+            )
         warmup_end_lr = cfg.lr
         self.warmup_updates = cfg.warmup_updates
         self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else 0.0
         self.lr_step = (warmup_end_lr - self.warmup_init_lr) / self.warmup_updates
-        self.decay_factor = warmup_end_lr * self.warmup_updates ** 0.5
+        self.decay_factor = warmup_end_lr * self.warmup_updates**0.5
         self.lr = self.warmup_init_lr
         self.set_lr(self.lr)
 
@@ -34,6 +36,6 @@ class InverseSquareRootSchedule(LRScheduler):
         if num_updates < self.warmup_updates:
             self.lr = self.warmup_init_lr + num_updates * self.lr_step
         else:
-            self.lr = self.decay_factor * num_updates ** -0.5
+            self.lr = self.decay_factor * num_updates**-0.5
         self.set_lr(self.lr)
         return self.lr

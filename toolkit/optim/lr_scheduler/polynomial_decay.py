@@ -1,7 +1,7 @@
 """``--lr-scheduler polynomial_decay``: linear warmup, then polynomial decay to ``--end-learning-rate``."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +18,14 @@ class PolynomialDecayLRSchedule(LRScheduler):
 
     def __init__(self, cfg: PolynomialDecayLRScheduleConfig, optimizer: torch.optim.Optimizer):
         super().__init__(cfg, optimizer)
-        total = cfg.total_num_update if cfg.total_num_update is not None and cfg.total_num_update > 0 \
-            else cfg.max_update
+        total = (
+            cfg.total_num_update if cfg.total_num_update is not None and cfg.total_num_update > 0 else cfg.max_update
+        )
         if not total or total <= 0:
-            raise UserError("--total-num-update: polynomial_decay needs the number of updates to decay over; "
-                            "set --total-num-update N (or --max-update N)")
+            raise UserError(
+                "--total-num-update: polynomial_decay needs the number of updates to decay over; "
+                "set --total-num-update N (or --max-update N)"
+            )
         if cfg.warmup_updates < 0:
             raise UserError(f"--warmup-updates: must be >= 0, got {cfg.warmup_updates}")
         self.warmup_updates = cfg.warmup_updates or 0
@@ -54,6 +57,6 @@ class PolynomialDecayLRSchedule(LRScheduler):
         else:
             lr_range = self.lr - self.end_learning_rate
             pct_remaining = 1 - (num_updates - warmup) / (self.total_num_update - warmup)
-            lr = lr_range * pct_remaining ** self.power + self.end_learning_rate
+            lr = lr_range * pct_remaining**self.power + self.end_learning_rate
         self.set_lr(lr)
         return self.get_lr()

@@ -10,9 +10,9 @@ As fairseq's (which drives ``torch.optim.lr_scheduler.ReduceLROnPlateau``):
   improvement the lr is multiplied by ``--lr-shrink`` and the count restarts. During the warmup
   epoch ends are only counted.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
@@ -32,8 +32,12 @@ class ReduceLROnPlateauLRSchedule(LRScheduler):
         if cfg.warmup_updates < 0 or cfg.lr_patience < 0:
             raise UserError("--warmup-updates and --lr-patience: must be >= 0")
         self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            optimizer, mode="max" if cfg.maximize_best_checkpoint_metric else "min", factor=cfg.lr_shrink,
-            patience=cfg.lr_patience, threshold=cfg.lr_threshold)
+            optimizer,
+            mode="max" if cfg.maximize_best_checkpoint_metric else "min",
+            factor=cfg.lr_shrink,
+            patience=cfg.lr_patience,
+            threshold=cfg.lr_threshold,
+        )
         self.warmup_updates = cfg.warmup_updates
         self.warmup_init_lr = cfg.warmup_init_lr
         if self.warmup_init_lr < 0:

@@ -1,9 +1,9 @@
 """``--lr-scheduler tri_stage``: fairseq's three stages (https://arxiv.org/abs/1904.08779, SpecAugment):
 linear warmup from ``--init-lr-scale`` x lr to lr, hold at lr, exponential decay to ``--final-lr-scale`` x lr."""
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Tuple
 
 import torch
@@ -24,8 +24,10 @@ def _stage_lengths(cfg: TriStageLRScheduleConfig) -> Tuple[int, int, int]:
         return steps
     ratios = as_tuple(cfg.phase_ratio)
     if len(ratios) != 3 or min(ratios) < 0 or not math.isclose(sum(ratios), 1.0, abs_tol=1e-9):
-        raise UserError(f"--phase-ratio: needs three non-negative shares adding up to 1 (warmup,hold,decay), "
-                        f"got {','.join(f'{r:g}' for r in ratios)}")
+        raise UserError(
+            f"--phase-ratio: needs three non-negative shares adding up to 1 (warmup,hold,decay), "
+            f"got {','.join(f'{r:g}' for r in ratios)}"
+        )
     if not cfg.max_update or cfg.max_update <= 0:
         raise UserError("--phase-ratio: the shares are of --max-update; set --max-update N")
     warmup, hold, decay = (int(cfg.max_update * r) for r in ratios)
@@ -48,12 +50,16 @@ class TriStageLRSchedule(LRScheduler):
         if cfg.init_lr_scale < 0:
             raise UserError(f"--init-lr-scale: must be >= 0, got {cfg.init_lr_scale}")
         if cfg.final_lr_scale <= 0:
-            raise UserError(f"--final-lr-scale: the decay is exponential, so the final scale must be > 0 "
-                            f"(e.g. 0.01), got {cfg.final_lr_scale}")
+            raise UserError(
+                f"--final-lr-scale: the decay is exponential, so the final scale must be > 0 "
+                f"(e.g. 0.01), got {cfg.final_lr_scale}"
+            )
         self.warmup_steps, self.hold_steps, self.decay_steps = _stage_lengths(cfg)
         if self.decay_steps <= 0:
-            raise UserError("--decay-steps: tri_stage needs a decay stage of at least one update; set "
-                            "--decay-steps N (or --phase-ratio W,H,D with --max-update large enough for D)")
+            raise UserError(
+                "--decay-steps: tri_stage needs a decay stage of at least one update; set "
+                "--decay-steps N (or --phase-ratio W,H,D with --max-update large enough for D)"
+            )
         self.peak_lr = cfg.lr
         self.init_lr = cfg.init_lr_scale * cfg.lr
         self.final_lr = cfg.final_lr_scale * cfg.lr

@@ -7,11 +7,11 @@ checkpoints with a new ``--max-update`` and ``--wsd-decay-start N`` (usually the
 runs from update N to the new end. The learning rate is a function of the update number and the flags alone, so a
 resume mid-decay with the same flags continues with exactly the rates of an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
 import torch
@@ -33,17 +33,19 @@ DECAY_SHAPES = {
 
 def _decay_window(cfg: WSDLRScheduleConfig) -> Tuple[int, int]:
     """(first update of the decay, update where it reaches --min-lr), checked against the warmup."""
-    total = cfg.total_num_update if cfg.total_num_update is not None and cfg.total_num_update > 0 \
-        else cfg.max_update
+    total = cfg.total_num_update if cfg.total_num_update is not None and cfg.total_num_update > 0 else cfg.max_update
     if not total or total <= 0:
-        raise UserError("--max-update: wsd decays over the last updates of the run; set --max-update N "
-                        "(or --total-num-update N)")
+        raise UserError(
+            "--max-update: wsd decays over the last updates of the run; set --max-update N (or --total-num-update N)"
+        )
     if not 0.0 <= cfg.decay_fraction <= 1.0:
         raise UserError(f"--decay-fraction: a share of the run in [0, 1], got {cfg.decay_fraction:g}")
     start = cfg.wsd_decay_start if cfg.wsd_decay_start is not None else total - round(cfg.decay_fraction * total)
     if not cfg.warmup_updates <= start <= total:
-        raise UserError(f"--wsd-decay-start: the decay must start after the warmup and by the end of the run "
-                        f"(--warmup-updates {cfg.warmup_updates} <= start <= {total}), got {start}")
+        raise UserError(
+            f"--wsd-decay-start: the decay must start after the warmup and by the end of the run "
+            f"(--warmup-updates {cfg.warmup_updates} <= start <= {total}), got {start}"
+        )
     return start, total
 
 
@@ -83,8 +85,12 @@ class WSDLRSchedule(LRScheduler):
         return lr
 
     def state_dict(self) -> Dict[str, Any]:
-        return {**super().state_dict(), "num_updates": self.num_updates,
-                "decay_start": self.decay_start, "decay_end": self.decay_end}
+        return {
+            **super().state_dict(),
+            "num_updates": self.num_updates,
+            "decay_start": self.decay_start,
+            "decay_end": self.decay_end,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Warns when a checkpoint taken inside its decay is resumed with another decay window: the learning rate
@@ -92,12 +98,18 @@ class WSDLRSchedule(LRScheduler):
         super().load_state_dict(state_dict)
         saved = (state_dict.get("decay_start"), state_dict.get("decay_end"))
         at = state_dict.get("num_updates", 0)
-        if None not in saved and saved[0] < at and saved[0] < saved[1] and saved != (self.decay_start,
-                                                                                      self.decay_end):
-            logger.warning("--wsd-decay-start: the checkpoint at update %d was decaying over updates %d..%d; "
-                           "the flags now decay over %d..%d, so the learning rate jumps from %g to %g",
-                           at, saved[0], saved[1], self.decay_start, self.decay_end,
-                           _saved_rate(self, saved, at), self.lr_at(at))
+        if None not in saved and saved[0] < at and saved[0] < saved[1] and saved != (self.decay_start, self.decay_end):
+            logger.warning(
+                "--wsd-decay-start: the checkpoint at update %d was decaying over updates %d..%d; "
+                "the flags now decay over %d..%d, so the learning rate jumps from %g to %g",
+                at,
+                saved[0],
+                saved[1],
+                self.decay_start,
+                self.decay_end,
+                _saved_rate(self, saved, at),
+                self.lr_at(at),
+            )
 
 
 def _saved_rate(schedule: WSDLRSchedule, window: Tuple[int, int], num_updates: int) -> float:

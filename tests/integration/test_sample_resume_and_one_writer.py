@@ -1,7 +1,8 @@
-"""Issue 19 items 1-4 working as promised: samples resumed exactly, one writer, checksums, exports replaced.
+"""Resumed runs count samples exactly whatever the new batching, and one save dir has one writer at a time.
 
-(The refusals are in ``tests/integration/test_bad_inputs_trust_a.py``.)
+(The refusals are in ``tests/integration/test_bad_inputs_writers_and_checksums.py``.)
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,10 +50,26 @@ def _wait_for(path: str, proc, seconds: float = 120) -> None:
 @pytest.mark.parametrize("extra", [[], ["--use-sharded-state"]])
 def test_two_trainings_on_one_save_dir(data_bin, tmp_path, extra):
     save = str(tmp_path / "save")
-    first = processes.start([sys.executable, "-m", "toolkit_cli.train", data_bin, *H.model_args(save),
-                             "--max-update", "100000", "--save-interval-updates", "2", "--disable-validation",
-                             *extra], cwd=H.REPO_ROOT, env=H.subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    first = processes.start(
+        [
+            sys.executable,
+            "-m",
+            "toolkit_cli.train",
+            data_bin,
+            *H.model_args(save),
+            "--max-update",
+            "100000",
+            "--save-interval-updates",
+            "2",
+            "--disable-validation",
+            *extra,
+        ],
+        cwd=H.REPO_ROOT,
+        env=H.subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(os.path.join(save, ".toolkit.lock"), first)
         second = H.run_train([data_bin, *H.model_args(save), "--max-update", "3", "--seed", "99", *extra])
@@ -60,7 +77,10 @@ def test_two_trainings_on_one_save_dir(data_bin, tmp_path, extra):
         processes.interrupt(first)  # killed if it ignores the Ctrl-C (and the fixture kills it on any failure)
     assert second.returncode == 1
     err = [line for line in second.stderr.splitlines() if line.strip()]
-    assert len(err) == 1 and "Traceback" not in second.stderr and \
-        f"in use by toolkit-train (pid {first.pid} on host " in err[0], second.stderr[-3000:]
+    assert (
+        len(err) == 1
+        and "Traceback" not in second.stderr
+        and f"in use by toolkit-train (pid {first.pid} on host " in err[0]
+    ), second.stderr[-3000:]
     assert "seed': 99" not in second.stdout and not glob.glob(f"{save}/*99*")
     assert not os.path.exists(os.path.join(save, ".toolkit.lock"))  # released by the first run at exit

@@ -1,4 +1,4 @@
-"""Issue 21's last items for models imported with ``toolkit-export --from hf`` (tiny random HF models).
+"""Models imported with ``toolkit-export --from hf`` (tiny random HF models) read, score, generate, train and resume as transformers does.
 
 - The hub's ``encode`` gives exactly the tokenizer's ``input_ids`` (Llama's BOS first, no EOS; Qwen2's
   tokenizer adds neither), and ``score``/``generate`` read those ids as transformers does: the first id is
@@ -9,6 +9,7 @@
   with the uninterrupted run's losses and weights exactly (benchmarks/faults.py's helpers); its
   ``--format hf`` export loads in transformers with the same log-probs.
 """
+
 from __future__ import annotations
 
 import os
@@ -83,14 +84,22 @@ def test_greedy_generate_and_sample_equal_transformers(hub):
     for text, h in zip(TEXTS, hypos):
         ids = lm.encode(text)
         with torch.no_grad():
-            want = hf.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=6,
-                               min_new_tokens=6, do_sample=False, suppress_tokens=[pad], pad_token_id=pad)[0]
+            want = hf.generate(
+                ids[None],
+                attention_mask=torch.ones_like(ids[None]),
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                suppress_tokens=[pad],
+                pad_token_id=pad,
+            )[0]
         got = h[0]["tokens"]
-        assert got[:len(want)].tolist() == want.tolist(), text
+        assert got[: len(want)].tolist() == want.tolist(), text
         assert len(h[0]["positional_scores"]) == len(got) - 1
-        assert (h[0]["positional_scores"][:len(want) - 1] - hf_log_probs(hf, want)).abs().max().item() < 1e-4
+        assert (h[0]["positional_scores"][: len(want) - 1] - hf_log_probs(hf, want)).abs().max().item() < 1e-4
     assert lm.sample(TEXTS[0], beam=1, max_len=6, min_len=6) == tok.decode(
-        hypos[0][0]["tokens"].tolist(), skip_special_tokens=True)
+        hypos[0][0]["tokens"].tolist(), skip_special_tokens=True
+    )
 
 
 def test_imported_llama_resumes_exactly_after_kill_9(tmp_path):
@@ -114,17 +123,58 @@ def test_imported_llama_resumes_exactly_after_kill_9(tmp_path):
     lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(220)]
     (tmp_path / "train.txt").write_text("\n".join(lines[:200]) + "\n")
     (tmp_path / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    run = run_cli("toolkit_cli.preprocess", ["--only-source", "--trainpref", str(tmp_path / "train.txt"), "--validpref",
-                                             str(tmp_path / "valid.txt"), "--destdir",
-                                             str(tmp_path / "bin"), "--srcdict", str(ours / "dict.txt"), "--bpe",
-                                             "hf_byte_bpe", "--bpe-model", str(ours / "tokenizer.json")])
+    run = run_cli(
+        "toolkit_cli.preprocess",
+        [
+            "--only-source",
+            "--trainpref",
+            str(tmp_path / "train.txt"),
+            "--validpref",
+            str(tmp_path / "valid.txt"),
+            "--destdir",
+            str(tmp_path / "bin"),
+            "--srcdict",
+            str(ours / "dict.txt"),
+            "--bpe",
+            "hf_byte_bpe",
+            "--bpe-model",
+            str(ours / "tokenizer.json"),
+        ],
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
     def command(save_dir: str) -> list:
-        return [sys.executable, "-m", "toolkit_cli.train", str(tmp_path / "bin"), *flags, "--save-dir", save_dir,
-                "--optimizer", "adam", "--lr", "0.001", "--batch-size", "4", "--max-update", "6", "--seed", "7",
-                "--cpu", "--num-workers", "0", "--disable-validation", "--log-format", "json", "--log-interval", "1",
-                "--save-interval-updates", "1", "--keep-interval-updates", "2"]
+        return [
+            sys.executable,
+            "-m",
+            "toolkit_cli.train",
+            str(tmp_path / "bin"),
+            *flags,
+            "--save-dir",
+            save_dir,
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.001",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "6",
+            "--seed",
+            "7",
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--disable-validation",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--save-interval-updates",
+            "1",
+            "--keep-interval-updates",
+            "2",
+        ]
 
     ref_dir, ref_log = str(tmp_path / "reference"), str(tmp_path / "reference.log")
     assert faults.start(command(ref_dir), ref_log).wait() == 0, open(ref_log).read()[-3000:]

@@ -1,8 +1,9 @@
-"""Issue 35 items 5-8 (trust round four): nothing lost through a symlink or a merge into its own parts,
-no unbounded YAML, no wrong number with exit 0, no failure after the work is done.
+"""Nothing is lost through a symlink or a merge into its own parts, YAML is bounded, no wrong number comes
+with exit 0, and nothing fails after the work is done.
 
-(The command-line refusals are in ``tests/integration/test_bad_inputs_trust_b.py``.)
+(The command-line refusals are in ``tests/integration/test_bad_inputs_locks_and_bounds.py``.)
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from toolkit.core.fileio import atomic_write
 
 
 # --- 5. data lost -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("lock_name", [folder_lock.SAVE_DIR_LOCK, ".bin.lock"])
 def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path, lock_name):
@@ -69,18 +71,34 @@ def test_merge_into_a_destdir_holding_its_parts_is_refused(tmp_path, capsys, wik
     valid = os.path.join(wikitext_dir, "wiki.valid.tokens")
     run("--trainpref", valid, "--dict-only", "--destdir", tmp_path / "dict")
     for shard in range(2):
-        run("--trainpref", valid, "--srcdict", tmp_path / "dict" / "dict.txt", "--num-shards", 2, "--shard-id", shard,
-            "--destdir", tmp_path / "big" / str(shard))
+        run(
+            "--trainpref",
+            valid,
+            "--srcdict",
+            tmp_path / "dict" / "dict.txt",
+            "--num-shards",
+            2,
+            "--shard-id",
+            shard,
+            "--destdir",
+            tmp_path / "big" / str(shard),
+        )
     before = sorted(os.listdir(tmp_path / "big" / "0"))
-    expect_error(capsys, ["--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "big", "--overwrite"],
-                 "holds the input", "which --overwrite would delete")
-    expect_error(capsys, ["--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "big" / "1", "--overwrite"],
-                 "holds the input")
+    expect_error(
+        capsys,
+        ["--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "big", "--overwrite"],
+        "holds the input",
+        "which --overwrite would delete",
+    )
+    expect_error(
+        capsys, ["--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "big" / "1", "--overwrite"], "holds the input"
+    )
     assert sorted(os.listdir(tmp_path / "big" / "0")) == before and os.path.isdir(tmp_path / "big" / "1")
     run("--merge", f"{tmp_path}/big/*", "--destdir", tmp_path / "merged")  # elsewhere: as before
 
 
 # --- 6. hangs: every YAML load is bounded -------------------------------------------------------------
+
 
 def _alias_bomb(levels: int = 9) -> str:
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
@@ -120,12 +138,16 @@ def test_hydra_composition_and_overrides_are_bounded_too(tmp_path):
 
 # --- 7. wrong numbers with exit 0: every count and float flag bounded at parse time --------------------
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--batch-size", "0"], "argument --batch-size-valid/--batch-size/--max-sentences: 0: must be at least 1"),
-    (["--batch-size", "-3"], "-3: must be at least 1"),
-    (["--max-tokens", "0"], "0: must be at least 1"),
-    (["--log-interval", "0"], "0: must be at least 1"),
-])
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--batch-size", "0"], "argument --batch-size-valid/--batch-size/--max-sentences: 0: must be at least 1"),
+        (["--batch-size", "-3"], "-3: must be at least 1"),
+        (["--max-tokens", "0"], "0: must be at least 1"),
+        (["--log-interval", "0"], "0: must be at least 1"),
+    ],
+)
 def test_validate_counts_are_bounded(argv, fragment, capsys):
     from toolkit_cli.validate import cli_main
 
@@ -134,14 +156,17 @@ def test_validate_counts_are_bounded(argv, fragment, capsys):
     assert e.value.code == 1 and fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--tokens-per-sample", "0"], "--tokens-per-sample: 0: must be at least 1"),
-    (["--dropout", "1.5"], "--dropout: 1.5: must be in [0, 1)"),
-    (["--dropout", "nan"], "--dropout: nan: must be a finite number"),
-    (["--lr", "0.1,nan"], "--lr: 0.1,nan: every value must be a finite number"),
-    (["--decoder-layers", "0"], "--decoder-layers: 0: must be at least 1"),
-    (["--clip-norm", "inf"], "--clip-norm: inf: must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--tokens-per-sample", "0"], "--tokens-per-sample: 0: must be at least 1"),
+        (["--dropout", "1.5"], "--dropout: 1.5: must be in [0, 1)"),
+        (["--dropout", "nan"], "--dropout: nan: must be a finite number"),
+        (["--lr", "0.1,nan"], "--lr: 0.1,nan: every value must be a finite number"),
+        (["--decoder-layers", "0"], "--decoder-layers: 0: must be at least 1"),
+        (["--clip-norm", "inf"], "--clip-norm: inf: must be a finite number"),
+    ],
+)
 def test_train_counts_and_floats_are_bounded(argv, fragment, capsys):
     from toolkit.train.resolve import parse_train_config
 
@@ -164,8 +189,14 @@ def test_no_float_flag_takes_nan_or_inf():
     registry.import_all_components()
     configs = [ValidateConfig, EvalLMConfig]
     configs += [f.type for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)]
-    for reg in (registry.TASK_REGISTRY, registry.MODEL_REGISTRY, registry.CRITERION_REGISTRY,
-                registry.OPTIMIZER_REGISTRY, registry.LR_SCHEDULER_REGISTRY, registry.TOKENIZER_REGISTRY):
+    for reg in (
+        registry.TASK_REGISTRY,
+        registry.MODEL_REGISTRY,
+        registry.CRITERION_REGISTRY,
+        registry.OPTIMIZER_REGISTRY,
+        registry.LR_SCHEDULER_REGISTRY,
+        registry.TOKENIZER_REGISTRY,
+    ):
         configs += [e.config for e in reg.entries.values() if e.config]
     checked = 0
     for config in configs:
@@ -193,15 +224,18 @@ def test_the_planner_refuses_what_training_refuses():
     from toolkit.plan.hardware import hardware_from_args, split_hardware_args
     from toolkit.plan.setup import Setup
 
-    for argv, fragment in ((["--gpu-tflops", "nan"], "must be a finite number"),
-                           (["--compute-efficiency", "5"], "must be in (0, 1]"),
-                           (["--gpu-memory", "0"], "must be between 1 byte and 1PiB"),
-                           (["--host-memory", "1e400"], "must be between 1 byte and 1PiB"),
-                           (["--gpus-per-node", "0"], "must be at least 1")):
+    for argv, fragment in (
+        (["--gpu-tflops", "nan"], "must be a finite number"),
+        (["--compute-efficiency", "5"], "must be in (0, 1]"),
+        (["--gpu-memory", "0"], "must be between 1 byte and 1PiB"),
+        (["--host-memory", "1e400"], "must be between 1 byte and 1PiB"),
+        (["--gpus-per-node", "0"], "must be at least 1"),
+    ):
         with pytest.raises(UserError, match=__import__("re").escape(fragment)):
             hardware_from_args(split_hardware_args(argv)[0])
     assert hardware_from_args(split_hardware_args(["--compute-efficiency", "1"])[0]).compute_efficiency == 1.0
     import dataclasses
+
     fields = {f.name: None for f in dataclasses.fields(Setup)}
     base = dict(fields, world=8, mp=3, cp=1, ep=1, fsdp=True, strategy="full_shard", shard_group_size=None)
     with pytest.raises(UserError, match="--model-parallel-size 3: must divide the world size 8"):
@@ -212,6 +246,7 @@ def test_the_planner_refuses_what_training_refuses():
 
 
 # --- 7. wrong numbers with exit 0: inputs accepted in part, weights that overflow ---------------------
+
 
 def _records(n: int) -> bytes:
     return b"".join(json.dumps({"text": f"record {i} " + "w " * (i % 13)}).encode() + b"\n" for i in range(n))
@@ -231,7 +266,7 @@ def test_a_truncated_compressed_jsonl_is_refused(tmp_path, suffix):
         whole = gzip.compress(data)
     full, cut = tmp_path / f"full{suffix}", tmp_path / f"cut{suffix}"
     full.write_bytes(whole)
-    cut.write_bytes(whole[:len(whole) // 2])
+    cut.write_bytes(whole[: len(whole) // 2])
     assert len(list(jsonl_texts(str(full), RecordOptions(), RecordReport(str(full))))) == 3000  # two frames
     with pytest.raises(UserError, match=r"cut\.jsonl\..*: cannot be read as .*(truncated|end-of-stream marker)"):
         list(jsonl_texts(str(cut), RecordOptions(), RecordReport(str(cut))))
@@ -271,6 +306,7 @@ def test_the_write_probe_never_follows_a_symlink(tmp_path):
 
 # --- 8. late failures ---------------------------------------------------------------------------------
 
+
 def test_harness_output_path_is_checked_before_the_evaluation(tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     from toolkit.evaluation import harness_main
@@ -280,8 +316,10 @@ def test_harness_output_path_is_checked_before_the_evaluation(tmp_path, monkeypa
 
     monkeypatch.setattr(harness_main, "task_manager", never)
     monkeypatch.setattr(harness_main, "evaluate", never)
-    for out, fragment in ((tmp_path / "no_such" / "r.json", "does not exist; create it first"),
-                          (tmp_path, "is a folder; give a file name")):
+    for out, fragment in (
+        (tmp_path / "no_such" / "r.json", "does not exist; create it first"),
+        (tmp_path, "is a folder; give a file name"),
+    ):
         cfg = harness_main.EvalHarnessConfig(path="x.pt", tasks="t", output_path=str(out))
         with pytest.raises(UserError, match=f"--output-path {out}: .*{fragment}"):
             harness_main.run(cfg)

@@ -1,7 +1,9 @@
-"""Issue 19 items 1-4 working as promised: samples resumed exactly, one writer, checksums, exports replaced.
+"""Sample positions resume exactly under another batching, changed data is refused, checksums are checked, and
+an export replaces only an earlier export.
 
-(The refusals are in ``tests/integration/test_bad_inputs_trust_a.py``.)
+(The refusals are in ``tests/integration/test_bad_inputs_writers_and_checksums.py``.)
 """
+
 from __future__ import annotations
 
 import io
@@ -23,8 +25,9 @@ def data_bin(tmp_path_factory):
 
 
 def _iterator(task, dataset, batch_size, num_shards=1, shard_id=0, seed=3, epoch=1) -> EpochBatchIterator:
-    return task.get_batch_iterator(dataset, batch_size=batch_size, seed=seed, num_shards=num_shards,
-                                   shard_id=shard_id, epoch=epoch)
+    return task.get_batch_iterator(
+        dataset, batch_size=batch_size, seed=seed, num_shards=num_shards, shard_id=shard_id, epoch=epoch
+    )
 
 
 def _ids(batches):
@@ -51,8 +54,7 @@ def _resume_all_ranks(task, dataset, state, batch_size, num_shards, seed=3):
 
 
 @pytest.mark.parametrize("new_batch_size,num_shards,seed", [(8, 1, 3), (3, 1, 3), (8, 2, 3), (4, 2, 3), (8, 1, 5)])
-def test_resume_with_other_batching_trains_exactly_the_remaining_samples(data_bin, new_batch_size, num_shards,
-                                                                           seed):
+def test_resume_with_other_batching_trains_exactly_the_remaining_samples(data_bin, new_batch_size, num_shards, seed):
     task = LanguageModelingTask.setup_task(LanguageModelingConfig(data=data_bin, tokens_per_sample=32))
     dataset = task.load_dataset("train")
     first = _iterator(task, dataset, 4)
@@ -70,16 +72,21 @@ def test_resume_with_other_batching_trains_exactly_the_remaining_samples(data_bi
     itr = resumed.next_epoch_itr()
     next(itr)
     mid = resumed.state_dict()
-    done = len(_ids(per_rank[0][:1])) if num_shards == 1 else sum(len(r[0]["id"]) for r in per_rank
-                                                                  if not r[0]["is_dummy"])
+    done = (
+        len(_ids(per_rank[0][:1]))
+        if num_shards == 1
+        else sum(len(r[0]["id"]) for r in per_rank if not r[0]["is_dummy"])
+    )
     assert mid["samples_in_epoch"] == 16 + done and mid["sampler"] == state["sampler"]
     again, _ = _resume_all_ranks(task, dataset, mid, 5, 1)
-    assert order[:mid["samples_in_epoch"]] + again == order
+    assert order[: mid["samples_in_epoch"]] + again == order
     # the next epoch is the new batching's own
     assert resumed.state_dict()["sampler"]["batch_size"] == 4
     list(itr)
-    assert resumed.state_dict()["samples_in_epoch"] == 0 and resumed.state_dict()["sampler"]["batch_size"] == \
-        new_batch_size
+    assert (
+        resumed.state_dict()["samples_in_epoch"] == 0
+        and resumed.state_dict()["sampler"]["batch_size"] == new_batch_size
+    )
 
 
 def test_same_batching_resumes_at_the_batch_offset(data_bin):

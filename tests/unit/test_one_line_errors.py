@@ -1,11 +1,10 @@
-"""Issue 35 items 9-11 in-process: what printed a traceback or many lines now says one line, what was
-refused for no reason works, and what a killed run left is cleaned.
+"""In-process: what could print a traceback or many lines says one line, and what a killed run left is cleaned.
 
-(The command-line refusals are in ``tests/integration/test_bad_inputs_trust_cli.py``.)
+(The command-line refusals are in ``tests/integration/test_bad_inputs_hf_folders_and_cli.py``.)
 """
+
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -15,6 +14,7 @@ from toolkit.core.errors import UserError
 
 
 # --- 9. tracebacks ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
@@ -77,8 +77,19 @@ def test_plan_sizes_beyond_any_machine_are_one_line():
             parse_bytes(text, "--gpu-memory")
 
 
-@pytest.mark.parametrize("value,ok", [("0.5", True), ("10", True), ("0", False), ("-3", False), ("2.5", False),
-                                      ("inf", False), ("nan", False), ("x", False)])
+@pytest.mark.parametrize(
+    "value,ok",
+    [
+        ("0.5", True),
+        ("10", True),
+        ("0", False),
+        ("-3", False),
+        ("2.5", False),
+        ("inf", False),
+        ("nan", False),
+        ("x", False),
+    ],
+)
 def test_harness_limit_is_checked_at_parse_time(value, ok):
     import argparse
 
@@ -108,10 +119,22 @@ def test_a_failing_ranks_line_is_torchruns_root_cause(tmp_path, monkeypatch, cap
 
 # --- 10. smaller -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["toolkit_cli.train", "toolkit_cli.eval_lm", "toolkit_cli.generate",
-                                    "toolkit_cli.preprocess", "toolkit_cli.export", "toolkit_cli.plan",
-                                    "toolkit_cli.eval_harness", "toolkit_cli.consolidate", "toolkit_cli.validate",
-                                    "toolkit_cli.interactive"])
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "toolkit_cli.train",
+        "toolkit_cli.eval_lm",
+        "toolkit_cli.generate",
+        "toolkit_cli.preprocess",
+        "toolkit_cli.export",
+        "toolkit_cli.plan",
+        "toolkit_cli.eval_harness",
+        "toolkit_cli.consolidate",
+        "toolkit_cli.validate",
+        "toolkit_cli.interactive",
+    ],
+)
 def test_argparse_errors_are_one_line_and_exit_1(module, capsys):
     import importlib
 
