@@ -192,7 +192,7 @@ def test_the_trainer_runs_the_model_and_the_criterion_computes_from_its_outputs_
 def test_a_fairseq_criterion_runs_the_model_itself():
     """fairseq's contract (forward(model, sample, reduce)): a FairseqCriterion, or a toolkit criterion's
     subclass overriding forward that way, is handed the model; the toolkit's own are handed outputs."""
-    from toolkit.compat_plugins.criterion import FairseqCriterion, calls_the_model
+    from toolkit.compat.fairseq.plugins.criterion import FairseqCriterion, calls_the_model
 
     class Legacy(FairseqCriterion):
         def forward(self, model, sample, reduce=True):

@@ -227,7 +227,7 @@ class Criterion(Protocol):
     the logged numbers.
 
     fairseq's criterions (``forward(model, sample, reduce)``, running the model themselves) are not of this kind;
-    ``toolkit.compat.fairseq.criterion.calls_the_model`` tells them apart and the trainer lets them run it."""
+    ``toolkit.compat.fairseq.plugins.criterion.calls_the_model`` tells them apart and the trainer lets them run it."""
 
     def model_requests(self, model: Any, sample: Dict[str, Any], reduce: bool = True) -> Dict[str, Any]: ...
 

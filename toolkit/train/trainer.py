@@ -28,7 +28,7 @@ import torch
 from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
 from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
-from toolkit.criterions.fairseq_criterion import calls_the_model
+from toolkit.compat.fairseq.plugins import calls_the_model
 from toolkit.config import TrainConfig
 from toolkit.core import cpu_gemm
 from toolkit.core.protocols import PostStepHook
@@ -68,7 +68,7 @@ def forward_and_loss(
     criterion on its outputs and the sample (``toolkit.core.protocols.Criterion``).
 
     Training, validation and ``toolkit-validate`` compute their losses here. A fairseq criterion
-    (``forward(model, sample, reduce)``, ``toolkit.compat_plugins.criterion.calls_the_model``) runs the model
+    (``forward(model, sample, reduce)``, ``toolkit.compat.fairseq.plugins.criterion.calls_the_model``) runs the model
     itself."""
     if calls_the_model(criterion):
         return criterion(model, sample, reduce)

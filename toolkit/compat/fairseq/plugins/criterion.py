@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from toolkit.core import registry
 from toolkit.core.protocols import Criterion
-from toolkit.compat_plugins.dataclass import with_enum_choices
-from toolkit.compat_plugins.legacy_args import legacy_config
+from toolkit.compat.fairseq.plugins.dataclass import with_enum_choices
+from toolkit.compat.fairseq.plugins.legacy_args import legacy_config
 
 
 def calls_the_model(criterion: Any) -> bool:
