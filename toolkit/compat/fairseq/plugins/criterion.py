@@ -28,7 +28,7 @@ def calls_the_model(criterion: Any) -> bool:
     toolkit criterion's subclass whose ``forward`` takes the model first, as fairseq's do."""
     if not isinstance(criterion, Criterion):
         return True
-    parameters = list(inspect.signature(criterion.forward).parameters)
+    parameters = list(inspect.signature(getattr(criterion, "forward", criterion)).parameters)
     return bool(parameters) and parameters[0] == "model"
 
 
