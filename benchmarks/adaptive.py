@@ -135,6 +135,8 @@ def output_layer_step(model, criterion, features, sample) -> int:
 def measure(config: str, a) -> Dict[str, float]:
     import torch
 
+    from toolkit.train.trainer import forward_and_loss
+
     torch.set_num_threads(a.threads)
     model, criterion = build(config, a)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -151,7 +153,7 @@ def measure(config: str, a) -> Dict[str, float]:
     for step in range(a.warmup + a.steps):
         before = rss_bytes()
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss, _, _ = criterion(model, sample)
+        loss, _, _ = forward_and_loss(model, criterion, sample)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -148,6 +148,7 @@ def toolkit_loss(chunk_rows):
     from toolkit.config.components import CrossEntropyCriterionConfig
     from toolkit.core import cpu_gemm
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
+    from toolkit.train.trainer import forward_and_loss
 
     cfg = (
         CrossEntropyCriterionConfig()
@@ -164,7 +165,7 @@ def toolkit_loss(chunk_rows):
             "nsentences": targets.size(0),
         }
         with cpu_gemm.linear_mode(inputs.device):  # as the trainer's forward: fp32 products by --cpu-matmul
-            loss, sample_size, _ = criterion(model, sample)
+            loss, sample_size, _ = forward_and_loss(model, criterion, sample)
         return loss / sample_size
 
     return loss_of

@@ -234,12 +234,13 @@ def _sync_skipped(cfg, env) -> bool:
     import torch.distributed as dist
 
     from toolkit.train.train_loop import build_trainer, train_iterator
+    from toolkit.train.trainer import forward_and_loss
 
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset])
     model, strategy = trainer.model, trainer.strategy
     sample = next(train_iterator(cfg, trainer, epoch=1).next_epoch_itr(shuffle=True))
     with strategy.grad_sync(model, enabled=False):
-        loss, _, _ = trainer.criterion(model, sample)
+        loss, _, _ = forward_and_loss(model, trainer.criterion, sample)
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     if strategy.name == "fsdp":

@@ -44,8 +44,8 @@ def worker(mode: str, update: int, argv) -> None:
 
     forward = CrossEntropyCriterion.forward
 
-    def poisoned_forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = forward(self, model, sample, reduce)
+    def poisoned_forward(self, net_output, sample, reduce=True):
+        loss, sample_size, logging_output = forward(self, net_output, sample, reduce)
         if due():  # before the all-reduce: this rank's backward overflows
             box["injected"] = 1
             loss = loss * 1e30

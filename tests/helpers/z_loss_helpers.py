@@ -25,11 +25,11 @@ def worker_vocab_parallel_z_loss(rank: int, world_size: int, out_dir: str) -> di
     crit = CrossEntropyCriterion(
         SimpleNamespace(target_dictionary=Dictionary()), CrossEntropyCriterionConfig(z_loss_coef=0.03)
     )
-    want, _, want_log = crit(lambda tokens: whole, sample)
+    want, _, want_log = crit(whole, sample)
     want.backward()
     sharded = distribute_tensor(whole.detach(), mesh, [Shard(-1)]).requires_grad_()
     with loss_parallel():
-        got, _, got_log = crit(lambda tokens: sharded, sample)
+        got, _, got_log = crit(sharded, sample)
         got.backward()
     return {
         "loss": (got.detach(), want.detach()),

@@ -19,6 +19,7 @@ from tests.helpers.cli import run_cli
 from tests.helpers.dist_helpers import make_lm_data_bin
 from tests.helpers.fairseq_readme import readme_argv
 from toolkit.criterions.adaptive_loss import AdaptiveLoss
+from toolkit.train.trainer import forward_and_loss
 
 
 def test_every_band_gets_a_gradient_even_without_its_tokens():
@@ -26,7 +27,7 @@ def test_every_band_gets_a_gradient_even_without_its_tokens():
     m = model().train()
     x = torch.randint(2, CUTOFF[0], (2, 8))  # head words only
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD))
-    loss, _, _ = AdaptiveLoss(task)(m, {"net_input": {"src_tokens": x}, "target": x, "ntokens": 16})
+    loss, _, _ = forward_and_loss(m, AdaptiveLoss(task), {"net_input": {"src_tokens": x}, "target": x, "ntokens": 16})
     loss.backward()
     assert all(p.grad is not None for p in m.parameters())
     assert torch.count_nonzero(m.embed_tokens.embeddings[2][0].weight.grad) == 0

@@ -78,7 +78,7 @@ def test_legacy_add_args_become_flags_and_the_architecture_fills_the_rest(data_b
 
 
 def test_a_legacy_option_the_toolkit_cannot_carry_is_one_line():
-    from toolkit.compat_plugins import legacy_args
+    from toolkit.compat.fairseq.plugins import legacy_args
 
     class Plugin:
         @staticmethod

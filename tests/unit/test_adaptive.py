@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers.adaptive import C, CUTOFF, PAD, V, cfg, model, tokens
 from toolkit.criterions.adaptive_loss import AdaptiveLoss
+from toolkit.train.trainer import forward_and_loss
 from toolkit.core.errors import UserError
 import toolkit.models as toolkit_models
 from toolkit.models import build_on_meta, model_config
@@ -134,7 +135,7 @@ def test_fairseq_layout_state_dict_loads_and_its_loss_is_the_direct_computation(
         )
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD))
     sample = {"net_input": {"src_tokens": x}, "target": target, "ntokens": int((target != PAD).sum())}
-    loss, sample_size, log = AdaptiveLoss(task)(m, sample)
+    loss, sample_size, log = forward_and_loss(m, AdaptiveLoss(task), sample)
     assert loss.item() == pytest.approx(direct_nll(state, variant, h.detach(), target), rel=1e-5)
     assert sample_size == sample["ntokens"] and log["nsentences"] == 3
     # and back: our state dict in fairseq's layout is the one we started from
@@ -178,7 +179,7 @@ def test_adaptive_loss_needs_an_adaptive_softmax_and_reduce_false_is_per_positio
     x = tokens()
     plain = TransformerLanguageModel(cfg(**UNTIED, adaptive_softmax_cutoff=None), V, PAD, seed=0)
     with pytest.raises(UserError, match="adaptive-softmax-cutoff"):
-        AdaptiveLoss(task)(plain, {"net_input": {"src_tokens": x}, "target": x, "ntokens": 48})
+        forward_and_loss(plain, AdaptiveLoss(task), {"net_input": {"src_tokens": x}, "target": x, "ntokens": 48})
     m = model()
     per_pos = m.adaptive_softmax.loss(m(x), x, PAD, reduce=False)
     logp = m.get_normalized_probs(m(x))
@@ -325,14 +326,14 @@ def test_mixed_precision_losses_and_probabilities_stay_fp32(dtype):
     x = tokens()
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: PAD))
     sample = {"net_input": {"src_tokens": x}, "target": x, "ntokens": x.numel()}
-    want, _, _ = AdaptiveLoss(task)(m, sample)
+    want, _, _ = forward_and_loss(m, AdaptiveLoss(task), sample)
     with torch.autocast("cpu", dtype=dtype):
-        got, _, _ = AdaptiveLoss(task)(m, sample)
+        got, _, _ = forward_and_loss(m, AdaptiveLoss(task), sample)
         logp = m.get_normalized_probs(m(x))
     assert got.dtype == torch.float32 and logp.dtype == torch.float32
     assert got.item() == pytest.approx(want.item(), rel=2e-2)
     half = model(seed=3).to(dtype)
-    got, _, _ = AdaptiveLoss(task)(half, sample)
+    got, _, _ = forward_and_loss(half, AdaptiveLoss(task), sample)
     got.backward()
     assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=2e-2)
     assert all(p.grad is not None and p.grad.dtype == dtype for p in half.parameters())

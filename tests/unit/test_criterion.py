@@ -6,6 +6,7 @@ import torch
 
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from toolkit.data.dictionary import Dictionary
+from toolkit.train.trainer import forward_and_loss
 
 PAD = 1
 
@@ -59,7 +60,7 @@ def test_loss_is_summed_nll_ignoring_padding(as_tuple):
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 8)
     crit = make_criterion()
-    loss, sample_size, log = crit(FixedLogits(logits, as_tuple), make_sample(TARGET))
+    loss, sample_size, log = forward_and_loss(FixedLogits(logits, as_tuple), crit, make_sample(TARGET))
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert loss.item() == pytest.approx(hand_nll(logits, TARGET), rel=1e-6)
     assert sample_size == 4
@@ -74,9 +75,9 @@ def test_padding_logits_do_not_matter_and_get_no_gradient():
     changed = logits.clone()
     changed[1, 1:] = 100.0  # positions whose target is padding
     crit = make_criterion()
-    a, _, _ = crit(FixedLogits(logits), make_sample(TARGET))
+    a, _, _ = forward_and_loss(FixedLogits(logits), crit, make_sample(TARGET))
     model = FixedLogits(changed)
-    b, _, _ = crit(model, make_sample(TARGET))
+    b, _, _ = forward_and_loss(model, crit, make_sample(TARGET))
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
     b.backward()
     assert model.logits.grad[1, 1:].abs().sum() == 0 and model.logits.grad[0].abs().sum() > 0
@@ -84,7 +85,9 @@ def test_padding_logits_do_not_matter_and_get_no_gradient():
 
 def test_sentence_avg():
     logits = torch.zeros(2, 3, 8)
-    loss, sample_size, log = make_criterion(sentence_avg=True)(FixedLogits(logits), make_sample(TARGET))
+    loss, sample_size, log = forward_and_loss(
+        FixedLogits(logits), make_criterion(sentence_avg=True), make_sample(TARGET)
+    )
     assert sample_size == 2 and log["sample_size"] == 2 and log["ntokens"] == 4
     assert loss.item() == pytest.approx(4 * math.log(8), rel=1e-6)
 
@@ -92,7 +95,7 @@ def test_sentence_avg():
 def test_low_precision_logits_are_scored_in_fp32():
     torch.manual_seed(2)
     logits = torch.randn(2, 3, 8).to(torch.bfloat16)
-    loss, _, _ = make_criterion()(FixedLogits(logits), make_sample(TARGET))
+    loss, _, _ = forward_and_loss(FixedLogits(logits), make_criterion(), make_sample(TARGET))
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(hand_nll(logits.float(), TARGET), rel=1e-6)
 
@@ -101,7 +104,7 @@ def test_dummy_batch_has_zero_weight_but_runs_backward():
     logits = torch.randn(2, 3, 8)
     sample = dict(make_sample(TARGET), is_dummy=True, ntokens=0, nsentences=0)
     model = FixedLogits(logits)
-    loss, sample_size, log = make_criterion()(model, sample)
+    loss, sample_size, log = forward_and_loss(model, make_criterion(), sample)
     assert loss.item() == 0.0 and sample_size == 0
     assert (log["ntokens"], log["nsentences"], log["sample_size"], log["loss"].item()) == (0, 0, 0, 0.0)
     loss.backward()
@@ -146,6 +149,68 @@ def test_criterion_matches_uniform_model_ppl():
     V = 16
     logits = torch.zeros(3, 5, V)
     target = [[4, 5, 6, 7, 8], [9, 10, 2, PAD, PAD], [2, PAD, PAD, PAD, PAD]]
-    _, _, log = make_criterion()(FixedLogits(logits), make_sample(target))
+    _, _, log = forward_and_loss(FixedLogits(logits), make_criterion(), make_sample(target))
     out = CrossEntropyCriterion.aggregate_logging_outputs([log])
     assert out["loss"] == pytest.approx(math.log2(V)) and out["ppl"] == pytest.approx(V)
+
+
+class Recording(torch.nn.Module):
+    """A model that records the keyword arguments it was called with and returns fixed logits."""
+
+    supports_fused_loss = True
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits, self.calls = logits, []
+
+    def forward(self, src_tokens, **kwargs):
+        self.calls.append(kwargs)
+        return self.logits
+
+
+def test_the_trainer_runs_the_model_and_the_criterion_computes_from_its_outputs_alone():
+    """The model gets the batch's packing inputs and what the criterion requests; the criterion gets the
+    output, so the same loss comes from the logits without any model (a pipeline's last stage)."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 3, 8)
+    sample = make_sample(TARGET)
+    sample["net_input"]["document_ids"] = torch.zeros(2, 3, dtype=torch.long)
+    crit = CrossEntropyCriterion(
+        SimpleNamespace(target_dictionary=Dictionary()), CrossEntropyCriterionConfig(head_loss_chunk_rows=0)
+    )
+    model = Recording(logits)
+    loss, sample_size, log = forward_and_loss(model, crit, sample)
+    assert list(model.calls[0]) == ["document_ids"]  # src_lengths is not a model input; no fusing asked
+    alone = crit(logits, sample)
+    assert torch.equal(loss, alone[0]) and sample_size == alone[1] == 4
+    assert crit.model_requests(model, sample, reduce=False) == {}
+    fused = make_criterion().model_requests(model, sample)
+    assert list(fused) == ["loss_target"] and fused["loss_target"].target is sample["target"]
+    assert make_criterion().model_requests(torch.nn.Identity(), sample) == {}  # a model without a fused head
+
+
+def test_a_fairseq_criterion_runs_the_model_itself():
+    """fairseq's contract (forward(model, sample, reduce)): a FairseqCriterion, or a toolkit criterion's
+    subclass overriding forward that way, is handed the model; the toolkit's own are handed outputs."""
+    from toolkit.compat.fairseq.plugins.criterion import FairseqCriterion, calls_the_model
+
+    class Legacy(FairseqCriterion):
+        def forward(self, model, sample, reduce=True):
+            loss = make_criterion().compute_loss(model(sample["net_input"]["src_tokens"]), sample["target"])
+            return loss, sample["ntokens"], {"loss": loss.detach(), "ntokens": sample["ntokens"]}
+
+    class Ported(CrossEntropyCriterion):
+        def forward(self, model, sample, reduce=True):
+            return super().forward(model(sample["net_input"]["src_tokens"]), sample, reduce)
+
+    task = SimpleNamespace(target_dictionary=Dictionary())
+    assert not calls_the_model(make_criterion())
+    assert calls_the_model(Legacy(task)) and calls_the_model(Ported(task))
+    torch.manual_seed(4)
+    logits = torch.randn(2, 3, 8)
+    model = FixedLogits(logits)
+    want = hand_nll(logits, TARGET)
+    for crit in (Legacy(task), Ported(task)):
+        loss, sample_size, _ = forward_and_loss(model, crit, make_sample(TARGET))
+        assert loss.item() == pytest.approx(want, rel=1e-6) and sample_size == 4
+    assert isinstance(model.seen, torch.Tensor)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tests.helpers import adaptive as adaptive_helpers
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from toolkit.data.dictionary import Dictionary
+from toolkit.train.trainer import forward_and_loss
 from toolkit.models import model_config
 from toolkit.models.fused_loss import LossTarget, linear_cross_entropy
 from toolkit.models.llama.model import LlamaLanguageModel
@@ -150,7 +151,7 @@ def sample():
 def loss_and_grads(model, crit):
     model.train()
     model.zero_grad(set_to_none=True)
-    loss, sample_size, log = crit(model, sample())
+    loss, sample_size, log = forward_and_loss(model, crit, sample())
     loss.backward()
     return loss.detach(), log, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -184,7 +185,7 @@ def test_the_criterion_trains_the_same_fused_and_unfused(make, monkeypatch):
         torch.testing.assert_close(fused[name], unfused[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_the_model_returns_the_summed_nll_only_where_its_head_fuses():
+def test_the_model_returns_the_summed_nll_where_its_head_computes_the_loss():
     tokens, target = sample()["net_input"]["src_tokens"], sample()["target"]
     asked = LossTarget(target, PAD, 4)
     plain = llama()
@@ -192,8 +193,13 @@ def test_the_model_returns_the_summed_nll_only_where_its_head_fuses():
     assert plain(tokens).shape == (3, 12, V)  # not asked: logits, as before
     capped = llama(final_logit_softcap=30.0)  # Gemma 2's soft-cap: the fused softmax reads raw logits
     assert capped(tokens, loss_target=asked).shape == (3, 12, V)
-    features = adaptive_helpers.model()(adaptive_helpers.tokens(T=12), loss_target=asked)  # an adaptive softmax
-    assert isinstance(features, torch.Tensor) and features.size(-1) == adaptive_helpers.C
+    adaptive, x = adaptive_helpers.model(), adaptive_helpers.tokens(T=12)  # an adaptive softmax: its own head's loss
+    features = adaptive(x)
+    assert features.size(-1) == adaptive_helpers.C
+    own = adaptive(x, loss_target=LossTarget(x.roll(-1, 1), adaptive_helpers.PAD, 4))
+    torch.testing.assert_close(
+        summed_nll_of(own), adaptive.adaptive_softmax.loss(features, x.roll(-1, 1), adaptive_helpers.PAD)
+    )
     with torch.autocast("cpu", dtype=torch.float16):  # fp16's loss scale must reach d logits before they are fp16
         assert plain(tokens, loss_target=asked).shape == (3, 12, V)
     with torch.autocast("cpu", dtype=torch.bfloat16):

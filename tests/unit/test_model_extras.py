@@ -18,6 +18,7 @@ from toolkit.distributed.utils import DistributedEnv
 from toolkit.logging import metrics
 from toolkit.models.outputs import SUMMED_NLL, summed_nll_of, with_extras
 from toolkit.train.resolve import parse_train_config
+from toolkit.train.trainer import forward_and_loss
 
 COEF = 0.5
 WEIGHT = "layers.0.fc1.weight"
@@ -165,5 +166,5 @@ def test_a_forward_that_drops_the_fused_loss_is_one_line():
         "ntokens": 2,
         "nsentences": 1,
     }
-    with pytest.raises(UserError, match=r"--head-loss-chunk-rows 512: Dropping's forward returned neither logits"):
-        CrossEntropyCriterion(task)(Dropping(), sample)
+    with pytest.raises(UserError, match=r"--head-loss-chunk-rows 512: the model's forward returned neither logits"):
+        forward_and_loss(Dropping(), CrossEntropyCriterion(task), sample)

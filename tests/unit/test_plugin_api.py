@@ -1,15 +1,15 @@
-"""fairseq's plugin API (toolkit.compat_plugins, a layer below the families) under fairseq's import paths."""
+"""fairseq's plugin API (toolkit.compat.fairseq.plugins, above the families) under fairseq's import paths."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from toolkit import criterions, dataclass, models, tasks
-from toolkit import compat_plugins  # noqa: F401
-from toolkit.compat_plugins import criterion, model, task
-from toolkit.compat_plugins import dataclass as plugin_dataclass
+from toolkit.compat.fairseq.plugins import criterion, model, task
+from toolkit.compat.fairseq.plugins import dataclass as plugin_dataclass
 from toolkit.data.dictionary import Dictionary
 
 
@@ -23,6 +23,28 @@ def test_fairseqs_import_paths_name_the_plugin_apis_objects():
     assert tasks.FairseqTask is fairseq_task.FairseqTask is task.FairseqTask and tasks.setup_task is task.setup_task
     assert criterions.FairseqCriterion is fairseq_criterion.FairseqCriterion is criterion.FairseqCriterion
     assert dataclass.FairseqDataclass is plugin_dataclass.FairseqDataclass
+    from toolkit.models.fairseq_model import FairseqIncrementalDecoder, with_incremental_state  # noqa: F401
+    from toolkit.tasks.fairseq_task import LegacyFairseqTask
+
+    assert LegacyFairseqTask is task.LegacyFairseqTask and FairseqIncrementalDecoder is model.FairseqIncrementalDecoder
+    for module in (models, fairseq_model, tasks, criterions):
+        with pytest.raises(AttributeError, match="has no attribute 'FairseqEncoder'"):
+            module.FairseqEncoder  # a name fairseq has and the toolkit does not
+
+
+def test_fairseqs_script_modules_are_re_exports_of_compat():
+    """``toolkit.options``, ``toolkit.checkpoint_utils`` and ``toolkit.utils`` hand out compat/fairseq's objects."""
+    from toolkit import checkpoint_utils, options, utils
+    from toolkit.compat.fairseq import checkpoint_utils as compat_checkpoint_utils
+    from toolkit.compat.fairseq import options as compat_options
+    from toolkit.compat.fairseq import utils as compat_utils
+    from toolkit.config import options as config_options
+
+    assert options.parse_args_and_arch is compat_options.parse_args_and_arch
+    assert options.get_training_parser is compat_options.get_training_parser
+    assert options.build_parser is config_options.build_parser  # the toolkit's parser functions too
+    assert checkpoint_utils.load_model_ensemble_and_task is compat_checkpoint_utils.load_model_ensemble_and_task
+    assert utils.import_user_module is compat_utils.import_user_module and utils.strip_pad is compat_utils.strip_pad
 
 
 def test_a_fairseq_tasks_build_model_is_the_models_layers():

@@ -10,22 +10,21 @@ from tests.helpers import REPO_ROOT
 
 PACKAGES = ("toolkit", "toolkit_cli")
 
-# fairseq's plugin API (--user-dir plugins' base classes): the compat layer's lower part, a package of its own
-# below the families that re-export its names under fairseq's import paths; compat/ itself sits above checkpoint.
-PLUGIN_API = "toolkit.compat_plugins"
+# fairseq's plugin API (--user-dir plugins' base classes), with the rest of fairseq's compatibility in compat/,
+# which sits above checkpoint; the families' fairseq import paths reach it by name (core.registry), never by import.
+PLUGIN_API = "toolkit.compat.fairseq.plugins"
 
 # The layer order, bottom first (docs/design.md explains each). A package may import only the packages
 # listed before it, so the order inside a layer matters too. ``toolkit`` is the root package's
-# ``__init__`` (the version only); ``toolkit.options``, ``toolkit.checkpoint_utils`` and ``toolkit.utils`` are
-# fairseq-named facades for users (re-exports; a name may be listed before its module exists; ``toolkit.dataclass``
-# re-exports the plugin API's ``FairseqDataclass``) and nothing in
-# the library imports them; ``toolkit_cli`` (the commands) parses flags and calls the layers below.
+# ``__init__`` (the version only); ``toolkit.options``, ``toolkit.checkpoint_utils``, ``toolkit.utils`` and
+# ``toolkit.dataclass`` are fairseq-named facades for users (re-exports of toolkit.compat.fairseq; a name may be
+# listed before its module exists) and nothing in the library imports them; ``toolkit_cli`` (the commands) parses
+# flags and calls the layers below.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("toolkit", "toolkit.core")),
     ("config", ("toolkit.config",)),
     ("logging", ("toolkit.logging",)),
     ("components", ("toolkit.tokenizers", "toolkit.data")),
-    ("compat plugin api", (PLUGIN_API,)),
     ("components", ("toolkit.models", "toolkit.criterions", "toolkit.tasks", "toolkit.optim", "toolkit.generation")),
     ("parallel", ("toolkit.distributed",)),
     ("checkpoint", ("toolkit.checkpoint",)),
@@ -178,9 +177,10 @@ def test_design_doc_names_every_package():
 
 # What the library above compat/ takes from it: the adapter (fairseq's checkpoint files, for the run's
 # checkpoint manager, model loading and EMA), the flag aliases (toolkit-train's resolution) and the YAML
-# configs (``train_config``: toolkit-train --config and toolkit-hydra-train), and fairseq's hub methods and
-# keywords (``hub``: the hub, toolkit-generate's checkpoint names, checkpoint_utils' GroupedConfig). The rest
-# of compat/fairseq/ is its own business, so a caller never branches on "is this fairseq".
+# configs (``train_config``: toolkit-train --config and toolkit-hydra-train), fairseq's hub methods and
+# keywords (``hub``: the hub, toolkit-generate's checkpoint names), and the plugin API's package (the trainer's
+# ``calls_the_model``, fairseq's criterion contract). The rest of compat/fairseq/ is its own business, so a caller
+# never branches on "is this fairseq"; the fairseq-named facades (api facades) re-export what they name.
 COMPAT_DOORS = {
     "toolkit.compat",
     "toolkit.compat.fairseq",
@@ -188,7 +188,9 @@ COMPAT_DOORS = {
     "toolkit.compat.fairseq.flags",
     "toolkit.compat.fairseq.train_config",
     "toolkit.compat.fairseq.hub",
+    PLUGIN_API,
 }
+FAIRSEQ_FACADES = {"toolkit.options", "toolkit.checkpoint_utils", "toolkit.utils", "toolkit.dataclass"}
 
 
 def test_library_reaches_fairseq_files_through_the_adapter():
@@ -196,34 +198,38 @@ def test_library_reaches_fairseq_files_through_the_adapter():
     found = [
         f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
         for module, path in sorted(files.items())
-        if module.startswith("toolkit.") and not module.startswith("toolkit.compat.")
+        if module.startswith("toolkit.")
+        and not module.startswith("toolkit.compat.")
+        and package_of(module) not in FAIRSEQ_FACADES
         for target, line in import_sites(module, path, set(files))
         if package_of(target) == "toolkit.compat" and target not in COMPAT_DOORS
     ]
     assert not found, "use toolkit.compat.fairseq.adapter (add what is missing there):\n" + "\n".join(found)
 
 
-# The fairseq import paths a plugin uses, which re-export the plugin API; nothing else in the library imports it.
+# The fairseq import paths a plugin uses inside the families, which serve the plugin API's names by name.
 PLUGIN_API_PATHS = {
-    "toolkit.models.fairseq_model",
-    "toolkit.tasks.fairseq_task",
-    "toolkit.criterions.fairseq_criterion",
-    "toolkit.dataclass",
-    "toolkit.dataclass.utils",
+    "toolkit.models.fairseq_model": "model",
+    "toolkit.tasks.fairseq_task": "task",
+    "toolkit.criterions.fairseq_criterion": "criterion",
 }
 
 
-def test_only_fairseqs_import_paths_reach_the_plugin_api():
+def test_the_families_fairseq_paths_serve_the_plugin_apis_names_without_importing_it():
+    """Every name a family's fairseq path lists is the plugin API's object, and nothing below compat/ imports
+    the plugin API (the families sit below it: they reach it through ``core.registry.fairseq_plugin_name``)."""
+    import importlib
+
     files = module_files()
-    assert PLUGIN_API + ".model" in files and PLUGIN_API_PATHS <= set(files)
+    for path, part in PLUGIN_API_PATHS.items():
+        facade, home = importlib.import_module(path), importlib.import_module(f"{PLUGIN_API}.{part}")
+        assert facade.FAIRSEQ_NAMES and all(getattr(facade, n) is getattr(home, n) for n in facade.FAIRSEQ_NAMES)
+    rank = {package: i for i, package in enumerate(ORDER)}
     found = [
         f"{os.path.relpath(path, REPO_ROOT)}:{line}: {module} imports {target}"
         for module, path in sorted(files.items())
-        if package_of(module) != PLUGIN_API and module not in PLUGIN_API_PATHS
+        if rank[package_of(module)] < rank["toolkit.compat"]
         for target, line in import_sites(module, path, set(files))
-        if package_of(target) == PLUGIN_API
+        if target.startswith(PLUGIN_API)
     ]
-    assert not found, (
-        "the toolkit's own components register through toolkit.core.registry; only fairseq's import "
-        "paths re-export toolkit.compat_plugins:\n" + "\n".join(found)
-    )
+    assert not found, "the layers below compat/ reach fairseq's plugin API by name only:\n" + "\n".join(found)

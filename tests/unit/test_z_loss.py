@@ -10,6 +10,7 @@ from toolkit.core.errors import UserError
 from toolkit.criterions.adaptive_loss import AdaptiveLoss
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from toolkit.data.dictionary import Dictionary
+from toolkit.train.trainer import forward_and_loss
 
 PAD = 1
 TARGET = [[4, 5, 2, 7], [6, 3, PAD, PAD]]
@@ -59,7 +60,7 @@ def test_value_and_gradient_match_a_direct_computation(sentence_avg):
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 11) * 3 + 2  # a normalizer far from 1, so the z-loss is large
     model = FixedLogits(logits)
-    loss, sample_size, log = criterion(0.03, sentence_avg)(model, sample())
+    loss, sample_size, log = forward_and_loss(model, criterion(0.03, sentence_avg), sample())
     loss.backward()
     leaf = logits.clone().double().requires_grad_()
     want, nll, z = direct(leaf, TARGET, 0.03)
@@ -75,9 +76,11 @@ def test_value_and_gradient_match_a_direct_computation(sentence_avg):
 def test_zero_coef_is_the_plain_cross_entropy_and_logs_nothing():
     torch.manual_seed(1)
     logits = torch.randn(2, 4, 11)
-    plain = CrossEntropyCriterion(SimpleNamespace(target_dictionary=Dictionary()))(FixedLogits(logits), sample())
-    off = criterion(0.0)(FixedLogits(logits), sample())
-    on = criterion(1e-4)(FixedLogits(logits), sample())
+    plain = forward_and_loss(
+        FixedLogits(logits), CrossEntropyCriterion(SimpleNamespace(target_dictionary=Dictionary())), sample()
+    )
+    off = forward_and_loss(FixedLogits(logits), criterion(0.0), sample())
+    on = forward_and_loss(FixedLogits(logits), criterion(1e-4), sample())
     assert torch.equal(off[0], plain[0]) and "z_loss" not in off[2]
     assert torch.equal(on[2]["loss"], plain[2]["loss"]) and on[0] > plain[0]
 
@@ -87,8 +90,10 @@ def test_reduce_metrics_reports_z_loss_per_token_and_loss_unchanged():
 
     torch.manual_seed(2)
     crit = criterion(1e-2)
-    logs = [crit(FixedLogits(torch.randn(2, 4, 11) * 2), sample())[2] for _ in range(2)]
-    logs.append(crit(FixedLogits(torch.randn(2, 4, 11)), sample(is_dummy=True))[2])  # a dummy counts nothing
+    logs = [forward_and_loss(FixedLogits(torch.randn(2, 4, 11) * 2), crit, sample())[2] for _ in range(2)]
+    logs.append(
+        forward_and_loss(FixedLogits(torch.randn(2, 4, 11)), crit, sample(is_dummy=True))[2]
+    )  # a dummy counts nothing
     assert logs[-1]["z_loss"].item() == 0.0
     with metrics.aggregate(new_root=True) as agg:
         out = CrossEntropyCriterion.reduce_metrics(logs)

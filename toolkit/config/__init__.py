@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from toolkit.core.protocols import ConfigSection
 from toolkit.config.flag_types import count_or_minus_one, count_or_zero, float_list, int_list, positive_int
@@ -296,6 +296,19 @@ class EMAConfig:
 
 
 TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig, EMAConfig)
+DEFAULT_ARCH = "transformer_lm"
+OFFLOAD_OPTIMIZER = "cpu_adam"
+
+
+def implied_selectors(first: Any, explicit: Set[str]) -> List[str]:
+    """toolkit-train's component flags the user left out that other flags decide (they change which options
+    exist): ``first`` is the parsed first pass (an ``argparse.Namespace``), ``explicit`` the options given."""
+    extra: List[str] = []
+    if first.arch is None:
+        extra += ["--arch", DEFAULT_ARCH]
+    if first.cpu_offload and "optimizer" not in explicit:
+        extra += ["--optimizer", OFFLOAD_OPTIMIZER]
+    return extra
 
 
 @dataclass(frozen=True)

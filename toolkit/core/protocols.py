@@ -217,11 +217,22 @@ class Task(Protocol):
 
 @runtime_checkable
 class Criterion(Protocol):
-    """``criterion(model, sample)`` -> (loss summed over the sample, sample size, logging output), and the
-    classmethod-free reductions the trainer calls on the gathered logging outputs."""
+    """A training loss as the trainer uses it: the trainer runs the model, the criterion computes from its outputs.
+
+    Per micro-batch the trainer calls ``model(sample["net_input"]["src_tokens"], **inputs)``, ``inputs`` the
+    batch's packing inputs plus ``model_requests(model, sample, reduce)`` (what the loss asks the model to compute
+    beside its outputs: the fused head's ``loss_target``), then ``criterion(net_output, sample, reduce)`` ->
+    (loss summed over the sample, sample size, logging output). The loss never sees the model, so a pipeline
+    schedule can call it on the last stage's output. ``reduce_metrics`` turns the gathered logging outputs into
+    the logged numbers.
+
+    fairseq's criterions (``forward(model, sample, reduce)``, running the model themselves) are not of this kind;
+    ``toolkit.compat.fairseq.plugins.criterion.calls_the_model`` tells them apart and the trainer lets them run it."""
+
+    def model_requests(self, model: Any, sample: Dict[str, Any], reduce: bool = True) -> Dict[str, Any]: ...
 
     def __call__(
-        self, model: Any, sample: Dict[str, Any], reduce: bool = True
+        self, net_output: Any, sample: Dict[str, Any], reduce: bool = True
     ) -> Tuple[torch.Tensor, int, Dict[str, Any]]: ...
 
     def reduce_metrics(self, logging_outputs: List[Dict[str, Any]]) -> Dict[str, float]: ...

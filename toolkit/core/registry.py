@@ -190,14 +190,47 @@ def hub_from_pretrained(model_name_or_path: str, checkpoint_file: Optional[str],
     )
 
 
-# fairseq's ``FairseqTask.build_model`` (toolkit.compat_plugins, a layer below the model families) builds
-# through the models layer's one path from an architecture to a model, reached by name the same way.
+# fairseq's ``FairseqTask.build_model`` builds through the models layer's one path from an architecture to a
+# model, reached by name the same way.
 MODELS_MODULE = "toolkit.models"
 
 
 def build_model(arch: str, section: Any, task: Any):
     """The models layer's ``build_model`` (see ``MODELS_MODULE``)."""
     return importlib.import_module(MODELS_MODULE).build_model(arch, section, task)
+
+
+# fairseq's plugin API (``FairseqLanguageModel``, ``FairseqTask``, ``FairseqCriterion``, ...) lives with the rest of
+# fairseq's compatibility, above the families; their fairseq import paths (``from toolkit.models import
+# FairseqLanguageModel``, ``toolkit.tasks.fairseq_task``, ...) reach it by this name, so they never import upward.
+FAIRSEQ_PLUGIN_API = "toolkit.compat.fairseq.plugins"
+
+
+def fairseq_plugin_name(name: str) -> Any:
+    """One name of fairseq's plugin API (see ``FAIRSEQ_PLUGIN_API``)."""
+    return getattr(importlib.import_module(FAIRSEQ_PLUGIN_API), name)
+
+
+def fairseq_plugin_getattr(module: str, names: Tuple[str, ...]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` serving ``names`` from fairseq's plugin API (see ``FAIRSEQ_PLUGIN_API``)."""
+
+    def module_getattr(name: str) -> Any:
+        if name in names:
+            return fairseq_plugin_name(name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return module_getattr
+
+
+# fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (toolkit.compat.fairseq, below the inference layer,
+# which reads fairseq's files through it) loads each model with the inference layer's ``load_model``, reached by
+# this name.
+INFERENCE_MODULE = "toolkit.inference"
+
+
+def load_model_for_eval(path: str, data_dir: Optional[str], device: Any, overrides: Optional[Dict[str, Any]]):
+    """The inference layer's ``load_model`` (see ``INFERENCE_MODULE``): ``(model, task, args)``."""
+    return importlib.import_module(INFERENCE_MODULE).load_model(path, data_dir, device, overrides)
 
 
 _COMPONENT_PACKAGES = (

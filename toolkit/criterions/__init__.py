@@ -1,4 +1,7 @@
 """Criterions (``--criterion``); fairseq's names for plugins: ``register_criterion``, ``FairseqCriterion``
 (toolkit.criterions.fairseq_criterion)."""
 
-from toolkit.criterions.fairseq_criterion import FairseqCriterion, register_criterion  # noqa: F401
+from toolkit.core import registry
+from toolkit.criterions.fairseq_criterion import FAIRSEQ_NAMES
+
+__getattr__ = registry.fairseq_plugin_getattr(__name__, FAIRSEQ_NAMES)

@@ -1,9 +1,10 @@
 """``--criterion adaptive_loss``: summed NLL under the model's adaptive softmax, fairseq's reporting.
 
-The model returns features (``--adaptive-softmax-cutoff``); the loss is the head's cross
-entropy (tail words count as their band's cluster) plus each tail band's cross entropy over
-the positions whose target is in it, in nats, fp32 -- the exact log-likelihood of the target
-under the factorized softmax. ``sample_size``, the logged fields (``loss``, ``ntokens``,
+The adaptive softmax (``--adaptive-softmax-cutoff``) is the model's head, so the model computes the loss when
+asked (``model_requests``: ``loss_target``) and returns the summed NLL, as a fused head does: the head's cross
+entropy (tail words count as their band's cluster) plus each tail band's cross entropy over the positions whose
+target is in it, in nats, fp32 -- the exact log-likelihood of the target under the factorized softmax. The loss
+itself never needs the model (``toolkit.core.protocols.Criterion``). ``sample_size``, the logged fields (``loss``, ``ntokens``,
 ``nsentences``, ``sample_size``) and the reported ``loss`` / ``nll_loss`` / ``ppl`` are
 ``cross_entropy``'s, which are fairseq's adaptive_loss's.
 
@@ -20,7 +21,8 @@ import torch
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_criterion
-from toolkit.models.document_mask import packing_inputs
+from toolkit.models.fused_loss import LossTarget
+from toolkit.models.outputs import summed_nll_of
 
 
 @register_criterion("adaptive_loss", dataclass=CrossEntropyCriterionConfig)
@@ -33,14 +35,27 @@ class AdaptiveLoss(CrossEntropyCriterion):
                 "no single normalizer to penalize; use --criterion cross_entropy for the z-loss"
             )
 
-    def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
-        adaptive_softmax = model.adaptive_softmax
-        if adaptive_softmax is None:
+    def model_requests(self, model, sample: Dict[str, Any], reduce: bool = True) -> Dict[str, Any]:
+        """``loss_target``: the model's adaptive softmax scores the targets (its summed NLL)."""
+        if getattr(model, "adaptive_softmax", None) is None:
             raise UserError(
                 "--criterion adaptive_loss: the model has no adaptive softmax; add "
                 "--adaptive-softmax-cutoff (e.g. 20000,60000) or use --criterion cross_entropy"
             )
-        features = self.logits_of(model(sample["net_input"]["src_tokens"], **packing_inputs(sample["net_input"])))
-        return self.with_counts(
-            adaptive_softmax.loss(features, sample["target"], self.padding_idx, reduce=reduce), sample
-        )
+        if not reduce:
+            raise ValueError(
+                "adaptive_loss: per-token losses (reduce=False) are not computed by the model's adaptive softmax "
+                "head; score positions with model.get_normalized_probs"
+            )
+        return {"loss_target": LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)}
+
+    def forward(
+        self, net_output: Any, sample: Dict[str, Any], reduce: bool = True
+    ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+        summed_nll = summed_nll_of(net_output)
+        if summed_nll is None:
+            raise UserError(
+                "--criterion adaptive_loss: the model returned no adaptive-softmax loss (its forward was not given "
+                "the criterion's loss_target, or a wrapper dropped the output's extras)"
+            )
+        return self.with_model_extras(net_output, *self.with_counts(summed_nll, sample))

@@ -1,21 +1,24 @@
 """``--criterion cross_entropy``: summed next-token NLL, fairseq's reporting.
 
-``forward(model, sample)`` runs ``model(sample["net_input"]["src_tokens"])`` (logits
-[B, T, V], or a tuple whose first element they are) and returns
-``(loss, sample_size, logging_output)``:
+The trainer runs the model and hands its output here (``toolkit.core.protocols.Criterion``):
 
-* ``loss``: the *sum* over non-pad target tokens of -log p(target) in nats, computed
-  in fp32 whatever the logits' dtype. The trainer divides gradients by the summed
-  ``sample_size`` of the update (fairseq's normalization).
-* ``sample_size``: ``sample["ntokens"]`` (``nsentences`` with ``--sentence-avg``), an int.
-* ``logging_output``: ``{"loss": loss.detach() (a 0-dim fp32 tensor on the model's
-  device), "ntokens": int, "nsentences": int, "sample_size": int}``. The loss stays a
-  tensor so that micro-batches can be summed on the device and read with one
-  ``.item()`` (or ``float()``) per update instead of one sync per micro-batch.
+* ``model_requests(model, sample, reduce)``: what the loss asks the model to compute beside its usual output,
+  added to the model's keyword arguments: ``loss_target`` for a fused head and loss (below), else nothing.
+* ``criterion(net_output, sample, reduce)`` -> ``(loss, sample_size, logging_output)``, from the model's output
+  (logits [B, T, V], fairseq's ``(logits, extra)``, or the fused head's summed NLL) and the sample's targets;
+  the model is not needed, so a pipeline schedule can call it on the last stage's output:
+
+  * ``loss``: the *sum* over non-pad target tokens of -log p(target) in nats, computed in fp32 whatever the
+    logits' dtype (per token, [B*T], when not ``reduce``). The trainer divides gradients by the summed
+    ``sample_size`` of the update (fairseq's normalization).
+  * ``sample_size``: ``sample["ntokens"]`` (``nsentences`` with ``--sentence-avg``), an int.
+  * ``logging_output``: ``{"loss": loss.detach() (a 0-dim fp32 tensor on the model's device), "ntokens": int,
+    "nsentences": int, "sample_size": int}``. The loss stays a tensor so that micro-batches can be summed on
+    the device and read with one ``.item()`` (or ``float()``) per update instead of one sync per micro-batch.
 
 The output layer and the loss are fused (``--head-loss-chunk-rows N``, default 512; ``toolkit.models.fused_loss``)
-when the model offers it (``supports_fused_loss``: ``transformer_lm``, ``llama``, ``moe``): the criterion passes
-``loss_target=`` to ``forward`` and the model returns the summed NLL, computed N tokens at a time (softmax and its
+when the model offers it (``supports_fused_loss``: ``transformer_lm``, ``llama``, ``moe``): ``model_requests``
+asks for ``loss_target=`` and the model returns the summed NLL, computed N tokens at a time (softmax and its
 gradient per chunk), so the [B*T, V] fp32 logits and their gradient never exist whole. The same sum, to fp32
 rounding (``tests/unit/test_fused_loss.py``). The logits path stays where fusing cannot apply: ``--z-loss-coef``
 (it needs logsumexp per token beside the NLL), ``reduce=False`` (per-token losses), ``--head-loss-chunk-rows 0``,
@@ -52,7 +55,6 @@ import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
 from toolkit.core.registry import register_criterion
-from toolkit.models.document_mask import packing_inputs
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.outputs import aux_losses_of, metrics_of, summed_nll_of
 from toolkit.config.components import CrossEntropyCriterionConfig  # noqa: F401  (its options, torch-free for --help)
@@ -96,22 +98,24 @@ class CrossEntropyCriterion(torch.nn.Module):
         # vocabulary-parallel logits give a loss replicated over the model-parallel ranks: its local value
         return loss.to_local() if hasattr(loss, "to_local") else loss
 
-    def forward(self, model, sample: Dict[str, Any], reduce: bool = True) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
-        # The tokens go in positionally: toolkit's TransformerLanguageModel.forward(tokens) takes
-        # only them, and fairseq-style forward(src_tokens, **kwargs) models accept that too.
-        inputs = packing_inputs(sample["net_input"])
+    def model_requests(self, model, sample: Dict[str, Any], reduce: bool = True) -> Dict[str, Any]:
+        """The fused head's ``loss_target`` where ``model`` offers it and fusing applies (``fuses_head_loss``)."""
         if reduce and self.fuses_head_loss(model):
-            inputs["loss_target"] = LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)
-        net_output = model(sample["net_input"]["src_tokens"], **inputs)
+            return {"loss_target": LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)}
+        return {}
+
+    def forward(
+        self, net_output: Any, sample: Dict[str, Any], reduce: bool = True
+    ) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
         summed_nll = summed_nll_of(net_output)
         if summed_nll is not None:  # the model's fused head computed the loss (no z-loss then: fuses_head_loss)
             return self.with_model_extras(net_output, *self.with_counts(summed_nll, sample))
         logits = self.logits_of(net_output)
-        if logits is None:  # asked to fuse, but something between the family and here dropped its summed NLL
+        if logits is None:  # fusing was asked for, but something between the family and here dropped its summed NLL
             raise UserError(
-                f"--head-loss-chunk-rows {self.head_loss_chunk_rows}: {type(model).__name__}'s forward "
-                f"returned neither logits nor its fused head's loss (a wrapper or override dropped the "
-                f"output's extras); pass them through, or use --head-loss-chunk-rows 0"
+                f"--head-loss-chunk-rows {self.head_loss_chunk_rows}: the model's forward returned neither "
+                f"logits nor its fused head's loss (a wrapper or override dropped the output's extras); pass "
+                f"them through, or use --head-loss-chunk-rows 0"
             )
         counted = self.with_counts(self.compute_loss(logits, sample["target"], reduce=reduce), sample)
         if not reduce:

@@ -1,4 +1,7 @@
 """fairseq's criterion base class under its toolkit import path; it lives in
-:mod:`toolkit.compat_plugins.criterion` (the plugin API, a layer below the families)."""
+:mod:`toolkit.compat.fairseq.plugins.criterion`, reached by name (``core.registry.fairseq_plugin_name``)."""
 
-from toolkit.compat_plugins.criterion import FairseqCriterion, register_criterion  # noqa: F401
+from toolkit.core import registry
+
+FAIRSEQ_NAMES = ("FairseqCriterion", "register_criterion")
+__getattr__ = registry.fairseq_plugin_getattr(__name__, FAIRSEQ_NAMES)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 from toolkit.config import options
 from toolkit.core import registry
+from toolkit.models.fairseq_model import FAIRSEQ_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -109,21 +110,6 @@ def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int 
 
 
 # fairseq's names, so a plugin's ``from fairseq.models import ...`` ports by renaming the import
-# (toolkit.models.fairseq_model; docs/plugins.md). Imported at first use: they need torch, the families'
+# (toolkit.models.fairseq_model; docs/plugins.md). Reached at first use: they need torch, the families'
 # options and sizes (read by --help) do not.
-_FAIRSEQ_NAMES = (
-    "BaseFairseqModel",
-    "FairseqDecoder",
-    "FairseqIncrementalDecoder",
-    "FairseqLanguageModel",
-    "register_model",
-    "register_model_architecture",
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FAIRSEQ_NAMES:
-        from toolkit.models import fairseq_model
-
-        return getattr(fairseq_model, name)
-    raise AttributeError(f"module 'toolkit.models' has no attribute '{name}'")
+__getattr__ = registry.fairseq_plugin_getattr(__name__, FAIRSEQ_NAMES)

@@ -1,14 +1,17 @@
-"""fairseq's model base classes under their toolkit import path; they live in :mod:`toolkit.compat_plugins.model`
-(the plugin API, a layer below the families)."""
+"""fairseq's model base classes under their toolkit import path; they live in
+:mod:`toolkit.compat.fairseq.plugins.model`, reached by name (``core.registry.fairseq_plugin_name``)."""
 
-from toolkit.compat_plugins.model import (  # noqa: F401
-    INIT_VALUES_KEY,
-    BaseFairseqModel,
-    FairseqDecoder,
-    FairseqIncrementalDecoder,
-    FairseqIncrementalState,
-    FairseqLanguageModel,
-    register_model,
-    register_model_architecture,
-    with_incremental_state,
+from toolkit.core import registry
+
+FAIRSEQ_NAMES = (
+    "INIT_VALUES_KEY",
+    "BaseFairseqModel",
+    "FairseqDecoder",
+    "FairseqIncrementalDecoder",
+    "FairseqIncrementalState",
+    "FairseqLanguageModel",
+    "register_model",
+    "register_model_architecture",
+    "with_incremental_state",
 )
+__getattr__ = registry.fairseq_plugin_getattr(__name__, FAIRSEQ_NAMES)

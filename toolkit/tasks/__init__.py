@@ -1,4 +1,7 @@
 """Tasks (``--task``); fairseq's names for plugins and scripts: ``setup_task``, ``register_task``,
 ``FairseqTask``, ``LegacyFairseqTask`` (toolkit.tasks.fairseq_task)."""
 
-from toolkit.tasks.fairseq_task import FairseqTask, LegacyFairseqTask, register_task, setup_task  # noqa: F401
+from toolkit.core import registry
+from toolkit.tasks.fairseq_task import FAIRSEQ_NAMES
+
+__getattr__ = registry.fairseq_plugin_getattr(__name__, FAIRSEQ_NAMES)

@@ -7,22 +7,9 @@ bad choice, a bad value, an unregistered ``--arch``) exit here, before the resol
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Optional, Sequence, Set, Tuple
 
-from toolkit.config import TRAIN_CONFIGS, options
-
-DEFAULT_ARCH = "transformer_lm"
-OFFLOAD_OPTIMIZER = "cpu_adam"
-
-
-def implied_selectors(first: argparse.Namespace, explicit: Set[str]) -> List[str]:
-    """Component flags the user left out that other flags decide (they change which options exist)."""
-    extra: List[str] = []
-    if first.arch is None:
-        extra += ["--arch", DEFAULT_ARCH]
-    if first.cpu_offload and "optimizer" not in explicit:
-        extra += ["--optimizer", OFFLOAD_OPTIMIZER]
-    return extra
+from toolkit.config import DEFAULT_ARCH, OFFLOAD_OPTIMIZER, TRAIN_CONFIGS, implied_selectors, options  # noqa: F401
 
 
 def parse_train_args(

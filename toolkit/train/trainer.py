@@ -3,6 +3,10 @@
 The trainer composes parts that live elsewhere (model, criterion, optimizer,
 schedule, loss scaler, parallelism); it holds no model- or sharding-specific code.
 
+The trainer runs the model (:func:`forward_and_loss`) and the criterion computes the loss from its outputs and
+the sample's targets, so the loss is a function a pipeline schedule could call on the last stage's output;
+fairseq's criterions, which run the model themselves, are left to do so.
+
 Gradients are normalized the fairseq way: the criterion returns a *summed*
 loss, and after all micro-batches the gradients are multiplied by
 ``world_size / total_sample_size`` (data-parallel reductions average over
@@ -24,6 +28,7 @@ import torch
 from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
 from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
+from toolkit.compat.fairseq.plugins import calls_the_model
 from toolkit.config import TrainConfig
 from toolkit.core import cpu_gemm
 from toolkit.core.protocols import PostStepHook
@@ -33,6 +38,7 @@ from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.train.ema import EMA, EMAState
 from toolkit.logging import metrics
+from toolkit.models.document_mask import packing_inputs
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
 from toolkit.optim.grad_norm import normalize_and_clip
@@ -52,6 +58,23 @@ def move_to_device(sample: Dict[str, Any], device: torch.device) -> Dict[str, An
         return x
 
     return move(sample)
+
+
+def forward_and_loss(
+    model: torch.nn.Module, criterion, sample: Dict[str, Any], reduce: bool = True
+) -> Tuple[torch.Tensor, int, Dict[str, Any]]:
+    """One micro-batch's ``(loss, sample_size, logging_output)``: the model run on the inputs it takes (the
+    tokens, the batch's packing inputs, what the criterion asks it to compute: ``model_requests``), then the
+    criterion on its outputs and the sample (``toolkit.core.protocols.Criterion``).
+
+    Training, validation and ``toolkit-validate`` compute their losses here. A fairseq criterion
+    (``forward(model, sample, reduce)``, ``toolkit.compat.fairseq.plugins.criterion.calls_the_model``) runs the model
+    itself."""
+    if calls_the_model(criterion):
+        return criterion(model, sample, reduce)
+    net_input = sample["net_input"]
+    inputs = dict(packing_inputs(net_input), **criterion.model_requests(model, sample, reduce))
+    return criterion(model(net_input["src_tokens"], **inputs), sample, reduce)
 
 
 def keep_freed_cpu_memory() -> bool:
@@ -211,7 +234,7 @@ class Trainer:
                     self.strategy.forward_context(),
                     cpu_gemm.linear_mode(self.device),
                 ):
-                    loss, sample_size, logging_output = self.criterion(self.model, sample)
+                    loss, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
                     if sample.get("is_dummy"):
                         loss = loss * 0.0
                         logging_output = {k: 0 for k in logging_output}
@@ -266,7 +289,7 @@ class Trainer:
         self.model.eval()
         sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
         with self._autocast(), self.strategy.loss_context(), cpu_gemm.linear_mode(self.device):
-            _, sample_size, logging_output = self.criterion(self.model, sample)
+            _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
         if sample.get("is_dummy"):
             return {}
         out = {k: float(v) for k, v in logging_output.items()}

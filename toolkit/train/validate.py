@@ -29,7 +29,7 @@ from toolkit.evaluation.loading import load_for_eval
 from toolkit.logging import metrics, progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.train.train_loop import refuse_empty_split, valid_totals, weighted_valid_totals
-from toolkit.train.trainer import move_to_device
+from toolkit.train.trainer import forward_and_loss, move_to_device
 from toolkit.config.commands import ValidateConfig  # noqa: F401  (torch-free for --help)
 
 logger = logging.getLogger("toolkit_cli.validate")
@@ -45,7 +45,8 @@ class _Validator:
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
         with cpu_gemm.linear_mode(self.device):
-            _, sample_size, logging_output = self.criterion(self.model, move_to_device(sample, self.device))
+            sample = move_to_device(sample, self.device)
+            _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
         out = {k: float(v) for k, v in logging_output.items()}
         out["_sample_size"] = float(sample_size)
         return out

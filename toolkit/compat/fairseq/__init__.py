@@ -1,5 +1,14 @@
-"""All that exists only for fairseq: its flag aliases, checkpoint read/write, the restricted unpickler
-for its files and its ``-shard`` sets, kept in one place so the core does not carry them. fairseq's Python
-names are the top-level modules fairseq scripts import (``toolkit.options``, ``toolkit.checkpoint_utils``,
-``toolkit.utils``; docs/fairseq_python_api.md). Its Hydra/YAML training configs are read here too
-(``yaml_config``, ``train_config``, ``hydra_compose``)."""
+"""All that exists only for fairseq, in one place so the rest of the toolkit does not carry it.
+
+- its plugin API (``plugins``: ``FairseqLanguageModel``, ``FairseqTask``, ``FairseqCriterion``, ``FairseqDataclass``,
+  the ``register_*`` decorators, a plugin's ``add_args`` options as flags);
+- its checkpoint files (``checkpoint``, ``weights``, ``pickle_reader``: a restricted unpickler, ``shards``,
+  ``export``), reached by the library above through ``adapter``;
+- its flags (``flags``, ``recipe_flags``) and Hydra/YAML training configs (``yaml_config``, ``train_config``,
+  ``hydra_compose``);
+- its Python API for scripts: ``options``, ``checkpoint_utils``, ``utils``, the hub (``hub``, ``model_outputs``).
+
+fairseq's import paths stay as re-exports of a few lines: ``toolkit.options``, ``toolkit.checkpoint_utils``,
+``toolkit.utils``, ``toolkit.dataclass`` (docs/fairseq_python_api.md), and the families' ``toolkit.models``,
+``toolkit.tasks``, ``toolkit.criterions`` (docs/plugins.md), which sit below this package and reach ``plugins`` by
+name (``toolkit.core.registry.fairseq_plugin_name``)."""

@@ -31,8 +31,8 @@ Choices worth knowing
   ``project_in_dim`` / ``project_out_dim`` map C_in -> C and C -> C_out when they differ. The
   output layer is a [V, C_out] projection (the embedding itself with
   ``--share-decoder-input-output-embed``), or an adaptive softmax (``--adaptive-softmax-cutoff``):
-  then ``forward`` returns the features and ``get_normalized_probs`` / ``--criterion
-  adaptive_loss`` score them, as fairseq's decoder does.
+  then ``forward`` returns the features, which ``get_normalized_probs`` scores as fairseq's decoder does, or,
+  given the ``adaptive_loss`` criterion's ``loss_target``, the summed loss of its targets.
 - No parallelism code lives here; ``self.layers`` is a ModuleList of blocks so
   FSDP2 / activation checkpointing can be applied per block from outside, and
   tensor parallelism (``toolkit.distributed.tensor_parallel``, by the plan of ``parallel.py``)
@@ -61,6 +61,7 @@ from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
+from toolkit.models.outputs import with_summed_nll
 from toolkit.models.transformer_lm.config import ACTIVATION_NAMES, TransformerLMConfig
 from toolkit.models.transformer_lm.parallel import tensor_parallel_plan as family_plan
 from toolkit.core.registry import register_model
@@ -267,13 +268,13 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         """tokens: LongTensor [B, T] (right-padded) -> logits [B, T, V].
 
         ``loss_target`` (the criterion's): the summed NLL of those targets instead of the logits, the head and
-        the loss fused (``DecoderInterface.fused_head_loss``), except with an adaptive softmax (no single head).
+        the loss fused (``DecoderInterface.fused_head_loss``); with an adaptive softmax, its own summed loss.
 
         ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
         token's position (restarting per document), instead of 0..T-1 (``toolkit.models.document_mask``).
 
-        With an adaptive softmax: the features [B, T, C_out] it scores (as fairseq's decoder);
-        ``get_normalized_probs`` or the ``adaptive_loss`` criterion turns them into probabilities.
+        With an adaptive softmax and no ``loss_target``: the features [B, T, C_out] it scores (as fairseq's
+        decoder); ``get_normalized_probs`` turns them into probabilities.
         With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
         ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
         ``tokens`` are only the new tokens; their positions continue after the cached ones.
@@ -312,8 +313,10 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
-        if self.adaptive_softmax is not None:
-            return x
+        if self.adaptive_softmax is not None:  # its head and loss are one module: the loss where it is asked for
+            if loss_target is None:
+                return x
+            return with_summed_nll(self.adaptive_softmax.loss(x, loss_target.target, loss_target.ignore_index))
         weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
         fused = self.fused_head_loss(x, weight, loss_target)
         if fused is not None:

@@ -3,7 +3,7 @@
 
 Why: fairseq plugins register tasks with ``register_task`` and subclass ``FairseqTask`` /
 ``LegacyFairseqTask`` (or ``LanguageModelingTask``); with these names a plugin ports by renaming the
-import. Options declared the legacy way (``add_args``) become flags (:mod:`toolkit.compat_plugins.legacy_args`); a task
+import. Options declared the legacy way (``add_args``) become flags (:mod:`toolkit.compat.fairseq.plugins.legacy_args`); a task
 subclassing a registered task keeps its parent's options and adds its own.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from toolkit.core import registry
-from toolkit.compat_plugins.dataclass import with_enum_choices
+from toolkit.compat.fairseq.plugins.dataclass import with_enum_choices
 from toolkit.data.dictionary import Dictionary
 from toolkit.core.errors import UserError
-from toolkit.compat_plugins.legacy_args import legacy_config
+from toolkit.compat.fairseq.plugins.legacy_args import legacy_config
 
 
 class FairseqTask:

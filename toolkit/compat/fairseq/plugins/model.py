@@ -4,7 +4,7 @@ A fairseq plugin (``from fairseq.models import FairseqLanguageModel, register_mo
 renaming the import to ``toolkit.models``. What differs underneath, and is bridged here:
 
 - Options: a model may declare them in a dataclass or the legacy way (``add_args(parser)``);
-  both become flags (:mod:`toolkit.compat_plugins.legacy_args`). Architecture functions get
+  both become flags (:mod:`toolkit.compat.fairseq.plugins.legacy_args`). Architecture functions get
   fairseq's getattr-with-default behaviour.
 - Initialization: the toolkit builds every model on the meta device and fills parameters from
   ``initial_value`` (:mod:`toolkit.models.init`). A fairseq model initializes itself in
@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.core import registry
-from toolkit.compat_plugins.dataclass import with_enum_choices
-from toolkit.compat_plugins import legacy_args
+from toolkit.compat.fairseq.plugins.dataclass import with_enum_choices
+import toolkit.compat.fairseq.plugins.legacy_args as legacy_args
 
 #: keys of the toolkit-side incremental state of a :class:`FairseqLanguageModel`
 PREFIX_KEY, DECODER_STATE_KEY = "fairseq_prefix", "fairseq_decoder_state"

@@ -1,9 +1,11 @@
 """fairseq's criterion base class and decorator on the toolkit's registry: ``FairseqCriterion``,
-``register_criterion``.
+``register_criterion``; and ``calls_the_model``, which tells fairseq's criterion contract from the toolkit's.
 
 Why: a fairseq plugin's criterion ports by renaming the import; fairseq builds a criterion by filling
 ``__init__``'s parameters from its options by name, and the toolkit calls ``entry.cls(task, cfg)``,
-so the registry holds a small builder that does fairseq's filling.
+so the registry holds a small builder that does fairseq's filling. A fairseq criterion runs the model itself
+(``forward(model, sample, reduce)``), where the toolkit's trainer runs the model and hands a criterion its
+outputs (``toolkit.core.protocols.Criterion``); the trainer asks ``calls_the_model`` which one it holds.
 """
 
 from __future__ import annotations
@@ -14,12 +16,24 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from toolkit.core import registry
-from toolkit.compat_plugins.dataclass import with_enum_choices
-from toolkit.compat_plugins.legacy_args import legacy_config
+from toolkit.core.protocols import Criterion
+from toolkit.compat.fairseq.plugins.dataclass import with_enum_choices
+from toolkit.compat.fairseq.plugins.legacy_args import legacy_config
+
+
+def calls_the_model(criterion: Any) -> bool:
+    """Whether ``criterion`` keeps fairseq's contract, ``criterion(model, sample, reduce)`` running the model itself,
+    rather than the toolkit's (``toolkit.core.protocols.Criterion``: ``model_requests``, then
+    ``criterion(net_output, sample, reduce)``): one without ``model_requests`` (a ``FairseqCriterion``), or a
+    toolkit criterion's subclass whose ``forward`` takes the model first, as fairseq's do."""
+    if not isinstance(criterion, Criterion):
+        return True
+    parameters = list(inspect.signature(getattr(criterion, "forward", criterion)).parameters)
+    return bool(parameters) and parameters[0] == "model"
 
 
 class FairseqCriterion(nn.Module):
-    """fairseq's criterion base: ``forward(model, sample)`` -> (loss, sample_size, logging_output)."""
+    """fairseq's criterion base: ``forward(model, sample)`` runs the model -> (loss, sample_size, logging_output)."""
 
     def __init__(self, task):
         super().__init__()
