@@ -123,7 +123,9 @@ class OptimizationConfig:
     update_freq: int = opt(
         1,
         "accumulate gradients over N batches before each update; a comma-separated list "
-        "gives epoch e the e-th value (the last repeats)",
+        "gives epoch e the e-th value (the last repeats). Batches are shuffled as units (fairseq), so "
+        "--update-freq 2 with half the batch sees other samples together than the whole batch does: the same "
+        "update as N ranks of one batch each, not as one batch of N times the size",
         type=int_list,
         metavar="N[,N...]",
     )

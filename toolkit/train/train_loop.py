@@ -440,13 +440,16 @@ def validate_and_save(
         or should_stop
         or (_every(ckpt.save_interval_updates, updates) and after)
     )
+    # fairseq validates at every mid-epoch save (checkpoint_best needs a loss); given --validate-interval-updates,
+    # that interval alone decides, and a save between two validations keeps the best of the last one
+    saves_validate = do_save and not end_of_epoch and cfg.dataset.validate_interval_updates == 0
     do_validate = (
         not cfg.dataset.disable_validation
         and after
         and (
             (end_of_epoch and epoch % cfg.dataset.validate_interval == 0)
             or should_stop
-            or do_save
+            or saves_validate
             or _every(cfg.dataset.validate_interval_updates, updates)
         )
     )
