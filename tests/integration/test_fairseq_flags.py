@@ -83,6 +83,7 @@ def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
         "--disable-validation",
     )
     assert "using fairseq's equivalent here, --ddp-backend c10d" in run.stdout and sorted(run.losses()) == [1, 2]
+    assert "FutureWarning" not in run.stderr, run.stderr  # e.g. DDP's deprecated broadcast_buffers
 
 
 def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):

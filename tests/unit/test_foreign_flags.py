@@ -42,9 +42,9 @@ def test_a_flag_the_command_lacks_is_not_offered(capsys, tmp_path):
     assert "unrecognized arguments: --max-steps 3" in err and "--max-update" not in err, err
 
 
-def test_generation_flags_from_transformers(capsys, tmp_path):
-    err = _error_line("toolkit_cli.generate", [str(tmp_path), "--path", "x.pt", "--max-new-tokens", "5"], capsys)
-    assert "--max-new-tokens: use --max-len-b here (with --max-len-a 0; the count excludes the prompt)" in err, err
+def test_generation_takes_transformers_spellings(capsys, tmp_path):
+    err = _error_line("toolkit_cli.generate", [str(tmp_path), "--path", "x.pt", "--num-beams", "5"], capsys)
+    assert "--num-beams: use --beam here" in err, err
 
 
 def _help(module: str, argv, capsys) -> str:

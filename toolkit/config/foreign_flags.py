@@ -92,7 +92,6 @@ FOREIGN: Dict[str, Tuple[str, str]] = {
     "--num-experts": ("--moe-num-experts", ""),
     "--moe-router-topk": ("--moe-top-k", ""),
     # generation
-    "--max-new-tokens": ("--max-len-b", "with --max-len-a 0; the count excludes the prompt"),
     "--top-k": ("--sampling-topk", "with --sampling"),
     "--top-p": ("--sampling-topp", "with --sampling"),
     "--do-sample": ("--sampling", ""),

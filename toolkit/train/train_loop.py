@@ -223,12 +223,18 @@ def throughput_spec(
     if env.device.type == "cpu":
         # A CPU without native fp16/bf16 matmuls converts to fp32: its best rate is the ceiling either way
         # (the reduced dtype's measured rate alone once gave an MFU of 134% under --memory-efficient-fp16).
-        peak = shared_cpu_peak(env, dtype)
-        if dtype != torch.float32:
-            peak = max(peak, shared_cpu_peak(env, torch.float32))
+        peaks = {d: shared_cpu_peak(env, d) for d in dict.fromkeys((dtype, torch.float32))}
+        best = max(peaks, key=lambda d: peaks[d][0])
+        peak, machine, source = peaks[best]
+        share = (
+            f"; this machine's {machine / 1e9:.1f} shared by {env.local_world_size} processes"
+            if machine != peak
+            else ""
+        )
+        logger.info(f"MFU peak: {peak / 1e9:.1f} GFLOP/s a process ({source}{share})")
     else:
         peak = throughput.peak_flops(env.device, dtype)
-    logger.info(f"peak {dtype} throughput of this device: {peak / 1e9:.1f} GFLOP/s (for MFU)")
+        logger.info(f"MFU peak: {peak / 1e12:.1f} TFLOP/s ({dtype}, {torch.cuda.get_device_name(env.device)})")
     return throughput.ThroughputSpec(flops, peak, env.world_size)
 
 
@@ -246,23 +252,25 @@ def choose_cpu_matmul(choice: str, env: DistributedEnv) -> None:
         cpu_gemm.select("onednn" if decision.item() else "torch")
 
 
-def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> float:
-    """This process's share of the machine's CPU peak, measured by local rank 0 while the others wait.
+def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> Tuple[float, float, str]:
+    """This process's share of the machine's CPU peak, the machine's, and where it came from (on local rank 0,
+    which measures it while the others wait).
 
     Measured with the threads of all local processes together, then split between them
     (nodes are assumed alike: the largest node measurement is used everywhere).
     """
-    machine = 0.0
+    machine, source = 0.0, ""
     if dist.is_initialized() and env.world_size > 1:
         dist.barrier()  # nobody computes while the peak is measured
     if env.local_rank == 0:
         threads = min(torch.get_num_threads() * max(1, env.local_world_size), max(1, _cpu_count()))
         machine = throughput.measure_cpu_peak_flops(dtype, threads=threads)
+        source = throughput.cpu_peak_source(dtype, threads)
     if dist.is_initialized() and env.world_size > 1:
         t = torch.tensor([machine], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         machine = float(t.item())
-    return throughput.per_process_cpu_peak(machine, env.local_world_size)
+    return throughput.per_process_cpu_peak(machine, env.local_world_size), machine, source
 
 
 def _cpu_count() -> int:
