@@ -63,7 +63,7 @@ def train(cfg: TrainConfig) -> None:
     env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(cfg.common.log_file, rank=env.rank)
     check_outputs(cfg, env)
-    logger.info(cfg)
+    logger.info(cfg.summary())
     torch.manual_seed(cfg.common.seed)
     choose_cpu_matmul(cfg.common.cpu_matmul, env)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
@@ -72,6 +72,8 @@ def train(cfg: TrainConfig) -> None:
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
+    for line in long_context_lines(cfg):
+        logger.info(line)
     logger.info(
         f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = {cfg.dataset.batch_size}"
     )
@@ -94,6 +96,28 @@ def train(cfg: TrainConfig) -> None:
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
+
+
+def long_context_lines(cfg: TrainConfig) -> List[str]:
+    """What context parallelism and RoPE scaling do to this run, said once at start-up (both change what a position
+    means, and nothing else in the log would show them)."""
+    lines, T = [], cfg.task.tokens_per_sample if cfg.task is not None else None
+    cp = cfg.distributed.context_parallel_size
+    if cp > 1 and T:
+        lines.append(
+            f"context parallelism: each {T}-token sequence is cut into {2 * cp} chunks of {T // (2 * cp)}; a rank "
+            f"holds 2 of them (load-balanced under the causal mask) and attends over keys/values gathered from "
+            f"the {cp} ranks of its cp group"
+        )
+    factor = getattr(cfg.model, "rope_scaling_factor", None)
+    if factor:
+        kind, original = cfg.model.rope_scaling, cfg.model.rope_original_max_positions
+        line = f"RoPE scaling: {kind}, factor {factor:g}: a context of {original} positions stretched to {original * factor:g}"
+        if kind == "yarn":
+            attention = cfg.model.rope_attention_factor or 0.1 * math.log(factor) + 1.0
+            line += f" (attention factor {attention:.4g}, beta_fast {cfg.model.rope_yarn_beta_fast:g}, beta_slow {cfg.model.rope_yarn_beta_slow:g})"
+        lines.append(f"{line}; --tokens-per-sample {T}")
+    return lines
 
 
 def log_update_freq_change(position: dict, update_freq: int) -> None:
