@@ -31,7 +31,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         ExportConfig,
         _logged_export,
         argv,
-        "Export a checkpoint (or import a transformers GPT-2 / Llama / Mistral / Qwen2 folder).",
+        "Export a checkpoint (or, with --from hf, import a transformers folder: GPT-2, Llama, Mistral, Qwen2/3, "
+        "OLMo 2, Gemma 3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral).",
     )
 
 

@@ -106,6 +106,8 @@ def test_two_ranks_on_one_cpu_log_mfu_at_most_100(fsdp_run):
     measuring it in each rank while the other computes once gave an MFU of 149%."""
     mfus = [float(m.group(1)) for m in re.finditer(r'"mfu": "([\d.]+)"', fsdp_run["stdout"])]
     assert mfus and max(mfus) <= 100.0, mfus
+    peaks = [line for line in fsdp_run["stdout"].splitlines() if "GFLOP/s" in line]  # one figure, said once
+    assert len(peaks) == 1 and "MFU peak:" in peaks[0] and "shared by 2 processes" in peaks[0], peaks
 
 
 def test_spawned_workers_leave_every_writer_complete(fsdp_run):

@@ -51,6 +51,20 @@ def test_validation_flags_in_a_run(data_bin, tmp_path):
     ]  # one kept: the digit is randint(0, 1) = 0
 
 
+def test_saves_between_validations_do_not_validate(data_bin, tmp_path):
+    """With --validate-interval-updates the interval alone decides when to validate: a save every update
+    validates only at updates 3 and 6 (and the last), not at each save as fairseq's mid-epoch saves do without it;
+    checkpoint_best follows those validations. Without the flag, every mid-epoch save validates (fairseq)."""
+    common = ["--max-update", "6", "--save-interval-updates", "1", "--no-epoch-checkpoints"]
+    run = train(data_bin, str(tmp_path / "s"), *common, "--validate-interval-updates", "3")
+    assert [int(r["valid_num_updates"]) for r in run.records("valid")] == [3, 6]
+    scores = {int(r["valid_num_updates"]): float(r["valid_loss"]) for r in run.records("valid")}
+    best = torch.load(tmp_path / "s" / "checkpoint_best.pt", weights_only=True, map_location="cpu")["extra_state"]
+    assert best["best"] == min(scores.values()) and best["trainer"]["num_updates"] == min(scores, key=scores.get)
+    fairseq_way = train(data_bin, str(tmp_path / "f"), *common)
+    assert [int(r["valid_num_updates"]) for r in fairseq_way.records("valid")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
     """2 ranks on CPU (gloo): fairseq's backend name and DDP's own flags reach DistributedDataParallel."""
     run = train(
@@ -69,6 +83,7 @@ def test_pytorch_ddp_takes_ddp_flags(data_bin, tmp_path):
         "--disable-validation",
     )
     assert "using fairseq's equivalent here, --ddp-backend c10d" in run.stdout and sorted(run.losses()) == [1, 2]
+    assert "FutureWarning" not in run.stderr, run.stderr  # e.g. DDP's deprecated broadcast_buffers
 
 
 def test_update_freq_list_changes_per_epoch(data_bin, tmp_path):

@@ -197,6 +197,24 @@ def test_torch_hub_load(reference_run, data_bin):
     assert lm.score("the game")["perplexity"] > 1.0
 
 
+def test_hub_data_name_or_path_as_fairseq_reads_it(reference_run, data_bin, monkeypatch):
+    """fairseq's rule: './...' is relative to the model folder, any other path as given (here relative to the
+    working directory); the model folder itself (the default '.') holds no dict.txt: one line naming the data-bin
+    the checkpoint was trained on."""
+    from toolkit.core.errors import UserError
+    from toolkit.models.transformer_lm import TransformerLanguageModel
+
+    save, _ = reference_run
+    monkeypatch.chdir(os.path.dirname(data_bin))
+    lm = TransformerLanguageModel.from_pretrained(save, "checkpoint_best.pt", os.path.basename(data_bin))
+    relative = TransformerLanguageModel.from_pretrained(save, "checkpoint_best.pt", os.path.relpath(data_bin, save))
+    assert (
+        lm.score("the game")["positional_scores"].tolist() == relative.score("the game")["positional_scores"].tolist()
+    )
+    with pytest.raises(UserError, match=rf"holds no dict.txt .*the checkpoint was trained on {data_bin}"):
+        TransformerLanguageModel.from_pretrained(save, "checkpoint_best.pt")
+
+
 def _error_line(run):
     lines = [line for line in run.stderr.strip().splitlines() if line]
     assert run.returncode != 0

@@ -53,3 +53,35 @@ def test_config_is_typed_sections_frozen_and_saved_flat():
     flat = cfg.to_dict()
     assert flat["arch"] == "transformer_lm_gpt2_tiny" and flat["decoder_layers"] == 2 and flat["max_update"] == 5
     assert all(isinstance(v, (str, int, float, bool, type(None), list, tuple)) for v in flat.values())
+
+
+def test_the_start_up_line_lists_only_options_off_their_defaults(tmp_path):
+    """toolkit-train logs its configuration as one readable line: the components, then per section the options a
+    user (or an implied value) changed, not the hundreds at their defaults."""
+    cfg = parse_train_config([str(tmp_path), "--arch", "transformer_lm", "--lr", "0.003", "--max-update", "7"])
+    line = cfg.summary()
+    assert "arch=transformer_lm" in line and "max_update=7" in line and "lr=0.003" in line
+    assert "seed=" not in line and "clip_norm" not in line and len(line) < 1000, line
+
+
+def test_context_parallelism_and_rope_scaling_are_said_at_start_up(tmp_path):
+    from toolkit.train.train_loop import long_context_lines
+
+    argv = [str(tmp_path), "--arch", "llama_tiny", "--tokens-per-sample", "64", "--rope-scaling-factor", "4"]
+    cfg = parse_train_config(
+        argv
+        + [
+            "--rope-scaling",
+            "yarn",
+            "--rope-original-max-positions",
+            "16",
+            "--context-parallel-size",
+            "2",
+            "--distributed-world-size",
+            "2",
+        ]
+    )
+    cp, rope = long_context_lines(cfg)
+    assert "cut into 4 chunks of 16" in cp and "gathered from the 2 ranks" in cp
+    assert "yarn, factor 4: a context of 16 positions stretched to 64" in rope and "attention factor 1.139" in rope
+    assert long_context_lines(parse_train_config([str(tmp_path), "--arch", "llama_tiny"])) == []

@@ -9,7 +9,9 @@ block), and the logits come from a direct forward pass over fairseq-named weight
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -116,6 +118,29 @@ def test_batching_softmax_batch_and_shards_do_not_change_sums(setup):
     whole = main(EvalLMConfig(data=data, path=path, tokens_per_sample=10, batch_size=2))
     assert halves[0]["count"] + halves[1]["count"] == whole["count"]
     assert 0 < halves[0]["count"] < whole["count"]
+
+
+def test_progress_counts_against_the_shards_batches(setup, caplog):
+    """The progress line reads "i / total" with the total of this shard's batches (not "i / 0")."""
+    data, path, _, _ = setup
+    with caplog.at_level(logging.INFO):
+        main(
+            EvalLMConfig(
+                data=data,
+                path=path,
+                tokens_per_sample=10,
+                batch_size=1,
+                log_format="simple",
+                log_interval=1,
+                num_shards=2,
+                shard_id=1,
+            )
+        )
+    counts = [
+        re.search(r"(\d+) / (\d+)", r.getMessage()).groups() for r in caplog.records if r.name.endswith("progress_bar")
+    ]
+    totals = {int(total) for _, total in counts}
+    assert len(totals) == 1 and int(counts[-1][0]) == totals.pop() > 1, counts
 
 
 def test_remove_bpe_merges_continuations(tmp_path):

@@ -106,3 +106,16 @@ def test_format_hf_of_a_family_without_adapters_is_one_line_naming_its_formats(t
     assert "\n" not in message and "PlainLM" in message and "provides no Hugging Face adapters" in message
     assert "exports as safetensors, onnx; nothing written" in message
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_export_help_lists_every_class_a_family_imports():
+    """`toolkit-export --help` names what --from hf reads without importing torch: the torch-free list equals the
+    registered families' ``HF_CLASSES``."""
+    from toolkit.config.commands import IMPORTABLE_HF_CLASSES
+    from toolkit.core import registry
+
+    registry.import_all_components()
+    declared = set()
+    for name in registry.MODEL_REGISTRY.names():
+        declared |= set(getattr(registry.MODEL_REGISTRY.get(name).cls, "HF_CLASSES", {}).values())
+    assert sorted(IMPORTABLE_HF_CLASSES) == sorted(declared)

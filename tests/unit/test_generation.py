@@ -109,6 +109,22 @@ def test_greedy_equals_stepwise_argmax(learned, pre_norm):
         assert best["score"] == pytest.approx(sum(scores) / len(scores), abs=1e-5)
 
 
+def test_max_new_tokens_counts_past_each_prompt():
+    """--max-new-tokens N: every prompt, short or long, gets at most N generated tokens (transformers' count), and it
+    replaces --max-len-b (which counts the prompt, as fairseq's)."""
+    d = make_dictionary(20)
+    model = make_model(d, *MODEL_KINDS[0], scale=3.0)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    hypos = SequenceGenerator([model], d, GenerationConfig(beam=1, max_new_tokens=3, max_len_b=1, min_len=1)).generate(
+        prompts
+    )
+    for prompt, (best,) in zip(prompts, hypos):
+        generated = best["tokens"][len(prompt) :]
+        assert len(generated) <= 4 and (len(generated) == 4) == (generated[-1].item() == d.eos())  # 3 + </s>
+        assert best["tokens"][: len(prompt)].tolist() == prompt.tolist()
+    assert any(len(best["tokens"]) > 1 + len(p) for p, (best,) in zip(prompts, hypos))
+
+
 CONFIGS = [
     dict(beam=1, max_len_b=12),
     dict(beam=3, nbest=3, max_len_b=10, lenpen=0.5, unkpen=0.3, no_repeat_ngram_size=2),

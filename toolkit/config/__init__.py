@@ -123,7 +123,9 @@ class OptimizationConfig:
     update_freq: int = opt(
         1,
         "accumulate gradients over N batches before each update; a comma-separated list "
-        "gives epoch e the e-th value (the last repeats)",
+        "gives epoch e the e-th value (the last repeats). Batches are shuffled as units (fairseq), so "
+        "--update-freq 2 with half the batch sees other samples together than the whole batch does: the same "
+        "update as N ranks of one batch each, not as one batch of N times the size",
         type=int_list,
         metavar="N[,N...]",
     )
@@ -372,6 +374,33 @@ class TrainConfig:
                 flat.update(plain_values(dataclasses.asdict(section)))
         flat.update(plain_values(dataclasses.asdict(self.components)))
         return flat
+
+    def summary(self) -> str:
+        """The run's components and every option that differs from its default, section by section: the start-up
+        line a reader can take in (the whole configuration is the checkpoint's ``cfg``, hundreds of options)."""
+        chosen = {k: v for k, v in dataclasses.asdict(self.components).items() if v is not None}
+        parts = [", ".join(f"{k}={v}" for k, v in chosen.items())]
+        for name in (f.name for f in dataclasses.fields(self) if f.name != "components"):
+            changed = non_default_values(getattr(self, name))
+            if changed:
+                parts.append(f"{name}: " + ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+        return "options (those not at their defaults): " + " | ".join(parts)
+
+
+def non_default_values(section: Any) -> Dict[str, Any]:
+    """A config dataclass's fields whose values differ from the field's default."""
+    changed: Dict[str, Any] = {}
+    for option in dataclasses.fields(section) if section is not None else ():
+        if option.default is not dataclasses.MISSING:
+            default = option.default
+        elif option.default_factory is not dataclasses.MISSING:
+            default = option.default_factory()
+        else:
+            default = dataclasses.MISSING
+        value = getattr(section, option.name)
+        if value != default:
+            changed[option.name] = value
+    return changed
 
 
 def plain_values(values: Dict[str, Any]) -> Dict[str, Any]:

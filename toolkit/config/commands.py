@@ -29,7 +29,11 @@ class GenerationConfig:
         "generate sequences of maximum length ax + b, where x is the source length "
         "(for a language model: the prompt length + 1)",
     )
-    max_len_b: int = opt(200, "generate sequences of maximum length ax + b, where x is the source length")
+    max_len_b: int = opt(
+        200,
+        "generate sequences of maximum length ax + b, where x is the source length; for a language model the "
+        "length counts the prompt, as fairseq's does (--max-new-tokens counts only what is generated)",
+    )
     min_len: int = opt(1, "minimum generation length")
     lenpen: float = opt(1.0, "length penalty: <1.0 favors shorter, >1.0 favors longer sentences")
     unkpen: float = opt(0.0, "unknown word penalty: <0 produces more unks, >0 produces fewer")
@@ -43,7 +47,10 @@ class GenerationConfig:
     temperature: float = opt(1.0, "temperature for generation")
     prefix_size: int = opt(0, "initialize generation by target prefix of given length")
     max_new_tokens: Optional[int] = opt(
-        None, "stop after this many tokens past the prompt (the hub's max_len)", cli=False
+        None,
+        "generate at most this many tokens after the prompt, whatever its length (transformers' max_new_tokens; "
+        "the hub's max_len); given, it replaces --max-len-a/--max-len-b",
+        type=positive_int,
     )
 
 
@@ -308,6 +315,22 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
 
 
+# What `toolkit-export --from hf` reads, for --help without importing torch: the families' ``HF_CLASSES`` values
+# (tests/unit/test_export_family.py keeps this list equal to them).
+IMPORTABLE_HF_CLASSES = (
+    "GPT2LMHeadModel",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "MixtralForCausalLM",
+)
+
+
 @dataclass
 class ExportConfig:
     path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
@@ -339,10 +362,9 @@ class ExportConfig:
     )
     import_from: Optional[str] = opt(
         None,
-        "import instead of export: build a toolkit checkpoint folder "
-        "from a transformers folder (--path): GPT2LMHeadModel, "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM, Olmo2ForCausalLM or Gemma3ForCausalLM",
+        "import instead of export: build a toolkit checkpoint folder from a transformers folder (--path): "
+        + ", ".join(IMPORTABLE_HF_CLASSES[:-1])
+        + f" or {IMPORTABLE_HF_CLASSES[-1]}",
         choices=["hf"],
         aliases=("--from",),
     )

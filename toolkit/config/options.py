@@ -21,6 +21,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from toolkit.config.flag_types import finite_float
+from toolkit.config.foreign_flags import explain_unrecognized
 from toolkit.core import registry
 from toolkit.core.errors import UserError, print_error_line
 from toolkit.core.registry import (
@@ -165,7 +166,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
     usage)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        print_error_line(self.prog, message)
+        known = [option for action in self._actions for option in action.option_strings]
+        print_error_line(self.prog, explain_unrecognized(message, known))
         self.exit(1)
 
 

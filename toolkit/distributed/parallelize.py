@@ -200,7 +200,7 @@ def parallelize(
         model = DataParallelModel(
             model,
             device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-            broadcast_buffers=False,
+            forward_sync_buffers=False,
             gradient_as_bucket_view=True,
             find_unused_parameters=cfg.find_unused_parameters,
             bucket_cap_mb=cfg.bucket_cap_mb,

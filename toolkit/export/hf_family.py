@@ -29,7 +29,7 @@ def importing_family(config: Dict[str, Any], where: str) -> Any:
     """The registered model class whose ``HF_CLASSES`` has this ``model_type``; one line naming those read."""
     from toolkit.core import registry
 
-    registry.import_submodules("toolkit.models")
+    registry.import_all_components()  # the families register in their model modules, below their packages
     families = [
         entry.cls for _, entry in sorted(registry.MODEL_REGISTRY.entries.items()) if isinstance(entry.cls, HFImportable)
     ]

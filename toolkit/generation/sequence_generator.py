@@ -7,7 +7,8 @@ Semantics are those of fairseq's ``SequenceGenerator`` driven by the
 - Scores are natural-log probabilities. A hypothesis's ``positional_scores`` hold one
   per token, prompt tokens included; its ``score`` is their sum divided by
   ``len ** lenpen`` (``len`` counts the final ``</s>``), unless ``unnormalized``.
-- ``max_len = min(int(max_len_a * (prompt_len + 1) + max_len_b), max_positions - 1)``
+- ``max_len = min(int(max_len_a * (prompt_len + 1) + max_len_b), max_positions - 1)`` (the prompt counted, as
+  fairseq); with ``max_new_tokens`` ``min(prompt_len + max_new_tokens, max_positions - 1)`` instead
   tokens before ``</s>``; ``min_len`` counts prompt tokens too (fairseq's step index). A prompt longer
   than ``max_len`` is forced up to ``max_len`` and ends there with ``</s>``, as fairseq's
   ``prefix_tokens``: so ``toolkit-generate`` without ``--prefix-size``, whose prompts are whole samples
@@ -198,14 +199,15 @@ class SequenceGenerator:
                 f"prompt of {longest} tokens is longer than the model's {self.max_positions} positions; shorten it"
             )
         cfg = self.cfg
-        max_len = (cfg.max_len_a * (prompt_len + 1).double() + cfg.max_len_b).long()
         if cfg.max_new_tokens is not None:
-            max_len = torch.minimum(max_len, prompt_len + cfg.max_new_tokens)
+            max_len = prompt_len + cfg.max_new_tokens
+        else:
+            max_len = (cfg.max_len_a * (prompt_len + 1).double() + cfg.max_len_b).long()
         max_len = max_len.clamp(max=self.max_positions - 1)
         if cfg.min_len > int(max_len.min()):
             raise UserError(
                 f"--min-len {cfg.min_len} is larger than the maximum length {int(max_len.min())}; "
-                f"lower it or raise --max-len-b"
+                f"lower it or raise --max-len-b (or --max-new-tokens)"
             )
         return max_len
 

@@ -85,7 +85,7 @@ def eval_batches(
     num_shards: int = 1,
     shard_id: int = 0,
     seed: int = 1,
-) -> Iterator[Dict[str, Any]]:
+) -> CollatedBatches:
     """Collated batches as fairseq's ``eval_lm_dataloader`` makes them (this shard's share).
 
     ``tokens_per_sample`` is the block size (already reduced by the context window).
@@ -108,9 +108,22 @@ def eval_batches(
     )
     relink = (dataset.starts_with_bos, dataset.dictionary.eos()) if dataset.bos_as_context else None
     window = ContextWindow(tokens_per_sample, context_window, pad, relink) if context_window > 0 else None
-    for batch in batches[shard_id::num_shards]:
-        sample = dataset.collater([dataset[int(i)] for i in batch])
-        yield window(sample) if window is not None else sample
+    return CollatedBatches(dataset, batches[shard_id::num_shards], window)
+
+
+class CollatedBatches:
+    """The shard's batches, collated one at a time as they are read; sized, so progress says "i / total"."""
+
+    def __init__(self, dataset, batches: List[Any], window: Optional[ContextWindow]):
+        self.dataset, self.batches, self.window = dataset, batches, window
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        for batch in self.batches:
+            sample = self.dataset.collater([self.dataset[int(i)] for i in batch])
+            yield self.window(sample) if self.window is not None else sample
 
 
 def score_sample(

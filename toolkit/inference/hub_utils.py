@@ -51,9 +51,7 @@ def from_pretrained(
     on a CPU by oneDNN or torch's BLAS, ``toolkit.core.cpu_gemm``), for ``score``/``sample``/``generate``.
     """
     path = checkpoint_path(model_name_or_path, checkpoint_file)
-    data = (
-        data_name_or_path if os.path.isabs(data_name_or_path) else os.path.join(model_name_or_path, data_name_or_path)
-    )
+    data = data_folder(model_name_or_path, data_name_or_path, path)
     bpe_name, tokenizer_name, rest = split_hub_kwargs(kwargs)
     if rest.get("user_dir"):  # fairseq's keyword: the plugin folder that registers the model
         registry.import_user_module(rest.pop("user_dir"))
@@ -67,6 +65,36 @@ def from_pretrained(
         own = hf_ids.load_model_tokenizer(task.model_files_dir(), task.dictionary)
     models = [fairseq_adapter.with_fairseq_outputs(m) for m in models]  # hub.models[0](src): (logits, extra)
     return LMHubInterface(models, task, args, tokenizer=tokenizer, bpe=bpe, model_tokenizer=own)
+
+
+def data_folder(model_name_or_path: str, data_name_or_path: str, checkpoint: str) -> str:
+    """The data-bin(s) of ``data_name_or_path`` (':'-separated shards): fairseq's rule first (a path starting with
+    '.' is relative to the model folder, any other as given), then relative to the model folder. A folder without
+    ``dict.txt`` is one line naming the data-bin the checkpoint was trained on, so pointing at a training run's
+    save dir says what to pass instead."""
+    shards = data_name_or_path.split(":")
+    readings = [[os.path.join(model_name_or_path, shard) for shard in shards]]
+    if not shards[0].startswith("."):
+        readings.insert(0, shards)
+    for reading in readings:
+        if os.path.isfile(os.path.join(reading[0], "dict.txt")):
+            return ":".join(reading)
+    trained_on = _recorded_data(checkpoint)
+    hint = f"; the checkpoint was trained on {trained_on}" if trained_on else ""
+    raise UserError(
+        f"data_name_or_path={data_name_or_path!r}: {readings[-1][0]} holds no dict.txt (not a data-bin made by "
+        f"toolkit-preprocess){hint}; pass that data-bin as data_name_or_path (absolute, relative to the working "
+        f"directory, or './...' relative to {model_name_or_path})"
+    )
+
+
+def _recorded_data(checkpoint: str) -> Optional[str]:
+    """The data-bin a toolkit checkpoint records (``cfg['data']``), if it can be read cheaply; else None."""
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        return str(state["cfg"]["data"]).split(":")[0]
+    except Exception:
+        return None
 
 
 class LMHubInterface(FairseqHubMethods, torch.nn.Module):

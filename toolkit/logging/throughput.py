@@ -175,6 +175,7 @@ def best_matmul_flops(device: Union[str, torch.device], dtype: torch.dtype, dura
 
 
 _cpu_peak_cache: Dict[Tuple[torch.dtype, int], float] = {}
+_cpu_peak_source: Dict[Tuple[torch.dtype, int], str] = {}
 CPU_PEAK_CACHE = "cpu_peak.json"
 
 
@@ -199,7 +200,7 @@ def measure_cpu_peak_flops(
     the process: the probe took 0.3-1 s of every run's start (2 s for bf16, which also measures fp32). Why a
     file: the peak of a machine does not change between runs; delete the file to measure again (after a
     measurement on a busy machine, for example: the best of several 50 ms chunks is kept, which helps but
-    does not cure that). Logs the figure in GFLOP/s, and where it came from.
+    does not cure that). :func:`cpu_peak_source` says where the figure came from.
     """
     if threads is None:
         threads = torch.get_num_threads()
@@ -218,14 +219,16 @@ def measure_cpu_peak_flops(
 
     flops, measured = machine_cache.kept_or_measured(path, _machine_key(dtype, int(threads)), "flops", measure)
     _cpu_peak_cache[key] = flops
-    if measured is not None:
-        logger.info(
-            f"CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; measured {measured}, kept in "
-            f"{path}: delete it to measure again)"
-        )
-    else:
-        logger.info(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s ({name}, {threads} threads; kept in {path})")
+    when = f"measured {measured}, kept in {path}: delete it to measure again" if measured else f"kept in {path}"
+    _cpu_peak_source[key] = f"{name}, {threads} threads; {when}"
+    logger.debug(f"CPU peak: {flops / 1e9:.1f} GFLOP/s ({_cpu_peak_source[key]})")
     return flops
+
+
+def cpu_peak_source(dtype: torch.dtype, threads: int) -> str:
+    """Where this process's CPU peak for ``dtype`` and ``threads`` came from (a measurement now, or the file and
+    its date), for the one line a run logs about its MFU peak; empty before :func:`measure_cpu_peak_flops`."""
+    return _cpu_peak_source.get((dtype, int(threads)), "")
 
 
 def peak_flops(

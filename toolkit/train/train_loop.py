@@ -63,7 +63,7 @@ def train(cfg: TrainConfig) -> None:
     env = init_distributed(cfg.distributed, cpu=cfg.common.cpu)
     setup_logging(cfg.common.log_file, rank=env.rank)
     check_outputs(cfg, env)
-    logger.info(cfg)
+    logger.info(cfg.summary())
     torch.manual_seed(cfg.common.seed)
     choose_cpu_matmul(cfg.common.cpu_matmul, env)
     trainer = build_trainer(cfg, env, [cfg.dataset.train_subset, *cfg.dataset.valid_subset.split(",")])
@@ -72,6 +72,8 @@ def train(cfg: TrainConfig) -> None:
     metrics.log_wall_start()
     spec = throughput_spec(cfg, trainer.model, env, trainer.compute_dtype)
     logger.info(f"training on {env.world_size} devices ({env.device.type})")
+    for line in long_context_lines(cfg):
+        logger.info(line)
     logger.info(
         f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = {cfg.dataset.batch_size}"
     )
@@ -94,6 +96,28 @@ def train(cfg: TrainConfig) -> None:
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     if cfg.common.wandb_project and env.is_master:
         finish_wandb()
+
+
+def long_context_lines(cfg: TrainConfig) -> List[str]:
+    """What context parallelism and RoPE scaling do to this run, said once at start-up (both change what a position
+    means, and nothing else in the log would show them)."""
+    lines, T = [], cfg.task.tokens_per_sample if cfg.task is not None else None
+    cp = cfg.distributed.context_parallel_size
+    if cp > 1 and T:
+        lines.append(
+            f"context parallelism: each {T}-token sequence is cut into {2 * cp} chunks of {T // (2 * cp)}; a rank "
+            f"holds 2 of them (load-balanced under the causal mask) and attends over keys/values gathered from "
+            f"the {cp} ranks of its cp group"
+        )
+    factor = getattr(cfg.model, "rope_scaling_factor", None)
+    if factor:
+        kind, original = cfg.model.rope_scaling, cfg.model.rope_original_max_positions
+        line = f"RoPE scaling: {kind}, factor {factor:g}: a context of {original} positions stretched to {original * factor:g}"
+        if kind == "yarn":
+            attention = cfg.model.rope_attention_factor or 0.1 * math.log(factor) + 1.0
+            line += f" (attention factor {attention:.4g}, beta_fast {cfg.model.rope_yarn_beta_fast:g}, beta_slow {cfg.model.rope_yarn_beta_slow:g})"
+        lines.append(f"{line}; --tokens-per-sample {T}")
+    return lines
 
 
 def log_update_freq_change(position: dict, update_freq: int) -> None:
@@ -223,12 +247,18 @@ def throughput_spec(
     if env.device.type == "cpu":
         # A CPU without native fp16/bf16 matmuls converts to fp32: its best rate is the ceiling either way
         # (the reduced dtype's measured rate alone once gave an MFU of 134% under --memory-efficient-fp16).
-        peak = shared_cpu_peak(env, dtype)
-        if dtype != torch.float32:
-            peak = max(peak, shared_cpu_peak(env, torch.float32))
+        peaks = {d: shared_cpu_peak(env, d) for d in dict.fromkeys((dtype, torch.float32))}
+        best = max(peaks, key=lambda d: peaks[d][0])
+        peak, machine, source = peaks[best]
+        share = (
+            f"; this machine's {machine / 1e9:.1f} shared by {env.local_world_size} processes"
+            if machine != peak
+            else ""
+        )
+        logger.info(f"MFU peak: {peak / 1e9:.1f} GFLOP/s a process ({source}{share})")
     else:
         peak = throughput.peak_flops(env.device, dtype)
-    logger.info(f"peak {dtype} throughput of this device: {peak / 1e9:.1f} GFLOP/s (for MFU)")
+        logger.info(f"MFU peak: {peak / 1e12:.1f} TFLOP/s ({dtype}, {torch.cuda.get_device_name(env.device)})")
     return throughput.ThroughputSpec(flops, peak, env.world_size)
 
 
@@ -246,23 +276,25 @@ def choose_cpu_matmul(choice: str, env: DistributedEnv) -> None:
         cpu_gemm.select("onednn" if decision.item() else "torch")
 
 
-def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> float:
-    """This process's share of the machine's CPU peak, measured by local rank 0 while the others wait.
+def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> Tuple[float, float, str]:
+    """This process's share of the machine's CPU peak, the machine's, and where it came from (on local rank 0,
+    which measures it while the others wait).
 
     Measured with the threads of all local processes together, then split between them
     (nodes are assumed alike: the largest node measurement is used everywhere).
     """
-    machine = 0.0
+    machine, source = 0.0, ""
     if dist.is_initialized() and env.world_size > 1:
         dist.barrier()  # nobody computes while the peak is measured
     if env.local_rank == 0:
         threads = min(torch.get_num_threads() * max(1, env.local_world_size), max(1, _cpu_count()))
         machine = throughput.measure_cpu_peak_flops(dtype, threads=threads)
+        source = throughput.cpu_peak_source(dtype, threads)
     if dist.is_initialized() and env.world_size > 1:
         t = torch.tensor([machine], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         machine = float(t.item())
-    return throughput.per_process_cpu_peak(machine, env.local_world_size)
+    return throughput.per_process_cpu_peak(machine, env.local_world_size), machine, source
 
 
 def _cpu_count() -> int:
@@ -440,13 +472,16 @@ def validate_and_save(
         or should_stop
         or (_every(ckpt.save_interval_updates, updates) and after)
     )
+    # fairseq validates at every mid-epoch save (checkpoint_best needs a loss); given --validate-interval-updates,
+    # that interval alone decides, and a save between two validations keeps the best of the last one
+    saves_validate = do_save and not end_of_epoch and cfg.dataset.validate_interval_updates == 0
     do_validate = (
         not cfg.dataset.disable_validation
         and after
         and (
             (end_of_epoch and epoch % cfg.dataset.validate_interval == 0)
             or should_stop
-            or do_save
+            or saves_validate
             or _every(cfg.dataset.validate_interval_updates, updates)
         )
     )
