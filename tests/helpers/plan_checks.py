@@ -20,7 +20,7 @@ def resolved(argv: Sequence[str]) -> Any:
 def check_proposals(argv: Sequence[str], hw: Any, found: Any, base: Any) -> None:
     """Each proposal, added to the command, is resolved by toolkit-train into the layout that was priced (which
     fits and runs the update as given), and the first is planned again from its resolved config, from scratch."""
-    assert found.shown
+    assert found.shown and found.refused == 0  # the search priced each layout as toolkit-train reads its flags
     for candidate in found.shown:
         cfg = resolved(list(argv) + list(candidate.flags))
         assert setup_from_config(cfg, hw.has_gpu) == candidate.plan.setup, candidate.flags

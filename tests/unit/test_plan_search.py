@@ -39,13 +39,36 @@ def test_a_small_gpu_gets_layouts_that_fit_and_keep_the_update(monkeypatch):
     assert all(c.plan.fits for c in candidates)
 
 
-def test_the_memory_settings_given_stay_on_and_an_fp32_offload_is_ranked_after_what_keeps_fp32():
-    """--checkpoint-activations given stays in every layout; offloading an fp32 run computes in bf16 on a GPU, so
-    such a layout is marked as changing the numbers and comes after every layout that does not."""
+@pytest.mark.parametrize(
+    "given,kept,gpu",
+    [
+        (["--checkpoint-activations"], lambda s: s.checkpoint, 1.1),
+        (["--offload-activations"], lambda s: s.offload_activations, 1.1),
+        (
+            ["--ddp-backend", "fully_sharded", "--cpu-offload"],
+            lambda s: s.cpu_offload and s.backend == "fully_sharded",
+            80,
+        ),
+        (["--ddp-backend", "fully_sharded", "--no-reshard-after-forward"], lambda s: s.backend == "fully_sharded", 80),
+    ],
+    ids=["checkpoint", "offload_activations", "cpu_offload", "no_reshard"],
+)
+def test_the_memory_settings_given_stay_on(given, kept, gpu):
+    """A setting the command turns on stays on in every layout priced (and a layout toolkit-train refuses with it,
+    DDP under --cpu-offload or --no-reshard-after-forward, is not priced): the proposals resolve as priced."""
+    hw = dataclasses.replace(PRESETS["h100"], gpu_memory=int(gpu * GIB), host_memory=64 * GIB)
+    plan, found, search = _search(TINY_MOE + given, hw)
+    candidates = search.candidates()
+    assert candidates and all(kept(c.plan.setup) for c in candidates)
+    check_proposals(TINY_MOE + given, hw, found, plan)
+
+
+def test_an_fp32_run_offloaded_on_a_gpu_is_ranked_after_the_layouts_that_keep_fp32():
+    """Offloading an fp32 run computes in bf16 on a GPU (toolkit-train's choice), so such a layout is marked as
+    changing the numbers and comes after every layout that does not."""
     hw = dataclasses.replace(PRESETS["h100"], gpu_memory=int(1.1 * GIB), host_memory=64 * GIB)
     plan, found, search = _search(TINY_MOE + ["--checkpoint-activations"], hw)
     candidates = sorted(search.candidates(), key=lambda c: c.rank())
-    assert all(c.plan.setup.checkpoint for c in candidates)
     lossy = [c.lossy for c in candidates]
     assert lossy == sorted(lossy) and True in lossy and False in lossy
     assert all(c.plan.setup.compute_bytes == 2 for c in candidates if c.plan.setup.cpu_offload)
@@ -136,3 +159,19 @@ def test_each_optimizer_declares_the_state_it_keeps(name, options):
     state = OPTIMIZER_REGISTRY.state(name)
     declared = sum(state.bytes_of(section, ParameterPiece(tuple(p.shape), tuple(p.shape))) for p in model.parameters())
     assert declared == state_bytes(model, optimizer)["optimizer"]
+
+
+def test_an_optimizer_that_declares_no_state_is_refused_and_training_goes_on(monkeypatch):
+    """The planner refuses to price an optimizer without a declaration (one line naming --optimizer and what to
+    add) instead of pricing it as Adam; toolkit-train --plan's line says the plan is not available."""
+    from toolkit.core.errors import UserError
+    from toolkit.plan.planner import make_plan
+    from toolkit.plan.report import summary_for_train
+
+    import_all_components()
+    assert OPTIMIZER_REGISTRY.state("sgd") is not None
+    monkeypatch.delitem(OPTIMIZER_REGISTRY._states, "sgd")  # as a --user-dir optimizer registered without one
+    cfg = resolved(["--arch", "llama_tiny", "--optimizer", "sgd"])
+    with pytest.raises(UserError, match=r"^--optimizer sgd: declares no optimizer state, .*state=OptimizerState\("):
+        make_plan(cfg, PRESETS["cpu"])
+    assert summary_for_train(cfg).startswith("plan: not available (--optimizer sgd: declares no optimizer state")

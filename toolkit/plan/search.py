@@ -133,12 +133,15 @@ class DataParallel:
     shard_group_size: int = 0
 
 
-def data_parallel_modes(base: Setup, replica_ranks: int, tp: int) -> List[DataParallel]:
+def data_parallel_modes(dist: Any, world: int, replica_ranks: int, tp: int) -> List[DataParallel]:
     """DDP, FSDP2's strategies and HSDP's with each shard group for a layout whose replicas span ``replica_ranks``
-    ranks (tp x cp): one FSDP2 strategy when there is a single data-parallel rank (they are the same then); under
-    TP ``c10d`` replicates through FSDP2 as ``no_shard`` does, so only the latter is tried."""
-    dp = base.world // replica_ranks
-    modes = [DataParallel("c10d", base.strategy)] if tp == 1 else []
+    ranks (tp x cp) of ``world``, ``dist`` the distributed flags given: one FSDP2 strategy when there is a
+    single data-parallel rank (they are the same then); under TP ``c10d`` replicates through FSDP2 as ``no_shard``
+    does, so only the latter is tried. DDP keeps the ``--sharding-strategy`` given (no flag changes it), and is not
+    tried under ``--no-reshard-after-forward`` (an FSDP2 setting)."""
+    dp = world // replica_ranks
+    ddp = tp == 1 and not dist.no_reshard_after_forward
+    modes = [DataParallel("c10d", dist.sharding_strategy)] if ddp else []
     modes += [DataParallel("fully_sharded", s) for s in (FSDP_STRATEGIES if dp > 1 else FSDP_STRATEGIES[:1])]
     modes += [DataParallel("fully_sharded", s, g) for s in HSDP_STRATEGIES for g in divisors(dp) if 1 < g < dp]
     return modes
@@ -160,10 +163,10 @@ def memory_settings(base: Setup, fsdp: bool) -> List[Memory]:
     offloading adds nothing to a checkpointed block (its inputs stay where they are)."""
     offloadable = fsdp and (base.optimizer in HOST_MEMORY_OPTIMIZERS or base.optimizer == "adam")
     offload = [(False, False)] if not base.cpu_offload else []
-    offload += [(True, False), (True, True)] if offloadable or base.cpu_offload else []
+    offload += [(True, False), (True, True)] if offloadable else []  # none under DDP for an offloaded run
     out = []
     for checkpoint in sorted({base.checkpoint, True}):
-        for activations in sorted({base.offload_activations, not checkpoint}):
+        for activations in sorted({base.offload_activations, base.offload_activations or not checkpoint}):
             for cpu_offload, reduced in offload:
                 out.append(Memory(checkpoint, activations, cpu_offload, reduced))
     return out
@@ -213,7 +216,7 @@ class Search:
         out: List[Candidate] = []
         for sizes in axis_sizes(space):
             replica = sizes["mp"] * sizes["cp"]
-            for mode in data_parallel_modes(self.base, replica, sizes["mp"]):
+            for mode in data_parallel_modes(self.cfg.distributed, self.base.world, replica, sizes["mp"]):
                 layout = self._layout(sizes, mode)
                 if layout is None:
                     continue

@@ -85,13 +85,13 @@ _ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 def data_parallel_fields(backend: str, strategy: str, tp: int, no_reshard_after_forward: bool) -> Dict[str, Any]:
     """The Setup fields that ``--ddp-backend``, ``--sharding-strategy`` and ``--no-reshard-after-forward`` decide:
     FSDP2 wraps the model under fully_sharded and under TP with any backend but no_c10d (replicating over the
-    data-parallel ranks), and frees gathered parameters after each block's forward under full_shard/hybrid_shard."""
+    data-parallel ranks), and frees gathered parameters after each block's forward when ``--sharding-strategy`` is
+    full_shard/hybrid_shard (the flag's value whatever the backend: ``parallelize.reshard_after_forward``)."""
     backend = _ALIASES.get(backend, backend)
-    strategy = strategy if backend == "fully_sharded" else "no_shard"
     return dict(
         fsdp=backend == "fully_sharded" or (tp > 1 and backend != "no_c10d"),
         backend=backend,
-        strategy=strategy,
+        strategy=strategy if backend == "fully_sharded" else "no_shard",
         reshard=strategy in ("full_shard", "hybrid_shard") and not no_reshard_after_forward,
     )
 
