@@ -46,10 +46,10 @@ from toolkit.plan.hardware import Hardware
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.planner import Plan
 from toolkit.plan.setup import Setup, data_parallel_fields, sample_tokens, setup_from_config
+from toolkit.train.arguments import OFFLOAD_OPTIMIZER  # what --cpu-offload runs in place of adam
+from toolkit.train.resolve import HOST_MEMORY_OPTIMIZERS  # update host-memory shards in place
 
 SHOWN = 5  # layouts printed, fastest first
-OFFLOAD_OPTIMIZER = "cpu_adam"  # what --cpu-offload runs in place of adam (toolkit.train.resolve's choice)
-HOST_MEMORY_OPTIMIZERS = ("cpu_adam", "muon")  # update host-memory shards in place (toolkit.train.resolve)
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 HSDP_STRATEGIES = ("hybrid_shard", "hybrid_shard_zero2")
 
