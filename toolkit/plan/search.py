@@ -40,13 +40,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from toolkit.config import composition
+from toolkit.config import OFFLOAD_OPTIMIZER, composition  # OFFLOAD_OPTIMIZER: --cpu-offload's optimizer
 from toolkit.core.errors import UserError
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.planner import Plan
 from toolkit.plan.setup import Setup, data_parallel_fields, sample_tokens, setup_from_config
-from toolkit.train.arguments import OFFLOAD_OPTIMIZER  # what --cpu-offload runs in place of adam
 from toolkit.train.resolve import HOST_MEMORY_OPTIMIZERS  # update host-memory shards in place
 
 SHOWN = 5  # layouts printed, fastest first
