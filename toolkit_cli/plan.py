@@ -1,13 +1,17 @@
-"""toolkit-plan: predict per-rank memory and step time of a toolkit-train command, and whether it fits.
+"""toolkit-plan: predict per-rank memory and step time of a toolkit-train command, whether it fits, and the fastest
+layouts that fit.
 
     toolkit-plan --arch transformer_lm_gpt3_13 --cpu-offload --adam-state-precision 8bit --bf16-host-grads \
         --gpu-memory 80GiB --host-memory 126GiB
-    toolkit-plan --arch transformer_lm_gpt3_175 --distributed-world-size 64 --model-parallel-size 8 \
-        --ddp-backend fully_sharded --checkpoint-activations --bf16 --batch-size 1 --gpu a100-80
+    toolkit-plan --arch qwen3_30b_a3b --tokens-per-sample 32768 --bf16 --distributed-world-size 8 \
+        --gpu h100 --host-memory 2TiB
 
 Takes toolkit-train's flags (the data directory is optional: without it the vocabulary is the
-arch's published one, or ``--vocab-size``) plus the hardware flags of ``toolkit.plan.hardware``.
-Exit status 0 when the run fits, 3 when it does not, 1 on bad input.
+arch's published one, or ``--vocab-size``) plus the hardware flags of ``toolkit.plan.hardware``
+(host memory: this machine's unless ``--host-memory`` says otherwise). After the plan of the command as
+given, it searches every layout toolkit-train takes for the same model, world and update
+(``toolkit.plan.search``) and prints the fastest that fit with the flags to add.
+Exit status 0 when the run as given fits, 3 when it does not, 1 on bad input.
 """
 
 from __future__ import annotations
@@ -48,12 +52,13 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if "--cpu-offload" in rest and not any(a.startswith("--ddp-backend") for a in rest):
             print("--cpu-offload: planning with --ddp-backend fully_sharded (toolkit-train needs it given)")
             rest = ["--ddp-backend", "fully_sharded"] + rest
-        args, explicit = parse_train_args(rest, PROG)  # argument errors exit here, before torch is imported
-        from toolkit.plan import make_plan, table
-        from toolkit.train.resolve import resolve_and_log
+        parse_train_args(rest, PROG)  # argument errors exit here, before torch is imported
+        from toolkit.plan.report import layouts, table
+        from toolkit.plan.search import plan_command
 
-        plan = make_plan(resolve_and_log(args, explicit), hw, vocab_size=vs.vocab_size)
-    print(table(plan))
+        plan, found = plan_command(rest, hw, vs.vocab_size, PROG)
+    print(table(plan, found))
+    print(layouts(plan, found))
     sys.exit(0 if plan.fits else 3)
 
 

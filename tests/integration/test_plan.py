@@ -150,19 +150,20 @@ def _with_change(base, change):
     return [x for flag, value in flags.items() for x in ([flag] if value is None else [flag, value])]
 
 
-def test_suggested_flag_makes_it_fit():
-    """The first change the plan names, applied, gives a plan that fits."""
+def test_suggested_layout_makes_it_fit():
+    """The fastest layout the verdict names, its flags added to the command, gives a plan that fits."""
     base = [
         ("--arch", "transformer_lm_gpt3_xl"),
         ("--bf16", None),
         ("--batch-size", "64"),
         ("--tokens-per-sample", "2048"),
         ("--gpu", "a100-40"),
+        ("--host-memory", "1TiB"),
     ]
     run = _plan_cli(*_with_change(base, ""))
     assert run.returncode == 3, run.stdout + run.stderr
-    line = next(x for x in run.stdout.splitlines() if "first change:" in x)
-    change = line.split("first change: ")[1]
+    line = next(x for x in run.stdout.splitlines() if "fastest layout that fits:" in x)
+    change = line.split("fastest layout that fits: ")[1]
     fixed = _plan_cli(*_with_change(base, change))
     assert fixed.returncode == 0, (change, fixed.stdout + fixed.stderr)
 

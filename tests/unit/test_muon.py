@@ -268,6 +268,7 @@ def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
     AdamW's step and two fp32 moments on the rest; against the tensors a real step leaves."""
     import dataclasses
 
+    from toolkit.config.components import MuonConfig
     from toolkit.plan.measure import state_bytes
     from toolkit.plan.memory import optimizer_state_bytes
     from toolkit.plan.model_stats import param_infos
@@ -280,15 +281,7 @@ def test_plan_counts_muon_state_as_the_optimizer_holds_it(momentum_dtype):
     )
     train(model, opt.step, opt.zero_grad, updates=1)
     fields = {f.name: None for f in dataclasses.fields(Setup)}
-    setup = Setup(
-        **dict(
-            fields,
-            optimizer="muon",
-            fp16_adam_stats=False,
-            adam_state_precision="fp32",
-            muon_momentum_bytes={"fp32": 4, "bf16": 2}[momentum_dtype],
-        )
-    )
+    setup = Setup(**dict(fields, optimizer="muon", optimizer_options=MuonConfig(muon_momentum_dtype=momentum_dtype)))
     infos = param_infos(model, with_roles=True)
     assert {i.role for i in infos} == {"matrix", "embedding", "output", "norm"}
     planned = sum(optimizer_state_bytes(setup, i, i.shape) for i in infos)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import pkgutil
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
@@ -100,10 +102,72 @@ def unknown_name_message(flag: str, name: str, choices: List[str]) -> str:
     return f"{flag}: unknown name '{name}'.{hint} Registered: {', '.join(choices)}"
 
 
+@dataclass(frozen=True)
+class ParameterPiece:
+    """One parameter as its optimizer state is sized: the whole tensor's shape, the piece of it this rank keeps and
+    updates (a tensor-parallel, expert-parallel and FSDP2 shard of it, or all of it), and the family's role for it
+    (``'matrix'`` takes Muon's update; ``""`` where the family names none)."""
+
+    shape: Tuple[int, ...]
+    local: Tuple[int, ...]
+    role: str = ""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 1
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local) if self.local else 1
+
+
+def _no_note(options: Any) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter, declared where it registers (``@register_optimizer(name,
+    dataclass=..., state=OptimizerState(...))``), so that ``toolkit-plan`` prices an optimizer by its own account
+    and refuses one that gives none instead of guessing.
+
+    ``bytes_of(options, piece)``: the bytes of state the optimizer holds for ``piece`` (:class:`ParameterPiece`)
+    under ``options`` (its options dataclass as resolved, None for an optimizer without options), step counters
+    and scales included; ``note(options)``: the few words a plan prints beside the total (e.g. ``8bit moments``)."""
+
+    bytes_of: Callable[[Any, ParameterPiece], int]
+    note: Callable[[Any], str] = _no_note
+
+
+class OptimizerRegistry(Registry):
+    """The ``--optimizer`` table, whose entries also declare their state (:class:`OptimizerState`)."""
+
+    def __init__(self, kind: str, flag: str, default: Optional[str] = None):
+        super().__init__(kind, flag, default)
+        self._states: Dict[str, OptimizerState] = {}
+
+    def register(self, name: str, dataclass: Optional[type] = None, state: Optional[OptimizerState] = None) -> Callable:
+        register_class = super().register(name, dataclass)
+
+        def decorator(cls):
+            register_class(cls)
+            if state is not None:
+                self._states[name] = state
+            return cls
+
+        return decorator
+
+    def state(self, name: str) -> Optional[OptimizerState]:
+        """The state ``name`` declares (its module imported first: the declaration sits on its registration), or
+        None for an optimizer registered without one (a plugin written before the declaration existed)."""
+        self.get(name).cls
+        return self._states.get(name)
+
+
 TASK_REGISTRY = Registry("task", "--task", default="language_modeling")
 MODEL_REGISTRY = Registry("model", "--arch")
 CRITERION_REGISTRY = Registry("criterion", "--criterion", default="cross_entropy")
-OPTIMIZER_REGISTRY = Registry("optimizer", "--optimizer", default="adam")
+OPTIMIZER_REGISTRY = OptimizerRegistry("optimizer", "--optimizer", default="adam")
 LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", "--lr-scheduler", default="fixed")
 TOKENIZER_REGISTRY = Registry("bpe", "--bpe", default=None)
 

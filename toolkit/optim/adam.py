@@ -8,7 +8,7 @@ from typing import Any, Iterable, List, Tuple
 import torch
 
 from toolkit.core.errors import UserError
-from toolkit.core.registry import register_optimizer
+from toolkit.core.registry import OptimizerState, ParameterPiece, register_optimizer
 from toolkit.config.components import AdamConfig  # noqa: F401  (its options, torch-free for --help)
 
 
@@ -89,7 +89,15 @@ def _keep_implementation(optimizer: torch.optim.Optimizer, kwargs: dict) -> None
     optimizer.register_load_state_dict_post_hook(hook)
 
 
-@register_optimizer("adam", dataclass=AdamConfig)
+def adamw_state_bytes(options: Any, piece: ParameterPiece) -> int:
+    """torch AdamW's state of one tensor: two fp32 moments shaped like it and a float32 step."""
+    return 8 * piece.local_numel + 4
+
+
+ADAMW_STATE = OptimizerState(adamw_state_bytes, lambda options: "adam")
+
+
+@register_optimizer("adam", dataclass=AdamConfig, state=ADAMW_STATE)
 def build(cfg: AdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
     betas = check_adam_options(cfg, lr)
     params = list(params)

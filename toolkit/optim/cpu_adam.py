@@ -37,8 +37,8 @@ from toolkit.core.errors import UserError
 from toolkit.optim import fused_8bit, quantized_states
 from toolkit.optim.adam import check_adam_options
 from toolkit.optim.deepspeed_op import load_deepspeed_cpu_adam
-from toolkit.core.registry import register_optimizer
-from toolkit.config.components import CPUAdamConfig  # noqa: F401  (its options, torch-free for --help)
+from toolkit.core.registry import OptimizerState, ParameterPiece, register_optimizer
+from toolkit.config.components import CPUAdamConfig  # its options, torch-free for --help
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +395,19 @@ def _all_reduce_max(t: torch.Tensor, mesh) -> torch.Tensor:
     return t
 
 
-@register_optimizer("cpu_adam", dataclass=CPUAdamConfig)
+def _state_bytes(options: CPUAdamConfig, piece: ParameterPiece) -> int:
+    """torch AdamW's layout (a float32 step and two moments) in the moments' precision: fp16 with an fp32 scale each
+    under --fp16-adam-stats, else --adam-state-precision's (``quantized_states.moments_bytes``)."""
+    if options.fp16_adam_stats:
+        return 4 * piece.local_numel + 2 * 4 + 4
+    return quantized_states.moments_bytes(options.adam_state_precision, piece.shape or (1,), piece.local or (1,)) + 4
+
+
+def _note(options: CPUAdamConfig) -> str:
+    return "cpu_adam " + ("fp16 stats" if options.fp16_adam_stats else options.adam_state_precision)
+
+
+@register_optimizer("cpu_adam", dataclass=CPUAdamConfig, state=OptimizerState(_state_bytes, _note))
 def build(cfg: CPUAdamConfig, params: list, lr: float) -> torch.optim.Optimizer:
     betas = check_adam_options(cfg, lr)
     if cfg.fp16_adam_stats and cfg.adam_state_precision != "fp32":

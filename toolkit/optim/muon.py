@@ -35,8 +35,8 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, 
 from toolkit.config.components import MOMENTUM_DTYPES as MOMENTUM_DTYPE_NAMES, MuonConfig  # noqa: F401  (its options, torch-free for --help)
 from toolkit.core.dtensor import is_dtensor
 from toolkit.core.errors import UserError
-from toolkit.core.registry import register_optimizer
-from toolkit.optim.adam import check_adam_options
+from toolkit.core.registry import OptimizerState, ParameterPiece, register_optimizer
+from toolkit.optim.adam import adamw_state_bytes, check_adam_options
 
 logger = logging.getLogger("toolkit.optim")
 
@@ -369,7 +369,17 @@ def check_muon_options(cfg: MuonConfig, lr: float) -> float:
     return cfg.muon_adamw_lr / lr
 
 
-@register_optimizer("muon", dataclass=MuonConfig)
+def _state_bytes(options: MuonConfig, piece: ParameterPiece) -> int:
+    """One momentum per matrix (no step counter), in --muon-momentum-dtype; AdamW's state on the other roles."""
+    if piece.role == "matrix":
+        return MOMENTUM_DTYPES[options.muon_momentum_dtype].itemsize * piece.local_numel
+    return adamw_state_bytes(options, piece)
+
+
+MUON_STATE = OptimizerState(_state_bytes, lambda options: f"muon (momentum {options.muon_momentum_dtype}) + adamw")
+
+
+@register_optimizer("muon", dataclass=MuonConfig, state=MUON_STATE)
 def build(cfg: MuonConfig, params: list, lr: float) -> torch.optim.Optimizer:
     ratio = check_muon_options(cfg, lr)
     params = list(params)

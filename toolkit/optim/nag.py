@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.optim.sgd import check_momentum_options
-from toolkit.core.registry import register_optimizer
-from toolkit.config.components import NAGConfig  # noqa: F401  (its options, torch-free for --help)
+from toolkit.core.registry import OptimizerState, ParameterPiece, register_optimizer
+from toolkit.config.components import NAGConfig  # its options, torch-free for --help
 
 
 class NAG(torch.optim.Optimizer):
@@ -62,7 +62,12 @@ class NAG(torch.optim.Optimizer):
         state["lr_old"].fill_(lr)
 
 
-@register_optimizer("nag", dataclass=NAGConfig)
+def _nag_state_bytes(options: NAGConfig, piece: ParameterPiece) -> int:
+    """NAG's fp32 buffer per tensor (its gradient's shape, upcast) and its float64 ``lr_old``."""
+    return 4 * piece.local_numel + 8
+
+
+@register_optimizer("nag", dataclass=NAGConfig, state=OptimizerState(_nag_state_bytes, lambda options: "nag"))
 def build(cfg: NAGConfig, params: list, lr: float) -> torch.optim.Optimizer:
     check_momentum_options(cfg.momentum, cfg.weight_decay, lr)
     return NAG(list(params), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

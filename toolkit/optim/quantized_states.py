@@ -198,6 +198,20 @@ def param_layout(precision: str, p: torch.Tensor) -> str:
     return precision
 
 
+def moments_bytes(precision: str, shape: Tuple[int, ...], local: Tuple[int, ...]) -> int:
+    """Bytes of the two moments :class:`ReducedMoments` keeps for the ``local`` piece (rows of ``shape[0]``) of a
+    parameter shaped ``shape`` (what ``toolkit-plan`` counts; the layouts above)."""
+    numel, local_numel = math.prod(shape), math.prod(local)
+    if precision == "8bit" and (len(shape) < 2 or numel < MIN_8BIT_NUMEL):
+        precision = "fp32"
+    if precision == "fp32":
+        return 8 * local_numel
+    if precision == "bf16":
+        return 4 * local_numel
+    blocks, _ = row_blocks(numel // shape[0])
+    return 2 * local_numel + 2 * 4 * local[0] * blocks  # int8 + uint8 codes, an fp32 scale per block and moment
+
+
 def _rows(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (a local tensor shaped like ``p``'s local shard) as (rows, values per row) of ``p``'s global shape."""
     return t.reshape(t.shape[0] if t.dim() else 1, p.numel() // max(1, p.shape[0]) if p.dim() else 1)

@@ -7,8 +7,8 @@ import torch
 
 from toolkit.core.errors import UserError
 from toolkit.optim.adam import _all_params, _keep_implementation, fused_supported
-from toolkit.core.registry import register_optimizer
-from toolkit.config.components import SGDConfig  # noqa: F401  (its options, torch-free for --help)
+from toolkit.core.registry import OptimizerState, ParameterPiece, register_optimizer
+from toolkit.config.components import SGDConfig  # its options, torch-free for --help
 
 
 def check_momentum_options(momentum: float, weight_decay: float, lr: float) -> None:
@@ -21,7 +21,16 @@ def check_momentum_options(momentum: float, weight_decay: float, lr: float) -> N
         raise UserError(f"--lr: must be >= 0, got {lr}")
 
 
-@register_optimizer("sgd", dataclass=SGDConfig)
+def _sgd_state_bytes(options: SGDConfig, piece: ParameterPiece) -> int:
+    """torch SGD keeps an fp32 momentum buffer per tensor, and nothing at all without momentum."""
+    return 4 * piece.local_numel if options.momentum else 0
+
+
+@register_optimizer(
+    "sgd",
+    dataclass=SGDConfig,
+    state=OptimizerState(_sgd_state_bytes, lambda options: "sgd" + (" (momentum)" if options.momentum else "")),
+)
 def build(cfg: SGDConfig, params: list, lr: float) -> torch.optim.Optimizer:
     check_momentum_options(cfg.momentum, cfg.weight_decay, lr)
     params = list(params)

@@ -24,7 +24,6 @@ from toolkit.plan.hardware import PRESETS, Hardware, detect_hardware
 _LAZY_NAMES = {
     "Plan": "planner",
     "make_plan": "planner",
-    "plan_for": "planner",
     "summary": "report",
     "summary_for_train": "report",
     "table": "report",
@@ -34,7 +33,6 @@ _LAZY_NAMES = {
 __all__ = [
     "Plan",
     "make_plan",
-    "plan_for",
     "PRESETS",
     "Hardware",
     "detect_hardware",

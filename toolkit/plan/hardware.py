@@ -7,12 +7,16 @@ in gigabits per second (as NICs are sold): ``--inter-node-gbps 400`` is one 400 
 
 ``--gpu cpu`` plans for this kind of machine: no GPU, every byte in host memory (what the CPU
 checks in ``benchmarks/plan_check.py`` measure).
+
+Host memory is the one figure a preset cannot know (a node of the same GPUs comes with 0.5 to 2 TiB): without
+``--host-memory`` the plan takes this machine's (:func:`machine_memory`), and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -56,6 +60,7 @@ class Hardware:
     compute_efficiency: float = 0.45  # share of the peak a step's FLOPs run at (measured: gpt3_xl on H100)
     comm_efficiency: float = 0.7  # share of a link's bandwidth a collective reaches
     cpu_adam_gparams: float = 2.5  # 1e9 parameters/s CPU Adam updates on a node (6.5B offloaded on the H100 VM)
+    host_memory_source: str = "the preset's"  # where host_memory comes from (the plan says it)
 
     @property
     def has_gpu(self) -> bool:
@@ -88,7 +93,7 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("hardware (toolkit-plan)")
     g.add_argument("--gpu", default="h100", choices=sorted(PRESETS), help="preset the figures below (default: h100)")
     g.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB")
-    g.add_argument("--host-memory", default=None, help="host memory of one node, e.g. 1TiB")
+    g.add_argument("--host-memory", default=None, help="host memory of one node, e.g. 1TiB (default: this machine's)")
     g.add_argument("--gpu-tflops", type=positive_float, default=None, help="dense bf16/fp16 peak TFLOP/s of one GPU")
     g.add_argument("--intra-node-gbps", type=positive_float, default=None, help="NVLink Gb/s per GPU and direction")
     g.add_argument("--inter-node-gbps", type=positive_float, default=None, help="network Gb/s per GPU and direction")
@@ -137,14 +142,58 @@ def split_hardware_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[s
     return ns, rest
 
 
+MEMINFO, CGROUP_MEMORY_MAX = "/proc/meminfo", "/sys/fs/cgroup/memory.max"
+
+
+def machine_memory() -> int:
+    """This machine's memory in bytes: the physical memory (``os.sysconf``, else ``/proc/meminfo``), or the
+    container's limit (cgroup v2 ``memory.max``) where that is lower; 0 when neither can be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = _meminfo_total()
+    limit = _read_int(CGROUP_MEMORY_MAX)
+    return min(total, limit) if total and limit else total or limit
+
+
+def _meminfo_total() -> int:
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _read_int(path: str) -> int:
+    """The integer a kernel file holds ("max", absent or unreadable: 0)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def with_machine_memory(hw: Hardware) -> Hardware:
+    """``hw`` with this machine's memory as the host's (the preset's figure where it cannot be read)."""
+    memory = machine_memory()
+    return dataclasses.replace(hw, host_memory=memory, host_memory_source="this machine's") if memory else hw
+
+
 def hardware_from_args(ns: argparse.Namespace) -> Hardware:
-    """The preset of ``--gpu`` with the explicit flags over it (each checked: positive)."""
+    """The preset of ``--gpu`` with the explicit flags over it (each checked: positive); host memory is this
+    machine's unless ``--host-memory`` gives it."""
     hw = PRESETS[ns.gpu]
     changes: Dict[str, object] = {}
     if ns.gpu_memory is not None:
         changes["gpu_memory"] = parse_bytes(ns.gpu_memory, "--gpu-memory")
-    if ns.host_memory is not None:
+    if ns.host_memory is None:
+        hw = with_machine_memory(hw)
+    else:
         changes["host_memory"] = parse_bytes(ns.host_memory, "--host-memory")
+        changes["host_memory_source"] = "--host-memory"
     for name in (
         "gpu_tflops",
         "intra_node_gbps",
@@ -167,10 +216,10 @@ def detect_hardware() -> Hardware:
     import torch
 
     if not torch.cuda.is_available():
-        return PRESETS["cpu"]
+        return with_machine_memory(PRESETS["cpu"])
     name = torch.cuda.get_device_name()
     key: Optional[str] = next(
         (k for k, pattern in (("h200", "H200"), ("h100", "H100"), ("a100-80", "A100")) if pattern in name), None
     )
-    base = PRESETS[key] if key else PRESETS["h100"]
+    base = with_machine_memory(PRESETS[key] if key else PRESETS["h100"])
     return dataclasses.replace(base, name=name, gpu_memory=torch.cuda.get_device_properties(0).total_memory)

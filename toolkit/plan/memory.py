@@ -17,11 +17,13 @@ The counts follow what the trainer allocates (the tests compare them with its te
   (dp_shard x cp) / P ranks holding the same ones (``ParallelDims.expert_fsdp_mesh``); each MoE layer's backward
   under EP also holds the exchanged gradient rows (:func:`expert_exchange`). ``--cpu-offload`` on a GPU stages a
   block's fp32 shard (copied in before the bf16 cast) and its fp32 reduce-scatter output (copied out).
-* Optimizer state: torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also ``--optimizer
-  muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
-  ``--muon-momentum-dtype bf16``); cpu_adam per
-  ``--adam-state-precision`` (``toolkit.optim.quantized_states``'s layouts: 8-bit moments with one
-  fp32 scale per 2048-value block of a row, fp32 for tensors under 4096 values or 1-D).
+* Optimizer state: what the optimizer declares where it registers (``OptimizerState`` in
+  ``toolkit.core.registry``): torch AdamW 8 bytes per parameter plus a 4-byte step per tensor (also
+  ``--optimizer muon``'s AdamW side; its matrices keep one momentum, 4 bytes a value or 2 under
+  ``--muon-momentum-dtype bf16``); cpu_adam per ``--adam-state-precision``
+  (``toolkit.optim.quantized_states``'s layouts: 8-bit moments with one fp32 scale per 2048-value block of
+  a row, fp32 for tensors under 4096 values or 1-D); sgd's momentum buffer (none without momentum). An
+  optimizer that declares nothing (a ``--user-dir`` plugin) is refused, not priced as Adam.
 * Activations: the meta-device trace of :mod:`toolkit.plan.model_stats` times the sequences per
   micro-batch; a checkpointed layer keeps its input, and backward recomputes one layer at a time.
   Tensor parallelism with sequence parallelism splits them over M. Context parallelism (``--context-parallel-size
@@ -36,13 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
+from toolkit.core.errors import UserError
+from toolkit.core.registry import OPTIMIZER_REGISTRY, OptimizerState, ParameterPiece
 from toolkit.plan.hardware import GIB, Hardware
 from toolkit.plan.model_stats import ModelStats, ParamInfo
 from toolkit.plan.setup import Setup
 
-QUANT_BLOCK, MIN_8BIT_NUMEL = 2048, 4096  # toolkit.optim.quantized_states.BLOCK / MIN_8BIT_NUMEL
 GPU_RUNTIME = int(1.0 * GIB)  # CUDA context, NCCL and cuBLAS workspaces (outside torch's allocator)
 HOST_RUNTIME = int(5.0 * GIB)  # per GPU process: torch + CUDA libraries, data loading (6.7B offload: 102.5 GiB
 # measured against 96.9 GiB of model states, benchmarks/README.md)
@@ -80,27 +83,46 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape) if shape else 1
 
 
+PARTS: Dict[str, Callable[[ParamInfo, int], bool]] = {  # (parameter, top block's index) -> in the part
+    "all": lambda p, top: True,
+    "block": lambda p, top: p.layer == 0,  # one block (every block has the same parameters)
+    "root": lambda p, top: p.layer is None,  # embeddings, final norm, output layer
+    "first": lambda p, top: p.layer is None or p.layer == top,  # what backward makes gradients for first
+    "matmul": lambda p, top: p.matmul,
+    "matmul block": lambda p, top: p.matmul and p.layer == 0,
+    "matmul root": lambda p, top: p.matmul and p.layer is None,
+}
+
+
+def local_numel(stats: ModelStats, part: str, mp: int, shards: int = 1, ep: int = 1) -> int:
+    """Values of the parameters of ``part`` (:data:`PARTS`) one rank keeps under TP ``mp``, FSDP2 shard group
+    ``shards`` (1: whole, as gathered to compute) and EP ``ep``. Kept per model: the layout search asks the same
+    sums for many layouts."""
+    key = ("numel", part, mp, shards, ep)
+    if key not in stats.memo:
+        top, keep = stats.num_layers - 1, PARTS[part]
+        stats.memo[key] = sum(n * _numel(local_shape(p, mp, shards, ep)) for p, n in stats.param_groups if keep(p, top))
+    return stats.memo[key]
+
+
+def optimizer_state(name: str) -> OptimizerState:
+    """What ``--optimizer name`` declares it keeps per parameter; an optimizer that declares nothing cannot be priced
+    and is refused in one line (its memory is the plan's largest item after the activations: a guess would
+    decide whether the run fits)."""
+    state = OPTIMIZER_REGISTRY.state(name)
+    if state is None:
+        raise UserError(
+            f"--optimizer {name}: declares no optimizer state, so its memory cannot be planned; register it with "
+            f"@register_optimizer({name!r}, dataclass=..., state=OptimizerState(bytes_of, note)) "
+            f"(toolkit.core.registry: bytes_of(options, piece) gives the bytes it keeps for one parameter piece)"
+        )
+    return state
+
+
 def optimizer_state_bytes(setup: Setup, p: ParamInfo, local: Tuple[int, ...]) -> int:
-    """Optimizer state of one parameter's local piece, step counter included."""
-    n = _numel(local)
-    if setup.optimizer in ("sgd", "nag"):
-        return 4 * n
-    if setup.optimizer == "muon" and p.role == "matrix":
-        return setup.muon_momentum_bytes * n  # torch's Muon keeps one momentum buffer and no step
-    if setup.optimizer != "cpu_adam":
-        return 8 * n + 4
-    if setup.fp16_adam_stats:
-        return 4 * n + 8 + 4
-    precision = setup.adam_state_precision
-    if precision == "8bit" and (len(p.shape) < 2 or p.numel < MIN_8BIT_NUMEL):
-        precision = "fp32"
-    if precision == "fp32":
-        return 8 * n + 4
-    if precision == "bf16":
-        return 4 * n + 4
-    row = p.numel // p.shape[0]
-    blocks = math.ceil(row / QUANT_BLOCK)
-    return 2 * n + 2 * 4 * local[0] * blocks + 4
+    """Optimizer state of one parameter's local piece, as its optimizer declares it (step counters included)."""
+    piece = ParameterPiece(tuple(p.shape), tuple(local), p.role)
+    return optimizer_state(setup.optimizer).bytes_of(setup.optimizer_options, piece)
 
 
 def _grad_width(setup: Setup) -> int:
@@ -109,52 +131,57 @@ def _grad_width(setup: Setup) -> int:
 
 def grad_bytes_by_part(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> Tuple[int, int]:
     """(all gradient bytes of this rank, those of the root and the top block: the first ones backward makes)."""
-    S = shard_group(setup, gpus_per_node)
-    top = stats.num_layers - 1
-    local = [(p, _numel(local_shape(p, setup.mp, S, setup.ep))) for p in stats.params]
-    first = sum(n for p, n in local if p.layer is None or p.layer == top)
-    return _grad_width(setup) * sum(n for _, n in local), _grad_width(setup) * first
+    S, width = shard_group(setup, gpus_per_node), _grad_width(setup)
+    return (
+        width * local_numel(stats, "all", setup.mp, S, setup.ep),
+        width * local_numel(stats, "first", setup.mp, S, setup.ep),
+    )
+
+
+def optimizer_bytes(stats: ModelStats, setup: Setup, shards: int) -> int:
+    """The optimizer state of every parameter piece this rank keeps (kept per model and settings)."""
+    key = ("optimizer", setup.optimizer, repr(setup.optimizer_options), setup.mp, shards, setup.ep)
+    if key not in stats.memo:
+        stats.memo[key] = sum(
+            n * optimizer_state_bytes(setup, p, local_shape(p, setup.mp, shards, setup.ep))
+            for p, n in stats.param_groups
+        )
+    return stats.memo[key]
 
 
 def model_state_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     """Parameters, gradients and optimizer state per rank (exact counts: the tests check them)."""
     S = shard_group(setup, hw.gpus_per_node)
-    locals_ = [(p, local_shape(p, setup.mp, S, setup.ep)) for p in stats.params]
-    n = sum(_numel(s) for _, s in locals_)
+    n = local_numel(stats, "all", setup.mp, S, setup.ep)
     param_bytes = (2 if setup.memory_efficient_fp16 and not setup.fsdp else 4) * n
     grad_bytes = _grad_width(setup) * n
-    optim = sum(optimizer_state_bytes(setup, p, s) for p, s in locals_)
+    optim = optimizer_bytes(stats, setup, S)
     host = setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu
     where = (lambda b: Item("", 0, b)) if host else (lambda b: Item("", b, 0))
     note = f"1/{S} shard" if S > 1 else "whole"
     return [
         _named(where(param_bytes), "parameters (fp32 master)" if param_bytes == 4 * n else "parameters", note, True),
         _named(where(grad_bytes), "gradients", note),
-        _named(where(optim), "optimizer state", _optimizer_note(setup), True),
+        _named(where(optim), "optimizer state", optimizer_note(setup), True),
     ]
 
 
-def _optimizer_note(setup: Setup) -> str:
-    if setup.optimizer == "cpu_adam":
-        return f"cpu_adam {setup.adam_state_precision}"
-    if setup.optimizer == "muon":
-        return f"muon (momentum {'bf16' if setup.muon_momentum_bytes == 2 else 'fp32'}) + adamw"
-    return setup.optimizer
+def optimizer_note(setup: Setup) -> str:
+    return optimizer_state(setup.optimizer).note(setup.optimizer_options) or setup.optimizer
 
 
 def _named(item: Item, name: str, note: str, persistent: bool = False) -> Item:
     return Item(name, item.gpu, item.host, note, persistent)
 
 
-def tp_numel(params: Sequence[ParamInfo], mp: int, ep: int = 1) -> int:
-    """Values of ``params`` a rank computes with (gathered): its TP shards and its E/ep experts."""
-    return sum(_numel(local_shape(p, mp, 1, ep)) for p in params)
+def tp_numel(stats: ModelStats, part: str, setup: Setup) -> int:
+    """Values of ``part``'s parameters a rank computes with (gathered): its TP shards and its E/ep experts."""
+    return local_numel(stats, part, setup.mp, 1, setup.ep)
 
 
 def block_shard(stats: ModelStats, setup: Setup, gpus_per_node: int = 8) -> int:
     """Values of one block this rank keeps (its FSDP2 shard)."""
-    S = shard_group(setup, gpus_per_node)
-    return sum(_numel(local_shape(p, setup.mp, S, setup.ep)) for p in stats.params if p.layer == 0)
+    return local_numel(stats, "block", setup.mp, shard_group(setup, gpus_per_node), setup.ep)
 
 
 def expert_exchange(stats: ModelStats, setup: Setup) -> int:
@@ -170,12 +197,10 @@ def expert_exchange(stats: ModelStats, setup: Setup) -> int:
 def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
     """Gathered parameters and gradient buffers (communication), transient but at the peak."""
     cb = setup.compute_bytes
-    layer = [p for p in stats.params if p.layer == 0]
-    root = [p for p in stats.params if p.layer is None]
     block, top, total = (
-        tp_numel(layer, setup.mp, setup.ep),
-        tp_numel(root, setup.mp, setup.ep),
-        tp_numel(stats.params, setup.mp, setup.ep),
+        tp_numel(stats, "block", setup),
+        tp_numel(stats, "root", setup),
+        tp_numel(stats, "all", setup),
     )
     items: List[Item] = []
     if setup.fsdp:
@@ -208,7 +233,7 @@ def buffer_items(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Item]:
                 )
             )
     elif cb == 2 and not setup.memory_efficient_fp16:
-        matmul = tp_numel([p for p in stats.params if p.matmul], setup.mp, setup.ep)
+        matmul = tp_numel(stats, "matmul", setup)
         items.append(Item("autocast weight copies", cb * matmul, 0, "cast once per forward"))
     if setup.bucketed_all_reduce:
         items.append(Item("gradient buffers", 2 * (64 << 20), 0, "64 MiB bucket, flat + reduced"))
@@ -219,6 +244,13 @@ def _to_host(item: Item) -> Item:
     return Item(item.name, 0, item.gpu + item.host, item.note)
 
 
+def layer_share(setup: Setup) -> float:
+    """The share of one block's traced activations a tensor-parallel rank saves: 1/M with sequence parallelism;
+    without it the norms' and dropouts' inputs (about 30% of a block's bytes) stay whole on every rank."""
+    M = setup.mp
+    return 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
+
+
 def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     """(saved for backward at the end of forward, the largest backward transient) per rank.
 
@@ -227,10 +259,10 @@ def activation_bytes(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     plus the fp32 gradient flowing in and out of it); :mod:`toolkit.plan.update_peak` places both.
     """
     act, b, M = stats.activations, setup.rank_sequences, setup.mp
-    layer_share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
-    per_layer = act.block_input / M if setup.checkpoint else act.per_layer * layer_share
+    share = layer_share(setup)
+    per_layer = act.block_input / M if setup.checkpoint else act.per_layer * share
     saved = b * (stats.num_layers * per_layer + act.rest / M)
-    recompute = b * act.per_layer * layer_share if setup.checkpoint else 0
+    recompute = b * act.per_layer * share if setup.checkpoint else 0
     flow = 2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1)
     flow += expert_exchange(stats, setup)
     logits_grad = b * stats.tokens_per_sample * stats.vocab_size / M * (4 + setup.compute_bytes)

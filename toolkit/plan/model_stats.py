@@ -20,11 +20,13 @@ adaptive softmax, untied output), and a user's ``--user-dir`` model is neither. 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,21 @@ class Activations:
 
 
 @dataclass(frozen=True)
+class SplitLimits:
+    """What the model allows each parallel axis, read from the model (what toolkit-train's workers check):
+    ``tp_divisible``: (flag, size) pairs a tensor-parallel size must divide (heads, widths; the context length
+    under sequence parallelism); ``tp_refused``: why the model has no tensor-parallel split (None: it has one);
+    ``context_parallel`` / ``expert_parallel``: the family declares the capability; ``experts``: a MoE layer's
+    experts (what --expert-parallel-size must divide; 0 without MoE)."""
+
+    tp_divisible: Tuple[Tuple[str, int], ...] = ()
+    tp_refused: Optional[str] = "the model has no tensor-parallel plan"
+    context_parallel: bool = False
+    expert_parallel: bool = False
+    experts: int = 0
+
+
+@dataclass(frozen=True)
 class ModelStats:
     arch: str
     params: Tuple[ParamInfo, ...]
@@ -73,10 +90,31 @@ class ModelStats:
     kv_width: int = 0  # keys + values features per token, summed over the layers (shared Attention blocks)
     moe_top_k: int = 0  # experts a token goes through in each MoE layer (0: no MoE layer)
     moe_layers: int = 0  # layers whose feed-forward is a mixture of experts
+    splits: SplitLimits = SplitLimits()  # which parallel sizes the model itself takes (the layout search's pruning)
 
     @property
     def num_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @functools.cached_property
+    def memo(self) -> Dict[Tuple[Any, ...], int]:
+        """Sums over the parameters the planner has made for this model, by what they depend on
+        (:func:`toolkit.plan.memory.local_numel`): the layout search prices many layouts of one model."""
+        return {}
+
+    @functools.cached_property
+    def param_groups(self) -> Tuple[Tuple[ParamInfo, int], ...]:
+        """The parameters as (one of them, how many) per kind: equal shape, split and role, and the same place
+        (the root, block 0, the top block, or another block). Every count the planner makes is a sum over
+        parameters of a function of these, so it sums over tens of kinds instead of a model's thousand tensors
+        (the layout search prices thousands of layouts)."""
+        top = self.num_layers - 1
+        groups: Dict[Tuple[Any, ...], List[Any]] = {}
+        for p in self.params:
+            place = p.layer if p.layer in (None, 0, top) else "block"
+            key = (p.shape, p.tp_split, p.matmul, p.role, p.expert, place)
+            groups.setdefault(key, [p, 0])[1] += 1
+        return tuple((p, n) for p, n in groups.values())
 
 
 class _CountingDictionary:
@@ -269,6 +307,30 @@ def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
         check_expert_share(dist.expert_parallel_size, experts.num_experts)
 
 
+def split_limits(model: torch.nn.Module, sequence_parallel: bool) -> SplitLimits:
+    """The model's :class:`SplitLimits` (the checks of ``toolkit.distributed.tensor_parallel`` and the capability
+    flags ``toolkit.distributed.parallel_dims`` reads), so that the planner proposes only sizes it trains with."""
+    from toolkit.core.protocols import TensorParallelizable, supports
+    from toolkit.models.blocks.moe import GroupedExperts
+
+    divisible: Tuple[Tuple[str, int], ...] = ()
+    refused: Optional[str] = f"{type(model).__name__} gives no tensor_parallel_plan()"
+    if isinstance(model, TensorParallelizable):
+        plan = model.tensor_parallel_plan()
+        refused = plan.unsupported
+        divisible = tuple(plan.divisible) + (
+            (("--tokens-per-sample (max target positions)", plan.positions),) if sequence_parallel else ()
+        )
+    experts = [m.num_experts for m in model.modules() if isinstance(m, GroupedExperts)]
+    return SplitLimits(
+        tp_divisible=divisible,
+        tp_refused=refused,
+        context_parallel=supports(type(model), "supports_context_parallel"),
+        expert_parallel=supports(type(model), "supports_expert_parallel"),
+        experts=math.gcd(*experts) if experts else 0,
+    )
+
+
 def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> ModelStats:
     """The planner's view of ``cfg``'s model (a resolved TrainConfig) computing in ``dtype``."""
     arch, model_cfg = cfg.components.arch, cfg.model
@@ -304,4 +366,5 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         kv_width=kv_width,
         moe_top_k=max((m.gate.top_k for m in moe), default=0),
         moe_layers=len(moe),
+        splits=split_limits(model, not cfg.distributed.no_sequence_parallel),
     )

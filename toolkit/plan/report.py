@@ -1,12 +1,14 @@
-"""How a plan reads: the per-rank table, the verdict with its reason and the first flag to change, and the
-one-line summary ``toolkit-train --plan`` logs."""
+"""How a plan reads: the per-rank table, the verdict with its reason, the layout search's fastest layouts that
+fit with their flags, and the one-line summary ``toolkit-train --plan`` logs."""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
+from toolkit.core.errors import UserError
 from toolkit.plan.hardware import GIB
 from toolkit.plan.memory import Item
+from toolkit.plan.search import SearchResult
 
 
 def _gib(n: float) -> str:
@@ -18,13 +20,17 @@ def _layout(plan: Any) -> str:
     kind = f"fully_sharded {s.strategy}" if s.backend == "fully_sharded" else s.backend
     extra = (
         (f", TP {s.mp}" if s.mp > 1 else "")
+        + (f", CP {s.cp}" if s.cp > 1 else "")
+        + (f", EP {s.ep}" if s.ep > 1 else "")
         + (", cpu-offload" if s.cpu_offload else "")
         + (", checkpointed" if s.checkpoint else "")
     )
     return f"{s.world} rank(s), {kind}{extra}, {'bf16/fp16' if s.compute_bytes == 2 else 'fp32'}"
 
 
-def verdict(plan: Any) -> str:
+def verdict(plan: Any, found: Optional[SearchResult] = None) -> str:
+    """FITS or DOES NOT FIT with both peaks; when it does not, the fastest layout the search found that fits
+    (``found``), or that none of the layouts priced fits."""
     hw = plan.hw
     gpu = f"GPU {_gib(plan.gpu_peak)} of {_gib(hw.gpu_memory)}" if hw.has_gpu else "no GPU"
     host = (
@@ -35,15 +41,45 @@ def verdict(plan: Any) -> str:
     if plan.fits:
         return f"FITS: {gpu}, {host}"
     short = [w for w, ok in (("GPU", plan.fits_gpu), ("host", plan.fits_host)) if not ok]
-    fix = f"; first change: {plan.fix}" if plan.fix else "; no single flag change fits: add GPUs or nodes"
-    return f"DOES NOT FIT ({' and '.join(short)} memory): {gpu}, {host}{fix}"
+    if found is None:
+        change = ""
+    elif found.shown:
+        change = f"; fastest layout that fits: {' '.join(found.shown[0].flags)}"
+    else:
+        change = f"; none of the {found.priced:,} layouts searched fits: add GPUs or nodes"
+    return f"DOES NOT FIT ({' and '.join(short)} memory): {gpu}, {host}{change}"
 
 
-def table(plan: Any) -> str:
+def layouts(plan: Any, found: SearchResult) -> str:
+    """The fastest layouts that fit, one a line: step time, throughput, peaks, and the flags to add."""
+    hw = plan.hw
+    lines = [
+        f"layout search (the same model, world and {plan.time.tokens_per_step:,} tokens per update): "
+        f"{found.priced:,} layouts priced, {found.fitting:,} fit"
+        + (f" ({found.refused} refused by toolkit-train's checks)" if found.refused else "")
+        + ("; the fastest, with the flags to add to the command above:" if found.shown else "")
+    ]
+    if found.shown:
+        lines.append(f"  {'step':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'GPU':>10} {'host/node':>11}  flags")
+    for c in found.shown:
+        p = c.plan
+        lines.append(
+            f"  {c.step_s:>7.3f} s {p.time.tokens_per_step / c.step_s:>10,.0f} {p.time.tflops_per_gpu:>8.0f} "
+            f"{_gib(p.gpu_peak) if hw.has_gpu else '-':>10} {_gib(p.host_peak_node):>11}  "
+            + (" ".join(c.flags) or "(as given)")
+            + ("  [changes the numbers: lower-precision state or compute]" if c.lossy else "")
+        )
+    return "\n".join(lines)
+
+
+def table(plan: Any, found: Optional[SearchResult] = None) -> str:
     st, t = plan.stats, plan.time
     lines = [
         f"{st.arch}: {st.num_params / 1e9:.3f}B parameters, V {st.vocab_size}, T {st.tokens_per_sample}, "
-        f"{st.flops_per_token / 1e9:.2f} GFLOPs/token; {_layout(plan)} on {plan.hw.name}",
+        f"{st.flops_per_token / 1e9:.2f} GFLOPs/token; {_layout(plan)} on {plan.hw.name}"
+        + (
+            f", host {_gib(plan.hw.host_memory)} per node ({plan.hw.host_memory_source})" if plan.hw.host_memory else ""
+        ),
         f"{'per rank':<28}{'GPU':>12}{'host':>12}  note",
     ]
     for name, gpu, host, note in items_as_rows(list(plan.items)):
@@ -63,7 +99,7 @@ def table(plan: Any) -> str:
         f"{t.tokens_per_step / t.total_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU"
         + (f" ({t.tflops_per_gpu * 8 / 6:.0f} counting the recomputed forward)" if plan.setup.checkpoint else "")
     )
-    lines.append(verdict(plan))
+    lines.append(verdict(plan, found))
     return "\n".join(lines)
 
 
@@ -86,9 +122,13 @@ def summary_for_train(cfg: Any) -> str:
 
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     try:
-        return "plan: " + summary(make_plan(cfg, detect_hardware(), world_size=world))
+        plan = make_plan(cfg, detect_hardware(), world_size=world)
+    except UserError as e:  # e.g. a plugin optimizer that declares no state
+        return f"plan: not available ({e}); training goes on"
     except (AttributeError, TypeError, ValueError, RuntimeError) as e:  # a plugin model the planner cannot read
         return f"plan: not available for this model ({type(e).__name__}: {e}); training goes on"
+    line = "plan: " + summary(plan)
+    return line if plan.fits else line + " (toolkit-plan with the same flags searches the layouts that fit)"
 
 
 def items_as_rows(items: List[Item]) -> List[Tuple[str, str, str, str]]:

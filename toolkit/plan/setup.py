@@ -1,15 +1,16 @@
 """The flags that decide memory and time, read once from a resolved TrainConfig (``Setup``).
 
-Why a separate flat record: the planner tries flag changes to find the first one that makes a
-run fit (``--checkpoint-activations``, ``--cpu-offload``, ...); changing a field of a small frozen
-record and planning again is simpler and cheaper than re-parsing the command line.
+Why a separate flat record: the layout search (:mod:`toolkit.plan.search`) prices thousands of layouts and
+memory settings of one run (``--model-parallel-size``, ``--cpu-offload``, ...); changing a field of a small frozen
+record and planning again is simpler and cheaper than re-parsing the command line (which it does only for the
+layouts it prints, to check that toolkit-train reads them back as priced).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict
 
 import torch
 
@@ -27,8 +28,7 @@ class Setup:
     reshard: bool  # FSDP2 frees gathered parameters after each block's forward
     cpu_offload: bool
     optimizer: str
-    adam_state_precision: str
-    fp16_adam_stats: bool
+    optimizer_options: Any  # its resolved options section (what its declared OptimizerState reads)
     bf16_host_grads: bool
     checkpoint: bool
     offload_activations: bool
@@ -40,7 +40,6 @@ class Setup:
     cp: int = 1  # --context-parallel-size
     document_mask: bool = False  # --document-attention-mask: the CP mask has a row block per sequence
     ep: int = 1  # --expert-parallel-size
-    muon_momentum_bytes: int = 4  # --optimizer muon's momentum per matrix value (--muon-momentum-dtype)
 
     @property
     def rank_sequences(self) -> float:
@@ -83,8 +82,18 @@ class Setup:
 _ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 
 
-def _reshard(dist: Any) -> bool:
-    return dist.sharding_strategy in ("full_shard", "hybrid_shard") and not dist.no_reshard_after_forward
+def data_parallel_fields(backend: str, strategy: str, tp: int, no_reshard_after_forward: bool) -> Dict[str, Any]:
+    """The Setup fields that ``--ddp-backend``, ``--sharding-strategy`` and ``--no-reshard-after-forward`` decide:
+    FSDP2 wraps the model under fully_sharded and under TP with any backend but no_c10d (replicating over the
+    data-parallel ranks), and frees gathered parameters after each block's forward when ``--sharding-strategy`` is
+    full_shard/hybrid_shard (the flag's value whatever the backend: ``parallelize.reshard_after_forward``)."""
+    backend = _ALIASES.get(backend, backend)
+    return dict(
+        fsdp=backend == "fully_sharded" or (tp > 1 and backend != "no_c10d"),
+        backend=backend,
+        strategy=strategy if backend == "fully_sharded" else "no_shard",
+        reshard=strategy in ("full_shard", "hybrid_shard") and not no_reshard_after_forward,
+    )
 
 
 def setup_from_config(cfg: Any, gpu: bool) -> Setup:
@@ -93,34 +102,33 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
     On a GPU, ``--cpu-offload`` without ``--fp16``/``--bf16`` trains in bf16 (toolkit.train.resolve's
     choice there); resolved on this CPU-only machine the config says fp32, so the plan corrects it.
     """
-    dist, common, opt = cfg.distributed, cfg.common, cfg.optimizer
-    backend = _ALIASES.get(dist.ddp_backend, dist.ddp_backend)
+    dist, common = cfg.distributed, cfg.common
     half = bool(common.fp16 or common.bf16 or common.memory_efficient_fp16 or (gpu and dist.cpu_offload))
-    tokens = int(getattr(cfg.task, "tokens_per_sample", 0) or 0) or 1024
-    ds = cfg.dataset
-    batch = ds.batch_size or max(1, (ds.max_tokens or tokens) // tokens)
+    ds, tokens = cfg.dataset, sample_tokens(cfg)
     return Setup(
         world=max(1, dist.distributed_world_size),
         mp=max(1, dist.model_parallel_size),
-        fsdp=backend == "fully_sharded" or (dist.model_parallel_size > 1 and backend != "no_c10d"),
-        backend=backend,
-        strategy=dist.sharding_strategy if backend == "fully_sharded" else "no_shard",
+        **data_parallel_fields(
+            dist.ddp_backend, dist.sharding_strategy, dist.model_parallel_size, dist.no_reshard_after_forward
+        ),
         shard_group_size=dist.shard_group_size,
-        reshard=_reshard(dist),
         cpu_offload=dist.cpu_offload,
         optimizer=cfg.components.optimizer,
-        adam_state_precision=getattr(opt, "adam_state_precision", "fp32") if opt is not None else "fp32",
-        fp16_adam_stats=bool(getattr(opt, "fp16_adam_stats", False)) if opt is not None else False,
+        optimizer_options=cfg.optimizer,
         bf16_host_grads=dist.bf16_host_grads,
         checkpoint=dist.checkpoint_activations,
         offload_activations=dist.offload_activations,
         sequence_parallel=not dist.no_sequence_parallel,
         compute_bytes=2 if half else 4,
         memory_efficient_fp16=common.memory_efficient_fp16,
-        batch_sequences=batch,
+        batch_sequences=ds.batch_size or max(1, (ds.max_tokens or tokens) // tokens),
         update_freq=cfg.optimization.update_freq,
         cp=dist.context_parallel_size,
         document_mask=bool(getattr(cfg.task, "document_attention_mask", False)),
         ep=dist.expert_parallel_size,
-        muon_momentum_bytes=2 if getattr(opt, "muon_momentum_dtype", "fp32") == "bf16" else 4,
     )
+
+
+def sample_tokens(cfg: Any) -> int:
+    """``--tokens-per-sample`` (1024 for a task without one): what a sequence of ``--batch-size`` holds."""
+    return int(getattr(cfg.task, "tokens_per_sample", 0) or 0) or 1024

@@ -4,7 +4,8 @@ Why this model: at scale a step is bounded by the matmuls (the model's FLOPs per
 of the peak, ``Hardware.compute_efficiency``) unless a collective or the offloaded update is
 slower. FSDP2's all-gathers and reduce-scatters overlap compute (prefetch), so they count only where
 they exceed it; tensor-parallel collectives sit between a layer's matmuls and are exposed; the
-offloaded update (CPU Adam) runs after backward unless ``--overlap-offload-step``.
+offloaded update (CPU Adam) runs after backward unless ``--overlap-offload-step``; ``--offload-activations``
+copies every block's saved activations to the host and back, and the step waits for them.
 
 Ring collectives move ``(n - 1) / n`` of the buffer per rank (an all-reduce twice that); a group
 within one node uses NVLink, one across nodes each GPU's NIC.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from toolkit.plan.hardware import Hardware
-from toolkit.plan.memory import tp_numel, shard_group
+from toolkit.plan.memory import layer_share, shard_group, tp_numel
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.setup import Setup
 
@@ -46,7 +47,7 @@ def _link(hw: Hardware, ranks_spanned: int) -> float:
 def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str, float, float, bool]]:
     """(name, bytes per rank per update, seconds, overlapped with compute)."""
     out: List[Tuple[str, float, float, bool]] = []
-    P = tp_numel(stats.params, setup.mp, setup.ep)
+    P = tp_numel(stats, "all", setup)
     S, mb, cb = shard_group(setup, hw.gpus_per_node), setup.update_freq, setup.compute_bytes
     if setup.fsdp and S > 1:
         bw = _link(hw, S * setup.mp)
@@ -70,11 +71,24 @@ def collectives(stats: ModelStats, setup: Setup, hw: Hardware) -> List[Tuple[str
     if setup.ep > 1 and stats.moe_layers:
         a2a = expert_all_to_all_bytes(stats, setup)
         out.append(("expert all-to-all", a2a, a2a / _link(hw, setup.ep * setup.mp), False))
+    if setup.offload_activations and not setup.checkpoint and hw.has_gpu:
+        moved = 2 * mb * offloaded_activations(stats, setup)  # out during forward, back in for backward
+        out.append(("activation offload copies", moved, moved / _host_link(hw), False))
     if setup.cpu_offload and hw.has_gpu:
         S_params = 4 * P / S
         h2d = mb * (2 if setup.reshard else 1) * S_params + (2 if setup.bf16_host_grads else 4) * P / S
-        out.append(("host <-> GPU copies", h2d, h2d / (hw.host_link_gbps / 8 * 1e9 * hw.comm_efficiency), True))
+        out.append(("host <-> GPU copies", h2d, h2d / _host_link(hw), True))
     return out
+
+
+def _host_link(hw: Hardware) -> float:
+    return hw.host_link_gbps / 8 * 1e9 * hw.comm_efficiency
+
+
+def offloaded_activations(stats: ModelStats, setup: Setup) -> float:
+    """Bytes ``--offload-activations`` moves to the host per micro-batch: every block's saved activations (torch's
+    ``save_on_cpu``, a copy the forward waits for; checkpointed blocks keep their inputs themselves)."""
+    return setup.rank_sequences * stats.num_layers * stats.activations.per_layer * layer_share(setup)
 
 
 def expert_all_to_all_bytes(stats: ModelStats, setup: Setup) -> float:
@@ -107,7 +121,7 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
     comms = collectives(stats, setup, hw)
     overlapped = sum(s for _, _, s, o in comms if o)
     exposed = sum(s for _, _, s, o in comms if not o)
-    P_local = tp_numel(stats.params, setup.mp, setup.ep) / shard_group(setup, hw.gpus_per_node)
+    P_local = tp_numel(stats, "all", setup) / shard_group(setup, hw.gpus_per_node)
     if setup.cpu_offload or setup.optimizer == "cpu_adam" or not hw.has_gpu:
         ranks_on_node = min(hw.gpus_per_node, setup.world)
         optimizer = P_local * ranks_on_node / (hw.cpu_adam_gparams * 1e9)

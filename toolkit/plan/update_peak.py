@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from toolkit.plan.hardware import Hardware
-from toolkit.plan.memory import block_shard, context_parallel_held, expert_exchange, grad_bytes_by_part, tp_numel
+from toolkit.plan.memory import (
+    block_shard,
+    context_parallel_held,
+    expert_exchange,
+    grad_bytes_by_part,
+    layer_share,
+    tp_numel,
+)
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.setup import Setup
 
@@ -57,9 +64,7 @@ def _gathered(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: 
     if not setup.fsdp:
         return 0, 0, 0
     cb = setup.compute_bytes
-    block = tp_numel([p for p in stats.params if p.layer == 0], setup.mp, setup.ep)
-    root = tp_numel([p for p in stats.params if p.layer is None], setup.mp, setup.ep)
-    total = tp_numel(stats.params, setup.mp, setup.ep)
+    block, root, total = (tp_numel(stats, part, setup) for part in ("block", "root", "all"))
     top = cb * (root + 2 * block) if setup.reshard else cb * total  # full_shard: last block + the prefetched one
     accumulated = 4 * total if setup.update_freq > 1 else 0  # FSDP2 keeps unsharded fp32 grads between micro-batches
     staged = 4 * block_shard(stats, setup, gpus_per_node) if setup.cpu_offload and has_gpu else 0
@@ -70,16 +75,14 @@ def _autocast_copies(stats: ModelStats, setup: Setup) -> Tuple[int, int]:
     """Weights autocast casts (DDP/one process under --fp16/--bf16) and autograd keeps: (top, first block)."""
     if setup.fsdp or setup.compute_bytes != 2 or setup.memory_efficient_fp16:
         return 0, 0
-    matmul = [p for p in stats.params if p.matmul]
-    block = 2 * tp_numel([p for p in matmul if p.layer == 0], setup.mp, setup.ep)
-    root = 2 * tp_numel([p for p in matmul if p.layer is None], setup.mp, setup.ep)
+    block, root = 2 * tp_numel(stats, "matmul block", setup), 2 * tp_numel(stats, "matmul root", setup)
     return root + (0 if setup.checkpoint else stats.num_layers * block), block
 
 
 def moments(stats: ModelStats, setup: Setup, gpus_per_node: int = 8, has_gpu: bool = True) -> Moments:
     """The terms of both moments (see the module docstring)."""
     act, b, M = stats.activations, setup.rank_sequences, setup.mp
-    share = 1.0 / M if setup.sequence_parallel else 0.3 + 0.7 / M
+    share = layer_share(setup)
     kept = int(b * (act.block_input / M if setup.checkpoint else act.per_layer * share))  # per block, to backward
     recompute = int(b * act.per_layer * share) if setup.checkpoint else 0
     flow = int(2 * b * stats.tokens_per_sample * stats.embed_dim * 4 / (M if setup.sequence_parallel else 1))
