@@ -80,7 +80,7 @@ def apply_compile(
     several graphs instead of one (no ``fullgraph``). Expert parallelism: its token exchange
     (``GroupedExperts._exchange_and_run``) between the graph of the attention and router and the graph of
     the combine. Context parallelism: the attention over the gathered keys/values
-    (``ContextShard.attend_across_ranks``) between the projections and ``o_proj``. So do a MoE layer's own FSDP2
+    (``toolkit.models.common.attention.attend_across_ranks``) between the projections and ``o_proj``. So do a MoE layer's own FSDP2
     hooks under tensor parallelism (``toolkit.distributed.expert_parallel.shard_moe_replicated_over_tp``).
     """
     backend = compile_backend(device)
