@@ -1,4 +1,5 @@
-"""toolkit.models.blocks: each option of the shared modules against a direct computation (attention: test_attention.py)."""
+"""toolkit.models.blocks: each option of the shared modules against a direct computation (attention's:
+test_attention.py)."""
 
 import math
 
