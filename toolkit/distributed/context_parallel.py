@@ -14,11 +14,12 @@ What changes per micro-batch (:func:`shard_sample`, called by the strategy befor
 - ``positions``: each column's *global* rotary position (the chunk's own place in the sequence, or the
   restarted per-document positions of ``--reset-position-ids``), so RoPE sees what one process sees;
 - ``context_parallel``: a :class:`ContextShard`, which the model passes to its attention layers beside their
-  inputs (``toolkit.models.common.attention.layer.attend_across_ranks``): :meth:`ContextShard.gather` all-gathers
-  each layer's keys/values (its variant's entries) over the cp group (autograd sends the keys' gradients back to
-  the rank that computed them), and :meth:`ContextShard.visibility` says which gathered key each of this rank's
-  queries sees: causal on the global sequence index, within each document (``--document-attention-mask``,
-  documents crossing chunk boundaries included) and within the sliding window of the layer asking.
+  inputs (:meth:`ContextShard.attend` runs the attention package's ``attend_across_ranks``):
+  :meth:`ContextShard.gather` all-gathers each layer's keys/values (its variant's entries) over the cp group
+  (autograd sends the keys' gradients back to the rank that computed them), and :meth:`ContextShard.visibility`
+  says which gathered key each of this rank's queries sees: causal on the global sequence index, within each
+  document (``--document-attention-mask``, documents crossing chunk boundaries included) and within the sliding
+  window of the layer asking.
 
 The attention arithmetic over the gathered keys (tile by tile with the CPU flash kernel, or under the [T/C, T]
 mask) is the attention package's (``toolkit.models.common.attention.across_ranks``); this module holds the layout
@@ -38,7 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from toolkit.models.common.attention import ChunkedVisibility
+from toolkit.models.common.attention import ChunkedVisibility, attend_across_ranks
 
 
 def chunk_layout(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -112,6 +113,13 @@ class ContextShard:
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(x, self.group, self.cp_rank, self.cp_size)
+
+    @torch.compiler.disable
+    def attend(self, layer: Any, q: torch.Tensor, entries: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The attention package's ``attend_across_ranks`` through this shard, eager under ``--compile`` (its
+        docstring says why). Decorated at import (this module is imported only by context-parallel runs): one function
+        object, so the compiled blocks' guards on it hold from one micro-batch's shard to the next."""
+        return attend_across_ranks(layer, q, entries, self)
 
 
 def pad_to_chunks(sample: Dict[str, Any], cp_size: int, pad: int) -> Dict[str, Any]:

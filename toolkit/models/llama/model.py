@@ -201,12 +201,13 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         x = self.embed(tokens)
         windows = layer_windows(self.cfg)  # local and global layers attend differently: one mask per kind
         tables = {window: self.rope_rows(window, start, T, positions) for window in set(windows)}
-        masks = {  # with a context shard each layer's keys come from the ranks, seen through the shard's layout
-            window: None
-            if context_parallel is not None
-            else attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
-            for window in set(windows)
-        }
+        if context_parallel is None:
+            masks = {
+                window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
+                for window in set(windows)
+            }
+        else:  # each layer sees the keys of the ranks through the shard's layout, not through a mask
+            masks = dict.fromkeys(windows)
         for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
             mask, (cos, sin) = masks[window], tables[window]
             if cache is not None:

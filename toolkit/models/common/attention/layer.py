@@ -18,8 +18,8 @@ three ways keys arrive, each through the one core call, ``backends.attend``:
 - this forward's own positions, under the model's mask (``masks.attention_mask``, built once per forward);
 - the KV cache (``forward`` with ``kv_cache``): the new positions P..P+T-1 see every cached
   one (within the window) and the new ones up to themselves; a local layer's cache keeps the last window - 1;
-- the other context-parallel ranks (:func:`attend_across_ranks`, with ``context_parallel``): the entries gathered
-  over the cp group, this rank's queries over the whole sequence;
+- the other context-parallel ranks (:func:`attend_across_ranks`, with ``context_parallel``, which runs it outside
+  compiled graphs): the entries gathered over the cp group, this rank's queries over the whole sequence;
 
 and the cache as plain tensors in and out for ONNX (:meth:`AttentionLayer.forward_with_past`, the explicit form).
 """
@@ -41,11 +41,15 @@ Entries = Tuple[torch.Tensor, ...]
 
 class KeyExchange(Protocol):
     """What context parallelism hands a layer (``toolkit.distributed.context_parallel.ContextShard``): the gathering
-    of every rank's entries, and which gathered key each of this rank's queries sees."""
+    of every rank's entries, which gathered key each of this rank's queries sees, and ``attend``, which runs
+    :func:`attend_across_ranks` with itself eagerly under ``--compile`` (``torch.compiler.disable``, applied where
+    only context-parallel runs import it: importing the compiler costs every other run its start-up)."""
 
     def gather(self, entries: Entries) -> Entries: ...
 
     def visibility(self, window: Optional[int]) -> ChunkedVisibility: ...
+
+    def attend(self, layer: AttentionLayer, q: torch.Tensor, entries: Entries) -> torch.Tensor: ...
 
 
 class AttentionLayer(nn.Module):
@@ -95,7 +99,7 @@ class AttentionLayer(nn.Module):
         masked here); ``kv_cache``: incremental decoding; ``context_parallel``: the keys of the whole sequence."""
         q, entries, carry = self.project(x, cos, sin)
         if context_parallel is not None:
-            y = attend_across_ranks(self, q, entries, context_parallel)
+            y = context_parallel.attend(self, q, entries)
         elif kv_cache is not None:
             y = self._cached_step(q, entries, kv_cache)
         else:
@@ -124,15 +128,13 @@ class AttentionLayer(nn.Module):
         return self.output(self.attend(q, k, v, mask, export=True), carry), present
 
 
-@torch.compiler.disable
 def attend_across_ranks(layer: AttentionLayer, q: torch.Tensor, entries: Entries, exchange: KeyExchange):
     """This rank's queries q [B, H, T/C, D] over the whole sequence: the entries of every cp rank gathered (one
     collective), expanded into keys and values, under the layout's visibility of the layer's window.
 
-    Eager under ``--compile`` (``torch.compiler.disable``): a compiled block is a graph before and one after this
-    call (``toolkit.distributed.compile``). Traced, the collective would break the graph anyway, and the tiles
-    (which exist, which are causal, which carry a mask) are Python decisions on each batch's document boundaries
-    that a graph would guard on, recompiling batch after batch. Decorated at import: one function object, so the
-    compiled blocks' guards on it hold from one micro-batch's shard to the next."""
+    Eager under ``--compile`` (``KeyExchange.attend``): a compiled block is a graph before and one after this call
+    (``toolkit.distributed.compile``). Traced, the collective would break the graph anyway, and the tiles (which
+    exist, which are causal, which carry a mask) are Python decisions on each batch's document boundaries that a
+    graph would guard on, recompiling batch after batch."""
     k, v = layer.keys_values(exchange.gather(entries))
     return layer.attend(q, k, v, exchange.visibility(layer.window))
