@@ -152,9 +152,9 @@ def assert_compiled_equals_eager(tmp_path, world_size: int, configs) -> None:
 
 def test_cp2_compiled_equals_eager_plain_and_with_documents(tmp_path):
     """--compile (inductor) under --context-parallel-size 2 (2 ranks): each block compiled around its eager attention
-    over the gathered keys/values (``ContextShard.attend_across_ranks``); losses measured equal to every printed
-    digit. Plain with DDP, and with documents crossing the chunk boundaries (tiles that change batch by batch) under
-    FSDP2 and --checkpoint-activations (the block's own forward compiled inside the wrapper)."""
+    over the gathered keys/values (``ContextShard.attend``); losses measured equal to every printed digit. Plain
+    with DDP, and with documents crossing the chunk boundaries (tiles that change batch by batch) under FSDP2 and
+    --checkpoint-activations (the block's own forward compiled inside the wrapper)."""
     assert_compiled_equals_eager(tmp_path, 2, COMPILED_CP)
 
 

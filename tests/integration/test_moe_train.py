@@ -6,7 +6,9 @@ with the model). Expert parallelism: the all-to-all dispatch and combine equal t
 ranks), and two ranks with --expert-parallel-size 2 train as one process with --update-freq 2, their consolidated
 checkpoint holding the whole expert stacks (gathered from the shards), so it loads without expert parallelism;
 under FSDP2 (2 ranks, and 4 ranks with each rank's experts sharded over 2, resumed), FSDP2 with --cpu-offload, and
-with --compile (the exchange eager between the compiled graphs) and with --data-mixture the same."""
+with --compile (the exchange eager between the compiled graphs) and with --data-mixture the same. Context
+parallelism: two ranks with --context-parallel-size 2, and four with --expert-parallel-size 2 as well, train as one
+process, the router terms those of the whole sequences."""
 
 import pytest
 import torch
@@ -91,6 +93,18 @@ def assert_router_terms_match(terms, reference, updates=range(1, UPDATES + 1)):
             assert terms[u][name] == pytest.approx(reference[u][name], abs=2e-4), (u, name)
 
 
+def assert_equals_one_process(proc, one_process, save_dir):
+    """Losses to the logged digits, the balance and z losses of every update (2e-4), the aux-loss-free bias (exact:
+    the same counts), and the consolidated weights (fp32, rtol 1e-4)."""
+    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
+    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
+    torch.testing.assert_close(expert_bias(save_dir), one_process["bias"])
+    saved = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    for name, tensor in reference["model"].items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("moe_train") / "bin"))
@@ -170,13 +184,7 @@ def test_two_expert_parallel_ranks_equal_one_process(data_bin, one_process, tmp_
         backend,
     )
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
-    assert_logged_losses_match(H.losses(proc.stdout), one_process["losses"], range(1, UPDATES + 1))
-    assert_router_terms_match(logged(proc.stdout), one_process["terms"])
-    torch.testing.assert_close(expert_bias(tmp_path), one_process["bias"])
-    saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
-    reference = torch.load(one_process["save_dir"] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    for name, tensor in reference["model"].items():
-        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert_equals_one_process(proc, one_process, tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["c10d", "fully_sharded"])
@@ -352,6 +360,27 @@ def test_expert_parallel_with_fsdp2_equals_one_process(data_bin, one_process, tm
     resumed = train(data_bin, tmp_path / "four", "--max-update", str(UPDATES), *four)
     assert_logged_losses_match(H.losses(first.stdout), H.losses(alone.stdout), range(1, 3))
     assert_logged_losses_match(H.losses(resumed.stdout), H.losses(alone.stdout), range(3, UPDATES + 1))
+
+
+# --- --context-parallel-size ---
+
+CP2 = ["--context-parallel-size", "2"]
+
+
+def test_context_parallel_2_equals_one_process(data_bin, one_process, tmp_path):
+    """--context-parallel-size 2 (2 ranks, DDP) with --update-freq 2 = one process with --update-freq 2: each rank
+    attends over the keys/values gathered from both and routes its chunks of the sequences, the routers' statistics
+    (balance and z losses, loads) summed over the cp ranks, so they are those of the whole sequences."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "2", *CP2, *ONE_PROC)
+    assert_equals_one_process(proc, one_process, tmp_path)
+
+
+def test_expert_parallel_2_with_context_parallel_2_equals_one_process(data_bin, one_process, tmp_path):
+    """4 ranks, dp_shard 2 x cp 2 under FSDP2, the experts spread over ep 2 of the dp_shard x cp ranks (each rank's
+    experts sharded over the 2 ranks holding them): one process with --update-freq 2 (the same global batch)."""
+    proc = train(data_bin, tmp_path, "--max-update", str(UPDATES), "--distributed-world-size", "4", *CP2, *FSDP_EP)
+    assert "expert parallel: 2 MoE layers' experts over 2 ranks" in proc.stdout + proc.stderr
+    assert_equals_one_process(proc, one_process, tmp_path)
 
 
 def test_expert_parallel_checkpoint_resumes_at_two_ranks_and_at_one(data_bin, one_process, tmp_path):

@@ -1,4 +1,5 @@
-"""Context parallelism's layout and attention (toolkit.distributed.context_parallel), in one process.
+"""Context parallelism's layout (toolkit.distributed.context_parallel) and its attention (the attention package's
+``across_ranks``), in one process.
 
 The C ranks are simulated: each rank's queries are its chunks of the full q, the "gathered" keys are the
 full k/v in the layout's order (what the all-gather returns), and the outputs put back in sequence order
@@ -10,15 +11,15 @@ is exercised on gloo ranks by tests/integration/test_context_parallel.py.
 import pytest
 import torch
 
+from tests.helpers.latent_attention import LatentAttention
 from toolkit.distributed.context_parallel import (
     ContextShard,
     chunk_layout,
     gathered_layout,
     pad_to_chunks,
     shard_sample,
-    visible_keys,
 )
-from toolkit.models.blocks.attention import Attention, attend, attention_mask
+from toolkit.models.common.attention import Attention, attend, attend_across_ranks, attention_mask, visible_keys
 
 
 def test_layout_is_load_balanced_and_covers_the_sequence():
@@ -44,14 +45,22 @@ def _documents(B, T, seed=0):
 
 
 class _SimulatedGather(ContextShard):
-    """A shard in one process whose 'all-gather' returns the whole sequence's k/v in the layout's order."""
+    """A shard in one process whose 'all-gather' returns the whole sequence's entries in the layout's order."""
 
-    def __init__(self, T, C, r, full_kv, **kw):
+    def __init__(self, T, C, r, full_entries, **kw):
         super().__init__(T, C, r, **kw)
-        self.full_kv = full_kv
+        self.full_entries = full_entries
 
-    def gather(self, x):
-        return self.full_kv
+    def gather(self, entries):
+        assert [e.shape[2] * self.cp_size for e in entries] == [e.shape[2] for e in self.full_entries]
+        return self.full_entries
+
+
+class _Layer(Attention):
+    """The logits' options of one layer, for calling attend_across_ranks on given q/k/v."""
+
+    def __init__(self, window=None, softcap=None):
+        super().__init__(8, 1, 1, 8, window=window, softcap=softcap)
 
 
 MASKS = [(False, None, None), (True, None, None), (False, 5, None), (True, 4, None)]
@@ -77,12 +86,13 @@ def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, wi
     keys = gathered_layout(T, C)
     out = torch.empty_like(full)
     for r in range(C):
-        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]), document_ids=docs)
+        shard = _SimulatedGather(T, C, r, (k[:, :, keys], v[:, :, keys]), document_ids=docs)
         rows = shard.query_index
         if tiles:
-            part = shard.attend_across_ranks(q[:, :, rows], k[:, :, rows], v[:, :, rows], window, softcap=softcap)
+            layer = _Layer(window, softcap)
+            part = attend_across_ranks(layer, q[:, :, rows], (k[:, :, rows], v[:, :, rows]), shard)
         else:
-            part = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], shard.mask(window), causal=False)
+            part = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], shard.visibility(window).dense())
         out[:, :, rows] = part
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -93,7 +103,7 @@ def test_simulated_ranks_equal_full_attention_and_its_gradients(C, documents, wi
 def test_tiles_skip_what_the_mask_hides():
     """Plain causal: a rank's tiles are the diagonal ones (flash's is_causal) and the earlier chunks, unmasked."""
     shard = ContextShard(16, 2, 0)
-    tiles = shard.blocks(None, torch.float32)
+    tiles = shard.visibility(None).tiles(torch.float32)
     # rank 0 holds chunks 0 and 3; gathered key chunks: 0, 3 (rank 0), 1, 2 (rank 1)
     assert {(b.query, b.key, b.causal, b.mask is None) for b in tiles} == {
         (0, 0, True, True),
@@ -105,20 +115,32 @@ def test_tiles_skip_what_the_mask_hides():
     assert [b.causal for b in tiles[:2]] == [True, True]  # the diagonal first: each row's log-sum-exp is finite
 
 
-def test_attention_module_takes_the_shard_as_its_mask():
-    """blocks.Attention hands q/k/v to the shard with its window: the rows equal the full layer's."""
+LAYERS = {
+    "window": lambda: Attention(32, 4, 2, 8, window=6),
+    "sinks": lambda: Attention(32, 4, 2, 8, sinks=True),  # the explicit form under the layout's mask
+    "latent": lambda: LatentAttention(),  # its own entries (a latent and a rotary key) travel, not k and v
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_attention_module_gathers_through_the_shard(name):
+    """A layer hands its entries to the shard and attends under the shard's view of its window: the rows equal the
+    full layer's."""
     torch.manual_seed(0)
     T, C = 16, 2
-    layer = Attention(32, 4, 2, 8, window=6)
+    layer = LAYERS[name]()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(1, T, 32)
-    cos, sin = torch.ones(T, 8), torch.zeros(T, 8)  # no rotation: positions are the test of the integration
+    D = 4 if name == "latent" else 8
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)  # no rotation: positions are the test of the integration
     full = layer(x, cos, sin)
-    _, k, v = layer.project(x, cos, sin)
+    _, entries, _ = layer.project(x, cos, sin)
     keys = gathered_layout(T, C)
     for r in range(C):
         rows = chunk_layout(T, C, r)
-        shard = _SimulatedGather(T, C, r, torch.stack([k[:, :, keys], v[:, :, keys]]))
-        torch.testing.assert_close(layer(x[:, rows], cos[rows], sin[rows], attn_mask=shard), full[:, rows])
+        shard = _SimulatedGather(T, C, r, tuple(e[:, :, keys] for e in entries))
+        torch.testing.assert_close(layer(x[:, rows], cos[rows], sin[rows], context_parallel=shard), full[:, rows])
 
 
 def test_shard_sample_keeps_positions_global_and_counts_each_token_once():

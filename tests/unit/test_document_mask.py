@@ -9,7 +9,8 @@ from tests.helpers.lm_fixtures import make_data_bin
 from toolkit.data.lm_dataset import MonolingualDataset, document_layout
 from toolkit.data.token_block_dataset import TokenBlockDataset
 from toolkit.models import model_config
-from toolkit.models.document_mask import attend, document_block_mask, make_attention_mask
+from toolkit.models.common.attention import attend, attention_mask
+from toolkit.models.common.attention.masks import block_mask
 from toolkit.models.llama.model import LlamaLanguageModel
 from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
@@ -101,7 +102,7 @@ def test_layout_and_mask():
     ids, pos = document_layout(src, EOS)
     assert ids.tolist() == [[0, 0, 1, 1, 2, 3, 3, 3]]
     assert pos.tolist() == [[0, 1, 0, 1, 0, 0, 1, 2]]
-    mask = make_attention_mask(ids)[0, 0]
+    mask = attention_mask(ids, 8)[0, 0]
     assert mask.shape == (8, 8) and mask[3].tolist() == [False, False, True, True] + [False] * 4
     assert mask.tril().equal(mask)
 
@@ -111,9 +112,9 @@ def test_flex_attention_equals_the_sdpa_mask():
     ids, _ = document_layout(torch.tensor([[EOS, 4, 5, EOS, 6, 7, 8, EOS, 9, 4, 4, 5, EOS, 6, 6, 6]]), EOS)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
-    expected = attend(q, k, v, make_attention_mask(ids))
+    expected = attend(q, k, v, attention_mask(ids, 16))
 
-    block = document_block_mask(ids)
+    block = block_mask(ids, 16, None, ids.device)
     from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
 
     try:
@@ -127,15 +128,16 @@ def test_heads_narrower_than_flex_allows_attend_with_the_dense_mask():
     """inductor's flex_attention refuses heads under 16 wide: ``attend`` turns the BlockMask into the
     same dense mask for them (on CPU too), so tiny models train with --document-attention-mask on a GPU."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from toolkit.models.document_mask import FLEX_MIN_HEAD_DIM, _dense_mask
+    from toolkit.models.common.attention import FLEX_MIN_HEAD_DIM
+    from toolkit.models.common.attention.masks import dense_mask
 
     ids, _ = document_layout(torch.tensor([[EOS, 4, 5, EOS, 6, 7, 8, EOS, 9, 4, 4, 5, EOS, 6, 6, 6]]), EOS)
-    dense = make_attention_mask(ids)
-    block = document_block_mask(ids)
+    dense = attention_mask(ids, 16)
+    block = block_mask(ids, 16, None, ids.device)
     q, k, v = (
         torch.randn(1, 2, 16, FLEX_MIN_HEAD_DIM // 2, generator=torch.Generator().manual_seed(i)) for i in range(3)
     )
-    assert torch.equal(_dense_mask(block, q), dense)
+    assert torch.equal(dense_mask(block, q), dense)
     assert torch.allclose(attend(q, k, v, block), attend(q, k, v, dense), atol=1e-6)
 
 

@@ -145,7 +145,8 @@ def test_cache_equals_full_forward_and_holds_kv_heads(arch, overrides):
         chunks = [model(x[:, a:b], incremental_state=state) for a, b in [(0, 7), (7, 8), (8, 9), (9, 30)]]
         assert torch.allclose(torch.cat(chunks, 1), full, atol=1e-5)
         assert state["positions"] == 30
-        assert state["layers"][0].k.size(1) == model.cfg.decoder_kv_heads < model.cfg.decoder_attention_heads
+        keys, values = state["layers"][0].buffers  # the attention's entries: k and v of the G key/value heads
+        assert keys.size(1) == values.size(1) == model.cfg.decoder_kv_heads < model.cfg.decoder_attention_heads
         # a local layer's cache keeps the last window - 1 positions only, a global layer's all of them
         kept = [cache.length for cache in state["layers"]]
         assert kept == [30 if layer.self_attn.window is None else layer.self_attn.window - 1 for layer in model.layers]

@@ -396,6 +396,12 @@ _PAIRS[("EP", "compile")] = Tested(
 _PAIRS[("EP", "data mixture")] = Tested(
     EXPERTS + "test_expert_parallel_with_a_data_mixture_equals_one_process", "2 ranks, ep 2, DDP"
 )
+_PAIRS[("CP", "EP")] = Tested(
+    EXPERTS + "test_expert_parallel_2_with_context_parallel_2_equals_one_process",
+    "4 ranks, dp_shard 2 x cp 2 under FSDP2, ep 2 carved from them; the routers' statistics summed over the cp "
+    "ranks, so the balance and z losses are the whole sequences' (MoE with cp 2 alone: "
+    "test_context_parallel_2_equals_one_process)",
+)
 for _model_split in ("CP", "EP"):
     for _other in NAMES:
         if _other != _model_split:

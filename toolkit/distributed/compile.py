@@ -79,9 +79,9 @@ def apply_compile(
     ``eager_region``: what runs eagerly inside each block (``torch.compiler.disable``), which makes the block
     several graphs instead of one (no ``fullgraph``). Expert parallelism: its token exchange
     (``GroupedExperts._exchange_and_run``) between the graph of the attention and router and the graph of
-    the combine. Context parallelism: the attention over the gathered keys/values
-    (``ContextShard.attend_across_ranks``) between the projections and ``o_proj``. So do a MoE layer's own FSDP2
-    hooks under tensor parallelism (``toolkit.distributed.expert_parallel.shard_moe_replicated_over_tp``).
+    the combine. Context parallelism: the attention over the gathered keys/values (``ContextShard.attend``)
+    between the projections and ``o_proj``. So do a MoE layer's own FSDP2 hooks under tensor parallelism
+    (``toolkit.distributed.expert_parallel.shard_moe_replicated_over_tp``).
     """
     backend = compile_backend(device)
     fullgraph = eager_region is None

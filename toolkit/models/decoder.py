@@ -22,52 +22,9 @@ import torch
 from toolkit.core import registry
 from toolkit.core.dtensor import is_dtensor
 from toolkit.core.protocols import Bounded
+from toolkit.models.common.attention.cache import KVCache  # the layers' caches (a layout of each attention variant)
 from toolkit.models.fused_loss import LossTarget, linear_cross_entropy, matmul_dtype
 from toolkit.models.outputs import with_summed_nll
-
-
-class KVCache:
-    """One layer's keys and values of the positions decoded so far.
-
-    Buffers [B, H, capacity, D] grow by doubling, so appending one position per step
-    copies nothing in the common case (torch.cat would copy the whole prefix every step).
-    """
-
-    def __init__(self):
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
-        P, T = self.length, k.size(2)
-        if self.k is None or P + T > self.k.size(2):
-            capacity = max(P + T, 2 * (0 if self.k is None else self.k.size(2)))
-            new_k = k.new_empty(k.size(0), k.size(1), capacity, k.size(3))
-            new_v = torch.empty_like(new_k)
-            if P > 0:
-                new_k[:, :, :P], new_v[:, :, :P] = self.k[:, :, :P], self.v[:, :, :P]
-            self.k, self.v = new_k, new_v
-        self.k[:, :, P : P + T], self.v[:, :, P : P + T] = k, v
-        self.length = P + T
-        return self.k[:, :, : P + T], self.v[:, :, : P + T]
-
-    def keep_last(self, n: int) -> None:
-        """Forget all but the last ``n`` positions (a sliding-window layer never reads older keys again),
-        so a local layer's cache stays window-sized however long generation runs."""
-        L = self.length
-        if L > n:
-            self.k[:, :, :n], self.v[:, :, :n] = self.k[:, :, L - n : L].clone(), self.v[:, :, L - n : L].clone()
-            self.length = n
-
-    def reorder(self, new_order: torch.Tensor) -> None:
-        """Keep rows ``new_order`` (beam search picks which hypotheses continue; finished rows leave)."""
-        if self.k is not None:  # copy the filled positions only, keep the capacity
-            L = self.length
-            k = self.k.new_empty((len(new_order),) + self.k.shape[1:])
-            v = torch.empty_like(k)
-            k[:, :, :L], v[:, :, :L] = self.k[new_order, :, :L], self.v[new_order, :, :L]
-            self.k, self.v = k, v
 
 
 class DecoderInterface:

@@ -87,7 +87,7 @@ class ModelStats:
     tokens_per_sample: int
     flops_per_token: float
     activations: Activations
-    kv_width: int = 0  # keys + values features per token, summed over the layers (shared Attention blocks)
+    kv_width: int = 0  # features per token a layer's attention keeps (k + v), summed over the layers
     moe_top_k: int = 0  # experts a token goes through in each MoE layer (0: no MoE layer)
     moe_layers: int = 0  # layers whose feed-forward is a mixture of experts
     splits: SplitLimits = SplitLimits()  # which parallel sizes the model itself takes (the layout search's pruning)
@@ -348,11 +348,10 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(p.numel for p in infos)
     )
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
-    from toolkit.models.blocks.attention import Attention
-
     from toolkit.models.blocks.moe import MoE
+    from toolkit.models.common.attention import AttentionLayer
 
-    kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, Attention))
+    kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, AttentionLayer))
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     return ModelStats(
         arch=arch,

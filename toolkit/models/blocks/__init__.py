@@ -1,10 +1,9 @@
 """Building blocks of decoder-only transformers, shared by the families (``llama`` today; Qwen3, Gemma 3,
-OLMo 2 and MoE models next): each a small module configured by arguments, not by a family's config.
+OLMo 2 and MoE models next): each a small module configured by arguments, not by a family's config (attention:
+``toolkit.models.common.attention``).
 
 ``norms``         RMSNorm, with the ``(1 + w)`` variant (Gemma)
 ``rope``          rotary frequencies (Llama 3 scaling; a table of scalings for YaRN and others), tables, rotation
-``attention``     causal self-attention: GQA/MQA, QK-norm, sliding window, logit soft-capping, document
-                  masks; the SDPA / flex_attention / explicit back ends chosen in one function, ``attend``
 ``feed_forward``  SwiGLU, GeGLU, GELU; ``FEED_FORWARDS`` is where a mixture-of-experts block registers
 ``moe``           mixture of experts: top-k router (softmax / sigmoid with an aux-loss-free bias), stacked
                   experts with dropless sorted dispatch, shared experts, load-balancing and z losses

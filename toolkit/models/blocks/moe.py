@@ -34,7 +34,11 @@ Under tensor parallelism the layer is not split: each tp rank holds it whole. Wi
 routes only its slice of the positions, so the statistics below are summed over the tp ranks
 (``MoE.sequence_group``, set by ``toolkit.distributed.expert_parallel``) and equal one process's, except in a
 batch whose length sequence parallelism right-pads to a multiple of M (an epoch's short last block): the padding
-positions are routed and counted too (their logits are cut, so they add nothing else).
+positions are routed and counted too (their logits are cut, so they add nothing else). Under context parallelism
+a rank routes its chunks of each sequence, and the statistics are summed over the cp ranks the same way
+(``MoE.context_group``, set by the model from its context shard), except that each cp rank's loss is a part of the
+whole: the gradient of a sum over cp ranks is the sum of every rank's (where sequence parallelism's tp ranks
+each compute the whole loss). They equal one process's, except for the padding a sequence gets to a multiple of 2C.
 
 Auxiliary terms, as ``toolkit.models.outputs`` carries them (``MoE.aux`` after a forward):
 
@@ -367,45 +371,61 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype)), counts
 
 
-def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=None) -> torch.Tensor:
+def load_balancing_loss(
+    probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=None, context_group=None
+) -> torch.Tensor:
     """Switch/GShard: E * sum_i f_i * P_i, f_i = counts_i / (N k) (no gradient), P_i = mean_n probs[n, i]; with a
-    ``group`` (sequence parallelism) the N tokens are those of every rank of it, counts and probabilities summed."""
-    if group is None:
+    ``group`` (sequence parallelism) or a ``context_group`` (context parallelism) the N tokens are those of every
+    rank of it, counts and probabilities summed."""
+    if group is None and context_group is None:
         fraction = counts.float() / (probs.size(0) * top_k)
         return probs.size(1) * (fraction.detach() * probs.mean(0)).sum()
-    tokens = _sum_over(probs.new_tensor(float(probs.size(0))), group)
-    fraction = _sum_over(counts.float().detach(), group) / (tokens * top_k)
-    return probs.size(1) * (fraction * _sum_over(probs.sum(0), group) / tokens).sum()
+    tokens = _sum_over(probs.new_tensor(float(probs.size(0))), group, context_group)
+    fraction = _sum_over(counts.float().detach(), group, context_group) / (tokens * top_k)
+    return probs.size(1) * (fraction * _sum_over(probs.sum(0), group, context_group) / tokens).sum()
 
 
-def router_z_loss(logits: torch.Tensor, group=None) -> torch.Tensor:
+def router_z_loss(logits: torch.Tensor, group=None, context_group=None) -> torch.Tensor:
     """ST-MoE's z-loss: mean over tokens of logsumexp(router logits)^2, which keeps the logits small (with a
-    ``group``: over the tokens of every rank of it)."""
+    ``group`` or ``context_group``: over the tokens of every rank of it)."""
     squares = torch.logsumexp(logits.float(), dim=-1).square()
-    if group is None:
+    if group is None and context_group is None:
         return squares.mean()
-    return _sum_over(squares.sum(), group) / _sum_over(squares.new_tensor(float(squares.numel())), group)
+    count = squares.new_tensor(float(squares.numel()))
+    return _sum_over(squares.sum(), group, context_group) / _sum_over(count, group, context_group)
 
 
-def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``tensor`` summed over ``group`` (None: as it is), the gradient passed back to this rank's part unchanged."""
-    return tensor if group is None else _SumOverRanks.apply(tensor, group)
+def _sum_over(tensor: torch.Tensor, group, context_group=None) -> torch.Tensor:
+    """``tensor`` summed over ``group`` (sequence parallelism: the gradient passed back to this rank's part
+    unchanged), then over ``context_group`` (context parallelism: the gradient summed over its ranks); None: as
+    it is."""
+    if group is not None:
+        tensor = _SumOverRanks.apply(tensor, group, False)
+    if context_group is not None:
+        tensor = _SumOverRanks.apply(tensor, context_group, True)
+    return tensor
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """All-reduce whose backward is the identity: every rank of the group computes the same loss from the sum, and
-    the gradient of that one loss with respect to this rank's part is the gradient with respect to the sum (the
-    parameters' gradients of the ranks are then added, as sequence-parallel gradients are)."""
+    """All-reduce. Backward, over sequence-parallel ranks, the identity: every rank of the group computes the same
+    loss from the sum, and the gradient of that one loss with respect to this rank's part is the gradient with
+    respect to the sum (the parameters' gradients of the ranks are then added, as sequence-parallel gradients are).
+    Over context-parallel ranks (``sum_gradients``) each rank's loss is a part of the whole (the losses are added),
+    so this rank's part gets the sum of every rank's gradient with respect to the sum."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group, sum_gradients: bool) -> torch.Tensor:
+        ctx.group, ctx.sum_gradients = group, sum_gradients
         total = tensor.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        if ctx.sum_gradients:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 class MoE(nn.Module):
@@ -446,6 +466,9 @@ class MoE(nn.Module):
         # sequence parallelism (set by toolkit.distributed.expert_parallel): this rank routes its slice of the
         # positions, and the routing statistics are summed over the ranks of the other slices
         self.sequence_group = None
+        # context parallelism (set by the model from its context shard): this rank routes its chunks of each
+        # sequence, and the routing statistics are summed over the cp ranks
+        self.context_group = None
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -467,15 +490,15 @@ class MoE(nn.Module):
         return y.view(B, T, C)
 
     def _record(self, routing: Routing, counts: torch.Tensor) -> None:
-        group = self.sequence_group
+        group, context = self.sequence_group, self.context_group
         self.aux = {
-            "balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group),
-            "z": router_z_loss(routing.logits, group),
+            "balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group, context),
+            "z": router_z_loss(routing.logits, group, context),
         }
         with torch.no_grad():
             self.tokens_per_expert += counts.float()  # this rank's: after_optimizer_step sums over every rank
-            counts = _sum_over(counts.float(), group)
-            assigned = _sum_over(counts.new_tensor(float(routing.experts.numel())), group)
+            counts = _sum_over(counts.float(), group, context)
+            assigned = _sum_over(counts.new_tensor(float(routing.experts.numel())), group, context)
             self.load = {"max_load": counts.max() / counts.mean(), "dropped": assigned - counts.sum()}
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
 """The Llama decoder: the block and the model, on the shared modules of ``toolkit.models.blocks``
-(RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU feed-forward).
+(RMSNorm, rotary embeddings, the SwiGLU feed-forward) and the attention of ``toolkit.models.common.attention``.
 
 Shape notation: B batch, T time, C = decoder_embed_dim, H query heads, G key/value heads
 (H % G == 0), D head size (C // H unless --decoder-head-dim), F = decoder_ffn_embed_dim, V vocabulary.
@@ -18,13 +18,12 @@ Choices worth knowing
   ``(x, cos, sin[, cache])`` function that FSDP2, activation checkpointing and
   ``torch.compile`` wrap from outside, and incremental decoding continues the positions by
   slicing the tables further on.
-- Attention is ``scaled_dot_product_attention(is_causal=True)`` with ``enable_gqa`` (no copy
-  of the key/value heads); the KV cache holds G heads, not H. Qwen3's QK-norm (``--qk-norm``, an
-  RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``) and Mistral's sliding window
-  (``--sliding-window``, a boolean mask; a local layer's cache keeps the last window - 1 positions) are
-  options of ``blocks.Attention``;
-  ``--layer-types`` makes only some layers local (Qwen2/Qwen3's ``max_window_layers``), the others
-  global, each kind's mask built once per forward.
+- Attention is the attention package's ``Attention`` (``toolkit.models.common.attention``): SDPA,
+  causal, with ``enable_gqa`` (no copy of the key/value heads); the KV cache holds G heads, not H.
+  Qwen3's QK-norm (``--qk-norm``, an RMSNorm per head of q and k, parameters ``q_norm`` / ``k_norm``),
+  Mistral's sliding window (``--sliding-window``; a local layer's cache keeps the last window - 1
+  positions), Gemma's soft-cap and scale are its options; ``--layer-types`` makes only some layers local
+  (Qwen2/Qwen3's ``max_window_layers``), the others global, each kind's mask built once per forward.
 - Inputs are right-padded (fairseq's LM batches); attention is causal, so padding at the end
   of a row changes no earlier position. No dropout anywhere (none of the family uses it).
 - Initial values come from ``initial_value(name, ...)`` seeded by (seed, name), as for
@@ -43,9 +42,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.core.protocols import TensorParallelPlan
-from toolkit.models.blocks.attention import Attention, attention_mask
 from toolkit.models.blocks.feed_forward import GatedFeedForward
 from toolkit.models.blocks.norms import RMSNorm
+from toolkit.models.common.attention import Attention, attention_mask
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
@@ -67,20 +66,7 @@ class LlamaBlock(nn.Module):
         super().__init__()
         C, eps, gemma = cfg.decoder_embed_dim, cfg.rms_norm_eps, cfg.gemma_norms
         self.input_layernorm = None if cfg.norm_after_sublayer else RMSNorm(C, eps, unit_offset=gemma)
-        self.self_attn = Attention(
-            C,
-            cfg.decoder_attention_heads,
-            kv_heads(cfg),
-            head_dim(cfg),
-            qkv_bias=cfg.attention_qkv_bias,
-            qk_norm_eps=eps if cfg.qk_norm else None,
-            window=window,
-            qk_norm_per_head=cfg.qk_norm_over == "head",
-            softcap=cfg.attn_logit_softcap,
-            scale=attention_scale(cfg),
-        )
-        if gemma:
-            self.self_attn.q_norm.unit_offset = self.self_attn.k_norm.unit_offset = True
+        self.self_attn = block_attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(C, eps, unit_offset=gemma)
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(C, eps, unit_offset=True)
@@ -110,15 +96,36 @@ class LlamaBlock(nn.Module):
         sin: torch.Tensor,
         kv_cache: Optional[KVCache] = None,
         attn_mask: Any = None,
+        context_parallel: Any = None,
     ) -> torch.Tensor:
+        """``attn_mask``: the forward's mask for this layer's window; ``context_parallel``: the sequence shard
+        (``toolkit.distributed.context_parallel.ContextShard``), whose ranks' keys the attention gathers."""
         h = self.attention_input(x)
-        # The cache is passed only when there is one (a document mask by keyword): styles hooked on
+        # The cache is passed only when there is one (the mask and the shard by keyword): styles hooked on
         # self_attn describe its positional inputs.
         if kv_cache is not None:
             return self.add_attention(x, self.self_attn(h, cos, sin, kv_cache))
         return self.add_attention(
-            x, self.self_attn(h, cos, sin) if attn_mask is None else self.self_attn(h, cos, sin, attn_mask=attn_mask)
+            x, self.self_attn(h, cos, sin, attn_mask=attn_mask, context_parallel=context_parallel)
         )
+
+
+def block_attention(cfg: LlamaConfig, window: Optional[int], qk_norm_over: Optional[str] = None) -> Attention:
+    """A block's attention from the family's options (``qk_norm_over``: the config's unless given)."""
+    eps = cfg.rms_norm_eps
+    return Attention(
+        cfg.decoder_embed_dim,
+        cfg.decoder_attention_heads,
+        kv_heads(cfg),
+        head_dim(cfg),
+        qkv_bias=cfg.attention_qkv_bias,
+        qk_norm_eps=eps if cfg.qk_norm else None,
+        window=window,
+        qk_norm_per_head=(qk_norm_over or cfg.qk_norm_over) == "head",
+        qk_norm_unit_offset=cfg.gemma_norms,
+        softcap=cfg.attn_logit_softcap,
+        scale=attention_scale(cfg),
+    )
 
 
 def attention_scale(cfg: LlamaConfig) -> Optional[float]:
@@ -130,7 +137,7 @@ def attention_scale(cfg: LlamaConfig) -> Optional[float]:
 class LlamaLanguageModel(DecoderInterface, nn.Module):
     """The decoder-only Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 language model behind the toolkit's model interface."""
 
-    supports_context_parallel = True  # its attention takes a ContextShard as the mask (forward's docstring)
+    supports_context_parallel = True  # its attention takes a ContextShard beside its inputs (forward's docstring)
     supports_fused_loss = True  # forward(..., loss_target=): output()
 
     def __init__(self, cfg: LlamaConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
@@ -183,8 +190,8 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         ``document_ids`` [B, T]: attention stays inside each document; ``positions`` [B, T]: each
         token's rotary position (restarting per document) (``toolkit.models.document_mask``).
         ``context_parallel``: this rank's chunks of the sequences (``--context-parallel-size``): ``tokens`` and
-        ``positions`` are the chunks', the shard is every layer's mask and gathers the keys/values
-        (``toolkit.distributed.context_parallel``).
+        ``positions`` are the chunks', and every layer's attention gathers the keys/values of the whole sequence
+        through the shard (``toolkit.distributed.context_parallel``).
 
         With ``incremental_state`` (a dict, empty at the first call, then owned by the model:
         ``"positions"`` cached so far and one ``KVCache`` per layer under ``"layers"``),
@@ -194,19 +201,19 @@ class LlamaLanguageModel(DecoderInterface, nn.Module):
         x = self.embed(tokens)
         windows = layer_windows(self.cfg)  # local and global layers attend differently: one mask per kind
         tables = {window: self.rope_rows(window, start, T, positions) for window in set(windows)}
-        if context_parallel is not None:  # the shard masks each layer by the layer's own window (attend_across_ranks)
-            masks = {window: context_parallel for window in set(windows)}
-        else:
+        if context_parallel is None:
             masks = {
                 window: attention_mask(document_ids, T, tokens.device, window=window, head_dim=head_dim(self.cfg))
                 for window in set(windows)
             }
+        else:  # each layer sees the keys of the ranks through the shard's layout, not through a mask
+            masks = dict.fromkeys(windows)
         for layer, window, cache in zip(self.layers, windows, self._layer_caches(incremental_state)):
             mask, (cos, sin) = masks[window], tables[window]
             if cache is not None:
                 x = layer(x, cos, sin, cache)
             else:
-                x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, attn_mask=mask)
+                x = layer(x, cos, sin, attn_mask=mask, context_parallel=context_parallel)
         if incremental_state is not None:
             incremental_state["positions"] = start + T
         return self.output(x, loss_target)

@@ -18,12 +18,10 @@ import torch.nn as nn
 
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.core.registry import register_model
-from toolkit.models.blocks.attention import Attention
 from toolkit.models.blocks.moe import MoE
-from toolkit.models.blocks.norms import RMSNorm
 from toolkit.models.init import init_weights
-from toolkit.models.llama.config import head_dim, kv_heads
-from toolkit.models.llama.model import LlamaBlock, LlamaLanguageModel
+from toolkit.models.llama.config import layer_windows
+from toolkit.models.llama.model import LlamaBlock, LlamaLanguageModel, block_attention
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
 from toolkit.models.moe.hf import CLASSES as HF_CLASS_NAMES
 from toolkit.models.moe.parallel import tensor_parallel_plan as family_plan
@@ -33,39 +31,14 @@ from toolkit.models.outputs import SUMMED_NLL, summed_nll_of, with_extras
 EXPERT_WEIGHTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 
 
-class FullWidthQKNormAttention(Attention):
-    """OLMoE's attention: one RMSNorm over the whole query projection [H*D] and one over the keys [G*D], before
-    the heads are split (Qwen3's QK-norm normalizes each head)."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, eps: float, **kwargs):
-        super().__init__(dim, heads, kv_heads, head_dim, **kwargs)
-        self.q_norm = RMSNorm(heads * head_dim, eps)
-        self.k_norm = RMSNorm(kv_heads * head_dim, eps)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        from toolkit.models.blocks.rope import apply_rope
-
-        q = apply_rope(self._heads(self.q_norm(self.q_proj(x))), cos, sin)
-        k = apply_rope(self._heads(self.k_norm(self.k_proj(x))), cos, sin)
-        return q, k, self._heads(self.v_proj(x))
-
-
 class MoEBlock(LlamaBlock):
     """Llama's pre-norm block, its MLP a mixture of experts."""
 
     def __init__(self, cfg: MoEConfig, index: int):
-        super().__init__(cfg)
+        super().__init__(cfg, layer_windows(cfg)[index])
         C = cfg.decoder_embed_dim
-        if cfg.qk_norm and cfg.qk_norm_full_width:
-            self.self_attn = FullWidthQKNormAttention(
-                C,
-                cfg.decoder_attention_heads,
-                kv_heads(cfg),
-                head_dim(cfg),
-                cfg.rms_norm_eps,
-                qkv_bias=cfg.attention_qkv_bias,
-                window=cfg.sliding_window,
-            )
+        if cfg.qk_norm and cfg.qk_norm_full_width:  # OLMoE: one RMSNorm over the whole q (k) projection
+            self.self_attn = block_attention(cfg, self.self_attn.window, qk_norm_over="projection")
         self.mlp = MoE(
             C,
             cfg.moe_ffn_embed_dim,
@@ -102,9 +75,14 @@ class MoELanguageModel(LlamaLanguageModel):
         incremental_state: Optional[Dict] = None,
         document_ids: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
+        context_parallel: Any = None,
         loss_target: Optional[LossTarget] = None,
     ):
-        out = super().forward(tokens, incremental_state, document_ids, positions, loss_target=loss_target)
+        """Llama's forward (``context_parallel``: this rank's chunks of the sequences); in training the routers' terms
+        beside the output, their statistics taken over the whole sequences (every cp rank's tokens)."""
+        for moe in self.moe_layers():
+            moe.context_group = None if context_parallel is None else context_parallel.group
+        out = super().forward(tokens, incremental_state, document_ids, positions, context_parallel, loss_target)
         if not self.training:
             return out
         return self._with_router_terms(out)

@@ -55,8 +55,8 @@ from toolkit.core.protocols import TensorParallelPlan
 from toolkit.core.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
+from toolkit.models.common.attention import FusedQKVAttention, attention_mask
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
-from toolkit.models.document_mask import attend, make_attention_mask
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
 from toolkit.models import quant_noise
@@ -78,44 +78,14 @@ ACTIVATIONS = {
 assert tuple(ACTIVATIONS) == ACTIVATION_NAMES  # the --activation-fn choices (config.py) name these
 
 
-class CausalSelfAttention(nn.Module):
+class CausalSelfAttention(FusedQKVAttention):
+    """fairseq's self-attention of the decoder (``qkv_proj``, ``out_proj``; ``toolkit.models.common.attention``)."""
+
     def __init__(self, cfg: TransformerLMConfig):
-        super().__init__()
         C, H = cfg.decoder_embed_dim, cfg.decoder_attention_heads
         if C % H != 0:
             raise ValueError(f"--decoder-embed-dim ({C}) must be divisible by --decoder-attention-heads ({H})")
-        self.num_heads = H
-        self.head_dim = C // H
-        self.dropout = cfg.attention_dropout
-        self.qkv_proj = nn.Linear(C, 3 * C)  # q, k and v in one matmul: rows [q | k | v]
-        self.out_proj = nn.Linear(C, C)
-
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None, attn_mask: Any = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        # [B, T, 3C] -> q, k, v [B, H, T, D], views only (SDPA takes strided inputs). In backward
-        # SDPA's gradients come back in [B, T, H, D] memory order, so the views undo for free and
-        # split's backward is one concatenation into qkv's gradient (view/permute/unbind needed a
-        # stack plus a strided copy: benchmarks/attention_layout.py). Sizes as a list: ONNX
-        # opset 17 has no Split by number of outputs.
-        # The head count follows from the width: under tensor parallelism qkv_proj gives this
-        # rank's H/M heads ([B, T, 3C/M]) and the output is this rank's C/M columns.
-        qkv = self.qkv_proj(x)
-        width = qkv.size(-1) // 3
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.split([width] * 3, dim=-1))
-        # Causal mask; right padding needs no mask of its own (see the module docstring).
-        # Scale is 1/sqrt(D), as fairseq's.
-        dropout = self.dropout if self.training else 0.0
-        if kv_cache is None:  # causal, or inside each document (--document-attention-mask)
-            y = attend(q, k, v, attn_mask, dropout)
-        else:
-            k, v = kv_cache.append(k, v)
-            P = k.size(2) - T
-            # New token t sits at position P + t and sees keys 0..P+t. (is_causal would align
-            # the mask top-left, wrong when P > 0; one new token sees every key, no mask.)
-            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        y = y.transpose(1, 2).flatten(2)  # [B, H, T, D] -> [B, T, H*D]
-        return self.out_proj(y)
+        super().__init__(C, H, dropout=cfg.attention_dropout)
 
 
 class TransformerBlock(nn.Module):
@@ -296,10 +266,12 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         if self.dropout > 0 and self.training:
             x = F.dropout(x, self.dropout, training=True)
         caches = self._layer_caches(incremental_state)
-        mask = make_attention_mask(
+        mask = attention_mask(
             document_ids,
-            self.attention_dropout if self.training else 0.0,
+            T,
+            tokens.device,
             head_dim=self.cfg.decoder_embed_dim // self.cfg.decoder_attention_heads,
+            dropout=self.attention_dropout if self.training else 0.0,
         )
         for layer, keep, cache in zip(self.layers, self.layer_drop.keep(len(self.layers)), caches):
             if keep:  # LayerDrop: in training a whole layer may be skipped

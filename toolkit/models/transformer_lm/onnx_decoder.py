@@ -17,7 +17,8 @@ class CachedDecoder(torch.nn.Module):
     """The model's forward for new tokens after P cached positions; returns logits and the grown cache.
 
     Same arithmetic as ``TransformerLanguageModel.forward`` restricted to the new rows: keys and
-    values of earlier positions come from the cache, the causal mask is offset by P.
+    values of earlier positions come from the cache, the causal mask is offset by P
+    (``AttentionLayer.forward_with_past``).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -44,15 +45,9 @@ class CachedDecoder(torch.nn.Module):
 
     @staticmethod
     def _attention(attn, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor):
-        B, T, C = x.shape
-        H = attn.num_heads
-        q, k, v = attn.qkv_proj(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
-        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        past_len = past_k.size(2)
-        query_pos = torch.arange(T, device=x.device) + past_len
-        mask = torch.arange(past_len + T, device=x.device)[None, :] <= query_pos[:, None]  # [T, P + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return attn.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
+        """The layer's attention after P cached positions (the attention package's explicit form): (out, k, v)."""
+        out, (k, v) = attn.forward_with_past(x, None, None, (past_k, past_v))
+        return out, k, v
 
     def _block(self, layer, x, past_k, past_v):
         if layer.normalize_before:
