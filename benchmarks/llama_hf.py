@@ -86,7 +86,7 @@ def build_pair(args):
     import transformers
 
     from toolkit.models import model_config
-    from toolkit.models.llama.hf import hf_config, state_to_hf
+    from toolkit.models.llama.hf import LlamaAdapter
     from toolkit.models.llama.model import LlamaLanguageModel
 
     cfg = model_config(
@@ -99,9 +99,10 @@ def build_pair(args):
         max_target_positions=args.tokens,
     )
     ours = LlamaLanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
-    _, config = hf_config(cfg, args.vocab)
+    adapter = LlamaAdapter()
+    _, config = adapter.hf_config(cfg, args.vocab)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
-    theirs.load_state_dict(state_to_hf(ours.state_dict()), strict=True)
+    theirs.load_state_dict(adapter.state_to_hf(ours.state_dict(), config["model_type"]), strict=True)
     return ours.train(), theirs.train()
 
 

@@ -62,10 +62,10 @@ def parse(argv=None):
 
 def in_memory_hf_state(state):
     """Our state dict in transformers 5's in-memory names (fused expert tensors), from the file layout."""
-    from toolkit.models.llama.hf import state_to_hf
+    from toolkit.models.common.hf_adapter import DECODER_KEYS
 
     out = {}
-    for name, tensor in state_to_hf(state).items():
+    for name, tensor in ((DECODER_KEYS.to_hf(k), v) for k, v in state.items()):
         if name.endswith("mlp.experts.up_proj"):
             continue
         if name.endswith("mlp.experts.gate_proj"):
@@ -81,7 +81,7 @@ def build_pair(args):
     import transformers
 
     from toolkit.models import model_config
-    from toolkit.models.moe.hf import hf_config
+    from toolkit.models.moe.hf import MoEAdapter
     from toolkit.models.moe.model import MoELanguageModel
 
     cfg = model_config(
@@ -97,7 +97,7 @@ def build_pair(args):
         max_target_positions=args.tokens,
     )
     ours = MoELanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
-    _, config = hf_config(cfg, args.vocab)
+    _, config = MoEAdapter().hf_config(cfg, args.vocab)
     extra = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
     theirs = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config, **extra))
     theirs.load_state_dict(in_memory_hf_state(ours.state_dict()), strict=True)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.distributed.expert_parallel import global_grad_norm
-from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, MoE
+from toolkit.models.common.moe import EXPERT_PROJECTIONS, MoE
 
 EXPERTS, TOP_K, WIDTH, TOKENS = 4, 2, 16, 12
 

@@ -4,7 +4,7 @@ something other than k and v (what the KV cache and the context-parallel exchang
 import torch
 import torch.nn as nn
 
-from toolkit.models.blocks.rope import apply_rope
+from toolkit.models.common.rope import apply_rope
 from toolkit.models.common.attention import AttentionLayer
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.helpers.latent_attention import LatentAttention
-from toolkit.models.blocks.rope import apply_rope, rope_frequencies, rope_tables
+from toolkit.models.common.rope import apply_rope, rope_frequencies, rope_tables
 from toolkit.models.common.attention import (
     EVERY_KEY,
     Attention,

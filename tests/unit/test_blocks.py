@@ -1,5 +1,5 @@
-"""toolkit.models.blocks: each option of the shared modules against a direct computation (attention's:
-test_attention.py)."""
+"""toolkit.models.common's shared modules (norms, rotary embeddings, MLPs), each option against a direct
+computation (the attention's: test_attention.py)."""
 
 import math
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.models.blocks.feed_forward import FEED_FORWARDS
-from toolkit.models.blocks.norms import RMSNorm
-from toolkit.models.blocks.rope import RopeScaling, apply_rope, rope_frequencies, rope_tables
+from toolkit.models.common.mlp import FEED_FORWARDS
+from toolkit.models.common.norms import RMSNorm
+from toolkit.models.common.rope import RopeScaling, apply_rope, rope_frequencies, rope_tables
 
 
 def gen(seed=0):

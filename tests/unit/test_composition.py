@@ -136,6 +136,16 @@ def test_settings_that_are_not_features_refused_with_their_reason():
             ["--adaptive-input"],
             "--adaptive-input: --arch llama_tiny has no such option (it is an option of transformer_lm); drop the flag",
         ),
+        (
+            ["--gemma-norms"],
+            "--gemma-norms: --arch llama_tiny has no such option (Gemma's norms, score scale, soft-caps and local "
+            "rotary base are the gemma3 family's (--arch gemma3)); drop the flag",
+        ),
+        (
+            ["--qk-norm-over", "projection"],
+            "--qk-norm-over: --arch llama_tiny has no such option (norms after the sublayers and QK-norm over the "
+            "projections are the olmo2 family's (--arch olmo2)); drop the flag",
+        ),
     ],
 )
 def test_an_option_of_another_family_is_one_line_naming_it(flags, message):

@@ -172,7 +172,7 @@ def test_measured_speedup_is_a_ratio():
 
 @needs_onednn
 def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls, monkeypatch):
-    from toolkit.models.blocks.moe import grouped_matmul, per_expert_matmul
+    from toolkit.models.common.moe import grouped_matmul, per_expert_matmul
 
     g = torch.Generator().manual_seed(3)
     counts = torch.tensor([300, 0, 41, 683])  # an expert without tokens

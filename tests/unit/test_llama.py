@@ -13,8 +13,9 @@ import torch
 
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
+from toolkit.core.registry import resolve_arch
 from toolkit.models import count_parameters, model_config
-from toolkit.models.llama.archs import PUBLISHED_VOCAB_SIZE
+from toolkit.models.accounting import default_vocab_size
 from toolkit.models.llama.model import LlamaLanguageModel
 
 PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embeddings once)
@@ -81,7 +82,7 @@ QWEN3_CONFIGS = {
 
 @pytest.mark.parametrize("arch", sorted(PUBLISHED))
 def test_named_sizes_have_the_published_parameter_counts(arch):
-    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == PUBLISHED[arch]
+    assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == PUBLISHED[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(QWEN3_CONFIGS))
@@ -93,7 +94,7 @@ def test_qwen3_sizes_count_as_transformers_builds_them(arch):
     with torch.device("meta"):
         hf = transformers.Qwen3ForCausalLM(config)
     theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
-    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+    assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == theirs == PUBLISHED[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(OLMO2_CONFIGS))
@@ -105,23 +106,24 @@ def test_olmo2_sizes_count_as_transformers_builds_them(arch):
     with torch.device("meta"):
         hf = transformers.Olmo2ForCausalLM(config)
     theirs = sum(p.numel() for p in hf.parameters())
-    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+    assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == theirs == PUBLISHED[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(GEMMA3_CONFIGS))
 def test_gemma3_sizes_count_as_transformers_builds_them(arch):
     """A meta-device Gemma3ForCausalLM of the published text config holds as many parameters (tied)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.Gemma3TextConfig(vocab_size=PUBLISHED_VOCAB_SIZE[arch], **GEMMA3_CONFIGS[arch])
+    config = transformers.Gemma3TextConfig(vocab_size=default_vocab_size(arch), **GEMMA3_CONFIGS[arch])
     with torch.device("meta"):
         hf = transformers.Gemma3ForCausalLM(config)
     theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
-    assert count_parameters(arch, vocab_size=PUBLISHED_VOCAB_SIZE[arch]) == theirs == PUBLISHED[arch]
+    assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == theirs == PUBLISHED[arch]
 
 
 def tiny(arch: str = "llama_tiny", vocab: int = 40, seed: int = 1, **overrides) -> LlamaLanguageModel:
+    """The family's model of ``arch`` (Llama, OLMo 2, Gemma 3), built and initialized with ``seed``."""
     cfg = model_config(arch, max_target_positions=48, **overrides)
-    return LlamaLanguageModel(cfg, vocab, padding_idx=1, seed=seed).eval()
+    return resolve_arch(arch).cls(cfg, vocab, padding_idx=1, seed=seed).eval()
 
 
 @pytest.mark.parametrize(

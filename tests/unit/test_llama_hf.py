@@ -96,24 +96,31 @@ def test_export_back_gives_the_same_class_and_log_probs(imported):
 
 
 def test_the_imported_options_are_the_classes_own(imported):
-    """Qwen3: QK-norm and heads of its own size; OLMo 2: norms after the sublayers, QK-norm over the whole
-    projections (q_norm of H x D); Mistral: its window in every layer, Qwen3 with
-    use_sliding_window in the layers from max_window_layers on; the texts above are longer than it."""
+    """Each class imports as its family (Gemma 3: the gemma3 family's sandwich blocks; OLMo 2: the olmo2 family's
+    norms after the sublayers; the others: the llama family's pre-norm blocks). Qwen3: QK-norm and heads of its
+    own size; OLMo 2: QK-norm over the whole projections (q_norm of H x D); Mistral: its window in every layer,
+    Qwen3 with use_sliding_window in the layers from max_window_layers on; the texts above are longer than it."""
+    from toolkit.models.common.blocks import NormAfterBlock, PreNormBlock, SandwichBlock
+
     cfg, kind = imported["model"].cfg, imported["kind"]
+    family, block = {"gemma3": ("gemma3", SandwichBlock), "olmo2": ("olmo2", NormAfterBlock)}.get(
+        kind, ("llama", PreNormBlock)
+    )
+    assert imported["args"].arch == family and type(imported["model"].layers[0]) is block
     assert cfg.qk_norm == (kind.startswith("qwen3") or kind in ("olmo2", "gemma3"))
     if kind == "gemma3":  # its own norms, GeGLU, score scale, logit cap, local rotary base; a local then a global layer
-        assert (cfg.gemma_norms, cfg.mlp_activation, cfg.query_pre_attn_scalar) == (True, "gelu_tanh", 24.0)
+        assert (cfg.mlp_activation, cfg.query_pre_attn_scalar) == ("gelu_tanh", 24.0)
         assert (cfg.final_logit_softcap, cfg.rope_local_theta, cfg.rope_theta) == (20.0, 1e4, 1e6)
         assert cfg.attn_logit_softcap is None  # Gemma3ForCausalLM ignores attn_logit_softcapping
         assert cfg.layer_types == "sliding_attention,full_attention" and cfg.sliding_window == WINDOW
         return
-    assert (cfg.qk_norm_over, cfg.norm_after_sublayer) == (("projection", True) if kind == "olmo2" else ("head", False))
+    assert getattr(cfg, "qk_norm_over", None) == ("projection" if kind == "olmo2" else None)
     assert cfg.decoder_head_dim == (32 if kind.startswith("qwen3") else None)
     assert cfg.sliding_window == (WINDOW if kind.endswith("_window") else None) and WINDOW < len(batch()[0])
     assert cfg.layer_types == ("full_attention,sliding_attention" if kind == "qwen3_window" else None)
     if kind == "olmo2":
         assert imported["model"].layers[0].self_attn.q_norm.weight.shape == (64,)
-        assert imported["model"].layers[0].input_layernorm is None
+        assert not hasattr(imported["model"].layers[0], "input_layernorm")
     assert [layer.self_attn.window for layer in imported["model"].layers] == {
         "qwen3_window": [None, WINDOW],
         "mistral_window": [WINDOW, WINDOW],

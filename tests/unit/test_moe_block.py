@@ -1,4 +1,4 @@
-"""The MoE block (``toolkit.models.blocks.moe``) against direct computations: the router's choice and weights
+"""The MoE block (``toolkit.models.common.moe``) against direct computations: the router's choice and weights
 from the scores, the sorted grouped dispatch against a loop over tokens and their experts (values and
 gradients), the CPU per-expert matmuls against ``torch._grouped_mm``, the balance and z losses from their
 definitions, the aux-loss-free bias update and the idle-expert warning."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.models.blocks.feed_forward import FEED_FORWARDS
-from toolkit.models.blocks.moe import (
+from toolkit.models.common.mlp import FEED_FORWARDS
+from toolkit.models.common.moe import (
     MoE,
     Router,
     _grouped_mm_applies,
@@ -128,7 +128,7 @@ def test_per_expert_path_equals_grouped_mm_values_and_gradients():
 
 def test_the_compiled_form_of_the_grouped_matmul_has_the_same_values_and_gradients():
     """``--compile`` runs the grouped matmul as an opaque op with its own backward (fp32 has no compiled kernel)."""
-    from toolkit.models.blocks.moe import _opaque_grouped_matmul
+    from toolkit.models.common.moe import _opaque_grouped_matmul
 
     counts = torch.tensor([2, 4, 0, 3])
     rows, w = assert_same_products(_opaque_grouped_matmul, counts, 16, 8, seed=5)

@@ -12,7 +12,7 @@ import torch
 from toolkit import models
 from toolkit.core.errors import UserError
 from toolkit.models.accounting import default_vocab_size
-from toolkit.models.blocks.moe import MoE
+from toolkit.models.common.moe import MoE
 
 # The published config.json values (Hugging Face Hub: Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924,
 # mistralai/Mixtral-8x7B-v0.1), as much of them as decides the shapes.
@@ -122,15 +122,7 @@ def test_training_forward_returns_the_router_terms(arch):
 
 
 def _build(arch):
-    from types import SimpleNamespace
-
-    from toolkit.data.dictionary import Dictionary
-
-    d = Dictionary()
-    for i in range(46):
-        d.add_symbol(f"w{i}")
-    task = SimpleNamespace(dictionary=d, cfg=SimpleNamespace(tokens_per_sample=16))
-    return models.build_model(arch, models.model_config(arch), task)
+    return _build_with(arch, max_target_positions=16)
 
 
 def test_sigmoid_family_updates_its_bias_after_a_step():
@@ -195,3 +187,29 @@ def test_the_planner_traces_the_family_in_either_precision(tmp_path, dtype):
     )
     stats = model_stats(cfg, dtype)
     assert stats.activations.per_layer > 0 and stats.num_layers == 2 and stats.num_params > 0
+
+
+@pytest.mark.parametrize("arch", ["moe_tiny", "olmoe_tiny", "mixtral_tiny"])
+def test_local_layers_decode_with_the_cache_as_the_full_forward(arch):
+    """A sliding window in some layers (--layer-types): each layer's attention keeps its own window, so decoding
+    with the KV cache (which keeps a local layer's last window - 1 positions) equals the full forward."""
+    model = _build_with(arch, sliding_window=6, layer_types="sliding_attention,full_attention").eval()
+    assert [layer.self_attn.window for layer in model.layers] == [6, None]
+    tokens = torch.randint(4, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, state = model(tokens), {}
+        steps = [model(tokens[:, :7], incremental_state=state)]
+        steps += [model(tokens[:, t : t + 1], incremental_state=state) for t in range(7, 20)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def _build_with(arch, **options):
+    from types import SimpleNamespace
+
+    from toolkit.data.dictionary import Dictionary
+
+    d = Dictionary()
+    for i in range(46):
+        d.add_symbol(f"w{i}")
+    task = SimpleNamespace(dictionary=d, cfg=SimpleNamespace(tokens_per_sample=20))
+    return models.build_model(arch, models.model_config(arch, **options), task)

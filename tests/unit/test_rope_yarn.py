@@ -1,4 +1,4 @@
-"""YaRN rotary scaling (``--rope-scaling yarn``, toolkit/models/blocks/rope.py): frequencies and attention factor
+"""YaRN rotary scaling (``--rope-scaling yarn``, toolkit/models/common/rope.py): frequencies and attention factor
 equal transformers' ``_compute_yarn_parameters``; random tiny LlamaForCausalLM and Qwen3ForCausalLM folders
 with a yarn ``rope_scaling`` import with logits equal to transformers' within 1e-4 (fp32) at positions past the
 original context, and export back (``--format hf``) to the same ``rope_scaling`` and logits; settings the
@@ -21,10 +21,13 @@ from tests.helpers.hf_llama import make_hf  # noqa: E402
 from toolkit.core.errors import UserError  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
-from toolkit.models.llama.config import LlamaConfig, check_shapes  # noqa: E402
-from toolkit.models.llama.hf import options_from_hf  # noqa: E402
-from toolkit.models.llama.rope import rope_scaling  # noqa: E402
-from toolkit.models.blocks import rope  # noqa: E402
+from toolkit.models.common import rope  # noqa: E402
+from toolkit.models.common.options import check_shapes  # noqa: E402
+from toolkit.models.common.rope import decoder_scaling as rope_scaling  # noqa: E402
+from toolkit.models.llama.config import LlamaConfig  # noqa: E402
+from toolkit.models.llama.hf import LlamaAdapter  # noqa: E402
+
+options_from_hf = LlamaAdapter().options_from_hf
 
 #: name -> (kind, rope_scaling): the paper's defaults (betas 32/1, attention factor from the factor); narrow
 #: betas with a given attention factor (Qwen3's heads of 32); DeepSeek's mscale pair instead of the factor
@@ -134,7 +137,7 @@ def test_flags_build_the_same_tables_as_the_imported_config():
             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},
             "truncate False",
         ),
-        ({"rope_type": "longrope", "factor": 4.0}, "default, llama3 and yarn"),
+        ({"rope_type": "longrope", "factor": 4.0}, "default, llama3, yarn and linear"),
     ],
 )
 def test_yarn_settings_computed_otherwise_are_refused_in_one_line(scaling, fragment):

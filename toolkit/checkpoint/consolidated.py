@@ -30,6 +30,7 @@ from toolkit.checkpoint.stateful import FULL_STATE, ModelState, OptimizerState  
 from toolkit.config import CheckpointConfig
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
+from toolkit.models import saved_options
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ def load_checkpoint_file(
             f"{path}: not a checkpoint (it holds a {type(state).__name__}, not a dict with 'model' "
             f"and 'cfg'); give a file saved by toolkit-train or fairseq"
         )
+    if "cfg" in state:
+        state["cfg"] = saved_options.as_family(state["cfg"], path)
     return state
 
 

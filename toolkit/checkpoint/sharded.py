@@ -49,6 +49,7 @@ from toolkit.distributed.utils import barrier, broadcast_object
 from toolkit.core.errors import UserError
 from toolkit.core.fileio import atomic_write
 from toolkit.logging.step_progress import StepProgress
+from toolkit.models import saved_options
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,8 @@ def read_meta(folder: str) -> Dict[str, Any]:
         raise UserError(
             f"{path}: not a toolkit sharded checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'})"
         )
+    if "cfg" in meta:
+        meta["cfg"] = saved_options.as_family(meta["cfg"], path)
     return meta
 
 

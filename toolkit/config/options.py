@@ -269,7 +269,8 @@ def _option_strings(config: Optional[type]) -> Set[str]:
 def refuse_other_family_options(parser: argparse.ArgumentParser, argv: Sequence[str], arch: str) -> None:
     """A model option of another family (``--arch llama --dropout 0.1``) is one line saying so, not argparse's
     "unrecognized arguments": the user asked for something the chosen family does not have. A family may
-    say why in its options class (``ABSENT_OPTIONS = {"dropout": "it has no dropout"}``)."""
+    say why in its options class (``ABSENT_OPTIONS = {"dropout": "it has no dropout"}``), also of a flag no
+    family has (one that names the family to use instead)."""
     known = {option for action in parser._actions for option in action.option_strings}
     chosen = registry.resolve_arch(arch).config
     absent = getattr(chosen, "ABSENT_OPTIONS", {})
@@ -282,8 +283,9 @@ def refuse_other_family_options(parser: argparse.ArgumentParser, argv: Sequence[
             for name in registry.MODEL_REGISTRY.names()
             if flag in _option_strings(registry.MODEL_REGISTRY.get(name).config)
         )
-        if owners:
-            why = absent.get(flag[2:].replace("-", "_")) or f"it is an option of {', '.join(owners)}"
+        why = absent.get(flag[2:].replace("-", "_"))
+        if owners or why:
+            why = why or f"it is an option of {', '.join(owners)}"
             raise UserError(f"{flag}: --arch {arch} has no such option ({why}); drop the flag")
 
 

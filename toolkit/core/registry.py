@@ -206,7 +206,8 @@ def registered_arch(arch: Optional[str]) -> Optional[RegistryEntry]:
     """The model entry that serves ``arch`` (a named architecture or a bare model name), or None when no
     imported module registers it: the one "is this arch registered" test (training, loading, overrides)."""
     if arch in ARCH_MODEL_NAME:
-        return MODEL_REGISTRY.get(ARCH_MODEL_NAME[arch])
+        model = ARCH_MODEL_NAME[arch]
+        return MODEL_REGISTRY.get(model) if model in MODEL_REGISTRY else None
     if arch is not None and arch in MODEL_REGISTRY:
         return MODEL_REGISTRY.get(arch)
     return None
@@ -362,17 +363,38 @@ BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
         "gpt2": ("toolkit.tokenizers.gpt2_bpe", "toolkit.tokenizers.gpt2_bpe:Gpt2BpeConfig"),
         "hf_byte_bpe": ("toolkit.tokenizers.hf_byte_bpe", "toolkit.tokenizers.hf_byte_bpe:HfByteBpeConfig"),
     },
-    MODEL_REGISTRY: {
-        "transformer_lm": (
-            "toolkit.models.transformer_lm.model",
-            "toolkit.models.transformer_lm.config:TransformerLMConfig",
-        ),
-        "llama": ("toolkit.models.llama.model", "toolkit.models.llama.config:LlamaConfig"),
-        "moe": ("toolkit.models.moe.model", "toolkit.models.moe.config:MoEConfig"),
-    },
 }
-# The named architectures register when these (torch-free) modules are imported.
-BUILTIN_ARCH_MODULES = ("toolkit.models.transformer_lm.archs", "toolkit.models.llama.archs", "toolkit.models.moe.archs")
+# The model families: a family is a folder toolkit/models/<name>/ (config.py its options class, named here;
+# archs.py its named sizes; model.py the class that registers as <name>; parallel.py; hf.py), and this table's
+# line for it is all that registers it. Torch-free: the options and sizes are read for the command line.
+BUILTIN_FAMILIES: Dict[str, str] = {
+    "transformer_lm": "TransformerLMConfig",
+    "llama": "LlamaConfig",
+    "gemma3": "Gemma3Config",
+    "olmo2": "Olmo2Config",
+    "moe": "MoEConfig",
+}
+
+
+def family_modules(name: str, options_class: str, package: str = "toolkit.models") -> Dict[str, str]:
+    """Where family ``name``'s parts are (its folder ``package.name``): the model module that registers its class,
+    its options class as "module:Class" and the (torch-free) module of its named sizes."""
+    folder = f"{package}.{name}"
+    return {"model": f"{folder}.model", "options": f"{folder}.config:{options_class}", "archs": f"{folder}.archs"}
+
+
+def declare_family(name: str, options_class: str, package: str = "toolkit.models") -> None:
+    """Register model family ``name`` from its folder (see ``BUILTIN_FAMILIES``): its class and options by module
+    name, its named sizes now (their module imports no torch)."""
+    parts = family_modules(name, options_class, package)
+    MODEL_REGISTRY.declare(name, parts["model"], parts["options"])
+    importlib.import_module(parts["archs"])
+
+
+BUILTIN_COMPONENTS[MODEL_REGISTRY] = {
+    name: (parts["model"], parts["options"])
+    for name, parts in ((name, family_modules(name, options)) for name, options in BUILTIN_FAMILIES.items())
+}
 _declared = False
 
 
@@ -383,10 +405,11 @@ def declare_builtin_components() -> None:
         return
     _declared = True
     for reg, components in BUILTIN_COMPONENTS.items():
-        for name, (module, options) in components.items():
-            reg.declare(name, module, options)
-    for module in BUILTIN_ARCH_MODULES:
-        importlib.import_module(module)
+        if reg is not MODEL_REGISTRY:
+            for name, (module, options) in components.items():
+                reg.declare(name, module, options)
+    for name, options in BUILTIN_FAMILIES.items():
+        declare_family(name, options)
 
 
 def import_user_module(user_dir: str) -> None:

@@ -2,7 +2,7 @@
 
 Every rank builds and initializes the whole model (the same values as one process), then
 :func:`apply_expert_parallel` keeps E/P consecutive experts of each layer on each rank of the ``ep`` group
-(``GroupedExperts.place``; the tokens travel by all-to-all, ``toolkit.models.blocks.moe``). Those shards
+(``GroupedExperts.place``; the tokens travel by all-to-all, ``toolkit.models.common.moe``). Those shards
 differ between the ranks of one ep group, so DDP leaves them out of its all-reduce; instead
 :func:`expert_grad_reducer` sums them over the ranks that hold the same experts (``ep_peers``, world / P
 ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds the
@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Set, Tuple
 import torch
 
 from toolkit.distributed.parallel_dims import ParallelDims
-from toolkit.models.blocks.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
+from toolkit.models.common.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
 

@@ -2,7 +2,7 @@
 
 Which class computes a model, its config and its weights in that class's names are the family's
 (:class:`toolkit.core.protocols.HFExportable`: ``toolkit/models/transformer_lm/hf.py``,
-``toolkit/models/llama/hf_files.py``). Here: the folder (config.json, model.safetensors, the
+``toolkit/models/common/hf_folder.py``). Here: the folder (config.json, model.safetensors, the
 tokenizer), written under a temporary name, and before it appears transformers loads it and its
 logits are compared with ours (fp32). A family without adapters is refused in one line naming the
 formats it can use.

@@ -12,6 +12,7 @@ import os
 from typing import Any, Dict
 
 from toolkit.core.errors import UserError, import_optional
+from toolkit.models import saved_options
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -48,4 +49,4 @@ def read_exported(path: str) -> Dict[str, Any]:
     cfg = dict(config["cfg"])
     cfg.update(config.get("model", {}))
     cfg.setdefault("data", os.path.dirname(os.path.abspath(path)))
-    return {"cfg": cfg, "model": state}
+    return {"cfg": saved_options.as_family(cfg, config_path), "model": state}

@@ -7,13 +7,18 @@ task, evaluation, the hub, parameter counts):
 ``build_for_loading(arch, options, task, device)``  the same, memory allocated but not initialized (weights follow)
 ``model_config(arch, **overrides)``      the options dataclass with the arch's values, then yours
 ``count_parameters(arch, ...)``          its parameter count, built on the meta device (no memory)
+``matching_arch(family, given)``         the named size of a family with these options (an import's --arch)
+
+A family is a folder ``toolkit/models/<name>/`` (``config.py`` its options, ``archs.py`` its named sizes,
+``model.py`` its model from ``common/``'s blocks, ``parallel.py`` its tensor-parallel plan, ``hf.py`` its
+Hugging Face adapter) registered by one line, ``toolkit.core.registry.BUILTIN_FAMILIES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 from toolkit.config import options
 from toolkit.core import registry
@@ -35,6 +40,7 @@ def _values(section: Any) -> Dict[str, Any]:
 
 def model_config(arch: str, **overrides: Any):
     """The model options of a named architecture, with ``overrides`` applied on top (as user flags are)."""
+    registry.declare_builtin_components()
     registry.import_submodules("toolkit.models")
     entry = registry.resolve_arch(arch)
     if entry.config is None:
@@ -73,6 +79,19 @@ def build_for_loading(arch: str, section: Any, task, device: torch.device) -> to
     return model
 
 
+def parameter_breakdown(model: torch.nn.Module) -> Dict[str, int]:
+    """Parameters by top-level part (tied ones once, under their first holder), then other, total."""
+    seen, parts = set(), {}
+    for part, module in model.named_children():
+        fresh = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        parts[part] = sum(p.numel() for p in fresh)
+    total = sum(p.numel() for p in model.parameters())
+    parts["other"] = total - sum(parts.values())  # the model's own parameters, outside any part
+    parts["total"] = total
+    return parts
+
+
 def count_params(model: torch.nn.Module) -> Tuple[int, int]:
     """(all, trained) parameters of a built model, tied ones once."""
     params = {id(p): p for p in model.parameters()}.values()
@@ -104,9 +123,38 @@ def build_on_meta(
         return build_model(arch, model_config(arch, **overrides), task)
 
 
-def count_parameters(arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, **overrides: Any) -> int:
-    """Number of parameters (tied ones once) of a named architecture, e.g. ~175e9 for transformer_lm_gpt3_175."""
-    return count_params(build_on_meta(arch, vocab_size, tokens_per_sample, **overrides))[0]
+def count_parameters(
+    arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, verbose: bool = False, **overrides: Any
+) -> int:
+    """Number of parameters (tied ones once) of a named architecture, e.g. ~175e9 for transformer_lm_gpt3_175;
+    ``verbose`` prints them by part (:func:`parameter_breakdown`)."""
+    parts = parameter_breakdown(build_on_meta(arch, vocab_size, tokens_per_sample, **overrides))
+    if verbose:
+        print(f"{arch} at V={vocab_size:,}: " + ", ".join(f"{k} {v:,}" for k, v in parts.items() if v))
+    return parts["total"]
+
+
+def _any_size(arch: str) -> bool:
+    return True
+
+
+def matching_arch(
+    family: str,
+    given: Dict[str, Any],
+    compared: Optional[Sequence[str]] = None,
+    among: Callable[[str], bool] = _any_size,
+) -> str:
+    """The named size of ``family`` (among those ``among`` accepts) whose options equal ``given`` on ``compared``
+    (default: every given option but the context length), e.g. llama3_1b for an imported Llama 3.2 1B; else the
+    family's own name."""
+    registry.import_submodules("toolkit.models")
+    keys = [k for k in given if k != "max_target_positions"] if compared is None else list(compared)
+    sizes = sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == family and a != family and among(a))
+    for arch in sizes:
+        values = options.architecture_defaults(arch)
+        if all(values[k] == given[k] for k in keys):
+            return arch
+    return family
 
 
 # fairseq's names, so a plugin's ``from fairseq.models import ...`` ports by renaming the import

@@ -12,35 +12,9 @@ A family's FLOPs (the N of 6N) are its own ``flops_per_token`` (``transformer_lm
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch.nn as nn
-
-
-def parameter_breakdown(model: nn.Module) -> Dict[str, int]:
-    """Parameters by top-level part (tied ones once, under their first holder), then other, total."""
-    seen, parts = set(), {}
-    for part, module in model.named_children():
-        fresh = [p for p in module.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        parts[part] = sum(p.numel() for p in fresh)
-    total = sum(p.numel() for p in model.parameters())
-    parts["other"] = total - sum(parts.values())  # the model's own parameters, outside any part
-    parts["total"] = total
-    return parts
-
-
-def count_parameters(
-    arch: str, vocab_size: int = 50257, tokens_per_sample: int = 2048, verbose: bool = False, **overrides: Any
-) -> int:
-    """Parameters of a named architecture (tied ones once); ``verbose`` prints them by part."""
-    from toolkit.models import build_on_meta
-
-    model = build_on_meta(arch, vocab_size, tokens_per_sample, **overrides)
-    parts = parameter_breakdown(model)
-    if verbose:
-        print(f"{arch} at V={vocab_size:,}: " + ", ".join(f"{k} {v:,}" for k, v in parts.items() if v))
-    return parts["total"]
+from toolkit.models import count_parameters, parameter_breakdown  # noqa: F401  (this module's API)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -160,7 +160,7 @@ def param_infos(model: torch.nn.Module, with_roles: bool = False) -> Tuple[Param
     the family's role (asked only for an optimizer that uses them: a family may leave some unnamed)."""
     from toolkit.distributed.tensor_parallel import split_parameters
 
-    from toolkit.models.blocks.moe import GroupedExperts
+    from toolkit.models.common.moe import GroupedExperts
 
     split = split_parameters(model)
     experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
@@ -238,7 +238,7 @@ class _GroupedGemmSaves(torch.autograd.Function):
 
 
 def _grouped_gemm_saves() -> Any:
-    from toolkit.models.blocks import moe
+    from toolkit.models.common import moe
 
     original = moe._eager_grouped_matmul
 
@@ -299,7 +299,7 @@ def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
     from toolkit.core.protocols import TensorParallelizable
     from toolkit.distributed.parallel_dims import check_expert_share
     from toolkit.distributed.tensor_parallel import check_plan_kinds
-    from toolkit.models.blocks.moe import GroupedExperts
+    from toolkit.models.common.moe import GroupedExperts
 
     if dist.model_parallel_size > 1 and isinstance(model, TensorParallelizable):
         check_plan_kinds(model.tensor_parallel_plan(), type(model).__name__)
@@ -311,7 +311,7 @@ def split_limits(model: torch.nn.Module, sequence_parallel: bool) -> SplitLimits
     """The model's :class:`SplitLimits` (the checks of ``toolkit.distributed.tensor_parallel`` and the capability
     flags ``toolkit.distributed.parallel_dims`` reads), so that the planner proposes only sizes it trains with."""
     from toolkit.core.protocols import TensorParallelizable, supports
-    from toolkit.models.blocks.moe import GroupedExperts
+    from toolkit.models.common.moe import GroupedExperts
 
     divisible: Tuple[Tuple[str, int], ...] = ()
     refused: Optional[str] = f"{type(model).__name__} gives no tensor_parallel_plan()"
@@ -348,7 +348,7 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         float(model.flops_per_token(tokens)) if isinstance(model, FlopsCounted) else 6.0 * sum(p.numel for p in infos)
     )
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
-    from toolkit.models.blocks.moe import MoE
+    from toolkit.models.common.moe import MoE
     from toolkit.models.common.attention import AttentionLayer
 
     kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, AttentionLayer))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.core import registry
+from toolkit.models.common.mlp import activation as activation_named
 
 logger = logging.getLogger(__name__)
 
@@ -184,17 +185,6 @@ def set_torch_seed(seed: int) -> None:
 
 
 def get_activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """fairseq's activation names (``relu``, ``gelu``, ``gelu_accurate``, ``tanh``, ``linear``, ``swish``)."""
-    table = {
-        "relu": F.relu,
-        "gelu": F.gelu,
-        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-        "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),
-        "tanh": torch.tanh,
-        "linear": lambda x: x,
-        "swish": F.silu,
-        "relu_squared": lambda x: F.relu(x).pow(2),
-    }
-    if activation not in table:
-        raise RuntimeError(f"--activation-fn {activation} not supported; choose from {', '.join(table)}")
-    return table[activation]
+    """fairseq's activation names (``relu``, ``gelu``, ``gelu_accurate``, ``tanh``, ``linear``, ``swish``): the
+    models' one table (``toolkit.models.common.mlp.ACTIVATIONS``)."""
+    return activation_named(activation)

@@ -37,9 +37,7 @@ class LlamaCachedDecoder(torch.nn.Module):
         x = m.embed(tokens)
         present: List[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            window = layer.self_attn.window
-            local = window is not None and m.cfg.rope_local_theta is not None
-            cos_table, sin_table = (m.rope_local_cos, m.rope_local_sin) if local else (m.rope_cos, m.rope_sin)
+            cos_table, sin_table = m.rope_table(layer.self_attn.window)
             cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
             h, (k, v) = layer.self_attn.forward_with_past(layer.attention_input(x), cos, sin, past[2 * i : 2 * i + 2])
             x = layer.add_attention(x, h)

@@ -1,296 +1,32 @@
-"""Options of the Llama family (``--arch llama`` and its named sizes).
-
-Fields that fairseq's ``transformer_lm`` also declares keep its names (``--decoder-layers``,
-``--decoder-embed-dim``, ``--decoder-ffn-embed-dim``, ``--decoder-attention-heads``,
-``--share-decoder-input-output-embed``, ``--max-target-positions``), so one flag serves both
-families; the rest are the family's own (Hugging Face's config key in brackets):
-
-``--decoder-kv-heads``          key/value heads (``num_key_value_heads``): grouped-query attention
-                                when fewer than the query heads, multi-query at 1
-``--rope-theta``                base of the rotary frequencies (``rope_theta``)
-``--rope-scaling-factor`` ...   stretch the rotary frequencies for a longer context (``rope_scaling``):
-                                ``--rope-scaling llama3`` (Llama 3.1's, the default) or ``yarn`` (YaRN, with
-                                ``--rope-yarn-beta-fast/-slow`` and ``--rope-attention-factor``)
-``--rms-norm-eps``              RMSNorm's epsilon (``rms_norm_eps``)
-``--attention-qkv-bias``        biases on q, k, v (Qwen2); no other linear layer has one
-``--decoder-head-dim``          size of each attention head (``head_dim``) when it is not width / heads (Qwen3)
-``--qk-norm``                   RMSNorm over each query and key head before the rotation (Qwen3)
-``--sliding-window``            each position attends to the last N positions only, itself included
-                                (Mistral's ``sliding_window``); every layer alike unless --layer-types
-``--qk-norm-over projection``   the QK-norm over the whole q and k projections, not per head (OLMo 2)
-``--norm-after-sublayer``       RMSNorm on the attention's and the MLP's outputs before the residual add,
-                                none on their inputs (OLMo 2)
-``--gemma-norms``               Gemma: (1 + w) RMSNorms before and after the attention and the MLP, embeddings
-                                times sqrt(width); with ``--mlp-activation gelu_tanh`` (GeGLU),
-                                ``--query-pre-attn-scalar``, ``--rope-local-theta`` (``rope_local_base_freq``)
-``--final-logit-softcap`` ...   Gemma 2's cap * tanh(x / cap) on the logits (and the attention scores)
-``--layer-types``               which layers are local (``sliding_attention``, within --sliding-window) and
-                                which global (``full_attention``), comma-separated, one per layer
-                                (``layer_types`` of Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3)
-"""
+"""Options of the Llama family (``--arch llama`` and its named sizes: Llama 2/3, Mistral, Qwen2, Qwen3,
+TinyLlama): the options every rotary decoder family shares (``toolkit.models.common.options``), nothing more.
+Its blocks normalize before attention and before the MLP."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Dict
 
-from toolkit.core.errors import UserError
-from toolkit.config.flag_types import positive_int
+from toolkit.models.common.options import DecoderOptions, absent_options
+from toolkit.models.common.options import head_dim, kv_heads  # noqa: F401  (the family's head sizes, by its name)
+
+GEMMA = "Gemma's norms, score scale, soft-caps and local rotary base are the gemma3 family's (--arch gemma3)"
+OLMO2 = "norms after the sublayers and QK-norm over the projections are the olmo2 family's (--arch olmo2)"
 
 
 @dataclass
-class LlamaConfig:
-    # transformer_lm's options this family does not have, and why (toolkit.config.options says so in one line)
+class LlamaConfig(DecoderOptions):
     ABSENT_OPTIONS: ClassVar[Dict[str, str]] = {
+        **absent_options("the Llama family", "Llama blocks always normalize before attention and the MLP (RMSNorm)"),
         **{
-            name: "the Llama family has no dropout"
-            for name in ("dropout", "attention_dropout", "activation_dropout", "relu_dropout")
+            name: GEMMA
+            for name in (
+                "gemma_norms",
+                "query_pre_attn_scalar",
+                "rope_local_theta",
+                "attn_logit_softcap",
+                "final_logit_softcap",
+            )
         },
-        "decoder_normalize_before": "Llama blocks always normalize before attention and the MLP (RMSNorm)",
-        "decoder_learned_pos": "Llama encodes positions with rotary embeddings",
-        "activation_fn": "Llama's MLP is gated: --mlp-activation silu (SwiGLU) or gelu_tanh (GeGLU)",
+        **{name: OLMO2 for name in ("norm_after_sublayer", "qk_norm_over")},
     }
-
-    decoder_layers: int = field(default=2, metadata={"type": positive_int, "help": "num decoder layers"})
-    decoder_embed_dim: int = field(default=64, metadata={"type": positive_int, "help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(
-        default=128, metadata={"type": positive_int, "help": "decoder embedding dimension for FFN"}
-    )
-    decoder_attention_heads: int = field(
-        default=4, metadata={"type": positive_int, "help": "num decoder attention heads"}
-    )
-    decoder_kv_heads: Optional[int] = field(
-        default=None,
-        metadata={
-            "type": positive_int,
-            "help": "key/value heads of grouped-query attention (default: "
-            "--decoder-attention-heads; 1 is multi-query attention)",
-        },
-    )
-    rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
-    rope_scaling_factor: Optional[float] = field(
-        default=None,
-        metadata={
-            "help": "RoPE frequency scaling (--rope-scaling): divide the low frequencies by "
-            "this factor, the context stretched by it (default: no scaling)"
-        },
-    )
-    rope_scaling: str = field(
-        default="llama3",
-        metadata={
-            "choices": ["llama3", "yarn"],
-            "help": "how --rope-scaling-factor rescales the "
-            "frequencies: Llama 3.1's wavelength bands (llama3) or YaRN's ramp over the "
-            "frequency pairs with its attention factor (yarn)",
-        },
-    )
-    rope_yarn_beta_fast: float = field(
-        default=32.0,
-        metadata={
-            "help": "YaRN: frequency pairs turning more often than this over the original "
-            "context keep their frequency (beta_fast)"
-        },
-    )
-    rope_yarn_beta_slow: float = field(
-        default=1.0,
-        metadata={
-            "help": "YaRN: frequency pairs turning less often than this over the original "
-            "context are divided by the factor (beta_slow)"
-        },
-    )
-    rope_attention_factor: Optional[float] = field(
-        default=None,
-        metadata={
-            "help": "YaRN: multiplier of the rotary cos/sin tables (attention_factor; "
-            "default: 0.1 ln(--rope-scaling-factor) + 1)"
-        },
-    )
-    rope_low_freq_factor: float = field(
-        default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"}
-    )
-    rope_high_freq_factor: float = field(
-        default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"}
-    )
-    rope_original_max_positions: int = field(
-        default=8192,
-        metadata={
-            "help": "RoPE scaling (llama3, yarn): the context length the model was trained "
-            "at (original_max_position_embeddings)"
-        },
-    )
-    rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
-    attention_qkv_bias: bool = field(
-        default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"}
-    )
-    decoder_head_dim: Optional[int] = field(
-        default=None,
-        metadata={
-            "type": positive_int,
-            "help": "size of each attention head (default: --decoder-embed-dim / --decoder-attention-heads)",
-        },
-    )
-    qk_norm: bool = field(
-        default=False, metadata={"help": "RMSNorm over each query and key head before the rotation (Qwen3)"}
-    )
-    qk_norm_over: str = field(
-        default="head",
-        metadata={
-            "choices": ["head", "projection"],
-            "help": "--qk-norm over each head (Qwen3) or over the whole q and k projections (OLMo 2)",
-        },
-    )
-    norm_after_sublayer: bool = field(
-        default=False,
-        metadata={
-            "help": "RMSNorm on the attention's and the MLP's outputs before the residual "
-            "add instead of on their inputs (OLMo 2)"
-        },
-    )
-    gemma_norms: bool = field(
-        default=False,
-        metadata={
-            "help": "Gemma 2/3: RMSNorm scales (1 + weight), norms before and after both the "
-            "attention and the MLP, embeddings times sqrt(--decoder-embed-dim)"
-        },
-    )
-    mlp_activation: str = field(
-        default="silu",
-        metadata={
-            "choices": ["silu", "gelu_tanh"],
-            "help": "the gated MLP's activation: SwiGLU (silu) or GeGLU (gelu_tanh, Gemma)",
-        },
-    )
-    query_pre_attn_scalar: Optional[float] = field(
-        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"}
-    )
-    rope_local_theta: Optional[float] = field(
-        default=None,
-        metadata={
-            "help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
-            "default: --rope-theta)"
-        },
-    )
-    attn_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"}
-    )
-    final_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"}
-    )
-    sliding_window: Optional[int] = field(
-        default=None,
-        metadata={
-            "type": positive_int,
-            "help": "attend to the last N positions only, the own "
-            "included, in every layer (Mistral; default: the whole context)",
-        },
-    )
-    layer_types: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "per layer, comma-separated: sliding_attention (within --sliding-window) "
-            "or full_attention (default: every layer as --sliding-window says)"
-        },
-    )
-    share_decoder_input_output_embed: bool = field(
-        default=False, metadata={"help": "share decoder input and output embeddings"}
-    )
-    max_target_positions: Optional[int] = field(
-        default=None,
-        metadata={
-            "type": positive_int,
-            "help": "max number of tokens in the target sequence (default: --tokens-per-sample)",
-        },
-    )
-    init_std: float = field(
-        default=0.02,
-        metadata={
-            "help": "standard deviation of the initial weights (output layers of each block "
-            "are scaled by 1/sqrt(2 x layers))"
-        },
-    )
-
-
-def kv_heads(cfg: LlamaConfig) -> int:
-    return cfg.decoder_kv_heads or cfg.decoder_attention_heads
-
-
-def head_dim(cfg: LlamaConfig) -> int:
-    """``--decoder-head-dim`` when given (Qwen3's heads are wider than width / heads), else width / heads."""
-    return cfg.decoder_head_dim or cfg.decoder_embed_dim // cfg.decoder_attention_heads
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
-
-
-def layer_windows(cfg: LlamaConfig) -> List[Optional[int]]:
-    """Each layer's window: --sliding-window for a local layer, None (the whole context) for a global one."""
-    if cfg.layer_types is None:
-        return [cfg.sliding_window] * cfg.decoder_layers
-    return [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types.split(",")]
-
-
-def _check_layer_types(cfg: LlamaConfig) -> None:
-    if cfg.layer_types is None:
-        return
-    kinds = cfg.layer_types.split(",")
-    wrong = sorted(set(kinds) - set(LAYER_TYPES))
-    if wrong or len(kinds) != cfg.decoder_layers:
-        raise UserError(
-            f"--layer-types {cfg.layer_types}: give one of {' or '.join(LAYER_TYPES)} per layer "
-            f"({cfg.decoder_layers}, --decoder-layers), comma-separated"
-        )
-    if "sliding_attention" in kinds and cfg.sliding_window is None:
-        raise UserError(
-            f"--layer-types {cfg.layer_types}: sliding_attention layers need --sliding-window N "
-            "(how many positions a local layer sees)"
-        )
-
-
-def check_shapes(cfg: LlamaConfig) -> None:
-    """One line per impossible shape, before anything is built."""
-    _check_layer_types(cfg)
-    C, H, G = cfg.decoder_embed_dim, cfg.decoder_attention_heads, kv_heads(cfg)
-    if cfg.decoder_head_dim is None and (H < 1 or C % H):
-        raise UserError(
-            f"--decoder-embed-dim {C}: must be divisible by --decoder-attention-heads {H} "
-            "(or give the head size, --decoder-head-dim)"
-        )
-    if cfg.decoder_head_dim is not None and cfg.decoder_head_dim % 2:
-        raise UserError(f"--decoder-head-dim {cfg.decoder_head_dim}: must be even for rotary embeddings")
-    if head_dim(cfg) % 2:
-        raise UserError(
-            f"--decoder-embed-dim {C} / --decoder-attention-heads {H}: the head size {C // H} must be "
-            "even for rotary embeddings; change one of the two (or give --decoder-head-dim)"
-        )
-    if G < 1 or H % G:
-        raise UserError(
-            f"--decoder-kv-heads {G}: must divide --decoder-attention-heads {H} "
-            "(each key/value head serves a whole group of query heads)"
-        )
-    _check_rope_scaling(cfg)
-
-
-def _check_rope_scaling(cfg: LlamaConfig) -> None:
-    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_factor <= 0:
-        raise UserError(
-            f"--rope-scaling-factor {cfg.rope_scaling_factor}: must be positive (how many times the "
-            "context is stretched)"
-        )
-    if (
-        cfg.rope_scaling == "yarn"
-        and cfg.rope_scaling_factor is not None
-        and cfg.rope_yarn_beta_fast <= cfg.rope_yarn_beta_slow
-    ):
-        raise UserError(
-            f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must be above --rope-yarn-beta-slow "
-            f"{cfg.rope_yarn_beta_slow} (the ramp runs from the fast-turning pairs to the slow ones)"
-        )
-    if (
-        cfg.rope_scaling == "llama3"
-        and cfg.rope_scaling_factor is not None
-        and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor
-    ):
-        raise UserError(
-            f"--rope-high-freq-factor {cfg.rope_high_freq_factor}: must be above "
-            f"--rope-low-freq-factor {cfg.rope_low_freq_factor}"
-        )

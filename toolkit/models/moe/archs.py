@@ -24,6 +24,7 @@ from typing import Dict
 
 from toolkit.core import registry
 from toolkit.core.registry import register_model_architecture
+from toolkit.models.common.options import set_shape
 from toolkit.models.moe.config import MoEConfig
 
 PUBLISHED_VOCAB_SIZE: Dict[str, int] = {"qwen3_30b_a3b": 151936, "olmoe_1b_7b": 50304, "mixtral_8x7b": 32000}
@@ -33,8 +34,7 @@ registry.PUBLISHED_VOCAB_SIZE.update(PUBLISHED_VOCAB_SIZE)
 def _shape(
     cfg: MoEConfig, layers: int, dim: int, heads: int, kv: int, experts: int, top_k: int, expert_ffn: int, ffn: int
 ) -> None:
-    cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim = layers, dim, ffn
-    cfg.decoder_attention_heads, cfg.decoder_kv_heads = heads, kv
+    set_shape(cfg, layers=layers, dim=dim, ffn=ffn, heads=heads, kv=kv)
     cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_ffn_embed_dim = experts, top_k, expert_ffn
 
 

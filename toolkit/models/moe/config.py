@@ -1,7 +1,8 @@
 """Options of the mixture-of-experts family (``--arch moe`` and its named sizes: Qwen3-MoE, OLMoE, Mixtral).
 
-The attention, norms and rotary embeddings are the Llama family's (``LlamaConfig``'s flags, shared); every
-block's feed-forward is a ``toolkit.models.blocks.moe.MoE`` instead of one SwiGLU (Hugging Face's key in brackets):
+The attention, norms and rotary embeddings take the options every rotary decoder family shares
+(``toolkit.models.common.options``); every block is pre-norm and its feed-forward a ``toolkit.models.common.moe.MoE``
+instead of one SwiGLU (Hugging Face's key in brackets):
 
 ``--moe-num-experts``             experts per layer (``num_experts`` / ``num_local_experts``)
 ``--moe-top-k``                   experts per token (``num_experts_per_tok``)
@@ -21,17 +22,19 @@ block's feed-forward is a ``toolkit.models.blocks.moe.MoE`` instead of one SwiGL
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Dict
 
 from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
-from toolkit.models.llama.config import LlamaConfig, check_shapes
-
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-"""``--moe-score-func``: how ``blocks/moe.py``'s router turns logits into scores."""
+from toolkit.models.common.options import SCORE_FUNCTIONS, DecoderOptions, absent_options, check_shapes
 
 
 @dataclass
-class MoEConfig(LlamaConfig):
+class MoEConfig(DecoderOptions):
+    ABSENT_OPTIONS: ClassVar[Dict[str, str]] = absent_options(
+        "the MoE family", "MoE blocks always normalize before attention and the experts (RMSNorm)"
+    )
+
     moe_num_experts: int = field(default=4, metadata={"type": positive_int, "help": "experts in each MoE layer"})
     moe_top_k: int = field(default=2, metadata={"type": positive_int, "help": "experts each token is sent to"})
     moe_ffn_embed_dim: int = field(default=64, metadata={"type": positive_int, "help": "hidden width of each expert"})
@@ -79,7 +82,7 @@ class MoEConfig(LlamaConfig):
 
 
 def check_moe_shapes(cfg: MoEConfig) -> None:
-    """The Llama checks, then the experts' (one line each)."""
+    """The rotary decoder's checks, then the experts' (one line each)."""
     check_shapes(cfg)
     if cfg.moe_top_k > cfg.moe_num_experts:
         raise UserError(

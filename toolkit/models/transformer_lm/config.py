@@ -2,7 +2,7 @@
 
 Each field is one ``--flag`` (the help text is fairseq's); the named architectures (``archs.py``)
 set values on a fresh config and the user's flags override them. No torch here: ``--help`` reads this module
-(the activation functions are ``model.ACTIVATIONS``).
+(the activation functions are ``toolkit.models.common.mlp.ACTIVATIONS``, the one table).
 """
 
 from __future__ import annotations

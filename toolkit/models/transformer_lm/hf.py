@@ -18,7 +18,8 @@ Which class expresses which ``transformer_lm`` (checked option by option in :fun
 
 The activation goes through the config (relu, exact gelu, tanh-approximated gelu as
 ``gelu_pytorch_tanh``, ...). Anything else is refused with one line naming the option; before the
-folder appears, transformers loads it and its logits are compared with ours (fp32).
+folder appears, transformers loads it and its logits are compared with ours (fp32). ``TransformerLMAdapter`` is
+the family's adapter class (``toolkit.models.common.hf_adapter.HFAdapter``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import HFWeights
+from toolkit.core.protocols import HFCheckpoint, HFWeights
+from toolkit.models.common.hf_adapter import HFAdapter
+from toolkit.models.transformer_lm.hf_import import GPT2_CONV1D, GPT2_NORMS, read_gpt2
 
 HF_ACTIVATIONS = {
     "relu": "relu",
@@ -40,6 +43,8 @@ HF_ACTIVATIONS = {
     "linear": "linear",
 }
 CLASS_NAMES = {"xglm": "XGLMForCausalLM", "opt": "OPTForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# A block's modules in XGLM's and OPT's names (fairseq's, ours); GPT-2's are hf_import.py's GPT2_NORMS, GPT2_CONV1D
+FAIRSEQ_LIKE_BLOCK = ("self_attn.out_proj", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm")
 
 
 def why_not(model, name: str) -> Optional[str]:
@@ -108,7 +113,7 @@ def _fairseq_like_state(model, state, base: str, fold_scale: bool) -> Dict[str, 
     for i in range(len(model.layers)):
         src, dst = f"layers.{i}", f"{base}.layers.{i}"
         _split_qkv(state, f"{src}.self_attn", out, f"{dst}.self_attn")
-        for name in ("self_attn.out_proj", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"):
+        for name in FAIRSEQ_LIKE_BLOCK:
             _copy(state, f"{src}.{name}", out, f"{dst}.{name}")
     return out
 
@@ -171,14 +176,9 @@ def gpt2(model, state) -> Tuple[str, dict, Dict[str, torch.Tensor]]:
     }
     for i in range(len(model.layers)):
         src, dst = f"layers.{i}", f"transformer.h.{i}"
-        _copy(state, f"{src}.self_attn_layer_norm", out, f"{dst}.ln_1")
-        _copy(state, f"{src}.final_layer_norm", out, f"{dst}.ln_2")
-        for ours, theirs in (
-            ("self_attn.qkv_proj", "attn.c_attn"),
-            ("self_attn.out_proj", "attn.c_proj"),
-            ("fc1", "mlp.c_fc"),
-            ("fc2", "mlp.c_proj"),
-        ):  # Conv1D: weight is [in, out]
+        for ours, theirs in GPT2_NORMS:
+            _copy(state, f"{src}.{ours}", out, f"{dst}.{theirs}")
+        for ours, theirs in GPT2_CONV1D:  # Conv1D: weight is [in, out]
             out[f"{dst}.{theirs}.weight"] = state[f"{src}.{ours}.weight"].t()
             out[f"{dst}.{theirs}.bias"] = state[f"{src}.{ours}.bias"]
     _copy(state, "layer_norm", out, "transformer.ln_f")
@@ -221,3 +221,17 @@ def hf_weights(model, hf_class: str, dictionary, first_symbol: int) -> HFWeights
         "use_cache": True,
     }
     return HFWeights(architecture, config, state)
+
+
+class TransformerLMAdapter(HFAdapter):
+    """The ``transformer_lm`` family's Hugging Face adapter: GPT-2 folders in (``hf_import.py``), XGLM, OPT or GPT-2
+    out, whichever computes the model exactly (above)."""
+
+    FAMILY = "transformer_lm"
+    CLASSES = {"gpt2": "GPT2LMHeadModel"}
+
+    def read(self, folder: str, config: Dict, out_dir: str, tokens_per_sample: Optional[int], advance) -> HFCheckpoint:
+        return read_gpt2(folder, out_dir, tokens_per_sample, advance)
+
+    def write(self, model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
+        return hf_weights(model, hf_class, dictionary, first_symbol)

@@ -30,6 +30,7 @@ import torch
 
 from toolkit.core.errors import UserError, malformed_file, require
 from toolkit.core.protocols import HFCheckpoint
+from toolkit.models import matching_arch as family_size
 from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
 
 ACTIVATIONS = {
@@ -91,15 +92,10 @@ def convert_state(
     state["embed_positions.weight"] = positions
     for i in range(L):
         src, dst = f"transformer.h.{i}", f"layers.{i}"
-        for theirs, ours in (("ln_1", "self_attn_layer_norm"), ("ln_2", "final_layer_norm")):
+        for ours, theirs in GPT2_NORMS:
             state[f"{dst}.{ours}.weight"] = hf_state[f"{src}.{theirs}.weight"]
             state[f"{dst}.{ours}.bias"] = hf_state[f"{src}.{theirs}.bias"]
-        for theirs, ours in (
-            ("attn.c_attn", "self_attn.qkv_proj"),
-            ("attn.c_proj", "self_attn.out_proj"),
-            ("mlp.c_fc", "fc1"),
-            ("mlp.c_proj", "fc2"),
-        ):
+        for ours, theirs in GPT2_CONV1D:
             state[f"{dst}.{ours}.weight"] = hf_state[f"{src}.{theirs}.weight"].t().contiguous()
             state[f"{dst}.{ours}.bias"] = hf_state[f"{src}.{theirs}.bias"]
     state["layer_norm.weight"] = hf_state["transformer.ln_f.weight"]
@@ -131,19 +127,24 @@ def model_options(config) -> Dict[str, object]:
     )
 
 
+# GPT-2's names of a block's modules, as data: (ours, theirs); Conv1D layers hold our Linear's weight transposed
+GPT2_NORMS = (("self_attn_layer_norm", "ln_1"), ("final_layer_norm", "ln_2"))
+GPT2_CONV1D = (
+    ("self_attn.qkv_proj", "attn.c_attn"),
+    ("self_attn.out_proj", "attn.c_proj"),
+    ("fc1", "mlp.c_fc"),
+    ("fc2", "mlp.c_proj"),
+)
+GPT2_SIZES = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
+
+
+def _gpt2_size(arch: str) -> bool:
+    return arch.startswith("transformer_lm_gpt") and not arch.startswith("transformer_lm_gpt3")
+
+
 def matching_arch(given: Dict[str, object]) -> str:
     """The named architecture with GPT-2's sizes (OpenAI's 124M is ``transformer_lm_gpt``), else ``transformer_lm``."""
-    from toolkit.config import options
-    from toolkit.core import registry
-
-    registry.import_submodules("toolkit.models")
-    sizes = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
-    for arch in sorted(registry.ARCH_CONFIG_FN):
-        if arch.startswith("transformer_lm_gpt") and not arch.startswith("transformer_lm_gpt3"):
-            values = options.architecture_defaults(arch)
-            if all(values[k] == given[k] for k in sizes):
-                return arch
-    return "transformer_lm"
+    return family_size("transformer_lm", given, compared=GPT2_SIZES, among=_gpt2_size)
 
 
 def _dictionary(symbols: List[str]):

@@ -56,6 +56,8 @@ from toolkit.core.errors import UserError
 from toolkit.models import adaptive
 from toolkit.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from toolkit.models.common.attention import FusedQKVAttention, attention_mask
+from toolkit.models.common.hf_adapter import HFConvertible
+from toolkit.models.common.mlp import ACTIVATIONS
 from toolkit.models.decoder import DecoderInterface, KVCache, roles_by_prefix
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.init import init_weights, meta_embedding
@@ -63,19 +65,11 @@ from toolkit.models import quant_noise
 from toolkit.models.layerdrop import LayerDrop, parse_layers_to_keep, prune_state_dict
 from toolkit.models.outputs import with_summed_nll
 from toolkit.models.transformer_lm.config import ACTIVATION_NAMES, TransformerLMConfig
+from toolkit.models.transformer_lm.hf import TransformerLMAdapter
 from toolkit.models.transformer_lm.parallel import tensor_parallel_plan as family_plan
 from toolkit.core.registry import register_model
 
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
-    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's name for the tanh approximation
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # fairseq's deprecated alias of gelu_accurate
-    "tanh": torch.tanh,
-    "swish": F.silu,
-    "linear": lambda x: x,
-}
-assert tuple(ACTIVATIONS) == ACTIVATION_NAMES  # the --activation-fn choices (config.py) name these
+assert set(ACTIVATION_NAMES) <= set(ACTIVATIONS)  # the --activation-fn choices (config.py) name the one table
 
 
 class CausalSelfAttention(FusedQKVAttention):
@@ -140,7 +134,7 @@ def sinusoidal_table(num_positions: int, dim: int, first_position: int, device=N
 
 
 @register_model("transformer_lm", dataclass=TransformerLMConfig)
-class TransformerLanguageModel(DecoderInterface, nn.Module):
+class TransformerLanguageModel(HFConvertible, DecoderInterface, nn.Module):
     supports_fused_loss = True  # forward(..., loss_target=): the head and the loss in one chunked pass
 
     def __init__(self, cfg: TransformerLMConfig, vocab_size: int, padding_idx: int, seed: Optional[int] = None):
@@ -363,22 +357,9 @@ class TransformerLanguageModel(DecoderInterface, nn.Module):
         """Megatron's split of this model's modules (``parallel.py``), for ``--model-parallel-size``."""
         return family_plan(self)
 
-    # ---- export (the adapters are imported when asked: they live beside, in hf.py, hf_import.py, onnx_decoder.py) ----
+    # ---- export (hf.py's adapter class; onnx_decoder.py imported when asked) ----
 
-    HF_CLASSES = {"gpt2": "GPT2LMHeadModel"}  # --from hf reads these config.json model_types
-
-    @classmethod
-    def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
-        """``--from hf``: a GPT-2 folder as our checkpoint (``hf_import.py``)."""
-        from toolkit.models.transformer_lm.hf_import import read_gpt2
-
-        return read_gpt2(folder, out_dir, tokens_per_sample, advance)
-
-    def hf_weights(self, hf_class: str, dictionary, first_symbol: int, data_dir: str):
-        """``--format hf``: XGLM, OPT or GPT-2, whichever computes this model exactly (``hf.py``)."""
-        from toolkit.models.transformer_lm.hf import hf_weights
-
-        return hf_weights(self, hf_class, dictionary, first_symbol)
+    HF_ADAPTER = TransformerLMAdapter  # --from hf: GPT-2 (hf_import.py); --format hf: XGLM, OPT or GPT-2 (hf.py)
 
     def onnx_cached_decoder(self) -> nn.Module:
         """``--format onnx --kv-cache``: the forward after P cached positions (``onnx_decoder.py``)."""

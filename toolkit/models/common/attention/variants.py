@@ -30,8 +30,8 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from toolkit.models.blocks.norms import RMSNorm
-from toolkit.models.blocks.rope import apply_rope
+from toolkit.models.common.norms import RMSNorm
+from toolkit.models.common.rope import apply_rope
 from toolkit.models.common.attention.layer import AttentionLayer, Entries
 
 

@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward: a router picks k of E SwiGLU experts per token (Qwen3-MoE, OLMoE, Mixtral,
-DeepSeek-V3), with optional shared experts every token goes through.
+"""Mixture-of-experts feed-forward: a router picks k of E gated experts per token (SwiGLU in Qwen3-MoE, OLMoE,
+Mixtral, DeepSeek-V3; the activation a name of ``mlp.ACTIVATIONS``), with optional shared experts every token
+goes through.
 
 Shape notation: N tokens (B x T flattened), C model width, F an expert's hidden width, E experts, k experts a token.
 
@@ -61,8 +62,8 @@ import torch.nn.functional as F
 
 from toolkit.core import cpu_gemm
 from toolkit.core.dtensor import is_dtensor
-from toolkit.models.blocks.feed_forward import FEED_FORWARDS, GatedFeedForward
-from toolkit.models.moe.config import SCORE_FUNCTIONS
+from toolkit.models.common.mlp import ACTIVATIONS, FEED_FORWARDS, GatedFeedForward
+from toolkit.models.common.options import SCORE_FUNCTIONS
 
 logger = logging.getLogger("toolkit.moe")
 
@@ -272,12 +273,13 @@ def _whole_local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]; after
+    """E gated experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]; after
     :meth:`place`, this rank's E/P consecutive ones (``num_experts`` stays E, the router's count)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int):
+    def __init__(self, num_experts: int, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.num_experts = num_experts
+        self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
@@ -347,7 +349,7 @@ class GroupedExperts(nn.Module):
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, C] sorted by expert, ``counts`` [E] -> each row through its expert [M, C]."""
-        hidden = F.silu(grouped_matmul(rows, self.gate_proj, counts)) * grouped_matmul(rows, self.up_proj, counts)
+        hidden = self.act(grouped_matmul(rows, self.gate_proj, counts)) * grouped_matmul(rows, self.up_proj, counts)
         return grouped_matmul(hidden, self.down_proj, counts)
 
     def every_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -355,7 +357,7 @@ class GroupedExperts(nn.Module):
         shape, so an exported graph (``toolkit-export --format onnx``) can hold it; E/k times the FLOPs."""
         combine = torch.zeros(x.size(0), self.num_experts, dtype=x.dtype, device=x.device)
         combine = combine.scatter(1, routing.experts, routing.weights)  # [N, E]
-        hidden = F.silu(torch.einsum("nc,efc->enf", x, self.gate_proj)) * torch.einsum("nc,efc->enf", x, self.up_proj)
+        hidden = self.act(torch.einsum("nc,efc->enf", x, self.gate_proj)) * torch.einsum("nc,efc->enf", x, self.up_proj)
         return torch.einsum("enf,ecf,ne->nc", hidden, self.down_proj, combine)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -451,14 +453,15 @@ class MoE(nn.Module):
         bias_update_rate: float = 0.0,
         idle_warning_updates: int = 100,
         name: str = "moe",
+        activation: str = "silu",
     ):
         super().__init__()
         if bias:
             raise ValueError("MoE experts have no biases")
         self.name, self.bias_update_rate, self.idle_warning_updates = name, bias_update_rate, idle_warning_updates
         self.gate = Router(dim, num_experts, top_k, score_func, renormalize, balance_bias=bias_update_rate > 0)
-        self.experts = GroupedExperts(num_experts, dim, hidden)
-        self.shared_experts = GatedFeedForward(dim, shared_hidden) if shared_hidden else None
+        self.experts = GroupedExperts(num_experts, dim, hidden, activation)
+        self.shared_experts = GatedFeedForward(dim, shared_hidden, activation) if shared_hidden else None
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.register_buffer("idle_updates", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.aux: Dict[str, torch.Tensor] = {}

@@ -1,4 +1,9 @@
-"""RMSNorm: x / sqrt(mean(x^2) + eps), times a learned scale per channel."""
+"""RMSNorm: x / sqrt(mean(x^2) + eps), times a learned scale per channel (or ``1 + scale``, Gemma's).
+
+A block takes its norm as a constructor (``common/blocks.py``), so a family with LayerNorm passes torch's
+``nn.LayerNorm`` (fairseq's and GPT-NeoX's LayerNorm); RMSNorm is written here for the fp32 reduction and the
+order of the cast and the scale that each family's checkpoints were trained with (below).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The Llama family's transformers folders (Llama, Mistral, Qwen2, Qwen3, saved by transformers) read as our checkpoint
-(``toolkit-export --from hf``) and our model as one (``--format hf``). The exporter writes the folders
-(``toolkit.export.hf_family``); ``hf.py`` holds the config and tensor-name mappings these use.
+"""A rotary decoder family's transformers folders (saved by transformers) read as our checkpoint
+(``toolkit-export --from hf``) and our model as one (``--format hf``), through the family's adapter (its
+``hf.py``, an ``HFAdapter``: config.json <-> options and the tensor names). The exporter writes the folders
+(``toolkit.export.hf_family``).
 
 The folder written holds ``model.pt`` (a checkpoint as the trainer writes it), ``dict.txt``, the
 model's own tokenizer files (``tokenizer.json`` as ``AutoTokenizer`` builds it, see :func:`reference_tokenizer`),
@@ -173,18 +174,6 @@ def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
                     yield name, f.get_tensor(name)
 
 
-def read_state(folder: str, tied: bool) -> Dict[str, torch.Tensor]:
-    """Our fp32 state dict, read one tensor at a time from each safetensors shard."""
-    from toolkit.models.llama.hf import state_from_hf
-
-    state: Dict[str, torch.Tensor] = {}
-    for name, tensor in safetensors_tensors(folder):
-        converted = state_from_hf(name, tensor, tied)
-        if converted is not None:
-            state[converted[0]] = converted[1]
-    return state
-
-
 def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: str) -> None:
     """Every tensor of our model present with its shape, nothing left over (one line otherwise)."""
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -197,44 +186,28 @@ def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: 
         )
 
 
-def matching_arch(given: Dict[str, Any], family: str = "llama") -> str:
-    """The named size of ``family`` with these shapes and settings (e.g. llama3_1b), else the family's name."""
-    from toolkit.config import options
-    from toolkit.core import registry
-
-    registry.import_submodules("toolkit.models")
-    for arch in sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == family and a != family):
-        values = options.architecture_defaults(arch)
-        if all(values[k] == v for k, v in given.items() if k != "max_target_positions"):
-            return arch
-    return family
-
-
-def read_llama(
-    folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance, adapter=None
+def read_folder(
+    adapter,
+    folder: str,
+    config: Dict[str, Any],
+    out_dir: str,
+    tokens_per_sample: Optional[int],
+    advance,
 ) -> HFCheckpoint:
-    """The Llama-family model in ``folder`` as our checkpoint (``out_dir``: where it will be written).
-    ``adapter``: another family built on this one (``models/moe/hf.py``: its ``FAMILY``, ``options_from_hf``,
-    ``read_state``); the tokenizer, dictionary and checkpoint are made the same way."""
-    from toolkit.models.llama.hf import options_from_hf
+    """The model in ``folder`` (a class of ``adapter``'s family) as our checkpoint (``out_dir``: where it will be
+    written): options and tensors through the adapter; the tokenizer, dictionary and checkpoint made here."""
     from toolkit import models
 
-    given = (adapter.options_from_hf if adapter is not None else options_from_hf)(
-        config, os.path.join(folder, "config.json")
-    )
+    given = adapter.options_from_hf(config, os.path.join(folder, "config.json"))
     tokenizer_json = reference_tokenizer(folder)
     dictionary = tokenizer_dictionary(folder, config, tokenizer_json)
     advance(
         f"{folder}: {config['model_type']}, {given['decoder_layers']} layers, tokenizer of "
         f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})"
     )
-    arch = matching_arch(given, getattr(adapter, "FAMILY", "llama"))
+    arch = models.matching_arch(adapter.FAMILY, given)
     model = models.build_on_meta(arch, len(dictionary), padding_idx=dictionary.pad(), **given)
-    state = (
-        adapter.read_state(folder, given)
-        if adapter is not None
-        else read_state(folder, given["share_decoder_input_output_embed"])
-    )
+    state = adapter.state_from_hf(safetensors_tensors(folder), given, config["model_type"])
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
     add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
@@ -313,23 +286,17 @@ def _same_bytes(a: str, b: str) -> bool:
         return fa.read() == fb.read()
 
 
-def hf_weights(model, hf_class: str, dictionary, first_symbol: int, data_dir: str, adapter=None) -> HFWeights:
-    """The imported class (from ``hf_config.json``), else the class its options need (``hf.py``); the
+def hf_weights(adapter, model, hf_class: str, dictionary, first_symbol: int, data_dir: str) -> HFWeights:
+    """The imported class (from ``hf_config.json``), else the class its options need (the adapter's); the
     model's own tokenizer files wherever ``data_dir`` leads to them (:func:`own_tokenizer_files`)."""
-    from toolkit.models.llama.hf import hf_config, state_to_hf
-
     if hf_class != "auto":
         raise UserError(
-            f"--hf-class {hf_class}: applies to transformer_lm; a Llama-family model is written as "
-            "its own class (Llama, Mistral, Qwen2 or Qwen3, Qwen3-MoE, OLMoE, Mixtral); nothing written"
+            f"--hf-class {hf_class}: applies to transformer_lm; a {adapter.FAMILY} model is written as "
+            f"its own class (one of {', '.join(adapter.CLASSES.values())}); nothing written"
         )
     files = own_tokenizer_files(data_dir, dictionary)
     base = _read_json(files.pop(HF_CONFIG)) if HF_CONFIG in files else None
-    architecture, config = (adapter.hf_config if adapter is not None else hf_config)(model.cfg, len(dictionary), base)
+    architecture, config = adapter.hf_config(model.cfg, len(dictionary), base)
     config.update(_token_ids(dictionary, first_symbol, base))
-    state = (
-        adapter.state_to_hf(model.state_dict(), config["model_type"])
-        if adapter is not None
-        else state_to_hf(model.state_dict())
-    )
+    state = adapter.state_to_hf(model.state_dict(), config["model_type"])
     return HFWeights(architecture, config, state, files)

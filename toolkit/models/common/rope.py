@@ -1,13 +1,21 @@
 """Rotary position embeddings: frequencies (optionally rescaled for a longer context), the cos/sin tables,
-and the rotation, in Hugging Face's layout (the two halves of each head rotated together, not interleaved
-pairs), the layout its checkpoints are stored in. Tables and rotation are fp32 (bf16 angles lose positions
-beyond a few hundred).
+and the rotation, in Hugging Face's layout (the two halves of the rotated features turned together, not
+interleaved pairs), the layout its checkpoints are stored in. Tables and rotation are fp32 (bf16 angles lose
+positions beyond a few hundred).
 
 A context-extension scheme is one function in ``SCALINGS``: ``(inverse frequencies, RopeScaling, base) ->
 (rescaled inverse frequencies, attention factor)``; the factor multiplies cos and sin (YaRN's
-``mscale``; 1.0 for Llama 3's scaling, which then leaves the tables untouched). Both compute what
-transformers' ``_compute_llama3_parameters`` / ``_compute_yarn_parameters`` do, so imported checkpoints
-keep their logits.
+``mscale``; 1.0 for Llama 3's and linear scaling, which then leave the tables untouched). Each computes what
+transformers' ``_compute_llama3_parameters`` / ``_compute_yarn_parameters`` /
+``_compute_linear_scaling_rope_parameters`` do, so imported checkpoints keep their logits.
+
+Partial rotary (GPT-NeoX's ``rotary_pct``, Phi's and Qwen3-Next's ``partial_rotary_factor``): the tables are
+as wide as the rotated features, int(head size x factor), frequencies computed over that width; ``apply_rope``
+turns the first ``cos.size(-1)`` features of each head and passes the rest through, as transformers'
+``apply_rotary_pos_emb`` does.
+
+``decoder_tables`` reads a rotary decoder family's options (``common/options.py``); which table a layer rotates
+with is the model's ``rope_table`` (``common/decoder.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from toolkit.models.common.options import rotary_dim
 
 
 @dataclass(frozen=True)
@@ -72,17 +82,24 @@ def yarn_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[t
     return scaled, factor
 
 
+def linear_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[torch.Tensor, float]:
+    """Every frequency divided by the factor: position t turns as t / factor did (position interpolation)."""
+    return inv_freq / s.factor, 1.0
+
+
 SCALINGS: Dict[str, Callable[[torch.Tensor, RopeScaling, float], Tuple[torch.Tensor, float]]] = {
     "llama3": llama3_scaling,
     "yarn": yarn_scaling,
+    "linear": linear_scaling,
 }
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: Optional[RopeScaling] = None, device=None
+    rotary_dim: int, theta: float, scaling: Optional[RopeScaling] = None, device=None
 ) -> Tuple[torch.Tensor, float]:
-    """(the head_dim/2 angular frequencies theta^(-2i/head_dim), rescaled by ``scaling``; the attention factor)."""
-    D = head_dim
+    """(the rotary_dim/2 angular frequencies theta^(-2i/rotary_dim), rescaled by ``scaling``; the attention
+    factor). ``rotary_dim``: the rotated features of a head (the head size, or its partial share)."""
+    D = rotary_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
     if scaling is None:
         return inv_freq, 1.0
@@ -102,8 +119,40 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, D] by the angles of its positions (cos/sin [T, D] or [B, 1, T, D]), in fp32."""
+    """Rotate x [B, heads, T, D] by the angles of its positions (cos/sin [T, R] or [B, 1, T, R]), in fp32: the
+    first R features of each head (R = D unless the rotation is partial), the others passed through."""
+    rotated_width = cos.size(-1)
+    if rotated_width < x.size(-1):
+        return torch.cat([apply_rope(x[..., :rotated_width], cos, sin), x[..., rotated_width:]], dim=-1)
     x32 = x.float()
     first, second = x32.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def decoder_scaling(cfg) -> Optional[RopeScaling]:
+    """``--rope-scaling``'s frequency scaling when ``--rope-scaling-factor`` is set, else None."""
+    if cfg.rope_scaling_factor is None:
+        return None
+    return RopeScaling(
+        factor=cfg.rope_scaling_factor,
+        kind=cfg.rope_scaling,
+        low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_positions=cfg.rope_original_max_positions,
+        beta_fast=cfg.rope_yarn_beta_fast,
+        beta_slow=cfg.rope_yarn_beta_slow,
+        attention_factor=cfg.rope_attention_factor,
+    )
+
+
+def decoder_tables(
+    cfg, positions: int, device=None, local_theta: Optional[float] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, R] in fp32 of a rotary decoder family's options (R: ``options.rotary_dim``);
+    ``local_theta``: the local layers' tables, of their own base and unscaled (Gemma 3's)."""
+    if local_theta is not None:
+        inv_freq, factor = rope_frequencies(rotary_dim(cfg), local_theta, None, device)
+    else:
+        inv_freq, factor = rope_frequencies(rotary_dim(cfg), cfg.rope_theta, decoder_scaling(cfg), device)
+    return rope_tables(inv_freq, positions, factor)

@@ -1,4 +1,8 @@
-"""Position-wise feed-forward blocks: gated (SwiGLU, GeGLU) and plain (GELU).
+"""Position-wise feed-forward blocks, gated (SwiGLU, GeGLU) and plain, and the one table of activations.
+
+``ACTIVATIONS`` names every activation a model of the toolkit computes: fairseq's ``--activation-fn`` names
+(``transformer_lm``, ``toolkit.utils.get_activation_fn``), the gated MLP's ``--mlp-activation`` and the MoE
+experts' take theirs from it, so ``gelu_tanh`` is one function wherever it is named.
 
 Parameter names are Hugging Face's (``gate_proj``, ``up_proj``, ``down_proj``), so a family's checkpoints
 map onto them by renaming nothing inside the block. ``FEED_FORWARDS`` builds one by name; a
@@ -17,11 +21,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).pow(2)
+
+
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf) GELU, as fairseq's "gelu"
+    "gelu_accurate": gelu_tanh,  # fairseq's name for the tanh approximation
+    "gelu_fast": gelu_tanh,  # fairseq's deprecated alias of gelu_accurate
+    "gelu_tanh": gelu_tanh,  # Hugging Face's gelu_pytorch_tanh (Gemma)
+    "tanh": torch.tanh,
+    "swish": F.silu,  # fairseq's name
     "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # Gemma's gelu_pytorch_tanh
+    "linear": identity,
+    "relu_squared": relu_squared,
 }
+
+
+def activation(name: str, flag: str = "--activation-fn") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation called ``name``; an unknown name raises naming ``flag`` and the known ones."""
+    if name not in ACTIVATIONS:
+        raise RuntimeError(f"{flag} {name} not supported; choose from {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 class GatedFeedForward(nn.Module):
