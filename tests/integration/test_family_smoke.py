@@ -4,8 +4,10 @@ For each tiny member (``qwen3_tiny``: QK-norm per head, head size apart from the
 after the sub-layers, QK-norm over the projections; ``gemma3_tiny``: a sliding-window layer then a global one,
 (1 + w) norms, GeGLU): one process with --update-freq 2 is the reference; 2 FSDP2 ranks and one process with
 --checkpoint-activations --compile (aot_eager) log the same losses; a run stopped at update 2 resumes to the
-reference's losses exactly; toolkit-eval-lm on the checkpoint equals the log-probabilities of the model's own
-forward (tests/helpers/eval_reference.py).
+reference's losses exactly, its checkpoint rewritten as the Llama family's options class saved it (the norm
+switches ``gemma_norms`` / ``norm_after_sublayer`` and the options the family lacks: ``SAVED_BY_LLAMA``);
+toolkit-eval-lm on the checkpoint equals the log-probabilities of the model's own forward
+(tests/helpers/eval_reference.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ from tests.helpers.eval_reference import reference_eval
 
 UPDATES = 4
 FAMILIES = ["qwen3_tiny", "olmo2_tiny", "gemma3_tiny"]
+_NONE = dict(query_pre_attn_scalar=None, rope_local_theta=None, attn_logit_softcap=None, final_logit_softcap=None)
+#: the options a checkpoint of each size held that its family's options class does not have, with their values
+SAVED_BY_LLAMA = {
+    "qwen3_tiny": dict(gemma_norms=False, norm_after_sublayer=False, qk_norm_over="head", **_NONE),
+    "olmo2_tiny": dict(gemma_norms=False, norm_after_sublayer=True, **_NONE),
+    "gemma3_tiny": dict(gemma_norms=True, norm_after_sublayer=False, qk_norm_over="head"),
+}
+
+
+def save_as_the_llama_family_did(path, arch):
+    import torch
+
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["cfg"] = {k: v for k, v in ckpt["cfg"].items() if k != "partial_rotary_factor"}
+    ckpt["cfg"].update(SAVED_BY_LLAMA[arch])
+    torch.save(ckpt, path)
 
 
 def train(data_bin, save_dir, arch, *flags, env=None):
@@ -61,6 +79,7 @@ def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tm
     )
     H.assert_logged_losses_match(compiled, reference, range(1, UPDATES + 1))
     train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2", "--max-update", "2")
+    save_as_the_llama_family_did(tmp_path / "resumed" / "checkpoint_last.pt", arch)
     resumed = train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2")
     assert sorted(resumed) == [3, 4] and all(resumed[u] == reference[u] for u in resumed)
 

@@ -109,6 +109,15 @@ def llama(**overrides):
     return LlamaLanguageModel(model_config("llama_tiny", max_target_positions=16, **overrides), V, PAD, seed=3)
 
 
+def soft_capped():
+    """Gemma 2's soft-cap of the logits (the gemma3 family's --final-logit-softcap): the fused softmax reads raw
+    logits, so the logits path stays."""
+    from toolkit.models.gemma3.model import Gemma3LanguageModel
+
+    cfg = model_config("gemma3_tiny", max_target_positions=16, final_logit_softcap=30.0)
+    return Gemma3LanguageModel(cfg, V, PAD, seed=3)
+
+
 def transformer_lm(**overrides):
     values = dict(
         decoder_layers=2,
@@ -191,7 +200,7 @@ def test_the_model_returns_the_summed_nll_where_its_head_computes_the_loss():
     plain = llama()
     assert summed_nll_of(plain(tokens, loss_target=asked)) is not None
     assert plain(tokens).shape == (3, 12, V)  # not asked: logits, as before
-    capped = llama(final_logit_softcap=30.0)  # Gemma 2's soft-cap: the fused softmax reads raw logits
+    capped = soft_capped()
     assert capped(tokens, loss_target=asked).shape == (3, 12, V)
     adaptive, x = adaptive_helpers.model(), adaptive_helpers.tokens(T=12)  # an adaptive softmax: its own head's loss
     features = adaptive(x)
@@ -210,7 +219,7 @@ def test_the_model_returns_the_summed_nll_where_its_head_computes_the_loss():
 
 
 def test_z_loss_and_a_soft_cap_keep_the_logits_path_and_its_loss():
-    model = llama(final_logit_softcap=30.0)
+    model = soft_capped()
     torch.testing.assert_close(loss_and_grads(model, criterion(5))[0], loss_and_grads(model, criterion(0))[0])
     with_z = loss_and_grads(llama(), criterion(5, z_loss_coef=1e-3))[1]
     assert "z_loss" in with_z  # the z-loss needs every logsumexp: the model was not asked to fuse

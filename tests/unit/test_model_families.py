@@ -26,7 +26,9 @@ def test_every_family_provides_options_sizes_model_plan_and_adapter(family):
     registry.import_all_components()
     parts = registry.family_modules(family, registry.BUILTIN_FAMILIES[family])
     entry = registry.MODEL_REGISTRY.get(family)
-    assert dataclasses.is_dataclass(entry.config) and entry.options == parts["options"]
+    options_module, _, options_class = parts["options"].partition(":")
+    assert dataclasses.is_dataclass(entry.config)
+    assert getattr(importlib.import_module(options_module), options_class) is entry.config
     sizes = sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == family)
     assert family in sizes and len(sizes) > 1, sizes  # its bare name and its named sizes
     assert issubclass(entry.cls, DecoderInterface) and entry.cls.__module__ == parts["model"]
