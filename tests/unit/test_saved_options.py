@@ -125,7 +125,7 @@ def old_checkpoint(path, arch: str, saved: dict, state: dict, data: str) -> dict
 
 
 def the_family_model(family: str, saved: dict):
-    """The model the saved options describe, built by the family that owns it now (its own options only)."""
+    """The model the saved options describe, built by the family that builds it (its own options only)."""
     from toolkit.core.registry import resolve_arch
 
     names = {f for f in model_config(family).__dataclass_fields__}

@@ -385,7 +385,7 @@ def family_modules(name: str, options_class: str, package: str = "toolkit.models
 
 def declare_family(name: str, options_class: str, package: str = "toolkit.models") -> None:
     """Register model family ``name`` from its folder (see ``BUILTIN_FAMILIES``): its class and options by module
-    name, its named sizes now (their module imports no torch)."""
+    name, its named sizes at once (their module imports no torch)."""
     parts = family_modules(name, options_class, package)
     MODEL_REGISTRY.declare(name, parts["model"], parts["options"])
     importlib.import_module(parts["archs"])
