@@ -7,7 +7,8 @@ after the sub-layers, QK-norm over the projections; ``gemma3_tiny``: a sliding-w
 reference's losses exactly, its checkpoint rewritten as the Llama family's options class saved it (the norm
 switches ``gemma_norms`` / ``norm_after_sublayer`` and the options the family lacks: ``SAVED_BY_LLAMA``);
 toolkit-eval-lm on the checkpoint equals the log-probabilities of the model's own forward
-(tests/helpers/eval_reference.py).
+(tests/helpers/eval_reference.py). A run of ``--arch llama --gemma-norms`` (its checkpoint as that run saved it)
+resumes under ``--arch gemma3`` with its other flags to the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ SAVED_BY_LLAMA = {
 }
 
 
-def save_as_the_llama_family_did(path, arch):
+def save_as_the_llama_family_did(path, size, **saved):
+    """The checkpoint's options as the Llama family's options class saved them for ``size``'s model (``saved``: other
+    values, e.g. its ``arch``); the weights and the training state as they are."""
     import torch
 
     ckpt = torch.load(path, weights_only=True)
     ckpt["cfg"] = {k: v for k, v in ckpt["cfg"].items() if k != "partial_rotary_factor"}
-    ckpt["cfg"].update(SAVED_BY_LLAMA[arch])
+    ckpt["cfg"].update(SAVED_BY_LLAMA[size], **saved)
     torch.save(ckpt, path)
 
 
@@ -90,3 +93,20 @@ def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tm
     total, count = reference_eval(model, [int(t) for i in range(len(valid)) for t in valid[i]], 32)
     assert result["count"] == count
     assert result["loss"] == pytest.approx(-total / count / math.log(2), rel=1e-5)
+
+
+#: gemma3_tiny's values over the bare ``--arch gemma3``: what a run of ``--arch llama --gemma-norms`` gave as flags
+GEMMA3_TINY_FLAGS = (
+    "--decoder-head-dim 32 --decoder-kv-heads 2 --query-pre-attn-scalar 32 --rope-theta 1000000 "
+    "--rope-local-theta 10000 --rms-norm-eps 1e-6 --sliding-window 6 --layer-types sliding_attention,full_attention"
+).split()
+
+
+def test_a_run_of_llama_with_gemma_norms_resumes_as_the_gemma3_family(data_bin, tmp_path):
+    """Its checkpoint (--arch llama, gemma_norms true, as the Llama family saved it) resumes under --arch gemma3 with
+    the same other flags to the uninterrupted run's losses."""
+    reference = train(data_bin, tmp_path / "one", "gemma3", "--update-freq", "2", *GEMMA3_TINY_FLAGS)
+    train(data_bin, tmp_path / "resumed", "gemma3", "--update-freq", "2", "--max-update", "2", *GEMMA3_TINY_FLAGS)
+    save_as_the_llama_family_did(tmp_path / "resumed" / "checkpoint_last.pt", "gemma3_tiny", arch="llama")
+    resumed = train(data_bin, tmp_path / "resumed", "gemma3", "--update-freq", "2", *GEMMA3_TINY_FLAGS)
+    assert sorted(resumed) == [3, 4] and all(resumed[u] == reference[u] for u in resumed)
