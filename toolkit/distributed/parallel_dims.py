@@ -45,7 +45,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from toolkit.config import DistributedConfig
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import supports
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 BACKEND_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
@@ -233,21 +232,6 @@ def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int 
         cp=cfg.context_parallel_size,
         ep=cfg.expert_parallel_size,
     )
-
-
-def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
-    """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
-    if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
-        raise UserError(
-            f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
-            f"layers to place; use a MoE architecture or drop the flag"
-        )
-    if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
-        raise UserError(
-            f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
-            f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
-            f"would see only its chunk of the sequence; drop the flag"
-        )
 
 
 def check_expert_share(ep: int, experts: int) -> None:

@@ -303,12 +303,6 @@ def _tensor_parallel(
         )
     dims = placement["dims"]
     moe = bool(tp.model_plan(model, cfg.model_parallel_size).experts)  # MoE layers whole on every tp rank
-    if moe and cfg.ddp_backend == "no_c10d":
-        raise UserError(
-            f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
-            f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
-            f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded"
-        )
     tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
     if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
         apply_expert_parallel(model, dims)

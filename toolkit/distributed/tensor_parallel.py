@@ -395,13 +395,6 @@ def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -
             )
 
 
-def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
-    """Layers with no tensor-parallel split yet, refused in one line before anything is sharded."""
-    reason = model_plan(model, M).unsupported
-    if reason is not None:
-        raise UserError(f"--model-parallel-size {M}: {reason}")
-
-
 # --- the kinds: an open registry of names -> DTensor styles (a new kind registers here, no list to edit) ----
 
 
@@ -616,7 +609,6 @@ def apply_tensor_parallel(
     owner = type(model).__name__
     check_plan_kinds(plan, owner)
     _check_divisible(model, M, sequence_parallel)
-    _refuse_unsplit_layers(model, M)
     tp_rank = tp_mesh.get_local_rank()
     device = (
         torch.device(tp_mesh.device_type, torch.cuda.current_device())

@@ -52,12 +52,6 @@ BLOCK = {
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     """Key/value heads first among the sizes M must divide: the usual culprit."""
     cfg = model.cfg
-    unsupported = None  # refused by --model-parallel-size only: FSDP2 reads this plan's units too
-    if cfg.qk_norm and cfg.qk_norm_over == "projection":
-        unsupported = (
-            "--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
-            "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)"
-        )
     top: Dict[str, str] = {"embed_tokens": "vocab_embedding", "norm": "norm"}
     if model.output_projection is not None:
         top["output_projection"] = "output"
@@ -76,7 +70,6 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
         padding_idx=model.padding_idx,
         fsdp_units=("layers",),
         experts={},
-        unsupported=unsupported,
         divisible=(
             ("--decoder-kv-heads", kv_heads(cfg)),
             ("--decoder-attention-heads", cfg.decoder_attention_heads),
