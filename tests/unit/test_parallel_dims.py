@@ -92,7 +92,12 @@ def test_ranks_data_loss_and_coordinates():
     )  # the heartbeat's words
     assert parallel_shape(4).placement(3) == ""  # plain DDP: a rank is only its number
     one = ParallelDims.single()
-    assert (one.data_rank, one.data_world, one.loss_world, one.loss_group) == (0, 1, 1, None)
+    assert (one.data_rank, one.data_world, one.loss_world, one.group("dp_replicate", "dp_shard", "cp")) == (
+        0,
+        1,
+        1,
+        None,
+    )
 
 
 @pytest.mark.parametrize(

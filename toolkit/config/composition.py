@@ -11,7 +11,7 @@ Every pair of the features below has one entry:
   here, which names the physical reason (what the two would have to do at once and cannot);
 * ``OneSetting``: not a combination: one feature is a value or a mode of the other;
 * ``ByModel``: decided by the architecture's capability (context and expert parallelism act
-  inside attention and the expert layers: a family without them is refused by that flag itself).
+  inside attention and the expert layers: a family without them is refused by that flag itself, ``MODEL``).
 
 Every refusal of the toolkit's features lives here: the refused pairs; ``SETTINGS``, the refusals of a
 setting under a feature that are not a pair (a backend under TP, an option another option needs); and ``MODEL``,

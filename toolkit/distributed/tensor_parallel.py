@@ -5,7 +5,7 @@ Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
 gets which kind of split (``model.tensor_parallel_plan()``, a ``toolkit.core.protocols.
 TensorParallelPlan``: ``toolkit/models/transformer_lm/parallel.py``, ``toolkit/models/llama/parallel.py``);
 this module holds the DTensor styles of each kind and no parameter name of any family; the meshes come
-from the run's layout (``toolkit.distributed.parallel_dims.ParallelDims.tp_mesh``).
+from the run's layout (``ParallelDims.mesh("tp")``, ``toolkit.distributed.parallel_dims``).
 The kinds are an open registry (``register_tp_style(name, sharded=...)``: a function of the run's
 layout returning a torch ``ParallelStyle``, and the parameters it divides over the ranks, which
 ``toolkit-plan`` counts); a new kind registers without editing a list, and a plan naming an unknown
