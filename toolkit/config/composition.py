@@ -651,6 +651,13 @@ MODEL: Tuple[Condition, ...] = (
         "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)",
         ("--arch", "olmo2_tiny"),
     ),
+    _no_split(
+        "--qk-norm-full-width",
+        lambda c: bool(_model(c, "qk_norm")) and bool(_model(c, "qk_norm_full_width")),
+        "--qk-norm-full-width (OLMoE) normalizes q and k over all heads, which a split by heads puts on different "
+        "ranks; train it with FSDP (--model-parallel-size 1)",
+        ("--arch", "olmoe_tiny"),
+    ),
 )
 
 
