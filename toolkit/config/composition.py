@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+from toolkit.config import OFFLOAD_OPTIMIZER
 from toolkit.core.protocols import supports
 
 
@@ -491,7 +492,7 @@ COMPILE_TP_SHARDED_DROPOUT = (
     "per rank) or set --attention-dropout and --activation-dropout to 0"
 )
 BF16_HOST_GRADS = "--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)"
-HOST_MEMORY_OPTIMIZERS = ("cpu_adam", "muon")  # update host-memory shards in place
+HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 QUANT_NOISE_TP = (
     "--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
     "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)"
