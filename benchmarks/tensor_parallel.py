@@ -72,9 +72,9 @@ def build(ns, mesh, dp: int, mp: int):
     with torch.device("meta"):
         model = TransformerLanguageModel(cfg, ns.vocab, padding_idx=1)
     if mp > 1:
-        apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=not ns.no_sequence_parallel)
+        apply_tensor_parallel(model, mesh.mesh("tp"), sequence_parallel=not ns.no_sequence_parallel)
     if dp > 1:
-        dp_mesh = mesh.fsdp_mesh
+        dp_mesh = mesh.mesh("dp_replicate", "dp_shard", "cp")
         for block in model.layers:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)

@@ -222,7 +222,8 @@ def _train_updates(cfg, env, updates: int, update_freq: int) -> Dict:
     out["param_numel"] = sum(p.numel() for p in params)
     first = params[1] if len(params) > 1 else params[0]
     out["placements"] = str(getattr(first, "placements", None))
-    out["mesh"] = list(strategy.dims.mesh.shape) if strategy.dims.shape.needs_mesh else None
+    dims = strategy.dims
+    out["mesh"] = list(dims.mesh("dp_replicate", "dp_shard", "cp", "tp").shape) if dims.shape.needs_mesh else None
     out["kind"] = strategy.name
     return out
 

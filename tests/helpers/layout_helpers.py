@@ -13,6 +13,8 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from toolkit.distributed.parallel_dims import DP_AXES, EXPERT_PEERS
+
 LAYOUTS = {
     "full_shard": dict(ddp_backend="fully_sharded"),
     "hybrid_2x2": dict(ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", shard_group_size=2),
@@ -45,23 +47,22 @@ def _describe(dims) -> Dict:
     out = dict(
         data=(dims.data_rank, dims.data_world),
         loss_world=dims.loss_world,
-        loss_ranks=_ranks(dims.loss_group),
-        loss_sum=_summed_rank(dims.loss_group),
+        loss_ranks=_ranks(dims.group(*DP_AXES)),
+        loss_sum=_summed_rank(dims.group(*DP_AXES)),
         mesh=None,
     )
     if dims.shape.needs_mesh:
-        fsdp = dims.fsdp_mesh
-        out.update(
-            mesh=(tuple(dims.mesh.shape), dims.mesh.mesh_dim_names), fsdp=(tuple(fsdp.shape), fsdp.mesh_dim_names)
-        )
+        fsdp, mesh = dims.mesh(*DP_AXES), dims.mesh(*DP_AXES, "tp")
+        out.update(mesh=(tuple(mesh.shape), mesh.mesh_dim_names), fsdp=(tuple(fsdp.shape), fsdp.mesh_dim_names))
     for axis, size in (("tp", dims.shape.tp), ("cp", dims.shape.cp), ("ep", dims.shape.ep)):
         if size > 1:
-            group = getattr(dims, f"{axis}_mesh").get_group()
+            group = dims.group(axis)
             out[axis] = (_ranks(group), _summed_rank(group))
     if dims.shape.ep > 1:
-        out["expert_peers"] = _ranks(dims.expert_peers_group), _summed_rank(dims.expert_peers_group)
+        peers = dims.group(*EXPERT_PEERS)
+        out["expert_peers"] = _ranks(peers), _summed_rank(peers)
     if dims.shape.ep > 1 and dims.shape.fsdp and dims.shape.tp == 1:
-        mesh = dims.expert_fsdp_mesh  # FSDP2's mesh of the experts: the ranks holding the same ones
+        mesh = dims.mesh(*EXPERT_PEERS)  # FSDP2's mesh of the experts: the ranks holding the same ones
         if mesh.ndim == 1:
             out["expert_fsdp"] = (_ranks(mesh.get_group()), _summed_rank(mesh.get_group()))
         else:  # HSDP: (replicate, shard), each axis's group
@@ -71,7 +72,7 @@ def _describe(dims) -> Dict:
                 [(_ranks(mesh.get_group(d)), _summed_rank(mesh.get_group(d))) for d in range(2)],
             )
     if dims.shape.ep > 1 and dims.shape.tp > 1:
-        group = dims.expert_holders_mesh.get_group()  # experts whole on every tp rank: their holders
+        group = dims.group(*EXPERT_PEERS, "tp")  # experts whole on every tp rank: their holders
         out["expert_holders"] = (_ranks(group), _summed_rank(group))
     return out
 

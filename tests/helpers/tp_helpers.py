@@ -174,11 +174,11 @@ def parallel_model(
     from toolkit.models.init import init_weights
 
     model = build(cfg, meta=True)
-    apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_tensor_parallel(model, dims.mesh("tp"), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if checkpoint_activations:
         apply_activation_checkpointing(model)
     if fsdp:
-        dp = dims.fsdp_mesh
+        dp = dims.mesh("dp_replicate", "dp_shard", "cp")
         policy = (
             MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
             if mp_dtype
@@ -189,7 +189,7 @@ def parallel_model(
         fully_shard(model, mesh=dp, mp_policy=policy)
     model.to_empty(device="cpu")
     init_weights(model, seed)
-    _DP_GROUP[id(model)] = dims.loss_group if fsdp else None
+    _DP_GROUP[id(model)] = dims.group("dp_replicate", "dp_shard", "cp") if fsdp else None
     return model
 
 
@@ -288,7 +288,7 @@ def dropout_probes(mesh) -> Dict[str, bool]:
         return dict(probes)
 
     first, again, other = run(5), run(5), run(6)
-    group = mesh.tp_mesh.get_group()
+    group = mesh.group("tp")
     embedded = _gather(first["embedded"], group)
     draws = _gather(first["block_draw"], group)
     out = {

@@ -142,7 +142,7 @@ def test_sharded_checkpoint_at_ep2_resumes_at_ep2_ep1_and_one_process_and_consol
 
 def test_experts_sharded_by_fsdp2_over_their_peers_resume_at_ep4(data_bin, tmp_path):
     """Four ranks at ep 2: each rank's two experts sharded by FSDP2 over the 2 ranks holding them
-    (``ParallelDims.expert_fsdp_mesh``); the sharded checkpoint at update 3 resumes at ep 4 (one expert a rank) with
+    (``ParallelDims.mesh(*EXPERT_PEERS)``); the sharded checkpoint at update 3 resumes at ep 4 (one expert a rank) with
     the 4th loss, weights and moments of the uninterrupted run (the same global batch: 4 ranks, --update-freq 1)."""
     four = ["--distributed-world-size", "4", "--ddp-backend", "fully_sharded"]
     straight = train(

@@ -4,9 +4,12 @@ messages; every refusal names a reason; every tested pair names a test that exis
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.helpers import REPO_ROOT
 from toolkit.config import composition as C
@@ -102,6 +105,57 @@ def test_the_resolver_refuses_each_refused_pair_with_its_reason(a, b, entry):
 def test_the_resolver_lets_every_other_pair_through(a, b, entry):
     cfg = resolve(*both(a, b))
     assert C.refusal(cfg) is None
+
+
+def _typed(argv, flag: str, default):
+    """The last value given for ``flag`` in ``argv`` (what the message repeats), else ``default``."""
+    values = [argv[i + 1] for i, each in enumerate(argv[:-1]) if each == flag]
+    return values[-1] if values else default
+
+
+@pytest.mark.parametrize("condition", C.SETTINGS + C.MODEL, ids=lambda c: f"{c.label} {c.when}")
+def test_the_resolver_refuses_each_setting_and_model_condition_with_its_message(condition):
+    """Every refusal that is not a pair (SETTINGS, MODEL) turned on by its flags: the resolver stops with exactly its
+    one-line message, the sizes and names repeated as typed."""
+    argv = list(condition.argv)
+    typed = SimpleNamespace(
+        distributed=SimpleNamespace(
+            model_parallel_size=_typed(argv, "--model-parallel-size", "1"),
+            expert_parallel_size=_typed(argv, "--expert-parallel-size", "1"),
+            context_parallel_size=_typed(argv, "--context-parallel-size", "1"),
+        ),
+        components=SimpleNamespace(
+            arch=_typed(argv, "--arch", "transformer_lm"), optimizer=_typed(argv, "--optimizer", "")
+        ),
+    )
+    with pytest.raises(UserError) as e:
+        resolve(*argv)
+    assert str(e.value) == condition.text(typed) and "\n" not in str(e.value)
+
+
+def test_model_conditions_let_the_families_that_can_split_through():
+    """The same flags on a family that has the split: a MoE family places experts, Llama's QK-norm per head splits."""
+    assert C.refusal(resolve("--arch", "moe_tiny", "--expert-parallel-size", "2")) is None
+    assert resolve("--arch", "qwen3_tiny", "--model-parallel-size", "2").distributed.model_parallel_size == 2
+    assert resolve("--model-parallel-size", "2", "--quant-noise-pq", "0").distributed.model_parallel_size == 2
+
+
+def test_the_planner_refuses_a_split_the_model_refuses_with_the_resolvers_line():
+    """toolkit-plan reads the MODEL conditions: OLMo 2 at --model-parallel-size 2 is refused with toolkit-train's
+    message, and the layout search's limits offer no tensor-parallel size for it."""
+    from toolkit.plan import PRESETS, make_plan
+    from toolkit.plan.model_stats import model_stats
+
+    olmo2 = ("--arch", "olmo2_tiny", "--tokens-per-sample", "16")
+    cfg = resolve(*olmo2)
+    with pytest.raises(UserError) as trained:
+        resolve(*olmo2, "--model-parallel-size", "2")
+    tp = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, model_parallel_size=2))
+    with pytest.raises(UserError) as planned:
+        make_plan(tp, PRESETS["h100"], vocab_size=64)
+    assert str(planned.value) == str(trained.value)
+    splits = model_stats(cfg, torch.float32, 64).splits
+    assert splits.tp_refused == str(trained.value) and splits.context_parallel and not splits.expert_parallel
 
 
 def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_on_the_dropouts():

@@ -7,18 +7,13 @@ The meshes themselves are built on 4 gloo ranks in tests/integration/test_parall
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from toolkit.config import DistributedConfig
 from toolkit.core.errors import UserError
-from toolkit.distributed.parallel_dims import (
-    ParallelDims,
-    ParallelShape,
-    check_model_capabilities,
-    parallel_shape,
-    shape_from_config,
-)
+from toolkit.distributed.parallel_dims import ParallelDims, ParallelShape, parallel_shape, shape_from_config
 
 
 def sizes(s: ParallelShape):
@@ -97,7 +92,12 @@ def test_ranks_data_loss_and_coordinates():
     )  # the heartbeat's words
     assert parallel_shape(4).placement(3) == ""  # plain DDP: a rank is only its number
     one = ParallelDims.single()
-    assert (one.data_rank, one.data_world, one.loss_world, one.loss_group) == (0, 1, 1, None)
+    assert (one.data_rank, one.data_world, one.loss_world, one.group("dp_replicate", "dp_shard", "cp")) == (
+        0,
+        1,
+        1,
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -165,34 +165,32 @@ def test_config_flags_reach_the_shape():
 
 
 def test_model_capabilities_refuse_with_the_physical_reason():
+    """What the model's class cannot fill is refused by toolkit/config/composition.py (its MODEL conditions)."""
+    from toolkit.config.composition import model_refusal
     from toolkit.models.llama.model import LlamaLanguageModel
 
-    plain = DistributedConfig()
-    check_model_capabilities(plain, "llama", LlamaLanguageModel)  # no cp / ep axis: nothing to ask
-    with pytest.raises(
-        UserError,
-        match=r"^--expert-parallel-size 2: --arch llama has no expert \(MoE\) layers to "
-        r"place; use a MoE architecture or drop the flag$",
-    ):
-        check_model_capabilities(dataclasses.replace(plain, expert_parallel_size=2), "llama", LlamaLanguageModel)
-    check_model_capabilities(dataclasses.replace(plain, context_parallel_size=2), "llama", LlamaLanguageModel)
+    def refused(arch: str, model_cls, **sizes):
+        dist = dataclasses.replace(DistributedConfig(), **sizes)
+        return model_refusal(
+            SimpleNamespace(distributed=dist, components=SimpleNamespace(arch=arch), model=None), model_cls
+        )
+
+    assert refused("llama", LlamaLanguageModel) is None  # no cp / ep axis: nothing to ask
+    assert refused("llama", LlamaLanguageModel, expert_parallel_size=2) == (
+        "--expert-parallel-size 2: --arch llama has no expert (MoE) layers to place; use a MoE architecture or drop "
+        "the flag"
+    )
+    assert refused("llama", LlamaLanguageModel, context_parallel_size=2) is None
     from toolkit.models.transformer_lm import TransformerLanguageModel
 
-    with pytest.raises(
-        UserError,
-        match=r"^--context-parallel-size 2: --arch transformer_lm's attention does not "
-        r"exchange keys/values across ranks",
-    ):
-        check_model_capabilities(
-            dataclasses.replace(plain, context_parallel_size=2), "transformer_lm", TransformerLanguageModel
-        )
+    assert refused("transformer_lm", TransformerLanguageModel, context_parallel_size=2).startswith(
+        "--context-parallel-size 2: --arch transformer_lm's attention does not exchange keys/values across ranks"
+    )
 
     class WithRingAttentionAndExperts(LlamaLanguageModel):  # what a family does once it has both: flip the flags
         supports_expert_parallel = True
 
-    check_model_capabilities(
-        dataclasses.replace(plain, context_parallel_size=2, expert_parallel_size=2), "x", WithRingAttentionAndExperts
-    )
+    assert refused("x", WithRingAttentionAndExperts, context_parallel_size=2, expert_parallel_size=2) is None
 
 
 MODEL = [

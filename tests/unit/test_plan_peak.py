@@ -141,7 +141,7 @@ def test_moe_update_peak_matches_a_measured_update(data, flags):
 
 def test_expert_stacks_split_over_expert_parallel_ranks_and_their_fsdp_peers(data):
     """--expert-parallel-size P: a rank keeps E/P experts; under FSDP2 they are sharded over the (dp_shard x cp) / P
-    ranks holding the same ones (ParallelDims.expert_fsdp_mesh), so their bytes per rank are E/S either way,
+    ranks holding the same ones (ParallelDims.mesh(*EXPERT_PEERS)), so their bytes per rank are E/S either way,
     while DDP keeps E/P whole; the dense part is unchanged."""
     from toolkit.plan.memory import local_shape
     from toolkit.plan.model_stats import model_stats

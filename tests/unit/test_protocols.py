@@ -35,15 +35,13 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
     assert plan.positions == 16
 
 
-def test_olmo2s_whole_projection_qk_norm_refuses_a_split_by_heads_in_one_line():
-    """The plan says why TP cannot split it (``unsupported``) and still gives FSDP2 its units: OLMo 2 shards."""
-    from toolkit.core.errors import UserError
-    from toolkit.distributed.tensor_parallel import _refuse_unsplit_layers, fsdp_units
+def test_olmo2s_plan_gives_fsdp2_its_units():
+    """OLMo 2's whole-projection QK-norm has no split by heads (refused under TP by toolkit/config/composition.py,
+    tests/unit/test_composition.py); its plan still gives FSDP2 its units: OLMo 2 shards."""
+    from toolkit.distributed.tensor_parallel import fsdp_units
 
     model = build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16)
     assert len(fsdp_units(model)) == 2
-    with pytest.raises(UserError, match="^--model-parallel-size 2: --qk-norm-over projection .OLMo 2. normalizes"):
-        _refuse_unsplit_layers(model, 2)
 
 
 def test_a_module_without_the_protocol_is_refused_by_name():
@@ -67,12 +65,12 @@ def test_task_criterions_and_config_sections():
 
 
 def test_tensor_parallelism_refuses_a_model_without_a_plan_in_one_line():
-    from toolkit.distributed.tensor_parallel import _check_divisible, _refuse_unsplit_layers
+    from toolkit.distributed.tensor_parallel import _check_divisible, model_plan
     from toolkit.core.errors import UserError
 
     with pytest.raises(UserError, match=r"^--model-parallel-size 2: Linear gives no tensor_parallel_plan\(\)"):
-        _refuse_unsplit_layers(torch.nn.Linear(2, 2), 2)
+        model_plan(torch.nn.Linear(2, 2), 2)
     llama = build_on_meta("llama_tiny_gqa", vocab_size=40, tokens_per_sample=16)
     with pytest.raises(UserError, match="^--decoder-kv-heads"):
         _check_divisible(llama, 3)
-    _refuse_unsplit_layers(llama, 2)  # nothing unsupported in the Llama plan
+    _check_divisible(llama, 2)

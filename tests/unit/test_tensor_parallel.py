@@ -16,23 +16,6 @@ from tests.helpers import tp_helpers as H
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
 
-def test_layers_without_a_split_are_refused_in_one_line():
-    from toolkit.distributed.tensor_parallel import _refuse_unsplit_layers
-    from toolkit.core.errors import UserError
-
-    adaptive = H.build(H.model_cfg(adaptive_softmax_cutoff="16,32"), meta=True)
-    with pytest.raises(UserError, match="adaptive softmax"):
-        _refuse_unsplit_layers(adaptive, 2)
-    with pytest.raises(UserError, match="--layernorm-embedding"):
-        _refuse_unsplit_layers(H.build(H.model_cfg(layernorm_embedding=True), meta=True), 2)
-    adaptive_input = H.build(
-        H.model_cfg(adaptive_input=True, adaptive_input_cutoff="16,32", share_decoder_input_output_embed=False),
-        meta=True,
-    )
-    with pytest.raises(UserError, match="adaptive input"):
-        _refuse_unsplit_layers(adaptive_input, 2)
-
-
 def test_divisibility_errors():
     from toolkit.core.errors import UserError
     from toolkit.distributed.tensor_parallel import _check_divisible

@@ -11,10 +11,14 @@ Every pair of the features below has one entry:
   here, which names the physical reason (what the two would have to do at once and cannot);
 * ``OneSetting``: not a combination: one feature is a value or a mode of the other;
 * ``ByModel``: decided by the architecture's capability (context and expert parallelism act
-  inside attention and the expert layers: a family without them is refused by that flag itself).
+  inside attention and the expert layers: a family without them is refused by that flag itself, ``MODEL``).
 
-``refusal(cfg)`` is the resolver's one check of the pairs (the first refused pair that is on);
-``markdown()`` writes the table of ``docs/composition.md``
+Every refusal of the toolkit's features lives here: the refused pairs; ``SETTINGS``, the refusals of a
+setting under a feature that are not a pair (a backend under TP, an option another option needs); and ``MODEL``,
+what the model refuses (an axis its family's class cannot fill, an option its split cannot take).
+``refusal(cfg)`` is the resolver's first check (the first refused pair that is on, then the first refused
+setting) and ``model_refusal(cfg, model_cls)`` its check once the layout fits the world; ``toolkit-plan``
+resolves through the same resolver. ``markdown()`` writes the table of ``docs/composition.md``
 (``python -m toolkit.config.composition --markdown > docs/composition.md``), which
 ``tests/unit/test_composition.py`` keeps current; the same test asks the resolver for every
 refused pair and checks that each named test exists.
@@ -24,7 +28,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from toolkit.config import OFFLOAD_OPTIMIZER
+from toolkit.core.protocols import supports
 
 
 @dataclass(frozen=True)
@@ -455,6 +463,25 @@ def pairs() -> List[Tuple[Feature, Feature, Status]]:
     return [(a, b, status(a.name, b.name)) for a, b in itertools.combinations(FEATURES, 2)]
 
 
+# --- refusals that are not a pair of the table: a setting under a feature, or the model ---------------------------
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A refusal the pairs above do not name: ``on(cfg, model_cls)`` (the model's class: its capabilities; None for
+    the settings, checked before the model is known), ``when`` in words for the docs, ``message`` the one-line
+    UserError (or a function of the config giving it: the sizes and names the user typed)."""
+
+    label: str  # what it narrows: a pair or a feature of the table, or a flag
+    when: str
+    on: Callable[[Any, Any], bool]
+    message: Union[str, Callable[[Any], str]]
+    argv: Tuple[str, ...] = ()  # turns it on in a test (tests/unit/test_composition.py)
+
+    def text(self, cfg: Any) -> str:
+        return self.message(cfg) if callable(self.message) else self.message
+
+
 # TP x compile depends on the model in one case: without sequence parallelism the dropouts on a rank's own heads
 # and hidden units draw from a per-rank generator reseeded between layers inside a block (toolkit.distributed.
 # tensor_parallel), which a compiled block cannot do; with sequence parallelism the whole block draws per rank.
@@ -464,41 +491,206 @@ COMPILE_TP_SHARDED_DROPOUT = (
     "a block, and a compiled block draws from one generator; drop --no-sequence-parallel (then the whole block draws "
     "per rank) or set --attention-dropout and --activation-dropout to 0"
 )
+BF16_HOST_GRADS = "--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)"
+HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
+QUANT_NOISE_TP = (
+    "--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
+    "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)"
+)
+TP_NO_C10D = TP2 + ("--ddp-backend", "no_c10d")
 
 
-def _sharded_dropout(model: Any) -> bool:
-    fields = vars(model) if model is not None else {}
-    return any((fields.get(name) or 0) > 0 for name in ("attention_dropout", "activation_dropout", "relu_dropout"))
+def _model(cfg: Any, name: str) -> Any:
+    """A model option (None where the family has no such option)."""
+    return vars(cfg.model).get(name) if cfg.model is not None else None
+
+
+def _sharded_dropout(cfg: Any) -> bool:
+    return any((_model(cfg, name) or 0) > 0 for name in ("attention_dropout", "activation_dropout", "relu_dropout"))
+
+
+def _tp_no_c10d(cfg: Any) -> bool:
+    return cfg.distributed.model_parallel_size > 1 and cfg.distributed.ddp_backend == "no_c10d"
+
+
+def _requires_fsdp(label: str, flag: str) -> Condition:
+    name = flag[2:].replace("-", "_")
+    return Condition(
+        label,
+        "without --ddp-backend fully_sharded",
+        lambda c, _cls: getattr(c.distributed, name) and c.distributed.ddp_backend != "fully_sharded",
+        f"{flag} requires --ddp-backend fully_sharded",
+        (flag,),
+    )
+
+
+SETTINGS: Tuple[Condition, ...] = (
+    Condition(
+        "TP x compile",
+        "under --no-sequence-parallel with attention or activation dropout",
+        lambda c, _cls: (
+            c.distributed.compile
+            and c.distributed.model_parallel_size > 1
+            and c.distributed.no_sequence_parallel
+            and _sharded_dropout(c)
+        ),
+        COMPILE_TP_SHARDED_DROPOUT,
+        TP2 + ("--compile", "--no-sequence-parallel", "--attention-dropout", "0.1"),
+    ),
+    Condition(
+        "TP x memory-efficient fp16",
+        "under --ddp-backend no_c10d",
+        lambda c, _cls: _tp_no_c10d(c) and c.common.memory_efficient_fp16,
+        TP_NO_C10D_MEFP16,
+        TP_NO_C10D + ("--memory-efficient-fp16",),
+    ),
+    Condition(
+        "TP x EP",
+        "under --ddp-backend no_c10d",
+        lambda c, _cls: _tp_no_c10d(c) and _size(c, "expert_parallel_size") > 1,
+        EP_TP_NO_C10D,
+        TP_NO_C10D + ("--arch", "moe_tiny", "--expert-parallel-size", "2"),
+    ),
+    _requires_fsdp("cpu-offload", "--cpu-offload"),
+    _requires_fsdp("--no-reshard-after-forward", "--no-reshard-after-forward"),
+    Condition(
+        "--bf16-host-grads",
+        "without --cpu-offload",
+        lambda c, _cls: c.distributed.bf16_host_grads and not c.distributed.cpu_offload,
+        BF16_HOST_GRADS,
+        ("--bf16-host-grads",),
+    ),
+    Condition(
+        "cpu-offload",
+        "with an --optimizer that does not update host-memory shards",
+        lambda c, _cls: c.distributed.cpu_offload and c.components.optimizer not in HOST_MEMORY_OPTIMIZERS,
+        lambda c: (
+            "--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated in host memory by "
+            "DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
+            f"{c.components.optimizer}; drop --optimizer or use --optimizer cpu_adam"
+        ),
+        FSDP + ("--cpu-offload", "--optimizer", "adam"),
+    ),
+)
+
+
+def _no_split(option: str, on: Callable[[Any], bool], reason: str, argv: Tuple[str, ...]) -> Condition:
+    """A model option with no tensor-parallel split: the family's modules it builds have no kind in its plan."""
+    return Condition(
+        "TP",
+        f"with {option}",
+        lambda c, _cls: c.distributed.model_parallel_size > 1 and on(c),
+        lambda c: f"--model-parallel-size {c.distributed.model_parallel_size}: {reason}",
+        TP2 + argv,
+    )
+
+
+MODEL: Tuple[Condition, ...] = (
+    Condition(
+        "EP",
+        "with an --arch without expert (MoE) layers",
+        lambda c, cls: _size(c, "expert_parallel_size") > 1 and not supports(cls, "supports_expert_parallel"),
+        lambda c: (
+            f"--expert-parallel-size {c.distributed.expert_parallel_size}: --arch {c.components.arch} has no expert "
+            "(MoE) layers to place; use a MoE architecture or drop the flag"
+        ),
+        ("--expert-parallel-size", "2"),
+    ),
+    Condition(
+        "CP",
+        "with an --arch without context-parallel attention",
+        lambda c, cls: _size(c, "context_parallel_size") > 1 and not supports(cls, "supports_context_parallel"),
+        lambda c: (
+            f"--context-parallel-size {c.distributed.context_parallel_size}: --arch {c.components.arch}'s attention "
+            "does not exchange keys/values across ranks (it has no context-parallel attention), so each rank would "
+            "see only its chunk of the sequence; drop the flag"
+        ),
+        ("--context-parallel-size", "2"),
+    ),
+    Condition(
+        "TP",
+        "with an --arch with MoE layers, under --ddp-backend no_c10d",
+        lambda c, cls: _tp_no_c10d(c) and supports(cls, "supports_expert_parallel"),
+        lambda c: (
+            f"--ddp-backend no_c10d with --model-parallel-size {c.distributed.model_parallel_size}: the MoE layers "
+            "stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces their "
+            "gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded"
+        ),
+        TP_NO_C10D + ("--arch", "moe_tiny"),
+    ),
+    Condition(
+        "TP",
+        "with --quant-noise-pq",
+        lambda c, _cls: c.distributed.model_parallel_size > 1 and (_model(c, "quant_noise_pq") or 0) > 0,
+        QUANT_NOISE_TP,
+        TP2 + ("--quant-noise-pq", "0.1"),
+    ),
+    _no_split(
+        "--adaptive-softmax-cutoff",
+        lambda c: _model(c, "adaptive_softmax_cutoff") is not None,
+        "the adaptive softmax (--adaptive-softmax-cutoff, e.g. --arch transformer_lm_wiki103) has no "
+        "tensor-parallel split; use a plain output projection or --model-parallel-size 1",
+        ("--adaptive-softmax-cutoff", "16,32", "--criterion", "adaptive_loss"),
+    ),
+    _no_split(
+        "--layernorm-embedding",
+        lambda c: bool(_model(c, "layernorm_embedding")),
+        "--layernorm-embedding has no tensor-parallel split yet; leave it out or use --model-parallel-size 1",
+        ("--layernorm-embedding",),
+    ),
+    _no_split(
+        "--adaptive-input",
+        lambda c: bool(_model(c, "adaptive_input")),
+        "the adaptive input (--adaptive-input) has no tensor-parallel split; leave out --adaptive-input or "
+        "use --model-parallel-size 1",
+        ("--adaptive-input", "--adaptive-input-cutoff", "16,32"),
+    ),
+    _no_split(
+        "--qk-norm-over projection",
+        lambda c: bool(_model(c, "qk_norm")) and _model(c, "qk_norm_over") == "projection",
+        "--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
+        "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)",
+        ("--arch", "olmo2_tiny"),
+    ),
+    _no_split(
+        "--qk-norm-full-width",
+        lambda c: bool(_model(c, "qk_norm")) and bool(_model(c, "qk_norm_full_width")),
+        "--qk-norm-full-width (OLMoE) normalizes q and k over all heads, which a split by heads puts on different "
+        "ranks; train it with FSDP (--model-parallel-size 1)",
+        ("--arch", "olmoe_tiny"),
+    ),
+)
 
 
 def refusal(cfg: Any) -> Optional[str]:
-    """The message of the first refused pair that ``cfg`` turns on (None: every pair on composes)."""
+    """The message of the first refused pair that ``cfg`` turns on, then of the first refused setting (None: every
+    pair and setting composes). The resolver's first check, before implied values are filled in."""
     on = [f for f in FEATURES if f.on(cfg)]
     for a, b in itertools.combinations(on, 2):
         entry = status(a.name, b.name)
         if isinstance(entry, Refused):
             return entry.message
-    dist = cfg.distributed
-    if dist.compile and dist.model_parallel_size > 1 and dist.no_sequence_parallel and _sharded_dropout(cfg.model):
-        return COMPILE_TP_SHARDED_DROPOUT
-    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d" and cfg.common.memory_efficient_fp16:
-        return TP_NO_C10D_MEFP16
-    return _expert_parallel_refusal(cfg)
+    return _first(SETTINGS, cfg, None)
 
 
-def _expert_parallel_refusal(cfg: Any) -> Optional[str]:
-    """What expert parallelism refuses besides the pairs of the table: settings that are not features."""
-    if _size(cfg, "expert_parallel_size") <= 1:
-        return None
-    dist = cfg.distributed
-    if dist.model_parallel_size > 1 and dist.ddp_backend == "no_c10d":
-        return EP_TP_NO_C10D
-    return None
+def model_refusal(cfg: Any, model_cls: Any) -> Optional[str]:
+    """What the model refuses (None: nothing): an axis its family cannot fill (its class's capabilities), an option
+    the split cannot take. The resolver asks once the layout fits the world."""
+    return _first(MODEL, cfg, model_cls)
+
+
+def _first(conditions: Tuple[Condition, ...], cfg: Any, model_cls: Any) -> Optional[str]:
+    return next((each.text(cfg) for each in conditions if each.on(cfg, model_cls)), None)
 
 
 # --- the docs' table --------------------------------------------------------------------------------------
 
 SYMBOL = {Tested: "T", Runs: "r", Refused: "X", OneSetting: "=", ByModel: "m"}
+# what the docs print for the sizes and names a message repeats from the command line
+_DOCS_CFG = SimpleNamespace(
+    distributed=SimpleNamespace(model_parallel_size="M", expert_parallel_size="P", context_parallel_size="C"),
+    components=SimpleNamespace(arch="ARCH", optimizer="OPTIMIZER"),
+)
 
 
 def markdown() -> str:
@@ -537,6 +729,12 @@ def markdown() -> str:
         ("Not a combination", OneSetting),
     ):
         lines += ["", f"## {title}", ""] + sections[kind]
+    for title, conditions in (
+        ("Refused in some settings (a cell above narrowed, or an option another needs)", SETTINGS),
+        ("Refused by the model (its family's capabilities and options)", MODEL),
+    ):
+        lines += ["", f"## {title}", ""]
+        lines += [f"- **{c.label}**, {c.when}: `{c.text(_DOCS_CFG)}`" for c in conditions]
     lines += ["", "## --ddp-backend under TP (--model-parallel-size > 1)", ""]
     lines += [f"- **{backend}**: `{entry.test}` ({entry.note})" for backend, entry in TP_BACKENDS.items()]
     lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]

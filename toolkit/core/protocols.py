@@ -128,7 +128,6 @@ class TensorParallelPlan:
     ``hidden``: the module whose output is the hidden state the output layer reads.
     ``sharded_dropout``: ``(start, end)`` module paths inside a block whose dropout acts on this
     rank's heads/units (each rank draws its own masks there); empty for a family without dropout.
-    ``unsupported``: why this model has no split (one line), refused before anything is sharded.
     ``fsdp_units``: the modules FSDP2 shards as units before the root, in order; a ``ModuleList`` path
     means each of its entries (every family: its blocks, ``("layers",)``).
     ``experts``: expert-parallel placement, block module path -> placement name (``ep_shard``: the MoE family's
@@ -148,7 +147,6 @@ class TensorParallelPlan:
     hidden: str
     block_inputs: int = 1
     sharded_dropout: Tuple[Tuple[str, str], ...] = ()
-    unsupported: Optional[str] = None
     padding_idx: int = 1
     fsdp_units: Tuple[str, ...] = ("layers",)
     experts: Dict[str, str] = field(default_factory=dict)

@@ -9,7 +9,7 @@ pieces would give the last rank 2C-1 times the first one's.
 What changes per micro-batch (:func:`shard_sample`, called by the strategy before the criterion):
 
 - ``src_tokens`` and ``target``: this rank's T/C columns, in layout order; the loss is summed over them
-  and the trainer's sums over ``dp x cp`` (``ParallelDims.loss_group``) add the other chunks' tokens, so
+  and the trainer's sums over ``dp x cp`` (``dims.group(*DP_AXES)``) add the other chunks' tokens, so
   the loss, ``ntokens`` and the gradients equal one process's on the whole sequence;
 - ``positions``: each column's *global* rotary position (the chunk's own place in the sequence, or the
   restarted per-document positions of ``--reset-position-ids``), so RoPE sees what one process sees;

@@ -1,20 +1,19 @@
 """``--expert-parallel-size P``: each MoE layer's stacked experts spread over P data-parallel ranks.
 
-Every rank builds and initializes the whole model (the same values as one process), then
 :func:`apply_expert_parallel` keeps E/P consecutive experts of each layer on each rank of the ``ep`` group
-(``GroupedExperts.place``; the tokens travel by all-to-all, ``toolkit.models.common.moe``). Those shards
-differ between the ranks of one ep group, so DDP leaves them out of its all-reduce; instead
-:func:`expert_grad_reducer` sums them over the ranks that hold the same experts (``ep_peers``, world / P
-ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds the
-contributions of the tokens of all P ranks, brought back by the exchange's backward.
+(``GroupedExperts.place``; the tokens travel by all-to-all, ``toolkit.models.common.moe``), on the meta device,
+after tensor parallelism and before FSDP2 (torchtitan's order); ``init_weights`` then draws each whole stack and
+keeps this rank's part (``GroupedExperts.initial_parts``), so the values are one process's. Those shards
+differ between the ranks of one ep group. Under DDP and ``no_c10d`` they are left out of the all-reduce of the
+rest; instead :class:`ExpertGradients` sums them over the ranks that hold the same experts (``EXPERT_PEERS``,
+world / P ranks) and divides by the world size, as DDP averages the rest: each shard's gradient already holds
+the contributions of the tokens of all P ranks, brought back by the exchange's backward.
 
-Under ``--ddp-backend fully_sharded`` (torchtitan's layout) the experts are placed on the meta device, before
-FSDP2: :func:`shard_experts` ``fully_shard``-s each layer's E/P experts over the ranks holding the same ones
-(``ParallelDims.expert_fsdp_mesh``, (dp_shard x cp) / P ranks), while the rest of the block is sharded over all
-dp_shard x cp ranks as without experts (under HSDP that mesh is (replicate, shard), as the dense layers': the peers
-span the replica groups). FSDP2 then reduces the expert gradients among those peers only, divided by the same
-data-parallel size as the dense ones (``set_gradient_divide_factor``), and ``init_weights``
-draws each whole stack and keeps this rank's part (``GroupedExperts.initial_parts``), as one process would.
+Under FSDP2 (torchtitan's layout) :func:`shard_experts` ``fully_shard``-s each layer's E/P experts over the ranks
+holding the same ones (``dims.mesh(*EXPERT_PEERS)``, (dp_shard x cp) / P ranks), while the rest of the block is
+sharded over all dp_shard x cp ranks as without experts (under HSDP that mesh is (replicate, shard), as the dense
+layers': the peers span the replica groups). FSDP2 then reduces the expert gradients among those peers only,
+divided by the same data-parallel size as the dense ones (``set_gradient_divide_factor``).
 
 Checkpoints hold the whole stacks, consolidated and sharded (``--use-sharded-state``: each rank of an ep group
 holds other experts under the same name, so DCP is given the one [E, ...] stack every rank agrees on): the experts'
@@ -26,25 +25,23 @@ test_expert_parallel_sharded_resume.py). The cost: each rank holds a layer's who
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Set
 
 import torch
 
-from toolkit.distributed.parallel_dims import ParallelDims
+from toolkit.distributed.parallel_dims import EXPERT_PEERS, ParallelDims
 from toolkit.models.common.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
 
-def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> Tuple[List[str], List[torch.nn.Parameter]]:
-    """Place every MoE layer's experts on this rank's share; (their parameter names, the parameters)."""
-    group, rank = dims.ep_mesh.get_group(), dims.ep_mesh.get_local_rank()
-    names, params = [], []
-    for prefix, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            module.place(group, rank, dims.shape.ep)
-            names += [f"{prefix}.{name}" for name in EXPERT_PROJECTIONS]
-            params += [getattr(module, name) for name in EXPERT_PROJECTIONS]
-    return names, params
+def apply_expert_parallel(model: torch.nn.Module, dims: ParallelDims) -> int:
+    """Place every MoE layer's experts on this rank's share (on the meta device: ``init_weights`` then draws each
+    whole stack and keeps this rank's part); the number of layers placed."""
+    ep = dims.mesh("ep")
+    layers = [module for module in model.modules() if isinstance(module, GroupedExperts)]
+    for module in layers:
+        module.place(ep.get_group(), ep.get_local_rank(), dims.shape.ep)
+    return len(layers)
 
 
 def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any) -> None:
@@ -56,7 +53,8 @@ def shard_experts(unit: torch.nn.Module, dims: ParallelDims, **fsdp_options: Any
     for module in unit.modules():
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
             # the dense layers' FSDP2 divides by its whole mesh, replicas x shards (dims.loss_world under FSDP2)
-            _fully_shard_summed(module, dims.expert_fsdp_mesh, float(dims.shape.loss_world), fully_shard, fsdp_options)
+            mesh = dims.mesh(*EXPERT_PEERS)
+            _fully_shard_summed(module, mesh, float(dims.shape.loss_world), fully_shard, fsdp_options)
 
 
 def shard_moe_replicated_over_tp(
@@ -65,7 +63,7 @@ def shard_moe_replicated_over_tp(
     """Under tensor parallelism (torchtitan's layout when experts are not split over tp): each MoE layer of ``unit``
     (a block, before the block itself) is whole on every tp rank, replicated over tp like the residual stream it
     reads, and ``fully_shard``-ed by FSDP2 on its own 1-D mesh: its placed experts over the ranks holding the same
-    ones (``ParallelDims.expert_holders_mesh``: their ep peers x the tp ranks), the router and shared experts over
+    ones (their ep peers x the tp ranks), the router and shared experts over
     every rank. The gradient summed over that mesh is divided so that it is the average over the data-parallel
     ranks: under sequence parallelism each tp rank routed its own positions, so the tp ranks' gradients are parts to
     add (divide by the data-parallel size); without it they are copies (divide by the whole mesh's, tp included)."""
@@ -76,8 +74,9 @@ def shard_moe_replicated_over_tp(
         if not isinstance(module, MoE):
             continue
         if module.experts.ep_group is not None:
-            _fully_shard_summed(module.experts, dims.expert_holders_mesh, divide, fully_shard, fsdp_options)
-        _fully_shard_summed(module, dims.world_mesh, divide, fully_shard, fsdp_options)
+            holders = dims.mesh(*EXPERT_PEERS, "tp", flat=True)
+            _fully_shard_summed(module.experts, holders, divide, fully_shard, fsdp_options)
+        _fully_shard_summed(module, dims.mesh("world"), divide, fully_shard, fsdp_options)
 
 
 def route_over_sequence_slices(model: torch.nn.Module, group: Any) -> None:
@@ -108,6 +107,17 @@ def placed_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [param for _fqn, _module, param in _placed(model)]
 
 
+def placed_names(model: torch.nn.Module) -> List[str]:
+    """The names of the placed expert stacks' parameters in ``model`` as it is (wrappers included): what DDP is
+    told to leave out of its all-reduce."""
+    return [
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, GroupedExperts) and module.ep_group is not None
+        for name in EXPERT_PROJECTIONS
+    ]
+
+
 class ExpertGradients:
     """The placed experts' gradients: summed over the ranks holding the same experts after the update's last
     micro-batch (``enabled``, set by the strategy's ``grad_sync``; ``reduce=False``: FSDP2 reduce-scatters them
@@ -116,8 +126,8 @@ class ExpertGradients:
     def __init__(self, params: List[torch.nn.Parameter], dims: ParallelDims, reduce: bool = True):
         from toolkit.distributed.strategies import GradAllReduce
 
-        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.expert_peers_group) if reduce else None
-        self.ep_group = dims.ep_mesh.get_group()
+        self.reducer = GradAllReduce(params, dims.shape.world, group=dims.group(*EXPERT_PEERS)) if reduce else None
+        self.ep_group = dims.group("ep")
         self.ids = {id(p) for p in params}
 
     @property

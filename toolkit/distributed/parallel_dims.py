@@ -17,40 +17,44 @@ axis               flag                                         what the ranks a
 Data: the batches are sharded over ``dp_replicate x dp_shard`` (:attr:`ParallelDims.data_rank`,
 :attr:`~ParallelDims.data_world`); the CP and TP ranks of one replica read the same batch. Losses, token
 counts and gradients not reduced by FSDP2 are summed over ``dp_replicate x dp_shard x cp`` (the ranks
-holding the same TP slice: :attr:`~ParallelDims.loss_group`), whose size divides the summed gradient.
+holding the same TP slice: ``dims.group(*DP_AXES)``), whose size divides the summed gradient.
 
 Expert parallelism (as torchtitan and Megatron): the experts of a MoE layer are spread over ``ep`` ranks
 taken from the ranks that shard one replica (``ep`` divides ``dp_shard x cp``, consecutive ranks of it),
 so an expert's tokens come from that many data-parallel ranks and no rank is set aside for experts only;
 the dense layers keep their ``dp_shard x cp`` sharding. Under FSDP2 each rank's experts are sharded over the
-(dp_shard x cp) / ep ranks holding the same ones (``ep_peers``: :attr:`ParallelDims.expert_fsdp_mesh`,
-torchtitan's ``dp_shard_mod_ep``), so their gradients are reduce-scattered among those ranks only. Under HSDP
+(dp_shard x cp) / ep ranks holding the same ones (``dims.mesh(*EXPERT_PEERS)``, torchtitan's ``dp_shard_mod_ep``),
+so their gradients are reduce-scattered among those ranks only. Under HSDP
 (hybrid_*, no_shard) those ranks span the replica groups: the experts' mesh is 2-D, (ep_replicate, ep_shard), the
 dense layers' (dp_replicate, dp_shard) with ep carved out of the shard axis (torchtitan's ``dp_mod_ep``); under
 no_shard the ep ranks are whole replicas (carved from ``dp_replicate x cp``, as under DDP). Under tensor
 parallelism the experts are not split over tp: ``ep`` divides all the data-parallel ranks (world / tp), each tp
 rank holds its experts whole, and FSDP2 shards them over the ranks holding the same ones, their ep peers of
-every tp rank (:attr:`ParallelDims.expert_holders_mesh`).
+every tp rank (``dims.mesh(*EXPERT_PEERS, "tp", flat=True)``).
 
 :func:`parallel_shape` is the validation, a pure function of sizes (no process group): ``toolkit-train``
 (``train/resolve.py``, before any rank starts) and ``toolkit-plan`` both call it, so the planner refuses
 the layouts training refuses. :class:`ParallelDims` builds the meshes from a shape once, on first use, as
-views of one world mesh (``DeviceMesh._unflatten``), so FSDP2's and TP's meshes share their root.
+views of one world mesh (``DeviceMesh._unflatten``), so FSDP2's and TP's meshes share their root, and hands
+them out by axis names (``dims.mesh("tp")``, ``dims.group("cp")``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from toolkit.config import DistributedConfig
 from toolkit.core.errors import UserError
-from toolkit.core.protocols import supports
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 BACKEND_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 TP = "tp"
 AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+MESH_AXES = AXES + ("ep_replicate", "ep_shard", "world")  # what ParallelDims.mesh / group take
+DP_AXES = ("dp_replicate", "dp_shard", "cp")  # the ranks holding the same TP slice: FSDP2's mesh, the loss sums
+EXPERT_PEERS = ("ep_replicate", "ep_shard")  # the ranks holding the same experts (of one tp rank)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,17 @@ class ParallelShape:
         (world / (ep x tp x expert_shard), expert_shard), replicated along the first axis under HSDP."""
         carved = self.dp_shard * self.cp
         return carved // self.ep if self.fsdp and carved % self.ep == 0 else 1
+
+    def size(self, axis: str) -> int:
+        """The size of a mesh axis (``MESH_AXES``, or ``dp_shard_cp``): ``ep_replicate x ep_shard`` are the
+        world / (ep x tp) ranks holding the same experts, ``ep_shard`` those of them that shard them by FSDP2."""
+        derived = dict(
+            world=self.world,
+            dp_shard_cp=self.dp_shard * self.cp,
+            ep_replicate=self.world // (self.ep * self.tp * self.expert_shard),
+            ep_shard=self.expert_shard,
+        )
+        return derived[axis] if axis in derived else getattr(self, axis)
 
     @property
     def needs_mesh(self) -> bool:
@@ -235,21 +250,6 @@ def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int 
     )
 
 
-def check_model_capabilities(cfg: DistributedConfig, arch: str, model_cls: Any) -> None:
-    """Refuse a ``cp``/``ep`` axis the model cannot use (it exists in the mesh; the model must fill it)."""
-    if cfg.expert_parallel_size > 1 and not supports(model_cls, "supports_expert_parallel"):
-        raise UserError(
-            f"--expert-parallel-size {cfg.expert_parallel_size}: --arch {arch} has no expert (MoE) "
-            f"layers to place; use a MoE architecture or drop the flag"
-        )
-    if cfg.context_parallel_size > 1 and not supports(model_cls, "supports_context_parallel"):
-        raise UserError(
-            f"--context-parallel-size {cfg.context_parallel_size}: --arch {arch}'s attention does not "
-            f"exchange keys/values across ranks (it has no context-parallel attention), so each rank "
-            f"would see only its chunk of the sequence; drop the flag"
-        )
-
-
 def check_expert_share(ep: int, experts: int) -> None:
     """Expert parallelism gives each of the ``ep`` ranks the same number of a layer's experts (the all-to-all
     exchanges equal blocks), so ``ep`` must divide them: toolkit-train checks the config, toolkit-plan the
@@ -264,13 +264,22 @@ def check_expert_share(ep: int, experts: int) -> None:
 class ParallelDims:
     """A :class:`ParallelShape` placed on this rank, with its DeviceMesh and groups (built once, on first use).
 
-    Every rank must ask for the meshes at the same point (building one is a collective); ``parallelize``
-    does it for the run. Without a mesh (``needs_mesh`` False) the groups are the default one.
+    Every consumer asks for a mesh or a group by axis names (torchtitan's ``get_mesh``):
+    ``dims.mesh("tp")``, ``dims.mesh(*DP_AXES)`` (FSDP2's 1-D or (replicate, shard) mesh),
+    ``dims.group("cp")``, ``dims.group(*DP_AXES)`` (the sum of the losses), ``dims.mesh(*EXPERT_PEERS)`` (the
+    experts' FSDP2 mesh), ``dims.mesh(*EXPERT_PEERS, "tp", flat=True)`` (their holders under TP),
+    ``dims.mesh("world")``. ``dp_shard`` and ``cp`` asked for together are FSDP2's one shard axis
+    (``dp_shard_cp``: FSDP2 shards over their product). An axis of size 1 that the layout leaves out is left out of
+    the answer, so one spelling serves every layout; asking only for such axes is a ValueError naming them.
+
+    Every rank must ask at the same point (building a mesh or flattening one is a collective); ``parallelize``
+    builds them all for the run. Without a mesh (``needs_mesh`` False) the groups are the default one.
     """
 
     def __init__(self, shape: ParallelShape, rank: int = 0, device_type: str = "cpu"):
         self.shape, self.rank, self.device_type = shape, rank, device_type
-        self._meshes: Optional[Dict[str, Any]] = None
+        self._views: Optional[Dict[str, Any]] = None
+        self._flat: Dict[Tuple[str, ...], Any] = {}
 
     @classmethod
     def from_config(cls, cfg: DistributedConfig, env: Any) -> ParallelDims:
@@ -297,135 +306,119 @@ class ParallelDims:
     def loss_world(self) -> int:
         return self.shape.loss_world
 
-    @property
-    def loss_group(self) -> Any:
-        """The group the losses and token counts are summed over (None: all ranks, the default group)."""
-        if self.shape.loss_world == self.shape.world:
+    # --- meshes and groups, by axis names -----------------------------------------------------
+
+    def mesh(self, *axes: str, flat: bool = False) -> Any:
+        """The DeviceMesh over ``axes`` (in that order); ``flat``: one axis over the ranks they span together
+        (the whole world's mesh when they span every rank)."""
+        view, names = self._locate(axes)
+        if names == view.mesh_dim_names and (len(names) == 1 or not flat):
+            return view
+        if len(names) == 1:
+            return view[names[0]]
+        if not flat:
+            return view[names]
+        if math.prod(self.shape.size(name) for name in names) == self.shape.world:
+            return self._built()["world"]
+        if names not in self._flat:
+            self._flat[names] = view[names]._flatten("_".join(names))
+        return self._flat[names]
+
+    def group(self, *axes: str) -> Any:
+        """The process group of the ranks ``axes`` span together: what a sum over those ranks is given. None (the
+        default group) where the layout has no mesh and they span every rank (DDP, one process)."""
+        spans_world = math.prod(self.shape.size(axis) for axis in _known(axes)) == self.shape.world
+        if spans_world and not self.shape.needs_mesh:
             return None
-        return self._built()["loss_group"]
+        return self.mesh(*axes, flat=True).get_group()
 
-    # --- meshes ------------------------------------------------------------------------------
-
-    @property
-    def mesh(self) -> Any:
-        """``(dp_replicate?, dp_shard[_cp], tp?)``: FSDP2's and TP's meshes are its slices."""
-        return self._built()["dense"]
-
-    @property
-    def fsdp_mesh(self) -> Any:
-        """What ``fully_shard(mesh=...)`` takes: 1-D (shard) or 2-D (replicate, shard: HSDP)."""
-        axes = (("dp_replicate",) if self.shape.hsdp else ()) + (self.shape.shard_axis,)
-        return self.mesh[axes] if len(axes) > 1 else self.mesh[axes[0]]
-
-    @property
-    def tp_mesh(self) -> Any:
-        return self._sub("dense", TP, self.shape.tp)
-
-    @property
-    def cp_mesh(self) -> Any:
-        return self._sub("context", "cp", self.shape.cp)
-
-    @property
-    def ep_mesh(self) -> Any:
-        return self._sub("experts", "ep", self.shape.ep)
-
-    @property
-    def expert_fsdp_mesh(self) -> Any:
-        """What ``fully_shard(mesh=...)`` takes for a block's experts under ``--ddp-backend fully_sharded``
-        (torchtitan's ``dp_shard_mod_ep``): the (dp_shard x cp) / ep ranks holding the same experts, so an expert's
-        weights are sharded, and its gradients reduce-scattered, only among the ranks that compute with it.
-        Under HSDP (hybrid_*, no_shard) the ranks holding the same experts span the replica groups, and the mesh is
-        2-D, (ep_replicate, ep_shard), as the dense layers' (dp_replicate, dp_shard) (torchtitan's ``dp_mod_ep``):
-        the gradients are reduce-scattered within a replica, then all-reduced across the replicas."""
-        if not self.shape.fsdp or self.shape.tp > 1:
-            raise ValueError(
-                f"the experts are sharded by FSDP2 only under --ddp-backend fully_sharded without tensor "
-                f"parallelism ({self.shape.describe()})"
-            )
-        if self.shape.hsdp:
-            return self._sub("experts", "ep_fsdp", self.shape.ep)
-        return self._sub("experts", "ep_peers", self.shape.ep)
-
-    @property
-    def expert_holders_mesh(self) -> Any:
-        """Under tensor parallelism, the 1-D mesh of the world / ep ranks holding the same experts (their ep peers and
-        the tp ranks, over which the experts are replicated): FSDP2 shards each rank's experts over it."""
-        if self.shape.tp == 1:
-            raise ValueError(
-                f"the experts are replicated over tp ranks only under tensor parallelism ({self.shape.describe()})"
-            )
-        return self._sub("experts", "ep_holders", self.shape.ep)
-
-    @property
-    def world_mesh(self) -> Any:
-        """The 1-D mesh of every rank (what a parameter replicated over all of them is sharded over by FSDP2)."""
-        return self._built()["world"]
-
-    @property
-    def expert_peers_group(self) -> Any:
-        """The ranks holding the same experts (world / (ep x tp) of them): the group expert gradients are summed over
-        (DDP and no_c10d; FSDP2 reduces them over :attr:`expert_fsdp_mesh`)."""
-        return self._sub("experts", "ep_peers", self.shape.ep).get_group()  # under HSDP: ep_fsdp's ranks, flattened
-
-    def _sub(self, view: str, axis: str, size: int) -> Any:
-        if size == 1:
-            raise ValueError(f"the layout has no {axis} axis ({self.shape.describe()})")
-        return self._built()[view][axis]
+    def _locate(self, axes: Tuple[str, ...]) -> Tuple[Any, Tuple[str, ...]]:
+        """The built mesh holding the most of ``axes`` (those of size 1 it leaves out aside) and their names in it."""
+        wanted = list(_known(axes))
+        if self.shape.cp > 1 and "dp_shard" in wanted and "cp" in wanted:  # FSDP2's shard axis: one axis
+            wanted[wanted.index("dp_shard")] = "dp_shard_cp"
+            wanted.remove("cp")
+        found: Tuple[Any, Tuple[str, ...]] = (None, ())
+        for view in self._built().values():
+            names = view.mesh_dim_names
+            inside = tuple(axis for axis in wanted if axis in names)
+            if len(inside) > len(found[1]) and all(axis in names or self.shape.size(axis) == 1 for axis in wanted):
+                found = (view, inside)
+        if found[0] is None:
+            raise ValueError(f"the layout has no {' x '.join(axes)} axis ({self.shape.describe()})")
+        return found
 
     def _built(self) -> Dict[str, Any]:
-        if self._meshes is None:
-            self._meshes = _build_meshes(self.shape, self.device_type)
-        return self._meshes
+        if self._views is None:
+            self._views = _build_meshes(self.shape, self.device_type)
+            for axes in _shared_groups(self.shape):  # asked for by every rank later, made here at once
+                self.mesh(*axes, flat=True)
+        return self._views
 
     def __repr__(self) -> str:
         return f"ParallelDims({self.shape.describe()}, rank {self.rank}: {self.shape.coordinates(self.rank)})"
 
 
-def _dense_axes(s: ParallelShape) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
-    """The dense mesh's axes: those that exist, with at least one data-parallel axis (the names earlier
-    checkpoints' logs and the tests know: ``(W,)`` dp_shard, ``(R, S)``, ``(R, S, M)``, ``(D, M)``)."""
-    axes = []
-    if s.hsdp or s.dp_replicate > 1:
-        axes.append(("dp_replicate", s.dp_replicate))
-    if s.fsdp or s.dp_shard * s.cp > 1 or not axes:
-        axes.append((s.shard_axis, s.dp_shard * s.cp))
-    if s.tp > 1:
-        axes.append((TP, s.tp))
-    return tuple(size for _, size in axes), tuple(name for name, _ in axes)
+def _known(axes: Tuple[str, ...]) -> Tuple[str, ...]:
+    unknown = [axis for axis in axes if axis not in MESH_AXES]
+    if unknown or not axes:
+        raise ValueError(f"mesh axes {list(axes)}: choose from {', '.join(MESH_AXES)}")
+    return axes
+
+
+def _shared_groups(s: ParallelShape) -> List[Tuple[str, ...]]:
+    """The flattened groups this layout's run sums over (losses; the experts' gradients and their holders)."""
+    groups = [DP_AXES] if s.loss_world < s.world else []
+    if s.ep > 1:
+        groups.append(EXPERT_PEERS + (("tp",) if s.tp > 1 else ()))
+    return groups
+
+
+def _axes(*axes: Tuple[str, int, bool]) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """(sizes, names) of the axes kept: those of size > 1 and those marked to keep at size 1."""
+    kept = [(name, size) for name, size, keep in axes if size > 1 or keep]
+    return tuple(size for _, size in kept), tuple(name for name, _ in kept)
 
 
 def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
-    """Views of one world mesh (so FSDP2's and TP's meshes share a root): the only place groups are made."""
+    """Views of one world mesh (so FSDP2's and TP's meshes share a root), looked up in this order: the dense
+    layers' ``(dp_replicate?, dp_shard[_cp], tp?)`` (the names earlier checkpoints' logs and the tests know:
+    ``(W,)`` dp_shard, ``(R, S)``, ``(R, S, M)``, ``(D, M)``), the context split's ``(dp_replicate, dp_shard, cp,
+    tp)``, the experts' ``(ep_replicate?, ep_shard, ep, tp?)``, and the world. The only place groups are made."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, (s.world,), mesh_dim_names=("world",))
-    sizes, names = _dense_axes(s)
-    dense = world._unflatten(0, sizes, names)
-    data_axes = tuple(n for n in names if n != TP)
-    data = dense[data_axes] if len(data_axes) > 1 else dense[data_axes[0]]
-    meshes = dict(world=world, dense=dense, loss_group=(data._flatten("dp_cp") if data.ndim > 1 else data).get_group())
+    replicate = s.hsdp or s.dp_replicate > 1
+    dense = _axes(
+        ("dp_replicate", s.dp_replicate, s.hsdp),
+        (s.shard_axis, s.dp_shard * s.cp, s.fsdp or not replicate),
+        (TP, s.tp, False),
+    )
+    views = dict(dense=world._unflatten(0, *dense))
     if s.cp > 1:
-        meshes["context"] = world._unflatten(
+        views["context"] = world._unflatten(
             0, (s.dp_replicate, s.dp_shard, s.cp, s.tp), ("dp_replicate", "dp_shard", "cp", TP)
         )
     if s.ep > 1:
-        # ep consecutive data-parallel ranks share one layer's experts; ep_peers: the ranks holding the same ones
-        if s.fsdp and s.hsdp and s.tp == 1:  # those ranks span the replica groups: (ep_replicate, ep_shard) x ep x tp
-            peers = (s.world // (s.ep * s.tp * s.expert_shard), s.expert_shard)
-            experts = world._unflatten(0, peers + (s.ep, s.tp), ("ep_replicate", "ep_shard", "ep", TP))
-            holders = experts[("ep_replicate", "ep_shard")]
-            meshes["experts"] = {
-                "ep_fsdp": holders,
-                "ep_peers": holders._flatten("ep_peers"),
-                "ep": experts["ep"],
-                TP: experts[TP],
-            }
-        else:
-            experts = world._unflatten(0, (s.world // (s.ep * s.tp), s.ep, s.tp), ("ep_peers", "ep", TP))
-            meshes["experts"] = {"ep_peers": experts["ep_peers"], "ep": experts["ep"], TP: experts[TP]}
-            if s.tp > 1:  # experts whole on each tp rank: their holders are the ep peers of every tp rank
-                meshes["experts"]["ep_holders"] = experts["ep_peers", TP]._flatten("ep_holders")
-    return meshes
+        # ep consecutive data-parallel ranks share one layer's experts; (ep_replicate, ep_shard): the ranks holding
+        # the same ones, a (replicate, shard) mesh of their own under HSDP (torchtitan's dp_mod_ep)
+        experts = _axes(
+            ("ep_replicate", s.size("ep_replicate"), s.fsdp and s.hsdp and s.tp == 1),
+            ("ep_shard", s.expert_shard, True),
+            ("ep", s.ep, True),
+            (TP, s.tp, False),
+        )
+        views["experts"] = world._unflatten(0, *experts)
+    views["world"] = world
+    return views
 
 
-__all__ = ["ParallelDims", "ParallelShape", "parallel_shape", "shape_from_config", "STRATEGIES"]
+__all__ = [
+    "DP_AXES",
+    "EXPERT_PEERS",
+    "ParallelDims",
+    "ParallelShape",
+    "parallel_shape",
+    "shape_from_config",
+    "STRATEGIES",
+]

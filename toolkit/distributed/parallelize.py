@@ -1,14 +1,25 @@
-"""Build the model and apply parallelism from outside it (torchtitan's ``parallelize`` style).
+"""Build the model and apply parallelism from outside it: one sequence for every layout (torchtitan's
+``parallelize_llama``).
 
-The model is first built on the meta device (no memory), wrapped, then each
-rank materializes only what it holds and fills it with the same values a plain
-build would get for the same seed (``init_weights`` seeds per parameter name).
+The model is built on the meta device (no memory); each step below changes it when its axis or feature is on
+and is a no-op otherwise; then each rank materializes only what it holds and fills it with the values a plain
+build gets for the same seed (``init_weights`` seeds per parameter name):
 
-Order (as torchtitan's ``parallelize_llama``): ``--fp8`` swaps the blocks' Linear layers for float8
-ones (``float8.py``), activation checkpointing wraps each
-block, ``--compile`` compiles each (wrapped) block in place (``compile.py``), then FSDP2
-``fully_shard`` each block and the root, then ``to_empty`` + ``init_weights``. DDP wraps a
-materialized model.
+1. ``--fp8``: the blocks' Linear layers become float8 ones (``float8.py``), which every later step sees.
+2. ``--model-parallel-size``: Megatron's split by the family's plan (``tensor_parallel.py``); under sequence
+   parallelism each MoE layer routes its tp rank's positions (``route_over_sequence_slices``).
+3. ``--expert-parallel-size``: each MoE layer keeps this rank's experts (``expert_parallel.py``).
+4. ``--context-parallel-size``: nothing to wrap: the strategy gives each rank its chunks of the batch
+   (``ParallelStrategy.shard_sample``) and the attention exchanges keys/values (``context_parallel.py``).
+5. ``--checkpoint-activations``: each block recomputes its activations in backward.
+6. ``--compile``: each (wrapped) block is compiled in place (``compile.py``).
+7. FSDP2 (``--ddp-backend fully_sharded``, and ``c10d`` under TP: DDP does not take DTensor parameters):
+   ``fully_shard`` on each block, its placed experts (or under TP its MoE layers) first over meshes of their
+   own, then the root.
+8. Materialize (in host memory under ``--cpu-offload`` on a GPU) and ``init_weights``, once.
+9. The gradients' synchronization: FSDP2's own, DDP's (``c10d``), or one all-reduce after backward
+   (``no_c10d``, fairseq's legacy DDP; under TP over the ranks holding the same shards); the placed experts'
+   by :class:`~toolkit.distributed.expert_parallel.ExpertGradients`.
 
 ``--ddp-backend``
     ``c10d``           DistributedDataParallel (bucketed all-reduce overlapping backward).
@@ -30,13 +41,14 @@ materialized model.
     ``--no-reshard-after-forward`` turns resharding off for any strategy.
 
 The meshes, the data-parallel rank and the reduction group come from the run's one
-:class:`~toolkit.distributed.parallel_dims.ParallelDims` (built here, handed to the strategy).
+:class:`~toolkit.distributed.parallel_dims.ParallelDims` (built here, handed to the strategy), asked for by
+axis names. What cannot combine is refused before any rank starts (``toolkit/config/composition.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,13 +59,14 @@ from toolkit.distributed.compile import apply_compile
 from toolkit.distributed.expert_parallel import (
     ExpertGradients,
     apply_expert_parallel,
+    placed_names,
     placed_parameters,
     route_over_sequence_slices,
     shard_experts,
     shard_moe_replicated_over_tp,
 )
 from toolkit.distributed.float8 import apply_float8
-from toolkit.distributed.parallel_dims import ParallelDims
+from toolkit.distributed.parallel_dims import DP_AXES, EXPERT_PEERS, TP, ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.core import cpu_gemm
@@ -78,7 +91,54 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DataParallelModel) else model
 
 
-# --- pieces ---------------------------------------------------------------------------
+# --- the sequence ----------------------------------------------------------------------
+
+
+def parallelize(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
+) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank (module docstring:
+    the steps, each a no-op when its axis or feature is off)."""
+    check_blocks(model, cfg)
+    dims = ParallelDims.from_config(cfg, env)  # the layout, validated
+    if dims.shape.needs_mesh:  # its meshes and groups, built here on every rank at once (a collective)
+        if not dist.is_initialized():
+            raise RuntimeError(f"{dims.shape.describe()}: needs a process group (init_distributed makes one)")
+        dims.mesh("world")
+    if cfg.fp8:
+        apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)
+    if dims.shape.tp > 1:
+        _tensor_parallel(model, cfg, dims)
+    if dims.shape.ep > 1:  # on the meta device: init_weights draws each whole stack and keeps this rank's part
+        apply_expert_parallel(model, dims)
+    if cfg.checkpoint_activations:
+        apply_activation_checkpointing(model)
+    if cfg.compile:
+        region = eager_region(
+            dims, "the MoE layers' FSDP2 hooks" if dims.shape.tp > 1 and _has_experts(model) else None
+        )
+        apply_compile(model, env.device, hooks_eager=dims.shape.tp > 1 or region is not None, eager_region=region)
+    if dims.shape.fsdp:
+        apply_fsdp(model, cfg, common, env, dims)
+    materialize(model, cfg, common, env, dims)
+    log_layout(model, cfg, common, dims)
+    return synchronized(model, cfg, common, env, dims)
+
+
+# --- the steps -------------------------------------------------------------------------
+
+
+def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, dims: ParallelDims) -> None:
+    """``--model-parallel-size M``: Megatron's split over the tp ranks; the MoE layers stay whole on each (their
+    experts placed next), routing this rank's positions under sequence parallelism."""
+    from toolkit.distributed import tensor_parallel as tp
+
+    sequence_parallel = not cfg.no_sequence_parallel
+    tp.apply_tensor_parallel(model, dims.mesh(TP), sequence_parallel=sequence_parallel, loss_parallel=True)
+    if sequence_parallel:
+        route_over_sequence_slices(model, dims.group(TP))
+    if cfg.fp8:
+        logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -97,6 +157,23 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
             checkpoint_fn=cpu_gemm.checkpoint,
             preserve_rng_state=True,
         )
+
+
+def eager_region(dims: ParallelDims, *more: Optional[str]) -> Optional[str]:
+    """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any,
+    and the caller's ``more`` (named, or None); None when nothing is."""
+    regions = [
+        name
+        for name, size in (("the context-parallel attention", dims.shape.cp), ("the expert exchange", dims.shape.ep))
+        if size > 1
+    ]
+    return " and ".join(regions + [m for m in more if m]) or None
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Under TP: the family's plan places experts (its MoE layers are whole on every tp rank, sharded by FSDP2
+    apart, whose hooks run eagerly between the compiled graphs of a block)."""
+    return bool(model.tensor_parallel_plan().experts)
 
 
 def reshard_after_forward(cfg: DistributedConfig) -> bool:
@@ -118,85 +195,85 @@ def offload_policy(cfg: DistributedConfig, env: DistributedEnv):
     (toolkit.train.resolve says so once)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    if not cfg.cpu_offload or env.device.type != "cuda":
+    if not _offloaded(cfg, env):
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
+def _offloaded(cfg: DistributedConfig, env: DistributedEnv) -> bool:
+    return cfg.cpu_offload and env.device.type == "cuda"
+
+
 def apply_fsdp(
-    model: torch.nn.Module,
-    mesh,
-    cfg: DistributedConfig,
-    common: CommonConfig,
-    env: DistributedEnv,
-    dims: Optional[ParallelDims] = None,
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, dims: ParallelDims
 ) -> None:
-    """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root;
-    under expert parallelism (``dims.shape.ep > 1``) each unit's placed experts first, over their own mesh; under
-    tensor parallelism each unit's MoE layers (replicated over tp) first, over theirs."""
+    """FSDP2 ``fully_shard`` on every unit the family's plan names (its blocks, bottom-up), then on the root, over
+    the data-parallel mesh (``DP_AXES``); under tensor parallelism each unit's MoE layers (replicated over tp)
+    first, over theirs; under expert parallelism each unit's placed experts first, over their own."""
     from torch.distributed.fsdp import fully_shard
 
     from toolkit.distributed.tensor_parallel import fsdp_units
 
+    mesh = dims.mesh(*DP_AXES)
     policies = dict(mp_policy=mixed_precision_policy(common), offload_policy=offload_policy(cfg, env))
     reshard = reshard_after_forward(cfg)
     units = fsdp_units(model)  # the family's plan says which (its blocks)
     for i, unit in enumerate(units):
         # The last unit's parameters are needed again as soon as backward starts.
         unit_reshard = reshard and i < len(units) - 1
-        if dims is not None and dims.shape.tp > 1:
+        if dims.shape.tp > 1:
             shard_moe_replicated_over_tp(
                 unit, dims, not cfg.no_sequence_parallel, reshard_after_forward=unit_reshard, **policies
             )
-        elif dims is not None and dims.shape.ep > 1:
+        elif dims.shape.ep > 1:
             shard_experts(unit, dims, reshard_after_forward=unit_reshard, **policies)
         fully_shard(unit, mesh=mesh, reshard_after_forward=unit_reshard, **policies)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
 
 
-def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
-
-
-# --- entry point -----------------------------------------------------------------------
-
-
-def parallelize(
-    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
-) -> Tuple[torch.nn.Module, ParallelStrategy]:
-    """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank."""
-    check_blocks(model, cfg)
-    dims = ParallelDims.from_config(cfg, env)  # the layout, validated; its meshes are built on first use
-    pin = torch.cuda.is_available() and env.device.type == "cuda"
-    placement = dict(offload_activations=cfg.offload_activations, pin_memory=pin, dims=dims)
-    if cfg.fp8:
-        apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)  # first: the swap is seen by AC, compile and FSDP2
-    if cfg.model_parallel_size > 1:
-        return _tensor_parallel(model, cfg, common, env, placement)
-    if cfg.checkpoint_activations:
-        apply_activation_checkpointing(model)
-    if cfg.compile:  # a collective inside a block (EP's token exchange, CP's attention) stays eager between graphs
-        region = eager_region(dims)
-        apply_compile(model, env.device, hooks_eager=region is not None, eager_region=region)
-    if cfg.ddp_backend == "fully_sharded":
-        return _fully_shard(model, cfg, common, env, placement)
-    model.to_empty(device=env.device)
+def materialize(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, dims: ParallelDims
+) -> None:
+    """Allocate what this rank holds (FSDP2's offloaded shards in host memory, the buffers on the device) and
+    fill it as one process would; the weights' own precision where no wrapper casts them."""
+    offloaded = _offloaded(cfg, env)
+    model.to_empty(device="cpu" if offloaded else env.device)
+    if offloaded:  # only parameters/gradients/optimizer state live on the host
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != env.device:
+                    module._buffers[name] = buf.to(env.device)
     init_weights(model, common.seed)
-    if common.memory_efficient_fp16:
+    if common.memory_efficient_fp16 and not dims.shape.fsdp:
         from toolkit.optim import fp16 as fp16_utils
 
         fp16_utils.half_model_(model)  # fp16 weights, fp32 optimizer state; before DDP builds its buckets
-    expert_names, expert_params = [], []
-    if dims.shape.ep > 1:
-        expert_names, expert_params = apply_expert_parallel(model, dims)
-        placement["expert_grads"] = ExpertGradients(expert_params, dims)
-        logger.info(f"expert parallel: {len(expert_params) // 3} MoE layers' experts over {dims.shape.ep} ranks")
-    if env.world_size > 1 and cfg.ddp_backend == "c10d":
+    if cfg.bf16_host_grads:
+        from toolkit.distributed.host_grads import keep_grads_in_bf16
+
+        logger.info(f"--bf16-host-grads: {keep_grads_in_bf16(model)} parameters keep their gradients in bf16")
+
+
+def synchronized(
+    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, dims: ParallelDims
+) -> Tuple[torch.nn.Module, ParallelStrategy]:
+    """The model as the trainer calls it and the strategy that synchronizes its gradients: FSDP2's, DDP's, or one
+    all-reduce after backward over the ranks holding the same parameters (``DP_AXES``); the placed experts'
+    gradients apart (:class:`ExpertGradients`, reduced by FSDP2 itself under it)."""
+    shape = dims.shape
+    pin = torch.cuda.is_available() and env.device.type == "cuda"
+    placement: Dict[str, Any] = dict(
+        offload_activations=cfg.offload_activations, pin_memory=pin, dims=dims, loss_parallel=shape.tp > 1
+    )
+    if shape.ep > 1:
+        placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=not shape.fsdp)
+    if shape.fsdp:
+        return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
+    if shape.loss_world == 1:
+        return model, ParallelStrategy(**placement)
+    if cfg.ddp_backend == "c10d":
         # each rank's expert shards are its own: DDP must not average them with other experts' gradients
-        DataParallelModel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+        DataParallelModel._set_params_and_buffers_to_ignore_for_model(model, placed_names(model))
         model = DataParallelModel(
             model,
             device_ids=[env.local_rank] if env.device.type == "cuda" else None,
@@ -206,22 +283,47 @@ def parallelize(
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
         return model, DDPStrategy(**placement)
-    if env.world_size > 1 and cfg.ddp_backend == "no_c10d":
-        expert = {id(p) for p in expert_params}
-        dense = [p for p in model.parameters() if id(p) not in expert]
-        return model, AllReduceStrategy(dense, env.world_size, **placement)
-    return model, ParallelStrategy(**placement)
+    # no_c10d: under TP each rank all-reduces its own shards' gradients over the ranks holding the same shards,
+    # fairseq's legacy DDP per tensor-parallel slice (a layer that gets no gradient, as with LayerDrop, takes part)
+    experts = {id(p) for p in placed_parameters(model)}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    return model, AllReduceStrategy(dense, shape.loss_world, group=dims.group(*DP_AXES), **placement)
 
 
-def eager_region(dims: ParallelDims, *more: Optional[str]) -> Optional[str]:
-    """What ``--compile`` leaves eager inside each block (``apply_compile``): the collective of a split, if any,
-    and the caller's ``more`` (named, or None)."""
-    regions = [
-        name
-        for name, size in (("the context-parallel attention", dims.shape.cp), ("the expert exchange", dims.shape.ep))
-        if size > 1
-    ]
-    return " and ".join(regions + [m for m in more if m]) or None
+def log_layout(model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, dims: ParallelDims) -> None:
+    """One INFO line per split that is on: the tensor-parallel mesh, FSDP2's sharding, the experts' placement."""
+    shape = dims.shape
+    if shape.tp > 1:
+        mesh = dims.mesh(*DP_AXES, TP)
+        logger.info(
+            f"tensor parallel: {shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
+            f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}"
+        )
+    elif cfg.ddp_backend == "fully_sharded":
+        mesh = dims.mesh(*DP_AXES)
+        logger.info(
+            f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
+            f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
+            f"mixed precision: {mixed_precision_policy(common)}"
+        )
+    if shape.ep > 1:
+        logger.info(
+            f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {shape.ep} ranks"
+            + _expert_sharding(dims)
+        )
+
+
+def _expert_sharding(dims: ParallelDims) -> str:
+    """How FSDP2 shards the placed experts (nothing under DDP and no_c10d)."""
+    shape = dims.shape
+    if shape.tp > 1:
+        holders = dims.mesh(*EXPERT_PEERS, TP, flat=True).size()
+        return f", whole on each tp rank, each sharded by FSDP2 over the {holders} ranks holding them"
+    if not shape.fsdp:
+        return ""
+    mesh = dims.mesh(*EXPERT_PEERS)
+    replicas = f", replicated over {mesh.size(0)} groups" if mesh.ndim > 1 else ""
+    return f", each sharded by FSDP2 over the {shape.expert_shard} ranks holding them{replicas}"
 
 
 def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
@@ -245,115 +347,6 @@ def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
             f"{wanted[0]}: works on the blocks of model.layers, which {type(model).__name__} does not "
             f"have; drop the flag (or give the model a ModuleList of blocks named layers)"
         )
-
-
-def _fully_shard(
-    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, placement: dict
-) -> Tuple[torch.nn.Module, ParallelStrategy]:
-    if not dist.is_initialized():
-        raise RuntimeError("--ddp-backend fully_sharded needs a process group (init_distributed makes one)")
-    dims = placement["dims"]
-    mesh = dims.fsdp_mesh
-    if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, are then sharded over their peers
-        apply_expert_parallel(model, dims)
-    apply_fsdp(model, mesh, cfg, common, env, dims)
-    offloaded = cfg.cpu_offload and env.device.type == "cuda"
-    model.to_empty(device="cpu" if offloaded else env.device)
-    if offloaded:
-        _move_buffers(model, env.device)  # only parameters/gradients/optimizer state live on the host
-    init_weights(model, common.seed)
-    if cfg.bf16_host_grads:
-        from toolkit.distributed.host_grads import keep_grads_in_bf16
-
-        logger.info(f"--bf16-host-grads: {keep_grads_in_bf16(model)} parameters keep their gradients in bf16")
-    logger.info(
-        f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
-        f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
-        f"mixed precision: {mixed_precision_policy(common)}"
-    )
-    if dims.shape.ep > 1:
-        placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
-        expert_mesh = dims.expert_fsdp_mesh
-        replicas = f", replicated over {expert_mesh.size(0)} groups" if expert_mesh.ndim > 1 else ""
-        logger.info(
-            f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
-            f"ranks, each sharded by FSDP2 over the {dims.shape.expert_shard} ranks holding them{replicas}"
-        )
-    strategy = FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
-    return model, strategy
-
-
-def _tensor_parallel(
-    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv, placement: dict
-) -> Tuple[torch.nn.Module, ParallelStrategy]:
-    """``--model-parallel-size M``: Megatron's split over M ranks, then FSDP2 over the W/M data-parallel groups.
-
-    The order is torchtitan's: tensor parallelism, activation checkpointing, FSDP2, then
-    materialize and initialize (the values equal a plain build's). ``c10d`` and ``no_shard``
-    replicate through FSDP2 on a (W/M, 1) mesh: DDP does not take DTensor parameters. ``no_c10d`` has no
-    FSDP2: its all-reduce after backward takes each rank's shards over the ranks holding the same ones.
-    """
-    from toolkit.distributed import tensor_parallel as tp
-
-    if not dist.is_initialized() or env.world_size < cfg.model_parallel_size:
-        raise UserError(
-            f"--model-parallel-size {cfg.model_parallel_size}: each layer is split over that many ranks "
-            f"and this run has {env.world_size} process(es); give --distributed-world-size "
-            f"{cfg.model_parallel_size} (or a multiple), or start that many ranks with torchrun"
-        )
-    dims = placement["dims"]
-    moe = bool(tp.model_plan(model, cfg.model_parallel_size).experts)  # MoE layers whole on every tp rank
-    if moe and cfg.ddp_backend == "no_c10d":
-        raise UserError(
-            f"--ddp-backend no_c10d with --model-parallel-size {cfg.model_parallel_size}: the MoE layers "
-            f"stay whole on every tp rank (plain tensors beside the tp shards), and only FSDP2 reduces "
-            f"their gradients, over meshes of their own; use --ddp-backend c10d or fully_sharded"
-        )
-    tp.apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=not cfg.no_sequence_parallel, loss_parallel=True)
-    if dims.shape.ep > 1:  # this rank's experts, kept on the meta device, then sharded by FSDP2 over their holders
-        apply_expert_parallel(model, dims)
-    if not cfg.no_sequence_parallel:
-        route_over_sequence_slices(model, dims.tp_mesh.get_group())
-    if cfg.fp8:
-        logger.info(f"--fp8 under tensor parallelism: {tp.float8_layers(model)}")
-    if cfg.checkpoint_activations:
-        apply_activation_checkpointing(model)
-    if cfg.compile:
-        # the MoE layers' own FSDP2 hooks (and the token exchange) run eagerly between graphs of the block
-        region = eager_region(dims, "the MoE layers' FSDP2 hooks" if moe else None)
-        apply_compile(model, env.device, hooks_eager=True, eager_region=region)
-    if cfg.ddp_backend != "no_c10d":
-        apply_fsdp(model, dims.fsdp_mesh, cfg, common, env, dims)
-    model.to_empty(device=env.device)
-    init_weights(model, common.seed)
-    mesh = dims.mesh
-    logger.info(
-        f"tensor parallel: {dims.shape.tp} ranks per replica, {dims.data_world} data-parallel replicas, "
-        f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, sequence parallel: {not cfg.no_sequence_parallel}"
-    )
-    if dims.shape.ep > 1:
-        placement["expert_grads"] = ExpertGradients(placed_parameters(model), dims, reduce=False)
-        logger.info(
-            f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {dims.shape.ep} "
-            f"ranks, whole on each tp rank, each sharded by FSDP2 over the {dims.expert_holders_mesh.size()} "
-            f"ranks holding them"
-        )
-    if cfg.ddp_backend == "no_c10d":
-        return model, _tensor_parallel_all_reduce(model, dims, placement)
-    return model, FSDPStrategy(
-        handles_mixed_precision=bool(common.fp16 or common.bf16), loss_parallel=True, **placement
-    )
-
-
-def _tensor_parallel_all_reduce(model: torch.nn.Module, dims: ParallelDims, placement: dict) -> ParallelStrategy:
-    """``--ddp-backend no_c10d`` under TP: no FSDP2; after backward each rank all-reduces its own shards'
-    gradients over the ranks holding the same shards (the loss group: replicas x cp chunks), fairseq's legacy
-    DDP per tensor-parallel slice (a layer that gets no gradient, as with LayerDrop, still takes part)."""
-    if dims.loss_world == 1:
-        return ParallelStrategy(loss_parallel=True, **placement)
-    return AllReduceStrategy(
-        model.parameters(), dims.loss_world, group=dims.loss_group, loss_parallel=True, **placement
-    )
 
 
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

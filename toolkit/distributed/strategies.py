@@ -12,8 +12,8 @@ The trainer asks its strategy, and nothing else, around each micro-batch:
 ``handles_mixed_precision`` tells whether parameters are cast by the wrapper (then
 ``--memory-efficient-fp16`` needs no fp16 copy of the model on the trainer's side).
 ``dims`` is the run's parallel layout (``toolkit.distributed.parallel_dims.ParallelDims``): the
-trainer, the data loader and the checkpoints ask it for the data-parallel rank, the reduction
-group and the meshes (under tensor parallelism the M ranks of one replica see the same batch).
+trainer, the data loader and the checkpoints ask it for the data-parallel rank, and for the reduction
+group and the meshes by axis names (under tensor parallelism the M ranks of one replica see the same batch).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ParallelStrategy:
         from toolkit.distributed.context_parallel import shard_sample
 
         cp_rank = shape.coordinates(self.dims.rank)["cp"]
-        return shard_sample(sample, shape.cp, cp_rank, self.dims.cp_mesh.get_group(), pad)
+        return shard_sample(sample, shape.cp, cp_rank, self.dims.group("cp"), pad)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -5,7 +5,7 @@ Megatron's split (fairseq's ``--model-parallel-size``), written with DTensor's
 gets which kind of split (``model.tensor_parallel_plan()``, a ``toolkit.core.protocols.
 TensorParallelPlan``: ``toolkit/models/transformer_lm/parallel.py``, ``toolkit/models/llama/parallel.py``);
 this module holds the DTensor styles of each kind and no parameter name of any family; the meshes come
-from the run's layout (``toolkit.distributed.parallel_dims.ParallelDims.tp_mesh``).
+from the run's layout (``ParallelDims.mesh("tp")``, ``toolkit.distributed.parallel_dims``).
 The kinds are an open registry (``register_tp_style(name, sharded=...)``: a function of the run's
 layout returning a torch ``ParallelStyle``, and the parameters it divides over the ranks, which
 ``toolkit-plan`` counts); a new kind registers without editing a list, and a plan naming an unknown
@@ -395,13 +395,6 @@ def _check_divisible(model: nn.Module, M: int, sequence_parallel: bool = True) -
             )
 
 
-def _refuse_unsplit_layers(model: nn.Module, M: int) -> None:
-    """Layers with no tensor-parallel split yet, refused in one line before anything is sharded."""
-    reason = model_plan(model, M).unsupported
-    if reason is not None:
-        raise UserError(f"--model-parallel-size {M}: {reason}")
-
-
 # --- the kinds: an open registry of names -> DTensor styles (a new kind registers here, no list to edit) ----
 
 
@@ -616,7 +609,6 @@ def apply_tensor_parallel(
     owner = type(model).__name__
     check_plan_kinds(plan, owner)
     _check_divisible(model, M, sequence_parallel)
-    _refuse_unsplit_layers(model, M)
     tp_rank = tp_mesh.get_local_rank()
     device = (
         torch.device(tp_mesh.device_type, torch.cuda.current_device())

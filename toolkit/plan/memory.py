@@ -14,7 +14,7 @@ The counts follow what the trainer allocates (the tests compare them with its te
   its TP shards of everything (1/M of the split tensors, the rest whole), unsharded over the data-parallel
   ranks, and all-reduces their gradients in buckets.
 * MoE expert stacks [E, ...]: E/P experts a rank under ``--expert-parallel-size P``, sharded by FSDP2 over the
-  (dp_shard x cp) / P ranks holding the same ones (``ParallelDims.expert_fsdp_mesh``); each MoE layer's backward
+  (dp_shard x cp) / P ranks holding the same ones (``ParallelDims.mesh(*EXPERT_PEERS)``); each MoE layer's backward
   under EP also holds the exchanged gradient rows (:func:`expert_exchange`). ``--cpu-offload`` on a GPU stages a
   block's fp32 shard (copied in before the bf16 cast) and its fp32 reduce-scatter output (copied out).
 * Optimizer state: what the optimizer declares where it registers (``OptimizerState`` in
@@ -68,7 +68,7 @@ def shard_group(setup: Setup, gpus_per_node: int) -> int:
 def local_shape(p: ParamInfo, mp: int, shards: int, ep: int = 1) -> Tuple[int, ...]:
     """The shape of this rank's piece: dim 0 split over TP (when split), then over the FSDP shard group. An expert
     stack keeps E/ep experts (``--expert-parallel-size``), sharded over the ranks holding the same ones
-    (``ParallelDims.expert_fsdp_mesh``: the shard group / ep)."""
+    (``ParallelDims.mesh(*EXPERT_PEERS)``: the shard group / ep)."""
     shape = list(p.shape) or [1]
     if p.tp_split and mp > 1:
         shape[0] = math.ceil(shape[0] / mp)

@@ -66,9 +66,9 @@ class Activations:
 class SplitLimits:
     """What the model allows each parallel axis, read from the model (what toolkit-train's workers check):
     ``tp_divisible``: (flag, size) pairs a tensor-parallel size must divide (heads, widths; the context length
-    under sequence parallelism); ``tp_refused``: why the model has no tensor-parallel split (None: it has one);
-    ``context_parallel`` / ``expert_parallel``: the family declares the capability; ``experts``: a MoE layer's
-    experts (what --expert-parallel-size must divide; 0 without MoE)."""
+    under sequence parallelism); ``tp_refused``: toolkit-train's one-line refusal of a tensor-parallel split of it
+    (None: it takes one); ``context_parallel`` / ``expert_parallel``: toolkit-train takes that split of it;
+    ``experts``: a MoE layer's experts (what --expert-parallel-size must divide; 0 without MoE)."""
 
     tp_divisible: Tuple[Tuple[str, int], ...] = ()
     tp_refused: Optional[str] = "the model has no tensor-parallel plan"
@@ -307,27 +307,42 @@ def check_expert_layout(model: torch.nn.Module, dist: Any) -> None:
         check_expert_share(dist.expert_parallel_size, experts.num_experts)
 
 
-def split_limits(model: torch.nn.Module, sequence_parallel: bool) -> SplitLimits:
-    """The model's :class:`SplitLimits` (the checks of ``toolkit.distributed.tensor_parallel`` and the capability
-    flags ``toolkit.distributed.parallel_dims`` reads), so that the planner proposes only sizes it trains with."""
-    from toolkit.core.protocols import TensorParallelizable, supports
+def split_limits(model: torch.nn.Module, cfg: Any) -> SplitLimits:
+    """The model's :class:`SplitLimits`: what toolkit-train refuses of each split of it (``toolkit/config/
+    composition.py``'s MODEL conditions, asked with that split alone on) and the sizes its tensor-parallel plan
+    must divide, so that the planner proposes only sizes it trains with."""
+    from toolkit.config import composition
+    from toolkit.core.protocols import TensorParallelizable
     from toolkit.models.common.moe import GroupedExperts
 
+    M = max(cfg.distributed.model_parallel_size, 2)
     divisible: Tuple[Tuple[str, int], ...] = ()
-    refused: Optional[str] = f"{type(model).__name__} gives no tensor_parallel_plan()"
+    refused: Optional[str] = (
+        f"--model-parallel-size {M}: {type(model).__name__} gives no tensor_parallel_plan(); use --model-parallel-size 1"
+    )
     if isinstance(model, TensorParallelizable):
         plan = model.tensor_parallel_plan()
-        refused = plan.unsupported
+        refused = composition.model_refusal(_split(cfg, model_parallel_size=M), type(model))
         divisible = tuple(plan.divisible) + (
-            (("--tokens-per-sample (max target positions)", plan.positions),) if sequence_parallel else ()
+            (("--tokens-per-sample (max target positions)", plan.positions),)
+            if not cfg.distributed.no_sequence_parallel
+            else ()
         )
     experts = [m.num_experts for m in model.modules() if isinstance(m, GroupedExperts)]
     return SplitLimits(
         tp_divisible=divisible,
         tp_refused=refused,
-        context_parallel=supports(type(model), "supports_context_parallel"),
-        expert_parallel=supports(type(model), "supports_expert_parallel"),
+        context_parallel=composition.model_refusal(_split(cfg, context_parallel_size=2), type(model)) is None,
+        expert_parallel=composition.model_refusal(_split(cfg, expert_parallel_size=2), type(model)) is None,
         experts=math.gcd(*experts) if experts else 0,
+    )
+
+
+def _split(cfg: Any, **size: int) -> Any:
+    """``cfg`` with one split on and the others off, under FSDP2 (what the layout search tries under TP)."""
+    sizes = {**dict(model_parallel_size=1, context_parallel_size=1, expert_parallel_size=1), **size}
+    return dataclasses.replace(
+        cfg, distributed=dataclasses.replace(cfg.distributed, ddp_backend="fully_sharded", **sizes)
     )
 
 
@@ -365,5 +380,5 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         kv_width=kv_width,
         moe_top_k=max((m.gate.top_k for m in moe), default=0),
         moe_layers=len(moe),
-        splits=split_limits(model, not cfg.distributed.no_sequence_parallel),
+        splits=split_limits(model, cfg),
     )

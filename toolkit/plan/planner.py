@@ -85,7 +85,7 @@ def check_model_splits(setup: Setup, stats: ModelStats) -> None:
     refuse, or fail on), in one line naming the flag: a plan of them would say FITS for a run that cannot start."""
     splits, M, C, T = stats.splits, setup.mp, setup.cp, stats.tokens_per_sample
     if M > 1 and splits.tp_refused is not None:
-        raise UserError(f"--model-parallel-size {M}: {splits.tp_refused}; use --model-parallel-size 1")
+        raise UserError(splits.tp_refused)
     for flag, value in splits.tp_divisible if M > 1 else ():
         if value % M:
             raise UserError(

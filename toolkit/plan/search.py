@@ -46,7 +46,6 @@ from toolkit.plan.hardware import Hardware
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.planner import Plan
 from toolkit.plan.setup import Setup, data_parallel_fields, sample_tokens, setup_from_config
-from toolkit.train.resolve import HOST_MEMORY_OPTIMIZERS  # update host-memory shards in place
 
 SHOWN = 5  # layouts printed, fastest first
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
@@ -160,7 +159,7 @@ def memory_settings(base: Setup, fsdp: bool) -> List[Memory]:
     """Every combination that keeps what the user turned on; offloading needs FSDP2 (``--ddp-backend
     fully_sharded``) and an optimizer that updates host-memory shards (adam runs as cpu_adam); activation
     offloading adds nothing to a checkpointed block (its inputs stay where they are)."""
-    offloadable = fsdp and (base.optimizer in HOST_MEMORY_OPTIMIZERS or base.optimizer == "adam")
+    offloadable = fsdp and (base.optimizer in composition.HOST_MEMORY_OPTIMIZERS or base.optimizer == "adam")
     offload = [(False, False)] if not base.cpu_offload else []
     offload += [(True, False), (True, True)] if offloadable else []  # none under DDP for an offloaded run
     out = []

@@ -33,7 +33,7 @@ from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
-from toolkit.distributed.parallel_dims import check_expert_share, check_model_capabilities, shape_from_config
+from toolkit.distributed.parallel_dims import check_expert_share, shape_from_config
 from toolkit.train.arguments import DEFAULT_ARCH, OFFLOAD_OPTIMIZER, implied_selectors, parse_train_args  # noqa: F401
 from toolkit.core.registry import (
     CRITERION_REGISTRY,
@@ -49,7 +49,6 @@ from toolkit.core.registry import (
 logger = logging.getLogger("toolkit.resolve")  # the name in log lines, kept from before the move
 
 DEFAULT_MAX_TOKENS = 4096
-HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 
 
 def parse_train_config(
@@ -97,7 +96,9 @@ def _check_layout(cfg: TrainConfig) -> None:
     (``toolkit-plan`` resolves through here too, so it refuses the same layouts)."""
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
     shape_from_config(cfg.distributed, world, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
-    check_model_capabilities(cfg.distributed, cfg.components.arch, resolve_arch(cfg.components.arch).cls)
+    refused = composition.model_refusal(cfg, resolve_arch(cfg.components.arch).cls)
+    if refused:
+        raise UserError(refused)
     check_expert_share(cfg.distributed.expert_parallel_size, getattr(cfg.model, "moe_num_experts", 0))
 
 
@@ -168,25 +169,11 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _check_conflicts(cfg: TrainConfig, explicit: Set[str]) -> None:
-    dist = cfg.distributed
-    refused = composition.refusal(cfg)  # the pairs of features that cannot run together (docs/composition.md)
+    refused = composition.refusal(cfg)  # what cannot run together (docs/composition.md)
     if refused:
         raise UserError(refused)
-    if dist.ddp_backend != "fully_sharded":
-        for flag in ("cpu_offload", "no_reshard_after_forward"):
-            if getattr(dist, flag):
-                raise UserError(f"--{flag.replace('_', '-')} requires --ddp-backend fully_sharded")
-    if dist.model_parallel_size < 1:
-        raise UserError(f"--model-parallel-size must be >= 1, got {dist.model_parallel_size}")
-    if dist.bf16_host_grads and not dist.cpu_offload:
-        raise UserError("--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)")
-    if dist.cpu_offload and cfg.components.optimizer not in HOST_MEMORY_OPTIMIZERS:
-        raise UserError(
-            f"--cpu-offload requires --optimizer cpu_adam or muon (the offloaded shards are updated "
-            f"in host memory by DeepSpeed's CPU Adam or Muon's host-memory momentum), got --optimizer "
-            f"{cfg.components.optimizer}; "
-            f"drop --optimizer or use --optimizer cpu_adam"
-        )
+    if cfg.distributed.model_parallel_size < 1:
+        raise UserError(f"--model-parallel-size must be >= 1, got {cfg.distributed.model_parallel_size}")
 
 
 def _implied_values(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
@@ -273,11 +260,6 @@ def _check_values(cfg: TrainConfig) -> None:
         raise UserError(
             f"--arch {cfg.components.arch} has an adaptive softmax (--adaptive-softmax-cutoff {cutoff}): "
             f"it must be used with --criterion adaptive_loss, got --criterion {cfg.components.criterion}"
-        )
-    if getattr(cfg.model, "quant_noise_pq", 0) > 0 and cfg.distributed.model_parallel_size > 1:
-        raise UserError(
-            "--quant-noise-pq with --model-parallel-size > 1: the noise masks whole weights, which "
-            "tensor parallelism splits; train with data parallelism (fully_sharded or c10d)"
         )
     if opt.max_update <= 0 and opt.max_epoch <= 0 and opt.stop_time_hours <= 0:
         logger.warning("no --max-update, --max-epoch or --stop-time-hours: training runs until stopped")

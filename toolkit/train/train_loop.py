@@ -33,6 +33,7 @@ from toolkit.core.protocols import Bounded, FlopsCounted
 from toolkit.data.batching import filter_by_size
 from toolkit.data.iterators import GroupedIterator
 from toolkit.distributed import heartbeat
+from toolkit.distributed.parallel_dims import DP_AXES
 from toolkit.distributed.parallelize import build_parallel_model, unwrapped
 from toolkit.distributed.utils import DistributedEnv, all_ranks_agree, all_reduce_sums, init_distributed
 from toolkit.core.errors import Interrupted, UserError
@@ -593,7 +594,7 @@ def valid_totals(trainer: Trainer, progress) -> None:
             totals[k] = totals.get(k, 0.0) + v
         totals["_batches"] += 1
     dims = trainer.strategy.dims
-    totals = all_reduce_sums(totals, trainer.device, dims.loss_world, group=dims.loss_group)
+    totals = all_reduce_sums(totals, trainer.device, dims.loss_world, group=dims.group(*DP_AXES))
     totals["sample_size"] = totals.pop("_sample_size", 0.0)
     batches = totals.pop("_batches") / dims.loss_world
     trainer.criterion.reduce_metrics([totals])

@@ -34,6 +34,7 @@ from toolkit.core import cpu_gemm
 from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
+from toolkit.distributed.parallel_dims import DP_AXES
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.train.ema import EMA, EMAState
@@ -247,7 +248,7 @@ class Trainer:
             totals["_sample_size"] = totals.get("_sample_size", 0.0) + float(sample_size)
         totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
         dims = self.strategy.dims
-        return all_reduce_sums(totals, self.device, dims.loss_world, group=dims.loss_group)
+        return all_reduce_sums(totals, self.device, dims.loss_world, group=dims.group(*DP_AXES))
 
     def _step_optimizer(self, grad_factor: float) -> None:
         """The update with the gradients times ``grad_factor`` (folded into the step where that is exact); grads dropped."""

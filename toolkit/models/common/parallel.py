@@ -60,12 +60,10 @@ def decoder_plan(
     model: nn.Module,
     block: Dict[str, str],
     experts: Optional[Dict[str, str]] = None,
-    unsupported: Optional[str] = None,
     divisible: Optional[Tuple[Tuple[str, int], ...]] = None,
 ) -> TensorParallelPlan:
     """The plan of ``model`` with the family's ``block``; what M must divide defaults to the key/value heads
-    first (the usual culprit), the query heads and the MLP's width. ``unsupported``: why this model has no
-    split (refused by --model-parallel-size only: FSDP2 reads this plan's units too)."""
+    first (the usual culprit), the query heads and the MLP's width."""
     cfg = model.cfg
     top: Dict[str, str] = {"embed_tokens": "vocab_embedding", "norm": "norm"}
     if model.output_projection is not None:
@@ -80,7 +78,6 @@ def decoder_plan(
         padding_idx=model.padding_idx,
         fsdp_units=("layers",),
         experts=dict(experts or {}),
-        unsupported=unsupported,
         divisible=divisible
         or (
             ("--decoder-kv-heads", kv_heads(cfg)),

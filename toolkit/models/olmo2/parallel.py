@@ -9,13 +9,8 @@ from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.common.parallel import PROJECTIONS, decoder_plan
 
 BLOCK = {**PROJECTIONS, "post_attention_layernorm": "norm", "post_feedforward_layernorm": "norm"}
-ACROSS_HEADS = (
-    "--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
-    "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)"
-)
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
-    cfg = model.cfg
-    across_heads = cfg.qk_norm and cfg.qk_norm_over == "projection"
-    return decoder_plan(model, BLOCK, unsupported=ACROSS_HEADS if across_heads else None)
+    """Full-width QK-norm (``--qk-norm-over projection``) under a split is refused by ``toolkit/config/composition.py``."""
+    return decoder_plan(model, BLOCK)

@@ -21,12 +21,12 @@ positions, ``project_in``   replicated                   all positions, on the r
 
 Dropout inside a block acts on this rank's heads (attention) and hidden units (between fc1 and
 fc2): those regions draw per-rank masks. The adaptive input and softmax and
-``--layernorm-embedding`` have no split yet and are refused before anything is sharded.
+``--layernorm-embedding`` have no split: ``toolkit/config/composition.py`` refuses them under TP.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch.nn as nn
 
@@ -41,23 +41,6 @@ BLOCK = {
     "fc1": "column",
     "fc2": "row",
 }
-
-
-def _unsupported(model: nn.Module) -> Optional[str]:
-    """Layers with no tensor-parallel split yet (the TP code prefixes ``--model-parallel-size M: ``)."""
-    if model.adaptive_softmax is not None:
-        return (
-            "the adaptive softmax (--adaptive-softmax-cutoff, e.g. --arch transformer_lm_wiki103) has no "
-            "tensor-parallel split; use a plain output projection or --model-parallel-size 1"
-        )
-    if model.layernorm_embedding is not None:  # replicated, its gradients came out wrong
-        return "--layernorm-embedding has no tensor-parallel split yet; leave it out or use --model-parallel-size 1"
-    if not isinstance(model.embed_tokens, nn.Embedding):
-        return (
-            "the adaptive input (--adaptive-input) has no tensor-parallel split; leave out --adaptive-input or "
-            "use --model-parallel-size 1"
-        )
-    return None
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
@@ -85,7 +68,6 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
             ("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),
         ),
         sharded_dropout=(("self_attn", "self_attn"), ("fc1", "fc2")),
-        unsupported=_unsupported(model),
         fsdp_units=("layers",),
         experts={},
     )
