@@ -216,7 +216,7 @@ def test_each_placement_computes_its_formula(placement):
             super().__init__()
             self.w = torch.nn.Parameter(torch.randn(8, 8))
 
-        def forward(self, h, cos, sin, kv_cache=None, attn_mask=None):
+        def forward(self, h, cos, sin, kv_cache=None, attn_mask=None, context_parallel=None):
             return h @ self.w
 
     def norm():

@@ -81,7 +81,7 @@ def test_a_partially_rotated_model_caches_exactly_and_leaves_the_rest_unrotated(
         cached = torch.cat([model(x[:, :9], incremental_state=state), model(x[:, 9:], incremental_state=state)], 1)
         torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
         h = torch.randn(1, 1, 64).expand(1, 2, 64)  # the same input at positions 0 and 17
-        q, k, _ = model.layers[0].self_attn.project(h, model.rope_cos[[0, 17]], model.rope_sin[[0, 17]])
+        q, (k, _), _ = model.layers[0].self_attn.project(h, model.rope_cos[[0, 17]], model.rope_sin[[0, 17]])
     assert torch.equal(q[:, :, 0, 4:], q[:, :, 1, 4:]) and torch.equal(k[:, :, 0, 4:], k[:, :, 1, 4:])
     assert not torch.allclose(q[:, :, 0, :4], q[:, :, 1, :4])
 
