@@ -15,6 +15,12 @@ def run(*argv):
     return main(["--only-source", "--no-progress-bar", *map(str, argv)])
 
 
+def model_tokenizer_flags(folder):
+    """The flags of the import's binarize command: the dictionary and tokenizer ``toolkit-export --from hf`` wrote."""
+    dictionary, tokenizer = os.path.join(folder, "dict.txt"), os.path.join(folder, "tokenizer.json")
+    return ["--srcdict", dictionary, "--bpe", "hf_byte_bpe", "--bpe-model", tokenizer]
+
+
 def files_of(folder):
     return {
         name: open(os.path.join(folder, name), "rb").read()

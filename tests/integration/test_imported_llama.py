@@ -118,7 +118,7 @@ def test_imported_llama_resumes_exactly_after_kill_9(tmp_path):
     run = run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(tmp_path / "hf"), "--out", str(ours)])
     assert run.returncode == 0, run.stderr[-2000:]
     flags = re.search(r"fine-tune with: toolkit-train DATA (.*)$", run.stdout + run.stderr, re.M).group(1).split()
-    assert flags[-2:] == ["--finetune-from-model", str(ours / "model.pt")] and "--add-bos-token" in flags
+    assert flags[-2:] == ["--finetune-from-model", str(ours / "model.pt")] and "--add-bos-token" not in flags
     rng = np.random.default_rng(0)
     lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(220)]
     (tmp_path / "train.txt").write_text("\n".join(lines[:200]) + "\n")

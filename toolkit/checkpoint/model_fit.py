@@ -103,12 +103,14 @@ def model_option_names(config_cls: Optional[type]) -> List[str]:
 
 
 def check_positions(
-    max_target_positions: Optional[int], tokens_per_sample: int, add_bos_token: bool, sample_break_mode: str
+    max_target_positions: Optional[int], tokens_per_sample: int, prepends_bos: bool, sample_break_mode: str
 ) -> None:
-    """Samples must fit the model's positions (fixed-size break modes; 'eos' samples vary in length)."""
+    """Samples must fit the model's positions (fixed-size break modes; 'eos' samples vary in length).
+    ``prepends_bos``: ``--add-bos-token`` adds a token to every sample (fairseq's ``<s>``; a tokenizer's BOS
+    read as context takes the place of ``</s>`` and adds none)."""
     if max_target_positions is None or sample_break_mode == "eos":
         return
-    longest = tokens_per_sample + (1 if add_bos_token else 0)
+    longest = tokens_per_sample + (1 if prepends_bos else 0)
     if longest > max_target_positions:
         raise UserError(
             f"--tokens-per-sample {tokens_per_sample} makes samples of {longest} tokens but "

@@ -186,6 +186,11 @@ class CheckpointConfig:
         "only when --save-dir has no checkpoint_last.pt",
     )
     use_sharded_state: bool = opt(False, "each rank saves its own shard (torch.distributed.checkpoint)")
+    model_conventions: Optional[str] = opt(
+        None,
+        "the model's own conventions, from the checkpoint it started from (toolkit.checkpoint.conventions)",
+        cli=False,
+    )
 
 
 @dataclass

@@ -8,12 +8,13 @@ them re-export each class under its old name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from toolkit.config import CPU_MATMUL_CHOICES, CPU_MATMUL_HELP, opt
 from toolkit.config.flag_types import count_or_zero, example_limit, positive_int
 
 ENCODING_ERRORS = ("strict", "replace", "ignore")
+DOCUMENT_SEPARATORS = ("newline", "blank_line")
 """``--encoding-errors``: Python's ``errors=`` for a text input that is not valid UTF-8."""
 
 
@@ -281,6 +282,20 @@ class PreprocessConfig:
         default=False,
         metadata={"help": "read --hf-dataset as a stream (datasets' streaming=True), for datasets larger than memory"},
     )
+    document_separator: str = field(
+        default="newline",
+        metadata={
+            "help": "what ends a document of a text file: each line is one item (newline, fairseq's), or "
+            "documents are separated by blank lines (blank_line: each paragraph one item, its newlines "
+            "encoded by the tokenizer, as --sample-break-mode complete_doc reads documents). A JSON lines, "
+            "Parquet or --hf-dataset record is always one document",
+            "choices": list(DOCUMENT_SEPARATORS),
+            "metavar": "SEP",
+        },
+    )
+    document_files: Tuple[str, ...] = field(
+        default=(), metadata={"cli": False}
+    )  # the inputs holding documents (NUL-ended), set while records are converted
 
 
 # toolkit-validate (toolkit/train/validate.py)

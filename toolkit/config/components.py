@@ -69,7 +69,13 @@ class LanguageModelingConfig:
         default=1024, metadata={"type": positive_int, "help": "max number of tokens per sample"}
     )
     add_bos_token: bool = field(
-        default=False, metadata={"help": "prepend the beginning-of-sentence token <s> to every sample"}
+        default=False,
+        metadata={
+            "help": "prepend the beginning-of-sentence token <s> to every sample (with a Hugging Face tokenizer's "
+            "vocabulary: read its BOS as the context a text starts from); default: the model's own convention "
+            "when training from a checkpoint that records one (toolkit-export --from hf)",
+            "negatable": True,
+        },
     )
     shorten_method: str = field(
         default="none",

@@ -79,7 +79,8 @@ def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, tit
             choices = list(typing.get_args(tp))
             tp = type(choices[0])
         if tp is bool:
-            kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+            negatable = default or f.metadata.get("negatable", False)  # --no-NAME says "not this" explicitly
+            kwargs["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
             kwargs["default"] = default
         else:
             kwargs["type"] = f.metadata.get("type") or _DEFAULT_TYPES.get(tp, str)

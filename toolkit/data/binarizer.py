@@ -28,6 +28,13 @@ Either way the output does not depend on the number of workers. Lines are
 split as Python's text files do (``\n``, ``\r\n`` and ``\r``), a line is
 tokenized with ``str.split()`` (fairseq's ``tokenize_line``), and an empty line
 is an item holding only ``</s>``, as in fairseq.
+
+A file of documents (``DOCUMENTS``: records of JSON lines, Parquet or ``datasets``, or the paragraphs of
+``--document-separator blank_line``) holds each document followed by a NUL character, which text never
+holds: the same pipeline cuts it at NULs instead of newlines, and each document is one item, its newlines
+encoded as the tokenizer encodes them (``Tokenizer.encode_documents``: a Hugging Face tokenizer gives
+``AutoTokenizer``'s ids, its special tokens included; whitespace tokens drop them, as fairseq's
+``tokenize_line``), then ``</s>`` (unless the tokenizer's own template already ends the text with it).
 """
 
 from __future__ import annotations
@@ -50,6 +57,30 @@ BLOCK_BYTES = 2 << 20  # bytes of text handled per step: ~400k tokens, a few ten
 
 Progress = Optional[Callable[[int], Any]]
 TokenizerSpec = Optional[Tuple[str, Dict[str, Any]]]  # (registered --bpe name, its options as a dict)
+
+
+@dataclass(frozen=True)
+class Units:
+    """What one item of a file is: a line (text files, fairseq's), or a document ended by ``separator``."""
+
+    separator: str
+    documents: bool
+
+    def split(self, text: str) -> List[str]:
+        """The units of a block (each ends with the separator)."""
+        units = text.split(self.separator)
+        units.pop()
+        return units
+
+    def pieces(self, tokenizer, units: List[str]) -> List[str]:
+        return tokenizer.encode_documents(units) if self.documents else tokenizer.encode_lines(units)
+
+    def ids(self, tokenizer, units: List[str]) -> List[List[int]]:
+        return tokenizer.encode_documents_to_ids(units) if self.documents else tokenizer.encode_lines_to_ids(units)
+
+
+LINES = Units("\n", documents=False)
+DOCUMENTS = Units("\0", documents=True)  # NUL ends each document: no text holds one
 
 
 @dataclass
@@ -75,8 +106,8 @@ class BinarizeSummary:
 
 
 # --- reading ------------------------------------------------------------------------------
-def _next_line_start(f, pos: int, size: int) -> int:
-    """The first line start at or after byte ``pos``."""
+def _next_line_start(f, pos: int, size: int, separator: bytes = b"\n") -> int:
+    """The first unit (line) start at or after byte ``pos``."""
     if pos <= 0:
         return 0
     f.seek(pos - 1)
@@ -85,15 +116,17 @@ def _next_line_start(f, pos: int, size: int) -> int:
         block = f.read(1 << 16)
         if not block:
             return size
-        i = block.find(b"\n")
+        i = block.find(separator)
         if i >= 0:
             return scanned + i + 1
         scanned += len(block)
 
 
-def find_offsets(path: str, num_chunks: int, start: int = 0, end: Optional[int] = None) -> List[int]:
-    """``num_chunks + 1`` byte offsets cutting bytes ``[start, end)`` of ``path`` (``start`` a line start)
-    into line-aligned ranges of about equal size."""
+def find_offsets(
+    path: str, num_chunks: int, start: int = 0, end: Optional[int] = None, units: Units = LINES
+) -> List[int]:
+    """``num_chunks + 1`` byte offsets cutting bytes ``[start, end)`` of ``path`` (``start`` a unit start)
+    into unit-aligned ranges of about equal size."""
     size = os.path.getsize(path)
     end = size if end is None else end
     offsets = [start] * (num_chunks + 1)
@@ -101,15 +134,16 @@ def find_offsets(path: str, num_chunks: int, start: int = 0, end: Optional[int] 
     with open(path, "rb") as f:
         for i in range(1, num_chunks):
             at = start + (end - start) * i // num_chunks
-            offsets[i] = min(end, max(offsets[i - 1], _next_line_start(f, at, size)))
+            separator = units.separator.encode()
+            offsets[i] = min(end, max(offsets[i - 1], _next_line_start(f, at, size, separator)))
     return offsets
 
 
-def shard_range(path: str, shard: Tuple[int, int]) -> Tuple[int, int]:
+def shard_range(path: str, shard: Tuple[int, int], units: Units = LINES) -> Tuple[int, int]:
     """Bytes ``[start, end)`` of part ``shard_id`` of ``num_shards`` (``--shard-id``/``--num-shards``): the same
-    line-aligned cut as ``find_offsets(path, num_shards)``, so the parts joined are the whole file."""
+    unit-aligned cut as ``find_offsets(path, num_shards)``, so the parts joined are the whole file."""
     shard_id, num_shards = shard
-    offsets = find_offsets(path, num_shards)
+    offsets = find_offsets(path, num_shards, units=units)
     return offsets[shard_id], offsets[shard_id + 1]
 
 
@@ -127,7 +161,7 @@ def line_number_at(path: str, offset: int) -> int:
     return lines + 1
 
 
-def _decode(path: str, data: bytes, offset: int, errors: str) -> str:
+def _decode(path: str, data: bytes, offset: int, errors: str, units: Units = LINES) -> str:
     try:
         text = data.decode("utf-8", errors)
     except UnicodeDecodeError as e:
@@ -137,6 +171,8 @@ def _decode(path: str, data: bytes, offset: int, errors: str) -> str:
             f"{path}, line {line_number_at(path, at)}: not valid UTF-8 (byte {at}: {bad!r}, {e.reason}); "
             f"fix or re-encode the file, or pass --encoding-errors replace to go on"
         ) from None
+    if units.documents:  # a document reaches the tokenizer as written, its carriage returns included
+        return text if text.endswith(units.separator) else text + units.separator
     if "\r" in text:  # universal newlines, as Python's text files (and so fairseq) read lines
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     if not text.endswith("\n"):  # a last line without its newline is still a line
@@ -150,14 +186,17 @@ def read_blocks(
     end: Optional[int] = None,
     block_bytes: Optional[int] = None,
     encoding_errors: str = "strict",
+    units: Units = LINES,
 ) -> Iterator[Tuple[str, int]]:
-    """Yield ``(text, nbytes)``: bytes ``[start, end)`` of ``path`` as text of whole lines, each ending in ``\\n``.
+    """Yield ``(text, nbytes)``: bytes ``[start, end)`` of ``path`` as text of whole units, each ending in its
+    separator (``\\n`` for lines).
 
-    ``start`` must be a line start (``find_offsets``); a line longer than a block is read whole.
+    ``start`` must be a unit start (``find_offsets``); a unit longer than a block is read whole.
     """
     if end is None:
         end = os.path.getsize(path)
     block_bytes = block_bytes or BLOCK_BYTES
+    separator = units.separator.encode()
     with open(path, "rb") as f:
         f.seek(start)
         pos, carry = start, b""
@@ -170,21 +209,19 @@ def read_blocks(
             if pos + len(buf) >= end or not data:
                 cut = len(buf)
             else:
-                cut = buf.rfind(b"\n") + 1
-                if cut == 0:  # no line end yet: keep reading
+                cut = buf.rfind(separator) + 1
+                if cut == 0:  # no unit end yet: keep reading
                     carry = buf
                     continue
             carry = buf[cut:]
-            yield _decode(path, buf[:cut] if cut < len(buf) else buf, pos, encoding_errors), cut
+            yield _decode(path, buf[:cut] if cut < len(buf) else buf, pos, encoding_errors, units), cut
             pos += cut
 
 
-def iter_lines(path: str, encoding_errors: str = "strict") -> Iterator[str]:
-    """Every line of ``path`` without its newline, streamed."""
-    for text, _ in read_blocks(path, encoding_errors=encoding_errors):
-        lines = text.split("\n")
-        lines.pop()
-        yield from lines
+def iter_units(path: str, encoding_errors: str = "strict", units: Units = LINES) -> Iterator[str]:
+    """Every line (or document) of ``path`` without its separator, streamed."""
+    for text, _ in read_blocks(path, encoding_errors=encoding_errors, units=units):
+        yield from units.split(text)
 
 
 # --- tokenizers --------------------------------------------------------------------------
@@ -203,15 +240,25 @@ def get_tokenizer(spec: TokenizerSpec):
     return _TOKENIZERS[key]
 
 
-def apply_tokenizer(text: str, tokenizer) -> str:
-    """Encode each line of a block (lines end in ``\\n``) into space-separated pieces, keeping the lines."""
-    if tokenizer is None:
-        return text
-    lines = text.split("\n")
-    lines.pop()
-    encoded = tokenizer.encode_lines(lines)
+def template_ends_with(tokenizer, units: Units, eos_word: str) -> bool:
+    """Whether the tokenizer's own template ends every document with ``eos_word`` (a tokenizer that appends EOS):
+    then that EOS is the document's end and no second one is added."""
+    if tokenizer is None or not units.documents:
+        return False
+    return all(pieces.split()[-1:] == [eos_word] for pieces in units.pieces(tokenizer, ["", "a"]))
+
+
+def apply_tokenizer(text: str, tokenizer, units: Units = LINES, drop_last: bool = False) -> str:
+    """Encode each unit of a block into space-separated pieces: one line of pieces per unit (``drop_last``:
+    without the template's final EOS, see :func:`template_ends_with`)."""
+    if tokenizer is None:  # whitespace tokens: a document's own newlines separate words, as its spaces do
+        return text.replace("\n", " ").replace(units.separator, "\n") if units.documents else text
+    items = units.split(text)
+    encoded = units.pieces(tokenizer, items)
+    if drop_last:
+        encoded = [" ".join(pieces.split()[:-1]) for pieces in encoded]
     out = "\n".join(encoded) + "\n"
-    if out.count("\n") != len(lines):  # a piece held a newline: keep one item per input line
+    if out.count("\n") != len(items):  # a piece held a newline: keep one item per input unit
         out = "\n".join(e.replace("\n", " ") for e in encoded) + "\n"
     return out
 
@@ -224,11 +271,13 @@ def count_range(
     tokenizer=None,
     encoding_errors: str = "strict",
     progress: Progress = None,
+    units: Units = LINES,
 ) -> Counter:
-    """Token counts of the lines in bytes ``[start, end)`` (for building ``dict.txt``)."""
+    """Token counts of the units in bytes ``[start, end)`` (for building ``dict.txt``; ``</s>`` not counted)."""
     counts: Counter = Counter()
-    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
-        counts.update(apply_tokenizer(text, tokenizer).split())
+    drop_last = template_ends_with(tokenizer, units, "</s>")
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors, units=units):
+        counts.update(apply_tokenizer(text, tokenizer, units, drop_last).split())
         if progress is not None:
             progress(nbytes)
     return counts
@@ -320,11 +369,15 @@ class TokenizedBlock:
     redo: List[List[str]]
 
     @classmethod
-    def of(cls, tokenizer, text: str, varying: np.ndarray) -> TokenizedBlock:
-        """``varying``: True at the ids without a fixed piece."""
-        lines = text.split("\n")
-        lines.pop()
-        per_line = tokenizer.encode_lines_to_ids(lines)
+    def of(
+        cls, tokenizer, text: str, varying: np.ndarray, units: Units = LINES, drop_last: bool = False
+    ) -> TokenizedBlock:
+        """``varying``: True at the ids without a fixed piece; ``drop_last``: leave out each unit's last id (the
+        template's EOS, :func:`template_ends_with`)."""
+        lines = units.split(text)
+        per_line = units.ids(tokenizer, lines)
+        if drop_last:
+            per_line = [ids[:-1] for ids in per_line]
         lengths = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
         flat = np.fromiter(itertools.chain.from_iterable(per_line), dtype=np.int64, count=int(lengths.sum()))
         hits = varying[flat]
@@ -332,7 +385,9 @@ class TokenizedBlock:
             return cls(flat, lengths, np.zeros(len(lines), dtype=bool), [])
         line_of = np.repeat(np.arange(len(lines)), lengths)
         redo_lines = np.unique(line_of[hits])
-        redo = [encoded.split() for encoded in tokenizer.encode_lines([lines[i] for i in redo_lines.tolist()])]
+        redo = [encoded.split() for encoded in units.pieces(tokenizer, [lines[i] for i in redo_lines.tolist()])]
+        if drop_last:
+            redo = [words[:-1] for words in redo]
         is_redo = np.zeros(len(lines), dtype=bool)
         is_redo[redo_lines] = True
         lengths[redo_lines] = [len(words) for words in redo]
@@ -378,8 +433,9 @@ class TokenizerIdEncoder:
     id, and ``</s>`` ends each line. Lines holding an id without a fixed piece are looked up word by word.
     """
 
-    def __init__(self, tokenizer, dictionary, pieces: List[Optional[str]], dtype):
+    def __init__(self, tokenizer, dictionary, pieces: List[Optional[str]], dtype, units: Units = LINES):
         self.tokenizer, self.dtype, self.eos = tokenizer, np.dtype(dtype), dictionary.eos_index
+        self.units, self.drop_last = units, template_ends_with(tokenizer, units, dictionary.eos_word)
         get, unk = dictionary.indices.get, dictionary.unk_index
         self.table = np.fromiter((get(p, unk) for p in pieces), dtype=np.int64, count=len(pieces))
         self.replaced = np.fromiter(
@@ -389,12 +445,12 @@ class TokenizerIdEncoder:
         self.lookup = _UnkLookup.of(dictionary)
 
     @classmethod
-    def build(cls, tokenizer, dictionary, dtype) -> Optional[TokenizerIdEncoder]:
+    def build(cls, tokenizer, dictionary, dtype, units: Units = LINES) -> Optional[TokenizerIdEncoder]:
         pieces = tokenizer_id_pieces(tokenizer)
-        return None if pieces is None else cls(tokenizer, dictionary, pieces, dtype)
+        return None if pieces is None else cls(tokenizer, dictionary, pieces, dtype, units)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray, int]:
-        block = TokenizedBlock.of(self.tokenizer, text, self.varying)
+        block = TokenizedBlock.of(self.tokenizer, text, self.varying, self.units, self.drop_last)
         misses_before = self.lookup.misses
         redo_ids = [
             np.fromiter(map(self.lookup.__getitem__, words), dtype=np.int64, count=len(words)) for words in block.redo
@@ -412,16 +468,18 @@ def binarize_range(
     tokenizer=None,
     encoding_errors: str = "strict",
     progress: Progress = None,
+    units: Units = LINES,
 ) -> BinarizeSummary:
-    """Append the lines in bytes ``[start, end)`` to ``builder`` as items (``</s>`` appended)."""
+    """Append the units in bytes ``[start, end)`` to ``builder`` as items (``</s>`` appended)."""
     encoder = BlockEncoder(dictionary, builder.dtype)
-    by_ids = TokenizerIdEncoder.build(tokenizer, dictionary, builder.dtype)
+    by_ids = TokenizerIdEncoder.build(tokenizer, dictionary, builder.dtype, units)
+    drop_last = by_ids is None and template_ends_with(tokenizer, units, dictionary.eos_word)
     summary = BinarizeSummary()
-    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors, units=units):
         if by_ids is not None:
             ids, sizes, replaced = by_ids.encode(text)
         else:
-            ids, sizes, replaced = encoder.encode(apply_tokenizer(text, tokenizer))
+            ids, sizes, replaced = encoder.encode(apply_tokenizer(text, tokenizer, units, drop_last))
         builder.add_items(ids, sizes)
         summary.num_seq += len(sizes)
         summary.num_tok += len(ids)
@@ -470,8 +528,9 @@ class ProvisionalIdEncoder:
     The words of lines taken by the text path (``TokenizedBlock.redo``) keep their piece's id, or get the
     next ids after the tokenizer's."""
 
-    def __init__(self, tokenizer, pieces: List[Optional[str]], eos_word: str = "</s>"):
+    def __init__(self, tokenizer, pieces: List[Optional[str]], eos_word: str = "</s>", units: Units = LINES):
         self.tokenizer = tokenizer
+        self.units, self.drop_last = units, template_ends_with(tokenizer, units, eos_word)
         self.pieces = pieces if eos_word in pieces else pieces + [eos_word]
         self.varying = varying_ids(self.pieces)
         self.vocab: Dict[str, int] = defaultdict(itertools.count(len(self.pieces)).__next__)
@@ -481,7 +540,7 @@ class ProvisionalIdEncoder:
         self.counts = np.zeros(len(self.pieces), dtype=np.int64)
 
     def encode(self, text: str) -> Tuple[np.ndarray, np.ndarray]:
-        block = TokenizedBlock.of(self.tokenizer, text, self.varying)
+        block = TokenizedBlock.of(self.tokenizer, text, self.varying, self.units, self.drop_last)
         redo_ids = [
             np.fromiter(map(self.vocab.__getitem__, words), dtype=np.int64, count=len(words)) for words in block.redo
         ]
@@ -519,13 +578,15 @@ def provisional_range(
     tokenizer=None,
     encoding_errors: str = "strict",
     progress: Progress = None,
+    units: Units = LINES,
 ) -> ProvisionalPart:
     pieces = tokenizer_id_pieces(tokenizer)
-    encoder = ProvisionalEncoder() if pieces is None else ProvisionalIdEncoder(tokenizer, pieces)
+    encoder = ProvisionalEncoder() if pieces is None else ProvisionalIdEncoder(tokenizer, pieces, units=units)
+    drop_last = pieces is None and template_ends_with(tokenizer, units, "</s>")
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.int32)
     summary = BinarizeSummary()
-    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors):
-        ids, sizes = encoder.encode(text if pieces is not None else apply_tokenizer(text, tokenizer))
+    for text, nbytes in read_blocks(path, start, end, encoding_errors=encoding_errors, units=units):
+        ids, sizes = encoder.encode(text if pieces is not None else apply_tokenizer(text, tokenizer, units, drop_last))
         builder.add_items(ids, sizes)
         summary.num_seq += len(sizes)
         summary.num_tok += len(ids)
@@ -583,23 +644,32 @@ def _report(nbytes: int) -> None:
         _worker_progress.value += nbytes
 
 
-def _count_task(path: str, start: int, end: int, spec: TokenizerSpec, encoding_errors: str) -> Counter:
-    return count_range(path, start, end, get_tokenizer(spec), encoding_errors, _report)
+def _count_task(path: str, start: int, end: int, spec: TokenizerSpec, encoding_errors: str, units: Units) -> Counter:
+    return count_range(path, start, end, get_tokenizer(spec), encoding_errors, _report, units)
 
 
 def _binarize_task(
-    path: str, start: int, end: int, dictionary, out_prefix: str, dtype: str, spec: TokenizerSpec, encoding_errors: str
+    path: str,
+    start: int,
+    end: int,
+    dictionary,
+    out_prefix: str,
+    dtype: str,
+    spec: TokenizerSpec,
+    encoding_errors: str,
+    units: Units,
 ) -> BinarizeSummary:
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=np.dtype(dtype))
-    summary = binarize_range(path, start, end, dictionary, builder, get_tokenizer(spec), encoding_errors, _report)
+    tokenizer = get_tokenizer(spec)
+    summary = binarize_range(path, start, end, dictionary, builder, tokenizer, encoding_errors, _report, units)
     builder.finalize(index_file_path(out_prefix))
     return summary
 
 
 def _provisional_task(
-    path: str, start: int, end: int, out_prefix: str, spec: TokenizerSpec, encoding_errors: str
+    path: str, start: int, end: int, out_prefix: str, spec: TokenizerSpec, encoding_errors: str, units: Units
 ) -> ProvisionalPart:
-    return provisional_range(path, start, end, out_prefix, get_tokenizer(spec), encoding_errors, _report)
+    return provisional_range(path, start, end, out_prefix, get_tokenizer(spec), encoding_errors, _report, units)
 
 
 class Workers:
@@ -673,12 +743,13 @@ def count_file(
     tokenizer_spec: TokenizerSpec = None,
     encoding_errors: str = "strict",
     progress: Progress = None,
+    units: Units = LINES,
 ) -> Counter:
-    """Token counts of a whole file, each worker counting one line-aligned range."""
+    """Token counts of a whole file, each worker counting one unit-aligned range."""
     if workers.num_workers == 1:
-        return count_range(path, 0, None, get_tokenizer(tokenizer_spec), encoding_errors, progress)
-    offsets = find_offsets(path, workers.num_workers)
-    tasks = [(path, s, e, tokenizer_spec, encoding_errors) for s, e in zip(offsets, offsets[1:])]
+        return count_range(path, 0, None, get_tokenizer(tokenizer_spec), encoding_errors, progress, units)
+    offsets = find_offsets(path, workers.num_workers, units=units)
+    tasks = [(path, s, e, tokenizer_spec, encoding_errors, units) for s, e in zip(offsets, offsets[1:])]
     results = workers.run(_count_task, tasks, progress)
     total = results[0]
     for counts in results[1:]:
@@ -700,21 +771,21 @@ def binarize_file(
     encoding_errors: str = "strict",
     progress: Progress = None,
     shard: Tuple[int, int] = (0, 1),
+    units: Units = LINES,
 ) -> BinarizeSummary:
-    """Write ``{out_prefix}.bin/.idx`` holding one item per line of ``path`` (of its part ``shard``:
-    ``(shard_id, num_shards)``)."""
+    """Write ``{out_prefix}.bin/.idx`` holding one item per line (or document) of ``path`` (of its part
+    ``shard``: ``(shard_id, num_shards)``)."""
     dtype = np.dtype(dtype)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype)
-    start, end = shard_range(path, shard)
+    start, end = shard_range(path, shard, units)
     if workers.num_workers == 1:
-        summary = binarize_range(
-            path, start, end, dictionary, builder, get_tokenizer(tokenizer_spec), encoding_errors, progress
-        )
+        tokenizer = get_tokenizer(tokenizer_spec)
+        summary = binarize_range(path, start, end, dictionary, builder, tokenizer, encoding_errors, progress, units)
     else:
-        offsets = find_offsets(path, workers.num_workers, start, end)
+        offsets = find_offsets(path, workers.num_workers, start, end, units)
         parts = [worker_prefix(out_prefix, i) for i in range(workers.num_workers)]
         tasks = [
-            (path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors)
+            (path, s, e, dictionary, part, dtype.str, tokenizer_spec, encoding_errors, units)
             for (s, e), part in zip(zip(offsets, offsets[1:]), parts)
         ]
         summary = BinarizeSummary()
@@ -735,17 +806,16 @@ def provisional_file(
     tokenizer_spec: TokenizerSpec = None,
     encoding_errors: str = "strict",
     progress: Progress = None,
+    units: Units = LINES,
 ) -> List[ProvisionalPart]:
     """First pass over the train file: counts and provisional ids, one part per worker (see ``finish_provisional``)."""
     if workers.num_workers == 1:
-        return [
-            provisional_range(
-                path, 0, None, worker_prefix(out_prefix, 0), get_tokenizer(tokenizer_spec), encoding_errors, progress
-            )
-        ]
-    offsets = find_offsets(path, workers.num_workers)
+        tokenizer = get_tokenizer(tokenizer_spec)
+        prefix = worker_prefix(out_prefix, 0)
+        return [provisional_range(path, 0, None, prefix, tokenizer, encoding_errors, progress, units)]
+    offsets = find_offsets(path, workers.num_workers, units=units)
     tasks = [
-        (path, s, e, worker_prefix(out_prefix, i), tokenizer_spec, encoding_errors)
+        (path, s, e, worker_prefix(out_prefix, i), tokenizer_spec, encoding_errors, units)
         for i, (s, e) in enumerate(zip(offsets, offsets[1:]))
     ]
     return workers.run(_provisional_task, tasks, progress)

@@ -225,6 +225,14 @@ class Dictionary:
 VOCABULARY_HEADER = "#toolkit:vocabulary"
 
 
+def reads_bos_as_context(dict_path: str) -> bool:
+    """Whether a data-bin's ``dict.txt`` is a tokenizer's vocabulary with a BOS of its own, read from its first
+    line only: then ``--add-bos-token`` reads BOS as the context a text starts from (nothing is prepended, no
+    sample grows by a token; ``toolkit.tasks.language_modeling.bos_as_context``)."""
+    header = _vocabulary_header(dict_path) if os.path.isfile(dict_path) else None
+    return header is not None and header["bos"] != header["eos"]
+
+
 def _vocabulary_header(path: str):
     """The special ids of a tokenizer-vocabulary dict.txt (first line ``#toolkit:vocabulary bos=..``), else None."""
     try:

@@ -13,6 +13,11 @@ fairseq reads ``</s>``, and nothing is prepended: the sample is then exactly wha
 computes for the text, ``model([BOS] + ids)`` scored on ``ids`` (no ``</s>`` after BOS, no BOS
 in the middle of the text, no score for BOS itself).
 
+Documents binarized with such a tokenizer (records) carry their BOS in the data, as ``AutoTokenizer`` puts
+it first (``context_bos``): a block starting at one reads that BOS as its context (see
+:mod:`toolkit.data.token_block_dataset`), whatever ``--add-bos-token`` says, and under
+``--document-attention-mask`` each document starts at its BOS.
+
 The collater right-pads with the dictionary's pad index and returns::
 
     {"id": LongTensor[B], "nsentences": B, "ntokens": non-pad target tokens (int),
@@ -61,10 +66,18 @@ def collate(samples: List[Dict[str, Any]], pad_idx: int) -> Dict[str, Any]:
     }
 
 
-def document_layout(src_tokens: torch.Tensor, eos: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def document_layout(src_tokens: torch.Tensor, eos: int, bos: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(document_ids, positions)`` [B, T]: a new document wherever the input token is ``eos``;
-    positions count from 0 at each document start (and at the start of the row)."""
+    positions count from 0 at each document start (and at the start of the row).
+
+    ``bos``: documents that carry the tokenizer's BOS start at it, not at the ``eos`` before it (which then
+    ends the previous document, predicting this BOS), so each reads ``[BOS] + text`` from position 0, as
+    transformers does."""
     starts = src_tokens == eos
+    if bos is not None:
+        before_bos = starts[:, :-1] & (src_tokens[:, 1:] == bos)
+        starts[:, :-1] &= ~before_bos
+        starts[:, 1:] |= before_bos
     document_ids = starts.long().cumsum(dim=1)
     T = src_tokens.size(1)
     steps = torch.arange(T, device=src_tokens.device).expand_as(src_tokens)
@@ -89,8 +102,10 @@ class MonolingualDataset(torch.utils.data.Dataset):
         document_mask: bool = False,
         reset_positions: bool = False,
         bos_as_context: bool = False,
+        context_bos: Optional[int] = None,
     ):
         self.blocks = blocks
+        self.context_bos = context_bos  # documents carry this BOS (TokenBlockDataset's context_bos)
         self.bos_as_context = bos_as_context
         self.document_mask, self.reset_positions = document_mask, reset_positions
         self.dictionary = dictionary
@@ -143,7 +158,9 @@ class MonolingualDataset(torch.utils.data.Dataset):
         batch = collate(samples, self._pad)
         if batch and self.document_mask:
             net_input = batch["net_input"]
-            net_input["document_ids"], positions = document_layout(net_input["src_tokens"], self.dictionary.eos())
+            net_input["document_ids"], positions = document_layout(
+                net_input["src_tokens"], self.dictionary.eos(), self.context_bos
+            )
             if self.reset_positions:
                 net_input["positions"] = positions
         return batch

@@ -28,18 +28,21 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from toolkit.data.binarizer import (
+    DOCUMENTS,
+    LINES,
     BinarizeSummary,
+    Units,
     Workers,
     binarize_file,
     count_file,
     finish_provisional,
-    iter_lines,
+    iter_units,
     part_counts,
     provisional_file,
 )
 from toolkit.data.dictionary import Dictionary
 from toolkit.data.indexed_dataset import best_fitting_dtype
-from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_text
+from toolkit.data.record_inputs import RecordOptions, input_kind, write_as_documents, write_paragraphs
 from toolkit.data.shards import check_shard_flags, find_parts, merge_parts, write_shard_record
 from toolkit.core import folder_lock
 from toolkit.core.errors import UserError
@@ -60,6 +63,11 @@ class PreprocessResult:
     num_types: int
     summaries: Dict[str, BinarizeSummary]  # output split name (train, valid, valid1, ...) -> summary
     timings: Dict[str, float]  # seconds: "bpe", "dictionary", then one entry per split
+
+
+def units_of(cfg: PreprocessConfig, path: str) -> Units:
+    """Whether ``path``'s items are lines (a text file, fairseq's) or documents (records, paragraphs)."""
+    return DOCUMENTS if path in cfg.document_files else LINES
 
 
 def plan_splits(cfg: PreprocessConfig) -> List[Tuple[str, str, str]]:
@@ -410,7 +418,7 @@ def preprocess(
     os.makedirs(os.path.dirname(os.path.abspath(cfg.destdir)), exist_ok=True)
     with folder_lock.hold(folder_lock.beside(cfg.destdir), f"--destdir {cfg.destdir}", "toolkit-preprocess"):
         check_destdir(cfg, splits, inputs)  # again: another run may have written it meanwhile
-        with records_as_text(cfg, splits) as (cfg, splits):
+        with inputs_as_documents(cfg, splits) as (cfg, splits):
             if adds_to_data_bin(cfg):
                 return add_splits(cfg, [] if cfg.dict_only else splits, args)
             return _build_data_bin(cfg, splits, bpe, bpe_cfg, tokenizer_cls, args)
@@ -443,14 +451,16 @@ def _record_options(cfg: PreprocessConfig, name: str, flag: str) -> RecordOption
 
 
 @contextlib.contextmanager
-def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
-    """JSON lines / Parquet / datasets inputs streamed into text files (a private folder beside --destdir).
+def inputs_as_documents(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
+    """JSON lines / Parquet / datasets inputs (and, with ``--document-separator blank_line``, text files)
+    streamed into files of documents (a private folder beside --destdir; ``record_inputs``).
 
-    Yields the config and splits naming those files, so the one text path binarizes them
-    (byte-identical to the same text given as a file); the folder is deleted afterwards.
+    Yields the config (its ``document_files`` naming those files) and the splits naming them, so the one
+    pipeline binarizes each document as one item; the folder is deleted afterwards.
     """
     kinds = [input_kind(path, flag == HF_FLAG) for _, flag, path in splits]
-    if all(kind == "text" for kind in kinds):
+    paragraphs = cfg.document_separator == "blank_line"
+    if all(kind == "text" for kind in kinds) and not paragraphs:
         yield cfg, splits
         return
     parent = os.path.dirname(os.path.abspath(cfg.destdir))
@@ -460,16 +470,22 @@ def records_as_text(cfg: PreprocessConfig, splits: List[Tuple[str, str, str]]):
     )
     try:
         _write_owner(tmp)  # so the next run removes it if this one is killed before the finally below
-        converted = []
+        converted, documents = [], []
         for (name, flag, path), kind in zip(splits, kinds):
-            if kind != "text":
-                opts = _record_options(cfg, name, flag)
-                source = f"{flag} {path}" + (f" (split {opts.hf_split})" if kind == "hf" else "")
-                text_path = os.path.join(tmp, f"{name}.{os.path.basename(os.path.normpath(path))}.txt")
-                write_as_text(kind, path, text_path, opts, source)
-                path = text_path
+            if kind != "text" or paragraphs:
+                doc_path = os.path.join(tmp, f"{name}.{os.path.basename(os.path.normpath(path))}.documents")
+                if kind != "text":
+                    opts = _record_options(cfg, name, flag)
+                    source = f"{flag} {path}" + (f" (split {opts.hf_split})" if kind == "hf" else "")
+                    write_as_documents(kind, path, doc_path, opts, source)
+                else:
+                    found = write_paragraphs(path, doc_path, cfg.encoding_errors)
+                    logger.info(f"{flag} {path}: {found} documents (paragraphs between blank lines)")
+                path = doc_path
+                documents.append(doc_path)
             converted.append((name, flag, path))
         train = [path for name, _, path in converted if name == "train"]
+        cfg = dataclasses.replace(cfg, document_files=tuple(documents))
         yield (dataclasses.replace(cfg, trainpref=train[0]) if train else cfg), converted
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -532,7 +548,8 @@ def _tokenizer_step(
     origin = None
     if tokenizer_cls.needs_training(bpe_cfg):
         logger.info(f"training the {bpe} tokenizer on {cfg.trainpref}")
-        bpe_cfg = tokenizer_cls.train(bpe_cfg, iter_lines(cfg.trainpref, cfg.encoding_errors), tmp)
+        texts = iter_units(cfg.trainpref, cfg.encoding_errors, units_of(cfg, cfg.trainpref))
+        bpe_cfg = tokenizer_cls.train(bpe_cfg, texts, tmp)
         origin = f"trained on {os.path.abspath(cfg.trainpref)}"
     bpe_cfg = save_tokenizer_to_data_bin(bpe, bpe_cfg, tmp, origin)
     timings["bpe"] = time.perf_counter() - t0
@@ -553,11 +570,12 @@ def _dictionary_step(
         path = cfg.trainpref
         desc = "dictionary" if cfg.dict_only else "train+dictionary"
         with _progress_bar(cfg, os.path.getsize(path), desc) as bar:
+            units = units_of(cfg, path)
             if cfg.dict_only:
-                counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update)
+                counts = count_file(path, workers, spec, cfg.encoding_errors, bar.update, units)
             else:
                 first_pass = provisional_file(
-                    path, os.path.join(tmp, "train"), workers, spec, cfg.encoding_errors, bar.update
+                    path, os.path.join(tmp, "train"), workers, spec, cfg.encoding_errors, bar.update, units
                 )
                 counts = part_counts(first_pass)
         vocab = Dictionary()
@@ -607,6 +625,7 @@ def _binarize_step(
                     cfg.encoding_errors,
                     bar.update,
                     shard=(cfg.shard_id, cfg.num_shards),
+                    units=units_of(cfg, path),
                 )
         timings[name] = seconds = time.perf_counter() - t0
         _check_has_tokens(flag, path, summary)

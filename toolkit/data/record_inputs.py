@@ -1,10 +1,13 @@
 """JSON lines, Parquet and Hugging Face ``datasets`` folders as ``toolkit-preprocess`` inputs.
 
-A record's text is turned into the lines a text file would hold (its own newlines kept, one
-``\\n`` added unless it already ends with one), streamed into a plain-text file in a private
-temporary folder; that file then goes through the one text path (workers, dictionary,
-``--bpe``, sharding). So the same text gives byte-identical data-bins whichever way it comes,
-and the fast text pipeline is not written twice.
+A record is one document: its text, exactly as stored (newlines, indentation, carriage returns), is
+streamed into a file of documents in a private temporary folder, each followed by a NUL character
+(``binarizer.DOCUMENTS``; a record holding a NUL is refused, so none is cut). That file then goes through
+the one pipeline (workers, dictionary, ``--bpe``, sharding), which makes each document one item: its
+newlines encoded as the tokenizer encodes them, one ``</s>`` after it. So the same records give
+byte-identical data-bins whichever way they come (JSON lines, Parquet, ``datasets``), and the fast text
+pipeline is not written twice. ``--document-separator blank_line`` turns a text file's paragraphs into
+such a file too (:func:`write_paragraphs`).
 
 Bad records (not JSON, missing key, not a string, invalid UTF-8, a NUL character) are skipped and counted;
 each kind is reported in one warning line naming the first one, and the rest is binarized.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import logging
 import os
@@ -31,6 +35,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", 
 PARQUET_SUFFIXES = (".parquet",)
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 BATCH_ROWS = 8192
+DOCUMENT_END = b"\0"  # binarizer.DOCUMENTS' separator: text holds none
 
 # the kinds of bad records, as reported
 NOT_JSON = "not a JSON object"
@@ -277,8 +282,9 @@ def hf_texts(path: str, opts: RecordOptions, report: RecordReport) -> Iterator[s
 READERS = {"jsonl": jsonl_texts, "parquet": parquet_texts, "hf": hf_texts}
 
 
-def write_as_text(kind: str, path: str, out_path: str, opts: RecordOptions, source: str) -> RecordReport:
-    """Stream the records of ``path`` into ``out_path`` as lines of text; the report of what was skipped."""
+def write_as_documents(kind: str, path: str, out_path: str, opts: RecordOptions, source: str) -> RecordReport:
+    """Stream the records of ``path`` into ``out_path`` as documents (each followed by NUL); the report of
+    what was skipped."""
     report = RecordReport(source)
     with open(out_path, "wb") as out:
         for text in READERS[kind](path, opts, report):
@@ -290,7 +296,7 @@ def write_as_text(kind: str, path: str, out_path: str, opts: RecordOptions, sour
             except UnicodeEncodeError:
                 report.skip(INVALID_UTF8, f"record {report.written + sum(report.bad.values()) + 1}")
                 continue
-            out.write(data if data.endswith(b"\n") else data + b"\n")
+            out.write(data + DOCUMENT_END)
             report.written += 1
     report.log(opts.json_key if kind == "jsonl" else opts.column)
     if report.written == 0:
@@ -300,3 +306,23 @@ def write_as_text(kind: str, path: str, out_path: str, opts: RecordOptions, sour
             f"check --json-key / --parquet-column and the file"
         )
     return report
+
+
+def write_paragraphs(path: str, out_path: str, encoding_errors: str = "strict") -> int:
+    """``--document-separator blank_line``: the paragraphs of the text file ``path`` (runs of lines between
+    blank or whitespace-only lines; fairseq's ``complete_doc`` reads documents the same way) into ``out_path``,
+    each one document (its lines joined by ``\\n``) followed by NUL. Returns the number of documents."""
+    from toolkit.data.binarizer import iter_units
+
+    documents = 0
+    with open(out_path, "wb") as out:
+        paragraph: list = []
+        for line in itertools.chain(iter_units(path, encoding_errors), [""]):
+            if line.strip():
+                paragraph.append(line)
+                continue
+            if paragraph:
+                out.write("\n".join(paragraph).encode("utf-8") + DOCUMENT_END)
+                documents += 1
+                paragraph = []
+    return documents

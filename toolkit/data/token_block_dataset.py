@@ -22,6 +22,10 @@ shifted right by one: each token's previous token). As in fairseq, a block that
 starts at the beginning of a line gets ``</s>`` as its first source token; one that
 starts inside a line gets the token before it.
 
+With ``context_bos`` (a tokenizer's vocabulary whose documents carry its BOS, as ``AutoTokenizer`` puts it
+first: ``toolkit-preprocess`` of records), a block that would start at an item beginning with BOS starts one
+token later: BOS is its first source token, the context transformers starts a text from, never a target.
+
 The slices are computed with vectorized numpy (``none`` and ``eos``) or one cheap
 step per *block* (``complete*``), never a Python loop over every line of a corpus.
 """
@@ -64,6 +68,20 @@ def _pack_greedily(offsets: np.ndarray, first: np.ndarray, stop: np.ndarray, blo
             ends.append(k)
             j = k
     return np.stack([np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)], axis=1)
+
+
+def skip_leading_bos(slices: np.ndarray, offsets: np.ndarray, tokens, bos: int) -> np.ndarray:
+    """``slices`` where each block starting at an item that begins with ``bos`` starts after it (a block of
+    that one token stays). Reads one token per block that starts an item, not one per item."""
+    starts = slices[:, 0]
+    pos = np.minimum(np.searchsorted(offsets, starts), len(offsets) - 1)
+    candidates = np.flatnonzero((offsets[pos] == starts) & (slices[:, 1] - starts > 1))
+    if not len(candidates):
+        return slices
+    first = np.asarray(tokens[starts[candidates]])
+    moved = slices.copy()
+    moved[candidates[first == bos], 0] += 1
+    return moved
 
 
 def block_slices(
@@ -110,6 +128,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         break_mode: one of :data:`BREAK_MODES`.
         include_targets: return ``(source, target)``; otherwise just the block's tokens.
         document_sep_len: size of an item that separates documents (``complete_doc``).
+        context_bos: the BOS id a document's item may begin with, read as context (module docstring).
 
     Attributes:
         sizes: int64 array, tokens in each block (what batching counts).
@@ -125,6 +144,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         break_mode: str = "none",
         include_targets: bool = True,
         document_sep_len: int = 1,
+        context_bos: Optional[int] = None,
     ):
         super().__init__()
         self.pad, self.eos = pad, eos
@@ -136,10 +156,12 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         item_sizes = np.asarray(dataset.sizes, dtype=np.int64)
         self.tokens = self.flat_tokens(dataset, item_sizes)
         self.slice_indices = block_slices(item_sizes, block_size, self.break_mode, document_sep_len)
+        offsets = _item_offsets(item_sizes)
+        if context_bos is not None:
+            self.slice_indices = skip_leading_bos(self.slice_indices, offsets, self.tokens, context_bos)
         self.sizes = self.slice_indices[:, 1] - self.slice_indices[:, 0]
         # Whether each block starts exactly where a line starts (its first source token is </s>).
         starts = self.slice_indices[:, 0]
-        offsets = _item_offsets(item_sizes)
         pos = np.minimum(np.searchsorted(offsets, starts), len(offsets) - 1)
         self.starts_item = offsets[pos] == starts
 

@@ -237,12 +237,23 @@ def word_probs(
 
 
 def accumulate(
-    totals: Totals, dictionary, rows, bpe: Tuple[Optional[Set[int]], int], remove_bos: bool, word_output: bool
+    totals: Totals,
+    dictionary,
+    rows,
+    bpe: Tuple[Optional[Set[int]], int],
+    remove_bos: bool,
+    word_output: bool,
+    context_bos: Optional[int] = None,
 ) -> List[str]:
-    """Add one batch's rows to the totals (fairseq's eval_lm loop); the --output-word-probs lines."""
+    """Add one batch's rows to the totals (fairseq's eval_lm loop); the --output-word-probs lines.
+    ``context_bos``: the BOS documents carry in the data (``MonolingualDataset.context_bos``): the context a
+    document starts from, never counted, as transformers never scores it."""
     bpe_toks, bpe_len = bpe
     lines = []
     for sample_id, tokens, scores in rows:
+        if context_bos is not None:
+            kept = tokens != context_bos
+            tokens, scores = tokens[kept], scores[kept]
         tgt_len = len(tokens)
         if remove_bos:
             if len(tokens) == 0 or int(tokens[0]) != dictionary.bos():

@@ -179,6 +179,7 @@ def evaluate(cfg: EvalLMConfig, models: List[torch.nn.Module], task, dataset, de
             bpe,
             task.cfg.add_bos_token and not dataset.bos_as_context,
             cfg.output_word_probs or cfg.output_word_stats,
+            dataset.context_bos,
         ):
             if cfg.output_word_probs:
                 logger.info(line)

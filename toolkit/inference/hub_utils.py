@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -129,25 +129,56 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.models[0].parameters()).device
 
+    @property
+    def max_positions(self) -> int:
+        """The model's context: the most positions one forward pass reads (the least of an ensemble's)."""
+        return min(int(m.max_positions()) for m in self.models)
+
+    def scoring_window(self, tokens_per_sample: Optional[int] = None, context_window: int = 0) -> Tuple[int, int]:
+        """(ids scored per forward pass, earlier ids read before them): by default the model's whole context
+        (``max_positions``) and no overlap; ``tokens_per_sample`` + ``context_window`` choose (eval-lm's names and
+        meaning), within the model's positions."""
+        window = self.max_positions if tokens_per_sample is None else int(tokens_per_sample)
+        context_window = int(context_window)
+        if window < 1 or context_window < 0 or window + context_window > self.max_positions:
+            raise UserError(
+                f"score: tokens_per_sample {window} + context_window {context_window} must be within the "
+                f"model's {self.max_positions} positions (tokens_per_sample >= 1, context_window >= 0)"
+            )
+        return window, context_window
+
     @torch.no_grad()
-    def score_tokens(self, tokens: torch.Tensor, **kwargs) -> Dict[str, object]:
+    def score_tokens(
+        self, tokens: torch.Tensor, tokens_per_sample: Optional[int] = None, context_window: int = 0, **kwargs
+    ) -> Dict[str, object]:
         """Per-token log-probabilities (natural log) of encoded tokens and their perplexity.
 
         With the model's own tokenizer the first id is the context (``tokens`` are then the ids after it);
-        else every token is scored after ``</s>``, as fairseq's hub does.
+        else every token is scored after ``</s>``, as fairseq's hub does. A text within the model's context
+        (``max_positions``) is scored in one pass, as transformers scores it; a longer one in windows of that
+        many ids, each after ``context_window`` earlier ids (one INFO line says so); ``tokens_per_sample``
+        and ``context_window`` choose the window (:meth:`scoring_window`), which the result names.
         """
         first = self.dictionary.eos()
         if self.model_tokenizer is not None:
             first, tokens = hf_ids.split_context(tokens, "score")
+        window, context_window = self.scoring_window(tokens_per_sample, context_window)
+        if len(tokens) > window:
+            logger.info(
+                f"score: {len(tokens):,} ids scored in windows of {window} (the model's context is "
+                f"{self.max_positions} positions), each after {context_window} earlier ids; "
+                f"score(..., tokens_per_sample=N, context_window=M) chooses"
+            )
         with cpu_gemm.linear_mode(self.device):
             lprobs = inference.score_stream(
-                list(self.models), tokens, first, tokens_per_sample=self.args.tokens_per_sample, device=self.device
+                list(self.models), tokens, first, window, context_window=context_window, device=self.device
             )
         return {
             "tokens": tokens,
             "positional_scores": lprobs,
             "score": lprobs.mean().item(),
             "perplexity": math.exp(-lprobs.mean().item()),
+            "window": {"tokens_per_sample": window, "context_window": context_window},
         }
 
     @torch.no_grad()

@@ -63,7 +63,7 @@ def encode_lines(tok, lines: Sequence[str], dictionary) -> torch.LongTensor:
     first = tok.encode("").ids
     ids = [first[0]] if first and first[0] == dictionary.bos() != dictionary.eos() else []
     for line in lines:
-        ids += tok.encode(line.strip(), add_special_tokens=False).ids + [dictionary.eos()]
+        ids += tok.encode(line, add_special_tokens=False).ids + [dictionary.eos()]
     return torch.tensor(ids, dtype=torch.long)
 
 

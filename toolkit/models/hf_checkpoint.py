@@ -7,13 +7,18 @@ them and models never import the export package (the layer order in ``docs/desig
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict
 
 CHECKPOINT = "model.pt"
+#: the options whose values an imported model brings as its own conventions (``model_conventions``)
+CONVENTION_OPTIONS = ("add_bos_token", "tokens_per_sample", "max_target_positions")
 
 
-def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) -> dict:
+def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int, add_bos_token: bool = False) -> dict:
+    """``add_bos_token``: the tokenizer puts BOS first (read as the model's context, see
+    ``toolkit.tasks.language_modeling.bos_as_context``)."""
     from toolkit.config import options
 
     cfg = {
@@ -22,9 +27,10 @@ def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) ->
         "data": os.path.abspath(out_dir),
         "tokens_per_sample": tokens_per_sample,
         "sample_break_mode": "none",
-        "add_bos_token": False,
+        "add_bos_token": add_bos_token,
         **options.architecture_defaults(arch, given),
     }
+    cfg["model_conventions"] = model_conventions(cfg)
     fresh = {
         "train_iterator": {"epoch": 1, "iterations_in_epoch": 0, "shuffle": True},
         "val_loss": None,
@@ -33,6 +39,14 @@ def checkpoint(state, arch: str, given, out_dir: str, tokens_per_sample: int) ->
         "metrics": {},
     }
     return {"cfg": cfg, "model": state, "extra_state": fresh}
+
+
+def model_conventions(cfg: Dict[str, object]) -> str:
+    """The model's own conventions, recorded in its checkpoint: whether its tokenizer puts BOS first, its
+    context, the sample length of its import; ``toolkit-train`` takes them as defaults when it starts from the
+    checkpoint (``toolkit.checkpoint.conventions``), as eval-lm, the hub and generation read its ``cfg``. JSON:
+    a checkpoint's ``cfg`` holds plain values only (``weights_only=True`` loads)."""
+    return json.dumps({key: cfg[key] for key in CONVENTION_OPTIONS if key in cfg}, sort_keys=True)
 
 
 def training_flags(arch: str, given: Dict[str, object]) -> str:

@@ -54,6 +54,19 @@ def bos_as_context(add_bos_token: bool, dictionary) -> bool:
     return bool(add_bos_token) and dictionary.fixed_ids and dictionary.bos() != dictionary.eos()
 
 
+def prepends_bos(add_bos_token: bool, dictionary) -> bool:
+    """Whether ``--add-bos-token`` makes every sample one token longer (fairseq's prepended ``<s>``), rather than
+    reading BOS as context (:func:`bos_as_context`)."""
+    return bool(add_bos_token) and not bos_as_context(add_bos_token, dictionary)
+
+
+def document_bos(dictionary) -> Optional[int]:
+    """The BOS a document may begin with in the data, read as its context (a tokenizer's vocabulary whose
+    documents were binarized as ``AutoTokenizer`` encodes them, BOS first), whatever ``--add-bos-token`` says;
+    None for fairseq's dictionaries, whose data never holds ``<s>``."""
+    return dictionary.bos() if dictionary.fixed_ids and dictionary.bos() != dictionary.eos() else None
+
+
 def _load_dictionary(data: str) -> Dictionary:
     dict_path = os.path.join(data, "dict.txt")
     if not os.path.isfile(dict_path):
@@ -204,6 +217,7 @@ class LanguageModelingTask:
             eos=self.dictionary.eos(),
             break_mode=self.cfg.sample_break_mode,
             include_targets=True,
+            context_bos=document_bos(self.dictionary),
         )
         dataset = MonolingualDataset(
             blocks,
@@ -213,6 +227,7 @@ class LanguageModelingTask:
             document_mask=self.cfg.document_attention_mask,
             reset_positions=self.cfg.reset_position_ids,
             bos_as_context=bos_as_context(self.cfg.add_bos_token, self.dictionary),
+            context_bos=document_bos(self.dictionary),
         )
         logger.info(f"{data_path} {'+'.join(names)} {len(split_data)} examples, {len(dataset)} samples")
         return dataset
@@ -260,10 +275,10 @@ class LanguageModelingTask:
         return self.datasets[split]
 
     def max_positions(self) -> Optional[int]:
-        """The longest sample (``<s>`` included) that fixed-size break modes produce."""
+        """The longest sample (a prepended ``<s>`` included) that fixed-size break modes produce."""
         if self.cfg.sample_break_mode == "eos":
             return None
-        return self.cfg.tokens_per_sample + (1 if self.cfg.add_bos_token else 0)
+        return self.cfg.tokens_per_sample + (1 if prepends_bos(self.cfg.add_bos_token, self.dictionary) else 0)
 
     def get_batch_iterator(
         self,

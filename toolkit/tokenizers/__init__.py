@@ -61,6 +61,16 @@ class Tokenizer:
         """The library's ids of each line (only where ``id_pieces`` is not None)."""
         raise NotImplementedError
 
+    def encode_documents(self, texts: List[str]) -> List[str]:
+        """Encode documents (records, paragraphs), each one item, its newlines kept: as ``encode_lines`` by
+        default (fairseq's tokenizers normalize a document as a line: outer whitespace stripped, the rest as
+        their library encodes it); a tokenizer with conventions of its own (``hf_byte_bpe``) applies them."""
+        return self.encode_lines(texts)
+
+    def encode_documents_to_ids(self, texts: List[str]) -> List[List[int]]:
+        """The library's ids of each document, as ``encode_documents`` (only where ``id_pieces`` is not None)."""
+        return self.encode_lines_to_ids(texts)
+
     # --- building a data-bin ---------------------------------------------------------
     @classmethod
     def needs_training(cls, cfg: Any) -> bool:

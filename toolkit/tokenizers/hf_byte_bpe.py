@@ -1,6 +1,12 @@
-"""``--bpe hf_byte_bpe``: a byte-level BPE of HF ``tokenizers`` (GPT-2 style), given or trained here.
+"""``--bpe hf_byte_bpe``: a byte-level BPE of HF ``tokenizers`` (GPT-2 style), given or trained here, or any
+tokenizer a Hugging Face model saved (``toolkit-export --from hf`` writes its ``tokenizer.json``).
 
-The pieces are the byte-level strings (``Ġthe``), so ``dict.txt`` stays readable.
+The pieces are the tokenizer's own strings (``Ġthe``), so ``dict.txt`` stays readable. Text reaches the
+tokenizer as written, whitespace included (a line's leading spaces are tokens of such a tokenizer, unlike
+fairseq's ``--bpe gpt2``, whose lines are stripped as fairseq's encoder strips them): a line is encoded
+without the tokenizer's special tokens (the model reads BOS as its context, see
+``toolkit.tasks.language_modeling.bos_as_context``), a document with them, so each document's ids are exactly
+``AutoTokenizer(text)["input_ids"]``.
 """
 
 from __future__ import annotations
@@ -68,17 +74,22 @@ class HfByteBpe(Tokenizer):
             self.tok.decoder = decoders.ByteLevel()
 
     def encode(self, line: str) -> str:
-        return " ".join(self.tok.encode(line.strip(), add_special_tokens=False).tokens)
+        return " ".join(self.tok.encode(line, add_special_tokens=False).tokens)
 
     def encode_lines(self, lines: List[str]) -> List[str]:
-        encodings = self.tok.encode_batch([l.strip() for l in lines], add_special_tokens=False)
-        return [" ".join(e.tokens) for e in encodings]
+        return [" ".join(e.tokens) for e in self.tok.encode_batch(lines, add_special_tokens=False)]
 
     def id_pieces(self) -> List[Optional[str]]:
         return [self.tok.id_to_token(i) for i in range(self.tok.get_vocab_size(with_added_tokens=True))]
 
     def encode_lines_to_ids(self, lines: List[str]) -> List[List[int]]:
-        return [e.ids for e in self.tok.encode_batch([l.strip() for l in lines], add_special_tokens=False)]
+        return [e.ids for e in self.tok.encode_batch(lines, add_special_tokens=False)]
+
+    def encode_documents(self, texts: List[str]) -> List[str]:
+        return [" ".join(e.tokens) for e in self.tok.encode_batch(texts, add_special_tokens=True)]
+
+    def encode_documents_to_ids(self, texts: List[str]) -> List[List[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
 
     def decode(self, text: str) -> str:
         return self.tok.decoder.decode(text.split())
@@ -111,9 +122,8 @@ class HfByteBpe(Tokenizer):
         from tokenizers import ByteLevelBPETokenizer
 
         tok = ByteLevelBPETokenizer(add_prefix_space=cfg.bpe_add_prefix_space)
-        sentences = (line.strip() for line in lines)
         tok.train_from_iterator(
-            (s for s in sentences if s),
+            (text for text in lines if text.strip()),  # the texts as they will be encoded, whitespace included
             vocab_size=cfg.bpe_vocab_size,
             min_frequency=cfg.bpe_min_frequency,
             show_progress=False,

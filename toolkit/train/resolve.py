@@ -28,9 +28,11 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 import torch
 
 from toolkit.config import composition, options
+from toolkit.checkpoint.conventions import apply_conventions
 from toolkit.checkpoint.model_fit import check_positions
 from toolkit.config import TRAIN_CONFIGS, CommonConfig, Components, TrainConfig
 from toolkit.core.errors import UserError
+from toolkit.data.dictionary import reads_bos_as_context
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
 from toolkit.distributed.parallel_dims import check_expert_share, shape_from_config
@@ -84,6 +86,12 @@ def resolve(args: argparse.Namespace, explicit: Set[str]) -> Tuple[TrainConfig, 
     cfg = train_config_from_args(args)
     cfg, aliases = resolve_fairseq_flags(cfg, explicit)  # fairseq's names of our settings, before any check
     _check_conflicts(cfg, explicit)
+    cfg, conventions = apply_conventions(cfg, explicit)
+    for level, line in conventions:
+        if level == "warning":
+            logger.warning(line)
+        else:
+            choices.append(line)
     cfg, more = _implied_values(cfg)
     _check_values(cfg)
     warnings = _check_fp8(cfg, explicit)
@@ -229,6 +237,17 @@ def _mixture_valid_subsets(task: Any, dataset: Any) -> Tuple[Any, List[str]]:
     ]
 
 
+def _dictionary_path(task: Any) -> str:
+    """The run's dict.txt: DATA's first folder, else the first --data-mixture source's."""
+    data = getattr(task, "data", "") or ""
+    folder = data.split(":")[0]
+    if not folder and getattr(task, "data_mixture", None):
+        from toolkit.data.mixture import parse_mixture
+
+        folder = parse_mixture(task.data_mixture)[0].path
+    return os.path.join(folder, "dict.txt")
+
+
 def model_positions(cfg: TrainConfig) -> int:
     """The model's input length: --max-target-positions if set, else --tokens-per-sample."""
     positions = getattr(cfg.model, "max_target_positions", None)
@@ -245,7 +264,7 @@ def _check_values(cfg: TrainConfig) -> None:
         check_positions(
             getattr(cfg.model, "max_target_positions", None),
             cfg.task.tokens_per_sample,
-            getattr(cfg.task, "add_bos_token", False),
+            getattr(cfg.task, "add_bos_token", False) and not reads_bos_as_context(_dictionary_path(cfg.task)),
             getattr(cfg.task, "sample_break_mode", "none"),
         )
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))

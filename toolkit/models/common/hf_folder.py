@@ -18,8 +18,9 @@ from EOS, else a special token named like a pad or reserved one, else the unknow
 
 Continued pretraining: binarize text with ``toolkit-preprocess --srcdict OUT/dict.txt --bpe hf_byte_bpe
 --bpe-model OUT/tokenizer.json`` (the pieces are the tokenizer's tokens, so the ids are its ids, and
-each line ends with its EOS), then ``toolkit-train ... --finetune-from-model OUT/model.pt`` with
-``--add-bos-token`` when the tokenizer puts BOS first; the log prints both commands. (``--finetune-from-model``,
+each line or record ends with its EOS), then ``toolkit-train ... --finetune-from-model OUT/model.pt``, which
+takes the model's conventions from the checkpoint (BOS first when the tokenizer puts it first, its context;
+``hf_checkpoint.model_conventions``); the log prints both commands. (``--finetune-from-model``,
 not ``--restore-file OUT/model.pt --reset-optimizer``: a run restarted after a crash then resumes from its
 own ``checkpoint_last.pt`` instead of starting over from the imported weights.)
 
@@ -210,10 +211,9 @@ def read_folder(
     state = adapter.state_from_hf(safetensors_tensors(folder), given, config["model_type"])
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
-    add_bos = _adds_bos(tokenizer_json, dictionary)  # then a sample is BOS + tokens_per_sample tokens
-    tokens_per_sample = tokens_per_sample or min(given["max_target_positions"] - add_bos, 2048)
-    ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample)
-    ckpt["cfg"]["add_bos_token"] = add_bos
+    add_bos = _adds_bos(tokenizer_json, dictionary)  # BOS is read as context: a sample stays tokens_per_sample long
+    tokens_per_sample = tokens_per_sample or min(given["max_target_positions"], 2048)
+    ckpt = checkpoint(state, arch, given, out_dir, tokens_per_sample, add_bos)
     copied = [name for name in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(folder, name))]
     files = {**{name: os.path.join(folder, name) for name in copied}, HF_CONFIG: os.path.join(folder, "config.json")}
     # bpe.json: the hub (from_pretrained(OUT, "model.pt")) and eval tokenize with the model's tokenizer
@@ -222,8 +222,7 @@ def read_folder(
         f"binarize with: toolkit-preprocess --only-source --srcdict {os.path.join(out_dir, 'dict.txt')} "
         f"--bpe hf_byte_bpe --bpe-model {os.path.join(out_dir, 'tokenizer.json')} --trainpref ... --destdir DATA",
         f"fine-tune with: toolkit-train DATA {training_flags(arch, given)} --tokens-per-sample "
-        f"{tokens_per_sample}{' --add-bos-token' if add_bos else ''} --finetune-from-model "
-        f"{os.path.join(out_dir, CHECKPOINT)}",
+        f"{tokens_per_sample} --finetune-from-model {os.path.join(out_dir, CHECKPOINT)}",
     )
     return HFCheckpoint(
         ckpt,

@@ -1,0 +1,167 @@
+"""A record is one document, binarized as the model's Hugging Face tokenizer encodes it (issue 45, items 1-2).
+
+With a tokenizer imported by ``toolkit-export --from hf`` (a byte-level BPE that encodes every byte: Llama's
+convention with BOS first, Qwen2's with no special token, and a Llama whose template also appends EOS):
+
+- a JSON lines / Parquet / ``datasets`` record is one item: exactly ``AutoTokenizer(text)["input_ids"]``, then one
+  EOS (none added where the template already ends with it), code indentation, blank lines, CRLF and leading
+  spaces included;
+- a text file keeps fairseq's items, one per line, each line's ids as the tokenizer encodes the line, leading
+  spaces included (BOS stays the model's context, not stored); ``--document-separator blank_line`` makes each
+  paragraph one document;
+- under ``--document-attention-mask`` the documents are the records (not their lines), each starting at its BOS
+  at position 0; a block starting at a document reads its BOS as context, never as a target, with or without
+  ``--add-bos-token``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from tests.helpers import preprocess  # noqa: E402
+from tests.helpers.hf_documents import CODE, DOCUMENTS, PROSE, make_byte_level  # noqa: E402
+
+LINES = [" no it was n't black monday ", " but while the new york stock exchange", "\tindented\twith tabs", "", "x"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama_eos"])
+def imported(request, tmp_path_factory):
+    from toolkit.core import registry
+    from toolkit.export.api import ExportConfig, run_export
+
+    registry.import_all_components()
+    root = tmp_path_factory.mktemp(request.param)
+    make_byte_level(str(root / "hf"), bos=request.param != "qwen2", eos_after=request.param == "llama_eos")
+    run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
+    return dict(kind=request.param, root=root, ours=root / "ours", tok=tok)
+
+
+def binarize(imported, dest, *flags, workers=2):
+    preprocess.run(*flags, "--destdir", dest, *preprocess.model_tokenizer_flags(imported["ours"]), "--workers", workers)
+    return dest
+
+
+def items(dest, split="train"):
+    from toolkit.data.indexed_dataset import MMapIndexedDataset
+
+    data = MMapIndexedDataset(str(dest / split))
+    return [data[i].tolist() for i in range(len(data))]
+
+
+def document_ids(imported, text):
+    """What a document must become: AutoTokenizer's ids, then one EOS."""
+    tok = imported["tok"]
+    ids = tok(text)["input_ids"]
+    return ids if imported["kind"] == "llama_eos" else ids + [tok.eos_token_id]
+
+
+def write_records(path, fmt, texts):
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+        return ["--trainpref", path]
+    if fmt == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=3)
+        return ["--trainpref", path]
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(str(path))
+    return ["--hf-dataset", path]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "datasets"])
+def test_a_record_is_autotokenizers_ids_then_one_eos(imported, tmp_path, fmt):
+    texts = DOCUMENTS * 4  # 28 records: the 2 workers each take a range of whole documents
+    flags = write_records(tmp_path / f"train.{fmt}", fmt, texts)
+    got = items(binarize(imported, tmp_path / "bin", *flags))
+    assert got == [document_ids(imported, t) for t in texts]
+    assert imported["tok"].decode(got[0], skip_special_tokens=True) == CODE  # indentation and newlines kept
+
+
+def test_a_text_line_keeps_its_whitespace(imported, tmp_path):
+    (tmp_path / "ptb.txt").write_text("".join(line + "\n" for line in LINES))
+    got = items(binarize(imported, tmp_path / "bin", "--trainpref", tmp_path / "ptb.txt"))
+    tok = imported["tok"]
+    assert got == [tok(line, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for line in LINES]
+    if imported["kind"] == "llama":  # BOS is the context the model reads first, not stored: AutoTokenizer's ids
+        assert [[tok.bos_token_id] + ids[:-1] for ids in got] == [tok(line)["input_ids"] for line in LINES]
+
+
+def test_blank_lines_separate_documents(imported, tmp_path):
+    paragraphs = PROSE.split("\n\n\n")[0].split("\n\n") + ["  An indented paragraph", CODE.rstrip("\n")]
+    (tmp_path / "docs.txt").write_text("\n\n".join(paragraphs) + "\n\n \n\t\n")
+    flags = ["--trainpref", tmp_path / "docs.txt", "--document-separator", "blank_line"]
+    got = items(binarize(imported, tmp_path / "bin", *flags, workers=1))
+    assert got == [document_ids(imported, p) for p in paragraphs]
+
+
+def test_whitespace_tokens_read_a_record_as_one_item(tmp_path):
+    """No --bpe: a record's newlines separate words as its spaces do; one </s> per record."""
+    from toolkit.data.dictionary import Dictionary
+
+    texts = ["a b\nc  d\n\ne", "f", "", "g\r\nh"]
+    write_records(tmp_path / "r.jsonl", "jsonl", texts)
+    preprocess.run("--trainpref", tmp_path / "r.jsonl", "--destdir", tmp_path / "bin")
+    d = Dictionary.load(str(tmp_path / "bin" / "dict.txt"))
+    assert [[d[i] for i in ids] for ids in items(tmp_path / "bin")] == [t.split() + ["</s>"] for t in texts]
+
+
+def sample_layout(dest, tokens_per_sample, mode="none", add_bos_token=False):
+    from toolkit.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    task = LanguageModelingTask.setup_task(
+        LanguageModelingConfig(
+            data=str(dest),
+            tokens_per_sample=tokens_per_sample,
+            sample_break_mode=mode,
+            add_bos_token=add_bos_token,
+            document_attention_mask=True,
+            reset_position_ids=True,
+        )
+    )
+    task.load_dataset("train")
+    dataset = task.dataset("train")
+    return dataset, dataset.collater([dataset[i] for i in range(len(dataset))])
+
+
+def test_the_document_mask_masks_records_not_lines(imported, tmp_path):
+    """One block holds the whole split: as many documents as records (their lines are not documents); a
+    document that carries BOS starts at it, at position 0."""
+    write_records(tmp_path / "r.jsonl", "jsonl", DOCUMENTS)
+    records = binarize(imported, tmp_path / "records", "--trainpref", tmp_path / "r.jsonl")
+    lines = [line for text in DOCUMENTS for line in text.replace("\r\n", "\n").split("\n")]
+    (tmp_path / "lines.txt").write_text("".join(line + "\n" for line in lines))
+    as_lines = binarize(imported, tmp_path / "lines", "--trainpref", tmp_path / "lines.txt")
+    for dest, documents in ((records, len(DOCUMENTS)), (as_lines, len(lines))):
+        total = sum(map(len, items(dest)))
+        _, batch = sample_layout(dest, total)
+        ids, positions = batch["net_input"]["document_ids"], batch["net_input"]["positions"]
+        assert ids.size(0) == 1 and len(ids[0].unique()) == documents
+    batch = sample_layout(records, sum(map(len, items(records))))[1]
+    src, ids, positions = (batch["net_input"][k][0] for k in ("src_tokens", "document_ids", "positions"))
+    starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
+    assert all(positions[t] == 0 for t in starts)
+    if imported["kind"] != "qwen2":
+        assert all(src[t] == imported["tok"].bos_token_id for t in starts)
+
+
+@pytest.mark.parametrize("add_bos_token", [False, True])
+def test_a_block_reads_its_documents_bos_as_context(imported, tmp_path, add_bos_token):
+    """One document per block (--sample-break-mode eos): the input is AutoTokenizer's ids, the targets the ids
+    after the first, then EOS, as transformers reads them; --add-bos-token changes nothing (BOS is in the data)."""
+    if imported["kind"] == "qwen2":
+        pytest.skip("no BOS: a document starts from </s>, as a line does")
+    write_records(tmp_path / "r.jsonl", "jsonl", DOCUMENTS)
+    dest = binarize(imported, tmp_path / "bin", "--trainpref", tmp_path / "r.jsonl")
+    dataset, _ = sample_layout(dest, 64, mode="eos", add_bos_token=add_bos_token)
+    for i, text in enumerate(DOCUMENTS):
+        item = document_ids(imported, text)
+        sample = dataset[i]
+        assert sample["source"].tolist() == item[:-1] and item[0] == imported["tok"].bos_token_id
+        assert sample["target"].tolist() == item[1:]
