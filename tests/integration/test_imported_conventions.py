@@ -30,9 +30,21 @@ from tests.helpers.hf_llama import make_hf  # noqa: E402
 UPDATES = 3
 
 
+def binarize(root, dest, train, valid):
+    """The import's binarize command on ``train`` and ``valid`` (text lines or JSON-lines records)."""
+    ours = root / "ours"
+    run = H.run_cli(
+        "toolkit_cli.preprocess",
+        ["--only-source", "--trainpref", str(train), "--validpref", str(valid), "--destdir", str(dest)]
+        + ["--srcdict", str(ours / "dict.txt"), "--bpe", "hf_byte_bpe", "--bpe-model", str(ours / "tokenizer.json")],
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return str(dest)
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """(root, the import's fine-tune flags, the data-bin of text lines binarized with its command)."""
+    """(root, the import's fine-tune flags, its lines: text lines binarized with its command as root/bin)."""
     root = tmp_path_factory.mktemp("conventions")
     make_hf(str(root / "hf"), "llama", max_position_embeddings=16, rope_scaling=None)
     run = H.run_cli("toolkit_cli.export", ["--from", "hf", "--path", str(root / "hf"), "--out", str(root / "ours")])
@@ -42,15 +54,8 @@ def imported(tmp_path_factory):
     lines = [" ".join(f"w{i}" for i in rng.integers(0, 60, rng.integers(5, 30))) for _ in range(120)]
     (root / "train.txt").write_text("\n".join(lines[:100]) + "\n")
     (root / "valid.txt").write_text("\n".join(lines[100:]) + "\n")
-    ours = root / "ours"
-    run = H.run_cli(
-        "toolkit_cli.preprocess",
-        ["--only-source", "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt")]
-        + ["--destdir", str(root / "bin"), "--srcdict", str(ours / "dict.txt"), "--bpe", "hf_byte_bpe"]
-        + ["--bpe-model", str(ours / "tokenizer.json")],
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    return root, flags, str(root / "bin")
+    binarize(root, root / "bin", root / "train.txt", root / "valid.txt")
+    return root, flags, lines
 
 
 def without(flags, name):
@@ -102,8 +107,13 @@ def test_an_imported_model_trains_and_evaluates_with_its_own_conventions(importe
 
 
 def test_the_long_context_recipe_runs_as_written(imported, tmp_path):
-    """docs/long_context.md's commands with its flags; the sizes shrunk (16 -> 128 positions, dp 2 x cp 2)."""
-    root, flags, data = imported
+    """docs/long_context.md's commands with its flags; the sizes shrunk (16 -> 128 positions, dp 2 x cp 2), its
+    documents JSON-lines records of several lines."""
+    root, flags, lines = imported
+    for name, part in (("long.jsonl", lines[:100]), ("long_valid.jsonl", lines[100:])):
+        records = ["\n".join(part[i : i + 5]) for i in range(0, len(part), 5)]
+        (tmp_path / name).write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    data = binarize(root, tmp_path / "long", tmp_path / "long.jsonl", tmp_path / "long_valid.jsonl")
     long = [f for f in without(without(flags, "--tokens-per-sample"), "--max-target-positions")]
     long = long[: long.index("--finetune-from-model")] + [
         *("--rope-scaling", "yarn", "--rope-scaling-factor", "8", "--rope-original-max-positions", "16"),

@@ -36,10 +36,10 @@ def imported(request, tmp_path_factory):
 
     registry.import_all_components()
     root = tmp_path_factory.mktemp(request.param)
-    make_byte_level(str(root / "hf"), bos=request.param != "qwen2", eos_after=request.param == "llama_eos")
+    hf = make_byte_level(str(root / "hf"), bos=request.param != "qwen2", eos_after=request.param == "llama_eos")
     run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
     tok = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
-    return dict(kind=request.param, root=root, ours=root / "ours", tok=tok)
+    return dict(kind=request.param, root=root, ours=root / "ours", tok=tok, hf=hf)
 
 
 def binarize(imported, dest, *flags, workers=2):
@@ -165,3 +165,30 @@ def test_a_block_reads_its_documents_bos_as_context(imported, tmp_path, add_bos_
         sample = dataset[i]
         assert sample["source"].tolist() == item[:-1] and item[0] == imported["tok"].bos_token_id
         assert sample["target"].tolist() == item[1:]
+
+
+def test_eval_lm_scores_each_record_as_transformers(imported, tmp_path):
+    """One record per block: eval-lm's loss and count are transformers' on AutoTokenizer's ids and EOS, BOS the
+    context and never counted; packed blocks count every token but the records' BOS."""
+    import math
+
+    import torch
+
+    from toolkit.inference import eval_lm_main as M
+
+    if imported["kind"] == "qwen2":
+        pytest.skip("no BOS: a record starts from </s>, which transformers has no counterpart for")
+    write_records(tmp_path / "r.jsonl", "jsonl", DOCUMENTS)
+    dest = binarize(imported, tmp_path / "bin", "--trainpref", tmp_path / "r.jsonl")
+    want_sum, want_count = 0.0, 0
+    for text in DOCUMENTS:
+        ids = torch.tensor(document_ids(imported, text))
+        with torch.no_grad():
+            lp = torch.log_softmax(imported["hf"](ids[None]).logits[0].float(), dim=-1)
+        want_sum += lp[:-1].gather(-1, ids[1:, None]).sum().item()
+        want_count += len(ids) - 1
+    model = str(imported["ours"] / "model.pt")
+    got = M.main(M.EvalLMConfig(data=str(dest), path=model, cpu=True, gen_subset="train", sample_break_mode="eos"))
+    assert got["count"] == want_count and abs(got["loss"] - (-want_sum / want_count / math.log(2))) < 1e-4
+    packed = M.main(M.EvalLMConfig(data=str(dest), path=model, cpu=True, gen_subset="train", tokens_per_sample=32))
+    assert packed["count"] == sum(map(len, items(dest))) - len(DOCUMENTS)
