@@ -192,19 +192,19 @@ def test_lock_refusal_names_the_orphaned_rank_not_the_dead_launcher(tmp_path):
 
 
 def test_an_escaped_nul_in_a_record_is_skipped_like_a_raw_one(tmp_path, caplog):
-    from toolkit.data.record_inputs import RecordOptions, write_as_text
+    from toolkit.data.record_inputs import RecordOptions, write_as_documents
 
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"text": "a b"}\n{"text": "c\\u0000d"}\n{"text": "e\x00f"}\n{"text": "g"}\n')
     out = tmp_path / "out.txt"
-    report = write_as_text("jsonl", str(path), str(out), RecordOptions(), "--trainpref r.jsonl")
-    assert out.read_bytes() == b"a b\ng\n" and report.written == 2
+    report = write_as_documents("jsonl", str(path), str(out), RecordOptions(), "--trainpref r.jsonl")
+    assert out.read_bytes() == b"a b\0g\0" and report.written == 2
     assert report.bad == {"holds a NUL character": 1, "not a JSON object": 1}
 
 
 def test_a_killed_preprocess_leaves_no_record_text_behind(tmp_path):
     """The text of a killed run's records (as big as its inputs) is removed by the next run into the folder."""
-    from toolkit.data.preprocess import PreprocessConfig, records_as_text
+    from toolkit.data.preprocess import PreprocessConfig, inputs_as_documents
 
     path = tmp_path / "r.jsonl"
     path.write_text('{"text": "a b"}\n')
@@ -212,12 +212,12 @@ def test_a_killed_preprocess_leaves_no_record_text_behind(tmp_path):
     splits = [("train", "--trainpref", str(path))]
     pid = os.fork()
     if pid == 0:  # a run killed while its records are text: no finally runs
-        with records_as_text(cfg, splits):
+        with inputs_as_documents(cfg, splits):
             os._exit(0)
     os.waitpid(pid, 0)
     left = [n for n in os.listdir(tmp_path) if n.endswith(".inputs.tmp")]
     assert len(left) == 1
-    with records_as_text(cfg, splits) as (_, converted):
+    with inputs_as_documents(cfg, splits) as (_, converted):
         assert os.path.isfile(converted[0][2])
         assert not os.path.exists(tmp_path / left[0])  # removed before this run wrote its own
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".inputs.tmp")]

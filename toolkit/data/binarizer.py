@@ -131,10 +131,10 @@ def find_offsets(
     end = size if end is None else end
     offsets = [start] * (num_chunks + 1)
     offsets[-1] = end
+    separator = units.separator.encode()
     with open(path, "rb") as f:
         for i in range(1, num_chunks):
             at = start + (end - start) * i // num_chunks
-            separator = units.separator.encode()
             offsets[i] = min(end, max(offsets[i - 1], _next_line_start(f, at, size, separator)))
     return offsets
 
