@@ -10,6 +10,8 @@ template also ends each text with EOS (what ``add_eos_token`` makes of Llama's).
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import tokenizers
 import torch
 import transformers
@@ -34,19 +36,21 @@ TRAIN_TEXT = "\n".join(DOCUMENTS * 3)
 BOS, EOS = "<s>", "</s>"
 
 
-def byte_level_tokenizer(bos: bool, eos_after: bool = False) -> tokenizers.Tokenizer:
-    """A byte-level BPE of about 400 tokens trained on the documents, with BOS and EOS tokens; BOS put first by
-    the template when ``bos``, EOS last when ``eos_after``."""
+def byte_level_tokenizer(
+    bos: bool, eos_after: bool = False, texts: Iterable[str] = (TRAIN_TEXT,), vocab_size: int = 400
+) -> tokenizers.Tokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens trained on ``texts`` (the documents), with BOS and EOS tokens; BOS
+    put first by the template when ``bos``, EOS last when ``eos_after``."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=vocab_size,
         special_tokens=[BOS, EOS],
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([TRAIN_TEXT], trainer)
+    tok.train_from_iterator(texts, trainer)
     if bos:
         tok.post_processor = tokenizers.processors.TemplateProcessing(
             single=f"{BOS} $A" + (f" {EOS}" if eos_after else ""),
@@ -55,10 +59,12 @@ def byte_level_tokenizer(bos: bool, eos_after: bool = False) -> tokenizers.Token
     return tok
 
 
-def make_byte_level(folder: str, bos: bool = True, eos_after: bool = False, **overrides):
-    """A random tiny model saved with the byte-level tokenizer: a Llama (BOS first) or a Qwen2 (no BOS);
-    ``overrides`` replace config values (max_position_embeddings)."""
-    tok = byte_level_tokenizer(bos, eos_after)
+def make_byte_level(
+    folder: str, bos: bool = True, eos_after: bool = False, texts: Iterable[str] = (TRAIN_TEXT,), vocab_size=400, **over
+):
+    """A random tiny model saved with the byte-level tokenizer (trained on ``texts``): a Llama (BOS first) or a Qwen2
+    (no BOS); ``over`` replace config values (max_position_embeddings)."""
+    tok = byte_level_tokenizer(bos, eos_after, texts, vocab_size)
     names = dict(bos_token=BOS, eos_token=EOS) if bos else dict(eos_token=EOS, pad_token=EOS)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(folder)
     ids = dict(
@@ -68,6 +74,6 @@ def make_byte_level(folder: str, bos: bool = True, eos_after: bool = False, **ov
     )
     config_cls, extra = KINDS["llama" if bos else "qwen2"]
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**{**SHAPES, **extra, **ids, **overrides})).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**{**SHAPES, **extra, **ids, **over})).eval()
     hf.save_pretrained(folder)
     return hf

@@ -3,7 +3,8 @@
 An imported tiny Llama of 64 positions whose checkpoint records ``--tokens-per-sample 16``: a text of 50 ids is
 scored in one pass, as transformers scores it (fp32, 1e-4); a text longer than the model is scored in windows
 of its 64 positions, one INFO line saying so; ``tokens_per_sample`` / ``context_window`` choose the window and
-the result names it; a window beyond the model's positions is one line.
+the result names it; a window beyond the model's positions is one line; the hub's scores are eval-lm's at
+the model's context.
 """
 
 from __future__ import annotations
@@ -77,3 +78,33 @@ def test_the_window_is_a_choice(hub):
     assert len(scores) == 80 and (scores[64:] - transformers_scores(hf, ids[32:])[32:]).abs().max().item() < TOL
     with pytest.raises(UserError, match="tokens_per_sample 60 \\+ context_window 10 must be within the model's 64"):
         lm.score(text, tokens_per_sample=60, context_window=10)
+
+
+def test_the_hub_scores_as_eval_lm_with_the_models_context(hub, tmp_path):
+    """Lines encoded as the hub encodes them (BOS once, each line's ids and EOS) and the same lines binarized with
+    the import's tokenizer: the hub's default window and eval-lm's --tokens-per-sample 64 (the model's context,
+    not the checkpoint's 16) give one log-likelihood over the same count of tokens (fp32, 1e-4 relative), in
+    several windows; eval-lm at the checkpoint's 16 gives another."""
+    import math
+
+    from tests.helpers import preprocess
+    from toolkit.inference import eval_lm_main as M
+
+    lm, _ = hub
+    lines = [text_of(30), " " + text_of(45), text_of(12), text_of(38)]
+    got = lm.score_tokens(lm.encode_lines(lines))
+    assert got["window"]["tokens_per_sample"] == 64 and len(got["positional_scores"]) > 2 * 64
+    (tmp_path / "lines.txt").write_text("".join(line + "\n" for line in lines))
+    ours = lm.args.data  # the import's folder (its dict.txt, tokenizer.json, model.pt)
+    dest = str(tmp_path / "bin")
+    preprocess.run("--trainpref", tmp_path / "lines.txt", "--destdir", dest, *preprocess.model_tokenizer_flags(ours))
+
+    def eval_lm(**window):
+        run = M.EvalLMConfig(data=dest, path=f"{ours}/model.pt", cpu=True, gen_subset="train", **window)
+        result = M.main(run)
+        return -result["loss"] * math.log(2) * result["count"], result["count"]
+
+    total, count = eval_lm(tokens_per_sample=64)
+    assert count == len(got["positional_scores"])
+    assert abs(total - got["positional_scores"].sum().item()) < 1e-4 * abs(total)
+    assert abs(eval_lm()[0] - total) > 1e-3 * abs(total)  # the checkpoint's 16: shorter contexts

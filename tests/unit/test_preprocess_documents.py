@@ -17,8 +17,11 @@ convention with BOS first, Qwen2's with no special token, and a Llama whose temp
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -192,3 +195,58 @@ def test_eval_lm_scores_each_record_as_transformers(imported, tmp_path):
     assert got["count"] == want_count and abs(got["loss"] - (-want_sum / want_count / math.log(2))) < 1e-4
     packed = M.main(M.EvalLMConfig(data=str(dest), path=model, cpu=True, gen_subset="train", tokens_per_sample=32))
     assert packed["count"] == sum(map(len, items(dest))) - len(DOCUMENTS)
+
+
+WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2-mini")
+
+
+@pytest.fixture(scope="module")
+def wikitext(tmp_path_factory):
+    """A real corpus (WikiText-2's train split: 48 articles, 3,117 lines, every line starting with a space) and a
+    Llama imported with a byte-level BPE of 2,000 tokens trained on it (BOS first)."""
+    from toolkit.core import registry
+    from toolkit.export.api import ExportConfig, run_export
+
+    path = os.path.join(WIKITEXT, "wiki.train.tokens")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path}: the shared corpora are not beside the project")
+    registry.import_all_components()
+    root = tmp_path_factory.mktemp("wikitext")
+    text = open(path, encoding="utf-8").read()
+    make_byte_level(str(root / "hf"), texts=[text], vocab_size=2000)
+    run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
+    heading = re.compile(r"^ = [^=].* = $")
+    lines = text.splitlines(keepends=True)
+    headings = [i for i, line in enumerate(lines) if heading.match(line.rstrip("\n"))]
+    starts = [0] + headings[1:] + [len(lines)]  # the file's first line (blank) opens the first article
+    articles = ["".join(lines[a:b]) for a, b in zip(starts, starts[1:])]
+    assert len(articles) == 48 and "".join(articles) == text
+    return dict(kind="llama", root=root, ours=root / "ours", tok=tok, path=path, text=text, articles=articles)
+
+
+def test_a_real_corpus_is_autotokenizers_ids_line_by_line(wikitext, tmp_path):
+    """fairseq's items (a line each, then EOS), each line's ids AutoTokenizer's, its leading space included: the
+    whole split holds AutoTokenizer's token count, more than its stripped lines give."""
+    got = items(binarize(wikitext, tmp_path / "bin", "--trainpref", wikitext["path"]))
+    tok, lines = wikitext["tok"], wikitext["text"].splitlines()
+    want = [ids + [tok.eos_token_id] for ids in tok(lines, add_special_tokens=False)["input_ids"]]
+    assert len(got) == len(lines) == 3117 and got == want
+    stripped = sum(map(len, tok([line.strip() for line in lines], add_special_tokens=False)["input_ids"]))
+    assert sum(map(len, got)) - len(lines) > stripped
+
+
+def test_a_real_corpus_of_articles_is_one_document_each(wikitext, tmp_path):
+    """Its 48 articles as JSON-lines records, 2 workers: each record AutoTokenizer's ids (BOS first, its blank
+    lines and newlines included) then one EOS; the document mask of one block holding the split counts 48
+    documents, each starting at its BOS at position 0."""
+    articles = wikitext["articles"]
+    write_records(tmp_path / "articles.jsonl", "jsonl", articles)
+    dest = binarize(wikitext, tmp_path / "bin", "--trainpref", tmp_path / "articles.jsonl")
+    got = items(dest)
+    assert got == [document_ids(wikitext, article) for article in articles]
+    _, batch = sample_layout(dest, sum(map(len, got)))
+    src, ids, positions = (batch["net_input"][k][0] for k in ("src_tokens", "document_ids", "positions"))
+    starts = torch.nonzero(torch.diff(ids)).squeeze(1) + 1
+    assert len(ids.unique()) == len(articles) == 48 and len(starts) == 47
+    assert (positions[starts] == 0).all() and (src[starts] == wikitext["tok"].bos_token_id).all()
