@@ -19,8 +19,9 @@ whitespace), ``TOKENIZERS_PARALLELISM=false``.
 binarize time from its log, start-up excluded), tokens/s per worker and its time over the tokenizer's
 time alone (the issue's aim: <= 1.1). ``--input jsonl``: the corpus as JSON-lines records of
 ``RECORD_LINES`` lines each (documents: one item per record); ``process s`` is then the whole command's wall
-time, records read and converted included (the CPU-seconds table reads text and is left out). Each row is the best of ``--repeats`` runs (the machine is
-shared). ``CPU seconds``: the same split binarized in this process (``binarize_range``, one worker),
+time, records read and converted included, and the CPU-seconds table binarizes the records as converted (one
+document per item, the conversion not timed) against the tokenizer alone on the same documents. Each row is the
+best of ``--repeats`` runs (the machine is shared). ``CPU seconds``: the same split binarized in this process (``binarize_range``, one worker),
 through the tokenizer's ids and through its text (``id_pieces`` off), against the tokenizer alone, in CPU
 seconds, which a loaded machine disturbs far less than the wall clock. Prints the tables, then one JSON line.
 """
@@ -70,10 +71,14 @@ def train_bpe(source: str, folder: str) -> dict:
     return {"encoder": vocab, "merges": merges}
 
 
-def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter) -> tuple:
-    """(seconds of ``clock``, tokens) of the tokenizer's own batch API over the corpus lines."""
-    with open(corpus, encoding="utf-8") as f:  # hf_byte_bpe reads a line as written, the others strip it (fairseq)
-        lines = [line.rstrip("\n") if name == "hf_byte_bpe" else line.strip() for line in f]
+def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter, documents: bool = False) -> tuple:
+    """(seconds of ``clock``, tokens) of the tokenizer's own batch API over the corpus lines (``documents``: over
+    the documents of a file of NUL-ended documents, ``binarizer.DOCUMENTS``)."""
+    with open(corpus, encoding="utf-8", newline="" if documents else None) as f:
+        if documents:
+            lines = f.read().split("\0")[:-1]
+        else:  # hf_byte_bpe reads a line as written, the others strip it (fairseq)
+            lines = [line.rstrip("\n") if name == "hf_byte_bpe" else line.strip() for line in f]
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if name == "whitespace":
         t0 = clock()
@@ -174,15 +179,16 @@ def sentencepiece_model(source: str, folder: str) -> str:
     return prefix + ".model"
 
 
-def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool) -> float:
+def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool, documents: bool = False) -> float:
     """CPU seconds of ``binarize_range`` over the corpus in this process, with the dictionary of
     ``time_binarize``'s data-bin, through the tokenizer's ids or (``by_ids`` False: ``id_pieces`` off) its
-    text: the per-worker cost free of the wall clock's noise on a shared machine."""
+    text: the per-worker cost free of the wall clock's noise on a shared machine. ``documents``: the corpus is
+    a file of documents (records as ``toolkit-preprocess`` converts them), one item each."""
     from unittest import mock
 
     import numpy as np
 
-    from toolkit.data.binarizer import binarize_range
+    from toolkit.data.binarizer import DOCUMENTS, LINES, binarize_range
     from toolkit.data.dictionary import Dictionary
     from toolkit.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
     from toolkit.tokenizers import build_tokenizer
@@ -198,23 +204,32 @@ def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool) ->
     builder = MMapIndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
     with mock.patch.object(type(tokenizer), "id_pieces", type(tokenizer).id_pieces if by_ids else lambda self: None):
         t0 = time.process_time()
-        binarize_range(corpus, 0, None, dictionary, builder, tokenizer)
+        binarize_range(corpus, 0, None, dictionary, builder, tokenizer, units=DOCUMENTS if documents else LINES)
         seconds = time.process_time() - t0
     builder.finalize(index_file_path(prefix))
     return seconds
 
 
-def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int) -> list:
+def records_as_documents(records: str, tmp: str) -> str:
+    """The JSON-lines records as the file of documents ``toolkit-preprocess`` binarizes (``record_inputs``)."""
+    from toolkit.data.record_inputs import RecordOptions, write_as_documents
+
+    path = os.path.join(tmp, "corpus.documents")
+    write_as_documents("jsonl", records, path, RecordOptions(progress_bars=False), f"--validpref {records}")
+    return path
+
+
+def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int, documents: bool = False) -> list:
     """CPU seconds, best of ``repeats`` interleaved: the tokenizer alone, binarizing through its ids and
-    through its text."""
+    through its text (``documents``: a file of documents, each one item)."""
     print(f"{'CPU seconds':<13}{'alone':>8}{'ids':>8}{'x alone':>9}{'text':>8}{'x alone':>9}")
     rows = []
     for name in names:
         best = {"alone": math.inf, "ids": math.inf, "text": math.inf}
         for _ in range(repeats):
-            best["alone"] = min(best["alone"], time_alone(name, corpus, files, time.process_time)[0])
-            best["ids"] = min(best["ids"], cpu_binarize(name, corpus, files, tmp, by_ids=True))
-            best["text"] = min(best["text"], cpu_binarize(name, corpus, files, tmp, by_ids=False))
+            best["alone"] = min(best["alone"], time_alone(name, corpus, files, time.process_time, documents)[0])
+            best["ids"] = min(best["ids"], cpu_binarize(name, corpus, files, tmp, True, documents))
+            best["text"] = min(best["text"], cpu_binarize(name, corpus, files, tmp, False, documents))
         alone = best["alone"]
         print(
             f"{name:<13}{alone:>8.3f}{best['ids']:>8.3f}{best['ids'] / alone:>9.2f}{best['text']:>8.3f}"
@@ -278,8 +293,11 @@ def main() -> None:
                         "process_s": round(process_s, 3),
                     }
                 )
-        names = [n for n in args.tokenizers if n != "whitespace"] if args.input == "text" else []
-        cpu = cpu_rows(names, corpus, files, tmp, args.repeats)
+        names = [n for n in args.tokenizers if n != "whitespace"]
+        if args.input == "text":
+            cpu = cpu_rows(names, corpus, files, tmp, args.repeats)
+        else:  # the records as converted (conversion not timed), one document per item
+            cpu = cpu_rows(names, records_as_documents(corpus, tmp), files, tmp, args.repeats, documents=True)
     print(
         json.dumps(
             {
