@@ -635,7 +635,7 @@ MODEL: Tuple[Condition, ...] = (
     _no_split(
         "--layernorm-embedding",
         lambda c: bool(_model(c, "layernorm_embedding")),
-        "--layernorm-embedding has no tensor-parallel split yet; leave it out or use --model-parallel-size 1",
+        "--layernorm-embedding has no tensor-parallel split; leave it out or use --model-parallel-size 1",
         ("--layernorm-embedding",),
     ),
     _no_split(

@@ -31,7 +31,7 @@ from toolkit.core.errors import UserError
 from toolkit.core.protocols import OnnxCacheExportable
 from toolkit.export.common import StepProgress, copy_data_bin_files, require
 from toolkit.export.target import export_directory
-from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder  # noqa: F401  (its home before the move)
+from toolkit.models.transformer_lm.onnx_decoder import CachedDecoder  # noqa: F401  (importable from the exporter, where export code looks for it)
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from toolkit import inference
 from toolkit.data.batching import batch_by_size, filter_by_size
 from toolkit.core.errors import UserError
 
-logger = logging.getLogger("toolkit.eval_lm")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.eval_lm")  # the logger name log lines and filters already use
 
 DEFAULT_MAX_TOKENS = 36000  # fairseq-eval-lm's default --max-tokens
 

@@ -29,7 +29,7 @@ from toolkit.compat.fairseq.hub import (
     split_hub_kwargs,
 )
 
-logger = logging.getLogger("toolkit.hub_utils")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.hub_utils")  # the logger name log lines and filters already use
 
 
 def from_pretrained(

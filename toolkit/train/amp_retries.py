@@ -18,7 +18,7 @@ from typing import Callable, Optional, TypeVar
 
 from toolkit.config import CommonConfig
 
-logger = logging.getLogger("toolkit.amp_retries")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.amp_retries")  # the logger name log lines and filters already use
 
 T = TypeVar("T")
 

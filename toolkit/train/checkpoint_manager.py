@@ -29,7 +29,7 @@ from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
 from toolkit.train import ema as ema_module
 from toolkit.core.errors import UserError
 
-logger = logging.getLogger("toolkit.checkpoint.manager")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.checkpoint.manager")  # the logger name log lines and filters already use
 
 DEFAULT_RESTORE_FILE = finetune.DEFAULT_RESTORE_FILE
 

@@ -38,7 +38,7 @@ from toolkit.config import EMAConfig
 from toolkit.core.dtensor import is_dtensor, local_tensor
 from toolkit.core.errors import UserError
 
-logger = logging.getLogger("toolkit.ema")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.ema")  # the logger name log lines and filters already use
 _checkpoint_logger = logging.getLogger("toolkit.checkpoint.common")  # the name of the loads' EMA line, kept
 
 CHECKPOINT_KEY = "ema"  # fairseq's trainer.state_dict()["extra_state"]["ema"]

@@ -48,7 +48,7 @@ from toolkit.core.registry import (
     resolve_arch,
 )
 
-logger = logging.getLogger("toolkit.resolve")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.resolve")  # the logger name log lines and filters already use
 
 DEFAULT_MAX_TOKENS = 4096
 

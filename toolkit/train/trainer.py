@@ -47,7 +47,7 @@ from toolkit.optim.loss_scaler import DynamicLossScaler
 from toolkit.optim.param_groups import DecayChoice, log_decay_choice, parameter_groups, skips_decay
 from toolkit.optim.lr_scheduler import build_lr_scheduler_from_section
 
-logger = logging.getLogger("toolkit.trainer")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.trainer")  # the logger name log lines and filters already use
 
 
 def move_to_device(sample: Dict[str, Any], device: torch.device) -> Dict[str, Any]:

@@ -26,7 +26,7 @@ from toolkit.compat.fairseq import pickle_reader as fairseq_pickle
 from toolkit.core.errors import UserError
 from toolkit.compat.fairseq.weights import FAIRSEQ_IGNORED, to_toolkit_weights
 
-logger = logging.getLogger("toolkit.checkpoint.fairseq_checkpoint")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.checkpoint.fairseq_checkpoint")  # the logger name log lines and filters already use
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024  # fairseq's, for checkpoints that never set it
 

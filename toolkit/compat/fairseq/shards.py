@@ -20,7 +20,7 @@ from toolkit.config import CheckpointConfig
 from toolkit.core.errors import UserError
 from toolkit.models.init import canonical_name
 
-logger = logging.getLogger("toolkit.checkpoint.fairseq_shards")  # the name in log lines, kept from before the move
+logger = logging.getLogger("toolkit.checkpoint.fairseq_shards")  # the logger name log lines and filters already use
 
 
 def fairseq_shard_files(path: str) -> List[str]:
