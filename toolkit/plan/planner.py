@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from toolkit.core.errors import UserError
+from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.memory import Item, memory_items, optimizer_state
 from toolkit.plan.model_stats import ModelStats, model_stats
@@ -75,6 +76,7 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
         setup = dataclasses.replace(setup, world=world_size)
     setup.layout(hw.gpus_per_node)  # refuses what toolkit-train refuses (--model-parallel-size 3 of 8 ranks)
     optimizer_state(setup.optimizer)  # an optimizer that declares no state is refused before the model is built
+    check_sequence_split(setup.cp, cfg.task, cfg.model)  # samples that do not cut into 2 x cp chunks, likewise
     stats = model_stats(cfg, setup.compute_dtype, vocab_size)
     check_model_splits(setup, stats)
     return Plan(stats, setup, hw)
