@@ -302,7 +302,8 @@ def _threads_per_worker(nprocs: int) -> Optional[int]:
 def spawn(
     main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1", plan: Optional[slurm.TaskLayout] = None
 ) -> int:
-    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run.
+    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run; SIGINT or
+    SIGTERM (forwarded to the workers) raises :class:`Stopped` once they are gone.
 
     With a Slurm ``plan`` (one task per node) the workers take the plan's ranks; the first
     node's task hosts the store at the plan's address, the others connect to it.
