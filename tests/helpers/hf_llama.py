@@ -185,6 +185,64 @@ def _cut_weights(folder: str) -> None:
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+def _edit_weights(change):
+    """A damage that rewrites model.safetensors with ``change(tensors)`` (a dict of name -> tensor)."""
+
+    def edit(folder: str) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = f"{folder}/model.safetensors"
+        save_file(change(load_file(path)), path, metadata={"format": "pt"})
+
+    return edit
+
+
+def drop_tensor(name: str):
+    """A damage: the folder's weights without tensor ``name`` (a download cut between tensors, a bad merge)."""
+    return _edit_weights(lambda tensors: {k: v for k, v in tensors.items() if k != name})
+
+
+def nan_in(name: str):
+    """A damage: one value of tensor ``name`` NaN."""
+
+    def change(tensors):
+        tensors[name].view(-1)[0] = float("nan")
+        return tensors
+
+    return _edit_weights(change)
+
+
+def index_naming(shard: str):
+    """A damage: model.safetensors replaced by an index whose weight_map sends every tensor to ``shard`` (a path
+    that leaves the folder; the real file is moved there when it is a plain ``../`` path, so only the refusal
+    stops the read)."""
+
+    def damage(folder: str) -> None:
+        import json
+        import os
+
+        from safetensors import safe_open
+
+        path = f"{folder}/model.safetensors"
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+        target = os.path.normpath(os.path.join(folder, shard))
+        if not os.path.isabs(shard) and not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(path, target)
+        else:
+            os.unlink(path)
+        with open(f"{folder}/model.safetensors.index.json", "w", encoding="utf-8") as f:
+            json.dump({"metadata": {}, "weight_map": {n: shard for n in names}}, f)
+
+    return damage
+
+
+def edit_config(change):
+    """A damage: config.json as ``change(config)`` returns it (``change`` may edit the dict in place)."""
+    return _edit_config(lambda config: change(config) or config)
+
+
 def _without(key: str):
     return lambda config: {k: v for k, v in config.items() if k != key}
 

@@ -24,9 +24,16 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start(cmd, **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **kwargs)`` with SIGINT at its default, killed at the end of the test if still running."""
-    proc = subprocess.Popen(cmd, preexec_fn=sigint_default, **kwargs)
+def sigint_ignored() -> None:
+    """``preexec_fn``: SIGINT ignored, as a background job of a non-interactive shell starts (what a test of that
+    case starts; every other test gives its child the default, :func:`sigint_default`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start(cmd, ignore_sigint: bool = False, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` with SIGINT at its default (ignored with ``ignore_sigint``), killed at the
+    end of the test if still running."""
+    proc = subprocess.Popen(cmd, preexec_fn=sigint_ignored if ignore_sigint else sigint_default, **kwargs)
     _STARTED.append(proc)
     return proc
 

@@ -12,14 +12,64 @@ import pytest
 import torch
 
 from tests.helpers.latent_attention import LatentAttention
+from toolkit.core.errors import UserError
 from toolkit.distributed.context_parallel import (
     ContextShard,
+    check_sequence_split,
     chunk_layout,
     gathered_layout,
     pad_to_chunks,
     shard_sample,
 )
 from toolkit.models.common.attention import Attention, attend, attend_across_ranks, attention_mask, visible_keys
+
+
+def _task(tokens, bos=False, mode="none"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tokens_per_sample=tokens, add_bos_token=bos, sample_break_mode=mode)
+
+
+def _model(positions=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(max_target_positions=positions)
+
+
+@pytest.mark.parametrize(
+    "cp,task,model,refused",
+    [
+        (2, _task(64), _model(), None),
+        (1, _task(63), _model(), None),  # no context parallelism: any length
+        (
+            2,
+            _task(63),
+            _model(),
+            "each sample is cut into 4 equal chunks (2 x 2 ranks), so its 63 positions must be "
+            "a multiple of 4; use --tokens-per-sample 60 or 64",
+        ),
+        (4, _task(6), _model(), "its 6 positions must be a multiple of 8; use --tokens-per-sample 8"),
+        (
+            2,
+            _task(64, bos=True),
+            _model(),
+            "its 65 positions (with --add-bos-token's <s>) must be a multiple of 4; use --tokens-per-sample 63 or 67",
+        ),
+        (2, _task(63), _model(64), None),  # padded to 64: the model has the positions
+        (2, _task(63), _model(63), "use --tokens-per-sample 60 or 64 (or raise --max-target-positions 63)"),
+        (2, _task(64, mode="eos"), _model(66), "its 66 positions must be a multiple of 4"),  # any length up to 66
+    ],
+)
+def test_samples_must_cut_into_two_chunks_per_rank(cp, task, model, refused):
+    """Checked before any rank starts (toolkit-train's resolve and the planner call it): a sample padded past the
+    model's positions was an IndexError in every rank's first forward."""
+    if refused is None:
+        check_sequence_split(cp, task, model)
+        return
+    with pytest.raises(UserError) as error:
+        check_sequence_split(cp, task, model)
+    assert str(error.value).startswith(f"--tokens-per-sample {task.tokens_per_sample} with --context-parallel-size")
+    assert refused in str(error.value)
 
 
 def test_layout_is_load_balanced_and_covers_the_sequence():
@@ -300,3 +350,21 @@ def test_a_131072_token_sample_goes_through_the_task_and_the_cp_split(tmp_path):
         assert torch.equal(part["target"][0], sample["target"][0, columns])
         assert torch.equal(part["net_input"]["positions"][0], positions[columns])
         assert torch.equal(part["net_input"]["context_parallel"].document_ids, net["document_ids"])
+
+
+def test_the_planner_refuses_a_layout_whose_samples_do_not_cut(tmp_path):
+    """A layout the planner is asked about (or tries) with --context-parallel-size 2 and 63-token samples: the
+    same one line as toolkit-train's, not a FITS."""
+    import dataclasses
+
+    from toolkit.plan import PRESETS, make_plan
+    from toolkit.train.resolve import parse_train_config
+
+    cfg = parse_train_config([str(tmp_path), "--cpu", "--arch", "llama_tiny", "--tokens-per-sample", "63"])
+    cp2 = dataclasses.replace(
+        cfg,
+        distributed=dataclasses.replace(cfg.distributed, context_parallel_size=2, distributed_world_size=2),
+    )
+    with pytest.raises(UserError, match=r"^--tokens-per-sample 63 with --context-parallel-size 2: .* 60 or 64$"):
+        make_plan(cp2, PRESETS["h100"], vocab_size=64)
+    assert make_plan(cfg, PRESETS["h100"], vocab_size=64).fits  # one rank: nothing to cut

@@ -72,6 +72,27 @@ def test_options_to_config_json_and_back_build_the_same_model(case):
         torch.testing.assert_close(rebuilt(tokens), model(tokens), rtol=0, atol=1e-6)
 
 
+def test_an_impossible_value_read_back_is_refused_naming_its_key_in_that_config(case):
+    """The config.json each class is written as, with its rotary base made 0.5 (toolkit-train's --rope-theta
+    refuses it): the import's check names the key where that config keeps it (Gemma 3's per layer type, in
+    transformers 5's rope_parameters), and Mixtral's expert count by its own key."""
+    from toolkit.core.errors import UserError
+    from toolkit.models.hf_checkpoint import check_option_values
+
+    adapter, config = case["adapter"], case["config"]
+    given = adapter.options_from_hf(config, "config.json")
+    options_cls = registry.resolve_arch(case["arch"]).config
+    keys = adapter.config_keys(config)
+    theta = "rope_parameters.full_attention.rope_theta" if case["kind"] == "gemma3_text" else "rope_theta"
+    with pytest.raises(
+        UserError, match=rf"^config.json: {theta} 0.5: must be greater than 1 .*, as for .*--rope-theta;"
+    ):
+        check_option_values(options_cls, {**given, "rope_theta": 0.5}, "config.json", keys)
+    if case["kind"] == "mixtral":
+        with pytest.raises(UserError, match=r"^config.json: num_local_experts 0: must be at least 1"):
+            check_option_values(options_cls, {**given, "moe_num_experts": 0}, "config.json", keys)
+
+
 def test_state_dict_to_their_names_and_back(case):
     model, adapter, kind = case["model"], case["adapter"], case["kind"]
     ours = model.state_dict()

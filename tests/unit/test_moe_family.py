@@ -174,6 +174,32 @@ def test_bad_shapes_are_refused():
         meta_model("moe_tiny", moe_top_k=5)
 
 
+@pytest.mark.parametrize("arch,renormalize", [("moe_tiny", False), ("olmoe_tiny", True)])
+def test_renormalize_turns_either_way_and_crosses_to_hugging_face(arch, renormalize, tmp_path):
+    """The named sizes set --moe-renormalize their way (Qwen3-MoE on, OLMoE off): the flag's other spelling undoes
+    it, and Hugging Face's norm_topk_prob carries the choice out and back in."""
+    from toolkit.models.moe.hf import MoEAdapter
+    from toolkit.train.resolve import parse_train_config
+
+    flag = "--moe-renormalize" if renormalize else "--no-moe-renormalize"
+    base = [str(tmp_path), "--cpu", "--arch", arch, "--batch-size", "1"]
+    assert parse_train_config(base).model.moe_renormalize is not renormalize  # the named size's own choice
+    cfg = parse_train_config([*base, flag]).model
+    assert cfg.moe_renormalize is renormalize
+    adapter = MoEAdapter()
+    _, config = adapter.hf_config(dataclasses.replace(cfg, max_target_positions=64), 100)
+    assert config["norm_topk_prob"] is renormalize
+    assert adapter.options_from_hf(config, "config.json")["moe_renormalize"] is renormalize
+
+
+def test_negative_router_loss_weights_are_refused_outside_flags_too():
+    """A config not parsed from flags (a checkpoint's): the same refusal as --moe-aux-loss-coef -100's."""
+    with pytest.raises(UserError, match=r"^--moe-aux-loss-coef -100.0: must be 0 or more"):
+        meta_model("moe_tiny", moe_aux_loss_coef=-100.0)
+    with pytest.raises(UserError, match=r"^--moe-z-loss-coef -1.0: must be 0 or more"):
+        meta_model("moe_tiny", moe_z_loss_coef=-1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_planner_traces_the_family_in_either_precision(tmp_path, dtype):
     """toolkit-plan traces one forward and backward on the meta device, whose grouped-GEMM kernel takes bf16 only."""

@@ -175,3 +175,22 @@ def test_an_optimizer_that_declares_no_state_is_refused_and_training_goes_on(mon
     with pytest.raises(UserError, match=r"^--optimizer sgd: declares no optimizer state, .*state=OptimizerState\("):
         make_plan(cfg, PRESETS["cpu"])
     assert summary_for_train(cfg).startswith("plan: not available (--optimizer sgd: declares no optimizer state")
+
+
+@pytest.mark.parametrize(
+    "lengths,sizes",
+    [
+        (["--tokens-per-sample", "64"], {1, 2, 4}),  # 64 cuts into 4 and 8 chunks
+        (["--tokens-per-sample", "63"], {1}),  # cuts into neither: toolkit-train refuses cp 2 and 4
+        (["--tokens-per-sample", "63", "--max-target-positions", "64"], {1, 2, 4}),  # padded to 64: it runs
+    ],
+    ids=["cuts", "does-not-cut", "padded-within-positions"],
+)
+def test_context_parallel_sizes_are_those_toolkit_train_takes(lengths, sizes):
+    """The search asks toolkit-train's own check (context_parallel.check_sequence_split) of every CP size: it never
+    proposes one whose samples do not cut into 2 x cp chunks, and does propose one that pads within the positions."""
+    argv = ["--arch", "llama_tiny", "--batch-size", "4", "--distributed-world-size", "4", *lengths]
+    hw = dataclasses.replace(PRESETS["h100"], host_memory=64 * GIB)
+    plan, found, search = _search(argv, hw)
+    assert {c.plan.setup.cp for c in search.candidates()} == sizes
+    check_proposals(argv, hw, found, plan)

@@ -62,6 +62,16 @@ def _field_default(f: dataclasses.Field) -> Any:
 _DEFAULT_TYPES: Dict[Any, Any] = {int: int, float: finite_float, str: str}
 
 
+def flag_type(config_cls: type, name: str) -> Optional[Callable[[str], Any]]:
+    """The type that parses option ``name`` of ``config_cls`` from the command line (what checks its value); None
+    for a flag without one (a switch, a choice, an unknown name)."""
+    for f in fields(config_cls):
+        if f.name == name:
+            tp = _unwrap_optional(typing.get_type_hints(config_cls)[f.name])
+            return None if tp is bool or f.metadata.get("choices") else f.metadata.get("type") or _DEFAULT_TYPES.get(tp)
+    return None
+
+
 def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, title: Optional[str] = None) -> None:
     """Add one flag per dataclass field; a flag some other component already added is shared."""
     assert is_dataclass(config_cls), config_cls
@@ -79,7 +89,8 @@ def add_dataclass_options(parser: argparse.ArgumentParser, config_cls: type, tit
             choices = list(typing.get_args(tp))
             tp = type(choices[0])
         if tp is bool:
-            negatable = default or f.metadata.get("negatable", False)  # --no-NAME says "not this" explicitly
+            # --no-X where the default is on, or where a named architecture may turn it on ("negatable")
+            negatable = default or f.metadata.get("negatable", False)
             kwargs["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
             kwargs["default"] = default
         else:

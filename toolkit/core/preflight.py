@@ -92,3 +92,24 @@ def check_token_ids(prefix: str, tokens: np.ndarray, dictionary_size: int, dict_
         f"{dictionary_size} entries ({dict_path or 'dict.txt'}); the dictionary is not the one this "
         f"split was binarized with, or the file is damaged: re-run toolkit-preprocess"
     )
+
+
+def physical_memory() -> int:
+    """Bytes of this machine's memory (0 where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_fits_memory(what: str, parameters: int, parameter_bytes: int, shares: int, memory: int, fix: str) -> None:
+    """A model whose parameters alone, split over ``shares`` ranks (the most any layout splits them), exceed
+    ``memory`` bytes per rank is refused before anything is allocated: the allocator's own failure is a
+    traceback about a size in bytes, after minutes of start-up (``--moe-num-experts 1000000000``)."""
+    need = parameter_bytes / max(1, shares)
+    if memory > 0 and need > memory:
+        split = f"; {need / 2**30:,.1f} GiB on each of {shares} ranks" if shares > 1 else ""
+        raise UserError(
+            f"{what} has {parameters:,} parameters ({parameter_bytes / 2**30:,.1f} GiB{split}), more than the "
+            f"{memory / 2**30:,.1f} GiB of memory {'each rank has' if shares > 1 else 'this machine has'}; {fix}"
+        )

@@ -39,6 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from toolkit.core.errors import UserError
 from toolkit.models.common.attention import ChunkedVisibility, attend_across_ranks
 
 
@@ -49,6 +50,30 @@ def chunk_layout(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
         raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x {cp_size} context-parallel ranks")
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def check_sequence_split(cp_size: int, task: Any, model: Any) -> None:
+    """``--tokens-per-sample`` makes samples that cut into 2C equal chunks: a sample of another length is padded
+    to the next multiple of 2C (:func:`pad_to_chunks`), which the model's positions must hold. Refused here, in
+    one line naming both flags and the nearest lengths that cut, before any rank starts (``toolkit-train``'s
+    flag checks and the planner call it): otherwise each rank dies in its first forward with an IndexError."""
+    tokens = getattr(task, "tokens_per_sample", None)
+    if cp_size <= 1 or not tokens:
+        return
+    bos = 1 if getattr(task, "add_bos_token", False) else 0
+    positions = getattr(model, "max_target_positions", None) or tokens + bos
+    longest = positions if getattr(task, "sample_break_mode", "none") == "eos" else tokens + bos
+    chunks = 2 * cp_size
+    if -(-longest // chunks) * chunks <= positions:
+        return
+    nearest = sorted({n * chunks - bos for n in (longest // chunks, -(-longest // chunks))} - {0, -1})
+    with_bos = " (with --add-bos-token's <s>)" if bos else ""
+    raise UserError(
+        f"--tokens-per-sample {tokens} with --context-parallel-size {cp_size}: each sample is cut into "
+        f"{chunks} equal chunks (2 x {cp_size} ranks), so its {longest} positions{with_bos} must be a multiple "
+        f"of {chunks}; use --tokens-per-sample {' or '.join(map(str, nearest))}"
+        + (f" (or raise --max-target-positions {positions})" if getattr(model, "max_target_positions", None) else "")
+    )
 
 
 def gathered_layout(seq_len: int, cp_size: int) -> torch.Tensor:

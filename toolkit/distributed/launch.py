@@ -33,6 +33,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, Optional
@@ -65,8 +66,36 @@ def run(main: Callable, cfg: TrainConfig) -> None:
     holds the ``--save-dir`` lock meanwhile: a second run on the same folder stops at once.
     """
     plan = None if under_launcher() else slurm_plan(cfg)
-    with save_dir_lock(cfg, plan):
-        _run(main, cfg, plan)
+    if not under_launcher():
+        stop_on_sigint()
+    try:
+        with save_dir_lock(cfg, plan):
+            _run(main, cfg, plan)
+    except Stopped as stopped:  # the lock released: nothing left to finish
+        _exit_now(stopped.code)
+
+
+class Stopped(SystemExit):
+    """The launcher was stopped by a signal (its workers too): exit with 128 + the signal's number."""
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's finalization: tearing torch's modules down takes about a second, and
+    multiprocessing's resource tracker (a process of its own) waits for it; a stopped launcher has nothing
+    left that needs it once its output is flushed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def stop_on_sigint() -> None:
+    """SIGINT stops the run whatever this process inherited: a shell starts a background job (``cmd &`` in a
+    script, ``nohup``, CI) with SIGINT ignored, and Python then leaves it ignored, so ``kill -INT`` reached a
+    run that went on training. The workers spawned after this inherit the default too."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def save_dir_lock(cfg: TrainConfig, plan: Optional[slurm.TaskLayout]):
@@ -302,7 +331,8 @@ def _threads_per_worker(nprocs: int) -> Optional[int]:
 def spawn(
     main: Callable, cfg: TrainConfig, nprocs: int, host: str = "127.0.0.1", plan: Optional[slurm.TaskLayout] = None
 ) -> int:
-    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run.
+    """Host the store, spawn ``nprocs`` workers, watch them. Returns the exit code for the whole run; SIGINT or
+    SIGTERM (forwarded to the workers) raises :class:`Stopped` once they are gone.
 
     With a Slurm ``plan`` (one task per node) the workers take the plan's ranks; the first
     node's task hosts the store at the plan's address, the others connect to it.
@@ -334,6 +364,7 @@ def spawn(
         store = _host_store(plan.master_addr, plan.port, timeout, client=plan.node_id > 0)
     logger.info(f"spawning {nprocs} workers (store at {plan.master_addr}:{plan.port})")
     forked = WORKER_START_METHOD == "fork"
+    os.environ[parent_watch.LAUNCHER_ENV] = str(os.getpid())  # each spawned worker dies with us from its start
     ctx = torch.multiprocessing.start_processes(
         _spawned_worker,
         args=(
@@ -349,6 +380,7 @@ def spawn(
         join=False,
         start_method=WORKER_START_METHOD,
     )
+    os.environ.pop(parent_watch.LAUNCHER_ENV, None)
     procs = ctx.processes
     if listener is not None:  # after the fork: a forked worker must not inherit the store's server thread
         store = _host_store(host, plan.port, timeout, listen_fd=listener.detach())
@@ -371,7 +403,7 @@ def spawn(
             signal.signal(s, h)
     if stop_signal:  # interrupted (Ctrl-C, scancel): the workers got the signal too
         _stop_all(procs, 5.0)
-        return 128 + stop_signal[0]
+        raise Stopped(128 + stop_signal[0])
     if failed is None:
         return 0
     return _report_failure(plan, procs, failed, store, timeout, ctx.error_files)

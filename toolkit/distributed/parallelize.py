@@ -3,7 +3,9 @@
 
 The model is built on the meta device (no memory); each step below changes it when its axis or feature is on
 and is a no-op otherwise; then each rank materializes only what it holds and fills it with the values a plain
-build gets for the same seed (``init_weights`` seeds per parameter name):
+build gets for the same seed (``init_weights`` seeds per parameter name). First, a model whose parameters,
+split over every rank, exceed each rank's memory is refused in one line (:func:`check_fits_memory`), before
+the allocator is asked for it:
 
 1. ``--fp8``: the blocks' Linear layers become float8 ones (``float8.py``), which every later step sees.
 2. ``--model-parallel-size``: Megatron's split by the family's plan (``tensor_parallel.py``); under sequence
@@ -100,6 +102,7 @@ def parallelize(
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank (module docstring:
     the steps, each a no-op when its axis or feature is off)."""
     check_blocks(model, cfg)
+    check_fits_memory(model, env, common.cpu)
     dims = ParallelDims.from_config(cfg, env)  # the layout, validated
     if dims.shape.needs_mesh:  # its meshes and groups, built here on every rank at once (a collective)
         if not dist.is_initialized():
@@ -347,6 +350,26 @@ def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
             f"{wanted[0]}: works on the blocks of model.layers, which {type(model).__name__} does not "
             f"have; drop the flag (or give the model a ModuleList of blocks named layers)"
         )
+
+
+def check_fits_memory(model: torch.nn.Module, env: DistributedEnv, cpu: bool) -> None:
+    """The parameters, split over every rank, fit this machine's memory (its share per local rank, and the GPU's
+    under CUDA): an impossible size (``--moe-num-experts 1000000000``) is one line before the allocator is asked
+    for it, not a traceback about a size in bytes after minutes of start-up."""
+    from toolkit.core import preflight
+
+    unique = list({id(p): p for p in model.parameters()}.values())
+    memory = preflight.physical_memory() // max(1, env.local_world_size)
+    if torch.cuda.is_available() and not cpu:
+        memory += torch.cuda.get_device_properties(env.device).total_memory
+    preflight.check_fits_memory(
+        "the model",
+        sum(p.numel() for p in unique),
+        sum(p.numel() * p.element_size() for p in unique),
+        env.world_size,
+        memory,
+        "lower its sizes (--decoder-layers, --decoder-embed-dim, --moe-num-experts, ...); toolkit-plan shows what fits",
+    )
 
 
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:

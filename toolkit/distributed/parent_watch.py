@@ -15,6 +15,12 @@ sufficient:
 Either way the worker prints one line saying why and leaves with ``os._exit``: no
 process-group teardown, whose C++ layers would print pages of stack frames about the
 peers that vanished at the same moment.
+
+Both are armed once the worker runs our code, seconds after it starts (a spawned worker imports torch and the
+toolkit first). A launcher killed meanwhile would leave its workers importing for 3-12 s, then stopping: so a
+worker our launcher spawned (its pid in :data:`LAUNCHER_ENV`) asks the kernel for ``SIGKILL`` on the launcher's
+death as the first thing it does (:func:`stop_with_launcher`, from ``toolkit_cli/__init__.py``, which the
+spawned interpreter imports before torch); nothing has started yet that a message would explain.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 from typing import Optional
 
 PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = "TOOLKIT_LAUNCHER_PID"  # set by toolkit.distributed.launch while it spawns its workers
 EXIT_CODE = 1
 POLL_SECONDS = 0.5
 _SIGNAL = signal.SIGUSR2
@@ -44,6 +51,18 @@ def set_parent_death_signal(signum: int) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def stop_with_launcher() -> None:
+    """In a worker our launcher spawned (the launcher's pid in :data:`LAUNCHER_ENV`, which only its own children
+    see: read once, then removed): die with the launcher from here on (``SIGKILL`` from the kernel), at once if
+    it is gone already (we were re-parented before getting here)."""
+    launcher = os.environ.pop(LAUNCHER_ENV, "")
+    if not launcher.isdigit():
+        return
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != int(launcher):
+        os._exit(EXIT_CODE)
 
 
 class ParentWatch:

@@ -190,6 +190,13 @@ def _machine_key(dtype: torch.dtype, threads: int) -> str:
     return machine_cache.key(_dtype_key(dtype), f"{threads} threads", "best of torch and oneDNN")
 
 
+def plausible_cpu_peak(threads: int) -> Tuple[float, float]:
+    """FLOP/s a CPU's matmuls can reach with ``threads`` threads: from 10 MFLOP/s (fp16 without fast kernels runs
+    at ~0.4 GFLOP/s) to 10 TFLOP/s per thread (AMX bf16 reaches 1-2 per core); a cached peak outside is no
+    measurement (``1e30`` would print every MFU as 0, ``1e-3`` as 100%)."""
+    return 1e7 * max(1, threads), 1e13 * max(1, threads)
+
+
 def measure_cpu_peak_flops(
     dtype: torch.dtype = torch.float32, threads: Optional[int] = None, duration: float = 0.5
 ) -> float:
@@ -198,9 +205,10 @@ def measure_cpu_peak_flops(
     Runs square matmuls for about ``duration`` seconds the first time on a machine and keeps the result in
     :func:`cpu_peak_cache_path` (per CPU model, core count, torch build, dtype and threads) and for the rest of
     the process: the probe took 0.3-1 s of every run's start (2 s for bf16, which also measures fp32). Why a
-    file: the peak of a machine does not change between runs; delete the file to measure again (after a
-    measurement on a busy machine, for example: the best of several 50 ms chunks is kept, which helps but
-    does not cure that). :func:`cpu_peak_source` says where the figure came from.
+    file: the peak of a machine does not change between runs; delete the file to measure again. A figure read
+    from it outside :func:`plausible_cpu_peak` is measured again, and one measured while other processes used
+    the CPUs is provisional (``toolkit.core.machine_cache``). :func:`cpu_peak_source` says where the figure
+    came from.
     """
     if threads is None:
         threads = torch.get_num_threads()
@@ -217,7 +225,9 @@ def measure_cpu_peak_flops(
         finally:
             torch.set_num_threads(previous)
 
-    flops, measured = machine_cache.kept_or_measured(path, _machine_key(dtype, int(threads)), "flops", measure)
+    flops, measured = machine_cache.kept_or_measured(
+        path, _machine_key(dtype, int(threads)), "flops", measure, within=plausible_cpu_peak(int(threads))
+    )
     _cpu_peak_cache[key] = flops
     when = f"measured {measured}, kept in {path}: delete it to measure again" if measured else f"kept in {path}"
     _cpu_peak_source[key] = f"{name}, {threads} threads; {when}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from toolkit.core.errors import UserError
+from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.memory import Item, memory_items, optimizer_state
 from toolkit.plan.model_stats import ModelStats, model_stats
@@ -75,15 +76,17 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
         setup = dataclasses.replace(setup, world=world_size)
     setup.layout(hw.gpus_per_node)  # refuses what toolkit-train refuses (--model-parallel-size 3 of 8 ranks)
     optimizer_state(setup.optimizer)  # an optimizer that declares no state is refused before the model is built
+    check_sequence_split(setup.cp, cfg.task, cfg.model)  # samples that do not cut into 2 x cp chunks, likewise
     stats = model_stats(cfg, setup.compute_dtype, vocab_size)
     check_model_splits(setup, stats)
     return Plan(stats, setup, hw)
 
 
 def check_model_splits(setup: Setup, stats: ModelStats) -> None:
-    """Refuse the tensor- and context-parallel sizes the model cannot be split into (what toolkit-train's workers
-    refuse, or fail on), in one line naming the flag: a plan of them would say FITS for a run that cannot start."""
-    splits, M, C, T = stats.splits, setup.mp, setup.cp, stats.tokens_per_sample
+    """Refuse the tensor-parallel sizes the model cannot be split into (what toolkit-train's workers refuse, or
+    fail on), in one line naming the flag: a plan of them would say FITS for a run that cannot start. (Context
+    parallelism's sequence split is toolkit-train's own check, ``context_parallel.check_sequence_split``.)"""
+    splits, M = stats.splits, setup.mp
     if M > 1 and splits.tp_refused is not None:
         raise UserError(splits.tp_refused)
     for flag, value in splits.tp_divisible if M > 1 else ():
@@ -92,8 +95,3 @@ def check_model_splits(setup: Setup, stats: ModelStats) -> None:
                 f"{flag} {value}: must be divisible by --model-parallel-size {M} (each rank holds whole heads and "
                 f"an equal share); choose a model parallel size that divides it"
             )
-    if C > 1 and T % (2 * C):
-        raise UserError(
-            f"--context-parallel-size {C}: --tokens-per-sample {T} must be a multiple of 2 x {C} = {2 * C} (each "
-            f"rank holds two equal chunks of every sequence); choose a size whose double divides it"
-        )

@@ -4,8 +4,8 @@ planner, and the ones that fit ranked by predicted step time.
 What it varies, each through a ``toolkit-train`` flag:
 
 * the parallel axes (:data:`AXES`): ``--model-parallel-size`` (within a node, dividing what the model's
-  tensor-parallel plan splits), ``--context-parallel-size`` (families with context-parallel attention, 2C
-  dividing ``--tokens-per-sample``), ``--expert-parallel-size`` (MoE families, dividing a layer's experts).
+  tensor-parallel plan splits), ``--context-parallel-size`` (families with context-parallel attention, whose
+  samples cut into 2C chunks: toolkit-train's ``check_sequence_split``), ``--expert-parallel-size`` (MoE families, dividing a layer's experts).
   Pipeline stages are one more :class:`Axis` entry once the trainer has them;
 * the data-parallel mode (:func:`data_parallel_modes`): DDP (``c10d``), FSDP2's ``full_shard`` /
   ``shard_grad_op`` / ``no_shard``, HSDP's ``hybrid_shard`` / ``hybrid_shard_zero2`` with every
@@ -42,6 +42,7 @@ import torch
 
 from toolkit.config import OFFLOAD_OPTIMIZER, composition  # OFFLOAD_OPTIMIZER: --cpu-offload's optimizer
 from toolkit.core.errors import UserError
+from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.model_stats import ModelStats
 from toolkit.plan.planner import Plan
@@ -93,8 +94,10 @@ def _tensor_parallel_sizes(space: Space) -> List[int]:
 
 
 def _context_parallel_sizes(space: Space) -> List[int]:
-    tokens, able = space.stats.tokens_per_sample, space.stats.splits.context_parallel
-    return [c for c in divisors(space.world) if c == 1 or (able and tokens % (2 * c) == 0)]
+    """The sizes of a family with context-parallel attention; whether its samples cut into 2C chunks is
+    toolkit-train's own check, in :meth:`Search._layout`."""
+    able = space.stats.splits.context_parallel
+    return [c for c in divisors(space.world) if c == 1 or able]
 
 
 def _expert_parallel_sizes(space: Space) -> List[int]:
@@ -236,6 +239,7 @@ class Search:
         )
         try:
             setup.layout(self.hw.gpus_per_node)
+            check_sequence_split(setup.cp, self.cfg.task, self.cfg.model)
         except UserError:
             return None
         return setup

@@ -35,6 +35,7 @@ from toolkit.core.errors import UserError
 from toolkit.data.dictionary import reads_bos_as_context
 from toolkit.evaluation import during_training as harness_training
 from toolkit.compat.fairseq.flags import check_list_flags, resolve_fairseq_flags, split_list_flags
+from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.distributed.parallel_dims import check_expert_share, shape_from_config
 from toolkit.train.arguments import DEFAULT_ARCH, OFFLOAD_OPTIMIZER, implied_selectors, parse_train_args  # noqa: F401
 from toolkit.core.registry import (
@@ -108,6 +109,7 @@ def _check_layout(cfg: TrainConfig) -> None:
     if refused:
         raise UserError(refused)
     check_expert_share(cfg.distributed.expert_parallel_size, getattr(cfg.model, "moe_num_experts", 0))
+    check_sequence_split(cfg.distributed.context_parallel_size, cfg.task, cfg.model)
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:

@@ -134,6 +134,7 @@ class Trainer:
         )
         self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
+        self.steps_taken = 0  # optimizer steps in this process: before the first, the weights are the starting ones
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
         # --overlap-offload-step, else None; under expert parallelism its norm adds the experts' squares over ep
         self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads)
@@ -201,13 +202,15 @@ class Trainer:
         elif not math.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite gradient norm ({grad_norm}) at update {self.num_updates + 1}; "
-                f"lower --lr, add --clip-norm, or check the data"
+                + self._non_finite_cause(self.steps_taken)
             )
         if overflow:
             self.optimizer.zero_grad(set_to_none=True)
             metrics.log_stop_time("train_wall")
             return self.amp_retries.after_overflow(lambda: self.train_step(samples))  # --amp-batch-retries
+        steps_before = self.steps_taken  # the loss below was computed with these steps' weights
         self._step_optimizer(grad_factor)
+        self.steps_taken += 1
         self._run_post_step_hooks()
         if self.scaler is not None:
             self.scaler.update()
@@ -218,10 +221,25 @@ class Trainer:
             metrics.log_scalar("ema_decay", self.ema.decay, weight=0, priority=10000, round=5)
         self.lr_scheduler.step_update(self.num_updates)
         if not math.isfinite(totals.get("loss", 0.0)):
-            raise FloatingPointError(f"non-finite loss at update {self.num_updates}; lower --lr or add --clip-norm")
+            raise FloatingPointError(
+                f"non-finite loss at update {self.num_updates}; {self._non_finite_cause(steps_before)}"
+            )
         metrics.log_stop_time("train_wall")
         self._log_update(totals, sample_size, grad_norm)
         return totals
+
+    @staticmethod
+    def _non_finite_cause(steps_before: int) -> str:
+        """What to change after a NaN computed with the weights of ``steps_before`` steps of this run: the
+        learning rate only once a step has moved them; before that the starting weights, the model's options or
+        the data gave it."""
+        if steps_before == 0:
+            return (
+                "no step of this run had changed the weights yet, so not --lr: the starting weights "
+                "(--finetune-from-model, --restore-file), the model's options (--rope-theta, --rms-norm-eps, ...) "
+                "or the data give it"
+            )
+        return "lower --lr, add --clip-norm, or check the data"
 
     def _forward_backward(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
         """Every micro-batch's forward and backward; the logged sums over them and the data-parallel replicas."""

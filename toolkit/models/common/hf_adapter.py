@@ -118,6 +118,7 @@ class DecoderHFAdapter(HFAdapter):
     ``common/hf_folder.py`` through ``options_from_hf``, ``hf_config`` and the state conversions."""
 
     KEY_MAP: ClassVar[KeyMap] = DECODER_KEYS
+    HF_KEYS: ClassVar[Dict[str, str]] = hf_config.HF_KEYS  # option -> config.json key; a family adds its own
     KINDS: ClassVar[Dict[str, DecoderClass]]  # model_type -> what its class computes of the shared settings
     FAMILY_NAME: ClassVar[str]  # as the refusals name it: "the Llama family"
     MLP: ClassVar[str]  # what the family's MLP is, for the refusal of another activation
@@ -148,6 +149,11 @@ class DecoderHFAdapter(HFAdapter):
         with malformed_file(where, "give the config.json transformers saved with the model"):  # e.g. a str for a float
             hf_config.refuse_unsupported(config, self.KINDS[kind], self.FAMILY_NAME, self.MLP, where)
             return self.options(config, kind, where)
+
+    def config_keys(self, config: Dict[str, Any]) -> Dict[str, str]:
+        """config.json's key of each option read from ``config``, as it spells them: what the import's refusal of
+        a value names (``hf_folder``'s check with toolkit-train's flag types)."""
+        return hf_config.rope_keys(self.HF_KEYS, config)
 
     def complete(self, config: Dict[str, Any]) -> Dict[str, Any]:
         """``config`` with the shared settings a class keeps under its own key."""

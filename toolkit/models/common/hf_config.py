@@ -25,6 +25,25 @@ ROPE_KEYS = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "linear": ("factor",),
 }
+HF_KEYS = {  # our option -> config.json's key of the shared settings: what a refusal of a value read names
+    "decoder_layers": "num_hidden_layers",
+    "decoder_embed_dim": "hidden_size",
+    "decoder_ffn_embed_dim": "intermediate_size",
+    "decoder_attention_heads": "num_attention_heads",
+    "decoder_kv_heads": "num_key_value_heads",
+    "decoder_head_dim": "head_dim",
+    "max_target_positions": "max_position_embeddings",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_yarn_beta_fast": "rope_scaling.beta_fast",
+    "rope_yarn_beta_slow": "rope_scaling.beta_slow",
+    "rope_attention_factor": "rope_scaling.attention_factor",
+    "sliding_window": "sliding_window",
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,18 @@ class DecoderClass:
     no_attention_bias: bool = False  # attention_bias is a key of its config, which the toolkit refuses set
     activation_key: str = "hidden_act"
     activation: str = "silu"  # the MLP's activation as config.json names it
+
+
+def rope_keys(keys: Dict[str, str], config: Dict[str, Any]) -> Dict[str, str]:
+    """``keys`` (our option -> config.json's key) as ``config`` spells the rotary settings: transformers 5 keeps
+    them, the base included, in ``rope_parameters`` where older configs write ``rope_theta`` and ``rope_scaling``."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or config.get("rope_scaling"):
+        return dict(keys)
+    out = {k: v.replace("rope_scaling.", "rope_parameters.") for k, v in keys.items()}
+    if "rope_theta" in params:
+        out["rope_theta"] = "rope_parameters.rope_theta"
+    return out
 
 
 def check_counts(config: Dict[str, Any], where: str) -> None:

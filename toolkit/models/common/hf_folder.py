@@ -38,7 +38,14 @@ import torch
 
 from toolkit.core.errors import UserError, malformed_file, read_json_object, require
 from toolkit.core.protocols import HFCheckpoint, HFWeights
-from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
+from toolkit.models.hf_checkpoint import (
+    CHECKPOINT,
+    check_every_tensor_read,
+    check_finite,
+    check_option_values,
+    checkpoint,
+    training_flags,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 HF_CONFIG = "hf_config.json"
@@ -91,6 +98,8 @@ def reference_tokenizer(folder: str) -> str:
         return _load_tokenizer(path).to_str()
     _load_tokenizer(path)  # a file that is no tokenizer: one line naming it, before transformers' traceback
     _read_json(os.path.join(folder, "tokenizer_config.json"))  # likewise for its settings
+    with malformed_file(os.path.join(folder, "config.json"), RESAVE, errors=(Exception,)):
+        transformers.AutoConfig.from_pretrained(folder)  # AutoTokenizer reads it too: its errors are config.json's
     with malformed_file(path, RESAVE, errors=(Exception,)):
         backend = getattr(transformers.AutoTokenizer.from_pretrained(folder), "backend_tokenizer", None)
     if backend is None:
@@ -111,18 +120,16 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any], tokenizer_json: st
         tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     vocab = tok.get_vocab(with_added_tokens=True)
     n_tokens = len(vocab)
-    if sorted(vocab.values()) != list(range(n_tokens)) or n_tokens > config["vocab_size"]:
-        raise UserError(
-            f"{path}: token ids are not 0..{n_tokens - 1} within the model's vocab_size "
-            f"{config['vocab_size']}; cannot keep them as they are"
-        )
+    if sorted(vocab.values()) != list(range(n_tokens)):
+        raise UserError(f"{path}: token ids are not 0..{n_tokens - 1}; cannot keep them as they are")
+    _check_token_ids(folder, config, n_tokens)
     symbols = sorted(vocab, key=vocab.get) + [UNUSED.format(i) for i in range(config["vocab_size"] - n_tokens)]
     tok_config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
     unk_name = _token_name(tok_config.get("unk_token")) or json.loads(tokenizer_json)["model"].get("unk_token")
     ids = {
         "bos": _first_id(config.get("bos_token_id")),
         "eos": _first_id(config.get("eos_token_id")),
-        "pad": _first_id(config.get("pad_token_id")),
+        "pad": _first_id(config.get("pad_token_id")) if _is_row(config.get("pad_token_id"), config) else None,
         "unk": vocab.get(unk_name) if unk_name else None,
     }
     if ids["eos"] is None:
@@ -138,6 +145,29 @@ def tokenizer_dictionary(folder: str, config: Dict[str, Any], tokenizer_json: st
         raise UserError(f"{path}: {e}") from None
 
 
+def _check_token_ids(folder: str, config: Dict[str, Any], n_tokens: int) -> None:
+    """config.json's vocab_size holds the tokenizer's ids, and its BOS and EOS ids are rows of it (refused naming
+    config.json, the file to fix, not the tokenizer's). A pad id outside them is read as none (older Llama
+    configs write -1): the dictionary picks its own, see :func:`_pad_id`."""
+    where, size = os.path.join(folder, "config.json"), config.get("vocab_size")
+    if type(size) is not int or size < n_tokens:
+        raise UserError(
+            f"{where}: vocab_size {size!r} is not a count of at least the tokenizer's {n_tokens} ids "
+            "(tokenizer.json); give the config.json saved with the model"
+        )
+    for key in ("bos_token_id", "eos_token_id"):
+        if config.get(key) is not None and not _is_row(config[key], config):
+            raise UserError(
+                f"{where}: {key} {config[key]!r} is not a token id of the vocabulary (0..{size - 1}); "
+                "give the config.json saved with the model"
+            )
+
+
+def _is_row(value, config: Dict[str, Any]) -> bool:
+    first = _first_id(value)
+    return type(first) is int and 0 <= first < config["vocab_size"]
+
+
 def _load_tokenizer(path: str):
     """The ``tokenizers.Tokenizer`` saved in ``path``; one line naming the file when it is not one."""
     tokenizers = require("tokenizers", "tokenizers")
@@ -149,30 +179,69 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
     return read_json_object(path, RESAVE) if os.path.isfile(path) else None
 
 
-def _safetensors_files(folder: str) -> List[str]:
-    index = _read_json(os.path.join(folder, "model.safetensors.index.json"))
+def _safetensors_files(folder: str) -> Tuple[List[str], Dict[str, str]]:
+    """The folder's safetensors files, and the index's tensor -> file map (empty for one ``model.safetensors``)."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    index = _read_json(index_path)
     if index is not None:
-        with malformed_file(os.path.join(folder, "model.safetensors.index.json"), RESAVE):
-            return [os.path.join(folder, name) for name in sorted(set(index["weight_map"].values()))]
+        with malformed_file(index_path, RESAVE):
+            weight_map = {name: _inside(folder, file, index_path) for name, file in index["weight_map"].items()}
+        return sorted(set(weight_map.values())), weight_map
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
-        return [single]
+        return [single], {}
     raise UserError(
         f"--path {folder}: no model.safetensors or model.safetensors.index.json; save with "
         "safe_serialization (the default of save_pretrained)"
     )
 
 
-def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the folder's safetensors shards, read one at a time."""
+def _inside(folder: str, name: Any, index_path: str) -> str:
+    """``folder/name`` for a file name of the index that stays in ``folder``; anything else (an absolute path,
+    ``..``) is refused: the index says where the model's shards are, never which other file to read. (A
+    symlink in the folder is followed: the Hugging Face cache's snapshot folders are links into its blobs.)"""
+    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
+    if not parts or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+        raise UserError(
+            f"{index_path}: weight_map names {name!r}, not a file inside {folder}; an index names its shards "
+            f"by their names in the folder (model-00001-of-00002.safetensors); {RESAVE}"
+        )
+    return os.path.join(folder, *parts)
+
+
+def _open_shard(path: str):
+    """safe_open(``path``), one line naming it when it is missing or no safetensors file."""
     safe_open = require("safetensors", "safetensors").safe_open
-    for path in _safetensors_files(folder):
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: missing (model.safetensors.index.json names it); {RESAVE}")
-        with malformed_file(path, RESAVE, errors=(Exception,)):  # SafetensorError: cut short, not safetensors
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: missing (model.safetensors.index.json names it); {RESAVE}")
+    with malformed_file(path, RESAVE, errors=(Exception,)):  # SafetensorError: cut short, not safetensors
+        return safe_open(path, framework="pt")
+
+
+def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the folder's safetensors shards, read one at a time; a NaN or
+    infinite value is refused naming the tensor (``hf_checkpoint.check_finite``)."""
+    for path in _safetensors_files(folder)[0]:
+        with _open_shard(path) as f:
+            for name in f.keys():
+                with malformed_file(path, RESAVE, errors=(Exception,)):
+                    tensor = f.get_tensor(name)
+                check_finite(name, tensor, path)
+                yield name, tensor
+
+
+def check_folder_holds(folder: str, needed: Dict[str, Tuple[int, ...]]) -> None:
+    """Every tensor ``needed`` (name -> shape) is in the folder's safetensors files with that shape, read from
+    their headers before any weight is (``hf_checkpoint.check_every_tensor_read``)."""
+    files, weight_map = _safetensors_files(folder)
+    found: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for path in files:
+        with _open_shard(path) as f:
+            for name in f.keys():
+                with malformed_file(path, RESAVE, errors=(Exception,)):
+                    found[name] = (path, tuple(f.get_slice(name).get_shape()))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    check_every_tensor_read(found, needed, lambda name: weight_map.get(name, index if weight_map else files[0]))
 
 
 def check_state(state: Dict[str, torch.Tensor], model: torch.nn.Module, folder: str) -> None:
@@ -207,7 +276,7 @@ def read_folder(
         f"{len(dictionary)} ids (bos {dictionary.bos()}, eos {dictionary.eos()}, pad {dictionary.pad()})"
     )
     arch = models.matching_arch(adapter.FAMILY, given)
-    model = models.build_on_meta(arch, len(dictionary), padding_idx=dictionary.pad(), **given)
+    model = _checked_model(adapter, folder, config, arch, given, len(dictionary), dictionary.pad())
     state = adapter.state_from_hf(safetensors_tensors(folder), given, config["model_type"])
     check_state(state, model, folder)
     advance(f"converted to --arch {arch} ({len(state)} tensors)")
@@ -236,6 +305,33 @@ def read_folder(
         dictionary_hash=True,
         texts={"tokenizer.json": tokenizer_json},
     )
+
+
+def _checked_model(adapter, folder: str, config: Dict[str, Any], arch: str, given, vocab_size: int, pad: int):
+    """Our model on the meta device, once config.json's values pass toolkit-train's checks (naming the config
+    key, ``adapter.config_keys``), its size fits this machine (the import holds it in fp32) and the folder holds
+    every tensor it needs, with its shape (read from the safetensors headers, before any weight)."""
+    from toolkit import models
+    from toolkit.core import preflight, registry
+
+    where = os.path.join(folder, "config.json")
+    check_option_values(registry.resolve_arch(arch).config, given, where, adapter.config_keys(config))
+    try:
+        model = models.build_on_meta(arch, vocab_size, padding_idx=pad, **given)
+    except UserError as e:  # a combination of values toolkit-train refuses, named by its flags
+        raise UserError(f"{where}: {e}") from None
+    parameters = models.count_params(model)[0]
+    preflight.check_fits_memory(
+        f"{where}: the model",
+        parameters,
+        4 * parameters,
+        1,
+        preflight.physical_memory(),
+        "the import holds the model in fp32: give the config.json saved with the model, on a larger machine",
+    )
+    needed = adapter.state_to_hf(model.state_dict(), config["model_type"])
+    check_folder_holds(folder, {name: tuple(t.shape) for name, t in needed.items()})
+    return model
 
 
 def _adds_bos(tokenizer_json: str, dictionary) -> bool:

@@ -30,10 +30,11 @@ No torch here: ``--help`` reads these before torch is imported.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from toolkit.config.flag_types import positive_int
+from toolkit.config.flag_types import bounded_float, positive_float, positive_int
 from toolkit.core.errors import UserError
 
 ROPE_SCALINGS = ("llama3", "yarn", "linear")
@@ -43,6 +44,10 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 """``--moe-score-func``: how ``common/moe.py``'s router turns logits into scores."""
+ROPE_BASE = bounded_float(1.0, low_open=True, meaning=" (the base of the rotary frequencies, e.g. 10000)")
+"""A rotary base: above 1 (a base of 1 turns every pair alike, below it the slow pairs turn fastest)."""
+ROPE_FACTOR = bounded_float(1.0, meaning=" (how many times the context is stretched; 1 is no stretch)")
+"""A scaling factor: at least 1, as transformers' rope validation (``_validate_{yarn,llama3}_rope_parameters``)."""
 
 
 def absent_options(family: str, norms: str) -> Dict[str, str]:
@@ -77,12 +82,15 @@ class DecoderOptions:
             "--decoder-attention-heads; 1 is multi-query attention)",
         },
     )
-    rope_theta: float = field(default=10000.0, metadata={"help": "base of the rotary position frequencies"})
+    rope_theta: float = field(
+        default=10000.0, metadata={"type": ROPE_BASE, "help": "base of the rotary position frequencies"}
+    )
     rope_scaling_factor: Optional[float] = field(
         default=None,
         metadata={
+            "type": ROPE_FACTOR,
             "help": "RoPE frequency scaling (--rope-scaling): divide the low frequencies by "
-            "this factor, the context stretched by it (default: no scaling)"
+            "this factor, the context stretched by it (default: no scaling)",
         },
     )
     rope_scaling: str = field(
@@ -97,38 +105,44 @@ class DecoderOptions:
     rope_yarn_beta_fast: float = field(
         default=32.0,
         metadata={
+            "type": positive_float,
             "help": "YaRN: frequency pairs turning more often than this over the original "
-            "context keep their frequency (beta_fast)"
+            "context keep their frequency (beta_fast)",
         },
     )
     rope_yarn_beta_slow: float = field(
         default=1.0,
         metadata={
+            "type": positive_float,
             "help": "YaRN: frequency pairs turning less often than this over the original "
-            "context are divided by the factor (beta_slow)"
+            "context are divided by the factor (beta_slow)",
         },
     )
     rope_attention_factor: Optional[float] = field(
         default=None,
         metadata={
+            "type": positive_float,
             "help": "YaRN: multiplier of the rotary cos/sin tables (attention_factor; "
-            "default: 0.1 ln(--rope-scaling-factor) + 1)"
+            "default: 0.1 ln(--rope-scaling-factor) + 1)",
         },
     )
     rope_low_freq_factor: float = field(
-        default=1.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"}
+        default=1.0,
+        metadata={"type": positive_float, "help": "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled"},
     )
     rope_high_freq_factor: float = field(
-        default=4.0, metadata={"help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"}
+        default=4.0,
+        metadata={"type": positive_float, "help": "Llama 3.1 RoPE scaling: wavelengths below original/this are kept"},
     )
     rope_original_max_positions: int = field(
         default=8192,
         metadata={
+            "type": positive_int,
             "help": "RoPE scaling (llama3, yarn): the context length the model was trained "
-            "at (original_max_position_embeddings)"
+            "at (original_max_position_embeddings)",
         },
     )
-    rms_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of RMSNorm"})
+    rms_norm_eps: float = field(default=1e-5, metadata={"type": positive_float, "help": "epsilon of RMSNorm"})
     attention_qkv_bias: bool = field(
         default=False, metadata={"help": "biases on the query, key and value projections (Qwen2)"}
     )
@@ -263,10 +277,22 @@ def _check_partial_rotary(cfg: DecoderOptions) -> None:
 
 
 def _check_rope_scaling(cfg: DecoderOptions) -> None:
-    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_factor <= 0:
+    """What each flag's type checks (a config not parsed from flags: a checkpoint's, the hub's), then the
+    combinations. ``--rope-scaling yarn`` alone would be no scaling at all: it needs its factor."""
+    for name, value, parse in (
+        ("rope_theta", cfg.rope_theta, ROPE_BASE),
+        ("rope_scaling_factor", cfg.rope_scaling_factor, ROPE_FACTOR),
+        ("rms_norm_eps", cfg.rms_norm_eps, positive_float),
+    ):
+        if value is not None:
+            try:
+                parse(str(value))
+            except argparse.ArgumentTypeError as e:
+                raise UserError(f"--{name.replace('_', '-')} {e}") from None
+    if cfg.rope_scaling == "yarn" and cfg.rope_scaling_factor is None:
         raise UserError(
-            f"--rope-scaling-factor {cfg.rope_scaling_factor}: must be positive (how many times the "
-            "context is stretched)"
+            "--rope-scaling yarn: give --rope-scaling-factor F (the context stretched F times) and "
+            "--rope-original-max-positions N (the context trained at); without a factor nothing is scaled"
         )
     if (
         cfg.rope_scaling == "yarn"

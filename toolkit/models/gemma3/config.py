@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Optional
 
-from toolkit.models.common.options import DecoderOptions, absent_options
+from toolkit.config.flag_types import positive_float
+from toolkit.models.common.options import ROPE_BASE, DecoderOptions, absent_options
 
 
 @dataclass
@@ -26,20 +27,27 @@ class Gemma3Config(DecoderOptions):
     )
 
     query_pre_attn_scalar: Optional[float] = field(
-        default=None, metadata={"help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)"}
+        default=None,
+        metadata={
+            "type": positive_float,
+            "help": "attention scores scaled by 1/sqrt(this) (Gemma; default: the head size)",
+        },
     )
     rope_local_theta: Optional[float] = field(
         default=None,
         metadata={
+            "type": ROPE_BASE,
             "help": "rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq; "
-            "default: --rope-theta)"
+            "default: --rope-theta)",
         },
     )
     attn_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"}
+        default=None,
+        metadata={"type": positive_float, "help": "attention scores capped by cap * tanh(score / cap) (Gemma 2)"},
     )
     final_logit_softcap: Optional[float] = field(
-        default=None, metadata={"help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"}
+        default=None,
+        metadata={"type": positive_float, "help": "output logits capped by cap * tanh(logit / cap) (Gemma 2)"},
     )
 
 

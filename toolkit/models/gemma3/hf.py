@@ -32,6 +32,25 @@ KINDS = {
 
 class Gemma3Adapter(DecoderHFAdapter):
     FAMILY, FAMILY_NAME, MLP, KINDS = "gemma3", "the Gemma family", "Gemma's MLP is GeGLU with gelu_pytorch_tanh", KINDS
+    HF_KEYS = {
+        **hf_config.HF_KEYS,
+        "rope_local_theta": "rope_local_base_freq",
+        "query_pre_attn_scalar": "query_pre_attn_scalar",
+        "final_logit_softcap": "final_logit_softcapping",
+    }
+
+    def config_keys(self, config: Dict[str, Any]) -> Dict[str, str]:
+        """transformers 5's ``rope_parameters`` hold one entry per layer type: the global layers' base and
+        scaling under ``full_attention``, the local layers' base under ``sliding_attention``."""
+        params = config.get("rope_parameters") or {}
+        if "full_attention" not in params:
+            return super().config_keys(config)
+        keys = {k: v.replace("rope_scaling.", "rope_parameters.full_attention.") for k, v in self.HF_KEYS.items()}
+        keys.update(
+            rope_theta="rope_parameters.full_attention.rope_theta",
+            rope_local_theta="rope_parameters.sliding_attention.rope_theta",
+        )
+        return keys
 
     def options(self, config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
         """The sizes and windows as every class's; the MLP, score scale, soft-caps and rotary bases Gemma's own."""

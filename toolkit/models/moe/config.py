@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict
 
-from toolkit.config.flag_types import positive_int
+from toolkit.config.flag_types import non_negative_float, non_negative_int, positive_int
 from toolkit.core.errors import UserError
 from toolkit.models.common.options import SCORE_FUNCTIONS, DecoderOptions, absent_options, check_shapes
 
@@ -47,27 +47,39 @@ class MoEConfig(DecoderOptions):
     )
     moe_renormalize: bool = field(
         default=False,
-        metadata={"help": "divide the top-k router weights by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)"},
+        metadata={
+            "negatable": True,  # the named sizes of Qwen3-MoE and Mixtral set it: --no-moe-renormalize undoes it
+            "help": "divide the top-k router weights by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)",
+        },
     )
     moe_shared_ffn_embed_dim: int = field(
-        default=0, metadata={"help": "hidden width of a shared expert every token goes through (0: none)"}
+        default=0,
+        metadata={
+            "type": non_negative_int,
+            "help": "hidden width of a shared expert every token goes through (0: none)",
+        },
     )
     moe_bias_update_rate: float = field(
         default=0.0,
         metadata={
+            "type": non_negative_float,
             "help": "aux-loss-free balancing (DeepSeek-V3): per-update step of the routing bias towards the "
-            "under-loaded experts (0: no bias)"
+            "under-loaded experts (0: no bias)",
         },
     )
     moe_aux_loss_coef: float = field(
         default=0.01,
         metadata={
-            "help": "weight of the load-balancing loss E * sum_i f_i P_i (Switch/GShard), logged as moe_aux_loss"
+            "type": non_negative_float,
+            "help": "weight of the load-balancing loss E * sum_i f_i P_i (Switch/GShard), logged as moe_aux_loss",
         },
     )
     moe_z_loss_coef: float = field(
         default=0.0,
-        metadata={"help": "weight of the router z-loss mean(logsumexp(router logits)^2), logged as moe_z_loss"},
+        metadata={
+            "type": non_negative_float,
+            "help": "weight of the router z-loss mean(logsumexp(router logits)^2), logged as moe_z_loss",
+        },
     )
     moe_idle_warning_updates: int = field(
         default=100,
@@ -89,5 +101,11 @@ def check_moe_shapes(cfg: MoEConfig) -> None:
             f"--moe-top-k {cfg.moe_top_k}: a token cannot go to more than the --moe-num-experts "
             f"{cfg.moe_num_experts} experts"
         )
-    if cfg.moe_shared_ffn_embed_dim < 0 or cfg.moe_bias_update_rate < 0:
-        raise UserError("--moe-shared-ffn-embed-dim / --moe-bias-update-rate: must be 0 or more")
+    negative = [
+        name
+        for name in ("moe_shared_ffn_embed_dim", "moe_bias_update_rate", "moe_aux_loss_coef", "moe_z_loss_coef")
+        if getattr(cfg, name) < 0
+    ]
+    if negative:  # a config not parsed from flags (a checkpoint's); the flags' types refuse these at parse time
+        flag = "--" + negative[0].replace("_", "-")
+        raise UserError(f"{flag} {getattr(cfg, negative[0])}: must be 0 or more")

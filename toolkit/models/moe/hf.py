@@ -56,9 +56,27 @@ WINDOW_KEYS = {  # the window settings each class's config.json is written with
 
 class MoEAdapter(DecoderHFAdapter):
     FAMILY, FAMILY_NAME, MLP, KINDS = "moe", "the MoE family", "the MoE family's experts are SwiGLU (silu)", KINDS
+    HF_KEYS = {
+        **hf_config.HF_KEYS,
+        "moe_num_experts": "num_experts",
+        "moe_top_k": "num_experts_per_tok",
+        "moe_ffn_embed_dim": "moe_intermediate_size",
+        "moe_aux_loss_coef": "router_aux_loss_coef",
+    }
 
     def key_map(self, model_type: str) -> KeyMap:
         return MIXTRAL_KEYS if model_type == "mixtral" else DECODER_KEYS
+
+    def config_keys(self, config: Dict[str, Any]) -> Dict[str, str]:
+        """Mixtral counts its experts in ``num_local_experts``; OLMoE and Mixtral give an expert's width as
+        ``intermediate_size`` (Qwen3-MoE as ``moe_intermediate_size``)."""
+        keys = super().config_keys(config)
+        kind = config.get("model_type")
+        if kind == "mixtral":
+            keys["moe_num_experts"] = "num_local_experts"
+        if kind != "qwen3_moe":
+            keys["moe_ffn_embed_dim"] = "intermediate_size"
+        return keys
 
     def complete(self, config: Dict[str, Any]) -> Dict[str, Any]:
         """Qwen3-MoE's width of the (unused) dense MLP may be missing: its experts' width stands in for the check."""

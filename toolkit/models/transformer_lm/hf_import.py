@@ -31,7 +31,7 @@ import torch
 from toolkit.core.errors import UserError, malformed_file, require
 from toolkit.core.protocols import HFCheckpoint
 from toolkit.models import matching_arch as family_size
-from toolkit.models.hf_checkpoint import CHECKPOINT, checkpoint, training_flags
+from toolkit.models.hf_checkpoint import CHECKPOINT, check_finite, checkpoint, training_flags
 
 ACTIVATIONS = {
     "gelu_new": "gelu_accurate",
@@ -207,6 +207,9 @@ def read_gpt2(folder: str, out_dir: str, tokens_per_sample: Optional[int], advan
         else None
     )
     symbols, index = vocabulary(config.vocab_size, eot)
+    weights = [os.path.join(folder, n) for n in ("model.safetensors", "pytorch_model.bin")]
+    for name, tensor in hf.state_dict().items():
+        check_finite(name, tensor, next((w for w in weights if os.path.isfile(w)), folder))
     state = convert_state(hf.state_dict(), config, index, eot)
     given = model_options(config)
     arch = matching_arch(given)
