@@ -52,15 +52,17 @@ def chunk_layout(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-def check_sequence_split(cp_size: int, task: Any, model: Any) -> None:
+def check_sequence_split(cp_size: int, task: Any, model: Any, bos_prepended: Optional[bool] = None) -> None:
     """``--tokens-per-sample`` makes samples that cut into 2C equal chunks: a sample of another length is padded
     to the next multiple of 2C (:func:`pad_to_chunks`), which the model's positions must hold. Refused here, in
     one line naming both flags and the nearest lengths that cut, before any rank starts (``toolkit-train``'s
-    flag checks and the planner call it): otherwise each rank dies in its first forward with an IndexError."""
+    flag checks and the planner call it): otherwise each rank dies in its first forward with an IndexError.
+    ``bos_prepended``: whether ``--add-bos-token`` adds a position (fairseq's ``<s>``; not when a tokenizer's
+    vocabulary reads BOS as context, which the caller knows from the data-bin); default: it does."""
     tokens = getattr(task, "tokens_per_sample", None)
     if cp_size <= 1 or not tokens:
         return
-    bos = 1 if getattr(task, "add_bos_token", False) else 0
+    bos = int(bool(getattr(task, "add_bos_token", False) if bos_prepended is None else bos_prepended))
     positions = getattr(model, "max_target_positions", None) or tokens + bos
     longest = positions if getattr(task, "sample_break_mode", "none") == "eos" else tokens + bos
     chunks = 2 * cp_size

@@ -109,7 +109,7 @@ def _check_layout(cfg: TrainConfig) -> None:
     if refused:
         raise UserError(refused)
     check_expert_share(cfg.distributed.expert_parallel_size, getattr(cfg.model, "moe_num_experts", 0))
-    check_sequence_split(cfg.distributed.context_parallel_size, cfg.task, cfg.model)
+    check_sequence_split(cfg.distributed.context_parallel_size, cfg.task, cfg.model, _prepends_bos(cfg))
 
 
 def _check_fp8(cfg: TrainConfig, explicit: Set[str]) -> List[str]:
@@ -256,6 +256,12 @@ def model_positions(cfg: TrainConfig) -> int:
     return int(positions or getattr(cfg.task, "tokens_per_sample", 0) or 0)
 
 
+def _prepends_bos(cfg: TrainConfig) -> bool:
+    """Whether ``--add-bos-token`` makes each sample a position longer (not when the data-bin's vocabulary reads
+    BOS as context)."""
+    return bool(getattr(cfg.task, "add_bos_token", False)) and not reads_bos_as_context(_dictionary_path(cfg.task))
+
+
 def _check_values(cfg: TrainConfig) -> None:
     opt = cfg.optimization
     if opt.update_freq < 1:
@@ -266,7 +272,7 @@ def _check_values(cfg: TrainConfig) -> None:
         check_positions(
             getattr(cfg.model, "max_target_positions", None),
             cfg.task.tokens_per_sample,
-            getattr(cfg.task, "add_bos_token", False) and not reads_bos_as_context(_dictionary_path(cfg.task)),
+            _prepends_bos(cfg),
             getattr(cfg.task, "sample_break_mode", "none"),
         )
     world = max(cfg.distributed.distributed_world_size, int(os.environ.get("WORLD_SIZE", "1") or 1))
