@@ -44,7 +44,17 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
-from benchmarks.timing import RESULTS, Measured, Report, Stats, add_results_flag, alternate, median, time_call
+from benchmarks.timing import (
+    RESULTS,
+    Measured,
+    Report,
+    Stats,
+    add_results_flag,
+    alternate,
+    median,
+    time_call,
+    write_text,
+)
 
 FAIRSEQ_HOME = os.environ.get("FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache" / "toolkit" / "fairseq-0.12.2"))
 FAIRSEQ_INSTALL = "bash benchmarks/fairseq_parity/setup.sh (fairseq 0.12.2 is not pip-installable on Python 3.11)"
@@ -615,9 +625,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     result["markdown"] = markdown(result)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_text(str(out), json.dumps(result, indent=1))
     print(result["markdown"])
     report.emit(results=args.results, **{k: v for k, v in result.items() if k not in ("benchmark", "markdown")})
     return result

@@ -1,7 +1,7 @@
 """Binarizing with a tokenizer against the tokenizer alone: tokens/s per worker of ``toolkit-preprocess``.
 
-    python benchmarks/preprocess_tokenizers.py                         # 8 MB of WikiText, 1 worker
-    python benchmarks/preprocess_tokenizers.py --size-mb 20 --workers 1 2
+    python -m benchmarks.preprocess_tokenizers                         # 8 MB of WikiText, 1 worker
+    python -m benchmarks.preprocess_tokenizers --size-mb 20 --workers 1 2
 
 For each tokenizer on the same text:
 
@@ -19,14 +19,13 @@ binarize time from its log, start-up excluded), tokens/s per worker and its time
 time alone (the issue's aim: <= 1.1). Each row is the best of ``--repeats`` runs (the machine is
 shared). ``CPU seconds``: the same split binarized in this process (``binarize_range``, one worker),
 through the tokenizer's ids and through its text (``id_pieces`` off), against the tokenizer alone, in CPU
-seconds, which a loaded machine disturbs far less than the wall clock. Prints the tables, then one JSON line.
+seconds (the three alternated, :func:`benchmarks.timing.alternate`), which a loaded machine disturbs far less than
+the wall clock. Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import re
 import shutil
@@ -35,8 +34,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks.timing import REPO, Measured, Report, add_results_flag, alternate, now
+
 DEFAULT_SOURCE = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini", "wiki.train.tokens")
 BLOCK_LINES = 8192
 
@@ -58,7 +57,7 @@ def train_bpe(source: str, folder: str) -> dict:
     return {"encoder": vocab, "merges": merges}
 
 
-def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter) -> tuple:
+def time_alone(name: str, corpus: str, files: dict, clock=now) -> tuple:
     """(seconds of ``clock``, tokens) of the tokenizer's own batch API over the corpus lines."""
     with open(corpus, encoding="utf-8") as f:
         lines = [line.strip() for line in f]
@@ -97,7 +96,7 @@ def bpe_flags(name: str, files: dict) -> list:
 
 
 def preprocess(args: list) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--no-progress-bar", *args],
         capture_output=True,
@@ -191,16 +190,17 @@ def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool) ->
 
 
 def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int) -> list:
-    """CPU seconds, best of ``repeats`` interleaved: the tokenizer alone, binarizing through its ids and
+    """CPU seconds, best of ``repeats`` alternated: the tokenizer alone, binarizing through its ids and
     through its text."""
     print(f"{'CPU seconds':<13}{'alone':>8}{'ids':>8}{'x alone':>9}{'text':>8}{'x alone':>9}")
     rows = []
     for name in names:
-        best = {"alone": math.inf, "ids": math.inf, "text": math.inf}
-        for _ in range(repeats):
-            best["alone"] = min(best["alone"], time_alone(name, corpus, files, time.process_time)[0])
-            best["ids"] = min(best["ids"], cpu_binarize(name, corpus, files, tmp, by_ids=True))
-            best["text"] = min(best["text"], cpu_binarize(name, corpus, files, tmp, by_ids=False))
+        runs = {
+            "alone": lambda: Measured(time_alone(name, corpus, files, time.process_time)[0]),
+            "ids": lambda: Measured(cpu_binarize(name, corpus, files, tmp, by_ids=True)),
+            "text": lambda: Measured(cpu_binarize(name, corpus, files, tmp, by_ids=False)),
+        }
+        best = {k: st.min for k, st in alternate(runs, repeats).items()}
         alone = best["alone"]
         print(
             f"{name:<13}{alone:>8.3f}{best['ids']:>8.3f}{best['ids'] / alone:>9.2f}{best['text']:>8.3f}"
@@ -224,7 +224,9 @@ def main() -> None:
     p.add_argument("--tokenizers", nargs="+", default=["whitespace", "gpt2", "hf_byte_bpe"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--source", default=DEFAULT_SOURCE)
+    add_results_flag(p)
     args = p.parse_args()
+    report = Report("preprocess_tokenizers")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus.txt")
@@ -258,17 +260,7 @@ def main() -> None:
                     }
                 )
         cpu = cpu_rows([n for n in args.tokenizers if n != "whitespace"], corpus, files, tmp, args.repeats)
-    print(
-        json.dumps(
-            {
-                "benchmark": "preprocess_tokenizers",
-                "size_mb": args.size_mb,
-                "load": round(os.getloadavg()[0], 2),
-                "rows": rows,
-                "cpu_rows": cpu,
-            }
-        )
-    )
+    report.emit(results=args.results, size_mb=args.size_mb, rows=rows, cpu_rows=cpu)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,14 @@ def results_path(name: str) -> pathlib.Path:
     return path if path.parent != pathlib.Path(".") or path.is_absolute() else RESULTS / path
 
 
+def write_text(path: str, text: str) -> None:
+    """``text`` to ``path`` under a temporary name first, so that a reader never sees half a table."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
+
+
 def add_results_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results",

@@ -14,7 +14,12 @@ Runs, in a work folder (default /tmp/fairseq-parity):
 
 Prints a table, then one JSON line; exits 1 when any perplexity differs by more than 0.1% (``--tolerance``).
 
-    bash benchmarks/fairseq_parity/setup.sh && python benchmarks/fairseq_parity/parity.py
+    bash benchmarks/fairseq_parity/setup.sh && python -m benchmarks.fairseq_parity.parity
+
+Both tools run as commands in their own interpreters: fairseq's from ``$FAIRSEQ_HOME``'s venv with
+``PYTHONPATH`` set to that home (its ``sitecustomize.py`` shim, ``shim_sitecustomize.py``, loads from there) and
+its ``src`` (fairseq's unmodified source), the toolkit's with ``PYTHONPATH`` set to this checkout. That
+environment of the child processes is the only path set up here; this script's own imports need none.
 """
 
 from __future__ import annotations
