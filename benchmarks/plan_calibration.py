@@ -17,8 +17,8 @@ Then the two constants the offloaded step depends on most, per card: ``--host-li
 (bytes over copy time, parameters over CPU Adam time); and fitted to every layout's measured step time: the pair
 that minimizes the squared log error of ``toolkit.plan.step_time.step_time`` (the planner's own formula, so the
 fit says what to set in ``toolkit/plan/hardware.py``'s preset, not what a separate model would want). A fitted
-value at the edge of the searched range is flagged: the measurements do not pin it (a copy time hidden under
-compute, for instance). Prints the tables, writes them to ``--out`` (markdown), then one JSON line
+value that can be halved or doubled at almost no cost to the fit is flagged: the measurements do not pin it (a
+copy time hidden under compute, for instance). Prints the tables, writes them to ``--out`` (markdown), then one JSON line
 (``"benchmark": "plan_calibration"``).
 """
 
@@ -145,15 +145,12 @@ def fit(layouts: List[Dict[str, Any]]) -> Dict[str, Any]:
             (max(GBPS_RANGE[0], best[1] / step[0]), min(GBPS_RANGE[1], best[1] * step[0])),
             (max(GPARAMS_RANGE[0], best[2] / step[1]), min(GPARAMS_RANGE[1], best[2] * step[1])),
         )
-    _, gbps, gparams = best
-    edge = [
-        flag
-        for flag, value, (lo, hi) in (
-            ("--host-link-gbps", gbps, GBPS_RANGE),
-            ("--cpu-adam-gparams", gparams, GPARAMS_RANGE),
-        )
-        if value <= lo * 1.3 or value >= hi / 1.3
-    ]
+    least, gbps, gparams = best
+    moved = {  # the loss with each constant halved and doubled: flat means these runs do not pin it
+        "--host-link-gbps": [loss(gbps * f, gparams) for f in (0.5, 2.0)],
+        "--cpu-adam-gparams": [loss(gbps, gparams * f) for f in (0.5, 2.0)],
+    }
+    edge = [flag for flag, losses in moved.items() if min(losses) - least < max(1e-4, 0.01 * least)]
     return {
         "host_link_gbps": gbps,
         "cpu_adam_gparams": gparams,
