@@ -87,6 +87,12 @@ def train_argv(line: Dict[str, Any]) -> List[str]:
     return words[words.index("toolkit_cli.train") + 1 :]
 
 
+def flag_value(argv: List[str], flag: str, default: str) -> str:
+    """The value of ``flag``'s last occurrence in ``argv`` (the one toolkit-train's parser keeps)."""
+    at = [i for i, a in enumerate(argv[:-1]) if a == flag]
+    return argv[at[-1] + 1] if at else default
+
+
 def card_of(plan_line: str) -> Tuple[str, str]:
     """(the card's name as the plan gave it, toolkit-plan's preset for it)."""
     m = PLAN_CARD.search(plan_line)
@@ -186,7 +192,6 @@ def layout_row(path: str, line: Dict[str, Any], vocab_size: int) -> Dict[str, An
     argv = train_argv(line)
     card, preset = card_of(line["plan"])
     plan = plan_layout(argv, preset, vocab_size)
-    optimizer = argv[len(argv) - 1 - argv[::-1].index("--optimizer") + 1] if "--optimizer" in argv else "adam"
     copy_bytes, copy_s = host_link(plan)
     gpu_used = line.get("peak_gpu_used_gib")
     return {
@@ -194,8 +199,8 @@ def layout_row(path: str, line: Dict[str, Any], vocab_size: int) -> Dict[str, An
         "source": os.path.basename(path),
         "card": card,
         "preset": preset,
-        "optimizer": optimizer,
-        "adam_state_precision": plan.setup.adam_state_precision,
+        "optimizer": flag_value(argv, "--optimizer", "adam"),
+        "adam_state_precision": flag_value(argv, "--adam-state-precision", "fp32"),
         "plan": plan,
         "measured_step_s": plan.time.tokens_per_step / line["words_per_s"],
         "terms": {
