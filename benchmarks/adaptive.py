@@ -20,7 +20,7 @@ Every configuration runs in a fresh subprocess (its peak memory is its own; so i
 
 * **tokens/s** of a training step (forward, backward, fused AdamW step): the fastest of ``--steps``
   steps after ``--warmup`` (the least disturbed by other processes on a shared machine), and
-  **tokens per CPU-second** (median, ``time.process_time``: what the step costs, whatever the
+  **tokens per CPU-second** (median, ``timing.cpu_now``: what the step costs, whatever the
   contention);
 * **output layer memory**: the output layer and loss alone (forward and backward from the final
   features, which are detached so nothing else is counted): the bytes of the tensors autograd
@@ -40,10 +40,9 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-from benchmarks.timing import REPO, Report, Stats, add_results_flag, median, module_argv, repeat
+from benchmarks.timing import REPO, Report, Stats, add_results_flag, cpu_now, median, module_argv, repeat
 
 CUTOFF = "20000,60000"
 
@@ -151,12 +150,12 @@ def measure(config: str, a) -> Dict[str, float]:
 
     def step():
         nonlocal step_rss
-        before, cpu_start = rss_bytes(), time.process_time()
+        before, cpu_start = rss_bytes(), cpu_now()
         loss, _, _ = forward_and_loss(model, criterion, sample)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        cpu_times.append(time.process_time() - cpu_start)
+        cpu_times.append(cpu_now() - cpu_start)
         step_rss = max(step_rss, peak_rss_bytes() - before)
         return loss
 

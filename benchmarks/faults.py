@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.timing import Report, add_results_flag
+from benchmarks.timing import Report, add_results_flag, now
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,8 +201,8 @@ def temp_files(save_dir: str) -> List[str]:
 
 
 def wait_for_update(proc: subprocess.Popen, log: str, update: int, timeout: float = 600) -> bool:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = now() + timeout
+    while proc.poll() is None and now() < deadline:
         if last_update(log) >= update:
             return True
         time.sleep(0.01)
@@ -235,8 +235,8 @@ def kill9(proc: subprocess.Popen, timeout: float = 30) -> None:
     ranks = workers(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + timeout
-    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+    deadline = now() + timeout
+    while any(running(pid) for pid in ranks) and now() < deadline:
         time.sleep(0.05)
     for pid in (pid for pid in ranks if running(pid)):
         os.kill(pid, signal.SIGKILL)

@@ -32,9 +32,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-from benchmarks.timing import REPO, Measured, Report, add_results_flag, alternate, now
+from benchmarks.timing import REPO, Measured, Report, add_results_flag, alternate, cpu_now, now
 
 DEFAULT_SOURCE = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini", "wiki.train.tokens")
 BLOCK_LINES = 8192
@@ -182,9 +181,9 @@ def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool) ->
     prefix = os.path.join(tmp, f"cpu-{name}")
     builder = MMapIndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
     with mock.patch.object(type(tokenizer), "id_pieces", type(tokenizer).id_pieces if by_ids else lambda self: None):
-        t0 = time.process_time()
+        t0 = cpu_now()
         binarize_range(corpus, 0, None, dictionary, builder, tokenizer)
-        seconds = time.process_time() - t0
+        seconds = cpu_now() - t0
     builder.finalize(index_file_path(prefix))
     return seconds
 
@@ -196,7 +195,7 @@ def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int) -> l
     rows = []
     for name in names:
         runs = {
-            "alone": lambda: Measured(time_alone(name, corpus, files, time.process_time)[0]),
+            "alone": lambda: Measured(time_alone(name, corpus, files, cpu_now)[0]),
             "ids": lambda: Measured(cpu_binarize(name, corpus, files, tmp, by_ids=True)),
             "text": lambda: Measured(cpu_binarize(name, corpus, files, tmp, by_ids=False)),
         }

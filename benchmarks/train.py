@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from types import SimpleNamespace
 
 import torch
 
-from benchmarks.timing import Report, add_results_flag, median, now, repeat
+from benchmarks.timing import Report, add_results_flag, cpu_now, median, now, repeat
 
 PRESETS = {
     # name: (toolkit-train model/batch flags, vocabulary size, warmup steps, timed steps)
@@ -356,9 +355,9 @@ def main(argv=None):
 
     if ours.warmup:
         run_steps(trainer, sample, ours.warmup, device, phases=False)
-    busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), now()
+    busy0, own0, wall0 = busy_cpu_seconds(), cpu_now(), now()
     stats, splits, out, peaks = run_steps(trainer, sample, ours.steps, device, phases=True)
-    busy1, own1, wall1 = busy_cpu_seconds(), time.process_time(), now()
+    busy1, own1, wall1 = busy_cpu_seconds(), cpu_now(), now()
     times = stats.seconds
     # CPUs' worth of other processes' work during the timed steps (this process's own CPU time excluded)
     others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)

@@ -33,10 +33,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from benchmarks.timing import REPO, now
+
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-mini"
 MODEL = [
     "--arch",
@@ -84,11 +84,11 @@ PERPLEXITY = re.compile(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)")
 
 def run(cmd: List[str], env: Dict[str, str], log: pathlib.Path) -> str:
     print("+", " ".join(cmd), flush=True)
-    started = time.time()
+    started = now()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write_text(proc.stdout)
     if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}) after {time.time() - started:.0f}s; see {log}:\n{proc.stdout[-2000:]}")
+        sys.exit(f"failed ({proc.returncode}) after {now() - started:.0f}s; see {log}:\n{proc.stdout[-2000:]}")
     return proc.stdout
 
 

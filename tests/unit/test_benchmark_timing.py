@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import os
+import threading
 
 import pytest
 
@@ -43,6 +44,17 @@ def test_a_contestant_that_times_itself_gives_its_own_seconds(ticking):
     rounds = iter([(9.0, "x"), (2.0, "y"), (4.0, "z"), (7.0, "w")])
     stats = timing.alternate({"child": lambda: timing.Measured(*next(rounds))}, rounds=3, warmup=1)
     assert stats["child"].seconds == [2.0, 4.0, 7.0] and stats["child"].last == "w"
+
+
+def test_cpu_seconds_count_this_process_work_not_its_waits():
+    start = timing.cpu_now()
+    total = sum(i * i for i in range(200_000))
+    busy = timing.cpu_now() - start
+    start = timing.cpu_now()
+    threading.Event().wait(0.2)
+    waited = timing.cpu_now() - start
+    assert total > 0 and busy > 0
+    assert waited < 0.1  # a wall clock reads at least 0.2 across the wait, whatever the load
 
 
 def test_stats_are_min_median_max_and_ratios_are_of_medians():
@@ -86,14 +98,17 @@ def benchmark_files():
                 yield os.path.join(root, name)
 
 
+CLOCKS = ("perf_counter", "time", "monotonic", "process_time", "perf_counter_ns", "monotonic_ns", "time_ns")
+
+
 def own_timing(tree: ast.AST):
     """What a benchmark must take from benchmarks.timing instead: (line, what) for each."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if (node.value.id, node.attr) == ("sys", "path"):
                 yield node.lineno, "edits sys.path (run it as python -m benchmarks.NAME)"
-            if node.attr == "perf_counter":
-                yield node.lineno, "reads the clock itself (timing.now, time_call, alternate)"
+            if node.attr in CLOCKS and (node.value.id == "time" or node.attr == "perf_counter"):
+                yield node.lineno, "reads the clock itself (timing.now, cpu_now, time_call, alternate)"
             if node.attr == "median" and node.value.id in ("statistics", "np", "numpy", "torch"):
                 yield node.lineno, "computes its own median (timing.median, Stats)"
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -121,5 +136,7 @@ def test_the_check_finds_each_kind_of_private_timing():
         "def step_median(xs):\n"
         "    return statistics.median(xs)\n"
         "t0 = time.perf_counter()\n"
+        "c0 = time.process_time()\n"
+        "s0 = time.time()\n"
     )
-    assert sorted(line for line, _ in own_timing(ast.parse(snippet))) == [1, 2, 3, 4, 5]
+    assert sorted(line for line, _ in own_timing(ast.parse(snippet))) == [1, 2, 3, 4, 5, 6, 7]
