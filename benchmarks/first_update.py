@@ -50,7 +50,9 @@ PHASES = (
     "train_iterator",
 )
 
-# Runs in the fresh interpreter: wraps the phases, stops the process at the end of the first update.
+# Runs in the fresh interpreter: wraps the phases, stops the process at the end of the first update. It reads
+# the clocks itself, before any import it would time, and runs in --baseline's tree too, which may hold no
+# benchmarks.timing; the rounds and medians around it are timing's.
 PROBE = """
 import json, os, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
