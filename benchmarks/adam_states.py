@@ -1,8 +1,10 @@
 """cpu_adam's Adam moments in fp32, bf16 and 8 bits: training parity and host bytes per parameter.
 
-    python benchmarks/adam_states.py                    # both parts
-    python benchmarks/adam_states.py parity [--updates 500] [--workdir /tmp/adam_states]
-    python benchmarks/adam_states.py memory
+    python -m benchmarks.adam_states                    # memory, speed and parity
+    python -m benchmarks.adam_states parity [--updates 500] [--workdir /tmp/adam_states]
+    python -m benchmarks.adam_states memory
+    python -m benchmarks.adam_states speed [--speed-runs fp32 8bit] [--rounds 5]
+    python -m benchmarks.adam_states codes
 
 ``parity``: toolkit-train (a subprocess, the real CLI path) on the shared WikiText-2 mini
 corpus (preprocessed once into ``--workdir``), a small transformer_lm on CPU, ``--optimizer
@@ -19,6 +21,10 @@ of the tensors a CPUAdam actually holds after one step on a mid-size transformer
 in host memory, random gradients), and projected from the shapes of
 ``transformer_lm_gpt3_13`` (built on the meta device) with the same per-shape accounting
 (``quantized_states.state_nbytes``), which the measured figures check.
+
+``speed``: ``CPUAdam.step()`` per moment layout on the same model, the layouts alternated
+(:func:`benchmarks.timing.alternate`). ``codes``: the fused 8-bit kernel's encoder against the eager one on
+every fp32 ratio in (0, 1]. Each part prints its table and one JSON line.
 """
 
 from __future__ import annotations
@@ -27,17 +33,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import REPO, Report, add_results_flag, alternate, time_call
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
 PRECISIONS = ("fp32", "bf16", "8bit")
 # (moments, host gradients): --adam-state-precision, and --bf16-host-grads or not
@@ -97,7 +100,7 @@ MODEL = [
 
 
 def _env() -> Dict[str, str]:
-    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
 
 
 def preprocess(workdir: str) -> str:
@@ -145,13 +148,14 @@ RUNS = {
 
 def train_run(data: str, name: str, updates: int) -> Dict[str, float]:
     """One toolkit-train run; its last train_inner loss and its last valid loss."""
-    start = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates), *RUNS[name]],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=REPO,
+    seconds, proc = time_call(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "toolkit_cli.train", data, *MODEL, "--max-update", str(updates), *RUNS[name]],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+        )
     )
     if proc.returncode != 0:
         raise SystemExit(f"toolkit-train ({name}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -165,17 +169,19 @@ def train_run(data: str, name: str, updates: int) -> Dict[str, float]:
         "train_loss": float(last["loss"]),
         "at_update": int(last["num_updates"]),
         "valid_loss": float(records["valid"][-1]["valid_loss"]),
-        "seconds": round(time.time() - start, 1),
+        "seconds": round(seconds, 1),
     }
 
 
 def parity(args) -> Dict[str, Dict[str, float]]:
+    report = Report("adam_states_parity")
     data = preprocess(args.workdir)
     results = {}
     for name in args.runs:
         results[name] = train_run(data, name, args.updates)
         print(f"  {name}: {results[name]}", flush=True)
     if "fp32" not in results:
+        report.emit(results=args.results, updates=args.updates, runs=results)
         return results
     ref = results["fp32"]
     print(f"\n{args.updates} updates, {' '.join(MODEL)}\n")
@@ -187,6 +193,7 @@ def parity(args) -> Dict[str, Dict[str, float]]:
         print(
             f"| {precision} | {r['train_loss']:.3f} | {dt:+.2%} | {r['valid_loss']:.3f} | {dv:+.2%} | {r['seconds']} |"
         )
+    report.emit(results=args.results, updates=args.updates, runs=results)
     return results
 
 
@@ -205,8 +212,10 @@ MID = dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048, 
 
 def host_params(grad_dtype: torch.dtype, arch_overrides: Dict[str, int], vocab: int) -> List[torch.Tensor]:
     """A transformer_lm's parameters in host memory (random), each with a random gradient of ``grad_dtype``."""
+    from toolkit.core import registry
     from toolkit.models import build_on_meta
 
+    registry.import_all_components()  # the families register themselves on import
     model = build_on_meta("transformer_lm", vocab, 512, **arch_overrides).to_empty(device="cpu")
     params = list({id(p): p for p in model.parameters()}.values())
     g = torch.Generator().manual_seed(0)
@@ -226,9 +235,7 @@ def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, 
     params = host_params(grad_dtype, arch_overrides, vocab)
     opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), adam_state_precision=precision)
     opt.step()  # creates the state
-    start = time.perf_counter()
-    opt.step()
-    seconds = time.perf_counter() - start
+    seconds, _ = time_call(opt.step)
     n = sum(p.numel() for p in params)
     state = sum(_nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     projected = sum(quantized_states.state_nbytes(precision, p.shape) + 4 for p in params)  # + the step scalar
@@ -243,9 +250,11 @@ def measured(precision: str, grad_dtype: torch.dtype, arch_overrides: Dict[str, 
 
 
 def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, float]:
+    from toolkit.core import registry
     from toolkit.models import build_on_meta
     from toolkit.optim import quantized_states
 
+    registry.import_all_components()
     model = build_on_meta(arch)
     params = list({id(p): p for p in model.parameters()}.values())
     n = sum(p.numel() for p in params)
@@ -255,7 +264,9 @@ def projected(precision: str, grad_dtype: torch.dtype, arch: str) -> Dict[str, f
 
 
 def memory(args) -> None:
+    report = Report("adam_states_memory")
     mid = MID
+    rows = []
     print(
         "| model | params | moments | host grads | weights B/param | grads B/param | optimizer state B/param "
         "| total B/param | total host memory | step s |"
@@ -270,12 +281,14 @@ def memory(args) -> None:
             total = r["weights"] + r["grads"] + r["state"]
             check = f" (by shapes {r['state_by_shapes']:.3f})" if "state_by_shapes" in r else ""
             grads = "bf16" if grad_dtype == torch.bfloat16 else "fp32"
+            rows.append({"model": label, "moments": precision, "host_grads": grads, **r, "total": total})
             print(
                 f"| {label} | {r['params'] / 1e6:,.1f}M | {precision} | {grads} | {r['weights']:.2f} | "
                 f"{r['grads']:.2f} | {r['state']:.3f}{check} | {total:.2f} | "
                 f"{total * r['params'] / 2**30:.1f} GiB | {r.get('step_s', float('nan')):.2f} |",
                 flush=True,
             )
+    report.emit(results=args.results, rows=rows)
 
 
 # --------------------------------------------------------------------------- speed
@@ -298,6 +311,7 @@ def speed(args) -> Dict[str, Dict[str, float]]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    report = Report("adam_states_speed")
     runs = {}
     for name in args.speed_runs:
         precision, grad_dtype, fused = SPEED_RUNS[name]
@@ -305,31 +319,21 @@ def speed(args) -> Dict[str, Dict[str, float]]:
         opt = CPUAdam(params, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01, adam_state_precision=precision)
         if opt.moments is not None and not fused:
             opt.moments.fused = None  # the eager codec (the fallback without a compiler)
-        for _ in range(args.warmup):
-            opt.step()
-        runs[name] = (opt, [])
-    n = sum(p.numel() for p in runs[args.speed_runs[0]][0].param_groups[0]["params"])
-    for _ in range(args.rounds):
-        for name, (opt, times) in runs.items():
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
+        runs[name] = opt
+    n = sum(p.numel() for p in runs[args.speed_runs[0]].param_groups[0]["params"])
+    stats = alternate({name: opt.step for name, opt in runs.items()}, args.rounds, args.warmup)
     print(
         f"\nCPUAdam.step() on transformer_lm 6x512 V 32000 ({n / 1e6:.1f}M params), {torch.get_num_threads()} "
         f"threads, {args.rounds} rounds\n"
     )
     print("| moments (host grads, codec) | step s, median | best | median vs fp32 |")
     print("| --- | --- | --- | --- |")
-    results = {name: {"median_s": statistics.median(t), "best_s": min(t)} for name, (_, t) in runs.items()}
+    results = {name: {"median_s": st.median, "best_s": st.min} for name, st in stats.items()}
     ref = results.get("fp32", {}).get("median_s")
     for name, r in results.items():
         rel = f"{r['median_s'] / ref:.2f}x" if ref else ""
         print(f"| {name} | {r['median_s']:.3f} | {r['best_s']:.3f} | {rel} |")
-    print(
-        json.dumps(
-            {"benchmark": "adam_states_speed", "params": n, "threads": torch.get_num_threads(), "results": results}
-        )
-    )
+    report.emit(stats, "fp32" if "fp32" in stats else None, args.results, params=n, rows=results)
     return results
 
 
@@ -346,18 +350,21 @@ def codes() -> None:
     if op is None:
         raise SystemExit("codes: the fused 8-bit kernel could not be built (see the WARNING above)")
     one, chunk = 0x3F800000, 1 << 24
-    differ = formula_differ = 0
-    start_s = time.perf_counter()
-    for start in range(1, one + 1, chunk):
-        ratio = torch.arange(start, min(start + chunk, one + 1), dtype=torch.int32).view(torch.float32)
-        eager = qs.sq_code(ratio)
-        differ += int((op.sq_codes(ratio, qs.SQ_RATIO, qs.SQ_THRESHOLD).int() != eager).sum())
-        formula = ratio.log2().mul_(127.0 / qs.SQ_OCTAVES).round_().add_(255).clamp_(1, 255)
-        formula_differ += int((formula.int() != eager).sum())
+
+    def count():
+        differ = formula_differ = 0
+        for start in range(1, one + 1, chunk):
+            ratio = torch.arange(start, min(start + chunk, one + 1), dtype=torch.int32).view(torch.float32)
+            eager = qs.sq_code(ratio)
+            differ += int((op.sq_codes(ratio, qs.SQ_RATIO, qs.SQ_THRESHOLD).int() != eager).sum())
+            formula = ratio.log2().mul_(127.0 / qs.SQ_OCTAVES).round_().add_(255).clamp_(1, 255)
+            formula_differ += int((formula.int() != eager).sum())
+        return differ, formula_differ
+
+    seconds, (differ, formula_differ) = time_call(count)
     print(
         f"codes: {one:,} fp32 ratios in (0, 1]: the fused encoder differs from the eager one on {differ}; "
-        f"the log2 formula (torch's log2, before the tables) on {formula_differ} "
-        f"({time.perf_counter() - start_s:.0f} s)"
+        f"the log2 formula (torch's log2, before the tables) on {formula_differ} ({seconds:.0f} s)"
     )
     if differ:
         raise SystemExit(1)
@@ -379,6 +386,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="speed: timed steps per layout (interleaved)")
     parser.add_argument("--warmup", type=int, default=2, help="speed: untimed steps per layout")
     parser.add_argument("--threads", type=int, default=None, help="speed: intra-op threads (default: torch's)")
+    add_results_flag(parser)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     if args.part in ("memory", "all"):

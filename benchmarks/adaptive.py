@@ -1,6 +1,6 @@
 """Adaptive softmax (+ adaptive input) against a full softmax on a WikiText-103-sized vocabulary (CPU).
 
-    python benchmarks/adaptive.py [--vocab 267744] [--layers 2] [--embed-dim 256] [--ffn-dim 1024]
+    python -m benchmarks.adaptive [--vocab 267744] [--layers 2] [--embed-dim 256] [--ffn-dim 1024]
         [--heads 4] [--batch-size 2] [--tokens-per-sample 128] [--steps 4] [--warmup 1] [--threads 2]
         [--configs full,adaptive_softmax,adaptive] [--json]
 
@@ -15,11 +15,12 @@ its tail bands, so uniform ids would misstate it. Configurations:
 * ``adaptive``: the same body with adaptive input and softmax (``--adaptive-input``,
   ``--tie-adaptive-weights --tie-adaptive-proj``), ``adaptive_loss``.
 
-Every configuration runs in a fresh subprocess. Per configuration:
+Every configuration runs in a fresh subprocess (its peak memory is its own; so its steps are timed in a row,
+:func:`benchmarks.timing.repeat`, not alternated with the others'). Per configuration:
 
 * **tokens/s** of a training step (forward, backward, fused AdamW step): the fastest of ``--steps``
   steps after ``--warmup`` (the least disturbed by other processes on a shared machine), and
-  **tokens per CPU-second** (median, ``time.process_time``: what the step costs, whatever the
+  **tokens per CPU-second** (median, ``timing.cpu_now``: what the step costs, whatever the
   contention);
 * **output layer memory**: the output layer and loss alone (forward and backward from the final
   features, which are detached so nothing else is counted): the bytes of the tensors autograd
@@ -37,14 +38,11 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.timing import REPO, Report, Stats, add_results_flag, cpu_now, median, module_argv, repeat
 
 CUTOFF = "20000,60000"
 
@@ -147,33 +145,34 @@ def measure(config: str, a) -> Dict[str, float]:
         features = _features(model, sample)
     output_rss, _ = output_layer_step(model, criterion, features, sample)
     model.zero_grad(set_to_none=True)
-    times: List[float] = []
     cpu_times: List[float] = []
     step_rss = 0
-    for step in range(a.warmup + a.steps):
-        before = rss_bytes()
-        start, cpu_start = time.perf_counter(), time.process_time()
+
+    def step():
+        nonlocal step_rss
+        before, cpu_start = rss_bytes(), cpu_now()
         loss, _, _ = forward_and_loss(model, criterion, sample)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        cpu_times.append(cpu_now() - cpu_start)
         step_rss = max(step_rss, peak_rss_bytes() - before)
-        if step >= a.warmup:
-            times.append(elapsed)
-            cpu_times.append(cpu)
+        return loss
+
+    stats = repeat(step, a.steps, a.warmup)
     n_tokens = sample["ntokens"]
     return {
         "config": config,
         "params": sum(p.numel() for p in model.parameters()),
-        "tokens_per_s": n_tokens / min(times),
-        "step_ms": 1e3 * min(times),
-        "median_step_ms": 1e3 * statistics.median(times),
-        "tokens_per_cpu_s": n_tokens / statistics.median(cpu_times),
+        "seconds": stats.seconds,
+        "tokens_per_s": n_tokens / stats.min,
+        "step_ms": 1e3 * stats.min,
+        "median_step_ms": 1e3 * stats.median,
+        "tokens_per_cpu_s": n_tokens / median(cpu_times[a.warmup :]),
         "output_layer_rss_mb": output_rss / 2**20,
         "output_layer_analytic_mb": analytic_output_bytes(config, sample["target"], a) / 2**20,
         "step_peak_rss_growth_mb": step_rss / 2**20,
-        "loss": float(loss),
+        "loss": float(stats.last),
     }
 
 
@@ -204,6 +203,7 @@ def parse(argv=None):
     p.add_argument("--configs", default="full,adaptive_softmax,adaptive")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -212,13 +212,16 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(a.child, a)))
         return
-    results = {}
+    report = Report("adaptive_softmax")
+    results, stats = {}, {}
     for config in a.configs.split(","):
-        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", config]
-        proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, TOOLKIT_KEEP_CPU_MEMORY="0"))
+        argv = [*module_argv("adaptive"), *sys.argv[1:], "--child", config]
+        env = dict(os.environ, TOOLKIT_KEEP_CPU_MEMORY="0")
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
         if proc.returncode != 0:
             raise SystemExit(f"{config} failed:\n{proc.stderr[-3000:]}")
         results[config] = json.loads(proc.stdout.strip().splitlines()[-1])
+        stats[config] = Stats(results[config].pop("seconds"))
     if "full" in results and "adaptive" in results:
         f, ad = results["full"], results["adaptive"]
         results["speedup"] = ad["tokens_per_s"] / f["tokens_per_s"]
@@ -250,7 +253,7 @@ def main() -> None:
                 f"{results['output_layer_memory_ratio_rss']:.3f} (RSS), "
                 f"{results['output_layer_memory_ratio_analytic']:.3f} (analytic)"
             )
-    print(json.dumps(results))
+    report.emit(stats, "full" if "full" in stats else None, a.results, **results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Forward + backward of one attention layer: the fused q/k/v ``view/permute/unbind`` layout vs ``split``.
 
-    python benchmarks/attention_layout.py                       # C 768, 12 heads, B 8 x T 512, fp32, CPU
-    python benchmarks/attention_layout.py --dim 2048 --heads 32 --batch 4 --tokens 2048 --device cuda --dtype bf16
+    python -m benchmarks.attention_layout                       # C 768, 12 heads, B 8 x T 512, fp32, CPU
+    python -m benchmarks.attention_layout --dim 2048 --heads 32 --batch 4 --tokens 2048 --device cuda --dtype bf16
 
 ``old``: ``qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` (the model's layout before issue 15).
 Its backward stacks the three q/k/v gradients into [3, B, H, T, D] and copies that, strided,
@@ -11,7 +11,7 @@ into the [B, T, 3C] gradient of the projection.
 undo for free and split's backward is a single concatenation.
 
 Both run on the same weights; the script checks their outputs and gradients agree, times
-``--steps`` forward+backward passes of each (interleaved, median), and counts the copy kernels
+``--steps`` forward+backward passes of each (alternated after a warm-up, :func:`benchmarks.timing.alternate`), and counts the copy kernels
 (``aten::copy_``, ``cat``, ``stack``, ``clone``, ``contiguous``) that one backward launches and
 their summed self time, by torch.profiler (the median of 3 profiled backwards). Prints a table and
 one JSON line (``"benchmark": "attention_layout"``).
@@ -20,19 +20,13 @@ one JSON line (``"benchmark": "attention_layout"``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
-import time
 from typing import Callable, Dict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from toolkit.models.transformer_lm import CausalSelfAttention, TransformerLMConfig  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate, median
+from toolkit.models.transformer_lm import CausalSelfAttention, TransformerLMConfig
 
 COPY_KERNELS = ("aten::copy_", "aten::cat", "aten::stack", "aten::clone", "aten::contiguous")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +53,7 @@ def parse(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="parameter and input dtype")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    add_results_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -72,19 +67,10 @@ def build(args) -> CausalSelfAttention:
     return attn.to(DTYPES[args.dtype])
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def one_pass(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, device: str) -> float:
+def one_pass(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor) -> None:
     attn.zero_grad(set_to_none=True)
     x.grad = None
-    sync(device)
-    t0 = time.perf_counter()
     fn(attn, x).backward(grad)
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tensor, runs: int = 3) -> Dict[str, float]:
@@ -102,7 +88,7 @@ def backward_copy_kernels(fn: Callable, attn, x: torch.Tensor, grad: torch.Tenso
         attr = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"
         times.append(sum(getattr(events[k], attr) for k in COPY_KERNELS if k in events) / 1e3)
     out: Dict[str, float] = {k: events[k].count if k in events else 0 for k in COPY_KERNELS}
-    out["self_ms"] = statistics.median(times)
+    out["self_ms"] = median(times)
     return out
 
 
@@ -122,20 +108,17 @@ def main(argv=None) -> None:
     args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    report = Report("attention_layout", device=args.device, argv=argv)
     attn = build(args)
     dtype = DTYPES[args.dtype]
     x = torch.randn(args.batch, args.tokens, args.dim, device=args.device, dtype=dtype, requires_grad=True)
     grad = torch.randn(args.batch, args.tokens, args.dim, device=args.device, dtype=dtype)
     rel = check_agreement(attn, x, grad)
     layouts = {"old": old_layout, "new": new_layout}
-    for fn in layouts.values():  # warm-up
-        one_pass(fn, attn, x, grad, args.device)
-    times = {name: [] for name in layouts}
-    for _ in range(args.steps):
-        for name, fn in layouts.items():
-            times[name].append(one_pass(fn, attn, x, grad, args.device))
+    passes = {name: lambda fn=fn: one_pass(fn, attn, x, grad) for name, fn in layouts.items()}
+    stats = alternate(passes, args.steps, warmup=1, device=args.device)
     copies = {name: backward_copy_kernels(fn, attn, x, grad) for name, fn in layouts.items()}
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    median_ms = {name: st.median * 1e3 for name, st in stats.items()}
     print(
         f"attention layer C {args.dim}, H {args.heads}, B {args.batch} x T {args.tokens}, {args.dtype}, "
         f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -145,23 +128,19 @@ def main(argv=None) -> None:
     for name in layouts:
         kernels = ", ".join(f"{k.split('::')[1]} {n}" for k, n in copies[name].items() if k in COPY_KERNELS)
         kernels += f"; {copies[name]['self_ms']:.2f} ms"
-        print(f"{name:<8}{median[name]:>21.2f}{min(times[name]) * 1e3:>10.2f}  {kernels}")
-    print(
-        json.dumps(
-            {
-                "benchmark": "attention_layout",
-                "dim": args.dim,
-                "heads": args.heads,
-                "batch": args.batch,
-                "tokens": args.tokens,
-                "dtype": args.dtype,
-                "device": args.device,
-                "torch": torch.__version__,
-                "max_rel_diff": rel,
-                "median_ms": median,
-                "backward_copy_kernels": copies,
-            }
-        )
+        print(f"{name:<8}{median_ms[name]:>21.2f}{stats[name].min * 1e3:>10.2f}  {kernels}")
+    report.emit(
+        stats,
+        baseline="old",
+        results=args.results,
+        dim=args.dim,
+        heads=args.heads,
+        batch=args.batch,
+        tokens=args.tokens,
+        dtype=args.dtype,
+        max_rel_diff=rel,
+        median_ms=median_ms,
+        backward_copy_kernels=copies,
     )
 
 

@@ -1,7 +1,7 @@
 """Compare the training losses two toolkit-train logs report (fairseq's ``train_inner`` JSON lines).
 
-    python benchmarks/compare_losses.py REFERENCE.log OTHER.log                    # every common logged update
-    python benchmarks/compare_losses.py bf16.log fp8.log --last 50 --tolerance 0.01  # mean of the last 50 updates
+    python -m benchmarks.compare_losses REFERENCE.log OTHER.log                    # every common logged update
+    python -m benchmarks.compare_losses bf16.log fp8.log --last 50 --tolerance 0.01  # mean of the last 50 updates
 
 Without ``--last``: the largest relative difference over the updates both logs report (eager
 against ``--compile``: the same computation, so the difference is rounding). With ``--last N``:

@@ -1,7 +1,7 @@
 """Context parallelism on CPU ranks: one training step of a long sequence split over 2 gloo ranks vs one process.
 
-    python benchmarks/context_parallel.py                       # T 8192 and 16384, CP 1 and CP 2
-    python benchmarks/context_parallel.py --tokens 8192 --layers 1 --dim 128 --heads 2 --kv-heads 1
+    python -m benchmarks.context_parallel                       # T 8192 and 16384, CP 1 and CP 2
+    python -m benchmarks.context_parallel --tokens 8192 --layers 1 --dim 128 --heads 2 --kv-heads 1
 
 Each configuration runs in fresh processes (spawned; CP 2 is two gloo ranks on this machine): a Llama block
 stack (``LlamaLanguageModel``, fp32, the given width), one sequence of ``--tokens`` tokens, forward and
@@ -12,23 +12,20 @@ step) and the peak resident memory the steps added over the process's memory bef
 high-water mark of the process: activations, the attention's scores and mask, gradients). Both ranks of CP 2
 share the machine's cores with each other, so their time is not a speed-up measurement on 2 cores; the
 memory per rank is the figure of interest (one GPU or one host per rank is where CP saves time).
+Prints a line per configuration and rank, then one JSON line (``"benchmark": "context_parallel"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from benchmarks.timing import Report, Stats, add_results_flag, repeat
 
 
 def _model(args):
@@ -76,16 +73,15 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     if world > 1:
         sample = shard_sample(sample, world, rank, dist.group.WORLD, pad=1)
     before = _rss_mib()  # the model and the batch; the step's activations come on top
-    _step(model, sample, 1)  # warm-up
-    times = []
-    for _ in range(args.steps):
+
+    def step():
         if world > 1:
-            dist.barrier()
-        start = time.perf_counter()
+            dist.barrier()  # the ranks start each step together
         _step(model, sample, 1)
-        times.append(time.perf_counter() - start)
+
+    stats = repeat(step, args.steps, warmup=1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    results[rank] = dict(seconds=statistics.median(times), peak_added_mib=peak - before, rss_before_mib=before)
+    results[rank] = dict(seconds=stats.seconds, peak_added_mib=peak - before, rss_before_mib=before)
     if world > 1:
         dist.destroy_process_group()
 
@@ -107,25 +103,32 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
+    add_results_flag(parser)
     args = parser.parse_args()
-    for tokens in args.tokens:
+    report = Report("context_parallel")
+    stats, rows = {}, []
+    for tokens in list(args.tokens):
         for world in (1, 2):
             args.tokens = tokens
             per_rank = run(args, world)
             for rank, r in sorted(per_rank.items()):
+                stats[f"T {tokens} CP {world} rank {rank}"] = st = Stats(r["seconds"])
+                rows.append(
+                    dict(
+                        tokens=tokens,
+                        cp=world,
+                        rank=rank,
+                        seconds=round(st.median, 3),
+                        peak_added_mib=round(r["peak_added_mib"], 1),
+                        rss_before_mib=round(r["rss_before_mib"], 1),
+                    )
+                )
                 print(
-                    json.dumps(
-                        dict(
-                            tokens=tokens,
-                            cp=world,
-                            rank=rank,
-                            seconds=round(r["seconds"], 3),
-                            peak_added_mib=round(r["peak_added_mib"], 1),
-                            rss_before_mib=round(r["rss_before_mib"], 1),
-                        )
-                    ),
+                    f"T {tokens} CP {world} rank {rank}: step {st.median:.3f} s (median of {len(st.seconds)}), "
+                    f"peak added {r['peak_added_mib']:.1f} MiB over {r['rss_before_mib']:.1f}",
                     flush=True,
                 )
+    report.emit(stats, results=args.results, rows=rows)
 
 
 if __name__ == "__main__":

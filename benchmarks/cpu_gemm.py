@@ -2,12 +2,12 @@
 linear layer, at the shapes of a small transformer's training step (``toolkit.core.cpu_gemm`` uses oneDNN where
 ``--cpu-matmul auto`` measures it faster).
 
-    python benchmarks/cpu_gemm.py                  # 2 threads, the default shapes
-    python benchmarks/cpu_gemm.py --threads 1 --rows 2048 --shapes 256x688,688x256,256x8192
+    python -m benchmarks.cpu_gemm                  # 2 threads, the default shapes
+    python -m benchmarks.cpu_gemm --threads 1 --rows 2048 --shapes 256x688,688x256,256x8192
 
 For each layer shape IN x OUT and ``--rows`` M: the forward ``x [M, IN] @ W^T``, the input gradient
 ``dy [M, OUT] @ W`` and the weight gradient ``dy^T x`` (oneDNN's in the orientation ``cpu_gemm.mm_tn`` picks), each
-timed alone (best of ``--repeats`` after a warm-up) and alternated between the two libraries. Prints GFLOP/s and
+timed alone (best of ``--repeats`` after a warm-up), the two libraries alternated (:func:`benchmarks.timing.alternate`). Prints GFLOP/s and
 oneDNN / torch per product, the largest difference of the two results from a float64 product (both are fp32), and
 one JSON line (``"benchmark": "cpu_gemm"``).
 """
@@ -15,15 +15,11 @@ one JSON line (``"benchmark": "cpu_gemm"``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from toolkit.core import cpu_gemm  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate
+from toolkit.core import cpu_gemm
 
 
 def parse(argv=None):
@@ -37,6 +33,7 @@ def parse(argv=None):
         "transformer_lm's 512 x 12,448 output layer of the parity model)",
     )
     ap.add_argument("--repeats", type=int, default=5)
+    add_results_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -51,18 +48,20 @@ def products(m: int, k: int, n: int):
     }
 
 
-def run(args) -> dict:
+def run(args):
     torch.set_num_threads(args.threads)
     if not cpu_gemm.onednn_available():
         raise SystemExit("this torch build has no oneDNN linear kernel: nothing to compare")
     cpu_gemm.select("onednn")
-    rows = []
+    rows, all_stats = [], {}
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.lower().split("x"))
         flops = 2.0 * args.rows * k * n
         for name, (theirs, ours, reference) in products(args.rows, k, n).items():
             ref = reference()
-            t_torch, t_onednn = cpu_gemm.best_seconds(theirs, args.repeats), cpu_gemm.best_seconds(ours, args.repeats)
+            stats = alternate({"torch": theirs, "onednn": ours}, args.repeats, warmup=1)
+            all_stats.update({f"{k}x{n} {name} {lib}": st for lib, st in stats.items()})
+            t_torch, t_onednn = stats["torch"].min, stats["onednn"].min
             rows.append(
                 {
                     "layer": f"{k}x{n}",
@@ -74,17 +73,13 @@ def run(args) -> dict:
                     "onednn_max_err": float((ours().double() - ref).abs().max()),
                 }
             )
-    return {
-        "benchmark": "cpu_gemm",
-        "threads": args.threads,
-        "rows": args.rows,
-        "torch": torch.__version__,
-        "products": rows,
-    }
+    return all_stats, {"threads": args.threads, "rows": args.rows, "products": rows}
 
 
 def main(argv=None) -> None:
-    result = run(parse(argv))
+    report = Report("cpu_gemm", argv=argv)
+    args = parse(argv)
+    stats, result = run(args)
     print(
         f"{'layer':>10} {'product':>12} {'torch GFLOP/s':>14} {'oneDNN GFLOP/s':>15} {'oneDNN/torch':>13} "
         f"{'max |err| torch / oneDNN':>26}"
@@ -94,7 +89,7 @@ def main(argv=None) -> None:
             f"{r['layer']:>10} {r['product']:>12} {r['torch_gflops']:14.1f} {r['onednn_gflops']:15.1f} "
             f"{r['speedup']:12.2f}x {r['torch_max_err']:12.2e} / {r['onednn_max_err']:.2e}"
         )
-    print(json.dumps(result))
+    report.emit(stats, results=args.results, **result)
 
 
 if __name__ == "__main__":

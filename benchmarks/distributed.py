@@ -1,7 +1,7 @@
 """Per-rank training state and throughput: 1 process vs 2 ranks (DDP, FSDP2) on CPU.
 
-    python benchmarks/distributed.py                 # 4 layers x 256, 60 timed updates
-    python benchmarks/distributed.py --layers 8 --dim 512 --updates 20 --json out.json
+    python -m benchmarks.distributed                 # 4 layers x 256, 60 timed updates
+    python -m benchmarks.distributed --layers 8 --dim 512 --updates 20 --json out.json
 
 For each setting, every rank reports the bytes of the tensors it holds for training
 (its parameters' local shards, their gradients, the optimizer's state tensors), counted
@@ -10,6 +10,7 @@ peak), its peak RSS, and the tokens/s of the whole run over the timed updates.
 
 Checks that FSDP2 (full_shard) on 2 ranks holds at most 55% of the one-process state per rank.
 On a machine with few cores, ranks share them: tokens/s then measures overhead, not scaling.
+Prints a table and one JSON line (``"benchmark": "distributed_state"``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ import os
 import resource
 import sys
 import tempfile
-import time
 from typing import Dict, List
 
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from benchmarks.timing import Report, Stats, add_results_flag, time_call
 
 SETTINGS = [  # (name, world size, flags)
     ("1 process", 1, ["--ddp-backend", "c10d"]),
@@ -110,19 +108,22 @@ def worker(cfg) -> None:
     itr = train_iterator(cfg, trainer, epoch=1)
     batches = itr.next_epoch_itr(shuffle=True)
     warmup, timed = 3, int(os.environ["TOOLKIT_BENCH_UPDATES"])
-    tokens, t0 = 0.0, None
-    for i in range(warmup + timed):
-        if not batches.has_next():
-            batches = train_iterator(cfg, trainer, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
-        if i == warmup:
-            t0 = time.perf_counter()
-        totals = trainer.train_step([next(batches)])
-        if i >= warmup:
-            tokens += totals["ntokens"]  # summed over ranks
-    elapsed = time.perf_counter() - t0
+
+    def updates(n: int) -> float:
+        nonlocal batches
+        tokens = 0.0
+        for _ in range(n):
+            if not batches.has_next():
+                batches = train_iterator(cfg, trainer, epoch=itr.epoch + 1).next_epoch_itr(shuffle=True)
+            tokens += trainer.train_step([next(batches)])["ntokens"]  # summed over ranks
+        return tokens
+
+    updates(warmup)
+    elapsed, tokens = time_call(lambda: updates(timed))
     result = {
         "rank": env.rank,
         "state": dict(peak),
+        "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
         "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -194,7 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--updates", type=int, default=60, help="timed updates (after 3 warm-up updates)")
     p.add_argument("--data", default=None, help="a data-bin (default: a synthetic one in a temp folder)")
     p.add_argument("--json", default=None, help="also write the figures here")
+    add_results_flag(p)
     cli = p.parse_args(argv)
+    report = Report("distributed_state", argv=argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from toolkit.core import registry
@@ -216,8 +219,9 @@ def main(argv=None) -> int:
         f"{'setting':24} {'params':>9} {'grads':>9} {'optim':>9} {'state/rank':>11} {'vs 1 proc':>9} "
         f"{'max RSS':>9} {'tokens/s':>10}"
     )
-    summary = []
+    summary, stats = [], {}
     for name, ws, results in rows:
+        stats[name] = Stats([results[0]["seconds"]])
         r = max(results, key=lambda x: x["state"]["total"])  # the rank holding the most
         st = r["state"]
         ratio = st["total"] / base
@@ -240,6 +244,7 @@ def main(argv=None) -> int:
             json.dump(summary, f, indent=1)
     fsdp = next(s for s in summary if s["setting"] == "fully_sharded x2")
     ok = fsdp["ratio_to_1proc"] <= 0.55
+    report.emit(stats, "1 process", cli.results, updates=cli.updates, rows=summary, fsdp_within_55_percent=ok)
     print(
         f"\nfully_sharded x2 per-rank state = {fsdp['ratio_to_1proc']:.1%} of one process "
         f"({'OK' if ok else 'FAIL'}: must be <= 55%)"

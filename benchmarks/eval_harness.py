@@ -1,8 +1,8 @@
 """lm-evaluation-harness requests/s: ``ToolkitLM`` against the harness's own ``hf`` model on the export.
 
-    python benchmarks/eval_harness.py                          # transformer_lm 4 x 256, V 8192, CPU, 2 threads
-    python benchmarks/eval_harness.py --arch llama_tiny --layers 4 --dim 256
-    python benchmarks/eval_harness.py --device cuda --requests 2048 --batch-size 64
+    python -m benchmarks.eval_harness                          # transformer_lm 4 x 256, V 8192, CPU, 2 threads
+    python -m benchmarks.eval_harness --arch llama_tiny --layers 4 --dim 256
+    python -m benchmarks.eval_harness --device cuda --requests 2048 --batch-size 64
 
 A randomly initialized checkpoint (a whitespace dictionary of ``--vocab`` words) is written as the
 trainer writes one, exported with ``toolkit-export --format hf`` (XGLM for transformer_lm, Llama for
@@ -11,7 +11,7 @@ the Llama family), and both models answer the same requests:
 - ``loglikelihood``: ``--contexts`` contexts of 64..``--context`` random words, each with 4
   continuations of 1..4 words (a multiple-choice task's shape); requests/s of
   ``ToolkitLM.loglikelihood`` and ``HFLM.loglikelihood`` at ``--batch-size``, alternated
-  ``--repeats`` times (best run of each), and the largest difference of their log-likelihoods;
+  ``--repeats`` times (:func:`benchmarks.timing.alternate`; the best run of each), and the largest difference of their log-likelihoods;
 - ``generate_until``: ``--gen-prompts`` prompts, greedy, ``--gen-tokens`` new tokens (no stop
   string), tokens/s with the KV cache (``SequenceGenerator``) and with ``HFLM.generate_until``.
 
@@ -21,25 +21,21 @@ Prints a table and one JSON line (``"benchmark": "eval_harness"``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
 import tempfile
-import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from toolkit.config import options  # noqa: E402
+from benchmarks.timing import Report, Stats, add_results_flag, alternate
+from toolkit.config import options
 from toolkit.core import registry
-from toolkit.data.dictionary import Dictionary  # noqa: E402
-from toolkit.export.api import ExportConfig, run_export  # noqa: E402
-from toolkit.models import build_model  # noqa: E402
-from toolkit.models.init import init_weights  # noqa: E402
+from toolkit.data.dictionary import Dictionary
+from toolkit.export.api import ExportConfig, run_export
+from toolkit.models import build_model
+from toolkit.models.init import init_weights
 
 
 def write_checkpoint(folder: str, args) -> str:
@@ -103,34 +99,27 @@ def requests(args, vocab: int) -> Dict[str, list]:
     return {"loglikelihood": ll, "generate_until": gen}
 
 
-def timed(fn: Callable, items: list):
-    start = time.perf_counter()
-    out = fn(items)
-    return time.perf_counter() - start, out
-
-
-def compare(models: Dict[str, object], reqs: Dict[str, list], repeats: int) -> Dict[str, Dict]:
-    """Best-of-``repeats`` seconds per model and request type, the runs alternated between the models."""
-    best: Dict[str, Dict[str, float]] = {name: {} for name in models}
-    outputs: Dict[str, Dict[str, list]] = {name: {} for name in models}
+def compare(models: Dict[str, object], reqs: Dict[str, list], repeats: int) -> Dict[str, Stats]:
+    """Per request type and model ("loglikelihood toolkit", ...): ``repeats`` runs alternated between the models
+    (the last run's outputs in ``last``)."""
+    stats: Dict[str, Stats] = {}
     for kind, items in reqs.items():
-        for _ in range(repeats):
-            for name, lm in models.items():
-                seconds, out = timed(lambda x: getattr(lm, kind)(x, disable_tqdm=True), items)
-                best[name][kind] = min(best[name].get(kind, float("inf")), seconds)
-                outputs[name][kind] = out
-    return {"seconds": best, "outputs": outputs}
+        runs = {
+            f"{kind} {name}": lambda lm=lm: getattr(lm, kind)(items, disable_tqdm=True) for name, lm in models.items()
+        }
+        stats.update(alternate(runs, repeats))
+    return stats
 
 
-def summarize(args, reqs, result) -> Dict:
-    ours, hf = result["outputs"]["toolkit"], result["outputs"]["hf"]
-    diff = max(abs(a[0] - b[0]) for a, b in zip(ours["loglikelihood"], hf["loglikelihood"]))
+def summarize(args, reqs, stats: Dict[str, Stats]) -> Dict:
+    """The figures from the best run of each (the least disturbed on a shared machine)."""
+    names = ("toolkit", "hf")
+    diff = max(abs(a[0] - b[0]) for a, b in zip(stats["loglikelihood toolkit"].last, stats["loglikelihood hf"].last))
     n_ll = len(reqs["loglikelihood"])
-    rate = {name: n_ll / s["loglikelihood"] for name, s in result["seconds"].items()}
-    gen_tokens = {name: sum(len(t.split()) for t in out["generate_until"]) for name, out in result["outputs"].items()}
-    gen_rate = {name: gen_tokens[name] / result["seconds"][name]["generate_until"] for name in rate}
+    rate = {name: n_ll / stats[f"loglikelihood {name}"].min for name in names}
+    gen_tokens = {name: sum(len(t.split()) for t in stats[f"generate_until {name}"].last) for name in names}
+    gen_rate = {name: gen_tokens[name] / stats[f"generate_until {name}"].min for name in names}
     return {
-        "benchmark": "eval_harness",
         "arch": args.arch,
         "layers": args.layers,
         "dim": args.dim,
@@ -144,10 +133,7 @@ def summarize(args, reqs, result) -> Dict:
         "max_abs_loglikelihood_diff": diff,
         "generate_tokens": gen_tokens,
         "generate_tokens_per_s": gen_rate,
-        "generations_equal": ours["generate_until"] == hf["generate_until"],
-        "loadavg": os.getloadavg(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
+        "generations_equal": stats["generate_until toolkit"].last == stats["generate_until hf"].last,
     }
 
 
@@ -166,12 +152,14 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per model (alternated; the best counts)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
 def main(argv: List[str]) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    report = Report("eval_harness", device=args.device, argv=argv)
     from lm_eval.models.huggingface import HFLM
 
     from toolkit.evaluation.harness import ToolkitLM
@@ -191,7 +179,8 @@ def main(argv: List[str]) -> None:
             ),
         }
         reqs = requests(args, args.vocab)
-        summary = summarize(args, reqs, compare(models, reqs, args.repeats))
+        stats = compare(models, reqs, args.repeats)
+        summary = summarize(args, reqs, stats)
     print(f"{'':24}{'toolkit':>12}{'hf':>12}")
     print(
         f"{'loglikelihood req/s':24}{summary['requests_per_s']['toolkit']:12.1f}{summary['requests_per_s']['hf']:12.1f}"
@@ -201,7 +190,7 @@ def main(argv: List[str]) -> None:
         f"{'generate_until tok/s':24}{summary['generate_tokens_per_s']['toolkit']:12.1f}"
         f"{summary['generate_tokens_per_s']['hf']:12.1f}   same text: {summary['generations_equal']}"
     )
-    print(json.dumps(summary))
+    report.emit(stats, results=args.results, **summary)
 
 
 if __name__ == "__main__":

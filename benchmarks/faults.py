@@ -1,8 +1,8 @@
 """Crash consistency: training runs killed with SIGKILL at random moments resume bit-identical.
 
-    python benchmarks/faults.py --runs 20            # the figure reported for issue 10
-    python benchmarks/faults.py --runs 3 --updates 6 # the short version tests/integration/test_faults.py runs
-    python benchmarks/faults.py --runs 6 --updates 6 --expert-parallel-size 2  # the MoE family, experts on 2 ranks
+    python -m benchmarks.faults --runs 20            # the figure reported for issue 10
+    python -m benchmarks.faults --runs 3 --updates 6 # the short version tests/integration/test_faults.py runs
+    python -m benchmarks.faults --runs 6 --updates 6 --expert-parallel-size 2  # the MoE family, experts on 2 ranks
 
 One uninterrupted reference run first. Then ``--runs`` runs of the same command, each
 ``kill -9``ed once: at least half of them right after a checkpoint's temporary file
@@ -21,7 +21,8 @@ first run's pid, and the first run must finish as the reference did.
 A run *matches* when every update's logged loss (the killed run's, overridden by the
 resumed run's for the updates it redid) equals the reference's, the final
 ``checkpoint_last.pt`` holds the reference's exact weights, and the restart of the
-finished run left every file byte-identical. Prints one line per run and ``matched/total``.
+finished run left every file byte-identical. Prints one line per run, ``matched/total`` and one JSON line
+(``"benchmark": "faults"``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from benchmarks.timing import Report, add_results_flag, now
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 TMP_NAME = re.compile(r"\..*\.tmp")  # atomic_write's and sharded saves' temporary names
 LOSS_LINE = re.compile(r"\| train_inner \| (\{.*\})\s*$")
@@ -200,8 +201,8 @@ def temp_files(save_dir: str) -> List[str]:
 
 
 def wait_for_update(proc: subprocess.Popen, log: str, update: int, timeout: float = 600) -> bool:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = now() + timeout
+    while proc.poll() is None and now() < deadline:
         if last_update(log) >= update:
             return True
         time.sleep(0.01)
@@ -234,8 +235,8 @@ def kill9(proc: subprocess.Popen, timeout: float = 30) -> None:
     ranks = workers(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + timeout
-    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+    deadline = now() + timeout
+    while any(running(pid) for pid in ranks) and now() < deadline:
         time.sleep(0.05)
     for pid in (pid for pid in ranks if running(pid)):
         os.kill(pid, signal.SIGKILL)
@@ -420,7 +421,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=1,
         help="> 1: the MoE family with its experts over this many ranks (the launcher is killed)",
     )
+    add_results_flag(p)
     args = p.parse_args(argv)
+    report = Report("faults", argv=argv)
     if args.expert_parallel_size > 1:
         MODEL[:] = expert_parallel_model(args.expert_parallel_size)  # what command() runs, for every kind of run
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="faults.")
@@ -443,6 +446,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"matched: {matched}/{args.runs}")
     failed = run_kind("signal in mid-save", args.signal_runs, signal_run, args, data_bin, reference)
     failed += run_kind("two writers", args.writer_runs, writers_run, args, data_bin, reference)
+    report.emit(
+        results=args.results,
+        runs=args.runs,
+        matched=matched,
+        kills_during_save=during_save,
+        other_runs_failed=failed,
+        expert_parallel_size=args.expert_parallel_size,
+    )
     return 0 if matched == args.runs and not failed else 1
 
 

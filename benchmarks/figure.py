@@ -1,16 +1,18 @@
 """One JSON line per ``benchmarks/gpu.sh`` figure, read off the entry's log (called by gpu.sh).
 
-    python benchmarks/figure.py NAME --log LOG --rc RC --seconds S [--memory PEAK.json] [--out FILE]
+    python -m benchmarks.figure NAME --log LOG --rc RC --seconds S [--memory PEAK.json] [--out FILE]
 
 What it reads from the log (whichever is there):
 
-* the last ``{"benchmark": ...}`` line that ``benchmarks/train.py`` and ``benchmarks/generate.py``
-  print (tokens/s, MFU, the time split; tokens/s with and without the KV cache), as ``result``;
+* the entry's command (``gpu.sh``'s ``=== NAME: COMMAND`` line), as ``command``: what
+  ``benchmarks.plan_calibration`` plans again for the same layout;
+* the last ``{"benchmark": ...}`` line a benchmark prints (:class:`benchmarks.timing.Report`: tokens/s, MFU,
+  the time split of ``benchmarks.train``; tokens/s of ``benchmarks.generate``), as ``result``;
 * toolkit-train's ``--log-format json`` lines: ``words_per_s`` = the median of ``wps`` over updates 2..N
   (the first one pays the start-up), ``updates`` = the last update logged, and ``params`` from its
   ``num. model params`` line;
 * toolkit-train ``--plan``'s ``plan: ...`` line, the planner's prediction for the same flags, as ``plan``;
-* ``--memory``: ``benchmarks/peak_memory.py``'s JSON (peak host resident set of the process tree, peak
+* ``--memory``: ``benchmarks.peak_memory``'s JSON (peak host resident set of the process tree, peak
   GPU memory in use); with ``params`` known, ``host_bytes_per_param`` = peak host bytes / parameters.
 
 Appends the line to ``--out`` (default: stdout only) and prints it. A figure whose command failed or
@@ -23,10 +25,12 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
+from benchmarks.timing import median
+
+COMMAND = re.compile(r"^=== [\w.-]+: (.*)$")
 JSON_LINE = re.compile(r"(\{.*\})\s*$")
 PARAMS = re.compile(r"num\. model params: (\d+)")
 PLAN = re.compile(r"\bplan: (.*)$")
@@ -62,8 +66,11 @@ def read_log(path: str) -> Dict[str, Any]:
     if updates:
         steps = [(float(o.get("num_updates", o.get("update"))), float(o["wps"])) for o in updates]
         later = [w for u, w in steps if u >= 2] or [w for _, w in steps]
-        found["words_per_s"] = round(statistics.median(later), 1)
+        found["words_per_s"] = round(median(later), 1)
         found["updates"] = int(max(u for u, _ in steps))
+    commands = [m.group(1) for m in map(COMMAND.match, lines) if m]
+    if commands:
+        found["command"] = commands[-1]  # a dry run's shared log: the command the CPU ran
     for line in lines:
         m = PARAMS.search(line)
         if m:
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", required=True)
     ap.add_argument("--rc", type=int, required=True)
     ap.add_argument("--seconds", type=float, required=True)
-    ap.add_argument("--memory", default=None, help="benchmarks/peak_memory.py's --json file")
+    ap.add_argument("--memory", default=None, help="benchmarks.peak_memory's --json file")
     ap.add_argument("--dry-run", action="store_true", help="the CPU dry run's line (tiny shapes)")
     ap.add_argument("--out", default=None, help="append the line to this file")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """Where a tiny ``toolkit-train`` run spends the time between its start and its first update.
 
-    python benchmarks/first_update.py                       # this checkout, 3 fresh runs
-    python benchmarks/first_update.py --runs 5 --baseline /tmp/main-checkout   # before/after, interleaved
+    python -m benchmarks.first_update                       # this checkout, 3 fresh runs
+    python -m benchmarks.first_update --runs 5 --baseline /tmp/main-checkout   # before/after, alternated
 
 A 2-layer, width-32 ``transformer_lm`` on CPU (a data-bin made once with toolkit-preprocess from the head of
 ``../shared/data/wikitext-2-mini``), ``--max-update 1 --no-save``. Each run is a fresh interpreter whose
@@ -9,8 +9,8 @@ A 2-layer, width-32 ``transformer_lm`` on CPU (a data-bin made once with toolkit
 imports + parse + resolve (everything before ``train()``), process group and log setup, the task and
 model (``build_trainer``: data, model on meta + init, optimizer), the CPU peak measured for MFU
 (``throughput_spec``), the checkpoint look-up and the batch iterator, and the first ``train_step``.
-Each phase is reported as wall and CPU seconds (median over ``--runs``): on a shared machine the CPU
-seconds move less with the load. Also lists the optional/heavy modules loaded at the first update.
+Each phase is reported as wall and CPU seconds (median over ``--runs``, the trees alternated run by run:
+:func:`benchmarks.timing.alternate`): on a shared machine the CPU seconds move less with the load. Also lists the optional/heavy modules loaded at the first update.
 Prints a table, then one JSON line.
 """
 
@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.timing import REPO, Report, add_results_flag, alternate, median, time_call
+
 CORPUS = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini")
 HEAVY = (
     "torch._dynamo",
@@ -51,7 +50,9 @@ PHASES = (
     "train_iterator",
 )
 
-# Runs in the fresh interpreter: wraps the phases, stops the process at the end of the first update.
+# Runs in the fresh interpreter: wraps the phases, stops the process at the end of the first update. It reads
+# the clocks itself, before any import it would time, and runs in --baseline's tree too, which may hold no
+# benchmarks.timing; the rounds and medians around it are timing's.
 PROBE = """
 import json, os, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
@@ -108,7 +109,7 @@ def make_data_bin(folder: str) -> str:
             dest,
         ],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -158,16 +159,16 @@ def train_argv(data: str, save_dir: str) -> List[str]:
 def run_once(tree: str, argv: List[str]) -> Dict:
     """{phase: (wall s, cpu s)} of one fresh run, plus its total wall time and the heavy modules it loaded."""
     code = PROBE.format(phases=PHASES, heavy=HEAVY, argv=argv)
-    start = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tree,
-        env={**os.environ, "PYTHONPATH": tree},
-        capture_output=True,
-        text=True,
-        timeout=900,
+    total, run = time_call(
+        lambda: subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tree,
+            env={**os.environ, "PYTHONPATH": tree},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     )
-    total = time.perf_counter() - start
     probe = [line for line in run.stderr.splitlines() if line.startswith("PROBE ")]
     if not probe:
         raise SystemExit(f"{tree}: the run ended before its first update:\n{run.stderr[-3000:]}")
@@ -187,22 +188,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="fresh runs per tree")
     parser.add_argument("--baseline", help="another checkout to time in the same rounds (before/after)")
+    add_results_flag(parser)
     args = parser.parse_args()
-    trees = {"this": REPO}
+    report = Report("first_update")
+    trees = {"this": str(REPO)}
     if args.baseline:
-        trees = {"baseline": os.path.abspath(args.baseline), "this": REPO}
+        trees = {"baseline": os.path.abspath(args.baseline), "this": str(REPO)}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         argv = train_argv(make_data_bin(tmp), os.path.join(tmp, "checkpoints"))
         results: Dict[str, List[Dict]] = {t: [] for t in trees}
-        for _ in range(args.runs):
-            for name, tree in trees.items():
-                results[name].append(run_once(tree, argv))
+        runs = {
+            name: lambda name=name, tree=tree: results[name].append(run_once(tree, argv))
+            for name, tree in trees.items()
+        }
+        stats = alternate(runs, args.runs)
     load_after = os.getloadavg()
     names = list(results[next(iter(trees))][0]["phases"])
     medians = {
-        t: {p: [statistics.median(r["phases"][p][i] for r in rs) for i in (0, 1)] for p in names}
-        for t, rs in results.items()
+        t: {p: [median([r["phases"][p][i] for r in rs]) for i in (0, 1)] for p in names} for t, rs in results.items()
     }
     print(
         f"median of {args.runs} runs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
@@ -213,16 +217,12 @@ def main() -> None:
         print(f"{p:38s}" + "".join(f"{medians[t][p][0]:11.2f} / {medians[t][p][1]:5.2f}" for t in trees))
     for t, rs in results.items():
         print(f"{t}: loaded at the first update: {', '.join(rs[-1]['heavy']) or 'none of the heavy modules'}")
-    print(
-        json.dumps(
-            {
-                "runs": args.runs,
-                "load_before": load_before[0],
-                "load_after": load_after[0],
-                "median_wall_cpu_s": medians,
-                "heavy": {t: rs[-1]["heavy"] for t, rs in results.items()},
-            }
-        )
+    report.emit(
+        stats,
+        results=args.results,
+        runs=args.runs,
+        median_wall_cpu_s=medians,
+        heavy={t: rs[-1]["heavy"] for t, rs in results.items()},
     )
 
 

@@ -1,11 +1,11 @@
 """The output layer + cross-entropy, forward and backward, with logits ([N, V] fp32, then the loss) against the
 fused chunked head (``toolkit.models.fused_loss``) at several chunk sizes, on CPU.
 
-    python benchmarks/fused_loss.py                         # N 2048 (B 8 x T 256), C 256, V 8192: llama_hf.py's head
-    python benchmarks/fused_loss.py --rows 4096 --vocab 32000 --chunks 512,1024,2048
+    python -m benchmarks.fused_loss                         # N 2048 (B 8 x T 256), C 256, V 8192: llama_hf.py's head
+    python -m benchmarks.fused_loss --rows 4096 --vocab 32000 --chunks 512,1024,2048
 
-Time: the variants alternated step by step in one process (a busy neighbour slows all alike), the median of
-``--rounds``. Memory: each variant once more in a fresh process, its peak resident memory during the step minus
+Time: the variants alternated step by step in one process (:func:`benchmarks.timing.alternate`: a busy neighbour
+slows all alike), the median of ``--rounds`` after one warm-up round. Memory: each variant once more in a fresh process, its peak resident memory during the step minus
 before it (the largest temporaries: logits, their gradient, softmax). Prints one JSON line
 (``"benchmark": "fused_loss"``).
 """
@@ -13,19 +13,13 @@ before it (the largest temporaries: logits, their gradient, softmax). Prints one
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import subprocess
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from toolkit.models.fused_loss import linear_cross_entropy  # noqa: E402
+from benchmarks.timing import REPO, Report, add_results_flag, alternate, module_argv
+from toolkit.models.fused_loss import linear_cross_entropy
 
 PAD = 1
 
@@ -39,6 +33,7 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # one variant's peak, in a child process
+    add_results_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -73,8 +68,7 @@ def high_water_kib() -> int:
 def peak_mib(variant: str, args) -> float:
     """The step's peak resident memory above what the process held before it (MiB), in a fresh process."""
     cmd = [
-        sys.executable,
-        __file__,
+        *module_argv("fused_loss"),
         "--memory-of",
         variant,
         "--rows",
@@ -86,7 +80,7 @@ def peak_mib(variant: str, args) -> float:
         "--threads",
         str(args.threads),
     ]
-    return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.split()[-1])
 
 
 def main(argv=None) -> None:
@@ -98,17 +92,11 @@ def main(argv=None) -> None:
         step_of(args.memory_of)(hidden, weight, target)
         print((high_water_kib() - before) / 1024)
         return
+    report = Report("fused_loss", argv=argv)
     variants = ["logits"] + args.chunks.split(",")
-    times = {v: [] for v in variants}
-    for r in range(args.rounds + 1):
-        for v in variants:
-            t0 = time.perf_counter()
-            step_of(v)(hidden, weight, target)
-            if r > 0:
-                times[v].append(time.perf_counter() - t0)
-    median = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    stats = alternate({v: lambda v=v: step_of(v)(hidden, weight, target) for v in variants}, args.rounds, warmup=1)
+    median = {v: s.median * 1e3 for v, s in stats.items()}
     result = {
-        "benchmark": "fused_loss",
         "rows": args.rows,
         "dim": args.dim,
         "vocab": args.vocab,
@@ -123,7 +111,7 @@ def main(argv=None) -> None:
             f"{v:>8}: {median[v]:8.1f} ms  {result['speedup_over_logits'][v]:5.2f}x  "
             f"peak +{result['peak_step_mib'][v]:7.1f} MiB"
         )
-    print(json.dumps(result))
+    report.emit(stats, baseline="logits", results=args.results, **result)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Generation tokens/s with the KV cache and without it (the whole prefix recomputed every step).
 
-    python benchmarks/generate.py                          # transformer_lm_gpt2_small, CPU, batch 1, 256 + 256
-    python benchmarks/generate.py --preset tiny --full     # small model: the estimate checked against a full run
-    python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16   # batch 1 and 16 on a GPU
-    python benchmarks/generate.py --preset tiny --profile-step [--arch llama_tiny]   # host cost of one step
-    python benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16 --profile-step --eos-check-interval 8
+    python -m benchmarks.generate                          # transformer_lm_gpt2_small, CPU, batch 1, 256 + 256
+    python -m benchmarks.generate --preset tiny --full     # small model: the estimate checked against a full run
+    python -m benchmarks.generate --preset gpt3_xl --device cuda --dtype bf16   # batch 1 and 16 on a GPU
+    python -m benchmarks.generate --preset tiny --profile-step [--arch llama_tiny]   # host cost of one step
+    python -m benchmarks.generate --preset gpt3_xl --device cuda --dtype bf16 --profile-step --eos-check-interval 8
+    python -m benchmarks.generate --preset llama3_1b --device cuda --dtype bf16 --versus-transformers
 
 What runs is ``toolkit.generation.SequenceGenerator`` (the code path of toolkit-generate,
 toolkit-interactive and the hub): greedy decoding (``--beam 1``) of ``--new`` tokens after a
@@ -28,41 +29,39 @@ Per step = (cost of generating ``--new`` tokens - cost of ``--new // 4``) / the 
 prefill and the last step's bookkeeping cancel out. On a CPU with a tiny model the time is almost
 all host work, the part a GPU does not speed up.
 
-Prints a table and one JSON line (``"benchmark": "generate"`` or ``"generate_step"``).
+``--versus-transformers`` times cached greedy decoding at batch 1 against transformers' ``generate()`` on the
+same model (ours exported through its family's Hugging Face adapter, ``model.hf_weights``), the same prompt
+and the same number of new tokens (``min_new_tokens``), alternated round by round
+(:func:`benchmarks.timing.alternate`, ``--rounds`` after ``--warmup``), and whether both chose the same tokens.
+
+Prints a table and one JSON line (``"benchmark": "generate"``, ``"generate_step"`` or
+``"decode_vs_transformers"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import time
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from toolkit.config import options  # noqa: E402
+from benchmarks.timing import Report, Stats, add_results_flag, alternate, median, repeat, time_call
+from toolkit.config import options
 from toolkit.core import registry
-from toolkit.data.dictionary import Dictionary  # noqa: E402
-from toolkit.generation import GenerationConfig, SequenceGenerator  # noqa: E402
-from toolkit.generation.step_counter import StepCounter  # noqa: E402
+from toolkit.data.dictionary import Dictionary
+from toolkit.generation import GenerationConfig, SequenceGenerator
+from toolkit.generation.step_counter import StepCounter
 
 PRESETS = {
     # name: (arch, vocabulary, batch sizes, device, run the no-cache path in full)
     "gpt2_small": ("transformer_lm_gpt2_small", 50264, [1], "cpu", False),
     "tiny": ("transformer_lm_gpt2_tiny", 8192, [1], "cpu", True),
     "gpt3_xl": ("transformer_lm_gpt3_xl", 50264, [1, 16], "cuda", True),
+    "llama3_1b": ("llama3_1b", 128256, [1], "cuda", True),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(arch: str, vocab: int, max_positions: int, device: torch.device, dtype: torch.dtype):
@@ -88,11 +87,7 @@ def generator(
 
 
 def run_generator(gen: SequenceGenerator, prompts: torch.Tensor, device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    hypos = gen.generate(list(prompts))
-    synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed, hypos = time_call(lambda: gen.generate(list(prompts)), device)
     assert all(len(h[0]["tokens"]) == gen.cfg.max_len_b + 1 for h in hypos)
     return elapsed
 
@@ -105,15 +100,12 @@ def estimate_no_cache(model, prompts: torch.Tensor, new: int, samples: int, devi
 
     def step_seconds(length: int) -> float:
         """The faster of two runs: the first of a new shape also pays one-off allocation costs."""
-        runs = []
-        for _ in range(2):
-            synchronize(device)
-            start = time.perf_counter()
+
+        def step():
             out = model(tokens[:, :length])
-            model.get_normalized_probs(out[:, -1:], log_probs=True).argmax(-1)
-            synchronize(device)
-            runs.append(time.perf_counter() - start)
-        return min(runs)
+            return model.get_normalized_probs(out[:, -1:], log_probs=True).argmax(-1)
+
+        return repeat(step, 2, device=device).min
 
     prefill = step_seconds(P + 1)
     lengths = sorted({P + 2 + round(i * (new - 1) / max(samples - 1, 1)) for i in range(samples)})
@@ -166,12 +158,10 @@ def step_costs(model, d, batch: int, args, device: torch.device, repeats: int = 
         counts(model, generator(model, d, prompt, n, True, interval, ban_eos=False), prompts)[2] for n in lengths
     ]
     model_ops, search_ops, syncs = ((b - a) / steps for a, b in zip(*banned))
-    pairs = sorted(
-        run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device) for _ in range(repeats)
-    )
+    pairs = [run_generator(gens[1], prompts, device) - run_generator(gens[0], prompts, device) for _ in range(repeats)]
     return {
         "batch": batch,
-        "ms_per_step": 1000 * pairs[len(pairs) // 2] / steps,
+        "ms_per_step": 1000 * median(pairs) / steps,
         "model_ops": model_ops,
         "search_ops": search_ops,
         "syncs": syncs,
@@ -179,7 +169,7 @@ def step_costs(model, d, batch: int, args, device: torch.device, repeats: int = 
     }
 
 
-def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
+def profile_steps(model, d, arch: str, args, device: torch.device, report: Report) -> None:
     rows = [step_costs(model, d, b, args, device) for b in args.batch_size or [1]]
     print(
         f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), cached greedy step "
@@ -195,32 +185,87 @@ def profile_steps(model, d, arch: str, args, device: torch.device) -> None:
             f"{r['batch']:>5} {r['ms_per_step']:>9.3f} {r['model_ops']:>10.1f} {r['search_ops']:>11.1f} "
             f"{r['syncs']:>6.2f} {r['syncs_eos_allowed']:>20.2f}"
         )
-    print_json("generate_step", arch, d, device, args, rows)
+    report.name = "generate_step"
+    emit(report, arch, d, args, rows)
 
 
-def print_json(
-    benchmark: str, arch: str, d: Dictionary, device: torch.device, args: argparse.Namespace, rows: List[Dict]
-) -> None:
+def emit(report: Report, arch: str, d: Dictionary, args: argparse.Namespace, rows: List[Dict], stats=None) -> None:
     """The run's one JSON line: what was measured, on what, under which load."""
-    print(
-        json.dumps(
-            {
-                "benchmark": benchmark,
-                "arch": arch,
-                "vocab": len(d),
-                "device": str(device),
-                "dtype": args.dtype,
-                "prompt": args.prompt,
-                "new": args.new,
-                "rows": rows,
-                "eos_check_interval": args.eos_check_interval,
-                "threads": torch.get_num_threads(),
-                "loadavg": os.getloadavg()[0],
-                "torch": torch.__version__,
-                "machine": platform.machine(),
-            }
-        )
+    report.emit(
+        stats,
+        baseline="transformers" if stats else None,
+        results=args.results,
+        arch=arch,
+        vocab=len(d),
+        device=str(report.device),
+        dtype=args.dtype,
+        prompt=args.prompt,
+        new=args.new,
+        rows=rows,
+        eos_check_interval=args.eos_check_interval,
     )
+
+
+def transformers_twin(model, d: Dictionary, device: torch.device, dtype: torch.dtype):
+    """transformers' class for ``model`` with its weights (the family's ``--format hf`` adapter), in eval mode."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("benchmarks/generate.py: --versus-transformers needs transformers: pip install transformers")
+    weights = model.hf_weights("auto", d, d.eos(), "")
+    cls = getattr(transformers, weights.architecture)
+    theirs = cls(cls.config_class(**weights.config))
+    theirs.load_state_dict({k: v.float() for k, v in weights.state.items()}, strict=False)
+    return theirs.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def versus_transformers(model, d: Dictionary, args, device: torch.device, dtype: torch.dtype) -> Dict[str, Stats]:
+    """Cached greedy decoding, batch 1: the toolkit's generator and transformers' ``generate()`` alternated on the
+    same prompt (``</s>`` first for transformers too: the toolkit's decoders start from it), every run generating
+    ``--new`` tokens."""
+    from toolkit.core import cpu_gemm
+
+    theirs = transformers_twin(model, d, device, dtype)
+    prompts = torch.randint(d.nspecial, len(d), (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    ours_gen = generator(model, d, args.prompt, args.new, True, args.eos_check_interval)
+    hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1).to(device)
+
+    def toolkit_side():
+        with cpu_gemm.linear_mode(device):  # as toolkit-generate runs the model
+            return ours_gen.generate(list(prompts.to(device)))[0][0]["tokens"][-args.new - 1 : -1].tolist()
+
+    def transformers_side():
+        out = theirs.generate(
+            hf_input,
+            attention_mask=torch.ones_like(hf_input),
+            max_new_tokens=args.new,
+            min_new_tokens=args.new,
+            do_sample=False,
+            num_beams=1,
+            use_cache=True,
+            pad_token_id=d.pad(),
+        )
+        return out[0, -args.new :].tolist()
+
+    return alternate({"toolkit": toolkit_side, "transformers": transformers_side}, args.rounds, args.warmup, device)
+
+
+def decode_versus_transformers(model, d, arch: str, args, device: torch.device, report: Report) -> None:
+    stats = versus_transformers(model, d, args, device, DTYPES[args.dtype])
+    same = stats["toolkit"].last == stats["transformers"].last
+    print(
+        f"{arch} V={len(d)} {args.dtype} on {device}, batch 1, {args.prompt}-token prompt + {args.new} new tokens, "
+        f"greedy, cached; {args.rounds} alternated rounds after {args.warmup}; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'':<14}{'tokens/s':>10}{'s (min / median / max)':>28}")
+    for name, st in stats.items():
+        print(f"{name:<14}{st.rate(args.new):>10.1f}{'':>4}{st.min:.3f} / {st.median:.3f} / {st.max:.3f}")
+    speedup = stats["transformers"].median / stats["toolkit"].median
+    print(f"toolkit / transformers: {speedup:.2f}x; the same tokens: {same}")
+    rows = [{"batch": 1, **{f"{n}_tokens_per_s": st.rate(args.new) for n, st in stats.items()}, "same_tokens": same}]
+    report.name = "decode_vs_transformers"
+    emit(report, arch, d, args, rows, stats)
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -247,6 +292,14 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         action="store_true",
         help="print the host cost of one cached step (ms, operators, syncs) instead",
     )
+    p.add_argument(
+        "--versus-transformers",
+        action="store_true",
+        help="cached batch-1 decoding against transformers' generate() on the same weights instead",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--versus-transformers: timed rounds of each")
+    p.add_argument("--warmup", type=int, default=1, help="--versus-transformers: untimed rounds first")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -256,9 +309,12 @@ def main(argv: List[str]) -> None:
     arch, vocab = args.arch or arch, args.vocab or vocab
     device = torch.device(args.device or device_name)
     torch.set_num_threads(args.threads)
+    report = Report("generate", device=device, argv=argv)
     model, d = build(arch, vocab, max(1024, args.prompt + args.new + 1), device, DTYPES[args.dtype])
     if args.profile_step:
-        return profile_steps(model, d, arch, args, device)
+        return profile_steps(model, d, arch, args, device, report)
+    if args.versus_transformers:
+        return decode_versus_transformers(model, d, arch, args, device, report)
     rows = [measure(model, d, b, args, full or args.full, device) for b in args.batch_size or batches]
     print(
         f"{arch} V={len(d)} {args.dtype} on {device} ({torch.get_num_threads()} threads), "
@@ -273,7 +329,7 @@ def main(argv: List[str]) -> None:
             f"{r['batch']:>5} {r['cache_tokens_per_s']:>12.2f} {r['no_cache_tokens_per_s']:>15.2f} "
             f"{r['speedup']:>7.1f}x  {r['no_cache_s']:.1f}s {how}{extra}"
         )
-    print_json("generate", arch, d, device, args, rows)
+    emit(report, arch, d, args, rows)
 
 
 if __name__ == "__main__":

@@ -8,22 +8,22 @@
 #            bf16, memory-efficient fp16, fully_sharded with activation checkpointing and
 #            offload, --cpu-offload with cpu_adam (consolidated and sharded checkpoints,
 #            save, resume, toolkit-consolidate, toolkit-eval-lm)
-#   xl       benchmarks/train.py on transformer_lm_gpt3_xl (tokens/s, MFU, peak GPU memory):
+#   xl       benchmarks.train on transformer_lm_gpt3_xl (tokens/s, MFU, peak GPU memory):
 #            xl_bf16 and xl_fp16 without a wrapper, xl_fsdp bf16 under fully_sharded
 #   offload  transformer_lm_gpt3_2_7 with --ddp-backend fully_sharded --cpu-offload
 #            --optimizer cpu_adam --fp16 --checkpoint-activations, 20 updates (fairseq's
-#            13B-on-one-GPU recipe: batch 8 x 2048 tokens), under benchmarks/peak_memory.py
+#            13B-on-one-GPU recipe: batch 8 x 2048 tokens), under benchmarks.peak_memory
 #   (offload_6_7 and offload_13 are figures now: below)
-#   offload_split   where an offloaded 2.7B update's time goes (benchmarks/train.py phases)
+#   offload_split   where an offloaded 2.7B update's time goes (benchmarks.train phases)
 #   offload_overlap the offload runs of 2.7B and 6.7B without and with --overlap-offload-step (norm
 #            during backward, CPU Adam block by block beside the next forward; issue 15's aims:
-#            >= 12,000 / >= 5,000 words/s), and benchmarks/offload_overlap.py on 2.7B (steady-state
+#            >= 12,000 / >= 5,000 words/s), and benchmarks.offload_overlap on 2.7B (steady-state
 #            step time of both in one process, host time in the norm and the step, same bits)
 #   profile  torch.profiler tables of one gpt3_xl step and one offloaded 2.7B step
-#   generate benchmarks/generate.py on transformer_lm_gpt3_xl, bf16, batch 1 and 16: generation
+#   generate benchmarks.generate on transformer_lm_gpt3_xl, bf16, batch 1 and 16: generation
 #            tokens/s with the KV cache and with the whole prefix recomputed (256 + 256 tokens)
 #   fp8      --fp8 (torchao float8): 500 updates of a small model, bf16 vs fp8, both compiled (losses within
-#            1%, benchmarks/compare_losses.py), then gpt3_xl tokens/s with rowwise, tensorwise and tensorwise
+#            1%, benchmarks.compare_losses), then gpt3_xl tokens/s with rowwise, tensorwise and tensorwise
 #            + float8 all-gather under fully_sharded
 #   llama    a tiny Llama through fully_sharded + activation checkpointing + --compile (train, resume, eval-lm),
 #            then llama3_1b tokens/s and MFU (llama_bench: bf16 + --compile, unsharded, fully_sharded, --fp8)
@@ -34,27 +34,40 @@
 #            sharding, >= 0.48 fully_sharded; the log's "--compile: the first training pass took"
 #            line gives the compile time) and a profile of one compiled xl step
 #   llama    the Llama family (issue 21): a tiny Llama through bf16 fully_sharded + activation
-#            checkpointing + --compile (save, resume, eval-lm), then benchmarks/train.py --preset
+#            checkpointing + --compile (save, resume, eval-lm), then benchmarks.train --preset
 #            llama3_1b (Llama 3.2 1B, B 4 x T 2048, vocabulary 128256): bf16 without a wrapper,
 #            fully_sharded, fully_sharded --compile, and fully_sharded --compile --checkpoint-activations
 #            (tokens/s, MFU from the family's own FLOPs per token, peak GPU memory)
 #
 # Figures (issue 37: one entry per figure, each under its own limit of FIGURE_LIMIT s, default 470: < 8
-# minutes; each appends one JSON line to $RESULTS/gpu_figures.jsonl, benchmarks/figure.py):
+# minutes; each appends one JSON line to $RESULTS/gpu_figures.jsonl, benchmarks.figure):
 #   offload_13 / offload_13_bf16   transformer_lm_gpt3_13 on one GPU, B 8 x T 2048, fp16 (bf16), fully_sharded
 #            + --cpu-offload + cpu_adam + --checkpoint-activations, 8-bit moments, bf16 host gradients,
 #            --overlap-offload-step, 10 updates: words/s, peak GPU and host memory, host bytes per
 #            parameter, and the planner's prediction (toolkit-train --plan) beside them
 #   offload_2_7 / offload_6_7      the same offload recipe (fp32 moments and gradients) with
 #            --overlap-offload-step at 2.7B and 6.7B, 10 updates
-#   mfu_xl / mfu_xl_fsdp / mfu_llama3_1b / mfu_llama3_1b_fsdp   benchmarks/train.py, bf16 + --compile,
+#   mfu_xl / mfu_xl_fsdp / mfu_llama3_1b / mfu_llama3_1b_fsdp   benchmarks.train, bf16 + --compile,
 #            unsharded and fully_sharded: tokens/s, MFU, the step's time split
 #   fp8_d4096_bf16 / fp8_d4096_tensorwise / fp8_d4096_rowwise   an 8-layer llama3_8b-shaped model (d 4096,
 #            FFN 14336, V 32768), bf16 + --compile against --fp8 with each recipe
-#   decode_xl   benchmarks/generate.py, gpt3_xl bf16, batch 1: cached decoding against the whole prefix
+#   decode_xl   benchmarks.generate, gpt3_xl bf16, batch 1: cached decoding against the whole prefix
 #            recomputed (tokens/s of each)
+#   decode_llama3_1b_hf   benchmarks.generate --versus-transformers, llama3_1b bf16, batch 1, 256 + 256 tokens:
+#            cached greedy decoding against transformers' generate() on the same weights, alternated rounds
 #   moe_olmoe / moe_olmoe_compile   OLMoE-1B-7B's shape (8 of 16 layers), bf16, eager and --compile: tokens/s, MFU
 #            counted on the active parameters (grouped GEMM on CUDA)
+#   moe_olmoe_fp8   the same compiled, the experts' grouped GEMMs in float8 (benchmarks.train --fp8-experts:
+#            torchao's MoE training recipe, Float8TrainingOpConfig, rowwise)
+#   moe_olmoe_profile   a torch.profiler table of compiled OLMoE steps ($RESULTS/moe_olmoe_profile.txt): the
+#            router, the token permute/unpermute and the grouped GEMMs apart
+#   profile_13   one offloaded 13B-recipe update (offload_13's layout, synthetic tokens) under torch.profiler
+#            (benchmarks.offload_profile): GPU compute, host-to-device and device-to-host bytes and their
+#            overlap with compute, CPU Adam and its 8-bit state path; the table to $RESULTS/offload_profile_13.md
+#   plan_calibration   benchmarks.plan_calibration over $RESULTS/gpu_figures.jsonl (this session's offload and
+#            profile lines; the dry run reads benchmarks/results/gpu_figures_h200_*.jsonl): measured step time
+#            and host bytes against toolkit-plan's terms, the fitted --host-link-gbps and --cpu-adam-gparams;
+#            the table to $RESULTS/plan_calibration.md (run it last: it reads the lines before it)
 #   moe_30b_a3b_offload   Qwen3-30B-A3B's shape (12 of 48 layers) through the 13B recipe (FSDP2 + --cpu-offload,
 #            8-bit moments, bf16 host gradients, overlap): words/s, host bytes per parameter, the plan beside
 #   cp_llama3_1b_32k   llama3_1b on one 32k-token sequence, bf16 + --compile: tokens/s and peak memory (one GPU
@@ -63,8 +76,12 @@
 #            cpu_adam, B 4 x T 2048: words/s (the offloaded Muon step against the offloaded Adam step)
 #
 #   bash benchmarks/gpu.sh --dry-run [ENTRY ...]   the same entries on CPU with tiny shapes (2 layers of 64,
-#            T 32, 2 updates), GPU-only flags (--compile, --fp8) dropped (entries left with the same command
-#            run it once), results in a temporary folder; tests/integration/test_gpu_sh.py runs it for every entry
+#            T 32, 2 updates), GPU-only flags (--compile, --fp8, --fp8-experts) dropped (entries left with the same
+#            command run it once), results in a temporary folder; tests/integration/test_gpu_sh.py runs it for every
+#            entry
+#   bash benchmarks/gpu.sh --print ENTRY ...   each entry's command as it runs on the GPU, one shell-quoted line
+#            each, nothing run (benchmarks.plan_calibration plans the layouts of figure lines that predate
+#            their "command" field from it)
 #   bash benchmarks/gpu.sh prepare   (here, before the GPU session) the wheels a fresh GPU machine lacks in
 #            .whl/ and the data-bin; benchmarks/README.md says what to carry
 #   bash benchmarks/gpu.sh setup     (there, first) installs .whl/ into /tmp/site and builds the C++ optimizer
@@ -77,8 +94,12 @@
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
+PRINT=0
 if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
+  shift
+elif [ "${1:-}" = "--print" ]; then
+  PRINT=1
   shift
 fi
 DATA=${DATA:-data-bin/wikitext-2-mini}
@@ -86,7 +107,10 @@ UPDATES=${OFFLOAD_UPDATES:-20}  # updates of each offload run (words/s: the medi
 FIGURE_LIMIT=${FIGURE_LIMIT:-470}
 PY=${TOOLKIT_PY:-python3}
 CK=$(mktemp -d /tmp/toolkit-gpu.XXXXXX)
-if [ $DRY = 1 ]; then  # never mixed with a GPU session's logs and results
+if [ $PRINT = 1 ]; then
+  trap 'rm -rf "$CK"' EXIT
+fi
+if [ $DRY = 1 ] || [ $PRINT = 1 ]; then  # never mixed with a GPU session's logs and results
   LOG=${GPU_LOG_DIR:-$CK/logs}
   RESULTS=${GPU_RESULTS:-$CK}
 else
@@ -96,7 +120,7 @@ fi
 mkdir -p "$LOG" "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The carried wheels (prepare), installed once per machine; the C++ ops built by `setup` (or carried back).
-if [ $DRY = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ $DRY = 0 ] && [ $PRINT = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
   [ -f /tmp/site/.toolkit-wheels ] ||
     { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
       touch /tmp/site/.toolkit-wheels; }
@@ -114,7 +138,7 @@ CONSOLIDATE="$PY -m toolkit_cli.consolidate"
 
 case "${1:-}" in
   prepare|setup|--list) ;;
-  *) if [ ! -f "$DATA/dict.txt" ]; then
+  *) if [ $PRINT = 0 ] && [ ! -f "$DATA/dict.txt" ]; then
        echo "benchmarks/gpu.sh: no data-bin at $DATA (run 'bash benchmarks/gpu.sh prepare' here and carry it, or set DATA)" >&2
        exit 1
      fi ;;
@@ -123,7 +147,7 @@ esac
 # run NAME LIMIT_S CMD...: the command's output to $LOG/NAME.log (and the screen), status to summary.txt
 run() {
   local name=$1 limit=$2; shift 2
-  echo "=== $name: $*" | tee -a "$LOG/$name.log"
+  echo "=== $name: $(printf '%q ' "$@")" | tee -a "$LOG/$name.log"  # quoted: benchmarks.figure reads it back
   local t0=$SECONDS
   timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -155,14 +179,14 @@ smoke() {
     run smoke_offload_eval 120 $EVAL "$DATA" --path "$CK/offload_sharded/last.pt" --tokens-per-sample 128 --batch-size 16
 }
 
-xl_bf16() { run xl_bf16 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16; }
-xl_fp16() { run xl_fp16 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --fp16 --fp16-init-scale 4; }
-xl_fsdp() { run xl_bf16_fsdp 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --ddp-backend fully_sharded; }
+xl_bf16() { run xl_bf16 200 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16; }
+xl_fp16() { run xl_fp16 200 $PY -m benchmarks.train --preset gpt3_xl --device cuda --fp16 --fp16-init-scale 4; }
+xl_fsdp() { run xl_bf16_fsdp 200 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --ddp-backend fully_sharded; }
 xl() { xl_bf16; xl_fp16; xl_fsdp; }
 
 offload_arch() {  # NAME ARCH LIMIT_S [extra flags]
   local name=$1 arch=$2 limit=$3; shift 3
-  run "$name" "$limit" $PY benchmarks/peak_memory.py --json "$LOG/${name}_memory.json" -- \
+  run "$name" "$limit" $PY -m benchmarks.peak_memory --json "$LOG/${name}_memory.json" -- \
     $TRAIN "$DATA" --task language_modeling --arch "transformer_lm_$arch" "${OFFLOAD[@]}" \
     --fp16-init-scale 4 --tokens-per-sample 2048 --batch-size 8 --adam-betas "(0.9, 0.98)" --lr 0.0001 \
     --lr-scheduler polynomial_decay --warmup-updates 5 --total-num-update "$UPDATES" --max-update "$UPDATES" \
@@ -172,14 +196,14 @@ offload_arch() {  # NAME ARCH LIMIT_S [extra flags]
 offload() { offload_arch offload_gpt3_2_7 gpt3_2_7 540; }
 # Where an offloaded update's time goes (forward, backward, gradient norm, CPU Adam step), by benchmarks/train.py.
 offload_split() {
-  run offload_split_gpt3_2_7 300 $PY benchmarks/train.py --preset gpt3_xl --device cuda --arch transformer_lm_gpt3_2_7 \
+  run offload_split_gpt3_2_7 300 $PY -m benchmarks.train --preset gpt3_xl --device cuda --arch transformer_lm_gpt3_2_7 \
     --batch-size 8 "${OFFLOAD[@]}" --fp16-init-scale 1 --warmup 2 --steps 3
 }
 # torch.profiler tables of one step each (files in the log folder).
 profile() {
-  run profile_xl 200 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --warmup 3 --steps 3 \
+  run profile_xl 200 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --warmup 3 --steps 3 \
     --profile "$LOG/profile_xl.txt"
-  run profile_offload_gpt3_2_7 300 $PY benchmarks/train.py --preset gpt3_xl --device cuda \
+  run profile_offload_gpt3_2_7 300 $PY -m benchmarks.train --preset gpt3_xl --device cuda \
     --arch transformer_lm_gpt3_2_7 --batch-size 8 "${OFFLOAD[@]}" --fp16-init-scale 1 --warmup 2 --steps 2 \
     --profile "$LOG/profile_offload_gpt3_2_7.txt"
 }
@@ -191,7 +215,7 @@ compile_parity() {
     run "compile_parity_$mode" 240 $TRAIN "$DATA" "${TINY[@]}" --bf16 --dropout 0 --max-update 30 --no-save \
       --disable-validation "${extra[@]}"
   done
-  $PY benchmarks/compare_losses.py "$LOG/compile_parity_eager.log" "$LOG/compile_parity_compile.log" \
+  $PY -m benchmarks.compare_losses "$LOG/compile_parity_eager.log" "$LOG/compile_parity_compile.log" \
     --tolerance 0.01 2>&1 | tee -a "$LOG/summary.txt"
 }
 # --compile: the first steps compile (a minute or more for gpt3_xl), so more warm-up steps and a longer limit.
@@ -205,16 +229,16 @@ compile_smoke() {
     --save-dir "$CK/compile_offload"
 }
 xl_compile() {
-  run xl_bf16_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --warmup 5
-  run xl_bf16_fsdp_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 \
+  run xl_bf16_compile 500 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --compile --warmup 5
+  run xl_bf16_fsdp_compile 500 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 \
     --ddp-backend fully_sharded --compile --warmup 5
 }
 profile_compile() {
-  run profile_xl_compile 500 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --warmup 5 \
+  run profile_xl_compile 500 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --compile --warmup 5 \
     --steps 3 --profile "$LOG/profile_xl_compile.txt"
 }
 attention_layout_xl() {
-  run attention_layout_xl 120 $PY benchmarks/attention_layout.py --dim 2048 --heads 32 --batch 4 --tokens 2048 \
+  run attention_layout_xl 120 $PY -m benchmarks.attention_layout --dim 2048 --heads 32 --batch 4 --tokens 2048 \
     --device cuda --dtype bf16
 }
 compile() { compile_parity; compile_smoke; xl_compile; profile_compile; attention_layout_xl; }
@@ -228,7 +252,7 @@ offload_pairs() {
 offload_overlap() {
   offload_pairs
   # both trainers in one process: about 2 x 47 GiB of host memory for 2.7B
-  run offload_overlap_bench_gpt3_2_7 540 $PY benchmarks/offload_overlap.py --device cuda --vocab 50264 \
+  run offload_overlap_bench_gpt3_2_7 540 $PY -m benchmarks.offload_overlap --device cuda --vocab 50264 \
     --arch transformer_lm_gpt3_2_7 --tokens-per-sample 2048 --batch-size 8 --fp16 --fp16-init-scale 4 \
     --checkpoint-activations --warmup 2 --steps 3 --rounds 2
 }
@@ -243,15 +267,15 @@ SMALL=(--task language_modeling --arch transformer_lm --decoder-layers 6 --decod
 fp8_parity() {
   run fp8_parity_bf16 300 $TRAIN "$DATA" "${SMALL[@]}"
   run fp8_parity_fp8 300 $TRAIN "$DATA" "${SMALL[@]}" --fp8
-  $PY benchmarks/compare_losses.py "$LOG/fp8_parity_bf16.log" "$LOG/fp8_parity_fp8.log" --last 50 --tolerance 0.01 \
+  $PY -m benchmarks.compare_losses "$LOG/fp8_parity_bf16.log" "$LOG/fp8_parity_fp8.log" --last 50 --tolerance 0.01 \
     2>&1 | tee -a "$LOG/summary.txt"
 }
 fp8_xl() {
-  run xl_fp8_rowwise_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
+  run xl_fp8_rowwise_compile 400 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
     --warmup 5
-  run xl_fp8_tensorwise_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
+  run xl_fp8_tensorwise_compile 400 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --compile --fp8 \
     --fp8-recipe tensorwise --warmup 5
-  run xl_fp8_fsdp_allgather_compile 400 $PY benchmarks/train.py --preset gpt3_xl --device cuda --bf16 --compile \
+  run xl_fp8_fsdp_allgather_compile 400 $PY -m benchmarks.train --preset gpt3_xl --device cuda --bf16 --compile \
     --fp8 --fp8-recipe tensorwise --fp8-all-gather --ddp-backend fully_sharded --warmup 5
 }
 fp8() { fp8_parity; fp8_xl; }
@@ -266,13 +290,13 @@ llama_smoke() {
 llama() { llama_smoke; llama_bench; }
 # llama3_1b (Llama-3.2-1B's shape, V 128256): bf16 + --compile without sharding and under fully_sharded, and --fp8.
 llama_bench() {
-  run llama3_1b_bf16_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 --compile --warmup 5
-  run llama3_1b_fsdp_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+  run llama3_1b_bf16_compile 400 $PY -m benchmarks.train --preset llama3_1b --device cuda --bf16 --compile --warmup 5
+  run llama3_1b_fsdp_compile 400 $PY -m benchmarks.train --preset llama3_1b --device cuda --bf16 \
     --ddp-backend fully_sharded --compile --warmup 5
-  run llama3_1b_fp8_tensorwise_compile 400 $PY benchmarks/train.py --preset llama3_1b --device cuda --bf16 \
+  run llama3_1b_fp8_tensorwise_compile 400 $PY -m benchmarks.train --preset llama3_1b --device cuda --bf16 \
     --compile --fp8 --fp8-recipe tensorwise --warmup 5
 }
-generate() { run generate_gpt3_xl 300 $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16; }
+generate() { run generate_gpt3_xl 300 $PY -m benchmarks.generate --preset gpt3_xl --device cuda --dtype bf16; }
 
 # --- figures (issue 37): one entry per figure, each under FIGURE_LIMIT seconds, one JSON line each ---------
 
@@ -286,7 +310,8 @@ DRY_MOE=("${DRY_LLAMA[@]}" --decoder-head-dim 16 --moe-num-experts 4 --moe-ffn-e
 DRY_BENCH=(--warmup 1 --steps 1 --vocab 512 --threads 2)
 
 # adapt ARG...: the entry's command as it runs, in ARGS: unchanged on a GPU; in --dry-run on the CPU, without
-# the flags that need a GPU (--compile: inductor's CPU build would take minutes; --fp8: float8 matmuls)
+# the flags that need a GPU (--compile: inductor's CPU build would take minutes; --fp8, --fp8-experts: float8
+# matmuls)
 adapt() {
   ARGS=()
   local skip=0 a
@@ -294,7 +319,7 @@ adapt() {
     if [ $DRY = 0 ]; then ARGS+=("$a"); continue; fi
     if [ $skip = 1 ]; then skip=0; continue; fi
     case $a in
-      --compile|--fp8|--fp8-all-gather) ;;
+      --compile|--fp8|--fp8-all-gather|--fp8-experts) ;;
       --fp8-recipe) skip=1 ;;
       cuda) ARGS+=(cpu) ;;
       *) ARGS+=("$a") ;;
@@ -313,10 +338,15 @@ figure() {
   if [ "$1" = --memory ]; then
     shift
     mem=(--memory "$LOG/$name.memory.json")
-    set -- $PY benchmarks/peak_memory.py --json "$LOG/$name.memory.json" -- "$@"
+    set -- $PY -m benchmarks.peak_memory --json "$LOG/$name.memory.json" -- "$@"
   fi
   if [ $DRY = 1 ]; then limit=$DRY_LIMIT; dry=(--dry-run); fi
   adapt "$@"
+  if [ $PRINT = 1 ]; then
+    printf '%q ' "${ARGS[@]}"
+    echo
+    return 0
+  fi
   : > "$LOG/$name.log"
   rm -f "$LOG/$name.memory.json"
   local t0=$SECONDS rc=0 key="${ARGS[*]}"
@@ -331,7 +361,7 @@ figure() {
     run "$name" "$limit" "${ARGS[@]}" || rc=$?
     DRY_DONE[$key]="$name $rc"
   fi
-  $PY benchmarks/figure.py "$name" --log "$LOG/$name.log" --rc "$rc" --seconds $((SECONDS - t0)) "${mem[@]}" \
+  $PY -m benchmarks.figure "$name" --log "$LOG/$name.log" --rc "$rc" --seconds $((SECONDS - t0)) "${mem[@]}" \
     "${dry[@]}" --out "$RESULTS/gpu_figures.jsonl"
   return "$rc"
 }
@@ -366,7 +396,7 @@ bench_figure() {
   if [ $DRY = 1 ] && [ "$family" = llama ]; then dry=("${DRY_LLAMA[@]}" "${DRY_BENCH[@]}"); fi
   if [ $DRY = 1 ] && [ "$family" = gpt ]; then dry=("${DRY_GPT[@]}" "${DRY_BENCH[@]}"); fi
   if [ $DRY = 1 ] && [ "$family" = moe ]; then dry=("${DRY_MOE[@]}" "${DRY_BENCH[@]}"); fi
-  figure "$name" $PY benchmarks/train.py --device cuda --bf16 "$@" "${dry[@]}"
+  figure "$name" $PY -m benchmarks.train --device cuda --bf16 "$@" "${dry[@]}"
 }
 
 # The 8-layer llama3_8b shape of the float8 figures: d 4096 is where float8's saving outgrows its casts.
@@ -374,7 +404,8 @@ FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 
            --warmup 5)
 FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
 fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl moe_olmoe moe_olmoe_compile moe_30b_a3b_offload
-cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b"
+cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b profile_13 moe_olmoe_fp8 moe_olmoe_profile
+decode_llama3_1b_hf plan_calibration"
 # OLMoE-1B-7B's shape at 8 of its 16 layers (3.6B parameters, 0.7B active: AdamW's fp32 states of all 16 would
 # crowd an 80 GB GPU), its vocabulary (50304), B 4 x T 2048
 OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50304 --warmup 5)
@@ -408,7 +439,7 @@ run_figure() {
     decode_xl)
       local dry=()
       [ $DRY = 1 ] && dry=(--arch transformer_lm_gpt2_tiny --vocab 512 --prompt 8 --new 4)
-      figure decode_xl $PY benchmarks/generate.py --preset gpt3_xl --device cuda --dtype bf16 --batch-size 1 \
+      figure decode_xl $PY -m benchmarks.generate --preset gpt3_xl --device cuda --dtype bf16 --batch-size 1 \
         "${dry[@]}" ;;
     moe_olmoe) bench_figure moe_olmoe moe "${OLMOE_SHAPE[@]}" ;;
     moe_olmoe_compile) bench_figure moe_olmoe_compile moe "${OLMOE_SHAPE[@]}" --compile ;;
@@ -420,7 +451,35 @@ run_figure() {
     muon_offload_llama3_1b) family_offload_figure muon_offload_llama3_1b llama llama3_1b "${MUON_OFFLOAD[@]}" \
                               --optimizer muon ;;
     adam_offload_llama3_1b) family_offload_figure adam_offload_llama3_1b llama llama3_1b "${MUON_OFFLOAD[@]}" ;;
+    profile_13) profile_figure ;;
+    moe_olmoe_fp8) bench_figure moe_olmoe_fp8 moe "${OLMOE_SHAPE[@]}" --compile --fp8-experts ;;
+    moe_olmoe_profile) bench_figure moe_olmoe_profile moe "${OLMOE_SHAPE[@]}" --compile --steps 3 \
+                         --profile "$RESULTS/moe_olmoe_profile.txt" ;;
+    decode_llama3_1b_hf)
+      local dry=()
+      [ $DRY = 1 ] && dry=(--arch llama_tiny --vocab 512 --prompt 8 --new 4 --rounds 1)
+      figure decode_llama3_1b_hf $PY -m benchmarks.generate --preset llama3_1b --device cuda --dtype bf16 \
+        --versus-transformers --prompt 256 --new 256 --rounds 3 --warmup 1 "${dry[@]}" ;;
+    plan_calibration) calibration_figure ;;
   esac
+}
+
+# profile_13: offload_13's layout (the 13B recipe: 8-bit moments, bf16 host gradients, overlap) through
+# benchmarks.offload_profile on synthetic tokens of its vocabulary: 2 updates to warm up, 2 profiled
+profile_figure() {
+  local dry=()
+  [ $DRY = 1 ] && dry=("${DRY_GPT[@]}" --vocab 512 --warmup 1 --steps 1)
+  figure profile_13 $PY -m benchmarks.offload_profile --device cuda --arch transformer_lm_gpt3_13 \
+    --tokens-per-sample 2048 --batch-size 8 --vocab 12448 --fp16 --fp16-init-scale 4 --checkpoint-activations \
+    "${LOW_HOST_13[@]}" --warmup 2 --steps 2 --out "$RESULTS/offload_profile_13.md" "${dry[@]}"
+}
+
+# plan_calibration: every offload figure recorded so far (benchmarks/results/gpu_figures_*.jsonl, carried with
+# the checkout) and this session's ($RESULTS/gpu_figures.jsonl, when there is one; its dry-run lines are skipped)
+calibration_figure() {
+  local inputs=(benchmarks/results/gpu_figures_*.jsonl)
+  [ -f "$RESULTS/gpu_figures.jsonl" ] && inputs+=("$RESULTS/gpu_figures.jsonl")
+  figure plan_calibration $PY -m benchmarks.plan_calibration "${inputs[@]}" --out "$RESULTS/plan_calibration.md"
 }
 
 # --- host side, before the GPU session: what a fresh GPU machine lacks ----------------------------------
@@ -459,6 +518,16 @@ setup() {
 
 if [ "${1:-}" = --list ]; then
   echo $FIGURES
+  exit 0
+fi
+if [ $PRINT = 1 ]; then
+  for name in "$@"; do
+    if ! is_figure "$name"; then
+      echo "benchmarks/gpu.sh --print: no figure named $name (bash benchmarks/gpu.sh --list)" >&2
+      exit 1
+    fi
+    run_figure "$name"
+  done
   exit 0
 fi
 if [ $DRY = 1 ]; then

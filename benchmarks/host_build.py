@@ -1,8 +1,8 @@
 """Time to build a model on the host: the meta-device build, then materialize + initialize.
 
-    python benchmarks/host_build.py --arch transformer_lm_gpt3_2_7           # 2.55B on CPU (about 10 GB)
-    python benchmarks/host_build.py --arch transformer_lm_gpt3_13 --threads 16  # a 16-core GPU host
-    python benchmarks/host_build.py --arch transformer_lm --decoder-layers 2 --decoder-embed-dim 64
+    python -m benchmarks.host_build --arch transformer_lm_gpt3_2_7           # 2.55B on CPU (about 10 GB)
+    python -m benchmarks.host_build --arch transformer_lm_gpt3_13 --threads 16  # a 16-core GPU host
+    python -m benchmarks.host_build --arch transformer_lm --decoder-layers 2 --decoder-embed-dim 64
 
 What runs is toolkit-train's path before its first update, with no wrapper on one process (the
 same ``to_empty`` + ``init_weights`` that ``--ddp-backend fully_sharded --cpu-offload`` runs on a
@@ -21,14 +21,10 @@ every parameter's float64 sum), which must not change with ``--threads``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, time_call
 
 
 def parse(argv):
@@ -38,6 +34,7 @@ def parse(argv):
     ap.add_argument("--vocab", type=int, default=50264, help="dictionary size (default: GPT-2's as fairseq pads it)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--no-checksum", action="store_true", help="skip the checksum pass (one read of every value)")
+    add_results_flag(ap)
     ours, rest = ap.parse_known_args(argv)
     return ours, rest
 
@@ -46,6 +43,7 @@ def main(argv=None):
     ours, rest = parse(argv)
     if ours.threads:
         torch.set_num_threads(ours.threads)
+    report = Report("host_build", argv=argv)
     from toolkit import models
     from toolkit.data.dictionary import Dictionary
     from toolkit.distributed.parallelize import parallelize
@@ -76,35 +74,33 @@ def main(argv=None):
     while len(dictionary) < ours.vocab:
         dictionary.add_symbol(f"w{len(dictionary)}")
     task = LanguageModelingTask(cfg.task, dictionary)
-    t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = models.build_model(cfg.components.arch, cfg.model, task)
-    t1 = time.perf_counter()
-    model, _ = parallelize(model, cfg.distributed, cfg.common, DistributedEnv(device=torch.device("cpu")))
-    t2 = time.perf_counter()
+
+    def meta_build():
+        with torch.device("meta"):
+            return models.build_model(cfg.components.arch, cfg.model, task)
+
+    meta_s, model = time_call(meta_build)
+    init_s, (model, _) = time_call(
+        lambda: parallelize(model, cfg.distributed, cfg.common, DistributedEnv(device=torch.device("cpu")))
+    )
     params = models.count_params(model)[0]
     checksum = None
     if not ours.no_checksum:
         with torch.no_grad():
             checksum = float(sum(p.double().sum() for p in {id(p): p for p in model.parameters()}.values()))
-    result = {
-        "benchmark": "host_build",
-        "arch": cfg.components.arch,
-        "params": params,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "meta_build_s": round(t1 - t0, 3),
-        "materialize_init_s": round(t2 - t1, 3),
-        "total_s": round(t2 - t0, 3),
-        "checksum": checksum,
-        "load_average": os.getloadavg()[0],
-        "torch": torch.__version__,
-    }
     print(
-        f"{cfg.components.arch}: {params / 1e9:.3f}B parameters, meta build {t1 - t0:.2f} s, "
-        f"materialize + initialize {t2 - t1:.2f} s ({torch.get_num_threads()} threads)"
+        f"{cfg.components.arch}: {params / 1e9:.3f}B parameters, meta build {meta_s:.2f} s, "
+        f"materialize + initialize {init_s:.2f} s ({torch.get_num_threads()} threads)"
     )
-    print(json.dumps(result))
+    report.emit(
+        results=ours.results,
+        arch=cfg.components.arch,
+        params=params,
+        meta_build_s=round(meta_s, 3),
+        materialize_init_s=round(init_s, 3),
+        total_s=round(meta_s + init_s, 3),
+        checksum=checksum,
+    )
 
 
 if __name__ == "__main__":

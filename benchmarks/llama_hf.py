@@ -1,8 +1,8 @@
 """Training throughput of the toolkit's Llama against transformers' ``LlamaForCausalLM``, on CPU.
 
-    python benchmarks/llama_hf.py                       # 4 x 256, FFN 688, 8 heads on 4 KV heads, V 8192
-    python benchmarks/llama_hf.py --layers 2 --rounds 6 --threads 1
-    python benchmarks/llama_hf.py --contestants toolkit          # one alone: its peak memory (peak_rss_mib)
+    python -m benchmarks.llama_hf                       # 4 x 256, FFN 688, 8 heads on 4 KV heads, V 8192
+    python -m benchmarks.llama_hf --layers 2 --rounds 6 --threads 1
+    python -m benchmarks.llama_hf --contestants toolkit          # one alone: its peak memory (peak_rss_mib)
 
 Both models have the same config and the same initial weights (ours copied into transformers'
 through the Hugging Face adapter, ``toolkit.models.llama.hf``), see the same batches (uniformly
@@ -20,8 +20,9 @@ default). One training step is each side's own training path, then backward, Ada
 - ``transformers``: ``LlamaForCausalLM(input_ids, labels=...)``, its own loss (logits, ``.float()``, mean
   cross-entropy); the targets that are our padding index are -100 for it, so both count the same tokens.
 
-The contestants are alternated step by step in one process (ours, theirs, ours, ...), so a neighbour
-process on a shared machine slows all alike; ``--warmup`` rounds are discarded.
+The contestants are alternated step by step in one process (ours, theirs, ours, ...:
+:func:`benchmarks.timing.alternate`), so a neighbour process on a shared machine slows all alike; ``--warmup``
+rounds are discarded.
 
 Reports the median step time and tokens/s of each, toolkit / transformers (above 1 is faster), toolkit /
 toolkit-logits (what fusing gains), the largest difference of the per-token losses of the last round (a check
@@ -33,16 +34,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import resource
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate
 
 
 def parse(argv=None):
@@ -78,6 +74,7 @@ def parse(argv=None):
         default=None,
         help="the toolkit contestant's --head-loss-chunk-rows (default: the criterion's default)",
     )
+    add_results_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -205,8 +202,8 @@ def run(args) -> dict:
     if "transformers" not in chosen:
         del theirs
     steps = {name: all_steps[name]() for name in chosen}
-    return {
-        "benchmark": "llama_vs_transformers",
+    stats, figures = alternated(steps, args)
+    return stats, {
         "layers": args.layers,
         "dim": args.dim,
         "ffn": args.ffn,
@@ -217,44 +214,49 @@ def run(args) -> dict:
         "batch": args.batch,
         "threads": args.threads,
         "rounds": args.rounds,
-        "torch": torch.__version__,
         "head_loss_chunk_rows": args.head_loss_chunk_rows,
         "cpu_matmul": "onednn" if onednn else "torch",
-        **alternated(steps, args),
+        **figures,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
 
 
-def alternated(steps, args) -> dict:
-    """Time ``steps`` (name -> step(tokens)) alternated on the same random batches, ``args.warmup`` rounds
-    untimed; the median step of each, tokens/s, toolkit / transformers and how far their last losses differ."""
+def alternated(steps, args):
+    """Time ``steps`` (name -> step(tokens)) alternated (:func:`benchmarks.timing.alternate`) on the same random
+    batches, ``args.warmup`` rounds untimed: (each one's stats, the figures: median step ms, tokens/s, toolkit over
+    transformers and over the logits path, how far their last losses differ)."""
     g = torch.Generator().manual_seed(0)
-    times = {name: [] for name in steps}
-    losses = {}
-    for r in range(args.warmup + args.rounds):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.tokens + 1), generator=g)
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            losses[name] = step(tokens)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.tokens + 1), generator=g)
+        for _ in range(args.warmup + args.rounds)
+    ]
+
+    def contestant(step):
+        feed = iter(batches)  # every contestant sees the same batch in the same round
+        return lambda: step(next(feed))
+
+    stats = alternate({name: contestant(step) for name, step in steps.items()}, args.rounds, args.warmup)
+    losses = {name: s.last for name, s in stats.items()}
     tokens_per_step = args.batch * args.tokens
-    median = {name: statistics.median(t) for name, t in times.items()}
     out = {
-        "step_ms": {k: round(v * 1e3, 1) for k, v in median.items()},
-        "tokens_per_s": {k: round(tokens_per_step / v, 1) for k, v in median.items()},
+        "step_ms": {k: round(s.median * 1e3, 1) for k, s in stats.items()},
+        "tokens_per_s": {k: round(s.rate(tokens_per_step), 1) for k, s in stats.items()},
         "last_loss_diff": max(losses.values()) - min(losses.values()),
     }
-    for name, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
-        if "toolkit" in median and over in median:  # toolkit / the other, above 1: the toolkit is faster
-            out[name] = round(median[over] / median["toolkit"], 3)
-    if "toolkit-compile" in median and "transformers" in median:
-        out["compiled_speedup"] = round(median["transformers"] / median["toolkit-compile"], 3)
-    return out
+    for name, ours, other in (
+        ("speedup", "toolkit", "transformers"),
+        ("fused_speedup", "toolkit", "toolkit-logits"),
+        ("compiled_speedup", "toolkit-compile", "transformers"),
+    ):
+        if ours in stats and other in stats:  # the other's median over ours, above 1: ours is faster
+            out[name] = round(stats[other].median / stats[ours].median, 3)
+    return stats, out
 
 
 def main(argv=None) -> None:
-    result = run(parse(argv))
+    report = Report("llama_vs_transformers", argv=argv)
+    args = parse(argv)
+    stats, result = run(args)
     for name in result["step_ms"]:
         print(f"{name:>14}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
     for key, over in (("speedup", "transformers"), ("fused_speedup", "toolkit-logits")):
@@ -266,7 +268,7 @@ def main(argv=None) -> None:
         f"last per-token losses differ by {result['last_loss_diff']:.2e}; "
         f"peak resident memory {result['peak_rss_mib']} MiB (of the whole process)"
     )
-    print(json.dumps(result))
+    report.emit(stats, baseline="toolkit" if "toolkit" in stats else None, results=args.results, **result)
 
 
 if __name__ == "__main__":

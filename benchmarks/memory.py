@@ -1,6 +1,6 @@
 """Activation memory of a 12-layer transformer_lm with and without activation checkpointing (CPU).
 
-    python benchmarks/memory.py [--layers 12] [--embed-dim 512] [--ffn-dim 2048] [--heads 8]
+    python -m benchmarks.memory [--layers 12] [--embed-dim 512] [--ffn-dim 2048] [--heads 8]
         [--tokens-per-sample 512] [--batch-size 4] [--vocab 8192] [--dtypes fp32,bf16]
         [--configs plain,checkpoint] [--threads 1] [--json]
 
@@ -32,12 +32,9 @@ import json
 import os
 import resource
 import subprocess
-import sys
-import time
 from typing import Dict, List
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.timing import REPO, Report, Stats, add_results_flag, module_argv, time_call
 
 
 def rss_bytes() -> int:
@@ -107,13 +104,16 @@ def measure(
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else torch.autocast("cpu", enabled=False)
     torch.manual_seed(seed)  # the same dropout masks in every configuration
     base = rss_bytes()
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits = model(tokens_in)
-        loss = F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1), reduction="sum")
-    counting[0] = False
-    loss.backward()
-    seconds = time.perf_counter() - t0
+
+    def step():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            logits = model(tokens_in)
+            loss = F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1), reduction="sum")
+        counting[0] = False
+        loss.backward()
+        return loss
+
+    seconds, loss = time_call(step)
     return {
         "saved_activation_mb": sum(saved.values()) / 2**20,
         "peak_rss_growth_mb": max(0, peak_rss_bytes() - base) / 2**20,
@@ -125,11 +125,11 @@ def measure(
 
 def run_config(ns: argparse.Namespace, config: str, dtype: str) -> Dict[str, float]:
     """``measure`` in a fresh interpreter (its own peak RSS)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config, "--dtypes", dtype]
+    cmd = [*module_argv("memory"), "--worker", "--config", config, "--dtypes", dtype]
     for k in ("layers", "embed_dim", "ffn_dim", "heads", "tokens_per_sample", "batch_size", "vocab", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(ns, k))]
-    env = dict(os.environ, OMP_NUM_THREADS=str(ns.threads), PYTHONPATH=REPO_ROOT)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    env = dict(os.environ, OMP_NUM_THREADS=str(ns.threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=REPO)
     if out.returncode != 0:
         raise RuntimeError(f"{config}/{dtype} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -150,6 +150,7 @@ def main(argv: List[str] = None) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="plain", help=argparse.SUPPRESS)
+    add_results_flag(p)
     ns = p.parse_args(argv)
 
     if ns.worker:
@@ -173,10 +174,12 @@ def main(argv: List[str] = None) -> None:
         )
         return
 
+    report = Report("activation_memory", argv=argv)
     results = {}
     for dtype in ns.dtypes.split(","):
         for config in ns.configs.split(","):
             results[f"{config}/{dtype}"] = run_config(ns, config, dtype)
+    stats = {name: Stats([r["step_seconds"]]) for name, r in results.items()}
     shape = {
         k: getattr(ns, k)
         for k in ("layers", "embed_dim", "ffn_dim", "heads", "tokens_per_sample", "batch_size", "vocab", "threads")
@@ -209,7 +212,7 @@ def main(argv: List[str] = None) -> None:
                     f"{name}: saved activations x{r['saved_activation_ratio']:.3f}, "
                     f"peak RSS growth x{r['peak_rss_growth_ratio']:.3f}, step time x{r['step_time_ratio']:.2f}"
                 )
-    print(json.dumps({"shape": shape, "results": results}))
+    report.emit(stats, results=ns.results, shape=shape, rows=results)
 
 
 if __name__ == "__main__":

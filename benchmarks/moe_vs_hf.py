@@ -1,7 +1,7 @@
 """Training step of the toolkit's MoE (Qwen3-MoE shape) against transformers' ``Qwen3MoeForCausalLM``, on CPU.
 
-    python benchmarks/moe_vs_hf.py                        # 4 x 256, 8 experts of 256, top 2, V 8192, B 8 x T 256
-    python benchmarks/moe_vs_hf.py --hf-experts eager     # transformers' loop over experts in Python
+    python -m benchmarks.moe_vs_hf                        # 4 x 256, 8 experts of 256, top 2, V 8192, B 8 x T 256
+    python -m benchmarks.moe_vs_hf --hf-experts eager     # transformers' loop over experts in Python
 
 Same config, same initial weights (ours copied into transformers' in-memory layout: its experts are fused
 ``gate_up_proj`` [E, 2F, C] / ``down_proj`` [E, C, F] tensors in transformers 5), same batches (uniformly random
@@ -15,18 +15,12 @@ is faster), the last losses' difference and one JSON line (``"benchmark": "moe_v
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-from llama_hf import alternated, logits_loss, make_step  # noqa: E402
-
-from toolkit.core import cpu_gemm  # noqa: E402
+from benchmarks.llama_hf import alternated, logits_loss, make_step
+from benchmarks.timing import Report, add_results_flag
+from toolkit.core import cpu_gemm
 
 
 def parse(argv=None):
@@ -57,6 +51,7 @@ def parse(argv=None):
         default=None,
         help="transformers' experts_implementation (eager, grouped_mm, batched_mm; default: its own choice)",
     )
+    add_results_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -118,25 +113,26 @@ def run(args) -> dict:
         "toolkit": make_step(ours, logits_loss(toolkit_logits)),
         "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits)),
     }
-    return {
-        "benchmark": "moe_vs_transformers",
-        **{k: v for k, v in vars(args).items() if k != "hf_experts"},
+    stats, figures = alternated(steps, args)
+    return stats, {
+        **{k: v for k, v in vars(args).items() if k not in ("hf_experts", "results")},
         "hf_experts": getattr(theirs.config, "_experts_implementation", None),
-        "torch": torch.__version__,
         "cpu_matmul": "onednn" if onednn else "torch",
-        **alternated(steps, args),
+        **figures,
     }
 
 
 def main(argv=None) -> None:
-    result = run(parse(argv))
+    report = Report("moe_vs_transformers", argv=argv)
+    args = parse(argv)
+    stats, result = run(args)
     for name in ("toolkit", "transformers"):
         print(f"{name:>12}: {result['step_ms'][name]:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
     print(
         f"toolkit / transformers ({result['hf_experts']} experts): {result['speedup']:.2f}x (median of "
         f"{result['rounds']} alternated steps); last losses differ by {result['last_loss_diff']:.2e}"
     )
-    print(json.dumps(result))
+    report.emit(stats, baseline="toolkit", results=args.results, **result)
 
 
 if __name__ == "__main__":

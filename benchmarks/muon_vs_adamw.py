@@ -1,6 +1,6 @@
 """Muon vs AdamW on the README's main job data, and the offloaded Muon step vs the offloaded Adam step on CPU.
 
-    python benchmarks/muon_vs_adamw.py [--updates 120] [--part quality|step|both] [--corpus DIR]
+    python -m benchmarks.muon_vs_adamw [--updates 120] [--part quality|step|both] [--corpus DIR]
 
 quality: the main job's corpus (``examples/language_model/wikitext.sh``: ../shared/data/wikitext-2-mini) and
 model family (transformer_lm, pre-norm, tied embeddings, 2 layers), smaller so that six runs take minutes on
@@ -12,9 +12,10 @@ takes AdamW's best rate, so only the blocks' matrices are updated differently. P
 step: one optimizer step over a transformer's parameters (4 blocks of width 512: matrices and vectors, random
 gradients) in host memory, what ``--cpu-offload`` updates: ``--optimizer muon`` (Newton-Schulz on the CPU, no
 GPU here; fp32 and ``--muon-momentum-dtype bf16``; on a GPU machine the matrices go through the pinned, overlapped
-staging instead, so that figure is the GPU's: ``gpu.sh muon_offload_llama3_1b``) against DeepSpeed's CPU Adam (``--optimizer cpu_adam``); interleaved rounds, the minimum reported.
+staging instead, so that figure is the GPU's: ``gpu.sh muon_offload_llama3_1b``) against DeepSpeed's CPU Adam (``--optimizer cpu_adam``); alternated rounds (:func:`benchmarks.timing.alternate`),
+the minimum reported.
 
-The last line is one JSON object.
+The last line is one JSON object (``"benchmark": "muon_vs_adamw"``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import REPO, Report, add_results_flag, alternate, time_call
 
 MODEL = [
     "--task",
@@ -87,7 +86,7 @@ def toolkit(command: str, *args: str) -> str:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=REPO),
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     if proc.returncode != 0:
         raise SystemExit(f"{command} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -126,10 +125,9 @@ def quality(corpus: str, updates: int, adamw_best=None) -> dict:
 
         def grid(name, lrs, extra):
             for lr in lrs:
-                t0 = time.perf_counter()
-                ppl = valid_ppl(toolkit("train", data, *common, *extra, "--lr", str(lr)))
-                runs[(name, lr)] = ppl
-                print(f"{name:6s} lr {lr:<7g} valid ppl {ppl:8.2f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+                seconds, log = time_call(lambda: toolkit("train", data, *common, *extra, "--lr", str(lr)))
+                runs[(name, lr)] = ppl = valid_ppl(log)
+                print(f"{name:6s} lr {lr:<7g} valid ppl {ppl:8.2f}   ({seconds:.0f} s)", flush=True)
 
         if adamw_best is None:
             grid("adamw", ADAM_LRS, ["--optimizer", "adam"])
@@ -171,7 +169,7 @@ def transformer_params(dim: int = 512, blocks: int = 4):
     return out
 
 
-def step_times(rounds: int = 5) -> dict:
+def step_times(rounds: int = 5):
     from toolkit.optim.cpu_adam import CPUAdam
     from toolkit.optim.muon import Muon, newton_schulz
 
@@ -193,20 +191,14 @@ def step_times(rounds: int = 5) -> dict:
     numel = sum(p.numel() for p in matrices + vectors)
     steps = {name: opt.step for name, opt in opts.items()}
     steps["newton_schulz_only"] = lambda: [newton_schulz(p.grad, 5) for p in matrices]  # muon's share of it
-    times = {k: [] for k in steps}
-    for r in range(rounds + 1):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            if r:  # the first round allocates the state
-                times[name].append(time.perf_counter() - t0)
-    best = {k: min(v) * 1e3 for k, v in times.items()}
+    stats = alternate(steps, rounds, warmup=1)  # the warm-up round allocates the state
+    best = {k: st.min * 1e3 for k, st in stats.items()}
     print(
         f"host-memory step over {numel / 1e6:.1f}M parameters ({torch.get_num_threads()} threads): "
         f"muon {best['muon']:.1f} ms (of which Newton-Schulz {best['newton_schulz_only']:.1f} ms; bf16 momentum "
         f"{best['muon_bf16_momentum']:.1f} ms), cpu_adam {best['cpu_adam']:.1f} ms"
     )
-    return {"params": numel, "threads": torch.get_num_threads(), "ms": best}
+    return stats, {"params": numel, "threads": torch.get_num_threads(), "ms": best}
 
 
 def main(argv=None):
@@ -220,13 +212,16 @@ def main(argv=None):
         help="skip the AdamW grid: its best rate from an earlier run (Muon's AdamW side uses it)",
     )
     ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini"))
+    ap.add_argument("--rounds", type=int, default=5, help="step: timed rounds of each optimizer (alternated)")
+    add_results_flag(ap)
     args = ap.parse_args(argv)
-    result = {"load_average": os.getloadavg()[0]}
+    report = Report("muon_vs_adamw", argv=argv)
+    result, stats = {}, None
     if args.part in ("step", "both"):
-        result["step"] = step_times()
+        stats, result["step"] = step_times(args.rounds)
     if args.part in ("quality", "both"):
         result["quality"] = quality(args.corpus, args.updates, args.adamw_best_lr)
-    print(json.dumps(result))
+    report.emit(stats, "cpu_adam" if stats else None, args.results, **result)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """The offloaded update, serial vs ``--overlap-offload-step``: ``Trainer.train_step`` time in steady state.
 
-    python benchmarks/offload_overlap.py                       # CPU: a small model, fp32, 2 threads
-    python benchmarks/offload_overlap.py --fold-only 50e6      # CPUAdam alone: separate multiply vs folded
-    python benchmarks/offload_overlap.py --device cuda --arch transformer_lm_gpt3_2_7 \\
+    python -m benchmarks.offload_overlap                       # CPU: a small model, fp32, 2 threads
+    python -m benchmarks.offload_overlap --fold-only 50e6      # CPUAdam alone: separate multiply vs folded
+    python -m benchmarks.offload_overlap --device cuda --arch transformer_lm_gpt3_2_7 \\
         --tokens-per-sample 2048 --batch-size 8 --fp16 --fp16-init-scale 4 --checkpoint-activations
 
 Both trainers are built in one process (same seed, same synthetic batch, the real path:
 ``benchmarks/train.py``'s ``build``) with ``--ddp-backend fully_sharded --cpu-offload
 --optimizer cpu_adam``; one of them adds ``--overlap-offload-step``. Rounds alternate
-between them, so a noisy neighbour hits both alike. A round is ``--steps`` consecutive
+between them (:func:`benchmarks.timing.alternate`), so a noisy neighbour hits both alike. A round is ``--steps`` consecutive
 updates and then a wait for the last update still running (so each round's time holds
 all of its work); step time = round time / steps. The host-side time of the gradient norm
 (after backward) and of the optimizer step (for the overlap: launching it) is timed
@@ -23,19 +23,14 @@ Prints a table and one JSON line (``"benchmark": "offload_overlap"``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
-import time
 from types import SimpleNamespace
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.train import build, synthetic_sample  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate, median, now
+from benchmarks.train import build, synthetic_sample
 
 SMALL = [
     "--arch",
@@ -76,6 +71,7 @@ def parse(argv):
         help="only time CPUAdam's update of PARAMS fp32 parameters (e.g. 50e6): a separate "
         "_foreach_mul_ then step(), against step(grad_scale=...) with the multiply folded in",
     )
+    add_results_flag(ap)
     ours, rest = ap.parse_known_args(argv)
     return ours, (rest or SMALL) + OFFLOAD
 
@@ -90,69 +86,59 @@ class HostTimer:
 
     def _timed(self, name, fn):
         def run(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t0
+                self.seconds[name] += now() - t0
 
         return run
 
 
-def sync(trainer, device: torch.device) -> None:
-    trainer.finish_pending_steps()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def round_of(trainer, sample, steps: int, device: torch.device, timer: HostTimer) -> Dict[str, float]:
+def round_of(trainer, sample, steps: int, timer: HostTimer, host: List[Dict[str, float]]) -> None:
+    """``steps`` updates, then a wait for the one still in flight; the host time of the norm and of the step call
+    per update appended to ``host``."""
     from toolkit.logging import metrics
 
-    sync(trainer, device)
+    trainer.finish_pending_steps()
     before = dict(timer.seconds)
-    t0 = time.perf_counter()
     for _ in range(steps):
         with metrics.aggregate("train_inner"):
             if trainer.train_step([sample]) is None:
                 raise RuntimeError("an fp16 overflow skipped a timed update; add --warmup or lower --fp16-init-scale")
-    sync(trainer, device)
-    wall = time.perf_counter() - t0
-    return {
-        "step_ms": 1e3 * wall / steps,
-        **{f"{k}_ms": 1e3 * (timer.seconds[k] - before[k]) / steps for k in timer.seconds},
-    }
+    trainer.finish_pending_steps()
+    host.append({f"{k}_ms": 1e3 * (timer.seconds[k] - before[k]) / steps for k in timer.seconds})
 
 
-def fold_figures(total: int, rounds: int) -> None:
+def fold_figures(total: int, rounds: int, report: Report, results) -> None:
     """CPUAdam's update with the normalization multiply as its own pass, and folded in (the same bits)."""
     from benchmarks.optim import make_params
     from toolkit.optim.cpu_adam import CPUAdam
 
-    results: Dict[str, List[float]] = {"separate": [], "folded": []}
     runs = {}
-    for name in results:
+    for name in ("separate", "folded"):
         params = make_params(total, 1024)
         runs[name] = (params, CPUAdam(params, lr=1e-4, weight_decay=0.01))
     factor = 0.731 / 8192
-    for _ in range(rounds + 1):  # the first round allocates the states: not counted
-        for name, (params, opt) in runs.items():
-            t0 = time.perf_counter()
-            if name == "separate":
-                torch._foreach_mul_([p.grad for p in params], factor)
-                opt.step()
-            else:
-                opt.step(grad_scale=factor)
-            results[name].append(time.perf_counter() - t0)
+
+    def separate():
+        params, opt = runs["separate"]
+        torch._foreach_mul_([p.grad for p in params], factor)
+        opt.step()
+
+    # the warm-up round allocates the states: not counted
+    stats = alternate({"separate": separate, "folded": lambda: runs["folded"][1].step(grad_scale=factor)}, rounds, 1)
     same = all(torch.equal(a, b) for a, b in zip(runs["separate"][0], runs["folded"][0]))
     n = sum(p.numel() for p in runs["folded"][0])
-    med = {k: 1e3 * statistics.median(v[1:]) for k, v in results.items()}
-    best = {k: 1e3 * min(v[1:]) for k, v in results.items()}
+    med = {k: 1e3 * s.median for k, s in stats.items()}
+    best = {k: 1e3 * s.min for k, s in stats.items()}
     print(
         f"CPUAdam update of {n / 1e6:.1f}M fp32 params, {torch.get_num_threads()} threads, {rounds} rounds: "
         f"separate multiply + step {med['separate']:.1f} ms (best {best['separate']:.1f}), "
         f"folded {med['folded']:.1f} ms (best {best['folded']:.1f}); parameters identical: {same}"
     )
-    print(json.dumps({"benchmark": "cpu_adam_fold", "params": n, "median_ms": med, "best_ms": best, "identical": same}))
+    report.name = "cpu_adam_fold"
+    report.emit(stats, "separate", results, params=n, median_ms=med, best_ms=best, identical=same)
 
 
 def main(argv=None) -> None:
@@ -160,29 +146,32 @@ def main(argv=None) -> None:
     device = torch.device(ours.device)
     if device.type == "cpu":
         torch.set_num_threads(ours.threads or 2)
+    report = Report("offload_overlap", device=device, argv=argv)
     if ours.fold_only:
-        return fold_figures(int(ours.fold_only), max(ours.rounds, 3))
+        return fold_figures(int(ours.fold_only), max(ours.rounds, 3), report, ours.results)
     trainers, timers = {}, {}
     for name, extra in (("serial", []), ("overlap", ["--overlap-offload-step"])):
-        flags = SimpleNamespace(device=str(device), bf16=ours.bf16, fp16=ours.fp16, vocab=ours.vocab)
+        flags = SimpleNamespace(device=str(device), bf16=ours.bf16, fp16=ours.fp16, vocab=ours.vocab, fp8_experts=False)
         args, task, _, _, trainer = build(flags, train_argv + extra)
         trainers[name], timers[name] = trainer, HostTimer(trainer)
     sample = synthetic_sample(args, task.dictionary, device)
     for name, trainer in trainers.items():
         for _ in range(ours.warmup):
             trainer.train_step([sample])
-    rounds: Dict[str, List[Dict[str, float]]] = {name: [] for name in trainers}
-    for _ in range(ours.rounds):
-        for name, trainer in trainers.items():
-            rounds[name].append(round_of(trainer, sample, ours.steps, device, timers[name]))
+    host: Dict[str, List[Dict[str, float]]] = {name: [] for name in trainers}
+    contestants = {
+        name: lambda name=name: round_of(trainers[name], sample, ours.steps, timers[name], host[name])
+        for name in trainers
+    }
+    stats = alternate(contestants, ours.rounds, device=device)
     same = all(
         torch.equal(a.detach().to_local(), b.detach().to_local())
         for a, b in zip(trainers["serial"].model.parameters(), trainers["overlap"].model.parameters())
     )
-    report(ours, args, trainers["serial"], rounds, same, device)
+    summarize(ours, args, trainers["serial"], stats, host, same, device, report)
 
 
-def report(ours, args, trainer, rounds, same: bool, device: torch.device) -> None:
+def summarize(ours, args, trainer, stats, host, same: bool, device: torch.device, report: Report) -> None:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
@@ -192,25 +181,24 @@ def report(ours, args, trainer, rounds, same: bool, device: torch.device) -> Non
     )
     print(f"{'':<10}{'step ms (median)':>18}{'best':>10}{'norm ms':>10}{'update call ms':>16}")
     summary = {}
-    for name, rs in rounds.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        best = min(r["step_ms"] for r in rs)
+    for name, rs in host.items():
+        med = {"step_ms": 1e3 * stats[name].median / ours.steps, **{k: median([r[k] for r in rs]) for k in rs[0]}}
+        best = 1e3 * stats[name].min / ours.steps
         summary[name] = dict(med, best_step_ms=best)
         print(f"{name:<10}{med['step_ms']:>18.1f}{best:>10.1f}{med['norm_ms']:>10.1f}{med['update_call_ms']:>16.1f}")
     speedup = summary["serial"]["step_ms"] / summary["overlap"]["step_ms"]
     print(f"overlap vs serial: {speedup:.3f}x (median step time); parameters identical: {same}")
-    print(
-        json.dumps(
-            {
-                "benchmark": "offload_overlap",
-                "device": str(device),
-                "arch": args.arch,
-                "params": n_params,
-                "speedup": speedup,
-                "identical": same,
-                **summary,
-            }
-        )
+    report.emit(
+        stats,
+        "serial",
+        ours.results,
+        device=str(device),
+        arch=args.arch,
+        params=n_params,
+        steps_per_round=ours.steps,
+        speedup=speedup,
+        identical=same,
+        **summary,
     )
 
 

@@ -1,13 +1,13 @@
 """Optimizer step time on CPU: DeepSpeed CPU Adam (``--optimizer cpu_adam``) vs torch AdamW.
 
-    python benchmarks/optim.py [--params 100e6] [--warmup 2] [--steps 5] [--threads N]
+    python -m benchmarks.optim [--params 100e6] [--warmup 2] [--steps 5] [--threads N]
 
 cpu_adam is toolkit's wrapper (torch-layout state, DTensor-safe); deepspeed_raw is
 DeepSpeedCPUAdam called directly, to show the wrapper's overhead.
 
 fp32 parameters shaped like a transformer LM's (square and 4x matrices, vectors), with
 random gradients; each optimizer gets a few untimed warm-up steps, then ``--steps`` timed
-steps, interleaved round-robin. Prints a table (Mparam/s and "speed vs fused" from the
+steps, alternated (:func:`benchmarks.timing.alternate`). Prints a table (Mparam/s and "speed vs fused" from the
 fastest step) and one JSON line.
 """
 
@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate
 
 
 def make_params(total: int, dim: int):
@@ -61,24 +56,17 @@ def build(name: str, params):
 
 
 def bench(names, total: int, dim: int, warmup: int, steps: int):
-    """Interleaved: every round times one step of each optimizer, so a noisy neighbour on a shared
+    """Alternated: every round times one step of each optimizer, so a noisy neighbour on a shared
     machine hits all of them alike; the minimum over rounds is the least disturbed figure."""
     opts, sizes = {}, {}
     for name in names:
         params = make_params(total, dim)
         sizes[name] = sum(p.numel() for p in params)
         opts[name] = build(name, params)
-        for _ in range(warmup):
-            opts[name].step()
-    times = {name: [] for name in names}
-    for _ in range(steps):
-        for name in names:
-            t0 = time.perf_counter()
-            opts[name].step()
-            times[name].append(time.perf_counter() - t0)
+    stats = alternate({name: opt.step for name, opt in opts.items()}, steps, warmup)
     del opts
     gc.collect()
-    return sizes, times
+    return sizes, stats
 
 
 def main(argv=None):
@@ -89,24 +77,26 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
     ap.add_argument("--optimizers", default="cpu_adam,deepspeed_raw,torch_adamw_foreach,torch_adamw_fused")
+    add_results_flag(ap)
     args = ap.parse_args(argv)
+    report = Report("optimizer_step_cpu", argv=argv)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     names = args.optimizers.split(",")
-    sizes, times = bench(names, int(args.params), args.dim, args.warmup, args.steps)
+    sizes, stats = bench(names, int(args.params), args.dim, args.warmup, args.steps)
     rows = []
     for name in names:
-        n, t = sizes[name], times[name]
+        n, st = sizes[name], stats[name]
         rows.append(
             {
                 "optimizer": name,
                 "params": n,
-                "median_ms": 1e3 * statistics.median(t),
-                "min_ms": 1e3 * min(t),
-                "mean_ms": 1e3 * statistics.mean(t),
-                "Mparams_per_s": n / min(t) / 1e6,
+                "median_ms": 1e3 * st.median,
+                "min_ms": 1e3 * st.min,
+                "max_ms": 1e3 * st.max,
+                "Mparams_per_s": n / st.min / 1e6,
             }
         )
     base = next((r["min_ms"] for r in rows if r["optimizer"] == "torch_adamw_fused"), None)
@@ -122,21 +112,8 @@ def main(argv=None):
         if base:
             line += f"{base / r['min_ms']:>15.2f}x"
         print(line)
-    print(
-        json.dumps(
-            {
-                "benchmark": "optimizer_step_cpu",
-                "dtype": "float32",
-                "threads": torch.get_num_threads(),
-                "cpus": os.cpu_count(),
-                "cpu": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-                "warmup": args.warmup,
-                "steps": args.steps,
-                "results": rows,
-            }
-        )
-    )
+    baseline = "torch_adamw_fused" if "torch_adamw_fused" in stats else None
+    report.emit(stats, baseline, args.results, dtype="float32", warmup=args.warmup, steps=args.steps, rows=rows)
 
 
 if __name__ == "__main__":

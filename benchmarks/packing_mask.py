@@ -1,35 +1,30 @@
 """What ``--document-attention-mask`` costs: forward + backward of a model on packed blocks, plain causal vs
 document-masked (and with ``--reset-position-ids``).
 
-    python benchmarks/packing_mask.py                          # both families, B 4 x T 512, CPU, 2 threads
-    python benchmarks/packing_mask.py --tokens 1024 --mean-doc 200 --device cuda
+    python -m benchmarks.packing_mask                          # both families, B 4 x T 512, CPU, 2 threads
+    python -m benchmarks.packing_mask --tokens 1024 --mean-doc 200 --device cuda
 
 The blocks are random token streams cut into documents of geometric lengths (mean
 ``--mean-doc`` tokens), as ``--sample-break-mode none`` packs lines. The masked runs get the
 ``document_ids``/``positions`` the collater sends; on CPU the mask is a boolean SDPA mask (flex
-attention's block mask on CUDA). Variants are interleaved, ``--steps`` timed steps each after a
-warm-up, and the median reported with tokens/s and the cost relative to plain causal attention.
+attention's block mask on CUDA). Variants are alternated (:func:`benchmarks.timing.alternate`), ``--steps``
+timed steps each after a warm-up, and the median reported with tokens/s and the cost relative to plain causal attention.
 Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from toolkit.data.lm_dataset import document_layout  # noqa: E402
-from toolkit.models import model_config  # noqa: E402
-from toolkit.models.llama.model import LlamaLanguageModel  # noqa: E402
-from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, alternate
+from toolkit.data.lm_dataset import document_layout
+from toolkit.models import model_config
+from toolkit.models.llama.model import LlamaLanguageModel
+from toolkit.models.transformer_lm import TransformerLanguageModel, TransformerLMConfig
 
 EOS, PAD, VOCAB = 2, 1, 1024  # a small vocabulary: the attention is what is measured
 
@@ -78,19 +73,8 @@ def step(model, src, kwargs) -> None:
 
 
 def time_variants(model, src, variants, steps: int, device: str):
-    times = {name: [] for name in variants}
-    for name, kwargs in variants.items():  # warm-up
-        step(model, src, kwargs)
-    for _ in range(steps):
-        for name, kwargs in variants.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(model, src, kwargs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    contestants = {name: lambda kwargs=kwargs: step(model, src, kwargs) for name, kwargs in variants.items()}
+    return alternate(contestants, steps, warmup=1, device=device)
 
 
 def main() -> None:
@@ -104,7 +88,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    add_results_flag(p)
     args = p.parse_args()
+    report = Report("packing_mask", device=args.device)
     torch.set_num_threads(args.threads)
     src, document_ids, positions = packed_batch(args.batch, args.tokens, args.mean_doc, args.device)
     variants = {
@@ -112,7 +98,7 @@ def main() -> None:
         "document mask": {"document_ids": document_ids},
         "mask + reset positions": {"document_ids": document_ids, "positions": positions},
     }
-    results = {}
+    results, all_stats = {}, {}
     print(
         f"B {args.batch} x T {args.tokens}, documents of ~{args.mean_doc:.0f} tokens "
         f"({int(document_ids[:, -1].float().mean()) + 1} per row), d {args.dim} x {args.layers} layers, "
@@ -121,9 +107,10 @@ def main() -> None:
     print(f"{'family':<16}{'variant':<26}{'ms/step':>10}{'tokens/s':>12}{'cost':>9}")
     for family in args.families:
         model = build(family, args.dim, args.layers, args.tokens, args.device)
-        medians = time_variants(model, src, variants, args.steps, args.device)
-        base = medians["causal"]
-        for name, seconds in medians.items():
+        stats = time_variants(model, src, variants, args.steps, args.device)
+        all_stats.update({f"{family}/{name}": st for name, st in stats.items()})
+        base = stats["causal"].median
+        for name, seconds in ((name, st.median) for name, st in stats.items()):
             tps = args.batch * args.tokens / seconds
             cost = seconds / base - 1
             print(f"{family:<16}{name:<26}{seconds * 1e3:>10.1f}{tps:>12.0f}{cost:>+9.1%}")
@@ -132,19 +119,15 @@ def main() -> None:
                 "tokens_per_s": round(tps),
                 "cost": round(cost, 4),
             }
-    print(
-        json.dumps(
-            {
-                "benchmark": "packing_mask",
-                "device": args.device,
-                "threads": args.threads,
-                "batch": args.batch,
-                "tokens": args.tokens,
-                "mean_doc": args.mean_doc,
-                "load": round(os.getloadavg()[0], 2),
-                "results": results,
-            }
-        )
+    report.emit(
+        all_stats,
+        results=args.results,
+        device=args.device,
+        threads=args.threads,
+        batch=args.batch,
+        tokens=args.tokens,
+        mean_doc=args.mean_doc,
+        rows=results,
     )
 
 

@@ -1,7 +1,7 @@
 """Run a command and report its peak host memory (whole process tree) and the GPU's peak use.
 
-    python benchmarks/peak_memory.py -- toolkit-train data-bin/x --arch ... --cpu-offload ...
-    python benchmarks/peak_memory.py --interval 0.2 --json out.json -- python benchmarks/train.py ...
+    python -m benchmarks.peak_memory -- toolkit-train data-bin/x --arch ... --cpu-offload ...
+    python -m benchmarks.peak_memory --interval 0.2 --json out.json -- python -m benchmarks.train ...
 
 Why a wrapper: with ``--cpu-offload`` most of the training state lives in host memory
 (pinned fp32 shards, gradients, optimizer state) and in the spawned workers, which the
@@ -22,10 +22,11 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from typing import Dict, List, Optional
 
 import psutil
+
+from benchmarks.timing import now
 
 
 def tree_rss(root: psutil.Process) -> int:
@@ -89,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("give the command to run after --")
-    start = time.time()
+    start = now()
     child = subprocess.Popen(cmd)
     sampler = Sampler(psutil.Process(child.pid), args.interval)
     sampler.start()
@@ -105,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "peak_memory",
         "command": cmd,
         "exit_status": rc,
-        "seconds": round(time.time() - start, 1),
+        "seconds": round(now() - start, 1),
         "peak_host_rss_gib": round(sampler.peak_rss / gib, 2),
         "host_total_gib": round(psutil.virtual_memory().total / gib, 1),
         "peak_gpu_used_gib": [round(b / gib, 2) for b in sampler.peak_gpu],

@@ -1,9 +1,10 @@
 """The toolkit against its peers on the same work, in one table (CPU).
 
-    python benchmarks/peers.py                 # the full table: a few minutes on 2 cores
-    python benchmarks/peers.py --quick         # tiny shapes, 1 timed round: checks that every row runs
+    python -m benchmarks.peers                 # the full table: a few minutes on 2 cores
+    python -m benchmarks.peers --quick         # tiny shapes, 1 timed round: checks that every row runs
 
-Each pair is alternated (A B A B ...), with the same thread count, shapes and data; ``--warmup`` rounds
+Each pair is alternated (A B A B ...: :func:`benchmarks.timing.alternate`), with the same thread count, shapes and
+data; ``--warmup`` rounds
 are run and discarded; the median of ``--rounds`` timed rounds is reported with the spread (fastest and
 slowest round), so a neighbour process slows both sides alike. Rows:
 
@@ -26,7 +27,7 @@ slowest round), so a neighbour process slows both sides alike. Rows:
 
 A peer that is not installed is one skipped row naming how to install it. Writes
 ``benchmarks/results/peers_cpu.json`` (``--out``) and prints a markdown table, with the machine's
-load average beside it.
+load average beside it, then the JSON line (``"benchmark": "peers"``).
 """
 
 from __future__ import annotations
@@ -39,16 +40,21 @@ import pathlib
 import platform
 import re
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "benchmarks" / "fairseq_parity"))
+from benchmarks.timing import (
+    RESULTS,
+    Measured,
+    Report,
+    Stats,
+    add_results_flag,
+    alternate,
+    median,
+    time_call,
+    write_text,
+)
 
 FAIRSEQ_HOME = os.environ.get("FAIRSEQ_HOME", str(pathlib.Path.home() / ".cache" / "toolkit" / "fairseq-0.12.2"))
 FAIRSEQ_INSTALL = "bash benchmarks/fairseq_parity/setup.sh (fairseq 0.12.2 is not pip-installable on Python 3.11)"
@@ -76,25 +82,7 @@ class Skipped(Exception):
     """A peer that is not installed: the row says how to install it."""
 
 
-def alternate(sides: Dict[str, Callable[[int], float]], warmup: int, rounds: int) -> Dict[str, Dict[str, float]]:
-    """Runs ``side(round)`` for each side in turn, round after round; each returns its own seconds.
-    Warm-up rounds are discarded; the median, fastest and slowest timed rounds are kept."""
-    times: Dict[str, List[float]] = {name: [] for name in sides}
-    for r in range(warmup + rounds):
-        for name, side in sides.items():
-            seconds = side(r)
-            if r >= warmup:
-                times[name].append(seconds)
-    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for name, t in times.items()}
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def row(name: str, peer: str, unit: str, work: float, timings: Dict[str, Dict[str, float]], **extra) -> Dict:
+def row(name: str, peer: str, unit: str, work: float, timings: Dict[str, Stats], **extra) -> Dict:
     """One table row: ``work`` units per timed round (tokens, for example) -> a rate per second each side."""
     ours, theirs = timings["toolkit"], timings[peer]
     return {
@@ -102,9 +90,9 @@ def row(name: str, peer: str, unit: str, work: float, timings: Dict[str, Dict[st
         "peer": peer,
         "unit": unit,
         "work": work,
-        "toolkit": {**ours, "rate": work / ours["median_s"]},
-        "peer_timing": {**theirs, "rate": work / theirs["median_s"]},
-        "speedup": theirs["median_s"] / ours["median_s"],
+        "toolkit": {**ours.as_dict(), "rate": ours.rate(work)},
+        "peer_timing": {**theirs.as_dict(), "rate": theirs.rate(work)},
+        "speedup": theirs.median / ours.median,
         **extra,
     }
 
@@ -121,28 +109,23 @@ def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, 
     """The llama_hf step on both models, alternated on the same random batches; ours on the toolkit's own
     training path (the cross_entropy criterion, its fused head and loss)."""
     import torch
-    from llama_hf import make_step, toolkit_loss
+    from benchmarks.llama_hf import make_step, toolkit_loss
 
     steps = {"toolkit": make_step(ours, toolkit_loss(None)), "transformers": make_step(theirs, loss_theirs)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
-    losses: Dict[str, float] = {}
 
     def side(name):
-        def run(r):
-            start = time.perf_counter()
-            losses[name] = steps[name](batches[r])
-            return time.perf_counter() - start
+        feed = iter(batches)  # both sides see the same batch in the same round
+        return lambda: steps[name](next(feed))
 
-        return run
-
-    timings = alternate({name: side(name) for name in steps}, args.warmup, args.rounds)
-    return {"timings": timings, "last_loss_diff": abs(losses["toolkit"] - losses["transformers"])}
+    timings = alternate({name: side(name) for name in steps}, args.rounds, args.warmup)
+    return {"timings": timings, "last_loss_diff": abs(timings["toolkit"].last - timings["transformers"].last)}
 
 
 def llama_training(args) -> Dict:
     transformers_module()
-    from llama_hf import build_pair, parse
+    from benchmarks.llama_hf import build_pair, parse
 
     shape = (
         [
@@ -168,7 +151,9 @@ def llama_training(args) -> Dict:
     )
     cfg = parse(shape + ["--threads", str(args.threads)])
     ours, theirs = build_pair(cfg)
-    from llama_hf import transformers_loss  # transformers' own training path: labels=, its mean cross entropy
+    from benchmarks.llama_hf import (
+        transformers_loss,
+    )  # transformers' own training path: labels=, its mean cross entropy
 
     out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
     shape_text = f"{cfg.layers}x{cfg.dim}, FFN {cfg.ffn}, {cfg.heads}/{cfg.kv_heads} heads, V {cfg.vocab}, B {cfg.batch} x T {cfg.tokens}"
@@ -186,7 +171,7 @@ def llama_training(args) -> Dict:
 def moe_training(args) -> Dict:
     """The toolkit's MoE against transformers' ``Qwen3MoeForCausalLM`` (moe_vs_hf.py's pair and shape)."""
     transformers_module()
-    from moe_vs_hf import build_pair, parse
+    from benchmarks.moe_vs_hf import build_pair, parse
 
     shape = (
         [
@@ -218,7 +203,7 @@ def moe_training(args) -> Dict:
     # transformers' labels= loss. The same math: transformers adds no router loss by default
     # (output_router_logits False), so ours is weighted 0 here (its statistics are still computed).
     ours.cfg = dataclasses.replace(ours.cfg, moe_aux_loss_coef=0.0)
-    from llama_hf import transformers_loss
+    from benchmarks.llama_hf import transformers_loss
 
     out = train_steps(ours, theirs, transformers_loss, cfg.vocab, cfg.batch, cfg.tokens, args)
     shape_text = (
@@ -282,7 +267,7 @@ def gpt2_training(args) -> Dict:
     layers, dim, heads, vocab, tokens, batch = gpt2_shape(args)
     ours, theirs, d = gpt2_pair(layers, dim, heads, vocab, tokens + 1)
     ours.train(), theirs.train()
-    from llama_hf import logits_loss
+    from benchmarks.llama_hf import logits_loss
 
     out = train_steps(
         ours, theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits), len(d), batch, tokens, args
@@ -301,7 +286,7 @@ def gpt2_training(args) -> Dict:
 def generation(args) -> Dict:
     """Cached greedy decoding of ``new`` tokens after a random prompt, every row the same length."""
     import torch
-    from generate import generator
+    from benchmarks.generate import generator
 
     from toolkit.core import cpu_gemm
 
@@ -315,25 +300,23 @@ def generation(args) -> Dict:
     # transformers sees the same input our generator builds: </s> first (fairseq LMs' start symbol).
     hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1)
 
-    def toolkit_side(_):
+    def toolkit_side():
         with torch.no_grad(), cpu_gemm.linear_mode(torch.device("cpu")):  # as toolkit-generate
-            return timed(lambda: ours_gen.generate(list(prompts)))
+            return ours_gen.generate(list(prompts))
 
-    def hf_side(_):
+    def hf_side():
         with torch.no_grad():
-            return timed(
-                lambda: theirs.generate(
-                    hf_input,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    num_beams=1,
-                    use_cache=True,
-                    pad_token_id=d.pad(),
-                )
+            return theirs.generate(
+                hf_input,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                num_beams=1,
+                use_cache=True,
+                pad_token_id=d.pad(),
             )
 
-    timings = alternate({"toolkit": toolkit_side, "transformers": hf_side}, args.warmup, args.rounds)
+    timings = alternate({"toolkit": toolkit_side, "transformers": hf_side}, args.rounds, args.warmup)
     return row(
         "cached greedy generation, GPT-2 (batch 1)",
         "transformers",
@@ -351,7 +334,7 @@ class FairseqPair:
         home = pathlib.Path(args.fairseq_home)
         if not (home / "venv" / "bin" / "python").exists() or not (home / "src" / "fairseq").is_dir():
             raise Skipped(FAIRSEQ_INSTALL)
-        import parity
+        from benchmarks.fairseq_parity import parity
 
         self.parity = parity
         self.runner = parity.Runner(work, home)
@@ -363,11 +346,11 @@ class FairseqPair:
         self.updates = 4 if args.quick else 40
         self.steady_updates = 10 if args.quick else 30
 
-    def command(self, side: str, tool: str, *argv: str) -> Callable[[int], float]:
+    def command(self, side: str, tool: str, *argv: str) -> Callable[[], Any]:
         run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
-        return lambda _: timed(lambda: run(tool, *argv))
+        return lambda: run(tool, *argv)
 
-    def preprocess(self, side: str) -> Callable[[int], float]:
+    def preprocess(self, side: str) -> Callable[[], Any]:
         data = self.parity.DATA
         splits = [
             "--trainpref",
@@ -382,13 +365,13 @@ class FairseqPair:
         ]
         dest = self.work / f"{side}-bin"
 
-        def run(r):
+        def run():
             shutil.rmtree(dest, ignore_errors=True)
-            return self.command(side, "preprocess", *splits, "--destdir", str(dest))(r)
+            return self.command(side, "preprocess", *splits, "--destdir", str(dest))()
 
         return run
 
-    def train(self, side: str) -> Callable[[int], float]:
+    def train(self, side: str) -> Callable[[], Any]:
         p = self.parity
         return self.command(
             side,
@@ -403,15 +386,15 @@ class FairseqPair:
             "--no-save",
         )
 
-    def steady_train(self, side: str, rates: Dict[str, List[float]]) -> Callable[[int], float]:
+    def steady_train(self, side: str, rates: Dict[str, List[float]]) -> Callable[[], Measured]:
         """Training throughput as each tool logs it: the median ``wps`` of its ``train_inner`` lines after the
-        first interval (warm-up), on ``STEADY_MODEL``. Returns seconds per million words (for ``alternate``)."""
+        first interval (warm-up), on ``STEADY_MODEL``. A round measures seconds per million words."""
         flags = list(self.parity.TRAIN)
         for flag, value in STEADY_SHAPE.items():
             flags[flags.index(flag) + 1] = value
         run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
 
-        def timed_train(_):
+        def timed_train():
             output = run(
                 "train",
                 self.data,
@@ -426,34 +409,34 @@ class FairseqPair:
             wps = [float(w) for w in WPS.findall(output)][1:]
             if not wps:
                 sys.exit(f"peers: no train_inner wps after the first interval in {side}'s output:\n{output[-2000:]}")
-            rates.setdefault(side, []).append(statistics.median(wps))
-            return 1e6 / rates[side][-1]
+            rates.setdefault(side, []).append(median(wps))
+            return Measured(1e6 / rates[side][-1])
 
         return timed_train
 
-    def eval_lm(self, side: str, checkpoint: str, loop_rates: Dict[str, List[float]]) -> Callable[[int], float]:
+    def eval_lm(self, side: str, checkpoint: str, loop_rates: Dict[str, List[float]]) -> Callable[[], Measured]:
         """The whole command timed; the scoring loop's own tokens/s (its "Evaluated N tokens in Xs" line,
         the same in both) kept in ``loop_rates``: on a small model the command is mostly start-up."""
         run = self.runner.fairseq if side == "fairseq" else self.runner.toolkit
 
-        def timed_eval(_):
-            start = time.perf_counter()
-            output = run(
-                "eval_lm",
-                self.data,
-                "--path",
-                checkpoint,
-                "--gen-subset",
-                "test",
-                "--tokens-per-sample",
-                "64",
-                "--max-tokens",
-                "4096",
-                "--cpu",
+        def timed_eval():
+            seconds, output = time_call(
+                lambda: run(
+                    "eval_lm",
+                    self.data,
+                    "--path",
+                    checkpoint,
+                    "--gen-subset",
+                    "test",
+                    "--tokens-per-sample",
+                    "64",
+                    "--max-tokens",
+                    "4096",
+                    "--cpu",
+                )
             )
-            seconds = time.perf_counter() - start
             loop_rates.setdefault(side, []).append(float(EVALUATED.findall(output)[-1]))
-            return seconds
+            return Measured(seconds)
 
         return timed_eval
 
@@ -462,7 +445,7 @@ def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
     pair = FairseqPair(args, work)
     tokens = sum(len(line.split()) + 1 for line in open(pair.parity.DATA / "wiki.train.tokens", encoding="utf-8"))
     pre = alternate(
-        {"toolkit": pair.preprocess("toolkit"), "fairseq": pair.preprocess("fairseq")}, args.warmup, args.rounds
+        {"toolkit": pair.preprocess("toolkit"), "fairseq": pair.preprocess("fairseq")}, args.rounds, args.warmup
     )
     rows = [
         row(
@@ -474,7 +457,7 @@ def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
             note="end to end, start-up included; train+valid+test written",
         )
     ]
-    train = alternate({"toolkit": pair.train("toolkit"), "fairseq": pair.train("fairseq")}, args.warmup, args.rounds)
+    train = alternate({"toolkit": pair.train("toolkit"), "fairseq": pair.train("fairseq")}, args.rounds, args.warmup)
     rows.append(
         row(
             "toolkit-train vs fairseq-train (parity model, 2x64)",
@@ -488,8 +471,8 @@ def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
     steady_rates: Dict[str, List[float]] = {}
     steady = alternate(
         {"toolkit": pair.steady_train("toolkit", steady_rates), "fairseq": pair.steady_train("fairseq", steady_rates)},
-        args.warmup,
         args.rounds,
+        args.warmup,
     )
     rows.append(
         row(
@@ -518,10 +501,10 @@ def fairseq_rows(args, work: pathlib.Path) -> List[Dict]:
     loop_rates: Dict[str, List[float]] = {}
     evals = alternate(
         {"toolkit": pair.eval_lm("toolkit", ckpt, loop_rates), "fairseq": pair.eval_lm("fairseq", ckpt, loop_rates)},
-        args.warmup,
         args.rounds,
+        args.warmup,
     )
-    loop = {side: statistics.median(rates[args.warmup :]) for side, rates in loop_rates.items()}
+    loop = {side: median(rates[args.warmup :]) for side, rates in loop_rates.items()}
     rows.append(
         row(
             "eval-lm on the same fairseq checkpoint (test split)",
@@ -611,7 +594,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         help="the toolkit side's fp32 matmul library in the in-process rows, as its commands' "
         "--cpu-matmul (the toolkit commands of the fairseq rows use their default, auto)",
     )
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers_cpu.json"))
+    ap.add_argument("--out", default=str(RESULTS / "peers_cpu.json"))
+    add_results_flag(ap)
     args = ap.parse_args(argv)
     args.warmup = 1 if args.warmup is None else args.warmup
     args.rounds = args.rounds or (1 if args.quick else 5)
@@ -620,6 +604,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     from toolkit.core import cpu_gemm
 
     torch.set_num_threads(args.threads)
+    report = Report("peers", argv=argv)
     onednn = cpu_gemm.select(args.cpu_matmul)  # the toolkit side's fp32 matmul library, as its commands choose
     before = load()
     with tempfile.TemporaryDirectory(prefix="peers-") as work:
@@ -640,11 +625,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     result["markdown"] = markdown(result)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_text(str(out), json.dumps(result, indent=1))
     print(result["markdown"])
-    print(json.dumps({k: v for k, v in result.items() if k != "markdown"}))
+    report.emit(results=args.results, **{k: v for k, v in result.items() if k not in ("benchmark", "markdown")})
     return result
 
 

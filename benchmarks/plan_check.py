@@ -1,7 +1,7 @@
 """toolkit-plan's predictions against measured CPU runs: per-rank model-state bytes, saved activations, update peaks.
 
-    python benchmarks/plan_check.py                    # every configuration below (10-15 minutes on 2 busy cores)
-    python benchmarks/plan_check.py --only fsdp2_full_bf16_ckpt,tp2_fp32,peak_single_fp32_ckpt --json out.json
+    python -m benchmarks.plan_check                    # every configuration below (10-15 minutes on 2 busy cores)
+    python -m benchmarks.plan_check --only fsdp2_full_bf16_ckpt,tp2_fp32,peak_single_fp32_ckpt --json out.json
 
 Each configuration runs toolkit's own trainer (``build_trainer``: the model built on the meta device,
 wrapped by ``parallelize`` as the flags ask, the registered optimizer) on 1, 2 or 4 gloo processes on
@@ -33,9 +33,7 @@ import sys
 import tempfile
 from typing import Dict, List, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from benchmarks.timing import Report, add_results_flag
 
 MODEL = [
     "--arch",
@@ -248,7 +246,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default=None, help="comma-separated configuration names")
     p.add_argument("--json", default=None, help="also write the rows here")
+    add_results_flag(p)
     cli = p.parse_args(argv)
+    report = Report("plan_check", argv=argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from benchmarks.distributed import make_data_bin
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         with open(cli.json, "w") as f:
             json.dump({"tensors": rows, "peak": peak_rows}, f, indent=1)
     print(f"model states within 10%, activations and update peaks within 25%: {'OK' if ok else 'FAIL'}")
-    print(json.dumps({"benchmark": "plan_check", "ok": ok, "tensors": rows, "peak": peak_rows}))
+    report.emit(results=cli.results, ok=ok, tensors=rows, peak=peak_rows)
     return 0 if ok else 1
 
 

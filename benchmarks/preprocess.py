@@ -1,7 +1,7 @@
 """Throughput and peak memory of ``toolkit-preprocess`` (whitespace tokens) on a corpus of >= 200 MB.
 
-    python benchmarks/preprocess.py                      # 200 MB, 1 and 2 workers
-    python benchmarks/preprocess.py --size-mb 500 --workers 1 2 4
+    python -m benchmarks.preprocess                      # 200 MB, 1 and 2 workers
+    python -m benchmarks.preprocess --size-mb 500 --workers 1 2 4
 
 The corpus is the shared WikiText train file repeated into a temporary folder
 (never the repo). Each configuration runs as its own ``python -m
@@ -25,7 +25,6 @@ A table is printed, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
@@ -34,9 +33,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.timing import REPO, Report, Stats, add_results_flag, time_call
+
 DEFAULT_SOURCE = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini", "wiki.train.tokens")
 
 try:
@@ -108,16 +107,19 @@ class TreeMemory(threading.Thread):
 def run_tool(argv, log_path):
     """Run toolkit-preprocess; return (returncode, wall seconds, cpu seconds of the tree, memory sampler)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "toolkit_cli.preprocess", *argv], stdout=out, stderr=subprocess.STDOUT, cwd=REPO
-        )
-        sampler = TreeMemory(proc.pid)
-        sampler.start()
-        rc = proc.wait()
-        sampler.stop()
-    wall = time.perf_counter() - start
+
+    def run():
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "toolkit_cli.preprocess", *argv], stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+            )
+            sampler = TreeMemory(proc.pid)
+            sampler.start()
+            rc = proc.wait()
+            sampler.stop()
+        return rc, sampler
+
+    wall, (rc, sampler) = time_call(run)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if rc != 0:
@@ -159,7 +161,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
     parser.add_argument("--source", default=DEFAULT_SOURCE, help="text file repeated into the corpus")
     parser.add_argument("--tmpdir", default=None, help="where the temporary corpus goes (default: system temp)")
+    add_results_flag(parser)
     args = parser.parse_args()
+    report = Report("preprocess")
 
     mb = 1 << 20
     work = tempfile.mkdtemp(prefix="toolkit-preprocess-bench.", dir=args.tmpdir)
@@ -247,18 +251,14 @@ def main() -> None:
                 f"{fmt(r['peak_tree_pss_mib']):>9} {fmt(r['peak_process_rss_mib']):>9}"
             )
         print(f"(MiB; 'work s' excludes process start-up; outputs identical across worker counts: {identical})")
-        print(
-            json.dumps(
-                {
-                    "benchmark": "preprocess",
-                    "corpus_bytes": size,
-                    "baseline_rss_mib": round(base / mb, 1),
-                    "baseline_cpu_s": round(base_cpu, 3),
-                    "load_average": os.getloadavg()[0],
-                    "identical_across_workers": identical,
-                    "results": rows,
-                }
-            )
+        report.emit(
+            {f"{r['mode']} x{r['workers']}": Stats([r["work_s"]]) for r in rows},
+            results=args.results,
+            corpus_bytes=size,
+            baseline_rss_mib=round(base / mb, 1),
+            baseline_cpu_s=round(base_cpu, 3),
+            identical_across_workers=identical,
+            rows=rows,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,8 +1,8 @@
 """Binarizing with a tokenizer against the tokenizer alone: tokens/s per worker of ``toolkit-preprocess``.
 
-    python benchmarks/preprocess_tokenizers.py                         # 8 MB of WikiText, 1 worker
-    python benchmarks/preprocess_tokenizers.py --size-mb 20 --workers 1 2
-    python benchmarks/preprocess_tokenizers.py --input jsonl           # the same text as JSON-lines records
+    python -m benchmarks.preprocess_tokenizers                         # 8 MB of WikiText, 1 worker
+    python -m benchmarks.preprocess_tokenizers --size-mb 20 --workers 1 2
+    python -m benchmarks.preprocess_tokenizers --input jsonl           # the same text as JSON-lines records
 
 For each tokenizer on the same text:
 
@@ -23,24 +23,23 @@ time, records read and converted included, and the CPU-seconds table binarizes t
 document per item, the conversion not timed) against the tokenizer alone on the same documents. Each row is the
 best of ``--repeats`` runs (the machine is shared). ``CPU seconds``: the same split binarized in this process (``binarize_range``, one worker),
 through the tokenizer's ids and through its text (``id_pieces`` off), against the tokenizer alone, in CPU
-seconds, which a loaded machine disturbs far less than the wall clock. Prints the tables, then one JSON line.
+seconds (the three alternated, :func:`benchmarks.timing.alternate`), which a loaded machine disturbs far less than
+the wall clock. Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks.timing import REPO, Measured, Report, add_results_flag, alternate, cpu_now, now
+
 DEFAULT_SOURCE = os.path.join(REPO, "..", "shared", "data", "wikitext-2-mini", "wiki.train.tokens")
 BLOCK_LINES = 8192
 RECORD_LINES = 8  # lines of the corpus per JSON-lines record (--input jsonl)
@@ -71,7 +70,7 @@ def train_bpe(source: str, folder: str) -> dict:
     return {"encoder": vocab, "merges": merges}
 
 
-def time_alone(name: str, corpus: str, files: dict, clock=time.perf_counter, documents: bool = False) -> tuple:
+def time_alone(name: str, corpus: str, files: dict, clock=now, documents: bool = False) -> tuple:
     """(seconds of ``clock``, tokens) of the tokenizer's own batch API over the corpus lines (``documents``: over
     the documents of a file of NUL-ended documents, ``binarizer.DOCUMENTS``)."""
     with open(corpus, encoding="utf-8", newline="" if documents else None) as f:
@@ -114,7 +113,7 @@ def bpe_flags(name: str, files: dict) -> list:
 
 
 def preprocess(args: list) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, "-m", "toolkit_cli.preprocess", "--only-source", "--no-progress-bar", *args],
         capture_output=True,
@@ -135,7 +134,7 @@ def time_binarize(name: str, corpus: str, files: dict, workers: int, tmp: str) -
         preprocess(["--trainpref", corpus, "--dict-only", "--destdir", dict_bin, *bpe_flags(name, files)])
     dest = os.path.join(tmp, f"bin-{name}-{workers}")
     shutil.rmtree(dest, ignore_errors=True)  # a fresh data-bin each run (one holding a bpe.json refuses --bpe)
-    start = time.perf_counter()
+    start = now()
     out = preprocess(
         [
             "--srcdict",
@@ -149,7 +148,7 @@ def time_binarize(name: str, corpus: str, files: dict, workers: int, tmp: str) -
             *bpe_flags(name, files),
         ]
     )
-    return float(re.search(r"valid: binarized in ([\d.]+)s", out).group(1)), time.perf_counter() - start
+    return float(re.search(r"valid: binarized in ([\d.]+)s", out).group(1)), now() - start
 
 
 def hf_model(files: dict, folder: str) -> str:
@@ -203,9 +202,9 @@ def cpu_binarize(name: str, corpus: str, files: dict, tmp: str, by_ids: bool, do
     prefix = os.path.join(tmp, f"cpu-{name}")
     builder = MMapIndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
     with mock.patch.object(type(tokenizer), "id_pieces", type(tokenizer).id_pieces if by_ids else lambda self: None):
-        t0 = time.process_time()
+        t0 = cpu_now()
         binarize_range(corpus, 0, None, dictionary, builder, tokenizer, units=DOCUMENTS if documents else LINES)
-        seconds = time.process_time() - t0
+        seconds = cpu_now() - t0
     builder.finalize(index_file_path(prefix))
     return seconds
 
@@ -220,16 +219,17 @@ def records_as_documents(records: str, tmp: str) -> str:
 
 
 def cpu_rows(names: list, corpus: str, files: dict, tmp: str, repeats: int, documents: bool = False) -> list:
-    """CPU seconds, best of ``repeats`` interleaved: the tokenizer alone, binarizing through its ids and
+    """CPU seconds, best of ``repeats`` alternated: the tokenizer alone, binarizing through its ids and
     through its text (``documents``: a file of documents, each one item)."""
     print(f"{'CPU seconds':<13}{'alone':>8}{'ids':>8}{'x alone':>9}{'text':>8}{'x alone':>9}")
     rows = []
     for name in names:
-        best = {"alone": math.inf, "ids": math.inf, "text": math.inf}
-        for _ in range(repeats):
-            best["alone"] = min(best["alone"], time_alone(name, corpus, files, time.process_time, documents)[0])
-            best["ids"] = min(best["ids"], cpu_binarize(name, corpus, files, tmp, True, documents))
-            best["text"] = min(best["text"], cpu_binarize(name, corpus, files, tmp, False, documents))
+        runs = {
+            "alone": lambda: Measured(time_alone(name, corpus, files, cpu_now, documents)[0]),
+            "ids": lambda: Measured(cpu_binarize(name, corpus, files, tmp, True, documents)),
+            "text": lambda: Measured(cpu_binarize(name, corpus, files, tmp, False, documents)),
+        }
+        best = {k: st.min for k, st in alternate(runs, repeats).items()}
         alone = best["alone"]
         print(
             f"{name:<13}{alone:>8.3f}{best['ids']:>8.3f}{best['ids'] / alone:>9.2f}{best['text']:>8.3f}"
@@ -254,7 +254,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--source", default=DEFAULT_SOURCE)
     p.add_argument("--input", choices=["text", "jsonl"], default="text", help="binarize the text or its records")
+    add_results_flag(p)
     args = p.parse_args()
+    report = Report("preprocess_tokenizers")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "corpus.txt")
@@ -298,18 +300,7 @@ def main() -> None:
             cpu = cpu_rows(names, corpus, files, tmp, args.repeats)
         else:  # the records as converted (conversion not timed), one document per item
             cpu = cpu_rows(names, records_as_documents(corpus, tmp), files, tmp, args.repeats, documents=True)
-    print(
-        json.dumps(
-            {
-                "benchmark": "preprocess_tokenizers",
-                "size_mb": args.size_mb,
-                "input": args.input,
-                "load": round(os.getloadavg()[0], 2),
-                "rows": rows,
-                "cpu_rows": cpu,
-            }
-        )
-    )
+    report.emit(results=args.results, size_mb=args.size_mb, input=args.input, rows=rows, cpu_rows=cpu)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Command start-up time: what every command, every spawned rank and every integration test pays
 before it does anything.
 
-    python benchmarks/startup.py                          # this checkout, 7 fresh interpreters per command
-    python benchmarks/startup.py --runs 11 --baseline /tmp/main-checkout   # before/after, interleaved
-    python benchmarks/startup.py --runs 5 --only help     # just the cases whose name contains "help"
+    python -m benchmarks.startup                          # this checkout, 7 fresh interpreters per command
+    python -m benchmarks.startup --runs 11 --baseline /tmp/main-checkout   # before/after, alternated
+    python -m benchmarks.startup --runs 5 --only help     # just the cases whose name contains "help"
 
 For each command (train, eval_lm, generate, export) it times ``import toolkit_cli.<cmd>`` in a fresh
 interpreter, and ``toolkit-<cmd> --help`` (``python -m toolkit_cli.<cmd> --help``, the whole parse) of
@@ -13,7 +13,8 @@ is imported: tests/unit/test_startup.py). Reports the median wall time of ``--ru
 interpreters, the optional packages each import pulled in (DCP, dynamo, DeepSpeed, transformers, ...
 should appear only on the paths that use them), and the load average before and after, since the
 figures move with the machine's load. With ``--baseline DIR`` (another checkout, e.g. ``git archive
-main | tar -x -C DIR``) each round runs both trees back to back, so they see the same load.
+main | tar -x -C DIR``) each round runs both trees back to back (:func:`benchmarks.timing.alternate`), so they
+see the same load.
 Prints a table, then one JSON line.
 """
 
@@ -22,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.timing import REPO, Report, Stats, add_results_flag, alternate
+
 COMMANDS = ("train", "eval_lm", "generate", "export")
 HELP_COMMANDS = ("train", "export", "plan", "hydra_train", "eval_harness", "consolidate")
 HEAVY = (
@@ -66,13 +66,11 @@ def cases() -> Dict[str, List[str]]:
     return out
 
 
-def run_once(tree: str, args: List[str]) -> float:
+def run_once(tree: str, args: List[str]) -> None:
     env = {**os.environ, "PYTHONPATH": tree}
-    start = time.perf_counter()
     subprocess.run(
         [sys.executable, *args], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    return time.perf_counter() - start
 
 
 def heavy_modules(tree: str, cmd: str) -> List[str]:
@@ -88,14 +86,14 @@ def heavy_modules(tree: str, cmd: str) -> List[str]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(trees: Dict[str, str], runs: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict[str, float]]:
-    """Median seconds per (tree, case); the trees alternate within each round."""
-    times: Dict[str, Dict[str, List[float]]] = {t: {c: [] for c in chosen} for t in trees}
-    for _ in range(runs):
-        for case, args in chosen.items():
-            for name, tree in trees.items():
-                times[name][case].append(run_once(tree, args))
-    return {t: {c: statistics.median(v) for c, v in per.items()} for t, per in times.items()}
+def measure(trees: Dict[str, str], runs: int, chosen: Dict[str, List[str]]) -> Dict[str, Stats]:
+    """Seconds per "tree: case"; every round runs each case in each tree, the trees back to back."""
+    runs_of = {
+        f"{name}: {case}": lambda tree=tree, args=args: run_once(tree, args)
+        for case, args in chosen.items()
+        for name, tree in trees.items()
+    }
+    return alternate(runs_of, runs)
 
 
 def main() -> None:
@@ -103,13 +101,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7, help="fresh interpreters per case and tree")
     parser.add_argument("--baseline", help="another checkout to time in the same rounds (before/after)")
     parser.add_argument("--only", default="", help="time only the cases whose name contains this (e.g. help)")
+    add_results_flag(parser)
     args = parser.parse_args()
+    report = Report("startup")
     chosen = {name: argv for name, argv in cases().items() if args.only in name}
-    trees = {"this": REPO}
+    trees = {"this": str(REPO)}
     if args.baseline:
-        trees = {"baseline": os.path.abspath(args.baseline), "this": REPO}
+        trees = {"baseline": os.path.abspath(args.baseline), "this": str(REPO)}
     load_before = os.getloadavg()
-    medians = measure(trees, args.runs, chosen)
+    stats = measure(trees, args.runs, chosen)
+    medians = {t: {c: stats[f"{t}: {c}"].median for c in chosen} for t in trees}
     load_after = os.getloadavg()
     heavy = {t: {cmd: heavy_modules(tree, cmd) for cmd in COMMANDS} for t, tree in trees.items()}
     bytecode = (
@@ -127,17 +128,7 @@ def main() -> None:
     for t in trees:
         for cmd in COMMANDS:
             print(f"{t}: toolkit_cli.{cmd} imports {', '.join(heavy[t][cmd]) or 'none of the optional/heavy modules'}")
-    print(
-        json.dumps(
-            {
-                "runs": args.runs,
-                "load_before": load_before[0],
-                "load_after": load_after[0],
-                "median_s": medians,
-                "heavy_modules": heavy,
-            }
-        )
-    )
+    report.emit(stats, results=args.results, runs=args.runs, median_s=medians, heavy_modules=heavy)
 
 
 if __name__ == "__main__":

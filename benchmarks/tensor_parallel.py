@@ -1,6 +1,6 @@
 """Per-rank memory under tensor parallelism: (dp, mp) layouts of one transformer_lm step (CPU, gloo).
 
-    python benchmarks/tensor_parallel.py [--layouts 2x1,1x2,2x2] [--layers 4] [--embed-dim 1024]
+    python -m benchmarks.tensor_parallel [--layouts 2x1,1x2,2x2] [--layers 4] [--embed-dim 1024]
         [--ffn-dim 4096] [--heads 16] [--tokens-per-sample 256] [--batch-size 2] [--vocab 8192]
         [--dropout 0.1] [--no-sequence-parallel] [--json]
 
@@ -29,12 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from typing import Dict, List
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.timing import Report, add_results_flag
 
 
 def _local(t):
@@ -170,7 +168,9 @@ def main(argv: List[str] = None) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--no-sequence-parallel", action="store_true")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_results_flag(p)
     ns = p.parse_args(argv)
+    report = Report("tensor_parallel_memory", argv=argv)
 
     results = {}
     for layout in ns.layouts.split(","):
@@ -200,9 +200,8 @@ def main(argv: List[str] = None) -> None:
     if not ns.json:
         for name, value in ratios.items():
             print(f"{name}: {value:.3f}")
-    print(
-        json.dumps({"shape": {k: v for k, v in vars(ns).items() if k != "json"}, "results": results, "ratios": ratios})
-    )
+    shape = {k: v for k, v in vars(ns).items() if k not in ("json", "results")}
+    report.emit(results=ns.results, shape=shape, rows=results, activation_ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Training throughput and MFU of ``Trainer.train_step`` on synthetic tokens.
 
-    python benchmarks/train.py                                   # small: 4x256, FFN 1024, 4 heads, T 256, B 8, V 8192
-    python benchmarks/train.py --preset gpt3_small               # transformer_lm_gpt3_small, shorter run
-    python benchmarks/train.py --preset gpt3_xl --device cuda --bf16   # on a GPU
-    python benchmarks/train.py --preset llama3_1b --device cuda --bf16 --compile --ddp-backend fully_sharded
-    python benchmarks/train.py --arch transformer_lm --decoder-layers 2 ... # any toolkit-train model flags
+    python -m benchmarks.train                                   # small: 4x256, FFN 1024, 4 heads, T 256, B 8, V 8192
+    python -m benchmarks.train --preset gpt3_small               # transformer_lm_gpt3_small, shorter run
+    python -m benchmarks.train --preset gpt3_xl --device cuda --bf16   # on a GPU
+    python -m benchmarks.train --preset llama3_1b --device cuda --bf16 --compile --ddp-backend fully_sharded
+    python -m benchmarks.train --arch transformer_lm --decoder-layers 2 ... # any toolkit-train model flags
 
 What runs is the real training path: the options are parsed by toolkit-train's parser,
 the model is built by ``toolkit.distributed.parallelize.build_parallel_model`` (meta device,
@@ -15,7 +15,8 @@ and norm, AdamW step, zero_grad, LR schedule, metrics), inside the same
 Only the data is synthetic: uniformly random tokens, every row full (no padding),
 ``B x T`` per step.
 
-``--warmup`` steps are run and discarded, then ``--steps`` steps are timed one by one.
+``--warmup`` steps are run and discarded, then ``--steps`` steps are timed one by one
+(:func:`benchmarks.timing.repeat`: CUDA-synchronized on a GPU).
 The time split comes from hooks on the same timed steps (no extra synchronization on
 CPU; CUDA events on GPU): forward = step start until the criterion returns the loss;
 backward = until the last parameter gradient is accumulated; grad norm = gradient
@@ -30,23 +31,22 @@ timed steps and the higher of the two is used, so a neighbour process during the
 cannot inflate the MFU. MFU = tokens/s x FLOPs/token / peak, reported for the median step
 (the typical figure) and the fastest step (the least disturbed one on a shared machine).
 
-Prints a table and one JSON line (``"benchmark": "train_step"``).
+``--fp8-experts`` runs the MoE experts' grouped GEMMs in float8 through torchao's MoE training recipe
+(``torchao.prototype.moe_training``: the expert weights wrapped so that ``torch._grouped_mm`` quantizes its
+operands rowwise and runs the scaled grouped GEMM; CUDA, SM 9.0 and later), the rest of the model as it is.
+
+Prints a table and one JSON line (``"benchmark": "train_step"``, :class:`benchmarks.timing.Report`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import sys
-import time
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.timing import Report, add_results_flag, cpu_now, median, now, repeat
 
 PRESETS = {
     # name: (toolkit-train model/batch flags, vocabulary size, warmup steps, timed steps)
@@ -124,6 +124,12 @@ def parse(argv):
     ap.add_argument(
         "--profile", metavar="FILE", default=None, help="also write a torch.profiler table of one extra step to FILE"
     )
+    ap.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="the MoE experts' grouped GEMMs in float8 (torchao's MoE training recipe, rowwise; CUDA)",
+    )
+    add_results_flag(ap)
     ours, rest = ap.parse_known_args(argv)
     preset_flags, vocab, warmup, steps = PRESETS[ours.preset]
     ours.vocab = ours.vocab or vocab
@@ -182,9 +188,33 @@ def build(ours, train_argv):
         env = DistributedEnv(device=device)
     choose_cpu_matmul(cfg.common.cpu_matmul, env)  # fp32 CPU products: oneDNN or torch's, as toolkit-train
     model, strategy = build_parallel_model(cfg, task, env)
+    if ours.fp8_experts:
+        float8_experts(model, args)  # before the optimizer takes the parameters
     criterion = CRITERION_REGISTRY.get(cfg.components.criterion).cls(task, cfg.criterion)
     trainer = Trainer(cfg, task, model, criterion, env, strategy)
     return args, task, model, criterion, trainer
+
+
+def float8_experts(model, args) -> None:
+    """The experts' weights wrapped by torchao's MoE training recipe (``Float8TrainingOpConfig``, rowwise): their
+    ``torch._grouped_mm`` quantizes both operands to float8 and runs the scaled grouped GEMM; master weights and
+    gradients keep their dtype."""
+    if args.ddp_backend == "fully_sharded":
+        raise SystemExit("benchmarks/train.py: --fp8-experts wraps the weights after the build; drop --ddp-backend")
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+    except ImportError:
+        raise SystemExit(
+            "benchmarks/train.py: --fp8-experts needs torchao's MoE training recipe "
+            "(torchao.prototype.moe_training, torchao >= 0.14): pip install torchao"
+        ) from None
+    from toolkit.models.blocks.moe import GroupedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if not experts:
+        raise SystemExit(f"benchmarks/train.py: --fp8-experts: {args.arch} has no MoE experts")
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, _: isinstance(module, GroupedExperts))
 
 
 def synthetic_sample(args, dictionary, device, seed: int = 0):
@@ -219,13 +249,20 @@ class PhaseTimer:
                 self.handles.append(p.register_post_accumulate_grad_hook(lambda *a: self.mark("backward")))
 
     def mark(self, name: str) -> None:
+        """Record mark ``name``: a CUDA event on GPU, the benchmarks' clock on CPU (returns None: a forward hook's
+        return value would replace the criterion's output)."""
         if self.cuda:
             ev = self.marks.get(name)
             if ev is None:
                 ev = self.marks[name] = torch.cuda.Event(enable_timing=True)
             ev.record()  # re-recording keeps the latest (the last gradient for "backward")
         else:
-            self.marks[name] = time.perf_counter()
+            self.marks[name] = now()
+
+    def stamp(self, name: str):
+        """Record mark ``name`` and return it."""
+        self.mark(name)
+        return self.marks[name]
 
     def split(self, start, end):
         """Seconds per phase between ``start`` and ``end`` (marks, as recorded)."""
@@ -259,43 +296,36 @@ class PhaseTimer:
             h.remove()
 
 
-def run_steps(trainer, sample, n: int, device: torch.device, phases: bool):
+def run_steps(trainer, sample, n: int, device: torch.device, phases: bool, warmup: int = 0):
+    """``warmup`` untimed steps, then ``n`` timed ones: (their :class:`~benchmarks.timing.Stats`, the phase split
+    of each timed step, the last step's logging output, the peak GPU memory of each step)."""
     from toolkit.logging import metrics
 
     timer = PhaseTimer(trainer, device) if phases else None
-    times, splits, peaks = [], [], []
+    splits, peaks, calls = [], [], []
+
+    def step():
+        calls.append(None)
+        start = timer.stamp("start") if timer else None
+        with metrics.aggregate("train_inner"):
+            out = trainer.train_step([sample])
+        if out is None and phases and len(calls) > warmup:
+            raise RuntimeError(
+                "train_step skipped a timed update (fp16 overflow); add --warmup steps or lower --fp16-init-scale"
+            )
+        if timer:
+            splits.append(timer.split(start, timer.stamp("end")))
+        gb_free = metrics.get_smoothed_values("train_inner").get("gb_free")  # the step's peak (CUDA only)
+        if gb_free is not None:
+            peaks.append(torch.cuda.get_device_properties(device).total_memory / 2**30 - gb_free)
+        metrics.reset_meters("train_inner")
+        return out
+
     with metrics.aggregate("train"):
-        for _ in range(n):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            if timer and not timer.cuda:
-                start = t0
-            with metrics.aggregate("train_inner"):
-                out = trainer.train_step([sample])
-            if device.type == "cuda":
-                end.record()
-                torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
-            if timer and not timer.cuda:
-                end = t1
-            if out is None and phases:
-                raise RuntimeError(
-                    "train_step skipped a timed update (fp16 overflow); add --warmup steps or lower --fp16-init-scale"
-                )
-            gb_free = metrics.get_smoothed_values("train_inner").get("gb_free")  # the step's peak (CUDA only)
-            if gb_free is not None:
-                peaks.append(torch.cuda.get_device_properties(device).total_memory / 2**30 - gb_free)
-            metrics.reset_meters("train_inner")
-            times.append(t1 - t0)
-            if timer:
-                splits.append(timer.split(start, end))
+        stats = repeat(step, n, warmup, device)
     if timer:
         timer.remove()
-    return times, splits, out, peaks
+    return stats, splits[warmup:], stats.last, peaks[warmup:]
 
 
 def main(argv=None):
@@ -309,6 +339,7 @@ def main(argv=None):
     threads = ours.threads or (2 if device.type == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
+    report = Report("train_step", device=device, argv=argv)
     load_before = os.getloadavg()
 
     from toolkit.logging import throughput
@@ -322,10 +353,12 @@ def main(argv=None):
     sample = synthetic_sample(args, task.dictionary, device)
     tokens = sample["ntokens"]
 
-    run_steps(trainer, sample, ours.warmup, device, phases=False)
-    busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    times, splits, out, peaks = run_steps(trainer, sample, ours.steps, device, phases=True)
-    busy1, own1, wall1 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    if ours.warmup:
+        run_steps(trainer, sample, ours.warmup, device, phases=False)
+    busy0, own0, wall0 = busy_cpu_seconds(), cpu_now(), now()
+    stats, splits, out, peaks = run_steps(trainer, sample, ours.steps, device, phases=True)
+    busy1, own1, wall1 = busy_cpu_seconds(), cpu_now(), now()
+    times = stats.seconds
     # CPUs' worth of other processes' work during the timed steps (this process's own CPU time excluded)
     others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
     if ours.profile:
@@ -348,7 +381,7 @@ def main(argv=None):
         peak_after = peak_used = peak
     load_after = os.getloadavg()
 
-    med, best = statistics.median(times), min(times)
+    med, best = stats.median, stats.min
 
     def figures(step_s):
         tps = tokens / step_s
@@ -360,7 +393,7 @@ def main(argv=None):
         }
 
     res = {"median": figures(med), "best": figures(best)}
-    split = {ph: statistics.median(s[ph] for s in splits) for ph in PHASES}
+    split = {ph: median([s[ph] for s in splits]) for ph in PHASES}
     split_total = sum(split.values())
     cfg = model.cfg
     desc = (
@@ -415,55 +448,48 @@ def main(argv=None):
         "time split (median over timed steps): "
         + ", ".join(f"{ph} {1e3 * split[ph]:.1f} ms ({100 * split[ph] / split_total:.0f}%)" for ph in PHASES)
     )
-    print(
-        json.dumps(
-            {
-                "benchmark": "train_step",
-                "preset": ours.preset,
-                "arch": args.arch,
-                "layers": cfg.decoder_layers,
-                "embed_dim": cfg.decoder_embed_dim,
-                "heads": cfg.decoder_attention_heads,
-                "ffn_dim": cfg.decoder_ffn_embed_dim,
-                "tokens_per_sample": args.tokens_per_sample,
-                "batch_size": args.batch_size,
-                "vocab": len(task.dictionary),
-                "dtype": str(dtype).replace("torch.", ""),
-                "device": str(device),
-                "threads": torch.get_num_threads(),
-                "cpus": os.cpu_count(),
-                "cpu": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-                "params": n_params,
-                "matmul_params": n_matmul,
-                "flops_per_token": fpt,
-                "tokens_per_step": tokens,
-                "warmup": ours.warmup,
-                "steps": ours.steps,
-                "peak_flops": peak_used,
-                "peak_flops_before": peak,
-                "peak_flops_after": peak_after,
-                "tokens_per_s": res["median"]["tokens_per_s"],
-                "achieved_flops": res["median"]["achieved_tflops"] * 1e12,
-                "mfu": res["median"]["mfu"],
-                "best_tokens_per_s": res["best"]["tokens_per_s"],
-                "best_mfu": res["best"]["mfu"],
-                "step_ms_all": [round(1e3 * t, 2) for t in times],
-                "split_ms": {ph: round(1e3 * v, 2) for ph, v in split.items()},
-                "ddp_backend": args.ddp_backend,
-                "checkpoint_activations": bool(args.checkpoint_activations),
-                "compile": bool(args.compile),
-                "fp8": args.fp8_recipe if args.fp8 else None,
-                "peak_gpu_gib": peak_gib,
-                "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
-                if device.type == "cuda"
-                else None,
-                "loadavg_before": load_before[0],
-                "loadavg_after": load_after[0],
-                "other_cpus_busy": others,
-                "machine_busy": busy,
-            }
-        )
+    report.emit(
+        {"step": stats},
+        results=ours.results,
+        preset=ours.preset,
+        arch=args.arch,
+        layers=cfg.decoder_layers,
+        embed_dim=cfg.decoder_embed_dim,
+        heads=cfg.decoder_attention_heads,
+        ffn_dim=cfg.decoder_ffn_embed_dim,
+        tokens_per_sample=args.tokens_per_sample,
+        batch_size=args.batch_size,
+        vocab=len(task.dictionary),
+        dtype=str(dtype).replace("torch.", ""),
+        device=str(device),
+        threads=torch.get_num_threads(),
+        params=n_params,
+        matmul_params=n_matmul,
+        flops_per_token=fpt,
+        tokens_per_step=tokens,
+        warmup=ours.warmup,
+        steps=ours.steps,
+        peak_flops=peak_used,
+        peak_flops_before=peak,
+        peak_flops_after=peak_after,
+        tokens_per_s=res["median"]["tokens_per_s"],
+        achieved_flops=res["median"]["achieved_tflops"] * 1e12,
+        mfu=res["median"]["mfu"],
+        best_tokens_per_s=res["best"]["tokens_per_s"],
+        best_mfu=res["best"]["mfu"],
+        step_ms_all=[round(1e3 * t, 2) for t in times],
+        split_ms={ph: round(1e3 * v, 2) for ph, v in split.items()},
+        ddp_backend=args.ddp_backend,
+        checkpoint_activations=bool(args.checkpoint_activations),
+        compile=bool(args.compile),
+        fp8=args.fp8_recipe if args.fp8 else None,
+        fp8_experts=ours.fp8_experts,
+        peak_gpu_gib=peak_gib,
+        peak_gpu_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
+        loadavg_before=load_before[0],
+        loadavg_after=load_after[0],
+        other_cpus_busy=others,
+        machine_busy=busy,
     )
 
 

@@ -14,7 +14,12 @@ Runs, in a work folder (default /tmp/fairseq-parity):
 
 Prints a table, then one JSON line; exits 1 when any perplexity differs by more than 0.1% (``--tolerance``).
 
-    bash benchmarks/fairseq_parity/setup.sh && python benchmarks/fairseq_parity/parity.py
+    bash benchmarks/fairseq_parity/setup.sh && python -m benchmarks.fairseq_parity.parity
+
+Both tools run as commands in their own interpreters: fairseq's from ``$FAIRSEQ_HOME``'s venv with
+``PYTHONPATH`` set to that home (its ``sitecustomize.py`` shim, ``shim_sitecustomize.py``, loads from there) and
+its ``src`` (fairseq's unmodified source), the toolkit's with ``PYTHONPATH`` set to this checkout. That
+environment of the child processes is the only path set up here; this script's own imports need none.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from benchmarks.timing import REPO, now
+
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-mini"
 MODEL = [
     "--arch",
@@ -79,11 +84,11 @@ PERPLEXITY = re.compile(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)")
 
 def run(cmd: List[str], env: Dict[str, str], log: pathlib.Path) -> str:
     print("+", " ".join(cmd), flush=True)
-    started = time.time()
+    started = now()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write_text(proc.stdout)
     if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}) after {time.time() - started:.0f}s; see {log}:\n{proc.stdout[-2000:]}")
+        sys.exit(f"failed ({proc.returncode}) after {now() - started:.0f}s; see {log}:\n{proc.stdout[-2000:]}")
     return proc.stdout
 
 

@@ -1,6 +1,6 @@
 """The short fault suite: 3 runs killed with SIGKILL (during saves and between them) resume bit-identical.
 
-Runs ``benchmarks/faults.py --runs 3 --updates 4`` (the full version, ``--runs 20``, is
+Runs ``python -m benchmarks.faults --runs 3 --updates 4`` (the full version, ``--runs 20``, is
 reported in the benchmarks README). Marked ``faults`` (``-m "not faults"`` leaves it out):
 it starts 14 training processes (the last run is also restarted after it finished; then a SIGINT and a
 SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir). The same under
@@ -21,7 +21,8 @@ def test_killed_runs_resume_bit_identical(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/faults.py",
+            "-m",
+            "benchmarks.faults",
             "--runs",
             "3",
             "--updates",
@@ -57,7 +58,8 @@ def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/faults.py",
+            "-m",
+            "benchmarks.faults",
             "--runs",
             "2",
             "--updates",

@@ -1,4 +1,4 @@
-"""benchmarks/peers.py --quick: every row runs or is one skipped row naming its install, and the table is written.
+"""``benchmarks.peers --quick``: every row runs or is one skipped row naming its install; the table is written.
 
 The fairseq rows are pointed at an empty FAIRSEQ home, so this checks the skipped-row path in seconds (the
 fairseq commands themselves run in benchmarks/fairseq_parity/parity.py); the transformers rows run for real on
@@ -24,7 +24,8 @@ def test_quick_table(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/peers.py",
+            "-m",
+            "benchmarks.peers",
             "--quick",
             "--warmup",
             "0",

@@ -1,18 +1,15 @@
 """Memory options: activation checkpointing / offloading change no gradient; --cpu-offload with
 DeepSpeed CPU Adam, fp16 and activation checkpointing trains on 2 CPU processes and resumes;
-benchmarks/memory.py measures that checkpointing shrinks the saved activations."""
+``python -m benchmarks.memory`` measures that checkpointing shrinks the saved activations."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers.cli import REPO_ROOT
 from toolkit.distributed.parallelize import parallelize
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.models.init import canonical_name
@@ -125,17 +122,9 @@ def test_fully_sharded_checkpoint_and_offload_give_identical_grads(process_group
         assert_same_grads(ref, got)
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "memory_benchmark", os.path.join(REPO_ROOT, "benchmarks", "memory.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_benchmark_checkpointing_more_than_halves_saved_activations():
-    bench = load_benchmark()
+    from benchmarks import memory as bench
+
     shape = dict(layers=12, embed_dim=32, ffn_dim=128, heads=2, tokens=32, batch=2, vocab=64)
     plain = bench.measure(**shape, checkpoint=False)
     ckpt = bench.measure(**shape, checkpoint=True)

@@ -3,7 +3,7 @@
 Why: torch computes an fp32 matmul on CPU with its BLAS (MKL's sgemm in the x86 wheels). MKL chooses its code by
 CPU vendor, and on AMD it runs AVX2 code: on a Zen 5 EPYC (full-width AVX-512) two cores reach ~215 GFLOP/s,
 where oneDNN, which chooses by instruction set, computes the same products at 410-490 GFLOP/s
-(``python benchmarks/cpu_gemm.py``). These are strict fp32 products (no bf16 or tf32 inputs: oneDNN's default
+(``python -m benchmarks.cpu_gemm``). These are strict fp32 products (no bf16 or tf32 inputs: oneDNN's default
 math mode); only the order of the additions differs, as between any two BLAS builds. torch already sends bf16
 matmuls on CPU to oneDNN, but not fp32 ones, so the toolkit does it for its own: every ``F.linear`` of a model
 (:func:`linear_mode`, entered by the trainer, validation, eval-lm, generation, the harness and the hub interface;

@@ -12,7 +12,7 @@ parameters with ``torch.equal``): every step of the codec is one IEEE operation 
 eager order, exp_avg_sq's log code goes through the same two tables
 (``quantized_states.SQ_RATIO``, ``SQ_THRESHOLD``), and the values that the eager path's
 DeepSpeed call gives to its scalar tail get DeepSpeed's scalar code in the kernel too.
-``python benchmarks/adam_states.py codes`` checks the kernel's encoder against the eager one
+``python -m benchmarks.adam_states codes`` checks the kernel's encoder against the eager one
 on every float in (0, 1].
 
 Built once per machine (torch's extension cache, like DeepSpeed's op; one INFO line while it
