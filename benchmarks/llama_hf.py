@@ -144,7 +144,6 @@ def toolkit_loss(chunk_rows):
     from types import SimpleNamespace
 
     from toolkit.config.components import CrossEntropyCriterionConfig
-    from toolkit.core import cpu_gemm
     from toolkit.criterions.cross_entropy import CrossEntropyCriterion
     from toolkit.train.trainer import forward_and_loss
 
@@ -162,8 +161,7 @@ def toolkit_loss(chunk_rows):
             "ntokens": int(targets.ne(PAD).sum()),
             "nsentences": targets.size(0),
         }
-        with cpu_gemm.linear_mode(inputs.device):  # as the trainer's forward: fp32 products by --cpu-matmul
-            loss, sample_size, _ = forward_and_loss(model, criterion, sample)
+        loss, sample_size, _ = forward_and_loss(model, criterion, sample)
         return loss / sample_size
 
     return loss_of
@@ -183,11 +181,24 @@ def transformers_loss(model, inputs, targets):
     return model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False).loss
 
 
+def on_library(step, onednn: bool):
+    """``step`` with the process's fp32 CPU matmul library set first (``toolkit.ops``): the toolkit's sides run
+    ``--cpu-matmul``'s choice, as its commands set it for their process; a peer in this process runs torch's, as
+    its own code would."""
+    from toolkit import ops
+
+    def run(tokens):
+        ops.restore(onednn)
+        return step(tokens)
+
+    return run
+
+
 def run(args) -> dict:
-    from toolkit.core import cpu_gemm
+    from toolkit import ops
 
     torch.set_num_threads(args.threads)
-    onednn = cpu_gemm.select(args.cpu_matmul)
+    onednn = ops.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
     chosen = args.contestants.split(",")
     all_steps = {
@@ -201,7 +212,7 @@ def run(args) -> dict:
         raise SystemExit(f"--contestants: unknown {sorted(unknown)}; choose from {sorted(all_steps)}")
     if "transformers" not in chosen:
         del theirs
-    steps = {name: all_steps[name]() for name in chosen}
+    steps = {name: on_library(all_steps[name](), onednn and name != "transformers") for name in chosen}
     stats, figures = alternated(steps, args)
     return stats, {
         "layers": args.layers,

@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
-from benchmarks.llama_hf import alternated, logits_loss, make_step
+from benchmarks.llama_hf import alternated, logits_loss, make_step, on_library
 from benchmarks.timing import Report, add_results_flag
-from toolkit.core import cpu_gemm
+from toolkit import ops
 
 
 def parse(argv=None):
@@ -100,18 +100,19 @@ def build_pair(args):
 
 
 def toolkit_logits(model, tokens):
-    """Our logits with the toolkit's fp32 matmul library (--cpu-matmul), as its commands run the model."""
-    with cpu_gemm.linear_mode(tokens.device):
-        return model(tokens)[0]
+    """Our logits (with the toolkit's fp32 matmul library, --cpu-matmul: ``on_library``)."""
+    return model(tokens)[0]
 
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    onednn = cpu_gemm.select(args.cpu_matmul)
+    onednn = ops.select(args.cpu_matmul)
     ours, theirs = build_pair(args)
     steps = {
-        "toolkit": make_step(ours, logits_loss(toolkit_logits)),
-        "transformers": make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits)),
+        "toolkit": on_library(make_step(ours, logits_loss(toolkit_logits)), onednn),
+        "transformers": on_library(
+            make_step(theirs, logits_loss(lambda m, x: m(input_ids=x, use_cache=False).logits)), False
+        ),
     }
     stats, figures = alternated(steps, args)
     return stats, {

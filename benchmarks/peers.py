@@ -109,9 +109,12 @@ def train_steps(ours, theirs, loss_theirs, vocab: int, batch: int, tokens: int, 
     """The llama_hf step on both models, alternated on the same random batches; ours on the toolkit's own
     training path (the cross_entropy criterion, its fused head and loss)."""
     import torch
-    from benchmarks.llama_hf import make_step, toolkit_loss
+    from benchmarks.llama_hf import make_step, on_library, toolkit_loss
 
-    steps = {"toolkit": make_step(ours, toolkit_loss(None)), "transformers": make_step(theirs, loss_theirs)}
+    steps = {
+        "toolkit": on_library(make_step(ours, toolkit_loss(None)), args.onednn),
+        "transformers": on_library(make_step(theirs, loss_theirs), False),
+    }
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, tokens + 1), generator=g) for _ in range(args.warmup + args.rounds)]
 
@@ -288,7 +291,7 @@ def generation(args) -> Dict:
     import torch
     from benchmarks.generate import generator
 
-    from toolkit.core import cpu_gemm
+    from toolkit import ops
 
     layers, dim, heads, vocab, _, _ = gpt2_shape(args)
     prompt, new = (8, 8) if args.quick else (64, 128)
@@ -301,10 +304,12 @@ def generation(args) -> Dict:
     hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1)
 
     def toolkit_side():
-        with torch.no_grad(), cpu_gemm.linear_mode(torch.device("cpu")):  # as toolkit-generate
+        ops.restore(args.onednn)  # as toolkit-generate sets it for its process
+        with torch.no_grad():
             return ours_gen.generate(list(prompts))
 
     def hf_side():
+        ops.restore(False)  # transformers in this process: torch's products, as its own code runs
         with torch.no_grad():
             return theirs.generate(
                 hf_input,
@@ -601,11 +606,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     args.rounds = args.rounds or (1 if args.quick else 5)
     import torch
 
-    from toolkit.core import cpu_gemm
+    from toolkit import ops
 
     torch.set_num_threads(args.threads)
     report = Report("peers", argv=argv)
-    onednn = cpu_gemm.select(args.cpu_matmul)  # the toolkit side's fp32 matmul library, as its commands choose
+    onednn = ops.select(args.cpu_matmul)  # the toolkit side's fp32 matmul library, as its commands choose it
+    args.onednn = onednn
+    ops.restore(False)  # peers in this process run torch's; a toolkit side here sets its own (generation)
     before = load()
     with tempfile.TemporaryDirectory(prefix="peers-") as work:
         rows = run_rows(args, pathlib.Path(work))

@@ -59,10 +59,11 @@ def kill_started_processes():
 
 @pytest.fixture(autouse=True)
 def cpu_matmul_choice_stays_in_its_test():
-    """A command run in this process (``train``, eval-lm) selects the fp32 CPU matmul library for the process
-    (``toolkit.core.cpu_gemm.select``); the next test starts undecided, as a fresh process does."""
-    from toolkit.core import cpu_gemm
+    """A command run in this process (``train``, eval-lm) sets the process's fp32 CPU matmul library
+    (``toolkit.ops.select``: the decision and the mode that puts it in force); the next test starts as the test
+    before it did (undecided, no mode: a fresh process)."""
+    from toolkit import ops
 
-    before = dict(cpu_gemm._state)
+    before = ops.chosen()
     yield
-    cpu_gemm._state.update(before)
+    ops.restore(before)

@@ -1,5 +1,6 @@
 """fp32 CPU products through oneDNN (toolkit.core.cpu_gemm): the same numbers as torch's to fp32 rounding, every
-operand that is not a plain fp32 CPU tensor left to torch, and the choice measured once per machine."""
+operand that is not a plain fp32 CPU tensor left to torch, the choice measured once per machine, and the switch that
+puts it in force for the process (toolkit.ops): every F.linear, backward and checkpointing's recomputation included."""
 
 import json
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from toolkit import ops
 from toolkit.core import cpu_gemm
 from toolkit.models.fused_loss import linear_cross_entropy
 
@@ -85,6 +87,10 @@ class _Subclass(torch.Tensor):
     pass
 
 
+class _DispatchOnly(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
 @needs_onednn
 def test_what_stays_with_torch(onednn_calls):
     x, w = torch.randn(64, 128), torch.randn(512, 128)
@@ -100,18 +106,73 @@ def test_what_stays_with_torch(onednn_calls):
 
 
 @needs_onednn
-def test_linear_mode_sends_nn_linear_to_onednn(onednn_calls):
+def test_select_sends_every_nn_linear_to_onednn(onednn_calls):
     layer = torch.nn.Linear(128, 512)
     x = torch.randn(8, 16, 128)
     expected = layer(x)
-    assert onednn_calls == []  # outside the mode
-    with cpu_gemm.linear_mode(torch.device("cpu")):
-        y = layer(x)
+    assert onednn_calls == []  # nothing selected: torch's
+    assert ops.select("onednn")
+    y = layer(x)
     assert len(onednn_calls) == 1
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    assert isinstance(cpu_gemm.linear_mode(torch.device("meta")), type(cpu_gemm.contextlib.nullcontext()))
-    cpu_gemm._state["onednn"] = False
-    assert isinstance(cpu_gemm.linear_mode(torch.device("cpu")), type(cpu_gemm.contextlib.nullcontext()))
+    assert ops.select(None)  # None keeps the earlier choice (a harness run inside training)
+    assert not ops.select("torch")
+    layer(x)
+    assert len(onednn_calls) == 1
+    assert not ops.select(None) and ops.chosen() is False
+    assert not ops.select("onednn", device="meta") and ops.chosen() is False  # off the CPU nothing is decided
+    with torch.device("meta"):  # selected inside another mode's context, whose exit pops only its own mode
+        assert ops.select("onednn")
+        assert torch.empty(1).is_meta
+    assert not torch.empty(1).is_meta
+    layer(x)
+    assert len(onednn_calls) == 2
+
+
+@needs_onednn
+@pytest.mark.parametrize("entry", ["Tensor.backward", "autograd.backward", "autograd.grad", "DTensor-like loss"])
+def test_checkpoint_recomputation_replays_the_forwards_library(onednn_calls, entry):
+    """torch's own activation checkpointing: the recomputation in backward runs in the switch's mode, so it takes
+    oneDNN as the forward did (torch's products there would save other tensors, which checkpointing refuses), and
+    the gradients equal those of the same run without checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    ops.select("onednn")
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    leaves = [x, *block.parameters()]
+
+    def grads(checkpointed: bool):
+        for t in leaves:
+            t.grad = None
+        loss = (checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)).square().sum()
+        if entry == "DTensor-like loss":  # a subclass without a __torch_function__ of its own (as DTensor)
+            loss.as_subclass(_DispatchOnly).backward()
+        elif entry == "Tensor.backward":
+            loss.backward()
+        elif entry == "autograd.backward":
+            torch.autograd.backward([loss])
+        else:
+            return torch.autograd.grad(loss, leaves)
+        return [t.grad for t in leaves]
+
+    plain = grads(checkpointed=False)
+    assert len(onednn_calls) == 2 + 4  # forward; input and weight gradients (the first layer's x too)
+    del onednn_calls[:]
+    recomputed = grads(checkpointed=True)
+    assert len(onednn_calls) == 2 + 2 + 4  # forward, the recomputed forward, the gradients
+    for a, b in zip(recomputed, plain):
+        assert torch.equal(a, b)
+
+
+@needs_onednn
+def test_export_keeps_torchs_products(onednn_calls):
+    """A graph exported in a process that selected oneDNN holds torch's linear, not the toolkit's op."""
+    ops.select("onednn")
+    exported = torch.export.export(torch.nn.Linear(128, 512), (torch.randn(64, 128),))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert "aten.linear.default" in targets and not any("toolkit" in t for t in targets)
 
 
 @needs_onednn
@@ -121,15 +182,17 @@ def test_fused_loss_through_onednn_matches_torch_products(onednn_calls):
     weight = (0.1 * torch.randn(3000, 128, generator=g)).requires_grad_()
     target = torch.randint(0, 3000, (1100,), generator=g)
     target[::7] = 1  # ignored rows
+    ops.select("onednn")  # the head's products are plain F.linear calls, which the switch sends to oneDNN
     loss = linear_cross_entropy(hidden, weight, target, ignore_index=1, chunk_rows=512)
     loss.backward()
     assert len(onednn_calls) == 9  # three per chunk
     ours = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
     assert weight.grad.shape == weight.shape
     hidden.grad = weight.grad = None
-    cpu_gemm._state["onednn"] = False
+    ops.select("torch")
     loss = linear_cross_entropy(hidden, weight, target, ignore_index=1, chunk_rows=512)
     loss.backward()
+    assert len(onednn_calls) == 9
     for a, b in zip(ours, (loss.detach(), hidden.grad, weight.grad)):  # sums of 128 or 1,100 fp32 products
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * b.abs().max().item())
 
@@ -196,17 +259,18 @@ def test_grouped_linear_matches_one_matmul_per_expert(onednn_calls, monkeypatch)
 
 @needs_onednn
 def test_compiled_linear_calls_the_onednn_op(onednn_calls):
-    """In a graph compiled inside a linear mode (--compile's blocks) the product is toolkit::onednn_linear, forward
-    and backward; the gradients equal eager's."""
+    """In a graph compiled where the switch selected oneDNN (--compile's blocks) the product is
+    toolkit::onednn_linear, forward and backward; the gradients equal torch's eager ones."""
     torch._dynamo.reset()
     layer = torch.nn.Linear(128, 512)
     x = torch.randn(4, 64, 128, requires_grad=True)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    with cpu_gemm.linear_mode(torch.device("cpu")):
-        compiled(x).square().sum().backward()
+    ops.select("onednn")
+    compiled(x).square().sum().backward()
     assert len(onednn_calls) == 3
     got = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
     x.grad = layer.weight.grad = layer.bias.grad = None
+    ops.select("torch")
     layer(x).square().sum().backward()  # torch's, eager
     for a, b in zip(got, (x.grad, layer.weight.grad, layer.bias.grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * b.abs().max().item())

@@ -22,6 +22,7 @@ PLUGIN_API = "toolkit.compat.fairseq.plugins"
 # flags and calls the layers below.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("toolkit", "toolkit.core")),
+    ("ops", ("toolkit.ops",)),
     ("config", ("toolkit.config",)),
     ("logging", ("toolkit.logging",)),
     ("components", ("toolkit.tokenizers", "toolkit.data")),

@@ -20,7 +20,7 @@ def opt(default, help: str, **metadata):
 CPU_MATMUL_CHOICES = ["auto", "onednn", "torch"]
 CPU_MATMUL_HELP = (
     "fp32 matmuls on CPU: by oneDNN or by torch's BLAS (MKL); auto: whichever this CPU runs faster, "
-    "measured once per machine (oneDNN is ~2x MKL on AMD CPUs; toolkit.core.cpu_gemm)"
+    "measured once per machine (oneDNN is ~2x MKL on AMD CPUs; toolkit.ops)"
 )
 
 

@@ -5,30 +5,26 @@ CPU vendor, and on AMD it runs AVX2 code: on a Zen 5 EPYC (full-width AVX-512) t
 where oneDNN, which chooses by instruction set, computes the same products at 410-490 GFLOP/s
 (``python -m benchmarks.cpu_gemm``). These are strict fp32 products (no bf16 or tf32 inputs: oneDNN's default
 math mode); only the order of the additions differs, as between any two BLAS builds. torch already sends bf16
-matmuls on CPU to oneDNN, but not fp32 ones, so the toolkit does it for its own: every ``F.linear`` of a model
-(:func:`linear_mode`, entered by the trainer, validation, eval-lm, generation, the harness and the hub interface;
-inside ``--compile``'s graphs as the ``toolkit::onednn_linear`` op), the fused output layer's three products
-(:func:`mm_nt`, :func:`mm_nn`, :func:`mm_tn`) and a mixture of experts' runs when they are big
-(:func:`grouped_linear`). Activation checkpointing replays the forward's choice (:func:`checkpoint`).
+matmuls on CPU to oneDNN, but not fp32 ones, so the toolkit does it for its own: ``F.linear`` (:func:`linear`,
+inside ``--compile``'s graphs as the ``toolkit::onednn_linear`` op), the three products of a layer (:func:`mm_nt`,
+:func:`mm_nn`, :func:`mm_tn`) and a mixture of experts' runs when they are big (:func:`grouped_linear`).
 
-Which library runs is ``--cpu-matmul`` (:func:`select`): ``auto`` (the default) times both once per machine on a
+Which library runs is decided here (:func:`select`): ``auto`` (the default) times both once per machine on a
 few transformer-sized products and keeps the answer beside the CPU peak (``~/.cache/toolkit/cpu_gemm.json``);
-``onednn`` and ``torch`` force one. Anything not a plain fp32 CPU tensor (CUDA, bf16/fp16, autocast, a DTensor or
-another tensor subclass, a graph being exported or traced) goes to torch as before, and so do products too small
-to gain (:data:`MIN_MULTIPLY_ADDS`).
+``onednn`` and ``torch`` force one. It is put in force by ``toolkit.ops``, the switch the commands set at their
+start, which sends every ``F.linear`` of the process here. Anything not a plain fp32 CPU tensor (CUDA, bf16/fp16,
+autocast, a DTensor or another tensor subclass, a graph being exported or traced) goes to torch as before, and so
+do products too small to gain (:data:`MIN_MULTIPLY_ADDS`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from typing import ContextManager, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.overrides import TorchFunctionMode
 
 from toolkit.core import machine_cache
 
@@ -153,9 +149,9 @@ _compiled_linear.register_autograd(_compiled_backward, setup_context=_setup_comp
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by oneDNN where it is selected and the operands are plain fp32 CPU tensors
-    (:func:`uses_onednn`) of a product big enough to gain; else ``F.linear`` itself. In a graph being compiled
-    (inside a linear mode only: an exported graph keeps torch's ops) the product is the ``toolkit::onednn_linear``
-    op, which inductor calls as it is and fuses what is around it."""
+    (:func:`uses_onednn`) of a product big enough to gain; else ``F.linear`` itself. In a graph being compiled (not
+    exported: an exported graph keeps torch's ops) the product is the ``toolkit::onednn_linear`` op, which inductor
+    calls as it is and fuses what is around it."""
     if (
         x.dim() < 2
         or weight.dim() != 2
@@ -238,8 +234,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def uses_onednn(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether products of these operands go to oneDNN: it was selected, and every one is a plain fp32 CPU tensor,
-    outside autocast (which casts F.linear's inputs below this layer) and tracing; in a graph being compiled only
-    inside a linear mode (a compiled training block, not an export)."""
+    outside autocast (which casts F.linear's inputs below this layer), tracing and export."""
     if not _state["onednn"]:
         return False
     for t in tensors:
@@ -247,59 +242,7 @@ def uses_onednn(*tensors: Optional[torch.Tensor]) -> bool:
             continue
         if type(t) not in _PLAIN or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
-    if torch.is_autocast_enabled("cpu") or torch.jit.is_tracing():
-        return False
-    return not torch.compiler.is_compiling() or _active.depth > 0
-
-
-class _LinearMode(TorchFunctionMode):
-    """Sends ``F.linear`` (every ``nn.Linear``) to :func:`linear`; every other function passes through."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            return linear(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        _active.depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _active.depth -= 1
-        return super().__exit__(*exc)
-
-
-class _ModeDepth(threading.local):
-    depth = 0  # how many linear modes this thread is in
-
-
-_active = _ModeDepth()
-
-
-def _checkpoint_contexts() -> Tuple[ContextManager, ContextManager]:
-    return contextlib.nullcontext(), _LinearMode()
-
-
-def checkpoint(function, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) whose recomputation in backward runs in a linear mode
-    when the forward did. Why: a mode is off while backward runs (``Tensor.backward`` is itself a function the
-    mode sees, and a mode's handler runs with the mode off), and an ``F.linear`` recomputed by torch saves other
-    tensors than the forward's by oneDNN, which checkpointing refuses. Inside a compiled region the compiler
-    recomputes from its own graph (where the product is ``toolkit::onednn_linear``) and torch's checkpoint is
-    called as it is."""
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-    if _active.depth > 0 and not torch.compiler.is_compiling():
-        kwargs["context_fn"] = _checkpoint_contexts
-    return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-
-def linear_mode(device: torch.device) -> ContextManager:
-    """A context in which the models' linear layers use oneDNN (when it is selected and ``device`` is the CPU);
-    a no-op context otherwise, so GPU runs pay nothing."""
-    if torch.device(device).type != "cpu" or not _state["onednn"]:
-        return contextlib.nullcontext()
-    return _LinearMode()
+    return not (torch.is_autocast_enabled("cpu") or torch.jit.is_tracing() or torch.compiler.is_exporting())
 
 
 # --- which library: measured once per machine ---------------------------------------------------------------------
@@ -373,9 +316,3 @@ def selected() -> bool:
 def onednn_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b^T by oneDNN whatever :func:`select` decided (the CPU peak's probe measures both libraries)."""
     return _lp(a, b)
-
-
-def select_for(device: torch.device, choice: str) -> None:
-    """:func:`select` for a command running on ``device`` (nothing to decide off the CPU)."""
-    if torch.device(device).type == "cpu":
-        select(choice)

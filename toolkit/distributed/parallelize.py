@@ -71,7 +71,6 @@ from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import DP_AXES, EXPERT_PEERS, TP, ParallelDims
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
-from toolkit.core import cpu_gemm
 from toolkit.core.errors import UserError
 from toolkit.models.init import init_weights
 
@@ -148,8 +147,7 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block's activations in backward (non-reentrant, RNG state preserved).
 
     torch's ``checkpoint_wrapper`` keeps parameter names (state dicts drop its
-    ``_checkpoint_wrapped_module`` component, as ``init_weights`` does); the recomputation takes the forward's
-    matmul library (``cpu_gemm.checkpoint``).
+    ``_checkpoint_wrapped_module`` component, as ``init_weights`` does).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
@@ -157,7 +155,6 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         model.layers[i] = checkpoint_wrapper(
             block,
             checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            checkpoint_fn=cpu_gemm.checkpoint,
             preserve_rng_state=True,
         )
 

@@ -87,7 +87,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.core import cpu_gemm
 from toolkit.core.protocols import TensorParallelizable, TensorParallelPlan
 from toolkit.core.errors import UserError
 
@@ -109,7 +108,7 @@ class _ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self._project(x)
-        return cpu_gemm.checkpoint(self._project, x, preserve_rng_state=False)
+        return torch.utils.checkpoint.checkpoint(self._project, x, use_reentrant=False, preserve_rng_state=False)
 
     def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from toolkit.core import cpu_gemm
+from toolkit import ops
 from toolkit.core.errors import UserError
 
 try:
@@ -68,7 +68,9 @@ def _last(ids: List[int], n: int) -> List[int]:
 
 @register_model("toolkit")
 class ToolkitLM(TemplateLM):
-    """A toolkit checkpoint (or models already in memory) as an ``lm_eval`` model."""
+    """A toolkit checkpoint (or models already in memory) as an ``lm_eval`` model. ``cpu_matmul``: the process's
+    fp32 CPU matmul library (``--cpu-matmul``, ``toolkit.ops.select``); None keeps the one chosen before (a harness
+    run inside training), else ``auto``."""
 
     backend = "causal"
 
@@ -84,11 +86,11 @@ class ToolkitLM(TemplateLM):
         models: Optional[List[torch.nn.Module]] = None,
         task=None,
         add_bos_token: Optional[bool] = None,
-        cpu_matmul: str = "auto",
+        cpu_matmul: Optional[str] = None,
     ):
         super().__init__()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        cpu_gemm.select_for(self._device, cpu_matmul)
+        ops.select(cpu_matmul, self._device)
         if models is None:
             if path is None:
                 raise UserError("--path is required: the checkpoint to evaluate")
@@ -139,10 +141,9 @@ class ToolkitLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
-        with cpu_gemm.linear_mode(self._device):
-            results = scoring.loglikelihood_tokens(
-                self.models, pairs, self.max_length, self.dictionary.pad(), self.batch_size, self._device
-            )
+        results = scoring.loglikelihood_tokens(
+            self.models, pairs, self.max_length, self.dictionary.pad(), self.batch_size, self._device
+        )
         for (request, _, _), answer in zip(requests, results):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)
@@ -215,8 +216,7 @@ class ToolkitLM(TemplateLM):
             members = sorted(members, key=lambda m: -len(m[1]))
             for first in range(0, len(members), max(1, self.batch_size)):
                 chunk = members[first : first + max(1, self.batch_size)]
-                with cpu_gemm.linear_mode(self._device):
-                    hypos = generator.generate([rest for _, rest in chunk], stop=stop)
+                hypos = generator.generate([rest for _, rest in chunk], stop=stop)
                 for (i, rest), hyps in zip(chunk, hypos):
                     tokens = hyps[0]["tokens"][len(rest) :].tolist()
                     tokens = tokens[:-1] if tokens and tokens[-1] == self.eot_token_id else tokens

@@ -15,7 +15,7 @@ import torch
 
 from toolkit.inference import eval_lm as E
 from toolkit import inference
-from toolkit.core import cpu_gemm
+from toolkit import ops
 from toolkit.core.errors import UserError
 from toolkit.logging import progress_bar
 from toolkit.logging.setup import setup_logging
@@ -119,7 +119,7 @@ def main(cfg: EvalLMConfig) -> Dict[str, float]:
     announce_ignored(cfg)
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    cpu_gemm.select_for(device, cfg.cpu_matmul)
+    ops.select(cfg.cpu_matmul, device)
     models, train_task, train_args = inference.load_ensemble(
         cfg.path, cfg.data, device, parse_overrides(cfg.model_overrides)
     )
@@ -167,8 +167,7 @@ def evaluate(cfg: EvalLMConfig, models: List[torch.nn.Module], task, dataset, de
         if not sample:
             continue
         start = time.time()
-        with cpu_gemm.linear_mode(device):
-            rows = E.score_sample(models, sample, pad, max_positions, cfg.softmax_batch, device)
+        rows = E.score_sample(models, sample, pad, max_positions, cfg.softmax_batch, device)
         elapsed += time.time() - start
         E.check_finite(rows, cfg.gen_subset, cfg.path)
         totals.ntokens += int(sample["ntokens"])

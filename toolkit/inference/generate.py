@@ -29,7 +29,7 @@ import torch
 from toolkit import inference
 from toolkit.inference import model_tokenizer as hf_ids
 from toolkit.config import options
-from toolkit.core import cpu_gemm
+from toolkit import ops
 from toolkit.core.errors import UserError
 from toolkit.generation.config import GenerationConfig
 from toolkit.generation.output import hypothesis_lines, post_process
@@ -53,7 +53,7 @@ class Session:
             raise UserError(f"--sampling requires --nbest ({gen_cfg.nbest}) to be equal to --beam ({gen_cfg.beam})")
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-        cpu_gemm.select_for(self.device, cfg.cpu_matmul)
+        ops.select(cfg.cpu_matmul, self.device)
         self.models, self.task, self.train_args = inference.load_ensemble(
             checkpoint_files(cfg.path), cfg.data, self.device
         )
@@ -78,8 +78,7 @@ class Session:
             self.generators[context] = SequenceGenerator(self.models, self.dictionary, self.gen_cfg, bos=context)
         start = time.time()
         try:
-            with cpu_gemm.linear_mode(self.device):
-                hypos = self.generators[context].generate(prompts)
+            hypos = self.generators[context].generate(prompts)
         except BrokenModelOutput as e:
             raise UserError(f"{self.cfg.path}: {e}") from None
         self.seconds += time.time() - start

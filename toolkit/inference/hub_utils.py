@@ -17,7 +17,8 @@ import torch
 
 from toolkit import inference
 from toolkit.compat.fairseq import adapter as fairseq_adapter
-from toolkit.core import cpu_gemm, registry
+from toolkit import ops
+from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.generation import GenerationConfig, SequenceGenerator
 from toolkit.inference import model_tokenizer as hf_ids
@@ -48,7 +49,7 @@ def from_pretrained(
     fairseq's keywords: ``bpe=`` / ``tokenizer=`` (with their options, e.g. ``gpt2_encoder_json=``)
     choose the text processing (default: the data-bin's recorded BPE); ``user_dir=`` imports a plugin
     folder first; the rest override saved options. ``cpu_matmul``: the commands' ``--cpu-matmul`` (fp32 products
-    on a CPU by oneDNN or torch's BLAS, ``toolkit.core.cpu_gemm``), for ``score``/``sample``/``generate``.
+    on a CPU by oneDNN or torch's BLAS, ``toolkit.ops``), for the process from here on.
     """
     path = checkpoint_path(model_name_or_path, checkpoint_file)
     data = data_folder(model_name_or_path, data_name_or_path, path)
@@ -58,7 +59,7 @@ def from_pretrained(
     tokenizer = build_tokenizer_kwarg(tokenizer_name, rest)
     bpe = build_bpe_kwarg(bpe_name, data.split(":")[0], rest)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu_gemm.select_for(dev, cpu_matmul)
+    ops.select(cpu_matmul, dev)
     models, task, args = inference.load_ensemble(path, data, dev, overrides=rest or None)
     own = None  # an imported model's own tokenizer, unless bpe=/tokenizer= choose the text processing
     if bpe_name is None and tokenizer_name is None:
@@ -169,10 +170,9 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
                 f"{self.max_positions} positions), each after {context_window} earlier ids; "
                 f"score(..., tokens_per_sample=N, context_window=M) chooses"
             )
-        with cpu_gemm.linear_mode(self.device):
-            lprobs = inference.score_stream(
-                list(self.models), tokens, first, window, context_window=context_window, device=self.device
-            )
+        lprobs = inference.score_stream(
+            list(self.models), tokens, first, window, context_window=context_window, device=self.device
+        )
         return {
             "tokens": tokens,
             "positional_scores": lprobs,
@@ -230,8 +230,7 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
             gen = SequenceGenerator(list(self.models), self.dictionary, cfg, generator=generator, bos=first)
             for i in range(0, len(group), batch_size):
                 chunk = group[i : i + batch_size]
-                with cpu_gemm.linear_mode(self.device):
-                    hypos_of_chunk = gen.generate([p for _, p in chunk])
+                hypos_of_chunk = gen.generate([p for _, p in chunk])
                 for (index, _), hypos in zip(chunk, hypos_of_chunk):
                     out[index] = hf_ids.with_context(hypos, first) if self.model_tokenizer is not None else hypos
         if verbose:

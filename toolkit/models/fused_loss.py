@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
-from toolkit.core import cpu_gemm
+from toolkit import ops
 
 # benchmarks/fused_loss.py (N 2048, V 8192, 1 thread): 512 and 1024 rows fastest, 512 at 30 MiB of temporaries
 DEFAULT_CHUNK_ROWS = 512
@@ -45,7 +46,7 @@ def _chunk_loss_and_grad(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, want_grad: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One chunk: summed NLL (fp32, 0-dim) and d loss / d logits in the matmul's dtype (or None)."""
-    logits = cpu_gemm.mm_nt(hidden, weight).float()  # [n, V]; a fresh tensor in fp32 too (the product's output)
+    logits = F.linear(hidden, weight).float()  # [n, V]; a fresh tensor in fp32 too (the product's output)
     counted = target.ne(ignore_index)
     safe_target = torch.where(counted, target, torch.zeros_like(target)).unsqueeze(1)
     target_logit = logits.gather(1, safe_target).squeeze(1)
@@ -68,11 +69,11 @@ def _add_weight_grad(
 ) -> torch.Tensor:
     """``total`` plus this chunk's ``grad_logits^T h`` in fp32 (``total`` None: the first chunk's alone).
 
-    ``transposed`` (fp32 products through oneDNN, ``toolkit.core.cpu_gemm``): the sum is kept as [C, V],
+    ``transposed`` (fp32 products through oneDNN, ``toolkit.ops``): the sum is kept as [C, V],
     contiguous, the orientation oneDNN computes fastest, and summed without a strided pass (the caller turns it
     back into a [V, C] view); else as [V, C], by ``addmm_``."""
     if transposed:
-        part = cpu_gemm.mm_tn(h, grad_logits)  # [C, V]
+        part = F.linear(h.t(), grad_logits.t())  # [C, V]
         return part if total is None else total.add_(part)
     if total is None:
         return torch.mm(grad_logits.t().float(), h.float())
@@ -92,14 +93,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = None  # the weight's gradient, summed over chunks in fp32 (as one matmul of all rows would)
         with torch.autocast(hidden.device.type, enabled=False):  # the casts autocast would do, done once here
             w = weight.to(compute_dtype)
-            transposed = cpu_gemm.uses_onednn(hidden, w)  # the weight's gradient summed as [C, V]
+            transposed = ops.uses_onednn(hidden, w)  # the weight's gradient summed as [C, V]
             for start in range(0, n, chunk_rows):
                 rows = slice(start, min(start + chunk_rows, n))
                 h = hidden[rows].to(compute_dtype)
                 chunk_loss, grad_logits = _chunk_loss_and_grad(h, w, target[rows], ignore_index, want_grad)
                 loss += chunk_loss
                 if grad_hidden is not None:
-                    grad_hidden[rows] = cpu_gemm.mm_nn(grad_logits, w)
+                    grad_hidden[rows] = F.linear(grad_logits, w.t())
                 if want_grad and ctx.needs_input_grad[1]:
                     grad_weight = _add_weight_grad(grad_weight, grad_logits, h, transposed)
                 del grad_logits  # before the next chunk's logits: one chunk's [rows, V] alive at a time

@@ -44,7 +44,7 @@ from toolkit.logging.progress_bar import build_progress_bar
 from toolkit.logging.setup import setup_logging
 from toolkit.logging.wandb_writer import finish as finish_wandb
 from toolkit.logging.wandb_writer import wrap_with_wandb
-from toolkit.core import cpu_gemm
+from toolkit import ops
 from toolkit.core.preflight import check_writable_folder
 from toolkit.core.registry import CRITERION_REGISTRY, TASK_REGISTRY
 from toolkit.train.trainer import Trainer
@@ -265,16 +265,16 @@ def throughput_spec(
 
 def choose_cpu_matmul(choice: str, env: DistributedEnv) -> None:
     """``--cpu-matmul`` on a CPU run, alike on every rank: global rank 0 decides (``auto`` measures once per
-    machine, ``toolkit.core.cpu_gemm.select``) while the others wait, and its decision is everyone's."""
+    machine, ``toolkit.ops.select``) while the others wait, and its decision is everyone's."""
     if env.device.type != "cpu":
         return
     if not (dist.is_initialized() and env.world_size > 1):
-        cpu_gemm.select(choice)
+        ops.select(choice)
         return
-    decision = torch.tensor([float(cpu_gemm.select(choice)) if env.rank == 0 else 0.0])
+    decision = torch.tensor([float(ops.select(choice)) if env.rank == 0 else 0.0])
     dist.broadcast(decision, src=0)
     if env.rank != 0:
-        cpu_gemm.select("onednn" if decision.item() else "torch")
+        ops.select("onednn" if decision.item() else "torch")
 
 
 def shared_cpu_peak(env: DistributedEnv, dtype: torch.dtype) -> Tuple[float, float, str]:

@@ -30,7 +30,6 @@ from toolkit.checkpoint.identity import HASH_KEY
 from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
 from toolkit.compat.fairseq.plugins import calls_the_model
 from toolkit.config import TrainConfig
-from toolkit.core import cpu_gemm
 from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
@@ -251,7 +250,6 @@ class Trainer:
                     self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1),
                     self._autocast(),
                     self.strategy.forward_context(),
-                    cpu_gemm.linear_mode(self.device),
                 ):
                     loss, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
                     if sample.get("is_dummy"):
@@ -307,7 +305,7 @@ class Trainer:
         self.finish_pending_steps()
         self.model.eval()
         sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
-        with self._autocast(), self.strategy.loss_context(), cpu_gemm.linear_mode(self.device):
+        with self._autocast(), self.strategy.loss_context():
             _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
         if sample.get("is_dummy"):
             return {}

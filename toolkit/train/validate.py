@@ -20,7 +20,8 @@ from typing import Any, Dict, List
 import torch
 
 from toolkit.config import options
-from toolkit.core import cpu_gemm, registry
+from toolkit import ops
+from toolkit.core import registry
 from toolkit.core.errors import UserError
 from toolkit.data.indexed_dataset import MMapIndexedDataset
 from toolkit.distributed.parallel_dims import ParallelDims
@@ -44,9 +45,8 @@ class _Validator:
 
     @torch.no_grad()
     def valid_step(self, sample: Dict[str, Any]) -> Dict[str, float]:
-        with cpu_gemm.linear_mode(self.device):
-            sample = move_to_device(sample, self.device)
-            _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
+        sample = move_to_device(sample, self.device)
+        _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
         out = {k: float(v) for k, v in logging_output.items()}
         out["_sample_size"] = float(sample_size)
         return out
@@ -81,7 +81,7 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
     if cfg.path is None:
         raise UserError("--path is required: the checkpoint to validate")
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    cpu_gemm.select_for(device, cfg.cpu_matmul)
+    ops.select(cfg.cpu_matmul, device)
     model, task, args = load_for_eval(cfg.path, cfg.data or None, device, parse_overrides(cfg.model_overrides))
     saved = vars(args)
     validator = _Validator(model, _criterion(task, saved), device)

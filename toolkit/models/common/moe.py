@@ -21,8 +21,8 @@ router weights, are added back to their tokens. The experts are stored stacked (
 go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) on CUDA in bf16 and on the
 CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
 products (the tests check the two paths bit for bit). Where the run selected oneDNN for fp32 CPU products
-(``--cpu-matmul``, ``toolkit.core.cpu_gemm``) and the experts' runs are big enough to gain
-(``cpu_gemm.grouped_goes_to_onednn``), fp32 runs go through it one expert at a time instead.
+(``--cpu-matmul``, ``toolkit.ops``) and the experts' runs are big enough to gain, fp32 runs go through it one
+expert at a time instead (``ops.grouped_linear``).
 
 Expert parallelism (``--expert-parallel-size P``, :meth:`GroupedExperts.place`): each of P ranks keeps E/P
 consecutive experts. The router still scores all E on every rank; a rank's rows, already sorted by expert, go
@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.core import cpu_gemm
+from toolkit import ops
 from toolkit.core.dtensor import is_dtensor
 from toolkit.models.common.mlp import ACTIVATIONS, FEED_FORWARDS, GatedFeedForward
 from toolkit.models.common.options import SCORE_FUNCTIONS
@@ -151,8 +151,9 @@ def _autocast_operands(rows: torch.Tensor, weights: torch.Tensor) -> Tuple[torch
 def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if rows.is_meta and rows.dtype != torch.bfloat16:  # toolkit-plan's shape trace: the meta kernel takes bf16 only
         return _eager_grouped_matmul(rows.bfloat16(), weights.bfloat16(), counts).to(rows.dtype)
-    if cpu_gemm.grouped_goes_to_onednn(rows, weights):  # fp32, big runs, a CPU where oneDNN beats torch's BLAS
-        return cpu_gemm.grouped_linear(rows, weights, counts)
+    by_onednn = ops.grouped_linear(rows, weights, counts)  # fp32, big runs, a CPU where oneDNN beats torch's BLAS
+    if by_onednn is not None:
+        return by_onednn
     if _grouped_mm_applies(rows, weights):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return GROUPED_MM(rows, weights.transpose(-2, -1), offs=offsets)
@@ -175,8 +176,9 @@ def _opaque_grouped_matmul_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """d rows = grad_e weights[e], d weights[e] = grad_e^T rows_e, run by run (an op runs below autograd)."""
     sizes = counts.tolist()
-    if cpu_gemm.grouped_goes_to_onednn(rows, weights):
-        return cpu_gemm.grouped_linear_grads(grad, rows, weights, sizes)
+    by_onednn = ops.grouped_linear_grads(grad, rows, weights, sizes)
+    if by_onednn is not None:
+        return by_onednn
     grad_runs, row_runs = torch.split(grad, sizes), torch.split(rows, sizes)
     grad_rows = torch.cat([g @ weights[e] for e, g in enumerate(grad_runs)], dim=0)
     grad_weights = torch.stack([g.t() @ r for g, r in zip(grad_runs, row_runs)])
