@@ -100,11 +100,12 @@ class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        x2, weight = ctx.saved_tensors
-        g2 = grad_y.reshape(-1, grad_y.size(-1))
-        grad_x = mm_nn(g2, weight).view(*grad_y.shape[:-1], weight.size(1)) if ctx.needs_input_grad[0] else None
-        grad_w = mm_tn(g2, x2) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x2, weight = ctx.saved_tensors  # where checkpointed, the forward is recomputed here, in toolkit.ops' mode
+        with torch._C.DisableTorchFunction():  # the products are called directly: no mode needs to see these calls
+            g2 = grad_y.reshape(-1, grad_y.size(-1))
+            grad_x = mm_nn(g2, weight).view(*grad_y.shape[:-1], weight.size(1)) if ctx.needs_input_grad[0] else None
+            grad_w = mm_tn(g2, x2) if ctx.needs_input_grad[1] else None
+            grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 
@@ -182,7 +183,8 @@ class _OneDNNGroupedLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         rows, weights = ctx.saved_tensors
-        grad_rows, grad_weights = grouped_linear_grads(grad, rows, weights, ctx.sizes, *ctx.needs_input_grad[:2])
+        with torch._C.DisableTorchFunction():  # as _OneDNNLinear's backward
+            grad_rows, grad_weights = grouped_linear_grads(grad, rows, weights, ctx.sizes, *ctx.needs_input_grad[:2])
         return grad_rows, grad_weights, None
 
 
