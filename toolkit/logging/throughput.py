@@ -19,7 +19,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from toolkit.core import cpu_gemm, machine_cache
+from toolkit import ops
+from toolkit.core import machine_cache
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +162,15 @@ def _product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, kernel: str):
     """One matmul of ``a`` and ``b``: torch's into the preallocated ``c``, or oneDNN's (which allocates its
     output: at the sizes measured, <1% of the product's time)."""
     if kernel == "onednn":
-        return lambda: cpu_gemm.onednn_product(a, b)
+        return lambda: ops.onednn_product(a, b)
     return lambda: torch.mm(a, b, out=c)
 
 
 def best_matmul_flops(device: Union[str, torch.device], dtype: torch.dtype, duration: float = 0.5) -> float:
     """:func:`measure_matmul_flops` with torch's matmul, and for fp32 on a CPU also with oneDNN's (which the
-    toolkit's products use where it is faster, ``toolkit.core.cpu_gemm``): the best of the two."""
+    toolkit's products use where the switch selected it, ``toolkit.ops``): the best of the two."""
     flops = measure_matmul_flops(device, dtype, duration=duration)
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_gemm.onednn_available():
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and ops.onednn_available():
         flops = max(flops, measure_matmul_flops(device, dtype, duration=duration, kernel="onednn"))
     return flops
 
@@ -186,7 +187,7 @@ def cpu_peak_cache_path() -> str:
 
 def _machine_key(dtype: torch.dtype, threads: int) -> str:
     """The same CPU model, core count, torch build, dtype and thread count give the same peak (the best of torch's
-    BLAS and oneDNN for fp32: ``toolkit.core.cpu_gemm``)."""
+    BLAS and oneDNN for fp32: ``toolkit.ops``)."""
     return machine_cache.key(_dtype_key(dtype), f"{threads} threads", "best of torch and oneDNN")
 
 

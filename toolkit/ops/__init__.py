@@ -19,9 +19,10 @@ checkpointing refuses the other tensors they save. So the mode runs those three 
 handling and calls autograd's engine with the mode back on the stack. On CPU the engine runs the backward in the
 calling thread, where the mode is, so a recomputed forward replays the forward's library.
 
-Two more users of the products call them here rather than through ``F.linear``: a mixture of experts' runs
-(:func:`grouped_linear`, :func:`grouped_linear_grads`) and the fused output layer, which asks :func:`uses_onednn`
-which orientation to sum its weight gradient in.
+Three more users of the products call them here rather than through ``F.linear``: a mixture of experts' runs
+(:func:`grouped_linear`, :func:`grouped_linear_grads`), the fused output layer, which asks :func:`uses_onednn`
+which orientation to sum its weight gradient in, and the MFU line's CPU peak, whose probe times both libraries
+(:func:`onednn_product`). Nothing else in the toolkit imports ``cpu_gemm``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from toolkit.core import cpu_gemm
 CHOICES = cpu_gemm.CHOICES
 uses_onednn = cpu_gemm.uses_onednn
 selected = cpu_gemm.selected
+onednn_available = cpu_gemm.onednn_available
+onednn_product = cpu_gemm.onednn_product  # whatever is selected: the CPU peak's probe measures both libraries
 
 
 class _MatmulMode(TorchFunctionMode):
