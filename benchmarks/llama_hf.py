@@ -45,17 +45,7 @@ def parse(argv=None):
     from toolkit.config import CPU_MATMUL_CHOICES  # the commands' --cpu-matmul (no torch import)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=688)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=256, help="T, tokens per row")
-    ap.add_argument("--batch", type=int, default=8, help="B, rows per step")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_step_args(ap)
     ap.add_argument(
         "--contestants",
         default="toolkit,toolkit-logits,transformers",
@@ -78,12 +68,24 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def build_pair(args):
-    """Our model and transformers' with the same config and weights (fp32, CPU)."""
-    import transformers
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The model's shape, the batch, the rounds and the threads (shared with cpu_matmul_switch.py)."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=688)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=256, help="T, tokens per row")
+    ap.add_argument("--batch", type=int, default=8, help="B, rows per step")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each model per round)")
+    ap.add_argument("--threads", type=int, default=2)
 
+
+def build_ours(args):
+    """The toolkit's Llama of ``args``' shape (fp32, CPU, seed 1) and its config."""
     from toolkit.models import model_config
-    from toolkit.models.llama.hf import LlamaAdapter
     from toolkit.models.llama.model import LlamaLanguageModel
 
     cfg = model_config(
@@ -95,7 +97,16 @@ def build_pair(args):
         decoder_kv_heads=args.kv_heads,
         max_target_positions=args.tokens,
     )
-    ours = LlamaLanguageModel(cfg, args.vocab, padding_idx=1, seed=1)
+    return LlamaLanguageModel(cfg, args.vocab, padding_idx=1, seed=1), cfg
+
+
+def build_pair(args):
+    """Our model and transformers' with the same config and weights (fp32, CPU)."""
+    import transformers
+
+    from toolkit.models.llama.hf import LlamaAdapter
+
+    ours, cfg = build_ours(args)
     adapter = LlamaAdapter()
     _, config = adapter.hf_config(cfg, args.vocab)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
