@@ -9,7 +9,7 @@ shared machine slows all alike:
 
 - ``torch``: the switch off (``--cpu-matmul torch``): no torch-function mode, every product torch's BLAS;
 - ``onednn``: the switch on (``--cpu-matmul onednn``): the mode sends every ``F.linear`` to oneDNN;
-- ``mode-only``: the mode on but every product handed back to torch (the size thresholds raised past any product):
+- ``mode-only``: the mode on, but every product (and the fused head's orientation) torch's as with the switch off:
   what the switch itself costs a step, its handler calls, where oneDNN gains nothing.
 
 The switch is set before each step as a command sets it at its start (``ops.restore``: no measurement). Reports the
@@ -52,13 +52,13 @@ def parse(argv=None):
 
 @contextlib.contextmanager
 def products_to_torch():
-    """Every product below the size oneDNN takes: the mode's handler runs, torch computes."""
-    kept = cpu_gemm.MIN_MULTIPLY_ADDS, cpu_gemm.GROUPED_MIN_MULTIPLY_ADDS
-    cpu_gemm.MIN_MULTIPLY_ADDS = cpu_gemm.GROUPED_MIN_MULTIPLY_ADDS = float("inf")
+    """The mode stays on the stack and its handler runs, but ``cpu_gemm`` reads its decision as torch's: every
+    product, and the fused head's orientation, exactly as with the switch off."""
+    cpu_gemm._state["onednn"] = False
     try:
         yield
     finally:
-        cpu_gemm.MIN_MULTIPLY_ADDS, cpu_gemm.GROUPED_MIN_MULTIPLY_ADDS = kept
+        cpu_gemm._state["onednn"] = True
 
 
 def switched(step, onednn: bool, to_torch: bool = False):
