@@ -1,7 +1,7 @@
 """The fp32 CPU matmul switch (``toolkit.ops``, ``--cpu-matmul``) on the toolkit's own Llama training step (CPU).
 
-    python benchmarks/cpu_matmul_switch.py                       # 4 x 256 Llama, B 8 x T 256, 2 threads
-    python benchmarks/cpu_matmul_switch.py --threads 1 --rounds 6 --checkpoint-activations
+    python -m benchmarks.cpu_matmul_switch                       # 4 x 256 Llama, B 8 x T 256, 2 threads
+    python -m benchmarks.cpu_matmul_switch --threads 1 --rounds 6 --checkpoint-activations
 
 Three copies of one model (``llama_hf.py``'s shape and step: the ``cross_entropy`` criterion with its fused head,
 backward, fused AdamW) train on the same random batches, alternated step by step in one process, so a neighbour on a
@@ -23,24 +23,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from llama_hf import add_step_args, alternated, build_ours, make_step, toolkit_loss  # noqa: E402
-
-from toolkit import ops  # noqa: E402
-from toolkit.core import cpu_gemm  # noqa: E402
+from benchmarks.llama_hf import add_step_args, alternated, build_ours, make_step, toolkit_loss
+from benchmarks.timing import Report, add_results_flag
+from toolkit import ops
+from toolkit.core import cpu_gemm
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_args(ap)
+    add_results_flag(ap)
     ap.add_argument(
         "--checkpoint-activations",
         action="store_true",
@@ -70,7 +65,7 @@ def switched(step, onednn: bool, to_torch: bool = False):
     return run
 
 
-def run(args) -> dict:
+def run(args):
     torch.set_num_threads(args.threads)
     if not ops.onednn_available():
         raise SystemExit("this torch build has no oneDNN linear kernel: nothing to switch")
@@ -85,17 +80,15 @@ def run(args) -> dict:
         "onednn": switched(make_step(copy.deepcopy(model).train(), loss), onednn=True),
         "mode-only": switched(make_step(model.train(), loss), onednn=True, to_torch=True),
     }
-    timed = alternated(steps, args)
+    stats, timed = alternated(steps, args)
     step_ms = timed["step_ms"]
     ops.restore(None)
     auto = ops.select("auto")  # the kept measurement of this machine (measured now where none is kept)
-    return {
-        "benchmark": "cpu_matmul_switch",
+    return stats, {
         **{k: getattr(args, k) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "tokens", "batch")},
         "threads": args.threads,
         "rounds": args.rounds,
         "checkpoint_activations": args.checkpoint_activations,
-        "torch": torch.__version__,
         **timed,
         "onednn_speedup": round(step_ms["torch"] / step_ms["onednn"], 3),
         "mode_only_speedup": round(step_ms["torch"] / step_ms["mode-only"], 3),
@@ -104,7 +97,9 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    result = run(parse(argv))
+    report = Report("cpu_matmul_switch", argv=argv)
+    args = parse(argv)
+    stats, result = run(args)
     for name, ms in result["step_ms"].items():
         print(f"{name:>10}: {ms:8.1f} ms/step  {result['tokens_per_s'][name]:9.1f} tokens/s")
     print(
@@ -112,7 +107,7 @@ def main(argv=None) -> None:
         f"(median of {result['rounds']} alternated steps); last losses within {result['last_loss_diff']:.2e}; "
         f"--cpu-matmul auto here: {result['auto_chooses']}"
     )
-    print(json.dumps(result))
+    report.emit(stats, baseline="torch", results=args.results, **result)
 
 
 if __name__ == "__main__":
