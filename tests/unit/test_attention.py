@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers.latent_attention import LatentAttention
 from toolkit.models.common.rope import apply_rope, rope_frequencies, rope_tables
 from toolkit.models.common.attention import (
     EVERY_KEY,
@@ -18,6 +17,7 @@ from toolkit.models.common.attention import (
     FusedQKVAttention,
     GatedAttention,
     KVCache,
+    LatentAttention,
     attend,
     attention_mask,
     causal_mask,
@@ -287,7 +287,8 @@ VARIANTS = {
     "qk_norm_projection_scale": lambda: make_attention(qk_norm_eps=1e-5, qk_norm_per_head=False, scale=0.2),
     "sinks_window_biases": lambda: make_attention(sinks=True, window=5, qkv_bias=True, output_bias=True),
     "gated": lambda: make_attention(cls=GatedAttention, qk_norm_eps=1e-6, qk_norm_unit_offset=True),
-    "latent": lambda: init(LatentAttention()),
+    "latent": lambda: init(LatentAttention(32, 4, kv_rank=6, rope_dim=4, nope_dim=8, v_dim=6, q_rank=12)),
+    "latent_without_q_rank": lambda: init(LatentAttention(32, 4, kv_rank=6, rope_dim=8, nope_dim=8, v_dim=16)),
     "fused_qkv": lambda: init(FusedQKVAttention(32, 4)),
 }
 
@@ -304,7 +305,7 @@ def test_cached_decoding_equals_the_full_forward(name):
     (``forward_with_past``, ONNX's form): the full forward's outputs; the cache holds the variant's entries."""
     attn = VARIANTS[name]().eval()
     x = torch.randn(2, 11, 32, generator=gen(3))
-    cos, sin = rope_tables(rope_frequencies(attn.rope if name == "latent" else 8, 10000.0)[0], 11)
+    cos, sin = rope_tables(rope_frequencies(getattr(attn, "rope_dim", 8), 10000.0)[0], 11)
     with torch.no_grad():
         full = run(attn, x, cos, sin)
         cache = KVCache()

@@ -11,7 +11,6 @@ is exercised on gloo ranks by tests/integration/test_context_parallel.py.
 import pytest
 import torch
 
-from tests.helpers.latent_attention import LatentAttention
 from toolkit.core.errors import UserError
 from toolkit.distributed.context_parallel import (
     ContextShard,
@@ -21,7 +20,14 @@ from toolkit.distributed.context_parallel import (
     pad_to_chunks,
     shard_sample,
 )
-from toolkit.models.common.attention import Attention, attend, attend_across_ranks, attention_mask, visible_keys
+from toolkit.models.common.attention import (
+    Attention,
+    LatentAttention,
+    attend,
+    attend_across_ranks,
+    attention_mask,
+    visible_keys,
+)
 
 
 def _task(tokens, bos=False, mode="none"):
@@ -168,7 +174,9 @@ def test_tiles_skip_what_the_mask_hides():
 LAYERS = {
     "window": lambda: Attention(32, 4, 2, 8, window=6),
     "sinks": lambda: Attention(32, 4, 2, 8, sinks=True),  # the explicit form under the layout's mask
-    "latent": lambda: LatentAttention(),  # its own entries (a latent and a rotary key) travel, not k and v
+    # its own entries (a latent and a rotary key) travel, not k and v; values narrower than keys, then as wide
+    "latent": lambda: LatentAttention(32, 4, kv_rank=6, rope_dim=4, nope_dim=8, v_dim=6, q_rank=12),
+    "latent_same_width": lambda: LatentAttention(32, 4, kv_rank=6, rope_dim=4, nope_dim=8, v_dim=12),
 }
 
 
@@ -182,7 +190,7 @@ def test_attention_module_gathers_through_the_shard(name):
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(1, T, 32)
-    D = 4 if name == "latent" else 8
+    D = 4 if name.startswith("latent") else 8
     cos, sin = torch.ones(T, D), torch.zeros(T, D)  # no rotation: positions are the test of the integration
     full = layer(x, cos, sin)
     _, entries, _ = layer.project(x, cos, sin)

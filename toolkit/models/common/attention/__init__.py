@@ -3,7 +3,8 @@
 ============================  ==============================================================================
 ``variants``                  how a layer projects: :class:`Attention` (multi-head / GQA / MQA, QK-norm per head
                               or over the projection, soft-cap, sliding window, scale, sinks, biases),
-                              :class:`GatedAttention` (Qwen3-Next), :class:`FusedQKVAttention` (fairseq)
+                              :class:`GatedAttention` (Qwen3-Next), :class:`FusedQKVAttention` (fairseq),
+                              :class:`LatentAttention` (DeepSeek-V2/V3's multi-head latent attention)
 ``layer``                     :class:`AttentionLayer`, the base: this forward's keys, the KV cache's, the other
                               context-parallel ranks', and the cache as tensors in and out for ONNX
 ``backends``                  :func:`attend`, the core call, and :func:`choose_backend`, which picks SDPA,
@@ -27,7 +28,13 @@ from toolkit.models.common.attention.masks import (
     causal_mask,
     flex_applies,
 )
-from toolkit.models.common.attention.variants import Attention, FusedQKVAttention, GatedAttention
+from toolkit.models.common.attention.variants import (
+    Attention,
+    FusedQKVAttention,
+    GatedAttention,
+    LatentAttention,
+    latent_attention_scale,
+)
 
 __all__ = [
     "Attention",
@@ -39,6 +46,7 @@ __all__ = [
     "GatedAttention",
     "KVCache",
     "KeyExchange",
+    "LatentAttention",
     "attend",
     "attend_across_ranks",
     "attention_mask",
@@ -46,5 +54,6 @@ __all__ = [
     "choose_backend",
     "explicit_attention",
     "flex_applies",
+    "latent_attention_scale",
     "visible_keys",
 ]

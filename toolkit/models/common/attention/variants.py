@@ -17,10 +17,11 @@ Each head count follows from the projections' output widths, so a tensor-paralle
 heads runs this code unchanged on its share. Every variant here leaves (k, v) of its G heads per position
 (``AttentionLayer.project``'s entries): the KV cache holds G heads, not H.
 
-A new variant is one class: multi-head latent attention (DeepSeek-V3) would project q in two parts (a part
-without rotation and a decoupled rotary part), leave the compressed kv and the shared rotary key per position
-as its entries ([B, 1, T, r] and [B, 1, T, Dr]: the cache and the context-parallel exchange carry those), and
-expand them into each head's keys and values in ``keys_values`` (the rotary key repeated over the heads).
+- :class:`LatentAttention`: DeepSeek-V2/V3's multi-head latent attention, whose positions leave a compressed
+  latent and one rotary key shared by the heads instead of each head's keys and values.
+
+A new variant is one class: what its positions leave (``project``'s entries) and how keys and values are
+expanded from them (``keys_values``); the cache, the back ends and the context-parallel exchange take it as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from toolkit.models.common.norms import RMSNorm
-from toolkit.models.common.rope import apply_rope
+from toolkit.models.common.rope import apply_rope, yarn_attention_factor
 from toolkit.models.common.attention.layer import AttentionLayer, Entries
 
 
@@ -160,3 +161,95 @@ class FusedQKVAttention(AttentionLayer):
         """x [B, T, C] -> [B, T, C]: causal (right padding needs no mask of its own), or under ``attn_mask``
         (documents); with ``kv_cache`` the new positions after the cached ones."""
         return super().forward(x, None, None, kv_cache, attn_mask)
+
+
+class LatentAttention(AttentionLayer):
+    """DeepSeek-V2/V3's multi-head latent attention (MLA); parameters by Hugging Face's names.
+
+    Queries: ``q_proj`` [H (Dn + Dr), C], or through a low rank (``q_rank``: ``q_a_proj`` [q_rank, C], its RMSNorm
+    ``q_a_layernorm``, ``q_b_proj`` [H (Dn + Dr), q_rank]); each head's first Dn features are not rotated, its last
+    Dr are. Keys and values: ``kv_a_proj_with_mqa`` [r + Dr, C] compresses a position into a latent of r features
+    (normalized by ``kv_a_layernorm``) and one rotary key part of Dr features shared by every head; ``kv_b_proj``
+    [H (Dn + Dv), r] expands the latent into each head's unrotated key part and its value. A position's entries
+    are the normalized latent [B, 1, T, r] and the rotated shared key [B, 1, T, Dr]: r + Dr numbers a token per
+    layer where the expanded keys and values are H (Dn + Dr + Dv) (DeepSeek-V3: 576 against 40,960), which the KV
+    cache and the context-parallel exchange carry; ``keys_values`` expands them, so every back end computes the attention as it
+    is (the up-projections absorbed into q and the output are a decoding optimization this class leaves out).
+
+    Rotation: the rotary features are in the halves layout (``rope.apply_rope``); checkpoints whose rotary
+    features are interleaved pairs (Hugging Face's ``rope_interleave``) are permuted on import. The two RMSNorms
+    take epsilon 1e-6, as DeepSeek's. The softmax scale is :func:`latent_attention_scale`'s. A tensor-parallel split
+    of ``q_proj``/``q_b_proj`` and ``kv_b_proj`` by heads runs this code on its share (the head count follows from
+    their widths); the compressions are whole on every rank.
+    """
+
+    NORM_EPS = 1e-6
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kv_rank: int,
+        rope_dim: int,
+        nope_dim: int,
+        v_dim: int,
+        q_rank: Optional[int] = None,
+        scale: Optional[float] = None,
+        window: Optional[int] = None,
+    ):
+        super().__init__(window=window, scale=scale)
+        self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = kv_rank, rope_dim, nope_dim, v_dim
+        qk_dim = nope_dim + rope_dim
+        if q_rank is None:
+            self.q_proj = nn.Linear(dim, heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(dim, q_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_rank, self.NORM_EPS)
+            self.q_b_proj = nn.Linear(q_rank, heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, kv_rank + rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_rank, self.NORM_EPS)
+        self.kv_b_proj = nn.Linear(kv_rank, heads * (nope_dim + v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * v_dim, dim, bias=False)
+
+    def kv_width(self) -> int:
+        return self.kv_rank + self.rope_dim
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, C] -> [B, T, H (Dn + Dr)], through the low rank when there is one."""
+        if "q_proj" in self._modules:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, Entries, Any]:
+        """q [B, H, T, Dn + Dr] (its rotary part rotated); entries: the latent [B, 1, T, r] and the rotated
+        shared key [B, 1, T, Dr]."""
+        B, T, _ = x.shape
+        q = self.queries(x).view(B, T, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent).unsqueeze(1)
+        return q, (latent, apply_rope(k_rope.unsqueeze(1), cos, sin)), None
+
+    def keys_values(self, entries: Entries) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The latent [B, 1, S, r] and shared key [B, 1, S, Dr] of S positions -> k [B, H, S, Dn + Dr] (each head's
+        expanded part, then the shared rotary part), v [B, H, S, Dv]."""
+        latent, k_rope = entries
+        B, _, S, _ = latent.shape
+        kv = self.kv_b_proj(latent[:, 0]).view(B, S, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return torch.cat([k_nope, k_rope.expand(-1, k_nope.size(1), -1, -1)], dim=-1), v
+
+    def output(self, y: torch.Tensor, carry: Any) -> torch.Tensor:
+        """[B, H, T, Dv] -> [B, T, C] through ``o_proj``."""
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+def latent_attention_scale(qk_dim: int, rope_scaling_factor: Optional[float] = None, mscale_all_dim: float = 0.0):
+    """DeepSeek's softmax scale: 1/sqrt(Dn + Dr), times mscale^2 where YaRN stretches the context (``mscale`` =
+    0.1 ``mscale_all_dim`` ln(factor) + 1: the logits of every feature, not only the rotated ones, sharpen as the
+    tables' own attention factor does; DeepSeek-V3 has ``mscale_all_dim`` 1)."""
+    scale = qk_dim**-0.5
+    if rope_scaling_factor is not None and mscale_all_dim:
+        scale *= yarn_attention_factor(rope_scaling_factor, mscale_all_dim) ** 2
+    return scale
