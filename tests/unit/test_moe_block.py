@@ -194,3 +194,89 @@ def test_moe_registers_as_a_feed_forward():
     assert FEED_FORWARDS["moe"] is MoE
     out = FEED_FORWARDS["moe"](C, FF, False, num_experts=E, top_k=K)
     assert out.experts.gate_proj.shape == (E, FF, C) and out.experts.down_proj.shape == (E, C, FF)
+
+
+def reference_group_limited_route(router: Router, x: torch.Tensor):
+    """DeepSeek-V3's choice token by token: groups by the sum of their 2 best biased scores, the best groups' experts
+    ranked by biased score, weighted by the unbiased ones renormalized and scaled."""
+    scores = torch.sigmoid(x @ router.weight.t()).detach()
+    biased = scores + router.expert_bias
+    size = E_GROUPED // router.groups
+    chosen, weights = [], []
+    for n in range(x.size(0)):
+        group_score = [sorted(biased[n, g * size : (g + 1) * size].tolist())[-2:] for g in range(router.groups)]
+        best = sorted(range(router.groups), key=lambda g: -sum(group_score[g]))[: router.top_groups]
+        allowed = [i for g in best for i in range(g * size, (g + 1) * size)]
+        ranked = sorted(allowed, key=lambda i: -float(biased[n, i]))[: router.top_k]
+        w = scores[n, ranked]
+        chosen.append(sorted(ranked))
+        weights.append(dict(zip(ranked, (w / w.sum() * router.scaling).tolist())))
+    return chosen, weights
+
+
+E_GROUPED = 8
+
+
+@pytest.mark.parametrize("groups, top_groups", [(2, 1), (4, 2)])
+def test_group_limited_sigmoid_router_matches_deepseeks_choice(groups, top_groups):
+    """Experts from the kept groups only, chosen by the biased scores, weighted by the unbiased ones (renormalized,
+    times the routed scaling factor); the weights' gradient reaches the router."""
+    torch.manual_seed(3)
+    router = Router(
+        C,
+        E_GROUPED,
+        2,
+        "sigmoid",
+        renormalize=True,
+        balance_bias=True,
+        groups=groups,
+        top_groups=top_groups,
+        scaling=2.5,
+    )
+    torch.nn.init.normal_(router.weight)
+    router.expert_bias.normal_(0.0, 0.2)
+    x = torch.randn(12, C)
+    r = router(x)
+    chosen, weights = reference_group_limited_route(router, x)
+    assert [sorted(e) for e in r.experts.tolist()] == chosen
+    for n in range(12):
+        want = torch.tensor([weights[n][int(e)] for e in r.experts[n]])
+        torch.testing.assert_close(r.weights[n].detach(), want)
+    r.weights.sum().backward()
+    assert router.weight.grad.abs().sum() > 0
+
+
+def test_group_limited_router_equals_transformers_deepseek_v3_router():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=C,
+        n_routed_experts=E_GROUPED,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    theirs = DeepseekV3TopkRouter(config)
+    torch.manual_seed(4)
+    torch.nn.init.normal_(theirs.weight)
+    theirs.e_score_correction_bias.normal_(0.0, 0.2)
+    ours = Router(C, E_GROUPED, 3, "sigmoid", True, balance_bias=True, groups=4, top_groups=2, scaling=2.5)
+    ours.load_state_dict({"weight": theirs.weight, "expert_bias": theirs.e_score_correction_bias})
+    x = torch.randn(20, C)
+    _, want_weights, want_experts = theirs(x)
+    r = ours(x)
+    order, want_order = r.experts.sort(-1), want_experts.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(r.weights.gather(1, order.indices), want_weights.gather(1, want_order.indices))
+
+
+def test_routing_bias_without_updates_is_kept_and_the_groups_are_checked():
+    moe = MoE(C, FF, num_experts=E_GROUPED, top_k=2, score_func="sigmoid", routing_bias=True, groups=2, top_groups=1)
+    assert "gate.expert_bias" in moe.state_dict() and moe.bias_update_rate == 0.0
+    with pytest.raises(ValueError):
+        Router(C, 6, 2, "sigmoid", groups=4)
+    with pytest.raises(ValueError):
+        Router(C, E_GROUPED, 5, "sigmoid", groups=4, top_groups=1)

@@ -12,7 +12,14 @@ Router (``Router``, parameter ``weight`` [E, C]: Hugging Face's ``gate``):
   (buffer ``expert_bias``, not a parameter: no gradient) is added to the scores to *choose* the experts,
   the weights stay the unbiased scores. After every update the bias moves by ``bias_update_rate`` towards
   the under-loaded experts: ``b_i += rate * sign(mean load - load_i)`` (aux-loss-free balancing), the loads
-  counted over the update's micro-batches and summed over all ranks, so every rank keeps the same bias.
+  counted over the update's micro-batches and summed over all ranks, so every rank keeps the same bias
+  (``routing_bias`` keeps the bias without moving it: an imported DeepSeek-V3's correction bias);
+- DeepSeekMoE's group limit (``groups`` > 1): the E experts form ``groups`` groups of consecutive experts, each
+  group scored by the sum of its 2 highest (biased) scores, and a token's k experts are chosen among those of
+  its ``top_groups`` best groups only (DeepSeek-V3: 8 groups, 4 kept; on a cluster, a group's experts share a
+  node, so a token's experts span ``top_groups`` nodes at most);
+- ``scaling`` multiplies the weights after any renormalization (DeepSeek-V3's ``routed_scaling_factor`` 2.5:
+  sigmoid weights renormalized to sum 1 are small against the shared expert's output).
 
 Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert (a stable sort, so each expert sees
 its tokens in order), each expert multiplies its contiguous run of rows, and the outputs, scaled by the
@@ -90,14 +97,20 @@ class Router(nn.Module):
         score_func: str = "softmax",
         renormalize: bool = False,
         balance_bias: bool = False,
+        groups: int = 1,
+        top_groups: int = 1,
+        scaling: float = 1.0,
     ):
         super().__init__()
         if score_func not in SCORE_FUNCTIONS:
             raise ValueError(f"score_func {score_func!r}: one of {SCORE_FUNCTIONS}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k {top_k}: between 1 and the {num_experts} experts")
+        if groups < 1 or num_experts % groups or not 1 <= top_groups <= groups:
+            raise ValueError(f"{groups} groups, {top_groups} kept: groups must divide the {num_experts} experts")
+        if not 1 <= top_k <= (num_experts // groups) * (top_groups if groups > 1 else 1):
+            raise ValueError(f"top_k {top_k}: between 1 and the experts of the kept groups")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.renormalize = score_func, renormalize
+        self.groups, self.top_groups, self.scaling = groups, top_groups, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         if balance_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts))  # saved: part of the model's state
@@ -109,12 +122,26 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.groups > 1:
+            choice = self.within_top_groups(choice)
         experts = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return Routing(weights.to(x.dtype), experts, logits, probs)
+
+    def within_top_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [N, E] with the experts outside each token's ``top_groups`` best groups at -inf (a group's score:
+        the sum of its 2 highest)."""
+        N, E = choice.shape
+        grouped = choice.view(N, self.groups, E // self.groups)
+        group_scores = grouped.topk(min(2, E // self.groups), dim=-1).values.sum(-1)  # [N, groups]
+        kept = torch.topk(group_scores, self.top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, kept, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
 
 
 def expert_runs(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
@@ -456,12 +483,28 @@ class MoE(nn.Module):
         idle_warning_updates: int = 100,
         name: str = "moe",
         activation: str = "silu",
+        groups: int = 1,
+        top_groups: int = 1,
+        routed_scaling: float = 1.0,
+        routing_bias: bool = False,
     ):
+        """See the module docstring; ``routing_bias``: the router has the bias even where it does not move
+        (``bias_update_rate`` 0)."""
         super().__init__()
         if bias:
             raise ValueError("MoE experts have no biases")
         self.name, self.bias_update_rate, self.idle_warning_updates = name, bias_update_rate, idle_warning_updates
-        self.gate = Router(dim, num_experts, top_k, score_func, renormalize, balance_bias=bias_update_rate > 0)
+        self.gate = Router(
+            dim,
+            num_experts,
+            top_k,
+            score_func,
+            renormalize,
+            balance_bias=routing_bias or bias_update_rate > 0,
+            groups=groups,
+            top_groups=top_groups,
+            scaling=routed_scaling,
+        )
         self.experts = GroupedExperts(num_experts, dim, hidden, activation)
         self.shared_experts = GatedFeedForward(dim, shared_hidden, activation) if shared_hidden else None
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
