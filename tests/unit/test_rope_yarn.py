@@ -157,5 +157,5 @@ def test_yarn_settings_computed_otherwise_are_refused_in_one_line(scaling, fragm
 
 def test_yarn_betas_in_the_wrong_order_are_refused():
     cfg = LlamaConfig(rope_scaling="yarn", rope_scaling_factor=4.0, rope_yarn_beta_fast=1.0, rope_yarn_beta_slow=2.0)
-    with pytest.raises(UserError, match="--rope-yarn-beta-fast 1.0: must be above"):
+    with pytest.raises(UserError, match="--rope-yarn-beta-fast 1.0: must not be below"):
         check_shapes(cfg)

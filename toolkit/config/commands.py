@@ -343,6 +343,7 @@ IMPORTABLE_HF_CLASSES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 
 

@@ -373,6 +373,7 @@ BUILTIN_FAMILIES: Dict[str, str] = {
     "gemma3": "Gemma3Config",
     "olmo2": "Olmo2Config",
     "moe": "MoEConfig",
+    "deepseek_v3": "DeepSeekV3Config",
 }
 
 

@@ -297,10 +297,10 @@ def _check_rope_scaling(cfg: DecoderOptions) -> None:
     if (
         cfg.rope_scaling == "yarn"
         and cfg.rope_scaling_factor is not None
-        and cfg.rope_yarn_beta_fast <= cfg.rope_yarn_beta_slow
+        and cfg.rope_yarn_beta_fast < cfg.rope_yarn_beta_slow
     ):
         raise UserError(
-            f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must be above --rope-yarn-beta-slow "
+            f"--rope-yarn-beta-fast {cfg.rope_yarn_beta_fast}: must not be below --rope-yarn-beta-slow "
             f"{cfg.rope_yarn_beta_slow} (the ramp runs from the fast-turning pairs to the slow ones)"
         )
     if (

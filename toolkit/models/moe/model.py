@@ -35,6 +35,25 @@ def moe_attention(cfg: MoEConfig, window: Optional[int]) -> Attention:
     return decoder_attention(cfg, window, qk_norm_per_head=not cfg.qk_norm_full_width)
 
 
+def moe_experts(cfg: MoEConfig, index: int, **router: Any) -> MoE:
+    """Layer ``index``'s mixture of experts of ``cfg``; ``router``: a family's own router settings (``MoE``'s
+    keywords: DeepSeek's groups and scaling)."""
+    return MoE(
+        cfg.decoder_embed_dim,
+        cfg.moe_ffn_embed_dim,
+        num_experts=cfg.moe_num_experts,
+        top_k=cfg.moe_top_k,
+        score_func=cfg.moe_score_func,
+        renormalize=cfg.moe_renormalize,
+        shared_hidden=cfg.moe_shared_ffn_embed_dim,
+        bias_update_rate=cfg.moe_bias_update_rate,
+        idle_warning_updates=cfg.moe_idle_warning_updates,
+        name=f"layers.{index}.mlp",
+        activation=cfg.mlp_activation,
+        **router,
+    )
+
+
 @register_model("moe", dataclass=MoEConfig)
 class MoELanguageModel(RotaryDecoderLM):
     """Qwen3-MoE / OLMoE / Mixtral-style sparse decoder behind the toolkit's model interface: pre-norm blocks whose
@@ -49,20 +68,7 @@ class MoELanguageModel(RotaryDecoderLM):
         check_moe_shapes(cfg)
 
     def build_block(self, cfg: MoEConfig, index: int, window: Optional[int]) -> PreNormBlock:
-        experts = MoE(
-            cfg.decoder_embed_dim,
-            cfg.moe_ffn_embed_dim,
-            num_experts=cfg.moe_num_experts,
-            top_k=cfg.moe_top_k,
-            score_func=cfg.moe_score_func,
-            renormalize=cfg.moe_renormalize,
-            shared_hidden=cfg.moe_shared_ffn_embed_dim,
-            bias_update_rate=cfg.moe_bias_update_rate,
-            idle_warning_updates=cfg.moe_idle_warning_updates,
-            name=f"layers.{index}.mlp",
-            activation=cfg.mlp_activation,
-        )
-        return PreNormBlock(moe_attention(cfg, window), experts, norm=self.width_norm)
+        return PreNormBlock(moe_attention(cfg, window), moe_experts(cfg, index), norm=self.width_norm)
 
     def forward(
         self,

@@ -1,0 +1,141 @@
+"""The DeepSeek-V3 family (``toolkit.models.deepseek_v3``): the named sizes against transformers' own
+DeepseekV3ForCausalLM built on the meta device from the published configs; the tiny model's decoding through the
+latent cache against its full forward; its training forward (the routers' terms, the dense first layer, the bias
+kept and moved); the options it refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from toolkit import models
+from toolkit.core.errors import UserError
+from toolkit.models.accounting import default_vocab_size
+from toolkit.models.common.attention import KVCache, LatentAttention
+from toolkit.models.common.moe import MoE
+
+PUBLISHED = {  # the Hugging Face config.json values (MTP layers left out: our model has none yet)
+    "deepseek_v3_671b": dict(),
+    "moonlight_16b_a3b": dict(
+        vocab_size=163840,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+    ),
+    "kimi_k2": dict(
+        vocab_size=163840,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_routed_experts=384,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+}
+
+
+class _Vocabulary:
+    def __len__(self) -> int:
+        return 64
+
+    def pad(self) -> int:
+        return 1
+
+
+def meta_model(arch: str, **overrides):
+    return models.build_on_meta(arch, default_vocab_size(arch), **overrides)
+
+
+@pytest.mark.parametrize("arch", sorted(PUBLISHED))
+def test_parameters_equal_the_published_models(arch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(**PUBLISHED[arch], num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        theirs = transformers.DeepseekV3ForCausalLM(config)
+    ours = meta_model(arch)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    cfg = ours.cfg
+    moe_layers = cfg.decoder_layers - cfg.first_k_dense_replace
+    idle = moe_layers * (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.decoder_embed_dim * cfg.moe_ffn_embed_dim
+    assert ours.active_parameters() == sum(p.numel() for p in ours.parameters()) - idle
+    assert [n for n, _ in ours.named_buffers() if n.endswith("expert_bias")] == [
+        f"layers.{i}.mlp.gate.expert_bias" for i in range(cfg.first_k_dense_replace, cfg.decoder_layers)
+    ]
+
+
+def _tiny(**options):
+    torch.manual_seed(0)
+    task = SimpleNamespace(dictionary=_Vocabulary(), cfg=SimpleNamespace(tokens_per_sample=32))
+    model = models.build_model("deepseek_v3_tiny", models.model_config("deepseek_v3_tiny", **options), task)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.gate.weight.normal_(0.0, 1.0)  # far from ties: the routes of the two computations agree
+    return model
+
+
+def test_decoding_through_the_latent_cache_equals_the_full_forward():
+    """A prompt, then one token at a time: each layer's cache holds the latent and the shared rotary key per
+    position (r + Dr = 24 numbers, where the expanded keys and values are H (Dn + Dr + Dv) = 144)."""
+    model = _tiny().eval()
+    tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        state = {}
+        pieces = [model(tokens[:, :5], incremental_state=state)]
+        pieces += [model(tokens[:, t : t + 1], incremental_state=state) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+    cache = state["layers"][0]
+    assert isinstance(cache, KVCache) and [tuple(b.shape[1::2]) for b in cache.buffers] == [(1, 16), (1, 8)]
+    attn = model.layers[0].self_attn
+    assert isinstance(attn, LatentAttention) and attn.kv_width() == 24
+
+
+def test_training_forward_has_a_dense_first_layer_and_the_routers_terms():
+    model = _tiny(moe_bias_update_rate=0.001).train()
+    assert not isinstance(model.layers[0].mlp, MoE) and all(isinstance(b.mlp, MoE) for b in model.layers[1:])
+    logits, extra = model(torch.randint(3, 64, (2, 16)))
+    assert set(extra["metrics"]) == {"moe_max_load_0", "moe_max_load_1", "moe_dropped"}
+    logits.float().logsumexp(-1).mean().backward()
+    layer = model.layers[1].mlp
+    assert layer.gate.weight.grad.abs().sum() > 0 and layer.shared_experts.up_proj.weight.grad.abs().sum() > 0
+    loads = layer.tokens_per_expert.clone()
+    layer.after_optimizer_step()
+    torch.testing.assert_close(layer.gate.expert_bias, 0.001 * torch.sign(loads.mean() - loads))
+
+
+def test_without_updates_the_correction_bias_stays_where_it_was_loaded():
+    model = _tiny().train()
+    layer = model.layers[2].mlp
+    layer.gate.expert_bias.fill_(0.25)
+    model(torch.randint(3, 64, (2, 16)))
+    layer.after_optimizer_step()
+    assert torch.equal(layer.gate.expert_bias, torch.full((8,), 0.25))
+
+
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (dict(moe_n_group=3), "--moe-n-group 3"),
+        (dict(moe_topk_group=3), "--moe-n-group 2"),
+        (dict(moe_top_k=5), "--moe-top-k 5"),
+        (dict(qk_norm=True), "--qk-norm"),
+        (dict(first_k_dense_replace=4), "--first-k-dense-replace 4"),
+    ],
+)
+def test_impossible_options_are_refused_in_one_line(options, flag):
+    with pytest.raises(UserError, match=f"^{flag}") as err:
+        meta_model("deepseek_v3_tiny", **options)
+    assert "\n" not in str(err.value)

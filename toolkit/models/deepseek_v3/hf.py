@@ -1,0 +1,200 @@
+"""The DeepSeek-V3 family's Hugging Face adapter: ``DeepseekV3ForCausalLM`` folders (DeepSeek-V3, Moonlight, Kimi
+K2 as transformers reads them) in (``toolkit-export --from hf``) and out (``--format hf``).
+
+The tensors are ours under ``model.`` (``KEYS``: the shared decoder's map, the router's correction bias named
+``e_score_correction_bias``), the experts one matrix per expert stacked into ours as the MoE family's adapter
+does. One tensor layout differs: DeepSeek's checkpoints store each rotary part as interleaved pairs (``rope_interleave``
+true, transformers' default for the class), ours as two halves (``rope.apply_rope``), so the rotary rows of the
+query projection (``q_proj`` / ``q_b_proj``, per head) and of ``kv_a_proj_with_mqa`` are reordered on the way in
+(pairs (0, 1), (2, 3) ... to evens then odds) and back on the way out: the same products, the same logits.
+Multi-token prediction layers (those after ``num_hidden_layers``) are skipped on import, as transformers skips
+them, and not written.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from toolkit.core.errors import UserError
+from toolkit.models.common import hf_config
+from toolkit.models.common.hf_adapter import DECODER_KEYS, KeyMap, template_pattern
+from toolkit.models.common.hf_config import DecoderClass
+from toolkit.models.common.options import head_dim
+from toolkit.models.moe.hf import OURS, MoEAdapter
+
+KINDS = {"deepseek_v3": DecoderClass("DeepseekV3ForCausalLM", no_attention_bias=True)}
+KEYS = KeyMap(
+    rules=(("layers.{layer}.mlp.gate.expert_bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),)
+    + DECODER_KEYS.rules,
+    dropped=("{prefix}rotary_emb.inv_freq",),
+)
+EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+QUERY_ROWS = re.compile(r"layers\.\d+\.self_attn\.q_b?_proj\.weight")  # [H (Dn + Dr), in]: per head, rotary last
+LATENT_ROWS = re.compile(r"layers\.\d+\.self_attn\.kv_a_proj_with_mqa\.weight")  # [r + Dr, C]: rotary last
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepSeekV3Adapter(MoEAdapter):
+    FAMILY, FAMILY_NAME = "deepseek_v3", "the DeepSeek-V3 family"
+    MLP, KINDS = "the DeepSeek-V3 family's MLP and experts are SwiGLU (silu)", KINDS
+    interleaved = True  # the folder read stores its rotary rows as interleaved pairs (its rope_interleave)
+
+    def key_map(self, model_type: str) -> KeyMap:
+        return KEYS
+
+    def complete(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        return config
+
+    def options(self, config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
+        """The shared sizes and rotary settings, then latent attention's, the router's and the dense layers'.
+        Remembers whether the folder's rotary rows are interleaved (``state_from_hf`` reorders them)."""
+        self.interleaved = bool(config.get("rope_interleave", True))
+        out = {
+            **hf_config.shape_options(config, KINDS[kind]),
+            **hf_config.rope_options(config, where),
+            **_latent(config, where),
+            **_router(config, where),
+        }
+        scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        out["rope_mscale_all_dim"] = float(scaling.get("mscale_all_dim") or 0.0) if out["rope_scaling_factor"] else 0.0
+        out["decoder_kv_heads"] = config["num_attention_heads"]
+        return out
+
+    def put_from_hf(
+        self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
+    ) -> None:
+        """As the MoE family's (experts stacked), the rotary rows in halves; multi-token prediction layers skipped."""
+        layer = LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= given["decoder_layers"]:
+            return
+        super().put_from_hf(state, name, tensor, given, keys)
+        ours = keys.from_hf(name)
+        if ours in state and self.interleaved:
+            state[ours] = rotary_rows(ours, state[ours], _dims(given), to_halves=True)
+
+    def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str):
+        self.dims = _dims(vars(model.cfg))
+        return super().write(model, hf_class, dictionary, first_symbol, data_dir)
+
+    def state_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+        """Their tensors: the stacked experts cut into per-expert matrices, the rotary rows interleaved, the rest
+        renamed by the key map."""
+        stacked = template_pattern(OURS)
+        out: Dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            m = stacked.fullmatch(name)
+            if m is None:
+                out[KEYS.to_hf(name)] = rotary_rows(name, tensor, self.dims, to_halves=False)
+                continue
+            for e in range(tensor.size(0)):
+                out[EXPERT.format(layer=m["layer"], expert=e, proj=m["proj"])] = tensor[e]
+        return out
+
+    def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+        """(DeepseekV3ForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""
+        _refuse_other(cfg)
+        config = hf_config.decoder_hf_config(cfg, vocab_size, base, "deepseek_v3")
+        scaling = config.pop("rope_scaling", None)
+        rope = {"rope_type": "default"} if scaling is None else dict(scaling, mscale_all_dim=cfg.rope_mscale_all_dim)
+        config.update(
+            rope_parameters=dict(rope, rope_theta=cfg.rope_theta),
+            num_key_value_heads=cfg.decoder_attention_heads,
+            attention_bias=False,
+            rope_interleave=True,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=head_dim(cfg),
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            n_routed_experts=cfg.moe_num_experts,
+            num_experts_per_tok=cfg.moe_top_k,
+            moe_intermediate_size=cfg.moe_ffn_embed_dim,
+            n_shared_experts=cfg.moe_shared_ffn_embed_dim // cfg.moe_ffn_embed_dim,
+            n_group=cfg.moe_n_group,
+            topk_group=cfg.moe_topk_group,
+            routed_scaling_factor=cfg.moe_routed_scaling_factor,
+            norm_topk_prob=cfg.moe_renormalize,
+            first_k_dense_replace=cfg.first_k_dense_replace,
+            num_nextn_predict_layers=0,
+        )
+        config.pop("qk_head_dim", None)
+        return self.CLASSES["deepseek_v3"], config
+
+
+def _dims(options: Dict[str, Any]) -> Tuple[int, int, int]:
+    """(unrotated, rotary features of a query head, latent rank) of a model's options."""
+    rope = options.get("decoder_head_dim") or options["decoder_embed_dim"] // options["decoder_attention_heads"]
+    return options["qk_nope_head_dim"], rope, options["kv_lora_rank"]
+
+
+def rotary_rows(name: str, tensor: torch.Tensor, dims: Tuple[int, int, int], to_halves: bool) -> torch.Tensor:
+    """``tensor`` (our name ``name``) with the rotary rows of a query head or of the latent's key part reordered:
+    interleaved pairs to halves (``to_halves``) or back; any other tensor as it is."""
+    nope, rope, rank = dims
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if not to_halves:
+        order = torch.argsort(order)
+    if QUERY_ROWS.fullmatch(name):
+        heads = tensor.view(-1, nope + rope, tensor.size(-1))
+        return torch.cat([heads[:, :nope], heads[:, nope:][:, order]], dim=1).view_as(tensor)
+    if LATENT_ROWS.fullmatch(name):
+        return torch.cat([tensor[:rank], tensor[rank:][order]])
+    return tensor
+
+
+def _latent(config: Dict[str, Any], where: str) -> Dict[str, Any]:
+    names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    wrong = [f"{k} {config.get(k)!r}" for k in names if type(config.get(k)) is not int or config[k] < 1]
+    q_rank = config.get("q_lora_rank")
+    if q_rank is not None and (type(q_rank) is not int or q_rank < 1):
+        wrong.append(f"q_lora_rank {q_rank!r}")
+    if wrong:
+        raise UserError(f"{where}: {', '.join(wrong)}; give the config.json transformers saved with the model")
+    return dict(
+        q_lora_rank=q_rank,
+        kv_lora_rank=config["kv_lora_rank"],
+        decoder_head_dim=config["qk_rope_head_dim"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        qk_norm=False,
+        sliding_window=None,
+        layer_types=None,
+    )
+
+
+def _router(config: Dict[str, Any], where: str) -> Dict[str, Any]:
+    counts = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+    wrong = [f"{k} {config.get(k)!r}" for k in counts if type(config.get(k)) is not int or config[k] < 1]
+    if wrong:
+        raise UserError(f"{where}: {', '.join(wrong)}; these are counts (positive integers)")
+    width = config["moe_intermediate_size"]
+    return dict(
+        moe_num_experts=config["n_routed_experts"],
+        moe_top_k=config["num_experts_per_tok"],
+        moe_ffn_embed_dim=width,
+        moe_shared_ffn_embed_dim=width * int(config.get("n_shared_experts") or 0),
+        moe_score_func="sigmoid",
+        moe_renormalize=bool(config.get("norm_topk_prob", True)),
+        moe_n_group=int(config.get("n_group") or 1),
+        moe_topk_group=int(config.get("topk_group") or 1),
+        moe_routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=int(config.get("first_k_dense_replace") or 0),
+        moe_aux_loss_coef=0.0,
+    )
+
+
+def _refuse_other(cfg) -> None:
+    if (
+        cfg.moe_score_func != "sigmoid"
+        or cfg.mlp_activation != "silu"
+        or cfg.moe_shared_ffn_embed_dim % cfg.moe_ffn_embed_dim
+        or cfg.sliding_window is not None
+        or cfg.layer_types is not None
+    ):
+        raise UserError(
+            "--format hf: DeepseekV3ForCausalLM routes by sigmoid scores, has SwiGLU experts, shared experts a "
+            "whole number of experts wide and no window; this model differs, nothing written"
+        )
