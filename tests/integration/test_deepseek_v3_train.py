@@ -1,8 +1,11 @@
 """Training the DeepSeek-V3 family with toolkit-train (``deepseek_v3_tiny``: latent attention, the first layer
-dense, 8 experts in 2 groups with the correction bias moving, a shared expert): two gloo ranks with
---expert-parallel-size 2 log the same losses and router terms as one process with --update-freq 2 (the logged
-digits, 1e-4 relative), end with the same correction biases, and their consolidated checkpoint holds the same
-weights (fp32, rtol 1e-4). The MoE family's training harness (``test_moe_train``) runs both."""
+dense, 8 experts in 2 groups with the correction bias moving, a shared expert) on two gloo ranks, as one process
+with --update-freq 2 trains it: with --expert-parallel-size 2 (each rank 4 of each layer's experts), and with
+--context-parallel-size 2 (each rank's queries over the latents and rotary keys gathered from both, the routers'
+statistics over the whole sequences). Each logs the same losses (the logged digits, 1e-4 relative) and router
+terms, ends with the same correction biases, and its consolidated checkpoint holds the same weights (fp32, rtol
+1e-4). The MoE family's training harness (``test_moe_train``) runs them; --model-parallel-size is refused in one
+line (no tensor-parallel split of latent attention yet)."""
 
 import pytest
 import torch
@@ -13,7 +16,11 @@ from tests.integration.test_moe_train import UPDATES, assert_router_terms_match,
 
 pytestmark = pytest.mark.integration
 
-DEEPSEEK = ["--arch", "deepseek_v3_tiny"]  # after the harness's own --arch: the last one given counts
+DEEPSEEK = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES)]  # the last --arch given counts
+LAYOUTS = {
+    "expert_parallel_2": ["--distributed-world-size", "2", "--expert-parallel-size", "2"],
+    "context_parallel_2": ["--distributed-world-size", "2", "--context-parallel-size", "2", "--update-freq", "2"],
+}
 
 
 def correction_bias(save_dir):
@@ -21,18 +28,27 @@ def correction_bias(save_dir):
     return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in (1, 2)])
 
 
-def test_two_expert_parallel_ranks_equal_one_process(tmp_path):
-    data_bin = H.make_lm_data_bin(str(tmp_path / "bin"))
-    one = train(data_bin, tmp_path / "one", *DEEPSEEK, "--max-update", str(UPDATES), "--update-freq", "2")
-    ep = ["--distributed-world-size", "2", "--expert-parallel-size", "2"]
-    placed = train(data_bin, tmp_path / "ep", *DEEPSEEK, "--max-update", str(UPDATES), *ep)
-    assert "expert parallel: 2 MoE layers' experts over 2 ranks" in placed.stdout + placed.stderr
-    assert_logged_losses_match(H.losses(placed.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
-    assert_router_terms_match(logged(placed.stdout), logged(one.stdout))
-    assert correction_bias(tmp_path / "ep").abs().sum() > 0  # the bias moved
-    torch.testing.assert_close(correction_bias(tmp_path / "ep"), correction_bias(tmp_path / "one"))
-    saved = torch.load(tmp_path / "ep" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
-    reference = torch.load(tmp_path / "one" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return H.make_lm_data_bin(str(tmp_path_factory.mktemp("deepseek_v3_train") / "bin"))
+
+
+@pytest.fixture(scope="module")
+def one_process(data_bin, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("one")
+    return save_dir, train(data_bin, save_dir, *DEEPSEEK, "--update-freq", "2")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_equal_one_process(data_bin, one_process, tmp_path, layout):
+    one_dir, one = one_process
+    ranks = train(data_bin, tmp_path, *DEEPSEEK, *LAYOUTS[layout])
+    assert_logged_losses_match(H.losses(ranks.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
+    assert_router_terms_match(logged(ranks.stdout), logged(one.stdout))
+    assert correction_bias(one_dir).abs().sum() > 0  # the bias moved
+    torch.testing.assert_close(correction_bias(tmp_path), correction_bias(one_dir))
+    saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    reference = torch.load(one_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     assert saved.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -659,6 +659,14 @@ MODEL: Tuple[Condition, ...] = (
         "ranks; train it with FSDP (--model-parallel-size 1)",
         ("--arch", "olmoe_tiny"),
     ),
+    _no_split(
+        "latent attention (--kv-lora-rank)",
+        lambda c: _model(c, "kv_lora_rank") is not None,
+        "latent attention (--arch deepseek_v3 and its sizes) has no tensor-parallel split yet (its compressions "
+        "read the whole sequence, which sequence parallelism cuts); train it with FSDP, --expert-parallel-size "
+        "and --context-parallel-size (--model-parallel-size 1)",
+        ("--arch", "deepseek_v3_tiny"),
+    ),
 )
 
 
