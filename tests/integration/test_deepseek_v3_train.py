@@ -4,7 +4,7 @@ with --update-freq 2 trains it: with --expert-parallel-size 2 (each rank 4 of ea
 --context-parallel-size 2 (each rank's queries over the latents and rotary keys gathered from both, the routers'
 statistics over the whole sequences). Each logs the same losses (the logged digits, 1e-4 relative) and router
 terms, ends with the same correction biases, and its consolidated checkpoint holds the same weights (fp32, rtol
-1e-4). The MoE family's training harness (``test_moe_train``) runs them; --model-parallel-size is refused in one
+1e-4). The MoE families' training harness (``tests/helpers/moe_train.py``) runs them; --model-parallel-size is refused in one
 line (no tensor-parallel split of latent attention yet)."""
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import dist_helpers as H
 from tests.helpers.dist_helpers import assert_logged_losses_match
-from tests.integration.test_moe_train import UPDATES, assert_router_terms_match, logged, train
+from tests.helpers.moe_train import UPDATES, assert_router_terms_match, logged, train
 
 pytestmark = pytest.mark.integration
 

@@ -16,81 +16,17 @@ import torch
 from tests.helpers import dist_helpers as H
 from tests.helpers import ep_helpers, tp_helpers
 from tests.helpers.dist_helpers import assert_logged_losses_match
+from tests.helpers.moe_train import ROUTER_TERMS, UPDATES, assert_router_terms_match, logged, train
 
 pytestmark = pytest.mark.integration
 
-UPDATES = 4
 ONE_PROC = ["--update-freq", "2"]
 FSDP_EP = ["--expert-parallel-size", "2", "--ddp-backend", "fully_sharded"]
-ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped")
-
-
-def args(save_dir):
-    """DeepSeek-V3's router (sigmoid, aux-loss-free bias with a large rate, so that it moves) and a shared expert,
-    with the balance and z losses on as well."""
-    return [
-        "--task",
-        "language_modeling",
-        "--arch",
-        "moe_tiny_sigmoid",
-        "--moe-bias-update-rate",
-        "0.05",
-        "--moe-aux-loss-coef",
-        "0.01",
-        "--moe-z-loss-coef",
-        "0.001",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.003",
-        "--batch-size",
-        "4",
-        "--tokens-per-sample",
-        "32",
-        "--seed",
-        "3",
-        "--num-workers",
-        "0",
-        "--cpu",
-        "--log-format",
-        "json",
-        "--log-interval",
-        "1",
-        "--save-dir",
-        str(save_dir),
-        "--disable-validation",
-    ]
-
-
-def train(data_bin, save_dir, *flags):
-    proc = H.run_train([data_bin] + args(save_dir) + list(flags), timeout=300)
-    assert proc.returncode == 0, f"toolkit-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-def logged(stdout):
-    """{update: {name: value}} of the train_inner lines."""
-    import json
-
-    out = {}
-    for line in stdout.splitlines():
-        if "| train_inner |" in line:
-            record = json.loads(line.split("| train_inner |", 1)[1])
-            out[int(record["num_updates"])] = {k: float(v) for k, v in record.items() if k in ROUTER_TERMS}
-    return out
 
 
 def expert_bias(save_dir):
     state = torch.load(f"{save_dir}/checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in range(2)])
-
-
-def assert_router_terms_match(terms, reference, updates=range(1, UPDATES + 1)):
-    """The balance and z losses of every update as one process logged them."""
-    assert sorted(terms) == list(updates)
-    for u in updates:
-        for name in ("moe_aux_loss", "moe_z_loss"):
-            assert terms[u][name] == pytest.approx(reference[u][name], abs=2e-4), (u, name)
 
 
 def assert_equals_one_process(proc, one_process, save_dir):

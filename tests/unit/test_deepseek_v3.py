@@ -86,13 +86,15 @@ def _tiny(**options):
     return model
 
 
-def test_decoding_through_the_latent_cache_equals_the_full_forward():
-    """A prompt, then one token at a time: each layer's cache holds the latent and the shared rotary key per
-    position (r + Dr = 24 numbers, where the expanded keys and values are H (Dn + Dr + Dv) = 144)."""
+def test_decoding_through_the_latent_cache_equals_the_full_forward(monkeypatch):
+    """A prompt, then one token at a time, in the absorbed form (no keys or values expanded: ``keys_values`` is
+    not called): each layer's cache holds the latent and the shared rotary key per position (r + Dr = 24 numbers,
+    where the expanded keys and values are H (Dn + Dr + Dv) = 144)."""
     model = _tiny().eval()
     tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)
+        monkeypatch.setattr(LatentAttention, "keys_values", None)
         state = {}
         pieces = [model(tokens[:, :5], incremental_state=state)]
         pieces += [model(tokens[:, t : t + 1], incremental_state=state) for t in range(5, 12)]

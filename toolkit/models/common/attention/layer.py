@@ -109,11 +109,17 @@ class AttentionLayer(nn.Module):
             y = self.attend(q, k, v, attn_mask)
         return self.output(y, carry)
 
+    def attend_cached(self, q: torch.Tensor, entries: Entries, mask: Any) -> torch.Tensor:
+        """The queries of the new positions over the cached ``entries`` (theirs included): the keys and values
+        expanded from them (a variant may attend over its entries as they are: latent attention's absorbed form)."""
+        k, v = self.keys_values(entries)
+        return self.attend(q, k, v, mask)
+
     def _cached_step(self, q: torch.Tensor, entries: Entries, cache: KVCache) -> torch.Tensor:
         P, T = cache.length, q.size(2)  # P: the cached positions (the last window - 1 in a local layer)
-        k, v = self.keys_values(cache.append(*entries))
         needs_mask = T > 1 or (self.window is not None and P + T > self.window)
-        y = self.attend(q, k, v, causal_mask(P, T, self.window, q.device) if needs_mask else EVERY_KEY)
+        mask = causal_mask(P, T, self.window, q.device) if needs_mask else EVERY_KEY
+        y = self.attend_cached(q, cache.append(*entries), mask)
         if self.window is not None:
             cache.keep_last(self.window - 1)  # the next position reads these and itself
         return y

@@ -173,8 +173,11 @@ class LatentAttention(AttentionLayer):
     [H (Dn + Dv), r] expands the latent into each head's unrotated key part and its value. A position's entries
     are the normalized latent [B, 1, T, r] and the rotated shared key [B, 1, T, Dr]: r + Dr numbers a token per
     layer where the expanded keys and values are H (Dn + Dr + Dv) (DeepSeek-V3: 576 against 40,960), which the KV
-    cache and the context-parallel exchange carry; ``keys_values`` expands them, so every back end computes the attention as it
-    is (the up-projections absorbed into q and the output are a decoding optimization this class leaves out).
+    cache and the context-parallel exchange carry; ``keys_values`` expands them for the forward over a sequence.
+    Decoding attends over the cached entries as they are (:meth:`attend_cached`, DeepSeek's absorbed form): each
+    head's query part meets the latent through ``kv_b_proj``'s key rows (q_nope W_uk, [B, H, T, r]), so the
+    attention is multi-query over one key [latent | rotary key] per position, and its output, a mix of latents,
+    leaves each head through the value rows (W_uv): no position's keys and values are ever expanded.
 
     Rotation: the rotary features are in the halves layout (``rope.apply_rope``); checkpoints whose rotary
     features are interleaved pairs (Hugging Face's ``rope_interleave``) are permuted on import. The two RMSNorms
@@ -197,7 +200,7 @@ class LatentAttention(AttentionLayer):
         scale: Optional[float] = None,
         window: Optional[int] = None,
     ):
-        super().__init__(window=window, scale=scale)
+        super().__init__(window=window, scale=(nope_dim + rope_dim) ** -0.5 if scale is None else scale)
         self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = kv_rank, rope_dim, nope_dim, v_dim
         qk_dim = nope_dim + rope_dim
         if q_rank is None:
@@ -239,6 +242,18 @@ class LatentAttention(AttentionLayer):
         kv = self.kv_b_proj(latent[:, 0]).view(B, S, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         return torch.cat([k_nope, k_rope.expand(-1, k_nope.size(1), -1, -1)], dim=-1), v
+
+    def attend_cached(self, q: torch.Tensor, entries: Entries, mask: Any) -> torch.Tensor:
+        """q [B, H, T, Dn + Dr] over the cached latents [B, 1, S, r] and rotary keys [B, 1, S, Dr] with
+        ``kv_b_proj`` absorbed (see the class docstring) -> [B, H, T, Dv]; the logits are the expanded form's,
+        the scale the same (not the width of the latent key)."""
+        latent, k_rope = entries
+        up = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_rank)  # [H, Dn + Dv, r]
+        up_k, up_v = up.split([self.nope_dim, self.v_dim], dim=1)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, up_k)
+        mixed = self.attend(torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent, k_rope], dim=-1), latent, mask)
+        return torch.einsum("bhtr,hvr->bhtv", mixed, up_v)
 
     def output(self, y: torch.Tensor, carry: Any) -> torch.Tensor:
         """[B, H, T, Dv] -> [B, T, C] through ``o_proj``."""
