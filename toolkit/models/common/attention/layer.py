@@ -10,6 +10,8 @@ later ones, and how the attention's output leaves the layer:
 - ``keys_values(entries) -> (k [B, G, S, D], v [B, G, S, Dv])``: the entries of S positions expanded into keys and
   values (as they are, for multi-head attention; through the up-projections, for latent attention);
 - ``output(y [B, H, T, Dv], carry) -> [B, T, C]``;
+- optionally ``attend_cached(q, entries, mask)``: decoding's attention over the cached entries (by default expanded
+  through ``keys_values``; latent attention attends over its latents as they are, the up-projections absorbed);
 - ``kv_width()``: the features of one position's entries (what context parallelism exchanges per token: the planner);
 
 and sets the logits' options (``window``, ``scale``, ``softcap``, ``sinks``, ``dropout``). This class then runs the
