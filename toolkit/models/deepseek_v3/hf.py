@@ -50,7 +50,8 @@ class DeepSeekV3Adapter(MoEAdapter):
 
     def options(self, config: Dict[str, Any], kind: str, where: str) -> Dict[str, Any]:
         """The shared sizes and rotary settings, then latent attention's, the router's and the dense layers'.
-        Remembers whether the folder's rotary rows are interleaved (``state_from_hf`` reorders them)."""
+        Remembers whether the folder's rotary rows are interleaved (``state_from_hf`` reorders them) and the widths
+        that say which rows are rotary (``state_to_hf`` names the folder's tensors from them)."""
         self.interleaved = bool(config.get("rope_interleave", True))
         out = {
             **hf_config.shape_options(config, KINDS[kind]),
@@ -61,6 +62,7 @@ class DeepSeekV3Adapter(MoEAdapter):
         scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         out["rope_mscale_all_dim"] = float(scaling.get("mscale_all_dim") or 0.0) if out["rope_scaling_factor"] else 0.0
         out["decoder_kv_heads"] = config["num_attention_heads"]
+        self.dims = _dims({**config, **out, "decoder_embed_dim": config["hidden_size"]})
         return out
 
     def put_from_hf(
