@@ -71,7 +71,7 @@ def _cache_families() -> List[str]:
     """The registered model families that provide a cached decoder (``--kv-cache``)."""
     from toolkit.core import registry
 
-    registry.import_submodules("toolkit.models")
+    registry.import_all_components()
     return [
         name
         for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
