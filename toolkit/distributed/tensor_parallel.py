@@ -19,6 +19,7 @@ kind                        parameter placement          what a rank computes
 ``row``                     Shard(1) (row-parallel)      partial sums, reduce-scatter over T
 ``column``                  Shard(0) (column-parallel)   its F/M hidden units (or heads)
 ``norm``                    Replicate                    its T/M positions (sequence parallel)
+``head_norm``               Replicate                    its H/M heads (QK-norm per head)
 ``output``                  Shard(0) (or the tied        its V/M logits; the loss is taken
                             embedding)                   with ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
@@ -503,6 +504,16 @@ def _norm(ctx: StyleContext):
     from torch.distributed.tensor.parallel import SequenceParallel
 
     return SequenceParallel(use_local_output=True) if ctx.sequence_parallel else _ReplicatedParallel.style()
+
+
+@register_tp_style("head_norm")
+def _head_norm(_ctx: StyleContext):
+    """A norm over each head's features (QK-norm per head) on this rank's heads, [B, T, H/M, D]: the input is a
+    ``Shard(2)`` of all the heads, the weight (one vector of D) replicated, its gradient the sum over every rank's
+    heads (a ``Partial``, reduced as the sequence-parallel norms' are)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
 @register_tp_style("replicated")

@@ -15,6 +15,7 @@ module                      kind (parameter placement)   what a rank computes
 ``o_proj``, ``down_proj``   row (Shard(1))               partial sums, reduce-scatter over T
 ``gate_proj``, ``up_proj``  column (Shard(0))            its F/M hidden units
 RMSNorms                    norm (Replicate)             its T/M positions (sequence parallel)
+``q_norm``, ``k_norm``      head_norm (Replicate)        its heads' features (QK-norm per head)
 ``output_projection``       output (Shard(0); or the     its V/M logits, the loss taken with
                             tied embedding)              ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
@@ -69,6 +70,9 @@ def decoder_plan(
     if model.output_projection is not None:
         top["output_projection"] = "output"
     top["layers.0"] = "sequence_split"
+    attention = model.layers[0].self_attn
+    if getattr(attention, "q_norm", None) is not None and attention.qk_norm_per_head:  # Qwen3, Gemma 3
+        block = {**block, "self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
     return TensorParallelPlan(
         top=top,
         block=dict(block),
