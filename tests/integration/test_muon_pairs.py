@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from tests.helpers import dist_helpers as H
+from tests.helpers.mixture import MIXTURE, data_and_flags, make_sources, mixture_flags
 from toolkit.distributed.compile import BACKEND_ENV
 
 UPDATES = 4
 MUON = ["--optimizer", "muon", "--lr", "0.05", "--muon-adamw-lr", "0.01", "--weight-decay", "0.01"]  # test_muon's
 FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 EMA = ["--store-ema", "--ema-decay", "0.5", "--ema-fp32"]
-MIXTURE = "mixture"  # replaced by the --data-mixture flags of the sources below
 FP16_TOL, BF16_TOL = 1e-2, 2e-2
 CASES = {  # name: (the features, on the two ranks and the one process; what only the two ranks add; tolerance)
     "compile_ac_ema_mask": (EMA + ["--document-attention-mask"], ["--compile", "--checkpoint-activations"], 1e-3),
@@ -39,19 +39,12 @@ CASES = {  # name: (the features, on the two ranks and the one process; what onl
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from tests.helpers.mixture import make_sources
-
     root = tmp_path_factory.mktemp("muon_pairs")
-    sources = make_sources(root / "mixture")
-    return {
-        "bin": H.make_lm_data_bin(str(root / "bin")),
-        MIXTURE: ["--data-mixture", f"web={sources}/web:0.7,code={sources}/code:0.3"],
-    }
+    return {"bin": H.make_lm_data_bin(str(root / "bin")), MIXTURE: mixture_flags(make_sources(root / "mixture"))}
 
 
 def train(data, save_dir, *flags):
-    expanded = [f for flag in flags for f in (data[MIXTURE] if flag == MIXTURE else [flag])]
-    data_bin = "" if MIXTURE in flags else data["bin"]  # a mixture names its own data
+    data_bin, expanded = data_and_flags(data["bin"], flags, data[MIXTURE])
     env = {BACKEND_ENV: "aot_eager"} if "--compile" in flags else None
     proc = H.run_train(
         [

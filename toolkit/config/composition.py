@@ -9,9 +9,11 @@ Every pair of the features below has one entry:
   wrapper) and nothing refuses the pair, but no test compares this exact pair with one process;
 * ``Refused``: ``toolkit.train.resolve`` stops the run before any worker starts, with the message
   here, which names the physical reason (what the two would have to do at once and cannot);
-* ``OneSetting``: not a combination: one feature is a value or a mode of the other;
-* ``ByModel``: decided by the architecture's capability (context and expert parallelism act
-  inside attention and the expert layers: a family without them is refused by that flag itself, ``MODEL``).
+* ``OneSetting``: not a combination: one feature is a value or a mode of the other.
+
+Context and expert parallelism act inside attention and the expert layers, so whether a family can take them is
+its class's declaration (``MODEL`` refuses a family without it); ``CAPABILITIES`` names the test that trains every
+family that declares a split through it, against one process.
 
 Every refusal of the toolkit's features lives here: the refused pairs; ``SETTINGS``, the refusals of a
 setting under a feature that are not a pair (a backend under TP, an option another option needs); and ``MODEL``,
@@ -64,12 +66,7 @@ class OneSetting:
     why: str
 
 
-@dataclass(frozen=True)
-class ByModel:
-    why: str
-
-
-Status = Union[Tested, Runs, Refused, OneSetting, ByModel]
+Status = Union[Tested, Runs, Refused, OneSetting]
 
 FSDP = ("--ddp-backend", "fully_sharded")
 TP2 = ("--model-parallel-size", "2")
@@ -197,9 +194,10 @@ MUON_OVERLAP = (
     "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
     "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam"
 )
-BY_MODEL = ByModel(
-    "decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
-    "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them"
+CAPABILITIES = Tested(
+    "tests/integration/test_parallel_capabilities.py::test_each_declared_capability_trains_as_one_process",
+    "every tiny --arch of every registered family, through each split its class declares (context parallelism, "
+    "expert parallelism, a tensor-parallel plan), on 2 ranks; an option its split cannot take is refused (MODEL)",
 )
 
 INDEPENDENT = Runs(
@@ -410,10 +408,22 @@ _PAIRS[("CP", "EP")] = Tested(
     "ranks, so the balance and z losses are the whole sequences' (MoE with cp 2 alone: "
     "test_context_parallel_2_equals_one_process)",
 )
-for _model_split in ("CP", "EP"):
-    for _other in NAMES:
-        if _other != _model_split:
-            _fill(_model_split, _other, BY_MODEL)
+SPLIT_PAIRS = (
+    "tests/integration/test_model_split_pairs.py::test_context_and_expert_parallel_with_each_feature_equal_one_process"
+)
+TWO_RANKS_SPLIT = "the MoE family on 2 ranks, cp 2 and ep 2 over the same ranks"
+for _case, (_others, _layout) in {  # the cases of SPLIT_PAIRS (tests/integration/test_model_split_pairs.py CASES)
+    "fp8_bf16_ac": (("fp8", "bf16", "AC"), TWO_RANKS_SPLIT),
+    "fp16": (("fp16",), TWO_RANKS_SPLIT),
+    "mefp16": (("memory-efficient fp16",), TWO_RANKS_SPLIT),
+    "mask_ema": (("document mask", "EMA"), TWO_RANKS_SPLIT),
+    "muon": (("muon",), TWO_RANKS_SPLIT),
+    "offload_overlap": (("cpu-offload", "overlap-offload"), TWO_RANKS_SPLIT + ", FSDP2"),
+    "hsdp_mixture": (("HSDP", "data mixture"), "the MoE family on 4 ranks: 2 replicas of a cp 2 / ep 2 pair"),
+}.items():
+    for _model_split in ("CP", "EP"):
+        for _other in _others:
+            _fill(_model_split, _other, Tested(SPLIT_PAIRS, f"case {_case}: {_layout}"))
 MUON_PAIRS = "tests/integration/test_muon_pairs.py::test_muon_with_each_feature_equals_one_process"
 for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_pairs.py CASES): 2 FSDP2 ranks
     "compile_ac_ema_mask": ("compile", "AC", "EMA", "document mask"),  # against one eager process
@@ -693,7 +703,7 @@ def _first(conditions: Tuple[Condition, ...], cfg: Any, model_cls: Any) -> Optio
 
 # --- the docs' table --------------------------------------------------------------------------------------
 
-SYMBOL = {Tested: "T", Runs: "r", Refused: "X", OneSetting: "=", ByModel: "m"}
+SYMBOL = {Tested: "T", Runs: "r", Refused: "X", OneSetting: "="}
 # what the docs print for the sizes and names a message repeats from the command line
 _DOCS_CFG = SimpleNamespace(
     distributed=SimpleNamespace(model_parallel_size="M", expert_parallel_size="P", context_parallel_size="C"),
@@ -702,7 +712,7 @@ _DOCS_CFG = SimpleNamespace(
 
 
 def markdown() -> str:
-    """``docs/composition.md``: the matrix, then every refusal, tested pair and model-decided pair in words."""
+    """``docs/composition.md``: the matrix, then every refusal and tested pair in words."""
     lines = [
         "# Which features combine",
         "",
@@ -712,7 +722,7 @@ def markdown() -> str:
         "T: trains and a test compares it, loss for loss, with one process (or with the same run without "
         "one of the two: eager for compile, serial for overlap-offload); r: runs (separate mechanisms), "
         "no parity test of this pair; X: refused before any worker starts, for the reason below; "
-        "=: not a combination (one is a mode of the other); m: decided by the architecture.",
+        "=: not a combination (one is a mode of the other).",
         "",
         "| | " + " | ".join(NAMES) + " |",
         "| --- |" + " --- |" * len(NAMES),
@@ -721,7 +731,7 @@ def markdown() -> str:
         cells = ["" if a == b else SYMBOL[type(status(a, b))] for b in NAMES]
         lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
     lines += ["", "## Features", ""] + [f"- **{f.name}**: {f.flags}" for f in FEATURES]
-    sections: Dict[type, List[str]] = {Refused: [], Tested: [], OneSetting: [], ByModel: []}
+    sections: Dict[type, List[str]] = {Refused: [], Tested: [], OneSetting: []}
     for a, b, entry in pairs():
         pair = f"**{a.name} x {b.name}**"
         if isinstance(entry, Refused):
@@ -730,7 +740,6 @@ def markdown() -> str:
             sections[Tested].append(f"- {pair}: `{entry.test}`" + (f" ({entry.note})" if entry.note else ""))
         elif isinstance(entry, OneSetting):
             sections[OneSetting].append(f"- {pair}: {entry.why}")
-    model = sorted({entry.why for _, _, entry in pairs() if isinstance(entry, ByModel)})
     for title, kind in (
         ("Refused (the message the run stops with)", Refused),
         ("Tested equal to one process", Tested),
@@ -745,7 +754,8 @@ def markdown() -> str:
         lines += [f"- **{c.label}**, {c.when}: `{c.text(_DOCS_CFG)}`" for c in conditions]
     lines += ["", "## --ddp-backend under TP (--model-parallel-size > 1)", ""]
     lines += [f"- **{backend}**: `{entry.test}` ({entry.note})" for backend, entry in TP_BACKENDS.items()]
-    lines += ["", "## Decided by the architecture (CP, EP)", ""] + [f"- {why}" for why in model]
+    lines += ["", "## Each family's splits (CP, EP, TP)", ""]
+    lines += [f"- `{CAPABILITIES.test}` ({CAPABILITIES.note})"]
     runs: Dict[str, List[str]] = {}
     for a, b, entry in pairs():
         if isinstance(entry, Runs):
