@@ -196,8 +196,9 @@ MUON_OVERLAP = (
 )
 CAPABILITIES = Tested(
     "tests/integration/test_parallel_capabilities.py::test_each_declared_capability_trains_as_one_process",
-    "every tiny --arch of every registered family, through each split its class declares (context parallelism, "
-    "expert parallelism, a tensor-parallel plan), on 2 ranks; an option its split cannot take is refused (MODEL)",
+    "each registered family's class, through each split it declares (context parallelism, expert parallelism, a "
+    "tensor-parallel plan), on 2 ranks with one tiny --arch (cp 2 and ep 2 in one run); every tiny --arch "
+    "accepted or refused by the resolver (MODEL)",
 )
 
 INDEPENDENT = Runs(
@@ -416,10 +417,12 @@ for _case, (_others, _layout) in {  # the cases of SPLIT_PAIRS (tests/integratio
     "fp8_bf16_ac": (("fp8", "bf16", "AC"), TWO_RANKS_SPLIT),
     "fp16": (("fp16",), TWO_RANKS_SPLIT),
     "mefp16": (("memory-efficient fp16",), TWO_RANKS_SPLIT),
-    "mask_ema": (("document mask", "EMA"), TWO_RANKS_SPLIT),
-    "muon": (("muon",), TWO_RANKS_SPLIT),
+    "mask_muon": (("document mask", "muon"), TWO_RANKS_SPLIT),
     "offload_overlap": (("cpu-offload", "overlap-offload"), TWO_RANKS_SPLIT + ", FSDP2"),
-    "hsdp_mixture": (("HSDP", "data mixture"), "the MoE family on 4 ranks: 2 replicas of a cp 2 / ep 2 pair"),
+    "hsdp_mixture_ema": (
+        ("HSDP", "data mixture", "EMA"),
+        "the MoE family on 4 ranks: 2 replicas of a cp 2 / ep 2 pair",
+    ),
 }.items():
     for _model_split in ("CP", "EP"):
         for _other in _others:
