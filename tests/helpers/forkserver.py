@@ -100,22 +100,17 @@ def _fork_ranks() -> None:
         launch.WORKER_START_METHOD = "fork"
 
 
-def _warm_optional_work() -> None:
-    """Where installed, the optional integrations the tier's commands use most: torchao's float8 (``--fp8``, about
-    2 s of imports) and DeepSpeed's CPU Adam op where it is built already (``--optimizer cpu_adam``: importing
-    DeepSpeed and the extension loader's up-to-date check, about 4 s), otherwise paid by each such command and
-    each of its ranks. One absent or broken is left to the commands that need it (they report it; the op they
-    build and say so)."""
+def _warm_cpu_adam() -> None:
+    """Loads DeepSpeed's CPU Adam op where it is built already: importing DeepSpeed and the extension loader's
+    up-to-date check cost each ``--optimizer cpu_adam`` command and each of its ranks about 4 s otherwise. An op
+    not built yet, or DeepSpeed absent, is left to the commands that need it (they build it, or report it)."""
     from toolkit.optim.deepspeed_op import cpu_adam_op_cached, load_deepspeed_cpu_adam
 
-    for warm in (
-        lambda: importlib.import_module("torchao.float8"),
-        lambda: cpu_adam_op_cached() and load_deepspeed_cpu_adam(),
-    ):
-        try:
-            warm()
-        except Exception:  # noqa: BLE001 - the command that needs it reports it in its own words
-            pass
+    try:
+        if cpu_adam_op_cached():
+            load_deepspeed_cpu_adam()
+    except Exception:  # noqa: BLE001 - the command that needs it reports it in its own words
+        pass
 
 
 def _warm_work() -> None:
@@ -126,7 +121,7 @@ def _warm_work() -> None:
     registry.import_all_components()
     for module in WORK:
         importlib.import_module(module)
-    _warm_optional_work()
+    _warm_cpu_adam()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads != 1:
         raise RuntimeError(f"the fork server has {threads} threads after its imports; it must have one")
