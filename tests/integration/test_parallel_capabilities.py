@@ -44,6 +44,7 @@ CAPABILITIES: Dict[str, Tuple[str, List[str], Optional[str]]] = {
 RUNS_TOGETHER = [("context", "expert"), ("tensor",)]
 # family: the tiny architecture that trains its splits
 TRAINED = {
+    "deepseek_v3": "deepseek_v3_tiny",
     "gemma3": "gemma3_tiny",
     "llama": "qwen3_tiny",  # GQA, heads of 32 on a width of 64, per-head QK-norm
     "moe": "moe_tiny",  # Qwen3-MoE: per-head QK-norm, GQA
