@@ -296,6 +296,28 @@ class PreprocessConfig:
     document_files: Tuple[str, ...] = field(
         default=(), metadata={"cli": False}
     )  # the inputs holding documents (NUL-ended), set while records are converted
+    chat_template: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "binarize conversations for --task sft with this chat template: a Hugging Face tokenizer folder, "
+            "its tokenizer_config.json or a .jinja file (rendered as transformers renders it, encoded by that "
+            "tokenizer); records of .jsonl / .parquet / --hf-dataset holding a --messages-key list; the data-bin "
+            "keeps which tokens are trained beside the tokens",
+            "metavar": "T",
+        },
+    )
+    messages_key: str = field(
+        default="messages",
+        metadata={"help": "with --chat-template: the key (column) holding each record's list of messages"},
+    )
+    train_on: str = field(
+        default="assistant",
+        metadata={
+            "help": "with --chat-template: the tokens trained: every assistant turn (the template's {%% generation %%} "
+            "spans, else each turn found by rendering the conversation's prefixes), the last one only, or all",
+            "choices": ["assistant", "last-assistant", "all"],
+        },
+    )
 
 
 # toolkit-validate (toolkit/train/validate.py)
@@ -315,6 +337,11 @@ class ValidateConfig:
     )
     skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
     model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
+    task: Optional[str] = opt(
+        None,
+        "read DATA as this task (default: the checkpoint's), e.g. sft: an imported model's loss on the trained "
+        "tokens of a chat data-bin; the options whose defaults differ between the two tasks take the new task's",
+    )
     cpu: bool = opt(False, "validate on CPU even when a GPU is present")
     cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])

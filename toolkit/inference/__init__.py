@@ -58,6 +58,7 @@ def load_model(
         if cfg.get("data_mixture"):  # the given folder replaces --data-mixture's sources too (for the
             cfg["data_mixture"] = None  # dictionary: the hash check below refuses one not the model's)
     warn_unknown_overrides(path, overrides, cfg)
+    cfg.update(switched_task_defaults(cfg.get("task"), (overrides or {}).get("task")))
     cfg.update(overrides or {})
     args = Namespace(**cfg)
     if registry.registered_arch(args.arch) is None:
@@ -77,6 +78,22 @@ def load_model(
             f"{path}: checkpoint does not match --arch {args.arch} (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     return model.eval(), task, args
+
+
+def switched_task_defaults(saved: Optional[str], wanted: Optional[str]) -> Dict:
+    """A checkpoint read as another task (``--task``) keeps its options, but where the two tasks' options have
+    different defaults (``--task sft`` packs whole conversations with document masks, ``language_modeling``
+    cuts the stream into blocks) the saved value is the old task's default and the new task's is taken."""
+    if wanted is None or wanted == saved:
+        return {}
+    old_entry, new_entry = (
+        registry.TASK_REGISTRY.get(saved or registry.TASK_REGISTRY.default),
+        registry.TASK_REGISTRY.get(wanted),
+    )
+    if old_entry.config is None or new_entry.config is None:
+        return {}
+    old, new = vars(old_entry.config()), vars(new_entry.config())
+    return {name: value for name, value in new.items() if name in old and old[name] != value}
 
 
 def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) -> None:
