@@ -144,6 +144,7 @@ FEATURES: Tuple[Feature, ...] = (
     ),
     Feature("data mixture", "--data-mixture", lambda c: bool(_task(c, "data_mixture")), ("--data-mixture", "a=.:1")),
     Feature("EMA", "--store-ema", lambda c: c.ema.store_ema, ("--store-ema",)),
+    Feature("LoRA", "--lora-rank R > 0", lambda c: c.lora.lora_rank > 0, ("--lora-rank", "4")),
 )
 NAMES = tuple(f.name for f in FEATURES)
 
@@ -196,6 +197,17 @@ MUON_OVERLAP = (
     "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
     "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
     "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam"
+)
+LORA_TP = (
+    "--lora-rank with --model-parallel-size > 1: each adapted layer is split over the tp ranks (its output for "
+    "q/k/v/gate/up, its input for o/down), and its adapters would have to be split the same way (B by rows, A by "
+    "columns) with the update added to the layer's own shard, which the adapters do not do; train LoRA with "
+    "FSDP2 or DDP (--ddp-backend fully_sharded / c10d) instead"
+)
+LORA_FP8 = (
+    "--lora-rank with --fp8: float8 training replaces the blocks' Linear layers by its own class, whose forward "
+    "has no adapters, and casts weights that LoRA keeps frozen in their dtype; drop --fp8 (--bf16 keeps the "
+    "base's compute in bf16)"
 )
 BY_MODEL = ByModel(
     "decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
@@ -423,6 +435,15 @@ for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_
 }.items():
     for _other in _others:
         _fill("muon", _other, Tested(MUON_PAIRS, f"case {_case}"))
+
+LORA = "tests/integration/test_lora.py::"
+LORA_FSDP = LORA + "test_two_fsdp_ranks_equal_one_process"
+_PAIRS[("FSDP", "LoRA")] = Tested(LORA_FSDP, "case plain: 2 ranks against one process with --update-freq 2")
+for _other, _case in (("compile", "compile_ac"), ("AC", "compile_ac"), ("bf16", "bf16")):
+    _PAIRS[(_other, "LoRA")] = Tested(LORA_FSDP, f"case {_case}")
+for _tp in ("TP", "SP"):
+    _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
+_PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {

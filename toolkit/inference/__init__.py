@@ -24,6 +24,7 @@ from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.models import build_for_loading
+from toolkit.models.lora import merged_state
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def load_model(
     )
     model = build_for_loading(args.arch, args, task, device)
     state["model"] = fairseq_adapter.model_weights(path, model, state)
+    if cfg.get("lora_rank"):  # a LoRA run's checkpoint: its adapters merged into the weights they adapt
+        state["model"] = merged_state(state["model"], cfg["lora_alpha"] / cfg["lora_rank"])
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(
