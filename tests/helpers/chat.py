@@ -39,6 +39,17 @@ def varied_conversations(n: int, seed: int = 0, vocab: int = 4 + len(WORDS)) -> 
     return out
 
 
+def chat_messages(k: int) -> List[Dict[str, str]]:
+    """Conversation ``k`` as chat-template messages: a system turn for odd ``k``, then 1 to 3 user/assistant
+    exchanges of the words w0..w59 (the test tokenizer's, ``tests/helpers/hf_llama.py``)."""
+    words = lambda n, at: " ".join(f"w{(k * 7 + at + i) % 60}" for i in range(n))  # noqa: E731
+    turns = [{"role": "system", "content": words(2, 0)}] if k % 2 else []
+    for t in range(1 + k % 3):
+        turns.append({"role": "user", "content": words(2 + t, 10 * t)})
+        turns.append({"role": "assistant", "content": words(1 + (k + t) % 4, 10 * t + 5)})
+    return turns
+
+
 def make_chat_data_bin(dest, splits: Dict[str, Sequence[Conversation]]) -> Dictionary:
     """``dest/dict.txt`` (the 4 specials and ``WORDS``) and each split's tokens and loss mask."""
     dest = str(dest)

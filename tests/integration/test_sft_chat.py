@@ -18,21 +18,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
 from tests.helpers import cli as H  # noqa: E402
+from tests.helpers.chat import chat_messages  # noqa: E402
 from tests.helpers.hf_llama import CHAT_TEMPLATE, UNMARKED_CHAT_TEMPLATE, make_hf  # noqa: E402
 from toolkit.config.commands import ValidateConfig  # noqa: E402
 from toolkit.data.sft_dataset import ChatSplit  # noqa: E402
 
 
-def conversation(k: int):
-    words = lambda n, at: " ".join(f"w{(k * 7 + at + i) % 60}" for i in range(n))  # noqa: E731
-    turns = [{"role": "system", "content": words(2, 0)}] if k % 2 else []
-    for t in range(1 + k % 3):
-        turns.append({"role": "user", "content": words(2 + t, 10 * t)})
-        turns.append({"role": "assistant", "content": words(1 + (k + t) % 4, 10 * t + 5)})
-    return turns
-
-
-GOOD = [conversation(k) for k in range(12)]
+GOOD = [chat_messages(k) for k in range(12)]
 BAD = [
     [{"role": "user", "content": "w1"}, {"role": "assistant", "content": ""}],  # an empty assistant turn
     [{"role": "user", "content": "w1"}],  # no assistant turn

@@ -352,7 +352,7 @@ class ValidateConfig:
 
 # toolkit-export (toolkit/export/api.py; the torch dtypes of DTYPE_NAMES are toolkit.export.common.DTYPES)
 
-FORMATS = ("safetensors", "onnx", "hf")
+FORMATS = ("safetensors", "onnx", "hf", "peft")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
 
@@ -378,7 +378,8 @@ class ExportConfig:
     path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
     format: Optional[str] = opt(
         None,
-        "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs) or hf (a transformers folder)",
+        "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs), hf (a transformers folder; "
+        "a LoRA run's adapters merged) or peft (a LoRA run's adapters as PEFT saves them, its base model in base/)",
         choices=list(FORMATS),
     )
     out: Optional[str] = opt(None, "output folder, new or empty (written atomically: complete or absent)")
@@ -390,7 +391,7 @@ class ExportConfig:
     data: Optional[str] = opt(
         None, "data-bin with dict.txt and the BPE model (default: the one the checkpoint was trained on)"
     )
-    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf", choices=list(DTYPE_NAMES))
+    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf|peft", choices=list(DTYPE_NAMES))
     kv_cache: bool = opt(
         False,
         "--format onnx: also write decoder_with_past.onnx, which takes and "

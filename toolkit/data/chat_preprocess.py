@@ -173,6 +173,16 @@ def _binarize_split(
     return writer
 
 
+def _record_tokenizer(template: ChatTemplate, tmp: str) -> None:
+    """The data-bin's tokenizer record (``bpe.json``, a copy of tokenizer.json), as a data-bin binarized with the
+    import's tokenizer has: ``toolkit-export`` then finds the model's own tokenizer files from the data-bin."""
+    from toolkit.tokenizers import save_tokenizer_to_data_bin
+
+    tokenizer_json = os.path.join(template.tokenizer_folder or "", "tokenizer.json")
+    if template.tokenizer_folder and os.path.isfile(tokenizer_json):
+        save_tokenizer_to_data_bin("hf_byte_bpe", {"bpe_model": tokenizer_json}, tmp)
+
+
 def _write_data_bin(template: ChatTemplate, cfg: PreprocessConfig, splits, dictionary_path: str, tmp: str, args):
     handler = logging.FileHandler(os.path.join(tmp, "preprocess.log"), encoding="utf-8")
     handler.setFormatter(make_formatter())
@@ -189,6 +199,7 @@ def _write_data_bin(template: ChatTemplate, cfg: PreprocessConfig, splits, dicti
         }
         with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
             f.write(template.text)
+        _record_tokenizer(template, tmp)
         record = {
             "chat_template": os.path.abspath(template.source),
             "train_on": cfg.train_on,

@@ -24,7 +24,7 @@ from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.models import build_for_loading
-from toolkit.models.lora import merged_state
+from toolkit.models.lora import SavedLoRA, apply_lora, merged_state
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -35,13 +35,15 @@ def load_model(
     data_dir: Optional[str] = None,
     device: torch.device = torch.device("cpu"),
     overrides: Optional[Dict] = None,
+    merge_adapters: bool = True,
 ) -> Tuple[torch.nn.Module, object, Namespace]:
     """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
 
     Reads toolkit checkpoints, fairseq ``transformer_lm`` ones (see
     :mod:`toolkit.compat.fairseq.checkpoint`) and the ``model.safetensors`` of a
     ``toolkit-export --format safetensors`` folder (no pickle; options from its ``config.json``);
-    ``overrides`` replace saved options (fairseq's ``--model-overrides``).
+    ``overrides`` replace saved options (fairseq's ``--model-overrides``). A LoRA run's adapters are merged into
+    the weights they adapt, or with ``merge_adapters=False`` kept as the run trained them (``LoRALinear`` modules).
     """
     registry.import_all_components()
     if path.endswith(".safetensors"):
@@ -73,8 +75,11 @@ def load_model(
     )
     model = build_for_loading(args.arch, args, task, device)
     state["model"] = fairseq_adapter.model_weights(path, model, state)
-    if cfg.get("lora_rank"):  # a LoRA run's checkpoint: its adapters merged into the weights they adapt
-        state["model"] = merged_state(state["model"], cfg["lora_alpha"] / cfg["lora_rank"])
+    lora = SavedLoRA.of(cfg)
+    if lora.rank and merge_adapters:
+        state["model"] = merged_state(state["model"], lora.scaling)
+    elif lora.rank:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(

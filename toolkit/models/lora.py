@@ -16,13 +16,14 @@ The swap runs on the meta-device model before the parallelize sequence, so activ
 ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
 own names (``layers.0.self_attn.q_proj.lora_A.weight``) beside the base weights: a resume is exact. A
 fine-tuning start from a checkpoint without adapters keeps the fresh ones (:func:`with_fresh_adapters`).
-``merged_state`` folds them into the base weights (``toolkit-export --format hf``); ``adapter_state`` is
-what ``--format peft`` writes.
+``merged_state`` folds them into the base weights (``toolkit-export --format hf``, evaluation);
+``detach_adapters`` gives the base model back with its adapters beside it (``--format peft``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -132,8 +133,40 @@ def with_fresh_adapters(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dic
     return {**{k: v for k, v in own.items() if is_adapter(k)}, **state}
 
 
-def adapter_state(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in state.items() if is_adapter(k)}
+@dataclass(frozen=True)
+class SavedLoRA:
+    """A checkpoint's ``--lora-*`` options (its ``cfg``); ``rank`` 0: trained without adapters."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: str
+
+    @classmethod
+    def of(cls, cfg: Dict) -> SavedLoRA:
+        return cls(
+            int(cfg.get("lora_rank") or 0),
+            float(cfg.get("lora_alpha", 8.0)),
+            float(cfg.get("lora_dropout", 0.0)),
+            str(cfg.get("lora_targets", "q_proj,v_proj")),
+        )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def detach_adapters(model: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """Turn each :class:`LoRALinear` of ``model`` back into the ``nn.Linear`` it adapts (the same weight and bias
+    tensors), leaving the base model; returns ``{module name: (lora_A weight, lora_B weight)}``."""
+    adapters = {}
+    for name, module in adapted_modules(model):
+        base = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        base.weight, base.bias = module.weight, module.bias
+        adapters[name] = (module.lora_A.weight.detach(), module.lora_B.weight.detach())
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, base)
+    return adapters
 
 
 def merged_state(state: Dict[str, torch.Tensor], scaling: float) -> Dict[str, torch.Tensor]:
