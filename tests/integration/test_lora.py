@@ -8,8 +8,9 @@ layout (adapter_config.json; adapter_model.safetensors under base_model.model.<t
 base in base/, the transformers folder's own tensors) and ``peft.PeftModel.from_pretrained`` on the original
 transformers folder computes what ``--format hf`` (the adapters merged) computes, fp32 to 1e-4. A resume is exact
 (with adapter dropout: its generator resumes too). Two FSDP2 ranks equal one process with ``--update-freq 2``:
-fp32 and compiled (aot_eager) with activation checkpointing to 1e-3 of the logged losses and of the adapters, bf16
-to 2e-2.
+fp32 and compiled (aot_eager) with activation checkpointing to 1e-3 of the logged losses and of the adapters; bf16
+the logged losses to 2e-2 (the adapters are not compared there: Adam's first steps are the gradient's sign, which
+the two layouts' bf16 rounding flips for the entries near zero, so single entries differ by whole steps).
 """
 
 from __future__ import annotations
@@ -187,9 +188,11 @@ def test_two_fsdp_ranks_equal_one_process(chat, tmp_path, case):
     assert sorted(got) == sorted(want) == [1, 2, 3, 4], (got, want)
     for u in want:
         assert abs(got[u] - want[u]) <= rel * abs(want[u]) + H.LOGGED_TOL, (u, got[u], want[u])
+    if "--bf16" in shared:
+        return
     a, b = checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"]
     for name in (n for m in ADAPTED for n in adapter_names(m)):
-        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rel, atol=rel * 1e-1, msg=name)
+        torch.testing.assert_close(a[name], b[name], rtol=rel, atol=1e-4, msg=name)
 
 
 def test_bad_lora_input_is_one_line(chat, tmp_path):

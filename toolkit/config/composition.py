@@ -209,6 +209,12 @@ LORA_FP8 = (
     "has no adapters, and casts weights that LoRA keeps frozen in their dtype; drop --fp8 (--bf16 keeps the "
     "base's compute in bf16)"
 )
+LORA_OVERLAP = (
+    "--lora-rank with --overlap-offload-step: the overlapped step hands each FSDP2 block's parameters, all of them, "
+    "to CPU Adam on a background thread as the block's gradients arrive, and a LoRA run's blocks are mostly frozen "
+    "parameters with no gradient and no optimizer state; drop --overlap-offload-step (--cpu-offload with "
+    "--optimizer cpu_adam trains the adapters)"
+)
 BY_MODEL = ByModel(
     "decided by the architecture: the flag itself refuses a family whose attention (CP: K/V blocks "
     "passed between ranks) or expert layers (EP) cannot be split; the other feature acts outside them"
@@ -444,6 +450,7 @@ for _other, _case in (("compile", "compile_ac"), ("AC", "compile_ac"), ("bf16", 
 for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
 _PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
+_PAIRS[("overlap-offload", "LoRA")] = Refused(LORA_OVERLAP)
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {
