@@ -445,8 +445,15 @@ for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_
 LORA = "tests/integration/test_lora.py::"
 LORA_FSDP = LORA + "test_two_fsdp_ranks_equal_one_process"
 _PAIRS[("FSDP", "LoRA")] = Tested(LORA_FSDP, "case plain: 2 ranks against one process with --update-freq 2")
-for _other, _case in (("compile", "compile_ac"), ("AC", "compile_ac"), ("bf16", "bf16")):
-    _PAIRS[(_other, "LoRA")] = Tested(LORA_FSDP, f"case {_case}")
+for _case, _others in {  # the cases of LORA_FSDP (tests/integration/test_lora.py CASES), against one process
+    "compile_ac_mask": ("compile", "AC", "document mask"),
+    "hsdp_muon_ema": ("HSDP", "muon", "EMA"),
+    "offload_fp16": ("cpu-offload", "fp16"),
+    "mefp16": ("memory-efficient fp16",),
+    "bf16": ("bf16",),
+}.items():
+    for _other in _others:
+        _PAIRS[(_other, "LoRA")] = Tested(LORA_FSDP, f"case {_case}")
 for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
 _PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
