@@ -6,7 +6,8 @@ it from the import (``--finetune-from-model``). Only the adapters train: the opt
 every base tensor of the checkpoint is the import's, bit for bit. ``toolkit-export --format peft`` writes PEFT's
 layout (adapter_config.json; adapter_model.safetensors under base_model.model.<transformers module>.lora_A/B; the
 base in base/, the transformers folder's own tensors) and ``peft.PeftModel.from_pretrained`` on the original
-transformers folder computes what ``--format hf`` (the adapters merged) computes, fp32 to 1e-4. A resume is exact
+transformers folder gives the toolkit's log-probs and computes what ``--format hf`` (the adapters merged) computes,
+fp32 to 1e-4. A resume is exact
 (with adapter dropout: its generator resumes too). Two FSDP2 ranks equal one process with ``--update-freq 2``:
 fp32 (plain; compiled with aot_eager, activation checkpointing and the document mask; HSDP with Muon and EMA) to
 1e-3 of the logged losses and of the adapters; fp16 (with CPU Adam, the two ranks offloaded; memory-efficient) to
@@ -139,7 +140,7 @@ def test_peft_export_is_peft_layout(chat, trained):
     assert "peft loads the adapters onto base/; max |logits diff|" in logs["peft"]
 
 
-def test_peft_loads_the_adapters_onto_the_original_model_as_the_merged_export_computes(chat, trained):
+def test_peft_on_the_original_model_gives_the_toolkits_log_probs_as_the_merged_export(chat, trained):
     peft = pytest.importorskip("peft")
     import transformers
 
@@ -152,6 +153,12 @@ def test_peft_loads_the_adapters_onto_the_original_model_as_the_merged_export_co
         adapted = peft.PeftModel.from_pretrained(original, str(out / "peft")).eval()(tokens).logits
         merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32)
         merged = merged_model.eval()(tokens).logits
+    from toolkit.inference import load_model
+
+    ours, _, _ = load_model(str(out / "run" / "checkpoint_last.pt"))  # the adapters merged as evaluation reads them
+    with torch.no_grad():
+        toolkit = torch.log_softmax(ours(tokens), -1)
+    torch.testing.assert_close(torch.log_softmax(adapted, -1), toolkit, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-4)
     assert (adapted - base).abs().max() > 1e-2  # the adapters change what the model computes
 

@@ -7,13 +7,13 @@
 
     y = x W^T + b + (alpha / r) * B(A(dropout(x)))
 
-Every other parameter is frozen (``requires_grad`` off) and keeps its dtype; the optimizer, the gradient
+(``--lora-alpha``, ``--lora-dropout``: peft's ``lora_alpha`` and ``lora_dropout``). Every other parameter is frozen (``requires_grad`` off) and keeps its dtype; the optimizer, the gradient
 norm and the log's ``num. trained`` see only the adapters. ``lora_A`` starts as peft's (Kaiming-uniform, a
 bound of 1/sqrt(in)), ``lora_B`` at zero, so the first forward is the base model's; the values come from
 ``init_weights``' per-name generators (:meth:`LoRALinear.initial_values`), the same on any layout.
 
-The swap runs on the meta-device model before the parallelize sequence, so activation checkpointing,
-``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
+The swap is the first step of the parallelize sequence (``toolkit/distributed/parallelize.py``), on the
+meta-device model, so activation checkpointing, ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
 own names (``layers.0.self_attn.q_proj.lora_A.weight``) beside the base weights: a resume is exact. A
 fine-tuning start from a checkpoint without adapters keeps the fresh ones (:func:`with_fresh_adapters`).
 ``merged_state`` folds them into the base weights (``toolkit-export --format hf``, evaluation);
@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toolkit.core.errors import UserError
+from toolkit.models.init import canonical_name
 
 ALL_LINEAR = "all-linear"
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -112,8 +113,6 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
 
 
 def adapted_modules(model: nn.Module) -> List[Tuple[str, LoRALinear]]:
-    from toolkit.models.init import canonical_name
-
     return [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
