@@ -98,7 +98,7 @@ def test_detached_adapters_leave_the_base_model():
     [
         ("nope", "--lora-targets nope: no Linear layer of the blocks has that name (they are down_proj, gate_proj"),
         ("q_proj,nope", "--lora-targets q_proj,nope: nope names no Linear layer of the blocks"),
-        (" , ", "give module names such as q_proj,v_proj, or all-linear"),
+        (" , ", "give the last names of the blocks' Linear layers (comma separated), or all-linear"),
     ],
 )
 def test_targets_naming_no_layer_are_refused(targets, message):

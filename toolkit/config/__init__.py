@@ -314,9 +314,9 @@ class LoRAConfig:
     lora_alpha: float = opt(8.0, "the adapters' scale is lora_alpha / lora_rank (peft's lora_alpha)")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input (peft's lora_dropout)")
     lora_targets: str = opt(
-        "q_proj,v_proj",
-        "the Linear layers of the blocks to adapt, by name (comma separated), or all-linear (every one; not the "
-        "output layer)",
+        "all-linear",
+        "the Linear layers of the blocks to adapt, by their last names (comma separated, e.g. the attention's query "
+        "and value projections), or all-linear (every one; not the output layer)",
     )
 
 

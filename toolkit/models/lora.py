@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters beside a model's frozen Linear layers, applied from outside the model.
 
-``--lora-rank r`` turns each targeted ``nn.Linear`` of the blocks (``--lora-targets``: leaf names such as
-``q_proj,v_proj``, or ``all-linear``: every Linear of the blocks, the output head left out, as peft's
+``--lora-rank r`` turns each targeted ``nn.Linear`` of the blocks (``--lora-targets``: the layers' last names,
+comma separated, or ``all-linear``, the default: every Linear of the blocks, the output head left out, as peft's
 ``all-linear``) into a :class:`LoRALinear`: the same module path and the same ``weight``/``bias`` parameters, plus
 ``lora_A`` [r, in] and ``lora_B`` [out, r] (peft's names and layout), computing
 
@@ -79,7 +79,10 @@ def target_names(targets: str) -> Optional[List[str]]:
         return None
     names = [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
-        raise UserError(f"--lora-targets {targets!r}: give module names such as q_proj,v_proj, or {ALL_LINEAR}")
+        raise UserError(
+            f"--lora-targets {targets!r}: give the last names of the blocks' Linear layers (comma separated), "
+            f"or {ALL_LINEAR}"
+        )
     return names
 
 
@@ -147,7 +150,7 @@ class SavedLoRA:
             int(cfg.get("lora_rank") or 0),
             float(cfg.get("lora_alpha", 8.0)),
             float(cfg.get("lora_dropout", 0.0)),
-            str(cfg.get("lora_targets", "q_proj,v_proj")),
+            str(cfg.get("lora_targets", ALL_LINEAR)),
         )
 
     @property
