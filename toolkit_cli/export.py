@@ -3,6 +3,7 @@
     toolkit-export --path checkpoints/checkpoint_best.pt --format safetensors --out exported/
     toolkit-export --path checkpoints/checkpoint_best.pt --format onnx --kv-cache --out onnx/
     toolkit-export --path checkpoints/checkpoint_best.pt --format hf --out hf/
+    toolkit-export --path checkpoints/checkpoint_best.pt --format peft --out adapter/   (a --lora-rank run)
     toolkit-export --from hf --path gpt2-folder/ --out gpt2-toolkit/
 
 The work is in :mod:`toolkit.export.api`.

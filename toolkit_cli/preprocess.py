@@ -42,6 +42,10 @@ def parse(argv: Optional[List[str]] = None) -> Tuple[PreprocessConfig, Optional[
 
 
 def run(cfg: PreprocessConfig, bpe: Optional[str], bpe_cfg: Any, args: argparse.Namespace) -> PreprocessResult:
+    if cfg.chat_template:
+        from toolkit.data.chat_preprocess import preprocess_chat
+
+        return preprocess_chat(cfg, bpe, args=args)
     from toolkit.data.preprocess import preprocess
 
     return preprocess(cfg, bpe, bpe_cfg, args=args)

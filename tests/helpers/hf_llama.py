@@ -108,27 +108,43 @@ def save_qwen2_tokenizer(folder: str) -> dict:
     )  # unused rows, as Qwen2 has
 
 
-def save_tokenizer(folder: str, kind: str) -> dict:
-    """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added;
-    Qwen2's and Qwen3's: :func:`save_qwen2_tokenizer`."""
+#: role names a chat template writes as words (the word-level tokenizer knows them when given a chat template)
+ROLE_WORDS = ["system", "user", "assistant", "tool"]
+#: a chat template in the manner of Llama's: BOS, then each turn as its role, its content and EOS; the assistant's
+#: content and EOS inside {% generation %} marks
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}assistant "
+    "{% generation %}{{ m['content'] }} {{ eos_token }}{% endgeneration %} "
+    "{% else %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+#: the same template without the marks (prefix rendering finds the assistant turns)
+UNMARKED_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def save_tokenizer(folder: str, kind: str, chat_template: str = None) -> dict:
+    """A word-level tokenizer: Llama/Mistral's specials first (<unk> 0, <s> 1, </s> 2) and BOS added, with the role
+    words and ``chat_template`` when one is given; Qwen2's and Qwen3's: :func:`save_qwen2_tokenizer`."""
     if kind.startswith("qwen"):
         return save_qwen2_tokenizer(folder)
-    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
+    words = WORDS + (ROLE_WORDS if chat_template else [])
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + words)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=chat_template
     )
     fast.save_pretrained(folder)
     return dict(bos_token_id=1, eos_token_id=2, vocab_size=len(vocab))
 
 
-def make_hf(folder: str, kind: str, **overrides):
-    """A random model of ``kind`` with its tokenizer; ``overrides`` replace config values (vocab_size, rope_scaling)."""
+def make_hf(folder: str, kind: str, chat_template: str = None, **overrides):
+    """A random model of ``kind`` with its tokenizer (and ``chat_template``, Llama's word-level tokenizer only);
+    ``overrides`` replace config values (vocab_size, rope_scaling)."""
     config_cls, extra = KINDS[kind]
     torch.manual_seed(0)
-    ids = save_tokenizer(folder, kind)
+    ids = save_tokenizer(folder, kind, chat_template)
     hf = transformers.AutoModelForCausalLM.from_config(config_cls(**{**SHAPES, **extra, **ids, **overrides})).eval()
     hf.save_pretrained(folder)
     return hf

@@ -302,7 +302,33 @@ class EMAConfig:
     ema_fp32: bool = opt(False, "keep the average in fp32 even when the weights are fp16/bf16")
 
 
-TRAIN_CONFIGS = (CommonConfig, DistributedConfig, DatasetConfig, OptimizationConfig, CheckpointConfig, EMAConfig)
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the blocks' Linear layers, the rest frozen (``toolkit/models/lora.py``)."""
+
+    lora_rank: int = opt(
+        0,
+        "train low-rank adapters of this rank beside the targeted Linear layers, the rest frozen (0: off)",
+        type=count_or_zero,
+    )
+    lora_alpha: float = opt(8.0, "the adapters' scale is lora_alpha / lora_rank (peft's lora_alpha)")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input (peft's lora_dropout)")
+    lora_targets: str = opt(
+        "all-linear",
+        "the Linear layers of the blocks to adapt, by their last names (comma separated, e.g. the attention's query "
+        "and value projections), or all-linear (every one; not the output layer)",
+    )
+
+
+TRAIN_CONFIGS = (
+    CommonConfig,
+    DistributedConfig,
+    DatasetConfig,
+    OptimizationConfig,
+    CheckpointConfig,
+    EMAConfig,
+    LoRAConfig,
+)
 DEFAULT_ARCH = "transformer_lm"
 OFFLOAD_OPTIMIZER = "cpu_adam"
 
@@ -348,6 +374,7 @@ class TrainConfig:
     optimization: OptimizationConfig
     checkpoint: CheckpointConfig
     ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     task: Optional[ConfigSection] = None
     model: Optional[ConfigSection] = None
     criterion: Optional[ConfigSection] = None
@@ -363,6 +390,7 @@ class TrainConfig:
             self.optimization,
             self.checkpoint,
             self.ema,
+            self.lora,
             self.task,
             self.model,
             self.criterion,

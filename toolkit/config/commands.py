@@ -296,6 +296,28 @@ class PreprocessConfig:
     document_files: Tuple[str, ...] = field(
         default=(), metadata={"cli": False}
     )  # the inputs holding documents (NUL-ended), set while records are converted
+    chat_template: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "binarize conversations for --task sft with this chat template: a Hugging Face tokenizer folder, "
+            "its tokenizer_config.json or a .jinja file (rendered as transformers renders it, encoded by that "
+            "tokenizer); records of .jsonl / .parquet / --hf-dataset holding a --messages-key list; the data-bin "
+            "keeps which tokens are trained beside the tokens",
+            "metavar": "T",
+        },
+    )
+    messages_key: str = field(
+        default="messages",
+        metadata={"help": "with --chat-template: the key (column) holding each record's list of messages"},
+    )
+    train_on: str = field(
+        default="assistant",
+        metadata={
+            "help": "with --chat-template: the tokens trained: every assistant turn (the template's {%% generation %%} "
+            "spans, else each turn found by rendering the conversation's prefixes), the last one only, or all",
+            "choices": ["assistant", "last-assistant", "all"],
+        },
+    )
 
 
 # toolkit-validate (toolkit/train/validate.py)
@@ -315,6 +337,11 @@ class ValidateConfig:
     )
     skip_invalid_size_inputs_valid_test: bool = opt(False, "skip samples longer than the model takes")
     model_overrides: str = opt("{}", "a Python dict of model options replacing the checkpoint's")
+    task: Optional[str] = opt(
+        None,
+        "read DATA as this task (default: the checkpoint's), e.g. sft: an imported model's loss on the trained "
+        "tokens of a chat data-bin; the options whose defaults differ between the two tasks take the new task's",
+    )
     cpu: bool = opt(False, "validate on CPU even when a GPU is present")
     cpu_matmul: str = opt("auto", CPU_MATMUL_HELP, choices=CPU_MATMUL_CHOICES)
     log_format: Optional[str] = opt(None, "progress format", choices=["json", "simple", "tqdm", "none"])
@@ -325,7 +352,7 @@ class ValidateConfig:
 
 # toolkit-export (toolkit/export/api.py; the torch dtypes of DTYPE_NAMES are toolkit.export.common.DTYPES)
 
-FORMATS = ("safetensors", "onnx", "hf")
+FORMATS = ("safetensors", "onnx", "hf", "peft")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
 
@@ -352,7 +379,8 @@ class ExportConfig:
     path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
     format: Optional[str] = opt(
         None,
-        "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs) or hf (a transformers folder)",
+        "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs), hf (a transformers folder; "
+        "a LoRA run's adapters merged) or peft (a LoRA run's adapters as PEFT saves them, its base model in base/)",
         choices=list(FORMATS),
     )
     out: Optional[str] = opt(None, "output folder, new or empty (written atomically: complete or absent)")
@@ -364,7 +392,7 @@ class ExportConfig:
     data: Optional[str] = opt(
         None, "data-bin with dict.txt and the BPE model (default: the one the checkpoint was trained on)"
     )
-    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf", choices=list(DTYPE_NAMES))
+    dtype: str = opt("fp32", "weight dtype of --format safetensors|hf|peft", choices=list(DTYPE_NAMES))
     kv_cache: bool = opt(
         False,
         "--format onnx: also write decoder_with_past.onnx, which takes and "

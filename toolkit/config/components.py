@@ -105,6 +105,35 @@ class LanguageModelingConfig:
     seed: int = field(default=1, metadata={"help": "pseudo random number generator seed"})
 
 
+# --task sft (toolkit/tasks/sft.py)
+
+SFT_BREAK_MODES = ("complete", "eos")
+"""``--sample-break-mode`` under ``--task sft``: whole conversations, several a sample or one each."""
+
+
+@dataclass
+class SFTConfig(LanguageModelingConfig):
+    """Supervised fine-tuning on a chat data-bin (``toolkit-preprocess --chat-template``): the loss over the
+    tokens its loss mask marks, conversations packed whole, each one attending and counting positions alone."""
+
+    sample_break_mode: str = field(
+        default="complete",
+        metadata={
+            "help": "'complete': pack whole conversations into samples of up to --tokens-per-sample positions; "
+            "'eos': one conversation per sample (--task sft never cuts a conversation between samples)",
+            "choices": list(BREAK_MODES),
+        },
+    )
+    document_attention_mask: bool = field(
+        default=True,
+        metadata={"help": "keep attention inside each conversation of a packed sample (block-diagonal causal mask)"},
+    )
+    reset_position_ids: bool = field(
+        default=True,
+        metadata={"help": "with --document-attention-mask: positions restart at 0 in each conversation"},
+    )
+
+
 # --criterion cross_entropy, vocab_parallel_cross_entropy, adaptive_loss (toolkit/criterions/)
 
 

@@ -141,6 +141,7 @@ FEATURES: Tuple[Feature, ...] = (
     ),
     Feature("data mixture", "--data-mixture", lambda c: bool(_task(c, "data_mixture")), ("--data-mixture", "a=.:1")),
     Feature("EMA", "--store-ema", lambda c: c.ema.store_ema, ("--store-ema",)),
+    Feature("LoRA", "--lora-rank R > 0", lambda c: c.lora.lora_rank > 0, ("--lora-rank", "4")),
 )
 NAMES = tuple(f.name for f in FEATURES)
 
@@ -193,6 +194,29 @@ MUON_OVERLAP = (
     "is itself a collective (the whole matrix gathered to its owner and scattered back) that would "
     "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
     "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam"
+)
+LORA_TP = (
+    "--lora-rank with --model-parallel-size > 1: each adapted layer is split over the tp ranks (its output for "
+    "q/k/v/gate/up, its input for o/down), and its adapters would have to be split the same way (B by rows, A by "
+    "columns) with the update added to the layer's own shard, which the adapters do not do; train LoRA with "
+    "FSDP2 or DDP (--ddp-backend fully_sharded / c10d) instead"
+)
+LORA_FP8 = (
+    "--lora-rank with --fp8: float8 training replaces the blocks' Linear layers by its own class, whose forward "
+    "has no adapters, and casts weights that LoRA keeps frozen in their dtype; drop --fp8 (--bf16 keeps the "
+    "base's compute in bf16)"
+)
+LORA_OVERLAP = (
+    "--lora-rank with --overlap-offload-step: the overlapped step hands each FSDP2 block's parameters, all of them, "
+    "to CPU Adam on a background thread as the block's gradients arrive, and a LoRA run's blocks are mostly frozen "
+    "parameters with no gradient and no optimizer state; drop --overlap-offload-step (--cpu-offload with "
+    "--optimizer cpu_adam trains the adapters)"
+)
+LORA_EP = (
+    "--lora-rank with --expert-parallel-size > 1: the adapters' updates differ from one process's when the frozen "
+    "experts are placed over the ep ranks (tests/integration/test_model_split_pairs.py measures 7.021 against "
+    "6.999 at update 2), so the run is refused rather than trained wrong; train LoRA on an MoE model without "
+    "--expert-parallel-size (FSDP2 shards the experts)"
 )
 CAPABILITIES = Tested(
     "tests/integration/test_parallel_capabilities.py::test_each_declared_capability_trains_as_one_process",
@@ -436,6 +460,26 @@ for _case, _others in {  # the cases of MUON_PAIRS (tests/integration/test_muon_
 }.items():
     for _other in _others:
         _fill("muon", _other, Tested(MUON_PAIRS, f"case {_case}"))
+
+LORA = "tests/integration/test_lora.py::"
+LORA_FSDP = LORA + "test_two_fsdp_ranks_equal_one_process"
+_PAIRS[("FSDP", "LoRA")] = Tested(LORA_FSDP, "case plain: 2 ranks against one process with --update-freq 2")
+for _case, _others in {  # the cases of LORA_FSDP (tests/integration/test_lora.py CASES), against one process
+    "compile_ac_mask": ("compile", "AC", "document mask"),
+    "hsdp_muon_ema": ("HSDP", "muon", "EMA"),
+    "offload_fp16": ("cpu-offload", "fp16"),
+    "mefp16": ("memory-efficient fp16",),
+    "bf16": ("bf16",),
+}.items():
+    for _other in _others:
+        _PAIRS[(_other, "LoRA")] = Tested(LORA_FSDP, f"case {_case}")
+for _tp in ("TP", "SP"):
+    _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
+for _other in ("CP", "data mixture"):
+    _PAIRS[(_other, "LoRA")] = Tested(SPLIT_PAIRS, "case lora_cp_mixture: the MoE family on 2 ranks, cp 2")
+_PAIRS[("EP", "LoRA")] = Refused(LORA_EP)
+_PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
+_PAIRS[("overlap-offload", "LoRA")] = Refused(LORA_OVERLAP)
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {

@@ -327,6 +327,7 @@ def import_all_components() -> None:
 BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
     TASK_REGISTRY: {
         "language_modeling": ("toolkit.tasks.language_modeling", "toolkit.config.components:LanguageModelingConfig"),
+        "sft": ("toolkit.tasks.sft", "toolkit.config.components:SFTConfig"),
     },
     CRITERION_REGISTRY: {
         name: (module, "toolkit.config.components:CrossEntropyCriterionConfig")

@@ -7,19 +7,21 @@ build gets for the same seed (``init_weights`` seeds per parameter name). First,
 split over every rank, exceed each rank's memory is refused in one line (:func:`check_fits_memory`), before
 the allocator is asked for it:
 
-1. ``--fp8``: the blocks' Linear layers become float8 ones (``float8.py``), which every later step sees.
-2. ``--model-parallel-size``: Megatron's split by the family's plan (``tensor_parallel.py``); under sequence
+1. ``--lora-rank``: the targeted Linear layers of the blocks get low-rank adapters and every other parameter is
+   frozen (``toolkit/models/lora.py``); checkpointing, compile and FSDP2 then wrap the adapted blocks as any other.
+2. ``--fp8``: the blocks' Linear layers become float8 ones (``float8.py``), which every later step sees.
+3. ``--model-parallel-size``: Megatron's split by the family's plan (``tensor_parallel.py``); under sequence
    parallelism each MoE layer routes its tp rank's positions (``route_over_sequence_slices``).
-3. ``--expert-parallel-size``: each MoE layer keeps this rank's experts (``expert_parallel.py``).
-4. ``--context-parallel-size``: nothing to wrap: the strategy gives each rank its chunks of the batch
+4. ``--expert-parallel-size``: each MoE layer keeps this rank's experts (``expert_parallel.py``).
+5. ``--context-parallel-size``: nothing to wrap: the strategy gives each rank its chunks of the batch
    (``ParallelStrategy.shard_sample``) and the attention exchanges keys/values (``context_parallel.py``).
-5. ``--checkpoint-activations``: each block recomputes its activations in backward.
-6. ``--compile``: each (wrapped) block is compiled in place (``compile.py``).
-7. FSDP2 (``--ddp-backend fully_sharded``, and ``c10d`` under TP: DDP does not take DTensor parameters):
+6. ``--checkpoint-activations``: each block recomputes its activations in backward.
+7. ``--compile``: each (wrapped) block is compiled in place (``compile.py``).
+8. FSDP2 (``--ddp-backend fully_sharded``, and ``c10d`` under TP: DDP does not take DTensor parameters):
    ``fully_shard`` on each block, its placed experts (or under TP its MoE layers) first over meshes of their
    own, then the root.
-8. Materialize (in host memory under ``--cpu-offload`` on a GPU) and ``init_weights``, once.
-9. The gradients' synchronization: FSDP2's own, DDP's (``c10d``), or one all-reduce after backward
+9. Materialize (in host memory under ``--cpu-offload`` on a GPU) and ``init_weights``, once.
+10. The gradients' synchronization: FSDP2's own, DDP's (``c10d``), or one all-reduce after backward
    (``no_c10d``, fairseq's legacy DDP; under TP over the ranks holding the same shards); the placed experts'
    by :class:`~toolkit.distributed.expert_parallel.ExpertGradients`.
 
@@ -56,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import models
-from toolkit.config import CommonConfig, DistributedConfig, TrainConfig
+from toolkit.config import CommonConfig, DistributedConfig, LoRAConfig, TrainConfig
 from toolkit.distributed.compile import apply_compile
 from toolkit.distributed.expert_parallel import (
     ExpertGradients,
@@ -96,17 +98,26 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def parallelize(
-    model: torch.nn.Module, cfg: DistributedConfig, common: CommonConfig, env: DistributedEnv
+    model: torch.nn.Module,
+    cfg: DistributedConfig,
+    common: CommonConfig,
+    env: DistributedEnv,
+    lora: Optional[LoRAConfig] = None,
 ) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """Wrap a meta-device model as the flags ask, materialize it and initialize it on every rank (module docstring:
     the steps, each a no-op when its axis or feature is off)."""
-    check_blocks(model, cfg)
+    lora = lora or LoRAConfig()
+    check_blocks(model, cfg, lora)
     check_fits_memory(model, env, common.cpu)
     dims = ParallelDims.from_config(cfg, env)  # the layout, validated
     if dims.shape.needs_mesh:  # its meshes and groups, built here on every rank at once (a collective)
         if not dist.is_initialized():
             raise RuntimeError(f"{dims.shape.describe()}: needs a process group (init_distributed makes one)")
         dims.mesh("world")
+    if lora.lora_rank > 0:
+        adapt_with_lora(model, lora)
+    total, trained = models.count_params(model)  # the whole model, before any rank keeps its part
+    logger.info(f"num. model params: {total} (num. trained: {trained})")
     if cfg.fp8:
         apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)
     if dims.shape.tp > 1:
@@ -326,7 +337,7 @@ def _expert_sharding(dims: ParallelDims) -> str:
     return f", each sharded by FSDP2 over the {shape.expert_shard} ranks holding them{replicas}"
 
 
-def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
+def check_blocks(model: torch.nn.Module, cfg: DistributedConfig, lora: Optional[LoRAConfig] = None) -> None:
     """Options that wrap each block of ``model.layers``, refused in one line for a model without them
     (a plugin built on fairseq's base classes) instead of an AttributeError from inside the wrapping."""
     if hasattr(model, "layers"):
@@ -339,6 +350,7 @@ def check_blocks(model: torch.nn.Module, cfg: DistributedConfig) -> None:
             ("--ddp-backend fully_sharded", cfg.ddp_backend == "fully_sharded"),
             ("--model-parallel-size", cfg.model_parallel_size > 1),
             ("--fp8", cfg.fp8),
+            ("--lora-rank", lora is not None and lora.lora_rank > 0),
         )
         if on
     ]
@@ -369,14 +381,24 @@ def check_fits_memory(model: torch.nn.Module, env: DistributedEnv, cpu: bool) ->
     )
 
 
+def adapt_with_lora(model: torch.nn.Module, lora: LoRAConfig) -> None:
+    """``--lora-rank``: low-rank adapters beside the targeted Linear layers, every other parameter frozen."""
+    from toolkit.models.lora import apply_lora
+
+    adapted = apply_lora(model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets)
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in adapted})
+    logger.info(
+        f"LoRA: rank {lora.lora_rank}, alpha {lora.lora_alpha:g}, dropout {lora.lora_dropout:g} on {len(adapted)} "
+        f"Linear layers ({', '.join(leaves)}); every other parameter frozen"
+    )
+
+
 def build_parallel_model(cfg: TrainConfig, task, env: DistributedEnv) -> Tuple[torch.nn.Module, ParallelStrategy]:
     """The run's model, built on the meta device by ``toolkit.models.build_model`` (the one path from an
     architecture to a model), then wrapped, materialized and initialized."""
     with torch.device("meta"):
         model = models.build_model(cfg.components.arch, cfg.model, task)
     logger.info(model)
-    total, trained = models.count_params(model)
     logger.info(f"task: {type(task).__name__}")
     logger.info(f"model: {type(model).__name__}")
-    logger.info(f"num. model params: {total} (num. trained: {trained})")
-    return parallelize(model, cfg.distributed, cfg.common, env)
+    return parallelize(model, cfg.distributed, cfg.common, env, cfg.lora)

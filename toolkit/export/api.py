@@ -23,7 +23,7 @@ def _check(cfg: ExportConfig) -> None:
     if cfg.import_from is None and cfg.format is None:
         raise UserError(f"--format is required: one of {', '.join(FORMATS)}")
     if cfg.format == "onnx" and cfg.dtype != "fp32":
-        raise UserError(f"--dtype {cfg.dtype}: applies to --format safetensors|hf; the ONNX graphs are fp32")
+        raise UserError(f"--dtype {cfg.dtype}: applies to --format safetensors|hf|peft; the ONNX graphs are fp32")
     if cfg.kv_cache and cfg.format != "onnx":
         raise UserError(f"--kv-cache: applies to --format onnx only (not {cfg.import_from or cfg.format})")
     if os.path.abspath(cfg.out) == os.path.abspath(cfg.path):
@@ -37,7 +37,10 @@ def load(cfg: ExportConfig) -> LoadedModel:
     with StepProgress(1, "load") as progress:
         import torch
 
-        model, task, args = inference.load_model(cfg.path, cfg.data, torch.device("cpu"))
+        keep_adapters = cfg.format == "peft"  # every other format merges a LoRA run's adapters into the weights
+        model, task, args = inference.load_model(
+            cfg.path, cfg.data, torch.device("cpu"), merge_adapters=not keep_adapters
+        )
         loaded = LoadedModel(model.float().eval(), task, args, cfg.path)
         n = sum(p.numel() for p in model.parameters())
         progress.advance(
@@ -61,6 +64,8 @@ def run_export(cfg: ExportConfig) -> str:
         from toolkit.export.onnx_format import export_onnx
 
         out = export_onnx(loaded, cfg.out, kv_cache=cfg.kv_cache, opset=cfg.opset)
+    elif cfg.format == "peft":
+        out = export_peft(loaded, cfg.out, cfg.dtype)
     else:
         out = export_hf(loaded, cfg.out, cfg.hf_class, cfg.dtype)
     logger.info(f"wrote {out}: {', '.join(sorted(os.listdir(out)))}")
@@ -79,3 +84,17 @@ def export_hf(loaded: LoadedModel, out: str, hf_class: str, dtype: str) -> str:
     from toolkit.export.hf_format import export_hf as export_through_family
 
     return export_through_family(loaded, out, hf_class=hf_class, dtype=dtype)
+
+
+def export_peft(loaded: LoadedModel, out: str, dtype: str) -> str:
+    """``--format peft``: a LoRA run's adapters as PEFT saves them, with the base model (``peft_format``)."""
+    from toolkit.export.peft_format import export_peft as export_adapters
+    from toolkit.models.lora import SavedLoRA
+
+    lora = SavedLoRA.of(vars(loaded.args))
+    if not lora.rank:
+        raise UserError(
+            f"--format peft: {loaded.path} was trained without --lora-rank, so it has no adapters; "
+            f"use --format hf; nothing written"
+        )
+    return export_adapters(loaded, out, lora, dtype)

@@ -119,6 +119,12 @@ def unsupported(model, fmt: str) -> UserError:
     )
 
 
+def folder_config(weights, dtype: str) -> dict:
+    """``config.json`` of the folder: the family's values, the class and the weights' dtype."""
+    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    return {**weights.config, "architectures": [weights.architecture], "dtype": names[dtype]}
+
+
 def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
     """Write config.json, model.safetensors and the tokenizer (the model's own, or one mapped from the BPE)."""
     model = loaded.model
@@ -126,11 +132,7 @@ def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32")
         raise unsupported(model, "hf")
     require("transformers", "transformers")
     weights = model.hf_weights(hf_class, loaded.dictionary, loaded.first_symbol, loaded.data_dir)
-    config = {
-        **weights.config,
-        "architectures": [weights.architecture],
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-    }
+    config = folder_config(weights, dtype)
     with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
         write_folder(
             tmp,

@@ -24,6 +24,7 @@ from toolkit.checkpoint.common import check_compatible
 from toolkit.checkpoint.consolidated import embed_rows
 from toolkit.compat.fairseq import adapter as fairseq_adapter
 from toolkit.models import build_for_loading
+from toolkit.models.lora import SavedLoRA, apply_lora, merged_state
 from toolkit.core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,15 @@ def load_model(
     data_dir: Optional[str] = None,
     device: torch.device = torch.device("cpu"),
     overrides: Optional[Dict] = None,
+    merge_adapters: bool = True,
 ) -> Tuple[torch.nn.Module, object, Namespace]:
     """A checkpoint's model in eval mode, with the task (dictionary) it was trained on.
 
     Reads toolkit checkpoints, fairseq ``transformer_lm`` ones (see
     :mod:`toolkit.compat.fairseq.checkpoint`) and the ``model.safetensors`` of a
     ``toolkit-export --format safetensors`` folder (no pickle; options from its ``config.json``);
-    ``overrides`` replace saved options (fairseq's ``--model-overrides``).
+    ``overrides`` replace saved options (fairseq's ``--model-overrides``). A LoRA run's adapters are merged into
+    the weights they adapt, or with ``merge_adapters=False`` kept as the run trained them (``LoRALinear`` modules).
     """
     registry.import_all_components()
     if path.endswith(".safetensors"):
@@ -58,6 +61,7 @@ def load_model(
         if cfg.get("data_mixture"):  # the given folder replaces --data-mixture's sources too (for the
             cfg["data_mixture"] = None  # dictionary: the hash check below refuses one not the model's)
     warn_unknown_overrides(path, overrides, cfg)
+    cfg.update(switched_task_defaults(cfg.get("task"), (overrides or {}).get("task")))
     cfg.update(overrides or {})
     args = Namespace(**cfg)
     if registry.registered_arch(args.arch) is None:
@@ -71,12 +75,33 @@ def load_model(
     )
     model = build_for_loading(args.arch, args, task, device)
     state["model"] = fairseq_adapter.model_weights(path, model, state)
+    lora = SavedLoRA.of(cfg)
+    if lora.rank and merge_adapters:
+        state["model"] = merged_state(state["model"], lora.scaling)
+    elif lora.rank:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise UserError(
             f"{path}: checkpoint does not match --arch {args.arch} (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     return model.eval(), task, args
+
+
+def switched_task_defaults(saved: Optional[str], wanted: Optional[str]) -> Dict:
+    """A checkpoint read as another task (``--task``) keeps its options, but where the two tasks' options have
+    different defaults (``--task sft`` packs whole conversations with document masks, ``language_modeling``
+    cuts the stream into blocks) the saved value is the old task's default and the new task's is taken."""
+    if wanted is None or wanted == saved:
+        return {}
+    old_entry, new_entry = (
+        registry.TASK_REGISTRY.get(saved or registry.TASK_REGISTRY.default),
+        registry.TASK_REGISTRY.get(wanted),
+    )
+    if old_entry.config is None or new_entry.config is None:
+        return {}
+    old, new = vars(old_entry.config()), vars(new_entry.config())
+    return {name: value for name, value in new.items() if name in old and old[name] != value}
 
 
 def warn_unknown_overrides(path: str, overrides: Optional[Dict], saved: Dict) -> None:

@@ -85,10 +85,10 @@ def init_weights(model: nn.Module, seed: int, threads: Optional[int] = None) -> 
             )
         params.append((canonical_name(name), param))
 
-    parts = _initial_parts(owner)
+    parts, own = _initial_parts(owner), _own_initial_values(owner)
 
     def fill(item: Tuple[str, torch.Tensor]) -> None:
-        _fill_parameter(owner, seed, *item, part=parts.get(item[0]))
+        _fill_parameter(owner, seed, *item, part=parts.get(item[0]), value=own.get(item[0]))
 
     workers = min(threads or torch.get_num_threads(), len(params))
     if params:
@@ -118,12 +118,33 @@ def _initial_parts(owner: nn.Module) -> Dict[str, Part]:
     return parts
 
 
+def _own_initial_values(owner: nn.Module) -> Dict[str, Callable]:
+    """Parameters a module added from outside the model initializes itself (LoRA's adapters): by name, a
+    ``fn(shape, generator)`` giving the full value. A module says so with ``initial_values()`` ({its parameter:
+    fn}); the model's ``initial_value`` gives every other parameter's."""
+    own: Dict[str, Callable] = {}
+    for prefix, module in owner.named_modules():
+        declared = getattr(module, "initial_values", None)
+        for local, fn in (declared() if callable(declared) else {}).items():
+            own[canonical_name(f"{prefix}.{local}" if prefix else local)] = fn
+    return own
+
+
 @torch.no_grad()  # grad mode is per thread: the pool's threads start with it on
-def _fill_parameter(owner: nn.Module, seed: int, name: str, param: torch.Tensor, part: Optional[Part] = None) -> None:
+def _fill_parameter(
+    owner: nn.Module,
+    seed: int,
+    name: str,
+    param: torch.Tensor,
+    part: Optional[Part] = None,
+    value: Optional[Callable] = None,
+) -> None:
     """Draw parameter ``name``'s full value from its own generator and copy (this rank's part of) it in."""
     generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
     with torch.device("cpu"):  # values come from a CPU generator, also when built under torch.device("cuda")
-        if part is None:
+        if value is not None:
+            full = value(param.shape, generator)
+        elif part is None:
             full = owner.initial_value(name, param.shape, generator)
         else:
             whole_shape, cut = part

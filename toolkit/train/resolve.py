@@ -149,7 +149,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         return options.config_from_args(entry.config, args) if entry.config is not None else None
 
     args = split_list_flags(args)
-    common, distributed, dataset, optimization, checkpoint, ema = (
+    common, distributed, dataset, optimization, checkpoint, ema, lora = (
         options.config_from_args(cls, args) for cls in TRAIN_CONFIGS
     )
     arch_entry = resolve_arch(args.arch)
@@ -169,6 +169,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         optimization=optimization,
         checkpoint=checkpoint,
         ema=ema,
+        lora=lora,
         task=section(TASK_REGISTRY, args.task),
         model=options.config_from_args(arch_entry.config, args) if arch_entry.config else None,
         criterion=section(CRITERION_REGISTRY, args.criterion),

@@ -586,8 +586,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def valid_totals(trainer: Trainer, progress) -> None:
-    """Sum every replica's validation outputs and log them once (fairseq's numbers)."""
+def valid_totals(trainer: Trainer, progress) -> Dict[str, float]:
+    """Sum every replica's validation outputs and log them once (fairseq's numbers); returns the sums (the loss
+    in nats, ``ntokens``, ``sample_size``, ...)."""
     totals: dict = {"_batches": 0.0}
     for sample in progress:
         for k, v in trainer.valid_step(sample).items():
@@ -599,3 +600,4 @@ def valid_totals(trainer: Trainer, progress) -> None:
     batches = totals.pop("_batches") / dims.loss_world
     trainer.criterion.reduce_metrics([totals])
     metrics.log_valid_metrics(totals.get("ntokens", 0), totals.get("nsentences", 0), num_batches=batches)
+    return totals

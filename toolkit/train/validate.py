@@ -82,7 +82,10 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
         raise UserError("--path is required: the checkpoint to validate")
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     ops.select(cfg.cpu_matmul, device)
-    model, task, args = load_for_eval(cfg.path, cfg.data or None, device, parse_overrides(cfg.model_overrides))
+    overrides = parse_overrides(cfg.model_overrides)
+    if cfg.task:
+        overrides["task"] = cfg.task
+    model, task, args = load_for_eval(cfg.path, cfg.data or None, device, overrides)
     saved = vars(args)
     validator = _Validator(model, _criterion(task, saved), device)
     max_positions = min(task.max_positions(), model.max_positions())
@@ -97,10 +100,10 @@ def main(cfg: ValidateConfig) -> Dict[str, Dict[str, Any]]:
             default_log_format="simple" if cfg.no_progress_bar else "tqdm",
         )
         with metrics.aggregate(new_root=True) as agg:
-            valid_totals(validator, progress)
+            sums = valid_totals(validator, progress)
         stats = agg.get_smoothed_values()
         progress.print(stats, tag=subset)
-        results[subset] = dict(stats)
+        results[subset] = dict(stats, _sums=sums)  # the printed values are rounded; the sums are not
     mixture = getattr(task, "mixture", None)
     if mixture:  # the run's `valid` line: the same function over the same per-source values
         for tag, values in weighted_valid_totals(mixture, results, "loss").items():

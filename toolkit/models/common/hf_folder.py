@@ -47,7 +47,13 @@ from toolkit.models.hf_checkpoint import (
     training_flags,
 )
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",  # transformers >= 4.5x saves the chat template beside tokenizer_config.json
+)
 HF_CONFIG = "hf_config.json"
 UNUSED = "<toolkit_unused_{}>"
 RESAVE = "save the model again with save_pretrained (or download the folder again)"
