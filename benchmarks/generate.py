@@ -224,18 +224,20 @@ def versus_transformers(model, d: Dictionary, args, device: torch.device, dtype:
     """Cached greedy decoding, batch 1: the toolkit's generator and transformers' ``generate()`` alternated on the
     same prompt (``</s>`` first for transformers too: the toolkit's decoders start from it), every run generating
     ``--new`` tokens."""
-    from toolkit.core import cpu_gemm
+    from toolkit import ops
 
+    onednn = ops.select("auto", device)  # the library toolkit-generate puts in force for its process
     theirs = transformers_twin(model, d, device, dtype)
     prompts = torch.randint(d.nspecial, len(d), (1, args.prompt), generator=torch.Generator().manual_seed(0))
     ours_gen = generator(model, d, args.prompt, args.new, True, args.eos_check_interval)
     hf_input = torch.cat([torch.full((1, 1), d.eos()), prompts], dim=1).to(device)
 
     def toolkit_side():
-        with cpu_gemm.linear_mode(device):  # as toolkit-generate runs the model
-            return ours_gen.generate(list(prompts.to(device)))[0][0]["tokens"][-args.new - 1 : -1].tolist()
+        ops.restore(onednn)
+        return ours_gen.generate(list(prompts.to(device)))[0][0]["tokens"][-args.new - 1 : -1].tolist()
 
     def transformers_side():
+        ops.restore(False)  # transformers in a process of its own runs torch's products
         out = theirs.generate(
             hf_input,
             attention_mask=torch.ones_like(hf_input),
