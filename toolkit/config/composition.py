@@ -212,12 +212,6 @@ LORA_OVERLAP = (
     "parameters with no gradient and no optimizer state; drop --overlap-offload-step (--cpu-offload with "
     "--optimizer cpu_adam trains the adapters)"
 )
-LORA_EP = (
-    "--lora-rank with --expert-parallel-size > 1: the adapters' updates differ from one process's when the frozen "
-    "experts are placed over the ep ranks (tests/integration/test_model_split_pairs.py measures 7.021 against "
-    "6.999 at update 2), so the run is refused rather than trained wrong; train LoRA on an MoE model without "
-    "--expert-parallel-size (FSDP2 shards the experts)"
-)
 CAPABILITIES = Tested(
     "tests/integration/test_parallel_capabilities.py::test_each_declared_capability_trains_as_one_process",
     "each registered family's class, through each split it declares (context parallelism, expert parallelism, a "
@@ -477,7 +471,7 @@ for _tp in ("TP", "SP"):
     _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
 for _other in ("CP", "data mixture"):
     _PAIRS[(_other, "LoRA")] = Tested(SPLIT_PAIRS, "case lora_cp_mixture: the MoE family on 2 ranks, cp 2")
-_PAIRS[("EP", "LoRA")] = Refused(LORA_EP)
+_PAIRS[("EP", "LoRA")] = Tested(SPLIT_PAIRS, "case lora_ep: the MoE family on 2 FSDP2 ranks, ep 2 (two replicas)")
 _PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
 _PAIRS[("overlap-offload", "LoRA")] = Refused(LORA_OVERLAP)
 
