@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import io
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -87,6 +89,12 @@ def eval_rows(imported, **options):
     ):
         rows += E.score_sample(models, sample, task.dictionary.pad(), models[0].max_positions(), 0, torch.device("cpu"))
     return sorted(rows, key=lambda r: r[0]), M.main(cfg)
+
+
+def test_the_import_records_its_tokenizer_under_the_folders_final_name(imported):
+    """The import is written to a temporary folder and renamed: bpe.json names the file later commands open."""
+    record = json.loads((imported["ours"] / "bpe.json").read_text())
+    assert record["source"]["bpe_model"] == os.path.abspath(imported["ours"] / "tokenizer.json")
 
 
 def test_the_data_bin_holds_each_lines_ids_then_eos(imported):

@@ -42,8 +42,9 @@ def importing_family(config: Dict[str, Any], where: str) -> Any:
     raise UserError(f"{where}: model_type {kind!r}; --from hf imports {listed} folders")
 
 
-def write_checkpoint(imported: HFCheckpoint, tmp: str, progress: StepProgress) -> None:
-    """``model.pt``, ``dict.txt``, the copied files and the tokenizer record into ``tmp`` (two progress steps)."""
+def write_checkpoint(imported: HFCheckpoint, tmp: str, out_dir: str, progress: StepProgress) -> None:
+    """``model.pt``, ``dict.txt``, the copied files and the tokenizer record into ``tmp``, the folder renamed to
+    ``out_dir`` when complete (two progress steps)."""
     from toolkit.checkpoint import identity
     from toolkit.tokenizers import save_tokenizer_to_data_bin
 
@@ -61,7 +62,7 @@ def write_checkpoint(imported: HFCheckpoint, tmp: str, progress: StepProgress) -
     if imported.bpe is not None:
         name, model_files = imported.bpe
         written = {k: os.path.join(tmp, v) if v in imported.texts else v for k, v in model_files.items()}
-        save_tokenizer_to_data_bin(name, written, tmp)
+        save_tokenizer_to_data_bin(name, written, tmp, final_dir=out_dir)
     progress.advance(imported.copied)
 
 
@@ -74,7 +75,7 @@ def import_hf(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None
     family = importing_family(config, path)
     with StepProgress(4, "import") as progress, export_directory(out_dir) as tmp:
         imported = family.from_hf(folder, config, out_dir, tokens_per_sample, progress.advance)
-        write_checkpoint(imported, tmp, progress)
+        write_checkpoint(imported, tmp, out_dir, progress)
     for line in imported.log:
         logger.info(line)
     return out_dir

@@ -126,10 +126,14 @@ def build_tokenizer(name: str, cfg: Union[None, Mapping[str, Any], Any] = None) 
     return cls(make_config(name, cfg))
 
 
-def save_tokenizer_to_data_bin(name: str, cfg: Any, data_dir: str, origin: Optional[str] = None) -> Any:
+def save_tokenizer_to_data_bin(
+    name: str, cfg: Any, data_dir: str, origin: Optional[str] = None, final_dir: Optional[str] = None
+) -> Any:
     """Copy the model files into ``data_dir`` (if not there yet) and write ``bpe.json``.
 
-    Returns the config with its file fields pointing at the copies.
+    ``final_dir`` is where ``data_dir`` (a temporary folder) is renamed to once complete: a source inside it is
+    recorded under its final name, the one later commands can open. Returns the config with its file fields
+    pointing at the copies.
     """
     cls = tokenizer_class(name)
     cfg = make_config(name, cfg)
@@ -143,7 +147,7 @@ def save_tokenizer_to_data_bin(name: str, cfg: Any, data_dir: str, origin: Optio
         dst = os.path.join(data_dir, file_name)
         if os.path.abspath(src) != os.path.abspath(dst):
             shutil.copyfile(src, dst)
-            sources[field] = os.path.abspath(src)
+            sources[field] = _recorded_source(src, data_dir, final_dir)
         else:
             sources[field] = origin
         files[field] = file_name
@@ -158,6 +162,15 @@ def save_tokenizer_to_data_bin(name: str, cfg: Any, data_dir: str, origin: Optio
         json.dump(record, f, indent=2, sort_keys=True)
         f.write("\n")
     return make_config(name, values)
+
+
+def _recorded_source(src: str, data_dir: str, final_dir: Optional[str]) -> str:
+    """``src``'s absolute path, renamed into ``final_dir`` when it lies in the temporary ``data_dir``."""
+    src = os.path.abspath(src)
+    inside = os.path.relpath(src, os.path.abspath(data_dir))
+    if final_dir is None or inside.startswith(os.pardir):
+        return src
+    return os.path.join(os.path.abspath(final_dir), inside)
 
 
 def load_tokenizer_for_data_bin(data_dir: str) -> Optional[Tokenizer]:
