@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from tests.helpers import REPO_ROOT
-from tests.helpers.forkserver import ForkServer
+from tests.helpers.forkserver import ForkServer, apply_limits
 
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| (\w+) \| ([\w.]+) \| (.*)$")
 
@@ -99,12 +99,19 @@ def subprocess_env(extra: Optional[Dict[str, str]] = None, base: Optional[Dict[s
     return env
 
 
-def run_cli(module: str, args: Sequence[str], timeout: float = 300, env: Optional[Dict[str, str]] = None) -> Run:
+def run_cli(
+    module: str,
+    args: Sequence[str],
+    timeout: float = 300,
+    env: Optional[Dict[str, str]] = None,
+    limits: Optional[Dict[str, int]] = None,
+) -> Run:
     """``python -m module args`` with the test environment; a ``toolkit_cli`` command (or a ``tests.helpers``
     program) is forked from the session's fork server (tests/helpers/forkserver.py: the same command, without
-    paying the imports again)."""
+    paying the imports again). ``limits`` (``umask``, ``max_file_bytes``: ``forkserver.apply_limits``) are set
+    in the command's process only."""
     if module.startswith(("toolkit_cli.", "tests.helpers.")) and _fork_ok():
-        return _run_forked(module, args, timeout, subprocess_env(env))
+        return _run_forked(module, args, timeout, subprocess_env(env), limits)
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -112,6 +119,7 @@ def run_cli(module: str, args: Sequence[str], timeout: float = 300, env: Optiona
         timeout=timeout,
         env=subprocess_env(env),
         cwd=REPO_ROOT,
+        preexec_fn=(lambda: apply_limits(limits)) if limits else None,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
@@ -125,13 +133,15 @@ def _fork_ok() -> bool:
     return os.environ.get("TOOLKIT_TESTS_FORK", "1") != "0" and not os.path.exists("/dev/nvidiactl")
 
 
-def _run_forked(module: str, args: Sequence[str], timeout: float, env: Dict[str, str]) -> Run:
+def _run_forked(
+    module: str, args: Sequence[str], timeout: float, env: Dict[str, str], limits: Optional[Dict[str, int]] = None
+) -> Run:
     if not _SERVER or not _SERVER[0].alive():
         _SERVER[:] = [ForkServer(subprocess_env(base=_ENV_AT_IMPORT), REPO_ROOT)]
         atexit.register(_SERVER[0].close)
     with tempfile.TemporaryDirectory(prefix="toolkit-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        code = _SERVER[0].run(module, [str(a) for a in args], env, REPO_ROOT, out, err, timeout)
+        code = _SERVER[0].run(module, [str(a) for a in args], env, REPO_ROOT, out, err, timeout, limits)
         with open(out, errors="replace") as f, open(err, errors="replace") as g:
             return Run(code, f.read(), g.read())
 

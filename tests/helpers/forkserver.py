@@ -11,7 +11,8 @@ command's status; an uncaught exception prints its traceback and exits 1, as the
 ``tests/helpers/cli.run_cli`` uses it for ``toolkit_cli.*`` modules; ``TOOLKIT_TESTS_FORK=0`` turns it off
 (every command then starts a fresh interpreter). A command's ranks (``--distributed-world-size N``) are forked
 from the command too, not spawned (``TOOLKIT_TESTS_FORK_RANKS=0``: spawned, as outside the tests). Protocol on
-the server's stdin/stdout, one JSON line a request: ``{"module", "argv", "env", "cwd", "out", "err"}``; the
+the server's stdin/stdout, one JSON line a request: ``{"module", "argv", "env", "cwd", "out", "err", "limits"}``
+(``limits``: :func:`apply_limits`); the
 server says ``ready`` once its imports are done, then answers each request with the child's pid and its exit
 status, each on a line.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import runpy
 import select
 import signal
@@ -70,6 +72,7 @@ def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        apply_limits(request.get("limits") or {})
         sys.argv = [request["module"], *request["argv"]]
         _fork_ranks()
         sys.modules.pop(request["module"], None)  # run as __main__ only, as ``python -m`` does (its imports stay)
@@ -87,6 +90,17 @@ def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def apply_limits(limits: Dict) -> None:
+    """What a test's ``preexec_fn`` would set in a fresh command, set in the forked child instead: ``umask`` (the
+    mode its files get) and ``max_file_bytes`` (``RLIMIT_FSIZE``, with SIGXFSZ ignored so that a write past it
+    fails with EFBIG instead of killing the process). The command's ranks inherit both, as spawned ones do."""
+    if limits.get("umask") is not None:
+        os.umask(limits["umask"])
+    if limits.get("max_file_bytes") is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["max_file_bytes"], limits["max_file_bytes"]))
 
 
 def _fork_ranks() -> None:
@@ -179,12 +193,20 @@ class ForkServer:
         return line
 
     def run(
-        self, module: str, argv: List[str], env: Dict[str, str], cwd: str, out: str, err: str, timeout: Optional[float]
+        self,
+        module: str,
+        argv: List[str],
+        env: Dict[str, str],
+        cwd: str,
+        out: str,
+        err: str,
+        timeout: Optional[float],
+        limits: Optional[Dict] = None,
     ) -> int:
         if not self.ready:  # the imports, once (a minute at most, even on a busy machine)
             assert self._line(300.0) == "ready\n"
             self.ready = True
-        request = dict(module=module, argv=list(argv), env=env, cwd=cwd, out=out, err=err)
+        request = dict(module=module, argv=list(argv), env=env, cwd=cwd, out=out, err=err, limits=limits or {})
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = int(self._line(10.0))

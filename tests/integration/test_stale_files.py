@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 
 from tests.helpers import dist_helpers as H
 
@@ -15,23 +13,11 @@ def test_training_removes_leftovers_and_writes_with_the_umask(tmp_path):
     save = tmp_path / "save"
     os.makedirs(save)
     (save / ".checkpoint_last.pt.abcd1234.tmp").write_bytes(b"\0" * 4096)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolkit_cli.train",
-            data_bin,
-            *H.model_args(str(save)),
-            "--max-update",
-            "2",
-            "--disable-validation",
-        ],
-        cwd=H.REPO_ROOT,
-        env=H.subprocess_env(),
-        capture_output=True,
-        text=True,
+    proc = H.run_cli(
+        "toolkit_cli.train",
+        [data_bin, *H.model_args(str(save)), "--max-update", "2", "--disable-validation"],
         timeout=240,
-        preexec_fn=lambda: os.umask(0o002),
+        limits={"umask": 0o002},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     removed = [line for line in proc.stdout.splitlines() if "left by interrupted saves" in line]

@@ -1,17 +1,13 @@
 """A save that hits a full disk or the file-size limit is one line, and leaves the last checkpoint intact.
 
-The limit is the process's ``RLIMIT_FSIZE`` (``ulimit -f``), set in the child only, with
-SIGXFSZ ignored so that the write fails with EFBIG instead of killing it: no root needed.
+The limit is the process's ``RLIMIT_FSIZE`` (``ulimit -f``), set in the command's process only (``run_cli``'s
+``limits``), with SIGXFSZ ignored so that the write fails with EFBIG instead of killing it: no root needed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import resource
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -23,31 +19,12 @@ def data_bin(tmp_path_factory):
     return H.make_lm_data_bin(str(tmp_path_factory.mktemp("wr") / "bin"))
 
 
-def limited(max_bytes: int):
-    def preexec():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
-
-    return preexec
-
-
-def train(data_bin, save_dir, *flags, preexec=None):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolkit_cli.train",
-            data_bin,
-            *H.model_args(str(save_dir)),
-            "--disable-validation",
-            *flags,
-        ],
-        cwd=H.REPO_ROOT,
-        env=H.subprocess_env(),
-        capture_output=True,
-        text=True,
+def train(data_bin, save_dir, *flags, max_file_bytes=None):
+    return H.run_cli(
+        "toolkit_cli.train",
+        [data_bin, *H.model_args(str(save_dir)), "--disable-validation", *flags],
         timeout=240,
-        preexec_fn=preexec,
+        limits=None if max_file_bytes is None else {"max_file_bytes": max_file_bytes},
     )
 
 
@@ -70,7 +47,7 @@ def test_file_too_large_at_save_is_one_line(data_bin, tmp_path, mode):
     assert first.returncode == 0, first.stderr[-3000:]
     before = snapshot(tmp_path)
     largest = max(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs)
-    failed = train(data_bin, tmp_path, "--max-update", "6", *mode, preexec=limited(largest // 3))
+    failed = train(data_bin, tmp_path, "--max-update", "6", *mode, max_file_bytes=largest // 3)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr + failed.stdout, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if "error" in line]
