@@ -5,7 +5,8 @@
 # Arguments go to both pytest runs (e.g. -x, -k NAME); a tier that -k/-m leaves empty (pytest's exit 5)
 # is not a failure unless both are empty. Each tier runs on TOOLKIT_TEST_WORKERS pytest-xdist workers
 # (default 2, one a core here; 0: in the pytest process); the integration tier hands out whole files
-# (a file's module fixtures, e.g. its one-process reference runs, are made once).
+# (a file's module fixtures, e.g. its one-process reference runs, are made once), the longest files first
+# (tests/integration/conftest.py's LONGEST_FIRST).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -25,7 +26,7 @@ fi
 integration=0
 files=()
 if [ "$workers" != "0" ]; then
-    files=(--dist loadfile)
+    files=(--dist loadfile --no-loadscope-reorder)  # tests/integration/conftest.py orders the files
 fi
 "${PYTHON:-python3}" -m pytest tests/integration -q --durations=30 "${parallel[@]}" "${files[@]}" "$@" || integration=$?
 if [ "$integration" -eq 5 ] && [ "$unit" -eq 0 ]; then
