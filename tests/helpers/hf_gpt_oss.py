@@ -1,5 +1,7 @@
-"""A random tiny Hugging Face ``GptOssForCausalLM`` folder saved by transformers with a word-level tokenizer
-(``hf_llama``'s), and the same model as the release stores it (experts in MXFP4 blocks and scales).
+"""A random tiny Hugging Face ``GptOssForCausalLM`` folder saved by transformers with a tokenizer in the manner of
+the release's harmony one (o200k_harmony: a byte-level BPE, the harmony format's markers as special tokens,
+``<|return|>`` the end of a generation, ``<|endoftext|>`` the padding, no BOS added), and the same model as the
+release stores it (experts in MXFP4 blocks and scales).
 
 2 layers of 32 (a local layer with a window of 4, then a global one), 4 heads of 8 on 2 key/value heads, 4
 experts of 32, top 2, YaRN with the ramp's ends unrounded (``truncate`` false, as released) over an original
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import string
 
+import tokenizers
 import torch
 import transformers
 
-from tests.helpers.hf_llama import save_tokenizer
+from tests.helpers.hf_llama import QWEN2_MERGES
 from toolkit.models.gpt_oss import mxfp4
 
+VOCAB_SIZE = 64  # rows past the tokenizer's ids stay unused, as the release's 201,088 past o200k_harmony's
 CONFIG = dict(
     hidden_size=32,
     intermediate_size=32,
@@ -30,6 +35,7 @@ CONFIG = dict(
     num_experts_per_tok=2,
     sliding_window=4,
     max_position_embeddings=64,
+    vocab_size=VOCAB_SIZE,
     initializer_range=0.3,
     swiglu_limit=2.0,
     rope_parameters=dict(
@@ -53,9 +59,29 @@ MXFP4_CONFIG = {
 }
 
 
+#: the harmony format's markers (o200k_harmony's special tokens), in the release's order
+HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>"]
+HARMONY += ["<|message|>", "<|call|>"]
+
+
+def save_harmony_tokenizer(folder: str) -> dict:
+    """A byte-level BPE (lowercase letters, digits, then ``hf_llama``'s merges), the harmony markers as special tokens after them;
+    the config's token ids."""
+    chars = list(string.ascii_lowercase) + ["\u0120"] + [str(i) for i in range(10)]
+    vocab = {tok: i for i, tok in enumerate(chars + ["".join(m) for m in QWEN2_MERGES])}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, QWEN2_MERGES))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(HARMONY)
+    names = dict(bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(folder)
+    ids = {name: tok.token_to_id(token) for name, token in names.items()}
+    return dict(bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"], pad_token_id=ids["pad_token"])
+
+
 def make_hf_gpt_oss(folder: str):
     torch.manual_seed(0)
-    ids = save_tokenizer(folder, "llama")
+    ids = save_harmony_tokenizer(folder)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**CONFIG, **ids)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -87,4 +113,4 @@ def save_mxfp4(hf, folder: str) -> None:
     config["quantization_config"] = MXFP4_CONFIG
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)
-    save_tokenizer(folder, "llama")
+    save_harmony_tokenizer(folder)

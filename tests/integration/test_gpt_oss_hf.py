@@ -1,6 +1,7 @@
 """Hugging Face gpt-oss checkpoints in and out (``models/gpt_oss/hf.py``): a random tiny GptOssForCausalLM (sinks,
 biases everywhere, a local layer of window 4 then a global one, 4 experts of the clamped SwiGLU, YaRN unrounded)
-saved by transformers with a tokenizer, and the same model as the release stores it (MXFP4 experts).
+saved by transformers with a harmony-style tokenizer (byte-level BPE, the format's markers as special tokens), and
+the same model as the release stores it (MXFP4 experts).
 
 ``--from hf`` keeps the tokenizer's ids; the imported model's log-probs equal transformers' within 1e-4 in fp32 on
 14 tokens (past the window), for the MXFP4 folder against transformers' own dequantization of it
@@ -57,9 +58,10 @@ def test_imported_options_and_ids(imported):
     assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_yarn_truncate) == ("yarn", 4.0, False)
     assert imported["model"].layers[0].self_attn.sinks.shape == (4,)
     assert len(d) == imported["hf"].config.vocab_size and d.eos() == imported["hf"].config.eos_token_id
-    text = "w3 w17 w59 w0"
+    text = "<|start|>user<|message|>w3 w17 w59 w0<|end|><|start|>assistant<|channel|>final<|message|>w12<|return|>"
     ids = transformers.AutoTokenizer.from_pretrained(str(imported["out"]))(text)["input_ids"]
     assert ids == transformers.AutoTokenizer.from_pretrained(str(imported["folder"]))(text)["input_ids"]
+    assert d[ids[0]] == "<|start|>" and d[ids[-1]] == "<|return|>" and ids[-1] == d.eos()
 
 
 def test_log_probs_equal_transformers(imported):
