@@ -77,3 +77,19 @@ def test_what_the_family_does_not_compute_is_refused(overrides, fragment):
     with pytest.raises(UserError, match=fragment) as err:
         models.build_on_meta("gpt_oss_tiny", 64, tokens_per_sample=16, **overrides)
     assert "\n" not in str(err.value)
+
+
+def test_the_import_logs_flags_that_rebuild_the_model():
+    """The fine-tune command an import prints turns the YaRN rounding off with its --no- form."""
+    import shlex
+
+    from toolkit.core import registry
+    from toolkit.models.hf_checkpoint import training_flags
+    from toolkit.train.arguments import parse_train_args
+
+    registry.declare_builtin_components()  # as the commands do
+    given = dict(rope_yarn_truncate=False, moe_swiglu_limit=2.0, sliding_window=4)
+    flags = training_flags("gpt_oss", given)
+    assert "--no-rope-yarn-truncate" in flags
+    args, _ = parse_train_args(["data-bin"] + shlex.split(flags))
+    assert (args.arch, args.rope_yarn_truncate, args.moe_swiglu_limit) == ("gpt_oss", False, 2.0)
