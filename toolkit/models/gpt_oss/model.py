@@ -92,18 +92,19 @@ class GptOssMoE(MoE):
     """The MoE block with gpt-oss's router and experts (its statistics, losses and hooks the MoE block's)."""
 
     def __init__(self, cfg: GptOssConfig, index: int):
-        C, F_ = cfg.decoder_embed_dim, cfg.moe_ffn_embed_dim
+        width, hidden = cfg.decoder_embed_dim, cfg.moe_ffn_embed_dim
         super().__init__(
-            C,
-            F_,
+            width,
+            hidden,
             num_experts=cfg.moe_num_experts,
             top_k=cfg.moe_top_k,
             renormalize=True,
             idle_warning_updates=cfg.moe_idle_warning_updates,
             name=f"layers.{index}.mlp",
         )
-        self.gate = TopKLogitRouter(C, cfg.moe_num_experts, cfg.moe_top_k)
-        self.experts = ClampedSwiGLUExperts(cfg.moe_num_experts, C, F_, cfg.moe_swiglu_limit, cfg.moe_swiglu_alpha)
+        self.gate = TopKLogitRouter(width, cfg.moe_num_experts, cfg.moe_top_k)
+        experts = ClampedSwiGLUExperts(cfg.moe_num_experts, width, hidden, cfg.moe_swiglu_limit, cfg.moe_swiglu_alpha)
+        self.experts = experts
 
 
 @register_model("gpt_oss", dataclass=GptOssConfig)
