@@ -174,6 +174,8 @@ def test_tiles_skip_what_the_mask_hides():
 LAYERS = {
     "window": lambda: Attention(32, 4, 2, 8, window=6),
     "sinks": lambda: Attention(32, 4, 2, 8, sinks=True),  # the explicit form under the layout's mask
+    # gpt-oss's local layer: sinks, a window and biases on every projection
+    "sinks_window": lambda: Attention(32, 4, 2, 8, qkv_bias=True, window=6, sinks=True, output_bias=True),
     # its own entries (a latent and a rotary key) travel, not k and v; values narrower than keys, then as wide
     "latent": lambda: LatentAttention(32, 4, kv_rank=6, rope_dim=4, nope_dim=8, v_dim=6, q_rank=12),
     "latent_same_width": lambda: LatentAttention(32, 4, kv_rank=6, rope_dim=4, nope_dim=8, v_dim=12),

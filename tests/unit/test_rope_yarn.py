@@ -129,30 +129,46 @@ def test_flags_build_the_same_tables_as_the_imported_config():
     assert rope_scaling(cfg) == rope_scaling(imported)
 
 
+def llama_config(**rope) -> dict:
+    """A tiny LlamaForCausalLM config.json with the rotary settings ``rope``."""
+    shapes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    return {"model_type": "llama", **shapes, "max_position_embeddings": 64, **rope}
+
+
 @pytest.mark.parametrize(
     "scaling, fragment",
     [
         ({"rope_type": "yarn", "factor": 4.0}, "has no original_max_position_embeddings"),
         (
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},
-            "truncate False",
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": "no"},
+            "truncate 'no': true or false",
         ),
         ({"rope_type": "longrope", "factor": 4.0}, "default, llama3, yarn and linear"),
     ],
 )
 def test_yarn_settings_computed_otherwise_are_refused_in_one_line(scaling, fragment):
-    config = {
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 64,
-        "rope_scaling": scaling,
-    }
+    config = llama_config(rope_scaling=scaling)
     with pytest.raises(UserError, match=fragment) as err:
         options_from_hf(config, "config.json")
     assert "\n" not in str(err.value)
+
+
+def test_untruncated_correction_range_equals_transformers():
+    """gpt-oss's ``truncate`` false: the ramp's ends stay fractional; frequencies equal transformers' and differ
+    from the truncated ones; the option is read from config.json and written back."""
+    scaling = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False}
+    config = llama_config(rope_theta=150000.0, rope_scaling=scaling)
+    cfg = LlamaConfig(**options_from_hf(config, "x"))
+    assert cfg.rope_yarn_truncate is False
+    want, _ = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**config), "cpu")
+    got, _ = rope.rope_frequencies(16, cfg.rope_theta, rope_scaling(cfg))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    cfg.rope_yarn_truncate = True
+    assert not torch.allclose(rope.rope_frequencies(16, cfg.rope_theta, rope_scaling(cfg))[0], want)
+    cfg.rope_yarn_truncate = False
+    from toolkit.models.common.hf_config import hf_rope_scaling
+
+    assert hf_rope_scaling(cfg)["truncate"] is False
 
 
 def test_yarn_betas_in_the_wrong_order_are_refused():

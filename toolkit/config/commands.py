@@ -371,6 +371,7 @@ IMPORTABLE_HF_CLASSES = (
     "OlmoeForCausalLM",
     "MixtralForCausalLM",
     "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 

@@ -718,6 +718,13 @@ MODEL: Tuple[Condition, ...] = (
         "and --context-parallel-size (--model-parallel-size 1)",
         ("--arch", "deepseek_v3_tiny"),
     ),
+    _no_split(
+        "attention sinks (--arch gpt_oss)",
+        lambda c: _model(c, "moe_swiglu_limit") is not None,
+        "gpt-oss's attention sinks (one per head) have no tensor-parallel split yet; train it with FSDP, "
+        "--expert-parallel-size and --context-parallel-size (--model-parallel-size 1)",
+        ("--arch", "gpt_oss_tiny"),
+    ),
 )
 
 

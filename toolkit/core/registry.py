@@ -375,6 +375,7 @@ BUILTIN_FAMILIES: Dict[str, str] = {
     "olmo2": "Olmo2Config",
     "moe": "MoEConfig",
     "deepseek_v3": "DeepSeekV3Config",
+    "gpt_oss": "GptOssConfig",
 }
 
 

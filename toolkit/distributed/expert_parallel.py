@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Set
 import torch
 
 from toolkit.distributed.parallel_dims import EXPERT_PEERS, ParallelDims
-from toolkit.models.common.moe import EXPERT_PROJECTIONS, MoE, GroupedExperts
+from toolkit.models.common.moe import MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
 
@@ -114,7 +114,7 @@ def placed_names(model: torch.nn.Module) -> List[str]:
         f"{prefix}.{name}"
         for prefix, module in model.named_modules()
         if isinstance(module, GroupedExperts) and module.ep_group is not None
-        for name in EXPERT_PROJECTIONS
+        for name in module.STACKS
     ]
 
 
@@ -175,7 +175,7 @@ def _placed(model: torch.nn.Module):
     """(parameter name, its module, the parameter) of every placed expert stack."""
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts) and module.ep_group is not None:
-            for name in EXPERT_PROJECTIONS:
+            for name in module.STACKS:
                 yield canonical_name(f"{prefix}.{name}"), module, getattr(module, name)
 
 

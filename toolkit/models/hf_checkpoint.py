@@ -71,7 +71,9 @@ def training_flags(arch: str, given: Dict[str, object]) -> str:
         if defaults.get(key) == value or follows_width:
             continue
         flag = "--" + key.replace("_", "-")
-        flags.append(flag if value is True else f"{flag} {value}")
+        if value is False:  # an option on by default (or by the arch) is turned off by its --no- form
+            flag = "--no-" + key.replace("_", "-")
+        flags.append(flag if isinstance(value, bool) else f"{flag} {value}")
     return " ".join(flags)
 
 

@@ -146,11 +146,9 @@ def rope_options(config: Dict[str, Any], where: str) -> Dict[str, Any]:
 def _yarn(scaling: Dict[str, Any], where: str) -> Dict[str, Any]:
     """YaRN's ramp and attention factor as transformers' ``_compute_yarn_parameters`` reads them: null betas
     are 32 and 1; DeepSeek's mscale/mscale_all_dim give the attention factor when it is not written."""
-    if scaling.get("truncate", True) is not True:
-        raise UserError(
-            f"{where}: rope_scaling truncate {scaling['truncate']!r}; the toolkit rounds YaRN's "
-            "correction range outwards (truncate true, transformers' default); drop the key"
-        )
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise UserError(f"{where}: rope_scaling truncate {truncate!r}: true or false (or no key: true)")
     factor = float(scaling["factor"])
     attention = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -160,6 +158,7 @@ def _yarn(scaling: Dict[str, Any], where: str) -> Dict[str, Any]:
         rope_yarn_beta_fast=float(scaling.get("beta_fast") or 32.0),
         rope_yarn_beta_slow=float(scaling.get("beta_slow") or 1.0),
         rope_attention_factor=None if attention is None else float(attention),
+        rope_yarn_truncate=truncate,
     )
 
 
@@ -276,12 +275,13 @@ def hf_rope_scaling(cfg: DecoderOptions) -> Dict[str, Any]:
     if cfg.rope_scaling == "llama3":
         return {**common, "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
     attention = cfg.rope_attention_factor
-    return {
+    yarn = {
         **common,
         "beta_fast": cfg.rope_yarn_beta_fast,
         "beta_slow": cfg.rope_yarn_beta_slow,
         "attention_factor": yarn_attention_factor(cfg.rope_scaling_factor) if attention is None else attention,
     }
+    return yarn if cfg.rope_yarn_truncate else {**yarn, "truncate": False}
 
 
 def layer_type_names(cfg: DecoderOptions) -> list:

@@ -276,14 +276,14 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def _gather_experts(module: GroupedExperts, state: Dict, prefix: str, _metadata) -> None:
     """state_dict hook of placed experts: the whole [E, ...] stacks (collective: every rank saves)."""
-    for name in EXPERT_PROJECTIONS:
+    for name in module.STACKS:
         state[prefix + name] = module.whole_stack(state[prefix + name])
 
 
 def _slice_experts(module: GroupedExperts, state: Dict, prefix: str, *_args) -> None:
     """load_state_dict pre-hook of placed experts: a whole stack keeps this rank's E/P experts (as this rank's
     FSDP2 shard of them when the experts are sharded: every rank holds the whole stack, so no communication)."""
-    for name in EXPERT_PROJECTIONS:
+    for name in module.STACKS:
         if prefix + name in state:
             part = module.own_part(_whole_local(state[prefix + name]))  # DCP may hand a replicated DTensor
             param = getattr(module, name)
@@ -303,7 +303,10 @@ def _whole_local(tensor: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """E gated experts stored stacked: ``gate_proj``, ``up_proj`` [E, F, C] and ``down_proj`` [E, C, F]; after
-    :meth:`place`, this rank's E/P consecutive ones (``num_experts`` stays E, the router's count)."""
+    :meth:`place`, this rank's E/P consecutive ones (``num_experts`` stays E, the router's count). ``STACKS``: the
+    per-expert tensors [E, ...] that placement cuts (a subclass adds its experts' biases)."""
+
+    STACKS = EXPERT_PROJECTIONS
 
     def __init__(self, num_experts: int, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
@@ -320,7 +323,7 @@ class GroupedExperts(nn.Module):
         if self.num_experts % size:
             raise ValueError(f"{self.num_experts} experts cannot be split evenly over {size} ranks")
         local = self.num_experts // size
-        for name in EXPERT_PROJECTIONS:
+        for name in self.STACKS:
             full = getattr(self, name)
             setattr(self, name, nn.Parameter(full[rank * local : (rank + 1) * local].clone()))
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
@@ -344,9 +347,7 @@ class GroupedExperts(nn.Module):
         this rank's experts, so ``init_weights`` draws the values of the whole stack, as one process does."""
         if self.ep_group is None:
             return {}
-        return {
-            name: ((self.num_experts, *getattr(self, name).shape[1:]), self.own_part) for name in EXPERT_PROJECTIONS
-        }
+        return {name: ((self.num_experts, *getattr(self, name).shape[1:]), self.own_part) for name in self.STACKS}
 
     def own_part(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole [E, ...] per-expert tensor; anything else as it is."""

@@ -118,6 +118,13 @@ class DecoderOptions:
             "context are divided by the factor (beta_slow)",
         },
     )
+    rope_yarn_truncate: bool = field(
+        default=True,
+        metadata={
+            "help": "YaRN: round the ramp's ends outwards to whole frequency pairs (truncate; "
+            "--no-rope-yarn-truncate keeps them fractional, as gpt-oss)"
+        },
+    )
     rope_attention_factor: Optional[float] = field(
         default=None,
         metadata={

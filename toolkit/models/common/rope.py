@@ -41,6 +41,7 @@ class RopeScaling:
     beta_fast: float = 32.0  # YaRN: dimensions turning more than this often over the original context extrapolate
     beta_slow: float = 1.0  # YaRN: those turning less than this often interpolate (divided by the factor)
     attention_factor: Optional[float] = None  # YaRN: cos/sin multiplier (None: 0.1 ln(factor) + 1, the paper's)
+    truncate: bool = True  # YaRN: the correction range rounded outwards to whole pairs (gpt-oss: false, exact)
 
 
 def llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[torch.Tensor, float]:
@@ -65,14 +66,17 @@ def yarn_scaling(inv_freq: torch.Tensor, s: RopeScaling, base: float) -> Tuple[t
     """YaRN: frequency pairs that turn more than beta_fast times over the original context keep their
     frequency (extrapolate), those turning fewer than beta_slow times are divided by the factor (interpolate),
     a linear ramp over the pair index between; the tables are multiplied by the attention factor. The
-    correction range is rounded outwards (floor/ceil, transformers' ``truncate`` true)."""
+    correction range is rounded outwards (floor/ceil, transformers' ``truncate`` true) or kept fractional
+    (``truncate`` false: gpt-oss)."""
     dim = 2 * inv_freq.numel()
 
     def pair_turning(rotations: float) -> float:  # the (fractional) pair index turning ``rotations`` times
         return dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair_turning(s.beta_fast)), 0)
-    high = min(math.ceil(pair_turning(s.beta_slow)), dim - 1)
+    low, high = pair_turning(s.beta_fast), pair_turning(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no division by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.device)
@@ -143,6 +147,7 @@ def decoder_scaling(cfg) -> Optional[RopeScaling]:
         beta_fast=cfg.rope_yarn_beta_fast,
         beta_slow=cfg.rope_yarn_beta_slow,
         attention_factor=cfg.rope_attention_factor,
+        truncate=cfg.rope_yarn_truncate,
     )
 
 
