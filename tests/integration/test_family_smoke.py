@@ -13,13 +13,11 @@ resumes under ``--arch gemma3`` with its other flags to the uninterrupted run's 
 
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 
 from tests.helpers import dist_helpers as H
-from tests.helpers.eval_reference import reference_eval
+from tests.helpers.eval_reference import assert_eval_lm_equals_forward
 
 UPDATES = 4
 FAMILIES = ["qwen3_tiny", "olmo2_tiny", "gemma3_tiny"]
@@ -60,10 +58,6 @@ def data_bin(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tmp_path):
-    from toolkit.data.indexed_dataset import MMapIndexedDataset
-    from toolkit.inference import load_model
-    from toolkit.inference.eval_lm_main import EvalLMConfig, main
-
     reference = train(data_bin, tmp_path / "one", arch, "--update-freq", "2")
     assert sorted(reference) == list(range(1, UPDATES + 1)) and reference[UPDATES] < reference[1]
     sharded = train(
@@ -86,13 +80,7 @@ def test_family_trains_sharded_compiled_resumed_and_evaluated(arch, data_bin, tm
     resumed = train(data_bin, tmp_path / "resumed", arch, "--update-freq", "2")
     assert sorted(resumed) == [3, 4] and all(resumed[u] == reference[u] for u in resumed)
 
-    ckpt = str(tmp_path / "one" / "checkpoint_last.pt")
-    result = main(EvalLMConfig(data=data_bin, path=ckpt, gen_subset="valid", tokens_per_sample=32, batch_size=3))
-    model, _, _ = load_model(ckpt, data_bin)
-    valid = MMapIndexedDataset(os.path.join(data_bin, "valid"))
-    total, count = reference_eval(model, [int(t) for i in range(len(valid)) for t in valid[i]], 32)
-    assert result["count"] == count
-    assert result["loss"] == pytest.approx(-total / count / math.log(2), rel=1e-5)
+    assert_eval_lm_equals_forward(str(tmp_path / "one" / "checkpoint_last.pt"), data_bin)
 
 
 #: gemma3_tiny's values over the bare ``--arch gemma3``: what a run of ``--arch llama --gemma-norms`` gave as flags

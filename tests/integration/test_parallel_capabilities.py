@@ -49,6 +49,8 @@ TRAINED = {
     "llama": "qwen3_tiny",  # GQA, heads of 32 on a width of 64, per-head QK-norm
     "moe": "moe_tiny",  # Qwen3-MoE: per-head QK-norm, GQA
     "olmo2": "olmo2_tiny",  # its tensor-parallel split is refused (MODEL): trained under cp only
+    "olmo3": "olmo3_tiny",  # OLMo 2's refusal of tp; a local layer, YaRN on the global one: trained under cp
+    "smollm3": "smollm3_tiny",  # a NoPE layer
     "transformer_lm": "transformer_lm_gpt2_tiny",
 }
 

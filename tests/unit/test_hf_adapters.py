@@ -36,11 +36,18 @@ CASES = {
     "gemma3": ("gemma3_tiny", {}, "gemma3_text"),
     "gemma3-linear-rope": ("gemma3_tiny", dict(rope_scaling="linear", rope_scaling_factor=8.0), "gemma3_text"),
     "olmo2": ("olmo2_tiny", {}, "olmo2"),
+    "olmo3-yarn-on-the-global-layer": ("olmo3_tiny", {}, "olmo3"),
+    "smollm3-nope-interval": ("smollm3_tiny", {}, "smollm3"),
+    "smollm3-nope-list-local-layer": (
+        "smollm3_tiny",
+        dict(nope_layers="0", sliding_window=6, layer_types="full_attention,sliding_attention"),
+        "smollm3",
+    ),
     "qwen3-moe": ("moe_tiny", {}, "qwen3_moe"),
     "olmoe": ("olmoe_tiny", {}, "olmoe"),
     "mixtral": ("mixtral_tiny", {}, "mixtral"),
 }
-DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "olmo2"}
+DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "olmo2", "olmo3", "smollm3"}
 
 
 def build(arch: str, **options):
@@ -74,7 +81,7 @@ def test_options_to_config_json_and_back_build_the_same_model(case):
 
 def test_an_impossible_value_read_back_is_refused_naming_its_key_in_that_config(case):
     """The config.json each class is written as, with its rotary base made 0.5 (toolkit-train's --rope-theta
-    refuses it): the import's check names the key where that config keeps it (Gemma 3's per layer type, in
+    refuses it): the import's check names the key where that config keeps it (Gemma 3's and OLMo 3's per layer type, in
     transformers 5's rope_parameters), and Mixtral's expert count by its own key."""
     from toolkit.core.errors import UserError
     from toolkit.models.hf_checkpoint import check_option_values
@@ -83,7 +90,8 @@ def test_an_impossible_value_read_back_is_refused_naming_its_key_in_that_config(
     given = adapter.options_from_hf(config, "config.json")
     options_cls = registry.resolve_arch(case["arch"]).config
     keys = adapter.config_keys(config)
-    theta = "rope_parameters.full_attention.rope_theta" if case["kind"] == "gemma3_text" else "rope_theta"
+    per_layer_type = case["kind"] in ("gemma3_text", "olmo3")
+    theta = "rope_parameters.full_attention.rope_theta" if per_layer_type else "rope_theta"
     with pytest.raises(
         UserError, match=rf"^config.json: {theta} 0.5: must be greater than 1 .*, as for .*--rope-theta;"
     ):

@@ -33,6 +33,9 @@ PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embedding
     "olmo2_7b": 7_298_617_344,
     "gemma3_1b": 999_885_952,
     "gemma3_4b": 3_880_263_168,  # the language model of Gemma 3 4B (no vision tower)
+    "olmo3_7b": 7_298_011_136,
+    "olmo3_32b": 32_233_522_176,
+    "smollm3_3b": 3_075_098_624,
 }
 #: transformers' Gemma3TextConfig values of the published models
 GEMMA3_CONFIGS = {
@@ -80,6 +83,35 @@ QWEN3_CONFIGS = {
 }
 
 
+#: transformers' config class and values of the published OLMo 3 (Olmo-3-1025-7B, Olmo-3-1125-32B) and SmolLM3-3B
+REFRESH_CONFIGS = {
+    "olmo3_7b": (
+        "Olmo3",
+        dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
+    ),
+    "olmo3_32b": (
+        "Olmo3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=27648,
+            num_hidden_layers=64,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+        ),
+    ),
+    "smollm3_3b": (
+        "SmolLM3",
+        dict(
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+        ),
+    ),
+}
+
+
 @pytest.mark.parametrize("arch", sorted(PUBLISHED))
 def test_named_sizes_have_the_published_parameter_counts(arch):
     assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == PUBLISHED[arch]
@@ -106,6 +138,19 @@ def test_olmo2_sizes_count_as_transformers_builds_them(arch):
     with torch.device("meta"):
         hf = transformers.Olmo2ForCausalLM(config)
     theirs = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == theirs == PUBLISHED[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(REFRESH_CONFIGS))
+def test_olmo3_and_smollm3_sizes_count_as_transformers_builds_them(arch):
+    """A meta-device Olmo3ForCausalLM (untied) / SmolLM3ForCausalLM (tied) of the published config holds as many
+    parameters (local layers and NoPE layers have the same tensors as the others)."""
+    transformers = pytest.importorskip("transformers")
+    name, values = REFRESH_CONFIGS[arch]
+    config = getattr(transformers, f"{name}Config")(vocab_size=default_vocab_size(arch), **values)
+    with torch.device("meta"):
+        hf = getattr(transformers, f"{name}ForCausalLM")(config)
+    theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
     assert count_parameters(arch, vocab_size=default_vocab_size(arch)) == theirs == PUBLISHED[arch]
 
 

@@ -366,6 +366,8 @@ IMPORTABLE_HF_CLASSES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "SmolLM3ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",

@@ -373,6 +373,8 @@ BUILTIN_FAMILIES: Dict[str, str] = {
     "llama": "LlamaConfig",
     "gemma3": "Gemma3Config",
     "olmo2": "Olmo2Config",
+    "olmo3": "Olmo3Config",
+    "smollm3": "SmolLM3Config",
     "moe": "MoEConfig",
     "deepseek_v3": "DeepSeekV3Config",
     "gpt_oss": "GptOssConfig",

@@ -7,7 +7,8 @@ G = 1 multi-query, G = H multi-head), D head size, C model width.
   options of the families: QK-norm (an RMSNorm over each head of q and k before the rotation: Qwen3, Gemma 3; or
   over the whole projection before the heads split: OLMo 2, OLMoE), the logit soft-cap (Gemma 2), the sliding
   window (Mistral, Gemma's local layers), a custom scale (Gemma), attention sinks (gpt-oss: a learned logit per
-  head in the softmax's denominator, parameter ``sinks`` [H]), biases on q/k/v (Qwen2) and on the output (gpt-oss);
+  head in the softmax's denominator, parameter ``sinks`` [H]), biases on q/k/v (Qwen2) and on the output (gpt-oss),
+  no rotation at all (``rotary=False``: SmolLM3's NoPE layers, whose positions come from the causal mask alone);
 - :class:`GatedAttention`: Qwen3-Next's, ``o_proj(attention * sigmoid(gate))``, the gate a second half of each
   query head's projection;
 - :class:`FusedQKVAttention`: fairseq's (``transformer_lm``), q, k and v from one ``qkv_proj``, ``out_proj``,
@@ -55,9 +56,11 @@ class Attention(AttentionLayer):
         qk_norm_unit_offset: bool = False,
         sinks: bool = False,
         output_bias: bool = False,
+        rotary: bool = True,
     ):
         super().__init__(window=window, scale=scale, softcap=softcap)
         self.head_dim = head_dim
+        self.rotary = rotary  # False: q and k pass unrotated (a NoPE layer), whatever tables the model hands in
         self.qk_norm_per_head = qk_norm_per_head  # else over the whole projection (OLMo 2), before the heads split
         self.q_proj = nn.Linear(dim, self.query_width(heads, head_dim), bias=qkv_bias)
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
@@ -90,13 +93,15 @@ class Attention(AttentionLayer):
     def rotated(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """q [B, T, H*D] and k [B, T, G*D] -> [B, H, T, D], [B, G, T, D]: normalized (QK-norm), rotated."""
+        """q [B, T, H*D] and k [B, T, G*D] -> [B, H, T, D], [B, G, T, D]: normalized (QK-norm), rotated (unless
+        the layer has no rotation)."""
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         per_head = self.qk_norm_per_head
-        q = apply_rope(self._heads(q, self.q_norm if per_head else None), cos, sin)
-        k = apply_rope(self._heads(k, self.k_norm if per_head else None), cos, sin)
-        return q, k
+        q, k = self._heads(q, self.q_norm if per_head else None), self._heads(k, self.k_norm if per_head else None)
+        if not self.rotary:
+            return q, k
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, Entries, Any]:
         """q [B, H, T, D]; entries k and v [B, G, T, D]: projected, normalized (QK-norm), q and k rotated."""
