@@ -268,6 +268,14 @@ def saved_bytes(model: torch.nn.Module, tokens: int, vocab: int, dtype: torch.dt
     return sum(t.untyped_storage().nbytes() for t in saved.values())
 
 
+def _first_layers(model_cfg: Any, layers: int) -> Any:
+    """``model_cfg`` cut to its first ``layers`` layers, their ``--layer-types`` with them (local and global
+    layers: Gemma 3, OLMo 3)."""
+    kinds = getattr(model_cfg, "layer_types", None)
+    cut = {} if kinds is None else {"layer_types": ",".join(kinds.split(",")[:layers])}
+    return dataclasses.replace(model_cfg, decoder_layers=layers, **cut)
+
+
 def trace_activations(
     model: torch.nn.Module, arch: str, model_cfg: Any, vocab: int, tokens: int, dtype: torch.dtype
 ) -> Activations:
@@ -278,12 +286,8 @@ def trace_activations(
     """
     overrides = model.meta_traceable_options() if isinstance(model, MetaTraceable) else {}
     model_cfg = dataclasses.replace(model_cfg, **overrides)
-    one = saved_bytes(
-        _build(arch, dataclasses.replace(model_cfg, decoder_layers=1), vocab, tokens), tokens, vocab, dtype
-    )
-    two = saved_bytes(
-        _build(arch, dataclasses.replace(model_cfg, decoder_layers=2), vocab, tokens), tokens, vocab, dtype
-    )
+    one = saved_bytes(_build(arch, _first_layers(model_cfg, 1), vocab, tokens), tokens, vocab, dtype)
+    two = saved_bytes(_build(arch, _first_layers(model_cfg, 2), vocab, tokens), tokens, vocab, dtype)
     per_layer = two - one
     width = model_cfg.decoder_embed_dim
     return Activations(
