@@ -396,6 +396,9 @@ bench_figure() {
   if [ $DRY = 1 ] && [ "$family" = llama ]; then dry=("${DRY_LLAMA[@]}" "${DRY_BENCH[@]}"); fi
   if [ $DRY = 1 ] && [ "$family" = gpt ]; then dry=("${DRY_GPT[@]}" "${DRY_BENCH[@]}"); fi
   if [ $DRY = 1 ] && [ "$family" = moe ]; then dry=("${DRY_MOE[@]}" "${DRY_BENCH[@]}"); fi
+  if [ $DRY = 1 ] && [ "$family" = windows ]; then  # a local layer and a global one, as the sizes' pattern
+    dry=("${DRY_LLAMA[@]}" --sliding-window 8 --layer-types sliding_attention,full_attention "${DRY_BENCH[@]}")
+  fi
   figure "$name" $PY -m benchmarks.train --device cuda --bf16 "$@" "${dry[@]}"
 }
 
@@ -405,10 +408,15 @@ FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 
 FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
 fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl moe_olmoe moe_olmoe_compile moe_30b_a3b_offload
 cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b profile_13 moe_olmoe_fp8 moe_olmoe_profile
-decode_llama3_1b_hf plan_calibration"
+decode_llama3_1b_hf plan_calibration mfu_olmo3_7b_8l mfu_smollm3_3b"
 # OLMoE-1B-7B's shape at 8 of its 16 layers (3.6B parameters, 0.7B active: AdamW's fp32 states of all 16 would
 # crowd an 80 GB GPU), its vocabulary (50304), B 4 x T 2048
 OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50304 --warmup 5)
+# OLMo 3 7B's shape at 8 of its 32 layers (6 local within 4096 positions, 2 global; YaRN on the global ones), its
+# vocabulary (100278), one 8192-token sequence: the local layers' windowed attention at twice the window
+OLMO3_LOCAL3=sliding_attention,sliding_attention,sliding_attention,full_attention
+OLMO3_SHAPE=(--preset llama3_1b --arch olmo3_7b --decoder-layers 8 --vocab 100278 --tokens-per-sample 8192
+             --batch-size 1 --layer-types "$OLMO3_LOCAL3,$OLMO3_LOCAL3" --compile --warmup 3 --steps 5)
 # Qwen3-30B-A3B's shape at 12 of its 48 layers (7.9B parameters): the whole model needs ~230 GiB of host memory
 # (toolkit-plan), more than a 128 GiB GPU machine has; words/s of the whole model are about a quarter of these
 MOE_30B_SLICE=(--decoder-layers 12 --bf16 --adam-state-precision 8bit --bf16-host-grads --overlap-offload-step)
@@ -461,6 +469,10 @@ run_figure() {
       figure decode_llama3_1b_hf $PY -m benchmarks.generate --preset llama3_1b --device cuda --dtype bf16 \
         --versus-transformers --prompt 256 --new 256 --rounds 3 --warmup 1 "${dry[@]}" ;;
     plan_calibration) calibration_figure ;;
+    mfu_olmo3_7b_8l) bench_figure mfu_olmo3_7b_8l windows "${OLMO3_SHAPE[@]}" ;;
+    # SmolLM3-3B whole (every fourth layer NoPE, tied), B 2 x T 4096
+    mfu_smollm3_3b) bench_figure mfu_smollm3_3b llama --preset llama3_1b --arch smollm3_3b --vocab 128256 \
+                      --tokens-per-sample 4096 --batch-size 2 --compile --warmup 3 --steps 5 ;;
   esac
 }
 
