@@ -1,4 +1,4 @@
-"""The OLMo 3 and SmolLM3 families beyond their Hugging Face round trips (tests/integration/test_dense_refresh_hf.py).
+"""The OLMo 3 and SmolLM3 families beyond their Hugging Face round trips (tests/integration/test_olmo3_smollm3_hf.py).
 
 toolkit-plan of a model whose layers differ (``toolkit.plan.model_stats``: three local layers of window 4, then a
 global one; Gemma 3's sizes alike) traces its first layers with their own ``--layer-types``, so the plan prices the
