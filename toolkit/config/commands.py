@@ -372,6 +372,7 @@ IMPORTABLE_HF_CLASSES = (
     "MixtralForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 
