@@ -1,5 +1,5 @@
 """A random tiny Hugging Face ``Qwen3NextForCausalLM`` folder saved by transformers with a word-level tokenizer
-(``hf_llama``'s), the shapes of ``qwen3_next_tiny``: 4 layers (three gated DeltaNet, the last gated full attention
+(``hf_llama``'s), the shapes of ``qwen3_next_tiny`` (or Qwen3.5's text classes of the same shapes): 4 layers (three gated DeltaNet, the last gated full attention
 with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
 
 The routers are drawn wide (std 1) so that each token's experts are far from ties; the norms' scales, ``dt_bias``
@@ -37,10 +37,22 @@ CONFIG = dict(
 )
 
 
-def make_hf_qwen3_next(folder: str, **overrides):
+CLASSES = {  # kind -> (config class, the values it does not take)
+    "qwen3_next": ("Qwen3NextConfig", ()),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", ()),
+    "qwen3_5": ("Qwen3_5TextConfig", ("num_experts", "num_experts_per_tok", "moe_intermediate_size")),
+}
+
+
+def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
+    """A random ``kind`` (Qwen3-Next, Qwen3.5's MoE or dense text model) of the tiny shapes, saved with a tokenizer."""
     torch.manual_seed(0)
-    ids = save_tokenizer(folder, "llama")
-    config = transformers.Qwen3NextConfig(**{**CONFIG, **overrides}, **ids, pad_token_id=None)
+    ids = save_tokenizer(folder, "llama" if kind == "qwen3_next" else "qwen")  # AutoTokenizer reads Qwen3.5's as Qwen's
+    config_class, absent = CLASSES[kind]
+    values = {k: v for k, v in {**CONFIG, **overrides}.items() if k not in absent}
+    if kind == "qwen3_5":
+        values.pop("shared_expert_intermediate_size")
+    config = getattr(transformers, config_class)(**values, **ids, pad_token_id=None)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -373,6 +373,8 @@ IMPORTABLE_HF_CLASSES = (
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
     "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForCausalLM",
 )
 
 

@@ -8,7 +8,8 @@ qwen3_next_80b_a3b 48      2048  16   2    256  512    10  512  512     16 x 128
 
 Every fourth layer is gated full attention (a quarter of each head rotated, theta 1e7), the others gated DeltaNet;
 ``tests/unit/test_qwen3_next.py`` checks the total against transformers' model built on the meta device.
-``qwen3_next_tiny`` is for tests.
+``qwen3_next_tiny``, ``qwen3_5_moe_tiny`` and ``qwen3_5_tiny`` (Qwen3.5's split projections; the last with dense
+MLPs) are for tests; Qwen3.5's published sizes are not named yet.
 """
 
 from __future__ import annotations
@@ -58,3 +59,17 @@ def qwen3_next_tiny(cfg: Qwen3NextConfig) -> None:
     )
     _qwen3_next(cfg)
     cfg.partial_rotary_factor = 0.5
+
+
+@register_model_architecture("qwen3_next", "qwen3_5_moe_tiny")
+def qwen3_5_moe_tiny(cfg: Qwen3NextConfig) -> None:
+    """For tests: ``qwen3_next_tiny`` as Qwen3.5's MoE models lay it out (the linear layers' projections split)."""
+    qwen3_next_tiny(cfg)
+    cfg.linear_split_projections = True
+
+
+@register_model_architecture("qwen3_next", "qwen3_5_tiny")
+def qwen3_5_tiny(cfg: Qwen3NextConfig) -> None:
+    """For tests: a dense Qwen3.5 (``qwen3_5_moe_tiny`` with a SwiGLU of 48 in every layer)."""
+    qwen3_5_moe_tiny(cfg)
+    cfg.dense_mlp = True

@@ -12,6 +12,9 @@ brackets):
 ``--linear-conv-kernel-dim``      taps of the short causal convolution on q, k, v (``linear_conv_kernel_dim``)
 
 The shared expert (``--moe-shared-ffn-embed-dim``) is scaled per token by sigmoid(``shared_expert_gate`` x).
+Qwen3.5 is the same decoder with two differences, each a flag its sizes set: ``--linear-split-projections`` (the
+linear layers project q | k | v, z, b and a each with its own matrix) and, for the dense Qwen3.5 models,
+``--dense-mlp`` (a SwiGLU of ``--decoder-ffn-embed-dim`` in every layer instead of the experts).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ class Qwen3NextConfig(MoEConfig):
     linear_conv_kernel_dim: int = field(
         default=4, metadata={"type": positive_int, "help": "taps of the causal convolution on q, k, v"}
     )
+    linear_split_projections: bool = field(
+        default=False,
+        metadata={
+            "help": "the linear layers' in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5), not in_proj_qkvz/ba"
+        },
+    )
+    dense_mlp: bool = field(
+        default=False,
+        metadata={"help": "a dense SwiGLU MLP in every layer instead of the experts (the dense Qwen3.5 models)"},
+    )
 
 
 def linear_layers(cfg: Qwen3NextConfig) -> List[bool]:
@@ -58,7 +71,7 @@ def check_qwen3_next_shapes(cfg: Qwen3NextConfig) -> None:
             "--sliding-window/--layer-types: the Qwen3-Next family's layers are gated DeltaNet or full attention "
             "(--full-attention-interval); drop the window flags"
         )
-    if cfg.moe_shared_ffn_embed_dim < 1:
+    if cfg.moe_shared_ffn_embed_dim < 1 and not cfg.dense_mlp:
         raise UserError(
             "--moe-shared-ffn-embed-dim 0: Qwen3-Next's MoE layers have a gated shared expert; give its width"
         )

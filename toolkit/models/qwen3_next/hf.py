@@ -1,12 +1,17 @@
-"""The Qwen3-Next family's Hugging Face adapter: ``Qwen3NextForCausalLM`` folders in (``toolkit-export --from hf``)
-and out (``--format hf``).
+"""The Qwen3-Next family's Hugging Face adapter: ``Qwen3NextForCausalLM``, ``Qwen3_5MoeForCausalLM`` and
+``Qwen3_5ForCausalLM`` folders (Qwen3.5's text models: ``model_type`` ``qwen3_5_moe_text`` / ``qwen3_5_text``) in
+(``toolkit-export --from hf``) and out (``--format hf``).
 
 The tensors are ours under ``model.`` (``KEYS``): a linear layer's token mixer is their ``linear_attn`` (ours
 ``self_attn``, as every layer's), the shared expert their ``mlp.shared_expert`` and its gate
 ``mlp.shared_expert_gate`` (ours ``mlp.shared_experts`` and ``mlp.shared_experts.expert_gate``); the experts one
 matrix per expert under Qwen3-MoE's names, stacked into ours by the MoE family's adapter. The config's
 ``layer_types`` must be full attention every ``full_attention_interval``-th layer (the published pattern);
-dense layers (``mlp_only_layers``, ``decoder_sparse_step``) are refused in one line, as for Qwen3-MoE.
+dense layers among experts (``mlp_only_layers``, ``decoder_sparse_step``) are refused in one line, as for
+Qwen3-MoE. Qwen3.5's linear layers name their projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a`` (ours the same), its MoE router always renormalizes the top-k weights, and its dense class has a
+SwiGLU MLP in every layer; its rotary tables are M-RoPE's, which for text (one position per token in all three
+sections) are the plain ones.
 """
 
 from __future__ import annotations
@@ -19,10 +24,22 @@ from toolkit.models.common.hf_adapter import DECODER_KEYS, KeyMap
 from toolkit.models.common.hf_config import DecoderClass
 from toolkit.models.moe.hf import MoEAdapter, _experts
 
-KINDS = {"qwen3_next": DecoderClass("Qwen3NextForCausalLM", qk_norm=True, layer_types=True, no_attention_bias=True)}
+KINDS = {
+    kind: DecoderClass(name, qk_norm=True, layer_types=True, no_attention_bias=True)
+    for kind, name in (
+        ("qwen3_next", "Qwen3NextForCausalLM"),
+        ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+        ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    )
+}
+SPLIT = ("qwen3_5_moe_text", "qwen3_5_text")  # the linear layers' projections split (Qwen3.5)
 LINEAR_PARAMETERS = (
     "in_proj_qkvz.weight",
     "in_proj_ba.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
     "conv1d.weight",
     "dt_bias",
     "A_log",
@@ -72,26 +89,28 @@ class Qwen3NextAdapter(MoEAdapter):
         """The shared attention, sizes and rotary settings, Qwen3-MoE's experts, then the shared expert, the
         rotated fraction of each head and the linear layers'."""
         traits = KINDS[kind]
+        dense = kind == "qwen3_5_text"
         out = {
             **hf_config.attention_options(config, traits, where),
             **hf_config.shape_options(config, traits),
             **hf_config.rope_options(config, where),
-            **_experts(config, "qwen3_moe", where),
+            **({} if dense else _experts(config, "qwen3_moe", where)),
         }
-        wrong = [
-            f"{k} {config.get(k)!r}"
-            for k in (*LINEAR_KEYS, "shared_expert_intermediate_size")
-            if type(config.get(k)) is not int or config[k] < 1
-        ]
+        counts = LINEAR_KEYS if dense else (*LINEAR_KEYS, "shared_expert_intermediate_size")
+        wrong = [f"{k} {config.get(k)!r}" for k in counts if type(config.get(k)) is not int or config[k] < 1]
         if wrong:
             raise UserError(f"{where}: {', '.join(wrong)}; these are counts (positive integers)")
         params = config.get("rope_parameters") or {}
         out.update({k: config[k] for k in LINEAR_KEYS})
         out.update(
-            moe_shared_ffn_embed_dim=config["shared_expert_intermediate_size"],
+            linear_split_projections=kind in SPLIT,
+            dense_mlp=dense,
+            moe_shared_ffn_embed_dim=0 if dense else config["shared_expert_intermediate_size"],
             partial_rotary_factor=float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))),
             full_attention_interval=_interval(config, where),
         )
+        if kind == "qwen3_5_moe_text":
+            out["moe_renormalize"] = True
         return out
 
     def state_to_hf(self, state, model_type: str):
@@ -100,36 +119,50 @@ class Qwen3NextAdapter(MoEAdapter):
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
         """(Qwen3NextForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""
-        if (
-            cfg.moe_score_func != "softmax"
-            or cfg.moe_bias_update_rate
-            or not cfg.qk_norm
-            or cfg.qk_norm_full_width
-            or cfg.attention_qkv_bias
-            or cfg.mlp_activation != "silu"
-        ):
-            raise UserError(
-                "--format hf: Qwen3NextForCausalLM routes by softmax without a routing bias, has QK-norm per head, "
-                "no q/k/v biases and SwiGLU experts; this model differs, nothing written"
-            )
-        config = hf_config.decoder_hf_config(cfg, vocab_size, base, "qwen3_next", partial_rotary=True)
+        kind = _hf_kind(cfg)
+        config = hf_config.decoder_hf_config(cfg, vocab_size, base, kind, partial_rotary=True)
         rope = config.pop("rope_scaling", None) or {"rope_type": "default"}
         rope.update(rope_theta=config.pop("rope_theta"), partial_rotary_factor=config.pop("partial_rotary_factor"))
         config.update(
             rope_parameters=rope,
             attention_bias=False,
             layer_types=_layer_type_names(cfg),
-            num_experts=cfg.moe_num_experts,
-            num_experts_per_tok=cfg.moe_top_k,
-            moe_intermediate_size=cfg.moe_ffn_embed_dim,
-            shared_expert_intermediate_size=cfg.moe_shared_ffn_embed_dim,
-            norm_topk_prob=cfg.moe_renormalize,
-            router_aux_loss_coef=cfg.moe_aux_loss_coef,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
             **{k: getattr(cfg, k) for k in LINEAR_KEYS},
         )
-        return self.CLASSES["qwen3_next"], config
+        if not cfg.dense_mlp:
+            config.update(
+                num_experts=cfg.moe_num_experts,
+                num_experts_per_tok=cfg.moe_top_k,
+                moe_intermediate_size=cfg.moe_ffn_embed_dim,
+                shared_expert_intermediate_size=cfg.moe_shared_ffn_embed_dim,
+                router_aux_loss_coef=cfg.moe_aux_loss_coef,
+            )
+        if kind == "qwen3_next":
+            config.update(norm_topk_prob=cfg.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+        return self.CLASSES[kind], config
+
+
+def _hf_kind(cfg) -> str:
+    """The class computing ``cfg`` (Qwen3-Next's fused projections, or Qwen3.5's MoE or dense), or a refusal."""
+    qwen3_5_moe = cfg.linear_split_projections and not cfg.dense_mlp
+    if (
+        cfg.moe_score_func != "softmax"
+        or cfg.moe_bias_update_rate
+        or not cfg.qk_norm
+        or cfg.qk_norm_full_width
+        or cfg.attention_qkv_bias
+        or cfg.mlp_activation != "silu"
+        or (cfg.dense_mlp and not cfg.linear_split_projections)
+        or (qwen3_5_moe and not cfg.moe_renormalize)
+    ):
+        raise UserError(
+            "--format hf: Qwen3NextForCausalLM and Qwen3.5's classes route by softmax without a routing bias (Qwen3.5 "
+            "renormalizing the top-k), have QK-norm per head, no q/k/v biases and SwiGLU MLPs, and only Qwen3.5 "
+            "(split projections) is dense; this model differs, nothing written"
+        )
+    if not cfg.linear_split_projections:
+        return "qwen3_next"
+    return "qwen3_5_text" if cfg.dense_mlp else "qwen3_5_moe_text"
 
 
 def _layer_type_names(cfg) -> list:

@@ -3,7 +3,8 @@ output, the accounting of active parameters) with Qwen3-Next's blocks: pre-norm 
 (scale 1 + w), the token mixer gated DeltaNet (``common.attention.GatedDeltaNet``) in all but every
 ``--full-attention-interval``-th layer and gated full attention (``common.attention.GatedAttention``: QK-norm per
 head, a quarter of each head rotated) in those; every MLP a mixture of experts whose shared expert is scaled by a
-sigmoid gate per token.
+sigmoid gate per token. Qwen3.5 is this decoder with the linear layers' projections split and, in its dense
+models, a SwiGLU MLP in every layer (``--linear-split-projections``, ``--dense-mlp``).
 
 Parameter names are Hugging Face's inside a block except the token mixer's module, ``self_attn`` in every layer
 (Hugging Face's ``linear_attn`` in the linear ones) and the shared expert (``mlp.shared_experts``, its gate
@@ -35,7 +36,15 @@ from toolkit.models.qwen3_next.config import Qwen3NextConfig, check_qwen3_next_s
 from toolkit.models.qwen3_next.hf import Qwen3NextAdapter
 from toolkit.models.qwen3_next.parallel import tensor_parallel_plan
 
-LINEAR_INPUTS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "expert_gate.weight")
+LINEAR_INPUTS = (
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+    "expert_gate.weight",
+)
 
 
 class SigmoidGatedExpert(GatedFeedForward):
@@ -67,6 +76,7 @@ def token_mixer(cfg: Qwen3NextConfig, linear: bool) -> nn.Module:
             cfg.linear_value_head_dim,
             conv_kernel=cfg.linear_conv_kernel_dim,
             eps=cfg.rms_norm_eps,
+            split_projections=cfg.linear_split_projections,
         )
     return GatedAttention(
         cfg.decoder_embed_dim,
@@ -102,7 +112,8 @@ class Qwen3NextLanguageModel(MoELanguageModel):
 
     def build_block(self, cfg: Qwen3NextConfig, index: int, window: Optional[int]) -> PreNormBlock:
         mixer = token_mixer(cfg, linear_layers(cfg)[index])
-        return PreNormBlock(mixer, qwen3_next_experts(cfg, index), norm=self.width_norm)
+        mlp = self.gated_mlp() if cfg.dense_mlp else qwen3_next_experts(cfg, index)
+        return PreNormBlock(mixer, mlp, norm=self.width_norm)
 
     def forward(
         self,

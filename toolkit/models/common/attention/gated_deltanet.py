@@ -4,7 +4,8 @@ decays, corrects by the delta rule and reads with its query, instead of keys and
 Per position t and value head (B batch, T positions, Hk key heads, Hv value heads, Dk, Dv their sizes):
 
 - ``in_proj_qkvz`` gives q, k [Hk, Dk], v, z [Hv, Dv] (Hugging Face's layout: per key head its q, k and the v, z of
-  its Hv/Hk value heads), ``in_proj_ba`` b and a [Hv];
+  its Hv/Hk value heads), ``in_proj_ba`` b and a [Hv] (Qwen3-Next); or, with ``split_projections`` (Qwen3.5),
+  ``in_proj_qkv`` q | k | v, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` each its own;
 - q, k and v pass a short causal convolution over the positions (depthwise ``conv1d`` of ``conv_kernel`` taps, then
   SiLU); q and k are L2-normalized and shared by the Hv/Hk value heads of their key head, q scaled by Dk^-1/2;
 - the decay g = -exp(A_log) softplus(a + dt_bias) (log space) and the learning rate beta = sigmoid(b);
@@ -209,19 +210,34 @@ class RecurrentState:
 
 class GatedDeltaNet(nn.Module):
     """The gated DeltaNet layer (see the module docstring); parameters by Hugging Face's names: ``in_proj_qkvz``,
-    ``in_proj_ba``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``. Called as an attention layer of a
+    ``in_proj_ba`` (or ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``. Called as an attention layer of a
     block (``x, cos, sin[, cache]``; the rotary tables unused); its ``attn_mask`` is the [B, T] bool of document
     starts (None: one document a row)."""
 
     def __init__(
-        self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_kernel: int, eps: float
+        self,
+        dim: int,
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_kernel: int,
+        eps: float,
+        split_projections: bool = False,
     ):
         super().__init__()
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.conv_kernel = conv_kernel
         self.conv_width = 2 * key_heads * key_dim + value_heads * value_dim
-        self.in_proj_qkvz = nn.Linear(dim, 2 * key_heads * key_dim + 2 * value_heads * value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(dim, 2 * value_heads, bias=False)
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = nn.Linear(dim, self.conv_width, bias=False)
+            self.in_proj_z = nn.Linear(dim, value_heads * value_dim, bias=False)
+            self.in_proj_b = nn.Linear(dim, value_heads, bias=False)
+            self.in_proj_a = nn.Linear(dim, value_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(dim, 2 * key_heads * key_dim + 2 * value_heads * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(dim, 2 * value_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_width, self.conv_width, conv_kernel, groups=self.conv_width, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(value_heads))
         self.A_log = nn.Parameter(torch.empty(value_heads))
@@ -238,6 +254,9 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, C] -> (the convolution's input [B, T, conv_width] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv])."""
         B, T, _ = x.shape
         Hk, Dk, Dv, r = self.key_heads, self.key_dim, self.value_dim, self.value_heads // self.key_heads
+        if self.split_projections:
+            z = self.in_proj_z(x).view(B, T, -1, Dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Dk + 2 * r * Dv)
         q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
         b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
