@@ -114,3 +114,26 @@ def test_context_parallel_path_equals_the_plain_forward(layers, documents):
     (sharded_grad,) = torch.autograd.grad(sharded.square().sum(), x)
     torch.testing.assert_close(sharded, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sharded_grad, plain_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_without_flash_linear_attention_logs_one_line(caplog, monkeypatch):
+    import builtins
+
+    from toolkit.models.common.attention import gated_deltanet
+
+    real_import = builtins.__import__
+
+    def no_fla(name, *args, **kwargs):
+        if name.startswith("fla"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fla)
+    monkeypatch.setattr(gated_deltanet, "_HINTED", [])
+    with caplog.at_level("WARNING", logger=gated_deltanet.__name__):
+        assert gated_deltanet.fla_chunk_kernel(torch.device("cpu")) is None
+        assert not caplog.records  # the PyTorch form on CPU, no message
+        for _ in range(2):
+            assert gated_deltanet.fla_chunk_kernel(torch.device("cuda")) is None
+    assert [r.getMessage() for r in caplog.records] == [gated_deltanet.FLA_HINT]
+    assert "pip install flash-linear-attention" in gated_deltanet.FLA_HINT

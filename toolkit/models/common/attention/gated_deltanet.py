@@ -58,7 +58,7 @@ def fla_chunk_kernel(device: torch.device) -> Any:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
     except ImportError:
         if not _HINTED:
-            logger.info(FLA_HINT)
+            logger.warning(FLA_HINT)
             _HINTED.append(True)
         return None
     return kernel
