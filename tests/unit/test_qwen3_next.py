@@ -73,3 +73,9 @@ def test_documents_are_computed_as_if_alone():
 def test_impossible_shapes_are_refused_in_one_line(overrides, flag):
     with pytest.raises(UserError, match=flag):
         tiny(**overrides)
+
+
+def test_linear_layers_constants_are_not_muon_matrices():
+    roles = models.build_on_meta("qwen3_next_tiny", 40).parameter_roles()
+    assert {roles[f"layers.0.self_attn.{p}"] for p in ("conv1d.weight", "A_log", "dt_bias")} == {"bias"}
+    assert roles["layers.0.self_attn.in_proj_qkvz.weight"] == roles["layers.3.self_attn.q_proj.weight"] == "matrix"

@@ -174,6 +174,15 @@ class Qwen3NextLanguageModel(MoELanguageModel):
             return torch.empty(shape).normal_(0.0, std / math.sqrt(2 * self.cfg.decoder_layers), generator=generator)
         return super().initial_value(name, shape, generator)
 
+    def parameter_roles(self) -> Dict[str, str]:
+        """The rotary decoder's roles; a linear layer's depthwise convolution kernels, decay rates (``A_log``) and
+        ``dt_bias`` are per-channel constants, not matrices: ``bias`` (AdamW, no decay), never Muon's."""
+        roles = super().parameter_roles()
+        for name in roles:
+            if name.endswith(("conv1d.weight", "A_log", "dt_bias")):
+                roles[name] = "bias"
+        return roles
+
     def flops_per_token(self, seq_len: int) -> int:
         """6N over the active matmul weights, plus the full layers' attention (12 H D T each) and the linear
         layers' state reads and writes (6 x 2 Hv Dk Dv each: no term in T)."""

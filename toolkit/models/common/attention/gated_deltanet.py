@@ -244,12 +244,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(value_heads * value_dim, dim, bias=False)
 
-    def state_bytes(self, dtype_bytes: int = 4) -> int:
-        """Bytes of one sequence's decoding state (the planner's figure): the conv tail and S."""
-        return dtype_bytes * (
-            (self.conv_kernel - 1) * self.conv_width + self.value_heads * self.key_dim * self.value_dim
-        )
-
     def project(self, x: torch.Tensor):
         """x [B, T, C] -> (the convolution's input [B, T, conv_width] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv])."""
         B, T, _ = x.shape
