@@ -30,7 +30,10 @@ def _qwen3_next(cfg: Qwen3NextConfig) -> None:
 
 @register_model_architecture("qwen3_next", "qwen3_next")
 def qwen3_next(cfg: Qwen3NextConfig) -> None:
-    """The options' own defaults (a tiny model); every size is a flag."""
+    """The options' own defaults (a tiny model) with Qwen3-Next's fixed choices and a shared expert as wide as an
+    expert; every size is a flag."""
+    _qwen3_next(cfg)
+    cfg.moe_shared_ffn_embed_dim = cfg.moe_ffn_embed_dim
 
 
 @register_model_architecture("qwen3_next", "qwen3_next_80b_a3b")
