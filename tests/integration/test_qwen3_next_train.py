@@ -65,9 +65,8 @@ def test_context_parallel_2_equals_one_process(data_bin, one_process, tmp_path):
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("one_process", ["plain"], indirect=True)  # the resumed state is the model's and optimizer's
 def test_killed_run_resumes_bitwise(data_bin, one_process, tmp_path):
-    if one_process["mask"] != "plain":
-        pytest.skip("one masking suffices: the resumed state is the model's and the optimizer's")
     cmd = [sys.executable, "-m", "toolkit_cli.train", data_bin, *args(tmp_path, "--max-update", "1000")]
     proc = processes.start(
         cmd, cwd=H.REPO_ROOT, env=H.subprocess_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
