@@ -38,6 +38,9 @@
 #            llama3_1b (Llama 3.2 1B, B 4 x T 2048, vocabulary 128256): bf16 without a wrapper,
 #            fully_sharded, fully_sharded --compile, and fully_sharded --compile --checkpoint-activations
 #            (tokens/s, MFU from the family's own FLOPs per token, peak GPU memory)
+#   hybrid   the Qwen3-Next family (gated DeltaNet): qwen3_next_tiny bf16 on CUDA, plain and with
+#            --document-attention-mask (flash-linear-attention's kernel when installed, else the PyTorch form
+#            and one line naming pip install flash-linear-attention), save, resume, eval-lm
 #
 # Figures (issue 37: one entry per figure, each under its own limit of FIGURE_LIMIT s, default 470: < 8
 # minutes; each appends one JSON line to $RESULTS/gpu_figures.jsonl, benchmarks.figure):
@@ -288,6 +291,15 @@ llama_smoke() {
     run smoke_llama_eval 120 $EVAL "$DATA" --path "$CK/llama/checkpoint_last.pt" --tokens-per-sample 128 --batch-size 16
 }
 llama() { llama_smoke; llama_bench; }
+TINY_HYBRID=(--task language_modeling --arch qwen3_next_tiny --tokens-per-sample 128 --batch-size 16 --bf16
+      --optimizer adam --lr 0.001 --log-format json --log-interval 10 --num-workers 0 --no-epoch-checkpoints)
+hybrid() {
+  run smoke_hybrid 300 $TRAIN "$DATA" "${TINY_HYBRID[@]}" --max-update 20 --save-dir "$CK/hybrid" &&
+    run smoke_hybrid_resume 300 $TRAIN "$DATA" "${TINY_HYBRID[@]}" --max-update 30 --save-dir "$CK/hybrid" &&
+    run smoke_hybrid_eval 120 $EVAL "$DATA" --path "$CK/hybrid/checkpoint_last.pt" --tokens-per-sample 128 --batch-size 16
+  run smoke_hybrid_documents 300 $TRAIN "$DATA" "${TINY_HYBRID[@]}" --document-attention-mask --max-update 20 \
+    --save-dir "$CK/hybrid_documents"
+}
 # llama3_1b (Llama-3.2-1B's shape, V 128256): bf16 + --compile without sharding and under fully_sharded, and --fp8.
 llama_bench() {
   run llama3_1b_bf16_compile 400 $PY -m benchmarks.train --preset llama3_1b --device cuda --bf16 --compile --warmup 5

@@ -374,6 +374,9 @@ IMPORTABLE_HF_CLASSES = (
     "MixtralForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForCausalLM",
 )
 
 

@@ -725,6 +725,14 @@ MODEL: Tuple[Condition, ...] = (
         "--expert-parallel-size and --context-parallel-size (--model-parallel-size 1)",
         ("--arch", "gpt_oss_tiny"),
     ),
+    _no_split(
+        "gated DeltaNet layers (--linear-num-key-heads)",
+        lambda c: _model(c, "linear_num_key_heads") is not None,
+        "the gated DeltaNet layers (--arch qwen3_next and its sizes) have no tensor-parallel split yet (in_proj_qkvz "
+        "interleaves each key head's q, k, v and z); train it with FSDP, --expert-parallel-size and "
+        "--context-parallel-size (--model-parallel-size 1)",
+        ("--arch", "qwen3_next_tiny"),
+    ),
 )
 
 

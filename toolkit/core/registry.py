@@ -378,6 +378,7 @@ BUILTIN_FAMILIES: Dict[str, str] = {
     "moe": "MoEConfig",
     "deepseek_v3": "DeepSeekV3Config",
     "gpt_oss": "GptOssConfig",
+    "qwen3_next": "Qwen3NextConfig",
 }
 
 

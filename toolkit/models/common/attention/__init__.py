@@ -12,6 +12,8 @@
 ``masks``                     which keys a query sees: causal, documents, windows, as the back ends take them
 ``across_ranks``              context parallelism's visibility and its tiled CPU kernel
 ``cache``                     :class:`KVCache`: a layer's entries of the positions decoded so far
+``gated_deltanet``            :class:`GatedDeltaNet`, the linear attention of Qwen3-Next / Qwen3.5 (a recurrent
+                              state per head, its :class:`RecurrentState` decoding's instead of a K/V cache)
 ============================  ==============================================================================
 
 Only this package calls ``scaled_dot_product_attention`` or ``flex_attention``.
@@ -20,6 +22,7 @@ Only this package calls ``scaled_dot_product_attention`` or ``flex_attention``.
 from toolkit.models.common.attention.across_ranks import ChunkedVisibility, visible_keys
 from toolkit.models.common.attention.backends import attend, choose_backend, explicit_attention
 from toolkit.models.common.attention.cache import KVCache
+from toolkit.models.common.attention.gated_deltanet import GatedDeltaNet, RecurrentState
 from toolkit.models.common.attention.layer import AttentionLayer, KeyExchange, attend_across_ranks
 from toolkit.models.common.attention.masks import (
     EVERY_KEY,
@@ -44,9 +47,11 @@ __all__ = [
     "FLEX_MIN_HEAD_DIM",
     "FusedQKVAttention",
     "GatedAttention",
+    "GatedDeltaNet",
     "KVCache",
     "KeyExchange",
     "LatentAttention",
+    "RecurrentState",
     "attend",
     "attend_across_ranks",
     "attention_mask",

@@ -1,0 +1,64 @@
+"""A random tiny Hugging Face ``Qwen3NextForCausalLM`` folder saved by transformers with a word-level tokenizer
+(``hf_llama``'s), the shapes of ``qwen3_next_tiny`` (or Qwen3.5's text classes of the same shapes): 4 layers (three gated DeltaNet, the last gated full attention
+with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
+
+The routers are drawn wide (std 1) so that each token's experts are far from ties; the norms' scales, ``dt_bias``
+and the shared expert's gate are drawn too (transformers initializes them to constants), so that a wrong key or a
+(1 + w) read as w shows. Import only after ``pytest.importorskip("transformers")``.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tests.helpers.hf_llama import save_tokenizer
+
+CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    max_position_embeddings=128,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+
+
+CLASSES = {  # kind -> (config class, the values it does not take)
+    "qwen3_next": ("Qwen3NextConfig", ()),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", ()),
+    "qwen3_5": ("Qwen3_5TextConfig", ("num_experts", "num_experts_per_tok", "moe_intermediate_size")),
+}
+
+
+def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
+    """A random ``kind`` (Qwen3-Next, Qwen3.5's MoE or dense text model) of the tiny shapes, saved with a tokenizer."""
+    torch.manual_seed(0)
+    ids = save_tokenizer(folder, "llama" if kind == "qwen3_next" else "qwen")  # AutoTokenizer reads Qwen3.5's as Qwen's
+    config_class, absent = CLASSES[kind]
+    values = {k: v for k, v in {**CONFIG, **overrides}.items() if k not in absent}
+    if kind == "qwen3_5":
+        values.pop("shared_expert_intermediate_size")
+    config = getattr(transformers, config_class)(**values, **ids, pad_token_id=None)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith(("norm.weight", "dt_bias", "shared_expert_gate.weight")):
+                p.normal_(0.0 if "layernorm" in name or "q_norm" in name or "k_norm" in name else 1.0, 0.3)
+    hf.save_pretrained(folder)
+    return hf
