@@ -3,10 +3,10 @@
 Every schedule on 2 gloo ranks (one forked run: tests/helpers/tp_helpers.spawn), a tiny 4-layer Llama cut into 2
 stages (gpipe, 1f1b) or 4 (interleaved_1f1b, zero_bubble, dualpipev: 2 per rank): the summed loss of a batch of 4
 rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each rank holding only its stages'
-parameters under their one-process names. Then ``toolkit-train``: 2 ranks pp 2 (the default schedule, 1f1b,
-``--update-freq 2``, clipped) and 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data ranks) log one process's losses
-and gradient norms with ``--update-freq 2`` (1e-3 plus a unit of the last logged place), the norm summed over the
-stages and the shards.
+parameters under their one-process names. Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
+ranks) and 2 ranks pp 2 in bf16 (interleaved_1f1b) log one process's losses and gradient norms with ``--update-freq
+2`` (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards.
 """
 
 from __future__ import annotations
@@ -113,23 +113,32 @@ def _train(runs, name, *flags):
     return _logged(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def one_process(runs):
-    return _train(runs, "one", "--update-freq", "2")
+def _one_process(runs, precision):
+    """The one-process reference of a precision (``--update-freq 2``), run once per module."""
+    if precision not in runs:
+        runs[precision] = _train(runs, f"one_{precision}", "--update-freq", "2", *PRECISION[precision][0])
+    return runs[precision]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"],
+PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2)}  # flags, relative tolerance
+PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
+CASES = {  # name: (flags of the pipelined run, its precision)
+    "pp2": (PP2 + ["--checkpoint-activations"], "fp32"),
+    "dp2_pp2_fsdp": (
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"],
-    ],
-    ids=["pp2", "dp2_pp2_fsdp"],
-)
-def test_pipelined_run_logs_one_process_losses(runs, one_process, layout):
-    got = _train(runs, "_".join(layout[1::2]), *layout)
+        "fp32",
+    ),
+    "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b"], "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipelined_run_logs_one_process_losses(runs, case):
+    flags, precision = CASES[case]
+    want, tolerance = _one_process(runs, precision), PRECISION[precision][1]
+    got = _train(runs, case, *flags)
     assert sorted(got) == list(range(1, UPDATES + 1)), got
-    assert any(norm > 1.0 for _, norm in one_process.values())  # the clip acts
-    for update, (loss, norm) in one_process.items():
+    assert any(norm > 1.0 for _, norm in want.values())  # the clip acts
+    for update, (loss, norm) in want.items():
         for value, expected in zip(got[update], (loss, norm)):
-            assert abs(value - expected) <= H.REL_TOL * abs(expected) + H.LOGGED_TOL, (update, got, one_process)
+            assert abs(value - expected) <= tolerance * abs(expected) + H.LOGGED_TOL, (update, got, want)

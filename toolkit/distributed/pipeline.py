@@ -109,15 +109,11 @@ def check_pipelinable(model: nn.Module) -> None:
     from toolkit.models.common.rotary_decoder import RotaryDecoderLM
 
     name = type(model).__name__
-    if not isinstance(model, RotaryDecoderLM):
+    composed = isinstance(model, RotaryDecoderLM) and type(model).forward is RotaryDecoderLM.forward
+    if not composed or not supports(type(model), "supports_pipeline_parallel"):
         raise UserError(
-            f"--pipeline-parallel-size: {name} is not one of the rotary decoder families (llama, gemma3, olmo2) "
-            f"whose stack the pipeline cuts into stages; train it without --pipeline-parallel-size"
-        )
-    if supports(type(model), "supports_expert_parallel"):
-        raise UserError(
-            f"--pipeline-parallel-size with the MoE family {name}: its routers' auxiliary losses do not flow through "
-            f"the schedule yet; train it without --pipeline-parallel-size"
+            f"--pipeline-parallel-size: {name} does not declare a forward the pipeline can cut into stages (the "
+            f"Llama family does); train it without --pipeline-parallel-size"
         )
     if model.output_projection is None:
         raise UserError(
