@@ -693,14 +693,6 @@ SETTINGS: Tuple[Condition, ...] = (
         "stage does not; use --ddp-backend fully_sharded (FSDP2 over each stage's data ranks)",
         PP2 + ("--distributed-world-size", "4"),
     ),
-    Condition(
-        "PP",
-        "with checkpoints written",
-        lambda c, _cls: _size(c, "pipeline_parallel_size") > 1 and not c.checkpoint.no_save,
-        "--pipeline-parallel-size: each stage holds only its layers and a checkpoint would hold the first stage's; "
-        "add --no-save until pipelined checkpoints are written",
-        PP2 + FSDP,
-    ),
     _requires_fsdp("cpu-offload", "--cpu-offload"),
     _requires_fsdp("--no-reshard-after-forward", "--no-reshard-after-forward"),
     Condition(

@@ -42,6 +42,9 @@ SCHEDULES: Dict[str, Tuple[str, int, str]] = {
 }
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the summed loss
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage: its index among all ``P x V`` stages and the model's layers it runs."""
@@ -125,10 +128,11 @@ def check_pipelinable(model: nn.Module) -> None:
 def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int) -> None:
     """Keep on ``model`` (on the meta device) only what ``specs`` run; its forward becomes a stage's
     (``model(x, spec)``). The FLOPs it reports stay the whole model's, divided over the ``pp`` ranks; its plan (FSDP2's
-    units) the whole model's."""
+    units) and its names and shapes (``whole_model_shapes``, what a checkpoint is checked against) the whole model's."""
     whole_matmul = model.num_matmul_parameters()
     flops = type(model).flops_per_token
     plan = model.tensor_parallel_plan()  # it reads the first block, which another stage may hold
+    model.whole_model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what a resume checks
     model.tensor_parallel_plan = lambda: plan
     model.num_matmul_parameters = lambda: whole_matmul
     model.flops_per_token = lambda seq_len: flops(model, seq_len) // pp
@@ -197,7 +201,7 @@ class Pipeline:
         self.is_first = any(spec.first for spec in specs)
         self.is_last = any(spec.last for spec in specs)
         self._schedules: Dict[Tuple[int, ...], Any] = {}
-        self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self._loss_fn: Optional[LossFn] = None
 
     def _schedule(self, shape: Tuple[int, ...], device: torch.device) -> Any:
         if shape in self._schedules:
@@ -212,9 +216,7 @@ class Pipeline:
         ]
         cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
         first = stages[0] if len(stages) == 1 else stages
-        # a batch of fewer rows (an epoch's last) is cut into one row each: the summed loss is the same
-        microbatches = min(self.microbatches, shape[0])
-        schedule = cls(first, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        schedule = cls(first, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._schedules[shape] = schedule
         return schedule
 
@@ -222,20 +224,36 @@ class Pipeline:
         """The schedule's loss of one micro-batch: the caller's (its summed loss), set for the batch being run."""
         return self._loss_fn(output, target)
 
-    def step(
-        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    ) -> Optional[torch.Tensor]:
-        """Forward and backward of one batch through the schedule; the summed loss on the last stage, else None."""
-        return self._run(tokens, target, loss_fn, train=True)
+    def step(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
+        """Forward and backward of one batch (``pad``: the padding index) through the schedule; the summed loss on
+        the last stage, else None."""
+        return self._run(tokens, target, loss_fn, train=True, pad=pad)
 
     @torch.no_grad()
-    def evaluate(
-        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    ) -> Optional[torch.Tensor]:
+    def evaluate(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
         """Forward only (validation): the summed loss on the last stage, else None."""
-        return self._run(tokens, target, loss_fn, train=False)
+        return self._run(tokens, target, loss_fn, train=False, pad=pad)
 
-    def _run(self, tokens, target, loss_fn, train: bool) -> Optional[torch.Tensor]:
+    def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The batch padded (rows of padding, padding at the ends of the rows: targets the loss ignores, positions
+        a causal attention reads after every real one) to the shape every data rank of the stage runs: the largest
+        of theirs, its rows a multiple of the micro-batches. So the micro-batches are equal (torch's stages keep
+        one receive buffer per micro-batch) and the data ranks build their schedules, whose first step runs the
+        forward over FSDP2's collectives, at the same steps."""
+        shape = torch.tensor(tokens.shape, dtype=torch.long)
+        if self.dims.data_world * self.dims.shape.cp > 1:
+            from toolkit.distributed.parallel_dims import DP_AXES
+
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.dims.group(*DP_AXES))
+        rows = -(-int(shape[0]) // self.microbatches) * self.microbatches
+        grow = (0, int(shape[1]) - tokens.size(1), 0, rows - tokens.size(0))
+        if any(grow):
+            tokens = torch.nn.functional.pad(tokens, grow, value=pad)
+            target = torch.nn.functional.pad(target, grow, value=pad)
+        return tokens, target
+
+    def _run(self, tokens, target, loss_fn, train: bool, pad: int) -> Optional[torch.Tensor]:
+        tokens, target = self._padded(tokens, target, pad)
         schedule = self._schedule(tuple(tokens.shape), tokens.device)
         self._loss_fn = loss_fn
         losses: List[torch.Tensor] = []
@@ -266,6 +284,45 @@ class Pipeline:
             source = dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
+    """The stages' states (a model's ``{name: tensor}`` or an optimizer's ``{"state", "param_groups"}``, each
+    keyed by one-process names) merged into one process's on the pp axis's first rank ({} elsewhere): the
+    parameters in stage order, each optimizer group's names joined."""
+    states = [None] * pipeline.pp if dist.get_rank(pipeline.group) == 0 else None
+    dist.gather_object(state, states, dst=dist.get_global_rank(pipeline.group, 0), group=pipeline.group)
+    if states is None:
+        return {}
+    if "param_groups" not in state:
+        return {k: v for each in states for k, v in each.items()}
+    groups = [dict(group, params=list(group["params"])) for group in states[0]["param_groups"]]
+    for each in states[1:]:
+        for group, more in zip(groups, each["param_groups"]):
+            group["params"] += [name for name in more["params"] if name not in group["params"]]
+    return {"state": {k: v for each in states for k, v in each["state"].items()}, "param_groups": groups}
+
+
+def with_every_stage_groups(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer's sharded state whose ``param_groups`` name every stage's parameters (the same on every rank:
+    DCP writes one copy of them, and a consolidation or another layout reads the whole model's groups)."""
+    names = [None] * pipeline.pp
+    dist.all_gather_object(names, [group["params"] for group in state["param_groups"]], group=pipeline.group)
+    groups = [dict(group, params=[]) for group in state["param_groups"]]
+    for stage in names:
+        for group, params in zip(groups, stage):
+            group["params"] += [name for name in params if name not in group["params"]]
+    return dict(state, param_groups=groups)
+
+
+def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A one-process state (a model's or an optimizer's) cut to the parameters ``model`` (this rank's stages)
+    holds."""
+    names = {name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_parameters()}
+    if "param_groups" not in state:
+        return {k: v for k, v in state.items() if k in names}
+    groups = [dict(group, params=[n for n in group["params"] if n in names]) for group in state["param_groups"]]
+    return {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
 
 
 def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:

@@ -17,6 +17,7 @@ ranks). So N ranks with ``--update-freq 1`` take the same step as one rank with
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -27,13 +28,23 @@ import torch
 
 from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
-from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
+from toolkit.checkpoint.stateful import (
+    DataPosition,
+    Meters,
+    ModelState,
+    OptimizerState,
+    StagedState,
+    Value,
+    stage_model_state,
+    stage_optimizer_state,
+)
 from toolkit.compat.fairseq.plugins import calls_the_model
 from toolkit.config import TrainConfig
 from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.parallel_dims import DP_AXES
+from toolkit.distributed.pipeline import merge_stage_states, own_stage_state, with_every_stage_groups
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.train.ema import EMA, EMAState
@@ -293,7 +304,7 @@ class Trainer:
             return self.criterion.compute_loss(logits, target) * dummy
 
         run = pipeline.step if train else pipeline.evaluate
-        loss = run(sample["net_input"]["src_tokens"], sample["target"], loss_fn)
+        loss = run(sample["net_input"]["src_tokens"], sample["target"], loss_fn, self.task.dictionary.pad())
         if loss is None:
             return {}
         _, sample_size, logging_output = self.criterion.with_counts(loss, sample)
@@ -436,7 +447,20 @@ class Trainer:
         }
         if self.ema is not None:
             entries["ema"] = EMAState(self.ema, self.model)  # fairseq's key (--store-ema)
+        if self.strategy.pipeline is not None:
+            self._stage_entries(entries)
         return entries
+
+    def _stage_entries(self, entries: Dict[str, Any]) -> None:
+        """``--pipeline-parallel-size``: the model and the optimizer saved whole from every stage, loaded by each
+        stage keeping its own parameters (``toolkit.checkpoint.stateful.StagedState``)."""
+        pipeline, model = self.strategy.pipeline, self.model
+        merge = functools.partial(merge_stage_states, pipeline)
+        own = functools.partial(own_stage_state, model)
+        entries["model"] = StagedState(entries["model"], lambda: stage_model_state(model), merge, own)
+        optimizer_state = lambda: stage_optimizer_state(model, self.optimizer)  # noqa: E731
+        every_stage = functools.partial(with_every_stage_groups, pipeline)
+        entries["optim"] = StagedState(entries["optim"], optimizer_state, merge, own, every_stage)
 
     def state_dict(self) -> Dict[str, Any]:
         self.finish_pending_steps()
