@@ -112,7 +112,7 @@ FEATURES: Tuple[Feature, ...] = (
         "PP",
         "--pipeline-parallel-size > 1",
         lambda c: _size(c, "pipeline_parallel_size") > 1,
-        PP2 + FSDP + ("--no-save", "--arch", "llama_tiny"),
+        PP2 + FSDP + ("--arch", "llama_tiny"),
     ),
     Feature("compile", "--compile", lambda c: c.distributed.compile, ("--compile",)),
     Feature("fp8", "--fp8", lambda c: c.distributed.fp8, ("--fp8",)),
@@ -736,7 +736,7 @@ MODEL: Tuple[Condition, ...] = (
             f"--pipeline-parallel-size: --arch {c.components.arch} does not "
             "declare a forward the pipeline can cut into stages (the Llama family does); drop the flag"
         ),
-        PP2 + FSDP + ("--no-save", "--arch", "transformer_lm"),
+        PP2 + FSDP + ("--arch", "transformer_lm"),
     ),
     Condition(
         "EP",

@@ -325,7 +325,7 @@ def log_layout(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCon
         mesh = dims.mesh(*DP_AXES)
         logger.info(
             f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
-            f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
+            f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg) and shape.pp == 1}, "
             f"mixed precision: {mixed_precision_policy(common)}"
         )
     if shape.ep > 1:
