@@ -22,6 +22,8 @@ PUBLISHED = {  # Hugging Face's safetensors totals of each model (tied embedding
     "llama3_1b": 1_235_814_400,
     "llama3_3b": 3_212_749_824,
     "llama3_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496,
+    "llama3_405b": 405_853_388_800,
     "llama2_7b": 6_738_415_616,
     "tinyllama_1_1b": 1_100_048_384,
     "qwen2_0_5b": 494_032_768,

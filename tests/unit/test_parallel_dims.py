@@ -84,8 +84,12 @@ def test_ranks_data_loss_and_coordinates():
     assert sizes(shape) == (2, 2, 2, 2, 4)
     assert shape.data_world == 4 and shape.loss_world == 8 and shape.fsdp_shard == 4
     assert [shape.data_rank(r) for r in range(16)] == [r // 4 for r in range(16)]
-    assert shape.coordinates(13) == dict(dp_replicate=1, dp_shard=1, cp=0, tp=1, ep=2)  # 13 = ((1*2+1)*2+0)*2+1
-    assert shape.coordinates(7) == dict(dp_replicate=0, dp_shard=1, cp=1, tp=1, ep=3)
+    assert shape.coordinates(13) == dict(pp=0, dp_replicate=1, dp_shard=1, cp=0, tp=1, ep=2)  # ((1*2+1)*2+0)*2+1
+    assert shape.coordinates(7) == dict(pp=0, dp_replicate=0, dp_shard=1, cp=1, tp=1, ep=3)
+    staged = parallel_shape(8, "fully_sharded", pp=2)  # pp outermost: ranks 4-7 hold the second stage
+    assert (staged.stage_world, staged.data_world, staged.loss_world, staged.fsdp_shard) == (4, 4, 4, 4)
+    assert [staged.data_rank(r) for r in range(8)] == [0, 1, 2, 3] * 2
+    assert staged.coordinates(5)["pp"] == 1 and staged.placement(5) == "pp 1 of 2, dp_shard 1 of 4"
     assert shape.shard_axis == "dp_shard_cp" and parallel_shape(4, "fully_sharded").shard_axis == "dp_shard"
     assert (
         shape.placement(13) == "dp_replicate 1 of 2, dp_shard 1 of 2, cp 0 of 2, tp 1 of 2, ep 2 of 4"

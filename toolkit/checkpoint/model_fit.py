@@ -120,8 +120,13 @@ def check_positions(
 
 
 def model_shapes(model) -> Dict[str, Tuple[int, ...]]:
-    """Parameter and buffer names (unwrapped, as checkpoints store them) with their global shapes."""
+    """Parameter and buffer names (unwrapped, as checkpoints store them) with their global shapes; a pipeline
+    stage's model (which holds some layers) answers with the whole model's (``whole_model_shapes``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    whole = getattr(model, "whole_model_shapes", None)
+    if whole is not None:
+        return dict(whole)
 
     return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
 

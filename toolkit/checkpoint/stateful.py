@@ -221,6 +221,61 @@ class OptimizerState(TensorState):
         return state, full
 
 
+class StagedState(TensorState):
+    """A model's or an optimizer's tensors that pipeline stages hold apart (``--pipeline-parallel-size``): saved
+    whole as one process names them (each stage's full state merged on rank 0 by ``merge``) and loaded by each stage
+    keeping its own names (``own``); the sharded format is the inner entry's (DCP's keys are already one-process
+    names, each stage writing and reading its own; ``local`` gives the optimizer's groups every stage's names, so
+    the one copy DCP keeps of them is the whole model's)."""
+
+    def __init__(
+        self,
+        inner: TensorState,
+        full_state: Callable[[], Dict[str, Any]],
+        merge: Callable[[Dict[str, Any]], Dict[str, Any]],
+        own: Callable[[Dict[str, Any]], Dict[str, Any]],
+        local: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
+    ):
+        self.inner, self.full_state, self.merge, self.own = inner, full_state, merge, own
+        self.local = local  # what every rank writes of its sharded state (the optimizer's groups: every stage's)
+        self.saved, self.optional = inner.saved, inner.optional
+
+    def state_dict(self, full: bool = False) -> Dict[str, Any]:
+        if full:
+            return self.merge(self.full_state())
+        state = self.inner.state_dict(full=False)
+        return self.local(state) if self.local is not None else state
+
+    def load_state_dict(self, state: Dict[str, Any], full: bool = False) -> None:
+        self.inner.load_state_dict(self.own(state), full=full)
+
+    def side_values(self) -> Dict[str, Any]:
+        return self.inner.side_values()
+
+    def prepare_load(self, where: str, side: Mapping[str, Any], shapes: Optional[Shapes]) -> bool:
+        return self.inner.prepare_load(where, side, shapes)
+
+    def load_template(self) -> Dict[str, Any]:
+        return self.inner.load_template()
+
+
+STAGE_FULL_STATE = StateDictOptions(full_state_dict=True)  # every rank of a stage gets it (not rank 0 only)
+
+
+def stage_model_state(model: torch.nn.Module) -> Dict[str, Any]:
+    """This stage's parameters whole (gathered over its FSDP2 shards), on the CPU, on every rank of the stage."""
+    return {k: v.cpu() for k, v in get_model_state_dict(model, options=STAGE_FULL_STATE).items()}
+
+
+def stage_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """This stage's optimizer state whole, keyed by parameter name, on the CPU."""
+    state = get_optimizer_state_dict(model, optimizer, options=STAGE_FULL_STATE)
+    moved = {
+        name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for name, s in state["state"].items()
+    }
+    return {"state": moved, "param_groups": state["param_groups"]}
+
+
 class ShardedExtra:
     """A plain Stateful (its whole tensors in ``extra_state``) with a by-rank view for DCP.
 

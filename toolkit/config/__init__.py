@@ -282,6 +282,28 @@ class DistributedConfig:
         "by all-to-all), taken from the data-parallel ranks (DDP: all of them); the "
         "model must have expert layers",
     )
+    pipeline_parallel_size: int = opt(
+        1,
+        "pipeline stages the layers are split into (the outermost axis: each stage's ranks hold "
+        "its layers, the first the embeddings, the last the final norm, the head and the loss)",
+    )
+    pipeline_balance: Optional[str] = opt(
+        None,
+        "layers per stage, fairseq's list ('[2,3]' or '2,3'; one count per stage and virtual stage); "
+        "default: an even split, the remainder to the first stages",
+    )
+    pipeline_microbatches: int = opt(
+        0,
+        "micro-batches each batch is cut into for the pipeline (a batch of fewer rows: one row each); "
+        "default 0: pp x the virtual stages per rank, the fewest that keep every stage busy at once",
+    )
+    pipeline_schedule: str = opt(
+        "1f1b",
+        "the pipeline's schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved_1f1b, zero_bubble "
+        "(interleaved zero-bubble) and dualpipev take 2 virtual stages per rank (the layers cut into 2 x pp "
+        "stages)",
+        choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"],
+    )
 
 
 @dataclass

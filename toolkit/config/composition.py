@@ -70,6 +70,7 @@ Status = Union[Tested, Runs, Refused, OneSetting]
 
 FSDP = ("--ddp-backend", "fully_sharded")
 TP2 = ("--model-parallel-size", "2")
+PP2 = ("--pipeline-parallel-size", "2")
 
 
 def _fsdp(cfg: Any) -> bool:
@@ -107,6 +108,12 @@ FEATURES: Tuple[Feature, ...] = (
     ),
     Feature("CP", "--context-parallel-size > 1", lambda c: _size(c, "context_parallel_size") > 1),
     Feature("EP", "--expert-parallel-size > 1", lambda c: _size(c, "expert_parallel_size") > 1),
+    Feature(
+        "PP",
+        "--pipeline-parallel-size > 1",
+        lambda c: _size(c, "pipeline_parallel_size") > 1,
+        PP2 + FSDP + ("--arch", "llama_tiny"),
+    ),
     Feature("compile", "--compile", lambda c: c.distributed.compile, ("--compile",)),
     Feature("fp8", "--fp8", lambda c: c.distributed.fp8, ("--fp8",)),
     Feature(
@@ -475,6 +482,78 @@ _PAIRS[("EP", "LoRA")] = Tested(SPLIT_PAIRS, "case lora_ep: the MoE family on 2 
 _PAIRS[("fp8", "LoRA")] = Refused(LORA_FP8)
 _PAIRS[("overlap-offload", "LoRA")] = Refused(LORA_OVERLAP)
 
+PIPELINE = "tests/integration/test_pipeline_parallel.py::test_pipelined_run_logs_one_process_losses"
+_PAIRS[("FSDP", "PP")] = Tested(PIPELINE, "case dp2_pp2_fsdp: 4 ranks, FSDP2 over each stage's 2 data ranks")
+_PAIRS[("AC", "PP")] = Tested(PIPELINE, "case pp2: 2 ranks, each stage's blocks recomputed in backward")
+_PAIRS[("bf16", "PP")] = Tested(
+    PIPELINE, "case pp2_bf16: 2 ranks, interleaved_1f1b, against one process in bf16 (2e-2)"
+)
+PP_UNTESTED = (
+    "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
+    "until one does; {fix}"
+)
+for _other, _flag, _why, _fix in (
+    ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
+    (
+        "TP",
+        "--model-parallel-size > 1",
+        "the tensor-parallel plan splits the embeddings, the final norm and the head by name, which only the first "
+        "and the last stage hold, and the stages would send sequence-split DTensors between them",
+        "drop --model-parallel-size",
+    ),
+    (
+        "CP",
+        "--context-parallel-size > 1",
+        "the stages run the decoder's blocks without the context shard, so each rank would attend within its chunk",
+        "drop --context-parallel-size",
+    ),
+    (
+        "EP",
+        "--expert-parallel-size > 1",
+        "the MoE routers' auxiliary losses would have to flow through the schedule beside the activations",
+        "drop --expert-parallel-size",
+    ),
+    ("compile", "--compile", "each stage's blocks would be compiled per micro-batch shape", "drop --compile"),
+    ("fp8", "--fp8", "the float8 scales are kept per stage", "use --bf16"),
+    (
+        "muon",
+        "--optimizer muon",
+        "Muon gathers each sharded matrix to an owner rank of the stage's data ranks",
+        "use --optimizer adam",
+    ),
+    (
+        "cpu-offload",
+        "--cpu-offload",
+        "FSDP2's offloaded shards would be updated per stage by CPU Adam, and --overlap-offload-step sums the "
+        "gradient norm during backward on one stage only",
+        "drop --cpu-offload",
+    ),
+    (
+        "fp16",
+        "--fp16",
+        "the loss scale is not applied inside the schedule's backward and the overflow would be decided per stage",
+        "use --bf16",
+    ),
+    (
+        "memory-efficient fp16",
+        "--memory-efficient-fp16",
+        "the loss scale is not applied inside the schedule's backward and the overflow would be decided per stage",
+        "use --bf16",
+    ),
+    (
+        "document mask",
+        "--document-attention-mask",
+        "the stages run the decoder's blocks with the causal mask only (no document ids)",
+        "drop --document-attention-mask",
+    ),
+    ("data mixture", "--data-mixture", "every stage must read the same mixture's batch", "train on one data-bin"),
+    ("EMA", "--store-ema", "each stage would average only its layers' weights", "drop --store-ema"),
+    ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
+):
+    _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
+_PAIRS[("SP", "PP")] = _PAIRS[("TP", "PP")]
+_PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
+
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {
     "fully_sharded": Tested(TP_DP, "FSDP2 shards over the data-parallel ranks of each tensor-parallel slice"),
@@ -602,6 +681,18 @@ SETTINGS: Tuple[Condition, ...] = (
         EP_TP_NO_C10D,
         TP_NO_C10D + ("--arch", "moe_tiny", "--expert-parallel-size", "2"),
     ),
+    Condition(
+        "PP",
+        "with data-parallel ranks under --ddp-backend c10d or no_c10d",
+        lambda c, _cls: (
+            _size(c, "pipeline_parallel_size") > 1
+            and c.distributed.ddp_backend != "fully_sharded"
+            and c.distributed.distributed_world_size > _size(c, "pipeline_parallel_size")
+        ),
+        "--pipeline-parallel-size with data-parallel ranks: DDP's wrapper runs the whole model's forward, which a "
+        "stage does not; use --ddp-backend fully_sharded (FSDP2 over each stage's data ranks)",
+        PP2 + ("--distributed-world-size", "4"),
+    ),
     _requires_fsdp("cpu-offload", "--cpu-offload"),
     _requires_fsdp("--no-reshard-after-forward", "--no-reshard-after-forward"),
     Condition(
@@ -637,6 +728,16 @@ def _no_split(option: str, on: Callable[[Any], bool], reason: str, argv: Tuple[s
 
 
 MODEL: Tuple[Condition, ...] = (
+    Condition(
+        "PP",
+        "with an --arch whose forward the pipeline cannot cut into stages",
+        lambda c, cls: _size(c, "pipeline_parallel_size") > 1 and not supports(cls, "supports_pipeline_parallel"),
+        lambda c: (
+            f"--pipeline-parallel-size: --arch {c.components.arch} does not "
+            "declare a forward the pipeline can cut into stages (the Llama family does); drop the flag"
+        ),
+        PP2 + FSDP + ("--arch", "transformer_lm"),
+    ),
     Condition(
         "EP",
         "with an --arch without expert (MoE) layers",

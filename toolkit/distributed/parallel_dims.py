@@ -1,11 +1,14 @@
 """The run's parallel layout, built once from the flags: every mesh and group comes from here (torchtitan's ``ParallelDims``).
 
-The world of W ranks is laid out as ``(dp_replicate, dp_shard, cp, tp)``, tensor parallelism innermost
-(consecutive ranks, one machine), and nothing else in the toolkit builds a DeviceMesh or a process group:
+The world of W ranks is laid out as ``(pp, dp_replicate, dp_shard, cp, tp)``, pipeline stages outermost (the
+stages exchange one activation per micro-batch, the cheapest traffic, so they may span machines) and tensor
+parallelism innermost (consecutive ranks, one machine), and nothing else in the toolkit builds a DeviceMesh or a
+process group:
 
 =================  ===========================================  ===============================================
 axis               flag                                         what the ranks along it share
 =================  ===========================================  ===============================================
+``pp``             ``--pipeline-parallel-size``                 one batch, each rank the layers of its stages
 ``dp_replicate``   ``--sharding-strategy no_shard|hybrid_*``    nothing: each holds a whole (or hybrid) replica
 ``dp_shard``       ``--ddp-backend fully_sharded``,             FSDP2 shards parameters over ``dp_shard x cp``
                    ``--shard-group-size`` (hybrid)
@@ -13,6 +16,9 @@ axis               flag                                         what the ranks a
 ``tp``             ``--model-parallel-size``                    one batch, each rank a slice of every block
 ``ep``             ``--expert-parallel-size``                   carved from ``dp_shard x cp`` (below)
 =================  ===========================================  ===============================================
+
+Every other axis lives inside one pipeline stage: its meshes are the stage's (``dims.mesh(*DP_AXES)`` spans the
+data ranks of this rank's stage), and ``dims.group("pp")`` joins the ranks holding the same place in each stage.
 
 Data: the batches are sharded over ``dp_replicate x dp_shard`` (:attr:`ParallelDims.data_rank`,
 :attr:`~ParallelDims.data_world`); the CP and TP ranks of one replica read the same batch. Losses, token
@@ -51,17 +57,20 @@ from toolkit.core.errors import UserError
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 BACKEND_ALIASES = {"pytorch_ddp": "c10d", "legacy_ddp": "no_c10d"}
 TP = "tp"
-AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_AXES = AXES + ("ep_replicate", "ep_shard", "world")  # what ParallelDims.mesh / group take
 DP_AXES = ("dp_replicate", "dp_shard", "cp")  # the ranks holding the same TP slice: FSDP2's mesh, the loss sums
 EXPERT_PEERS = ("ep_replicate", "ep_shard")  # the ranks holding the same experts (of one tp rank)
+CONTEXT_AXES = ("dp_replicate", "dp_shard", "cp", TP)
 
 
 @dataclass(frozen=True)
 class ParallelShape:
-    """Sizes of every axis (their product with ``cp`` and ``tp`` is the world; ``ep`` is carved from ``dp_shard x cp``)."""
+    """Sizes of every axis (``pp x dp_replicate x dp_shard x cp x tp`` is the world; ``ep`` is carved from
+    ``dp_shard x cp``)."""
 
     world: int
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
@@ -69,6 +78,11 @@ class ParallelShape:
     ep: int = 1
     fsdp: bool = False  # FSDP2 wraps the model (--ddp-backend fully_sharded, or c10d under TP)
     hsdp: bool = False  # FSDP2's mesh has the dp_replicate axis (no_shard, hybrid_*; c10d under TP)
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks of one pipeline stage (the world when there is no pipeline)."""
+        return self.world // self.pp
 
     @property
     def data_world(self) -> int:
@@ -104,7 +118,7 @@ class ParallelShape:
         derived = dict(
             world=self.world,
             dp_shard_cp=self.dp_shard * self.cp,
-            ep_replicate=self.world // (self.ep * self.tp * self.expert_shard),
+            ep_replicate=self.stage_world // (self.ep * self.tp * self.expert_shard),
             ep_shard=self.expert_shard,
         )
         return derived[axis] if axis in derived else getattr(self, axis)
@@ -112,19 +126,20 @@ class ParallelShape:
     @property
     def needs_mesh(self) -> bool:
         """DDP and ``no_c10d`` without TP/CP/EP use the default group only (no mesh, no extra groups)."""
-        return self.fsdp or self.tp > 1 or self.cp > 1 or self.ep > 1
+        return self.fsdp or self.tp > 1 or self.cp > 1 or self.ep > 1 or self.pp > 1
 
     def data_rank(self, rank: int) -> int:
-        """The batch shard of global ``rank`` (its CP and TP peers read the same one)."""
-        return rank // (self.cp * self.tp)
+        """The batch shard of global ``rank`` (its CP and TP peers, and its peers of the other stages, read the same)."""
+        return (rank % self.stage_world) // (self.cp * self.tp)
 
     def coordinates(self, rank: int) -> Dict[str, int]:
         """Global ``rank``'s index along each axis (``ep``: its place among the expert-parallel ranks)."""
+        pp, rank = rank // self.stage_world, rank % self.stage_world
         tp, rest = rank % self.tp, rank // self.tp
         cp, rest = rest % self.cp, rest // self.cp
         shard, replicate = rest % self.dp_shard, rest // self.dp_shard
         # ep: consecutive data-parallel ranks (ep divides dp_shard x cp, or every rank's data index under DDP)
-        return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(rank // self.tp) % self.ep)
+        return dict(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=(rank // self.tp) % self.ep)
 
     def placement(self, rank: int) -> str:
         """Global ``rank``'s index along each axis the layout splits (``""`` for plain data parallelism)."""
@@ -136,8 +151,8 @@ class ParallelShape:
         )
 
     def describe(self) -> str:
-        sizes = [f"{name} {getattr(self, name)}" for name in AXES]
-        return f"{self.world} ranks = " + " x ".join(sizes[:4]) + f" (ep {self.ep} of dp_shard x cp)"
+        sizes = [f"{name} {getattr(self, name)}" for name in AXES if name != "pp" or self.pp > 1]
+        return f"{self.world} ranks = " + " x ".join(sizes[:-1]) + f" (ep {self.ep} of dp_shard x cp)"
 
 
 def _positive(flag: str, value: int) -> int:
@@ -155,12 +170,21 @@ def parallel_shape(
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    pp: int = 1,
 ) -> ParallelShape:
     """The layout of ``world`` ranks for these flags, or a one-line UserError naming the axis that does not fit.
 
     Pure (no process group): ``toolkit-train`` checks it before spawning and ``toolkit-plan`` plans with it.
     ``local_world_size`` is the ranks of one machine, the default ``--shard-group-size`` of hybrid sharding.
+    ``pp`` splits the world first; every other axis lays out the ranks of one stage.
     """
+    pp = _positive("--pipeline-parallel-size", pp)
+    if world % pp:
+        raise UserError(
+            f"--pipeline-parallel-size {pp}: must divide the world size {world} (each of the {pp} stages "
+            f"gets world/{pp} ranks); give --distributed-world-size a multiple of {pp}"
+        )
+    full_world, world = world, world // pp
     backend = BACKEND_ALIASES.get(ddp_backend, ddp_backend)
     if sharding_strategy not in STRATEGIES:
         raise UserError(f"--sharding-strategy {sharding_strategy}: choose from {', '.join(STRATEGIES)}")
@@ -203,7 +227,8 @@ def parallel_shape(
         replicate, shard = 1, dp
     _check_expert_axis(ep, world, tp, cp, replicate, shard, fsdp, strategy)
     return ParallelShape(
-        world=world,
+        world=full_world,
+        pp=pp,
         dp_replicate=replicate,
         dp_shard=shard,
         cp=cp,
@@ -247,6 +272,7 @@ def shape_from_config(cfg: DistributedConfig, world: int, local_world_size: int 
         tp=cfg.model_parallel_size,
         cp=cfg.context_parallel_size,
         ep=cfg.expert_parallel_size,
+        pp=cfg.pipeline_parallel_size,
     )
 
 
@@ -297,6 +323,11 @@ class ParallelDims:
     @property
     def data_rank(self) -> int:
         return self.shape.data_rank(self.rank)
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks of one pipeline stage (the world when there is no pipeline)."""
+        return self.world // self.pp
 
     @property
     def data_world(self) -> int:
@@ -390,6 +421,7 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
     world = init_device_mesh(device_type, (s.world,), mesh_dim_names=("world",))
     replicate = s.hsdp or s.dp_replicate > 1
     dense = _axes(
+        ("pp", s.pp, False),
         ("dp_replicate", s.dp_replicate, s.hsdp),
         (s.shard_axis, s.dp_shard * s.cp, s.fsdp or not replicate),
         (TP, s.tp, False),
@@ -397,12 +429,13 @@ def _build_meshes(s: ParallelShape, device_type: str) -> Dict[str, Any]:
     views = dict(dense=world._unflatten(0, *dense))
     if s.cp > 1:
         views["context"] = world._unflatten(
-            0, (s.dp_replicate, s.dp_shard, s.cp, s.tp), ("dp_replicate", "dp_shard", "cp", TP)
+            0, *_axes(*((name, s.size(name), name != "pp" or s.pp > 1) for name in ("pp",) + CONTEXT_AXES))
         )
     if s.ep > 1:
         # ep consecutive data-parallel ranks share one layer's experts; (ep_replicate, ep_shard): the ranks holding
         # the same ones, a (replicate, shard) mesh of their own under HSDP (torchtitan's dp_mod_ep)
         experts = _axes(
+            ("pp", s.pp, False),
             ("ep_replicate", s.size("ep_replicate"), s.fsdp and s.hsdp and s.tp == 1),
             ("ep_shard", s.expert_shard, True),
             ("ep", s.ep, True),

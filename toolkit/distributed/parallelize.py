@@ -7,6 +7,8 @@ build gets for the same seed (``init_weights`` seeds per parameter name). First,
 split over every rank, exceed each rank's memory is refused in one line (:func:`check_fits_memory`), before
 the allocator is asked for it:
 
+0. ``--pipeline-parallel-size``: the model keeps only this rank's stages' layers (``pipeline.py``), so every step
+   below wraps, materializes and initializes only those; the strategy gets the stages' schedule.
 1. ``--lora-rank``: the targeted Linear layers of the blocks get low-rank adapters and every other parameter is
    frozen (``toolkit/models/lora.py``); checkpointing, compile and FSDP2 then wrap the adapted blocks as any other.
 2. ``--fp8``: the blocks' Linear layers become float8 ones (``float8.py``), which every later step sees.
@@ -71,6 +73,7 @@ from toolkit.distributed.expert_parallel import (
 )
 from toolkit.distributed.float8 import apply_float8
 from toolkit.distributed.parallel_dims import DP_AXES, EXPERT_PEERS, TP, ParallelDims
+from toolkit.distributed.pipeline import Pipeline, build_pipeline
 from toolkit.distributed.strategies import AllReduceStrategy, DDPStrategy, FSDPStrategy, ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv
 from toolkit.core.errors import UserError
@@ -118,6 +121,7 @@ def parallelize(
         adapt_with_lora(model, lora)
     total, trained = models.count_params(model)  # the whole model, before any rank keeps its part
     logger.info(f"num. model params: {total} (num. trained: {trained})")
+    stages = build_pipeline(model, cfg, dims) if dims.shape.pp > 1 else None  # this rank's layers only
     if cfg.fp8:
         apply_float8(model, cfg.fp8_recipe, cfg.fp8_all_gather)
     if dims.shape.tp > 1:
@@ -135,7 +139,11 @@ def parallelize(
         apply_fsdp(model, cfg, common, env, dims)
     materialize(model, cfg, common, env, dims)
     log_layout(model, cfg, common, dims)
-    return synchronized(model, cfg, common, env, dims)
+    model, strategy = synchronized(model, cfg, common, env, dims)
+    if stages is not None:
+        strategy.pipeline = Pipeline(model, stages, dims, cfg.pipeline_schedule, cfg.pipeline_microbatches)
+        log_pipeline(strategy.pipeline)
+    return model, strategy
 
 
 # --- the steps -------------------------------------------------------------------------
@@ -163,6 +171,8 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     for i, block in enumerate(model.layers):
+        if block is None:  # another pipeline stage's layer
+            continue
         model.layers[i] = checkpoint_wrapper(
             block,
             checkpoint_impl=CheckpointImpl.NO_REENTRANT,
@@ -230,8 +240,9 @@ def apply_fsdp(
     reshard = reshard_after_forward(cfg)
     units = fsdp_units(model)  # the family's plan says which (its blocks)
     for i, unit in enumerate(units):
-        # The last unit's parameters are needed again as soon as backward starts.
-        unit_reshard = reshard and i < len(units) - 1
+        # The last unit's parameters are needed again as soon as backward starts; under a pipeline every unit's
+        # are, by the micro-batches in flight (torchtitan keeps them gathered too)
+        unit_reshard = reshard and i < len(units) - 1 and dims.shape.pp == 1
         if dims.shape.tp > 1:
             shard_moe_replicated_over_tp(
                 unit, dims, not cfg.no_sequence_parallel, reshard_after_forward=unit_reshard, **policies
@@ -282,7 +293,7 @@ def synchronized(
         return model, FSDPStrategy(handles_mixed_precision=bool(common.fp16 or common.bf16), **placement)
     if shape.loss_world == 1:
         return model, ParallelStrategy(**placement)
-    if cfg.ddp_backend == "c10d":
+    if cfg.ddp_backend == "c10d" and shape.pp == 1:  # a pipeline's stages run the model piecewise: no DDP wrapper
         # each rank's expert shards are its own: DDP must not average them with other experts' gradients
         DataParallelModel._set_params_and_buffers_to_ignore_for_model(model, placed_names(model))
         model = DataParallelModel(
@@ -314,7 +325,7 @@ def log_layout(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCon
         mesh = dims.mesh(*DP_AXES)
         logger.info(
             f"fully_sharded: {cfg.sharding_strategy} on mesh {tuple(mesh.shape)} "
-            f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg)}, "
+            f"{mesh.mesh_dim_names}, reshard after forward: {reshard_after_forward(cfg) and shape.pp == 1}, "
             f"mixed precision: {mixed_precision_policy(common)}"
         )
     if shape.ep > 1:
@@ -322,6 +333,20 @@ def log_layout(model: torch.nn.Module, cfg: DistributedConfig, common: CommonCon
             f"expert parallel: {len(placed_parameters(model)) // 3} MoE layers' experts over {shape.ep} ranks"
             + _expert_sharding(dims)
         )
+
+
+def log_pipeline(pipeline: Pipeline) -> None:
+    """One INFO line: this rank's stages, their layers, the schedule and its micro-batches."""
+    stages = "; ".join(
+        f"stage {s.index}: layers {s.layers[0]}-{s.layers[-1]}"
+        + (" + embeddings" if s.first else "")
+        + (" + norm, head, loss" if s.last else "")
+        for s in pipeline.specs
+    )
+    logger.info(
+        f"pipeline parallel: {pipeline.pp} ranks along pp, {pipeline.schedule_name} with {pipeline.microbatches} "
+        f"micro-batches per batch; this rank's {stages}"
+    )
 
 
 def _expert_sharding(dims: ParallelDims) -> str:

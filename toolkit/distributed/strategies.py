@@ -47,6 +47,7 @@ class ParallelStrategy:
         self.pin_memory = pin_memory
         self.dims = dims if dims is not None else ParallelDims.single()
         self.loss_parallel = loss_parallel
+        self.pipeline: Any = None  # --pipeline-parallel-size: this rank's stages and schedule (pipeline.Pipeline)
 
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager:
         return contextlib.nullcontext()

@@ -569,7 +569,7 @@ def fsdp_units(model: nn.Module) -> list:
     units = []
     for path in paths:
         module = model.get_submodule(path)
-        units.extend(module if isinstance(module, nn.ModuleList) else [module])
+        units.extend([m for m in module if m is not None] if isinstance(module, nn.ModuleList) else [module])
     return units
 
 

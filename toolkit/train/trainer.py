@@ -17,6 +17,7 @@ ranks). So N ranks with ``--update-freq 1`` take the same step as one rank with
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -27,13 +28,23 @@ import torch
 
 from toolkit.train.amp_retries import AmpBatchRetries
 from toolkit.checkpoint.identity import HASH_KEY
-from toolkit.checkpoint.stateful import DataPosition, Meters, ModelState, OptimizerState, Value
+from toolkit.checkpoint.stateful import (
+    DataPosition,
+    Meters,
+    ModelState,
+    OptimizerState,
+    StagedState,
+    Value,
+    stage_model_state,
+    stage_optimizer_state,
+)
 from toolkit.compat.fairseq.plugins import calls_the_model
 from toolkit.config import TrainConfig
 from toolkit.core.protocols import PostStepHook
 from toolkit.distributed import float8
 from toolkit.distributed.offload_overlap import build_offload_overlap
 from toolkit.distributed.parallel_dims import DP_AXES
+from toolkit.distributed.pipeline import merge_stage_states, own_stage_state, with_every_stage_groups
 from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.train.ema import EMA, EMAState
@@ -242,6 +253,8 @@ class Trainer:
 
     def _forward_backward(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
         """Every micro-batch's forward and backward; the logged sums over them and the data-parallel replicas."""
+        if self.strategy.pipeline is not None:
+            return self._pipelined_forward_backward(samples)
         totals: Dict[str, Any] = {}
         for i, sample in enumerate(samples):
             sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
@@ -265,6 +278,37 @@ class Trainer:
         totals = {k: float(v) for k, v in totals.items()}  # one device sync per update
         dims = self.strategy.dims
         return all_reduce_sums(totals, self.device, dims.loss_world, group=dims.group(*DP_AXES))
+
+    def _pipelined_forward_backward(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
+        """``--pipeline-parallel-size``: each sample through the stages' schedule (its micro-batches), the summed
+        losses on the last stage; the sums over the data ranks of each stage, then the last stage's on every rank
+        (every stage normalizes its gradients by the same token count)."""
+        totals: Dict[str, Any] = {}
+        for i, sample in enumerate(samples):
+            sample = move_to_device(sample, self.device)
+            with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast():
+                logging_output = self._pipeline_pass(sample, train=True)
+            for k, v in logging_output.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        dims = self.strategy.dims
+        totals = all_reduce_sums(totals, self.device, dims.loss_world, group=dims.group(*DP_AXES))
+        return self.strategy.pipeline.from_last_stage(totals)
+
+    def _pipeline_pass(self, sample: Dict[str, Any], train: bool) -> Dict[str, Any]:
+        """One sample through the pipeline: on the last stage the criterion's logging output of the summed loss
+        (``_sample_size`` beside it), elsewhere nothing."""
+        pipeline = self.strategy.pipeline
+        dummy = 0.0 if sample.get("is_dummy") else 1.0
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return self.criterion.compute_loss(logits, target) * dummy
+
+        run = pipeline.step if train else pipeline.evaluate
+        loss = run(sample["net_input"]["src_tokens"], sample["target"], loss_fn, self.task.dictionary.pad())
+        if loss is None:
+            return {}
+        _, sample_size, logging_output = self.criterion.with_counts(loss, sample)
+        return dict(logging_output, _sample_size=sample_size)
 
     def _step_optimizer(self, grad_factor: float) -> None:
         """The update with the gradients times ``grad_factor`` (folded into the step where that is exact); grads dropped."""
@@ -305,6 +349,11 @@ class Trainer:
         self.finish_pending_steps()
         self.model.eval()
         sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
+        if self.strategy.pipeline is not None:
+            with self._autocast():
+                out = self._pipeline_pass(sample, train=False)
+            out = self.strategy.pipeline.from_last_stage({k: float(v) for k, v in out.items()})
+            return {} if sample.get("is_dummy") else out
         with self._autocast(), self.strategy.loss_context():
             _, sample_size, logging_output = forward_and_loss(self.model, self.criterion, sample)
         if sample.get("is_dummy"):
@@ -328,6 +377,8 @@ class Trainer:
         raw_norm = None
         if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
             raw_norm = self.overlap.raw_grad_norm()
+        elif self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
+            raw_norm = self.strategy.pipeline.global_norm(grads)
         elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
         elif self.memory_efficient is not None:
@@ -396,7 +447,20 @@ class Trainer:
         }
         if self.ema is not None:
             entries["ema"] = EMAState(self.ema, self.model)  # fairseq's key (--store-ema)
+        if self.strategy.pipeline is not None:
+            self._stage_entries(entries)
         return entries
+
+    def _stage_entries(self, entries: Dict[str, Any]) -> None:
+        """``--pipeline-parallel-size``: the model and the optimizer saved whole from every stage, loaded by each
+        stage keeping its own parameters (``toolkit.checkpoint.stateful.StagedState``)."""
+        pipeline, model = self.strategy.pipeline, self.model
+        merge = functools.partial(merge_stage_states, pipeline)
+        own = functools.partial(own_stage_state, model)
+        entries["model"] = StagedState(entries["model"], lambda: stage_model_state(model), merge, own)
+        optimizer_state = lambda: stage_optimizer_state(model, self.optimizer)  # noqa: E731
+        every_stage = functools.partial(with_every_stage_groups, pipeline)
+        entries["optim"] = StagedState(entries["optim"], optimizer_state, merge, own, every_stage)
 
     def state_dict(self) -> Dict[str, Any]:
         self.finish_pending_steps()

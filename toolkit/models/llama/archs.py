@@ -11,6 +11,8 @@ arch                 layers  C      F      H    G    rope theta  scaling  tied  
 llama3_1b            16      2048   8192   32   8    500000      32       yes     1,235,814,400
 llama3_3b            28      3072   8192   24   8    500000      32       yes     3,212,749,824
 llama3_8b            32      4096   14336  32   8    500000      8        no      8,030,261,248
+llama3_70b           80      8192   28672  64   8    500000      8        no      70,553,706,496
+llama3_405b          126     16384  53248  128  8    500000      8        no      405,853,388,800
 llama2_7b            32      4096   11008  32   32   10000       -        no      6,738,415,616
 tinyllama_1_1b       22      2048   5632   32   4    10000       -        no      1,100,048,384
 qwen2_0_5b           24      896    4864   14   2    1000000     -        yes     494,032,768
@@ -20,8 +22,9 @@ qwen3_1_7b           28      2048   6144   16   8    1000000     -        yes   
 qwen3_8b             36      4096   12288  32   8    1000000     -        no      8,190,735,360
 ===================  ======  =====  =====  ===  ===  ==========  =======  ======  =================
 
-``llama3_1b`` / ``llama3_3b`` are Llama 3.2 1B / 3B, ``llama3_8b`` is Llama 3.1 8B (Llama 3 8B has
-the same shapes without the RoPE scaling), ``mistral_7b`` is Mistral 7B v0.1 without its sliding
+``llama3_1b`` / ``llama3_3b`` are Llama 3.2 1B / 3B, ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` are Llama
+3.1 8B / 70B / 405B (Llama 3 8B and 70B have the same shapes without the RoPE scaling; the two large ones are what
+``--pipeline-parallel-size`` is for), ``mistral_7b`` is Mistral 7B v0.1 without its sliding
 window (full causal attention, as v0.2 and later). The Qwen3 sizes have QK-norm and heads of 128 whatever
 the width (H x 128 is not C). ``llama_tiny`` / ``llama_tiny_gqa`` / ``qwen3_tiny`` are for tests. OLMo 2's
 sizes are ``olmo2/archs.py``'s, Gemma 3's ``gemma3/archs.py``'s.
@@ -40,6 +43,8 @@ PUBLISHED_VOCAB_SIZE: Dict[str, int] = {
     "llama3_1b": 128256,
     "llama3_3b": 128256,
     "llama3_8b": 128256,
+    "llama3_70b": 128256,
+    "llama3_405b": 128256,
     "llama2_7b": 32000,
     "tinyllama_1_1b": 32000,
     "qwen2_0_5b": 151936,
@@ -101,6 +106,20 @@ def llama3_3b(cfg: LlamaConfig) -> None:
 def llama3_8b(cfg: LlamaConfig) -> None:
     """Llama 3.1 8B."""
     set_shape(cfg, layers=32, dim=4096, ffn=14336, heads=32, kv=8)
+    _llama3_rope(cfg, factor=8.0)
+
+
+@register_model_architecture("llama", "llama3_70b")
+def llama3_70b(cfg: LlamaConfig) -> None:
+    """Llama 3.1 70B."""
+    set_shape(cfg, layers=80, dim=8192, ffn=28672, heads=64, kv=8)
+    _llama3_rope(cfg, factor=8.0)
+
+
+@register_model_architecture("llama", "llama3_405b")
+def llama3_405b(cfg: LlamaConfig) -> None:
+    """Llama 3.1 405B."""
+    set_shape(cfg, layers=126, dim=16384, ffn=53248, heads=128, kv=8)
     _llama3_rope(cfg, factor=8.0)
 
 

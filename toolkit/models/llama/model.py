@@ -24,6 +24,7 @@ class LlamaLanguageModel(RotaryDecoderLM):
 
     HF_ADAPTER = LlamaAdapter
     PLAN = staticmethod(tensor_parallel_plan)
+    supports_pipeline_parallel = True  # toolkit.distributed.pipeline composes its forward stage by stage
 
     def build_block(self, cfg: LlamaConfig, index: int, window: Optional[int]) -> PreNormBlock:
         return PreNormBlock(decoder_attention(cfg, window), self.gated_mlp(), norm=self.width_norm)

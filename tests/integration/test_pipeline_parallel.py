@@ -1,0 +1,189 @@
+"""Pipeline parallelism (``--pipeline-parallel-size``) against one process.
+
+Every schedule on 2 gloo ranks (one forked run: tests/helpers/tp_helpers.spawn), a tiny 4-layer Llama cut into 2
+stages (gpipe) or 4 (interleaved_1f1b, zero_bubble, dualpipev: 2 per rank): the summed loss of a batch of 4
+rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each rank holding only its stages'
+parameters under their one-process names. Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
+ranks) and 2 ranks pp 2 in bf16 (interleaved_1f1b) log one process's losses and gradient norms with ``--update-freq
+2`` (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards;
+the dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
+Its sharded checkpoint consolidates to one process's file and resumes in one process, and one process's file
+resumes at pp 2, each continuing as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.helpers import dist_helpers as H
+from tests.helpers.cli import run_train
+from tests.helpers.tp_helpers import spawn
+
+SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: the toolkit-train runs below
+UPDATES = 3
+
+
+def _tiny_llama(device: str = "cpu"):
+    from toolkit.models.llama.config import LlamaConfig
+    from toolkit.models.llama.model import LlamaLanguageModel
+
+    cfg = LlamaConfig(
+        decoder_layers=4,
+        decoder_embed_dim=32,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=64,
+        max_target_positions=16,
+    )
+    with torch.device(device):
+        return LlamaLanguageModel(cfg, 37, 1, seed=5)
+
+
+def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
+    from types import SimpleNamespace
+
+    from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
+    from toolkit.distributed.pipeline import Pipeline, build_pipeline
+    from toolkit.models.init import init_weights
+
+    tokens = torch.randint(2, 37, (4, 16), generator=torch.Generator().manual_seed(0))
+    target = torch.roll(tokens, -1, dims=1)
+    reference = _tiny_llama()
+    init_weights(reference, 5)
+    loss_fn = lambda logits, t: F.cross_entropy(logits.reshape(-1, 37), t.reshape(-1), reduction="sum")  # noqa: E731
+    want_loss = loss_fn(reference(tokens), target)
+    want_loss.backward()
+    want = {name: p.grad for name, p in reference.named_parameters()}
+    dims = ParallelDims(parallel_shape(world_size, pp=2), rank)
+    dims.mesh("world")
+    held = {}
+    for schedule in SCHEDULES:
+        model = _tiny_llama("meta")
+        cfg = SimpleNamespace(pipeline_schedule=schedule, pipeline_balance=None)
+        pipeline = Pipeline(model, build_pipeline(model, cfg, dims), dims, schedule, 0)
+        model.to_empty(device="cpu")
+        init_weights(model, 5)
+        loss = pipeline.step(tokens, target, loss_fn, pad=1)
+        if pipeline.is_last:
+            torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-4, msg=schedule)
+        names = [name for name, _ in model.named_parameters()]
+        assert names and set(names) < set(want), (schedule, names)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=f"{schedule}: {name}")
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, sorted(names))
+        held[schedule] = everyone
+    return held
+
+
+def test_every_schedule_equals_one_process(tmp_path):
+    spawn(worker_every_schedule, 2, str(tmp_path))
+    held = torch.load(tmp_path / "result.pt", weights_only=True)
+    embed, head = "embed_tokens.weight", "output_projection.weight"
+    for schedule, (first, second) in held.items():
+        assert not set(first) & set(second), schedule  # each parameter on one rank
+        assert embed in first and (head in second) == (schedule != "dualpipev"), schedule  # V: head on rank 0
+    assert "layers.3.mlp.up_proj.weight" in held["dualpipev"][0] and "layers.2.mlp.up_proj.weight" in held["gpipe"][1]
+
+
+def _logged(stdout: str) -> dict:
+    """{update: (loss, gnorm)} of the ``train_inner`` lines; ``"valid"``: the validation losses logged."""
+    out = {}
+    for line in stdout.splitlines():
+        m = re.search(r"\| (train_inner|valid) \| (\{.*\})\s*$", line)
+        if m and m.group(1) == "valid":
+            out.setdefault("valid", []).append(float(json.loads(m.group(2))["valid_loss"]))
+        elif m:
+            stats = json.loads(m.group(2))
+            out[int(stats["num_updates"])] = (float(stats["loss"]), float(stats["gnorm"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    return {"bin": H.make_lm_data_bin(str(root / "bin")), "root": root}
+
+
+def _train(runs, name, *flags, updates=UPDATES):
+    args = [runs["bin"], *H.llama_args(runs["root"] / name), "--decoder-layers", "4", "--clip-norm", "1.0"]
+    proc = run_train(args + ["--max-update", str(updates), "--save-interval-updates", "2", *flags])
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return _logged(proc.stdout)
+
+
+def _assert_close(got, want, tolerance, updates):
+    assert sorted(k for k in got if k != "valid") == list(updates), got
+    for update in updates:
+        for value, expected in zip(got[update], want[update]):
+            assert abs(value - expected) <= tolerance * abs(expected) + H.LOGGED_TOL, (update, got, want)
+
+
+def _one_process(runs, precision):
+    """The one-process reference of a precision (``--update-freq 2``), run once per module."""
+    if precision not in runs:
+        quiet = QUIET if precision != "fp32" else []
+        runs[precision] = _train(runs, f"one_{precision}", "--update-freq", "2", *PRECISION[precision][0], *quiet)
+    return runs[precision]
+
+
+PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2)}  # flags, relative tolerance
+PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
+QUIET = ["--disable-validation"]
+CASES = {  # name: (flags of the pipelined run, its precision); dp2_pp2_fsdp validates (22 rows over 2 data ranks)
+    "pp2": (PP2 + ["--checkpoint-activations", *QUIET], "fp32"),
+    "dp2_pp2_fsdp": (
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+        + ["--use-sharded-state"],
+        "fp32",
+    ),
+    "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b", *QUIET], "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipelined_run_logs_one_process_losses(runs, case):
+    flags, precision = CASES[case]
+    want, tolerance = _one_process(runs, precision), PRECISION[precision][1]
+    got = _train(runs, case, *flags)
+    assert any(norm > 1.0 for key, (_, norm) in want.items() if key != "valid")  # the clip acts
+    _assert_close(got, want, tolerance, range(1, UPDATES + 1))
+    if case == "dp2_pp2_fsdp":
+        assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)
+
+
+def _resumed(runs, name, checkpoint, *flags):
+    """A run resumed from ``checkpoint`` (a ``.pt`` or a DCP folder) at update 2: its logged update 3."""
+    target = runs["root"] / name / ("checkpoint_last" + (".pt" if str(checkpoint).endswith(".pt") else ""))
+    target.parent.mkdir()
+    (shutil.copy if target.suffix else shutil.copytree)(checkpoint, target)
+    return _train(runs, name, "--update-freq", "2", *QUIET, *flags)
+
+
+def test_pipelined_checkpoints_are_one_process_checkpoints(runs):
+    """The dp 2 x pp 2 run's sharded save at update 2 consolidates to one process's file (names, parameter groups,
+    values) and resumes in one process; one process's file resumes at pp 2: update 3 as the uninterrupted one."""
+    from toolkit.checkpoint.sharded import consolidate
+
+    want = _one_process(runs, "fp32")
+    if not (runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2").exists():
+        test_pipelined_run_logs_one_process_losses(runs, "dp2_pp2_fsdp")
+    reference = torch.load(runs["root"] / "one_fp32" / "checkpoint_1_2.pt", weights_only=True)
+    consolidate(str(runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2"), str(runs["root"] / "merged.pt"))
+    merged = torch.load(runs["root"] / "merged.pt", weights_only=True)
+    assert list(merged["model"]) == list(reference["model"])
+    torch.testing.assert_close(merged["model"], reference["model"], rtol=1e-4, atol=1e-5)
+    ours, theirs = merged["last_optimizer_state"], reference["last_optimizer_state"]
+    assert ours["param_groups"] == theirs["param_groups"]
+    torch.testing.assert_close(ours["state"], theirs["state"], rtol=1e-3, atol=1e-6)
+    one = _resumed(runs, "resume_one", runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2")
+    pipelined = _resumed(runs, "resume_pp2", runs["root"] / "one_fp32" / "checkpoint_1_2.pt", *PP2[:4])
+    for got in (one, pipelined):
+        _assert_close(got, want, 1e-3, [UPDATES])

@@ -1,0 +1,335 @@
+"""Pipeline parallelism (``--pipeline-parallel-size``) on ``torch.distributed.pipelining``: the layers cut into
+stages, each rank the stages of its place on the ``pp`` axis, a schedule running the micro-batches through them.
+
+How a rank holds its stages: the family's model is built whole on the meta device, then pruned in place to the
+layers of this rank's stages (the others' entries of ``model.layers`` become empty slots, the embeddings stay on the
+rank of the first stage, the final norm and the output layer on the rank of the last), so every parameter keeps its
+one-process name (``layers.5.mlp.up_proj.weight``) and ``init_weights`` (seeded per name) gives it the one-process
+value; the rest of the parallelize sequence (TP, activation checkpointing, compile, FSDP2 over the stage's data
+ranks) then wraps what is left. A stage is a thin module over that model (:class:`StageModule`): its forward calls
+the model (so FSDP2's hooks on the model run) with the stage's layers.
+
+Schedules and the stages a rank holds (``SCHEDULES``): ``gpipe`` and ``1f1b`` one stage per rank;
+``interleaved_1f1b`` and ``zero_bubble`` (torch's interleaved zero-bubble) two, rank r holding stages r and r + P
+(loop); ``dualpipev`` two, rank r holding r and 2P - 1 - r (V: the first and the last stage on rank 0).
+
+The loss: the schedule calls the criterion's summed loss on each micro-batch of the last stage and back-propagates
+it unscaled (``scale_grads=False``); the trainer then divides the gradients once by the update's token count across
+micro-batches, ``--update-freq`` and the data ranks, as one process does, and takes the logged sums from the last
+stage (:meth:`Pipeline.from_last_stage`). The gradient norm adds the stages' squares (:meth:`Pipeline.global_norm`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from toolkit.core.errors import UserError
+
+# name: (torch's class, virtual stages per rank, placement of a rank's stages)
+SCHEDULES: Dict[str, Tuple[str, int, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the summed loss
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: its index among all ``P x V`` stages and the model's layers it runs."""
+
+    index: int
+    layers: Tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def virtual_stages(schedule: str) -> int:
+    return SCHEDULES[schedule][1]
+
+
+def default_microbatches(pp: int, schedule: str) -> int:
+    """``pp x`` the virtual stages per rank: the fewest micro-batches that give every stage work at once."""
+    return pp * virtual_stages(schedule)
+
+
+def layer_counts(layers: int, stages: int, balance: Optional[str]) -> List[int]:
+    """Layers per stage: ``--pipeline-balance`` (fairseq's list, one count per stage) or an even split whose
+    remainder goes to the first stages; a one-line UserError when they do not add up or leave a stage empty."""
+    if balance is None or not str(balance).strip():
+        if layers < stages:
+            raise UserError(
+                f"--pipeline-parallel-size: {stages} stages need at least {stages} layers and the model has {layers}; "
+                f"lower --pipeline-parallel-size (or use a schedule with one stage per rank)"
+            )
+        return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+    try:
+        counts = [int(x) for x in str(balance).strip().strip("[]()").split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--pipeline-balance {balance}: give layer counts separated by commas, e.g. '[2,2]'") from None
+    if len(counts) != stages or sum(counts) != layers or min(counts) < 1:
+        raise UserError(
+            f"--pipeline-balance {balance}: needs {stages} counts (one per stage) of at least 1 adding up to the "
+            f"model's {layers} layers"
+        )
+    return counts
+
+
+def rank_stage_indices(pp_rank: int, pp: int, schedule: str) -> List[int]:
+    """The stages rank ``pp_rank`` of the pp axis runs, in the order its schedule takes them."""
+    _, per_rank, placement = SCHEDULES[schedule]
+    if placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(per_rank)]
+
+
+def stage_specs(layers: int, pp: int, pp_rank: int, schedule: str, balance: Optional[str]) -> List[StageSpec]:
+    """This rank's stages and their layers."""
+    stages = pp * virtual_stages(schedule)
+    counts = layer_counts(layers, stages, balance)
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [
+        StageSpec(i, tuple(range(starts[i], starts[i] + counts[i])), i == 0, i == stages - 1)
+        for i in rank_stage_indices(pp_rank, pp, schedule)
+    ]
+
+
+def check_pipelinable(model: nn.Module) -> None:
+    """A pipeline cuts the rotary decoder families' stack of blocks (their forward is composed here, stage by
+    stage); the embeddings and the output layer must be separate weights (a tied pair lives on two stages)."""
+    from toolkit.core.protocols import supports
+    from toolkit.models.common.rotary_decoder import RotaryDecoderLM
+
+    name = type(model).__name__
+    composed = isinstance(model, RotaryDecoderLM) and type(model).forward is RotaryDecoderLM.forward
+    if not composed or not supports(type(model), "supports_pipeline_parallel"):
+        raise UserError(
+            f"--pipeline-parallel-size: {name} does not declare a forward the pipeline can cut into stages (the "
+            f"Llama family does); train it without --pipeline-parallel-size"
+        )
+    if model.output_projection is None:
+        raise UserError(
+            "--pipeline-parallel-size: the model ties its output layer to the token embeddings, which would live on "
+            "the first and the last stage at once; use an untied --arch or --no-share-decoder-input-output-embed"
+        )
+
+
+def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int) -> None:
+    """Keep on ``model`` (on the meta device) only what ``specs`` run; its forward becomes a stage's
+    (``model(x, spec)``). The FLOPs it reports stay the whole model's, divided over the ``pp`` ranks; its plan (FSDP2's
+    units) and its names and shapes (``whole_model_shapes``, what a checkpoint is checked against) the whole model's."""
+    whole_matmul = model.num_matmul_parameters()
+    flops = type(model).flops_per_token
+    plan = model.tensor_parallel_plan()  # it reads the first block, which another stage may hold
+    model.whole_model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what a resume checks
+    model.tensor_parallel_plan = lambda: plan
+    model.num_matmul_parameters = lambda: whole_matmul
+    model.flops_per_token = lambda seq_len: flops(model, seq_len) // pp
+    kept = {i for spec in specs for i in spec.layers}
+    for i in range(len(model.layers)):
+        if i not in kept:
+            model.layers[i] = None
+    if not any(spec.first for spec in specs):
+        model.embed_tokens = None
+    if not any(spec.last for spec in specs):
+        model.norm = None
+        model.output_projection = None
+    model.forward = functools.partial(_stage_forward, model)
+
+
+def _stage_forward(model: nn.Module, x: torch.Tensor, spec: StageSpec) -> torch.Tensor:
+    """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache, documents or cp):
+    tokens in on the first stage, logits out of the last, the hidden states [B, T, C] between."""
+    from toolkit.models.common.attention import attention_mask
+    from toolkit.models.common.options import head_dim, layer_windows
+
+    if spec.first:
+        x = model.embed(x)
+    T = x.size(1)
+    windows = layer_windows(model.cfg)
+    masks: Dict[Any, Any] = {}
+    for i in spec.layers:
+        window = windows[i]
+        if window not in masks:
+            masks[window] = attention_mask(None, T, x.device, window=window, head_dim=head_dim(model.cfg))
+        cos, sin = model.rope_rows(window, 0, T)
+        x = model.layers[i](x, cos, sin, attn_mask=masks[window], context_parallel=None)
+    return model.output(x) if spec.last else x
+
+
+class StageModule(nn.Module):
+    """What ``PipelineStage`` runs: the rank's model called with one stage's layers. The stage's modules are
+    registered here too (``parameters()`` are the stage's: the zero-bubble schedules' weight gradients), the model
+    itself is not (its other stage's parameters are not this stage's)."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec):
+        super().__init__()
+        object.__setattr__(self, "rank_model", model)
+        self.spec = spec
+        parts = [model.layers[i] for i in spec.layers]
+        if spec.first:
+            parts.insert(0, model.embed_tokens)
+        if spec.last:
+            parts += [model.norm, model.output_projection]
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rank_model(x, self.spec)
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs a batch through them (one per batch shape: torch's stages
+    size their receive buffers on the first batch they run)."""
+
+    def __init__(self, model: nn.Module, specs: Sequence[StageSpec], dims: Any, schedule: str, microbatches: int):
+        self.model, self.specs, self.dims = model, list(specs), dims
+        self.schedule_name = schedule
+        self.pp = dims.shape.pp
+        self.microbatches = microbatches or default_microbatches(self.pp, schedule)
+        self.group = dims.group("pp")
+        self.is_first = any(spec.first for spec in specs)
+        self.is_last = any(spec.last for spec in specs)
+        self._schedules: Dict[Tuple[int, ...], Any] = {}
+        self._loss_fn: Optional[LossFn] = None
+
+    def _schedule(self, shape: Tuple[int, ...], device: torch.device) -> Any:
+        if shape in self._schedules:
+            return self._schedules[shape]
+        from torch.distributed import pipelining
+
+        stages = [
+            pipelining.PipelineStage(
+                StageModule(self.model, spec), spec.index, self.pp * len(self.specs), device, group=self.group
+            )
+            for spec in self.specs
+        ]
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
+        first = stages[0] if len(stages) == 1 else stages
+        schedule = cls(first, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._schedules[shape] = schedule
+        return schedule
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: the caller's (its summed loss), set for the batch being run."""
+        return self._loss_fn(output, target)
+
+    def step(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
+        """Forward and backward of one batch (``pad``: the padding index) through the schedule; the summed loss on
+        the last stage, else None."""
+        return self._run(tokens, target, loss_fn, train=True, pad=pad)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
+        """Forward only (validation): the summed loss on the last stage, else None."""
+        return self._run(tokens, target, loss_fn, train=False, pad=pad)
+
+    def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The batch padded (rows of padding, padding at the ends of the rows: targets the loss ignores, positions
+        a causal attention reads after every real one) to the shape every data rank of the stage runs: the largest
+        of theirs, its rows a multiple of the micro-batches. So the micro-batches are equal (torch's stages keep
+        one receive buffer per micro-batch) and the data ranks build their schedules, whose first step runs the
+        forward over FSDP2's collectives, at the same steps."""
+        shape = torch.tensor(tokens.shape, dtype=torch.long)
+        if self.dims.data_world * self.dims.shape.cp > 1:
+            from toolkit.distributed.parallel_dims import DP_AXES
+
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.dims.group(*DP_AXES))
+        rows = -(-int(shape[0]) // self.microbatches) * self.microbatches
+        grow = (0, int(shape[1]) - tokens.size(1), 0, rows - tokens.size(0))
+        if any(grow):
+            tokens = torch.nn.functional.pad(tokens, grow, value=pad)
+            target = torch.nn.functional.pad(target, grow, value=pad)
+        return tokens, target
+
+    def _run(self, tokens, target, loss_fn, train: bool, pad: int) -> Optional[torch.Tensor]:
+        tokens, target = self._padded(tokens, target, pad)
+        schedule = self._schedule(tuple(tokens.shape), tokens.device)
+        self._loss_fn = loss_fn
+        losses: List[torch.Tensor] = []
+        args = (tokens,) if self.is_first else ()
+        kwargs = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
+        if train:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            schedule.eval(*args, **kwargs)
+        if not self.is_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """The L2 norm of the whole model's gradients: this rank's (over FSDP2's shards) squared, summed over the
+        stages."""
+        from toolkit.optim.grad_norm import total_norm
+
+        square = total_norm(grads).double().square().reshape(1)
+        dist.all_reduce(square, group=self.group)
+        return math.sqrt(float(square))
+
+    def from_last_stage(self, values: Dict[str, float]) -> Dict[str, float]:
+        """The last stage's ``values`` on every stage (what rank 0 logs and every rank normalizes by)."""
+        box = [values]
+        source = dist.get_global_rank(self.group, self.pp - 1) if self.schedule_name != "dualpipev" else None
+        if source is None:  # V placement: the last stage is on the pp axis's first rank
+            source = dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]
+
+
+def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
+    """The stages' states (a model's ``{name: tensor}`` or an optimizer's ``{"state", "param_groups"}``, each
+    keyed by one-process names) merged into one process's on the pp axis's first rank ({} elsewhere): the
+    parameters in stage order, each optimizer group's names joined."""
+    states = [None] * pipeline.pp if dist.get_rank(pipeline.group) == 0 else None
+    dist.gather_object(state, states, dst=dist.get_global_rank(pipeline.group, 0), group=pipeline.group)
+    if states is None:
+        return {}
+    if "param_groups" not in state:
+        return {k: v for each in states for k, v in each.items()}
+    groups = [dict(group, params=list(group["params"])) for group in states[0]["param_groups"]]
+    for each in states[1:]:
+        for group, more in zip(groups, each["param_groups"]):
+            group["params"] += [name for name in more["params"] if name not in group["params"]]
+    return {"state": {k: v for each in states for k, v in each["state"].items()}, "param_groups": groups}
+
+
+def with_every_stage_groups(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer's sharded state whose ``param_groups`` name every stage's parameters (the same on every rank:
+    DCP writes one copy of them, and a consolidation or another layout reads the whole model's groups)."""
+    names = [None] * pipeline.pp
+    dist.all_gather_object(names, [group["params"] for group in state["param_groups"]], group=pipeline.group)
+    groups = [dict(group, params=[]) for group in state["param_groups"]]
+    for stage in names:
+        for group, params in zip(groups, stage):
+            group["params"] += [name for name in params if name not in group["params"]]
+    return dict(state, param_groups=groups)
+
+
+def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A one-process state (a model's or an optimizer's) cut to the parameters ``model`` (this rank's stages)
+    holds."""
+    names = {name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_parameters()}
+    if "param_groups" not in state:
+        return {k: v for k, v in state.items() if k in names}
+    groups = [dict(group, params=[n for n in group["params"] if n in names]) for group in state["param_groups"]]
+    return {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
+
+
+def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
+    """Prune the meta-device ``model`` to this rank's stages (``cfg``: the DistributedConfig); their specs."""
+    check_pipelinable(model)
+    pp = dims.shape.pp
+    pp_rank = dims.shape.coordinates(dims.rank)["pp"]
+    specs = stage_specs(len(model.layers), pp, pp_rank, cfg.pipeline_schedule, cfg.pipeline_balance)
+    prune_to_stages(model, specs, pp)
+    return specs
