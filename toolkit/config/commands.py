@@ -377,6 +377,7 @@ IMPORTABLE_HF_CLASSES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 

@@ -379,6 +379,7 @@ BUILTIN_FAMILIES: Dict[str, str] = {
     "deepseek_v3": "DeepSeekV3Config",
     "gpt_oss": "GptOssConfig",
     "qwen3_next": "Qwen3NextConfig",
+    "glm4_moe": "Glm4MoeConfig",
 }
 
 
