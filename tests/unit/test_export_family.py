@@ -67,8 +67,8 @@ def test_kv_cache_of_a_family_without_a_cached_decoder_is_one_line_naming_those_
 
     with pytest.raises(
         UserError,
-        match=r"^--kv-cache: decoder_with_past.onnx is written for gemma3 and gpt_oss and llama and moe and olmo2 and "
-        r"olmo3 and smollm3 and transformer_lm models, not PlainLM; export without --kv-cache \(decoder.onnx\)$",
+        match=r"^--kv-cache: decoder_with_past.onnx is written for gemma3 and glm4_moe and gpt_oss and llama and moe and "
+        r"olmo2 and olmo3 and smollm3 and transformer_lm models, not PlainLM; export without --kv-cache \(decoder.onnx\)$",
     ):
         cached_decoder(PlainLM())
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Tuple
 
 from toolkit.config import opt
-from toolkit.config.flag_types import count_or_zero, float_list, non_negative_float, non_negative_int, positive_int
+from toolkit.config.flag_types import (
+    count_or_zero,
+    float_list,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 """``--sample-break-mode``: how a token stream is cut into samples (``data/token_block_dataset.py``)."""
@@ -218,6 +225,12 @@ class MuonConfig:
     adam_betas: str = opt("(0.9, 0.999)", "betas of the AdamW side, e.g. '(0.9, 0.98)'")
     adam_eps: float = opt(1e-8, "epsilon of the AdamW side")
     weight_decay: float = opt(0.0, "weight decay (decoupled) of both sides")
+    qk_clip_threshold: Optional[float] = opt(
+        None,
+        "Kimi K2's QK-clip (MuonClip): after each update, the query/key projections of a head whose largest "
+        "attention logit went past this are scaled to bring it back to it (default: off; Kimi K2: 100)",
+        type=positive_float,
+    )
 
 
 @dataclass

@@ -639,6 +639,10 @@ def _sharded_dropout(cfg: Any) -> bool:
     return any((_model(cfg, name) or 0) > 0 for name in ("attention_dropout", "activation_dropout", "relu_dropout"))
 
 
+def _qk_clip(cfg: Any) -> bool:
+    return cfg.components.optimizer == "muon" and getattr(cfg.optimizer, "qk_clip_threshold", None) is not None
+
+
 def _tp_no_c10d(cfg: Any) -> bool:
     return cfg.distributed.model_parallel_size > 1 and cfg.distributed.ddp_backend == "no_c10d"
 
@@ -701,6 +705,20 @@ SETTINGS: Tuple[Condition, ...] = (
         lambda c, _cls: c.distributed.bf16_host_grads and not c.distributed.cpu_offload,
         BF16_HOST_GRADS,
         ("--bf16-host-grads",),
+    ),
+    Condition(
+        "--qk-clip-threshold",
+        "with tensor or context parallelism or --compile",
+        lambda c, _cls: (
+            _qk_clip(c)
+            and (
+                c.distributed.model_parallel_size > 1 or _size(c, "context_parallel_size") > 1 or c.distributed.compile
+            )
+        ),
+        "--qk-clip-threshold: each head's largest logit is recorded from the whole heads and sequence of a plain "
+        "(uncompiled) forward; train it with FSDP2/HSDP and --expert-parallel-size, without "
+        "--model-parallel-size, --context-parallel-size and --compile",
+        ("--optimizer", "muon", "--qk-clip-threshold", "100") + TP2,
     ),
     Condition(
         "cpu-offload",

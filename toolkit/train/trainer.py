@@ -49,6 +49,7 @@ from toolkit.distributed.strategies import ParallelStrategy
 from toolkit.distributed.utils import DistributedEnv, all_reduce_sums
 from toolkit.train.ema import EMA, EMAState
 from toolkit.logging import metrics
+from toolkit.models.common.attention.qk_clip import qk_clip_hook
 from toolkit.models.document_mask import packing_inputs
 from toolkit.optim import build_optimizer_from_section
 from toolkit.optim import fp16 as fp16_utils
@@ -149,6 +150,12 @@ class Trainer:
         # --overlap-offload-step, else None; under expert parallelism its norm adds the experts' squares over ep
         self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads)
         self.post_step_hooks: List[Callable[[], None]] = []
+        qk_clip = getattr(
+            cfg.optimizer, "qk_clip_threshold", None
+        )  # --optimizer muon's MuonClip, before float8's scales
+        if qk_clip is not None:
+            clip = qk_clip_hook(model, qk_clip)
+            self.add_post_step_hook(lambda: metrics.log_scalar("qk_clipped_heads", clip(), priority=800, round=1))
         float8_scales = float8.after_optimizer_step(model, cfg.distributed.fp8_all_gather)  # --fp8-all-gather
         if float8_scales is not None:
             self.add_post_step_hook(float8_scales)

@@ -37,6 +37,7 @@ from toolkit.models.common.attention.across_ranks import ChunkedVisibility
 from toolkit.models.common.attention.backends import attend
 from toolkit.models.common.attention.cache import KVCache
 from toolkit.models.common.attention.masks import EVERY_KEY, causal_mask
+from toolkit.models.common.attention.qk_clip import head_max_logits
 
 Entries = Tuple[torch.Tensor, ...]
 
@@ -67,6 +68,13 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.window, self.scale, self.softcap, self.dropout = window, scale, softcap, dropout
         self.sinks: Optional[nn.Parameter] = None  # a variant with sinks sets a parameter [H]
+        self.records_max_logit = False  # QK-clip (``qk_clip.py``): keep each head's largest logit in training
+        self.max_logit: Optional[torch.Tensor] = None  # [H], the largest since the last clip
+
+    def record_max_logit(self) -> None:
+        """Keep each query head's largest logit over the training forwards until ``qk_clip.clip_heads`` reads
+        them (Kimi K2's QK-clip)."""
+        self.records_max_logit = True
 
     def project(self, x: torch.Tensor, cos: Any, sin: Any) -> Tuple[torch.Tensor, Entries, Any]:
         raise NotImplementedError
@@ -108,8 +116,15 @@ class AttentionLayer(nn.Module):
             k, v = self.keys_values(entries)
             if attn_mask is None and self.window is not None:
                 attn_mask = causal_mask(0, q.size(2), self.window, q.device)
+            if self.records_max_logit and self.training:
+                self._record_max_logit(q, k, attn_mask)
             y = self.attend(q, k, v, attn_mask)
         return self.output(y, carry)
+
+    def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor, mask: Any) -> None:
+        scale = q.size(-1) ** -0.5 if self.scale is None else self.scale
+        heads = head_max_logits(q, k, mask, scale, self.window)
+        self.max_logit = heads if self.max_logit is None else torch.maximum(self.max_logit, heads)
 
     def attend_cached(self, q: torch.Tensor, entries: Entries, mask: Any) -> torch.Tensor:
         """The queries of the new positions over the cached ``entries`` (theirs included): the keys and values

@@ -35,6 +35,7 @@ import torch.nn as nn
 from toolkit.models.common.norms import RMSNorm
 from toolkit.models.common.rope import apply_rope, yarn_attention_factor
 from toolkit.models.common.attention.layer import AttentionLayer, Entries
+from toolkit.models.common.attention.qk_clip import scale_rows
 
 
 class Attention(AttentionLayer):
@@ -112,6 +113,22 @@ class Attention(AttentionLayer):
         """[B, H, T, D] -> [B, T, C] through ``o_proj``."""
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
+    def clip_heads(self, gamma: torch.Tensor) -> None:
+        """QK-clip (``qk_clip.py``): each head's logits scaled by its ``gamma`` [H], a key head by the square root
+        of its group's smallest, each query head by the rest (a query head's rows: its query, then what else
+        ``query_width`` gives it, left as it is)."""
+        H, G = gamma.numel(), self.k_proj.out_features // self.head_dim
+        key = gamma.view(G, H // G).amin(dim=1).sqrt()  # [G]
+        query = gamma / key.repeat_interleave(H // G)  # [H]
+        per_head = self.q_proj.out_features // H
+        q_rows = torch.ones(H, per_head, device=gamma.device)
+        q_rows[:, : self.head_dim] = query[:, None]
+        k_rows = key.repeat_interleave(self.head_dim)
+        for proj, rows in ((self.q_proj, q_rows.flatten()), (self.k_proj, k_rows)):
+            scale_rows(proj.weight, rows)
+            if proj.bias is not None:
+                scale_rows(proj.bias, rows)
+
 
 class GatedAttention(Attention):
     """Qwen3-Next's gated attention: ``q_proj`` yields each head's query and its gate side by side ([H, 2D], Hugging
@@ -161,6 +178,13 @@ class FusedQKVAttention(AttentionLayer):
 
     def output(self, y: torch.Tensor, carry: Any) -> torch.Tensor:
         return self.out_proj(y.transpose(1, 2).flatten(2))  # [B, H, T, D] -> [B, T, H*D] -> [B, T, C]
+
+    def clip_heads(self, gamma: torch.Tensor) -> None:
+        """QK-clip (``qk_clip.py``): head h's query and key rows of ``qkv_proj`` (and biases) times sqrt(gamma_h)."""
+        root = gamma.sqrt().repeat_interleave(self.head_dim)
+        rows = torch.cat([root, root, torch.ones_like(root)])
+        scale_rows(self.qkv_proj.weight, rows)
+        scale_rows(self.qkv_proj.bias, rows)
 
     def forward(self, x: torch.Tensor, kv_cache=None, attn_mask: Any = None) -> torch.Tensor:
         """x [B, T, C] -> [B, T, C]: causal (right padding needs no mask of its own), or under ``attn_mask``
@@ -263,6 +287,17 @@ class LatentAttention(AttentionLayer):
     def output(self, y: torch.Tensor, carry: Any) -> torch.Tensor:
         """[B, H, T, Dv] -> [B, T, C] through ``o_proj``."""
         return self.o_proj(y.transpose(1, 2).flatten(2))
+
+    def clip_heads(self, gamma: torch.Tensor) -> None:
+        """QK-clip (``qk_clip.py``), Kimi K2's rule for latent attention: head h's unrotated query rows and its key
+        rows of ``kv_b_proj`` times sqrt(gamma_h), its rotary query rows times gamma_h; the shared rotary key as
+        it is."""
+        root = gamma.sqrt()[:, None]
+        q_rows = torch.cat([root.expand(-1, self.nope_dim), gamma[:, None].expand(-1, self.rope_dim)], dim=1)
+        kv_rows = torch.cat([root.expand(-1, self.nope_dim), torch.ones_like(root).expand(-1, self.v_dim)], dim=1)
+        queries = self.q_proj if "q_proj" in self._modules else self.q_b_proj
+        scale_rows(queries.weight, q_rows.flatten())
+        scale_rows(self.kv_b_proj.weight, kv_rows.flatten())
 
 
 def latent_attention_scale(qk_dim: int, rope_scaling_factor: Optional[float] = None, mscale_all_dim: float = 0.0):
