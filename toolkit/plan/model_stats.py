@@ -88,6 +88,8 @@ class ModelStats:
     flops_per_token: float
     activations: Activations
     kv_width: int = 0  # features per token a layer's attention keeps (k + v), summed over the layers
+    expanded_kv_width: int = 0  # the same as expanded keys and values (more than kv_width for latent attention)
+    active_params: Optional[int] = None  # parameters one token uses (MoE: its k experts a layer); None: all
     moe_top_k: int = 0  # experts a token goes through in each MoE layer (0: no MoE layer)
     moe_layers: int = 0  # layers whose feed-forward is a mixture of experts
     splits: SplitLimits = SplitLimits()  # which parallel sizes the model itself takes (the layout search's pruning)
@@ -192,8 +194,9 @@ class _FusedAttentionSaves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        B, H, T, D = q.shape
-        out = q.new_empty(B, T, H, D).transpose(1, 2)  # the kernels' output layout: [B, T, H, D] in memory
+        B, H, T, _ = q.shape
+        Dv = v.size(-1)  # the values' width (latent attention's differs from the queries')
+        out = q.new_empty(B, T, H, Dv).transpose(1, 2)  # the kernels' output layout: [B, T, H, Dv] in memory
         lse = q.new_empty(B, H, T, dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -370,7 +373,8 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     from toolkit.models.common.moe import MoE
     from toolkit.models.common.attention import AttentionLayer
 
-    kv_width = sum(m.kv_width() for m in model.modules() if isinstance(m, AttentionLayer))
+    attention = [m for m in model.modules() if isinstance(m, AttentionLayer)]
+    active = model.active_parameters() if hasattr(model, "active_parameters") else None
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     return ModelStats(
         arch=arch,
@@ -381,7 +385,9 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         tokens_per_sample=tokens,
         flops_per_token=flops,
         activations=activations,
-        kv_width=kv_width,
+        kv_width=sum(m.kv_width() for m in attention),
+        expanded_kv_width=sum(m.expanded_kv_width() for m in attention),
+        active_params=active,
         moe_top_k=max((m.gate.top_k for m in moe), default=0),
         moe_layers=len(moe),
         splits=split_limits(model, cfg),

@@ -72,6 +72,25 @@ def layouts(plan: Any, found: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def sparse_and_latent(plan: Any) -> List[str]:
+    """The lines of a model that uses less than it holds: the parameters a token goes through (MoE), and the KV
+    cache a token costs in the compute dtype when its layers cache a latent (multi-head latent attention) against
+    the expanded keys and values."""
+    st, lines = plan.stats, []
+    if st.active_params is not None and st.active_params != st.num_params:
+        lines.append(
+            f"active parameters: {st.active_params:,} of {st.num_params:,} a token "
+            f"({st.active_params / st.num_params:.1%}; the routed experts it is not sent to left out)"
+        )
+    if st.expanded_kv_width > st.kv_width:
+        cb = plan.setup.compute_bytes
+        lines.append(
+            f"KV cache per token, all layers: {st.kv_width * cb:,} B latent against {st.expanded_kv_width * cb:,} B "
+            f"of expanded keys and values ({st.expanded_kv_width / st.kv_width:.0f}x), at {cb} B a number"
+        )
+    return lines
+
+
 def table(plan: Any, found: Optional[SearchResult] = None) -> str:
     st, t = plan.stats, plan.time
     lines = [
@@ -89,6 +108,7 @@ def table(plan: Any, found: Optional[SearchResult] = None) -> str:
         f"  x {plan.ranks_per_node} rank(s) per node = {_gib(plan.host_peak_node)} host; "
         f"at the {plan.update_peak.where}"
     )
+    lines += sparse_and_latent(plan)
     lines.append(
         f"FLOPs per step and rank: {t.flops_per_rank / 1e12:.1f} TFLOP ({t.tokens_per_step} tokens per update)"
     )

@@ -120,6 +120,12 @@ class MoELanguageModel(RotaryDecoderLM):
             return torch.empty(shape).normal_(0.0, std, generator=generator)
         return super().initial_value(name, shape, generator)
 
+    def meta_traceable_options(self) -> Dict[str, Any]:
+        """toolkit-plan's 1- and 2-layer copies (``MetaTraceable``): every layer a MoE layer where the family makes
+        its first layers dense (``first_k_dense_replace``: the copies would otherwise be dense, or refused as more
+        dense layers than layers), so one layer's activations are an expert layer's, the larger."""
+        return {"first_k_dense_replace": 0} if getattr(self.cfg, "first_k_dense_replace", 0) else {}
+
     # ---- accounting: a token uses k of the E experts ----
 
     def expert_parameters(self) -> int:

@@ -89,6 +89,11 @@ class AttentionLayer(nn.Module):
     def kv_width(self) -> int:
         raise NotImplementedError
 
+    def expanded_kv_width(self) -> int:
+        """Features of one position's keys and values as attention reads them: ``kv_width()`` where the entries are
+        the keys and values (a latent attention's are fewer: toolkit-plan compares the two)."""
+        return self.kv_width()
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, export: bool = False):
         """The core call with this layer's options."""
         dropout = self.dropout if self.training else 0.0

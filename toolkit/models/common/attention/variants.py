@@ -246,6 +246,11 @@ class LatentAttention(AttentionLayer):
     def kv_width(self) -> int:
         return self.kv_rank + self.rope_dim
 
+    def expanded_kv_width(self) -> int:
+        """H (Dn + Dr + Dv): each head's key and value, what a cache of expanded keys and values would hold."""
+        heads = self.kv_b_proj.out_features // (self.nope_dim + self.v_dim)
+        return heads * (self.nope_dim + self.rope_dim + self.v_dim)
+
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, C] -> [B, T, H (Dn + Dr)], through the low rank when there is one."""
         if "q_proj" in self._modules:
