@@ -15,6 +15,9 @@ slowest round), so a neighbour process slows both sides alike. Rows:
 * training step, the toolkit's MoE vs transformers' ``Qwen3MoeForCausalLM`` (``benchmarks/moe_vs_hf.py``'s
   pair and shape: its experts in transformers' own default implementation), each side's training path as for
   Llama, no router loss on either (transformers' default);
+* training step, the toolkit's DeepSeek-V3 family vs transformers' ``DeepseekV3ForCausalLM`` (``DEEPSEEK_SHAPE``:
+  4 x 256, the query low rank, latent attention, 16 experts in 4 groups, a shared expert, the first layer dense),
+  each side's training path as for Llama, no router loss on either; ``--only deepseek`` runs this row alone;
 * cached greedy generation, ``toolkit.generation.SequenceGenerator`` (the toolkit-generate path) vs
   transformers' ``generate()`` on the exported GPT-2 model, the same prompts, every row generating the
   same number of tokens;
@@ -218,6 +221,78 @@ def moe_training(args) -> Dict:
         "transformers",
         "tokens/s",
         cfg.batch * cfg.tokens,
+        out["timings"],
+        shape=shape_text,
+        last_loss_diff=out["last_loss_diff"],
+    )
+
+
+DEEPSEEK_SHAPE = dict(  # a few layers of DeepSeek-V3's kind: q low rank, latent, 4 groups of experts, dense first
+    decoder_layers=4,
+    decoder_embed_dim=256,
+    decoder_ffn_embed_dim=512,
+    decoder_attention_heads=8,
+    decoder_kv_heads=8,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    decoder_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    moe_num_experts=16,
+    moe_top_k=4,
+    moe_n_group=4,
+    moe_topk_group=2,
+    moe_ffn_embed_dim=128,
+    moe_shared_ffn_embed_dim=128,
+    first_k_dense_replace=1,
+)
+DEEPSEEK_QUICK = dict(DEEPSEEK_SHAPE, decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=96)
+
+
+def deepseek_pair(shape: Dict[str, int], vocab: int, tokens: int):
+    """Our deepseek_v3 model and transformers' ``DeepseekV3ForCausalLM`` with the same weights: ours written as
+    the Hugging Face folder ``--format hf`` writes (rotary rows interleaved, experts one matrix each) and read
+    by ``from_pretrained`` (which fuses the experts into its own layout)."""
+    import torch
+    from safetensors.torch import save_file
+
+    transformers = transformers_module()
+    from toolkit.models import model_config
+    from toolkit.models.deepseek_v3.hf import DeepSeekV3Adapter, _dims
+    from toolkit.models.deepseek_v3.model import DeepSeekV3LanguageModel
+
+    cfg = model_config("deepseek_v3", **shape, max_target_positions=tokens)
+    ours = DeepSeekV3LanguageModel(cfg, vocab, padding_idx=1, seed=1)
+    adapter = DeepSeekV3Adapter()
+    adapter.dims = _dims(vars(cfg))
+    _, config = adapter.hf_config(cfg, vocab)
+    with tempfile.TemporaryDirectory(prefix="deepseek-") as folder:
+        state = {k: v.contiguous() for k, v in adapter.state_to_hf(ours.state_dict(), "deepseek_v3").items()}
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, "architectures": ["DeepseekV3ForCausalLM"]}, f)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return ours.train(), theirs.train()
+
+
+def deepseek_training(args) -> Dict:
+    """The toolkit's DeepSeek-V3 family against transformers' ``DeepseekV3ForCausalLM``: each side's training path
+    as for Llama (the toolkit's criterion; transformers' ``labels=`` loss), no router loss on either."""
+    from benchmarks.llama_hf import transformers_loss
+
+    shape, vocab, batch, tokens = (DEEPSEEK_QUICK, 512, 2, 32) if args.quick else (DEEPSEEK_SHAPE, 8192, 8, 256)
+    ours, theirs = deepseek_pair(shape, vocab, tokens)
+    out = train_steps(ours, theirs, transformers_loss, vocab, batch, tokens, args)
+    shape_text = (
+        f"{shape['decoder_layers']}x{shape['decoder_embed_dim']}, MLA (q rank {shape['q_lora_rank']}, latent "
+        f"{shape['kv_lora_rank']}), {shape['moe_num_experts']} experts of {shape['moe_ffn_embed_dim']} in "
+        f"{shape['moe_n_group']} groups, top {shape['moe_top_k']}, V {vocab}, B {batch} x T {tokens}"
+    )
+    return row(
+        "training step, DeepSeek-V3",
+        "transformers",
+        "tokens/s",
+        batch * tokens,
         out["timings"],
         shape=shape_text,
         last_loss_diff=out["last_loss_diff"],
@@ -561,14 +636,19 @@ def run_rows(args, work: pathlib.Path) -> List[Dict]:
     for name, peer, fn in (
         ("training step, Llama", "transformers", llama_training),
         ("training step, Qwen3-MoE", "transformers", moe_training),
+        ("training step, DeepSeek-V3", "transformers", deepseek_training),
         ("training step, GPT-2", "transformers", gpt2_training),
         ("cached greedy generation, GPT-2", "transformers", generation),
     ):
+        if args.only and args.only.lower() not in name.lower():
+            continue
         try:
             rows.append(fn(args))
         except Skipped as s:
             rows.append({"name": name, "peer": peer, "skipped": str(s)})
         print(markdown_row_progress(rows[-1]), flush=True)
+    if args.only:
+        return rows
     try:
         rows.extend(fairseq_rows(args, work))
     except Skipped as s:
@@ -592,6 +672,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fairseq-home", default=FAIRSEQ_HOME)
+    ap.add_argument(
+        "--only", default=None, help="run only the in-process rows whose name contains this (e.g. deepseek)"
+    )
     ap.add_argument(
         "--cpu-matmul",
         default="auto",
