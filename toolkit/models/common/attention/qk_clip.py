@@ -32,19 +32,30 @@ from toolkit.core.errors import UserError
 from toolkit.models.common.attention.masks import EVERY_KEY, causal_mask, dense_mask, is_block_mask
 
 
+LOGITS_PER_CHUNK = 1 << 24  # fp32 logits computed at once (64 MiB): the queries go through in slices this size
+
+
 @torch.no_grad()
 def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: Any, scale: float, window: Optional[int]) -> torch.Tensor:
     """The largest logit ``scale * q . k`` of each query head [H] over the keys ``mask`` lets a query see (the
-    forms of ``masks``; None: causal in ``window``). q [B, H, T, D], k [B, G, S, D]."""
-    H, G = q.size(1), k.size(1)
-    logits = torch.einsum("bgrtd,bgsd->bgrts", q.float().unflatten(1, (G, H // G)), k.float()).flatten(1, 2) * scale
+    forms of ``masks``; None: causal in ``window``). q [B, H, T, D], k [B, G, S, D]; the queries in slices, so
+    that no [B, H, T, S] tensor of logits is ever whole."""
+    B, H, T, _ = q.shape
+    G, S = k.size(1), k.size(2)
     if mask is None:
-        mask = causal_mask(k.size(2) - q.size(2), q.size(2), window, q.device)
+        mask = causal_mask(S - T, T, window, q.device)
     elif is_block_mask(mask):
         mask = dense_mask(mask, q)
-    if mask is not EVERY_KEY:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return logits.amax(dim=(0, 2, 3))
+    queries = q.float().unflatten(1, (G, H // G))
+    keys = k.float()
+    step = max(1, LOGITS_PER_CHUNK // (B * H * S))
+    best = torch.full((H,), float("-inf"), device=q.device)
+    for start in range(0, T, step):
+        logits = torch.einsum("bgrtd,bgsd->bgrts", queries[:, :, :, start : start + step], keys).flatten(1, 2)
+        if mask is not EVERY_KEY:
+            logits = logits.masked_fill(~mask[..., start : start + step, :], float("-inf"))
+        best = torch.maximum(best, (logits * scale).amax(dim=(0, 2, 3)))
+    return best
 
 
 def qk_clip_hook(model: torch.nn.Module, threshold: float) -> Callable[[], None]:
