@@ -221,3 +221,68 @@ def test_bad_lora_input_is_one_line(chat, tmp_path):
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and not os.path.exists(tmp_path / "peft"), run.stderr[-2000:]
     assert "--format peft: " in lines[0] and "trained without --lora-rank" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def peft_imported(chat):
+    """A random PEFT adapter (rsLoRA, B not zero) saved by peft on the original folder, imported with --from peft:
+    (the import's folder, peft's model, the --lora-* flags its log gives)."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    root, _ = chat
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=6, lora_dropout=0.05, target_modules=["q_proj", "o_proj", "gate_proj"], use_rslora=True
+    )
+    config.init_lora_weights = False  # random lora_B: the adapter changes what the model computes
+    model = peft.get_peft_model(original, config)
+    model.save_pretrained(str(root / "adapter"))
+    args = ["--from", "peft", "--path", str(root / "adapter"), "--base", str(root / "hf"), "--out", str(root / "pimp")]
+    run = C.run_cli("toolkit_cli.export", args)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    flags = re.search(r"fine-tune with: .*--finetune-from-model \S+ (--lora-rank .*)$", run.stdout + run.stderr, re.M)
+    return root / "pimp", model.eval(), flags.group(1).split()
+
+
+def test_peft_adapter_imports_with_peft_log_probs(peft_imported):
+    folder, theirs, flags = peft_imported
+    assert flags == ["--lora-rank", "4", "--lora-alpha", "12.0", "--lora-dropout", "0.05"] + [
+        "--lora-targets",
+        "gate_proj,o_proj,q_proj",
+    ]  # rsLoRA's alpha / sqrt(r) as alpha' / r
+    from toolkit.inference import load_model
+
+    ours, _, _ = load_model(str(folder / "model.pt"))
+    tokens = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = torch.log_softmax(theirs(tokens).logits, -1), torch.log_softmax(ours(tokens), -1)
+        with theirs.disable_adapter():
+            base = torch.log_softmax(theirs(tokens).logits, -1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (want - base).abs().max() > 1e-1  # the adapter changes what the model computes
+
+
+def test_imported_adapter_continues_or_merges(chat, peft_imported, tmp_path):
+    """With its --lora-* flags the run continues the imported adapters; without --lora-rank it merges them and
+    trains the whole model: the same model, so the same first loss."""
+    folder, _, flags = peft_imported
+    start = ["--finetune-from-model", str(folder / "model.pt"), "--max-update", "1"]
+    lora = fine_tune(chat, tmp_path / "lora", *start, *flags, "--lora-dropout", "0")
+    assert f"--finetune-from-model {folder / 'model.pt'}: continues its 6 LoRA adapters" in lora.stdout
+    root, options = chat
+    argv = [str(root / "bin"), "--task", "sft", *options, *start, "--optimizer", "adam", "--lr", "0.01", "--cpu"]
+    argv += ["--batch-size", "2", "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-interval", "1"]
+    argv += ["--log-format", "json", "--disable-validation", "--save-dir", str(tmp_path / "whole")]
+    whole = H.run_train(argv, timeout=400)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "merged its 6 LoRA adapters (r 4) into the weights they adapt" in whole.stdout
+    assert H.losses(whole.stdout)[1] == H.losses(lora.stdout)[1]
+    imported, saved = (
+        torch.load(folder / "model.pt", weights_only=True)["model"],
+        checkpoint(tmp_path / "lora")["model"],
+    )
+    assert sorted(saved) == sorted(imported)
+    for name, tensor in imported.items():  # the base frozen, the adapters trained from the imported ones
+        assert torch.equal(saved[name], tensor) != (".lora_" in name), name

@@ -382,7 +382,10 @@ IMPORTABLE_HF_CLASSES = (
 
 @dataclass
 class ExportConfig:
-    path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
+    path: Optional[str] = opt(
+        None,
+        "checkpoint to export (with --from hf: the transformers folder to import; with --from peft: the adapter folder)",
+    )
     format: Optional[str] = opt(
         None,
         "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs), hf (a transformers folder; "
@@ -415,8 +418,13 @@ class ExportConfig:
         "import instead of export: build a toolkit checkpoint folder from a transformers folder (--path): "
         + ", ".join(IMPORTABLE_HF_CLASSES[:-1])
         + f" or {IMPORTABLE_HF_CLASSES[-1]}",
-        choices=["hf"],
+        choices=["hf", "peft"],
         aliases=("--from",),
+    )
+    base: Optional[str] = opt(
+        None,
+        "--from peft: the transformers folder the adapter was trained on (default: adapter_config.json's "
+        "base_model_name_or_path)",
     )
     tokens_per_sample: Optional[int] = opt(
         None,
