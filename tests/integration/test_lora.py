@@ -209,6 +209,24 @@ def test_two_fsdp_ranks_equal_one_process(chat, tmp_path, case):
         torch.testing.assert_close(a[name], b[name], rtol=rel, atol=1e-4, msg=name)
 
 
+def test_tensor_parallel_ranks_equal_one_process(chat, tmp_path):
+    """2 ranks tp 2 (sequence parallel): q/v column-parallel (lora_B split by rows), down row-parallel (lora_A
+    split by columns, its partial products reduced with the base's), against one process, fp32 to 1e-3."""
+    root, _ = chat
+    start = ["--finetune-from-model", str(root / "imp" / "model.pt"), "--max-update", "3"]
+    one = fine_tune(chat, tmp_path / "one", *start)
+    two = fine_tune(chat, tmp_path / "two", *start, "--distributed-world-size", "2", "--model-parallel-size", "2")
+    got, want = H.losses(two.stdout), H.losses(one.stdout)
+    assert sorted(got) == sorted(want) == [1, 2, 3], (got, want)
+    for u in want:
+        assert abs(got[u] - want[u]) <= 1e-3 * abs(want[u]) + H.LOGGED_TOL, (u, got[u], want[u])
+    a, b = checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"]
+    assert sorted(a) == sorted(b)
+    for name in b:  # the base frozen on both, the adapters trained alike
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4, msg=name)
+    assert all(b[name].any() for name in b if ".lora_B." in name)  # trained: B starts at zero
+
+
 def test_bad_lora_input_is_one_line(chat, tmp_path):
     root, options = chat
     argv = [str(root / "bin"), "--task", "sft", *options, "--lora-rank", "4", "--lora-targets", "q_proj,nope"]

@@ -13,7 +13,8 @@ bound of 1/sqrt(in)), ``lora_B`` at zero, so the first forward is the base model
 ``init_weights``' per-name generators (:meth:`LoRALinear.initial_values`), the same on any layout.
 
 The swap is the first step of the parallelize sequence (``toolkit/distributed/parallelize.py``), on the
-meta-device model, so activation checkpointing, ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
+meta-device model, so tensor parallelism (the adapters split as the layer they adapt:
+``tensor_parallel.ADAPTER_SPLIT``), activation checkpointing, ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
 own names (``layers.0.self_attn.q_proj.lora_A.weight``) beside the base weights: a resume is exact. A
 fine-tuning start keeps a checkpoint's adapters, merges them into a run without adapters, or starts fresh ones
 (:func:`finetune_start`).
