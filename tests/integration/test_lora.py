@@ -39,6 +39,7 @@ TARGETS = "q_proj,v_proj,down_proj"
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", TARGETS]
 ADAPTED = [f"layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
 FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+HARNESS_TASKS = os.path.join(C.REPO_ROOT, "tests", "harness_tasks")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +208,68 @@ def test_two_fsdp_ranks_equal_one_process(chat, tmp_path, case):
     a, b = checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"]
     for name in (n for m in ADAPTED for n in adapter_names(m)):
         torch.testing.assert_close(a[name], b[name], rtol=rel, atol=1e-4, msg=name)
+
+
+def test_eval_harness_chat_template_scores_as_lm_eval_hf_with_peft(chat, peft_imported):
+    """``toolkit-eval-harness --apply-chat-template`` on the PEFT import against ``lm_eval --model hf
+    --model_args peft=... --apply_chat_template`` (few-shot as turns, the task's description as the system turn):
+    the same rendered contexts and per-request log-likelihoods to 1e-4."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from toolkit.evaluation.harness import ToolkitLM
+    from toolkit.evaluation.harness_main import evaluate
+
+    root, _ = chat
+    folder, _, _ = peft_imported
+    tasks, manager = ["toolkit_words_chat"], TaskManager(include_path=HARNESS_TASKS, include_defaults=False)
+    ours = ToolkitLM(path=str(folder / "model.pt"), batch_size=8, device="cpu")
+    got = evaluate(ours, tasks, manager, num_fewshot=2, log_samples=True, chat=True)
+    hf = HFLM(pretrained=str(root / "hf"), peft=str(root / "adapter"), batch_size=8, device="cpu")
+    seeds = dict(random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
+    want = lm_eval.simple_evaluate(
+        model=hf,
+        tasks=tasks,
+        task_manager=manager,
+        num_fewshot=2,
+        log_samples=True,
+        bootstrap_iters=0,
+        **seeds,
+        apply_chat_template=True,
+        fewshot_as_multiturn=True,
+    )
+    a, b = got["samples"]["toolkit_words_chat"], want["samples"]["toolkit_words_chat"]
+    assert len(a) == len(b) == 12
+    assert a[0]["arguments"][0][0].startswith("<s>system w1 w2 </s> user ")  # the template's rendering
+    for x, y in zip(a, b):
+        assert x["arguments"] == y["arguments"]
+        for (p, _), (q, _) in zip((r[0] for r in x["resps"]), (r[0] for r in y["resps"])):
+            assert abs(p - q) < 1e-4, (p, q)
+
+
+def test_interactive_chat_renders_the_conversation_with_the_template(chat, peft_imported):
+    """``toolkit-interactive --chat-template``: each line a user turn; the second prompt is transformers'
+    ``apply_chat_template`` of the conversation so far (the first reply as the assistant's turn)."""
+    import io
+
+    import transformers
+
+    from toolkit.config.commands import GenerationConfig, InteractiveConfig
+    from toolkit.inference.generate import interactive_main
+
+    root, _ = chat
+    folder, _, _ = peft_imported
+    cfg = InteractiveConfig(data=str(folder), path=str(folder / "model.pt"), cpu=True, chat_template=str(folder))
+    out = io.StringIO()
+    interactive_main(cfg, GenerationConfig(beam=1, max_len_b=24), stdin=io.StringIO("w1 w2 w3\nw4 w5\n"), out=out)
+    lines = dict(line.split("\t", 1) for line in out.getvalue().splitlines() if line[:2] in ("S-", "D-"))
+    reply = lines["D-0"].split("\t", 1)[1][len(lines["S-0"]) :].strip()
+    history = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": reply}]
+    history.append({"role": "user", "content": "w4 w5"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
+    want = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert lines["S-1"] == tokenizer.decode(want[1:], skip_special_tokens=True) and reply
 
 
 def test_tensor_parallel_ranks_equal_one_process(chat, tmp_path):
