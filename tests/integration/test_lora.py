@@ -250,7 +250,8 @@ def test_eval_harness_chat_template_scores_as_lm_eval_hf_with_peft(chat, peft_im
 
 def test_interactive_chat_renders_the_conversation_with_the_template(chat, peft_imported):
     """``toolkit-interactive --chat-template``: each line a user turn; the second prompt is transformers'
-    ``apply_chat_template`` of the conversation so far (the first reply as the assistant's turn)."""
+    ``apply_chat_template`` of the conversation so far (the first reply as the assistant's turn); the hub's
+    ``chat`` gives the same first reply."""
     import io
 
     import transformers
@@ -270,6 +271,10 @@ def test_interactive_chat_renders_the_conversation_with_the_template(chat, peft_
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
     want = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert lines["S-1"] == tokenizer.decode(want[1:], skip_special_tokens=True) and reply
+    from toolkit.inference.hub_utils import from_pretrained
+
+    hub = from_pretrained(str(folder), "model.pt")
+    assert hub.chat(history[:1], max_len_b=24) == reply
 
 
 def test_tensor_parallel_ranks_equal_one_process(chat, tmp_path):

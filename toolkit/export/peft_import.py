@@ -169,7 +169,7 @@ def import_peft(folder: str, out_dir: str, base: Optional[str] = None, tokens_pe
         flags = _record(imported.checkpoint["cfg"], settings, targets)
         progress.advance(f"{len(modules)} adapted layers ({targets}), {flags}")
         log = tuple(line + f" {flags}" if line.startswith("fine-tune with:") else line for line in imported.log)
-        write_checkpoint(dataclasses.replace(imported, log=log), tmp, progress)
+        write_checkpoint(dataclasses.replace(imported, log=log), tmp, out_dir, progress)
     for line in log:
         logger.info(line)
     return out_dir

@@ -269,7 +269,7 @@ def chat_runner(session: Session, spec: str):
     rendered with the template and its generation prompt, encoded as ``apply_chat_template(tokenize=True)``
     encodes it (the tokenizer's own specials not added: the template writes them); the best hypothesis, decoded,
     (what it adds to its prompt) is the assistant's turn that the next prompt renders."""
-    from toolkit.data.chat_template import ChatTemplate, SkippedRecord
+    from toolkit.data.chat_template import ChatTemplate
 
     if session.model_tokenizer is None:
         raise UserError(
@@ -282,11 +282,7 @@ def chat_runner(session: Session, spec: str):
         history: List[Dict] = []
         for sample_id, line in enumerate(line.rstrip("\n") for line in stream):
             history.append({"role": "user", "content": line})
-            try:
-                text = template.prompt_text(history, add_generation_prompt=True)
-            except SkippedRecord as e:
-                raise UserError(f"--chat-template {spec}: cannot render the conversation ({e.detail})") from None
-            prompt = torch.tensor(session.model_tokenizer.encode(text, add_special_tokens=False).ids)
+            prompt = hf_ids.chat_ids(template, session.model_tokenizer, history, f"--chat-template {spec}")
             started = time.time()
             (shown,), (hypos,) = generate_prompts(session, [prompt])
             print(f"S-{sample_id}\t{session.string(shown)}", file=out)
