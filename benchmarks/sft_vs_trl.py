@@ -29,14 +29,13 @@ import math
 import os
 import re
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, List, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.timing import REPO, cpu_now, median, now
+
 LORA = {"r": 8, "alpha": 16, "lr": 1e-3}
 
 
@@ -101,18 +100,18 @@ def run_trl(hf: str, chats, steps: int, out: str) -> Dict[str, float]:
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, *_args, **_kwargs):
-            self.start = (time.perf_counter(), time.process_time())
+            self.start = (now(), cpu_now())
 
         def on_step_end(self, *_args, **_kwargs):
-            times.append((time.perf_counter() - self.start[0], time.process_time() - self.start[1]))
+            times.append((now() - self.start[0], cpu_now() - self.start[1]))
 
     trainer.add_callback(StepTimer())
     trainer.train()
     wall, cpu = zip(*times[1:])
     return {
         "first_loss": first,
-        "step_s": statistics.median(wall),
-        "step_cpu_s": statistics.mean(cpu),
+        "step_s": median(wall),
+        "step_cpu_s": sum(cpu) / len(cpu),
         "steps": len(times),
     }
 
@@ -150,7 +149,7 @@ def run_toolkit(root: str, chats, steps: int, env: Dict[str, str]) -> Dict[str, 
     ups = [float(json.loads(m.group(1))["ups"]) for m in re.finditer(r"\| train_inner \| (\{.*\})\s*$", log, re.M)]
     times = [1.0 / u for u in ups[1:] if u > 0]
     cpu = (all_steps - one_step) / (steps - 1)  # the same start and first step, without them
-    return {"first_loss": first, "step_s": statistics.median(times), "step_cpu_s": cpu, "steps": len(ups)}
+    return {"first_loss": first, "step_s": median(times), "step_cpu_s": cpu, "steps": len(ups)}
 
 
 def _first_loss(data: str, checkpoint: str) -> float:
@@ -178,7 +177,7 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": REPO}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     chats = conversations(args.conversations)
     with tempfile.TemporaryDirectory() as root:
         build_model(os.path.join(root, "hf"), args.hidden, args.layers)
