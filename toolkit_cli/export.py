@@ -5,6 +5,7 @@
     toolkit-export --path checkpoints/checkpoint_best.pt --format hf --out hf/
     toolkit-export --path checkpoints/checkpoint_best.pt --format peft --out adapter/   (a --lora-rank run)
     toolkit-export --from hf --path gpt2-folder/ --out gpt2-toolkit/
+    toolkit-export --from peft --path adapter/ --base llama-folder/ --out llama-lora/   (continue a PEFT LoRA)
 
 The work is in :mod:`toolkit.export.api`.
 """

@@ -71,3 +71,14 @@ def load_gen(**kwargs):
         half = len(words) // 2
         rows.append({"prompt": " ".join(words[:half]), "answer": " ".join(words[half:-1])})
     return _dataset(rows)
+
+
+def load_words(**kwargs):
+    """``toolkit_words_chat``: contexts and choices in the tiny word-level tokenizer's words (w0..w59 of
+    ``tests/helpers/hf_llama.py``), for the chat-template parity on its random models."""
+    rows = []
+    for i in range(12):
+        context = " ".join(f"w{(7 * i + 3 * k) % 60}" for k in range(3))
+        choices = [f"w{(11 * i + 5 * k) % 60} w{(13 * i + k) % 60}" for k in range(3)]
+        rows.append({"context": context, "choices": choices, "label": i % 3})
+    return _dataset(rows)

@@ -39,6 +39,7 @@ TARGETS = "q_proj,v_proj,down_proj"
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", TARGETS]
 ADAPTED = [f"layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
 FSDP2 = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+HARNESS_TASKS = os.path.join(C.REPO_ROOT, "tests", "harness_tasks")
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,91 @@ def test_two_fsdp_ranks_equal_one_process(chat, tmp_path, case):
         torch.testing.assert_close(a[name], b[name], rtol=rel, atol=1e-4, msg=name)
 
 
+def test_eval_harness_chat_template_scores_as_lm_eval_hf_with_peft(chat, peft_imported):
+    """``toolkit-eval-harness --apply-chat-template`` on the PEFT import against ``lm_eval --model hf
+    --model_args peft=... --apply_chat_template`` (few-shot as turns, the task's description as the system turn):
+    the same rendered contexts and per-request log-likelihoods to 1e-4."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from toolkit.evaluation.harness import ToolkitLM
+    from toolkit.evaluation.harness_main import evaluate
+
+    root, _ = chat
+    folder, _, _ = peft_imported
+    tasks, manager = ["toolkit_words_chat"], TaskManager(include_path=HARNESS_TASKS, include_defaults=False)
+    ours = ToolkitLM(path=str(folder / "model.pt"), batch_size=8, device="cpu")
+    got = evaluate(ours, tasks, manager, num_fewshot=2, log_samples=True, chat=True)
+    hf = HFLM(pretrained=str(root / "hf"), peft=str(root / "adapter"), batch_size=8, device="cpu")
+    seeds = dict(random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
+    want = lm_eval.simple_evaluate(
+        model=hf,
+        tasks=tasks,
+        task_manager=manager,
+        num_fewshot=2,
+        log_samples=True,
+        bootstrap_iters=0,
+        **seeds,
+        apply_chat_template=True,
+        fewshot_as_multiturn=True,
+    )
+    a, b = got["samples"]["toolkit_words_chat"], want["samples"]["toolkit_words_chat"]
+    assert len(a) == len(b) == 12
+    assert a[0]["arguments"][0][0].startswith("<s>system w1 w2 </s> user ")  # the template's rendering
+    for x, y in zip(a, b):
+        assert x["arguments"] == y["arguments"]
+        for (p, _), (q, _) in zip((r[0] for r in x["resps"]), (r[0] for r in y["resps"])):
+            assert abs(p - q) < 1e-4, (p, q)
+
+
+def test_interactive_chat_renders_the_conversation_with_the_template(chat, peft_imported):
+    """``toolkit-interactive --chat-template``: each line a user turn; the second prompt is transformers'
+    ``apply_chat_template`` of the conversation so far (the first reply as the assistant's turn); the hub's
+    ``chat`` gives the same first reply."""
+    import io
+
+    import transformers
+
+    from toolkit.config.commands import GenerationConfig, InteractiveConfig
+    from toolkit.inference.generate import interactive_main
+
+    root, _ = chat
+    folder, _, _ = peft_imported
+    cfg = InteractiveConfig(data=str(folder), path=str(folder / "model.pt"), cpu=True, chat_template=str(folder))
+    out = io.StringIO()
+    interactive_main(cfg, GenerationConfig(beam=1, max_len_b=24), stdin=io.StringIO("w1 w2 w3\nw4 w5\n"), out=out)
+    lines = dict(line.split("\t", 1) for line in out.getvalue().splitlines() if line[:2] in ("S-", "D-"))
+    reply = lines["D-0"].split("\t", 1)[1][len(lines["S-0"]) :].strip()
+    history = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": reply}]
+    history.append({"role": "user", "content": "w4 w5"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
+    want = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert lines["S-1"] == tokenizer.decode(want[1:], skip_special_tokens=True) and reply
+    from toolkit.inference.hub_utils import from_pretrained
+
+    hub = from_pretrained(str(folder), "model.pt")
+    assert hub.chat(history[:1], max_len_b=24) == reply
+
+
+def test_tensor_parallel_ranks_equal_one_process(chat, tmp_path):
+    """2 ranks tp 2 (sequence parallel): q/v column-parallel (lora_B split by rows), down row-parallel (lora_A
+    split by columns, its partial products reduced with the base's), against one process, fp32 to 1e-3."""
+    root, _ = chat
+    start = ["--finetune-from-model", str(root / "imp" / "model.pt"), "--max-update", "3"]
+    one = fine_tune(chat, tmp_path / "one", *start)
+    two = fine_tune(chat, tmp_path / "two", *start, "--distributed-world-size", "2", "--model-parallel-size", "2")
+    got, want = H.losses(two.stdout), H.losses(one.stdout)
+    assert sorted(got) == sorted(want) == [1, 2, 3], (got, want)
+    for u in want:
+        assert abs(got[u] - want[u]) <= 1e-3 * abs(want[u]) + H.LOGGED_TOL, (u, got[u], want[u])
+    a, b = checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"]
+    assert sorted(a) == sorted(b)
+    for name in b:  # the base frozen on both, the adapters trained alike
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4, msg=name)
+    assert all(b[name].any() for name in b if ".lora_B." in name)  # trained: B starts at zero
+
+
 def test_bad_lora_input_is_one_line(chat, tmp_path):
     root, options = chat
     argv = [str(root / "bin"), "--task", "sft", *options, "--lora-rank", "4", "--lora-targets", "q_proj,nope"]
@@ -221,3 +307,68 @@ def test_bad_lora_input_is_one_line(chat, tmp_path):
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and not os.path.exists(tmp_path / "peft"), run.stderr[-2000:]
     assert "--format peft: " in lines[0] and "trained without --lora-rank" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def peft_imported(chat):
+    """A random PEFT adapter (rsLoRA, B not zero) saved by peft on the original folder, imported with --from peft:
+    (the import's folder, peft's model, the --lora-* flags its log gives)."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    root, _ = chat
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=6, lora_dropout=0.05, target_modules=["q_proj", "o_proj", "gate_proj"], use_rslora=True
+    )
+    config.init_lora_weights = False  # random lora_B: the adapter changes what the model computes
+    model = peft.get_peft_model(original, config)
+    model.save_pretrained(str(root / "adapter"))
+    args = ["--from", "peft", "--path", str(root / "adapter"), "--base", str(root / "hf"), "--out", str(root / "pimp")]
+    run = C.run_cli("toolkit_cli.export", args)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    flags = re.search(r"fine-tune with: .*--finetune-from-model \S+ (--lora-rank .*)$", run.stdout + run.stderr, re.M)
+    return root / "pimp", model.eval(), flags.group(1).split()
+
+
+def test_peft_adapter_imports_with_peft_log_probs(peft_imported):
+    folder, theirs, flags = peft_imported
+    assert flags == ["--lora-rank", "4", "--lora-alpha", "12.0", "--lora-dropout", "0.05"] + [
+        "--lora-targets",
+        "gate_proj,o_proj,q_proj",
+    ]  # rsLoRA's alpha / sqrt(r) as alpha' / r
+    from toolkit.inference import load_model
+
+    ours, _, _ = load_model(str(folder / "model.pt"))
+    tokens = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = torch.log_softmax(theirs(tokens).logits, -1), torch.log_softmax(ours(tokens), -1)
+        with theirs.disable_adapter():
+            base = torch.log_softmax(theirs(tokens).logits, -1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (want - base).abs().max() > 1e-1  # the adapter changes what the model computes
+
+
+def test_imported_adapter_continues_or_merges(chat, peft_imported, tmp_path):
+    """With its --lora-* flags the run continues the imported adapters; without --lora-rank it merges them and
+    trains the whole model: the same model, so the same first loss."""
+    folder, _, flags = peft_imported
+    start = ["--finetune-from-model", str(folder / "model.pt"), "--max-update", "1"]
+    lora = fine_tune(chat, tmp_path / "lora", *start, *flags, "--lora-dropout", "0")
+    assert f"--finetune-from-model {folder / 'model.pt'}: continues its 6 LoRA adapters" in lora.stdout
+    root, options = chat
+    argv = [str(root / "bin"), "--task", "sft", *options, *start, "--optimizer", "adam", "--lr", "0.01", "--cpu"]
+    argv += ["--batch-size", "2", "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-interval", "1"]
+    argv += ["--log-format", "json", "--disable-validation", "--save-dir", str(tmp_path / "whole")]
+    whole = H.run_train(argv, timeout=400)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "merged its 6 LoRA adapters (r 4) into the weights they adapt" in whole.stdout
+    assert H.losses(whole.stdout)[1] == H.losses(lora.stdout)[1]
+    imported, saved = (
+        torch.load(folder / "model.pt", weights_only=True)["model"],
+        checkpoint(tmp_path / "lora")["model"],
+    )
+    assert sorted(saved) == sorted(imported)
+    for name, tensor in imported.items():  # the base frozen, the adapters trained from the imported ones
+        assert torch.equal(saved[name], tensor) != (".lora_" in name), name

@@ -114,3 +114,19 @@ def test_locating_the_template_and_missing_jinja2(tmp_path, tokenizer, monkeypat
     monkeypatch.setitem(sys.modules, "jinja2", None)
     with pytest.raises(UserError, match="pip install jinja2"):
         ours(tokenizer)
+
+
+@pytest.mark.parametrize("trailing", ["", " "])
+def test_prompt_text_is_transformers_with_the_generation_prompt_or_continuing(tokenizer, trailing):
+    """lm_eval's contexts: ``apply_chat_template(tokenize=False)`` with the generation prompt, or continuing the
+    final (assistant) message, cut where its content ends (a trailing space the template keeps, or trims)."""
+    template = ours(tokenizer)
+    for messages in CONVERSATIONS:
+        asked = messages[:-1]
+        want = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        assert template.prompt_text(asked, add_generation_prompt=True) == want
+    started = [*CONVERSATIONS[0][:1], {"role": "assistant", "content": "w3" + trailing}]
+    want = tokenizer.apply_chat_template(started, tokenize=False, continue_final_message=True)
+    assert template.prompt_text(started, add_generation_prompt=False) == want and want.rstrip().endswith(
+        "assistant\nw3"
+    )

@@ -105,3 +105,22 @@ def test_targets_naming_no_layer_are_refused(targets, message):
     with pytest.raises(UserError) as refused:
         apply_lora(tiny_llama("meta"), RANK, ALPHA, 0.0, targets)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_finetune_start_continues_merges_or_refuses_the_checkpoints_adapters():
+    from toolkit.models.lora import finetune_start
+
+    model = built("q_proj,v_proj")
+    torch.nn.init.normal_(model.layers[0].self_attn.q_proj.lora_B.weight)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = {"lora_rank": RANK, "lora_alpha": ALPHA, "lora_targets": "q_proj,v_proj"}
+    kept, line = finetune_start(model, state, saved, "ck.pt")
+    assert kept is state and line == "continues its 4 LoRA adapters"
+    plain = tiny_llama()
+    merged, line = finetune_start(plain, state, saved, "ck.pt")
+    assert line.startswith("merged its 4 LoRA adapters (r 4)") and sorted(merged) == sorted(plain.state_dict())
+    plain.load_state_dict(merged)
+    x = tokens(2, 8, 37)
+    torch.testing.assert_close(plain(x), model(x), rtol=1e-5, atol=1e-5)  # the merge computes what the adapters do
+    with pytest.raises(UserError, match=r"ck.pt: its adapters \(r 4, --lora-targets q_proj,v_proj\) are not this run"):
+        finetune_start(built("q_proj"), state, saved, "ck.pt")

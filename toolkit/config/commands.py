@@ -88,6 +88,12 @@ class GenerateConfig(GenerationCommandConfig):
 class InteractiveConfig(GenerationCommandConfig):
     buffer_size: int = opt(0, "read this many sentences into a buffer before processing them", type=count_or_zero)
     input: str = opt("-", "file to read from; use - for stdin")
+    chat_template: Optional[str] = opt(
+        None,
+        "chat: each input line is the user's next turn of one conversation, rendered with this template (a "
+        "tokenizer folder such as the model's import, a tokenizer_config.json or a .jinja file) with the "
+        "generation prompt; the reply (the best hypothesis) becomes the assistant's turn",
+    )
 
 
 # toolkit-eval-lm (toolkit/inference/eval_lm_main.py)
@@ -383,7 +389,10 @@ IMPORTABLE_HF_CLASSES = (
 
 @dataclass
 class ExportConfig:
-    path: Optional[str] = opt(None, "checkpoint to export (with --from hf: the transformers folder to import)")
+    path: Optional[str] = opt(
+        None,
+        "checkpoint to export (with --from hf: the transformers folder to import; with --from peft: the adapter folder)",
+    )
     format: Optional[str] = opt(
         None,
         "what to write: safetensors (weights + config, no pickle), onnx (decoder graphs), hf (a transformers folder; "
@@ -416,8 +425,13 @@ class ExportConfig:
         "import instead of export: build a toolkit checkpoint folder from a transformers folder (--path): "
         + ", ".join(IMPORTABLE_HF_CLASSES[:-1])
         + f" or {IMPORTABLE_HF_CLASSES[-1]}",
-        choices=["hf"],
+        choices=["hf", "peft"],
         aliases=("--from",),
+    )
+    base: Optional[str] = opt(
+        None,
+        "--from peft: the transformers folder the adapter was trained on (default: adapter_config.json's "
+        "base_model_name_or_path)",
     )
     tokens_per_sample: Optional[int] = opt(
         None,
@@ -486,6 +500,19 @@ class EvalHarnessConfig:
     max_gen_toks: int = opt(256, "generate_until: most tokens generated when a task does not say", type=positive_int)
     seed: int = opt(1234, "random seed (few-shot sampling, generation with sampling)")
     log_samples: bool = opt(False, "keep every request's inputs and outputs in the results JSON")
+    apply_chat_template: bool = opt(
+        False,
+        "render each request's context with the model's chat template (lm_eval --apply_chat_template, its few-shot "
+        "examples as turns): the template of the checkpoint's folder, or --chat-template",
+    )
+    chat_template: Optional[str] = opt(
+        None, "--apply-chat-template: a tokenizer folder, tokenizer_config.json or .jinja file with the template"
+    )
+    fewshot_as_multiturn: str = opt(
+        "auto",
+        "with --apply-chat-template: the few-shot examples as user/assistant turns (auto: yes, as lm_eval's)",
+        choices=["auto", "true", "false"],
+    )
     bootstrap_iters: int = opt(
         100000, "bootstrap resamples for the metrics' standard errors (0: none)", type=count_or_zero
     )

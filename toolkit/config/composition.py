@@ -202,12 +202,6 @@ MUON_OVERLAP = (
     "interleave with those all-gathers in a different order on each rank; drop --overlap-offload-step "
     "(the offloaded Muon step overlaps its own GPU transfers) or use --optimizer cpu_adam"
 )
-LORA_TP = (
-    "--lora-rank with --model-parallel-size > 1: each adapted layer is split over the tp ranks (its output for "
-    "q/k/v/gate/up, its input for o/down), and its adapters would have to be split the same way (B by rows, A by "
-    "columns) with the update added to the layer's own shard, which the adapters do not do; train LoRA with "
-    "FSDP2 or DDP (--ddp-backend fully_sharded / c10d) instead"
-)
 LORA_FP8 = (
     "--lora-rank with --fp8: float8 training replaces the blocks' Linear layers by its own class, whose forward "
     "has no adapters, and casts weights that LoRA keeps frozen in their dtype; drop --fp8 (--bf16 keeps the "
@@ -474,8 +468,9 @@ for _case, _others in {  # the cases of LORA_FSDP (tests/integration/test_lora.p
 }.items():
     for _other in _others:
         _PAIRS[(_other, "LoRA")] = Tested(LORA_FSDP, f"case {_case}")
-for _tp in ("TP", "SP"):
-    _PAIRS[(_tp, "LoRA")] = Refused(LORA_TP)
+LORA_TP = LORA + "test_tensor_parallel_ranks_equal_one_process"
+_PAIRS[("TP", "LoRA")] = Tested(LORA_TP, "2 ranks tp 2 against one process: column and row-parallel adapters")
+_PAIRS[("SP", "LoRA")] = Tested(LORA_TP, "sequence parallel (the default under tp)")
 for _other in ("CP", "data mixture"):
     _PAIRS[(_other, "LoRA")] = Tested(SPLIT_PAIRS, "case lora_cp_mixture: the MoE family on 2 ranks, cp 2")
 _PAIRS[("EP", "LoRA")] = Tested(SPLIT_PAIRS, "case lora_ep: the MoE family on 2 FSDP2 ranks, ep 2 (two replicas)")

@@ -55,6 +55,9 @@ class SkippedRecord(Exception):
         self.kind, self.detail = kind, detail
 
 
+#: what transformers appends to the final message to find where its continuation starts
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
 # the kinds of skipped records, as reported
 CANNOT_RENDER = "the template cannot render it"
 NO_PREFIX = "its turns cannot be found by prefix rendering"
@@ -248,6 +251,24 @@ class ChatTemplate:
         except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise SkippedRecord(CANNOT_RENDER, f"{type(e).__name__}: {e}") from None
         return "".join(rendered), spans
+
+    def prompt_text(self, messages: Sequence[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """``apply_chat_template(messages, tokenize=False, add_generation_prompt=..., continue_final_message=not
+        add_generation_prompt)`` as transformers computes it: continuing, the text ends where the last message's
+        content does (found by a tag appended to it; cut before the spacing the template trims). A template
+        that cannot render the messages raises :class:`SkippedRecord`."""
+        messages = normalized(messages)
+        if not add_generation_prompt:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise SkippedRecord(CANNOT_RENDER, "no final message content to continue")
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}
+        text, _ = self.render(messages, add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt:
+            return text
+        if CONTINUE_TAG.strip() not in text:
+            raise SkippedRecord(CANNOT_RENDER, "the template drops the final message it is to continue")
+        at = text.rindex(CONTINUE_TAG.strip())
+        return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
     def encode(self, messages: Any, tools: Any = None, train_on: str = "assistant") -> EncodedConversation:
         """The conversation's token ids and loss mask; :class:`SkippedRecord` for one not to train on."""

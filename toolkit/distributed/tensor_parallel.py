@@ -71,6 +71,11 @@ which draws from the forked generator. The per-region forks of ``--no-sequence-p
 inside the block; compiled, they draw nothing, and ``toolkit.train.resolve`` refuses the
 attention/activation dropouts they would serve (``toolkit/config/composition.py``).
 
+LoRA (``--lora-rank``, swapped in before the split): a column-parallel layer's ``lora_B`` is split by its rows
+with the layer and ``lora_A`` replicated; a row-parallel layer's ``lora_A`` by its columns and ``lora_B``
+replicated, the update's partial sums reduced with the base's (``ADAPTER_SPLIT``). The split keeps the
+frozen parameters frozen (torch's styles make trainable Parameters of what they distribute).
+
 ``--fp8``: the float8 swap comes first (``toolkit.distributed.float8``); the row-parallel layers
 keep torchao's ``Float8Linear`` on DTensors, and the column-parallel classes mix in
 ``_Float8Local``, which computes this rank's matmul in float8 with the module's own config.
@@ -112,7 +117,11 @@ class _ColumnParallelLinear(nn.Linear):
         return torch.utils.checkpoint.checkpoint(self._project, x, use_reentrant=False, preserve_rng_state=False)
 
     def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
+        return self._rows(self.weight), self._rows(self.bias) if self.bias is not None else None
+
+    def _rows(self, tensor) -> torch.Tensor:
+        """This rank's output rows of a Shard(0) parameter, as it computes them."""
+        return tensor.to_local()
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -128,6 +137,46 @@ class _ColumnParallelLinear(nn.Linear):
         return F.linear(x, weight, bias)
 
 
+class _AdaptedLocal:
+    """Mixed into a column-parallel class when the module is a LoRA-adapted Linear (``toolkit.models.lora``):
+    this rank's output features get their low-rank update from the whole ``lora_A`` (replicated; each rank's
+    gradient of it, through its rows of ``lora_B``, is a ``Partial`` sum, reduced as the norms' are) and this
+    rank's rows of ``lora_B`` (Shard(0), the base weight's split)."""
+
+    def _local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+
+        out = super()._local_linear(x, weight, bias)
+        down = self.lora_A.weight.to_local(grad_placements=[Partial()])
+        update = F.linear(F.linear(self.lora_dropout(x), down), self._rows(self.lora_B.weight))
+        return out + update.to(out.dtype) * self.scaling
+
+
+#: each adapter's placement under a split of the layer it adapts: column-parallel (the output rows split), lora_B
+#: by its rows and lora_A whole; row-parallel (the input columns split), lora_A by its columns and lora_B whole,
+#: so the update's partial products are reduced with the base's
+ADAPTER_SPLIT = {"column": {"lora_A": None, "lora_B": 0}, "row": {"lora_A": 1, "lora_B": None}}
+
+
+def _is_adapted(module: nn.Module) -> bool:
+    from toolkit.models.lora import LoRALinear
+
+    return isinstance(module, LoRALinear)
+
+
+def _distribute_adapters(module: nn.Module, device_mesh, kind: str) -> None:
+    """A LoRA-adapted layer's ``lora_A``/``lora_B`` weights as DTensors placed by ``ADAPTER_SPLIT[kind]``."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if not _is_adapted(module):
+        return
+    for part, dim in ADAPTER_SPLIT[kind].items():
+        adapter = module.get_submodule(part)
+        placement = Replicate() if dim is None else Shard(dim)
+        dist = distribute_tensor(adapter.weight, device_mesh, [placement], src_data_rank=None)
+        adapter.register_parameter("weight", nn.Parameter(dist, requires_grad=adapter.weight.requires_grad))
+
+
 class _Float8Local:
     """Mixed into a column-parallel class when the module was a float8 ``Float8Linear`` (``--fp8``, swapped
     in before the split): this rank's matmul runs in float8 with the module's own torchao config."""
@@ -141,13 +190,10 @@ class _Float8Local:
 class _HeadParallelQKV(_ColumnParallelLinear):
     """``qkv_proj``: stored Shard(0) of ``[q | k | v]``, computed on this rank's heads ``[q_r | k_r | v_r]``."""
 
-    def _local_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _rows(self, tensor) -> torch.Tensor:
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        heads = [_StridedShard(0, split_factor=3)]  # this rank's rows of q, of k and of v
-        weight = self.weight.redistribute(placements=heads).to_local()
-        bias = self.bias.redistribute(placements=heads).to_local() if self.bias is not None else None
-        return weight, bias
+        return tensor.redistribute(placements=[_StridedShard(0, split_factor=3)]).to_local()  # its q, k and v rows
 
 
 class _VocabParallelEmbedding(nn.Embedding):
@@ -186,6 +232,13 @@ def _with_float8(cls: type) -> type:
     return type(f"{cls.__name__.lstrip('_')}Float8", (_Float8Local, cls), {})
 
 
+@functools.cache
+def _with_adapters(cls: type, adapted: type) -> type:
+    """``cls`` adding a LoRA update to its local matmul, still an ``adapted`` (the LoRA class: its initial values,
+    what finds the adapters); one class per column-parallel kind."""
+    return type(f"{cls.__name__.lstrip('_')}LoRA", (_AdaptedLocal, cls, adapted), {})
+
+
 def float8_layers(model: nn.Module) -> str:
     """How many float8 Linear layers the split kept (a check that no style dropped one), for the log."""
     float8 = [m for m in model.modules() if "Float8" in type(m).__name__]
@@ -204,7 +257,11 @@ def _swap_class_style(cls: type, shard_dim: int, input_layout=None):
                 dist = distribute_tensor(param, device_mesh, [Shard(shard_dim)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
             # Same parameters and state-dict keys, another forward (FSDP2 swaps classes the same way).
-            module.__class__ = _with_float8(cls) if _is_float8(module) else cls
+            if _is_adapted(module):
+                _distribute_adapters(module, device_mesh, "column")
+                module.__class__ = _with_adapters(cls, type(module))
+            else:
+                module.__class__ = _with_float8(cls) if _is_float8(module) else cls
             if input_layout is not None:
                 module.input_layout = input_layout
             return module
@@ -496,7 +553,16 @@ def _row(ctx: StyleContext):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    return RowwiseParallel(output_layouts=Shard(1)) if ctx.sequence_parallel else RowwiseParallel()
+    class _Rowwise(RowwiseParallel):
+        """torch's row-parallel split of the layer's own weight and bias; a LoRA-adapted layer's adapters by
+        ``ADAPTER_SPLIT`` (its forward then computes on DTensors: the update a ``Partial`` sum like the base's)."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if name == "":
+                super()._partition_linear_fn(name, module, device_mesh)
+                _distribute_adapters(module, device_mesh, "row")
+
+    return _Rowwise(output_layouts=Shard(1)) if ctx.sequence_parallel else _Rowwise()
 
 
 @register_tp_style("norm")
@@ -620,6 +686,7 @@ def apply_tensor_parallel(
     check_plan_kinds(plan, owner)
     _check_divisible(model, M, sequence_parallel)
     tp_rank = tp_mesh.get_local_rank()
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]  # LoRA's base
     device = (
         torch.device(tp_mesh.device_type, torch.cuda.current_device())
         if tp_mesh.device_type == "cuda"
@@ -637,4 +704,6 @@ def apply_tensor_parallel(
     if not loss_parallel:
         model.register_forward_hook(_gather_logits_hook)
     _check_every_parameter_split(model, M, tuple(plan.experts))
+    for name in frozen:  # torch's styles make new Parameters (trainable) of the ones they split
+        model.get_parameter(name).requires_grad_(False)
     return model

@@ -87,6 +87,7 @@ class ToolkitLM(TemplateLM):
         task=None,
         add_bos_token: Optional[bool] = None,
         cpu_matmul: Optional[str] = None,
+        chat_template: Optional[str] = None,
     ):
         super().__init__()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -104,6 +105,7 @@ class ToolkitLM(TemplateLM):
         self.max_length = min(m.max_positions() for m in self.models)
         self.context_window = int(context_window)
         self._max_gen_toks, self.seed = int(max_gen_toks), int(seed)
+        self._chat_spec, self._chat = chat_template, None
         if not 0 <= self.context_window < self.max_length:
             raise UserError(
                 f"--context-window {context_window}: must be in [0, {self.max_length}) (the model's positions)"
@@ -136,6 +138,37 @@ class ToolkitLM(TemplateLM):
 
     def tok_decode(self, tokens: Sequence[int], **kwargs) -> str:
         return self.codec.decode(tokens)
+
+    # ---- chat template (lm_eval --apply_chat_template) ----
+
+    def _template(self):
+        """The model's chat template (its folder's, or ``chat_template``), loaded at first use."""
+        if self._chat is None:
+            from toolkit.data.chat_template import ChatTemplate
+
+            self._chat = ChatTemplate.load(self._chat_spec or self.task.model_files_dir())
+        return self._chat
+
+    def chat_template(self, chat_template=False) -> str:
+        """The template's text (the harness keys its request cache on it)."""
+        return self._template().text if chat_template else ""
+
+    def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """``HFLM.apply_chat_template``: the tokenizer's ``apply_chat_template(tokenize=False,
+        continue_final_message=not add_generation_prompt)``, retried without the system turns where the
+        template cannot render them. The text is then encoded as any context (``tok_encode``: no specials added
+        when it starts with the prefix symbol's string, as a template that writes ``bos_token`` does)."""
+        from toolkit.data.chat_template import SkippedRecord
+
+        try:
+            return self._template().prompt_text(chat_history, add_generation_prompt)
+        except SkippedRecord:
+            logger.warning("Failed to apply chat template. removing the system role in chat history.")
+            rest = [m for m in chat_history if m["role"] != "system"]
+            try:
+                return self._template().prompt_text(rest, add_generation_prompt)
+            except SkippedRecord as e:
+                raise UserError(f"--apply-chat-template: {self._template().source} cannot render a request ({e})")
 
     # ---- scoring ----
 

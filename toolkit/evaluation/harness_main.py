@@ -81,11 +81,16 @@ def evaluate(
     seed: int = 1234,
     log_samples: bool = False,
     bootstrap_iters: int = 0,
+    chat: Optional[bool] = None,
 ) -> Dict[str, Any]:
-    """The harness's ``simple_evaluate`` on a ToolkitLM (also used during training)."""
+    """The harness's ``simple_evaluate`` on a ToolkitLM (also used during training). ``chat``: the contexts
+    rendered with the model's chat template, the few-shot examples as turns (True) or in one user turn (False);
+    None: no template."""
     import lm_eval
 
     return lm_eval.simple_evaluate(
+        apply_chat_template=chat is not None,
+        fewshot_as_multiturn=bool(chat),
         model=lm,
         tasks=names,
         num_fewshot=num_fewshot,
@@ -147,8 +152,16 @@ def run(cfg: EvalHarnessConfig) -> Dict[str, Any]:
         max_gen_toks=cfg.max_gen_toks,
         seed=cfg.seed,
         cpu_matmul=cfg.cpu_matmul,
+        chat_template=cfg.chat_template,
     )
-    results = evaluate(lm, names, manager, cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples, cfg.bootstrap_iters)
+    chat = None
+    if cfg.apply_chat_template:
+        lm.chat_template(True)  # a folder without a template is refused before any request
+        chat = cfg.fewshot_as_multiturn != "false"
+    elif cfg.chat_template or cfg.fewshot_as_multiturn != "auto":
+        raise UserError("--chat-template and --fewshot-as-multiturn apply with --apply-chat-template only")
+    args = (cfg.num_fewshot, cfg.limit, cfg.seed, cfg.log_samples, cfg.bootstrap_iters, chat)
+    results = evaluate(lm, names, manager, *args)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

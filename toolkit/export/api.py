@@ -53,8 +53,14 @@ def load(cfg: ExportConfig) -> LoadedModel:
 def run_export(cfg: ExportConfig) -> str:
     """Export (or import, with ``--from hf``); returns the folder written."""
     _check(cfg)
+    if cfg.base is not None and cfg.import_from != "peft":
+        raise UserError(f"--base {cfg.base}: applies to --from peft only")
     if cfg.import_from == "hf":
         return import_hf(cfg.path, cfg.out, cfg.tokens_per_sample)
+    if cfg.import_from == "peft":
+        from toolkit.export.peft_import import import_peft
+
+        return import_peft(cfg.path, cfg.out, cfg.base, cfg.tokens_per_sample)
     loaded = load(cfg)
     if cfg.format == "safetensors":
         from toolkit.export.safetensors_format import export_safetensors

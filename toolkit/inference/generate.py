@@ -254,13 +254,47 @@ def interactive_main(
         logger.info(f"Sentence buffer size: {buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info("Type the input sentence and press return:")
+    run = run_interactive if cfg.chat_template is None else chat_runner(session, cfg.chat_template)
     if stdin is not None:
-        run_interactive(session, stdin, buffer_size, batch_size, out)
+        run(session, stdin, buffer_size, batch_size, out)
     else:
         with open_input(cfg.input) as stream:
-            run_interactive(session, stream, buffer_size, batch_size, out)
+            run(session, stream, buffer_size, batch_size, out)
     session.log_summary()
     return session
+
+
+def chat_runner(session: Session, spec: str):
+    """``--chat-template``: one conversation, a user turn per input line. Each prompt is the whole conversation
+    rendered with the template and its generation prompt, encoded as ``apply_chat_template(tokenize=True)``
+    encodes it (the tokenizer's own specials not added: the template writes them); the best hypothesis, decoded,
+    (what it adds to its prompt) is the assistant's turn that the next prompt renders."""
+    from toolkit.data.chat_template import ChatTemplate
+
+    if session.model_tokenizer is None:
+        raise UserError(
+            f"--chat-template {spec}: needs the model's own tokenizer (a model imported with toolkit-export "
+            f"--from hf, or a data-bin binarized with its tokenizer); {session.task.cfg.data} has none"
+        )
+    template = ChatTemplate.load(spec)
+
+    def run(session: Session, stream: TextIO, _buffer: int, _batch: int, out: TextIO) -> None:
+        history: List[Dict] = []
+        for sample_id, line in enumerate(line.rstrip("\n") for line in stream):
+            history.append({"role": "user", "content": line})
+            prompt = hf_ids.chat_ids(template, session.model_tokenizer, history, f"--chat-template {spec}")
+            started = time.time()
+            (shown,), (hypos,) = generate_prompts(session, [prompt])
+            print(f"S-{sample_id}\t{session.string(shown)}", file=out)
+            print(f"W-{sample_id}\t{time.time() - started:.3f}\tseconds", file=out)
+            for printed in session.hypothesis_lines(sample_id, hypos):
+                print(printed, file=out)
+            out.flush()
+            generated = hypos[0]["tokens"][len(shown) :] if hypos else []  # a hypothesis repeats its prompt
+            reply = hf_ids.decode_ids(session.model_tokenizer, generated).strip()
+            history.append({"role": "assistant", "content": reply})
+
+    return run
 
 
 def run_interactive(session: Session, stream: TextIO, buffer_size: int, batch_size: int, out: TextIO) -> None:

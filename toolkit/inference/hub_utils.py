@@ -198,6 +198,22 @@ class LMHubInterface(FairseqHubMethods, torch.nn.Module):
         return [self.decode(h[0]["tokens"]) for h in hypos]
 
     @torch.no_grad()
+    def chat(self, messages: List[Dict[str, str]], chat_template: Optional[str] = None, beam: int = 1, **kwargs) -> str:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": ...}, ...]``): the conversation
+        rendered with the model's chat template (its folder's, or ``chat_template``: a tokenizer folder,
+        ``tokenizer_config.json`` or ``.jinja``) and its generation prompt, encoded as transformers'
+        ``apply_chat_template(tokenize=True)``; the tokens generated after it, decoded. ``kwargs``: as
+        :meth:`sample`'s."""
+        from toolkit.data.chat_template import ChatTemplate
+
+        if self.model_tokenizer is None:
+            raise UserError("chat: needs the model's own tokenizer (a model imported with toolkit-export --from hf)")
+        template = ChatTemplate.load(chat_template or self.task.model_files_dir())
+        prompt = hf_ids.chat_ids(template, self.model_tokenizer, messages, "chat")
+        best = self.generate(prompt, beam=beam, **kwargs)[0]
+        return self.decode(best["tokens"][len(prompt) :]).strip()
+
+    @torch.no_grad()
     def generate(
         self,
         tokenized_sentences: Union[torch.Tensor, List[torch.Tensor]],

@@ -96,6 +96,19 @@ def with_context(hypos: List[Dict[str, object]], start: int) -> List[Dict[str, o
     return [dict(h, tokens=torch.cat([h["tokens"].new_tensor([start]), h["tokens"]])) for h in hypos]
 
 
+def chat_ids(template, tok, messages: Sequence[Dict], where: str) -> torch.LongTensor:
+    """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``: the conversation rendered
+    with the chat template (``toolkit.data.chat_template.ChatTemplate``) and encoded without the tokenizer's own
+    specials (the template writes them); one line naming ``where`` for a conversation it cannot render."""
+    from toolkit.data.chat_template import SkippedRecord
+
+    try:
+        text = template.prompt_text(messages, add_generation_prompt=True)
+    except SkippedRecord as e:
+        raise UserError(f"{where}: cannot render the conversation ({e.detail})") from None
+    return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+
 def decode_ids(tok, tokens: torch.Tensor) -> str:
     """Text of the ids, specials dropped (``decode(..., skip_special_tokens=True)``)."""
     return tok.decode([int(t) for t in tokens], skip_special_tokens=True)

@@ -13,9 +13,11 @@ bound of 1/sqrt(in)), ``lora_B`` at zero, so the first forward is the base model
 ``init_weights``' per-name generators (:meth:`LoRALinear.initial_values`), the same on any layout.
 
 The swap is the first step of the parallelize sequence (``toolkit/distributed/parallelize.py``), on the
-meta-device model, so activation checkpointing, ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
+meta-device model, so tensor parallelism (the adapters split as the layer they adapt:
+``tensor_parallel.ADAPTER_SPLIT``), activation checkpointing, ``--compile`` and FSDP2 wrap the adapted blocks as any other, and checkpoints hold the adapters under their
 own names (``layers.0.self_attn.q_proj.lora_A.weight``) beside the base weights: a resume is exact. A
-fine-tuning start from a checkpoint without adapters keeps the fresh ones (:func:`with_fresh_adapters`).
+fine-tuning start keeps a checkpoint's adapters, merges them into a run without adapters, or starts fresh ones
+(:func:`finetune_start`).
 ``merged_state`` folds them into the base weights (``toolkit-export --format hf``, evaluation);
 ``detach_adapters`` gives the base model back with its adapters beside it (``--format peft``).
 """
@@ -123,16 +125,42 @@ def is_adapter(name: str) -> bool:
     return any(f".{part}." in f".{name}" for part in ADAPTER_PARTS)
 
 
-def with_fresh_adapters(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``state`` plus the model's own adapters where it has none (a fine-tuning start from a checkpoint without
-    adapters keeps the fresh ones); the model's entries as ``get_model_state_dict`` gives them (DTensors under
-    FSDP2, which the full-state load keeps as they are)."""
-    if not adapted_modules(model) or any(is_adapter(k) for k in state):
-        return state
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def adapter_modules(state: Dict[str, torch.Tensor]) -> List[str]:
+    """The modules a state's adapters adapt (``layers.0.self_attn.q_proj``)."""
+    return sorted(name[: -len(".lora_A.weight")] for name in state if name.endswith(".lora_A.weight"))
 
-    own = get_model_state_dict(model)
-    return {**{k: v for k, v in own.items() if is_adapter(k)}, **state}
+
+def finetune_start(model: nn.Module, state: Dict[str, torch.Tensor], saved_cfg: Dict, path: str):
+    """The weights a fine-tuning start (``--finetune-from-model path``) loads into ``model``, and a line saying
+    what became of the adapters (None: neither side has any).
+
+    A checkpoint with adapters (a LoRA run, ``--from peft``) into a run without ``--lora-rank``: merged into the
+    weights they adapt (``W + (alpha / r) B A`` at the checkpoint's scale), the run trains the whole model. Into a
+    run with ``--lora-rank``: kept, so the adapters continue; the run's rank and adapted layers must be the
+    checkpoint's. A checkpoint without adapters into a LoRA run keeps the run's fresh ones. The model's own
+    entries come as ``get_model_state_dict`` gives them (DTensors under FSDP2, which the full-state load keeps)."""
+    ours, theirs = sorted(name for name, _ in adapted_modules(model)), adapter_modules(state)
+    if not theirs:
+        if not ours:
+            return state, None
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        own = get_model_state_dict(model)
+        return {**{k: v for k, v in own.items() if is_adapter(k)}, **state}, "fresh LoRA adapters"
+    saved = SavedLoRA.of(saved_cfg)
+    if not ours:
+        if not saved.rank:
+            raise UserError(f"--finetune-from-model {path}: holds LoRA adapters but no --lora-rank in its options")
+        merged = merged_state(state, saved.scaling)
+        return merged, f"merged its {len(theirs)} LoRA adapters (r {saved.rank}) into the weights they adapt"
+    rank = dict(adapted_modules(model))[ours[0]].rank
+    if ours != theirs or state[f"{theirs[0]}.lora_A.weight"].shape[0] != rank:
+        raise UserError(
+            f"--finetune-from-model {path}: its adapters (r {saved.rank}, --lora-targets {saved.targets}) are not "
+            f"this run's (r {rank}, {len(ours)} layers); give its --lora-rank and --lora-targets to continue them, "
+            f"or no --lora-rank to merge them and train the whole model"
+        )
+    return state, f"continues its {len(theirs)} LoRA adapters"
 
 
 @dataclass(frozen=True)

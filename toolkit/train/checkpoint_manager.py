@@ -26,7 +26,7 @@ from toolkit.checkpoint.common import (
 from toolkit.checkpoint.stateful import ModelState
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
-from toolkit.models.lora import with_fresh_adapters
+from toolkit.models.lora import finetune_start
 from toolkit.train import ema as ema_module
 from toolkit.core.errors import UserError
 
@@ -132,7 +132,9 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
             consolidated.embed_rows(checkpoint["model"]),
             len(trainer.task.dictionary),
         )
-        weights = with_fresh_adapters(trainer.model, checkpoint["model"])  # --lora-rank: the base's weights
+        weights, adapters = finetune_start(trainer.model, checkpoint["model"], checkpoint.get("cfg", {}), path)
+        if adapters:
+            logger.info(f"--finetune-from-model {path}: {adapters}")
         ModelState(trainer.model).load_state_dict(weights, full=True)
     _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")
