@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import dist_helpers as H
 
 UPDATES = 4
-ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped")
+ROUTER_TERMS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_0", "moe_max_load_1", "moe_dropped", "mtp_loss")
 
 
 def args(save_dir):
@@ -66,8 +66,11 @@ def logged(stdout):
 
 
 def assert_router_terms_match(terms, reference, updates=range(1, UPDATES + 1)):
-    """The balance and z losses of every update as one process logged them."""
+    """The balance and z losses (and the multi-token prediction loss where logged) of every update as one process
+    logged them."""
     assert sorted(terms) == list(updates)
     for u in updates:
-        for name in ("moe_aux_loss", "moe_z_loss"):
+        for name in ("moe_aux_loss", "moe_z_loss", "mtp_loss"):
+            if name not in reference[u]:
+                continue
             assert terms[u][name] == pytest.approx(reference[u][name], abs=2e-4), (u, name)

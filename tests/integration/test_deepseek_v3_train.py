@@ -4,8 +4,11 @@ with --update-freq 2 trains it: with --expert-parallel-size 2 (each rank 4 of ea
 --context-parallel-size 2 (each rank's queries over the latents and rotary keys gathered from both, the routers'
 statistics over the whole sequences). Each logs the same losses (the logged digits, 1e-4 relative) and router
 terms, ends with the same correction biases, and its consolidated checkpoint holds the same weights (fp32, rtol
-1e-4). The MoE families' training harness (``tests/helpers/moe_train.py``) runs them; --model-parallel-size is refused in one
+1e-4). Every run trains one multi-token prediction depth (``--mtp-depth 1``), whose loss is logged apart
+and compared too; 2 FSDP2 ranks are compared as well. The MoE families' training harness (``tests/helpers/moe_train.py``) runs them; --model-parallel-size is refused in one
 line (no tensor-parallel split of latent attention yet)."""
+
+import math
 
 import pytest
 import torch
@@ -16,10 +19,12 @@ from tests.helpers.moe_train import UPDATES, assert_router_terms_match, logged, 
 
 pytestmark = pytest.mark.integration
 
-DEEPSEEK = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES)]  # the last --arch given counts
+# the last --arch given counts; one multi-token prediction depth in every run (its loss logged and compared)
+DEEPSEEK = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES), "--mtp-depth", "1", "--mtp-loss-coef", "0.3"]
 LAYOUTS = {
     "expert_parallel_2": ["--distributed-world-size", "2", "--expert-parallel-size", "2"],
     "context_parallel_2": ["--distributed-world-size", "2", "--context-parallel-size", "2", "--update-freq", "2"],
+    "fsdp2_2": ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"],
 }
 
 
@@ -37,6 +42,19 @@ def data_bin(tmp_path_factory):
 def one_process(data_bin, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("one")
     return save_dir, train(data_bin, save_dir, *DEEPSEEK, "--update-freq", "2")
+
+
+def test_multi_token_prediction_is_logged_apart(one_process):
+    """One process, --mtp-depth 1: mtp_loss logged every update beside loss (the next token's cross-entropy alone,
+    base 2; mtp_loss in nats, near it at the start); the depth's weights in the checkpoint (its block a MoE layer
+    with its correction bias). That it learns: ``tests/unit/test_mtp.py``."""
+    save_dir, run = one_process
+    loss, terms = H.losses(run.stdout), logged(run.stdout)
+    assert sorted(loss) == sorted(terms) == list(range(1, UPDATES + 1))
+    for u in loss:
+        assert abs(terms[u]["mtp_loss"] - loss[u] * math.log(2)) < 0.5, (u, terms[u], loss[u])
+    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    assert state["mtp.0.eh_proj.weight"].shape == (64, 128) and "mtp.0.layer.mlp.gate.expert_bias" in state
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -99,10 +99,15 @@ class CrossEntropyCriterion(torch.nn.Module):
         return loss.to_local() if hasattr(loss, "to_local") else loss
 
     def model_requests(self, model, sample: Dict[str, Any], reduce: bool = True) -> Dict[str, Any]:
-        """The fused head's ``loss_target`` where ``model`` offers it and fusing applies (``fuses_head_loss``)."""
+        """The fused head's ``loss_target`` where ``model`` offers it and fusing applies (``fuses_head_loss``); the
+        targets themselves to a training model that predicts further ahead (``reads_targets``: multi-token
+        prediction, ``toolkit.models.common.mtp``)."""
+        requests: Dict[str, Any] = {}
         if reduce and self.fuses_head_loss(model):
-            return {"loss_target": LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)}
-        return {}
+            requests["loss_target"] = LossTarget(sample["target"], self.padding_idx, self.head_loss_chunk_rows)
+        if reduce and model.training and getattr(model, "reads_targets", False):
+            requests["target"] = sample["target"]
+        return requests
 
     def forward(
         self, net_output: Any, sample: Dict[str, Any], reduce: bool = True

@@ -116,8 +116,12 @@ class ContextShard:
         group: Any = None,
         document_ids: Optional[torch.Tensor] = None,
         device: Any = None,
+        target: Optional[torch.Tensor] = None,
     ):
+        """``target``: the micro-batch's whole target rows [B, T], for what reads tokens ahead of this rank's
+        chunks (multi-token prediction, ``toolkit.models.common.mtp``)."""
         self.cp_size, self.cp_rank, self.group = cp_size, cp_rank, group
+        self.target = target
         self.query_index = chunk_layout(seq_len, cp_size, cp_rank).to(device)
         self.key_index = gathered_layout(seq_len, cp_size).to(device)
         self.document_ids = document_ids
@@ -176,7 +180,7 @@ def shard_sample(sample: Dict[str, Any], cp_size: int, cp_rank: int, group: Any,
     net_input, target = sample["net_input"], sample["target"]
     tokens = net_input["src_tokens"]
     B, T = tokens.shape
-    shard = ContextShard(T, cp_size, cp_rank, group, net_input.get("document_ids"), tokens.device)
+    shard = ContextShard(T, cp_size, cp_rank, group, net_input.get("document_ids"), tokens.device, target)
     index = shard.query_index
     positions = net_input.get("positions")
     positions = index.expand(B, -1) if positions is None else positions[:, index]

@@ -40,6 +40,15 @@ def with_extras(
     return logits, dict(extra, **{AUX_LOSSES: dict(aux_losses or {}), METRICS: dict(metrics or {})})
 
 
+def with_aux_loss(net_output: Any, name: str, value: torch.Tensor, coefficient: float) -> Tuple[Any, Dict[str, Any]]:
+    """``net_output`` (logits, or ``(logits, extra)``) with one more auxiliary loss, its other extras kept."""
+    extra = dict(_extra(net_output))
+    logits = net_output[0] if extra else net_output
+    extra[AUX_LOSSES] = {**(extra.get(AUX_LOSSES) or {}), name: (value, coefficient)}
+    extra.setdefault(METRICS, {})
+    return logits, extra
+
+
 def _extra(net_output: Any) -> Mapping[str, Any]:
     if isinstance(net_output, (tuple, list)) and len(net_output) > 1 and isinstance(net_output[1], Mapping):
         return net_output[1]

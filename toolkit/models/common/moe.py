@@ -412,9 +412,9 @@ def load_balancing_loss(
     if group is None and context_group is None:
         fraction = counts.float() / (probs.size(0) * top_k)
         return probs.size(1) * (fraction.detach() * probs.mean(0)).sum()
-    tokens = _sum_over(probs.new_tensor(float(probs.size(0))), group, context_group)
-    fraction = _sum_over(counts.float().detach(), group, context_group) / (tokens * top_k)
-    return probs.size(1) * (fraction * _sum_over(probs.sum(0), group, context_group) / tokens).sum()
+    tokens = sum_over_ranks(probs.new_tensor(float(probs.size(0))), group, context_group)
+    fraction = sum_over_ranks(counts.float().detach(), group, context_group) / (tokens * top_k)
+    return probs.size(1) * (fraction * sum_over_ranks(probs.sum(0), group, context_group) / tokens).sum()
 
 
 def router_z_loss(logits: torch.Tensor, group=None, context_group=None) -> torch.Tensor:
@@ -424,10 +424,10 @@ def router_z_loss(logits: torch.Tensor, group=None, context_group=None) -> torch
     if group is None and context_group is None:
         return squares.mean()
     count = squares.new_tensor(float(squares.numel()))
-    return _sum_over(squares.sum(), group, context_group) / _sum_over(count, group, context_group)
+    return sum_over_ranks(squares.sum(), group, context_group) / sum_over_ranks(count, group, context_group)
 
 
-def _sum_over(tensor: torch.Tensor, group, context_group=None) -> torch.Tensor:
+def sum_over_ranks(tensor: torch.Tensor, group, context_group=None) -> torch.Tensor:
     """``tensor`` summed over ``group`` (sequence parallelism: the gradient passed back to this rank's part
     unchanged), then over ``context_group`` (context parallelism: the gradient summed over its ranks); None: as
     it is."""
@@ -546,8 +546,8 @@ class MoE(nn.Module):
         }
         with torch.no_grad():
             self.tokens_per_expert += counts.float()  # this rank's: after_optimizer_step sums over every rank
-            counts = _sum_over(counts.float(), group, context)
-            assigned = _sum_over(counts.new_tensor(float(routing.experts.numel())), group, context)
+            counts = sum_over_ranks(counts.float(), group, context)
+            assigned = sum_over_ranks(counts.new_tensor(float(routing.experts.numel())), group, context)
             self.load = {"max_load": counts.max() / counts.mean(), "dropped": assigned - counts.sum()}
 
     @torch.no_grad()

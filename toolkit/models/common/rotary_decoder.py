@@ -114,6 +114,7 @@ class RotaryDecoderLM(HFConvertible, DecoderInterface, nn.Module):
                 [self.build_block(cfg, i, window) for i, window in enumerate(layer_windows(cfg))]
             )
             self.norm = self.build_norm(cfg.decoder_embed_dim)
+            self.build_extra_modules(cfg)
             self.output_projection = (
                 None
                 if cfg.share_decoder_input_output_embed
@@ -139,6 +140,10 @@ class RotaryDecoderLM(HFConvertible, DecoderInterface, nn.Module):
     def build_block(self, cfg: DecoderOptions, index: int, window: Optional[int]) -> DecoderBlock:
         """Layer ``index``: its placement of norms around an attention (of ``window``) and an MLP."""
         raise NotImplementedError
+
+    def build_extra_modules(self, cfg: DecoderOptions) -> None:
+        """Modules a family adds beside the blocks (multi-token prediction depths), built on the meta device and
+        initialized with the others; none by default."""
 
     def build_norm(self, dim: int) -> nn.Module:
         """The family's RMSNorm over ``dim`` features (the blocks', the final one)."""

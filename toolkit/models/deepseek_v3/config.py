@@ -17,6 +17,10 @@ config key in brackets):
                                   (``first_k_dense_replace``), the others experts
 ``--rope-mscale-all-dim``         YaRN's logit sharpening over every query/key feature, in the softmax scale
                                   (``rope_scaling.mscale_all_dim``; 0: none)
+``--mtp-depth``                   multi-token prediction depths after the decoder (``num_nextn_predict_layers``;
+                                  ``toolkit.models.common.mtp``), trained only; 0: none
+``--mtp-loss-coef``               their mean loss's weight in the training loss (DeepSeek-V3's lambda: 0.3 for
+                                  its first 10T tokens, 0.1 after; Megatron's ``--mtp-loss-scaling-factor`` 0.1)
 
 The experts' router is DeepSeek's where the arch says so (sigmoid scores, renormalized top-k, the correction
 bias kept whether or not ``--moe-bias-update-rate`` moves it); shared experts are ``--moe-shared-ffn-embed-dim``
@@ -28,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Optional
 
-from toolkit.config.flag_types import positive_int
+from toolkit.config.flag_types import non_negative_int, positive_int
 from toolkit.core.errors import UserError
 from toolkit.models.common.options import absent_options, head_dim, rotary_dim
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
@@ -67,6 +71,16 @@ class DeepSeekV3Config(MoEConfig):
     rope_mscale_all_dim: float = field(
         default=0.0,
         metadata={"help": "YaRN: the softmax scale times (0.1 this ln(--rope-scaling-factor) + 1)^2 (DeepSeek: 1)"},
+    )
+    mtp_depth: int = field(
+        default=0,
+        metadata={"type": non_negative_int, "help": "multi-token prediction depths, trained only (DeepSeek-V3: 1)"},
+    )
+    mtp_loss_coef: float = field(
+        default=0.1,
+        metadata={
+            "help": "weight of the mean multi-token prediction loss, logged as mtp_loss (DeepSeek-V3: 0.3, then 0.1)"
+        },
     )
 
 

@@ -8,23 +8,33 @@ Parameter names are Hugging Face's ``DeepseekV3ForCausalLM`` ones inside a block
 ``self_attn.kv_a_proj_with_mqa``, ``mlp.shared_experts.gate_proj`` ...; the router's correction bias is the
 MoE block's ``mlp.gate.expert_bias``), the experts stacked [E, ...], so ``hf.py`` renames, stacks and permutes
 the rotary rows only.
+
+``--mtp-depth D`` adds D multi-token prediction depths (``common/mtp.py``) under ``mtp``, each a block of the
+next layer index's kind (``mtp.{k}.layer``; DeepSeek-V3's is a MoE layer) between its joining projection and its
+norm. In training, given the targets (``target=``, which the criterion passes to a model that ``reads_targets``),
+their mean loss is an auxiliary term (``mtp_loss``) beside the routers'; otherwise they do not run.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from toolkit.core.registry import register_model
-from toolkit.models.common.attention import LatentAttention, latent_attention_scale
+from toolkit.models.common.attention import LatentAttention, attention_mask, latent_attention_scale
 from toolkit.models.common.blocks import PreNormBlock
 from toolkit.models.common.moe import MoE
+from toolkit.models.common.mtp import PredictionDepth, multi_token_loss
 from toolkit.models.common.options import head_dim
 from toolkit.models.deepseek_v3.config import DeepSeekV3Config, check_deepseek_shapes, qk_head_dim
 from toolkit.models.deepseek_v3.hf import DeepSeekV3Adapter
 from toolkit.models.deepseek_v3.parallel import tensor_parallel_plan
+from toolkit.models.fused_loss import LossTarget
 from toolkit.models.moe.model import MoELanguageModel, moe_experts
+from toolkit.models.outputs import summed_nll_of, with_aux_loss
 
 LATENT_PROJECTIONS = (
     "q_proj.weight",
@@ -33,6 +43,7 @@ LATENT_PROJECTIONS = (
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
 )
+MTP_INPUTS = ("document_ids", "positions", "context_parallel")  # forward's inputs the depths' blocks take too
 
 
 def latent_attention(cfg: DeepSeekV3Config, window: Optional[int]) -> LatentAttention:
@@ -79,9 +90,71 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         mlp = self.gated_mlp() if index < cfg.first_k_dense_replace else deepseek_moe(cfg, index)
         return PreNormBlock(latent_attention(cfg, window), mlp, norm=self.width_norm)
 
+    def build_extra_modules(self, cfg: DeepSeekV3Config) -> None:
+        """The multi-token prediction depths: depth k's block is layer ``decoder_layers + k``'s (0-based k)."""
+        self.mtp = nn.ModuleList(
+            PredictionDepth(cfg.decoder_embed_dim, self.build_block(cfg, cfg.decoder_layers + k, None), self.width_norm)
+            for k in range(cfg.mtp_depth)
+        )
+        self._mtp_inputs: Optional[Dict[str, Any]] = None
+        self._mtp_loss: Optional[torch.Tensor] = None
+
+    @property
+    def reads_targets(self) -> bool:
+        """Whether the criterion passes the targets to ``forward`` (``target=``): the depths' labels."""
+        return len(self.mtp) > 0
+
+    def forward(self, tokens: torch.Tensor, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any):
+        """The MoE family's forward (its arguments as it takes them); in training, given ``target`` [B, T] (the next
+        tokens, the criterion's) and depths, their loss beside the routers' terms (``output`` runs them on the
+        decoder's last hidden states). The trainer passes the batch's inputs by keyword, as read here."""
+        if self.training and target is not None and len(self.mtp) and not args and not kwargs.get("incremental_state"):
+            self._mtp_inputs = dict(target=target, **{k: kwargs.get(k) for k in MTP_INPUTS})
+        try:
+            out = super().forward(tokens, *args, **kwargs)
+        finally:
+            self._mtp_inputs, loss, self._mtp_loss = None, self._mtp_loss, None
+        return out if loss is None else with_aux_loss(out, "mtp_loss", loss, self.cfg.mtp_loss_coef)
+
+    def output(self, x: torch.Tensor, loss_target: Optional[LossTarget] = None) -> Any:
+        """The shared head on the decoder's output; before it, the depths' loss from the same hidden states when
+        ``forward`` asked for it."""
+        if self._mtp_inputs is not None:
+            self._mtp_loss = self.multi_token_loss(x, **self._mtp_inputs)
+        return super().output(x, loss_target)
+
+    def multi_token_loss(self, hidden: torch.Tensor, target, document_ids, positions, context_parallel) -> torch.Tensor:
+        """``common.mtp.multi_token_loss`` with this model's embedding, head, rotary rows and mask."""
+        T = hidden.size(1)
+        cos, sin = self.rope_rows(None, 0, T, positions)
+        mask = None
+        if context_parallel is None:
+            mask = attention_mask(document_ids, T, hidden.device, head_dim=head_dim(self.cfg))
+        inputs = (cos, sin, mask)
+        return multi_token_loss(
+            self.mtp, hidden, target, self.embed, self.head_nll, self.padding_idx, inputs, context_parallel
+        )
+
+    def head_nll(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of ``labels`` under the shared head on ``x`` (padding ignored): fused where the
+        head allows it (``fused_head_loss``), else from the logits (vocabulary-parallel ones under ``loss_parallel``)."""
+        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+        fused = self.fused_head_loss(x, weight, LossTarget(labels, self.padding_idx))
+        if fused is not None:
+            return summed_nll_of(fused)
+        logits = F.linear(x, weight) if self.output_projection is None else self.output_projection(x)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(),
+            labels.reshape(-1),
+            ignore_index=self.padding_idx,
+            reduction="sum",
+        )
+        return loss.to_local() if hasattr(loss, "to_local") else loss
+
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-        """The MoE family's rules; the latent attention's projections as the other projections."""
-        if name.endswith(LATENT_PROJECTIONS):
+        """The MoE family's rules; the latent attention's projections and the depths' joining projections as the
+        other projections."""
+        if name.endswith(LATENT_PROJECTIONS) or name.endswith("eh_proj.weight"):
             return torch.empty(shape).normal_(0.0, self.cfg.init_std, generator=generator)
         return super().initial_value(name, shape, generator)
 

@@ -6,6 +6,8 @@ first layer's MLP is no ``GroupedExperts`` and stays as it is).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from toolkit.core.protocols import TensorParallelPlan
@@ -31,6 +33,8 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
     queries = QUERY if cfg.q_lora_rank is None else QUERY_LOW_RANK
     block = {**queries, **LATENT_ATTENTION, **NORMS}
-    return decoder_plan(
+    plan = decoder_plan(
         model, block, experts=EXPERTS, divisible=(("--decoder-attention-heads", cfg.decoder_attention_heads),)
     )
+    # the multi-token prediction depths are FSDP2 units as the blocks are (their experts placed the same way)
+    return dataclasses.replace(plan, fsdp_units=("layers", "mtp")) if len(model.mtp) else plan
