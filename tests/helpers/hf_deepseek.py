@@ -54,9 +54,12 @@ CONFIG = dict(
 )
 
 
-def make_hf_deepseek(folder: str, **overrides):
+def make_hf_deepseek(folder: str, mtp_layers: int = 0, **overrides):
+    """The folder; with ``mtp_layers``, that many multi-token prediction layers after the decoder's, drawn at random
+    and stored as DeepSeek's checkpoints store them (transformers builds and saves none)."""
     torch.manual_seed(0)
     ids = save_tokenizer(folder, "llama")
+    overrides = dict(overrides, num_nextn_predict_layers=mtp_layers)
     config = transformers.DeepseekV3Config(**{**CONFIG, **overrides}, **ids, pad_token_id=None)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -67,4 +70,26 @@ def make_hf_deepseek(folder: str, **overrides):
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     hf.save_pretrained(folder)
+    if mtp_layers:
+        add_mtp_layers(folder, hf, mtp_layers)
     return hf
+
+
+def add_mtp_layers(folder: str, hf, count: int) -> None:
+    """DeepSeek-V3's layout of a multi-token prediction layer N+k: a MoE decoder layer's tensors (named as the saved
+    layer 1's), ``enorm``, ``hnorm``, ``eh_proj`` [C, 2C], ``shared_head.norm``, copies of the embedding and head."""
+    from safetensors.torch import load_file, save_file
+
+    path = f"{folder}/model.safetensors"
+    tensors, C, N = load_file(path), hf.config.hidden_size, hf.config.num_hidden_layers
+    moe_layer = {k[len("model.layers.1.") :]: t.shape for k, t in tensors.items() if k.startswith("model.layers.1.")}
+    g = torch.Generator().manual_seed(5)
+    for k in range(count):
+        own = dict(moe_layer, **{"enorm.weight": (C,), "hnorm.weight": (C,), "shared_head.norm.weight": (C,)})
+        own["eh_proj.weight"] = (C, 2 * C)
+        for name, shape in own.items():
+            scale = 1.0 if name.endswith("gate.weight") else 0.1  # the router wide, as the other layers'
+            tensors[f"model.layers.{N + k}.{name}"] = torch.randn(shape, generator=g) * scale
+        tensors[f"model.layers.{N + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{N + k}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})

@@ -3,9 +3,14 @@ DeepseekV3ForCausalLM (the query low rank, latent attention, 8 experts in 2 grou
 dense, YaRN with DeepSeek's mscale, interleaved rotary rows) saved by transformers with a tokenizer. ``--from hf``
 keeps the tokenizer's ids; the imported model's log-probs equal transformers' within 1e-4 in fp32; greedy decoding
 through the latent cache equals ``generate(do_sample=False)``; ``--format hf`` writes the same class back, tensor for
-tensor the folder transformers saved, with the same log-probs."""
+tensor the folder transformers saved, with the same log-probs. The folder holds a multi-token prediction layer as
+DeepSeek's checkpoints do (``num_nextn_predict_layers`` 1): imported as ``--mtp-depth 1`` and written back, tensor
+for tensor; without its tensors the import leaves it out in one line."""
 
 from __future__ import annotations
+
+import logging
+import shutil
 
 import pytest
 import torch
@@ -24,7 +29,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_v3")
-    hf = make_hf_deepseek(str(root / "hf"))
+    hf = make_hf_deepseek(str(root / "hf"), mtp_layers=1)
     run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
     model, task, args = load_model(str(root / "ours" / "model.pt"), str(root / "ours"))
     return dict(root=root, hf=hf, model=model, task=task, args=args)
@@ -45,6 +50,37 @@ def test_imported_options_and_ids(imported):
     tok = transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "ours"))
     ids = tok("w3 w17 w59 w0")["input_ids"]
     assert ids == transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "hf"))("w3 w17 w59 w0")["input_ids"]
+
+
+def test_multi_token_prediction_layer_is_imported(imported):
+    """The folder's layer 3 (after num_hidden_layers 3) is depth 0: its own tensors, its block's (experts stacked),
+    equal to the folder's; the copies of the embedding and the head are the model's own."""
+    from safetensors.torch import load_file
+
+    theirs, depth = load_file(str(imported["root"] / "hf" / "model.safetensors")), imported["model"].mtp[0]
+    assert imported["model"].cfg.mtp_depth == 1
+    for ours, name in [(depth.eh_proj, "eh_proj"), (depth.enorm, "enorm"), (depth.norm, "shared_head.norm")]:
+        assert torch.equal(ours.weight, theirs[f"model.layers.3.{name}.weight"]), name
+    assert torch.equal(depth.layer.mlp.experts.down_proj[5], theirs["model.layers.3.mlp.experts.5.down_proj.weight"])
+    bias = theirs["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(depth.layer.mlp.gate.expert_bias, bias)
+
+
+def test_a_folder_naming_mtp_layers_without_their_tensors_imports_without_them(imported, tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    shutil.copytree(imported["root"] / "hf", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")}, str(folder / "model.safetensors")
+    )
+    with caplog.at_level(logging.WARNING):
+        run_export(ExportConfig(path=str(folder), out=str(tmp_path / "ours"), import_from="hf"))
+    lines = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers" in r.getMessage()]
+    assert len(lines) == 1 and "imported without multi-token prediction" in lines[0]
+    saved = torch.load(tmp_path / "ours" / "model.pt", map_location="cpu", weights_only=True)
+    assert not any(k.startswith("mtp.") for k in saved["model"])
 
 
 def test_log_probs_equal_transformers(imported):

@@ -16,7 +16,7 @@ from toolkit.models.accounting import default_vocab_size
 from toolkit.models.common.attention import KVCache, LatentAttention
 from toolkit.models.common.moe import MoE
 
-PUBLISHED = {  # the Hugging Face config.json values (MTP layers left out: our model has none yet)
+PUBLISHED = {  # the Hugging Face config.json values (MTP layers left out: the counts are at --mtp-depth 0)
     "deepseek_v3_671b": dict(),
     "moonlight_16b_a3b": dict(
         vocab_size=163840,

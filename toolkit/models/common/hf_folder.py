@@ -224,6 +224,15 @@ def _open_shard(path: str):
         return safe_open(path, framework="pt")
 
 
+def tensor_names(folder: str) -> List[str]:
+    """The names of the tensors in the folder's safetensors shards (the index's, else the file's header)."""
+    files, weight_map = _safetensors_files(folder)
+    if weight_map:
+        return sorted(weight_map)
+    with _open_shard(files[0]) as f:
+        return list(f.keys())
+
+
 def safetensors_tensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the folder's safetensors shards, read one at a time; a NaN or
     infinite value is refused naming the tensor (``hf_checkpoint.check_finite``)."""

@@ -7,12 +7,19 @@ does. One tensor layout differs: DeepSeek's checkpoints store each rotary part a
 true, transformers' default for the class), ours as two halves (``rope.apply_rope``), so the rotary rows of the
 query projection (``q_proj`` / ``q_b_proj``, per head) and of ``kv_a_proj_with_mqa`` are reordered on the way in
 (pairs (0, 1), (2, 3) ... to evens then odds) and back on the way out: the same products, the same logits.
-Multi-token prediction layers (those after ``num_hidden_layers``) are skipped on import, as transformers skips
-them, and not written.
+Multi-token prediction layers (``num_nextn_predict_layers`` of them after the ``num_hidden_layers``, which transformers
+skips) are our ``--mtp-depth`` depths (``common/mtp.py``) when the folder holds their tensors: ``enorm``, ``hnorm``,
+``eh_proj`` and ``shared_head.norm`` are the depth's own (``mtp.{k}.enorm`` ... ``mtp.{k}.norm``), the decoder layer's
+tensors its block's (``mtp.{k}.layer.``, experts stacked and rotary rows reordered as the other layers'), and the
+copies of the embedding and the output head the layer stores (``embed_tokens``, ``shared_head.head``) are dropped:
+the depths use the model's own. Export writes the copies back. A folder whose config.json names such layers but
+holds no tensor of them (transformers' ``save_pretrained`` writes none) is imported without them, saying so in one
+line.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Dict, Optional, Tuple
 
@@ -20,11 +27,13 @@ import torch
 
 from toolkit.core.errors import UserError
 from toolkit.models.common import hf_config
+from toolkit.models.common.hf_folder import tensor_names
 from toolkit.models.common.hf_adapter import DECODER_KEYS, KeyMap, template_pattern
 from toolkit.models.common.hf_config import DecoderClass
 from toolkit.models.common.options import head_dim
 from toolkit.models.moe.hf import OURS, MoEAdapter
 
+logger = logging.getLogger(__name__)
 KINDS = {"deepseek_v3": DecoderClass("DeepseekV3ForCausalLM", no_attention_bias=True)}
 KEYS = KeyMap(
     rules=(("layers.{layer}.mlp.gate.expert_bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),)
@@ -35,6 +44,10 @@ EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 QUERY_ROWS = re.compile(r"layers\.\d+\.self_attn\.q_b?_proj\.weight")  # [H (Dn + Dr), in]: per head, rotary last
 LATENT_ROWS = re.compile(r"layers\.\d+\.self_attn\.kv_a_proj_with_mqa\.weight")  # [r + Dr, C]: rotary last
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
+OUR_LAYER = re.compile(r"layers\.(\d+)\.")
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight"}
+MTP_OWN["shared_head.norm.weight"] = "norm.weight"  # the depth's norm before the shared head
+MTP_DEPTH = re.compile(r"mtp\.(\d+)\.")
 
 
 class DeepSeekV3Adapter(MoEAdapter):
@@ -42,8 +55,24 @@ class DeepSeekV3Adapter(MoEAdapter):
     MLP, KINDS = "the DeepSeek-V3 family's MLP and experts are SwiGLU (silu)", KINDS
     interleaved = True  # the folder read stores its rotary rows as interleaved pairs (its rope_interleave)
 
+    main_layers = 0  # num_hidden_layers: the multi-token prediction layers come after them
+    mtp_held = 0  # the multi-token prediction layers whose tensors the folder read holds
+
     def key_map(self, model_type: str) -> KeyMap:
         return KEYS
+
+    def read(self, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """The shared import; first, which multi-token prediction layers the folder holds (one line when config.json
+        names some that it does not hold)."""
+        named, layers = int(config.get("num_nextn_predict_layers") or 0), int(config.get("num_hidden_layers") or 0)
+        held = {int(m.group(1)) for m in map(LAYER.match, tensor_names(folder)) if m is not None}
+        self.mtp_held = sum(1 for k in range(named) if layers + k in held)
+        if named and not self.mtp_held:
+            logger.warning(
+                f"{folder}: config.json's num_nextn_predict_layers {named}, but the folder holds no tensor of them "
+                "(transformers saves none): imported without multi-token prediction (--mtp-depth 0)"
+            )
+        return super().read(folder, config, out_dir, tokens_per_sample, advance)
 
     def complete(self, config: Dict[str, Any]) -> Dict[str, Any]:
         return config
@@ -62,38 +91,60 @@ class DeepSeekV3Adapter(MoEAdapter):
         scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         out["rope_mscale_all_dim"] = float(scaling.get("mscale_all_dim") or 0.0) if out["rope_scaling_factor"] else 0.0
         out["decoder_kv_heads"] = config["num_attention_heads"]
+        out["mtp_depth"] = self.mtp_held
+        self.main_layers = config["num_hidden_layers"]
         self.dims = _dims({**config, **out, "decoder_embed_dim": config["hidden_size"]})
         return out
 
     def put_from_hf(
         self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
     ) -> None:
-        """As the MoE family's (experts stacked), the rotary rows in halves; multi-token prediction layers skipped."""
+        """As the MoE family's (experts stacked), the rotary rows in halves; of a multi-token prediction layer, the
+        depth's own tensors under ``mtp.{k}.``, its block's under their layer index (``state_from_hf`` moves them),
+        the copies of the embedding and the head dropped, as are the layers past ``--mtp-depth``."""
         layer = LAYER.match(name)
-        if layer is not None and int(layer.group(1)) >= given["decoder_layers"]:
+        depth = -1 if layer is None else int(layer.group(1)) - given["decoder_layers"]
+        if depth >= given["mtp_depth"]:
             return
+        if depth >= 0:
+            rest = name[layer.end() :]
+            if rest in MTP_OWN:
+                state[f"mtp.{depth}.{MTP_OWN[rest]}"] = tensor.float()
+            if rest in MTP_OWN or rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                return
         super().put_from_hf(state, name, tensor, given, keys)
         ours = keys.from_hf(name)
         if ours in state and self.interleaved:
             state[ours] = rotary_rows(ours, state[ours], _dims(given), to_halves=True)
 
+    def state_from_hf(self, tensors, given: Dict[str, Any], model_type: str) -> Dict[str, torch.Tensor]:
+        """The shared conversion; the multi-token prediction layers' block tensors moved under ``mtp.{k}.layer.``."""
+        state = super().state_from_hf(tensors, given, model_type)
+        layers = given["decoder_layers"]
+        for name in [n for n in state if (m := OUR_LAYER.match(n)) and int(m.group(1)) >= layers]:
+            m = OUR_LAYER.match(name)
+            state[f"mtp.{int(m.group(1)) - layers}.layer.{name[m.end() :]}"] = state.pop(name)
+        return state
+
     def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str):
-        self.dims = _dims(vars(model.cfg))
+        self.dims, self.main_layers = _dims(vars(model.cfg)), model.cfg.decoder_layers
         return super().write(model, hf_class, dictionary, first_symbol, data_dir)
 
     def state_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
         """Their tensors: the stacked experts cut into per-expert matrices, the rotary rows interleaved, the rest
-        renamed by the key map."""
+        renamed by the key map; the multi-token prediction depths as the layers after the decoder's, each with its
+        copies of the embedding and the head."""
         stacked = template_pattern(OURS)
         out: Dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
+        ours, theirs = _mtp_as_layers(state, self.main_layers)
+        for name, tensor in ours.items():
             m = stacked.fullmatch(name)
             if m is None:
                 out[KEYS.to_hf(name)] = rotary_rows(name, tensor, self.dims, to_halves=False)
                 continue
             for e in range(tensor.size(0)):
                 out[EXPERT.format(layer=m["layer"], expert=e, proj=m["proj"])] = tensor[e]
-        return out
+        return {**out, **theirs}
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
         """(DeepseekV3ForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""
@@ -120,10 +171,32 @@ class DeepSeekV3Adapter(MoEAdapter):
             routed_scaling_factor=cfg.moe_routed_scaling_factor,
             norm_topk_prob=cfg.moe_renormalize,
             first_k_dense_replace=cfg.first_k_dense_replace,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=cfg.mtp_depth,
         )
         config.pop("qk_head_dim", None)
         return self.CLASSES["deepseek_v3"], config
+
+
+def _mtp_as_layers(state: Dict[str, torch.Tensor], layers: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(``state`` with depth k's block tensors as layer ``layers + k``'s, our names; the depths' own tensors and
+    their copies of the embedding and the head, Hugging Face's names ``model.layers.{layers + k}.``)."""
+    ours: Dict[str, Any] = {}
+    theirs: Dict[str, Any] = {}
+    head = state.get("output_projection.weight", state["embed_tokens.weight"])
+    for name, tensor in state.items():
+        m = MTP_DEPTH.match(name)
+        if m is None:
+            ours[name] = tensor
+            continue
+        layer, rest = layers + int(m.group(1)), name[m.end() :]
+        if rest.startswith("layer."):
+            ours[f"layers.{layer}.{rest[len('layer.') :]}"] = tensor
+            continue
+        theirs[f"model.layers.{layer}.{next(k for k, v in MTP_OWN.items() if v == rest)}"] = tensor
+        if rest == "eh_proj.weight":
+            theirs[f"model.layers.{layer}.embed_tokens.weight"] = state["embed_tokens.weight"]
+            theirs[f"model.layers.{layer}.shared_head.head.weight"] = head
+    return ours, theirs
 
 
 def _dims(options: Dict[str, Any]) -> Tuple[int, int, int]:
