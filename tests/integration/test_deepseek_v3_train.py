@@ -19,8 +19,11 @@ from tests.helpers.moe_train import UPDATES, assert_router_terms_match, logged, 
 
 pytestmark = pytest.mark.integration
 
-# the last --arch given counts; one multi-token prediction depth in every run (its loss logged and compared)
-DEEPSEEK = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES), "--mtp-depth", "1", "--mtp-loss-coef", "0.3"]
+PLAIN = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES)]  # the last --arch given counts
+# one multi-token prediction depth in the runs of LAYOUTS (its loss logged and compared)
+DEEPSEEK = PLAIN + ["--mtp-depth", "1", "--mtp-loss-coef", "0.3"]
+# 4 ranks: tp 2 x FSDP2 over 2 data-parallel replicas (the one process at --update-freq 2), without the depths
+TENSOR_PARALLEL = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--ddp-backend", "fully_sharded"]
 LAYOUTS = {
     "expert_parallel_2": ["--distributed-world-size", "2", "--expert-parallel-size", "2"],
     "context_parallel_2": ["--distributed-world-size", "2", "--context-parallel-size", "2", "--update-freq", "2"],
@@ -67,6 +70,21 @@ def test_two_ranks_equal_one_process(data_bin, one_process, tmp_path, layout):
     torch.testing.assert_close(correction_bias(tmp_path), correction_bias(one_dir))
     saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     reference = torch.load(one_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    assert saved.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tensor_parallel_2_by_fsdp2_2_equals_one_process(data_bin, tmp_path):
+    """Latent attention split by heads (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel, the
+    compressions whole: the query's on each rank's positions, the key/value's on the gathered sequence), sequence
+    parallel, FSDP2 over the replicas: the one process's losses, router terms and weights."""
+    one = train(data_bin, tmp_path / "one", *PLAIN, "--update-freq", "2")
+    ranks = train(data_bin, tmp_path / "tp", *PLAIN, *TENSOR_PARALLEL)
+    assert_logged_losses_match(H.losses(ranks.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
+    assert_router_terms_match(logged(ranks.stdout), logged(one.stdout))
+    saved = torch.load(tmp_path / "tp" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    reference = torch.load(tmp_path / "one" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     assert saved.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -825,12 +825,12 @@ MODEL: Tuple[Condition, ...] = (
         ("--arch", "olmoe_tiny"),
     ),
     _no_split(
-        "latent attention (--kv-lora-rank)",
-        lambda c: _model(c, "kv_lora_rank") is not None,
-        "latent attention (--arch deepseek_v3 and its sizes) has no tensor-parallel split yet (its compressions "
-        "read the whole sequence, which sequence parallelism cuts); train it with FSDP, --expert-parallel-size "
-        "and --context-parallel-size (--model-parallel-size 1)",
-        ("--arch", "deepseek_v3_tiny"),
+        "--mtp-depth",
+        lambda c: bool(_model(c, "mtp_depth")),
+        "the multi-token prediction depths (--mtp-depth) are not in the tensor-parallel plan (their blocks read "
+        "the decoder's sequence-parallel stream beside whole embeddings); train them with FSDP, "
+        "--expert-parallel-size and --context-parallel-size (--model-parallel-size 1), or --mtp-depth 0",
+        ("--arch", "deepseek_v3_tiny", "--mtp-depth", "1"),
     ),
     _no_split(
         "attention sinks (--arch gpt_oss)",

@@ -19,6 +19,10 @@ kind                        parameter placement          what a rank computes
 ``row``                     Shard(1) (row-parallel)      partial sums, reduce-scatter over T
 ``column``                  Shard(0) (column-parallel)   its F/M hidden units (or heads)
 ``norm``                    Replicate                    its T/M positions (sequence parallel)
+``positionwise``            Replicate                    as ``norm``: a per-position projection
+``gathered_replicated``     Replicate (Partial grads)    every position, input all-gathered
+``replicated_partial``      Replicate (Partial grads)    every position, after the one above
+``column_on_gathered``      Shard(0)                     its heads, on the gathered positions
 ``head_norm``               Replicate                    its H/M heads (QK-norm per head)
 ``output``                  Shard(0) (or the tied        its V/M logits; the loss is taken
                             embedding)                   with ``loss_parallel`` (no gather)
@@ -175,6 +179,16 @@ def _distribute_adapters(module: nn.Module, device_mesh, kind: str) -> None:
         placement = Replicate() if dim is None else Shard(dim)
         dist = distribute_tensor(adapter.weight, device_mesh, [placement], src_data_rank=None)
         adapter.register_parameter("weight", nn.Parameter(dist, requires_grad=adapter.weight.requires_grad))
+
+
+class _ColumnParallelOnWhole(_ColumnParallelLinear):
+    """Column-parallel on an input every rank already holds whole and whose gradient here is this rank's part
+    (the output of a ``gathered_replicated`` module): no gather, and the input's gradient left partial, summed
+    where that region began."""
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._local_weights()
+        return self._local_linear(x, weight, bias)
 
 
 class _Float8Local:
@@ -416,6 +430,43 @@ def _replicated_weights_style():
     return _Style()
 
 
+def _local_parameters_style(gather_input: Optional[object]):
+    """Parameters replicated over the TP ranks, computed on their local values whose gradient is a ``Partial`` sum
+    (the module's output feeds this rank's heads only, so its gradient here is this rank's part); with
+    ``gather_input`` (the input's placement), the input all-gathered over the sequence first, its gradient
+    reduce-scattered back (summed over the ranks' parts). For the modules latent attention runs on every position
+    before its head-parallel up-projections: the key/value compression, whose rotary key part no column-parallel
+    layer gathers (``toolkit.models.deepseek_v3.parallel``)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def gathered(_module, args, mesh):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [gather_input], run_check=False)
+        return (x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]), *args[1:])
+
+    def local(module, _args):
+        module._tp_replicated = {}
+        for name in [n for n, p in module._parameters.items() if p is not None]:
+            param = module._tp_replicated[name] = module._parameters.pop(name)
+            module.__dict__[name] = param.to_local(grad_placements=[Partial()])
+
+    def restore(module, _args, _output):
+        for name, param in module.__dict__.pop("_tp_replicated", {}).items():
+            module.__dict__.pop(name, None)
+            module._parameters[name] = param
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            distribute_module(module, device_mesh, _replicate_parameters, gathered if gather_input else None)
+            module.register_forward_pre_hook(local)
+            module.register_forward_hook(restore, always_call=True)
+            return module
+
+    return _Style()
+
+
 def loss_context(enabled: bool):
     """Around forward *and* backward of the loss when the logits are vocabulary-sharded (torch's ``loss_parallel``)."""
     if not enabled:
@@ -585,6 +636,32 @@ def _head_norm(_ctx: StyleContext):
 @register_tp_style("replicated")
 def _replicated(_ctx: StyleContext):
     return _ReplicatedParallel.style()
+
+
+@register_tp_style("gathered_replicated")
+def _gathered_replicated(ctx: StyleContext):
+    """A module on every position of the sequence (its input gathered under sequence parallelism), whole on every
+    rank, whose output feeds this rank's heads (``_local_parameters_style``)."""
+    return _local_parameters_style(ctx.stream_layout)
+
+
+@register_tp_style("replicated_partial")
+def _replicated_partial(_ctx: StyleContext):
+    """A module after a ``gathered_replicated`` one on the same positions (its norm), whole on every rank."""
+    return _local_parameters_style(None)
+
+
+@register_tp_style("column_on_gathered", sharded=("weight", "bias"))
+def _column_on_gathered(_ctx: StyleContext):
+    """Column-parallel after a ``gathered_replicated`` module (latent attention's ``kv_b_proj``)."""
+    return _swap_class_style(_ColumnParallelOnWhole, 0)
+
+
+@register_tp_style("positionwise")
+def _positionwise(ctx: StyleContext):
+    """A module acting on each position alone (a projection before a column-parallel one, its norm): whole on
+    every rank, on this rank's positions under sequence parallelism, as a norm."""
+    return _norm(ctx)
 
 
 @register_tp_style("replicated_weights")

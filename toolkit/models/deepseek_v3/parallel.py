@@ -1,7 +1,14 @@
 """The parallelism plan of the DeepSeek-V3 family as data: its pre-norm block's latent attention split by heads
 (the query and key/value up-projections column-parallel, the output row-parallel), the compressions and their
 norms whole on every rank, the experts in the plan's expert slot as the MoE family's (``ep_shard``; a dense
-first layer's MLP is no ``GroupedExperts`` and stays as it is).
+first layer's MLP is no ``GroupedExperts``: expert parallelism leaves it as it is, tensor parallelism splits it as
+the dense families' MLP).
+
+Under sequence parallelism a rank holds T/M positions of the stream. The query compression works per position
+(``positionwise``: on those T/M, ``q_b_proj`` gathers the sequence as any column-parallel layer does); the
+key/value compression gathers the sequence first (``gathered_replicated``): its rotary key part reaches the
+attention of every head directly, through no column-parallel layer. Its output feeds this rank's heads, so its
+weights' and its norm's gradients are partial sums over the ranks (reduced as the sequence-parallel norms' are).
 """
 
 from __future__ import annotations
@@ -14,27 +21,30 @@ from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.common.parallel import decoder_plan
 
 LATENT_ATTENTION = {
-    "self_attn.kv_a_proj_with_mqa": "replicated",
-    "self_attn.kv_a_layernorm": "replicated",
-    "self_attn.kv_b_proj": "column",
+    "self_attn.kv_a_proj_with_mqa": "gathered_replicated",  # its rotary key part is every head's: all positions
+    "self_attn.kv_a_layernorm": "replicated_partial",
+    "self_attn.kv_b_proj": "column_on_gathered",
     "self_attn.o_proj": "row",
 }
-QUERY_LOW_RANK = {
-    "self_attn.q_a_proj": "replicated",
-    "self_attn.q_a_layernorm": "replicated",
+QUERY_LOW_RANK = {  # per position: on this rank's positions under sequence parallelism, q_b_proj gathers them
+    "self_attn.q_a_proj": "positionwise",
+    "self_attn.q_a_layernorm": "positionwise",
     "self_attn.q_b_proj": "column",
 }
 QUERY = {"self_attn.q_proj": "column"}
 NORMS = {"input_layernorm": "norm", "post_attention_layernorm": "norm"}
+DENSE_MLP = {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}  # the first layers'
+
 EXPERTS = {"mlp": "ep_shard"}
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
     queries = QUERY if cfg.q_lora_rank is None else QUERY_LOW_RANK
-    block = {**queries, **LATENT_ATTENTION, **NORMS}
-    plan = decoder_plan(
-        model, block, experts=EXPERTS, divisible=(("--decoder-attention-heads", cfg.decoder_attention_heads),)
-    )
+    block = {**queries, **LATENT_ATTENTION, **NORMS, **DENSE_MLP}  # a MoE block has no mlp.gate_proj: no-op there
+    divisible = (("--decoder-attention-heads", cfg.decoder_attention_heads),)
+    if cfg.first_k_dense_replace:
+        divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
+    plan = decoder_plan(model, block, experts=EXPERTS, divisible=divisible)
     # the multi-token prediction depths are FSDP2 units as the blocks are (their experts placed the same way)
     return dataclasses.replace(plan, fsdp_units=("layers", "mtp")) if len(model.mtp) else plan

@@ -260,8 +260,8 @@ class LatentAttention(AttentionLayer):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, Entries, Any]:
         """q [B, H, T, Dn + Dr] (its rotary part rotated); entries: the latent [B, 1, T, r] and the rotated
         shared key [B, 1, T, Dr]."""
-        B, T, _ = x.shape
-        q = self.queries(x).view(B, T, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q = self.queries(x)  # [B, T, H D]: T from q (under sequence parallelism x holds T/M positions)
+        q = q.view(*q.shape[:2], -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
