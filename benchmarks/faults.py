@@ -3,6 +3,7 @@
     python -m benchmarks.faults --runs 20            # the figure reported for issue 10
     python -m benchmarks.faults --runs 3 --updates 6 # the short version tests/integration/test_faults.py runs
     python -m benchmarks.faults --runs 6 --updates 6 --expert-parallel-size 2  # the MoE family, experts on 2 ranks
+    python -m benchmarks.faults --runs 2 --arch deepseek_v3_tiny --model-flags="--mtp-depth 1"  # another family
 
 One uninterrupted reference run first. Then ``--runs`` runs of the same command, each
 ``kill -9``ed once: at least half of them right after a checkpoint's temporary file
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,17 +102,13 @@ MODEL = [
 def expert_parallel_model(ep: int) -> List[str]:
     """``--expert-parallel-size EP``: the MoE family's tiny model (4 experts) with its experts over EP ranks (as
     many as the world), the same optimizer, schedule and saves as ``MODEL``; rank 0 saves the gathered stacks."""
-    arch_end = MODEL.index("--optimizer")
-    return [
-        "--task",
-        "language_modeling",
-        "--arch",
-        "moe_tiny",
-        "--distributed-world-size",
-        str(ep),
-        "--expert-parallel-size",
-        str(ep),
-    ] + MODEL[arch_end:]
+    return model_of("moe_tiny", ["--distributed-world-size", str(ep), "--expert-parallel-size", str(ep)])
+
+
+def model_of(arch: str, flags: Sequence[str]) -> List[str]:
+    """``MODEL`` with another architecture (its named size's shapes) and ``flags``: the same optimizer, schedule
+    and saves."""
+    return ["--task", "language_modeling", "--arch", arch, *flags] + MODEL[MODEL.index("--optimizer") :]
 
 
 def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
@@ -421,11 +418,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=1,
         help="> 1: the MoE family with its experts over this many ranks (the launcher is killed)",
     )
+    p.add_argument("--arch", default=None, help="another architecture than the small transformer_lm (one process)")
+    p.add_argument("--model-flags", default="", help="with --arch: its own flags, one string (e.g. '--mtp-depth 1')")
     add_results_flag(p)
     args = p.parse_args(argv)
     report = Report("faults", argv=argv)
     if args.expert_parallel_size > 1:
         MODEL[:] = expert_parallel_model(args.expert_parallel_size)  # what command() runs, for every kind of run
+    elif args.arch is not None:
+        MODEL[:] = model_of(args.arch, args.model_flags.split())
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="faults.")
     args.finished_restarts = args.runs if args.finished_restarts is None else args.finished_restarts
     rng = random.Random(args.seed)

@@ -4,7 +4,8 @@ Runs ``python -m benchmarks.faults --runs 3 --updates 4`` (the full version, ``-
 reported in the benchmarks README). Marked ``faults`` (``-m "not faults"`` leaves it out):
 it starts 14 training processes (the last run is also restarted after it finished; then a SIGINT and a
 SIGTERM in mid-save, consolidated and sharded, and a second writer on a running save dir). The same under
-``--expert-parallel-size 2`` (the MoE family on 2 ranks; the launcher killed, its ranks following it): 2 runs.
+``--expert-parallel-size 2`` (the MoE family on 2 ranks; the launcher killed, its ranks following it): 2 runs. The
+DeepSeek-V3 family (latent attention, its correction biases moving, a multi-token prediction depth): 1 run.
 """
 
 import re
@@ -85,4 +86,22 @@ def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
     )
     assert re.search(r"^matched: 2/2$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in (tmp_path / "reference.log").read_text()
+    assert proc.returncode == 0
+
+
+@pytest.mark.faults
+def test_killed_deepseek_v3_run_resumes_bit_identical(tmp_path):
+    flags = "--mtp-depth 1 --moe-bias-update-rate 0.01"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.faults", "--runs", "1", "--updates", "4", "--seed", "1"]
+        + ["--finished-restarts", "0", "--signal-runs", "0", "--writer-runs", "0"]
+        + ["--arch", "deepseek_v3_tiny", f"--model-flags={flags}", "--workdir", str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert re.search(r"^matched: 1/1$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
+    assert "mtp_loss" in (tmp_path / "reference.log").read_text()
     assert proc.returncode == 0
