@@ -141,3 +141,24 @@ def test_impossible_options_are_refused_in_one_line(options, flag):
     with pytest.raises(UserError, match=f"^{flag}") as err:
         meta_model("deepseek_v3_tiny", **options)
     assert "\n" not in str(err.value)
+
+
+def test_sequence_balance_loss_is_deepseeks_by_hand():
+    """Two sequences of 2 tokens, 4 experts, top 2: per sequence sum_i f_i P_i, f_i = 4 / (2 x 2) x tokens routed
+    to i, P_i = the mean normalized score; the mean over the sequences."""
+    from toolkit.models.common.moe import sequence_balance_loss
+
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    experts = torch.tensor([[0, 1], [1, 2], [2, 3], [0, 3]])
+    # sequence 0: counts (1, 2, 1, 0), P = (0.25, 0.4, 0.25, 0.1): 1 x 0.25 + 2 x 0.4 + 1 x 0.25 = 1.3
+    # sequence 1: counts (1, 0, 1, 2), P = (0.475, 0.175, 0.175, 0.175): 0.475 + 0.175 + 0.35 = 1.0
+    want = torch.tensor((1.3 + 1.0) / 2)
+    torch.testing.assert_close(sequence_balance_loss(probs.requires_grad_(), experts, 2), want)
+
+
+def test_the_sequence_balance_loss_is_a_logged_term_of_its_coefficient():
+    model = _tiny(moe_seq_aux_loss_coef=1e-3).train()
+    _, extra = model(torch.randint(3, 64, (2, 16)))
+    value, coefficient = extra["aux_losses"]["moe_seq_aux_loss"]
+    assert coefficient == 1e-3 and value.requires_grad and 0.5 < value.item() < 4.0
+    assert "moe_seq_aux_loss" not in _tiny().train()(torch.randint(3, 64, (2, 16)))[1]["aux_losses"]

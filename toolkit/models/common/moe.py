@@ -417,6 +417,25 @@ def load_balancing_loss(
     return probs.size(1) * (fraction * sum_over_ranks(probs.sum(0), group, context_group) / tokens).sum()
 
 
+def sequence_balance_loss(
+    probs: torch.Tensor, experts: torch.Tensor, sequences: int, group=None, context_group=None
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (arXiv 2412.19437, eq. 17-20), before its alpha: per sequence of T
+    tokens, sum_i f_i P_i with f_i = E / (k T) x the tokens of the sequence routed to expert i (no gradient) and
+    P_i = mean_t probs[t, i] (the scores normalized over the experts); the mean over the sequences (1.0 when
+    each sequence is balanced). ``probs`` [B T, E], ``experts`` [B T, k], the rows sequence by sequence; with a
+    ``group`` or ``context_group`` each rank holds a slice of every sequence, whose sums are summed over it."""
+    E, k = probs.size(1), experts.size(1)
+    chosen = torch.zeros_like(probs).scatter_(1, experts, 1.0).view(sequences, -1, E)  # [B, T, E]
+    tokens = probs.new_tensor(float(chosen.size(1)))
+    counts, summed = chosen.sum(1).detach(), probs.view(sequences, -1, E).sum(1)  # [B, E]
+    if group is not None or context_group is not None:
+        tokens, counts = sum_over_ranks(tokens, group, context_group), sum_over_ranks(counts, group, context_group)
+        summed = sum_over_ranks(summed, group, context_group)
+    fraction = counts * E / (k * tokens)
+    return (fraction * summed / tokens).sum(1).mean()
+
+
 def router_z_loss(logits: torch.Tensor, group=None, context_group=None) -> torch.Tensor:
     """ST-MoE's z-loss: mean over tokens of logsumexp(router logits)^2, which keeps the logits small (with a
     ``group`` or ``context_group``: over the tokens of every rank of it)."""
@@ -488,13 +507,16 @@ class MoE(nn.Module):
         top_groups: int = 1,
         routed_scaling: float = 1.0,
         routing_bias: bool = False,
+        sequence_balance: bool = False,
     ):
         """See the module docstring; ``routing_bias``: the router has the bias even where it does not move
-        (``bias_update_rate`` 0)."""
+        (``bias_update_rate`` 0); ``sequence_balance``: ``aux`` holds DeepSeek-V3's sequence-wise balance loss too
+        (``sequence_balance``)."""
         super().__init__()
         if bias:
             raise ValueError("MoE experts have no biases")
         self.name, self.bias_update_rate, self.idle_warning_updates = name, bias_update_rate, idle_warning_updates
+        self.sequence_balance = sequence_balance
         self.gate = Router(
             dim,
             num_experts,
@@ -535,15 +557,19 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if self.training:
-            self._record(routing, counts)
+            self._record(routing, counts, B)
         return y.view(B, T, C)
 
-    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
+    def _record(self, routing: Routing, counts: torch.Tensor, sequences: int) -> None:
         group, context = self.sequence_group, self.context_group
         self.aux = {
             "balance": load_balancing_loss(routing.probs, counts, self.gate.top_k, group, context),
             "z": router_z_loss(routing.logits, group, context),
         }
+        if self.sequence_balance:
+            self.aux["sequence_balance"] = sequence_balance_loss(
+                routing.probs, routing.experts, sequences, group, context
+            )
         with torch.no_grad():
             self.tokens_per_expert += counts.float()  # this rank's: after_optimizer_step sums over every rank
             counts = sum_over_ranks(counts.float(), group, context)

@@ -17,6 +17,8 @@ config key in brackets):
                                   (``first_k_dense_replace``), the others experts
 ``--rope-mscale-all-dim``         YaRN's logit sharpening over every query/key feature, in the softmax scale
                                   (``rope_scaling.mscale_all_dim``; 0: none)
+``--moe-seq-aux-loss-coef``       DeepSeek-V3's sequence-wise balance loss (its alpha; logged as
+                                  ``moe_seq_aux_loss``, ``common.moe.sequence_balance_loss``); 0: none
 ``--mtp-depth``                   multi-token prediction depths after the decoder (``num_nextn_predict_layers``;
                                   ``toolkit.models.common.mtp``), trained only; 0: none
 ``--mtp-loss-coef``               their mean loss's weight in the training loss (DeepSeek-V3's lambda: 0.3 for
@@ -71,6 +73,10 @@ class DeepSeekV3Config(MoEConfig):
     rope_mscale_all_dim: float = field(
         default=0.0,
         metadata={"help": "YaRN: the softmax scale times (0.1 this ln(--rope-scaling-factor) + 1)^2 (DeepSeek: 1)"},
+    )
+    moe_seq_aux_loss_coef: float = field(
+        default=0.0,
+        metadata={"help": "weight of DeepSeek-V3's sequence-wise balance loss, logged as moe_seq_aux_loss (V3: 1e-4)"},
     )
     mtp_depth: int = field(
         default=0,

@@ -71,6 +71,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, index: int) -> MoE:
         top_groups=cfg.moe_topk_group,
         routed_scaling=cfg.moe_routed_scaling_factor,
         routing_bias=True,
+        sequence_balance=cfg.moe_seq_aux_loss_coef > 0,
     )
 
 
@@ -115,6 +116,14 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         finally:
             self._mtp_inputs, loss, self._mtp_loss = None, self._mtp_loss, None
         return out if loss is None else with_aux_loss(out, "mtp_loss", loss, self.cfg.mtp_loss_coef)
+
+    def _with_router_terms(self, out: Any):
+        """The MoE family's router terms; with ``--moe-seq-aux-loss-coef``, the sequence-wise balance loss too (the
+        mean over the layers), ``moe_seq_aux_loss``."""
+        layers = [m for m in self.moe_layers() if "sequence_balance" in m.aux]
+        term = sum(m.aux["sequence_balance"] for m in layers) / len(layers) if layers else None
+        out = super()._with_router_terms(out)
+        return out if term is None else with_aux_loss(out, "moe_seq_aux_loss", term, self.cfg.moe_seq_aux_loss_coef)
 
     def output(self, x: torch.Tensor, loss_target: Optional[LossTarget] = None) -> Any:
         """The shared head on the decoder's output; before it, the depths' loss from the same hidden states when
