@@ -50,7 +50,7 @@ def one_process(data_bin, tmp_path_factory):
 def test_multi_token_prediction_is_logged_apart(one_process):
     """One process, --mtp-depth 1: mtp_loss logged every update beside loss (the next token's cross-entropy alone,
     base 2; mtp_loss in nats, near it at the start); the depth's weights in the checkpoint (its block a MoE layer
-    with its correction bias). That it learns: ``tests/unit/test_mtp.py``."""
+    with its correction bias). That it learns: ``tests/unit/test_deepseek_v3.py``."""
     save_dir, run = one_process
     loss, terms = H.losses(run.stdout), logged(run.stdout)
     assert sorted(loss) == sorted(terms) == list(range(1, UPDATES + 1))

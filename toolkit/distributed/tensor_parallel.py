@@ -716,6 +716,14 @@ def fsdp_units(model: nn.Module) -> list:
     return units
 
 
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def split_parameters(model: nn.Module) -> set:
     """Names of the parameters the model's plan divides over the TP ranks (what ``toolkit-plan`` counts 1/M of):
     each planned module's own parameters its kind's style shards; empty for a model without a plan."""
@@ -723,8 +731,9 @@ def split_parameters(model: nn.Module) -> set:
         return set()
     plan, owner = model.tensor_parallel_plan(), type(model).__name__
     entries = {path: tp_style(kind, owner, path) for path, kind in plan.top.items()}
-    for i in range(len(model.layers)):
-        entries.update({f"layers.{i}.{path}": tp_style(kind, owner, path) for path, kind in plan.block.items()})
+    for i, block in enumerate(model.layers):  # a path a block lacks is skipped, as parallelize_module skips it
+        present = {path: kind for path, kind in plan.block.items() if _has_submodule(block, path)}
+        entries.update({f"layers.{i}.{path}": tp_style(kind, owner, path) for path, kind in present.items()})
     split = set()
     for path, style in entries.items():
         module = model.get_submodule(path)

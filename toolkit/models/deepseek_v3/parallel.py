@@ -41,9 +41,10 @@ EXPERTS = {"mlp": "ep_shard"}
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     cfg = model.cfg
     queries = QUERY if cfg.q_lora_rank is None else QUERY_LOW_RANK
-    block = {**queries, **LATENT_ATTENTION, **NORMS, **DENSE_MLP}  # a MoE block has no mlp.gate_proj: no-op there
+    block = {**queries, **LATENT_ATTENTION, **NORMS}
     divisible = (("--decoder-attention-heads", cfg.decoder_attention_heads),)
-    if cfg.first_k_dense_replace:
+    if cfg.first_k_dense_replace:  # the dense layers' MLP (a MoE block has no mlp.gate_proj: skipped there)
+        block.update(DENSE_MLP)
         divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
     plan = decoder_plan(model, block, experts=EXPERTS, divisible=divisible)
     # the multi-token prediction depths are FSDP2 units as the blocks are (their experts placed the same way)
