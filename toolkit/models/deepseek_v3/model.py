@@ -62,8 +62,9 @@ def latent_attention(cfg: DeepSeekV3Config, window: Optional[int]) -> LatentAtte
     )
 
 
-def deepseek_moe(cfg: DeepSeekV3Config, index: int) -> MoE:
-    """Layer ``index``'s experts: DeepSeekMoE's router (groups, scaling, the correction bias always present)."""
+def deepseek_moe(cfg: DeepSeekV3Config, index: int, sequence_balance: bool = False) -> MoE:
+    """Layer ``index``'s experts: DeepSeekMoE's router (groups, scaling, the correction bias always present);
+    ``sequence_balance``: its sequence-wise balance loss computed (``MoE.aux``)."""
     return moe_experts(
         cfg,
         index,
@@ -71,7 +72,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, index: int) -> MoE:
         top_groups=cfg.moe_topk_group,
         routed_scaling=cfg.moe_routed_scaling_factor,
         routing_bias=True,
-        sequence_balance=cfg.moe_seq_aux_loss_coef > 0,
+        sequence_balance=sequence_balance,
     )
 
 
@@ -88,7 +89,8 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         check_deepseek_shapes(cfg)
 
     def build_block(self, cfg: DeepSeekV3Config, index: int, window: Optional[int]) -> PreNormBlock:
-        mlp = self.gated_mlp() if index < cfg.first_k_dense_replace else deepseek_moe(cfg, index)
+        dense = index < cfg.first_k_dense_replace
+        mlp = self.gated_mlp() if dense else deepseek_moe(cfg, index, cfg.moe_seq_aux_loss_coef > 0)
         return PreNormBlock(latent_attention(cfg, window), mlp, norm=self.width_norm)
 
     def build_extra_modules(self, cfg: DeepSeekV3Config) -> None:
