@@ -45,6 +45,123 @@ def test_published_size_equals_transformers_model():
     assert sum(p.numel() for p in published.parameters()) == 79_674_391_296
 
 
+QWEN3_5_TEXT = dict(  # what every released Qwen3.5 text_config shares; 4 layers of each (transformers builds slowly)
+    vocab_size=248320,
+    num_hidden_layers=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+)
+QWEN3_5_PUBLISHED = {  # arch -> (transformers' class prefix, its text_config's own values, layers, our total)
+    "qwen3_5_0_8b": (
+        "Qwen3_5",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            linear_num_value_heads=16,
+            tie_word_embeddings=True,
+        ),
+        24,
+        752_393_024,
+    ),
+    "qwen3_5_9b": (
+        "Qwen3_5",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_value_heads=32,
+            tie_word_embeddings=False,
+        ),
+        32,
+        8_953_803_264,
+    ),
+    "qwen3_5_27b": (
+        "Qwen3_5",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            linear_num_value_heads=48,
+            tie_word_embeddings=False,
+        ),
+        64,
+        26_895_998_464,
+    ),
+    "qwen3_5_35b_a3b": (
+        "Qwen3_5Moe",
+        dict(
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            linear_num_value_heads=32,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            tie_word_embeddings=False,
+        ),
+        40,
+        34_660_610_688,
+    ),
+    "qwen3_5_122b_a10b": (
+        "Qwen3_5Moe",
+        dict(
+            hidden_size=3072,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            linear_num_value_heads=64,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            tie_word_embeddings=False,
+        ),
+        48,
+        122_111_526_912,
+    ),
+    "qwen3_5_397b_a17b": (
+        "Qwen3_5Moe",
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            linear_num_value_heads=64,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            tie_word_embeddings=False,
+        ),
+        60,
+        396_346_350_336,
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(QWEN3_5_PUBLISHED))
+def test_qwen3_5_published_sizes_equal_transformers_models(arch):
+    """Each Qwen3.5 size, four of its layers, against transformers' text class of the released config's shapes;
+    then the whole size's total (the docstring table's)."""
+    transformers = pytest.importorskip("transformers")
+    prefix, shapes, layers, total = QWEN3_5_PUBLISHED[arch]
+    config = getattr(transformers, f"{prefix}TextConfig")(**QWEN3_5_TEXT, **shapes)
+    with torch.device("meta"):
+        theirs = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    vocab = default_vocab_size(arch)
+    ours = models.build_on_meta(arch, vocab, decoder_layers=4)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert [type(layer.self_attn).__name__ for layer in ours.layers] == ["GatedDeltaNet"] * 3 + ["GatedAttention"]
+    published = models.build_on_meta(arch, vocab)
+    assert (len(published.layers), sum(p.numel() for p in published.parameters())) == (layers, total)
+
+
 def tiny(**overrides):
     torch.manual_seed(0)
     cfg = models.model_config("qwen3_next_tiny", max_target_positions=32, **overrides)

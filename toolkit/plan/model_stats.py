@@ -92,6 +92,10 @@ class ModelStats:
     active_params: Optional[int] = None  # parameters one token uses (MoE: its k experts a layer); None: all
     moe_top_k: int = 0  # experts a token goes through in each MoE layer (0: no MoE layer)
     moe_layers: int = 0  # layers whose feed-forward is a mixture of experts
+    attention_layers: int = 0  # layers whose attention caches keys and values (kv_width sums over them)
+    recurrent_layers: int = 0  # gated DeltaNet layers: a recurrent state per sequence instead of keys and values
+    recurrent_state: int = 0  # numbers of their delta rules' states (Hv x Dk x Dv each, kept in fp32), summed
+    recurrent_conv: int = 0  # numbers of their convolutions' last K-1 inputs (K-1 x channels each), summed
     splits: SplitLimits = SplitLimits()  # which parallel sizes the model itself takes (the layout search's pruning)
 
     @property
@@ -371,9 +375,10 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
     )
     activations = trace_activations(model, arch, model_cfg, vocab, tokens, dtype)
     from toolkit.models.common.moe import MoE
-    from toolkit.models.common.attention import AttentionLayer
+    from toolkit.models.common.attention import AttentionLayer, GatedDeltaNet
 
     attention = [m for m in model.modules() if isinstance(m, AttentionLayer)]
+    recurrent = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     active = model.active_parameters() if hasattr(model, "active_parameters") else None
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     return ModelStats(
@@ -390,5 +395,9 @@ def model_stats(cfg: Any, dtype: torch.dtype, vocab: Optional[int] = None) -> Mo
         active_params=active,
         moe_top_k=max((m.gate.top_k for m in moe), default=0),
         moe_layers=len(moe),
+        attention_layers=len(attention),
+        recurrent_layers=len(recurrent),
+        recurrent_state=sum(m.value_heads * m.key_dim * m.value_dim for m in recurrent),
+        recurrent_conv=sum((m.conv_kernel - 1) * m.conv_width for m in recurrent),
         splits=split_limits(model, cfg),
     )

@@ -72,10 +72,30 @@ def layouts(plan: Any, found: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def recurrent_state(plan: Any) -> str:
+    """What one sequence's gated DeltaNet layers keep instead of keys and values: each layer's delta-rule state
+    (value heads x key size x value size, in fp32, as the rule keeps it) and its convolution's last K-1 inputs (in
+    the compute dtype), against the keys and values the model's full-attention layers would cache in their place
+    at the run's length (the same T for every sequence: the state's bytes do not grow with T)."""
+    st, cb = plan.stats, plan.setup.compute_bytes
+    state, conv = 4 * st.recurrent_state, cb * st.recurrent_conv
+    line = (
+        f"recurrent state per sequence, {st.recurrent_layers} gated DeltaNet layers: {state + conv:,} B "
+        f"({state:,} B of delta-rule states in fp32, {conv:,} B of convolution inputs at {cb} B a number)"
+    )
+    if st.attention_layers:
+        kv = st.kv_width * st.recurrent_layers // st.attention_layers * st.tokens_per_sample * cb
+        line += (
+            f" against {kv:,} B of keys and values as full attention at T {st.tokens_per_sample} "
+            f"({kv / (state + conv):.1f}x)"
+        )
+    return line
+
+
 def sparse_and_latent(plan: Any) -> List[str]:
-    """The lines of a model that uses less than it holds: the parameters a token goes through (MoE), and the KV
+    """The lines of a model that uses less than it holds: the parameters a token goes through (MoE), the KV
     cache a token costs in the compute dtype when its layers cache a latent (multi-head latent attention) against
-    the expanded keys and values."""
+    the expanded keys and values, and a sequence's recurrent state (gated DeltaNet layers) against keys and values."""
     st, lines = plan.stats, []
     if st.active_params is not None and st.active_params != st.num_params:
         lines.append(
@@ -88,6 +108,8 @@ def sparse_and_latent(plan: Any) -> List[str]:
             f"KV cache per token, all layers: {st.kv_width * cb:,} B latent against {st.expanded_kv_width * cb:,} B "
             f"of expanded keys and values ({st.expanded_kv_width / st.kv_width:.0f}x), at {cb} B a number"
         )
+    if st.recurrent_layers:
+        lines.append(recurrent_state(plan))
     return lines
 
 
