@@ -137,6 +137,6 @@ def test_quantize_of_another_family_or_format_is_one_line(tmp_path):
         "export without --quantize (every weight in --dtype); nothing written"
     )
     cfg = ExportConfig(path=str(tmp_path / "x.pt"), out=str(tmp_path / "out"), format="onnx", quantize="mxfp4")
-    with pytest.raises(UserError, match=r"^--quantize mxfp4: applies to --format hf only (not --format onnx) ):
+    with pytest.raises(UserError, match=r"^--quantize mxfp4: applies to --format hf only \(not --format onnx\)$"):
         run_export(cfg)
     assert not os.path.exists(tmp_path / "out")

@@ -157,9 +157,7 @@ def folder_config(weights, dtype: str) -> dict:
     return {**weights.config, "architectures": [weights.architecture], "dtype": names[dtype]}
 
 
-def export_hf(
-    loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32", quantize: Optional[str] = None
-) -> str:
+def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32", quantize: Optional[str] = None) -> str:
     """Write config.json, model.safetensors and the tokenizer (the model's own, or one mapped from the BPE); with
     ``quantize`` the tensors the family's release quantizes stored as it stores them (the others in ``dtype``)."""
     model = loaded.model

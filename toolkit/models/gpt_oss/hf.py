@@ -43,7 +43,12 @@ QUANTIZED = ("_blocks", "_scales")
 #: the release's ``quantization_config`` (gpt-oss-20b and -120b): the experts in MXFP4, every other tensor plain
 RELEASE_QUANTIZATION = {
     "quant_method": "mxfp4",
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
 }
 
 
