@@ -74,6 +74,10 @@
 #   moe_moonlight   Moonlight-16B-A3B's shape (4 of 27 layers: multi-head latent attention, 64 experts of 1408,
 #            top 6, 2 shared, the first layer dense; its vocabulary 163840), bf16, B 4 x T 2048: tokens/s, MFU
 #            counted on the active parameters, the step's time split (the DeepSeek-V3 family on the GPU)
+#   moe_gpt_oss_20b_2l   gpt-oss-20b's shape at 2 of its 24 layers (a local layer of window 128, then a global
+#            one: sinks, YaRN, 32 biased experts of 2880 with the clamped SwiGLU, top 4; its vocabulary 201088), bf16,
+#            B 4 x T 2048: tokens/s, MFU counted on the active parameters, the step's time split (2.8B parameters:
+#            AdamW's states of 4 layers would crowd an 80 GB GPU)
 #   moe_30b_a3b_offload   Qwen3-30B-A3B's shape (12 of 48 layers) through the 13B recipe (FSDP2 + --cpu-offload,
 #            8-bit moments, bf16 host gradients, overlap): words/s, host bytes per parameter, the plan beside
 #   cp_llama3_1b_32k   llama3_1b on one 32k-token sequence, bf16 + --compile: tokens/s and peak memory (one GPU
@@ -416,6 +420,9 @@ bench_figure() {
     dry=("${DRY_LLAMA[@]}" --sliding-window 8 --layer-types sliding_attention,full_attention "${DRY_BENCH[@]}")
   fi
   if [ $DRY = 1 ] && [ "$family" = latent ]; then dry=("${DRY_LATENT[@]}" "${DRY_BENCH[@]}"); fi
+  if [ $DRY = 1 ] && [ "$family" = sinks ]; then  # gpt-oss: experts, a local layer and a global one
+    dry=("${DRY_MOE[@]}" --sliding-window 8 --layer-types sliding_attention,full_attention "${DRY_BENCH[@]}")
+  fi
   figure "$name" $PY -m benchmarks.train --device cuda --bf16 "$@" "${dry[@]}"
 }
 
@@ -425,7 +432,7 @@ FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 
 FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
 fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl moe_olmoe moe_olmoe_compile moe_30b_a3b_offload
 cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b profile_13 moe_olmoe_fp8 moe_olmoe_profile
-decode_llama3_1b_hf moe_moonlight plan_calibration mfu_olmo3_7b_8l mfu_smollm3_3b"
+decode_llama3_1b_hf moe_moonlight plan_calibration mfu_olmo3_7b_8l mfu_smollm3_3b moe_gpt_oss_20b_2l"
 # OLMoE-1B-7B's shape at 8 of its 16 layers (3.6B parameters, 0.7B active: AdamW's fp32 states of all 16 would
 # crowd an 80 GB GPU), its vocabulary (50304), B 4 x T 2048
 OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50304 --warmup 5)
@@ -470,6 +477,8 @@ run_figure() {
     moe_olmoe_compile) bench_figure moe_olmoe_compile moe "${OLMOE_SHAPE[@]}" --compile ;;
     moe_moonlight) bench_figure moe_moonlight latent --preset llama3_1b --arch moonlight_16b_a3b --decoder-layers 4 \
                      --vocab 163840 --warmup 5 ;;
+    moe_gpt_oss_20b_2l) bench_figure moe_gpt_oss_20b_2l sinks --preset llama3_1b --arch gpt_oss_20b --decoder-layers 2 \
+                          --layer-types sliding_attention,full_attention --vocab 201088 --warmup 5 ;;
     moe_30b_a3b_offload) family_offload_figure moe_30b_a3b_offload moe qwen3_30b_a3b "${MOE_30B_SLICE[@]}" ;;
     # one GPU cannot show context parallelism's scaling: one 32k-token sequence of llama3_1b (tokens/s, peak
     # memory); toolkit-plan predicts 8 GPUs at --context-parallel-size 8 (benchmarks/README.md)

@@ -8,9 +8,12 @@ the same model as the release stores it (MXFP4 experts).
 (``Mxfp4Config(dequantize=True)``); greedy decoding through the KV cache equals ``generate(do_sample=False)``;
 ``--format hf`` writes the same class back with the same log-probs (tensor for tensor the folder transformers
 saved), and an MXFP4 import exported as bf16 holds the dequantized experts exactly (FP4 times a power of two is a
-bf16 number)."""
+bf16 number); with ``--quantize mxfp4`` it is written as the release stores it: the blocks and scales byte for byte
+those of the folder imported, the other tensors in ``--dtype``, transformers' log-probs of it those of the folder."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -78,9 +81,14 @@ def test_greedy_generation_with_the_cache_equals_transformers(imported):
     assert got == want
 
 
-def test_export_back_is_the_same_class_and_log_probs(imported):
-    from safetensors import safe_open
+def stored(folder) -> dict:
+    """The tensors of a folder's model.safetensors, by name."""
+    from safetensors.torch import load_file
 
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_export_back_is_the_same_class_and_log_probs(imported):
     back = imported["root"] / f"back_{imported['kind']}"
     dtype = "bf16" if imported["kind"] == "mxfp4" else "fp32"
     run_export(ExportConfig(path=str(imported["out"] / "model.pt"), out=str(back), format="hf", dtype=dtype))
@@ -94,10 +102,39 @@ def test_export_back_is_the_same_class_and_log_probs(imported):
     x = batch()
     with torch.no_grad():
         torch.testing.assert_close(hf2(x).logits, imported["hf"](x).logits, rtol=0, atol=1e-5)
-    with (
-        safe_open(str(imported["folder"] / "model.safetensors"), "pt") as a,
-        safe_open(str(back / "model.safetensors"), "pt") as b,
-    ):
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    theirs, ours = stored(imported["folder"]), stored(back)
+    assert set(theirs) == set(ours)
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
+
+
+@pytest.mark.parametrize("imported", ["mxfp4"], indirect=True)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mxfp4_export_holds_the_folders_blocks_and_scales(imported, dtype):
+    """``--quantize mxfp4``: the experts as the release stores them (uint8, the bytes of the folder imported), the
+    release's quantization_config, every other tensor in --dtype; in fp32 tensor for tensor the folder, and
+    transformers' dequantized load of it gives the log-probs of the folder's."""
+    from tests.helpers.hf_gpt_oss import MXFP4_CONFIG
+
+    back = imported["root"] / f"back_quantized_{dtype}"
+    model_pt = str(imported["out"] / "model.pt")
+    run_export(ExportConfig(path=model_pt, out=str(back), format="hf", dtype=dtype, quantize="mxfp4"))
+    config = json.loads((back / "config.json").read_text())
+    assert config["quantization_config"] == MXFP4_CONFIG
+    theirs, ours = stored(imported["folder"]), stored(back)
+    assert set(theirs) == set(ours)
+    for name, tensor in theirs.items():
+        if not name.endswith(("_blocks", "_scales")):  # the others in --dtype
+            tensor = tensor.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert ours["model.layers.1.mlp.experts.down_proj_blocks"].dtype == torch.uint8
+    if dtype == "bf16":
+        return
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(back), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    x = batch()
+    with torch.no_grad():
+        got = torch.log_softmax(hf2(x).logits.float(), dim=-1)
+        want = torch.log_softmax(imported["hf"](x).logits.float(), dim=-1)
+    assert (got - want).abs().max().item() < 1e-4

@@ -110,12 +110,33 @@ def test_format_hf_of_a_family_without_adapters_is_one_line_naming_its_formats(t
 
 def test_export_help_lists_every_class_a_family_imports():
     """`toolkit-export --help` names what --from hf reads without importing torch: the torch-free list equals the
-    registered families' ``HF_CLASSES``."""
-    from toolkit.config.commands import IMPORTABLE_HF_CLASSES
+    registered families' ``HF_CLASSES``. and
+    ``--quantize``'s choices those the families write (``HF_QUANTIZATIONS``)."""
+    from toolkit.config.commands import IMPORTABLE_HF_CLASSES, QUANTIZATIONS
     from toolkit.core import registry
 
     registry.import_all_components()
-    declared = set()
+    declared, quantizations = set(), set()
     for name in registry.MODEL_REGISTRY.names():
-        declared |= set(getattr(registry.MODEL_REGISTRY.get(name).cls, "HF_CLASSES", {}).values())
+        cls = registry.MODEL_REGISTRY.get(name).cls
+        declared |= set(getattr(cls, "HF_CLASSES", {}).values())
+        quantizations |= set(getattr(cls, "HF_QUANTIZATIONS", ()))
     assert sorted(IMPORTABLE_HF_CLASSES) == sorted(declared)
+    assert sorted(QUANTIZATIONS) == sorted(quantizations) == ["mxfp4"]
+
+
+def test_quantize_of_another_family_or_format_is_one_line(tmp_path):
+    from toolkit import models
+    from toolkit.export.api import ExportConfig, run_export
+
+    loaded = SimpleNamespace(model=models.build_on_meta("llama_tiny", 64), dictionary=None, first_symbol=2)
+    with pytest.raises(UserError) as e:
+        export_hf(loaded, str(tmp_path / "out"), quantize="mxfp4")
+    assert str(e.value) == (
+        "--quantize mxfp4: written for gpt_oss models (their releases' storage), not LlamaLanguageModel; "
+        "export without --quantize (every weight in --dtype); nothing written"
+    )
+    cfg = ExportConfig(path=str(tmp_path / "x.pt"), out=str(tmp_path / "out"), format="onnx", quantize="mxfp4")
+    with pytest.raises(UserError, match=r"^--quantize mxfp4: applies to --format hf only \(not --format onnx\)$"):
+        run_export(cfg)
+    assert not os.path.exists(tmp_path / "out")

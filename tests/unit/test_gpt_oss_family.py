@@ -43,11 +43,18 @@ def test_mxfp4_reads_as_transformers_and_writes_back_byte_for_byte():
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transposed: [E, 64, rows]
     assert torch.equal(ours, theirs.transpose(1, 2))
     again_blocks, again_scales = mxfp4.quantize(ours)
-    assert torch.equal(mxfp4.dequantize(again_blocks, again_scales), ours)  # -0 and +0 may swap codes
-    weights = torch.randn(2, 4, 64, generator=gen)
-    approx = mxfp4.dequantize(*mxfp4.quantize(weights))
-    step = torch.exp2(torch.ceil(torch.log2(weights.view(2, 4, 2, 32).abs().amax(-1) / 6)))  # a block's unit
-    assert ((approx - weights).abs().view(2, 4, 2, 32) <= step.unsqueeze(-1)).all()  # half the widest gap, 2 units
+    assert torch.equal(mxfp4.dequantize(again_blocks, again_scales), ours)  # random blocks: other encodings
+    weights = torch.randn(8, 4, 64, generator=gen)
+    blocks, scales = mxfp4.quantize(weights)
+    approx = mxfp4.dequantize(blocks, scales)
+    again = mxfp4.quantize(approx)  # what it writes, read and written again: the same bytes
+    assert torch.equal(again[0], blocks) and torch.equal(again[1], scales)
+    largest = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(-1)  # each block's largest code (5: 3, 7: 6)
+    assert largest.min() == 5  # blocks with their largest at 3 among them: their scale kept
+    negative_zero = torch.where(torch.arange(64) < 32, -0.0, 1.0).expand(2, 64)
+    assert mxfp4.quantize(negative_zero)[0][0, 0, 0].item() == 0x88  # the sign bit of -0 kept, as stored
+    step = torch.exp2(torch.ceil(torch.log2(weights.view(8, 4, 2, 32).abs().amax(-1) / 6)))  # a block's unit
+    assert ((approx - weights).abs().view(8, 4, 2, 32) <= step.unsqueeze(-1)).all()  # half the widest gap, 2 units
 
 
 def test_router_weights_are_the_softmax_of_the_top_k_logits():

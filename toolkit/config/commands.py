@@ -361,6 +361,7 @@ class ValidateConfig:
 FORMATS = ("safetensors", "onnx", "hf", "peft")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 HF_CLASSES = ("auto", "xglm", "opt", "gpt2")
+QUANTIZATIONS = ("mxfp4",)  # --quantize: the storages of the families' releases (their adapters' QUANTIZATIONS)
 
 
 # What `toolkit-export --from hf` reads, for --help without importing torch: the families' ``HF_CLASSES`` values
@@ -415,6 +416,12 @@ class ExportConfig:
         "returns per-layer keys/values [B, H, P, D] for incremental decoding",
     )
     opset: int = opt(18, "--format onnx: ONNX opset (17 or later)")
+    quantize: Optional[str] = opt(
+        None,
+        "--format hf: store the tensors the family's release quantizes as the release does, the others in --dtype "
+        "(mxfp4: gpt-oss's experts as MXFP4 uint8 blocks and scales, with the release's quantization_config)",
+        choices=list(QUANTIZATIONS),
+    )
     hf_class: str = opt(
         "auto",
         "--format hf: transformers class to write (auto: XGLM for sinusoidal positions, OPT for learned ones)",

@@ -262,9 +262,13 @@ class HFExportable(Protocol):
     """A model that ``--format hf`` writes: its family says which class computes it and in which names.
 
     ``first_symbol`` is what the LM sees before a text (``</s>``, or ``<s>`` with ``--add-bos-token``);
-    ``data_dir`` is the data-bin the model was trained on (an imported model's own files are there)."""
+    ``data_dir`` is the data-bin the model was trained on (an imported model's own files are there).
+    ``quantize`` (``--quantize``, passed only when given): a storage of the family's release for the tensors the
+    release quantizes, one of the class's ``HF_QUANTIZATIONS`` (the exporter refuses the others first)."""
 
-    def hf_weights(self, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str) -> HFWeights: ...
+    def hf_weights(
+        self, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str, quantize: Optional[str] = None
+    ) -> HFWeights: ...
 
 
 @dataclass

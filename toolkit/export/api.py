@@ -26,6 +26,9 @@ def _check(cfg: ExportConfig) -> None:
         raise UserError(f"--dtype {cfg.dtype}: applies to --format safetensors|hf|peft; the ONNX graphs are fp32")
     if cfg.kv_cache and cfg.format != "onnx":
         raise UserError(f"--kv-cache: applies to --format onnx only (not {cfg.import_from or cfg.format})")
+    if cfg.quantize is not None and (cfg.import_from is not None or cfg.format != "hf"):
+        given = f"--from {cfg.import_from}" if cfg.import_from is not None else f"--format {cfg.format}"
+        raise UserError(f"--quantize {cfg.quantize}: applies to --format hf only (not {given})")
     if os.path.abspath(cfg.out) == os.path.abspath(cfg.path):
         raise UserError(f"--out {cfg.out}: is the input itself; choose another folder")
     check_target(cfg.out, cfg.path, cfg.force)
@@ -73,7 +76,7 @@ def run_export(cfg: ExportConfig) -> str:
     elif cfg.format == "peft":
         out = export_peft(loaded, cfg.out, cfg.dtype)
     else:
-        out = export_hf(loaded, cfg.out, cfg.hf_class, cfg.dtype)
+        out = export_hf(loaded, cfg.out, cfg.hf_class, cfg.dtype, cfg.quantize)
     logger.info(f"wrote {out}: {', '.join(sorted(os.listdir(out)))}")
     return out
 
@@ -85,11 +88,11 @@ def import_hf(folder: str, out_dir: str, tokens_per_sample: Optional[int] = None
     return import_through_family(folder, out_dir, tokens_per_sample)
 
 
-def export_hf(loaded: LoadedModel, out: str, hf_class: str, dtype: str) -> str:
+def export_hf(loaded: LoadedModel, out: str, hf_class: str, dtype: str, quantize: Optional[str] = None) -> str:
     """``--format hf``: the model's family says which transformers class computes it (``hf_format``)."""
     from toolkit.export.hf_format import export_hf as export_through_family
 
-    return export_through_family(loaded, out, hf_class=hf_class, dtype=dtype)
+    return export_through_family(loaded, out, hf_class=hf_class, dtype=dtype, quantize=quantize)
 
 
 def export_peft(loaded: LoadedModel, out: str, dtype: str) -> str:

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -33,18 +33,30 @@ TOLERANCE = 1e-4
 
 def _write_weights(state: Dict[str, torch.Tensor], path: str, dtype: str) -> None:
     save_file = require("safetensors.torch", "safetensors").save_file
-    # Each tensor on its own storage: split and transposed views of one tensor share it.
-    tensors = {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in state.items()}
+    # Each tensor on its own storage: split and transposed views of one tensor share it. Integer tensors (a
+    # quantized storage's codes and scales) are written as they are; floating ones in the dtype asked.
+    tensors = {k: _in_dtype(v.detach(), dtype).contiguous().clone() for k, v in state.items()}
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _in_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+    return tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor
+
+
 def verify(folder: str, model: torch.nn.Module) -> float:
-    """Load the folder with transformers and compare logits with ours on a random batch (fp32)."""
+    """Load the folder with transformers and compare logits with ours on a random batch (fp32). A
+    quantized folder (its config's ``quantization_config``) loads dequantized: this check runs on the CPU."""
     transformers = require("transformers", "transformers")
+    options = {}
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        quantization = json.load(f).get("quantization_config")
+    if quantization is not None:
+        auto = require("transformers.quantizers.auto", "transformers").AutoQuantizationConfig
+        options["quantization_config"] = auto.from_dict({**quantization, "dequantize": True})
     hf_logging = transformers.utils.logging
     hf_logging.disable_progress_bar()  # its per-tensor "Loading weights" bar, inside our own progress
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **options).eval()
     finally:
         hf_logging.enable_progress_bar()
     g = torch.Generator().manual_seed(0)
@@ -72,7 +84,9 @@ def write_folder(
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    progress.advance(f"wrote config.json and model.safetensors ({dtype})")
+    quantized = config.get("quantization_config")
+    stored = dtype if quantized is None else f"{dtype}; {quantized['quant_method']} where the release quantizes"
+    progress.advance(f"wrote config.json and model.safetensors ({stored})")
     progress.advance(tokenizer(tmp))
     if dtype == "fp32":
         progress.advance(f"transformers {architecture} loads it; max |logits diff| {verify(tmp, model):.2g}")
@@ -119,19 +133,42 @@ def unsupported(model, fmt: str) -> UserError:
     )
 
 
+def check_quantization(model, quantize: str) -> None:
+    """One line for ``--quantize`` of a family whose release is not stored so, naming the families that write it."""
+    if quantize in getattr(model, "HF_QUANTIZATIONS", ()):
+        return
+    from toolkit.core import registry
+
+    registry.import_all_components()
+    families = [
+        name
+        for name, entry in sorted(registry.MODEL_REGISTRY.entries.items())
+        if quantize in getattr(entry.cls, "HF_QUANTIZATIONS", ())
+    ]
+    raise UserError(
+        f"--quantize {quantize}: written for {' and '.join(families) or 'no'} models (their releases' storage), "
+        f"not {type(model).__name__}; export without --quantize (every weight in --dtype); nothing written"
+    )
+
+
 def folder_config(weights, dtype: str) -> dict:
     """``config.json`` of the folder: the family's values, the class and the weights' dtype."""
     names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
     return {**weights.config, "architectures": [weights.architecture], "dtype": names[dtype]}
 
 
-def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32") -> str:
-    """Write config.json, model.safetensors and the tokenizer (the model's own, or one mapped from the BPE)."""
+def export_hf(loaded, out_dir: str, hf_class: str = "auto", dtype: str = "fp32", quantize: Optional[str] = None) -> str:
+    """Write config.json, model.safetensors and the tokenizer (the model's own, or one mapped from the BPE); with
+    ``quantize`` the tensors the family's release quantizes stored as it stores them (the others in ``dtype``)."""
     model = loaded.model
     if not isinstance(model, HFExportable):
         raise unsupported(model, "hf")
+    quantizing = {}
+    if quantize is not None:
+        check_quantization(model, quantize)
+        quantizing["quantize"] = quantize
     require("transformers", "transformers")
-    weights = model.hf_weights(hf_class, loaded.dictionary, loaded.first_symbol, loaded.data_dir)
+    weights = model.hf_weights(hf_class, loaded.dictionary, loaded.first_symbol, loaded.data_dir, **quantizing)
     config = folder_config(weights, dtype)
     with StepProgress(4, "hf") as progress, export_directory(out_dir) as tmp:
         write_folder(

@@ -74,10 +74,12 @@ DECODER_KEYS = KeyMap(
 
 class HFAdapter:
     """A family's Hugging Face adapter: the classes it reads and how (``read``: a folder as our checkpoint) and how
-    it writes a model as one of them (``write``); stateless, built where it is asked for."""
+    it writes a model as one of them (``write``); built where it is asked for, for one read or write."""
 
     FAMILY: ClassVar[str]  # the family's model name (its bare --arch), whose named sizes an import matches
     CLASSES: ClassVar[Dict[str, str]]  # model_type -> transformers class, of the folders --from hf reads
+    QUANTIZATIONS: ClassVar[Tuple[str, ...]] = ()  # the --quantize storages ``write`` offers (its releases')
+    quantize: Optional[str] = None  # the storage the export asks of ``write`` (one of QUANTIZATIONS), else plain
 
     def read(
         self, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance
@@ -96,21 +98,27 @@ class HFConvertible:
 
     HF_ADAPTER: ClassVar[type]  # the family's HFAdapter subclass (its hf.py)
     HF_CLASSES: ClassVar[Dict[str, str]]  # --from hf reads these config.json model_types: the adapter's CLASSES
+    HF_QUANTIZATIONS: ClassVar[Tuple[str, ...]] = ()  # --format hf --quantize writes these: the adapter's
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         adapter = cls.__dict__.get("HF_ADAPTER")
         if adapter is not None:
-            cls.HF_CLASSES = adapter.CLASSES
+            cls.HF_CLASSES, cls.HF_QUANTIZATIONS = adapter.CLASSES, adapter.QUANTIZATIONS
 
     @classmethod
     def from_hf(cls, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
         """``--from hf``: a folder of one of the family's classes (``HF_CLASSES``) as our checkpoint."""
         return cls.HF_ADAPTER().read(folder, config, out_dir, tokens_per_sample, advance)
 
-    def hf_weights(self, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str) -> HFWeights:
-        """``--format hf``: the model as the class of the family that computes it (the adapter's choice)."""
-        return self.HF_ADAPTER().write(self, hf_class, dictionary, first_symbol, data_dir)
+    def hf_weights(
+        self, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str, quantize: Optional[str] = None
+    ) -> HFWeights:
+        """``--format hf``: the model as the class of the family that computes it (the adapter's choice), with
+        ``quantize`` (one of ``HF_QUANTIZATIONS``) the tensors the family's release quantizes stored so."""
+        adapter = self.HF_ADAPTER()
+        adapter.quantize = quantize
+        return adapter.write(self, hf_class, dictionary, first_symbol, data_dir)
 
 
 class DecoderHFAdapter(HFAdapter):

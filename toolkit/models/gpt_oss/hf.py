@@ -12,16 +12,19 @@ transposes, the export interleaves back.
 MXFP4 (a ``quantization_config`` of ``quant_method`` mxfp4, as the release ships): ``gate_up_proj_blocks`` /
 ``_scales`` and ``down_proj_blocks`` / ``_scales`` (``mxfp4.py``: [E, out, in] per matrix) are dequantized to fp32
 as they are read, a matrix once both its tensors arrived; the biases and every other tensor are plain. The export
-writes plain weights (no ``quantization_config``).
+writes plain weights, or with ``--quantize mxfp4`` the experts' matrices as the release stores them (uint8 blocks and
+scales, the release's ``quantization_config``; the model compared with transformers' load holds them as stored).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from toolkit.core.errors import UserError
+from toolkit.core.protocols import HFWeights
 from toolkit.models.common import hf_config
 from toolkit.models.common.hf_adapter import DECODER_KEYS, DecoderHFAdapter, KeyMap, template_pattern
 from toolkit.models.common.hf_config import DecoderClass
@@ -37,6 +40,16 @@ THEIRS = template_pattern("model.layers.{layer}.mlp.experts.{name}")
 OURS = template_pattern("layers.{layer}.mlp.experts.{name}")
 EXPERT = "layers.{layer}.mlp.experts.{name}"
 QUANTIZED = ("_blocks", "_scales")
+#: the release's ``quantization_config`` (gpt-oss-20b and -120b): the experts in MXFP4, every other tensor plain
+RELEASE_QUANTIZATION = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 class GptOssAdapter(MoEAdapter):
@@ -51,7 +64,8 @@ class GptOssAdapter(MoEAdapter):
         "moe_swiglu_limit": "swiglu_limit",
         "moe_swiglu_alpha": "swiglu_alpha",
     }
-    mxfp4 = False  # the folder read stores its experts in MXFP4 (its quantization_config)
+    QUANTIZATIONS = ("mxfp4",)
+    mxfp4 = False  # the folder read (or written) stores its experts in MXFP4 (its quantization_config)
 
     def key_map(self, model_type: str) -> KeyMap:
         return KEYS
@@ -88,6 +102,15 @@ class GptOssAdapter(MoEAdapter):
             moe_swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
         )
         return out
+
+    def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str) -> HFWeights:
+        """The shared folder; with ``quantize`` mxfp4 the experts' matrices as MXFP4 blocks and scales, and the
+        model's own experts rounded to what those hold, so the export's comparison with transformers compares
+        the model the folder stores."""
+        self.mxfp4 = self.quantize == "mxfp4"
+        if self.mxfp4:
+            round_experts_to_mxfp4(model)
+        return super().write(model, hf_class, dictionary, first_symbol, data_dir)
 
     def state_from_hf(
         self, tensors: Iterable[Tuple[str, torch.Tensor]], given: Dict[str, Any], model_type: str
@@ -139,9 +162,12 @@ class GptOssAdapter(MoEAdapter):
         return out
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
-        """(GptOssForCausalLM, config.json) computing ``cfg``: plain weights (no quantization_config)."""
+        """(GptOssForCausalLM, config.json) computing ``cfg``: plain weights (no quantization_config), or the
+        experts in MXFP4 (the release's quantization_config) when the export writes them so."""
         config = hf_config.decoder_hf_config(cfg, vocab_size, base, "gpt_oss")
         config.pop("quantization_config", None)
+        if self.mxfp4:
+            config["quantization_config"] = copy.deepcopy(RELEASE_QUANTIZATION)
         scaling = config.pop("rope_scaling", None)
         rope = {"rope_type": "default"} if scaling is None else scaling
         config.update(
@@ -182,3 +208,12 @@ def _is_mxfp4(quantization: Any, where: str) -> bool:
             "weights or MXFP4 experts (quant_method mxfp4) only"
         )
     return True
+
+
+def round_experts_to_mxfp4(model: torch.nn.Module) -> None:
+    """Each expert matrix of ``model`` (ours [E, out, in]) replaced by its MXFP4 value, in place: the model an
+    MXFP4 folder of it computes (a row's blocks are the same in ours and in the interleaved ``gate_up_proj``)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if OURS.fullmatch(name) and p.dim() == 3:
+                p.copy_(mxfp4.dequantize(*mxfp4.quantize(p)).to(p.dtype))

@@ -35,7 +35,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """[.., rows, cols] (cols a multiple of 32) -> (blocks uint8 [.., rows, cols / 32, 16], scales uint8
-    [.., rows, cols / 32]); on the meta device, their shapes only."""
+    [.., rows, cols / 32]); on the meta device, their shapes only.
+
+    A block's scale is the smallest power of two that brings its largest magnitude within 6 (rounded up, as
+    transformers' and the release's quantizer), each value the nearest FP4 number (its sign bit kept: -0 too).
+    A block whose values come out on the grid of twice that scale with the largest at 6 is stored at twice the
+    scale (its largest 3): the one encoding of those values that this rule gives again, so a dequantized MXFP4
+    matrix quantizes to its own bytes (a block of the release with its largest at 3 included)."""
     *lead, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"MXFP4: {cols} columns are not a whole number of blocks of {BLOCK}")
@@ -47,12 +53,17 @@ def quantize(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         )
     x = weight.detach().float().reshape(*lead, groups, BLOCK)
     largest = x.abs().amax(-1)
-    exponent = torch.where(largest > 0, torch.ceil(torch.log2(largest / 6.0)), torch.full_like(largest, -SCALE_BIAS))
+    mantissa, power = torch.frexp(largest / 6.0)  # largest / 6 = mantissa * 2^power, mantissa in [0.5, 1)
+    exponent = torch.where(largest > 0, power - (mantissa == 0.5).int(), -SCALE_BIAS)  # ceil(log2(largest / 6))
     exponent = exponent.clamp(-SCALE_BIAS, SCALE_BIAS)
-    scaled = x / torch.exp2(exponent).unsqueeze(-1)
+    scaled = x / torch.exp2(exponent.float()).unsqueeze(-1)
     magnitudes = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=x.device)
     index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)  # the nearest magnitude (ties: the lower)
-    codes = (index + 8 * ((scaled < 0) & (index > 0))).to(torch.uint8)
+    odd = (index == 1) | (index == 3)  # 0.5 and 1.5: off the grid of twice the scale
+    coarser = (index.amax(-1) == 7) & ~odd.any(-1) & (exponent < SCALE_BIAS)
+    halved = torch.tensor([0, 0, 1, 0, 2, 3, 4, 5], device=x.device)  # the index of each even magnitude's half
+    index = torch.where(coarser.unsqueeze(-1), halved[index], index)
+    codes = (index + 8 * torch.signbit(x).long()).to(torch.uint8)
     pairs = codes.view(*lead, groups, BLOCK // 2, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
-    return blocks, (exponent + SCALE_BIAS).to(torch.uint8)
+    return blocks, (exponent + coarser.int() + SCALE_BIAS).to(torch.uint8)
