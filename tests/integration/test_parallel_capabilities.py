@@ -47,7 +47,7 @@ TRAINED = {
     "deepseek_v3": "deepseek_v3_tiny",
     "gemma3": "gemma3_tiny",
     "glm4_moe": "glm4_moe_tiny",  # partial rotary, q/k/v biases, DeepSeekMoE routing with a dense first layer
-    "gpt_oss": "gpt_oss_tiny",  # sinks, a local layer, biased experts; tp refused (sinks): trained under cp + ep
+    "gpt_oss": "gpt_oss_tiny",  # sinks split by heads under tp, a local layer, biased attention and experts
     "llama": "qwen3_tiny",  # GQA, heads of 32 on a width of 64, per-head QK-norm
     "moe": "moe_tiny",  # Qwen3-MoE: per-head QK-norm, GQA
     "olmo2": "olmo2_tiny",  # its tensor-parallel split is refused (MODEL): trained under cp only
