@@ -47,12 +47,12 @@ TRAINED = {
     "deepseek_v3": "deepseek_v3_tiny",
     "gemma3": "gemma3_tiny",
     "glm4_moe": "glm4_moe_tiny",  # partial rotary, q/k/v biases, DeepSeekMoE routing with a dense first layer
-    "gpt_oss": "gpt_oss_tiny",  # sinks, a local layer, biased experts; tp refused (sinks): trained under cp + ep
+    "gpt_oss": "gpt_oss_tiny",  # sinks split by heads under tp, a local layer, biased attention and experts
     "llama": "qwen3_tiny",  # GQA, heads of 32 on a width of 64, per-head QK-norm
     "moe": "moe_tiny",  # Qwen3-MoE: per-head QK-norm, GQA
     "olmo2": "olmo2_tiny",  # its tensor-parallel split is refused (MODEL): trained under cp only
-    "olmo3": "olmo3_tiny",
-    "qwen3_next": "qwen3_next_tiny",  # gated DeltaNet layers: their state crosses the cp ranks; tp refused  # OLMo 2's refusal of tp; a local layer, YaRN on the global one: trained under cp
+    "olmo3": "olmo3_tiny",  # OLMo 2's refusal of tp; a local layer, YaRN on the global one: trained under cp
+    "qwen3_next": "qwen3_next_tiny",  # gated DeltaNet layers: their state crosses the cp ranks; tp refused
     "smollm3": "smollm3_tiny",  # a NoPE layer
     "transformer_lm": "transformer_lm_gpt2_tiny",
 }

@@ -100,3 +100,19 @@ def test_the_import_logs_flags_that_rebuild_the_model():
     assert "--no-rope-yarn-truncate" in flags
     args, _ = parse_train_args(["data-bin"] + shlex.split(flags))
     assert (args.arch, args.rope_yarn_truncate, args.moe_swiglu_limit) == ("gpt_oss", False, 2.0)
+
+
+def test_the_tensor_parallel_plan_splits_the_sinks_and_q_k_v_biases_with_the_heads():
+    """What toolkit-plan counts 1/M of: each layer's sinks (Shard(0), as q_proj's heads) and q/k/v's weights and
+    biases; o_proj's bias stays whole (added once after the row-parallel reduce), as do the experts (ep's)."""
+    from toolkit.distributed.tensor_parallel import split_parameters
+
+    model = models.build_on_meta("gpt_oss_tiny", 64, tokens_per_sample=16)
+    assert model.tensor_parallel_plan().block["self_attn"] == "attention_sinks"
+    split = split_parameters(model)
+    for i in range(len(model.layers)):
+        attention = f"layers.{i}.self_attn"
+        heads = {f"{attention}.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")}
+        assert {f"{attention}.sinks"} | heads <= split
+        assert f"{attention}.o_proj.weight" in split and f"{attention}.o_proj.bias" not in split
+    assert not any(".mlp." in name for name in split)

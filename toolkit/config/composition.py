@@ -833,13 +833,6 @@ MODEL: Tuple[Condition, ...] = (
         ("--arch", "deepseek_v3_tiny", "--mtp-depth", "1"),
     ),
     _no_split(
-        "attention sinks (--arch gpt_oss)",
-        lambda c: _model(c, "moe_swiglu_limit") is not None,
-        "gpt-oss's attention sinks (one per head) have no tensor-parallel split yet; train it with FSDP, "
-        "--expert-parallel-size and --context-parallel-size (--model-parallel-size 1)",
-        ("--arch", "gpt_oss_tiny"),
-    ),
-    _no_split(
         "gated DeltaNet layers (--linear-num-key-heads)",
         lambda c: _model(c, "linear_num_key_heads") is not None,
         "the gated DeltaNet layers (--arch qwen3_next and its sizes) have no tensor-parallel split yet (in_proj_qkvz "

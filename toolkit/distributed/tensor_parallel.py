@@ -24,6 +24,7 @@ kind                        parameter placement          what a rank computes
 ``replicated_partial``      Replicate (Partial grads)    every position, after the one above
 ``column_on_gathered``      Shard(0)                     its heads, on the gathered positions
 ``head_norm``               Replicate                    its H/M heads (QK-norm per head)
+``attention_sinks``         ``sinks`` [H] Shard(0)       its H/M heads' sink logits
 ``output``                  Shard(0) (or the tied        its V/M logits; the loss is taken
                             embedding)                   with ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
@@ -430,6 +431,26 @@ def _replicated_weights_style():
     return _Style()
 
 
+def _compute_on_local_values(module: nn.Module, grad_placements) -> None:
+    """Around each forward, the module's own DTensor parameters read as their local values (``grad_placements``:
+    the placement their gradient takes, None: the parameter's own), the Parameters put back after; the module's
+    code then computes on plain tensors and needs no change."""
+
+    def local(module, _args):
+        module._tp_parameters = {}
+        for name in [n for n, p in module._parameters.items() if p is not None]:
+            param = module._tp_parameters[name] = module._parameters.pop(name)
+            module.__dict__[name] = param.to_local(grad_placements=grad_placements)
+
+    def restore(module, _args, _output):
+        for name, param in module.__dict__.pop("_tp_parameters", {}).items():
+            module.__dict__.pop(name, None)
+            module._parameters[name] = param
+
+    module.register_forward_pre_hook(local)
+    module.register_forward_hook(restore, always_call=True)
+
+
 def _local_parameters_style(gather_input: Optional[object]):
     """Parameters replicated over the TP ranks, computed on their local values whose gradient is a ``Partial`` sum
     (the module's output feeds this rank's heads only, so its gradient here is this rank's part); with
@@ -446,22 +467,31 @@ def _local_parameters_style(gather_input: Optional[object]):
             x = DTensor.from_local(x, mesh, [gather_input], run_check=False)
         return (x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]), *args[1:])
 
-    def local(module, _args):
-        module._tp_replicated = {}
-        for name in [n for n, p in module._parameters.items() if p is not None]:
-            param = module._tp_replicated[name] = module._parameters.pop(name)
-            module.__dict__[name] = param.to_local(grad_placements=[Partial()])
-
-    def restore(module, _args, _output):
-        for name, param in module.__dict__.pop("_tp_replicated", {}).items():
-            module.__dict__.pop(name, None)
-            module._parameters[name] = param
-
     class _Style(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             distribute_module(module, device_mesh, _replicate_parameters, gathered if gather_input else None)
-            module.register_forward_pre_hook(local)
-            module.register_forward_hook(restore, always_call=True)
+            _compute_on_local_values(module, [Partial()])
+            return module
+
+    return _Style()
+
+
+def _head_vectors_style(names: Tuple[str, ...]):
+    """The module's own parameters ``names``, one value per query head ([H], such as attention sinks), Shard(0)
+    on the TP mesh: rank r holds the values of its heads, the contiguous block of H/M that the column-parallel
+    ``q_proj`` gives it, and the module computes on them as plain tensors (its submodules keep their own kinds);
+    each rank's gradient is its heads' part, Shard(0) as the parameter."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for name in names:
+                param = module._parameters.get(name)
+                if param is not None:
+                    dist = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+                    module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            _compute_on_local_values(module, None)
             return module
 
     return _Style()
@@ -631,6 +661,13 @@ def _head_norm(_ctx: StyleContext):
     from torch.distributed.tensor.parallel import SequenceParallel
 
     return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+@register_tp_style("attention_sinks", sharded=("sinks",))
+def _attention_sinks(_ctx: StyleContext):
+    """The attention module's own ``sinks`` (gpt-oss: one logit per query head in each softmax) split as its query
+    heads; its projections are planned apart (``q_proj`` column, ``o_proj`` row)."""
+    return _head_vectors_style(("sinks",))
 
 
 @register_tp_style("replicated")

@@ -16,6 +16,7 @@ module                      kind (parameter placement)   what a rank computes
 ``gate_proj``, ``up_proj``  column (Shard(0))            its F/M hidden units
 RMSNorms                    norm (Replicate)             its T/M positions (sequence parallel)
 ``q_norm``, ``k_norm``      head_norm (Replicate)        its heads' features (QK-norm per head)
+``self_attn`` (``sinks``)   attention_sinks (Shard(0))   its H/M heads' sink logits (gpt-oss)
 ``output_projection``       output (Shard(0); or the     its V/M logits, the loss taken with
                             tied embedding)              ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
@@ -23,7 +24,10 @@ RMSNorms                    norm (Replicate)             its T/M positions (sequ
 Query head h uses key/value head h // (H/G); with contiguous blocks of H/M query heads and G/M
 key/value heads per rank, every rank holds exactly the key/value heads its query heads read, so
 attention needs no communication. q/k/v are separate parameters (no fused layout to redistribute),
-so the state dict is the plain model's. The rotary tables are replicated buffers; a block takes
+so the state dict is the plain model's. Biases go with their layer's split: q/k/v's with their heads' rows,
+``o_proj``'s whole on every rank, added once to the reduced output (torch's row-parallel split). A per-head
+vector of the attention module itself (gpt-oss's ``sinks`` [H]) is Shard(0) as ``q_proj``'s heads, so each rank's
+softmax rows meet their own heads' sinks. The rotary tables are replicated buffers; a block takes
 (x, cos, sin) and only x is cut over the sequence, as the column-parallel projections gather the
 sequence first. These families have no dropout, so no per-rank random streams are needed.
 """
@@ -73,6 +77,8 @@ def decoder_plan(
     attention = model.layers[0].self_attn
     if getattr(attention, "q_norm", None) is not None and attention.qk_norm_per_head:  # Qwen3, Gemma 3
         block = {**block, "self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
+    if getattr(attention, "sinks", None) is not None:  # gpt-oss: one logit per query head, split with the heads
+        block = {**block, "self_attn": "attention_sinks"}
     return TensorParallelPlan(
         top=top,
         block=dict(block),
