@@ -23,6 +23,7 @@ def prepared(tmp_path_factory):
 LONGEST_FIRST = (
     "test_gpu_sh.py",
     "test_faults.py",
+    "test_llama_onnx.py",
     "test_moe_train.py",
     "test_context_parallel.py",
     "test_fp8.py",

@@ -11,8 +11,8 @@ transformers' within 1e-4 in fp32, greedy decoding with the KV cache equals
 ``generate(do_sample=False)``, and ``--format hf`` writes the same class back with the same log-probs;
 ``--format safetensors`` reloads exactly; the command refuses a folder without tokenizer.json in one line;
 text binarized with the imported tokenizer keeps its ids, continues training from the imported
-checkpoint, and the trained model exports back to a folder transformers loads; ``--format onnx
---kv-cache`` writes a cache graph whose logits (a prompt, then a cached step) equal PyTorch's within 1e-4.
+checkpoint, and the trained model exports back to a folder transformers loads. Their ONNX cache graphs are
+tests/integration/test_llama_onnx.py's (the exporter, onnxruntime: the integration tier, as the MoE family's).
 """
 
 from __future__ import annotations
@@ -215,47 +215,3 @@ def test_llama_cached_forward_equals_the_full_forward(imported):
             steps.append(out[0])
     assert out[1].shape == (2, kv_heads(model.cfg), tokens.size(1), head_dim(model.cfg))
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-4  # fp32, another summation order
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral_window", "qwen3_window", "olmo2", "gemma3"])
-def test_onnx_export_with_kv_cache_matches_pytorch(tmp_path, kind):
-    """--format onnx --kv-cache of an imported Llama (GQA, Llama 3 RoPE scaling) or Qwen2 (one key/value head,
-    q/k/v biases, tied): the checker passes, the cache
-    graph's logits for a prompt and then one cached step equal PyTorch's (1e-4), and greedy decoding through it
-    gives PyTorch's tokens."""
-    pytest.importorskip("onnxruntime")
-    import onnx
-
-    from toolkit.export import onnx_format
-
-    from toolkit.models.llama.config import head_dim, kv_heads
-
-    make_hf(str(tmp_path / "hf"), kind)
-    run_export(ExportConfig(path=str(tmp_path / "hf"), out=str(tmp_path / "ours"), import_from="hf"))
-    ckpt = str(tmp_path / "ours" / "model.pt")
-    out = run_export(ExportConfig(path=ckpt, out=str(tmp_path / "onnx"), format="onnx", kv_cache=True))
-    for name in ("decoder.onnx", "decoder_with_past.onnx"):
-        onnx.checker.check_model(onnx.load(os.path.join(out, name)))
-    model, _, _ = load_model(ckpt, str(tmp_path / "ours"))
-    names = onnx_format.cache_names(len(model.layers), "past")
-    sess = onnx_format.session(os.path.join(out, "decoder_with_past.onnx"))
-    tokens = batch(9)
-    first = sess.run(
-        None,
-        {"tokens": tokens[:, :8].numpy(), **{k: v.numpy() for k, v in zip(names, onnx_format.empty_cache(model, 2))}},
-    )
-    step = sess.run(None, {"tokens": tokens[:, 8:].numpy(), **dict(zip(names, first[1:]))})
-    with torch.no_grad():
-        expected = model(tokens)
-    assert (torch.from_numpy(first[0]) - expected[:, :8]).abs().max().item() < 1e-4
-    assert (torch.from_numpy(step[0]) - expected[:, 8:]).abs().max().item() < 1e-4
-    assert step[1].shape == (2, kv_heads(model.cfg), 9, head_dim(model.cfg))  # [B, G, P + T, D]
-    prompt, steps = tokens[:, :3], 6
-    want = prompt
-    with torch.no_grad():
-        for _ in range(steps):
-            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    got = onnx_format.greedy_decode(
-        sess, len(model.layers), onnx_format.cached_decoder(model).cache_shape, prompt, steps
-    )
-    assert torch.equal(got, want)
