@@ -9,7 +9,7 @@ For each command (train, eval_lm, generate, export) it times ``import toolkit_cl
 interpreter, and ``toolkit-<cmd> --help`` (``python -m toolkit_cli.<cmd> --help``, the whole parse) of
 train, export, plan, hydra-train, eval-harness and consolidate;
 ``import torch`` alone is the floor of a command that runs (``--help`` and argument errors exit before torch
-is imported: tests/unit/test_startup.py). Reports the median wall time of ``--runs``
+is imported: tests/integration/test_startup.py). Reports the median wall time of ``--runs``
 interpreters, the optional packages each import pulled in (DCP, dynamo, DeepSpeed, transformers, ...
 should appear only on the paths that use them), and the load average before and after, since the
 figures move with the machine's load. With ``--baseline DIR`` (another checkout, e.g. ``git archive

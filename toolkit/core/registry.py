@@ -322,7 +322,7 @@ def import_all_components() -> None:
 
 # The built-in components by name: {registry: {name: (module that registers the class, "options module:class")}}.
 # The options modules import no torch, so the command line (every name, the chosen components' options) is
-# built before torch is imported; ``tests/unit/test_startup.py`` checks this table against what the modules
+# built before torch is imported; ``tests/integration/test_startup.py`` checks this table against what the modules
 # register.
 BUILTIN_COMPONENTS: Dict[Registry, Dict[str, Tuple[str, Optional[str]]]] = {
     TASK_REGISTRY: {
