@@ -68,6 +68,32 @@ QWEN3_5_PUBLISHED = {  # arch -> (transformers' class prefix, its text_config's 
         24,
         752_393_024,
     ),
+    "qwen3_5_2b": (
+        "Qwen3_5",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            linear_num_value_heads=16,
+            tie_word_embeddings=True,
+        ),
+        24,
+        1_881_825_088,
+    ),
+    "qwen3_5_4b": (
+        "Qwen3_5",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9216,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_value_heads=32,
+            tie_word_embeddings=True,
+        ),
+        32,
+        4_205_751_296,
+    ),
     "qwen3_5_9b": (
         "Qwen3_5",
         dict(

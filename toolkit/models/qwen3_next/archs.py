@@ -14,6 +14,8 @@ width, E, k and the shared expert's the MoE models'):
 arch               layers  C     H    G    F      E    k   F_e   shared  Hv  tied  total
 =================  ======  ====  ===  ===  =====  ===  ==  ====  ======  ==  ====  ===============
 qwen3_5_0_8b       24      1024  8    2    3584   -    -   -     -       16  yes   752,393,024
+qwen3_5_2b         24      2048  8    2    6144   -    -   -     -       16  yes   1,881,825,088
+qwen3_5_4b         32      2560  16   4    9216   -    -   -     -       32  yes   4,205,751,296
 qwen3_5_9b         32      4096  16   4    12288  -    -   -     -       32  no    8,953,803,264
 qwen3_5_27b        64      5120  24   4    17408  -    -   -     -       48  no    26,895,998,464
 qwen3_5_35b_a3b    40      2048  16   2    -      256  8   512   512     32  no    34,660,610,688
@@ -38,6 +40,8 @@ from toolkit.models.qwen3_next.config import Qwen3NextConfig
 
 QWEN3_5_SIZES = (
     "qwen3_5_0_8b",
+    "qwen3_5_2b",
+    "qwen3_5_4b",
     "qwen3_5_9b",
     "qwen3_5_27b",
     "qwen3_5_35b_a3b",
@@ -134,6 +138,20 @@ def _qwen3_5_moe(cfg: Qwen3NextConfig, layers: int, dim: int, heads: int, expert
 def qwen3_5_0_8b(cfg: Qwen3NextConfig) -> None:
     """Qwen3.5-0.8B: 24 layers of 1024, a SwiGLU of 3584, 16 value heads, tied embeddings."""
     _qwen3_5_dense(cfg, layers=24, dim=1024, ffn=3584, heads=8, kv=2, value_heads=16)
+    cfg.share_decoder_input_output_embed = True
+
+
+@register_model_architecture("qwen3_next", "qwen3_5_2b")
+def qwen3_5_2b(cfg: Qwen3NextConfig) -> None:
+    """Qwen3.5-2B: 24 layers of 2048, a SwiGLU of 6144, 16 value heads, tied embeddings."""
+    _qwen3_5_dense(cfg, layers=24, dim=2048, ffn=6144, heads=8, kv=2, value_heads=16)
+    cfg.share_decoder_input_output_embed = True
+
+
+@register_model_architecture("qwen3_next", "qwen3_5_4b")
+def qwen3_5_4b(cfg: Qwen3NextConfig) -> None:
+    """Qwen3.5-4B: 32 layers of 2560, a SwiGLU of 9216, 16 query heads on 4, 32 value heads, tied embeddings."""
+    _qwen3_5_dense(cfg, layers=32, dim=2560, ffn=9216, heads=16, kv=4, value_heads=32)
     cfg.share_decoder_input_output_embed = True
 
 
