@@ -490,13 +490,6 @@ PP_UNTESTED = (
 for _other, _flag, _why, _fix in (
     ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
     (
-        "TP",
-        "--model-parallel-size > 1",
-        "the tensor-parallel plan splits the embeddings, the final norm and the head by name, which only the first "
-        "and the last stage hold, and the stages would send sequence-split DTensors between them",
-        "drop --model-parallel-size",
-    ),
-    (
         "CP",
         "--context-parallel-size > 1",
         "the stages run the decoder's blocks without the context shard, so each rank would attend within its chunk",
@@ -546,7 +539,10 @@ for _other, _flag, _why, _fix in (
     ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
 ):
     _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
-_PAIRS[("SP", "PP")] = _PAIRS[("TP", "PP")]
+_PAIRS[("TP", "PP")] = Tested(
+    PIPELINE, "case pp2_tp2: 4 ranks, each stage split over its 2 tp ranks, the head vocabulary-parallel"
+)
+_PAIRS[("SP", "PP")] = Tested(PIPELINE, "case pp2_tp2: sequence parallel (the default), T/2 positions between stages")
 _PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
@@ -686,7 +682,8 @@ SETTINGS: Tuple[Condition, ...] = (
         lambda c, _cls: (
             _size(c, "pipeline_parallel_size") > 1
             and c.distributed.ddp_backend != "fully_sharded"
-            and c.distributed.distributed_world_size > _size(c, "pipeline_parallel_size")
+            and c.distributed.distributed_world_size
+            > _size(c, "pipeline_parallel_size") * _size(c, "model_parallel_size")  # the stages' tp ranks: no data
         ),
         "--pipeline-parallel-size with data-parallel ranks: DDP's wrapper runs the whole model's forward, which a "
         "stage does not; use --ddp-backend fully_sharded (FSDP2 over each stage's data ranks)",

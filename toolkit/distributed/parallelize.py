@@ -155,7 +155,10 @@ def _tensor_parallel(model: torch.nn.Module, cfg: DistributedConfig, dims: Paral
     from toolkit.distributed import tensor_parallel as tp
 
     sequence_parallel = not cfg.no_sequence_parallel
-    tp.apply_tensor_parallel(model, dims.mesh(TP), sequence_parallel=sequence_parallel, loss_parallel=True)
+    pad = dims.shape.pp == 1  # a pipeline pads its batches to a multiple of the tp size itself (pipeline.py)
+    tp.apply_tensor_parallel(
+        model, dims.mesh(TP), sequence_parallel=sequence_parallel, loss_parallel=True, pad_sequence=pad
+    )
     if sequence_parallel:
         route_over_sequence_slices(model, dims.group(TP))
     if cfg.fp8:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from toolkit.core.errors import UserError
+from toolkit.distributed.tensor_parallel import loss_context
 
 # name: (torch's class, virtual stages per rank, placement of a rank's stages)
 SCHEDULES: Dict[str, Tuple[str, int, str]] = {
@@ -125,9 +126,9 @@ def check_pipelinable(model: nn.Module) -> None:
         )
 
 
-def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int) -> None:
+def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, sequence_shards: int = 1) -> None:
     """Keep on ``model`` (on the meta device) only what ``specs`` run; its forward becomes a stage's
-    (``model(x, spec)``). The FLOPs it reports stay the whole model's, divided over the ``pp`` ranks; its plan (FSDP2's
+    (``model(x, spec)``; ``sequence_shards``: the tp ranks the hidden states between stages are cut over). The FLOPs it reports stay the whole model's, divided over the ``pp`` ranks; its plan (FSDP2's
     units) and its names and shapes (``whole_model_shapes``, what a checkpoint is checked against) the whole model's."""
     whole_matmul = model.num_matmul_parameters()
     flops = type(model).flops_per_token
@@ -145,18 +146,21 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int) -> No
     if not any(spec.last for spec in specs):
         model.norm = None
         model.output_projection = None
-    model.forward = functools.partial(_stage_forward, model)
+    model.forward = functools.partial(_stage_forward, model, sequence_shards=sequence_shards)
 
 
-def _stage_forward(model: nn.Module, x: torch.Tensor, spec: StageSpec) -> torch.Tensor:
+def _stage_forward(model: nn.Module, x: torch.Tensor, spec: StageSpec, sequence_shards: int = 1) -> torch.Tensor:
     """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache, documents or cp):
-    tokens in on the first stage, logits out of the last, the hidden states [B, T, C] between."""
+    tokens in on the first stage, logits out of the last, the hidden states [B, T, C] between; under sequence
+    parallelism (``sequence_shards`` tp ranks) this tp rank's [B, T/M, C] of them, as the blocks of one stage pass
+    them on (torchtitan's stages send the same), so a later stage's blocks see every position's mask and rotary
+    rows, T = M times what arrives."""
     from toolkit.models.common.attention import attention_mask
     from toolkit.models.common.options import head_dim, layer_windows
 
     if spec.first:
         x = model.embed(x)
-    T = x.size(1)
+    T = x.size(1) * (1 if spec.first else sequence_shards)
     windows = layer_windows(model.cfg)
     masks: Dict[Any, Any] = {}
     for i in spec.layers:
@@ -237,7 +241,8 @@ class Pipeline:
     def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The batch padded (rows of padding, padding at the ends of the rows: targets the loss ignores, positions
         a causal attention reads after every real one) to the shape every data rank of the stage runs: the largest
-        of theirs, its rows a multiple of the micro-batches. So the micro-batches are equal (torch's stages keep
+        of theirs, its rows a multiple of the micro-batches and its length a multiple of the tp size (sequence
+        parallelism cuts the positions into equal parts). So the micro-batches are equal (torch's stages keep
         one receive buffer per micro-batch) and the data ranks build their schedules, whose first step runs the
         forward over FSDP2's collectives, at the same steps."""
         shape = torch.tensor(tokens.shape, dtype=torch.long)
@@ -246,7 +251,8 @@ class Pipeline:
 
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.dims.group(*DP_AXES))
         rows = -(-int(shape[0]) // self.microbatches) * self.microbatches
-        grow = (0, int(shape[1]) - tokens.size(1), 0, rows - tokens.size(0))
+        length = -(-int(shape[1]) // self.dims.shape.tp) * self.dims.shape.tp
+        grow = (0, length - tokens.size(1), 0, rows - tokens.size(0))
         if any(grow):
             tokens = torch.nn.functional.pad(tokens, grow, value=pad)
             target = torch.nn.functional.pad(target, grow, value=pad)
@@ -259,10 +265,11 @@ class Pipeline:
         losses: List[torch.Tensor] = []
         args = (tokens,) if self.is_first else ()
         kwargs = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
-        if train:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        else:
-            schedule.eval(*args, **kwargs)
+        with loss_context(self.dims.shape.tp > 1):  # the last stage's logits are vocabulary-sharded under tp
+            if train:
+                schedule.step(*args, return_outputs=False, **kwargs)
+            else:
+                schedule.eval(*args, **kwargs)
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -331,5 +338,6 @@ def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
     pp = dims.shape.pp
     pp_rank = dims.shape.coordinates(dims.rank)["pp"]
     specs = stage_specs(len(model.layers), pp, pp_rank, cfg.pipeline_schedule, cfg.pipeline_balance)
-    prune_to_stages(model, specs, pp)
+    sequence_parallel = dims.shape.tp > 1 and not cfg.no_sequence_parallel
+    prune_to_stages(model, specs, pp, sequence_shards=dims.shape.tp if sequence_parallel else 1)
     return specs

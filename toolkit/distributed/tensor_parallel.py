@@ -791,8 +791,17 @@ def _fork_dropout_streams(
         fork_rng_per_tp_rank(block.get_submodule(start), tp_rank, device, end=block.get_submodule(end))
 
 
+def _present(model: nn.Module, path: str) -> bool:
+    """``path`` names a module ``model`` holds: a pipeline stage keeps only its own (another stage's embeddings,
+    final norm, head and blocks are None)."""
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh, sequence_parallel: bool = True, loss_parallel: bool = True
+    model: nn.Module, tp_mesh, sequence_parallel: bool = True, loss_parallel: bool = True, pad_sequence: bool = True
 ) -> nn.Module:
     """Shard ``model`` (on the meta device or materialized) over ``tp_mesh`` by its ``tensor_parallel_plan()``.
 
@@ -800,6 +809,10 @@ def apply_tensor_parallel(
     ``loss_parallel`` the model returns vocabulary-sharded logits (a DTensor, ``Shard(2)``)
     and forward/backward of the loss must run under :func:`loss_context`; otherwise
     the logits are gathered into a plain [B, T, V] tensor.
+
+    A pipeline stage (``toolkit.distributed.pipeline``) is split the same way, module by module, over the modules
+    it holds; its tokens are padded to a multiple of the tp size before the schedule cuts them into micro-batches
+    (``pad_sequence=False``: its later stages take hidden states, not tokens).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -815,15 +828,17 @@ def apply_tensor_parallel(
         if tp_mesh.device_type == "cuda"
         else torch.device(tp_mesh.device_type)
     )
+    top = {path: kind for path, kind in plan.top.items() if _present(model, path)}
     parallelize_module(
-        model, tp_mesh, _styles(plan.top, StyleContext(sequence_parallel, plan.block_inputs), owner), src_data_rank=None
+        model, tp_mesh, _styles(top, StyleContext(sequence_parallel, plan.block_inputs), owner), src_data_rank=None
     )
-    if sequence_parallel:
+    if sequence_parallel and pad_sequence:
         _pad_sequence_hooks(model, M, plan.padding_idx)
-    for block in model.layers:
+    for block in [block for block in model.layers if block is not None]:
         parallelize_module(block, tp_mesh, block_plan(plan, sequence_parallel), src_data_rank=None)
         _fork_dropout_streams(plan, block, tp_rank, device, sequence_parallel)
-    model.get_submodule(plan.hidden).register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
+    if _present(model, plan.hidden):
+        model.get_submodule(plan.hidden).register_forward_hook(_replicate_hidden_hook(tp_mesh, sequence_parallel))
     if not loss_parallel:
         model.register_forward_hook(_gather_logits_hook)
     _check_every_parameter_split(model, M, tuple(plan.experts))
