@@ -8,8 +8,9 @@ schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x p
 ranks) and 2 ranks pp 2 in bf16 (interleaved_1f1b) log one process's losses and gradient norms with ``--update-freq
 2`` (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards;
 the dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
-Its sharded checkpoint consolidates to one process's file and resumes in one process, and one process's file
-resumes at pp 2, each continuing as the uninterrupted run.
+4 ranks pp 2 x tp 2 (each stage split over its tp ranks, sequence parallel, the head vocabulary-parallel) log the
+same, validation included. Their sharded checkpoints consolidate to one process's file and resume in one process,
+and one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -145,7 +146,13 @@ CASES = {  # name: (flags of the pipelined run, its precision); dp2_pp2_fsdp val
         "fp32",
     ),
     "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b", *QUIET], "bf16"),
+    "pp2_tp2": (  # each stage split over its 2 tp ranks, sequence parallel: T/2 positions between the stages
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--model-parallel-size", "2"]
+        + ["--update-freq", "2", "--use-sharded-state"],
+        "fp32",
+    ),
 }
+VALIDATED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases without --disable-validation
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -155,7 +162,7 @@ def test_pipelined_run_logs_one_process_losses(runs, case):
     got = _train(runs, case, *flags)
     assert any(norm > 1.0 for key, (_, norm) in want.items() if key != "valid")  # the clip acts
     _assert_close(got, want, tolerance, range(1, UPDATES + 1))
-    if case == "dp2_pp2_fsdp":
+    if case in VALIDATED:
         assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)
 
 
@@ -167,23 +174,27 @@ def _resumed(runs, name, checkpoint, *flags):
     return _train(runs, name, "--update-freq", "2", *QUIET, *flags)
 
 
-def test_pipelined_checkpoints_are_one_process_checkpoints(runs):
-    """The dp 2 x pp 2 run's sharded save at update 2 consolidates to one process's file (names, parameter groups,
-    values) and resumes in one process; one process's file resumes at pp 2: update 3 as the uninterrupted one."""
+@pytest.mark.parametrize("case", VALIDATED)
+def test_pipelined_checkpoints_are_one_process_checkpoints(runs, case):
+    """A pipelined run's sharded save at update 2 (dp 2 x pp 2, pp 2 x tp 2) consolidates to one process's file
+    (names, parameter groups, values) and resumes in one process; one process's file resumes at pp 2: update 3 as
+    the uninterrupted one."""
     from toolkit.checkpoint.sharded import consolidate
 
     want = _one_process(runs, "fp32")
-    if not (runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2").exists():
-        test_pipelined_run_logs_one_process_losses(runs, "dp2_pp2_fsdp")
+    if not (runs["root"] / case / "checkpoint_1_2").exists():
+        test_pipelined_run_logs_one_process_losses(runs, case)
     reference = torch.load(runs["root"] / "one_fp32" / "checkpoint_1_2.pt", weights_only=True)
-    consolidate(str(runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2"), str(runs["root"] / "merged.pt"))
-    merged = torch.load(runs["root"] / "merged.pt", weights_only=True)
-    assert list(merged["model"]) == list(reference["model"])
+    consolidate(str(runs["root"] / case / "checkpoint_1_2"), str(runs["root"] / f"{case}.pt"))
+    merged = torch.load(runs["root"] / f"{case}.pt", weights_only=True)
+    names = list if case == "dp2_pp2_fsdp" else sorted  # DCP lists tp-replicated tensors last, as for tp alone
+    assert names(merged["model"]) == names(reference["model"])
     torch.testing.assert_close(merged["model"], reference["model"], rtol=1e-4, atol=1e-5)
     ours, theirs = merged["last_optimizer_state"], reference["last_optimizer_state"]
     assert ours["param_groups"] == theirs["param_groups"]
     torch.testing.assert_close(ours["state"], theirs["state"], rtol=1e-3, atol=1e-6)
-    one = _resumed(runs, "resume_one", runs["root"] / "dp2_pp2_fsdp" / "checkpoint_1_2")
-    pipelined = _resumed(runs, "resume_pp2", runs["root"] / "one_fp32" / "checkpoint_1_2.pt", *PP2[:4])
-    for got in (one, pipelined):
+    resumed = [_resumed(runs, f"resume_one_{case}", runs["root"] / case / "checkpoint_1_2")]
+    if case == "dp2_pp2_fsdp":
+        resumed.append(_resumed(runs, "resume_pp2", runs["root"] / "one_fp32" / "checkpoint_1_2.pt", *PP2[:4]))
+    for got in resumed:
         _assert_close(got, want, 1e-3, [UPDATES])
