@@ -8,8 +8,8 @@ schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x p
 ranks) and 2 ranks pp 2 in bf16 (interleaved_1f1b) log one process's losses and gradient norms with ``--update-freq
 2`` (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards;
 the dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
-4 ranks pp 2 x tp 2 (each stage split over its tp ranks, sequence parallel, the head vocabulary-parallel) log the
-same, validation included. Their sharded checkpoints consolidate to one process's file and resume in one process,
+4 ranks pp 2 x tp 2 (each stage split over its tp ranks, sequence parallel, the head vocabulary-parallel) and pp 2 x
+cp 2 (each stage's sequences cut over its cp ranks) log the same, validation included. Their sharded checkpoints consolidate to one process's file and resume in one process,
 and one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 
@@ -138,7 +138,7 @@ def _one_process(runs, precision):
 PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2)}  # flags, relative tolerance
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
-CASES = {  # name: (flags of the pipelined run, its precision); dp2_pp2_fsdp validates (22 rows over 2 data ranks)
+CASES = {  # name: (flags of the pipelined run, its precision); the cases without QUIET validate
     "pp2": (PP2 + ["--checkpoint-activations", *QUIET], "fp32"),
     "dp2_pp2_fsdp": (
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
@@ -151,8 +151,13 @@ CASES = {  # name: (flags of the pipelined run, its precision); dp2_pp2_fsdp val
         + ["--update-freq", "2", "--use-sharded-state"],
         "fp32",
     ),
+    "pp2_cp2": (  # each stage's sequences cut over its 2 cp ranks (FSDP2 over them): the chunks between the stages
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--context-parallel-size", "2"]
+        + ["--ddp-backend", "fully_sharded", "--update-freq", "2"],
+        "fp32",
+    ),
 }
-VALIDATED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases without --disable-validation
+SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -162,7 +167,7 @@ def test_pipelined_run_logs_one_process_losses(runs, case):
     got = _train(runs, case, *flags)
     assert any(norm > 1.0 for key, (_, norm) in want.items() if key != "valid")  # the clip acts
     _assert_close(got, want, tolerance, range(1, UPDATES + 1))
-    if case in VALIDATED:
+    if QUIET[0] not in flags:
         assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)
 
 
@@ -174,7 +179,7 @@ def _resumed(runs, name, checkpoint, *flags):
     return _train(runs, name, "--update-freq", "2", *QUIET, *flags)
 
 
-@pytest.mark.parametrize("case", VALIDATED)
+@pytest.mark.parametrize("case", SHARDED)
 def test_pipelined_checkpoints_are_one_process_checkpoints(runs, case):
     """A pipelined run's sharded save at update 2 (dp 2 x pp 2, pp 2 x tp 2) consolidates to one process's file
     (names, parameter groups, values) and resumes in one process; one process's file resumes at pp 2: update 3 as

@@ -490,12 +490,6 @@ PP_UNTESTED = (
 for _other, _flag, _why, _fix in (
     ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
     (
-        "CP",
-        "--context-parallel-size > 1",
-        "the stages run the decoder's blocks without the context shard, so each rank would attend within its chunk",
-        "drop --context-parallel-size",
-    ),
-    (
         "EP",
         "--expert-parallel-size > 1",
         "the MoE routers' auxiliary losses would have to flow through the schedule beside the activations",
@@ -541,6 +535,9 @@ for _other, _flag, _why, _fix in (
     _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
 _PAIRS[("TP", "PP")] = Tested(
     PIPELINE, "case pp2_tp2: 4 ranks, each stage split over its 2 tp ranks, the head vocabulary-parallel"
+)
+_PAIRS[("CP", "PP")] = Tested(
+    PIPELINE, "case pp2_cp2: 4 ranks, each stage's sequences cut over its 2 cp ranks, FSDP2 over them"
 )
 _PAIRS[("SP", "PP")] = Tested(PIPELINE, "case pp2_tp2: sequence parallel (the default), T/2 positions between stages")
 _PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload

@@ -149,12 +149,16 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, seque
     model.forward = functools.partial(_stage_forward, model, sequence_shards=sequence_shards)
 
 
-def _stage_forward(model: nn.Module, x: torch.Tensor, spec: StageSpec, sequence_shards: int = 1) -> torch.Tensor:
-    """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache, documents or cp):
+def _stage_forward(
+    model: nn.Module, x: torch.Tensor, spec: StageSpec, sequence_shards: int = 1, context_parallel: Any = None
+) -> torch.Tensor:
+    """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache or documents):
     tokens in on the first stage, logits out of the last, the hidden states [B, T, C] between; under sequence
     parallelism (``sequence_shards`` tp ranks) this tp rank's [B, T/M, C] of them, as the blocks of one stage pass
     them on (torchtitan's stages send the same), so a later stage's blocks see every position's mask and rotary
-    rows, T = M times what arrives."""
+    rows, T = M times what arrives. ``context_parallel``: this cp rank's chunks of the sequences (a
+    ``ContextShard``, the same for every row and micro-batch), whose positions rotate and whose layout the
+    attention gathers the keys through, instead of a mask."""
     from toolkit.models.common.attention import attention_mask
     from toolkit.models.common.options import head_dim, layer_windows
 
@@ -165,10 +169,13 @@ def _stage_forward(model: nn.Module, x: torch.Tensor, spec: StageSpec, sequence_
     masks: Dict[Any, Any] = {}
     for i in spec.layers:
         window = windows[i]
-        if window not in masks:
+        if window not in masks and context_parallel is None:
             masks[window] = attention_mask(None, T, x.device, window=window, head_dim=head_dim(model.cfg))
-        cos, sin = model.rope_rows(window, 0, T)
-        x = model.layers[i](x, cos, sin, attn_mask=masks[window], context_parallel=None)
+        if context_parallel is None:
+            cos, sin = model.rope_rows(window, 0, T)
+        else:
+            cos, sin = (table[context_parallel.query_index] for table in model.rope_table(window))
+        x = model.layers[i](x, cos, sin, attn_mask=masks.get(window), context_parallel=context_parallel)
     return model.output(x) if spec.last else x
 
 
@@ -177,10 +184,11 @@ class StageModule(nn.Module):
     registered here too (``parameters()`` are the stage's: the zero-bubble schedules' weight gradients), the model
     itself is not (its other stage's parameters are not this stage's)."""
 
-    def __init__(self, model: nn.Module, spec: StageSpec):
+    def __init__(self, model: nn.Module, spec: StageSpec, context: Dict[str, Any]):
         super().__init__()
         object.__setattr__(self, "rank_model", model)
         self.spec = spec
+        self.context = context  # the batch's inputs every stage reads beside the activations (Pipeline._run)
         parts = [model.layers[i] for i in spec.layers]
         if spec.first:
             parts.insert(0, model.embed_tokens)
@@ -189,7 +197,7 @@ class StageModule(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rank_model(x, self.spec)
+        return self.rank_model(x, self.spec, **self.context)
 
 
 class Pipeline:
@@ -206,6 +214,7 @@ class Pipeline:
         self.is_last = any(spec.last for spec in specs)
         self._schedules: Dict[Tuple[int, ...], Any] = {}
         self._loss_fn: Optional[LossFn] = None
+        self._context: Dict[str, Any] = {"context_parallel": None}  # the batch's, for every stage (StageModule)
 
     def _schedule(self, shape: Tuple[int, ...], device: torch.device) -> Any:
         if shape in self._schedules:
@@ -214,7 +223,11 @@ class Pipeline:
 
         stages = [
             pipelining.PipelineStage(
-                StageModule(self.model, spec), spec.index, self.pp * len(self.specs), device, group=self.group
+                StageModule(self.model, spec, self._context),
+                spec.index,
+                self.pp * len(self.specs),
+                device,
+                group=self.group,
             )
             for spec in self.specs
         ]
@@ -228,21 +241,27 @@ class Pipeline:
         """The schedule's loss of one micro-batch: the caller's (its summed loss), set for the batch being run."""
         return self._loss_fn(output, target)
 
-    def step(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
-        """Forward and backward of one batch (``pad``: the padding index) through the schedule; the summed loss on
-        the last stage, else None."""
-        return self._run(tokens, target, loss_fn, train=True, pad=pad)
+    def step(
+        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int, context_parallel: Any = None
+    ) -> Optional[torch.Tensor]:
+        """Forward and backward of one batch (``pad``: the padding index; ``context_parallel``: the ContextShard of
+        this cp rank's columns, which ``tokens`` and ``target`` are) through the schedule; the summed loss on the
+        last stage, else None."""
+        return self._run(tokens, target, loss_fn, train=True, pad=pad, context_parallel=context_parallel)
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int) -> Optional[torch.Tensor]:
+    def evaluate(
+        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int, context_parallel: Any = None
+    ) -> Optional[torch.Tensor]:
         """Forward only (validation): the summed loss on the last stage, else None."""
-        return self._run(tokens, target, loss_fn, train=False, pad=pad)
+        return self._run(tokens, target, loss_fn, train=False, pad=pad, context_parallel=context_parallel)
 
     def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The batch padded (rows of padding, padding at the ends of the rows: targets the loss ignores, positions
         a causal attention reads after every real one) to the shape every data rank of the stage runs: the largest
         of theirs, its rows a multiple of the micro-batches and its length a multiple of the tp size (sequence
-        parallelism cuts the positions into equal parts). So the micro-batches are equal (torch's stages keep
+        parallelism cuts the positions into equal parts); under context parallelism the rows only (the columns are
+        this cp rank's chunks of a layout made for their length). So the micro-batches are equal (torch's stages keep
         one receive buffer per micro-batch) and the data ranks build their schedules, whose first step runs the
         forward over FSDP2's collectives, at the same steps."""
         shape = torch.tensor(tokens.shape, dtype=torch.long)
@@ -252,13 +271,16 @@ class Pipeline:
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.dims.group(*DP_AXES))
         rows = -(-int(shape[0]) // self.microbatches) * self.microbatches
         length = -(-int(shape[1]) // self.dims.shape.tp) * self.dims.shape.tp
+        if self._context["context_parallel"] is not None:
+            length = tokens.size(1)
         grow = (0, length - tokens.size(1), 0, rows - tokens.size(0))
         if any(grow):
             tokens = torch.nn.functional.pad(tokens, grow, value=pad)
             target = torch.nn.functional.pad(target, grow, value=pad)
         return tokens, target
 
-    def _run(self, tokens, target, loss_fn, train: bool, pad: int) -> Optional[torch.Tensor]:
+    def _run(self, tokens, target, loss_fn, train: bool, pad: int, context_parallel: Any) -> Optional[torch.Tensor]:
+        self._context["context_parallel"] = context_parallel
         tokens, target = self._padded(tokens, target, pad)
         schedule = self._schedule(tuple(tokens.shape), tokens.device)
         self._loss_fn = loss_fn

@@ -292,7 +292,7 @@ class Trainer:
         (every stage normalizes its gradients by the same token count)."""
         totals: Dict[str, Any] = {}
         for i, sample in enumerate(samples):
-            sample = move_to_device(sample, self.device)
+            sample = self.strategy.shard_sample(move_to_device(sample, self.device), self.task.dictionary.pad())
             with self.strategy.grad_sync(self.model, enabled=i == len(samples) - 1), self._autocast():
                 logging_output = self._pipeline_pass(sample, train=True)
             for k, v in logging_output.items():
@@ -311,7 +311,8 @@ class Trainer:
             return self.criterion.compute_loss(logits, target) * dummy
 
         run = pipeline.step if train else pipeline.evaluate
-        loss = run(sample["net_input"]["src_tokens"], sample["target"], loss_fn, self.task.dictionary.pad())
+        net_input, pad = sample["net_input"], self.task.dictionary.pad()
+        loss = run(net_input["src_tokens"], sample["target"], loss_fn, pad, net_input.get("context_parallel"))
         if loss is None:
             return {}
         _, sample_size, logging_output = self.criterion.with_counts(loss, sample)
