@@ -9,6 +9,13 @@ value; the rest of the parallelize sequence (TP, activation checkpointing, compi
 ranks) then wraps what is left. A stage is a thin module over that model (:class:`StageModule`): its forward calls
 the model (so FSDP2's hooks on the model run) with the stage's layers.
 
+Inside a stage: tensor parallelism splits the modules the stage holds by the family's plan (the embeddings, final
+norm and head of another stage are absent and skipped), the last stage's head vocabulary-parallel and its loss taken
+under ``loss_parallel``; under sequence parallelism the stages send each other a tp rank's T/M positions of the hidden
+states (torchtitan's choice: no gather at a stage boundary), the batch padded here to a multiple of the tp size.
+Context parallelism: the trainer cuts each sample into this cp rank's chunks before the schedule, and every stage
+rotates their positions and gathers the keys through the sample's ``ContextShard`` (``Pipeline._context``).
+
 Schedules and the stages a rank holds (``SCHEDULES``): ``gpipe`` and ``1f1b`` one stage per rank;
 ``interleaved_1f1b`` and ``zero_bubble`` (torch's interleaved zero-bubble) two, rank r holding stages r and r + P
 (loop); ``dualpipev`` two, rank r holding r and 2P - 1 - r (V: the first and the last stage on rank 0).
