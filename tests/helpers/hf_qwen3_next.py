@@ -1,5 +1,6 @@
 """A random tiny Hugging Face ``Qwen3NextForCausalLM`` folder saved by transformers with a word-level tokenizer
-(``hf_llama``'s), the shapes of ``qwen3_next_tiny`` (or Qwen3.5's text classes of the same shapes): 4 layers (three gated DeltaNet, the last gated full attention
+(``hf_llama``'s), the shapes of ``qwen3_next_tiny`` (or Qwen3.5's text classes of the same shapes, or those as
+the vision-language classes Qwen3.5 is released as, with a one-block vision tower): 4 layers (three gated DeltaNet, the last gated full attention
 with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
 
 The routers are drawn wide (std 1) so that each token's experts are far from ties; the norms' scales, ``dt_bias``
@@ -44,16 +45,41 @@ CLASSES = {  # kind -> (config class, the values it does not take)
 }
 
 
+VISION_LANGUAGE = {  # kind -> (the released vision-language class, its config class, the text model's kind)
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", "qwen3_5"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig", "qwen3_5_moe"),
+}
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+MROPE = dict(mrope_section=[1, 1, 0], mrope_interleaved=True)  # of the 2 rotated frequencies, the second the height's
+
+
+def _vision_language(kind: str, values: dict, ids: dict):
+    """The released layout of the text model ``values``: a tiny vision tower beside it, M-RoPE's sections in its
+    rotary settings; the dense one's embeddings tied at the top level only (its text_config says untied), as
+    transformers ties them."""
+    model_class, config_class, _ = VISION_LANGUAGE[kind]
+    text = dict(values, **ids, pad_token_id=None, rope_parameters={**values["rope_parameters"], **MROPE})
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=VISION, tie_word_embeddings=kind == "qwen3_5_vl"
+    )
+    return getattr(transformers, model_class)(config)
+
+
 def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
-    """A random ``kind`` (Qwen3-Next, Qwen3.5's MoE or dense text model) of the tiny shapes, saved with a tokenizer."""
+    """A random ``kind`` (Qwen3-Next, Qwen3.5's MoE or dense text model, or either as released: ``qwen3_5_vl``,
+    ``qwen3_5_moe_vl``) of the tiny shapes, saved with a tokenizer."""
     torch.manual_seed(0)
     ids = save_tokenizer(folder, "llama" if kind == "qwen3_next" else "qwen")  # AutoTokenizer reads Qwen3.5's as Qwen's
-    config_class, absent = CLASSES[kind]
+    text_kind = VISION_LANGUAGE[kind][2] if kind in VISION_LANGUAGE else kind
+    config_class, absent = CLASSES[text_kind]
     values = {k: v for k, v in {**CONFIG, **overrides}.items() if k not in absent}
-    if kind == "qwen3_5":
+    if text_kind == "qwen3_5":
         values.pop("shared_expert_intermediate_size")
-    config = getattr(transformers, config_class)(**values, **ids, pad_token_id=None)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if kind in VISION_LANGUAGE:
+        hf = _vision_language(kind, values, ids).eval()
+    else:
+        config = getattr(transformers, config_class)(**values, **ids, pad_token_id=None)
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):

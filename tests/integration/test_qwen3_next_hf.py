@@ -5,9 +5,17 @@ and Qwen3_5ForCausalLM (dense MLPs), each saved by transformers with a tokenizer
 model's log-probs equal transformers' within 1e-4 in fp32 on 80 positions (more than one 64-position chunk of the
 delta rule); decoding through the recurrent states (linear layers) and the K/V cache (the full one) gives the full
 forward's log-probs and transformers' greedy tokens; ``--format hf`` writes the same class back, tensor for tensor
-the folder transformers saved, with the same log-probs."""
+the folder transformers saved, with the same log-probs. Qwen3.5 as released (``Qwen3_5ForConditionalGeneration`` and
+its MoE class: the text model under ``text_config`` and ``model.language_model.``, a one-block vision tower,
+M-RoPE's sections; the dense one's embeddings tied at the top level only) imports as its text model (the vision
+tensors left out, one log line): the same log-probs and greedy tokens as the vision-language class given the ids
+alone, and ``--format hf`` writes the text class, tensor for tensor the folder's text model."""
 
 from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
 
 import pytest
 import torch
@@ -24,20 +32,32 @@ from toolkit.models.common.attention import KVCache, RecurrentState  # noqa: E40
 pytestmark = pytest.mark.integration
 
 
-CLASSES = {
+CLASSES = {  # the folder's kind -> the class --format hf writes
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_vl": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_vl": "Qwen3_5MoeForCausalLM",
 }
+DENSE = ("qwen3_5", "qwen3_5_vl")
 
 
 @pytest.fixture(scope="module", params=sorted(CLASSES))
 def imported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf = make_hf_qwen3_next(str(root / "hf"), request.param)
-    run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    log, logger = logging.handlers.BufferingHandler(100), logging.getLogger("toolkit.export.hf_import")
+    level = logger.level
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
+    try:
+        run_export(ExportConfig(path=str(root / "hf"), out=str(root / "ours"), import_from="hf"))
+    finally:
+        logger.removeHandler(log)
+        logger.setLevel(level)
     model, task, args = load_model(str(root / "ours" / "model.pt"), str(root / "ours"))
-    return dict(root=root, hf=hf, model=model, task=task, args=args, kind=request.param)
+    lines = [record.getMessage() for record in log.buffer]
+    return dict(root=root, hf=hf, model=model, task=task, args=args, kind=request.param, log=lines)
 
 
 def batch(n: int = 80) -> torch.Tensor:
@@ -47,7 +67,7 @@ def batch(n: int = 80) -> torch.Tensor:
 def test_imported_options_and_ids(imported):
     model, d = imported["model"], imported["task"].dictionary
     cfg = model.cfg
-    qwen3_5, dense = imported["kind"] != "qwen3_next", imported["kind"] == "qwen3_5"
+    qwen3_5, dense = imported["kind"] != "qwen3_next", imported["kind"] in DENSE
     assert (cfg.full_attention_interval, cfg.partial_rotary_factor, cfg.moe_shared_ffn_embed_dim) == (
         4,
         0.5,
@@ -55,9 +75,18 @@ def test_imported_options_and_ids(imported):
     )
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (2, 4, 8)
     assert (cfg.linear_split_projections, cfg.dense_mlp) == (qwen3_5, dense)
+    assert cfg.share_decoder_input_output_embed == (imported["kind"] == "qwen3_5_vl")  # the top level's, not text's
     assert type(model.layers[0].self_attn).__name__ == "GatedDeltaNet"
     assert type(model.layers[3].self_attn).__name__ == "GatedAttention"
-    assert len(d) == imported["hf"].config.vocab_size and d.eos() == imported["hf"].config.eos_token_id
+    text = imported["hf"].config.get_text_config()
+    assert len(d) == text.vocab_size and d.eos() == text.eos_token_id
+    vision_line = [line for line in imported["log"] if "vision tower" in line]
+    if imported["kind"].endswith("_vl"):
+        vision = sum(name.startswith("model.visual.") for name, _ in imported["hf"].named_parameters())
+        assert len(vision_line) == 1 and f"imported as its text model ({CLASSES[imported['kind']]}" in vision_line[0]
+        assert f"left out the vision tower's {vision} tensors" in vision_line[0]
+    else:
+        assert not vision_line
     tok = transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "ours"))
     ids = tok("w3 w17 w59 w0")["input_ids"]
     assert ids == transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "hf"))("w3 w17 w59 w0")["input_ids"]
@@ -81,9 +110,22 @@ def test_decoding_keeps_recurrent_states_and_equals_the_full_forward_and_transfo
         ]
     torch.testing.assert_close(model.get_normalized_probs(torch.cat(steps, dim=1)), full, rtol=0, atol=1e-4)
     assert [type(c) for c in state["layers"]] == [RecurrentState] * 3 + [KVCache]
+    prompt = torch.tensor([[1, 5, 9, 13, 7, 8]])
     if imported["kind"] == "qwen3_next":  # transformers' generate with the same layers is slow: one class
-        want, got = greedy_pair(model, imported["hf"], torch.tensor([[1, 5, 9, 13, 7, 8]]), 6)
+        want, got = greedy_pair(model, imported["hf"], prompt, 6)
         assert got == want
+    if imported["kind"].endswith("_vl"):  # the vision-language class given the ids alone, greedy by full forwards
+        with torch.no_grad():
+            want = greedy(lambda seq: imported["hf"](seq).logits, prompt, 6)
+            got = greedy(model, prompt, 6)
+        assert got == want
+
+
+def greedy(forward, prompt: torch.Tensor, steps: int) -> list:
+    seq = prompt
+    for _ in range(steps):
+        seq = torch.cat([seq, forward(seq)[:, -1:].argmax(-1)], dim=1)
+    return seq[0, prompt.size(1) :].tolist()
 
 
 def test_export_back_is_the_same_class_tensors_and_log_probs(imported):
@@ -100,6 +142,15 @@ def test_export_back_is_the_same_class_tensors_and_log_probs(imported):
         safe_open(str(imported["root"] / "hf" / "model.safetensors"), "pt") as a,
         safe_open(str(back / "model.safetensors"), "pt") as b,
     ):
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():
-            assert torch.equal(a.get_tensor(name).float(), b.get_tensor(name).float()), name
+        text = {  # the folder's text model under the text class's names
+            name.replace("model.language_model.", "model."): name
+            for name in a.keys()
+            if not name.startswith("model.visual.")
+        }
+        assert set(text) == set(b.keys())
+        for name, theirs in text.items():
+            assert torch.equal(a.get_tensor(theirs).float(), b.get_tensor(name).float()), name
+    if imported["kind"].endswith("_vl"):
+        config = json.loads((back / "config.json").read_text())
+        assert config["rope_parameters"]["mrope_section"] == [1, 1, 0] and "vision_config" not in config
+        assert config["tie_word_embeddings"] == (imported["kind"] == "qwen3_5_vl")

@@ -384,6 +384,8 @@ IMPORTABLE_HF_CLASSES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
     "Glm4MoeForCausalLM",
 )
 
