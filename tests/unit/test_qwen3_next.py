@@ -1,6 +1,7 @@
 """The Qwen3-Next family (``toolkit.models.qwen3_next``): the published size against transformers' own model built
 on the meta device, the layer kinds of ``--full-attention-interval``, a tiny model's documents computed as if each
-were alone (the linear layers' state and the full layer's mask both restart), and its one-line refusals."""
+were alone (the linear layers' state and the full layer's mask both restart), and its one-line refusals; a released
+(vision-language) Qwen3.5 folder's config.json and tensor names read as its text model's."""
 
 from __future__ import annotations
 
@@ -222,3 +223,88 @@ def test_linear_layers_constants_are_not_muon_matrices():
     roles = models.build_on_meta("qwen3_next_tiny", 40).parameter_roles()
     assert {roles[f"layers.0.self_attn.{p}"] for p in ("conv1d.weight", "A_log", "dt_bias")} == {"bias"}
     assert roles["layers.0.self_attn.in_proj_qkvz.weight"] == roles["layers.3.self_attn.q_proj.weight"] == "matrix"
+
+
+RELEASED = dict(  # a released Qwen3.5 config.json's layout: the text model's settings under text_config
+    model_type="qwen3_5",
+    text_config=dict(
+        model_type="qwen3_5_text",
+        eos_token_id=None,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, mrope_section=[11, 11, 10]),
+    ),
+    eos_token_id=7,
+    vision_config=dict(depth=1),
+)
+
+
+@pytest.mark.parametrize(
+    "top, text, tied",
+    [
+        (dict(tie_word_embeddings=True), {}, True),
+        (dict(tie_word_embeddings=False), dict(tie_word_embeddings=True), False),
+        ({}, dict(tie_word_embeddings=True), True),
+        ({}, {}, False),
+    ],
+)
+def test_released_folder_config_is_its_text_models(top, text, tied):
+    """The top level's ``tie_word_embeddings`` decides (as transformers ties the vision-language class), else the
+    text_config's; token ids missing from the text_config are the top level's."""
+    from toolkit.models.qwen3_next.hf import text_model
+
+    config = {**RELEASED, **top, "text_config": {**RELEASED["text_config"], **text}}
+    if not text:
+        del config["text_config"]["tie_word_embeddings"]
+    out = text_model(config, "config.json")
+    assert (out["model_type"], out["tie_word_embeddings"], out["eos_token_id"]) == ("qwen3_5_text", tied, 7)
+    assert "vision_config" not in out and text_model(out, "config.json") is out  # a text config is returned as is
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({**RELEASED, "text_config": None}, "without a text_config"),
+        (
+            {**RELEASED, "text_config": {"rope_parameters": {"mrope_section": [11, "11", 10]}}},
+            "mrope_section",
+        ),
+        ({**RELEASED, "text_config": {"rope_parameters": {"mrope_section": [32]}}}, "mrope_section"),
+    ],
+)
+def test_released_folder_config_refusals_are_one_line(config, key):
+    from toolkit.models.qwen3_next.hf import text_model
+
+    with pytest.raises(UserError, match=key) as e:
+        text_model(config, "config.json")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("keep_mtp", [False, True])
+def test_released_folder_tensors_are_the_text_models(keep_mtp):
+    """The text model's tensors renamed from under ``model.language_model.``, the vision tower's left out, the
+    multi-token prediction layer's kept only for a model that has one."""
+    from toolkit.models.qwen3_next.hf import language_tensors
+
+    one = torch.zeros(1)
+    names = ["model.language_model.layers.0.mlp.gate.weight", "model.visual.blocks.0.attn.qkv.weight"]
+    names += ["lm_head.weight", "mtp.fc.weight"]
+    out = [name for name, _ in language_tensors(((n, one) for n in names), keep_mtp=keep_mtp)]
+    assert out == ["model.layers.0.mlp.gate.weight", "lm_head.weight"] + (["mtp.fc.weight"] if keep_mtp else [])
+
+
+def test_mrope_of_text_positions_is_our_rope():
+    """transformers' Qwen3.5 text rotary (the releases' sections [11, 11, 10] of the 32 rotated frequencies of a
+    256-wide head) gives our tables where a token's temporal, height and width positions are equal (text), and
+    other ones where they are not (the check can fail)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    rope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10])
+    config = transformers.Qwen3_5TextConfig(head_dim=256, max_position_embeddings=32, rope_parameters=rope)
+    theirs = Qwen3_5TextRotaryEmbedding(config)
+    model = tiny(decoder_head_dim=256, partial_rotary_factor=0.25, rope_theta=1e7)
+    positions = torch.arange(32).view(1, 1, 32).expand(3, 1, 32)
+    cos, sin = theirs(torch.zeros(1), positions)
+    torch.testing.assert_close((cos[0], sin[0]), model.rope_rows(None, 0, 32), rtol=0, atol=1e-6)
+    other, _ = theirs(torch.zeros(1), positions * torch.tensor([1, 2, 1]).view(3, 1, 1))  # an image's heights
+    assert not torch.allclose(other[0], cos[0])
