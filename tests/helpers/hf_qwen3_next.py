@@ -1,7 +1,7 @@
 """A random tiny Hugging Face ``Qwen3NextForCausalLM`` folder saved by transformers with a word-level tokenizer
 (``hf_llama``'s), the shapes of ``qwen3_next_tiny`` (or Qwen3.5's text classes of the same shapes, or those as
-the vision-language classes Qwen3.5 is released as, with a one-block vision tower): 4 layers (three gated DeltaNet, the last gated full attention
-with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
+the vision-language classes Qwen3.5 is released as, with a one-block vision tower and the processors' files): 4
+layers (three gated DeltaNet, the last gated full attention with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
 
 The routers are drawn wide (std 1) so that each token's experts are far from ties; the norms' scales, ``dt_bias``
 and the shared expert's gate are drawn too (transformers initializes them to constants), so that a wrong key or a
@@ -9,6 +9,9 @@ and the shared expert's gate are drawn too (transformers initializes them to con
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 import transformers
@@ -65,6 +68,24 @@ def _vision_language(kind: str, values: dict, ids: dict):
     return getattr(transformers, model_class)(config)
 
 
+def save_processor_files(folder: str) -> None:
+    """The image and video processors' settings a released folder ships beside its tokenizer (written as the
+    releases write them: saving transformers' processors needs torchvision), and the tokenizer's processor class."""
+    image = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processors = {
+        "preprocessor_config.json": dict(image, image_processor_type="Qwen2VLImageProcessorFast"),
+        "video_preprocessor_config.json": dict(image, video_processor_type="Qwen3VLVideoProcessor"),
+    }
+    for name, values in processors.items():
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(dict(values, processor_class="Qwen3VLProcessor"), f)
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        tokenizer = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(tokenizer, processor_class="Qwen3VLProcessor"), f)
+
+
 def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
     """A random ``kind`` (Qwen3-Next, Qwen3.5's MoE or dense text model, or either as released: ``qwen3_5_vl``,
     ``qwen3_5_moe_vl``) of the tiny shapes, saved with a tokenizer."""
@@ -77,6 +98,7 @@ def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
         values.pop("shared_expert_intermediate_size")
     if kind in VISION_LANGUAGE:
         hf = _vision_language(kind, values, ids).eval()
+        save_processor_files(folder)
     else:
         config = getattr(transformers, config_class)(**values, **ids, pad_token_id=None)
         hf = transformers.AutoModelForCausalLM.from_config(config).eval()
