@@ -250,7 +250,7 @@ RELEASED = dict(  # a released Qwen3.5 config.json's layout: the text model's se
 def test_released_folder_config_is_its_text_models(top, text, tied):
     """The top level's ``tie_word_embeddings`` decides (as transformers ties the vision-language class), else the
     text_config's; token ids missing from the text_config are the top level's."""
-    from toolkit.models.qwen3_next.hf import text_model
+    from toolkit.models.qwen3_next.hf_vision_language import text_model
 
     config = {**RELEASED, **top, "text_config": {**RELEASED["text_config"], **text}}
     if not text:
@@ -272,7 +272,7 @@ def test_released_folder_config_is_its_text_models(top, text, tied):
     ],
 )
 def test_released_folder_config_refusals_are_one_line(config, key):
-    from toolkit.models.qwen3_next.hf import text_model
+    from toolkit.models.qwen3_next.hf_vision_language import text_model
 
     with pytest.raises(UserError, match=key) as e:
         text_model(config, "config.json")
@@ -283,7 +283,7 @@ def test_released_folder_config_refusals_are_one_line(config, key):
 def test_released_folder_tensors_are_the_text_models(keep_mtp):
     """The text model's tensors renamed from under ``model.language_model.``, the vision tower's left out, the
     multi-token prediction layer's kept only for a model that has one."""
-    from toolkit.models.qwen3_next.hf import language_tensors
+    from toolkit.models.qwen3_next.hf_vision_language import language_tensors
 
     one = torch.zeros(1)
     names = ["model.language_model.layers.0.mlp.gate.weight", "model.visual.blocks.0.attn.qkv.weight"]

@@ -33,7 +33,7 @@ from toolkit.models.common.options import head_dim, kv_heads
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.moe.model import MoELanguageModel, moe_experts
 from toolkit.models.qwen3_next.config import Qwen3NextConfig, check_qwen3_next_shapes, linear_layers
-from toolkit.models.qwen3_next.hf import Qwen3NextAdapter
+from toolkit.models.qwen3_next.hf_vision_language import Qwen3NextReleasedAdapter
 from toolkit.models.qwen3_next.parallel import tensor_parallel_plan
 
 LINEAR_INPUTS = (
@@ -101,7 +101,7 @@ def document_starts(document_ids: Optional[torch.Tensor]) -> Optional[torch.Tens
 class Qwen3NextLanguageModel(MoELanguageModel):
     """The Qwen3-Next decoder behind the toolkit's model interface (see the module docstring)."""
 
-    HF_ADAPTER = Qwen3NextAdapter
+    HF_ADAPTER = Qwen3NextReleasedAdapter
     PLAN = staticmethod(tensor_parallel_plan)
     unit_offset_norms = True
     onnx_cached_decoder = None  # the cached ONNX graph takes key/value heads; the linear layers keep a state
