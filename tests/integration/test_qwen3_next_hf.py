@@ -105,6 +105,7 @@ def test_log_probs_equal_transformers(imported):
 
 
 def greedy(forward, prompt: torch.Tensor, steps: int) -> list:
+    """The ``steps`` tokens argmax picks after ``prompt``, each from a full forward of the sequence so far."""
     seq = prompt
     for _ in range(steps):
         seq = torch.cat([seq, forward(seq)[:, -1:].argmax(-1)], dim=1)
