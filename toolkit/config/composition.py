@@ -805,13 +805,6 @@ MODEL: Tuple[Condition, ...] = (
         ("--adaptive-input", "--adaptive-input-cutoff", "16,32"),
     ),
     _no_split(
-        "--qk-norm-over projection",
-        lambda c: bool(_model(c, "qk_norm")) and _model(c, "qk_norm_over") == "projection",
-        "--qk-norm-over projection (OLMo 2) normalizes q and k over all heads, which a split by "
-        "heads puts on different ranks; train it with FSDP (--model-parallel-size 1)",
-        ("--arch", "olmo2_tiny"),
-    ),
-    _no_split(
         "--qk-norm-full-width",
         lambda c: bool(_model(c, "qk_norm")) and bool(_model(c, "qk_norm_full_width")),
         "--qk-norm-full-width (OLMoE) normalizes q and k over all heads, which a split by heads puts on different "
@@ -827,12 +820,12 @@ MODEL: Tuple[Condition, ...] = (
         ("--arch", "deepseek_v3_tiny", "--mtp-depth", "1"),
     ),
     _no_split(
-        "gated DeltaNet layers (--linear-num-key-heads)",
-        lambda c: _model(c, "linear_num_key_heads") is not None,
-        "the gated DeltaNet layers (--arch qwen3_next and its sizes) have no tensor-parallel split yet (in_proj_qkvz "
-        "interleaves each key head's q, k, v and z); train it with FSDP, --expert-parallel-size and "
-        "--context-parallel-size (--model-parallel-size 1)",
-        ("--arch", "qwen3_next_tiny"),
+        "--linear-split-projections",
+        lambda c: bool(_model(c, "linear_split_projections")),
+        "the gated DeltaNet layers' split projections (--linear-split-projections: Qwen3.5's in_proj_qkv holds all "
+        "of q, then k, then v) have no tensor-parallel split by heads; train them with FSDP, --expert-parallel-size "
+        "and --context-parallel-size (--model-parallel-size 1)",
+        ("--arch", "qwen3_5_moe_tiny"),
     ),
 )
 

@@ -25,6 +25,10 @@ kind                        parameter placement          what a rank computes
 ``column_on_gathered``      Shard(0)                     its heads, on the gathered positions
 ``head_norm``               Replicate                    its H/M heads (QK-norm per head)
 ``attention_sinks``         ``sinks`` [H] Shard(0)       its H/M heads' sink logits
+``projection_norm``         Shard(0) (with the heads)    RMSNorm over all heads, its squares
+                                                         summed over the ranks (OLMo 2)
+``linear_attention_heads``  ``A_log``, ``dt_bias`` [Hv]  its value heads' decays; the
+                            Shard(0); conv taps whole    convolution on its own channels
 ``output``                  Shard(0) (or the tied        its V/M logits; the loss is taken
                             embedding)                   with ``loss_parallel`` (no gather)
 ==========================  ===========================  =====================================
@@ -497,6 +501,78 @@ def _head_vectors_style(names: Tuple[str, ...]):
     return _Style()
 
 
+def _all_reduced_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, differentiable (its backward sums the gradients over the group)."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+
+
+@functools.cache
+def _width_sharded(norm_class: type) -> type:
+    """``norm_class`` (an RMSNorm: ``mean_square`` over the last dim) on this rank's part of that dim."""
+
+    class _WidthSharded(norm_class):
+        def mean_square(self, x32: torch.Tensor) -> torch.Tensor:
+            return _all_reduced_sum(x32.pow(2).sum(-1, keepdim=True), self.tp_group) / self.full_width
+
+    _WidthSharded.__name__ = f"WidthSharded{norm_class.__name__}"
+    return _WidthSharded
+
+
+def _width_sharded_norm_style():
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            module.full_width = module.weight.shape[0]
+            dist = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter("weight", nn.Parameter(dist, requires_grad=module.weight.requires_grad))
+            module.tp_group = device_mesh.get_group()
+            module.__class__ = _width_sharded(type(module))
+            _compute_on_local_values(module, None)
+            return module
+
+    return _Style()
+
+
+def _linear_attention_style():
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def local_taps(module, _args):
+        conv = module.conv1d
+        taps = conv._parameters.pop("weight")
+        conv.__dict__["_tp_weight"] = taps  # beside the module's parameters, not one of them
+        channels = module.tensor_parallel_channels(taps.device_mesh.get_local_rank(), taps.device_mesh.size())
+        conv.__dict__["weight"] = taps.to_local(grad_placements=[Partial()])[channels.to(taps.device)]
+
+    def restore(module, _args, _output):
+        conv = module.conv1d
+        conv.__dict__.pop("weight", None)
+        conv._parameters["weight"] = conv.__dict__.pop("_tp_weight")
+
+    class _Style(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            if not hasattr(module, "tensor_parallel_channels"):
+                return module
+            for name in ("A_log", "dt_bias"):
+                param = module._parameters[name]
+                dist = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            taps = module.conv1d.weight
+            dist = distribute_tensor(taps, device_mesh, [Replicate()], src_data_rank=None)
+            module.conv1d.register_parameter("weight", nn.Parameter(dist, requires_grad=taps.requires_grad))
+            module.register_forward_pre_hook(local_taps)
+            module.register_forward_hook(restore, always_call=True)
+            _compute_on_local_values(module, None)
+            return module
+
+    return _Style()
+
+
 def loss_context(enabled: bool):
     """Around forward *and* backward of the loss when the logits are vocabulary-sharded (torch's ``loss_parallel``)."""
     if not enabled:
@@ -668,6 +744,23 @@ def _attention_sinks(_ctx: StyleContext):
     """The attention module's own ``sinks`` (gpt-oss: one logit per query head in each softmax) split as its query
     heads; its projections are planned apart (``q_proj`` column, ``o_proj`` row)."""
     return _head_vectors_style(("sinks",))
+
+
+@register_tp_style("projection_norm", sharded=("weight",))
+def _projection_norm(_ctx: StyleContext):
+    """An RMSNorm over a whole column-parallel projection's output (OLMo 2's QK-norm over all heads of q or k) on this
+    rank's heads, [B, T, H/M * D]: the weight Shard(0) as the projection's rows, the mean of the squares the sum of
+    every rank's part (one all-reduce of [B, T, 1] per norm, its backward another) over the full width."""
+    return _width_sharded_norm_style()
+
+
+@register_tp_style("linear_attention_heads", sharded=("A_log", "dt_bias"))
+def _linear_attention_heads(_ctx: StyleContext):
+    """A gated DeltaNet layer's own per-value-head vectors (``A_log``, ``dt_bias`` [Hv]) Shard(0) as its
+    column-parallel projections' heads, and its depthwise convolution's taps (a few per channel) whole on every rank,
+    each rank reading the rows of its own channels (the module's ``tensor_parallel_channels``), their gradient a
+    ``Partial`` sum; a module without them (a full-attention layer of the same block plan) is left as it is."""
+    return _linear_attention_style()
 
 
 @register_tp_style("replicated")

@@ -26,9 +26,14 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
 
+    def mean_square(self, x32: torch.Tensor) -> torch.Tensor:
+        """The mean of the squares over the last dim, [..., 1]: a tensor-parallel split of that dim over ranks
+        (``projection_norm`` in ``toolkit.distributed.tensor_parallel``) sums the ranks' parts instead."""
+        return x32.pow(2).mean(-1, keepdim=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = x32 * torch.rsqrt(self.mean_square(x32) + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)

@@ -16,6 +16,8 @@ module                      kind (parameter placement)   what a rank computes
 ``gate_proj``, ``up_proj``  column (Shard(0))            its F/M hidden units
 RMSNorms                    norm (Replicate)             its T/M positions (sequence parallel)
 ``q_norm``, ``k_norm``      head_norm (Replicate)        its heads' features (QK-norm per head)
+``q_norm``, ``k_norm``      projection_norm (Shard(0))   its heads' features, the RMS over all
+(over all heads)                                         heads (OLMo 2: squares all-reduced)
 ``self_attn`` (``sinks``)   attention_sinks (Shard(0))   its H/M heads' sink logits (gpt-oss)
 ``output_projection``       output (Shard(0); or the     its V/M logits, the loss taken with
                             tied embedding)              ``loss_parallel`` (no gather)
@@ -75,8 +77,9 @@ def decoder_plan(
         top["output_projection"] = "output"
     top["layers.0"] = "sequence_split"
     attention = model.layers[0].self_attn
-    if getattr(attention, "q_norm", None) is not None and attention.qk_norm_per_head:  # Qwen3, Gemma 3
-        block = {**block, "self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
+    if getattr(attention, "q_norm", None) is not None:  # per head: Qwen3, Gemma 3; over all heads: OLMo 2
+        norm = "head_norm" if attention.qk_norm_per_head else "projection_norm"
+        block = {**block, "self_attn.q_norm": norm, "self_attn.k_norm": norm}
     if getattr(attention, "sinks", None) is not None:  # gpt-oss: one logit per query head, split with the heads
         block = {**block, "self_attn": "attention_sinks"}
     return TensorParallelPlan(

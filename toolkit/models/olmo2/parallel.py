@@ -12,5 +12,6 @@ BLOCK = {**PROJECTIONS, "post_attention_layernorm": "norm", "post_feedforward_la
 
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
-    """Full-width QK-norm (``--qk-norm-over projection``) under a split is refused by ``toolkit/config/composition.py``."""
+    """QK-norm over the whole projections (``--qk-norm-over projection``) splits as ``projection_norm``: the weight
+    with the heads, the mean of the squares summed over the ranks (``common/parallel.py``)."""
     return decoder_plan(model, BLOCK)

@@ -246,23 +246,36 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: torch.Tensor):
         """x [B, T, C] -> (the convolution's input [B, T, conv_width] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv])."""
-        B, T, _ = x.shape
-        Hk, Dk, Dv, r = self.key_heads, self.key_dim, self.value_dim, self.value_heads // self.key_heads
+        Dk, Dv, r = self.key_dim, self.value_dim, self.value_heads // self.key_heads
         if self.split_projections:
-            z = self.in_proj_z(x).view(B, T, -1, Dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
-        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Dk + 2 * r * Dv)
+            z = self.in_proj_z(x)
+            return self.in_proj_qkv(x), z.view(*z.shape[:2], -1, Dv), self.in_proj_b(x), self.in_proj_a(x)
+        qkvz = self.in_proj_qkvz(x)
+        # x's positions, or all of them under sequence parallelism (the column-parallel projection gathers them);
+        # the key heads' groups, this rank's under a tensor-parallel split
+        B, T, _ = qkvz.shape
+        qkvz = qkvz.view(B, T, -1, 2 * Dk + 2 * r * Dv)
         q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, -1, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return mixed, z.reshape(B, T, -1, Dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
+
+    def tensor_parallel_channels(self, rank: int, ranks: int) -> torch.Tensor:
+        """The convolution's channels (rows of ``conv1d.weight``, q | k | v) of tensor-parallel rank ``rank`` of
+        ``ranks``: those of its contiguous block of key heads and of their value heads, the heads its column-parallel
+        ``in_proj_qkvz`` and ``in_proj_ba`` give it (each key head's group whole in Hugging Face's layout)."""
+        q_width, v_width = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        q_share, v_share = q_width // ranks, v_width // ranks
+        starts = (rank * q_share, q_width + rank * q_share, 2 * q_width + rank * v_share)
+        return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, (q_share, q_share, v_share))])
 
     def rule_inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """The convolution's output [B, T, conv_width] -> q, k [B, T, Hv, Dk] (normalized, repeated per value head),
         v [B, T, Hv, Dv], g, beta [B, T, Hv] (fp32)."""
-        B, T, _ = mixed.shape
-        Hk, Dk, r = self.key_heads, self.key_dim, self.value_heads // self.key_heads
-        q, k, v = mixed.split([Hk * Dk, Hk * Dk, self.value_heads * self.value_dim], dim=-1)
+        B, T, width = mixed.shape
+        Dk, r = self.key_dim, self.value_heads // self.key_heads
+        Hk = width // (2 * Dk + r * self.value_dim)  # this rank's key heads under a tensor-parallel split
+        q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hk * r * self.value_dim], dim=-1)
         q, k = (l2_normalized(t.reshape(B, T, Hk, Dk).float()).repeat_interleave(r, dim=2) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v.reshape(B, T, -1, self.value_dim), g, b.float().sigmoid()

@@ -140,8 +140,9 @@ class GatedAttention(Attention):
         return 2 * heads * head_dim
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, Entries, Any]:
-        B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        projected = self.q_proj(x)
+        B, T, _ = projected.shape  # all positions under sequence parallelism (the column-parallel split gathers)
+        q, gate = projected.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
         q, k = self.rotated(q.reshape(B, T, -1), self.k_proj(x), cos, sin)
         return q, (k, self._heads(self.v_proj(x))), gate.reshape(B, T, -1)
 
