@@ -8,9 +8,9 @@ architecture of the family (``TRAINED``: the one with the most options its split
 per-head QK-norm) that trains on 2 gloo ranks through them for 2 updates against one process: context
 parallelism (``--context-parallel-size 2``) and expert parallelism (``--expert-parallel-size 2``) in one run where
 the family declares both (cp 2 and ep 2 carved from the same 2 ranks, each exchange under the other), tensor
-parallelism (``--model-parallel-size 2``) in another. Every other tiny architecture goes through the resolver for
+parallelism (``--model-parallel-size 2``) in another (once for families with one plan, ``SAME_PLAN``). Every other tiny architecture goes through the resolver for
 each split its family declares: accepted, or refused with ``toolkit/config/composition.py``'s ``MODEL`` reason
-(OLMo 2's and OLMoE's QK-norm over all heads under tensor parallelism), checked in-process.
+(OLMoE's QK-norm over all heads and Qwen3.5's split projections under tensor parallelism), checked in-process.
 
 The optimizer is plain SGD: its update is the gradient times the learning rate, so the weights after 2 updates
 compare the gradients themselves (Adam would turn a gradient's rounding into a learning-rate-sized step and hide a
@@ -50,12 +50,16 @@ TRAINED = {
     "gpt_oss": "gpt_oss_tiny",  # sinks split by heads under tp, a local layer, biased attention and experts
     "llama": "qwen3_tiny",  # GQA, heads of 32 on a width of 64, per-head QK-norm
     "moe": "moe_tiny",  # Qwen3-MoE: per-head QK-norm, GQA
-    "olmo2": "olmo2_tiny",  # its tensor-parallel split is refused (MODEL): trained under cp only
-    "olmo3": "olmo3_tiny",  # OLMo 2's refusal of tp; a local layer, YaRN on the global one: trained under cp
-    "qwen3_next": "qwen3_next_tiny",  # gated DeltaNet layers: their state crosses the cp ranks; tp refused
+    "olmo2": "olmo2_tiny",  # its tensor-parallel split trained as OLMo 3's (SAME_PLAN)
+    "olmo3": "olmo3_tiny",  # QK-norm over all heads under tp, a local layer, YaRN on the global one
+    "qwen3_next": "qwen3_next_tiny",  # gated DeltaNet: its state crosses the cp ranks, its heads the tp ranks
     "smollm3": "smollm3_tiny",  # a NoPE layer
     "transformer_lm": "transformer_lm_gpt2_tiny",
 }
+
+# family: the trained family whose tensor-parallel plan it has (the same function on blocks built alike), whose run
+# trains it (OLMo 3's model is OLMo 2's with other rotary tables)
+SAME_PLAN = {"olmo2": "olmo3"}
 
 
 def declares(model_cls, capability: str) -> bool:
@@ -122,7 +126,7 @@ def trained_runs() -> List[Tuple[str, Tuple[str, ...]]]:
     runs = []
     for name, arch in sorted(TRAINED.items()):
         for group in RUNS_TOGETHER:
-            together = tuple(c for c in group if c in DECLARED[name])
+            together = tuple(c for c in group if c in DECLARED[name] and not (c == "tensor" and name in SAME_PLAN))
             if together and not model_refusal(arch, comparable(arch, together), split_flags(together)):
                 runs.append((arch, together))
     return runs
@@ -137,6 +141,8 @@ def test_every_declared_capability_of_every_family_has_a_trained_run():
         if DECLARED[name]:
             assert TRAINED[name] in archs, f"TRAINED[{name!r}] is not one of its tiny architectures {archs}"
             trained = {c for arch, caps in RUNS if arch == TRAINED[name] for c in caps}
+            if name in SAME_PLAN and FAMILIES[name][0].PLAN is FAMILIES[SAME_PLAN[name]][0].PLAN:
+                trained |= {c for arch, caps in RUNS if arch == TRAINED[SAME_PLAN[name]] for c in caps if c == "tensor"}
             refused = set(DECLARED[name]) - trained
             assert all(model_refusal(TRAINED[name], [], CAPABILITIES[c][1]) for c in refused), (name, refused)
     assert {c for _, caps in RUNS for c in caps} == set(CAPABILITIES), "every capability trains in some family"

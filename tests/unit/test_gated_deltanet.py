@@ -2,7 +2,8 @@
 ``torch_chunk_gated_delta_rule`` and the recurrent form (fp32, 1e-5) from a given state; document starts restart the
 state (each document as if alone); the layer equals transformers' ``Qwen3NextGatedDeltaNet`` and decodes through its
 recurrent state as its full forward; the context-parallel path (chunks run from [0 | I], composed) equals the
-plain forward, with documents, in one process (cp 1's two chunks) and its gradients too."""
+plain forward, with documents, in one process (cp 1's two chunks) and its gradients too; the shares of a
+tensor-parallel split by key heads sum to the layer's output."""
 
 import pytest
 import torch
@@ -114,6 +115,36 @@ def test_context_parallel_path_equals_the_plain_forward(layers, documents):
     (sharded_grad,) = torch.autograd.grad(sharded.square().sum(), x)
     torch.testing.assert_close(sharded, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sharded_grad, plain_grad, rtol=1e-4, atol=1e-4)
+
+
+def tensor_parallel_share(layer: GatedDeltaNet, rank: int, ranks: int) -> GatedDeltaNet:
+    """Rank ``rank``'s share of ``layer`` as ``linear_attention_heads`` and the column/row kinds split it: the rows of
+    its key-head groups in ``in_proj_qkvz`` and ``in_proj_ba`` (Shard(0)), its value heads' ``A_log`` and ``dt_bias``,
+    its convolution channels, the columns of ``out_proj`` (Shard(1)); the gated norm whole."""
+    import copy
+
+    share = copy.deepcopy(layer)
+    rows = {"in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0, "A_log": 0, "dt_bias": 0, "out_proj.weight": 1}
+    with torch.no_grad():
+        for name, dim in rows.items():
+            module, _, leaf = name.rpartition(".")
+            owner = share.get_submodule(module)
+            setattr(owner, leaf, torch.nn.Parameter(owner.get_parameter(leaf).chunk(ranks, dim=dim)[rank].clone()))
+        taps = share.conv1d.weight[layer.tensor_parallel_channels(rank, ranks)]
+        share.conv1d.weight = torch.nn.Parameter(taps.clone())
+    return share
+
+
+def test_tensor_parallel_shares_sum_to_the_layer(layers):
+    """Each rank's whole key-head groups, value heads and convolution channels compute its heads' part of the output;
+    the row-parallel ``out_proj``'s partial sums add up to the layer's output, a document start included."""
+    ours, _ = layers
+    x = hidden(T=16, seed=4)
+    starts = torch.zeros(B, 16, dtype=torch.bool)
+    starts[0, 9] = True
+    with torch.no_grad():
+        parts = [tensor_parallel_share(ours, rank, 2)(x, attn_mask=starts) for rank in range(2)]
+        torch.testing.assert_close(parts[0] + parts[1], ours(x, attn_mask=starts), rtol=1e-5, atol=1e-5)
 
 
 def test_cuda_without_flash_linear_attention_logs_one_line(caplog, monkeypatch):

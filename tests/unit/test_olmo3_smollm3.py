@@ -107,3 +107,16 @@ def test_smollm3_reads_a_nope_list_that_is_not_periodic_as_its_layers():
     config = dict(SHAPE, num_hidden_layers=4, model_type="smollm3", no_rope_layers=[0, 1, 1, 1, 0])
     options = SmolLM3Adapter().options_from_hf(config, "config.json")
     assert (options["nope_layers"], options["nope_layer_interval"]) == ("0", 4)
+
+
+def test_tensor_parallel_plan_splits_the_qk_norm_over_all_heads_with_the_heads():
+    """OLMo 3's (OLMo 2's) QK-norm over the whole projections: ``projection_norm``, its weight divided over the tp
+    ranks with the heads of ``q_proj`` and ``k_proj``."""
+    from toolkit import models
+    from toolkit.distributed.tensor_parallel import split_parameters
+
+    model = models.build_on_meta("olmo3_tiny", 64, tokens_per_sample=16)
+    assert model.tensor_parallel_plan().block["self_attn.q_norm"] == "projection_norm"
+    assert {f"layers.{i}.self_attn.{n}_norm.weight" for i in range(len(model.layers)) for n in "qk"} <= (
+        split_parameters(model)
+    )

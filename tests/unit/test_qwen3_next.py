@@ -308,3 +308,19 @@ def test_mrope_of_text_positions_is_our_rope():
     torch.testing.assert_close((cos[0], sin[0]), model.rope_rows(None, 0, 32), rtol=0, atol=1e-6)
     other, _ = theirs(torch.zeros(1), positions * torch.tensor([1, 2, 1]).view(3, 1, 1))  # an image's heights
     assert not torch.allclose(other[0], cos[0])
+
+
+def test_tensor_parallel_plan_splits_both_token_mixers_by_heads():
+    """What toolkit-plan counts 1/M of: the gated DeltaNet layers' projections in (by key-head groups), out
+    (row-parallel), ``A_log`` and ``dt_bias`` (by value heads); their convolution taps and gated norm whole; the full
+    layer's projections; the experts whole on every tp rank (expert parallelism's)."""
+    from toolkit.distributed.tensor_parallel import split_parameters
+
+    model = models.build_on_meta("qwen3_next_tiny", 64, tokens_per_sample=16)
+    split = split_parameters(model)
+    linear = "layers.0.self_attn"
+    deltanet = {f"{linear}.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight", "A_log", "dt_bias")}
+    assert deltanet | {f"{linear}.out_proj.weight"} <= split
+    assert not {f"{linear}.conv1d.weight", f"{linear}.norm.weight"} & split
+    assert {f"layers.3.self_attn.{p}_proj.weight" for p in "qkvo"} <= split
+    assert not any(".mlp." in name for name in split)
