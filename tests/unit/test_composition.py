@@ -142,21 +142,21 @@ def test_model_conditions_let_the_families_that_can_split_through():
 
 
 def test_the_planner_refuses_a_split_the_model_refuses_with_the_resolvers_line():
-    """toolkit-plan reads the MODEL conditions: OLMo 2 at --model-parallel-size 2 is refused with toolkit-train's
-    message, and the layout search's limits offer no tensor-parallel size for it."""
+    """toolkit-plan reads the MODEL conditions: OLMoE (QK-norm over all heads, no split) at --model-parallel-size 2
+    is refused with toolkit-train's message, and the layout search's limits offer no tensor-parallel size for it."""
     from toolkit.plan import PRESETS, make_plan
     from toolkit.plan.model_stats import model_stats
 
-    olmo2 = ("--arch", "olmo2_tiny", "--tokens-per-sample", "16")
-    cfg = resolve(*olmo2)
+    olmoe = ("--arch", "olmoe_tiny", "--tokens-per-sample", "16")
+    cfg = resolve(*olmoe)
     with pytest.raises(UserError) as trained:
-        resolve(*olmo2, "--model-parallel-size", "2")
+        resolve(*olmoe, "--model-parallel-size", "2")
     tp = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, model_parallel_size=2))
     with pytest.raises(UserError) as planned:
         make_plan(tp, PRESETS["h100"], vocab_size=64)
     assert str(planned.value) == str(trained.value)
     splits = model_stats(cfg, torch.float32, 64).splits
-    assert splits.tp_refused == str(trained.value) and splits.context_parallel and not splits.expert_parallel
+    assert splits.tp_refused == str(trained.value) and splits.context_parallel and splits.expert_parallel
 
 
 def test_compile_under_tensor_parallelism_without_sequence_parallelism_depends_on_the_dropouts():

@@ -36,8 +36,7 @@ def test_every_family_is_a_language_model_initializable_flops_counted_and_splitt
 
 
 def test_olmo2s_plan_gives_fsdp2_its_units():
-    """OLMo 2's whole-projection QK-norm has no split by heads (refused under TP by toolkit/config/composition.py,
-    tests/unit/test_composition.py); its plan still gives FSDP2 its units: OLMo 2 shards."""
+    """OLMo 2's plan (its whole-projection QK-norm split as ``projection_norm``) gives FSDP2 its units."""
     from toolkit.distributed.tensor_parallel import fsdp_units
 
     model = build_on_meta("olmo2_tiny", vocab_size=40, tokens_per_sample=16)
