@@ -502,11 +502,11 @@ def _head_vectors_style(names: Tuple[str, ...]):
 
 
 def _all_reduced_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of ``x`` over ``group``, differentiable (its backward sums the gradients over the group)."""
-    import torch.distributed as dist
-    from torch.distributed.nn.functional import all_reduce
+    """The sum of ``x`` over ``group``: the functional collective, which a compiled block traces, and whose
+    registered backward sums the gradients over the group."""
+    from torch.distributed import _functional_collectives as funcol
 
-    return all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
 
 
 @functools.cache
