@@ -45,4 +45,6 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     if cfg.dense_mlp:
         divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
     block, experts = ({**BLOCK, **DENSE_MLP}, {}) if cfg.dense_mlp else (BLOCK, EXPERTS)
+    built = {name for layer in model.layers for name, _ in layer.named_modules()}
+    block = {path: kind for path, kind in block.items() if path in built}  # the layer kinds this model has
     return decoder_plan(model, block, experts=experts, divisible=divisible)
