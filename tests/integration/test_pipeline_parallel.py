@@ -3,11 +3,16 @@
 Every schedule on 2 gloo ranks (one forked run: tests/helpers/tp_helpers.spawn), a tiny 4-layer Llama cut into 2
 stages (gpipe) or 4 (interleaved_1f1b, zero_bubble, dualpipev: 2 per rank): the summed loss of a batch of 4
 rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each rank holding only its stages'
-parameters under their one-process names. Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+parameters under their one-process names. The same for 4-layer MoE and DeepSeek-V3 models (``ROUTED``: 1f1b,
+zero_bubble, dualpipev; 1f1b) against one process over the same micro-batches, each router term weighed by its
+micro-batch's share of the sample size: the gradients, the logged router terms summed over the stages and each
+layer's token counts (what moves the bias). Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
 schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
-ranks) and 2 ranks pp 2 in bf16 (interleaved_1f1b) log one process's losses and gradient norms with ``--update-freq
-2`` (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards;
-the dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
+ranks), 2 ranks pp 2 in bf16 (interleaved_1f1b) and 4 ranks pp 2 x ep 2 of the MoE family (FSDP2 and the experts
+over each stage's 2 data ranks; gpipe with one micro-batch a batch, so its routing statistics are one process's
+sample's) log one process's losses and gradient norms (and the MoE run its router terms) with ``--update-freq 2``
+(fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards; the
+dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
 4 ranks pp 2 x tp 2 (each stage split over its tp ranks, sequence parallel, the head vocabulary-parallel) and pp 2 x
 cp 2 (each stage's sequences cut over its cp ranks) log the same, validation included. Their sharded checkpoints consolidate to one process's file and resume in one process,
 and one process's file resumes at pp 2, each continuing as the uninterrupted run.
@@ -29,58 +34,97 @@ from tests.helpers.cli import run_train
 from tests.helpers.tp_helpers import spawn
 
 SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: the toolkit-train runs below
+# the families with routers and their schedules (zero_bubble: the weight gradients apart from the inputs')
+ROUTED = [("moe", "1f1b"), ("moe", "zero_bubble"), ("moe", "dualpipev"), ("deepseek_v3", "1f1b")]
 UPDATES = 3
 
 
-def _tiny_llama(device: str = "cpu"):
+def _tiny_model(family: str, device: str = "cpu"):
+    """A 4-layer Llama, MoE or DeepSeek-V3 (its first layer dense, so the stages hold 1 and 2 MoE layers) model,
+    the routers' terms weighing enough to move the gradients (load balance, z-loss, DeepSeek's sequence-wise
+    balance: 0.1 each), the bias moving by the token counts."""
+    from toolkit import models
+    from toolkit.models.deepseek_v3.model import DeepSeekV3LanguageModel
     from toolkit.models.llama.config import LlamaConfig
     from toolkit.models.llama.model import LlamaLanguageModel
+    from toolkit.models.moe.config import MoEConfig
+    from toolkit.models.moe.model import MoELanguageModel
 
-    cfg = LlamaConfig(
-        decoder_layers=4,
-        decoder_embed_dim=32,
-        decoder_attention_heads=4,
-        decoder_ffn_embed_dim=64,
-        max_target_positions=16,
-    )
+    shape = dict(decoder_layers=4, decoder_embed_dim=32, decoder_attention_heads=4, max_target_positions=16)
+    router = dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.1, moe_bias_update_rate=0.01)
+    if family == "moe":
+        cfg, cls = MoEConfig(**shape, moe_ffn_embed_dim=16, **router), MoELanguageModel
+    elif family == "deepseek_v3":
+        options = dict(decoder_layers=4, max_target_positions=16, moe_seq_aux_loss_coef=0.1, **router)
+        cfg, cls = models.model_config("deepseek_v3_tiny", **options), DeepSeekV3LanguageModel
+    else:
+        cfg, cls = LlamaConfig(**shape, decoder_ffn_embed_dim=64), LlamaLanguageModel
     with torch.device(device):
-        return LlamaLanguageModel(cfg, 37, 1, seed=5)
+        return cls(cfg, 37, 1, seed=5)
+
+
+def _one_process_batch(family: str, tokens, target, loss_fn, microbatches: int, sample_size: float):
+    """One process's gradients, summed loss and logged router terms over the pipeline's micro-batches (each router
+    term weighed by the micro-batch's share of ``sample_size``, as the trainer weighs a sample's), and its MoE
+    layers' token counts."""
+    from toolkit.models.init import init_weights
+    from toolkit.models.outputs import aux_losses_of, metrics_of
+
+    reference = _tiny_model(family)
+    init_weights(reference, 5)
+    total, logged, share = 0.0, {}, sample_size / microbatches
+    for rows, targets in zip(tokens.chunk(microbatches), target.chunk(microbatches)):
+        out = reference(rows)
+        loss = loss_fn(out[0] if isinstance(out, tuple) else out, targets)
+        total = total + loss.detach()
+        for name, (value, coefficient) in aux_losses_of(out).items():
+            loss = loss + coefficient * value * share
+            logged[name] = logged.get(name, 0.0) + float(value) * share
+        for name, value in metrics_of(out).items():
+            logged[name] = logged.get(name, 0.0) + float(value) * share
+        loss.backward()
+    counts = {m.name: m.tokens_per_expert.clone() for m in reference.modules() if hasattr(m, "tokens_per_expert")}
+    return {name: p.grad for name, p in reference.named_parameters()}, total, logged, counts
 
 
 def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
     from types import SimpleNamespace
 
     from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
-    from toolkit.distributed.pipeline import Pipeline, build_pipeline
+    from toolkit.distributed.pipeline import Pipeline, build_pipeline, default_microbatches
     from toolkit.models.init import init_weights
 
     tokens = torch.randint(2, 37, (4, 16), generator=torch.Generator().manual_seed(0))
     target = torch.roll(tokens, -1, dims=1)
-    reference = _tiny_llama()
-    init_weights(reference, 5)
     loss_fn = lambda logits, t: F.cross_entropy(logits.reshape(-1, 37), t.reshape(-1), reduction="sum")  # noqa: E731
-    want_loss = loss_fn(reference(tokens), target)
-    want_loss.backward()
-    want = {name: p.grad for name, p in reference.named_parameters()}
     dims = ParallelDims(parallel_shape(world_size, pp=2), rank)
     dims.mesh("world")
     held = {}
-    for schedule in SCHEDULES:
-        model = _tiny_llama("meta")
+    for family, schedule in [("llama", s) for s in SCHEDULES] + ROUTED:
+        M = default_microbatches(2, schedule)
+        want, want_loss, want_logged, want_counts = _one_process_batch(family, tokens, target, loss_fn, M, 64.0)
+        model = _tiny_model(family, "meta")
         cfg = SimpleNamespace(pipeline_schedule=schedule, pipeline_balance=None)
         pipeline = Pipeline(model, build_pipeline(model, cfg, dims), dims, schedule, 0)
         model.to_empty(device="cpu")
         init_weights(model, 5)
-        loss = pipeline.step(tokens, target, loss_fn, pad=1)
+        loss = pipeline.step(tokens, target, loss_fn, pad=1, sample_size=64.0)
         if pipeline.is_last:
-            torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-4, msg=schedule)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4, msg=schedule)
         names = [name for name, _ in model.named_parameters()]
         assert names and set(names) < set(want), (schedule, names)
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=f"{schedule}: {name}")
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=f"{family} {schedule}: {name}")
+        for m in model.modules():
+            if hasattr(m, "tokens_per_expert"):
+                torch.testing.assert_close(m.tokens_per_expert, want_counts[m.name], msg=f"{schedule}: {m.name}")
+        logged = pipeline.from_every_stage(pipeline.router_logged())
+        assert logged.keys() == want_logged.keys() and (family == "llama") == (not logged), (logged, want_logged)
+        for name, value in logged.items():
+            assert value == pytest.approx(want_logged[name], rel=1e-5), (family, schedule, name)
         everyone = [None] * world_size
         dist.all_gather_object(everyone, sorted(names))
-        held[schedule] = everyone
+        held[f"{schedule}{'' if family == 'llama' else '_' + family}"] = everyone
     return held
 
 
@@ -90,12 +134,13 @@ def test_every_schedule_equals_one_process(tmp_path):
     embed, head = "embed_tokens.weight", "output_projection.weight"
     for schedule, (first, second) in held.items():
         assert not set(first) & set(second), schedule  # each parameter on one rank
-        assert embed in first and (head in second) == (schedule != "dualpipev"), schedule  # V: head on rank 0
+        assert embed in first and (head in second) == (not schedule.startswith("dualpipev")), schedule  # V: rank 0
     assert "layers.3.mlp.up_proj.weight" in held["dualpipev"][0] and "layers.2.mlp.up_proj.weight" in held["gpipe"][1]
 
 
 def _logged(stdout: str) -> dict:
-    """{update: (loss, gnorm)} of the ``train_inner`` lines; ``"valid"``: the validation losses logged."""
+    """{update: (loss, gnorm, the MoE routers' logged terms by name)} of the ``train_inner`` lines; ``"valid"``: the
+    validation losses logged."""
     out = {}
     for line in stdout.splitlines():
         m = re.search(r"\| (train_inner|valid) \| (\{.*\})\s*$", line)
@@ -103,7 +148,8 @@ def _logged(stdout: str) -> dict:
             out.setdefault("valid", []).append(float(json.loads(m.group(2))["valid_loss"]))
         elif m:
             stats = json.loads(m.group(2))
-            out[int(stats["num_updates"])] = (float(stats["loss"]), float(stats["gnorm"]))
+            router = [float(stats[k]) for k in sorted(stats) if k.startswith("moe_")]
+            out[int(stats["num_updates"])] = (float(stats["loss"]), float(stats["gnorm"]), *router)
     return out
 
 
@@ -123,6 +169,7 @@ def _train(runs, name, *flags, updates=UPDATES):
 def _assert_close(got, want, tolerance, updates):
     assert sorted(k for k in got if k != "valid") == list(updates), got
     for update in updates:
+        assert len(got[update]) == len(want[update]), (update, got, want)
         for value, expected in zip(got[update], want[update]):
             assert abs(value - expected) <= tolerance * abs(expected) + H.LOGGED_TOL, (update, got, want)
 
@@ -135,7 +182,18 @@ def _one_process(runs, precision):
     return runs[precision]
 
 
-PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2)}  # flags, relative tolerance
+# the MoE family, 4 layers (2 a stage), its routers' terms weighing enough to move the gradients, the bias moving
+MOE = [
+    "--arch",
+    "moe_tiny",
+    "--moe-aux-loss-coef",
+    "0.1",
+    "--moe-z-loss-coef",
+    "0.01",
+    "--moe-bias-update-rate",
+    "0.01",
+]
+PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2), "moe": (MOE, 1e-3)}  # flags, relative tolerance
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
 CASES = {  # name: (flags of the pipelined run, its precision); the cases without QUIET validate
@@ -156,6 +214,11 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         + ["--ddp-backend", "fully_sharded", "--update-freq", "2"],
         "fp32",
     ),
+    "pp2_ep2_moe": (  # the routers' terms logged too (moe_aux_loss, moe_z_loss, moe_max_load_<layer>, moe_dropped)
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+        + ["--expert-parallel-size", "2", "--pipeline-schedule", "gpipe", "--pipeline-microbatches", "1", *MOE, *QUIET],
+        "moe",
+    ),
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 
@@ -165,7 +228,7 @@ def test_pipelined_run_logs_one_process_losses(runs, case):
     flags, precision = CASES[case]
     want, tolerance = _one_process(runs, precision), PRECISION[precision][1]
     got = _train(runs, case, *flags)
-    assert any(norm > 1.0 for key, (_, norm) in want.items() if key != "valid")  # the clip acts
+    assert any(logged[1] > 1.0 for key, logged in want.items() if key != "valid")  # the clip acts
     _assert_close(got, want, tolerance, range(1, UPDATES + 1))
     if QUIET[0] not in flags:
         assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)

@@ -239,3 +239,27 @@ def _build_with(arch, **options):
         d.add_symbol(f"w{i}")
     task = SimpleNamespace(dictionary=d, cfg=SimpleNamespace(tokens_per_sample=20))
     return models.build_model(arch, models.model_config(arch, **options), task)
+
+
+@pytest.mark.parametrize(
+    "arch, options, refused",
+    [
+        ("moe_tiny", {}, None),
+        ("deepseek_v3_tiny", {}, None),
+        ("deepseek_v3_tiny", {"mtp_depth": 1}, "--mtp-depth"),
+        ("qwen3_next_tiny", {}, "does not declare"),
+    ],
+)
+def test_a_pipeline_takes_the_families_that_declare_it(arch, options, refused):
+    """The MoE and DeepSeek-V3 families are cut into stages; multi-token prediction (the embeddings read after the
+    last block) and the families no pipelined run compares with one process are refused in one line."""
+    from toolkit.core.errors import UserError
+    from toolkit.distributed.pipeline import check_pipelinable
+    from toolkit.models import build_on_meta
+
+    model = build_on_meta(arch, 64, 32, **options)
+    if refused is None:
+        check_pipelinable(model)
+    else:
+        with pytest.raises(UserError, match=refused):
+            check_pipelinable(model)

@@ -483,18 +483,17 @@ _PAIRS[("AC", "PP")] = Tested(PIPELINE, "case pp2: 2 ranks, each stage's blocks 
 _PAIRS[("bf16", "PP")] = Tested(
     PIPELINE, "case pp2_bf16: 2 ranks, interleaved_1f1b, against one process in bf16 (2e-2)"
 )
+_PAIRS[("EP", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_ep2_moe: the MoE family on 4 ranks, FSDP2 and ep 2 over each stage's 2 data ranks, the routers' terms "
+    "through the schedule",
+)
 PP_UNTESTED = (
     "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
     "until one does; {fix}"
 )
 for _other, _flag, _why, _fix in (
     ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
-    (
-        "EP",
-        "--expert-parallel-size > 1",
-        "the MoE routers' auxiliary losses would have to flow through the schedule beside the activations",
-        "drop --expert-parallel-size",
-    ),
     ("compile", "--compile", "each stage's blocks would be compiled per micro-batch shape", "drop --compile"),
     ("fp8", "--fp8", "the float8 scales are kept per stage", "use --bf16"),
     (
@@ -741,7 +740,7 @@ MODEL: Tuple[Condition, ...] = (
         lambda c, cls: _size(c, "pipeline_parallel_size") > 1 and not supports(cls, "supports_pipeline_parallel"),
         lambda c: (
             f"--pipeline-parallel-size: --arch {c.components.arch} does not "
-            "declare a forward the pipeline can cut into stages (the Llama family does); drop the flag"
+            "declare a forward the pipeline can cut into stages (the Llama, MoE and DeepSeek-V3 families do); drop the flag"
         ),
         PP2 + FSDP + ("--arch", "transformer_lm"),
     ),

@@ -24,12 +24,24 @@ The loss: the schedule calls the criterion's summed loss on each micro-batch of 
 it unscaled (``scale_grads=False``); the trainer then divides the gradients once by the update's token count across
 micro-batches, ``--update-freq`` and the data ranks, as one process does, and takes the logged sums from the last
 stage (:meth:`Pipeline.from_last_stage`). The gradient norm adds the stages' squares (:meth:`Pipeline.global_norm`).
+
+The MoE routers' auxiliary losses (:class:`RouterTerms`): each stage takes its layers' terms after its forward of a
+micro-batch and back-propagates them with that micro-batch (an identity on the stage's output whose backward also
+gives the terms gradient 1, Megatron's ``MoEAuxLossAutoScaler``), weighted as one process weighs a sample's: a term
+is a mean over the whole model's MoE layers times the sample size, so a stage's part is its layers' share of the
+mean times the micro-batch's share of the sample size. The logged terms are summed over the micro-batches, the
+data ranks and the stages (:meth:`Pipeline.from_every_stage`). The statistics are a micro-batch's: the z-loss and
+the sequence-wise balance loss (means over tokens or sequences) equal one process's, the load-balance loss and the
+loads of ``moe_max_load_*`` (products and maxima of counts) are those of the micro-batches; the tokens per expert
+that move the aux-loss-free bias are summed over the micro-batches and the stage's ranks (``MoE.count_group``), as
+one process counts them.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,6 +51,7 @@ import torch.nn as nn
 
 from toolkit.core.errors import UserError
 from toolkit.distributed.tensor_parallel import loss_context
+from toolkit.models.common.moe import MoE
 
 # name: (torch's class, virtual stages per rank, placement of a rank's stages)
 SCHEDULES: Dict[str, Tuple[str, int, str]] = {
@@ -114,17 +127,23 @@ def stage_specs(layers: int, pp: int, pp_rank: int, schedule: str, balance: Opti
 
 
 def check_pipelinable(model: nn.Module) -> None:
-    """A pipeline cuts the rotary decoder families' stack of blocks (their forward is composed here, stage by
-    stage); the embeddings and the output layer must be separate weights (a tied pair lives on two stages)."""
+    """A pipeline cuts the stack of blocks of the rotary decoder families that declare it (their forward is composed
+    here, stage by stage, their routers' terms taken by stage); the embeddings and the output layer must be separate
+    weights (a tied pair lives on two stages), and no multi-token prediction (it reads the embeddings after the
+    last block)."""
     from toolkit.core.protocols import supports
     from toolkit.models.common.rotary_decoder import RotaryDecoderLM
 
     name = type(model).__name__
-    composed = isinstance(model, RotaryDecoderLM) and type(model).forward is RotaryDecoderLM.forward
-    if not composed or not supports(type(model), "supports_pipeline_parallel"):
+    if not isinstance(model, RotaryDecoderLM) or not supports(type(model), "supports_pipeline_parallel"):
         raise UserError(
             f"--pipeline-parallel-size: {name} does not declare a forward the pipeline can cut into stages (the "
-            f"Llama family does); train it without --pipeline-parallel-size"
+            "Llama, MoE and DeepSeek-V3 families do); train it without --pipeline-parallel-size"
+        )
+    if len(getattr(model, "mtp", ())):
+        raise UserError(
+            "--pipeline-parallel-size with --mtp-depth: the prediction depths read the token embeddings on the last "
+            "stage, which the first stage holds; train without --mtp-depth or without --pipeline-parallel-size"
         )
     if model.output_projection is None:
         raise UserError(
@@ -141,6 +160,7 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, seque
     flops = type(model).flops_per_token
     plan = model.tensor_parallel_plan()  # it reads the first block, which another stage may hold
     model.whole_model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what a resume checks
+    model.whole_router_layers = [m.name for m in model.modules() if isinstance(m, MoE)]  # what a term is a mean over
     model.tensor_parallel_plan = lambda: plan
     model.num_matmul_parameters = lambda: whole_matmul
     model.flops_per_token = lambda seq_len: flops(model, seq_len) // pp
@@ -186,14 +206,81 @@ def _stage_forward(
     return model.output(x) if spec.last else x
 
 
-class StageModule(nn.Module):
-    """What ``PipelineStage`` runs: the rank's model called with one stage's layers. The stage's modules are
-    registered here too (``parameters()`` are the stage's: the zero-bubble schedules' weight gradients), the model
-    itself is not (its other stage's parameters are not this stage's)."""
+class _AlsoBackward(torch.autograd.Function):
+    """The stage's output as it is; its backward also gives ``term`` (a 0-dim loss of the stage) gradient 1, so the
+    term is back-propagated with the micro-batch whose forward computed it (the schedule back-propagates only the
+    last stage's loss and, into the other stages, their outputs' gradients)."""
 
-    def __init__(self, model: nn.Module, spec: StageSpec, context: Dict[str, Any]):
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+        ctx.term_dtype, ctx.term_device = term.dtype, term.device
+        return output.clone()  # not a view: the zero-bubble schedules detach the stage's output in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.term_dtype, device=ctx.term_device)
+
+
+class RouterTerms:
+    """The MoE routers' auxiliary losses and metrics of this rank's stages (module docstring): ``weight`` is the
+    running micro-batch's share of its sample's size, ``logged`` the update's sums of the terms as one process logs
+    them (``value x sample size``), keyed by the whole model's names (``moe_max_load_<i>``: i among all its MoE
+    layers)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.whole_layers: List[str] = list(model.whole_router_layers)
+        self.weight = 0.0
+        self.logged: Dict[str, Any] = {}  # tensors (no sync per micro-batch) or floats
+
+    def attach(self, output: torch.Tensor, stage_layers: Sequence[MoE]) -> torch.Tensor:
+        """``output`` of a stage whose MoE layers are ``stage_layers``, carrying their terms into its backward."""
+        if not self.model.training or not any(m.aux for m in stage_layers):
+            return output
+        for m in self.model.modules():  # another stage's terms, left by a recomputed forward, are not this stage's
+            if isinstance(m, MoE) and all(m is not own for own in stage_layers):
+                m.aux, m.load = {}, {}
+        ran = [m for m in self.model.modules() if isinstance(m, MoE) and m.aux]
+        aux, metrics = self.model.router_terms()
+        share = self.weight * len(ran) / len(self.whole_layers)  # of a mean over the whole model's layers
+        term = None
+        for name, (value, coefficient) in aux.items():
+            part = value.float() * share
+            self._add(name, part)
+            term = coefficient * part if term is None else term + coefficient * part
+        for name, value in metrics.items():
+            self._add(self._whole_name(name, ran), value * self.weight)
+        return output if term is None else _AlsoBackward.apply(output, term)
+
+    def _whole_name(self, name: str, ran: Sequence[MoE]) -> str:
+        """A per-layer metric's name (``<name>_<i>``, i among the layers that ran) with i among the whole model's."""
+        match = re.fullmatch(r"(.*_)(\d+)", name)
+        if match is None or int(match.group(2)) >= len(ran):
+            return name
+        return match.group(1) + str(self.whole_layers.index(ran[int(match.group(2))].name))
+
+    def _add(self, name: str, value: Any) -> None:
+        value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+        self.logged[name] = self.logged[name] + value if name in self.logged else value
+
+    def take(self) -> Dict[str, float]:
+        """The update's logged sums so far (one sync), then none."""
+        logged, self.logged = {k: float(v) for k, v in self.logged.items()}, {}
+        return logged
+
+
+class StageModule(nn.Module):
+    """What ``PipelineStage`` runs: the rank's model called with one stage's layers (their routers' terms carried
+    into its backward by ``router``). The stage's modules are registered here too (``parameters()`` are the
+    stage's: the zero-bubble schedules' weight gradients), the model itself is not (its other stage's parameters
+    are not this stage's)."""
+
+    def __init__(
+        self, model: nn.Module, spec: StageSpec, context: Dict[str, Any], router: Optional[RouterTerms] = None
+    ):
         super().__init__()
         object.__setattr__(self, "rank_model", model)
+        object.__setattr__(self, "router", router)
         self.spec = spec
         self.context = context  # the batch's inputs every stage reads beside the activations (Pipeline._run)
         parts = [model.layers[i] for i in spec.layers]
@@ -202,9 +289,40 @@ class StageModule(nn.Module):
         if spec.last:
             parts += [model.norm, model.output_projection]
         self.parts = nn.ModuleList(parts)
+        self.router_layers = [m for m in self.parts.modules() if isinstance(m, MoE)]
+        self.inferring = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rank_model(x, self.spec, **self.context)
+        shard = self.context["context_parallel"]
+        for m in self.router_layers:  # as the family's forward: the statistics over every cp rank's tokens
+            m.context_group = None if shard is None else shard.group
+        if self.inferring:  # torch's shape inference (tensors of the right shapes): routed, but nothing counted
+            counts = [m.tokens_per_expert.clone() for m in self.router_layers]
+            out = self.rank_model(x, self.spec, **self.context)
+            for m, kept in zip(self.router_layers, counts):
+                m.tokens_per_expert.copy_(kept)
+                m.aux, m.load = {}, {}
+            return out
+        out = self.rank_model(x, self.spec, **self.context)
+        return out if self.router is None else self.router.attach(out, self.router_layers)
+
+
+@functools.cache
+def _stage_class() -> type:
+    """``PipelineStage`` whose shape inference (a forward of the first micro-batch, or of empty tensors on the other
+    stages, before the schedule's own) is marked on its ``StageModule`` (``inferring``), so that forward moves no
+    router statistics."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            self.submod.inferring = True
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                self.submod.inferring = False
+
+    return Stage
 
 
 class Pipeline:
@@ -222,6 +340,7 @@ class Pipeline:
         self._schedules: Dict[Tuple[int, ...], Any] = {}
         self._loss_fn: Optional[LossFn] = None
         self._context: Dict[str, Any] = {"context_parallel": None}  # the batch's, for every stage (StageModule)
+        self.router = router_terms(model, dims)
 
     def _schedule(self, shape: Tuple[int, ...], device: torch.device) -> Any:
         if shape in self._schedules:
@@ -229,8 +348,8 @@ class Pipeline:
         from torch.distributed import pipelining
 
         stages = [
-            pipelining.PipelineStage(
-                StageModule(self.model, spec, self._context),
+            _stage_class()(
+                StageModule(self.model, spec, self._context, self.router),
                 spec.index,
                 self.pp * len(self.specs),
                 device,
@@ -249,12 +368,24 @@ class Pipeline:
         return self._loss_fn(output, target)
 
     def step(
-        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int, context_parallel: Any = None
+        self,
+        tokens: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        pad: int,
+        context_parallel: Any = None,
+        sample_size: float = 0.0,
     ) -> Optional[torch.Tensor]:
         """Forward and backward of one batch (``pad``: the padding index; ``context_parallel``: the ContextShard of
-        this cp rank's columns, which ``tokens`` and ``target`` are) through the schedule; the summed loss on the
-        last stage, else None."""
+        this cp rank's columns, which ``tokens`` and ``target`` are; ``sample_size``: what one process weighs its
+        routers' terms by) through the schedule; the summed loss on the last stage, else None."""
+        if self.router is not None:
+            self.router.weight = float(sample_size) / self.microbatches  # the micro-batches are equal (_padded)
         return self._run(tokens, target, loss_fn, train=True, pad=pad, context_parallel=context_parallel)
+
+    def router_logged(self) -> Dict[str, float]:
+        """This rank's stages' logged router terms of the batches run since the last call (none without MoE)."""
+        return {} if self.router is None else self.router.take()
 
     @torch.no_grad()
     def evaluate(
@@ -303,14 +434,30 @@ class Pipeline:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
 
-    def global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        """The L2 norm of the whole model's gradients: this rank's (over FSDP2's shards) squared, summed over the
-        stages."""
+    def global_norm(self, grads: Sequence[torch.Tensor], expert_grads: Any = None, params: Sequence = ()) -> float:
+        """The L2 norm of the whole model's gradients: this rank's (over FSDP2's shards; with ``expert_grads``, the
+        strategy's ``ExpertGradients``, each expert's over the ep ranks holding the stage's others) squared, summed
+        over the stages."""
         from toolkit.optim.grad_norm import total_norm
 
-        square = total_norm(grads).double().square().reshape(1)
+        if expert_grads is not None:
+            device = grads[0].device if grads else torch.device("cpu")
+            square = torch.tensor([expert_grads.global_norm(list(params)) ** 2], dtype=torch.float64, device=device)
+        else:
+            square = total_norm(grads).double().square().reshape(1)
         dist.all_reduce(square, group=self.group)
         return math.sqrt(float(square))
+
+    def from_every_stage(self, values: Dict[str, float]) -> Dict[str, float]:
+        """Every stage's ``values`` summed, on every stage: the last stage's criterion terms (the only stage that
+        has them) beside each stage's part of the routers' terms."""
+        everyone: List[Optional[Dict[str, float]]] = [None] * self.pp
+        dist.all_gather_object(everyone, values, group=self.group)
+        total: Dict[str, float] = {}
+        for each in everyone:
+            for k, v in (each or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def from_last_stage(self, values: Dict[str, float]) -> Dict[str, float]:
         """The last stage's ``values`` on every stage (what rank 0 logs and every rank normalizes by)."""
@@ -320,6 +467,20 @@ class Pipeline:
             source = dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def router_terms(model: nn.Module, dims: Any) -> Optional[RouterTerms]:
+    """The routers' terms of a model with MoE layers (None without; ``model`` pruned to this rank's stages): their
+    token counts summed over the stage's ranks only, which hold the same layers."""
+    if not model.whole_router_layers:
+        return None
+    from toolkit.distributed.parallel_dims import CONTEXT_AXES
+
+    stage = dims.group(*CONTEXT_AXES)  # on every rank at once (it may build a group)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.count_group = stage
+    return RouterTerms(model)
 
 
 def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:

@@ -299,24 +299,28 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v)
         dims = self.strategy.dims
         totals = all_reduce_sums(totals, self.device, dims.loss_world, group=dims.group(*DP_AXES))
-        return self.strategy.pipeline.from_last_stage(totals)
+        return self.strategy.pipeline.from_every_stage(totals)
 
     def _pipeline_pass(self, sample: Dict[str, Any], train: bool) -> Dict[str, Any]:
         """One sample through the pipeline: on the last stage the criterion's logging output of the summed loss
-        (``_sample_size`` beside it), elsewhere nothing."""
+        (``_sample_size`` beside it); on every stage, training, its MoE layers' logged router terms."""
         pipeline = self.strategy.pipeline
         dummy = 0.0 if sample.get("is_dummy") else 1.0
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return self.criterion.compute_loss(logits, target) * dummy
 
-        run = pipeline.step if train else pipeline.evaluate
         net_input, pad = sample["net_input"], self.task.dictionary.pad()
-        loss = run(net_input["src_tokens"], sample["target"], loss_fn, pad, net_input.get("context_parallel"))
+        inputs = (net_input["src_tokens"], sample["target"], loss_fn, pad, net_input.get("context_parallel"))
+        if train:  # the routers' terms weighed by the sample's size, as one process weighs them
+            loss = pipeline.step(*inputs, sample_size=self.criterion.with_counts(torch.zeros(()), sample)[1])
+        else:
+            loss = pipeline.evaluate(*inputs)
+        router = pipeline.router_logged()
         if loss is None:
-            return {}
+            return router
         _, sample_size, logging_output = self.criterion.with_counts(loss, sample)
-        return dict(logging_output, _sample_size=sample_size)
+        return dict(logging_output, _sample_size=sample_size, **router)
 
     def _step_optimizer(self, grad_factor: float) -> None:
         """The update with the gradients times ``grad_factor`` (folded into the step where that is exact); grads dropped."""
@@ -386,7 +390,7 @@ class Trainer:
         if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
             raw_norm = self.overlap.raw_grad_norm()
         elif self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
-            raw_norm = self.strategy.pipeline.global_norm(grads)
+            raw_norm = self.strategy.pipeline.global_norm(grads, self.strategy.expert_grads, params)
         elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
         elif self.memory_efficient is not None:

@@ -540,6 +540,9 @@ class MoE(nn.Module):
         # context parallelism (set by the model from its context shard): this rank routes its chunks of each
         # sequence, and the routing statistics are summed over the cp ranks
         self.context_group = None
+        # the ranks whose token counts the update's loads sum (None: every rank; a pipeline stage's ranks under
+        # --pipeline-parallel-size, where the other stages hold other layers)
+        self.count_group = None
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -582,7 +585,7 @@ class MoE(nn.Module):
         are counted and warned about; the counts start again at zero for the next update."""
         loads = self.tokens_per_expert.clone()
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(loads)
+            dist.all_reduce(loads, group=self.count_group)
         self.tokens_per_expert.zero_()
         if loads.sum() == 0:  # no training forward since the last step (e.g. a skipped update)
             return

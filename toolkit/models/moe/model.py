@@ -12,7 +12,7 @@ the busiest expert's load over the mean (``moe_max_load_<layer>``), plus the tok
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ from toolkit.models.fused_loss import LossTarget
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
 from toolkit.models.moe.hf import MoEAdapter
 from toolkit.models.moe.parallel import tensor_parallel_plan
-from toolkit.models.outputs import SUMMED_NLL, summed_nll_of, with_extras
+from toolkit.models.outputs import SUMMED_NLL, aux_losses_of, metrics_of, summed_nll_of, with_extras
 
 EXPERT_WEIGHTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 
@@ -60,6 +60,7 @@ class MoELanguageModel(RotaryDecoderLM):
     MLP is a mixture of experts."""
 
     supports_expert_parallel = True  # the experts of each layer are spread by toolkit.distributed.expert_parallel
+    supports_pipeline_parallel = True  # toolkit.distributed.pipeline runs its blocks and its routers' terms by stage
     HF_ADAPTER = MoEAdapter
     PLAN = staticmethod(tensor_parallel_plan)
 
@@ -91,6 +92,12 @@ class MoELanguageModel(RotaryDecoderLM):
     def moe_layers(self) -> List[MoE]:
         """The MoE modules in layer order (found through any wrapper: FSDP2, checkpointing, compile)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def router_terms(self) -> Tuple[Dict[str, Tuple[torch.Tensor, float]], Dict[str, Any]]:
+        """The auxiliary losses and metrics of the layers that ran a training forward since they were last taken
+        (``_with_router_terms``' terms without an output): what a pipeline stage sends through its own backward."""
+        terms = self._with_router_terms(None)
+        return aux_losses_of(terms), metrics_of(terms)
 
     def _with_router_terms(self, out: Any):
         """``out`` (logits, or the fused head's ``(None, {"summed_nll": ...})``) with the routers' terms added."""

@@ -103,6 +103,7 @@ class Qwen3NextLanguageModel(MoELanguageModel):
 
     HF_ADAPTER = Qwen3NextReleasedAdapter
     PLAN = staticmethod(tensor_parallel_plan)
+    supports_pipeline_parallel = False  # no pipelined run of this family is compared with one process
     unit_offset_norms = True
     onnx_cached_decoder = None  # the cached ONNX graph takes key/value heads; the linear layers keep a state
 
