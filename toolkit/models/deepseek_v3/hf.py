@@ -162,15 +162,7 @@ class DeepSeekV3Adapter(MoEAdapter):
             qk_rope_head_dim=head_dim(cfg),
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            n_routed_experts=cfg.moe_num_experts,
-            num_experts_per_tok=cfg.moe_top_k,
-            moe_intermediate_size=cfg.moe_ffn_embed_dim,
-            n_shared_experts=cfg.moe_shared_ffn_embed_dim // cfg.moe_ffn_embed_dim,
-            n_group=cfg.moe_n_group,
-            topk_group=cfg.moe_topk_group,
-            routed_scaling_factor=cfg.moe_routed_scaling_factor,
-            norm_topk_prob=cfg.moe_renormalize,
-            first_k_dense_replace=cfg.first_k_dense_replace,
+            **router_hf_config(cfg),
             num_nextn_predict_layers=cfg.mtp_depth,
         )
         config.pop("qk_head_dim", None)
@@ -258,6 +250,22 @@ def _router(config: Dict[str, Any], where: str) -> Dict[str, Any]:
         moe_routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
         first_k_dense_replace=int(config.get("first_k_dense_replace") or 0),
         moe_aux_loss_coef=0.0,
+    )
+
+
+def router_hf_config(cfg) -> Dict[str, Any]:
+    """config.json's DeepSeekMoE router and dense-layer keys computing ``cfg``: the inverse of ``_router``, shared by
+    the families whose checkpoints carry DeepSeek-V3's router (GLM-4.5)."""
+    return dict(
+        n_routed_experts=cfg.moe_num_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        moe_intermediate_size=cfg.moe_ffn_embed_dim,
+        n_shared_experts=cfg.moe_shared_ffn_embed_dim // cfg.moe_ffn_embed_dim,
+        n_group=cfg.moe_n_group,
+        topk_group=cfg.moe_topk_group,
+        routed_scaling_factor=cfg.moe_routed_scaling_factor,
+        norm_topk_prob=cfg.moe_renormalize,
+        first_k_dense_replace=cfg.first_k_dense_replace,
     )
 
 

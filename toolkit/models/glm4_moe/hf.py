@@ -26,6 +26,7 @@ from toolkit.models.common.hf_adapter import KeyMap
 from toolkit.models.common.hf_config import DecoderClass
 from toolkit.models.deepseek_v3.hf import KEYS
 from toolkit.models.deepseek_v3.hf import _router as deepseek_router
+from toolkit.models.deepseek_v3.hf import router_hf_config
 from toolkit.models.moe.hf import MoEAdapter
 
 logger = logging.getLogger("toolkit.export.hf_import")
@@ -103,15 +104,7 @@ class Glm4MoeAdapter(MoEAdapter):
             rope_parameters=dict(scaling, rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.partial_rotary_factor),
             attention_bias=cfg.attention_qkv_bias,
             use_qk_norm=cfg.qk_norm,
-            n_routed_experts=cfg.moe_num_experts,
-            num_experts_per_tok=cfg.moe_top_k,
-            moe_intermediate_size=cfg.moe_ffn_embed_dim,
-            n_shared_experts=cfg.moe_shared_ffn_embed_dim // cfg.moe_ffn_embed_dim,
-            n_group=cfg.moe_n_group,
-            topk_group=cfg.moe_topk_group,
-            routed_scaling_factor=cfg.moe_routed_scaling_factor,
-            norm_topk_prob=cfg.moe_renormalize,
-            first_k_dense_replace=cfg.first_k_dense_replace,
+            **router_hf_config(cfg),
             num_nextn_predict_layers=0,
         )
         return self.CLASSES["glm4_moe"], config
