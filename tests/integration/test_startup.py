@@ -13,28 +13,9 @@ import sys
 
 import pytest
 
+from benchmarks.startup import LAZY
 from tests.helpers import REPO_ROOT
 from tests.helpers.cli import subprocess_env
-
-LAZY = (
-    "torch.distributed.checkpoint",
-    "torch.distributed.tensor",
-    "torch._dynamo",
-    "torch._inductor",
-    "torch.distributed.fsdp",
-    "deepspeed",
-    "transformers",
-    "safetensors",
-    "onnx",
-    "onnxruntime",
-    "onnxscript",
-    "tensorboard",
-    "wandb",
-    "lm_eval",
-    "datasets",
-    "omegaconf",
-    "hydra",
-)
 
 
 def imported_after(*statements: str) -> list:
