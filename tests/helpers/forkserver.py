@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 WARM = (
     "toolkit_cli.train",
@@ -73,23 +73,42 @@ def _child(request: Dict, proto_fds: Tuple[int, int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         apply_limits(request.get("limits") or {})
-        sys.argv = [request["module"], *request["argv"]]
         _fork_ranks()
-        sys.modules.pop(request["module"], None)  # run as __main__ only, as ``python -m`` does (its imports stay)
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
+        code = run_as_main(request["module"], request["argv"])
     except BaseException:  # what the interpreter prints for an uncaught exception
         traceback.print_exc()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_flushed(code)
+
+
+def exit_flushed(code: int, then: Optional[Callable[[], None]] = None) -> None:
+    """End this forked process with ``code`` after flushing its output (and running ``then``), without the
+    interpreter's teardown, which belongs to the process it was forked from."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if then is not None:
+            then()
+    finally:
+        os._exit(code)
+
+
+def run_as_main(module: str, argv: List[str]) -> int:
+    """``python -m MODULE ARGV`` in this (forked) process: the exit status it would have, an uncaught exception's
+    traceback printed as the interpreter prints it."""
+    sys.argv = [module, *argv]
+    sys.modules.pop(module, None)  # run as __main__ only, as ``python -m`` does (its imports stay)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
 
 
 def apply_limits(limits: Dict) -> None:

@@ -7,8 +7,10 @@ the flags that need a GPU (``--compile``, ``--fp8``, ``--fp8-experts``) dropped.
 coincide (the float8 recipes, OLMoE eager, compiled and with float8 experts) run once and share that log.
 ``plan_calibration`` reads the recorded GPU sessions' lines (``benchmarks/results/gpu_figures_*.jsonl``) and
 plans their layouts again; ``gpu.sh --print`` gives each entry's GPU command. The figures go to two
-``gpu.sh --dry-run`` invocations side by side (an entry's time is mostly its interpreter's single-threaded
-start-up: on two cores, about half the wait), each family of entries in one of them so that shared runs stay shared.
+``gpu.sh --dry-run`` invocations side by side, each family of entries in one of them so that shared runs stay
+shared. An entry's time on tiny shapes is mostly its interpreter's imports: the dry runs' ``python3``
+(``TOOLKIT_PY``) is tests/helpers/fork_python.py, which forks each ``-m`` command from one process that imported
+torch and the toolkit once (the memory-measured entries, under ``benchmarks.peak_memory``, start real interpreters).
 """
 
 import json
@@ -25,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GPU_SH = os.path.join(ROOT, "benchmarks", "gpu.sh")
 
 
-def _start_dry_run(folder, data_bin, entries):
+def _start_dry_run(folder, data_bin, entries, python_env=None):
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(
         os.environ,
@@ -35,6 +37,7 @@ def _start_dry_run(folder, data_bin, entries):
         TOOLKIT_PY=sys.executable,
         PYTHONPATH=ROOT,
     )
+    env.update(python_env or {})
     env.pop("OUT", None)
     with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:  # files: no pipe to fill
         return processes.start(
@@ -65,6 +68,26 @@ def _two_halves(listed):
     return halves
 
 
+@pytest.fixture
+def forked_python(tmp_path):
+    """The environment of ``TOOLKIT_PY`` for the dry runs: tests/helpers/fork_python.py, whose server (killed with
+    the test) has imported the toolkit once; its ``-m`` commands fork from it instead of importing it again each."""
+    from tests.helpers import fork_python
+
+    path = str(tmp_path / "python.sock")
+    server = processes.start(
+        [sys.executable, "-m", "tests.helpers.fork_python", "--serve", path],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    processes.read_until(server, lambda line: line == "ready\n", timeout=300)
+    yield {"TOOLKIT_PY": f"{sys.executable} -S {fork_python.__file__}", fork_python.SOCKET_ENV: path}
+    server.terminate()  # it waits for its children, then ends (killed at the test's end if not)
+    server.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory, wikitext_dir):
     from tests.helpers.lm_fixtures import make_wikitext_data_bin
@@ -74,14 +97,14 @@ def data_bin(tmp_path_factory, wikitext_dir):
     return path
 
 
-def test_every_figure_runs_on_cpu_with_tiny_shapes(tmp_path, data_bin):
+def test_every_figure_runs_on_cpu_with_tiny_shapes(tmp_path, data_bin, forked_python):
     listed = subprocess.run(["bash", GPU_SH, "--list"], capture_output=True, text=True, check=True).stdout.split()
     assert {"offload_13", "mfu_xl", "fp8_d4096_tensorwise", "decode_xl", "profile_13", "plan_calibration"} <= set(
         listed
     )
     assert {"moe_olmoe_fp8", "moe_olmoe_profile", "decode_llama3_1b_hf"} <= set(listed)
     halves = _two_halves(listed)
-    started = [_start_dry_run(tmp_path / str(i), data_bin, half) for i, half in enumerate(halves)]
+    started = [_start_dry_run(tmp_path / str(i), data_bin, half, forked_python) for i, half in enumerate(halves)]
     lines, logs = [], {}
     for i, (proc, half) in enumerate(zip(started, halves)):
         done, half_lines = _finish_dry_run(proc, tmp_path / str(i))

@@ -1,0 +1,178 @@
+"""A stand-in for ``python3`` whose ``-m MODULE ARGS`` commands fork from a process that has imported the toolkit.
+
+Why: ``benchmarks/gpu.sh --dry-run`` (tests/integration/test_gpu_sh.py) runs each GPU figure's entry as
+``$TOOLKIT_PY -m benchmarks.X ...`` with tiny shapes, and each fresh interpreter spends seconds importing torch,
+dynamo and the toolkit before a step of a few milliseconds. The test points ``TOOLKIT_PY`` at this file
+(``python3 -S tests/helpers/fork_python.py``): the shell script, its flags and each entry's parse and run stay
+what they are; only the imports are paid once, by the server.
+
+Two sides, one Unix socket (``$TOOLKIT_FORK_PYTHON``):
+
+* the server (``python -m tests.helpers.fork_python --serve SOCKET``, with ``OMP_NUM_THREADS=1``) imports what the test fork server imports
+  (``tests/helpers/forkserver.py``: one thread, no thread pool started), prints ``ready``, then forks one child per
+  connection: the child takes the client's stdin/stdout/stderr (passed over the socket), environment and folder,
+  runs the module as ``__main__`` (``runpy``, as ``python -m`` does) and sends back its exit status;
+* the client (this file run as a script, site-less: it starts in milliseconds) sends its command and its three
+  descriptors, forwards SIGINT/SIGTERM (``timeout``'s) to the child, and exits with the child's status.
+
+Anything else runs in a real interpreter (``exec``): another form than ``-m`` (``-c``, a script, stdin), no
+socket, and ``benchmarks.peak_memory`` with everything it starts, since it measures the resident memory of its
+own process tree, which a forked child is not part of.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET_ENV = "TOOLKIT_FORK_PYTHON"
+REAL_PROCESS_TREE = ("benchmarks.peak_memory",)  # measures its child's process tree: real processes throughout
+WARM_BENCHMARKS = ("benchmarks.train", "benchmarks.generate", "benchmarks.offload_profile", "benchmarks.figure")
+
+
+def _exec_real(argv, env=None):
+    """Become ``python ARGV`` (site on), with ``env`` (default: ours)."""
+    os.execve(sys.executable, [sys.executable, *argv], os.environ if env is None else env)
+
+
+def _receive(conn):
+    """(request, fds) of one client: its JSON line and its stdin, stdout, stderr."""
+    fds = []
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk, ancdata, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(3 * 4))
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(memoryview(payload).cast("i"))
+        if not chunk:
+            raise EOFError("the client went away")
+        data += chunk
+    return json.loads(data), fds
+
+
+def _child(conn, request, fds) -> None:
+    """In the forked child: become the command, send its status, never return."""
+    from tests.helpers.forkserver import exit_flushed, run_as_main
+
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        _threads_as_started()
+        conn.sendall(f"{os.getpid()}\n".encode())
+        code = run_as_main(request["module"], request["argv"])
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        exit_flushed(code, lambda: conn.sendall(f"{code}\n".encode()))
+
+
+def _threads_as_started() -> None:
+    """torch's threads as a fresh interpreter with this environment would start them: the server imports with
+    one (``OMP_NUM_THREADS=1``: no thread pool to copy into its children)."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads and threads.isdigit() else len(os.sched_getaffinity(0)))
+
+
+def serve(path: str) -> None:
+    """Bind ``path``, import, say ``ready``, then fork a child per connection (reaping the ended ones)."""
+    import importlib
+
+    from tests.helpers import forkserver
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    for module in forkserver.WARM + WARM_BENCHMARKS:
+        importlib.import_module(module)
+    forkserver._warm_work()  # refuses to serve with a thread started
+    signal.signal(signal.SIGTERM, _stop)
+    print("ready", flush=True)
+    try:
+        _accept(listener)
+    except SystemExit:  # SIGTERM: wait for the children (their time counts as this process's children's), then
+        _reap(0)  # end without the interpreter's teardown of torch and DeepSpeed (seconds, for nothing)
+        os._exit(0)
+
+
+def _stop(signum, frame):
+    raise SystemExit(0)
+
+
+def _reap(options: int) -> None:
+    """Wait for the ended children (``os.WNOHANG``), or for all of them (0)."""
+    while True:
+        try:
+            if os.waitpid(-1, options)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _accept(listener) -> None:
+    """Fork a child per connection, for ever."""
+    while True:
+        conn, _ = listener.accept()
+        _reap(os.WNOHANG)
+        try:
+            request, fds = _receive(conn)
+        except (EOFError, OSError, ValueError):
+            conn.close()
+            continue
+        if os.fork() == 0:
+            listener.close()
+            _child(conn, request, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+
+
+def _client(argv) -> None:
+    """Run ``python ARGV`` through the server when it can, else in a real interpreter; exit with its status."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path or len(argv) < 2 or argv[0] != "-m" or argv[1] in REAL_PROCESS_TREE:
+        env = dict(os.environ)
+        if len(argv) > 1 and argv[1] in REAL_PROCESS_TREE:
+            env.pop(SOCKET_ENV, None)  # what it starts is part of its tree too
+        _exec_real(argv, env)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        _exec_real(argv)
+    request = dict(module=argv[1], argv=argv[2:], env=dict(os.environ), cwd=os.getcwd())
+    conn.sendmsg([(json.dumps(request) + "\n").encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(_fds()))])
+    reader = conn.makefile("r")
+    pid = int(reader.readline() or 0)
+    if pid:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _: os.kill(pid, signum))
+    status = reader.readline().strip()
+    if not status:  # killed before it could say: a signal's status, as the shell reports one
+        print(f"fork_python: {argv[1]} (pid {pid}) ended without a status", file=sys.stderr)
+        sys.exit(137)
+    sys.exit(int(status))
+
+
+def _fds():
+    import array
+
+    return array.array("i", [0, 1, 2])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        _client(sys.argv[1:])
