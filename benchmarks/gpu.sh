@@ -327,7 +327,7 @@ DRY_LLAMA=(--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128
            --decoder-kv-heads 2 --tokens-per-sample 32 --batch-size 2)
 DRY_MOE=("${DRY_LLAMA[@]}" --decoder-head-dim 16 --moe-num-experts 4 --moe-ffn-embed-dim 32 --moe-top-k 2)
 DRY_LATENT=("${DRY_MOE[@]}" --kv-lora-rank 16 --qk-nope-head-dim 16 --v-head-dim 16 --moe-shared-ffn-embed-dim 32)
-DRY_BENCH=(--warmup 1 --steps 1 --vocab 512 --threads 2)
+DRY_BENCH=(--warmup 1 --steps 1 --vocab 512 --threads 2 --no-peak-after)
 
 # adapt ARG...: the entry's command as it runs, in ARGS: unchanged on a GPU; in --dry-run on the CPU, without
 # the flags that need a GPU (--compile: inductor's CPU build would take minutes; --fp8, --fp8-experts: float8

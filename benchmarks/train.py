@@ -129,6 +129,13 @@ def parse(argv):
         action="store_true",
         help="the MoE experts' grouped GEMMs in float8 (torchao's MoE training recipe, rowwise; CUDA)",
     )
+    ap.add_argument(
+        "--no-peak-after",
+        dest="peak_after",
+        action="store_false",
+        help="on a CPU, the peak as measured before the run only, not again after it (a second of large matmuls:"
+        " gpu.sh's dry run, whose figures are no measurement)",
+    )
     add_results_flag(ap)
     ours, rest = ap.parse_known_args(argv)
     preset_flags, vocab, warmup, steps = PRESETS[ours.preset]
@@ -372,7 +379,7 @@ def main(argv=None):
             for sort in sorts:  # on GPU also by CPU time: host-side work (offloaded optimizer, syncs) shows there
                 f.write(f"sorted by {sort}\n")
                 f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=45) + "\n")
-    if device.type == "cpu":
+    if device.type == "cpu" and ours.peak_after:
         # The same measurement again after the run, the higher of the two counts: a neighbour
         # process during either one lowers the peak, which would inflate the MFU.
         peak_after = throughput.best_matmul_flops(device, dtype)
@@ -412,7 +419,7 @@ def main(argv=None):
         f"FLOPs/token {fpt / 1e6:.1f}M (6N + 12LdT), {tokens} tokens/step, "
         f"warmup {ours.warmup}, timed steps {ours.steps}, final loss {out['loss'] / tokens / 0.6931:.3f} bits"
     )
-    if device.type == "cpu":
+    if device.type == "cpu" and ours.peak_after:
         how = f"best matmul rate, measured {peak / 1e9:.1f} before and {peak_after / 1e9:.1f} GFLOP/s after the run"
     else:
         how = "toolkit.logging.throughput.peak_flops"
