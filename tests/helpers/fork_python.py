@@ -10,8 +10,9 @@ Two sides, one Unix socket (``$TOOLKIT_FORK_PYTHON``):
 
 * the server (``python -m tests.helpers.fork_python --serve SOCKET``, with ``OMP_NUM_THREADS=1``) imports what
   the test fork server imports (``tests/helpers/forkserver.py``: one thread, no thread pool started), prints
-  ``ready``, then forks one child per connection: the child takes the client's stdin/stdout/stderr (passed over the socket), environment and folder,
-  runs the module as ``__main__`` (``runpy``, as ``python -m`` does) and sends back its exit status;
+  ``ready``, then forks one child per connection: the child takes the client's stdin/stdout/stderr (passed over
+  the socket), environment and folder, runs the module as ``__main__`` (``runpy``, as ``python -m`` does) and
+  sends back its exit status;
 * the client (this file run as a script, site-less: it starts in milliseconds) sends its command and its three
   descriptors, forwards SIGINT/SIGTERM (``timeout``'s) to the child, and exits with the child's status.
 
