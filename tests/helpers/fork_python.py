@@ -58,6 +58,7 @@ def _child(conn, request, fds) -> None:
 
     code = 1
     try:
+        _die_with_server()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
@@ -75,6 +76,15 @@ def _child(conn, request, fds) -> None:
         traceback.print_exc()
     finally:
         exit_flushed(code, lambda: conn.sendall(f"{code}\n".encode()))
+
+
+def _die_with_server() -> None:
+    """SIGKILL this child when the server ends (Linux's PR_SET_PDEATHSIG): a test that kills the server leaves no
+    command of its own running."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _threads_as_started() -> None:

@@ -84,8 +84,12 @@ def forked_python(tmp_path):
     )
     processes.read_until(server, lambda line: line == "ready\n", timeout=300)
     yield {"TOOLKIT_PY": f"{sys.executable} -S {fork_python.__file__}", fork_python.SOCKET_ENV: path}
-    server.terminate()  # it waits for its children, then ends (killed at the test's end if not)
-    server.wait(timeout=60)
+    server.terminate()  # it waits for its children (counted in the test's CPU time), then ends
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # a child still running: killed with the server (PR_SET_PDEATHSIG)
+        server.kill()
+        server.wait()
 
 
 @pytest.fixture(scope="module")
