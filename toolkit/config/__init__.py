@@ -290,7 +290,8 @@ class DistributedConfig:
     pipeline_balance: Optional[str] = opt(
         None,
         "layers per stage, fairseq's list ('[2,3]' or '2,3'; one count per stage and virtual stage); "
-        "default: an even split, the remainder to the first stages",
+        "default: the split whose costliest stage (its layers' parameters, the embeddings counted on the first, "
+        "the final norm and the head on the last) costs least",
     )
     pipeline_microbatches: int = opt(
         0,

@@ -85,15 +85,20 @@ def default_microbatches(pp: int, schedule: str) -> int:
     return pp * virtual_stages(schedule)
 
 
-def layer_counts(layers: int, stages: int, balance: Optional[str]) -> List[int]:
-    """Layers per stage: ``--pipeline-balance`` (fairseq's list, one count per stage) or an even split whose
-    remainder goes to the first stages; a one-line UserError when they do not add up or leave a stage empty."""
+def layer_counts(
+    layers: int, stages: int, balance: Optional[str], costs: Optional[Sequence[float]] = None
+) -> List[int]:
+    """Layers per stage: ``--pipeline-balance`` (fairseq's list, one count per stage); else, given each layer's
+    ``costs`` (:func:`layer_costs`), the contiguous split whose costliest stage costs least; else an even split whose
+    remainder goes to the first stages. A one-line UserError when they do not add up or leave a stage empty."""
     if balance is None or not str(balance).strip():
         if layers < stages:
             raise UserError(
                 f"--pipeline-parallel-size: {stages} stages need at least {stages} layers and the model has {layers}; "
                 f"lower --pipeline-parallel-size (or use a schedule with one stage per rank)"
             )
+        if costs is not None:
+            return balanced_counts(costs, stages)
         return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
     try:
         counts = [int(x) for x in str(balance).strip().strip("[]()").split(",") if x.strip()]
@@ -107,6 +112,45 @@ def layer_counts(layers: int, stages: int, balance: Optional[str]) -> List[int]:
     return counts
 
 
+def layer_costs(named_numels: Sequence[Tuple[str, int]], layers: int) -> List[float]:
+    """Each layer's cost for the default split: the values of its parameters (what its stage keeps, updates and,
+    for a block's matmuls, multiplies with), the embeddings' added to the first layer's and the final norm's and
+    the output layer's to the last one's (their stages hold them). The planner prices the same split with it."""
+    costs = [0.0] * layers
+    for name, numel in named_numels:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            costs[int(parts[1])] += numel
+        else:
+            costs[0 if "embed" in name else layers - 1] += numel
+    return costs
+
+
+def balanced_counts(costs: Sequence[float], stages: int) -> List[int]:
+    """The contiguous split of ``costs`` into ``stages`` non-empty runs whose largest sum is smallest (the least
+    limit at which filling the stages in turn places every layer, by bisection), each stage filled toward an even
+    share of what is left, so the slack of that limit is spread over the stages instead of left to the last."""
+
+    def fill(limit: float, even: bool) -> Optional[List[int]]:
+        counts, i, left = [], 0, float(sum(costs))
+        for stage in range(stages):
+            start, total, share = i, 0.0, left / (stages - stage)
+            while i < len(costs) - (stages - stage - 1) and (i == start or total + costs[i] <= limit):
+                if even and i > start and abs(total + costs[i] - share) > abs(total - share):
+                    break
+                total += costs[i]
+                i += 1
+            counts.append(i - start)
+            left -= total
+        return counts if i == len(costs) else None
+
+    low, high = max(costs), float(sum(costs))
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fill(mid, False) is not None else (mid, high)
+    return fill(high, True) or fill(high, False) or fill(float(sum(costs)), False)
+
+
 def rank_stage_indices(pp_rank: int, pp: int, schedule: str) -> List[int]:
     """The stages rank ``pp_rank`` of the pp axis runs, in the order its schedule takes them."""
     _, per_rank, placement = SCHEDULES[schedule]
@@ -115,10 +159,12 @@ def rank_stage_indices(pp_rank: int, pp: int, schedule: str) -> List[int]:
     return [pp_rank + v * pp for v in range(per_rank)]
 
 
-def stage_specs(layers: int, pp: int, pp_rank: int, schedule: str, balance: Optional[str]) -> List[StageSpec]:
-    """This rank's stages and their layers."""
+def stage_specs(
+    layers: int, pp: int, pp_rank: int, schedule: str, balance: Optional[str], costs: Optional[Sequence[float]] = None
+) -> List[StageSpec]:
+    """This rank's stages and their layers (``costs``: each layer's, for the default split)."""
     stages = pp * virtual_stages(schedule)
-    counts = layer_counts(layers, stages, balance)
+    counts = layer_counts(layers, stages, balance, costs)
     starts = [sum(counts[:i]) for i in range(stages)]
     return [
         StageSpec(i, tuple(range(starts[i], starts[i] + counts[i])), i == 0, i == stages - 1)
@@ -527,7 +573,9 @@ def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
     check_pipelinable(model)
     pp = dims.shape.pp
     pp_rank = dims.shape.coordinates(dims.rank)["pp"]
-    specs = stage_specs(len(model.layers), pp, pp_rank, cfg.pipeline_schedule, cfg.pipeline_balance)
+    layers = len(model.layers)
+    costs = layer_costs([(name, p.numel()) for name, p in model.named_parameters()], layers)
+    specs = stage_specs(layers, pp, pp_rank, cfg.pipeline_schedule, cfg.pipeline_balance, costs)
     sequence_parallel = dims.shape.tp > 1 and not cfg.no_sequence_parallel
     prune_to_stages(model, specs, pp, sequence_shards=dims.shape.tp if sequence_parallel else 1)
     return specs

@@ -12,6 +12,7 @@ from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.memory import Item, memory_items, optimizer_state
 from toolkit.plan.model_stats import ModelStats, model_stats
+from toolkit.plan.pipeline import StageRank, check_pipeline, stage_ranks
 from toolkit.plan.setup import Setup, setup_from_config
 from toolkit.plan.step_time import StepTime, step_time
 from toolkit.plan.update_peak import Peak, update_peak
@@ -29,7 +30,19 @@ class Plan:
     hw: Hardware
 
     @functools.cached_property
+    def stage_ranks(self) -> Tuple[StageRank, ...]:
+        """Under ``--pipeline-parallel-size``: every pp rank's rows (:mod:`toolkit.plan.pipeline`); else none."""
+        return stage_ranks(self.stats, self.setup, self.hw) if self.setup.pp > 1 else ()
+
+    @property
+    def fullest_stage(self) -> StageRank:
+        """The pp rank whose peak is highest (GPU memory, or host memory without a GPU): the one that decides."""
+        return max(self.stage_ranks, key=lambda r: r.gpu if self.hw.has_gpu else r.host)
+
+    @functools.cached_property
     def items(self) -> Tuple[Item, ...]:
+        if self.stage_ranks:
+            return self.fullest_stage.items
         return tuple(memory_items(self.stats, self.setup, self.hw))
 
     @functools.cached_property
@@ -38,6 +51,10 @@ class Plan:
 
     @functools.cached_property
     def update_peak(self) -> Peak:
+        if self.stage_ranks:  # a pipeline rank's rows all live at its peak (the micro-batches most in flight)
+            rank, items = self.fullest_stage, [i for i in self.fullest_stage.items if not i.persistent]
+            where = f"pp rank {rank.rank}'s peak, {rank.in_flight} micro-batch(es) in flight"
+            return Peak(sum(i.gpu for i in items), sum(i.host for i in items), where)
         return update_peak(self.stats, self.setup, self.hw)
 
     @property
@@ -79,6 +96,7 @@ def make_plan(cfg: Any, hw: Hardware, vocab_size: Optional[int] = None, world_si
     check_sequence_split(setup.cp, cfg.task, cfg.model)  # samples that do not cut into 2 x cp chunks, likewise
     stats = model_stats(cfg, setup.compute_dtype, vocab_size)
     check_model_splits(setup, stats)
+    check_pipeline(stats, setup)
     return Plan(stats, setup, hw)
 
 

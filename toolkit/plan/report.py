@@ -22,6 +22,7 @@ def _layout(plan: Any) -> str:
         (f", TP {s.mp}" if s.mp > 1 else "")
         + (f", CP {s.cp}" if s.cp > 1 else "")
         + (f", EP {s.ep}" if s.ep > 1 else "")
+        + (f", PP {s.pp} ({s.pp_schedule})" if s.pp > 1 else "")
         + (", cpu-offload" if s.cpu_offload else "")
         + (", checkpointed" if s.checkpoint else "")
     )
@@ -61,8 +62,10 @@ def layouts(plan: Any, found: SearchResult) -> str:
     ]
     if found.shown:
         lines.append(f"  {'step':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'GPU':>10} {'host/node':>11}  flags")
-    for c in found.shown:
+    for c in found.shown + ((found.pipelined,) if found.pipelined else ()):
         p = c.plan
+        if c is found.pipelined:
+            lines.append("  the fastest with pipeline stages:")
         lines.append(
             f"  {c.step_s:>7.3f} s {p.time.tokens_per_step / c.step_s:>10,.0f} {p.time.tflops_per_gpu:>8.0f} "
             f"{_gib(p.gpu_peak) if hw.has_gpu else '-':>10} {_gib(p.host_peak_node):>11}  "
@@ -90,6 +93,26 @@ def recurrent_state(plan: Any) -> str:
             f"({kv / (state + conv):.1f}x)"
         )
     return line
+
+
+def pipeline_lines(plan: Any) -> List[str]:
+    """Under ``--pipeline-parallel-size``: the schedule, its micro-batches and bubble, and each pp rank's layers,
+    micro-batches in flight at its peak and peak (the table above is the fullest rank's)."""
+    if not plan.stage_ranks:
+        return []
+    from toolkit.plan.pipeline import bubble_fraction, microbatch_sequences, microbatches
+
+    s, where = plan.setup, "GPU" if plan.hw.has_gpu else "host"
+    m = microbatches(s)
+    lines = [
+        f"pipeline: {s.pp} ranks along pp, {s.pp_schedule}, {m} micro-batches of {microbatch_sequences(s):g} "
+        f"sequence(s), bubble {bubble_fraction(s.pp_schedule, s.pp, m):.1%}; the rows above are pp rank "
+        f"{plan.fullest_stage.rank}'s, each rank's {where} peak:"
+    ]
+    for r in plan.stage_ranks:
+        peak = r.gpu if plan.hw.has_gpu else r.host
+        lines.append(f"  pp rank {r.rank}: {_gib(peak):>10}  {r.describe()}, {r.in_flight} micro-batch(es) in flight")
+    return lines
 
 
 def sparse_and_latent(plan: Any) -> List[str]:
@@ -130,6 +153,7 @@ def table(plan: Any, found: Optional[SearchResult] = None) -> str:
         f"  x {plan.ranks_per_node} rank(s) per node = {_gib(plan.host_peak_node)} host; "
         f"at the {plan.update_peak.where}"
     )
+    lines += pipeline_lines(plan)
     lines += sparse_and_latent(plan)
     lines.append(
         f"FLOPs per step and rank: {t.flops_per_rank / 1e12:.1f} TFLOP ({t.tokens_per_step} tokens per update)"
@@ -140,6 +164,7 @@ def table(plan: Any, found: Optional[SearchResult] = None) -> str:
         f"step time: {t.total_s:.3f} s (compute {t.compute_s:.3f} s, optimizer {t.optimizer_s:.3f} s), "
         f"{t.tokens_per_step / t.total_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU"
         + (f" ({t.tflops_per_gpu * 8 / 6:.0f} counting the recomputed forward)" if plan.setup.checkpoint else "")
+        + (f"; pipeline bubble {t.bubble:.1%} of it" if plan.setup.pp > 1 else "")
     )
     lines.append(verdict(plan, found))
     return "\n".join(lines)

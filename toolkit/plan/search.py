@@ -5,8 +5,10 @@ What it varies, each through a ``toolkit-train`` flag:
 
 * the parallel axes (:data:`AXES`): ``--model-parallel-size`` (within a node, dividing what the model's
   tensor-parallel plan splits), ``--context-parallel-size`` (families with context-parallel attention, whose
-  samples cut into 2C chunks: toolkit-train's ``check_sequence_split``), ``--expert-parallel-size`` (MoE families, dividing a layer's experts).
-  Pipeline stages are one more :class:`Axis` entry once the trainer has them;
+  samples cut into 2C chunks: toolkit-train's ``check_sequence_split``), ``--expert-parallel-size`` (MoE families, dividing a layer's experts),
+  ``--pipeline-parallel-size`` (at most the model's layers) with every ``--pipeline-schedule``, each update's
+  sequences in one batch of one sequence per micro-batch (``--pipeline-microbatches``: the fewest fills and drains,
+  the smallest bubble, the least in flight);
 * the data-parallel mode (:func:`data_parallel_modes`): DDP (``c10d``), FSDP2's ``full_shard`` /
   ``shard_grad_op`` / ``no_shard``, HSDP's ``hybrid_shard`` / ``hybrid_shard_zero2`` with every
   ``--shard-group-size`` that divides the data-parallel ranks;
@@ -45,6 +47,8 @@ from toolkit.core.errors import UserError
 from toolkit.distributed.context_parallel import check_sequence_split
 from toolkit.plan.hardware import Hardware
 from toolkit.plan.model_stats import ModelStats
+from toolkit.distributed.pipeline import default_microbatches
+from toolkit.plan.pipeline import PIPELINE_SCHEDULES, check_pipeline
 from toolkit.plan.planner import Plan
 from toolkit.plan.setup import Setup, data_parallel_fields, sample_tokens, setup_from_config
 
@@ -105,12 +109,16 @@ def _expert_parallel_sizes(space: Space) -> List[int]:
     return [e for e in divisors(space.world) if e == 1 or (able and experts and experts % e == 0)]
 
 
+def _pipeline_sizes(space: Space) -> List[int]:
+    """Stages of at least one layer each; whether the family cuts into stages is composition's refusal."""
+    return [p for p in divisors(space.world) if p <= space.stats.num_layers]
+
+
 AXES: Tuple[Axis, ...] = (
     Axis("--model-parallel-size", "mp", _tensor_parallel_sizes),
     Axis("--context-parallel-size", "cp", _context_parallel_sizes),
     Axis("--expert-parallel-size", "ep", _expert_parallel_sizes, multiplies=False),
-    # Pipeline stages: Axis("--pipeline-parallel-size", "pp", <stages dividing the layers>), with Setup.pp and
-    # the stage's memory and bubble in toolkit.plan.memory / step_time.
+    Axis("--pipeline-parallel-size", "pp", _pipeline_sizes),
 )
 
 
@@ -198,6 +206,7 @@ class SearchResult:
     fitting: int
     priced: int
     refused: int  # fitting layouts toolkit-train's resolver refuses (dropped)
+    pipelined: Optional[Candidate] = None  # the fastest with pipeline stages, when none of those shown has them
 
 
 class Search:
@@ -216,16 +225,20 @@ class Search:
         space = Space(self.base, self.stats_of(self.base.compute_dtype), self.hw)
         out: List[Candidate] = []
         for sizes in axis_sizes(space):
-            replica = sizes["mp"] * sizes["cp"]
+            replica = sizes["mp"] * sizes["cp"] * sizes["pp"]
             for mode in data_parallel_modes(self.cfg.distributed, self.base.world, replica, sizes["mp"]):
-                layout = self._layout(sizes, mode)
-                if layout is None:
-                    continue
-                for memory in memory_settings(self.base, layout.backend == "fully_sharded"):
-                    best = self._fastest_batch(self._with_memory(layout, memory))
-                    if best is not None:
-                        out.append(self._candidate(best))
+                for schedule in self._schedules(sizes["pp"]):
+                    layout = self._layout(dict(sizes, pp_schedule=schedule), mode)
+                    if layout is None:
+                        continue
+                    for memory in memory_settings(self.base, layout.backend == "fully_sharded"):
+                        best = self._fastest_batch(self._with_memory(layout, memory))
+                        if best is not None:
+                            out.append(self._candidate(best))
         return out
+
+    def _schedules(self, pp: int) -> Sequence[str]:
+        return PIPELINE_SCHEDULES if pp > 1 else (self.base.pp_schedule,)
 
     def _layout(self, sizes: Dict[str, int], mode: DataParallel) -> Optional[Setup]:
         """The Setup of these sizes and mode with the batch as given, or None where toolkit-train refuses it."""
@@ -280,7 +293,8 @@ class Search:
     def _sequences(self, setup: Setup) -> int:
         """Sequences per data-parallel rank and update that keep the update's size as given (0: no whole number)."""
         base = self.base
-        per_rank, rest = divmod(base.batch_sequences * base.update_freq * setup.mp * setup.cp, base.mp * base.cp)
+        given = base.batch_sequences * base.update_freq * setup.mp * setup.cp * setup.pp
+        per_rank, rest = divmod(given, base.mp * base.cp * base.pp)
         return per_rank if not rest else 0
 
     def _batched(self, setup: Setup, batch: int) -> Setup:
@@ -294,6 +308,8 @@ class Search:
         n = self._sequences(setup)
         if not n or self._refusal(setup) is not None:
             return None
+        if setup.pp > 1:
+            return self._pipelined_batch(setup, n)
         whole = self._plan(self._batched(setup, n))
         if whole.fits or n == 1:
             return whole if whole.fits else None
@@ -305,6 +321,28 @@ class Search:
         while low <= high:
             mid = (low + high) // 2
             plan = self._plan(self._batched(setup, sizes[mid]))
+            if plan.fits:
+                best, low = plan, mid + 1
+            else:
+                high = mid - 1
+        return best
+
+    def _pipelined_batch(self, setup: Setup, n: int) -> Optional[Plan]:
+        """A pipeline's plan of the largest batch that fits, cut into one sequence per micro-batch (the fewest fills
+        and drains: the smallest bubble, the least in flight), at least the schedule's default micro-batches; None
+        where none fits or the schedule refuses it. Memory grows with the batch (torch's receive buffers are one per
+        micro-batch, GPipe keeps them all in flight)."""
+        fewest = default_microbatches(setup.pp, setup.pp_schedule)
+        sizes = [b for b in divisors(n) if b >= fewest]
+        low, high, best = 0, len(sizes) - 1, None
+        while low <= high:
+            mid = (low + high) // 2
+            pipelined = dataclasses.replace(self._batched(setup, sizes[mid]), pp_microbatches=sizes[mid])
+            try:
+                check_pipeline(self.stats_of(setup.compute_dtype), pipelined)
+            except UserError:
+                return best
+            plan = self._plan(pipelined)
             if plan.fits:
                 best, low = plan, mid + 1
             else:
@@ -326,6 +364,8 @@ class Search:
             model_parallel_size=setup.mp,
             context_parallel_size=setup.cp,
             expert_parallel_size=setup.ep,
+            pipeline_parallel_size=setup.pp,
+            pipeline_schedule=setup.pp_schedule,
             ddp_backend=setup.backend,
             sharding_strategy=setup.strategy if setup.backend == "fully_sharded" else cfg.distributed.sharding_strategy,
             shard_group_size=setup.shard_group_size,
@@ -355,6 +395,10 @@ class Search:
         for axis in AXES:
             if getattr(s, axis.field) != getattr(base, axis.field):
                 out += [axis.flag, str(getattr(s, axis.field))]
+        if s.pp > 1 and s.pp_schedule != base.pp_schedule:
+            out += ["--pipeline-schedule", s.pp_schedule]
+        if s.pp > 1 and s.pp_microbatches != base.pp_microbatches:
+            out += ["--pipeline-microbatches", str(s.pp_microbatches)]
         if s.backend != base.backend:
             out += ["--ddp-backend", s.backend]
         if s.backend == "fully_sharded" and s.strategy != dist.sharding_strategy:
@@ -390,6 +434,8 @@ _REFUSAL_FIELDS = (
     "mp",
     "cp",
     "ep",
+    "pp",
+    "pp_schedule",
     "backend",
     "strategy",
     "shard_group_size",
@@ -450,7 +496,10 @@ def search(
         if alike not in same_as_shown:  # another data-parallel mode at the same speed: not worth a line
             same_as_shown.add(alike)
             shown.append(candidate)
-    return SearchResult(tuple(shown), len(fitting), finder.priced, refused)
+    pipelined = None
+    if not any(c.plan.setup.pp > 1 for c in shown):
+        pipelined = next((c for c in fitting if c.plan.setup.pp > 1 and accepts(c)), None)
+    return SearchResult(tuple(shown), len(fitting), finder.priced, refused, pipelined)
 
 
 BATCH_FLAGS = ("--batch-size", "--max-tokens", "--update-freq")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -40,6 +40,10 @@ class Setup:
     cp: int = 1  # --context-parallel-size
     document_mask: bool = False  # --document-attention-mask: the CP mask has a row block per sequence
     ep: int = 1  # --expert-parallel-size
+    pp: int = 1  # --pipeline-parallel-size
+    pp_schedule: str = "1f1b"  # --pipeline-schedule
+    pp_microbatches: int = 0  # --pipeline-microbatches (0: pp x the schedule's virtual stages per rank)
+    pp_balance: Optional[str] = None  # --pipeline-balance
 
     @property
     def rank_sequences(self) -> float:
@@ -50,7 +54,8 @@ class Setup:
 
     @property
     def dp(self) -> int:
-        return max(1, self.world // self.mp)
+        """Data-parallel ranks (of one pipeline stage)."""
+        return max(1, self.world // (self.mp * self.pp))
 
     @property
     def bucketed_all_reduce(self) -> bool:
@@ -69,6 +74,7 @@ class Setup:
             tp=self.mp,
             cp=self.cp,
             ep=self.ep,
+            pp=self.pp,
         )
 
     @property
@@ -126,6 +132,10 @@ def setup_from_config(cfg: Any, gpu: bool) -> Setup:
         cp=dist.context_parallel_size,
         document_mask=bool(getattr(cfg.task, "document_attention_mask", False)),
         ep=dist.expert_parallel_size,
+        pp=dist.pipeline_parallel_size,
+        pp_schedule=dist.pipeline_schedule,
+        pp_microbatches=dist.pipeline_microbatches,
+        pp_balance=dist.pipeline_balance,
     )
 
 

@@ -33,6 +33,7 @@ class StepTime:
     optimizer_s: float
     total_s: float
     tokens_per_step: int  # all ranks, one update
+    bubble: float = 0.0  # the share of the step a pipeline's ranks wait (--pipeline-parallel-size)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -113,6 +114,8 @@ def context_parallel_bytes(stats: ModelStats, setup: Setup) -> float:
 
 
 def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
+    if setup.pp > 1:
+        return pipelined_step_time(stats, setup, hw)
     tokens_rank = setup.rank_sequences * stats.tokens_per_sample * setup.update_freq
     flops = stats.flops_per_token * tokens_rank / setup.mp
     executed = flops * (8 / 6 if setup.checkpoint else 1.0)  # the recomputed forward
@@ -131,3 +134,28 @@ def step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
     return StepTime(
         flops, compute, tuple((n, b, s) for n, b, s, _ in comms), optimizer, total, int(round(tokens_rank * setup.dp))
     )
+
+
+def pipelined_step_time(stats: ModelStats, setup: Setup, hw: Hardware) -> StepTime:
+    """``--pipeline-parallel-size``: each pp rank's step (its stages' FLOPs over the whole batch, FSDP2's
+    collectives of its stage with the layers kept gathered, the sends and receives at its boundaries), the compute
+    stretched by the schedule's bubble (:func:`toolkit.plan.pipeline.bubble_fraction`); the slowest rank's."""
+    import dataclasses
+
+    from toolkit.plan import pipeline
+
+    bubble = pipeline.bubble_fraction(setup.pp_schedule, setup.pp, pipeline.microbatches(setup))
+    flat = dataclasses.replace(setup, pp=1, reshard=False)
+    flat = dataclasses.replace(flat, world=setup.world // setup.pp)  # a stage's ranks
+    slowest = None
+    for view in pipeline.rank_views(stats, setup):
+        t = step_time(view.stats, flat, hw)
+        comms = collectives(view.stats, flat, hw) + [pipeline.pipeline_comm(stats, setup, _link(hw, setup.world))]
+        overlapped = sum(s for _, _, s, o in comms if o)
+        exposed = sum(s for _, _, s, o in comms if not o)
+        total = max(t.compute_s / (1 - bubble), overlapped) + exposed + t.optimizer_s
+        if slowest is None or total > slowest.total_s:
+            comm = tuple((n, b, s) for n, b, s, _ in comms)
+            slowest = dataclasses.replace(t, comm=comm, total_s=total, bubble=bubble)
+    flops = stats.flops_per_token * setup.rank_sequences * stats.tokens_per_sample * setup.update_freq / setup.mp
+    return dataclasses.replace(slowest, flops_per_rank=flops / setup.pp)
