@@ -2,6 +2,7 @@
 
     python -m benchmarks.pipeline_schedules                         # every schedule, a 4-layer Llama (~1 minute)
     python -m benchmarks.pipeline_schedules --schedules 1f1b,gpipe --json out.json
+    python -m benchmarks.pipeline_schedules --larger                # 256 wide, 256-token rows: the bubble shows
 
 Each rank builds the Llama of ``ARGS`` on the meta device, keeps its stages (``toolkit.distributed.pipeline``), runs
 one warm-up step (torch's stages allocate their receive buffers), drops the gradients, then one step under
@@ -125,7 +126,7 @@ def one_process_step(args: Sequence[str] = ARGS) -> float:
     return (time.perf_counter() - start) / STEPS
 
 
-def _worker(rank: int, world: int, port: int, schedules: Sequence[str], out: str) -> None:
+def _worker(rank: int, world: int, port: int, schedules: Sequence[str], args: Sequence[str], out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -133,7 +134,7 @@ def _worker(rank: int, world: int, port: int, schedules: Sequence[str], out: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mine = measure_rank(rank, world, schedules)
+        mine = measure_rank(rank, world, schedules, args)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
@@ -141,6 +142,17 @@ def _worker(rank: int, world: int, port: int, schedules: Sequence[str], out: str
                 json.dump(everyone, f)
     finally:
         dist.destroy_process_group()
+
+
+LARGER = {"--decoder-embed-dim": "256", "--decoder-ffn-embed-dim": "768", "--tokens-per-sample": "256"}
+
+
+def sized(args: Sequence[str], changes: Dict[str, str]) -> List[str]:
+    """``args`` with the values of ``changes``' flags replaced."""
+    out = list(args)
+    for flag, value in changes.items():
+        out[out.index(flag) + 1] = value
+    return out
 
 
 def main() -> None:
@@ -153,24 +165,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--larger", action="store_true", help="a 256-wide model of 256-token rows: compute outweighs the messages"
+    )
     ns = parser.parse_args()
     schedules = ns.schedules.split(",")
+    args = sized(ARGS, LARGER) if ns.larger else ARGS
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
-        mp.spawn(_worker, args=(2, port, schedules, out), nprocs=2)
+        mp.spawn(_worker, args=(2, port, schedules, args, out), nprocs=2)
         with open(out) as f:
             ranks = json.load(f)
     torch.set_num_threads(1)
-    t1 = one_process_step()
+    t1 = one_process_step(args)
     rows = []
     print(
         f"{'schedule':<18}{'stage':>6}{'measured':>12}{'planned':>12}{'ratio':>7}{'step':>10}{'bubble':>8}{'plan':>7}"
     )
     for i, schedule in enumerate(schedules):
-        plan = planned(schedule)
+        plan = planned(schedule, args)
         step = max(r[i]["step_s"] for r in ranks)
         bubble = 1 - t1 / (len(ranks) * step)
         for stage, r in enumerate(ranks):

@@ -62,10 +62,12 @@ def bubble_fraction(schedule: str, pp: int, m: int) -> float:
 
 @functools.cache
 def in_flight(schedule: str, pp: int, m: int) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
-    """For each rank of the pp axis, the micro-batches each of its stages (``rank_stage_indices``' order) holds
-    saved activations of, after each action of its schedule; ValueError where torch's schedule refuses ``m``."""
+    """For each rank of the pp axis, after each action of its schedule: the micro-batches each of its stages
+    (``rank_stage_indices``' order) holds saved activations of, then those of each whose input backward ran and
+    weight backward did not (they hold the gradients of the stage's matmul outputs too); ValueError where torch's
+    schedule refuses ``m``."""
     if virtual_stages(schedule) == 1:
-        return tuple(((m if schedule == "gpipe" else min(m, pp - r),),) for r in range(pp))
+        return tuple(((m if schedule == "gpipe" else min(m, pp - r), 0),) for r in range(pp))
     from torch.distributed import pipelining
     from torch.distributed.pipelining import schedules
 
@@ -76,17 +78,21 @@ def in_flight(schedule: str, pp: int, m: int) -> Tuple[Tuple[Tuple[int, ...], ..
         for s in rank_stage_indices(0, pp, schedule)
     ]
     order = cls(stand_ins, n_microbatches=m, loss_fn=lambda *a: None, scale_grads=False).pipeline_order
-    frees = (schedules.FULL_BACKWARD, schedules.BACKWARD_WEIGHT)
+    change = {  # (saved, awaiting the weight backward) per action
+        schedules.FORWARD: (1, 0),
+        schedules.FULL_BACKWARD: (-1, 0),
+        schedules.BACKWARD_INPUT: (0, 1),
+        schedules.BACKWARD_WEIGHT: (-1, -1),
+    }
     out = []
     for r in range(pp):
         local = rank_stage_indices(r, pp, schedule)
-        held, states = [0] * V, []
+        held, states = [0] * (2 * V), []
         for action in order[r]:
             for a in (action.sub_actions or (action,)) if action is not None else ():
-                if a.computation_type == schedules.FORWARD:
-                    held[local.index(a.stage_index)] += 1
-                elif a.computation_type in frees:
-                    held[local.index(a.stage_index)] -= 1
+                saved, waiting = change.get(a.computation_type, (0, 0))
+                held[local.index(a.stage_index)] += saved
+                held[V + local.index(a.stage_index)] += waiting
                 states.append(tuple(held))
         out.append(tuple(states))
     return tuple(out)
@@ -219,6 +225,8 @@ def rank_items(
     top = len(counts) - 1
     per_layer = act.block_input / M if setup.checkpoint else act.per_layer * share
     weights = [b * (counts[s] * per_layer + (act.rest / M if s == top else 0)) for s in stages]
+    outputs = matmul_outputs(stats)  # the gradients a weight backward reads, per token: a block's, the head's
+    weights += [b * T * cb * (counts[s] * outputs[0] + (outputs[1] if s == top else 0)) / M for s in stages]
     peak = max(flights, key=lambda state: sum(n * w for n, w in zip(state, weights)))
     saved = sum(n * w for n, w in zip(peak, weights))
     recompute = b * act.per_layer * share if setup.checkpoint else 0
@@ -230,7 +238,7 @@ def rank_items(
     where = (lambda n: (int(n), 0)) if hw.has_gpu else (lambda n: (0, int(n)))
     saved_where = where if not setup.offload_activations else (lambda n: (0, int(n)))
     items = model_state_items(stats, setup, hw) + buffer_items(stats, dataclasses.replace(setup, reshard=False), hw)
-    note = f"{sum(peak)} micro-batch(es) of {b:g} x {T} tokens in flight" + (
+    note = f"{sum(peak[: len(stages)])} micro-batch(es) of {b:g} x {T} tokens in flight" + (
         ", checkpointed" if setup.checkpoint else ""
     )
     items += [
@@ -240,7 +248,15 @@ def rank_items(
     ]
     if hw.has_gpu:
         items.append(Item("runtime", GPU_RUNTIME, HOST_RUNTIME, "CUDA context, libraries", True))
-    return items, sum(peak)
+    return items, sum(peak[: len(stages)])
+
+
+def matmul_outputs(stats: ModelStats) -> Tuple[int, int]:
+    """Output features per token of one block's matmuls and of the root's (the head: the embeddings are no matmul
+    output), i.e. the gradients the zero-bubble schedules keep from a stage's input backward to its weight backward."""
+    block = sum(p.shape[0] * n for p, n in stats.param_groups if p.matmul and p.layer == 0)
+    head = sum(p.shape[0] for p in stats.params if p.matmul and p.layer is None and "embed" not in p.name)
+    return block, head
 
 
 def pipeline_comm(stats: ModelStats, setup: Setup, bandwidth: float) -> Tuple[str, float, float, bool]:
