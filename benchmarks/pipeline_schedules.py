@@ -74,8 +74,11 @@ def _loss(logits: Any, target: Any) -> Any:
     return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="sum")
 
 
-def measure_rank(rank: int, world: int, schedules: Sequence[str], args: Sequence[str] = ARGS) -> List[Dict[str, Any]]:
-    """On each of ``world`` gloo ranks (the process group made): every schedule's parameters, live peak, step time."""
+def measure_rank(
+    rank: int, world: int, schedules: Sequence[str], args: Sequence[str] = ARGS, steps: int = STEPS
+) -> List[Dict[str, Any]]:
+    """On each of ``world`` gloo ranks (the process group made): every schedule's parameters, live peak and the
+    time of a step (over ``steps`` steps; 0: not timed)."""
 
     from toolkit.distributed.parallel_dims import ParallelDims, parallel_shape
     from toolkit.distributed.pipeline import Pipeline, build_pipeline
@@ -98,11 +101,16 @@ def measure_rank(rank: int, world: int, schedules: Sequence[str], args: Sequence
             pipeline.step(tokens, target, _loss, pad=1)
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(steps):
             pipeline.step(tokens, target, _loss, pad=1)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         out.append(
-            dict(schedule=schedule, params=params, live_peak=live.peak, step_s=(time.perf_counter() - start) / STEPS)
+            dict(
+                schedule=schedule,
+                params=params,
+                live_peak=live.peak,
+                step_s=(time.perf_counter() - start) / max(1, steps),
+            )
         )
     return out
 
