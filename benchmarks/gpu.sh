@@ -84,6 +84,9 @@
 #            cannot show context parallelism's scaling; toolkit-plan predicts CP over 8)
 #   muon_offload_llama3_1b / adam_offload_llama3_1b   llama3_1b, FSDP2 + --cpu-offload, --optimizer muon against
 #            cpu_adam, B 4 x T 2048: words/s (the offloaded Muon step against the offloaded Adam step)
+#   pipeline_schedules   benchmarks.pipeline_schedules --larger on the machine's quiet CPU cores (one GPU cannot hold
+#            two NCCL ranks): every schedule's step time, each stage's live-tensor peak against toolkit-plan's, the
+#            measured bubble against the planned one; the table to $RESULTS/pipeline_schedules.json
 #
 #   bash benchmarks/gpu.sh --dry-run [ENTRY ...]   the same entries on CPU with tiny shapes (2 layers of 64,
 #            T 32, 2 updates), GPU-only flags (--compile, --fp8, --fp8-experts) dropped (entries left with the same
@@ -432,7 +435,7 @@ FP8_SHAPE=(--preset llama3_1b --arch llama3_8b --decoder-layers 8 --vocab 32768 
 FIGURES="offload_13 offload_13_bf16 offload_2_7 offload_6_7 mfu_xl mfu_xl_fsdp mfu_llama3_1b mfu_llama3_1b_fsdp
 fp8_d4096_bf16 fp8_d4096_tensorwise fp8_d4096_rowwise decode_xl moe_olmoe moe_olmoe_compile moe_30b_a3b_offload
 cp_llama3_1b_32k muon_offload_llama3_1b adam_offload_llama3_1b profile_13 moe_olmoe_fp8 moe_olmoe_profile
-decode_llama3_1b_hf moe_moonlight plan_calibration mfu_olmo3_7b_8l mfu_smollm3_3b moe_gpt_oss_20b_2l"
+decode_llama3_1b_hf moe_moonlight plan_calibration mfu_olmo3_7b_8l mfu_smollm3_3b moe_gpt_oss_20b_2l pipeline_schedules"
 # OLMoE-1B-7B's shape at 8 of its 16 layers (3.6B parameters, 0.7B active: AdamW's fp32 states of all 16 would
 # crowd an 80 GB GPU), its vocabulary (50304), B 4 x T 2048
 OLMOE_SHAPE=(--preset llama3_1b --arch olmoe_1b_7b --decoder-layers 8 --vocab 50304 --warmup 5)
@@ -497,6 +500,11 @@ run_figure() {
       figure decode_llama3_1b_hf $PY -m benchmarks.generate --preset llama3_1b --device cuda --dtype bf16 \
         --versus-transformers --prompt 256 --new 256 --rounds 3 --warmup 1 "${dry[@]}" ;;
     plan_calibration) calibration_figure ;;
+    pipeline_schedules)
+      local size=(--larger)
+      [ $DRY = 1 ] && size=(--schedules 1f1b)
+      figure pipeline_schedules $PY -m benchmarks.pipeline_schedules "${size[@]}" \
+        --json "$RESULTS/pipeline_schedules.json" ;;
     mfu_olmo3_7b_8l) bench_figure mfu_olmo3_7b_8l windows "${OLMO3_SHAPE[@]}" ;;
     # SmolLM3-3B whole (every fourth layer NoPE, tied), B 2 x T 4096
     mfu_smollm3_3b) bench_figure mfu_smollm3_3b llama --preset llama3_1b --arch smollm3_3b --vocab 128256 \

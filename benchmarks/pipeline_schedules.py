@@ -207,6 +207,7 @@ def main() -> None:
                 f"{ratio:>7.2f}{step * 1e3:>8.1f}ms{bubble:>8.1%}{plan['bubble']:>7.1%}"
             )
     print(f"one process: {t1 * 1e3:.1f} ms a step")
+    print(json.dumps({"benchmark": "pipeline_schedules", "args": args, "one_process_s": t1, "rows": rows}))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -151,6 +151,9 @@ def check_line(line):
         assert {r["figure"] for r in result["layouts"]} >= {"offload_13", "moe_30b_a3b_offload"}, result["layouts"]
         fit = result["fits"]["NVIDIA H200"]
         assert fit["host_link_gbps"] > 0 and fit["cpu_adam_gparams"] > 0 and fit["layouts"] >= 3, fit
+    elif name == "pipeline_schedules":  # 2 gloo CPU ranks: each stage's live peak beside the plan's
+        assert result["benchmark"] == "pipeline_schedules" and len(result["rows"]) == 2, line
+        assert all(r["measured"] > 0 and r["planned"] > 0 for r in result["rows"]), line
     else:
         assert result["benchmark"] == "train_step" and result["layers"] == 2 and result["tokens_per_s"] > 0, line
 
