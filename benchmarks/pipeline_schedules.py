@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from typing import Any, Dict, List, Sequence
+
+from benchmarks.timing import now
 
 ARGS = [
     "--arch", "llama", "--decoder-layers", "4", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
@@ -100,7 +101,7 @@ def measure_rank(
         with LivePeak() as live:
             pipeline.step(tokens, target, _loss, pad=1)
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = now()
         for _ in range(steps):
             pipeline.step(tokens, target, _loss, pad=1)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -109,7 +110,7 @@ def measure_rank(
                 schedule=schedule,
                 params=params,
                 live_peak=live.peak,
-                step_s=(time.perf_counter() - start) / max(1, steps),
+                step_s=(now() - start) / max(1, steps),
             )
         )
     return out
@@ -127,11 +128,11 @@ def one_process_step(args: Sequence[str] = ARGS) -> float:
     init_weights(model, 1)
     tokens, target = _batch(cfg)
     _loss(model(tokens), target).backward()
-    start = time.perf_counter()
+    start = now()
     for _ in range(STEPS):
         _loss(model(tokens), target).backward()
     del torch
-    return (time.perf_counter() - start) / STEPS
+    return (now() - start) / STEPS
 
 
 def _worker(rank: int, world: int, port: int, schedules: Sequence[str], args: Sequence[str], out: str) -> None:
