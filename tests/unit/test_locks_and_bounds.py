@@ -237,7 +237,7 @@ def test_the_planner_refuses_what_training_refuses():
     import dataclasses
 
     fields = {f.name: None for f in dataclasses.fields(Setup)}
-    base = dict(fields, world=8, mp=3, cp=1, ep=1, fsdp=True, strategy="full_shard", shard_group_size=None)
+    base = dict(fields, world=8, mp=3, cp=1, ep=1, pp=1, fsdp=True, strategy="full_shard", shard_group_size=None)
     with pytest.raises(UserError, match="--model-parallel-size 3: must divide the world size 8"):
         Setup(**base).layout(gpus_per_node=8)  # the planner's check is the mesh's own (ParallelDims)
     Setup(**dict(base, mp=4)).layout(gpus_per_node=8)
