@@ -67,13 +67,15 @@ class SplitLimits:
     """What the model allows each parallel axis, read from the model (what toolkit-train's workers check):
     ``tp_divisible``: (flag, size) pairs a tensor-parallel size must divide (heads, widths; the context length
     under sequence parallelism); ``tp_refused``: toolkit-train's one-line refusal of a tensor-parallel split of it
-    (None: it takes one); ``context_parallel`` / ``expert_parallel``: toolkit-train takes that split of it;
+    (None: it takes one); ``context_parallel`` / ``expert_parallel`` / ``pipeline_parallel``: toolkit-train takes
+    that split of it;
     ``experts``: a MoE layer's experts (what --expert-parallel-size must divide; 0 without MoE)."""
 
     tp_divisible: Tuple[Tuple[str, int], ...] = ()
     tp_refused: Optional[str] = "the model has no tensor-parallel plan"
     context_parallel: bool = False
     expert_parallel: bool = False
+    pipeline_parallel: bool = False
     experts: int = 0
 
 
@@ -345,13 +347,18 @@ def split_limits(model: torch.nn.Module, cfg: Any) -> SplitLimits:
         tp_refused=refused,
         context_parallel=composition.model_refusal(_split(cfg, context_parallel_size=2), type(model)) is None,
         expert_parallel=composition.model_refusal(_split(cfg, expert_parallel_size=2), type(model)) is None,
+        pipeline_parallel=composition.model_refusal(_split(cfg, pipeline_parallel_size=2), type(model)) is None
+        and getattr(model, "output_projection", None) is not None,  # tied: one weight on the first and last stage
         experts=math.gcd(*experts) if experts else 0,
     )
 
 
 def _split(cfg: Any, **size: int) -> Any:
     """``cfg`` with one split on and the others off, under FSDP2 (what the layout search tries under TP)."""
-    sizes = {**dict(model_parallel_size=1, context_parallel_size=1, expert_parallel_size=1), **size}
+    sizes = {
+        **dict(model_parallel_size=1, context_parallel_size=1, expert_parallel_size=1, pipeline_parallel_size=1),
+        **size,
+    }
     return dataclasses.replace(
         cfg, distributed=dataclasses.replace(cfg.distributed, ddp_backend="fully_sharded", **sizes)
     )

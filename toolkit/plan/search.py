@@ -110,8 +110,9 @@ def _expert_parallel_sizes(space: Space) -> List[int]:
 
 
 def _pipeline_sizes(space: Space) -> List[int]:
-    """Stages of at least one layer each; whether the family cuts into stages is composition's refusal."""
-    return [p for p in divisors(space.world) if p <= space.stats.num_layers]
+    """Stages of at least one layer each, for a family whose forward cuts into stages."""
+    able = space.stats.splits.pipeline_parallel
+    return [p for p in divisors(space.world) if p == 1 or (able and p <= space.stats.num_layers)]
 
 
 AXES: Tuple[Axis, ...] = (
