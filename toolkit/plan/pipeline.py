@@ -237,8 +237,11 @@ def rank_items(
     receives = boundary * sum((s != 0) + (s != top) for s in stages)
     where = (lambda n: (int(n), 0)) if hw.has_gpu else (lambda n: (0, int(n)))
     saved_where = where if not setup.offload_activations else (lambda n: (0, int(n)))
-    items = model_state_items(stats, setup, hw) + buffer_items(stats, dataclasses.replace(setup, reshard=False), hw)
-    note = f"{sum(peak[: len(stages)])} micro-batch(es) of {b:g} x {T} tokens in flight" + (
+    items = model_state_items(stats, setup, hw) + [
+        dataclasses.replace(i, note="this rank's stages, kept gathered") if i.name == "gathered parameters" else i
+        for i in buffer_items(stats, dataclasses.replace(setup, reshard=False), hw)
+    ]
+    note = f"{sum(peak[: len(stages)])} stage micro-batch(es) of {b:g} x {T} tokens in flight" + (
         ", checkpointed" if setup.checkpoint else ""
     )
     items += [
