@@ -188,9 +188,11 @@ def _batch(seed: int = 0):
 
 def test_the_depth_predicts_the_token_two_ahead_from_the_next_ones_embedding():
     model = _tiny(mtp_depth=1, mtp_loss_coef=0.25).train()
+    with torch.no_grad():  # away from 1: h^0 after the final norm differs from the stream before it
+        model.norm.weight.normal_(1.0, 0.5, generator=torch.Generator().manual_seed(3))
     tokens, target = _batch()
     seen = {}
-    model.norm.register_forward_pre_hook(lambda module, args: seen.setdefault("hidden", args[0]))
+    model.norm.register_forward_hook(lambda module, args, out: seen.setdefault("hidden", out))  # h^0: normed
     _, extra = model(tokens, target=target)
     value, coefficient = extra["aux_losses"]["mtp_loss"]
     depth, T = model.mtp[0], tokens.size(1)

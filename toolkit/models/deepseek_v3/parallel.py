@@ -46,6 +46,10 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     if cfg.first_k_dense_replace:  # the dense layers' MLP (a MoE block has no mlp.gate_proj: skipped there)
         block.update(DENSE_MLP)
         divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
-    plan = decoder_plan(model, block, experts=EXPERTS, divisible=divisible)
-    # the multi-token prediction depths are FSDP2 units as the blocks are (their experts placed the same way)
+    return with_prediction_depths(model, decoder_plan(model, block, experts=EXPERTS, divisible=divisible))
+
+
+def with_prediction_depths(model: nn.Module, plan: TensorParallelPlan) -> TensorParallelPlan:
+    """``plan`` of a family with multi-token prediction depths (``common/mtp.py``): the depths are FSDP2 units as
+    the blocks are (their experts placed the same way)."""
     return dataclasses.replace(plan, fsdp_units=("layers", "mtp")) if len(model.mtp) else plan
