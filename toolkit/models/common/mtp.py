@@ -31,7 +31,9 @@ training, the hooks into the decoder's forward and head.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import re
 
 import torch
 import torch.nn as nn
@@ -43,6 +45,7 @@ from toolkit.models.common.options import head_dim
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.outputs import summed_nll_of, with_aux_loss
 
+DEPTH = re.compile(r"mtp\.(\d+)\.")  # a depth's entries in a state dict
 MTP_INPUTS = ("document_ids", "positions", "context_parallel")  # forward's inputs the depths' blocks take too
 
 
@@ -196,3 +199,26 @@ class MultiTokenPrediction:
         if name.endswith("eh_proj.weight"):
             return torch.empty(shape).normal_(0.0, self.cfg.init_std, generator=generator)
         return super().initial_value(name, shape, generator)
+
+
+def finetuning_depths(model: nn.Module, state: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """The weights a fine-tuning start (``--finetune-from-model``) loads into ``model`` as to its depths, and a line
+    saying what became of them (None: the checkpoint and the run have the same). The depths are trained only, so a
+    run may fine-tune without some or all of a checkpoint's (DeepSeek-V3's or an imported folder's into
+    ``--mtp-depth 0``): those past the run's ``--mtp-depth`` are left out; a run's depths the checkpoint lacks
+    start from the run's own initialization. ``model``'s entries as ``get_model_state_dict`` gives them."""
+    theirs = {int(m.group(1)) for m in map(DEPTH.match, state) if m is not None}
+    ours = set(range(len(getattr(model, "mtp", ()))))
+    if theirs == ours:
+        return state, None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    kept = {k: v for k, v in state.items() if (m := DEPTH.match(k)) is None or int(m.group(1)) in ours}
+    own = get_model_state_dict(model) if ours - theirs else {}
+    fresh = {k: v for k, v in own.items() if (m := DEPTH.match(k)) is not None and int(m.group(1)) not in theirs}
+    line = f"its {len(theirs)} multi-token prediction depths, this run's --mtp-depth {len(ours)}: "
+    if theirs - ours:
+        line += f"{len(theirs - ours)} left out (give --mtp-depth {len(theirs)} to train them on)"
+    if ours - theirs:
+        line += f"{'; ' if theirs - ours else ''}{len(ours - theirs)} start from this run's initialization"
+    return {**kept, **fresh}, line
