@@ -25,6 +25,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tests.helpers.hf_llama import greedy_pair  # noqa: E402
 from tests.helpers.hf_qwen3_next import make_hf_qwen3_next  # noqa: E402
+from tests.helpers.mtp_reference import layer_state, mtp_loss, our_mtp_loss  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
 from toolkit.models.common.attention import KVCache, RecurrentState  # noqa: E402
@@ -94,14 +95,10 @@ def test_imported_options_and_ids(imported):
 
 
 def test_the_imported_mtp_layer_computes_qwens_multi_token_prediction(imported):
-    """The depth's training loss equals the cross-entropy of the token two ahead computed from the folder's ``mtp.*``
-    tensors with transformers' own modules, as vLLM's Qwen3NextMultiTokenPredictor runs them: the decoder's normed
-    output (``last_hidden_state``) and the next token's embedding through ``pre_fc_norm_hidden`` /
-    ``pre_fc_norm_embedding``, joined [embedding; hidden] by ``mtp.fc``, a copy of the full-attention layer 3 holding
-    ``mtp.layers.0``, ``mtp.norm``, ``lm_head``."""
-    import copy
-
-    import torch.nn.functional as F
+    """The depth's training loss equals the one transformers' own modules give from the folder's ``mtp.*`` tensors
+    as vLLM's Qwen3NextMultiTokenPredictor runs them (``tests/helpers/mtp_reference.py``): ``pre_fc_norm_embedding``
+    and ``pre_fc_norm_hidden`` (zero-centered), ``mtp.fc``, the block in a copy of the full-attention layer 3,
+    ``mtp.norm``."""
     from safetensors.torch import load_file
 
     if imported["kind"].endswith("_vl"):
@@ -112,51 +109,11 @@ def test_the_imported_mtp_layer_computes_qwens_multi_token_prediction(imported):
         for k, v in load_file(str(imported["root"] / "hf" / "model.safetensors")).items()
         if k.startswith("mtp.")
     }
-    block = {k[len("layers.0.") :]: v for k, v in mtp.items() if k.startswith("layers.0.")}
-    experts = range(hf.config.num_experts) if "mlp.experts.0.up_proj.weight" in block else ()
-    if experts:  # transformers holds the experts fused: gate and up stacked per expert, [E, 2F, C]
-        block["mlp.experts.gate_up_proj"] = torch.stack(
-            [
-                torch.cat(
-                    [block.pop(f"mlp.experts.{e}.gate_proj.weight"), block.pop(f"mlp.experts.{e}.up_proj.weight")]
-                )
-                for e in experts
-            ]
-        )
-        block["mlp.experts.down_proj"] = torch.stack([block.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
-    layer = copy.deepcopy(hf.model.layers[3])
-    layer.load_state_dict(block)
-    norms = {}
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = copy.deepcopy(hf.model.norm)
-        norms[name].weight.data.copy_(mtp[f"{name}.weight"])
+    block = layer_state(mtp, "layers.0.", getattr(hf.config, "num_experts", 0))
+    norms = [mtp[f"{n}.weight"] for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")]
     x = batch(17)
-    tokens, target = x[:, :-1], x[:, 1:]
-    T = tokens.size(1)
-    with torch.no_grad():
-        hidden = hf.model(tokens).last_hidden_state
-        joined = torch.cat(
-            [norms["pre_fc_norm_embedding"](hf.model.embed_tokens(target)), norms["pre_fc_norm_hidden"](hidden)], -1
-        )
-        joined = F.linear(joined, mtp["fc.weight"])
-        positions = torch.arange(T)[None]
-        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        out = layer(
-            joined,
-            position_embeddings=hf.model.rotary_emb(joined, positions),
-            attention_mask=causal,
-            position_ids=positions,
-        )
-        logits = hf.lm_head(norms["norm"](out[0] if isinstance(out, tuple) else out))[:, :-1]
-        want = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1), ignore_index=model.padding_idx
-        )
-        model.train()
-        try:
-            got = model(tokens, target=target)[1]["aux_losses"]["mtp_loss"][0]
-        finally:
-            model.eval()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want = mtp_loss(hf, 3, block, norms, mtp["fc.weight"], x[:, :-1], x[:, 1:], model.padding_idx)
+    torch.testing.assert_close(our_mtp_loss(model, x[:, :-1], x[:, 1:]), want, rtol=1e-4, atol=1e-5)
 
 
 def test_log_probs_equal_transformers(imported):
