@@ -67,3 +67,15 @@ def our_mtp_loss(model, tokens, target):
             return model(tokens, target=target)[1]["aux_losses"]["mtp_loss"][0]
     finally:
         model.eval()
+
+
+def next_layer_mtp_loss(hf, folder: str, layer: int, like: int, tokens, target, pad: int):
+    """``mtp_loss`` of a DeepSeek-V3-style folder's MTP layer ``layer`` (after ``num_hidden_layers``: ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` beside the block), run in a copy of decoder layer ``like``."""
+    from safetensors.torch import load_file
+
+    prefix = f"model.layers.{layer}."
+    own = {k[len(prefix) :]: v for k, v in load_file(f"{folder}/model.safetensors").items() if k.startswith(prefix)}
+    block = layer_state(own, "", hf.config.n_routed_experts)
+    norms = [own[f"{n}.weight"] for n in ("enorm", "hnorm", "shared_head.norm")]
+    return mtp_loss(hf, like, block, norms, own["eh_proj.weight"], tokens, target, pad)

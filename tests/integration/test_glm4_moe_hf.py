@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tests.helpers.hf_glm4_moe import make_hf_glm4_moe  # noqa: E402
 from tests.helpers.hf_llama import greedy_pair  # noqa: E402
-from tests.helpers.mtp_reference import layer_state, mtp_loss, our_mtp_loss  # noqa: E402
+from tests.helpers.mtp_reference import next_layer_mtp_loss, our_mtp_loss  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
 
@@ -60,15 +60,9 @@ def test_the_imported_mtp_layer_computes_the_released_multi_token_prediction(imp
     """The depth's training loss equals the one transformers' own modules give from the folder's layer 2 as vLLM
     runs GLM-4.5's MTP layer (``tests/helpers/mtp_reference.py``): ``enorm``, ``hnorm``, ``eh_proj``, the block in a
     copy of the MoE layer 1, ``shared_head.norm``, the shared head."""
-    from safetensors.torch import load_file
-
-    hf, model = imported["hf"], imported["model"]
-    tensors = load_file(str(imported["root"] / "hf" / "model.safetensors"))
-    own = {k[len("model.layers.2.") :]: v for k, v in tensors.items() if k.startswith("model.layers.2.")}
-    block = layer_state(own, "", hf.config.n_routed_experts)
-    norms = [own[f"{n}.weight"] for n in ("enorm", "hnorm", "shared_head.norm")]
-    x = batch(17)
-    want = mtp_loss(hf, 1, block, norms, own["eh_proj.weight"], x[:, :-1], x[:, 1:], model.padding_idx)
+    x, model = batch(17), imported["model"]
+    folder = str(imported["root"] / "hf")
+    want = next_layer_mtp_loss(imported["hf"], folder, 2, 1, x[:, :-1], x[:, 1:], model.padding_idx)
     torch.testing.assert_close(our_mtp_loss(model, x[:, :-1], x[:, 1:]), want, rtol=1e-4, atol=1e-5)
 
 
