@@ -1,8 +1,9 @@
 """A random tiny Hugging Face ``Glm4MoeForCausalLM`` folder saved by transformers with a word-level tokenizer
 (``hf_llama``'s): grouped-query attention with heads wider than width / heads, half of each rotated, QK-norm,
 q/k/v biases, 8 routed experts in 2 groups (top 2 of them, from 1 group), a shared expert, the first layer dense,
-and one multi-token prediction layer's tensors after the last layer (as GLM-4.5's checkpoints hold them; transformers
-leaves them out of the model).
+and one multi-token prediction layer's tensors after the last layer, laid out as DeepSeek-V3's (``hf_deepseek``'s
+``add_mtp_layers``: a MoE layer, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the copies of the embedding
+and the head), as GLM-4.5's checkpoints hold them; transformers leaves them out of the model.
 
 The routers are drawn wide (std 1) so that each token's experts are far from ties; the correction bias, the q/k/v
 biases and the QK-norm scales are drawn too, so that each of them is exercised. Import only after
@@ -11,12 +12,9 @@ biases and the QK-norm scales are drawn too, so that each of them is exercised. 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
-
+from tests.helpers.hf_deepseek import add_mtp_layers
 from tests.helpers.hf_llama import save_tokenizer
 
 CONFIG = dict(
@@ -59,13 +57,5 @@ def make_hf_glm4_moe(folder: str):
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     hf.save_pretrained(folder)
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    last = f"model.layers.{CONFIG['num_hidden_layers'] - 1}."
-    mtp = {
-        name.replace(last, f"model.layers.{CONFIG['num_hidden_layers']}."): t.clone()
-        for name, t in tensors.items()
-        if name.startswith(last)
-    }
-    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    add_mtp_layers(folder, hf, CONFIG["num_nextn_predict_layers"])
     return hf

@@ -3,6 +3,10 @@
 the vision-language classes Qwen3.5 is released as, with a one-block vision tower and the processors' files): 4
 layers (three gated DeltaNet, the last gated full attention with half of each head rotated), 4 experts of 16 (top 2) and a gated shared expert in every layer.
 
+Each folder holds one multi-token prediction layer as the releases store it (``add_mtp_layer``; transformers ignores
+``mtp.*``): a gated full-attention layer with the layers' MLP under ``mtp.layers.0.``, ``mtp.fc`` [C, 2C], the
+zero-centered ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, all drawn.
+
 The routers are drawn wide (std 1) so that each token's experts are far from ties; the norms' scales, ``dt_bias``
 and the shared expert's gate are drawn too (transformers initializes them to constants), so that a wrong key or a
 (1 + w) read as w shows. Import only after ``pytest.importorskip("transformers")``.
@@ -109,4 +113,34 @@ def make_hf_qwen3_next(folder: str, kind: str = "qwen3_next", **overrides):
             elif name.endswith(("norm.weight", "dt_bias", "shared_expert_gate.weight")):
                 p.normal_(0.0 if "layernorm" in name or "q_norm" in name or "k_norm" in name else 1.0, 0.3)
     hf.save_pretrained(folder)
+    add_mtp_layer(folder, hf)
     return hf
+
+
+def add_mtp_layer(folder: str, hf) -> None:
+    """Qwen's layout of the MTP layer (named as the full-attention layer 3's tensors under ``mtp.layers.0.``) and
+    ``mtp_num_hidden_layers`` 1 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, C = f"{folder}/model.safetensors", hf.config.get_text_config().hidden_size
+    tensors = load_file(path)
+    text = "model.language_model." if any(k.startswith("model.language_model.") for k in tensors) else "model."
+    layer = f"{text}layers.3."  # a released vision-language folder's text model is under model.language_model.
+    full = {k[len(layer) :]: t.shape for k, t in tensors.items() if k.startswith(layer)}
+    own = {f"mtp.{n}.weight": (C,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    own["mtp.fc.weight"] = (C, 2 * C)
+    g = torch.Generator().manual_seed(5)
+    for name, shape in {**{f"mtp.layers.0.{k}": v for k, v in full.items()}, **own}.items():
+        scale = 1.0 if name.endswith("mlp.gate.weight") else 0.2  # the router wide, as the other layers'
+        tensors[name] = torch.randn(shape, generator=g) * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    if "text_config" in config:  # the released folders name it in the text model's config
+        config["text_config"]["mtp_num_hidden_layers"] = 1
+    else:
+        config["mtp_num_hidden_layers"] = 1
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f, indent=2)

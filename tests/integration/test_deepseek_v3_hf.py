@@ -20,6 +20,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tests.helpers.hf_deepseek import make_hf_deepseek  # noqa: E402
 from tests.helpers.hf_llama import greedy_pair  # noqa: E402
+from tests.helpers.mtp_reference import next_layer_mtp_loss, our_mtp_loss  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
 
@@ -81,6 +82,16 @@ def test_a_folder_naming_mtp_layers_without_their_tensors_imports_without_them(i
     assert len(lines) == 1 and "imported without multi-token prediction" in lines[0]
     saved = torch.load(tmp_path / "ours" / "model.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith("mtp.") for k in saved["model"])
+
+
+def test_the_imported_mtp_layer_computes_the_released_multi_token_prediction(imported):
+    """The depth's training loss equals the one transformers' own modules give from the folder's layer 3 as vLLM
+    runs DeepSeek-V3's MTP layer (``tests/helpers/mtp_reference.py``): ``enorm``, ``hnorm``, ``eh_proj``, the block in a
+    copy of the MoE layer 2, ``shared_head.norm``, the shared head."""
+    x, model = batch(17), imported["model"]
+    folder = str(imported["root"] / "hf")
+    want = next_layer_mtp_loss(imported["hf"], folder, 3, 2, x[:, :-1], x[:, 1:], model.padding_idx)
+    torch.testing.assert_close(our_mtp_loss(model, x[:, :-1], x[:, 1:]), want, rtol=1e-4, atol=1e-5)
 
 
 def test_log_probs_equal_transformers(imported):

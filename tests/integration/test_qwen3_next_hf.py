@@ -25,6 +25,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tests.helpers.hf_llama import greedy_pair  # noqa: E402
 from tests.helpers.hf_qwen3_next import make_hf_qwen3_next  # noqa: E402
+from tests.helpers.mtp_reference import layer_state, mtp_loss, our_mtp_loss  # noqa: E402
 from toolkit.export.api import ExportConfig, run_export  # noqa: E402
 from toolkit.inference import load_model  # noqa: E402
 from toolkit.models.common.attention import KVCache, RecurrentState  # noqa: E402
@@ -87,9 +88,32 @@ def test_imported_options_and_ids(imported):
         assert f"left out the vision tower's {vision} tensors" in vision_line[0]
     else:
         assert not vision_line
+    assert cfg.mtp_depth == 1 and type(model.mtp[0].layer.self_attn).__name__ == "GatedAttention"
     tok = transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "ours"))
     ids = tok("w3 w17 w59 w0")["input_ids"]
     assert ids == transformers.AutoTokenizer.from_pretrained(str(imported["root"] / "hf"))("w3 w17 w59 w0")["input_ids"]
+
+
+def test_the_imported_mtp_layer_computes_qwens_multi_token_prediction(imported):
+    """The depth's training loss equals the one transformers' own modules give from the folder's ``mtp.*`` tensors
+    as vLLM's Qwen3NextMultiTokenPredictor runs them (``tests/helpers/mtp_reference.py``): ``pre_fc_norm_embedding``
+    and ``pre_fc_norm_hidden`` (zero-centered), ``mtp.fc``, the block in a copy of the full-attention layer 3,
+    ``mtp.norm``."""
+    from safetensors.torch import load_file
+
+    if imported["kind"].endswith("_vl"):
+        pytest.skip("the released layout differs in names only: the text classes run the same MTP layer")
+    hf, model = imported["hf"], imported["model"]
+    mtp = {
+        k[len("mtp.") :]: v
+        for k, v in load_file(str(imported["root"] / "hf" / "model.safetensors")).items()
+        if k.startswith("mtp.")
+    }
+    block = layer_state(mtp, "layers.0.", getattr(hf.config, "num_experts", 0))
+    norms = [mtp[f"{n}.weight"] for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")]
+    x = batch(17)
+    want = mtp_loss(hf, 3, block, norms, mtp["fc.weight"], x[:, :-1], x[:, 1:], model.padding_idx)
+    torch.testing.assert_close(our_mtp_loss(model, x[:, :-1], x[:, 1:]), want, rtol=1e-4, atol=1e-5)
 
 
 def test_log_probs_equal_transformers(imported):

@@ -22,7 +22,7 @@ from toolkit.models.common.moe import MoE
 from toolkit.criterions.cross_entropy import CrossEntropyCriterion
 from toolkit.distributed.context_parallel import ContextShard
 from toolkit.models.common.attention import attention_mask
-from toolkit.models.common.mtp import tokens_ahead
+from toolkit.models.common.mtp import finetuning_depths, tokens_ahead
 from toolkit.train.trainer import forward_and_loss
 
 PUBLISHED = {  # the Hugging Face config.json values (MTP layers left out: the counts are at --mtp-depth 0)
@@ -188,9 +188,11 @@ def _batch(seed: int = 0):
 
 def test_the_depth_predicts_the_token_two_ahead_from_the_next_ones_embedding():
     model = _tiny(mtp_depth=1, mtp_loss_coef=0.25).train()
+    with torch.no_grad():  # away from 1: h^0 after the final norm differs from the stream before it
+        model.norm.weight.normal_(1.0, 0.5, generator=torch.Generator().manual_seed(3))
     tokens, target = _batch()
     seen = {}
-    model.norm.register_forward_pre_hook(lambda module, args: seen.setdefault("hidden", args[0]))
+    model.norm.register_forward_hook(lambda module, args, out: seen.setdefault("hidden", out))  # h^0: normed
     _, extra = model(tokens, target=target)
     value, coefficient = extra["aux_losses"]["mtp_loss"]
     depth, T = model.mtp[0], tokens.size(1)
@@ -235,3 +237,19 @@ def test_training_logs_mtp_loss_apart_and_both_losses_decrease():
     first, last = logged[0], logged[-1]
     assert abs(first["loss"] - without["loss"]) < 1e-5 and first["mtp_loss"] > 0  # fused head against logits
     assert last["loss"] < first["loss"] - 0.5 and last["mtp_loss"] < first["mtp_loss"] - 0.3, (first, last)
+
+
+def test_fine_tuning_leaves_out_or_adds_depths():
+    """--finetune-from-model: a checkpoint's depths past the run's --mtp-depth are left out (one line naming the
+    flag that keeps them), a run's depth the checkpoint lacks keeps the run's initialization, the rest loads as saved
+    (a strict load); the same depths: the weights untouched."""
+    one = _tiny(mtp_depth=1, decoder_layers=1)
+    saved, plain = one.state_dict(), _tiny(decoder_layers=1)
+    weights, line = finetuning_depths(plain, saved)
+    assert weights.keys() == plain.state_dict().keys() and "1 left out (give --mtp-depth 1" in line
+    deeper = _tiny(mtp_depth=2, decoder_layers=1)
+    weights, line = finetuning_depths(deeper, saved)
+    deeper.load_state_dict(weights)
+    assert torch.equal(deeper.mtp[0].eh_proj.weight, saved["mtp.0.eh_proj.weight"]) and "1 start from" in line
+    assert not torch.equal(deeper.mtp[1].eh_proj.weight, deeper.mtp[0].eh_proj.weight)
+    assert finetuning_depths(one, saved) == (saved, None)

@@ -324,3 +324,19 @@ def test_tensor_parallel_plan_splits_both_token_mixers_by_heads():
     assert not {f"{linear}.conv1d.weight", f"{linear}.norm.weight"} & split
     assert {f"layers.3.self_attn.{p}_proj.weight" for p in "qkvo"} <= split
     assert not any(".mlp." in name for name in split)
+
+
+def test_export_of_more_than_one_prediction_depth_is_refused():
+    """Qwen's checkpoints hold one mtp.fc and its norms for all their MTP layers, ours one per depth: a model of
+    --mtp-depth 2 has no Qwen folder (one line, nothing written)."""
+    from toolkit.models.qwen3_next.hf import Qwen3NextAdapter
+
+    cfg = models.model_config("qwen3_next_tiny", max_target_positions=32, mtp_depth=2)
+    with pytest.raises(UserError, match="--mtp-depth 2: Qwen's checkpoints hold one mtp.fc"):
+        Qwen3NextAdapter().hf_config(cfg, 40)
+    assert (
+        Qwen3NextAdapter().hf_config(models.model_config("qwen3_next_tiny", mtp_depth=1), 40)[1][
+            "mtp_num_hidden_layers"
+        ]
+        == 1
+    )

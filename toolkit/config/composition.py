@@ -811,14 +811,6 @@ MODEL: Tuple[Condition, ...] = (
         ("--arch", "olmoe_tiny"),
     ),
     _no_split(
-        "--mtp-depth",
-        lambda c: bool(_model(c, "mtp_depth")),
-        "the multi-token prediction depths (--mtp-depth) are not in the tensor-parallel plan (their blocks read "
-        "the decoder's sequence-parallel stream beside whole embeddings); train them with FSDP, "
-        "--expert-parallel-size and --context-parallel-size (--model-parallel-size 1), or --mtp-depth 0",
-        ("--arch", "deepseek_v3_tiny", "--mtp-depth", "1"),
-    ),
-    _no_split(
         "--linear-split-projections",
         lambda c: bool(_model(c, "linear_split_projections")),
         "the gated DeltaNet layers' split projections (--linear-split-projections: Qwen3.5's in_proj_qkv holds all "

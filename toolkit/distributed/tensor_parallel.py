@@ -412,9 +412,11 @@ def _check_every_parameter_split(model: nn.Module, M: int, whole: Tuple[str, ...
     DTensor``)."""
     from torch.distributed.tensor import DTensor
 
-    prefixes = tuple(f"layers.{i}.{path}." for i in range(len(model.layers)) for path in whole)
+    inside = tuple(f".{path}." for path in whole)  # in any block: the decoder's, a prediction depth's
     missed = [
-        name for name, p in model.named_parameters() if not isinstance(p, DTensor) and not name.startswith(prefixes)
+        name
+        for name, p in model.named_parameters()
+        if not isinstance(p, DTensor) and not any(part in f".{name}" for part in inside)
     ]
     if missed:
         raise UserError(
@@ -792,6 +794,23 @@ def _positionwise(ctx: StyleContext):
     """A module acting on each position alone (a projection before a column-parallel one, its norm): whole on
     every rank, on this rank's positions under sequence parallelism, as a norm."""
     return _norm(ctx)
+
+
+@register_tp_style("gathered_norm")
+def _gathered_norm(ctx: StyleContext):
+    """A norm whose output the output layer reads besides the final one (a multi-token prediction depth's,
+    ``common/mtp.py``): as ``norm``, its output then replicated as ``plan.hidden``'s is."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    norm, sequence_parallel = _norm(ctx), ctx.sequence_parallel
+
+    class _Gathered(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            module = norm._apply(module, device_mesh)
+            module.register_forward_hook(_replicate_hidden_hook(device_mesh, sequence_parallel))
+            return module
+
+    return _Gathered()
 
 
 @register_tp_style("replicated_weights")

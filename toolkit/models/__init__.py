@@ -145,10 +145,10 @@ def matching_arch(
     among: Callable[[str], bool] = _any_size,
 ) -> str:
     """The named size of ``family`` (among those ``among`` accepts) whose options equal ``given`` on ``compared``
-    (default: every given option but the context length), e.g. llama3_1b for an imported Llama 3.2 1B; else the
-    family's own name."""
+    (default: every given option but the context length and the multi-token prediction depths, which a size
+    leaves to a flag), e.g. llama3_1b for an imported Llama 3.2 1B; else the family's own name."""
     registry.import_submodules("toolkit.models")
-    keys = [k for k in given if k != "max_target_positions"] if compared is None else list(compared)
+    keys = [k for k in given if k not in ("max_target_positions", "mtp_depth")] if compared is None else list(compared)
     sizes = sorted(a for a, model in registry.ARCH_MODEL_NAME.items() if model == family and a != family and among(a))
     for arch in sizes:
         values = options.architecture_defaults(arch)

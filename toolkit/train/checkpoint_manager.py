@@ -26,6 +26,7 @@ from toolkit.checkpoint.common import (
 from toolkit.checkpoint.stateful import ModelState
 from toolkit.config import TrainConfig
 from toolkit.distributed.utils import DistributedEnv, rescale_iterator_state
+from toolkit.models.common.mtp import finetuning_depths
 from toolkit.models.lora import finetune_start
 from toolkit.train import ema as ema_module
 from toolkit.core.errors import UserError
@@ -133,8 +134,10 @@ def _load_finetune_weights(path: str, checkpoint: dict, model_cfg: Any, trainer)
             len(trainer.task.dictionary),
         )
         weights, adapters = finetune_start(trainer.model, checkpoint["model"], checkpoint.get("cfg", {}), path)
-        if adapters:
-            logger.info(f"--finetune-from-model {path}: {adapters}")
+        weights, depths = finetuning_depths(trainer.model, weights)
+        for line in (adapters, depths):
+            if line:
+                logger.info(f"--finetune-from-model {path}: {line}")
         ModelState(trainer.model).load_state_dict(weights, full=True)
     _restore_ema(path, checkpoint, trainer, flag="--finetune-from-model")
     logger.info(f"loaded weights of {path} for fine-tuning (0 updates; fresh optimizer and LR schedule)")

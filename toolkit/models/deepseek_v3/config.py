@@ -31,7 +31,8 @@ wide (``n_shared_experts`` x ``moe_intermediate_size``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import Field, dataclass, field
 from typing import ClassVar, Dict, Optional
 
 from toolkit.config.flag_types import non_negative_int, positive_int
@@ -88,6 +89,12 @@ class DeepSeekV3Config(MoEConfig):
             "help": "weight of the mean multi-token prediction loss, logged as mtp_loss (DeepSeek-V3: 0.3, then 0.1)"
         },
     )
+
+
+def deepseek_option(name: str) -> Field:
+    """Option ``name`` as this family declares it (default, type, help), for a family that shares it (GLM-4.5's
+    router, the multi-token prediction depths of GLM-4.5 and Qwen3-Next): one declaration."""
+    return copy.copy(DeepSeekV3Config.__dataclass_fields__[name])
 
 
 def qk_head_dim(cfg: DeepSeekV3Config) -> int:

@@ -50,16 +50,14 @@ MTP_OWN["shared_head.norm.weight"] = "norm.weight"  # the depth's norm before th
 MTP_DEPTH = re.compile(r"mtp\.(\d+)\.")
 
 
-class DeepSeekV3Adapter(MoEAdapter):
-    FAMILY, FAMILY_NAME = "deepseek_v3", "the DeepSeek-V3 family"
-    MLP, KINDS = "the DeepSeek-V3 family's MLP and experts are SwiGLU (silu)", KINDS
-    interleaved = True  # the folder read stores its rotary rows as interleaved pairs (its rope_interleave)
+class NextLayersAdapter:
+    """The multi-token prediction layers of a DeepSeek-V3-style folder (DeepSeek-V3, GLM-4.5: the
+    ``num_nextn_predict_layers`` layers after the ``num_hidden_layers``) as the model's depths, in and out (a mixin
+    before the family's adapter base; see the module docstring). The family's options take ``mtp_options``; its own
+    conversion of the decoder's tensors to theirs is ``layers_to_hf``."""
 
     main_layers = 0  # num_hidden_layers: the multi-token prediction layers come after them
     mtp_held = 0  # the multi-token prediction layers whose tensors the folder read holds
-
-    def key_map(self, model_type: str) -> KeyMap:
-        return KEYS
 
     def read(self, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
         """The shared import; first, which multi-token prediction layers the folder holds (one line when config.json
@@ -73,6 +71,64 @@ class DeepSeekV3Adapter(MoEAdapter):
                 "(transformers saves none): imported without multi-token prediction (--mtp-depth 0)"
             )
         return super().read(folder, config, out_dir, tokens_per_sample, advance)
+
+    def mtp_options(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        """``--mtp-depth``: the layers the folder holds."""
+        self.main_layers = config["num_hidden_layers"]
+        return {"mtp_depth": self.mtp_held}
+
+    def put_from_hf(
+        self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
+    ) -> None:
+        """Of a multi-token prediction layer, the depth's own tensors under ``mtp.{k}.``, its block's under their
+        layer index (``state_from_hf`` moves them), the copies of the embedding and the head dropped, as are the
+        layers past ``--mtp-depth``; any other tensor as the family's base puts it."""
+        layer = LAYER.match(name)
+        depth = -1 if layer is None else int(layer.group(1)) - given["decoder_layers"]
+        if depth >= given["mtp_depth"]:
+            return
+        if depth >= 0:
+            rest = name[layer.end() :]
+            if rest in MTP_OWN:
+                state[f"mtp.{depth}.{MTP_OWN[rest]}"] = tensor.float()
+            if rest in MTP_OWN or rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                return
+        super().put_from_hf(state, name, tensor, given, keys)
+
+    def state_from_hf(self, tensors, given: Dict[str, Any], model_type: str) -> Dict[str, torch.Tensor]:
+        """The shared conversion; the multi-token prediction layers' block tensors moved under ``mtp.{k}.layer.``."""
+        return depth_blocks(super().state_from_hf(tensors, given, model_type), given["decoder_layers"])
+
+    def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str):
+        self.main_layers = model.cfg.decoder_layers
+        return super().write(model, hf_class, dictionary, first_symbol, data_dir)
+
+    def state_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+        """``layers_to_hf`` of the decoder's tensors and of the depths' blocks as the layers after the decoder's;
+        each depth's own tensors and its copies of the embedding and the head under that layer's names."""
+        ours, theirs = _mtp_as_layers(state, self.main_layers)
+        return {**self.layers_to_hf(ours, model_type), **theirs}
+
+    def layers_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+        """Their tensors of a state without depths: the family's base conversion."""
+        return super().state_to_hf(state, model_type)
+
+
+def depth_blocks(state: Dict[str, torch.Tensor], layers: int) -> Dict[str, torch.Tensor]:
+    """``state`` with the tensors of layers ``layers + k`` moved under ``mtp.{k}.layer.`` (the depths' blocks)."""
+    for name in [n for n in state if (m := OUR_LAYER.match(n)) and int(m.group(1)) >= layers]:
+        m = OUR_LAYER.match(name)
+        state[f"mtp.{int(m.group(1)) - layers}.layer.{name[m.end() :]}"] = state.pop(name)
+    return state
+
+
+class DeepSeekV3Adapter(NextLayersAdapter, MoEAdapter):
+    FAMILY, FAMILY_NAME = "deepseek_v3", "the DeepSeek-V3 family"
+    MLP, KINDS = "the DeepSeek-V3 family's MLP and experts are SwiGLU (silu)", KINDS
+    interleaved = True  # the folder read stores its rotary rows as interleaved pairs (its rope_interleave)
+
+    def key_map(self, model_type: str) -> KeyMap:
+        return KEYS
 
     def complete(self, config: Dict[str, Any]) -> Dict[str, Any]:
         return config
@@ -91,60 +147,36 @@ class DeepSeekV3Adapter(MoEAdapter):
         scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         out["rope_mscale_all_dim"] = float(scaling.get("mscale_all_dim") or 0.0) if out["rope_scaling_factor"] else 0.0
         out["decoder_kv_heads"] = config["num_attention_heads"]
-        out["mtp_depth"] = self.mtp_held
-        self.main_layers = config["num_hidden_layers"]
+        out.update(self.mtp_options(config))
         self.dims = _dims({**config, **out, "decoder_embed_dim": config["hidden_size"]})
         return out
 
     def put_from_hf(
         self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
     ) -> None:
-        """As the MoE family's (experts stacked), the rotary rows in halves; of a multi-token prediction layer, the
-        depth's own tensors under ``mtp.{k}.``, its block's under their layer index (``state_from_hf`` moves them),
-        the copies of the embedding and the head dropped, as are the layers past ``--mtp-depth``."""
-        layer = LAYER.match(name)
-        depth = -1 if layer is None else int(layer.group(1)) - given["decoder_layers"]
-        if depth >= given["mtp_depth"]:
-            return
-        if depth >= 0:
-            rest = name[layer.end() :]
-            if rest in MTP_OWN:
-                state[f"mtp.{depth}.{MTP_OWN[rest]}"] = tensor.float()
-            if rest in MTP_OWN or rest in ("embed_tokens.weight", "shared_head.head.weight"):
-                return
+        """As the multi-token prediction layers' and the MoE family's (experts stacked), the rotary rows in halves."""
         super().put_from_hf(state, name, tensor, given, keys)
         ours = keys.from_hf(name)
         if ours in state and self.interleaved:
             state[ours] = rotary_rows(ours, state[ours], _dims(given), to_halves=True)
 
-    def state_from_hf(self, tensors, given: Dict[str, Any], model_type: str) -> Dict[str, torch.Tensor]:
-        """The shared conversion; the multi-token prediction layers' block tensors moved under ``mtp.{k}.layer.``."""
-        state = super().state_from_hf(tensors, given, model_type)
-        layers = given["decoder_layers"]
-        for name in [n for n in state if (m := OUR_LAYER.match(n)) and int(m.group(1)) >= layers]:
-            m = OUR_LAYER.match(name)
-            state[f"mtp.{int(m.group(1)) - layers}.layer.{name[m.end() :]}"] = state.pop(name)
-        return state
-
     def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str):
-        self.dims, self.main_layers = _dims(vars(model.cfg)), model.cfg.decoder_layers
+        self.dims = _dims(vars(model.cfg))
         return super().write(model, hf_class, dictionary, first_symbol, data_dir)
 
-    def state_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+    def layers_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
         """Their tensors: the stacked experts cut into per-expert matrices, the rotary rows interleaved, the rest
-        renamed by the key map; the multi-token prediction depths as the layers after the decoder's, each with its
-        copies of the embedding and the head."""
+        renamed by the key map."""
         stacked = template_pattern(OURS)
         out: Dict[str, torch.Tensor] = {}
-        ours, theirs = _mtp_as_layers(state, self.main_layers)
-        for name, tensor in ours.items():
+        for name, tensor in state.items():
             m = stacked.fullmatch(name)
             if m is None:
                 out[KEYS.to_hf(name)] = rotary_rows(name, tensor, self.dims, to_halves=False)
                 continue
             for e in range(tensor.size(0)):
                 out[EXPERT.format(layer=m["layer"], expert=e, proj=m["proj"])] = tensor[e]
-        return {**out, **theirs}
+        return out
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
         """(DeepseekV3ForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""

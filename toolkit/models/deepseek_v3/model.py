@@ -17,24 +17,21 @@ their mean loss is an auxiliary term (``mtp_loss``) beside the routers'; otherwi
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from toolkit.core.registry import register_model
-from toolkit.models.common.attention import LatentAttention, attention_mask, latent_attention_scale
+from toolkit.models.common.attention import LatentAttention, latent_attention_scale
 from toolkit.models.common.blocks import PreNormBlock
 from toolkit.models.common.moe import MoE
-from toolkit.models.common.mtp import PredictionDepth, multi_token_loss
+from toolkit.models.common.mtp import MultiTokenPrediction
 from toolkit.models.common.options import head_dim
 from toolkit.models.deepseek_v3.config import DeepSeekV3Config, check_deepseek_shapes, qk_head_dim
 from toolkit.models.deepseek_v3.hf import DeepSeekV3Adapter
 from toolkit.models.deepseek_v3.parallel import tensor_parallel_plan
-from toolkit.models.fused_loss import LossTarget
 from toolkit.models.moe.model import MoELanguageModel, moe_experts
-from toolkit.models.outputs import summed_nll_of, with_aux_loss
+from toolkit.models.outputs import with_aux_loss
 
 LATENT_PROJECTIONS = (
     "q_proj.weight",
@@ -43,7 +40,6 @@ LATENT_PROJECTIONS = (
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
 )
-MTP_INPUTS = ("document_ids", "positions", "context_parallel")  # forward's inputs the depths' blocks take too
 
 
 def latent_attention(cfg: DeepSeekV3Config, window: Optional[int]) -> LatentAttention:
@@ -77,7 +73,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, index: int, sequence_balance: bool = Fal
 
 
 @register_model("deepseek_v3", dataclass=DeepSeekV3Config)
-class DeepSeekV3LanguageModel(MoELanguageModel):
+class DeepSeekV3LanguageModel(MultiTokenPrediction, MoELanguageModel):
     """The DeepSeek-V3-class decoder behind the toolkit's model interface: latent attention, the first layers
     dense, DeepSeekMoE after them."""
 
@@ -93,32 +89,6 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         mlp = self.gated_mlp() if dense else deepseek_moe(cfg, index, cfg.moe_seq_aux_loss_coef > 0)
         return PreNormBlock(latent_attention(cfg, window), mlp, norm=self.width_norm)
 
-    def build_extra_modules(self, cfg: DeepSeekV3Config) -> None:
-        """The multi-token prediction depths: depth k's block is layer ``decoder_layers + k``'s (0-based k)."""
-        self.mtp = nn.ModuleList(
-            PredictionDepth(cfg.decoder_embed_dim, self.build_block(cfg, cfg.decoder_layers + k, None), self.width_norm)
-            for k in range(cfg.mtp_depth)
-        )
-        self._mtp_inputs: Optional[Dict[str, Any]] = None
-        self._mtp_loss: Optional[torch.Tensor] = None
-
-    @property
-    def reads_targets(self) -> bool:
-        """Whether the criterion passes the targets to ``forward`` (``target=``): the depths' labels."""
-        return len(self.mtp) > 0
-
-    def forward(self, tokens: torch.Tensor, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any):
-        """The MoE family's forward (its arguments as it takes them); in training, given ``target`` [B, T] (the next
-        tokens, the criterion's) and depths, their loss beside the routers' terms (``output`` runs them on the
-        decoder's last hidden states). The trainer passes the batch's inputs by keyword, as read here."""
-        if self.training and target is not None and len(self.mtp) and not args and not kwargs.get("incremental_state"):
-            self._mtp_inputs = dict(target=target, **{k: kwargs.get(k) for k in MTP_INPUTS})
-        try:
-            out = super().forward(tokens, *args, **kwargs)
-        finally:
-            self._mtp_inputs, loss, self._mtp_loss = None, self._mtp_loss, None
-        return out if loss is None else with_aux_loss(out, "mtp_loss", loss, self.cfg.mtp_loss_coef)
-
     def _with_router_terms(self, out: Any):
         """The MoE family's router terms; with ``--moe-seq-aux-loss-coef``, the sequence-wise balance loss too (the
         mean over the layers), ``moe_seq_aux_loss``."""
@@ -127,45 +97,9 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         out = super()._with_router_terms(out)
         return out if term is None else with_aux_loss(out, "moe_seq_aux_loss", term, self.cfg.moe_seq_aux_loss_coef)
 
-    def output(self, x: torch.Tensor, loss_target: Optional[LossTarget] = None) -> Any:
-        """The shared head on the decoder's output; before it, the depths' loss from the same hidden states when
-        ``forward`` asked for it."""
-        if self._mtp_inputs is not None:
-            self._mtp_loss = self.multi_token_loss(x, **self._mtp_inputs)
-        return super().output(x, loss_target)
-
-    def multi_token_loss(self, hidden: torch.Tensor, target, document_ids, positions, context_parallel) -> torch.Tensor:
-        """``common.mtp.multi_token_loss`` with this model's embedding, head, rotary rows and mask."""
-        T = hidden.size(1)
-        cos, sin = self.rope_rows(None, 0, T, positions)
-        mask = None
-        if context_parallel is None:
-            mask = attention_mask(document_ids, T, hidden.device, head_dim=head_dim(self.cfg))
-        inputs = (cos, sin, mask)
-        return multi_token_loss(
-            self.mtp, hidden, target, self.embed, self.head_nll, self.padding_idx, inputs, context_parallel
-        )
-
-    def head_nll(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed cross-entropy of ``labels`` under the shared head on ``x`` (padding ignored): fused where the
-        head allows it (``fused_head_loss``), else from the logits (vocabulary-parallel ones under ``loss_parallel``)."""
-        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
-        fused = self.fused_head_loss(x, weight, LossTarget(labels, self.padding_idx))
-        if fused is not None:
-            return summed_nll_of(fused)
-        logits = F.linear(x, weight) if self.output_projection is None else self.output_projection(x)
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(),
-            labels.reshape(-1),
-            ignore_index=self.padding_idx,
-            reduction="sum",
-        )
-        return loss.to_local() if hasattr(loss, "to_local") else loss
-
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-        """The MoE family's rules; the latent attention's projections and the depths' joining projections as the
-        other projections."""
-        if name.endswith(LATENT_PROJECTIONS) or name.endswith("eh_proj.weight"):
+        """The MoE family's rules (and the depths'); the latent attention's projections as the other projections."""
+        if name.endswith(LATENT_PROJECTIONS):
             return torch.empty(shape).normal_(0.0, self.cfg.init_std, generator=generator)
         return super().initial_value(name, shape, generator)
 

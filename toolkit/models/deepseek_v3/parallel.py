@@ -46,6 +46,23 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     if cfg.first_k_dense_replace:  # the dense layers' MLP (a MoE block has no mlp.gate_proj: skipped there)
         block.update(DENSE_MLP)
         divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
-    plan = decoder_plan(model, block, experts=EXPERTS, divisible=divisible)
-    # the multi-token prediction depths are FSDP2 units as the blocks are (their experts placed the same way)
-    return dataclasses.replace(plan, fsdp_units=("layers", "mtp")) if len(model.mtp) else plan
+    return with_prediction_depths(model, decoder_plan(model, block, experts=EXPERTS, divisible=divisible))
+
+
+def with_prediction_depths(model: nn.Module, plan: TensorParallelPlan) -> TensorParallelPlan:
+    """``plan`` of a family with multi-token prediction depths (``common/mtp.py``): the depths are FSDP2 units as
+    the blocks are (their experts placed the same way). Under tensor parallelism a depth reads whole sequences on
+    every rank (the final norm's replicated output, the whole embedding): its two norms and its joining projection
+    are replicated and compute on them; its block is split as the decoder's blocks are (its input cut into this
+    rank's positions as the first block's under sequence parallelism), and its norm's output is replicated again
+    for the shared head and the next depth (``gathered_norm``)."""
+    if not len(model.mtp):
+        return plan
+    top = dict(plan.top)
+    for k, depth in enumerate(model.mtp):
+        top.update({f"mtp.{k}.{name}": "replicated" for name in ("enorm", "hnorm", "eh_proj")})
+        top[f"mtp.{k}.layer"] = "sequence_split"
+        held = dict(depth.layer.named_modules())  # a block's plan names what some blocks lack
+        top.update({f"mtp.{k}.layer.{path}": kind for path, kind in plan.block.items() if path in held})
+        top[f"mtp.{k}.norm"] = "gathered_norm"
+    return dataclasses.replace(plan, top=top, fsdp_units=("layers", "mtp"))

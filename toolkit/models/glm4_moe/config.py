@@ -8,23 +8,20 @@ DeepSeekMoE's router and dense first layers, declared once by the DeepSeek-V3 fa
 ``--moe-topk-group``              a token's experts come from its best this many groups (``topk_group``)
 ``--moe-routed-scaling-factor``   the routed experts' weights multiplied by this (``routed_scaling_factor``)
 ``--first-k-dense-replace``       the first this many layers have a dense MLP (``first_k_dense_replace``)
+``--mtp-depth``                   multi-token prediction depths after the decoder (``num_nextn_predict_layers``;
+                                  ``toolkit.models.common.mtp``), trained only; 0: none
+``--mtp-loss-coef``               their mean loss's weight in the training loss, logged as ``mtp_loss``
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import Field, dataclass
+from dataclasses import dataclass
 from typing import ClassVar, Dict
 
 from toolkit.core.errors import UserError
 from toolkit.models.common.options import absent_options
-from toolkit.models.deepseek_v3.config import DeepSeekV3Config
+from toolkit.models.deepseek_v3.config import deepseek_option
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
-
-
-def _deepseek_option(name: str) -> Field:
-    """DeepSeekMoE's option ``name`` as the DeepSeek-V3 family declares it (default, type, help): one declaration."""
-    return copy.copy(DeepSeekV3Config.__dataclass_fields__[name])
 
 
 @dataclass
@@ -33,10 +30,12 @@ class Glm4MoeConfig(MoEConfig):
         "the GLM-4.5 family", "GLM-4.5 blocks always normalize before attention and the MLP (RMSNorm)"
     )
 
-    moe_n_group: int = _deepseek_option("moe_n_group")
-    moe_topk_group: int = _deepseek_option("moe_topk_group")
-    moe_routed_scaling_factor: float = _deepseek_option("moe_routed_scaling_factor")
-    first_k_dense_replace: int = _deepseek_option("first_k_dense_replace")
+    moe_n_group: int = deepseek_option("moe_n_group")
+    moe_topk_group: int = deepseek_option("moe_topk_group")
+    moe_routed_scaling_factor: float = deepseek_option("moe_routed_scaling_factor")
+    first_k_dense_replace: int = deepseek_option("first_k_dense_replace")
+    mtp_depth: int = deepseek_option("mtp_depth")
+    mtp_loss_coef: float = deepseek_option("mtp_loss_coef")
 
 
 def check_glm_shapes(cfg: Glm4MoeConfig) -> None:

@@ -8,14 +8,12 @@ rotated as two halves of the rotary share, the layout the checkpoints hold (no r
 dense-layer settings are DeepSeek-V3's keys, read by that family's adapter; the tensor names are DeepSeek-V3's
 (the correction bias ``e_score_correction_bias``), the experts one matrix per expert named as Qwen3-MoE's,
 stacked into ours as the MoE family's adapter does. Multi-token prediction layers (those after
-``num_hidden_layers``, ``num_nextn_predict_layers`` of them) are skipped on import with a log line, as
-transformers skips them, and not written.
+``num_hidden_layers``, ``num_nextn_predict_layers`` of them, which transformers skips) hold DeepSeek-V3's tensors
+and are our ``--mtp-depth`` depths, in and out, by that family's adapter (``NextLayersAdapter``).
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -24,19 +22,16 @@ from toolkit.core.errors import UserError
 from toolkit.models.common import hf_config
 from toolkit.models.common.hf_adapter import KeyMap
 from toolkit.models.common.hf_config import DecoderClass
-from toolkit.models.deepseek_v3.hf import KEYS
+from toolkit.models.deepseek_v3.hf import KEYS, NextLayersAdapter
 from toolkit.models.deepseek_v3.hf import _router as deepseek_router
 from toolkit.models.deepseek_v3.hf import router_hf_config
 from toolkit.models.moe.hf import MoEAdapter
 
-logger = logging.getLogger("toolkit.export.hf_import")
-
 KINDS = {"glm4_moe": DecoderClass("Glm4MoeForCausalLM")}
-LAYER = re.compile(r"model\.layers\.(\d+)\.")
 DEFAULT_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig where config.json names none
 
 
-class Glm4MoeAdapter(MoEAdapter):
+class Glm4MoeAdapter(NextLayersAdapter, MoEAdapter):
     FAMILY, FAMILY_NAME = "glm4_moe", "the GLM-4.5 family"
     MLP, KINDS = "the GLM-4.5 family's MLP and experts are SwiGLU (silu)", KINDS
     HF_KEYS = {
@@ -45,9 +40,6 @@ class Glm4MoeAdapter(MoEAdapter):
         "moe_ffn_embed_dim": "moe_intermediate_size",
         "partial_rotary_factor": "partial_rotary_factor",
     }
-
-    def __init__(self) -> None:
-        self.skipped_layers: set = set()
 
     def key_map(self, model_type: str) -> KeyMap:
         return KEYS
@@ -68,30 +60,12 @@ class Glm4MoeAdapter(MoEAdapter):
             "qk_norm": bool(config.get("use_qk_norm", False)),
             "attention_qkv_bias": bool(config.get("attention_bias", False)),
             "partial_rotary_factor": float(partial),
+            **self.mtp_options(config),
         }
 
-    def put_from_hf(
-        self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
-    ) -> None:
-        """As the MoE family's (experts stacked); a multi-token prediction layer's tensors skipped, one log line
-        for each such layer."""
-        layer = LAYER.match(name)
-        index = -1 if layer is None else int(layer.group(1))
-        if index >= given["decoder_layers"]:
-            if index not in self.skipped_layers:
-                self.skipped_layers.add(index)
-                logger.info(
-                    "layer %d: a multi-token prediction layer (after num_hidden_layers %d), not imported: "
-                    "the glm4_moe family predicts the next token only",
-                    index,
-                    given["decoder_layers"],
-                )
-            return
-        super().put_from_hf(state, name, tensor, given, keys)
-
-    def state_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+    def layers_to_hf(self, state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
         """The MoE family's conversion with Qwen3-MoE's expert names, which are GLM's."""
-        return super().state_to_hf(state, "qwen3_moe")
+        return super().layers_to_hf(state, "qwen3_moe")
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
         """(Glm4MoeForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""
@@ -105,7 +79,7 @@ class Glm4MoeAdapter(MoEAdapter):
             attention_bias=cfg.attention_qkv_bias,
             use_qk_norm=cfg.qk_norm,
             **router_hf_config(cfg),
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=cfg.mtp_depth,
         )
         return self.CLASSES["glm4_moe"], config
 

@@ -7,6 +7,9 @@ correction bias, the routed scaling factor, shared experts).
 
 Parameter names are Hugging Face's ``Glm4MoeForCausalLM`` ones inside a block, the experts stacked [E, ...] and
 the correction bias the router's ``mlp.gate.expert_bias``, so ``hf.py`` renames and stacks only.
+
+``--mtp-depth D`` adds D multi-token prediction depths (``common/mtp.py``) under ``mtp`` as DeepSeek-V3's: each a
+MoE layer between its joining projection and its norm, trained only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Optional
 
 from toolkit.core.registry import register_model
 from toolkit.models.common.blocks import PreNormBlock
+from toolkit.models.common.mtp import MultiTokenPrediction
 from toolkit.models.common.rotary_decoder import decoder_attention
 from toolkit.models.deepseek_v3.model import deepseek_moe
 from toolkit.models.glm4_moe.config import Glm4MoeConfig, check_glm_shapes
@@ -24,7 +28,7 @@ from toolkit.models.moe.model import MoELanguageModel
 
 
 @register_model("glm4_moe", dataclass=Glm4MoeConfig)
-class Glm4MoeLanguageModel(MoELanguageModel):
+class Glm4MoeLanguageModel(MultiTokenPrediction, MoELanguageModel):
     """The GLM-4.5 decoder behind the toolkit's model interface: grouped-query attention with partial rotary, the
     first layers dense, DeepSeekMoE after them."""
 

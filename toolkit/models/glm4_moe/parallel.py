@@ -10,7 +10,7 @@ import torch.nn as nn
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.common.options import kv_heads
 from toolkit.models.common.parallel import decoder_plan
-from toolkit.models.deepseek_v3.parallel import DENSE_MLP
+from toolkit.models.deepseek_v3.parallel import DENSE_MLP, with_prediction_depths
 from toolkit.models.moe.parallel import BLOCK, EXPERTS
 
 
@@ -21,4 +21,4 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     if cfg.first_k_dense_replace:  # a MoE block has no mlp.gate_proj: skipped there
         block.update(DENSE_MLP)
         divisible += (("--decoder-ffn-embed-dim", cfg.decoder_ffn_embed_dim),)
-    return decoder_plan(model, block, experts=EXPERTS, divisible=divisible)
+    return with_prediction_depths(model, decoder_plan(model, block, experts=EXPERTS, divisible=divisible))

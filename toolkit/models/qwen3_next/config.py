@@ -10,6 +10,10 @@ brackets):
 ``--linear-key-head-dim``         their sizes (``linear_key_head_dim``, ``linear_value_head_dim``)
 ``--linear-value-head-dim``
 ``--linear-conv-kernel-dim``      taps of the short causal convolution on q, k, v (``linear_conv_kernel_dim``)
+``--mtp-depth``                   multi-token prediction depths after the decoder (``num_nextn_predict_layers``,
+                                  Qwen3.5's ``mtp_num_hidden_layers``; ``toolkit.models.common.mtp``), each a
+                                  full-attention layer; trained only; 0: none
+``--mtp-loss-coef``               their mean loss's weight in the training loss, logged as ``mtp_loss``
 
 The shared expert (``--moe-shared-ffn-embed-dim``) is scaled per token by sigmoid(``shared_expert_gate`` x).
 Qwen3.5 is the same decoder with two differences, each a flag its sizes set: ``--linear-split-projections`` (the
@@ -24,6 +28,7 @@ from typing import List
 
 from toolkit.config.flag_types import positive_int
 from toolkit.core.errors import UserError
+from toolkit.models.deepseek_v3.config import deepseek_option
 from toolkit.models.moe.config import MoEConfig, check_moe_shapes
 
 
@@ -51,6 +56,8 @@ class Qwen3NextConfig(MoEConfig):
         default=False,
         metadata={"help": "a dense SwiGLU MLP in every layer instead of the experts (the dense Qwen3.5 models)"},
     )
+    mtp_depth: int = deepseek_option("mtp_depth")
+    mtp_loss_coef: float = deepseek_option("mtp_loss_coef")
 
 
 def linear_layers(cfg: Qwen3NextConfig) -> List[bool]:

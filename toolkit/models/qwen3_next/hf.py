@@ -12,16 +12,31 @@ Qwen3-MoE. Qwen3.5's linear layers name their projections ``in_proj_qkv``, ``in_
 ``in_proj_a`` (ours the same), its MoE router always renormalizes the top-k weights, and its dense class has a
 SwiGLU MLP in every layer; its rotary tables are M-RoPE's, which for text (one position per token in all three
 sections) are the plain ones.
+
+Multi-token prediction: the releases hold one MTP layer under ``mtp.`` (transformers drops it on load; its config key
+``mtp_num_hidden_layers``, vLLM's ``num_nextn_predict_layers``), our ``--mtp-depth 1`` (``common/mtp.py``):
+``mtp.fc`` joins ``[pre_fc_norm_embedding(embedding); pre_fc_norm_hidden(hidden)]`` (our ``eh_proj``, ``enorm``,
+``hnorm``), ``mtp.layers.0`` is a gated full-attention layer with the layers' MLP (our ``mtp.0.layer``, its tensors
+named as a decoder layer's and converted as one: read as layer ``num_hidden_layers``), ``mtp.norm`` the norm before
+the shared head (our ``mtp.0.norm``); every norm zero-centered as the decoder's. The count of depths is the folder's
+``mtp.layers.{k}``; their ``fc`` and norms are one set shared by all the layers (vLLM's ``Qwen3NextMultiTokenPredictor``)
+where ours are per depth, so a folder with more than one, or a model with more than one depth, is refused in one line.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Dict, Optional, Tuple
+
+import torch
 
 from toolkit.core.errors import UserError
 from toolkit.models.common import hf_config
 from toolkit.models.common.hf_adapter import DECODER_KEYS, KeyMap
 from toolkit.models.common.hf_config import DecoderClass
+from toolkit.models.common.hf_folder import tensor_names
+from toolkit.models.deepseek_v3.hf import depth_blocks
 from toolkit.models.moe.hf import MoEAdapter, _experts
 
 KINDS = {
@@ -57,6 +72,15 @@ KEYS = KeyMap(
     + DECODER_KEYS.rules,
     dropped=("{prefix}rotary_emb.inv_freq",),
 )
+logger = logging.getLogger(__name__)
+MTP_OWN = {  # theirs -> ours, the one depth's tensors beside its block
+    "mtp.fc.weight": "mtp.0.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "mtp.0.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "mtp.0.hnorm.weight",
+    "mtp.norm.weight": "mtp.0.norm.weight",
+}
+MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
+MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5's config key, vLLM's
 LINEAR_KEYS = {  # our option -> config.json's key, the linear layers' (the same names)
     name: name
     for name in (
@@ -79,8 +103,54 @@ class Qwen3NextAdapter(MoEAdapter):
         "moe_shared_ffn_embed_dim": "shared_expert_intermediate_size",
     }
 
+    main_layers = 0  # num_hidden_layers: the MTP layer is read as the layer after them
+    mtp_held = 0  # the MTP layers (mtp.layers.{k}) the folder read holds
+
     def key_map(self, model_type: str) -> KeyMap:
         return KEYS
+
+    def read(self, folder: str, config: Dict[str, Any], out_dir: str, tokens_per_sample: Optional[int], advance):
+        """The shared import; first, how many MTP layers the folder holds (one line when config.json names some that
+        it does not hold; a refusal for more than one)."""
+        self.mtp_held = len({int(m.group(1)) for m in map(MTP_LAYER.match, tensor_names(folder)) if m is not None})
+        named = max(int(config.get(key) or 0) for key in MTP_COUNT_KEYS)
+        if self.mtp_held > 1:
+            raise UserError(
+                f"{folder}: {self.mtp_held} MTP layers (mtp.layers.*) sharing one mtp.fc and its norms; the "
+                "toolkit's depths each have their own (--mtp-depth), so it imports folders with one MTP layer"
+            )
+        if named and not self.mtp_held:
+            logger.warning(
+                f"{folder}: config.json names {named} MTP layer(s), but the folder holds no mtp.* tensor "
+                "(transformers saves none): imported without multi-token prediction (--mtp-depth 0)"
+            )
+        return super().read(folder, config, out_dir, tokens_per_sample, advance)
+
+    def put_from_hf(
+        self, state: Dict[str, torch.Tensor], name: str, tensor: torch.Tensor, given: Dict[str, Any], keys: KeyMap
+    ) -> None:
+        """The MTP layer's own tensors under ``mtp.0.``, its block's as layer ``num_hidden_layers``'s
+        (``state_from_hf`` moves them); any other tensor as the MoE family's (experts stacked)."""
+        if not name.startswith("mtp."):
+            return super().put_from_hf(state, name, tensor, given, keys)
+        layer = MTP_LAYER.match(name)
+        if name in MTP_OWN:
+            state[MTP_OWN[name]] = tensor.float()
+        elif layer is not None:
+            block = f"model.layers.{given['decoder_layers'] + int(layer.group(1))}.{name[layer.end() :]}"
+            super().put_from_hf(state, block, tensor, given, keys)
+        else:
+            raise UserError(
+                f"{name}: an MTP tensor the toolkit's depth has no place for (it reads {', '.join(MTP_OWN)}"
+            )
+
+    def state_from_hf(self, tensors, given: Dict[str, Any], model_type: str) -> Dict[str, torch.Tensor]:
+        """The shared conversion; the MTP layer's block tensors moved under ``mtp.0.layer.``."""
+        return depth_blocks(super().state_from_hf(tensors, given, model_type), given["decoder_layers"])
+
+    def write(self, model: Any, hf_class: str, dictionary: Any, first_symbol: int, data_dir: str):
+        self.main_layers = model.cfg.decoder_layers
+        return super().write(model, hf_class, dictionary, first_symbol, data_dir)
 
     def config_keys(self, config: Dict[str, Any]) -> Dict[str, str]:
         return hf_config.rope_keys(self.HF_KEYS, config)
@@ -111,11 +181,28 @@ class Qwen3NextAdapter(MoEAdapter):
         )
         if kind == "qwen3_5_moe_text":
             out["moe_renormalize"] = True
+        out["mtp_depth"], self.main_layers = self.mtp_held, config["num_hidden_layers"]
         return out
 
     def state_to_hf(self, state, model_type: str):
-        """As the MoE family's with Qwen3-MoE's expert names (the same as Qwen3-Next's), renamed by ``KEYS``."""
-        return super().state_to_hf(state, "qwen3_moe")
+        """As the MoE family's with Qwen3-MoE's expert names (the same as Qwen3-Next's), renamed by ``KEYS``; the
+        depth's block converted as the layer after the decoder's and named ``mtp.layers.0.``, its own tensors
+        Qwen's ``mtp.`` names."""
+        theirs_of = {ours: theirs for theirs, ours in MTP_OWN.items()}
+        layers, own = {}, {}
+        for name, tensor in state.items():
+            if name in theirs_of:
+                own[theirs_of[name]] = tensor
+            elif name.startswith("mtp.0.layer."):
+                layers[f"layers.{self.main_layers}.{name[len('mtp.0.layer.') :]}"] = tensor
+            else:
+                layers[name] = tensor
+        block = f"model.layers.{self.main_layers}."
+        out = {
+            f"mtp.layers.0.{name[len(block) :]}" if name.startswith(block) else name: tensor
+            for name, tensor in super().state_to_hf(layers, "qwen3_moe").items()
+        }
+        return {**out, **own}
 
     def hf_config(self, cfg, vocab_size: int, base: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
         """(Qwen3NextForCausalLM, config.json) computing ``cfg``, or a one-line refusal."""
@@ -139,11 +226,19 @@ class Qwen3NextAdapter(MoEAdapter):
             )
         if kind == "qwen3_next":
             config.update(norm_topk_prob=cfg.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+        config.update({key: cfg.mtp_depth for key in MTP_COUNT_KEYS if key in config})
+        if cfg.mtp_depth:
+            config["mtp_num_hidden_layers"] = cfg.mtp_depth
         return self.CLASSES[kind], config
 
 
 def _hf_kind(cfg) -> str:
     """The class computing ``cfg`` (Qwen3-Next's fused projections, or Qwen3.5's MoE or dense), or a refusal."""
+    if cfg.mtp_depth > 1:
+        raise UserError(
+            f"--format hf: --mtp-depth {cfg.mtp_depth}: Qwen's checkpoints hold one mtp.fc and its norms for all their "
+            "MTP layers, the toolkit's depths one each; export a model of --mtp-depth 0 or 1, nothing written"
+        )
     qwen3_5_moe = cfg.linear_split_projections and not cfg.dense_mlp
     if (
         cfg.moe_score_func != "softmax"

@@ -14,6 +14,10 @@ The forward hands each kind of layer what it needs of the documents: the full-at
 linear ones the [B, T] document starts (their state restarts there). Under context parallelism both take the
 shard (the linear layers compose the state across the cp ranks). Decoding keeps a ``RecurrentState`` per linear
 layer and a ``KVCache`` per full one.
+
+``--mtp-depth D`` adds D multi-token prediction depths (``common/mtp.py``) under ``mtp``, each a gated
+full-attention layer with the layers' MLP between its joining projection and its norm (all zero-centered), as
+Qwen3-Next's and Qwen3.5's releases hold one; trained only.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from toolkit.models.common.attention import GatedAttention, GatedDeltaNet, KVCac
 from toolkit.models.common.blocks import PreNormBlock
 from toolkit.models.common.mlp import GatedFeedForward
 from toolkit.models.common.moe import MoE
+from toolkit.models.common.mtp import MultiTokenPrediction
 from toolkit.models.common.options import head_dim, kv_heads
 from toolkit.models.fused_loss import LossTarget
 from toolkit.models.moe.model import MoELanguageModel, moe_experts
@@ -98,7 +103,7 @@ def document_starts(document_ids: Optional[torch.Tensor]) -> Optional[torch.Tens
 
 
 @register_model("qwen3_next", dataclass=Qwen3NextConfig)
-class Qwen3NextLanguageModel(MoELanguageModel):
+class Qwen3NextLanguageModel(MultiTokenPrediction, MoELanguageModel):
     """The Qwen3-Next decoder behind the toolkit's model interface (see the module docstring)."""
 
     HF_ADAPTER = Qwen3NextReleasedAdapter
@@ -116,7 +121,12 @@ class Qwen3NextLanguageModel(MoELanguageModel):
         mlp = self.gated_mlp() if cfg.dense_mlp else qwen3_next_experts(cfg, index)
         return PreNormBlock(mixer, mlp, norm=self.width_norm)
 
-    def forward(
+    def prediction_block(self, cfg: Qwen3NextConfig, k: int) -> PreNormBlock:
+        """Depth k's block: gated full attention and the layers' MLP (Qwen3-Next's MTP layer)."""
+        mlp = self.gated_mlp() if cfg.dense_mlp else qwen3_next_experts(cfg, cfg.decoder_layers + k)
+        return PreNormBlock(token_mixer(cfg, linear=False), mlp, norm=self.width_norm)
+
+    def decoder_forward(
         self,
         tokens: torch.Tensor,
         incremental_state: Optional[Dict] = None,

@@ -21,6 +21,7 @@ import torch.nn as nn
 from toolkit.core.protocols import TensorParallelPlan
 from toolkit.models.common.options import kv_heads
 from toolkit.models.common.parallel import ATTENTION, decoder_plan
+from toolkit.models.deepseek_v3.parallel import with_prediction_depths
 from toolkit.models.moe.parallel import EXPERTS
 
 GATED_ATTENTION = {**ATTENTION, "self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
@@ -47,4 +48,4 @@ def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     block, experts = ({**BLOCK, **DENSE_MLP}, {}) if cfg.dense_mlp else (BLOCK, EXPERTS)
     built = {name for layer in model.layers for name, _ in layer.named_modules()}
     block = {path: kind for path, kind in block.items() if path in built}  # the layer kinds this model has
-    return decoder_plan(model, block, experts=experts, divisible=divisible)
+    return with_prediction_depths(model, decoder_plan(model, block, experts=experts, divisible=divisible))
