@@ -13,6 +13,7 @@ from toolkit.models.common.rope import apply_rope, rope_frequencies, rope_tables
 from toolkit.models.common.attention import (
     EVERY_KEY,
     Attention,
+    AttentionLayer,
     ChunkedVisibility,
     FusedQKVAttention,
     GatedAttention,
@@ -321,6 +322,32 @@ def test_cached_decoding_equals_the_full_forward(name):
         second, past = attn.forward_with_past(x[:, 6:], cos[6:], sin[6:], past)
         torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-5, atol=1e-5)
         assert past[0].size(2) == 11
+
+
+def test_latent_attention_pads_narrower_values_for_the_fused_kernel_to_the_same_values_and_gradients(monkeypatch):
+    """On the CPU, values narrower than the queries (Dv 6 < Dn + Dr 12) reach SDPA padded to the queries' width (its
+    fused kernel's rule): the outputs and gradients of the unpadded call."""
+    attn = VARIANTS["latent"]()
+    x = torch.randn(2, 9, 32, generator=gen(4))
+    cos, sin = rope_tables(rope_frequencies(4, 10000.0)[0], 9)
+    widths, core = [], AttentionLayer.attend
+
+    def recorded(layer, q, k, v, mask, export=False):
+        widths.append(v.size(-1))
+        return core(layer, q, k, v, mask, export)
+
+    monkeypatch.setattr(AttentionLayer, "attend", recorded)
+    results = []
+    for unpadded in (False, True):
+        if unpadded:
+            monkeypatch.setattr(LatentAttention, "attend", recorded)
+        attn.zero_grad()
+        x_in = x.clone().requires_grad_()
+        y = attn(x_in, cos, sin)
+        y.square().sum().backward()
+        results.append((y.detach(), x_in.grad, *[p.grad for p in attn.parameters()]))
+    assert widths == [12, 6]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_cache_reorders_and_forgets_every_entry():

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from toolkit.models.common import moe as moe_module
 from toolkit.models.common.mlp import FEED_FORWARDS
 from toolkit.models.common.moe import (
     MoE,
@@ -19,6 +20,7 @@ from toolkit.models.common.moe import (
     grouped_matmul,
     load_balancing_loss,
     logger as moe_logger,
+    padded_slots,
     per_expert_matmul,
     router_z_loss,
 )
@@ -95,6 +97,34 @@ def test_moe_forward_and_gradients_equal_the_loop_over_experts(shared):
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(moe.named_parameters(), ref_moe.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_padded_slots_lay_each_experts_pairs_out_in_token_order():
+    slots = padded_slots(torch.tensor([[0, 1], [0, 2], [0, 1]]), 4, limit=2.0)
+    pad = 6  # N k: the pairs' count
+    assert slots.cap == 3 and slots.counts.tolist() == [3, 2, 1, 0]
+    assert slots.pairs.tolist() == [0, 2, 4, 1, 5, pad, 3, pad, pad, pad, pad, pad]
+    assert padded_slots(torch.tensor([[0, 1], [0, 2], [0, 1]]), 4, limit=1.9) is None  # 12 rows for 6 pairs
+
+
+def test_the_cpu_padded_form_equals_the_runs_values_and_gradients(monkeypatch):
+    """``GroupedExperts.run_padded`` (each expert's run padded to the longest, one batched matmul per projection)
+    against the sorted runs: the same sum, the same gradients of the input, the experts and the router."""
+    moe = make_moe(shared_hidden=8)
+    x = torch.randn(2, 6, C)
+    taken, results = [], []
+    for runs in (False, True):
+        if runs:
+            monkeypatch.setattr(moe_module, "padded_slots", lambda experts, count: None)
+        else:
+            monkeypatch.setattr(moe_module, "padded_slots", lambda e, n: taken.append(1) or padded_slots(e, n, 10.0))
+        moe.zero_grad()
+        x_in = x.clone().requires_grad_()
+        y = moe(x_in)
+        y.square().sum().backward()
+        results.append((y.detach(), x_in.grad, *[p.grad for p in moe.parameters()]))
+    assert taken == [1]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
 def test_the_export_form_runs_every_expert_to_the_same_sum():

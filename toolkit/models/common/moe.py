@@ -29,7 +29,10 @@ go through one grouped GEMM (``torch._grouped_mm``, public as ``F.grouped_mm``) 
 CPU in fp32/bf16, and otherwise (fp16, widths not 16-byte aligned) through one matmul per expert: the same
 products (the tests check the two paths bit for bit). Where the run selected oneDNN for fp32 CPU products
 (``--cpu-matmul``, ``toolkit.ops``) and the experts' runs are big enough to gain, fp32 runs go through it one
-expert at a time instead (``ops.grouped_linear``).
+expert at a time instead (``ops.grouped_linear``). Otherwise, in an eager CPU forward over every expert, the runs are
+padded to the longest one and go through one batched matmul per projection (``GroupedExperts.run_padded``): the
+CPU's grouped GEMM is one matmul per expert, each a parallel region, and the threads' E barriers forward and 2E
+backward cost more than the padding while it stays under ``PADDING_LIMIT`` times the rows.
 
 Expert parallelism (``--expert-parallel-size P``, :meth:`GroupedExperts.place`): each of P ranks keeps E/P
 consecutive experts. The router still scores all E on every rank; a rank's rows, already sorted by expert, go
@@ -60,7 +63,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -151,6 +154,36 @@ def expert_runs(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return x[order // experts.size(1)], order, counts
+
+
+# The CPU's padded form (``GroupedExperts.run_padded``) runs while its rows, every expert padded to the longest run,
+# are at most this many times the (token, expert) pairs; a more uneven routing keeps the runs (each expert's own).
+PADDING_LIMIT = 1.5
+
+
+class Slots(NamedTuple):
+    """The (token, expert) pairs laid out by expert, each expert's run padded to ``cap`` rows: ``pairs`` [E cap],
+    slot ``e * cap + j`` holding the index into ``experts.flatten()`` of expert e's j-th pair (in token order), a
+    padding slot N k; ``counts`` [E] the pairs per expert."""
+
+    pairs: torch.Tensor
+    counts: torch.Tensor
+    cap: int
+
+
+def padded_slots(experts: torch.Tensor, num_experts: int, limit: float = PADDING_LIMIT) -> Optional[Slots]:
+    """:class:`Slots` of ``experts`` [N, k]; None where the padded rows would exceed ``limit`` times the pairs."""
+    flat = experts.flatten()
+    counts = torch.bincount(flat, minlength=num_experts)
+    cap = int(counts.max()) if flat.numel() else 0
+    if cap == 0 or num_experts * cap > limit * flat.numel():
+        return None
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    starts = torch.cumsum(counts, 0) - counts
+    slot = by_expert * cap + torch.arange(flat.numel(), device=flat.device) - starts[by_expert]
+    pairs = torch.full((num_experts * cap,), flat.numel(), dtype=torch.long, device=flat.device)
+    return Slots(pairs.index_put_((slot,), order), counts, cap)
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -382,6 +415,38 @@ class GroupedExperts(nn.Module):
         hidden = self.act(grouped_matmul(rows, self.gate_proj, counts)) * grouped_matmul(rows, self.up_proj, counts)
         return grouped_matmul(hidden, self.down_proj, counts)
 
+    def batches(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`run_padded` takes this forward: eager on the CPU, every expert here (no expert
+        parallelism), plain tensors, these experts' own ``run`` (a subclass with another keeps the runs), and no
+        oneDNN selected for the products (it takes the runs one at a time, ``ops.grouped_linear``)."""
+        tensors = (x, self.gate_proj, self.up_proj, self.down_proj)
+        return (
+            x.device.type == "cpu"
+            and self.ep_group is None
+            and type(self).run is GroupedExperts.run
+            and not torch.compiler.is_compiling()
+            and not any(is_dtensor(t) for t in tensors)
+            and not ops.uses_onednn(*tensors)
+        )
+
+    def run_padded(self, x: torch.Tensor, weights: torch.Tensor, slots: Slots) -> torch.Tensor:
+        """The weighted sum of :meth:`forward` with each expert's rows padded to the longest run: [E, cap, C] through
+        one batched matmul per projection (``torch.bmm``). Why: torch's grouped GEMM on the CPU is one matmul per
+        expert, each a parallel region whose threads meet at a barrier (E times the barriers forward, 2E backward,
+        the cost that dominates on a busy machine), for the same products. A padding slot reads a row of zeros
+        (the row after the tokens) and writes to a row that is dropped: it adds nothing to any value or
+        gradient, and every token's k terms are added in the order of the runs."""
+        N, E, k = x.size(0), self.num_experts, weights.size(1)
+        tokens = torch.div(slots.pairs, k, rounding_mode="floor")  # [E cap]; a padding slot: N
+        rows = torch.cat([x, x.new_zeros(1, x.size(1))]).index_select(0, tokens).view(E, slots.cap, -1)
+        hidden = self.act(torch.bmm(rows, self.gate_proj.transpose(1, 2))) * torch.bmm(
+            rows, self.up_proj.transpose(1, 2)
+        )
+        out = torch.bmm(hidden, self.down_proj.transpose(1, 2)).flatten(0, 1)  # [E cap, C]
+        scale = torch.cat([weights.flatten(), weights.new_zeros(1)])[slots.pairs, None]
+        summed = x.new_zeros(N + 1, x.size(1)).index_add_(0, tokens, (out * scale).to(x.dtype))
+        return summed[:N]
+
     def every_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The same sum with every expert run on every token, the unchosen ones weighted 0: no sort, no data-dependent
         shape, so an exported graph (``toolkit-export --format onnx``) can hold it; E/k times the FLOPs."""
@@ -397,6 +462,9 @@ class GroupedExperts(nn.Module):
         # (pytorch/pytorch#176347), where training must take the dropless dispatch below.
         if (torch.compiler.is_exporting() and not self.training) or torch.onnx.is_in_onnx_export():
             return self.every_expert(x, routing), None
+        slots = padded_slots(routing.experts, self.num_experts) if self.batches(x) else None
+        if slots is not None:
+            return self.run_padded(x, routing.weights, slots), slots.counts
         rows, order, counts = expert_runs(x, routing.experts, self.num_experts)
         out = self.run_placed(rows, counts) * routing.weights.flatten()[order, None]
         tokens = order // routing.experts.size(1)

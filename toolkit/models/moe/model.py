@@ -54,6 +54,12 @@ def moe_experts(cfg: MoEConfig, index: int, **router: Any) -> MoE:
     )
 
 
+def weighted(term: torch.Tensor, coefficient: float) -> Tuple[torch.Tensor, float]:
+    """An auxiliary term and its coefficient, as the criterion takes them; a term weighted 0 is only logged, so it
+    is detached: backward does not run through the routers' statistics for a zero gradient."""
+    return (term if coefficient else term.detach()), coefficient
+
+
 @register_model("moe", dataclass=MoEConfig)
 class MoELanguageModel(RotaryDecoderLM):
     """Qwen3-MoE / OLMoE / Mixtral-style sparse decoder behind the toolkit's model interface: pre-norm blocks whose
@@ -108,8 +114,8 @@ class MoELanguageModel(RotaryDecoderLM):
         logits, kept = (None, {SUMMED_NLL: summed_nll}) if summed_nll is not None else (out, {})
         L = len(layers)
         aux = {
-            "moe_aux_loss": (sum(m.aux["balance"] for m in layers) / L, self.cfg.moe_aux_loss_coef),
-            "moe_z_loss": (sum(m.aux["z"] for m in layers) / L, self.cfg.moe_z_loss_coef),
+            "moe_aux_loss": weighted(sum(m.aux["balance"] for m in layers) / L, self.cfg.moe_aux_loss_coef),
+            "moe_z_loss": weighted(sum(m.aux["z"] for m in layers) / L, self.cfg.moe_z_loss_coef),
         }
         metrics = {f"moe_max_load_{i}": m.load["max_load"] for i, m in enumerate(layers)}
         metrics["moe_dropped"] = sum(m.load["dropped"] for m in layers)

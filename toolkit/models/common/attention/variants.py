@@ -31,9 +31,12 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from toolkit.models.common.norms import RMSNorm
 from toolkit.models.common.rope import apply_rope, yarn_attention_factor
+from toolkit.models.common.attention.across_ranks import ChunkedVisibility
+from toolkit.models.common.attention.backends import SDPA, choose_backend
 from toolkit.models.common.attention.layer import AttentionLayer, Entries
 from toolkit.models.common.attention.qk_clip import scale_rows
 
@@ -289,6 +292,22 @@ class LatentAttention(AttentionLayer):
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, up_k)
         mixed = self.attend(torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent, k_rope], dim=-1), latent, mask)
         return torch.einsum("bhtr,hvr->bhtv", mixed, up_v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, export: bool = False):
+        """The core call, on the CPU with values narrower than the queries (Dv < Dn + Dr) padded with zero features
+        to the queries' width where SDPA takes the call: its fused CPU kernel (flash attention) wants one width for
+        q, k and v, and without it SDPA falls back to its math form, which materializes, masks and softmaxes every
+        [T, T] logit forward and backward. The zero features' outputs are zeros, cut off here."""
+        narrower = q.size(-1) - v.size(-1)
+        dropout = self.dropout if self.training else 0.0
+        if (
+            narrower > 0
+            and q.device.type == "cpu"
+            and not isinstance(mask, ChunkedVisibility)
+            and choose_backend(mask, q, v, self.softcap, self.sinks, dropout, export) == SDPA
+        ):
+            return super().attend(q, k, F.pad(v, (0, narrower)), mask)[..., : v.size(-1)]
+        return super().attend(q, k, v, mask, export)
 
     def output(self, y: torch.Tensor, carry: Any) -> torch.Tensor:
         """[B, H, T, Dv] -> [B, T, C] through ``o_proj``."""
