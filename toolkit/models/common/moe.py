@@ -435,7 +435,7 @@ class GroupedExperts(nn.Module):
         expert, each a parallel region whose threads meet at a barrier (E times the barriers forward, 2E backward,
         the cost that dominates on a busy machine), for the same products. A padding slot reads a row of zeros
         (the row after the tokens) and writes to a row that is dropped: it adds nothing to any value or
-        gradient, and every token's k terms are added in the order of the runs."""
+        gradient."""
         N, E, k = x.size(0), self.num_experts, weights.size(1)
         tokens = torch.div(slots.pairs, k, rounding_mode="floor")  # [E cap]; a padding slot: N
         rows = torch.cat([x, x.new_zeros(1, x.size(1))]).index_select(0, tokens).view(E, slots.cap, -1)
@@ -444,7 +444,8 @@ class GroupedExperts(nn.Module):
         )
         out = torch.bmm(hidden, self.down_proj.transpose(1, 2)).flatten(0, 1)  # [E cap, C]
         scale = torch.cat([weights.flatten(), weights.new_zeros(1)])[slots.pairs, None]
-        summed = x.new_zeros(N + 1, x.size(1)).index_add_(0, tokens, (out * scale).to(x.dtype))
+        # accumulated by index_put_: one parallel region, where index_add_ takes several
+        summed = x.new_zeros(N + 1, x.size(1)).index_put_((tokens,), (out * scale).to(x.dtype), accumulate=True)
         return summed[:N]
 
     def every_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
