@@ -417,7 +417,8 @@ class GroupedExperts(nn.Module):
 
     def batches(self, x: torch.Tensor) -> bool:
         """Whether :meth:`run_padded` takes this forward: eager on the CPU, every expert here (no expert
-        parallelism), plain tensors, these experts' own ``run`` (a subclass with another keeps the runs), and no
+        parallelism), no autocast (its bf16 copies of the padded rows raise the peak toolkit-plan predicts), plain
+        tensors, these experts' own ``run`` (a subclass with another keeps the runs), and no
         oneDNN selected for the products (it takes the runs one at a time, ``ops.grouped_linear``)."""
         tensors = (x, self.gate_proj, self.up_proj, self.down_proj)
         return (
@@ -425,6 +426,7 @@ class GroupedExperts(nn.Module):
             and self.ep_group is None
             and type(self).run is GroupedExperts.run
             and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled("cpu")
             and not any(is_dtensor(t) for t in tensors)
             and not ops.uses_onednn(*tensors)
         )
