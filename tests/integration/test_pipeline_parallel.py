@@ -245,8 +245,8 @@ def _resumed(runs, name, checkpoint, *flags):
 @pytest.mark.parametrize("case", SHARDED)
 def test_pipelined_checkpoints_are_one_process_checkpoints(runs, case):
     """A pipelined run's sharded save at update 2 (dp 2 x pp 2, pp 2 x tp 2) consolidates to one process's file
-    (names, parameter groups, values) and resumes in one process; one process's file resumes at pp 2: update 3 as
-    the uninterrupted one."""
+    (names, parameter groups, values) and resumes in one process (and dp 2 x pp 2's at pp 4); one process's file
+    resumes at pp 2: update 3 as the uninterrupted one."""
     from toolkit.checkpoint.sharded import consolidate
 
     want = _one_process(runs, "fp32")
@@ -262,7 +262,9 @@ def test_pipelined_checkpoints_are_one_process_checkpoints(runs, case):
     assert ours["param_groups"] == theirs["param_groups"]
     torch.testing.assert_close(ours["state"], theirs["state"], rtol=1e-3, atol=1e-6)
     resumed = [_resumed(runs, f"resume_one_{case}", runs["root"] / case / "checkpoint_1_2")]
-    if case == "dp2_pp2_fsdp":
+    if case == "dp2_pp2_fsdp":  # one process's file at pp 2, and the pipelined save at pp 4 (a layer a stage)
         resumed.append(_resumed(runs, "resume_pp2", runs["root"] / "one_fp32" / "checkpoint_1_2.pt", *PP2[:4]))
+        pp4 = ["--distributed-world-size", "4", "--pipeline-parallel-size", "4"]
+        resumed.append(_resumed(runs, "resume_pp4", runs["root"] / case / "checkpoint_1_2", *pp4))
     for got in resumed:
         _assert_close(got, want, 1e-3, [UPDATES])
