@@ -203,6 +203,7 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         + ["--use-sharded-state"],
         "fp32",
     ),
+    "pp2_interleaved": (PP2 + ["--pipeline-schedule", "interleaved_1f1b", *QUIET], "fp32"),
     "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b", *QUIET], "bf16"),
     "pp2_tp2": (  # each stage split over its 2 tp ranks, sequence parallel: T/2 positions between the stages
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--model-parallel-size", "2"]
