@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import List, Sequence, Tuple
 
+import numpy as np
+
 from toolkit.core.errors import UserError
 from toolkit.distributed.pipeline import (
     SCHEDULES,
@@ -65,19 +67,27 @@ def in_flight(schedule: str, pp: int, m: int) -> Tuple[Tuple[Tuple[int, ...], ..
     """For each rank of the pp axis, after each action of its schedule: the micro-batches each of its stages
     (``rank_stage_indices``' order) holds saved activations of, then those of each whose input backward ran and
     weight backward did not (they hold the gradients of the stage's matmul outputs too); ValueError where torch's
-    schedule refuses ``m``."""
+    schedule refuses ``m``. Only the states no other state of the rank exceeds in every count are kept: a rank's
+    peak memory, a sum of the counts with non-negative weights, is always one of them, and the layout search
+    prices each rank's states for every batch it tries."""
     if virtual_stages(schedule) == 1:
         return tuple(((m if schedule == "gpipe" else min(m, pp - r), 0),) for r in range(pp))
     from torch.distributed import pipelining
     from torch.distributed.pipelining import schedules
 
-    cls = getattr(pipelining, SCHEDULES[schedule][0])
+    class OrderOnly(getattr(pipelining, SCHEDULES[schedule][0])):
+        """The schedule's compute order without the send, receive and unshard actions torch adds for running it
+        (most of the constructor's time at hundreds of micro-batches; the plan counts only the compute)."""
+
+        def _prepare_schedule_with_comms(self, *args: object, **kwargs: object) -> None:
+            pass
+
     V = virtual_stages(schedule)
     stand_ins = [
         SimpleNamespace(num_stages=pp * V, group_size=pp, group_rank=0, stage_index=s, submod=None)
         for s in rank_stage_indices(0, pp, schedule)
     ]
-    order = cls(stand_ins, n_microbatches=m, loss_fn=lambda *a: None, scale_grads=False).pipeline_order
+    order = OrderOnly(stand_ins, n_microbatches=m, loss_fn=lambda *a: None, scale_grads=False).pipeline_order
     change = {  # (saved, awaiting the weight backward) per action
         schedules.FORWARD: (1, 0),
         schedules.FULL_BACKWARD: (-1, 0),
@@ -94,8 +104,17 @@ def in_flight(schedule: str, pp: int, m: int) -> Tuple[Tuple[Tuple[int, ...], ..
                 held[local.index(a.stage_index)] += saved
                 held[V + local.index(a.stage_index)] += waiting
                 states.append(tuple(held))
-        out.append(tuple(states))
+        out.append(_not_exceeded(states))
     return tuple(out)
+
+
+def _not_exceeded(states: Sequence[Tuple[int, ...]]) -> Tuple[Tuple[int, ...], ...]:
+    """The distinct states that no other state is at least as large as in every count (in their first order)."""
+    unique = list(dict.fromkeys(states))
+    counts = np.array(unique, dtype=np.int64).reshape(len(unique), -1)
+    at_least = (counts[None, :, :] >= counts[:, None, :]).all(axis=2)  # [a, b]: b is at least a everywhere
+    exceeded = (at_least & ~np.eye(len(unique), dtype=bool)).any(axis=1)
+    return tuple(a for a, out in zip(unique, exceeded) if not out)
 
 
 @dataclass(frozen=True)
@@ -124,10 +143,15 @@ class StageRank:
 
 
 def stage_split(stats: ModelStats, setup: Setup) -> List[int]:
-    """Layers per stage as training splits them (``--pipeline-balance`` or the cost-weighted default)."""
-    costs = layer_costs([(p.name, p.numel) for p in stats.params], stats.num_layers)
+    """Layers per stage as training splits them (``--pipeline-balance`` or the cost-weighted default), kept per
+    model (the layout search asks for the same split for many batches and settings)."""
     stages = setup.pp * virtual_stages(setup.pp_schedule)
-    return layer_counts(stats.num_layers, stages, setup.pp_balance, costs)
+    key = ("stage split", stages, setup.pp_balance)
+    if key not in stats.memo:
+        if "layer costs" not in stats.memo:
+            stats.memo["layer costs"] = layer_costs([(p.name, p.numel) for p in stats.params], stats.num_layers)
+        stats.memo[key] = layer_counts(stats.num_layers, stages, setup.pp_balance, stats.memo["layer costs"])
+    return list(stats.memo[key])
 
 
 def rank_stats(stats: ModelStats, spans: Sequence[Tuple[int, int]], first: bool, last: bool) -> ModelStats:
