@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from tests.helpers import dist_helpers as H
 from tests.helpers.cli import run_train
+from tests.helpers.mixture import MIXTURE, data_and_flags, make_sources, mixture_flags
 from tests.helpers.tp_helpers import spawn
 
 SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: the toolkit-train runs below
@@ -160,7 +161,10 @@ def runs(tmp_path_factory):
 
 
 def _train(runs, name, *flags, updates=UPDATES):
-    args = [runs["bin"], *H.llama_args(runs["root"] / name), "--decoder-layers", "4", "--clip-norm", "1.0"]
+    if MIXTURE in flags and "mixture" not in runs:  # the two sources of --data-mixture, written once per module
+        runs["mixture"] = mixture_flags(make_sources(runs["root"] / "sources"))
+    data, flags = data_and_flags(runs["bin"], flags, runs.get("mixture", []))
+    args = [data, *H.llama_args(runs["root"] / name), "--decoder-layers", "4", "--clip-norm", "1.0"]
     proc = run_train(args + ["--max-update", str(updates), "--save-interval-updates", "2", *flags])
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return _logged(proc.stdout)
@@ -177,7 +181,7 @@ def _assert_close(got, want, tolerance, updates):
 def _one_process(runs, precision):
     """The one-process reference of a precision (``--update-freq 2``), run once per module."""
     if precision not in runs:
-        quiet = QUIET if precision != "fp32" else []
+        quiet = QUIET if precision not in ("fp32", "mask_mixture") else []
         runs[precision] = _train(runs, f"one_{precision}", "--update-freq", "2", *PRECISION[precision][0], *quiet)
     return runs[precision]
 
@@ -193,7 +197,14 @@ MOE = [
     "--moe-bias-update-rate",
     "0.01",
 ]
-PRECISION = {"fp32": ([], 1e-3), "bf16": (["--bf16"], 2e-2), "moe": (MOE, 1e-3)}  # flags, relative tolerance
+# documents packed back to back, each attending and positioned as if alone, drawn from two weighted sources
+MASK_MIXTURE = [MIXTURE, "--document-attention-mask", "--reset-position-ids"]
+PRECISION = {  # the one-process references: flags, relative tolerance
+    "fp32": ([], 1e-3),
+    "bf16": (["--bf16"], 2e-2),
+    "moe": (MOE, 1e-3),
+    "mask_mixture": (MASK_MIXTURE, 1e-3),
+}
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
 CASES = {  # name: (flags of the pipelined run, its precision); the cases without QUIET validate
@@ -219,6 +230,12 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
         + ["--expert-parallel-size", "2", "--pipeline-schedule", "gpipe", "--pipeline-microbatches", "1", *MOE, *QUIET],
         "moe",
+    ),
+    "pp2_mask_mixture": (PP2 + MASK_MIXTURE, "mask_mixture"),  # each stage given the micro-batch's documents
+    "pp2_cp2_mask_mixture": (  # the documents of the micro-batch's whole rows, the positions of the cp rank's chunks
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--context-parallel-size", "2"]
+        + ["--ddp-backend", "fully_sharded", "--update-freq", "2", *MASK_MIXTURE],
+        "mask_mixture",
     ),
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints

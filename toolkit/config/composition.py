@@ -521,13 +521,6 @@ for _other, _flag, _why, _fix in (
         "the loss scale is not applied inside the schedule's backward and the overflow would be decided per stage",
         "use --bf16",
     ),
-    (
-        "document mask",
-        "--document-attention-mask",
-        "the stages run the decoder's blocks with the causal mask only (no document ids)",
-        "drop --document-attention-mask",
-    ),
-    ("data mixture", "--data-mixture", "every stage must read the same mixture's batch", "train on one data-bin"),
     ("EMA", "--store-ema", "each stage would average only its layers' weights", "drop --store-ema"),
     ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
 ):
@@ -539,6 +532,14 @@ _PAIRS[("CP", "PP")] = Tested(
     PIPELINE, "case pp2_cp2: 4 ranks, each stage's sequences cut over its 2 cp ranks, FSDP2 over them"
 )
 _PAIRS[("SP", "PP")] = Tested(PIPELINE, "case pp2_tp2: sequence parallel (the default), T/2 positions between stages")
+_PAIRS[("document mask", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_mask_mixture: 2 ranks, every stage given its micro-batch's document ids and reset positions; "
+    "pp2_cp2_mask_mixture: 4 ranks, cp 2 too, the documents read through each micro-batch's shard",
+)
+_PAIRS[("data mixture", "PP")] = Tested(
+    PIPELINE, "case pp2_mask_mixture: 2 ranks, both stages reading their data rank's mixture batch"
+)
 _PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.

@@ -34,6 +34,7 @@ causal, so no real position sees them).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -132,6 +133,13 @@ class ContextShard:
         if window not in self._visibility:
             self._visibility[window] = ChunkedVisibility(self.query_index, self.key_index, self.document_ids, window)
         return self._visibility[window]
+
+    def with_documents(self, document_ids: torch.Tensor) -> ContextShard:
+        """The same layout over other rows' ``document_ids`` [b, T] (a pipeline's micro-batch of the sample's
+        rows), its visibility built anew from them."""
+        rows = copy.copy(self)
+        rows.document_ids, rows._visibility = document_ids, {}
+        return rows
 
     def gather(self, entries: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
         """Each entry [..., T/C, D] on each rank -> [..., T, D] in :func:`gathered_layout` order: one collective

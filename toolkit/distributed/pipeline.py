@@ -223,15 +223,22 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, seque
 
 
 def _stage_forward(
-    model: nn.Module, x: torch.Tensor, spec: StageSpec, sequence_shards: int = 1, context_parallel: Any = None
+    model: nn.Module,
+    x: torch.Tensor,
+    spec: StageSpec,
+    sequence_shards: int = 1,
+    context_parallel: Any = None,
+    document_ids: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache or documents):
+    """One stage of the rotary decoder's forward (``RotaryDecoderLM.forward`` without cache):
     tokens in on the first stage, logits out of the last, the hidden states [B, T, C] between; under sequence
     parallelism (``sequence_shards`` tp ranks) this tp rank's [B, T/M, C] of them, as the blocks of one stage pass
     them on (torchtitan's stages send the same), so a later stage's blocks see every position's mask and rotary
-    rows, T = M times what arrives. ``context_parallel``: this cp rank's chunks of the sequences (a
-    ``ContextShard``, the same for every row and micro-batch), whose positions rotate and whose layout the
-    attention gathers the keys through, instead of a mask."""
+    rows, T = M times what arrives. ``document_ids`` and ``positions`` [B, T]: the micro-batch's documents (the
+    mask keeps attention inside each) and rotary positions, as one process's forward takes them. ``context_parallel``:
+    this cp rank's chunks of the micro-batch's sequences (a ``ContextShard`` holding their documents), whose
+    positions rotate and whose layout the attention gathers the keys through, instead of a mask."""
     from toolkit.models.common.attention import attention_mask
     from toolkit.models.common.options import head_dim, layer_windows
 
@@ -243,9 +250,9 @@ def _stage_forward(
     for i in spec.layers:
         window = windows[i]
         if window not in masks and context_parallel is None:
-            masks[window] = attention_mask(None, T, x.device, window=window, head_dim=head_dim(model.cfg))
-        if context_parallel is None:
-            cos, sin = model.rope_rows(window, 0, T)
+            masks[window] = attention_mask(document_ids, T, x.device, window=window, head_dim=head_dim(model.cfg))
+        if context_parallel is None or positions is not None:
+            cos, sin = model.rope_rows(window, 0, T, positions)
         else:
             cos, sin = (table[context_parallel.query_index] for table in model.rope_table(window))
         x = model.layers[i](x, cos, sin, attn_mask=masks.get(window), context_parallel=context_parallel)
@@ -338,18 +345,24 @@ class StageModule(nn.Module):
         self.router_layers = [m for m in self.parts.modules() if isinstance(m, MoE)]
         self.inferring = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **documents: torch.Tensor) -> torch.Tensor:
+        """``documents``: the micro-batch's rows of the batch's ``document_ids`` and ``positions`` (the schedule
+        cuts them as it cuts the tokens and hands them to every stage); under context parallelism the documents
+        of the whole rows, which the attention reads through this micro-batch's shard."""
         shard = self.context["context_parallel"]
         for m in self.router_layers:  # as the family's forward: the statistics over every cp rank's tokens
             m.context_group = None if shard is None else shard.group
+        inputs = dict(self.context, **documents)
+        if shard is not None and "document_ids" in documents:
+            inputs["context_parallel"] = shard.with_documents(inputs.pop("document_ids"))
         if self.inferring:  # torch's shape inference (tensors of the right shapes): routed, but nothing counted
             counts = [m.tokens_per_expert.clone() for m in self.router_layers]
-            out = self.rank_model(x, self.spec, **self.context)
+            out = self.rank_model(x, self.spec, **inputs)
             for m, kept in zip(self.router_layers, counts):
                 m.tokens_per_expert.copy_(kept)
                 m.aux, m.load = {}, {}
             return out
-        out = self.rank_model(x, self.spec, **self.context)
+        out = self.rank_model(x, self.spec, **inputs)
         return out if self.router is None else self.router.attach(out, self.router_layers)
 
 
@@ -421,13 +434,15 @@ class Pipeline:
         pad: int,
         context_parallel: Any = None,
         sample_size: float = 0.0,
+        **documents: torch.Tensor,
     ) -> Optional[torch.Tensor]:
         """Forward and backward of one batch (``pad``: the padding index; ``context_parallel``: the ContextShard of
         this cp rank's columns, which ``tokens`` and ``target`` are; ``sample_size``: what one process weighs its
-        routers' terms by) through the schedule; the summed loss on the last stage, else None."""
+        routers' terms by; ``documents``: the batch's ``document_ids`` and ``positions``, which every pp rank
+        reads with its tokens) through the schedule; the summed loss on the last stage, else None."""
         if self.router is not None:
             self.router.weight = float(sample_size) / self.microbatches  # the micro-batches are equal (_padded)
-        return self._run(tokens, target, loss_fn, train=True, pad=pad, context_parallel=context_parallel)
+        return self._run(tokens, target, loss_fn, True, pad, context_parallel, documents)
 
     def router_logged(self) -> Dict[str, float]:
         """This rank's stages' logged router terms of the batches run since the last call (none without MoE)."""
@@ -435,10 +450,16 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(
-        self, tokens: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, pad: int, context_parallel: Any = None
+        self,
+        tokens: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        pad: int,
+        context_parallel: Any = None,
+        **documents: torch.Tensor,
     ) -> Optional[torch.Tensor]:
         """Forward only (validation): the summed loss on the last stage, else None."""
-        return self._run(tokens, target, loss_fn, train=False, pad=pad, context_parallel=context_parallel)
+        return self._run(tokens, target, loss_fn, False, pad, context_parallel, documents)
 
     def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The batch padded (rows of padding, padding at the ends of the rows: targets the loss ignores, positions
@@ -463,14 +484,19 @@ class Pipeline:
             target = torch.nn.functional.pad(target, grow, value=pad)
         return tokens, target
 
-    def _run(self, tokens, target, loss_fn, train: bool, pad: int, context_parallel: Any) -> Optional[torch.Tensor]:
+    def _run(
+        self, tokens, target, loss_fn, train: bool, pad: int, context_parallel: Any, documents: Dict[str, Any]
+    ) -> Optional[torch.Tensor]:
         self._context["context_parallel"] = context_parallel
         tokens, target = self._padded(tokens, target, pad)
+        if context_parallel is not None and context_parallel.document_ids is not None:
+            documents = dict(documents, document_ids=context_parallel.document_ids)  # the whole rows' (the shard's)
+        documents = _padded_documents(documents, *tokens.shape, grow_columns=context_parallel is None)
         schedule = self._schedule(tuple(tokens.shape), tokens.device)
         self._loss_fn = loss_fn
         losses: List[torch.Tensor] = []
         args = (tokens,) if self.is_first else ()
-        kwargs = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
+        kwargs = dict(target=target if self.is_last else None, losses=losses if self.is_last else None, **documents)
         with loss_context(self.dims.shape.tp > 1):  # the last stage's logits are vocabulary-sharded under tp
             if train:
                 schedule.step(*args, return_outputs=False, **kwargs)
@@ -513,6 +539,20 @@ class Pipeline:
             source = dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def _padded_documents(documents: Dict[str, torch.Tensor], rows: int, length: int, grow_columns: bool) -> Dict[str, Any]:
+    """The batch's ``document_ids`` and ``positions`` padded as :meth:`Pipeline._padded` pads its tokens: rows of
+    document 0 at position 0, and (``grow_columns``) at the ends of the rows the row's last document at position 0
+    (as context parallelism pads its chunks: no real position reads a later one). Under context parallelism the
+    document ids are the whole rows' and the positions this cp rank's columns: only the rows grow."""
+    padded = {}
+    for name, x in documents.items():
+        if grow_columns and x.size(1) < length:
+            fill = x[:, -1:] if name == "document_ids" else torch.zeros_like(x[:, -1:])
+            x = torch.cat([x, fill.expand(-1, length - x.size(1))], dim=1)
+        padded[name] = torch.nn.functional.pad(x, (0, 0, 0, rows - x.size(0)))
+    return padded
 
 
 def router_terms(model: nn.Module, dims: Any) -> Optional[RouterTerms]:

@@ -312,10 +312,12 @@ class Trainer:
 
         net_input, pad = sample["net_input"], self.task.dictionary.pad()
         inputs = (net_input["src_tokens"], sample["target"], loss_fn, pad, net_input.get("context_parallel"))
+        documents = {key: net_input[key] for key in ("document_ids", "positions") if key in net_input}
         if train:  # the routers' terms weighed by the sample's size, as one process weighs them
-            loss = pipeline.step(*inputs, sample_size=self.criterion.with_counts(torch.zeros(()), sample)[1])
+            sample_size = self.criterion.with_counts(torch.zeros(()), sample)[1]
+            loss = pipeline.step(*inputs, sample_size=sample_size, **documents)
         else:
-            loss = pipeline.evaluate(*inputs)
+            loss = pipeline.evaluate(*inputs, **documents)
         router = pipeline.router_logged()
         if loss is None:
             return router
