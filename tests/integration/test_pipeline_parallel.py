@@ -14,7 +14,9 @@ sample's) log one process's losses and gradient norms (and the MoE run its route
 (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards; the
 dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, one of 2 rows: padded to theirs).
 4 ranks pp 2 x tp 2 (each stage split over its tp ranks, sequence parallel, the head vocabulary-parallel) and pp 2 x
-cp 2 (each stage's sequences cut over its cp ranks) log the same, validation included. Their sharded checkpoints consolidate to one process's file and resume in one process,
+cp 2 (each stage's sequences cut over its cp ranks) log the same, validation included; so do 2 ranks pp 2 and 4 ranks
+pp 2 x cp 2 with ``--document-attention-mask --reset-position-ids`` over a ``--data-mixture`` of two sources,
+against one process with the three. Their sharded checkpoints consolidate to one process's file and resume in one process,
 and one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 

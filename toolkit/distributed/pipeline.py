@@ -15,6 +15,10 @@ under ``loss_parallel``; under sequence parallelism the stages send each other a
 states (torchtitan's choice: no gather at a stage boundary), the batch padded here to a multiple of the tp size.
 Context parallelism: the trainer cuts each sample into this cp rank's chunks before the schedule, and every stage
 rotates their positions and gathers the keys through the sample's ``ContextShard`` (``Pipeline._context``).
+Packed documents (``--document-attention-mask``, ``--reset-position-ids``): the batch's ``document_ids`` and
+``positions`` go to the schedule as keyword inputs, which torch cuts into the micro-batches as it cuts the tokens and
+hands to every stage (each pp rank reads its data rank's batch), so each stage's blocks mask and rotate as one
+process's; under context parallelism a micro-batch's rows of the shard's documents (``ContextShard.with_documents``).
 
 Schedules and the stages a rank holds (``SCHEDULES``): ``gpipe`` and ``1f1b`` one stage per rank;
 ``interleaved_1f1b`` and ``zero_bubble`` (torch's interleaved zero-bubble) two, rank r holding stages r and r + P
@@ -450,15 +454,10 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(
-        self,
-        tokens: torch.Tensor,
-        target: torch.Tensor,
-        loss_fn: LossFn,
-        pad: int,
-        context_parallel: Any = None,
-        **documents: torch.Tensor,
+        self, tokens, target, loss_fn: LossFn, pad: int, context_parallel: Any = None, **documents: torch.Tensor
     ) -> Optional[torch.Tensor]:
-        """Forward only (validation): the summed loss on the last stage, else None."""
+        """Forward only (validation, the arguments as :meth:`step`'s): the summed loss on the last stage, else
+        None."""
         return self._run(tokens, target, loss_fn, False, pad, context_parallel, documents)
 
     def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
