@@ -125,6 +125,9 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         assert logged.keys() == want_logged.keys() and (family == "llama") == (not logged), (logged, want_logged)
         for name, value in logged.items():
             assert value == pytest.approx(want_logged[name], rel=1e-5), (family, schedule, name)
+        evaluated = pipeline.evaluate(tokens, target, loss_fn, pad=1)  # forward only, the weights unchanged
+        if pipeline.is_last:
+            torch.testing.assert_close(evaluated, want_loss, rtol=1e-5, atol=1e-4, msg=f"{schedule} evaluate")
         everyone = [None] * world_size
         dist.all_gather_object(everyone, sorted(names))
         held[f"{schedule}{'' if family == 'llama' else '_' + family}"] = everyone

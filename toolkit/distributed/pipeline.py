@@ -388,6 +388,32 @@ def _stage_class() -> type:
     return Stage
 
 
+@functools.cache
+def _forward_only_class(name: str) -> type:
+    """torch's schedule ``name`` cut to its forward actions (those inside its overlapped forward-backward actions
+    too) and their sends and receives: its V-placed schedules run the backward actions of two stages on one rank in
+    ``eval`` as well, which a forward without autograd cannot."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules
+
+    class ForwardOnly(getattr(pipelining, name)):
+        def _prepare_schedule_with_comms(self, *args: Any, **kwargs: Any) -> None:
+            super()._prepare_schedule_with_comms(*args, **kwargs)
+            backward = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")
+            dropped = {getattr(schedules, kind) for kind in backward}
+            self.pipeline_order_with_comms = {
+                rank: [
+                    sub
+                    for action in ops
+                    for sub in (action.sub_actions or (action,))
+                    if sub.computation_type not in dropped
+                ]
+                for rank, ops in self.pipeline_order_with_comms.items()
+            }
+
+    return ForwardOnly
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs a batch through them (one per batch shape: torch's stages
     size their receive buffers on the first batch they run)."""
@@ -400,14 +426,18 @@ class Pipeline:
         self.group = dims.group("pp")
         self.is_first = any(spec.first for spec in specs)
         self.is_last = any(spec.last for spec in specs)
-        self._schedules: Dict[Tuple[int, ...], Any] = {}
+        self._schedules: Dict[Tuple[Tuple[int, ...], bool], Any] = {}
         self._loss_fn: Optional[LossFn] = None
         self._context: Dict[str, Any] = {"context_parallel": None}  # the batch's, for every stage (StageModule)
         self.router = router_terms(model, dims)
 
-    def _schedule(self, shape: Tuple[int, ...], device: torch.device) -> Any:
-        if shape in self._schedules:
-            return self._schedules[shape]
+    def _schedule(self, shape: Tuple[int, ...], device: torch.device, train: bool = True) -> Any:
+        """The schedule of a batch shape; for validation under a V placement, its forward actions only
+        (:func:`_forward_only_class`)."""
+        name = SCHEDULES[self.schedule_name][0]
+        forward_only = not train and SCHEDULES[self.schedule_name][2] == "v"
+        if (shape, forward_only) in self._schedules:
+            return self._schedules[shape, forward_only]
         from torch.distributed import pipelining
 
         stages = [
@@ -420,10 +450,10 @@ class Pipeline:
             )
             for spec in self.specs
         ]
-        cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
         first = stages[0] if len(stages) == 1 else stages
+        cls = _forward_only_class(name) if forward_only else getattr(pipelining, name)
         schedule = cls(first, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
-        self._schedules[shape] = schedule
+        self._schedules[shape, forward_only] = schedule
         return schedule
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -491,7 +521,7 @@ class Pipeline:
         if context_parallel is not None and context_parallel.document_ids is not None:
             documents = dict(documents, document_ids=context_parallel.document_ids)  # the whole rows' (the shard's)
         documents = _padded_documents(documents, *tokens.shape, grow_columns=context_parallel is None)
-        schedule = self._schedule(tuple(tokens.shape), tokens.device)
+        schedule = self._schedule(tuple(tokens.shape), tokens.device, train)
         self._loss_fn = loss_fn
         losses: List[torch.Tensor] = []
         args = (tokens,) if self.is_first else ()
