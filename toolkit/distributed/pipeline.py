@@ -24,6 +24,9 @@ The loss: the schedule calls the criterion's summed loss on each micro-batch of 
 it unscaled (``scale_grads=False``); the trainer then divides the gradients once by the update's token count across
 micro-batches, ``--update-freq`` and the data ranks, as one process does, and takes the logged sums from the last
 stage (:meth:`Pipeline.from_last_stage`). The gradient norm adds the stages' squares (:meth:`Pipeline.global_norm`).
+Under fp16 the schedule back-propagates each micro-batch's loss times the loss scale (:meth:`Pipeline._loss`; the
+routers' terms too), as one process scales its loss, and the overflow is that norm's being non-finite: every stage
+and data rank sees the same norm, skips the same update and halves its scale with the others.
 
 The MoE routers' auxiliary losses (:class:`RouterTerms`): each stage takes its layers' terms after its forward of a
 micro-batch and back-propagates them with that micro-batch (an identity on the stage's output whose backward also
