@@ -6,9 +6,11 @@ rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each 
 parameters under their one-process names. The same for 4-layer MoE and DeepSeek-V3 models (``ROUTED``: 1f1b,
 zero_bubble, dualpipev; 1f1b) against one process over the same micro-batches, each router term weighed by its
 micro-batch's share of the sample size: the gradients, the logged router terms summed over the stages and each
-layer's token counts (what moves the bias). Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+layer's token counts (what moves the bias); with fp16's loss scale (``SCALED``: the MoE family's, and fp16 weights),
+one process's gradients of the scaled losses. Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
 schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
-ranks), 2 ranks pp 2 in bf16 (interleaved_1f1b) and 4 ranks pp 2 x ep 2 of the MoE family (FSDP2 and the experts
+ranks), 2 ranks pp 2 in bf16 (interleaved_1f1b), in fp16 from a loss scale that overflows (the same loss scales and
+updates skipped as one process: the overflow decided across the stages; 1e-2) and 4 ranks pp 2 x ep 2 of the MoE family (FSDP2 and the experts
 over each stage's 2 data ranks; gpipe with one micro-batch a batch, so its routing statistics are one process's
 sample's) log one process's losses and gradient norms (and the MoE run its router terms) with ``--update-freq 2``
 (fp32 1e-3, bf16 2e-2, plus a unit of the last logged place), the norm summed over the stages and the shards; the
@@ -66,15 +68,19 @@ def _tiny_model(family: str, device: str = "cpu"):
         return cls(cfg, 37, 1, seed=5)
 
 
-def _one_process_batch(family: str, tokens, target, loss_fn, microbatches: int, sample_size: float):
+def _one_process_batch(
+    family: str, tokens, target, loss_fn, microbatches: int, sample_size: float, scale: float = 1.0, dtype=None
+):
     """One process's gradients, summed loss and logged router terms over the pipeline's micro-batches (each router
     term weighed by the micro-batch's share of ``sample_size``, as the trainer weighs a sample's), and its MoE
-    layers' token counts."""
+    layers' token counts; each micro-batch's loss times ``scale`` before its backward (fp16's loss scale), the
+    model's weights cast to ``dtype`` (``--memory-efficient-fp16``'s fp16 weights)."""
     from toolkit.models.init import init_weights
     from toolkit.models.outputs import aux_losses_of, metrics_of
 
     reference = _tiny_model(family)
     init_weights(reference, 5)
+    reference.to(dtype or torch.float32)
     total, logged, share = 0.0, {}, sample_size / microbatches
     for rows, targets in zip(tokens.chunk(microbatches), target.chunk(microbatches)):
         out = reference(rows)
@@ -85,7 +91,7 @@ def _one_process_batch(family: str, tokens, target, loss_fn, microbatches: int, 
             logged[name] = logged.get(name, 0.0) + float(value) * share
         for name, value in metrics_of(out).items():
             logged[name] = logged.get(name, 0.0) + float(value) * share
-        loss.backward()
+        (loss * scale).backward()
     counts = {m.name: m.tokens_per_expert.clone() for m in reference.modules() if hasattr(m, "tokens_per_expert")}
     return {name: p.grad for name, p in reference.named_parameters()}, total, logged, counts
 
@@ -131,7 +137,43 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, sorted(names))
         held[f"{schedule}{'' if family == 'llama' else '_' + family}"] = everyone
+    for family, schedule, dtype in SCALED:
+        _scaled_step_equals_one_process(dims, family, schedule, dtype, tokens, target)
     return held
+
+
+# fp16's loss scale through the schedule: the MoE routers' terms too (fp32), and --memory-efficient-fp16's fp16
+# weights (the hidden states between the stages fp16)
+SCALED = [("moe", "1f1b", torch.float32), ("llama", "interleaved_1f1b", torch.float16)]
+
+
+def _scaled_step_equals_one_process(dims, family: str, schedule: str, dtype, tokens, target) -> None:
+    """A step with a loss scale (2**10): each micro-batch's loss scaled before the schedule's backward, so every
+    stage's gradients are one process's of the scaled losses (the routers' terms scaled too); the summed loss
+    returned unscaled."""
+    from types import SimpleNamespace
+
+    from toolkit.distributed.pipeline import Pipeline, build_pipeline, default_microbatches
+    from toolkit.models.init import init_weights
+
+    def loss_fn(logits, t):  # in fp32, as the criterion takes fp16 logits
+        return F.cross_entropy(logits.float().reshape(-1, 37), t.reshape(-1), reduction="sum")
+
+    scale, microbatches = 2.0**10, default_microbatches(2, schedule)
+    want, want_loss, _, _ = _one_process_batch(family, tokens, target, loss_fn, microbatches, 64.0, scale, dtype)
+    model = _tiny_model(family, "meta")
+    cfg = SimpleNamespace(pipeline_schedule=schedule, pipeline_balance=None)
+    pipeline = Pipeline(model, build_pipeline(model, cfg, dims), dims, schedule, 0)
+    model.to_empty(device="cpu")
+    init_weights(model, 5)
+    model.to(dtype)
+    loss = pipeline.step(tokens, target, loss_fn, pad=1, sample_size=64.0, loss_scale=scale)
+    if pipeline.is_last:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4, msg=schedule)
+    tolerance = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=scale * 1e-4)
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == dtype, name
+        torch.testing.assert_close(p.grad, want[name], **tolerance, msg=f"{family} {schedule} x{scale}: {name}")
 
 
 def test_every_schedule_equals_one_process(tmp_path):
@@ -145,17 +187,19 @@ def test_every_schedule_equals_one_process(tmp_path):
 
 
 def _logged(stdout: str) -> dict:
-    """{update: (loss, gnorm, the MoE routers' logged terms by name)} of the ``train_inner`` lines; ``"valid"``: the
-    validation losses logged."""
-    out = {}
+    """{update: (loss, gnorm, the MoE routers' logged terms by name, under fp16 the loss scale and the updates skipped
+    so far)} of the ``train_inner`` lines; ``"valid"``: the validation losses logged."""
+    out, skipped = {}, 0
     for line in stdout.splitlines():
         m = re.search(r"\| (train_inner|valid) \| (\{.*\})\s*$", line)
+        skipped += "NOTE: gradient overflow detected, ignoring gradient" in line
         if m and m.group(1) == "valid":
             out.setdefault("valid", []).append(float(json.loads(m.group(2))["valid_loss"]))
         elif m:
             stats = json.loads(m.group(2))
             router = [float(stats[k]) for k in sorted(stats) if k.startswith("moe_")]
-            out[int(stats["num_updates"])] = (float(stats["loss"]), float(stats["gnorm"]), *router)
+            scaler = [float(stats["loss_scale"]), skipped] if "loss_scale" in stats else []
+            out[int(stats["num_updates"])] = (float(stats["loss"]), float(stats["gnorm"]), *router, *scaler)
     return out
 
 
@@ -204,11 +248,15 @@ MOE = [
 ]
 # documents packed back to back, each attending and positioned as if alone, drawn from two weighted sources
 MASK_MIXTURE = [MIXTURE, "--document-attention-mask", "--reset-position-ids"]
+# fp16 from a loss scale that overflows: updates skipped before update 1, the scale doubled after 2 clean updates,
+# then overflowing twice more (one process: 8192 at update 1, 16384 at 2, 4096 at 3)
+FP16 = ["--fp16", "--fp16-init-scale", "16384", "--fp16-scale-window", "2"]
 PRECISION = {  # the one-process references: flags, relative tolerance
     "fp32": ([], 1e-3),
     "bf16": (["--bf16"], 2e-2),
     "moe": (MOE, 1e-3),
     "mask_mixture": (MASK_MIXTURE, 1e-3),
+    "fp16": (FP16, 1e-2),
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
@@ -221,6 +269,7 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
     ),
     "pp2_interleaved": (PP2 + ["--pipeline-schedule", "interleaved_1f1b", *QUIET], "fp32"),
     "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b", *QUIET], "bf16"),
+    "pp2_fp16": (PP2 + FP16 + QUIET, "fp16"),  # the same loss scales and skipped updates: overflows across stages
     "pp2_tp2": (  # each stage split over its 2 tp ranks, sequence parallel: T/2 positions between the stages
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--model-parallel-size", "2"]
         + ["--update-freq", "2", "--use-sharded-state"],
@@ -252,6 +301,8 @@ def test_pipelined_run_logs_one_process_losses(runs, case):
     want, tolerance = _one_process(runs, precision), PRECISION[precision][1]
     got = _train(runs, case, *flags)
     assert any(logged[1] > 1.0 for key, logged in want.items() if key != "valid")  # the clip acts
+    if precision == "fp16":  # the loss scale overflowed before update 1 and again before update 3
+        assert 0 < want[1][-1] < want[UPDATES][-1], want
     _assert_close(got, want, tolerance, range(1, UPDATES + 1))
     if QUIET[0] not in flags:
         assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)

@@ -68,6 +68,21 @@ def test_the_step_may_apply_the_factor_and_fp16_overflow_is_not_looked_at_again(
     assert math.isinf(norm) and factor == 0.5 and inf[0][0] == 1.0  # the scaler sees the overflow; nothing rescaled
 
 
+def test_the_second_look_measures_where_the_caller_says():
+    """A pipeline stage's own gradients are finite while another stage's overflowed: its second look is the norm over
+    every stage (``measure``), so it skips the update with them; huge finite gradients everywhere still train."""
+    grads = [torch.full((15,), 2.0)]
+    norm, _ = normalize_and_clip(grads, 0.5, 1.0, measure=lambda: float("inf"))
+    assert math.isinf(norm)
+    grads = [torch.full((15,), 1e20)]  # squares beyond fp32 on this stage, the other stage's norm squared is 1
+
+    def both_stages() -> float:
+        return math.sqrt(float(total_norm(grads)) ** 2 + 1.0)
+
+    norm, factor = normalize_and_clip(grads, 1e-20, 0.0, measure=both_stages)
+    assert math.isclose(norm, 4.0, rel_tol=1e-5) and factor == 1.0  # sqrt(15 + 1), after the second look
+
+
 def test_clip_coefficient():
     assert clip_coefficient(4.0, 0.0) == 1.0 and clip_coefficient(0.5, 1.0) == 1.0
     assert clip_coefficient(float("inf"), 1.0) == 1.0 and clip_coefficient(float("nan"), 1.0) == 1.0

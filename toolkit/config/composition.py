@@ -488,6 +488,16 @@ _PAIRS[("EP", "PP")] = Tested(
     "case pp2_ep2_moe: the MoE family on 4 ranks, FSDP2 and ep 2 over each stage's 2 data ranks, the routers' terms "
     "through the schedule",
 )
+_PAIRS[("fp16", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_fp16: 2 ranks, a loss scale that overflows: each micro-batch's loss scaled inside the schedule, the "
+    "overflow decided on the norm summed over the stages, one process's loss scales and skipped updates (1e-2)",
+)
+_PAIRS[("memory-efficient fp16", "PP")] = Tested(
+    "tests/integration/test_pipeline_parallel.py::test_every_schedule_equals_one_process",
+    "SCALED: 2 ranks, fp16 weights and hidden states through interleaved_1f1b with a loss scale, one process's "
+    "gradients of the scaled losses; the overflow as case pp2_fp16 (the norm over the stages)",
+)
 PP_UNTESTED = (
     "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
     "until one does; {fix}"
@@ -508,18 +518,6 @@ for _other, _flag, _why, _fix in (
         "FSDP2's offloaded shards would be updated per stage by CPU Adam, and --overlap-offload-step sums the "
         "gradient norm during backward on one stage only",
         "drop --cpu-offload",
-    ),
-    (
-        "fp16",
-        "--fp16",
-        "the loss scale is not applied inside the schedule's backward and the overflow would be decided per stage",
-        "use --bf16",
-    ),
-    (
-        "memory-efficient fp16",
-        "--memory-efficient-fp16",
-        "the loss scale is not applied inside the schedule's backward and the overflow would be decided per stage",
-        "use --bf16",
     ),
     ("EMA", "--store-ema", "each stage would average only its layers' weights", "drop --store-ema"),
     ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),

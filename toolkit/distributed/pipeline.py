@@ -28,6 +28,9 @@ The loss: the schedule calls the criterion's summed loss on each micro-batch of 
 it unscaled (``scale_grads=False``); the trainer then divides the gradients once by the update's token count across
 micro-batches, ``--update-freq`` and the data ranks, as one process does, and takes the logged sums from the last
 stage (:meth:`Pipeline.from_last_stage`). The gradient norm adds the stages' squares (:meth:`Pipeline.global_norm`).
+Under fp16 the schedule back-propagates each micro-batch's loss times the loss scale (:meth:`Pipeline._loss`; the
+routers' terms too), as one process scales its loss, and the overflow is that norm's being non-finite: every stage
+and data rank sees the same norm, skips the same update and halves its scale with the others.
 
 The MoE routers' auxiliary losses (:class:`RouterTerms`): each stage takes its layers' terms after its forward of a
 micro-batch and back-propagates them with that micro-batch (an identity on the stage's output whose backward also
@@ -288,6 +291,7 @@ class RouterTerms:
         self.model = model
         self.whole_layers: List[str] = list(model.whole_router_layers)
         self.weight = 0.0
+        self.loss_scale = 1.0  # fp16's: the terms' gradients scaled as the criterion's loss is (Pipeline._loss)
         self.logged: Dict[str, Any] = {}  # tensors (no sync per micro-batch) or floats
 
     def attach(self, output: torch.Tensor, stage_layers: Sequence[MoE]) -> torch.Tensor:
@@ -307,7 +311,7 @@ class RouterTerms:
             term = coefficient * part if term is None else term + coefficient * part
         for name, value in metrics.items():
             self._add(self._whole_name(name, ran), value * self.weight)
-        return output if term is None else _AlsoBackward.apply(output, term)
+        return output if term is None else _AlsoBackward.apply(output, term * self.loss_scale)
 
     def _whole_name(self, name: str, ran: Sequence[MoE]) -> str:
         """A per-layer metric's name (``<name>_<i>``, i among the layers that ran) with i among the whole model's."""
@@ -428,6 +432,7 @@ class Pipeline:
         self.is_last = any(spec.last for spec in specs)
         self._schedules: Dict[Tuple[Tuple[int, ...], bool], Any] = {}
         self._loss_fn: Optional[LossFn] = None
+        self._loss_scale = 1.0  # fp16's dynamic loss scale of the batch being trained (Pipeline.step)
         self._context: Dict[str, Any] = {"context_parallel": None}  # the batch's, for every stage (StageModule)
         self.router = router_terms(model, dims)
 
@@ -457,8 +462,11 @@ class Pipeline:
         return schedule
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss of one micro-batch: the caller's (its summed loss), set for the batch being run."""
-        return self._loss_fn(output, target)
+        """The schedule's loss of one micro-batch: the caller's (its summed loss), set for the batch being run, times
+        fp16's loss scale (the schedule back-propagates what this returns, as one process back-propagates the scaled
+        loss; :meth:`_run` divides the logged sum by it again)."""
+        loss = self._loss_fn(output, target)
+        return loss if self._loss_scale == 1.0 else loss * self._loss_scale
 
     def step(
         self,
@@ -468,14 +476,18 @@ class Pipeline:
         pad: int,
         context_parallel: Any = None,
         sample_size: float = 0.0,
+        loss_scale: float = 1.0,
         **documents: torch.Tensor,
     ) -> Optional[torch.Tensor]:
         """Forward and backward of one batch (``pad``: the padding index; ``context_parallel``: the ContextShard of
         this cp rank's columns, which ``tokens`` and ``target`` are; ``sample_size``: what one process weighs its
-        routers' terms by; ``documents``: the batch's ``document_ids`` and ``positions``, which every pp rank
-        reads with its tokens) through the schedule; the summed loss on the last stage, else None."""
+        routers' terms by; ``loss_scale``: fp16's, each micro-batch's loss multiplied by it before its backward;
+        ``documents``: the batch's ``document_ids`` and ``positions``, which every pp rank reads with its tokens)
+        through the schedule; the summed loss (unscaled) on the last stage, else None."""
+        self._loss_scale = float(loss_scale)
         if self.router is not None:
             self.router.weight = float(sample_size) / self.microbatches  # the micro-batches are equal (_padded)
+            self.router.loss_scale = self._loss_scale
         return self._run(tokens, target, loss_fn, True, pad, context_parallel, documents)
 
     def router_logged(self) -> Dict[str, float]:
@@ -488,6 +500,7 @@ class Pipeline:
     ) -> Optional[torch.Tensor]:
         """Forward only (validation, the arguments as :meth:`step`'s): the summed loss on the last stage, else
         None."""
+        self._loss_scale = 1.0
         return self._run(tokens, target, loss_fn, False, pad, context_parallel, documents)
 
     def _padded(self, tokens: torch.Tensor, target: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -533,7 +546,7 @@ class Pipeline:
                 schedule.eval(*args, **kwargs)
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale
 
     def global_norm(self, grads: Sequence[torch.Tensor], expert_grads: Any = None, params: Sequence = ()) -> float:
         """The L2 norm of the whole model's gradients: this rank's (over FSDP2's shards; with ``expert_grads``, the

@@ -21,7 +21,7 @@ arrive, so :class:`SquareSums` fed one block at a time while backward runs
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -165,6 +165,7 @@ def normalize_and_clip(
     raw_norm: Optional[float] = None,
     in_place: bool = True,
     look_again: bool = True,
+    measure: Optional[Callable[[], float]] = None,
 ) -> Tuple[float, float]:
     """The one gradient-clipping path: (norm of ``grad_factor * grads``, the factor the step still applies).
 
@@ -178,12 +179,16 @@ def normalize_and_clip(
     A non-finite raw norm with ``look_again``: inf/NaN gradients, or squares beyond fp32's range (see
     ``total_norm``): the gradients are normalized in place first and measured again, so huge but finite
     raw gradients still train. Without it (fp16 gradients) a non-finite norm goes back as the overflow.
+    ``measure``: the norm of the gradients as they are, where they are more than ``grads`` (a pipeline's stages
+    add theirs, so every stage looks again and decides the overflow alike); ``total_norm(grads)`` by default.
     """
+    if measure is None:
+        measure = lambda: float(total_norm(grads)) if grads else 0.0  # noqa: E731
     if raw_norm is None:
-        raw_norm = float(total_norm(grads)) if grads else 0.0  # the one device sync of the update's bookkeeping
+        raw_norm = measure()  # the one device sync of the update's bookkeeping
     if not math.isfinite(raw_norm) and look_again:
         torch._foreach_mul_(grads, grad_factor)
-        norm = float(total_norm(grads))
+        norm = measure()
         coefficient = clip_coefficient(norm, max_norm)
         if coefficient != 1.0:
             torch._foreach_mul_(grads, coefficient)

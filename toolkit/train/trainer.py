@@ -140,8 +140,11 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler_from_section(
             cfg.components.lr_scheduler, cfg.lr_scheduler, self.optimizer
         )
+        # fairseq's default scale window counts the ranks; a pipeline's stages share each batch (fairseq ran its
+        # pipeline in one process), so a pipelined run keeps one process's window
+        ranks = env.world_size // strategy.dims.shape.pp
         self.scaler = (
-            DynamicLossScaler.from_config(common, env.world_size, cfg.optimization.update_freq) if common.fp16 else None
+            DynamicLossScaler.from_config(common, ranks, cfg.optimization.update_freq) if common.fp16 else None
         )
         self.amp_retries = AmpBatchRetries.from_config(common)
         self.num_updates = 0
@@ -314,8 +317,9 @@ class Trainer:
         inputs = (net_input["src_tokens"], sample["target"], loss_fn, pad, net_input.get("context_parallel"))
         documents = {key: net_input[key] for key in ("document_ids", "positions") if key in net_input}
         if train:  # the routers' terms weighed by the sample's size, as one process weighs them
-            sample_size = self.criterion.with_counts(torch.zeros(()), sample)[1]
-            loss = pipeline.step(*inputs, sample_size=sample_size, **documents)
+            size = self.criterion.with_counts(torch.zeros(()), sample)[1]
+            scale = self.scaler.loss_scale if self.scaler else 1.0  # fp16's, on each micro-batch's loss
+            loss = pipeline.step(*inputs, sample_size=size, loss_scale=scale, **documents)
         else:
             loss = pipeline.evaluate(*inputs, **documents)
         router = pipeline.router_logged()
@@ -388,11 +392,12 @@ class Trainer:
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        raw_norm = None
+        raw_norm, measure = None, None
         if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
             raw_norm = self.overlap.raw_grad_norm()
         elif self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
-            raw_norm = self.strategy.pipeline.global_norm(grads, self.strategy.expert_grads, params)
+            measure = functools.partial(self.strategy.pipeline.global_norm, grads, self.strategy.expert_grads, params)
+            raw_norm = measure()
         elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
         elif self.memory_efficient is not None:
@@ -409,6 +414,7 @@ class Trainer:
             raw_norm=raw_norm,
             in_place=not step_applies,
             look_again=self.memory_efficient is None,
+            measure=measure,
         )
 
     def _log_update(self, totals: Dict[str, float], sample_size: float, grad_norm: float) -> None:
