@@ -257,6 +257,7 @@ PRECISION = {  # the one-process references: flags, relative tolerance
     "moe": (MOE, 1e-3),
     "mask_mixture": (MASK_MIXTURE, 1e-3),
     "fp16": (FP16, 1e-2),
+    "mefp16": (["--memory-efficient-fp16", *FP16[1:]], 1e-2),
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
@@ -270,6 +271,7 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
     "pp2_interleaved": (PP2 + ["--pipeline-schedule", "interleaved_1f1b", *QUIET], "fp32"),
     "pp2_bf16": (PP2 + ["--bf16", "--pipeline-schedule", "interleaved_1f1b", *QUIET], "bf16"),
     "pp2_fp16": (PP2 + FP16 + QUIET, "fp16"),  # the same loss scales and skipped updates: overflows across stages
+    "pp2_mefp16": (PP2 + ["--memory-efficient-fp16", *FP16[1:], *QUIET], "mefp16"),  # fp16 weights, no fp32 copy
     "pp2_tp2": (  # each stage split over its 2 tp ranks, sequence parallel: T/2 positions between the stages
         ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--model-parallel-size", "2"]
         + ["--update-freq", "2", "--use-sharded-state"],

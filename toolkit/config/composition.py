@@ -494,9 +494,9 @@ _PAIRS[("fp16", "PP")] = Tested(
     "overflow decided on the norm summed over the stages, one process's loss scales and skipped updates (1e-2)",
 )
 _PAIRS[("memory-efficient fp16", "PP")] = Tested(
-    "tests/integration/test_pipeline_parallel.py::test_every_schedule_equals_one_process",
-    "SCALED: 2 ranks, fp16 weights and hidden states through interleaved_1f1b with a loss scale, one process's "
-    "gradients of the scaled losses; the overflow as case pp2_fp16 (the norm over the stages)",
+    PIPELINE,
+    "case pp2_mefp16: 2 ranks, fp16 weights and hidden states, the loss scale of case pp2_fp16, one process's loss "
+    "scales and skipped updates (1e-2)",
 )
 PP_UNTESTED = (
     "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
