@@ -27,7 +27,7 @@ resumes from replaces the seed with its own average, as in fairseq.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -129,13 +129,21 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class EMAState(ShardedExtra):
     """The EMA as a checkpoint's Stateful (``extra_state["ema"]``; in a sharded checkpoint, each rank's shards
     as DCP entries): a checkpoint without an average restarts it from the loaded model, which must load first
-    (tensor entries do)."""
+    (tensor entries do). Under ``--pipeline-parallel-size`` each stage averages its own layers: ``merge`` joins the
+    stages' averages into the whole model's (on the rank that writes the file), and a load keeps each stage's names
+    (``EMA.load_state_dict`` takes the names its shadow has)."""
 
-    def __init__(self, ema: EMA, model: torch.nn.Module):
-        self.ema, self.model = ema, model
+    def __init__(
+        self,
+        ema: EMA,
+        model: torch.nn.Module,
+        merge: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None,
+    ):
+        self.ema, self.model, self.merge = ema, model, merge
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return self.ema.state_dict()
+        state = self.ema.state_dict()
+        return state if self.merge is None else self.merge(state)
 
     def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]]) -> None:
         if not self.ema.load_state_dict(state, self.model):
