@@ -16,6 +16,9 @@ saved, so the file holds the same whole tensors as one process's run. A sharded 
 (``--use-sharded-state``) writes each rank's shards of the average as DCP entries (``ema.<name>``), as it
 writes the model's, and reads them back resharded to the loading run's world size.
 
+Under ``--pipeline-parallel-size`` each stage averages the layers it holds, and a checkpoint holds the whole
+model's average (``EMAState``'s ``merge``); a stage loads its part of a saved average.
+
 ``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
 checkpoint (its ``extra_state["ema"]``, as fairseq's ``load_ema_from_checkpoint`` reads it),
 not at the model's weights. PATH is a toolkit or a fairseq ``transformer_lm`` checkpoint,
@@ -184,10 +187,11 @@ def saved_average(
             f"trained with --store-ema? To start from its model weights, use --finetune-from-model"
         )
     saved = fairseq_adapter.average_weights(path, state, saved, unwrap(model))
+    whole = getattr(unwrap(model), "whole_model_shapes", None)  # a pipeline stage: the whole model's average
     check_weights(
         flag,
         saved,
-        shadow,
+        shadow if whole is None else whole,
         saved_as="the saved moving average",
         fix="it was trained with another architecture or other model options; use the same model options",
     )
