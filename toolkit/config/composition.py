@@ -538,9 +538,9 @@ _PAIRS[("muon", "PP")] = Tested(
     "stages' Muon/AdamW groups saved as one process's",
 )
 _PAIRS[("EMA", "PP")] = Tested(
-    PIPELINE,
-    "case dp2_pp2_muon_ema and test_pipelined_moving_average_is_one_process_average: each stage averages its "
-    "layers; the sharded save consolidates to one process's average, restored at pp 2, whose .pt holds it whole",
+    "tests/integration/test_pipeline_parallel.py::test_pipelined_moving_average_is_one_process_average",
+    "case dp2_pp2_muon_ema: each stage averages its layers; the sharded save consolidates to one process's "
+    "average, restored at pp 2, whose .pt holds it whole",
 )
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
