@@ -85,3 +85,24 @@ def test_flag_checks(tmp_path, caplog):
         sum("--ema-seed-model x.pt: accepted, no effect without --store-ema" in r.getMessage() for r in caplog.records)
         == 1
     )
+
+
+def test_a_pipeline_stage_seeds_its_layers_from_the_whole_average(tmp_path):
+    """A pipeline stage (its model pruned to layers 2-3 and the head) checks a saved average against the whole
+    model's names and takes its own part of it."""
+    from toolkit.distributed.pipeline import StageSpec, prune_to_stages
+    from toolkit.models.llama.config import LlamaConfig
+    from toolkit.models.llama.model import LlamaLanguageModel
+
+    cfg = LlamaConfig(decoder_layers=4, decoder_embed_dim=16, decoder_attention_heads=2, decoder_ffn_embed_dim=32)
+    cfg.max_target_positions = 8
+    whole = LlamaLanguageModel(cfg, 11, 1, seed=1)
+    average = {k: torch.randn_like(v) for k, v in whole.state_dict().items()}
+    torch.save({"model": whole.state_dict(), "extra_state": {"ema": average}}, tmp_path / "whole.pt")
+    with torch.device("meta"):
+        stage = LlamaLanguageModel(cfg, 11, 1, seed=1)
+    prune_to_stages(stage, [StageSpec(1, (2, 3), False, True)], pp=2)
+    stage.to_empty(device="cpu")
+    ema = EMA(stage, EMAConfig(store_ema=True, ema_seed_model=str(tmp_path / "whole.pt")))
+    assert sorted(ema.shadow) == sorted(stage.state_dict()) and "layers.2.mlp.up_proj.weight" in ema.shadow
+    torch.testing.assert_close(ema.shadow, {k: average[k] for k in ema.shadow})

@@ -256,7 +256,9 @@ class StagedState(TensorState):
         return self.inner.prepare_load(where, side, shapes)
 
     def load_template(self) -> Dict[str, Any]:
-        return self.inner.load_template()
+        """The inner entry's, its optimizer groups every stage's as saved (DCP reads a group's keys by position)."""
+        template = self.inner.load_template()
+        return self.local(template) if self.local is not None and "param_groups" in template else template
 
 
 STAGE_FULL_STATE = StateDictOptions(full_state_dict=True)  # every rank of a stage gets it (not rank 0 only)

@@ -507,19 +507,12 @@ for _other, _flag, _why, _fix in (
     ("compile", "--compile", "each stage's blocks would be compiled per micro-batch shape", "drop --compile"),
     ("fp8", "--fp8", "the float8 scales are kept per stage", "use --bf16"),
     (
-        "muon",
-        "--optimizer muon",
-        "Muon gathers each sharded matrix to an owner rank of the stage's data ranks",
-        "use --optimizer adam",
-    ),
-    (
         "cpu-offload",
         "--cpu-offload",
         "FSDP2's offloaded shards would be updated per stage by CPU Adam, and --overlap-offload-step sums the "
         "gradient norm during backward on one stage only",
         "drop --cpu-offload",
     ),
-    ("EMA", "--store-ema", "each stage would average only its layers' weights", "drop --store-ema"),
     ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
 ):
     _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
@@ -539,6 +532,16 @@ _PAIRS[("data mixture", "PP")] = Tested(
     PIPELINE, "case pp2_mask_mixture: 2 ranks, both stages reading their data rank's mixture batch"
 )
 _PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
+_PAIRS[("muon", "PP")] = Tested(
+    PIPELINE,
+    "case dp2_pp2_muon_ema: 4 ranks, each stage's matrices gathered to owners among its 2 data ranks; the "
+    "stages' Muon/AdamW groups saved as one process's",
+)
+_PAIRS[("EMA", "PP")] = Tested(
+    "tests/integration/test_pipeline_parallel.py::test_pipelined_moving_average_is_one_process_average",
+    "case dp2_pp2_muon_ema: each stage averages its layers; the sharded save consolidates to one process's "
+    "average, restored at pp 2, whose .pt holds it whole",
+)
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
 TP_BACKENDS: Dict[str, Status] = {

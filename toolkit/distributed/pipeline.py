@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from toolkit.core.errors import UserError
+from toolkit.core.protocols import PARAMETER_ROLES
 from toolkit.distributed.tensor_parallel import loss_context
 from toolkit.models.common.moe import MoE
 
@@ -621,23 +622,30 @@ def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, A
         return {}
     if "param_groups" not in state:
         return {k: v for each in states for k, v in each.items()}
-    groups = [dict(group, params=list(group["params"])) for group in states[0]["param_groups"]]
-    for each in states[1:]:
-        for group, more in zip(groups, each["param_groups"]):
-            group["params"] += [name for name in more["params"] if name not in group["params"]]
+    groups = joined_groups([each["param_groups"] for each in states])
     return {"state": {k: v for each in states for k, v in each["state"].items()}, "param_groups": groups}
+
+
+def joined_groups(stages: Sequence[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """The stages' optimizer groups joined into one process's, each group's names in stage order. Groups tagged
+    with the family's roles (``toolkit.optim.param_groups``: Muon, skipped decay) are matched by role, in one
+    process's order of roles: a stage has the groups of the roles it holds (the first stage the embeddings', the
+    last the head's); untagged ones by position."""
+    joined: Dict[Any, Dict[str, Any]] = {}
+    for groups in stages:
+        for i, group in enumerate(groups):
+            into = joined.setdefault(group.get("role", i), dict(group, params=[]))
+            into["params"] += [name for name in group["params"] if name not in into["params"]]
+    rank = lambda key: PARAMETER_ROLES.index(key) if isinstance(key, str) else key  # noqa: E731
+    return [joined[key] for key in sorted(joined, key=rank)]
 
 
 def with_every_stage_groups(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
     """An optimizer's sharded state whose ``param_groups`` name every stage's parameters (the same on every rank:
     DCP writes one copy of them, and a consolidation or another layout reads the whole model's groups)."""
-    names = [None] * pipeline.pp
-    dist.all_gather_object(names, [group["params"] for group in state["param_groups"]], group=pipeline.group)
-    groups = [dict(group, params=[]) for group in state["param_groups"]]
-    for stage in names:
-        for group, params in zip(groups, stage):
-            group["params"] += [name for name in params if name not in group["params"]]
-    return dict(state, param_groups=groups)
+    every: List[Any] = [None] * pipeline.pp
+    dist.all_gather_object(every, state["param_groups"], group=pipeline.group)
+    return dict(state, param_groups=joined_groups(every))
 
 
 def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -647,6 +655,7 @@ def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
     if "param_groups" not in state:
         return {k: v for k, v in state.items() if k in names}
     groups = [dict(group, params=[n for n in group["params"] if n in names]) for group in state["param_groups"]]
+    groups = [group for group in groups if group["params"]]  # the roles' groups the stage holds (joined_groups)
     return {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
 
 

@@ -16,6 +16,9 @@ saved, so the file holds the same whole tensors as one process's run. A sharded 
 (``--use-sharded-state``) writes each rank's shards of the average as DCP entries (``ema.<name>``), as it
 writes the model's, and reads them back resharded to the loading run's world size.
 
+Under ``--pipeline-parallel-size`` each stage averages the layers it holds, and a checkpoint holds the whole
+model's average (``EMAState``'s ``merge``); a stage loads its part of a saved average.
+
 ``--ema-seed-model PATH`` starts the average at the moving average saved in another run's
 checkpoint (its ``extra_state["ema"]``, as fairseq's ``load_ema_from_checkpoint`` reads it),
 not at the model's weights. PATH is a toolkit or a fairseq ``transformer_lm`` checkpoint,
@@ -27,7 +30,7 @@ resumes from replaces the seed with its own average, as in fairseq.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -129,13 +132,21 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class EMAState(ShardedExtra):
     """The EMA as a checkpoint's Stateful (``extra_state["ema"]``; in a sharded checkpoint, each rank's shards
     as DCP entries): a checkpoint without an average restarts it from the loaded model, which must load first
-    (tensor entries do)."""
+    (tensor entries do). Under ``--pipeline-parallel-size`` each stage averages its own layers: ``merge`` joins the
+    stages' averages into the whole model's (on the rank that writes the file), and a load keeps each stage's names
+    (``EMA.load_state_dict`` takes the names its shadow has)."""
 
-    def __init__(self, ema: EMA, model: torch.nn.Module):
-        self.ema, self.model = ema, model
+    def __init__(
+        self,
+        ema: EMA,
+        model: torch.nn.Module,
+        merge: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None,
+    ):
+        self.ema, self.model, self.merge = ema, model, merge
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return self.ema.state_dict()
+        state = self.ema.state_dict()
+        return state if self.merge is None else self.merge(state)
 
     def load_state_dict(self, state: Optional[Dict[str, torch.Tensor]]) -> None:
         if not self.ema.load_state_dict(state, self.model):
@@ -176,10 +187,11 @@ def saved_average(
             f"trained with --store-ema? To start from its model weights, use --finetune-from-model"
         )
     saved = fairseq_adapter.average_weights(path, state, saved, unwrap(model))
+    whole = getattr(unwrap(model), "whole_model_shapes", None)  # a pipeline stage: the whole model's average
     check_weights(
         flag,
         saved,
-        shadow,
+        shadow if whole is None else whole,
         saved_as="the saved moving average",
         fix="it was trained with another architecture or other model options; use the same model options",
     )

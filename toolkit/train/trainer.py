@@ -481,6 +481,8 @@ class Trainer:
         optimizer_state = lambda: stage_optimizer_state(model, self.optimizer)  # noqa: E731
         every_stage = functools.partial(with_every_stage_groups, pipeline)
         entries["optim"] = StagedState(entries["optim"], optimizer_state, merge, own, every_stage)
+        if self.ema is not None:  # each stage averages its own layers; the file holds the whole model's average
+            entries["ema"] = EMAState(self.ema, model, merge=merge)
 
     def state_dict(self) -> Dict[str, Any]:
         self.finish_pending_steps()
