@@ -17,34 +17,25 @@ import pytest
 from tests.helpers.dist_helpers import REPO_ROOT, subprocess_env
 
 
-@pytest.mark.faults
-def test_killed_runs_resume_bit_identical(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.faults",
-            "--runs",
-            "3",
-            "--updates",
-            "4",
-            "--seed",
-            "1",
-            "--finished-restarts",
-            "1",
-            "--signal-runs",
-            "2",
-            "--writer-runs",
-            "1",
-            "--workdir",
-            str(tmp_path),
-        ],
+KILLS_ONLY = ["--finished-restarts", "0", "--signal-runs", "0", "--writer-runs", "0"]  # no restarts, signals, writers
+
+
+def run_faults(tmp_path, runs: int, *flags: str) -> subprocess.CompletedProcess:
+    """``benchmarks.faults`` over ``runs`` killed runs of 4 updates, seed 1, its work in ``tmp_path``."""
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.faults", "--runs", str(runs), "--updates", "4", "--seed", "1", *flags]
+        + ["--workdir", str(tmp_path)],
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.faults
+def test_killed_runs_resume_bit_identical(tmp_path):
+    proc = run_faults(tmp_path, 3, "--finished-restarts", "1", "--signal-runs", "2", "--writer-runs", "1")
     out = proc.stdout + proc.stderr
     assert re.search(r"^matched: 3/3$", proc.stdout, re.M), out[-3000:]
     saves = int(re.search(r"kills during a save \(.*\): (\d+)/3", proc.stdout).group(1))
@@ -56,34 +47,7 @@ def test_killed_runs_resume_bit_identical(tmp_path):
 
 @pytest.mark.faults
 def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.faults",
-            "--runs",
-            "2",
-            "--updates",
-            "4",
-            "--seed",
-            "1",
-            "--finished-restarts",
-            "0",
-            "--signal-runs",
-            "0",
-            "--writer-runs",
-            "0",
-            "--expert-parallel-size",
-            "2",
-            "--workdir",
-            str(tmp_path),
-        ],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_faults(tmp_path, 2, *KILLS_ONLY, "--expert-parallel-size", "2")
     assert re.search(r"^matched: 2/2$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
     assert "expert parallel: 2 MoE layers' experts over 2 ranks" in (tmp_path / "reference.log").read_text()
     assert proc.returncode == 0
@@ -92,16 +56,7 @@ def test_killed_expert_parallel_runs_resume_bit_identical(tmp_path):
 @pytest.mark.faults
 def test_killed_deepseek_v3_run_resumes_bit_identical(tmp_path):
     flags = "--mtp-depth 1 --moe-bias-update-rate 0.01"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.faults", "--runs", "1", "--updates", "4", "--seed", "1"]
-        + ["--finished-restarts", "0", "--signal-runs", "0", "--writer-runs", "0"]
-        + ["--arch", "deepseek_v3_tiny", f"--model-flags={flags}", "--workdir", str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_faults(tmp_path, 1, *KILLS_ONLY, "--arch", "deepseek_v3_tiny", f"--model-flags={flags}")
     assert re.search(r"^matched: 1/1$", proc.stdout, re.M), (proc.stdout + proc.stderr)[-3000:]
     assert "mtp_loss" in (tmp_path / "reference.log").read_text()
     assert proc.returncode == 0
