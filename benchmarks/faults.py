@@ -367,19 +367,15 @@ def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool,
     with open(second_log, errors="replace") as f:
         said = f.read()
     named = f"in use by toolkit-train (pid {first.pid} on host " in said and "Traceback" not in said
-    ok = (
-        code == 1
-        and named
-        and first_code == 0
-        and losses(log) == reference["losses"]
-        and same_weights(final_weights_any(save_dir), reference["weights"])
-    )
+    unharmed = first_code == 0 and losses(log) == reference["losses"]
+    unharmed = unharmed and same_weights(final_weights_any(save_dir), reference["weights"])
+    ok = code == 1 and named and unharmed
     if ok:
         shutil.rmtree(save_dir, ignore_errors=True)
-    return ok, (
+    return ok, (  # each verdict apart: a refusal that names nobody is not a first run that differs
         f"second writer exit {code} ({'named the holder' if named else 'DID NOT NAME THE HOLDER'}), first "
-        f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run "
-        f"{'=' if ok else '!='} reference"
+        f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run's losses and weights "
+        f"{'=' if unharmed else '!='} reference"
     )
 
 
