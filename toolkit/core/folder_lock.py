@@ -115,7 +115,7 @@ def _not_a_plain_file(path: str, flag: str) -> UserError:
     )
 
 
-UNSETTLED_HOLDER_WAIT_S = 2.0  # how long a file without a complete, live holder is looked at again
+UNSETTLED_HOLDER_WAIT_S = 1.0  # how long a file without a complete, live holder is looked at again
 
 
 def _open_lock_file(path: str, flag: str) -> Optional[int]:
