@@ -24,16 +24,21 @@ resumed run's for the updates it redid) equals the reference's, the final
 ``checkpoint_last.pt`` holds the reference's exact weights, and the restart of the
 finished run left every file byte-identical. Prints one line per run, ``matched/total`` and one JSON line
 (``"benchmark": "faults"``).
+
+The runs start with ``$TOOLKIT_PY`` where it is set (as in benchmarks/gpu.sh; tests/integration/test_faults.py
+points it at tests/helpers/fork_python.py, which forks each run from a process that has imported torch once).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -137,7 +142,7 @@ def make_data_bin(dest: str, lines: int = 600, seed: int = 0) -> str:
 
 def command(data_bin: str, save_dir: str, updates: int) -> List[str]:
     return [
-        sys.executable,
+        *python(),
         "-m",
         "toolkit_cli.train",
         data_bin,
@@ -157,9 +162,57 @@ def environment() -> Dict[str, str]:
     return env
 
 
-def start(cmd: List[str], log: str) -> subprocess.Popen:
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=environment(), stdout=out, stderr=subprocess.STDOUT)
+def python() -> List[str]:
+    """The interpreter of the runs: ``$TOOLKIT_PY`` (as in benchmarks/gpu.sh), else this one."""
+    return shlex.split(os.environ["TOOLKIT_PY"]) if os.environ.get("TOOLKIT_PY") else [sys.executable]
+
+
+class Run:
+    """A started run: its status from the process started, its signals to the process that trains.
+
+    The two differ when ``$TOOLKIT_PY`` runs the command in another process (tests/helpers/fork_python.py forks it
+    from a server that has imported torch): such an interpreter writes that process's pid into
+    ``$TOOLKIT_PY_PID_FILE``, so a SIGKILL or SIGSTOP reaches the training itself, and ``pid`` is the one that
+    takes the save dir's lock."""
+
+    def __init__(self, cmd: List[str], log: str):
+        self.pid_file = f"{log}.pid" if os.environ.get("TOOLKIT_PY") else None
+        env = environment()
+        if self.pid_file:
+            env["TOOLKIT_PY_PID_FILE"] = self.pid_file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.pid_file)
+        with open(log, "w") as out:
+            self.started = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self._pid = None if self.pid_file else self.started.pid
+
+    @property
+    def pid(self) -> int:
+        while self._pid is None:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                with open(self.pid_file) as f:
+                    self._pid = int(f.read())
+            if self._pid is None and self.started.poll() is not None:  # ended before it said
+                self._pid = self.started.pid
+            time.sleep(0.001)
+        return self._pid
+
+    def poll(self) -> Optional[int]:
+        return self.started.poll()
+
+    def wait(self) -> int:
+        return self.started.wait()
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the training process while the run has not ended (never to a pid reused since)."""
+        pid = self.pid
+        if self.started.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def start(cmd: List[str], log: str) -> Run:
+    return Run(cmd, log)
 
 
 def losses(log: str) -> Dict[int, str]:
@@ -197,7 +250,7 @@ def temp_files(save_dir: str) -> List[str]:
         return []
 
 
-def wait_for_update(proc: subprocess.Popen, log: str, update: int, timeout: float = 600) -> bool:
+def wait_for_update(proc: Run, log: str, update: int, timeout: float = 600) -> bool:
     deadline = now() + timeout
     while proc.poll() is None and now() < deadline:
         if last_update(log) >= update:
@@ -226,7 +279,7 @@ def running(pid: int) -> bool:
         return False
 
 
-def kill9(proc: subprocess.Popen, timeout: float = 30) -> None:
+def kill9(proc: Run, timeout: float = 30) -> None:
     """SIGKILL ``proc``, then wait until the ranks it launched are gone too (they stop when their launcher dies;
     one still running would hold the save dir's writer lock against the resume): SIGKILLed after ``timeout``."""
     ranks = workers(proc.pid)
@@ -239,7 +292,7 @@ def kill9(proc: subprocess.Popen, timeout: float = 30) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def kill_during_save(proc: subprocess.Popen, save_dir: str) -> bool:
+def kill_during_save(proc: Run, save_dir: str) -> bool:
     """SIGKILL the moment a checkpoint temp file shows up (busy poll); False if the run ended first."""
     while proc.poll() is None:
         if temp_files(save_dir):
@@ -367,19 +420,15 @@ def writers_run(index: int, args, data_bin: str, reference: dict) -> Tuple[bool,
     with open(second_log, errors="replace") as f:
         said = f.read()
     named = f"in use by toolkit-train (pid {first.pid} on host " in said and "Traceback" not in said
-    ok = (
-        code == 1
-        and named
-        and first_code == 0
-        and losses(log) == reference["losses"]
-        and same_weights(final_weights_any(save_dir), reference["weights"])
-    )
+    unharmed = first_code == 0 and losses(log) == reference["losses"]
+    unharmed = unharmed and same_weights(final_weights_any(save_dir), reference["weights"])
+    ok = code == 1 and named and unharmed
     if ok:
         shutil.rmtree(save_dir, ignore_errors=True)
-    return ok, (
+    return ok, (  # each verdict apart: a refusal that names nobody is not a first run that differs
         f"second writer exit {code} ({'named the holder' if named else 'DID NOT NAME THE HOLDER'}), first "
-        f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run "
-        f"{'=' if ok else '!='} reference"
+        f"run exit {first_code} ({'sharded' if sharded else 'consolidated'}); first run's losses and weights "
+        f"{'=' if unharmed else '!='} reference"
     )
 
 

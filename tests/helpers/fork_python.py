@@ -14,20 +14,29 @@ Two sides, one Unix socket (``$TOOLKIT_FORK_PYTHON``):
   the socket), environment and folder, runs the module as ``__main__`` (``runpy``, as ``python -m`` does) and
   sends back its exit status;
 * the client (this file run as a script, site-less: it starts in milliseconds) sends its command and its three
-  descriptors, forwards SIGINT/SIGTERM (``timeout``'s) to the child, and exits with the child's status.
+  descriptors, forwards SIGINT/SIGTERM (``timeout``'s) to the child, and exits with the child's status. With
+  ``$TOOLKIT_PY_PID_FILE`` set it writes the child's pid there (whole, by a rename) as soon as it has it: a
+  caller that must SIGKILL or SIGSTOP the command (``benchmarks/faults.py``) signals the process that runs it.
+
+A command's ranks (``--distributed-world-size N``) fork from the child too, as under ``tests/helpers/forkserver.py``.
 
 Anything else runs in a real interpreter (``exec``): another form than ``-m`` (``-c``, a script, stdin), no
 socket, and ``benchmarks.peak_memory`` with everything it starts, since it measures the resident memory of its
 own process tree, which a forked child is not part of.
 """
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
+from typing import Dict, Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SOCKET_ENV = "TOOLKIT_FORK_PYTHON"
+PID_FILE_ENV = "TOOLKIT_PY_PID_FILE"
 REAL_PROCESS_TREE = ("benchmarks.peak_memory",)  # measures its child's process tree: real processes throughout
 WARM_BENCHMARKS = ("benchmarks.train", "benchmarks.generate", "benchmarks.offload_profile", "benchmarks.figure")
 
@@ -54,7 +63,7 @@ def _receive(conn):
 
 def _child(conn, request, fds) -> None:
     """In the forked child: become the command, send its status, never return."""
-    from tests.helpers.forkserver import exit_flushed, run_as_main
+    from tests.helpers.forkserver import _fork_ranks, exit_flushed, run_as_main
 
     code = 1
     try:
@@ -68,6 +77,8 @@ def _child(conn, request, fds) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _threads_as_started()
+        _fork_ranks()
+        os.register_at_fork(after_in_child=conn.close)  # its ranks: the client waits for this child's end only
         conn.sendall(f"{os.getpid()}\n".encode())
         code = run_as_main(request["module"], request["argv"])
     except BaseException:  # what the interpreter prints for an uncaught exception
@@ -166,6 +177,8 @@ def _client(argv) -> None:
     conn.sendmsg([(json.dumps(request) + "\n").encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(_fds()))])
     reader = conn.makefile("r")
     pid = int(reader.readline() or 0)
+    if pid and os.environ.get(PID_FILE_ENV):
+        _say_pid(os.environ[PID_FILE_ENV], pid)
     if pid:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, _: os.kill(pid, signum))
@@ -174,6 +187,41 @@ def _client(argv) -> None:
         print(f"fork_python: {argv[1]} (pid {pid}) ended without a status", file=sys.stderr)
         sys.exit(137)
     sys.exit(int(status))
+
+
+def _say_pid(path: str, pid: int) -> None:
+    """``pid`` into ``path``, which appears whole (a reader never sees it half-written)."""
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        f.write(f"{pid}\n")
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+@contextlib.contextmanager
+def serving(folder: str) -> Iterator[Dict[str, str]]:
+    """A server for the block (its socket in ``folder``; killed at the end, and its children with it): yields the
+    environment that makes ``$TOOLKIT_PY`` commands fork from it."""
+    import subprocess
+
+    from tests.helpers import processes
+
+    path = os.path.join(folder, "python.sock")
+    server = processes.start(
+        [sys.executable, "-m", "tests.helpers.fork_python", "--serve", path],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        processes.read_until(server, lambda line: line == "ready\n", timeout=300)
+        yield {"TOOLKIT_PY": f"{sys.executable} -S {os.path.abspath(__file__)}", SOCKET_ENV: path}
+    finally:
+        server.terminate()  # it waits for its children (counted in the test's CPU time), then ends
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a child still running: killed with the server (PR_SET_PDEATHSIG)
+            server.kill()
+            server.wait()
 
 
 def _fds():

@@ -21,15 +21,18 @@ def prepared(tmp_path_factory):
 # few-test files last): started first, they end while the short files fill the other worker, instead of one
 # of them running alone at the end.
 LONGEST_FIRST = (
-    "test_gpu_sh.py",
-    "test_faults.py",
+    "test_pipeline_parallel.py",
     "test_llama_onnx.py",
+    "test_gpu_sh.py",
+    "test_distributed.py",
+    "test_fp8.py",
+    "test_faults.py",
+    "test_moe_hf.py",
     "test_moe_train.py",
     "test_context_parallel.py",
-    "test_fp8.py",
     "test_lora.py",
     "test_tensor_parallel.py",
-    "test_distributed.py",
+    "test_composition.py",
 )
 INTEGRATION_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -74,22 +74,8 @@ def forked_python(tmp_path):
     the test) has imported the toolkit once; its ``-m`` commands fork from it instead of importing it again each."""
     from tests.helpers import fork_python
 
-    path = str(tmp_path / "python.sock")
-    server = processes.start(
-        [sys.executable, "-m", "tests.helpers.fork_python", "--serve", path],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    processes.read_until(server, lambda line: line == "ready\n", timeout=300)
-    yield {"TOOLKIT_PY": f"{sys.executable} -S {fork_python.__file__}", fork_python.SOCKET_ENV: path}
-    server.terminate()  # it waits for its children (counted in the test's CPU time), then ends
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:  # a child still running: killed with the server (PR_SET_PDEATHSIG)
-        server.kill()
-        server.wait()
+    with fork_python.serving(str(tmp_path)) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")

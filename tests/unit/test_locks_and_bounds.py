@@ -6,8 +6,13 @@ with exit 0, and nothing fails after the work is done.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
+import subprocess
+import threading
+import time
 
 import pytest
 
@@ -45,6 +50,77 @@ def test_a_lock_replaced_while_held_is_not_removed_by_the_holder(tmp_path):
         os.unlink(path)
         os.symlink(tmp_path / "other", path)
     assert os.path.islink(path)  # not ours: left alone
+
+
+def _take_like_another_run(path, pid: int, after_s: float, fds: list) -> threading.Thread:
+    """A thread that, after ``after_s``, puts a complete lock file naming ``pid`` at ``path`` the way a taker
+    does (written, locked, renamed into place) and keeps it locked through ``fds``."""
+
+    def put():
+        time.sleep(after_s)
+        fd = os.open(f"{path}.other", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, json.dumps({"pid": pid, "host": socket.gethostname(), "prog": "toolkit-train"}).encode())
+        fds.append(fd)
+        os.rename(f"{path}.other", path)
+
+    thread = threading.Thread(target=put)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("found", ["empty", "a holder that has exited"])
+def test_a_locked_file_without_a_live_holder_is_looked_at_again_until_it_names_one(tmp_path, monkeypatch, found):
+    """A second writer that finds the lock file locked but empty (its taker between lock and write), or locked
+    and naming an exited process (a taker replacing a killed run's file), waits for the holder's name."""
+    monkeypatch.setattr(folder_lock, "UNSETTLED_HOLDER_WAIT_S", 60.0)
+    path = str(tmp_path / folder_lock.SAVE_DIR_LOCK)
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    being_taken = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(being_taken, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if found != "empty":
+        os.write(being_taken, json.dumps({"pid": exited.pid, "host": socket.gethostname()}).encode())
+    fds = []
+    thread = _take_like_another_run(path, os.getpid(), 0.05, fds)
+    try:
+        with pytest.raises(UserError, match=rf"in use by toolkit-train \(pid {os.getpid()} on host "):
+            with folder_lock.hold(path, "--save-dir x", "toolkit-train"):
+                pass
+    finally:
+        thread.join()
+        for fd in [being_taken, *fds]:
+            os.close(fd)
+    assert os.listdir(tmp_path) == [folder_lock.SAVE_DIR_LOCK]  # no prepared file left behind
+
+
+def test_a_lock_file_reaches_its_path_locked_and_naming_its_holder(tmp_path, monkeypatch):
+    """The taker links (or renames) the lock file into place only once it is locked and names the taker, so a
+    second writer never finds it unlocked (and takes it too) nor without a holder; a killed run's is replaced."""
+    path = str(tmp_path / folder_lock.SAVE_DIR_LOCK)
+    seen = []
+
+    def checked(move):
+        def at_the_path(src, dst):
+            probe = os.open(src, os.O_RDONLY)
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen.append((move.__name__, json.loads(os.pread(probe, 4096, 0))["pid"]))
+            os.close(probe)
+            move(src, dst)
+
+        return at_the_path
+
+    monkeypatch.setattr(folder_lock.os, "link", checked(os.link))
+    monkeypatch.setattr(folder_lock.os, "rename", checked(os.rename))
+    with folder_lock.hold(path, "--save-dir x", "toolkit-train"):
+        pass
+    with open(path, "w") as killed_runs:  # left unlocked by a run killed while it held it
+        killed_runs.write(json.dumps({"pid": 1, "host": socket.gethostname()}))
+    with folder_lock.hold(path, "--save-dir x", "toolkit-train"):
+        assert json.loads(open(path).read())["pid"] == os.getpid()
+    assert seen == [("link", os.getpid()), ("link", os.getpid()), ("rename", os.getpid())]
+    assert os.listdir(tmp_path) == []
 
 
 def test_atomic_write_never_reopens_its_temporary_name(tmp_path, monkeypatch):

@@ -166,9 +166,10 @@ def _killed_launcher_with_a_rank(lock: str) -> int:
         return int(f.read())
 
 
-def test_lock_refusal_names_the_orphaned_rank_not_the_dead_launcher(tmp_path):
+def test_lock_refusal_names_the_orphaned_rank_not_the_dead_launcher(tmp_path, monkeypatch):
     from toolkit.core import folder_lock
 
+    monkeypatch.setattr(folder_lock, "UNSETTLED_HOLDER_WAIT_S", 0.05)  # a dead holder is looked at again this long
     lock = str(tmp_path / folder_lock.SAVE_DIR_LOCK)
     rank = _killed_launcher_with_a_rank(lock)
     try:
