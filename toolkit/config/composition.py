@@ -500,8 +500,8 @@ _PAIRS[("memory-efficient fp16", "PP")] = Tested(
 )
 _PAIRS[("compile", "PP")] = Tested(
     PIPELINE,
-    "case pp2_compile_fp8: 2 ranks, each stage's blocks compiled (aot_eager), float8 Linear layers, against one eager "
-    "float8 process (2e-2)",
+    "case pp2_compile_fp8: 2 ranks, 1f1b, each stage's blocks compiled (aot_eager), float8 Linear layers, against one "
+    "eager float8 process (2e-2); zero_bubble and dualpipev refused (below)",
 )
 _PAIRS[("fp8", "PP")] = Tested(
     PIPELINE, "case pp2_compile_fp8: 2 ranks, each stage's blocks' Linear layers in float8 (rowwise), compiled"
