@@ -19,9 +19,10 @@ dp 2 x pp 2 run's validation losses too (its data ranks hold 3 and 2 batches, on
 cp 2 (each stage's sequences cut over its cp ranks) log the same, validation included; so do 2 ranks pp 2 and 4 ranks
 pp 2 x cp 2 with ``--document-attention-mask --reset-position-ids`` over a ``--data-mixture`` of two sources,
 against one process with the three, and 4 ranks dp 2 x pp 2 with ``--optimizer muon --store-ema`` against one process
-with both, whose moving average it saves (sharded) and restores (at pp 2). Their sharded checkpoints consolidate to
-one process's file and resume in one process, and one process's file resumes at pp 2, each continuing as the
-uninterrupted run.
+with both, whose moving average it saves (sharded) and restores (at pp 2); 2 ranks pp 2 with ``--compile``
+(aot_eager: each rank compiles its stage's 2 blocks) and ``--fp8`` (8 tokens a sample) log one eager float8
+process's losses (2e-2). Their sharded checkpoints consolidate to one process's file and resume in one process, and
+one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.helpers import dist_helpers as H
 from tests.helpers.cli import run_train
 from tests.helpers.mixture import MIXTURE, data_and_flags, make_sources, mixture_flags
 from tests.helpers.tp_helpers import spawn
+from toolkit.distributed.compile import BACKEND_ENV
 
 SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: the toolkit-train runs below
 # the families with routers and their schedules (zero_bubble: the weight gradients apart from the inputs')
@@ -212,12 +214,21 @@ def runs(tmp_path_factory):
 
 
 def _train(runs, name, *flags, updates=UPDATES):
+    if "--fp8" in flags:
+        pytest.importorskip("torchao.float8", reason="--fp8 needs torchao (pip install torchao)")
     if MIXTURE in flags and "mixture" not in runs:  # the two sources of --data-mixture, written once per module
         runs["mixture"] = mixture_flags(make_sources(runs["root"] / "sources"))
     data, flags = data_and_flags(runs["bin"], flags, runs.get("mixture", []))
+    env = {BACKEND_ENV: "aot_eager"} if "--compile" in flags else None  # dynamo's capture, not inductor's codegen
     args = [data, *H.llama_args(runs["root"] / name), "--decoder-layers", "4", "--clip-norm", "1.0"]
-    proc = run_train(args + ["--max-update", str(updates), "--save-interval-updates", "2", *flags])
+    proc = run_train(args + ["--max-update", str(updates), "--save-interval-updates", "2", *flags], env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    pipelined = "--pipeline-parallel-size" in flags  # a stage: 2 of the 4 blocks
+    for flag, applied in (
+        ("--compile", f"(aot_eager, fullgraph) on each of the {2 if pipelined else 4} blocks"),
+        ("--fp8", f"{14 if pipelined else 28} Linear layers of the blocks train in float8"),
+    ):
+        assert flag not in flags or applied in proc.stdout, (flag, proc.stdout[-3000:])
     return _logged(proc.stdout)
 
 
@@ -248,6 +259,9 @@ MOE = [
     "--moe-bias-update-rate",
     "0.01",
 ]
+# float8: 8 tokens a sample (CPU emulates the float8 matmuls, slowly); 2e-2, as float8 under TP (the rowwise scales of
+# the weights' gradients are taken over a micro-batch's tokens: the pipelined gnorm moved 0.7% from one process's)
+FP8 = ["--fp8", "--tokens-per-sample", "8"]
 # documents packed back to back, each attending and positioned as if alone, drawn from two weighted sources
 MASK_MIXTURE = [MIXTURE, "--document-attention-mask", "--reset-position-ids"]
 # fp16 from a loss scale that overflows: updates skipped before update 1, the scale doubled after 2 clean updates,
@@ -265,6 +279,7 @@ PRECISION = {  # the one-process references: flags, relative tolerance
     "fp16": (FP16, 1e-2),
     "mefp16": (["--memory-efficient-fp16", *FP16[1:]], 1e-2),
     "muon_ema": (MUON_EMA, 1e-3),
+    "fp8": (FP8, 2e-2),
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
@@ -305,6 +320,7 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         + ["--use-sharded-state", *MUON_EMA, *QUIET],
         "muon_ema",
     ),
+    "pp2_compile_fp8": (PP2 + ["--compile", *FP8, *QUIET], "fp8"),  # against one eager process in float8
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 

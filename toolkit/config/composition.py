@@ -498,14 +498,20 @@ _PAIRS[("memory-efficient fp16", "PP")] = Tested(
     "case pp2_mefp16: 2 ranks, fp16 weights and hidden states, the loss scale of case pp2_fp16, one process's loss "
     "scales and skipped updates (1e-2)",
 )
+_PAIRS[("compile", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_compile_fp8: 2 ranks, 1f1b, each stage's blocks compiled (aot_eager), float8 Linear layers, against one "
+    "eager float8 process (2e-2); zero_bubble and dualpipev refused (below)",
+)
+_PAIRS[("fp8", "PP")] = Tested(
+    PIPELINE, "case pp2_compile_fp8: 2 ranks, each stage's blocks' Linear layers in float8 (rowwise), compiled"
+)
 PP_UNTESTED = (
     "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
     "until one does; {fix}"
 )
 for _other, _flag, _why, _fix in (
     ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
-    ("compile", "--compile", "each stage's blocks would be compiled per micro-batch shape", "drop --compile"),
-    ("fp8", "--fp8", "the float8 scales are kept per stage", "use --bf16"),
     (
         "cpu-offload",
         "--cpu-offload",
@@ -610,6 +616,14 @@ COMPILE_TP_SHARDED_DROPOUT = (
     "a block, and a compiled block draws from one generator; drop --no-sequence-parallel (then the whole block draws "
     "per rank) or set --attention-dropout and --activation-dropout to 0"
 )
+# The zero-bubble schedules take a stage's input gradients first and its weight gradients later, from the retained
+# graph; a compiled block's backward is one graph that computes both (and frees its saved tensors as it goes).
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "dualpipev")
+PP_COMPILE_SPLIT_BACKWARD = (
+    "--compile with --pipeline-schedule zero_bubble or dualpipev: these schedules split each stage's backward into "
+    "the input gradients and, later, the weight gradients, and a compiled block's backward is one graph computing "
+    "both, which the weight pass would run again; use --pipeline-schedule 1f1b or interleaved_1f1b, or drop --compile"
+)
 BF16_HOST_GRADS = "--bf16-host-grads requires --cpu-offload (it keeps the offloaded gradients in bf16)"
 HOST_MEMORY_OPTIMIZERS = (OFFLOAD_OPTIMIZER, "muon")  # update host-memory shards in place
 QUANT_NOISE_TP = (
@@ -686,6 +700,17 @@ SETTINGS: Tuple[Condition, ...] = (
         "--pipeline-parallel-size with data-parallel ranks: DDP's wrapper runs the whole model's forward, which a "
         "stage does not; use --ddp-backend fully_sharded (FSDP2 over each stage's data ranks)",
         PP2 + ("--distributed-world-size", "4"),
+    ),
+    Condition(
+        "PP x compile",
+        "under --pipeline-schedule zero_bubble or dualpipev",
+        lambda c, _cls: (
+            c.distributed.compile
+            and _size(c, "pipeline_parallel_size") > 1
+            and c.distributed.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+        ),
+        PP_COMPILE_SPLIT_BACKWARD,
+        PP2 + FSDP + ("--compile", "--pipeline-schedule", "zero_bubble"),
     ),
     _requires_fsdp("cpu-offload", "--cpu-offload"),
     _requires_fsdp("--no-reshard-after-forward", "--no-reshard-after-forward"),

@@ -21,6 +21,12 @@ guard on, recompiling per batch). Under context parallelism the compiled code is
 ``forward``, inside an activation-checkpointing wrapper: dynamo captures a checkpointed region only as one
 whole graph, and a break in it would leave the whole block eager.
 
+Under ``--pipeline-parallel-size`` each rank compiles the blocks of its stages (the other entries of
+``model.layers`` are empty slots). A block sees a micro-batch, and the pipeline pads each batch to equal
+micro-batches, so a block compiles once per batch shape, as in one process; the pipelining library's shape
+inference (a forward and backward of the stage on empty tensors of the micro-batch's shapes, before the
+schedule's first step) runs the same compiled graphs.
+
 The backend is inductor. ``TOOLKIT_COMPILE_BACKEND`` names another registered
 ``torch.compile`` backend (e.g. ``aot_eager``: the same graph capture and autograd
 transformation without code generation; the tests use it where inductor's compile time
@@ -85,7 +91,8 @@ def apply_compile(
     """
     backend = compile_backend(device)
     fullgraph = eager_region is None
-    for block in model.layers:
+    blocks = [block for block in model.layers if block is not None]  # a pipeline stage holds only its layers
+    for block in blocks:
         if hooks_eager:
             inner = block._checkpoint_wrapped_module if hasattr(block, "_checkpoint_wrapped_module") else block
             inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=fullgraph)
@@ -94,7 +101,7 @@ def apply_compile(
     CompileTimeLog(model, backend)
     graphs = "fullgraph" if fullgraph else f"graphs around {eager_region}"
     logger.info(
-        f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(model.layers)} blocks; "
+        f"--compile: torch.compile ({backend}, {graphs}) on each of the {len(blocks)} blocks; "
         f"the first training pass compiles them (forward and backward)"
     )
 
@@ -106,7 +113,7 @@ class CompileTimeLog:
     gradients flow), so its cost shows as the gap between the first and the second pass:
     the time from one training forward to the next, taken by a pre-hook on the (eager) root
     module. Evaluation passes (``eval()`` or no grad) are not counted. Runs of fewer than
-    three training passes log nothing.
+    three training passes log nothing. Under a pipeline a pass is a stage's forward of one micro-batch.
     """
 
     def __init__(self, model: torch.nn.Module, backend: str):

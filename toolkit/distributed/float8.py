@@ -11,6 +11,11 @@ device, before activation checkpointing, ``--compile`` and FSDP2 (torchtitan's o
 Parameter names and state-dict keys do not change (the weight stays a high-precision
 parameter; only the matmul casts), so checkpoints move freely between float8 and bf16 runs.
 
+Under ``--pipeline-parallel-size`` each rank converts the blocks of its stages. The scales are taken over
+what a matmul sees, a micro-batch: the rowwise scales of the weights' gradients (per column of the operands,
+over the tokens), and every tensorwise scale, differ from one process's over the whole batch, so a pipelined
+float8 run follows one process within float8's precision, not bit for bit.
+
 Recipes (``--fp8-recipe``): ``rowwise`` (default; a scale per row of each operand, the more
 accurate one, torchtitan's recommendation) or ``tensorwise`` (one scale per tensor, faster).
 ``--fp8-all-gather`` casts the weights to float8 before FSDP2's all-gather (half the bytes of
@@ -25,7 +30,7 @@ torch emulates them (correct, slow: useful for tests, not for speed).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -83,9 +88,14 @@ def float8_config(recipe: str, all_gather: bool):
     return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
 
 
+def _block_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Every module inside the blocks this rank holds (a pipeline stage's model keeps empty slots for the others')."""
+    return [m for block in model.layers if block is not None for m in block.modules()]
+
+
 def _in_blocks_and_aligned(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
     """The module filter: Linear layers inside ``model.layers`` whose dimensions the float8 matmul takes."""
-    blocks = {id(m) for block in model.layers for m in block.modules()}
+    blocks = {id(m) for m in _block_modules(model)}
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
         return (
@@ -103,7 +113,7 @@ def apply_float8(model: torch.nn.Module, recipe: str = "rowwise", all_gather: bo
     float8 = _torchao_float8()
     config = float8_config(recipe, all_gather)
     keep = _in_blocks_and_aligned(model)
-    candidates = sum(isinstance(m, torch.nn.Linear) for block in model.layers for m in block.modules())
+    candidates = sum(isinstance(m, torch.nn.Linear) for m in _block_modules(model))
     float8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     if swapped == 0:
