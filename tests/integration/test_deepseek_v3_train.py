@@ -5,9 +5,10 @@ with --update-freq 2 trains it: with --expert-parallel-size 2 (each rank 4 of ea
 statistics over the whole sequences). Each logs the same losses (the logged digits, 1e-4 relative) and router
 terms, ends with the same correction biases, and its consolidated checkpoint holds the same weights (fp32, rtol
 1e-4). Every run trains one multi-token prediction depth (``--mtp-depth 1``), whose loss is logged apart
-and compared too; 2 FSDP2 ranks are compared as well, and 4 ranks of TP 2 x FSDP2 2 (the depth's block split as
-the decoder's; the gradient norms compared too). The MoE families' training harness (``tests/helpers/moe_train.py``)
-runs them."""
+and compared too; 2 FSDP2 ranks are compared as well, 2 ranks pp 2 and 4 ranks pp 2 x cp 2 (the depth on the last
+stage with a copy of the embedding, the two copies' gradients summed, the norm counting one; the gradient norms
+compared too), and 4 ranks of TP 2 x FSDP2 2 (the depth's block split as the decoder's; the gradient norms compared
+too). The MoE families' training harness (``tests/helpers/moe_train.py``) runs them."""
 
 import math
 import re
@@ -26,16 +27,29 @@ PLAIN = ["--arch", "deepseek_v3_tiny", "--max-update", str(UPDATES)]  # the last
 DEEPSEEK = PLAIN + ["--mtp-depth", "1", "--mtp-loss-coef", "0.3"]
 # 4 ranks: tp 2 x FSDP2 over 2 data-parallel replicas (the one process at --update-freq 2)
 TENSOR_PARALLEL = ["--distributed-world-size", "4", "--model-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+PIPELINE = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
+PIPELINE += ["--pipeline-schedule", "gpipe", "--pipeline-microbatches", "1"]
+PIPELINE_CP = ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--context-parallel-size", "2"]
+PIPELINE_CP += ["--ddp-backend", "fully_sharded", "--update-freq", "2", *PIPELINE[-4:]]
 LAYOUTS = {
     "expert_parallel_2": ["--distributed-world-size", "2", "--expert-parallel-size", "2"],
     "context_parallel_2": ["--distributed-world-size", "2", "--context-parallel-size", "2", "--update-freq", "2"],
     "fsdp2_2": ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"],
+    # the depth and a copy of the embedding on the last stage (their gradients summed with the first stage's), one
+    # micro-batch a batch so that the routers' statistics are one process's sample's
+    "pipeline_parallel_2": PIPELINE,
+    "pipeline_parallel_2_context_parallel_2": PIPELINE_CP,
 }
 
 
 def correction_bias(save_dir):
     state = torch.load(f"{save_dir}/checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     return torch.stack([state[f"layers.{i}.mlp.gate.expert_bias"] for i in (1, 2)])
+
+
+def gnorms(run):
+    """The gradient norms logged, one an update."""
+    return [float(g) for g in re.findall(r'"gnorm": "([0-9.]+)"', run.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,8 @@ def test_two_ranks_equal_one_process(data_bin, one_process, tmp_path, layout):
     ranks = train(data_bin, tmp_path, *DEEPSEEK, *LAYOUTS[layout])
     assert_logged_losses_match(H.losses(ranks.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
     assert_router_terms_match(logged(ranks.stdout), logged(one.stdout))
+    if layout.startswith("pipeline_parallel_2"):  # the embedding's two copies counted once in the norm
+        assert len(gnorms(one)) == UPDATES and gnorms(ranks) == pytest.approx(gnorms(one), abs=2e-3)
     assert correction_bias(one_dir).abs().sum() > 0  # the bias moved
     torch.testing.assert_close(correction_bias(tmp_path), correction_bias(one_dir))
     saved = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
@@ -84,7 +100,7 @@ def test_tensor_parallel_2_by_fsdp2_2_equals_one_process(data_bin, one_process, 
     replicated: the one process's losses, router terms (mtp_loss among them) and weights."""
     one_dir, one = one_process
     ranks = train(data_bin, tmp_path / "tp", *DEEPSEEK, *TENSOR_PARALLEL)
-    gnorm = [[float(g) for g in re.findall(r'"gnorm": "([0-9.]+)"', run.stdout)] for run in (ranks, one)]
+    gnorm = [gnorms(run) for run in (ranks, one)]
     assert len(gnorm[1]) == UPDATES and gnorm[0] == pytest.approx(gnorm[1], abs=2e-3)  # Adam hides a scaled gradient
     assert_logged_losses_match(H.losses(ranks.stdout), H.losses(one.stdout), range(1, UPDATES + 1))
     assert_router_terms_match(logged(ranks.stdout), logged(one.stdout))

@@ -6,8 +6,10 @@ rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each 
 parameters under their one-process names. The same for 4-layer MoE and DeepSeek-V3 models (``ROUTED``: 1f1b,
 zero_bubble, dualpipev; 1f1b) against one process over the same micro-batches, each router term weighed by its
 micro-batch's share of the sample size: the gradients, the logged router terms summed over the stages and each
-layer's token counts (what moves the bias); with fp16's loss scale (``SCALED``: the MoE family's, and fp16 weights),
-one process's gradients of the scaled losses. Then ``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+layer's token counts (what moves the bias); DeepSeek-V3 with one multi-token prediction depth too (on the last stage
+with a copy of the embedding, whose gradient is summed with the first stage's; ``mtp_loss`` logged); with fp16's loss
+scale (``SCALED``: the MoE family's, and fp16 weights), one process's gradients of the scaled losses. Then
+``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
 schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
 ranks), 2 ranks pp 2 in bf16 (interleaved_1f1b), in fp16 from a loss scale that overflows (the same loss scales and
 updates skipped as one process: the overflow decided across the stages; 1e-2) and 4 ranks pp 2 x ep 2 of the MoE family (FSDP2 and the experts
@@ -45,6 +47,8 @@ from toolkit.distributed.compile import BACKEND_ENV
 SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: the toolkit-train runs below
 # the families with routers and their schedules (zero_bubble: the weight gradients apart from the inputs')
 ROUTED = [("moe", "1f1b"), ("moe", "zero_bubble"), ("moe", "dualpipev"), ("deepseek_v3", "1f1b")]
+# one multi-token prediction depth: on the last stage with a copy of the embedding (V: on rank 0, beside the first)
+ROUTED += [("deepseek_v3_mtp", "1f1b"), ("deepseek_v3_mtp", "dualpipev")]
 UPDATES = 3
 
 
@@ -63,8 +67,9 @@ def _tiny_model(family: str, device: str = "cpu"):
     router = dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.1, moe_bias_update_rate=0.01)
     if family == "moe":
         cfg, cls = MoEConfig(**shape, moe_ffn_embed_dim=16, **router), MoELanguageModel
-    elif family == "deepseek_v3":
+    elif family.startswith("deepseek_v3"):
         options = dict(decoder_layers=4, max_target_positions=16, moe_seq_aux_loss_coef=0.1, **router)
+        options.update(dict(mtp_depth=1, mtp_loss_coef=0.3) if family == "deepseek_v3_mtp" else {})
         cfg, cls = models.model_config("deepseek_v3_tiny", **options), DeepSeekV3LanguageModel
     else:
         cfg, cls = LlamaConfig(**shape, decoder_ffn_embed_dim=64), LlamaLanguageModel
@@ -87,12 +92,12 @@ def _one_process_batch(
     reference.to(dtype or torch.float32)
     total, logged, share = 0.0, {}, sample_size / microbatches
     for rows, targets in zip(tokens.chunk(microbatches), target.chunk(microbatches)):
-        out = reference(rows)
+        out = reference(rows, **({"target": targets} if family == "deepseek_v3_mtp" else {}))
         loss = loss_fn(out[0] if isinstance(out, tuple) else out, targets)
         total = total + loss.detach()
         for name, (value, coefficient) in aux_losses_of(out).items():
             loss = loss + coefficient * value * share
-            logged[name] = logged.get(name, 0.0) + float(value) * share
+            logged[name] = logged.get(name, 0.0) + float(value.detach()) * share
         for name, value in metrics_of(out).items():
             logged[name] = logged.get(name, 0.0) + float(value) * share
         (loss * scale).backward()
@@ -122,6 +127,7 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         model.to_empty(device="cpu")
         init_weights(model, 5)
         loss = pipeline.step(tokens, target, loss_fn, pad=1, sample_size=64.0)
+        pipeline.sum_shared_gradients()
         if pipeline.is_last:
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4, msg=schedule)
         names = [name for name, _ in model.named_parameters()]
@@ -131,7 +137,7 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         for m in model.modules():
             if hasattr(m, "tokens_per_expert"):
                 torch.testing.assert_close(m.tokens_per_expert, want_counts[m.name], msg=f"{schedule}: {m.name}")
-        logged = pipeline.from_every_stage(pipeline.router_logged())
+        logged = pipeline.from_every_stage({**pipeline.router_logged(), **pipeline.prediction_logged()})
         assert logged.keys() == want_logged.keys() and (family == "llama") == (not logged), (logged, want_logged)
         for name, value in logged.items():
             assert value == pytest.approx(want_logged[name], rel=1e-5), (family, schedule, name)
@@ -185,7 +191,8 @@ def test_every_schedule_equals_one_process(tmp_path):
     held = torch.load(tmp_path / "result.pt", weights_only=True)
     embed, head = "embed_tokens.weight", "output_projection.weight"
     for schedule, (first, second) in held.items():
-        assert not set(first) & set(second), schedule  # each parameter on one rank
+        shared = {embed} if schedule == "1f1b_deepseek_v3_mtp" else set()  # the depths' copy on the last stage
+        assert set(first) & set(second) == shared, schedule  # each other parameter on one rank
         assert embed in first and (head in second) == (not schedule.startswith("dualpipev")), schedule  # V: rank 0
     assert "layers.3.mlp.up_proj.weight" in held["dualpipev"][0] and "layers.2.mlp.up_proj.weight" in held["gpipe"][1]
 

@@ -242,19 +242,22 @@ def _build_with(arch, **options):
 
 
 @pytest.mark.parametrize(
-    "arch, options, refused",
+    "arch, options, tp, refused",
     [
-        ("moe_tiny", {}, None),
-        ("deepseek_v3_tiny", {}, None),
-        ("deepseek_v3_tiny", {"mtp_depth": 1}, "--mtp-depth"),
-        ("qwen3_next_tiny", {}, "does not declare"),
+        ("moe_tiny", {}, 1, None),
+        ("deepseek_v3_tiny", {}, 1, None),
+        ("deepseek_v3_tiny", {"mtp_depth": 1}, 1, None),
+        ("deepseek_v3_tiny", {"mtp_depth": 1}, 2, "--mtp-depth and --model-parallel-size"),
+        ("qwen3_next_tiny", {}, 1, "does not declare"),
     ],
 )
-def test_a_pipeline_takes_the_families_that_declare_it(arch, options, refused):
-    """The MoE and DeepSeek-V3 families are cut into stages; multi-token prediction (the embeddings read after the
-    last block) and the families no pipelined run compares with one process are refused in one line."""
-    from toolkit.core.errors import UserError
-    from toolkit.distributed.pipeline import check_pipelinable
+def test_a_pipeline_takes_the_families_that_declare_it(arch, options, tp, refused):
+    """The MoE and DeepSeek-V3 families are cut into stages, multi-token prediction too (its depths on the last
+    stage); the families no pipelined run compares with one process, and the depths under tensor parallelism, are
+    refused in one line."""
+    from types import SimpleNamespace
+
+    from toolkit.distributed.pipeline import build_pipeline, check_pipelinable
     from toolkit.models import build_on_meta
 
     model = build_on_meta(arch, 64, 32, **options)
@@ -262,4 +265,4 @@ def test_a_pipeline_takes_the_families_that_declare_it(arch, options, refused):
         check_pipelinable(model)
     else:
         with pytest.raises(UserError, match=refused):
-            check_pipelinable(model)
+            build_pipeline(model, None, SimpleNamespace(shape=SimpleNamespace(tp=tp)))

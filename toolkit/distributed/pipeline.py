@@ -42,10 +42,22 @@ the sequence-wise balance loss (means over tokens or sequences) equal one proces
 loads of ``moe_max_load_*`` (products and maxima of counts) are those of the micro-batches; the tokens per expert
 that move the aux-loss-free bias are summed over the micro-batches and the stage's ranks (``MoE.count_group``), as
 one process counts them.
+
+Multi-token prediction (``--mtp-depth``, :class:`PredictionTerms`): the depths sit on the last stage, which reads
+the decoder's final-normed hidden states there, and keep a copy of the token embedding (the embedding group of
+Megatron and DeepSeek-V3); the head is the last stage's own. Each micro-batch's targets reach it as a keyword of the
+schedule's step, the depths' loss is back-propagated with its micro-batch as the routers' terms are, divided by the
+whole sample's labels so the micro-batches add up to one process's mean, and logged as ``mtp_loss``. The two copies'
+gradients are summed between the first and the last stage's ranks before the update
+(:meth:`Pipeline.sum_shared_gradients`), so both step as one parameter; the gradient norm counts the first stage's
+copy only, and a checkpoint holds the one copy under its one-process name (the stages' states merge by name). Under
+context parallelism the keyword carries the micro-batch's whole target rows (the shard's), which the depths read
+at this cp rank's columns, as one process's cp ranks do.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import re
@@ -183,8 +195,7 @@ def stage_specs(
 def check_pipelinable(model: nn.Module) -> None:
     """A pipeline cuts the stack of blocks of the rotary decoder families that declare it (their forward is composed
     here, stage by stage, their routers' terms taken by stage); the embeddings and the output layer must be separate
-    weights (a tied pair lives on two stages), and no multi-token prediction (it reads the embeddings after the
-    last block)."""
+    weights (a tied pair lives on two stages)."""
     from toolkit.core.protocols import supports
     from toolkit.models.common.rotary_decoder import RotaryDecoderLM
 
@@ -193,11 +204,6 @@ def check_pipelinable(model: nn.Module) -> None:
         raise UserError(
             f"--pipeline-parallel-size: {name} does not declare a forward the pipeline can cut into stages (the "
             "Llama, MoE and DeepSeek-V3 families do); train it without --pipeline-parallel-size"
-        )
-    if len(getattr(model, "mtp", ())):
-        raise UserError(
-            "--pipeline-parallel-size with --mtp-depth: the prediction depths read the token embeddings on the last "
-            "stage, which the first stage holds; train without --mtp-depth or without --pipeline-parallel-size"
         )
     if model.output_projection is None:
         raise UserError(
@@ -215,6 +221,7 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, seque
     plan = model.tensor_parallel_plan()  # it reads the first block, which another stage may hold
     model.whole_model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what a resume checks
     model.whole_router_layers = [m.name for m in model.modules() if isinstance(m, MoE)]  # what a term is a mean over
+    model.whole_prediction_depths = len(getattr(model, "mtp", ()))  # --mtp-depth: on the last stage (PredictionTerms)
     model.tensor_parallel_plan = lambda: plan
     model.num_matmul_parameters = lambda: whole_matmul
     model.flops_per_token = lambda seq_len: flops(model, seq_len) // pp
@@ -222,11 +229,14 @@ def prune_to_stages(model: nn.Module, specs: Sequence[StageSpec], pp: int, seque
     for i in range(len(model.layers)):
         if i not in kept:
             model.layers[i] = None
-    if not any(spec.first for spec in specs):
-        model.embed_tokens = None
-    if not any(spec.last for spec in specs):
+    last = any(spec.last for spec in specs)
+    if not any(spec.first for spec in specs) and not (last and model.whole_prediction_depths):
+        model.embed_tokens = None  # the last stage's depths read a copy (PredictionTerms)
+    if not last:
         model.norm = None
         model.output_projection = None
+        if model.whole_prediction_depths:
+            model.mtp = nn.ModuleList()
     model.forward = functools.partial(_stage_forward, model, sequence_shards=sequence_shards)
 
 
@@ -331,6 +341,57 @@ class RouterTerms:
         return logged
 
 
+class PredictionTerms:
+    """The multi-token prediction loss (``--mtp-depth``) of the last stage, which holds the depths and a copy of the
+    token embedding they read (the first stage's; :meth:`Pipeline.sum_shared_gradients` sums the two copies'
+    gradients before the step). Each micro-batch's targets reach the last stage as a keyword of the schedule's step
+    (torch hands a step's keywords, cut into micro-batches, to every stage of the rank); each depth's cross-entropy
+    is divided by the whole sample's count of its labels (``counts``), so the micro-batches' terms add up to one
+    process's mean over the sample, which weighs it by the sample size (``weight``), logged as ``mtp_loss`` and
+    back-propagated with its micro-batch as the routers' terms are."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.weight = 0.0
+        self.loss_scale = 1.0  # fp16's: the term's gradient scaled as the criterion's loss is (Pipeline._loss)
+        self.counts: Optional[torch.Tensor] = None
+        self.logged: Dict[str, Any] = {}
+
+    def begin(self, target: torch.Tensor, pad: int, sample_size: float) -> None:
+        """The sample about to run (``target``: its whole rows, under context parallelism too): its labels per depth
+        and its size."""
+        from toolkit.models.common.mtp import label_counts
+
+        self.counts = label_counts(target, self.model.whole_prediction_depths, pad)
+        self.weight = float(sample_size)
+
+    def run(self, forward: Callable[[], torch.Tensor], target: torch.Tensor, inputs: Dict[str, Any]) -> torch.Tensor:
+        """The last stage's ``forward()`` with the depths run on the micro-batch's ``target`` (its whole rows) and
+        the stage's ``inputs`` (its documents, positions and ``ContextShard``, whose columns the depths read under
+        context parallelism), their loss carried into its backward."""
+        model, shard, positions = self.model, inputs.get("context_parallel"), inputs.get("positions")
+        if shard is not None:  # the micro-batch's rows of the tokens ahead, this rank's positions (as shard_sample)
+            shard = copy.copy(shard)
+            shard.target = target
+            positions = shard.query_index.expand(target.size(0), -1) if positions is None else positions
+        model._mtp_inputs = dict(target=target, document_ids=inputs.get("document_ids"), positions=positions)
+        model._mtp_inputs.update(context_parallel=shard, counts=self.counts)
+        try:
+            output = forward()
+            loss = model._mtp_loss
+        finally:
+            model._mtp_inputs, model._mtp_loss = None, None
+        part = loss.float() * self.weight
+        logged = part.detach().double()
+        self.logged["mtp_loss"] = self.logged["mtp_loss"] + logged if "mtp_loss" in self.logged else logged
+        return _AlsoBackward.apply(output, model.cfg.mtp_loss_coef * part * self.loss_scale)
+
+    def take(self) -> Dict[str, float]:
+        """The update's logged sums so far (one sync), then none."""
+        logged, self.logged = {k: float(v) for k, v in self.logged.items()}, {}
+        return logged
+
+
 class StageModule(nn.Module):
     """What ``PipelineStage`` runs: the rank's model called with one stage's layers (their routers' terms carried
     into its backward by ``router``). The stage's modules are registered here too (``parameters()`` are the
@@ -338,11 +399,17 @@ class StageModule(nn.Module):
     are not this stage's)."""
 
     def __init__(
-        self, model: nn.Module, spec: StageSpec, context: Dict[str, Any], router: Optional[RouterTerms] = None
+        self,
+        model: nn.Module,
+        spec: StageSpec,
+        context: Dict[str, Any],
+        router: Optional[RouterTerms] = None,
+        prediction: Optional[PredictionTerms] = None,
     ):
         super().__init__()
         object.__setattr__(self, "rank_model", model)
         object.__setattr__(self, "router", router)
+        object.__setattr__(self, "prediction", prediction if spec.last else None)
         self.spec = spec
         self.context = context  # the batch's inputs every stage reads beside the activations (Pipeline._run)
         parts = [model.layers[i] for i in spec.layers]
@@ -350,14 +417,19 @@ class StageModule(nn.Module):
             parts.insert(0, model.embed_tokens)
         if spec.last:
             parts += [model.norm, model.output_projection]
+        if self.prediction is not None:  # the depths and the embedding they read
+            parts += [model.mtp] + ([] if spec.first else [model.embed_tokens])
         self.parts = nn.ModuleList(parts)
         self.router_layers = [m for m in self.parts.modules() if isinstance(m, MoE)]
         self.inferring = False
 
-    def forward(self, x: torch.Tensor, **documents: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, prediction_target: Optional[torch.Tensor] = None, **documents: torch.Tensor
+    ) -> torch.Tensor:
         """``documents``: the micro-batch's rows of the batch's ``document_ids`` and ``positions`` (the schedule
         cuts them as it cuts the tokens and hands them to every stage); under context parallelism the documents
-        of the whole rows, which the attention reads through this micro-batch's shard."""
+        of the whole rows, which the attention reads through this micro-batch's shard. ``prediction_target``: the
+        micro-batch's targets, which the last stage's depths read in training."""
         shard = self.context["context_parallel"]
         for m in self.router_layers:  # as the family's forward: the statistics over every cp rank's tokens
             m.context_group = None if shard is None else shard.group
@@ -371,7 +443,9 @@ class StageModule(nn.Module):
                 m.tokens_per_expert.copy_(kept)
                 m.aux, m.load = {}, {}
             return out
-        out = self.rank_model(x, self.spec, **inputs)
+        forward = functools.partial(self.rank_model, x, self.spec, **inputs)
+        predicts = self.prediction is not None and prediction_target is not None and self.rank_model.training
+        out = self.prediction.run(forward, prediction_target, inputs) if predicts else forward()
         return out if self.router is None else self.router.attach(out, self.router_layers)
 
 
@@ -436,6 +510,8 @@ class Pipeline:
         self._loss_scale = 1.0  # fp16's dynamic loss scale of the batch being trained (Pipeline.step)
         self._context: Dict[str, Any] = {"context_parallel": None}  # the batch's, for every stage (StageModule)
         self.router = router_terms(model, dims)
+        self.prediction = PredictionTerms(model) if self.is_last and model.whole_prediction_depths else None
+        self.embedding_group = embedding_group(model, dims, schedule)
 
     def _schedule(self, shape: Tuple[int, ...], device: torch.device, train: bool = True) -> Any:
         """The schedule of a batch shape; for validation under a V placement, its forward actions only
@@ -448,7 +524,7 @@ class Pipeline:
 
         stages = [
             _stage_class()(
-                StageModule(self.model, spec, self._context, self.router),
+                StageModule(self.model, spec, self._context, self.router, self.prediction),
                 spec.index,
                 self.pp * len(self.specs),
                 device,
@@ -489,11 +565,33 @@ class Pipeline:
         if self.router is not None:
             self.router.weight = float(sample_size) / self.microbatches  # the micro-batches are equal (_padded)
             self.router.loss_scale = self._loss_scale
+        if self.prediction is not None:
+            self.prediction.begin(target if context_parallel is None else context_parallel.target, pad, sample_size)
+            self.prediction.loss_scale = self._loss_scale
         return self._run(tokens, target, loss_fn, True, pad, context_parallel, documents)
 
     def router_logged(self) -> Dict[str, float]:
         """This rank's stages' logged router terms of the batches run since the last call (none without MoE)."""
         return {} if self.router is None else self.router.take()
+
+    def prediction_logged(self) -> Dict[str, float]:
+        """The last stage's logged ``mtp_loss`` of the batches run since the last call (none elsewhere, or without
+        --mtp-depth)."""
+        return {} if self.prediction is None else self.prediction.take()
+
+    def _embedding_copy(self) -> List[nn.Parameter]:
+        """The token embedding's parameters where this rank holds them and another rank holds them too (the first
+        and the last stage on two ranks, under --mtp-depth)."""
+        return [] if self.embedding_group is None else list(self.model.embed_tokens.parameters())
+
+    def sum_shared_gradients(self) -> None:
+        """The token embedding's gradients summed between the first stage's copy and the last stage's (Megatron's
+        embedding group), before the update: both copies step as one process's one parameter."""
+        for p in self._embedding_copy():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=self.embedding_group)
 
     @torch.no_grad()
     def evaluate(
@@ -540,6 +638,8 @@ class Pipeline:
         losses: List[torch.Tensor] = []
         args = (tokens,) if self.is_first else ()
         kwargs = dict(target=target if self.is_last else None, losses=losses if self.is_last else None, **documents)
+        if train and self.prediction is not None:  # the depths' labels, cut into micro-batches as the target
+            kwargs["prediction_target"] = _whole_rows(target, context_parallel, pad)
         with loss_context(self.dims.shape.tp > 1):  # the last stage's logits are vocabulary-sharded under tp
             if train:
                 schedule.step(*args, return_outputs=False, **kwargs)
@@ -555,6 +655,10 @@ class Pipeline:
         over the stages."""
         from toolkit.optim.grad_norm import total_norm
 
+        if params and not self.is_first:  # the embedding's copy on the last stage counts once, on the first's rank
+            copies = {id(p) for p in self._embedding_copy()}
+            kept = [i for i, p in enumerate(params) if id(p) not in copies]
+            grads, params = [grads[i] for i in kept], [params[i] for i in kept]
         if expert_grads is not None:
             device = grads[0].device if grads else torch.device("cpu")
             square = torch.tensor([expert_grads.global_norm(list(params)) ** 2], dtype=torch.float64, device=device)
@@ -612,6 +716,30 @@ def router_terms(model: nn.Module, dims: Any) -> Optional[RouterTerms]:
     return RouterTerms(model)
 
 
+def _whole_rows(target: torch.Tensor, context_parallel: Any, pad: int) -> torch.Tensor:
+    """The batch's target rows the depths read: ``target`` (padded as the schedule runs it), or under context
+    parallelism the shard's whole rows, given padding rows as many as ``target`` was."""
+    if context_parallel is None:
+        return target
+    whole = context_parallel.target
+    return torch.nn.functional.pad(whole, (0, 0, 0, target.size(0) - whole.size(0)), value=pad)
+
+
+def embedding_group(model: nn.Module, dims: Any, schedule: str) -> Optional[Any]:
+    """Under --mtp-depth, the group of this rank with the rank that holds the other copy of the token embedding
+    (the first stage's and the last stage's ranks of each pp group; built on every rank at once); None on the ranks
+    without a copy, without depths, or where one rank holds both stages (the V placement)."""
+    pp = dims.shape.pp
+    if not model.whole_prediction_depths or SCHEDULES[schedule][2] == "v":
+        return None
+    if pp == 2:
+        return dims.group("pp")
+    stage_world = dims.shape.stage_world  # pp is the outermost axis: rank = pp rank x stage_world + the rest
+    pairs = [[rank, (pp - 1) * stage_world + rank] for rank in range(stage_world)]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group if dims.shape.coordinates(dims.rank)["pp"] in (0, pp - 1) else None
+
+
 def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
     """The stages' states (a model's ``{name: tensor}`` or an optimizer's ``{"state", "param_groups"}``, each
     keyed by one-process names) merged into one process's on the pp axis's first rank ({} elsewhere): the
@@ -662,6 +790,12 @@ def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
 def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
     """Prune the meta-device ``model`` to this rank's stages (``cfg``: the DistributedConfig); their specs."""
     check_pipelinable(model)
+    if len(getattr(model, "mtp", ())) and dims.shape.tp > 1:
+        raise UserError(
+            "--pipeline-parallel-size with --mtp-depth and --model-parallel-size > 1: tensor parallelism's plan "
+            "splits the embedding and the depths for the whole model, not for a last stage holding them beside its "
+            "layers, and the ranks stall at the first update; drop one of the three"
+        )
     pp = dims.shape.pp
     pp_rank = dims.shape.coordinates(dims.rank)["pp"]
     layers = len(model.layers)

@@ -300,6 +300,7 @@ class Trainer:
                 logging_output = self._pipeline_pass(sample, train=True)
             for k, v in logging_output.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
+        self.strategy.pipeline.sum_shared_gradients()  # --mtp-depth: the last stage's copy of the embedding
         dims = self.strategy.dims
         totals = all_reduce_sums(totals, self.device, dims.loss_world, group=dims.group(*DP_AXES))
         return self.strategy.pipeline.from_every_stage(totals)
@@ -322,7 +323,7 @@ class Trainer:
             loss = pipeline.step(*inputs, sample_size=size, loss_scale=scale, **documents)
         else:
             loss = pipeline.evaluate(*inputs, **documents)
-        router = pipeline.router_logged()
+        router = {**pipeline.router_logged(), **pipeline.prediction_logged()}
         if loss is None:
             return router
         _, sample_size, logging_output = self.criterion.with_counts(loss, sample)

@@ -98,12 +98,16 @@ def multi_token_loss(
     pad: int,
     block_inputs: tuple,
     context_parallel: Any = None,
+    counts: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The mean over ``depths`` of each depth's mean cross-entropy of the token k+1 ahead (0-dim, in the graph).
 
     ``hidden``: the decoder's output after its final norm; ``embed``: the model's token embedding;
     ``summed_nll(x, labels)``: the summed cross-entropy of the shared head on ``x`` (padding labels ignored);
-    ``block_inputs``: (cos, sin, attn_mask) of the decoder's blocks."""
+    ``block_inputs``: (cos, sin, attn_mask) of the decoder's blocks; ``counts``: each depth's divisor [D] where
+    ``hidden`` is a part of the sample the mean is over (a pipeline's micro-batch: the sample's labels per depth,
+    :func:`label_counts`; under context parallelism of the whole rows), else the labels of ``hidden``'s positions
+    (over every cp rank)."""
     cos, sin, mask = block_inputs
     group = None if context_parallel is None else context_parallel.group
     losses = []
@@ -111,11 +115,18 @@ def multi_token_loss(
         embedded = embed(tokens_ahead(target, k - 1, pad, context_parallel))
         hidden = depth(hidden, embedded, cos, sin, attn_mask=mask, context_parallel=context_parallel)
         labels = tokens_ahead(target, k, pad, context_parallel)
-        nll = summed_nll(hidden, labels)
-        count = labels.ne(pad).sum().to(nll.dtype)
-        nll, count = sum_over_ranks(nll, None, group), sum_over_ranks(count, None, group)
+        nll = sum_over_ranks(summed_nll(hidden, labels), None, group)
+        if counts is None:
+            count = sum_over_ranks(labels.ne(pad).sum().to(nll.dtype), None, group)
+        else:
+            count = counts[k - 1].to(nll.dtype)
         losses.append(nll / count.clamp(min=1.0))
     return torch.stack(losses).mean()
+
+
+def label_counts(target: torch.Tensor, depths: int, pad: int) -> torch.Tensor:
+    """Each depth's count of labels in ``target`` [B, T] (the positions with a token k+1 ahead), [depths]."""
+    return torch.stack([tokens_ahead(target, k, pad).ne(pad).sum() for k in range(1, depths + 1)])
 
 
 class MultiTokenPrediction:
@@ -166,8 +177,11 @@ class MultiTokenPrediction:
             self._mtp_loss = self.multi_token_loss(self.norm(x), **self._mtp_inputs)
         return super().output(x, loss_target)
 
-    def multi_token_loss(self, hidden: torch.Tensor, target, document_ids, positions, context_parallel) -> torch.Tensor:
-        """``multi_token_loss`` with this model's embedding, head, rotary rows and mask."""
+    def multi_token_loss(
+        self, hidden: torch.Tensor, target, document_ids, positions, context_parallel, counts=None
+    ) -> torch.Tensor:
+        """``multi_token_loss`` with this model's embedding, head, rotary rows and mask (``counts``: the divisors of
+        a part of the sample, :func:`multi_token_loss`)."""
         T = hidden.size(1)
         cos, sin = self.rope_rows(None, 0, T, positions)
         mask = None
@@ -175,7 +189,7 @@ class MultiTokenPrediction:
             mask = attention_mask(document_ids, T, hidden.device, head_dim=head_dim(self.cfg))
         inputs = (cos, sin, mask)
         return multi_token_loss(
-            self.mtp, hidden, target, self.embed, self.head_nll, self.padding_idx, inputs, context_parallel
+            self.mtp, hidden, target, self.embed, self.head_nll, self.padding_idx, inputs, context_parallel, counts
         )
 
     def head_nll(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
