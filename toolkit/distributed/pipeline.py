@@ -792,9 +792,9 @@ def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
     check_pipelinable(model)
     if len(getattr(model, "mtp", ())) and dims.shape.tp > 1:
         raise UserError(
-            "--pipeline-parallel-size with --mtp-depth and --model-parallel-size > 1: tensor parallelism's plan "
-            "splits the embedding and the depths for the whole model, not for a last stage holding them beside its "
-            "layers, and the ranks stall at the first update; drop one of the three"
+            "--pipeline-parallel-size with --mtp-depth and --model-parallel-size > 1: the three together are not "
+            "supported (the last stage's copy of the embedding and its depths under tensor parallelism stall the "
+            "ranks at the first update); drop one of the three"
         )
     pp = dims.shape.pp
     pp_rank = dims.shape.coordinates(dims.rank)["pp"]
