@@ -247,12 +247,16 @@ def _build_with(arch, **options):
         ("moe_tiny", {}, None),
         ("deepseek_v3_tiny", {}, None),
         ("deepseek_v3_tiny", {"mtp_depth": 1}, "--mtp-depth"),
-        ("qwen3_next_tiny", {}, "does not declare"),
+        ("gpt_oss_tiny", {}, None),
+        ("glm4_moe_tiny", {}, None),
+        ("qwen3_next_tiny", {}, None),
+        ("olmo2_tiny", {}, "does not declare"),
     ],
 )
 def test_a_pipeline_takes_the_families_that_declare_it(arch, options, refused):
-    """The MoE and DeepSeek-V3 families are cut into stages; multi-token prediction (the embeddings read after the
-    last block) and the families no pipelined run compares with one process are refused in one line."""
+    """The MoE families (MoE, DeepSeek-V3, gpt-oss, GLM-4.5, Qwen3-Next) are cut into stages; multi-token
+    prediction (the embeddings read after the last block) and the families no pipelined run compares with one
+    process are refused in one line."""
     from toolkit.core.errors import UserError
     from toolkit.distributed.pipeline import check_pipelinable
     from toolkit.models import build_on_meta
