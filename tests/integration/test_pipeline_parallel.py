@@ -7,9 +7,12 @@ parameters under their one-process names. The same for 4-layer MoE and DeepSeek-
 zero_bubble, dualpipev; 1f1b) against one process over the same micro-batches, each router term weighed by its
 micro-batch's share of the sample size: the gradients, the logged router terms summed over the stages and each
 layer's token counts (what moves the bias); DeepSeek-V3 with one multi-token prediction depth too (on the last stage
-with a copy of the embedding, whose gradient is summed with the first stage's; ``mtp_loss`` logged); with fp16's loss
-scale (``SCALED``: the MoE family's, and fp16 weights), one process's gradients of the scaled losses. Then
-``toolkit-train`` (``CASES``), clipped: 2 ranks pp 2 (the default
+with a copy of the embedding, whose gradient is summed with the first stage's; ``mtp_loss`` logged); so too gpt-oss
+(its sliding and global layers alternating, split 1 and 3 so a stage counting its layers from 0 would swap their
+kinds), GLM-4.5 (the first layer dense) and Qwen3-Next (the last layer full attention, the others gated DeltaNet,
+each row 2 documents: a mask for the one, starts for the others); with fp16's loss scale (``SCALED``: the MoE
+family's, and fp16 weights), one process's gradients of the scaled losses. Then ``toolkit-train`` (``CASES``),
+clipped: 2 ranks pp 2 (the default
 schedule, 1f1b, ``--update-freq 2``, activation checkpointing), 4 ranks dp 2 x pp 2 (FSDP2 over each stage's 2 data
 ranks), 2 ranks pp 2 in bf16 (interleaved_1f1b), in fp16 from a loss scale that overflows (the same loss scales and
 updates skipped as one process: the overflow decided across the stages; 1e-2) and 4 ranks pp 2 x ep 2 of the MoE family (FSDP2 and the experts
@@ -23,7 +26,9 @@ pp 2 x cp 2 with ``--document-attention-mask --reset-position-ids`` over a ``--d
 against one process with the three, and 4 ranks dp 2 x pp 2 with ``--optimizer muon --store-ema`` against one process
 with both, whose moving average it saves (sharded) and restores (at pp 2); 2 ranks pp 2 with ``--compile``
 (aot_eager: each rank compiles its stage's 2 blocks) and ``--fp8`` (8 tokens a sample) log one eager float8
-process's losses (2e-2). Their sharded checkpoints consolidate to one process's file and resume in one process, and
+process's losses (2e-2); 2 ranks pp 2 with LoRA (zero_bubble, a layer a stage: the frozen weights take no
+gradient) logs one process's LoRA losses, and its save is one process's (names, values, the adapters' optimizer
+state). Their sharded checkpoints consolidate to one process's file and resume in one process, and
 one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 
@@ -49,7 +54,18 @@ SCHEDULES = ("gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev")  # 1f1b: t
 ROUTED = [("moe", "1f1b"), ("moe", "zero_bubble"), ("moe", "dualpipev"), ("deepseek_v3", "1f1b")]
 # one multi-token prediction depth: on the last stage with a copy of the embedding (V: on rank 0, beside the first)
 ROUTED += [("deepseek_v3_mtp", "1f1b"), ("deepseek_v3_mtp", "dualpipev")]
+ROUTED += [("gpt_oss", "1f1b"), ("glm4_moe", "1f1b"), ("qwen3_next", "1f1b")]
+# gpt-oss's local and global layers alternate: 1 and 3 layers a stage, so the second's layers 1, 2, 3 are of the
+# kinds of 0, 1, 2 had it counted them from 0
+BALANCE = {"gpt_oss": "1,3"}
+# Qwen3-Next packed: its full layers take the documents' mask, its gated DeltaNet ones their starts (state restarts)
+PACKED = {"qwen3_next": (torch.arange(16)[None] >= torch.tensor([[3], [6], [9], [12]])).long()}
 UPDATES = 3
+FAMILY_OPTIONS = {  # beside 4 layers: gpt-oss's alternate; GLM-4.5's first is dense, Qwen3-Next's last full attention
+    "gpt_oss": dict(layer_types=",".join(["sliding_attention", "full_attention"] * 2), moe_bias_update_rate=0.0),
+    "glm4_moe": {},
+    "qwen3_next": {},
+}
 
 
 def _tiny_model(family: str, device: str = "cpu"):
@@ -57,6 +73,7 @@ def _tiny_model(family: str, device: str = "cpu"):
     the routers' terms weighing enough to move the gradients (load balance, z-loss, DeepSeek's sequence-wise
     balance: 0.1 each), the bias moving by the token counts."""
     from toolkit import models
+    from toolkit.core import registry
     from toolkit.models.deepseek_v3.model import DeepSeekV3LanguageModel
     from toolkit.models.llama.config import LlamaConfig
     from toolkit.models.llama.model import LlamaLanguageModel
@@ -71,6 +88,9 @@ def _tiny_model(family: str, device: str = "cpu"):
         options = dict(decoder_layers=4, max_target_positions=16, moe_seq_aux_loss_coef=0.1, **router)
         options.update(dict(mtp_depth=1, mtp_loss_coef=0.3) if family == "deepseek_v3_mtp" else {})
         cfg, cls = models.model_config("deepseek_v3_tiny", **options), DeepSeekV3LanguageModel
+    elif family in FAMILY_OPTIONS:  # gpt-oss (sinks, a window of 4 every other layer), GLM-4.5, Qwen3-Next
+        options = dict(decoder_layers=4, max_target_positions=16, **{**router, **FAMILY_OPTIONS[family]})
+        cfg, cls = models.model_config(f"{family}_tiny", **options), registry.resolve_arch(f"{family}_tiny").cls
     else:
         cfg, cls = LlamaConfig(**shape, decoder_ffn_embed_dim=64), LlamaLanguageModel
     with torch.device(device):
@@ -78,12 +98,21 @@ def _tiny_model(family: str, device: str = "cpu"):
 
 
 def _one_process_batch(
-    family: str, tokens, target, loss_fn, microbatches: int, sample_size: float, scale: float = 1.0, dtype=None
+    family: str,
+    tokens,
+    target,
+    loss_fn,
+    microbatches: int,
+    sample_size: float,
+    scale: float = 1.0,
+    dtype=None,
+    documents=None,
 ):
     """One process's gradients, summed loss and logged router terms over the pipeline's micro-batches (each router
     term weighed by the micro-batch's share of ``sample_size``, as the trainer weighs a sample's), and its MoE
     layers' token counts; each micro-batch's loss times ``scale`` before its backward (fp16's loss scale), the
-    model's weights cast to ``dtype`` (``--memory-efficient-fp16``'s fp16 weights)."""
+    model's weights cast to ``dtype`` (``--memory-efficient-fp16``'s fp16 weights); ``documents``: the rows'
+    document ids."""
     from toolkit.models.init import init_weights
     from toolkit.models.outputs import aux_losses_of, metrics_of
 
@@ -91,8 +120,10 @@ def _one_process_batch(
     init_weights(reference, 5)
     reference.to(dtype or torch.float32)
     total, logged, share = 0.0, {}, sample_size / microbatches
-    for rows, targets in zip(tokens.chunk(microbatches), target.chunk(microbatches)):
-        out = reference(rows, **({"target": targets} if family == "deepseek_v3_mtp" else {}))
+    documents = [None] * microbatches if documents is None else documents.chunk(microbatches)
+    for rows, targets, document_ids in zip(tokens.chunk(microbatches), target.chunk(microbatches), documents):
+        extra = {"target": targets} if family == "deepseek_v3_mtp" else {}
+        out = reference(rows, document_ids=document_ids, **extra)
         loss = loss_fn(out[0] if isinstance(out, tuple) else out, targets)
         total = total + loss.detach()
         for name, (value, coefficient) in aux_losses_of(out).items():
@@ -120,13 +151,15 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
     held = {}
     for family, schedule in [("llama", s) for s in SCHEDULES] + ROUTED:
         M = default_microbatches(2, schedule)
-        want, want_loss, want_logged, want_counts = _one_process_batch(family, tokens, target, loss_fn, M, 64.0)
+        packed = {"document_ids": PACKED[family]} if family in PACKED else {}
+        reference = _one_process_batch(family, tokens, target, loss_fn, M, 64.0, documents=PACKED.get(family))
+        want, want_loss, want_logged, want_counts = reference
         model = _tiny_model(family, "meta")
-        cfg = SimpleNamespace(pipeline_schedule=schedule, pipeline_balance=None)
+        cfg = SimpleNamespace(pipeline_schedule=schedule, pipeline_balance=BALANCE.get(family))
         pipeline = Pipeline(model, build_pipeline(model, cfg, dims), dims, schedule, 0)
         model.to_empty(device="cpu")
         init_weights(model, 5)
-        loss = pipeline.step(tokens, target, loss_fn, pad=1, sample_size=64.0)
+        loss = pipeline.step(tokens, target, loss_fn, pad=1, sample_size=64.0, **packed)
         pipeline.sum_shared_gradients()
         if pipeline.is_last:
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4, msg=schedule)
@@ -141,7 +174,7 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         assert logged.keys() == want_logged.keys() and (family == "llama") == (not logged), (logged, want_logged)
         for name, value in logged.items():
             assert value == pytest.approx(want_logged[name], rel=1e-5), (family, schedule, name)
-        evaluated = pipeline.evaluate(tokens, target, loss_fn, pad=1)  # forward only, the weights unchanged
+        evaluated = pipeline.evaluate(tokens, target, loss_fn, pad=1, **packed)  # forward only, the weights unchanged
         if pipeline.is_last:
             torch.testing.assert_close(evaluated, want_loss, rtol=1e-5, atol=1e-4, msg=f"{schedule} evaluate")
         everyone = [None] * world_size
@@ -278,6 +311,8 @@ FP16 = ["--fp16", "--fp16-init-scale", "16384", "--fp16-scale-window", "2"]
 # average (a copy of update 1's weights, then decay 0.5: the average differs from the weights and moves each update)
 MUON_EMA = ["--optimizer", "muon", "--lr", "0.02", "--muon-adamw-lr", "0.003", "--clip-norm", "0.5"]
 MUON_EMA += ["--store-ema", "--ema-decay", "0.5", "--ema-start-update", "2"]
+# LoRA on every Linear of the blocks, every other weight frozen; alpha 64 so the clip acts on the adapters' norm
+LORA = ["--lora-rank", "4", "--lora-alpha", "64"]
 PRECISION = {  # the one-process references: flags, relative tolerance
     "fp32": ([], 1e-3),
     "bf16": (["--bf16"], 2e-2),
@@ -287,6 +322,7 @@ PRECISION = {  # the one-process references: flags, relative tolerance
     "mefp16": (["--memory-efficient-fp16", *FP16[1:]], 1e-2),
     "muon_ema": (MUON_EMA, 1e-3),
     "fp8": (FP8, 2e-2),
+    "lora": (LORA, 1e-3),
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
@@ -328,6 +364,10 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         "muon_ema",
     ),
     "pp2_compile_fp8": (PP2 + ["--compile", *FP8, *QUIET], "fp8"),  # against one eager process in float8
+    "pp2_lora": (  # a layer a stage, each stage's adapters beside its frozen weights; their gradients split apart
+        PP2 + ["--pipeline-schedule", "zero_bubble", *LORA, *QUIET],
+        "lora",
+    ),
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 
@@ -344,6 +384,23 @@ def test_pipelined_run_logs_one_process_losses(runs, case):
     _assert_close(got, want, tolerance, range(1, UPDATES + 1))
     if QUIET[0] not in flags:
         assert len(got["valid"]) == 2 and got["valid"] == pytest.approx(want["valid"], rel=1e-4, abs=H.LOGGED_TOL)
+
+
+def test_pipelined_lora_save_is_one_process_save(runs):
+    """The pp 2 LoRA run's save at update 2 (merged from its 4 stages, 2 a rank) is one process's: the names in its
+    order, the values (the frozen weights and the adapters), the optimizer's groups and state (the adapters')."""
+    _one_process(runs, "lora")
+    if not (runs["root"] / "pp2_lora" / "checkpoint_1_2.pt").exists():
+        test_pipelined_run_logs_one_process_losses(runs, "pp2_lora")
+    ours, theirs = (
+        torch.load(runs["root"] / n / "checkpoint_1_2.pt", weights_only=True) for n in ("pp2_lora", "one_lora")
+    )
+    assert list(ours["model"]) == list(theirs["model"])
+    torch.testing.assert_close(ours["model"], theirs["model"], rtol=1e-4, atol=1e-6)
+    ours, theirs = ours["last_optimizer_state"], theirs["last_optimizer_state"]
+    assert ours["param_groups"] == theirs["param_groups"] and list(ours["state"]) == list(theirs["state"])
+    assert ours["state"] and all(".lora_" in name for name in ours["state"]), list(ours["state"])
+    torch.testing.assert_close(ours["state"], theirs["state"], rtol=1e-3, atol=1e-6)
 
 
 def _resumed(runs, name, checkpoint, *flags):

@@ -248,13 +248,16 @@ def _build_with(arch, **options):
         ("deepseek_v3_tiny", {}, 1, None),
         ("deepseek_v3_tiny", {"mtp_depth": 1}, 1, None),
         ("deepseek_v3_tiny", {"mtp_depth": 1}, 2, "--mtp-depth and --model-parallel-size"),
-        ("qwen3_next_tiny", {}, 1, "does not declare"),
+        ("gpt_oss_tiny", {}, 1, None),
+        ("glm4_moe_tiny", {}, 1, None),
+        ("qwen3_next_tiny", {}, 1, None),
+        ("olmo2_tiny", {}, 1, "does not declare"),
     ],
 )
 def test_a_pipeline_takes_the_families_that_declare_it(arch, options, tp, refused):
-    """The MoE and DeepSeek-V3 families are cut into stages, multi-token prediction too (its depths on the last
-    stage); the families no pipelined run compares with one process, and the depths under tensor parallelism, are
-    refused in one line."""
+    """The MoE families (MoE, DeepSeek-V3, gpt-oss, GLM-4.5, Qwen3-Next) are cut into stages, multi-token prediction
+    too (its depths on the last stage); the families no pipelined run compares with one process, and the depths
+    under tensor parallelism, are refused in one line."""
     from types import SimpleNamespace
 
     from toolkit.distributed.pipeline import build_pipeline, check_pipelinable

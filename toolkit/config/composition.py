@@ -519,7 +519,6 @@ for _other, _flag, _why, _fix in (
         "gradient norm during backward on one stage only",
         "drop --cpu-offload",
     ),
-    ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
 ):
     _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
 _PAIRS[("TP", "PP")] = Tested(
@@ -547,6 +546,11 @@ _PAIRS[("EMA", "PP")] = Tested(
     "tests/integration/test_pipeline_parallel.py::test_pipelined_moving_average_is_one_process_average",
     "case dp2_pp2_muon_ema: each stage averages its layers; the sharded save consolidates to one process's "
     "average, restored at pp 2, whose .pt holds it whole",
+)
+_PAIRS[("LoRA", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_lora: 2 ranks, zero_bubble (a layer a stage), each stage's adapters beside its frozen weights; "
+    "the save is one process's (test_pipelined_lora_save_is_one_process_save)",
 )
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.
@@ -767,7 +771,8 @@ MODEL: Tuple[Condition, ...] = (
         lambda c, cls: _size(c, "pipeline_parallel_size") > 1 and not supports(cls, "supports_pipeline_parallel"),
         lambda c: (
             f"--pipeline-parallel-size: --arch {c.components.arch} does not "
-            "declare a forward the pipeline can cut into stages (the Llama, MoE and DeepSeek-V3 families do); drop the flag"
+            "declare a forward the pipeline can cut into stages (the Llama family and the MoE ones, DeepSeek-V3, gpt-oss, GLM-4.5 and "
+            "Qwen3-Next do); drop the flag"
         ),
         PP2 + FSDP + ("--arch", "transformer_lm"),
     ),

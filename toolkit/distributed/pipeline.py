@@ -203,7 +203,8 @@ def check_pipelinable(model: nn.Module) -> None:
     if not isinstance(model, RotaryDecoderLM) or not supports(type(model), "supports_pipeline_parallel"):
         raise UserError(
             f"--pipeline-parallel-size: {name} does not declare a forward the pipeline can cut into stages (the "
-            "Llama, MoE and DeepSeek-V3 families do); train it without --pipeline-parallel-size"
+            "Llama family and the MoE ones, DeepSeek-V3, gpt-oss, GLM-4.5 and Qwen3-Next do); train it without "
+            "--pipeline-parallel-size"
         )
     if model.output_projection is None:
         raise UserError(
@@ -273,7 +274,9 @@ def _stage_forward(
             cos, sin = model.rope_rows(window, 0, T, positions)
         else:
             cos, sin = (table[context_parallel.query_index] for table in model.rope_table(window))
-        x = model.layers[i](x, cos, sin, attn_mask=masks.get(window), context_parallel=context_parallel)
+        documents = document_ids if context_parallel is None else None  # under cp the shard holds them
+        mask = model.layer_attention_input(i, masks.get(window), documents)  # the whole-model index's kind
+        x = model.layers[i](x, cos, sin, attn_mask=mask, context_parallel=context_parallel)
     return model.output(x) if spec.last else x
 
 
@@ -740,18 +743,32 @@ def embedding_group(model: nn.Module, dims: Any, schedule: str) -> Optional[Any]
     return group if dims.shape.coordinates(dims.rank)["pp"] in (0, pp - 1) else None
 
 
+def _in_model_order(pipeline: Pipeline, names: Sequence[str]) -> List[str]:
+    """``names`` in the whole model's order (a rank of a schedule with several stages per rank holds layers that
+    are not neighbours: rank 0 of interleaved_1f1b runs layers 0 and 2), so a merged state lists them as one
+    process does."""
+    order = {name: i for i, name in enumerate(pipeline.model.whole_model_shapes)}
+    return sorted(names, key=lambda name: order.get(name, len(order)))
+
+
+def _groups_in_model_order(pipeline: Pipeline, groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return [dict(group, params=_in_model_order(pipeline, group["params"])) for group in groups]
+
+
 def merge_stage_states(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[str, Any]:
     """The stages' states (a model's ``{name: tensor}`` or an optimizer's ``{"state", "param_groups"}``, each
     keyed by one-process names) merged into one process's on the pp axis's first rank ({} elsewhere): the
-    parameters in stage order, each optimizer group's names joined."""
+    parameters in the whole model's order, each optimizer group's names joined."""
     states = [None] * pipeline.pp if dist.get_rank(pipeline.group) == 0 else None
     dist.gather_object(state, states, dst=dist.get_global_rank(pipeline.group, 0), group=pipeline.group)
     if states is None:
         return {}
     if "param_groups" not in state:
-        return {k: v for each in states for k, v in each.items()}
-    groups = joined_groups([each["param_groups"] for each in states])
-    return {"state": {k: v for each in states for k, v in each["state"].items()}, "param_groups": groups}
+        merged = {k: v for each in states for k, v in each.items()}
+        return {k: merged[k] for k in _in_model_order(pipeline, merged)}
+    groups = _groups_in_model_order(pipeline, joined_groups([each["param_groups"] for each in states]))
+    merged = {k: v for each in states for k, v in each["state"].items()}
+    return {"state": {k: merged[k] for k in _in_model_order(pipeline, merged)}, "param_groups": groups}
 
 
 def joined_groups(stages: Sequence[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
@@ -773,7 +790,7 @@ def with_every_stage_groups(pipeline: Pipeline, state: Dict[str, Any]) -> Dict[s
     DCP writes one copy of them, and a consolidation or another layout reads the whole model's groups)."""
     every: List[Any] = [None] * pipeline.pp
     dist.all_gather_object(every, state["param_groups"], group=pipeline.group)
-    return dict(state, param_groups=joined_groups(every))
+    return dict(state, param_groups=_groups_in_model_order(pipeline, joined_groups(every)))
 
 
 def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:

@@ -145,6 +145,12 @@ class RotaryDecoderLM(HFConvertible, DecoderInterface, nn.Module):
         """Modules a family adds beside the blocks (multi-token prediction depths), built on the meta device and
         initialized with the others; none by default."""
 
+    def layer_attention_input(self, index: int, mask: Any, document_ids: Optional[torch.Tensor] = None) -> Any:
+        """What layer ``index``'s token mixer takes as ``attn_mask``, given the mask of its window and the rows'
+        ``document_ids`` (None without, and under context parallelism, whose shard holds them): the mask, where
+        every layer attends. A pipeline stage, which runs the layers by their whole-model indices, asks it."""
+        return mask
+
     def build_norm(self, dim: int) -> nn.Module:
         """The family's RMSNorm over ``dim`` features (the blocks', the final one)."""
         return RMSNorm(dim, self.cfg.rms_norm_eps, unit_offset=self.unit_offset_norms)

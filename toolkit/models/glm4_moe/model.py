@@ -34,7 +34,6 @@ class Glm4MoeLanguageModel(MultiTokenPrediction, MoELanguageModel):
 
     HF_ADAPTER = Glm4MoeAdapter
     PLAN = staticmethod(tensor_parallel_plan)
-    supports_pipeline_parallel = False  # no pipelined run of this family is compared with one process
 
     @staticmethod
     def check_options(cfg: Glm4MoeConfig) -> None:

@@ -113,7 +113,6 @@ class GptOssLanguageModel(MoELanguageModel):
 
     HF_ADAPTER = GptOssAdapter
     PLAN = staticmethod(tensor_parallel_plan)
-    supports_pipeline_parallel = False  # no pipelined run of this family is compared with one process
 
     @staticmethod
     def check_options(cfg: GptOssConfig) -> None:

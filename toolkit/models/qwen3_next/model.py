@@ -108,7 +108,6 @@ class Qwen3NextLanguageModel(MultiTokenPrediction, MoELanguageModel):
 
     HF_ADAPTER = Qwen3NextReleasedAdapter
     PLAN = staticmethod(tensor_parallel_plan)
-    supports_pipeline_parallel = False  # no pipelined run of this family is compared with one process
     unit_offset_norms = True
     onnx_cached_decoder = None  # the cached ONNX graph takes key/value heads; the linear layers keep a state
 
@@ -155,6 +154,10 @@ class Qwen3NextLanguageModel(MultiTokenPrediction, MoELanguageModel):
             incremental_state["positions"] = start + T
         out = self.output(x, loss_target)
         return self._with_router_terms(out) if self.training else out
+
+    def layer_attention_input(self, index: int, mask: Any, document_ids: Optional[torch.Tensor] = None) -> Any:
+        """A linear layer's restarts of its state (the documents' starts, None without), a full layer's mask."""
+        return document_starts(document_ids) if linear_layers(self.cfg)[index] else mask
 
     def _layer_caches(self, incremental_state: Optional[Dict]) -> List[Optional[Union[KVCache, RecurrentState]]]:
         """Decoding's state per layer: the recurrent state of a linear layer, the K/V cache of a full one."""
