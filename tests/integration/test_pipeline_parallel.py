@@ -21,7 +21,10 @@ pp 2 x cp 2 with ``--document-attention-mask --reset-position-ids`` over a ``--d
 against one process with the three, and 4 ranks dp 2 x pp 2 with ``--optimizer muon --store-ema`` against one process
 with both, whose moving average it saves (sharded) and restores (at pp 2). Their sharded checkpoints consolidate to
 one process's file and resume in one process, and one process's file resumes at pp 2, each continuing as the
-uninterrupted run.
+uninterrupted run. 4 ranks pp 2 under hybrid_shard (each stage's 2 data ranks a (replicate 2, shard 1) mesh) with
+``--overlap-offload-step`` (CPU Adam beside the forward, each stage's squares of the norm taken in backward) and 2
+ranks pp 2 with the serial ``--cpu-offload`` step log the losses and norms of one process's torch Adam (DeepSpeed's
+AdamW is its update up to rounding).
 """
 
 from __future__ import annotations
@@ -268,6 +271,7 @@ PRECISION = {  # the one-process references: flags, relative tolerance
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
+OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]  # DeepSpeed's AdamW: torch's adam's update up to rounding
 CASES = {  # name: (flags of the pipelined run, its precision); the cases without QUIET validate
     "pp2": (PP2 + ["--checkpoint-activations", *QUIET], "fp32"),
     "dp2_pp2_fsdp": (
@@ -305,6 +309,13 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         + ["--use-sharded-state", *MUON_EMA, *QUIET],
         "muon_ema",
     ),
+    "pp2_hsdp_overlap": (  # each stage's 2 data ranks a (replicate 2, shard 1) mesh; CPU Adam beside the forward
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+        + ["--sharding-strategy", "hybrid_shard", "--shard-group-size", "1", "--overlap-offload-step", *OFFLOAD]
+        + QUIET,
+        "fp32",
+    ),
+    "pp2_offload": (PP2 + ["--ddp-backend", "fully_sharded", *OFFLOAD, *QUIET], "fp32"),  # the serial CPU Adam step
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 

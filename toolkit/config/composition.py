@@ -503,16 +503,8 @@ PP_UNTESTED = (
     "until one does; {fix}"
 )
 for _other, _flag, _why, _fix in (
-    ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
     ("compile", "--compile", "each stage's blocks would be compiled per micro-batch shape", "drop --compile"),
     ("fp8", "--fp8", "the float8 scales are kept per stage", "use --bf16"),
-    (
-        "cpu-offload",
-        "--cpu-offload",
-        "FSDP2's offloaded shards would be updated per stage by CPU Adam, and --overlap-offload-step sums the "
-        "gradient norm during backward on one stage only",
-        "drop --cpu-offload",
-    ),
     ("LoRA", "--lora-rank", "the adapters would be placed per stage", "drop --lora-rank"),
 ):
     _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
@@ -531,7 +523,6 @@ _PAIRS[("document mask", "PP")] = Tested(
 _PAIRS[("data mixture", "PP")] = Tested(
     PIPELINE, "case pp2_mask_mixture: 2 ranks, both stages reading their data rank's mixture batch"
 )
-_PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
 _PAIRS[("muon", "PP")] = Tested(
     PIPELINE,
     "case dp2_pp2_muon_ema: 4 ranks, each stage's matrices gathered to owners among its 2 data ranks; the "
@@ -541,6 +532,16 @@ _PAIRS[("EMA", "PP")] = Tested(
     "tests/integration/test_pipeline_parallel.py::test_pipelined_moving_average_is_one_process_average",
     "case dp2_pp2_muon_ema: each stage averages its layers; the sharded save consolidates to one process's "
     "average, restored at pp 2, whose .pt holds it whole",
+)
+_PAIRS[("HSDP", "PP")] = Tested(
+    PIPELINE, "case pp2_hsdp_overlap: 4 ranks, each stage's 2 data ranks a (replicate 2, shard 1) mesh"
+)
+_PAIRS[("cpu-offload", "PP")] = Tested(
+    PIPELINE, "case pp2_offload: 2 ranks, CPU Adam steps each stage's shards, clipped by the norm over the stages"
+)
+_PAIRS[("overlap-offload", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_hsdp_overlap: each stage's squares taken in backward after its last micro-batch, summed over pp",
 )
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.

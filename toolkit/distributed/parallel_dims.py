@@ -215,7 +215,8 @@ def parallel_shape(
     if not fsdp or strategy == "no_shard":
         replicate, shard = dp, 1
     elif strategy.startswith("hybrid"):
-        group = shard_group_size or max(1, (local_world_size or world) // (tp * cp))
+        # the default: one machine's ranks of this stage (a machine may hold ranks of several stages)
+        group = shard_group_size or max(1, min(local_world_size or world, world) // (tp * cp))
         if group < 1 or dp % group:
             raise UserError(
                 f"--shard-group-size {group}: must divide the {dp} data-parallel ranks (world size "

@@ -150,8 +150,8 @@ class Trainer:
         self.num_updates = 0
         self.steps_taken = 0  # optimizer steps in this process: before the first, the weights are the starting ones
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
-        # --overlap-offload-step, else None; under expert parallelism its norm adds the experts' squares over ep
-        self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads)
+        # --overlap-offload-step, else None; its norm adds the experts' squares over ep, the stages' over pp
+        self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads, strategy.pipeline)
         self.post_step_hooks: List[Callable[[], None]] = []
         qk_clip = getattr(
             cfg.optimizer, "qk_clip_threshold", None
