@@ -175,7 +175,8 @@ def parallel_shape(
     """The layout of ``world`` ranks for these flags, or a one-line UserError naming the axis that does not fit.
 
     Pure (no process group): ``toolkit-train`` checks it before spawning and ``toolkit-plan`` plans with it.
-    ``local_world_size`` is the ranks of one machine, the default ``--shard-group-size`` of hybrid sharding.
+    ``local_world_size`` is the ranks of one machine; those of one stage are the default ``--shard-group-size`` of
+    hybrid sharding.
     ``pp`` splits the world first; every other axis lays out the ranks of one stage.
     """
     pp = _positive("--pipeline-parallel-size", pp)
