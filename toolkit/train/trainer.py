@@ -393,10 +393,11 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         raw_norm, measure = None, None
-        if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
-            raw_norm = self.overlap.raw_grad_norm()
-        elif self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
+        if self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
             measure = functools.partial(self.strategy.pipeline.global_norm, grads, self.strategy.expert_grads, params)
+        if self.overlap is not None and self.memory_efficient is None:  # expert and stage squares added there too
+            raw_norm = self.overlap.raw_grad_norm()
+        elif measure is not None:
             raw_norm = measure()
         elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
