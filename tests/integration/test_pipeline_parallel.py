@@ -28,8 +28,11 @@ with both, whose moving average it saves (sharded) and restores (at pp 2); 2 ran
 (aot_eager: each rank compiles its stage's 2 blocks) and ``--fp8`` (8 tokens a sample) log one eager float8
 process's losses (2e-2); 2 ranks pp 2 with LoRA (zero_bubble, a layer a stage: the frozen weights take no
 gradient) logs one process's LoRA losses, and its save is one process's (names, values, the adapters' optimizer
-state). Their sharded checkpoints consolidate to one process's file and resume in one process, and
-one process's file resumes at pp 2, each continuing as the uninterrupted run.
+state). 4 ranks pp 2 under hybrid_shard (each stage's 2 data ranks a (replicate 2, shard 1) mesh) with
+``--overlap-offload-step`` (CPU Adam beside the forward, each stage's squares of the norm taken in backward) and 2
+ranks pp 2 with the serial ``--cpu-offload`` step log the losses and norms of one process's torch Adam (DeepSpeed's
+AdamW is its update up to rounding). Their sharded checkpoints consolidate to one process's file and resume in one
+process, and one process's file resumes at pp 2, each continuing as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -326,6 +329,7 @@ PRECISION = {  # the one-process references: flags, relative tolerance
 }
 PP2 = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "--update-freq", "2"]
 QUIET = ["--disable-validation"]
+OFFLOAD = ["--cpu-offload", "--optimizer", "cpu_adam"]  # DeepSpeed's AdamW: torch's adam's update up to rounding
 CASES = {  # name: (flags of the pipelined run, its precision); the cases without QUIET validate
     "pp2": (PP2 + ["--checkpoint-activations", *QUIET], "fp32"),
     "dp2_pp2_fsdp": (
@@ -368,6 +372,13 @@ CASES = {  # name: (flags of the pipelined run, its precision); the cases withou
         PP2 + ["--pipeline-schedule", "zero_bubble", *LORA, *QUIET],
         "lora",
     ),
+    "pp2_hsdp_overlap": (  # each stage's 2 data ranks a (replicate 2, shard 1) mesh; CPU Adam beside the forward
+        ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--ddp-backend", "fully_sharded"]
+        + ["--sharding-strategy", "hybrid_shard", "--shard-group-size", "1", "--overlap-offload-step", *OFFLOAD]
+        + QUIET,
+        "fp32",
+    ),
+    "pp2_offload": (PP2 + ["--ddp-backend", "fully_sharded", *OFFLOAD, *QUIET], "fp32"),  # the serial CPU Adam step
 }
 SHARDED = ("dp2_pp2_fsdp", "pp2_tp2")  # the cases saving sharded checkpoints
 

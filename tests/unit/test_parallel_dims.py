@@ -90,6 +90,10 @@ def test_ranks_data_loss_and_coordinates():
     assert (staged.stage_world, staged.data_world, staged.loss_world, staged.fsdp_shard) == (4, 4, 4, 4)
     assert [staged.data_rank(r) for r in range(8)] == [0, 1, 2, 3] * 2
     assert staged.coordinates(5)["pp"] == 1 and staged.placement(5) == "pp 1 of 2, dp_shard 1 of 4"
+    # hybrid under pp: the default shard group is one machine's ranks of a stage (a machine may hold two stages)
+    hybrid = dict(ddp_backend="fully_sharded", sharding_strategy="hybrid_shard", pp=2)
+    assert sizes(parallel_shape(4, local_world_size=4, **hybrid))[:2] == (1, 2)
+    assert sizes(parallel_shape(16, local_world_size=4, **hybrid))[:2] == (2, 4)
     assert shape.shard_axis == "dp_shard_cp" and parallel_shape(4, "fully_sharded").shard_axis == "dp_shard"
     assert (
         shape.placement(13) == "dp_replicate 1 of 2, dp_shard 1 of 2, cp 0 of 2, tp 1 of 2, ep 2 of 4"

@@ -506,21 +506,6 @@ _PAIRS[("compile", "PP")] = Tested(
 _PAIRS[("fp8", "PP")] = Tested(
     PIPELINE, "case pp2_compile_fp8: 2 ranks, each stage's blocks' Linear layers in float8 (rowwise), compiled"
 )
-PP_UNTESTED = (
-    "--pipeline-parallel-size with {flag}: {why}; no run compares the pair with one process yet, so it is refused "
-    "until one does; {fix}"
-)
-for _other, _flag, _why, _fix in (
-    ("HSDP", "--sharding-strategy hybrid_*", "each stage's meshes would be (replicate, shard)", "use full_shard"),
-    (
-        "cpu-offload",
-        "--cpu-offload",
-        "FSDP2's offloaded shards would be updated per stage by CPU Adam, and --overlap-offload-step sums the "
-        "gradient norm during backward on one stage only",
-        "drop --cpu-offload",
-    ),
-):
-    _PAIRS[(_other, "PP")] = Refused(PP_UNTESTED.format(flag=_flag, why=_why, fix=_fix))
 _PAIRS[("TP", "PP")] = Tested(
     PIPELINE, "case pp2_tp2: 4 ranks, each stage split over its 2 tp ranks, the head vocabulary-parallel"
 )
@@ -536,7 +521,6 @@ _PAIRS[("document mask", "PP")] = Tested(
 _PAIRS[("data mixture", "PP")] = Tested(
     PIPELINE, "case pp2_mask_mixture: 2 ranks, both stages reading their data rank's mixture batch"
 )
-_PAIRS[("overlap-offload", "PP")] = _PAIRS[("cpu-offload", "PP")]  # it needs --cpu-offload
 _PAIRS[("muon", "PP")] = Tested(
     PIPELINE,
     "case dp2_pp2_muon_ema: 4 ranks, each stage's matrices gathered to owners among its 2 data ranks; the "
@@ -551,6 +535,16 @@ _PAIRS[("LoRA", "PP")] = Tested(
     PIPELINE,
     "case pp2_lora: 2 ranks, zero_bubble (a layer a stage), each stage's adapters beside its frozen weights; "
     "the save is one process's (test_pipelined_lora_save_is_one_process_save)",
+)
+_PAIRS[("HSDP", "PP")] = Tested(
+    PIPELINE, "case pp2_hsdp_overlap: 4 ranks, each stage's 2 data ranks a (replicate 2, shard 1) mesh"
+)
+_PAIRS[("cpu-offload", "PP")] = Tested(
+    PIPELINE, "case pp2_offload: 2 ranks, CPU Adam steps each stage's shards, clipped by the norm over the stages"
+)
+_PAIRS[("overlap-offload", "PP")] = Tested(
+    PIPELINE,
+    "case pp2_hsdp_overlap: each stage's squares taken in backward after its last micro-batch, summed over pp",
 )
 
 # The data-parallel backend under TP is not a feature pair (every run has one backend): each value, tested.

@@ -38,6 +38,11 @@ other experts: their squares are kept apart and added over the ep ranks after ba
 is formed (``ExpertGradients.norm_of``, the serial ``global_grad_norm``'s arithmetic), so every rank clips by the
 whole model's norm (``tests/integration/test_moe_train.py``).
 
+Under ``--pipeline-parallel-size`` each rank holds its stages' layers only: the norm's squares are added over the
+pp ranks too (as ``Pipeline.global_norm`` does serially). A stage's backward reduce-scatters once per micro-batch
+of the schedule, FSDP2 adding each into the sharded gradient in place, so a group's squares are taken again
+after each of them (the queued ones of an earlier micro-batch cancelled): the last are those of the whole sum.
+
 DeepSpeed binds its op without releasing the GIL, which would stall the main thread for the
 whole of each update call: :mod:`toolkit.optim.gil_free_adam` builds the same update under a
 binding that releases it (falling back to DeepSpeed's, with a WARNING, if it cannot be built).
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,11 +75,16 @@ logger = logging.getLogger(__name__)
 
 
 def build_offload_overlap(
-    cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert_grads: Any = None
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    expert_grads: Any = None,
+    pipeline: Any = None,
 ) -> Optional[OffloadOverlap]:
     """The overlap ``--overlap-offload-step`` asks for (None without the flag); bad combinations are UserErrors.
     ``expert_grads``: under ``--expert-parallel-size`` the strategy's ``ExpertGradients`` (which parameters are
-    this rank's experts, and the ep group their squares are added over)."""
+    this rank's experts, and the ep group their squares are added over); ``pipeline``: under
+    ``--pipeline-parallel-size`` the strategy's ``Pipeline`` (its pp group, over which the stages' squares add)."""
     dist_cfg = cfg.distributed
     if not dist_cfg.overlap_offload_step:
         return None
@@ -97,7 +108,7 @@ def build_offload_overlap(
             "--overlap-offload-step with --store-ema: the EMA reads every weight after each update, "
             "so each update waits for the whole step (no overlap)"
         )
-    overlap = OffloadOverlap(model, optimizer, expert_grads)
+    overlap = OffloadOverlap(model, optimizer, expert_grads, pipeline.group if pipeline is not None else None)
     logger.info(
         f"--overlap-offload-step: CPU Adam steps {len(overlap.groups)} parameter groups in forward order "
         f"on a background thread"
@@ -162,8 +173,15 @@ def _match_threads(num_threads: int) -> None:
 class OffloadOverlap:
     """Per-block norm during backward, per-block CPU Adam on one worker thread, per-block waits in forward."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert_grads: Any = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        expert_grads: Any = None,
+        stage_group: Any = None,
+    ):
         self.model, self.optimizer = model, optimizer
+        self.stage_group = stage_group  # the pp group: the other stages hold the model's other layers
         self.groups = fsdp_groups(model)
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self.expert_grads = expert_grads
@@ -222,11 +240,14 @@ class OffloadOverlap:
     def _post_backward(self, index: int, original, *args: Any) -> Any:
         """FSDP2's post-backward of one group; if it reduce-scattered new gradients, queue their squares."""
         fsdp_params = self.groups[index].param_group.fsdp_params
-        before = [fp.sharded_param.grad for fp in fsdp_params]
+        before = [(fp.sharded_param.grad, _version(fp.sharded_param.grad)) for fp in fsdp_params]
         out = original(*args)
         after = [fp.sharded_param.grad for fp in fsdp_params]
-        if any(a is not None and a is not b for a, b in zip(after, before)):
+        if any(g is not None and (g is not b or _version(g) != v) for g, (b, v) in zip(after, before)):
             events = [fp.grad_offload_event for fp in fsdp_params if fp.grad_offload_event is not None]
+            earlier = self._norm_tasks.get(index)  # an earlier micro-batch's: its squares miss this one's
+            if earlier is not None:
+                earlier.cancel()
             self._norm_tasks[index] = self._pool.submit(_squares, [g for g in after if g is not None], events)
         return out
 
@@ -243,10 +264,20 @@ class OffloadOverlap:
                 squares.add(grads)
             (experts if i in self._expert_groups else total).merge(squares)
         if self.expert_grads is None:
-            return float(total.norm())
+            return self._over_stages(float(total.norm()))
         # expert parallelism: each ep rank holds other experts, so their squares are added over the ep ranks (as
         # ExpertGradients.global_norm does serially: the same float32 norms, squared in float64)
-        return self.expert_grads.norm_of(total.norm().double().square(), experts.norm().double().square())
+        dense, placed = total.norm().double().square(), experts.norm().double().square()
+        return self._over_stages(self.expert_grads.norm_of(dense, placed))
+
+    def _over_stages(self, norm: float) -> float:
+        """The norm of every stage's gradients from this rank's (``Pipeline.global_norm``'s arithmetic): the squares
+        summed over the pp group, in host memory (the offloaded gradients' collectives run on gloo)."""
+        if self.stage_group is None:
+            return norm
+        square = torch.tensor([norm], dtype=torch.float64).square()
+        torch.distributed.all_reduce(square, group=self.stage_group)
+        return math.sqrt(float(square))
 
     # -- update ----------------------------------------------------------------------
     def launch_step(self, grad_scale: float) -> None:
@@ -295,6 +326,13 @@ class OffloadOverlap:
     @property
     def pending(self) -> bool:
         return any(not event.is_set() for event in self._done)
+
+
+def _version(grad: Optional[torch.Tensor]) -> Optional[int]:
+    """A sharded gradient's version: FSDP2 adding a later micro-batch's gradient into it in place moves it."""
+    from toolkit.core.dtensor import local_tensor
+
+    return None if grad is None else local_tensor(grad)._version
 
 
 def _squares(grads: List[torch.Tensor], events: List[Any]) -> Tuple[List[torch.Tensor], SquareSums]:

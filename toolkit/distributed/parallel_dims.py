@@ -175,7 +175,8 @@ def parallel_shape(
     """The layout of ``world`` ranks for these flags, or a one-line UserError naming the axis that does not fit.
 
     Pure (no process group): ``toolkit-train`` checks it before spawning and ``toolkit-plan`` plans with it.
-    ``local_world_size`` is the ranks of one machine, the default ``--shard-group-size`` of hybrid sharding.
+    ``local_world_size`` is the ranks of one machine; those of one stage are the default ``--shard-group-size`` of
+    hybrid sharding.
     ``pp`` splits the world first; every other axis lays out the ranks of one stage.
     """
     pp = _positive("--pipeline-parallel-size", pp)
@@ -215,7 +216,8 @@ def parallel_shape(
     if not fsdp or strategy == "no_shard":
         replicate, shard = dp, 1
     elif strategy.startswith("hybrid"):
-        group = shard_group_size or max(1, (local_world_size or world) // (tp * cp))
+        # the default: one machine's ranks of this stage (a machine may hold ranks of several stages)
+        group = shard_group_size or max(1, min(local_world_size or world, world) // (tp * cp))
         if group < 1 or dp % group:
             raise UserError(
                 f"--shard-group-size {group}: must divide the {dp} data-parallel ranks (world size "

@@ -43,7 +43,7 @@ the allocator is asked for it:
     hybrid_shard_zero2     2-D (W/G, G)                           no
     =====================  =====================================  ========================
 
-    G is ``--shard-group-size`` (default: the ranks of one machine, ``LOCAL_WORLD_SIZE``).
+    G is ``--shard-group-size`` (default: the ranks of one machine, ``LOCAL_WORLD_SIZE``, of one pipeline stage).
     ``--no-reshard-after-forward`` turns resharding off for any strategy.
 
 The meshes, the data-parallel rank and the reduction group come from the run's one

@@ -613,7 +613,7 @@ class Pipeline:
         this cp rank's chunks of a layout made for their length). So the micro-batches are equal (torch's stages keep
         one receive buffer per micro-batch) and the data ranks build their schedules, whose first step runs the
         forward over FSDP2's collectives, at the same steps."""
-        shape = torch.tensor(tokens.shape, dtype=torch.long)
+        shape = torch.tensor(tokens.shape, dtype=torch.long, device=tokens.device)  # NCCL reduces device tensors
         if self.dims.data_world * self.dims.shape.cp > 1:
             from toolkit.distributed.parallel_dims import DP_AXES
 

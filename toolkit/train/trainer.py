@@ -150,8 +150,8 @@ class Trainer:
         self.num_updates = 0
         self.steps_taken = 0  # optimizer steps in this process: before the first, the weights are the starting ones
         self.ema = EMA(model, cfg.ema) if cfg.ema.store_ema else None  # --store-ema: saved, not trained on
-        # --overlap-offload-step, else None; under expert parallelism its norm adds the experts' squares over ep
-        self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads)
+        # --overlap-offload-step, else None; its norm adds the experts' squares over ep, the stages' over pp
+        self.overlap = build_offload_overlap(cfg, model, self.optimizer, strategy.expert_grads, strategy.pipeline)
         self.post_step_hooks: List[Callable[[], None]] = []
         qk_clip = getattr(
             cfg.optimizer, "qk_clip_threshold", None
@@ -394,10 +394,11 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         raw_norm, measure = None, None
-        if self.overlap is not None and self.memory_efficient is None:  # expert squares added over ep there too
-            raw_norm = self.overlap.raw_grad_norm()
-        elif self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
+        if self.strategy.pipeline is not None:  # --pipeline-parallel-size: each rank holds other layers
             measure = functools.partial(self.strategy.pipeline.global_norm, grads, self.strategy.expert_grads, params)
+        if self.overlap is not None and self.memory_efficient is None:  # expert and stage squares added there too
+            raw_norm = self.overlap.raw_grad_norm()
+        elif measure is not None:
             raw_norm = measure()
         elif self.strategy.expert_grads is not None:  # --expert-parallel-size: each rank holds other experts
             raw_norm = self.strategy.expert_grads.global_norm(params)
