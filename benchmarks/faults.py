@@ -200,6 +200,11 @@ class Run:
     def poll(self) -> Optional[int]:
         return self.started.poll()
 
+    @property
+    def returncode(self) -> Optional[int]:
+        """The started process's status once it has ended (as ``subprocess.Popen.returncode``)."""
+        return self.started.returncode
+
     def wait(self) -> int:
         return self.started.wait()
 

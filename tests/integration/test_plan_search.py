@@ -29,14 +29,20 @@ def qwen3_32k():
 
 def test_qwen3_30b_a3b_at_32k_on_8_h100s_gets_expert_parallel_layouts_toolkit_train_takes(qwen3_32k):
     """The issue's case: the command as given does not fit (432 GiB of saved activations a GPU); the search
-    proposes expert parallelism 8, with offloading where the layout needs it; every proposal resolves through
-    toolkit-train into the layout priced, and EP 8 with --cpu-offload, which the issue found to fit, fits."""
+    proposes expert parallelism 8 first, and every proposal spreads the experts over all the ranks of a pipeline
+    stage (EP 8, or EP 4 in each of 2 stages), with offloading where the layout needs it; every proposal resolves
+    through toolkit-train into the layout priced, and EP 8 with --cpu-offload, which the issue found to fit, fits."""
     plan, found = qwen3_32k
     assert not plan.fits
     check_proposals(QWEN3_32K_ON_8, H100_NODE, found, plan)
+
+    def size(flags, flag):
+        return int(flags[flags.index(flag) + 1]) if flag in flags else 1
+
+    assert size(found.shown[0].flags, "--expert-parallel-size") == 8
     for candidate in found.shown:
         flags = candidate.flags
-        assert flags[flags.index("--expert-parallel-size") + 1] == "8"
+        assert size(flags, "--expert-parallel-size") * size(flags, "--pipeline-parallel-size") == 8, flags
         assert ("--cpu-offload" in flags) == ("--optimizer" in flags)  # adam offloaded trains as cpu_adam, said
     ep8_offload = ["--expert-parallel-size", "8", "--cpu-offload", "--optimizer", "cpu_adam"]
     assert make_plan(resolved(QWEN3_32K_ON_8 + ep8_offload + ["--checkpoint-activations"]), H100_NODE).fits
