@@ -5,9 +5,9 @@ with --update-freq 2 trains it: with --expert-parallel-size 2 (each rank 4 of ea
 statistics over the whole sequences). Each logs the same losses (the logged digits, 1e-4 relative) and router
 terms, ends with the same correction biases, and its consolidated checkpoint holds the same weights (fp32, rtol
 1e-4). Every run trains one multi-token prediction depth (``--mtp-depth 1``), whose loss is logged apart
-and compared too; 2 FSDP2 ranks are compared as well, 2 ranks pp 2 and 4 ranks pp 2 x cp 2 (the depth on the last
-stage with a copy of the embedding, the two copies' gradients summed, the norm counting one; the gradient norms
-compared too), and 4 ranks of TP 2 x FSDP2 2 (the depth's block split as the decoder's; the gradient norms compared
+and compared too; 2 FSDP2 ranks are compared as well, 2 ranks pp 2, 4 ranks pp 2 x cp 2 and 4 ranks pp 2 x tp 2
+(the depth on the last stage with a copy of the embedding, the two copies' gradients summed, the norm counting one;
+the gradient norms compared too), and 4 ranks of TP 2 x FSDP2 2 (the depth's block split as the decoder's; the gradient norms compared
 too). The MoE families' training harness (``tests/helpers/moe_train.py``) runs them."""
 
 import math
@@ -31,6 +31,8 @@ PIPELINE = ["--distributed-world-size", "2", "--pipeline-parallel-size", "2", "-
 PIPELINE += ["--pipeline-schedule", "gpipe", "--pipeline-microbatches", "1"]
 PIPELINE_CP = ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--context-parallel-size", "2"]
 PIPELINE_CP += ["--ddp-backend", "fully_sharded", "--update-freq", "2", *PIPELINE[-4:]]
+PIPELINE_TP = ["--distributed-world-size", "4", "--pipeline-parallel-size", "2", "--model-parallel-size", "2"]
+PIPELINE_TP += ["--update-freq", "2", *PIPELINE[-4:]]
 LAYOUTS = {
     "expert_parallel_2": ["--distributed-world-size", "2", "--expert-parallel-size", "2"],
     "context_parallel_2": ["--distributed-world-size", "2", "--context-parallel-size", "2", "--update-freq", "2"],
@@ -39,6 +41,10 @@ LAYOUTS = {
     # micro-batch a batch so that the routers' statistics are one process's sample's
     "pipeline_parallel_2": PIPELINE,
     "pipeline_parallel_2_context_parallel_2": PIPELINE_CP,
+    # each stage split over its 2 tp ranks, sequence parallel: the last stage's copy of the embedding
+    # vocabulary-parallel as the first's (each tp rank's rows summed with the same rows there), its MoE layers
+    # sharded over the stage's ranks
+    "pipeline_parallel_2_tensor_parallel_2": PIPELINE_TP,
 }
 
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Set
 
 import torch
 
-from toolkit.distributed.parallel_dims import EXPERT_PEERS, ParallelDims
+from toolkit.distributed.parallel_dims import CONTEXT_AXES, EXPERT_PEERS, ParallelDims
 from toolkit.models.common.moe import MoE, GroupedExperts
 from toolkit.models.init import canonical_name
 
@@ -66,17 +66,21 @@ def shard_moe_replicated_over_tp(
     ones (their ep peers x the tp ranks), the router and shared experts over
     every rank. The gradient summed over that mesh is divided so that it is the average over the data-parallel
     ranks: under sequence parallelism each tp rank routed its own positions, so the tp ranks' gradients are parts to
-    add (divide by the data-parallel size); without it they are copies (divide by the whole mesh's, tp included)."""
+    add (divide by the data-parallel size); without it they are copies (divide by the whole mesh's, tp included).
+    Under a pipeline those are the ranks of this rank's stage (``CONTEXT_AXES``), which alone hold the layer: a
+    mesh spanning another stage's ranks would gather with ranks that are running other layers, or waiting for this
+    stage's activations."""
     from torch.distributed.fsdp import fully_shard
 
-    divide = float(dims.shape.world // dims.shape.tp if sequence_parallel else dims.shape.world)
+    stage = dims.mesh(*CONTEXT_AXES, flat=True)  # the world without a pipeline
+    divide = float(dims.shape.stage_world // dims.shape.tp if sequence_parallel else dims.shape.stage_world)
     for module in unit.modules():
         if not isinstance(module, MoE):
             continue
         if module.experts.ep_group is not None:
             holders = dims.mesh(*EXPERT_PEERS, "tp", flat=True)
             _fully_shard_summed(module.experts, holders, divide, fully_shard, fsdp_options)
-        _fully_shard_summed(module, dims.mesh("world"), divide, fully_shard, fsdp_options)
+        _fully_shard_summed(module, stage, divide, fully_shard, fsdp_options)
 
 
 def route_over_sequence_slices(model: torch.nn.Module, group: Any) -> None:

@@ -402,6 +402,8 @@ def _known(axes: Tuple[str, ...]) -> Tuple[str, ...]:
 def _shared_groups(s: ParallelShape) -> List[Tuple[str, ...]]:
     """The flattened groups this layout's run sums over (losses; the experts' gradients and their holders)."""
     groups = [DP_AXES] if s.loss_world < s.world else []
+    if s.pp > 1:  # a stage's ranks: its MoE layers' FSDP2 mesh under TP, their routers' token counts
+        groups.append(CONTEXT_AXES)
     if s.ep > 1:
         groups.append(EXPERT_PEERS + (("tp",) if s.tp > 1 else ()))
     return groups

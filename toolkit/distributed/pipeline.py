@@ -51,6 +51,8 @@ whole sample's labels so the micro-batches add up to one process's mean, and log
 gradients are summed between the first and the last stage's ranks before the update
 (:meth:`Pipeline.sum_shared_gradients`), so both step as one parameter; the gradient norm counts the first stage's
 copy only, and a checkpoint holds the one copy under its one-process name (the stages' states merge by name). Under
+tensor parallelism the last stage's copy is split by vocabulary rows as the first stage's (the plan splits whatever a
+stage holds), and the embedding group pairs the ranks of the same tp coordinate, so each sum is of the same rows. Under
 context parallelism the keyword carries the micro-batch's whole target rows (the shard's), which the depths read
 at this cp rank's columns, as one process's cp ranks do.
 """
@@ -807,12 +809,6 @@ def own_stage_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
 def build_pipeline(model: nn.Module, cfg: Any, dims: Any) -> List[StageSpec]:
     """Prune the meta-device ``model`` to this rank's stages (``cfg``: the DistributedConfig); their specs."""
     check_pipelinable(model)
-    if len(getattr(model, "mtp", ())) and dims.shape.tp > 1:
-        raise UserError(
-            "--pipeline-parallel-size with --mtp-depth and --model-parallel-size > 1: the three together are not "
-            "supported (the last stage's copy of the embedding and its depths under tensor parallelism stall the "
-            "ranks at the first update); drop one of the three"
-        )
     pp = dims.shape.pp
     pp_rank = dims.shape.coordinates(dims.rank)["pp"]
     layers = len(model.layers)
