@@ -3,7 +3,8 @@
 Every schedule on 2 gloo ranks (one forked run: tests/helpers/tp_helpers.spawn), a tiny 4-layer Llama cut into 2
 stages (gpipe) or 4 (interleaved_1f1b, zero_bubble, dualpipev: 2 per rank): the summed loss of a batch of 4
 rows and every parameter's gradient equal one process's (fp32, rtol 1e-4), each rank holding only its stages'
-parameters under their one-process names. The same for 4-layer MoE and DeepSeek-V3 models (``ROUTED``: 1f1b,
+parameters under their one-process names, whose Muon (and its AdamW side), given one process's gradients, takes one
+process's steps bitwise. The same for 4-layer MoE and DeepSeek-V3 models (``ROUTED``: 1f1b,
 zero_bubble, dualpipev; 1f1b) against one process over the same micro-batches, each router term weighed by its
 micro-batch's share of the sample size: the gradients, the logged router terms summed over the stages and each
 layer's token counts (what moves the bias); DeepSeek-V3 with one multi-token prediction depth too (on the last stage
@@ -64,6 +65,9 @@ BALANCE = {"gpt_oss": "1,3"}
 # Qwen3-Next packed: its full layers take the documents' mask, its gated DeltaNet ones their starts (state restarts)
 PACKED = {"qwen3_next": (torch.arange(16)[None] >= torch.tensor([[3], [6], [9], [12]])).long()}
 UPDATES = 3
+# Muon's groups on a rank's stages: layers 0 and 2 beside the embedding, 1 and 3 beside the head (interleaved); the
+# embedding and the head on one rank, the other holding only blocks (dualpipev)
+MUON_SCHEDULES = ("interleaved_1f1b", "dualpipev")
 FAMILY_OPTIONS = {  # beside 4 layers: gpt-oss's alternate; GLM-4.5's first is dense, Qwen3-Next's last full attention
     "gpt_oss": dict(layer_types=",".join(["sliding_attention", "full_attention"] * 2), moe_bias_update_rate=0.0),
     "glm4_moe": {},
@@ -183,9 +187,37 @@ def worker_every_schedule(rank: int, world_size: int, out_dir: str) -> dict:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, sorted(names))
         held[f"{schedule}{'' if family == 'llama' else '_' + family}"] = everyone
+        if family == "llama" and schedule in MUON_SCHEDULES:
+            _muon_steps_as_one_process(model, want)
     for family, schedule, dtype in SCALED:
         _scaled_step_equals_one_process(dims, family, schedule, dtype, tokens, target)
     return held
+
+
+def _muon_steps_as_one_process(stage, grads) -> None:
+    """``--optimizer muon`` on a rank's stages (the groups of the roles they hold: their matrices; the embedding, the
+    head, the norms on AdamW's side), given one process's gradients, takes one process's two steps (momentum, Adam's
+    moments, decay) on those parameters bitwise: nothing in the update counts the whole model (each matrix's learning
+    rate is adjusted by its own shape), so a pipelined Muon run's weights differ from one process's only by what its
+    gradients' rounding becomes through Newton-Schulz (test_pipelined_moving_average_is_one_process_average)."""
+    from toolkit.models.init import init_weights
+    from toolkit.optim.muon import Muon
+    from toolkit.optim.param_groups import parameter_groups
+
+    whole = _tiny_model("llama")
+    init_weights(whole, 5)
+    optimizers = []
+    for model in (whole, stage):
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        groups = parameter_groups(model, True, False, "--optimizer muon")
+        optimizers.append(Muon(groups, 0.02, adamw_lr_ratio=0.15, weight_decay=0.1))
+    for _ in range(2):
+        for optimizer in optimizers:
+            optimizer.step()
+    want = dict(whole.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, want[name]), name
 
 
 # fp16's loss scale through the schedule: the MoE routers' terms too (fp32), and --memory-efficient-fp16's fp16
@@ -452,12 +484,17 @@ def test_pipelined_checkpoints_are_one_process_checkpoints(runs, case):
 
 def test_pipelined_moving_average_is_one_process_average(runs):
     """dp 2 x pp 2 with Muon and --store-ema: its sharded save at update 2 consolidates to one process's parameter
-    groups (Muon's matrices, AdamW's embeddings, head and norms) and moving average (its names; its values as close
-    as the weights are, 2e-3: Muon's Newton-Schulz runs in bf16 and turns the fp32 rounding by which the stages'
-    gradients differ from one process's into up to 1.5e-3 on a weight, measured, as a 2-rank pp 2 run without FSDP2
-    does too). Resumed at pp 2 (a stage a rank, consolidated saves), update 3 logs one process's, and its file holds
-    the restored average moved once: 0.5 x update 2's average + 0.5 x update 3's weights (a restarted one would hold
-    update 2's weights), to fp32 rounding."""
+    groups (Muon's matrices, AdamW's embeddings, head and norms) and moving average (its names; its values as close as
+    the weights are, 2e-3). The weights differ by rounding, not by the optimizer: the stages' gradients are one
+    process's to fp32 rounding (the micro-batches' sums: 5e-7 of the largest, 1f1b in-process), and given one process's
+    gradients a stage's Muon takes one process's steps bitwise (``_muon_steps_as_one_process``); torch's Newton-Schulz
+    casts the update to bf16 and iterates there, where an element rounded the other way moves a whole matrix's small
+    singular directions, which the iteration multiplies by up to 3.4445**5. Measured after 2 updates (this case, and 2
+    ranks pp 2 without FSDP2 alike): up to 1.5e-3 on an attention output matrix, 8.8e-4 on an embedding row (Adam's
+    normalized step on the second update's gradients, taken at weights already apart), 8.2e-4 on the average; with the
+    same iteration in fp32 every weight and the average are one process's to 1.5e-7. Resumed at pp 2 (a stage a rank,
+    consolidated saves), update 3 logs one process's, and its file holds the restored average moved once: 0.5 x update
+    2's average + 0.5 x update 3's weights (a restarted one would hold update 2's weights), to fp32 rounding."""
     from toolkit.checkpoint.sharded import consolidate
 
     case, root = "dp2_pp2_muon_ema", runs["root"]
