@@ -297,18 +297,33 @@ class _AlsoBackward(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.term_dtype, device=ctx.term_device)
 
 
-class RouterTerms:
+class _StageTerms:
+    """Terms a stage carries into its backward beside the criterion's loss (the routers', the prediction depths'):
+    ``weight`` what one process weighs them by, ``loss_scale`` fp16's (their gradients scaled as the criterion's
+    loss is, :meth:`Pipeline._loss`), ``logged`` the update's sums as one process logs them (tensors: no sync per
+    micro-batch)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.weight = 0.0
+        self.loss_scale = 1.0
+        self.logged: Dict[str, Any] = {}
+
+    def take(self) -> Dict[str, float]:
+        """The update's logged sums so far (one sync), then none."""
+        logged, self.logged = {k: float(v) for k, v in self.logged.items()}, {}
+        return logged
+
+
+class RouterTerms(_StageTerms):
     """The MoE routers' auxiliary losses and metrics of this rank's stages (module docstring): ``weight`` is the
     running micro-batch's share of its sample's size, ``logged`` the update's sums of the terms as one process logs
     them (``value x sample size``), keyed by the whole model's names (``moe_max_load_<i>``: i among all its MoE
     layers)."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        super().__init__(model)
         self.whole_layers: List[str] = list(model.whole_router_layers)
-        self.weight = 0.0
-        self.loss_scale = 1.0  # fp16's: the terms' gradients scaled as the criterion's loss is (Pipeline._loss)
-        self.logged: Dict[str, Any] = {}  # tensors (no sync per micro-batch) or floats
 
     def attach(self, output: torch.Tensor, stage_layers: Sequence[MoE]) -> torch.Tensor:
         """``output`` of a stage whose MoE layers are ``stage_layers``, carrying their terms into its backward."""
@@ -340,13 +355,8 @@ class RouterTerms:
         value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
         self.logged[name] = self.logged[name] + value if name in self.logged else value
 
-    def take(self) -> Dict[str, float]:
-        """The update's logged sums so far (one sync), then none."""
-        logged, self.logged = {k: float(v) for k, v in self.logged.items()}, {}
-        return logged
 
-
-class PredictionTerms:
+class PredictionTerms(_StageTerms):
     """The multi-token prediction loss (``--mtp-depth``) of the last stage, which holds the depths and a copy of the
     token embedding they read (the first stage's; :meth:`Pipeline.sum_shared_gradients` sums the two copies'
     gradients before the step). Each micro-batch's targets reach the last stage as a keyword of the schedule's step
@@ -356,11 +366,8 @@ class PredictionTerms:
     back-propagated with its micro-batch as the routers' terms are."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.weight = 0.0
-        self.loss_scale = 1.0  # fp16's: the term's gradient scaled as the criterion's loss is (Pipeline._loss)
+        super().__init__(model)
         self.counts: Optional[torch.Tensor] = None
-        self.logged: Dict[str, Any] = {}
 
     def begin(self, target: torch.Tensor, pad: int, sample_size: float) -> None:
         """The sample about to run (``target``: its whole rows, under context parallelism too): its labels per depth
@@ -390,11 +397,6 @@ class PredictionTerms:
         logged = part.detach().double()
         self.logged["mtp_loss"] = self.logged["mtp_loss"] + logged if "mtp_loss" in self.logged else logged
         return _AlsoBackward.apply(output, model.cfg.mtp_loss_coef * part * self.loss_scale)
-
-    def take(self) -> Dict[str, float]:
-        """The update's logged sums so far (one sync), then none."""
-        logged, self.logged = {k: float(v) for k, v in self.logged.items()}, {}
-        return logged
 
 
 class StageModule(nn.Module):
@@ -781,8 +783,10 @@ def joined_groups(stages: Sequence[List[Dict[str, Any]]]) -> List[Dict[str, Any]
     joined: Dict[Any, Dict[str, Any]] = {}
     for groups in stages:
         for i, group in enumerate(groups):
-            into = joined.setdefault(group.get("role", i), dict(group, params=[]))
-            into["params"] += [name for name in group["params"] if name not in into["params"]]
+            into = joined.setdefault(group.get("role", i), dict(group, params={}))
+            into["params"].update(dict.fromkeys(group["params"]))  # in order, once (a dict: linear in the names)
+    for group in joined.values():
+        group["params"] = list(group["params"])
     rank = lambda key: PARAMETER_ROLES.index(key) if isinstance(key, str) else key  # noqa: E731
     return [joined[key] for key in sorted(joined, key=rank)]
 
